@@ -1,0 +1,60 @@
+from loraplane.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdapterList(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class WorkerHello(_message.Message):
+    __slots__ = ("worker_id", "addr", "model", "model_sha256", "n_slots")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    N_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    addr: str
+    model: str
+    model_sha256: str
+    n_slots: int
+    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., model: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_slots: _Optional[int] = ...) -> None: ...
+
+class WorkerAck(_message.Message):
+    __slots__ = ("heartbeat_interval_ms",)
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_ms: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "addr", "state", "last_heartbeat_age_s", "adapter_ids", "model", "n_slots", "in_flight")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    N_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    addr: str
+    state: str
+    last_heartbeat_age_s: float
+    adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    model: str
+    n_slots: int
+    in_flight: int
+    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., n_slots: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class WorkerList(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,64 @@
+from loraplane.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("submit", "cancel_request_id")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    submit: _common_pb2.GenerateRequest
+    cancel_request_id: str
+    def __init__(self, submit: _Optional[_Union[_common_pb2.GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ...) -> None: ...
+
+class WorkerAdapterList(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("worker_id", "n_slots", "slots_busy", "queue_depth", "queue_limit", "graph_reuses", "graph_rebuilds", "prefix_cache_entries", "prefix_cache_hit_tokens", "prompt_tokens_computed", "tokens_generated", "batching", "prefix_cache", "model", "device", "dtype", "adapter_ids", "node_budget", "adapter_bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    N_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_BUSY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_REUSES_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_REBUILDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    n_slots: int
+    slots_busy: int
+    queue_depth: int
+    queue_limit: int
+    graph_reuses: int
+    graph_rebuilds: int
+    prefix_cache_entries: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens_computed: int
+    tokens_generated: int
+    batching: str
+    prefix_cache: str
+    model: str
+    device: str
+    dtype: str
+    adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    node_budget: int
+    adapter_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., n_slots: _Optional[int] = ..., slots_busy: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_limit: _Optional[int] = ..., graph_reuses: _Optional[int] = ..., graph_rebuilds: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., batching: _Optional[str] = ..., prefix_cache: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., node_budget: _Optional[int] = ..., adapter_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,61 @@
+"""Worker start-up options (one frozen record, filled by the CLI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Batching(str, Enum):
+    """How slots with different adapter vectors share a ubatch.
+
+    ``compat``: llama-server's rule (``server-context``): only slots whose whole adapter
+    vector is equal batch together. ``mixed``: vLLM/S-LoRA style, any slots share a ubatch and
+    the low-rank branches are computed per segment.
+    """
+
+    MIXED = "mixed"
+    COMPAT = "compat"
+
+
+class PrefixCachePolicy(str, Enum):
+    """``llama``: one cached prompt per slot, cleared by llama.cpp's ``lora_should_clear_cache``
+    rule. ``keyed``: cached prefixes keyed by adapter-set fingerprint, so each set keeps its own.
+    """
+
+    KEYED = "keyed"
+    LLAMA = "llama"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker process needs to start.
+
+    Attributes:
+        addr: host:port to bind ("127.0.0.1:0" picks a free port).
+        model_path: base model GGUF; None means the embedded Gemma 3 270M.
+        n_slots: parallel sequences (llama-server ``--parallel``).
+        batching / prefix_cache: see the enums.
+        dtype: "f32" or "bf16" compute dtype.
+        device: "cpu", "cuda" or "auto" (CUDA when present).
+        n_ctx_slot: tokens of KV per slot.
+        queue_limit: requests waiting beyond the slots before RESOURCE_EXHAUSTED.
+        control_plane: host:port of the control plane to register with (None: standalone).
+        advertise_addr: address the control plane should dial (defaults to the bound one).
+        worker_id: stable name; generated when empty.
+        prefix_cache_tokens: token budget of the keyed prefix cache (LRU beyond it).
+    """
+
+    addr: str = "127.0.0.1:0"
+    model_path: str | None = None
+    n_slots: int = 4
+    batching: Batching = Batching.MIXED
+    prefix_cache: PrefixCachePolicy = PrefixCachePolicy.KEYED
+    dtype: str = "f32"
+    device: str = "auto"
+    n_ctx_slot: int = 4096
+    queue_limit: int = 64
+    control_plane: str | None = None
+    advertise_addr: str | None = None
+    worker_id: str = ""
+    prefix_cache_tokens: int = 65536
