@@ -1,0 +1,56 @@
+"""Architecture registry: ``general.architecture`` string → builder module.
+
+Each module provides three functions (llama.cpp ``load_hparams`` / ``load_tensors`` /
+``build_graph`` split per arch in ``src/models/<arch>.cpp``):
+
+- ``load_hparams(gguf) -> HParams``: hyper-parameters from metadata (raises ModelError on a
+  missing key, naming it);
+- ``tensor_specs(hparams) -> list[TensorSpec]``: tensors with their ggml ``ne`` and whether
+  required;
+- ``build_graph(ctx: GraphContext, hparams) -> logits``: the forward pass, built only from
+  ``GraphContext`` blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor an architecture declares: GGUF name, expected ggml ``ne`` (None: any), required."""
+
+    name: str
+    ne: tuple[int, ...] | None
+    required: bool = True
+
+
+def get(arch: str, path: Path | str = "") -> ModuleType:
+    """Builder module for ``arch``.
+
+    Raises:
+        worker.model.ModelError: unknown architecture (lists the supported ones).
+    """
+    from worker.arch import gemma3, llama
+
+    known = {"gemma3": gemma3, "llama": llama}
+    mod = known.get(arch)
+    if mod is None:
+        from worker.model import ModelError
+
+        raise ModelError(f"{path}: unknown architecture '{arch}' (supported: {', '.join(sorted(known))})")
+    return mod
+
+
+def meta(gguf, key: str, default=None, *, required: bool = False):
+    """``{arch}.{key}`` from metadata; raises ModelError naming the key when required and absent."""
+    full = f"{gguf.arch}.{key}"
+    if full in gguf.metadata:
+        return gguf.metadata[full]
+    if required:
+        from worker.model import ModelError
+
+        raise ModelError(f"{gguf.path}: missing metadata key '{full}'")
+    return default

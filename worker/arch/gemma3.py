@@ -1,0 +1,143 @@
+"""Gemma 3 (llama.cpp ``src/models/gemma3.cpp``, iSWA variant).
+
+Per layer: RMS norm → q/k/v → per-head RMS q/k norms → NEOX rope (sliding layers use base
+10000, global layers the model's ``rope.freq_base``) → q scaled by ``f_attention_scale``
+→ attention (sliding window on 5 of every 6 layers) → o → post-attention norm → residual →
+norm → GELU-gated FFN → post-FFN norm → residual. Input embeddings are scaled by
+``sqrt(n_embd)`` (after the embedding LoRA, as llama.cpp's ``build_inp_embd`` adds it
+first). The output projection is tied to ``token_embd`` unless the file has
+``output.weight`` (a merged export unties it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from worker.arch import TensorSpec, meta
+from worker.graph import GraphContext, rope
+
+
+@dataclass(frozen=True)
+class HParams:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head_k: int
+    n_embd_head_v: int
+    eps: float
+    rope_freq_base: float
+    rope_freq_base_swa: float
+    rope_freq_scale: float
+    n_swa: int
+    swa_pattern: int
+    f_attention_scale: float
+    n_ctx_train: int
+
+    def is_swa(self, il: int) -> bool:
+        """llama.cpp ``set_swa_pattern(6)``: every layer but each 6th uses the sliding window."""
+        return self.n_swa > 0 and (il % self.swa_pattern) < (self.swa_pattern - 1)
+
+
+def load_hparams(gguf) -> HParams:
+    n_embd = int(meta(gguf, "embedding_length", required=True))
+    n_head = int(meta(gguf, "attention.head_count", required=True))
+    head_k = int(meta(gguf, "attention.key_length", n_embd // n_head))
+    head_v = int(meta(gguf, "attention.value_length", head_k))
+    n_layer = int(meta(gguf, "block_count", required=True))
+    n_vocab = int(gguf.tensors["token_embd.weight"].ne[1]) if "token_embd.weight" in gguf.tensors else 0
+    # Gemma 3 27B scales queries by 1/sqrt(n_embd/n_head); every other size by 1/sqrt(head_k)
+    # (llama-model.cpp, LLM_ARCH_GEMMA3 hparams).
+    att_scale = 1.0 / math.sqrt(head_k) if n_layer != 62 else 1.0 / math.sqrt(n_embd / n_head)
+    scale_factor = meta(gguf, "rope.scaling.factor", None)
+    return HParams(
+        n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer,
+        n_ff=int(meta(gguf, "feed_forward_length", required=True)),
+        n_head=n_head, n_head_kv=int(meta(gguf, "attention.head_count_kv", n_head)),
+        n_embd_head_k=head_k, n_embd_head_v=head_v,
+        eps=float(meta(gguf, "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_freq_base=float(meta(gguf, "rope.freq_base", 1e6)),
+        rope_freq_base_swa=float(meta(gguf, "rope.freq_base_swa", 10000.0)),
+        rope_freq_scale=1.0 / float(scale_factor) if scale_factor else 1.0,
+        n_swa=int(meta(gguf, "attention.sliding_window", 0)),
+        swa_pattern=6,
+        f_attention_scale=att_scale,
+        n_ctx_train=int(meta(gguf, "context_length", 8192)),
+    )
+
+
+def tensor_specs(hp: HParams) -> list[TensorSpec]:
+    d, qk, kvk, kvv = hp.n_embd, hp.n_head * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_v
+    specs = [
+        TensorSpec("token_embd.weight", (d, hp.n_vocab)),
+        TensorSpec("output_norm.weight", (d,)),
+        TensorSpec("output.weight", (d, hp.n_vocab), required=False),
+    ]
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (d,)),
+            TensorSpec(b + "attn_q.weight", (d, qk)),
+            TensorSpec(b + "attn_k.weight", (d, kvk)),
+            TensorSpec(b + "attn_v.weight", (d, kvv)),
+            TensorSpec(b + "attn_q_norm.weight", (hp.n_embd_head_k,)),
+            TensorSpec(b + "attn_k_norm.weight", (hp.n_embd_head_k,)),
+            TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
+            TensorSpec(b + "post_attention_norm.weight", (d,)),
+            TensorSpec(b + "ffn_norm.weight", (d,)),
+            TensorSpec(b + "ffn_gate.weight", (d, hp.n_ff)),
+            TensorSpec(b + "ffn_up.weight", (d, hp.n_ff)),
+            TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),
+            TensorSpec(b + "post_ffw_norm.weight", (d,)),
+        ]
+    return specs
+
+
+def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
+    """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
+    pos = ctx.inp.pos
+    x = ctx.build_inp_embd("token_embd.weight") * math.sqrt(hp.n_embd)
+    n = x.shape[0]
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        swa = hp.is_swa(il)
+        cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
+        q = ctx.build_lora_mm(b + "attn_q.weight", cur).view(n, hp.n_head, hp.n_embd_head_k)
+        k = ctx.build_lora_mm(b + "attn_k.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_k)
+        v = ctx.build_lora_mm(b + "attn_v.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_v)
+        q = ctx.build_norm(q, b + "attn_q_norm.weight", hp.eps)
+        k = ctx.build_norm(k, b + "attn_k_norm.weight", hp.eps)
+        base = hp.rope_freq_base_swa if swa else hp.rope_freq_base
+        fscale = 1.0 if swa else hp.rope_freq_scale
+        q = rope(q, pos, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
+        k = rope(k, pos, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
+        q = q * hp.f_attention_scale
+        cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=1.0,
+                             n_swa=hp.n_swa if swa else 0)
+        if il == hp.n_layer - 1:
+            cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
+        cur = ctx.build_norm(cur, b + "post_attention_norm.weight", hp.eps)
+        sa_out = cur + x
+        cur = ctx.build_norm(sa_out, b + "ffn_norm.weight", hp.eps)
+        cur = ctx.build_ffn(cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight",
+                            down=b + "ffn_down.weight", act="gelu")
+        cur = ctx.build_norm(cur, b + "post_ffw_norm.weight", hp.eps)
+        x = cur + sa_out
+    x = ctx.build_norm(x, "output_norm.weight", hp.eps)
+    return output_logits(ctx, x)
+
+
+def output_logits(ctx: GraphContext, x: torch.Tensor) -> torch.Tensor:
+    """lm_head. With ``output.weight`` present it is an ordinary (LoRA-able) matmul. When tied
+    to ``token_embd``, the base embedding matrix is used without the embedding adapter: we
+    follow PEFT, where the embedding LoRA patches the input lookup only (llama.cpp instead
+    applies it flipped here and aborts in ``build_lora_mm``)."""
+    if "output.weight" in ctx.w:
+        return ctx.build_lora_mm("output.weight", x).float()
+    ctx.n_nodes += 1
+    return (x @ ctx.w["token_embd.weight"].T).float()

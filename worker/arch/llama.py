@@ -1,0 +1,126 @@
+"""Llama, dense and mixture-of-experts (llama.cpp ``src/models/llama.cpp``).
+
+Per layer: RMS norm → q/k/v → NORM-mode rope (adjacent pairs; the GGUF converter permuted
+q/k for it) → attention with scale 1/sqrt(head_dim) → o → residual → RMS norm → SiLU-gated
+FFN, or, when the layer has ``ffn_gate_inp``, a top-k softmax-gated mixture of experts with
+weights renormalised over the chosen experts (Mixtral) → residual. Untied ``output.weight``
+(falls back to ``token_embd`` when absent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.arch import TensorSpec, meta
+from worker.arch.gemma3 import output_logits
+from worker.graph import GraphContext, inv_sqrt, rope
+
+
+@dataclass(frozen=True)
+class HParams:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_embd_head_k: int
+    n_embd_head_v: int
+    n_rot: int
+    eps: float
+    rope_freq_base: float
+    rope_freq_scale: float
+    n_expert: int
+    n_expert_used: int
+    n_swa: int
+    n_ctx_train: int
+
+    def is_swa(self, il: int) -> bool:
+        return False
+
+
+def load_hparams(gguf) -> HParams:
+    n_embd = int(meta(gguf, "embedding_length", required=True))
+    n_head = int(meta(gguf, "attention.head_count", required=True))
+    head = int(meta(gguf, "attention.key_length", n_embd // n_head))
+    n_vocab = int(meta(gguf, "vocab_size", 0)) or int(gguf.tensors["token_embd.weight"].ne[1])
+    scale_factor = meta(gguf, "rope.scaling.factor", None)
+    n_expert = int(meta(gguf, "expert_count", 0))
+    return HParams(
+        n_vocab=n_vocab, n_embd=n_embd, n_layer=int(meta(gguf, "block_count", required=True)),
+        n_ff=int(meta(gguf, "feed_forward_length", required=True)), n_head=n_head,
+        n_head_kv=int(meta(gguf, "attention.head_count_kv", n_head)),
+        n_embd_head_k=head, n_embd_head_v=int(meta(gguf, "attention.value_length", head)),
+        n_rot=int(meta(gguf, "rope.dimension_count", head)),
+        eps=float(meta(gguf, "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_freq_base=float(meta(gguf, "rope.freq_base", 10000.0)),
+        rope_freq_scale=1.0 / float(scale_factor) if scale_factor else 1.0,
+        n_expert=n_expert, n_expert_used=int(meta(gguf, "expert_used_count", 0)),
+        n_swa=0, n_ctx_train=int(meta(gguf, "context_length", 4096)),
+    )
+
+
+def tensor_specs(hp: HParams) -> list[TensorSpec]:
+    d = hp.n_embd
+    kv = hp.n_head_kv * hp.n_embd_head_k
+    specs = [
+        TensorSpec("token_embd.weight", (d, hp.n_vocab)),
+        TensorSpec("output_norm.weight", (d,)),
+        TensorSpec("output.weight", (d, hp.n_vocab), required=False),
+    ]
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (d,)),
+            TensorSpec(b + "attn_q.weight", (d, hp.n_head * hp.n_embd_head_k)),
+            TensorSpec(b + "attn_k.weight", (d, kv)),
+            TensorSpec(b + "attn_v.weight", (d, hp.n_head_kv * hp.n_embd_head_v)),
+            TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
+            TensorSpec(b + "ffn_norm.weight", (d,)),
+        ]
+        if hp.n_expert > 0:
+            specs += [
+                TensorSpec(b + "ffn_gate_inp.weight", (d, hp.n_expert)),
+                TensorSpec(b + "ffn_gate_exps.weight", (d, hp.n_ff, hp.n_expert)),
+                TensorSpec(b + "ffn_up_exps.weight", (d, hp.n_ff, hp.n_expert)),
+                TensorSpec(b + "ffn_down_exps.weight", (hp.n_ff, d, hp.n_expert)),
+            ]
+        else:
+            specs += [
+                TensorSpec(b + "ffn_gate.weight", (d, hp.n_ff)),
+                TensorSpec(b + "ffn_up.weight", (d, hp.n_ff)),
+                TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),
+            ]
+    return specs
+
+
+def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
+    """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
+    pos = ctx.inp.pos
+    x = ctx.build_inp_embd("token_embd.weight")
+    n = x.shape[0]
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
+        q = ctx.build_lora_mm(b + "attn_q.weight", cur).view(n, hp.n_head, hp.n_embd_head_k)
+        k = ctx.build_lora_mm(b + "attn_k.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_k)
+        v = ctx.build_lora_mm(b + "attn_v.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_v)
+        q = rope(q, pos, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False)
+        k = rope(k, pos, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False)
+        cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=inv_sqrt(hp.n_embd_head_k))
+        if il == hp.n_layer - 1:
+            cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
+        ffn_inp = cur + x
+        cur = ctx.build_norm(ffn_inp, b + "ffn_norm.weight", hp.eps)
+        if hp.n_expert > 0:
+            cur = ctx.build_moe_ffn(cur, gate_inp=b + "ffn_gate_inp.weight", up_exps=b + "ffn_up_exps.weight",
+                                    gate_exps=b + "ffn_gate_exps.weight", down_exps=b + "ffn_down_exps.weight",
+                                    n_expert_used=hp.n_expert_used, norm_w=True)
+        else:
+            cur = ctx.build_ffn(cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight",
+                                down=b + "ffn_down.weight", act="silu")
+        x = cur + ffn_inp
+    x = ctx.build_norm(x, "output_norm.weight", hp.eps)
+    return output_logits(ctx, x)

@@ -1,0 +1,237 @@
+"""A worker context: the base model, the active adapter sets, the plan cache and the KV cache.
+
+Mirrors llama.cpp ``llama_context``: ``set_adapters`` is ``llama_set_adapters_lora`` (a no-op
+when the sets are unchanged — ``adapters_lora_are_same`` — otherwise it swaps them in and
+drops the cached graph), and ``decode`` is ``llama_decode`` over one ubatch of
+``(token, pos, seq_id, wants_logits)`` rows from any number of sequences. Prompt processing
+and single-token decode take the same path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from worker import arch as arch_registry
+from worker.adapters import LoraAdapter
+from worker.graph import GraphContext, GraphInputs, SeqSpan
+from worker.kv_cache import KVCache, KVCacheError
+from worker.lora_plan import EMPTY_SET, AdapterSet, LoraPlan, build_plan
+from worker.model import BaseModel
+
+
+class AdapterInUseError(RuntimeError):
+    """An adapter cannot be freed while a context's active set still uses it."""
+
+
+class DecodeError(ValueError):
+    """A ubatch is malformed (names the row / sequence at fault)."""
+
+
+@dataclass
+class UBatch:
+    """One ubatch (llama.cpp ``llama_batch``): parallel lists, one entry per token row.
+
+    ``set_index[i]`` selects the row's adapter set among the context's active sets
+    (mixed batching); None means set 0 for every row.
+    """
+
+    tokens: list[int]
+    pos: list[int]
+    seq_ids: list[int]
+    logits: list[bool]
+    set_index: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class DecodeResult:
+    """Logits f32 ``(n_out, n_vocab)`` for the rows that asked for them, in row order."""
+
+    logits: torch.Tensor
+    out_rows: list[int]
+    graph_reused: bool
+    n_nodes: int
+    n_adapter_sets: int
+
+
+@dataclass
+class ContextStats:
+    graph_reuses: int = 0
+    graph_rebuilds: int = 0
+    set_adapter_calls: int = 0
+    decode_calls: int = 0
+    tokens_computed: int = 0
+
+
+class ModelAdapters:
+    """Adapters registered with one base model (llama.cpp ``llama_model::loras``).
+
+    Adapters are immutable; freeing one that a live context still has in its active sets is
+    refused (llama.cpp would leave the context a dangling pointer).
+    """
+
+    def __init__(self, model: BaseModel):
+        self.model = model
+        self.by_id: dict[int, LoraAdapter] = {}
+        self.contexts: list["WorkerContext"] = []
+
+    def add(self, adapter_id: int, adapter: LoraAdapter) -> None:
+        self.by_id[adapter_id] = adapter
+
+    def free(self, adapter_id: int) -> LoraAdapter:
+        """Unregister ``adapter_id``.
+
+        Raises:
+            KeyError: not registered.
+            AdapterInUseError: a context's active set still uses it (detach it first).
+        """
+        adapter = self.by_id[adapter_id]
+        for ctx in self.contexts:
+            if any(adapter_id in s.ids for s in ctx.active_sets):
+                raise AdapterInUseError(
+                    f"adapter {adapter_id} ('{adapter.name}') is in a context's active adapter set; "
+                    "detach it (set_adapters without it) before freeing")
+        return self.by_id.pop(adapter_id)
+
+    def node_budget(self) -> int:
+        """Worst-case graph nodes: ``max(1024, 8 · n_base_tensors) + Σ 6 · |pairs|`` over
+        registered adapters (llama.cpp ``llama_context::graph_max_nodes``)."""
+        return max(1024, 8 * self.model.n_base_tensors) + sum(a.n_nodes for a in self.by_id.values())
+
+
+class WorkerContext:
+    """Holds the model, the active adapter sets, the plan ("graph") cache and the KV cache.
+
+    Args:
+        model: loaded base model.
+        adapters: the model's adapter registry (shared by all contexts of the model).
+        n_ctx_seq: KV positions per sequence.
+    """
+
+    def __init__(self, model: BaseModel, adapters: ModelAdapters, *, n_ctx_seq: int = 4096):
+        self.model = model
+        self.adapters = adapters
+        self.arch = arch_registry.get(model.arch, model.path)
+        hp = model.hparams
+        self.kv = KVCache(n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, n_embd_head_k=hp.n_embd_head_k,
+                          n_embd_head_v=hp.n_embd_head_v, n_ctx_seq=n_ctx_seq, dtype=model.dtype,
+                          device=model.device)
+        self.active_sets: tuple[AdapterSet, ...] = (EMPTY_SET,)
+        self._plan: LoraPlan | None = None
+        self.stats = ContextStats()
+        adapters.contexts.append(self)
+
+    def close(self) -> None:
+        """Detach from the model (contexts go before models)."""
+        if self in self.adapters.contexts:
+            self.adapters.contexts.remove(self)
+        self.kv.clear()
+        self._plan = None
+
+    # --- adapters -------------------------------------------------------------------------
+    def set_adapters(self, sets: AdapterSet | Sequence[AdapterSet]) -> bool:
+        """Make ``sets`` the active adapter sets; returns True when they changed.
+
+        Unchanged (same adapters by content, same non-zero scales) → no-op, the cached plan
+        stays valid. Changed → replaced, and the plan is rebuilt at the next decode.
+        """
+        new = (sets,) if isinstance(sets, AdapterSet) else tuple(sets) or (EMPTY_SET,)
+        self.stats.set_adapter_calls += 1
+        if new == self.active_sets:
+            return False
+        for s in new:
+            for aid, a, _ in s.entries:
+                if self.adapters.by_id.get(aid) is not a:
+                    raise DecodeError(f"adapter {aid} ('{a.name}') is not registered with this model "
+                                      f"(registered: {sorted(self.adapters.by_id)})")
+        self.active_sets = new
+        self._plan = None
+        return True
+
+    @property
+    def node_budget(self) -> int:
+        return self.adapters.node_budget()
+
+    def _get_plan(self) -> tuple[LoraPlan, bool]:
+        if self._plan is not None:
+            self.stats.graph_reuses += 1
+            return self._plan, True
+        self._plan = build_plan(self.active_sets)
+        self.stats.graph_rebuilds += 1
+        return self._plan, False
+
+    # --- decode ---------------------------------------------------------------------------
+    def _inputs(self, ub: UBatch) -> GraphInputs:
+        n = len(ub)
+        if n == 0:
+            raise DecodeError("empty ubatch")
+        if not (len(ub.pos) == len(ub.seq_ids) == len(ub.logits) == n):
+            raise DecodeError("ubatch fields differ in length")
+        n_vocab = self.model.n_vocab
+        for i, t in enumerate(ub.tokens):
+            if not 0 <= t < n_vocab:
+                raise DecodeError(f"row {i}: token id {t} out of range [0, {n_vocab})")
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(ub.seq_ids):
+            groups.setdefault(s, []).append(i)
+        dev = self.model.device
+        spans = []
+        for seq, rows in groups.items():
+            pos0 = ub.pos[rows[0]]
+            if [ub.pos[r] for r in rows] != list(range(pos0, pos0 + len(rows))):
+                raise DecodeError(f"seq {seq}: positions in the ubatch are not consecutive")
+            try:
+                self.kv.begin_append(seq, pos0, len(rows))
+            except KVCacheError as exc:
+                raise DecodeError(str(exc)) from exc
+            spans.append(SeqSpan(seq, torch.tensor(rows, dtype=torch.long, device=dev), pos0, len(rows)))
+        out_rows = [i for i, w in enumerate(ub.logits) if w]
+        return GraphInputs(
+            tokens=torch.tensor(ub.tokens, dtype=torch.long, device=dev),
+            pos=torch.tensor(ub.pos, dtype=torch.long, device=dev),
+            spans=spans,
+            out_rows=torch.tensor(out_rows, dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def decode(self, ub: UBatch) -> DecodeResult:
+        """Run one ubatch; append its K/V; return logits of the rows with ``logits=True``.
+
+        Raises:
+            DecodeError: malformed ubatch (token out of range, positions that do not continue
+                their sequence, set index out of range); nothing is written to the KV cache.
+        """
+        inputs = self._inputs(ub)
+        n_sets = len(self.active_sets)
+        set_index = ub.set_index or [0] * len(ub)
+        if any(not 0 <= j < n_sets for j in set_index):
+            raise DecodeError(f"set_index out of range: {n_sets} active adapter sets")
+        plan, reused = self._get_plan()
+        plan.route(torch.tensor(set_index, dtype=torch.long, device=self.model.device))
+        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype)
+        logits = self.arch.build_graph(gctx, self.model.hparams)
+        for span in inputs.spans:
+            self.kv.commit(span.seq_id, span.pos0 + span.n)
+        self.stats.decode_calls += 1
+        self.stats.tokens_computed += len(ub)
+        return DecodeResult(logits.float(), inputs.out_rows.tolist(), reused,
+                            gctx.n_nodes, len({s for s in set_index}))
+
+
+@dataclass
+class Model:
+    """A base model with its adapter registry (what a worker process holds)."""
+
+    base: BaseModel
+    adapters: ModelAdapters = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.adapters = ModelAdapters(self.base)
+
+    def new_context(self, *, n_ctx_seq: int = 4096) -> WorkerContext:
+        return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq)

@@ -1,0 +1,258 @@
+"""Graph building blocks shared by every architecture (llama.cpp ``llm_graph_context``).
+
+Architecture builders in ``worker.arch`` call only these methods; every base-weight matmul
+goes through ``build_lora_mm`` / ``build_lora_mm_id`` / ``build_inp_embd``, so LoRA is
+applied in exactly one place.
+
+Scaling rule (one place, like llama.cpp ``build_lora_mm``): the base product first, then for
+each branch ``y += scale · B(A x)``, ``scale`` from ``worker.lora_plan`` (``adapter_scale ·
+alpha / rank`` or ``adapter_scale`` when alpha is 0). Mixed batches route rows to branches
+per segment (gather rows that use an adapter, compute, ``index_add_`` back).
+
+Shapes are torch order. Symbols: ``n`` = token rows in the ubatch, ``d`` = n_embd,
+``k`` = a matmul's input width, ``r`` = LoRA rank, ``E`` = experts, ``V`` = vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.kv_cache import KVCache
+from worker.lora_plan import LoraPlan
+
+
+@dataclass
+class SeqSpan:
+    """Rows of one sequence in a ubatch: ``rows`` int64 ``(t,)`` at positions ``pos0..pos0+t-1``."""
+
+    seq_id: int
+    rows: torch.Tensor
+    pos0: int
+    n: int
+
+
+@dataclass
+class GraphInputs:
+    """Inputs of one ubatch (llama.cpp ``llm_graph_input_*``), all on the compute device.
+
+    Attributes:
+        tokens: int64 ``(n,)``.
+        pos: int64 ``(n,)``.
+        spans: rows grouped per sequence, positions contiguous within each.
+        out_rows: int64 ``(n_out,)`` rows whose logits are wanted (``build_inp_out_ids``).
+    """
+
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    spans: list[SeqSpan]
+    out_rows: torch.Tensor
+
+
+class GraphContext:
+    """Builds (executes) one ubatch's forward pass.
+
+    Args:
+        weights: base tensors by GGUF name (torch order).
+        inputs: the ubatch.
+        plan: LoRA plan already routed for this ubatch (``LoraPlan.route``).
+        kv: the context's KV cache (K/V of this ubatch are appended to it).
+        dtype: compute dtype.
+    """
+
+    def __init__(self, weights: dict[str, torch.Tensor], inputs: GraphInputs, plan: LoraPlan,
+                 kv: KVCache, dtype: torch.dtype):
+        self.w = weights
+        self.inp = inputs
+        self.plan = plan
+        self.kv = kv
+        self.dtype = dtype
+        self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
+
+    # --- inputs -----------------------------------------------------------------------
+    def build_inp_embd(self, name: str = "token_embd.weight") -> torch.Tensor:
+        """``get_rows(W, ids)`` plus the embedding LoRA: ``scale · get_rows(A, ids) · Bᵀ``.
+
+        W ``(V, d)``; A ``(V, r)`` (ggml ne ``[r, V]``, the token_embd exception); B ``(d, r)``.
+        Returns ``(n, d)`` in the compute dtype.
+        """
+        ids = self.inp.tokens
+        x = self.w[name].index_select(0, ids).to(self.dtype)
+        self.n_nodes += 1
+        for br in self.plan.branches.get(name, ()):
+            route = self.plan.routes[br.adapter_index]
+            sel = ids if route.rows is None else ids.index_select(0, route.rows)
+            a = br.pair.lora_a.index_select(0, sel)
+            delta = (a @ br.pair.lora_b.T) * self.plan.row_scales(br, route, a)
+            x = self._add_rows(x, delta, route.rows)
+            self.n_nodes += 4
+        return x
+
+    def build_inp_out_ids(self, x: torch.Tensor) -> torch.Tensor:
+        """Keep only the rows whose logits are wanted (``ggml_get_rows(cur, inp_out_ids)``)."""
+        if x.shape[0] == self.inp.out_rows.shape[0]:
+            return x
+        self.n_nodes += 1
+        return x.index_select(0, self.inp.out_rows)
+
+    # --- basic ops ----------------------------------------------------------------------
+    def build_norm(self, x: torch.Tensor, name: str, eps: float) -> torch.Tensor:
+        """RMS norm over the last dim times weight ``name`` (``LLM_NORM_RMS``); f32 math."""
+        self.n_nodes += 2
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (y * self.w[name]).to(self.dtype)
+
+    def build_lora_mm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``W x`` plus ``Σ scale · B(A x)`` over the plan's branches on ``name``.
+
+        W ``(d, k)``, x ``(n, k)`` → ``(n, d)``; A ``(r, k)``, B ``(d, r)``. Rows an adapter
+        does not cover (mixed batches) get nothing from it.
+        """
+        y = x @ self.w[name].T
+        self.n_nodes += 1
+        for br in self.plan.branches.get(name, ()):
+            route = self.plan.routes[br.adapter_index]
+            xs = x if route.rows is None else x.index_select(0, route.rows)
+            delta = ((xs @ br.pair.lora_a.T) @ br.pair.lora_b.T) * self.plan.row_scales(br, route, xs)
+            y = self._add_rows(y, delta, route.rows)
+            self.n_nodes += 4
+        return y
+
+    def build_lora_mm_id(self, name: str, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Expert matmul routed by ``expert_ids`` (``ggml_mul_mat_id``) plus the experts' LoRA.
+
+        W ``(E, d, k)``; x ``(n, k)`` or ``(n, K, k)`` (per selected expert); expert_ids
+        int64 ``(n, K)``. A ``(E, r, k)`` and B ``(E, d, r)`` are routed by the same ids as W —
+        never one expert's A/B for all tokens. Returns ``(n, K, d)``.
+        """
+        w = self.w[name]
+        n, top_k = expert_ids.shape
+        xk = x.unsqueeze(1).expand(n, top_k, x.shape[-1]) if x.dim() == 2 else x
+        out = torch.zeros((n, top_k, w.shape[1]), dtype=x.dtype, device=x.device)
+        branches = self.plan.branches.get(name, ())
+        row_scale = [self._per_row_scale(br, n, x) for br in branches]
+        self.n_nodes += 1 + 4 * len(branches)
+        for e in torch.unique(expert_ids).tolist():
+            tok, slot = torch.nonzero(expert_ids == e, as_tuple=True)
+            xe = xk[tok, slot]
+            ye = xe @ w[e].T
+            for br, rs in zip(branches, row_scale):
+                a, b = br.pair.lora_a[e], br.pair.lora_b[e]
+                ye = ye + ((xe @ a.T) @ b.T) * rs.index_select(0, tok).unsqueeze(-1)
+            out[tok, slot] = ye
+        return out
+
+    def _per_row_scale(self, br, n: int, x: torch.Tensor) -> torch.Tensor:
+        """``(n,)`` effective scale of branch ``br`` for every row (0 where unused)."""
+        route = self.plan.routes[br.adapter_index]
+        full = torch.zeros(n, dtype=x.dtype, device=x.device)
+        if route.row_set is None:
+            return full + float(br.set_scales[0])
+        s = br.set_scales.to(device=x.device, dtype=x.dtype).index_select(0, route.row_set)
+        if route.rows is None:
+            return s
+        return full.index_copy(0, route.rows, s)
+
+    @staticmethod
+    def _add_rows(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is None:
+            return y + delta.to(y.dtype)
+        return y.index_add(0, rows, delta.to(y.dtype))
+
+    # --- attention --------------------------------------------------------------------
+    def build_attn(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   wo: str, kq_scale: float, n_swa: int = 0) -> torch.Tensor:
+        """Store K/V in the cache, attend per sequence, project with ``wo``.
+
+        q ``(n, H, dk)``, k ``(n, Hkv, dk)``, v ``(n, Hkv, dv)``; causal; when ``n_swa > 0``
+        a key at position p_k is visible from p_q only if ``p_q - p_k < n_swa``
+        (llama.cpp ``is_masked_swa``, LLAMA_SWA_TYPE_STANDARD). Returns ``(n, d)``.
+        """
+        n, n_head, _ = q.shape
+        dv = v.shape[-1]
+        out = torch.empty((n, n_head, dv), dtype=q.dtype, device=q.device)
+        for span in self.inp.spans:
+            ks, vs = self.kv.store(il, span.seq_id, span.pos0, k.index_select(0, span.rows), v.index_select(0, span.rows))
+            qs = q.index_select(0, span.rows)
+            k_lo = max(0, span.pos0 - n_swa + 1) if n_swa > 0 else 0
+            ks, vs = ks[k_lo:].to(q.dtype), vs[k_lo:].to(q.dtype)
+            q_pos = torch.arange(span.pos0, span.pos0 + span.n, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(k_lo, span.pos0 + span.n, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if n_swa > 0:
+                mask = mask & (q_pos - k_pos < n_swa)
+            o = F.scaled_dot_product_attention(
+                qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, scale=kq_scale, enable_gqa=n_head != ks.shape[1],
+            )
+            out.index_copy_(0, span.rows, o.squeeze(0).transpose(0, 1))
+        self.n_nodes += 8
+        return self.build_lora_mm(wo, out.reshape(n, n_head * dv))
+
+    # --- feed-forward -------------------------------------------------------------------
+    def build_ffn(self, x: torch.Tensor, *, up: str, gate: str, down: str, act: str) -> torch.Tensor:
+        """Gated FFN ``down(act(gate x) * up x)`` (``LLM_FFN_PAR``); act "silu" or "gelu"
+        (ggml_gelu = tanh approximation)."""
+        g = self.build_lora_mm(gate, x)
+        u = self.build_lora_mm(up, x)
+        self.n_nodes += 2
+        return self.build_lora_mm(down, _act(g, act) * u)
+
+    def build_moe_ffn(self, x: torch.Tensor, *, gate_inp: str, up_exps: str, gate_exps: str,
+                      down_exps: str, n_expert_used: int, norm_w: bool, act: str = "silu") -> torch.Tensor:
+        """Top-k mixture of experts (llama.cpp ``build_moe_ffn``, softmax gating).
+
+        x ``(n, d)`` → ``(n, d)``: probs = softmax(gate_inp x), top-k experts, weights
+        renormalised over the chosen k when ``norm_w``, each expert a gated FFN.
+        """
+        logits = self.build_lora_mm(gate_inp, x).float()
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, n_expert_used, dim=-1)
+        if norm_w:
+            weights = weights / weights.sum(-1, keepdim=True)
+        g = self.build_lora_mm_id(gate_exps, x, ids)
+        u = self.build_lora_mm_id(up_exps, x, ids)
+        h = _act(g, act) * u
+        y = self.build_lora_mm_id(down_exps, h, ids)
+        self.n_nodes += 8
+        return (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
+
+
+def _act(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(x)
+    if act == "gelu":
+        return F.gelu(x, approximate="tanh")
+    raise ValueError(f"unknown activation '{act}'")
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0,
+         neox: bool) -> torch.Tensor:
+    """Rotary position embedding (``ggml_rope_ext``), f32 math.
+
+    x ``(n, H, d_head)``, pos int64 ``(n,)``. ``neox``: rotate halves (dims i and i+n_rot/2,
+    LLAMA_ROPE_TYPE_NEOX); else adjacent pairs (2i, 2i+1, LLAMA_ROPE_TYPE_NORM).
+    theta_i = pos · freq_scale · base^(-2i/n_rot).
+    """
+    xf = x.float()
+    half = n_rot // 2
+    inv = freq_base ** (-torch.arange(0, half, device=x.device, dtype=torch.float64) * 2.0 / n_rot)
+    theta = (pos.to(torch.float64) * freq_scale).unsqueeze(1) * inv.unsqueeze(0)  # (n, half)
+    cos = torch.cos(theta).float().unsqueeze(1)
+    sin = torch.sin(theta).float().unsqueeze(1)
+    rot, rest = xf[..., :n_rot], xf[..., n_rot:]
+    if neox:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        r = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        r = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([r, rest], dim=-1).to(x.dtype) if rest.numel() else r.to(x.dtype)
+
+
+def inv_sqrt(x: float) -> float:
+    return 1.0 / math.sqrt(x)
