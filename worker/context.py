@@ -212,8 +212,8 @@ class WorkerContext:
         if any(not 0 <= j < n_sets for j in set_index):
             raise DecodeError(f"set_index out of range: {n_sets} active adapter sets")
         plan, reused = self._get_plan()
-        plan.route(torch.tensor(set_index, dtype=torch.long, device=self.model.device))
-        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype)
+        row_set = torch.tensor(set_index, dtype=torch.long, device=self.model.device)
+        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype, row_set)
         logits = self.arch.build_graph(gctx, self.model.hparams)
         for span in inputs.spans:
             self.kv.commit(span.seq_id, span.pos0 + span.n)

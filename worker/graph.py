@@ -64,12 +64,15 @@ class GraphContext:
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], inputs: GraphInputs, plan: LoraPlan,
-                 kv: KVCache, dtype: torch.dtype):
+                 kv: KVCache, dtype: torch.dtype, row_set: torch.Tensor):
         self.w = weights
         self.inp = inputs
         self.plan = plan
         self.kv = kv
         self.dtype = dtype
+        self.row_set = row_set  # int64 (n,) adapter-set index of each row
+        self.plan.route(row_set)
+        self._rows_reduced = False
         self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
 
     # --- inputs -----------------------------------------------------------------------
@@ -92,11 +95,19 @@ class GraphContext:
         return x
 
     def build_inp_out_ids(self, x: torch.Tensor) -> torch.Tensor:
-        """Keep only the rows whose logits are wanted (``ggml_get_rows(cur, inp_out_ids)``)."""
-        if x.shape[0] == self.inp.out_rows.shape[0]:
+        """Keep only the rows whose logits are wanted (``ggml_get_rows(cur, inp_out_ids)``).
+
+        Called on every tensor that continues past the cut; the first call also re-routes the
+        LoRA plan so later branches see the reduced rows.
+        """
+        out = self.inp.out_rows
+        if out.shape[0] == self.row_set.shape[0]:
             return x
+        if not self._rows_reduced:
+            self._rows_reduced = True
+            self.plan.route(self.row_set.index_select(0, out))
         self.n_nodes += 1
-        return x.index_select(0, self.inp.out_rows)
+        return x.index_select(0, out)
 
     # --- basic ops ----------------------------------------------------------------------
     def build_norm(self, x: torch.Tensor, name: str, eps: float) -> torch.Tensor:
