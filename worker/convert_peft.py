@@ -1,0 +1,308 @@
+"""Convert a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to an adapter GGUF.
+
+Our own implementation of what llama.cpp's ``convert_lora_to_gguf.py`` does, for the
+architectures we serve (gemma3, llama), plus the two things it gets wrong or drops:
+
+* rsLoRA (``use_rslora: true``): PEFT scales by ``lora_alpha / sqrt(r)``; llama.cpp scales
+  by ``alpha / r`` and writes ``lora_alpha`` unchanged. We write ``alpha = lora_alpha *
+  sqrt(r)`` so ``alpha / r == lora_alpha / sqrt(r)``.
+* ``rank_pattern`` / ``alpha_pattern``: a GGUF holds one alpha, the rank comes from each
+  pair's shape. Ranks that differ per module need nothing (``alpha / r_module`` is what PEFT
+  uses); where a module's PEFT scale still differs from ``alpha / r_module`` (a per-module
+  alpha, or rsLoRA with a per-module rank) the ratio is folded into that module's B, so the
+  served delta equals PEFT's exactly.
+
+Name map (gemma3 and llama; PEFT key → GGUF tensor):
+  ``base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj`` → ``blk.{i}.attn_{q,k,v,output}.weight``
+  ``base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj``  → ``blk.{i}.ffn_{gate,up,down}.weight``
+  ``base_model.model.model.embed_tokens`` (``lora_embedding_A/B``) → ``token_embd.weight``
+  ``base_model.model.lm_head`` → ``output.weight``
+Unknown modules and non-LoRA tensors are errors, never silently dropped.
+
+Layouts (torch shapes; GGUF ``ne`` is reversed): PEFT ``lora_A.weight`` is ``(r, k)`` and
+``lora_B.weight`` ``(d, r)`` — written as is (A ne ``[k, r]``, B ne ``[r, d]``). The token
+embedding's ``lora_embedding_A`` ``(r, V)`` is transposed to ``(V, r)`` (ne ``[r, V]``, the
+llama.cpp exception); ``lora_embedding_B`` ``(d, r)`` is written as is. For llama, q/k rows
+are permuted like the base weights (HF rotate-half → GGUF interleaved rope,
+``convert_hf_to_gguf.LlamaModel.permute``): the permutation acts on B's rows only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from worker.adapters import AdapterError, validate_lora_adapter
+from worker.gguf_reader import read_gguf
+
+SUPPORTED_ARCHS = ("gemma3", "llama")
+OUTTYPES = {"f32": np.float32, "f16": np.float16}
+
+_LAYER_MODULES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\."
+                     r"(?P<kind>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
+_LAYER_RE = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<sub>.+)$")
+# multimodal wrappers put the text model one level down
+_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+             ("language_model.", ""))
+# hints for telling the architecture from base_model_name_or_path / auto_mapping
+_ARCH_HINTS = (("gemma3", ("gemma-3", "gemma3", "gemma_3")), ("llama", ("llama",)))
+
+
+class ConvertError(AdapterError):
+    """The PEFT folder cannot be converted; ``problems`` lists every reason."""
+
+
+@dataclass
+class _Module:
+    """One PEFT LoRA module on its way to a GGUF pair (torch tensors, f32)."""
+
+    peft_name: str  # e.g. model.layers.0.self_attn.q_proj (what PEFT patterns match against)
+    gguf_name: str  # e.g. blk.0.attn_q.weight
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+    embedding: bool = False
+
+
+def _map_module(module: str) -> str | None:
+    """GGUF base tensor name for a PEFT module path, or None when unknown."""
+    for old, new in _PREFIXES:
+        if module.startswith(old):
+            module = new + module[len(old):]
+            break
+    if module == "model.embed_tokens":
+        return "token_embd.weight"
+    if module == "lm_head":
+        return "output.weight"
+    m = _LAYER_RE.match(module)
+    if m and m["sub"] in _LAYER_MODULES:
+        return f"blk.{m['i']}.{_LAYER_MODULES[m['sub']]}.weight"
+    return None
+
+
+def _infer_arch(cfg: dict[str, Any]) -> str | None:
+    auto = cfg.get("auto_mapping") or {}
+    text = " ".join(str(x) for x in (cfg.get("base_model_name_or_path"),
+                                     auto.get("base_model_class"), auto.get("parent_library")) if x)
+    text = text.lower()
+    found = [arch for arch, needles in _ARCH_HINTS if any(n in text for n in needles)]
+    return found[0] if len(found) == 1 else None
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT ``get_pattern_key``: first pattern (insertion order) matching the module's tail."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _check_config(cfg: dict[str, Any], problems: list[str]) -> None:
+    if cfg.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type: expected 'LORA', found {cfg.get('peft_type')!r}")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(key), (int, float)) or isinstance(cfg.get(key), bool):
+            problems.append(f"{key}: expected a number, found {cfg.get(key)!r}")
+    if cfg.get("use_dora"):
+        problems.append("use_dora: DoRA magnitude vectors cannot be stored in a LoRA GGUF")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        problems.append(f"bias/lora_bias: LoRA biases are not supported (bias={cfg.get('bias')!r}, "
+                        f"lora_bias={cfg.get('lora_bias')!r})")
+    if cfg.get("trainable_token_indices"):
+        problems.append("trainable_token_indices: trainable token rows are full weights, not LoRA")
+    if cfg.get("invocation_string") and not cfg.get("alora_invocation_tokens"):
+        problems.append("invocation_string without alora_invocation_tokens: tokenize it with the "
+                        "base tokenizer and add alora_invocation_tokens to adapter_config.json")
+    tokens = cfg.get("alora_invocation_tokens")
+    if tokens is not None and not (isinstance(tokens, list) and tokens and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens)):
+        problems.append(f"alora_invocation_tokens: expected a non-empty list of token ids, found {tokens!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(cfg.get(key) or {}, dict):
+            problems.append(f"{key}: expected a mapping, found {cfg.get(key)!r}")
+
+
+def _read_modules(st_path: Path, problems: list[str]) -> list[_Module]:
+    modules: dict[str, _Module] = {}
+    unknown: list[str] = []
+    with safe_open(str(st_path), framework="pt") as f:
+        for key in f.keys():
+            m = _KEY_RE.match(key)
+            if m is None:
+                problems.append(f"tensor '{key}': not a LoRA A/B tensor (full weights from "
+                                "modules_to_save, DoRA or biases cannot go into a LoRA GGUF)")
+                continue
+            module, kind = m["module"], m["kind"]
+            gguf_name = _map_module(module)
+            if gguf_name is None:
+                unknown.append(module)
+                continue
+            entry = modules.setdefault(gguf_name, _Module(module, gguf_name))
+            t = f.get_tensor(key).to(torch.float32)
+            if kind.startswith("lora_A") or kind == "lora_embedding_A":
+                entry.a = t
+            else:
+                entry.b = t
+            entry.embedding = entry.embedding or kind.startswith("lora_embedding")
+    for name in sorted(set(unknown)):
+        problems.append(f"module '{name}': no GGUF tensor name for it (known: layers.N."
+                        f"{{{', '.join(_LAYER_MODULES)}}}, embed_tokens, lm_head)")
+    out = []
+    for mod in modules.values():
+        if mod.a is None or mod.b is None:
+            problems.append(f"module '{mod.peft_name}': missing lora_{'B' if mod.b is None else 'A'}")
+            continue
+        if mod.a.dim() != 2 or mod.b.dim() != 2 or mod.a.shape[0] != mod.b.shape[1]:
+            problems.append(f"module '{mod.peft_name}': expected A (r, k) and B (d, r) with equal r, "
+                            f"found A {tuple(mod.a.shape)}, B {tuple(mod.b.shape)}")
+            continue
+        if mod.embedding != (mod.gguf_name == "token_embd.weight"):
+            problems.append(f"module '{mod.peft_name}': embedding/linear LoRA kind does not match the module")
+            continue
+        out.append(mod)
+    return out
+
+
+def _rope_permute_rows(b: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Permute B's rows like convert_hf_to_gguf ``LlamaModel.permute`` does W's rows."""
+    d, r = b.shape
+    return b.reshape(n_head, 2, d // n_head // 2, r).swapaxes(1, 2).reshape(d, r)
+
+
+def convert_peft(
+    peft_dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    base_gguf: str | None = None,
+    outtype: str = "f32",
+) -> Path:
+    """Write the adapter GGUF for a PEFT LoRA folder.
+
+    Args:
+        peft_dir: folder with ``adapter_config.json`` and ``adapter_model.safetensors``.
+        out_path: GGUF file to write (replaced atomically on success).
+        base_gguf: the base model GGUF. Gives the architecture and head counts (needed for
+            llama q/k), and the written adapter is validated against it.
+        outtype: ``f32`` or ``f16`` for the A/B tensors.
+
+    Returns:
+        ``out_path`` as a Path.
+
+    Raises:
+        ConvertError: every problem found (unsupported config, unknown module, unknown
+            architecture, ...); with ``base_gguf``, also the adapter validation problems.
+    """
+    src = Path(peft_dir)
+    out = Path(out_path)
+    if outtype not in OUTTYPES:
+        raise ConvertError(src, [f"outtype: expected one of {', '.join(OUTTYPES)}, found {outtype!r}"])
+    cfg_path, st_path = src / "adapter_config.json", src / "adapter_model.safetensors"
+    missing = [str(p) for p in (cfg_path, st_path) if not p.is_file()]
+    if missing:
+        raise ConvertError(src, [f"missing file {p}" for p in missing])
+    cfg = json.loads(cfg_path.read_text())
+
+    problems: list[str] = []
+    _check_config(cfg, problems)
+    base_meta: dict[str, Any] = {}
+    base_index: dict[str, tuple[int, ...]] = {}
+    if base_gguf is not None:
+        base = read_gguf(base_gguf)  # read once: parsing a large vocab takes seconds
+        base_meta, arch = base.metadata, base.arch
+        base_index = {name: tuple(rec.ne) for name, rec in base.tensors.items()}
+    else:
+        arch = _infer_arch(cfg) or ""
+        if not arch:
+            problems.append(f"architecture: cannot tell it from base_model_name_or_path "
+                            f"{cfg.get('base_model_name_or_path')!r}; pass base_gguf")
+    if arch and arch not in SUPPORTED_ARCHS:
+        problems.append(f"architecture '{arch}': no PEFT name map (supported: {', '.join(SUPPORTED_ARCHS)})")
+    modules = _read_modules(st_path, problems) if st_path.is_file() else []
+    if not modules and not problems:
+        problems.append(f"{st_path.name}: no LoRA A/B tensors found")
+    if base_gguf is not None and "output.weight" not in base_index and any(
+            m.gguf_name == "output.weight" for m in modules):
+        problems.append("module 'lm_head': the base model has no output.weight (tied to "
+                        "token_embd), so an lm_head LoRA cannot be applied; target embed_tokens")
+    if problems:
+        raise ConvertError(src, problems)
+
+    r_default, lora_alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    rslora = bool(cfg.get("use_rslora"))
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    alpha = lora_alpha * math.sqrt(r_default) if rslora else lora_alpha
+
+    tensors: list[tuple[str, np.ndarray]] = []
+    for mod in modules:
+        a, b = mod.a, mod.b
+        r = int(b.shape[1])
+        want_r = int(_pattern_value(rank_pattern, mod.peft_name, r_default))
+        if r != want_r:
+            problems.append(f"module '{mod.peft_name}': rank {r} from its tensors, but the config "
+                            f"(r / rank_pattern) says {want_r}")
+            continue
+        mod_alpha = float(_pattern_value(alpha_pattern, mod.peft_name, lora_alpha))
+        peft_scale = mod_alpha / (math.sqrt(r) if rslora else r)
+        fold = peft_scale / (alpha / r)
+        if not math.isclose(fold, 1.0, rel_tol=1e-6):
+            b = b * fold  # this module's PEFT scale differs from alpha / r: fold it into B
+        if arch == "llama" and mod.gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+            key = "head_count" if ".attn_q." in mod.gguf_name else "head_count_kv"
+            n_head = base_meta.get(f"llama.attention.{key}")
+            if not isinstance(n_head, int) or n_head <= 0:
+                problems.append(f"module '{mod.peft_name}': llama q/k need llama.attention.{key} "
+                                "from base_gguf for the rope row permutation; pass base_gguf")
+                continue
+            b = _rope_permute_rows(b, n_head)
+        if mod.embedding:
+            a = a.T  # (r, V) → (V, r): ne [r, V], llama.cpp's token_embd exception
+        np_type = OUTTYPES[outtype]
+        tensors.append((mod.gguf_name + ".lora_a", a.contiguous().numpy().astype(np_type)))
+        tensors.append((mod.gguf_name + ".lora_b", b.contiguous().numpy().astype(np_type)))
+    if problems:
+        raise ConvertError(src, problems)
+
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    writer.add_name(src.name)
+    if cfg.get("alora_invocation_tokens"):
+        writer.add_key_value(gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS,
+                             [int(t) for t in cfg["alora_invocation_tokens"]],
+                             gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
+    for name, arr in tensors:
+        writer.add_tensor(name, arr)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)  # never leave a half-written file behind
+        raise
+    writer.close()
+    if base_gguf is not None:
+        try:
+            validate_lora_adapter(tmp, base_arch=arch, base_tensors=base_index)
+        except AdapterError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ConvertError(src, [f"converted adapter does not fit {base_gguf}: {p}"
+                                     for p in exc.problems]) from exc
+    os.replace(tmp, out)
+    return out
