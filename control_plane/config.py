@@ -1,0 +1,74 @@
+"""Control-plane start-up options (one frozen record, filled by the CLI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from control_plane.registry import DEFAULT_MAX_UPLOAD_BYTES
+
+
+def parse_lora_scaled(spec: str) -> tuple[str, float]:
+    """``"PATH:SCALE"`` → ``(PATH, SCALE)`` (split at the last colon, like llama-server).
+
+    Raises:
+        ValueError: no colon or a scale that is not a number.
+    """
+    path, sep, scale = spec.rpartition(":")
+    if not sep or not path:
+        raise ValueError(f"--lora-scaled '{spec}': expected PATH:SCALE")
+    try:
+        return path, float(scale)
+    except ValueError:
+        raise ValueError(f"--lora-scaled '{spec}': scale '{scale}' is not a number") from None
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    """Everything a control-plane process needs to start.
+
+    Attributes:
+        addr: host:port to bind ("127.0.0.1:0" picks a free port).
+        data_dir: SQLite database and uploaded adapter files live here.
+        adapter_dirs: server-side paths given to RegisterAdapter must resolve inside one of
+            these (none: server paths are refused).
+        model_path: base model GGUF adapters are validated against; None means the
+            embedded Gemma 3 270M.
+        lora: ``--lora PATH`` files, registered in order at scale 1.
+        lora_scaled: ``--lora-scaled PATH:SCALE`` as ``(path, scale)``, registered after
+            ``lora`` in order (a CLI that must keep the two flags interleaved can pass every
+            ``--lora`` here with scale 1.0).
+        lora_init_without_apply: register the start-up adapters but set every default
+            scale to 0 (llama-server reports 1.0 there; we report the truth, 0).
+        admin_token: bearer token for admin RPCs; None falls back to
+            ``$LORAPLANE_ADMIN_TOKEN``; neither means admin RPCs are open.
+        max_upload_bytes: larger RegisterAdapter uploads get RESOURCE_EXHAUSTED.
+        heartbeat_interval_s / dead_after_missed: workers heartbeat every interval and are
+            dead after this many intervals without one.
+        tls_cert / tls_key: PEM files; both set → the port is served with TLS.
+        max_threads: gRPC handler threads (each streaming Generate holds one).
+        log_level: structlog level ("debug", "info", ...).
+
+    Start-up flags set the default scale of the adapters they name, every start; adapters
+    they do not name keep their persisted scale.
+    """
+
+    addr: str = "127.0.0.1:50051"
+    data_dir: str = "data"
+    adapter_dirs: tuple[str, ...] = ()
+    model_path: str | None = None
+    lora: tuple[str, ...] = ()
+    lora_scaled: tuple[tuple[str, float], ...] = ()
+    lora_init_without_apply: bool = False
+    admin_token: str | None = None
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    heartbeat_interval_s: float = 1.0
+    dead_after_missed: int = 3
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_threads: int = 64
+    log_level: str = "info"
+
+    @property
+    def startup_adapters(self) -> list[tuple[str, float]]:
+        """``(path, scale)`` in registration order: every ``lora`` (scale 1), then ``lora_scaled``."""
+        return [(p, 1.0) for p in self.lora] + [(p, float(s)) for p, s in self.lora_scaled]

@@ -1,0 +1,82 @@
+"""Proto ↔ domain conversions for the control plane (no logic beyond shape changes)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from control_plane.errors import InvalidArgumentError
+from control_plane.resolution import map_from_pairs
+from control_plane.store import AdapterRecord
+from control_plane.workers import WorkerView
+from loraplane.v1 import common_pb2, control_plane_pb2
+
+
+def adapter_info(rec: AdapterRecord) -> common_pb2.AdapterInfo:
+    m = rec.metadata
+    return common_pb2.AdapterInfo(
+        id=rec.id, name=rec.name, path=rec.path, sha256=rec.sha256, arch=m.get("arch", ""),
+        alpha=m.get("alpha", 0.0), ranks=m.get("ranks", []), target_tensors=m.get("target_tensors", []),
+        task_name=m.get("task_name", ""), prompt_prefix=m.get("prompt_prefix", ""),
+        alora_invocation_tokens=m.get("alora_invocation_tokens", []),
+        alora_invocation_text=m.get("alora_invocation_text", ""), default_scale=rec.default_scale,
+        size_bytes=m.get("size_bytes", 0), n_nodes=m.get("n_nodes", 0),
+    )
+
+
+def adapter_map(vector: Sequence[tuple[int, float]]) -> common_pb2.AdapterMap:
+    return common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=i, scale=s) for i, s in vector])
+
+
+def request_map(msg: common_pb2.AdapterMap) -> dict[int, float]:
+    """``{id: scale}`` of an AdapterMap; an id listed twice is INVALID_ARGUMENT."""
+    return map_from_pairs((e.id, e.scale) for e in msg.entries)
+
+
+def request_map_or_none(request: common_pb2.GenerateRequest) -> dict[int, float] | None:
+    """The request's map, or None when the field is unset ("use the default set")."""
+    return request_map(request.adapters) if request.HasField("adapters") else None
+
+
+def set_resolved_adapters(request: common_pb2.GenerateRequest, vector: Sequence[tuple[int, float]]) -> None:
+    """Write the resolved vector into ``request.adapters``, present even when empty, so the
+    worker never has to resolve anything."""
+    request.ClearField("adapters")
+    request.adapters.SetInParent()
+    request.adapters.entries.extend(common_pb2.AdapterScale(id=i, scale=s) for i, s in vector)
+
+
+def worker_info(view: WorkerView) -> control_plane_pb2.WorkerInfo:
+    return control_plane_pb2.WorkerInfo(
+        worker_id=view.worker_id, addr=view.addr, state=view.state,
+        last_heartbeat_age_s=view.last_heartbeat_age_s, adapter_ids=list(view.adapter_ids),
+        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight,
+    )
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A RegisterAdapter stream: either ``server_path`` or ``data`` (an iterator of bytes)."""
+
+    name: str
+    server_path: str
+    data: Iterator[bytes]
+
+
+def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
+    """Split a RegisterAdapter stream into its header (first chunk) and its data.
+
+    Raises:
+        InvalidArgumentError: no chunk at all, or a server path together with data.
+    """
+    first = next(chunks, None)
+    if first is None:
+        raise InvalidArgumentError("RegisterAdapter stream carried no chunk")
+    if first.server_path:
+        if first.data or next(chunks, None) is not None:
+            raise InvalidArgumentError(
+                f"RegisterAdapter: server_path '{first.server_path}' given together with data; send one or the other")
+        return Upload(first.name, first.server_path, iter(()))
+    rest = (c.data for c in chunks)
+    return Upload(first.name, "", itertools.chain([first.data], rest))

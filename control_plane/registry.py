@@ -1,0 +1,262 @@
+"""The adapter registry: registration, removal, metadata and the global default adapter set.
+
+Owner: the control-plane process (one `AdapterRegistry` per process, over one data dir).
+Workers never register anything themselves; they receive adapters the registry accepted
+(`control_plane.workers` pushes them).
+
+Registration validates the whole file against the base model's tensor index
+(`worker.adapters.validate_lora_adapter`) before anything is stored. Uploaded bytes land in a
+temporary file under ``<data-dir>/adapters/`` and only become ``<sha256>.gguf`` once valid;
+any failure removes them, so a refused upload leaves neither a row nor a file. Server-side
+paths must resolve (symlinks followed) inside a configured adapter directory, checked before
+the file is opened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from control_plane.base_model import BaseModel
+from control_plane.errors import (InvalidArgumentError, NotFoundError, PermissionDeniedError,
+                                  ResourceExhaustedError, describe_ids)
+from control_plane.resolution import AdapterVector, check_scale, resolve_adapter_vector
+from control_plane.store import AdapterRecord, AdapterStore
+from worker.adapters import LoraAdapter, validate_lora_adapter
+
+log = structlog.get_logger("control_plane.registry")
+
+DEFAULT_MAX_UPLOAD_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Outcome of a registration: the record, and whether this call created it."""
+
+    record: AdapterRecord
+    created: bool
+
+
+def adapter_metadata(adapter: LoraAdapter, invocation_text: str) -> dict[str, Any]:
+    """The JSON-able metadata stored with an adapter (everything `AdapterInfo` shows)."""
+    return {
+        "general_name": adapter.name,
+        "arch": adapter.arch,
+        "alpha": float(adapter.alpha),
+        "ranks": [int(r) for r in adapter.ranks],
+        "target_tensors": sorted(adapter.pairs),
+        "task_name": adapter.task_name,
+        "prompt_prefix": adapter.prompt_prefix,
+        "alora_invocation_tokens": [int(t) for t in adapter.alora_invocation_tokens],
+        "alora_invocation_text": invocation_text,
+        "size_bytes": int(adapter.size_bytes),
+        "n_nodes": int(adapter.n_nodes),
+    }
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    """True when resolved ``path`` is ``root`` or below it (both already resolved)."""
+    return path == root or root in path.parents
+
+
+class AdapterRegistry:
+    """Registered adapters and the default set, persisted in an `AdapterStore`.
+
+    Args:
+        store: persistence (rows, id counter, default scales).
+        base: the base model index adapters are validated against.
+        data_dir: uploads are kept in ``data_dir/adapters/<sha256>.gguf``.
+        adapter_dirs: directories server-side paths must resolve into.
+        max_upload_bytes: larger uploads are refused (RESOURCE_EXHAUSTED).
+    """
+
+    def __init__(self, store: AdapterStore, base: BaseModel, *, data_dir: str | Path,
+                 adapter_dirs: Sequence[str | Path] = (),
+                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> None:
+        self.store = store
+        self.base = base
+        self.upload_dir = Path(data_dir) / "adapters"
+        self.upload_dir.mkdir(parents=True, exist_ok=True)
+        self.adapter_dirs = tuple(Path(d).resolve() for d in adapter_dirs)
+        self.max_upload_bytes = int(max_upload_bytes)
+        # Serialises "is this sha256 registered? → move file → insert row" so two uploads of
+        # the same content cannot both keep a file.
+        self._commit_lock = threading.Lock()
+        self._warn_stale_records()
+
+    # -- reads --------------------------------------------------------------------------
+
+    def list(self) -> list[AdapterRecord]:
+        return self.store.list()
+
+    def get(self, adapter_id: int) -> AdapterRecord:
+        rec = self.store.get(adapter_id)
+        if rec is None:
+            raise NotFoundError(f"adapter {adapter_id} not registered; "
+                                f"{describe_ids([r.id for r in self.store.list()])}")
+        return rec
+
+    def default_set(self) -> AdapterVector:
+        """``[(id, scale)]`` for every registered adapter (0: detached), by id."""
+        return self.store.default_set()
+
+    def resolve(self, request_map: Mapping[int, float] | None) -> AdapterVector:
+        """A request's resolved vector against the default set as of now (its admission)."""
+        return resolve_adapter_vector(request_map, self.store.default_set())
+
+    def read_chunks(self, record: AdapterRecord, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+        """The adapter file's bytes in ``chunk_size`` pieces (for pushing to workers)."""
+        with open(record.path, "rb") as fh:
+            yield from iter(lambda: fh.read(chunk_size), b"")
+
+    # -- registration -------------------------------------------------------------------
+
+    def register_upload(self, data: Iterable[bytes], *, name: str = "") -> Registration:
+        """Register uploaded bytes (streamed); the file is kept under the data dir.
+
+        Raises:
+            ResourceExhaustedError: more than ``max_upload_bytes``.
+            InvalidArgumentError: empty upload or an invalid adapter (message lists problems).
+        """
+        tmp = self.upload_dir / f".upload-{uuid.uuid4().hex}.part"
+        try:
+            sha256, size = self._receive(data, tmp)
+            if size == 0:
+                raise InvalidArgumentError("adapter upload carried no data")
+            adapter = self._validate(tmp, shown_as="uploaded adapter")
+            with self._commit_lock:
+                existing = self.store.get_by_sha256(sha256)
+                if existing is not None:
+                    return Registration(existing, created=False)
+                final = self.upload_dir / f"{sha256}.gguf"
+                os.replace(tmp, final)
+                try:
+                    rec, created = self.store.insert(
+                        sha256=sha256, name=name or adapter.name, path=str(final),
+                        metadata=self._metadata(adapter))
+                except BaseException:
+                    final.unlink(missing_ok=True)
+                    raise
+        finally:
+            tmp.unlink(missing_ok=True)
+        log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source="upload", size=size)
+        return Registration(rec, created)
+
+    def register_server_path(self, path: str, *, name: str = "") -> Registration:
+        """Register a file already on the server; it must lie inside an adapter dir.
+
+        Raises:
+            InvalidArgumentError: a relative path, or an invalid adapter.
+            PermissionDeniedError: the resolved path is outside every adapter dir (nothing read).
+            NotFoundError: no such file.
+        """
+        if not Path(path).is_absolute():
+            raise InvalidArgumentError(f"server path '{path}' must be absolute")
+        resolved = Path(path).resolve()
+        if not any(is_inside(resolved, d) for d in self.adapter_dirs):
+            allowed = [str(d) for d in self.adapter_dirs] or "none configured (--adapter-dir)"
+            raise PermissionDeniedError(
+                f"server path '{path}' resolves to '{resolved}', outside the adapter directories "
+                f"({allowed})")
+        return self._register_file(resolved, name=name, source="server_path")
+
+    def register_startup(self, path: str | Path, scale: float) -> AdapterRecord:
+        """Register a ``--lora``/``--lora-scaled`` file (trusted: no adapter-dir check) and
+        set its default scale. Errors propagate so the server refuses to start."""
+        scale = check_scale(scale, f"startup adapter '{path}'")
+        resolved = Path(path).resolve()
+        rec = self._register_file(resolved, name="", source="startup").record
+        self.store.set_default_scales({rec.id: scale}, others=None)
+        return self.get(rec.id)
+
+    def _register_file(self, path: Path, *, name: str, source: str) -> Registration:
+        if not path.is_file():
+            raise NotFoundError(f"adapter file '{path}' does not exist")
+        adapter = self._validate(path, shown_as=str(path))
+        sha256 = adapter.sha256
+        with self._commit_lock:
+            rec, created = self.store.insert(sha256=sha256, name=name or adapter.name,
+                                             path=str(path), metadata=self._metadata(adapter))
+        if created:
+            log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source,
+                     path=str(path))
+        return Registration(rec, created)
+
+    def _receive(self, data: Iterable[bytes], tmp: Path) -> tuple[str, int]:
+        h = hashlib.sha256()
+        size = 0
+        with open(tmp, "wb") as fh:
+            for piece in data:
+                size += len(piece)
+                if size > self.max_upload_bytes:
+                    raise ResourceExhaustedError(
+                        f"adapter upload exceeds the limit of {self.max_upload_bytes} bytes "
+                        f"(--max-upload-bytes); received {size} so far")
+                h.update(piece)
+                fh.write(piece)
+        return h.hexdigest(), size
+
+    def _validate(self, path: Path, *, shown_as: str) -> LoraAdapter:
+        try:
+            return validate_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne)
+        except ValueError as exc:  # AdapterError / GGUFError: both name the problem
+            raise InvalidArgumentError(str(exc).replace(str(path), shown_as)) from exc
+
+    def _metadata(self, adapter: LoraAdapter) -> dict[str, Any]:
+        text = self.base.decode(list(adapter.alora_invocation_tokens))
+        return adapter_metadata(adapter, text)
+
+    # -- removal and the default set ----------------------------------------------------
+
+    def unregister(self, adapter_id: int) -> AdapterRecord:
+        """Remove an adapter (and its default-set entry); its id is never reused.
+
+        Raises:
+            NotFoundError: unknown id (the message lists the registered ids).
+        """
+        rec = self.get(adapter_id)
+        with self._commit_lock:
+            if not self.store.delete(adapter_id):
+                raise NotFoundError(f"adapter {adapter_id} not registered; "
+                                    f"{describe_ids([r.id for r in self.store.list()])}")
+            owned = Path(rec.path)
+            if owned.parent.resolve() == self.upload_dir.resolve():
+                owned.unlink(missing_ok=True)
+        log.info("adapter_unregistered", adapter_id=adapter_id, sha256=rec.sha256)
+        return rec
+
+    def set_default_set(self, scales: Mapping[int, float]) -> AdapterVector:
+        """Replace the default set: listed ids at their scale, every other adapter at 0.
+
+        Raises:
+            NotFoundError: an unknown id; InvalidArgumentError: a negative/non-finite scale.
+        """
+        registered = {i for i, _ in self.store.default_set()}
+        unknown = sorted(set(scales) - registered)
+        if unknown:
+            raise NotFoundError(f"adapter id(s) {unknown} not registered; {describe_ids(registered)}")
+        checked = {int(i): check_scale(s, f"adapter {i}") for i, s in scales.items()}
+        self.store.set_default_scales(checked, others=0.0)
+        log.info("default_set_changed", default_set=checked)
+        return self.default_set()
+
+    def detach_all(self) -> None:
+        """Every default scale to 0 (``--lora-init-without-apply``: load all, apply none)."""
+        self.store.set_default_scales({}, others=0.0)
+
+    def _warn_stale_records(self) -> None:
+        for rec in self.store.list():
+            if rec.metadata.get("arch") != self.base.arch:
+                log.warning("adapter_arch_mismatch", adapter_id=rec.id, adapter_arch=rec.metadata.get("arch"),
+                            base_arch=self.base.arch)
+            if not Path(rec.path).is_file():
+                log.warning("adapter_file_missing", adapter_id=rec.id, path=rec.path)
+

@@ -1,0 +1,187 @@
+"""Routing a Generate call to a worker and relaying its event stream.
+
+One request, top to bottom (`Router.generate`):
+  1. assign a request id when the client sent none;
+  2. resolve the adapter vector against the default set *as of now* (admission) and write it
+     into ``request.adapters`` as an explicit map — workers only see resolved vectors;
+  3. pick a live worker: the one that last served the same adapter set (affinity: its
+     per-set plan and prefix cache are warm) unless it is full, else the least loaded;
+  4. push any adapter of the vector the worker lacks (``LoadAdapter``);
+  5. open the worker's bidi ``Decode`` stream, submit, relay every event until ``finished``.
+
+The client going away cancels the worker call (``context.add_callback``). A worker that fails
+before the first event is marked failed and the next one is tried; once events have been
+relayed a failure ends the call with UNAVAILABLE naming the worker. Errors the worker returns
+about the request itself (bad prompt, queue full, ...) keep their status code.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from collections import OrderedDict
+from contextlib import closing
+from collections.abc import Iterator
+from typing import Protocol
+
+import grpc
+import structlog
+
+from control_plane.convert import request_map_or_none, set_resolved_adapters
+from control_plane.errors import ControlPlaneError, UnavailableError
+from control_plane.registry import AdapterRegistry
+from control_plane.resolution import adapter_set_key
+from control_plane.workers import WorkerHandle, WorkerPool
+from loraplane.v1 import common_pb2, worker_pb2
+
+log = structlog.get_logger("control_plane.router")
+
+# Status codes by which a worker tells us the *request* is wrong: relayed as they are. Any
+# other code means the worker itself failed.
+REQUEST_ERROR_CODES = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+})
+# Worth another worker when nothing has been relayed yet.
+RETRY_ELSEWHERE_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
+AFFINITY_ENTRIES = 4096
+
+
+class WorkerRequestError(ControlPlaneError):
+    """The worker refused the request itself; ``code`` is the worker's status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ClientContext(Protocol):
+    """What the router needs of a gRPC servicer context."""
+
+    def add_callback(self, callback) -> bool: ...
+    def is_active(self) -> bool: ...
+    def time_remaining(self) -> float | None: ...
+
+
+def _client_deadline(context: ClientContext) -> float | None:
+    """Seconds left of the client's deadline, to bound the worker call; None without one
+    (gRPC reports "no deadline" as an enormous remaining time)."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining < 365 * 24 * 3600 else None
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, worker: WorkerHandle, message: str, *, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.worker = worker
+        self.code = code
+
+
+class Router:
+    """Picks workers for Generate calls and relays their streams."""
+
+    def __init__(self, registry: AdapterRegistry, pool: WorkerPool) -> None:
+        self.registry = registry
+        self.pool = pool
+        self._affinity: OrderedDict[tuple, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def generate(self, request: common_pb2.GenerateRequest,
+                 context: ClientContext) -> Iterator[common_pb2.GenerateEvent]:
+        """Resolve, route and relay one request (see the module docstring).
+
+        Raises:
+            NotFoundError / InvalidArgumentError: the adapter map is wrong.
+            UnavailableError: no live worker, or the worker failed mid-stream.
+            WorkerRequestError: the worker refused the request (its code is kept).
+        """
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        vector = self.registry.resolve(request_map_or_none(request))
+        set_resolved_adapters(request, vector)
+        key = adapter_set_key(vector)
+        ids = [i for i, _ in vector]
+        tried: list[str] = []
+        last_error = ""
+        while True:
+            worker = self._pick(key, exclude=tried, last_error=last_error)
+            tried.append(worker.worker_id)
+            try:
+                self.pool.ensure_loaded(worker, ids)
+            except UnavailableError as exc:
+                last_error = str(exc)
+                log.warning("worker_skipped", worker_id=worker.worker_id, error=last_error)
+                continue
+            log.info("request_routed", worker_id=worker.worker_id, adapters=vector)
+            relayed = False
+            relay = self._relay(worker, request, context)
+            try:
+                with closing(relay):  # a client that goes away closes us; close the relay now
+                    for event in relay:
+                        relayed = True
+                        yield event
+                return
+            except _WorkerFailed as failure:
+                last_error = str(failure)
+                busy = failure.code in RETRY_ELSEWHERE_CODES
+                if not busy:
+                    self.pool.mark_failed(worker.worker_id, last_error)
+                if relayed:
+                    raise UnavailableError(last_error) from None
+                if busy and not self._others(tried):
+                    raise WorkerRequestError(failure.code, last_error) from None
+                log.warning("worker_failed_retrying", worker_id=worker.worker_id, error=last_error)
+
+    def _others(self, tried: list[str]) -> bool:
+        return any(w.worker_id not in tried for w in self.pool.live())
+
+    def _pick(self, key: tuple, *, exclude: list[str], last_error: str) -> WorkerHandle:
+        live = [w for w in self.pool.live() if w.worker_id not in exclude]
+        if not live:
+            detail = f" (tried {exclude}; last error: {last_error})" if exclude else ""
+            raise UnavailableError(f"no live worker to serve the request{detail}")
+        with self._lock:
+            preferred = self._affinity.get(key)
+        for w in live:
+            if w.worker_id == preferred and w.in_flight < max(1, w.n_slots):
+                chosen = w
+                break
+        else:
+            chosen = min(live, key=lambda w: (w.in_flight, w.worker_id))
+        with self._lock:
+            self._affinity[key] = chosen.worker_id
+            self._affinity.move_to_end(key)
+            while len(self._affinity) > AFFINITY_ENTRIES:
+                self._affinity.popitem(last=False)
+        return chosen
+
+    def _relay(self, worker: WorkerHandle, request: common_pb2.GenerateRequest,
+               context: ClientContext) -> Iterator[common_pb2.GenerateEvent]:
+        # The request side stays open until we are done: a worker may read a half-close as
+        # "the caller is gone" and free the slot.
+        outbox: queue.Queue[worker_pb2.DecodeRequest | None] = queue.Queue()
+        outbox.put(worker_pb2.DecodeRequest(submit=request))
+        call = worker.stub.Decode(iter(outbox.get, None), timeout=_client_deadline(context))
+        context.add_callback(call.cancel)
+        self.pool.begin(worker)
+        try:
+            for event in call:
+                yield event
+                if event.HasField("finished"):
+                    return
+        except grpc.RpcError as exc:
+            if not context.is_active():
+                return  # the client cancelled; call.cancel already ran
+            code = exc.code()
+            message = f"worker {worker.worker_id} failed: {code.name}: {exc.details()}"
+            if code in REQUEST_ERROR_CODES and code not in RETRY_ELSEWHERE_CODES:
+                raise WorkerRequestError(code, f"worker {worker.worker_id}: {exc.details()}") from None
+            raise _WorkerFailed(worker, message, code=code) from None
+        finally:
+            outbox.put(None)
+            call.cancel()  # no-op once the worker closed the call; frees it otherwise
+            self.pool.end(worker)
+        if context.is_active():
+            raise _WorkerFailed(worker, f"worker {worker.worker_id} failed: its stream ended before "
+                                        f"request {request.request_id} finished")

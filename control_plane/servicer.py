@@ -1,0 +1,154 @@
+"""The ControlPlane gRPC servicer: proto in, domain call, proto out.
+
+This is the one place where domain errors become status codes (`STATUS_OF`); every method
+delegates to the registry, the worker pool or the router.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import uuid
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from control_plane import convert
+from control_plane.errors import (ControlPlaneError, InvalidArgumentError, NotFoundError,
+                                  PermissionDeniedError, ResourceExhaustedError,
+                                  UnauthenticatedError, UnavailableError)
+from control_plane.logging import bind_request
+from control_plane.registry import AdapterRegistry
+from control_plane.router import Router, WorkerRequestError
+from control_plane.workers import WorkerPool
+from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
+
+log = structlog.get_logger("control_plane.servicer")
+
+STATUS_OF: dict[type[ControlPlaneError], grpc.StatusCode] = {
+    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    UnavailableError: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(exc: ControlPlaneError) -> grpc.StatusCode:
+    if isinstance(exc, WorkerRequestError):
+        return exc.code
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def _failure(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, ControlPlaneError):
+        code = status_of(exc)
+        log.info("rpc_refused", method=method, code=code.name, error=str(exc))
+        return code, str(exc)
+    log.exception("rpc_internal_error", method=method)
+    return grpc.StatusCode.INTERNAL, f"{method}: internal error: {type(exc).__name__}: {exc}"
+
+
+def boundary(fn: Callable) -> Callable:
+    """Log the call with its method name and turn raised errors into ``context.abort``."""
+    method = fn.__name__
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def stream(self, request, context):
+            with bind_request(method=method):
+                try:
+                    yield from fn(self, request, context)
+                    return
+                except Exception as exc:  # noqa: BLE001 - the boundary maps everything
+                    code, message = _failure(method, exc)
+                context.abort(code, message)
+        return stream
+
+    @functools.wraps(fn)
+    def unary(self, request, context):
+        with bind_request(method=method):
+            try:
+                return fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - the boundary maps everything
+                code, message = _failure(method, exc)
+            context.abort(code, message)
+    return unary
+
+
+def ensure_request_id(request: common_pb2.GenerateRequest) -> common_pb2.GenerateRequest:
+    if not request.request_id:
+        request.request_id = uuid.uuid4().hex
+    return request
+
+
+class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
+    def __init__(self, registry: AdapterRegistry, pool: WorkerPool, router: Router) -> None:
+        self.registry = registry
+        self.pool = pool
+        self.router = router
+
+    # -- admin ---------------------------------------------------------------------------
+
+    @boundary
+    def RegisterAdapter(self, request_iterator, context):
+        upload = convert.upload_from_chunks(request_iterator)
+        if upload.server_path:
+            reg = self.registry.register_server_path(upload.server_path, name=upload.name)
+        else:
+            reg = self.registry.register_upload(upload.data, name=upload.name)
+        if reg.created:
+            self.pool.push_adapter(reg.record)
+        return convert.adapter_info(reg.record)
+
+    @boundary
+    def UnregisterAdapter(self, request, context):
+        self.registry.unregister(request.id)
+        self.pool.unload_adapter(request.id)
+        return common_pb2.Empty()
+
+    @boundary
+    def SetDefaultAdapters(self, request, context):
+        return convert.adapter_map(self.registry.set_default_set(convert.request_map(request)))
+
+    # -- reads ---------------------------------------------------------------------------
+
+    @boundary
+    def ListAdapters(self, request, context):
+        return control_plane_pb2.AdapterList(adapters=[convert.adapter_info(r) for r in self.registry.list()])
+
+    @boundary
+    def GetAdapter(self, request, context):
+        return convert.adapter_info(self.registry.get(request.id))
+
+    @boundary
+    def GetDefaultAdapters(self, request, context):
+        return convert.adapter_map(self.registry.default_set())
+
+    @boundary
+    def ListWorkers(self, request, context):
+        return control_plane_pb2.WorkerList(workers=[convert.worker_info(v) for v in self.pool.snapshot()])
+
+    # -- generation ----------------------------------------------------------------------
+
+    @boundary
+    def Generate(self, request, context):
+        ensure_request_id(request)
+        with bind_request(request_id=request.request_id):
+            yield from self.router.generate(request, context)
+
+    # -- membership ----------------------------------------------------------------------
+
+    @boundary
+    def RegisterWorker(self, request, context):
+        self.pool.register(request)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)
+
+    @boundary
+    def Heartbeat(self, request, context):
+        self.pool.heartbeat(request)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)

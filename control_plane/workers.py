@@ -1,0 +1,327 @@
+"""Worker membership: who is alive, what each worker holds, and pushing adapters to them.
+
+Owned by the control-plane process. Workers call ``RegisterWorker`` once and ``Heartbeat``
+every ``heartbeat_interval_s``; a worker whose last heartbeat is older than
+``dead_after_missed × heartbeat_interval_s``, or that failed a call (`mark_failed`), is dead
+until its next heartbeat. State is computed from the clock when asked, so no reaper thread
+is needed; transitions are logged when first observed.
+
+On registration the control plane dials the worker and reconciles its adapters with the
+registry: registered adapters it lacks are pushed (``LoadAdapter``, client-streamed
+``AdapterChunk``s), ones the registry no longer has (or whose content differs) are unloaded.
+New registrations are pushed to every live worker, removals unloaded from them; the router
+loads anything still missing right before it uses a worker (`ensure_loaded`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from control_plane.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from control_plane.registry import AdapterRegistry
+from control_plane.store import AdapterRecord
+from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
+
+log = structlog.get_logger("control_plane.workers")
+
+CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass(frozen=True)
+class MembershipTimings:
+    """Heartbeat cadence and how long calls to a worker may take.
+
+    Attributes:
+        heartbeat_interval_s: what workers are told to use (``WorkerAck``).
+        dead_after_missed: a worker is dead after this many intervals without a heartbeat.
+        connect_timeout_s: dialing a registering worker.
+        load_timeout_s: one ``LoadAdapter`` / ``UnloadAdapter`` call.
+    """
+
+    heartbeat_interval_s: float = 1.0
+    dead_after_missed: int = 3
+    connect_timeout_s: float = 10.0
+    load_timeout_s: float = 120.0
+
+    @property
+    def dead_after_s(self) -> float:
+        return self.heartbeat_interval_s * self.dead_after_missed
+
+
+@dataclass
+class WorkerHandle:
+    """One registered worker. Mutable fields change only under `WorkerPool`'s lock.
+
+    Attributes:
+        last_heartbeat: ``clock()`` time of the last RegisterWorker/Heartbeat.
+        failed: why a call to it failed since that heartbeat (None: no failure).
+        adapter_ids: adapters the worker holds, as far as the control plane knows.
+        in_flight: Generate calls currently relayed from it.
+    """
+
+    worker_id: str
+    addr: str
+    model: str
+    model_sha256: str
+    n_slots: int
+    channel: grpc.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    last_heartbeat: float
+    failed: str | None = None
+    adapter_ids: set[int] = field(default_factory=set)
+    in_flight: int = 0
+    alive: bool = True
+    # One LoadAdapter at a time per worker, so concurrent requests do not push twice.
+    load_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A snapshot of one worker for ``ListWorkers``."""
+
+    worker_id: str
+    addr: str
+    state: str
+    last_heartbeat_age_s: float
+    adapter_ids: tuple[int, ...]
+    model: str
+    n_slots: int
+    in_flight: int
+
+
+class WorkerPool:
+    """Registered workers, their liveness and the adapters they hold."""
+
+    def __init__(self, registry: AdapterRegistry, timings: MembershipTimings = MembershipTimings(),
+                 *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.timings = timings
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._workers: dict[str, WorkerHandle] = {}
+
+    # -- membership RPCs ----------------------------------------------------------------
+
+    def register(self, hello: control_plane_pb2.WorkerHello) -> None:
+        """Dial the worker, reconcile its adapters with the registry, mark it alive.
+
+        A worker registering again at the same address keeps its channel, so requests it is
+        serving survive (its membership thread restarted, or it missed heartbeats). A new
+        address replaces the old handle and closes the old channel.
+
+        Raises:
+            InvalidArgumentError: no worker_id or addr.
+            UnavailableError: the worker cannot be reached at ``hello.addr``.
+        """
+        if not hello.worker_id or not hello.addr:
+            raise InvalidArgumentError("WorkerHello needs worker_id and addr")
+        with self._lock:
+            old = self._workers.get(hello.worker_id)
+        if old is not None and old.addr == hello.addr:
+            handle = old
+        else:
+            channel = self._dial(hello)
+            handle = WorkerHandle(
+                worker_id=hello.worker_id, addr=hello.addr, model=hello.model,
+                model_sha256=hello.model_sha256, n_slots=hello.n_slots, channel=channel,
+                stub=worker_pb2_grpc.WorkerStub(channel), last_heartbeat=self._clock())
+        try:
+            self._reconcile(handle)
+        except BaseException:
+            if handle is not old:
+                handle.channel.close()
+            raise
+        with self._lock:
+            handle.model, handle.model_sha256, handle.n_slots = hello.model, hello.model_sha256, hello.n_slots
+            handle.last_heartbeat = self._clock()
+            handle.failed = None
+            self._workers[hello.worker_id] = handle
+        if old is not None and old is not handle:
+            old.channel.close()
+        self._refresh()
+        log.info("worker_registered", worker_id=hello.worker_id, addr=hello.addr,
+                 adapter_ids=sorted(handle.adapter_ids), again=old is not None)
+
+    def _dial(self, hello: control_plane_pb2.WorkerHello) -> grpc.Channel:
+        channel = grpc.insecure_channel(hello.addr, options=CHANNEL_OPTIONS)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self.timings.connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise UnavailableError(f"worker {hello.worker_id}: cannot reach it at {hello.addr} "
+                                   f"within {self.timings.connect_timeout_s:g}s") from None
+        return channel
+
+    def heartbeat(self, hello: control_plane_pb2.WorkerHello) -> None:
+        """Record a heartbeat; a dead worker comes back alive.
+
+        Raises:
+            NotFoundError: the worker never registered (or the control plane restarted): it
+                should call RegisterWorker again.
+        """
+        with self._lock:
+            handle = self._workers.get(hello.worker_id)
+            if handle is None:
+                known = sorted(self._workers)
+                raise NotFoundError(f"worker '{hello.worker_id}' is not registered (call RegisterWorker); "
+                                    f"registered workers: {known}")
+            handle.last_heartbeat = self._clock()
+            handle.failed = None
+        self._refresh()
+
+    @property
+    def heartbeat_interval_ms(self) -> int:
+        return int(round(self.timings.heartbeat_interval_s * 1000))
+
+    # -- liveness -----------------------------------------------------------------------
+
+    def mark_failed(self, worker_id: str, reason: str) -> None:
+        """A call to the worker failed: treat it as dead until its next heartbeat."""
+        with self._lock:
+            handle = self._workers.get(worker_id)
+            if handle is not None:
+                handle.failed = reason
+        self._refresh()
+
+    def live(self) -> list[WorkerHandle]:
+        """Workers currently alive, by id."""
+        self._refresh()
+        with self._lock:
+            return [w for _, w in sorted(self._workers.items()) if w.alive]
+
+    def snapshot(self) -> list[WorkerView]:
+        self._refresh()
+        now = self._clock()
+        with self._lock:
+            return [WorkerView(w.worker_id, w.addr, "alive" if w.alive else "dead",
+                               max(0.0, now - w.last_heartbeat), tuple(sorted(w.adapter_ids)),
+                               w.model, w.n_slots, w.in_flight)
+                    for _, w in sorted(self._workers.items())]
+
+    def _refresh(self) -> None:
+        now = self._clock()
+        with self._lock:
+            for w in self._workers.values():
+                alive = w.failed is None and now - w.last_heartbeat <= self.timings.dead_after_s
+                if alive != w.alive:
+                    w.alive = alive
+                    reason = w.failed or f"no heartbeat for {now - w.last_heartbeat:.1f}s"
+                    if alive:
+                        log.info("worker_alive", worker_id=w.worker_id)
+                    else:
+                        log.warning("worker_dead", worker_id=w.worker_id, reason=reason)
+
+    # -- in-flight accounting (router) --------------------------------------------------
+
+    def begin(self, handle: WorkerHandle) -> None:
+        with self._lock:
+            handle.in_flight += 1
+
+    def end(self, handle: WorkerHandle) -> None:
+        with self._lock:
+            handle.in_flight -= 1
+
+    # -- adapters on workers ------------------------------------------------------------
+
+    def push_adapter(self, record: AdapterRecord) -> None:
+        """Load a newly registered adapter on every live worker (failures are logged; the
+        router loads it on demand later)."""
+        for w in self.live():
+            try:
+                self._load(w, record)
+            except UnavailableError as exc:
+                log.warning("adapter_push_failed", worker_id=w.worker_id, adapter_id=record.id, error=str(exc))
+
+    def unload_adapter(self, adapter_id: int) -> None:
+        """Unload a removed adapter from every worker that holds it (failures are logged)."""
+        with self._lock:
+            holders = [w for w in self._workers.values() if adapter_id in w.adapter_ids]
+        for w in holders:
+            try:
+                w.stub.UnloadAdapter(common_pb2.AdapterRef(id=adapter_id), timeout=self.timings.load_timeout_s)
+                with self._lock:
+                    w.adapter_ids.discard(adapter_id)
+            except grpc.RpcError as exc:
+                log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=adapter_id,
+                            code=exc.code().name, error=exc.details())
+
+    def ensure_loaded(self, handle: WorkerHandle, adapter_ids: Sequence[int]) -> None:
+        """Make sure ``handle`` holds every adapter in ``adapter_ids``, pushing what it lacks.
+
+        Raises:
+            NotFoundError: an id is no longer registered.
+            UnavailableError: the worker refused or failed a load.
+        """
+        for adapter_id in adapter_ids:
+            if adapter_id not in handle.adapter_ids:
+                self._load(handle, self.registry.get(adapter_id))
+
+    def _load(self, w: WorkerHandle, record: AdapterRecord) -> None:
+        with w.load_lock:
+            if record.id in w.adapter_ids:
+                return
+            try:
+                w.stub.LoadAdapter(self._chunks(record), timeout=self.timings.load_timeout_s)
+            except grpc.RpcError as exc:
+                raise UnavailableError(f"worker {w.worker_id}: loading adapter {record.id} failed: "
+                                       f"{exc.code().name}: {exc.details()}") from exc
+            except OSError as exc:
+                raise UnavailableError(f"adapter {record.id}: cannot read '{record.path}' to push it "
+                                       f"to worker {w.worker_id}: {exc}") from exc
+            with self._lock:
+                w.adapter_ids.add(record.id)
+        log.info("adapter_pushed", worker_id=w.worker_id, adapter_id=record.id)
+
+    def _chunks(self, record: AdapterRecord) -> Iterator[common_pb2.AdapterChunk]:
+        """``AdapterChunk``s of ``record``: the first names id, sha256 and name; every chunk
+        carries up to 1 MiB of data."""
+        first = True
+        for piece in self.registry.read_chunks(record, CHUNK_BYTES):
+            if first:
+                yield common_pb2.AdapterChunk(id=record.id, sha256=record.sha256, name=record.name, data=piece)
+                first = False
+            else:
+                yield common_pb2.AdapterChunk(data=piece)
+
+    def _reconcile(self, w: WorkerHandle) -> None:
+        """Align a (re)registering worker's adapters with the registry: keep what matches,
+        unload what the registry no longer has (or holds with other content), push the rest."""
+        try:
+            held = w.stub.ListAdapters(common_pb2.Empty(), timeout=self.timings.load_timeout_s).adapters
+        except grpc.RpcError as exc:
+            raise UnavailableError(f"worker {w.worker_id}: ListAdapters failed: "
+                                   f"{exc.code().name}: {exc.details()}") from exc
+        wanted = {r.id: r for r in self.registry.list()}
+        kept = {i.id for i in held if i.id in wanted and wanted[i.id].sha256 == i.sha256}
+        with self._lock:
+            w.adapter_ids = set(kept)
+        for info in held:
+            if info.id in kept:
+                continue
+            try:
+                w.stub.UnloadAdapter(common_pb2.AdapterRef(id=info.id), timeout=self.timings.load_timeout_s)
+            except grpc.RpcError as exc:
+                log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=info.id,
+                            code=exc.code().name, error=exc.details())
+        for rec in wanted.values():
+            try:
+                self._load(w, rec)
+            except UnavailableError as exc:
+                log.warning("adapter_push_failed", worker_id=w.worker_id, adapter_id=rec.id, error=str(exc))
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._workers = list(self._workers.values()), {}
+        for w in workers:
+            w.channel.close()

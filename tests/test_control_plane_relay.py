@@ -1,0 +1,115 @@
+"""Generate through the control plane to a real worker (``worker.server.create_server``).
+
+One worker process-wide (loading the model takes a while), a fresh control plane per test;
+the worker joins through ``worker.membership`` like a deployed one, gets its adapters pushed
+by the control plane, and decodes the resolved vectors it is sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
+from tests.control_plane_helpers import rpc_error, upload
+from worker.membership import MembershipBackoff, start_membership
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def real_worker(base_model_path: Path):
+    from worker.config import WorkerConfig
+    from worker.server import create_server
+
+    server, port, engine = create_server(WorkerConfig(addr="127.0.0.1:0", model_path=str(base_model_path),
+                                                      n_slots=2, device="cpu", n_ctx_slot=512))
+    yield port, engine
+    server.stop(None).wait()
+    engine.close()
+
+
+@pytest.fixture
+def joined(start_control_plane, real_worker, fixtures_dir):
+    """``joined(**config) -> (ControlPlane, worker stub)`` with the real worker registered."""
+    port, engine = real_worker
+    stops: list[threading.Event] = []
+
+    def make(**overrides):
+        overrides.setdefault("adapter_dirs", (str(fixtures_dir / "adapters"),))
+        overrides.setdefault("heartbeat_interval_s", 0.2)
+        overrides.setdefault("dead_after_missed", 10)
+        cp = start_control_plane(**overrides)
+        stop = threading.Event()
+        stops.append(stop)
+        hello = control_plane_pb2.WorkerHello(worker_id=engine.worker_id, addr=f"127.0.0.1:{port}",
+                                              model="gemma3", n_slots=2)
+        thread = start_membership(cp.addr, hello, stop, backoff=MembershipBackoff(initial_s=0.05, max_s=0.2))
+        assert thread.registered.wait(60)
+        return cp, worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+    yield make
+    for stop in stops:
+        stop.set()
+
+
+def run(cp, adapters: dict[int, float] | None = None, max_tokens: int = 8):
+    req = common_pb2.GenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+    if adapters is not None:
+        req.adapters.SetInParent()
+        req.adapters.entries.extend(common_pb2.AdapterScale(id=i, scale=s) for i, s in adapters.items())
+    events = list(cp.stub.Generate(req))
+    finished = events[-1].finished
+    tokens = [e.token.token_id for e in events if e.HasField("token")]
+    return tokens, finished
+
+
+def test_default_set_and_explicit_maps_reach_the_worker_resolved(joined, fixtures_dir):
+    adapters = fixtures_dir / "adapters"
+    cp, wstub = joined(lora=(str(adapters / "shout.gguf"),))
+    upload(cp.stub, adapters / "sea.gguf")
+    held = {a.id: a.sha256 for a in wstub.ListAdapters(common_pb2.Empty()).adapters}
+    listed = {a.id: a.sha256 for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters}
+    assert held == listed  # every registered adapter was pushed
+
+    default_tokens, fin = run(cp)  # no map: the default set, shout@1
+    assert [(a.id, a.scale) for a in fin.telemetry.adapters] == [(0, 1.0)]
+    assert fin.finish_reason in ("length", "stop") and len(default_tokens) == 8
+    assert run(cp, {0: 1.0})[0] == default_tokens
+    base_tokens, fin = run(cp, {})  # an explicit empty map: the base model
+    assert list(fin.telemetry.adapters) == [] and base_tokens != default_tokens
+    assert fin.text.upper() != fin.text  # the base continues in lower case
+
+    cp.stub.SetDefaultAdapters(common_pb2.AdapterMap())  # everything detached
+    assert run(cp)[0] == base_tokens
+
+
+def test_unregister_unloads_from_the_worker(joined, fixtures_dir):
+    cp, wstub = joined()
+    info = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")
+    assert info.id in {a.id for a in wstub.ListAdapters(common_pb2.Empty()).adapters}
+    cp.stub.UnregisterAdapter(common_pb2.AdapterRef(id=info.id))
+    assert info.id not in {a.id for a in wstub.ListAdapters(common_pb2.Empty()).adapters}
+    err = rpc_error(run, cp, {info.id: 1.0})
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_client_cancel_frees_the_worker_slot(joined):
+    cp, wstub = joined()
+    req = common_pb2.GenerateRequest(text=PROMPT, adapters=common_pb2.AdapterMap(),
+                                     sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+    call = cp.stub.Generate(req)
+    for event in call:
+        if event.HasField("token"):
+            break
+    call.cancel()
+    deadline = time.monotonic() + 20
+    while wstub.Stats(common_pb2.Empty()).slots_busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert wstub.Stats(common_pb2.Empty()).slots_busy == 0
+    assert {w.worker_id: w.in_flight for w in cp.stub.ListWorkers(common_pb2.Empty()).workers} \
+        == {wstub.Stats(common_pb2.Empty()).worker_id: 0}

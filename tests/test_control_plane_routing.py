@@ -1,0 +1,323 @@
+"""Worker membership and Generate routing, against a real control plane and a scripted worker.
+
+The scripted worker is a real gRPC server implementing the ``loraplane.v1.Worker`` service
+from the proto (no model): it records what the control plane sends (adapter chunks, the
+submitted request) and answers Decode by the prompt text: ``"hang"`` waits until cancelled,
+``"fail"`` dies after one token, ``"refuse"`` rejects the request; anything else streams Started, two tokens and Finished. This pins the control
+plane's side of the wire contract (a worker marked ``down`` fails before any event); the real worker is covered in the worker's own tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2, worker_pb2_grpc
+from tests.control_plane_helpers import MiB, by_path, rpc_error, upload
+from worker.membership import MembershipBackoff, start_membership
+
+FAST = MembershipBackoff(connect_timeout_s=1.0, initial_s=0.05, max_s=0.2)
+
+
+class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.adapters: dict[int, str] = {}      # id → sha256 held
+        self.load_calls: list[list[common_pb2.AdapterChunk]] = []
+        self.unloaded: list[int] = []
+        self.submitted: list[common_pb2.GenerateRequest] = []
+        self.cancelled = threading.Event()
+        self.down = False  # Decode fails with UNAVAILABLE before any event
+        self.lock = threading.Lock()
+
+    def LoadAdapter(self, request_iterator, context):
+        chunks = list(request_iterator)
+        data = b"".join(c.data for c in chunks)
+        first = chunks[0]
+        if hashlib.sha256(data).hexdigest() != first.sha256:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"adapter {first.id}: sha256 mismatch")
+        with self.lock:
+            self.load_calls.append(chunks)
+            self.adapters[first.id] = first.sha256
+        return common_pb2.AdapterInfo(id=first.id, sha256=first.sha256)
+
+    def UnloadAdapter(self, request, context):
+        with self.lock:
+            self.adapters.pop(request.id, None)
+            self.unloaded.append(request.id)
+        return common_pb2.Empty()
+
+    def ListAdapters(self, request, context):
+        with self.lock:
+            infos = [common_pb2.AdapterInfo(id=i, sha256=s) for i, s in sorted(self.adapters.items())]
+        return worker_pb2.WorkerAdapterList(adapters=infos)
+
+    def Decode(self, request_iterator, context):
+        req = next(request_iterator).submit
+        with self.lock:
+            self.submitted.append(req)
+        rid, text = req.request_id, req.text
+        if self.down:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
+        if text == "refuse":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+        yield common_pb2.GenerateEvent(request_id=rid, started=common_pb2.Started(prompt_token_ids=[2, 9]))
+        if text == "hang":
+            done = threading.Event()
+            context.add_callback(done.set)
+            done.wait(30)
+            if not context.is_active():
+                self.cancelled.set()
+            return
+        yield common_pb2.GenerateEvent(request_id=rid, token=common_pb2.GeneratedToken(token_id=7, text="a"))
+        if text == "fail":
+            context.abort(grpc.StatusCode.INTERNAL, "CUDA error: boom")
+        yield common_pb2.GenerateEvent(request_id=rid, token=common_pb2.GeneratedToken(token_id=8, text="b"))
+        yield common_pb2.GenerateEvent(request_id=rid, finished=common_pb2.Finished(finish_reason="length", text="ab"))
+
+
+class WorkerProcess:
+    """A scripted worker server plus its membership thread."""
+
+    def __init__(self, worker_id: str, cp_addr: str, n_slots: int = 2) -> None:
+        self.servicer = ScriptedWorker(worker_id)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
+                                  options=[("grpc.max_receive_message_length", 64 * MiB)])
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.hello = control_plane_pb2.WorkerHello(worker_id=worker_id, addr=f"127.0.0.1:{self.port}",
+                                                   model="gemma3", n_slots=n_slots)
+        self.cp_addr = cp_addr
+        self.stop_event = threading.Event()
+        self.thread = None
+        self.join()
+
+    def join(self) -> None:
+        self.stop_event = threading.Event()
+        self.thread = start_membership(self.cp_addr, self.hello, self.stop_event, backoff=FAST)
+        assert self.thread.registered.wait(20), "worker did not register"
+
+    def leave(self) -> None:
+        self.stop_event.set()
+        self.thread.join(5)
+
+    def close(self) -> None:
+        self.leave()
+        self.server.stop(None)
+
+
+@pytest.fixture
+def adapters_dir(fixtures_dir: Path) -> Path:
+    return fixtures_dir / "adapters"
+
+
+@pytest.fixture
+def cluster(start_control_plane, adapters_dir):
+    """``cluster(n_workers, **config) -> (ControlPlane, [WorkerProcess])``."""
+    workers: list[WorkerProcess] = []
+
+    def make(n_workers: int = 1, **overrides):
+        overrides.setdefault("adapter_dirs", (str(adapters_dir),))
+        overrides.setdefault("heartbeat_interval_s", 0.2)
+        overrides.setdefault("dead_after_missed", 5)
+        cp = start_control_plane(**overrides)
+        for i in range(n_workers):
+            workers.append(WorkerProcess(f"w{i + 1}", cp.addr))
+        return cp, list(workers)
+
+    yield make
+    for w in workers:
+        w.close()
+
+
+def workers_of(cp) -> dict[str, control_plane_pb2.WorkerInfo]:
+    return {w.worker_id: w for w in cp.stub.ListWorkers(common_pb2.Empty()).workers}
+
+
+def generate(cp, text: str, adapters: dict[int, float] | None = None, request_id: str = ""):
+    req = common_pb2.GenerateRequest(request_id=request_id, text=text)
+    if adapters is not None:
+        req.adapters.SetInParent()
+        req.adapters.entries.extend(common_pb2.AdapterScale(id=i, scale=s) for i, s in adapters.items())
+    return list(cp.stub.Generate(req))
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# -- membership ------------------------------------------------------------------------------
+
+
+def test_registration_pushes_every_adapter_in_chunks(cluster, adapters_dir):
+    shout = adapters_dir / "shout.gguf"
+    cp, [w] = cluster(1, lora=(str(shout),))
+    upload(cp.stub, adapters_dir / "sea.gguf")
+    assert wait_for(lambda: set(w.servicer.adapters) == {0, 1})
+    [shout_load] = [c for c in w.servicer.load_calls if c[0].id == 0]
+    assert shout_load[0].sha256 == hashlib.sha256(shout.read_bytes()).hexdigest()
+    assert all(not c.sha256 and c.id == 0 for c in shout_load[1:])  # header fields on the first only
+    assert len(shout_load) == -(-shout.stat().st_size // MiB) and all(len(c.data) <= MiB for c in shout_load)
+    info = workers_of(cp)["w1"]
+    assert (info.state, info.addr, info.n_slots) == ("alive", w.hello.addr, 2)
+    assert list(info.adapter_ids) == [0, 1]
+
+
+def test_new_registrations_are_pushed_and_removals_unloaded(cluster, adapters_dir):
+    cp, [w] = cluster(1)
+    info = by_path(cp.stub, adapters_dir / "critic_alora.gguf")
+    assert w.servicer.adapters == {info.id: info.sha256}  # pushed before RegisterAdapter returned
+    cp.stub.UnregisterAdapter(common_pb2.AdapterRef(id=info.id))
+    assert w.servicer.unloaded == [info.id] and w.servicer.adapters == {}
+    assert list(workers_of(cp)["w1"].adapter_ids) == []
+
+
+def test_missed_heartbeats_mark_a_worker_dead_until_it_returns(cluster):
+    cp, [w] = cluster(1, heartbeat_interval_s=0.1, dead_after_missed=3)
+    assert workers_of(cp)["w1"].state == "alive"
+    w.leave()
+    assert wait_for(lambda: workers_of(cp)["w1"].state == "dead", timeout=3)
+    assert workers_of(cp)["w1"].last_heartbeat_age_s >= 0.3
+    err = rpc_error(generate, cp, "hello")
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "no live worker" in err.details()
+    w.join()
+    assert workers_of(cp)["w1"].state == "alive"
+    assert len(generate(cp, "hello")) == 4
+
+
+def test_worker_reregisters_after_control_plane_restart(cluster, start_control_plane, adapters_dir):
+    with socket.socket() as probe:  # a free port the restarted control plane can take again
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cp, [w] = cluster(1, addr=f"127.0.0.1:{port}", lora=(str(adapters_dir / "sea.gguf"),))
+    assert set(w.servicer.adapters) == {0}
+    loads = len(w.servicer.load_calls)
+    cp.stop()
+    cp2 = start_control_plane(addr=f"127.0.0.1:{port}", heartbeat_interval_s=0.2,
+                              lora=(str(adapters_dir / "sea.gguf"),))
+    assert wait_for(lambda: "w1" in workers_of(cp2), timeout=10)
+    assert list(workers_of(cp2)["w1"].adapter_ids) == [0]
+    assert len(w.servicer.load_calls) == loads  # same content already held: nothing re-pushed
+
+
+# -- Generate --------------------------------------------------------------------------------
+
+
+def test_generate_sends_resolved_vectors_and_relays_events(cluster, adapters_dir):
+    cp, [w] = cluster(1, lora=(str(adapters_dir / "shout.gguf"),))
+    upload(cp.stub, adapters_dir / "sea.gguf")
+    events = generate(cp, "hello")
+    assert [e.WhichOneof("event") for e in events] == ["started", "token", "token", "finished"]
+    sent = w.servicer.submitted[-1]
+    assert sent.request_id and all(e.request_id == sent.request_id for e in events)
+    assert sent.HasField("adapters") and [(e.id, e.scale) for e in sent.adapters.entries] == [(0, 1.0)]
+    generate(cp, "hello", {})  # an explicit empty map: no adapters, still an explicit map
+    sent = w.servicer.submitted[-1]
+    assert sent.HasField("adapters") and list(sent.adapters.entries) == []
+    generate(cp, "hello", {1: 0.5, 0: 0.0}, request_id="mine")
+    sent = w.servicer.submitted[-1]
+    assert sent.request_id == "mine" and [(e.id, e.scale) for e in sent.adapters.entries] == [(1, 0.5)]
+
+
+def test_generate_refuses_bad_maps_before_any_worker(cluster, adapters_dir):
+    cp, [w] = cluster(1)
+    upload(cp.stub, adapters_dir / "sea.gguf")
+    err = rpc_error(generate, cp, "hello", {4: 1.0})
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "[4]" in err.details() and "[0]" in err.details()
+    err = rpc_error(generate, cp, "hello", {0: -1.0})
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter 0" in err.details()
+    assert w.servicer.submitted == []
+
+
+def test_generate_without_workers_is_unavailable(start_control_plane):
+    cp = start_control_plane()
+    err = rpc_error(generate, cp, "hello")
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "no live worker" in err.details()
+
+
+def test_worker_failure_mid_stream_is_unavailable_and_marks_it(cluster):
+    cp, [w] = cluster(1, heartbeat_interval_s=5.0)
+    call = cp.stub.Generate(common_pb2.GenerateRequest(text="fail"))
+    got = []
+    with pytest.raises(grpc.RpcError) as info:
+        for event in call:
+            got.append(event.WhichOneof("event"))
+    assert got == ["started", "token"]
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "worker w1 failed" in info.value.details() and "boom" in info.value.details()
+    assert workers_of(cp)["w1"].state == "dead"
+
+
+def test_worker_request_errors_keep_their_code(cluster):
+    cp, [w] = cluster(1)
+    err = rpc_error(generate, cp, "refuse")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "w1" in err.details()
+    assert "prompt too long" in err.details()
+    assert workers_of(cp)["w1"].state == "alive"
+
+
+def test_failure_before_first_event_tries_another_worker(cluster):
+    cp, [w1, w2] = cluster(2, heartbeat_interval_s=5.0)
+    w1.servicer.down = True  # w1 (first pick: both idle, by id) fails before any event
+    events = generate(cp, "hello")
+    assert [e.WhichOneof("event") for e in events] == ["started", "token", "token", "finished"]
+    assert len(w1.servicer.submitted) == 1 and len(w2.servicer.submitted) == 1
+    states = {k: v.state for k, v in workers_of(cp).items()}
+    assert states == {"w1": "dead", "w2": "alive"}
+
+
+def test_client_cancel_cancels_the_worker_call(cluster):
+    cp, [w] = cluster(1)
+    call = cp.stub.Generate(common_pb2.GenerateRequest(text="hang"))
+    assert next(call).HasField("started")
+    call.cancel()
+    assert w.servicer.cancelled.wait(5)
+    assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)
+    assert workers_of(cp)["w1"].state == "alive"
+
+
+def test_missing_adapter_is_loaded_before_decode(cluster, adapters_dir):
+    cp, [w] = cluster(1)
+    sea = upload(cp.stub, adapters_dir / "sea.gguf")
+    # The worker lost the adapter and the control plane knows it (e.g. a push failed).
+    w.servicer.adapters.clear()
+    [handle] = cp.state.pool.live()
+    handle.adapter_ids.clear()
+    generate(cp, "hello", {sea.id: 1.0})
+    assert w.servicer.adapters == {sea.id: sea.sha256}
+
+
+def test_affinity_prefers_the_worker_that_served_the_same_set(cluster, adapters_dir):
+    cp, [w1, w2] = cluster(2)
+    upload(cp.stub, adapters_dir / "sea.gguf")
+    held = cp.stub.Generate(common_pb2.GenerateRequest(text="hang", adapters=common_pb2.AdapterMap()))
+    assert next(held).HasField("started")  # set {} now on w1, which has one request in flight
+    assert len(w1.servicer.submitted) == 1
+    generate(cp, "hello", {0: 1.0})  # a new set goes to the least loaded worker: w2
+    assert len(w2.servicer.submitted) == 1
+    generate(cp, "hello", {})  # set {} sticks to w1 (1 in flight < 2 slots) though w2 is idle
+    assert len(w1.servicer.submitted) == 2
+    held.cancel()
+
+
+def test_client_deadline_bounds_the_worker_call(cluster):
+    cp, [w] = cluster(1)
+    call = cp.stub.Generate(common_pb2.GenerateRequest(text="hang"), timeout=1.0)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert w.servicer.cancelled.wait(5)
+    assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)

@@ -1,0 +1,129 @@
+"""Worker side of membership: register with the control plane, then heartbeat.
+
+`start_membership` runs one daemon thread that
+
+  1. waits for the control-plane channel (``grpc.channel_ready_future``, bounded by a
+     timeout) and calls ``RegisterWorker``; on failure it waits with exponential backoff
+     (capped, interruptible through ``stop_event``) and tries again;
+  2. calls ``Heartbeat`` every ``WorkerAck.heartbeat_interval_ms``; a NOT_FOUND answer means
+     the control plane forgot us (it restarted), so we register again; other failures are
+     logged and the next heartbeat is tried on schedule — gRPC reconnects the channel itself.
+
+The control plane dials the worker back during ``RegisterWorker`` to push adapters, so the
+worker's own server must already be serving when this starts.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+
+log = structlog.get_logger("worker.membership")
+
+
+@dataclass(frozen=True)
+class MembershipBackoff:
+    """Retry timing for registration.
+
+    Attributes:
+        connect_timeout_s: how long one attempt waits for the channel to become ready.
+        register_timeout_s: deadline of one RegisterWorker call (it includes the control
+            plane pushing every adapter to us).
+        initial_s / max_s / multiplier: exponential backoff between failed attempts.
+        heartbeat_timeout_s: deadline of one Heartbeat call.
+    """
+
+    connect_timeout_s: float = 5.0
+    register_timeout_s: float = 300.0
+    initial_s: float = 0.2
+    max_s: float = 10.0
+    multiplier: float = 2.0
+    heartbeat_timeout_s: float = 5.0
+
+
+class _Membership:
+    def __init__(self, addr: str, hello: control_plane_pb2.WorkerHello, stop: threading.Event,
+                 backoff: MembershipBackoff, credentials: grpc.ChannelCredentials | None) -> None:
+        self.addr = addr
+        self.hello = hello
+        self.stop = stop
+        self.backoff = backoff
+        self.credentials = credentials
+        self.registered = threading.Event()
+
+    def run(self) -> None:
+        channel = (grpc.secure_channel(self.addr, self.credentials) if self.credentials
+                   else grpc.insecure_channel(self.addr))
+        stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+        log_ = log.bind(worker_id=self.hello.worker_id, control_plane=self.addr)
+        try:
+            while not self.stop.is_set():
+                interval_s = self._register(channel, stub, log_)
+                if interval_s is None:
+                    return
+                self._heartbeat_until_forgotten(stub, interval_s, log_)
+        finally:
+            channel.close()
+
+    def _register(self, channel: grpc.Channel, stub, log_) -> float | None:
+        """Register, retrying with backoff; the heartbeat interval, or None when stopped."""
+        delay = self.backoff.initial_s
+        while not self.stop.is_set():
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.backoff.connect_timeout_s)
+                ack = stub.RegisterWorker(self.hello, timeout=self.backoff.register_timeout_s)
+                interval_s = max(ack.heartbeat_interval_ms, 1) / 1000.0
+                log_.info("worker_registered", heartbeat_interval_s=interval_s)
+                self.registered.set()
+                return interval_s
+            except grpc.FutureTimeoutError:
+                log_.warning("control_plane_unreachable", retry_in_s=delay)
+            except grpc.RpcError as exc:
+                log_.warning("register_failed", code=exc.code().name, error=exc.details(), retry_in_s=delay)
+            if self.stop.wait(delay):
+                return None
+            delay = min(delay * self.backoff.multiplier, self.backoff.max_s)
+        return None
+
+    def _heartbeat_until_forgotten(self, stub, interval_s: float, log_) -> None:
+        """Heartbeat every interval until stopped or the control plane no longer knows us."""
+        while not self.stop.wait(interval_s):
+            try:
+                ack = stub.Heartbeat(self.hello, timeout=self.backoff.heartbeat_timeout_s)
+                if ack.heartbeat_interval_ms:
+                    interval_s = ack.heartbeat_interval_ms / 1000.0
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log_.warning("worker_forgotten_reregistering", error=exc.details())
+                    self.registered.clear()
+                    return
+                log_.warning("heartbeat_failed", code=exc.code().name, error=exc.details())
+
+
+class MembershipThread(threading.Thread):
+    """The register-then-heartbeat daemon thread.
+
+    Attributes:
+        registered: set while the control plane knows this worker (tests wait on it).
+    """
+
+    def __init__(self, membership: _Membership) -> None:
+        super().__init__(target=membership.run, name=f"membership-{membership.hello.worker_id}", daemon=True)
+        self.registered = membership.registered
+
+
+def start_membership(control_plane_addr: str, hello: control_plane_pb2.WorkerHello,
+                     stop_event: threading.Event, *, backoff: MembershipBackoff = MembershipBackoff(),
+                     credentials: grpc.ChannelCredentials | None = None) -> MembershipThread:
+    """Start the register-then-heartbeat thread (daemon) and return it.
+
+    Set ``stop_event`` to stop it; it exits within one heartbeat interval / backoff step.
+    """
+    thread = MembershipThread(_Membership(control_plane_addr, hello, stop_event, backoff, credentials))
+    thread.start()
+    return thread
