@@ -73,6 +73,7 @@ class GraphContext:
         self.row_set = row_set  # int64 (n,) adapter-set index of each row
         self.plan.route(row_set)
         self._rows_reduced = False
+        self._rope_cache: dict[tuple[int, float, float], tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
 
     # --- inputs -----------------------------------------------------------------------
@@ -204,6 +205,18 @@ class GraphContext:
         self.n_nodes += 8
         return self.build_lora_mm(wo, out.reshape(n, n_head * dv))
 
+    def build_rope(self, x: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0,
+                   neox: bool) -> torch.Tensor:
+        """Rope x ``(n, H, d_head)`` at the ubatch positions; cos/sin are computed once per
+        ubatch for each (n_rot, base, scale) and shared by every layer and by q and k."""
+        key = (n_rot, freq_base, freq_scale)
+        cs = self._rope_cache.get(key)
+        if cs is None:
+            cs = self._rope_cache[key] = rope_cos_sin(self.inp.pos, n_rot=n_rot, freq_base=freq_base,
+                                                      freq_scale=freq_scale)
+        self.n_nodes += 1
+        return apply_rope(x, cs[0], cs[1], neox=neox)
+
     # --- feed-forward -------------------------------------------------------------------
     def build_ffn(self, x: torch.Tensor, *, up: str, gate: str, down: str, act: str) -> torch.Tensor:
         """Gated FFN ``down(act(gate x) * up x)`` (``LLM_FFN_PAR``); act "silu" or "gelu"
@@ -241,20 +254,23 @@ def _act(x: torch.Tensor, act: str) -> torch.Tensor:
     raise ValueError(f"unknown activation '{act}'")
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0,
-         neox: bool) -> torch.Tensor:
-    """Rotary position embedding (``ggml_rope_ext``), f32 math.
-
-    x ``(n, H, d_head)``, pos int64 ``(n,)``. ``neox``: rotate halves (dims i and i+n_rot/2,
-    LLAMA_ROPE_TYPE_NEOX); else adjacent pairs (2i, 2i+1, LLAMA_ROPE_TYPE_NORM).
-    theta_i = pos · freq_scale · base^(-2i/n_rot).
-    """
-    xf = x.float()
+def rope_cos_sin(pos: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """f32 ``(n, 1, n_rot/2)`` cos and sin of theta_i = pos · freq_scale · base^(-2i/n_rot)
+    (``ggml_rope_ext`` without YaRN), computed in f64 for accuracy at large positions."""
     half = n_rot // 2
-    inv = freq_base ** (-torch.arange(0, half, device=x.device, dtype=torch.float64) * 2.0 / n_rot)
-    theta = (pos.to(torch.float64) * freq_scale).unsqueeze(1) * inv.unsqueeze(0)  # (n, half)
-    cos = torch.cos(theta).float().unsqueeze(1)
-    sin = torch.sin(theta).float().unsqueeze(1)
+    inv = freq_base ** (-torch.arange(0, half, device=pos.device, dtype=torch.float64) * 2.0 / n_rot)
+    theta = (pos.to(torch.float64) * freq_scale).unsqueeze(1) * inv.unsqueeze(0)
+    return torch.cos(theta).float().unsqueeze(1), torch.sin(theta).float().unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, neox: bool) -> torch.Tensor:
+    """Rotate x ``(n, H, d_head)`` by ``cos``/``sin`` from ``rope_cos_sin``. ``neox``: rotate
+    halves (dims i and i+n_rot/2, LLAMA_ROPE_TYPE_NEOX); else adjacent pairs (2i, 2i+1,
+    LLAMA_ROPE_TYPE_NORM). Dims past n_rot pass through."""
+    xf = x.float()
+    n_rot = 2 * cos.shape[-1]
+    half = n_rot // 2
     rot, rest = xf[..., :n_rot], xf[..., n_rot:]
     if neox:
         x1, x2 = rot[..., :half], rot[..., half:]
@@ -262,7 +278,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor, *, n_rot: int, freq_base: float, fr
     else:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         r = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-    return torch.cat([r, rest], dim=-1).to(x.dtype) if rest.numel() else r.to(x.dtype)
+    return (torch.cat([r, rest], dim=-1) if rest.numel() else r).to(x.dtype)
 
 
 def inv_sqrt(x: float) -> float:

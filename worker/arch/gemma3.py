@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.arch import TensorSpec, meta
-from worker.graph import GraphContext, rope
+from worker.graph import GraphContext
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,6 @@ def tensor_specs(hp: HParams) -> list[TensorSpec]:
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
-    pos = ctx.inp.pos
     x = ctx.build_inp_embd("token_embd.weight") * math.sqrt(hp.n_embd)
     n = x.shape[0]
     for il in range(hp.n_layer):
@@ -114,8 +113,8 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
         k = ctx.build_norm(k, b + "attn_k_norm.weight", hp.eps)
         base = hp.rope_freq_base_swa if swa else hp.rope_freq_base
         fscale = 1.0 if swa else hp.rope_freq_scale
-        q = rope(q, pos, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
-        k = rope(k, pos, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
+        q = ctx.build_rope(q, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
+        k = ctx.build_rope(k, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
         q = q * hp.f_attention_scale
         cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=1.0,
                              n_swa=hp.n_swa if swa else 0)

@@ -15,7 +15,7 @@ import torch
 
 from worker.arch import TensorSpec, meta
 from worker.arch.gemma3 import output_logits
-from worker.graph import GraphContext, inv_sqrt, rope
+from worker.graph import GraphContext, inv_sqrt
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,6 @@ def tensor_specs(hp: HParams) -> list[TensorSpec]:
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
-    pos = ctx.inp.pos
     x = ctx.build_inp_embd("token_embd.weight")
     n = x.shape[0]
     for il in range(hp.n_layer):
@@ -107,8 +106,8 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
         q = ctx.build_lora_mm(b + "attn_q.weight", cur).view(n, hp.n_head, hp.n_embd_head_k)
         k = ctx.build_lora_mm(b + "attn_k.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_k)
         v = ctx.build_lora_mm(b + "attn_v.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_v)
-        q = rope(q, pos, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False)
-        k = rope(k, pos, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False)
+        q = ctx.build_rope(q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False)
+        k = ctx.build_rope(k, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False)
         cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=inv_sqrt(hp.n_embd_head_k))
         if il == hp.n_layer - 1:
             cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
