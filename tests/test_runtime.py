@@ -1,0 +1,183 @@
+"""Model runtime: load errors, sampling, KV cache + sliding window, compute dtype."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from worker.context import DecodeError, Model, UBatch
+from worker.gguf_reader import GGUFError, read_gguf
+from worker.model import ModelError, load_model
+from worker.sampling import Sampler, SamplingError, SamplingParams, prompt_logprobs
+
+
+# --- load errors ----------------------------------------------------------------------------
+def _tiny_model(path, arch="llama", qtype=None):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_context_length(64)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(61)])
+    w.add_token_scores([0.0] * 64)
+    w.add_token_types([2, 3, 3] + [1] * 61)
+    if qtype is None:
+        w.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float32))
+    else:
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]  # one block per row
+        w.add_tensor("token_embd.weight", np.zeros((64, type_size), dtype=np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_not_gguf_names_file(tmp_path):
+    p = tmp_path / "junk.gguf"
+    p.write_bytes(b"GGML\0\0\0\0 nope")
+    with pytest.raises(GGUFError, match=r"junk\.gguf: not a GGUF file"):
+        load_model(p, device="cpu")
+
+
+def test_truncated_names_file(tmp_path, fixtures_dir):
+    src = (fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf").read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(src[: len(src) // 3])
+    with pytest.raises(GGUFError, match=r"cut\.gguf: .*truncated or corrupt"):
+        load_model(p, device="cpu")
+
+
+def test_unknown_architecture(tmp_path):
+    p = _tiny_model(tmp_path / "m.gguf", arch="mamba9")
+    with pytest.raises(ModelError, match=r"m\.gguf: unknown architecture 'mamba9' \(supported: gemma3, llama\)"):
+        load_model(p, device="cpu")
+
+
+def test_missing_tensor_names_it(tmp_path):
+    p = _tiny_model(tmp_path / "m.gguf")
+    with pytest.raises(ModelError, match=r"missing tensor 'output_norm.weight'"):
+        load_model(p, device="cpu")
+
+
+def test_unsupported_quant_type_names_tensor(tmp_path):
+    from worker.gguf_reader import dequantize
+
+    p = _tiny_model(tmp_path / "q.gguf", qtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    rec = read_gguf(p).tensors["token_embd.weight"]
+    with pytest.raises(GGUFError, match=r"tensor 'token_embd.weight' has unsupported type IQ2_XXS"):
+        dequantize(p, rec)
+
+
+def test_adapter_file_is_not_a_model(fixtures_dir):
+    with pytest.raises(ModelError, match="general.type is 'adapter', expected 'model'"):
+        load_model(fixtures_dir / "adapters" / "sea.gguf", device="cpu")
+
+
+# --- sampling -------------------------------------------------------------------------------
+def test_greedy_and_logprobs():
+    logits = torch.tensor([0.0, 2.0, 1.0, -1.0])
+    s = Sampler(SamplingParams(logprobs=2)).sample(logits)
+    lp = torch.log_softmax(logits, -1)
+    assert s.token_id == 1 and s.logprob == pytest.approx(float(lp[1]))
+    assert [t for t, _ in s.top] == [1, 2] and s.top[1][1] == pytest.approx(float(lp[2]))
+
+
+def test_seed_is_deterministic_and_top_k_top_p_cut():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    draw = lambda **kw: [Sampler(SamplingParams(temperature=1.0, seed=7, **kw)).sample(logits).token_id  # noqa: E731
+                         for _ in range(3)]
+    assert draw() == draw()  # same seed, same tokens
+    seqs = set()
+    s = Sampler(SamplingParams(temperature=1.0, seed=3))
+    for _ in range(50):
+        seqs.add(s.sample(logits).token_id)
+    assert len(seqs) > 5  # it really samples
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    s = Sampler(SamplingParams(temperature=2.0, top_k=3, seed=0))
+    assert {s.sample(logits).token_id for _ in range(100)} <= top3
+    peaked = torch.tensor([5.0, 4.9, -10.0, -10.0])
+    s = Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=0))
+    assert {s.sample(peaked).token_id for _ in range(50)} == {0}
+
+
+@pytest.mark.parametrize("field,value,msg", [("max_tokens", 0, "max_tokens must be >= 1"),
+                                             ("temperature", -1.0, "temperature must be >= 0"),
+                                             ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+                                             ("logprobs", 50, r"logprobs must be in \[0, 20\]")])
+def test_sampling_validation(field, value, msg):
+    with pytest.raises(SamplingError, match=msg):
+        SamplingParams(**{field: value}).validate()
+
+
+# --- KV cache, sliding window, dtype ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma(base_model_path):
+    model = Model(load_model(base_model_path, dtype="f32", device="cpu"))
+    ctx = model.new_context(n_ctx_seq=1024)
+    yield model, ctx
+    ctx.close()
+
+
+def test_incremental_decode_past_sliding_window_equals_one_shot(gemma):
+    """A 600-token sequence (> the 512 sliding window): prompt in chunks then token by token
+    gives the one-shot ubatch's logits (checks the per-layer window mask on both paths)."""
+    model, ctx = gemma
+    g = torch.Generator().manual_seed(0)
+    toks = [2] + torch.randint(300, 20000, (599,), generator=g).tolist()
+    n = len(toks)
+    want = [i >= n - 4 for i in range(n)]
+    one = ctx.decode(UBatch(toks, list(range(n)), [1] * n, want)).logits
+    ctx.kv.seq_rm(1)
+    got = []
+    for lo, hi in [(0, 300), (300, 596)]:
+        ctx.decode(UBatch(toks[lo:hi], list(range(lo, hi)), [1] * (hi - lo), [False] * (hi - lo)))
+    for p in range(596, n):
+        got.append(ctx.decode(UBatch([toks[p]], [p], [1], [True])).logits[0])
+    ctx.kv.seq_rm(1)
+    diff = float((torch.log_softmax(torch.stack(got), -1) - torch.log_softmax(one, -1)).abs().max())
+    assert diff <= 1e-4, diff
+
+
+def test_decode_rejects_bad_rows_and_keeps_cache(gemma):
+    model, ctx = gemma
+    ctx.decode(UBatch([2, 818], [0, 1], [3, 3], [False, True]))
+    with pytest.raises(DecodeError, match="seq 3: ubatch starts at pos 5 but the sequence holds 2"):
+        ctx.decode(UBatch([7606], [5], [3], [True]))
+    with pytest.raises(DecodeError, match=r"token id 999999 out of range \[0, 262144\)"):
+        ctx.decode(UBatch([999999], [2], [3], [True]))
+    assert ctx.kv.seq_len(3) == 2
+    ctx.kv.seq_rm(3)
+
+
+def test_prompt_logprobs_helper(gemma):
+    model, ctx = gemma
+    toks = model.base.tokenizer.encode("The weather today is")
+    n = len(toks)
+    res = ctx.decode(UBatch(toks, list(range(n)), [4] * n, [True] * n))
+    ctx.kv.seq_rm(4)
+    lps = prompt_logprobs(res.logits[:-1], toks[1:])
+    assert len(lps) == n - 1 and all(lp < 0 for lp in lps)
+
+
+def test_bf16_close_to_f32(base_model_path, gemma):
+    """bf16 compute: same greedy choice where f32's margin is clear, log-probs within 0.15."""
+    _, ctx32 = gemma
+    m16 = Model(load_model(base_model_path, dtype="bf16", device="cpu"))
+    assert m16.base.weights["blk.0.attn_q.weight"].dtype == torch.bfloat16
+    ctx16 = m16.new_context(n_ctx_seq=64)
+    toks = m16.base.tokenizer.encode("Once upon a time, a small robot")
+    n = len(toks)
+    ub = lambda: UBatch(toks, list(range(n)), [0] * n, [True] * n)  # noqa: E731
+    a = torch.log_softmax(ctx32.decode(ub()).logits, -1)
+    ctx32.kv.seq_rm(0)
+    b = torch.log_softmax(ctx16.decode(ub()).logits, -1)
+    top2 = torch.topk(a, 2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.5
+    assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+    picked = a.gather(1, a.argmax(-1, keepdim=True))
+    assert float((picked - b.gather(1, a.argmax(-1, keepdim=True))).abs().max()) < 0.15
