@@ -1,0 +1,322 @@
+"""Client commands of the ``loraplane`` CLI: generate, adapters, default, workers.
+
+Exit codes (CONTRACT.md): 0 success; 1 the server refused (with ``--json`` the error object
+goes to stdout, else the message to stderr); 2 usage error (click); 3 the server cannot be
+reached.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import click
+
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError, ServerUnreachable
+from clients.params import (
+    ADAPTER_SCALE,
+    TOKEN_IDS,
+    UINT32_MAX,
+    UINT64_MAX,
+    client_options,
+    scales_to_map,
+)
+from clients.results import ResultBuilder, TokenEvent
+
+EXIT_REFUSED = 1
+EXIT_UNREACHABLE = 3
+EXIT_INTERRUPTED = 130
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    addr: str
+    as_json: bool
+    admin_token: str | None
+    timeout: float | None
+    connect_timeout: float
+
+    def client(self) -> LoraplaneClient:
+        return LoraplaneClient(self.addr, admin_token=self.admin_token, timeout=self.timeout,
+                               connect_timeout=self.connect_timeout)
+
+
+def _opts(kwargs: dict) -> ClientOptions:
+    return ClientOptions(
+        addr=kwargs.pop("addr"), as_json=kwargs.pop("as_json"),
+        admin_token=kwargs.pop("admin_token"), timeout=kwargs.pop("timeout"),
+        connect_timeout=kwargs.pop("connect_timeout"),
+    )
+
+
+def report_error(err: LoraplaneError, as_json: bool) -> None:
+    from clients.render import print_json
+
+    if as_json:
+        print_json(err.to_json())
+    elif isinstance(err, ServerUnreachable):
+        click.echo(f"loraplane: {err.message}", err=True)
+    else:
+        click.echo(f"loraplane: {err.code}: {err.message}", err=True)
+
+
+@contextmanager
+def server_call(opts: ClientOptions) -> Iterator[LoraplaneClient]:
+    """A connected client; server errors become exit codes 1 and 3, Ctrl-C exit 130."""
+    ctx = click.get_current_context()
+    client = opts.client()
+    try:
+        yield client
+    except ServerUnreachable as err:
+        report_error(err, opts.as_json)
+        ctx.exit(EXIT_UNREACHABLE)
+    except LoraplaneError as err:
+        report_error(err, opts.as_json)
+        ctx.exit(EXIT_REFUSED)
+    except KeyboardInterrupt:
+        click.echo("\nloraplane: interrupted", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    finally:
+        client.close()
+
+
+# ---- generate ----------------------------------------------------------------------------
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt-tokens", type=TOKEN_IDS, default=None,
+              help="Prompt as token ids, taken verbatim (nothing added). Instead of PROMPT.")
+@click.option("--lora", "loras", type=ADAPTER_SCALE, multiple=True,
+              help="Use adapter ID at SCALE (repeatable); every other adapter at 0.")
+@click.option("--no-lora", is_flag=True, help="Use no adapters at all (not the default set).")
+@click.option("--max-tokens", type=click.IntRange(min=1, max=UINT32_MAX), default=16,
+              show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0 is greedy.")
+@click.option("--top-k", type=click.IntRange(min=0, max=UINT32_MAX), default=0, show_default=True,
+              help="0: no top-k cut.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1), default=1.0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0, max=UINT64_MAX), default=None)
+@click.option("--logprobs", type=click.IntRange(min=0, max=UINT32_MAX), default=None, metavar="N",
+              help="Return each generated token's log-prob and the top N alternatives.")
+@click.option("--prompt-logprobs", is_flag=True,
+              help="Return the log-prob of every prompt token given its prefix.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-generation.")
+@click.option("--request-id", default="", help="Request id (assigned by the server if empty).")
+@click.option("--no-telemetry", is_flag=True, help="Text mode: print only the generated text.")
+@client_options
+def generate(prompt: str | None, prompt_tokens: tuple[int, ...] | None,
+             loras: tuple[tuple[int, float], ...], no_lora: bool, logprobs: int | None,
+             prompt_logprobs: bool, no_telemetry: bool, **kwargs) -> None:
+    """Generate a continuation of PROMPT (or of --prompt-tokens), streaming tokens.
+
+    Adapters: no --lora and no --no-lora → the control plane's default set; --no-lora →
+    none; --lora ID=SCALE… → exactly those.
+    """
+    opts = _opts(kwargs)
+    if (prompt is None) == (prompt_tokens is None):
+        raise click.UsageError("give exactly one of PROMPT or --prompt-tokens")
+    if loras and no_lora:
+        raise click.UsageError("--lora and --no-lora exclude each other")
+    adapters: dict[int, float] | None = None
+    if no_lora:
+        adapters = {}
+    elif loras:
+        adapters = scales_to_map(loras, "--lora")
+    sampling = dict(
+        max_tokens=kwargs["max_tokens"], temperature=kwargs["temperature"],
+        top_k=kwargs["top_k"], top_p=kwargs["top_p"], seed=kwargs["seed"],
+        logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs,
+        ignore_eos=kwargs["ignore_eos"], request_id=kwargs["request_id"],
+    )
+    builder = ResultBuilder()
+    streamed = False
+    with server_call(opts) as client:
+        try:
+            for ev in client.generate_stream(prompt, prompt_tokens=prompt_tokens,
+                                             adapters=adapters, **sampling):
+                builder.add(ev)
+                if not opts.as_json and isinstance(ev, TokenEvent) and ev.text:
+                    click.echo(ev.text, nl=False)
+                    streamed = True
+        finally:
+            if streamed:
+                click.echo()
+        if builder.finished is None:
+            raise LoraplaneError("UNKNOWN", "the generation stream ended before finishing")
+    result = builder.build()
+    if opts.as_json:
+        from clients.render import print_json
+
+        print_json(result.to_json(include_logprobs=logprobs is not None,
+                                  include_prompt_logprobs=prompt_logprobs))
+        return
+    if not streamed and result.text:
+        click.echo(result.text)
+    if no_telemetry:
+        return
+    from clients.render import (
+        logprobs_table,
+        print_telemetry,
+        prompt_logprobs_table,
+        stderr_console,
+    )
+
+    console = stderr_console()
+    print_telemetry(result, console)
+    if logprobs is not None:
+        console.print(logprobs_table(result))
+    if prompt_logprobs:
+        console.print(prompt_logprobs_table(result))
+
+
+# ---- adapters ----------------------------------------------------------------------------
+
+
+@click.group()
+def adapters() -> None:
+    """List, inspect, register and unregister LoRA adapters."""
+
+
+@adapters.command("list")
+@client_options
+def adapters_list(**kwargs) -> None:
+    """List registered adapters."""
+    opts = _opts(kwargs)
+    with server_call(opts) as client:
+        found = client.list_adapters()
+    from clients.render import adapters_table, print_json, stdout_console
+
+    if opts.as_json:
+        print_json({"adapters": [a.to_json() for a in found]})
+    else:
+        stdout_console().print(adapters_table(found))
+
+
+@adapters.command("show")
+@click.argument("adapter_id", metavar="ID", type=click.IntRange(min=0, max=UINT32_MAX))
+@client_options
+def adapters_show(adapter_id: int, **kwargs) -> None:
+    """Show everything known about adapter ID."""
+    opts = _opts(kwargs)
+    with server_call(opts) as client:
+        adapter = client.get_adapter(adapter_id)
+    from clients.render import adapter_detail, print_json, stdout_console
+
+    if opts.as_json:
+        print_json(adapter.to_json())
+    else:
+        stdout_console().print(adapter_detail(adapter))
+
+
+@adapters.command("add")
+@click.argument("file", metavar="FILE")
+@click.option("--name", default=None, help="Display name (default: the file's general.name).")
+@click.option("--server-path", is_flag=True,
+              help="FILE is a path on the server: register it without uploading.")
+@client_options
+def adapters_add(file: str, name: str | None, server_path: bool, **kwargs) -> None:
+    """Register the adapter GGUF FILE (uploaded in chunks unless --server-path)."""
+    opts = _opts(kwargs)
+    if server_path:
+        # Relative paths mean "relative to where I am", as for an upload.
+        file = os.path.abspath(file) if not os.path.isabs(file) else file
+    elif not os.path.isfile(file):
+        raise click.BadParameter(f"file {file!r} does not exist", param_hint="FILE")
+    with server_call(opts) as client:
+        adapter = client.add_adapter(file, name=name, server_path=server_path)
+    from clients.render import print_json
+
+    if opts.as_json:
+        print_json(adapter.to_json())
+    else:
+        click.echo(f"registered adapter {adapter.id} ({adapter.name or 'unnamed'}, "
+                   f"sha256 {adapter.sha256[:12]})")
+
+
+@adapters.command("remove")
+@click.argument("adapter_id", metavar="ID", type=click.IntRange(min=0, max=UINT32_MAX))
+@client_options
+def adapters_remove(adapter_id: int, **kwargs) -> None:
+    """Unregister adapter ID (its id is never reused)."""
+    opts = _opts(kwargs)
+    with server_call(opts) as client:
+        client.remove_adapter(adapter_id)
+    from clients.render import print_json
+
+    if opts.as_json:
+        print_json({"id": adapter_id, "removed": True})
+    else:
+        click.echo(f"removed adapter {adapter_id}")
+
+
+# ---- default set -------------------------------------------------------------------------
+
+
+@click.group()
+def default() -> None:
+    """Show or replace the global default adapter set."""
+
+
+def _print_default(opts: ClientOptions, default_set) -> None:
+    from clients.render import default_table, print_json, stdout_console
+
+    if opts.as_json:
+        print_json(default_set.to_json())
+    else:
+        stdout_console().print(default_table(default_set))
+
+
+@default.command("get")
+@client_options
+def default_get(**kwargs) -> None:
+    """Show the default set (used by requests that carry no adapter map)."""
+    opts = _opts(kwargs)
+    with server_call(opts) as client:
+        current = client.get_default()
+    _print_default(opts, current)
+
+
+@default.command("set")
+@click.argument("entries", metavar="ID=SCALE...", type=ADAPTER_SCALE, nargs=-1)
+@click.option("--clear", is_flag=True, help="Set the default to no adapters.")
+@client_options
+def default_set(entries: tuple[tuple[int, float], ...], clear: bool, **kwargs) -> None:
+    """Replace the default set with ID=SCALE… (others at 0), or --clear it."""
+    opts = _opts(kwargs)
+    if bool(entries) == clear:
+        raise click.UsageError("give ID=SCALE… or --clear (not both)")
+    scales = {} if clear else scales_to_map(entries, "ID=SCALE")
+    with server_call(opts) as client:
+        current = client.set_default(scales)
+    _print_default(opts, current)
+
+
+# ---- workers -----------------------------------------------------------------------------
+
+
+@click.group()
+def workers() -> None:
+    """Inspect the workers registered with the control plane."""
+
+
+@workers.command("list")
+@client_options
+def workers_list(**kwargs) -> None:
+    """List workers with their state, slots and loaded adapters."""
+    opts = _opts(kwargs)
+    with server_call(opts) as client:
+        found = client.list_workers()
+    from clients.render import print_json, stdout_console, workers_table
+
+    if opts.as_json:
+        print_json({"workers": [w.to_json() for w in found]})
+    else:
+        stdout_console().print(workers_table(found))
+
+
+CLIENT_COMMANDS = (generate, adapters, default, workers)

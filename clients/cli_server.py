@@ -1,0 +1,309 @@
+"""Server commands of the ``loraplane`` CLI: ``control-plane``, ``worker`` and ``serve``.
+
+The servers themselves live in ``control_plane.server`` and ``worker.server``; they are
+imported inside the commands so that the CLI starts fast (no torch import for client
+commands or ``--help``).
+
+Start-up adapters register in command-line order across ``--lora`` and ``--lora-scaled``
+(CONTRACT.md: "in the order given", as llama-server). click collects each option into its
+own list, so `OrderedArgsCommand` keeps the raw arguments and `startup_adapters` restores the
+interleaving; the control plane then gets them all in ``lora_scaled`` (``--lora PATH`` is
+``PATH:1.0``) and an empty ``lora`` list, which keeps that order whatever it does with the two.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from clients.params import ENV_ADMIN_TOKEN, PATH_SCALE, HostPortType
+
+F = TypeVar("F", bound=Callable[..., Any])
+RAW_ARGS_KEY = "loraplane.raw_args"
+DEFAULT_DATA_DIR = "./loraplane-data"
+
+
+class OrderedArgsCommand(click.Command):
+    """A command that keeps its raw arguments in ``ctx.meta`` (see `startup_adapters`)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[RAW_ARGS_KEY] = list(args)
+        return super().parse_args(ctx, args)
+
+
+def startup_adapters(raw_args: Sequence[str], lora: Sequence[str],
+                     lora_scaled: Sequence[tuple[str, float]]) -> list[tuple[str, float]]:
+    """``--lora`` / ``--lora-scaled`` values as ``(path, scale)`` in command-line order."""
+    kinds: list[str] = []
+    for arg in raw_args:
+        if arg == "--":
+            break
+        if arg == "--lora" or arg.startswith("--lora="):
+            kinds.append("lora")
+        elif arg == "--lora-scaled" or arg.startswith("--lora-scaled="):
+            kinds.append("scaled")
+    plain = [(path, 1.0) for path in lora]
+    scaled = list(lora_scaled)
+    if kinds.count("lora") != len(plain) or kinds.count("scaled") != len(scaled):
+        return plain + scaled  # could not line the values up with the arguments
+    ordered = []
+    for kind in kinds:
+        ordered.append(plain.pop(0) if kind == "lora" else scaled.pop(0))
+    return ordered
+
+
+def _existing_file(path: str, flag: str) -> str:
+    if not os.path.isfile(path):
+        raise click.BadParameter(f"file {path!r} does not exist", param_hint=flag)
+    return os.path.abspath(path)
+
+
+def make_config(cls: type, **values: Any) -> Any:
+    """``cls(**values)`` keeping only the fields ``cls`` has; warn about set values it lacks."""
+    accepted = inspect.signature(cls).parameters
+    unknown = [k for k, v in values.items() if k not in accepted and v not in (None, [], (), False)]
+    for key in unknown:
+        click.echo(f"loraplane: warning: {cls.__name__} has no field {key!r}; ignored", err=True)
+    return cls(**{k: v for k, v in values.items() if k in accepted})
+
+
+# ---- option groups -----------------------------------------------------------------------
+
+
+def control_plane_options(f: F) -> F:
+    options = [
+        click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True,
+                     type=click.Path(file_okay=False),
+                     help="Where the registry (SQLite) and uploaded adapters live."),
+        click.option("--adapter-dir", "adapter_dirs", multiple=True,
+                     type=click.Path(file_okay=False),
+                     help="Directory whose files may be registered by server path (repeatable)."),
+        click.option("--lora", "lora", multiple=True, metavar="PATH",
+                     help="Register this adapter at start-up, default scale 1 (repeatable)."),
+        click.option("--lora-scaled", "lora_scaled", multiple=True, type=PATH_SCALE,
+                     help="Register this adapter at start-up with default SCALE (repeatable)."),
+        click.option("--lora-init-without-apply", is_flag=True,
+                     help="Register the start-up adapters but leave the default set empty."),
+        click.option("--admin-token", envvar=ENV_ADMIN_TOKEN, default=None, metavar="TOKEN",
+                     help=f"Require this bearer token for admin calls (env {ENV_ADMIN_TOKEN})."),
+        click.option("--max-upload-bytes", type=click.IntRange(min=1), default=None,
+                     help="Largest adapter upload accepted (RESOURCE_EXHAUSTED beyond)."),
+        click.option("--heartbeat-interval", "heartbeat_interval_s",
+                     type=click.FloatRange(min=0, min_open=True), default=None,
+                     metavar="SECONDS", help="Worker heartbeat interval."),
+        click.option("--max-threads", type=click.IntRange(min=1), default=None,
+                     help="gRPC handler threads (each streaming Generate holds one)."),
+        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+                     default=None, help="Control-plane log level (default info)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+CP_TUNING = ("max_upload_bytes", "heartbeat_interval_s", "max_threads", "log_level")
+
+
+def model_option(f: F) -> F:
+    return click.option("--model", "model_path", default=None, metavar="PATH",
+                        help="Base model GGUF (default: the embedded Gemma 3 270M).")(f)
+
+
+def worker_runtime_options(f: F) -> F:
+    """Worker options that ``serve`` forwards to its worker subprocess."""
+    options = [
+        click.option("--slots", "n_slots", type=click.IntRange(min=1), default=4,
+                     show_default=True, help="Parallel sequences (llama-server --parallel)."),
+        click.option("--batching", type=click.Choice(["mixed", "compat"]), default="mixed",
+                     show_default=True,
+                     help="mixed: different adapter sets share a batch; compat: llama.cpp's rule."),
+        click.option("--prefix-cache", type=click.Choice(["keyed", "llama"]), default="keyed",
+                     show_default=True,
+                     help="keyed: per adapter-set prefixes; llama: llama.cpp's clear-on-switch."),
+        click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32",
+                     show_default=True),
+        click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto",
+                     show_default=True, help="auto: CUDA when present."),
+        click.option("--n-ctx", "n_ctx_slot", type=click.IntRange(min=16), default=None,
+                     help="KV cache tokens per slot."),
+        click.option("--queue-limit", type=click.IntRange(min=0), default=None,
+                     help="Waiting requests beyond the slots before RESOURCE_EXHAUSTED."),
+        click.option("--prefix-cache-tokens", type=click.IntRange(min=0), default=None,
+                     help="Token budget of the keyed prefix cache."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def worker_args(*, model_path: str | None, n_slots: int, batching: str, prefix_cache: str,
+                dtype: str, device: str, n_ctx_slot: int | None, queue_limit: int | None,
+                prefix_cache_tokens: int | None) -> tuple[str, ...]:
+    """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
+    args = ["--slots", str(n_slots), "--batching", batching, "--prefix-cache", prefix_cache,
+            "--dtype", dtype, "--device", device]
+    optional = {"--model": model_path, "--n-ctx": n_ctx_slot, "--queue-limit": queue_limit,
+                "--prefix-cache-tokens": prefix_cache_tokens}
+    for flag, value in optional.items():
+        if value is not None:
+            args += [flag, str(value)]
+    return tuple(args)
+
+
+# ---- loading the servers -----------------------------------------------------------------
+
+
+def load_control_plane() -> tuple[Callable[..., Any], type]:
+    try:
+        from control_plane.server import ControlPlaneConfig, run_control_plane
+    except ImportError as err:
+        raise click.ClickException(f"the control plane is not available: {err}") from None
+    return run_control_plane, ControlPlaneConfig
+
+
+def control_plane_config(cls: type, *, addr: str, data_dir: str,
+                         adapter_dirs: Sequence[str], model_path: str | None,
+                         adapters: Sequence[tuple[str, float]],
+                         lora_init_without_apply: bool, admin_token: str | None,
+                         **tuning: Any) -> Any:
+    """``ControlPlaneConfig``; ``tuning`` values that are None keep the config's defaults."""
+    return make_config(
+        cls,
+        addr=addr,
+        data_dir=str(data_dir),
+        adapter_dirs=tuple(str(Path(d).resolve()) for d in adapter_dirs),
+        model_path=model_path,
+        lora=(),
+        lora_scaled=tuple(adapters),
+        lora_init_without_apply=lora_init_without_apply,
+        admin_token=admin_token or None,
+        **{k: v for k, v in tuning.items() if v is not None},
+    )
+
+
+def _startup_adapters_from(ctx: click.Context, lora: Sequence[str],
+                           lora_scaled: Sequence[tuple[str, float]]) -> list[tuple[str, float]]:
+    ordered = startup_adapters(ctx.meta.get(RAW_ARGS_KEY, ()), lora, lora_scaled)
+    return [(_existing_file(p, "--lora/--lora-scaled"), s) for p, s in ordered]
+
+
+def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
+    """Run a blocking server function; Ctrl-C is a clean stop, other failures exit 1."""
+    try:
+        fn()
+    except KeyboardInterrupt:
+        return 0
+    except (OSError, RuntimeError, ValueError) as err:
+        raise click.ClickException(f"{what} failed: {err}") from None
+    return 0
+
+
+# ---- commands ----------------------------------------------------------------------------
+
+
+@click.command("control-plane", cls=OrderedArgsCommand)
+@click.option("--addr", type=HostPortType(), default="127.0.0.1:50051", show_default=True,
+              help="Address to bind.")
+@control_plane_options
+@model_option
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM certificate: serve TLS (with --tls-key).")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM private key of --tls-cert.")
+@click.pass_context
+def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
+                      adapter_dirs: tuple[str, ...], lora: tuple[str, ...],
+                      lora_scaled: tuple[tuple[str, float], ...], lora_init_without_apply: bool,
+                      admin_token: str | None, model_path: str | None, tls_cert: str | None,
+                      tls_key: str | None, **tuning: Any) -> None:
+    """Run the control plane (adapter registry, default set, routing) until SIGINT/SIGTERM."""
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    adapters = _startup_adapters_from(ctx, lora, lora_scaled)
+    run_control_plane, config_cls = load_control_plane()
+    config = control_plane_config(
+        config_cls, addr=addr, data_dir=data_dir, adapter_dirs=adapter_dirs,
+        model_path=model_path, adapters=adapters,
+        lora_init_without_apply=lora_init_without_apply, admin_token=admin_token,
+        tls_cert=tls_cert, tls_key=tls_key, **tuning)
+    ctx.exit(_run_blocking("the control plane", lambda: run_control_plane(config)))
+
+
+@click.command("worker")
+@click.option("--control-plane", "control_plane", type=HostPortType(allow_zero=False),
+              default=None, help="Control plane to register with (omit: standalone).")
+@click.option("--addr", type=HostPortType(), default="127.0.0.1:0", show_default=True,
+              help="Address to bind (port 0 picks a free port).")
+@click.option("--advertise-addr", default=None, metavar="HOST:PORT",
+              help="Address the control plane should dial (default: the bound one).")
+@click.option("--worker-id", default="", help="Stable worker name (generated when empty).")
+@model_option
+@worker_runtime_options
+@click.pass_context
+def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
+               advertise_addr: str | None, worker_id: str, model_path: str | None,
+               n_slots: int, batching: str, prefix_cache: str, dtype: str, device: str,
+               n_ctx_slot: int | None, queue_limit: int | None,
+               prefix_cache_tokens: int | None) -> None:
+    """Run a worker (base model, slots, caches) until SIGINT/SIGTERM."""
+    try:
+        from worker.config import Batching, PrefixCachePolicy, WorkerConfig
+        from worker.server import serve_worker
+    except ImportError as err:
+        raise click.ClickException(f"the worker is not available: {err}") from None
+    optional = {"n_ctx_slot": n_ctx_slot, "queue_limit": queue_limit,
+                "prefix_cache_tokens": prefix_cache_tokens}
+    config = make_config(
+        WorkerConfig, addr=addr, model_path=model_path, n_slots=n_slots,
+        batching=Batching(batching), prefix_cache=PrefixCachePolicy(prefix_cache),
+        dtype=dtype, device=device, control_plane=control_plane,
+        advertise_addr=advertise_addr, worker_id=worker_id,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+    ctx.exit(_run_blocking("the worker", lambda: serve_worker(config)))
+
+
+@click.command("serve", cls=OrderedArgsCommand)
+@click.option("--addr", type=HostPortType(), default="127.0.0.1:50051", show_default=True,
+              help="Control plane address (port 0 picks a free port).")
+@control_plane_options
+@model_option
+@worker_runtime_options
+@click.option("--ready-timeout", type=click.FloatRange(min=1), default=600.0,
+              show_default=True, metavar="SECONDS",
+              help="How long the worker may take to load the model and register.")
+@click.pass_context
+def serve_cmd(ctx: click.Context, addr: str, data_dir: str, adapter_dirs: tuple[str, ...],
+              lora: tuple[str, ...], lora_scaled: tuple[tuple[str, float], ...],
+              lora_init_without_apply: bool, admin_token: str | None, model_path: str | None,
+              ready_timeout: float, **options: Any) -> None:
+    """Run the control plane here and one worker subprocess; SIGINT/SIGTERM stops both."""
+    from clients.serve import ServePlan, resolve_port, run_serve
+
+    tuning = {k: options.pop(k) for k in CP_TUNING}
+    runtime = options
+    adapters = _startup_adapters_from(ctx, lora, lora_scaled)
+    run_control_plane, config_cls = load_control_plane()
+    addr = resolve_port(addr)
+    config = control_plane_config(
+        config_cls, addr=addr, data_dir=data_dir, adapter_dirs=adapter_dirs,
+        model_path=model_path, adapters=adapters,
+        lora_init_without_apply=lora_init_without_apply, admin_token=admin_token, **tuning)
+    plan = ServePlan(cp_addr=addr, worker_args=worker_args(model_path=model_path, **runtime),
+                     ready_timeout_s=ready_timeout)
+    code = 0
+
+    def run() -> None:
+        nonlocal code
+        code = run_serve(plan, run_control_plane, config)
+
+    _run_blocking("serve", run)
+    ctx.exit(code)
+
+
+SERVER_COMMANDS = (serve_cmd, control_plane_cmd, worker_cmd)

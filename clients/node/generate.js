@@ -1,0 +1,134 @@
+#!/usr/bin/env node
+'use strict';
+// Stream one generation from a loraplane control plane and print one JSON line:
+//   {"text": "...", "token_ids": [...]}
+//
+//   node clients/node/generate.js --addr HOST:PORT --prompt TEXT [--lora ID=SCALE]...
+//                                 [--no-lora] [--prompt-tokens ID,ID,...] [--max-tokens N]
+//                                 [--temperature T] [--seed S] [--stream]
+//
+// No --lora and no --no-lora: the control plane's default adapter set; --no-lora: no adapters;
+// --lora: exactly those adapters, every other one at 0. --stream echoes token pieces to stderr
+// as they arrive. Exit codes as the loraplane CLI: 0 ok, 1 server refused (error JSON on
+// stdout), 2 usage error, 3 server unreachable.
+
+const { parseArgs } = require('util');
+const { generate, LoraplaneError, ServerUnreachable } = require('./loraplane');
+
+const USAGE = 'usage: generate.js --addr HOST:PORT (--prompt TEXT | --prompt-tokens ID,ID,...) '
+  + '[--lora ID=SCALE]... [--no-lora] [--max-tokens N] [--temperature T] [--seed S] [--stream]';
+
+class UsageError extends Error {}
+
+function parseLora(text) {
+  const m = /^\s*(\d+)\s*=\s*(.+)$/.exec(text);
+  const scale = m ? Number(m[2]) : NaN;
+  if (!m || !Number.isFinite(scale) || m[2].trim() === '') {
+    throw new UsageError(`--lora: ${JSON.stringify(text)} is not ID=SCALE (e.g. 0=1.0)`);
+  }
+  return [Number(m[1]), scale];
+}
+
+function parseIntOption(name, text, min) {
+  if (!/^\d+$/.test(text) || Number(text) < min) {
+    throw new UsageError(`${name}: ${JSON.stringify(text)} is not an integer >= ${min}`);
+  }
+  return Number(text);
+}
+
+function parseCommandLine(argv) {
+  let values;
+  try {
+    ({ values } = parseArgs({
+      args: argv,
+      options: {
+        addr: { type: 'string', default: process.env.LORAPLANE_ADDR || '127.0.0.1:50051' },
+        prompt: { type: 'string' },
+        'prompt-tokens': { type: 'string' },
+        lora: { type: 'string', multiple: true, default: [] },
+        'no-lora': { type: 'boolean', default: false },
+        'max-tokens': { type: 'string', default: '16' },
+        temperature: { type: 'string', default: '0' },
+        seed: { type: 'string' },
+        stream: { type: 'boolean', default: false },
+        help: { type: 'boolean', short: 'h', default: false },
+      },
+      strict: true,
+      allowPositionals: false,
+    }));
+  } catch (err) {
+    throw new UsageError(err.message);
+  }
+  if (values.help) return { help: true };
+  if ((values.prompt === undefined) === (values['prompt-tokens'] === undefined)) {
+    throw new UsageError('give exactly one of --prompt or --prompt-tokens');
+  }
+  if (values.lora.length && values['no-lora']) {
+    throw new UsageError('--lora and --no-lora exclude each other');
+  }
+  let adapters;
+  if (values['no-lora']) adapters = {};
+  if (values.lora.length) {
+    adapters = {};
+    for (const [id, scale] of values.lora.map(parseLora)) {
+      if (id in adapters) throw new UsageError(`--lora: adapter id ${id} given twice`);
+      adapters[id] = scale;
+    }
+  }
+  let promptTokens;
+  if (values['prompt-tokens'] !== undefined) {
+    promptTokens = values['prompt-tokens'].split(',').filter((s) => s.trim() !== '')
+      .map((s) => parseIntOption('--prompt-tokens', s.trim(), 0));
+    if (!promptTokens.length) throw new UsageError('--prompt-tokens: no token ids given');
+  }
+  const temperature = Number(values.temperature);
+  if (!Number.isFinite(temperature) || temperature < 0) {
+    throw new UsageError(`--temperature: ${JSON.stringify(values.temperature)} is not >= 0`);
+  }
+  return {
+    addr: values.addr,
+    stream: values.stream,
+    request: {
+      prompt: values.prompt,
+      promptTokens,
+      adapters,
+      maxTokens: parseIntOption('--max-tokens', values['max-tokens'], 1),
+      temperature,
+      seed: values.seed === undefined ? undefined : parseIntOption('--seed', values.seed, 0),
+    },
+  };
+}
+
+async function main() {
+  let cmd;
+  try {
+    cmd = parseCommandLine(process.argv.slice(2));
+  } catch (err) {
+    if (!(err instanceof UsageError)) throw err;
+    process.stderr.write(`${USAGE}\nerror: ${err.message}\n`);
+    return 2;
+  }
+  if (cmd.help) {
+    process.stdout.write(`${USAGE}\n`);
+    return 0;
+  }
+  const onToken = cmd.stream ? (tok) => process.stderr.write(tok.text) : undefined;
+  try {
+    const result = await generate(cmd.addr, cmd.request, { onToken });
+    if (cmd.stream) process.stderr.write('\n');
+    process.stdout.write(`${JSON.stringify({ text: result.text, token_ids: result.token_ids })}\n`);
+    return 0;
+  } catch (err) {
+    if (!(err instanceof LoraplaneError)) throw err;
+    process.stdout.write(`${JSON.stringify({ error: { code: err.code, message: err.details } })}\n`);
+    return err instanceof ServerUnreachable ? 3 : 1;
+  }
+}
+
+main().then(
+  (code) => { process.exitCode = code; },
+  (err) => {
+    process.stderr.write(`generate.js: internal error: ${err && err.message}\n`);
+    process.exitCode = 1;
+  },
+);

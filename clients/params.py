@@ -1,0 +1,170 @@
+"""click parameter types and shared option groups of the ``loraplane`` CLI.
+
+Every malformed value is a ``click.BadParameter`` here, so it ends as click's usage error
+(exit code 2) before any connection is made.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import click
+
+UINT32_MAX = 2**32 - 1  # ids and counts are uint32 on the wire
+UINT64_MAX = 2**64 - 1
+
+ENV_ADDR = "LORAPLANE_ADDR"
+ENV_ADMIN_TOKEN = "LORAPLANE_ADMIN_TOKEN"
+DEFAULT_ADDR = "127.0.0.1:50051"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _finite_float(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{what} {text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{what} {text!r} is not finite")
+    return value
+
+
+def _adapter_id(text: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ValueError(f"adapter id {text!r} is not an integer") from None
+    if not 0 <= value <= UINT32_MAX:
+        raise ValueError(f"adapter id {value} is out of range (0..{UINT32_MAX})")
+    return value
+
+
+class AdapterScaleType(click.ParamType):
+    """``ID=SCALE`` → ``(id, scale)``."""
+
+    name = "ID=SCALE"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> tuple[int, float]:
+        if isinstance(value, tuple):
+            return value
+        id_text, sep, scale_text = str(value).partition("=")
+        if not sep:
+            self.fail(f"{value!r} is not ID=SCALE (e.g. 0=1.0)", param, ctx)
+        try:
+            return _adapter_id(id_text), _finite_float(scale_text, "scale")
+        except ValueError as err:
+            self.fail(f"{value!r}: {err}", param, ctx)
+
+
+class TokenIdsType(click.ParamType):
+    """``ID,ID,…`` → a non-empty tuple of non-negative token ids."""
+
+    name = "ID,ID,…"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        parts = [p.strip() for p in str(value).split(",") if p.strip()]
+        if not parts:
+            self.fail("no token ids given", param, ctx)
+        ids = []
+        for part in parts:
+            try:
+                token = int(part)
+            except ValueError:
+                self.fail(f"token id {part!r} is not an integer", param, ctx)
+            if not 0 <= token <= UINT32_MAX:
+                self.fail(f"token id {token} is out of range (0..{UINT32_MAX})", param, ctx)
+            ids.append(token)
+        return tuple(ids)
+
+
+class PathScaleType(click.ParamType):
+    """``PATH:SCALE`` (scale required) or, with ``optional_scale``, ``PATH[:SCALE]``."""
+
+    def __init__(self, optional_scale: bool = False) -> None:
+        self.optional_scale = optional_scale
+        self.name = "PATH[:SCALE]" if optional_scale else "PATH:SCALE"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> tuple[str, float]:
+        if isinstance(value, tuple):
+            return value
+        text = str(value)
+        path, sep, scale_text = text.rpartition(":")
+        if sep and path:
+            try:
+                return path, _finite_float(scale_text, "scale")
+            except ValueError as err:
+                if not self.optional_scale:
+                    self.fail(f"{text!r}: {err}", param, ctx)
+        if self.optional_scale:
+            return text, 1.0
+        self.fail(f"{text!r} is not PATH:SCALE (e.g. shout.gguf:0.5)", param, ctx)
+
+
+class HostPortType(click.ParamType):
+    """``HOST:PORT`` for addresses a server binds (port 0 only where ``allow_zero``)."""
+
+    name = "HOST:PORT"
+
+    def __init__(self, allow_zero: bool = True) -> None:
+        self.allow_zero = allow_zero
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        text = str(value)
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+            self.fail(f"{text!r} is not HOST:PORT", param, ctx)
+        if int(port_text) == 0 and not self.allow_zero:
+            self.fail(f"{text!r}: port 0 is not allowed here", param, ctx)
+        return text
+
+
+ADAPTER_SCALE = AdapterScaleType()
+TOKEN_IDS = TokenIdsType()
+PATH_SCALE = PathScaleType()
+PATH_OPTIONAL_SCALE = PathScaleType(optional_scale=True)
+
+
+def scales_to_map(pairs: Sequence[tuple[int, float]], param_hint: str) -> dict[int, float]:
+    """``[(id, scale), …]`` → ``{id: scale}``; an id given twice is a usage error."""
+    out: dict[int, float] = {}
+    for adapter_id, scale in pairs:
+        if adapter_id in out:
+            raise click.BadParameter(f"adapter id {adapter_id} is given more than once",
+                                     param_hint=param_hint)
+        out[adapter_id] = scale
+    return out
+
+
+def client_options(f: F) -> F:
+    """The options every client command takes: --addr, --json, --admin-token, timeouts."""
+    options = [
+        click.option("--addr", envvar=ENV_ADDR, default=DEFAULT_ADDR, show_default=True,
+                     metavar="HOST:PORT",
+                     help=f"Control plane address (env {ENV_ADDR})."),
+        click.option("--json", "as_json", is_flag=True,
+                     help="Print one JSON object on stdout (errors too)."),
+        click.option("--admin-token", envvar=ENV_ADMIN_TOKEN, default=None, metavar="TOKEN",
+                     help=f"Bearer token for admin calls (env {ENV_ADMIN_TOKEN})."),
+        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+                     metavar="SECONDS", help="Deadline of each call (default: none)."),
+        click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True),
+                     default=5.0, show_default=True, metavar="SECONDS",
+                     help="How long to wait for the server to accept the connection."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}

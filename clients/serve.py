@@ -1,0 +1,248 @@
+"""``loraplane serve``: the control plane in this process plus one worker subprocess.
+
+Who runs what:
+
+- The **main thread** runs ``control_plane.server.run_control_plane(config)``, which blocks
+  until SIGINT/SIGTERM (it must own the main thread: only it can install signal handlers).
+- A **supervisor thread** waits until the control plane accepts connections, starts the
+  worker (``python -m clients.cli worker --control-plane <addr> --addr 127.0.0.1:0 …``),
+  polls ``ListWorkers`` until the worker has registered, announces readiness, runs the
+  optional ``on_ready`` hook (the demo) and then watches the worker process.
+- Stopping: one ``threading.Event`` is the control plane's ``stop_event`` (its SIGINT/SIGTERM
+  handlers set it) and the supervisor's stop flag. Whoever ends serving — a signal, the worker
+  dying or never registering, ``on_ready`` asking to stop — sets it; ``run_control_plane``
+  returns and the main thread terminates the worker (SIGTERM, then SIGKILL after a grace
+  period), so shutdown always takes the same path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
+from clients.results import WorkerInfo
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+WORKER_STOP_GRACE_S = 20.0
+POLL_INTERVAL_S = 0.25
+
+# Called with a connected client and the registered worker once serving; returns True to stop.
+ReadyHook = Callable[[LoraplaneClient, WorkerInfo], bool]
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What `run_serve` starts.
+
+    Attributes:
+        cp_addr: address the control plane binds and the worker dials (a real port, not 0).
+        worker_args: ``loraplane worker`` options besides ``--control-plane``/``--addr``.
+        ready_timeout_s: how long the worker may take to load the model and register.
+        worker_log: file for the worker's stdout/stderr (None: share this process's).
+        quiet: do not announce readiness on stderr.
+    """
+
+    cp_addr: str
+    worker_args: tuple[str, ...] = ()
+    ready_timeout_s: float = 600.0
+    worker_log: Path | None = None
+    quiet: bool = False
+
+
+def resolve_port(addr: str) -> str:
+    """``host:0`` → ``host:<a free port>`` (the worker must be told a real port)."""
+    host, _, port = addr.rpartition(":")
+    if port != "0":
+        return addr
+    bind_host = host.strip("[]") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((bind_host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def dial_addr(addr: str) -> str:
+    """The address to dial for a bind address (a wildcard host becomes loopback)."""
+    host, _, port = addr.rpartition(":")
+    if host in ("0.0.0.0", "", "[::]", "::"):
+        return f"127.0.0.1:{port}"
+    return addr
+
+
+def worker_command(cp_addr: str, worker_id: str, worker_args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "clients.cli", "worker", "--control-plane", cp_addr,
+            "--addr", "127.0.0.1:0", "--worker-id", worker_id, *worker_args]
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _say(message: str) -> None:
+    click.echo(f"loraplane: {message}", err=True)
+
+
+class _Supervisor(threading.Thread):
+    """Starts and watches the worker; see the module docstring."""
+
+    def __init__(self, plan: ServePlan, on_ready: ReadyHook | None,
+                 stopping: threading.Event) -> None:
+        super().__init__(name="loraplane-serve-supervisor", daemon=True)
+        self.plan = plan
+        self.on_ready = on_ready
+        self.exit_code = 0
+        self.stopping = stopping
+        # Our worker is recognised by this id (never mistake another server's worker for it).
+        self.worker_id = f"serve-{uuid.uuid4().hex[:8]}"
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+        self._stop_requested = False
+
+    # -- thread body ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            # No per-call deadline: on_ready may generate on a slow CPU worker.
+            with LoraplaneClient(dial_addr(self.plan.cp_addr), wait_for_server=True,
+                                 connect_timeout=self.plan.ready_timeout_s) as client:
+                client.connect()
+                if not self._spawn_worker():
+                    return
+                worker = self._wait_registered(client)
+                if worker is None:
+                    return
+                if not self.plan.quiet:
+                    _say(f"serving on {self.plan.cp_addr} "
+                         f"(worker {worker.worker_id} at {worker.addr}); Ctrl-C stops")
+                if self.on_ready is not None and self.on_ready(client, worker):
+                    self.request_stop(0)
+                    return
+            self._watch_worker()
+        except LoraplaneError as err:
+            if not self.stopping.is_set():
+                _say(f"serve failed: {err.message}")
+                self.request_stop(1)
+        except Exception as err:  # noqa: BLE001 - report, then stop the whole process
+            if not self.stopping.is_set():
+                _say(f"serve failed: {type(err).__name__}: {err}")
+                self.request_stop(1)
+
+    def _spawn_worker(self) -> bool:
+        cmd = worker_command(dial_addr(self.plan.cp_addr), self.worker_id,
+                             self.plan.worker_args)
+        with self._lock:
+            if self.stopping.is_set():
+                return False
+            out: Any = None
+            if self.plan.worker_log is not None:
+                self._log_file = open(self.plan.worker_log, "ab")  # noqa: SIM115
+                out = self._log_file
+            self._proc = subprocess.Popen(cmd, env=_worker_env(), stdout=out,
+                                          stderr=subprocess.STDOUT if out else None,
+                                          stdin=subprocess.DEVNULL)
+        return True
+
+    def _wait_registered(self, client: LoraplaneClient) -> WorkerInfo | None:
+        deadline = time.monotonic() + self.plan.ready_timeout_s
+        while not self.stopping.is_set():
+            code = self._proc.poll() if self._proc else None
+            if code is not None:
+                _say(f"the worker exited with code {code} before registering"
+                     + (f" (log: {self.plan.worker_log})" if self.plan.worker_log else ""))
+                self.request_stop(1)
+                return None
+            ours = [w for w in client.list_workers()
+                    if w.alive and w.worker_id == self.worker_id]
+            if ours:
+                return ours[0]
+            if time.monotonic() > deadline:
+                _say(f"the worker did not register within {self.plan.ready_timeout_s:g}s")
+                self.request_stop(1)
+                return None
+            self.stopping.wait(POLL_INTERVAL_S)
+        return None
+
+    def _watch_worker(self) -> None:
+        while not self.stopping.wait(POLL_INTERVAL_S):
+            code = self._proc.poll() if self._proc else None
+            if code is not None and not self.stopping.is_set():
+                _say(f"the worker exited unexpectedly with code {code}")
+                self.request_stop(1)
+                return
+
+    # -- stopping ------------------------------------------------------------------------
+
+    def request_stop(self, exit_code: int) -> None:
+        """Stop serving from this thread: record the code and end ``run_control_plane``."""
+        with self._lock:
+            if self._stop_requested or self.stopping.is_set():
+                return
+            self._stop_requested = True
+            self.exit_code = exit_code
+        self.stopping.set()
+
+    def shutdown(self) -> None:
+        """Main thread, after the control plane returned: stop the worker and this thread."""
+        with self._lock:
+            self.stopping.set()
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(WORKER_STOP_GRACE_S)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                proc.kill()
+                proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+        self.join(timeout=5.0)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_serve(plan: ServePlan, run_control_plane: Callable[..., Any], cp_config: Any,
+              on_ready: ReadyHook | None = None) -> int:
+    """Serve until interrupted (or until ``on_ready`` returns True); returns the exit code.
+
+    ``run_control_plane(cp_config, stop_event=event)`` blocks until ``event`` is set (its own
+    SIGINT/SIGTERM handlers set it). Before it installs them, and after it restores them, both
+    signals raise KeyboardInterrupt here (even where SIGINT was inherited as ignored, as for
+    background jobs of a script), which ends serving the same way.
+    """
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stopping = threading.Event()
+    supervisor = _Supervisor(plan, on_ready, stopping)
+    supervisor.start()
+    try:
+        run_control_plane(cp_config, stop_event=stopping)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        try:
+            supervisor.shutdown()
+        except KeyboardInterrupt:
+            pass
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return supervisor.exit_code

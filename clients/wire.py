@@ -1,0 +1,104 @@
+"""Building the request messages the client sends (shared by the sync and async clients).
+
+The one subtle rule lives in `adapter_map_into`: ``adapters=None`` leaves
+``GenerateRequest.adapters`` unset (the control plane uses its default set), while
+``adapters={}`` sets an *empty* ``AdapterMap`` (explicitly no adapters). proto3 keeps the two
+apart only because the map is wrapped in a message field, so the empty case must mark the
+field present (``SetInParent``) rather than add nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+from loraplane.v1 import common_pb2
+
+# Data chunk size of adapter uploads: well under gRPC's 4 MiB default message limit.
+UPLOAD_CHUNK_BYTES = 1 << 20
+
+
+def adapter_map(scales: Mapping[int, float]) -> common_pb2.AdapterMap:
+    """An `AdapterMap` with one entry per id, in id order. Validates ids and scales."""
+    amap = common_pb2.AdapterMap()
+    for adapter_id, scale in sorted(scales.items()):
+        if isinstance(adapter_id, bool) or not isinstance(adapter_id, int) or adapter_id < 0:
+            raise ValueError(f"adapter id must be a non-negative integer, got {adapter_id!r}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale of adapter {adapter_id} must be finite, got {scale!r}")
+        amap.entries.add(id=adapter_id, scale=scale)
+    return amap
+
+
+def adapter_map_into(req: common_pb2.GenerateRequest,
+                     adapters: Mapping[int, float] | None) -> None:
+    """Set ``req.adapters``: None leaves it unset, a mapping (even empty) sets it."""
+    if adapters is None:
+        return
+    req.adapters.SetInParent()  # present even when there are no entries
+    req.adapters.MergeFrom(adapter_map(adapters))
+
+
+def generate_request(
+    prompt: str | None = None,
+    *,
+    prompt_tokens: Sequence[int] | None = None,
+    adapters: Mapping[int, float] | None = None,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    seed: int | None = None,
+    logprobs: int = 0,
+    prompt_logprobs: bool = False,
+    ignore_eos: bool = False,
+    request_id: str = "",
+) -> common_pb2.GenerateRequest:
+    """A `GenerateRequest` from keyword arguments (exactly one of ``prompt``/``prompt_tokens``)."""
+    if (prompt is None) == (prompt_tokens is None):
+        raise ValueError("give exactly one of prompt (text) or prompt_tokens (ids)")
+    req = common_pb2.GenerateRequest(request_id=request_id)
+    if prompt is not None:
+        req.text = prompt
+    else:
+        tokens = list(prompt_tokens or ())
+        if not tokens:
+            raise ValueError("prompt_tokens must not be empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
+            raise ValueError(f"prompt_tokens must be non-negative integers, got {tokens!r}")
+        req.tokens.ids.extend(tokens)
+    adapter_map_into(req, adapters)
+    if max_tokens < 0 or top_k < 0 or logprobs < 0:
+        raise ValueError("max_tokens, top_k and logprobs must be non-negative")
+    sampling = req.sampling
+    sampling.max_tokens = max_tokens
+    sampling.temperature = temperature
+    sampling.top_k = top_k
+    sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    sampling.logprobs = logprobs
+    sampling.prompt_logprobs = prompt_logprobs
+    sampling.ignore_eos = ignore_eos
+    return req
+
+
+def upload_chunks(path: str | os.PathLike[str], *, name: str | None = None,
+                  server_path: bool = False) -> Iterator[common_pb2.AdapterChunk]:
+    """The `AdapterChunk` stream of a ``RegisterAdapter`` call.
+
+    ``server_path=True``: one chunk naming a file the server reads itself (no bytes sent).
+    Otherwise the first chunk carries the header fields (name) with the first piece of the
+    file, and the rest follows in `UPLOAD_CHUNK_BYTES` pieces, read lazily so big files are
+    never held whole in memory.
+    """
+    if server_path:
+        yield common_pb2.AdapterChunk(name=name or "", server_path=os.fspath(path))
+        return
+    with Path(path).open("rb") as f:
+        yield common_pb2.AdapterChunk(name=name or "", data=f.read(UPLOAD_CHUNK_BYTES))
+        while data := f.read(UPLOAD_CHUNK_BYTES):
+            yield common_pb2.AdapterChunk(data=data)
