@@ -11,6 +11,7 @@ telemetry, and keeps serving until interrupted (``--once``: exits after printing
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -64,14 +65,19 @@ def run_demo_requests(client: LoraplaneClient, prompt: str, max_tokens: int,
         return [(name, fut.result()) for (name, _), fut in zip(settings, futures, strict=True)]
 
 
-def _ready_hook(prompt: str, max_tokens: int, once: bool):
+def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool):
     def on_ready(client: LoraplaneClient, worker: WorkerInfo) -> bool:
         from clients.render import side_by_side, stdout_console
 
         console = stdout_console()
         ids = demo_adapter_ids(client)
         columns = run_demo_requests(client, prompt, max_tokens, ids)
-        console.print(side_by_side(prompt, columns))
+        if as_json:
+            click.echo(json.dumps({"prompt": prompt, "results": [
+                {"name": name, "text": r.text, "token_ids": list(r.token_ids), "telemetry": r.telemetry}
+                for name, r in columns]}, ensure_ascii=False))
+        else:
+            console.print(side_by_side(prompt, columns))
         if not once:
             console.print(f"Serving on {client.addr}. Try:  loraplane generate --addr "
                           f"{client.addr} --lora {ids['shout']}=1 \"{prompt}\"   "
@@ -83,6 +89,7 @@ def _ready_hook(prompt: str, max_tokens: int, once: bool):
 
 @click.command("demo")
 @click.option("--once", is_flag=True, help="Exit after printing the comparison.")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as one JSON object.")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
@@ -99,7 +106,7 @@ def _ready_hook(prompt: str, max_tokens: int, once: bool):
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="warning", show_default=True, help="Control-plane log level.")
 @click.pass_context
-def demo_cmd(ctx: click.Context, once: bool, prompt: str, max_tokens: int,
+def demo_cmd(ctx: click.Context, once: bool, as_json: bool, prompt: str, max_tokens: int,
              data_dir: str | None, addr: str, model_path: str | None, device: str,
              dtype: str, ready_timeout: float, log_level: str) -> None:
     """Serve with the shout and sea demo adapters and compare them on one prompt."""
@@ -131,7 +138,7 @@ def demo_cmd(ctx: click.Context, once: bool, prompt: str, max_tokens: int,
                "loading the model...", err=True)
     try:
         code = run_serve(plan, run_control_plane, config,
-                         on_ready=_ready_hook(prompt, max_tokens, once))
+                         on_ready=_ready_hook(prompt, max_tokens, once, as_json))
     except (OSError, RuntimeError, ValueError) as err:
         raise click.ClickException(f"demo failed: {err}") from None
     finally:
