@@ -181,3 +181,67 @@ def test_bf16_close_to_f32(base_model_path, gemma):
     assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
     picked = a.gather(1, a.argmax(-1, keepdim=True))
     assert float((picked - b.gather(1, a.argmax(-1, keepdim=True))).abs().max()) < 0.15
+
+
+# --- dense llama -----------------------------------------------------------------------------
+def _write_llama(path, *, rng_seed: int, moe: bool):
+    """A tiny llama GGUF; with ``moe`` the FFN is a 1-expert MoE holding the same weights as the
+    dense FFN (softmax over one expert = 1, so both models must give the same logits)."""
+    rng = np.random.default_rng(rng_seed)
+    d, ff, V, L = 32, 48, 64, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(L)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_context_length(64)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    if moe:
+        w.add_expert_count(1)
+        w.add_expert_used_count(1)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(V - 3)])
+    w.add_token_scores([0.0] * V)
+    w.add_token_types([2, 3, 3] + [1] * (V - 3))
+    f = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    w.add_tensor("token_embd.weight", f(V, d))
+    w.add_tensor("output_norm.weight", 1 + f(d))
+    w.add_tensor("output.weight", f(V, d))
+    for il in range(L):
+        b = f"blk.{il}."
+        w.add_tensor(b + "attn_norm.weight", 1 + f(d))
+        w.add_tensor(b + "attn_q.weight", f(d, d))
+        w.add_tensor(b + "attn_k.weight", f(d // 2, d))
+        w.add_tensor(b + "attn_v.weight", f(d // 2, d))
+        w.add_tensor(b + "attn_output.weight", f(d, d))
+        w.add_tensor(b + "ffn_norm.weight", 1 + f(d))
+        gate, up, down, router = f(ff, d), f(ff, d), f(d, ff), f(1, d)  # same draws either way
+        if moe:
+            w.add_tensor(b + "ffn_gate_inp.weight", router)
+            w.add_tensor(b + "ffn_gate_exps.weight", gate[None])
+            w.add_tensor(b + "ffn_up_exps.weight", up[None])
+            w.add_tensor(b + "ffn_down_exps.weight", down[None])
+        else:
+            w.add_tensor(b + "ffn_gate.weight", gate)
+            w.add_tensor(b + "ffn_up.weight", up)
+            w.add_tensor(b + "ffn_down.weight", down)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_dense_llama_equals_one_expert_moe(tmp_path):
+    dense = Model(load_model(_write_llama(tmp_path / "dense.gguf", rng_seed=5, moe=False), device="cpu"))
+    moe = Model(load_model(_write_llama(tmp_path / "moe.gguf", rng_seed=5, moe=True), device="cpu"))
+    assert dense.base.hparams.n_expert == 0 and moe.base.hparams.n_expert == 1
+    toks = [1, 7, 9, 30, 41, 12]
+    n = len(toks)
+    ub = lambda: UBatch(toks, list(range(n)), [0] * n, [True] * n)  # noqa: E731
+    a = dense.new_context(n_ctx_seq=32).decode(ub()).logits
+    b = moe.new_context(n_ctx_seq=32).decode(ub()).logits
+    assert float((a - b).abs().max()) <= 1e-5
+    assert float(a.std()) > 0.1  # the model is not degenerate
