@@ -259,8 +259,8 @@ class Scheduler:
                 tokens.append(tok)
                 pos.append(p)
                 seqs.append(s.id)
-                last_prompt = p == len(req.prompt) - 1
-                want.append(p >= len(req.prompt) - 1 or req.params.prompt_logprobs or last_prompt)
+                # logits for the last prompt row and generated rows; every row for prompt_logprobs
+                want.append(p >= len(req.prompt) - 1 or req.params.prompt_logprobs)
                 set_idx.append(sets.index(st))
         order = sorted(range(len(sets)), key=lambda i: sets[i].fingerprint)
         remap = {old: new for new, old in enumerate(order)}

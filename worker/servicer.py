@@ -25,6 +25,8 @@ log = structlog.get_logger("loraplane.worker.servicer")
 
 _END_OF_INPUT = object()
 _CALL_DONE = object()
+_OPENED = object()  # (_OPENED, rid): rid submitted; its events are awaited
+_CLOSED = object()  # (_CLOSED, rid): rid cancelled by cancel_request_id; no more events awaited
 
 
 def status_code(name: str) -> grpc.StatusCode:
@@ -101,8 +103,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return
             if item is _END_OF_INPUT:
                 input_done = True
-            elif isinstance(item, tuple) and item[0] == "opened":
+            elif item[0] is _OPENED:
                 open_ids.add(item[1])
+            elif item[0] is _CLOSED:
+                open_ids.discard(item[1])
             else:
                 rid, ev = item
                 if isinstance(ev, ErrorEvent):
@@ -124,6 +128,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     if req is not None:
                         req.cancelled.set()
                         self.engine.scheduler.wake()
+                        events.put((_CLOSED, msg.cancel_request_id))
         except grpc.RpcError:
             pass  # the call ended; the done-callback cancels what it submitted
         events.put(_END_OF_INPUT)
@@ -139,7 +144,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             events.put((rid, ErrorEvent("INVALID_ARGUMENT", "request has neither prompt text nor prompt tokens")))
             return
         try:
-            events.put(("opened", rid))
+            events.put((_OPENED, rid))
             req = self.engine.submit(
                 request_id=rid, prompt_tokens=list(r.tokens.ids) if which == "tokens" else None,
                 prompt_text=r.text if which == "text" else None, params=sampling_from_proto(r.sampling),
