@@ -181,11 +181,19 @@ class Scheduler:
             self._attach(slot, req)
 
     def _pick_slot(self, free: list[Slot], req: GenRequest) -> Slot:
-        """llama policy: the idle slot whose cache shares the longest reusable prefix, else
-        the least recently used one. keyed policy: least recently used."""
+        """llama policy: like llama-server's ``get_available_slot``, the idle slot whose cached
+        tokens share the longest prefix with the prompt (tokens only: the adapter rule is
+        applied after), else the least recently used. keyed policy: least recently used."""
         if self.config.prefix_cache == PrefixCachePolicy.LLAMA:
-            best = max(free, key=lambda s: (s.cached_prefix_for(req), -s.last_used))
-            if best.cached_prefix_for(req) > 0:
+            def lcp(s: Slot) -> int:
+                n = 0
+                for a, b in zip(s.cache_tokens, req.prompt):
+                    if a != b:
+                        break
+                    n += 1
+                return n
+            best = max(free, key=lambda s: (lcp(s), -s.last_used))
+            if lcp(best) > 0:
                 return best
         return min(free, key=lambda s: s.last_used)
 
