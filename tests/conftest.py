@@ -50,3 +50,35 @@ def start_control_plane(tmp_path: Path, base_model_path: Path):
     yield start
     for cp in started:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory, fixtures_dir: Path, base_model_path: Path):
+    """ONE real ``serve`` for every client-side test (Python client, CLI, Node client): a
+    control plane on 127.0.0.1 port 0 (tmp data dir, ``adapter_dirs=[fixtures/adapters]``, no
+    admin token) plus one real worker (4 slots, CPU), registered before this returns. A
+    ``tests.live_servers.LiveControlPlane``. Shared: tests register what they use and restore
+    the default set they change."""
+    from tests.live_servers import start_control_plane, start_worker
+
+    root = tmp_path_factory.mktemp("live-server")
+    cp = start_control_plane(root / "data", fixtures_dir / "adapters", base_model_path)
+    try:
+        start_worker(cp, base_model_path, root / "worker.log")
+    except BaseException:
+        cp.stop()
+        raise
+    yield cp
+    cp.stop()
+
+
+@pytest.fixture(scope="session")
+def admin_control_plane(tmp_path_factory, fixtures_dir: Path, base_model_path: Path):
+    """A real control plane WITH an admin token (``tests.live_servers.ADMIN_TOKEN``) and no
+    worker, for authentication checks; ``.addr``, ``.admin_token``."""
+    from tests.live_servers import ADMIN_TOKEN, start_control_plane
+
+    cp = start_control_plane(tmp_path_factory.mktemp("admin-cp") / "data",
+                             fixtures_dir / "adapters", base_model_path, admin_token=ADMIN_TOKEN)
+    yield cp
+    cp.stop()

@@ -1,10 +1,11 @@
 """The ``loraplane`` CLI: usage errors (2), unreachable server (3), server refusals (1), JSON
-shapes (CONTRACT.md), help for every command. Client commands run against an in-memory fake
-control plane; nothing here needs a model."""
+shapes (CONTRACT.md), help for every command. Client commands run against the real control
+plane with one real worker (the shared ``live_server`` fixture) and, for the admin token, a
+real control plane with a token (``admin_control_plane``)."""
 
 from __future__ import annotations
 
-import importlib.util
+import hashlib
 import json
 import os
 import socket
@@ -18,7 +19,9 @@ from click.testing import CliRunner
 
 from clients.cli import cli
 from clients.cli_server import startup_adapters
-from tests.fake_control_plane import start_fake
+from clients.client import LoraplaneClient
+from tests.control_plane_helpers import write_adapter
+from tests.live_servers import restored_default
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_SHOUT = ROOT / "demo" / "adapters" / "shout.gguf"
@@ -36,13 +39,6 @@ def run(*args: str, env: dict | None = None):
     if result.exception is not None:
         assert isinstance(result.exception, SystemExit), repr(result.exception)
     return result
-
-
-@pytest.fixture
-def fake():
-    server, servicer, addr = start_fake()
-    yield servicer, addr
-    server.stop(None)
 
 
 # ---- usage errors: exit 2 ------------------------------------------------------------------
@@ -160,105 +156,155 @@ def test_help(path):
     assert "Usage:" in result.stdout
 
 
-# ---- against the fake control plane --------------------------------------------------------
+# ---- against the real control plane and worker (the shared ``live_server``) ---------------
 
 
-def test_generate_json_shape(fake):
-    servicer, addr = fake
-    result = run("generate", "ab", "--addr", addr, "--json", "--max-tokens", "3",
-                 "--logprobs", "2", "--prompt-logprobs")
+@pytest.fixture
+def addr(live_server) -> str:
+    return live_server.addr
+
+
+@pytest.fixture
+def adapters_dir(fixtures_dir) -> Path:
+    return fixtures_dir / "adapters"
+
+
+@pytest.fixture
+def lp(addr):
+    with LoraplaneClient(addr, timeout=300) as client:
+        yield client
+
+
+def run_json(*args: str, env: dict | None = None) -> dict:
+    result = run(*args, "--json", env=env)
     assert result.exit_code == 0, result.output
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 1
-    out = json.loads(lines[0])
+    assert len(lines) == 1, result.stdout
+    return json.loads(lines[0])
+
+
+def test_generate_json_shape(addr):
+    out = run_json("generate", "ab", "--addr", addr, "--max-tokens", "3", "--no-lora",
+                   "--logprobs", "2", "--prompt-logprobs")
     assert list(out) == ["text", "token_ids", "prompt_token_ids", "finish_reason", "telemetry",
                          "logprobs", "prompt_logprobs"]
-    assert out["text"] == "<t100><t101><t102>" and out["token_ids"] == [100, 101, 102]
-    assert out["prompt_token_ids"] == [2, 97, 98] and out["finish_reason"] == "length"
-    assert out["telemetry"]["prompt_tokens"] == 3
-    assert set(out["logprobs"][0]) == {"token_id", "logprob", "top"}
-    assert out["logprobs"][0]["top"][1] == {"token_id": 101, "logprob": -0.5}
+    assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length" and out["text"]
+    assert out["prompt_token_ids"][0] == 2  # BOS added to a text prompt
+    assert out["telemetry"]["prompt_tokens"] == len(out["prompt_token_ids"])
+    assert out["telemetry"]["adapters"] == []
+    assert [lp["token_id"] for lp in out["logprobs"]] == out["token_ids"]
+    first = out["logprobs"][0]
+    assert set(first) == {"token_id", "logprob", "top"} and len(first["top"]) == 2
+    assert set(first["top"][0]) == {"token_id", "logprob"}
+    assert first["top"][0]["token_id"] == first["token_id"]  # greedy
     assert out["prompt_logprobs"][0] is None
-    assert out["prompt_logprobs"][1] == {"token_id": 97, "logprob": -0.5}
+    assert out["prompt_logprobs"][1]["token_id"] == out["prompt_token_ids"][1]
     assert len(out["prompt_logprobs"]) == len(out["prompt_token_ids"])
-    assert not servicer.received.generate[0].HasField("adapters")
 
 
-def test_generate_json_without_logprob_flags_has_no_logprob_keys(fake):
-    _, addr = fake
-    out = json.loads(run("generate", "a", "--addr", addr, "--json").stdout)
+def test_generate_json_without_logprob_flags_has_no_logprob_keys(addr):
+    out = run_json("generate", "a", "--addr", addr, "--no-lora", "--max-tokens", "2")
     assert "logprobs" not in out and "prompt_logprobs" not in out
 
 
-def test_generate_adapter_flags_on_the_wire(fake):
-    servicer, addr = fake
-    run("adapters", "add", str(DEMO_SHOUT), "--addr", addr)
-    run("adapters", "add", str(DEMO_SHOUT.with_name("sea.gguf")), "--addr", addr)
-    assert run("generate", "a", "--addr", addr, "--no-lora", "--json").exit_code == 0
-    assert run("generate", "a", "--addr", addr, "--lora", "1=0.5", "--json").exit_code == 0
-    assert run("generate", "--prompt-tokens", "5,6", "--addr", addr, "--json").exit_code == 0
-    no_lora, one, tokens = servicer.received.generate
-    assert no_lora.HasField("adapters") and not no_lora.adapters.entries
-    assert [(e.id, e.scale) for e in one.adapters.entries] == [(1, 0.5)]
-    assert list(tokens.tokens.ids) == [5, 6] and not tokens.HasField("adapters")
+def test_generate_adapter_flags_select_the_adapters(addr, lp, adapters_dir):
+    """No flag → the default set; --no-lora → the base model; --lora → that map;
+    --prompt-tokens → those ids verbatim."""
+    shout = run_json("adapters", "add", str(adapters_dir / "shout.gguf"), "--addr", addr)["id"]
+    prompt, n = "Tell me about the weather today.", "4"
+    with restored_default(lp):
+        run_json("default", "set", f"{shout}=1", "--addr", addr)
+        default = run_json("generate", prompt, "--addr", addr, "--max-tokens", n)
+        explicit = run_json("generate", prompt, "--addr", addr, "--max-tokens", n,
+                            "--lora", f"{shout}=1")
+        base = run_json("generate", prompt, "--addr", addr, "--max-tokens", n, "--no-lora")
+    assert default["token_ids"] == explicit["token_ids"] != base["token_ids"]
+    assert default["telemetry"]["adapters"] == [{"id": shout, "scale": 1.0}]
+    assert base["telemetry"]["adapters"] == []
+    ids = ",".join(map(str, base["prompt_token_ids"]))
+    verbatim = run_json("generate", "--prompt-tokens", ids, "--addr", addr, "--max-tokens", n,
+                        "--no-lora")
+    assert verbatim["prompt_token_ids"] == base["prompt_token_ids"]
+    assert verbatim["token_ids"] == base["token_ids"]
 
 
-def test_generate_text_mode_streams_then_telemetry(fake):
-    _, addr = fake
-    result = run("generate", "a", "--addr", addr, "--max-tokens", "2")
+def test_generate_text_mode_streams_then_telemetry(addr):
+    expected = run_json("generate", "a", "--addr", addr, "--no-lora", "--max-tokens", "2")
+    result = run("generate", "a", "--addr", addr, "--no-lora", "--max-tokens", "2")
     assert result.exit_code == 0, result.output
-    assert result.stdout == "<t100><t101>\n"
+    assert result.stdout == expected["text"] + "\n"
     assert "graph reused" in result.stderr
 
 
-def test_server_refusal_exit_1(fake):
-    _, addr = fake
-    result = run("adapters", "show", "7", "--addr", addr, "--json")
+def test_server_refusal_exit_1(addr, adapters_dir):
+    unknown = str(10**6)
+    result = run("adapters", "show", unknown, "--addr", addr, "--json")
+    assert result.exit_code == 1, result.output
+    err = json.loads(result.stdout)["error"]
+    assert err["code"] == "NOT_FOUND" and unknown in err["message"]
+    result = run("generate", "x", "--lora", f"{unknown}=1", "--addr", addr)
     assert result.exit_code == 1
-    assert json.loads(result.stdout) == {
-        "error": {"code": "NOT_FOUND", "message": "adapter 7 is not registered"}}
-    result = run("generate", "x", "--lora", "5=1", "--addr", addr)
+    assert "NOT_FOUND" in result.stderr and unknown in result.stderr and result.stdout == ""
+    outside = adapters_dir.parent / "README.md"
+    result = run("adapters", "add", str(outside), "--server-path", "--addr", addr, "--json")
     assert result.exit_code == 1
-    assert "NOT_FOUND" in result.stderr and result.stdout == ""
+    assert json.loads(result.stdout)["error"]["code"] == "PERMISSION_DENIED"
 
 
-def test_admin_commands_json(fake, tmp_path):
-    _, addr = fake
-    added = json.loads(run("adapters", "add", str(DEMO_SHOUT), "--name", "shout",
-                           "--addr", addr, "--json").stdout)
-    assert added["id"] == 0 and len(added["sha256"]) == 64 and added["name"] == "shout"
-    listed = json.loads(run("adapters", "list", "--addr", addr, "--json").stdout)
-    assert [a["id"] for a in listed["adapters"]] == [0]
-    shown = json.loads(run("adapters", "show", "0", "--addr", addr, "--json").stdout)
-    assert shown == added
-    assert json.loads(run("default", "set", "0=0.5", "--addr", addr, "--json").stdout) == {
-        "adapters": [{"id": 0, "scale": 0.5}]}
-    assert json.loads(run("default", "get", "--addr", addr, "--json").stdout) == {
-        "adapters": [{"id": 0, "scale": 0.5}]}
-    assert json.loads(run("default", "set", "--clear", "--addr", addr, "--json").stdout) == {
-        "adapters": []}
-    workers = json.loads(run("workers", "list", "--addr", addr, "--json").stdout)["workers"]
-    assert workers[0]["state"] == "alive"
-    assert json.loads(run("adapters", "remove", "0", "--addr", addr, "--json").stdout)[
-        "removed"] is True
-    for args in (["adapters", "list"], ["workers", "list"], ["default", "get"],
-                 ["adapters", "show", "0"]):
-        assert run(*args, "--addr", addr).exit_code in (0, 1)
+def test_admin_commands_json(addr, lp, adapters_dir, tmp_path):
+    # a small adapter only this test registers, so its name and removal are ours to check
+    tiny = write_adapter(tmp_path / "tiny.gguf", seed=7201)
+    added = run_json("adapters", "add", str(tiny), "--name", "cli-tiny", "--addr", addr)
+    tiny_id = added["id"]
+    assert len(added["sha256"]) == 64 and added["name"] == "cli-tiny"
+    assert added["sha256"] == hashlib.sha256(tiny.read_bytes()).hexdigest()
+    assert added["arch"] == "gemma3" and added["ranks"] == [2]
+    listed = run_json("adapters", "list", "--addr", addr)
+    assert tiny_id in [a["id"] for a in listed["adapters"]]
+    assert run_json("adapters", "show", str(tiny_id), "--addr", addr) == added
+
+    sea = run_json("adapters", "add", str(adapters_dir / "sea.gguf"), "--server-path",
+                   "--addr", addr)
+    assert sea["sha256"] == hashlib.sha256((adapters_dir / "sea.gguf").read_bytes()).hexdigest()
+
+    def attached(doc: dict) -> dict:
+        return {a["id"]: a["scale"] for a in doc["adapters"] if a["scale"] != 0}
+
+    with restored_default(lp):
+        set_doc = run_json("default", "set", f"{tiny_id}=0.5", f"{sea['id']}=1", "--addr", addr)
+        assert attached(set_doc) == {tiny_id: 0.5, sea["id"]: 1.0}
+        assert attached(run_json("default", "get", "--addr", addr)) == attached(set_doc)
+        assert attached(run_json("default", "set", "--clear", "--addr", addr)) == {}
+
+    workers = run_json("workers", "list", "--addr", addr)["workers"]
+    assert any(w["state"] == "alive" for w in workers)
+    assert run_json("adapters", "remove", str(tiny_id), "--addr", addr) == {
+        "id": tiny_id, "removed": True}
+    assert run("adapters", "show", str(tiny_id), "--addr", addr).exit_code == 1
+    for args in (["adapters", "list"], ["workers", "list"], ["default", "get"]):
+        assert run(*args, "--addr", addr).exit_code == 0
 
 
-def test_admin_token_flag_and_env():
-    server, servicer, addr = start_fake(admin_token="tok")
-    try:
-        refused = run("default", "set", "--clear", "--addr", addr, "--json")
-        assert refused.exit_code == 1
+def test_admin_token_flag_and_env(admin_control_plane, monkeypatch):
+    addr, token = admin_control_plane.addr, admin_control_plane.admin_token
+    monkeypatch.delenv("LORAPLANE_ADMIN_TOKEN", raising=False)
+    for extra in ([], ["--admin-token", "wrong-token"]):
+        refused = run("default", "set", "--clear", "--addr", addr, "--json", *extra)
+        assert refused.exit_code == 1, refused.output
         assert json.loads(refused.stdout)["error"]["code"] == "UNAUTHENTICATED"
-        ok = run("default", "set", "--clear", "--addr", addr, "--admin-token", "tok")
-        assert ok.exit_code == 0
-        ok = run("default", "set", "--clear", "--addr", addr,
-                 env={"LORAPLANE_ADMIN_TOKEN": "tok"})
-        assert ok.exit_code == 0
-    finally:
-        server.stop(None)
+    assert run("default", "get", "--addr", addr).exit_code == 0  # reads stay open
+    ok = run("default", "set", "--clear", "--addr", addr, "--admin-token", token)
+    assert ok.exit_code == 0, ok.output
+    ok = run("default", "set", "--clear", "--addr", addr, env={"LORAPLANE_ADMIN_TOKEN": token})
+    assert ok.exit_code == 0, ok.output
+
+
+def test_python_m_clients_cli_against_the_server(addr):
+    proc = _subprocess("generate", "--prompt-tokens", "2,596", "--no-lora", "--max-tokens",
+                       "2", "--addr", addr, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_token_ids"] == [2, 596] and len(out["token_ids"]) == 2
 
 
 # ---- server/tool commands without servers --------------------------------------------------
@@ -269,13 +315,6 @@ def test_startup_adapters_keep_command_line_order():
            "--lora-scaled=d:2"]
     got = startup_adapters(raw, ["a", "c"], [("b", 0.5), ("d", 2.0)])
     assert got == [("a", 1.0), ("b", 0.5), ("c", 1.0), ("d", 2.0)]
-
-
-@pytest.mark.skipif(importlib.util.find_spec("bench.__main__") is not None,
-                    reason="bench is installed")
-def test_bench_missing_exit_1():
-    result = run("bench", "--quick")
-    assert result.exit_code == 1 and "bench not installed" in result.stderr
 
 
 def test_convert_peft_bad_folder_exit_1(tmp_path):
@@ -310,8 +349,7 @@ def test_python_m_clients_cli_usage_and_help():
 
 def test_console_script_installed():
     script = Path(sys.executable).with_name("loraplane")
-    if not script.exists():
-        pytest.skip("loraplane console script not installed (pip install -e .)")
+    assert script.exists(), "loraplane console script not installed (pip install -e .)"
     proc = subprocess.run([str(script), "workers", "list", "--addr", closed_addr(), "--json"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3 and "Traceback" not in proc.stderr

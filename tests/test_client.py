@@ -1,11 +1,18 @@
-"""The Python client library against an in-memory fake control plane (no model needed)."""
+"""The Python client library: request building and error mapping without a server, and every
+call against the REAL control plane with one real worker (the shared ``live_server``; admin
+checks against ``admin_control_plane``). Wire semantics are shown by what the real system
+does: the default set, explicit maps, uploads, server paths, tokens, cancellation."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import shutil
 import socket
 import threading
+import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,25 +28,12 @@ from clients.client import (
     TokenEvent,
 )
 from clients.results import f32
-from clients.wire import UPLOAD_CHUNK_BYTES, generate_request
-from tests.fake_control_plane import start_fake
+from clients.wire import generate_request, upload_chunks
+from tests.control_plane_helpers import write_adapter
+from tests.live_servers import nonzero, restored_default, wait_until
 
-
-@pytest.fixture
-def fake():
-    server, servicer, addr = start_fake()
-    yield servicer, addr
-    server.stop(None)
-
-
-@pytest.fixture
-def gguf_file(tmp_path):
-    def make(size: int, name: str = "a.gguf"):
-        path = tmp_path / name
-        path.write_bytes(b"GGUF" + bytes(i % 251 for i in range(size - 4)))
-        return path
-
-    return make
+PROMPT = "Tell me about the weather today."
+MiB = 1 << 20
 
 
 def closed_port() -> int:
@@ -48,7 +42,28 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-# ---- wire ----------------------------------------------------------------------------------
+def sha256_of(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def lp(live_server):
+    with LoraplaneClient(live_server.addr, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture
+def adapters_dir(fixtures_dir):
+    return fixtures_dir / "adapters"
+
+
+@pytest.fixture
+def shout(lp, adapters_dir) -> int:
+    """shout.gguf's id on the shared server (registered now, or the existing one)."""
+    return lp.add_adapter(adapters_dir / "shout.gguf").id
+
+
+# ---- no server -----------------------------------------------------------------------------
 
 
 def test_adapter_map_none_and_empty_differ_on_the_wire():
@@ -73,6 +88,16 @@ def test_generate_request_validates():
     assert not generate_request("a").sampling.HasField("seed")
 
 
+def test_upload_chunks_stay_under_grpc_default_limit(fixtures_dir):
+    path = fixtures_dir / "adapters" / "shout.gguf"
+    chunks = list(upload_chunks(path, name="big"))
+    assert chunks[0].name == "big" and not chunks[0].server_path
+    assert all(c.ByteSize() < 4 * MiB for c in chunks) and len(chunks) > 1
+    assert b"".join(c.data for c in chunks) == path.read_bytes()
+    (only,) = upload_chunks(str(path), server_path=True)
+    assert only.server_path == str(path) and not only.data
+
+
 def test_f32_shortest():
     assert f32(0.30000001192092896) == 0.3
     assert f32(-1.25) == -1.25
@@ -92,124 +117,16 @@ def test_auth_metadata_from_env(monkeypatch):
     assert auth_metadata(None) == ()
 
 
-# ---- sync client ---------------------------------------------------------------------------
-
-
-def test_generate_default_set_vs_empty_vs_map(fake, gguf_file):
-    servicer, addr = fake
-    with LoraplaneClient(addr) as lp:
-        a0 = lp.add_adapter(gguf_file(100, "x.gguf"))
-        a1 = lp.add_adapter(gguf_file(200, "y.gguf"))
-        lp.set_default({a1.id: 0.5})
-        lp.generate("hi", max_tokens=2)
-        lp.generate("hi", adapters={}, max_tokens=2)
-        res = lp.generate("hi", adapters={a0.id: 1.0, a1.id: 0.25}, max_tokens=2)
-    unset, empty, mapped = servicer.received.generate
-    assert not unset.HasField("adapters")
-    assert empty.HasField("adapters") and not empty.adapters.entries
-    assert [(e.id, e.scale) for e in mapped.adapters.entries] == [(0, 1.0), (1, 0.25)]
-    assert res.telemetry["adapters"] == [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.25}]
-
-
-def test_generate_collects_everything(fake):
-    _, addr = fake
-    with LoraplaneClient(addr) as lp:
-        res = lp.generate("ab", max_tokens=3, logprobs=2, prompt_logprobs=True)
-    assert res.text == "<t100><t101><t102>"
-    assert res.token_ids == (100, 101, 102)
-    assert res.prompt_token_ids == (2, 97, 98)
-    assert res.finish_reason == "length"
-    assert res.prompt_logprobs[0] is None and res.prompt_logprobs[2].logprob == -1.0
-    assert [t.token_id for t in res.logprobs[0].top] == [100, 101]
-    assert res.telemetry["prompt_tokens"] == 3 and len(res.telemetry["steps"]) == 3
-    out = res.to_json(include_logprobs=True, include_prompt_logprobs=True)
-    assert list(out) == ["text", "token_ids", "prompt_token_ids", "finish_reason",
-                         "telemetry", "logprobs", "prompt_logprobs"]
-    assert out["logprobs"][0] == {"token_id": 100, "logprob": -0.25,
-                                  "top": [{"token_id": 100, "logprob": -0.25},
-                                          {"token_id": 101, "logprob": -0.5}]}
-    assert out["prompt_logprobs"][:2] == [None, {"token_id": 97, "logprob": -0.5}]
-    assert "logprobs" not in res.to_json()
-
-
-def test_generate_stream_yields_events_in_order(fake):
-    _, addr = fake
-    with LoraplaneClient(addr) as lp:
-        events = list(lp.generate_stream(prompt_tokens=[7, 8], max_tokens=2))
-    assert isinstance(events[0], StartedEvent) and events[0].prompt_token_ids == (7, 8)
-    assert [type(e) for e in events[1:]] == [TokenEvent, TokenEvent, FinishedEvent]
-    assert events[1].step["batching"] == "mixed"
-
-
-def test_generate_stream_early_close_cancels(fake):
-    _, addr = fake
-    with LoraplaneClient(addr) as lp:
-        stream = lp.generate_stream("x", max_tokens=50)
-        next(stream)
-        stream.close()
-        assert lp.list_workers()[0].worker_id == "fake-0"
-
-
-def test_upload_larger_than_4_mib_is_chunked(fake, gguf_file):
-    servicer, addr = fake
-    path = gguf_file(9 * (1 << 20) + 123)
-    with LoraplaneClient(addr) as lp:
-        info = lp.add_adapter(path, name="big")
-        again = lp.add_adapter(path)
-    chunks = servicer.received.chunks[0]
-    assert chunks[0].name == "big" and not chunks[0].server_path
-    assert all(len(c.data) <= UPLOAD_CHUNK_BYTES for c in chunks)
-    assert len(chunks) == 10
-    assert info.size_bytes == path.stat().st_size and info.name == "big"
-    assert again.id == info.id
-
-
-def test_register_by_server_path_sends_no_bytes(fake, gguf_file):
-    servicer, addr = fake
-    path = gguf_file(64)
-    with LoraplaneClient(addr) as lp:
-        info = lp.add_adapter(str(path), server_path=True)
-    (only,) = servicer.received.chunks[0]
-    assert only.server_path == str(path) and not only.data
-    assert info.path == str(path)
-
-
-def test_missing_upload_file_fails_before_the_call(fake, tmp_path):
-    _, addr = fake
-    with LoraplaneClient(addr) as lp, pytest.raises(FileNotFoundError):
-        lp.add_adapter(tmp_path / "nope.gguf")
-
-
-def test_server_errors_become_loraplane_error(fake):
-    _, addr = fake
-    with LoraplaneClient(addr) as lp:
-        with pytest.raises(LoraplaneError) as info:
-            lp.get_adapter(42)
-        assert info.value.code == "NOT_FOUND" and "42" in info.value.message
-        assert not isinstance(info.value, ServerUnreachable)
-        with pytest.raises(LoraplaneError) as info:
-            lp.generate("x", adapters={9: 1.0})
-        assert info.value.code == "NOT_FOUND"
-
-
-def test_admin_token_sent_as_bearer_metadata(gguf_file):
-    server, servicer, addr = start_fake(admin_token="tok")
-    try:
-        with LoraplaneClient(addr) as lp, pytest.raises(LoraplaneError) as info:
-            lp.set_default({})
-        assert info.value.code == "UNAUTHENTICATED"
-        with LoraplaneClient(addr, admin_token="tok") as lp:
-            assert lp.set_default({}).entries == ()
-            lp.list_adapters()
-        assert ("authorization", "Bearer tok") in servicer.received.metadata["ListAdapters"]
-    finally:
-        server.stop(None)
+def test_missing_upload_file_fails_before_the_call(tmp_path):
+    with LoraplaneClient(f"127.0.0.1:{closed_port()}") as client:
+        with pytest.raises(FileNotFoundError):
+            client.add_adapter(tmp_path / "nope.gguf")
 
 
 def test_unreachable_closed_port_fails_fast():
-    with LoraplaneClient(f"127.0.0.1:{closed_port()}", connect_timeout=10) as lp:
+    with LoraplaneClient(f"127.0.0.1:{closed_port()}", connect_timeout=10) as client:
         with pytest.raises(ServerUnreachable) as info:
-            lp.list_adapters()
+            client.list_adapters()
     assert info.value.code == "UNAVAILABLE"
 
 
@@ -219,76 +136,16 @@ def test_unreachable_when_not_ready_before_deadline():
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
         addr = f"127.0.0.1:{listener.getsockname()[1]}"
-        with LoraplaneClient(addr, connect_timeout=0.5) as lp:
+        with LoraplaneClient(addr, connect_timeout=0.5) as client:
             with pytest.raises(ServerUnreachable) as info:
-                lp.list_workers()
+                client.list_workers()
     assert "0.5s" in info.value.message
-
-
-def test_wait_for_server_waits_for_a_late_server():
-    port = closed_port()
-    addr = f"127.0.0.1:{port}"
-    holder = {}
-
-    def start_late():
-        import time
-
-        time.sleep(0.5)
-        from concurrent import futures
-
-        from loraplane.v1 import control_plane_pb2_grpc
-        from tests.fake_control_plane import FakeControlPlane
-
-        srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(FakeControlPlane(), srv)
-        srv.add_insecure_port(addr)
-        srv.start()
-        holder["server"] = srv
-
-    t = threading.Thread(target=start_late)
-    t.start()
-    try:
-        with LoraplaneClient(addr, wait_for_server=True, connect_timeout=20) as lp:
-            assert lp.list_adapters() == []
-    finally:
-        t.join()
-        holder["server"].stop(None)
-
-
-# ---- async client --------------------------------------------------------------------------
-
-
-def test_async_client(fake, gguf_file):
-    servicer, addr = fake
-    path = gguf_file(5 * (1 << 20))
-
-    async def scenario():
-        async with AsyncLoraplaneClient(addr) as lp:
-            info = await lp.add_adapter(path)
-            assert [a.id for a in await lp.list_adapters()] == [info.id]
-            assert (await lp.set_default({info.id: 1.0})).as_dict() == {info.id: 1.0}
-            assert (await lp.get_default()).to_json() == {"adapters": [{"id": 0, "scale": 1.0}]}
-            events = [e async for e in lp.generate_stream("hi", adapters={}, max_tokens=2)]
-            assert isinstance(events[-1], FinishedEvent)
-            res = await lp.generate("hi", max_tokens=2)
-            with pytest.raises(LoraplaneError) as info_err:
-                await lp.remove_adapter(99)
-            assert info_err.value.code == "NOT_FOUND"
-            await lp.remove_adapter(info.id)
-            assert (await lp.list_workers())[0].alive
-            return res
-
-    res = asyncio.run(scenario())
-    assert res.token_ids == (100, 101)  # default set {0: 1.0} → offset 0
-    assert len(servicer.received.chunks[0]) == 5
-    assert servicer.received.generate[0].HasField("adapters")
-    assert not servicer.received.generate[-1].HasField("adapters")
 
 
 def test_async_unreachable():
     async def scenario():
-        async with AsyncLoraplaneClient(f"127.0.0.1:{closed_port()}") as lp:
-            await lp.list_adapters()
+        async with AsyncLoraplaneClient(f"127.0.0.1:{closed_port()}") as client:
+            await client.list_adapters()
 
     with pytest.raises(ServerUnreachable):
         asyncio.run(scenario())
@@ -313,3 +170,233 @@ def test_relayed_worker_failure_is_a_refusal_not_unreachable():
     local = from_rpc_error(Err("failed to connect to all addresses; last error: "
                                "UNKNOWN: ipv4:127.0.0.1:1: Connection refused"), "a:1")
     assert isinstance(local, ServerUnreachable)
+
+
+# ---- a real control plane, started late ----------------------------------------------------
+
+
+def test_wait_for_server_waits_for_a_late_server(tmp_path, fixtures_dir, base_model_path):
+    from tests.live_servers import start_control_plane
+
+    addr = f"127.0.0.1:{closed_port()}"
+    holder: dict = {}
+
+    def start_late():
+        time.sleep(0.5)
+        try:
+            holder["cp"] = start_control_plane(tmp_path / "data", fixtures_dir / "adapters",
+                                               base_model_path, addr=addr)
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            holder["error"] = err
+
+    t = threading.Thread(target=start_late)
+    t.start()
+    try:
+        with LoraplaneClient(addr, wait_for_server=True, connect_timeout=120) as client:
+            assert client.list_adapters() == []
+    finally:
+        t.join()
+        if "cp" in holder:
+            holder["cp"].stop()
+    assert "error" not in holder, holder.get("error")
+
+
+# ---- sync client against the real server --------------------------------------------------
+
+
+def test_default_set_vs_empty_map_vs_explicit_map(lp, shout):
+    """adapters=None → the control plane's default set; {} → the base model; {id: s} →
+    exactly that map."""
+    with restored_default(lp):
+        assert nonzero(lp.set_default({shout: 1.0})) == {shout: 1.0}
+        unset = lp.generate(PROMPT, max_tokens=4)
+        explicit = lp.generate(PROMPT, adapters={shout: 1.0}, max_tokens=4)
+        base = lp.generate(PROMPT, adapters={}, max_tokens=4)
+        assert unset.token_ids == explicit.token_ids
+        assert base.token_ids != explicit.token_ids
+        assert unset.telemetry["adapters"] == [{"id": shout, "scale": 1.0}]
+        assert base.telemetry["adapters"] == []
+        # shout continues in upper case; the base model does not
+        assert unset.text.strip() and unset.text == unset.text.upper()
+        assert base.text != base.text.upper()
+        # the default set cleared: no map → the base model again
+        assert nonzero(lp.set_default({})) == {}
+        assert lp.generate(PROMPT, max_tokens=4).token_ids == base.token_ids
+
+
+def test_generate_collects_everything(lp):
+    res = lp.generate("ab", adapters={}, max_tokens=3, logprobs=2, prompt_logprobs=True)
+    assert len(res.token_ids) == 3 and res.finish_reason == "length" and res.text
+    assert res.prompt_token_ids[0] == 2  # Gemma's BOS, added to a text prompt
+    assert len(res.prompt_logprobs) == len(res.prompt_token_ids)
+    assert res.prompt_logprobs[0] is None
+    assert res.prompt_logprobs[1].token_id == res.prompt_token_ids[1]
+    assert res.prompt_logprobs[1].logprob < 0
+    for tok, lps in zip(res.token_ids, res.logprobs):
+        assert lps.token_id == tok and len(lps.top) == 2
+        assert lps.top[0].token_id == tok  # greedy: the chosen token is the most likely
+        assert 0 >= lps.top[0].logprob >= lps.top[1].logprob
+    assert res.telemetry["prompt_tokens"] == len(res.prompt_token_ids)
+    assert len(res.telemetry["steps"]) == 3 and res.telemetry["adapters"] == []
+    out = res.to_json(include_logprobs=True, include_prompt_logprobs=True)
+    assert list(out) == ["text", "token_ids", "prompt_token_ids", "finish_reason",
+                         "telemetry", "logprobs", "prompt_logprobs"]
+    assert set(out["logprobs"][0]) == {"token_id", "logprob", "top"}
+    assert out["prompt_logprobs"][0] is None
+    assert set(out["prompt_logprobs"][1]) == {"token_id", "logprob"}
+    assert "logprobs" not in res.to_json() and "prompt_logprobs" not in res.to_json()
+
+
+def test_generate_stream_yields_events_in_order(lp):
+    events = list(lp.generate_stream(prompt_tokens=[2, 596], adapters={}, max_tokens=2))
+    assert isinstance(events[0], StartedEvent) and events[0].prompt_token_ids == (2, 596)
+    assert [type(e) for e in events[1:]] == [TokenEvent, TokenEvent, FinishedEvent]
+    assert events[1].step["batching"] == "mixed"
+    assert events[-1].finish_reason == "length"
+    assert events[-1].text == events[1].text + events[2].text
+
+
+def _in_flight(lp, worker_id: str) -> int:
+    return next(w.in_flight for w in lp.list_workers() if w.worker_id == worker_id)
+
+
+def test_generate_stream_early_close_cancels(lp, live_server):
+    before = live_server.worker_stats().tokens_generated
+    stream = lp.generate_stream("x", adapters={}, max_tokens=200, ignore_eos=True)
+    assert isinstance(next(stream), StartedEvent)
+    assert isinstance(next(stream), TokenEvent)
+    assert _in_flight(lp, live_server.worker_id) == 1
+    stream.close()
+    assert wait_until(lambda: _in_flight(lp, live_server.worker_id) == 0)
+    assert wait_until(lambda: live_server.worker_stats().slots_busy == 0)
+    stopped_at = live_server.worker_stats().tokens_generated
+    time.sleep(1.0)  # give a leaked generation a second to show
+    after = live_server.worker_stats().tokens_generated
+    assert after == stopped_at and after - before < 200
+
+
+def test_upload_larger_than_4_mib(lp, live_server, adapters_dir):
+    path = adapters_dir / "shout.gguf"
+    assert path.stat().st_size > 4 * MiB
+    info = lp.add_adapter(path, name="shout-upload")
+    assert info.sha256 == sha256_of(path) and info.size_bytes > 4 * MiB  # tensor bytes
+    stored = Path(info.path)  # the server keeps the uploaded bytes in its data dir
+    assert stored.is_relative_to(live_server.data_dir) and sha256_of(stored) == info.sha256
+    assert info.arch == "gemma3" and info.alpha == 16.0 and info.ranks == (8,)
+    assert info.target_tensors and not info.is_alora
+    assert lp.get_adapter(info.id) == info
+    assert info.id in {a.id for a in lp.list_adapters()}
+    assert lp.add_adapter(path).id == info.id  # same content → same id
+
+
+def test_register_by_server_path(lp, adapters_dir, tmp_path):
+    # shout_rs is registered by server path only (no other test uploads it)
+    inside = adapters_dir / "shout_rs.gguf"
+    info = lp.add_adapter(str(inside), server_path=True)
+    assert info.path == str(inside.resolve()) and info.sha256 == sha256_of(inside)
+    assert info.ranks == (16,) and lp.get_adapter(info.id) == info
+    assert lp.add_adapter(str(inside), server_path=True).id == info.id
+
+    outside = tmp_path / "sea.gguf"
+    shutil.copyfile(adapters_dir / "sea.gguf", outside)
+    escaping = f"{adapters_dir}/../README.md"
+    for path in (str(outside), escaping):
+        with pytest.raises(LoraplaneError) as refused:
+            lp.add_adapter(path, server_path=True)
+        assert refused.value.code == "PERMISSION_DENIED" and "outside" in refused.value.message
+    with pytest.raises(LoraplaneError) as missing:
+        lp.add_adapter(str(adapters_dir / "nope.gguf"), server_path=True)
+    assert missing.value.code == "NOT_FOUND" and "nope.gguf" in missing.value.message
+
+
+def test_server_errors_become_loraplane_error(lp, tmp_path):
+    unknown = 10**6
+    with pytest.raises(LoraplaneError) as info:
+        lp.get_adapter(unknown)
+    assert info.value.code == "NOT_FOUND" and str(unknown) in info.value.message
+    assert not isinstance(info.value, ServerUnreachable)
+    with pytest.raises(LoraplaneError) as info:
+        lp.generate("x", adapters={unknown: 1.0}, max_tokens=4)
+    assert info.value.code == "NOT_FOUND" and str(unknown) in info.value.message
+    with pytest.raises(LoraplaneError) as info:
+        lp.remove_adapter(unknown)
+    assert info.value.code == "NOT_FOUND"
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(LoraplaneError) as info:
+        lp.add_adapter(junk)
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_admin_token_required(admin_control_plane, adapters_dir, monkeypatch):
+    cp = admin_control_plane
+    monkeypatch.delenv("LORAPLANE_ADMIN_TOKEN", raising=False)
+    for token in (None, "wrong-token"):
+        with LoraplaneClient(cp.addr, admin_token=token) as client:
+            for call in (lambda: client.set_default({}),
+                         lambda: client.add_adapter(adapters_dir / "sea.gguf"),
+                         lambda: client.remove_adapter(0)):
+                with pytest.raises(LoraplaneError) as info:
+                    call()
+                assert info.value.code == "UNAUTHENTICATED", token
+            client.list_adapters()  # reads stay open
+            client.get_default()
+    with LoraplaneClient(cp.addr, admin_token=cp.admin_token) as client:
+        sea = client.add_adapter(str(adapters_dir / "sea.gguf"), server_path=True)
+        assert nonzero(client.set_default({})) == {}
+    monkeypatch.setenv("LORAPLANE_ADMIN_TOKEN", cp.admin_token)
+    with LoraplaneClient(cp.addr) as client:  # the token from the environment
+        assert client.add_adapter(str(adapters_dir / "sea.gguf"), server_path=True).id == sea.id
+
+
+# ---- async client against the real server --------------------------------------------------
+
+
+def test_async_client(live_server, adapters_dir, tmp_path):
+    shout_path = adapters_dir / "shout.gguf"
+    tiny = write_adapter(tmp_path / "tiny.gguf", seed=7101)
+
+    async def scenario():
+        async with AsyncLoraplaneClient(live_server.addr, timeout=300) as client:
+            shout = await client.add_adapter(shout_path)  # > 4 MiB upload
+            assert shout.sha256 == sha256_of(shout_path)
+            assert shout.id in [a.id for a in await client.list_adapters()]
+            saved = nonzero(await client.get_default())
+            try:
+                assert nonzero(await client.set_default({shout.id: 1.0})) == {shout.id: 1.0}
+                assert nonzero(await client.get_default()) == {shout.id: 1.0}
+                unset = await client.generate(PROMPT, max_tokens=4)
+                explicit = await client.generate(PROMPT, adapters={shout.id: 1.0}, max_tokens=4)
+                events = [e async for e in client.generate_stream(PROMPT, adapters={},
+                                                                  max_tokens=4)]
+            finally:
+                registered = {a.id for a in await client.list_adapters()}
+                await client.set_default({i: s for i, s in saved.items() if i in registered})
+            assert unset.token_ids == explicit.token_ids
+            assert isinstance(events[0], StartedEvent) and isinstance(events[-1], FinishedEvent)
+            base_ids = tuple(e.token_id for e in events if isinstance(e, TokenEvent))
+            assert base_ids != unset.token_ids
+
+            added = await client.add_adapter(tiny)
+            await client.remove_adapter(added.id)
+            with pytest.raises(LoraplaneError) as err:
+                await client.get_adapter(added.id)
+            assert err.value.code == "NOT_FOUND"
+            with pytest.raises(LoraplaneError) as err:
+                await client.remove_adapter(added.id)
+            assert err.value.code == "NOT_FOUND"
+            assert (await client.add_adapter(tiny)).id > added.id  # ids are never reused
+
+            stream = client.generate_stream("x", adapters={}, max_tokens=200, ignore_eos=True)
+            assert isinstance(await anext(stream), StartedEvent)
+            await stream.aclose()
+            for _ in range(300):
+                workers = await client.list_workers()
+                ours = [w for w in workers if w.worker_id == live_server.worker_id]
+                if ours and ours[0].in_flight == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert ours[0].alive and ours[0].in_flight == 0
+
+    asyncio.run(scenario())
+    assert wait_until(lambda: live_server.worker_stats().slots_busy == 0)
