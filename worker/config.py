@@ -44,6 +44,7 @@ class WorkerConfig:
         advertise_addr: address the control plane should dial (defaults to the bound one).
         worker_id: stable name; generated when empty.
         prefix_cache_tokens: token budget of the keyed prefix cache (LRU beyond it).
+        log_level: structlog level of the worker process ("debug" logs every decode step).
     """
 
     addr: str = "127.0.0.1:0"
@@ -59,3 +60,4 @@ class WorkerConfig:
     advertise_addr: str | None = None
     worker_id: str = ""
     prefix_cache_tokens: int = 65536
+    log_level: str = "info"

@@ -75,6 +75,9 @@ def _advertised(config: WorkerConfig, port: int) -> str:
 
 def serve_worker(config: WorkerConfig) -> None:
     """Run a worker until SIGINT/SIGTERM; registers with ``config.control_plane`` when set."""
+    from control_plane.logging import configure_logging  # one JSON log format for both planes
+
+    configure_logging(config.log_level)
     server, port, engine = create_server(config)
     stop = threading.Event()
     if config.control_plane:
