@@ -4,10 +4,13 @@ Architecture builders in ``worker.arch`` call only these methods; every base-wei
 goes through ``build_lora_mm`` / ``build_lora_mm_id`` / ``build_inp_embd``, so LoRA is
 applied in exactly one place.
 
-Scaling rule (one place, like llama.cpp ``build_lora_mm``): the base product first, then for
-each branch ``y += scale · B(A x)``, ``scale`` from ``worker.lora_plan`` (``adapter_scale ·
-alpha / rank`` or ``adapter_scale`` when alpha is 0). Mixed batches route rows to branches
-per segment (gather rows that use an adapter, compute, ``index_add_`` back).
+Scaling rule (one place, like llama.cpp ``build_lora_mm``): the base product first, then
+``y += B · (S ⊙ (A x))`` where A/B stack every active adapter's branch on the weight along
+the rank dimension and S holds each rank column's ``scale`` for the row's adapter set
+(``adapter_scale · alpha / rank``, or ``adapter_scale`` when alpha is 0; see
+``worker.lora_plan``). Scaling after the A product equals llama.cpp's scaling after B·A·x.
+A mixed ubatch therefore costs one matmul pair per patched weight however many adapters it
+holds; rows whose set lacks an adapter get zero columns.
 
 Shapes are torch order. Symbols: ``n`` = token rows in the ubatch, ``d`` = n_embd,
 ``k`` = a matmul's input width, ``r`` = LoRA rank, ``E`` = experts, ``V`` = vocab.
@@ -78,20 +81,18 @@ class GraphContext:
 
     # --- inputs -----------------------------------------------------------------------
     def build_inp_embd(self, name: str = "token_embd.weight") -> torch.Tensor:
-        """``get_rows(W, ids)`` plus the embedding LoRA: ``scale · get_rows(A, ids) · Bᵀ``.
+        """``get_rows(W, ids)`` plus the embedding LoRA: ``B · (S ⊙ get_rows(A, ids))``.
 
-        W ``(V, d)``; A ``(V, r)`` (ggml ne ``[r, V]``, the token_embd exception); B ``(d, r)``.
-        Returns ``(n, d)`` in the compute dtype.
+        W ``(V, d)``; fused A ``(V, R)`` (ggml ne ``[r, V]`` per adapter, the token_embd
+        exception); B ``(d, R)``; S the per-row column scales. Returns ``(n, d)``.
         """
         ids = self.inp.tokens
         x = self.w[name].index_select(0, ids).to(self.dtype)
         self.n_nodes += 1
-        for br in self.plan.branches.get(name, ()):
-            route = self.plan.routes[br.adapter_index]
-            sel = ids if route.rows is None else ids.index_select(0, route.rows)
-            a = br.pair.lora_a.index_select(0, sel)
-            delta = (a @ br.pair.lora_b.T) * self.plan.row_scales(br, route, a)
-            x = self._add_rows(x, delta, route.rows)
+        fw = self.plan.fused.get(name)
+        if fw is not None:
+            a = fw.lora_a.index_select(0, ids)
+            x = x + ((a * self.plan.row_scales(fw, a.dtype)) @ fw.lora_b.T).to(x.dtype)
             self.n_nodes += 4
         return x
 
@@ -119,18 +120,18 @@ class GraphContext:
         return (y * self.w[name]).to(self.dtype)
 
     def build_lora_mm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``W x`` plus ``Σ scale · B(A x)`` over the plan's branches on ``name``.
+        """``W x`` plus ``B · (S ⊙ (A x))`` for the plan's fused branches on ``name``.
 
-        W ``(d, k)``, x ``(n, k)`` → ``(n, d)``; A ``(r, k)``, B ``(d, r)``. Rows an adapter
-        does not cover (mixed batches) get nothing from it.
+        W ``(d, k)``, x ``(n, k)`` → ``(n, d)``; fused A ``(R, k)``, B ``(d, R)``; S ``(n, R)``
+        per-row column scales (zero for adapters a row's set lacks), so every adapter of a
+        mixed ubatch costs one matmul pair per weight in total.
         """
         y = x @ self.w[name].T
         self.n_nodes += 1
-        for br in self.plan.branches.get(name, ()):
-            route = self.plan.routes[br.adapter_index]
-            xs = x if route.rows is None else x.index_select(0, route.rows)
-            delta = ((xs @ br.pair.lora_a.T) @ br.pair.lora_b.T) * self.plan.row_scales(br, route, xs)
-            y = self._add_rows(y, delta, route.rows)
+        fw = self.plan.fused.get(name)
+        if fw is not None:
+            xa = x @ fw.lora_a.T
+            y = y + ((xa * self.plan.row_scales(fw, xa.dtype)) @ fw.lora_b.T).to(y.dtype)
             self.n_nodes += 4
         return y
 
@@ -138,42 +139,29 @@ class GraphContext:
         """Expert matmul routed by ``expert_ids`` (``ggml_mul_mat_id``) plus the experts' LoRA.
 
         W ``(E, d, k)``; x ``(n, k)`` or ``(n, K, k)`` (per selected expert); expert_ids
-        int64 ``(n, K)``. A ``(E, r, k)`` and B ``(E, d, r)`` are routed by the same ids as W —
-        never one expert's A/B for all tokens. Returns ``(n, K, d)``.
+        int64 ``(n, K)``. Fused A ``(E, R, k)`` and B ``(E, d, R)`` are routed by the same ids
+        as W — never one expert's A/B for all tokens. Returns ``(n, K, d)``.
         """
         w = self.w[name]
         n, top_k = expert_ids.shape
         xk = x.unsqueeze(1).expand(n, top_k, x.shape[-1]) if x.dim() == 2 else x
         out = torch.zeros((n, top_k, w.shape[1]), dtype=x.dtype, device=x.device)
-        branches = self.plan.branches.get(name, ())
-        row_scale = [self._per_row_scale(br, n, x) for br in branches]
-        self.n_nodes += 1 + 4 * len(branches)
+        fw = self.plan.fused.get(name)
+        scales = None
+        if fw is not None:
+            s = self.plan.row_scales(fw, x.dtype)
+            scales = s.expand(n, -1) if s.dim() == 1 else s
+            self.n_nodes += 4
+        self.n_nodes += 1
         for e in torch.unique(expert_ids).tolist():
             tok, slot = torch.nonzero(expert_ids == e, as_tuple=True)
             xe = xk[tok, slot]
             ye = xe @ w[e].T
-            for br, rs in zip(branches, row_scale):
-                a, b = br.pair.lora_a[e], br.pair.lora_b[e]
-                ye = ye + ((xe @ a.T) @ b.T) * rs.index_select(0, tok).unsqueeze(-1)
+            if fw is not None:
+                xa = xe @ fw.lora_a[e].T
+                ye = ye + (xa * scales.index_select(0, tok)) @ fw.lora_b[e].T
             out[tok, slot] = ye
         return out
-
-    def _per_row_scale(self, br, n: int, x: torch.Tensor) -> torch.Tensor:
-        """``(n,)`` effective scale of branch ``br`` for every row (0 where unused)."""
-        route = self.plan.routes[br.adapter_index]
-        full = torch.zeros(n, dtype=x.dtype, device=x.device)
-        if route.row_set is None:
-            return full + float(br.set_scales[0])
-        s = br.set_scales.to(device=x.device, dtype=x.dtype).index_select(0, route.row_set)
-        if route.rows is None:
-            return s
-        return full.index_copy(0, route.rows, s)
-
-    @staticmethod
-    def _add_rows(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        if rows is None:
-            return y + delta.to(y.dtype)
-        return y.index_add(0, rows, delta.to(y.dtype))
 
     # --- attention --------------------------------------------------------------------
     def build_attn(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

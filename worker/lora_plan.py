@@ -5,10 +5,11 @@ scale, zero scales dropped. A ubatch carries one or more sets (one in compatibil
 several in mixed mode) and a per-row index into them.
 
 A ``LoraPlan`` is built once per tuple of active sets and cached by the context: for every
-base weight, which low-rank branches run and each branch's effective scale for every set
-(``lora_scale``). Building it is what "graph rebuilt" means here; reusing it is "graph
-reused" (llama.cpp ``llm_graph_result::can_reuse``). What changes per ubatch — which rows
-use which adapter — is routed cheaply by ``LoraPlan.route`` and never invalidates the plan.
+base weight, the branches of all active adapters stacked along the rank dimension (one A and
+one B per weight) and each rank column's effective scale in every set (``lora_scale``).
+Building it is what "graph rebuilt" means here; reusing it is "graph reused" (llama.cpp
+``llm_graph_result::can_reuse``). What changes per ubatch — which row belongs to which set —
+is one index vector (``LoraPlan.route``) and never invalidates the plan.
 
 Where scaling happens (decided once, llama.cpp ``build_lora_mm``): after the B·(A·x)
 product, ``y += scale · B(A x)`` with ``scale = adapter_scale · alpha / rank`` (alpha ≠ 0)
@@ -18,7 +19,7 @@ else ``adapter_scale``. The adapter tensors are never modified.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -86,29 +87,26 @@ EMPTY_SET = AdapterSet()
 
 
 @dataclass(frozen=True)
-class LoraBranch:
-    """One low-rank branch on one base weight.
+class FusedLora:
+    """Every branch on one base weight, concatenated along the rank dimension.
 
-    Attributes:
-        adapter_index: index of the adapter in ``LoraPlan.adapters``.
-        pair: the adapter's A/B tensors for this weight (torch shapes per ``worker.adapters``).
-        set_scales: f32 ``(n_sets,)`` effective scale per adapter set (0 where absent).
+    With ``R = Σ r`` over the branches (torch shapes):
+        linear:      lora_a ``(R, k)``,    lora_b ``(d, R)``
+        token_embd:  lora_a ``(V, R)``,    lora_b ``(d, R)``
+        experts:     lora_a ``(E, R, k)``, lora_b ``(E, d, R)``
+        set_scales:  f32 ``(n_sets, R)``: each rank column's effective scale in each set
+                     (``lora_scale`` of its adapter; 0 where the set lacks the adapter).
+
+    Semantics (one matmul pair per weight, whatever the number of adapters; rows whose set
+    lacks an adapter get a zero mask on its columns — the segmented product of S-LoRA/punica
+    written as a dense mask, cheap because R is small):
+        for each row i:  y[i] += B · (S[set(i)] ⊙ (A · x[i]))
     """
 
-    adapter_index: int
-    pair: LoraPair
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
     set_scales: torch.Tensor
-
-
-@dataclass
-class LoraRoute:
-    """Per-ubatch routing of one adapter: which rows use it and with what scale per branch.
-
-    ``rows`` is None when every row of the ubatch uses the adapter (no gather needed).
-    """
-
-    rows: torch.Tensor | None
-    row_set: torch.Tensor | None  # set index of each selected row (None: single set)
+    n_branches: int
 
 
 @dataclass
@@ -118,42 +116,38 @@ class LoraPlan:
     Attributes:
         sets: the active sets, index = per-row set index of a ubatch.
         adapters: union of the sets' adapters (distinct by content).
-        branches: base weight name → branches to add to it.
-        n_lora_nodes: ``NODES_PER_LORA_WEIGHT`` × number of branches.
+        fused: base weight name → the concatenated branches on it.
+        n_lora_nodes: ``NODES_PER_LORA_WEIGHT`` × number of (adapter, weight) branches, the
+            node reservation llama.cpp would make for them.
+        row_set: int64 ``(n_rows,)`` set index of each row of the current ubatch (None: one set).
     """
 
     sets: tuple[AdapterSet, ...]
     adapters: list[LoraAdapter]
-    adapter_set_scales: list[torch.Tensor]  # per adapter: f32 (n_sets,) adapter_scale per set
-    branches: dict[str, list[LoraBranch]]
+    fused: dict[str, FusedLora]
     n_lora_nodes: int
-    routes: list[LoraRoute] = field(default_factory=list)
+    row_set: torch.Tensor | None = None
 
     def route(self, row_set: torch.Tensor) -> None:
-        """Compute which rows use which adapter for one ubatch.
+        """Record the per-row set index of the ubatch (int64 ``(n_rows,)``)."""
+        self.row_set = None if len(self.sets) == 1 else row_set
 
-        Args:
-            row_set: int64 ``(n_rows,)`` set index of each row, on the compute device.
-        """
-        self.routes = []
-        single = len(self.sets) == 1
-        for scales in self.adapter_set_scales:
-            if single:
-                self.routes.append(LoraRoute(None, None))
-                continue
-            used = scales.to(row_set.device)[row_set] != 0
-            if bool(used.all()):
-                self.routes.append(LoraRoute(None, row_set))
-            else:
-                rows = torch.nonzero(used, as_tuple=False).flatten()
-                self.routes.append(LoraRoute(rows, row_set.index_select(0, rows)))
+    def row_scales(self, fw: FusedLora, dtype: torch.dtype) -> torch.Tensor:
+        """``(n_rows, R)`` per-row column scales, or ``(R,)`` when the ubatch has one set."""
+        s = fw.set_scales if fw.set_scales.dtype == dtype else fw.set_scales.to(dtype)
+        return s[0] if self.row_set is None else s.index_select(0, self.row_set)
 
-    def row_scales(self, br: LoraBranch, route: LoraRoute, x: torch.Tensor) -> torch.Tensor | float:
-        """Scale for the routed rows: a float (one set) or ``(n_sel, 1)`` tensor (mixed)."""
-        if route.row_set is None:
-            return float(br.set_scales[0])
-        s = br.set_scales.to(device=x.device, dtype=x.dtype).index_select(0, route.row_set)
-        return s.unsqueeze(-1)
+
+def _fuse(name: str, parts: list[tuple[LoraPair, torch.Tensor]]) -> FusedLora:
+    """Concatenate branches on ``name`` along rank (A: dim -1 for token_embd, else -2; B: -1)."""
+    scales = torch.cat([sc.unsqueeze(1).expand(-1, p.rank) for p, sc in parts], dim=1)
+    if len(parts) == 1:
+        a, b = parts[0][0].lora_a, parts[0][0].lora_b
+    else:
+        a_dim = -1 if name == "token_embd.weight" else -2
+        a = torch.cat([p.lora_a for p, _ in parts], dim=a_dim)
+        b = torch.cat([p.lora_b for p, _ in parts], dim=-1)
+    return FusedLora(a, b, scales.to(a.device).contiguous(), len(parts))
 
 
 def build_plan(sets: Sequence[AdapterSet]) -> LoraPlan:
@@ -165,28 +159,22 @@ def build_plan(sets: Sequence[AdapterSet]) -> LoraPlan:
     sets = tuple(sets) or (EMPTY_SET,)
     n_sets = len(sets)
     adapters: list[LoraAdapter] = []
+    scale_in_set: list[list[float]] = []
     index: dict[str, int] = {}
-    for s in sets:
-        for _, a, _ in s.entries:
+    for j, s in enumerate(sets):
+        for _, a, sc in s.entries:
             if a.sha256 not in index:
                 index[a.sha256] = len(adapters)
                 adapters.append(a)
-    adapter_set_scales = []
-    for a in adapters:
-        col = [0.0] * n_sets
-        for j, s in enumerate(sets):
-            for _, a2, sc in s.entries:
-                if a2.sha256 == a.sha256:
-                    col[j] += sc
-        adapter_set_scales.append(torch.tensor(col, dtype=torch.float32))
-    branches: dict[str, list[LoraBranch]] = {}
+                scale_in_set.append([0.0] * n_sets)
+            scale_in_set[index[a.sha256]][j] += sc
+    per_weight: dict[str, list[tuple[LoraPair, torch.Tensor]]] = {}
     n_branches = 0
     for ai, a in enumerate(adapters):
         for name, pair in a.pairs.items():
-            scales = torch.tensor(
-                [lora_scale(float(adapter_set_scales[ai][j]), a.alpha, pair.rank) for j in range(n_sets)],
-                dtype=torch.float32,
-            )
-            branches.setdefault(name, []).append(LoraBranch(ai, pair, scales))
+            sc = torch.tensor([lora_scale(scale_in_set[ai][j], a.alpha, pair.rank) for j in range(n_sets)],
+                              dtype=torch.float32)
+            per_weight.setdefault(name, []).append((pair, sc))
             n_branches += 1
-    return LoraPlan(sets, adapters, adapter_set_scales, branches, NODES_PER_LORA_WEIGHT * n_branches)
+    fused = {name: _fuse(name, parts) for name, parts in per_weight.items()}
+    return LoraPlan(sets, adapters, fused, NODES_PER_LORA_WEIGHT * n_branches)
