@@ -1,0 +1,328 @@
+"""``python -m bench [--quick | --smoke] [--json OUT]`` (also ``loraplane bench``).
+
+Runs, in one process and one go:
+
+1. engine: in-process prompt processing and decode (B = 1, 8, 32), base vs one rank-8 adapter;
+2. multi-tenant serving over gRPC, mixed vs compat batching, K = 0, 1, 4, 16 adapters;
+3. prefix reuse under ``--prefix-cache keyed`` vs ``llama``;
+4. adapter lifecycle: register → first token, worker cold load, resident bytes per adapter;
+5. the memory roofline of a decode step.
+
+Each scenario prints its table as soon as it finishes; ``--json OUT`` writes every figure
+(median, min, max, n) and ``--markdown OUT`` the tables for ``bench/RESULTS.md``. With
+``$LLAMA_SERVER`` naming a llama-server binary, scenarios 2 and 3 also run against it.
+Progress goes to stderr. Exit code 0 when every scenario ran, 1 when one failed (its error
+is in the table and the JSON), 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+SCENARIOS = {"1": "engine", "2": "serving", "3": "prefix", "4": "lifecycle", "5": "roofline"}
+DEFAULT_SEED = 1234
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="loraplane bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="one repetition, fewer requests, K in {0, 4} (< 5 min)")
+    size.add_argument("--smoke", action="store_true", help="the smallest run that exercises everything (tests)")
+    ap.add_argument("--json", dest="json_out", metavar="OUT", help="write all results as JSON to OUT")
+    ap.add_argument("--markdown", metavar="OUT", help="write the tables as Markdown to OUT")
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype (default f32)")
+    ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="default cpu")
+    ap.add_argument("--model", metavar="GGUF", help="base model (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--only", metavar="LIST", help="comma-separated scenarios to run: 1-5 or "
+                    + ", ".join(SCENARIOS.values()) + " (default: all)")
+    ap.add_argument("--reps", type=int, help="repetitions per figure (overrides the profile)")
+    ap.add_argument("--requests", type=int, help="requests per serving run")
+    ap.add_argument("--max-tokens", type=int, help="output tokens per serving request")
+    ap.add_argument("--ks", metavar="LIST", help="adapter counts for serving, e.g. 0,1,4,16")
+    ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    ap.add_argument("--work-dir", metavar="DIR", help="where adapters, data dirs and logs go (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (server logs) afterwards")
+    ap.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
+    ap.add_argument("--omp-wait-policy", choices=["inherit", "passive", "active"], default="inherit",
+                    help="OMP_WAIT_POLICY for this process and every server it starts (default: leave the "
+                         "environment as it is). passive keeps a shared machine usable (spinning OpenMP threads "
+                         "collapse when another process takes a core) but makes every small op slower")
+    return ap
+
+
+def _selected(only: str | None) -> list[str]:
+    if not only:
+        return list(SCENARIOS.values())
+    out = []
+    for item in only.split(","):
+        item = item.strip()
+        name = SCENARIOS.get(item, item)
+        if name not in SCENARIOS.values():
+            raise ValueError(f"--only: unknown scenario '{item}' (expected 1-5 or {', '.join(SCENARIOS.values())})")
+        out.append(name)
+    return out
+
+
+def _have_rich() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("rich") is not None
+
+
+def _load_avg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "-"
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM (and SIGINT, which a background job may have inherited as ignored) raise
+    KeyboardInterrupt, so the ``finally`` blocks stop every server this run started."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGINT, _interrupt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = _parser()
+    try:
+        args = ap.parse_args(argv)
+        selected = _selected(args.only)
+        ks = tuple(int(k) for k in args.ks.split(",")) if args.ks else None
+        if ks is not None and any(k < 0 for k in ks):
+            raise ValueError("--ks: adapter counts must be >= 0")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"loraplane bench: {exc}", file=sys.stderr)
+        return 2
+
+    _install_signal_handlers()
+    if args.omp_wait_policy != "inherit":
+        # read by the OpenMP runtime when torch loads: set before the import; the servers
+        # started later inherit it through the environment
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    import torch
+
+    from bench.profiles import PROFILES, with_overrides
+    from bench.report import print_section, render_markdown, sections_for
+
+    name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    profile = with_overrides(PROFILES[name], reps=args.reps, requests=args.requests,
+                             max_tokens=args.max_tokens, ks=ks)
+    log = _Log()
+    use_rich = _have_rich() and not args.plain
+    run_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="loraplane-bench-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    llama_server = os.environ.get("LLAMA_SERVER") or None
+    result: dict = {
+        "bench": "loraplane", "version": 1, "profile": name, "seed": args.seed,
+        "command": "loraplane bench " + " ".join(argv), "selected": selected,
+        "params": profile.to_json() | {"dtype": args.dtype, "device": args.device,
+                                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")},
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                    "python": platform.python_version(), "platform": platform.platform(),
+                    "load_avg_start": _load_avg()},
+        "llama_server": llama_server, "scenarios": {}, "errors": [],
+    }
+    log(f"profile {name}: {json.dumps(profile.to_json())}")
+    log(f"work dir {run_dir}" + (f"; llama-server peer {llama_server}" if llama_server else ""))
+    t_start = time.monotonic()
+
+    def record(key: str, fn) -> None:
+        load_before = _load_avg()
+        try:
+            result["scenarios"][key] = fn()
+            result["scenarios"][key].setdefault("load_avg", {"before": load_before, "after": _load_avg()})
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one failed scenario must not hide the others
+            msg = f"{type(exc).__name__}: {exc}"
+            log(f"{key} FAILED: {msg}")
+            traceback.print_exc(file=sys.stderr)
+            result["scenarios"][key] = {"error": msg}
+            result["errors"].append({"scenario": key, "error": msg})
+        for s in sections_for(key, result["scenarios"][key]):
+            print_section(s, use_rich=use_rich)
+        sys.stdout.flush()
+
+    interrupted = False
+    try:
+        _run(args, profile, selected, run_dir, llama_server, result, record, log)
+    except KeyboardInterrupt:
+        interrupted = True
+        result["errors"].append({"scenario": "-", "error": "interrupted"})
+        log("interrupted: servers stopped, partial results kept")
+    finally:
+        result["duration_s"] = round(time.monotonic() - t_start, 1)
+        result["machine"]["load_avg_end"] = _load_avg()
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(_clean(result), indent=1) + "\n")
+            log(f"wrote {args.json_out}")
+        if args.markdown:
+            Path(args.markdown).write_text(render_markdown(result))
+            log(f"wrote {args.markdown}")
+        if not args.keep and not args.work_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    if interrupted:
+        return 130
+    log(f"done in {result['duration_s']:.0f}s" + (f" with {len(result['errors'])} failed scenario(s)"
+                                                  if result["errors"] else ""))
+    return 1 if result["errors"] else 0
+
+
+def _clean(o):
+    """JSON-ready copy: non-finite floats become null (strict JSON has no NaN)."""
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if o is None or isinstance(o, (str, int, bool)):
+        return o
+    return str(o)
+
+
+def _run(args, profile, selected, run_dir: Path, llama_server, result, record, log) -> None:
+    from bench.synth import AdapterFactory
+    from worker.model import default_model_path
+
+    model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
+    in_process = "engine" in selected or "roofline" in selected
+    base = None
+    if in_process:
+        from worker.model import load_model
+
+        log(f"loading {model_path} in-process ({args.dtype}, {args.device})")
+        base = load_model(model_path, dtype=args.dtype, device=args.device)
+        arch, tensors, bos = base.arch, base.tensor_ne, base.tokenizer.bos_id
+    else:
+        from worker.gguf_reader import read_gguf
+
+        gf = read_gguf(model_path)
+        arch, tensors = gf.arch, {n: tuple(r.ne) for n, r in gf.tensors.items()}
+        bos = int(gf.get("tokenizer.ggml.bos_token_id", 1))
+    factory = AdapterFactory(run_dir / "adapters", arch=arch, base_tensors=tensors, base_seed=args.seed)
+    engine_adapter = factory.path(0)
+
+    if "engine" in selected:
+        from bench.engine import run_engine
+
+        record("engine", lambda: run_engine(base, engine_adapter, profile, seed=args.seed, log=log))
+    if "roofline" in selected:
+        from bench.engine import measure_bandwidth
+        from bench.roofline import run_roofline
+
+        def roofline() -> dict:
+            bw = measure_bandwidth(profile.bw_mib, max(9, profile.reps), base.device)
+            log(f"roofline: copy bandwidth {bw['gb_s']['median']:.1f} GB/s")
+            engine = result["scenarios"].get("engine")
+            if not engine or "error" in engine:
+                from bench.engine import run_engine
+                from bench.profiles import with_overrides
+
+                engine = run_engine(base, engine_adapter, with_overrides(profile, decode_batches=(1,)),
+                                    seed=args.seed, log=log)
+            adapter_bytes = engine["adapter_bytes"]
+            return run_roofline(base, bw, engine, adapter_bytes)
+
+        record("roofline", roofline)
+    if base is not None:
+        del base
+        gc.collect()
+
+    if "serving" in selected or "prefix" in selected or "lifecycle" in selected:
+        from bench.serving import ServingContext, run_multitenant, run_prefix
+
+        sc = ServingContext(profile=profile, seed=args.seed, run_dir=run_dir, factory=factory, dtype=args.dtype,
+                            device=args.device, bos=bos, model_path=model_path, llama_server=llama_server, log=log)
+        if "serving" in selected:
+            lifecycle_hook = _lifecycle_hook(factory, profile, bos, log) if "lifecycle" in selected else None
+            holder: dict = {}
+
+            def serving() -> dict:
+                out, lc = run_multitenant(sc, lifecycle_hook)
+                holder["lifecycle"] = lc
+                return out
+
+            record("serving", serving)
+            if "lifecycle" in selected:
+                lc = holder.get("lifecycle")
+                record("lifecycle", lambda: _unwrap(lc))
+        elif "lifecycle" in selected:
+            record("lifecycle", lambda: _lifecycle_alone(sc, factory, profile, bos, log))
+        if "prefix" in selected:
+            record("prefix", lambda: run_prefix(sc))
+
+
+def _unwrap(lc):
+    if lc is None:
+        raise RuntimeError("not run: the serving scenario failed before the lifecycle measurements")
+    if isinstance(lc, BaseException):
+        raise lc
+    return lc
+
+
+def _lifecycle_hook(factory, profile, bos, log):
+    """Run scenario 4 on scenario 2's mixed worker before it stops; an error is kept, not raised,
+    so that scenario 2's results survive it."""
+    from bench.lifecycle import run_lifecycle
+
+    def hook(srv):
+        try:
+            before = _load_avg()
+            out = run_lifecycle(srv, factory, profile, bos=bos, log=log)
+            out["load_avg"] = {"before": before, "after": _load_avg()}
+            return out
+        except Exception as exc:  # noqa: BLE001 - reported under "lifecycle"
+            traceback.print_exc(file=sys.stderr)
+            return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return hook
+
+
+def _lifecycle_alone(sc, factory, profile, bos, log) -> dict:
+    from bench.lifecycle import run_lifecycle
+    from bench.servers import LoraplaneServers, start_all
+
+    srv = LoraplaneServers(sc.run_dir, "lifecycle", slots=profile.slots, batching="mixed", prefix_cache="keyed",
+                           dtype=sc.dtype, device=sc.device, model_path=sc.model_path)
+    log("lifecycle: starting control plane + worker")
+    start_all([srv])
+    try:
+        return run_lifecycle(srv, factory, profile, bos=bos, log=log)
+    finally:
+        srv.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Turning the results JSON into tables: ``rich`` on a terminal when installed, plain text
+otherwise, and Markdown for ``bench/RESULTS.md`` (``--markdown OUT``).
+
+Every figure is ``median [min–max]`` over the repetitions (just the median for one).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, field
+
+from bench.stats import Figure, fmt, fmt_fig
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass
+class Section:
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _fig(d: dict | None) -> str:
+    if not d:
+        return "-"
+    return fmt_fig(Figure(_f(d.get("median")), _f(d.get("min")), _f(d.get("max")), int(d.get("n", 0))))
+
+
+def _f(x) -> float:
+    return math.nan if x is None else float(x)
+
+
+def _x(r: float | None) -> str:
+    return "-" if r is None or not math.isfinite(r) else f"{r:.2f}×"
+
+
+def engine_section(e: dict) -> Section:
+    s = Section(f"1. Engine (in-process decode), dtype {e['dtype']}, {e['device']}, "
+                f"{e['torch_threads']} torch threads",
+                ["figure", "base", "LoRA r8 (all linear)", "LoRA overhead (base/LoRA)"])
+    b, lo = e["variants"]["base"], e["variants"]["lora"]
+    s.rows.append([f"prompt processing, {e['pp_tokens']} tokens (tok/s)", _fig(b["pp_tok_s"]),
+                   _fig(lo["pp_tok_s"]), _x(e["lora_overhead"]["pp"])])
+    for bs, d in b["decode"].items():
+        s.rows.append([f"decode B={bs} (tok/s)", _fig(d["tok_s"]), _fig(lo["decode"][bs]["tok_s"]),
+                       _x(e["lora_overhead"][f"decode_b{bs}"])])
+        s.rows.append([f"decode B={bs} (ms/step)", _fig(d["step_ms"]), _fig(lo["decode"][bs]["step_ms"]), ""])
+    s.notes.append(f"decode: {e['decode_steps']} steps per repetition, each sequence holding "
+                   f"{e['decode_ctx']} tokens of context; adapter A/B = {e['adapter_bytes'] / MIB:.1f} MiB")
+    return s
+
+
+def serving_sections(sv: dict) -> list[Section]:
+    peer = sv.get("llama_server")
+    s = Section(f"2. Multi-tenant serving over gRPC: {sv['streams']} closed-loop streams, {sv['requests']} "
+                f"requests × {sv['max_tokens']} output tokens (greedy, ignore_eos), {sv['prompt_tokens']}-token "
+                f"prompts, {sv['slots']} slots, prefix cache {sv['prefix_cache']}",
+                ["workload", "server", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                 "ITL p99 ms", "mean batch", "errors"])
+    for key in sv["workloads"]:
+        arms = [(f"ours, {m}", sv["modes"][m][key]) for m in ("mixed", "compat")]
+        if peer:
+            arms.append(("llama-server", peer["runs"][key]))
+        for label, d in arms:
+            s.rows.append([key, label, _fig(d["tok_s"]), _fig(d["ttft_p50_ms"]), _fig(d["ttft_p99_ms"]),
+                           _fig(d["itl_p50_ms"]), _fig(d["itl_p99_ms"]), _fig(d.get("mean_batch")),
+                           str(d["n_errors"])])
+    s.notes.append("K = number of rank-8 adapters in the traffic (K=0: base model only); rr = round-robin, "
+                   "zipf = Zipf(1.0) popularity; mean batch = sequences in the ubatch that produced each token")
+    cols = ["workload", "mixed/compat tok/s"] + (["ours (mixed)/llama-server tok/s"] if peer else [])
+    r = Section("2b. Throughput ratios (medians)", cols)
+    for key in sv["workloads"]:
+        row = [key, _x(sv["mixed_over_compat"][key])]
+        if peer:
+            row.append(_x(sv["ours_over_llama_server"][key]))
+        r.rows.append(row)
+    return [s, r]
+
+
+def prefix_section(px: dict) -> Section:
+    s = Section(f"3. Prefix reuse: {px['prefix_len']}-token shared system prompt + {px['user_tokens']} user "
+                f"tokens, {px['requests']} requests one at a time alternating among {px['adapters']} adapters, "
+                f"{px['slots']} slots, {px['max_tokens']} output tokens",
+                ["prefix cache", "prompt tokens", "prefill tokens computed", "tokens from cache",
+                 "TTFT p50 ms", "TTFT mean ms", "slot caches cleared"])
+    arms = [(f"ours, --prefix-cache {pol}", d) for pol, d in px["policies"].items()]
+    if px.get("llama_server"):
+        arms.append(("llama-server", px["llama_server"]["figures"]))
+    for label, d in arms:
+        s.rows.append([label, str(px["prompt_tokens"]), _fig(d["computed"]), _fig(d["cached"]),
+                       _fig(d["ttft_p50_ms"]), _fig(d["ttft_mean_ms"]), _fig(d["cache_cleared"])])
+    lk = px["llama_over_keyed"]
+    s.notes.append(f"llama/keyed: prefill tokens computed {_x(lk['computed'])}, TTFT p50 {_x(lk['ttft_p50_ms'])}, "
+                   f"TTFT mean {_x(lk['ttft_mean_ms'])}")
+    if px.get("llama_server_over_keyed"):
+        pk = px["llama_server_over_keyed"]
+        s.notes.append(f"llama-server/ours keyed: prefill tokens computed {_x(pk['computed'])}, "
+                       f"TTFT p50 {_x(pk['ttft_p50_ms'])}, TTFT mean {_x(pk['ttft_mean_ms'])}")
+    s.notes.append("computed = the worker's Stats.prompt_tokens_computed difference (llama-server: timings.prompt_n); "
+                   "from cache = Σ telemetry cached_prompt_tokens (llama-server: timings.cache_n)")
+    return s
+
+
+def lifecycle_section(lc: dict) -> Section:
+    s = Section(f"4. Adapter lifecycle ({lc['adapters_registered']} adapters registered, rank {lc['rank']} on "
+                f"{lc['pairs']} weights, {lc['file_bytes'] / MIB:.2f} MiB file each; worker {lc['device']} "
+                f"{lc['dtype']})", ["figure", "value"])
+    rows = [
+        ("register (upload + validate + push to worker), ms", _fig(lc["register_ms"])),
+        ("register → first token served, ms", _fig(lc["register_to_first_token_ms"])),
+        ("  of which first token after register returned, ms", _fig(lc["first_token_after_register_ms"])),
+        ("worker cold load per adapter (LoadAdapter), ms", _fig(lc["worker_cold_load_ms"])),
+        ("worker cold load, ms per MiB of file", _fig(lc["worker_cold_load_ms_per_mib"])),
+        ("device bytes per adapter (A/B tensors on the model's device)", _mib(lc["device_bytes_per_adapter"])),
+        ("worker host RSS growth per adapter (of which anonymous)",
+         f"{_mib(lc['host_rss_bytes_per_adapter'])} ({_mib(lc['host_anon_bytes_per_adapter'])})"),
+        ("control-plane RSS growth per adapter (of which anonymous)",
+         f"{_mib(lc['control_plane_rss_bytes_per_adapter'])} ({_mib(lc['control_plane_anon_bytes_per_adapter'])})"),
+        ("adapters that fit in 16 GiB (device rate)", str(lc["fit_16gib_device"] or "-")),
+        ("adapters that fit in 16 GiB (host RSS rate)", str(lc["fit_16gib_host"] or "-")),
+        ("adapters resident on the worker / registered", f"{lc['resident_on_worker']} / {lc['registered_total']}"),
+    ]
+    s.rows = [[a, b] for a, b in rows]
+    s.notes.append(f"register→first token timed on the first {lc['timed']} adapters; memory rates from "
+                   f"{lc['adapters_registered']} registrations (worker RSS {lc['worker_rss_before'] / GIB:.2f} → "
+                   f"{lc['worker_rss_after'] / GIB:.2f} GiB)")
+    return s
+
+
+def _mib(b: float | None) -> str:
+    return "-" if b is None else f"{b / MIB:.2f} MiB"
+
+
+def roofline_section(rf: dict) -> Section:
+    bw = rf["bandwidth"]
+    s = Section(f"5. Roofline of a decode step (memory-bound), measured copy bandwidth "
+                f"{_fig(bw['gb_s'])} GB/s", ["figure", "bytes/step", "bound ms/step", "bound tok/s (B=1)",
+                                             "achieved ms/step (B=1)", "achieved/bound"])
+    s.rows.append([f"ours, weights as held ({rf['dtype']})", f"{rf['weight_bytes_per_step'] / MIB:.0f} MiB",
+                   fmt(rf["bound_ms"]), fmt(rf["bound_tok_s_b1"]), fmt(rf.get("achieved_ms")),
+                   _pct(rf.get("achieved_over_bound"))])
+    s.rows.append(["ours + one r8 adapter", f"{(rf['weight_bytes_per_step'] + rf['adapter_bytes']) / MIB:.0f} MiB",
+                   fmt(rf["bound_lora_ms"]), fmt(1e3 / rf["bound_lora_ms"]), fmt(rf.get("achieved_lora_ms")),
+                   _pct(rf.get("achieved_over_bound_lora"))])
+    s.rows.append(["llama.cpp, Q4_K_M file", f"{rf['q4_k_m_file_bytes'] / MIB:.0f} MiB", fmt(rf["bound_q4_k_m_ms"]),
+                   fmt(rf["bound_q4_k_m_tok_s_b1"]), fmt(rf.get("achieved_ms")),
+                   _pct(rf.get("achieved_over_bound_q4_k_m"))])
+    s.notes.append("achieved/bound = bound step time / achieved step time (1.0 = at the roofline); the last row "
+                   "compares our achieved step with what a Q4_K_M reader could reach")
+    return s
+
+
+def _pct(r: float | None) -> str:
+    return "-" if r is None or not math.isfinite(r) else f"{r:.2f}"
+
+
+BUILDERS = {"engine": lambda d: [engine_section(d)], "serving": serving_sections,
+            "prefix": lambda d: [prefix_section(d)], "lifecycle": lambda d: [lifecycle_section(d)],
+            "roofline": lambda d: [roofline_section(d)]}
+
+
+def sections_for(key: str, d: dict) -> list[Section]:
+    """The table(s) of one scenario's results (one FAILED row when it raised)."""
+    if "error" in d:
+        return [Section(f"{key}: FAILED", ["error"], [[d["error"]]])]
+    out = BUILDERS[key](d)
+    if "load_avg" in d:
+        out[-1].notes.append(f"machine load average (1/5/15 min): {d['load_avg']['before']} before, "
+                             f"{d['load_avg']['after']} after")
+    return out
+
+
+def sections(result: dict) -> list[Section]:
+    """All tables, in scenario order 1–5."""
+    out = []
+    for key in BUILDERS:
+        d = result["scenarios"].get(key)
+        if d is not None:
+            out += sections_for(key, d)
+    return out
+
+
+def header_lines(result: dict) -> list[str]:
+    m, p = result["machine"], result["params"]
+    return [
+        f"loraplane bench — profile {result['profile']}, {p['reps']} repetition(s) per figure (median [min–max]), "
+        f"seed {result['seed']}",
+        f"machine: {m['cpus']} CPUs, torch {m['torch']} ({m['torch_threads']} threads), python {m['python']}, "
+        f"load average at start {m['load_avg_start']}, at end {m.get('load_avg_end', '-')}; "
+        f"OMP_WAIT_POLICY={p.get('omp_wait_policy') or '(unset)'}",
+        f"command: {result['command']}",
+    ]
+
+
+def render_markdown(result: dict) -> str:
+    buf = io.StringIO()
+    for line in header_lines(result):
+        buf.write(f"{line}  \n")
+    buf.write("\n")
+    for s in sections(result):
+        buf.write(f"#### {s.title}\n\n")
+        buf.write("| " + " | ".join(s.columns) + " |\n")
+        buf.write("|" + "|".join("---" for _ in s.columns) + "|\n")
+        for row in s.rows:
+            buf.write("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |\n")
+        for n in s.notes:
+            buf.write(f"\n{n}\n")
+        buf.write("\n")
+    return buf.getvalue()
+
+
+def render_plain(result: dict) -> str:
+    buf = io.StringIO()
+    for line in header_lines(result):
+        buf.write(line + "\n")
+    for s in sections(result):
+        buf.write(f"\n{s.title}\n")
+        widths = [max(len(c), *(len(r[i]) for r in s.rows)) if s.rows else len(c) for i, c in enumerate(s.columns)]
+        buf.write("  ".join(c.ljust(w) for c, w in zip(s.columns, widths)).rstrip() + "\n")
+        buf.write("  ".join("-" * w for w in widths) + "\n")
+        for row in s.rows:
+            buf.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
+        for n in s.notes:
+            buf.write(f"  {n}\n")
+    return buf.getvalue()
+
+
+def print_section(s: Section, *, use_rich: bool) -> None:
+    """Print one section as it completes (rich table when available)."""
+    if use_rich:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=s.title, title_justify="left", show_lines=False)
+        for c in s.columns:
+            t.add_column(c, overflow="fold")
+        for row in s.rows:
+            t.add_row(*row)
+        console = Console(width=max(120, Console().width))
+        console.print(t)
+        for n in s.notes:
+            console.print(f"  {n}", style="dim", highlight=False)
+        return
+    widths = [max(len(c), *(len(r[i]) for r in s.rows)) if s.rows else len(c) for i, c in enumerate(s.columns)]
+    print(f"\n{s.title}")
+    print("  ".join(c.ljust(w) for c, w in zip(s.columns, widths)).rstrip())
+    print("  ".join("-" * w for w in widths))
+    for row in s.rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    for n in s.notes:
+        print(f"  {n}")

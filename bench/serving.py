@@ -1,0 +1,311 @@
+"""Scenarios 2 (multi-tenant serving) and 3 (prefix reuse), over gRPC on localhost.
+
+Scenario 2: ``streams`` closed-loop client streams send ``requests`` greedy requests
+(``ignore_eos``, so every request generates exactly ``max_tokens``) with K = 0, 1, 4, 16
+rank-8 adapters, adapters picked round-robin or by Zipf(1.0) popularity. Two workers run side
+by side, ``--batching mixed`` and ``--batching compat`` (both ``--prefix-cache keyed``), and
+repetitions alternate between them so machine noise hits both alike.
+
+Scenario 3: a shared ``prefix_len``-token system prompt, requests sent one at a time and
+alternating among ``prefix_adapters`` adapters, on workers with ``prefix_slots`` slots —
+fewer slots than adapters, the case llama-server's one-prompt-per-slot cache cannot cover —
+under ``--prefix-cache keyed`` and ``--prefix-cache llama``. Each repetition uses a fresh
+system prompt, so every repetition starts cold.
+
+With ``$LLAMA_SERVER`` set, both scenarios also run against llama-server (same GGUF, adapters
+loaded unapplied, per-request ``lora`` vectors, ``--parallel`` = our slots).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from bench.engine import random_tokens
+from bench.load import (RequestSpec, llama_server_driver, loraplane_driver, run_closed_loop,
+                        summarize)
+from bench.servers import LlamaServer, LoraplaneServers, start_all
+from bench.stats import Figure, ratio
+from bench.synth import AdapterFactory
+
+RUN_FIGURES = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mean_batch")
+
+
+@dataclass
+class ServingContext:
+    """What the serving scenarios share."""
+
+    profile: object
+    seed: int
+    run_dir: Path
+    factory: AdapterFactory
+    dtype: str
+    device: str
+    bos: int
+    model_path: str
+    llama_server: str | None
+    log: Callable[[str], None]
+
+
+def workloads(ks) -> list[tuple[int, str]]:
+    """``(K, distribution)``: K ≤ 1 has one distribution; larger K both rr and zipf."""
+    out = []
+    for k in ks:
+        if k == 0:
+            out.append((0, "base"))
+        elif k == 1:
+            out.append((1, "single"))
+        else:
+            out += [(k, "rr"), (k, "zipf")]
+    return out
+
+
+def wl_key(k: int, dist: str) -> str:
+    return f"K={k} {dist}"
+
+
+def zipf_choices(rng: np.random.Generator, k: int, n: int, s: float = 1.0) -> list[int]:
+    w = 1.0 / np.arange(1, k + 1) ** s
+    return [int(i) for i in rng.choice(k, size=n, p=w / w.sum())]
+
+
+def serving_specs(sc: ServingContext, k: int, dist: str, rep: int, *, n: int | None = None,
+                  max_tokens: int | None = None) -> list[RequestSpec]:
+    """The request list of one run; adapters are named by index 0..K-1 (mapped per server)."""
+    p = sc.profile
+    n = p.requests if n is None else n
+    code = {"base": 0, "single": 1, "rr": 2, "zipf": 3}[dist]
+    rng = np.random.default_rng((sc.seed, 2, k, code, rep + 1000))
+    picks = (zipf_choices(rng, k, n) if dist == "zipf" else [i % k for i in range(n)]) if k else []
+    specs = []
+    for i in range(n):
+        prompt = random_tokens(rng, p.prompt_tokens, bos=sc.bos)
+        adapters = {picks[i]: 1.0} if k else {}
+        specs.append(RequestSpec(prompt, adapters, p.max_tokens if max_tokens is None else max_tokens, i))
+    return specs
+
+
+def _mapped(inner, id_map: list[int]):
+    """Wrap a loraplane driver so it takes index-keyed adapter maps (index j → registered id)."""
+
+    def run(spec: RequestSpec, res) -> None:
+        inner(RequestSpec(spec.prompt, {id_map[j]: s for j, s in spec.adapters.items()},
+                          spec.max_tokens, spec.seed), res)
+    return run
+
+
+def _aggregate(runs: list[dict]) -> dict:
+    out = {f: Figure.of([r[f] for r in runs]).to_json() for f in RUN_FIGURES}
+    out["n_errors"] = sum(r["n_errors"] for r in runs)
+    out["errors"] = [e for r in runs for e in r["errors"]][:5]
+    out["requests"] = runs[0]["requests"] if runs else 0
+    out["tokens"] = runs[0]["tokens"] if runs else 0
+    return out
+
+
+def _register(srv: LoraplaneServers, paths: list[Path]) -> list[int]:
+    return [srv.client.add_adapter(p).id for p in paths]
+
+
+def run_multitenant(sc: ServingContext,
+                    keep_for_lifecycle: Callable[[LoraplaneServers], object] | None = None) -> tuple[dict, object]:
+    """Scenario 2 (and, through ``keep_for_lifecycle``, scenario 4 on the mixed worker
+    before it stops). Returns ``(scenario 2 results, what keep_for_lifecycle returned)``."""
+    p = sc.profile
+    wls = workloads(p.ks)
+    max_k = max(p.ks)
+    paths = sc.factory.paths(max_k)
+    modes = ("mixed", "compat")
+    servers = {m: LoraplaneServers(sc.run_dir, f"serving-{m}", slots=p.slots, batching=m, prefix_cache="keyed",
+                                   dtype=sc.dtype, device=sc.device, n_ctx=p.prompt_tokens + p.max_tokens + 64,
+                                   model_path=sc.model_path)
+               for m in modes}
+    sc.log(f"serving: starting control plane + worker for {', '.join(modes)} ({p.slots} slots each)")
+    start_all(list(servers.values()))
+    runs: dict[str, dict[str, list[dict]]] = {m: {wl_key(*w): [] for w in wls} for m in modes}
+    lifecycle = None
+    try:
+        ids = {m: _register(s, paths) for m, s in servers.items()}
+        drivers = {m: _mapped(loraplane_driver(s.client), ids[m]) for m, s in servers.items()}
+        warm = serving_specs(sc, max_k, "rr", -1, n=max(max_k, p.streams), max_tokens=2) if max_k else \
+            serving_specs(sc, 0, "base", -1, n=p.streams, max_tokens=2)
+        for m in modes:  # warm-up, excluded
+            run_closed_loop(drivers[m], warm, p.streams)
+        for rep in range(p.reps):
+            for k, dist in wls:
+                specs = serving_specs(sc, k, dist, rep)
+                for m in modes:
+                    res, wall = run_closed_loop(drivers[m], specs, p.streams)
+                    s = summarize(res, wall)
+                    runs[m][wl_key(k, dist)].append(s)
+                    sc.log(f"serving: rep {rep + 1}/{p.reps} {wl_key(k, dist)} {m}: {s['tok_s']:.1f} tok/s, "
+                           f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.0f} ms, "
+                           f"mean batch {s['mean_batch']:.1f}" + (f", {s['n_errors']} errors" if s["n_errors"] else ""))
+        worker_stats = {m: _stats_json(s) for m, s in servers.items()}
+        if keep_for_lifecycle is not None:
+            lifecycle = keep_for_lifecycle(servers["mixed"])
+    finally:
+        for s in servers.values():
+            s.stop()
+    out: dict = {
+        "streams": p.streams, "slots": p.slots, "requests": p.requests, "max_tokens": p.max_tokens,
+        "prompt_tokens": p.prompt_tokens, "ks": list(p.ks), "prefix_cache": "keyed",
+        "workloads": [wl_key(*w) for w in wls],
+        "modes": {m: {key: _aggregate(v) for key, v in runs[m].items()} for m in modes},
+        "worker_stats": worker_stats,
+    }
+    out["mixed_over_compat"] = {key: ratio(out["modes"]["mixed"][key]["tok_s"]["median"],
+                                           out["modes"]["compat"][key]["tok_s"]["median"])
+                                for key in out["workloads"]}
+    if sc.llama_server:
+        out["llama_server"] = _peer_multitenant(sc, wls, paths)
+        out["ours_over_llama_server"] = {
+            key: ratio(out["modes"]["mixed"][key]["tok_s"]["median"],
+                       out["llama_server"]["runs"][key]["tok_s"]["median"]) for key in out["workloads"]}
+    return out, lifecycle
+
+
+def _stats_json(srv: LoraplaneServers) -> dict:
+    st = srv.stats()
+    return {"graph_reuses": st.graph_reuses, "graph_rebuilds": st.graph_rebuilds,
+            "prompt_tokens_computed": st.prompt_tokens_computed, "tokens_generated": st.tokens_generated,
+            "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens, "adapter_bytes": st.adapter_bytes}
+
+
+def _peer_multitenant(sc: ServingContext, wls, paths) -> dict:
+    p = sc.profile
+    srv = LlamaServer(sc.llama_server, sc.run_dir, "llama-server-serving", model=sc.model_path,
+                      adapters=paths, parallel=p.slots, n_ctx=p.prompt_tokens + p.max_tokens + 64)
+    sc.log(f"serving: starting llama-server ({srv.binary}, --parallel {p.slots}, {len(paths)} adapters)")
+    srv.start()
+    runs: dict[str, list[dict]] = {wl_key(*w): [] for w in wls}
+    try:
+        driver = llama_server_driver(srv)
+        max_k = max(p.ks)
+        warm = serving_specs(sc, max_k, "rr", -1, n=max(max_k, p.streams), max_tokens=2) if max_k else \
+            serving_specs(sc, 0, "base", -1, n=p.streams, max_tokens=2)
+        run_closed_loop(driver, warm, p.streams)
+        for rep in range(p.reps):
+            for k, dist in wls:
+                res, wall = run_closed_loop(driver, serving_specs(sc, k, dist, rep), p.streams)
+                s = summarize(res, wall)
+                runs[wl_key(k, dist)].append(s)
+                sc.log(f"serving: rep {rep + 1}/{p.reps} {wl_key(k, dist)} llama-server: {s['tok_s']:.1f} tok/s, "
+                       f"TTFT p50 {s['ttft_p50_ms']:.0f} ms" + (f", {s['n_errors']} errors" if s["n_errors"] else ""))
+    finally:
+        srv.stop()
+    return {"binary": sc.llama_server, "parallel": p.slots, "runs": {k: _aggregate(v) for k, v in runs.items()}}
+
+
+# --- scenario 3 ---------------------------------------------------------------------------
+
+def prefix_specs(sc: ServingContext, rep: int) -> list[RequestSpec]:
+    p = sc.profile
+    rng = np.random.default_rng((sc.seed, 3, rep + 1000))
+    system = random_tokens(rng, p.prefix_len, bos=sc.bos)
+    return [RequestSpec(system + random_tokens(rng, p.prefix_user_tokens), {i % p.prefix_adapters: 1.0},
+                        p.prefix_max_tokens, i) for i in range(p.prefix_requests)]
+
+
+def _prefix_run(driver, specs, computed_before: int | None, stats_fn) -> dict:
+    res, wall = run_closed_loop(driver, specs, 1)
+    s = summarize(res, wall)
+    ok = [r for r in res if r.error is None]
+    ttft = [(r.t_first - r.t_submit) * 1e3 for r in ok if r.t_first is not None]
+    s["ttft_mean_ms"] = sum(ttft) / len(ttft) if ttft else math.nan
+    s["prompt_tokens"] = sum(len(sp.prompt) for sp in specs)
+    if computed_before is not None:  # ours: worker Stats, cross-checked with telemetry
+        s["computed"] = stats_fn() - computed_before
+        s["cached"] = sum(int(r.telemetry.get("cached_prompt_tokens", 0)) for r in ok)
+        s["cache_cleared"] = sum(1 for r in ok if r.telemetry.get("cache_cleared"))
+    else:  # llama-server: per-request timings
+        s["computed"] = sum(int(r.telemetry.get("prompt_n") or 0) for r in ok)
+        s["cached"] = sum(int(r.telemetry.get("cache_n") or 0) for r in ok)
+        s["cache_cleared"] = math.nan
+    return s
+
+
+PREFIX_FIGURES = ("computed", "cached", "ttft_p50_ms", "ttft_mean_ms")
+
+
+def run_prefix(sc: ServingContext) -> dict:
+    """Scenario 3. Returns JSON-ready results."""
+    p = sc.profile
+    paths = sc.factory.paths(p.prefix_adapters)
+    policies = ("keyed", "llama")
+    servers = {pol: LoraplaneServers(sc.run_dir, f"prefix-{pol}", slots=p.prefix_slots, batching="mixed",
+                                     prefix_cache=pol, dtype=sc.dtype, device=sc.device,
+                                     n_ctx=p.prefix_len + p.prefix_user_tokens + p.prefix_max_tokens + 64,
+                                     model_path=sc.model_path)
+               for pol in policies}
+    sc.log(f"prefix: starting control plane + worker for --prefix-cache {' and '.join(policies)} "
+           f"({p.prefix_slots} slots each)")
+    start_all(list(servers.values()))
+    runs: dict[str, list[dict]] = {pol: [] for pol in policies}
+    try:
+        ids = {pol: _register(s, paths) for pol, s in servers.items()}
+        drivers = {pol: _mapped(loraplane_driver(s.client), ids[pol]) for pol, s in servers.items()}
+        warm = prefix_specs(sc, -1)[: p.prefix_adapters]
+        for pol in policies:  # warm-up, excluded (another system prompt)
+            run_closed_loop(drivers[pol], [RequestSpec(w.prompt, w.adapters, 2, w.seed) for w in warm], 1)
+        for rep in range(p.reps):
+            specs = prefix_specs(sc, rep)
+            for pol in policies:
+                srv = servers[pol]
+                before = srv.stats().prompt_tokens_computed
+                s = _prefix_run(drivers[pol], specs, before, lambda srv=srv: srv.stats().prompt_tokens_computed)
+                runs[pol].append(s)
+                sc.log(f"prefix: rep {rep + 1}/{p.reps} {pol}: computed {s['computed']} of {s['prompt_tokens']} "
+                       f"prompt tokens, TTFT p50 {s['ttft_p50_ms']:.0f} ms")
+    finally:
+        for s in servers.values():
+            s.stop()
+    out: dict = {
+        "prefix_len": p.prefix_len, "user_tokens": p.prefix_user_tokens, "requests": p.prefix_requests,
+        "adapters": p.prefix_adapters, "slots": p.prefix_slots, "max_tokens": p.prefix_max_tokens,
+        "prompt_tokens": runs["keyed"][0]["prompt_tokens"] if runs["keyed"] else 0,
+        "policies": {pol: _prefix_aggregate(v) for pol, v in runs.items()},
+    }
+    out["llama_over_keyed"] = {
+        f: ratio(out["policies"]["llama"][f]["median"], out["policies"]["keyed"][f]["median"])
+        for f in ("computed", "ttft_p50_ms", "ttft_mean_ms")}
+    if sc.llama_server:
+        out["llama_server"] = _peer_prefix(sc, paths)
+        peer = out["llama_server"]["figures"]
+        out["llama_server_over_keyed"] = {
+            f: ratio(peer[f]["median"], out["policies"]["keyed"][f]["median"])
+            for f in ("computed", "ttft_p50_ms", "ttft_mean_ms")}
+    return out
+
+
+def _prefix_aggregate(runs: list[dict]) -> dict:
+    out = {f: Figure.of([r[f] for r in runs]).to_json() for f in PREFIX_FIGURES}
+    out["cache_cleared"] = Figure.of([r["cache_cleared"] for r in runs]).to_json()
+    out["n_errors"] = sum(r["n_errors"] for r in runs)
+    out["errors"] = [e for r in runs for e in r["errors"]][:5]
+    return out
+
+
+def _peer_prefix(sc: ServingContext, paths) -> dict:
+    p = sc.profile
+    srv = LlamaServer(sc.llama_server, sc.run_dir, "llama-server-prefix", model=sc.model_path, adapters=paths,
+                      parallel=p.prefix_slots, n_ctx=p.prefix_len + p.prefix_user_tokens + p.prefix_max_tokens + 64)
+    sc.log(f"prefix: starting llama-server (--parallel {p.prefix_slots})")
+    srv.start()
+    runs = []
+    try:
+        driver = llama_server_driver(srv)
+        warm = prefix_specs(sc, -1)[: p.prefix_adapters]
+        run_closed_loop(driver, [RequestSpec(w.prompt, w.adapters, 2, w.seed) for w in warm], 1)
+        for rep in range(p.reps):
+            s = _prefix_run(driver, prefix_specs(sc, rep), None, None)
+            runs.append(s)
+            sc.log(f"prefix: rep {rep + 1}/{p.reps} llama-server: computed {s['computed']} prompt tokens, "
+                   f"TTFT p50 {s['ttft_p50_ms']:.0f} ms")
+    finally:
+        srv.stop()
+    return {"binary": sc.llama_server, "parallel": p.prefix_slots, "figures": _prefix_aggregate(runs)}

@@ -1,0 +1,122 @@
+"""The benchmark harness runs end to end and reports every scenario with numbers.
+
+No speed is asserted anywhere: the figures depend on the machine. ``--smoke`` is the smallest
+run that still exercises all five scenarios (engine, gRPC serving with mixed and compat
+workers, prefix reuse, adapter lifecycle, roofline); it takes a few minutes on 2 CPU cores,
+mostly loading the model in four worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ("engine", "serving", "prefix", "lifecycle", "roofline")
+
+
+def _number(d: dict, *path: str) -> float:
+    for key in path:
+        assert isinstance(d, dict) and key in d, f"missing {'.'.join(path)} (at '{key}')"
+        d = d[key]
+    assert isinstance(d, (int, float)) and not isinstance(d, bool), f"{'.'.join(path)} = {d!r} is not a number"
+    assert math.isfinite(d), f"{'.'.join(path)} = {d!r}"
+    return d
+
+
+def test_usage_errors_exit_2():
+    from bench.__main__ import main
+
+    assert main(["--only", "nonsense"]) == 2
+    assert main(["--no-such-flag"]) == 2
+
+
+def test_synthetic_adapter_is_a_valid_rank8_adapter_on_every_linear_weight(tmp_path, base_index):
+    from bench.synth import AdapterFactory
+    from worker.adapters import load_lora_adapter
+
+    arch, tensors = base_index
+    factory = AdapterFactory(tmp_path, arch=arch, base_tensors=tensors, base_seed=7)
+    path = factory.path(0)
+    adapter = load_lora_adapter(path, base_arch=arch, base_tensors=tensors)
+    linear = [n for n in tensors if n.startswith("blk.") and n.rsplit(".", 2)[-2] in
+              ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    assert sorted(adapter.pairs) == sorted(linear)
+    assert adapter.ranks == (8,) and adapter.alpha == 16.0
+    again = AdapterFactory(tmp_path / "again", arch=arch, base_tensors=tensors, base_seed=7).path(0)
+    assert again.read_bytes() == path.read_bytes()  # fixed seeds: identical files
+
+
+def test_workloads_are_deterministic():
+    from bench.serving import workloads, zipf_choices
+    import numpy as np
+
+    assert workloads((0, 1, 4)) == [(0, "base"), (1, "single"), (4, "rr"), (4, "zipf")]
+    a = zipf_choices(np.random.default_rng(1), 16, 64)
+    assert a == zipf_choices(np.random.default_rng(1), 16, 64)
+    assert a.count(0) > a.count(15)  # Zipf: the first adapter is the most popular
+
+
+def test_bench_smoke_reports_every_scenario(tmp_path):
+    out = tmp_path / "bench.json"
+    md = tmp_path / "bench.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("LLAMA_SERVER", None)
+    proc = subprocess.run(
+        # passive OpenMP waits: this machine may be shared, and spinning threads collapse then
+        [sys.executable, "-m", "clients.cli", "bench", "--json", str(out), "--smoke", "--plain",
+         "--markdown", str(md), "--omp-wait-policy", "passive"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    data = json.loads(out.read_text())
+    assert data["profile"] == "smoke" and data["errors"] == []
+    sc = data["scenarios"]
+    for key in SCENARIOS:
+        assert key in sc and "error" not in sc[key], (key, sc.get(key))
+
+    e = sc["engine"]
+    for variant in ("base", "lora"):
+        _number(e, "variants", variant, "pp_tok_s", "median")
+        for b in ("1", "8", "32"):
+            _number(e, "variants", variant, "decode", b, "tok_s", "median")
+    _number(e, "lora_overhead", "decode_b1")
+
+    s = sc["serving"]
+    for key in s["workloads"]:
+        for mode in ("mixed", "compat"):
+            run = s["modes"][mode][key]
+            assert run["n_errors"] == 0, run["errors"]
+            assert _number(run, "tok_s", "median") > 0
+            for f in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+                _number(run, f, "median")
+        _number(s, "mixed_over_compat", key)
+
+    p = sc["prefix"]
+    for pol in ("keyed", "llama"):
+        assert p["policies"][pol]["n_errors"] == 0
+        _number(p, "policies", pol, "computed", "median")
+        _number(p, "policies", pol, "ttft_p50_ms", "median")
+    # the keyed cache serves the shared system prompt again; llama's clears on every switch
+    assert p["policies"]["keyed"]["cached"]["median"] > 0
+    assert p["policies"]["llama"]["computed"]["median"] == p["prompt_tokens"]
+
+    lc = sc["lifecycle"]
+    for f in ("register_ms", "register_to_first_token_ms", "worker_cold_load_ms", "worker_cold_load_ms_per_mib"):
+        _number(lc, f, "median")
+    assert _number(lc, "device_bytes_per_adapter") > 0
+    _number(lc, "fit_16gib_device")
+
+    r = sc["roofline"]
+    for f in ("bound_ms", "bound_q4_k_m_ms", "achieved_ms", "achieved_over_bound"):
+        _number(r, f)
+    _number(r, "bandwidth", "gb_s", "median")
+
+    text = md.read_text()
+    for title in ("1. Engine", "2. Multi-tenant serving", "3. Prefix reuse", "4. Adapter lifecycle", "5. Roofline"):
+        assert title in text
