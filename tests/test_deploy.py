@@ -7,8 +7,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
-yaml = pytest.importorskip("yaml")
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "k8s"
