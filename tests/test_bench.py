@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("engine", "serving", "prefix", "lifecycle", "roofline")
