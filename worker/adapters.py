@@ -35,7 +35,6 @@ Rules (llama.cpp unless noted), every violation collected into one ``AdapterErro
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import types
@@ -46,7 +45,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from worker.gguf_reader import (FLOAT_TYPES, SUPPORTED_QUANT_TYPES, GGUFError, GGUFFile,
+from worker.gguf_reader import (FLOAT_TYPES, SUPPORTED_QUANT_TYPES, GGUFError, GGUFFile, file_sha256,
                                 TensorRecord, dequantize, read_gguf)
 
 MAX_RANK = 512  # largest rank we accept (vLLM's max_lora_rank default range tops out here)
@@ -159,14 +158,6 @@ class LoraAdapter:
     def scale(self, adapter_scale: float, pair: LoraPair) -> float:
         """Effective scale of ``pair`` at ``adapter_scale`` (see ``lora_scale``)."""
         return lora_scale(adapter_scale, self.alpha, pair.rank)
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_adapter_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, str]:

