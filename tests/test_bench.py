@@ -1,9 +1,9 @@
 """The benchmark harness runs end to end and reports every scenario with numbers.
 
-No speed is asserted anywhere: the figures depend on the machine. ``--smoke`` is the smallest
-run that still exercises all five scenarios (engine, gRPC serving with mixed and compat
-workers, prefix reuse, adapter lifecycle, roofline); it takes a few minutes on 2 CPU cores,
-mostly loading the model in four worker processes.
+No speed is asserted anywhere: the figures depend on the machine. The test runs ``--quick``
+once (1.5–2 minutes on 2 CPU cores, mostly loading the model in the worker processes), which
+exercises all five scenarios: engine, gRPC serving with mixed and compat workers, prefix
+reuse, adapter lifecycle, roofline.
 """
 
 from __future__ import annotations
@@ -62,19 +62,19 @@ def test_workloads_are_deterministic():
     assert a.count(0) > a.count(15)  # Zipf: the first adapter is the most popular
 
 
-def test_bench_smoke_reports_every_scenario(tmp_path):
+def test_bench_quick_reports_every_scenario(tmp_path):
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("LLAMA_SERVER", None)
     proc = subprocess.run(
         # passive OpenMP waits: this machine may be shared, and spinning threads collapse then
-        [sys.executable, "-m", "clients.cli", "bench", "--json", str(out), "--smoke", "--plain",
+        [sys.executable, "-m", "clients.cli", "bench", "--json", str(out), "--quick", "--plain",
          "--markdown", str(md), "--omp-wait-policy", "passive"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
-    assert data["profile"] == "smoke" and data["errors"] == []
+    assert data["profile"] == "quick" and data["errors"] == []
     sc = data["scenarios"]
     for key in SCENARIOS:
         assert key in sc and "error" not in sc[key], (key, sc.get(key))
