@@ -44,6 +44,7 @@ from safetensors import safe_open
 
 from worker.adapters import AdapterError, validate_lora_adapter
 from worker.gguf_reader import read_gguf
+from worker.gguf_writer import write_and_close
 
 SUPPORTED_ARCHS = ("gemma3", "llama")
 OUTTYPES = {"f32": np.float32, "f16": np.float16}
@@ -288,15 +289,7 @@ def convert_peft(
                              gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
     for name, arr in tensors:
         writer.add_tensor(name, arr)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)  # never leave a half-written file behind
-        raise
-    writer.close()
+    write_and_close(writer, tmp)
     if base_gguf is not None:
         try:
             validate_lora_adapter(tmp, base_arch=arch, base_tensors=base_index)

@@ -34,6 +34,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from worker.adapters import TOKEN_EMBD, LoraAdapter, LoraPair, load_lora_adapter
 from worker.gguf_reader import GGUFError, TensorRecord, dequantize
+from worker.gguf_writer import write_and_close
 
 OUTTYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
             "q8_0": GGMLQuantizationType.Q8_0}
@@ -156,14 +157,6 @@ def export_lora(
             writer.add_tensor(name, rec.raw, raw_dtype=rec.ggml_type)
         if untie and name == TOKEN_EMBD:
             writer.add_tensor(OUTPUT, rec.raw, raw_dtype=rec.ggml_type)  # the unpatched lm_head
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)  # never leave a half-written file behind
-        raise
-    writer.close()
+    write_and_close(writer, tmp)
     os.replace(tmp, out)
     return out
