@@ -215,19 +215,19 @@ def _clean(o):
 
 def _run(args, profile, selected, run_dir: Path, llama_server, result, record, log) -> None:
     from bench.synth import AdapterFactory
-    from worker.model import default_model_path
+    from worker.runtime.model import default_model_path
 
     model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
     in_process = "engine" in selected or "roofline" in selected
     base = None
     if in_process:
-        from worker.model import load_model
+        from worker.runtime.model import load_model
 
         log(f"loading {model_path} in-process ({args.dtype}, {args.device})")
         base = load_model(model_path, dtype=args.dtype, device=args.device)
         arch, tensors, bos = base.arch, base.tensor_ne, base.tokenizer.bos_id
     else:
-        from worker.gguf_reader import read_gguf
+        from worker.gguf.reader import read_gguf
 
         gf = read_gguf(model_path)
         arch, tensors = gf.arch, {n: tuple(r.ne) for n, r in gf.tensors.items()}

@@ -1,6 +1,6 @@
 """Scenario 1 (engine decode, in-process) and the measurements scenario 5 needs.
 
-Drives ``worker.context.WorkerContext.decode`` directly — no gRPC, no scheduler — so the
+Drives ``worker.runtime.context.WorkerContext.decode`` directly — no gRPC, no scheduler — so the
 figures are the model's own cost: prompt processing (one ubatch of ``pp_tokens`` rows, logits
 for the last row only) and decode steps at batch 1, 8 and 32 (one row per sequence, logits for
 every row, as the scheduler asks), on the base model and with one rank-8 adapter on every
@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from bench.stats import Figure, ratio
-from worker.adapters import load_lora_adapter
-from worker.context import Model, UBatch, WorkerContext
-from worker.lora_plan import EMPTY_SET, AdapterSet
-from worker.model import BaseModel
+from worker.lora.adapter import load_lora_adapter
+from worker.runtime.context import Model, UBatch, WorkerContext
+from worker.lora.plan import EMPTY_SET, AdapterSet
+from worker.runtime.model import BaseModel
 
 TOKEN_LO, TOKEN_HI = 1000, 200_000  # ordinary vocabulary ids (no special tokens)
 N_BATCH = 512  # rows per ubatch when prefilling several sequences

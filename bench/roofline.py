@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from bench.stats import ratio
-from worker.model import BaseModel
+from worker.runtime.model import BaseModel
 
 TOKEN_EMBD = "token_embd.weight"
 

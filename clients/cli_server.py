@@ -1,6 +1,6 @@
 """Server commands of the ``loraplane`` CLI: ``control-plane``, ``worker`` and ``serve``.
 
-The servers themselves live in ``control_plane.server`` and ``worker.server``; they are
+The servers themselves live in ``control_plane.server`` and ``worker.rpc.server``; they are
 imported inside the commands so that the CLI starts fast (no torch import for client
 commands or ``--help``).
 
@@ -253,7 +253,7 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM."""
     try:
         from worker.config import Batching, PrefixCachePolicy, WorkerConfig
-        from worker.server import serve_worker
+        from worker.rpc.server import serve_worker
     except ImportError as err:
         raise click.ClickException(f"the worker is not available: {err}") from None
     optional = {"n_ctx_slot": n_ctx_slot, "queue_limit": queue_limit,

@@ -31,7 +31,7 @@ def _tool_failed(what: str, err: BaseException) -> click.ClickException:
 def convert_peft_cmd(peft_dir: str, out_path: str, base_gguf: str | None, outtype: str) -> None:
     """Convert a PEFT LoRA folder (adapter_config.json + safetensors) into an adapter GGUF."""
     try:
-        from worker.convert_peft import convert_peft
+        from worker.tools.convert_peft import convert_peft
     except ImportError as err:
         raise click.ClickException(f"convert-peft is not available: {err}") from None
     try:
@@ -58,7 +58,7 @@ def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_pa
         if not os.path.isfile(path):
             raise click.BadParameter(f"file {path!r} does not exist", param_hint="--lora")
     try:
-        from worker.export_lora import export_lora
+        from worker.tools.export_lora import export_lora
     except ImportError as err:
         raise click.ClickException(f"export-lora is not available: {err}") from None
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from worker.gguf_reader import GGUFFile, read_gguf
+from worker.gguf.reader import GGUFFile, read_gguf
 
 log = structlog.get_logger("control_plane.base_model")
 
@@ -68,7 +68,7 @@ class BaseModel:
         with self._lock:
             if self._tokenizer is None and self._tokenizer_error is None:
                 try:
-                    from worker.tokenizer import Tokenizer
+                    from worker.runtime.tokenizer import Tokenizer
 
                     self._tokenizer = Tokenizer.from_gguf(self.gguf)
                 except Exception as exc:  # a missing or broken tokenizer only costs the text
@@ -81,7 +81,7 @@ def load_base_model(path: str | Path) -> BaseModel:
     """Parse (or reuse the cached parse of) the base model's GGUF header and tensor index.
 
     Raises:
-        worker.gguf_reader.GGUFError: missing, not GGUF, or corrupt (names the file).
+        worker.gguf.reader.GGUFError: missing, not GGUF, or corrupt (names the file).
     """
     p = Path(path).resolve()
     try:

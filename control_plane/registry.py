@@ -5,7 +5,7 @@ Workers never register anything themselves; they receive adapters the registry a
 (`control_plane.workers` pushes them).
 
 Registration validates the whole file against the base model's tensor index
-(`worker.adapters.validate_lora_adapter`) before anything is stored. Uploaded bytes land in a
+(`worker.lora.adapter.validate_lora_adapter`) before anything is stored. Uploaded bytes land in a
 temporary file under ``<data-dir>/adapters/`` and only become ``<sha256>.gguf`` once valid;
 any failure removes them, so a refused upload leaves neither a row nor a file. Server-side
 paths must resolve (symlinks followed) inside a configured adapter directory, checked before
@@ -30,7 +30,7 @@ from control_plane.errors import (InvalidArgumentError, NotFoundError, Permissio
                                   ResourceExhaustedError, describe_ids)
 from control_plane.resolution import AdapterVector, check_scale, resolve_adapter_vector
 from control_plane.store import AdapterRecord, AdapterStore
-from worker.adapters import LoraAdapter, validate_lora_adapter
+from worker.lora.adapter import LoraAdapter, validate_lora_adapter
 
 log = structlog.get_logger("control_plane.registry")
 

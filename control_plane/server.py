@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from control_plane.auth import AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
 from control_plane.config import ControlPlaneConfig, parse_lora_scaled
-from control_plane.logging import configure_logging
+from loraplane.logging import configure_logging
 from control_plane.registry import AdapterRegistry
 from control_plane.router import Router
 from control_plane.servicer import ControlPlaneServicer

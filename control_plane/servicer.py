@@ -18,7 +18,7 @@ from control_plane import convert
 from control_plane.errors import (ControlPlaneError, InvalidArgumentError, NotFoundError,
                                   PermissionDeniedError, ResourceExhaustedError,
                                   UnauthenticatedError, UnavailableError)
-from control_plane.logging import bind_request
+from loraplane.logging import bind_request
 from control_plane.registry import AdapterRegistry
 from control_plane.router import Router, WorkerRequestError
 from control_plane.workers import WorkerPool

@@ -25,7 +25,7 @@ def fixtures_dir() -> Path:
 def base_index(base_model_path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
     """``(arch, {tensor name: ggml ne})`` of the base model, read once (parsing its 262k-token
     vocab takes seconds); what adapters are validated against."""
-    from worker.adapters import base_tensor_index
+    from worker.lora.adapter import base_tensor_index
 
     return base_tensor_index(base_model_path)
 

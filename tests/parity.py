@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker.context import UBatch, WorkerContext
-from worker.lora_plan import EMPTY_SET, AdapterSet
-from worker.slots import resolve_alora
+from worker.runtime.context import UBatch, WorkerContext
+from worker.lora.plan import EMPTY_SET, AdapterSet
+from worker.serving.slots import resolve_alora
 
 
 @dataclass

@@ -20,7 +20,7 @@ from clients.client import LoraplaneClient
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo" / "adapters"
 HAVE_SERVERS = find_spec("control_plane.server") is not None and \
-    find_spec("worker.server") is not None
+    find_spec("worker.rpc.server") is not None
 READY_TIMEOUT_S = 600
 
 

@@ -1,4 +1,4 @@
-"""worker.adapters: the fixture adapters load, and each validation rule has its own error.
+"""worker.lora.adapter: the fixture adapters load, and each validation rule has its own error.
 
 Shapes in helper arguments are numpy/torch order; messages are checked in ggml ``ne``
 order (reversed), which is what the loader reports.
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from worker.adapters import (MAX_RANK, AdapterError, LoraPair, base_tensor_index, lora_scale,
+from worker.lora.adapter import (MAX_RANK, AdapterError, LoraPair, base_tensor_index, lora_scale,
                              load_lora_adapter, validate_lora_adapter)
-from worker.gguf_reader import dequantize, read_gguf
+from worker.gguf.reader import dequantize, read_gguf
 
 # name, alpha, ranks, pair count, invocation tokens
 FIXTURE_ADAPTERS = [

@@ -38,7 +38,7 @@ def test_usage_errors_exit_2():
 
 def test_synthetic_adapter_is_a_valid_rank8_adapter_on_every_linear_weight(tmp_path, base_index):
     from bench.synth import AdapterFactory
-    from worker.adapters import load_lora_adapter
+    from worker.lora.adapter import load_lora_adapter
 
     arch, tensors = base_index
     factory = AdapterFactory(tmp_path, arch=arch, base_tensors=tensors, base_seed=7)

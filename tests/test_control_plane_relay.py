@@ -1,7 +1,7 @@
-"""Generate through the control plane to a real worker (``worker.server.create_server``).
+"""Generate through the control plane to a real worker (``worker.rpc.server.create_server``).
 
 One worker process-wide (loading the model takes a while), a fresh control plane per test;
-the worker joins through ``worker.membership`` like a deployed one, gets its adapters pushed
+the worker joins through ``worker.rpc.membership`` like a deployed one, gets its adapters pushed
 by the control plane, and decodes the resolved vectors it is sent.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
 from tests.control_plane_helpers import rpc_error, upload
-from worker.membership import MembershipBackoff, start_membership
+from worker.rpc.membership import MembershipBackoff, start_membership
 
 PROMPT = "The capital of France is"
 
@@ -24,7 +24,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def real_worker(base_model_path: Path):
     from worker.config import WorkerConfig
-    from worker.server import create_server
+    from worker.rpc.server import create_server
 
     server, port, engine = create_server(WorkerConfig(addr="127.0.0.1:0", model_path=str(base_model_path),
                                                       n_slots=2, device="cpu", n_ctx_slot=512))

@@ -21,7 +21,7 @@ import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2, worker_pb2_grpc
 from tests.control_plane_helpers import MiB, by_path, rpc_error, upload
-from worker.membership import MembershipBackoff, start_membership
+from worker.rpc.membership import MembershipBackoff, start_membership
 
 FAST = MembershipBackoff(connect_timeout_s=1.0, initial_s=0.05, max_s=0.2)
 

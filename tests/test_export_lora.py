@@ -1,4 +1,4 @@
-"""worker.export_lora: merged tensors equal base + scaled delta; the untie rule.
+"""worker.tools.export_lora: merged tensors equal base + scaled delta; the untie rule.
 
 Structural checks on the tiny MoE model and a small synthetic tied gemma3-like model; the
 expected values are recomputed here with numpy straight from the GGUF files.
@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 
-from worker.adapters import AdapterError
-from worker.export_lora import export_lora
-from worker.gguf_reader import dequantize, read_gguf
+from worker.lora.adapter import AdapterError
+from worker.tools.export_lora import export_lora
+from worker.gguf.reader import dequantize, read_gguf
 
 ALPHA, RANK = 8.0, 4  # moe_lora.gguf
 

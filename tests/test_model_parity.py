@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from tests.parity import GroupStats, compare_case, teacher_forced_logprobs
-from worker.adapters import load_lora_adapter
-from worker.context import AdapterInUseError, Model, UBatch
-from worker.convert_peft import convert_peft
-from worker.lora_plan import EMPTY_SET, AdapterSet
-from worker.model import load_model
+from worker.lora.adapter import load_lora_adapter
+from worker.runtime.context import AdapterInUseError, Model, UBatch
+from worker.tools.convert_peft import convert_peft
+from worker.lora.plan import EMPTY_SET, AdapterSet
+from worker.runtime.model import load_model
 
 GOLDEN_IDS = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}
 
@@ -208,7 +208,7 @@ def test_free_adapter_in_use_is_refused_both_orders(gemma, fixtures_dir):
     ctx.set_adapters(EMPTY_SET)  # detach first, then free: fine
     assert model.adapters.free(20) is sea2
     # freed first, then a context tries to use it: refused, nothing dangling
-    from worker.context import DecodeError
+    from worker.runtime.context import DecodeError
     with pytest.raises(DecodeError, match="not registered"):
         ctx.set_adapters(AdapterSet.of({20: (sea2, 1.0)}))
     assert ctx.active_sets == (EMPTY_SET,)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from worker.context import DecodeError, Model, UBatch
-from worker.gguf_reader import GGUFError, read_gguf
-from worker.model import ModelError, load_model
-from worker.sampling import Sampler, SamplingError, SamplingParams, prompt_logprobs
+from worker.runtime.context import DecodeError, Model, UBatch
+from worker.gguf.reader import GGUFError, read_gguf
+from worker.runtime.model import ModelError, load_model
+from worker.runtime.sampling import Sampler, SamplingError, SamplingParams, prompt_logprobs
 
 
 # --- load errors ----------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def test_missing_tensor_names_it(tmp_path):
 
 
 def test_unsupported_quant_type_names_tensor(tmp_path):
-    from worker.gguf_reader import dequantize
+    from worker.gguf.reader import dequantize
 
     p = _tiny_model(tmp_path / "q.gguf", qtype=gguf.GGMLQuantizationType.IQ2_XXS)
     rec = read_gguf(p).tensors["token_embd.weight"]

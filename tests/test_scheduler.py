@@ -8,9 +8,9 @@ import time
 import pytest
 
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from worker.engine import WorkerEngine
-from worker.sampling import SamplingParams
-from worker.slots import FinishedEvent, RequestError, TokenEvent
+from worker.serving.engine import WorkerEngine
+from worker.runtime.sampling import SamplingParams
+from worker.serving.slots import FinishedEvent, RequestError, TokenEvent
 
 
 @pytest.fixture

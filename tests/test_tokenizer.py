@@ -1,4 +1,4 @@
-"""worker.tokenizer against llama.cpp's own token ids (fixtures/golden.json, tiny_moe/golden_moe.json)."""
+"""worker.runtime.tokenizer against llama.cpp's own token ids (fixtures/golden.json, tiny_moe/golden_moe.json)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from worker.gguf_reader import GGUFFile, read_gguf
-from worker.tokenizer import Tokenizer, TokenizerError
+from worker.gguf.reader import GGUFFile, read_gguf
+from worker.runtime.tokenizer import Tokenizer, TokenizerError
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The worker engine: one base model, its adapters, one context and the scheduler.
 
-Plain Python, no gRPC: ``worker.servicer`` converts protos to calls on this class and
-exceptions to status codes. Adapter loads go through ``worker.adapters.load_lora_adapter``
+Plain Python, no gRPC: ``worker.rpc.servicer`` converts protos to calls on this class and
+exceptions to status codes. Adapter loads go through ``worker.lora.adapter.load_lora_adapter``
 (validated, tensors on the device of the weight they patch). Unloading drains first: new
 requests naming the adapter are refused, running ones finish, then the context detaches it
 and the model frees it — a context never points at freed weights.
@@ -21,14 +21,14 @@ from typing import Callable
 
 import structlog
 
-from worker.adapters import AdapterError, LoraAdapter, load_lora_adapter
+from worker.lora.adapter import AdapterError, LoraAdapter, load_lora_adapter
 from worker.config import WorkerConfig
-from worker.context import Model
-from worker.lora_plan import EMPTY_SET, AdapterSet
-from worker.model import load_model
-from worker.sampling import SamplingParams
-from worker.scheduler import Scheduler
-from worker.slots import GenRequest, RequestError
+from worker.runtime.context import Model
+from worker.lora.plan import EMPTY_SET, AdapterSet
+from worker.runtime.model import load_model
+from worker.runtime.sampling import SamplingParams
+from worker.serving.scheduler import Scheduler
+from worker.serving.slots import GenRequest, RequestError
 
 log = structlog.get_logger("loraplane.worker")
 

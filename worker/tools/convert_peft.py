@@ -42,9 +42,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from worker.adapters import AdapterError, validate_lora_adapter
-from worker.gguf_reader import read_gguf
-from worker.gguf_writer import write_and_close
+from worker.lora.adapter import AdapterError, validate_lora_adapter
+from worker.gguf.reader import read_gguf
+from worker.gguf.writer import write_and_close
 
 SUPPORTED_ARCHS = ("gemma3", "llama")
 OUTTYPES = {"f32": np.float32, "f16": np.float16}

@@ -17,11 +17,11 @@ import structlog
 
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2, worker_pb2_grpc
-from worker.engine import EngineError, WorkerEngine
-from worker.sampling import SamplingParams
-from worker.slots import ErrorEvent, FinishedEvent, RequestError, StartedEvent, TokenEvent
+from worker.serving.engine import EngineError, WorkerEngine
+from worker.runtime.sampling import SamplingParams
+from worker.serving.slots import ErrorEvent, FinishedEvent, RequestError, StartedEvent, TokenEvent
 
-log = structlog.get_logger("loraplane.worker.servicer")
+log = structlog.get_logger("loraplane.worker.rpc.servicer")
 
 _END_OF_INPUT = object()
 _CALL_DONE = object()

@@ -47,7 +47,7 @@ from typing import Any
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
-from worker.gguf_reader import GGUFFile
+from worker.gguf.reader import GGUFFile
 
 _SPACE = " "
 _ESCAPED_SPACE = "\u2581"  # "▁", what SentencePiece vocabularies use for a space

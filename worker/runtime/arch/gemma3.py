@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.arch import TensorSpec, meta
-from worker.graph import GraphContext
+from worker.runtime.arch import TensorSpec, meta
+from worker.runtime.graph import GraphContext
 
 
 @dataclass(frozen=True)

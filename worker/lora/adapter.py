@@ -2,7 +2,7 @@
 
 Mirrors llama.cpp ``llama_adapter_lora_init`` (src/llama-adapter.cpp) and
 ``llama_adapter_lora::get_scale``; it only loads, it never activates anything (that is the
-context's job, see ``worker.lora_plan``).
+context's job, see ``worker.lora.plan``).
 
 Dimension order: ggml ``ne`` lists the fastest dimension first; torch shapes are ``ne``
 reversed. Every error message gives shapes in ``ne`` order (what GGUF tools print).
@@ -29,7 +29,7 @@ Rules (llama.cpp unless noted), every violation collected into one ``AdapterErro
   * each pair is complete and patches a tensor the base has, with the shapes above;
     ``A.ne[1] != B.ne[0]`` means A was written untransposed (old ``finetune`` exporter);
   * (ours) A/B of type F32/F16/BF16 are used as is, the block-quantized types that
-    ``worker.gguf_reader`` can dequantize are dequantized at load, others are rejected;
+    ``worker.gguf.reader`` can dequantize are dequantized at load, others are rejected;
     ``0 < r <= MAX_RANK``; no NaN/Inf values (so nothing fails later, mid-decode).
 """
 
@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from worker.gguf_reader import (FLOAT_TYPES, SUPPORTED_QUANT_TYPES, GGUFError, GGUFFile, file_sha256,
+from worker.gguf.reader import (FLOAT_TYPES, SUPPORTED_QUANT_TYPES, GGUFError, GGUFFile, file_sha256,
                                 TensorRecord, dequantize, read_gguf)
 
 MAX_RANK = 512  # largest rank we accept (vLLM's max_lora_rank default range tops out here)

@@ -14,12 +14,12 @@ from typing import Sequence
 
 import torch
 
-from worker import arch as arch_registry
-from worker.adapters import LoraAdapter
-from worker.graph import GraphContext, GraphInputs, SeqSpan
-from worker.kv_cache import KVCache, KVCacheError
-from worker.lora_plan import EMPTY_SET, AdapterSet, LoraPlan, build_plan
-from worker.model import BaseModel
+from worker.runtime import arch as arch_registry
+from worker.lora.adapter import LoraAdapter
+from worker.runtime.graph import GraphContext, GraphInputs, SeqSpan
+from worker.runtime.kv_cache import KVCache, KVCacheError
+from worker.lora.plan import EMPTY_SET, AdapterSet, LoraPlan, build_plan
+from worker.runtime.model import BaseModel
 
 
 class AdapterInUseError(RuntimeError):

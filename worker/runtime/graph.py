@@ -1,6 +1,6 @@
 """Graph building blocks shared by every architecture (llama.cpp ``llm_graph_context``).
 
-Architecture builders in ``worker.arch`` call only these methods; every base-weight matmul
+Architecture builders in ``worker.runtime.arch`` call only these methods; every base-weight matmul
 goes through ``build_lora_mm`` / ``build_lora_mm_id`` / ``build_inp_embd``, so LoRA is
 applied in exactly one place.
 
@@ -8,7 +8,7 @@ Scaling rule (one place, like llama.cpp ``build_lora_mm``): the base product fir
 ``y += B · (S ⊙ (A x))`` where A/B stack every active adapter's branch on the weight along
 the rank dimension and S holds each rank column's ``scale`` for the row's adapter set
 (``adapter_scale · alpha / rank``, or ``adapter_scale`` when alpha is 0; see
-``worker.lora_plan``). Scaling after the A product equals llama.cpp's scaling after B·A·x.
+``worker.lora.plan``). Scaling after the A product equals llama.cpp's scaling after B·A·x.
 A mixed ubatch therefore costs one matmul pair per patched weight however many adapters it
 holds; rows whose set lacks an adapter get zero columns.
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.kv_cache import KVCache
-from worker.lora_plan import LoraPlan
+from worker.runtime.kv_cache import KVCache
+from worker.lora.plan import LoraPlan
 
 
 @dataclass

@@ -23,7 +23,7 @@ import structlog
 
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 
-log = structlog.get_logger("worker.membership")
+log = structlog.get_logger("worker.rpc.membership")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Read a GGUF file into plain records: metadata key/values and a tensor index.
 
-Knows no model and no adapter; `worker.model` and `worker.adapters` build on it.
+Knows no model and no adapter; `worker.runtime.model` and `worker.lora.adapter` build on it.
 
 Dimension order: ggml lists the fastest dimension first (``ne``); numpy and torch list it
 last. A tensor with ``ne = [k, d]`` is a numpy/torch array of shape ``(d, k)``. Every

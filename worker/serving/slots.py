@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from worker.lora_plan import EMPTY_SET, AdapterSet
-from worker.sampling import Sampler, SamplingParams
+from worker.lora.plan import EMPTY_SET, AdapterSet
+from worker.runtime.sampling import Sampler, SamplingParams
 
 
 class RequestError(ValueError):

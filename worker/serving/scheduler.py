@@ -7,7 +7,7 @@ build a ubatch, set the context's adapter sets once, decode, sample, stream even
   adapter set for the rows they feed next); groups take turns, the group whose slot waited
   longest going first.
 - ``mixed`` batching: every busy slot joins the ubatch; rows carry a set index and the
-  low-rank branches are computed per segment (``worker.graph``).
+  low-rank branches are computed per segment (``worker.runtime.graph``).
 
 Prefix cache: ``llama`` keeps each slot's last prompt and applies ``lora_should_clear_cache``
 on a set change; ``keyed`` restores prefixes from ``PrefixCache`` by adapter-set fingerprint.
@@ -27,14 +27,14 @@ import structlog
 import torch
 
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from worker.context import DecodeError, UBatch, WorkerContext
-from worker.lora_plan import AdapterSet
-from worker.prefix_cache import PrefixCache
-from worker.sampling import SamplingParams
-from worker.slots import (ErrorEvent, FinishedEvent, GenRequest, RequestError, Slot, SlotState,
+from worker.runtime.context import DecodeError, UBatch, WorkerContext
+from worker.lora.plan import AdapterSet
+from worker.serving.prefix_store import PrefixCache
+from worker.runtime.sampling import SamplingParams
+from worker.serving.slots import (ErrorEvent, FinishedEvent, GenRequest, RequestError, Slot, SlotState,
                           StartedEvent, StepInfo, TokenEvent, lora_should_clear_cache, resolve_alora)
 
-log = structlog.get_logger("loraplane.worker.scheduler")
+log = structlog.get_logger("loraplane.worker.serving.scheduler")
 
 N_BATCH = 512  # most token rows in one ubatch (llama.cpp n_batch / n_ubatch)
 

@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from worker.kv_cache import KVSnapshot
+from worker.runtime.kv_cache import KVSnapshot
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from worker.adapters import LoraAdapter, LoraPair, lora_scale
+from worker.lora.adapter import LoraAdapter, LoraPair, lora_scale
 
 # llama.cpp reserves this many graph nodes per patched weight per adapter
 # (llama_context::graph_max_nodes: "6 nodes per lora tensor").

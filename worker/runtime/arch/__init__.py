@@ -31,14 +31,14 @@ def get(arch: str, path: Path | str = "") -> ModuleType:
     """Builder module for ``arch``.
 
     Raises:
-        worker.model.ModelError: unknown architecture (lists the supported ones).
+        worker.runtime.model.ModelError: unknown architecture (lists the supported ones).
     """
-    from worker.arch import gemma3, llama
+    from worker.runtime.arch import gemma3, llama
 
     known = {"gemma3": gemma3, "llama": llama}
     mod = known.get(arch)
     if mod is None:
-        from worker.model import ModelError
+        from worker.runtime.model import ModelError
 
         raise ModelError(f"{path}: unknown architecture '{arch}' (supported: {', '.join(sorted(known))})")
     return mod
@@ -50,7 +50,7 @@ def meta(gguf, key: str, default=None, *, required: bool = False):
     if full in gguf.metadata:
         return gguf.metadata[full]
     if required:
-        from worker.model import ModelError
+        from worker.runtime.model import ModelError
 
         raise ModelError(f"{gguf.path}: missing metadata key '{full}'")
     return default

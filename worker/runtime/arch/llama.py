@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.arch import TensorSpec, meta
-from worker.arch.gemma3 import output_logits
-from worker.graph import GraphContext, inv_sqrt
+from worker.runtime.arch import TensorSpec, meta
+from worker.runtime.arch.gemma3 import output_logits
+from worker.runtime.graph import GraphContext, inv_sqrt
 
 
 @dataclass(frozen=True)

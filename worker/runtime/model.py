@@ -1,7 +1,7 @@
 """Base model: a GGUF file's hyper-parameters and weights as torch tensors on one device.
 
 Dispatch is on ``general.architecture`` (llama.cpp ``llm_arch_from_string``): each
-architecture module in ``worker.arch`` reads its hparams, declares its tensors and builds
+architecture module in ``worker.runtime.arch`` reads its hparams, declares its tensors and builds
 its forward pass. Weights are dequantized once at load to the compute dtype.
 
 Shapes: every weight is kept in torch order (ggml ``ne`` reversed), so a linear weight
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from worker import arch as arch_registry
-from worker.gguf_reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
-from worker.tokenizer import Tokenizer
+from worker.runtime import arch as arch_registry
+from worker.gguf.reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
+from worker.runtime.tokenizer import Tokenizer
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 

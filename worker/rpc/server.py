@@ -18,10 +18,10 @@ from grpc_reflection.v1alpha import reflection
 
 from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
-from worker.engine import WorkerEngine
-from worker.servicer import WorkerServicer
+from worker.serving.engine import WorkerEngine
+from worker.rpc.servicer import WorkerServicer
 
-log = structlog.get_logger("loraplane.worker.server")
+log = structlog.get_logger("loraplane.worker.rpc.server")
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -34,7 +34,7 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
         (server, bound port, engine).
 
     Raises:
-        worker.model.ModelError / GGUFError: the base model cannot be loaded.
+        worker.runtime.model.ModelError / GGUFError: the base model cannot be loaded.
         RuntimeError: the address cannot be bound.
     """
     health_servicer = health.HealthServicer()
@@ -75,13 +75,13 @@ def _advertised(config: WorkerConfig, port: int) -> str:
 
 def serve_worker(config: WorkerConfig) -> None:
     """Run a worker until SIGINT/SIGTERM; registers with ``config.control_plane`` when set."""
-    from control_plane.logging import configure_logging  # one JSON log format for both planes
+    from loraplane.logging import configure_logging  # one JSON log format for both planes
 
     configure_logging(config.log_level)
     server, port, engine = create_server(config)
     stop = threading.Event()
     if config.control_plane:
-        from worker.membership import start_membership
+        from worker.rpc.membership import start_membership
 
         hello = control_plane_pb2.WorkerHello(worker_id=engine.worker_id, addr=_advertised(config, port),
                                               model=str(engine.base.path), n_slots=config.n_slots)
