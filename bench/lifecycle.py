@@ -21,18 +21,18 @@ from bench.servers import LoraplaneServers
 from bench.stats import Figure
 from bench.synth import AdapterFactory
 from clients.results import TokenEvent
+from loraplane.limits import CHUNK_BYTES
 from loraplane.v1 import common_pb2
 
 GIB16 = 16 * (1 << 30)
 REGISTER_BASE = 100      # synthetic adapter numbers used here (distinct from scenarios 2/3)
 COLD_BASE = 400
 DIRECT_ID_BASE = 1_000_000  # ids for direct worker loads: never assigned by the control plane
-CHUNK = 1 << 20
 
 
 def _chunks(adapter_id: int, sha: str, data: bytes):
-    for off in range(0, len(data), CHUNK):
-        piece = data[off:off + CHUNK]
+    for off in range(0, len(data), CHUNK_BYTES):
+        piece = data[off:off + CHUNK_BYTES]
         yield (common_pb2.AdapterChunk(id=adapter_id, sha256=sha, data=piece) if off == 0
                else common_pb2.AdapterChunk(data=piece))
 

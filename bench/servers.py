@@ -23,12 +23,12 @@ from typing import Sequence
 import grpc
 
 from clients.client import LoraplaneClient
+from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 def free_port() -> int:
@@ -127,8 +127,7 @@ class LoraplaneServers:
                                    f"(logs in {self.dir})")
             time.sleep(0.25)
         self._worker_channel = grpc.insecure_channel(
-            self.worker_addr, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            self.worker_addr, options=GRPC_MESSAGE_OPTIONS)
         self.worker_stub = worker_pb2_grpc.WorkerStub(self._worker_channel)
 
     def _check_alive(self) -> None:

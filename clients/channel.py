@@ -23,6 +23,8 @@ import threading
 import grpc
 
 from clients.errors import ServerUnreachable
+from loraplane.env import ENV_ADMIN_TOKEN
+from loraplane.limits import MAX_MESSAGE_BYTES
 
 SERVICE = "loraplane.v1.ControlPlane"
 READ_METHODS = ("ListAdapters", "GetAdapter", "GetDefaultAdapters", "ListWorkers")
@@ -43,15 +45,12 @@ SERVICE_CONFIG = {
     ]
 }
 
-MAX_RECEIVE_BYTES = 64 << 20  # large adapter / worker listings
-
 CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
     ("grpc.enable_retries", 1),
     ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
-    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
-
-ENV_ADMIN_TOKEN = "LORAPLANE_ADMIN_TOKEN"
 
 _C = grpc.ChannelConnectivity
 

@@ -22,6 +22,7 @@ from clients.cli_server import SERVER_COMMANDS
 from clients.cli_tools import TOOL_COMMANDS
 from clients.demo import demo_cmd
 from clients.params import env_flag
+from loraplane.env import ENV_DEBUG
 
 EXIT_INTERNAL = 1
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="loraplane")
     except Exception as err:  # noqa: BLE001 - last resort: never show a traceback
-        if env_flag("LORAPLANE_DEBUG"):
+        if env_flag(ENV_DEBUG):
             raise
         click.echo(f"loraplane: internal error: {type(err).__name__}: {err} "
                    "(set LORAPLANE_DEBUG=1 for a traceback)", err=True)

@@ -13,11 +13,11 @@ from typing import Any, TypeVar
 
 import click
 
+from loraplane.env import ENV_ADDR, ENV_ADMIN_TOKEN
+
 UINT32_MAX = 2**32 - 1  # ids and counts are uint32 on the wire
 UINT64_MAX = 2**64 - 1
 
-ENV_ADDR = "LORAPLANE_ADDR"
-ENV_ADMIN_TOKEN = "LORAPLANE_ADMIN_TOKEN"
 DEFAULT_ADDR = "127.0.0.1:50051"
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -14,10 +14,10 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from loraplane.limits import CHUNK_BYTES
 from loraplane.v1 import common_pb2
 
 # Data chunk size of adapter uploads: well under gRPC's 4 MiB default message limit.
-UPLOAD_CHUNK_BYTES = 1 << 20
 
 
 def adapter_map(scales: Mapping[int, float]) -> common_pb2.AdapterMap:
@@ -92,13 +92,13 @@ def upload_chunks(path: str | os.PathLike[str], *, name: str | None = None,
 
     ``server_path=True``: one chunk naming a file the server reads itself (no bytes sent).
     Otherwise the first chunk carries the header fields (name) with the first piece of the
-    file, and the rest follows in `UPLOAD_CHUNK_BYTES` pieces, read lazily so big files are
+    file, and the rest follows in `CHUNK_BYTES` pieces, read lazily so big files are
     never held whole in memory.
     """
     if server_path:
         yield common_pb2.AdapterChunk(name=name or "", server_path=os.fspath(path))
         return
     with Path(path).open("rb") as f:
-        yield common_pb2.AdapterChunk(name=name or "", data=f.read(UPLOAD_CHUNK_BYTES))
-        while data := f.read(UPLOAD_CHUNK_BYTES):
+        yield common_pb2.AdapterChunk(name=name or "", data=f.read(CHUNK_BYTES))
+        while data := f.read(CHUNK_BYTES):
             yield common_pb2.AdapterChunk(data=data)

@@ -14,16 +14,17 @@ import os
 import grpc
 import structlog
 
+from loraplane.env import ENV_ADMIN_TOKEN
+
 log = structlog.get_logger("control_plane.auth")
 
-ADMIN_TOKEN_ENV = "LORAPLANE_ADMIN_TOKEN"
 _SERVICE = "/loraplane.v1.ControlPlane/"
 ADMIN_METHODS = frozenset(_SERVICE + m for m in ("RegisterAdapter", "UnregisterAdapter", "SetDefaultAdapters"))
 
 
 def admin_token_from(flag: str | None) -> str | None:
     """The configured token: the flag, else the environment; None (or empty) disables the check."""
-    token = flag if flag else os.environ.get(ADMIN_TOKEN_ENV, "")
+    token = flag if flag else os.environ.get(ENV_ADMIN_TOKEN, "")
     return token or None
 
 

@@ -5,7 +5,7 @@ Workers never register anything themselves; they receive adapters the registry a
 (`control_plane.workers` pushes them).
 
 Registration validates the whole file against the base model's tensor index
-(`worker.lora.adapter.validate_lora_adapter`) before anything is stored. Uploaded bytes land in a
+(`worker.lora.adapter_file.validate_lora_adapter`, numpy only) before anything is stored. Uploaded bytes land in a
 temporary file under ``<data-dir>/adapters/`` and only become ``<sha256>.gguf`` once valid;
 any failure removes them, so a refused upload leaves neither a row nor a file. Server-side
 paths must resolve (symlinks followed) inside a configured adapter directory, checked before
@@ -30,7 +30,7 @@ from control_plane.errors import (InvalidArgumentError, NotFoundError, Permissio
                                   ResourceExhaustedError, describe_ids)
 from control_plane.resolution import AdapterVector, check_scale, resolve_adapter_vector
 from control_plane.store import AdapterRecord, AdapterStore
-from worker.lora.adapter import LoraAdapter, validate_lora_adapter
+from worker.lora.adapter_file import AdapterFile, validate_lora_adapter
 
 log = structlog.get_logger("control_plane.registry")
 
@@ -45,7 +45,7 @@ class Registration:
     created: bool
 
 
-def adapter_metadata(adapter: LoraAdapter, invocation_text: str) -> dict[str, Any]:
+def adapter_metadata(adapter: AdapterFile, invocation_text: str) -> dict[str, Any]:
     """The JSON-able metadata stored with an adapter (everything `AdapterInfo` shows)."""
     return {
         "general_name": adapter.name,
@@ -204,13 +204,13 @@ class AdapterRegistry:
                 fh.write(piece)
         return h.hexdigest(), size
 
-    def _validate(self, path: Path, *, shown_as: str) -> LoraAdapter:
+    def _validate(self, path: Path, *, shown_as: str) -> AdapterFile:
         try:
             return validate_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne)
         except ValueError as exc:  # AdapterError / GGUFError: both name the problem
             raise InvalidArgumentError(str(exc).replace(str(path), shown_as)) from exc
 
-    def _metadata(self, adapter: LoraAdapter) -> dict[str, Any]:
+    def _metadata(self, adapter: AdapterFile) -> dict[str, Any]:
         text = self.base.decode(list(adapter.alora_invocation_tokens))
         return adapter_metadata(adapter, text)
 

@@ -26,7 +26,8 @@ from control_plane.registry import AdapterRegistry
 from control_plane.router import Router
 from control_plane.servicer import ControlPlaneServicer
 from control_plane.store import DB_FILENAME, AdapterStore
-from control_plane.workers import MAX_MESSAGE_BYTES, MembershipTimings, WorkerPool
+from control_plane.workers import MembershipTimings, WorkerPool
+from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, worker_pb2
 
 __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lora_scaled",
@@ -112,9 +113,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         interceptors=interceptors,
         # so_reuseport 0: a second control plane on a busy port must fail to bind, not
         # silently share the port (and the clients) with the first.
-        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.so_reuseport", 0)],
+        options=[*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)],
     )
     control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
         ControlPlaneServicer(state.registry, state.pool, state.router), server)

@@ -26,16 +26,11 @@ import structlog
 from control_plane.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from control_plane.registry import AdapterRegistry
 from control_plane.store import AdapterRecord
+from loraplane.limits import CHUNK_BYTES, GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("control_plane.workers")
 
-CHUNK_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 @dataclass(frozen=True)
@@ -154,7 +149,7 @@ class WorkerPool:
                  adapter_ids=sorted(handle.adapter_ids), again=old is not None)
 
     def _dial(self, hello: control_plane_pb2.WorkerHello) -> grpc.Channel:
-        channel = grpc.insecure_channel(hello.addr, options=CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(hello.addr, options=GRPC_MESSAGE_OPTIONS)
         try:
             grpc.channel_ready_future(channel).result(timeout=self.timings.connect_timeout_s)
         except grpc.FutureTimeoutError:

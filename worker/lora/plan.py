@@ -24,11 +24,10 @@ from typing import Mapping, Sequence
 
 import torch
 
-from worker.lora.adapter import LoraAdapter, LoraPair, lora_scale
+from worker.lora.adapter import NODES_PER_LORA_WEIGHT, LoraAdapter, LoraPair, lora_scale
 
 # llama.cpp reserves this many graph nodes per patched weight per adapter
 # (llama_context::graph_max_nodes: "6 nodes per lora tensor").
-NODES_PER_LORA_WEIGHT = 6
 
 
 @dataclass(frozen=True)

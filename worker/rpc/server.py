@@ -16,6 +16,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
 from worker.serving.engine import WorkerEngine
@@ -23,7 +24,6 @@ from worker.rpc.servicer import WorkerServicer
 
 log = structlog.get_logger("loraplane.worker.rpc.server")
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
@@ -43,8 +43,7 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     engine = WorkerEngine(config)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max(16, 4 * config.n_slots + 8)),
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        options=GRPC_MESSAGE_OPTIONS,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from worker.lora.adapter import AdapterError, validate_lora_adapter
+from worker.lora.adapter_file import AdapterError, validate_lora_adapter
 from worker.gguf.reader import read_gguf
 from worker.gguf.writer import write_and_close
 

@@ -1,0 +1,23 @@
+"""gRPC message-size limits shared by both planes and the clients.
+
+One constant for everything: every large payload is chunked (client → control plane uploads,
+control plane → worker ``LoadAdapter`` streams), so no single message has to hold a whole
+adapter. The largest unchunked messages are a ``GenerateEvent`` carrying prompt log-probs
+(``n_ctx`` tokens × top-N entries: a few MiB at most) and adapter/worker listings. 64 MiB
+covers those with a wide margin while bounding what one bad peer can make a server buffer
+(gRPC allocates the whole message before a handler sees it).
+"""
+
+from __future__ import annotations
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Largest gRPC message either plane sends or accepts, in bytes (both directions)."""
+
+CHUNK_BYTES = 1 * 1024 * 1024
+"""Payload bytes per chunk of a streamed adapter upload / push (well under the limit)."""
+
+GRPC_MESSAGE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+"""Channel/server options applying ``MAX_MESSAGE_BYTES`` in both directions."""
