@@ -10,7 +10,9 @@ import pytest
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.serving.engine import WorkerEngine
 from worker.runtime.sampling import SamplingParams
-from worker.serving.slots import FinishedEvent, RequestError, TokenEvent
+from worker.errors import QueueFullError
+from worker.rpc.status import status_of
+from worker.serving.slots import FinishedEvent, TokenEvent
 
 
 @pytest.fixture
@@ -84,6 +86,24 @@ def test_queue_limit_answers_resource_exhausted(engine_for):
     sink = lambda ev: None  # noqa: E731
     params = SamplingParams(max_tokens=2)
     e.submit(request_id="q1", prompt_tokens=[1, 2], prompt_text=None, params=params, entries=[], emit=sink)
-    with pytest.raises(RequestError) as err:
+    with pytest.raises(QueueFullError) as err:
         e.submit(request_id="q2", prompt_tokens=[1, 2], prompt_text=None, params=params, entries=[], emit=sink)
-    assert err.value.code == "RESOURCE_EXHAUSTED" and "queue full (1 waiting)" in str(err.value)
+    assert status_of(err.value).name == "RESOURCE_EXHAUSTED" and "queue full (1 waiting)" in str(err.value)
+
+
+def test_every_worker_error_has_one_status():
+    """The one table: every concrete WorkerError class maps to a status code, none to INTERNAL
+    by accident (only a decode fault is INTERNAL)."""
+    import inspect
+
+    from worker import errors
+
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(c, errors.WorkerError) and c is not errors.WorkerError]
+    assert len(classes) >= 8
+    codes = {c.__name__: status_of(c("x")).name for c in classes}
+    assert codes["QueueFullError"] == "RESOURCE_EXHAUSTED"
+    assert codes["AdapterNotFoundError"] == "NOT_FOUND"
+    assert [n for n, code in codes.items() if code == "INTERNAL"] == ["DecodeFailedError"]
+    with pytest.raises(KeyError):
+        status_of(type("Unlisted", (errors.WorkerError,), {})("x"))

@@ -17,9 +17,11 @@ import structlog
 
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2, worker_pb2_grpc
-from worker.serving.engine import EngineError, WorkerEngine
+from worker.errors import InvalidRequestError, WorkerError
+from worker.rpc.status import status_of
+from worker.serving.engine import WorkerEngine
 from worker.runtime.sampling import SamplingParams
-from worker.serving.slots import ErrorEvent, FinishedEvent, RequestError, StartedEvent, TokenEvent
+from worker.serving.slots import ErrorEvent, FinishedEvent, StartedEvent, TokenEvent
 
 log = structlog.get_logger("loraplane.worker.rpc.servicer")
 
@@ -27,10 +29,6 @@ _END_OF_INPUT = object()
 _CALL_DONE = object()
 _OPENED = object()  # (_OPENED, rid): rid submitted; its events are awaited
 _CLOSED = object()  # (_CLOSED, rid): rid cancelled by cancel_request_id; no more events awaited
-
-
-def status_code(name: str) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
@@ -111,7 +109,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 rid, ev = item
                 if isinstance(ev, ErrorEvent):
                     cancel_all()
-                    context.abort(status_code(ev.code), ev.message)
+                    context.abort(status_of(ev.error), str(ev.error))
                 yield event_to_proto(rid, ev)
                 if isinstance(ev, FinishedEvent):
                     open_ids.discard(rid)
@@ -136,12 +134,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _submit(self, r: pb.GenerateRequest, events: queue.Queue, submitted: dict) -> None:
         rid = r.request_id
         if not r.HasField("adapters"):
-            events.put((rid, ErrorEvent("INVALID_ARGUMENT", "request carries no adapter vector: workers only "
-                                                             "accept vectors resolved by the control plane")))
+            events.put((rid, ErrorEvent(InvalidRequestError(
+                "request carries no adapter vector: workers only accept vectors resolved by the control plane"))))
             return
         which = r.WhichOneof("prompt")
         if which is None:
-            events.put((rid, ErrorEvent("INVALID_ARGUMENT", "request has neither prompt text nor prompt tokens")))
+            events.put((rid, ErrorEvent(InvalidRequestError("request has neither prompt text nor prompt tokens"))))
             return
         try:
             events.put((_OPENED, rid))
@@ -150,8 +148,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 prompt_text=r.text if which == "text" else None, params=sampling_from_proto(r.sampling),
                 entries=[(e.id, e.scale) for e in r.adapters.entries],
                 emit=lambda ev, rid=rid: events.put((rid, ev)))
-        except (EngineError, RequestError) as exc:
-            events.put((rid, ErrorEvent(exc.code, str(exc))))
+        except WorkerError as exc:
+            events.put((rid, ErrorEvent(exc)))
             return
         submitted[rid] = req
 
@@ -165,15 +163,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadAdapter stream carried no chunk")
         try:
             a = self.engine.load_adapter(first.id, sha256=first.sha256, path=first.server_path, data=bytes(data))
-        except EngineError as exc:
-            context.abort(status_code(exc.code), str(exc))
+        except WorkerError as exc:
+            context.abort(status_of(exc), str(exc))
         return adapter_info(first.id, a)
 
     def UnloadAdapter(self, request, context):
         try:
             self.engine.unload_adapter(request.id)
-        except EngineError as exc:
-            context.abort(status_code(exc.code), str(exc))
+        except WorkerError as exc:
+            context.abort(status_of(exc), str(exc))
         return pb.Empty()
 
     def ListAdapters(self, request, context):

@@ -28,17 +28,11 @@ from worker.lora.plan import EMPTY_SET, AdapterSet
 from worker.runtime.model import load_model
 from worker.runtime.sampling import SamplingParams
 from worker.serving.scheduler import Scheduler
-from worker.serving.slots import GenRequest, RequestError
+from worker.errors import (AdapterConflictError, AdapterNotFoundError, DrainTimeoutError,
+                           InvalidRequestError)
+from worker.serving.slots import GenRequest
 
 log = structlog.get_logger("loraplane.worker")
-
-
-class EngineError(Exception):
-    """A call the engine refuses; ``code`` is the gRPC status name."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 class WorkerEngine:
@@ -69,33 +63,34 @@ class WorkerEngine:
         """Load and register an adapter under the id the control plane assigned.
 
         Raises:
-            EngineError: INVALID_ARGUMENT (bad file, hash mismatch, neither path nor bytes),
-                ALREADY_EXISTS (id held by different content), NOT_FOUND (path missing).
+            InvalidRequestError: bad file, hash mismatch, neither path nor bytes.
+            AdapterConflictError: the id is held by different content.
+            AdapterNotFoundError: no file at the path.
         """
         if data:
             digest = hashlib.sha256(data).hexdigest()
             if sha256 and digest != sha256:
-                raise EngineError("INVALID_ARGUMENT", f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {digest})")
+                raise InvalidRequestError(f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {digest})")
             target = self._cache_dir / f"{digest}.gguf"
             target.write_bytes(data)
             path = str(target)
         elif not path:
-            raise EngineError("INVALID_ARGUMENT", f"adapter {adapter_id}: neither server_path nor data given")
+            raise InvalidRequestError(f"adapter {adapter_id}: neither server_path nor data given")
         elif not os.path.isfile(path):
-            raise EngineError("NOT_FOUND", f"adapter {adapter_id}: no file at '{path}' on worker {self.worker_id}")
+            raise AdapterNotFoundError(f"adapter {adapter_id}: no file at '{path}' on worker {self.worker_id}")
         with self._lock:
             held = self.model.adapters.by_id.get(adapter_id)
         if held is not None:
             if sha256 and held.sha256 != sha256:
-                raise EngineError("ALREADY_EXISTS", f"adapter id {adapter_id} is loaded with other content ({held.sha256})")
+                raise AdapterConflictError(f"adapter id {adapter_id} is loaded with other content ({held.sha256})")
             return held
         try:
             adapter = load_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne,
                                         device_for=self.base.device_of, dtype=self.base.dtype)
         except AdapterError as exc:
-            raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
+            raise InvalidRequestError(str(exc)) from exc
         if sha256 and adapter.sha256 != sha256:
-            raise EngineError("INVALID_ARGUMENT", f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {adapter.sha256})")
+            raise InvalidRequestError(f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {adapter.sha256})")
         with self._lock:
             self.model.adapters.add(adapter_id, adapter)
             self._draining.discard(adapter_id)
@@ -106,18 +101,19 @@ class WorkerEngine:
         """Drain then free ``adapter_id`` (refuses new requests for it at once).
 
         Raises:
-            EngineError: NOT_FOUND (not loaded), DEADLINE_EXCEEDED (requests still running).
+            AdapterNotFoundError: not loaded.
+            DrainTimeoutError: requests still running after ``timeout_s``.
         """
         with self._lock:
             if adapter_id not in self.model.adapters.by_id:
-                raise EngineError("NOT_FOUND", f"adapter {adapter_id} is not loaded on worker {self.worker_id} "
+                raise AdapterNotFoundError(f"adapter {adapter_id} is not loaded on worker {self.worker_id} "
                                                f"(loaded: {sorted(self.model.adapters.by_id)})")
             self._draining.add(adapter_id)
         done = self.scheduler.run_when_idle_of(adapter_id, lambda: self._detach_and_free(adapter_id))
         try:
             done.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError as exc:
-            raise EngineError("DEADLINE_EXCEEDED", f"adapter {adapter_id} still used by running requests") from exc
+            raise DrainTimeoutError(f"adapter {adapter_id} still used by running requests") from exc
 
     def _detach_and_free(self, adapter_id: int) -> None:
         """Runs on the scheduler thread between steps: detach from the context, then free."""
@@ -137,21 +133,21 @@ class WorkerEngine:
         """Turn a resolved adapter vector into an ``AdapterSet`` (zero scales dropped).
 
         Raises:
-            EngineError: NOT_FOUND (adapter not loaded or being unloaded), INVALID_ARGUMENT
-                (non-finite or negative scale, duplicate id).
+            AdapterNotFoundError: adapter not loaded or being unloaded.
+            InvalidRequestError: non-finite scale, duplicate id.
         """
         seen: dict[int, tuple[LoraAdapter, float]] = {}
         with self._lock:
             loaded = self.model.adapters.by_id
             for aid, scale in entries:
                 if not math.isfinite(scale):
-                    raise EngineError("INVALID_ARGUMENT", f"adapter {aid}: scale {scale} is not finite")
+                    raise InvalidRequestError(f"adapter {aid}: scale {scale} is not finite")
                 if aid in seen:
-                    raise EngineError("INVALID_ARGUMENT", f"adapter {aid} appears twice in the adapter vector")
+                    raise InvalidRequestError(f"adapter {aid} appears twice in the adapter vector")
                 if scale == 0.0:
                     continue
                 if aid not in loaded or aid in self._draining:
-                    raise EngineError("NOT_FOUND", f"adapter {aid} is not loaded on worker {self.worker_id} "
+                    raise AdapterNotFoundError(f"adapter {aid} is not loaded on worker {self.worker_id} "
                                                    f"(loaded: {sorted(i for i in loaded if i not in self._draining)})")
                 seen[aid] = (loaded[aid], scale)
         return AdapterSet.of(seen)
@@ -162,7 +158,7 @@ class WorkerEngine:
         adapter set and admit the request.
 
         Raises:
-            EngineError / RequestError with a gRPC status name.
+            WorkerError: a subclass naming the outcome (``worker.errors``).
         """
         if prompt_tokens is None:
             prompt_tokens = self.base.tokenizer.encode(prompt_text or "", add_special=True, parse_special=True)
@@ -182,4 +178,4 @@ class WorkerEngine:
         return s
 
 
-__all__ = ["WorkerEngine", "EngineError", "RequestError"]
+__all__ = ["WorkerEngine"]

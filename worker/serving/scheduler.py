@@ -26,12 +26,13 @@ from collections import deque
 import structlog
 import torch
 
+from worker.errors import DecodeFailedError, InvalidRequestError, QueueFullError, WorkerError
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.runtime.context import DecodeError, UBatch, WorkerContext
 from worker.lora.plan import AdapterSet
 from worker.serving.prefix_store import PrefixCache
 from worker.runtime.sampling import SamplingParams
-from worker.serving.slots import (ErrorEvent, FinishedEvent, GenRequest, RequestError, Slot, SlotState,
+from worker.serving.slots import (ErrorEvent, FinishedEvent, GenRequest, Slot, SlotState,
                           StartedEvent, StepInfo, TokenEvent, lora_should_clear_cache, resolve_alora)
 
 log = structlog.get_logger("loraplane.worker.serving.scheduler")
@@ -79,28 +80,27 @@ class Scheduler:
         """Admit a request (``scheduler.admit``): validate, apply the aLoRA rule, queue it.
 
         Raises:
-            RequestError: INVALID_ARGUMENT (empty/too long prompt, token out of range, two
-                aLoRAs, bad sampling field), RESOURCE_EXHAUSTED (queue full).
+            InvalidRequestError: empty/too long prompt, token out of range, two aLoRAs, bad
+                sampling field.
+            QueueFullError: the waiting queue is at ``queue_limit``.
         """
         n_vocab = self.ctx.model.n_vocab
         if not prompt:
-            raise RequestError("INVALID_ARGUMENT", "prompt is empty")
+            raise InvalidRequestError("prompt is empty")
         bad = [t for t in prompt if not 0 <= t < n_vocab]
         if bad:
-            raise RequestError("INVALID_ARGUMENT", f"prompt token id {bad[0]} out of range [0, {n_vocab})")
+            raise InvalidRequestError(f"prompt token id {bad[0]} out of range [0, {n_vocab})")
         if len(prompt) >= self.config.n_ctx_slot:
-            raise RequestError("INVALID_ARGUMENT",
-                               f"prompt has {len(prompt)} tokens; the slot context holds {self.config.n_ctx_slot}")
+            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the slot context holds {self.config.n_ctx_slot}")
         try:
             params.validate()
         except ValueError as exc:
-            raise RequestError("INVALID_ARGUMENT", str(exc)) from exc
+            raise InvalidRequestError(str(exc)) from exc
         activation = resolve_alora(adapter_set, prompt)
         req = GenRequest(request_id or uuid.uuid4().hex, list(prompt), params, activation, emit)
         with self._cv:
             if len(self.queue) >= self.config.queue_limit:
-                raise RequestError("RESOURCE_EXHAUSTED",
-                                   f"worker {self.worker_id}: queue full ({self.config.queue_limit} waiting)")
+                raise QueueFullError(f"worker {self.worker_id}: queue full ({self.config.queue_limit} waiting)")
             req.held_ids = adapter_set.ids
             for aid in req.held_ids:
                 self._in_flight[aid] = self._in_flight.get(aid, 0) + 1
@@ -281,7 +281,7 @@ class Scheduler:
         except (DecodeError, RuntimeError) as exc:
             log.error("decode failed", error=str(exc), slots=[s.id for s, _ in plan])
             for s, _ in plan:
-                self._fail(s, "INTERNAL", f"decode failed: {exc}")
+                self._fail(s, DecodeFailedError(f"decode failed: {exc}"))
             return
         self._step += 1
         step = StepInfo(batch_size=len(plan), batch_tokens=len(tokens), n_adapter_sets=len(sets),
@@ -381,9 +381,9 @@ class Scheduler:
         self._release_adapters(req)
         slot.release()
 
-    def _fail(self, slot: Slot, code: str, message: str) -> None:
+    def _fail(self, slot: Slot, error: WorkerError) -> None:
         req = slot.req
-        req.emit(ErrorEvent(code, message))
+        req.emit(ErrorEvent(error))
         self.ctx.kv.seq_rm(slot.id)
         slot.cache_tokens, slot.cache_sets = [], []
         self._release_adapters(req)

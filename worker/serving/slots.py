@@ -14,16 +14,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
+from worker.errors import InvalidRequestError, WorkerError
 from worker.lora.plan import EMPTY_SET, AdapterSet
 from worker.runtime.sampling import Sampler, SamplingParams
-
-
-class RequestError(ValueError):
-    """A request cannot be admitted. ``code`` is the gRPC status name to answer with."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 # --- events the scheduler emits (converted to protos by the servicer) ---------------------
@@ -64,8 +57,9 @@ class FinishedEvent:
 
 @dataclass(frozen=True)
 class ErrorEvent:
-    code: str
-    message: str
+    """The request failed; ``error`` names the outcome (its class maps to a gRPC status)."""
+
+    error: WorkerError
 
 
 Event = StartedEvent | TokenEvent | FinishedEvent | ErrorEvent
@@ -101,15 +95,14 @@ def resolve_alora(adapter_set: AdapterSet, prompt: list[int]) -> AloraActivation
     computed without it and ``s..`` with it (llama-server starts at ``s-1``).
 
     Raises:
-        RequestError(INVALID_ARGUMENT): more than one enabled aLoRA in the request.
+        InvalidRequestError: more than one enabled aLoRA in the request.
     """
     aloras = [(i, a) for i, a, _ in adapter_set.entries if a.alora_invocation_tokens]
     if not aloras:
         return AloraActivation(adapter_set, adapter_set, -1)
     if len(aloras) > 1:
         names = ", ".join(f"{i} ('{a.name}')" for i, a in aloras)
-        raise RequestError("INVALID_ARGUMENT",
-                           f"more than one activated LoRA (aLoRA) enabled in one request: adapters {names}; "
+        raise InvalidRequestError(f"more than one activated LoRA (aLoRA) enabled in one request: adapters {names}; "
                            "enable at most one")
     aid, adapter = aloras[0]
     s = find_last(prompt, tuple(adapter.alora_invocation_tokens))
@@ -227,6 +220,6 @@ def lora_should_clear_cache(current: AdapterSet, nxt: AdapterSet) -> bool:
     return not keep
 
 
-__all__ = ["EMPTY_SET", "RequestError", "GenRequest", "Slot", "SlotState", "resolve_alora",
+__all__ = ["EMPTY_SET", "GenRequest", "Slot", "SlotState", "resolve_alora",
            "lora_should_clear_cache", "StepInfo", "StartedEvent", "TokenEvent", "FinishedEvent",
            "ErrorEvent", "Event", "AloraActivation", "find_last"]

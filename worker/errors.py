@@ -1,0 +1,47 @@
+"""Domain errors of the worker, one class per outcome (like ``control_plane.errors``).
+
+Everything under ``worker/`` raises these (or lets a lower-level error such as
+``AdapterError`` be wrapped into one); only the gRPC edge (``worker.rpc.status``) maps them to
+status codes, in one table keyed by class, so a new or misspelled outcome cannot silently
+become INTERNAL: a class missing from the table fails the table's test. Every message names
+the thing at fault (request, adapter id, token, path).
+"""
+
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    """Base class: a request or call the worker refuses or cannot serve."""
+
+
+class InvalidRequestError(WorkerError):
+    """The request itself is wrong: empty/too long prompt, token id out of range, bad scale,
+    two aLoRAs, an adapter file that fails validation, a sha256 mismatch."""
+
+
+class AdapterNotFoundError(WorkerError):
+    """An adapter id or file the worker does not hold. Messages list what it holds."""
+
+
+class AdapterConflictError(WorkerError):
+    """An adapter id already loaded with other content."""
+
+
+class QueueFullError(WorkerError):
+    """Every slot is busy and the waiting queue is at ``--queue-limit``."""
+
+
+class DrainTimeoutError(WorkerError):
+    """An unload waited longer than allowed for running requests to finish."""
+
+
+class PermissionDeniedError(WorkerError):
+    """A server-side path outside the worker's adapter directories."""
+
+
+class UnauthenticatedError(WorkerError):
+    """A call without the control plane's credential."""
+
+
+class DecodeFailedError(WorkerError):
+    """The forward pass failed for a request already admitted (an internal fault)."""
