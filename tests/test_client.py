@@ -32,6 +32,8 @@ from clients.wire import generate_request, upload_chunks
 from tests.control_plane_helpers import write_adapter
 from tests.live_servers import nonzero, restored_default, wait_until
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
 PROMPT = "Tell me about the weather today."
 MiB = 1 << 20
 
