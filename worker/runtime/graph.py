@@ -168,7 +168,7 @@ class GraphContext:
         xk = x.unsqueeze(1).expand(n, top_k, x.shape[-1]) if x.dim() == 2 else x
         out = torch.zeros((n, top_k, w.shape[1]), dtype=x.dtype, device=x.device)
         fw = self.plan.fused.get(name)
-        scales = None
+        scales: torch.Tensor | None = None
         if fw is not None:
             s = self.plan.row_scales(fw, self.row_set, x.dtype)
             scales = s.expand(n, -1) if s.dim() == 1 else s
@@ -178,7 +178,7 @@ class GraphContext:
             tok, slot = torch.nonzero(expert_ids == e, as_tuple=True)
             xe = xk[tok, slot]
             ye = xe @ w[e].T
-            if fw is not None:
+            if fw is not None and scales is not None:
                 xa = xe @ fw.lora_a[e].T
                 ye = ye + (xa * scales.index_select(0, tok)) @ fw.lora_b[e].T
             out[tok, slot] = ye
