@@ -1,0 +1,300 @@
+"""GGUF linear weights kept in (close to) their quantized form, and the matmul that reads it.
+
+Shapes are torch order unless said otherwise: a weight with ggml ``ne = [k, d]`` is ``d``
+output rows of ``k`` inputs, and ``QuantLinear.matmul(x)`` takes ``x`` ``(n, k)`` (or
+``(..., k)``) and returns ``y = x @ W.T`` ``(n, d)`` f32 — what ggml's ``mul_mat(W, x)`` computes.
+
+Forms, by GGUF type:
+
+- Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: repacked at load into the exact affine int8
+  form of :mod:`worker.runtime.kernels.repack` (uint8 values + f32 scale (+ f32 offset) per 16
+  or 32), 16 rows interleaved. On CPU the C kernels (``csrc/qmm.cpp``) quantize each row of
+  ``x`` to int8 per block of 32 (own scale per row and block, as llama.cpp's
+  ``quantize_row_q8_0``) and take integer dot products; rows never share a scale, so a row's
+  result does not depend on the other rows of the batch (bit-identical alone or batched).
+- F32: kept as the f32 tensor (torch/MKL matmul, exact).
+- F16: FBGEMM's fp16 packed weight where torch has it (weights exact, f32 accumulation),
+  else an f32 copy. BF16: an f32 copy.
+- Any quantized type on CUDA, or any type on the ``torch`` path: dequantized to a float
+  weight once (bf16 on CUDA, f32 on CPU) and multiplied with torch — not memory-frugal, but
+  simple and exact up to that dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from worker.gguf.reader import GGUFError, GGUFFile, TensorRecord, dequantize as gguf_dequantize
+from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
+
+log = logging.getLogger(__name__)
+
+FLOAT_TYPES = {T.F32, T.F16, T.BF16}
+
+
+class KernelError(ValueError):
+    """A weight or input the kernels cannot handle (type, shape, dtype, device); names it."""
+
+
+@dataclass(frozen=True)
+class QuantizedActivations:
+    """Rows of ``x`` quantized per row and per block of 32 (llama.cpp ``quantize_row_q8_0``).
+
+    Build once with :func:`quantize_activations` and pass to several ``matmul`` calls that
+    share the input (q/k/v, gate/up). Attributes (torch order): ``q`` int8 ``(n, k)``;
+    ``d`` f32 ``(n, k/32)`` scales; ``s16`` / ``s32`` f32 ``(n, k/16)`` / ``(n, k/32)``
+    = ``d * sum(q)`` per 16 / 32; ``path`` the ISA that made it.
+    """
+
+    q: torch.Tensor
+    d: torch.Tensor
+    s16: torch.Tensor
+    s32: torch.Tensor
+    path: str
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1]
+
+
+def _p(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def quantize_activations(x: torch.Tensor, path: str | None = None) -> QuantizedActivations:
+    """Quantize ``x`` ``(n, k)`` f32/bf16/f16 CPU (k a multiple of 32) for the C kernels.
+
+    Raises:
+        KernelError: not a 2-D CPU tensor, or ``k`` not a multiple of 32.
+        KernelPathError: ``path`` is not runnable here, or is 'torch'.
+    """
+    p = cpu.resolve_path(path)
+    if p == "torch":
+        raise cpu.KernelPathError("quantize_activations is for the C kernel paths, not 'torch'")
+    if x.dim() != 2 or x.device.type != "cpu":
+        raise KernelError(f"activations must be a 2-D CPU tensor, got {tuple(x.shape)} on {x.device}")
+    n, k = x.shape
+    if k % 32:
+        raise KernelError(f"activation width {k} is not a multiple of 32")
+    xf = x.to(torch.float32).contiguous()
+    q = torch.empty((n, k), dtype=torch.int8)
+    d = torch.empty((n, k // 32), dtype=torch.float32)
+    s16 = torch.empty((n, k // 16), dtype=torch.float32)
+    s32 = torch.empty((n, k // 32), dtype=torch.float32)
+    lib = build.load(p)
+    getattr(lib, f"lp_{p}_quantize_act")(xf.data_ptr(), k, n, k, q.data_ptr(), d.data_ptr(),
+                                         s16.data_ptr(), s32.data_ptr())
+    return QuantizedActivations(q, d, s16, s32, p)
+
+
+@dataclass(eq=False)
+class QuantLinear:
+    """One GGUF linear weight in its packed form (see the module docstring).
+
+    Attributes:
+        name: GGUF tensor name.
+        ggml_type: the GGUF storage type.
+        k, d: input width and output rows (ggml ``ne = [k, d]``).
+        qw: uint8 ``(G, nb, bs/4, 16, 4)`` interleaved values (repacked types), else None.
+        scale / bias: f32 ``(G, nb, 16)`` (bias None for Q8_0's signed form).
+        bs: sub-block size of ``scale`` (16 or 32); signed: Q8_0's int8 values.
+        weight: float ``(d, k)`` weight (F32/F16/BF16 types and the torch path), else None.
+        device: where the weight lives.
+    """
+
+    name: str
+    ggml_type: T
+    k: int
+    d: int
+    device: torch.device
+    qw: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    bs: int = 32
+    signed: bool = False
+    weight: torch.Tensor | None = None
+    _fp16: Any = field(default=None, repr=False)      # FBGEMM packed fp16 weight (F16 on CPU)
+    _zero_bias: torch.Tensor | None = field(default=None, repr=False)
+    _f32_cache: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this weight holds (packed values + scales, or the float weight)."""
+        if self._fp16 is not None:
+            return self.d * self.k * 2
+        ts = [self.qw, self.scale, self.bias, self.weight, self._f32_cache]
+        return sum(int(t.numel() * t.element_size()) for t in ts if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as f32 ``(d, k)`` (torch order), on ``device``; exact for every type."""
+        if self.qw is None:
+            return self.weight.to(torch.float32)
+        G, nb = self.qw.shape[0], self.qw.shape[1]
+        u = self.qw.permute(0, 3, 1, 2, 4).reshape(G * R, nb, self.bs)[: self.d]
+        return self._affine(u, self.scale.permute(0, 2, 1).reshape(G * R, nb)[: self.d],
+                            None if self.bias is None else self.bias.permute(0, 2, 1).reshape(G * R, nb)[: self.d])
+
+    def _affine(self, u: torch.Tensor, s: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+        """``s * u + c`` per block; u ``(m, nb, bs)`` -> f32 ``(m, k)``."""
+        uf = (u.view(torch.int8) if self.signed else u).to(torch.float32)
+        w = uf * s.unsqueeze(-1)
+        if c is not None:
+            w = w + c.unsqueeze(-1)
+        return w.reshape(u.shape[0], self.k)
+
+    def get_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight as f32 ``(m, k)`` (embedding lookup, ``ggml_get_rows``).
+
+        Args:
+            ids: int ``(m,)`` row indices in ``[0, d)``.
+        Raises:
+            KernelError: an index out of range.
+        """
+        ids = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.d):
+            raise KernelError(f"{self.name}: row index out of range [0, {self.d})")
+        if self.qw is None:
+            return self.weight.index_select(0, ids).to(torch.float32)
+        g, r = ids // R, ids % R
+        u = self.qw[g, :, :, r, :]                       # (m, nb, bs/4, 4)
+        u = u.reshape(ids.numel(), -1, self.bs)
+        s = self.scale[g, :, r]                          # (m, nb)
+        c = None if self.bias is None else self.bias[g, :, r]
+        return self._affine(u, s, c)
+
+    def matmul(self, x: torch.Tensor | QuantizedActivations, *, path: str | None = None) -> torch.Tensor:
+        """``y = x @ W.T``: x ``(..., k)`` f32/bf16/f16 (or pre-quantized rows) -> f32 ``(..., d)``.
+
+        Args:
+            x: activations, on this weight's device.
+            path: force 'avx512' | 'avx2' | 'torch' for this call (default: see
+                :func:`worker.runtime.kernels.cpu.resolve_path`); ignored for float weights.
+        Raises:
+            KernelError: wrong width or device.
+            KernelPathError: a forced path this CPU cannot run.
+        """
+        if isinstance(x, QuantizedActivations):
+            if x.k != self.k:
+                raise KernelError(f"{self.name}: activations have width {x.k}, weight expects {self.k}")
+            return self._qmm(x)
+        if x.shape[-1] != self.k:
+            raise KernelError(f"{self.name}: input width {x.shape[-1]} does not match k={self.k}")
+        if x.device != self.device:
+            raise KernelError(f"{self.name}: input on {x.device}, weight on {self.device}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k)
+        if self.qw is None:
+            y = self._float_mm(x2)
+        else:
+            p = cpu.resolve_path(path)
+            if p == "torch":
+                if self._f32_cache is None:
+                    log.warning("%s: torch kernel path, dequantizing to f32 (%.1f MiB)",
+                                self.name, self.d * self.k * 4 / 2**20)
+                    self._f32_cache = self.dequantize()
+                y = x2.to(torch.float32) @ self._f32_cache.T
+            else:
+                y = self._qmm(quantize_activations(x2, p))
+        return y.reshape(*lead, self.d)
+
+    def _float_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fp16 is not None:
+            return torch.fbgemm_linear_fp16_weight(x.to(torch.float32).contiguous(), self._fp16, self._zero_bias)
+        if self.weight.dtype == torch.float32:
+            return x.to(torch.float32) @ self.weight.T
+        return (x.to(self.weight.dtype) @ self.weight.T).to(torch.float32)
+
+    def _qmm(self, a: QuantizedActivations) -> torch.Tensor:
+        y = torch.empty((a.n, self.d), dtype=torch.float32)
+        if a.n == 0:
+            return y
+        lib = build.load(a.path)
+        rc = getattr(lib, f"lp_{a.path}_qmm")(
+            self.qw.data_ptr(), self.scale.data_ptr(), _p(self.bias), self.d, self.k, self.bs,
+            int(self.signed), a.q.data_ptr(), a.d.data_ptr(), a.s16.data_ptr(), a.s32.data_ptr(),
+            a.n, y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"{self.name}: kernel rejected bs={self.bs} signed={self.signed}")
+        return y
+
+
+def _fbgemm_fp16() -> bool:
+    return hasattr(torch, "fbgemm_pack_gemm_matrix_fp16") and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
+def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: str | None = None) -> QuantLinear:
+    """Build the packed weight of one 2-D GGUF tensor.
+
+    Args:
+        rec: the tensor record (``worker.gguf.reader``); its bytes are read, not kept.
+        device: 'cpu' keeps the compact form; 'cuda' dequantizes to bf16 on the GPU
+            (torch fallback; the C kernels are CPU-only).
+        path: 'torch' forces the float form on CPU too (f32); default: the compact form.
+    Raises:
+        KernelError: not a 2-D tensor, or a type with neither a repack rule nor a dequantizer.
+    """
+    dev = torch.device(device)
+    if len(rec.ne) != 2:
+        raise KernelError(f"{rec.name}: expected a 2-D weight, ne={list(rec.ne)}")
+    k, d = int(rec.ne[0]), int(rec.ne[1])
+    t = rec.ggml_type
+    ql = QuantLinear(rec.name, t, k, d, dev)
+    if dev.type == "cuda" or (dev.type == "cpu" and t in REPACK_TYPES and path == "torch"):
+        wdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        ql.weight = torch.from_numpy(np.array(gguf_dequantize(rec.name, rec))).to(device=dev, dtype=wdt)
+        return ql
+    if dev.type != "cpu":
+        raise KernelError(f"{rec.name}: no kernels for device {dev}")
+    if t in REPACK_TYPES:
+        qw, sc, bias = interleave(decode(rec.raw, t, d, k))
+        ql.qw, ql.scale = torch.from_numpy(qw), torch.from_numpy(sc)
+        ql.bias = None if bias is None else torch.from_numpy(bias)
+        ql.bs, ql.signed = (16 if t == T.Q6_K else 32), t == T.Q8_0
+        return ql
+    try:
+        w = torch.from_numpy(np.array(gguf_dequantize(rec.name, rec), dtype=np.float32))
+    except GGUFError as exc:
+        raise KernelError(f"{rec.name}: unsupported GGML type {t.name}") from exc
+    if t == T.F16 and _fbgemm_fp16():
+        ql._fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w)
+        ql._zero_bias = torch.zeros(d, dtype=torch.float32)
+    else:
+        if t not in FLOAT_TYPES:
+            log.warning("%s: %s has no repack rule; kept as f32 (torch matmul)", rec.name, t.name)
+        ql.weight = w
+    return ql
+
+
+def pack_model(gf: GGUFFile, names: list[str] | None = None, *, device: str | torch.device = "cpu"
+               ) -> dict[str, QuantLinear]:
+    """Pack every 2-D tensor of ``gf`` (or those in ``names``) with :func:`pack_tensor`.
+
+    The tied ``token_embd.weight`` is packed once and serves both ``get_rows`` (input
+    embedding) and ``matmul`` (output logits).
+    """
+    out: dict[str, QuantLinear] = {}
+    for name, rec in gf.tensors.items():
+        if (names is None and len(rec.ne) == 2) or (names is not None and name in names):
+            out[name] = pack_tensor(rec, device=device)
+    return out
+
+
+def packed_nbytes(weights: dict[str, QuantLinear]) -> int:
+    """Total bytes held by packed weights (compare with the GGUF's tensor bytes)."""
+    return sum(w.nbytes for w in weights.values())
+
+
+__all__ = ["KernelError", "QuantLinear", "QuantizedActivations", "quantize_activations",
+           "pack_tensor", "pack_model", "packed_nbytes"]
