@@ -13,8 +13,8 @@ Forms, by GGUF type:
   ``quantize_row_q8_0``) and take integer dot products; rows never share a scale, so a row's
   result does not depend on the other rows of the batch (bit-identical alone or batched).
 - F32: kept as the f32 tensor (torch/MKL matmul, exact).
-- F16: FBGEMM's fp16 packed weight where torch has it (weights exact, f32 accumulation),
-  else an f32 copy. BF16: an f32 copy.
+- F16, BF16: an f32 copy (exact; 2x the GGUF bytes of that tensor — such linear weights are
+  rare in quantized GGUFs, and torch's FBGEMM fp16 packing is deprecated).
 - Any quantized type on CUDA, or any type on the ``torch`` path: dequantized to a float
   weight once (bf16 on CUDA, f32 on CPU) and multiplied with torch — not memory-frugal, but
   simple and exact up to that dtype.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -125,15 +124,11 @@ class QuantLinear:
     bs: int = 32
     signed: bool = False
     weight: torch.Tensor | None = None
-    _fp16: Any = field(default=None, repr=False)      # FBGEMM packed fp16 weight (F16 on CPU)
-    _zero_bias: torch.Tensor | None = field(default=None, repr=False)
     _f32_cache: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
         """Bytes this weight holds (packed values + scales, or the float weight)."""
-        if self._fp16 is not None:
-            return self.d * self.k * 2
         ts = [self.qw, self.scale, self.bias, self.weight, self._f32_cache]
         return sum(int(t.numel() * t.element_size()) for t in ts if t is not None)
 
@@ -210,8 +205,6 @@ class QuantLinear:
         return y.reshape(*lead, self.d)
 
     def _float_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fp16 is not None:
-            return torch.fbgemm_linear_fp16_weight(x.to(torch.float32).contiguous(), self._fp16, self._zero_bias)
         if self.weight.dtype == torch.float32:
             return x.to(torch.float32) @ self.weight.T
         return (x.to(self.weight.dtype) @ self.weight.T).to(torch.float32)
@@ -228,10 +221,6 @@ class QuantLinear:
         if rc != 0:
             raise KernelError(f"{self.name}: kernel rejected bs={self.bs} signed={self.signed}")
         return y
-
-
-def _fbgemm_fp16() -> bool:
-    return hasattr(torch, "fbgemm_pack_gemm_matrix_fp16") and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
 def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: str | None = None) -> QuantLinear:
@@ -267,13 +256,9 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
         w = torch.from_numpy(np.array(gguf_dequantize(rec.name, rec), dtype=np.float32))
     except GGUFError as exc:
         raise KernelError(f"{rec.name}: unsupported GGML type {t.name}") from exc
-    if t == T.F16 and _fbgemm_fp16():
-        ql._fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w)
-        ql._zero_bias = torch.zeros(d, dtype=torch.float32)
-    else:
-        if t not in FLOAT_TYPES:
-            log.warning("%s: %s has no repack rule; kept as f32 (torch matmul)", rec.name, t.name)
-        ql.weight = w
+    if t not in FLOAT_TYPES:
+        log.warning("%s: %s has no repack rule; kept as f32 (torch matmul)", rec.name, t.name)
+    ql.weight = w
     return ql
 
 
