@@ -109,11 +109,14 @@ def load(isa: str) -> ctypes.CDLL:
             raise KernelBuildError(f"loading {path} failed: {exc}") from exc
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         q = getattr(lib, f"lp_{isa}_quantize_act")
-        q.argtypes = [p, i64, i32, i32, p, p, p, p]
+        q.argtypes = [p, i64, i32, i32, p, p, p, p, i32]
         q.restype = None
         m = getattr(lib, f"lp_{isa}_qmm")
         m.argtypes = [p, p, p, i32, i32, i32, i32, p, p, p, p, i32, p, i32]
         m.restype = i32
+        f = getattr(lib, f"lp_{isa}_qmm_f32")
+        f.argtypes = [p, i64, i32, i32, p, p, p, i32, i32, i32, p, i32]
+        f.restype = i32
         _libs[isa] = lib
         return lib
 

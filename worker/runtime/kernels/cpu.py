@@ -83,7 +83,11 @@ def resolve_path(path: str | None = None) -> str:
     Raises:
         KernelPathError: unknown name, or a C path this CPU cannot run.
     """
-    want = path or os.environ.get("LORAPLANE_KERNELS", "auto")
+    return _resolve(path or os.environ.get("LORAPLANE_KERNELS", "auto"))
+
+
+@lru_cache(maxsize=None)
+def _resolve(want: str) -> str:
     if want == "auto":
         return best_path()
     if want not in PATHS:

@@ -72,6 +72,18 @@ def _p(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+_FNS: dict[str, tuple] = {}
+
+
+def _fns(path: str) -> tuple:
+    """(quantize_act, qmm, qmm_f32) ctypes functions of ``path``'s library (loaded once)."""
+    f = _FNS.get(path)
+    if f is None:
+        lib = build.load(path)
+        f = _FNS[path] = tuple(getattr(lib, f"lp_{path}_{n}") for n in ("quantize_act", "qmm", "qmm_f32"))
+    return f
+
+
 def quantize_activations(x: torch.Tensor, path: str | None = None) -> QuantizedActivations:
     """Quantize ``x`` ``(n, k)`` f32/bf16/f16 CPU (k a multiple of 32) for the C kernels.
 
@@ -92,9 +104,8 @@ def quantize_activations(x: torch.Tensor, path: str | None = None) -> QuantizedA
     d = torch.empty((n, k // 32), dtype=torch.float32)
     s16 = torch.empty((n, k // 16), dtype=torch.float32)
     s32 = torch.empty((n, k // 32), dtype=torch.float32)
-    lib = build.load(p)
-    getattr(lib, f"lp_{p}_quantize_act")(xf.data_ptr(), k, n, k, q.data_ptr(), d.data_ptr(),
-                                         s16.data_ptr(), s32.data_ptr())
+    _fns(p)[0](xf.data_ptr(), k, n, k, q.data_ptr(), d.data_ptr(), s16.data_ptr(), s32.data_ptr(),
+               torch.get_num_threads())
     return QuantizedActivations(q, d, s16, s32, p)
 
 
@@ -201,7 +212,7 @@ class QuantLinear:
                     self._f32_cache = self.dequantize()
                 y = x2.to(torch.float32) @ self._f32_cache.T
             else:
-                y = self._qmm(quantize_activations(x2, p))
+                y = self._qmm_f32(x2, p)
         return y.reshape(*lead, self.d)
 
     def _float_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,12 +220,27 @@ class QuantLinear:
             return x.to(torch.float32) @ self.weight.T
         return (x.to(self.weight.dtype) @ self.weight.T).to(torch.float32)
 
+    def _qmm_f32(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        """Quantize + multiply in one C call (the common case: one ctypes crossing)."""
+        n = x.shape[0]
+        y = torch.empty((n, self.d), dtype=torch.float32)
+        if n == 0:
+            return y
+        if self.k % 32:
+            raise KernelError(f"{self.name}: width {self.k} is not a multiple of 32")
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        rc = _fns(path)[2](xf.data_ptr(), self.k, n, self.k, self.qw.data_ptr(), self.scale.data_ptr(),
+                           _p(self.bias), self.d, self.bs, int(self.signed), y.data_ptr(),
+                           torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"{self.name}: kernel failed (rc={rc}, bs={self.bs}, signed={self.signed})")
+        return y
+
     def _qmm(self, a: QuantizedActivations) -> torch.Tensor:
         y = torch.empty((a.n, self.d), dtype=torch.float32)
         if a.n == 0:
             return y
-        lib = build.load(a.path)
-        rc = getattr(lib, f"lp_{a.path}_qmm")(
+        rc = _fns(a.path)[1](
             self.qw.data_ptr(), self.scale.data_ptr(), _p(self.bias), self.d, self.k, self.bs,
             int(self.signed), a.q.data_ptr(), a.d.data_ptr(), a.s16.data_ptr(), a.s32.data_ptr(),
             a.n, y.data_ptr(), torch.get_num_threads())

@@ -50,10 +50,11 @@ constexpr int XCHUNK = 64;   // activation rows kept hot while a thread walks it
 // x: f32 (n, k) row stride ldx.  aq: int8 (n, k).  ad: f32 (n, k/32) = d_a.
 // as16: f32 (n, k/16) = d_a * sum of a_q over each 16.  as32: f32 (n, k/32), same per 32.
 void quantize_rows(const float* x, int64_t ldx, int n, int k, int8_t* aq, float* ad,
-                   float* as16, float* as32) {
+                   float* as16, float* as32, int nthreads) {
   const int nb = k / 32;
   const __m256 signbit = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (int64_t)n * k >= (1 << 16))
   for (int i = 0; i < n; ++i) {
     const float* xr = x + (int64_t)i * ldx;
     for (int b = 0; b < nb; ++b) {
@@ -240,8 +241,8 @@ void gemm(const uint8_t* qw, const float* sc, const float* bias, int d, int k, c
 
 // Quantize x (n, k) f32 (row stride ldx) into the caller's buffers (see quantize_rows).
 LP_EXPORT void LP_FN(quantize_act)(const float* x, int64_t ldx, int n, int k, int8_t* aq,
-                                   float* ad, float* as16, float* as32) {
-  quantize_rows(x, ldx, n, k, aq, ad, as16, as32);
+                                   float* ad, float* as16, float* as32, int nthreads) {
+  quantize_rows(x, ldx, n, k, aq, ad, as16, as32, nthreads);
 }
 
 // y (n, d) f32 row-major = x @ W.T for the packed W (see the header comment).
@@ -263,4 +264,22 @@ LP_EXPORT int LP_FN(qmm)(const uint8_t* qw, const float* sc, const float* bias, 
     else return -1;
   }
   return 0;
+}
+
+// quantize_act + qmm in one call (one ctypes crossing per matmul); the activation buffers are
+// malloc'd here and freed before returning.  Returns 0, -1 (unsupported form), -2 (no memory).
+LP_EXPORT int LP_FN(qmm_f32)(const float* x, int64_t ldx, int n, int k, const uint8_t* qw,
+                             const float* sc, const float* bias, int d, int bs, int is_signed,
+                             float* y, int nthreads) {
+  const int64_t nk = (int64_t)n * k;
+  char* buf = (char*)malloc(nk + (nk / 32) * 4 * 2 + (nk / 16) * 4 + 64);
+  if (!buf) return -2;
+  int8_t* aq = (int8_t*)buf;
+  float* ad = (float*)(buf + ((nk + 63) & ~(int64_t)63));
+  float* as32 = ad + nk / 32;
+  float* as16 = as32 + nk / 32;
+  quantize_rows(x, ldx, n, k, aq, ad, as16, as32, nthreads);
+  const int rc = LP_FN(qmm)(qw, sc, bias, d, k, bs, is_signed, aq, ad, as16, as32, n, y, nthreads);
+  free(buf);
+  return rc;
 }
