@@ -116,9 +116,28 @@ def run(model: str, reps: int, batches: list[int], baselines: bool = True, quiet
     return step
 
 
+def run_step(model: str, reps: int, batches: list[int], baselines: bool = True) -> dict:
+    """One decode step's matmuls in model order (every layer's weights, then the output
+    projection), weights streamed from memory as in a real step: {(method, B): [ms per rep]}."""
+    path = resolve_path()
+    gf = read_gguf(model)
+    recs = [r for n, r in gf.tensors.items() if len(r.ne) == 2 and n != "token_embd.weight"]
+    recs.append(gf.tensors["token_embd.weight"])  # tied output projection, last
+    meths: dict[str, list] = defaultdict(list)
+    for rec in recs:
+        for m, (fn, _) in _methods(rec, path, baselines).items():
+            meths[m].append((fn, rec.ne[0]))
+    out = {}
+    for b in batches:
+        xs = {k: torch.randn(b, k) for k in {ne for _, ne in meths["ours"]}}
+        for m, fns in meths.items():
+            out[(m, b)] = _times(lambda: [fn(xs[k]) for fn, k in fns], reps)
+    return out
+
+
 def _contention(args) -> None:
     """Step sum at B=16 under OMP_WAIT_POLICY active/passive, alone and with a busy neighbour."""
-    print("\nthread behaviour (B=16 decode-step matmul sum, ours, median ms):")
+    print("\nthread behaviour (measured decode step, ours, B=1 and B=16, median ms (min-max)):")
     spin = [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"]
     for busy in (False, True):
         hog = subprocess.Popen(spin) if busy else None
@@ -126,7 +145,7 @@ def _contention(args) -> None:
             for policy in ("active", "passive"):
                 env = dict(os.environ, OMP_WAIT_POLICY=policy)
                 cmd = [sys.executable, "-m", "bench.kernels", "--step-only", "--reps", str(args.reps),
-                       "--batches", "16", "--model", args.model]
+                       "--batches", args.batches, "--model", args.model]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
                 print(f"  OMP_WAIT_POLICY={policy:8s} {'with a busy process on core 0' if busy else 'alone':32s} "
                       f"{out.strip()}")
@@ -150,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(default_model_path())
     batches = [int(b) for b in args.batches.split(",")]
     if args.step_only:
-        step = run(args.model, args.reps, batches, baselines=False, quiet=True)
-        print(" ".join(f"{v:.1f}" for (m, b), v in step.items() if m == "ours"))
+        step = run_step(args.model, args.reps, batches, baselines=False)
+        print("  ".join(f"{m} {_fmt(ts).strip()}" for (m, b), ts in step.items()))
         return 0
     flags = cpu_flags()
     path = resolve_path()
@@ -171,9 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw, read_bw = _bandwidth(args.reps)
     print(f"bandwidth: copy {copy_bw:.1f} GB/s (read + write), read-only {read_bw:.1f} GB/s\n")
     step = run(args.model, args.reps, batches, baselines=not args.no_baselines)
-    print("\ndecode step, summed matmul time (18 layers + output projection), ms:")
+    print("\ndecode step from the table above (sum of medians x tensor count; small weights are "
+          "cache-hot there), ms:")
     for b in batches:
         row = "  ".join(f"{m} {v:.1f}" for (m, bb), v in step.items() if bb == b)
+        print(f"  B={b:<3d} {row}")
+    print("decode step measured: every linear weight in model order, then the output projection "
+          "(weights streamed from memory), median ms (min-max):")
+    real = run_step(args.model, args.reps, batches, baselines=not args.no_baselines)
+    for b in batches:
+        row = "  ".join(f"{m} {_fmt(ts).strip()}" for (m, bb), ts in real.items() if bb == b)
         print(f"  B={b:<3d} {row}")
     print(f"  memory-bound time of the GGUF's tensor bytes at read-only bandwidth: "
           f"{gguf_bytes / read_bw / 1e6:.1f} ms; of our packed bytes: {(packed + other) / read_bw / 1e6:.1f} ms")

@@ -163,7 +163,7 @@ inline void tile(const uint8_t* W, const float* S, const float* C, int nb, const
       for (int t = 0; t < NX; ++t) ia[t] = _mm256_setzero_si256();
       const int8_t* ab = a.q + (int64_t)i0 * a.k + b * BS;
 #pragma GCC unroll 8
-      for (int c = 0; c < BS / 4; ++c) {
+      for (int c = 0; c < BS / 4; ++c) {  // BS/4 is even: MODE 0 takes chunks in pairs
         const __m256i w = _mm256_loadu_si256((const __m256i*)(wb + c * 64));
         if (MODE == 1) {
           const __m256i wa = _mm256_sign_epi8(w, w);  // |v| (-128 -> 128 as u8)
@@ -173,11 +173,18 @@ inline void tile(const uint8_t* W, const float* S, const float* C, int nb, const
             ia[t] = _mm256_add_epi32(ia[t], dot4(wa, _mm256_sign_epi8(_mm256_set1_epi32(a4), w)));
           }
         } else {
+          // u <= 63: two maddubs results add in int16 without overflow (2 * 16002 < 32767),
+          // so widen once per pair of chunks (one vpmaddwd fewer per pair).
+          const __m256i w2 = _mm256_loadu_si256((const __m256i*)(wb + (c + 1) * 64));
           for (int t = 0; t < NX; ++t) {
-            int32_t a4;
+            int32_t a4, b4;
             memcpy(&a4, ab + (int64_t)t * a.k + c * 4, 4);
-            ia[t] = _mm256_add_epi32(ia[t], dot4(w, _mm256_set1_epi32(a4)));
+            memcpy(&b4, ab + (int64_t)t * a.k + c * 4 + 4, 4);
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(a4)),
+                                               _mm256_maddubs_epi16(w2, _mm256_set1_epi32(b4)));
+            ia[t] = _mm256_add_epi32(ia[t], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
           }
+          ++c;  // consumed chunk c + 1
         }
       }
       const __m256 s = _mm256_loadu_ps(S + b * R + h * 8);
@@ -207,7 +214,7 @@ inline void tile(const uint8_t* W, const float* S, const float* C, int nb, const
 #endif
 
 #if defined(LP_AVX512)
-constexpr int NXMAX = 4;
+constexpr int NXMAX = 8;   // 8 independent vpdpbusd chains cover its 5-cycle latency
 #else
 constexpr int NXMAX = 3;
 #endif
@@ -228,6 +235,10 @@ void gemm(const uint8_t* qw, const float* sc, const float* bias, int d, int k, c
     float* yg = y + (int64_t)g * R;
     int i0 = 0;
     for (; i0 + NXMAX <= n; i0 += NXMAX) tile<NXMAX, BS, MODE>(W, S, C, nb, a, i0, yg, d, nvalid);
+    if (NXMAX > 4 && n - i0 >= 4) {
+      tile<4, BS, MODE>(W, S, C, nb, a, i0, yg, d, nvalid);
+      i0 += 4;
+    }
     switch (n - i0) {
       case 3: tile<3, BS, MODE>(W, S, C, nb, a, i0, yg, d, nvalid); break;
       case 2: tile<2, BS, MODE>(W, S, C, nb, a, i0, yg, d, nvalid); break;
