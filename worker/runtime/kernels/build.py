@@ -112,10 +112,11 @@ def load(isa: str) -> ctypes.CDLL:
         q.argtypes = [p, i64, i32, i32, p, p, p, p, i32]
         q.restype = None
         m = getattr(lib, f"lp_{isa}_qmm")
-        m.argtypes = [p, p, p, i32, i32, i32, i32, p, p, p, p, i32, p, i32]
+        f32 = ctypes.c_float
+        m.argtypes = [p, p, p, f32, i32, i32, i32, i32, p, p, p, p, i32, p, i32]
         m.restype = i32
         f = getattr(lib, f"lp_{isa}_qmm_f32")
-        f.argtypes = [p, i64, i32, i32, p, p, p, i32, i32, i32, p, i32]
+        f.argtypes = [p, i64, i32, i32, p, p, p, f32, i32, i32, i32, p, i32]
         f.restype = i32
         _libs[isa] = lib
         return lib

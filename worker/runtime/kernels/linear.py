@@ -118,7 +118,9 @@ class QuantLinear:
         ggml_type: the GGUF storage type.
         k, d: input width and output rows (ggml ``ne = [k, d]``).
         qw: uint8 ``(G, nb, bs/4, 16, 4)`` interleaved values (repacked types), else None.
-        scale / bias: f32 ``(G, nb, 16)`` (bias None for Q8_0's signed form).
+        scale / bias: f32 ``(G, nb, 16)``; bias None where ``c = offset * scale`` (Q4_0, Q5_0,
+            Q6_K, and Q8_0's signed form with offset 0).
+        offset: the implicit ``c / s`` when bias is None.
         bs: sub-block size of ``scale`` (16 or 32); signed: Q8_0's int8 values.
         weight: float ``(d, k)`` weight (F32/F16/BF16 types and the torch path), else None.
         device: where the weight lives.
@@ -134,6 +136,7 @@ class QuantLinear:
     bias: torch.Tensor | None = None
     bs: int = 32
     signed: bool = False
+    offset: float = 0.0
     weight: torch.Tensor | None = None
     _f32_cache: torch.Tensor | None = field(default=None, repr=False)
 
@@ -158,6 +161,8 @@ class QuantLinear:
         w = uf * s.unsqueeze(-1)
         if c is not None:
             w = w + c.unsqueeze(-1)
+        elif self.offset:
+            w = w + s.unsqueeze(-1) * self.offset
         return w.reshape(u.shape[0], self.k)
 
     def get_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -230,7 +235,7 @@ class QuantLinear:
             raise KernelError(f"{self.name}: width {self.k} is not a multiple of 32")
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
         rc = _fns(path)[2](xf.data_ptr(), self.k, n, self.k, self.qw.data_ptr(), self.scale.data_ptr(),
-                           _p(self.bias), self.d, self.bs, int(self.signed), y.data_ptr(),
+                           _p(self.bias), self.offset, self.d, self.bs, int(self.signed), y.data_ptr(),
                            torch.get_num_threads())
         if rc != 0:
             raise KernelError(f"{self.name}: kernel failed (rc={rc}, bs={self.bs}, signed={self.signed})")
@@ -241,7 +246,7 @@ class QuantLinear:
         if a.n == 0:
             return y
         rc = _fns(a.path)[1](
-            self.qw.data_ptr(), self.scale.data_ptr(), _p(self.bias), self.d, self.k, self.bs,
+            self.qw.data_ptr(), self.scale.data_ptr(), _p(self.bias), self.offset, self.d, self.k, self.bs,
             int(self.signed), a.q.data_ptr(), a.d.data_ptr(), a.s16.data_ptr(), a.s32.data_ptr(),
             a.n, y.data_ptr(), torch.get_num_threads())
         if rc != 0:
@@ -273,7 +278,9 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
     if dev.type != "cpu":
         raise KernelError(f"{rec.name}: no kernels for device {dev}")
     if t in REPACK_TYPES:
-        qw, sc, bias = interleave(decode(rec.raw, t, d, k))
+        aff = decode(rec.raw, t, d, k)
+        qw, sc, bias = interleave(aff)
+        ql.offset = aff.offset
         ql.qw, ql.scale = torch.from_numpy(qw), torch.from_numpy(sc)
         ql.bias = None if bias is None else torch.from_numpy(bias)
         ql.bs, ql.signed = (16 if t == T.Q6_K else 32), t == T.Q8_0

@@ -13,16 +13,17 @@ Rules (llama.cpp ``ggml/src/ggml-quants.c`` ``dequantize_row_*``; the same bit l
 type     BS    u range     s                          c
 =======  ====  ==========  =========================  ======================
 Q8_0     32    -128..127*  d                          0 (signed form)
-Q4_0     32    0..15       d                          -8 d
+Q4_0     32    0..15       d                          -8 d (implicit)
 Q4_1     32    0..15       d                          m
-Q5_0     32    0..31       d                          -16 d
+Q5_0     32    0..31       d                          -16 d (implicit)
 Q5_1     32    0..31       d                          m
 Q4_K     32    0..15       d * sc_j                   -dmin * m_j
 Q5_K     32    0..31       d * sc_j                   -dmin * m_j
-Q6_K     16    0..63       d * sc_j (sc int8)         -32 * d * sc_j
+Q6_K     16    0..63       d * sc_j (sc int8)         -32 * d * sc_j (implicit)
 =======  ====  ==========  =========================  ======================
 
 (*) Q8_0 keeps its signed ``int8`` values (``u`` holds their two's-complement bytes).
+"implicit": ``c = offset * s`` with a per-type constant ``offset``, so no ``c`` is stored.
 
 Exactness: for every type ``s * u + c`` evaluated in f32 equals what
 ``gguf.quants.dequantize`` returns, bit for bit (each product is exact in f32: an f16 times
@@ -50,9 +51,10 @@ class Affine:
     Attributes:
         u: uint8 ``(d, k)`` integer values (int8 bit patterns when ``signed``).
         s: f32 ``(d, k/bs)``.
-        c: f32 ``(d, k/bs)``, or None when zero (the signed Q8_0 form).
+        c: f32 ``(d, k/bs)``, or None when ``c = offset * s`` (0 for the signed Q8_0 form).
         bs: sub-block size, 16 or 32.
         signed: True when ``u`` holds int8 values (Q8_0).
+        offset: the implicit ``c / s`` when ``c`` is None.
     """
 
     u: np.ndarray
@@ -60,6 +62,7 @@ class Affine:
     c: np.ndarray | None
     bs: int
     signed: bool
+    offset: float = 0.0
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -120,10 +123,8 @@ def decode(raw: np.ndarray, gtype: T, d: int, k: int) -> Affine:
             u = _nibbles32(rest[:, 4:]) | (_qh_bits(rest[:, :4]) << 4)
         else:
             u = _nibbles32(rest)
-        if gtype == T.Q4_0:
-            c = s * np.float32(-8.0)
-        elif gtype == T.Q5_0:
-            c = s * np.float32(-16.0)
+        if gtype in (T.Q4_0, T.Q5_0):
+            c, offset = None, (-8.0 if gtype == T.Q4_0 else -16.0)
         bs, signed = 32, False
     elif gtype in (T.Q4_K, T.Q5_K):
         dd, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
@@ -148,14 +149,16 @@ def decode(raw: np.ndarray, gtype: T, d: int, k: int) -> Affine:
         hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
         u = (lo | (hi.reshape(-1, 8, 32) << 4)).reshape(-1, QK_K)
         s = dd * sc                                # (N, 16)
-        c = s * np.float32(-32.0)
+        c, offset = None, -32.0
         bs, signed = 16, False
+    if gtype not in (T.Q4_0, T.Q5_0, T.Q6_K):
+        offset = 0.0
     nb = k // bs
     u = np.ascontiguousarray(u, dtype=np.uint8).reshape(d, k)
     s = np.ascontiguousarray(s, dtype=np.float32).reshape(d, nb)
     if c is not None:
         c = np.ascontiguousarray(c, dtype=np.float32).reshape(d, nb)
-    return Affine(u, s, c, bs, signed)
+    return Affine(u, s, c, bs, signed, offset)
 
 
 def interleave(a: Affine) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

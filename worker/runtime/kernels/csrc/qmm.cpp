@@ -16,7 +16,8 @@
 //                                     qw[g, b, j/4, r, j%4]; value u (0..63) for the
 //                                     unsigned types, a signed int8 v for Q8_0 (SIGNED)
 //   scale f32    (G, nb, R)           s
-//   bias  f32    (G, nb, R)           c (absent for symmetric types)
+//   bias  f32    (G, nb, R)           c, stored only for Q4_K/Q5_K/Q4_1/Q5_1; the symmetric
+//                                     types have c = off * s (off = -8, -16, -32)
 //   W[row, b*BS + j] = s * u + c        (unsigned types)
 //   W[row, b*BS + j] = s * v            (SIGNED: Q8_0)
 // Activations are quantized per row and per block of 32 like llama.cpp's quantize_row_q8_0
@@ -103,11 +104,12 @@ struct Act {          // quantized activations of one call
 
 #if defined(LP_AVX512)
 // ---- AVX-512 VNNI: vpdpbusd (u8 x s8 -> s32), one zmm = 16 weight rows x 4 bytes ---------
-// MODE 0: unsigned u with bias c.  MODE 1: SIGNED v (Q8_0): u = v ^ 0x80 = v + 128 on the fly,
-// and the -128*s term is the bias (c = -128 s), so Q8_0 needs no sign trick here.
+// MODE 0: unsigned u with a stored bias c.  MODE 2: unsigned u with c = off * s (symmetric
+// types: Q4_0, Q5_0, Q6_K; nothing stored).  MODE 1: SIGNED v (Q8_0): u = v ^ 0x80 = v + 128
+// on the fly, and the -128*s term is the bias (c = -128 s), so Q8_0 needs no sign trick here.
 template <int NX, int BS, int MODE>
-inline void tile(const uint8_t* W, const float* S, const float* C, int nb, const Act& a, int i0,
-                 float* y, int64_t ldy, int nvalid) {
+inline void tile(const uint8_t* W, const float* S, const float* C, float off, int nb, const Act& a,
+                 int i0, float* y, int64_t ldy, int nvalid) {
   __m512 acc[NX];
   for (int t = 0; t < NX; ++t) acc[t] = _mm512_setzero_ps();
   const __m512i x80 = _mm512_set1_epi8((char)0x80);
@@ -128,7 +130,8 @@ inline void tile(const uint8_t* W, const float* S, const float* C, int nb, const
       }
     }
     const __m512 s = _mm512_loadu_ps(S + b * R);
-    const __m512 cb = MODE == 1 ? _mm512_mul_ps(s, _mm512_set1_ps(-128.f)) : _mm512_loadu_ps(C + b * R);
+    const __m512 cb = MODE == 0 ? _mm512_loadu_ps(C + b * R)
+                                : _mm512_mul_ps(s, _mm512_set1_ps(MODE == 1 ? -128.f : off));
     for (int t = 0; t < NX; ++t) {
       const int64_t row = i0 + t;
       const float da = a.d[row * nb32 + (b * BS) / 32];
@@ -143,6 +146,7 @@ inline void tile(const uint8_t* W, const float* S, const float* C, int nb, const
 #else
 // ---- AVX2: maddubs (u8 x s8 -> s16 pairs) + madd(ones) -> s32; two ymm halves of 8 rows ----
 // Unsigned types have u <= 63, so a pair sum is at most 2*63*127 = 16002: no saturation.
+// MODE 0 / 2 (stored / implicit bias) as in the AVX-512 variant.
 // MODE 1 (Q8_0, signed v in -128..127): llama.cpp's sign trick, |v| x sign(a, v), max pair
 // 2*128*127 = 32512 < 32767.
 inline __m256i dot4(__m256i w_u, __m256i a_s) {
@@ -150,8 +154,8 @@ inline __m256i dot4(__m256i w_u, __m256i a_s) {
 }
 
 template <int NX, int BS, int MODE>
-inline void tile(const uint8_t* W, const float* S, const float* C, int nb, const Act& a, int i0,
-                 float* y, int64_t ldy, int nvalid) {
+inline void tile(const uint8_t* W, const float* S, const float* C, float off, int nb, const Act& a,
+                 int i0, float* y, int64_t ldy, int nvalid) {
   const int nb32 = a.k / 32, nb16 = a.k / 16;
   for (int h = 0; h < 2; ++h) {
     if (h * 8 >= nvalid) break;
@@ -188,13 +192,14 @@ inline void tile(const uint8_t* W, const float* S, const float* C, int nb, const
         }
       }
       const __m256 s = _mm256_loadu_ps(S + b * R + h * 8);
+      const __m256 cb = MODE == 0 ? _mm256_loadu_ps(C + b * R + h * 8) : _mm256_mul_ps(s, _mm256_set1_ps(off));
       for (int t = 0; t < NX; ++t) {
         const int64_t row = i0 + t;
         const float da = a.d[row * nb32 + (b * BS) / 32];
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), _mm256_mul_ps(s, _mm256_set1_ps(da)), acc[t]);
-        if (MODE == 0) {
+        if (MODE != 1) {
           const float sa = BS == 32 ? a.s32[row * nb32 + b] : a.s16[row * nb16 + b];
-          acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(C + b * R + h * 8), _mm256_set1_ps(sa), acc[t]);
+          acc[t] = _mm256_fmadd_ps(cb, _mm256_set1_ps(sa), acc[t]);
         }
       }
     }
@@ -220,8 +225,8 @@ constexpr int NXMAX = 3;
 #endif
 
 template <int BS, int MODE>
-void gemm(const uint8_t* qw, const float* sc, const float* bias, int d, int k, const Act& a, int n,
-          float* y, int nthreads) {
+void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, const Act& a,
+          int n, float* y, int nthreads) {
   const int nb = k / BS;
   const int G = (d + R - 1) / R;
   const int64_t wstride = (int64_t)nb * BS * R;  // bytes per group
@@ -234,15 +239,15 @@ void gemm(const uint8_t* qw, const float* sc, const float* bias, int d, int k, c
     const int nvalid = d - g * R < R ? d - g * R : R;
     float* yg = y + (int64_t)g * R;
     int i0 = 0;
-    for (; i0 + NXMAX <= n; i0 += NXMAX) tile<NXMAX, BS, MODE>(W, S, C, nb, a, i0, yg, d, nvalid);
+    for (; i0 + NXMAX <= n; i0 += NXMAX) tile<NXMAX, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
     if (NXMAX > 4 && n - i0 >= 4) {
-      tile<4, BS, MODE>(W, S, C, nb, a, i0, yg, d, nvalid);
+      tile<4, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
       i0 += 4;
     }
     switch (n - i0) {
-      case 3: tile<3, BS, MODE>(W, S, C, nb, a, i0, yg, d, nvalid); break;
-      case 2: tile<2, BS, MODE>(W, S, C, nb, a, i0, yg, d, nvalid); break;
-      case 1: tile<1, BS, MODE>(W, S, C, nb, a, i0, yg, d, nvalid); break;
+      case 3: tile<3, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid); break;
+      case 2: tile<2, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid); break;
+      case 1: tile<1, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid); break;
       default: break;
     }
   }
@@ -257,11 +262,12 @@ LP_EXPORT void LP_FN(quantize_act)(const float* x, int64_t ldx, int n, int k, in
 }
 
 // y (n, d) f32 row-major = x @ W.T for the packed W (see the header comment).
-//   bs: weight block 16 or 32; is_signed: 1 for the signed (Q8_0) form, which has no bias.
+//   bs: weight block 16 or 32; is_signed: 1 for the signed (Q8_0) form, which has no bias;
+//   bias: f32 (G, nb, 16) stored offsets, or NULL for c = off * s (off ignored when signed).
 //   aq/ad/as16/as32: activations from quantize_act.  Rows of x over XCHUNK are done in
 //   chunks so each chunk's activations stay in cache while the weights stream once.
 // Returns 0, or -1 for an unsupported (bs, is_signed) pair.
-LP_EXPORT int LP_FN(qmm)(const uint8_t* qw, const float* sc, const float* bias, int d, int k, int bs,
+LP_EXPORT int LP_FN(qmm)(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, int bs,
                          int is_signed, const int8_t* aq, const float* ad, const float* as16,
                          const float* as32, int n, float* y, int nthreads) {
   for (int r0 = 0; r0 < n; r0 += XCHUNK) {
@@ -269,9 +275,11 @@ LP_EXPORT int LP_FN(qmm)(const uint8_t* qw, const float* sc, const float* bias, 
     Act a{aq + (int64_t)r0 * k, ad + (int64_t)r0 * (k / 32), as16 + (int64_t)r0 * (k / 16),
           as32 + (int64_t)r0 * (k / 32), k};
     float* yc = y + (int64_t)r0 * d;
-    if (bs == 32 && is_signed) gemm<32, 1>(qw, sc, nullptr, d, k, a, nr, yc, nthreads);
-    else if (bs == 32 && !is_signed && bias) gemm<32, 0>(qw, sc, bias, d, k, a, nr, yc, nthreads);
-    else if (bs == 16 && !is_signed && bias) gemm<16, 0>(qw, sc, bias, d, k, a, nr, yc, nthreads);
+    if (bs == 32 && is_signed) gemm<32, 1>(qw, sc, nullptr, 0.f, d, k, a, nr, yc, nthreads);
+    else if (bs == 32 && bias) gemm<32, 0>(qw, sc, bias, 0.f, d, k, a, nr, yc, nthreads);
+    else if (bs == 32) gemm<32, 2>(qw, sc, nullptr, off, d, k, a, nr, yc, nthreads);
+    else if (bs == 16 && !is_signed && bias) gemm<16, 0>(qw, sc, bias, 0.f, d, k, a, nr, yc, nthreads);
+    else if (bs == 16 && !is_signed) gemm<16, 2>(qw, sc, nullptr, off, d, k, a, nr, yc, nthreads);
     else return -1;
   }
   return 0;
@@ -280,7 +288,7 @@ LP_EXPORT int LP_FN(qmm)(const uint8_t* qw, const float* sc, const float* bias, 
 // quantize_act + qmm in one call (one ctypes crossing per matmul); the activation buffers are
 // malloc'd here and freed before returning.  Returns 0, -1 (unsupported form), -2 (no memory).
 LP_EXPORT int LP_FN(qmm_f32)(const float* x, int64_t ldx, int n, int k, const uint8_t* qw,
-                             const float* sc, const float* bias, int d, int bs, int is_signed,
+                             const float* sc, const float* bias, float off, int d, int bs, int is_signed,
                              float* y, int nthreads) {
   const int64_t nk = (int64_t)n * k;
   char* buf = (char*)malloc(nk + (nk / 32) * 4 * 2 + (nk / 16) * 4 + 64);
@@ -290,7 +298,7 @@ LP_EXPORT int LP_FN(qmm_f32)(const float* x, int64_t ldx, int n, int k, const ui
   float* as32 = ad + nk / 32;
   float* as16 = as32 + nk / 32;
   quantize_rows(x, ldx, n, k, aq, ad, as16, as32, nthreads);
-  const int rc = LP_FN(qmm)(qw, sc, bias, d, k, bs, is_signed, aq, ad, as16, as32, n, y, nthreads);
+  const int rc = LP_FN(qmm)(qw, sc, bias, off, d, k, bs, is_signed, aq, ad, as16, as32, n, y, nthreads);
   free(buf);
   return rc;
 }
