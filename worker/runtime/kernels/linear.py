@@ -147,7 +147,8 @@ class QuantLinear:
         return sum(int(t.numel() * t.element_size()) for t in ts if t is not None)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight as f32 ``(d, k)`` (torch order), on ``device``; exact for every type."""
+        """The weight as f32 ``(d, k)`` (torch order), on ``device``: exactly what
+        ``worker.gguf.reader.dequantize`` gives on CPU; on CUDA the bf16 copy, widened."""
         if self.qw is None:
             return self.weight.to(torch.float32)
         G, nb = self.qw.shape[0], self.qw.shape[1]
@@ -266,6 +267,8 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
         KernelError: not a 2-D tensor, or a type with neither a repack rule nor a dequantizer.
     """
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KernelError(f"{rec.name}: device {dev} requested but torch.cuda.is_available() is False")
     if len(rec.ne) != 2:
         raise KernelError(f"{rec.name}: expected a 2-D weight, ne={list(rec.ne)}")
     k, d = int(rec.ne[0]), int(rec.ne[1])
