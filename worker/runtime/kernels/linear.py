@@ -22,7 +22,6 @@ Forms, by GGUF type:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass, field
 
