@@ -30,7 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter, quants
 
 from worker.gguf.reader import dequantize, read_gguf
 from worker.runtime.kernels import build
-from worker.runtime.kernels import (KernelError, QuantLinear, pack_tensor, quantize_activations,
+from worker.runtime.kernels import (KernelError, QuantLinear, pack_experts, pack_tensor, quantize_activations,
                                     supported)
 
 C_PATHS = [
@@ -89,6 +89,8 @@ def gguf_file(tmp_path_factory) -> Path:
         arr = _weight_array(t, d, k, rng)
         raw = None if t in (T.F32, T.F16) else t
         wr.add_tensor(f"w.{t.name}.{d}x{k}", arr, raw_dtype=raw)
+    experts = rng.standard_normal((3, 20, 64)).astype(np.float32) * 0.05  # torch (E, d, k)
+    wr.add_tensor("experts.Q5_0", quants.quantize(experts, T.Q5_0), raw_dtype=T.Q5_0)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
@@ -102,6 +104,8 @@ def packed(gguf_file: Path) -> dict[str, tuple[QuantLinear, torch.Tensor]]:
     gf = read_gguf(gguf_file)
     out = {}
     for name, rec in gf.tensors.items():
+        if len(rec.ne) != 2:
+            continue
         ref = torch.from_numpy(np.array(dequantize(gguf_file, rec), dtype=np.float32))
         out[name] = (pack_tensor(rec), ref)
     return out
@@ -193,6 +197,19 @@ def test_shared_quantized_activations(packed, path):
     qa = quantize_activations(x, path)
     assert torch.equal(a.matmul(qa), a.matmul(x, path=path))
     assert torch.equal(b.matmul(qa), b.matmul(x, path=path))
+
+
+def test_expert_weights(gguf_file):
+    gf = read_gguf(gguf_file)
+    rec = gf.tensors["experts.Q5_0"]
+    ref = torch.from_numpy(np.array(dequantize(gguf_file, rec), dtype=np.float32))  # (E, d, k)
+    experts = pack_experts(rec)
+    assert len(experts) == 3
+    x = torch.randn(4, 64)
+    for e, ql in enumerate(experts):
+        assert torch.equal(ql.dequantize(), ref[e])
+        xq, _ = _act_quant_emul(x)
+        torch.testing.assert_close(ql.matmul(x), xq @ ref[e].T, rtol=1e-5, atol=1e-5)
 
 
 def test_errors(packed):

@@ -2,7 +2,8 @@
 
 Public API (shapes in torch order; a GGUF weight with ggml ``ne = [k, d]`` is ``(d, k)``):
 
-- :func:`pack_tensor` ``(rec) -> QuantLinear`` and :func:`pack_model` ``(gguf) -> {name: QuantLinear}``
+- :func:`pack_tensor` ``(rec) -> QuantLinear`` and :func:`pack_model` ``(gguf) -> {name: QuantLinear}``;
+  :func:`pack_experts` ``(rec 3-D) -> [QuantLinear] * E``
 - :class:`QuantLinear`: ``.matmul(x (n, k)) -> (n, d) f32``, ``.get_rows(ids (m,)) -> (m, k) f32``,
   ``.dequantize() -> (d, k) f32``, ``.nbytes``
 - :func:`quantize_activations` ``(x (n, k)) -> QuantizedActivations`` to share one
@@ -12,9 +13,9 @@ Public API (shapes in torch order; a GGUF weight with ggml ``ne = [k, d]`` is ``
 
 from worker.runtime.kernels.build import KernelBuildError
 from worker.runtime.kernels.cpu import KernelPathError, best_path, cpu_flags, cpu_model, resolve_path, supported
-from worker.runtime.kernels.linear import (KernelError, QuantLinear, QuantizedActivations, pack_model,
-                                           pack_tensor, packed_nbytes, quantize_activations)
+from worker.runtime.kernels.linear import (KernelError, QuantLinear, QuantizedActivations, pack_experts,
+                                           pack_model, pack_tensor, packed_nbytes, quantize_activations)
 
 __all__ = ["KernelBuildError", "KernelError", "KernelPathError", "QuantLinear", "QuantizedActivations",
-           "best_path", "cpu_flags", "cpu_model", "pack_model", "pack_tensor", "packed_nbytes",
+           "best_path", "cpu_flags", "cpu_model", "pack_experts", "pack_model", "pack_tensor", "packed_nbytes",
            "quantize_activations", "resolve_path", "supported"]

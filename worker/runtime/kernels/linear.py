@@ -297,6 +297,19 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
     return ql
 
 
+def pack_experts(rec: TensorRecord, *, device: str | torch.device = "cpu") -> list[QuantLinear]:
+    """Pack a 3-D expert weight (ggml ``ne = [k, d, E]``, torch ``(E, d, k)``) as ``E``
+    :class:`QuantLinear` (one per expert, named ``name[e]``), for ``build_lora_mm_id``.
+
+    Raises:
+        KernelError: not a 3-D tensor, or as :func:`pack_tensor`.
+    """
+    if len(rec.ne) != 3:
+        raise KernelError(f"{rec.name}: expected a 3-D expert weight, ne={list(rec.ne)}")
+    return [pack_tensor(TensorRecord(f"{rec.name}[{e}]", rec.ggml_type, tuple(rec.ne[:2]), rec.raw[e]),
+                        device=device) for e in range(int(rec.ne[2]))]
+
+
 def pack_model(gf: GGUFFile, names: list[str] | None = None, *, device: str | torch.device = "cpu"
                ) -> dict[str, QuantLinear]:
     """Pack every 2-D tensor of ``gf`` (or those in ``names``) with :func:`pack_tensor`.
@@ -317,4 +330,4 @@ def packed_nbytes(weights: dict[str, QuantLinear]) -> int:
 
 
 __all__ = ["KernelError", "QuantLinear", "QuantizedActivations", "quantize_activations",
-           "pack_tensor", "pack_model", "packed_nbytes"]
+           "pack_experts", "pack_tensor", "pack_model", "packed_nbytes"]
