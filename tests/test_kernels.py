@@ -30,8 +30,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter, quants
 
 from worker.gguf.reader import dequantize, read_gguf
 from worker.runtime.kernels import build
-from worker.runtime.kernels import (KernelError, QuantLinear, pack_experts, pack_tensor, quantize_activations,
-                                    supported)
+from worker.runtime.kernels import (KernelError, KernelPathError, QuantLinear, pack_experts, pack_tensor,
+                                    quantize_activations, resolve_path, supported)
 
 C_PATHS = [
     pytest.param("avx2", marks=pytest.mark.skipif(not supported("avx2"), reason="CPU lacks AVX2/FMA/F16C")),
@@ -210,6 +210,31 @@ def test_expert_weights(gguf_file):
         assert torch.equal(ql.dequantize(), ref[e])
         xq, _ = _act_quant_emul(x)
         torch.testing.assert_close(ql.matmul(x), xq @ ref[e].T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", C_PATHS)
+def test_thread_count_does_not_change_results(packed, path):
+    ql, _ = packed[_name(T.Q6_K, 9, 768)]
+    x = torch.randn(16, 768)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1 = ql.matmul(x, path=path)
+        torch.set_num_threads(2)
+        y2 = ql.matmul(x, path=path)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(y1, y2)
+
+
+def test_path_resolution(monkeypatch):
+    assert resolve_path("torch") == "torch"
+    with pytest.raises(KernelPathError, match="unknown"):
+        resolve_path("neon")
+    monkeypatch.setenv("LORAPLANE_KERNELS", "torch")
+    assert resolve_path() == "torch"
+    monkeypatch.setenv("LORAPLANE_KERNELS", "auto")
+    assert resolve_path() in ("avx512", "avx2", "torch")
 
 
 def test_errors(packed):
