@@ -8,8 +8,9 @@ can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16), crafted as random block bytes where it
 Tolerances (stated per path):
 
 - repack: ``QuantLinear.dequantize()`` and ``get_rows`` equal the reference bit for bit.
-- C paths (avx2, avx512) vs the emulated int8 product (x quantized per row and per 32 the
-  way llama.cpp's ``quantize_row_q8_0`` does, then ``x_q @ W_ref.T`` in f64):
+- C paths (avx2, avx512) x activation precisions (i16, i8) vs the emulated integer product
+  (x quantized per row and per 32 with ``d = amax / 32767`` or ``amax / 127`` — the latter
+  is llama.cpp's ``quantize_row_q8_0`` — then ``x_q @ W_ref.T`` in f64):
   ``|y - y_emul| <= 1e-5 * (|x_q| @ |W|.T) + 1e-6`` (f32 accumulation only).
 - C paths vs the unquantized ``x @ W_ref.T``: the activation-rounding bound
   ``|y - y_ref| <= sum_k (d_a(row, k) / 2) * |W[:, k]| * 1.001 + 1e-5`` (rigorous: each
@@ -31,8 +32,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter, quants
 from worker.gguf.reader import dequantize, read_gguf
 from worker.runtime.kernels import build
 from worker.runtime.kernels import (KernelError, KernelPathError, QuantLinear, pack_experts, pack_tensor,
-                                    quantize_activations, resolve_path, supported)
+                                    quantize_activations, resolve_act, resolve_path, supported)
 
+ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
 C_PATHS = [
     pytest.param("avx2", marks=pytest.mark.skipif(not supported("avx2"), reason="CPU lacks AVX2/FMA/F16C")),
     pytest.param("avx512", marks=pytest.mark.skipif(
@@ -115,13 +117,15 @@ def _name(t: T, d: int, k: int) -> str:
     return f"w.{t.name}.{d}x{k}"
 
 
-def _act_quant_emul(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_q as f32 values q*d, per-element step d) exactly as quantize_row_q8_0 does it."""
+def _act_quant_emul(x: torch.Tensor, act: str = "i16") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q as f32 values q*d, per-element step d) as the kernels quantize (i8: exactly
+    llama.cpp's quantize_row_q8_0)."""
+    qmax = ACT_QMAX[act]
     n, k = x.shape
     xb = x.reshape(n, k // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    inv = torch.where(amax != 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    d = amax / qmax
+    inv = torch.where(amax != 0, torch.tensor(qmax) / amax, torch.zeros_like(amax))
     q = (xb * inv).round()  # ties to even, like _mm256_round_ps(_MM_FROUND_TO_NEAREST_INT)
     return (q * d).reshape(n, k), d.expand(-1, -1, 32).reshape(n, k)
 
@@ -135,23 +139,24 @@ def test_repack_is_exact(packed, t, d, k):
     assert torch.equal(ql.get_rows(ids), ref[ids])
 
 
+@pytest.mark.parametrize("act", ["i16", "i8"])
 @pytest.mark.parametrize("path", C_PATHS)
 @pytest.mark.parametrize("t,d,k", [c for c in CASES if c[0] not in (T.F16, T.F32, T.BF16)],
                          ids=[_name(*c) for c in CASES if c[0] not in (T.F16, T.F32, T.BF16)])
-def test_c_matmul_vs_reference(packed, path, t, d, k):
+def test_c_matmul_vs_reference(packed, path, act, t, d, k):
     ql, ref = packed[_name(t, d, k)]
     g = torch.Generator().manual_seed(d * 1000 + k)
     ref64 = ref.double()
     for n in NS:
         x = torch.randn(n, k, generator=g)
-        y = ql.matmul(x, path=path)
+        y = ql.matmul(x, path=path, act=act)
         assert y.shape == (n, d) and y.dtype == torch.float32
-        xq, step = _act_quant_emul(x)
+        xq, step = _act_quant_emul(x, act)
         y_emul = (xq.double() @ ref64.T)
         mag = xq.abs().double() @ ref64.abs().T
-        assert ((y.double() - y_emul).abs() <= 1e-5 * mag + 1e-6).all(), (path, n)
+        assert ((y.double() - y_emul).abs() <= 1e-5 * mag + 1e-6).all(), (path, act, n)
         bound = (step.double() / 2) @ ref64.abs().T * 1.001 + 1e-5
-        assert ((y.double() - x.double() @ ref64.T).abs() <= bound).all(), (path, n)
+        assert ((y.double() - x.double() @ ref64.T).abs() <= bound).all(), (path, act, n)
 
 
 @pytest.mark.parametrize("t,d,k", [c for c in CASES if c[0] in (T.F16, T.F32, T.BF16)],
@@ -173,30 +178,36 @@ def test_torch_path_and_bf16_input(packed):
     torch.testing.assert_close(y, ql.matmul(xb.float()), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("act", ["i16", "i8"])
 @pytest.mark.parametrize("path", C_PATHS)
-def test_outlier_row_does_not_touch_other_rows(packed, path):
+def test_outlier_row_does_not_touch_other_rows(packed, path, act):
     """A row's output alone and inside a batch with a 100x outlier row: identical (each row
     has its own activation scales), so log-probs differ by 0 <= 1e-3."""
     ql, _ = packed[_name(T.Q8_0, 40, 96)]
     x = torch.randn(8, 96)
     x[3] *= 100.0
     x[5, 7] = 3000.0  # a single outlier activation inside a row
-    y_batch = ql.matmul(x, path=path)
+    y_batch = ql.matmul(x, path=path, act=act)
     for i in (0, 4, 7):
-        y_alone = ql.matmul(x[i:i + 1], path=path)
+        y_alone = ql.matmul(x[i:i + 1], path=path, act=act)
         assert torch.equal(y_alone[0], y_batch[i])
         lp = torch.log_softmax(y_batch[i].double(), -1) - torch.log_softmax(y_alone[0].double(), -1)
         assert lp.abs().max() <= 1e-3
 
 
+@pytest.mark.parametrize("act", ["i16", "i8"])
 @pytest.mark.parametrize("path", C_PATHS)
-def test_shared_quantized_activations(packed, path):
+def test_shared_quantized_activations(packed, path, act):
     a, _ = packed[_name(T.Q5_0, 64, 640)]
-    b, _ = packed[_name(T.Q8_0, 16, 640)]
+    b, _ = packed[_name(T.Q6_K, 9, 768)]
+    c, _ = packed[_name(T.Q8_0, 16, 640)]
     x = torch.randn(5, 640)
-    qa = quantize_activations(x, path)
-    assert torch.equal(a.matmul(qa), a.matmul(x, path=path))
-    assert torch.equal(b.matmul(qa), b.matmul(x, path=path))
+    qa = quantize_activations(x, path, act)
+    assert qa.q.dtype == (torch.int16 if act == "i16" else torch.int8)
+    assert torch.equal(a.matmul(qa), a.matmul(x, path=path, act=act))
+    assert torch.equal(c.matmul(qa), c.matmul(x, path=path, act=act))
+    with pytest.raises(KernelError, match="width"):
+        b.matmul(qa)
 
 
 def test_expert_weights(gguf_file):
@@ -209,19 +220,20 @@ def test_expert_weights(gguf_file):
     for e, ql in enumerate(experts):
         assert torch.equal(ql.dequantize(), ref[e])
         xq, _ = _act_quant_emul(x)
-        torch.testing.assert_close(ql.matmul(x), xq @ ref[e].T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ql.matmul(x, act="i16"), xq @ ref[e].T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("act", ["i16", "i8"])
 @pytest.mark.parametrize("path", C_PATHS)
-def test_thread_count_does_not_change_results(packed, path):
+def test_thread_count_does_not_change_results(packed, path, act):
     ql, _ = packed[_name(T.Q6_K, 9, 768)]
     x = torch.randn(16, 768)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        y1 = ql.matmul(x, path=path)
+        y1 = ql.matmul(x, path=path, act=act)
         torch.set_num_threads(2)
-        y2 = ql.matmul(x, path=path)
+        y2 = ql.matmul(x, path=path, act=act)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(y1, y2)
@@ -235,6 +247,12 @@ def test_path_resolution(monkeypatch):
     assert resolve_path() == "torch"
     monkeypatch.setenv("LORAPLANE_KERNELS", "auto")
     assert resolve_path() in ("avx512", "avx2", "torch")
+    monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
+    assert resolve_act() == "i16"
+    monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i8")
+    assert resolve_act() == "i8"
+    with pytest.raises(KernelError, match="precision"):
+        resolve_act("i4")
 
 
 def test_errors(packed):

@@ -1,4 +1,4 @@
-"""Build and load the C kernels (``csrc/qmm.cpp``) for each x86 instruction-set path.
+"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``) for each x86 ISA path.
 
 One source, two shared libraries, each compiled with its own target flags (never
 ``-march=native``), so the AVX2 library runs on an AVX2-only CPU:
@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before ours; see module docstring)
 
-CSRC = Path(__file__).resolve().parent / "csrc" / "qmm.cpp"
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"]
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fopenmp",
@@ -62,7 +63,8 @@ def _compiler() -> str:
 
 def library_path(isa: str) -> Path:
     """Where the library for ``isa`` ('avx2' | 'avx512') lives, keyed by source+flags hash."""
-    h = hashlib.sha256(CSRC.read_bytes() + " ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode()).hexdigest()[:12]
+    h = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)
+                       + " ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode()).hexdigest()[:12]
     return BUILD_DIR / f"liblp_{isa}-{h}.so"
 
 
@@ -83,7 +85,7 @@ def build(isa: str) -> Path:
         if out.exists():
             return out
         tmp = out.with_suffix(f".tmp{os.getpid()}")
-        cmd = [_compiler(), *COMMON_FLAGS, *ISA_FLAGS[isa], str(CSRC), "-o", str(tmp)]
+        cmd = [_compiler(), *COMMON_FLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
@@ -118,6 +120,15 @@ def load(isa: str) -> ctypes.CDLL:
         f = getattr(lib, f"lp_{isa}_qmm_f32")
         f.argtypes = [p, i64, i32, i32, p, p, p, f32, i32, i32, i32, p, i32]
         f.restype = i32
+        q16 = getattr(lib, f"lp_{isa}_quantize_act16")
+        q16.argtypes = q.argtypes
+        q16.restype = None
+        m16 = getattr(lib, f"lp_{isa}_qmm16")
+        m16.argtypes = m.argtypes
+        m16.restype = i32
+        f16 = getattr(lib, f"lp_{isa}_qmm16_f32")
+        f16.argtypes = f.argtypes
+        f16.restype = i32
         _libs[isa] = lib
         return lib
 

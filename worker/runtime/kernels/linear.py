@@ -8,10 +8,13 @@ Forms, by GGUF type:
 
 - Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: repacked at load into the exact affine int8
   form of :mod:`worker.runtime.kernels.repack` (uint8 values + f32 scale (+ f32 offset) per 16
-  or 32), 16 rows interleaved. On CPU the C kernels (``csrc/qmm.cpp``) quantize each row of
-  ``x`` to int8 per block of 32 (own scale per row and block, as llama.cpp's
-  ``quantize_row_q8_0``) and take integer dot products; rows never share a scale, so a row's
-  result does not depend on the other rows of the batch (bit-identical alone or batched).
+  or 32), 16 rows interleaved. On CPU the C kernels quantize each row of ``x`` per block of 32
+  (own scale per row and block) and take integer dot products against the packed weights:
+  ``act="i16"`` (default, ``csrc/qmm16.cpp``): int16 activations, error ~1e-5 relative, as
+  good as f32 for the model; ``act="i8"`` (``csrc/qmm.cpp``): int8 activations exactly as
+  llama.cpp's ``quantize_row_q8_0``, faster at B=16 but noisier (see the README). Rows never
+  share a scale, so a row's result does not depend on the other rows of the batch
+  (bit-identical alone or batched).
 - F32: kept as the f32 tensor (torch/MKL matmul, exact).
 - F16, BF16: an f32 copy (exact; 2x the GGUF bytes of that tensor — such linear weights are
   rare in quantized GGUFs, and torch's FBGEMM fp16 packing is deprecated).
@@ -23,6 +26,7 @@ Forms, by GGUF type:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +42,21 @@ log = logging.getLogger(__name__)
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 
 
+ACTS = ("i16", "i8")
+
+
+def resolve_act(act: str | None = None) -> str:
+    """Activation precision: ``act`` if given, else ``$LORAPLANE_KERNEL_ACT``, else 'i16'.
+
+    Raises:
+        KernelError: not 'i16' or 'i8'.
+    """
+    want = act or os.environ.get("LORAPLANE_KERNEL_ACT", "i16")
+    if want not in ACTS:
+        raise KernelError(f"unknown activation precision '{want}' (expected {' or '.join(ACTS)})")
+    return want
+
+
 class KernelError(ValueError):
     """A weight or input the kernels cannot handle (type, shape, dtype, device); names it."""
 
@@ -47,9 +66,9 @@ class QuantizedActivations:
     """Rows of ``x`` quantized per row and per block of 32 (llama.cpp ``quantize_row_q8_0``).
 
     Build once with :func:`quantize_activations` and pass to several ``matmul`` calls that
-    share the input (q/k/v, gate/up). Attributes (torch order): ``q`` int8 ``(n, k)``;
+    share the input (q/k/v, gate/up). Attributes (torch order): ``q`` int8 or int16 ``(n, k)``;
     ``d`` f32 ``(n, k/32)`` scales; ``s16`` / ``s32`` f32 ``(n, k/16)`` / ``(n, k/32)``
-    = ``d * sum(q)`` per 16 / 32; ``path`` the ISA that made it.
+    = ``d * sum(q)`` per 16 / 32; ``path`` the ISA that made it; ``act`` 'i16' or 'i8'.
     """
 
     q: torch.Tensor
@@ -57,6 +76,7 @@ class QuantizedActivations:
     s16: torch.Tensor
     s32: torch.Tensor
     path: str
+    act: str
 
     @property
     def n(self) -> int:
@@ -71,26 +91,32 @@ def _p(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-_FNS: dict[str, tuple] = {}
+_FNS: dict[tuple[str, str], tuple] = {}
+_FN_NAMES = {"i8": ("quantize_act", "qmm", "qmm_f32"), "i16": ("quantize_act16", "qmm16", "qmm16_f32")}
 
 
-def _fns(path: str) -> tuple:
-    """(quantize_act, qmm, qmm_f32) ctypes functions of ``path``'s library (loaded once)."""
-    f = _FNS.get(path)
+def _fns(path: str, act: str) -> tuple:
+    """(quantize, qmm, qmm_f32) ctypes functions of ``path``'s library for ``act`` (loaded once)."""
+    f = _FNS.get((path, act))
     if f is None:
         lib = build.load(path)
-        f = _FNS[path] = tuple(getattr(lib, f"lp_{path}_{n}") for n in ("quantize_act", "qmm", "qmm_f32"))
+        f = _FNS[(path, act)] = tuple(getattr(lib, f"lp_{path}_{n}") for n in _FN_NAMES[act])
     return f
 
 
-def quantize_activations(x: torch.Tensor, path: str | None = None) -> QuantizedActivations:
+def quantize_activations(x: torch.Tensor, path: str | None = None, act: str | None = None
+                         ) -> QuantizedActivations:
     """Quantize ``x`` ``(n, k)`` f32/bf16/f16 CPU (k a multiple of 32) for the C kernels.
 
+    Args:
+        path: ISA ('avx512' | 'avx2'; default :func:`~worker.runtime.kernels.cpu.resolve_path`).
+        act: 'i16' | 'i8' (default :func:`resolve_act`).
     Raises:
-        KernelError: not a 2-D CPU tensor, or ``k`` not a multiple of 32.
+        KernelError: not a 2-D CPU tensor, ``k`` not a multiple of 32, unknown ``act``.
         KernelPathError: ``path`` is not runnable here, or is 'torch'.
     """
     p = cpu.resolve_path(path)
+    a = resolve_act(act)
     if p == "torch":
         raise cpu.KernelPathError("quantize_activations is for the C kernel paths, not 'torch'")
     if x.dim() != 2 or x.device.type != "cpu":
@@ -99,13 +125,13 @@ def quantize_activations(x: torch.Tensor, path: str | None = None) -> QuantizedA
     if k % 32:
         raise KernelError(f"activation width {k} is not a multiple of 32")
     xf = x.to(torch.float32).contiguous()
-    q = torch.empty((n, k), dtype=torch.int8)
+    q = torch.empty((n, k), dtype=torch.int8 if a == "i8" else torch.int16)
     d = torch.empty((n, k // 32), dtype=torch.float32)
     s16 = torch.empty((n, k // 16), dtype=torch.float32)
     s32 = torch.empty((n, k // 32), dtype=torch.float32)
-    _fns(p)[0](xf.data_ptr(), k, n, k, q.data_ptr(), d.data_ptr(), s16.data_ptr(), s32.data_ptr(),
-               torch.get_num_threads())
-    return QuantizedActivations(q, d, s16, s32, p)
+    _fns(p, a)[0](xf.data_ptr(), k, n, k, q.data_ptr(), d.data_ptr(), s16.data_ptr(), s32.data_ptr(),
+                  torch.get_num_threads())
+    return QuantizedActivations(q, d, s16, s32, p, a)
 
 
 @dataclass(eq=False)
@@ -185,15 +211,17 @@ class QuantLinear:
         c = None if self.bias is None else self.bias[g, :, r]
         return self._affine(u, s, c)
 
-    def matmul(self, x: torch.Tensor | QuantizedActivations, *, path: str | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor | QuantizedActivations, *, path: str | None = None,
+               act: str | None = None) -> torch.Tensor:
         """``y = x @ W.T``: x ``(..., k)`` f32/bf16/f16 (or pre-quantized rows) -> f32 ``(..., d)``.
 
         Args:
             x: activations, on this weight's device.
             path: force 'avx512' | 'avx2' | 'torch' for this call (default: see
                 :func:`worker.runtime.kernels.cpu.resolve_path`); ignored for float weights.
+            act: activation precision 'i16' | 'i8' (default :func:`resolve_act`).
         Raises:
-            KernelError: wrong width or device.
+            KernelError: wrong width or device, unknown ``act``.
             KernelPathError: a forced path this CPU cannot run.
         """
         if isinstance(x, QuantizedActivations):
@@ -217,7 +245,7 @@ class QuantLinear:
                     self._f32_cache = self.dequantize()
                 y = x2.to(torch.float32) @ self._f32_cache.T
             else:
-                y = self._qmm_f32(x2, p)
+                y = self._qmm_f32(x2, p, resolve_act(act))
         return y.reshape(*lead, self.d)
 
     def _float_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +253,7 @@ class QuantLinear:
             return x.to(torch.float32) @ self.weight.T
         return (x.to(self.weight.dtype) @ self.weight.T).to(torch.float32)
 
-    def _qmm_f32(self, x: torch.Tensor, path: str) -> torch.Tensor:
+    def _qmm_f32(self, x: torch.Tensor, path: str, act: str) -> torch.Tensor:
         """Quantize + multiply in one C call (the common case: one ctypes crossing)."""
         n = x.shape[0]
         y = torch.empty((n, self.d), dtype=torch.float32)
@@ -234,7 +262,7 @@ class QuantLinear:
         if self.k % 32:
             raise KernelError(f"{self.name}: width {self.k} is not a multiple of 32")
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
-        rc = _fns(path)[2](xf.data_ptr(), self.k, n, self.k, self.qw.data_ptr(), self.scale.data_ptr(),
+        rc = _fns(path, act)[2](xf.data_ptr(), self.k, n, self.k, self.qw.data_ptr(), self.scale.data_ptr(),
                            _p(self.bias), self.offset, self.d, self.bs, int(self.signed), y.data_ptr(),
                            torch.get_num_threads())
         if rc != 0:
@@ -245,7 +273,7 @@ class QuantLinear:
         y = torch.empty((a.n, self.d), dtype=torch.float32)
         if a.n == 0:
             return y
-        rc = _fns(a.path)[1](
+        rc = _fns(a.path, a.act)[1](
             self.qw.data_ptr(), self.scale.data_ptr(), _p(self.bias), self.offset, self.d, self.k, self.bs,
             int(self.signed), a.q.data_ptr(), a.d.data_ptr(), a.s16.data_ptr(), a.s32.data_ptr(),
             a.n, y.data_ptr(), torch.get_num_threads())
@@ -329,5 +357,5 @@ def packed_nbytes(weights: dict[str, QuantLinear]) -> int:
     return sum(w.nbytes for w in weights.values())
 
 
-__all__ = ["KernelError", "QuantLinear", "QuantizedActivations", "quantize_activations",
+__all__ = ["ACTS", "KernelError", "QuantLinear", "resolve_act", "QuantizedActivations", "quantize_activations",
            "pack_experts", "pack_tensor", "pack_model", "packed_nbytes"]
