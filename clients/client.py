@@ -42,6 +42,7 @@ from clients.results import (
     WorkerInfo,
     event_from_proto,
 )
+from clients.peft import is_peft_folder, upload_source
 from clients.wire import adapter_map, generate_request, upload_chunks
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 
@@ -58,7 +59,7 @@ _EMPTY = common_pb2.Empty()
 
 def _check_upload_source(path: str | Path, server_path: bool) -> None:
     """Fail before the call: an unreadable file inside grpc's request thread only says UNKNOWN."""
-    if not server_path and not Path(path).is_file():
+    if not server_path and not Path(path).is_file() and not is_peft_folder(path):
         raise FileNotFoundError(f"adapter file not found: {path}")
 
 
@@ -118,12 +119,20 @@ class LoraplaneClient:
             self._unary(self._stub.GetAdapter, common_pb2.AdapterRef(id=adapter_id)))
 
     def add_adapter(self, path: str | Path, *, name: str | None = None,
-                    server_path: bool = False) -> Adapter:
+                    server_path: bool = False, progress: Any = None) -> Adapter:
         """Register an adapter GGUF: upload ``path`` in chunks, or (``server_path=True``) name a
-        file the server reads itself. Content already registered returns the existing id."""
+        file the server reads itself. Content already registered returns the existing id.
+
+        A PEFT folder is converted here first (``clients.peft.upload_source``) and uploaded as
+        GGUF; a PEFT folder given as a server path is converted by the control plane.
+        ``progress(bytes_sent, total)`` is called per uploaded chunk."""
         _check_upload_source(path, server_path)
-        chunks = upload_chunks(path, name=name, server_path=server_path)
-        return Adapter.from_proto(self._unary(self._stub.RegisterAdapter, chunks))
+        if server_path:
+            return Adapter.from_proto(self._unary(self._stub.RegisterAdapter,
+                                                  upload_chunks(path, name=name, server_path=True)))
+        with upload_source(path) as (gguf_path, fmt):
+            chunks = upload_chunks(gguf_path, name=name, source_format=fmt, progress=progress)
+            return Adapter.from_proto(self._unary(self._stub.RegisterAdapter, chunks))
 
     def remove_adapter(self, adapter_id: int) -> None:
         self._unary(self._stub.UnregisterAdapter, common_pb2.AdapterRef(id=adapter_id))
@@ -234,8 +243,12 @@ class AsyncLoraplaneClient:
     async def add_adapter(self, path: str | Path, *, name: str | None = None,
                           server_path: bool = False) -> Adapter:
         _check_upload_source(path, server_path)
-        chunks = upload_chunks(path, name=name, server_path=server_path)
-        return Adapter.from_proto(await self._unary(self._stub.RegisterAdapter, chunks))
+        if server_path:
+            return Adapter.from_proto(await self._unary(
+                self._stub.RegisterAdapter, upload_chunks(path, name=name, server_path=True)))
+        with upload_source(path) as (gguf_path, fmt):
+            chunks = upload_chunks(gguf_path, name=name, source_format=fmt)
+            return Adapter.from_proto(await self._unary(self._stub.RegisterAdapter, chunks))
 
     async def remove_adapter(self, adapter_id: int) -> None:
         await self._unary(self._stub.UnregisterAdapter, common_pb2.AdapterRef(id=adapter_id))

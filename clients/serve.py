@@ -35,6 +35,7 @@ import click
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import WorkerInfo
+from loraplane.env import ENV_NO_PROGRESS
 from loraplane.process import stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,7 @@ class ServePlan:
         ready_timeout_s: how long the worker may take to load the model and register.
         worker_log: file for the worker's stdout/stderr (None: share this process's).
         quiet: do not announce readiness on stderr.
+        http_addr / metrics_addr / worker_metrics_addr: announced with readiness (None: off).
     """
 
     cp_addr: str
@@ -62,6 +64,21 @@ class ServePlan:
     ready_timeout_s: float = 600.0
     worker_log: Path | None = None
     quiet: bool = False
+    http_addr: str | None = None
+    metrics_addr: str | None = None
+    worker_metrics_addr: str | None = None
+
+    def addresses(self) -> str:
+        """``"; HTTP API http://…/v1; metrics http://…/metrics (control plane), …"`` for the
+        endpoints that are on ("" when none is)."""
+        parts = []
+        if self.http_addr:
+            parts.append(f"OpenAI-compatible HTTP API http://{dial_addr(self.http_addr)}/v1")
+        if self.metrics_addr:
+            parts.append(f"metrics http://{dial_addr(self.metrics_addr)}/metrics (control plane)")
+        if self.worker_metrics_addr:
+            parts.append(f"http://{dial_addr(self.worker_metrics_addr)}/metrics (worker)")
+        return "".join(f"; {p}" for p in parts)
 
 
 def resolve_port(addr: str) -> str:
@@ -94,6 +111,7 @@ def _worker_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env[ENV_NO_PROGRESS] = "1"  # serve draws the one "loading" spinner; two would garble the line
     return env
 
 
@@ -128,12 +146,15 @@ class _Supervisor(threading.Thread):
                 client.connect()
                 if not self._spawn_worker():
                     return
-                worker = self._wait_registered(client)
+                from loraplane.progress import progress_enabled, spinner
+
+                with spinner("loading the model in the worker", enabled=progress_enabled()):
+                    worker = self._wait_registered(client)
                 if worker is None:
                     return
                 if not self.plan.quiet:
                     _say(f"serving on {self.plan.cp_addr} "
-                         f"(worker {worker.worker_id} at {worker.addr}); Ctrl-C stops")
+                         f"(worker {worker.worker_id} at {worker.addr}){self.plan.addresses()}; Ctrl-C stops")
                 if self.on_ready is not None and self.on_ready(client, worker):
                     self.request_stop(0)
                     return

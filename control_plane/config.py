@@ -47,6 +47,13 @@ class ControlPlaneConfig:
         tls_cert / tls_key: PEM files; both set → the port is served with TLS.
         max_threads: gRPC handler threads (each streaming Generate holds one).
         log_level: structlog level ("debug", "info", ...).
+        http_addr: host:port of the OpenAI-compatible HTTP front (None: off; port 0 picks one).
+        metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP
+            front serves ``/metrics`` too).
+        chat_template: jinja2 chat template file overriding the model's (None: the GGUF's
+            ``tokenizer.chat_template``, else a built-in one for the architecture).
+        served_model_name: the base model's name on the HTTP API (None: the GGUF file's stem).
+        metrics_max_adapters: distinct adapter label values in metrics before "other".
 
     Start-up flags set the default scale of the adapters they name, every start; adapters
     they do not name keep their persisted scale.
@@ -67,6 +74,11 @@ class ControlPlaneConfig:
     tls_key: str | None = None
     max_threads: int = 64
     log_level: str = "info"
+    http_addr: str | None = None
+    metrics_addr: str | None = None
+    chat_template: str | None = None
+    served_model_name: str | None = None
+    metrics_max_adapters: int = 64
 
     @property
     def startup_adapters(self) -> list[tuple[str, float]]:

@@ -22,6 +22,7 @@ def adapter_info(rec: AdapterRecord) -> common_pb2.AdapterInfo:
         alora_invocation_tokens=m.get("alora_invocation_tokens", []),
         alora_invocation_text=m.get("alora_invocation_text", ""), default_scale=rec.default_scale,
         size_bytes=m.get("size_bytes", 0), n_nodes=m.get("n_nodes", 0),
+        source_format=rec.source_format,
     )
 
 
@@ -62,6 +63,7 @@ class Upload:
     name: str
     server_path: str
     data: Iterator[bytes]
+    source_format: str = ""
 
 
 def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
@@ -79,4 +81,4 @@ def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
                 f"RegisterAdapter: server_path '{first.server_path}' given together with data; send one or the other")
         return Upload(first.name, first.server_path, iter(()))
     rest = (c.data for c in chunks)
-    return Upload(first.name, "", itertools.chain([first.data], rest))
+    return Upload(first.name, "", itertools.chain([first.data], rest), first.source_format)

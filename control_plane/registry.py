@@ -10,6 +10,13 @@ temporary file under ``<data-dir>/adapters/`` and only become ``<sha256>.gguf`` 
 any failure removes them, so a refused upload leaves neither a row nor a file. Server-side
 paths must resolve (symlinks followed) inside a configured adapter directory, checked before
 the file is opened.
+
+PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``) are accepted wherever a
+server-side path is (``--lora``, ``--lora-scaled``, ``RegisterAdapter.server_path``): they are
+converted here, on the control plane, by the same numpy-only code as ``convert-peft``
+(`worker.tools.convert_peft`, rsLoRA and aLoRA included) against the base model this process
+already indexed, and the resulting GGUF is kept under ``<data-dir>/adapters/`` like an upload
+(the record's ``source_format`` is "peft"). Workers only ever receive GGUF files.
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ from control_plane.errors import (InvalidArgumentError, NotFoundError, Permissio
 from control_plane.resolution import AdapterVector, check_scale, resolve_adapter_vector
 from control_plane.store import AdapterRecord, AdapterStore
 from worker.lora.adapter_file import AdapterFile, validate_lora_adapter
+from worker.tools.convert_peft import convert_peft, is_peft_dir
 
 log = structlog.get_logger("control_plane.registry")
 
 DEFAULT_MAX_UPLOAD_BYTES = 512 * 1024 * 1024
+SOURCE_FORMATS = ("gguf", "peft")
 
 
 @dataclass(frozen=True)
@@ -114,18 +123,24 @@ class AdapterRegistry:
 
     def read_chunks(self, record: AdapterRecord, chunk_size: int = 1 << 20) -> Iterator[bytes]:
         """The adapter file's bytes in ``chunk_size`` pieces (for pushing to workers)."""
-        with open(record.path, "rb") as fh:
-            yield from iter(lambda: fh.read(chunk_size), b"")
+        return self.read_path_chunks(Path(record.path), chunk_size)
 
     # -- registration -------------------------------------------------------------------
 
-    def register_upload(self, data: Iterable[bytes], *, name: str = "") -> Registration:
+    def register_upload(self, data: Iterable[bytes], *, name: str = "",
+                        source_format: str = "gguf") -> Registration:
         """Register uploaded bytes (streamed); the file is kept under the data dir.
+
+        ``source_format`` records what the GGUF was made from ("peft": the client converted a
+        PEFT folder before uploading); the bytes are validated as an adapter GGUF either way.
 
         Raises:
             ResourceExhaustedError: more than ``max_upload_bytes``.
-            InvalidArgumentError: empty upload or an invalid adapter (message lists problems).
+            InvalidArgumentError: empty upload, an unknown ``source_format`` or an invalid
+                adapter (message lists problems).
         """
+        if source_format not in SOURCE_FORMATS:
+            raise InvalidArgumentError(f"source_format '{source_format}': expected one of {list(SOURCE_FORMATS)}")
         tmp = self.upload_dir / f".upload-{uuid.uuid4().hex}.part"
         try:
             sha256, size = self._receive(data, tmp)
@@ -141,7 +156,7 @@ class AdapterRegistry:
                 try:
                     rec, created = self.store.insert(
                         sha256=sha256, name=name or adapter.name, path=str(final),
-                        metadata=self._metadata(adapter))
+                        metadata=self._metadata(adapter), source_format=source_format)
                 except BaseException:
                     final.unlink(missing_ok=True)
                     raise
@@ -178,6 +193,8 @@ class AdapterRegistry:
         return self.get(rec.id)
 
     def _register_file(self, path: Path, *, name: str, source: str) -> Registration:
+        if is_peft_dir(path):
+            return self._register_peft(path, name=name)
         if not path.is_file():
             raise NotFoundError(f"adapter file '{path}' does not exist")
         adapter = self._validate(path, shown_as=str(path))
@@ -189,6 +206,29 @@ class AdapterRegistry:
             log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source,
                      path=str(path))
         return Registration(rec, created)
+
+    def _register_peft(self, folder: Path, *, name: str) -> Registration:
+        """Convert a PEFT folder (rules of ``convert-peft``) and register the GGUF as an upload.
+
+        Raises:
+            InvalidArgumentError: the folder cannot be converted (every problem listed).
+        """
+        tmp = self.upload_dir / f".peft-{uuid.uuid4().hex}.gguf"
+        try:
+            try:
+                convert_peft(folder, tmp, base_gguf=self.base.gguf)
+            except ValueError as exc:  # ConvertError lists every problem
+                raise InvalidArgumentError(f"PEFT folder '{folder}': {exc}") from exc
+            reg = self.register_upload(self.read_path_chunks(tmp), name=name, source_format="peft")
+        finally:
+            tmp.unlink(missing_ok=True)
+        log.info("peft_converted", adapter_id=reg.record.id, folder=str(folder), sha256=reg.record.sha256)
+        return reg
+
+    @staticmethod
+    def read_path_chunks(path: Path, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+        with open(path, "rb") as fh:
+            yield from iter(lambda: fh.read(chunk_size), b"")
 
     def _receive(self, data: Iterable[bytes], tmp: Path) -> tuple[str, int]:
         h = hashlib.sha256()

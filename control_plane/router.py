@@ -23,7 +23,7 @@ import uuid
 from collections import OrderedDict
 from contextlib import closing
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -86,6 +86,8 @@ class Router:
         self.pool = pool
         self._affinity: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
+        # ``track(vector, events) -> events`` (control_plane.metrics); None: not counted.
+        self.observer: Any = None
 
     def generate(self, request: common_pb2.GenerateRequest,
                  context: ClientContext) -> Iterator[common_pb2.GenerateEvent]:
@@ -100,6 +102,12 @@ class Router:
             request.request_id = uuid.uuid4().hex
         vector = self.registry.resolve(request_map_or_none(request))
         set_resolved_adapters(request, vector)
+        routed = self._route(request, context, vector)
+        yield from (routed if self.observer is None else self.observer.track(vector, routed))
+
+    def _route(self, request: common_pb2.GenerateRequest, context: ClientContext,
+               vector: list[tuple[int, float]]) -> Iterator[common_pb2.GenerateEvent]:
+        """Steps 3-5 of the module docstring for a resolved request."""
         key = adapter_set_key(vector)
         ids = [i for i, _ in vector]
         tried: list[str] = []

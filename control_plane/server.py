@@ -12,6 +12,7 @@ import threading
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -21,6 +22,8 @@ from grpc_reflection.v1alpha import reflection
 from control_plane.auth import AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
 from control_plane.config import ControlPlaneConfig, parse_lora_scaled
+from control_plane.http.models import served_name
+from control_plane.metrics import ControlPlaneMetrics
 from loraplane.logging import configure_logging
 from control_plane.registry import AdapterRegistry
 from control_plane.router import Router
@@ -49,9 +52,19 @@ class ControlPlaneState:
     pool: WorkerPool
     router: Router
     health: health.HealthServicer
+    metrics: ControlPlaneMetrics | None = None
+    http: Any = None            # control_plane.http.server.HttpServer when --http-addr is set
+    http_port: int = 0
+    metrics_server: Any = None  # prometheus-client's server when --metrics-addr is set
+    metrics_port: int = 0
 
     def close(self) -> None:
-        """Release worker channels and the database (after the server stopped)."""
+        """Stop the HTTP and metrics servers, release worker channels and the database (after
+        the gRPC server stopped)."""
+        if self.http is not None:
+            self.http.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         self.pool.close()
         self.store.close()
 
@@ -80,7 +93,71 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
     timings = MembershipTimings(heartbeat_interval_s=config.heartbeat_interval_s,
                                 dead_after_missed=config.dead_after_missed)
     pool = WorkerPool(registry, timings)
-    return ControlPlaneState(config, store, registry, pool, Router(registry, pool), health.HealthServicer())
+    router = Router(registry, pool)
+    metrics = build_metrics(config, registry, pool)
+    router.observer = metrics
+    return ControlPlaneState(config, store, registry, pool, router, health.HealthServicer(), metrics)
+
+
+def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: WorkerPool) -> ControlPlaneMetrics:
+    """The control plane's Prometheus metrics over the live registry and pool."""
+
+    def adapter_name(adapter_id: int) -> str:
+        records = registry.list()
+        rec = next((r for r in records if r.id == adapter_id), None)
+        return served_name(rec, records) if rec is not None else f"adapter:{adapter_id}"
+
+    def pool_state() -> tuple[int, int]:
+        live = pool.live()
+        return len(live), sum(w.n_slots for w in live)
+
+    return ControlPlaneMetrics(adapter_name=adapter_name, pool_state=pool_state,
+                               n_adapters=lambda: len(registry.list()),
+                               adapter_label_cap=config.metrics_max_adapters)
+
+
+def start_side_servers(state: ControlPlaneState) -> None:
+    """The HTTP front (``http_addr``) and the metrics endpoint (``metrics_addr``), when set.
+
+    Raises:
+        OSError: an address cannot be bound; RuntimeError: uvicorn did not start.
+    """
+    config = state.config
+    if config.metrics_addr and state.metrics is not None:
+        from loraplane.metrics import start_metrics_server
+
+        state.metrics_server, state.metrics_port = start_metrics_server(config.metrics_addr,
+                                                                        state.metrics.registry)
+        log.info("metrics_serving", addr=config.metrics_addr, port=state.metrics_port)
+    if config.http_addr:
+        from control_plane.http.app import create_app
+        from control_plane.http.server import HttpServer
+
+        state.http = HttpServer(create_app(http_deps(state)), config.http_addr)
+        state.http_port = state.http.start()
+        log.info("http_serving", addr=config.http_addr, port=state.http_port)
+
+
+def http_deps(state: ControlPlaneState) -> Any:
+    """The HTTP front's dependencies: this process's registry, router and pool."""
+    from control_plane.http.app import HttpDeps
+    from control_plane.http.chat_template import load_chat_template
+
+    base = state.registry.base
+    tok = base.tokenizer()
+    template = None
+    if tok is not None or state.config.chat_template:
+        def special(token_id: int) -> str:
+            return tok.token_to_piece(token_id) if tok is not None and token_id >= 0 else ""
+
+        template = load_chat_template(override_file=state.config.chat_template, metadata=base.gguf.metadata,
+                                      arch=base.arch, bos_token=special(getattr(tok, "bos_id", -1)),
+                                      eos_token=special(getattr(tok, "eos_id", -1)))
+    return HttpDeps(registry=state.registry, router=state.router, pool=state.pool,
+                    base_name=state.config.served_model_name or Path(base.path).name.removesuffix(".gguf"),
+                    base_root=str(base.path), tokenizer=tok, chat_template=template,
+                    admin_token=admin_token_from(state.config.admin_token),
+                    metrics_text=state.metrics.exposition if state.metrics is not None else None)
 
 
 def _bind(server: grpc.Server, config: ControlPlaneConfig) -> int:
@@ -122,14 +199,17 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         (CONTROL_PLANE_SERVICE, WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         port = _bind(server, config)
+        start_side_servers(state)
     except BaseException:
+        server.stop(0)
         state.close()
         raise
     server.start()
     for service in ("", CONTROL_PLANE_SERVICE):
         state.health.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("control_plane_started", addr=config.addr, port=port, data_dir=config.data_dir,
-             adapters=len(state.registry.list()), admin_auth=bool(token))
+             adapters=len(state.registry.list()), admin_auth=bool(token),
+             http_port=state.http_port or None, metrics_port=state.metrics_port or None)
     return server, port, state
 
 

@@ -100,7 +100,8 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         if upload.server_path:
             reg = self.registry.register_server_path(upload.server_path, name=upload.name)
         else:
-            reg = self.registry.register_upload(upload.data, name=upload.name)
+            reg = self.registry.register_upload(upload.data, name=upload.name,
+                                                source_format=upload.source_format or "gguf")
         if reg.created:
             self.pool.push_adapter(reg.record)
         return convert.adapter_info(reg.record)

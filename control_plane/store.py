@@ -45,6 +45,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
                created_at REAL NOT NULL
            )""",
     ),
+    # 1 → 2: the format the adapter was registered from ("gguf", or "peft" when a PEFT folder
+    # was converted on the fly); rows from before the column existed were all GGUF files.
+    (
+        "ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",
+    ),
 )
 
 
@@ -61,6 +66,7 @@ class AdapterRecord:
             see `control_plane.registry.adapter_metadata`.
         default_scale: this adapter's scale in the global default set (0: detached).
         created_at: unix time of registration.
+        source_format: "gguf", or "peft" for a PEFT folder converted at registration.
     """
 
     id: int
@@ -70,6 +76,7 @@ class AdapterRecord:
     metadata: dict[str, Any] = field(hash=False, compare=False)
     default_scale: float = 0.0
     created_at: float = 0.0
+    source_format: str = "gguf"
 
 
 class AdapterStore:
@@ -147,7 +154,7 @@ class AdapterStore:
     # -- writes -------------------------------------------------------------------------
 
     def insert(self, *, sha256: str, name: str, path: str, metadata: dict[str, Any],
-               default_scale: float = 0.0) -> tuple[AdapterRecord, bool]:
+               default_scale: float = 0.0, source_format: str = "gguf") -> tuple[AdapterRecord, bool]:
         """Register content; ``(record, created)``.
 
         Content already registered (same sha256) returns the existing record and
@@ -164,10 +171,10 @@ class AdapterStore:
                 new_id = int(c.execute("SELECT next_id FROM id_counter").fetchone()[0])
                 c.execute("UPDATE id_counter SET next_id = ?", (new_id + 1,))
                 c.execute(
-                    "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at,"
+                    " source_format) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (new_id, sha256, name, path, json.dumps(metadata, sort_keys=True),
-                     float(default_scale), time.time()),
+                     float(default_scale), time.time(), source_format),
                 )
                 row = c.execute("SELECT * FROM adapters WHERE id = ?", (new_id,)).fetchone()
                 c.execute("COMMIT")
@@ -220,4 +227,5 @@ def _record(row: sqlite3.Row) -> AdapterRecord:
         metadata=json.loads(row["metadata"]),
         default_scale=float(row["default_scale"]),
         created_at=float(row["created_at"]),
+        source_format=str(row["source_format"]),
     )

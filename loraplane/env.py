@@ -10,3 +10,6 @@ ENV_ADMIN_TOKEN = "LORAPLANE_ADMIN_TOKEN"
 
 ENV_DEBUG = "LORAPLANE_DEBUG"
 """``1``: the CLI prints tracebacks for unexpected internal errors."""
+
+ENV_NO_PROGRESS = "LORAPLANE_NO_PROGRESS"
+"""Non-empty: never draw progress bars, even on a terminal."""

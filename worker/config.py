@@ -45,6 +45,10 @@ class WorkerConfig:
         worker_id: stable name; generated when empty.
         prefix_cache_tokens: token budget of the keyed prefix cache (LRU beyond it).
         log_level: structlog level of the worker process ("debug" logs every decode step).
+        metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: not served;
+            port 0 picks a free one).
+        metrics_max_adapters: distinct adapter label values in metrics before the rest are
+            folded into "other" (``loraplane.metrics.BoundedLabels``).
     """
 
     addr: str = "127.0.0.1:0"
@@ -61,3 +65,5 @@ class WorkerConfig:
     worker_id: str = ""
     prefix_cache_tokens: int = 65536
     log_level: str = "info"
+    metrics_addr: str | None = None
+    metrics_max_adapters: int = 64

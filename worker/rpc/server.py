@@ -77,8 +77,17 @@ def serve_worker(config: WorkerConfig) -> None:
     from loraplane.logging import configure_logging  # one JSON log format for both planes
 
     configure_logging(config.log_level)
-    server, port, engine = create_server(config)
+    from loraplane.progress import progress_enabled, spinner
+
+    with spinner("loading the model", enabled=progress_enabled()):
+        server, port, engine = create_server(config)
     stop = threading.Event()
+    metrics_server = None
+    if config.metrics_addr:
+        from loraplane.metrics import start_metrics_server
+
+        metrics_server, metrics_port = start_metrics_server(config.metrics_addr, engine.metrics.registry)
+        log.info("worker metrics serving", addr=config.metrics_addr, port=metrics_port)
     if config.control_plane:
         from worker.rpc.membership import start_membership
 
@@ -91,4 +100,6 @@ def serve_worker(config: WorkerConfig) -> None:
     stop.wait()
     server.health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(grace=2).wait()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     engine.close()

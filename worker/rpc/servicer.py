@@ -39,7 +39,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         max_tokens=s.max_tokens or 16, temperature=s.temperature, top_k=s.top_k,
         top_p=s.top_p if 0.0 < s.top_p <= 1.0 else (1.0 if s.top_p == 0.0 else s.top_p),
         seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs,
-        prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos)
+        prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos, stop=tuple(s.stop))
 
 
 def adapter_info(adapter_id: int, a, default_scale: float = 0.0) -> pb.AdapterInfo:

@@ -31,7 +31,8 @@ from worker.runtime.model import BaseModel, load_model
 from worker.runtime.sampling import SamplingParams
 from worker.serving.scheduler import Scheduler
 from worker.errors import (AdapterConflictError, AdapterNotFoundError, DrainTimeoutError,
-                           InvalidRequestError)
+                           InvalidRequestError, WorkerError)
+from worker.serving.metrics import WorkerMetrics
 from worker.serving.request import Event, GenRequest
 
 log = structlog.get_logger("loraplane.worker")
@@ -72,6 +73,8 @@ class WorkerEngine:
         self.model = Model(base)
         self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot, n_seq=config.n_slots)
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
+        self.metrics = WorkerMetrics(self.stats, adapter_label_cap=config.metrics_max_adapters)
+        self.scheduler.observer = self.metrics
         self._lock = threading.Lock()
         self._draining: set[int] = set()
         self._cache_dir = Path(tempfile.mkdtemp(prefix="loraplane-worker-adapters-"))
@@ -121,6 +124,7 @@ class WorkerEngine:
         with self._lock:
             self.model.adapters.add(adapter_id, adapter)
             self._draining.discard(adapter_id)
+        self.metrics.on_adapter_loaded()
         log.info("adapter loaded", adapter_id=adapter_id, name=adapter.name, pairs=len(adapter.pairs))
         return adapter
 
@@ -149,6 +153,7 @@ class WorkerEngine:
         with self._lock:
             self.model.adapters.free(adapter_id)
             self._draining.discard(adapter_id)
+        self.metrics.on_adapter_freed()
         log.info("adapter freed", adapter_id=adapter_id)
 
     def adapters(self) -> dict[int, LoraAdapter]:
@@ -188,11 +193,15 @@ class WorkerEngine:
         Raises:
             WorkerError: a subclass naming the outcome (``worker.errors``).
         """
-        if prompt_tokens is None:
-            prompt_tokens = self.base.tokenizer.encode(prompt_text or "", add_special=True, parse_special=True)
-        adapter_set = self.resolve_set(entries)
-        return self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
-                                     adapter_set=adapter_set, emit=emit)
+        try:
+            if prompt_tokens is None:
+                prompt_tokens = self.base.tokenizer.encode(prompt_text or "", add_special=True, parse_special=True)
+            adapter_set = self.resolve_set(entries)
+            return self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
+                                         adapter_set=adapter_set, emit=emit)
+        except WorkerError:
+            self.metrics.on_rejected(tuple(sorted(i for i, s in entries if s != 0.0)))
+            raise
 
     def stats(self) -> WorkerStatsRecord:
         """Scheduler counters plus the worker's identity, model and adapter footprint."""

@@ -48,7 +48,7 @@ import gguf
 import numpy as np
 
 from worker.lora.adapter_file import AdapterError, validate_lora_adapter
-from worker.gguf.reader import read_gguf
+from worker.gguf.reader import GGUFFile, read_gguf
 from worker.gguf.writer import write_and_close
 
 SUPPORTED_ARCHS = ("gemma3", "llama")
@@ -249,7 +249,7 @@ def convert_peft(
     peft_dir: str | os.PathLike[str],
     out_path: str | os.PathLike[str],
     *,
-    base_gguf: str | None = None,
+    base_gguf: str | GGUFFile | None = None,
     outtype: str = "f32",
     name: str | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -259,7 +259,8 @@ def convert_peft(
     Args:
         peft_dir: folder with ``adapter_config.json`` and ``adapter_model.safetensors``.
         out_path: GGUF file to write (replaced atomically on success).
-        base_gguf: the base model GGUF. Gives the architecture and head counts (needed for
+        base_gguf: the base model GGUF (a path, or an already parsed ``GGUFFile``: the
+            control plane holds one). Gives the architecture and head counts (needed for
             llama q/k), and the written adapter is validated against it.
         outtype: ``f32`` or ``f16`` for the A/B tensors.
         name: ``general.name`` to write; None means the folder's name (what ``convert-peft``
@@ -289,7 +290,8 @@ def convert_peft(
     base_meta: dict[str, Any] = {}
     base_index: dict[str, tuple[int, ...]] = {}
     if base_gguf is not None:
-        base = read_gguf(base_gguf)  # read once: parsing a large vocab takes seconds
+        # read once: parsing a large vocab takes seconds
+        base = base_gguf if isinstance(base_gguf, GGUFFile) else read_gguf(base_gguf)
         base_meta, arch = base.metadata, base.arch
         base_index = {name: tuple(rec.ne) for name, rec in base.tensors.items()}
     else:
@@ -365,7 +367,7 @@ def convert_peft(
             validate_lora_adapter(tmp, base_arch=arch, base_tensors=base_index)
         except AdapterError as exc:
             tmp.unlink(missing_ok=True)
-            raise ConvertError(src, [f"converted adapter does not fit {base_gguf}: {p}"
+            raise ConvertError(src, [f"converted adapter does not fit {getattr(base_gguf, 'path', base_gguf)}: {p}"
                                      for p in exc.problems]) from exc
     os.replace(tmp, out)
     return out
