@@ -126,7 +126,11 @@ def create_app(deps: HttpDeps) -> FastAPI:
             finally:
                 call.cancel()
             make = R.chat_body if chat else R.completion_body
-            return JSONResponse(make(rid, created_at, model, out, logprobs_of(out.tokens)))
+            result = make(rid, created_at, model, out, logprobs_of(out.tokens))
+            if body.return_token_ids:
+                result["prompt_token_ids"] = out.prompt_token_ids
+                result["choices"][0]["token_ids"] = [t.token_id for t in out.tokens]
+            return JSONResponse(result)
 
         try:
             first = next(tokens, None)  # errors before the first token keep their HTTP status

@@ -7,9 +7,10 @@ loraplane does not implement are refused with a 400 naming them (`SamplingFields
 ``repetition_penalty`` ≠ 1, ``logit_bias``, ``echo``, ``suffix``, tools and structured output.
 Unknown fields are ignored (clients send vendor extras freely).
 
-Extensions (vLLM / llama-server names): ``top_k``, ``ignore_eos``, and ``lora``: a list of
-``{"id": int, "scale": float}`` (llama-server's per-request shape) that picks the adapters
-explicitly and wins over ``model``.
+Extensions (vLLM / llama-server names): ``top_k``, ``ignore_eos``, ``return_token_ids``
+(vLLM: non-streaming responses carry ``prompt_token_ids`` and each choice's ``token_ids``), and
+``lora``: a list of ``{"id": int, "scale": float}`` (llama-server's per-request shape) that
+picks the adapters explicitly and wins over ``model``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     lora: list[LoraEntry] | None = None
+    return_token_ids: bool = False
     user: str | None = None
 
     def check(self) -> None:
