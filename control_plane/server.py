@@ -154,7 +154,7 @@ def http_deps(state: ControlPlaneState) -> Any:
                                       arch=base.arch, bos_token=special(getattr(tok, "bos_id", -1)),
                                       eos_token=special(getattr(tok, "eos_id", -1)))
     return HttpDeps(registry=state.registry, router=state.router, pool=state.pool,
-                    base_name=state.config.served_model_name or Path(base.path).name.removesuffix(".gguf"),
+                    base_name=state.config.served_model_name or Path(str(base.path)).name.removesuffix(".gguf"),
                     base_root=str(base.path), tokenizer=tok, chat_template=template,
                     admin_token=admin_token_from(state.config.admin_token),
                     metrics_text=state.metrics.exposition if state.metrics is not None else None)

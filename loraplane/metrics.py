@@ -13,7 +13,6 @@ the series count for good: at most ``cap + 2`` values ("none" for base-model req
 from __future__ import annotations
 
 import threading
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 DEFAULT_ADAPTER_LABEL_CAP = 64
@@ -60,7 +59,7 @@ def split_host_port(addr: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def start_metrics_server(addr: str, registry: Any) -> tuple[ThreadingHTTPServer, int]:
+def start_metrics_server(addr: str, registry: Any) -> tuple[Any, int]:
     """Serve ``registry`` at ``http://addr/metrics`` on a daemon thread (prometheus-client's
     own WSGI server); returns the server (``shutdown()`` stops it) and its bound port (port 0
     picks a free one).

@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from control_plane.http.chat_template import (GEMMA_TURN_TEMPLATE, ChatTemplateError, load_chat_template)
+from control_plane.http.chat_template import GEMMA_TURN_TEMPLATE, ChatTemplateError, load_chat_template
 from loraplane.metrics import OTHER_LABEL, BoundedLabels
 from worker.serving.output import StopMatcher
 
@@ -112,3 +112,27 @@ def test_openai_error_shape_for_domain_errors():
     assert from_control_plane(UnavailableError("no worker")).status == 503
     busy = from_control_plane(WorkerRequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"))
     assert (busy.status, busy.code) == (429, "resource_exhausted")
+
+
+def test_grafana_dashboard_uses_only_exported_metric_names():
+    import json
+    import re
+    from pathlib import Path
+
+    from control_plane.metrics import ControlPlaneMetrics
+    from worker.serving.engine import WorkerStatsRecord
+    from worker.serving.metrics import WorkerMetrics
+
+    stats = WorkerStatsRecord(worker_id="w", n_slots=2, slots_busy=0, queue_depth=0, queue_limit=4, graph_reuses=0,
+                              graph_rebuilds=0, prefix_cache_entries=0, prefix_cache_hit_tokens=0,
+                              prompt_tokens_computed=0, tokens_generated=0, batching="mixed", prefix_cache="keyed",
+                              model="m", device="cpu", dtype="f32", adapter_ids=[], node_budget=0, adapter_bytes=0)
+    cp = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (1, 2), n_adapters=lambda: 0, adapter_label_cap=4)
+    wm = WorkerMetrics(lambda: stats, adapter_label_cap=4)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    exported = {fam.name + sfx for reg in (cp.registry, wm.registry) for fam in reg.collect()
+                for sfx in suffixes[fam.type]}
+    dash = json.loads((Path(__file__).resolve().parents[1] / "deploy/grafana/loraplane-dashboard.json").read_text())
+    used = {m for p in dash["panels"] for t in p["targets"]
+            for m in re.findall(r"\b(?:loraplane_[a-z0-9_]+|vllm:[a-z_]+)", t["expr"])}
+    assert used and used <= exported, sorted(used - exported)

@@ -24,7 +24,8 @@ from control_plane.errors import ControlPlaneError
 from control_plane.http import responses as R
 from control_plane.http.chat_template import ChatTemplate, ChatTemplateError
 from control_plane.http.errors import OpenAIError, from_control_plane
-from control_plane.http.generation import HttpCallContext, Outcome, build_request, fold, new_request_id, now_s
+from control_plane.http.generation import (HttpCallContext, Outcome, TokenOut, build_request, fold,
+                                           new_request_id, now_s)
 from control_plane.http.models import ID_PREFIX, model_list, resolve_model
 from control_plane.http.schemas import (
     CHAT_MAX_TOKENS_DEFAULT,
@@ -142,12 +143,16 @@ def create_app(deps: HttpDeps) -> FastAPI:
             streamed: list[str] = []
             if chat:
                 yield R.sse(R.chat_chunk(rid, created_at, model, {"role": "assistant", "content": ""}, None, None))
-            pending = [first]
+            pending: list[TokenOut | None] = [first]
             try:
                 while True:
-                    item = pending.pop() if pending else next(tokens, StopIteration)
-                    if item is StopIteration:
-                        break
+                    if pending:
+                        item = pending.pop()
+                    else:
+                        try:
+                            item = next(tokens)
+                        except StopIteration:
+                            break
                     if item is None:  # finished: the rest of the text (a held-back tail), then the reason
                         full = "".join(streamed)
                         rest = out.text[len(full):] if out.text.startswith(full) else ""
