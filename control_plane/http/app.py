@@ -24,8 +24,7 @@ from control_plane.errors import ControlPlaneError
 from control_plane.http import responses as R
 from control_plane.http.chat_template import ChatTemplate, ChatTemplateError
 from control_plane.http.errors import OpenAIError, from_control_plane
-from control_plane.http.generation import (HttpCallContext, Outcome, TokenOut, build_request, fold,
-                                           new_request_id, now_s)
+from control_plane.http.generation import HttpCallContext, Outcome, TokenOut, build_request, fold, new_request_id, now_s
 from control_plane.http.models import ID_PREFIX, model_list, resolve_model
 from control_plane.http.schemas import (
     CHAT_MAX_TOKENS_DEFAULT,
