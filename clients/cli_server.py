@@ -126,7 +126,11 @@ def worker_runtime_options(f: F) -> F:
                      show_default=True,
                      help="keyed: per adapter-set prefixes; llama: llama.cpp's clear-on-switch."),
         click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32",
-                     show_default=True),
+                     show_default=True, help="Compute (activation) dtype."),
+        click.option("--weights", "weight_form", type=click.Choice(["packed", "dequant"]), default="packed",
+                     show_default=True,
+                     help="packed: GGUF-quantized matrices multiplied in place by our kernels; "
+                          "dequant: the f32/bf16 dequantized reference (slower, 4x the memory)."),
         click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto",
                      show_default=True, help="auto: CUDA when present."),
         click.option("--n-ctx", "n_ctx_slot", type=click.IntRange(min=16), default=None,
@@ -143,10 +147,10 @@ def worker_runtime_options(f: F) -> F:
 
 def worker_args(*, model_path: str | None, n_slots: int, batching: str, prefix_cache: str,
                 dtype: str, device: str, n_ctx_slot: int | None, queue_limit: int | None,
-                prefix_cache_tokens: int | None) -> tuple[str, ...]:
+                prefix_cache_tokens: int | None, weight_form: str = "packed") -> tuple[str, ...]:
     """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
     args = ["--slots", str(n_slots), "--batching", batching, "--prefix-cache", prefix_cache,
-            "--dtype", dtype, "--device", device]
+            "--dtype", dtype, "--weights", weight_form, "--device", device]
     optional = {"--model": model_path, "--n-ctx": n_ctx_slot, "--queue-limit": queue_limit,
                 "--prefix-cache-tokens": prefix_cache_tokens}
     for flag, value in optional.items():
@@ -247,7 +251,7 @@ def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
 @click.pass_context
 def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
                advertise_addr: str | None, worker_id: str, model_path: str | None,
-               n_slots: int, batching: str, prefix_cache: str, dtype: str, device: str,
+               n_slots: int, batching: str, prefix_cache: str, dtype: str, weight_form: str, device: str,
                n_ctx_slot: int | None, queue_limit: int | None,
                prefix_cache_tokens: int | None) -> None:
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM."""
@@ -261,7 +265,7 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
     config = make_config(
         WorkerConfig, addr=addr, model_path=model_path, n_slots=n_slots,
         batching=Batching(batching), prefix_cache=PrefixCachePolicy(prefix_cache),
-        dtype=dtype, device=device, control_plane=control_plane,
+        dtype=dtype, weight_form=weight_form, device=device, control_plane=control_plane,
         advertise_addr=advertise_addr, worker_id=worker_id,
         **{k: v for k, v in optional.items() if v is not None},
     )

@@ -36,7 +36,8 @@ class WorkerConfig:
         model_path: base model GGUF; None means the embedded Gemma 3 270M.
         n_slots: parallel sequences (llama-server ``--parallel``).
         batching / prefix_cache: see the enums.
-        dtype: "f32" or "bf16" compute dtype.
+        dtype: "f32" or "bf16" compute (activation) dtype.
+        weight_form: "packed" (GGUF-quantized matrices, our kernels) or "dequant" (reference).
         device: "cpu", "cuda" or "auto" (CUDA when present).
         n_ctx_slot: tokens of KV per slot.
         queue_limit: requests waiting beyond the slots before RESOURCE_EXHAUSTED.
@@ -53,6 +54,7 @@ class WorkerConfig:
     batching: Batching = Batching.MIXED
     prefix_cache: PrefixCachePolicy = PrefixCachePolicy.KEYED
     dtype: str = "f32"
+    weight_form: str = "packed"
     device: str = "auto"
     n_ctx_slot: int = 4096
     queue_limit: int = 64

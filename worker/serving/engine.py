@@ -68,7 +68,7 @@ class WorkerEngine:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
-        base = load_model(config.model_path, dtype=config.dtype, device=config.device)
+        base = load_model(config.model_path, dtype=config.dtype, device=config.device, weights=config.weight_form)
         self.model = Model(base)
         self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot, n_seq=config.n_slots)
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
