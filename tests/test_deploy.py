@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "k8s"
 SYSTEMD = DEPLOY / "systemd"

@@ -220,7 +220,7 @@ def test_kill_a_during_registrations_and_generations(cluster, tmp_path):
     def long_stream_through_a() -> None:
         with LoraplaneClient(cluster.a_addr, timeout=120) as lp:
             try:
-                for ev in lp.generate_stream(PROMPT, adapters={}, max_tokens=400, ignore_eos=True):
+                for _ev in lp.generate_stream(PROMPT, adapters={}, max_tokens=400, ignore_eos=True):
                     started.set()
                 stream_outcome["finished"] = True
             except LoraplaneError as exc:
