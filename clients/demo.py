@@ -118,7 +118,7 @@ def demo_cmd(ctx: click.Context, once: bool, as_json: bool, prompt: str, max_tok
         raise click.ClickException(f"demo adapters missing: {', '.join(missing)}")
     run_control_plane, config_cls = load_control_plane()
     temporary = data_dir is None
-    root = Path(tempfile.mkdtemp(prefix="loraplane-demo-")) if temporary else Path(data_dir)
+    root = Path(tempfile.mkdtemp(prefix="loraplane-demo-")) if data_dir is None else Path(data_dir)
     root.mkdir(parents=True, exist_ok=True)
     addr = resolve_port(addr)
     config = control_plane_config(

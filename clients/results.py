@@ -172,8 +172,8 @@ class WorkerInfo:
     @classmethod
     def from_proto(cls, w: control_plane_pb2.WorkerInfo) -> WorkerInfo:
         """Field for field from the proto (repeated fields become tuples)."""
-        values = {f.name: getattr(w, f.name) for f in fields(cls)}
-        return cls(**{k: tuple(v) if not isinstance(v, (str, bytes, int, float)) else v for k, v in values.items()})
+        values: dict[str, Any] = {f.name: getattr(w, f.name) for f in fields(cls)}
+        return cls(**{k: v if isinstance(v, (str, int, float)) else tuple(v) for k, v in values.items()})  # type: ignore[arg-type]
 
     @property
     def alive(self) -> bool:

@@ -8,6 +8,8 @@ reuse, adapter lifecycle, roofline.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import math
 import os
@@ -15,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("engine", "serving", "prefix", "lifecycle", "roofline")

@@ -23,6 +23,8 @@ from clients.client import LoraplaneClient
 from tests.control_plane_helpers import write_adapter
 from tests.live_servers import restored_default
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_SHOUT = ROOT / "demo" / "adapters" / "shout.gguf"
 

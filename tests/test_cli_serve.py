@@ -14,6 +14,8 @@ import pytest
 
 from tests.serve_helpers import ROOT, start_serve, stop_serve
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
 PROMPT = "The weather today is"
 
 

@@ -33,6 +33,8 @@ from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 from tests.control_plane_helpers import write_adapter
 from tests.live_servers import nonzero, restored_default, wait_until
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
 PROMPT = "Tell me about the weather today."
 MiB = 1 << 20
 

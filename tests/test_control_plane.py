@@ -26,6 +26,8 @@ from tests.control_plane_helpers import (MiB, ControlPlane, by_path, default_of,
                                          upload, write_adapter)
 
 
+pytestmark = pytest.mark.integration
+
 @pytest.fixture
 def adapters_dir(fixtures_dir: Path) -> Path:
     return fixtures_dir / "adapters"

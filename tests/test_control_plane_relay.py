@@ -18,6 +18,8 @@ from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
 from tests.control_plane_helpers import rpc_error, upload
 from worker.rpc.membership import MembershipBackoff, start_membership
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
 PROMPT = "The capital of France is"
 
 

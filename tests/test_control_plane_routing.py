@@ -23,6 +23,8 @@ from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2, worker_pb2_g
 from tests.control_plane_helpers import MiB, by_path, rpc_error, upload
 from worker.rpc.membership import MembershipBackoff, start_membership
 
+pytestmark = pytest.mark.integration
+
 FAST = MembershipBackoff(connect_timeout_s=1.0, initial_s=0.05, max_s=0.2)
 
 

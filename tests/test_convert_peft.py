@@ -21,6 +21,8 @@ from worker.tools.convert_peft import ConvertError, convert_peft
 from worker.gguf.reader import dequantize, read_gguf
 
 # name → alpha we must write
+pytestmark = pytest.mark.parity
+
 EXPECTED_ALPHA = {"shout": 16.0, "sea": 8.0, "shout_embd": 8.0, "critic_alora": 16.0, "shout_rs": 32.0}
 
 

@@ -18,6 +18,8 @@ from worker.lora.adapter_set import AdapterSet
 from worker.runtime.model import load_model
 
 
+pytestmark = [pytest.mark.slow, pytest.mark.parity]
+
 def _logprobs(model_path, tokens, adapters=()):
     m = Model(load_model(model_path, device="cpu"))
     ctx = m.new_context(n_ctx_seq=64)

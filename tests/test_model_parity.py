@@ -24,6 +24,8 @@ from worker.tools.convert_peft import convert_peft
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import load_model
 
+pytestmark = pytest.mark.parity
+
 GOLDEN_IDS = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}
 
 

@@ -21,6 +21,8 @@ import pytest
 from clients.client import LoraplaneClient
 from tests.live_servers import nonzero, restored_default
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
 ROOT = Path(__file__).resolve().parent.parent
 NODE_DIR = ROOT / "clients" / "node"
 PROMPT = "Tell me about the weather today."

@@ -22,6 +22,8 @@ from clients.errors import LoraplaneError
 from clients.results import FinishedEvent, TokenEvent
 from loraplane.process import stop_process
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The weather today is"
 

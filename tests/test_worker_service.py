@@ -39,6 +39,8 @@ from loraplane.v1 import worker_pb2
 from tests.worker_service_helpers import (CALL_TIMEOUT, Result, WorkerProcess, find_last, gen, greedy_argmax_many,
                                           group_stats, second_alora_gguf, teacher_forced)
 
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
 ADAPTER_FILES = {0: "shout.gguf", 1: "sea.gguf", 2: "shout_embd.gguf", 3: "critic_alora.gguf"}
 SHOUT, SEA, SHOUT_EMBD, CRITIC = 0, 1, 2, 3
 INVOCATION_SUFFIX = "\n<start_of_turn>shout\n"

@@ -161,7 +161,7 @@ def _parse(path: Path, data: np.ndarray) -> tuple[dict[str, Any], dict[str, Tens
     262k-token vocabulary takes 10–40 s on two cores; this reads the same layout in well under
     a second and hands tensor data out as views of the same memory map.
     """
-    cur = _Cursor(memoryview(data))
+    cur = _Cursor(memoryview(data))  # type: ignore[arg-type]  # np.memmap is a buffer
     cur.off = 4
     version = cur.scalar(GGUFValueType.UINT32)
     if version not in (2, 3):

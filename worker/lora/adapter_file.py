@@ -257,7 +257,7 @@ def _check_pair_shapes(base: str, a_ne: tuple[int, ...], b_ne: tuple[int, ...],
                     f"B {_ne(b_ne)} (wrong number of dimensions)"]
         k, d = w_ne[0], w_ne[1]
         r = b_ne[0]
-        want_a, want_b = (k, r, *w_ne[2:]), (r, d, *w_ne[2:])
+        want_a, want_b = (k, r, *w_ne[2:]), (r, d, *w_ne[2:])  # type: ignore[assignment]
     else:
         return [f"pair '{base}': {where}; only 2-D (linear, token_embd) and 3-D (expert) "
                 "tensors can carry a LoRA pair"]
@@ -342,7 +342,8 @@ def read_lora_adapter(
     for base, (rec_a, rec_b) in _pair_tensors(gf.tensors, problems).items():
         if rec_a is None or rec_b is None:
             have, miss = (rec_a, _SUFFIX_B) if rec_b is None else (rec_b, _SUFFIX_A)
-            problems.append(f"pair '{base}': missing '{base}{miss}' (found only '{have.name}')")
+            only = have.name if have is not None else "neither"
+            problems.append(f"pair '{base}': missing '{base}{miss}' (found only '{only}')")
             continue
         if base not in base_tensors:
             problems.append(f"pair '{base}': base tensor '{base}' does not exist in the base model "

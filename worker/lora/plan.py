@@ -105,12 +105,12 @@ def build_plan(sets: Sequence[AdapterSet]) -> LoraPlan:
     scale_in_set: list[list[float]] = []
     index: dict[str, int] = {}
     for j, s in enumerate(sets):
-        for _, a, sc in s.entries:
+        for _, a, adapter_scale in s.entries:
             if a.sha256 not in index:
                 index[a.sha256] = len(adapters)
                 adapters.append(a)
                 scale_in_set.append([0.0] * n_sets)
-            scale_in_set[index[a.sha256]][j] += sc
+            scale_in_set[index[a.sha256]][j] += adapter_scale
     per_weight: dict[str, list[tuple[LoraPair, torch.Tensor]]] = {}
     n_branches = 0
     for ai, a in enumerate(adapters):

@@ -16,7 +16,8 @@ class AdapterInUseError(RuntimeError):
 class AdapterUser(Protocol):
     """Anything that holds active adapter sets (a context): freeing checks it first."""
 
-    active_sets: Sequence[AdapterSet]
+    @property
+    def active_sets(self) -> Sequence[AdapterSet]: ...
 
 
 class ModelAdapters:

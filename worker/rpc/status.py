@@ -26,7 +26,7 @@ def status_of(exc: errors.WorkerError) -> grpc.StatusCode:
         KeyError: a ``WorkerError`` class with no entry (a programming error, caught by tests).
     """
     for cls in type(exc).__mro__:
-        code = STATUS_OF.get(cls)  # type: ignore[arg-type]
+        code = STATUS_OF.get(cls)
         if code is not None:
             return code
     raise KeyError(f"no gRPC status for {type(exc).__name__}")

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from worker.runtime import arch as arch_registry
-from worker.runtime.graph import GraphContext, GraphInputs, SeqSpan
+from worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
 from worker.runtime.kv_cache import KVCache, KVCacheError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.plan import LoraPlan, build_plan
@@ -72,16 +72,18 @@ class WorkerContext:
         model: loaded base model.
         adapters: the model's adapter registry (shared by all contexts of the model).
         n_ctx_seq: KV positions per sequence.
+        n_seq: sequences expected at once (slots); the KV cache makes room for them up front.
     """
 
-    def __init__(self, model: BaseModel, adapters: ModelAdapters, *, n_ctx_seq: int = 4096):
+    def __init__(self, model: BaseModel, adapters: ModelAdapters, *, n_ctx_seq: int = 4096, n_seq: int = 1):
         self.model = model
         self.adapters = adapters
         self.arch = arch_registry.get(model.arch, model.path)
         hp = model.hparams
         self.kv = KVCache(n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, n_embd_head_k=hp.n_embd_head_k,
                           n_embd_head_v=hp.n_embd_head_v, n_ctx_seq=n_ctx_seq, dtype=model.dtype,
-                          device=model.device)
+                          device=model.device, n_seq_hint=n_seq)
+        self._key_pos = torch.arange(n_ctx_seq, dtype=torch.long, device=model.device)  # key positions, sliced
         self.active_sets: tuple[AdapterSet, ...] = (EMPTY_SET,)
         self._plan: LoraPlan | None = None
         self.stats = ContextStats()
@@ -153,12 +155,29 @@ class WorkerContext:
             spans.append(SeqSpan(seq, torch.tensor(rows, dtype=torch.long, device=dev), pos0, len(rows)))
         out_rows = [i for i, w in enumerate(ub.logits) if w]
         return GraphInputs(
+            decode_rows=self._decode_rows(ub, groups),
             tokens=torch.tensor(ub.tokens, dtype=torch.long, device=dev),
             pos=torch.tensor(ub.pos, dtype=torch.long, device=dev),
             spans=spans,
             out_rows=torch.tensor(out_rows, dtype=torch.long, device=dev),
             row_set=torch.tensor(set_index, dtype=torch.long, device=dev),
         )
+
+    def _decode_rows(self, ub: UBatch, groups: dict[int, list[int]]) -> DecodeRows | None:
+        """The one-row sequences, ordered by KV-cache row (for the batched decode attention)."""
+        single = sorted((self.kv.row_of[seq], rows[0]) for seq, rows in groups.items() if len(rows) == 1)
+        if len(single) < 2:
+            return None
+        dev = self.model.device
+        cache_rows = [r for r, _ in single]
+        pos = [ub.pos[i] for _, i in single]
+        first = cache_rows[0]
+        contiguous = cache_rows == list(range(first, first + len(cache_rows)))
+        return DecodeRows(
+            rows=torch.tensor([i for _, i in single], dtype=torch.long, device=dev),
+            cache_rows=torch.tensor(cache_rows, dtype=torch.long, device=dev),
+            pos=torch.tensor(pos, dtype=torch.long, device=dev), pos_min=min(pos), pos_max=max(pos),
+            key_pos=self._key_pos, contiguous_from=first if contiguous else None)
 
     @torch.inference_mode()
     def decode(self, ub: UBatch) -> DecodeResult:
@@ -194,5 +213,5 @@ class Model:
     def __post_init__(self) -> None:
         self.adapters = ModelAdapters(self.base.n_base_tensors)
 
-    def new_context(self, *, n_ctx_seq: int = 4096) -> WorkerContext:
-        return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq)
+    def new_context(self, *, n_ctx_seq: int = 4096, n_seq: int = 1) -> WorkerContext:
+        return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq)

@@ -39,6 +39,22 @@ class SeqSpan:
 
 
 @dataclass
+class DecodeRows:
+    """The single-row sequences of a ubatch, for batched decode attention (all int64 on the
+    compute device): ``rows`` ``(B,)`` ubatch rows, ``cache_rows`` ``(B,)`` their KV-cache
+    rows, ``pos`` ``(B,)`` their positions; ``key_pos`` = ``arange(pos_max + 1)``;
+    ``contiguous_from`` = r when ``cache_rows`` is ``r..r+B-1`` (KV read as a view)."""
+
+    rows: torch.Tensor
+    cache_rows: torch.Tensor
+    pos: torch.Tensor
+    pos_min: int
+    pos_max: int
+    key_pos: torch.Tensor
+    contiguous_from: int | None
+
+
+@dataclass
 class GraphInputs:
     """Inputs of one ubatch (llama.cpp ``llm_graph_input_*``), all on the compute device.
 
@@ -47,6 +63,7 @@ class GraphInputs:
         pos: int64 ``(n,)``.
         spans: rows grouped per sequence, positions contiguous within each.
         out_rows: int64 ``(n_out,)`` rows whose logits are wanted (``build_inp_out_ids``).
+        decode_rows: the sequences that feed exactly one row (None: fewer than two such).
         row_set: int64 ``(n,)`` the LoRA routing: each row's index into the plan's adapter
             sets (vLLM ``token_lora_indices``); the plan itself never changes per ubatch.
     """
@@ -56,6 +73,7 @@ class GraphInputs:
     spans: list[SeqSpan]
     out_rows: torch.Tensor
     row_set: torch.Tensor
+    decode_rows: DecodeRows | None = None
 
 
 class GraphContext:
@@ -150,7 +168,7 @@ class GraphContext:
         xk = x.unsqueeze(1).expand(n, top_k, x.shape[-1]) if x.dim() == 2 else x
         out = torch.zeros((n, top_k, w.shape[1]), dtype=x.dtype, device=x.device)
         fw = self.plan.fused.get(name)
-        scales = None
+        scales: torch.Tensor | None = None
         if fw is not None:
             s = self.plan.row_scales(fw, self.row_set, x.dtype)
             scales = s.expand(n, -1) if s.dim() == 1 else s
@@ -160,7 +178,7 @@ class GraphContext:
             tok, slot = torch.nonzero(expert_ids == e, as_tuple=True)
             xe = xk[tok, slot]
             ye = xe @ w[e].T
-            if fw is not None:
+            if fw is not None and scales is not None:
                 xa = xe @ fw.lora_a[e].T
                 ye = ye + (xa * scales.index_select(0, tok)) @ fw.lora_b[e].T
             out[tok, slot] = ye
@@ -182,16 +200,24 @@ class GraphContext:
     # --- attention --------------------------------------------------------------------
     def build_attn(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    wo: str, kq_scale: float, n_swa: int = 0) -> torch.Tensor:
-        """Store K/V in the cache, attend per sequence, project with ``wo``.
+        """Store K/V in the cache, attend, project with ``wo``.
 
         q ``(n, H, dk)``, k ``(n, Hkv, dk)``, v ``(n, Hkv, dv)``; causal; when ``n_swa > 0``
         a key at position p_k is visible from p_q only if ``p_q - p_k < n_swa``
         (llama.cpp ``is_masked_swa``, LLAMA_SWA_TYPE_STANDARD). Returns ``(n, d)``.
+
+        Sequences that feed one row (decode) are attended together in one batched op over
+        the unified KV cache (``_attn_decode_batch``); multi-row spans (prompts) one by one.
         """
         n, n_head, _ = q.shape
         dv = v.shape[-1]
         out = torch.empty((n, n_head, dv), dtype=q.dtype, device=q.device)
+        dec = self.inp.decode_rows
+        if dec is not None:
+            out.index_copy_(0, dec.rows, self._attn_decode_batch(il, q, k, v, dec, kq_scale, n_swa))
         for span in self.inp.spans:
+            if dec is not None and span.n == 1:
+                continue
             ks, vs = self.kv.store(il, span.seq_id, span.pos0, k.index_select(0, span.rows), v.index_select(0, span.rows))
             qs = q.index_select(0, span.rows)
             k_lo = max(0, span.pos0 - n_swa + 1) if n_swa > 0 else 0
@@ -208,6 +234,27 @@ class GraphContext:
             out.index_copy_(0, span.rows, o.squeeze(0).transpose(0, 1))
         self.n_nodes += 8
         return self.build_lora_mm(wo, out.reshape(n, n_head * dv))
+
+    def _attn_decode_batch(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           dec: DecodeRows, kq_scale: float, n_swa: int) -> torch.Tensor:
+        """One row per sequence, all sequences at once: store their K/V with one indexed
+        write, read ``K/V[cache rows, lo:hi]`` ``(B, L, Hkv, d)`` (a view when the cache rows
+        are consecutive), mask per row (causal + sliding window), one SDPA call.
+        Returns ``(B, H, dv)`` in ``dec.rows`` order."""
+        self.kv.store_rows(il, dec.cache_rows, dec.pos, k.index_select(0, dec.rows), v.index_select(0, dec.rows))
+        lo = max(0, dec.pos_min - n_swa + 1) if n_swa > 0 else 0
+        ks, vs = self.kv.rows_view(il, dec.cache_rows, lo, dec.pos_max + 1, dec.contiguous_from)
+        k_pos = dec.key_pos[lo: dec.pos_max + 1].unsqueeze(0)      # (1, L)
+        q_pos = dec.pos.unsqueeze(1)                                  # (B, 1)
+        mask = k_pos <= q_pos
+        if n_swa > 0:
+            mask = mask & (q_pos - k_pos < n_swa)
+        qs = q.index_select(0, dec.rows).unsqueeze(2)                 # (B, H, 1, dk)
+        o = F.scaled_dot_product_attention(
+            qs, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
+            attn_mask=mask[:, None, None, :], scale=kq_scale, enable_gqa=q.shape[1] != ks.shape[2],
+        )
+        return o.squeeze(2)
 
     def build_rope(self, x: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0,
                    neox: bool) -> torch.Tensor:

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import sentencepiece as spm
-from sentencepiece import sentencepiece_model_pb2 as spm_pb2
+from sentencepiece import sentencepiece_model_pb2 as spm_pb2  # generated protobuf module
+
 
 from worker.gguf.reader import GGUFFile
 
@@ -94,6 +95,7 @@ _TYPE_TO_ATTR = {
     TokenType.USER_DEFINED: TokenAttr.USER_DEFINED,
     TokenType.BYTE: TokenAttr.BYTE,
 }
+_ATTR_OF_TYPE: dict[int, TokenAttr] = {int(k): v for k, v in _TYPE_TO_ATTR.items()}
 _SPECIAL_ATTRS = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
 _HIDDEN_ATTRS = TokenAttr.CONTROL | TokenAttr.UNKNOWN  # empty in detokenize unless unparsed
 
@@ -150,8 +152,8 @@ def _meta_id(md: dict[str, Any], key: str, n_vocab: int, default: int | None) ->
 
 def _build_spm(pieces: Sequence[str], scores: Sequence[float], sentinel: str) -> spm.SentencePieceProcessor:
     """A sentencepiece BPE model over ``pieces`` (all NORMAL) plus the UNKNOWN ``sentinel``."""
-    proto = spm_pb2.ModelProto()
-    normal = spm_pb2.ModelProto.SentencePiece.NORMAL
+    proto = spm_pb2.ModelProto()  # type: ignore[attr-defined]
+    normal = spm_pb2.ModelProto.SentencePiece.NORMAL  # type: ignore[attr-defined]
     add = proto.pieces.add
     for text, score in zip(pieces, scores):
         p = add()
@@ -161,9 +163,9 @@ def _build_spm(pieces: Sequence[str], scores: Sequence[float], sentinel: str) ->
     p = add()
     p.piece = sentinel
     p.score = 0.0
-    p.type = spm_pb2.ModelProto.SentencePiece.UNKNOWN
+    p.type = spm_pb2.ModelProto.SentencePiece.UNKNOWN  # type: ignore[attr-defined]
     trainer = proto.trainer_spec
-    trainer.model_type = spm_pb2.TrainerSpec.BPE
+    trainer.model_type = spm_pb2.TrainerSpec.BPE  # type: ignore[attr-defined]
     trainer.unk_id = len(pieces)
     trainer.unk_piece = sentinel
     trainer.byte_fallback = False  # done by us, with llama.cpp's byte_to_token rule
@@ -206,7 +208,7 @@ def _read_vocab(md: dict[str, Any], src: str) -> tuple[list[str], list[float], l
     if types is None:
         attrs = [TokenAttr.NORMAL] * n
     else:
-        attrs = [_TYPE_TO_ATTR.get(int(t), TokenAttr.UNDEFINED) for t in types[:n]]
+        attrs = [_ATTR_OF_TYPE.get(int(t), TokenAttr.UNDEFINED) for t in types[:n]]
     return pieces, score_list, attrs
 
 
@@ -228,7 +230,7 @@ def _apply_text_rules(
         if special_ids[kind] is None and found:
             special_ids[kind] = min(found)
             attrs[min(found)] |= TokenAttr.CONTROL
-    eog = {special_ids[k] for k in ("fim_pad", "fim_rep", "fim_sep") if special_ids[k] is not None}
+    eog: set[int] = {i for i in (special_ids[k] for k in ("fim_pad", "fim_rep", "fim_sep")) if i is not None}
     for text in _EOG_TEXTS:
         if text in index:
             eog.add(index[text])

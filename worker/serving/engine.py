@@ -70,7 +70,7 @@ class WorkerEngine:
         self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         base = load_model(config.model_path, dtype=config.dtype, device=config.device)
         self.model = Model(base)
-        self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot)
+        self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot, n_seq=config.n_slots)
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
         self._lock = threading.Lock()
         self._draining: set[int] = set()

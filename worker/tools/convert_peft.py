@@ -250,6 +250,7 @@ def convert_peft(
     tensors: list[tuple[str, np.ndarray]] = []
     for mod in modules:
         a, b = mod.a, mod.b
+        assert a is not None and b is not None  # _collect reported incomplete modules
         r = int(b.shape[1])
         want_r = int(_pattern_value(rank_pattern, mod.peft_name, r_default))
         if r != want_r:

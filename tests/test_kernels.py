@@ -1,0 +1,276 @@
+"""Quantized matmul kernels (worker.runtime.kernels) against the f32 dequantized reference.
+
+Weights are real GGUF tensors: quantized with ``gguf.quants.quantize`` where the gguf package
+can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16), crafted as random block bytes where it cannot
+(Q4_K, Q5_K, Q6_K), written into a tiny GGUF with ``gguf.GGUFWriter`` and read back with
+``worker.gguf.reader``. The reference is ``worker.gguf.reader.dequantize``.
+
+Tolerances (stated per path):
+
+- repack: ``QuantLinear.dequantize()`` and ``get_rows`` equal the reference bit for bit.
+- C paths (avx2, avx512) x activation precisions (i16, i8) vs the emulated integer product
+  (x quantized per row and per 32 with ``d = amax / 32767`` or ``amax / 127`` — the latter
+  is llama.cpp's ``quantize_row_q8_0`` — then ``x_q @ W_ref.T`` in f64):
+  ``|y - y_emul| <= 1e-5 * (|x_q| @ |W|.T) + 1e-6`` (f32 accumulation only).
+- C paths vs the unquantized ``x @ W_ref.T``: the activation-rounding bound
+  ``|y - y_ref| <= sum_k (d_a(row, k) / 2) * |W[:, k]| * 1.001 + 1e-5`` (rigorous: each
+  activation moves by at most half its block's step).
+- float weights (F32, F16, BF16) and the torch path: ``rtol 1e-5, atol 1e-5`` vs the reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter, quants
+
+from worker.gguf.reader import dequantize, read_gguf
+from worker.runtime.kernels import build
+from worker.runtime.kernels import (KernelError, KernelPathError, QuantLinear, pack_experts, pack_tensor,
+                                    quantize_activations, resolve_act, resolve_path, supported)
+
+ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
+C_PATHS = [
+    pytest.param("avx2", marks=pytest.mark.skipif(not supported("avx2"), reason="CPU lacks AVX2/FMA/F16C")),
+    pytest.param("avx512", marks=pytest.mark.skipif(
+        not supported("avx512"), reason="CPU lacks AVX-512 F/BW/VL/VNNI: only the AVX2 path is tested here")),
+]
+QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16}
+K_TYPES = {T.Q4_K, T.Q5_K, T.Q6_K}
+# (type, d, k): k not a multiple of 256 wherever the block size allows, d not a multiple of 16
+CASES = [
+    (T.Q8_0, 40, 96), (T.Q8_0, 16, 640), (T.Q5_0, 37, 160), (T.Q5_0, 64, 640),
+    (T.Q4_0, 24, 64), (T.Q4_1, 19, 96), (T.Q5_1, 33, 128),
+    (T.Q4_K, 40, 256), (T.Q4_K, 17, 1024), (T.Q5_K, 20, 512), (T.Q6_K, 40, 256), (T.Q6_K, 9, 768),
+    (T.F16, 23, 100), (T.F32, 31, 72), (T.BF16, 18, 64),
+]
+NS = [1, 3, 16, 64, 70]  # 70 > the kernel's 64-row activation chunk
+
+
+def _f16_bytes(rng: np.random.Generator, n: int, lo: float, hi: float) -> np.ndarray:
+    return rng.uniform(lo, hi, size=(n, 1)).astype(np.float16).view(np.uint8)
+
+
+def _k_blocks(t: T, nblk: int, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid K-quant blocks: finite f16 scales, every other byte random."""
+    _, tsz = GGML_QUANT_SIZES[t]
+    b = rng.integers(0, 256, size=(nblk, tsz), dtype=np.uint8)
+    if t == T.Q6_K:  # ql 128, qh 64, scales int8 16, d f16
+        b[:, 208:210] = _f16_bytes(rng, nblk, -0.02, 0.02)
+    else:            # d, dmin f16, then 6-bit scales/mins and quants
+        b[:, 0:2] = _f16_bytes(rng, nblk, 0.001, 0.02)
+        b[:, 2:4] = _f16_bytes(rng, nblk, 0.0, 0.02)
+    return b
+
+
+def _weight_array(t: T, d: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Array to hand GGUFWriter: float for float types, GGUF block bytes otherwise."""
+    w = rng.standard_normal((d, k)).astype(np.float32) * 0.05
+    if t == T.F32:
+        return w
+    if t == T.F16:
+        return w.astype(np.float16)
+    if t in QUANTIZABLE:
+        return quants.quantize(w, t)
+    blk, tsz = GGML_QUANT_SIZES[t]
+    return _k_blocks(t, d * k // blk, rng).reshape(d, k // blk * tsz)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory) -> Path:
+    """A tiny GGUF holding one weight per case (name ``w.<TYPE>.<d>x<k>``)."""
+    path = tmp_path_factory.mktemp("kernels") / "tiny.gguf"
+    rng = np.random.default_rng(1234)
+    wr = GGUFWriter(str(path), "llama")
+    for t, d, k in CASES:
+        arr = _weight_array(t, d, k, rng)
+        raw = None if t in (T.F32, T.F16) else t
+        wr.add_tensor(f"w.{t.name}.{d}x{k}", arr, raw_dtype=raw)
+    experts = rng.standard_normal((3, 20, 64)).astype(np.float32) * 0.05  # torch (E, d, k)
+    wr.add_tensor("experts.Q5_0", quants.quantize(experts, T.Q5_0), raw_dtype=T.Q5_0)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def packed(gguf_file: Path) -> dict[str, tuple[QuantLinear, torch.Tensor]]:
+    """name -> (packed weight, f32 reference (d, k))."""
+    gf = read_gguf(gguf_file)
+    out = {}
+    for name, rec in gf.tensors.items():
+        if len(rec.ne) != 2:
+            continue
+        ref = torch.from_numpy(np.array(dequantize(gguf_file, rec), dtype=np.float32))
+        out[name] = (pack_tensor(rec), ref)
+    return out
+
+
+def _name(t: T, d: int, k: int) -> str:
+    return f"w.{t.name}.{d}x{k}"
+
+
+def _act_quant_emul(x: torch.Tensor, act: str = "i16") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q as f32 values q*d, per-element step d) as the kernels quantize (i8: exactly
+    llama.cpp's quantize_row_q8_0)."""
+    qmax = ACT_QMAX[act]
+    n, k = x.shape
+    xb = x.reshape(n, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / qmax
+    inv = torch.where(amax != 0, torch.tensor(qmax) / amax, torch.zeros_like(amax))
+    q = (xb * inv).round()  # ties to even, like _mm256_round_ps(_MM_FROUND_TO_NEAREST_INT)
+    return (q * d).reshape(n, k), d.expand(-1, -1, 32).reshape(n, k)
+
+
+@pytest.mark.parametrize("t,d,k", CASES, ids=[_name(*c) for c in CASES])
+def test_repack_is_exact(packed, t, d, k):
+    ql, ref = packed[_name(t, d, k)]
+    assert (ql.d, ql.k) == (d, k)
+    assert torch.equal(ql.dequantize(), ref)
+    ids = torch.tensor([0, d - 1, d // 2, 0])
+    assert torch.equal(ql.get_rows(ids), ref[ids])
+
+
+@pytest.mark.parametrize("act", ["i16", "i8"])
+@pytest.mark.parametrize("path", C_PATHS)
+@pytest.mark.parametrize("t,d,k", [c for c in CASES if c[0] not in (T.F16, T.F32, T.BF16)],
+                         ids=[_name(*c) for c in CASES if c[0] not in (T.F16, T.F32, T.BF16)])
+def test_c_matmul_vs_reference(packed, path, act, t, d, k):
+    ql, ref = packed[_name(t, d, k)]
+    g = torch.Generator().manual_seed(d * 1000 + k)
+    ref64 = ref.double()
+    for n in NS:
+        x = torch.randn(n, k, generator=g)
+        y = ql.matmul(x, path=path, act=act)
+        assert y.shape == (n, d) and y.dtype == torch.float32
+        xq, step = _act_quant_emul(x, act)
+        y_emul = (xq.double() @ ref64.T)
+        mag = xq.abs().double() @ ref64.abs().T
+        assert ((y.double() - y_emul).abs() <= 1e-5 * mag + 1e-6).all(), (path, act, n)
+        bound = (step.double() / 2) @ ref64.abs().T * 1.001 + 1e-5
+        assert ((y.double() - x.double() @ ref64.T).abs() <= bound).all(), (path, act, n)
+
+
+@pytest.mark.parametrize("t,d,k", [c for c in CASES if c[0] in (T.F16, T.F32, T.BF16)],
+                         ids=[_name(*c) for c in CASES if c[0] in (T.F16, T.F32, T.BF16)])
+def test_float_weights(packed, t, d, k):
+    ql, ref = packed[_name(t, d, k)]
+    for n in NS:
+        x = torch.randn(n, k)
+        torch.testing.assert_close(ql.matmul(x), x @ ref.T, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_path_and_bf16_input(packed):
+    ql, ref = packed[_name(T.Q4_K, 17, 1024)]
+    x = torch.randn(3, 1024)
+    torch.testing.assert_close(ql.matmul(x, path="torch"), x @ ref.T, rtol=1e-5, atol=1e-5)
+    xb = x.to(torch.bfloat16)
+    y = ql.matmul(xb)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ql.matmul(xb.float()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("act", ["i16", "i8"])
+@pytest.mark.parametrize("path", C_PATHS)
+def test_outlier_row_does_not_touch_other_rows(packed, path, act):
+    """A row's output alone and inside a batch with a 100x outlier row: identical (each row
+    has its own activation scales), so log-probs differ by 0 <= 1e-3."""
+    ql, _ = packed[_name(T.Q8_0, 40, 96)]
+    x = torch.randn(8, 96)
+    x[3] *= 100.0
+    x[5, 7] = 3000.0  # a single outlier activation inside a row
+    y_batch = ql.matmul(x, path=path, act=act)
+    for i in (0, 4, 7):
+        y_alone = ql.matmul(x[i:i + 1], path=path, act=act)
+        assert torch.equal(y_alone[0], y_batch[i])
+        lp = torch.log_softmax(y_batch[i].double(), -1) - torch.log_softmax(y_alone[0].double(), -1)
+        assert lp.abs().max() <= 1e-3
+
+
+@pytest.mark.parametrize("act", ["i16", "i8"])
+@pytest.mark.parametrize("path", C_PATHS)
+def test_shared_quantized_activations(packed, path, act):
+    a, _ = packed[_name(T.Q5_0, 64, 640)]
+    b, _ = packed[_name(T.Q6_K, 9, 768)]
+    c, _ = packed[_name(T.Q8_0, 16, 640)]
+    x = torch.randn(5, 640)
+    qa = quantize_activations(x, path, act)
+    assert qa.q.dtype == (torch.int16 if act == "i16" else torch.int8)
+    assert torch.equal(a.matmul(qa), a.matmul(x, path=path, act=act))
+    assert torch.equal(c.matmul(qa), c.matmul(x, path=path, act=act))
+    with pytest.raises(KernelError, match="width"):
+        b.matmul(qa)
+
+
+def test_expert_weights(gguf_file):
+    gf = read_gguf(gguf_file)
+    rec = gf.tensors["experts.Q5_0"]
+    ref = torch.from_numpy(np.array(dequantize(gguf_file, rec), dtype=np.float32))  # (E, d, k)
+    experts = pack_experts(rec)
+    assert len(experts) == 3
+    x = torch.randn(4, 64)
+    for e, ql in enumerate(experts):
+        assert torch.equal(ql.dequantize(), ref[e])
+        xq, _ = _act_quant_emul(x)
+        torch.testing.assert_close(ql.matmul(x, act="i16"), xq @ ref[e].T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["i16", "i8"])
+@pytest.mark.parametrize("path", C_PATHS)
+def test_thread_count_does_not_change_results(packed, path, act):
+    ql, _ = packed[_name(T.Q6_K, 9, 768)]
+    x = torch.randn(16, 768)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1 = ql.matmul(x, path=path, act=act)
+        torch.set_num_threads(2)
+        y2 = ql.matmul(x, path=path, act=act)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(y1, y2)
+
+
+def test_path_resolution(monkeypatch):
+    assert resolve_path("torch") == "torch"
+    with pytest.raises(KernelPathError, match="unknown"):
+        resolve_path("neon")
+    monkeypatch.setenv("LORAPLANE_KERNELS", "torch")
+    assert resolve_path() == "torch"
+    monkeypatch.setenv("LORAPLANE_KERNELS", "auto")
+    assert resolve_path() in ("avx512", "avx2", "torch")
+    monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
+    assert resolve_act() == "i16"
+    monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i8")
+    assert resolve_act() == "i8"
+    with pytest.raises(KernelError, match="precision"):
+        resolve_act("i4")
+
+
+def test_errors(packed):
+    ql, _ = packed[_name(T.Q8_0, 40, 96)]
+    with pytest.raises(KernelError, match="width"):
+        ql.matmul(torch.randn(2, 64))
+    with pytest.raises(KernelError, match="out of range"):
+        ql.get_rows(torch.tensor([40]))
+
+
+def test_avx2_library_has_no_avx512_instructions():
+    """The AVX2 build must run on an AVX2-only CPU: no zmm registers, no opmask registers."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump not installed")
+    asm = subprocess.run([objdump, "-d", str(build.build("avx2"))], capture_output=True, text=True,
+                         check=True).stdout
+    assert "zmm" not in asm and "%k1" not in asm and "{k" not in asm
+    asm5 = subprocess.run([objdump, "-d", str(build.build("avx512"))], capture_output=True, text=True,
+                          check=True).stdout
+    assert "vpdpbusd" in asm5

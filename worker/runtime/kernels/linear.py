@@ -1,0 +1,361 @@
+"""GGUF linear weights kept in (close to) their quantized form, and the matmul that reads it.
+
+Shapes are torch order unless said otherwise: a weight with ggml ``ne = [k, d]`` is ``d``
+output rows of ``k`` inputs, and ``QuantLinear.matmul(x)`` takes ``x`` ``(n, k)`` (or
+``(..., k)``) and returns ``y = x @ W.T`` ``(n, d)`` f32 — what ggml's ``mul_mat(W, x)`` computes.
+
+Forms, by GGUF type:
+
+- Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: repacked at load into the exact affine int8
+  form of :mod:`worker.runtime.kernels.repack` (uint8 values + f32 scale (+ f32 offset) per 16
+  or 32), 16 rows interleaved. On CPU the C kernels quantize each row of ``x`` per block of 32
+  (own scale per row and block) and take integer dot products against the packed weights:
+  ``act="i16"`` (default, ``csrc/qmm16.cpp``): int16 activations, error ~1e-5 relative, as
+  good as f32 for the model; ``act="i8"`` (``csrc/qmm.cpp``): int8 activations exactly as
+  llama.cpp's ``quantize_row_q8_0``, faster at B=16 but noisier (see the README). Rows never
+  share a scale, so a row's result does not depend on the other rows of the batch
+  (bit-identical alone or batched).
+- F32: kept as the f32 tensor (torch/MKL matmul, exact).
+- F16, BF16: an f32 copy (exact; 2x the GGUF bytes of that tensor — such linear weights are
+  rare in quantized GGUFs, and torch's FBGEMM fp16 packing is deprecated).
+- Any quantized type on CUDA, or any type on the ``torch`` path: dequantized to a float
+  weight once (bf16 on CUDA, f32 on CPU) and multiplied with torch — not memory-frugal, but
+  simple and exact up to that dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from worker.gguf.reader import GGUFError, GGUFFile, TensorRecord, dequantize as gguf_dequantize
+from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
+
+log = logging.getLogger(__name__)
+
+FLOAT_TYPES = {T.F32, T.F16, T.BF16}
+
+
+ACTS = ("i16", "i8")
+
+
+def resolve_act(act: str | None = None) -> str:
+    """Activation precision: ``act`` if given, else ``$LORAPLANE_KERNEL_ACT``, else 'i16'.
+
+    Raises:
+        KernelError: not 'i16' or 'i8'.
+    """
+    want = act or os.environ.get("LORAPLANE_KERNEL_ACT", "i16")
+    if want not in ACTS:
+        raise KernelError(f"unknown activation precision '{want}' (expected {' or '.join(ACTS)})")
+    return want
+
+
+class KernelError(ValueError):
+    """A weight or input the kernels cannot handle (type, shape, dtype, device); names it."""
+
+
+@dataclass(frozen=True)
+class QuantizedActivations:
+    """Rows of ``x`` quantized per row and per block of 32 (llama.cpp ``quantize_row_q8_0``).
+
+    Build once with :func:`quantize_activations` and pass to several ``matmul`` calls that
+    share the input (q/k/v, gate/up). Attributes (torch order): ``q`` int8 or int16 ``(n, k)``;
+    ``d`` f32 ``(n, k/32)`` scales; ``s16`` / ``s32`` f32 ``(n, k/16)`` / ``(n, k/32)``
+    = ``d * sum(q)`` per 16 / 32; ``path`` the ISA that made it; ``act`` 'i16' or 'i8'.
+    """
+
+    q: torch.Tensor
+    d: torch.Tensor
+    s16: torch.Tensor
+    s32: torch.Tensor
+    path: str
+    act: str
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1]
+
+
+def _p(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+_FNS: dict[tuple[str, str], tuple] = {}
+_FN_NAMES = {"i8": ("quantize_act", "qmm", "qmm_f32"), "i16": ("quantize_act16", "qmm16", "qmm16_f32")}
+
+
+def _fns(path: str, act: str) -> tuple:
+    """(quantize, qmm, qmm_f32) ctypes functions of ``path``'s library for ``act`` (loaded once)."""
+    f = _FNS.get((path, act))
+    if f is None:
+        lib = build.load(path)
+        f = _FNS[(path, act)] = tuple(getattr(lib, f"lp_{path}_{n}") for n in _FN_NAMES[act])
+    return f
+
+
+def quantize_activations(x: torch.Tensor, path: str | None = None, act: str | None = None
+                         ) -> QuantizedActivations:
+    """Quantize ``x`` ``(n, k)`` f32/bf16/f16 CPU (k a multiple of 32) for the C kernels.
+
+    Args:
+        path: ISA ('avx512' | 'avx2'; default :func:`~worker.runtime.kernels.cpu.resolve_path`).
+        act: 'i16' | 'i8' (default :func:`resolve_act`).
+    Raises:
+        KernelError: not a 2-D CPU tensor, ``k`` not a multiple of 32, unknown ``act``.
+        KernelPathError: ``path`` is not runnable here, or is 'torch'.
+    """
+    p = cpu.resolve_path(path)
+    a = resolve_act(act)
+    if p == "torch":
+        raise cpu.KernelPathError("quantize_activations is for the C kernel paths, not 'torch'")
+    if x.dim() != 2 or x.device.type != "cpu":
+        raise KernelError(f"activations must be a 2-D CPU tensor, got {tuple(x.shape)} on {x.device}")
+    n, k = x.shape
+    if k % 32:
+        raise KernelError(f"activation width {k} is not a multiple of 32")
+    xf = x.to(torch.float32).contiguous()
+    q = torch.empty((n, k), dtype=torch.int8 if a == "i8" else torch.int16)
+    d = torch.empty((n, k // 32), dtype=torch.float32)
+    s16 = torch.empty((n, k // 16), dtype=torch.float32)
+    s32 = torch.empty((n, k // 32), dtype=torch.float32)
+    _fns(p, a)[0](xf.data_ptr(), k, n, k, q.data_ptr(), d.data_ptr(), s16.data_ptr(), s32.data_ptr(),
+                  torch.get_num_threads())
+    return QuantizedActivations(q, d, s16, s32, p, a)
+
+
+@dataclass(eq=False)
+class QuantLinear:
+    """One GGUF linear weight in its packed form (see the module docstring).
+
+    Attributes:
+        name: GGUF tensor name.
+        ggml_type: the GGUF storage type.
+        k, d: input width and output rows (ggml ``ne = [k, d]``).
+        qw: uint8 ``(G, nb, bs/4, 16, 4)`` interleaved values (repacked types), else None.
+        scale / bias: f32 ``(G, nb, 16)``; bias None where ``c = offset * scale`` (Q4_0, Q5_0,
+            Q6_K, and Q8_0's signed form with offset 0).
+        offset: the implicit ``c / s`` when bias is None.
+        bs: sub-block size of ``scale`` (16 or 32); signed: Q8_0's int8 values.
+        weight: float ``(d, k)`` weight (F32/F16/BF16 types and the torch path), else None.
+        device: where the weight lives.
+    """
+
+    name: str
+    ggml_type: T
+    k: int
+    d: int
+    device: torch.device
+    qw: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    bs: int = 32
+    signed: bool = False
+    offset: float = 0.0
+    weight: torch.Tensor | None = None
+    _f32_cache: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this weight holds (packed values + scales, or the float weight)."""
+        ts = [self.qw, self.scale, self.bias, self.weight, self._f32_cache]
+        return sum(int(t.numel() * t.element_size()) for t in ts if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as f32 ``(d, k)`` (torch order), on ``device``: exactly what
+        ``worker.gguf.reader.dequantize`` gives on CPU; on CUDA the bf16 copy, widened."""
+        if self.qw is None:
+            return self.weight.to(torch.float32)
+        G, nb = self.qw.shape[0], self.qw.shape[1]
+        u = self.qw.permute(0, 3, 1, 2, 4).reshape(G * R, nb, self.bs)[: self.d]
+        return self._affine(u, self.scale.permute(0, 2, 1).reshape(G * R, nb)[: self.d],
+                            None if self.bias is None else self.bias.permute(0, 2, 1).reshape(G * R, nb)[: self.d])
+
+    def _affine(self, u: torch.Tensor, s: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+        """``s * u + c`` per block; u ``(m, nb, bs)`` -> f32 ``(m, k)``."""
+        uf = (u.view(torch.int8) if self.signed else u).to(torch.float32)
+        w = uf * s.unsqueeze(-1)
+        if c is not None:
+            w = w + c.unsqueeze(-1)
+        elif self.offset:
+            w = w + s.unsqueeze(-1) * self.offset
+        return w.reshape(u.shape[0], self.k)
+
+    def get_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight as f32 ``(m, k)`` (embedding lookup, ``ggml_get_rows``).
+
+        Args:
+            ids: int ``(m,)`` row indices in ``[0, d)``.
+        Raises:
+            KernelError: an index out of range.
+        """
+        ids = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.d):
+            raise KernelError(f"{self.name}: row index out of range [0, {self.d})")
+        if self.qw is None:
+            return self.weight.index_select(0, ids).to(torch.float32)
+        g, r = ids // R, ids % R
+        u = self.qw[g, :, :, r, :]                       # (m, nb, bs/4, 4)
+        u = u.reshape(ids.numel(), -1, self.bs)
+        s = self.scale[g, :, r]                          # (m, nb)
+        c = None if self.bias is None else self.bias[g, :, r]
+        return self._affine(u, s, c)
+
+    def matmul(self, x: torch.Tensor | QuantizedActivations, *, path: str | None = None,
+               act: str | None = None) -> torch.Tensor:
+        """``y = x @ W.T``: x ``(..., k)`` f32/bf16/f16 (or pre-quantized rows) -> f32 ``(..., d)``.
+
+        Args:
+            x: activations, on this weight's device.
+            path: force 'avx512' | 'avx2' | 'torch' for this call (default: see
+                :func:`worker.runtime.kernels.cpu.resolve_path`); ignored for float weights.
+            act: activation precision 'i16' | 'i8' (default :func:`resolve_act`).
+        Raises:
+            KernelError: wrong width or device, unknown ``act``.
+            KernelPathError: a forced path this CPU cannot run.
+        """
+        if isinstance(x, QuantizedActivations):
+            if x.k != self.k:
+                raise KernelError(f"{self.name}: activations have width {x.k}, weight expects {self.k}")
+            return self._qmm(x)
+        if x.shape[-1] != self.k:
+            raise KernelError(f"{self.name}: input width {x.shape[-1]} does not match k={self.k}")
+        if x.device != self.device:
+            raise KernelError(f"{self.name}: input on {x.device}, weight on {self.device}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k)
+        if self.qw is None:
+            y = self._float_mm(x2)
+        else:
+            p = cpu.resolve_path(path)
+            if p == "torch":
+                if self._f32_cache is None:
+                    log.warning("%s: torch kernel path, dequantizing to f32 (%.1f MiB)",
+                                self.name, self.d * self.k * 4 / 2**20)
+                    self._f32_cache = self.dequantize()
+                y = x2.to(torch.float32) @ self._f32_cache.T
+            else:
+                y = self._qmm_f32(x2, p, resolve_act(act))
+        return y.reshape(*lead, self.d)
+
+    def _float_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32:
+            return x.to(torch.float32) @ self.weight.T
+        return (x.to(self.weight.dtype) @ self.weight.T).to(torch.float32)
+
+    def _qmm_f32(self, x: torch.Tensor, path: str, act: str) -> torch.Tensor:
+        """Quantize + multiply in one C call (the common case: one ctypes crossing)."""
+        n = x.shape[0]
+        y = torch.empty((n, self.d), dtype=torch.float32)
+        if n == 0:
+            return y
+        if self.k % 32:
+            raise KernelError(f"{self.name}: width {self.k} is not a multiple of 32")
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        rc = _fns(path, act)[2](xf.data_ptr(), self.k, n, self.k, self.qw.data_ptr(), self.scale.data_ptr(),
+                           _p(self.bias), self.offset, self.d, self.bs, int(self.signed), y.data_ptr(),
+                           torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"{self.name}: kernel failed (rc={rc}, bs={self.bs}, signed={self.signed})")
+        return y
+
+    def _qmm(self, a: QuantizedActivations) -> torch.Tensor:
+        y = torch.empty((a.n, self.d), dtype=torch.float32)
+        if a.n == 0:
+            return y
+        rc = _fns(a.path, a.act)[1](
+            self.qw.data_ptr(), self.scale.data_ptr(), _p(self.bias), self.offset, self.d, self.k, self.bs,
+            int(self.signed), a.q.data_ptr(), a.d.data_ptr(), a.s16.data_ptr(), a.s32.data_ptr(),
+            a.n, y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise KernelError(f"{self.name}: kernel rejected bs={self.bs} signed={self.signed}")
+        return y
+
+
+def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: str | None = None) -> QuantLinear:
+    """Build the packed weight of one 2-D GGUF tensor.
+
+    Args:
+        rec: the tensor record (``worker.gguf.reader``); its bytes are read, not kept.
+        device: 'cpu' keeps the compact form; 'cuda' dequantizes to bf16 on the GPU
+            (torch fallback; the C kernels are CPU-only).
+        path: 'torch' forces the float form on CPU too (f32); default: the compact form.
+    Raises:
+        KernelError: not a 2-D tensor, or a type with neither a repack rule nor a dequantizer.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KernelError(f"{rec.name}: device {dev} requested but torch.cuda.is_available() is False")
+    if len(rec.ne) != 2:
+        raise KernelError(f"{rec.name}: expected a 2-D weight, ne={list(rec.ne)}")
+    k, d = int(rec.ne[0]), int(rec.ne[1])
+    t = rec.ggml_type
+    ql = QuantLinear(rec.name, t, k, d, dev)
+    if dev.type == "cuda" or (dev.type == "cpu" and t in REPACK_TYPES and path == "torch"):
+        wdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        ql.weight = torch.from_numpy(np.array(gguf_dequantize(rec.name, rec))).to(device=dev, dtype=wdt)
+        return ql
+    if dev.type != "cpu":
+        raise KernelError(f"{rec.name}: no kernels for device {dev}")
+    if t in REPACK_TYPES:
+        aff = decode(rec.raw, t, d, k)
+        qw, sc, bias = interleave(aff)
+        ql.offset = aff.offset
+        ql.qw, ql.scale = torch.from_numpy(qw), torch.from_numpy(sc)
+        ql.bias = None if bias is None else torch.from_numpy(bias)
+        ql.bs, ql.signed = (16 if t == T.Q6_K else 32), t == T.Q8_0
+        return ql
+    try:
+        w = torch.from_numpy(np.array(gguf_dequantize(rec.name, rec), dtype=np.float32))
+    except GGUFError as exc:
+        raise KernelError(f"{rec.name}: unsupported GGML type {t.name}") from exc
+    if t not in FLOAT_TYPES:
+        log.warning("%s: %s has no repack rule; kept as f32 (torch matmul)", rec.name, t.name)
+    ql.weight = w
+    return ql
+
+
+def pack_experts(rec: TensorRecord, *, device: str | torch.device = "cpu") -> list[QuantLinear]:
+    """Pack a 3-D expert weight (ggml ``ne = [k, d, E]``, torch ``(E, d, k)``) as ``E``
+    :class:`QuantLinear` (one per expert, named ``name[e]``), for ``build_lora_mm_id``.
+
+    Raises:
+        KernelError: not a 3-D tensor, or as :func:`pack_tensor`.
+    """
+    if len(rec.ne) != 3:
+        raise KernelError(f"{rec.name}: expected a 3-D expert weight, ne={list(rec.ne)}")
+    return [pack_tensor(TensorRecord(f"{rec.name}[{e}]", rec.ggml_type, tuple(rec.ne[:2]), rec.raw[e]),
+                        device=device) for e in range(int(rec.ne[2]))]
+
+
+def pack_model(gf: GGUFFile, names: list[str] | None = None, *, device: str | torch.device = "cpu"
+               ) -> dict[str, QuantLinear]:
+    """Pack every 2-D tensor of ``gf`` (or those in ``names``) with :func:`pack_tensor`.
+
+    The tied ``token_embd.weight`` is packed once and serves both ``get_rows`` (input
+    embedding) and ``matmul`` (output logits).
+    """
+    out: dict[str, QuantLinear] = {}
+    for name, rec in gf.tensors.items():
+        if (names is None and len(rec.ne) == 2) or (names is not None and name in names):
+            out[name] = pack_tensor(rec, device=device)
+    return out
+
+
+def packed_nbytes(weights: dict[str, QuantLinear]) -> int:
+    """Total bytes held by packed weights (compare with the GGUF's tensor bytes)."""
+    return sum(w.nbytes for w in weights.values())
+
+
+__all__ = ["ACTS", "KernelError", "QuantLinear", "resolve_act", "QuantizedActivations", "quantize_activations",
+           "pack_experts", "pack_tensor", "pack_model", "packed_nbytes"]
