@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 
 import click
 
-from clients.params import ENV_ADMIN_TOKEN, PATH_SCALE, HostPortType
+from clients.params import ENV_ADMIN_TOKEN, PATH_SCALE, HostPortListType, HostPortType
+from loraplane.env import ENV_DATABASE_URL
 
 F = TypeVar("F", bound=Callable[..., Any])
 RAW_ARGS_KEY = "loraplane.raw_args"
@@ -79,7 +80,14 @@ def control_plane_options(f: F) -> F:
     options = [
         click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True,
                      type=click.Path(file_okay=False),
-                     help="Where the registry (SQLite) and uploaded adapters live."),
+                     help="Where the SQLite registry and uploaded adapters live (with "
+                          "--database postgresql://…: uploads in progress only)."),
+        click.option("--database", envvar=ENV_DATABASE_URL, default=None, metavar="URL",
+                     help="sqlite:///PATH (default: <data-dir>/loraplane.sqlite3) or "
+                          "postgresql://USER@HOST:PORT/DB, which several control-plane "
+                          f"replicas may share (env {ENV_DATABASE_URL}).", show_envvar=False),
+        click.option("--db-pool-size", type=click.IntRange(min=1), default=None,
+                     help="Most PostgreSQL connections this control plane opens (default 10)."),
         click.option("--adapter-dir", "adapter_dirs", multiple=True,
                      type=click.Path(file_okay=False),
                      help="Directory whose files may be registered by server path (repeatable)."),
@@ -106,7 +114,8 @@ def control_plane_options(f: F) -> F:
     return f
 
 
-CP_TUNING = ("max_upload_bytes", "heartbeat_interval_s", "max_threads", "log_level")
+CP_TUNING = ("database", "db_pool_size", "max_upload_bytes", "heartbeat_interval_s", "max_threads",
+             "log_level")
 
 
 def model_option(f: F) -> F:
@@ -204,6 +213,12 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
         return 0
     except (OSError, RuntimeError, ValueError) as err:
         raise click.ClickException(f"{what} failed: {err}") from None
+    except Exception as err:
+        from control_plane.errors import ControlPlaneError  # e.g. the database is unreachable
+
+        if isinstance(err, ControlPlaneError):
+            raise click.ClickException(f"{what} failed: {err}") from None
+        raise
     return 0
 
 
@@ -239,8 +254,10 @@ def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
 
 
 @click.command("worker")
-@click.option("--control-plane", "control_plane", type=HostPortType(allow_zero=False),
-              default=None, help="Control plane to register with (omit: standalone).")
+@click.option("--control-plane", "control_plane", type=HostPortListType(),
+              default=None, metavar="HOST:PORT[,HOST:PORT…]",
+              help="Control plane to register with: one address (a Service) or every replica, "
+                   "comma-separated (omit: standalone).")
 @click.option("--addr", type=HostPortType(), default="127.0.0.1:0", show_default=True,
               help="Address to bind (port 0 picks a free port).")
 @click.option("--advertise-addr", default=None, metavar="HOST:PORT",

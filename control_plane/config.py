@@ -28,7 +28,12 @@ class ControlPlaneConfig:
 
     Attributes:
         addr: host:port to bind ("127.0.0.1:0" picks a free port).
-        data_dir: SQLite database and uploaded adapter files live here.
+        data_dir: the SQLite database (when ``database`` is None) and uploaded adapter files
+            live here; with PostgreSQL only uploads in progress (temporary files) do.
+        database: ``sqlite:///PATH`` or ``postgresql://USER[:PASSWORD]@HOST:PORT/DB``; None
+            means ``sqlite:///<data_dir>/loraplane.sqlite3``. Several replicas may share one
+            PostgreSQL database (`control_plane.store`); never one SQLite file.
+        db_pool_size: most PostgreSQL connections this replica opens (None: 10).
         adapter_dirs: server-side paths given to RegisterAdapter must resolve inside one of
             these (none: server paths are refused).
         model_path: base model GGUF adapters are validated against; None means the
@@ -54,6 +59,8 @@ class ControlPlaneConfig:
 
     addr: str = "127.0.0.1:50051"
     data_dir: str = "data"
+    database: str | None = None
+    db_pool_size: int | None = None
     adapter_dirs: tuple[str, ...] = ()
     model_path: str | None = None
     lora: tuple[str, ...] = ()

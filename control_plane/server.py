@@ -21,13 +21,14 @@ from grpc_reflection.v1alpha import reflection
 from control_plane.auth import AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
 from control_plane.config import ControlPlaneConfig, parse_lora_scaled
-from loraplane.logging import configure_logging
 from control_plane.registry import AdapterRegistry
+from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
 from control_plane.servicer import ControlPlaneServicer
-from control_plane.store import DB_FILENAME, AdapterStore
+from control_plane.store import AdapterStore, open_store
 from control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
+from loraplane.logging import configure_logging
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, worker_pb2
 
 __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lora_scaled",
@@ -49,9 +50,12 @@ class ControlPlaneState:
     pool: WorkerPool
     router: Router
     health: health.HealthServicer
+    replicas: ReplicaSync
 
     def close(self) -> None:
-        """Release worker channels and the database (after the server stopped)."""
+        """Stop the replica sync, release worker channels and the database (after the
+        server stopped)."""
+        self.replicas.stop()
         self.pool.close()
         self.store.close()
 
@@ -64,7 +68,7 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
         missing or invalid (the server refuses to start).
     """
     data_dir = Path(config.data_dir)
-    store = AdapterStore(data_dir / DB_FILENAME)
+    store = open_store(config.database, data_dir, pool_size=config.db_pool_size)
     try:
         base = load_base_model(config.model_path or default_model_path())
         registry = AdapterRegistry(store, base, data_dir=data_dir, adapter_dirs=config.adapter_dirs,
@@ -80,7 +84,9 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
     timings = MembershipTimings(heartbeat_interval_s=config.heartbeat_interval_s,
                                 dead_after_missed=config.dead_after_missed)
     pool = WorkerPool(registry, timings)
-    return ControlPlaneState(config, store, registry, pool, Router(registry, pool), health.HealthServicer())
+    replicas = ReplicaSync(store, pool, interval_s=timings.heartbeat_interval_s, dead_after_s=timings.dead_after_s)
+    return ControlPlaneState(config, store, registry, pool, Router(registry, pool), health.HealthServicer(),
+                             replicas)
 
 
 def _bind(server: grpc.Server, config: ControlPlaneConfig) -> int:
@@ -113,10 +119,14 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         interceptors=interceptors,
         # so_reuseport 0: a second control plane on a busy port must fail to bind, not
         # silently share the port (and the clients) with the first.
-        options=[*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)],
+        # min ping interval: clients send keepalive pings every 20 s during a call so a
+        # Generate through a replica that vanished ends with UNAVAILABLE instead of hanging
+        # (clients/channel.py); the server's default (5 min) would answer them with GOAWAY.
+        options=[*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0),
+                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)],
     )
     control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
-        ControlPlaneServicer(state.registry, state.pool, state.router), server)
+        ControlPlaneServicer(state.registry, state.pool, state.router, state.replicas), server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     reflection.enable_server_reflection(
         (CONTROL_PLANE_SERVICE, WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -126,9 +136,10 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         state.close()
         raise
     server.start()
+    state.replicas.start()
     for service in ("", CONTROL_PLANE_SERVICE):
         state.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("control_plane_started", addr=config.addr, port=port, data_dir=config.data_dir,
+    log.info("control_plane_started", addr=config.addr, port=port, database=state.store.description,
              adapters=len(state.registry.list()), admin_auth=bool(token))
     return server, port, state
 

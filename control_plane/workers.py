@@ -158,8 +158,9 @@ class WorkerPool:
                                    f"within {self.timings.connect_timeout_s:g}s") from None
         return channel
 
-    def heartbeat(self, hello: control_plane_pb2.WorkerHello) -> None:
-        """Record a heartbeat; a dead worker comes back alive.
+    def heartbeat(self, hello: control_plane_pb2.WorkerHello, *, age_s: float = 0.0) -> None:
+        """Record a heartbeat sent ``age_s`` seconds ago (0: now; another replica's sighting,
+        `control_plane.replicas`, is older); a dead worker comes back alive.
 
         Raises:
             NotFoundError: the worker never registered (or the control plane restarted): it
@@ -171,7 +172,7 @@ class WorkerPool:
                 known = sorted(self._workers)
                 raise NotFoundError(f"worker '{hello.worker_id}' is not registered (call RegisterWorker); "
                                     f"registered workers: {known}")
-            handle.last_heartbeat = self._clock()
+            handle.last_heartbeat = max(handle.last_heartbeat, self._clock() - age_s)
             handle.failed = None
         self._refresh()
 
@@ -239,15 +240,22 @@ class WorkerPool:
                 log.warning("adapter_push_failed", worker_id=w.worker_id, adapter_id=record.id, error=str(exc))
 
     def unload_adapter(self, adapter_id: int) -> None:
-        """Unload a removed adapter from every worker that holds it (failures are logged)."""
+        """Unload a removed adapter from every worker that holds it (failures are logged).
+
+        Live workers are all asked, not only those this replica pushed it to: another
+        replica may have pushed it (`control_plane.replicas`); NOT_FOUND means not held."""
         with self._lock:
-            holders = [w for w in self._workers.values() if adapter_id in w.adapter_ids]
+            holders = [w for w in self._workers.values() if adapter_id in w.adapter_ids or w.alive]
         for w in holders:
             try:
                 w.stub.UnloadAdapter(common_pb2.AdapterRef(id=adapter_id), timeout=self.timings.load_timeout_s)
                 with self._lock:
                     w.adapter_ids.discard(adapter_id)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    with self._lock:
+                        w.adapter_ids.discard(adapter_id)
+                    continue
                 log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=adapter_id,
                             code=exc.code().name, error=exc.details())
 

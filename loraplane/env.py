@@ -10,3 +10,6 @@ ENV_ADMIN_TOKEN = "LORAPLANE_ADMIN_TOKEN"
 
 ENV_DEBUG = "LORAPLANE_DEBUG"
 """``1``: the CLI prints tracebacks for unexpected internal errors."""
+
+ENV_DATABASE_URL = "LORAPLANE_DATABASE_URL"
+"""The control plane's ``--database`` URL (keeps a PostgreSQL password out of ``ps``)."""

@@ -11,11 +11,21 @@
 
 The control plane dials the worker back during ``RegisterWorker`` to push adapters, so the
 worker's own server must already be serving when this starts.
+
+Several control-plane replicas (``--control-plane A,B,C``): one such thread per address,
+each registering and heartbeating on its own schedule, so every listed replica knows the
+worker directly and a dead replica delays no other. One address that fronts several
+replicas (a Kubernetes Service): the thread's connection lands on one replica, which records
+the worker's heartbeats in the shared database, and every other replica adopts the worker
+from there within a heartbeat interval (`control_plane.replicas`); when that replica dies,
+the channel reconnects to another, which already knows the worker (or answers NOT_FOUND and
+the worker registers again). Either way membership converges on every replica.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -117,13 +127,67 @@ class MembershipThread(threading.Thread):
         self.registered = membership.registered
 
 
+class MembershipGroup:
+    """One `MembershipThread` per control-plane address of a comma-separated list.
+
+    Attributes:
+        threads: the threads, in the order of the addresses.
+        registered: set once every address has registered this worker (``wait``/``is_set``).
+    """
+
+    def __init__(self, threads: list[MembershipThread]) -> None:
+        self.threads = threads
+        self.registered = _AllSet([t.registered for t in threads])
+
+    def join(self, timeout: float | None = None) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+    def is_alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+
+class _AllSet:
+    """An Event-like view of several events: set when all of them are."""
+
+    def __init__(self, events: list[threading.Event]) -> None:
+        self.events = events
+
+    def is_set(self) -> bool:
+        return all(e.is_set() for e in self.events)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for e in self.events:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not e.wait(left):
+                return False
+        return True
+
+
+def control_plane_addresses(spec: str) -> list[str]:
+    """``"a:1, b:2"`` → ``["a:1", "b:2"]`` (duplicates dropped, order kept).
+
+    Raises:
+        ValueError: no address, or an empty element.
+    """
+    parts = [p.strip() for p in spec.split(",")]
+    if not parts or not all(parts):
+        raise ValueError(f"control-plane address list {spec!r} has an empty element")
+    return list(dict.fromkeys(parts))
+
+
 def start_membership(control_plane_addr: str, hello: control_plane_pb2.WorkerHello,
                      stop_event: threading.Event, *, backoff: MembershipBackoff = MembershipBackoff(),
-                     credentials: grpc.ChannelCredentials | None = None) -> MembershipThread:
-    """Start the register-then-heartbeat thread (daemon) and return it.
+                     credentials: grpc.ChannelCredentials | None = None) -> MembershipThread | MembershipGroup:
+    """Start the register-then-heartbeat thread(s) (daemons) and return them.
 
-    Set ``stop_event`` to stop it; it exits within one heartbeat interval / backoff step.
+    ``control_plane_addr``: one address, or several comma-separated (one thread each, a
+    `MembershipGroup`; see the module docstring). Set ``stop_event`` to stop them; each exits
+    within one heartbeat interval / backoff step.
     """
-    thread = MembershipThread(_Membership(control_plane_addr, hello, stop_event, backoff, credentials))
-    thread.start()
-    return thread
+    addrs = control_plane_addresses(control_plane_addr)
+    threads = [MembershipThread(_Membership(addr, hello, stop_event, backoff, credentials)) for addr in addrs]
+    for thread in threads:
+        thread.start()
+    return threads[0] if len(threads) == 1 else MembershipGroup(threads)
