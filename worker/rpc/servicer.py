@@ -64,7 +64,8 @@ def telemetry_to_proto(t: RequestTelemetry) -> pb.RequestTelemetry:
 
 def stats_to_proto(s: WorkerStatsRecord) -> worker_pb2.WorkerStats:
     """``WorkerStatsRecord`` → ``WorkerStats`` (an unknown field raises ValueError)."""
-    return worker_pb2.WorkerStats(**dataclasses.asdict(s))
+    fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "scheduler"}
+    return worker_pb2.WorkerStats(**fields, **dataclasses.asdict(s.scheduler))
 
 
 def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:

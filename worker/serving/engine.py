@@ -18,7 +18,7 @@ import threading
 import uuid
 from pathlib import Path
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -29,7 +29,7 @@ from worker.runtime.context import Model
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import BaseModel, load_model
 from worker.runtime.sampling import SamplingParams
-from worker.serving.scheduler import Scheduler
+from worker.serving.scheduler import Scheduler, SchedulerStats
 from worker.errors import (AdapterConflictError, AdapterNotFoundError, DrainTimeoutError,
                            InvalidRequestError)
 from worker.serving.request import Event, GenRequest
@@ -39,19 +39,11 @@ log = structlog.get_logger("loraplane.worker")
 
 @dataclass(frozen=True)
 class WorkerStatsRecord:
-    """Everything ``Stats`` reports (proto ``WorkerStats``, field for field)."""
+    """Everything ``Stats`` reports: the scheduler's counters plus the fields below (proto
+    ``WorkerStats`` = the union, field for field; ``worker.rpc.servicer.stats_to_proto``)."""
 
+    scheduler: SchedulerStats
     worker_id: str
-    n_slots: int
-    slots_busy: int
-    queue_depth: int
-    queue_limit: int
-    graph_reuses: int
-    graph_rebuilds: int
-    prefix_cache_entries: int
-    prefix_cache_hit_tokens: int
-    prompt_tokens_computed: int
-    tokens_generated: int
     batching: str
     prefix_cache: str
     model: str
@@ -203,8 +195,7 @@ class WorkerEngine:
             worker_id=self.worker_id, batching=self.config.batching.value,
             prefix_cache=self.config.prefix_cache.value, model=str(self.base.path),
             device=str(self.base.device), dtype=self.config.dtype, adapter_ids=sorted(ads),
-            node_budget=self.ctx.node_budget, adapter_bytes=adapter_bytes,
-            **asdict(self.scheduler.stats()))
+            node_budget=self.ctx.node_budget, adapter_bytes=adapter_bytes, scheduler=self.scheduler.stats())
 
 
 __all__ = ["WorkerEngine", "WorkerStatsRecord"]
