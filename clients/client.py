@@ -20,6 +20,7 @@ in seconds (None: none); for `generate_stream` it bounds the whole stream.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +83,16 @@ class LoraplaneClient:
         self._channel = grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
         self._stub = control_plane_pb2_grpc.ControlPlaneStub(self._channel)
         self._connected = False
+        # A client never closed must not keep the interpreter from exiting: grpc's
+        # connectivity watch (started by `connect`) blocks grpc's shutdown at exit while the
+        # channel is open. `weakref.finalize` closes it when the client is collected or, at
+        # the latest, at interpreter exit (finalizers run from atexit).
+        self._finalizer = weakref.finalize(self, self._channel.close)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        self._channel.close()
+        self._finalizer()  # closes the channel once; later calls do nothing
 
     def __enter__(self) -> LoraplaneClient:
         return self

@@ -168,6 +168,8 @@ class WorkerInfo:
     model: str
     n_slots: int
     in_flight: int
+    restarts: int = 0
+    draining_adapter_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_proto(cls, w: control_plane_pb2.WorkerInfo) -> WorkerInfo:
@@ -180,6 +182,8 @@ class WorkerInfo:
             model=w.model,
             n_slots=w.n_slots,
             in_flight=w.in_flight,
+            restarts=w.restarts,
+            draining_adapter_ids=tuple(w.draining_adapter_ids),
         )
 
     @property
@@ -196,6 +200,8 @@ class WorkerInfo:
             "model": self.model,
             "n_slots": self.n_slots,
             "in_flight": self.in_flight,
+            "restarts": self.restarts,
+            "draining_adapter_ids": list(self.draining_adapter_ids),
         }
 
 

@@ -145,10 +145,10 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     @boundary
     def RegisterWorker(self, request, context):
-        self.pool.register(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)
+        joined = self.pool.register(request)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)
 
     @boundary
     def Heartbeat(self, request, context):
-        self.pool.heartbeat(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)
+        joined = self.pool.heartbeat(request)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)

@@ -13,6 +13,7 @@ import concurrent.futures
 import hashlib
 import math
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -55,8 +56,11 @@ class WorkerEngine:
         return self.model.base
 
     def close(self) -> None:
+        """Stop the scheduler, free the context, and remove the adapter temp dir (uploaded
+        adapter files are copies: the control plane keeps the originals)."""
         self.scheduler.stop()
         self.ctx.close()
+        shutil.rmtree(self._cache_dir, ignore_errors=True)
 
     # --- adapters -------------------------------------------------------------------------
     def load_adapter(self, adapter_id: int, *, sha256: str = "", path: str = "", data: bytes = b"") -> LoraAdapter:
@@ -123,6 +127,11 @@ class WorkerEngine:
             self.model.adapters.free(adapter_id)
             self._draining.discard(adapter_id)
         log.info("adapter freed", adapter_id=adapter_id)
+
+    def draining_ids(self) -> set[int]:
+        """Adapters being unloaded: refused for new requests, freed once idle."""
+        with self._lock:
+            return set(self._draining)
 
     def adapters(self) -> dict[int, LoraAdapter]:
         with self._lock:
