@@ -536,3 +536,75 @@ def test_worker_removes_its_adapter_temp_dir_on_sigterm(fixtures_dir, tmp_path):
         w.stop()  # SIGTERM
     assert w.proc.returncode == 0
     assert not any(p.exists() for p in mine)
+
+
+@pytest.mark.slow
+def test_a_burst_admits_exactly_slots_plus_queue_limit(guarded):
+    """4 slots + queue limit 8: of 20 simultaneous requests exactly 12 are admitted."""
+    guarded.wait_idle()
+    results: dict[int, str] = {}
+    calls: list = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(20)
+
+    def one(i: int) -> None:
+        call = guarded.stub.Decode(iter([worker_pb2.DecodeRequest(
+            submit=gen(f"burst-{i}", text=f"Count slowly to {i}:", max_tokens=400))]), timeout=120)
+        with lock:
+            calls.append(call)
+        barrier.wait(10)
+        try:
+            for _ in call:
+                pass
+            results[i] = "OK"
+        except grpc.RpcError as exc:
+            results[i] = exc.code().name
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_for(lambda: len(results) >= 8, 20, 0.05)
+        time.sleep(1.0)
+        s = guarded.stats()
+        refused = [c for c in results.values() if c == "RESOURCE_EXHAUSTED"]
+        assert len(refused) == 8 and len(results) == 8, results
+        assert s.slots_busy + s.queue_depth == 12, s
+    finally:
+        for c in calls:
+            c.cancel()
+        for t in threads:
+            t.join(30)
+    guarded.wait_idle(30)
+
+
+@pytest.mark.slow
+def test_a_5mb_text_prompt_is_refused_at_once_and_does_not_slow_others(guarded):
+    guarded.wait_idle()
+    small = gen("alone", text="The weather today is", max_tokens=8)
+    guarded.run(small)  # warm
+    t = time.monotonic()
+    guarded.run(gen("alone-2", text="The weather today is", max_tokens=8))
+    alone_s = time.monotonic() - t
+    huge = "the quick brown fox jumps over the lazy dog " * (5_000_000 // 44)
+    outcome: dict[str, object] = {}
+
+    def send_huge():
+        t0 = time.monotonic()
+        try:
+            guarded.run(gen("huge", text=huge, max_tokens=1), timeout=60)
+        except grpc.RpcError as exc:
+            outcome["err"] = exc
+        outcome["s"] = time.monotonic() - t0
+
+    th = threading.Thread(target=send_huge)
+    t = time.monotonic()
+    th.start()
+    res = guarded.run(gen("beside", text="The weather today is", max_tokens=8))
+    beside_s = time.monotonic() - t
+    th.join(60)
+    err = outcome["err"]
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bytes" in err.details() and "n_ctx" in err.details()
+    assert outcome["s"] < 1.0
+    assert len(res.tokens) == 8 and beside_s < alone_s * 1.5 + 0.5, (alone_s, beside_s)
