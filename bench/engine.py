@@ -19,7 +19,7 @@ import torch
 from bench.stats import Figure, ratio
 from worker.lora.adapter import load_lora_adapter
 from worker.runtime.context import Model, UBatch, WorkerContext
-from worker.lora.plan import EMPTY_SET, AdapterSet
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import BaseModel
 
 TOKEN_LO, TOKEN_HI = 1000, 200_000  # ordinary vocabulary ids (no special tokens)

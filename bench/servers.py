@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Sequence
 import grpc
 
 from clients.client import LoraplaneClient
+from loraplane.process import stop_process
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -55,18 +55,6 @@ def _env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("LORAPLANE_ADMIN_TOKEN", None)
     return env
-
-
-def stop_process(proc: subprocess.Popen | None, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM, wait ``grace_s``, then SIGKILL (only ``proc`` itself, by its pid)."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class LoraplaneServers:

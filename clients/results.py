@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -173,36 +173,19 @@ class WorkerInfo:
 
     @classmethod
     def from_proto(cls, w: control_plane_pb2.WorkerInfo) -> WorkerInfo:
-        return cls(
-            worker_id=w.worker_id,
-            addr=w.addr,
-            state=w.state,
-            last_heartbeat_age_s=w.last_heartbeat_age_s,
-            adapter_ids=tuple(w.adapter_ids),
-            model=w.model,
-            n_slots=w.n_slots,
-            in_flight=w.in_flight,
-            restarts=w.restarts,
-            draining_adapter_ids=tuple(w.draining_adapter_ids),
-        )
+        """Field for field from the proto (repeated fields become tuples)."""
+        values = {f.name: getattr(w, f.name) for f in fields(cls)}
+        return cls(**{k: tuple(v) if not isinstance(v, (str, bytes, int, float)) else v for k, v in values.items()})
 
     @property
     def alive(self) -> bool:
         return self.state == "alive"
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "worker_id": self.worker_id,
-            "addr": self.addr,
-            "state": self.state,
-            "last_heartbeat_age_s": round(self.last_heartbeat_age_s, 3),
-            "adapter_ids": list(self.adapter_ids),
-            "model": self.model,
-            "n_slots": self.n_slots,
-            "in_flight": self.in_flight,
-            "restarts": self.restarts,
-            "draining_adapter_ids": list(self.draining_adapter_ids),
-        }
+        """The ``workers list --json`` object (CONTRACT.md): every field, tuples as lists."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["last_heartbeat_age_s"] = round(self.last_heartbeat_age_s, 3)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import WorkerInfo
 from loraplane.env import ENV_WORKER_SECRET
+from loraplane.process import stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORKER_STOP_GRACE_S = 20.0
@@ -256,13 +257,7 @@ class _Supervisor(threading.Thread):
         with self._lock:
             self.stopping.set()
             proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(WORKER_STOP_GRACE_S)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                proc.kill()
-                proc.wait()
+        stop_process(proc, WORKER_STOP_GRACE_S)
         if self._log_file is not None:
             self._log_file.close()
         self.join(timeout=5.0)

@@ -1,6 +1,19 @@
 #!/usr/bin/env bash
-# README command 2: install everything the tests need, then run the whole suite.
+# README command 2: install everything the tests need, check lint/format/types, then run the
+# fast tier and the slow tier of the suite (each tier's wall time is printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --with-node
-exec .venv/bin/python -m pytest -q "$@"
+PY=.venv/bin/python
+echo "== ruff check / ruff format --check / mypy"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+echo "== fast tier: pytest -m 'not slow'"
+t0=$(date +%s)
+$PY -m pytest -q -m "not slow" "$@"
+echo "fast tier took $(( $(date +%s) - t0 )) s"
+echo "== slow tier: pytest -m slow"
+t1=$(date +%s)
+$PY -m pytest -q -m slow "$@"
+echo "slow tier took $(( $(date +%s) - t1 )) s; whole suite $(( $(date +%s) - t0 )) s"

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from worker.runtime.context import UBatch, WorkerContext
-from worker.lora.plan import EMPTY_SET, AdapterSet
-from worker.serving.slots import resolve_alora
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.alora import resolve_alora
 
 
 @dataclass

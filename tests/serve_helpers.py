@@ -7,12 +7,13 @@ model loads on CPU, so a start takes a minute or two on a small machine.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from importlib.util import find_spec
+
+from loraplane.process import stop_process
 from pathlib import Path
 
 from clients.client import LoraplaneClient
@@ -55,11 +56,6 @@ def start_serve(data_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
 
 def stop_serve(proc: subprocess.Popen, timeout: float = 60) -> int:
     """SIGTERM, wait; returns the exit code (kills after ``timeout``)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
+    code = stop_process(proc, timeout)
+    assert code is not None
+    return code

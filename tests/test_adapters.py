@@ -139,7 +139,12 @@ def test_good_synthetic_adapter(tmp_path):
              "adapter.lora.prompt_prefix": ("Say: ", gguf.GGUFValueType.STRING, None),
              "adapter.alora.invocation_tokens": ([5, 6], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)}
     path = write_adapter(tmp_path / "good.gguf", t, extra=extra)
-    a = validate_lora_adapter(path, base_arch="llama", base_tensors=BASE)
+    af = validate_lora_adapter(path, base_arch="llama", base_tensors=BASE)  # numpy, no torch
+    a = load_lora_adapter(path, base_arch="llama", base_tensors=BASE)
+    assert (af.name, af.ranks, af.n_nodes, sorted(af.pairs)) == (a.name, a.ranks, a.n_nodes, sorted(a.pairs))
+    for base, (a_np, b_np) in af.pairs.items():
+        np.testing.assert_array_equal(a_np, t[base + ".lora_a"])
+        np.testing.assert_array_equal(b_np, t[base + ".lora_b"])
     assert (a.name, a.task_name, a.prompt_prefix, a.alora_invocation_tokens) == ("good", "shout", "Say: ", (5, 6))
     assert set(a.pairs) == {"blk.0.attn_q.weight", "token_embd.weight", "blk.0.ffn_up_exps.weight"}
     for base, pair in a.pairs.items():

@@ -14,7 +14,7 @@ import torch
 from worker.lora.adapter import load_lora_adapter
 from worker.runtime.context import Model, UBatch
 from worker.tools.export_lora import export_lora
-from worker.lora.plan import AdapterSet
+from worker.lora.adapter_set import AdapterSet
 from worker.runtime.model import load_model
 
 

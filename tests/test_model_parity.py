@@ -21,7 +21,7 @@ from tests.parity import GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
 from worker.runtime.context import AdapterInUseError, Model, UBatch
 from worker.tools.convert_peft import convert_peft
-from worker.lora.plan import EMPTY_SET, AdapterSet
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import load_model
 
 GOLDEN_IDS = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}

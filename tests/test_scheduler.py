@@ -12,7 +12,7 @@ from worker.serving.engine import WorkerEngine
 from worker.runtime.sampling import SamplingParams
 from worker.errors import QueueFullError
 from worker.rpc.status import status_of
-from worker.serving.slots import FinishedEvent, TokenEvent
+from worker.serving.request import FinishedEvent, TokenEvent
 
 
 @pytest.fixture

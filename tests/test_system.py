@@ -20,6 +20,7 @@ import pytest
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import FinishedEvent, TokenEvent
+from loraplane.process import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The weather today is"
@@ -57,12 +58,7 @@ def system(start_control_plane, fixtures_dir):
     yield cp, lp, spawn
     lp.close()
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_process(p, 60)
 
 
 def test_default_set_change_affects_only_later_requests(system, fixtures_dir):

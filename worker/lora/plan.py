@@ -1,15 +1,13 @@
-"""Adapter sets and the per-ubatch LoRA plan (the eager-PyTorch stand-in for a ggml graph).
-
-An ``AdapterSet`` is what llama.cpp keeps per context (``llama_context::loras``): adapter →
-scale, zero scales dropped. A ubatch carries one or more sets (one in compatibility mode,
-several in mixed mode) and a per-row index into them.
+"""The LoRA plan for a tuple of adapter sets (the eager-PyTorch stand-in for a ggml graph).
 
 A ``LoraPlan`` is built once per tuple of active sets and cached by the context: for every
 base weight, the branches of all active adapters stacked along the rank dimension (one A and
 one B per weight) and each rank column's effective scale in every set (``lora_scale``).
 Building it is what "graph rebuilt" means here; reusing it is "graph reused" (llama.cpp
-``llm_graph_result::can_reuse``). What changes per ubatch — which row belongs to which set —
-is one index vector (``LoraPlan.route``) and never invalidates the plan.
+``llm_graph_result::can_reuse``). The plan is immutable once built. What changes per ubatch —
+which row belongs to which set — is a graph *input*, an int64 index vector passed to
+``LoraPlan.row_scales`` (llama.cpp's ``llm_graph_input_*`` tensors, vLLM's
+``token_lora_indices``); it never invalidates the plan.
 
 Where scaling happens (decided once, llama.cpp ``build_lora_mm``): after the B·(A·x)
 product, ``y += scale · B(A x)`` with ``scale = adapter_scale · alpha / rank`` (alpha ≠ 0)
@@ -18,71 +16,13 @@ else ``adapter_scale``. The adapter tensors are never modified.
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
 from worker.lora.adapter import NODES_PER_LORA_WEIGHT, LoraAdapter, LoraPair, lora_scale
-
-# llama.cpp reserves this many graph nodes per patched weight per adapter
-# (llama_context::graph_max_nodes: "6 nodes per lora tensor").
-
-
-@dataclass(frozen=True)
-class AdapterSet:
-    """An immutable adapter → scale mapping, zero scales dropped, ordered by adapter id.
-
-    Attributes:
-        entries: ((adapter_id, adapter, scale), ...) sorted by id; scales are non-zero.
-    """
-
-    entries: tuple[tuple[int, LoraAdapter, float], ...] = ()
-
-    @classmethod
-    def of(cls, items: Mapping[int, tuple[LoraAdapter, float]] | Sequence[tuple[int, LoraAdapter, float]]) -> "AdapterSet":
-        rows = items.items() if isinstance(items, Mapping) else [(i, (a, s)) for i, a, s in items]
-        kept = sorted((int(i), a, float(s)) for i, (a, s) in rows if float(s) != 0.0)
-        return cls(tuple(kept))
-
-    @property
-    def key(self) -> tuple[tuple[str, float], ...]:
-        """Identity used for equality of sets: adapter content hash + scale (llama.cpp
-        ``adapters_lora_are_same`` compares pointers and scales; content hashes are stronger)."""
-        return tuple((a.sha256, s) for _, a, s in self.entries)
-
-    @property
-    def fingerprint(self) -> str:
-        """Short hex digest of ``key``: adapter *content* and scales, never names or ids."""
-        if not self.entries:
-            return "base"
-        h = hashlib.sha256(repr(self.key).encode()).hexdigest()
-        return h[:16]
-
-    @property
-    def ids(self) -> tuple[int, ...]:
-        return tuple(i for i, _, _ in self.entries)
-
-    def is_empty(self) -> bool:
-        return not self.entries
-
-    def all_alora(self) -> bool:
-        """True when every adapter in the set is an activated LoRA (empty set: False)."""
-        return bool(self.entries) and all(a.alora_invocation_tokens for _, a, _ in self.entries)
-
-    def without(self, adapter_ids: Sequence[int]) -> "AdapterSet":
-        drop = set(adapter_ids)
-        return AdapterSet(tuple(e for e in self.entries if e[0] not in drop))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, AdapterSet) and self.key == other.key
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-
-EMPTY_SET = AdapterSet()
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 
 
 @dataclass(frozen=True)
@@ -108,9 +48,9 @@ class FusedLora:
     n_branches: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraPlan:
-    """The cached "graph" for a tuple of adapter sets.
+    """The cached "graph" for a tuple of adapter sets. Immutable after ``build_plan``.
 
     Attributes:
         sets: the active sets, index = per-row set index of a ubatch.
@@ -118,23 +58,27 @@ class LoraPlan:
         fused: base weight name → the concatenated branches on it.
         n_lora_nodes: ``NODES_PER_LORA_WEIGHT`` × number of (adapter, weight) branches, the
             node reservation llama.cpp would make for them.
-        row_set: int64 ``(n_rows,)`` set index of each row of the current ubatch (None: one set).
     """
 
     sets: tuple[AdapterSet, ...]
     adapters: list[LoraAdapter]
     fused: dict[str, FusedLora]
     n_lora_nodes: int
-    row_set: torch.Tensor | None = None
 
-    def route(self, row_set: torch.Tensor) -> None:
-        """Record the per-row set index of the ubatch (int64 ``(n_rows,)``)."""
-        self.row_set = None if len(self.sets) == 1 else row_set
+    def row_scales(self, fw: FusedLora, row_set: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Per-row column scales of ``fw`` for the rows routed by ``row_set``.
 
-    def row_scales(self, fw: FusedLora, dtype: torch.dtype) -> torch.Tensor:
-        """``(n_rows, R)`` per-row column scales, or ``(R,)`` when the ubatch has one set."""
+        Args:
+            fw: a fused weight of this plan.
+            row_set: the graph input: int64 ``(n_rows,)`` set index of each row (None, or a
+                plan with one set: every row uses set 0).
+            dtype: dtype of the result.
+
+        Returns:
+            ``(n_rows, R)``, or ``(R,)`` when every row uses set 0 (broadcasts).
+        """
         s = fw.set_scales if fw.set_scales.dtype == dtype else fw.set_scales.to(dtype)
-        return s[0] if self.row_set is None else s.index_select(0, self.row_set)
+        return s[0] if row_set is None or len(self.sets) == 1 else s.index_select(0, row_set)
 
 
 def _fuse(name: str, parts: list[tuple[LoraPair, torch.Tensor]]) -> FusedLora:

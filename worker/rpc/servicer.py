@@ -9,6 +9,7 @@ their slots are freed at the next step.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 
@@ -23,7 +24,9 @@ from worker.errors import InvalidRequestError, PermissionDeniedError, WorkerErro
 from worker.rpc.status import status_of
 from worker.serving.engine import WorkerEngine
 from worker.runtime.sampling import SamplingParams
-from worker.serving.slots import ErrorEvent, FinishedEvent, StartedEvent, TokenEvent
+from worker.serving.engine import WorkerStatsRecord
+from worker.serving.request import (ErrorEvent, Event, FinishedEvent, RequestTelemetry, StartedEvent, StepInfo,
+                                    TokenEvent)
 
 log = structlog.get_logger("loraplane.worker.rpc.servicer")
 
@@ -49,7 +52,25 @@ def adapter_info(adapter_id: int, a, default_scale: float = 0.0) -> pb.AdapterIn
         default_scale=default_scale, size_bytes=a.size_bytes, n_nodes=a.n_nodes)
 
 
-def event_to_proto(rid: str, ev) -> pb.GenerateEvent:
+def step_to_proto(st: StepInfo) -> pb.StepTelemetry:
+    """``StepInfo`` → ``StepTelemetry`` (every field by name: a missing one raises)."""
+    return pb.StepTelemetry(**dataclasses.asdict(st))
+
+
+def telemetry_to_proto(t: RequestTelemetry) -> pb.RequestTelemetry:
+    """``RequestTelemetry`` → proto, the one mapping (an unknown field raises ValueError)."""
+    fields = dataclasses.asdict(t)
+    adapters = [pb.AdapterScale(id=i, scale=s) for i, s in fields.pop("adapters")]
+    return pb.RequestTelemetry(adapters=adapters, **fields)
+
+
+def stats_to_proto(s: WorkerStatsRecord) -> worker_pb2.WorkerStats:
+    """``WorkerStatsRecord`` → ``WorkerStats`` (an unknown field raises ValueError)."""
+    return worker_pb2.WorkerStats(**dataclasses.asdict(s))
+
+
+def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:
+    """A scheduler event → ``GenerateEvent`` (errors never reach here: they end the call)."""
     if isinstance(ev, StartedEvent):
         plp = []
         if ev.prompt_logprobs is not None:
@@ -59,20 +80,13 @@ def event_to_proto(rid: str, ev) -> pb.GenerateEvent:
         return pb.GenerateEvent(request_id=rid, started=pb.Started(prompt_token_ids=ev.prompt_tokens,
                                                                    prompt_logprobs=plp))
     if isinstance(ev, TokenEvent):
-        st = ev.step
         return pb.GenerateEvent(request_id=rid, token=pb.GeneratedToken(
             token_id=ev.token_id, text=ev.text, logprob=ev.logprob,
-            top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in ev.top],
-            step=pb.StepTelemetry(batch_size=st.batch_size, batch_tokens=st.batch_tokens,
-                                  n_adapter_sets=st.n_adapter_sets, graph_reused=st.graph_reused,
-                                  n_nodes=st.n_nodes, node_budget=st.node_budget, batching=st.batching)))
-    assert isinstance(ev, FinishedEvent)
-    t = dict(ev.telemetry)
-    adapters = [pb.AdapterScale(id=i, scale=s) for i, s in t.pop("adapters", [])]
-    tel = pb.RequestTelemetry(adapters=adapters, **{k: v for k, v in t.items()
-                                                    if k in pb.RequestTelemetry.DESCRIPTOR.fields_by_name})
-    return pb.GenerateEvent(request_id=rid, finished=pb.Finished(finish_reason=ev.finish_reason,
-                                                                 text=ev.text, telemetry=tel))
+            top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in ev.top], step=step_to_proto(ev.step)))
+    if isinstance(ev, FinishedEvent):
+        return pb.GenerateEvent(request_id=rid, finished=pb.Finished(
+            finish_reason=ev.finish_reason, text=ev.text, telemetry=telemetry_to_proto(ev.telemetry)))
+    raise TypeError(f"no GenerateEvent for {type(ev).__name__}")
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -205,5 +219,4 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.WorkerAdapterList(adapters=[adapter_info(i, a) for i, a in sorted(self.engine.adapters().items())])
 
     def Stats(self, request, context):
-        s = self.engine.stats()
-        return worker_pb2.WorkerStats(**{k: v for k, v in s.items() if k in worker_pb2.WorkerStats.DESCRIPTOR.fields_by_name})
+        return stats_to_proto(self.engine.stats())

@@ -15,15 +15,12 @@ from typing import Sequence
 import torch
 
 from worker.runtime import arch as arch_registry
-from worker.lora.adapter import LoraAdapter
 from worker.runtime.graph import GraphContext, GraphInputs, SeqSpan
 from worker.runtime.kv_cache import KVCache, KVCacheError
-from worker.lora.plan import EMPTY_SET, AdapterSet, LoraPlan, build_plan
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.plan import LoraPlan, build_plan
+from worker.lora.registry import AdapterInUseError, ModelAdapters
 from worker.runtime.model import BaseModel
-
-
-class AdapterInUseError(RuntimeError):
-    """An adapter cannot be freed while a context's active set still uses it."""
 
 
 class DecodeError(ValueError):
@@ -66,42 +63,6 @@ class ContextStats:
     set_adapter_calls: int = 0
     decode_calls: int = 0
     tokens_computed: int = 0
-
-
-class ModelAdapters:
-    """Adapters registered with one base model (llama.cpp ``llama_model::loras``).
-
-    Adapters are immutable; freeing one that a live context still has in its active sets is
-    refused (llama.cpp would leave the context a dangling pointer).
-    """
-
-    def __init__(self, model: BaseModel):
-        self.model = model
-        self.by_id: dict[int, LoraAdapter] = {}
-        self.contexts: list["WorkerContext"] = []
-
-    def add(self, adapter_id: int, adapter: LoraAdapter) -> None:
-        self.by_id[adapter_id] = adapter
-
-    def free(self, adapter_id: int) -> LoraAdapter:
-        """Unregister ``adapter_id``.
-
-        Raises:
-            KeyError: not registered.
-            AdapterInUseError: a context's active set still uses it (detach it first).
-        """
-        adapter = self.by_id[adapter_id]
-        for ctx in self.contexts:
-            if any(adapter_id in s.ids for s in ctx.active_sets):
-                raise AdapterInUseError(
-                    f"adapter {adapter_id} ('{adapter.name}') is in a context's active adapter set; "
-                    "detach it (set_adapters without it) before freeing")
-        return self.by_id.pop(adapter_id)
-
-    def node_budget(self) -> int:
-        """Worst-case graph nodes: ``max(1024, 8 · n_base_tensors) + Σ 6 · |pairs|`` over
-        registered adapters (llama.cpp ``llama_context::graph_max_nodes``)."""
-        return max(1024, 8 * self.model.n_base_tensors) + sum(a.n_nodes for a in self.by_id.values())
 
 
 class WorkerContext:
@@ -166,7 +127,7 @@ class WorkerContext:
         return self._plan, False
 
     # --- decode ---------------------------------------------------------------------------
-    def _inputs(self, ub: UBatch) -> GraphInputs:
+    def _inputs(self, ub: UBatch, set_index: list[int]) -> GraphInputs:
         n = len(ub)
         if n == 0:
             raise DecodeError("empty ubatch")
@@ -196,6 +157,7 @@ class WorkerContext:
             pos=torch.tensor(ub.pos, dtype=torch.long, device=dev),
             spans=spans,
             out_rows=torch.tensor(out_rows, dtype=torch.long, device=dev),
+            row_set=torch.tensor(set_index, dtype=torch.long, device=dev),
         )
 
     @torch.inference_mode()
@@ -206,14 +168,13 @@ class WorkerContext:
             DecodeError: malformed ubatch (token out of range, positions that do not continue
                 their sequence, set index out of range); nothing is written to the KV cache.
         """
-        inputs = self._inputs(ub)
         n_sets = len(self.active_sets)
         set_index = ub.set_index or [0] * len(ub)
         if any(not 0 <= j < n_sets for j in set_index):
             raise DecodeError(f"set_index out of range: {n_sets} active adapter sets")
+        inputs = self._inputs(ub, set_index)
         plan, reused = self._get_plan()
-        row_set = torch.tensor(set_index, dtype=torch.long, device=self.model.device)
-        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype, row_set)
+        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype)
         logits = self.arch.build_graph(gctx, self.model.hparams)
         for span in inputs.spans:
             self.kv.commit(span.seq_id, span.pos0 + span.n)
@@ -231,7 +192,7 @@ class Model:
     adapters: ModelAdapters = field(init=False)
 
     def __post_init__(self) -> None:
-        self.adapters = ModelAdapters(self.base)
+        self.adapters = ModelAdapters(self.base.n_base_tensors)
 
     def new_context(self, *, n_ctx_seq: int = 4096) -> WorkerContext:
         return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq)

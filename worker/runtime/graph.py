@@ -47,12 +47,15 @@ class GraphInputs:
         pos: int64 ``(n,)``.
         spans: rows grouped per sequence, positions contiguous within each.
         out_rows: int64 ``(n_out,)`` rows whose logits are wanted (``build_inp_out_ids``).
+        row_set: int64 ``(n,)`` the LoRA routing: each row's index into the plan's adapter
+            sets (vLLM ``token_lora_indices``); the plan itself never changes per ubatch.
     """
 
     tokens: torch.Tensor
     pos: torch.Tensor
     spans: list[SeqSpan]
     out_rows: torch.Tensor
+    row_set: torch.Tensor
 
 
 class GraphContext:
@@ -61,20 +64,20 @@ class GraphContext:
     Args:
         weights: base tensors by GGUF name (torch order).
         inputs: the ubatch.
-        plan: LoRA plan already routed for this ubatch (``LoraPlan.route``).
+        plan: the immutable LoRA plan of the active adapter sets; rows are routed to its sets
+            by ``inputs.row_set`` (``self.row_set`` follows the output-row cut).
         kv: the context's KV cache (K/V of this ubatch are appended to it).
         dtype: compute dtype.
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], inputs: GraphInputs, plan: LoraPlan,
-                 kv: KVCache, dtype: torch.dtype, row_set: torch.Tensor):
+                 kv: KVCache, dtype: torch.dtype):
         self.w = weights
         self.inp = inputs
         self.plan = plan
         self.kv = kv
         self.dtype = dtype
-        self.row_set = row_set  # int64 (n,) adapter-set index of each row
-        self.plan.route(row_set)
+        self.row_set = inputs.row_set  # int64 (rows alive now,) set index; cut by build_inp_out_ids
         self._rows_reduced = False
         self._rope_cache: dict[tuple[int, float, float], tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
@@ -92,22 +95,22 @@ class GraphContext:
         fw = self.plan.fused.get(name)
         if fw is not None:
             a = fw.lora_a.index_select(0, ids)
-            x = x + ((a * self.plan.row_scales(fw, a.dtype)) @ fw.lora_b.T).to(x.dtype)
+            x = x + ((a * self.plan.row_scales(fw, self.row_set, a.dtype)) @ fw.lora_b.T).to(x.dtype)
             self.n_nodes += 4
         return x
 
     def build_inp_out_ids(self, x: torch.Tensor) -> torch.Tensor:
         """Keep only the rows whose logits are wanted (``ggml_get_rows(cur, inp_out_ids)``).
 
-        Called on every tensor that continues past the cut; the first call also re-routes the
-        LoRA plan so later branches see the reduced rows.
+        Called on every tensor that continues past the cut; the first call also cuts the LoRA
+        routing input so later branches see the reduced rows.
         """
         out = self.inp.out_rows
-        if out.shape[0] == self.row_set.shape[0]:
+        if out.shape[0] == self.inp.tokens.shape[0]:
             return x
         if not self._rows_reduced:
             self._rows_reduced = True
-            self.plan.route(self.row_set.index_select(0, out))
+            self.row_set = self.row_set.index_select(0, out)
         self.n_nodes += 1
         return x.index_select(0, out)
 
@@ -131,7 +134,7 @@ class GraphContext:
         fw = self.plan.fused.get(name)
         if fw is not None:
             xa = x @ fw.lora_a.T
-            y = y + ((xa * self.plan.row_scales(fw, xa.dtype)) @ fw.lora_b.T).to(y.dtype)
+            y = y + ((xa * self.plan.row_scales(fw, self.row_set, xa.dtype)) @ fw.lora_b.T).to(y.dtype)
             self.n_nodes += 4
         return y
 
@@ -149,7 +152,7 @@ class GraphContext:
         fw = self.plan.fused.get(name)
         scales = None
         if fw is not None:
-            s = self.plan.row_scales(fw, x.dtype)
+            s = self.plan.row_scales(fw, self.row_set, x.dtype)
             scales = s.expand(n, -1) if s.dim() == 1 else s
             self.n_nodes += 4
         self.n_nodes += 1
@@ -162,6 +165,19 @@ class GraphContext:
                 ye = ye + (xa * scales.index_select(0, tok)) @ fw.lora_b[e].T
             out[tok, slot] = ye
         return out
+
+    def build_output(self, x: torch.Tensor, *, tied_to: str = "token_embd.weight") -> torch.Tensor:
+        """lm_head: f32 logits ``(n_out, V)`` from the final hidden rows ``x`` ``(n_out, d)``.
+
+        With ``output.weight`` present it is an ordinary (LoRA-able) matmul. When tied to
+        ``tied_to``, the base embedding matrix is used without the embedding adapter: we follow
+        PEFT, where the embedding LoRA patches the input lookup only (llama.cpp instead applies
+        it flipped here and aborts in ``build_lora_mm``; see SPEC).
+        """
+        if "output.weight" in self.w:
+            return self.build_lora_mm("output.weight", x).float()
+        self.n_nodes += 1
+        return (x @ self.w[tied_to].T).float()
 
     # --- attention --------------------------------------------------------------------
     def build_attn(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

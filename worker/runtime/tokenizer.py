@@ -474,6 +474,10 @@ class Tokenizer:
             buf += piece
         return buf.decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int, skip_special: bool = True) -> bytes:
+        """Bytes ``decode`` emits for one token (no first-token space rule applied)."""
+        return self._piece_bytes(int(token_id), special=not skip_special)
+
     def token_to_piece(self, token_id: int) -> str:
         """Text of one token for display: llama.cpp ``token_to_piece(special=true)``.
 

@@ -18,22 +18,49 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import structlog
 
 from worker.lora.adapter import AdapterError, LoraAdapter, load_lora_adapter
 from worker.config import WorkerConfig
 from worker.runtime.context import Model
-from worker.lora.plan import EMPTY_SET, AdapterSet
-from worker.runtime.model import load_model
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.runtime.model import BaseModel, load_model
 from worker.runtime.sampling import SamplingParams
 from worker.serving.scheduler import Scheduler
 from worker.errors import (AdapterConflictError, AdapterNotFoundError, DrainTimeoutError,
                            InvalidRequestError)
-from worker.serving.slots import GenRequest
+from worker.serving.request import Event, GenRequest
 
 log = structlog.get_logger("loraplane.worker")
+
+
+@dataclass(frozen=True)
+class WorkerStatsRecord:
+    """Everything ``Stats`` reports (proto ``WorkerStats``, field for field)."""
+
+    worker_id: str
+    n_slots: int
+    slots_busy: int
+    queue_depth: int
+    queue_limit: int
+    graph_reuses: int
+    graph_rebuilds: int
+    prefix_cache_entries: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens_computed: int
+    tokens_generated: int
+    batching: str
+    prefix_cache: str
+    model: str
+    device: str
+    dtype: str
+    adapter_ids: list[int]
+    node_budget: int
+    adapter_bytes: int
 
 
 class WorkerEngine:
@@ -52,7 +79,7 @@ class WorkerEngine:
         self.scheduler.start()
 
     @property
-    def base(self):
+    def base(self) -> BaseModel:
         return self.model.base
 
     def close(self) -> None:
@@ -162,7 +189,8 @@ class WorkerEngine:
         return AdapterSet.of(seen)
 
     def submit(self, *, request_id: str, prompt_tokens: list[int] | None, prompt_text: str | None,
-               params: SamplingParams, entries: list[tuple[int, float]], emit: Callable) -> GenRequest:
+               params: SamplingParams, entries: list[tuple[int, float]],
+               emit: Callable[[Event], None]) -> GenRequest:
         """Tokenize (text prompts: BOS per the model, special tokens parsed), resolve the
         adapter set and admit the request.
 
@@ -175,16 +203,17 @@ class WorkerEngine:
         return self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
                                      adapter_set=adapter_set, emit=emit)
 
-    def stats(self) -> dict:
-        s = self.scheduler.stats()
+    def stats(self) -> WorkerStatsRecord:
+        """Scheduler counters plus the worker's identity, model and adapter footprint."""
         ads = self.adapters()
-        s.update(worker_id=self.worker_id, batching=self.config.batching.value,
-                 prefix_cache=self.config.prefix_cache.value, model=str(self.base.path),
-                 device=str(self.base.device), dtype=self.config.dtype, adapter_ids=sorted(ads),
-                 node_budget=self.ctx.node_budget,
-                 adapter_bytes=sum(p.lora_a.numel() * p.lora_a.element_size() + p.lora_b.numel() * p.lora_b.element_size()
-                                   for a in ads.values() for p in a.pairs.values()))
-        return s
+        adapter_bytes = sum(p.lora_a.numel() * p.lora_a.element_size() + p.lora_b.numel() * p.lora_b.element_size()
+                            for a in ads.values() for p in a.pairs.values())
+        return WorkerStatsRecord(
+            worker_id=self.worker_id, batching=self.config.batching.value,
+            prefix_cache=self.config.prefix_cache.value, model=str(self.base.path),
+            device=str(self.base.device), dtype=self.config.dtype, adapter_ids=sorted(ads),
+            node_budget=self.ctx.node_budget, adapter_bytes=adapter_bytes,
+            **asdict(self.scheduler.stats()))
 
 
-__all__ = ["WorkerEngine"]
+__all__ = ["WorkerEngine", "WorkerStatsRecord"]

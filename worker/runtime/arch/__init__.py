@@ -13,18 +13,10 @@ Each module provides three functions (llama.cpp ``load_hparams`` / ``load_tensor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor an architecture declares: GGUF name, expected ggml ``ne`` (None: any), required."""
-
-    name: str
-    ne: tuple[int, ...] | None
-    required: bool = True
+from worker.runtime.arch.base import HParams, TensorSpec, meta
 
 
 def get(arch: str, path: Path | str = "") -> ModuleType:
@@ -44,13 +36,4 @@ def get(arch: str, path: Path | str = "") -> ModuleType:
     return mod
 
 
-def meta(gguf, key: str, default=None, *, required: bool = False):
-    """``{arch}.{key}`` from metadata; raises ModelError naming the key when required and absent."""
-    full = f"{gguf.arch}.{key}"
-    if full in gguf.metadata:
-        return gguf.metadata[full]
-    if required:
-        from worker.runtime.model import ModelError
-
-        raise ModelError(f"{gguf.path}: missing metadata key '{full}'")
-    return default
+__all__ = ["HParams", "TensorSpec", "get", "meta"]

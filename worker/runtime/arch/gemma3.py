@@ -16,28 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.runtime.arch import TensorSpec, meta
+from worker.runtime.arch import base
+from worker.runtime.arch.base import TensorSpec, meta
 from worker.runtime.graph import GraphContext
 
 
 @dataclass(frozen=True)
-class HParams:
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    n_embd_head_k: int
-    n_embd_head_v: int
-    eps: float
-    rope_freq_base: float
+class HParams(base.HParams):
+    """Gemma 3 hyper-parameters: the shared base plus the fields below."""
+
     rope_freq_base_swa: float
-    rope_freq_scale: float
-    n_swa: int
     swa_pattern: int
     f_attention_scale: float
-    n_ctx_train: int
 
     def is_swa(self, il: int) -> bool:
         """llama.cpp ``set_swa_pattern(6)``: every layer but each 6th uses the sliding window."""
@@ -128,15 +118,4 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
         cur = ctx.build_norm(cur, b + "post_ffw_norm.weight", hp.eps)
         x = cur + sa_out
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
-    return output_logits(ctx, x)
-
-
-def output_logits(ctx: GraphContext, x: torch.Tensor) -> torch.Tensor:
-    """lm_head. With ``output.weight`` present it is an ordinary (LoRA-able) matmul. When tied
-    to ``token_embd``, the base embedding matrix is used without the embedding adapter: we
-    follow PEFT, where the embedding LoRA patches the input lookup only (llama.cpp instead
-    applies it flipped here and aborts in ``build_lora_mm``)."""
-    if "output.weight" in ctx.w:
-        return ctx.build_lora_mm("output.weight", x).float()
-    ctx.n_nodes += 1
-    return (x @ ctx.w["token_embd.weight"].T).float()
+    return ctx.build_output(x)

@@ -13,32 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.runtime.arch import TensorSpec, meta
-from worker.runtime.arch.gemma3 import output_logits
+from worker.runtime.arch import base
+from worker.runtime.arch.base import TensorSpec, meta
 from worker.runtime.graph import GraphContext, inv_sqrt
 
 
 @dataclass(frozen=True)
-class HParams:
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    n_embd_head_k: int
-    n_embd_head_v: int
+class HParams(base.HParams):
+    """Llama hyper-parameters: the shared base plus the fields below."""
+
     n_rot: int
-    eps: float
-    rope_freq_base: float
-    rope_freq_scale: float
     n_expert: int
     n_expert_used: int
-    n_swa: int
-    n_ctx_train: int
-
-    def is_swa(self, il: int) -> bool:
-        return False
 
 
 def load_hparams(gguf) -> HParams:
@@ -122,4 +108,4 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
                                 down=b + "ffn_down.weight", act="silu")
         x = cur + ffn_inp
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
-    return output_logits(ctx, x)
+    return ctx.build_output(x)

@@ -1,0 +1,65 @@
+"""Import rules of the layout (README "How a request flows"), checked in fresh interpreters:
+the control plane never loads torch; LoRA code never imports serving code; product packages
+never import ``bench`` at module level."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fresh(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_control_plane_does_not_import_torch():
+    r = _fresh("import control_plane.server, control_plane.registry, sys; "
+               "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+               "assert not bad, bad[:5]")
+    assert r.returncode == 0, r.stderr
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(module, line, at module level) for every import in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top = {id(n) for n in tree.body}
+    out: list[tuple[str, int, bool]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, node.lineno, id(node) in top))
+    return out
+
+
+def _py(*dirs: str) -> list[Path]:
+    return [p for d in dirs for p in (ROOT / d).rglob("*.py") if "node_modules" not in p.parts]
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("worker/lora", ("worker.serving", "worker.rpc", "worker.runtime.context", "control_plane", "clients")),
+    ("worker/gguf", ("worker.lora", "worker.runtime", "worker.serving", "worker.rpc", "torch")),
+    ("worker/runtime", ("worker.serving", "worker.rpc", "control_plane", "clients")),
+    ("worker/serving", ("worker.rpc", "grpc", "control_plane", "clients")),
+    # the control plane uses only the torch-free parts of the worker: the GGUF format, adapter-file
+    # validation and the tokenizer (to show aLoRA invocation text)
+    ("control_plane", ("worker.runtime.model", "worker.runtime.context", "worker.runtime.graph", "worker.serving",
+                       "worker.rpc", "worker.lora.adapter", "worker.lora.plan", "torch", "clients")),
+    ("loraplane", ("worker", "control_plane", "clients", "torch")),
+])
+def test_package_does_not_import(package, forbidden):
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in _py(package)
+           for mod, line, _ in _imports(p) if any(mod == f or mod.startswith(f + ".") for f in forbidden)]
+    assert not bad, bad
+
+
+def test_product_packages_do_not_import_bench_at_module_level():
+    bad = [f"{p.relative_to(ROOT)}:{line}" for p in _py("worker", "control_plane", "clients", "loraplane")
+           for mod, line, top in _imports(p) if top and (mod == "bench" or mod.startswith("bench."))]
+    assert not bad, bad

@@ -1,0 +1,265 @@
+"""Unit tests of the serving rooms on tiny synthetic objects (fast tier, no model loaded):
+the aLoRA rule, llama-server's cache rule, the keyed prefix store and policy, ubatch
+assembly, the immutable LoRA plan and its routing input, scale rule, incremental
+detokenization, and the telemetry/stats records against the protos."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import types
+
+import pytest
+import torch
+
+from loraplane.v1 import common_pb2 as pb
+from loraplane.v1 import worker_pb2
+from worker.config import PrefixCachePolicy
+from worker.errors import InvalidRequestError
+from worker.lora.adapter import LoraAdapter, LoraPair, lora_scale
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.alora import find_last, resolve_alora
+from worker.lora.plan import build_plan
+from worker.runtime.kv_cache import KVCache
+from worker.runtime.sampling import SamplingParams
+from worker.serving.cache_policy import KeyedCachePolicy, LlamaCachePolicy, lora_should_clear_cache
+from worker.serving.engine import WorkerStatsRecord
+from worker.serving.output import IncrementalDetokenizer, finish_reason, prompt_token_logprobs
+from worker.serving.prefix_store import PrefixCache
+from worker.serving.request import GenRequest, RequestTelemetry, StepInfo
+from worker.serving.slots import Slot, SlotState
+from worker.serving.ubatch import assemble_ubatch
+
+K, D = 8, 6
+
+
+def adapter(name: str, *, rank: int = 2, alpha: float = 0.0, invocation: tuple[int, ...] = (),
+            weights: tuple[str, ...] = ("w",), seed: int = 0) -> LoraAdapter:
+    g = torch.Generator().manual_seed(seed)
+    pairs = {w: LoraPair(w, torch.randn(rank, K, generator=g), torch.randn(D, rank, generator=g)) for w in weights}
+    return LoraAdapter(path=f"/x/{name}.gguf", sha256=name * 8, arch="llama", name=name, alpha=alpha,
+                       pairs=types.MappingProxyType(pairs), alora_invocation_tokens=invocation,
+                       task_name="", prompt_prefix="", size_bytes=0)
+
+
+A, B = adapter("aaaa", seed=1), adapter("bbbb", seed=2, rank=3, alpha=6.0)
+AL = adapter("alora", invocation=(7, 8), seed=3)
+AL2 = adapter("alor2", invocation=(9,), seed=4)
+
+
+def request(prompt: list[int], aset: AdapterSet, *, prompt_logprobs: bool = False) -> GenRequest:
+    return GenRequest("r", prompt, SamplingParams(max_tokens=4, prompt_logprobs=prompt_logprobs),
+                      resolve_alora(aset, prompt), lambda ev: None, detok=None)  # type: ignore[arg-type]
+
+
+# --- aLoRA rule ---------------------------------------------------------------------------
+def test_alora_rule_activation_point_and_drop():
+    s = AdapterSet.of({0: (A, 1.0), 5: (AL, 1.0)})
+    act = resolve_alora(s, [1, 7, 8, 2, 7, 8, 3])
+    assert act.start == 4 and act.adapter_set == s and act.pre_set == s.without([5])
+    missing = resolve_alora(s, [1, 2, 3])
+    assert missing.start == -1 and missing.adapter_set == missing.pre_set == s.without([5])
+    plain = resolve_alora(AdapterSet.of({0: (A, 1.0)}), [7, 8])
+    assert plain.start == -1 and plain.adapter_set == plain.pre_set
+    assert find_last([1, 2, 1, 2], (1, 2)) == 2 and find_last([1], (1, 2)) == -1
+    with pytest.raises(InvalidRequestError, match="more than one activated LoRA"):
+        resolve_alora(AdapterSet.of({5: (AL, 1.0), 6: (AL2, 1.0)}), [7, 8, 9])
+
+
+def test_request_set_at_switches_at_activation():
+    r = request([1, 2, 7, 8, 5], AdapterSet.of({5: (AL, 1.0)}))
+    assert [r.set_at(p).ids for p in range(6)] == [(), (), (5,), (5,), (5,), (5,)]
+
+
+# --- llama-server's cache rule ------------------------------------------------------------
+@pytest.mark.parametrize("cur, nxt, clear", [
+    (EMPTY_SET, EMPTY_SET, False),
+    (EMPTY_SET, AdapterSet.of({0: (A, 1.0)}), True),
+    (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 1.0)}), False),
+    (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 0.5)}), True),
+    (AdapterSet.of({0: (A, 1.0)}), EMPTY_SET, True),
+    (EMPTY_SET, AdapterSet.of({5: (AL, 1.0)}), False),
+    (AdapterSet.of({5: (AL, 1.0)}), AdapterSet.of({6: (AL2, 1.0)}), False),
+    (AdapterSet.of({5: (AL, 1.0)}), EMPTY_SET, True),
+    (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({5: (AL, 1.0)}), True),
+])
+def test_lora_should_clear_cache(cur, nxt, clear):
+    assert lora_should_clear_cache(cur, nxt) is clear
+
+
+def test_set_identity_is_content_and_scale_not_id():
+    assert AdapterSet.of({0: (A, 1.0)}) == AdapterSet.of({7: (A, 1.0)})
+    assert AdapterSet.of({0: (A, 1.0)}).fingerprint != AdapterSet.of({0: (A, 0.5)}).fingerprint
+    assert AdapterSet.of({0: (A, 0.0)}) == EMPTY_SET and EMPTY_SET.fingerprint == "base"
+
+
+# --- policies ------------------------------------------------------------------------------
+def small_kv() -> KVCache:
+    return KVCache(n_layer=1, n_head_kv=1, n_embd_head_k=2, n_embd_head_v=2, n_ctx_seq=32,
+                   dtype=torch.float32, device=torch.device("cpu"))
+
+
+def fill(kv: KVCache, seq: int, n: int) -> None:
+    kv.begin_append(seq, kv.seq_len(seq), n)
+    kv.commit(seq, kv.seq_len(seq) + n)
+
+
+def test_llama_policy_picks_longest_prefix_and_clears_on_switch():
+    pol, kv = LlamaCachePolicy(), small_kv()
+    s0, s1 = Slot(0, cache_tokens=[1, 2, 3], last_used=1.0), Slot(1, cache_tokens=[1, 9], last_used=0.0)
+    a = AdapterSet.of({0: (A, 1.0)})
+    s0.cache_sets, s1.cache_sets = [a] * 3, [a] * 2
+    s0.last_set = s1.last_set = a
+    req = request([1, 2, 3, 4], a)
+    assert pol.pick_slot([s0, s1], req) is s0
+    assert pol.pick_slot([s0, s1], request([5, 6], a)) is s1  # no common prefix: LRU
+    fill(kv, 0, 3)
+    assert pol.attach(s0, req, kv) == 3 and kv.seq_len(0) == 3 and not req.telemetry.cache_cleared
+    other = request([1, 2, 3, 4], AdapterSet.of({0: (B, 1.0)}))
+    assert pol.attach(s0, other, kv) == 0 and kv.seq_len(0) == 0
+    assert other.telemetry.cache_cleared and "lora_should_clear_cache" in other.telemetry.cache_clear_reason
+
+
+def test_keyed_store_isolates_fingerprints_and_evicts_lru():
+    store = PrefixCache(max_tokens=10)
+    snap = object()
+    store.store("fa", [1, 2, 3, 4], snap)  # type: ignore[arg-type]
+    store.store("fb", [1, 2, 3, 4, 5], snap)  # type: ignore[arg-type]
+    assert store.lookup("fa", [1, 2, 3, 9], limit=8)[0] == 3  # "fa" is now most recently used
+    assert store.lookup("fc", [1, 2, 3, 9], limit=8) == (0, None)
+    assert store.lookup("fa", [1, 2, 3, 4, 5], limit=2)[0] == 2  # capped
+    store.store("fa", [1, 2, 3, 4, 5, 6], snap)  # type: ignore[arg-type]  # replaces its own prefix
+    # 5 + 6 = 11 > 10 tokens: the least recently used entry ("fb") is evicted
+    assert len(store) == 1 and store.n_tokens == 6
+    assert store.lookup("fb", [1, 2, 3, 4, 5], limit=8) == (0, None)
+    assert store.lookup("fa", [1, 2, 3, 4, 5, 6, 7], limit=8)[0] == 6
+
+
+def test_keyed_policy_roundtrip_respects_alora_start():
+    store = PrefixCache()
+    pol, kv = KeyedCachePolicy(store), small_kv()
+    aset = AdapterSet.of({5: (AL, 1.0)})
+    done = request([1, 2, 3, 7, 8, 4], aset)
+    slot = Slot(0, req=done, n_past=6, cache_tokens=[1, 2, 3, 7, 8, 4])
+    fill(kv, 0, 6)
+    pol.on_finish(slot, done, kv)  # only the pre-activation prefix [1,2,3] is stored, under no adapter
+    assert kv.seq_len(0) == 0 and slot.cache_tokens == []
+    base_req = request([1, 2, 3, 5, 6], EMPTY_SET)
+    assert pol.attach(slot, base_req, kv) == 3 and kv.seq_len(0) == 3
+    assert pol.attach(slot, request([1, 2, 3, 5], AdapterSet.of({0: (A, 1.0)})), kv) == 0
+
+
+# --- ubatch assembly ---------------------------------------------------------------------
+def busy_slot(sid: int, req: GenRequest, state: SlotState, n_past: int, last_step: int = 0) -> Slot:
+    s = Slot(sid, state=state, req=req, n_past=n_past, last_step=last_step)
+    return s
+
+
+def test_assemble_mixed_routes_every_row_to_its_set():
+    a, b = AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({1: (B, 1.0)})
+    g = request([1, 2, 3], a)
+    g.generated = [9]
+    p = request([4, 5, 6, 7], b)
+    slots = [busy_slot(0, g, SlotState.GENERATING, 3), busy_slot(1, p, SlotState.PROMPT, 1)]
+    plan = assemble_ubatch(slots, compat=False)
+    ub = plan.ubatch
+    assert ub.tokens == [9, 5, 6, 7] and ub.pos == [3, 1, 2, 3] and ub.seq_ids == [0, 1, 1, 1]
+    assert ub.logits == [True, False, False, True]
+    assert [plan.sets[i] for i in ub.set_index] == [a, b, b, b]
+    assert [s.fingerprint for s in plan.sets] == sorted(s.fingerprint for s in plan.sets)
+    assert all(slot.state in (SlotState.GENERATING, SlotState.PROMPT) for slot in slots)  # untouched
+
+
+def test_assemble_compat_one_set_and_budget_and_alora_split():
+    a = AdapterSet.of({0: (A, 1.0)})
+    r1, r2, r3 = request([1, 2, 3, 4, 5], a), request([6, 7, 8], EMPTY_SET), request([1, 2], a)
+    slots = [busy_slot(0, r1, SlotState.PROMPT, 0, last_step=5), busy_slot(1, r2, SlotState.PROMPT, 0, last_step=1),
+             busy_slot(2, r3, SlotState.PROMPT, 0, last_step=3)]
+    plan = assemble_ubatch(slots, compat=True)
+    assert [s.id for s, _ in plan.parts] == [1] and len(plan.sets) == 1  # oldest group only
+    plan = assemble_ubatch([slots[0], slots[2]], compat=True, n_batch=4)
+    assert [(s.id, rows) for s, rows in plan.parts] == [(0, [0, 1, 2, 3])]  # budget spent
+    al = request([1, 7, 8, 2], AdapterSet.of({5: (AL, 1.0)}))
+    plan = assemble_ubatch([busy_slot(0, al, SlotState.PROMPT, 0)], compat=True)
+    assert plan.parts[0][1] == [0]  # compat splits at the activation point (start = 1)
+    plan = assemble_ubatch([busy_slot(0, al, SlotState.PROMPT, 0)], compat=False)
+    assert plan.parts[0][1] == [0, 1, 2, 3] and len(plan.sets) == 2
+
+
+# --- plan and scale rule ------------------------------------------------------------------
+def test_plan_is_immutable_and_routing_is_an_input():
+    sets = (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 0.5), 1: (B, 2.0)}), EMPTY_SET)
+    plan = build_plan(sets)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.sets = ()  # type: ignore[misc]
+    fw = plan.fused["w"]
+    assert fw.lora_a.shape == (2 + 3, K) and fw.lora_b.shape == (D, 5)
+    expect = torch.tensor([[1.0, 1.0, 0, 0, 0],
+                           [0.5, 0.5] + [lora_scale(2.0, 6.0, 3)] * 3,
+                           [0, 0, 0, 0, 0]])
+    torch.testing.assert_close(fw.set_scales, expect)
+    route = torch.tensor([2, 0, 1, 1])
+    torch.testing.assert_close(plan.row_scales(fw, route, torch.float32), expect[route])
+    torch.testing.assert_close(plan.row_scales(fw, route[:1], torch.float32), expect[[2]])  # same plan, new input
+    x = torch.randn(4, K)
+    y = (x @ fw.lora_a.T * plan.row_scales(fw, route, torch.float32)) @ fw.lora_b.T
+    for i, j in enumerate(route.tolist()):  # every row gets exactly its own set's adapters
+        ref = torch.zeros(D)
+        for _, ad, sc in sets[j].entries:
+            p = ad.pairs["w"]
+            ref += lora_scale(sc, ad.alpha, p.rank) * (p.lora_b @ (p.lora_a @ x[i]))
+        torch.testing.assert_close(y[i], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_scale_rule():
+    assert lora_scale(1.0, 0.0, 8) == 1.0 and lora_scale(0.5, 16.0, 8) == 1.0 and lora_scale(2.0, 6.0, 3) == 4.0
+
+
+# --- output ------------------------------------------------------------------------------
+def test_incremental_detokenizer_equals_decode(fixtures_dir):
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"))
+    rng = random.Random(0)
+    byte_ids = [tok.encode(ch, add_special=False)[-1] for ch in "é🌊中"]  # may be byte tokens
+    for trial in range(200):
+        ids = [rng.randrange(tok.n_vocab) for _ in range(rng.randrange(1, 30))]
+        if trial % 3 == 0:
+            ids += byte_ids
+        if trial % 7 == 0 and tok.bos_id is not None:
+            ids = [tok.bos_id, *ids]
+        d = IncrementalDetokenizer(tok)
+        text = "".join(d.push(t) for t in ids) + d.flush()
+        assert text == tok.decode(ids), ids
+
+
+def test_prompt_logprobs_and_finish_reason():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
+    got = prompt_token_logprobs(logits, [2, 0])
+    ref = torch.log_softmax(logits, -1)
+    assert got == [(2, pytest.approx(float(ref[0, 2]))), (0, pytest.approx(float(ref[1, 0])))]
+    kw = dict(eog_ids=frozenset({1}), n_past=5, n_ctx=100)
+    assert finish_reason(1, ignore_eos=False, n_generated=1, max_tokens=9, **kw) == "stop"
+    assert finish_reason(1, ignore_eos=True, n_generated=1, max_tokens=9, **kw) is None
+    assert finish_reason(2, ignore_eos=False, n_generated=9, max_tokens=9, **kw) == "length"
+    assert finish_reason(2, ignore_eos=False, n_generated=1, max_tokens=9, eog_ids=frozenset(), n_past=99,
+                         n_ctx=100) == "length"
+
+
+# --- typed records vs protos --------------------------------------------------------------
+@pytest.mark.parametrize("record, message", [(RequestTelemetry, pb.RequestTelemetry), (StepInfo, pb.StepTelemetry),
+                                             (WorkerStatsRecord, worker_pb2.WorkerStats)])
+def test_records_match_their_protos(record, message):
+    ours = {f.name for f in dataclasses.fields(record)}
+    assert ours == set(message.DESCRIPTOR.fields_by_name), (ours ^ set(message.DESCRIPTOR.fields_by_name))
+
+
+def test_telemetry_mapping_rejects_unknown_fields():
+    from worker.rpc.servicer import telemetry_to_proto
+
+    t = RequestTelemetry(prompt_tokens=3, adapters=[(1, 0.5)], prefix_cache=PrefixCachePolicy.KEYED.value)
+    msg = telemetry_to_proto(t)
+    assert msg.prompt_tokens == 3 and [(a.id, a.scale) for a in msg.adapters] == [(1, 0.5)]
+    with pytest.raises(ValueError):
+        pb.RequestTelemetry(**{"prompt_tokenz": 1})

@@ -1,0 +1,139 @@
+"""Prefix-cache policies: what KV a slot keeps when a new request is attached to it.
+
+One interface, two implementations (``--prefix-cache``):
+
+- ``LlamaCachePolicy`` (llama-server): each slot keeps its last sequence; a slot is picked by
+  longest common token prefix (``get_available_slot``); when the adapter set changes,
+  ``lora_should_clear_cache`` decides whether the slot's cache survives.
+- ``KeyedCachePolicy`` (ours): finished prefixes go to a shared ``PrefixCache`` keyed by the
+  adapter-set fingerprint (content hashes + scales), so A→B→A finds A's prefix again.
+
+Either way a cached position is reused only if the adapter set the new request uses at that
+position computed it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from worker.config import PrefixCachePolicy
+from worker.lora.adapter_set import AdapterSet
+from worker.runtime.kv_cache import KVCache
+from worker.serving.prefix_store import PrefixCache
+from worker.serving.request import GenRequest
+from worker.serving.slots import Slot
+
+
+def lora_should_clear_cache(current: AdapterSet, nxt: AdapterSet) -> bool:
+    """llama-server's rule when a slot's adapter set changes: keep the cache only when the
+    current set is empty or all-aLoRA **and** the next set is all-aLoRA (an empty set is not
+    all-aLoRA). Source: tools/server ``lora_should_clear_cache``."""
+    if current == nxt:
+        return False
+    keep = (current.is_empty() or current.all_alora()) and nxt.all_alora()
+    return not keep
+
+
+class CachePolicy(Protocol):
+    """How a scheduler picks a slot for a request and what KV the request may reuse."""
+
+    name: str
+
+    def pick_slot(self, free: list[Slot], req: GenRequest) -> Slot:
+        """One of ``free`` (non-empty) for ``req``."""
+        ...
+
+    def attach(self, slot: Slot, req: GenRequest, kv: KVCache) -> int:
+        """Prepare ``slot``'s KV sequence for ``req``; returns the positions reused (the KV
+        sequence holds exactly those afterwards). Records cache telemetry on ``req``."""
+        ...
+
+    def on_finish(self, slot: Slot, req: GenRequest, kv: KVCache) -> None:
+        """``req`` finished on ``slot`` (normally or cancelled)."""
+        ...
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class LlamaCachePolicy:
+    """llama-server's per-slot prompt cache with ``lora_should_clear_cache``."""
+
+    name = PrefixCachePolicy.LLAMA.value
+
+    def pick_slot(self, free: list[Slot], req: GenRequest) -> Slot:
+        """The idle slot whose cached tokens share the longest prefix with the prompt (tokens
+        only: the adapter rule is applied in ``attach``), else the least recently used."""
+        best = max(free, key=lambda s: (_lcp(s.cache_tokens, req.prompt), -s.last_used))
+        if _lcp(best.cache_tokens, req.prompt) > 0:
+            return best
+        return min(free, key=lambda s: s.last_used)
+
+    def attach(self, slot: Slot, req: GenRequest, kv: KVCache) -> int:
+        cur = slot.last_set
+        if slot.cache_tokens and cur is not None and lora_should_clear_cache(cur, req.adapter_set):
+            req.telemetry.cache_cleared = True
+            req.telemetry.cache_clear_reason = (f"adapter set changed ({cur.fingerprint} -> "
+                                                f"{req.adapter_set.fingerprint}): lora_should_clear_cache")
+            slot.drop_cache()
+        n = 0 if req.params.prompt_logprobs else slot.cached_prefix_for(req)
+        kv.seq_rm(slot.id, n)  # n == 0 drops the whole sequence
+        return n
+
+    def on_finish(self, slot: Slot, req: GenRequest, kv: KVCache) -> None:
+        """The slot keeps its sequence for the next request."""
+
+
+class KeyedCachePolicy:
+    """Prefixes stored in a shared ``PrefixCache`` under the fingerprint that computed them."""
+
+    name = PrefixCachePolicy.KEYED.value
+
+    def __init__(self, store: PrefixCache):
+        self.store = store
+
+    def pick_slot(self, free: list[Slot], req: GenRequest) -> Slot:
+        """Least recently used (the cache is shared, so any slot will do)."""
+        return min(free, key=lambda s: s.last_used)
+
+    def attach(self, slot: Slot, req: GenRequest, kv: KVCache) -> int:
+        kv.seq_rm(slot.id)
+        if req.params.prompt_logprobs:
+            return 0
+        limit = len(req.prompt) - 1
+        if req.activation.start >= 0:
+            limit = min(limit, req.activation.start)  # positions >= start use another set
+        n, entry = self.store.lookup(req.activation.pre_set.fingerprint, req.prompt, limit)
+        if entry is None or n == 0:
+            return 0
+        kv.import_(slot.id, entry.kv, n)
+        return n
+
+    def on_finish(self, slot: Slot, req: GenRequest, kv: KVCache) -> None:
+        """Save the cacheable prefix under the fingerprint that computed it, free the sequence."""
+        n = slot.n_past
+        start = req.activation.start
+        if start >= 0:
+            n, st = min(n, start), req.activation.pre_set
+        else:
+            st = req.adapter_set
+        if n > 0 and kv.seq_len(slot.id) >= n:
+            self.store.store(st.fingerprint, slot.cache_tokens[:n], kv.export(slot.id, n))
+        kv.seq_rm(slot.id)
+        slot.drop_cache()
+
+
+def make_cache_policy(policy: PrefixCachePolicy, store: PrefixCache) -> CachePolicy:
+    """The policy object for ``--prefix-cache``."""
+    if policy == PrefixCachePolicy.LLAMA:
+        return LlamaCachePolicy()
+    return KeyedCachePolicy(store)
+
+
+__all__ = ["CachePolicy", "KeyedCachePolicy", "LlamaCachePolicy", "lora_should_clear_cache", "make_cache_policy"]

@@ -1,0 +1,155 @@
+"""A generation request, the events it emits, and its typed telemetry (llama-server
+``server_task`` / ``server_task_result``).
+
+A ``GenRequest`` is admitted with a fully resolved adapter vector turned into an
+``AdapterSet``; the aLoRA activation is decided once, at admission
+(``worker.lora.alora.resolve_alora``). The scheduler emits ``StartedEvent`` once the prompt is
+computed, one ``TokenEvent`` per sampled token, then ``FinishedEvent`` or ``ErrorEvent``; the
+gRPC edge converts them to protos in one place (``worker.rpc.servicer.event_to_proto``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from worker.errors import WorkerError
+from worker.lora.adapter_set import AdapterSet
+from worker.lora.alora import AloraActivation
+from worker.runtime.sampling import SamplingParams
+from worker.serving.output import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the ubatch that produced a token looked like (proto ``StepTelemetry``)."""
+
+    batch_size: int
+    batch_tokens: int
+    n_adapter_sets: int
+    graph_reused: bool
+    n_nodes: int
+    node_budget: int
+    batching: str
+
+
+@dataclass
+class RequestTelemetry:
+    """Per-request summary (proto ``RequestTelemetry``, field for field; times in ms).
+
+    The proto mapping lives in ``worker.rpc.servicer.telemetry_to_proto``; a test checks that
+    every field here exists in the proto, so a misspelling cannot vanish silently.
+    """
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    cache_cleared: bool = False
+    cache_clear_reason: str = ""
+    prefix_cache: str = ""
+    alora_activation_pos: int = -1
+    adapter_set_fingerprint: str = ""
+    slot_id: int = 0
+    worker_id: str = ""
+    graph_reuses: int = 0
+    graph_rebuilds: int = 0
+    max_batch_size: int = 0
+    max_adapter_sets_in_batch: int = 0
+    adapters: list[tuple[int, float]] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+
+    def count_step(self, step: StepInfo) -> None:
+        """Fold one decode step this request took part in into the summary."""
+        if step.graph_reused:
+            self.graph_reuses += 1
+        else:
+            self.graph_rebuilds += 1
+        self.max_batch_size = max(self.max_batch_size, step.batch_size)
+        self.max_adapter_sets_in_batch = max(self.max_adapter_sets_in_batch, step.n_adapter_sets)
+
+
+@dataclass(frozen=True)
+class StartedEvent:
+    """The prompt is computed. ``prompt_logprobs[i]`` = (token id, log-prob) of prompt token
+    ``i`` given its prefix (None for token 0); the list is None unless asked for."""
+
+    prompt_tokens: list[int]
+    prompt_logprobs: list[tuple[int, float] | None] | None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One sampled token: its id, the new text it completes, its log-prob and top-N."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    step: StepInfo
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    """The request ended: ``finish_reason`` "stop" (end of generation) or "length"."""
+
+    finish_reason: str
+    text: str
+    telemetry: RequestTelemetry
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed; ``error`` names the outcome (its class maps to a gRPC status)."""
+
+    error: WorkerError
+
+
+Event = StartedEvent | TokenEvent | FinishedEvent | ErrorEvent
+
+
+@dataclass
+class GenRequest:
+    """One admitted generation request and its running state.
+
+    ``emit`` receives the request's events in order; ``cancelled`` is set by the gRPC edge.
+    ``detok`` turns generated tokens into text incrementally (never re-decoding the whole
+    output per step).
+    """
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    activation: AloraActivation
+    emit: Callable[[Event], None]
+    detok: IncrementalDetokenizer
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    admitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    generated: list[int] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, float] | None] = field(default_factory=list)
+    telemetry: RequestTelemetry = field(default_factory=RequestTelemetry)
+    held_ids: tuple[int, ...] = ()  # adapter ids this request pins (unload waits for them)
+
+    @property
+    def adapter_set(self) -> AdapterSet:
+        return self.activation.adapter_set
+
+    def set_at(self, pos: int) -> AdapterSet:
+        """The adapter set that computes position ``pos`` of this request."""
+        a = self.activation
+        return a.pre_set if 0 <= pos < a.start else a.adapter_set
+
+    def token_at(self, pos: int) -> int:
+        """Token at position ``pos`` of the sequence (prompt, then generated tokens)."""
+        n = len(self.prompt)
+        return self.prompt[pos] if pos < n else self.generated[pos - n]
+
+    @property
+    def adapter_ids(self) -> tuple[int, ...]:
+        return self.activation.adapter_set.ids
+
+
+__all__ = ["Event", "ErrorEvent", "FinishedEvent", "GenRequest", "RequestTelemetry", "StartedEvent",
+           "StepInfo", "TokenEvent"]
