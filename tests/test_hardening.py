@@ -525,12 +525,11 @@ def test_decode_streams_beyond_slots_and_queue_are_refused_at_once(guarded):
 def test_worker_removes_its_adapter_temp_dir_on_sigterm(fixtures_dir, tmp_path):
     import tempfile
 
-    before = set(Path(tempfile.gettempdir()).glob("loraplane-worker-adapters-*"))
     w = WorkerProcess("tmpdir", "n_slots=1")
     try:
         w.wait_ready()
         w.load(0, data=(fixtures_dir / "adapters" / "sea.gguf").read_bytes())
-        mine = set(Path(tempfile.gettempdir()).glob("loraplane-worker-adapters-*")) - before
+        mine = set(Path(tempfile.gettempdir()).glob(f"loraplane-worker-adapters-{w.proc.pid}-*"))
         assert len(mine) == 1 and any(p.suffix == ".gguf" for p in next(iter(mine)).iterdir())
     finally:
         w.stop()  # SIGTERM

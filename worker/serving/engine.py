@@ -93,7 +93,8 @@ class WorkerEngine:
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
         self._lock = threading.Lock()
         self._draining: set[int] = set()
-        self._cache_dir = Path(tempfile.mkdtemp(prefix="loraplane-worker-adapters-"))
+        # The pid in the name tells operators (and tests) whose directory it is.
+        self._cache_dir = Path(tempfile.mkdtemp(prefix=f"loraplane-worker-adapters-{os.getpid()}-"))
         self.max_piece_bytes = max_piece_bytes(base.tokenizer)
         self.max_prompt_bytes = prompt_byte_limit(config.n_ctx_slot, self.max_piece_bytes)
         self._tokenize_lock = threading.Lock()
