@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,15 @@ __all__ = [
 
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _EMPTY = common_pb2.Empty()
+
+
+def _close_channels(channels: dict[str, grpc.Channel], lock: threading.Lock) -> None:
+    """Close and forget every channel in ``channels`` (the sync client's finalizer)."""
+    with lock:
+        items = list(channels.values())
+        channels.clear()
+    for channel in items:
+        channel.close()
 
 
 def _check_upload_source(path: str | Path, server_path: bool) -> None:
@@ -124,14 +134,16 @@ class LoraplaneClient:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._ready: set[str] = set()
+        # A client never closed must not keep the interpreter from exiting: grpc's
+        # connectivity watch (started by `connect`) blocks grpc's shutdown at exit while a
+        # channel is open. `weakref.finalize` closes them when the client is collected or, at
+        # the latest, at interpreter exit (finalizers run from atexit).
+        self._finalizer = weakref.finalize(self, _close_channels, self._channels, self._lock)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+        self._finalizer()  # closes every channel once; later calls do nothing
 
     def __enter__(self) -> LoraplaneClient:
         return self

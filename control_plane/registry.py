@@ -39,6 +39,7 @@ from control_plane.errors import (
 )
 from control_plane.resolution import AdapterVector, check_scale, resolve_adapter_vector
 from control_plane.store import AdapterRecord, AdapterStore
+from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
 from worker.lora.adapter_file import AdapterFile, validate_lora_adapter
 
 log = structlog.get_logger("control_plane.registry")
@@ -71,11 +72,6 @@ def adapter_metadata(adapter: AdapterFile, invocation_text: str) -> dict[str, An
     }
 
 
-def is_inside(path: Path, root: Path) -> bool:
-    """True when resolved ``path`` is ``root`` or below it (both already resolved)."""
-    return path == root or root in path.parents
-
-
 class AdapterRegistry:
     """Registered adapters and the default set, persisted in an `AdapterStore`.
 
@@ -94,8 +90,9 @@ class AdapterRegistry:
         self.base = base
         self.upload_dir = Path(data_dir) / "adapters"
         self.upload_dir.mkdir(parents=True, exist_ok=True)
-        self.adapter_dirs = tuple(Path(d).resolve() for d in adapter_dirs)
+        self.adapter_dirs = resolve_dirs(adapter_dirs)
         self.max_upload_bytes = int(max_upload_bytes)
+        self._remove_partial_uploads()
         self._warn_arch_mismatch()
 
     # -- reads --------------------------------------------------------------------------
@@ -152,18 +149,16 @@ class AdapterRegistry:
         """Register a file already on the server; it must lie inside an adapter dir.
 
         Raises:
-            InvalidArgumentError: a relative path, or an invalid adapter.
+            InvalidArgumentError: a relative path, a NUL byte, or an invalid adapter.
             PermissionDeniedError: the resolved path is outside every adapter dir (nothing read).
             NotFoundError: no such file.
         """
-        if not Path(path).is_absolute():
-            raise InvalidArgumentError(f"server path '{path}' must be absolute")
-        resolved = Path(path).resolve()
-        if not any(is_inside(resolved, d) for d in self.adapter_dirs):
-            allowed = [str(d) for d in self.adapter_dirs] or "none configured (--adapter-dir)"
-            raise PermissionDeniedError(
-                f"server path '{path}' resolves to '{resolved}', outside the adapter directories "
-                f"({allowed})")
+        try:
+            resolved = confine(path, self.adapter_dirs)
+        except MalformedPath as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        except OutsideAdapterDirs as exc:
+            raise PermissionDeniedError(str(exc)) from None
         return self._register_file(resolved, name=name, source="server_path")
 
     def register_startup(self, path: str | Path, scale: float) -> AdapterRecord:
@@ -244,6 +239,13 @@ class AdapterRegistry:
     def detach_all(self) -> None:
         """Every default scale to 0 (``--lora-init-without-apply``: load all, apply none)."""
         self.store.set_default_scales({}, others=0.0)
+
+    def _remove_partial_uploads(self) -> None:
+        """Delete ``.upload-*.part`` files a crash mid-upload left behind (this process owns
+        the data dir, so none can belong to a live upload at start-up)."""
+        for part in self.upload_dir.glob(".upload-*.part"):
+            part.unlink(missing_ok=True)
+            log.info("partial_upload_removed", path=str(part))
 
     def _warn_arch_mismatch(self) -> None:
         for rec in self.store.list():

@@ -3,6 +3,15 @@
 `create_server(config)` wires store → registry → worker pool → router → servicer, registers
 the start-up adapters, and returns the started server with its bound port;
 `run_control_plane(config)` blocks until SIGINT/SIGTERM.
+
+Threads: one ``ThreadPoolExecutor`` of ``max_threads``; a streaming Generate relay holds a
+thread for its whole life, so groups of calls are capped (`ConcurrencyLimitInterceptor`,
+RESOURCE_EXHAUSTED at once beyond the cap) and the rest of the pool stays free for short
+calls: Generate ≤ ``stream_limit`` (default ``max_threads - 16``), admin calls ≤ 4,
+RegisterWorker/Heartbeat ≤ 4 (both answer in milliseconds: dialing a worker happens in the
+pool's own join threads). Reads, health and reflection are never capped and always find a
+thread. Interceptors, outermost first: admin token, worker secret, decode guard
+(undecodable requests → INVALID_ARGUMENT), the caps.
 """
 
 from __future__ import annotations
@@ -18,9 +27,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.auth import AdminAuthInterceptor, admin_token_from
+from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
-from control_plane.config import ControlPlaneConfig, parse_lora_scaled
+from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
+from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
+from loraplane.worker_secret import MEMBERSHIP_METHODS, membership_guard, worker_secret_from
 from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
@@ -29,7 +40,7 @@ from control_plane.store import AdapterStore, open_store
 from control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.logging import configure_logging
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, worker_pb2
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 
 __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lora_scaled",
            "run_control_plane"]
@@ -37,7 +48,7 @@ __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lo
 log = structlog.get_logger("control_plane.server")
 
 CONTROL_PLANE_SERVICE = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
-WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+GENERATE_METHOD = f"/{CONTROL_PLANE_SERVICE}/Generate"
 
 
 @dataclass
@@ -82,8 +93,9 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
         store.close()
         raise
     timings = MembershipTimings(heartbeat_interval_s=config.heartbeat_interval_s,
-                                dead_after_missed=config.dead_after_missed)
-    pool = WorkerPool(registry, timings)
+                                dead_after_missed=config.dead_after_missed,
+                                unload_wait_s=config.unload_wait_s)
+    pool = WorkerPool(registry, timings, secret=worker_secret_from(config.worker_secret))
     replicas = ReplicaSync(store, pool, interval_s=timings.heartbeat_interval_s, dead_after_s=timings.dead_after_s)
     return ControlPlaneState(config, store, registry, pool, Router(registry, pool), health.HealthServicer(),
                              replicas)
@@ -107,13 +119,25 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     """A started control-plane server, its bound port, and its state.
 
     Serves ControlPlane plus the standard health service (SERVING) and reflection (for the
-    ControlPlane, Worker and Health services). Messages up to 64 MiB both ways.
-    Stop with ``server.stop(grace)`` then ``state.close()``.
+    ControlPlane and Health services: it does not serve Worker). Messages up to 64 MiB both
+    ways. Stop with ``server.stop(grace)`` then ``state.close()``.
+
+    Raises:
+        ValueError: thread limits that leave nothing for reads (`ControlPlaneConfig.stream_limit`).
     """
     configure_logging(config.log_level)
+    stream_limit = config.stream_limit
     state = build_state(config)
     token = admin_token_from(config.admin_token)
-    interceptors = [AdminAuthInterceptor(token)] if token else []
+    secret = worker_secret_from(config.worker_secret)
+    limits = ConcurrencyLimitInterceptor({
+        "Generate stream": (stream_limit, GENERATE_METHOD.__eq__),
+        "admin": (ADMIN_CALLS, ADMIN_METHODS.__contains__),
+        "worker membership": (MEMBERSHIP_CALLS, MEMBERSHIP_METHODS.__contains__),
+    }, hint=" (control plane: --max-streams / --max-threads)")
+    interceptors = [*([AdminAuthInterceptor(token)] if token else []),
+                    *([membership_guard(secret)] if secret else []),
+                    DecodeGuardInterceptor(), limits]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_threads, thread_name_prefix="cp-rpc"),
         interceptors=interceptors,
@@ -129,7 +153,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         ControlPlaneServicer(state.registry, state.pool, state.router, state.replicas), server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     reflection.enable_server_reflection(
-        (CONTROL_PLANE_SERVICE, WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (CONTROL_PLANE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         port = _bind(server, config)
     except BaseException:
@@ -140,7 +164,8 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     for service in ("", CONTROL_PLANE_SERVICE):
         state.health.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("control_plane_started", addr=config.addr, port=port, database=state.store.description,
-             adapters=len(state.registry.list()), admin_auth=bool(token))
+             adapters=len(state.registry.list()), admin_auth=bool(token), worker_secret=bool(secret),
+             max_threads=config.max_threads, stream_limit=stream_limit)
     return server, port, state
 
 

@@ -154,14 +154,14 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     @boundary
     def RegisterWorker(self, request, context):
-        self.pool.register(request)
+        joined = self.pool.register(request)
         if self.replicas is not None:
             self.replicas.record(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)
 
     @boundary
     def Heartbeat(self, request, context):
-        self.pool.heartbeat(request)
+        joined = self.pool.heartbeat(request)
         if self.replicas is not None:
             self.replicas.record(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)

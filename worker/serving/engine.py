@@ -13,13 +13,13 @@ import concurrent.futures
 import hashlib
 import math
 import os
+import shutil
 import tempfile
 import threading
 import uuid
 from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
@@ -54,6 +54,24 @@ class WorkerStatsRecord:
     adapter_bytes: int
 
 
+def max_piece_bytes(tokenizer) -> int:
+    """The most input bytes one token can stand for: the longest vocab piece in UTF-8 bytes.
+
+    A piece's text is never shorter than the input it covers (spaces are escaped to the
+    3-byte ``▁``, byte-fallback pieces ``<0xNN>`` cover one byte, ``<unk>`` one character).
+    Gemma 3's vocab: 48 bytes.
+    """
+    return max(1, max(len(tokenizer.token_to_piece(i).encode("utf-8", "surrogatepass"))
+                      for i in range(tokenizer.n_vocab)))
+
+
+def prompt_byte_limit(n_ctx_slot: int, piece_bytes: int) -> int:
+    """Largest text prompt, in UTF-8 bytes, that could still fit a slot: a longer one needs at
+    least ``n_ctx_slot`` tokens, which ``Scheduler.submit`` refuses anyway, so refusing it
+    before tokenizing changes no answer, only the cost (Gemma 3, n_ctx 4096: 196 560 bytes)."""
+    return (n_ctx_slot - 1) * piece_bytes
+
+
 class WorkerEngine:
     """Holds the model, context, scheduler and adapter table of one worker process."""
 
@@ -66,7 +84,11 @@ class WorkerEngine:
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
         self._lock = threading.Lock()
         self._draining: set[int] = set()
-        self._cache_dir = Path(tempfile.mkdtemp(prefix="loraplane-worker-adapters-"))
+        # The pid in the name tells operators (and tests) whose directory it is.
+        self._cache_dir = Path(tempfile.mkdtemp(prefix=f"loraplane-worker-adapters-{os.getpid()}-"))
+        self.max_piece_bytes = max_piece_bytes(base.tokenizer)
+        self.max_prompt_bytes = prompt_byte_limit(config.n_ctx_slot, self.max_piece_bytes)
+        self._tokenize_lock = threading.Lock()
         self.scheduler.start()
 
     @property
@@ -74,8 +96,11 @@ class WorkerEngine:
         return self.model.base
 
     def close(self) -> None:
+        """Stop the scheduler, free the context, and remove the adapter temp dir (uploaded
+        adapter files are copies: the control plane keeps the originals)."""
         self.scheduler.stop()
         self.ctx.close()
+        shutil.rmtree(self._cache_dir, ignore_errors=True)
 
     # --- adapters -------------------------------------------------------------------------
     def load_adapter(self, adapter_id: int, *, sha256: str = "", path: str = "", data: bytes = b"") -> LoraAdapter:
@@ -143,6 +168,11 @@ class WorkerEngine:
             self._draining.discard(adapter_id)
         log.info("adapter freed", adapter_id=adapter_id)
 
+    def draining_ids(self) -> set[int]:
+        """Adapters being unloaded: refused for new requests, freed once idle."""
+        with self._lock:
+            return set(self._draining)
+
     def adapters(self) -> dict[int, LoraAdapter]:
         with self._lock:
             return dict(self.model.adapters.by_id)
@@ -181,10 +211,30 @@ class WorkerEngine:
             WorkerError: a subclass naming the outcome (``worker.errors``).
         """
         if prompt_tokens is None:
-            prompt_tokens = self.base.tokenizer.encode(prompt_text or "", add_special=True, parse_special=True)
+            prompt_tokens = self.tokenize(prompt_text or "")
         adapter_set = self.resolve_set(entries)
         return self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
                                      adapter_set=adapter_set, emit=emit)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Tokenize a text prompt, size first.
+
+        A text over ``max_prompt_bytes`` (`prompt_byte_limit`) is refused before any
+        tokenization, since it cannot fit the slot context. Tokenizations run one at a time
+        (``_tokenize_lock``): the decode loop then shares the interpreter with at most one
+        tokenizing thread, for at most ~0.6 s (the limit's worth of text on this CPU).
+
+        Raises:
+            InvalidRequestError: the text is longer than ``max_prompt_bytes`` UTF-8 bytes.
+        """
+        n_bytes = len(text) if len(text) > self.max_prompt_bytes else len(text.encode("utf-8", "surrogatepass"))
+        if n_bytes > self.max_prompt_bytes:
+            raise InvalidRequestError(
+                f"prompt text has {n_bytes} bytes (or more); a slot holds n_ctx={self.config.n_ctx_slot} tokens "
+                f"and one token covers at most {self.max_piece_bytes} bytes, so at most "
+                f"{self.max_prompt_bytes} bytes can fit (refused before tokenizing)")
+        with self._tokenize_lock:
+            return self.base.tokenizer.encode(text, add_special=True, parse_special=True)
 
     def stats(self) -> WorkerStatsRecord:
         """Scheduler counters plus the worker's identity, model and adapter footprint."""
