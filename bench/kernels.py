@@ -6,7 +6,9 @@ Prints the CPU flags and the kernel path taken, then for each distinct (type, sh
 Gemma 3 270M GGUF's linear weights, and the 262144 x 640 Q8_0 output projection, at each batch
 size: median and min-max milliseconds over ``--reps`` runs of
 
-- ``ours``        the C kernel on the selected path (and ``ours-avx2`` beside it on AVX-512 CPUs),
+- ``ours``        the C kernel on the selected path, int16 activations (the default),
+- ``ours-i8``     the same with int8 activations (``LORAPLANE_KERNEL_ACT=i8``),
+- ``ours-avx2`` / ``ours-avx2-i8``  the AVX2 path beside them on AVX-512 CPUs,
 - ``f32``         the current ``x @ W.T`` on the f32 dequantized weight (MKL),
 - ``fbgemm-fp16`` ``torch.fbgemm_linear_fp16_weight`` on fp16-packed weights, if torch has it,
 
@@ -37,7 +39,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from worker.gguf.reader import dequantize, read_gguf  # noqa: E402
-from worker.runtime.kernels import cpu_flags, cpu_model, pack_tensor, resolve_path, supported  # noqa: E402
+from worker.runtime.kernels import (cpu_flags, cpu_model, pack_tensor, resolve_act, resolve_path,  # noqa: E402
+                                    supported)
 from worker.runtime.kernels.build import library_path  # noqa: E402
 
 SHOW_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
@@ -71,9 +74,11 @@ def _fmt(ts: list[float]) -> str:
 def _methods(rec, path: str, with_baselines: bool):
     """name -> (callable(x), weight bytes read)."""
     ql = pack_tensor(rec)
-    out = {"ours": (lambda x: ql.matmul(x, path=path), ql.nbytes)}
+    out = {"ours": (lambda x: ql.matmul(x, path=path, act="i16"), ql.nbytes),
+           "ours-i8": (lambda x: ql.matmul(x, path=path, act="i8"), ql.nbytes)}
     if path == "avx512" and supported("avx2"):
-        out["ours-avx2"] = (lambda x: ql.matmul(x, path="avx2"), ql.nbytes)
+        out["ours-avx2"] = (lambda x: ql.matmul(x, path="avx2", act="i16"), ql.nbytes)
+        out["ours-avx2-i8"] = (lambda x: ql.matmul(x, path="avx2", act="i8"), ql.nbytes)
     if with_baselines:
         w = torch.from_numpy(np.array(dequantize(rec.name, rec), dtype=np.float32))
         out["f32"] = (lambda x: x @ w.T, w.nbytes)
@@ -177,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu: {cpu_model()}; {os.cpu_count()} cpus; torch threads {torch.get_num_threads()}; "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
     print("flags: " + " ".join(f"{f}={'y' if f in flags else 'n'}" for f in SHOW_FLAGS))
-    print(f"kernel path: {path} ({library_path(path).name if path != 'torch' else 'torch fallback'})")
+    print(f"kernel path: {path} ({library_path(path).name if path != 'torch' else 'torch fallback'}); "
+          f"default activations: {resolve_act()}")
     gf = read_gguf(args.model)
     gguf_bytes = sum(r.n_bytes for r in gf.tensors.values())
     lin = [r for r in gf.tensors.values() if len(r.ne) == 2]

@@ -1,4 +1,5 @@
-"""Channel set-up shared by the sync and async clients: options, retries, connect deadline.
+"""Channel set-up shared by the sync and async clients: options, retries, connect deadline,
+and the choice among several control-plane replicas.
 
 Retries: idempotent read calls (ListAdapters, GetAdapter, GetDefaultAdapters, ListWorkers)
 carry grpc's built-in retry policy through the channel's service config, so a transient
@@ -6,6 +7,24 @@ UNAVAILABLE (a control plane restarting, a dropped connection) is retried by grp
 exponential backoff. Writes and Generate are not retried: a repeated RegisterAdapter is
 harmless (same sha256 → same id) but a streamed upload cannot be replayed cheaply, and a
 repeated Generate would run twice.
+
+Several replicas: an address may be a comma-separated list (``"cp-a:50051,cp-b:50051"``);
+one address may also be a Service in front of several replicas. `Replicas` keeps one channel
+per address and the one currently preferred; the clients (`clients.client`) retry a call on
+the next replica when the current one answers UNAVAILABLE or cannot be reached:
+
+- reads and ``SetDefaultAdapters``: retried as they are (replaying them is harmless);
+- ``RegisterAdapter``: the whole upload is sent again (same content → same id, so a retry
+  of a registration that did commit returns the same id);
+- ``UnregisterAdapter``: a retry that answers NOT_FOUND counts as done (the first attempt
+  removed it before its replica died);
+- ``Generate`` is never replayed once sent (it would run twice): a stream broken because its
+  replica died ends with UNAVAILABLE at once (keepalive pings every `KEEPALIVE_MS` detect a
+  silent peer within `KEEPALIVE_TIMEOUT_MS` more) and the next call starts on another replica.
+
+Each call makes at most `max_attempts(n)` attempts; after each full round over the
+addresses it waits `RETRY_BACKOFF_S` (doubling, at most `RETRY_BACKOFF_MAX_S`), which gives a
+single Service address time to route a new connection to a live replica.
 
 Connecting: before its first call a client waits for the channel to become READY, with a
 deadline. Reaching TRANSIENT_FAILURE first (connection refused, name not resolved) or missing
@@ -45,8 +64,17 @@ SERVICE_CONFIG = {
     ]
 }
 
+KEEPALIVE_MS = 20_000
+"""Keepalive ping period while a call is open, ms (the control plane allows one per 10 s)."""
+KEEPALIVE_TIMEOUT_MS = 10_000
+"""A ping unanswered this long closes the connection: open calls end with UNAVAILABLE."""
+RETRY_BACKOFF_S = 0.2
+RETRY_BACKOFF_MAX_S = 2.0
+
 CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
     ("grpc.enable_retries", 1),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -111,3 +139,53 @@ def _describe(state: grpc.ChannelConnectivity) -> str:
     if state is _C.SHUTDOWN:
         return "the client was closed"
     return f"channel state {state.name}"
+
+
+def parse_addresses(addr: str) -> list[str]:
+    """``"a:1, b:2"`` → ``["a:1", "b:2"]`` (order kept, duplicates dropped).
+
+    Raises:
+        ValueError: an empty list or an empty element.
+    """
+    parts = [p.strip() for p in addr.split(",")]
+    if not all(parts):
+        raise ValueError(f"address list {addr!r} has an empty element")
+    return list(dict.fromkeys(parts))
+
+
+def max_attempts(n_addrs: int) -> int:
+    """Attempts one retried call makes over ``n_addrs`` replicas: two rounds, at least 3."""
+    return max(3, 2 * n_addrs)
+
+
+def backoff_before(attempt: int, n_addrs: int) -> float:
+    """Seconds to wait before attempt ``attempt`` (0-based): 0 except after a full round."""
+    if attempt == 0 or attempt % n_addrs:
+        return 0.0
+    rounds = attempt // n_addrs
+    return min(RETRY_BACKOFF_S * 2 ** (rounds - 1), RETRY_BACKOFF_MAX_S)
+
+
+class Replicas:
+    """Which replica to try first, and in what order to try the rest (no I/O).
+
+    Thread-safe. A replica that failed moves to the back: the next call starts on the one
+    after it, so a dead replica costs one failed attempt, not one per call.
+    """
+
+    def __init__(self, addrs: list[str]) -> None:
+        self.addrs = list(addrs)
+        self._first = 0
+        self._lock = threading.Lock()
+
+    def order(self) -> list[str]:
+        """Every address, the preferred one first."""
+        with self._lock:
+            i = self._first
+        return self.addrs[i:] + self.addrs[:i]
+
+    def failed(self, addr: str) -> None:
+        """``addr`` failed a call: prefer the next address from now on (if it is preferred)."""
+        with self._lock:
+            if self.addrs[self._first] == addr:
+                self._first = (self._first + 1) % len(self.addrs)

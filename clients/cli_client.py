@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import click
 
+from clients.channel import parse_addresses
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError, ServerUnreachable
 from clients.params import (
@@ -45,6 +46,10 @@ class ClientOptions:
 
 
 def _opts(kwargs: dict) -> ClientOptions:
+    try:
+        parse_addresses(kwargs["addr"])
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--addr") from None
     return ClientOptions(
         addr=kwargs.pop("addr"), as_json=kwargs.pop("as_json"),
         admin_token=kwargs.pop("admin_token"), timeout=kwargs.pop("timeout"),

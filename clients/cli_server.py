@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 
 import click
 
-from clients.params import ENV_ADMIN_TOKEN, PATH_SCALE, HostPortType
+from clients.params import ENV_ADMIN_TOKEN, PATH_SCALE, HostPortListType, HostPortType
+from loraplane.env import ENV_DATABASE_URL, ENV_WORKER_SECRET
 
 F = TypeVar("F", bound=Callable[..., Any])
 RAW_ARGS_KEY = "loraplane.raw_args"
@@ -83,7 +84,14 @@ def control_plane_options(f: F) -> F:
     options = [
         click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True,
                      type=click.Path(file_okay=False),
-                     help="Where the registry (SQLite) and uploaded adapters live."),
+                     help="Where the SQLite registry and uploaded adapters live (with "
+                          "--database postgresql://…: uploads in progress only)."),
+        click.option("--database", envvar=ENV_DATABASE_URL, default=None, metavar="URL",
+                     help="sqlite:///PATH (default: <data-dir>/loraplane.sqlite3) or "
+                          "postgresql://USER@HOST:PORT/DB, which several control-plane "
+                          f"replicas may share (env {ENV_DATABASE_URL}).", show_envvar=False),
+        click.option("--db-pool-size", type=click.IntRange(min=1), default=None,
+                     help="Most PostgreSQL connections this control plane opens (default 10)."),
         click.option("--adapter-dir", "adapter_dirs", multiple=True,
                      type=click.Path(file_okay=False),
                      help="Directory whose files may be registered by server path (repeatable)."),
@@ -95,13 +103,19 @@ def control_plane_options(f: F) -> F:
                      help="Register the start-up adapters but leave the default set empty."),
         click.option("--admin-token", envvar=ENV_ADMIN_TOKEN, default=None, metavar="TOKEN",
                      help=f"Require this bearer token for admin calls (env {ENV_ADMIN_TOKEN})."),
+        click.option("--worker-secret", envvar=ENV_WORKER_SECRET, default=None, metavar="SECRET",
+                     help=f"Shared secret workers must present (env {ENV_WORKER_SECRET}); serve "
+                          "generates one for its own worker when unset."),
         click.option("--max-upload-bytes", type=click.IntRange(min=1), default=None,
                      help="Largest adapter upload accepted (RESOURCE_EXHAUSTED beyond)."),
         click.option("--heartbeat-interval", "heartbeat_interval_s",
                      type=click.FloatRange(min=0, min_open=True), default=None,
                      metavar="SECONDS", help="Worker heartbeat interval."),
         click.option("--max-threads", type=click.IntRange(min=1), default=None,
-                     help="gRPC handler threads (each streaming Generate holds one)."),
+                     help="gRPC handler threads (each streaming Generate holds one; default 64)."),
+        click.option("--max-streams", type=click.IntRange(min=1), default=None,
+                     help="Concurrent Generate streams; more get RESOURCE_EXHAUSTED at once "
+                          "(default: max-threads - 16, kept for heartbeats, health and reads)."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
                      default=None, help="Control-plane log level (default info)."),
         click.option("--http-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
@@ -122,8 +136,9 @@ def control_plane_options(f: F) -> F:
     return f
 
 
-CP_TUNING = ("max_upload_bytes", "heartbeat_interval_s", "max_threads", "log_level", "http_addr",
-             "metrics_addr", "chat_template", "served_model_name", "metrics_max_adapters")
+CP_TUNING = ("database", "db_pool_size", "max_upload_bytes", "heartbeat_interval_s", "max_threads",
+             "max_streams", "log_level", "http_addr", "metrics_addr", "chat_template", "served_model_name",
+             "metrics_max_adapters")
 
 
 def model_option(f: F) -> F:
@@ -143,7 +158,11 @@ def worker_runtime_options(f: F) -> F:
                      show_default=True,
                      help="keyed: per adapter-set prefixes; llama: llama.cpp's clear-on-switch."),
         click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32",
-                     show_default=True),
+                     show_default=True, help="Compute (activation) dtype."),
+        click.option("--weights", "weight_form", type=click.Choice(["packed", "dequant"]), default="packed",
+                     show_default=True,
+                     help="packed: GGUF-quantized matrices multiplied in place by our kernels; "
+                          "dequant: the f32/bf16 dequantized reference (slower, 4x the memory)."),
         click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto",
                      show_default=True, help="auto: CUDA when present."),
         click.option("--n-ctx", "n_ctx_slot", type=click.IntRange(min=16), default=None,
@@ -160,11 +179,11 @@ def worker_runtime_options(f: F) -> F:
 
 def worker_args(*, model_path: str | None, n_slots: int, batching: str, prefix_cache: str,
                 dtype: str, device: str, n_ctx_slot: int | None, queue_limit: int | None,
-                prefix_cache_tokens: int | None, metrics_max_adapters: int | None = None,
-                metrics_addr: str | None = None) -> tuple[str, ...]:
+                prefix_cache_tokens: int | None, weight_form: str = "packed",
+                metrics_max_adapters: int | None = None, metrics_addr: str | None = None) -> tuple[str, ...]:
     """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
     args = ["--slots", str(n_slots), "--batching", batching, "--prefix-cache", prefix_cache,
-            "--dtype", dtype, "--device", device]
+            "--dtype", dtype, "--weights", weight_form, "--device", device]
     optional = {"--model": model_path, "--n-ctx": n_ctx_slot, "--queue-limit": queue_limit,
                 "--prefix-cache-tokens": prefix_cache_tokens,
                 "--metrics-max-adapters": metrics_max_adapters, "--metrics-addr": metrics_addr}
@@ -189,7 +208,7 @@ def control_plane_config(cls: type, *, addr: str, data_dir: str,
                          adapter_dirs: Sequence[str], model_path: str | None,
                          adapters: Sequence[tuple[str, float]],
                          lora_init_without_apply: bool, admin_token: str | None,
-                         **tuning: Any) -> Any:
+                         worker_secret: str | None = None, **tuning: Any) -> Any:
     """``ControlPlaneConfig``; ``tuning`` values that are None keep the config's defaults."""
     return make_config(
         cls,
@@ -201,6 +220,7 @@ def control_plane_config(cls: type, *, addr: str, data_dir: str,
         lora_scaled=tuple(adapters),
         lora_init_without_apply=lora_init_without_apply,
         admin_token=admin_token or None,
+        worker_secret=worker_secret or None,
         **{k: v for k, v in tuning.items() if v is not None},
     )
 
@@ -219,6 +239,12 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
         return 0
     except (OSError, RuntimeError, ValueError) as err:
         raise click.ClickException(f"{what} failed: {err}") from None
+    except Exception as err:
+        from control_plane.errors import ControlPlaneError  # e.g. the database is unreachable
+
+        if isinstance(err, ControlPlaneError):
+            raise click.ClickException(f"{what} failed: {err}") from None
+        raise
     return 0
 
 
@@ -238,8 +264,8 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
 def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
                       adapter_dirs: tuple[str, ...], lora: tuple[str, ...],
                       lora_scaled: tuple[tuple[str, float], ...], lora_init_without_apply: bool,
-                      admin_token: str | None, model_path: str | None, tls_cert: str | None,
-                      tls_key: str | None, **tuning: Any) -> None:
+                      admin_token: str | None, worker_secret: str | None, model_path: str | None,
+                      tls_cert: str | None, tls_key: str | None, **tuning: Any) -> None:
     """Run the control plane (adapter registry, default set, routing) until SIGINT/SIGTERM."""
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
@@ -249,18 +275,26 @@ def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
         config_cls, addr=addr, data_dir=data_dir, adapter_dirs=adapter_dirs,
         model_path=model_path, adapters=adapters,
         lora_init_without_apply=lora_init_without_apply, admin_token=admin_token,
-        tls_cert=tls_cert, tls_key=tls_key, **tuning)
+        worker_secret=worker_secret, tls_cert=tls_cert, tls_key=tls_key, **tuning)
     ctx.exit(_run_blocking("the control plane", lambda: run_control_plane(config)))
 
 
 @click.command("worker")
-@click.option("--control-plane", "control_plane", type=HostPortType(allow_zero=False),
-              default=None, help="Control plane to register with (omit: standalone).")
+@click.option("--control-plane", "control_plane", type=HostPortListType(),
+              default=None, metavar="HOST:PORT[,HOST:PORT…]",
+              help="Control plane to register with: one address (a Service) or every replica, "
+                   "comma-separated (omit: standalone).")
 @click.option("--addr", type=HostPortType(), default="127.0.0.1:0", show_default=True,
               help="Address to bind (port 0 picks a free port).")
 @click.option("--advertise-addr", default=None, metavar="HOST:PORT",
               help="Address the control plane should dial (default: the bound one).")
 @click.option("--worker-id", default="", help="Stable worker name (generated when empty).")
+@click.option("--adapter-dir", "adapter_dirs", multiple=True, type=click.Path(file_okay=False),
+              help="Directory whose files LoadAdapter may read by server path (repeatable; "
+                   "none: server paths are refused, adapters arrive as bytes).")
+@click.option("--worker-secret", envvar=ENV_WORKER_SECRET, default=None, metavar="SECRET",
+              help=f"Shared secret with the control plane (env {ENV_WORKER_SECRET}): required on "
+                   "every Worker RPC and sent on registration/heartbeats.")
 @click.option("--metrics-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off).")
 @click.option("--metrics-max-adapters", type=click.IntRange(min=0), default=None,
@@ -270,9 +304,10 @@ def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
 @worker_runtime_options
 @click.pass_context
 def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
-               advertise_addr: str | None, worker_id: str, metrics_addr: str | None,
-               metrics_max_adapters: int | None, model_path: str | None, n_slots: int,
-               batching: str, prefix_cache: str, dtype: str, device: str,
+               advertise_addr: str | None, worker_id: str, adapter_dirs: tuple[str, ...],
+               worker_secret: str | None, metrics_addr: str | None, metrics_max_adapters: int | None,
+               model_path: str | None,
+               n_slots: int, batching: str, prefix_cache: str, dtype: str, weight_form: str, device: str,
                n_ctx_slot: int | None, queue_limit: int | None,
                prefix_cache_tokens: int | None) -> None:
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM."""
@@ -287,8 +322,9 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
     config = make_config(
         WorkerConfig, addr=addr, model_path=model_path, n_slots=n_slots,
         batching=Batching(batching), prefix_cache=PrefixCachePolicy(prefix_cache),
-        dtype=dtype, device=device, control_plane=control_plane,
+        dtype=dtype, weight_form=weight_form, device=device, control_plane=control_plane,
         advertise_addr=advertise_addr, worker_id=worker_id,
+        adapter_dirs=tuple(str(Path(d).resolve()) for d in adapter_dirs), worker_secret=worker_secret or None,
         **{k: v for k, v in optional.items() if v is not None},
     )
     ctx.exit(_run_blocking("the worker", lambda: serve_worker(config)))
@@ -309,10 +345,18 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
 @click.pass_context
 def serve_cmd(ctx: click.Context, addr: str, data_dir: str, adapter_dirs: tuple[str, ...],
               lora: tuple[str, ...], lora_scaled: tuple[tuple[str, float], ...],
-              lora_init_without_apply: bool, admin_token: str | None, model_path: str | None,
-              ready_timeout: float, worker_metrics_addr: str | None, **options: Any) -> None:
-    """Run the control plane here and one worker subprocess; SIGINT/SIGTERM stops both."""
+              lora_init_without_apply: bool, admin_token: str | None, worker_secret: str | None,
+              model_path: str | None, ready_timeout: float, worker_metrics_addr: str | None,
+              **options: Any) -> None:
+    """Run the control plane here and one worker subprocess; SIGINT/SIGTERM stops both.
+
+    The two share a worker secret: ``--worker-secret`` / ``$LORAPLANE_WORKER_SECRET``, else a
+    fresh random one; the worker gets it through its environment, never its command line.
+    """
     from clients.serve import ServePlan, resolve_port, run_serve
+    from loraplane.worker_secret import new_worker_secret
+
+    worker_secret = worker_secret or new_worker_secret()
 
     tuning = {k: options.pop(k) for k in CP_TUNING}
     runtime = options
@@ -329,11 +373,12 @@ def serve_cmd(ctx: click.Context, addr: str, data_dir: str, adapter_dirs: tuple[
     config = control_plane_config(
         config_cls, addr=addr, data_dir=data_dir, adapter_dirs=adapter_dirs,
         model_path=model_path, adapters=adapters,
-        lora_init_without_apply=lora_init_without_apply, admin_token=admin_token, **tuning)
+        lora_init_without_apply=lora_init_without_apply, admin_token=admin_token,
+        worker_secret=worker_secret, **tuning)
     plan = ServePlan(cp_addr=addr, worker_args=worker_args(
                          model_path=model_path, metrics_addr=worker_metrics_addr,
                          metrics_max_adapters=tuning["metrics_max_adapters"], **runtime),
-                     ready_timeout_s=ready_timeout, http_addr=tuning["http_addr"],
+                     ready_timeout_s=ready_timeout, worker_secret=worker_secret, http_addr=tuning["http_addr"],
                      metrics_addr=tuning["metrics_addr"], worker_metrics_addr=worker_metrics_addr)
     code = 0
 

@@ -10,6 +10,12 @@ Adapter maps: ``adapters=None`` → the control plane's default set (field unset
 ``adapters={}`` → explicitly no adapters; ``{id: scale}`` → exactly those, every other
 registered adapter at 0.
 
+Several control-plane replicas: ``addr`` may be a comma-separated list
+(``"cp-a:50051,cp-b:50051"``) or one Service address; calls go to one replica and move to the
+next when it fails (what is retried and how: `clients.channel`). A Generate stream broken by
+its replica's death raises `LoraplaneError` with code ``UNAVAILABLE``; calling ``generate``
+again runs it on another replica.
+
 Errors: `ServerUnreachable` when no connection can be made (checked once, before the first
 call, with a deadline of ``connect_timeout``), `LoraplaneError` (``code``, ``message``) when
 the server refuses. The admin token (argument, else ``$LORAPLANE_ADMIN_TOKEN``) is sent as
@@ -19,13 +25,26 @@ in seconds (None: none); for `generate_stream` it bounds the whole stream.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import asyncio
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from clients.channel import CHANNEL_OPTIONS, auth_metadata, wait_ready, wait_ready_async
+from clients.channel import (
+    CHANNEL_OPTIONS,
+    Replicas,
+    auth_metadata,
+    backoff_before,
+    max_attempts,
+    parse_addresses,
+    wait_ready,
+    wait_ready_async,
+)
 from clients.errors import LoraplaneError, ServerUnreachable, from_rpc_error
 from clients.results import (
     Adapter,
@@ -57,6 +76,15 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _EMPTY = common_pb2.Empty()
 
 
+def _close_channels(channels: dict[str, grpc.Channel], lock: threading.Lock) -> None:
+    """Close and forget every channel in ``channels`` (the sync client's finalizer)."""
+    with lock:
+        items = list(channels.values())
+        channels.clear()
+    for channel in items:
+        channel.close()
+
+
 def _check_upload_source(path: str | Path, server_path: bool) -> None:
     """Fail before the call: an unreadable file inside grpc's request thread only says UNKNOWN."""
     if not server_path and not Path(path).is_file() and not is_peft_folder(path):
@@ -68,8 +96,31 @@ def _stream_ended_early(request_id: str) -> LoraplaneError:
                           f"generation stream of request {request_id!r} ended before finishing")
 
 
+def _unreachable(addr: str, errors: list[ServerUnreachable]) -> ServerUnreachable:
+    """One `ServerUnreachable` for a list of addresses that all failed to connect."""
+    if len(errors) == 1:
+        return errors[0]
+    return ServerUnreachable(addr, "; ".join(f"{e.addr}: {e.reason}" for e in errors))
+
+
+def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
+    code = getattr(err, "code", None)
+    return code() if callable(code) else None
+
+
 class LoraplaneClient:
-    """Blocking client. Thread-safe; close it (or use ``with``) to release the channel."""
+    """Blocking client. Thread-safe; close it (or use ``with``) to release the channels.
+
+    Args:
+        addr: ``HOST:PORT``, or several comma-separated (one per control-plane replica).
+        admin_token: bearer token for admin calls (else ``$LORAPLANE_ADMIN_TOKEN``).
+        timeout: deadline of each call attempt, seconds (None: none).
+        connect_timeout: how long to wait for each replica to accept the connection, seconds.
+        wait_for_server: keep waiting through connection failures until ``connect_timeout``.
+
+    Raises:
+        ValueError: an empty address in the list.
+    """
 
     def __init__(self, addr: str, *, admin_token: str | None = None,
                  timeout: float | None = None,
@@ -80,14 +131,20 @@ class LoraplaneClient:
         self._connect_timeout = connect_timeout
         self._wait_for_server = wait_for_server
         self._metadata = auth_metadata(admin_token)
-        self._channel = grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
-        self._stub = control_plane_pb2_grpc.ControlPlaneStub(self._channel)
-        self._connected = False
+        self._replicas = Replicas(parse_addresses(addr))
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._ready: set[str] = set()
+        # A client never closed must not keep the interpreter from exiting: grpc's
+        # connectivity watch (started by `connect`) blocks grpc's shutdown at exit while a
+        # channel is open. `weakref.finalize` closes them when the client is collected or, at
+        # the latest, at interpreter exit (finalizers run from atexit).
+        self._finalizer = weakref.finalize(self, _close_channels, self._channels, self._lock)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        self._channel.close()
+        self._finalizer()  # closes every channel once; later calls do nothing
 
     def __enter__(self) -> LoraplaneClient:
         return self
@@ -96,61 +153,110 @@ class LoraplaneClient:
         self.close()
 
     def connect(self) -> None:
-        """Wait until the server is reachable (done implicitly before the first call)."""
-        if not self._connected:
-            wait_ready(self._channel, self.addr, self._connect_timeout, self._wait_for_server)
-            self._connected = True
+        """Wait until a replica is reachable (done implicitly before each call)."""
+        self._connected()
 
-    def _unary(self, method: Any, request: Any) -> Any:
-        self.connect()
-        try:
-            return method(request, timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.addr) from None
+    def _connected(self) -> tuple[str, control_plane_pb2_grpc.ControlPlaneStub]:
+        """The preferred replica that accepts a connection, with its stub.
+
+        Raises:
+            ServerUnreachable: none of the addresses accepted a connection.
+        """
+        errors: list[ServerUnreachable] = []
+        for addr in self._replicas.order():
+            with self._lock:
+                channel = self._channels.get(addr)
+                if channel is None:
+                    channel = self._channels[addr] = grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
+                ready = addr in self._ready
+            if not ready:
+                try:
+                    wait_ready(channel, addr, self._connect_timeout, self._wait_for_server)
+                except ServerUnreachable as err:
+                    errors.append(err)
+                    self._replicas.failed(addr)
+                    continue
+                with self._lock:
+                    self._ready.add(addr)
+            return addr, control_plane_pb2_grpc.ControlPlaneStub(channel)
+        raise _unreachable(self.addr, errors)
+
+    def _failed(self, addr: str) -> None:
+        with self._lock:
+            self._ready.discard(addr)
+        self._replicas.failed(addr)
+
+    def _unary(self, method: str, make_request: Callable[[], Any], *,
+               not_found_is_done: bool = False) -> Any:
+        """Call ``method`` with retries on the next replica (see `clients.channel`).
+
+        ``make_request`` builds the request anew for every attempt (an upload iterator
+        cannot be replayed). ``not_found_is_done``: a retry answering NOT_FOUND returns None.
+        """
+        n = len(self._replicas.addrs)
+        last: tuple[grpc.RpcError, str] | None = None
+        for attempt in range(max_attempts(n)):
+            time.sleep(backoff_before(attempt, n))
+            addr, stub = self._connected()
+            try:
+                return getattr(stub, method)(make_request(), timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as err:
+                code = _code(err)
+                if code == grpc.StatusCode.NOT_FOUND and not_found_is_done and last is not None:
+                    return None
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise from_rpc_error(err, addr) from None
+                last = (err, addr)
+                self._failed(addr)
+        assert last is not None
+        raise from_rpc_error(*last) from None
 
     # -- adapters --------------------------------------------------------------------------
 
     def list_adapters(self) -> list[Adapter]:
-        reply = self._unary(self._stub.ListAdapters, _EMPTY)
+        reply = self._unary("ListAdapters", lambda: _EMPTY)
         return [Adapter.from_proto(a) for a in reply.adapters]
 
     def get_adapter(self, adapter_id: int) -> Adapter:
         return Adapter.from_proto(
-            self._unary(self._stub.GetAdapter, common_pb2.AdapterRef(id=adapter_id)))
+            self._unary("GetAdapter", lambda: common_pb2.AdapterRef(id=adapter_id)))
 
     def add_adapter(self, path: str | Path, *, name: str | None = None,
                     server_path: bool = False, progress: Any = None) -> Adapter:
         """Register an adapter GGUF: upload ``path`` in chunks, or (``server_path=True``) name a
         file the server reads itself. Content already registered returns the existing id.
-
+        A replica failing mid-upload: the whole upload is sent again to the next one.
         A PEFT folder is converted here first (``clients.peft.upload_source``) and uploaded as
         GGUF; a PEFT folder given as a server path is converted by the control plane.
         ``progress(bytes_sent, total)`` is called per uploaded chunk."""
         _check_upload_source(path, server_path)
         if server_path:
-            return Adapter.from_proto(self._unary(self._stub.RegisterAdapter,
-                                                  upload_chunks(path, name=name, server_path=True)))
+            return Adapter.from_proto(self._unary(
+                "RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True)))
         with upload_source(path) as (gguf_path, fmt):
-            chunks = upload_chunks(gguf_path, name=name, source_format=fmt, progress=progress)
-            return Adapter.from_proto(self._unary(self._stub.RegisterAdapter, chunks))
+            return Adapter.from_proto(self._unary(
+                "RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt,
+                                                         progress=progress)))
 
     def remove_adapter(self, adapter_id: int) -> None:
-        self._unary(self._stub.UnregisterAdapter, common_pb2.AdapterRef(id=adapter_id))
+        """Unregister ``adapter_id``; a retry on another replica that finds it gone is done."""
+        self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id),
+                    not_found_is_done=True)
 
     # -- default set -----------------------------------------------------------------------
 
     def get_default(self) -> DefaultSet:
-        return DefaultSet.from_proto(self._unary(self._stub.GetDefaultAdapters, _EMPTY))
+        return DefaultSet.from_proto(self._unary("GetDefaultAdapters", lambda: _EMPTY))
 
     def set_default(self, scales: Mapping[int, float]) -> DefaultSet:
         """Replace the global default set (``{}`` clears it); returns the set now in force."""
         return DefaultSet.from_proto(
-            self._unary(self._stub.SetDefaultAdapters, adapter_map(scales)))
+            self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
 
     # -- workers ---------------------------------------------------------------------------
 
     def list_workers(self) -> list[WorkerInfo]:
-        reply = self._unary(self._stub.ListWorkers, _EMPTY)
+        reply = self._unary("ListWorkers", lambda: _EMPTY)
         return [WorkerInfo.from_proto(w) for w in reply.workers]
 
     # -- generation ------------------------------------------------------------------------
@@ -162,18 +268,21 @@ class LoraplaneClient:
         """Yield `StartedEvent`, then one `TokenEvent` per token as it is produced, then
         `FinishedEvent`. ``sampling``: max_tokens, temperature, top_k, top_p, seed, logprobs,
         prompt_logprobs, ignore_eos, request_id. Closing the iterator early cancels the call.
+        Runs on the first replica that accepts a connection; never replayed once sent.
         """
         req = generate_request(prompt, prompt_tokens=prompt_tokens, adapters=adapters,
                                **sampling)
-        self.connect()
-        call = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
+        addr, stub = self._connected()
+        call = stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
         try:
             for ev in call:
                 typed = event_from_proto(ev)
                 if typed is not None:
                     yield typed
         except grpc.RpcError as err:
-            raise from_rpc_error(err, self.addr) from None
+            if _code(err) == grpc.StatusCode.UNAVAILABLE:
+                self._failed(addr)  # the next call starts on another replica
+            raise from_rpc_error(err, addr) from None
         finally:
             call.cancel()  # no-op once the stream has completed
 
@@ -192,7 +301,8 @@ class LoraplaneClient:
 
 
 class AsyncLoraplaneClient:
-    """asyncio client (``grpc.aio``); same methods as `LoraplaneClient`, awaitable.
+    """asyncio client (``grpc.aio``); same methods and replica handling as `LoraplaneClient`,
+    awaitable.
 
     Create it inside a running event loop; ``async with`` closes it.
     """
@@ -206,12 +316,14 @@ class AsyncLoraplaneClient:
         self._connect_timeout = connect_timeout
         self._wait_for_server = wait_for_server
         self._metadata = auth_metadata(admin_token)
-        self._channel = grpc.aio.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
-        self._stub = control_plane_pb2_grpc.ControlPlaneStub(self._channel)
-        self._connected = False
+        self._replicas = Replicas(parse_addresses(addr))
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._ready: set[str] = set()
 
     async def close(self) -> None:
-        await self._channel.close()
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncLoraplaneClient:
         return self
@@ -220,48 +332,80 @@ class AsyncLoraplaneClient:
         await self.close()
 
     async def connect(self) -> None:
-        if not self._connected:
-            await wait_ready_async(self._channel, self.addr, self._connect_timeout,
-                                   self._wait_for_server)
-            self._connected = True
+        await self._connected()
 
-    async def _unary(self, method: Any, request: Any) -> Any:
-        await self.connect()
-        try:
-            return await method(request, timeout=self.timeout, metadata=self._metadata)
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err, self.addr) from None
+    async def _connected(self) -> tuple[str, control_plane_pb2_grpc.ControlPlaneStub]:
+        errors: list[ServerUnreachable] = []
+        for addr in self._replicas.order():
+            channel = self._channels.get(addr)
+            if channel is None:
+                channel = self._channels[addr] = grpc.aio.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
+            if addr not in self._ready:
+                try:
+                    await wait_ready_async(channel, addr, self._connect_timeout, self._wait_for_server)
+                except ServerUnreachable as err:
+                    errors.append(err)
+                    self._replicas.failed(addr)
+                    continue
+                self._ready.add(addr)
+            return addr, control_plane_pb2_grpc.ControlPlaneStub(channel)
+        raise _unreachable(self.addr, errors)
+
+    def _failed(self, addr: str) -> None:
+        self._ready.discard(addr)
+        self._replicas.failed(addr)
+
+    async def _unary(self, method: str, make_request: Callable[[], Any], *,
+                     not_found_is_done: bool = False) -> Any:
+        n = len(self._replicas.addrs)
+        last: tuple[grpc.aio.AioRpcError, str] | None = None
+        for attempt in range(max_attempts(n)):
+            await asyncio.sleep(backoff_before(attempt, n))
+            addr, stub = await self._connected()
+            try:
+                return await getattr(stub, method)(make_request(), timeout=self.timeout,
+                                                   metadata=self._metadata)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND and not_found_is_done and last is not None:
+                    return None
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_rpc_error(err, addr) from None
+                last = (err, addr)
+                self._failed(addr)
+        assert last is not None
+        raise from_rpc_error(*last) from None
 
     async def list_adapters(self) -> list[Adapter]:
-        reply = await self._unary(self._stub.ListAdapters, _EMPTY)
+        reply = await self._unary("ListAdapters", lambda: _EMPTY)
         return [Adapter.from_proto(a) for a in reply.adapters]
 
     async def get_adapter(self, adapter_id: int) -> Adapter:
         return Adapter.from_proto(
-            await self._unary(self._stub.GetAdapter, common_pb2.AdapterRef(id=adapter_id)))
+            await self._unary("GetAdapter", lambda: common_pb2.AdapterRef(id=adapter_id)))
 
     async def add_adapter(self, path: str | Path, *, name: str | None = None,
                           server_path: bool = False) -> Adapter:
         _check_upload_source(path, server_path)
         if server_path:
             return Adapter.from_proto(await self._unary(
-                self._stub.RegisterAdapter, upload_chunks(path, name=name, server_path=True)))
+                "RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True)))
         with upload_source(path) as (gguf_path, fmt):
-            chunks = upload_chunks(gguf_path, name=name, source_format=fmt)
-            return Adapter.from_proto(await self._unary(self._stub.RegisterAdapter, chunks))
+            return Adapter.from_proto(await self._unary(
+                "RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt)))
 
     async def remove_adapter(self, adapter_id: int) -> None:
-        await self._unary(self._stub.UnregisterAdapter, common_pb2.AdapterRef(id=adapter_id))
+        await self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id),
+                          not_found_is_done=True)
 
     async def get_default(self) -> DefaultSet:
-        return DefaultSet.from_proto(await self._unary(self._stub.GetDefaultAdapters, _EMPTY))
+        return DefaultSet.from_proto(await self._unary("GetDefaultAdapters", lambda: _EMPTY))
 
     async def set_default(self, scales: Mapping[int, float]) -> DefaultSet:
         return DefaultSet.from_proto(
-            await self._unary(self._stub.SetDefaultAdapters, adapter_map(scales)))
+            await self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
 
     async def list_workers(self) -> list[WorkerInfo]:
-        reply = await self._unary(self._stub.ListWorkers, _EMPTY)
+        reply = await self._unary("ListWorkers", lambda: _EMPTY)
         return [WorkerInfo.from_proto(w) for w in reply.workers]
 
     async def generate_stream(self, prompt: str | None = None, *,
@@ -271,15 +415,17 @@ class AsyncLoraplaneClient:
         """Async twin of `LoraplaneClient.generate_stream`."""
         req = generate_request(prompt, prompt_tokens=prompt_tokens, adapters=adapters,
                                **sampling)
-        await self.connect()
-        call = self._stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
+        addr, stub = await self._connected()
+        call = stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
         try:
             async for ev in call:
                 typed = event_from_proto(ev)
                 if typed is not None:
                     yield typed
         except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err, self.addr) from None
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                self._failed(addr)
+            raise from_rpc_error(err, addr) from None
         finally:
             call.cancel()
 

@@ -128,6 +128,21 @@ class HostPortType(click.ParamType):
         return text
 
 
+class HostPortListType(click.ParamType):
+    """``HOST:PORT[,HOST:PORT…]`` (addresses to dial: port 0 refused) → the same text,
+    whitespace removed; every element is checked like `HostPortType`."""
+
+    name = "HOST:PORT[,HOST:PORT…]"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        parts = [p.strip() for p in str(value).split(",")]
+        if not all(parts):
+            self.fail(f"{value!r}: empty address in the list", param, ctx)
+        one = HostPortType(allow_zero=False)
+        return ",".join(one.convert(p, param, ctx) for p in parts)
+
+
 ADAPTER_SCALE = AdapterScaleType()
 TOKEN_IDS = TokenIdsType()
 PATH_SCALE = PathScaleType()
@@ -149,8 +164,9 @@ def client_options(f: F) -> F:
     """The options every client command takes: --addr, --json, --admin-token, timeouts."""
     options = [
         click.option("--addr", envvar=ENV_ADDR, default=DEFAULT_ADDR, show_default=True,
-                     metavar="HOST:PORT",
-                     help=f"Control plane address (env {ENV_ADDR})."),
+                     metavar="HOST:PORT[,HOST:PORT…]",
+                     help="Control plane address, or every replica's, comma-separated: calls "
+                          f"move to the next when one fails (env {ENV_ADDR})."),
         click.option("--json", "as_json", is_flag=True,
                      help="Print one JSON object on stdout (errors too)."),
         click.option("--admin-token", envvar=ENV_ADMIN_TOKEN, default=None, metavar="TOKEN",

@@ -171,6 +171,8 @@ class WorkerInfo:
     model: str
     n_slots: int
     in_flight: int
+    restarts: int = 0
+    draining_adapter_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_proto(cls, w: control_plane_pb2.WorkerInfo) -> WorkerInfo:

@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 from control_plane.registry import DEFAULT_MAX_UPLOAD_BYTES
 
+RESERVED_THREADS = 16
+"""Handler threads Generate relays can never take (default ``max_streams`` = threads - this)."""
+ADMIN_CALLS = 4
+"""Concurrent admin calls (uploads, unregisters waiting on workers, default-set writes)."""
+MEMBERSHIP_CALLS = 4
+"""Concurrent RegisterWorker/Heartbeat calls (each answers in milliseconds: no dialing)."""
+
 
 def parse_lora_scaled(spec: str) -> tuple[str, float]:
     """``"PATH:SCALE"`` → ``(PATH, SCALE)`` (split at the last colon, like llama-server).
@@ -28,7 +35,12 @@ class ControlPlaneConfig:
 
     Attributes:
         addr: host:port to bind ("127.0.0.1:0" picks a free port).
-        data_dir: SQLite database and uploaded adapter files live here.
+        data_dir: the SQLite database (when ``database`` is None) and uploaded adapter files
+            live here; with PostgreSQL only uploads in progress (temporary files) do.
+        database: ``sqlite:///PATH`` or ``postgresql://USER[:PASSWORD]@HOST:PORT/DB``; None
+            means ``sqlite:///<data_dir>/loraplane.sqlite3``. Several replicas may share one
+            PostgreSQL database (`control_plane.store`); never one SQLite file.
+        db_pool_size: most PostgreSQL connections this replica opens (None: 10).
         adapter_dirs: server-side paths given to RegisterAdapter must resolve inside one of
             these (none: server paths are refused).
         model_path: base model GGUF adapters are validated against; None means the
@@ -46,6 +58,14 @@ class ControlPlaneConfig:
             dead after this many intervals without one.
         tls_cert / tls_key: PEM files; both set → the port is served with TLS.
         max_threads: gRPC handler threads (each streaming Generate holds one).
+        max_streams: concurrent Generate relays; the next gets RESOURCE_EXHAUSTED at once.
+            None: ``max_threads - RESERVED_THREADS`` (the reserve answers heartbeats, health,
+            reads and admin calls however many streams run).
+        worker_secret: shared secret workers must present on RegisterWorker/Heartbeat and
+            that the control plane sends on every Worker RPC. None falls back to
+            ``$LORAPLANE_WORKER_SECRET``; neither means membership is open (firewall it).
+        unload_wait_s: how long UnregisterAdapter waits for each worker to drain the adapter;
+            a worker still draining then keeps it under ``draining_adapter_ids`` until freed.
         log_level: structlog level ("debug", "info", ...).
         http_addr: host:port of the OpenAI-compatible HTTP front (None: off; port 0 picks one).
         metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP
@@ -61,6 +81,8 @@ class ControlPlaneConfig:
 
     addr: str = "127.0.0.1:50051"
     data_dir: str = "data"
+    database: str | None = None
+    db_pool_size: int | None = None
     adapter_dirs: tuple[str, ...] = ()
     model_path: str | None = None
     lora: tuple[str, ...] = ()
@@ -73,12 +95,29 @@ class ControlPlaneConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     max_threads: int = 64
+    max_streams: int | None = None
+    worker_secret: str | None = None
+    unload_wait_s: float = 5.0
     log_level: str = "info"
     http_addr: str | None = None
     metrics_addr: str | None = None
     chat_template: str | None = None
     served_model_name: str | None = None
     metrics_max_adapters: int = 64
+
+    @property
+    def stream_limit(self) -> int:
+        """Concurrent Generate relays allowed (see ``max_streams``).
+
+        Raises:
+            ValueError: the limits leave no thread for the reserved calls.
+        """
+        limit = self.max_streams if self.max_streams is not None else self.max_threads - RESERVED_THREADS
+        if limit < 1 or limit + ADMIN_CALLS + MEMBERSHIP_CALLS >= self.max_threads:
+            raise ValueError(f"max_threads {self.max_threads} must exceed max_streams {limit} + "
+                             f"{ADMIN_CALLS + MEMBERSHIP_CALLS} (admin + membership) so reads and health "
+                             f"keep a thread")
+        return limit
 
     @property
     def startup_adapters(self) -> list[tuple[str, float]]:

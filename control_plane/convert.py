@@ -52,7 +52,8 @@ def worker_info(view: WorkerView) -> control_plane_pb2.WorkerInfo:
     return control_plane_pb2.WorkerInfo(
         worker_id=view.worker_id, addr=view.addr, state=view.state,
         last_heartbeat_age_s=view.last_heartbeat_age_s, adapter_ids=list(view.adapter_ids),
-        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight,
+        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight, restarts=view.restarts,
+        draining_adapter_ids=list(view.draining_adapter_ids),
     )
 
 

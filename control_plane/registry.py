@@ -6,10 +6,16 @@ Workers never register anything themselves; they receive adapters the registry a
 
 Registration validates the whole file against the base model's tensor index
 (`worker.lora.adapter_file.validate_lora_adapter`, numpy only) before anything is stored. Uploaded bytes land in a
-temporary file under ``<data-dir>/adapters/`` and only become ``<sha256>.gguf`` once valid;
-any failure removes them, so a refused upload leaves neither a row nor a file. Server-side
-paths must resolve (symlinks followed) inside a configured adapter directory, checked before
-the file is opened.
+temporary file under ``<data-dir>/adapters/`` (local to this process) and are handed to the
+store only once valid; the store keeps the row and the bytes together or not at all
+(`control_plane.store.base.AdapterStore.insert`: a file under the data dir for SQLite, the
+database itself for PostgreSQL, where server paths and start-up files are copied in too).
+Any failure removes the temporary file, so a refused upload leaves neither a row nor bytes.
+Server-side paths must resolve (symlinks followed) inside a configured adapter directory,
+checked before the file is opened.
+
+Every read goes to the store, so with several replicas on one PostgreSQL a registration or
+default-set change made through one is what the next call on any other sees.
 
 PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``) are accepted wherever a
 server-side path is (``--lora``, ``--lora-scaled``, ``RegisterAdapter.server_path``): they are
@@ -22,8 +28,6 @@ already indexed, and the resulting GGUF is kept under ``<data-dir>/adapters/`` l
 from __future__ import annotations
 
 import hashlib
-import os
-import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,10 +37,16 @@ from typing import Any
 import structlog
 
 from control_plane.base_model import BaseModel
-from control_plane.errors import (InvalidArgumentError, NotFoundError, PermissionDeniedError,
-                                  ResourceExhaustedError, describe_ids)
+from control_plane.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    describe_ids,
+)
 from control_plane.resolution import AdapterVector, check_scale, resolve_adapter_vector
 from control_plane.store import AdapterRecord, AdapterStore
+from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
 from worker.lora.adapter_file import AdapterFile, validate_lora_adapter
 from worker.tools.convert_peft import convert_peft, is_peft_dir
 
@@ -71,18 +81,13 @@ def adapter_metadata(adapter: AdapterFile, invocation_text: str) -> dict[str, An
     }
 
 
-def is_inside(path: Path, root: Path) -> bool:
-    """True when resolved ``path`` is ``root`` or below it (both already resolved)."""
-    return path == root or root in path.parents
-
-
 class AdapterRegistry:
     """Registered adapters and the default set, persisted in an `AdapterStore`.
 
     Args:
-        store: persistence (rows, id counter, default scales).
+        store: persistence (rows, id counter, default scales, adapter bytes).
         base: the base model index adapters are validated against.
-        data_dir: uploads are kept in ``data_dir/adapters/<sha256>.gguf``.
+        data_dir: uploads are received into temporary files under ``data_dir/adapters/``.
         adapter_dirs: directories server-side paths must resolve into.
         max_upload_bytes: larger uploads are refused (RESOURCE_EXHAUSTED).
     """
@@ -94,12 +99,10 @@ class AdapterRegistry:
         self.base = base
         self.upload_dir = Path(data_dir) / "adapters"
         self.upload_dir.mkdir(parents=True, exist_ok=True)
-        self.adapter_dirs = tuple(Path(d).resolve() for d in adapter_dirs)
+        self.adapter_dirs = resolve_dirs(adapter_dirs)
         self.max_upload_bytes = int(max_upload_bytes)
-        # Serialises "is this sha256 registered? → move file → insert row" so two uploads of
-        # the same content cannot both keep a file.
-        self._commit_lock = threading.Lock()
-        self._warn_stale_records()
+        self._remove_partial_uploads()
+        self._warn_arch_mismatch()
 
     # -- reads --------------------------------------------------------------------------
 
@@ -122,8 +125,8 @@ class AdapterRegistry:
         return resolve_adapter_vector(request_map, self.store.default_set())
 
     def read_chunks(self, record: AdapterRecord, chunk_size: int = 1 << 20) -> Iterator[bytes]:
-        """The adapter file's bytes in ``chunk_size`` pieces (for pushing to workers)."""
-        return self.read_path_chunks(Path(record.path), chunk_size)
+        """The adapter's bytes in ``chunk_size`` pieces (for pushing to workers), from the store."""
+        return self.store.read_chunks(record, chunk_size)
 
     # -- registration -------------------------------------------------------------------
 
@@ -147,40 +150,32 @@ class AdapterRegistry:
             if size == 0:
                 raise InvalidArgumentError("adapter upload carried no data")
             adapter = self._validate(tmp, shown_as="uploaded adapter")
-            with self._commit_lock:
-                existing = self.store.get_by_sha256(sha256)
-                if existing is not None:
-                    return Registration(existing, created=False)
-                final = self.upload_dir / f"{sha256}.gguf"
-                os.replace(tmp, final)
-                try:
-                    rec, created = self.store.insert(
-                        sha256=sha256, name=name or adapter.name, path=str(final),
-                        metadata=self._metadata(adapter), source_format=source_format)
-                except BaseException:
-                    final.unlink(missing_ok=True)
-                    raise
+            existing = self.store.get_by_sha256(sha256)
+            if existing is not None:
+                return Registration(existing, created=False)
+            rec, created = self.store.insert(sha256=sha256, name=name or adapter.name,
+                                             metadata=self._metadata(adapter), content=tmp, source=None,
+                                             source_format=source_format)
         finally:
             tmp.unlink(missing_ok=True)
-        log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source="upload", size=size)
+        if created:
+            log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source="upload", size=size)
         return Registration(rec, created)
 
     def register_server_path(self, path: str, *, name: str = "") -> Registration:
         """Register a file already on the server; it must lie inside an adapter dir.
 
         Raises:
-            InvalidArgumentError: a relative path, or an invalid adapter.
+            InvalidArgumentError: a relative path, a NUL byte, or an invalid adapter.
             PermissionDeniedError: the resolved path is outside every adapter dir (nothing read).
             NotFoundError: no such file.
         """
-        if not Path(path).is_absolute():
-            raise InvalidArgumentError(f"server path '{path}' must be absolute")
-        resolved = Path(path).resolve()
-        if not any(is_inside(resolved, d) for d in self.adapter_dirs):
-            allowed = [str(d) for d in self.adapter_dirs] or "none configured (--adapter-dir)"
-            raise PermissionDeniedError(
-                f"server path '{path}' resolves to '{resolved}', outside the adapter directories "
-                f"({allowed})")
+        try:
+            resolved = confine(path, self.adapter_dirs)
+        except MalformedPath as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        except OutsideAdapterDirs as exc:
+            raise PermissionDeniedError(str(exc)) from None
         return self._register_file(resolved, name=name, source="server_path")
 
     def register_startup(self, path: str | Path, scale: float) -> AdapterRecord:
@@ -199,9 +194,8 @@ class AdapterRegistry:
             raise NotFoundError(f"adapter file '{path}' does not exist")
         adapter = self._validate(path, shown_as=str(path))
         sha256 = adapter.sha256
-        with self._commit_lock:
-            rec, created = self.store.insert(sha256=sha256, name=name or adapter.name,
-                                             path=str(path), metadata=self._metadata(adapter))
+        rec, created = self.store.insert(sha256=sha256, name=name or adapter.name,
+                                         metadata=self._metadata(adapter), content=path, source=str(path))
         if created:
             log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source,
                      path=str(path))
@@ -262,14 +256,10 @@ class AdapterRegistry:
         Raises:
             NotFoundError: unknown id (the message lists the registered ids).
         """
-        rec = self.get(adapter_id)
-        with self._commit_lock:
-            if not self.store.delete(adapter_id):
-                raise NotFoundError(f"adapter {adapter_id} not registered; "
-                                    f"{describe_ids([r.id for r in self.store.list()])}")
-            owned = Path(rec.path)
-            if owned.parent.resolve() == self.upload_dir.resolve():
-                owned.unlink(missing_ok=True)
+        rec = self.store.delete(adapter_id)
+        if rec is None:
+            raise NotFoundError(f"adapter {adapter_id} not registered; "
+                                f"{describe_ids([r.id for r in self.store.list()])}")
         log.info("adapter_unregistered", adapter_id=adapter_id, sha256=rec.sha256)
         return rec
 
@@ -292,11 +282,16 @@ class AdapterRegistry:
         """Every default scale to 0 (``--lora-init-without-apply``: load all, apply none)."""
         self.store.set_default_scales({}, others=0.0)
 
-    def _warn_stale_records(self) -> None:
+    def _remove_partial_uploads(self) -> None:
+        """Delete ``.upload-*.part`` files a crash mid-upload left behind (this process owns
+        the data dir, so none can belong to a live upload at start-up)."""
+        for part in self.upload_dir.glob(".upload-*.part"):
+            part.unlink(missing_ok=True)
+            log.info("partial_upload_removed", path=str(part))
+
+    def _warn_arch_mismatch(self) -> None:
         for rec in self.store.list():
             if rec.metadata.get("arch") != self.base.arch:
                 log.warning("adapter_arch_mismatch", adapter_id=rec.id, adapter_arch=rec.metadata.get("arch"),
                             base_arch=self.base.arch)
-            if not Path(rec.path).is_file():
-                log.warning("adapter_file_missing", adapter_id=rec.id, path=rec.path)
 

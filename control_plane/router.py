@@ -29,7 +29,7 @@ import grpc
 import structlog
 
 from control_plane.convert import request_map_or_none, set_resolved_adapters
-from control_plane.errors import ControlPlaneError, UnavailableError
+from control_plane.errors import ControlPlaneError, ResourceExhaustedError, UnavailableError
 from control_plane.registry import AdapterRegistry
 from control_plane.resolution import adapter_set_key
 from control_plane.workers import WorkerHandle, WorkerPool
@@ -96,6 +96,7 @@ class Router:
         Raises:
             NotFoundError / InvalidArgumentError: the adapter map is wrong.
             UnavailableError: no live worker, or the worker failed mid-stream.
+            ResourceExhaustedError: every live worker is at slots + queue limit.
             WorkerRequestError: the worker refused the request (its code is kept).
         """
         if not request.request_id:
@@ -145,10 +146,22 @@ class Router:
         return any(w.worker_id not in tried for w in self.pool.live())
 
     def _pick(self, key: tuple, *, exclude: list[str], last_error: str) -> WorkerHandle:
-        live = [w for w in self.pool.live() if w.worker_id not in exclude]
-        if not live:
+        """The worker for the next attempt (affinity, else least loaded), among live workers not
+        yet tried that can still admit a request (in flight < slots + queue limit).
+
+        Raises:
+            UnavailableError: no live worker (left to try).
+            ResourceExhaustedError: live workers exist but every one is full.
+        """
+        candidates = [w for w in self.pool.live() if w.worker_id not in exclude]
+        if not candidates:
             detail = f" (tried {exclude}; last error: {last_error})" if exclude else ""
             raise UnavailableError(f"no live worker to serve the request{detail}")
+        live = [w for w in candidates if w.capacity is None or w.in_flight < w.capacity]
+        if not live:
+            full = ", ".join(f"{w.worker_id} {w.in_flight}/{w.capacity}" for w in candidates)
+            raise ResourceExhaustedError(f"every live worker is full (in flight/slots+queue: {full}); "
+                                         f"retry later")
         with self._lock:
             preferred = self._affinity.get(key)
         for w in live:

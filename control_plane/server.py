@@ -3,6 +3,15 @@
 `create_server(config)` wires store → registry → worker pool → router → servicer, registers
 the start-up adapters, and returns the started server with its bound port;
 `run_control_plane(config)` blocks until SIGINT/SIGTERM.
+
+Threads: one ``ThreadPoolExecutor`` of ``max_threads``; a streaming Generate relay holds a
+thread for its whole life, so groups of calls are capped (`ConcurrencyLimitInterceptor`,
+RESOURCE_EXHAUSTED at once beyond the cap) and the rest of the pool stays free for short
+calls: Generate ≤ ``stream_limit`` (default ``max_threads - 16``), admin calls ≤ 4,
+RegisterWorker/Heartbeat ≤ 4 (both answer in milliseconds: dialing a worker happens in the
+pool's own join threads). Reads, health and reflection are never capped and always find a
+thread. Interceptors, outermost first: admin token, worker secret, decode guard
+(undecodable requests → INVALID_ARGUMENT), the caps.
 """
 
 from __future__ import annotations
@@ -19,19 +28,22 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.auth import AdminAuthInterceptor, admin_token_from
+from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
-from control_plane.config import ControlPlaneConfig, parse_lora_scaled
+from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
+from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
+from loraplane.worker_secret import MEMBERSHIP_METHODS, membership_guard, worker_secret_from
 from control_plane.http.models import served_name
 from control_plane.metrics import ControlPlaneMetrics
 from loraplane.logging import configure_logging
 from control_plane.registry import AdapterRegistry
+from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
 from control_plane.servicer import ControlPlaneServicer
-from control_plane.store import DB_FILENAME, AdapterStore
+from control_plane.store import AdapterStore, open_store
 from control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, worker_pb2
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 
 __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lora_scaled",
            "run_control_plane"]
@@ -39,7 +51,7 @@ __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lo
 log = structlog.get_logger("control_plane.server")
 
 CONTROL_PLANE_SERVICE = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
-WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+GENERATE_METHOD = f"/{CONTROL_PLANE_SERVICE}/Generate"
 
 
 @dataclass
@@ -52,6 +64,7 @@ class ControlPlaneState:
     pool: WorkerPool
     router: Router
     health: health.HealthServicer
+    replicas: ReplicaSync
     metrics: ControlPlaneMetrics | None = None
     http: Any = None            # control_plane.http.server.HttpServer when --http-addr is set
     http_port: int = 0
@@ -59,12 +72,13 @@ class ControlPlaneState:
     metrics_port: int = 0
 
     def close(self) -> None:
-        """Stop the HTTP and metrics servers, release worker channels and the database (after
-        the gRPC server stopped)."""
+        """Stop the HTTP and metrics servers and the replica sync, release worker channels and
+        the database (after the gRPC server stopped)."""
         if self.http is not None:
             self.http.stop()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        self.replicas.stop()
         self.pool.close()
         self.store.close()
 
@@ -77,7 +91,7 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
         missing or invalid (the server refuses to start).
     """
     data_dir = Path(config.data_dir)
-    store = AdapterStore(data_dir / DB_FILENAME)
+    store = open_store(config.database, data_dir, pool_size=config.db_pool_size)
     try:
         base = load_base_model(config.model_path or default_model_path())
         registry = AdapterRegistry(store, base, data_dir=data_dir, adapter_dirs=config.adapter_dirs,
@@ -91,13 +105,14 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
         store.close()
         raise
     timings = MembershipTimings(heartbeat_interval_s=config.heartbeat_interval_s,
-                                dead_after_missed=config.dead_after_missed)
-    pool = WorkerPool(registry, timings)
+                                dead_after_missed=config.dead_after_missed,
+                                unload_wait_s=config.unload_wait_s)
+    pool = WorkerPool(registry, timings, secret=worker_secret_from(config.worker_secret))
+    replicas = ReplicaSync(store, pool, interval_s=timings.heartbeat_interval_s, dead_after_s=timings.dead_after_s)
     router = Router(registry, pool)
     metrics = build_metrics(config, registry, pool)
     router.observer = metrics
-    return ControlPlaneState(config, store, registry, pool, router, health.HealthServicer(), metrics)
-
+    return ControlPlaneState(config, store, registry, pool, router, health.HealthServicer(), replicas, metrics)
 
 def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: WorkerPool) -> ControlPlaneMetrics:
     """The control plane's Prometheus metrics over the live registry and pool."""
@@ -178,25 +193,41 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     """A started control-plane server, its bound port, and its state.
 
     Serves ControlPlane plus the standard health service (SERVING) and reflection (for the
-    ControlPlane, Worker and Health services). Messages up to 64 MiB both ways.
-    Stop with ``server.stop(grace)`` then ``state.close()``.
+    ControlPlane and Health services: it does not serve Worker). Messages up to 64 MiB both
+    ways. Stop with ``server.stop(grace)`` then ``state.close()``.
+
+    Raises:
+        ValueError: thread limits that leave nothing for reads (`ControlPlaneConfig.stream_limit`).
     """
     configure_logging(config.log_level)
+    stream_limit = config.stream_limit
     state = build_state(config)
     token = admin_token_from(config.admin_token)
-    interceptors = [AdminAuthInterceptor(token)] if token else []
+    secret = worker_secret_from(config.worker_secret)
+    limits = ConcurrencyLimitInterceptor({
+        "Generate stream": (stream_limit, GENERATE_METHOD.__eq__),
+        "admin": (ADMIN_CALLS, ADMIN_METHODS.__contains__),
+        "worker membership": (MEMBERSHIP_CALLS, MEMBERSHIP_METHODS.__contains__),
+    }, hint=" (control plane: --max-streams / --max-threads)")
+    interceptors = [*([AdminAuthInterceptor(token)] if token else []),
+                    *([membership_guard(secret)] if secret else []),
+                    DecodeGuardInterceptor(), limits]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_threads, thread_name_prefix="cp-rpc"),
         interceptors=interceptors,
         # so_reuseport 0: a second control plane on a busy port must fail to bind, not
         # silently share the port (and the clients) with the first.
-        options=[*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)],
+        # min ping interval: clients send keepalive pings every 20 s during a call so a
+        # Generate through a replica that vanished ends with UNAVAILABLE instead of hanging
+        # (clients/channel.py); the server's default (5 min) would answer them with GOAWAY.
+        options=[*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0),
+                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)],
     )
     control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
-        ControlPlaneServicer(state.registry, state.pool, state.router), server)
+        ControlPlaneServicer(state.registry, state.pool, state.router, state.replicas), server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     reflection.enable_server_reflection(
-        (CONTROL_PLANE_SERVICE, WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (CONTROL_PLANE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         port = _bind(server, config)
         start_side_servers(state)
@@ -205,10 +236,12 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         state.close()
         raise
     server.start()
+    state.replicas.start()
     for service in ("", CONTROL_PLANE_SERVICE):
         state.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("control_plane_started", addr=config.addr, port=port, data_dir=config.data_dir,
-             adapters=len(state.registry.list()), admin_auth=bool(token),
+    log.info("control_plane_started", addr=config.addr, port=port, database=state.store.description,
+             adapters=len(state.registry.list()), admin_auth=bool(token), worker_secret=bool(secret),
+             max_threads=config.max_threads, stream_limit=stream_limit,
              http_port=state.http_port or None, metrics_port=state.metrics_port or None)
     return server, port, state
 

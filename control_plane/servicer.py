@@ -15,13 +15,20 @@ import grpc
 import structlog
 
 from control_plane import convert
-from control_plane.errors import (ControlPlaneError, InvalidArgumentError, NotFoundError,
-                                  PermissionDeniedError, ResourceExhaustedError,
-                                  UnauthenticatedError, UnavailableError)
-from loraplane.logging import bind_request
+from control_plane.errors import (
+    ControlPlaneError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from control_plane.registry import AdapterRegistry
+from control_plane.replicas import ReplicaSync
 from control_plane.router import Router, WorkerRequestError
 from control_plane.workers import WorkerPool
+from loraplane.logging import bind_request
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 
 log = structlog.get_logger("control_plane.servicer")
@@ -87,10 +94,12 @@ def ensure_request_id(request: common_pb2.GenerateRequest) -> common_pb2.Generat
 
 
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
-    def __init__(self, registry: AdapterRegistry, pool: WorkerPool, router: Router) -> None:
+    def __init__(self, registry: AdapterRegistry, pool: WorkerPool, router: Router,
+                 replicas: ReplicaSync | None = None) -> None:
         self.registry = registry
         self.pool = pool
         self.router = router
+        self.replicas = replicas  # None: sightings are not shared (tests of one replica)
 
     # -- admin ---------------------------------------------------------------------------
 
@@ -146,10 +155,14 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     @boundary
     def RegisterWorker(self, request, context):
-        self.pool.register(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)
+        joined = self.pool.register(request)
+        if self.replicas is not None:
+            self.replicas.record(request)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)
 
     @boundary
     def Heartbeat(self, request, context):
-        self.pool.heartbeat(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)
+        joined = self.pool.heartbeat(request)
+        if self.replicas is not None:
+            self.replicas.record(request)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)

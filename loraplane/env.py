@@ -13,3 +13,9 @@ ENV_DEBUG = "LORAPLANE_DEBUG"
 
 ENV_NO_PROGRESS = "LORAPLANE_NO_PROGRESS"
 """Non-empty: never draw progress bars, even on a terminal."""
+ENV_DATABASE_URL = "LORAPLANE_DATABASE_URL"
+"""The control plane's ``--database`` URL (keeps a PostgreSQL password out of ``ps``)."""
+ENV_WORKER_SECRET = "LORAPLANE_WORKER_SECRET"
+"""Shared secret between the control plane and its workers (worker membership RPCs and every
+Worker RPC need it when set). Distinct from the admin token; ``serve`` generates one for its
+own worker and hands it over through this variable (never on the command line)."""

@@ -82,3 +82,19 @@ def admin_control_plane(tmp_path_factory, fixtures_dir: Path, base_model_path: P
                              fixtures_dir / "adapters", base_model_path, admin_token=ADMIN_TOKEN)
     yield cp
     cp.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """ONE real PostgreSQL server for the session (``tests.postgres_server``), on 127.0.0.1.
+
+    Not skippable: when it cannot start, every test that needs it fails with the reason
+    (install it with ``scripts/install_postgres.sh``)."""
+    from tests.postgres_server import PostgresUnavailable, start_postgres
+
+    try:
+        server = start_postgres()
+    except PostgresUnavailable as exc:
+        pytest.fail(f"PostgreSQL is needed for this test and could not be started: {exc}", pytrace=False)
+    yield server
+    server.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients.channel import SERVICE_CONFIG, auth_metadata
+from clients.channel import SERVICE_CONFIG, Replicas, auth_metadata, backoff_before, max_attempts, parse_addresses
 from clients.client import (
     AsyncLoraplaneClient,
     FinishedEvent,
@@ -29,6 +29,7 @@ from clients.client import (
 )
 from clients.results import f32
 from clients.wire import generate_request, upload_chunks
+from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 from tests.control_plane_helpers import write_adapter
 from tests.live_servers import nonzero, restored_default, wait_until
 
@@ -402,3 +403,104 @@ def test_async_client(live_server, adapters_dir, tmp_path):
 
     asyncio.run(scenario())
     assert wait_until(lambda: live_server.worker_stats().slots_busy == 0)
+
+
+# ---- several control-plane replicas ---------------------------------------------------------
+
+
+class _Replica(control_plane_pb2_grpc.ControlPlaneServicer):
+    """A scripted control-plane replica: ``dying`` answers every call UNAVAILABLE (after
+    reading an upload whole, as a replica that died mid-call); otherwise uploads are kept
+    and UnregisterAdapter answers NOT_FOUND (the adapter is already gone)."""
+
+    def __init__(self, dying: bool) -> None:
+        self.dying = dying
+        self.uploads: list[bytes] = []
+        self.calls: list[str] = []
+
+    def RegisterAdapter(self, request_iterator, context):
+        data = b"".join(c.data for c in request_iterator)
+        self.calls.append("RegisterAdapter")
+        if self.dying:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "replica going away")
+        self.uploads.append(data)
+        return common_pb2.AdapterInfo(id=7, sha256=hashlib.sha256(data).hexdigest())
+
+    def UnregisterAdapter(self, request, context):
+        self.calls.append("UnregisterAdapter")
+        if self.dying:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "replica going away")
+        context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.id} not registered")
+
+    def GetDefaultAdapters(self, request, context):
+        self.calls.append("GetDefaultAdapters")
+        if self.dying:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "replica going away")
+        return common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=7, scale=0.5)])
+
+
+@pytest.fixture
+def two_replicas():
+    from concurrent import futures
+
+    servers, replicas, addrs = [], [], []
+    for dying in (True, False):
+        replica = _Replica(dying)
+        server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 * MiB)])
+        control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(replica, server)
+        addrs.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+        replicas.append(replica)
+    yield replicas, addrs
+    for s in servers:
+        s.stop(None)
+
+
+def test_parse_addresses_and_backoff():
+    assert parse_addresses(" a:1, b:2 ,a:1") == ["a:1", "b:2"]
+    with pytest.raises(ValueError, match="empty element"):
+        parse_addresses("a:1,,b:2")
+    assert [max_attempts(n) for n in (1, 2, 3)] == [3, 4, 6]
+    assert [backoff_before(i, 2) for i in range(7)] == [0.0, 0.0, 0.2, 0.0, 0.4, 0.0, 0.8]
+    r = Replicas(["a", "b", "c"])
+    r.failed("b")  # not the preferred one: nothing changes
+    assert r.order() == ["a", "b", "c"]
+    r.failed("a")
+    assert r.order() == ["b", "c", "a"]
+
+
+def test_upload_is_sent_again_whole_and_unregister_not_found_on_retry_is_done(two_replicas, fixtures_dir):
+    (dying, alive), addrs = two_replicas
+    path = fixtures_dir / "adapters" / "shout.gguf"  # > 4 MiB: several chunks
+    with LoraplaneClient(",".join(addrs)) as lp:
+        info = lp.add_adapter(path)
+        assert info.id == 7 and info.sha256 == sha256_of(path)
+        assert dying.calls == ["RegisterAdapter"] and alive.uploads == [path.read_bytes()]
+        assert lp.get_default().entries[0].scale == 0.5  # now starts on the live replica
+        assert dying.calls == ["RegisterAdapter"]
+    with LoraplaneClient(",".join(addrs)) as lp:
+        assert lp.remove_adapter(7) is None  # A: UNAVAILABLE, retry on B: NOT_FOUND → done
+    assert dying.calls == ["RegisterAdapter", "UnregisterAdapter"]
+    with LoraplaneClient(addrs[1]) as lp, pytest.raises(LoraplaneError) as first_try:
+        lp.remove_adapter(7)  # no retry happened: NOT_FOUND is the answer
+    assert first_try.value.code == "NOT_FOUND"
+
+
+def test_unreachable_first_address_moves_on_and_all_unreachable_is_exit_3(two_replicas):
+    from click.testing import CliRunner
+
+    from clients.cli import cli
+
+    _, addrs = two_replicas
+    dead = f"127.0.0.1:{closed_port()}"
+    with LoraplaneClient(f"{dead},{addrs[1]}") as lp:
+        assert [(e.id, e.scale) for e in lp.get_default().entries] == [(7, 0.5)]
+    ok = CliRunner().invoke(cli, ["default", "get", "--json", "--addr", f"{dead},{addrs[1]}"])
+    assert ok.exit_code == 0, ok.output
+    both_dead = f"{dead},127.0.0.1:{closed_port()}"
+    gone = CliRunner().invoke(cli, ["default", "get", "--json", "--addr", both_dead])
+    assert gone.exit_code == 3 and json.loads(gone.output)["error"]["code"] == "UNAVAILABLE"
+    assert dead in json.loads(gone.output)["error"]["message"]
+    bad = CliRunner().invoke(cli, ["default", "get", "--addr", "a:1,,b:2"])
+    assert bad.exit_code == 2 and "empty element" in bad.output

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from control_plane.errors import InvalidArgumentError, NotFoundError
 from control_plane.resolution import adapter_set_key, resolve_adapter_vector
 from control_plane.server import parse_lora_scaled
-from control_plane.store import MIGRATIONS, AdapterStore
+from control_plane.store import MIGRATIONS, SqliteStore
 from loraplane.v1 import common_pb2
 from tests.control_plane_helpers import (MiB, ControlPlane, by_path, default_of, ids_of, rpc_error,
                                          upload, write_adapter)
@@ -297,27 +297,23 @@ def test_health_serving_and_reflection_lists_services(start_cp):
     refl = reflection_pb2_grpc.ServerReflectionStub(cp.channel)
     resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in resp.list_services_response.service}
-    assert {"loraplane.v1.ControlPlane", "loraplane.v1.Worker", "grpc.health.v1.Health"} <= names
+    assert {"loraplane.v1.ControlPlane", "grpc.health.v1.Health"} <= names
+    assert "loraplane.v1.Worker" not in names  # the control plane does not serve it
 
 
 # -- store and resolution (units) ----------------------------------------------------------------
 
 
 def test_store_ids_start_at_zero_and_schema_is_versioned(tmp_path):
-    store = AdapterStore(tmp_path / "db.sqlite3")
+    # Both databases: tests/test_store.py. This one pins the SQLite file layout.
+    store = SqliteStore(tmp_path / "db.sqlite3")
     assert store.schema_version == len(MIGRATIONS)
-    a, created = store.insert(sha256="a" * 64, name="a", path="/a", metadata={})
-    assert (a.id, created) == (0, True)
-    b, _ = store.insert(sha256="b" * 64, name="b", path="/b", metadata={})
-    assert store.insert(sha256="a" * 64, name="other", path="/x", metadata={}) == (a, False)
-    assert store.delete(b.id) and not store.delete(b.id)
-    c, _ = store.insert(sha256="c" * 64, name="c", path="/c", metadata={"k": [1]})
-    assert c.id == 2 and store.get(2).metadata == {"k": [1]}
+    content = tmp_path / "a.gguf"
+    content.write_bytes(b"a")
+    a, created = store.insert(sha256="a" * 64, name="a", metadata={}, content=content, source=None)
+    assert (a.id, created, a.path) == (0, True, str(tmp_path / "adapters" / f"{'a' * 64}.gguf"))
+    assert not content.exists()  # the upload's temporary file was moved into place
     store.close()
-    reopened = AdapterStore(tmp_path / "db.sqlite3")
-    assert [r.id for r in reopened.list()] == [0, 2]
-    assert reopened.schema_version == len(MIGRATIONS)
-    reopened.close()
 
 
 def test_resolution_rules():

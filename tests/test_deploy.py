@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import re
 import shlex
 from pathlib import Path
 
@@ -183,3 +184,128 @@ def test_manifest_options_match_the_cli():
         for arg in args[1:]:
             if arg.startswith("--"):
                 assert arg in help_text, (name, arg)
+
+
+# ---- the image and the PostgreSQL variant ------------------------------------------------
+
+ROOT = DEPLOY.parent
+DOCKERFILE = DEPLOY / "Dockerfile"
+PG_DIR = K8S / "postgres"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """``[(INSTRUCTION, arguments)]`` with continuation lines joined and comments dropped."""
+    joined, out = "", []
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.lstrip().startswith("#") and not joined:
+            continue
+        joined += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            if joined.strip():
+                word, _, rest = joined.strip().partition(" ")
+                out.append((word.upper(), rest.strip()))
+            joined = ""
+    return out
+
+
+def dockerfile_args() -> dict[str, str]:
+    return dict(rest.split("=", 1) for word, rest in dockerfile_instructions() if word == "ARG" and "=" in rest)
+
+
+def all_workloads() -> list[tuple[str, dict]]:
+    files = ["control-plane.yaml", "workers.yaml", "postgres/control-plane.yaml"]
+    return [(f, d) for f in files for d in load_all(f) if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def test_dockerfile_base_image_is_pinned():
+    froms = [rest for word, rest in dockerfile_instructions() if word == "FROM"]
+    assert froms == ["${BASE_IMAGE}"]
+    image = dockerfile_args()["BASE_IMAGE"]
+    name, _, tag = image.partition(":")
+    assert name == "python" and tag and tag != "latest"
+    assert re.fullmatch(r"3\.11\.\d+-slim-bookworm", tag), tag  # a patch release, a fixed distro
+
+
+def test_dockerfile_installs_pinned_torch_from_pytorch_index_before_the_project():
+    import tomllib
+
+    pins = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+            if d.startswith("torch")]
+    args = dockerfile_args()
+    assert pins == [f"torch=={args['TORCH_VERSION']}"]
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"  # CPU image by default
+    runs = [rest for word, rest in dockerfile_instructions() if word == "RUN"]
+    torch_at = next(i for i, r in enumerate(runs) if '"torch==${TORCH_VERSION}"' in r)
+    assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch_at]
+    project_at = next(i for i, r in enumerate(runs) if "pip install ." in r)
+    assert torch_at < project_at
+    copied = {rest.split()[0] for word, rest in dockerfile_instructions() if word == "COPY"}
+    assert {"pyproject.toml", "control_plane", "worker", "clients", "loraplane"} <= copied
+
+
+def test_dockerfile_user_ports_and_entrypoint_match_the_manifests():
+    instr = dockerfile_instructions()
+    (user,) = [rest for word, rest in instr if word == "USER"]
+    assert re.search(r"--uid 10001 --gid 10001", " ".join(r for w, r in instr if w == "RUN"))
+    for name, workload in all_workloads():
+        ctx = workload["spec"]["template"]["spec"]["securityContext"]
+        assert f"{ctx['runAsUser']}:{ctx['runAsGroup']}" == user, name
+        assert ctx["runAsNonRoot"] is True
+    (expose,) = [rest for word, rest in instr if word == "EXPOSE"]
+    ports = {int(p) for p in expose.split()}
+    for name, workload in all_workloads():
+        c = only_container(workload)
+        assert {p["containerPort"] for p in c["ports"]} <= ports, name
+        assert c["command"] == ["loraplane"]
+    (entry,) = [rest for word, rest in instr if word == "ENTRYPOINT"]
+    assert entry == '["loraplane"]'
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+
+
+def test_one_image_tag_everywhere():
+    images = {only_container(w)["image"] for _, w in all_workloads()}
+    assert images == {"loraplane:0.1.0"}
+    assert "-t loraplane:0.1.0 " in DOCKERFILE.read_text()
+
+
+def test_postgres_variant_rolls_with_replicas_and_reads_the_database_secret():
+    from loraplane.env import ENV_DATABASE_URL
+
+    kinds = by_kind(load_all("postgres/control-plane.yaml"))
+    assert set(kinds) == {"Deployment", "Service", "PodDisruptionBudget"}  # no PVC: nothing local to keep
+    (dep,) = kinds["Deployment"]
+    assert dep["spec"]["replicas"] >= 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
+                                       "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    c = only_container(dep)
+    env = {e["name"]: e for e in c["env"]}
+    ref = env[ENV_DATABASE_URL]["valueFrom"]["secretKeyRef"]
+    assert "optional" not in ref  # no database, no start
+    secret = yaml.safe_load((PG_DIR / "database-secret.example.yaml").read_text())
+    assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", ref["name"])
+    assert secret["stringData"][ref["key"]].startswith("postgresql://")
+    assert "--database" not in c["args"]  # the URL (with its password) comes from the Secret
+    assert_grpc_probes(c, CP_PORT)
+    assert [p["containerPort"] for p in c["ports"]] == [CP_PORT, HTTP_PORT, METRICS_PORT]
+    assert_scraped(dep, c, "--metrics-addr")
+    volumes = dep["spec"]["template"]["spec"]["volumes"]
+    assert all("persistentVolumeClaim" not in v for v in volumes)
+    data_dir = c["args"][c["args"].index("--data-dir") + 1]
+    assert data_dir in {m["mountPath"] for m in c["volumeMounts"]}
+    (pdb,) = kinds["PodDisruptionBudget"]
+    assert pdb["spec"]["minAvailable"] == 1 and pdb["spec"]["selector"] == dep["spec"]["selector"]
+    (svc,) = kinds["Service"]
+    sqlite_svc = by_kind(load_all("control-plane.yaml"))["Service"][0]
+    assert svc == sqlite_svc  # workers.yaml names the same Service in both variants
+    kust = yaml.safe_load((PG_DIR / "kustomization.yaml").read_text())
+    assert kust["resources"] == ["control-plane.yaml"]  # the Secret is never applied from the example
+    from click.testing import CliRunner
+
+    from clients.cli import cli
+
+    help_text = CliRunner().invoke(cli, ["control-plane", "--help"]).output
+    assert "--database" in help_text and ENV_DATABASE_URL in (ROOT / "deploy" / "README.md").read_text()
+    for arg in c["args"][1:]:
+        if arg.startswith("--"):
+            assert arg in help_text, arg

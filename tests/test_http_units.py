@@ -77,25 +77,32 @@ def test_progress_is_off_under_json_and_without_a_tty(monkeypatch):
 
 
 def test_store_migration_adds_source_format(tmp_path):
-    from control_plane.store import MIGRATIONS, AdapterStore
+    """A database written before the column existed (schema version 2) is migrated: its rows
+    read as "gguf", new rows keep what they are given."""
+    from control_plane.store import MIGRATIONS, open_store
 
-    db = tmp_path / "old.sqlite3"
+    db = tmp_path / "loraplane.sqlite3"
     conn = sqlite3.connect(db)
     conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-    conn.execute("INSERT INTO schema_version (version) VALUES (1)")
-    for sql in MIGRATIONS[0]:
-        conn.execute(sql)
+    conn.execute("INSERT INTO schema_version (version) VALUES (2)")
+    for migration in MIGRATIONS[:2]:
+        for sql in migration.sqlite:
+            conn.execute(sql)
     conn.execute("INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at) "
                  "VALUES (0, 'ab', 'old', '/x.gguf', '{}', 0, 0)")
     conn.execute("UPDATE id_counter SET next_id = 1")
     conn.commit()
     conn.close()
-    store = AdapterStore(db)
+    store = open_store(None, tmp_path)
     try:
-        assert store.schema_version == len(MIGRATIONS) == 2
+        assert store.schema_version == len(MIGRATIONS) == 3
         assert store.get(0).source_format == "gguf"
-        rec, created = store.insert(sha256="cd", name="new", path="/y.gguf", metadata={}, source_format="peft")
+        content = tmp_path / "new.part"
+        content.write_bytes(b"gguf bytes")
+        rec, created = store.insert(sha256="cd", name="new", metadata={}, content=content, source=None,
+                                    source_format="peft")
         assert created and (rec.id, rec.source_format) == (1, "peft")
+        assert store.get(1).source_format == "peft"
     finally:
         store.close()
 
@@ -122,11 +129,13 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
     from control_plane.metrics import ControlPlaneMetrics
     from worker.serving.engine import WorkerStatsRecord
     from worker.serving.metrics import WorkerMetrics
+    from worker.serving.scheduler import SchedulerStats
 
-    stats = WorkerStatsRecord(worker_id="w", n_slots=2, slots_busy=0, queue_depth=0, queue_limit=4, graph_reuses=0,
-                              graph_rebuilds=0, prefix_cache_entries=0, prefix_cache_hit_tokens=0,
-                              prompt_tokens_computed=0, tokens_generated=0, batching="mixed", prefix_cache="keyed",
-                              model="m", device="cpu", dtype="f32", adapter_ids=[], node_budget=0, adapter_bytes=0)
+    sched = SchedulerStats(n_slots=2, slots_busy=0, queue_depth=0, queue_limit=4, graph_reuses=0, graph_rebuilds=0,
+                           prefix_cache_entries=0, prefix_cache_hit_tokens=0, prompt_tokens_computed=0,
+                           tokens_generated=0)
+    stats = WorkerStatsRecord(scheduler=sched, worker_id="w", batching="mixed", prefix_cache="keyed", model="m",
+                              device="cpu", dtype="f32", adapter_ids=[], node_budget=0, adapter_bytes=0)
     cp = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (1, 2), n_adapters=lambda: 0, adapter_label_cap=4)
     wm = WorkerMetrics(lambda: stats, adapter_label_cap=4)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}

@@ -208,6 +208,9 @@ def test_shared_quantized_activations(packed, path, act):
     assert torch.equal(c.matmul(qa), c.matmul(x, path=path, act=act))
     with pytest.raises(KernelError, match="width"):
         b.matmul(qa)
+    f, _ = packed[_name(T.F32, 31, 72)]
+    with pytest.raises(KernelError, match="float activations"):
+        f.matmul(qa)
 
 
 def test_expert_weights(gguf_file):

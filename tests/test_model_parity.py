@@ -19,7 +19,8 @@ import torch
 
 from tests.parity import GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
-from worker.runtime.context import AdapterInUseError, Model, UBatch
+from worker.lora.registry import AdapterInUseError
+from worker.runtime.context import Model, UBatch
 from worker.tools.convert_peft import convert_peft
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import load_model
@@ -29,10 +30,23 @@ pytestmark = pytest.mark.parity
 GOLDEN_IDS = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}
 
 
+# Tolerances per weight form. ``dequant`` is the f32 reference (PEFT bound 0.05, batched =
+# alone 1e-4); ``packed`` is the default path (GGUF-quantized weights, int16 activations per
+# block of 32): the llama.cpp bounds for every group and for the PEFT cases, and batched =
+# alone within 1e-3 (a tiny float difference upstream can flip one activation rounding).
+PEFT_MEAN = {"dequant": 0.05, "packed": 0.10}
+SAME_TOL = {"dequant": 1e-4, "packed": 1e-3}
+
+
+@pytest.fixture(scope="module", params=["packed", "dequant"])
+def weight_form(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def gemma(base_model_path, fixtures_dir):
+def gemma(base_model_path, fixtures_dir, weight_form):
     torch.manual_seed(0)
-    model = Model(load_model(base_model_path, dtype="f32", device="cpu"))
+    model = Model(load_model(base_model_path, dtype="f32", device="cpu", weights=weight_form))
     for aid, name in GOLDEN_IDS.items():
         model.adapters.add(aid, load_lora_adapter(fixtures_dir / "adapters" / f"{name}.gguf",
                                                   base_arch="gemma3", base_tensors=model.base.tensor_ne))
@@ -96,10 +110,13 @@ def _peft_group(model, ctx, fixtures_dir, adapter_name: str, adapter_set: Adapte
     return g
 
 
-def _assert_peft(g: GroupStats, name: str) -> None:
-    print(g.report(f"PEFT {name}"))
+def _assert_peft(g: GroupStats, name: str, form: str) -> None:
+    bound = PEFT_MEAN[form]
+    print(g.report(f"PEFT {name} ({form})"))
     for c in g.cases:
-        assert c.mean <= 0.05, f"PEFT {name} / {c.name!r}: mean |d| {c.mean:.4f} > 0.05"
+        assert c.mean <= bound, f"PEFT {name} / {c.name!r} ({form}): mean |d| {c.mean:.4f} > {bound}"
+    if form == "packed":
+        assert g.p95 <= 0.25, f"PEFT {name} (packed): p95 {g.p95:.4f} > 0.25"
     assert g.argmax_rate >= 0.95
 
 
@@ -107,14 +124,14 @@ def test_peft_shout_embd_tied_output(gemma, fixtures_dir):
     """Embedding adapter on a tied model: llama.cpp aborts; we patch the input lookup only (PEFT)."""
     model, ctx = gemma
     _assert_peft(_peft_group(model, ctx, fixtures_dir, "shout_embd",
-                             AdapterSet.of({2: (model.adapters.by_id[2], 1.0)})), "shout_embd")
+                             AdapterSet.of({2: (model.adapters.by_id[2], 1.0)})), "shout_embd", model.base.weight_form)
 
 
 def test_peft_shout_and_alora(gemma, fixtures_dir):
     model, ctx = gemma
-    _assert_peft(_peft_group(model, ctx, fixtures_dir, "shout", AdapterSet.of({0: (model.adapters.by_id[0], 1.0)})), "shout")
+    _assert_peft(_peft_group(model, ctx, fixtures_dir, "shout", AdapterSet.of({0: (model.adapters.by_id[0], 1.0)})), "shout", model.base.weight_form)
     _assert_peft(_peft_group(model, ctx, fixtures_dir, "critic_alora",
-                             AdapterSet.of({3: (model.adapters.by_id[3], 1.0)})), "critic_alora")
+                             AdapterSet.of({3: (model.adapters.by_id[3], 1.0)})), "critic_alora", model.base.weight_form)
 
 
 def test_peft_shout_rs_converted(gemma, fixtures_dir, tmp_path):
@@ -127,7 +144,7 @@ def test_peft_shout_rs_converted(gemma, fixtures_dir, tmp_path):
     assert ours.alpha == pytest.approx(32.0)
     model.adapters.add(10, ours)
     try:
-        _assert_peft(_peft_group(model, ctx, fixtures_dir, "shout_rs", AdapterSet.of({10: (ours, 1.0)})), "shout_rs")
+        _assert_peft(_peft_group(model, ctx, fixtures_dir, "shout_rs", AdapterSet.of({10: (ours, 1.0)})), "shout_rs", model.base.weight_form)
         lossy = load_lora_adapter(fixtures_dir / "adapters" / "shout_rs.gguf", base_arch="gemma3",
                                   base_tensors=model.base.tensor_ne)
         model.adapters.add(11, lossy)
@@ -140,7 +157,8 @@ def test_peft_shout_rs_converted(gemma, fixtures_dir, tmp_path):
 
 
 def test_batched_decode_equals_alone(gemma, golden):
-    """Several sequences in one ubatch give the logits of decoding each alone (≤ 1e-4)."""
+    """Several sequences in one ubatch give the logits of decoding each alone (≤ 1e-4 on the
+    f32 reference, ≤ 1e-3 on the packed default)."""
     model, ctx = gemma
     cases = [c for c in golden["completions"] if c["case"] == "base"][:3]
     alone = [teacher_forced_logprobs(ctx, c["prompt_tokens"], c["tokens"]) for c in cases]
@@ -159,7 +177,7 @@ def test_batched_decode_equals_alone(gemma, golden):
     rows = {r: i for i, r in enumerate(res.out_rows)}
     for (first, n), ref in zip(spans, alone):
         got = lp[[rows[first + j] for j in range(n)]]
-        assert float((got - ref).abs().max()) <= 1e-4
+        assert float((got - ref).abs().max()) <= SAME_TOL[model.base.weight_form]
     # then single-token decode on top of the batched prompt matches too
     for s in range(len(cases)):
         ctx.kv.seq_rm(s + 1)

@@ -115,9 +115,9 @@ def test_sampling_validation(field, value, msg):
 
 
 # --- KV cache, sliding window, dtype ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def gemma(base_model_path):
-    model = Model(load_model(base_model_path, dtype="f32", device="cpu"))
+@pytest.fixture(scope="module", params=["packed", "dequant"])
+def gemma(base_model_path, request):
+    model = Model(load_model(base_model_path, dtype="f32", device="cpu", weights=request.param))
     ctx = model.new_context(n_ctx_seq=1024)
     yield model, ctx
     ctx.close()
@@ -140,7 +140,11 @@ def test_incremental_decode_past_sliding_window_equals_one_shot(gemma):
         got.append(ctx.decode(UBatch([toks[p]], [p], [1], [True])).logits[0])
     ctx.kv.seq_rm(1)
     diff = float((torch.log_softmax(torch.stack(got), -1) - torch.log_softmax(one, -1)).abs().max())
-    assert diff <= 1e-4, diff
+    # f32 reference: only float summation order differs (1e-4). Packed default: activations are
+    # int16 per block of 32, so a last-bit float difference between the chunked and one-shot
+    # attention can move one rounding step, which in a block holding one of Gemma's |x|~250
+    # outliers is ~0.008 absolute; measured 2.5e-3 here after 18 layers.
+    assert diff <= (1e-4 if model.base.weight_form == "dequant" else 5e-3), diff
 
 
 def test_decode_rejects_bad_rows_and_keeps_cache(gemma):
@@ -167,8 +171,9 @@ def test_prompt_logprobs_helper(gemma):
 def test_bf16_close_to_f32(base_model_path, gemma):
     """bf16 compute: same greedy choice where f32's margin is clear, log-probs within 0.15."""
     _, ctx32 = gemma
-    m16 = Model(load_model(base_model_path, dtype="bf16", device="cpu"))
-    assert m16.base.weights["blk.0.attn_q.weight"].dtype == torch.bfloat16
+    m16 = Model(load_model(base_model_path, dtype="bf16", device="cpu", weights=gemma[0].base.weight_form))
+    if m16.base.weight_form == "dequant":
+        assert m16.base.weights["blk.0.attn_q.weight"].dtype == torch.bfloat16
     ctx16 = m16.new_context(n_ctx_seq=64)
     toks = m16.base.tokenizer.encode("Once upon a time, a small robot")
     n = len(toks)

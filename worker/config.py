@@ -36,7 +36,8 @@ class WorkerConfig:
         model_path: base model GGUF; None means the embedded Gemma 3 270M.
         n_slots: parallel sequences (llama-server ``--parallel``).
         batching / prefix_cache: see the enums.
-        dtype: "f32" or "bf16" compute dtype.
+        dtype: "f32" or "bf16" compute (activation) dtype.
+        weight_form: "packed" (GGUF-quantized matrices, our kernels) or "dequant" (reference).
         device: "cpu", "cuda" or "auto" (CUDA when present).
         n_ctx_slot: tokens of KV per slot.
         queue_limit: requests waiting beyond the slots before RESOURCE_EXHAUSTED.
@@ -49,6 +50,14 @@ class WorkerConfig:
             port 0 picks a free one).
         metrics_max_adapters: distinct adapter label values in metrics before the rest are
             folded into "other" (``loraplane.metrics.BoundedLabels``).
+        adapter_dirs: ``LoadAdapter(server_path)`` may only name files inside these
+            (resolved, checked before anything is read; none: server paths are refused and
+            adapters arrive as bytes, which is what the control plane sends).
+        worker_secret: shared secret every Worker RPC must carry and that membership calls
+            send (None: ``$LORAPLANE_WORKER_SECRET``; neither: no check, as before).
+        extra_streams: Decode streams accepted beyond ``n_slots + queue_limit`` (streams
+            whose request already finished but which are still closing); beyond that a new
+            stream gets RESOURCE_EXHAUSTED at once.
     """
 
     addr: str = "127.0.0.1:0"
@@ -57,6 +66,7 @@ class WorkerConfig:
     batching: Batching = Batching.MIXED
     prefix_cache: PrefixCachePolicy = PrefixCachePolicy.KEYED
     dtype: str = "f32"
+    weight_form: str = "packed"
     device: str = "auto"
     n_ctx_slot: int = 4096
     queue_limit: int = 64
@@ -67,3 +77,11 @@ class WorkerConfig:
     log_level: str = "info"
     metrics_addr: str | None = None
     metrics_max_adapters: int = 64
+    adapter_dirs: tuple[str, ...] = ()
+    worker_secret: str | None = None
+    extra_streams: int = 4
+
+    @property
+    def max_decode_streams(self) -> int:
+        """Concurrent Decode streams accepted: every slot, every queue place, and a margin."""
+        return self.n_slots + self.queue_limit + self.extra_streams

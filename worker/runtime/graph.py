@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from worker.runtime.kernels import QuantLinear
 from worker.runtime.kv_cache import KVCache
 from worker.lora.plan import LoraPlan
 
@@ -88,7 +90,7 @@ class GraphContext:
         dtype: compute dtype.
     """
 
-    def __init__(self, weights: dict[str, torch.Tensor], inputs: GraphInputs, plan: LoraPlan,
+    def __init__(self, weights: dict[str, Any], inputs: GraphInputs, plan: LoraPlan,
                  kv: KVCache, dtype: torch.dtype):
         self.w = weights
         self.inp = inputs
@@ -108,7 +110,8 @@ class GraphContext:
         exception); B ``(d, R)``; S the per-row column scales. Returns ``(n, d)``.
         """
         ids = self.inp.tokens
-        x = self.w[name].index_select(0, ids).to(self.dtype)
+        w = self.w[name]
+        x = (w.get_rows(ids) if isinstance(w, QuantLinear) else w.index_select(0, ids)).to(self.dtype)
         self.n_nodes += 1
         fw = self.plan.fused.get(name)
         if fw is not None:
@@ -140,6 +143,17 @@ class GraphContext:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (y * self.w[name]).to(self.dtype)
 
+    def base_mm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for base weight ``name`` ``(d, k)``; x ``(n, k)`` → ``(n, d)`` in x's dtype.
+
+        A packed weight (``QuantLinear``) is multiplied by our quantized kernels straight from
+        its GGUF form (``worker.runtime.kernels``); a float weight by torch.
+        """
+        w = self.w[name]
+        if isinstance(w, QuantLinear):
+            return w.matmul(x).to(x.dtype)
+        return x @ w.T
+
     def build_lora_mm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``W x`` plus ``B · (S ⊙ (A x))`` for the plan's fused branches on ``name``.
 
@@ -147,7 +161,7 @@ class GraphContext:
         per-row column scales (zero for adapters a row's set lacks), so every adapter of a
         mixed ubatch costs one matmul pair per weight in total.
         """
-        y = x @ self.w[name].T
+        y = self.base_mm(name, x)
         self.n_nodes += 1
         fw = self.plan.fused.get(name)
         if fw is not None:
@@ -166,7 +180,8 @@ class GraphContext:
         w = self.w[name]
         n, top_k = expert_ids.shape
         xk = x.unsqueeze(1).expand(n, top_k, x.shape[-1]) if x.dim() == 2 else x
-        out = torch.zeros((n, top_k, w.shape[1]), dtype=x.dtype, device=x.device)
+        d_out = w[0].d if isinstance(w, list) else w.shape[1]
+        out = torch.zeros((n, top_k, d_out), dtype=x.dtype, device=x.device)
         fw = self.plan.fused.get(name)
         scales: torch.Tensor | None = None
         if fw is not None:
@@ -177,7 +192,8 @@ class GraphContext:
         for e in torch.unique(expert_ids).tolist():
             tok, slot = torch.nonzero(expert_ids == e, as_tuple=True)
             xe = xk[tok, slot]
-            ye = xe @ w[e].T
+            we = w[e]
+            ye = we.matmul(xe).to(xe.dtype) if isinstance(we, QuantLinear) else xe @ we.T
             if fw is not None and scales is not None:
                 xa = xe @ fw.lora_a[e].T
                 ye = ye + (xa * scales.index_select(0, tok)) @ fw.lora_b[e].T
@@ -195,7 +211,7 @@ class GraphContext:
         if "output.weight" in self.w:
             return self.build_lora_mm("output.weight", x).float()
         self.n_nodes += 1
-        return (x @ self.w[tied_to].T).float()
+        return self.base_mm(tied_to, x).float()
 
     # --- attention --------------------------------------------------------------------
     def build_attn(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

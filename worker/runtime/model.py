@@ -2,7 +2,13 @@
 
 Dispatch is on ``general.architecture`` (llama.cpp ``llm_arch_from_string``): each
 architecture module in ``worker.runtime.arch`` reads its hparams, declares its tensors and builds
-its forward pass. Weights are dequantized once at load to the compute dtype.
+its forward pass.
+
+Weight forms (``--weights``): ``packed`` (default) keeps every matrix close to its GGUF
+quantized form (``worker.runtime.kernels.QuantLinear``: exact int8 values + block scales,
+multiplied by our AVX2 / AVX-512 kernels; on CUDA dequantized once to bf16), so no f32 copy of
+the model exists; ``dequant`` is the reference: every weight dequantized once to the compute
+dtype and multiplied by torch. Norm vectors are f32 in both.
 
 Shapes: every weight is kept in torch order (ggml ``ne`` reversed), so a linear weight
 with ``ne = [k, d]`` is a ``(d, k)`` tensor used as ``x @ W.T`` (what ggml's
@@ -20,9 +26,15 @@ import torch
 
 from worker.runtime import arch as arch_registry
 from worker.gguf.reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
+from worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
 from worker.runtime.tokenizer import Tokenizer
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+WEIGHT_FORMS = ("packed", "dequant")
+"""``packed``: GGUF-quantized matrices multiplied in place (default); ``dequant``: f32/bf16 reference."""
+
+Weight = torch.Tensor | QuantLinear | list[QuantLinear]
+"""A base weight: a float tensor (norms, the ``dequant`` form), a packed matrix, or packed experts."""
 
 
 class ModelError(ValueError):
@@ -57,7 +69,10 @@ class BaseModel:
         path: the GGUF file.
         arch: ``general.architecture`` string, e.g. ``gemma3``.
         hparams: the architecture's hyper-parameter record.
-        weights: tensor name → torch tensor (compute dtype, except norms kept f32), torch order.
+        weights: tensor name → ``Weight`` (torch order): packed matrices (``QuantLinear``; a
+            list per expert for 3-D expert tensors) or float tensors (``dequant`` form in the
+            compute dtype; norms f32).
+        weight_form: "packed" or "dequant".
         tensor_ne: tensor name → ggml ``ne`` of every base tensor (what adapters validate against).
         tokenizer: built from ``tokenizer.ggml.*``.
         device / dtype: where and in what the forward pass runs.
@@ -67,11 +82,12 @@ class BaseModel:
     gguf: GGUFFile
     arch: str
     hparams: Any
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]
     tensor_ne: dict[str, tuple[int, ...]]
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
+    weight_form: str = "packed"
     _sha256: str | None = field(default=None, repr=False)
 
     @property
@@ -91,17 +107,29 @@ class BaseModel:
     def device_of(self, name: str) -> torch.device:
         """Device of base tensor ``name`` (adapter tensors go where the tensor they patch is)."""
         w = self.weights.get(name)
+        if isinstance(w, list):
+            w = w[0] if w else None
         return w.device if w is not None else self.device
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the worker holds for base weights (packed values + scales, or float tensors)."""
+        total = 0
+        for w in self.weights.values():
+            for part in (w if isinstance(w, list) else [w]):
+                total += part.nbytes if isinstance(part, QuantLinear) else part.numel() * part.element_size()
+        return total
 
 
 def load_model(path: str | os.PathLike[str] | None = None, *, dtype: str = "f32",
-               device: str = "auto") -> BaseModel:
-    """Load a base GGUF: hparams, tokenizer, and dequantized weights on ``device``.
+               device: str = "auto", weights: str = "packed") -> BaseModel:
+    """Load a base GGUF: hparams, tokenizer, and weights on ``device``.
 
     Args:
         path: GGUF file; None → the embedded Gemma 3 270M.
-        dtype: compute dtype name, "f32" or "bf16" (norm weights stay f32).
+        dtype: compute (activation) dtype name, "f32" or "bf16" (norm weights stay f32).
         device: "auto", "cpu" or "cuda".
+        weights: "packed" (quantized matrices, our kernels) or "dequant" (f32/bf16 reference).
 
     Raises:
         GGUFError: not GGUF / truncated / unsupported tensor type (names file and tensor).
@@ -114,12 +142,14 @@ def load_model(path: str | os.PathLike[str] | None = None, *, dtype: str = "f32"
         raise ModelError(f"{p}: general.type is '{gtype}', expected 'model' (is this an adapter?)")
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype '{dtype}' (expected one of {', '.join(DTYPES)})")
+    if weights not in WEIGHT_FORMS:
+        raise ModelError(f"unknown weight form '{weights}' (expected one of {', '.join(WEIGHT_FORMS)})")
     arch_mod = arch_registry.get(gf.arch, p)
     hparams = arch_mod.load_hparams(gf)
     dev = pick_device(device)
     tdtype = DTYPES[dtype]
     specs = arch_mod.tensor_specs(hparams)
-    weights: dict[str, torch.Tensor] = {}
+    held: dict[str, Weight] = {}
     for spec in specs:
         rec = gf.tensors.get(spec.name)
         if rec is None:
@@ -128,14 +158,21 @@ def load_model(path: str | os.PathLike[str] | None = None, *, dtype: str = "f32"
             continue
         if spec.ne is not None and rec.ne != spec.ne:
             raise ModelError(f"{p}: tensor '{spec.name}' has ne {list(rec.ne)}, expected {list(spec.ne)}")
+        if weights == "packed" and len(rec.ne) in (2, 3):
+            try:
+                held[spec.name] = pack_tensor(rec, device=dev) if len(rec.ne) == 2 else pack_experts(rec, device=dev)
+            except KernelError as exc:
+                raise ModelError(f"{p}: {exc}") from exc
+            continue
         arr = dequantize(p, rec)
         t = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
         keep_f32 = rec.ne and len(rec.ne) == 1
-        weights[spec.name] = t.to(device=dev, dtype=torch.float32 if keep_f32 else tdtype)
+        held[spec.name] = t.to(device=dev, dtype=torch.float32 if keep_f32 else tdtype)
         del arr, t
     tensor_ne = {name: rec.ne for name, rec in gf.tensors.items()}
     tok = Tokenizer.from_gguf(gf)
-    return BaseModel(p, gf, gf.arch, hparams, weights, tensor_ne, tok, dev, tdtype)
+    return BaseModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, weights)
 
 
-__all__ = ["BaseModel", "ModelError", "GGUFError", "load_model", "pick_device", "default_model_path"]
+__all__ = ["BaseModel", "ModelError", "GGUFError", "WEIGHT_FORMS", "Weight", "load_model", "pick_device",
+           "default_model_path"]

@@ -96,13 +96,14 @@ class _StatsCollector:
         self._stats = stats
 
     def collect(self):
-        s = self._stats()
+        record = self._stats()
+        s = record.scheduler
         gauges = {"slots": ("Parallel sequences.", s.n_slots),
                   "slots_busy": ("Slots holding a request.", s.slots_busy),
                   "requests_running": ("Requests in a slot (prefill or decode).", s.slots_busy),
                   "requests_waiting": ("Requests queued for a slot.", s.queue_depth),
                   "queue_limit": ("Waiting requests allowed before RESOURCE_EXHAUSTED.", s.queue_limit),
-                  "adapters_loaded": ("Adapters registered on this worker.", len(s.adapter_ids))}
+                  "adapters_loaded": ("Adapters registered on this worker.", len(record.adapter_ids))}
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         counters = {"graph_reuses": ("Decode steps whose cached LoRA plan was reused.", s.graph_reuses),

@@ -117,7 +117,7 @@ class Scheduler:
         Raises:
             InvalidRequestError: empty/too long prompt, token out of range, two aLoRAs, bad
                 sampling field.
-            QueueFullError: the waiting queue is at ``queue_limit``.
+            QueueFullError: busy slots + queued requests already equal slots + ``queue_limit``.
         """
         n_vocab = self.ctx.model.n_vocab
         if not prompt:
@@ -138,8 +138,14 @@ class Scheduler:
         if params.stop:
             req.stop = StopMatcher(params.stop)
         with self._cv:
-            if len(self.queue) >= self.config.queue_limit:
-                raise QueueFullError(f"worker {self.worker_id}: queue full ({self.config.queue_limit} waiting)")
+            # Capacity is slots + queue limit: a queued request that a free slot will take at
+            # the next loop turn is not "waiting", so a burst admits exactly that many even
+            # while the loop is mid-step with idle slots.
+            busy = sum(s.busy for s in self.slots)
+            if busy + len(self.queue) >= len(self.slots) + self.config.queue_limit:
+                raise QueueFullError(
+                    f"worker {self.worker_id}: queue full ({busy}/{len(self.slots)} slots busy, {len(self.queue)} "
+                    f"queued; admits slots + --queue-limit {self.config.queue_limit})")
             req.held_ids = adapter_set.ids
             for aid in req.held_ids:
                 self._in_flight[aid] = self._in_flight.get(aid, 0) + 1

@@ -63,7 +63,8 @@ class KernelError(ValueError):
 
 @dataclass(frozen=True)
 class QuantizedActivations:
-    """Rows of ``x`` quantized per row and per block of 32 (llama.cpp ``quantize_row_q8_0``).
+    """Rows of ``x`` quantized per row and per block of 32: int16 (``d = amax/32767``) or int8
+    (``d = amax/127``, llama.cpp ``quantize_row_q8_0``).
 
     Build once with :func:`quantize_activations` and pass to several ``matmul`` calls that
     share the input (q/k/v, gate/up). Attributes (torch order): ``q`` int8 or int16 ``(n, k)``;
@@ -225,6 +226,8 @@ class QuantLinear:
             KernelPathError: a forced path this CPU cannot run.
         """
         if isinstance(x, QuantizedActivations):
+            if self.qw is None:
+                raise KernelError(f"{self.name}: {self.ggml_type.name} weight takes float activations")
             if x.k != self.k:
                 raise KernelError(f"{self.name}: activations have width {x.k}, weight expects {self.k}")
             return self._qmm(x)

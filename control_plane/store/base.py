@@ -1,0 +1,226 @@
+"""The one interface of the control plane's persistent state, whatever the database.
+
+Owned by the control-plane process: one `AdapterStore` per process, opened from
+``--database`` by `control_plane.store.open_store`. Two implementations:
+
+- `control_plane.store.sqlite.SqliteStore` (``sqlite:///PATH``, the embedded default under
+  ``--data-dir``): one process, one machine.
+- `control_plane.store.postgres.PostgresStore` (``postgresql://…``): any number of
+  control-plane replicas share one database.
+
+What the store holds, and the rules every implementation keeps (tested against both in
+``tests/test_store.py``):
+
+- **Adapters** (`AdapterRecord`): ids are non-negative, assigned from 0 in registration order,
+  never reused, stable across restarts (CONTRACT.md). The id comes from a one-row counter
+  updated in the registration's own transaction, so a failed registration leaves no gap (its
+  update rolls back) and ids are unique across replicas (the counter row lock serialises the
+  few milliseconds of id assignment). ``sha256`` is unique: registering content that is
+  already registered returns the existing record (``created=False``).
+- **Adapter bytes**, content-addressed by sha256, readable by every process that opens the
+  same database (`read_chunks`). Registration is atomic: metadata and bytes are committed
+  together or not at all.
+- **The default set**: every adapter's ``default_scale`` (0: detached).
+- **Removed adapters**: ids unregistered through any replica (`removed_ids`), so every
+  replica unloads them from the workers it pushed them to.
+- **Worker sightings** (`WorkerSighting`): which worker last heartbeated which replica, so
+  that every replica knows every worker (`control_plane.replicas`).
+
+Every read goes to the database: a change committed through one replica is what the next
+read on any replica returns (no cache to invalidate).
+
+Errors: the database being unreachable raises `control_plane.errors.UnavailableError`
+(gRPC UNAVAILABLE) naming the database; a schema newer than this build raises
+`SchemaTooNewError` at start-up.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class SchemaTooNewError(RuntimeError):
+    """The database was migrated by a newer build than this one; refuse to start."""
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """One registered adapter as stored.
+
+    Attributes:
+        id: the control plane's id (registration order from 0, never reused).
+        sha256: hex content hash of the GGUF file (unique; the key of its bytes).
+        name: display name (``general.name`` unless overridden at registration).
+        path: where the bytes are, for people: the SQLite store's file (an upload's copy under
+            the data dir, or the server path it was registered from), or, in PostgreSQL,
+            ``postgresql:adapter_blobs/<sha256>`` for an upload and the path it was copied
+            from for a server path or start-up flag.
+        metadata: what validation found (arch, alpha, ranks, targets, aLoRA tokens, ...),
+            see `control_plane.registry.adapter_metadata`.
+        default_scale: this adapter's scale in the global default set (0: detached).
+        created_at: unix time of registration, seconds.
+        source_format: "gguf", or "peft" for a PEFT folder converted at registration.
+    """
+
+    id: int
+    sha256: str
+    name: str
+    path: str
+    metadata: dict[str, Any] = field(hash=False, compare=False)
+    default_scale: float = 0.0
+    created_at: float = 0.0
+    source_format: str = "gguf"
+
+
+DefaultScales = list[tuple[int, float]]
+"""``[(adapter id, default scale)]`` by id (a module-level alias: the stores' ``list`` method
+shadows the builtin inside their class bodies)."""
+
+
+@dataclass(frozen=True)
+class WorkerSighting:
+    """A worker's last heartbeat as some replica recorded it.
+
+    Attributes:
+        worker_id / addr / model / model_sha256 / n_slots: the worker's ``WorkerHello``.
+        replica_id: the replica that recorded the heartbeat (`AdapterStore.replica_id`).
+        age_s: seconds since that heartbeat, measured by the database's clock (PostgreSQL)
+            or this host's (SQLite), so replicas on skewed hosts agree.
+    """
+
+    worker_id: str
+    addr: str
+    model: str
+    model_sha256: str
+    n_slots: int
+    replica_id: str
+    age_s: float
+
+
+Sightings = list[WorkerSighting]
+
+
+class AdapterStore(ABC):
+    """Adapters, their bytes, the default set, removals and worker sightings.
+
+    Thread-safe: gRPC handlers call it from a thread pool.
+
+    Attributes:
+        replica_id: a random id of this process (worker sightings name who recorded them).
+        description: the database for messages and logs, without credentials.
+    """
+
+    replica_id: str
+    description: str
+
+    # -- schema ---------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def schema_version(self) -> int:
+        """How many of `control_plane.store.migrations.MIGRATIONS` have been applied."""
+        raise NotImplementedError
+
+    # -- adapters: reads --------------------------------------------------------------------
+
+    @abstractmethod
+    def list(self) -> list[AdapterRecord]:
+        """Every registered adapter, by id."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def get(self, adapter_id: int) -> AdapterRecord | None:
+        """The adapter with this id, or None."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def get_by_sha256(self, sha256: str) -> AdapterRecord | None:
+        """The adapter with this content hash, or None."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def default_set(self) -> DefaultScales:
+        """``[(id, scale)]`` over every registered adapter, by id (0: detached)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def read_chunks(self, record: AdapterRecord, chunk_size: int) -> Iterator[bytes]:
+        """The adapter's bytes, in pieces of at most ``chunk_size`` bytes.
+
+        Raises:
+            OSError: the bytes are gone (a SQLite server-path file deleted under us).
+            UnavailableError: the database is unreachable.
+        """
+        raise NotImplementedError
+
+    # -- adapters: writes ----------------------------------------------------------------------
+
+    @abstractmethod
+    def insert(self, *, sha256: str, name: str, metadata: Mapping[str, Any], content: Path,
+               source: str | None, source_format: str = "gguf") -> tuple[AdapterRecord, bool]:
+        """Register ``content`` (a validated GGUF whose sha256 is ``sha256``): ``(record, created)``.
+
+        Args:
+            content: the file holding the bytes.
+            source_format: what the GGUF was made from ("gguf", or "peft"), stored as is.
+            source: None when ``content`` is an upload's temporary file (the store may move
+                it; the caller deletes whatever is left); else the server path ``content`` was
+                registered from (it stays where it is).
+
+        Content already registered (same sha256) returns the existing record and
+        ``created=False``; nothing changes. Atomic: a crash leaves the whole adapter
+        (row and bytes) or nothing.
+        """
+        raise NotImplementedError
+
+    @abstractmethod
+    def delete(self, adapter_id: int) -> AdapterRecord | None:
+        """Remove an adapter, its default-set entry and its bytes (if the store owns them),
+        and record the removal (`removed_ids`); the removed record, or None when the id is
+        unknown. The counter is untouched, so the id is never handed out again."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def set_default_scales(self, scales: Mapping[int, float], *, others: float | None = 0.0) -> None:
+        """Set the default scale of the ids in ``scales``, all in one transaction.
+
+        ``others``: the scale every adapter not named gets; None leaves them as they are.
+        Callers check the ids exist first (unknown ids are silently ignored here).
+        """
+        raise NotImplementedError
+
+    @abstractmethod
+    def removed_ids(self) -> set[int]:
+        """Ids unregistered (through any replica) in the last `REMOVALS_KEPT_S` seconds."""
+        raise NotImplementedError
+
+    # -- worker sightings ----------------------------------------------------------------------
+
+    @abstractmethod
+    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str,
+                      n_slots: int) -> None:
+        """A worker registered with or heartbeated this replica, now."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def recent_workers(self, max_age_s: float) -> Sightings:
+        """Workers whose last recorded heartbeat is at most ``max_age_s`` old; sightings older
+        than `SIGHTINGS_KEPT_S` are deleted on the way."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections (and the pool)."""
+        raise NotImplementedError
+
+
+REMOVALS_KEPT_S = 24 * 3600.0
+"""Removal records older than this are pruned: replicas poll them every heartbeat interval,
+and a replica started later reconciles each worker with the registry when it adopts it."""
+
+SIGHTINGS_KEPT_S = 3600.0
+"""Worker sightings older than this are pruned (the worker is long dead)."""

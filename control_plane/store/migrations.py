@@ -1,0 +1,129 @@
+"""Versioned schema migrations, one list for both databases.
+
+`MIGRATIONS[i]` upgrades the schema from version ``i`` to ``i + 1``; the list is append-only
+(never edit an entry that has shipped). Each entry carries the same change spelled for
+SQLite and for PostgreSQL, where their types differ (``BLOB``/``BYTEA``, ``REAL``/``DOUBLE
+PRECISION``, ``INTEGER``/``BIGINT``); the tables, columns, keys and constraints are the same.
+
+``schema_version`` (one row) records how many entries ran. Each store applies the missing
+entries at start-up, all in one transaction:
+
+- SQLite: under ``BEGIN IMMEDIATE`` (the database's write lock), so a second process
+  opening the same file waits.
+- PostgreSQL: under ``pg_advisory_xact_lock(MIGRATION_LOCK_KEY)``, so two replicas starting
+  at once serialise: the second waits, then finds the schema current and does nothing.
+  PostgreSQL DDL is transactional, so a replica that dies mid-migration leaves the old
+  schema, not half of the new one.
+
+A database at a version newer than this build knows is refused (`SchemaTooNewError`): a
+rolling update must not let an old replica write to a schema it does not understand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One schema step: what it is for, and its statements in each SQL dialect."""
+
+    description: str
+    sqlite: tuple[str, ...]
+    postgres: tuple[str, ...]
+
+
+MIGRATION_LOCK_KEY = 0x6C6F7261706C616E  # "loraplan": the PostgreSQL advisory lock of migrations
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        "adapters, the id counter (ids from 0, never reused) and the default set",
+        sqlite=(
+            """CREATE TABLE id_counter (
+                   singleton INTEGER PRIMARY KEY CHECK (singleton = 0),
+                   next_id INTEGER NOT NULL
+               )""",
+            "INSERT INTO id_counter (singleton, next_id) VALUES (0, 0)",
+            """CREATE TABLE adapters (
+                   id INTEGER PRIMARY KEY CHECK (id >= 0),
+                   sha256 TEXT NOT NULL UNIQUE,
+                   name TEXT NOT NULL,
+                   path TEXT NOT NULL,
+                   metadata TEXT NOT NULL,
+                   default_scale REAL NOT NULL DEFAULT 0,
+                   created_at REAL NOT NULL
+               )""",
+        ),
+        postgres=(
+            """CREATE TABLE id_counter (
+                   singleton INTEGER PRIMARY KEY CHECK (singleton = 0),
+                   next_id BIGINT NOT NULL
+               )""",
+            "INSERT INTO id_counter (singleton, next_id) VALUES (0, 0)",
+            """CREATE TABLE adapters (
+                   id BIGINT PRIMARY KEY CHECK (id >= 0),
+                   sha256 TEXT NOT NULL UNIQUE,
+                   name TEXT NOT NULL,
+                   path TEXT NOT NULL,
+                   metadata TEXT NOT NULL,
+                   default_scale DOUBLE PRECISION NOT NULL DEFAULT 0,
+                   created_at DOUBLE PRECISION NOT NULL
+               )""",
+        ),
+    ),
+    Migration(
+        "adapter bytes by content (PostgreSQL), removals feed, worker sightings (replicas)",
+        sqlite=(
+            """CREATE TABLE adapter_blobs (
+                   sha256 TEXT NOT NULL,
+                   seq INTEGER NOT NULL CHECK (seq >= 0),
+                   data BLOB NOT NULL,
+                   PRIMARY KEY (sha256, seq)
+               )""",
+            """CREATE TABLE removed_adapters (
+                   adapter_id INTEGER PRIMARY KEY,
+                   sha256 TEXT NOT NULL,
+                   removed_at REAL NOT NULL
+               )""",
+            """CREATE TABLE worker_sightings (
+                   worker_id TEXT PRIMARY KEY,
+                   addr TEXT NOT NULL,
+                   model TEXT NOT NULL,
+                   model_sha256 TEXT NOT NULL,
+                   n_slots INTEGER NOT NULL,
+                   replica_id TEXT NOT NULL,
+                   seen_at REAL NOT NULL
+               )""",
+        ),
+        postgres=(
+            """CREATE TABLE adapter_blobs (
+                   sha256 TEXT NOT NULL,
+                   seq INTEGER NOT NULL CHECK (seq >= 0),
+                   data BYTEA NOT NULL,
+                   PRIMARY KEY (sha256, seq)
+               )""",
+            """CREATE TABLE removed_adapters (
+                   adapter_id BIGINT PRIMARY KEY,
+                   sha256 TEXT NOT NULL,
+                   removed_at DOUBLE PRECISION NOT NULL
+               )""",
+            """CREATE TABLE worker_sightings (
+                   worker_id TEXT PRIMARY KEY,
+                   addr TEXT NOT NULL,
+                   model TEXT NOT NULL,
+                   model_sha256 TEXT NOT NULL,
+                   n_slots INTEGER NOT NULL,
+                   replica_id TEXT NOT NULL,
+                   seen_at DOUBLE PRECISION NOT NULL
+               )""",
+        ),
+    ),
+    Migration(
+        "the format an adapter was registered from: 'gguf', or 'peft' (a PEFT folder converted "
+        "on the fly); rows from before were all GGUF files",
+        sqlite=("ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",),
+        postgres=("ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",),
+    ),
+)
+
+SCHEMA_VERSION_DDL = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"

@@ -1,0 +1,272 @@
+"""SQLite implementation of `AdapterStore`: the embedded default, one control-plane process.
+
+Stdlib ``sqlite3`` in WAL mode, one connection guarded by a lock (gRPC handlers run on a
+thread pool). ``sqlite:///PATH`` (default ``<data-dir>/loraplane.sqlite3``).
+
+Ids (CONTRACT.md): non-negative, assigned from 0 in registration order, never reused, stable
+across restarts. SQLite's AUTOINCREMENT starts at 1 and the rowid rules reuse ids after the
+highest row is deleted, so ids come from an explicit one-row counter table instead,
+incremented in the same transaction as the insert.
+
+Adapter bytes stay files on this machine: an upload becomes ``<blob-dir>/<sha256>.gguf``
+(moved into place inside the registration's transaction, removed again if the insert fails);
+a server path or start-up file is referenced where it is (one machine: the path means the
+same thing to the only process that reads it). A crash between the move and the commit
+leaves a file with no row; `SqliteStore` deletes such files (and stale ``.part`` uploads) when
+it opens, so what survives is the whole adapter or nothing. The ``adapter_blobs`` table the
+shared migrations create is the PostgreSQL store's and stays empty here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from control_plane.store.base import (
+    REMOVALS_KEPT_S,
+    SIGHTINGS_KEPT_S,
+    AdapterRecord,
+    AdapterStore,
+    DefaultScales,
+    SchemaTooNewError,
+    Sightings,
+    WorkerSighting,
+)
+from control_plane.store.migrations import MIGRATIONS, SCHEMA_VERSION_DDL
+
+log = structlog.get_logger("control_plane.store.sqlite")
+
+DB_FILENAME = "loraplane.sqlite3"
+
+
+class SqliteStore(AdapterStore):
+    """The registry in one SQLite file; uploaded bytes as files in ``blob_dir``.
+
+    Args:
+        db_path: the database file (created with its parent directory).
+        blob_dir: where uploads are kept as ``<sha256>.gguf`` (default: ``adapters/`` beside
+            the database file).
+
+    Raises:
+        SchemaTooNewError: the file was migrated by a newer build.
+    """
+
+    def __init__(self, db_path: str | Path, blob_dir: str | Path | None = None) -> None:
+        self.db_path = Path(db_path)
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self.blob_dir = Path(blob_dir) if blob_dir is not None else self.db_path.parent / "adapters"
+        self.blob_dir.mkdir(parents=True, exist_ok=True)
+        self.replica_id = uuid.uuid4().hex[:12]
+        self.description = f"sqlite:///{self.db_path}"
+        self._lock = threading.Lock()
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves so each operation is one
+        # explicit transaction.
+        self._conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute("PRAGMA busy_timeout=30000")
+        self._migrate()
+        self._remove_orphans()
+
+    # -- schema -------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        with self._lock:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.execute(SCHEMA_VERSION_DDL)
+                row = c.execute("SELECT version FROM schema_version").fetchone()
+                if row is None:
+                    c.execute("INSERT INTO schema_version (version) VALUES (0)")
+                    version = 0
+                else:
+                    version = int(row["version"])
+                if version > len(MIGRATIONS):
+                    raise SchemaTooNewError(
+                        f"{self.db_path}: schema version {version} is newer than this build "
+                        f"knows ({len(MIGRATIONS)}); refusing to open")
+                for migration in MIGRATIONS[version:]:
+                    for sql in migration.sqlite:
+                        c.execute(sql)
+                c.execute("UPDATE schema_version SET version = ?", (len(MIGRATIONS),))
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            if version < len(MIGRATIONS):
+                log.info("schema_migrated", database=self.description, from_version=version,
+                         to_version=len(MIGRATIONS))
+
+    def _remove_orphans(self) -> None:
+        """Delete upload copies no row names (a crash between the move and the commit) and
+        stale partial uploads; warn about rows whose file is gone."""
+        with self._lock:
+            paths = {str(r["path"]) for r in self._conn.execute("SELECT path FROM adapters")}
+        for p in self.blob_dir.iterdir():
+            if p.name.endswith(".part") or (p.suffix == ".gguf" and str(p) not in paths):
+                log.warning("orphan_adapter_file_removed", path=str(p))
+                p.unlink(missing_ok=True)
+        for path in sorted(paths):
+            if not Path(path).is_file():
+                log.warning("adapter_file_missing", path=path)
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return int(self._conn.execute("SELECT version FROM schema_version").fetchone()[0])
+
+    # -- reads --------------------------------------------------------------------------
+
+    def list(self) -> list[AdapterRecord]:
+        with self._lock:
+            rows = self._conn.execute("SELECT * FROM adapters ORDER BY id").fetchall()
+        return [_record(r) for r in rows]
+
+    def get(self, adapter_id: int) -> AdapterRecord | None:
+        with self._lock:
+            row = self._conn.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+        return _record(row) if row is not None else None
+
+    def get_by_sha256(self, sha256: str) -> AdapterRecord | None:
+        with self._lock:
+            row = self._conn.execute("SELECT * FROM adapters WHERE sha256 = ?", (sha256,)).fetchone()
+        return _record(row) if row is not None else None
+
+    def default_set(self) -> DefaultScales:
+        with self._lock:
+            rows = self._conn.execute("SELECT id, default_scale FROM adapters ORDER BY id").fetchall()
+        return [(int(r["id"]), float(r["default_scale"])) for r in rows]
+
+    def read_chunks(self, record: AdapterRecord, chunk_size: int) -> Iterator[bytes]:
+        with open(record.path, "rb") as fh:
+            yield from iter(lambda: fh.read(chunk_size), b"")
+
+    # -- writes -------------------------------------------------------------------------
+
+    def insert(self, *, sha256: str, name: str, metadata: Mapping[str, Any], content: Path,
+               source: str | None, source_format: str = "gguf") -> tuple[AdapterRecord, bool]:
+        final = self.blob_dir / f"{sha256}.gguf"
+        with self._lock:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            moved = False
+            try:
+                row = c.execute("SELECT * FROM adapters WHERE sha256 = ?", (sha256,)).fetchone()
+                if row is not None:
+                    c.execute("COMMIT")
+                    return _record(row), False
+                if source is None:
+                    os.replace(content, final)
+                    moved = True
+                new_id = int(c.execute("SELECT next_id FROM id_counter").fetchone()[0])
+                c.execute("UPDATE id_counter SET next_id = ?", (new_id + 1,))
+                c.execute(
+                    "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at,"
+                    " source_format) VALUES (?, ?, ?, ?, ?, 0, ?, ?)",
+                    (new_id, sha256, name, str(final) if source is None else source,
+                     json.dumps(dict(metadata), sort_keys=True), time.time(), source_format),
+                )
+                row = c.execute("SELECT * FROM adapters WHERE id = ?", (new_id,)).fetchone()
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                if moved:
+                    final.unlink(missing_ok=True)
+                raise
+        return _record(row), True
+
+    def delete(self, adapter_id: int) -> AdapterRecord | None:
+        with self._lock:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                row = c.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+                if row is None:
+                    c.execute("COMMIT")
+                    return None
+                c.execute("DELETE FROM adapters WHERE id = ?", (adapter_id,))
+                now = time.time()
+                c.execute("INSERT OR REPLACE INTO removed_adapters (adapter_id, sha256, removed_at) VALUES (?, ?, ?)",
+                          (adapter_id, row["sha256"], now))
+                c.execute("DELETE FROM removed_adapters WHERE removed_at < ?", (now - REMOVALS_KEPT_S,))
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+        rec = _record(row)
+        owned = Path(rec.path)
+        if owned.parent.resolve() == self.blob_dir.resolve():
+            owned.unlink(missing_ok=True)
+        return rec
+
+    def set_default_scales(self, scales: Mapping[int, float], *, others: float | None = 0.0) -> None:
+        with self._lock:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                if others is not None:
+                    c.execute("UPDATE adapters SET default_scale = ?", (float(others),))
+                c.executemany(
+                    "UPDATE adapters SET default_scale = ? WHERE id = ?",
+                    [(float(s), int(i)) for i, s in scales.items()],
+                )
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+
+    def removed_ids(self) -> set[int]:
+        with self._lock:
+            rows = self._conn.execute("SELECT adapter_id FROM removed_adapters").fetchall()
+        return {int(r[0]) for r in rows}
+
+    # -- worker sightings -------------------------------------------------------------------
+
+    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str,
+                      n_slots: int) -> None:
+        with self._lock:
+            self._conn.execute(
+                "INSERT INTO worker_sightings (worker_id, addr, model, model_sha256, n_slots, replica_id, seen_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO UPDATE SET addr = excluded.addr,"
+                " model = excluded.model, model_sha256 = excluded.model_sha256, n_slots = excluded.n_slots,"
+                " replica_id = excluded.replica_id, seen_at = excluded.seen_at",
+                (worker_id, addr, model, model_sha256, int(n_slots), self.replica_id, time.time()))
+
+    def recent_workers(self, max_age_s: float) -> Sightings:
+        now = time.time()
+        with self._lock:
+            self._conn.execute("DELETE FROM worker_sightings WHERE seen_at < ?", (now - SIGHTINGS_KEPT_S,))
+            rows = self._conn.execute(
+                "SELECT * FROM worker_sightings WHERE seen_at >= ? ORDER BY worker_id",
+                (now - max_age_s,)).fetchall()
+        return [WorkerSighting(str(r["worker_id"]), str(r["addr"]), str(r["model"]), str(r["model_sha256"]),
+                               int(r["n_slots"]), str(r["replica_id"]), max(0.0, now - float(r["seen_at"])))
+                for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def _record(row: sqlite3.Row) -> AdapterRecord:
+    return AdapterRecord(
+        id=int(row["id"]),
+        sha256=str(row["sha256"]),
+        name=str(row["name"]),
+        path=str(row["path"]),
+        metadata=json.loads(row["metadata"]),
+        default_scale=float(row["default_scale"]),
+        created_at=float(row["created_at"]),
+        source_format=str(row["source_format"]),
+    )

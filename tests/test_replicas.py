@@ -1,0 +1,260 @@
+"""Two control-plane replicas on one real PostgreSQL, real processes on loopback.
+
+One module-scoped cluster (started once, ~1 min): PostgreSQL (``postgres_server``), control
+planes A and B as ``loraplane control-plane --database postgresql://…`` subprocesses started
+at the same moment (concurrent migrations), and one real worker subprocess registered with
+both (``--control-plane A,B``). Tests run in file order; the last one kills A.
+
+- a registration through A is served through B; a default set written through B is read
+  through A;
+- a worker that knows only A (one address, as behind a Service) is adopted by B, and an
+  unregistration through B reaches every worker holding the adapter;
+- 2 replicas × 20 concurrent registrations of distinct adapters → 40 distinct ids; the same
+  content on both at once → one id;
+- ``kill -9`` A during a burst of registrations and generations: every acknowledged
+  registration is present, none is half-registered (bytes hash to their sha256), clients
+  given both addresses finish on B, a stream broken by A's death ends with UNAVAILABLE, and
+  the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+
+from clients.cli import cli
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
+from loraplane.process import stop_process
+from loraplane.v1 import common_pb2, worker_pb2_grpc
+from tests.control_plane_helpers import write_adapter
+from tests.live_servers import wait_until
+from tests.postgres_server import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The weather today is"
+HEARTBEAT_S = 0.5
+READY_TIMEOUT_S = 600
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def spawn_control_plane(addr: str, url: str, data_dir: Path, adapter_dir: Path, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "clients.cli", "control-plane", "--addr", addr, "--database", url,
+           "--data-dir", str(data_dir), "--adapter-dir", str(adapter_dir),
+           "--heartbeat-interval", str(HEARTBEAT_S), "--log-level", "warning"]
+    with open(log, "ab") as fh:
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+
+
+class Cluster:
+    def __init__(self, root: Path, url: str, adapter_dir: Path) -> None:
+        self.root, self.url, self.adapter_dir = root, url, adapter_dir
+        self.a_addr, self.b_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        self.a = spawn_control_plane(self.a_addr, url, root / "a", adapter_dir, root / "a.log")
+        self.b = spawn_control_plane(self.b_addr, url, root / "b", adapter_dir, root / "b.log")
+        self.procs = [self.a, self.b]
+        self.lp_a = LoraplaneClient(self.a_addr, timeout=300, connect_timeout=READY_TIMEOUT_S, wait_for_server=True)
+        self.lp_b = LoraplaneClient(self.b_addr, timeout=300, connect_timeout=READY_TIMEOUT_S, wait_for_server=True)
+        self.lp_b.list_adapters()
+        self.lp_a.list_adapters()
+        self.worker_id = "w-replicas"
+        with open(root / "worker.log", "ab") as fh:
+            self.worker = subprocess.Popen(
+                [sys.executable, "-m", "clients.cli", "worker", "--control-plane", f"{self.a_addr},{self.b_addr}",
+                 "--addr", "127.0.0.1:0", "--worker-id", self.worker_id, "--slots", "4", "--device", "cpu",
+                 "--n-ctx", "512"], cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL)
+        self.procs.append(self.worker)
+        for lp in (self.lp_a, self.lp_b):
+            assert wait_until(lambda lp=lp: self.alive(lp, self.worker_id), timeout=READY_TIMEOUT_S), self.logs()
+
+    def alive(self, lp: LoraplaneClient, worker_id: str) -> bool:
+        return any(w.worker_id == worker_id and w.alive for w in lp.list_workers())
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_bytes()[-3000:].decode(errors='replace')}"
+                         for p in sorted(self.root.glob("*.log")))
+
+    def worker_adapter_ids(self) -> set[int]:
+        (info,) = [w for w in self.lp_b.list_workers() if w.worker_id == self.worker_id]
+        import grpc
+
+        with grpc.insecure_channel(info.addr) as ch:
+            reply = worker_pb2_grpc.WorkerStub(ch).ListAdapters(common_pb2.Empty(), timeout=30)
+        return {a.id for a in reply.adapters}
+
+    def close(self) -> None:
+        self.lp_a.close()
+        self.lp_b.close()
+        for p in self.procs:
+            stop_process(p, 30)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, postgres_server, fixtures_dir):
+    root = tmp_path_factory.mktemp("replicas")
+    c = Cluster(root, postgres_server.create_database("replicas"), fixtures_dir / "adapters")
+    yield c
+    c.close()
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_register_via_a_generate_via_b(cluster, fixtures_dir):
+    shout = fixtures_dir / "adapters" / "shout.gguf"
+    info = cluster.lp_a.add_adapter(shout)
+    assert info.sha256 == sha256_of(shout)
+    assert cluster.lp_b.get_adapter(info.id) == info  # visible on B at once
+    assert cluster.lp_b.add_adapter(shout).id == info.id  # same content through B: same id
+    via_b = cluster.lp_b.generate(PROMPT, adapters={info.id: 1.0}, max_tokens=8)
+    via_a = cluster.lp_a.generate(PROMPT, adapters={info.id: 1.0}, max_tokens=8)
+    base = cluster.lp_b.generate(PROMPT, adapters={}, max_tokens=8)
+    assert via_b.token_ids == via_a.token_ids and len(via_b.token_ids) == 8
+    assert via_b.token_ids != base.token_ids
+    assert via_b.telemetry["worker_id"] == cluster.worker_id
+
+
+def test_default_set_via_b_read_via_a(cluster, fixtures_dir):
+    sea = cluster.lp_a.add_adapter(fixtures_dir / "adapters" / "sea.gguf", server_path=True)
+    assert sea.path == str((fixtures_dir / "adapters" / "sea.gguf").resolve())  # copied from there
+    cluster.lp_b.set_default({sea.id: 0.5})
+    got = {e.id: e.scale for e in cluster.lp_a.get_default().entries}
+    assert got == {a.id: (0.5 if a.id == sea.id else 0.0) for a in cluster.lp_b.list_adapters()}
+    assert cluster.lp_a.get_adapter(sea.id).default_scale == 0.5
+    cluster.lp_b.set_default({})
+    assert {e.scale for e in cluster.lp_a.get_default().entries} == {0.0}
+
+
+def test_service_address_worker_is_adopted_and_unregistration_reaches_every_worker(cluster, tmp_path):
+    from tests.test_control_plane_routing import WorkerProcess
+
+    scripted = WorkerProcess("w-only-a", cluster.a_addr)  # one address, like a Service
+    try:
+        assert wait_until(lambda: cluster.alive(cluster.lp_b, "w-only-a"), timeout=30), cluster.logs()
+        tiny = cluster.lp_a.add_adapter(write_adapter(tmp_path / "t.gguf", seed=8801))
+        assert wait_until(lambda: scripted.servicer.adapters.get(tiny.id) == tiny.sha256, timeout=30)
+        assert wait_until(lambda: tiny.id in cluster.worker_adapter_ids(), timeout=60)
+        cluster.lp_b.remove_adapter(tiny.id)  # B took the call; A pushed the adapter
+        assert wait_until(lambda: tiny.id not in scripted.servicer.adapters, timeout=30)
+        assert wait_until(lambda: tiny.id not in cluster.worker_adapter_ids(), timeout=60)
+        with pytest.raises(LoraplaneError) as gone:
+            cluster.lp_a.get_adapter(tiny.id)
+        assert gone.value.code == "NOT_FOUND"
+    finally:
+        scripted.close()
+    # its heartbeats stop: dead on both replicas, so it is never routed to again
+    for lp in (cluster.lp_a, cluster.lp_b):
+        assert wait_until(lambda lp=lp: not cluster.alive(lp, "w-only-a"), timeout=30)
+
+
+def test_concurrent_registrations_on_two_replicas(cluster, tmp_path):
+    files = [write_adapter(tmp_path / f"c{i}.gguf", seed=9000 + i) for i in range(40)]
+    jobs = [(cluster.lp_a if i < 20 else cluster.lp_b, f) for i, f in enumerate(files)]
+    with ThreadPoolExecutor(40) as ex:
+        infos = list(ex.map(lambda job: job[0].add_adapter(job[1]), jobs))
+    ids = [i.id for i in infos]
+    assert len(set(ids)) == 40
+    assert [i.sha256 for i in infos] == [sha256_of(f) for f in files]
+    listed = {a.id: a.sha256 for a in cluster.lp_a.list_adapters()}
+    assert all(listed[i.id] == i.sha256 for i in infos)
+    same = write_adapter(tmp_path / "same.gguf", seed=9999)
+    with ThreadPoolExecutor(8) as ex:
+        same_ids = list(ex.map(lambda lp: lp.add_adapter(same).id, [cluster.lp_a, cluster.lp_b] * 4))
+    assert len(set(same_ids)) == 1 and same_ids[0] > max(ids)
+
+
+def test_kill_a_during_registrations_and_generations(cluster, tmp_path):
+    both = f"{cluster.a_addr},{cluster.b_addr}"
+    files = [write_adapter(tmp_path / f"k{i}.gguf", seed=9500 + i) for i in range(12)]
+    acknowledged: list[tuple[int, str]] = []
+    errors: list[BaseException] = []
+    generated: list[int] = []
+    stream_outcome: dict = {}
+    started = threading.Event()
+
+    def register() -> None:
+        with LoraplaneClient(both, timeout=120) as lp:
+            for f in files:
+                try:
+                    info = lp.add_adapter(f)
+                except BaseException as exc:  # noqa: BLE001 - asserted below
+                    errors.append(exc)
+                    return
+                acknowledged.append((info.id, info.sha256))
+                time.sleep(0.2)
+
+    def generate() -> None:
+        with LoraplaneClient(both, timeout=120) as lp:
+            for _ in range(6):
+                for _attempt in range(5):  # the caller's retry of a broken stream
+                    try:
+                        generated.append(len(lp.generate(PROMPT, adapters={}, max_tokens=4).token_ids))
+                        break
+                    except LoraplaneError as exc:
+                        if exc.code != "UNAVAILABLE":
+                            errors.append(exc)
+                            return
+                else:
+                    errors.append(AssertionError("generation never succeeded on B"))
+
+    def long_stream_through_a() -> None:
+        with LoraplaneClient(cluster.a_addr, timeout=120) as lp:
+            try:
+                for _ev in lp.generate_stream(PROMPT, adapters={}, max_tokens=400, ignore_eos=True):
+                    started.set()
+                stream_outcome["finished"] = True
+            except LoraplaneError as exc:
+                stream_outcome["error"] = exc
+
+    threads = [threading.Thread(target=f) for f in (register, generate, generate, long_stream_through_a)]
+    for t in threads:
+        t.start()
+    assert started.wait(120)
+    assert wait_until(lambda: len(acknowledged) >= 3, timeout=120)
+    cluster.a.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    threads[3].join(30)
+    assert not threads[3].is_alive(), "a stream through the dead replica hung"
+    assert stream_outcome["error"].code == "UNAVAILABLE" and time.monotonic() - killed_at < 30
+    for t in threads[:3]:
+        t.join(300)
+    assert errors == [] and [t.is_alive() for t in threads] == [False] * 4
+    assert [sha for _, sha in acknowledged] == [sha256_of(f) for f in files]  # every one acknowledged
+    assert generated == [4] * 12
+    for adapter_id, sha in acknowledged:  # present through B
+        assert cluster.lp_b.get_adapter(adapter_id).sha256 == sha
+    with psycopg.connect(cluster.url) as conn:  # none half-registered: every row's bytes are whole
+        rows = conn.execute("SELECT a.sha256, string_agg(b.data, ''::bytea ORDER BY b.seq) FROM adapters a"
+                            " LEFT JOIN adapter_blobs b ON b.sha256 = a.sha256 GROUP BY a.sha256").fetchall()
+        orphans = conn.execute("SELECT count(*) FROM adapter_blobs b WHERE NOT EXISTS"
+                               " (SELECT 1 FROM adapters a WHERE a.sha256 = b.sha256)").fetchone()
+    assert all(data is not None and hashlib.sha256(data).hexdigest() == sha for sha, data in rows)
+    assert orphans == (0,)
+    assert cluster.worker.poll() is None and cluster.alive(cluster.lp_b, cluster.worker_id)
+    last = cluster.lp_b.generate(PROMPT, adapters={acknowledged[-1][0]: 1.0}, max_tokens=4)
+    assert len(last.token_ids) == 4 and last.telemetry["worker_id"] == cluster.worker_id
+    # the CLI with both addresses goes on through B; with only the dead one it cannot connect
+    ok = CliRunner().invoke(cli, ["adapters", "show", str(acknowledged[0][0]), "--json", "--addr", both])
+    assert ok.exit_code == 0 and f'"sha256": "{acknowledged[0][1]}"' in ok.output
+    dead = CliRunner().invoke(cli, ["adapters", "list", "--addr", cluster.a_addr, "--connect-timeout", "2"])
+    assert dead.exit_code == 3
