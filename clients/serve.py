@@ -259,7 +259,7 @@ class _Supervisor(threading.Thread):
             if not self._spawn_worker():
                 return
             self.restarts += 1
-            _say(f"worker {self.worker_id} restarted (pid {self._proc.pid})")
+            _say(f"worker {self.worker_id} restarted (pid {self._proc.pid if self._proc else '?'})")
 
     # -- stopping ------------------------------------------------------------------------
 

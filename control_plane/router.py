@@ -22,7 +22,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from contextlib import closing
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -178,7 +178,7 @@ class Router:
         return chosen
 
     def _relay(self, worker: WorkerHandle, request: common_pb2.GenerateRequest,
-               context: ClientContext) -> Iterator[common_pb2.GenerateEvent]:
+               context: ClientContext) -> Generator[common_pb2.GenerateEvent, None, None]:
         # The request side stays open until we are done: a worker may read a half-close as
         # "the caller is gone" and free the slot.
         outbox: queue.Queue[worker_pb2.DecodeRequest | None] = queue.Queue()

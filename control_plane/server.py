@@ -178,7 +178,7 @@ def http_deps(state: ControlPlaneState) -> Any:
 def _bind(server: grpc.Server, config: ControlPlaneConfig) -> int:
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ValueError("TLS needs both tls_cert and tls_key")
-    if config.tls_cert:
+    if config.tls_cert and config.tls_key:
         creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(),
                                               Path(config.tls_cert).read_bytes())])
         port = server.add_secure_port(config.addr, creds)

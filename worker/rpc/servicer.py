@@ -10,6 +10,7 @@ their slots are freed at the next step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 
@@ -25,7 +26,8 @@ from worker.rpc.status import status_of
 from worker.serving.engine import WorkerEngine
 from worker.runtime.sampling import SamplingParams
 from worker.serving.engine import WorkerStatsRecord
-from worker.serving.request import (ErrorEvent, Event, FinishedEvent, RequestTelemetry, StartedEvent, StepInfo,
+from worker.serving.request import (ErrorEvent, Event, FinishedEvent, GenRequest, RequestTelemetry, StartedEvent,
+                                    StepInfo,
                                     TokenEvent)
 
 log = structlog.get_logger("loraplane.worker.rpc.servicer")
@@ -90,6 +92,11 @@ def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:
     raise TypeError(f"no GenerateEvent for {type(ev).__name__}")
 
 
+def _put_event(events: queue.Queue, rid: str, ev: Event) -> None:
+    """A request's ``emit``: tag its event with the request id for the stream's writer."""
+    events.put((rid, ev))
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Thin: each method converts, delegates to ``WorkerEngine`` and maps errors."""
 
@@ -99,7 +106,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Decode(self, request_iterator, context):
         events: queue.Queue = queue.Queue()
-        submitted: dict[str, object] = {}
+        submitted: dict[str, GenRequest] = {}
 
         def cancel_all() -> None:
             for req in submitted.values():
@@ -168,7 +175,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 request_id=rid, prompt_tokens=list(r.tokens.ids) if which == "tokens" else None,
                 prompt_text=r.text if which == "text" else None, params=sampling_from_proto(r.sampling),
                 entries=[(e.id, e.scale) for e in r.adapters.entries],
-                emit=lambda ev, rid=rid: events.put((rid, ev)))
+                emit=functools.partial(_put_event, events, rid))
         except WorkerError as exc:
             events.put((rid, ErrorEvent(exc)))
             return
@@ -178,6 +185,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         first = next(request_iterator, None)
         if first is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadAdapter stream carried no chunk")
+        assert first is not None  # context.abort raises
         try:
             # The path is checked on the first chunk, before anything is opened or stat'ed.
             path = str(self._confined(first.id, first.server_path)) if first.server_path else ""
