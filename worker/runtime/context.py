@@ -164,9 +164,15 @@ class WorkerContext:
         )
 
     def _decode_rows(self, ub: UBatch, groups: dict[int, list[int]]) -> DecodeRows | None:
-        """The one-row sequences, ordered by KV-cache row (for the batched decode attention)."""
+        """The one-row sequences, ordered by KV-cache row (for the batched decode attention).
+
+        Every one-row sequence takes that path, even alone, so a decode row's attention is the
+        same computation whatever else shares its ubatch (mixed vs compat batching, batched vs
+        alone): the per-span path sums in another order, and on the packed default path that
+        last-bit difference can move int16 activation roundings downstream.
+        """
         single = sorted((self.kv.row_of[seq], rows[0]) for seq, rows in groups.items() if len(rows) == 1)
-        if len(single) < 2:
+        if not single:
             return None
         dev = self.model.device
         cache_rows = [r for r, _ in single]

@@ -65,7 +65,7 @@ class GraphInputs:
         pos: int64 ``(n,)``.
         spans: rows grouped per sequence, positions contiguous within each.
         out_rows: int64 ``(n_out,)`` rows whose logits are wanted (``build_inp_out_ids``).
-        decode_rows: the sequences that feed exactly one row (None: fewer than two such).
+        decode_rows: the sequences that feed exactly one row (None: there are none).
         row_set: int64 ``(n,)`` the LoRA routing: each row's index into the plan's adapter
             sets (vLLM ``token_lora_indices``); the plan itself never changes per ubatch.
     """
