@@ -263,3 +263,16 @@ def test_telemetry_mapping_rejects_unknown_fields():
     assert msg.prompt_tokens == 3 and [(a.id, a.scale) for a in msg.adapters] == [(1, 0.5)]
     with pytest.raises(ValueError):
         pb.RequestTelemetry(**{"prompt_tokenz": 1})
+
+
+def test_kv_import_after_decode_outside_inference_mode():
+    """The scheduler imports prefix snapshots between decodes, outside inference mode, into KV
+    tensors that a decode (inside inference mode) grew: must not raise."""
+    kv = small_kv()
+    with torch.inference_mode():
+        kv.begin_append(1, 0, 30)
+        kv.store(0, 1, 0, torch.ones(30, 1, 2), torch.ones(30, 1, 2))
+        kv.commit(1, 30)
+    snap = kv.export(1, 30)
+    assert kv.import_(2, snap, 20) == 20 and kv.seq_len(2) == 20
+    assert torch.equal(kv.k[0][kv.row_of[2], :20], torch.ones(20, 1, 2))

@@ -201,7 +201,15 @@ class Scheduler:
                 return
             req = self.queue.popleft()
             slot = self.cache_policy.pick_slot(free, req)
-            n = self.cache_policy.attach(slot, req, self.ctx.kv)
+            try:
+                n = self.cache_policy.attach(slot, req, self.ctx.kv)
+            except Exception as exc:  # a cache fault fails this request, never the loop
+                log.error("attach failed", request_id=req.request_id, slot=slot.id, error=repr(exc))
+                self.ctx.kv.seq_rm(slot.id)
+                slot.drop_cache()
+                req.emit(ErrorEvent(DecodeFailedError(f"attaching the request to slot {slot.id} failed: {exc!r}")))
+                self._release_adapters(req)
+                continue
             slot.cache_tokens = req.prompt[:n]
             slot.cache_sets = [req.set_at(p) for p in range(n)]
             slot.n_past = n
