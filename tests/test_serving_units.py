@@ -268,11 +268,14 @@ def test_telemetry_mapping_rejects_unknown_fields():
 def test_kv_import_after_decode_outside_inference_mode():
     """The scheduler imports prefix snapshots between decodes, outside inference mode, into KV
     tensors that a decode (inside inference mode) grew: must not raise."""
-    kv = small_kv()
-    with torch.inference_mode():
-        kv.begin_append(1, 0, 30)
-        kv.store(0, 1, 0, torch.ones(30, 1, 2), torch.ones(30, 1, 2))
-        kv.commit(1, 30)
-    snap = kv.export(1, 30)
-    assert kv.import_(2, snap, 20) == 20 and kv.seq_len(2) == 20
-    assert torch.equal(kv.k[0][kv.row_of[2], :20], torch.ones(20, 1, 2))
+    kv = KVCache(n_layer=1, n_head_kv=1, n_embd_head_k=2, n_embd_head_v=2, n_ctx_seq=256,
+                 dtype=torch.float32, device=torch.device("cpu"))
+    assert kv.cap == 64
+    with torch.inference_mode():  # what WorkerContext.decode does: grows the layer tensors
+        kv.begin_append(1, 0, 100)
+        kv.store(0, 1, 0, torch.ones(100, 1, 2), torch.ones(100, 1, 2))
+        kv.commit(1, 100)
+    assert kv.cap >= 100
+    snap = kv.export(1, 100)
+    assert kv.import_(2, snap, 80) == 80 and kv.seq_len(2) == 80
+    assert torch.equal(kv.k[0][kv.row_of[2], :80], torch.ones(80, 1, 2))
