@@ -269,7 +269,7 @@ def test_kv_import_after_decode_outside_inference_mode():
     """The scheduler imports prefix snapshots between decodes, outside inference mode, into KV
     tensors that a decode (inside inference mode) grew: must not raise."""
     kv = KVCache(n_layer=1, n_head_kv=1, n_embd_head_k=2, n_embd_head_v=2, n_ctx_seq=256,
-                 dtype=torch.float32, device=torch.device("cpu"))
+                 dtype=torch.float32, device=torch.device("cpu"), n_seq_hint=4)  # rows for both seqs
     assert kv.cap == 64
     with torch.inference_mode():  # what WorkerContext.decode does: grows the layer tensors
         kv.begin_append(1, 0, 100)
