@@ -93,6 +93,7 @@ class Adapter:
     default_scale: float
     size_bytes: int
     n_nodes: int
+    source_format: str = "gguf"
 
     @classmethod
     def from_proto(cls, info: common_pb2.AdapterInfo) -> Adapter:
@@ -112,6 +113,7 @@ class Adapter:
             default_scale=f32(info.default_scale),
             size_bytes=info.size_bytes,
             n_nodes=info.n_nodes,
+            source_format=info.source_format or "gguf",
         )
 
     @property
@@ -136,6 +138,7 @@ class Adapter:
             "default_scale": self.default_scale,
             "size_bytes": self.size_bytes,
             "n_nodes": self.n_nodes,
+            "source_format": self.source_format,
         }
 
 
@@ -168,6 +171,8 @@ class WorkerInfo:
     model: str
     n_slots: int
     in_flight: int
+    restarts: int = 0
+    draining_adapter_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_proto(cls, w: control_plane_pb2.WorkerInfo) -> WorkerInfo:

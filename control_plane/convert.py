@@ -22,6 +22,7 @@ def adapter_info(rec: AdapterRecord) -> common_pb2.AdapterInfo:
         alora_invocation_tokens=m.get("alora_invocation_tokens", []),
         alora_invocation_text=m.get("alora_invocation_text", ""), default_scale=rec.default_scale,
         size_bytes=m.get("size_bytes", 0), n_nodes=m.get("n_nodes", 0),
+        source_format=rec.source_format,
     )
 
 
@@ -51,7 +52,8 @@ def worker_info(view: WorkerView) -> control_plane_pb2.WorkerInfo:
     return control_plane_pb2.WorkerInfo(
         worker_id=view.worker_id, addr=view.addr, state=view.state,
         last_heartbeat_age_s=view.last_heartbeat_age_s, adapter_ids=list(view.adapter_ids),
-        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight,
+        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight, restarts=view.restarts,
+        draining_adapter_ids=list(view.draining_adapter_ids),
     )
 
 
@@ -62,6 +64,7 @@ class Upload:
     name: str
     server_path: str
     data: Iterator[bytes]
+    source_format: str = ""
 
 
 def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
@@ -79,4 +82,4 @@ def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
                 f"RegisterAdapter: server_path '{first.server_path}' given together with data; send one or the other")
         return Upload(first.name, first.server_path, iter(()))
     rest = (c.data for c in chunks)
-    return Upload(first.name, "", itertools.chain([first.data], rest))
+    return Upload(first.name, "", itertools.chain([first.data], rest), first.source_format)

@@ -24,6 +24,7 @@ from worker.runtime.kv_cache import KVCache
 from worker.runtime.sampling import SamplingParams
 from worker.serving.cache_policy import KeyedCachePolicy, LlamaCachePolicy, lora_should_clear_cache
 from worker.serving.engine import WorkerStatsRecord
+from worker.serving.scheduler import SchedulerStats
 from worker.serving.output import IncrementalDetokenizer, finish_reason, prompt_token_logprobs
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import GenRequest, RequestTelemetry, StepInfo
@@ -248,10 +249,19 @@ def test_prompt_logprobs_and_finish_reason():
 
 
 # --- typed records vs protos --------------------------------------------------------------
+def _field_names(record) -> set[str]:
+    """Field names, a nested record's fields flattened (WorkerStatsRecord.scheduler)."""
+    out: set[str] = set()
+    for f in dataclasses.fields(record):
+        out |= _field_names(f.type if not isinstance(f.type, str) else SchedulerStats) if f.name == "scheduler" \
+            else {f.name}
+    return out
+
+
 @pytest.mark.parametrize("record, message", [(RequestTelemetry, pb.RequestTelemetry), (StepInfo, pb.StepTelemetry),
                                              (WorkerStatsRecord, worker_pb2.WorkerStats)])
 def test_records_match_their_protos(record, message):
-    ours = {f.name for f in dataclasses.fields(record)}
+    ours = _field_names(record)
     assert ours == set(message.DESCRIPTOR.fields_by_name), (ours ^ set(message.DESCRIPTOR.fields_by_name))
 
 

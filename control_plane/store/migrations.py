@@ -118,6 +118,12 @@ MIGRATIONS: tuple[Migration, ...] = (
                )""",
         ),
     ),
+    Migration(
+        "the format an adapter was registered from: 'gguf', or 'peft' (a PEFT folder converted "
+        "on the fly); rows from before were all GGUF files",
+        sqlite=("ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",),
+        postgres=("ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",),
+    ),
 )
 
 SCHEMA_VERSION_DDL = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"

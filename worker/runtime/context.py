@@ -19,7 +19,7 @@ from worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
 from worker.runtime.kv_cache import KVCache, KVCacheError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.plan import LoraPlan, build_plan
-from worker.lora.registry import AdapterInUseError, ModelAdapters
+from worker.lora.registry import ModelAdapters
 from worker.runtime.model import BaseModel
 
 

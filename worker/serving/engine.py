@@ -13,13 +13,13 @@ import concurrent.futures
 import hashlib
 import math
 import os
+import shutil
 import tempfile
 import threading
 import uuid
 from pathlib import Path
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import structlog
 
@@ -29,9 +29,10 @@ from worker.runtime.context import Model
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import BaseModel, load_model
 from worker.runtime.sampling import SamplingParams
-from worker.serving.scheduler import Scheduler
+from worker.serving.scheduler import Scheduler, SchedulerStats
 from worker.errors import (AdapterConflictError, AdapterNotFoundError, DrainTimeoutError,
-                           InvalidRequestError)
+                           InvalidRequestError, WorkerError)
+from worker.serving.metrics import WorkerMetrics
 from worker.serving.request import Event, GenRequest
 
 log = structlog.get_logger("loraplane.worker")
@@ -39,19 +40,11 @@ log = structlog.get_logger("loraplane.worker")
 
 @dataclass(frozen=True)
 class WorkerStatsRecord:
-    """Everything ``Stats`` reports (proto ``WorkerStats``, field for field)."""
+    """Everything ``Stats`` reports: the scheduler's counters plus the fields below (proto
+    ``WorkerStats`` = the union, field for field; ``worker.rpc.servicer.stats_to_proto``)."""
 
+    scheduler: SchedulerStats
     worker_id: str
-    n_slots: int
-    slots_busy: int
-    queue_depth: int
-    queue_limit: int
-    graph_reuses: int
-    graph_rebuilds: int
-    prefix_cache_entries: int
-    prefix_cache_hit_tokens: int
-    prompt_tokens_computed: int
-    tokens_generated: int
     batching: str
     prefix_cache: str
     model: str
@@ -60,6 +53,24 @@ class WorkerStatsRecord:
     adapter_ids: list[int]
     node_budget: int
     adapter_bytes: int
+
+
+def max_piece_bytes(tokenizer) -> int:
+    """The most input bytes one token can stand for: the longest vocab piece in UTF-8 bytes.
+
+    A piece's text is never shorter than the input it covers (spaces are escaped to the
+    3-byte ``▁``, byte-fallback pieces ``<0xNN>`` cover one byte, ``<unk>`` one character).
+    Gemma 3's vocab: 48 bytes.
+    """
+    return max(1, max(len(tokenizer.token_to_piece(i).encode("utf-8", "surrogatepass"))
+                      for i in range(tokenizer.n_vocab)))
+
+
+def prompt_byte_limit(n_ctx_slot: int, piece_bytes: int) -> int:
+    """Largest text prompt, in UTF-8 bytes, that could still fit a slot: a longer one needs at
+    least ``n_ctx_slot`` tokens, which ``Scheduler.submit`` refuses anyway, so refusing it
+    before tokenizing changes no answer, only the cost (Gemma 3, n_ctx 4096: 196 560 bytes)."""
+    return (n_ctx_slot - 1) * piece_bytes
 
 
 class WorkerEngine:
@@ -72,9 +83,15 @@ class WorkerEngine:
         self.model = Model(base)
         self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot, n_seq=config.n_slots)
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
+        self.metrics = WorkerMetrics(self.stats, adapter_label_cap=config.metrics_max_adapters)
+        self.scheduler.observer = self.metrics
         self._lock = threading.Lock()
         self._draining: set[int] = set()
-        self._cache_dir = Path(tempfile.mkdtemp(prefix="loraplane-worker-adapters-"))
+        # The pid in the name tells operators (and tests) whose directory it is.
+        self._cache_dir = Path(tempfile.mkdtemp(prefix=f"loraplane-worker-adapters-{os.getpid()}-"))
+        self.max_piece_bytes = max_piece_bytes(base.tokenizer)
+        self.max_prompt_bytes = prompt_byte_limit(config.n_ctx_slot, self.max_piece_bytes)
+        self._tokenize_lock = threading.Lock()
         self.scheduler.start()
 
     @property
@@ -82,8 +99,11 @@ class WorkerEngine:
         return self.model.base
 
     def close(self) -> None:
+        """Stop the scheduler, free the context, and remove the adapter temp dir (uploaded
+        adapter files are copies: the control plane keeps the originals)."""
         self.scheduler.stop()
         self.ctx.close()
+        shutil.rmtree(self._cache_dir, ignore_errors=True)
 
     # --- adapters -------------------------------------------------------------------------
     def load_adapter(self, adapter_id: int, *, sha256: str = "", path: str = "", data: bytes = b"") -> LoraAdapter:
@@ -121,6 +141,7 @@ class WorkerEngine:
         with self._lock:
             self.model.adapters.add(adapter_id, adapter)
             self._draining.discard(adapter_id)
+        self.metrics.on_adapter_loaded()
         log.info("adapter loaded", adapter_id=adapter_id, name=adapter.name, pairs=len(adapter.pairs))
         return adapter
 
@@ -149,7 +170,13 @@ class WorkerEngine:
         with self._lock:
             self.model.adapters.free(adapter_id)
             self._draining.discard(adapter_id)
+        self.metrics.on_adapter_freed()
         log.info("adapter freed", adapter_id=adapter_id)
+
+    def draining_ids(self) -> set[int]:
+        """Adapters being unloaded: refused for new requests, freed once idle."""
+        with self._lock:
+            return set(self._draining)
 
     def adapters(self) -> dict[int, LoraAdapter]:
         with self._lock:
@@ -188,11 +215,35 @@ class WorkerEngine:
         Raises:
             WorkerError: a subclass naming the outcome (``worker.errors``).
         """
-        if prompt_tokens is None:
-            prompt_tokens = self.base.tokenizer.encode(prompt_text or "", add_special=True, parse_special=True)
-        adapter_set = self.resolve_set(entries)
-        return self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
-                                     adapter_set=adapter_set, emit=emit)
+        try:
+            if prompt_tokens is None:
+                prompt_tokens = self.tokenize(prompt_text or "")
+            adapter_set = self.resolve_set(entries)
+            return self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
+                                         adapter_set=adapter_set, emit=emit)
+        except WorkerError:
+            self.metrics.on_rejected(tuple(sorted(i for i, s in entries if s != 0.0)))
+            raise
+
+    def tokenize(self, text: str) -> list[int]:
+        """Tokenize a text prompt, size first.
+
+        A text over ``max_prompt_bytes`` (`prompt_byte_limit`) is refused before any
+        tokenization, since it cannot fit the slot context. Tokenizations run one at a time
+        (``_tokenize_lock``): the decode loop then shares the interpreter with at most one
+        tokenizing thread, for at most ~0.6 s (the limit's worth of text on this CPU).
+
+        Raises:
+            InvalidRequestError: the text is longer than ``max_prompt_bytes`` UTF-8 bytes.
+        """
+        n_bytes = len(text) if len(text) > self.max_prompt_bytes else len(text.encode("utf-8", "surrogatepass"))
+        if n_bytes > self.max_prompt_bytes:
+            raise InvalidRequestError(
+                f"prompt text has {n_bytes} bytes (or more); a slot holds n_ctx={self.config.n_ctx_slot} tokens "
+                f"and one token covers at most {self.max_piece_bytes} bytes, so at most "
+                f"{self.max_prompt_bytes} bytes can fit (refused before tokenizing)")
+        with self._tokenize_lock:
+            return self.base.tokenizer.encode(text, add_special=True, parse_special=True)
 
     def stats(self) -> WorkerStatsRecord:
         """Scheduler counters plus the worker's identity, model and adapter footprint."""
@@ -203,8 +254,7 @@ class WorkerEngine:
             worker_id=self.worker_id, batching=self.config.batching.value,
             prefix_cache=self.config.prefix_cache.value, model=str(self.base.path),
             device=str(self.base.device), dtype=self.config.dtype, adapter_ids=sorted(ads),
-            node_budget=self.ctx.node_budget, adapter_bytes=adapter_bytes,
-            **asdict(self.scheduler.stats()))
+            node_budget=self.ctx.node_budget, adapter_bytes=adapter_bytes, scheduler=self.scheduler.stats())
 
 
 __all__ = ["WorkerEngine", "WorkerStatsRecord"]

@@ -20,7 +20,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -32,7 +32,7 @@ from worker.lora.alora import resolve_alora
 from worker.runtime.context import DecodeError, WorkerContext
 from worker.runtime.sampling import SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
-from worker.serving.output import IncrementalDetokenizer, finish_reason, prompt_token_logprobs
+from worker.serving.output import IncrementalDetokenizer, StopMatcher, finish_reason, prompt_token_logprobs
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import (ErrorEvent, Event, FinishedEvent, GenRequest, StartedEvent, StepInfo,
                                     TokenEvent)
@@ -40,6 +40,18 @@ from worker.serving.slots import Slot, SlotState
 from worker.serving.ubatch import N_BATCH, assemble_ubatch
 
 log = structlog.get_logger("loraplane.worker.serving.scheduler")
+
+
+class RequestObserver(Protocol):
+    """What the loop reports about requests (``worker.serving.metrics.WorkerMetrics``).
+
+    Called on the loop thread: ``on_token`` before each sampled token is recorded (the
+    request's ``last_token_at`` still holds the previous token's time), ``on_finish`` once per
+    request with its outcome ("stop", "length", "cancelled" or "error").
+    """
+
+    def on_token(self, req: GenRequest, now: float) -> None: ...
+    def on_finish(self, req: GenRequest, outcome: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,8 @@ class Scheduler:
         self._pending: list[tuple[int, Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self.prompt_tokens_computed = 0
         self.tokens_generated = 0
+        # Observer of request outcomes and token times (worker.serving.metrics); None: no metrics.
+        self.observer: RequestObserver | None = None
         self._thread = threading.Thread(target=self._loop, name="loraplane-scheduler", daemon=True)
 
     # --- public -------------------------------------------------------------------------
@@ -103,7 +117,7 @@ class Scheduler:
         Raises:
             InvalidRequestError: empty/too long prompt, token out of range, two aLoRAs, bad
                 sampling field.
-            QueueFullError: the waiting queue is at ``queue_limit``.
+            QueueFullError: busy slots + queued requests already equal slots + ``queue_limit``.
         """
         n_vocab = self.ctx.model.n_vocab
         if not prompt:
@@ -121,9 +135,17 @@ class Scheduler:
         activation = resolve_alora(adapter_set, prompt)
         req = GenRequest(request_id or uuid.uuid4().hex, list(prompt), params, activation, emit,
                          IncrementalDetokenizer(self.tokenizer))
+        if params.stop:
+            req.stop = StopMatcher(params.stop)
         with self._cv:
-            if len(self.queue) >= self.config.queue_limit:
-                raise QueueFullError(f"worker {self.worker_id}: queue full ({self.config.queue_limit} waiting)")
+            # Capacity is slots + queue limit: a queued request that a free slot will take at
+            # the next loop turn is not "waiting", so a burst admits exactly that many even
+            # while the loop is mid-step with idle slots.
+            busy = sum(s.busy for s in self.slots)
+            if busy + len(self.queue) >= len(self.slots) + self.config.queue_limit:
+                raise QueueFullError(
+                    f"worker {self.worker_id}: queue full ({busy}/{len(self.slots)} slots busy, {len(self.queue)} "
+                    f"queued; admits slots + --queue-limit {self.config.queue_limit})")
             req.held_ids = adapter_set.ids
             for aid in req.held_ids:
                 self._in_flight[aid] = self._in_flight.get(aid, 0) + 1
@@ -188,6 +210,8 @@ class Scheduler:
         for req in [r for r in self.queue if r.cancelled.is_set()]:
             self.queue.remove(req)
             self._release_adapters(req)
+            if self.observer is not None:
+                self.observer.on_finish(req, "cancelled")
         for slot in self.slots:
             if slot.req is not None and slot.req.cancelled.is_set():
                 log.info("request cancelled", request_id=slot.req.request_id, slot=slot.id)
@@ -278,15 +302,27 @@ class Scheduler:
             sampled = slot.sampler.sample(logits[out_idx[-1]], logp=pre[0], argmax=pre[1])
         else:
             sampled = slot.sampler.sample(logits[out_idx[-1]])
+        now = time.monotonic()
         if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
+            req.first_token_at = now
+        if self.observer is not None:
+            self.observer.on_token(req, now)
+        req.last_token_at = now
         req.generated.append(sampled.token_id)
         self.tokens_generated += 1
         req.telemetry.count_step(step)
-        req.emit(TokenEvent(sampled.token_id, req.detok.push(sampled.token_id), sampled.logprob, sampled.top, step))
+        piece = req.detok.push(sampled.token_id)
         reason = finish_reason(sampled.token_id, eog_ids=self.tokenizer.eog_ids, ignore_eos=req.params.ignore_eos,
                                n_generated=len(req.generated), max_tokens=req.params.max_tokens,
                                n_past=slot.n_past, n_ctx=self.config.n_ctx_slot)
+        if req.stop is not None:
+            piece, hit = req.stop.push(piece)
+            if hit:
+                reason = "stop"
+            elif reason is not None:
+                piece += req.stop.push(req.detok.flush())[0] + req.stop.flush()
+            req.text_out.append(piece)
+        req.emit(TokenEvent(sampled.token_id, piece, sampled.logprob, sampled.top, step))
         if reason is not None:
             self._finish(slot, reason)
 
@@ -306,9 +342,12 @@ class Scheduler:
             t.adapters = [(i, s) for i, _, s in req.adapter_set.entries]
             t.ttft_ms = ((req.first_token_at or now) - req.admitted_at) * 1000
             t.total_ms = (now - req.admitted_at) * 1000
-            req.emit(FinishedEvent(reason, self.tokenizer.decode(req.generated), t))
+            text = "".join(req.text_out) if req.stop is not None else self.tokenizer.decode(req.generated)
+            req.emit(FinishedEvent(reason, text, t))
         self._release_adapters(req)
         slot.release()
+        if self.observer is not None:
+            self.observer.on_finish(req, reason or "cancelled")
 
     def _fail(self, slot: Slot, error: WorkerError) -> None:
         req = slot.request
@@ -317,6 +356,8 @@ class Scheduler:
         slot.drop_cache()
         self._release_adapters(req)
         slot.release()
+        if self.observer is not None:
+            self.observer.on_finish(req, "error")
 
     def _release_adapters(self, req: GenRequest) -> None:
         with self._cv:
