@@ -199,7 +199,7 @@ class WorkerContext:
             raise DecodeError(f"set_index out of range: {n_sets} active adapter sets")
         inputs = self._inputs(ub, set_index)
         plan, reused = self._get_plan()
-        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype)
+        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype, self.model.fused)
         logits = self.arch.build_graph(gctx, self.model.hparams)
         for span in inputs.spans:
             self.kv.commit(span.seq_id, span.pos0 + span.n)
