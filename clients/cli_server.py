@@ -148,6 +148,13 @@ def worker_runtime_options(f: F) -> F:
                      help="Waiting requests beyond the slots before RESOURCE_EXHAUSTED."),
         click.option("--prefix-cache-tokens", type=click.IntRange(min=0), default=None,
                      help="Token budget of the keyed prefix cache."),
+        click.option("--max-loras", type=click.IntRange(min=1), default=None,
+                     help="Adapter slots in the worker's device pool (default 16); a request may "
+                          "use at most this many adapters."),
+        click.option("--max-cpu-loras", type=click.IntRange(min=1), default=None,
+                     help="Adapters kept in host memory, LRU beyond it (default 128)."),
+        click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+                     help="Largest adapter rank a worker accepts (default 64)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -156,12 +163,14 @@ def worker_runtime_options(f: F) -> F:
 
 def worker_args(*, model_path: str | None, n_slots: int, batching: str, prefix_cache: str,
                 dtype: str, device: str, n_ctx_slot: int | None, queue_limit: int | None,
-                prefix_cache_tokens: int | None, weight_form: str = "packed") -> tuple[str, ...]:
+                prefix_cache_tokens: int | None, weight_form: str = "packed", max_loras: int | None = None,
+                max_cpu_loras: int | None = None, max_lora_rank: int | None = None) -> tuple[str, ...]:
     """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
     args = ["--slots", str(n_slots), "--batching", batching, "--prefix-cache", prefix_cache,
             "--dtype", dtype, "--weights", weight_form, "--device", device]
     optional = {"--model": model_path, "--n-ctx": n_ctx_slot, "--queue-limit": queue_limit,
-                "--prefix-cache-tokens": prefix_cache_tokens}
+                "--prefix-cache-tokens": prefix_cache_tokens, "--max-loras": max_loras,
+                "--max-cpu-loras": max_cpu_loras, "--max-lora-rank": max_lora_rank}
     for flag, value in optional.items():
         if value is not None:
             args += [flag, str(value)]
@@ -270,7 +279,8 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
                advertise_addr: str | None, worker_id: str, model_path: str | None,
                n_slots: int, batching: str, prefix_cache: str, dtype: str, weight_form: str, device: str,
                n_ctx_slot: int | None, queue_limit: int | None,
-               prefix_cache_tokens: int | None) -> None:
+               prefix_cache_tokens: int | None, max_loras: int | None, max_cpu_loras: int | None,
+               max_lora_rank: int | None) -> None:
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM."""
     try:
         from worker.config import Batching, PrefixCachePolicy, WorkerConfig
@@ -278,7 +288,8 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
     except ImportError as err:
         raise click.ClickException(f"the worker is not available: {err}") from None
     optional = {"n_ctx_slot": n_ctx_slot, "queue_limit": queue_limit,
-                "prefix_cache_tokens": prefix_cache_tokens}
+                "prefix_cache_tokens": prefix_cache_tokens, "max_loras": max_loras,
+                "max_cpu_loras": max_cpu_loras, "max_lora_rank": max_lora_rank}
     config = make_config(
         WorkerConfig, addr=addr, model_path=model_path, n_slots=n_slots,
         batching=Batching(batching), prefix_cache=PrefixCachePolicy(prefix_cache),

@@ -46,6 +46,11 @@ class WorkerConfig:
         worker_id: stable name; generated when empty.
         prefix_cache_tokens: token budget of the keyed prefix cache (LRU beyond it).
         log_level: structlog level of the worker process ("debug" logs every decode step).
+        max_loras: adapter slots in the device pool (vLLM ``--max-loras``); a request may use
+            at most this many adapters.
+        max_cpu_loras: adapters kept as tensors in host memory (vLLM ``--max-cpu-loras``), LRU
+            beyond it; never fewer than ``max_loras`` (resident adapters stay on host too).
+        max_lora_rank: largest rank an adapter may have here (vLLM ``--max-lora-rank``).
     """
 
     addr: str = "127.0.0.1:0"
@@ -63,3 +68,6 @@ class WorkerConfig:
     worker_id: str = ""
     prefix_cache_tokens: int = 65536
     log_level: str = "info"
+    max_loras: int = 16
+    max_cpu_loras: int = 128
+    max_lora_rank: int = 64

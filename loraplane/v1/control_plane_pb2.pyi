@@ -14,18 +14,64 @@ class AdapterList(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "addr", "model", "model_sha256", "n_slots")
+    __slots__ = ("worker_id", "addr", "model", "model_sha256", "n_slots", "resident_adapter_ids", "host_adapter_ids", "paging")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     N_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAGING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     addr: str
     model: str
     model_sha256: str
     n_slots: int
-    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., model: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_slots: _Optional[int] = ...) -> None: ...
+    resident_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    host_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    paging: WorkerPaging
+    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., model: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_slots: _Optional[int] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ...) -> None: ...
+
+class WorkerPaging(_message.Message):
+    __slots__ = ("max_loras", "max_cpu_loras", "resident", "host", "page_ins", "evictions", "fetches", "fetch_bytes", "page_in_bytes", "host_evictions")
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    max_loras: int
+    max_cpu_loras: int
+    resident: int
+    host: int
+    page_ins: int
+    evictions: int
+    fetches: int
+    fetch_bytes: int
+    page_in_bytes: int
+    host_evictions: int
+    def __init__(self, max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., resident: _Optional[int] = ..., host: _Optional[int] = ..., page_ins: _Optional[int] = ..., evictions: _Optional[int] = ..., fetches: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., page_in_bytes: _Optional[int] = ..., host_evictions: _Optional[int] = ...) -> None: ...
+
+class FetchAdapterRequest(_message.Message):
+    __slots__ = ("sha256", "worker_id")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    worker_id: str
+    def __init__(self, sha256: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("id", "pinned")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    pinned: bool
+    def __init__(self, id: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class WorkerAck(_message.Message):
     __slots__ = ("heartbeat_interval_ms",)
@@ -34,7 +80,7 @@ class WorkerAck(_message.Message):
     def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "addr", "state", "last_heartbeat_age_s", "adapter_ids", "model", "n_slots", "in_flight")
+    __slots__ = ("worker_id", "addr", "state", "last_heartbeat_age_s", "adapter_ids", "model", "n_slots", "in_flight", "paging", "resident_adapter_ids", "host_adapter_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +89,9 @@ class WorkerInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_SLOTS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PAGING_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     addr: str
     state: str
@@ -51,7 +100,10 @@ class WorkerInfo(_message.Message):
     model: str
     n_slots: int
     in_flight: int
-    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., n_slots: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    paging: WorkerPaging
+    resident_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    host_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., n_slots: _Optional[int] = ..., in_flight: _Optional[int] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerList(_message.Message):
     __slots__ = ("workers",)

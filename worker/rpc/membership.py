@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -58,9 +59,11 @@ class MembershipBackoff:
 
 class _Membership:
     def __init__(self, addr: str, hello: control_plane_pb2.WorkerHello, stop: threading.Event,
-                 backoff: MembershipBackoff, credentials: grpc.ChannelCredentials | None) -> None:
+                 backoff: MembershipBackoff, credentials: grpc.ChannelCredentials | None,
+                 refresh: Callable[[control_plane_pb2.WorkerHello], None] | None = None) -> None:
         self.addr = addr
         self.hello = hello
+        self.refresh = refresh
         self.stop = stop
         self.backoff = backoff
         self.credentials = credentials
@@ -104,6 +107,8 @@ class _Membership:
         """Heartbeat every interval until stopped or the control plane no longer knows us."""
         while not self.stop.wait(interval_s):
             try:
+                if self.refresh is not None:
+                    self.refresh(self.hello)  # what the worker holds now (affinity routing)
                 ack = stub.Heartbeat(self.hello, timeout=self.backoff.heartbeat_timeout_s)
                 if ack.heartbeat_interval_ms:
                     interval_s = ack.heartbeat_interval_ms / 1000.0
@@ -179,15 +184,22 @@ def control_plane_addresses(spec: str) -> list[str]:
 
 def start_membership(control_plane_addr: str, hello: control_plane_pb2.WorkerHello,
                      stop_event: threading.Event, *, backoff: MembershipBackoff = MembershipBackoff(),
-                     credentials: grpc.ChannelCredentials | None = None) -> MembershipThread | MembershipGroup:
+                     credentials: grpc.ChannelCredentials | None = None,
+                     refresh: Callable[[control_plane_pb2.WorkerHello], None] | None = None,
+                     ) -> MembershipThread | MembershipGroup:
     """Start the register-then-heartbeat thread(s) (daemons) and return them.
 
     ``control_plane_addr``: one address, or several comma-separated (one thread each, a
     `MembershipGroup`; see the module docstring). Set ``stop_event`` to stop them; each exits
-    within one heartbeat interval / backoff step.
+    within one heartbeat interval / backoff step. ``refresh`` updates the hello in place
+    before each heartbeat (the adapters the worker holds now).
     """
     addrs = control_plane_addresses(control_plane_addr)
-    threads = [MembershipThread(_Membership(addr, hello, stop_event, backoff, credentials)) for addr in addrs]
+    threads = []
+    for addr in addrs:
+        own = control_plane_pb2.WorkerHello()
+        own.CopyFrom(hello)  # one hello per thread: refresh writes into it
+        threads.append(MembershipThread(_Membership(addr, own, stop_event, backoff, credentials, refresh)))
     for thread in threads:
         thread.start()
     return threads[0] if len(threads) == 1 else MembershipGroup(threads)

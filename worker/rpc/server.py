@@ -63,6 +63,20 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     return server, port, engine
 
 
+def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) -> None:
+    """Write what ``engine`` holds now (resident / host adapter ids, paging counters) into
+    ``hello`` — sent with every heartbeat so any control plane can route by affinity."""
+    st = engine.stats()
+    del hello.resident_adapter_ids[:]
+    hello.resident_adapter_ids.extend(st.resident_adapter_ids)
+    del hello.host_adapter_ids[:]
+    hello.host_adapter_ids.extend(st.host_adapter_ids)
+    hello.paging.CopyFrom(control_plane_pb2.WorkerPaging(
+        max_loras=st.max_loras, max_cpu_loras=st.max_cpu_loras, resident=st.resident_adapters,
+        host=st.host_adapters, page_ins=st.page_ins, evictions=st.evictions, fetches=st.fetches,
+        fetch_bytes=st.fetch_bytes, page_in_bytes=st.page_in_bytes, host_evictions=st.host_evictions))
+
+
 def _advertised(config: WorkerConfig, port: int) -> str:
     if config.advertise_addr:
         return config.advertise_addr
@@ -82,9 +96,13 @@ def serve_worker(config: WorkerConfig) -> None:
     if config.control_plane:
         from worker.rpc.membership import start_membership
 
+        from worker.rpc.fetch import ControlPlaneFetcher
+
+        engine.fetcher = ControlPlaneFetcher(config.control_plane, engine.worker_id)
         hello = control_plane_pb2.WorkerHello(worker_id=engine.worker_id, addr=_advertised(config, port),
                                               model=str(engine.base.path), n_slots=config.n_slots)
-        start_membership(config.control_plane, hello, stop)
+        refresh_hello(engine, hello)
+        start_membership(config.control_plane, hello, stop, refresh=lambda h: refresh_hello(engine, h))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"worker {engine.worker_id} listening on port {port}", flush=True)
