@@ -243,6 +243,8 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
               help="PEM certificate: serve TLS (with --tls-key).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM private key of --tls-cert.")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+              help="Refuse registering adapters above this rank (the workers' --max-lora-rank; default 64).")
 @click.pass_context
 def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
                       adapter_dirs: tuple[str, ...], lora: tuple[str, ...],
@@ -319,6 +321,7 @@ def serve_cmd(ctx: click.Context, addr: str, data_dir: str, adapter_dirs: tuple[
 
     tuning = {k: options.pop(k) for k in CP_TUNING}
     runtime = options
+    tuning["max_lora_rank"] = runtime.get("max_lora_rank")  # one flag for both processes
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
     run_control_plane, config_cls = load_control_plane()
     addr = resolve_port(addr)

@@ -93,6 +93,7 @@ class Adapter:
     default_scale: float
     size_bytes: int
     n_nodes: int
+    pinned: bool = False
 
     @classmethod
     def from_proto(cls, info: common_pb2.AdapterInfo) -> Adapter:
@@ -112,6 +113,7 @@ class Adapter:
             default_scale=f32(info.default_scale),
             size_bytes=info.size_bytes,
             n_nodes=info.n_nodes,
+            pinned=info.pinned,
         )
 
     @property
@@ -136,6 +138,7 @@ class Adapter:
             "default_scale": self.default_scale,
             "size_bytes": self.size_bytes,
             "n_nodes": self.n_nodes,
+            "pinned": self.pinned,
         }
 
 
@@ -168,11 +171,28 @@ class WorkerInfo:
     model: str
     n_slots: int
     in_flight: int
+    # Adapter paging (issue 12), as of the worker's last heartbeat.
+    resident_adapter_ids: tuple[int, ...] = ()
+    host_adapter_ids: tuple[int, ...] = ()
+    max_loras: int = 0
+    max_cpu_loras: int = 0
+    resident: int = 0
+    host: int = 0
+    page_ins: int = 0
+    evictions: int = 0
+    fetches: int = 0
+    fetch_bytes: int = 0
+    page_in_bytes: int = 0
+    host_evictions: int = 0
 
     @classmethod
     def from_proto(cls, w: control_plane_pb2.WorkerInfo) -> WorkerInfo:
-        """Field for field from the proto (repeated fields become tuples)."""
-        values: dict[str, Any] = {f.name: getattr(w, f.name) for f in fields(cls)}
+        """Field for field from the proto (repeated fields become tuples; the paging
+        counters are flattened from ``paging``)."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            src = w if f.name in control_plane_pb2.WorkerInfo.DESCRIPTOR.fields_by_name else w.paging
+            values[f.name] = getattr(src, f.name)
         return cls(**{k: v if isinstance(v, (str, int, float)) else tuple(v) for k, v in values.items()})  # type: ignore[arg-type]
 
     @property

@@ -51,6 +51,8 @@ class ControlPlaneConfig:
             dead after this many intervals without one.
         tls_cert / tls_key: PEM files; both set → the port is served with TLS.
         max_threads: gRPC handler threads (each streaming Generate holds one).
+        max_lora_rank: adapters with a larger rank are refused at registration
+            (INVALID_ARGUMENT); the workers' ``--max-lora-rank`` (issue 12).
         log_level: structlog level ("debug", "info", ...).
 
     Start-up flags set the default scale of the adapters they name, every start; adapters
@@ -73,6 +75,7 @@ class ControlPlaneConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     max_threads: int = 64
+    max_lora_rank: int = 64
     log_level: str = "info"
 
     @property

@@ -21,7 +21,7 @@ def adapter_info(rec: AdapterRecord) -> common_pb2.AdapterInfo:
         task_name=m.get("task_name", ""), prompt_prefix=m.get("prompt_prefix", ""),
         alora_invocation_tokens=m.get("alora_invocation_tokens", []),
         alora_invocation_text=m.get("alora_invocation_text", ""), default_scale=rec.default_scale,
-        size_bytes=m.get("size_bytes", 0), n_nodes=m.get("n_nodes", 0),
+        size_bytes=m.get("size_bytes", 0), n_nodes=m.get("n_nodes", 0), pinned=rec.pinned,
     )
 
 
@@ -51,7 +51,8 @@ def worker_info(view: WorkerView) -> control_plane_pb2.WorkerInfo:
     return control_plane_pb2.WorkerInfo(
         worker_id=view.worker_id, addr=view.addr, state=view.state,
         last_heartbeat_age_s=view.last_heartbeat_age_s, adapter_ids=list(view.adapter_ids),
-        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight,
+        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight, paging=view.paging,
+        resident_adapter_ids=list(view.resident_ids), host_adapter_ids=list(view.host_ids),
     )
 
 

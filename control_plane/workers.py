@@ -1,4 +1,4 @@
-"""Worker membership: who is alive, what each worker holds, and pushing adapters to them.
+"""Worker membership: who is alive, what each worker holds, and telling them about adapters.
 
 Owned by the control-plane process. Workers call ``RegisterWorker`` once and ``Heartbeat``
 every ``heartbeat_interval_s``; a worker whose last heartbeat is older than
@@ -7,10 +7,13 @@ until its next heartbeat. State is computed from the clock when asked, so no rea
 is needed; transitions are logged when first observed.
 
 On registration the control plane dials the worker and reconciles its adapters with the
-registry: registered adapters it lacks are pushed (``LoadAdapter``, client-streamed
-``AdapterChunk``s), ones the registry no longer has (or whose content differs) are unloaded.
-New registrations are pushed to every live worker, removals unloaded from them; the router
-loads anything still missing right before it uses a worker (`ensure_loaded`).
+registry: ones the registry no longer has (or whose content differs) are unloaded. Nothing
+is pushed (issue 12): right before the router uses a worker it tells it about the adapters
+the request needs that it does not know yet (`ensure_loaded`: a header-only ``LoadAdapter``
+with ``fetch_on_demand``, id → sha256), and the worker fetches the bytes by sha256
+(``FetchAdapter``) the first time it needs them. Removals are unloaded from every worker that
+may hold them. Heartbeats carry what each worker holds (resident in slots, on host) and its
+paging counters, so routing can prefer a holder (affinity) on any control plane.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ class WorkerHandle:
     adapter_ids: set[int] = field(default_factory=set)
     in_flight: int = 0
     alive: bool = True
+    resident_ids: set[int] = field(default_factory=set)   # in device slots (last heartbeat)
+    host_ids: set[int] = field(default_factory=set)       # host tensors (last heartbeat)
+    paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
     # One LoadAdapter at a time per worker, so concurrent requests do not push twice.
     load_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -93,6 +99,9 @@ class WorkerView:
     model: str
     n_slots: int
     in_flight: int
+    paging: control_plane_pb2.WorkerPaging
+    resident_ids: tuple[int, ...]
+    host_ids: tuple[int, ...]
 
 
 class WorkerPool:
@@ -141,6 +150,7 @@ class WorkerPool:
             handle.model, handle.model_sha256, handle.n_slots = hello.model, hello.model_sha256, hello.n_slots
             handle.last_heartbeat = self._clock()
             handle.failed = None
+            _note_holdings(handle, hello)
             self._workers[hello.worker_id] = handle
         if old is not None and old is not handle:
             old.channel.close()
@@ -174,6 +184,8 @@ class WorkerPool:
                                     f"registered workers: {known}")
             handle.last_heartbeat = max(handle.last_heartbeat, self._clock() - age_s)
             handle.failed = None
+            if age_s == 0.0:
+                _note_holdings(handle, hello)
         self._refresh()
 
     @property
@@ -202,7 +214,8 @@ class WorkerPool:
         with self._lock:
             return [WorkerView(w.worker_id, w.addr, "alive" if w.alive else "dead",
                                max(0.0, now - w.last_heartbeat), tuple(sorted(w.adapter_ids)),
-                               w.model, w.n_slots, w.in_flight)
+                               w.model, w.n_slots, w.in_flight, w.paging,
+                               tuple(sorted(w.resident_ids)), tuple(sorted(w.host_ids)))
                     for _, w in sorted(self._workers.items())]
 
     def _refresh(self) -> None:
@@ -230,14 +243,17 @@ class WorkerPool:
 
     # -- adapters on workers ------------------------------------------------------------
 
-    def push_adapter(self, record: AdapterRecord) -> None:
-        """Load a newly registered adapter on every live worker (failures are logged; the
-        router loads it on demand later)."""
+    def set_pinned(self, record: AdapterRecord) -> None:
+        """Tell every live worker that knows ``record`` its new pin flag (failures logged;
+        a worker told later gets the flag with the id, `ensure_loaded`)."""
         for w in self.live():
+            if record.id not in w.adapter_ids:
+                continue
             try:
-                self._load(w, record)
-            except UnavailableError as exc:
-                log.warning("adapter_push_failed", worker_id=w.worker_id, adapter_id=record.id, error=str(exc))
+                w.stub.LoadAdapter(iter([self._header(record)]), timeout=self.timings.load_timeout_s)
+            except grpc.RpcError as exc:
+                log.warning("adapter_pin_failed", worker_id=w.worker_id, adapter_id=record.id,
+                            code=exc.code().name, error=exc.details())
 
     def unload_adapter(self, adapter_id: int) -> None:
         """Unload a removed adapter from every worker that holds it (failures are logged).
@@ -251,16 +267,21 @@ class WorkerPool:
                 w.stub.UnloadAdapter(common_pb2.AdapterRef(id=adapter_id), timeout=self.timings.load_timeout_s)
                 with self._lock:
                     w.adapter_ids.discard(adapter_id)
+                    w.resident_ids.discard(adapter_id)
+                    w.host_ids.discard(adapter_id)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     with self._lock:
                         w.adapter_ids.discard(adapter_id)
+                        w.resident_ids.discard(adapter_id)
+                        w.host_ids.discard(adapter_id)
                     continue
                 log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=adapter_id,
                             code=exc.code().name, error=exc.details())
 
     def ensure_loaded(self, handle: WorkerHandle, adapter_ids: Sequence[int]) -> None:
-        """Make sure ``handle`` holds every adapter in ``adapter_ids``, pushing what it lacks.
+        """Make sure ``handle`` knows every adapter in ``adapter_ids`` (id → sha256; it
+        fetches the bytes itself when it needs them).
 
         Raises:
             NotFoundError: an id is no longer registered.
@@ -275,7 +296,7 @@ class WorkerPool:
             if record.id in w.adapter_ids:
                 return
             try:
-                w.stub.LoadAdapter(self._chunks(record), timeout=self.timings.load_timeout_s)
+                w.stub.LoadAdapter(iter([self._header(record)]), timeout=self.timings.load_timeout_s)
             except grpc.RpcError as exc:
                 raise UnavailableError(f"worker {w.worker_id}: loading adapter {record.id} failed: "
                                        f"{exc.code().name}: {exc.details()}") from exc
@@ -284,7 +305,13 @@ class WorkerPool:
                                        f"to worker {w.worker_id}: {exc}") from exc
             with self._lock:
                 w.adapter_ids.add(record.id)
-        log.info("adapter_pushed", worker_id=w.worker_id, adapter_id=record.id)
+        log.info("adapter_announced", worker_id=w.worker_id, adapter_id=record.id)
+
+    @staticmethod
+    def _header(record: AdapterRecord) -> common_pb2.AdapterChunk:
+        """The header-only ``LoadAdapter`` chunk: id, sha256, name, pin; bytes on demand."""
+        return common_pb2.AdapterChunk(id=record.id, sha256=record.sha256, name=record.name,
+                                       fetch_on_demand=True, pinned=record.pinned)
 
     def _chunks(self, record: AdapterRecord) -> Iterator[common_pb2.AdapterChunk]:
         """``AdapterChunk``s of ``record``: the first names id, sha256 and name; every chunk
@@ -299,7 +326,8 @@ class WorkerPool:
 
     def _reconcile(self, w: WorkerHandle) -> None:
         """Align a (re)registering worker's adapters with the registry: keep what matches,
-        unload what the registry no longer has (or holds with other content), push the rest."""
+        unload what the registry no longer has (or holds with other content). Nothing is
+        pushed: the router announces adapters when a request needs them."""
         try:
             held = w.stub.ListAdapters(common_pb2.Empty(), timeout=self.timings.load_timeout_s).adapters
         except grpc.RpcError as exc:
@@ -317,14 +345,18 @@ class WorkerPool:
             except grpc.RpcError as exc:
                 log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=info.id,
                             code=exc.code().name, error=exc.details())
-        for rec in wanted.values():
-            try:
-                self._load(w, rec)
-            except UnavailableError as exc:
-                log.warning("adapter_push_failed", worker_id=w.worker_id, adapter_id=rec.id, error=str(exc))
 
     def close(self) -> None:
         with self._lock:
             workers, self._workers = list(self._workers.values()), {}
         for w in workers:
             w.channel.close()
+
+
+def _note_holdings(handle: WorkerHandle, hello: control_plane_pb2.WorkerHello) -> None:
+    """Record what a worker reports holding (caller holds the pool's lock). A hello without
+    the paging field (an older worker, or a replica's sighting) leaves the record as it is."""
+    if hello.HasField("paging"):
+        handle.resident_ids = set(hello.resident_adapter_ids)
+        handle.host_ids = set(hello.host_adapter_ids)
+        handle.paging = hello.paging

@@ -63,6 +63,7 @@ class AdapterRecord:
             see `control_plane.registry.adapter_metadata`.
         default_scale: this adapter's scale in the global default set (0: detached).
         created_at: unix time of registration, seconds.
+        pinned: never evicted from a worker's slot pool or host cache (issue 12).
     """
 
     id: int
@@ -72,6 +73,7 @@ class AdapterRecord:
     metadata: dict[str, Any] = field(hash=False, compare=False)
     default_scale: float = 0.0
     created_at: float = 0.0
+    pinned: bool = False
 
 
 DefaultScales = list[tuple[int, float]]
@@ -188,6 +190,11 @@ class AdapterStore(ABC):
         ``others``: the scale every adapter not named gets; None leaves them as they are.
         Callers check the ids exist first (unknown ids are silently ignored here).
         """
+        raise NotImplementedError
+
+    @abstractmethod
+    def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord | None:
+        """Set an adapter's pin flag; the updated record, or None when the id is unknown."""
         raise NotImplementedError
 
     @abstractmethod
