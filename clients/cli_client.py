@@ -111,12 +111,14 @@ def server_call(opts: ClientOptions) -> Iterator[LoraplaneClient]:
 @click.option("--prompt-logprobs", is_flag=True,
               help="Return the log-prob of every prompt token given its prefix.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-generation.")
+@click.option("--stop", "stop", multiple=True, metavar="TEXT",
+              help="Stop when the generated text contains TEXT (cut before it; repeatable).")
 @click.option("--request-id", default="", help="Request id (assigned by the server if empty).")
 @click.option("--no-telemetry", is_flag=True, help="Text mode: print only the generated text.")
 @client_options
 def generate(prompt: str | None, prompt_tokens: tuple[int, ...] | None,
              loras: tuple[tuple[int, float], ...], no_lora: bool, logprobs: int | None,
-             prompt_logprobs: bool, no_telemetry: bool, **kwargs) -> None:
+             prompt_logprobs: bool, no_telemetry: bool, stop: tuple[str, ...], **kwargs) -> None:
     """Generate a continuation of PROMPT (or of --prompt-tokens), streaming tokens.
 
     Adapters: no --lora and no --no-lora → the control plane's default set; --no-lora →
@@ -127,6 +129,8 @@ def generate(prompt: str | None, prompt_tokens: tuple[int, ...] | None,
         raise click.UsageError("give exactly one of PROMPT or --prompt-tokens")
     if loras and no_lora:
         raise click.UsageError("--lora and --no-lora exclude each other")
+    if any(not s for s in stop):
+        raise click.BadParameter("stop strings must not be empty", param_hint="--stop")
     adapters: dict[int, float] | None = None
     if no_lora:
         adapters = {}
@@ -136,7 +140,7 @@ def generate(prompt: str | None, prompt_tokens: tuple[int, ...] | None,
         max_tokens=kwargs["max_tokens"], temperature=kwargs["temperature"],
         top_k=kwargs["top_k"], top_p=kwargs["top_p"], seed=kwargs["seed"],
         logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs,
-        ignore_eos=kwargs["ignore_eos"], request_id=kwargs["request_id"],
+        ignore_eos=kwargs["ignore_eos"], request_id=kwargs["request_id"], stop=stop,
     )
     builder = ResultBuilder()
     streamed = False
@@ -226,15 +230,29 @@ def adapters_show(adapter_id: int, **kwargs) -> None:
 @click.option("--pin", is_flag=True, help="Pin it: workers never evict it from their slots or host cache.")
 @client_options
 def adapters_add(file: str, name: str | None, server_path: bool, pin: bool, **kwargs) -> None:
-    """Register the adapter GGUF FILE (uploaded in chunks unless --server-path)."""
+    """Register the adapter GGUF FILE or PEFT folder (uploaded in chunks unless --server-path).
+
+    A PEFT folder (adapter_config.json + adapter_model.safetensors) is converted like
+    ``convert-peft`` does: here before an upload, by the control plane for --server-path.
+    """
+    from clients.peft import is_peft_folder
+    from loraplane.progress import UPLOAD_BAR_BYTES, progress_bar, progress_enabled
+
     opts = _opts(kwargs)
     if server_path:
         # Relative paths mean "relative to where I am", as for an upload.
         file = os.path.abspath(file) if not os.path.isabs(file) else file
-    elif not os.path.isfile(file):
-        raise click.BadParameter(f"file {file!r} does not exist", param_hint="FILE")
-    with server_call(opts) as client:
-        adapter = client.add_adapter(file, name=name, server_path=server_path)
+    elif not os.path.isfile(file) and not is_peft_folder(file):
+        raise click.BadParameter(f"file {file!r} does not exist (nor is it a PEFT folder with "
+                                 "adapter_config.json)", param_hint="FILE")
+    big = server_path or is_peft_folder(file) or os.path.getsize(file) > UPLOAD_BAR_BYTES
+    with server_call(opts) as client, progress_bar(
+            f"uploading {os.path.basename(file.rstrip(os.sep))}", unit="bytes",
+            enabled=big and not server_path and progress_enabled(as_json=opts.as_json)) as advance:
+        try:
+            adapter = client.add_adapter(file, name=name, server_path=server_path, progress=advance)
+        except ValueError as err:  # a PEFT folder that cannot be converted (every problem listed)
+            raise LoraplaneError("INVALID_ARGUMENT", str(err)) from None
         if pin:
             adapter = client.pin_adapter(adapter.id, True)
     from clients.render import print_json

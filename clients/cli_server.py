@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import click
 
 from clients.params import ENV_ADMIN_TOKEN, PATH_SCALE, HostPortListType, HostPortType
-from loraplane.env import ENV_DATABASE_URL
+from loraplane.env import ENV_DATABASE_URL, ENV_WORKER_SECRET
 
 F = TypeVar("F", bound=Callable[..., Any])
 RAW_ARGS_KEY = "loraplane.raw_args"
@@ -59,8 +59,12 @@ def startup_adapters(raw_args: Sequence[str], lora: Sequence[str],
 
 
 def _existing_file(path: str, flag: str) -> str:
-    if not os.path.isfile(path):
-        raise click.BadParameter(f"file {path!r} does not exist", param_hint=flag)
+    """``path`` made absolute: an adapter GGUF file or a PEFT folder (holding adapter_config.json,
+    converted by the control plane at start-up)."""
+    peft = os.path.isdir(path) and os.path.isfile(os.path.join(path, "adapter_config.json"))
+    if not os.path.isfile(path) and not peft:
+        raise click.BadParameter(f"file {path!r} does not exist (nor is it a PEFT folder with "
+                                 "adapter_config.json)", param_hint=flag)
     return os.path.abspath(path)
 
 
@@ -99,15 +103,33 @@ def control_plane_options(f: F) -> F:
                      help="Register the start-up adapters but leave the default set empty."),
         click.option("--admin-token", envvar=ENV_ADMIN_TOKEN, default=None, metavar="TOKEN",
                      help=f"Require this bearer token for admin calls (env {ENV_ADMIN_TOKEN})."),
+        click.option("--worker-secret", envvar=ENV_WORKER_SECRET, default=None, metavar="SECRET",
+                     help=f"Shared secret workers must present (env {ENV_WORKER_SECRET}); serve "
+                          "generates one for its own worker when unset."),
         click.option("--max-upload-bytes", type=click.IntRange(min=1), default=None,
                      help="Largest adapter upload accepted (RESOURCE_EXHAUSTED beyond)."),
         click.option("--heartbeat-interval", "heartbeat_interval_s",
                      type=click.FloatRange(min=0, min_open=True), default=None,
                      metavar="SECONDS", help="Worker heartbeat interval."),
         click.option("--max-threads", type=click.IntRange(min=1), default=None,
-                     help="gRPC handler threads (each streaming Generate holds one)."),
+                     help="gRPC handler threads (each streaming Generate holds one; default 64)."),
+        click.option("--max-streams", type=click.IntRange(min=1), default=None,
+                     help="Concurrent Generate streams; more get RESOURCE_EXHAUSTED at once "
+                          "(default: max-threads - 16, kept for heartbeats, health and reads)."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
                      default=None, help="Control-plane log level (default info)."),
+        click.option("--http-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
+                     help="Serve the OpenAI-compatible HTTP API here (default: off; port 0 picks one)."),
+        click.option("--metrics-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
+                     help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off; the "
+                          "HTTP API serves /metrics too)."),
+        click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+                     metavar="FILE", help="jinja2 chat template overriding the model's."),
+        click.option("--served-model-name", default=None, metavar="NAME",
+                     help="The base model's name on the HTTP API (default: the GGUF file's stem)."),
+        click.option("--metrics-max-adapters", type=click.IntRange(min=0), default=None,
+                     help="Distinct adapter label values in metrics before the rest fold into "
+                          "'other' (default 64)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -115,7 +137,8 @@ def control_plane_options(f: F) -> F:
 
 
 CP_TUNING = ("database", "db_pool_size", "max_upload_bytes", "heartbeat_interval_s", "max_threads",
-             "log_level")
+             "max_streams", "log_level", "http_addr", "metrics_addr", "chat_template", "served_model_name",
+             "metrics_max_adapters")
 
 
 def model_option(f: F) -> F:
@@ -163,14 +186,17 @@ def worker_runtime_options(f: F) -> F:
 
 def worker_args(*, model_path: str | None, n_slots: int, batching: str, prefix_cache: str,
                 dtype: str, device: str, n_ctx_slot: int | None, queue_limit: int | None,
-                prefix_cache_tokens: int | None, weight_form: str = "packed", max_loras: int | None = None,
-                max_cpu_loras: int | None = None, max_lora_rank: int | None = None) -> tuple[str, ...]:
+                prefix_cache_tokens: int | None, weight_form: str = "packed",
+                metrics_max_adapters: int | None = None, metrics_addr: str | None = None,
+                max_loras: int | None = None, max_cpu_loras: int | None = None,
+                max_lora_rank: int | None = None) -> tuple[str, ...]:
     """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
     args = ["--slots", str(n_slots), "--batching", batching, "--prefix-cache", prefix_cache,
             "--dtype", dtype, "--weights", weight_form, "--device", device]
     optional = {"--model": model_path, "--n-ctx": n_ctx_slot, "--queue-limit": queue_limit,
-                "--prefix-cache-tokens": prefix_cache_tokens, "--max-loras": max_loras,
-                "--max-cpu-loras": max_cpu_loras, "--max-lora-rank": max_lora_rank}
+                "--prefix-cache-tokens": prefix_cache_tokens,
+                "--metrics-max-adapters": metrics_max_adapters, "--metrics-addr": metrics_addr,
+                "--max-loras": max_loras, "--max-cpu-loras": max_cpu_loras, "--max-lora-rank": max_lora_rank}
     for flag, value in optional.items():
         if value is not None:
             args += [flag, str(value)]
@@ -192,7 +218,7 @@ def control_plane_config(cls: type, *, addr: str, data_dir: str,
                          adapter_dirs: Sequence[str], model_path: str | None,
                          adapters: Sequence[tuple[str, float]],
                          lora_init_without_apply: bool, admin_token: str | None,
-                         **tuning: Any) -> Any:
+                         worker_secret: str | None = None, **tuning: Any) -> Any:
     """``ControlPlaneConfig``; ``tuning`` values that are None keep the config's defaults."""
     return make_config(
         cls,
@@ -204,6 +230,7 @@ def control_plane_config(cls: type, *, addr: str, data_dir: str,
         lora_scaled=tuple(adapters),
         lora_init_without_apply=lora_init_without_apply,
         admin_token=admin_token or None,
+        worker_secret=worker_secret or None,
         **{k: v for k, v in tuning.items() if v is not None},
     )
 
@@ -249,8 +276,8 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
 def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
                       adapter_dirs: tuple[str, ...], lora: tuple[str, ...],
                       lora_scaled: tuple[tuple[str, float], ...], lora_init_without_apply: bool,
-                      admin_token: str | None, model_path: str | None, tls_cert: str | None,
-                      tls_key: str | None, **tuning: Any) -> None:
+                      admin_token: str | None, worker_secret: str | None, model_path: str | None,
+                      tls_cert: str | None, tls_key: str | None, **tuning: Any) -> None:
     """Run the control plane (adapter registry, default set, routing) until SIGINT/SIGTERM."""
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
@@ -260,7 +287,7 @@ def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
         config_cls, addr=addr, data_dir=data_dir, adapter_dirs=adapter_dirs,
         model_path=model_path, adapters=adapters,
         lora_init_without_apply=lora_init_without_apply, admin_token=admin_token,
-        tls_cert=tls_cert, tls_key=tls_key, **tuning)
+        worker_secret=worker_secret, tls_cert=tls_cert, tls_key=tls_key, **tuning)
     ctx.exit(_run_blocking("the control plane", lambda: run_control_plane(config)))
 
 
@@ -274,11 +301,24 @@ def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
 @click.option("--advertise-addr", default=None, metavar="HOST:PORT",
               help="Address the control plane should dial (default: the bound one).")
 @click.option("--worker-id", default="", help="Stable worker name (generated when empty).")
+@click.option("--adapter-dir", "adapter_dirs", multiple=True, type=click.Path(file_okay=False),
+              help="Directory whose files LoadAdapter may read by server path (repeatable; "
+                   "none: server paths are refused, adapters arrive as bytes).")
+@click.option("--worker-secret", envvar=ENV_WORKER_SECRET, default=None, metavar="SECRET",
+              help=f"Shared secret with the control plane (env {ENV_WORKER_SECRET}): required on "
+                   "every Worker RPC and sent on registration/heartbeats.")
+@click.option("--metrics-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off).")
+@click.option("--metrics-max-adapters", type=click.IntRange(min=0), default=None,
+              help="Distinct adapter label values in metrics before the rest fold into 'other' "
+                   "(default 64).")
 @model_option
 @worker_runtime_options
 @click.pass_context
 def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
-               advertise_addr: str | None, worker_id: str, model_path: str | None,
+               advertise_addr: str | None, worker_id: str, adapter_dirs: tuple[str, ...],
+               worker_secret: str | None, metrics_addr: str | None, metrics_max_adapters: int | None,
+               model_path: str | None,
                n_slots: int, batching: str, prefix_cache: str, dtype: str, weight_form: str, device: str,
                n_ctx_slot: int | None, queue_limit: int | None,
                prefix_cache_tokens: int | None, max_loras: int | None, max_cpu_loras: int | None,
@@ -290,13 +330,15 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
     except ImportError as err:
         raise click.ClickException(f"the worker is not available: {err}") from None
     optional = {"n_ctx_slot": n_ctx_slot, "queue_limit": queue_limit,
-                "prefix_cache_tokens": prefix_cache_tokens, "max_loras": max_loras,
-                "max_cpu_loras": max_cpu_loras, "max_lora_rank": max_lora_rank}
+                "prefix_cache_tokens": prefix_cache_tokens, "metrics_max_adapters": metrics_max_adapters,
+                "metrics_addr": metrics_addr, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
+                "max_lora_rank": max_lora_rank}
     config = make_config(
         WorkerConfig, addr=addr, model_path=model_path, n_slots=n_slots,
         batching=Batching(batching), prefix_cache=PrefixCachePolicy(prefix_cache),
         dtype=dtype, weight_form=weight_form, device=device, control_plane=control_plane,
         advertise_addr=advertise_addr, worker_id=worker_id,
+        adapter_dirs=tuple(str(Path(d).resolve()) for d in adapter_dirs), worker_secret=worker_secret or None,
         **{k: v for k, v in optional.items() if v is not None},
     )
     ctx.exit(_run_blocking("the worker", lambda: serve_worker(config)))
@@ -311,13 +353,24 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
 @click.option("--ready-timeout", type=click.FloatRange(min=1), default=600.0,
               show_default=True, metavar="SECONDS",
               help="How long the worker may take to load the model and register.")
+@click.option("--worker-metrics-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
+              help="The worker's Prometheus endpoint (default with --metrics-addr: a free "
+                   "127.0.0.1 port).")
 @click.pass_context
 def serve_cmd(ctx: click.Context, addr: str, data_dir: str, adapter_dirs: tuple[str, ...],
               lora: tuple[str, ...], lora_scaled: tuple[tuple[str, float], ...],
-              lora_init_without_apply: bool, admin_token: str | None, model_path: str | None,
-              ready_timeout: float, **options: Any) -> None:
-    """Run the control plane here and one worker subprocess; SIGINT/SIGTERM stops both."""
+              lora_init_without_apply: bool, admin_token: str | None, worker_secret: str | None,
+              model_path: str | None, ready_timeout: float, worker_metrics_addr: str | None,
+              **options: Any) -> None:
+    """Run the control plane here and one worker subprocess; SIGINT/SIGTERM stops both.
+
+    The two share a worker secret: ``--worker-secret`` / ``$LORAPLANE_WORKER_SECRET``, else a
+    fresh random one; the worker gets it through its environment, never its command line.
+    """
     from clients.serve import ServePlan, resolve_port, run_serve
+    from loraplane.worker_secret import new_worker_secret
+
+    worker_secret = worker_secret or new_worker_secret()
 
     tuning = {k: options.pop(k) for k in CP_TUNING}
     runtime = options
@@ -325,12 +378,23 @@ def serve_cmd(ctx: click.Context, addr: str, data_dir: str, adapter_dirs: tuple[
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
     run_control_plane, config_cls = load_control_plane()
     addr = resolve_port(addr)
+    for key in ("http_addr", "metrics_addr"):  # real ports, so that they can be printed
+        if tuning[key]:
+            tuning[key] = resolve_port(tuning[key])
+    if worker_metrics_addr is None and tuning["metrics_addr"]:
+        worker_metrics_addr = "127.0.0.1:0"
+    if worker_metrics_addr:
+        worker_metrics_addr = resolve_port(worker_metrics_addr)
     config = control_plane_config(
         config_cls, addr=addr, data_dir=data_dir, adapter_dirs=adapter_dirs,
         model_path=model_path, adapters=adapters,
-        lora_init_without_apply=lora_init_without_apply, admin_token=admin_token, **tuning)
-    plan = ServePlan(cp_addr=addr, worker_args=worker_args(model_path=model_path, **runtime),
-                     ready_timeout_s=ready_timeout)
+        lora_init_without_apply=lora_init_without_apply, admin_token=admin_token,
+        worker_secret=worker_secret, **tuning)
+    plan = ServePlan(cp_addr=addr, worker_args=worker_args(
+                         model_path=model_path, metrics_addr=worker_metrics_addr,
+                         metrics_max_adapters=tuning["metrics_max_adapters"], **runtime),
+                     ready_timeout_s=ready_timeout, worker_secret=worker_secret, http_addr=tuning["http_addr"],
+                     metrics_addr=tuning["metrics_addr"], worker_metrics_addr=worker_metrics_addr)
     code = 0
 
     def run() -> None:

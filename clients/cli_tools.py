@@ -34,8 +34,12 @@ def convert_peft_cmd(peft_dir: str, out_path: str, base_gguf: str | None, outtyp
         from worker.tools.convert_peft import convert_peft
     except ImportError as err:
         raise click.ClickException(f"convert-peft is not available: {err}") from None
+    from loraplane.progress import progress_bar, progress_enabled
+
     try:
-        written = convert_peft(peft_dir, out_path, base_gguf=base_gguf, outtype=outtype)
+        with progress_bar("converting modules", enabled=progress_enabled()) as advance:
+            written = convert_peft(peft_dir, out_path, base_gguf=base_gguf, outtype=outtype,
+                                   progress=advance)
     except (ValueError, OSError) as err:
         raise _tool_failed("convert-peft", err) from None
     click.echo(f"wrote {written or out_path}")
@@ -61,8 +65,12 @@ def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_pa
         from worker.tools.export_lora import export_lora
     except ImportError as err:
         raise click.ClickException(f"export-lora is not available: {err}") from None
+    from loraplane.progress import progress_bar, progress_enabled
+
     try:
-        written = export_lora(base_gguf, list(loras), out_path, outtype=outtype)
+        with progress_bar("writing tensors", enabled=progress_enabled()) as advance:
+            written = export_lora(base_gguf, list(loras), out_path, outtype=outtype,
+                                  progress=advance)
     except (ValueError, OSError) as err:
         raise _tool_failed("export-lora", err) from None
     click.echo(f"wrote {written or out_path}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ from clients.results import (
     WorkerInfo,
     event_from_proto,
 )
+from clients.peft import is_peft_folder, upload_source
 from clients.wire import adapter_map, generate_request, upload_chunks
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 
@@ -74,9 +76,18 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _EMPTY = common_pb2.Empty()
 
 
+def _close_channels(channels: dict[str, grpc.Channel], lock: threading.Lock) -> None:
+    """Close and forget every channel in ``channels`` (the sync client's finalizer)."""
+    with lock:
+        items = list(channels.values())
+        channels.clear()
+    for channel in items:
+        channel.close()
+
+
 def _check_upload_source(path: str | Path, server_path: bool) -> None:
     """Fail before the call: an unreadable file inside grpc's request thread only says UNKNOWN."""
-    if not server_path and not Path(path).is_file():
+    if not server_path and not Path(path).is_file() and not is_peft_folder(path):
         raise FileNotFoundError(f"adapter file not found: {path}")
 
 
@@ -124,14 +135,16 @@ class LoraplaneClient:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._ready: set[str] = set()
+        # A client never closed must not keep the interpreter from exiting: grpc's
+        # connectivity watch (started by `connect`) blocks grpc's shutdown at exit while a
+        # channel is open. `weakref.finalize` closes them when the client is collected or, at
+        # the latest, at interpreter exit (finalizers run from atexit).
+        self._finalizer = weakref.finalize(self, _close_channels, self._channels, self._lock)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+        self._finalizer()  # closes every channel once; later calls do nothing
 
     def __enter__(self) -> LoraplaneClient:
         return self
@@ -209,13 +222,21 @@ class LoraplaneClient:
             self._unary("GetAdapter", lambda: common_pb2.AdapterRef(id=adapter_id)))
 
     def add_adapter(self, path: str | Path, *, name: str | None = None,
-                    server_path: bool = False) -> Adapter:
+                    server_path: bool = False, progress: Any = None) -> Adapter:
         """Register an adapter GGUF: upload ``path`` in chunks, or (``server_path=True``) name a
         file the server reads itself. Content already registered returns the existing id.
-        A replica failing mid-upload: the whole upload is sent again to the next one."""
+        A replica failing mid-upload: the whole upload is sent again to the next one.
+        A PEFT folder is converted here first (``clients.peft.upload_source``) and uploaded as
+        GGUF; a PEFT folder given as a server path is converted by the control plane.
+        ``progress(bytes_sent, total)`` is called per uploaded chunk."""
         _check_upload_source(path, server_path)
-        return Adapter.from_proto(self._unary(
-            "RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=server_path)))
+        if server_path:
+            return Adapter.from_proto(self._unary(
+                "RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True)))
+        with upload_source(path) as (gguf_path, fmt):
+            return Adapter.from_proto(self._unary(
+                "RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt,
+                                                         progress=progress)))
 
     def remove_adapter(self, adapter_id: int) -> None:
         """Unregister ``adapter_id``; a retry on another replica that finds it gone is done."""
@@ -370,8 +391,12 @@ class AsyncLoraplaneClient:
     async def add_adapter(self, path: str | Path, *, name: str | None = None,
                           server_path: bool = False) -> Adapter:
         _check_upload_source(path, server_path)
-        return Adapter.from_proto(await self._unary(
-            "RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=server_path)))
+        if server_path:
+            return Adapter.from_proto(await self._unary(
+                "RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True)))
+        with upload_source(path) as (gguf_path, fmt):
+            return Adapter.from_proto(await self._unary(
+                "RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt)))
 
     async def remove_adapter(self, adapter_id: int) -> None:
         await self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id),

@@ -65,7 +65,7 @@ def run_demo_requests(client: LoraplaneClient, prompt: str, max_tokens: int,
         return [(name, fut.result()) for (name, _), fut in zip(settings, futures, strict=True)]
 
 
-def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool):
+def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool, addresses: str = ""):
     def on_ready(client: LoraplaneClient, worker: WorkerInfo) -> bool:
         from clients.render import side_by_side, stdout_console
 
@@ -79,7 +79,7 @@ def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool):
         else:
             console.print(side_by_side(prompt, columns))
         if not once:
-            console.print(f"Serving on {client.addr}. Try:  loraplane generate --addr "
+            console.print(f"Serving on {client.addr}{addresses}. Try:  loraplane generate --addr "
                           f"{client.addr} --lora {ids['shout']}=1 \"{prompt}\"   "
                           "(Ctrl-C stops)", markup=False)
         return once
@@ -105,10 +105,15 @@ def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool):
               show_default=True, metavar="SECONDS")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="warning", show_default=True, help="Control-plane log level.")
+@click.option("--http-addr", default="127.0.0.1:0", show_default=True,
+              help="OpenAI-compatible HTTP API (port 0 picks a free port; printed).")
+@click.option("--metrics-addr", default="127.0.0.1:0", show_default=True,
+              help="Control-plane Prometheus endpoint (the worker gets a free port; both printed).")
 @click.pass_context
 def demo_cmd(ctx: click.Context, once: bool, as_json: bool, prompt: str, max_tokens: int,
              data_dir: str | None, addr: str, model_path: str | None, device: str,
-             dtype: str, ready_timeout: float, log_level: str) -> None:
+             dtype: str, ready_timeout: float, log_level: str, http_addr: str,
+             metrics_addr: str) -> None:
     """Serve with the shout and sea demo adapters and compare them on one prompt."""
     from clients.cli_server import control_plane_config, load_control_plane, worker_args
     from clients.serve import ServePlan, resolve_port, run_serve
@@ -121,24 +126,29 @@ def demo_cmd(ctx: click.Context, once: bool, as_json: bool, prompt: str, max_tok
     root = Path(tempfile.mkdtemp(prefix="loraplane-demo-")) if data_dir is None else Path(data_dir)
     root.mkdir(parents=True, exist_ok=True)
     addr = resolve_port(addr)
+    http_addr, metrics_addr = resolve_port(http_addr), resolve_port(metrics_addr)
+    worker_metrics_addr = resolve_port("127.0.0.1:0")
     config = control_plane_config(
         config_cls, addr=addr, data_dir=str(root), adapter_dirs=[str(DEMO_DIR)],
         model_path=model_path, adapters=[(str(p), 1.0) for _, p in DEMO_ADAPTERS],
-        lora_init_without_apply=True, admin_token=None, log_level=log_level)
+        lora_init_without_apply=True, admin_token=None, log_level=log_level,
+        http_addr=http_addr, metrics_addr=metrics_addr)
     plan = ServePlan(
         cp_addr=addr,
         worker_args=worker_args(model_path=model_path, n_slots=4, batching="mixed",
                                 prefix_cache="keyed", dtype=dtype, device=device,
-                                n_ctx_slot=None, queue_limit=None, prefix_cache_tokens=None),
+                                n_ctx_slot=None, queue_limit=None, prefix_cache_tokens=None,
+                                metrics_addr=worker_metrics_addr),
         ready_timeout_s=ready_timeout,
         worker_log=root / "worker.log",
         quiet=once,
+        http_addr=http_addr, metrics_addr=metrics_addr, worker_metrics_addr=worker_metrics_addr,
     )
     click.echo(f"loraplane demo: data dir {root}, worker log {plan.worker_log}; "
-               "loading the model...", err=True)
+               f"loading the model...{plan.addresses()}", err=True)
     try:
         code = run_serve(plan, run_control_plane, config,
-                         on_ready=_ready_hook(prompt, max_tokens, once, as_json))
+                         on_ready=_ready_hook(prompt, max_tokens, once, as_json, plan.addresses()))
     except (OSError, RuntimeError, ValueError) as err:
         raise click.ClickException(f"demo failed: {err}") from None
     finally:

@@ -82,14 +82,15 @@ def default_table(default: DefaultSet) -> Table:
 
 def workers_table(workers: Sequence[WorkerInfo]) -> Table:
     table = Table(title="Workers", title_justify="left")
-    for col in ("worker", "addr", "state", "heartbeat", "slots", "in flight", "adapters",
+    for col in ("worker", "addr", "state", "heartbeat", "restarts", "slots", "in flight", "adapters",
                 "resident", "host", "page-ins", "evictions", "fetches", "fetched", "model"):
         table.add_column(col)
     for w in workers:
         table.add_row(
             w.worker_id, w.addr, Text(w.state, style="green" if w.alive else "red"),
-            f"{w.last_heartbeat_age_s:.1f}s ago", str(w.n_slots), str(w.in_flight),
-            ",".join(map(str, w.adapter_ids)),
+            f"{w.last_heartbeat_age_s:.1f}s ago", str(w.restarts), str(w.n_slots), str(w.in_flight),
+            ",".join(map(str, w.adapter_ids))
+            + "".join(f" {i}(draining)" for i in w.draining_adapter_ids),
             f"{w.resident}/{w.max_loras}", f"{w.host}/{w.max_cpu_loras}", str(w.page_ins),
             str(w.evictions), str(w.fetches), f"{w.fetch_bytes / 2**20:.1f} MiB", w.model,
         )

@@ -93,6 +93,7 @@ class Adapter:
     default_scale: float
     size_bytes: int
     n_nodes: int
+    source_format: str = "gguf"
     pinned: bool = False
 
     @classmethod
@@ -113,6 +114,7 @@ class Adapter:
             default_scale=f32(info.default_scale),
             size_bytes=info.size_bytes,
             n_nodes=info.n_nodes,
+            source_format=info.source_format or "gguf",
             pinned=info.pinned,
         )
 
@@ -138,6 +140,7 @@ class Adapter:
             "default_scale": self.default_scale,
             "size_bytes": self.size_bytes,
             "n_nodes": self.n_nodes,
+            "source_format": self.source_format,
             "pinned": self.pinned,
         }
 
@@ -171,6 +174,8 @@ class WorkerInfo:
     model: str
     n_slots: int
     in_flight: int
+    restarts: int = 0
+    draining_adapter_ids: tuple[int, ...] = ()
     # Adapter paging (issue 12), as of the worker's last heartbeat.
     resident_adapter_ids: tuple[int, ...] = ()
     host_adapter_ids: tuple[int, ...] = ()

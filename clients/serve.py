@@ -8,9 +8,17 @@ Who runs what:
   worker (``python -m clients.cli worker --control-plane <addr> --addr 127.0.0.1:0 …``),
   polls ``ListWorkers`` until the worker has registered, announces readiness, runs the
   optional ``on_ready`` hook (the demo) and then watches the worker process.
+- Supervision: once the worker has registered, a worker that exits (crash, OOM kill,
+  ``kill -9``) is started again under the same worker id after a back-off
+  (`RestartBackoff`: 1 s doubling to 30 s, back to 1 s after 60 s of uptime), with a log
+  line each time; the control plane lists it ``dead`` meanwhile and counts the restart
+  (``workers list``: ``restarts``). Streams it was serving end UNAVAILABLE. A worker that
+  exits before it ever registered (bad model path, ...) still stops ``serve`` with exit 1.
+- The worker secret (``ServePlan.worker_secret``) reaches the worker through
+  ``$LORAPLANE_WORKER_SECRET`` in its environment, never its command line.
 - Stopping: one ``threading.Event`` is the control plane's ``stop_event`` (its SIGINT/SIGTERM
   handlers set it) and the supervisor's stop flag. Whoever ends serving — a signal, the worker
-  dying or never registering, ``on_ready`` asking to stop — sets it; ``run_control_plane``
+  never registering, ``on_ready`` asking to stop — sets it; ``run_control_plane``
   returns and the main thread terminates the worker (SIGTERM, then SIGKILL after a grace
   period), so shutdown always takes the same path.
 """
@@ -35,6 +43,7 @@ import click
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import WorkerInfo
+from loraplane.env import ENV_NO_PROGRESS, ENV_WORKER_SECRET
 from loraplane.process import stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +52,27 @@ POLL_INTERVAL_S = 0.25
 
 # Called with a connected client and the registered worker once serving; returns True to stop.
 ReadyHook = Callable[[LoraplaneClient, WorkerInfo], bool]
+
+
+@dataclass(frozen=True)
+class RestartBackoff:
+    """When `serve` restarts a dead worker.
+
+    Attributes:
+        initial_s: wait before the first restart, in seconds.
+        max_s: the longest wait; each quick death doubles the previous one up to this.
+        reset_after_s: a worker that lived this long resets the wait to ``initial_s``.
+    """
+
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+
+    def next_delay(self, previous_s: float | None, uptime_s: float) -> float:
+        """Seconds to wait before the next restart."""
+        if previous_s is None or uptime_s >= self.reset_after_s:
+            return self.initial_s
+        return min(previous_s * 2, self.max_s)
 
 
 @dataclass(frozen=True)
@@ -55,6 +85,9 @@ class ServePlan:
         ready_timeout_s: how long the worker may take to load the model and register.
         worker_log: file for the worker's stdout/stderr (None: share this process's).
         quiet: do not announce readiness on stderr.
+        http_addr / metrics_addr / worker_metrics_addr: announced with readiness (None: off).
+        worker_secret: passed to the worker in ``$LORAPLANE_WORKER_SECRET`` (None: not set).
+        backoff: restart timing of a worker that died after registering.
     """
 
     cp_addr: str
@@ -62,6 +95,23 @@ class ServePlan:
     ready_timeout_s: float = 600.0
     worker_log: Path | None = None
     quiet: bool = False
+    worker_secret: str | None = None
+    backoff: RestartBackoff = RestartBackoff()
+    http_addr: str | None = None
+    metrics_addr: str | None = None
+    worker_metrics_addr: str | None = None
+
+    def addresses(self) -> str:
+        """``"; HTTP API http://…/v1; metrics http://…/metrics (control plane), …"`` for the
+        endpoints that are on ("" when none is)."""
+        parts = []
+        if self.http_addr:
+            parts.append(f"OpenAI-compatible HTTP API http://{dial_addr(self.http_addr)}/v1")
+        if self.metrics_addr:
+            parts.append(f"metrics http://{dial_addr(self.metrics_addr)}/metrics (control plane)")
+        if self.worker_metrics_addr:
+            parts.append(f"http://{dial_addr(self.worker_metrics_addr)}/metrics (worker)")
+        return "".join(f"; {p}" for p in parts)
 
 
 def resolve_port(addr: str) -> str:
@@ -89,11 +139,14 @@ def worker_command(cp_addr: str, worker_id: str, worker_args: Sequence[str]) -> 
             "--addr", "127.0.0.1:0", "--worker-id", worker_id, *worker_args]
 
 
-def _worker_env() -> dict[str, str]:
+def _worker_env(secret: str | None) -> dict[str, str]:
     env = dict(os.environ)
+    if secret:
+        env[ENV_WORKER_SECRET] = secret
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env[ENV_NO_PROGRESS] = "1"  # serve draws the one "loading" spinner; two would garble the line
     return env
 
 
@@ -117,6 +170,8 @@ class _Supervisor(threading.Thread):
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self._stop_requested = False
+        self._started_at = 0.0
+        self.restarts = 0
 
     # -- thread body ---------------------------------------------------------------------
 
@@ -128,12 +183,15 @@ class _Supervisor(threading.Thread):
                 client.connect()
                 if not self._spawn_worker():
                     return
-                worker = self._wait_registered(client)
+                from loraplane.progress import progress_enabled, spinner
+
+                with spinner("loading the model in the worker", enabled=progress_enabled()):
+                    worker = self._wait_registered(client)
                 if worker is None:
                     return
                 if not self.plan.quiet:
                     _say(f"serving on {self.plan.cp_addr} "
-                         f"(worker {worker.worker_id} at {worker.addr}); Ctrl-C stops")
+                         f"(worker {worker.worker_id} at {worker.addr}){self.plan.addresses()}; Ctrl-C stops")
                 if self.on_ready is not None and self.on_ready(client, worker):
                     self.request_stop(0)
                     return
@@ -157,9 +215,10 @@ class _Supervisor(threading.Thread):
             if self.plan.worker_log is not None:
                 self._log_file = open(self.plan.worker_log, "ab")  # noqa: SIM115
                 out = self._log_file
-            self._proc = subprocess.Popen(cmd, env=_worker_env(), stdout=out,
+            self._proc = subprocess.Popen(cmd, env=_worker_env(self.plan.worker_secret), stdout=out,
                                           stderr=subprocess.STDOUT if out else None,
                                           stdin=subprocess.DEVNULL)
+            self._started_at = time.monotonic()
         return True
 
     def _wait_registered(self, client: LoraplaneClient) -> WorkerInfo | None:
@@ -183,12 +242,24 @@ class _Supervisor(threading.Thread):
         return None
 
     def _watch_worker(self) -> None:
+        """Restart the worker whenever it exits, after `RestartBackoff`'s wait, until stopped."""
+        delay: float | None = None
         while not self.stopping.wait(POLL_INTERVAL_S):
             code = self._proc.poll() if self._proc else None
-            if code is not None and not self.stopping.is_set():
-                _say(f"the worker exited unexpectedly with code {code}")
-                self.request_stop(1)
+            if code is None or self.stopping.is_set():
+                continue
+            delay = self.plan.backoff.next_delay(delay, time.monotonic() - self._started_at)
+            _say(f"the worker {self.worker_id} exited unexpectedly with code {code}; "
+                 f"restarting it in {delay:g}s (restart {self.restarts + 1})")
+            if self.stopping.wait(delay):
                 return
+            if self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+            if not self._spawn_worker():
+                return
+            self.restarts += 1
+            _say(f"worker {self.worker_id} restarted (pid {self._proc.pid if self._proc else '?'})")
 
     # -- stopping ------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from loraplane.limits import CHUNK_BYTES
@@ -56,6 +56,7 @@ def generate_request(
     prompt_logprobs: bool = False,
     ignore_eos: bool = False,
     request_id: str = "",
+    stop: Sequence[str] = (),
 ) -> common_pb2.GenerateRequest:
     """A `GenerateRequest` from keyword arguments (exactly one of ``prompt``/``prompt_tokens``)."""
     if (prompt is None) == (prompt_tokens is None):
@@ -83,22 +84,38 @@ def generate_request(
     sampling.logprobs = logprobs
     sampling.prompt_logprobs = prompt_logprobs
     sampling.ignore_eos = ignore_eos
+    if isinstance(stop, str):
+        raise ValueError("stop must be a sequence of strings, not one string")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+    sampling.stop.extend(stop)
     return req
 
 
 def upload_chunks(path: str | os.PathLike[str], *, name: str | None = None,
-                  server_path: bool = False) -> Iterator[common_pb2.AdapterChunk]:
+                  server_path: bool = False, source_format: str = "",
+                  progress: Callable[[int, int], None] | None = None) -> Iterator[common_pb2.AdapterChunk]:
     """The `AdapterChunk` stream of a ``RegisterAdapter`` call.
 
     ``server_path=True``: one chunk naming a file the server reads itself (no bytes sent).
     Otherwise the first chunk carries the header fields (name) with the first piece of the
     file, and the rest follows in `CHUNK_BYTES` pieces, read lazily so big files are
-    never held whole in memory.
+    never held whole in memory. ``source_format`` ("peft" for a converted folder) rides on the
+    first chunk; ``progress(bytes_sent, total_bytes)`` is called after each chunk.
     """
     if server_path:
         yield common_pb2.AdapterChunk(name=name or "", server_path=os.fspath(path))
         return
+    total = Path(path).stat().st_size
+    sent = 0
     with Path(path).open("rb") as f:
-        yield common_pb2.AdapterChunk(name=name or "", data=f.read(CHUNK_BYTES))
+        data = f.read(CHUNK_BYTES)
+        yield common_pb2.AdapterChunk(name=name or "", data=data, source_format=source_format)
+        sent += len(data)
+        if progress is not None:
+            progress(sent, total)
         while data := f.read(CHUNK_BYTES):
             yield common_pb2.AdapterChunk(data=data)
+            sent += len(data)
+            if progress is not None:
+                progress(sent, total)

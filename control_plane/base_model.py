@@ -64,6 +64,10 @@ class BaseModel:
             return ""
         return tok.decode(list(token_ids), skip_special=False)
 
+    def tokenizer(self) -> Any:
+        """The base tokenizer (built on first use), or None when the model has none."""
+        return self._get_tokenizer()
+
     def _get_tokenizer(self) -> Any:
         with self._lock:
             if self._tokenizer is None and self._tokenizer_error is None:

@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 from control_plane.registry import DEFAULT_MAX_UPLOAD_BYTES
 
+RESERVED_THREADS = 16
+"""Handler threads Generate relays can never take (default ``max_streams`` = threads - this)."""
+ADMIN_CALLS = 4
+"""Concurrent admin calls (uploads, unregisters waiting on workers, default-set writes)."""
+MEMBERSHIP_CALLS = 4
+"""Concurrent RegisterWorker/Heartbeat calls (each answers in milliseconds: no dialing)."""
+
 
 def parse_lora_scaled(spec: str) -> tuple[str, float]:
     """``"PATH:SCALE"`` → ``(PATH, SCALE)`` (split at the last colon, like llama-server).
@@ -51,9 +58,24 @@ class ControlPlaneConfig:
             dead after this many intervals without one.
         tls_cert / tls_key: PEM files; both set → the port is served with TLS.
         max_threads: gRPC handler threads (each streaming Generate holds one).
+        max_streams: concurrent Generate relays; the next gets RESOURCE_EXHAUSTED at once.
+            None: ``max_threads - RESERVED_THREADS`` (the reserve answers heartbeats, health,
+            reads and admin calls however many streams run).
+        worker_secret: shared secret workers must present on RegisterWorker/Heartbeat and
+            that the control plane sends on every Worker RPC. None falls back to
+            ``$LORAPLANE_WORKER_SECRET``; neither means membership is open (firewall it).
+        unload_wait_s: how long UnregisterAdapter waits for each worker to drain the adapter;
+            a worker still draining then keeps it under ``draining_adapter_ids`` until freed.
         max_lora_rank: adapters with a larger rank are refused at registration
             (INVALID_ARGUMENT); the workers' ``--max-lora-rank`` (issue 12).
         log_level: structlog level ("debug", "info", ...).
+        http_addr: host:port of the OpenAI-compatible HTTP front (None: off; port 0 picks one).
+        metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP
+            front serves ``/metrics`` too).
+        chat_template: jinja2 chat template file overriding the model's (None: the GGUF's
+            ``tokenizer.chat_template``, else a built-in one for the architecture).
+        served_model_name: the base model's name on the HTTP API (None: the GGUF file's stem).
+        metrics_max_adapters: distinct adapter label values in metrics before "other".
 
     Start-up flags set the default scale of the adapters they name, every start; adapters
     they do not name keep their persisted scale.
@@ -75,8 +97,30 @@ class ControlPlaneConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     max_threads: int = 64
+    max_streams: int | None = None
+    worker_secret: str | None = None
+    unload_wait_s: float = 5.0
     max_lora_rank: int = 64
     log_level: str = "info"
+    http_addr: str | None = None
+    metrics_addr: str | None = None
+    chat_template: str | None = None
+    served_model_name: str | None = None
+    metrics_max_adapters: int = 64
+
+    @property
+    def stream_limit(self) -> int:
+        """Concurrent Generate relays allowed (see ``max_streams``).
+
+        Raises:
+            ValueError: the limits leave no thread for the reserved calls.
+        """
+        limit = self.max_streams if self.max_streams is not None else self.max_threads - RESERVED_THREADS
+        if limit < 1 or limit + ADMIN_CALLS + MEMBERSHIP_CALLS >= self.max_threads:
+            raise ValueError(f"max_threads {self.max_threads} must exceed max_streams {limit} + "
+                             f"{ADMIN_CALLS + MEMBERSHIP_CALLS} (admin + membership) so reads and health "
+                             f"keep a thread")
+        return limit
 
     @property
     def startup_adapters(self) -> list[tuple[str, float]]:

@@ -21,7 +21,8 @@ def adapter_info(rec: AdapterRecord) -> common_pb2.AdapterInfo:
         task_name=m.get("task_name", ""), prompt_prefix=m.get("prompt_prefix", ""),
         alora_invocation_tokens=m.get("alora_invocation_tokens", []),
         alora_invocation_text=m.get("alora_invocation_text", ""), default_scale=rec.default_scale,
-        size_bytes=m.get("size_bytes", 0), n_nodes=m.get("n_nodes", 0), pinned=rec.pinned,
+        size_bytes=m.get("size_bytes", 0), n_nodes=m.get("n_nodes", 0),
+        source_format=rec.source_format, pinned=rec.pinned,
     )
 
 
@@ -51,8 +52,10 @@ def worker_info(view: WorkerView) -> control_plane_pb2.WorkerInfo:
     return control_plane_pb2.WorkerInfo(
         worker_id=view.worker_id, addr=view.addr, state=view.state,
         last_heartbeat_age_s=view.last_heartbeat_age_s, adapter_ids=list(view.adapter_ids),
-        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight, paging=view.paging,
-        resident_adapter_ids=list(view.resident_ids), host_adapter_ids=list(view.host_ids),
+        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight, restarts=view.restarts,
+        draining_adapter_ids=list(view.draining_adapter_ids),
+        paging=view.paging, resident_adapter_ids=list(view.resident_ids),
+        host_adapter_ids=list(view.host_ids),
     )
 
 
@@ -63,6 +66,7 @@ class Upload:
     name: str
     server_path: str
     data: Iterator[bytes]
+    source_format: str = ""
 
 
 def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
@@ -80,4 +84,4 @@ def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
                 f"RegisterAdapter: server_path '{first.server_path}' given together with data; send one or the other")
         return Upload(first.name, first.server_path, iter(()))
     rest = (c.data for c in chunks)
-    return Upload(first.name, "", itertools.chain([first.data], rest))
+    return Upload(first.name, "", itertools.chain([first.data], rest), first.source_format)

@@ -21,11 +21,12 @@ class NotFoundError(ControlPlaneError):
 
 
 class PermissionDeniedError(ControlPlaneError):
-    """A server-side path outside every configured adapter directory."""
+    """A server-side path outside every configured adapter directory; a worker id taken over
+    from another address without the worker secret."""
 
 
 class ResourceExhaustedError(ControlPlaneError):
-    """An upload over the size limit."""
+    """An upload over the size limit; every worker full; too many pending worker joins."""
 
 
 class UnauthenticatedError(ControlPlaneError):

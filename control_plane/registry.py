@@ -16,6 +16,13 @@ checked before the file is opened.
 
 Every read goes to the store, so with several replicas on one PostgreSQL a registration or
 default-set change made through one is what the next call on any other sees.
+
+PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``) are accepted wherever a
+server-side path is (``--lora``, ``--lora-scaled``, ``RegisterAdapter.server_path``): they are
+converted here, on the control plane, by the same numpy-only code as ``convert-peft``
+(`worker.tools.convert_peft`, rsLoRA and aLoRA included) against the base model this process
+already indexed, and the resulting GGUF is kept under ``<data-dir>/adapters/`` like an upload
+(the record's ``source_format`` is "peft"). Workers only ever receive GGUF files.
 """
 
 from __future__ import annotations
@@ -39,11 +46,14 @@ from control_plane.errors import (
 )
 from control_plane.resolution import AdapterVector, check_scale, resolve_adapter_vector
 from control_plane.store import AdapterRecord, AdapterStore
+from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
 from worker.lora.adapter_file import AdapterFile, validate_lora_adapter
+from worker.tools.convert_peft import convert_peft, is_peft_dir
 
 log = structlog.get_logger("control_plane.registry")
 
 DEFAULT_MAX_UPLOAD_BYTES = 512 * 1024 * 1024
+SOURCE_FORMATS = ("gguf", "peft")
 
 
 @dataclass(frozen=True)
@@ -71,11 +81,6 @@ def adapter_metadata(adapter: AdapterFile, invocation_text: str) -> dict[str, An
     }
 
 
-def is_inside(path: Path, root: Path) -> bool:
-    """True when resolved ``path`` is ``root`` or below it (both already resolved)."""
-    return path == root or root in path.parents
-
-
 class AdapterRegistry:
     """Registered adapters and the default set, persisted in an `AdapterStore`.
 
@@ -96,8 +101,9 @@ class AdapterRegistry:
         self.base = base
         self.upload_dir = Path(data_dir) / "adapters"
         self.upload_dir.mkdir(parents=True, exist_ok=True)
-        self.adapter_dirs = tuple(Path(d).resolve() for d in adapter_dirs)
+        self.adapter_dirs = resolve_dirs(adapter_dirs)
         self.max_upload_bytes = int(max_upload_bytes)
+        self._remove_partial_uploads()
         self.max_lora_rank = int(max_lora_rank)
         self._warn_arch_mismatch()
 
@@ -127,13 +133,20 @@ class AdapterRegistry:
 
     # -- registration -------------------------------------------------------------------
 
-    def register_upload(self, data: Iterable[bytes], *, name: str = "") -> Registration:
+    def register_upload(self, data: Iterable[bytes], *, name: str = "",
+                        source_format: str = "gguf") -> Registration:
         """Register uploaded bytes (streamed); the file is kept under the data dir.
+
+        ``source_format`` records what the GGUF was made from ("peft": the client converted a
+        PEFT folder before uploading); the bytes are validated as an adapter GGUF either way.
 
         Raises:
             ResourceExhaustedError: more than ``max_upload_bytes``.
-            InvalidArgumentError: empty upload or an invalid adapter (message lists problems).
+            InvalidArgumentError: empty upload, an unknown ``source_format`` or an invalid
+                adapter (message lists problems).
         """
+        if source_format not in SOURCE_FORMATS:
+            raise InvalidArgumentError(f"source_format '{source_format}': expected one of {list(SOURCE_FORMATS)}")
         tmp = self.upload_dir / f".upload-{uuid.uuid4().hex}.part"
         try:
             sha256, size = self._receive(data, tmp)
@@ -144,7 +157,8 @@ class AdapterRegistry:
             if existing is not None:
                 return Registration(existing, created=False)
             rec, created = self.store.insert(sha256=sha256, name=name or adapter.name,
-                                             metadata=self._metadata(adapter), content=tmp, source=None)
+                                             metadata=self._metadata(adapter), content=tmp, source=None,
+                                             source_format=source_format)
         finally:
             tmp.unlink(missing_ok=True)
         if created:
@@ -155,18 +169,16 @@ class AdapterRegistry:
         """Register a file already on the server; it must lie inside an adapter dir.
 
         Raises:
-            InvalidArgumentError: a relative path, or an invalid adapter.
+            InvalidArgumentError: a relative path, a NUL byte, or an invalid adapter.
             PermissionDeniedError: the resolved path is outside every adapter dir (nothing read).
             NotFoundError: no such file.
         """
-        if not Path(path).is_absolute():
-            raise InvalidArgumentError(f"server path '{path}' must be absolute")
-        resolved = Path(path).resolve()
-        if not any(is_inside(resolved, d) for d in self.adapter_dirs):
-            allowed = [str(d) for d in self.adapter_dirs] or "none configured (--adapter-dir)"
-            raise PermissionDeniedError(
-                f"server path '{path}' resolves to '{resolved}', outside the adapter directories "
-                f"({allowed})")
+        try:
+            resolved = confine(path, self.adapter_dirs)
+        except MalformedPath as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        except OutsideAdapterDirs as exc:
+            raise PermissionDeniedError(str(exc)) from None
         return self._register_file(resolved, name=name, source="server_path")
 
     def register_startup(self, path: str | Path, scale: float) -> AdapterRecord:
@@ -179,6 +191,8 @@ class AdapterRegistry:
         return self.get(rec.id)
 
     def _register_file(self, path: Path, *, name: str, source: str) -> Registration:
+        if is_peft_dir(path):
+            return self._register_peft(path, name=name)
         if not path.is_file():
             raise NotFoundError(f"adapter file '{path}' does not exist")
         adapter = self._validate(path, shown_as=str(path))
@@ -189,6 +203,29 @@ class AdapterRegistry:
             log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source,
                      path=str(path))
         return Registration(rec, created)
+
+    def _register_peft(self, folder: Path, *, name: str) -> Registration:
+        """Convert a PEFT folder (rules of ``convert-peft``) and register the GGUF as an upload.
+
+        Raises:
+            InvalidArgumentError: the folder cannot be converted (every problem listed).
+        """
+        tmp = self.upload_dir / f".peft-{uuid.uuid4().hex}.gguf"
+        try:
+            try:
+                convert_peft(folder, tmp, base_gguf=self.base.gguf)
+            except ValueError as exc:  # ConvertError lists every problem
+                raise InvalidArgumentError(f"PEFT folder '{folder}': {exc}") from exc
+            reg = self.register_upload(self.read_path_chunks(tmp), name=name, source_format="peft")
+        finally:
+            tmp.unlink(missing_ok=True)
+        log.info("peft_converted", adapter_id=reg.record.id, folder=str(folder), sha256=reg.record.sha256)
+        return reg
+
+    @staticmethod
+    def read_path_chunks(path: Path, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+        with open(path, "rb") as fh:
+            yield from iter(lambda: fh.read(chunk_size), b"")
 
     def _receive(self, data: Iterable[bytes], tmp: Path) -> tuple[str, int]:
         h = hashlib.sha256()
@@ -276,6 +313,13 @@ class AdapterRegistry:
     def detach_all(self) -> None:
         """Every default scale to 0 (``--lora-init-without-apply``: load all, apply none)."""
         self.store.set_default_scales({}, others=0.0)
+
+    def _remove_partial_uploads(self) -> None:
+        """Delete ``.upload-*.part`` files a crash mid-upload left behind (this process owns
+        the data dir, so none can belong to a live upload at start-up)."""
+        for part in self.upload_dir.glob(".upload-*.part"):
+            part.unlink(missing_ok=True)
+            log.info("partial_upload_removed", path=str(part))
 
     def _warn_arch_mismatch(self) -> None:
         for rec in self.store.list():

@@ -25,14 +25,14 @@ import threading
 import uuid
 from collections import OrderedDict
 from contextlib import closing
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any, Protocol
 
 import grpc
 import structlog
 
 from control_plane.convert import request_map_or_none, set_resolved_adapters
-from control_plane.errors import ControlPlaneError, UnavailableError
+from control_plane.errors import ControlPlaneError, ResourceExhaustedError, UnavailableError
 from control_plane.registry import AdapterRegistry
 from control_plane.resolution import adapter_set_key
 from control_plane.workers import WorkerHandle, WorkerPool
@@ -89,6 +89,8 @@ class Router:
         self.pool = pool
         self._affinity: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
+        # ``track(vector, events) -> events`` (control_plane.metrics); None: not counted.
+        self.observer: Any = None
 
     def generate(self, request: common_pb2.GenerateRequest,
                  context: ClientContext) -> Iterator[common_pb2.GenerateEvent]:
@@ -97,12 +99,19 @@ class Router:
         Raises:
             NotFoundError / InvalidArgumentError: the adapter map is wrong.
             UnavailableError: no live worker, or the worker failed mid-stream.
+            ResourceExhaustedError: every live worker is at slots + queue limit.
             WorkerRequestError: the worker refused the request (its code is kept).
         """
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         vector = self.registry.resolve(request_map_or_none(request))
         set_resolved_adapters(request, vector)
+        routed = self._route(request, context, vector)
+        yield from (routed if self.observer is None else self.observer.track(vector, routed))
+
+    def _route(self, request: common_pb2.GenerateRequest, context: ClientContext,
+               vector: list[tuple[int, float]]) -> Iterator[common_pb2.GenerateEvent]:
+        """Steps 3-5 of the module docstring for a resolved request."""
         key = adapter_set_key(vector)
         ids = [i for i, _ in vector]
         tried: list[str] = []
@@ -139,11 +148,26 @@ class Router:
     def _others(self, tried: list[str]) -> bool:
         return any(w.worker_id not in tried for w in self.pool.live())
 
-    def _pick(self, key: tuple, *, exclude: list[str], last_error: str, ids: list[int] = ()) -> WorkerHandle:  # type: ignore[assignment]
-        live = [w for w in self.pool.live() if w.worker_id not in exclude]
-        if not live:
+    def _pick(self, key: tuple, *, exclude: list[str], last_error: str,
+              ids: Sequence[int] = ()) -> WorkerHandle:
+        """The worker for the next attempt among live workers not yet tried that can still
+        admit a request (in flight < slots + queue limit): not full (in flight < slots), then
+        set affinity, then the most of ``ids`` resident in its slots, then on its host (as
+        its heartbeats report, issue 12), then least loaded.
+
+        Raises:
+            UnavailableError: no live worker (left to try).
+            ResourceExhaustedError: live workers exist but every one is full.
+        """
+        candidates = [w for w in self.pool.live() if w.worker_id not in exclude]
+        if not candidates:
             detail = f" (tried {exclude}; last error: {last_error})" if exclude else ""
             raise UnavailableError(f"no live worker to serve the request{detail}")
+        live = [w for w in candidates if w.capacity is None or w.in_flight < w.capacity]
+        if not live:
+            full = ", ".join(f"{w.worker_id} {w.in_flight}/{w.capacity}" for w in candidates)
+            raise ResourceExhaustedError(f"every live worker is full (in flight/slots+queue: {full}); "
+                                         f"retry later")
         with self._lock:
             preferred = self._affinity.get(key)
 
@@ -164,7 +188,7 @@ class Router:
         return chosen
 
     def _relay(self, worker: WorkerHandle, request: common_pb2.GenerateRequest,
-               context: ClientContext) -> Iterator[common_pb2.GenerateEvent]:
+               context: ClientContext) -> Generator[common_pb2.GenerateEvent, None, None]:
         # The request side stays open until we are done: a worker may read a half-close as
         # "the caller is gone" and free the slot.
         outbox: queue.Queue[worker_pb2.DecodeRequest | None] = queue.Queue()

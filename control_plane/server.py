@@ -3,6 +3,15 @@
 `create_server(config)` wires store → registry → worker pool → router → servicer, registers
 the start-up adapters, and returns the started server with its bound port;
 `run_control_plane(config)` blocks until SIGINT/SIGTERM.
+
+Threads: one ``ThreadPoolExecutor`` of ``max_threads``; a streaming Generate relay holds a
+thread for its whole life, so groups of calls are capped (`ConcurrencyLimitInterceptor`,
+RESOURCE_EXHAUSTED at once beyond the cap) and the rest of the pool stays free for short
+calls: Generate ≤ ``stream_limit`` (default ``max_threads - 16``), admin calls ≤ 4,
+RegisterWorker/Heartbeat ≤ 4 (both answer in milliseconds: dialing a worker happens in the
+pool's own join threads). Reads, health and reflection are never capped and always find a
+thread. Interceptors, outermost first: admin token, worker secret, decode guard
+(undecodable requests → INVALID_ARGUMENT), the caps.
 """
 
 from __future__ import annotations
@@ -12,15 +21,21 @@ import threading
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.auth import AdminAuthInterceptor, admin_token_from
+from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
-from control_plane.config import ControlPlaneConfig, parse_lora_scaled
+from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
+from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
+from loraplane.worker_secret import MEMBERSHIP_METHODS, membership_guard, worker_secret_from
+from control_plane.http.models import served_name
+from control_plane.metrics import ControlPlaneMetrics
+from loraplane.logging import configure_logging
 from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
@@ -28,8 +43,7 @@ from control_plane.servicer import ControlPlaneServicer
 from control_plane.store import AdapterStore, open_store
 from control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
-from loraplane.logging import configure_logging
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, worker_pb2
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 
 __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lora_scaled",
            "run_control_plane"]
@@ -37,7 +51,7 @@ __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lo
 log = structlog.get_logger("control_plane.server")
 
 CONTROL_PLANE_SERVICE = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
-WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+GENERATE_METHOD = f"/{CONTROL_PLANE_SERVICE}/Generate"
 
 
 @dataclass
@@ -51,10 +65,19 @@ class ControlPlaneState:
     router: Router
     health: health.HealthServicer
     replicas: ReplicaSync
+    metrics: ControlPlaneMetrics | None = None
+    http: Any = None            # control_plane.http.server.HttpServer when --http-addr is set
+    http_port: int = 0
+    metrics_server: Any = None  # prometheus-client's server when --metrics-addr is set
+    metrics_port: int = 0
 
     def close(self) -> None:
-        """Stop the replica sync, release worker channels and the database (after the
-        server stopped)."""
+        """Stop the HTTP and metrics servers and the replica sync, release worker channels and
+        the database (after the gRPC server stopped)."""
+        if self.http is not None:
+            self.http.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         self.replicas.stop()
         self.pool.close()
         self.store.close()
@@ -82,17 +105,80 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
         store.close()
         raise
     timings = MembershipTimings(heartbeat_interval_s=config.heartbeat_interval_s,
-                                dead_after_missed=config.dead_after_missed)
-    pool = WorkerPool(registry, timings)
+                                dead_after_missed=config.dead_after_missed,
+                                unload_wait_s=config.unload_wait_s)
+    pool = WorkerPool(registry, timings, secret=worker_secret_from(config.worker_secret))
     replicas = ReplicaSync(store, pool, interval_s=timings.heartbeat_interval_s, dead_after_s=timings.dead_after_s)
-    return ControlPlaneState(config, store, registry, pool, Router(registry, pool), health.HealthServicer(),
-                             replicas)
+    router = Router(registry, pool)
+    metrics = build_metrics(config, registry, pool)
+    router.observer = metrics
+    return ControlPlaneState(config, store, registry, pool, router, health.HealthServicer(), replicas, metrics)
+
+def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: WorkerPool) -> ControlPlaneMetrics:
+    """The control plane's Prometheus metrics over the live registry and pool."""
+
+    def adapter_name(adapter_id: int) -> str:
+        records = registry.list()
+        rec = next((r for r in records if r.id == adapter_id), None)
+        return served_name(rec, records) if rec is not None else f"adapter:{adapter_id}"
+
+    def pool_state() -> tuple[int, int]:
+        live = pool.live()
+        return len(live), sum(w.n_slots for w in live)
+
+    return ControlPlaneMetrics(adapter_name=adapter_name, pool_state=pool_state,
+                               n_adapters=lambda: len(registry.list()),
+                               adapter_label_cap=config.metrics_max_adapters)
+
+
+def start_side_servers(state: ControlPlaneState) -> None:
+    """The HTTP front (``http_addr``) and the metrics endpoint (``metrics_addr``), when set.
+
+    Raises:
+        OSError: an address cannot be bound; RuntimeError: uvicorn did not start.
+    """
+    config = state.config
+    if config.metrics_addr and state.metrics is not None:
+        from loraplane.metrics import start_metrics_server
+
+        state.metrics_server, state.metrics_port = start_metrics_server(config.metrics_addr,
+                                                                        state.metrics.registry)
+        log.info("metrics_serving", addr=config.metrics_addr, port=state.metrics_port)
+    if config.http_addr:
+        from control_plane.http.app import create_app
+        from control_plane.http.server import HttpServer
+
+        state.http = HttpServer(create_app(http_deps(state)), config.http_addr)
+        state.http_port = state.http.start()
+        log.info("http_serving", addr=config.http_addr, port=state.http_port)
+
+
+def http_deps(state: ControlPlaneState) -> Any:
+    """The HTTP front's dependencies: this process's registry, router and pool."""
+    from control_plane.http.app import HttpDeps
+    from control_plane.http.chat_template import load_chat_template
+
+    base = state.registry.base
+    tok = base.tokenizer()
+    template = None
+    if tok is not None or state.config.chat_template:
+        def special(token_id: int) -> str:
+            return tok.token_to_piece(token_id) if tok is not None and token_id >= 0 else ""
+
+        template = load_chat_template(override_file=state.config.chat_template, metadata=base.gguf.metadata,
+                                      arch=base.arch, bos_token=special(getattr(tok, "bos_id", -1)),
+                                      eos_token=special(getattr(tok, "eos_id", -1)))
+    return HttpDeps(registry=state.registry, router=state.router, pool=state.pool,
+                    base_name=state.config.served_model_name or Path(str(base.path)).name.removesuffix(".gguf"),
+                    base_root=str(base.path), tokenizer=tok, chat_template=template,
+                    admin_token=admin_token_from(state.config.admin_token),
+                    metrics_text=state.metrics.exposition if state.metrics is not None else None)
 
 
 def _bind(server: grpc.Server, config: ControlPlaneConfig) -> int:
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ValueError("TLS needs both tls_cert and tls_key")
-    if config.tls_cert:
+    if config.tls_cert and config.tls_key:
         creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(),
                                               Path(config.tls_cert).read_bytes())])
         port = server.add_secure_port(config.addr, creds)
@@ -107,13 +193,25 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     """A started control-plane server, its bound port, and its state.
 
     Serves ControlPlane plus the standard health service (SERVING) and reflection (for the
-    ControlPlane, Worker and Health services). Messages up to 64 MiB both ways.
-    Stop with ``server.stop(grace)`` then ``state.close()``.
+    ControlPlane and Health services: it does not serve Worker). Messages up to 64 MiB both
+    ways. Stop with ``server.stop(grace)`` then ``state.close()``.
+
+    Raises:
+        ValueError: thread limits that leave nothing for reads (`ControlPlaneConfig.stream_limit`).
     """
     configure_logging(config.log_level)
+    stream_limit = config.stream_limit
     state = build_state(config)
     token = admin_token_from(config.admin_token)
-    interceptors = [AdminAuthInterceptor(token)] if token else []
+    secret = worker_secret_from(config.worker_secret)
+    limits = ConcurrencyLimitInterceptor({
+        "Generate stream": (stream_limit, GENERATE_METHOD.__eq__),
+        "admin": (ADMIN_CALLS, ADMIN_METHODS.__contains__),
+        "worker membership": (MEMBERSHIP_CALLS, MEMBERSHIP_METHODS.__contains__),
+    }, hint=" (control plane: --max-streams / --max-threads)")
+    interceptors = [*([AdminAuthInterceptor(token)] if token else []),
+                    *([membership_guard(secret)] if secret else []),
+                    DecodeGuardInterceptor(), limits]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_threads, thread_name_prefix="cp-rpc"),
         interceptors=interceptors,
@@ -129,10 +227,12 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         ControlPlaneServicer(state.registry, state.pool, state.router, state.replicas), server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     reflection.enable_server_reflection(
-        (CONTROL_PLANE_SERVICE, WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (CONTROL_PLANE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         port = _bind(server, config)
+        start_side_servers(state)
     except BaseException:
+        server.stop(0)
         state.close()
         raise
     server.start()
@@ -140,7 +240,9 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     for service in ("", CONTROL_PLANE_SERVICE):
         state.health.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("control_plane_started", addr=config.addr, port=port, database=state.store.description,
-             adapters=len(state.registry.list()), admin_auth=bool(token))
+             adapters=len(state.registry.list()), admin_auth=bool(token), worker_secret=bool(secret),
+             max_threads=config.max_threads, stream_limit=stream_limit,
+             http_port=state.http_port or None, metrics_port=state.metrics_port or None)
     return server, port, state
 
 

@@ -110,7 +110,8 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         if upload.server_path:
             reg = self.registry.register_server_path(upload.server_path, name=upload.name)
         else:
-            reg = self.registry.register_upload(upload.data, name=upload.name)
+            reg = self.registry.register_upload(upload.data, name=upload.name,
+                                                source_format=upload.source_format or "gguf")
         # No push: workers fetch the bytes by sha256 when a request first needs them (issue 12).
         return convert.adapter_info(reg.record)
 
@@ -160,10 +161,10 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     @boundary
     def RegisterWorker(self, request, context):
-        self.pool.register(request)
+        joined = self.pool.register(request)
         if self.replicas is not None:
             self.replicas.record(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)
 
     @boundary
     def FetchAdapter(self, request, context):
@@ -179,7 +180,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     @boundary
     def Heartbeat(self, request, context):
-        self.pool.heartbeat(request)
+        joined = self.pool.heartbeat(request)
         if self.replicas is not None:
             self.replicas.record(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms)
+        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)

@@ -6,35 +6,52 @@ every ``heartbeat_interval_s``; a worker whose last heartbeat is older than
 until its next heartbeat. State is computed from the clock when asked, so no reaper thread
 is needed; transitions are logged when first observed.
 
-On registration the control plane dials the worker and reconciles its adapters with the
-registry: ones the registry no longer has (or whose content differs) are unloaded. Nothing
-is pushed (issue 12): right before the router uses a worker it tells it about the adapters
-the request needs that it does not know yet (`ensure_loaded`: a header-only ``LoadAdapter``
-with ``fetch_on_demand``, id → sha256), and the worker fetches the bytes by sha256
-(``FetchAdapter``) the first time it needs them. Removals are unloaded from every worker that
-may hold them. Heartbeats carry what each worker holds (resident in slots, on host) and its
-paging counters, so routing can prefer a holder (affinity) on any control plane.
+Joining is asynchronous: ``RegisterWorker`` only checks the hello and queues a join, then
+answers (``joined=false``); one of `MembershipTimings.join_threads` join threads dials the
+worker (at most ``connect_timeout_s``) and reconciles its adapters with the registry: ones the
+registry no longer has (or whose content differs) are unloaded. Nothing is pushed (issue 12):
+right before the router uses a worker it announces the adapters the request needs that the
+worker does not know yet (`ensure_loaded`: a header-only ``LoadAdapter`` with
+``fetch_on_demand``, id → sha256, pin flag), and the worker fetches the bytes by sha256
+(``FetchAdapter``) the first time it needs them. Only then is the worker
+listed and routable; its heartbeats answer ``joined=true`` from then on. At most
+``max_pending_joins`` joins wait at once (RESOURCE_EXHAUSTED beyond), so a flood of
+registrations naming unreachable addresses costs join threads, never handler threads.
+
+Trust: with a worker secret configured (``trusted``) every membership call that reaches the
+pool has proved it, and a worker id may move to a new address (a restarted worker). Without
+one, a worker id that is alive at one address cannot be registered or heartbeated from
+another (PERMISSION_DENIED) until it is dead.
+
+Reconciliation from heartbeats: workers report what they hold (``WorkerHello.holdings``); the
+pool's view follows the report (an adapter unloaded behind our back is pushed again when next
+needed), adapters the registry no longer has are unloaded in the background, and adapters
+still draining after an unregister are listed under ``draining_ids`` until the worker frees
+them. Heartbeats also carry what each worker holds in its slots and host cache and its paging
+counters (``resident_adapter_ids``, ``host_adapter_ids``, ``paging``), so routing can prefer a
+holder (affinity) on any control plane.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import structlog
 
-from control_plane.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from control_plane.errors import (ControlPlaneError, InvalidArgumentError, NotFoundError,
+                                  PermissionDeniedError, ResourceExhaustedError, UnavailableError)
 from control_plane.registry import AdapterRegistry
 from control_plane.store import AdapterRecord
-from loraplane.limits import CHUNK_BYTES, GRPC_MESSAGE_OPTIONS
+from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
+from loraplane.worker_secret import with_secret
 
 log = structlog.get_logger("control_plane.workers")
-
-
 
 @dataclass(frozen=True)
 class MembershipTimings:
@@ -43,14 +60,21 @@ class MembershipTimings:
     Attributes:
         heartbeat_interval_s: what workers are told to use (``WorkerAck``).
         dead_after_missed: a worker is dead after this many intervals without a heartbeat.
-        connect_timeout_s: dialing a registering worker.
-        load_timeout_s: one ``LoadAdapter`` / ``UnloadAdapter`` call.
+        connect_timeout_s: dialing a registering worker (in a join thread).
+        load_timeout_s: one ``LoadAdapter`` call, and ``ListAdapters`` during a join.
+        unload_wait_s: one ``UnloadAdapter`` call: how long a worker may drain before the
+            adapter is reported as draining instead (the worker frees it once idle).
+        join_threads: workers dialed / reconciled at once.
+        max_pending_joins: joins queued or running at once; more → RESOURCE_EXHAUSTED.
     """
 
     heartbeat_interval_s: float = 1.0
     dead_after_missed: int = 3
-    connect_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
     load_timeout_s: float = 120.0
+    unload_wait_s: float = 5.0
+    join_threads: int = 4
+    max_pending_joins: int = 16
 
     @property
     def dead_after_s(self) -> float:
@@ -64,8 +88,13 @@ class WorkerHandle:
     Attributes:
         last_heartbeat: ``clock()`` time of the last RegisterWorker/Heartbeat.
         failed: why a call to it failed since that heartbeat (None: no failure).
-        adapter_ids: adapters the worker holds, as far as the control plane knows.
+        adapter_ids: adapters the worker holds, as far as the control plane knows (its last
+            heartbeat, plus what was pushed since).
+        draining_ids: unregistered adapters the worker is still draining.
         in_flight: Generate calls currently relayed from it.
+        queue_limit: requests it queues beyond its slots (None: an older worker, unknown).
+        incarnation: random per worker process; a new one at the same id is a restart.
+        restarts: how many times this worker id came back as a new process.
     """
 
     worker_id: str
@@ -78,11 +107,22 @@ class WorkerHandle:
     last_heartbeat: float
     failed: str | None = None
     adapter_ids: set[int] = field(default_factory=set)
+    draining_ids: set[int] = field(default_factory=set)
     in_flight: int = 0
     alive: bool = True
+    queue_limit: int | None = None
+    incarnation: str = ""
+    restarts: int = 0
+    loaded_at: dict[int, float] = field(default_factory=dict, repr=False)
+    unloading: set[int] = field(default_factory=set, repr=False)
     resident_ids: set[int] = field(default_factory=set)   # in device slots (last heartbeat)
     host_ids: set[int] = field(default_factory=set)       # host tensors (last heartbeat)
     paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
+
+    @property
+    def capacity(self) -> int | None:
+        """Requests it admits at once (slots + queue limit); None when unknown."""
+        return None if self.queue_limit is None else self.n_slots + self.queue_limit
     # One LoadAdapter at a time per worker, so concurrent requests do not push twice.
     load_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -99,25 +139,94 @@ class WorkerView:
     model: str
     n_slots: int
     in_flight: int
-    paging: control_plane_pb2.WorkerPaging
-    resident_ids: tuple[int, ...]
-    host_ids: tuple[int, ...]
+    restarts: int = 0
+    draining_adapter_ids: tuple[int, ...] = ()
+    paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
+    resident_ids: tuple[int, ...] = ()
+    host_ids: tuple[int, ...] = ()
 
 
 class WorkerPool:
-    """Registered workers, their liveness and the adapters they hold."""
+    """Registered workers, their liveness and the adapters they hold.
+
+    Args:
+        secret: the worker secret the server checks on membership calls (None: membership
+            is open, so addresses of live workers are pinned); also sent on every Worker RPC.
+    """
 
     def __init__(self, registry: AdapterRegistry, timings: MembershipTimings = MembershipTimings(),
-                 *, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, clock: Callable[[], float] = time.monotonic, secret: str | None = None) -> None:
         self.registry = registry
         self.timings = timings
+        self.trusted = secret is not None
+        self._secret = secret
         self._clock = clock
         self._lock = threading.Lock()
         self._workers: dict[str, WorkerHandle] = {}
+        self._joining: dict[str, str] = {}  # worker id → address being joined
+        self._joins = concurrent.futures.ThreadPoolExecutor(timings.join_threads, thread_name_prefix="cp-join")
+        self._unloads = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cp-unload")
 
     # -- membership RPCs ----------------------------------------------------------------
 
-    def register(self, hello: control_plane_pb2.WorkerHello) -> None:
+    def register(self, hello: control_plane_pb2.WorkerHello) -> bool:
+        """Queue a join of ``hello``'s worker (dial, reconcile adapters, mark alive); True
+        when it is already joined at this address (nothing to do).
+
+        Raises:
+            InvalidArgumentError: no worker_id or addr.
+            PermissionDeniedError: untrusted membership, and the id is alive (or joining) at
+                another address.
+            ResourceExhaustedError: ``max_pending_joins`` joins are already pending.
+        """
+        if not hello.worker_id or not hello.addr:
+            raise InvalidArgumentError("WorkerHello needs worker_id and addr")
+        self._refresh()
+        with self._lock:
+            old = self._workers.get(hello.worker_id)
+            joining = self._joining.get(hello.worker_id)
+            if joining == hello.addr:
+                return False
+            if not self.trusted:
+                self._check_not_taken(hello, old, joining)
+            if len(self._joining) >= self.timings.max_pending_joins:
+                raise ResourceExhaustedError(
+                    f"worker {hello.worker_id}: {len(self._joining)} worker joins already pending "
+                    f"(limit {self.timings.max_pending_joins}); retry later")
+            self._joining[hello.worker_id] = hello.addr
+        copy = control_plane_pb2.WorkerHello()
+        copy.CopyFrom(hello)
+        self._joins.submit(self._join, copy)
+        log.info("worker_join_queued", worker_id=hello.worker_id, addr=hello.addr)
+        return False
+
+    @staticmethod
+    def _check_not_taken(hello: control_plane_pb2.WorkerHello, old: WorkerHandle | None,
+                         joining: str | None) -> None:
+        if old is not None and old.alive and old.addr != hello.addr:
+            raise PermissionDeniedError(
+                f"worker id '{hello.worker_id}' is alive at {old.addr}; it cannot be registered from "
+                f"{hello.addr} without the worker secret (or before it is dead)")
+        if joining is not None and joining != hello.addr:
+            raise PermissionDeniedError(
+                f"worker id '{hello.worker_id}' is joining from {joining}; it cannot be registered "
+                f"from {hello.addr} without the worker secret")
+
+    def _join(self, hello: control_plane_pb2.WorkerHello) -> None:
+        """Join-thread body: dial, reconcile, install; failures are logged (the worker's next
+        heartbeat gets NOT_FOUND and it registers again)."""
+        try:
+            self._join_now(hello)
+        except ControlPlaneError as exc:
+            log.warning("worker_join_failed", worker_id=hello.worker_id, addr=hello.addr, error=str(exc))
+        except Exception:  # noqa: BLE001 - a join thread must never die silently
+            log.exception("worker_join_failed", worker_id=hello.worker_id, addr=hello.addr)
+        finally:
+            with self._lock:
+                if self._joining.get(hello.worker_id) == hello.addr:
+                    del self._joining[hello.worker_id]
+
+    def _join_now(self, hello: control_plane_pb2.WorkerHello) -> None:
         """Dial the worker, reconcile its adapters with the registry, mark it alive.
 
         A worker registering again at the same address keeps its channel, so requests it is
@@ -125,11 +234,8 @@ class WorkerPool:
         address replaces the old handle and closes the old channel.
 
         Raises:
-            InvalidArgumentError: no worker_id or addr.
             UnavailableError: the worker cannot be reached at ``hello.addr``.
         """
-        if not hello.worker_id or not hello.addr:
-            raise InvalidArgumentError("WorkerHello needs worker_id and addr")
         with self._lock:
             old = self._workers.get(hello.worker_id)
         if old is not None and old.addr == hello.addr:
@@ -139,15 +245,21 @@ class WorkerPool:
             handle = WorkerHandle(
                 worker_id=hello.worker_id, addr=hello.addr, model=hello.model,
                 model_sha256=hello.model_sha256, n_slots=hello.n_slots, channel=channel,
-                stub=worker_pb2_grpc.WorkerStub(channel), last_heartbeat=self._clock())
+                stub=worker_pb2_grpc.WorkerStub(with_secret(channel, self._secret)),
+                last_heartbeat=self._clock())
         try:
             self._reconcile(handle)
         except BaseException:
             if handle is not old:
                 handle.channel.close()
             raise
+        restarted = old is not None and bool(hello.incarnation) and old.incarnation != hello.incarnation \
+            and bool(old.incarnation)
         with self._lock:
             handle.model, handle.model_sha256, handle.n_slots = hello.model, hello.model_sha256, hello.n_slots
+            handle.queue_limit = hello.queue_limit if hello.HasField("queue_limit") else None
+            handle.restarts = (old.restarts if old is not None else 0) + int(restarted)
+            handle.incarnation = hello.incarnation
             handle.last_heartbeat = self._clock()
             handle.failed = None
             _note_holdings(handle, hello)
@@ -155,8 +267,9 @@ class WorkerPool:
         if old is not None and old is not handle:
             old.channel.close()
         self._refresh()
-        log.info("worker_registered", worker_id=hello.worker_id, addr=hello.addr,
-                 adapter_ids=sorted(handle.adapter_ids), again=old is not None)
+        log.info("worker_restarted" if restarted else "worker_registered", worker_id=hello.worker_id,
+                 addr=hello.addr, adapter_ids=sorted(handle.adapter_ids), again=old is not None,
+                 restarts=handle.restarts)
 
     def _dial(self, hello: control_plane_pb2.WorkerHello) -> grpc.Channel:
         channel = grpc.insecure_channel(hello.addr, options=GRPC_MESSAGE_OPTIONS)
@@ -168,25 +281,61 @@ class WorkerPool:
                                    f"within {self.timings.connect_timeout_s:g}s") from None
         return channel
 
-    def heartbeat(self, hello: control_plane_pb2.WorkerHello, *, age_s: float = 0.0) -> None:
+    def heartbeat(self, hello: control_plane_pb2.WorkerHello, *, age_s: float = 0.0) -> bool:
         """Record a heartbeat sent ``age_s`` seconds ago (0: now; another replica's sighting,
-        `control_plane.replicas`, is older); a dead worker comes back alive.
+        `control_plane.replicas`, is older) — a dead worker comes back alive — and reconcile
+        what it reports holding; True when the worker is joined, False while its join is pending.
 
         Raises:
-            NotFoundError: the worker never registered (or the control plane restarted): it
-                should call RegisterWorker again.
+            NotFoundError: the worker never registered (or the control plane restarted, or its
+                join failed): it should call RegisterWorker again.
+            PermissionDeniedError: untrusted membership, and the id is registered at another
+                address.
         """
         with self._lock:
             handle = self._workers.get(hello.worker_id)
-            if handle is None:
+            joining = self._joining.get(hello.worker_id)
+            if handle is None or handle.addr != hello.addr:
+                if joining == hello.addr:
+                    return False
+                if handle is not None and not self.trusted:
+                    raise PermissionDeniedError(
+                        f"worker id '{hello.worker_id}' is registered at {handle.addr}, not {hello.addr}; "
+                        f"heartbeats from another address need the worker secret")
                 known = sorted(self._workers)
-                raise NotFoundError(f"worker '{hello.worker_id}' is not registered (call RegisterWorker); "
-                                    f"registered workers: {known}")
+                raise NotFoundError(f"worker '{hello.worker_id}' is not registered at {hello.addr} "
+                                    f"(call RegisterWorker); registered workers: {known}")
             handle.last_heartbeat = max(handle.last_heartbeat, self._clock() - age_s)
             handle.failed = None
             if age_s == 0.0:
                 _note_holdings(handle, hello)
         self._refresh()
+        if hello.HasField("holdings"):
+            self._reconcile_holdings(handle, hello.holdings)
+        return True
+
+    def _reconcile_holdings(self, w: WorkerHandle, holdings: control_plane_pb2.WorkerHoldings) -> None:
+        """Follow the worker's own report: what it holds is what we believe it holds (except
+        adapters pushed since the report may have been built), and what it holds that the
+        registry no longer has (or has with other content) is unloaded in the background."""
+        registered = {r.id: r.sha256 for r in self.registry.list()}
+        held = {a.id: a.sha256 for a in holdings.adapters}
+        good = {i for i, sha in held.items() if registered.get(i) == sha}
+        now = self._clock()
+        recent_s = 3 * self.timings.heartbeat_interval_s  # a report in flight is at most this old
+        with self._lock:
+            pushed_since = {i for i in w.adapter_ids if now - w.loaded_at.get(i, -1e18) < recent_s}
+            believed = good | pushed_since
+            if believed != w.adapter_ids:
+                log.warning("worker_adapters_reconciled", worker_id=w.worker_id,
+                            lost=sorted(w.adapter_ids - believed), found=sorted(believed - w.adapter_ids))
+            w.adapter_ids = believed
+            w.draining_ids = set(holdings.draining_ids) - believed
+            stale = sorted(i for i in set(held) - good if i not in w.unloading)
+            w.unloading.update(stale)
+        for adapter_id in stale:
+            log.info("stale_adapter_unloading", worker_id=w.worker_id, adapter_id=adapter_id)
+            self._unloads.submit(self._unload_one, w, adapter_id)
 
     @property
     def heartbeat_interval_ms(self) -> int:
@@ -214,8 +363,8 @@ class WorkerPool:
         with self._lock:
             return [WorkerView(w.worker_id, w.addr, "alive" if w.alive else "dead",
                                max(0.0, now - w.last_heartbeat), tuple(sorted(w.adapter_ids)),
-                               w.model, w.n_slots, w.in_flight, w.paging,
-                               tuple(sorted(w.resident_ids)), tuple(sorted(w.host_ids)))
+                               w.model, w.n_slots, w.in_flight, w.restarts, tuple(sorted(w.draining_ids)),
+                               w.paging, tuple(sorted(w.resident_ids)), tuple(sorted(w.host_ids)))
                     for _, w in sorted(self._workers.items())]
 
     def _refresh(self) -> None:
@@ -256,28 +405,50 @@ class WorkerPool:
                             code=exc.code().name, error=exc.details())
 
     def unload_adapter(self, adapter_id: int) -> None:
-        """Unload a removed adapter from every worker that holds it (failures are logged).
-
-        Live workers are all asked, not only those this replica pushed it to: another
-        replica may have pushed it (`control_plane.replicas`); NOT_FOUND means not held."""
+        """Unload a removed adapter from every worker that may hold it, in parallel, waiting at
+        most ``unload_wait_s`` (+1 s) in all. Live workers are all asked, not only those this
+        replica pushed it to: another replica may have pushed it (`control_plane.replicas`);
+        NOT_FOUND means not held. A worker still draining it then lists it under
+        ``draining_ids`` until its heartbeats say it is freed; other failures are logged and
+        retried by heartbeat reconciliation."""
         with self._lock:
-            holders = [w for w in self._workers.values() if adapter_id in w.adapter_ids or w.alive]
-        for w in holders:
-            try:
-                w.stub.UnloadAdapter(common_pb2.AdapterRef(id=adapter_id), timeout=self.timings.load_timeout_s)
-                with self._lock:
-                    w.adapter_ids.discard(adapter_id)
-                    w.resident_ids.discard(adapter_id)
-                    w.host_ids.discard(adapter_id)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    with self._lock:
-                        w.adapter_ids.discard(adapter_id)
-                        w.resident_ids.discard(adapter_id)
-                        w.host_ids.discard(adapter_id)
-                    continue
+            holders = [w for w in self._workers.values()
+                       if (adapter_id in w.adapter_ids or w.alive) and adapter_id not in w.unloading]
+            for w in holders:
+                w.unloading.add(adapter_id)
+        pending = [self._unloads.submit(self._unload_one, w, adapter_id) for w in holders]
+        concurrent.futures.wait(pending, timeout=self.timings.unload_wait_s + 1.0)
+
+    def _unload_one(self, w: WorkerHandle, adapter_id: int) -> None:
+        """One ``UnloadAdapter`` call (deadline ``unload_wait_s``); the caller put
+        ``adapter_id`` in ``w.unloading``, this removes it."""
+        try:
+            w.stub.UnloadAdapter(common_pb2.AdapterRef(id=adapter_id), timeout=self.timings.unload_wait_s)
+            outcome = "freed"
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.NOT_FOUND:
+                outcome = "freed"  # it did not hold it (any more)
+            elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                outcome = "draining"
+                log.warning("adapter_unload_pending", worker_id=w.worker_id, adapter_id=adapter_id,
+                            reason=f"still used by running requests after {self.timings.unload_wait_s:g}s; "
+                                   "the worker frees it when they finish")
+            else:
+                outcome = "failed"
                 log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=adapter_id,
-                            code=exc.code().name, error=exc.details())
+                            code=code.name, error=exc.details())
+        with self._lock:
+            w.unloading.discard(adapter_id)
+            if outcome != "failed":
+                w.adapter_ids.discard(adapter_id)
+                w.loaded_at.pop(adapter_id, None)
+                w.resident_ids.discard(adapter_id)
+                w.host_ids.discard(adapter_id)
+            if outcome == "draining":
+                w.draining_ids.add(adapter_id)
+            elif outcome == "freed":
+                w.draining_ids.discard(adapter_id)
 
     def ensure_loaded(self, handle: WorkerHandle, adapter_ids: Sequence[int]) -> None:
         """Make sure ``handle`` knows every adapter in ``adapter_ids`` (id → sha256; it
@@ -298,13 +469,11 @@ class WorkerPool:
             try:
                 w.stub.LoadAdapter(iter([self._header(record)]), timeout=self.timings.load_timeout_s)
             except grpc.RpcError as exc:
-                raise UnavailableError(f"worker {w.worker_id}: loading adapter {record.id} failed: "
+                raise UnavailableError(f"worker {w.worker_id}: announcing adapter {record.id} failed: "
                                        f"{exc.code().name}: {exc.details()}") from exc
-            except OSError as exc:
-                raise UnavailableError(f"adapter {record.id}: cannot read '{record.path}' to push it "
-                                       f"to worker {w.worker_id}: {exc}") from exc
             with self._lock:
                 w.adapter_ids.add(record.id)
+                w.loaded_at[record.id] = self._clock()
         log.info("adapter_announced", worker_id=w.worker_id, adapter_id=record.id)
 
     @staticmethod
@@ -313,23 +482,12 @@ class WorkerPool:
         return common_pb2.AdapterChunk(id=record.id, sha256=record.sha256, name=record.name,
                                        fetch_on_demand=True, pinned=record.pinned)
 
-    def _chunks(self, record: AdapterRecord) -> Iterator[common_pb2.AdapterChunk]:
-        """``AdapterChunk``s of ``record``: the first names id, sha256 and name; every chunk
-        carries up to 1 MiB of data."""
-        first = True
-        for piece in self.registry.read_chunks(record, CHUNK_BYTES):
-            if first:
-                yield common_pb2.AdapterChunk(id=record.id, sha256=record.sha256, name=record.name, data=piece)
-                first = False
-            else:
-                yield common_pb2.AdapterChunk(data=piece)
-
     def _reconcile(self, w: WorkerHandle) -> None:
         """Align a (re)registering worker's adapters with the registry: keep what matches,
         unload what the registry no longer has (or holds with other content). Nothing is
         pushed: the router announces adapters when a request needs them."""
         try:
-            held = w.stub.ListAdapters(common_pb2.Empty(), timeout=self.timings.load_timeout_s).adapters
+            held = w.stub.ListAdapters(common_pb2.Empty(), timeout=self.timings.connect_timeout_s).adapters
         except grpc.RpcError as exc:
             raise UnavailableError(f"worker {w.worker_id}: ListAdapters failed: "
                                    f"{exc.code().name}: {exc.details()}") from exc
@@ -341,12 +499,14 @@ class WorkerPool:
             if info.id in kept:
                 continue
             try:
-                w.stub.UnloadAdapter(common_pb2.AdapterRef(id=info.id), timeout=self.timings.load_timeout_s)
+                w.stub.UnloadAdapter(common_pb2.AdapterRef(id=info.id), timeout=self.timings.unload_wait_s)
             except grpc.RpcError as exc:
                 log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=info.id,
                             code=exc.code().name, error=exc.details())
 
     def close(self) -> None:
+        self._joins.shutdown(wait=False, cancel_futures=True)
+        self._unloads.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             workers, self._workers = list(self._workers.values()), {}
         for w in workers:
@@ -354,8 +514,9 @@ class WorkerPool:
 
 
 def _note_holdings(handle: WorkerHandle, hello: control_plane_pb2.WorkerHello) -> None:
-    """Record what a worker reports holding (caller holds the pool's lock). A hello without
-    the paging field (an older worker, or a replica's sighting) leaves the record as it is."""
+    """Record what a worker reports holding in slots and host memory (caller holds the pool's
+    lock). A hello without ``paging`` (an older worker, or another replica's sighting) leaves
+    the record as it is."""
     if hello.HasField("paging"):
         handle.resident_ids = set(hello.resident_adapter_ids)
         handle.host_ids = set(hello.host_adapter_ids)

@@ -11,5 +11,11 @@ ENV_ADMIN_TOKEN = "LORAPLANE_ADMIN_TOKEN"
 ENV_DEBUG = "LORAPLANE_DEBUG"
 """``1``: the CLI prints tracebacks for unexpected internal errors."""
 
+ENV_NO_PROGRESS = "LORAPLANE_NO_PROGRESS"
+"""Non-empty: never draw progress bars, even on a terminal."""
 ENV_DATABASE_URL = "LORAPLANE_DATABASE_URL"
 """The control plane's ``--database`` URL (keeps a PostgreSQL password out of ``ps``)."""
+ENV_WORKER_SECRET = "LORAPLANE_WORKER_SECRET"
+"""Shared secret between the control plane and its workers (worker membership RPCs and every
+Worker RPC need it when set). Distinct from the admin token; ``serve`` generates one for its
+own worker and hands it over through this variable (never on the command line)."""

@@ -297,7 +297,8 @@ def test_health_serving_and_reflection_lists_services(start_cp):
     refl = reflection_pb2_grpc.ServerReflectionStub(cp.channel)
     resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in resp.list_services_response.service}
-    assert {"loraplane.v1.ControlPlane", "loraplane.v1.Worker", "grpc.health.v1.Health"} <= names
+    assert {"loraplane.v1.ControlPlane", "grpc.health.v1.Health"} <= names
+    assert "loraplane.v1.Worker" not in names  # the control plane does not serve it
 
 
 # -- store and resolution (units) ----------------------------------------------------------------

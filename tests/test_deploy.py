@@ -57,6 +57,19 @@ def test_kustomization_lists_the_manifests():
         assert (K8S / resource).is_file()
 
 
+HTTP_PORT = 8000
+METRICS_PORT = 9090
+
+
+def assert_scraped(workload: dict, container: dict, flag: str) -> None:
+    """Prometheus scrape annotations point at a named container port the process serves on."""
+    ann = workload["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(ann["prometheus.io/port"]) == ports["metrics"] == METRICS_PORT
+    assert container["args"][container["args"].index(flag) + 1] == f"0.0.0.0:{METRICS_PORT}"
+
+
 def test_control_plane_manifest():
     kinds = by_kind(load_all("control-plane.yaml"))
     assert set(kinds) == {"PersistentVolumeClaim", "Deployment", "Service"}
@@ -76,8 +89,11 @@ def test_control_plane_manifest():
     assert f"0.0.0.0:{CP_PORT}" in c["args"]
     data_dir = c["args"][c["args"].index("--data-dir") + 1]
     assert data_dir in {m["mountPath"] for m in c["volumeMounts"]}
-    assert [p["containerPort"] for p in c["ports"]] == [CP_PORT]
+    assert [p["containerPort"] for p in c["ports"]] == [CP_PORT, HTTP_PORT, METRICS_PORT]
     assert_grpc_probes(c, CP_PORT)
+    assert_scraped(dep, c, "--metrics-addr")
+    assert c["args"][c["args"].index("--http-addr") + 1] == f"0.0.0.0:{HTTP_PORT}"
+    assert [p["port"] for p in svc["spec"]["ports"]] == [CP_PORT, HTTP_PORT, METRICS_PORT]
     selector = dep["spec"]["selector"]["matchLabels"]
     assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert svc["spec"]["selector"] == selector
@@ -97,8 +113,9 @@ def test_workers_manifest():
     cp_svc = by_kind(load_all("control-plane.yaml"))["Service"][0]["metadata"]["name"]
     assert cp_addr == f"{cp_svc}:{CP_PORT}"
     assert c["args"][c["args"].index("--device") + 1] == "cuda"
-    assert [p["containerPort"] for p in c["ports"]] == [WORKER_PORT]
+    assert sorted(p["containerPort"] for p in c["ports"]) == sorted([WORKER_PORT, METRICS_PORT])
     assert_grpc_probes(c, WORKER_PORT)
+    assert_scraped(sts, c, "--metrics-addr")
     resources = c["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == 1
     assert resources["limits"]["nvidia.com/gpu"] == 1  # extended resources: equal if both set
@@ -270,7 +287,8 @@ def test_postgres_variant_rolls_with_replicas_and_reads_the_database_secret():
     assert secret["stringData"][ref["key"]].startswith("postgresql://")
     assert "--database" not in c["args"]  # the URL (with its password) comes from the Secret
     assert_grpc_probes(c, CP_PORT)
-    assert [p["containerPort"] for p in c["ports"]] == [CP_PORT]
+    assert [p["containerPort"] for p in c["ports"]] == [CP_PORT, HTTP_PORT, METRICS_PORT]
+    assert_scraped(dep, c, "--metrics-addr")
     volumes = dep["spec"]["template"]["spec"]["volumes"]
     assert all("persistentVolumeClaim" not in v for v in volumes)
     data_dir = c["args"][c["args"].index("--data-dir") + 1]

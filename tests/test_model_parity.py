@@ -19,7 +19,8 @@ import torch
 
 from tests.parity import GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
-from worker.runtime.context import AdapterInUseError, Model, UBatch
+from worker.lora.registry import AdapterInUseError
+from worker.runtime.context import Model, UBatch
 from worker.tools.convert_peft import convert_peft
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import load_model

@@ -85,10 +85,13 @@ def test_queue_limit_answers_resource_exhausted(engine_for):
     e.scheduler.stop()  # hold the loop so the queue cannot drain while we fill it
     sink = lambda ev: None  # noqa: E731
     params = SamplingParams(max_tokens=2)
-    e.submit(request_id="q1", prompt_tokens=[1, 2], prompt_text=None, params=params, entries=[], emit=sink)
+    # capacity = 1 slot + 1 queue place: q1 is the free slot's (not "waiting"), q2 waits
+    for rid in ("q1", "q2"):
+        e.submit(request_id=rid, prompt_tokens=[1, 2], prompt_text=None, params=params, entries=[], emit=sink)
     with pytest.raises(QueueFullError) as err:
-        e.submit(request_id="q2", prompt_tokens=[1, 2], prompt_text=None, params=params, entries=[], emit=sink)
-    assert status_of(err.value).name == "RESOURCE_EXHAUSTED" and "queue full (1 waiting)" in str(err.value)
+        e.submit(request_id="q3", prompt_tokens=[1, 2], prompt_text=None, params=params, entries=[], emit=sink)
+    assert status_of(err.value).name == "RESOURCE_EXHAUSTED"
+    assert "queue full (0/1 slots busy, 2 queued; admits slots + --queue-limit 1)" in str(err.value)
 
 
 def test_every_worker_error_has_one_status():

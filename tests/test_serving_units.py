@@ -24,6 +24,7 @@ from worker.runtime.kv_cache import KVCache
 from worker.runtime.sampling import SamplingParams
 from worker.serving.cache_policy import KeyedCachePolicy, LlamaCachePolicy, lora_should_clear_cache
 from worker.serving.engine import WorkerStatsRecord
+from worker.serving.scheduler import SchedulerStats
 from worker.serving.output import IncrementalDetokenizer, finish_reason, prompt_token_logprobs
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import GenRequest, RequestTelemetry, StepInfo
@@ -253,10 +254,19 @@ def test_prompt_logprobs_and_finish_reason():
 
 
 # --- typed records vs protos --------------------------------------------------------------
+def _field_names(record) -> set[str]:
+    """Field names, a nested record's fields flattened (WorkerStatsRecord.scheduler)."""
+    out: set[str] = set()
+    for f in dataclasses.fields(record):
+        out |= _field_names(f.type if not isinstance(f.type, str) else SchedulerStats) if f.name == "scheduler" \
+            else {f.name}
+    return out
+
+
 @pytest.mark.parametrize("record, message", [(RequestTelemetry, pb.RequestTelemetry), (StepInfo, pb.StepTelemetry),
                                              (WorkerStatsRecord, worker_pb2.WorkerStats)])
 def test_records_match_their_protos(record, message):
-    ours = {f.name for f in dataclasses.fields(record)}
+    ours = _field_names(record)
     assert ours == set(message.DESCRIPTOR.fields_by_name), (ours ^ set(message.DESCRIPTOR.fields_by_name))
 
 
@@ -268,3 +278,19 @@ def test_telemetry_mapping_rejects_unknown_fields():
     assert msg.prompt_tokens == 3 and [(a.id, a.scale) for a in msg.adapters] == [(1, 0.5)]
     with pytest.raises(ValueError):
         pb.RequestTelemetry(**{"prompt_tokenz": 1})
+
+
+def test_kv_import_after_decode_outside_inference_mode():
+    """The scheduler imports prefix snapshots between decodes, outside inference mode, into KV
+    tensors that a decode (inside inference mode) grew: must not raise."""
+    kv = KVCache(n_layer=1, n_head_kv=1, n_embd_head_k=2, n_embd_head_v=2, n_ctx_seq=256,
+                 dtype=torch.float32, device=torch.device("cpu"), n_seq_hint=4)  # rows for both seqs
+    assert kv.cap == 64
+    with torch.inference_mode():  # what WorkerContext.decode does: grows the layer tensors
+        kv.begin_append(1, 0, 100)
+        kv.store(0, 1, 0, torch.ones(100, 1, 2), torch.ones(100, 1, 2))
+        kv.commit(1, 100)
+    assert kv.cap >= 100
+    snap = kv.export(1, 100)
+    assert kv.import_(2, snap, 80) == 80 and kv.seq_len(2) == 80
+    assert torch.equal(kv.k[0][kv.row_of[2], :80], torch.ones(80, 1, 2))

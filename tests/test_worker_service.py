@@ -49,11 +49,12 @@ ALORA_TOKENS = (105, 1179, 725, 107)  # "<start_of_turn>shout\n" (golden.json ad
 
 @pytest.fixture(scope="module")
 def workers(fixtures_dir):
+    dirs = f"adapter_dirs=({str(fixtures_dir / 'adapters')!r},)"  # server paths are confined
     procs = {
         "mixed": WorkerProcess("mixed", "n_slots=8, queue_limit=16, batching=Batching.MIXED, "
-                                        "prefix_cache=PrefixCachePolicy.KEYED"),
+                                        f"prefix_cache=PrefixCachePolicy.KEYED, {dirs}"),
         "compat": WorkerProcess("compat", "n_slots=4, batching=Batching.COMPAT, "
-                                          "prefix_cache=PrefixCachePolicy.LLAMA"),
+                                          f"prefix_cache=PrefixCachePolicy.LLAMA, {dirs}"),
     }
     try:
         t0 = time.monotonic()

@@ -46,6 +46,18 @@ class WorkerConfig:
         worker_id: stable name; generated when empty.
         prefix_cache_tokens: token budget of the keyed prefix cache (LRU beyond it).
         log_level: structlog level of the worker process ("debug" logs every decode step).
+        metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: not served;
+            port 0 picks a free one).
+        metrics_max_adapters: distinct adapter label values in metrics before the rest are
+            folded into "other" (``loraplane.metrics.BoundedLabels``).
+        adapter_dirs: ``LoadAdapter(server_path)`` may only name files inside these
+            (resolved, checked before anything is read; none: server paths are refused and
+            adapters arrive as bytes, which is what the control plane sends).
+        worker_secret: shared secret every Worker RPC must carry and that membership calls
+            send (None: ``$LORAPLANE_WORKER_SECRET``; neither: no check, as before).
+        extra_streams: Decode streams accepted beyond ``n_slots + queue_limit`` (streams
+            whose request already finished but which are still closing); beyond that a new
+            stream gets RESOURCE_EXHAUSTED at once.
         max_loras: adapter slots in the device pool (vLLM ``--max-loras``); a request may use
             at most this many adapters.
         max_cpu_loras: adapters kept as tensors in host memory (vLLM ``--max-cpu-loras``), LRU
@@ -68,6 +80,16 @@ class WorkerConfig:
     worker_id: str = ""
     prefix_cache_tokens: int = 65536
     log_level: str = "info"
+    metrics_addr: str | None = None
+    metrics_max_adapters: int = 64
+    adapter_dirs: tuple[str, ...] = ()
+    worker_secret: str | None = None
+    extra_streams: int = 4
+
+    @property
+    def max_decode_streams(self) -> int:
+        """Concurrent Decode streams accepted: every slot, every queue place, and a margin."""
+        return self.n_slots + self.queue_limit + self.extra_streams
     max_loras: int = 16
     max_cpu_loras: int = 128
     max_lora_rank: int = 64

@@ -63,6 +63,7 @@ class AdapterRecord:
             see `control_plane.registry.adapter_metadata`.
         default_scale: this adapter's scale in the global default set (0: detached).
         created_at: unix time of registration, seconds.
+        source_format: "gguf", or "peft" for a PEFT folder converted at registration.
         pinned: never evicted from a worker's slot pool or host cache (issue 12).
     """
 
@@ -73,6 +74,7 @@ class AdapterRecord:
     metadata: dict[str, Any] = field(hash=False, compare=False)
     default_scale: float = 0.0
     created_at: float = 0.0
+    source_format: str = "gguf"
     pinned: bool = False
 
 
@@ -161,11 +163,12 @@ class AdapterStore(ABC):
 
     @abstractmethod
     def insert(self, *, sha256: str, name: str, metadata: Mapping[str, Any], content: Path,
-               source: str | None) -> tuple[AdapterRecord, bool]:
+               source: str | None, source_format: str = "gguf") -> tuple[AdapterRecord, bool]:
         """Register ``content`` (a validated GGUF whose sha256 is ``sha256``): ``(record, created)``.
 
         Args:
             content: the file holding the bytes.
+            source_format: what the GGUF was made from ("gguf", or "peft"), stored as is.
             source: None when ``content`` is an upload's temporary file (the store may move
                 it; the caller deletes whatever is left); else the server path ``content`` was
                 registered from (it stays where it is).

@@ -119,6 +119,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
     Migration(
+        "the format an adapter was registered from: 'gguf', or 'peft' (a PEFT folder converted "
+        "on the fly); rows from before were all GGUF files",
+        sqlite=("ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",),
+        postgres=("ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",),
+    ),
+    Migration(
         "adapter pin flag (issue 12): pinned adapters are never evicted from workers' pools",
         sqlite=("ALTER TABLE adapters ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",),
         postgres=("ALTER TABLE adapters ADD COLUMN pinned BOOLEAN NOT NULL DEFAULT FALSE",),

@@ -221,7 +221,7 @@ class PostgresStore(AdapterStore):
 
     @_unavailable
     def insert(self, *, sha256: str, name: str, metadata: Mapping[str, Any], content: Path,
-               source: str | None) -> tuple[AdapterRecord, bool]:
+               source: str | None, source_format: str = "gguf") -> tuple[AdapterRecord, bool]:
         existing = self.get_by_sha256(sha256)  # fast path: no bytes written for a duplicate
         if existing is not None:
             return existing, False
@@ -241,9 +241,10 @@ class PostgresStore(AdapterStore):
                 if dup is not None:
                     raise _AlreadyRegistered(_record(dup))
                 created = cur.execute(
-                    "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at)"
-                    " VALUES (%s, %s, %s, %s, %s, 0, %s) RETURNING *",
-                    (new_id, sha256, name, path, json.dumps(dict(metadata), sort_keys=True), time.time()),
+                    "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at,"
+                    " source_format) VALUES (%s, %s, %s, %s, %s, 0, %s, %s) RETURNING *",
+                    (new_id, sha256, name, path, json.dumps(dict(metadata), sort_keys=True), time.time(),
+                     source_format),
                 ).fetchone()
         except _AlreadyRegistered as dup_exc:
             return dup_exc.record, False
@@ -330,5 +331,6 @@ def _record(row: Mapping[str, Any]) -> AdapterRecord:
         metadata=json.loads(row["metadata"]),
         default_scale=float(row["default_scale"]),
         created_at=float(row["created_at"]),
+        source_format=str(row["source_format"]),
         pinned=bool(row["pinned"]),
     )

@@ -155,7 +155,7 @@ class SqliteStore(AdapterStore):
     # -- writes -------------------------------------------------------------------------
 
     def insert(self, *, sha256: str, name: str, metadata: Mapping[str, Any], content: Path,
-               source: str | None) -> tuple[AdapterRecord, bool]:
+               source: str | None, source_format: str = "gguf") -> tuple[AdapterRecord, bool]:
         final = self.blob_dir / f"{sha256}.gguf"
         with self._lock:
             c = self._conn
@@ -172,10 +172,10 @@ class SqliteStore(AdapterStore):
                 new_id = int(c.execute("SELECT next_id FROM id_counter").fetchone()[0])
                 c.execute("UPDATE id_counter SET next_id = ?", (new_id + 1,))
                 c.execute(
-                    "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at)"
-                    " VALUES (?, ?, ?, ?, ?, 0, ?)",
+                    "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at,"
+                    " source_format) VALUES (?, ?, ?, ?, ?, 0, ?, ?)",
                     (new_id, sha256, name, str(final) if source is None else source,
-                     json.dumps(dict(metadata), sort_keys=True), time.time()),
+                     json.dumps(dict(metadata), sort_keys=True), time.time(), source_format),
                 )
                 row = c.execute("SELECT * FROM adapters WHERE id = ?", (new_id,)).fetchone()
                 c.execute("COMMIT")
@@ -281,5 +281,6 @@ def _record(row: sqlite3.Row) -> AdapterRecord:
         metadata=json.loads(row["metadata"]),
         default_scale=float(row["default_scale"]),
         created_at=float(row["created_at"]),
+        source_format=str(row["source_format"]),
         pinned=bool(row["pinned"]),
     )

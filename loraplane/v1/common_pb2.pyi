@@ -27,7 +27,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "stop")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -44,7 +45,8 @@ class SamplingParams(_message.Message):
     logprobs: int
     prompt_logprobs: bool
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -189,7 +191,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., started: _Optional[_Union[Started, _Mapping]] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("id", "name", "path", "sha256", "arch", "alpha", "ranks", "target_tensors", "task_name", "prompt_prefix", "alora_invocation_tokens", "alora_invocation_text", "default_scale", "size_bytes", "n_nodes", "pinned")
+    __slots__ = ("id", "name", "path", "sha256", "arch", "alpha", "ranks", "target_tensors", "task_name", "prompt_prefix", "alora_invocation_tokens", "alora_invocation_text", "default_scale", "size_bytes", "n_nodes", "source_format", "pinned")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,7 @@ class AdapterInfo(_message.Message):
     DEFAULT_SCALE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     N_NODES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
@@ -221,16 +224,18 @@ class AdapterInfo(_message.Message):
     default_scale: float
     size_bytes: int
     n_nodes: int
+    source_format: str
     pinned: bool
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., arch: _Optional[str] = ..., alpha: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ..., target_tensors: _Optional[_Iterable[str]] = ..., task_name: _Optional[str] = ..., prompt_prefix: _Optional[str] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ..., alora_invocation_text: _Optional[str] = ..., default_scale: _Optional[float] = ..., size_bytes: _Optional[int] = ..., n_nodes: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., arch: _Optional[str] = ..., alpha: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ..., target_tensors: _Optional[_Iterable[str]] = ..., task_name: _Optional[str] = ..., prompt_prefix: _Optional[str] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ..., alora_invocation_text: _Optional[str] = ..., default_scale: _Optional[float] = ..., size_bytes: _Optional[int] = ..., n_nodes: _Optional[int] = ..., source_format: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class AdapterChunk(_message.Message):
-    __slots__ = ("id", "sha256", "name", "server_path", "data", "fetch_on_demand", "pinned")
+    __slots__ = ("id", "sha256", "name", "server_path", "data", "source_format", "fetch_on_demand", "pinned")
     ID_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SERVER_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     FETCH_ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     id: int
@@ -238,9 +243,10 @@ class AdapterChunk(_message.Message):
     name: str
     server_path: str
     data: bytes
+    source_format: str
     fetch_on_demand: bool
     pinned: bool
-    def __init__(self, id: _Optional[int] = ..., sha256: _Optional[str] = ..., name: _Optional[str] = ..., server_path: _Optional[str] = ..., data: _Optional[bytes] = ..., fetch_on_demand: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., sha256: _Optional[str] = ..., name: _Optional[str] = ..., server_path: _Optional[str] = ..., data: _Optional[bytes] = ..., source_format: _Optional[str] = ..., fetch_on_demand: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("id",)

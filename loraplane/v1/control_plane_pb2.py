@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from loraplane.v1 import common_pb2 as loraplane_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n loraplane/v1/control_plane.proto\x12\x0cloraplane.v1\x1a\x19loraplane/v1/common.proto\":\n\x0b\x41\x64\x61pterList\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraplane.v1.AdapterInfo\"\xc8\x01\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x04 \x01(\t\x12\x0f\n\x07n_slots\x18\x05 \x01(\r\x12\x1c\n\x14resident_adapter_ids\x18\x06 \x03(\r\x12\x18\n\x10host_adapter_ids\x18\x07 \x03(\r\x12*\n\x06paging\x18\x08 \x01(\x0b\x32\x1a.loraplane.v1.WorkerPaging\"\xd2\x01\n\x0cWorkerPaging\x12\x11\n\tmax_loras\x18\x01 \x01(\r\x12\x15\n\rmax_cpu_loras\x18\x02 \x01(\r\x12\x10\n\x08resident\x18\x03 \x01(\r\x12\x0c\n\x04host\x18\x04 \x01(\r\x12\x10\n\x08page_ins\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0f\n\x07\x66\x65tches\x18\x07 \x01(\x04\x12\x13\n\x0b\x66\x65tch_bytes\x18\x08 \x01(\x04\x12\x15\n\rpage_in_bytes\x18\t \x01(\x04\x12\x16\n\x0ehost_evictions\x18\n \x01(\x04\"8\n\x13\x46\x65tchAdapterRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"(\n\nPinRequest\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"*\n\tWorkerAck\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"\x86\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x1c\n\x14last_heartbeat_age_s\x18\x04 \x01(\x01\x12\x13\n\x0b\x61\x64\x61pter_ids\x18\x05 \x03(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0f\n\x07n_slots\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12*\n\x06paging\x18\t \x01(\x0b\x32\x1a.loraplane.v1.WorkerPaging\x12\x1c\n\x14resident_adapter_ids\x18\n \x03(\r\x12\x18\n\x10host_adapter_ids\x18\x0b \x03(\r\"7\n\nWorkerList\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.loraplane.v1.WorkerInfo2\xd3\x06\n\x0c\x43ontrolPlane\x12J\n\x0fRegisterAdapter\x12\x1a.loraplane.v1.AdapterChunk\x1a\x19.loraplane.v1.AdapterInfo(\x01\x12\x42\n\x11UnregisterAdapter\x12\x18.loraplane.v1.AdapterRef\x1a\x13.loraplane.v1.Empty\x12H\n\x12SetDefaultAdapters\x12\x18.loraplane.v1.AdapterMap\x1a\x18.loraplane.v1.AdapterMap\x12\x41\n\nPinAdapter\x12\x18.loraplane.v1.PinRequest\x1a\x19.loraplane.v1.AdapterInfo\x12>\n\x0cListAdapters\x12\x13.loraplane.v1.Empty\x1a\x19.loraplane.v1.AdapterList\x12\x41\n\nGetAdapter\x12\x18.loraplane.v1.AdapterRef\x1a\x19.loraplane.v1.AdapterInfo\x12\x43\n\x12GetDefaultAdapters\x12\x13.loraplane.v1.Empty\x1a\x18.loraplane.v1.AdapterMap\x12<\n\x0bListWorkers\x12\x13.loraplane.v1.Empty\x1a\x18.loraplane.v1.WorkerList\x12H\n\x08Generate\x12\x1d.loraplane.v1.GenerateRequest\x1a\x1b.loraplane.v1.GenerateEvent0\x01\x12\x44\n\x0eRegisterWorker\x12\x19.loraplane.v1.WorkerHello\x1a\x17.loraplane.v1.WorkerAck\x12?\n\tHeartbeat\x12\x19.loraplane.v1.WorkerHello\x1a\x17.loraplane.v1.WorkerAck\x12O\n\x0c\x46\x65tchAdapter\x12!.loraplane.v1.FetchAdapterRequest\x1a\x1a.loraplane.v1.AdapterChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n loraplane/v1/control_plane.proto\x12\x0cloraplane.v1\x1a\x19loraplane/v1/common.proto\":\n\x0b\x41\x64\x61pterList\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraplane.v1.AdapterInfo\")\n\x0bHeldAdapter\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"S\n\x0eWorkerHoldings\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraplane.v1.HeldAdapter\x12\x14\n\x0c\x64raining_ids\x18\x02 \x03(\r\"\xb7\x02\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x04 \x01(\t\x12\x0f\n\x07n_slots\x18\x05 \x01(\r\x12\x18\n\x0bqueue_limit\x18\x06 \x01(\rH\x00\x88\x01\x01\x12.\n\x08holdings\x18\x07 \x01(\x0b\x32\x1c.loraplane.v1.WorkerHoldings\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\x12\x1c\n\x14resident_adapter_ids\x18\t \x03(\r\x12\x18\n\x10host_adapter_ids\x18\n \x03(\r\x12*\n\x06paging\x18\x0b \x01(\x0b\x32\x1a.loraplane.v1.WorkerPagingB\x0e\n\x0c_queue_limit\"\xd2\x01\n\x0cWorkerPaging\x12\x11\n\tmax_loras\x18\x01 \x01(\r\x12\x15\n\rmax_cpu_loras\x18\x02 \x01(\r\x12\x10\n\x08resident\x18\x03 \x01(\r\x12\x0c\n\x04host\x18\x04 \x01(\r\x12\x10\n\x08page_ins\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0f\n\x07\x66\x65tches\x18\x07 \x01(\x04\x12\x13\n\x0b\x66\x65tch_bytes\x18\x08 \x01(\x04\x12\x15\n\rpage_in_bytes\x18\t \x01(\x04\x12\x16\n\x0ehost_evictions\x18\n \x01(\x04\"8\n\x13\x46\x65tchAdapterRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"(\n\nPinRequest\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\":\n\tWorkerAck\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x0e\n\x06joined\x18\x02 \x01(\x08\"\xb6\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x1c\n\x14last_heartbeat_age_s\x18\x04 \x01(\x01\x12\x13\n\x0b\x61\x64\x61pter_ids\x18\x05 \x03(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0f\n\x07n_slots\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x10\n\x08restarts\x18\t \x01(\r\x12\x1c\n\x14\x64raining_adapter_ids\x18\n \x03(\r\x12*\n\x06paging\x18\x0b \x01(\x0b\x32\x1a.loraplane.v1.WorkerPaging\x12\x1c\n\x14resident_adapter_ids\x18\x0c \x03(\r\x12\x18\n\x10host_adapter_ids\x18\r \x03(\r\"7\n\nWorkerList\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.loraplane.v1.WorkerInfo2\xd3\x06\n\x0c\x43ontrolPlane\x12J\n\x0fRegisterAdapter\x12\x1a.loraplane.v1.AdapterChunk\x1a\x19.loraplane.v1.AdapterInfo(\x01\x12\x42\n\x11UnregisterAdapter\x12\x18.loraplane.v1.AdapterRef\x1a\x13.loraplane.v1.Empty\x12H\n\x12SetDefaultAdapters\x12\x18.loraplane.v1.AdapterMap\x1a\x18.loraplane.v1.AdapterMap\x12\x41\n\nPinAdapter\x12\x18.loraplane.v1.PinRequest\x1a\x19.loraplane.v1.AdapterInfo\x12>\n\x0cListAdapters\x12\x13.loraplane.v1.Empty\x1a\x19.loraplane.v1.AdapterList\x12\x41\n\nGetAdapter\x12\x18.loraplane.v1.AdapterRef\x1a\x19.loraplane.v1.AdapterInfo\x12\x43\n\x12GetDefaultAdapters\x12\x13.loraplane.v1.Empty\x1a\x18.loraplane.v1.AdapterMap\x12<\n\x0bListWorkers\x12\x13.loraplane.v1.Empty\x1a\x18.loraplane.v1.WorkerList\x12H\n\x08Generate\x12\x1d.loraplane.v1.GenerateRequest\x1a\x1b.loraplane.v1.GenerateEvent0\x01\x12\x44\n\x0eRegisterWorker\x12\x19.loraplane.v1.WorkerHello\x1a\x17.loraplane.v1.WorkerAck\x12?\n\tHeartbeat\x12\x19.loraplane.v1.WorkerHello\x1a\x17.loraplane.v1.WorkerAck\x12O\n\x0c\x46\x65tchAdapter\x12!.loraplane.v1.FetchAdapterRequest\x1a\x1a.loraplane.v1.AdapterChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADAPTERLIST']._serialized_start=77
   _globals['_ADAPTERLIST']._serialized_end=135
-  _globals['_WORKERHELLO']._serialized_start=138
-  _globals['_WORKERHELLO']._serialized_end=338
-  _globals['_WORKERPAGING']._serialized_start=341
-  _globals['_WORKERPAGING']._serialized_end=551
-  _globals['_FETCHADAPTERREQUEST']._serialized_start=553
-  _globals['_FETCHADAPTERREQUEST']._serialized_end=609
-  _globals['_PINREQUEST']._serialized_start=611
-  _globals['_PINREQUEST']._serialized_end=651
-  _globals['_WORKERACK']._serialized_start=653
-  _globals['_WORKERACK']._serialized_end=695
-  _globals['_WORKERINFO']._serialized_start=698
-  _globals['_WORKERINFO']._serialized_end=960
-  _globals['_WORKERLIST']._serialized_start=962
-  _globals['_WORKERLIST']._serialized_end=1017
-  _globals['_CONTROLPLANE']._serialized_start=1020
-  _globals['_CONTROLPLANE']._serialized_end=1871
+  _globals['_HELDADAPTER']._serialized_start=137
+  _globals['_HELDADAPTER']._serialized_end=178
+  _globals['_WORKERHOLDINGS']._serialized_start=180
+  _globals['_WORKERHOLDINGS']._serialized_end=263
+  _globals['_WORKERHELLO']._serialized_start=266
+  _globals['_WORKERHELLO']._serialized_end=577
+  _globals['_WORKERPAGING']._serialized_start=580
+  _globals['_WORKERPAGING']._serialized_end=790
+  _globals['_FETCHADAPTERREQUEST']._serialized_start=792
+  _globals['_FETCHADAPTERREQUEST']._serialized_end=848
+  _globals['_PINREQUEST']._serialized_start=850
+  _globals['_PINREQUEST']._serialized_end=890
+  _globals['_WORKERACK']._serialized_start=892
+  _globals['_WORKERACK']._serialized_end=950
+  _globals['_WORKERINFO']._serialized_start=953
+  _globals['_WORKERINFO']._serialized_end=1263
+  _globals['_WORKERLIST']._serialized_start=1265
+  _globals['_WORKERLIST']._serialized_end=1320
+  _globals['_CONTROLPLANE']._serialized_start=1323
+  _globals['_CONTROLPLANE']._serialized_end=2174
 # @@protoc_insertion_point(module_scope)

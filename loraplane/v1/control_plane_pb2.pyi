@@ -13,13 +13,32 @@ class AdapterList(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterInfo]
     def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ...) -> None: ...
 
+class HeldAdapter(_message.Message):
+    __slots__ = ("id", "sha256")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    sha256: str
+    def __init__(self, id: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class WorkerHoldings(_message.Message):
+    __slots__ = ("adapters", "draining_ids")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_IDS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[HeldAdapter]
+    draining_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[HeldAdapter, _Mapping]]] = ..., draining_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "addr", "model", "model_sha256", "n_slots", "resident_adapter_ids", "host_adapter_ids", "paging")
+    __slots__ = ("worker_id", "addr", "model", "model_sha256", "n_slots", "queue_limit", "holdings", "incarnation", "resident_adapter_ids", "host_adapter_ids", "paging")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     N_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    HOLDINGS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     HOST_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     PAGING_FIELD_NUMBER: _ClassVar[int]
@@ -28,10 +47,13 @@ class WorkerHello(_message.Message):
     model: str
     model_sha256: str
     n_slots: int
+    queue_limit: int
+    holdings: WorkerHoldings
+    incarnation: str
     resident_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
     host_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
     paging: WorkerPaging
-    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., model: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_slots: _Optional[int] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., model: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_slots: _Optional[int] = ..., queue_limit: _Optional[int] = ..., holdings: _Optional[_Union[WorkerHoldings, _Mapping]] = ..., incarnation: _Optional[str] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ...) -> None: ...
 
 class WorkerPaging(_message.Message):
     __slots__ = ("max_loras", "max_cpu_loras", "resident", "host", "page_ins", "evictions", "fetches", "fetch_bytes", "page_in_bytes", "host_evictions")
@@ -74,13 +96,15 @@ class PinRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class WorkerAck(_message.Message):
-    __slots__ = ("heartbeat_interval_ms",)
+    __slots__ = ("heartbeat_interval_ms", "joined")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    joined: bool
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., joined: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "addr", "state", "last_heartbeat_age_s", "adapter_ids", "model", "n_slots", "in_flight", "paging", "resident_adapter_ids", "host_adapter_ids")
+    __slots__ = ("worker_id", "addr", "state", "last_heartbeat_age_s", "adapter_ids", "model", "n_slots", "in_flight", "restarts", "draining_adapter_ids", "paging", "resident_adapter_ids", "host_adapter_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +113,8 @@ class WorkerInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     N_SLOTS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     PAGING_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     HOST_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -100,10 +126,12 @@ class WorkerInfo(_message.Message):
     model: str
     n_slots: int
     in_flight: int
+    restarts: int
+    draining_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
     paging: WorkerPaging
     resident_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
     host_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., n_slots: _Optional[int] = ..., in_flight: _Optional[int] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., state: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., n_slots: _Optional[int] = ..., in_flight: _Optional[int] = ..., restarts: _Optional[int] = ..., draining_adapter_ids: _Optional[_Iterable[int]] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerList(_message.Message):
     __slots__ = ("workers",)

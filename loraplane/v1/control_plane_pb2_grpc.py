@@ -159,7 +159,8 @@ class ControlPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterWorker(self, request, context):
-        """Worker membership.
+        """Worker membership: need the worker secret (metadata `loraplane-worker-secret`) when the
+        control plane has one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

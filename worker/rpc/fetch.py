@@ -3,7 +3,8 @@
 The worker asks by content hash the first time a request needs an adapter it has no bytes
 for; the control plane streams ``AdapterChunk``s from its store (files for SQLite, the
 ``adapter_blobs`` table for PostgreSQL). With several control-plane replicas listed, each is
-tried in order until one answers: every replica reads the same store.
+tried in order until one answers: every replica reads the same store. The call carries the
+worker secret when one is configured (the control plane guards it like membership).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import grpc
 
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+from loraplane.worker_secret import with_secret
 from worker.rpc.membership import control_plane_addresses
 from worker.serving.engine import FetchError
 
@@ -26,16 +28,14 @@ class ControlPlaneFetcher:
         spec: one control-plane address or several, comma-separated.
         worker_id: sent along for the control plane's logs.
         timeout_s: deadline of one fetch.
-        metadata: call metadata (credentials), if the control plane wants any.
+        secret: the worker secret (None: none sent).
     """
 
-    def __init__(self, spec: str, worker_id: str, *, timeout_s: float = 300.0,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, spec: str, worker_id: str, *, timeout_s: float = 300.0, secret: str | None = None) -> None:
         self.worker_id = worker_id
         self.timeout_s = timeout_s
-        self.metadata = metadata
         self._channels = [grpc.insecure_channel(a, options=GRPC_MESSAGE_OPTIONS) for a in control_plane_addresses(spec)]
-        self._stubs = [control_plane_pb2_grpc.ControlPlaneStub(c) for c in self._channels]
+        self._stubs = [control_plane_pb2_grpc.ControlPlaneStub(with_secret(c, secret)) for c in self._channels]
 
     def __call__(self, sha256: str) -> Iterator[bytes]:
         errors: list[str] = []
@@ -44,7 +44,7 @@ class ControlPlaneFetcher:
             try:
                 for chunk in stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256=sha256,
                                                                                      worker_id=self.worker_id),
-                                               timeout=self.timeout_s, metadata=self.metadata or None):
+                                               timeout=self.timeout_s):
                     chunks.append(chunk.data)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:

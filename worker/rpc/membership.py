@@ -6,11 +6,18 @@
      timeout) and calls ``RegisterWorker``; on failure it waits with exponential backoff
      (capped, interruptible through ``stop_event``) and tries again;
   2. calls ``Heartbeat`` every ``WorkerAck.heartbeat_interval_ms``; a NOT_FOUND answer means
-     the control plane forgot us (it restarted), so we register again; other failures are
-     logged and the next heartbeat is tried on schedule — gRPC reconnects the channel itself.
+     the control plane forgot us (it restarted, or could not dial us back), so we register
+     again; other failures are logged and the next heartbeat is tried on schedule — gRPC
+     reconnects the channel itself.
 
-The control plane dials the worker back during ``RegisterWorker`` to push adapters, so the
-worker's own server must already be serving when this starts.
+``RegisterWorker`` answers at once; the control plane then dials the worker back and pushes
+adapters in the background, and heartbeats answer ``joined=true`` once that is done (until
+then we heartbeat every `JOIN_POLL_S`). ``registered`` is set at that point. The worker's own
+server must already be serving when this starts.
+
+Every call carries the worker secret (``loraplane-worker-secret`` metadata) when one is
+configured; heartbeats carry what the worker holds (``holdings``) so the control plane can
+reconcile its view from them.
 
 Several control-plane replicas (``--control-plane A,B,C``): one such thread per address,
 each registering and heartbeating on its own schedule, so every listed replica knows the
@@ -33,6 +40,14 @@ import grpc
 import structlog
 
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+from loraplane.worker_secret import with_secret
+
+JOIN_POLL_S = 0.2
+"""Heartbeat period while the control plane is still dialing us back / pushing adapters."""
+
+Holdings = Callable[[], control_plane_pb2.WorkerHoldings]
+Refresh = Callable[[control_plane_pb2.WorkerHello], None]
+"""Writes what the worker holds in slots / host memory and its paging counters into a hello."""
 
 log = structlog.get_logger("worker.rpc.membership")
 
@@ -60,19 +75,30 @@ class MembershipBackoff:
 class _Membership:
     def __init__(self, addr: str, hello: control_plane_pb2.WorkerHello, stop: threading.Event,
                  backoff: MembershipBackoff, credentials: grpc.ChannelCredentials | None,
-                 refresh: Callable[[control_plane_pb2.WorkerHello], None] | None = None) -> None:
+                 secret: str | None, holdings: Holdings | None, refresh: Refresh | None = None) -> None:
         self.addr = addr
         self.hello = hello
-        self.refresh = refresh
         self.stop = stop
         self.backoff = backoff
         self.credentials = credentials
+        self.secret = secret
+        self.holdings = holdings
+        self.refresh = refresh
         self.registered = threading.Event()
+
+    def _heartbeat_hello(self) -> control_plane_pb2.WorkerHello:
+        hello = control_plane_pb2.WorkerHello()
+        hello.CopyFrom(self.hello)
+        if self.holdings is not None:
+            hello.holdings.CopyFrom(self.holdings())
+        if self.refresh is not None:
+            self.refresh(hello)  # residency for affinity routing (issue 12)
+        return hello
 
     def run(self) -> None:
         channel = (grpc.secure_channel(self.addr, self.credentials) if self.credentials
                    else grpc.insecure_channel(self.addr))
-        stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
+        stub = control_plane_pb2_grpc.ControlPlaneStub(with_secret(channel, self.secret))
         log_ = log.bind(worker_id=self.hello.worker_id, control_plane=self.addr)
         try:
             while not self.stop.is_set():
@@ -91,8 +117,9 @@ class _Membership:
                 grpc.channel_ready_future(channel).result(timeout=self.backoff.connect_timeout_s)
                 ack = stub.RegisterWorker(self.hello, timeout=self.backoff.register_timeout_s)
                 interval_s = max(ack.heartbeat_interval_ms, 1) / 1000.0
-                log_.info("worker_registered", heartbeat_interval_s=interval_s)
-                self.registered.set()
+                log_.info("worker_registration_accepted", heartbeat_interval_s=interval_s, joined=ack.joined)
+                if ack.joined:
+                    self.registered.set()
                 return interval_s
             except grpc.FutureTimeoutError:
                 log_.warning("control_plane_unreachable", retry_in_s=delay)
@@ -105,13 +132,14 @@ class _Membership:
 
     def _heartbeat_until_forgotten(self, stub, interval_s: float, log_) -> None:
         """Heartbeat every interval until stopped or the control plane no longer knows us."""
-        while not self.stop.wait(interval_s):
+        while not self.stop.wait(interval_s if self.registered.is_set() else min(interval_s, JOIN_POLL_S)):
             try:
-                if self.refresh is not None:
-                    self.refresh(self.hello)  # what the worker holds now (affinity routing)
-                ack = stub.Heartbeat(self.hello, timeout=self.backoff.heartbeat_timeout_s)
+                ack = stub.Heartbeat(self._heartbeat_hello(), timeout=self.backoff.heartbeat_timeout_s)
                 if ack.heartbeat_interval_ms:
                     interval_s = ack.heartbeat_interval_ms / 1000.0
+                if ack.joined and not self.registered.is_set():
+                    log_.info("worker_registered", heartbeat_interval_s=interval_s)
+                    self.registered.set()
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     log_.warning("worker_forgotten_reregistering", error=exc.details())
@@ -184,22 +212,25 @@ def control_plane_addresses(spec: str) -> list[str]:
 
 def start_membership(control_plane_addr: str, hello: control_plane_pb2.WorkerHello,
                      stop_event: threading.Event, *, backoff: MembershipBackoff = MembershipBackoff(),
-                     credentials: grpc.ChannelCredentials | None = None,
-                     refresh: Callable[[control_plane_pb2.WorkerHello], None] | None = None,
-                     ) -> MembershipThread | MembershipGroup:
+                     credentials: grpc.ChannelCredentials | None = None, secret: str | None = None,
+                     holdings: Holdings | None = None,
+                     refresh: Refresh | None = None) -> MembershipThread | MembershipGroup:
     """Start the register-then-heartbeat thread(s) (daemons) and return them.
 
-    ``control_plane_addr``: one address, or several comma-separated (one thread each, a
-    `MembershipGroup`; see the module docstring). Set ``stop_event`` to stop them; each exits
-    within one heartbeat interval / backoff step. ``refresh`` updates the hello in place
-    before each heartbeat (the adapters the worker holds now).
+    Args:
+        control_plane_addr: one address, or several comma-separated (one thread each, a
+            `MembershipGroup`; see the module docstring).
+        secret: the worker secret, sent as metadata on every call (None: none sent).
+        holdings: called before each heartbeat; what the worker holds (None: not reported).
+        refresh: called on each heartbeat's hello: adapters resident in slots / on host and
+            the paging counters (None: not reported).
+
+    Set ``stop_event`` to stop them; each exits within one heartbeat interval / backoff step.
     """
     addrs = control_plane_addresses(control_plane_addr)
-    threads = []
-    for addr in addrs:
-        own = control_plane_pb2.WorkerHello()
-        own.CopyFrom(hello)  # one hello per thread: refresh writes into it
-        threads.append(MembershipThread(_Membership(addr, own, stop_event, backoff, credentials, refresh)))
+    threads = [MembershipThread(_Membership(addr, hello, stop_event, backoff, credentials, secret, holdings,
+                                            refresh))
+               for addr in addrs]
     for thread in threads:
         thread.start()
     return threads[0] if len(threads) == 1 else MembershipGroup(threads)

@@ -3,12 +3,26 @@
 ``create_server`` binds (port 0 picks a free one), loads the model, and flips health to
 SERVING once the model is ready; ``serve_worker`` also registers with the control plane and
 blocks until SIGINT/SIGTERM, then reports NOT_SERVING and stops.
+
+Threads (one ``ThreadPoolExecutor``; a streaming call holds a thread for its whole life):
+
+- ``Decode`` streams: at most ``config.max_decode_streams`` (slots + queue limit + a margin)
+  at once; the next one gets RESOURCE_EXHAUSTED immediately (`ConcurrencyLimitInterceptor`),
+  so no request ever waits invisibly inside gRPC for a thread;
+- ``LoadAdapter`` / ``UnloadAdapter`` (long: reading chunks, draining): at most
+  `ADAPTER_OPS` at once;
+- `RESERVED_THREADS` more threads that only short calls can use: ``Stats``,
+  ``ListAdapters``, health checks and reflection answer within milliseconds under any load.
+
+Interceptors, outermost first: the worker secret (when configured; every Worker RPC, not
+health/reflection), undecodable requests → INVALID_ARGUMENT, the limits above.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import uuid
 from concurrent import futures
 
 import grpc
@@ -16,7 +30,9 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
+from loraplane.worker_secret import worker_guard, worker_secret_from
 from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
 from worker.serving.engine import WorkerEngine
@@ -25,6 +41,22 @@ from worker.rpc.servicer import WorkerServicer
 log = structlog.get_logger("loraplane.worker.rpc.server")
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+ADAPTER_OPS = 2
+"""Concurrent LoadAdapter/UnloadAdapter calls (the control plane pushes one at a time per worker)."""
+RESERVED_THREADS = 8
+"""Pool threads beyond the streaming/adapter limits, left for Stats, ListAdapters, health."""
+
+
+def server_interceptors(config: WorkerConfig) -> list[grpc.ServerInterceptor]:
+    """Worker secret (if any), decode guard, concurrency limits — in that order."""
+    limits = ConcurrencyLimitInterceptor({
+        "Decode stream": (config.max_decode_streams, f"/{SERVICE_NAME}/Decode".__eq__),
+        "adapter load/unload": (ADAPTER_OPS, lambda m: m in (f"/{SERVICE_NAME}/LoadAdapter",
+                                                             f"/{SERVICE_NAME}/UnloadAdapter")),
+    }, hint=" (worker: slots + --queue-limit)")
+    secret = worker_secret_from(config.worker_secret)
+    guards = [worker_guard(secret)] if secret else []
+    return [*guards, DecodeGuardInterceptor(), limits]
 
 
 def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]:
@@ -42,7 +74,9 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     engine = WorkerEngine(config)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max(16, 4 * config.n_slots + 8)),
+        futures.ThreadPoolExecutor(max_workers=config.max_decode_streams + ADAPTER_OPS + RESERVED_THREADS,
+                                   thread_name_prefix="worker-rpc"),
+        interceptors=server_interceptors(config),
         options=GRPC_MESSAGE_OPTIONS,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
@@ -59,8 +93,20 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     server.health_servicer = health_servicer  # kept for shutdown
     log.info("worker serving", addr=config.addr, port=port, worker_id=engine.worker_id,
              model=str(engine.base.path), device=str(engine.base.device), dtype=config.dtype,
-             batching=config.batching.value, prefix_cache=config.prefix_cache.value)
+             batching=config.batching.value, prefix_cache=config.prefix_cache.value,
+             worker_secret=bool(worker_secret_from(config.worker_secret)),
+             adapter_dirs=list(config.adapter_dirs), max_decode_streams=config.max_decode_streams)
     return server, port, engine
+
+
+def holdings_of(engine: WorkerEngine) -> control_plane_pb2.WorkerHoldings:
+    """What this worker holds, for heartbeats: usable adapters (id, sha256: every id it
+    knows, whether its bytes are fetched yet or not) and draining ids."""
+    draining = engine.draining_ids()
+    return control_plane_pb2.WorkerHoldings(
+        adapters=[control_plane_pb2.HeldAdapter(id=i, sha256=k.sha256)
+                  for i, k in sorted(engine.known().items()) if i not in draining],
+        draining_ids=sorted(draining))
 
 
 def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) -> None:
@@ -91,22 +137,34 @@ def serve_worker(config: WorkerConfig) -> None:
     from loraplane.logging import configure_logging  # one JSON log format for both planes
 
     configure_logging(config.log_level)
-    server, port, engine = create_server(config)
+    from loraplane.progress import progress_enabled, spinner
+
+    with spinner("loading the model", enabled=progress_enabled()):
+        server, port, engine = create_server(config)
     stop = threading.Event()
+    metrics_server = None
+    if config.metrics_addr:
+        from loraplane.metrics import start_metrics_server
+
+        metrics_server, metrics_port = start_metrics_server(config.metrics_addr, engine.metrics.registry)
+        log.info("worker metrics serving", addr=config.metrics_addr, port=metrics_port)
     if config.control_plane:
+        from worker.rpc.fetch import ControlPlaneFetcher
         from worker.rpc.membership import start_membership
 
-        from worker.rpc.fetch import ControlPlaneFetcher
-
-        engine.fetcher = ControlPlaneFetcher(config.control_plane, engine.worker_id)
+        engine.fetcher = ControlPlaneFetcher(config.control_plane, engine.worker_id,
+                                             secret=worker_secret_from(config.worker_secret))
         hello = control_plane_pb2.WorkerHello(worker_id=engine.worker_id, addr=_advertised(config, port),
-                                              model=str(engine.base.path), n_slots=config.n_slots)
-        refresh_hello(engine, hello)
-        start_membership(config.control_plane, hello, stop, refresh=lambda h: refresh_hello(engine, h))
+                                              model=str(engine.base.path), n_slots=config.n_slots,
+                                              queue_limit=config.queue_limit, incarnation=uuid.uuid4().hex)
+        start_membership(config.control_plane, hello, stop, secret=worker_secret_from(config.worker_secret),
+                         holdings=lambda: holdings_of(engine), refresh=lambda h: refresh_hello(engine, h))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"worker {engine.worker_id} listening on port {port}", flush=True)
     stop.wait()
     server.health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(grace=2).wait()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     engine.close()

@@ -10,6 +10,7 @@ their slots are freed at the next step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 
@@ -18,12 +19,15 @@ import structlog
 
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2, worker_pb2_grpc
-from worker.errors import InvalidRequestError, WorkerError
+from loraplane.interceptors import UndecodableRequest
+from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
+from worker.errors import InvalidRequestError, PermissionDeniedError, WorkerError
 from worker.rpc.status import status_of
 from worker.serving.engine import WorkerEngine
 from worker.runtime.sampling import SamplingParams
 from worker.serving.engine import KnownAdapter, WorkerStatsRecord
-from worker.serving.request import (ErrorEvent, Event, FinishedEvent, RequestTelemetry, StartedEvent, StepInfo,
+from worker.serving.request import (ErrorEvent, Event, FinishedEvent, GenRequest, RequestTelemetry, StartedEvent,
+                                    StepInfo,
                                     TokenEvent)
 
 log = structlog.get_logger("loraplane.worker.rpc.servicer")
@@ -39,7 +43,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         max_tokens=s.max_tokens or 16, temperature=s.temperature, top_k=s.top_k,
         top_p=s.top_p if 0.0 < s.top_p <= 1.0 else (1.0 if s.top_p == 0.0 else s.top_p),
         seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs,
-        prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos)
+        prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos, stop=tuple(s.stop))
 
 
 def adapter_info(adapter_id: int, a, default_scale: float = 0.0) -> pb.AdapterInfo:
@@ -70,7 +74,8 @@ def telemetry_to_proto(t: RequestTelemetry) -> pb.RequestTelemetry:
 
 def stats_to_proto(s: WorkerStatsRecord) -> worker_pb2.WorkerStats:
     """``WorkerStatsRecord`` → ``WorkerStats`` (an unknown field raises ValueError)."""
-    return worker_pb2.WorkerStats(**dataclasses.asdict(s))
+    fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "scheduler"}
+    return worker_pb2.WorkerStats(**fields, **dataclasses.asdict(s.scheduler))
 
 
 def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:
@@ -93,15 +98,21 @@ def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:
     raise TypeError(f"no GenerateEvent for {type(ev).__name__}")
 
 
+def _put_event(events: queue.Queue, rid: str, ev: Event) -> None:
+    """A request's ``emit``: tag its event with the request id for the stream's writer."""
+    events.put((rid, ev))
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Thin: each method converts, delegates to ``WorkerEngine`` and maps errors."""
 
     def __init__(self, engine: WorkerEngine):
         self.engine = engine
+        self.adapter_dirs = resolve_dirs(engine.config.adapter_dirs)
 
     def Decode(self, request_iterator, context):
         events: queue.Queue = queue.Queue()
-        submitted: dict[str, object] = {}
+        submitted: dict[str, GenRequest] = {}
 
         def cancel_all() -> None:
             for req in submitted.values():
@@ -149,6 +160,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         events.put((_CLOSED, msg.cancel_request_id))
         except grpc.RpcError:
             pass  # the call ended; the done-callback cancels what it submitted
+        except UndecodableRequest:
+            events.put(_CALL_DONE)  # the decode guard ends the call with INVALID_ARGUMENT
+            return
         events.put(_END_OF_INPUT)
 
     def _submit(self, r: pb.GenerateRequest, events: queue.Queue, submitted: dict) -> None:
@@ -167,22 +181,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 request_id=rid, prompt_tokens=list(r.tokens.ids) if which == "tokens" else None,
                 prompt_text=r.text if which == "text" else None, params=sampling_from_proto(r.sampling),
                 entries=[(e.id, e.scale) for e in r.adapters.entries],
-                emit=lambda ev, rid=rid: events.put((rid, ev)))
+                emit=functools.partial(_put_event, events, rid))
         except WorkerError as exc:
             events.put((rid, ErrorEvent(exc)))
             return
         submitted[rid] = req
 
     def LoadAdapter(self, request_iterator, context):
-        first, data = None, bytearray()
-        for chunk in request_iterator:
-            if first is None:
-                first = chunk
-            data += chunk.data
+        first = next(request_iterator, None)
         if first is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LoadAdapter stream carried no chunk")
+        assert first is not None  # context.abort raises
         try:
-            a = self.engine.load_adapter(first.id, sha256=first.sha256, path=first.server_path, data=bytes(data),
+            # The path is checked on the first chunk, before anything is opened or stat'ed.
+            path = str(self._confined(first.id, first.server_path)) if first.server_path else ""
+            data = bytearray(first.data)
+            for chunk in request_iterator:
+                data += chunk.data
+            if path and data:
+                raise InvalidRequestError(f"adapter {first.id}: server_path and data given together; send one")
+            a = self.engine.load_adapter(first.id, sha256=first.sha256, path=path, data=bytes(data),
                                          name=first.name, fetch_on_demand=first.fetch_on_demand,
                                          pinned=first.pinned if first.HasField("pinned") else None)
         except WorkerError as exc:
@@ -194,9 +212,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         info.pinned = bool(k and k.pinned)
         return info
 
-    def UnloadAdapter(self, request, context):
+    def _confined(self, adapter_id: int, server_path: str):
+        """``server_path`` resolved inside the worker's ``--adapter-dir``s (`loraplane.paths`).
+
+        Raises:
+            InvalidRequestError: empty, relative, or a NUL byte.
+            PermissionDeniedError: outside every adapter dir (nothing was read).
+        """
         try:
-            self.engine.unload_adapter(request.id)
+            return confine(server_path, self.adapter_dirs)
+        except MalformedPath as exc:
+            raise InvalidRequestError(f"adapter {adapter_id}: {exc}") from None
+        except OutsideAdapterDirs as exc:
+            raise PermissionDeniedError(f"adapter {adapter_id} on worker {self.engine.worker_id}: {exc}") from None
+
+    def UnloadAdapter(self, request, context):
+        # Drain for at most the caller's deadline (60 s without one); on timeout the adapter
+        # stays draining and is freed once idle (heartbeats report it under draining_ids).
+        remaining = context.time_remaining()
+        timeout_s = min(60.0, remaining) if remaining is not None else 60.0
+        try:
+            self.engine.unload_adapter(request.id, timeout_s=max(0.0, timeout_s - 0.2))
         except WorkerError as exc:
             context.abort(status_of(exc), str(exc))
         return pb.Empty()

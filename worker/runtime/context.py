@@ -20,7 +20,7 @@ from worker.runtime.kv_cache import KVCache, KVCacheError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.plan import FusedLora, LoraPlan, build_plan, side_branches
 from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
-from worker.lora.registry import AdapterInUseError, ModelAdapters
+from worker.lora.registry import ModelAdapters
 from worker.runtime.model import BaseModel
 
 

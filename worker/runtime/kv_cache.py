@@ -44,6 +44,10 @@ class KVCache:
     allocates nothing that grows with context, and decode attention for many sequences reads
     ``k[rows, :L]`` in one batched op (a plain view when the rows are ``0..B-1``).
 
+    The layer tensors are inference tensors (every method that allocates or writes them runs
+    under ``torch.inference_mode``), so the scheduler may import prefix snapshots between
+    decodes without an autograd context.
+
     Args:
         n_layer, n_head_kv, n_embd_head_k, n_embd_head_v: from the model hparams.
         n_ctx_seq: most positions one sequence may hold (raises beyond it).
@@ -68,6 +72,7 @@ class KVCache:
         self.v: list[torch.Tensor] = []
         self._alloc(self._n_seq_hint, min(64, n_ctx_seq))
 
+    @torch.inference_mode()
     def _alloc(self, n_rows: int, cap: int) -> None:
         """(Re)allocate every layer to ``(n_rows, cap, ...)``, keeping what is stored."""
         old_k, old_v = self.k, self.v
@@ -134,6 +139,7 @@ class KVCache:
         if pos0 + n > self.cap:
             self._alloc(self.k[0].shape[0], min(self.n_ctx_seq, max(pos0 + n, 2 * self.cap)))
 
+    @torch.inference_mode()
     def store(self, il: int, seq_id: int, pos0: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write K/V rows ``(t, n_head_kv, d)`` at ``pos0`` of layer ``il``; return the
         sequence's K and V views ``(pos0 + t, n_head_kv, d)``."""
@@ -143,6 +149,7 @@ class KVCache:
         self.v[il][row, pos0: pos0 + t] = v.to(self.dtype)
         return self.k[il][row, : pos0 + t], self.v[il][row, : pos0 + t]
 
+    @torch.inference_mode()
     def store_rows(self, il: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one K/V row per sequence: ``k``/``v`` ``(B, n_head_kv, d)`` at cache rows
         ``rows`` int64 ``(B,)`` and positions ``pos`` int64 ``(B,)`` of layer ``il`` (one op)."""
@@ -174,6 +181,7 @@ class KVCache:
         row = self.row_of[seq_id]
         return KVSnapshot(n, [t[row, :n].clone() for t in self.k], [t[row, :n].clone() for t in self.v])
 
+    @torch.inference_mode()
     def import_(self, seq_id: int, snap: KVSnapshot, n: int | None = None) -> int:
         """Replace ``seq_id`` with the first ``n`` (default all) positions of ``snap``."""
         n = snap.n if n is None else min(n, snap.n)

@@ -33,6 +33,8 @@ class SamplingParams:
         logprobs: top-N log-probs returned per generated token (0..20).
         prompt_logprobs: return each prompt token's log-prob given its prefix.
         ignore_eos: do not stop at end-of-generation tokens.
+        stop: stop strings (OpenAI ``stop``): generation ends once the generated text contains
+            one; the text is cut before it (``worker.serving.output.StopMatcher``).
     """
 
     max_tokens: int = 16
@@ -43,6 +45,7 @@ class SamplingParams:
     logprobs: int = 0
     prompt_logprobs: bool = False
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
 
     def validate(self) -> "SamplingParams":
         """Raises SamplingError naming the first bad field."""
@@ -56,6 +59,8 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.logprobs <= 20:
             raise SamplingError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise SamplingError("stop strings must not be empty")
         return self
 
 

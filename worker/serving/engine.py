@@ -22,14 +22,14 @@ import concurrent.futures
 import hashlib
 import math
 import os
+import shutil
 import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import structlog
 
@@ -39,9 +39,10 @@ from worker.runtime.context import Model
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import BaseModel, load_model
 from worker.runtime.sampling import SamplingParams
-from worker.serving.scheduler import Scheduler
+from worker.serving.scheduler import Scheduler, SchedulerStats
 from worker.errors import (AdapterConflictError, AdapterFetchError, AdapterNotFoundError, DrainTimeoutError,
-                           InvalidRequestError)
+                           InvalidRequestError, WorkerError)
+from worker.serving.metrics import WorkerMetrics
 from worker.serving.request import Event, GenRequest
 
 log = structlog.get_logger("loraplane.worker")
@@ -81,19 +82,11 @@ class PagingCounters:
 
 @dataclass(frozen=True)
 class WorkerStatsRecord:
-    """Everything ``Stats`` reports (proto ``WorkerStats``, field for field)."""
+    """Everything ``Stats`` reports: the scheduler's counters plus the fields below (proto
+    ``WorkerStats`` = the union, field for field; ``worker.rpc.servicer.stats_to_proto``)."""
 
+    scheduler: SchedulerStats
     worker_id: str
-    n_slots: int
-    slots_busy: int
-    queue_depth: int
-    queue_limit: int
-    graph_reuses: int
-    graph_rebuilds: int
-    prefix_cache_entries: int
-    prefix_cache_hit_tokens: int
-    prompt_tokens_computed: int
-    tokens_generated: int
     batching: str
     prefix_cache: str
     model: str
@@ -119,6 +112,24 @@ class WorkerStatsRecord:
     host_adapter_ids: list[int]
 
 
+def max_piece_bytes(tokenizer) -> int:
+    """The most input bytes one token can stand for: the longest vocab piece in UTF-8 bytes.
+
+    A piece's text is never shorter than the input it covers (spaces are escaped to the
+    3-byte ``▁``, byte-fallback pieces ``<0xNN>`` cover one byte, ``<unk>`` one character).
+    Gemma 3's vocab: 48 bytes.
+    """
+    return max(1, max(len(tokenizer.token_to_piece(i).encode("utf-8", "surrogatepass"))
+                      for i in range(tokenizer.n_vocab)))
+
+
+def prompt_byte_limit(n_ctx_slot: int, piece_bytes: int) -> int:
+    """Largest text prompt, in UTF-8 bytes, that could still fit a slot: a longer one needs at
+    least ``n_ctx_slot`` tokens, which ``Scheduler.submit`` refuses anyway, so refusing it
+    before tokenizing changes no answer, only the cost (Gemma 3, n_ctx 4096: 196 560 bytes)."""
+    return (n_ctx_slot - 1) * piece_bytes
+
+
 class WorkerEngine:
     """Holds the model, context, scheduler and adapter table of one worker process."""
 
@@ -129,6 +140,8 @@ class WorkerEngine:
         self.model = Model(base, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
         self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot, n_seq=config.n_slots)
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
+        self.metrics = WorkerMetrics(self.stats, adapter_label_cap=config.metrics_max_adapters)
+        self.scheduler.observer = self.metrics
         self._lock = threading.Lock()
         self._draining: set[int] = set()
         self._known: dict[int, KnownAdapter] = {}
@@ -136,7 +149,11 @@ class WorkerEngine:
         self._inflight_loads: dict[str, concurrent.futures.Future[LoraAdapter]] = {}
         self.counters = PagingCounters()
         self.fetcher: Fetcher | None = None
-        self._cache_dir = Path(tempfile.mkdtemp(prefix="loraplane-worker-adapters-"))
+        # The pid in the name tells operators (and tests) whose directory it is.
+        self._cache_dir = Path(tempfile.mkdtemp(prefix=f"loraplane-worker-adapters-{os.getpid()}-"))
+        self.max_piece_bytes = max_piece_bytes(base.tokenizer)
+        self.max_prompt_bytes = prompt_byte_limit(config.n_ctx_slot, self.max_piece_bytes)
+        self._tokenize_lock = threading.Lock()
         self.scheduler.start()
 
     @property
@@ -144,8 +161,11 @@ class WorkerEngine:
         return self.model.base
 
     def close(self) -> None:
+        """Stop the scheduler, free the context, and remove the adapter temp dir (uploaded
+        adapter files are copies: the control plane keeps the originals)."""
         self.scheduler.stop()
         self.ctx.close()
+        shutil.rmtree(self._cache_dir, ignore_errors=True)
 
     # --- adapters -------------------------------------------------------------------------
     def load_adapter(self, adapter_id: int, *, sha256: str = "", path: str = "", data: bytes = b"",
@@ -208,6 +228,7 @@ class WorkerEngine:
             self._draining.discard(adapter_id)
             if pinned is not None:
                 self._set_pinned(adapter_id, known, pinned)
+        self.metrics.on_adapter_loaded()
         log.info("adapter loaded", adapter_id=adapter_id, name=adapter.name, pairs=len(adapter.pairs))
         return adapter
 
@@ -390,7 +411,13 @@ class WorkerEngine:
                 (self._cache_dir / f"{known.sha256}.gguf").unlink(missing_ok=True)
             self._host_lru.pop(adapter_id, None)
             self._draining.discard(adapter_id)
+        self.metrics.on_adapter_freed()
         log.info("adapter freed", adapter_id=adapter_id)
+
+    def draining_ids(self) -> set[int]:
+        """Adapters being unloaded: refused for new requests, freed once idle."""
+        with self._lock:
+            return set(self._draining)
 
     def adapters(self) -> dict[int, LoraAdapter]:
         """Adapters with host tensors now."""
@@ -442,8 +469,16 @@ class WorkerEngine:
         Raises:
             WorkerError: a subclass naming the outcome (``worker.errors``).
         """
-        if prompt_tokens is None:
-            prompt_tokens = self.base.tokenizer.encode(prompt_text or "", add_special=True, parse_special=True)
+        try:
+            if prompt_tokens is None:
+                prompt_tokens = self.tokenize(prompt_text or "")
+            return self._admit(request_id, prompt_tokens, params, entries, emit)
+        except WorkerError:
+            self.metrics.on_rejected(tuple(sorted(i for i, s in entries if s != 0.0)))
+            raise
+
+    def _admit(self, request_id: str, prompt_tokens: list[int], params: SamplingParams,
+               entries: list[tuple[int, float]], emit: Callable[[Event], None]) -> GenRequest:
         adapter_set, sources = self.resolve_set(entries)
         with self._lock:
             # Re-check under the lock: an unload may have started, or the host tier may have
@@ -459,6 +494,26 @@ class WorkerEngine:
                                         adapter_set=adapter_set, emit=emit, host_sources=sources)
             self._evict_host()
         return req
+
+    def tokenize(self, text: str) -> list[int]:
+        """Tokenize a text prompt, size first.
+
+        A text over ``max_prompt_bytes`` (`prompt_byte_limit`) is refused before any
+        tokenization, since it cannot fit the slot context. Tokenizations run one at a time
+        (``_tokenize_lock``): the decode loop then shares the interpreter with at most one
+        tokenizing thread, for at most ~0.6 s (the limit's worth of text on this CPU).
+
+        Raises:
+            InvalidRequestError: the text is longer than ``max_prompt_bytes`` UTF-8 bytes.
+        """
+        n_bytes = len(text) if len(text) > self.max_prompt_bytes else len(text.encode("utf-8", "surrogatepass"))
+        if n_bytes > self.max_prompt_bytes:
+            raise InvalidRequestError(
+                f"prompt text has {n_bytes} bytes (or more); a slot holds n_ctx={self.config.n_ctx_slot} tokens "
+                f"and one token covers at most {self.max_piece_bytes} bytes, so at most "
+                f"{self.max_prompt_bytes} bytes can fit (refused before tokenizing)")
+        with self._tokenize_lock:
+            return self.base.tokenizer.encode(text, add_special=True, parse_special=True)
 
     def stats(self) -> WorkerStatsRecord:
         """Scheduler counters plus the worker's identity, model, adapter footprint and paging."""
@@ -481,7 +536,7 @@ class WorkerEngine:
             pool_bytes=pool.buffer_bytes(),
             resident_adapter_ids=sorted(i for i, k in known.items() if k.sha256 in resident_sha),
             host_adapter_ids=sorted(ads),
-            **asdict(self.scheduler.stats()))
+            scheduler=self.scheduler.stats())
 
     def residency(self) -> tuple[list[int], list[int]]:
         """(ids resident in slots, ids with host tensors) — what heartbeats report."""

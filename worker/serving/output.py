@@ -46,6 +46,43 @@ class IncrementalDetokenizer:
         return self._dec.decode(b"", final=True)
 
 
+class StopMatcher:
+    """Stop strings over streamed text (OpenAI / vLLM ``stop``).
+
+    ``push(text)`` takes each newly detokenized piece and returns ``(text safe to emit, hit)``.
+    On a hit the emitted text ends just before the earliest stop string and the request
+    finishes with "stop" (the stop string itself is never returned, as in vLLM with
+    ``include_stop_str_in_output=False``). Without a hit, a tail that could still grow into a
+    stop string is held back, so streamed pieces never show text that a later token turns into
+    a stop; ``flush()`` releases it when generation ends for another reason. The pieces
+    returned, concatenated, are exactly the final text.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        buf = self._held + text
+        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self._held = ""
+            return buf[:min(found)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail (generation ended without a stop string)."""
+        out, self._held = self._held, ""
+        return out
+
+
 def prompt_token_logprobs(logits: torch.Tensor, next_tokens: Sequence[int]) -> list[tuple[int, float]]:
     """Log-prob of each next prompt token given its prefix (vLLM ``prompt_logprobs``).
 
@@ -79,4 +116,4 @@ def finish_reason(token_id: int, *, eog_ids: frozenset[int], ignore_eos: bool, n
     return None
 
 
-__all__ = ["IncrementalDetokenizer", "finish_reason", "prompt_token_logprobs"]
+__all__ = ["IncrementalDetokenizer", "StopMatcher", "finish_reason", "prompt_token_logprobs"]

@@ -19,7 +19,7 @@ from worker.errors import WorkerError
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import AloraActivation
 from worker.runtime.sampling import SamplingParams
-from worker.serving.output import IncrementalDetokenizer
+from worker.serving.output import IncrementalDetokenizer, StopMatcher
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,9 @@ class GenRequest:
     prompt_logprobs: list[tuple[int, float] | None] = field(default_factory=list)
     telemetry: RequestTelemetry = field(default_factory=RequestTelemetry)
     held_ids: tuple[int, ...] = ()  # adapter ids this request pins (unload waits for them)
+    stop: StopMatcher | None = None  # set when params.stop is non-empty
+    text_out: list[str] = field(default_factory=list)  # pieces emitted so far (with stop strings)
+    last_token_at: float | None = None  # monotonic time of the last token (inter-token latency)
     pool_held: list = field(default_factory=list)  # adapters it holds in the slot pool (LoraAdapter)
     bypassed: int = 0  # times passed over at the queue head (bounded waiting)
     # adapter id → (host source "host" | "loaded" | "fetched", ms spent getting it at submit)

@@ -29,7 +29,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -42,7 +42,7 @@ from worker.lora.pool import PoolExhaustedError
 from worker.runtime.context import DecodeError, WorkerContext
 from worker.runtime.sampling import SamplingParams
 from worker.serving.cache_policy import make_cache_policy
-from worker.serving.output import IncrementalDetokenizer, finish_reason, prompt_token_logprobs
+from worker.serving.output import IncrementalDetokenizer, StopMatcher, finish_reason, prompt_token_logprobs
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import (ErrorEvent, Event, FinishedEvent, GenRequest, StartedEvent, StepInfo,
                                     TokenEvent)
@@ -53,6 +53,18 @@ log = structlog.get_logger("loraplane.worker.serving.scheduler")
 
 ADMIT_LOOKAHEAD = 8  # queued requests considered for resident-first admission
 MAX_BYPASS = 4       # times the queue head may be passed over before strict FIFO
+
+
+class RequestObserver(Protocol):
+    """What the loop reports about requests (``worker.serving.metrics.WorkerMetrics``).
+
+    Called on the loop thread: ``on_token`` before each sampled token is recorded (the
+    request's ``last_token_at`` still holds the previous token's time), ``on_finish`` once per
+    request with its outcome ("stop", "length", "cancelled" or "error").
+    """
+
+    def on_token(self, req: GenRequest, now: float) -> None: ...
+    def on_finish(self, req: GenRequest, outcome: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,8 @@ class Scheduler:
         self._pending: list[tuple[int | None, Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self.prompt_tokens_computed = 0
         self.tokens_generated = 0
+        # Observer of request outcomes and token times (worker.serving.metrics); None: no metrics.
+        self.observer: RequestObserver | None = None
         self._thread = threading.Thread(target=self._loop, name="loraplane-scheduler", daemon=True)
 
     # --- public -------------------------------------------------------------------------
@@ -117,7 +131,7 @@ class Scheduler:
         Raises:
             InvalidRequestError: empty/too long prompt, token out of range, two aLoRAs, bad
                 sampling field.
-            QueueFullError: the waiting queue is at ``queue_limit``.
+            QueueFullError: busy slots + queued requests already equal slots + ``queue_limit``.
         """
         n_vocab = self.ctx.model.n_vocab
         if not prompt:
@@ -140,10 +154,18 @@ class Scheduler:
         activation = resolve_alora(adapter_set, prompt)
         req = GenRequest(request_id or uuid.uuid4().hex, list(prompt), params, activation, emit,
                          IncrementalDetokenizer(self.tokenizer))
+        if params.stop:
+            req.stop = StopMatcher(params.stop)
         req.host_sources = dict(host_sources or {})
         with self._cv:
-            if len(self.queue) >= self.config.queue_limit:
-                raise QueueFullError(f"worker {self.worker_id}: queue full ({self.config.queue_limit} waiting)")
+            # Capacity is slots + queue limit: a queued request that a free slot will take at
+            # the next loop turn is not "waiting", so a burst admits exactly that many even
+            # while the loop is mid-step with idle slots.
+            busy = sum(s.busy for s in self.slots)
+            if busy + len(self.queue) >= len(self.slots) + self.config.queue_limit:
+                raise QueueFullError(
+                    f"worker {self.worker_id}: queue full ({busy}/{len(self.slots)} slots busy, {len(self.queue)} "
+                    f"queued; admits slots + --queue-limit {self.config.queue_limit})")
             req.held_ids = adapter_set.ids
             for aid in req.held_ids:
                 self._in_flight[aid] = self._in_flight.get(aid, 0) + 1
@@ -226,6 +248,8 @@ class Scheduler:
         for req in [r for r in self.queue if r.cancelled.is_set()]:
             self.queue.remove(req)
             self._release_adapters(req)
+            if self.observer is not None:
+                self.observer.on_finish(req, "cancelled")
         for slot in self.slots:
             if slot.req is not None and slot.req.cancelled.is_set():
                 log.info("request cancelled", request_id=slot.req.request_id, slot=slot.id)
@@ -270,7 +294,15 @@ class Scheduler:
                 return
             self.queue.remove(req)
             slot = self.cache_policy.pick_slot(free, req)
-            n = self.cache_policy.attach(slot, req, self.ctx.kv)
+            try:
+                n = self.cache_policy.attach(slot, req, self.ctx.kv)
+            except Exception as exc:  # a cache fault fails this request, never the loop
+                log.error("attach failed", request_id=req.request_id, slot=slot.id, error=repr(exc))
+                self.ctx.kv.seq_rm(slot.id)
+                slot.drop_cache()
+                req.emit(ErrorEvent(DecodeFailedError(f"attaching the request to slot {slot.id} failed: {exc!r}")))
+                self._release_adapters(req)
+                continue
             slot.cache_tokens = req.prompt[:n]
             slot.cache_sets = [req.set_at(p) for p in range(n)]
             slot.n_past = n
@@ -324,15 +356,27 @@ class Scheduler:
             req.emit(StartedEvent(list(req.prompt), plp))
         assert slot.sampler is not None
         sampled = slot.sampler.sample(logits[out_idx[-1]])
+        now = time.monotonic()
         if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
+            req.first_token_at = now
+        if self.observer is not None:
+            self.observer.on_token(req, now)
+        req.last_token_at = now
         req.generated.append(sampled.token_id)
         self.tokens_generated += 1
         req.telemetry.count_step(step)
-        req.emit(TokenEvent(sampled.token_id, req.detok.push(sampled.token_id), sampled.logprob, sampled.top, step))
+        piece = req.detok.push(sampled.token_id)
         reason = finish_reason(sampled.token_id, eog_ids=self.tokenizer.eog_ids, ignore_eos=req.params.ignore_eos,
                                n_generated=len(req.generated), max_tokens=req.params.max_tokens,
                                n_past=slot.n_past, n_ctx=self.config.n_ctx_slot)
+        if req.stop is not None:
+            piece, hit = req.stop.push(piece)
+            if hit:
+                reason = "stop"
+            elif reason is not None:
+                piece += req.stop.push(req.detok.flush())[0] + req.stop.flush()
+            req.text_out.append(piece)
+        req.emit(TokenEvent(sampled.token_id, piece, sampled.logprob, sampled.top, step))
         if reason is not None:
             self._finish(slot, reason)
 
@@ -352,9 +396,12 @@ class Scheduler:
             t.adapters = [(i, s) for i, _, s in req.adapter_set.entries]
             t.ttft_ms = ((req.first_token_at or now) - req.admitted_at) * 1000
             t.total_ms = (now - req.admitted_at) * 1000
-            req.emit(FinishedEvent(reason, self.tokenizer.decode(req.generated), t))
+            text = "".join(req.text_out) if req.stop is not None else self.tokenizer.decode(req.generated)
+            req.emit(FinishedEvent(reason, text, t))
         self._release_adapters(req)
         slot.release()
+        if self.observer is not None:
+            self.observer.on_finish(req, reason or "cancelled")
 
     def _fail(self, slot: Slot, error: WorkerError) -> None:
         req = slot.request
@@ -363,6 +410,8 @@ class Scheduler:
         slot.drop_cache()
         self._release_adapters(req)
         slot.release()
+        if self.observer is not None:
+            self.observer.on_finish(req, "error")
 
     def _release_adapters(self, req: GenRequest) -> None:
         if req.pool_held:

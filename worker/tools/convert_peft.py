@@ -25,6 +25,11 @@ embedding's ``lora_embedding_A`` ``(r, V)`` is transposed to ``(V, r)`` (ne ``[r
 llama.cpp exception); ``lora_embedding_B`` ``(d, r)`` is written as is. For llama, q/k rows
 are permuted like the base weights (HF rotate-half → GGUF interleaved rope,
 ``convert_hf_to_gguf.LlamaModel.permute``): the permutation acts on B's rows only.
+
+The module needs no torch: safetensors files are read with ``read_safetensors`` (numpy,
+F64/F32/F16/BF16), so the control plane and the CLI run the same conversion as the
+``convert-peft`` tool (``control_plane`` never loads torch; ``tests/test_layout.py``).
+All arithmetic is f32 numpy, bit-for-bit what the earlier torch version wrote.
 """
 
 from __future__ import annotations
@@ -37,13 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from collections.abc import Callable
+
 import gguf
 import numpy as np
-import torch
-from safetensors import safe_open
 
 from worker.lora.adapter_file import AdapterError, validate_lora_adapter
-from worker.gguf.reader import read_gguf
+from worker.gguf.reader import GGUFFile, read_gguf
 from worker.gguf.writer import write_and_close
 
 SUPPORTED_ARCHS = ("gemma3", "llama")
@@ -64,18 +69,76 @@ _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "mod
 _ARCH_HINTS = (("gemma3", ("gemma-3", "gemma3", "gemma_3")), ("llama", ("llama",)))
 
 
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+# safetensors dtype name → numpy dtype (BF16 is widened by hand: numpy has no bfloat16)
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+
+
 class ConvertError(AdapterError):
     """The PEFT folder cannot be converted; ``problems`` lists every reason."""
 
 
+def is_peft_dir(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a folder holding ``adapter_config.json`` (a PEFT adapter folder)."""
+    p = Path(path)
+    return p.is_dir() and (p / PEFT_CONFIG).is_file()
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a float32 numpy array (torch shape order).
+
+    Format (huggingface/safetensors): an 8-byte little-endian header length, a JSON header
+    ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}`` (offsets relative to the byte
+    after the header), then the raw little-endian data. F64 is rounded to f32 like
+    ``torch.Tensor.to(float32)``; F16 and BF16 widen exactly.
+
+    Raises:
+        ConvertError: truncated file, bad header, or a dtype other than F64/F32/F16/BF16.
+    """
+    src = Path(path)
+    data = np.memmap(src, dtype=np.uint8, mode="r")
+    problems: list[str] = []
+    if data.size < 8:
+        raise ConvertError(src, ["safetensors: file shorter than its 8-byte header length"])
+    n = int(np.frombuffer(data[:8].tobytes(), dtype="<u8")[0])
+    try:
+        header = json.loads(data[8:8 + n].tobytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConvertError(src, [f"safetensors: header is not JSON ({exc})"]) from None
+    out: dict[str, np.ndarray] = {}
+    base = 8 + n
+    for name, info in sorted(header.items()):  # by name, as safetensors' ``safe_open.keys()``
+        if name == "__metadata__":
+            continue
+        dtype, shape = info.get("dtype"), tuple(int(x) for x in info.get("shape", ()))
+        begin, end = (int(x) for x in info.get("data_offsets", (0, 0)))
+        raw = data[base + begin:base + end]
+        if base + end > data.size:
+            problems.append(f"tensor '{name}': data runs past the end of the file")
+            continue
+        if dtype == "BF16":
+            arr = (np.frombuffer(raw.tobytes(), dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        elif dtype in _ST_DTYPES:
+            arr = np.frombuffer(raw.tobytes(), dtype=np.dtype(_ST_DTYPES[dtype]).newbyteorder("<"))
+            arr = arr.astype(np.float32)
+        else:
+            problems.append(f"tensor '{name}': dtype {dtype} is not a float type (F64/F32/F16/BF16)")
+            continue
+        out[name] = arr.reshape(shape)
+    if problems:
+        raise ConvertError(src, problems)
+    return out
+
+
 @dataclass
 class _Module:
-    """One PEFT LoRA module on its way to a GGUF pair (torch tensors, f32)."""
+    """One PEFT LoRA module on its way to a GGUF pair (numpy f32, torch shape order)."""
 
     peft_name: str  # e.g. model.layers.0.self_attn.q_proj (what PEFT patterns match against)
     gguf_name: str  # e.g. blk.0.attn_q.weight
-    a: torch.Tensor | None = None
-    b: torch.Tensor | None = None
+    a: np.ndarray | None = None  # f32 (r, k); token embedding: (r, V)
+    b: np.ndarray | None = None  # f32 (d, r)
     embedding: bool = False
 
 
@@ -140,25 +203,23 @@ def _check_config(cfg: dict[str, Any], problems: list[str]) -> None:
 def _read_modules(st_path: Path, problems: list[str]) -> list[_Module]:
     modules: dict[str, _Module] = {}
     unknown: list[str] = []
-    with safe_open(str(st_path), framework="pt") as f:
-        for key in f.keys():
-            m = _KEY_RE.match(key)
-            if m is None:
-                problems.append(f"tensor '{key}': not a LoRA A/B tensor (full weights from "
-                                "modules_to_save, DoRA or biases cannot go into a LoRA GGUF)")
-                continue
-            module, kind = m["module"], m["kind"]
-            gguf_name = _map_module(module)
-            if gguf_name is None:
-                unknown.append(module)
-                continue
-            entry = modules.setdefault(gguf_name, _Module(module, gguf_name))
-            t = f.get_tensor(key).to(torch.float32)
-            if kind.startswith("lora_A") or kind == "lora_embedding_A":
-                entry.a = t
-            else:
-                entry.b = t
-            entry.embedding = entry.embedding or kind.startswith("lora_embedding")
+    for key, t in read_safetensors(st_path).items():
+        m = _KEY_RE.match(key)
+        if m is None:
+            problems.append(f"tensor '{key}': not a LoRA A/B tensor (full weights from "
+                            "modules_to_save, DoRA or biases cannot go into a LoRA GGUF)")
+            continue
+        module, kind = m["module"], m["kind"]
+        gguf_name = _map_module(module)
+        if gguf_name is None:
+            unknown.append(module)
+            continue
+        entry = modules.setdefault(gguf_name, _Module(module, gguf_name))
+        if kind.startswith("lora_A") or kind == "lora_embedding_A":
+            entry.a = t
+        else:
+            entry.b = t
+        entry.embedding = entry.embedding or kind.startswith("lora_embedding")
     for name in sorted(set(unknown)):
         problems.append(f"module '{name}': no GGUF tensor name for it (known: layers.N."
                         f"{{{', '.join(_LAYER_MODULES)}}}, embed_tokens, lm_head)")
@@ -167,7 +228,7 @@ def _read_modules(st_path: Path, problems: list[str]) -> list[_Module]:
         if mod.a is None or mod.b is None:
             problems.append(f"module '{mod.peft_name}': missing lora_{'B' if mod.b is None else 'A'}")
             continue
-        if mod.a.dim() != 2 or mod.b.dim() != 2 or mod.a.shape[0] != mod.b.shape[1]:
+        if mod.a.ndim != 2 or mod.b.ndim != 2 or mod.a.shape[0] != mod.b.shape[1]:
             problems.append(f"module '{mod.peft_name}': expected A (r, k) and B (d, r) with equal r, "
                             f"found A {tuple(mod.a.shape)}, B {tuple(mod.b.shape)}")
             continue
@@ -178,7 +239,7 @@ def _read_modules(st_path: Path, problems: list[str]) -> list[_Module]:
     return out
 
 
-def _rope_permute_rows(b: torch.Tensor, n_head: int) -> torch.Tensor:
+def _rope_permute_rows(b: np.ndarray, n_head: int) -> np.ndarray:
     """Permute B's rows like convert_hf_to_gguf ``LlamaModel.permute`` does W's rows."""
     d, r = b.shape
     return b.reshape(n_head, 2, d // n_head // 2, r).swapaxes(1, 2).reshape(d, r)
@@ -188,17 +249,24 @@ def convert_peft(
     peft_dir: str | os.PathLike[str],
     out_path: str | os.PathLike[str],
     *,
-    base_gguf: str | None = None,
+    base_gguf: str | GGUFFile | None = None,
     outtype: str = "f32",
+    name: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write the adapter GGUF for a PEFT LoRA folder.
 
     Args:
         peft_dir: folder with ``adapter_config.json`` and ``adapter_model.safetensors``.
         out_path: GGUF file to write (replaced atomically on success).
-        base_gguf: the base model GGUF. Gives the architecture and head counts (needed for
+        base_gguf: the base model GGUF (a path, or an already parsed ``GGUFFile``: the
+            control plane holds one). Gives the architecture and head counts (needed for
             llama q/k), and the written adapter is validated against it.
         outtype: ``f32`` or ``f16`` for the A/B tensors.
+        name: ``general.name`` to write; None means the folder's name (what ``convert-peft``
+            writes, so a converted upload hashes the same as the tool's output).
+        progress: called as ``progress(done, total)`` after each module is converted
+            (``loraplane.progress`` draws a bar from it on a terminal).
 
     Returns:
         ``out_path`` as a Path.
@@ -211,7 +279,7 @@ def convert_peft(
     out = Path(out_path)
     if outtype not in OUTTYPES:
         raise ConvertError(src, [f"outtype: expected one of {', '.join(OUTTYPES)}, found {outtype!r}"])
-    cfg_path, st_path = src / "adapter_config.json", src / "adapter_model.safetensors"
+    cfg_path, st_path = src / PEFT_CONFIG, src / PEFT_WEIGHTS
     missing = [str(p) for p in (cfg_path, st_path) if not p.is_file()]
     if missing:
         raise ConvertError(src, [f"missing file {p}" for p in missing])
@@ -222,7 +290,8 @@ def convert_peft(
     base_meta: dict[str, Any] = {}
     base_index: dict[str, tuple[int, ...]] = {}
     if base_gguf is not None:
-        base = read_gguf(base_gguf)  # read once: parsing a large vocab takes seconds
+        # read once: parsing a large vocab takes seconds
+        base = base_gguf if isinstance(base_gguf, GGUFFile) else read_gguf(base_gguf)
         base_meta, arch = base.metadata, base.arch
         base_index = {name: tuple(rec.ne) for name, rec in base.tensors.items()}
     else:
@@ -248,7 +317,9 @@ def convert_peft(
     alpha = lora_alpha * math.sqrt(r_default) if rslora else lora_alpha
 
     tensors: list[tuple[str, np.ndarray]] = []
-    for mod in modules:
+    for done, mod in enumerate(modules, 1):
+        if progress is not None:
+            progress(done, len(modules))
         a, b = mod.a, mod.b
         assert a is not None and b is not None  # _collect reported incomplete modules
         r = int(b.shape[1])
@@ -273,8 +344,8 @@ def convert_peft(
         if mod.embedding:
             a = a.T  # (r, V) → (V, r): ne [r, V], llama.cpp's token_embd exception
         np_type = OUTTYPES[outtype]
-        tensors.append((mod.gguf_name + ".lora_a", a.contiguous().numpy().astype(np_type)))
-        tensors.append((mod.gguf_name + ".lora_b", b.contiguous().numpy().astype(np_type)))
+        tensors.append((mod.gguf_name + ".lora_a", np.ascontiguousarray(a).astype(np_type)))
+        tensors.append((mod.gguf_name + ".lora_b", np.ascontiguousarray(b).astype(np_type)))
     if problems:
         raise ConvertError(src, problems)
 
@@ -283,7 +354,7 @@ def convert_peft(
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-    writer.add_name(src.name)
+    writer.add_name(src.name if name is None else name)
     if cfg.get("alora_invocation_tokens"):
         writer.add_key_value(gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS,
                              [int(t) for t in cfg["alora_invocation_tokens"]],
@@ -296,7 +367,7 @@ def convert_peft(
             validate_lora_adapter(tmp, base_arch=arch, base_tensors=base_index)
         except AdapterError as exc:
             tmp.unlink(missing_ok=True)
-            raise ConvertError(src, [f"converted adapter does not fit {base_gguf}: {p}"
+            raise ConvertError(src, [f"converted adapter does not fit {getattr(base_gguf, 'path', base_gguf)}: {p}"
                                      for p in exc.problems]) from exc
     os.replace(tmp, out)
     return out

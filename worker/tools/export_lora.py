@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import gguf
 import numpy as np
@@ -102,6 +102,7 @@ def export_lora(
     out_path: str | os.PathLike[str],
     *,
     outtype: str = "f32",
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write ``base + Σ scale_eff · delta`` for every adapter as a new model GGUF.
 
@@ -111,6 +112,7 @@ def export_lora(
             with ``load_lora_adapter``. Scale 0 adapters are validated and skipped.
         out_path: model GGUF to write (replaced atomically on success).
         outtype: ``f32``, ``f16`` or ``q8_0`` for patched tensors.
+        progress: called as ``progress(done, total)`` after each base tensor is written.
 
     Returns:
         ``out_path`` as a Path.
@@ -146,7 +148,9 @@ def export_lora(
     tmp = out.with_name(out.name + ".tmp")
     writer = gguf.GGUFWriter(tmp, arch)
     _copy_metadata(reader, writer)
-    for name, rec in records.items():
+    for done, (name, rec) in enumerate(records.items(), 1):
+        if progress is not None:
+            progress(done, len(records))
         if name in patches:
             w = torch.from_numpy(np.array(dequantize(base_path, rec), dtype=np.float32, copy=True))
             for pair, s in patches[name]:

@@ -35,30 +35,15 @@ class HParams(base.HParams):
 
 
 def load_hparams(gguf) -> HParams:
-    n_embd = int(meta(gguf, "embedding_length", required=True))
-    n_head = int(meta(gguf, "attention.head_count", required=True))
-    head_k = int(meta(gguf, "attention.key_length", n_embd // n_head))
-    head_v = int(meta(gguf, "attention.value_length", head_k))
-    n_layer = int(meta(gguf, "block_count", required=True))
     n_vocab = int(gguf.tensors["token_embd.weight"].ne[1]) if "token_embd.weight" in gguf.tensors else 0
+    common = base.common_hparams(gguf, n_vocab=n_vocab, eps=1e-6, rope_freq_base=1e6, n_ctx_train=8192,
+                                 n_swa=int(meta(gguf, "attention.sliding_window", 0)))
     # Gemma 3 27B scales queries by 1/sqrt(n_embd/n_head); every other size by 1/sqrt(head_k)
     # (llama-model.cpp, LLM_ARCH_GEMMA3 hparams).
-    att_scale = 1.0 / math.sqrt(head_k) if n_layer != 62 else 1.0 / math.sqrt(n_embd / n_head)
-    scale_factor = meta(gguf, "rope.scaling.factor", None)
-    return HParams(
-        n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer,
-        n_ff=int(meta(gguf, "feed_forward_length", required=True)),
-        n_head=n_head, n_head_kv=int(meta(gguf, "attention.head_count_kv", n_head)),
-        n_embd_head_k=head_k, n_embd_head_v=head_v,
-        eps=float(meta(gguf, "attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_freq_base=float(meta(gguf, "rope.freq_base", 1e6)),
-        rope_freq_base_swa=float(meta(gguf, "rope.freq_base_swa", 10000.0)),
-        rope_freq_scale=1.0 / float(scale_factor) if scale_factor else 1.0,
-        n_swa=int(meta(gguf, "attention.sliding_window", 0)),
-        swa_pattern=6,
-        f_attention_scale=att_scale,
-        n_ctx_train=int(meta(gguf, "context_length", 8192)),
-    )
+    att_scale = (1.0 / math.sqrt(common["n_embd_head_k"]) if common["n_layer"] != 62
+                 else 1.0 / math.sqrt(common["n_embd"] / common["n_head"]))
+    return HParams(**common, rope_freq_base_swa=float(meta(gguf, "rope.freq_base_swa", 10000.0)),
+                   swa_pattern=6, f_attention_scale=att_scale)
 
 
 def tensor_specs(hp: HParams) -> list[TensorSpec]:

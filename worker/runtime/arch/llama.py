@@ -28,24 +28,10 @@ class HParams(base.HParams):
 
 
 def load_hparams(gguf) -> HParams:
-    n_embd = int(meta(gguf, "embedding_length", required=True))
-    n_head = int(meta(gguf, "attention.head_count", required=True))
-    head = int(meta(gguf, "attention.key_length", n_embd // n_head))
     n_vocab = int(meta(gguf, "vocab_size", 0)) or int(gguf.tensors["token_embd.weight"].ne[1])
-    scale_factor = meta(gguf, "rope.scaling.factor", None)
-    n_expert = int(meta(gguf, "expert_count", 0))
-    return HParams(
-        n_vocab=n_vocab, n_embd=n_embd, n_layer=int(meta(gguf, "block_count", required=True)),
-        n_ff=int(meta(gguf, "feed_forward_length", required=True)), n_head=n_head,
-        n_head_kv=int(meta(gguf, "attention.head_count_kv", n_head)),
-        n_embd_head_k=head, n_embd_head_v=int(meta(gguf, "attention.value_length", head)),
-        n_rot=int(meta(gguf, "rope.dimension_count", head)),
-        eps=float(meta(gguf, "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_freq_base=float(meta(gguf, "rope.freq_base", 10000.0)),
-        rope_freq_scale=1.0 / float(scale_factor) if scale_factor else 1.0,
-        n_expert=n_expert, n_expert_used=int(meta(gguf, "expert_used_count", 0)),
-        n_swa=0, n_ctx_train=int(meta(gguf, "context_length", 4096)),
-    )
+    common = base.common_hparams(gguf, n_vocab=n_vocab, eps=1e-5, rope_freq_base=10000.0, n_ctx_train=4096)
+    return HParams(**common, n_rot=int(meta(gguf, "rope.dimension_count", common["n_embd_head_k"])),
+                   n_expert=int(meta(gguf, "expert_count", 0)), n_expert_used=int(meta(gguf, "expert_used_count", 0)))
 
 
 def tensor_specs(hp: HParams) -> list[TensorSpec]:

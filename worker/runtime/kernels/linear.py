@@ -176,7 +176,9 @@ class QuantLinear:
         """The weight as f32 ``(d, k)`` (torch order), on ``device``: exactly what
         ``worker.gguf.reader.dequantize`` gives on CPU; on CUDA the bf16 copy, widened."""
         if self.qw is None:
+            assert self.weight is not None  # float weights keep `weight`
             return self.weight.to(torch.float32)
+        assert self.scale is not None
         G, nb = self.qw.shape[0], self.qw.shape[1]
         u = self.qw.permute(0, 3, 1, 2, 4).reshape(G * R, nb, self.bs)[: self.d]
         return self._affine(u, self.scale.permute(0, 2, 1).reshape(G * R, nb)[: self.d],
@@ -204,7 +206,9 @@ class QuantLinear:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.d):
             raise KernelError(f"{self.name}: row index out of range [0, {self.d})")
         if self.qw is None:
+            assert self.weight is not None
             return self.weight.index_select(0, ids).to(torch.float32)
+        assert self.scale is not None
         g, r = ids // R, ids % R
         u = self.qw[g, :, :, r, :]                       # (m, nb, bs/4, 4)
         u = u.reshape(ids.numel(), -1, self.bs)
@@ -252,6 +256,7 @@ class QuantLinear:
         return y.reshape(*lead, self.d)
 
     def _float_mm(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None
         if self.weight.dtype == torch.float32:
             return x.to(torch.float32) @ self.weight.T
         return (x.to(self.weight.dtype) @ self.weight.T).to(torch.float32)
@@ -265,6 +270,7 @@ class QuantLinear:
         if self.k % 32:
             raise KernelError(f"{self.name}: width {self.k} is not a multiple of 32")
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+        assert self.qw is not None and self.scale is not None
         rc = _fns(path, act)[2](xf.data_ptr(), self.k, n, self.k, self.qw.data_ptr(), self.scale.data_ptr(),
                            _p(self.bias), self.offset, self.d, self.bs, int(self.signed), y.data_ptr(),
                            torch.get_num_threads())
@@ -276,6 +282,7 @@ class QuantLinear:
         y = torch.empty((a.n, self.d), dtype=torch.float32)
         if a.n == 0:
             return y
+        assert self.qw is not None and self.scale is not None
         rc = _fns(a.path, a.act)[1](
             self.qw.data_ptr(), self.scale.data_ptr(), _p(self.bias), self.offset, self.d, self.k, self.bs,
             int(self.signed), a.q.data_ptr(), a.d.data_ptr(), a.s16.data_ptr(), a.s32.data_ptr(),

@@ -139,7 +139,7 @@ def decode(raw: np.ndarray, gtype: T, d: int, k: int) -> Affine:
         if gtype == T.Q5_K:
             qh = b[:, 16:48]                      # bit i of qh[l] -> high bit of sub-block i, elem l
             hb = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-            u = u | (hb.reshape(-1, QK_K) << 4)
+            u = (u | (hb.reshape(-1, QK_K) << 4)).astype(np.uint8)
         bs, signed = 32, False
     else:  # Q6_K: ql 128, qh 64, scales 16 (int8), d f16
         ql, qh = b[:, :128], b[:, 128:192]

@@ -1,0 +1,75 @@
+"""OpenAI's error shape and how control-plane errors map onto HTTP statuses.
+
+Body (``https://platform.openai.com/docs/guides/error-codes``, also vLLM's ``ErrorResponse``):
+``{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from control_plane.errors import (
+    ControlPlaneError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+
+# (HTTP status, OpenAI error type) per domain error; the first matching class in the MRO wins.
+STATUS_OF: dict[type[ControlPlaneError], tuple[int, str]] = {
+    InvalidArgumentError: (400, "invalid_request_error"),
+    NotFoundError: (404, "not_found_error"),
+    PermissionDeniedError: (403, "permission_error"),
+    ResourceExhaustedError: (429, "rate_limit_error"),
+    UnauthenticatedError: (401, "authentication_error"),
+    UnavailableError: (503, "service_unavailable"),
+}
+# A worker's status code (relayed by the router as WorkerRequestError) → HTTP status.
+GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+}
+
+
+class OpenAIError(Exception):
+    """An HTTP error with OpenAI's body. ``param`` names the offending request field."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def unsupported(param: str, detail: str) -> OpenAIError:
+    """400 for a parameter loraplane does not implement (named in ``param``)."""
+    return OpenAIError(400, f"'{param}' is not supported: {detail}", param=param, code="unsupported_parameter")
+
+
+def from_control_plane(exc: ControlPlaneError) -> OpenAIError:
+    """The HTTP error for a domain error (``control_plane.errors``, router errors)."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, grpc.StatusCode):
+        status, kind = GRPC_TO_HTTP.get(code, (500, "internal_error"))
+        return OpenAIError(status, str(exc), type=kind, code=code.name.lower())
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            status, kind = STATUS_OF[cls]
+            return OpenAIError(status, str(exc), type=kind)
+    return OpenAIError(500, str(exc), type="internal_error")

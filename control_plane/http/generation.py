@@ -1,0 +1,125 @@
+"""One OpenAI request through the router: GenerateRequest in, response bodies / SSE chunks out.
+
+``run`` calls ``Router.generate`` — the same function the gRPC ``Generate`` calls — with an
+`HttpCallContext` standing in for the gRPC servicer context (its ``cancel`` cancels the
+worker call when the HTTP client goes away). Nothing here talks gRPC to the control plane.
+
+Token accounting: ``usage.prompt_tokens`` is the worker's prompt length,
+``completion_tokens`` the tokens generated, ``prompt_tokens_details.cached_tokens`` the
+telemetry's ``cached_prompt_tokens`` (prompt KV taken from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraplane.v1 import common_pb2
+
+
+class HttpCallContext:
+    """The three calls ``Router`` makes on a gRPC servicer context, for an HTTP request."""
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], Any]] = []
+        self._active = True
+        self._lock = threading.Lock()
+
+    def add_callback(self, callback: Callable[[], Any]) -> bool:
+        with self._lock:
+            if self._active:
+                self._callbacks.append(callback)
+                return True
+        return False
+
+    def is_active(self) -> bool:
+        return self._active
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancel(self) -> None:
+        """The HTTP client went away (or the response is done): cancel what is still running."""
+        with self._lock:
+            self._active = False
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb()
+
+
+@dataclass
+class TokenOut:
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Outcome:
+    """Everything a finished request produced."""
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    tokens: list[TokenOut] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+    def usage(self) -> dict[str, Any]:
+        n_prompt, n_out = len(self.prompt_token_ids), len(self.tokens)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_request(*, request_id: str, text: str | None, tokens: list[int] | None,
+                  adapters: dict[int, float] | None, max_tokens: int, temperature: float, top_p: float,
+                  top_k: int, seed: int | None, logprobs: int, stop: list[str],
+                  ignore_eos: bool) -> common_pb2.GenerateRequest:
+    """The GenerateRequest: ``text`` is tokenized by the worker (BOS as the model says),
+    ``tokens`` are taken verbatim; ``adapters`` None means the default set."""
+    req = common_pb2.GenerateRequest(request_id=request_id)
+    if tokens is not None:
+        req.tokens.ids.extend(tokens)
+    else:
+        req.text = text or ""
+    if adapters is not None:
+        req.adapters.SetInParent()
+        req.adapters.entries.extend(common_pb2.AdapterScale(id=i, scale=s) for i, s in sorted(adapters.items()))
+    s = req.sampling
+    s.max_tokens, s.temperature, s.top_p, s.top_k = max_tokens, temperature, top_p, top_k
+    if seed is not None:
+        s.seed = seed
+    s.logprobs = logprobs
+    s.ignore_eos = ignore_eos
+    s.stop.extend(stop)
+    return req
+
+
+def fold(events: Iterator[common_pb2.GenerateEvent], out: Outcome) -> Iterator[TokenOut | None]:
+    """Record every event into ``out``; yield each token (and None for the finish)."""
+    for ev in events:
+        kind = ev.WhichOneof("event")
+        if kind == "started":
+            out.prompt_token_ids = list(ev.started.prompt_token_ids)
+        elif kind == "token":
+            t = ev.token
+            tok = TokenOut(t.token_id, t.text, t.logprob, [(x.token_id, x.logprob) for x in t.top])
+            out.tokens.append(tok)
+            yield tok
+        elif kind == "finished":
+            out.text = ev.finished.text
+            out.finish_reason = ev.finished.finish_reason
+            out.cached_tokens = ev.finished.telemetry.cached_prompt_tokens
+            yield None
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,154 @@
+"""Request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (pydantic).
+
+Omitted parameters take OpenAI's defaults, as vLLM does: ``temperature`` 1, ``top_p`` 1,
+``max_tokens`` 16 for completions and "until the context is full" for chat. Parameters
+loraplane does not implement are refused with a 400 naming them (`SamplingFields.check`):
+``n`` > 1, ``best_of`` > 1, non-zero ``presence_penalty`` / ``frequency_penalty``,
+``repetition_penalty`` ≠ 1, ``logit_bias``, ``echo``, ``suffix``, tools and structured output.
+Unknown fields are ignored (clients send vendor extras freely).
+
+Extensions (vLLM / llama-server names): ``top_k``, ``ignore_eos``, ``return_token_ids``
+(vLLM: non-streaming responses carry ``prompt_token_ids`` and each choice's ``token_ids``), and
+``lora``: a list of ``{"id": int, "scale": float}`` (llama-server's per-request shape) that
+picks the adapters explicitly and wins over ``model``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from control_plane.http.errors import OpenAIError, unsupported
+
+MAX_STOP_STRINGS = 16
+# "until the context is full": the worker stops at its slot context (finish_reason "length")
+CHAT_MAX_TOKENS_DEFAULT = 2**31 - 1
+
+
+class LoraEntry(BaseModel):
+    id: int = Field(ge=0, lt=2**32)
+    scale: float = 1.0
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1, lt=2**32)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, lt=2**32)
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    n: int | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    lora: list[LoraEntry] | None = None
+    return_token_ids: bool = False
+    user: str | None = None
+
+    def check(self) -> None:
+        """Raise a 400 `OpenAIError` naming the first unsupported parameter."""
+        if self.n not in (None, 1):
+            raise unsupported("n", f"one choice per request (got n={self.n})")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of", f"one candidate per request (got best_of={self.best_of})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise unsupported(name, f"penalties are not implemented (got {value})")
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise unsupported("repetition_penalty", f"penalties are not implemented (got {self.repetition_penalty})")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "logit biases are not implemented")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise OpenAIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        if self.lora is not None and len({e.id for e in self.lora}) != len(self.lora):
+            raise OpenAIError(400, "'lora' lists an adapter id more than once", param="lora")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def lora_map(self) -> dict[int, float] | None:
+        return None if self.lora is None else {e.id: e.scale for e in self.lora}
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is a string, a one-string list, or token ids."""
+
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.echo:
+            raise unsupported("echo", "the prompt is not echoed back")
+        if self.suffix:
+            raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise unsupported("prompt", "one prompt per request (a list of prompts is a batch)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise OpenAIError(400, "'prompt' is empty", param="prompt")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, ge=1, lt=2**32)
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.tools:
+            raise unsupported("tools", "tool calling is not implemented")
+        if self.tool_choice not in (None, "none"):
+            raise unsupported("tool_choice", "tool calling is not implemented")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "structured output is not implemented")
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+
+
+class LoadLoraRequest(BaseModel):
+    """vLLM's ``/v1/load_lora_adapter`` body: a server-side path (GGUF file or PEFT folder)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(BaseModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body (``lora_name`` may also be ``adapter:<id>``)."""
+
+    model_config = ConfigDict(extra="allow")
+    lora_name: str

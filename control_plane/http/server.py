@@ -1,0 +1,57 @@
+"""uvicorn on its own thread, beside the gRPC server.
+
+Threading: uvicorn's event loop runs on one daemon thread (``loraplane-http``); the
+generation routes are sync functions that FastAPI runs on anyio's worker threads (40 by
+default), where they block on ``Router.generate`` like the gRPC handlers do on gRPC's pool.
+The listening socket is bound here, in the caller's thread, before the loop starts, so a busy
+port fails ``start()`` at once and port 0 reports the port it got. uvicorn installs no signal
+handlers off the main thread; ``stop()`` asks it to exit and joins.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from loraplane.metrics import split_host_port
+
+
+class HttpServer:
+    """``start()`` → bound port; ``stop()`` finishes in-flight responses for up to ``grace_s``."""
+
+    def __init__(self, app, addr: str) -> None:
+        self.addr = addr
+        host, port = split_host_port(addr)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError:
+            self._sock.close()
+            raise
+        self.port = int(self._sock.getsockname()[1])
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="loraplane-http", daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> int:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP server on {self.addr} did not start within {timeout_s:g}s")
+            time.sleep(0.01)
+        if not self._server.started:
+            raise RuntimeError(f"HTTP server on {self.addr} failed to start")
+        return self.port
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()

@@ -1,0 +1,193 @@
+"""Prometheus metrics of the control plane (``/metrics`` on ``--metrics-addr`` and on the HTTP
+front).
+
+Every Generate — gRPC or HTTP — passes through ``Router.generate``, which hands its event
+stream to `ControlPlaneMetrics.track` once the adapter vector is resolved. A request is
+*waiting* from then until the worker's ``started`` event (queued on the worker, prompt being
+computed) and *running* while tokens stream.
+
+Names (histograms in seconds):
+  loraplane_requests_total{outcome, adapter}   outcome: stop | length | cancelled | rejected | error
+  loraplane_prompt_tokens_total{adapter}, loraplane_generation_tokens_total{adapter},
+  loraplane_prompt_tokens_cached_total{adapter}
+  loraplane_time_to_first_token_seconds, loraplane_inter_token_latency_seconds,
+  loraplane_e2e_request_latency_seconds        (as the client sees them, routing included)
+  loraplane_requests_running / _waiting, loraplane_workers_live, loraplane_worker_slots,
+  loraplane_adapters_registered                gauges, read at scrape time
+  vllm:num_requests_running, vllm:num_requests_waiting   the same two gauges under vLLM's names
+  vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
+``adapter`` is the adapter id ("none": base model; stacked adapters count once each), capped
+by ``loraplane.metrics.BoundedLabels``.
+
+``vllm:lora_requests_info`` matches vLLM (``vllm/v1/metrics/loggers.py``): a gauge whose value
+is the current unix time, labelled with the comma-joined *names* of the adapters that running
+/ waiting requests use (what the Gateway API Inference Extension matches ``model`` against)
+and ``max_lora``. vLLM leaves one series behind per label combination ever seen; here the
+gauge is computed at scrape time, so exactly one series exists (bounded cardinality).
+``max_lora`` is the pool's adapter slots: workers keep every registered adapter resident and
+mixed batching lets each slot run a different adapter set, so the most distinct adapters in
+flight at once is the sum of the live workers' slots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from control_plane.errors import InvalidArgumentError, NotFoundError
+from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, BoundedLabels
+from loraplane.v1 import common_pb2
+
+LORA_INFO = "vllm:lora_requests_info"
+REJECTED = (InvalidArgumentError, NotFoundError)
+
+
+@dataclass
+class _InFlight:
+    names: tuple[str, ...]
+    running: bool = False
+
+
+class ControlPlaneMetrics:
+    """Metric objects in their own registry plus the in-flight table behind the gauges.
+
+    Args:
+        adapter_name: id → the name ``/v1/models`` serves it under.
+        pool_state: ``() -> (live workers, their total slots)``.
+        n_adapters: ``() -> registered adapters``.
+        adapter_label_cap: distinct ``adapter`` label values before "other".
+    """
+
+    def __init__(self, *, adapter_name: Callable[[int], str], pool_state: Callable[[], tuple[int, int]],
+                 n_adapters: Callable[[], int], adapter_label_cap: int) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = BoundedLabels(adapter_label_cap)
+        self._adapter_name = adapter_name
+        self._pool_state = pool_state
+        self._n_adapters = n_adapters
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._in_flight: dict[int, _InFlight] = {}
+        r = self.registry
+        self.requests = Counter("loraplane_requests", "Generate requests by outcome and adapter.",
+                                ["outcome", "adapter"], registry=r)
+        self.prompt_tokens = Counter("loraplane_prompt_tokens", "Prompt tokens of finished requests.",
+                                     ["adapter"], registry=r)
+        self.cached_tokens = Counter("loraplane_prompt_tokens_cached", "Prompt tokens served from prefix caches.",
+                                     ["adapter"], registry=r)
+        self.generation_tokens = Counter("loraplane_generation_tokens", "Generated tokens.", ["adapter"],
+                                         registry=r)
+        self.ttft = Histogram("loraplane_time_to_first_token_seconds", "Admission to first token.",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("loraplane_inter_token_latency_seconds", "Time between consecutive tokens.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("loraplane_e2e_request_latency_seconds", "Admission to the finished event.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        r.register(_StateCollector(self))
+
+    def exposition(self) -> tuple[bytes, str]:
+        """``(text format body, content type)`` for a ``/metrics`` response."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # -- the router hook -----------------------------------------------------------------
+    def track(self, vector: Sequence[tuple[int, float]],
+              events: Iterator[common_pb2.GenerateEvent]) -> Iterator[common_pb2.GenerateEvent]:
+        """Relay ``events`` unchanged, counting the request (see the module docstring)."""
+        ids = tuple(i for i, s in vector if s != 0.0)
+        labels = [self.labels(str(i)) for i in ids] or [NO_ADAPTER_LABEL]
+        key = next(self._ids)
+        entry = _InFlight(tuple(self._adapter_name(i) for i in ids))
+        with self._lock:
+            self._in_flight[key] = entry
+        t0 = time.monotonic()
+        last: float | None = None
+        outcome = "error"
+        n_prompt = n_cached = n_out = 0
+        try:
+            for ev in events:
+                kind = ev.WhichOneof("event")
+                now = time.monotonic()
+                if kind == "started":
+                    entry.running = True
+                elif kind == "token":
+                    n_out += 1
+                    self.ttft.observe(now - t0) if last is None else self.itl.observe(now - last)
+                    last = now
+                elif kind == "finished":
+                    outcome = ev.finished.finish_reason or "stop"
+                    n_prompt = ev.finished.telemetry.prompt_tokens
+                    n_cached = ev.finished.telemetry.cached_prompt_tokens
+                    self.e2e.observe(now - t0)
+                yield ev
+        except GeneratorExit:
+            outcome = "cancelled"
+            raise
+        except REJECTED:
+            outcome = "rejected"
+            raise
+        except Exception as exc:  # noqa: BLE001 - counted, then re-raised unchanged
+            code = getattr(exc, "code", None)
+            outcome = "rejected" if getattr(code, "name", "") in ("INVALID_ARGUMENT", "NOT_FOUND") else "error"
+            raise
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()  # a client that went away: the router cancels the worker call
+            with self._lock:
+                self._in_flight.pop(key, None)
+            for label in labels:
+                self.requests.labels(outcome, label).inc()
+                self.prompt_tokens.labels(label).inc(n_prompt)
+                self.cached_tokens.labels(label).inc(n_cached)
+                self.generation_tokens.labels(label).inc(n_out)
+
+    def in_flight(self) -> tuple[list[_InFlight], list[_InFlight]]:
+        """``(running, waiting)`` requests now."""
+        with self._lock:
+            entries = list(self._in_flight.values())
+        return [e for e in entries if e.running], [e for e in entries if not e.running]
+
+    def pool_state(self) -> tuple[int, int]:
+        return self._pool_state()
+
+    def n_adapters(self) -> int:
+        return self._n_adapters()
+
+
+def _names(entries: list[_InFlight]) -> str:
+    """Distinct adapter names in first-seen order, comma-joined (vLLM's label format)."""
+    seen: dict[str, None] = {}
+    for e in entries:
+        for n in e.names:
+            seen.setdefault(n, None)
+    return ",".join(seen)
+
+
+class _StateCollector:
+    def __init__(self, m: ControlPlaneMetrics) -> None:
+        self.m = m
+
+    def collect(self):
+        running, waiting = self.m.in_flight()
+        live, slots = self.m.pool_state()
+        for name, doc, value in (
+                ("loraplane_requests_running", "Requests streaming tokens.", len(running)),
+                ("loraplane_requests_waiting", "Requests routed but not started (queued or in prefill).",
+                 len(waiting)),
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", len(running)),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(waiting)),
+                ("loraplane_workers_live", "Live workers.", live),
+                ("loraplane_worker_slots", "Slots over the live workers.", slots),
+                ("loraplane_adapters_registered", "Registered adapters.", self.m.n_adapters())):
+            yield GaugeMetricFamily(name, doc, value=value)
+        info = GaugeMetricFamily(LORA_INFO, "Running stats on lora requests.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(slots), _names(running), _names(waiting)], time.time())
+        yield info

@@ -1,0 +1,115 @@
+"""Prometheus metrics of one worker (``/metrics`` on ``--metrics-addr``).
+
+Two sources. Request outcomes, token counts and latencies are observed as they happen: the
+scheduler calls `WorkerMetrics.on_token` / `on_finish` (its ``observer`` hook) and the engine
+calls `on_rejected` / `on_adapter_loaded` / `on_adapter_freed`. Everything the scheduler
+already counts (slots, queue, graph reuse, prefix-cache hits) is read from
+``WorkerEngine.stats()`` at scrape time by `_StatsCollector`, so there is one count, not two.
+
+Names (all prefixed ``loraplane_worker_``; histograms in seconds):
+  requests_total{outcome, adapter}       outcome: stop | length | cancelled | error | rejected
+  prompt_tokens_total{adapter}           prompt tokens of finished requests (cached included)
+  generation_tokens_total{adapter}       tokens generated
+  time_to_first_token_seconds            admission → first token
+  inter_token_latency_seconds            between consecutive tokens of one request
+  e2e_request_latency_seconds            admission → last token
+  adapter_loads_total / adapter_evictions_total
+  slots, slots_busy, requests_running, requests_waiting, queue_limit, adapters_loaded   gauges
+  graph_reuses_total, graph_rebuilds_total, prefix_cache_hit_tokens_total,
+  prompt_tokens_computed_total (prefill rows actually run)                                counters
+``adapter`` is the adapter id ("none": no adapter; a stacked request counts once per
+adapter), bounded by ``loraplane.metrics.BoundedLabels``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, BoundedLabels
+from worker.serving.request import GenRequest
+
+PREFIX = "loraplane_worker_"
+
+
+class WorkerMetrics:
+    """The worker's metric objects in their own registry (one per engine: tests run several
+    engines in one process)."""
+
+    def __init__(self, stats: Callable[[], Any], *, adapter_label_cap: int,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.labels = BoundedLabels(adapter_label_cap)
+        r = self.registry
+        self.requests = Counter(PREFIX + "requests", "Requests by outcome and adapter.",
+                                ["outcome", "adapter"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.",
+                                     ["adapter"], registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.",
+                                         ["adapter"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Admission to first token.",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Admission to last token.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.adapter_loads = Counter(PREFIX + "adapter_loads", "Adapters loaded.", registry=r)
+        self.adapter_evictions = Counter(PREFIX + "adapter_evictions", "Adapters freed.", registry=r)
+        r.register(_StatsCollector(stats))
+
+    def adapter_labels(self, ids: tuple[int, ...]) -> list[str]:
+        return [self.labels(str(i)) for i in ids] or [NO_ADAPTER_LABEL]
+
+    # -- scheduler observer ------------------------------------------------------------
+    def on_token(self, req: GenRequest, now: float) -> None:
+        if req.last_token_at is not None:
+            self.itl.observe(now - req.last_token_at)
+
+    def on_finish(self, req: GenRequest, outcome: str) -> None:
+        for label in self.adapter_labels(req.adapter_ids):
+            self.requests.labels(outcome, label).inc()
+            self.prompt_tokens.labels(label).inc(len(req.prompt))
+            self.generation_tokens.labels(label).inc(len(req.generated))
+        if req.first_token_at is not None:
+            self.ttft.observe(req.first_token_at - req.admitted_at)
+            self.e2e.observe((req.last_token_at or req.first_token_at) - req.admitted_at)
+
+    # -- engine hooks --------------------------------------------------------------------
+    def on_rejected(self, adapter_ids: tuple[int, ...]) -> None:
+        for label in self.adapter_labels(adapter_ids):
+            self.requests.labels("rejected", label).inc()
+
+    def on_adapter_loaded(self) -> None:
+        self.adapter_loads.inc()
+
+    def on_adapter_freed(self) -> None:
+        self.adapter_evictions.inc()
+
+
+class _StatsCollector:
+    """Scrape-time view of ``WorkerEngine.stats()`` (a ``WorkerStatsRecord``)."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        record = self._stats()
+        s = record.scheduler
+        gauges = {"slots": ("Parallel sequences.", s.n_slots),
+                  "slots_busy": ("Slots holding a request.", s.slots_busy),
+                  "requests_running": ("Requests in a slot (prefill or decode).", s.slots_busy),
+                  "requests_waiting": ("Requests queued for a slot.", s.queue_depth),
+                  "queue_limit": ("Waiting requests allowed before RESOURCE_EXHAUSTED.", s.queue_limit),
+                  "adapters_loaded": ("Adapters registered on this worker.", len(record.adapter_ids))}
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        counters = {"graph_reuses": ("Decode steps whose cached LoRA plan was reused.", s.graph_reuses),
+                    "graph_rebuilds": ("Decode steps that rebuilt the LoRA plan.", s.graph_rebuilds),
+                    "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.",
+                                                s.prefix_cache_hit_tokens),
+                    "prompt_tokens_computed": ("Prompt rows computed (cache misses).", s.prompt_tokens_computed)}
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
