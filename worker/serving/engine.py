@@ -29,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -95,21 +95,22 @@ class WorkerStatsRecord:
     adapter_ids: list[int]
     node_budget: int
     adapter_bytes: int
-    max_loras: int
-    max_cpu_loras: int
-    resident_adapters: int
-    host_adapters: int
-    known_adapters: int
-    page_ins: int
-    evictions: int
-    page_in_bytes: int
-    host_evictions: int
-    fetches: int
-    fetch_bytes: int
-    fetch_failures: int
-    pool_bytes: int
-    resident_adapter_ids: list[int]
-    host_adapter_ids: list[int]
+    # adapter paging (issue 12): pool and host cache sizes, counts, counters
+    max_loras: int = 0
+    max_cpu_loras: int = 0
+    resident_adapters: int = 0
+    host_adapters: int = 0
+    known_adapters: int = 0
+    page_ins: int = 0
+    evictions: int = 0
+    page_in_bytes: int = 0
+    host_evictions: int = 0
+    fetches: int = 0
+    fetch_bytes: int = 0
+    fetch_failures: int = 0
+    pool_bytes: int = 0
+    resident_adapter_ids: list[int] = field(default_factory=list)
+    host_adapter_ids: list[int] = field(default_factory=list)
 
 
 def max_piece_bytes(tokenizer) -> int:
