@@ -159,3 +159,39 @@ def test_token_embd_side_branch_follows_slots():
     side = side_branches(pool)
     assert list(side) == ["token_embd.weight"] and side["token_embd.weight"].col_slot.tolist() == [1, 1]
     assert "token_embd.weight" not in pool.weights
+
+
+# --- fetch into the worker's cache ----------------------------------------------------------
+def test_fetch_to_file_verifies_the_hash_and_leaves_nothing_on_failure(tmp_path):
+    import hashlib
+
+    from worker.errors import AdapterFetchError
+    from worker.serving.engine import FetchError, fetch_to_file
+
+    data = b"GGUF" + bytes(range(256)) * 5
+    sha = hashlib.sha256(data).hexdigest()
+
+    def good(digest: str):
+        assert digest == sha
+        yield data[:100]
+        yield data[100:]
+
+    target = tmp_path / f"{sha}.gguf"
+    assert fetch_to_file(good, 3, sha, target) == len(data) and target.read_bytes() == data
+
+    def other(digest: str):
+        yield b"not the adapter"
+
+    bad = tmp_path / "bad.gguf"
+    with pytest.raises(AdapterFetchError, match="hash mismatch") as info:
+        fetch_to_file(other, 4, sha, bad)
+    assert "adapter 4" in str(info.value) and not info.value.not_found
+    assert list(tmp_path.iterdir()) == [target]  # no partial file
+
+    def missing(digest: str):
+        raise FetchError("NOT_FOUND: no registered adapter has sha256 x", not_found=True)
+        yield b""  # pragma: no cover - makes this a generator
+
+    with pytest.raises(AdapterFetchError, match="fetching sha256 .* failed: NOT_FOUND") as info:
+        fetch_to_file(missing, 5, sha, tmp_path / "m.gguf")
+    assert info.value.not_found and list(tmp_path.iterdir()) == [target]

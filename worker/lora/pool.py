@@ -43,6 +43,7 @@ Rules (SGLang ``lora_manager``, vLLM ``LRUCacheLoRAModelManager``):
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -111,7 +112,8 @@ class AcquireResult:
 class LoraPool:
     """``max_loras`` adapter slots over every patched weight, with LRU paging and pinning.
 
-    Not thread-safe: one owner thread (the worker's scheduler loop, or a test) calls it.
+    One owner thread (the worker's scheduler loop, or a test) changes it; other threads may
+    only read ``resident_shas()`` (a locked snapshot, for stats and heartbeats).
 
     Args:
         max_loras: slot count ``S`` (vLLM ``max_loras``).
@@ -137,10 +139,16 @@ class LoraPool:
         self.stats = PoolStats()
         self._tick = 0
         self._pinned_sha: set[str] = set()
+        self._by_sha_lock = threading.Lock()  # guards by_sha against readers on other threads
 
     # --- queries --------------------------------------------------------------------------
     def slot_of(self, sha256: str) -> int | None:
         return self.by_sha.get(sha256)
+
+    def resident_shas(self) -> set[str]:
+        """Content hashes of the resident adapters (safe from any thread)."""
+        with self._by_sha_lock:
+            return set(self.by_sha)
 
     def resident(self) -> list[LoraAdapter]:
         """Adapters in slots, by slot index."""
@@ -253,7 +261,8 @@ class LoraPool:
         info = self.slots[slot]
         if info.adapter is None:
             return
-        del self.by_sha[info.adapter.sha256]
+        with self._by_sha_lock:
+            del self.by_sha[info.adapter.sha256]
         for w in self.weights.values():
             if w.rank_of[slot]:
                 w.factor[slot] = 0.0
@@ -262,7 +271,16 @@ class LoraPool:
         self.generation += 1
 
     def _page_in(self, adapter: LoraAdapter, slot: int) -> None:
-        """Copy ``adapter`` into ``slot`` in place (evicting its occupant)."""
+        """Copy ``adapter`` into ``slot`` in place (evicting its occupant).
+
+        Raises:
+            ValueError: a rank above ``max_lora_rank`` (checked before anything changes;
+                the worker refuses such adapters at load, so this is an internal guard).
+        """
+        too_big = [f"{n}: rank {p.rank}" for n, p in adapter.pairs.items() if p.rank > self.max_lora_rank]
+        if too_big:
+            raise ValueError(f"adapter '{adapter.name}' exceeds --max-lora-rank {self.max_lora_rank}: "
+                             f"{', '.join(too_big)}")
         if self.slots[slot].adapter is not None:
             self.stats.evictions += 1
             self._clear(slot)
@@ -271,8 +289,6 @@ class LoraPool:
             if not is_pooled(name, pair):
                 continue
             r = pair.rank
-            if r > self.max_lora_rank:
-                raise ValueError(f"{name}: rank {r} exceeds --max-lora-rank {self.max_lora_rank}")
             w = self._weight(name, pair)
             w.a[slot, :r].copy_(pair.lora_a)
             w.bt[slot, :r].copy_(pair.lora_b.T)
@@ -283,7 +299,8 @@ class LoraPool:
             w.rank_of[slot] = r
             nbytes += (pair.lora_a.numel() + pair.lora_b.numel()) * w.a.element_size()
         self.slots[slot] = SlotInfo(adapter=adapter, pinned=False)
-        self.by_sha[adapter.sha256] = slot
+        with self._by_sha_lock:
+            self.by_sha[adapter.sha256] = slot
         if adapter.sha256 in self._pinned_sha:
             self.slots[slot].pinned = self._may_pin(slot)
         self.stats.page_ins += 1

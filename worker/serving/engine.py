@@ -131,6 +131,35 @@ def prompt_byte_limit(n_ctx_slot: int, piece_bytes: int) -> int:
     return (n_ctx_slot - 1) * piece_bytes
 
 
+def fetch_to_file(fetcher: Fetcher, adapter_id: int, sha256: str, target: Path) -> int:
+    """Stream ``fetcher(sha256)`` into ``target`` through a temporary file, keeping it only if
+    the bytes hash to ``sha256``; returns the byte count.
+
+    Raises:
+        AdapterFetchError: the fetcher failed (``not_found`` kept), or a hash mismatch; no
+            file is left behind either way.
+    """
+    h = hashlib.sha256()
+    tmp = target.with_suffix(f".part-{uuid.uuid4().hex[:8]}")
+    n = 0
+    try:
+        with open(tmp, "wb") as f:
+            for piece in fetcher(sha256):
+                h.update(piece)
+                f.write(piece)
+                n += len(piece)
+    except FetchError as exc:
+        tmp.unlink(missing_ok=True)
+        raise AdapterFetchError(f"adapter {adapter_id}: fetching sha256 {sha256} from the control plane "
+                                f"failed: {exc}", not_found=exc.not_found) from exc
+    if h.hexdigest() != sha256:
+        tmp.unlink(missing_ok=True)
+        raise AdapterFetchError(f"adapter {adapter_id}: fetched bytes hash to {h.hexdigest()}, "
+                                f"expected sha256 {sha256} (hash mismatch)")
+    os.replace(tmp, target)
+    return n
+
+
 class WorkerEngine:
     """Holds the model, context, scheduler and adapter table of one worker process."""
 
@@ -273,7 +302,7 @@ class WorkerEngine:
         over = len(by_id) - cap
         if over <= 0:
             return
-        resident = set(self.ctx.pool.by_sha)
+        resident = self.ctx.pool.resident_shas()
         for aid in list(self._host_lru):
             if over <= 0:
                 break
@@ -354,26 +383,11 @@ class WorkerEngine:
         if self.fetcher is None:
             raise AdapterFetchError(f"adapter {adapter_id}: worker {self.worker_id} has no bytes for it and no "
                                     "control plane to fetch them from")
-        h = hashlib.sha256()
-        tmp = target.with_suffix(f".part-{uuid.uuid4().hex[:8]}")
-        n = 0
         try:
-            with open(tmp, "wb") as f:
-                for piece in self.fetcher(sha256):
-                    h.update(piece)
-                    f.write(piece)
-                    n += len(piece)
-        except FetchError as exc:
-            tmp.unlink(missing_ok=True)
+            n = fetch_to_file(self.fetcher, adapter_id, sha256, target)
+        except AdapterFetchError:
             self.counters.fetch_failures += 1
-            raise AdapterFetchError(f"adapter {adapter_id}: fetching sha256 {sha256} from the control plane "
-                                    f"failed: {exc}", not_found=exc.not_found) from exc
-        if h.hexdigest() != sha256:
-            tmp.unlink(missing_ok=True)
-            self.counters.fetch_failures += 1
-            raise AdapterFetchError(f"adapter {adapter_id}: fetched bytes hash to {h.hexdigest()}, "
-                                    f"expected sha256 {sha256} (hash mismatch)")
-        os.replace(tmp, target)
+            raise
         self.counters.fetches += 1
         self.counters.fetch_bytes += n
         log.info("adapter fetched", adapter_id=adapter_id, sha256=sha256, bytes=n)
@@ -523,7 +537,7 @@ class WorkerEngine:
                             for a in ads.values() for p in a.pairs.values())
         pool = self.ctx.pool
         known = self.known()
-        resident_sha = set(pool.by_sha)
+        resident_sha = pool.resident_shas()
         return WorkerStatsRecord(
             worker_id=self.worker_id, batching=self.config.batching.value,
             prefix_cache=self.config.prefix_cache.value, model=str(self.base.path),
@@ -542,8 +556,8 @@ class WorkerEngine:
     def residency(self) -> tuple[list[int], list[int]]:
         """(ids resident in slots, ids with host tensors) — what heartbeats report."""
         known = self.known()
-        resident_sha = set(self.ctx.pool.by_sha)
+        resident_sha = self.ctx.pool.resident_shas()
         return (sorted(i for i, k in known.items() if k.sha256 in resident_sha), sorted(self.adapters()))
 
 
-__all__ = ["FetchError", "Fetcher", "KnownAdapter", "WorkerEngine", "WorkerStatsRecord"]
+__all__ = ["FetchError", "Fetcher", "fetch_to_file", "KnownAdapter", "WorkerEngine", "WorkerStatsRecord"]
