@@ -42,7 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--smoke", action="store_true", help="the smallest run that exercises everything (tests)")
     ap.add_argument("--json", dest="json_out", metavar="OUT", help="write all results as JSON to OUT")
     ap.add_argument("--markdown", metavar="OUT", help="write the tables as Markdown to OUT")
-    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype (default f32)")
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                    help="activation/compute dtype of the in-process model and the workers (default f32)")
+    ap.add_argument("--weights", choices=["packed", "dequant"], default="packed",
+                    help="base weight form, in-process and in the workers (worker --weights): packed = GGUF "
+                         "quantized matrices multiplied by our kernels (default); dequant = the f32 reference")
     ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="default cpu")
     ap.add_argument("--model", metavar="GGUF", help="base model (default: the embedded Gemma 3 270M)")
     ap.add_argument("--only", metavar="LIST", help="comma-separated scenarios to run: 1-6 or "
@@ -51,14 +55,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, help="requests per serving run")
     ap.add_argument("--max-tokens", type=int, help="output tokens per serving request")
     ap.add_argument("--ks", metavar="LIST", help="adapter counts for serving, e.g. 0,1,4,16")
+    ap.add_argument("--single-requests", type=int, help="requests of the 1-stream serving row (0: no such row)")
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
     ap.add_argument("--work-dir", metavar="DIR", help="where adapters, data dirs and logs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (server logs) afterwards")
     ap.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
     ap.add_argument("--omp-wait-policy", choices=["inherit", "passive", "active"], default="inherit",
-                    help="OMP_WAIT_POLICY for this process and every server it starts (default: leave the "
-                         "environment as it is). passive keeps a shared machine usable (spinning OpenMP threads "
-                         "collapse when another process takes a core) but makes every small op slower")
+                    help="OMP_WAIT_POLICY for this process and every server it starts (default: inherit the "
+                         "environment; unset, the worker's own default PASSIVE applies, in-process too). "
+                         "passive keeps a shared machine usable (spinning OpenMP threads collapse when another "
+                         "process takes a core); active spins")
     return ap
 
 
@@ -82,10 +88,9 @@ def _have_rich() -> bool:
 
 
 def _load_avg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "-"
+    from bench.machine import load_avg
+
+    return load_avg()
 
 
 class _Log:
@@ -131,14 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         # read by the OpenMP runtime when torch loads: set before the import; the servers
         # started later inherit it through the environment
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    import worker  # noqa: F401 - sets the worker's default OMP_WAIT_POLICY (PASSIVE) before torch loads
     import torch
+
+    from bench.machine import machine_info
 
     from bench.profiles import PROFILES, with_overrides
     from bench.report import print_section, render_markdown, sections_for
 
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     profile = with_overrides(PROFILES[name], reps=args.reps, requests=args.requests,
-                             max_tokens=args.max_tokens, ks=ks)
+                             max_tokens=args.max_tokens, ks=ks, single_requests=args.single_requests)
     log = _Log()
     use_rich = _have_rich() and not args.plain
     run_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="loraplane-bench-"))
@@ -147,14 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "bench": "loraplane", "version": 1, "profile": name, "seed": args.seed,
         "command": "loraplane bench " + " ".join(argv), "selected": selected,
-        "params": profile.to_json() | {"dtype": args.dtype, "device": args.device,
+        "params": profile.to_json() | {"dtype": args.dtype, "device": args.device, "weights": args.weights,
                                        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")},
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "platform": platform.platform(),
+                    **machine_info(args.weights, args.device, args.dtype),
                     "load_avg_start": _load_avg()},
         "llama_server": llama_server, "scenarios": {}, "errors": [],
     }
     log(f"profile {name}: {json.dumps(profile.to_json())}")
+    log(f"machine: {json.dumps(result['machine'])}")
     log(f"work dir {run_dir}" + (f"; llama-server peer {llama_server}" if llama_server else ""))
     t_start = time.monotonic()
 
@@ -171,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc(file=sys.stderr)
             result["scenarios"][key] = {"error": msg}
             result["errors"].append({"scenario": key, "error": msg})
-        for s in sections_for(key, result["scenarios"][key]):
+        for s in sections_for(key, result["scenarios"][key], result["machine"]):
             print_section(s, use_rich=use_rich)
         sys.stdout.flush()
 
@@ -223,8 +233,8 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
     if in_process:
         from worker.runtime.model import load_model
 
-        log(f"loading {model_path} in-process ({args.dtype}, {args.device})")
-        base = load_model(model_path, dtype=args.dtype, device=args.device)
+        log(f"loading {model_path} in-process ({args.dtype}, {args.device}, weights {args.weights})")
+        base = load_model(model_path, dtype=args.dtype, device=args.device, weights=args.weights)
         arch, tensors, bos = base.arch, base.tensor_ne, base.tokenizer.bos_id
     else:
         from worker.gguf.reader import read_gguf
@@ -239,24 +249,17 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
         from bench.engine import run_engine
 
         record("engine", lambda: run_engine(base, engine_adapter, profile, seed=args.seed, log=log))
+    roofline_part: dict = {}
     if "roofline" in selected:
-        from bench.engine import measure_bandwidth
-        from bench.roofline import run_roofline
-
-        def roofline() -> dict:
-            bw = measure_bandwidth(profile.bw_mib, max(9, profile.reps), base.device)
-            log(f"roofline: copy bandwidth {bw['gb_s']['median']:.1f} GB/s")
-            engine = result["scenarios"].get("engine")
-            if not engine or "error" in engine:
-                from bench.engine import run_engine
-                from bench.profiles import with_overrides
-
-                engine = run_engine(base, engine_adapter, with_overrides(profile, decode_batches=(1,)),
-                                    seed=args.seed, log=log)
-            adapter_bytes = engine["adapter_bytes"]
-            return run_roofline(base, bw, engine, adapter_bytes)
-
-        record("roofline", roofline)
+        # the in-process half now (it needs the loaded model); the table is recorded after the
+        # serving scenario, which adds the worker's RSS and the 1-stream per-token times
+        try:
+            roofline_part["value"] = _roofline_in_process(base, profile, engine_adapter, result, args, log)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported under "roofline"
+            traceback.print_exc(file=sys.stderr)
+            roofline_part["error"] = exc
     if base is not None:
         del base
         gc.collect()
@@ -265,7 +268,8 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
         from bench.serving import ServingContext, run_multitenant, run_prefix
 
         sc = ServingContext(profile=profile, seed=args.seed, run_dir=run_dir, factory=factory, dtype=args.dtype,
-                            device=args.device, bos=bos, model_path=model_path, llama_server=llama_server, log=log)
+                            device=args.device, bos=bos, model_path=model_path, llama_server=llama_server, log=log,
+                            weights=args.weights)
         if "serving" in selected:
             lifecycle_hook = _lifecycle_hook(factory, profile, bos, log) if "lifecycle" in selected else None
             holder: dict = {}
@@ -287,6 +291,32 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
             from bench.paging import run_paging
 
             record("paging", lambda: run_paging(sc, arch, tensors, log))
+    if "roofline" in selected:
+        from bench.roofline import add_serving
+
+        def roofline() -> dict:
+            if "error" in roofline_part:
+                raise roofline_part["error"]
+            return add_serving(roofline_part["value"], result["scenarios"].get("serving"))
+
+        record("roofline", roofline)
+
+
+def _roofline_in_process(base, profile, engine_adapter, result, args, log) -> dict:
+    """Scenario 5's in-process measurements: copy bandwidth, bytes, the B=1 decode step."""
+    from bench.engine import measure_bandwidth
+    from bench.roofline import run_roofline
+
+    bw = measure_bandwidth(profile.bw_mib, max(9, profile.reps), base.device)
+    log(f"roofline: copy bandwidth {bw['gb_s']['median']:.1f} GB/s")
+    engine = result["scenarios"].get("engine")
+    if not engine or "error" in engine:
+        from bench.engine import run_engine
+        from bench.profiles import with_overrides
+
+        engine = run_engine(base, engine_adapter, with_overrides(profile, decode_batches=(1,)),
+                            seed=args.seed, log=log)
+    return run_roofline(base, bw, engine, engine["adapter_bytes"])
 
 
 def _unwrap(lc):
@@ -319,7 +349,7 @@ def _lifecycle_alone(sc, factory, profile, bos, log) -> dict:
     from bench.servers import LoraplaneServers, start_all
 
     srv = LoraplaneServers(sc.run_dir, "lifecycle", slots=profile.slots, batching="mixed", prefix_cache="keyed",
-                           dtype=sc.dtype, device=sc.device, model_path=sc.model_path)
+                           dtype=sc.dtype, device=sc.device, model_path=sc.model_path, weights=sc.weights)
     log("lifecycle: starting control plane + worker")
     start_all([srv])
     try:

@@ -79,7 +79,8 @@ def llama_server_driver(server) -> Driver:
                 timings = payload.get("timings") or {}
                 res.telemetry = {"prompt_n": timings.get("prompt_n"), "cache_n": timings.get("cache_n"),
                                  "tokens_cached": payload.get("tokens_cached"),
-                                 "predicted_n": timings.get("predicted_n")}
+                                 "predicted_n": timings.get("predicted_n"),
+                                 "predicted_per_token_ms": timings.get("predicted_per_token_ms")}
                 if timings.get("predicted_n"):
                     res.n_tokens = int(timings["predicted_n"])
     return run

@@ -23,6 +23,8 @@ class Profile:
         streams / slots / requests / max_tokens / prompt_tokens / ks: multi-tenant serving:
             concurrent closed-loop client streams, worker slots, requests per run, output
             tokens per request (``ignore_eos``), prompt length, adapter counts swept.
+        single_requests: requests of the 1-stream row (K=0, one closed-loop stream, same
+            output length; 0 = no such row).
         prefix_*: prefix reuse: shared system prompt length, requests per run, adapters they
             alternate among, worker slots, user tokens after the system prompt, output tokens.
         lifecycle_adapters / lifecycle_samples: adapters registered for the memory figures,
@@ -46,6 +48,7 @@ class Profile:
     max_tokens: int = 64
     prompt_tokens: int = 16
     ks: tuple[int, ...] = (0, 1, 4, 16)
+    single_requests: int = 8
     prefix_len: int = 256
     prefix_requests: int = 8
     prefix_adapters: int = 4
@@ -69,12 +72,12 @@ class Profile:
 
 
 FULL = Profile("full", reps=3, requests=32, max_tokens=32)
-QUICK = Profile("quick", reps=1, decode_steps=4, requests=16, max_tokens=12, ks=(0, 4),
+QUICK = Profile("quick", reps=1, decode_steps=4, requests=16, max_tokens=12, ks=(0, 4), single_requests=4,
                 prefix_requests=8, lifecycle_adapters=16, lifecycle_samples=2, bw_mib=128,
                 paging_adapters=100, paging_fit=8, paging_max_loras=8, paging_max_cpu_loras=24,
                 paging_requests=48, paging_warmup=8, paging_max_tokens=8, paging_streams=8)
 SMOKE = Profile("smoke", reps=1, pp_tokens=64, decode_steps=2, decode_ctx=8, streams=4, slots=4,
-                requests=4, max_tokens=4, prompt_tokens=8, ks=(0, 4), prefix_len=32,
+                requests=4, max_tokens=4, prompt_tokens=8, ks=(0, 4), prefix_len=32, single_requests=2,
                 prefix_requests=6, prefix_user_tokens=4, prefix_max_tokens=2,
                 lifecycle_adapters=4, lifecycle_samples=1, bw_mib=32,
                 paging_adapters=6, paging_fit=2, paging_max_loras=2, paging_max_cpu_loras=3,

@@ -62,7 +62,7 @@ def serving_sections(sv: dict) -> list[Section]:
                 ["workload", "server", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
                  "ITL p99 ms", "mean batch", "errors"])
     for key in sv["workloads"]:
-        arms = [(f"ours, {m}", sv["modes"][m][key]) for m in ("mixed", "compat")]
+        arms = [(f"ours, {m}", sv["modes"][m][key]) for m in ("mixed", "compat") if key in sv["modes"][m]]
         if peer:
             arms.append(("llama-server", peer["runs"][key]))
         for label, d in arms:
@@ -71,10 +71,19 @@ def serving_sections(sv: dict) -> list[Section]:
                            str(d["n_errors"])])
     s.notes.append("K = number of rank-8 adapters in the traffic (K=0: base model only); rr = round-robin, "
                    "zipf = Zipf(1.0) popularity; mean batch = sequences in the ubatch that produced each token")
+    if sv.get("single_key"):
+        line = (f"{sv['single_key']}: one closed-loop stream, {sv['single_requests']} requests × {sv['max_tokens']} "
+                f"tokens, base model (ours: the mixed worker; compat is identical with one sequence)")
+        if peer and peer["runs"].get(sv["single_key"], {}).get("per_token_ms"):
+            line += (f"; llama-server's own timings.predicted_per_token_ms "
+                     f"{_fig(peer['runs'][sv['single_key']]['per_token_ms'])}")
+        s.notes.append(line)
+    if sv.get("weights"):
+        s.notes.append(f"workers: --weights {sv['weights']}")
     cols = ["workload", "mixed/compat tok/s"] + (["ours (mixed)/llama-server tok/s"] if peer else [])
     r = Section("2b. Throughput ratios (medians)", cols)
     for key in sv["workloads"]:
-        row = [key, _x(sv["mixed_over_compat"][key])]
+        row = [key, _x(sv["mixed_over_compat"].get(key))]
         if peer:
             row.append(_x(sv["ours_over_llama_server"][key]))
         r.rows.append(row)
@@ -140,18 +149,42 @@ def roofline_section(rf: dict) -> Section:
     s = Section(f"5. Roofline of a decode step (memory-bound), measured copy bandwidth "
                 f"{_fig(bw['gb_s'])} GB/s", ["figure", "bytes/step", "bound ms/step", "bound tok/s (B=1)",
                                              "achieved ms/step (B=1)", "achieved/bound"])
-    s.rows.append([f"ours, weights as held ({rf['dtype']})", f"{rf['weight_bytes_per_step'] / MIB:.0f} MiB",
-                   fmt(rf["bound_ms"]), fmt(rf["bound_tok_s_b1"]), fmt(rf.get("achieved_ms")),
-                   _pct(rf.get("achieved_over_bound"))])
-    s.rows.append(["ours + one r8 adapter", f"{(rf['weight_bytes_per_step'] + rf['adapter_bytes']) / MIB:.0f} MiB",
+    held = rf.get("weights", "held")
+    s.rows.append([f"ours, weights as held ({held}, {rf['dtype']} activations)",
+                   f"{rf['weight_bytes_per_step'] / MIB:.1f} MiB", fmt(rf["bound_ms"]), fmt(rf["bound_tok_s_b1"]),
+                   fmt(rf.get("achieved_ms")), _pct(rf.get("achieved_over_bound"))])
+    s.rows.append(["ours + one r8 adapter", f"{(rf['weight_bytes_per_step'] + rf['adapter_bytes']) / MIB:.1f} MiB",
                    fmt(rf["bound_lora_ms"]), fmt(1e3 / rf["bound_lora_ms"]), fmt(rf.get("achieved_lora_ms")),
                    _pct(rf.get("achieved_over_bound_lora"))])
-    s.rows.append(["llama.cpp, Q4_K_M file", f"{rf['q4_k_m_file_bytes'] / MIB:.0f} MiB", fmt(rf["bound_q4_k_m_ms"]),
-                   fmt(rf["bound_q4_k_m_tok_s_b1"]), fmt(rf.get("achieved_ms")),
-                   _pct(rf.get("achieved_over_bound_q4_k_m"))])
-    s.notes.append("achieved/bound = bound step time / achieved step time (1.0 = at the roofline); the last row "
-                   "compares our achieved step with what a Q4_K_M reader could reach")
+    s.rows.append(["ours (in-process B=1 step) vs the GGUF's own tensor bytes",
+                   f"{rf['gguf_bytes_per_step'] / MIB:.1f} MiB", fmt(rf["bound_gguf_ms"]),
+                   fmt(rf["bound_gguf_tok_s_b1"]), fmt(rf.get("achieved_ms")),
+                   _pct(rf.get("achieved_over_bound_gguf"))])
+    if rf.get("ours_1stream_itl_p50_ms") is not None:
+        s.rows.append(["ours, 1-stream serving (ITL p50, gRPC worker)", f"{rf['gguf_bytes_per_step'] / MIB:.1f} MiB",
+                       fmt(rf["bound_gguf_ms"]), fmt(rf["bound_gguf_tok_s_b1"]),
+                       fmt(rf["ours_1stream_itl_p50_ms"]),
+                       _pct(_div(rf["bound_gguf_ms"], rf["ours_1stream_itl_p50_ms"]))])
+    if rf.get("llama_server_1stream_per_token_ms") is not None:
+        s.rows.append(["llama-server, 1-stream (timings.predicted_per_token_ms)",
+                       f"{rf['gguf_bytes_per_step'] / MIB:.1f} MiB", fmt(rf["bound_gguf_ms"]),
+                       fmt(rf["bound_gguf_tok_s_b1"]), fmt(rf["llama_server_1stream_per_token_ms"]),
+                       _pct(rf.get("llama_server_over_bound_gguf"))])
+    s.notes.append(f"weights held by the model: {rf['weight_bytes_held'] / MIB:.1f} MiB vs the GGUF's tensor bytes "
+                   f"{rf['gguf_tensor_bytes'] / MIB:.1f} MiB = {_x(rf['held_over_gguf'])} (issue 10 target ≤ 1.50×)"
+                   + (f"; worker process RSS after loading (no adapters) {rf['worker_rss_bytes'] / MIB:.0f} MiB "
+                      f"(anonymous {rf['worker_rss_anon_bytes'] / MIB:.0f} MiB)" if rf.get("worker_rss_bytes") else ""))
+    s.notes.append("achieved/bound = bound step time / achieved step time (1.0 = at the roofline); the in-process step "
+                   "computes logits for the row but does no sampling; the 1-stream serving figures include "
+                   "sampling and the transport")
     return s
+
+
+def _div(a, b):
+    try:
+        return a / b if b else None
+    except TypeError:
+        return None
 
 
 def _pct(r: float | None) -> str:
@@ -189,14 +222,21 @@ BUILDERS = {"engine": lambda d: [engine_section(d)], "serving": serving_sections
             "roofline": lambda d: [roofline_section(d)], "paging": lambda d: [paging_section(d)]}
 
 
-def sections_for(key: str, d: dict) -> list[Section]:
-    """The table(s) of one scenario's results (one FAILED row when it raised)."""
+def sections_for(key: str, d: dict, machine: dict | None = None) -> list[Section]:
+    """The table(s) of one scenario's results (one FAILED row when it raised); with
+    ``machine`` (the JSON's section) each table's notes name the CPU, its flags, the kernels
+    and the OpenMP wait policy."""
     if "error" in d:
         return [Section(f"{key}: FAILED", ["error"], [[d["error"]]])]
     out = BUILDERS[key](d)
     if "load_avg" in d:
         out[-1].notes.append(f"machine load average (1/5/15 min): {d['load_avg']['before']} before, "
                              f"{d['load_avg']['after']} after")
+    if machine:
+        from bench.machine import machine_line
+
+        for sec in out:
+            sec.notes.append(machine_line(machine))
     return out
 
 
@@ -206,7 +246,7 @@ def sections(result: dict) -> list[Section]:
     for key in BUILDERS:
         d = result["scenarios"].get(key)
         if d is not None:
-            out += sections_for(key, d)
+            out += sections_for(key, d, result.get("machine"))
     return out
 
 
@@ -218,6 +258,10 @@ def header_lines(result: dict) -> list[str]:
         f"machine: {m['cpus']} CPUs, torch {m['torch']} ({m['torch_threads']} threads), python {m['python']}, "
         f"load average at start {m['load_avg_start']}, at end {m.get('load_avg_end', '-')}; "
         f"OMP_WAIT_POLICY={p.get('omp_wait_policy') or '(unset)'}",
+        f"CPU: {m.get('cpu_model', '?')}; flags: {' '.join(m.get('cpu_flags', [])) or '-'}"
+        f" (absent: {' '.join(m.get('cpu_flags_missing', [])) or 'none'}); "
+        f"matmuls: {(m.get('kernels') or {}).get('summary', '?')}; activation dtype {p.get('dtype', '?')}, "
+        f"weights {p.get('weights', '?')}",
         f"command: {result['command']}",
     ]
 

@@ -6,6 +6,11 @@ rank-8 adapters, adapters picked round-robin or by Zipf(1.0) popularity. Two wor
 by side, ``--batching mixed`` and ``--batching compat`` (both ``--prefix-cache keyed``), and
 repetitions alternate between them so machine noise hits both alike.
 
+Plus a 1-stream row (``K=0 1-stream``): ``single_requests`` requests on one closed-loop
+stream, base model, same output length — the latency a lone user sees (ours: the mixed
+worker only, compat is the same thing with one sequence; llama-server: also its own
+``timings.predicted_per_token_ms``).
+
 Scenario 3: a shared ``prefix_len``-token system prompt, requests sent one at a time and
 alternating among ``prefix_adapters`` adapters, on workers with ``prefix_slots`` slots —
 fewer slots than adapters, the case llama-server's one-prompt-per-slot cache cannot cover —
@@ -49,11 +54,16 @@ class ServingContext:
     model_path: str
     llama_server: str | None
     log: Callable[[str], None]
+    weights: str = "packed"
 
 
-def workloads(ks) -> list[tuple[int, str]]:
-    """``(K, distribution)``: K ≤ 1 has one distribution; larger K both rr and zipf."""
-    out = []
+SINGLE = "1-stream"
+
+
+def workloads(ks, single: bool = False) -> list[tuple[int, str]]:
+    """``(K, distribution)``: K ≤ 1 has one distribution; larger K both rr and zipf; with
+    ``single``, first the 1-stream base row ``(0, "1-stream")``."""
+    out = [(0, SINGLE)] if single else []
     for k in ks:
         if k == 0:
             out.append((0, "base"))
@@ -77,8 +87,8 @@ def serving_specs(sc: ServingContext, k: int, dist: str, rep: int, *, n: int | N
                   max_tokens: int | None = None) -> list[RequestSpec]:
     """The request list of one run; adapters are named by index 0..K-1 (mapped per server)."""
     p = sc.profile
-    n = p.requests if n is None else n
-    code = {"base": 0, "single": 1, "rr": 2, "zipf": 3}[dist]
+    n = (p.single_requests if dist == SINGLE else p.requests) if n is None else n
+    code = {"base": 0, "single": 1, "rr": 2, "zipf": 3, SINGLE: 4}[dist]
     rng = np.random.default_rng((sc.seed, 2, k, code, rep + 1000))
     picks = (zipf_choices(rng, k, n) if dist == "zipf" else [i % k for i in range(n)]) if k else []
     specs = []
@@ -98,8 +108,14 @@ def _mapped(inner, id_map: list[int]):
     return run
 
 
+def streams_of(sc: ServingContext, dist: str) -> int:
+    return 1 if dist == SINGLE else sc.profile.streams
+
+
 def _aggregate(runs: list[dict]) -> dict:
     out = {f: Figure.of([r[f] for r in runs]).to_json() for f in RUN_FIGURES}
+    if runs and "per_token_ms" in runs[0]:
+        out["per_token_ms"] = Figure.of([r["per_token_ms"] for r in runs], "ms").to_json()
     out["n_errors"] = sum(r["n_errors"] for r in runs)
     out["errors"] = [e for r in runs for e in r["errors"]][:5]
     out["requests"] = runs[0]["requests"] if runs else 0
@@ -116,18 +132,22 @@ def run_multitenant(sc: ServingContext,
     """Scenario 2 (and, through ``keep_for_lifecycle``, scenario 4 on the mixed worker
     before it stops). Returns ``(scenario 2 results, what keep_for_lifecycle returned)``."""
     p = sc.profile
-    wls = workloads(p.ks)
+    wls = workloads(p.ks, single=p.single_requests > 0)
     max_k = max(p.ks)
     paths = sc.factory.paths(max_k)
     modes = ("mixed", "compat")
     servers = {m: LoraplaneServers(sc.run_dir, f"serving-{m}", slots=p.slots, batching=m, prefix_cache="keyed",
                                    dtype=sc.dtype, device=sc.device, n_ctx=p.prompt_tokens + p.max_tokens + 64,
-                                   model_path=sc.model_path)
+                                   model_path=sc.model_path, weights=sc.weights)
                for m in modes}
-    sc.log(f"serving: starting control plane + worker for {', '.join(modes)} ({p.slots} slots each)")
+    sc.log(f"serving: starting control plane + worker for {', '.join(modes)} ({p.slots} slots each, "
+           f"weights {sc.weights})")
     start_all(list(servers.values()))
-    runs: dict[str, dict[str, list[dict]]] = {m: {wl_key(*w): [] for w in wls} for m in modes}
+    runs: dict[str, dict[str, list[dict]]] = {m: {wl_key(*w): [] for w in wls if m == "mixed" or w[1] != SINGLE}
+                                              for m in modes}
     lifecycle = None
+    rss: dict[str, dict[str, int]] = {m: {"loaded": s.worker_rss(), "loaded_anon": s.worker_rss("RssAnon")}
+                                      for m, s in servers.items()}
     try:
         ids = {m: _register(s, paths) for m, s in servers.items()}
         drivers = {m: _mapped(loraplane_driver(s.client), ids[m]) for m, s in servers.items()}
@@ -139,13 +159,17 @@ def run_multitenant(sc: ServingContext,
             for k, dist in wls:
                 specs = serving_specs(sc, k, dist, rep)
                 for m in modes:
-                    res, wall = run_closed_loop(drivers[m], specs, p.streams)
+                    if wl_key(k, dist) not in runs[m]:
+                        continue
+                    res, wall = run_closed_loop(drivers[m], specs, streams_of(sc, dist))
                     s = summarize(res, wall)
                     runs[m][wl_key(k, dist)].append(s)
                     sc.log(f"serving: rep {rep + 1}/{p.reps} {wl_key(k, dist)} {m}: {s['tok_s']:.1f} tok/s, "
                            f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.0f} ms, "
                            f"mean batch {s['mean_batch']:.1f}" + (f", {s['n_errors']} errors" if s["n_errors"] else ""))
         worker_stats = {m: _stats_json(s) for m, s in servers.items()}
+        for m, s in servers.items():
+            rss[m]["after_runs"] = s.worker_rss()
         if keep_for_lifecycle is not None:
             lifecycle = keep_for_lifecycle(servers["mixed"])
     finally:
@@ -156,11 +180,12 @@ def run_multitenant(sc: ServingContext,
         "prompt_tokens": p.prompt_tokens, "ks": list(p.ks), "prefix_cache": "keyed",
         "workloads": [wl_key(*w) for w in wls],
         "modes": {m: {key: _aggregate(v) for key, v in runs[m].items()} for m in modes},
-        "worker_stats": worker_stats,
+        "single_requests": p.single_requests, "single_key": wl_key(0, SINGLE) if p.single_requests else None,
+        "worker_stats": worker_stats, "worker_rss": rss, "weights": sc.weights,
     }
     out["mixed_over_compat"] = {key: ratio(out["modes"]["mixed"][key]["tok_s"]["median"],
                                            out["modes"]["compat"][key]["tok_s"]["median"])
-                                for key in out["workloads"]}
+                                for key in out["workloads"] if key in out["modes"]["compat"]}
     if sc.llama_server:
         out["llama_server"] = _peer_multitenant(sc, wls, paths)
         out["ours_over_llama_server"] = {
@@ -191,8 +216,11 @@ def _peer_multitenant(sc: ServingContext, wls, paths) -> dict:
         run_closed_loop(driver, warm, p.streams)
         for rep in range(p.reps):
             for k, dist in wls:
-                res, wall = run_closed_loop(driver, serving_specs(sc, k, dist, rep), p.streams)
+                res, wall = run_closed_loop(driver, serving_specs(sc, k, dist, rep), streams_of(sc, dist))
                 s = summarize(res, wall)
+                per_tok = [float(r.telemetry["predicted_per_token_ms"]) for r in res
+                           if r.error is None and r.telemetry.get("predicted_per_token_ms") is not None]
+                s["per_token_ms"] = float(np.median(per_tok)) if per_tok else math.nan
                 runs[wl_key(k, dist)].append(s)
                 sc.log(f"serving: rep {rep + 1}/{p.reps} {wl_key(k, dist)} llama-server: {s['tok_s']:.1f} tok/s, "
                        f"TTFT p50 {s['ttft_p50_ms']:.0f} ms" + (f", {s['n_errors']} errors" if s["n_errors"] else ""))
@@ -240,7 +268,7 @@ def run_prefix(sc: ServingContext) -> dict:
     servers = {pol: LoraplaneServers(sc.run_dir, f"prefix-{pol}", slots=p.prefix_slots, batching="mixed",
                                      prefix_cache=pol, dtype=sc.dtype, device=sc.device,
                                      n_ctx=p.prefix_len + p.prefix_user_tokens + p.prefix_max_tokens + 64,
-                                     model_path=sc.model_path)
+                                     model_path=sc.model_path, weights=sc.weights)
                for pol in policies}
     sc.log(f"prefix: starting control plane + worker for --prefix-cache {' and '.join(policies)} "
            f"({p.prefix_slots} slots each)")

@@ -41,6 +41,13 @@ from tests.worker_service_helpers import (CALL_TIMEOUT, Result, WorkerProcess, f
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
+# The workers run the default path (packed GGUF weights, int16 activations per block of 32).
+# Results that are exactly equal on the f32 reference (checked in-process at 1e-4 in
+# tests/test_model_parity.py and tests/test_runtime.py with weights="dequant") differ here by
+# the few activation rounding steps that a last-bit float difference upstream can move (KV
+# computed in another ubatch shape, another batch composition); measured up to 2.3e-3.
+SAME_RESULT_TOL = 3e-3
+
 ADAPTER_FILES = {0: "shout.gguf", 1: "sea.gguf", 2: "shout_embd.gguf", 3: "critic_alora.gguf"}
 SHOUT, SEA, SHOUT_EMBD, CRITIC = 0, 1, 2, 3
 INVOCATION_SUFFIX = "\n<start_of_turn>shout\n"
@@ -189,7 +196,7 @@ def test_base_rows_in_a_mixed_batch_equal_a_base_only_run(mix_runs):
     d = np.abs(np.array(base.logprobs) - np.array(alone["base"].logprobs))
     print(f"\nbase rows in mixed batch vs base only: max |d| = {d.max():.2e}")
     assert base.tokens == alone["base"].tokens
-    assert d.max() <= 1e-4
+    assert d.max() <= SAME_RESULT_TOL
 
 
 # --- 4. A→B→A on the same prefix under both cache policies ----------------------------------
@@ -221,7 +228,7 @@ def test_aba_prefix_cache(workers, mode):
         worst = max(worst, float(np.max(np.abs(np.array(r.logprobs) - np.array(a_cold.logprobs)))))
     print(f"\n{mode}: A->B->A vs cold max |d| = {worst:.2e}; A2 cached={a2.telemetry.cached_prompt_tokens} "
           f"cleared={a2.telemetry.cache_cleared} reason={a2.telemetry.cache_clear_reason!r}")
-    assert worst <= 1e-4
+    assert worst <= SAME_RESULT_TOL
     n_prompt = len(a1.prompt_ids)
     if mode == "mixed":  # keyed: B never sees A's prefix, A finds its own again
         assert all(r.telemetry.prefix_cache == "keyed" for r in (a1, a2))
@@ -276,7 +283,7 @@ def test_alora_without_invocation_is_base(mixed):
     assert list(alora.telemetry.adapters) == []  # dropped: scale 0 for this request
     assert alora.tokens == base.tokens
     d = np.abs(np.array(alora.logprobs) - np.array(base.logprobs))
-    assert d.max() <= 1e-4
+    assert d.max() <= SAME_RESULT_TOL
 
 
 def test_alora_shares_the_base_prefix_in_the_keyed_cache(mixed):
@@ -294,7 +301,7 @@ def test_alora_shares_the_base_prefix_in_the_keyed_cache(mixed):
           f"activation at {start}")
     assert 0 < warm.telemetry.cached_prompt_tokens <= start
     assert warm.tokens == cold.tokens
-    assert np.max(np.abs(np.array(warm.logprobs) - np.array(cold.logprobs))) <= 1e-4
+    assert np.max(np.abs(np.array(warm.logprobs) - np.array(cold.logprobs))) <= SAME_RESULT_TOL
     # and the adapter really acts after the invocation
     assert warm.tokens != mixed.run(gen("alora-share-base2", text=alora_text, adapters=[], max_tokens=12)).tokens
 

@@ -191,9 +191,15 @@ class WorkerContext:
         )
 
     def _decode_rows(self, ub: UBatch, groups: dict[int, list[int]]) -> DecodeRows | None:
-        """The one-row sequences, ordered by KV-cache row (for the batched decode attention)."""
+        """The one-row sequences, ordered by KV-cache row (for the batched decode attention).
+
+        Every one-row sequence takes that path, even alone, so a decode row's attention is the
+        same computation whatever else shares its ubatch (mixed vs compat batching, batched vs
+        alone): the per-span path sums in another order, and on the packed default path that
+        last-bit difference can move int16 activation roundings downstream.
+        """
         single = sorted((self.kv.row_of[seq], rows[0]) for seq, rows in groups.items() if len(rows) == 1)
-        if len(single) < 2:
+        if not single:
             return None
         dev = self.model.device
         cache_rows = [r for r, _ in single]
@@ -220,7 +226,7 @@ class WorkerContext:
             raise DecodeError(f"set_index out of range: {n_sets} active adapter sets")
         inputs = self._inputs(ub, set_index)
         plan, reused = self._get_plan()
-        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype)
+        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype, self.model.fused)
         logits = self.arch.build_graph(gctx, self.model.hparams)
         for span in inputs.spans:
             self.kv.commit(span.seq_id, span.pos0 + span.n)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from worker.runtime.kernels import QuantLinear
+from worker.runtime.kernels import QuantLinear, quantize_activations, resolve_path
 from worker.runtime.kv_cache import KVCache
 from worker.lora.plan import FusedLora, LoraPlan
 
@@ -67,7 +67,7 @@ class GraphInputs:
         pos: int64 ``(n,)``.
         spans: rows grouped per sequence, positions contiguous within each.
         out_rows: int64 ``(n_out,)`` rows whose logits are wanted (``build_inp_out_ids``).
-        decode_rows: the sequences that feed exactly one row (None: fewer than two such).
+        decode_rows: the sequences that feed exactly one row (None: there are none).
         row_set: int64 ``(n,)`` the LoRA routing: each row's index into the plan's adapter
             sets (vLLM ``token_lora_indices``), expanded to per-row slot scales.
     """
@@ -91,11 +91,15 @@ class GraphContext:
             scales (it follows the output-row cut).
         kv: the context's KV cache (K/V of this ubatch are appended to it).
         dtype: compute dtype.
+        fused: ``(names...) -> QuantLinear`` packed weights that share an input, concatenated
+            along the output rows (``worker.runtime.model.fuse_projections``); used by
+            ``build_lora_mm_group``.
     """
 
     def __init__(self, weights: dict[str, Any], inputs: GraphInputs, plan: LoraPlan,
-                 kv: KVCache, dtype: torch.dtype):
+                 kv: KVCache, dtype: torch.dtype, fused: dict[tuple[str, ...], QuantLinear] | None = None):
         self.w = weights
+        self.fused = fused or {}
         self.inp = inputs
         self.plan = plan
         self.kv = kv
@@ -197,6 +201,51 @@ class GraphContext:
         y = y + (xa.view(n, u * rk) @ w.bt[:u].reshape(u * rk, -1)).to(y.dtype)
         self.n_nodes += 4
         return y
+
+    def build_lora_mm_group(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """``build_lora_mm(name, x)`` for several weights that read the same ``x``, with as few
+        kernel calls as their packed forms allow: a run of ``names`` fused at load
+        (``self.fused``) is one matmul whose output is split; when more than one packed call
+        remains, ``x`` is quantized once (``quantize_activations``) and shared. Results equal
+        the separate calls bit for bit (rows and output rows are independent in the kernels).
+        Each weight's LoRA branch is then added as in ``build_lora_mm``.
+        """
+        calls: list[tuple[tuple[str, ...], Any]] = []
+        i = 0
+        while i < len(names):
+            for j in range(len(names), i + 1, -1):
+                fw = self.fused.get(tuple(names[i:j]))
+                if fw is not None:
+                    calls.append((tuple(names[i:j]), fw))
+                    i = j
+                    break
+            else:
+                calls.append(((names[i],), self.w[names[i]]))
+                i += 1
+        packed = [w for _, w in calls if isinstance(w, QuantLinear) and w.qw is not None]
+        xin: Any = x
+        if len(packed) > 1 and x.device.type == "cpu" and x.dim() == 2 and x.shape[-1] % 32 == 0 \
+                and resolve_path() != "torch":
+            xin = quantize_activations(x)
+        out: list[torch.Tensor] = []
+        for group, w in calls:
+            if isinstance(w, QuantLinear):
+                y = w.matmul(xin if w.qw is not None else x).to(x.dtype)
+            else:
+                y = x @ w.T
+            if len(group) == 1:
+                out.append(y)
+            else:
+                out += list(torch.split(y, [self.w[n].d for n in group], dim=-1))
+        for idx, name in enumerate(names):
+            self.n_nodes += 1
+            fw = self.plan.fused.get(name)
+            if fw is not None:
+                xa = x @ fw.lora_a.T
+                out[idx] = out[idx] + ((xa * self.plan.row_scales(fw, self.row_set, xa.dtype)) @ fw.lora_b.T
+                                       ).to(out[idx].dtype)
+                self.n_nodes += 4
+        return out
 
     def build_lora_mm_id(self, name: str, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Expert matmul routed by ``expert_ids`` (``ggml_mul_mat_id``) plus the experts' LoRA.
@@ -316,8 +365,7 @@ class GraphContext:
     def build_ffn(self, x: torch.Tensor, *, up: str, gate: str, down: str, act: str) -> torch.Tensor:
         """Gated FFN ``down(act(gate x) * up x)`` (``LLM_FFN_PAR``); act "silu" or "gelu"
         (ggml_gelu = tanh approximation)."""
-        g = self.build_lora_mm(gate, x)
-        u = self.build_lora_mm(up, x)
+        g, u = self.build_lora_mm_group((gate, up), x)
         self.n_nodes += 2
         return self.build_lora_mm(down, _act(g, act) * u)
 

@@ -76,6 +76,8 @@ class BaseModel:
         tensor_ne: tensor name → ggml ``ne`` of every base tensor (what adapters validate against).
         tokenizer: built from ``tokenizer.ggml.*``.
         device / dtype: where and in what the forward pass runs.
+        fused: ``(names...) -> QuantLinear``: each layer's q/k/v and gate/up that share a
+            packed form, concatenated (``fuse_projections``; the members are views into it).
     """
 
     path: Path
@@ -88,6 +90,7 @@ class BaseModel:
     device: torch.device
     dtype: torch.dtype
     weight_form: str = "packed"
+    fused: dict[tuple[str, ...], QuantLinear] = field(default_factory=dict)
     _sha256: str | None = field(default=None, repr=False)
 
     @property
@@ -171,8 +174,69 @@ def load_model(path: str | os.PathLike[str] | None = None, *, dtype: str = "f32"
         del arr, t
     tensor_ne = {name: rec.ne for name, rec in gf.tensors.items()}
     tok = Tokenizer.from_gguf(gf)
-    return BaseModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, weights)
+    fused = fuse_projections(held, hparams.n_layer) if weights == "packed" and dev.type == "cpu" else {}
+    return BaseModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, weights, fused)
+
+
+FUSE_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+"""Per-layer weights that read the same input: fused into one packed matmul where their
+storage form matches (``blk.{il}.{name}.weight``)."""
+
+
+def _fuse_key(w: QuantLinear) -> tuple | None:
+    if w.qw is None:
+        return None
+    return (w.ggml_type, w.k, w.bs, w.signed, w.offset, w.bias is None, w.qw.shape[1:], w.scale.shape[1:])
+
+
+def fuse_projections(weights: dict[str, Weight], n_layer: int) -> dict[tuple[str, ...], QuantLinear]:
+    """Concatenate the packed weights of each layer's q/k/v (and gate/up) that share a storage
+    form into one ``QuantLinear`` along the output rows, so one kernel call (one activation
+    quantization, one OpenMP region) serves them all.
+
+    No bytes are added: each member's ``qw`` / ``scale`` / ``bias`` becomes a view into the
+    fused tensors (16-row groups are the outer dimension, and every member's ``d`` is a
+    multiple of 16, so a member is a contiguous slice). Rows are computed independently by the
+    kernels, so the fused product equals the separate ones bit for bit.
+
+    Returns:
+        ``(names...) -> fused QuantLinear`` for every fused run of ≥ 2 consecutive members.
+    """
+    out: dict[tuple[str, ...], QuantLinear] = {}
+    for il in range(n_layer):
+        for group in FUSE_GROUPS:
+            names = [f"blk.{il}.{g}.weight" for g in group]
+            ws = [weights.get(n) for n in names]
+            i = 0
+            while i < len(names):  # maximal runs of consecutive members with the same form
+                w0 = ws[i]
+                key = _fuse_key(w0) if isinstance(w0, QuantLinear) and w0.d % 16 == 0 else None
+                j = i + 1
+                while key is not None and j < len(names) and isinstance(ws[j], QuantLinear) \
+                        and ws[j].d % 16 == 0 and _fuse_key(ws[j]) == key:
+                    j += 1
+                if j - i >= 2:
+                    out[tuple(names[i:j])] = _fuse(ws[i:j])
+                i = j
+    return out
+
+
+def _fuse(ws: list[QuantLinear]) -> QuantLinear:
+    qw = torch.cat([w.qw for w in ws])
+    scale = torch.cat([w.scale for w in ws])
+    bias = None if ws[0].bias is None else torch.cat([w.bias for w in ws])
+    fused = QuantLinear("+".join(w.name for w in ws), ws[0].ggml_type, ws[0].k, sum(w.d for w in ws),
+                        ws[0].device, qw=qw, scale=scale, bias=bias, bs=ws[0].bs, signed=ws[0].signed,
+                        offset=ws[0].offset)
+    g = 0
+    for w in ws:  # members become views: the bytes are held once
+        n = w.qw.shape[0]
+        w.qw, w.scale = qw[g: g + n], scale[g: g + n]
+        if bias is not None:
+            w.bias = bias[g: g + n]
+        g += n
+    return fused
 
 
 __all__ = ["BaseModel", "ModelError", "GGUFError", "WEIGHT_FORMS", "Weight", "load_model", "pick_device",
-           "default_model_path"]
+           "default_model_path", "fuse_projections"]

@@ -40,7 +40,7 @@ from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.alora import resolve_alora
 from worker.lora.pool import PoolExhaustedError
 from worker.runtime.context import DecodeError, WorkerContext
-from worker.runtime.sampling import SamplingParams
+from worker.runtime.sampling import SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
 from worker.serving.output import IncrementalDetokenizer, StopMatcher, finish_reason, prompt_token_logprobs
 from worker.serving.prefix_store import PrefixCache
@@ -326,15 +326,27 @@ class Scheduler:
                         batching=self.config.batching.value)
         row_of = {r: i for i, r in enumerate(res.out_rows)}
         first = 0
+        parts = []
         for s, rows in plan.parts:
-            self._after_rows(s, rows, res.logits, [row_of.get(first + j, -1) for j in range(len(rows))], step)
+            parts.append((s, rows, [row_of.get(first + j, -1) for j in range(len(rows))]))
             first += len(rows)
+        # greedy rows that sample this step: one batched log_softmax + argmax for all of them
+        greedy = [out_idx[-1] for s, rows, out_idx in parts
+                  if s.sampler is not None and s.sampler.greedy and rows[-1] + 1 >= len(s.request.prompt)
+                  and out_idx[-1] >= 0]
+        pre: dict[int, tuple[torch.Tensor, int]] = {}
+        if len(greedy) > 1:
+            logp, tok = greedy_rows(res.logits, greedy)
+            pre = {r: (logp[i], tok[i]) for i, r in enumerate(greedy)}
+        for s, rows, out_idx in parts:
+            self._after_rows(s, rows, res.logits, out_idx, step, pre.get(out_idx[-1]))
         log.debug("step", n=len(plan.ubatch), slots=len(plan.parts), sets=len(plan.sets),
                   ms=(time.monotonic() - t0) * 1000)
 
     def _after_rows(self, slot: Slot, rows: list[int], logits: torch.Tensor, out_idx: list[int],
-                    step: StepInfo) -> None:
-        """Record the rows in the slot's cache, then (once the prompt is done) sample."""
+                    step: StepInfo, pre: tuple[torch.Tensor, int] | None = None) -> None:
+        """Record the rows in the slot's cache, then (once the prompt is done) sample
+        (``pre``: this row's batched ``(log_softmax, argmax)`` for a greedy sampler)."""
         req = slot.request
         slot.last_step = self._step
         n_prompt = len(req.prompt)
@@ -355,7 +367,10 @@ class Scheduler:
             plp = [None, *req.prompt_logprobs] if req.params.prompt_logprobs else None
             req.emit(StartedEvent(list(req.prompt), plp))
         assert slot.sampler is not None
-        sampled = slot.sampler.sample(logits[out_idx[-1]])
+        if pre is not None:
+            sampled = slot.sampler.sample(logits[out_idx[-1]], logp=pre[0], argmax=pre[1])
+        else:
+            sampled = slot.sampler.sample(logits[out_idx[-1]])
         now = time.monotonic()
         if req.first_token_at is None:
             req.first_token_at = now

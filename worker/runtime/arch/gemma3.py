@@ -81,9 +81,10 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
         b = f"blk.{il}."
         swa = hp.is_swa(il)
         cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-        q = ctx.build_lora_mm(b + "attn_q.weight", cur).view(n, hp.n_head, hp.n_embd_head_k)
-        k = ctx.build_lora_mm(b + "attn_k.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_k)
-        v = ctx.build_lora_mm(b + "attn_v.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_v)
+        q, k, v = ctx.build_lora_mm_group((b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), cur)
+        q = q.reshape(n, hp.n_head, hp.n_embd_head_k)
+        k = k.reshape(n, hp.n_head_kv, hp.n_embd_head_k)
+        v = v.reshape(n, hp.n_head_kv, hp.n_embd_head_v)
         q = ctx.build_norm(q, b + "attn_q_norm.weight", hp.eps)
         k = ctx.build_norm(k, b + "attn_k_norm.weight", hp.eps)
         base = hp.rope_freq_base_swa if swa else hp.rope_freq_base
