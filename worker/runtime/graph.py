@@ -189,6 +189,10 @@ class GraphContext:
         """
         y = self.base_mm(name, x)
         self.n_nodes += 1
+        return self._add_lora(name, x, y)
+
+    def _add_lora(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y + Σ_s S[:, s] · B_s (A_s x)`` over the used slots (``build_lora_mm``'s branch)."""
         if self.row_slot is None:
             return y
         w = self.plan.pool.weights.get(name)
@@ -239,12 +243,7 @@ class GraphContext:
                 out += list(torch.split(y, [self.w[n].d for n in group], dim=-1))
         for idx, name in enumerate(names):
             self.n_nodes += 1
-            fw = self.plan.fused.get(name)
-            if fw is not None:
-                xa = x @ fw.lora_a.T
-                out[idx] = out[idx] + ((xa * self.plan.row_scales(fw, self.row_set, xa.dtype)) @ fw.lora_b.T
-                                       ).to(out[idx].dtype)
-                self.n_nodes += 4
+            out[idx] = self._add_lora(name, x, out[idx])
         return out
 
     def build_lora_mm_id(self, name: str, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
