@@ -294,3 +294,23 @@ def test_kv_import_after_decode_outside_inference_mode():
     snap = kv.export(1, 100)
     assert kv.import_(2, snap, 80) == 80 and kv.seq_len(2) == 80
     assert torch.equal(kv.k[0][kv.row_of[2], :80], torch.ones(80, 1, 2))
+
+
+# --- admission with the slot pool (issue 12) -------------------------------------------------
+def test_admission_resident_first_with_bounded_bypass():
+    from worker.lora.pool import LoraPool
+    from worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order
+
+    pool = LoraPool(2, 8)
+    pool.acquire([A])
+    pool.release([A])  # A resident, unheld
+    head = request([1, 2], AdapterSet.of({1: (B, 1.0)}))
+    warm = request([1, 2], AdapterSet.of({0: (A, 1.0)}))
+    base = request([1, 2], EMPTY_SET)  # no adapters: always "resident"
+    cold = request([1, 2], AdapterSet.of({5: (adapter("cccc", seed=9), 1.0)}))
+    assert admission_order([head, warm, cold, base], pool) == [warm, base, head, cold]
+    head.bypassed = MAX_BYPASS  # passed over enough: strict FIFO until it gets in
+    assert admission_order([head, warm, cold, base], pool) == [head]
+    many = [head] + [request([1, 2], AdapterSet.of({0: (A, 1.0)})) for _ in range(ADMIT_LOOKAHEAD + 3)]
+    head.bypassed = 0
+    assert len(admission_order(many, pool)) == ADMIT_LOOKAHEAD  # a bounded window

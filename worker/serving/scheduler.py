@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,7 +38,7 @@ from worker.config import Batching, WorkerConfig
 from worker.errors import DecodeFailedError, InvalidRequestError, QueueFullError, WorkerError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.alora import resolve_alora
-from worker.lora.pool import PoolExhaustedError
+from worker.lora.pool import LoraPool, PoolExhaustedError
 from worker.runtime.context import DecodeError, WorkerContext
 from worker.runtime.sampling import SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
@@ -81,6 +81,17 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int
     prompt_tokens_computed: int
     tokens_generated: int
+
+
+def admission_order(queue: Sequence[GenRequest], pool: LoraPool) -> list[GenRequest]:
+    """The queued requests admission tries, in order (module docstring): the head alone once
+    it was passed over ``MAX_BYPASS`` times; else, among the first ``ADMIT_LOOKAHEAD``, those
+    whose adapters are all resident in ``pool`` first, then the rest, FIFO within each."""
+    head = queue[0]
+    window = [head] if head.bypassed >= MAX_BYPASS else list(queue)[:ADMIT_LOOKAHEAD]
+    resident = [r for r in window if all(pool.slot_of(a.sha256) is not None for _, a, _ in r.adapter_set.entries)]
+    ids = {id(r) for r in resident}  # identity: requests are dataclasses with value equality
+    return resident + [r for r in window if id(r) not in ids]
 
 
 class Scheduler:
@@ -260,10 +271,7 @@ class Scheduler:
         none can get its adapters resident now (it waits). Rules: module docstring."""
         pool = self.ctx.pool
         head = self.queue[0]
-        window = [head] if head.bypassed >= MAX_BYPASS else list(self.queue)[:ADMIT_LOOKAHEAD]
-        resident = [r for r in window
-                    if all(pool.slot_of(a.sha256) is not None for _, a, _ in r.adapter_set.entries)]
-        for req in resident + [r for r in window if r not in resident]:
+        for req in admission_order(self.queue, pool):
             adapters = [a for _, a, _ in req.adapter_set.entries]
             t0 = time.monotonic()
             was = {a.sha256: pool.slot_of(a.sha256) is not None for a in adapters}
@@ -292,7 +300,7 @@ class Scheduler:
             req = self._next_admissible()
             if req is None:
                 return
-            self.queue.remove(req)
+            del self.queue[next(i for i, r in enumerate(self.queue) if r is req)]
             slot = self.cache_policy.pick_slot(free, req)
             try:
                 n = self.cache_policy.attach(slot, req, self.ctx.kv)
