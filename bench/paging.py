@@ -107,7 +107,7 @@ def run_paging(sc, arch: str, base_tensors: dict, log: Callable[[str], None]) ->
     disk = sum(q.stat().st_size for q in paths[:n])
     flags = ("--max-loras", str(p.paging_max_loras), "--max-cpu-loras", str(p.paging_max_cpu_loras),
              "--max-lora-rank", "16")
-    out: dict = {"adapters": n, "fit": p.paging_fit, "disk_mib": disk / 2**20, "max_loras": p.paging_max_loras,
+    out: dict = {"adapters": n, "fit_adapters": p.paging_fit, "disk_mib": disk / 2**20, "max_loras": p.paging_max_loras,
                  "max_cpu_loras": p.paging_max_cpu_loras, "streams": p.paging_streams,
                  "requests": p.paging_requests, "max_tokens": p.paging_max_tokens, "ranks": list(RANKS)}
     bos = sc.bos

@@ -196,7 +196,7 @@ def paging_section(d: dict) -> Section:
     def n(x, f="{:.1f}"):
         return "-" if x is None else f.format(x)
     sec = Section(f"6. adapter paging: {d['adapters']} adapters ({d['disk_mib']:.0f} MiB F16 on disk, ranks "
-                  f"{'/'.join(map(str, d['ranks']))}, attention) vs {d['fit']} that fit; --max-loras {d['max_loras']} "
+                  f"{'/'.join(map(str, d['ranks']))}, attention) vs {d['fit_adapters']} that fit; --max-loras {d['max_loras']} "
                   f"--max-cpu-loras {d['max_cpu_loras']}; {d['streams']} streams × {d['requests']} requests × "
                   f"{d['max_tokens']} tokens, Zipf(1.0)",
                   ["run", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "page-ins/req", "evictions/req", "fetches/req",
