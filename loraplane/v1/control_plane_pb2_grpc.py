@@ -173,7 +173,9 @@ class ControlPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchAdapter(self, request, context):
-        """Workers fetch an adapter's bytes by content hash the first time they need it.
+        """Workers fetch an adapter's bytes by content hash the first time they need it (1 MiB
+        chunks; NOT_FOUND when no registered adapter has that content or its bytes are gone).
+        Needs the worker secret, like membership, when the control plane has one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
