@@ -30,7 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
-SCENARIOS = {"1": "engine", "2": "serving", "3": "prefix", "4": "lifecycle", "5": "roofline"}
+SCENARIOS = {"1": "engine", "2": "serving", "3": "prefix", "4": "lifecycle", "5": "roofline", "6": "paging"}
 DEFAULT_SEED = 1234
 
 
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                          "quantized matrices multiplied by our kernels (default); dequant = the f32 reference")
     ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="default cpu")
     ap.add_argument("--model", metavar="GGUF", help="base model (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--only", metavar="LIST", help="comma-separated scenarios to run: 1-5 or "
+    ap.add_argument("--only", metavar="LIST", help="comma-separated scenarios to run: 1-6 or "
                     + ", ".join(SCENARIOS.values()) + " (default: all)")
     ap.add_argument("--reps", type=int, help="repetitions per figure (overrides the profile)")
     ap.add_argument("--requests", type=int, help="requests per serving run")
@@ -76,7 +76,7 @@ def _selected(only: str | None) -> list[str]:
         item = item.strip()
         name = SCENARIOS.get(item, item)
         if name not in SCENARIOS.values():
-            raise ValueError(f"--only: unknown scenario '{item}' (expected 1-5 or {', '.join(SCENARIOS.values())})")
+            raise ValueError(f"--only: unknown scenario '{item}' (expected 1-6 or {', '.join(SCENARIOS.values())})")
         out.append(name)
     return out
 
@@ -264,7 +264,7 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
         del base
         gc.collect()
 
-    if "serving" in selected or "prefix" in selected or "lifecycle" in selected:
+    if "serving" in selected or "prefix" in selected or "lifecycle" in selected or "paging" in selected:
         from bench.serving import ServingContext, run_multitenant, run_prefix
 
         sc = ServingContext(profile=profile, seed=args.seed, run_dir=run_dir, factory=factory, dtype=args.dtype,
@@ -287,6 +287,10 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
             record("lifecycle", lambda: _lifecycle_alone(sc, factory, profile, bos, log))
         if "prefix" in selected:
             record("prefix", lambda: run_prefix(sc))
+        if "paging" in selected:
+            from bench.paging import run_paging
+
+            record("paging", lambda: run_paging(sc, arch, tensors, log))
     if "roofline" in selected:
         from bench.roofline import add_serving
 

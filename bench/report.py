@@ -191,9 +191,35 @@ def _pct(r: float | None) -> str:
     return "-" if r is None or not math.isfinite(r) else f"{r:.2f}"
 
 
+def paging_section(d: dict) -> Section:
+    """Scenario 6: the many-adapters run beside the all-fit run."""
+    def n(x, f="{:.1f}"):
+        return "-" if x is None else f.format(x)
+    sec = Section(f"6. adapter paging: {d['adapters']} adapters ({d['disk_mib']:.0f} MiB F16 on disk, ranks "
+                  f"{'/'.join(map(str, d['ranks']))}, attention) vs {d['fit_adapters']} that fit; --max-loras {d['max_loras']} "
+                  f"--max-cpu-loras {d['max_cpu_loras']}; {d['streams']} streams × {d['requests']} requests × "
+                  f"{d['max_tokens']} tokens, Zipf(1.0)",
+                  ["run", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "page-ins/req", "evictions/req", "fetches/req",
+                   "cold TTFT p50 ms", "resident TTFT p50 ms", "worker RSS 10 → all MiB", "CP KiB/registration"])
+    for label in ("fit", "many"):
+        r = d[label]
+        by = r.get("ttft_by_source_ms", {})
+        cold = by.get("fetched") or by.get("loaded")
+        sec.rows.append([label, n(r["tok_s"]), n(r["ttft_p50_ms"], "{:.0f}"), n(r["ttft_p99_ms"], "{:.0f}"),
+                         n(r["page_ins_per_request"], "{:.2f}"), n(r["evictions_per_request"], "{:.2f}"),
+                         n(r["fetches_per_request"], "{:.2f}"), n(cold and cold["p50"], "{:.0f}"),
+                         n(by.get("resident", {}).get("p50"), "{:.0f}"),
+                         f"{r['worker_rss_10_mib']:.0f} → {r['worker_rss_all_mib']:.0f}",
+                         n(r.get("cp_rss_per_registration_kib"))])
+    sec.notes.append(f"tok/s many/fit = {n(d['tok_s_ratio_many_over_fit'], '{:.2f}')} (target ≥ 0.80); worker RSS "
+                     f"all/10 = {d['worker_rss_ratio_all_over_10']:.2f} (target ≤ 1.10); register → first token for "
+                     f"an adapter no worker holds: {d['many'].get('register_to_first_token_ms', 0):.0f} ms")
+    return sec
+
+
 BUILDERS = {"engine": lambda d: [engine_section(d)], "serving": serving_sections,
             "prefix": lambda d: [prefix_section(d)], "lifecycle": lambda d: [lifecycle_section(d)],
-            "roofline": lambda d: [roofline_section(d)]}
+            "roofline": lambda d: [roofline_section(d)], "paging": lambda d: [paging_section(d)]}
 
 
 def sections_for(key: str, d: dict, machine: dict | None = None) -> list[Section]:

@@ -69,13 +69,14 @@ class LoraplaneServers:
 
     def __init__(self, run_dir: Path, name: str, *, slots: int, batching: str, prefix_cache: str,
                  dtype: str, device: str, n_ctx: int = 1024, model_path: str | None = None,
-                 weights: str = "packed"):
+                 weights: str = "packed", worker_args: Sequence[str] = ()):
         self.dir = Path(run_dir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.flags = dict(slots=slots, batching=batching, prefix_cache=prefix_cache, dtype=dtype,
                           device=device, n_ctx=n_ctx, weights=weights)
         self.model_path = model_path
+        self.worker_args = tuple(worker_args)
         self.addr = f"127.0.0.1:{free_port()}"
         self.cp: subprocess.Popen | None = None
         self.worker: subprocess.Popen | None = None
@@ -100,7 +101,8 @@ class LoraplaneServers:
         self.worker = self._spawn(
             ["worker", "--control-plane", self.addr, "--addr", "127.0.0.1:0", "--slots", str(f["slots"]),
              "--batching", f["batching"], "--prefix-cache", f["prefix_cache"], "--dtype", f["dtype"],
-             "--weights", f["weights"], "--device", f["device"], "--n-ctx", str(f["n_ctx"]), "--queue-limit", "1024", *model],
+             "--weights", f["weights"], "--device", f["device"], "--n-ctx", str(f["n_ctx"]), "--queue-limit", "1024", *model,
+             *self.worker_args],
             "worker.log")
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:

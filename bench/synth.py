@@ -19,16 +19,19 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+ATTENTION_WEIGHT = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output)\.weight$")
 LINEAR_WEIGHT = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 DEFAULT_RANK = 8
 DEFAULT_ALPHA = 16.0
 
 
-def linear_targets(base_tensors: dict[str, tuple[int, ...]]) -> list[tuple[str, int, int]]:
-    """``(name, k, d)`` of every linear weight a synthetic adapter patches, in layer order."""
+def linear_targets(base_tensors: dict[str, tuple[int, ...]], *,
+                   pattern: re.Pattern[str] = LINEAR_WEIGHT) -> list[tuple[str, int, int]]:
+    """``(name, k, d)`` of every linear weight a synthetic adapter patches, in layer order
+    (``pattern``: all linear weights, or ``ATTENTION_WEIGHT``)."""
     out = []
     for name, ne in base_tensors.items():
-        if LINEAR_WEIGHT.match(name) and len(ne) == 2:
+        if pattern.match(name) and len(ne) == 2:
             out.append((name, int(ne[0]), int(ne[1])))
     if not out:
         raise ValueError("the base model has no attn_*/ffn_* linear weights to patch")
@@ -36,8 +39,10 @@ def linear_targets(base_tensors: dict[str, tuple[int, ...]]) -> list[tuple[str, 
 
 
 def write_adapter(path: Path, *, arch: str, targets: list[tuple[str, int, int]], seed: int,
-                  rank: int = DEFAULT_RANK, alpha: float = DEFAULT_ALPHA, name: str = "") -> Path:
-    """Write one adapter GGUF (F32 A/B) at ``path``; returns ``path``.
+                  rank: int = DEFAULT_RANK, alpha: float = DEFAULT_ALPHA, name: str = "",
+                  dtype: type = np.float32) -> Path:
+    """Write one adapter GGUF (A/B in ``dtype``: F32, or F16 for the paging scenario) at
+    ``path``; returns ``path``.
 
     Args:
         arch: ``general.architecture`` (the base model's).
@@ -53,8 +58,8 @@ def write_adapter(path: Path, *, arch: str, targets: list[tuple[str, int, int]],
     for tname, k, d in targets:
         a = (rng.standard_normal((rank, k), dtype=np.float32) / np.float32(np.sqrt(k)))
         b = rng.standard_normal((d, rank), dtype=np.float32) * np.float32(0.02)
-        writer.add_tensor(f"{tname}.lora_a", a)
-        writer.add_tensor(f"{tname}.lora_b", b)
+        writer.add_tensor(f"{tname}.lora_a", a.astype(dtype))
+        writer.add_tensor(f"{tname}.lora_b", b.astype(dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -227,8 +227,9 @@ def adapters_show(adapter_id: int, **kwargs) -> None:
 @click.option("--name", default=None, help="Display name (default: the file's general.name).")
 @click.option("--server-path", is_flag=True,
               help="FILE is a path on the server: register it without uploading.")
+@click.option("--pin", is_flag=True, help="Pin it: workers never evict it from their slots or host cache.")
 @client_options
-def adapters_add(file: str, name: str | None, server_path: bool, **kwargs) -> None:
+def adapters_add(file: str, name: str | None, server_path: bool, pin: bool, **kwargs) -> None:
     """Register the adapter GGUF FILE or PEFT folder (uploaded in chunks unless --server-path).
 
     A PEFT folder (adapter_config.json + adapter_model.safetensors) is converted like
@@ -252,6 +253,8 @@ def adapters_add(file: str, name: str | None, server_path: bool, **kwargs) -> No
             adapter = client.add_adapter(file, name=name, server_path=server_path, progress=advance)
         except ValueError as err:  # a PEFT folder that cannot be converted (every problem listed)
             raise LoraplaneError("INVALID_ARGUMENT", str(err)) from None
+        if pin:
+            adapter = client.pin_adapter(adapter.id, True)
     from clients.render import print_json
 
     if opts.as_json:
@@ -275,6 +278,34 @@ def adapters_remove(adapter_id: int, **kwargs) -> None:
         print_json({"id": adapter_id, "removed": True})
     else:
         click.echo(f"removed adapter {adapter_id}")
+
+
+def _pin_command(adapter_id: int, pinned: bool, kwargs: dict) -> None:
+    opts = _opts(kwargs)
+    with server_call(opts) as client:
+        adapter = client.pin_adapter(adapter_id, pinned)
+    from clients.render import print_json
+
+    if opts.as_json:
+        print_json(adapter.to_json())
+    else:
+        click.echo(f"{'pinned' if pinned else 'unpinned'} adapter {adapter_id}")
+
+
+@adapters.command("pin")
+@click.argument("adapter_id", metavar="ID", type=click.IntRange(min=0, max=UINT32_MAX))
+@client_options
+def adapters_pin(adapter_id: int, **kwargs) -> None:
+    """Pin adapter ID: workers never evict it from their slot pool or host cache."""
+    _pin_command(adapter_id, True, kwargs)
+
+
+@adapters.command("unpin")
+@click.argument("adapter_id", metavar="ID", type=click.IntRange(min=0, max=UINT32_MAX))
+@client_options
+def adapters_unpin(adapter_id: int, **kwargs) -> None:
+    """Unpin adapter ID (it is evicted by LRU like any other)."""
+    _pin_command(adapter_id, False, kwargs)
 
 
 # ---- default set -------------------------------------------------------------------------

@@ -171,6 +171,13 @@ def worker_runtime_options(f: F) -> F:
                      help="Waiting requests beyond the slots before RESOURCE_EXHAUSTED."),
         click.option("--prefix-cache-tokens", type=click.IntRange(min=0), default=None,
                      help="Token budget of the keyed prefix cache."),
+        click.option("--max-loras", type=click.IntRange(min=1), default=None,
+                     help="Adapter slots in the worker's device pool (default 16); a request may "
+                          "use at most this many adapters."),
+        click.option("--max-cpu-loras", type=click.IntRange(min=1), default=None,
+                     help="Adapters kept in host memory, LRU beyond it (default 128)."),
+        click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+                     help="Largest adapter rank a worker accepts (default 64)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -180,13 +187,16 @@ def worker_runtime_options(f: F) -> F:
 def worker_args(*, model_path: str | None, n_slots: int, batching: str, prefix_cache: str,
                 dtype: str, device: str, n_ctx_slot: int | None, queue_limit: int | None,
                 prefix_cache_tokens: int | None, weight_form: str = "packed",
-                metrics_max_adapters: int | None = None, metrics_addr: str | None = None) -> tuple[str, ...]:
+                metrics_max_adapters: int | None = None, metrics_addr: str | None = None,
+                max_loras: int | None = None, max_cpu_loras: int | None = None,
+                max_lora_rank: int | None = None) -> tuple[str, ...]:
     """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
     args = ["--slots", str(n_slots), "--batching", batching, "--prefix-cache", prefix_cache,
             "--dtype", dtype, "--weights", weight_form, "--device", device]
     optional = {"--model": model_path, "--n-ctx": n_ctx_slot, "--queue-limit": queue_limit,
                 "--prefix-cache-tokens": prefix_cache_tokens,
-                "--metrics-max-adapters": metrics_max_adapters, "--metrics-addr": metrics_addr}
+                "--metrics-max-adapters": metrics_max_adapters, "--metrics-addr": metrics_addr,
+                "--max-loras": max_loras, "--max-cpu-loras": max_cpu_loras, "--max-lora-rank": max_lora_rank}
     for flag, value in optional.items():
         if value is not None:
             args += [flag, str(value)]
@@ -260,6 +270,8 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
               help="PEM certificate: serve TLS (with --tls-key).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM private key of --tls-cert.")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+              help="Refuse registering adapters above this rank (the workers' --max-lora-rank; default 64).")
 @click.pass_context
 def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
                       adapter_dirs: tuple[str, ...], lora: tuple[str, ...],
@@ -309,7 +321,8 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
                model_path: str | None,
                n_slots: int, batching: str, prefix_cache: str, dtype: str, weight_form: str, device: str,
                n_ctx_slot: int | None, queue_limit: int | None,
-               prefix_cache_tokens: int | None) -> None:
+               prefix_cache_tokens: int | None, max_loras: int | None, max_cpu_loras: int | None,
+               max_lora_rank: int | None) -> None:
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM."""
     try:
         from worker.config import Batching, PrefixCachePolicy, WorkerConfig
@@ -318,7 +331,8 @@ def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
         raise click.ClickException(f"the worker is not available: {err}") from None
     optional = {"n_ctx_slot": n_ctx_slot, "queue_limit": queue_limit,
                 "prefix_cache_tokens": prefix_cache_tokens, "metrics_max_adapters": metrics_max_adapters,
-                "metrics_addr": metrics_addr}
+                "metrics_addr": metrics_addr, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
+                "max_lora_rank": max_lora_rank}
     config = make_config(
         WorkerConfig, addr=addr, model_path=model_path, n_slots=n_slots,
         batching=Batching(batching), prefix_cache=PrefixCachePolicy(prefix_cache),
@@ -360,6 +374,7 @@ def serve_cmd(ctx: click.Context, addr: str, data_dir: str, adapter_dirs: tuple[
 
     tuning = {k: options.pop(k) for k in CP_TUNING}
     runtime = options
+    tuning["max_lora_rank"] = runtime.get("max_lora_rank")  # one flag for both processes
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
     run_control_plane, config_cls = load_control_plane()
     addr = resolve_port(addr)

@@ -63,7 +63,7 @@ from clients.results import (
 )
 from clients.peft import is_peft_folder, upload_source
 from clients.wire import adapter_map, generate_request, upload_chunks
-from loraplane.v1 import common_pb2, control_plane_pb2_grpc
+from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 
 __all__ = [
     "Adapter", "AdapterScale", "AsyncLoraplaneClient", "DefaultSet", "FinishedEvent",
@@ -243,6 +243,11 @@ class LoraplaneClient:
         self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id),
                     not_found_is_done=True)
 
+    def pin_adapter(self, adapter_id: int, pinned: bool = True) -> Adapter:
+        """Pin (never evicted from workers' slot pools / host caches) or unpin an adapter."""
+        return Adapter.from_proto(self._unary(
+            "PinAdapter", lambda: control_plane_pb2.PinRequest(id=adapter_id, pinned=pinned)))
+
     # -- default set -----------------------------------------------------------------------
 
     def get_default(self) -> DefaultSet:
@@ -396,6 +401,10 @@ class AsyncLoraplaneClient:
     async def remove_adapter(self, adapter_id: int) -> None:
         await self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id),
                           not_found_is_done=True)
+
+    async def pin_adapter(self, adapter_id: int, pinned: bool = True) -> Adapter:
+        return Adapter.from_proto(await self._unary(
+            "PinAdapter", lambda: control_plane_pb2.PinRequest(id=adapter_id, pinned=pinned)))
 
     async def get_default(self) -> DefaultSet:
         return DefaultSet.from_proto(await self._unary("GetDefaultAdapters", lambda: _EMPTY))

@@ -42,7 +42,7 @@ def _scales_text(entries: Sequence[dict[str, Any]] | dict[int, float]) -> str:
 
 def adapters_table(adapters: Sequence[Adapter]) -> Table:
     table = Table(title="Registered adapters", title_justify="left")
-    for col in ("id", "name", "rank", "alpha", "default", "task", "aLoRA"):
+    for col in ("id", "name", "rank", "alpha", "default", "task", "aLoRA", "pinned"):
         table.add_column(col, justify="right" if col in {"id", "alpha", "default"} else "left")
     table.add_column("sha256", min_width=12, no_wrap=True)
     table.add_column("file", overflow="fold")  # full path: `adapters show ID`
@@ -50,7 +50,7 @@ def adapters_table(adapters: Sequence[Adapter]) -> Table:
         table.add_row(
             str(a.id), a.name, ",".join(map(str, a.ranks)), f"{a.alpha:g}",
             f"{a.default_scale:g}", a.task_name,
-            a.alora_invocation_text or ("yes" if a.is_alora else ""),
+            a.alora_invocation_text or ("yes" if a.is_alora else ""), "yes" if a.pinned else "",
             a.sha256[:12], a.path.replace("\\", "/").rsplit("/", 1)[-1],
         )
     if not adapters:
@@ -83,14 +83,16 @@ def default_table(default: DefaultSet) -> Table:
 def workers_table(workers: Sequence[WorkerInfo]) -> Table:
     table = Table(title="Workers", title_justify="left")
     for col in ("worker", "addr", "state", "heartbeat", "restarts", "slots", "in flight", "adapters",
-                "model"):
+                "resident", "host", "page-ins", "evictions", "fetches", "fetched", "model"):
         table.add_column(col)
     for w in workers:
         table.add_row(
             w.worker_id, w.addr, Text(w.state, style="green" if w.alive else "red"),
             f"{w.last_heartbeat_age_s:.1f}s ago", str(w.restarts), str(w.n_slots), str(w.in_flight),
             ",".join(map(str, w.adapter_ids))
-            + "".join(f" {i}(draining)" for i in w.draining_adapter_ids), w.model,
+            + "".join(f" {i}(draining)" for i in w.draining_adapter_ids),
+            f"{w.resident}/{w.max_loras}", f"{w.host}/{w.max_cpu_loras}", str(w.page_ins),
+            str(w.evictions), str(w.fetches), f"{w.fetch_bytes / 2**20:.1f} MiB", w.model,
         )
     if not workers:
         table.caption = "no workers registered"

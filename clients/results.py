@@ -94,6 +94,7 @@ class Adapter:
     size_bytes: int
     n_nodes: int
     source_format: str = "gguf"
+    pinned: bool = False
 
     @classmethod
     def from_proto(cls, info: common_pb2.AdapterInfo) -> Adapter:
@@ -114,6 +115,7 @@ class Adapter:
             size_bytes=info.size_bytes,
             n_nodes=info.n_nodes,
             source_format=info.source_format or "gguf",
+            pinned=info.pinned,
         )
 
     @property
@@ -139,6 +141,7 @@ class Adapter:
             "size_bytes": self.size_bytes,
             "n_nodes": self.n_nodes,
             "source_format": self.source_format,
+            "pinned": self.pinned,
         }
 
 
@@ -173,11 +176,28 @@ class WorkerInfo:
     in_flight: int
     restarts: int = 0
     draining_adapter_ids: tuple[int, ...] = ()
+    # Adapter paging (issue 12), as of the worker's last heartbeat.
+    resident_adapter_ids: tuple[int, ...] = ()
+    host_adapter_ids: tuple[int, ...] = ()
+    max_loras: int = 0
+    max_cpu_loras: int = 0
+    resident: int = 0
+    host: int = 0
+    page_ins: int = 0
+    evictions: int = 0
+    fetches: int = 0
+    fetch_bytes: int = 0
+    page_in_bytes: int = 0
+    host_evictions: int = 0
 
     @classmethod
     def from_proto(cls, w: control_plane_pb2.WorkerInfo) -> WorkerInfo:
-        """Field for field from the proto (repeated fields become tuples)."""
-        values: dict[str, Any] = {f.name: getattr(w, f.name) for f in fields(cls)}
+        """Field for field from the proto (repeated fields become tuples; the paging
+        counters are flattened from ``paging``)."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            src = w if f.name in control_plane_pb2.WorkerInfo.DESCRIPTOR.fields_by_name else w.paging
+            values[f.name] = getattr(src, f.name)
         return cls(**{k: v if isinstance(v, (str, int, float)) else tuple(v) for k, v in values.items()})  # type: ignore[arg-type]
 
     @property

@@ -15,7 +15,8 @@ from loraplane.env import ENV_ADMIN_TOKEN
 from loraplane.interceptors import SharedSecretInterceptor
 
 _SERVICE = "/loraplane.v1.ControlPlane/"
-ADMIN_METHODS = frozenset(_SERVICE + m for m in ("RegisterAdapter", "UnregisterAdapter", "SetDefaultAdapters"))
+ADMIN_METHODS = frozenset(_SERVICE + m for m in ("RegisterAdapter", "UnregisterAdapter", "SetDefaultAdapters",
+                                                      "PinAdapter"))
 
 
 def admin_token_from(flag: str | None) -> str | None:

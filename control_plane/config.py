@@ -66,6 +66,8 @@ class ControlPlaneConfig:
             ``$LORAPLANE_WORKER_SECRET``; neither means membership is open (firewall it).
         unload_wait_s: how long UnregisterAdapter waits for each worker to drain the adapter;
             a worker still draining then keeps it under ``draining_adapter_ids`` until freed.
+        max_lora_rank: adapters with a larger rank are refused at registration
+            (INVALID_ARGUMENT); the workers' ``--max-lora-rank`` (issue 12).
         log_level: structlog level ("debug", "info", ...).
         http_addr: host:port of the OpenAI-compatible HTTP front (None: off; port 0 picks one).
         metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP
@@ -98,6 +100,7 @@ class ControlPlaneConfig:
     max_streams: int | None = None
     worker_secret: str | None = None
     unload_wait_s: float = 5.0
+    max_lora_rank: int = 64
     log_level: str = "info"
     http_addr: str | None = None
     metrics_addr: str | None = None

@@ -22,7 +22,7 @@ def adapter_info(rec: AdapterRecord) -> common_pb2.AdapterInfo:
         alora_invocation_tokens=m.get("alora_invocation_tokens", []),
         alora_invocation_text=m.get("alora_invocation_text", ""), default_scale=rec.default_scale,
         size_bytes=m.get("size_bytes", 0), n_nodes=m.get("n_nodes", 0),
-        source_format=rec.source_format,
+        source_format=rec.source_format, pinned=rec.pinned,
     )
 
 
@@ -54,6 +54,8 @@ def worker_info(view: WorkerView) -> control_plane_pb2.WorkerInfo:
         last_heartbeat_age_s=view.last_heartbeat_age_s, adapter_ids=list(view.adapter_ids),
         model=view.model, n_slots=view.n_slots, in_flight=view.in_flight, restarts=view.restarts,
         draining_adapter_ids=list(view.draining_adapter_ids),
+        paging=view.paging, resident_adapter_ids=list(view.resident_ids),
+        host_adapter_ids=list(view.host_ids),
     )
 
 

@@ -90,11 +90,13 @@ class AdapterRegistry:
         data_dir: uploads are received into temporary files under ``data_dir/adapters/``.
         adapter_dirs: directories server-side paths must resolve into.
         max_upload_bytes: larger uploads are refused (RESOURCE_EXHAUSTED).
+        max_lora_rank: adapters with a larger rank are refused (INVALID_ARGUMENT): no
+            worker's slot pool could hold them (``--max-lora-rank``).
     """
 
     def __init__(self, store: AdapterStore, base: BaseModel, *, data_dir: str | Path,
                  adapter_dirs: Sequence[str | Path] = (),
-                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> None:
+                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, max_lora_rank: int = 64) -> None:
         self.store = store
         self.base = base
         self.upload_dir = Path(data_dir) / "adapters"
@@ -102,6 +104,7 @@ class AdapterRegistry:
         self.adapter_dirs = resolve_dirs(adapter_dirs)
         self.max_upload_bytes = int(max_upload_bytes)
         self._remove_partial_uploads()
+        self.max_lora_rank = int(max_lora_rank)
         self._warn_arch_mismatch()
 
     # -- reads --------------------------------------------------------------------------
@@ -240,9 +243,14 @@ class AdapterRegistry:
 
     def _validate(self, path: Path, *, shown_as: str) -> AdapterFile:
         try:
-            return validate_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne)
+            adapter = validate_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne)
         except ValueError as exc:  # AdapterError / GGUFError: both name the problem
             raise InvalidArgumentError(str(exc).replace(str(path), shown_as)) from exc
+        rank = max(adapter.ranks, default=0)
+        if rank > self.max_lora_rank:
+            raise InvalidArgumentError(f"{shown_as}: rank {rank} exceeds --max-lora-rank {self.max_lora_rank} "
+                                       "(workers' adapter slots are padded to that rank)")
+        return adapter
 
     def _metadata(self, adapter: AdapterFile) -> dict[str, Any]:
         text = self.base.decode(list(adapter.alora_invocation_tokens))
@@ -261,6 +269,30 @@ class AdapterRegistry:
             raise NotFoundError(f"adapter {adapter_id} not registered; "
                                 f"{describe_ids([r.id for r in self.store.list()])}")
         log.info("adapter_unregistered", adapter_id=adapter_id, sha256=rec.sha256)
+        return rec
+
+    def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord:
+        """Pin (never evicted on workers) or unpin an adapter.
+
+        Raises:
+            NotFoundError: unknown id.
+        """
+        rec = self.store.set_pinned(adapter_id, pinned)
+        if rec is None:
+            raise NotFoundError(f"adapter {adapter_id} not registered; "
+                                f"{describe_ids([r.id for r in self.store.list()])}")
+        log.info("adapter_pinned" if pinned else "adapter_unpinned", adapter_id=adapter_id)
+        return rec
+
+    def get_by_sha256(self, sha256: str) -> AdapterRecord:
+        """The record of content ``sha256`` (workers fetch bytes by it).
+
+        Raises:
+            NotFoundError: no registered adapter has that content.
+        """
+        rec = self.store.get_by_sha256(sha256)
+        if rec is None:
+            raise NotFoundError(f"no registered adapter has sha256 {sha256}")
         return rec
 
     def set_default_set(self, scales: Mapping[int, float]) -> AdapterVector:

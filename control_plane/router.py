@@ -4,9 +4,12 @@ One request, top to bottom (`Router.generate`):
   1. assign a request id when the client sent none;
   2. resolve the adapter vector against the default set *as of now* (admission) and write it
      into ``request.adapters`` as an explicit map — workers only see resolved vectors;
-  3. pick a live worker: the one that last served the same adapter set (affinity: its
-     per-set plan and prefix cache are warm) unless it is full, else the least loaded;
-  4. push any adapter of the vector the worker lacks (``LoadAdapter``);
+  3. pick a live worker that is not full, preferring (in order) the one that last served the
+     same adapter set (its prefix cache is warm), then the one holding most of the request's
+     adapters in its slots, then on its host (heartbeats report both, issue 12), then the
+     least loaded;
+  4. announce any adapter of the vector the worker does not know (id → sha256; it fetches
+     the bytes from us on first use);
   5. open the worker's bidi ``Decode`` stream, submit, relay every event until ``finished``.
 
 The client going away cancels the worker call (``context.add_callback``). A worker that fails
@@ -22,7 +25,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from contextlib import closing
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -114,7 +117,7 @@ class Router:
         tried: list[str] = []
         last_error = ""
         while True:
-            worker = self._pick(key, exclude=tried, last_error=last_error)
+            worker = self._pick(key, exclude=tried, last_error=last_error, ids=ids)
             tried.append(worker.worker_id)
             try:
                 self.pool.ensure_loaded(worker, ids)
@@ -145,9 +148,12 @@ class Router:
     def _others(self, tried: list[str]) -> bool:
         return any(w.worker_id not in tried for w in self.pool.live())
 
-    def _pick(self, key: tuple, *, exclude: list[str], last_error: str) -> WorkerHandle:
-        """The worker for the next attempt (affinity, else least loaded), among live workers not
-        yet tried that can still admit a request (in flight < slots + queue limit).
+    def _pick(self, key: tuple, *, exclude: list[str], last_error: str,
+              ids: Sequence[int] = ()) -> WorkerHandle:
+        """The worker for the next attempt among live workers not yet tried that can still
+        admit a request (in flight < slots + queue limit): not full (in flight < slots), then
+        set affinity, then the most of ``ids`` resident in its slots, then on its host (as
+        its heartbeats report, issue 12), then least loaded.
 
         Raises:
             UnavailableError: no live worker (left to try).
@@ -164,12 +170,16 @@ class Router:
                                          f"retry later")
         with self._lock:
             preferred = self._affinity.get(key)
-        for w in live:
-            if w.worker_id == preferred and w.in_flight < max(1, w.n_slots):
-                chosen = w
-                break
-        else:
-            chosen = min(live, key=lambda w: (w.in_flight, w.worker_id))
+
+        def cost(w: WorkerHandle) -> tuple:
+            full = w.in_flight >= max(1, w.n_slots)
+            if w.worker_id == preferred:
+                return (full, 0, 0, 0, w.in_flight, w.worker_id)
+            not_resident = sum(1 for i in ids if i not in w.resident_ids)
+            not_on_host = sum(1 for i in ids if i not in w.resident_ids and i not in w.host_ids)
+            return (full, 1, not_resident, not_on_host, w.in_flight, w.worker_id)
+
+        chosen = min(live, key=cost)
         with self._lock:
             self._affinity[key] = chosen.worker_id
             self._affinity.move_to_end(key)

@@ -95,7 +95,7 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
     try:
         base = load_base_model(config.model_path or default_model_path())
         registry = AdapterRegistry(store, base, data_dir=data_dir, adapter_dirs=config.adapter_dirs,
-                                   max_upload_bytes=config.max_upload_bytes)
+                                   max_upload_bytes=config.max_upload_bytes, max_lora_rank=config.max_lora_rank)
         for path, scale in config.startup_adapters:
             rec = registry.register_startup(path, scale)
             log.info("startup_adapter", adapter_id=rec.id, path=str(path), scale=scale)

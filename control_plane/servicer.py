@@ -28,6 +28,7 @@ from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router, WorkerRequestError
 from control_plane.workers import WorkerPool
+from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 
@@ -111,8 +112,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         else:
             reg = self.registry.register_upload(upload.data, name=upload.name,
                                                 source_format=upload.source_format or "gguf")
-        if reg.created:
-            self.pool.push_adapter(reg.record)
+        # No push: workers fetch the bytes by sha256 when a request first needs them (issue 12).
         return convert.adapter_info(reg.record)
 
     @boundary
@@ -120,6 +120,12 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         self.registry.unregister(request.id)
         self.pool.unload_adapter(request.id)
         return common_pb2.Empty()
+
+    @boundary
+    def PinAdapter(self, request, context):
+        rec = self.registry.set_pinned(request.id, request.pinned)
+        self.pool.set_pinned(rec)
+        return convert.adapter_info(rec)
 
     @boundary
     def SetDefaultAdapters(self, request, context):
@@ -159,6 +165,18 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         if self.replicas is not None:
             self.replicas.record(request)
         return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)
+
+    @boundary
+    def FetchAdapter(self, request, context):
+        """Stream the bytes of content ``request.sha256`` (NOT_FOUND when none is registered,
+        or its bytes are gone)."""
+        rec = self.registry.get_by_sha256(request.sha256)
+        log.info("adapter_fetch", sha256=request.sha256, adapter_id=rec.id, worker_id=request.worker_id)
+        try:
+            for piece in self.registry.read_chunks(rec, CHUNK_BYTES):
+                yield common_pb2.AdapterChunk(data=piece)
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"adapter {rec.id}: its bytes are missing on the control plane ({exc})") from None
 
     @boundary
     def Heartbeat(self, request, context):

@@ -1,4 +1,4 @@
-"""Worker membership: who is alive, what each worker holds, and pushing adapters to them.
+"""Worker membership: who is alive, what each worker holds, and telling them about adapters.
 
 Owned by the control-plane process. Workers call ``RegisterWorker`` once and ``Heartbeat``
 every ``heartbeat_interval_s``; a worker whose last heartbeat is older than
@@ -8,9 +8,12 @@ is needed; transitions are logged when first observed.
 
 Joining is asynchronous: ``RegisterWorker`` only checks the hello and queues a join, then
 answers (``joined=false``); one of `MembershipTimings.join_threads` join threads dials the
-worker (at most ``connect_timeout_s``) and reconciles its adapters with the registry:
-registered adapters it lacks are pushed (``LoadAdapter``, client-streamed ``AdapterChunk``s),
-ones the registry no longer has (or whose content differs) are unloaded. Only then is the worker
+worker (at most ``connect_timeout_s``) and reconciles its adapters with the registry: ones the
+registry no longer has (or whose content differs) are unloaded. Nothing is pushed (issue 12):
+right before the router uses a worker it announces the adapters the request needs that the
+worker does not know yet (`ensure_loaded`: a header-only ``LoadAdapter`` with
+``fetch_on_demand``, id → sha256, pin flag), and the worker fetches the bytes by sha256
+(``FetchAdapter``) the first time it needs them. Only then is the worker
 listed and routable; its heartbeats answer ``joined=true`` from then on. At most
 ``max_pending_joins`` joins wait at once (RESOURCE_EXHAUSTED beyond), so a flood of
 registrations naming unreachable addresses costs join threads, never handler threads.
@@ -24,8 +27,9 @@ Reconciliation from heartbeats: workers report what they hold (``WorkerHello.hol
 pool's view follows the report (an adapter unloaded behind our back is pushed again when next
 needed), adapters the registry no longer has are unloaded in the background, and adapters
 still draining after an unregister are listed under ``draining_ids`` until the worker frees
-them. New registrations are pushed to every live worker; the router loads anything still
-missing right before it uses a worker (`ensure_loaded`).
+them. Heartbeats also carry what each worker holds in its slots and host cache and its paging
+counters (``resident_adapter_ids``, ``host_adapter_ids``, ``paging``), so routing can prefer a
+holder (affinity) on any control plane.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,7 +47,7 @@ from control_plane.errors import (ControlPlaneError, InvalidArgumentError, NotFo
                                   PermissionDeniedError, ResourceExhaustedError, UnavailableError)
 from control_plane.registry import AdapterRegistry
 from control_plane.store import AdapterRecord
-from loraplane.limits import CHUNK_BYTES, GRPC_MESSAGE_OPTIONS
+from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
 
@@ -111,6 +115,9 @@ class WorkerHandle:
     restarts: int = 0
     loaded_at: dict[int, float] = field(default_factory=dict, repr=False)
     unloading: set[int] = field(default_factory=set, repr=False)
+    resident_ids: set[int] = field(default_factory=set)   # in device slots (last heartbeat)
+    host_ids: set[int] = field(default_factory=set)       # host tensors (last heartbeat)
+    paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
 
     @property
     def capacity(self) -> int | None:
@@ -134,6 +141,9 @@ class WorkerView:
     in_flight: int
     restarts: int = 0
     draining_adapter_ids: tuple[int, ...] = ()
+    paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
+    resident_ids: tuple[int, ...] = ()
+    host_ids: tuple[int, ...] = ()
 
 
 class WorkerPool:
@@ -252,6 +262,7 @@ class WorkerPool:
             handle.incarnation = hello.incarnation
             handle.last_heartbeat = self._clock()
             handle.failed = None
+            _note_holdings(handle, hello)
             self._workers[hello.worker_id] = handle
         if old is not None and old is not handle:
             old.channel.close()
@@ -296,6 +307,8 @@ class WorkerPool:
                                     f"(call RegisterWorker); registered workers: {known}")
             handle.last_heartbeat = max(handle.last_heartbeat, self._clock() - age_s)
             handle.failed = None
+            if age_s == 0.0:
+                _note_holdings(handle, hello)
         self._refresh()
         if hello.HasField("holdings"):
             self._reconcile_holdings(handle, hello.holdings)
@@ -350,7 +363,8 @@ class WorkerPool:
         with self._lock:
             return [WorkerView(w.worker_id, w.addr, "alive" if w.alive else "dead",
                                max(0.0, now - w.last_heartbeat), tuple(sorted(w.adapter_ids)),
-                               w.model, w.n_slots, w.in_flight, w.restarts, tuple(sorted(w.draining_ids)))
+                               w.model, w.n_slots, w.in_flight, w.restarts, tuple(sorted(w.draining_ids)),
+                               w.paging, tuple(sorted(w.resident_ids)), tuple(sorted(w.host_ids)))
                     for _, w in sorted(self._workers.items())]
 
     def _refresh(self) -> None:
@@ -378,14 +392,17 @@ class WorkerPool:
 
     # -- adapters on workers ------------------------------------------------------------
 
-    def push_adapter(self, record: AdapterRecord) -> None:
-        """Load a newly registered adapter on every live worker (failures are logged; the
-        router loads it on demand later)."""
+    def set_pinned(self, record: AdapterRecord) -> None:
+        """Tell every live worker that knows ``record`` its new pin flag (failures logged;
+        a worker told later gets the flag with the id, `ensure_loaded`)."""
         for w in self.live():
+            if record.id not in w.adapter_ids:
+                continue
             try:
-                self._load(w, record)
-            except UnavailableError as exc:
-                log.warning("adapter_push_failed", worker_id=w.worker_id, adapter_id=record.id, error=str(exc))
+                w.stub.LoadAdapter(iter([self._header(record)]), timeout=self.timings.load_timeout_s)
+            except grpc.RpcError as exc:
+                log.warning("adapter_pin_failed", worker_id=w.worker_id, adapter_id=record.id,
+                            code=exc.code().name, error=exc.details())
 
     def unload_adapter(self, adapter_id: int) -> None:
         """Unload a removed adapter from every worker that may hold it, in parallel, waiting at
@@ -426,13 +443,16 @@ class WorkerPool:
             if outcome != "failed":
                 w.adapter_ids.discard(adapter_id)
                 w.loaded_at.pop(adapter_id, None)
+                w.resident_ids.discard(adapter_id)
+                w.host_ids.discard(adapter_id)
             if outcome == "draining":
                 w.draining_ids.add(adapter_id)
             elif outcome == "freed":
                 w.draining_ids.discard(adapter_id)
 
     def ensure_loaded(self, handle: WorkerHandle, adapter_ids: Sequence[int]) -> None:
-        """Make sure ``handle`` holds every adapter in ``adapter_ids``, pushing what it lacks.
+        """Make sure ``handle`` knows every adapter in ``adapter_ids`` (id → sha256; it
+        fetches the bytes itself when it needs them).
 
         Raises:
             NotFoundError: an id is no longer registered.
@@ -447,32 +467,25 @@ class WorkerPool:
             if record.id in w.adapter_ids:
                 return
             try:
-                w.stub.LoadAdapter(self._chunks(record), timeout=self.timings.load_timeout_s)
+                w.stub.LoadAdapter(iter([self._header(record)]), timeout=self.timings.load_timeout_s)
             except grpc.RpcError as exc:
-                raise UnavailableError(f"worker {w.worker_id}: loading adapter {record.id} failed: "
+                raise UnavailableError(f"worker {w.worker_id}: announcing adapter {record.id} failed: "
                                        f"{exc.code().name}: {exc.details()}") from exc
-            except OSError as exc:
-                raise UnavailableError(f"adapter {record.id}: cannot read '{record.path}' to push it "
-                                       f"to worker {w.worker_id}: {exc}") from exc
             with self._lock:
                 w.adapter_ids.add(record.id)
                 w.loaded_at[record.id] = self._clock()
-        log.info("adapter_pushed", worker_id=w.worker_id, adapter_id=record.id)
+        log.info("adapter_announced", worker_id=w.worker_id, adapter_id=record.id)
 
-    def _chunks(self, record: AdapterRecord) -> Iterator[common_pb2.AdapterChunk]:
-        """``AdapterChunk``s of ``record``: the first names id, sha256 and name; every chunk
-        carries up to 1 MiB of data."""
-        first = True
-        for piece in self.registry.read_chunks(record, CHUNK_BYTES):
-            if first:
-                yield common_pb2.AdapterChunk(id=record.id, sha256=record.sha256, name=record.name, data=piece)
-                first = False
-            else:
-                yield common_pb2.AdapterChunk(data=piece)
+    @staticmethod
+    def _header(record: AdapterRecord) -> common_pb2.AdapterChunk:
+        """The header-only ``LoadAdapter`` chunk: id, sha256, name, pin; bytes on demand."""
+        return common_pb2.AdapterChunk(id=record.id, sha256=record.sha256, name=record.name,
+                                       fetch_on_demand=True, pinned=record.pinned)
 
     def _reconcile(self, w: WorkerHandle) -> None:
         """Align a (re)registering worker's adapters with the registry: keep what matches,
-        unload what the registry no longer has (or holds with other content), push the rest."""
+        unload what the registry no longer has (or holds with other content). Nothing is
+        pushed: the router announces adapters when a request needs them."""
         try:
             held = w.stub.ListAdapters(common_pb2.Empty(), timeout=self.timings.connect_timeout_s).adapters
         except grpc.RpcError as exc:
@@ -490,11 +503,6 @@ class WorkerPool:
             except grpc.RpcError as exc:
                 log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=info.id,
                             code=exc.code().name, error=exc.details())
-        for rec in wanted.values():
-            try:
-                self._load(w, rec)
-            except UnavailableError as exc:
-                log.warning("adapter_push_failed", worker_id=w.worker_id, adapter_id=rec.id, error=str(exc))
 
     def close(self) -> None:
         self._joins.shutdown(wait=False, cancel_futures=True)
@@ -503,3 +511,13 @@ class WorkerPool:
             workers, self._workers = list(self._workers.values()), {}
         for w in workers:
             w.channel.close()
+
+
+def _note_holdings(handle: WorkerHandle, hello: control_plane_pb2.WorkerHello) -> None:
+    """Record what a worker reports holding in slots and host memory (caller holds the pool's
+    lock). A hello without ``paging`` (an older worker, or another replica's sighting) leaves
+    the record as it is."""
+    if hello.HasField("paging"):
+        handle.resident_ids = set(hello.resident_adapter_ids)
+        handle.host_ids = set(hello.host_adapter_ids)
+        handle.paging = hello.paging

@@ -28,6 +28,8 @@ WORKER_SECRET_KEY = "loraplane-worker-secret"
 
 MEMBERSHIP_METHODS = frozenset({"/loraplane.v1.ControlPlane/RegisterWorker",
                                 "/loraplane.v1.ControlPlane/Heartbeat"})
+FETCH_METHODS = frozenset({"/loraplane.v1.ControlPlane/FetchAdapter"})
+"""Worker → control plane calls outside membership that need the secret too (adapter bytes)."""
 WORKER_SERVICE_PREFIX = "/loraplane.v1.Worker/"
 
 
@@ -50,8 +52,9 @@ def with_secret(channel: grpc.Channel, secret: str | None) -> grpc.Channel:
 
 
 def membership_guard(secret: str) -> SharedSecretInterceptor:
-    """Control-plane interceptor: RegisterWorker/Heartbeat need the secret."""
-    return SharedSecretInterceptor(secret, key=WORKER_SECRET_KEY, applies=MEMBERSHIP_METHODS.__contains__,
+    """Control-plane interceptor: RegisterWorker/Heartbeat and FetchAdapter need the secret."""
+    return SharedSecretInterceptor(secret, key=WORKER_SECRET_KEY,
+                                   applies=lambda m: m in MEMBERSHIP_METHODS or m in FETCH_METHODS,
                                    what="worker secret")
 
 

@@ -90,17 +90,17 @@ def start_control_plane(data_dir: Path, adapter_dir: Path, model_path: Path, *,
 
 
 def start_worker(cp: LiveControlPlane, model_path: Path, log_path: Path, *,
-                 slots: int = 4) -> None:
+                 slots: int = 4, extra_args: tuple[str, ...] = (), worker_id: str = "") -> None:
     """Start one real worker for ``cp`` and wait until the control plane lists it alive.
 
     Raises:
         RuntimeError: the worker exited or did not register in time (with its log's tail).
     """
-    cp.worker_id = f"test-worker-{uuid.uuid4().hex[:8]}"
+    cp.worker_id = worker_id or f"test-worker-{uuid.uuid4().hex[:8]}"
     cp.worker_log = log_path
     cmd = [sys.executable, "-m", "clients.cli", "worker", "--control-plane", cp.addr,
            "--addr", "127.0.0.1:0", "--worker-id", cp.worker_id, "--slots", str(slots),
-           "--device", "cpu", "--model", str(model_path)]
+           "--device", "cpu", "--model", str(model_path), *extra_args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p), "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log:

@@ -122,6 +122,17 @@ def test_bench_quick_reports_every_scenario(tmp_path):
     assert _number(lc, "device_bytes_per_adapter") > 0
     _number(lc, "fit_16gib_device")
 
+    pg = sc["paging"]
+    for label in ("fit", "many"):
+        assert pg[label]["n_errors"] == 0, pg[label]["errors"]
+        assert _number(pg[label], "tok_s") > 0
+        for f in ("ttft_p50_ms", "ttft_p99_ms", "page_ins_per_request", "fetches_per_request",
+                  "worker_rss_10_mib", "worker_rss_all_mib"):
+            _number(pg[label], f)
+    _number(pg, "tok_s_ratio_many_over_fit")
+    _number(pg, "many", "register_to_first_token_ms")
+    assert pg["many"]["page_ins_per_request"] > 0  # more adapters than slots: it pages
+
     r = sc["roofline"]
     for f in ("bound_ms", "bound_gguf_ms", "achieved_ms", "achieved_over_bound", "achieved_over_bound_gguf",
               "weight_bytes_held", "gguf_tensor_bytes", "held_over_gguf", "worker_rss_bytes"):
@@ -129,5 +140,6 @@ def test_bench_quick_reports_every_scenario(tmp_path):
     _number(r, "bandwidth", "gb_s", "median")
 
     text = md.read_text()
-    for title in ("1. Engine", "2. Multi-tenant serving", "3. Prefix reuse", "4. Adapter lifecycle", "5. Roofline"):
+    for title in ("1. Engine", "2. Multi-tenant serving", "3. Prefix reuse", "4. Adapter lifecycle", "5. Roofline",
+                  "6. adapter paging"):
         assert title in text

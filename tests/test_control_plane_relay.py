@@ -46,6 +46,9 @@ def joined(start_control_plane, real_worker, fixtures_dir):
         overrides.setdefault("heartbeat_interval_s", 0.2)
         overrides.setdefault("dead_after_missed", 10)
         cp = start_control_plane(**overrides)
+        from worker.rpc.fetch import ControlPlaneFetcher
+
+        engine.fetcher = ControlPlaneFetcher(cp.addr, engine.worker_id)  # what serve_worker sets up
         stop = threading.Event()
         stops.append(stop)
         hello = control_plane_pb2.WorkerHello(worker_id=engine.worker_id, addr=f"127.0.0.1:{port}",
@@ -74,9 +77,7 @@ def test_default_set_and_explicit_maps_reach_the_worker_resolved(joined, fixture
     adapters = fixtures_dir / "adapters"
     cp, wstub = joined(lora=(str(adapters / "shout.gguf"),))
     upload(cp.stub, adapters / "sea.gguf")
-    held = {a.id: a.sha256 for a in wstub.ListAdapters(common_pb2.Empty()).adapters}
-    listed = {a.id: a.sha256 for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters}
-    assert held == listed  # every registered adapter was pushed
+    assert list(wstub.ListAdapters(common_pb2.Empty()).adapters) == []  # nothing pushed (issue 12)
 
     default_tokens, fin = run(cp)  # no map: the default set, shout@1
     assert [(a.id, a.scale) for a in fin.telemetry.adapters] == [(0, 1.0)]
@@ -88,12 +89,20 @@ def test_default_set_and_explicit_maps_reach_the_worker_resolved(joined, fixture
 
     cp.stub.SetDefaultAdapters(common_pb2.AdapterMap())  # everything detached
     assert run(cp)[0] == base_tokens
+    run(cp, {1: 1.0})  # sea announced, its bytes fetched by the worker
+    held = {a.id: a.sha256 for a in wstub.ListAdapters(common_pb2.Empty()).adapters}
+    listed = {a.id: a.sha256 for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters}
+    assert held == listed  # both known now, by the content the control plane registered
+    st = wstub.Stats(common_pb2.Empty())
+    assert sorted(st.host_adapter_ids) == [0, 1] and st.fetches >= 1
 
 
 def test_unregister_unloads_from_the_worker(joined, fixtures_dir):
     cp, wstub = joined()
     info = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")
+    run(cp, {info.id: 1.0})  # announces it to the worker (nothing is pushed at registration)
     assert info.id in {a.id for a in wstub.ListAdapters(common_pb2.Empty()).adapters}
+    assert info.id in wstub.Stats(common_pb2.Empty()).resident_adapter_ids
     cp.stub.UnregisterAdapter(common_pb2.AdapterRef(id=info.id))
     assert info.id not in {a.id for a in wstub.ListAdapters(common_pb2.Empty()).adapters}
     err = rpc_error(run, cp, {info.id: 1.0})

@@ -43,7 +43,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         chunks = list(request_iterator)
         data = b"".join(c.data for c in chunks)
         first = chunks[0]
-        if hashlib.sha256(data).hexdigest() != first.sha256:
+        if not first.fetch_on_demand and hashlib.sha256(data).hexdigest() != first.sha256:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"adapter {first.id}: sha256 mismatch")
         with self.lock:
             self.load_calls.append(chunks)
@@ -164,27 +164,72 @@ def wait_for(predicate, timeout: float = 5.0) -> bool:
 # -- membership ------------------------------------------------------------------------------
 
 
-def test_registration_pushes_every_adapter_in_chunks(cluster, adapters_dir):
+def test_registration_pushes_nothing_and_fetch_streams_bytes_in_chunks(cluster, adapters_dir):
+    """Issue 12: no push on registration; a request announces the adapter (header only, id →
+    sha256); the worker fetches the bytes by sha256 in ≤ 1 MiB chunks."""
     shout = adapters_dir / "shout.gguf"
     cp, [w] = cluster(1, lora=(str(shout),))
     upload(cp.stub, adapters_dir / "sea.gguf")
-    assert wait_for(lambda: set(w.servicer.adapters) == {0, 1})
-    [shout_load] = [c for c in w.servicer.load_calls if c[0].id == 0]
-    assert shout_load[0].sha256 == hashlib.sha256(shout.read_bytes()).hexdigest()
-    assert all(not c.sha256 and c.id == 0 for c in shout_load[1:])  # header fields on the first only
-    assert len(shout_load) == -(-shout.stat().st_size // MiB) and all(len(c.data) <= MiB for c in shout_load)
+    time.sleep(0.3)
+    assert w.servicer.adapters == {} and w.servicer.load_calls == []
+    generate(cp, "hello", {0: 1.0})
+    [[header]] = w.servicer.load_calls
+    digest = hashlib.sha256(shout.read_bytes()).hexdigest()
+    assert (header.id, header.sha256, header.fetch_on_demand, header.data) == (0, digest, True, b"")
+    assert header.HasField("pinned") and header.pinned is False
+    chunks = list(cp.stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256=digest, worker_id="w1")))
+    assert len(chunks) == -(-shout.stat().st_size // MiB) and all(len(c.data) <= MiB for c in chunks)
+    assert hashlib.sha256(b"".join(c.data for c in chunks)).hexdigest() == digest
+    with pytest.raises(grpc.RpcError) as info:
+        list(cp.stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256="0" * 64)))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "0" * 64 in info.value.details()
     info = workers_of(cp)["w1"]
     assert (info.state, info.addr, info.n_slots) == ("alive", w.hello.addr, 2)
-    assert list(info.adapter_ids) == [0, 1]
+    assert list(info.adapter_ids) == [0]
 
 
-def test_new_registrations_are_pushed_and_removals_unloaded(cluster, adapters_dir):
+def test_adapters_are_announced_on_use_and_removals_unloaded(cluster, adapters_dir):
     cp, [w] = cluster(1)
     info = by_path(cp.stub, adapters_dir / "critic_alora.gguf")
-    assert w.servicer.adapters == {info.id: info.sha256}  # pushed before RegisterAdapter returned
+    assert w.servicer.adapters == {}  # not pushed
+    generate(cp, "hello", {info.id: 1.0})
+    assert w.servicer.adapters == {info.id: info.sha256}
     cp.stub.UnregisterAdapter(common_pb2.AdapterRef(id=info.id))
     assert w.servicer.unloaded == [info.id] and w.servicer.adapters == {}
     assert list(workers_of(cp)["w1"].adapter_ids) == []
+
+
+def test_pin_reaches_workers_that_know_the_adapter(cluster, adapters_dir):
+    cp, [w] = cluster(1)
+    sea = upload(cp.stub, adapters_dir / "sea.gguf")
+    assert cp.stub.PinAdapter(control_plane_pb2.PinRequest(id=sea.id, pinned=True)).pinned is True
+    assert w.servicer.load_calls == []  # the worker does not know it yet: nothing to tell
+    generate(cp, "hello", {sea.id: 1.0})
+    assert w.servicer.load_calls[-1][0].pinned is True  # announced with its pin
+    unpinned = cp.stub.PinAdapter(control_plane_pb2.PinRequest(id=sea.id, pinned=False))
+    assert unpinned.pinned is False and cp.stub.GetAdapter(common_pb2.AdapterRef(id=sea.id)).pinned is False
+    assert w.servicer.load_calls[-1][0].HasField("pinned") and w.servicer.load_calls[-1][0].pinned is False
+    with pytest.raises(grpc.RpcError) as info:
+        cp.stub.PinAdapter(control_plane_pb2.PinRequest(id=99, pinned=True))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_affinity_prefers_the_worker_holding_the_adapter(cluster, adapters_dir):
+    """Heartbeats report residency; routing prefers the holder over the idle first-by-id."""
+    cp, [w1, w2] = cluster(2)
+    sea = upload(cp.stub, adapters_dir / "sea.gguf")
+    shout = by_path(cp.stub, adapters_dir / "shout.gguf")
+    w2.leave()
+    w2.hello.resident_adapter_ids.append(sea.id)
+    w2.hello.paging.CopyFrom(control_plane_pb2.WorkerPaging(max_loras=2, resident=1, page_ins=1))
+    w2.join()
+    assert list(workers_of(cp)["w2"].resident_adapter_ids) == [sea.id]
+    assert workers_of(cp)["w2"].paging.page_ins == 1
+    for _ in range(3):
+        generate(cp, "hello", {sea.id: 1.0})
+    assert len(w2.servicer.submitted) == 3 and len(w1.servicer.submitted) == 0
+    generate(cp, "hello", {shout.id: 1.0})  # nobody holds it: least loaded, then by id
+    assert len(w1.servicer.submitted) == 1
 
 
 def test_missed_heartbeats_mark_a_worker_dead_until_it_returns(cluster):
@@ -205,6 +250,7 @@ def test_worker_reregisters_after_control_plane_restart(cluster, start_control_p
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     cp, [w] = cluster(1, addr=f"127.0.0.1:{port}", lora=(str(adapters_dir / "sea.gguf"),))
+    generate(cp, "hello", {0: 1.0})  # announces adapter 0 to the worker
     assert set(w.servicer.adapters) == {0}
     loads = len(w.servicer.load_calls)
     cp.stop()

@@ -140,6 +140,9 @@ def test_heartbeats_reconcile_what_the_worker_holds(start_control_plane, fixture
     monkeypatch.setattr(ScriptedWorker, "__init__", remember)
     w = _scripted(monkeypatch, cp.addr, holdings=holdings)
     try:
+        # Nothing is pushed at join (issue 12): a request naming the adapter announces it.
+        list(cp.stub.Generate(pb.GenerateRequest(text="hi", adapters=pb.AdapterMap(
+            entries=[pb.AdapterScale(id=sea.id, scale=1.0)])), timeout=10))
         assert list(cp.stub.ListWorkers(pb.Empty()).workers[0].adapter_ids) == [sea.id]
         # An UnloadAdapter from outside: the next heartbeats tell the control plane...
         with w.servicer.lock:
@@ -229,6 +232,8 @@ def test_unregister_while_a_worker_drains_returns_promptly_and_lists_it_draining
     w.join()
     try:
         info = by_path(cp.stub, fixtures_dir / "adapters" / "sea.gguf")
+        list(cp.stub.Generate(pb.GenerateRequest(text="hi", adapters=pb.AdapterMap(  # announces it
+            entries=[pb.AdapterScale(id=info.id, scale=1.0)])), timeout=10))
         assert list(cp.stub.ListWorkers(pb.Empty()).workers[0].adapter_ids) == [info.id]
         t = time.monotonic()
         cp.stub.UnregisterAdapter(pb.AdapterRef(id=info.id), timeout=30)
@@ -434,8 +439,9 @@ def test_serve_restarts_a_killed_worker(serve):
     assert wait_for(lambda: (w := serve.alive_worker()) is not None and w.restarts == 1, 120, 0.5), serve.log_tail()
     after = serve.alive_worker()
     assert after.worker_id == before.worker_id and after.addr != before.addr
-    assert list(after.adapter_ids) == [0]  # shout pushed again
     assert _generate(serve.stub)[-1].HasField("finished")
+    # nothing is pushed at join (issue 12): the request announced shout (the default set)
+    assert wait_for(lambda: list(serve.alive_worker().adapter_ids) == [0], 10, 0.2)
     assert serve.proc.poll() is None
     assert "restarting it in 1s" in serve.log_tail()
 

@@ -198,6 +198,9 @@ def test_scale_zero_empty_and_detached_are_base(gemma, golden):
 
 
 def test_set_adapters_reuse_and_rebuild(gemma):
+    """"Graph reused" = no slot's content changed since the previous decode (issue 12): a
+    scale change or a different mix of resident adapters is a new routing input only; paging
+    an adapter into a slot is a rebuild."""
     model, ctx = gemma
     a = AdapterSet.of({0: (model.adapters.by_id[0], 1.0)})
     ctx.set_adapters(a)
@@ -212,10 +215,21 @@ def test_set_adapters_reuse_and_rebuild(gemma):
     assert ctx.set_adapters(AdapterSet.of({0: (model.adapters.by_id[0], 0.5)})) is True  # scale changed
     res = ctx.decode(ub())
     ctx.kv.seq_rm(5)
+    assert res.graph_reused and ctx.stats.graph_rebuilds == b0  # same slots: only the input changed
+    pool = model.adapters.pool
+    evicted_before = pool.stats.evictions
+    for sha in [x.sha256 for x in pool.resident()]:
+        if not pool.held(sha):
+            pool.evict(sha)  # force a page-in for the next set
+    assert ctx.set_adapters(AdapterSet.of({1: (model.adapters.by_id[1], 1.0)})) is True
+    res = ctx.decode(ub())
+    ctx.kv.seq_rm(5)
     assert not res.graph_reused and ctx.stats.graph_rebuilds == b0 + 1
-    budget = max(1024, 8 * model.base.n_base_tensors) + sum(6 * len(x.pairs) for x in model.adapters.by_id.values())
+    assert pool.stats.evictions == evicted_before  # explicit evict is not an LRU eviction
+    budget = max(1024, 8 * model.base.n_base_tensors) + sum(6 * len(x.pairs) for x in pool.resident())
     assert ctx.node_budget == budget
     assert res.n_nodes <= budget
+    ctx.set_adapters(EMPTY_SET)
 
 
 def test_free_adapter_in_use_is_refused_both_orders(gemma, fixtures_dir):

@@ -93,6 +93,15 @@ class Cluster:
         return "\n".join(f"== {p.name}\n{p.read_bytes()[-3000:].decode(errors='replace')}"
                          for p in sorted(self.root.glob("*.log")))
 
+    def announce(self, adapter_id: int, sha256: str) -> None:
+        """Tell the real worker about an adapter directly (header-only ``LoadAdapter``)."""
+        (info,) = [w for w in self.lp_b.list_workers() if w.worker_id == self.worker_id]
+        import grpc
+
+        with grpc.insecure_channel(info.addr) as ch:
+            worker_pb2_grpc.WorkerStub(ch).LoadAdapter(
+                iter([common_pb2.AdapterChunk(id=adapter_id, sha256=sha256, fetch_on_demand=True)]), timeout=30)
+
     def worker_adapter_ids(self) -> set[int]:
         (info,) = [w for w in self.lp_b.list_workers() if w.worker_id == self.worker_id]
         import grpc
@@ -152,9 +161,14 @@ def test_service_address_worker_is_adopted_and_unregistration_reaches_every_work
     try:
         assert wait_until(lambda: cluster.alive(cluster.lp_b, "w-only-a"), timeout=30), cluster.logs()
         tiny = cluster.lp_a.add_adapter(write_adapter(tmp_path / "t.gguf", seed=8801))
-        assert wait_until(lambda: scripted.servicer.adapters.get(tiny.id) == tiny.sha256, timeout=30)
+        # Nothing is pushed at registration (issue 12); both workers come to hold it as a
+        # routed request would make them: the scripted one as if it had fetched it, the real
+        # one told id → sha256 (it fetches the bytes on first use).
+        with scripted.servicer.lock:
+            scripted.servicer.adapters[tiny.id] = tiny.sha256
+        cluster.announce(tiny.id, tiny.sha256)
         assert wait_until(lambda: tiny.id in cluster.worker_adapter_ids(), timeout=60)
-        cluster.lp_b.remove_adapter(tiny.id)  # B took the call; A pushed the adapter
+        cluster.lp_b.remove_adapter(tiny.id)  # B took the call: it reaches every live worker
         assert wait_until(lambda: tiny.id not in scripted.servicer.adapters, timeout=30)
         assert wait_until(lambda: tiny.id not in cluster.worker_adapter_ids(), timeout=60)
         with pytest.raises(LoraplaneError) as gone:

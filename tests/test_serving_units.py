@@ -188,22 +188,27 @@ def test_assemble_compat_one_set_and_budget_and_alora_split():
 
 
 # --- plan and scale rule ------------------------------------------------------------------
-def test_plan_is_immutable_and_routing_is_an_input():
+def test_plan_routes_rows_by_slot_over_the_pool():
+    """The plan is a routing input over the slot pool: each row gets exactly its own set's
+    adapters at their scales (heterogeneous ranks 2 and 3 in one product), through
+    ``build_lora_mm``'s masked dense product."""
+    from worker.lora.pool import LoraPool
+    from worker.runtime.graph import GraphContext, GraphInputs
+
     sets = (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 0.5), 1: (B, 2.0)}), EMPTY_SET)
-    plan = build_plan(sets)
+    pool = LoraPool(4, 8)
+    pool.acquire([A, B])
+    plan = build_plan(sets, pool, {})
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.sets = ()  # type: ignore[misc]
-    fw = plan.fused["w"]
-    assert fw.lora_a.shape == (2 + 3, K) and fw.lora_b.shape == (D, 5)
-    expect = torch.tensor([[1.0, 1.0, 0, 0, 0],
-                           [0.5, 0.5] + [lora_scale(2.0, 6.0, 3)] * 3,
-                           [0, 0, 0, 0, 0]])
-    torch.testing.assert_close(fw.set_scales, expect)
+    assert plan.s_used == 2 and pool.weights["w"].a.shape == (4, 8, K) and pool.weights["w"].bt.shape == (4, 8, D)
+    torch.testing.assert_close(plan.set_slot_scale, torch.tensor([[1.0, 0.0], [0.5, 2.0], [0.0, 0.0]]))
     route = torch.tensor([2, 0, 1, 1])
-    torch.testing.assert_close(plan.row_scales(fw, route, torch.float32), expect[route])
-    torch.testing.assert_close(plan.row_scales(fw, route[:1], torch.float32), expect[[2]])  # same plan, new input
     x = torch.randn(4, K)
-    y = (x @ fw.lora_a.T * plan.row_scales(fw, route, torch.float32)) @ fw.lora_b.T
+    w = torch.zeros(D, K)
+    inputs = GraphInputs(tokens=torch.zeros(4, dtype=torch.long), pos=torch.arange(4), spans=[],
+                         out_rows=torch.arange(4), row_set=route)
+    y = GraphContext({"w": w}, inputs, plan, None, torch.float32).build_lora_mm("w", x)  # type: ignore[arg-type]
     for i, j in enumerate(route.tolist()):  # every row gets exactly its own set's adapters
         ref = torch.zeros(D)
         for _, ad, sc in sets[j].entries:
@@ -289,3 +294,23 @@ def test_kv_import_after_decode_outside_inference_mode():
     snap = kv.export(1, 100)
     assert kv.import_(2, snap, 80) == 80 and kv.seq_len(2) == 80
     assert torch.equal(kv.k[0][kv.row_of[2], :80], torch.ones(80, 1, 2))
+
+
+# --- admission with the slot pool (issue 12) -------------------------------------------------
+def test_admission_resident_first_with_bounded_bypass():
+    from worker.lora.pool import LoraPool
+    from worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order
+
+    pool = LoraPool(2, 8)
+    pool.acquire([A])
+    pool.release([A])  # A resident, unheld
+    head = request([1, 2], AdapterSet.of({1: (B, 1.0)}))
+    warm = request([1, 2], AdapterSet.of({0: (A, 1.0)}))
+    base = request([1, 2], EMPTY_SET)  # no adapters: always "resident"
+    cold = request([1, 2], AdapterSet.of({5: (adapter("cccc", seed=9), 1.0)}))
+    assert admission_order([head, warm, cold, base], pool) == [warm, base, head, cold]
+    head.bypassed = MAX_BYPASS  # passed over enough: strict FIFO until it gets in
+    assert admission_order([head, warm, cold, base], pool) == [head]
+    many = [head] + [request([1, 2], AdapterSet.of({0: (A, 1.0)})) for _ in range(ADMIT_LOOKAHEAD + 3)]
+    head.bypassed = 0
+    assert len(admission_order(many, pool)) == ADMIT_LOOKAHEAD  # a bounded window

@@ -65,7 +65,7 @@ def upload(store: AdapterStore, tmp_path: Path, name: str, size: int = 1000, see
 @both
 def test_ids_from_zero_dedup_never_reused_and_survive_reopen(open_db, tmp_path):
     store = open_db()
-    assert store.schema_version == len(MIGRATIONS) == 3  # ids/bytes, replicas, source_format
+    assert store.schema_version == len(MIGRATIONS) == 4  # ids/bytes, replicas, source_format, pinned
     a, created = upload(store, tmp_path, "a", seed=1)
     assert (a.id, created, a.name, a.default_scale) == (0, True, "a", 0.0)
     b, _ = upload(store, tmp_path, "b", seed=2)
@@ -213,9 +213,11 @@ def test_sqlite_version_1_data_dir_upgrades_in_place(tmp_path):
         conn.execute("INSERT INTO adapters VALUES (0, 'aa', 'old', '/x.gguf', '{}', 0.5, 1.0)")
         conn.execute("UPDATE id_counter SET next_id = 1")
     store = SqliteStore(db, tmp_path / "blobs")
-    assert store.schema_version == len(MIGRATIONS) == 3
-    assert [(r.id, r.name, r.default_scale) for r in store.list()] == [(0, "old", 0.5)]
+    assert store.schema_version == len(MIGRATIONS) == 4
+    assert [(r.id, r.name, r.default_scale, r.pinned) for r in store.list()] == [(0, "old", 0.5, False)]
     assert store.get(0).source_format == "gguf"  # migration 3's default for rows from before
+    assert store.set_pinned(0, True).pinned is True and store.get(0).pinned is True  # migration 4's column
+    assert store.set_pinned(7, True) is None
     store.close()
 
 

@@ -58,6 +58,11 @@ class WorkerConfig:
         extra_streams: Decode streams accepted beyond ``n_slots + queue_limit`` (streams
             whose request already finished but which are still closing); beyond that a new
             stream gets RESOURCE_EXHAUSTED at once.
+        max_loras: adapter slots in the device pool (vLLM ``--max-loras``); a request may use
+            at most this many adapters.
+        max_cpu_loras: adapters kept as tensors in host memory (vLLM ``--max-cpu-loras``), LRU
+            beyond it; never fewer than ``max_loras`` (resident adapters stay on host too).
+        max_lora_rank: largest rank an adapter may have here (vLLM ``--max-lora-rank``).
     """
 
     addr: str = "127.0.0.1:0"
@@ -85,3 +90,6 @@ class WorkerConfig:
     def max_decode_streams(self) -> int:
         """Concurrent Decode streams accepted: every slot, every queue place, and a margin."""
         return self.n_slots + self.queue_limit + self.extra_streams
+    max_loras: int = 16
+    max_cpu_loras: int = 128
+    max_lora_rank: int = 64

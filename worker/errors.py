@@ -45,3 +45,13 @@ class UnauthenticatedError(WorkerError):
 
 class DecodeFailedError(WorkerError):
     """The forward pass failed for a request already admitted (an internal fault)."""
+
+
+class AdapterFetchError(WorkerError):
+    """An adapter's bytes could not be fetched from the control plane: missing there
+    (``not_found``) or not hashing to the registered sha256. The request fails; no slot is
+    taken."""
+
+    def __init__(self, message: str, *, not_found: bool = False):
+        super().__init__(message)
+        self.not_found = not_found

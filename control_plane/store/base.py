@@ -64,6 +64,7 @@ class AdapterRecord:
         default_scale: this adapter's scale in the global default set (0: detached).
         created_at: unix time of registration, seconds.
         source_format: "gguf", or "peft" for a PEFT folder converted at registration.
+        pinned: never evicted from a worker's slot pool or host cache (issue 12).
     """
 
     id: int
@@ -74,6 +75,7 @@ class AdapterRecord:
     default_scale: float = 0.0
     created_at: float = 0.0
     source_format: str = "gguf"
+    pinned: bool = False
 
 
 DefaultScales = list[tuple[int, float]]
@@ -191,6 +193,11 @@ class AdapterStore(ABC):
         ``others``: the scale every adapter not named gets; None leaves them as they are.
         Callers check the ids exist first (unknown ids are silently ignored here).
         """
+        raise NotImplementedError
+
+    @abstractmethod
+    def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord | None:
+        """Set an adapter's pin flag; the updated record, or None when the id is unknown."""
         raise NotImplementedError
 
     @abstractmethod

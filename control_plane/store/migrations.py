@@ -124,6 +124,11 @@ MIGRATIONS: tuple[Migration, ...] = (
         sqlite=("ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",),
         postgres=("ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",),
     ),
+    Migration(
+        "adapter pin flag (issue 12): pinned adapters are never evicted from workers' pools",
+        sqlite=("ALTER TABLE adapters ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",),
+        postgres=("ALTER TABLE adapters ADD COLUMN pinned BOOLEAN NOT NULL DEFAULT FALSE",),
+    ),
 )
 
 SCHEMA_VERSION_DDL = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"

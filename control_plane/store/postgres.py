@@ -273,6 +273,13 @@ class PostgresStore(AdapterStore):
                             [(float(s), int(i)) for i, s in scales.items()])
 
     @_unavailable
+    def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord | None:
+        with self._pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+            cur.execute("UPDATE adapters SET pinned = %s WHERE id = %s", (bool(pinned), adapter_id))
+            row = cur.execute("SELECT * FROM adapters WHERE id = %s", (adapter_id,)).fetchone()
+        return _record(row) if row is not None else None
+
+    @_unavailable
     def removed_ids(self) -> set[int]:
         with self._pool.connection() as conn:
             return {int(r[0]) for r in conn.execute("SELECT adapter_id FROM removed_adapters")}
@@ -325,4 +332,5 @@ def _record(row: Mapping[str, Any]) -> AdapterRecord:
         default_scale=float(row["default_scale"]),
         created_at=float(row["created_at"]),
         source_format=str(row["source_format"]),
+        pinned=bool(row["pinned"]),
     )

@@ -226,6 +226,19 @@ class SqliteStore(AdapterStore):
                 c.execute("ROLLBACK")
                 raise
 
+    def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord | None:
+        with self._lock:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.execute("UPDATE adapters SET pinned = ? WHERE id = ?", (1 if pinned else 0, adapter_id))
+                row = c.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+        return _record(row) if row is not None else None
+
     def removed_ids(self) -> set[int]:
         with self._lock:
             rows = self._conn.execute("SELECT adapter_id FROM removed_adapters").fetchall()
@@ -269,4 +282,5 @@ def _record(row: sqlite3.Row) -> AdapterRecord:
         default_scale=float(row["default_scale"]),
         created_at=float(row["created_at"]),
         source_format=str(row["source_format"]),
+        pinned=bool(row["pinned"]),
     )

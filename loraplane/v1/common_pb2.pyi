@@ -75,7 +75,7 @@ class StepTelemetry(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., n_adapter_sets: _Optional[int] = ..., graph_reused: _Optional[bool] = ..., n_nodes: _Optional[int] = ..., node_budget: _Optional[int] = ..., batching: _Optional[str] = ...) -> None: ...
 
 class RequestTelemetry(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "cache_cleared", "cache_clear_reason", "prefix_cache", "alora_activation_pos", "adapter_set_fingerprint", "slot_id", "worker_id", "graph_reuses", "graph_rebuilds", "max_batch_size", "max_adapter_sets_in_batch", "adapters", "ttft_ms", "total_ms")
+    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "cache_cleared", "cache_clear_reason", "prefix_cache", "alora_activation_pos", "adapter_set_fingerprint", "slot_id", "worker_id", "graph_reuses", "graph_rebuilds", "max_batch_size", "max_adapter_sets_in_batch", "adapters", "ttft_ms", "total_ms", "adapter_residency")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_CLEARED_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class RequestTelemetry(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_prompt_tokens: int
     cache_cleared: bool
@@ -108,7 +109,18 @@ class RequestTelemetry(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterScale]
     ttft_ms: float
     total_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., cache_cleared: _Optional[bool] = ..., cache_clear_reason: _Optional[str] = ..., prefix_cache: _Optional[str] = ..., alora_activation_pos: _Optional[int] = ..., adapter_set_fingerprint: _Optional[str] = ..., slot_id: _Optional[int] = ..., worker_id: _Optional[str] = ..., graph_reuses: _Optional[int] = ..., graph_rebuilds: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_adapter_sets_in_batch: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterScale, _Mapping]]] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    adapter_residency: _containers.RepeatedCompositeFieldContainer[AdapterResidency]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., cache_cleared: _Optional[bool] = ..., cache_clear_reason: _Optional[str] = ..., prefix_cache: _Optional[str] = ..., alora_activation_pos: _Optional[int] = ..., adapter_set_fingerprint: _Optional[str] = ..., slot_id: _Optional[int] = ..., worker_id: _Optional[str] = ..., graph_reuses: _Optional[int] = ..., graph_rebuilds: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_adapter_sets_in_batch: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterScale, _Mapping]]] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., adapter_residency: _Optional[_Iterable[_Union[AdapterResidency, _Mapping]]] = ...) -> None: ...
+
+class AdapterResidency(_message.Message):
+    __slots__ = ("id", "source", "wait_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    source: str
+    wait_ms: float
+    def __init__(self, id: _Optional[int] = ..., source: _Optional[str] = ..., wait_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "tokens", "adapters", "sampling")
@@ -179,7 +191,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., started: _Optional[_Union[Started, _Mapping]] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("id", "name", "path", "sha256", "arch", "alpha", "ranks", "target_tensors", "task_name", "prompt_prefix", "alora_invocation_tokens", "alora_invocation_text", "default_scale", "size_bytes", "n_nodes", "source_format")
+    __slots__ = ("id", "name", "path", "sha256", "arch", "alpha", "ranks", "target_tensors", "task_name", "prompt_prefix", "alora_invocation_tokens", "alora_invocation_text", "default_scale", "size_bytes", "n_nodes", "source_format", "pinned")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +208,7 @@ class AdapterInfo(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     N_NODES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     path: str
@@ -212,23 +225,28 @@ class AdapterInfo(_message.Message):
     size_bytes: int
     n_nodes: int
     source_format: str
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., arch: _Optional[str] = ..., alpha: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ..., target_tensors: _Optional[_Iterable[str]] = ..., task_name: _Optional[str] = ..., prompt_prefix: _Optional[str] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ..., alora_invocation_text: _Optional[str] = ..., default_scale: _Optional[float] = ..., size_bytes: _Optional[int] = ..., n_nodes: _Optional[int] = ..., source_format: _Optional[str] = ...) -> None: ...
+    pinned: bool
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., arch: _Optional[str] = ..., alpha: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ..., target_tensors: _Optional[_Iterable[str]] = ..., task_name: _Optional[str] = ..., prompt_prefix: _Optional[str] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ..., alora_invocation_text: _Optional[str] = ..., default_scale: _Optional[float] = ..., size_bytes: _Optional[int] = ..., n_nodes: _Optional[int] = ..., source_format: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class AdapterChunk(_message.Message):
-    __slots__ = ("id", "sha256", "name", "server_path", "data", "source_format")
+    __slots__ = ("id", "sha256", "name", "server_path", "data", "source_format", "fetch_on_demand", "pinned")
     ID_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SERVER_PATH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     id: int
     sha256: str
     name: str
     server_path: str
     data: bytes
     source_format: str
-    def __init__(self, id: _Optional[int] = ..., sha256: _Optional[str] = ..., name: _Optional[str] = ..., server_path: _Optional[str] = ..., data: _Optional[bytes] = ..., source_format: _Optional[str] = ...) -> None: ...
+    fetch_on_demand: bool
+    pinned: bool
+    def __init__(self, id: _Optional[int] = ..., sha256: _Optional[str] = ..., name: _Optional[str] = ..., server_path: _Optional[str] = ..., data: _Optional[bytes] = ..., source_format: _Optional[str] = ..., fetch_on_demand: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("id",)

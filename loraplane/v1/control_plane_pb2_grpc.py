@@ -50,6 +50,11 @@ class ControlPlaneStub:
                 request_serializer=loraplane_dot_v1_dot_common__pb2.AdapterMap.SerializeToString,
                 response_deserializer=loraplane_dot_v1_dot_common__pb2.AdapterMap.FromString,
                 _registered_method=True)
+        self.PinAdapter = channel.unary_unary(
+                '/loraplane.v1.ControlPlane/PinAdapter',
+                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.PinRequest.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_common__pb2.AdapterInfo.FromString,
+                _registered_method=True)
         self.ListAdapters = channel.unary_unary(
                 '/loraplane.v1.ControlPlane/ListAdapters',
                 request_serializer=loraplane_dot_v1_dot_common__pb2.Empty.SerializeToString,
@@ -85,6 +90,11 @@ class ControlPlaneStub:
                 request_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
                 response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
                 _registered_method=True)
+        self.FetchAdapter = channel.unary_stream(
+                '/loraplane.v1.ControlPlane/FetchAdapter',
+                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.FetchAdapterRequest.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_common__pb2.AdapterChunk.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -105,6 +115,13 @@ class ControlPlaneServicer:
 
     def SetDefaultAdapters(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinAdapter(self, request, context):
+        """Pin (never evicted on workers) or unpin an adapter; returns it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -155,6 +172,15 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchAdapter(self, request, context):
+        """Workers fetch an adapter's bytes by content hash the first time they need it (1 MiB
+        chunks; NOT_FOUND when no registered adapter has that content or its bytes are gone).
+        Needs the worker secret, like membership, when the control plane has one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +198,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.SetDefaultAdapters,
                     request_deserializer=loraplane_dot_v1_dot_common__pb2.AdapterMap.FromString,
                     response_serializer=loraplane_dot_v1_dot_common__pb2.AdapterMap.SerializeToString,
+            ),
+            'PinAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinAdapter,
+                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.PinRequest.FromString,
+                    response_serializer=loraplane_dot_v1_dot_common__pb2.AdapterInfo.SerializeToString,
             ),
             'ListAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAdapters,
@@ -207,6 +238,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.FromString,
                     response_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.SerializeToString,
+            ),
+            'FetchAdapter': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchAdapter,
+                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.FetchAdapterRequest.FromString,
+                    response_serializer=loraplane_dot_v1_dot_common__pb2.AdapterChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -290,6 +326,33 @@ class ControlPlane:
             '/loraplane.v1.ControlPlane/SetDefaultAdapters',
             loraplane_dot_v1_dot_common__pb2.AdapterMap.SerializeToString,
             loraplane_dot_v1_dot_common__pb2.AdapterMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.ControlPlane/PinAdapter',
+            loraplane_dot_v1_dot_control__plane__pb2.PinRequest.SerializeToString,
+            loraplane_dot_v1_dot_common__pb2.AdapterInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -479,6 +542,33 @@ class ControlPlane:
             '/loraplane.v1.ControlPlane/Heartbeat',
             loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
             loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/loraplane.v1.ControlPlane/FetchAdapter',
+            loraplane_dot_v1_dot_control__plane__pb2.FetchAdapterRequest.SerializeToString,
+            loraplane_dot_v1_dot_common__pb2.AdapterChunk.FromString,
             options,
             channel_credentials,
             insecure,

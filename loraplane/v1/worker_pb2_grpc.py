@@ -74,7 +74,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadAdapter(self, request_iterator, context):
-        """First chunk: id and sha256 (and server_path, or data); the rest: data.
+        """First chunk: id and sha256 (and server_path, or data, or fetch_on_demand); the rest: data.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

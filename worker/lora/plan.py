@@ -1,17 +1,21 @@
-"""The LoRA plan for a tuple of adapter sets (the eager-PyTorch stand-in for a ggml graph).
+"""The LoRA routing of one ubatch over the slot pool (the eager stand-in for a ggml graph input).
 
-A ``LoraPlan`` is built once per tuple of active sets and cached by the context: for every
-base weight, the branches of all active adapters stacked along the rank dimension (one A and
-one B per weight) and each rank column's effective scale in every set (``lora_scale``).
-Building it is what "graph rebuilt" means here; reusing it is "graph reused" (llama.cpp
-``llm_graph_result::can_reuse``). The plan is immutable once built. What changes per ubatch —
-which row belongs to which set — is a graph *input*, an int64 index vector passed to
-``LoraPlan.row_scales`` (llama.cpp's ``llm_graph_input_*`` tensors, vLLM's
-``token_lora_indices``); it never invalidates the plan.
+The adapters' tensors live in the slot pool (``worker.lora.pool.LoraPool``); nothing is
+concatenated per batch composition. What changes per ubatch — which rows use which adapters
+at which scale — is a graph *input* (llama.cpp ``llm_graph_input_*``, vLLM
+``token_lora_indices`` + per-slot scales): ``LoraPlan.set_slot_scale`` gives each adapter
+set's ``adapter_scale`` per slot, and the graph expands it to rows with the int64 ``row_set``
+vector. Building it is a few dozen scalar writes.
 
 Where scaling happens (decided once, llama.cpp ``build_lora_mm``): after the B·(A·x)
 product, ``y += scale · B(A x)`` with ``scale = adapter_scale · alpha / rank`` (alpha ≠ 0)
-else ``adapter_scale``. The adapter tensors are never modified.
+else ``adapter_scale`` (``lora_scale``). The per-(slot, weight) factor ``alpha / rank`` sits in
+the pool (``WeightSlots.factor``), the per-(set, slot) ``adapter_scale`` here; their product
+is the scale. The adapter tensors are never modified.
+
+Side branches (token_embd and 3-D expert weights, see the pool's docstring) are fused from
+the resident adapters along rank (``FusedLora``) once per pool *generation*; their columns map
+to slots through ``col_slot`` and use the same routing input.
 """
 
 from __future__ import annotations
@@ -21,103 +25,108 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.lora.adapter import NODES_PER_LORA_WEIGHT, LoraAdapter, LoraPair, lora_scale
+from worker.lora.adapter import NODES_PER_LORA_WEIGHT, LoraPair
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.pool import LoraPool, is_pooled
 
 
 @dataclass(frozen=True)
 class FusedLora:
-    """Every branch on one base weight, concatenated along the rank dimension.
+    """A side weight's branches of every resident adapter, concatenated along rank.
 
     With ``R = Σ r`` over the branches (torch shapes):
-        linear:      lora_a ``(R, k)``,    lora_b ``(d, R)``
         token_embd:  lora_a ``(V, R)``,    lora_b ``(d, R)``
         experts:     lora_a ``(E, R, k)``, lora_b ``(E, d, R)``
-        set_scales:  f32 ``(n_sets, R)``: each rank column's effective scale in each set
-                     (``lora_scale`` of its adapter; 0 where the set lacks the adapter).
+        col_slot:    int64 ``(R,)`` the slot of each rank column
+        col_factor:  f32 ``(R,)`` alpha / r of its adapter on this weight (1 when alpha = 0)
 
-    Semantics (one matmul pair per weight, whatever the number of adapters; rows whose set
-    lacks an adapter get a zero mask on its columns — the segmented product of S-LoRA/punica
-    written as a dense mask, cheap because R is small):
-        for each row i:  y[i] += B · (S[set(i)] ⊙ (A · x[i]))
+    Semantics: for each row i:  y[i] += B · ((S[i, col_slot] · col_factor) ⊙ (A · x[i]))
+    with S the ``(n, s_used)`` per-row slot scales of the ubatch.
     """
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
-    set_scales: torch.Tensor
-    n_branches: int
+    col_slot: torch.Tensor
+    col_factor: torch.Tensor
+
+
+def side_branches(pool: LoraPool) -> dict[str, FusedLora]:
+    """Fuse the non-pooled branches of the resident adapters (rebuilt per pool generation)."""
+    per_weight: dict[str, list[tuple[int, float, LoraPair]]] = {}
+    for slot, info in enumerate(pool.slots):
+        a = info.adapter
+        if a is None:
+            continue
+        for name, pair in a.pairs.items():
+            if not is_pooled(name, pair):
+                per_weight.setdefault(name, []).append((slot, a.alpha / pair.rank if a.alpha else 1.0, pair))
+    out: dict[str, FusedLora] = {}
+    for name, parts in per_weight.items():
+        a_dim = -1 if pair_is_embd(name) else -2
+        la = torch.cat([p.lora_a for _, _, p in parts], dim=a_dim)
+        lb = torch.cat([p.lora_b for _, _, p in parts], dim=-1)
+        dev = la.device
+        col_slot = torch.cat([torch.full((p.rank,), s, dtype=torch.long) for s, _, p in parts]).to(dev)
+        col_factor = torch.cat([torch.full((p.rank,), f, dtype=torch.float32) for _, f, p in parts]).to(dev)
+        out[name] = FusedLora(la, lb, col_slot, col_factor)
+    return out
+
+
+def pair_is_embd(name: str) -> bool:
+    return name == "token_embd.weight"
 
 
 @dataclass(frozen=True)
 class LoraPlan:
-    """The cached "graph" for a tuple of adapter sets. Immutable after ``build_plan``.
+    """The LoRA inputs of one ubatch. Built per ubatch (cheap); the pool is shared.
 
     Attributes:
-        sets: the active sets, index = per-row set index of a ubatch.
-        adapters: union of the sets' adapters (distinct by content).
-        fused: base weight name → the concatenated branches on it.
-        n_lora_nodes: ``NODES_PER_LORA_WEIGHT`` × number of (adapter, weight) branches, the
-            node reservation llama.cpp would make for them.
+        sets: the ubatch's adapter sets, index = per-row set index.
+        pool: the slot pool the adapters of ``sets`` are resident in.
+        s_used: slot prefix the products cover (one past the highest slot any set uses).
+        set_slot_scale: f32 ``(n_sets, s_used)``: ``adapter_scale`` of each slot in each set
+            (0: the set lacks that slot's adapter).
+        side: side weight name → fused branches of the resident adapters.
+        n_lora_nodes: ``NODES_PER_LORA_WEIGHT`` × (adapter, weight) branches the sets use.
     """
 
     sets: tuple[AdapterSet, ...]
-    adapters: list[LoraAdapter]
-    fused: dict[str, FusedLora]
+    pool: LoraPool
+    s_used: int
+    set_slot_scale: torch.Tensor
+    side: dict[str, FusedLora]
     n_lora_nodes: int
 
-    def row_scales(self, fw: FusedLora, row_set: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """Per-row column scales of ``fw`` for the rows routed by ``row_set``.
-
-        Args:
-            fw: a fused weight of this plan.
-            row_set: the graph input: int64 ``(n_rows,)`` set index of each row (None, or a
-                plan with one set: every row uses set 0).
-            dtype: dtype of the result.
-
-        Returns:
-            ``(n_rows, R)``, or ``(R,)`` when every row uses set 0 (broadcasts).
-        """
-        s = fw.set_scales if fw.set_scales.dtype == dtype else fw.set_scales.to(dtype)
-        return s[0] if row_set is None or len(self.sets) == 1 else s.index_select(0, row_set)
+    @property
+    def empty(self) -> bool:
+        return self.s_used == 0
 
 
-def _fuse(name: str, parts: list[tuple[LoraPair, torch.Tensor]]) -> FusedLora:
-    """Concatenate branches on ``name`` along rank (A: dim -1 for token_embd, else -2; B: -1)."""
-    scales = torch.cat([sc.unsqueeze(1).expand(-1, p.rank) for p, sc in parts], dim=1)
-    if len(parts) == 1:
-        a, b = parts[0][0].lora_a, parts[0][0].lora_b
-    else:
-        a_dim = -1 if name == "token_embd.weight" else -2
-        a = torch.cat([p.lora_a for p, _ in parts], dim=a_dim)
-        b = torch.cat([p.lora_b for p, _ in parts], dim=-1)
-    return FusedLora(a, b, scales.to(a.device).contiguous(), len(parts))
+def build_plan(sets: Sequence[AdapterSet], pool: LoraPool, side: dict[str, FusedLora]) -> LoraPlan:
+    """Routing of ``sets`` over ``pool`` (every adapter of the sets must be resident).
 
-
-def build_plan(sets: Sequence[AdapterSet]) -> LoraPlan:
-    """Build the plan for ``sets`` (llama.cpp: graph build with ``llama_context::loras``).
-
-    Rule: effective scale per (adapter, weight, set) = ``lora_scale(adapter_scale, alpha,
-    rank)`` with ``rank = B.ne[0]`` of that weight's pair (llama-adapter.cpp ``get_scale``).
+    Raises:
+        KeyError: an adapter of ``sets`` is not resident (the caller acquires first).
     """
     sets = tuple(sets) or (EMPTY_SET,)
-    n_sets = len(sets)
-    adapters: list[LoraAdapter] = []
-    scale_in_set: list[list[float]] = []
-    index: dict[str, int] = {}
-    for j, s in enumerate(sets):
-        for _, a, adapter_scale in s.entries:
-            if a.sha256 not in index:
-                index[a.sha256] = len(adapters)
-                adapters.append(a)
-                scale_in_set.append([0.0] * n_sets)
-            scale_in_set[index[a.sha256]][j] += adapter_scale
-    per_weight: dict[str, list[tuple[LoraPair, torch.Tensor]]] = {}
-    n_branches = 0
-    for ai, a in enumerate(adapters):
-        for name, pair in a.pairs.items():
-            sc = torch.tensor([lora_scale(scale_in_set[ai][j], a.alpha, pair.rank) for j in range(n_sets)],
-                              dtype=torch.float32)
-            per_weight.setdefault(name, []).append((pair, sc))
-            n_branches += 1
-    fused = {name: _fuse(name, parts) for name, parts in per_weight.items()}
-    return LoraPlan(sets, adapters, fused, NODES_PER_LORA_WEIGHT * n_branches)
+    slot_of: list[list[tuple[int, float]]] = []
+    s_used = 0
+    n_branches: dict[str, int] = {}
+    for s in sets:
+        row = []
+        for _, a, scale in s.entries:
+            slot = pool.slot_of(a.sha256)
+            if slot is None:
+                raise KeyError(f"adapter '{a.name}' ({a.sha256[:12]}) is not resident in the slot pool")
+            row.append((slot, scale))
+            s_used = max(s_used, slot + 1)
+            n_branches[a.sha256] = len(a.pairs)
+        slot_of.append(row)
+    m = torch.zeros((len(sets), s_used), dtype=torch.float32)
+    for j, row in enumerate(slot_of):
+        for slot, scale in row:
+            m[j, slot] += scale
+    return LoraPlan(sets, pool, s_used, m, side, NODES_PER_LORA_WEIGHT * sum(n_branches.values()))
+
+
+__all__ = ["FusedLora", "LoraPlan", "build_plan", "side_branches"]

@@ -1,4 +1,9 @@
-"""The per-model adapter registry (llama.cpp ``llama_model::loras`` + graph node budget)."""
+"""The per-model adapter registry (llama.cpp ``llama_model::loras`` + graph node budget).
+
+``by_id`` holds the adapters whose tensors are in host memory (the host tier); the slot pool
+(``worker.lora.pool``, the device tier) holds those a ubatch may use. The node budget counts
+the adapters resident in slots (issue 12): what a ubatch can touch, not every registration.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from typing import Protocol
 
 from worker.lora.adapter import LoraAdapter
 from worker.lora.adapter_set import AdapterSet
+from worker.lora.pool import LoraPool, PoolExhaustedError
 
 
 class AdapterInUseError(RuntimeError):
@@ -25,10 +31,15 @@ class ModelAdapters:
 
     Adapters are immutable; freeing one that a live context still has in its active sets is
     refused (llama.cpp would leave the context a dangling pointer).
+
+    Args:
+        n_base_tensors: tensors of the base model (node budget).
+        pool: the model's adapter slot pool (shared by its contexts).
     """
 
-    def __init__(self, n_base_tensors: int):
+    def __init__(self, n_base_tensors: int, pool: LoraPool):
         self.n_base_tensors = n_base_tensors
+        self.pool = pool
         self.by_id: dict[int, LoraAdapter] = {}
         self.contexts: list[AdapterUser] = []
 
@@ -48,12 +59,18 @@ class ModelAdapters:
                 raise AdapterInUseError(
                     f"adapter {adapter_id} ('{adapter.name}') is in a context's active adapter set; "
                     "detach it (set_adapters without it) before freeing")
+        if not any(i != adapter_id and a.sha256 == adapter.sha256 for i, a in self.by_id.items()):
+            try:
+                self.pool.evict(adapter.sha256)
+            except PoolExhaustedError as exc:
+                raise AdapterInUseError(f"adapter {adapter_id} ('{adapter.name}'): {exc}") from exc
         return self.by_id.pop(adapter_id)
 
     def node_budget(self) -> int:
-        """Worst-case graph nodes: ``max(1024, 8 · n_base_tensors) + Σ 6 · |pairs|`` over
-        registered adapters (llama.cpp ``llama_context::graph_max_nodes``)."""
-        return max(1024, 8 * self.n_base_tensors) + sum(a.n_nodes for a in self.by_id.values())
+        """Worst-case graph nodes: ``max(1024, 8 · n_base_tensors) + Σ 6 · |pairs|`` over the
+        adapters resident in slots (llama.cpp ``llama_context::graph_max_nodes`` counts every
+        loaded adapter; with a pool only the resident ones can enter a graph)."""
+        return max(1024, 8 * self.n_base_tensors) + sum(a.n_nodes for a in self.pool.resident())
 
 
 __all__ = ["AdapterInUseError", "AdapterUser", "ModelAdapters"]

@@ -46,6 +46,8 @@ JOIN_POLL_S = 0.2
 """Heartbeat period while the control plane is still dialing us back / pushing adapters."""
 
 Holdings = Callable[[], control_plane_pb2.WorkerHoldings]
+Refresh = Callable[[control_plane_pb2.WorkerHello], None]
+"""Writes what the worker holds in slots / host memory and its paging counters into a hello."""
 
 log = structlog.get_logger("worker.rpc.membership")
 
@@ -73,7 +75,7 @@ class MembershipBackoff:
 class _Membership:
     def __init__(self, addr: str, hello: control_plane_pb2.WorkerHello, stop: threading.Event,
                  backoff: MembershipBackoff, credentials: grpc.ChannelCredentials | None,
-                 secret: str | None, holdings: Holdings | None) -> None:
+                 secret: str | None, holdings: Holdings | None, refresh: Refresh | None = None) -> None:
         self.addr = addr
         self.hello = hello
         self.stop = stop
@@ -81,6 +83,7 @@ class _Membership:
         self.credentials = credentials
         self.secret = secret
         self.holdings = holdings
+        self.refresh = refresh
         self.registered = threading.Event()
 
     def _heartbeat_hello(self) -> control_plane_pb2.WorkerHello:
@@ -88,6 +91,8 @@ class _Membership:
         hello.CopyFrom(self.hello)
         if self.holdings is not None:
             hello.holdings.CopyFrom(self.holdings())
+        if self.refresh is not None:
+            self.refresh(hello)  # residency for affinity routing (issue 12)
         return hello
 
     def run(self) -> None:
@@ -208,7 +213,8 @@ def control_plane_addresses(spec: str) -> list[str]:
 def start_membership(control_plane_addr: str, hello: control_plane_pb2.WorkerHello,
                      stop_event: threading.Event, *, backoff: MembershipBackoff = MembershipBackoff(),
                      credentials: grpc.ChannelCredentials | None = None, secret: str | None = None,
-                     holdings: Holdings | None = None) -> MembershipThread | MembershipGroup:
+                     holdings: Holdings | None = None,
+                     refresh: Refresh | None = None) -> MembershipThread | MembershipGroup:
     """Start the register-then-heartbeat thread(s) (daemons) and return them.
 
     Args:
@@ -216,11 +222,14 @@ def start_membership(control_plane_addr: str, hello: control_plane_pb2.WorkerHel
             `MembershipGroup`; see the module docstring).
         secret: the worker secret, sent as metadata on every call (None: none sent).
         holdings: called before each heartbeat; what the worker holds (None: not reported).
+        refresh: called on each heartbeat's hello: adapters resident in slots / on host and
+            the paging counters (None: not reported).
 
     Set ``stop_event`` to stop them; each exits within one heartbeat interval / backoff step.
     """
     addrs = control_plane_addresses(control_plane_addr)
-    threads = [MembershipThread(_Membership(addr, hello, stop_event, backoff, credentials, secret, holdings))
+    threads = [MembershipThread(_Membership(addr, hello, stop_event, backoff, credentials, secret, holdings,
+                                            refresh))
                for addr in addrs]
     for thread in threads:
         thread.start()

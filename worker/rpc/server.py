@@ -100,12 +100,27 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
 
 
 def holdings_of(engine: WorkerEngine) -> control_plane_pb2.WorkerHoldings:
-    """What this worker holds, for heartbeats: usable adapters (id, sha256) and draining ids."""
+    """What this worker holds, for heartbeats: usable adapters (id, sha256: every id it
+    knows, whether its bytes are fetched yet or not) and draining ids."""
     draining = engine.draining_ids()
     return control_plane_pb2.WorkerHoldings(
-        adapters=[control_plane_pb2.HeldAdapter(id=i, sha256=a.sha256)
-                  for i, a in sorted(engine.adapters().items()) if i not in draining],
+        adapters=[control_plane_pb2.HeldAdapter(id=i, sha256=k.sha256)
+                  for i, k in sorted(engine.known().items()) if i not in draining],
         draining_ids=sorted(draining))
+
+
+def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) -> None:
+    """Write what ``engine`` holds now (resident / host adapter ids, paging counters) into
+    ``hello`` — sent with every heartbeat so any control plane can route by affinity."""
+    st = engine.stats()
+    del hello.resident_adapter_ids[:]
+    hello.resident_adapter_ids.extend(st.resident_adapter_ids)
+    del hello.host_adapter_ids[:]
+    hello.host_adapter_ids.extend(st.host_adapter_ids)
+    hello.paging.CopyFrom(control_plane_pb2.WorkerPaging(
+        max_loras=st.max_loras, max_cpu_loras=st.max_cpu_loras, resident=st.resident_adapters,
+        host=st.host_adapters, page_ins=st.page_ins, evictions=st.evictions, fetches=st.fetches,
+        fetch_bytes=st.fetch_bytes, page_in_bytes=st.page_in_bytes, host_evictions=st.host_evictions))
 
 
 def _advertised(config: WorkerConfig, port: int) -> str:
@@ -134,13 +149,16 @@ def serve_worker(config: WorkerConfig) -> None:
         metrics_server, metrics_port = start_metrics_server(config.metrics_addr, engine.metrics.registry)
         log.info("worker metrics serving", addr=config.metrics_addr, port=metrics_port)
     if config.control_plane:
+        from worker.rpc.fetch import ControlPlaneFetcher
         from worker.rpc.membership import start_membership
 
+        engine.fetcher = ControlPlaneFetcher(config.control_plane, engine.worker_id,
+                                             secret=worker_secret_from(config.worker_secret))
         hello = control_plane_pb2.WorkerHello(worker_id=engine.worker_id, addr=_advertised(config, port),
                                               model=str(engine.base.path), n_slots=config.n_slots,
                                               queue_limit=config.queue_limit, incarnation=uuid.uuid4().hex)
         start_membership(config.control_plane, hello, stop, secret=worker_secret_from(config.worker_secret),
-                         holdings=lambda: holdings_of(engine))
+                         holdings=lambda: holdings_of(engine), refresh=lambda h: refresh_hello(engine, h))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"worker {engine.worker_id} listening on port {port}", flush=True)

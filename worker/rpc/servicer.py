@@ -25,7 +25,7 @@ from worker.errors import InvalidRequestError, PermissionDeniedError, WorkerErro
 from worker.rpc.status import status_of
 from worker.serving.engine import WorkerEngine
 from worker.runtime.sampling import SamplingParams
-from worker.serving.engine import WorkerStatsRecord
+from worker.serving.engine import KnownAdapter, WorkerStatsRecord
 from worker.serving.request import (ErrorEvent, Event, FinishedEvent, GenRequest, RequestTelemetry, StartedEvent,
                                     StepInfo,
                                     TokenEvent)
@@ -54,6 +54,11 @@ def adapter_info(adapter_id: int, a, default_scale: float = 0.0) -> pb.AdapterIn
         default_scale=default_scale, size_bytes=a.size_bytes, n_nodes=a.n_nodes)
 
 
+def known_info(adapter_id: int, k) -> pb.AdapterInfo:
+    """``AdapterInfo`` of an adapter known by sha256 only (bytes not on this worker yet)."""
+    return pb.AdapterInfo(id=adapter_id, name=k.name, path=k.path, sha256=k.sha256, pinned=k.pinned)
+
+
 def step_to_proto(st: StepInfo) -> pb.StepTelemetry:
     """``StepInfo`` → ``StepTelemetry`` (every field by name: a missing one raises)."""
     return pb.StepTelemetry(**dataclasses.asdict(st))
@@ -63,7 +68,8 @@ def telemetry_to_proto(t: RequestTelemetry) -> pb.RequestTelemetry:
     """``RequestTelemetry`` → proto, the one mapping (an unknown field raises ValueError)."""
     fields = dataclasses.asdict(t)
     adapters = [pb.AdapterScale(id=i, scale=s) for i, s in fields.pop("adapters")]
-    return pb.RequestTelemetry(adapters=adapters, **fields)
+    residency = [pb.AdapterResidency(**r) for r in fields.pop("adapter_residency")]
+    return pb.RequestTelemetry(adapters=adapters, adapter_residency=residency, **fields)
 
 
 def stats_to_proto(s: WorkerStatsRecord) -> worker_pb2.WorkerStats:
@@ -194,10 +200,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 data += chunk.data
             if path and data:
                 raise InvalidRequestError(f"adapter {first.id}: server_path and data given together; send one")
-            a = self.engine.load_adapter(first.id, sha256=first.sha256, path=path, data=bytes(data))
+            a = self.engine.load_adapter(first.id, sha256=first.sha256, path=path, data=bytes(data),
+                                         name=first.name, fetch_on_demand=first.fetch_on_demand,
+                                         pinned=first.pinned if first.HasField("pinned") else None)
         except WorkerError as exc:
             context.abort(status_of(exc), str(exc))
-        return adapter_info(first.id, a)
+        k = self.engine.known().get(first.id)
+        if isinstance(a, KnownAdapter):
+            return known_info(first.id, a)
+        info = adapter_info(first.id, a)
+        info.pinned = bool(k and k.pinned)
+        return info
 
     def _confined(self, adapter_id: int, server_path: str):
         """``server_path`` resolved inside the worker's ``--adapter-dir``s (`loraplane.paths`).
@@ -225,7 +238,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return pb.Empty()
 
     def ListAdapters(self, request, context):
-        return worker_pb2.WorkerAdapterList(adapters=[adapter_info(i, a) for i, a in sorted(self.engine.adapters().items())])
+        host = self.engine.adapters()
+        return worker_pb2.WorkerAdapterList(adapters=[
+            adapter_info(i, host[i]) if i in host else known_info(i, k)
+            for i, k in sorted(self.engine.known().items())])
 
     def Stats(self, request, context):
         return stats_to_proto(self.engine.stats())

@@ -1,8 +1,8 @@
 """A worker context: the base model, the active adapter sets, the plan cache and the KV cache.
 
 Mirrors llama.cpp ``llama_context``: ``set_adapters`` is ``llama_set_adapters_lora`` (a no-op
-when the sets are unchanged — ``adapters_lora_are_same`` — otherwise it swaps them in and
-drops the cached graph), and ``decode`` is ``llama_decode`` over one ubatch of
+when the sets are unchanged — ``adapters_lora_are_same`` — otherwise it swaps them in, making
+every adapter of the new sets resident in the model's slot pool, ``worker.lora.pool``), and ``decode`` is ``llama_decode`` over one ubatch of
 ``(token, pos, seq_id, wants_logits)`` rows from any number of sequences. Prompt processing
 and single-token decode take the same path.
 """
@@ -18,7 +18,8 @@ from worker.runtime import arch as arch_registry
 from worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
 from worker.runtime.kv_cache import KVCache, KVCacheError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from worker.lora.plan import LoraPlan, build_plan
+from worker.lora.plan import FusedLora, LoraPlan, build_plan, side_branches
+from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
 from worker.lora.registry import ModelAdapters
 from worker.runtime.model import BaseModel
 
@@ -58,6 +59,9 @@ class DecodeResult:
 
 @dataclass
 class ContextStats:
+    """``graph_reuses``: decodes in which no slot's content had changed since the previous
+    decode; ``graph_rebuilds``: decodes after a page-in or eviction (issue 12)."""
+
     graph_reuses: int = 0
     graph_rebuilds: int = 0
     set_adapter_calls: int = 0
@@ -85,7 +89,10 @@ class WorkerContext:
                           device=model.device, n_seq_hint=n_seq)
         self._key_pos = torch.arange(n_ctx_seq, dtype=torch.long, device=model.device)  # key positions, sliced
         self.active_sets: tuple[AdapterSet, ...] = (EMPTY_SET,)
-        self._plan: LoraPlan | None = None
+        self.pool: LoraPool = adapters.pool
+        self._held: list = []             # adapters this context holds in the pool (its active sets')
+        self._seen_generation = -1        # pool generation at the previous decode
+        self._side: tuple[int, dict[str, FusedLora]] = (-1, {})
         self.stats = ContextStats()
         adapters.contexts.append(self)
 
@@ -94,14 +101,21 @@ class WorkerContext:
         if self in self.adapters.contexts:
             self.adapters.contexts.remove(self)
         self.kv.clear()
-        self._plan = None
+        self.pool.release(self._held)
+        self._held = []
 
     # --- adapters -------------------------------------------------------------------------
     def set_adapters(self, sets: AdapterSet | Sequence[AdapterSet]) -> bool:
         """Make ``sets`` the active adapter sets; returns True when they changed.
 
-        Unchanged (same adapters by content, same non-zero scales) → no-op, the cached plan
-        stays valid. Changed → replaced, and the plan is rebuilt at the next decode.
+        Unchanged (same adapters by content, same non-zero scales) → no-op. Changed → every
+        adapter of ``sets`` is made resident in the slot pool and held (paging in what is
+        missing, evicting least recently used unheld slots), and the previous sets' holds
+        are dropped. Only a page-in changes slot content; changing sets alone costs nothing.
+
+        Raises:
+            DecodeError: an adapter is not registered, or the sets need more slots than can be
+                free now (``max_loras``, or every slot held/pinned).
         """
         new = (sets,) if isinstance(sets, AdapterSet) else tuple(sets) or (EMPTY_SET,)
         self.stats.set_adapter_calls += 1
@@ -112,8 +126,14 @@ class WorkerContext:
                 if self.adapters.by_id.get(aid) is not a:
                     raise DecodeError(f"adapter {aid} ('{a.name}') is not registered with this model "
                                       f"(registered: {sorted(self.adapters.by_id)})")
+        wanted = [a for s in new for _, a, _ in s.entries]
+        try:
+            self.pool.acquire(wanted)
+        except (PoolCapacityError, PoolExhaustedError) as exc:
+            raise DecodeError(f"adapter sets need slots: {exc}") from exc
+        self.pool.release(self._held)
+        self._held = wanted
         self.active_sets = new
-        self._plan = None
         return True
 
     @property
@@ -121,12 +141,19 @@ class WorkerContext:
         return self.adapters.node_budget()
 
     def _get_plan(self) -> tuple[LoraPlan, bool]:
-        if self._plan is not None:
+        """The ubatch's routing over the pool, and whether no slot changed since the last decode
+        ("graph reused"; side branches are re-fused only then)."""
+        gen = self.pool.generation
+        if self._side[0] != gen:
+            self._side = (gen, side_branches(self.pool))
+        plan = build_plan(self.active_sets, self.pool, self._side[1])
+        reused = gen == self._seen_generation
+        self._seen_generation = gen
+        if reused:
             self.stats.graph_reuses += 1
-            return self._plan, True
-        self._plan = build_plan(self.active_sets)
-        self.stats.graph_rebuilds += 1
-        return self._plan, False
+        else:
+            self.stats.graph_rebuilds += 1
+        return plan, reused
 
     # --- decode ---------------------------------------------------------------------------
     def _inputs(self, ub: UBatch, set_index: list[int]) -> GraphInputs:
@@ -211,13 +238,20 @@ class WorkerContext:
 
 @dataclass
 class Model:
-    """A base model with its adapter registry (what a worker process holds)."""
+    """A base model with its adapter registry and slot pool (what a worker process holds).
+
+    ``max_loras`` / ``max_lora_rank``: the pool's slots and largest rank (``--max-loras``,
+    ``--max-lora-rank``; vLLM's names and defaults).
+    """
 
     base: BaseModel
+    max_loras: int = 16
+    max_lora_rank: int = 64
     adapters: ModelAdapters = field(init=False)
 
     def __post_init__(self) -> None:
-        self.adapters = ModelAdapters(self.base.n_base_tensors)
+        pool = LoraPool(self.max_loras, self.max_lora_rank, dtype=self.base.dtype, device_for=self.base.device_of)
+        self.adapters = ModelAdapters(self.base.n_base_tensors, pool)
 
     def new_context(self, *, n_ctx_seq: int = 4096, n_seq: int = 1) -> WorkerContext:
         return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq)

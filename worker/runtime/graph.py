@@ -5,12 +5,14 @@ goes through ``build_lora_mm`` / ``build_lora_mm_id`` / ``build_inp_embd``, so L
 applied in exactly one place.
 
 Scaling rule (one place, like llama.cpp ``build_lora_mm``): the base product first, then
-``y += B · (S ⊙ (A x))`` where A/B stack every active adapter's branch on the weight along
-the rank dimension and S holds each rank column's ``scale`` for the row's adapter set
-(``adapter_scale · alpha / rank``, or ``adapter_scale`` when alpha is 0; see
-``worker.lora.plan``). Scaling after the A product equals llama.cpp's scaling after B·A·x.
-A mixed ubatch therefore costs one matmul pair per patched weight however many adapters it
-holds; rows whose set lacks an adapter get zero columns.
+``y += B · (S ⊙ (A x))`` where A/B are the weight's slot buffers of the adapter slot pool
+(``worker.lora.pool``: every slot's branch stacked along rank, padded with zero rows) and S
+holds, per row and slot, ``adapter_scale · alpha / rank`` (or ``adapter_scale`` when alpha
+is 0): the row's set's ``adapter_scale`` of the slot's adapter (the routing input,
+``worker.lora.plan``) times the slot's ``alpha / rank`` on this weight. Scaling after the A
+product equals llama.cpp's scaling after B·A·x. A mixed ubatch therefore costs one matmul
+pair per patched weight however many adapters it holds, and which adapters it holds changes
+only the input S; rows whose set lacks a slot's adapter get zero scales there.
 
 Shapes are torch order. Symbols: ``n`` = token rows in the ubatch, ``d`` = n_embd,
 ``k`` = a matmul's input width, ``r`` = LoRA rank, ``E`` = experts, ``V`` = vocab.
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 from worker.runtime.kernels import QuantLinear, quantize_activations, resolve_path
 from worker.runtime.kv_cache import KVCache
-from worker.lora.plan import LoraPlan
+from worker.lora.plan import FusedLora, LoraPlan
 
 
 @dataclass
@@ -67,7 +69,7 @@ class GraphInputs:
         out_rows: int64 ``(n_out,)`` rows whose logits are wanted (``build_inp_out_ids``).
         decode_rows: the sequences that feed exactly one row (None: there are none).
         row_set: int64 ``(n,)`` the LoRA routing: each row's index into the plan's adapter
-            sets (vLLM ``token_lora_indices``); the plan itself never changes per ubatch.
+            sets (vLLM ``token_lora_indices``), expanded to per-row slot scales.
     """
 
     tokens: torch.Tensor
@@ -84,8 +86,9 @@ class GraphContext:
     Args:
         weights: base tensors by GGUF name (torch order).
         inputs: the ubatch.
-        plan: the immutable LoRA plan of the active adapter sets; rows are routed to its sets
-            by ``inputs.row_set`` (``self.row_set`` follows the output-row cut).
+        plan: the LoRA routing of the ubatch over the slot pool; rows are routed to its sets
+            by ``inputs.row_set``, giving ``self.row_slot`` f32 ``(n, s_used)`` per-row slot
+            scales (it follows the output-row cut).
         kv: the context's KV cache (K/V of this ubatch are appended to it).
         dtype: compute dtype.
         fused: ``(names...) -> QuantLinear`` packed weights that share an input, concatenated
@@ -101,7 +104,10 @@ class GraphContext:
         self.plan = plan
         self.kv = kv
         self.dtype = dtype
-        self.row_set = inputs.row_set  # int64 (rows alive now,) set index; cut by build_inp_out_ids
+        # f32 (rows alive now, s_used) adapter_scale per row and slot; cut by build_inp_out_ids
+        self.row_slot: torch.Tensor | None = None
+        if not plan.empty:
+            self.row_slot = plan.set_slot_scale.to(inputs.row_set.device).index_select(0, inputs.row_set)
         self._rows_reduced = False
         self._rope_cache: dict[tuple[int, float, float], tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
@@ -111,18 +117,27 @@ class GraphContext:
         """``get_rows(W, ids)`` plus the embedding LoRA: ``B · (S ⊙ get_rows(A, ids))``.
 
         W ``(V, d)``; fused A ``(V, R)`` (ggml ne ``[r, V]`` per adapter, the token_embd
-        exception); B ``(d, R)``; S the per-row column scales. Returns ``(n, d)``.
+        exception) of the resident adapters (a side branch, ``worker.lora.plan``); B ``(d, R)``;
+        S ``(n, R)`` the per-row column scales. Returns ``(n, d)``.
         """
         ids = self.inp.tokens
         w = self.w[name]
         x = (w.get_rows(ids) if isinstance(w, QuantLinear) else w.index_select(0, ids)).to(self.dtype)
         self.n_nodes += 1
-        fw = self.plan.fused.get(name)
+        fw = self.plan.side.get(name) if self.row_slot is not None else None
         if fw is not None:
             a = fw.lora_a.index_select(0, ids)
-            x = x + ((a * self.plan.row_scales(fw, self.row_set, a.dtype)) @ fw.lora_b.T).to(x.dtype)
+            x = x + ((a * self._col_scales(fw, a.dtype)) @ fw.lora_b.T).to(x.dtype)
             self.n_nodes += 4
         return x
+
+    def _col_scales(self, fw: FusedLora, dtype: torch.dtype) -> torch.Tensor:
+        """``(n, R)`` scales of a side branch's rank columns for the rows alive now."""
+        assert self.row_slot is not None
+        rs = self.row_slot
+        if rs.shape[1] < self.plan.pool.max_loras:  # side columns may sit past the used prefix
+            rs = F.pad(rs, (0, self.plan.pool.max_loras - rs.shape[1]))
+        return (rs.index_select(1, fw.col_slot) * fw.col_factor).to(dtype)
 
     def build_inp_out_ids(self, x: torch.Tensor) -> torch.Tensor:
         """Keep only the rows whose logits are wanted (``ggml_get_rows(cur, inp_out_ids)``).
@@ -135,7 +150,8 @@ class GraphContext:
             return x
         if not self._rows_reduced:
             self._rows_reduced = True
-            self.row_set = self.row_set.index_select(0, out)
+            if self.row_slot is not None:
+                self.row_slot = self.row_slot.index_select(0, out)
         self.n_nodes += 1
         return x.index_select(0, out)
 
@@ -159,19 +175,35 @@ class GraphContext:
         return x @ w.T
 
     def build_lora_mm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``W x`` plus ``B · (S ⊙ (A x))`` for the plan's fused branches on ``name``.
+        """``W x`` plus the LoRA of every slot the ubatch uses, read from the pool by slot.
 
-        W ``(d, k)``, x ``(n, k)`` → ``(n, d)``; fused A ``(R, k)``, B ``(d, R)``; S ``(n, R)``
-        per-row column scales (zero for adapters a row's set lacks), so every adapter of a
-        mixed ubatch costs one matmul pair per weight in total.
+        W ``(d, k)``, x ``(n, k)`` → ``(n, d)``. With ``u`` = ``plan.s_used`` slots and the
+        weight's padded rank ``R``: A = pool ``a[:u]`` viewed ``(u·R, k)``, B = pool
+        ``bt[:u]`` viewed ``(u·R, d)`` (both contiguous), S ``(n, u)`` = per-row slot scale ×
+        the slot's ``alpha / r`` on this weight.
+
+        Semantics:
+            for each row i, slot s < u:  y[i] += S[i, s] · B_s (A_s x[i])
+        computed as two dense matmuls with the mask between them (zero-padded rank rows and
+        slots a row does not use contribute exact zeros).
         """
         y = self.base_mm(name, x)
         self.n_nodes += 1
-        fw = self.plan.fused.get(name)
-        if fw is not None:
-            xa = x @ fw.lora_a.T
-            y = y + ((xa * self.plan.row_scales(fw, self.row_set, xa.dtype)) @ fw.lora_b.T).to(y.dtype)
-            self.n_nodes += 4
+        return self._add_lora(name, x, y)
+
+    def _add_lora(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y + Σ_s S[:, s] · B_s (A_s x)`` over the used slots (``build_lora_mm``'s branch)."""
+        if self.row_slot is None:
+            return y
+        w = self.plan.pool.weights.get(name)
+        u = self.plan.s_used
+        if w is None or not any(w.rank_of[:u]):
+            return y
+        n, rk = x.shape[0], w.rank_cap
+        s = (self.row_slot * w.factor[:u]).to(x.dtype)                       # (n, u)
+        xa = (x @ w.a[:u].reshape(u * rk, -1).T).view(n, u, rk) * s.unsqueeze(2)  # (n, u, R)
+        y = y + (xa.view(n, u * rk) @ w.bt[:u].reshape(u * rk, -1)).to(y.dtype)
+        self.n_nodes += 4
         return y
 
     def build_lora_mm_group(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
@@ -211,31 +243,26 @@ class GraphContext:
                 out += list(torch.split(y, [self.w[n].d for n in group], dim=-1))
         for idx, name in enumerate(names):
             self.n_nodes += 1
-            fw = self.plan.fused.get(name)
-            if fw is not None:
-                xa = x @ fw.lora_a.T
-                out[idx] = out[idx] + ((xa * self.plan.row_scales(fw, self.row_set, xa.dtype)) @ fw.lora_b.T
-                                       ).to(out[idx].dtype)
-                self.n_nodes += 4
+            out[idx] = self._add_lora(name, x, out[idx])
         return out
 
     def build_lora_mm_id(self, name: str, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Expert matmul routed by ``expert_ids`` (``ggml_mul_mat_id``) plus the experts' LoRA.
 
         W ``(E, d, k)``; x ``(n, k)`` or ``(n, K, k)`` (per selected expert); expert_ids
-        int64 ``(n, K)``. Fused A ``(E, R, k)`` and B ``(E, d, R)`` are routed by the same ids
-        as W — never one expert's A/B for all tokens. Returns ``(n, K, d)``.
+        int64 ``(n, K)``. Fused A ``(E, R, k)`` and B ``(E, d, R)`` of the resident adapters
+        (a side branch, fused once per pool generation) are routed by the same ids as W —
+        never one expert's A/B for all tokens. Returns ``(n, K, d)``.
         """
         w = self.w[name]
         n, top_k = expert_ids.shape
         xk = x.unsqueeze(1).expand(n, top_k, x.shape[-1]) if x.dim() == 2 else x
         d_out = w[0].d if isinstance(w, list) else w.shape[1]
         out = torch.zeros((n, top_k, d_out), dtype=x.dtype, device=x.device)
-        fw = self.plan.fused.get(name)
+        fw = self.plan.side.get(name) if self.row_slot is not None else None
         scales: torch.Tensor | None = None
         if fw is not None:
-            s = self.plan.row_scales(fw, self.row_set, x.dtype)
-            scales = s.expand(n, -1) if s.dim() == 1 else s
+            scales = self._col_scales(fw, x.dtype)
             self.n_nodes += 4
         self.n_nodes += 1
         for e in torch.unique(expert_ids).tolist():

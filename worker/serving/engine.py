@@ -5,6 +5,15 @@ exceptions to status codes. Adapter loads go through ``worker.lora.adapter.load_
 (validated, tensors on the device of the weight they patch). Unloading drains first: new
 requests naming the adapter are refused, running ones finish, then the context detaches it
 and the model frees it — a context never points at freed weights.
+
+Three tiers (issue 12): the worker *knows* an adapter id (its sha256, name, pin flag) from a
+``LoadAdapter`` call — with bytes, a server path, or ``fetch_on_demand`` (header only); its
+tensors are in *host* memory (``ModelAdapters.by_id``, at most ``--max-cpu-loras``, least
+recently used evicted first, never one that a request holds, that is resident in a slot or
+pinned); the slot pool (``worker.lora.pool``) holds what ubatches use. A request's adapters
+are brought to host at submit, on the caller's thread (off the decode loop): from a local
+file, or fetched from the control plane by sha256 (``fetcher``) the first time, once per
+content however many requests ask at once.
 """
 
 from __future__ import annotations
@@ -16,10 +25,11 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -30,12 +40,44 @@ from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import BaseModel, load_model
 from worker.runtime.sampling import SamplingParams
 from worker.serving.scheduler import Scheduler, SchedulerStats
-from worker.errors import (AdapterConflictError, AdapterNotFoundError, DrainTimeoutError,
+from worker.errors import (AdapterConflictError, AdapterFetchError, AdapterNotFoundError, DrainTimeoutError,
                            InvalidRequestError, WorkerError)
 from worker.serving.metrics import WorkerMetrics
 from worker.serving.request import Event, GenRequest
 
 log = structlog.get_logger("loraplane.worker")
+
+
+@dataclass
+class KnownAdapter:
+    """An adapter id this worker may serve: content hash, name, pin, and where its bytes are
+    (``path`` empty: fetch from the control plane by sha256)."""
+
+    sha256: str
+    name: str
+    path: str = ""
+    pinned: bool = False
+
+
+Fetcher = Callable[[str], "Iterator[bytes]"]
+"""sha256 → the adapter's bytes in chunks (``worker.rpc.fetch.ControlPlaneFetcher``)."""
+
+
+class FetchError(Exception):
+    """The control plane could not give an adapter's bytes (the fetcher raises it)."""
+
+    def __init__(self, message: str, *, not_found: bool = False):
+        super().__init__(message)
+        self.not_found = not_found
+
+
+@dataclass
+class PagingCounters:
+    fetches: int = 0
+    fetch_bytes: int = 0
+    fetch_failures: int = 0
+    host_loads: int = 0
+    host_evictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,6 +95,22 @@ class WorkerStatsRecord:
     adapter_ids: list[int]
     node_budget: int
     adapter_bytes: int
+    # adapter paging (issue 12): pool and host cache sizes, counts, counters
+    max_loras: int = 0
+    max_cpu_loras: int = 0
+    resident_adapters: int = 0
+    host_adapters: int = 0
+    known_adapters: int = 0
+    page_ins: int = 0
+    evictions: int = 0
+    page_in_bytes: int = 0
+    host_evictions: int = 0
+    fetches: int = 0
+    fetch_bytes: int = 0
+    fetch_failures: int = 0
+    pool_bytes: int = 0
+    resident_adapter_ids: list[int] = field(default_factory=list)
+    host_adapter_ids: list[int] = field(default_factory=list)
 
 
 def max_piece_bytes(tokenizer) -> int:
@@ -73,6 +131,35 @@ def prompt_byte_limit(n_ctx_slot: int, piece_bytes: int) -> int:
     return (n_ctx_slot - 1) * piece_bytes
 
 
+def fetch_to_file(fetcher: Fetcher, adapter_id: int, sha256: str, target: Path) -> int:
+    """Stream ``fetcher(sha256)`` into ``target`` through a temporary file, keeping it only if
+    the bytes hash to ``sha256``; returns the byte count.
+
+    Raises:
+        AdapterFetchError: the fetcher failed (``not_found`` kept), or a hash mismatch; no
+            file is left behind either way.
+    """
+    h = hashlib.sha256()
+    tmp = target.with_suffix(f".part-{uuid.uuid4().hex[:8]}")
+    n = 0
+    try:
+        with open(tmp, "wb") as f:
+            for piece in fetcher(sha256):
+                h.update(piece)
+                f.write(piece)
+                n += len(piece)
+    except FetchError as exc:
+        tmp.unlink(missing_ok=True)
+        raise AdapterFetchError(f"adapter {adapter_id}: fetching sha256 {sha256} from the control plane "
+                                f"failed: {exc}", not_found=exc.not_found) from exc
+    if h.hexdigest() != sha256:
+        tmp.unlink(missing_ok=True)
+        raise AdapterFetchError(f"adapter {adapter_id}: fetched bytes hash to {h.hexdigest()}, "
+                                f"expected sha256 {sha256} (hash mismatch)")
+    os.replace(tmp, target)
+    return n
+
+
 class WorkerEngine:
     """Holds the model, context, scheduler and adapter table of one worker process."""
 
@@ -80,13 +167,18 @@ class WorkerEngine:
         self.config = config
         self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         base = load_model(config.model_path, dtype=config.dtype, device=config.device, weights=config.weight_form)
-        self.model = Model(base)
+        self.model = Model(base, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
         self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot, n_seq=config.n_slots)
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
         self.metrics = WorkerMetrics(self.stats, adapter_label_cap=config.metrics_max_adapters)
         self.scheduler.observer = self.metrics
         self._lock = threading.Lock()
         self._draining: set[int] = set()
+        self._known: dict[int, KnownAdapter] = {}
+        self._host_lru: dict[int, None] = {}   # host tier order, least recently used first
+        self._inflight_loads: dict[str, concurrent.futures.Future[LoraAdapter]] = {}
+        self.counters = PagingCounters()
+        self.fetcher: Fetcher | None = None
         # The pid in the name tells operators (and tests) whose directory it is.
         self._cache_dir = Path(tempfile.mkdtemp(prefix=f"loraplane-worker-adapters-{os.getpid()}-"))
         self.max_piece_bytes = max_piece_bytes(base.tokenizer)
@@ -106,14 +198,34 @@ class WorkerEngine:
         shutil.rmtree(self._cache_dir, ignore_errors=True)
 
     # --- adapters -------------------------------------------------------------------------
-    def load_adapter(self, adapter_id: int, *, sha256: str = "", path: str = "", data: bytes = b"") -> LoraAdapter:
-        """Load and register an adapter under the id the control plane assigned.
+    def load_adapter(self, adapter_id: int, *, sha256: str = "", path: str = "", data: bytes = b"",
+                     name: str = "", fetch_on_demand: bool = False, pinned: bool | None = None) -> LoraAdapter | KnownAdapter:
+        """Register an adapter under the id the control plane assigned.
+
+        With ``data`` or ``path`` it is validated and loaded into host memory now (its rank
+        checked against ``--max-lora-rank``). With ``fetch_on_demand`` only the id → sha256
+        mapping is recorded; the bytes are fetched from the control plane when a request first
+        needs them. ``pinned`` (None: unchanged) sets the pin flag either way.
 
         Raises:
-            InvalidRequestError: bad file, hash mismatch, neither path nor bytes.
+            InvalidRequestError: bad file, rank above ``--max-lora-rank``, hash mismatch, no
+                source given.
             AdapterConflictError: the id is held by different content.
             AdapterNotFoundError: no file at the path.
         """
+        if fetch_on_demand and not data and not path:
+            if not sha256:
+                raise InvalidRequestError(f"adapter {adapter_id}: fetch_on_demand needs the sha256")
+            with self._lock:
+                known = self._known.get(adapter_id)
+                if known is not None and known.sha256 != sha256:
+                    raise AdapterConflictError(f"adapter id {adapter_id} is loaded with other content ({known.sha256})")
+                if known is None:
+                    known = self._known[adapter_id] = KnownAdapter(sha256, name or sha256[:12])
+                    self._draining.discard(adapter_id)
+                if pinned is not None:
+                    self._set_pinned(adapter_id, known, pinned)
+            return known
         if data:
             digest = hashlib.sha256(data).hexdigest()
             if sha256 and digest != sha256:
@@ -127,35 +239,171 @@ class WorkerEngine:
             raise AdapterNotFoundError(f"adapter {adapter_id}: no file at '{path}' on worker {self.worker_id}")
         with self._lock:
             held = self.model.adapters.by_id.get(adapter_id)
-        if held is not None:
-            if sha256 and held.sha256 != sha256:
-                raise AdapterConflictError(f"adapter id {adapter_id} is loaded with other content ({held.sha256})")
-            return held
+            known = self._known.get(adapter_id)
+        if held is not None or (known is not None and known.path):
+            have = held.sha256 if held is not None else known.sha256  # type: ignore[union-attr]
+            if sha256 and have != sha256:
+                raise AdapterConflictError(f"adapter id {adapter_id} is loaded with other content ({have})")
+            if held is not None:
+                return held
+        adapter = self._read(adapter_id, path)
+        if sha256 and adapter.sha256 != sha256:
+            raise InvalidRequestError(f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {adapter.sha256})")
+        with self._lock:
+            known = self._known.get(adapter_id)
+            if known is None or known.sha256 != adapter.sha256:
+                known = self._known[adapter_id] = KnownAdapter(adapter.sha256, adapter.name, path)
+            known.path = path
+            self._put_host(adapter_id, adapter)
+            self._draining.discard(adapter_id)
+            if pinned is not None:
+                self._set_pinned(adapter_id, known, pinned)
+        self.metrics.on_adapter_loaded()
+        log.info("adapter loaded", adapter_id=adapter_id, name=adapter.name, pairs=len(adapter.pairs))
+        return adapter
+
+    def _read(self, adapter_id: int, path: str) -> LoraAdapter:
+        """Validate and load ``path`` as host tensors (rank checked against the pool).
+
+        Raises:
+            InvalidRequestError: the file fails validation or a rank exceeds --max-lora-rank.
+        """
         try:
             adapter = load_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne,
                                         device_for=self.base.device_of, dtype=self.base.dtype)
         except AdapterError as exc:
             raise InvalidRequestError(str(exc)) from exc
-        if sha256 and adapter.sha256 != sha256:
-            raise InvalidRequestError(f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {adapter.sha256})")
-        with self._lock:
-            self.model.adapters.add(adapter_id, adapter)
-            self._draining.discard(adapter_id)
-        self.metrics.on_adapter_loaded()
-        log.info("adapter loaded", adapter_id=adapter_id, name=adapter.name, pairs=len(adapter.pairs))
+        too_big = max(adapter.ranks, default=0)
+        if too_big > self.config.max_lora_rank:
+            raise InvalidRequestError(
+                f"adapter {adapter_id} ('{adapter.name}') has rank {too_big}, above this worker's "
+                f"--max-lora-rank {self.config.max_lora_rank}")
+        self.counters.host_loads += 1
         return adapter
 
+    def _set_pinned(self, adapter_id: int, known: KnownAdapter, pinned: bool) -> None:
+        """Record the pin flag (caller holds the lock); the pool applies it on the loop thread."""
+        known.pinned = pinned
+        sha = known.sha256
+        self.scheduler.run_soon(lambda: self.ctx.pool.set_pinned(sha, pinned))
+
+    def _put_host(self, adapter_id: int, adapter: LoraAdapter) -> None:
+        """Insert into the host tier (caller holds the lock) and evict beyond --max-cpu-loras."""
+        self.model.adapters.add(adapter_id, adapter)
+        self._host_lru.pop(adapter_id, None)
+        self._host_lru[adapter_id] = None
+        self._evict_host()
+
+    def _evict_host(self) -> None:
+        """Drop least recently used host entries beyond ``max_cpu_loras`` that no request holds,
+        that are not resident in a slot and not pinned (caller holds the lock)."""
+        cap = max(self.config.max_cpu_loras, self.config.max_loras)
+        by_id = self.model.adapters.by_id
+        over = len(by_id) - cap
+        if over <= 0:
+            return
+        resident = self.ctx.pool.resident_shas()
+        for aid in list(self._host_lru):
+            if over <= 0:
+                break
+            a = by_id.get(aid)
+            known = self._known.get(aid)
+            if a is None:
+                self._host_lru.pop(aid, None)
+                continue
+            if (a.sha256 in resident or (known is not None and known.pinned)
+                    or self.scheduler.adapter_in_flight(aid) or aid in self._draining):
+                continue
+            del by_id[aid]
+            self._host_lru.pop(aid, None)
+            self.counters.host_evictions += 1
+            over -= 1
+
+    def _to_host(self, adapter_id: int) -> tuple[LoraAdapter, str]:
+        """The adapter's host tensors and where they came from ("host", "loaded", "fetched").
+
+        Runs on the caller's thread. One load per content at a time: concurrent requests for
+        the same adapter wait for the first one's load.
+
+        Raises:
+            AdapterNotFoundError: the id is unknown or being unloaded.
+            AdapterFetchError: the control plane could not give the bytes, or they do not hash
+                to the registered sha256.
+            InvalidRequestError: the fetched file fails validation.
+        """
+        with self._lock:
+            a = self.model.adapters.by_id.get(adapter_id)
+            known = self._known.get(adapter_id)
+            if a is not None:
+                self._host_lru.pop(adapter_id, None)
+                self._host_lru[adapter_id] = None
+                return a, "host"
+            if known is None or adapter_id in self._draining:
+                raise AdapterNotFoundError(
+                    f"adapter {adapter_id} is not loaded on worker {self.worker_id} "
+                    f"(loaded: {sorted(i for i in self._known if i not in self._draining)})")
+            fut = self._inflight_loads.get(known.sha256)
+            owner = fut is None
+            if owner:
+                fut = self._inflight_loads[known.sha256] = concurrent.futures.Future()
+        assert fut is not None
+        if not owner:
+            return fut.result(), "host"
+        try:
+            source = "loaded"
+            path = known.path
+            if not path or not os.path.isfile(path):
+                cached = self._cache_dir / f"{known.sha256}.gguf"
+                if not cached.is_file():
+                    self._fetch(adapter_id, known.sha256, cached)
+                    source = "fetched"
+                path = str(cached)
+            adapter = self._read(adapter_id, path)
+            if adapter.sha256 != known.sha256:
+                raise AdapterFetchError(f"adapter {adapter_id}: file '{path}' hashes to {adapter.sha256}, "
+                                        f"registered as {known.sha256}")
+            with self._lock:
+                if adapter_id in self._known:
+                    self._put_host(adapter_id, adapter)
+            fut.set_result(adapter)
+            return adapter, source
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                self._inflight_loads.pop(known.sha256, None)
+
+    def _fetch(self, adapter_id: int, sha256: str, target: Path) -> None:
+        """Fetch the bytes of ``sha256`` from the control plane into ``target``, verified.
+
+        Raises:
+            AdapterFetchError: no fetcher, the control plane failed, or a hash mismatch.
+        """
+        if self.fetcher is None:
+            raise AdapterFetchError(f"adapter {adapter_id}: worker {self.worker_id} has no bytes for it and no "
+                                    "control plane to fetch them from")
+        try:
+            n = fetch_to_file(self.fetcher, adapter_id, sha256, target)
+        except AdapterFetchError:
+            self.counters.fetch_failures += 1
+            raise
+        self.counters.fetches += 1
+        self.counters.fetch_bytes += n
+        log.info("adapter fetched", adapter_id=adapter_id, sha256=sha256, bytes=n)
+
     def unload_adapter(self, adapter_id: int, timeout_s: float = 60.0) -> None:
-        """Drain then free ``adapter_id`` (refuses new requests for it at once).
+        """Drain then free ``adapter_id`` (refuses new requests for it at once): its host
+        tensors, its slot, its cached bytes.
 
         Raises:
             AdapterNotFoundError: not loaded.
             DrainTimeoutError: requests still running after ``timeout_s``.
         """
         with self._lock:
-            if adapter_id not in self.model.adapters.by_id:
+            if adapter_id not in self._known:
                 raise AdapterNotFoundError(f"adapter {adapter_id} is not loaded on worker {self.worker_id} "
-                                               f"(loaded: {sorted(self.model.adapters.by_id)})")
+                                               f"(loaded: {sorted(self._known)})")
             self._draining.add(adapter_id)
         done = self.scheduler.run_when_idle_of(adapter_id, lambda: self._detach_and_free(adapter_id))
         try:
@@ -168,7 +416,15 @@ class WorkerEngine:
         if any(adapter_id in s.ids for s in self.ctx.active_sets):
             self.ctx.set_adapters(EMPTY_SET)
         with self._lock:
-            self.model.adapters.free(adapter_id)
+            known = self._known.pop(adapter_id, None)
+            if adapter_id in self.model.adapters.by_id:
+                self.model.adapters.free(adapter_id)
+            elif known is not None and not any(k.sha256 == known.sha256 for k in self._known.values()):
+                self.ctx.pool.evict(known.sha256)
+            if known is not None and not any(k.sha256 == known.sha256 for k in self._known.values()):
+                self.ctx.pool.set_pinned(known.sha256, False)
+                (self._cache_dir / f"{known.sha256}.gguf").unlink(missing_ok=True)
+            self._host_lru.pop(adapter_id, None)
             self._draining.discard(adapter_id)
         self.metrics.on_adapter_freed()
         log.info("adapter freed", adapter_id=adapter_id)
@@ -179,38 +435,51 @@ class WorkerEngine:
             return set(self._draining)
 
     def adapters(self) -> dict[int, LoraAdapter]:
+        """Adapters with host tensors now."""
         with self._lock:
             return dict(self.model.adapters.by_id)
 
+    def known(self) -> dict[int, KnownAdapter]:
+        """Every adapter id this worker may serve."""
+        with self._lock:
+            return dict(self._known)
+
     # --- requests -------------------------------------------------------------------------
-    def resolve_set(self, entries: list[tuple[int, float]]) -> AdapterSet:
-        """Turn a resolved adapter vector into an ``AdapterSet`` (zero scales dropped).
+    def resolve_set(self, entries: list[tuple[int, float]]) -> tuple[AdapterSet, dict[int, tuple[str, float]]]:
+        """Turn a resolved adapter vector into an ``AdapterSet`` (zero scales dropped), bringing
+        each adapter's tensors to host memory (load or fetch) on the caller's thread.
+
+        Returns:
+            The set, and per adapter id (source, ms spent getting it to host).
 
         Raises:
-            AdapterNotFoundError: adapter not loaded or being unloaded.
-            InvalidRequestError: non-finite scale, duplicate id.
+            AdapterNotFoundError: adapter not known or being unloaded.
+            AdapterFetchError: its bytes could not be fetched (missing, hash mismatch).
+            InvalidRequestError: non-finite scale, duplicate id, a file failing validation.
         """
+        wanted: dict[int, float] = {}
+        for aid, scale in entries:
+            if not math.isfinite(scale):
+                raise InvalidRequestError(f"adapter {aid}: scale {scale} is not finite")
+            if aid in wanted:
+                raise InvalidRequestError(f"adapter {aid} appears twice in the adapter vector")
+            wanted[aid] = scale
         seen: dict[int, tuple[LoraAdapter, float]] = {}
-        with self._lock:
-            loaded = self.model.adapters.by_id
-            for aid, scale in entries:
-                if not math.isfinite(scale):
-                    raise InvalidRequestError(f"adapter {aid}: scale {scale} is not finite")
-                if aid in seen:
-                    raise InvalidRequestError(f"adapter {aid} appears twice in the adapter vector")
-                if scale == 0.0:
-                    continue
-                if aid not in loaded or aid in self._draining:
-                    raise AdapterNotFoundError(f"adapter {aid} is not loaded on worker {self.worker_id} "
-                                                   f"(loaded: {sorted(i for i in loaded if i not in self._draining)})")
-                seen[aid] = (loaded[aid], scale)
-        return AdapterSet.of(seen)
+        sources: dict[int, tuple[str, float]] = {}
+        for aid, scale in wanted.items():
+            if scale == 0.0:
+                continue
+            t0 = time.monotonic()
+            adapter, source = self._to_host(aid)
+            seen[aid] = (adapter, scale)
+            sources[aid] = (source, (time.monotonic() - t0) * 1000)
+        return AdapterSet.of(seen), sources
 
     def submit(self, *, request_id: str, prompt_tokens: list[int] | None, prompt_text: str | None,
                params: SamplingParams, entries: list[tuple[int, float]],
                emit: Callable[[Event], None]) -> GenRequest:
         """Tokenize (text prompts: BOS per the model, special tokens parsed), resolve the
-        adapter set and admit the request.
+        adapter set (fetching what this worker lacks) and admit the request.
 
         Raises:
             WorkerError: a subclass naming the outcome (``worker.errors``).
@@ -218,12 +487,28 @@ class WorkerEngine:
         try:
             if prompt_tokens is None:
                 prompt_tokens = self.tokenize(prompt_text or "")
-            adapter_set = self.resolve_set(entries)
-            return self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
-                                         adapter_set=adapter_set, emit=emit)
+            return self._admit(request_id, prompt_tokens, params, entries, emit)
         except WorkerError:
             self.metrics.on_rejected(tuple(sorted(i for i, s in entries if s != 0.0)))
             raise
+
+    def _admit(self, request_id: str, prompt_tokens: list[int], params: SamplingParams,
+               entries: list[tuple[int, float]], emit: Callable[[Event], None]) -> GenRequest:
+        adapter_set, sources = self.resolve_set(entries)
+        with self._lock:
+            # Re-check under the lock: an unload may have started, or the host tier may have
+            # dropped an entry, while we loaded; the scheduler counts the request in flight
+            # before the lock is released, so the host tier cannot drop it afterwards.
+            for aid, a, _ in adapter_set.entries:
+                if aid in self._draining or aid not in self._known:
+                    raise AdapterNotFoundError(f"adapter {aid} is being unloaded from worker {self.worker_id}")
+                if self.model.adapters.by_id.get(aid) is not a:
+                    self.model.adapters.add(aid, a)
+                    self._host_lru[aid] = None
+            req = self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
+                                        adapter_set=adapter_set, emit=emit, host_sources=sources)
+            self._evict_host()
+        return req
 
     def tokenize(self, text: str) -> list[int]:
         """Tokenize a text prompt, size first.
@@ -246,15 +531,33 @@ class WorkerEngine:
             return self.base.tokenizer.encode(text, add_special=True, parse_special=True)
 
     def stats(self) -> WorkerStatsRecord:
-        """Scheduler counters plus the worker's identity, model and adapter footprint."""
+        """Scheduler counters plus the worker's identity, model, adapter footprint and paging."""
         ads = self.adapters()
         adapter_bytes = sum(p.lora_a.numel() * p.lora_a.element_size() + p.lora_b.numel() * p.lora_b.element_size()
                             for a in ads.values() for p in a.pairs.values())
+        pool = self.ctx.pool
+        known = self.known()
+        resident_sha = pool.resident_shas()
         return WorkerStatsRecord(
             worker_id=self.worker_id, batching=self.config.batching.value,
             prefix_cache=self.config.prefix_cache.value, model=str(self.base.path),
-            device=str(self.base.device), dtype=self.config.dtype, adapter_ids=sorted(ads),
-            node_budget=self.ctx.node_budget, adapter_bytes=adapter_bytes, scheduler=self.scheduler.stats())
+            device=str(self.base.device), dtype=self.config.dtype, adapter_ids=sorted(known),
+            node_budget=self.ctx.node_budget, adapter_bytes=adapter_bytes,
+            max_loras=pool.max_loras, max_cpu_loras=self.config.max_cpu_loras,
+            resident_adapters=len(resident_sha), host_adapters=len(ads), known_adapters=len(known),
+            page_ins=pool.stats.page_ins, evictions=pool.stats.evictions, page_in_bytes=pool.stats.page_in_bytes,
+            host_evictions=self.counters.host_evictions, fetches=self.counters.fetches,
+            fetch_bytes=self.counters.fetch_bytes, fetch_failures=self.counters.fetch_failures,
+            pool_bytes=pool.buffer_bytes(),
+            resident_adapter_ids=sorted(i for i, k in known.items() if k.sha256 in resident_sha),
+            host_adapter_ids=sorted(ads),
+            scheduler=self.scheduler.stats())
+
+    def residency(self) -> tuple[list[int], list[int]]:
+        """(ids resident in slots, ids with host tensors) — what heartbeats report."""
+        known = self.known()
+        resident_sha = self.ctx.pool.resident_shas()
+        return (sorted(i for i, k in known.items() if k.sha256 in resident_sha), sorted(self.adapters()))
 
 
-__all__ = ["WorkerEngine", "WorkerStatsRecord"]
+__all__ = ["FetchError", "Fetcher", "fetch_to_file", "KnownAdapter", "WorkerEngine", "WorkerStatsRecord"]

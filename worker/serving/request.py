@@ -35,6 +35,21 @@ class StepInfo:
     batching: str
 
 
+@dataclass(frozen=True)
+class AdapterResidency:
+    """Where one adapter of a request came from (proto ``AdapterResidency``).
+
+    ``source``: "resident" (already in a device slot), "host" (paged in from the host cache),
+    "loaded" (read from the worker's local file, then paged in), "fetched" (bytes fetched from
+    the control plane, then paged in). ``wait_ms``: time the request waited for it (fetch or
+    load at submit, plus queueing for a slot, plus the page-in copy).
+    """
+
+    id: int
+    source: str
+    wait_ms: float
+
+
 @dataclass
 class RequestTelemetry:
     """Per-request summary (proto ``RequestTelemetry``, field for field; times in ms).
@@ -59,6 +74,7 @@ class RequestTelemetry:
     adapters: list[tuple[int, float]] = field(default_factory=list)
     ttft_ms: float = 0.0
     total_ms: float = 0.0
+    adapter_residency: list[AdapterResidency] = field(default_factory=list)
 
     def count_step(self, step: StepInfo) -> None:
         """Fold one decode step this request took part in into the summary."""
@@ -134,6 +150,23 @@ class GenRequest:
     stop: StopMatcher | None = None  # set when params.stop is non-empty
     text_out: list[str] = field(default_factory=list)  # pieces emitted so far (with stop strings)
     last_token_at: float | None = None  # monotonic time of the last token (inter-token latency)
+    pool_held: list = field(default_factory=list)  # adapters it holds in the slot pool (LoraAdapter)
+    bypassed: int = 0  # times passed over at the queue head (bounded waiting)
+    # adapter id → (host source "host" | "loaded" | "fetched", ms spent getting it at submit)
+    host_sources: dict[int, tuple[str, float]] = field(default_factory=dict)
+
+    def note_residency(self, was_resident: dict[str, bool], *, slot_wait_ms: float, page_in_ms: float) -> None:
+        """Record, per adapter, where it came from and how long the request waited for it."""
+        out = []
+        for aid, a, _ in self.adapter_set.entries:
+            src, load_ms = self.host_sources.get(aid, ("host", 0.0))
+            if was_resident.get(a.sha256):
+                src = "resident"
+                wait = load_ms + slot_wait_ms
+            else:
+                wait = load_ms + slot_wait_ms + page_in_ms
+            out.append(AdapterResidency(aid, src, wait))
+        self.telemetry.adapter_residency = out
 
     @property
     def adapter_set(self) -> AdapterSet:
@@ -154,5 +187,5 @@ class GenRequest:
         return self.activation.adapter_set.ids
 
 
-__all__ = ["Event", "ErrorEvent", "FinishedEvent", "GenRequest", "RequestTelemetry", "StartedEvent",
+__all__ = ["AdapterResidency", "Event", "ErrorEvent", "FinishedEvent", "GenRequest", "RequestTelemetry", "StartedEvent",
            "StepInfo", "TokenEvent"]

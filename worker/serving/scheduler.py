@@ -1,10 +1,19 @@
 """Continuous-batching scheduler loop (llama-server ``server_context::update_slots``).
 
 One thread runs the loop: drop cancelled requests, run deferred adapter frees, attach queued
-requests to free slots (FIFO, so none starves; the cache policy picks the slot and decides
-what KV survives), assemble a ubatch (``worker.serving.ubatch``), set the context's adapter
+requests to free slots (the cache policy picks the slot and decides what KV survives), assemble a ubatch (``worker.serving.ubatch``), set the context's adapter
 sets once, decode, then hand each slot's logits to output handling (sampling, incremental
 detokenization, stop conditions) and stream events.
+
+Admission with the adapter slot pool (``worker.lora.pool``, issue 12): a request is attached
+only once every adapter it uses is resident and held in the pool (``LoraPool.acquire``: the
+page-in, an in-place copy, happens here between steps; fetching and parsing happened before,
+at submit, off the loop). Among the first ``ADMIT_LOOKAHEAD`` queued requests, one whose
+adapters are all resident goes first (no page-in, no eviction: fewer page-ins under skewed
+traffic), then FIFO; the queue head is passed over at most ``MAX_BYPASS`` times, after which
+nothing is admitted before it (bounded waiting, vLLM/SGLang-style fairness). When every slot
+is held the request waits in the queue (never fails); a request needing more adapters than
+``--max-loras`` is refused at submit.
 
 The pieces live beside it: requests/events/telemetry in ``request``, slots in ``slots``, the
 ``llama``/``keyed`` prefix-cache rules in ``cache_policy``, ubatch assembly in ``ubatch``,
@@ -18,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,8 +36,9 @@ import torch
 
 from worker.config import Batching, WorkerConfig
 from worker.errors import DecodeFailedError, InvalidRequestError, QueueFullError, WorkerError
-from worker.lora.adapter_set import AdapterSet
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.alora import resolve_alora
+from worker.lora.pool import LoraPool, PoolExhaustedError
 from worker.runtime.context import DecodeError, WorkerContext
 from worker.runtime.sampling import SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
@@ -40,6 +50,9 @@ from worker.serving.slots import Slot, SlotState
 from worker.serving.ubatch import N_BATCH, assemble_ubatch
 
 log = structlog.get_logger("loraplane.worker.serving.scheduler")
+
+ADMIT_LOOKAHEAD = 8  # queued requests considered for resident-first admission
+MAX_BYPASS = 4       # times the queue head may be passed over before strict FIFO
 
 
 class RequestObserver(Protocol):
@@ -70,6 +83,17 @@ class SchedulerStats:
     tokens_generated: int
 
 
+def admission_order(queue: Sequence[GenRequest], pool: LoraPool) -> list[GenRequest]:
+    """The queued requests admission tries, in order (module docstring): the head alone once
+    it was passed over ``MAX_BYPASS`` times; else, among the first ``ADMIT_LOOKAHEAD``, those
+    whose adapters are all resident in ``pool`` first, then the rest, FIFO within each."""
+    head = queue[0]
+    window = [head] if head.bypassed >= MAX_BYPASS else list(queue)[:ADMIT_LOOKAHEAD]
+    resident = [r for r in window if all(pool.slot_of(a.sha256) is not None for _, a, _ in r.adapter_set.entries)]
+    ids = {id(r) for r in resident}  # identity: requests are dataclasses with value equality
+    return resident + [r for r in window if id(r) not in ids]
+
+
 class Scheduler:
     """Owns the slots and the loop thread; ``submit`` is safe from any thread.
 
@@ -92,7 +116,7 @@ class Scheduler:
         self._stop = False
         self._step = 0
         self._in_flight: dict[int, int] = {}   # adapter id → requests holding it
-        self._pending: list[tuple[int, Callable[[], Any], concurrent.futures.Future[Any]]] = []
+        self._pending: list[tuple[int | None, Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self.prompt_tokens_computed = 0
         self.tokens_generated = 0
         # Observer of request outcomes and token times (worker.serving.metrics); None: no metrics.
@@ -111,7 +135,8 @@ class Scheduler:
             self._thread.join(timeout=10)
 
     def submit(self, *, request_id: str, prompt: list[int], params: SamplingParams,
-               adapter_set: AdapterSet, emit: Callable[[Event], None]) -> GenRequest:
+               adapter_set: AdapterSet, emit: Callable[[Event], None],
+               host_sources: dict[int, tuple[str, float]] | None = None) -> GenRequest:
         """Admit a request: validate, apply the aLoRA rule, queue it.
 
         Raises:
@@ -132,11 +157,17 @@ class Scheduler:
             params.validate()
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
+        n_adapters = len(adapter_set.entries)
+        if n_adapters > self.ctx.pool.max_loras:
+            raise InvalidRequestError(
+                f"request uses {n_adapters} adapters but worker {self.worker_id} has {self.ctx.pool.max_loras} "
+                f"adapter slots (--max-loras {self.ctx.pool.max_loras})")
         activation = resolve_alora(adapter_set, prompt)
         req = GenRequest(request_id or uuid.uuid4().hex, list(prompt), params, activation, emit,
                          IncrementalDetokenizer(self.tokenizer))
         if params.stop:
             req.stop = StopMatcher(params.stop)
+        req.host_sources = dict(host_sources or {})
         with self._cv:
             # Capacity is slots + queue limit: a queued request that a free slot will take at
             # the next loop turn is not "waiting", so a burst admits exactly that many even
@@ -158,6 +189,14 @@ class Scheduler:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cv:
             self._pending.append((adapter_id, fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    def run_soon(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn`` on the loop thread at the next step boundary (pool changes go here)."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cv:
+            self._pending.append((None, fn, fut))
             self._cv.notify_all()
         return fut
 
@@ -190,21 +229,31 @@ class Scheduler:
                 if self._stop:
                     return
                 self._drop_cancelled()
-                self._run_pending()
-                self._admit()
-            busy = [s for s in self.slots if s.busy]
-            if busy:
-                self._step_once(busy)
-
-    def _run_pending(self) -> None:
-        for item in list(self._pending):
-            aid, fn, fut = item
-            if self._in_flight.get(aid, 0) == 0:
-                self._pending.remove(item)
+                ready = self._take_ready_pending()
+            # Outside the condition's lock: a deferred function may take the engine's lock,
+            # which is taken before this one elsewhere (submit).
+            for fn, fut in ready:
                 try:
                     fut.set_result(fn())
                 except Exception as exc:  # handed to the waiting caller
                     fut.set_exception(exc)
+            with self._cv:
+                self._admit()
+                busy = [s for s in self.slots if s.busy]
+                if not busy and self.queue and not ready:
+                    self._cv.wait(0.05)  # queued requests wait for pool slots: no hot spin
+            if busy:
+                self._step_once(busy)
+
+    def _take_ready_pending(self) -> list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]:
+        """Deferred functions that may run now (no request holds their adapter)."""
+        ready = []
+        for item in list(self._pending):
+            aid, fn, fut = item
+            if aid is None or self._in_flight.get(aid, 0) == 0:
+                self._pending.remove(item)
+                ready.append((fn, fut))
+        return ready
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.queue if r.cancelled.is_set()]:
@@ -217,13 +266,41 @@ class Scheduler:
                 log.info("request cancelled", request_id=slot.req.request_id, slot=slot.id)
                 self._finish(slot, None)
 
+    def _next_admissible(self) -> GenRequest | None:
+        """The queued request to attach next, its adapters acquired in the pool; None when
+        none can get its adapters resident now (it waits). Rules: module docstring."""
+        pool = self.ctx.pool
+        head = self.queue[0]
+        for req in admission_order(self.queue, pool):
+            adapters = [a for _, a, _ in req.adapter_set.entries]
+            t0 = time.monotonic()
+            was = {a.sha256: pool.slot_of(a.sha256) is not None for a in adapters}
+            if pool.plan_acquire(adapters) is None:
+                # The context still holds the sets of the previous step, which may include
+                # finished requests' adapters: drop them (the next step re-holds the rest).
+                self.ctx.set_adapters(EMPTY_SET)
+            try:
+                pool.acquire(adapters)
+            except PoolExhaustedError:
+                continue
+            req.pool_held = adapters
+            req.note_residency(was, slot_wait_ms=(t0 - req.admitted_at) * 1000,
+                               page_in_ms=(time.monotonic() - t0) * 1000)
+            if req is not head:
+                head.bypassed += 1
+            return req
+        return None
+
     def _admit(self) -> None:
-        """Attach queued requests to free slots, FIFO."""
+        """Attach queued requests to free slots (resident-first within bounded waiting)."""
         while self.queue:
             free = [s for s in self.slots if not s.busy]
             if not free:
                 return
-            req = self.queue.popleft()
+            req = self._next_admissible()
+            if req is None:
+                return
+            del self.queue[next(i for i, r in enumerate(self.queue) if r is req)]
             slot = self.cache_policy.pick_slot(free, req)
             try:
                 n = self.cache_policy.attach(slot, req, self.ctx.kv)
@@ -360,6 +437,9 @@ class Scheduler:
             self.observer.on_finish(req, "error")
 
     def _release_adapters(self, req: GenRequest) -> None:
+        if req.pool_held:
+            self.ctx.pool.release(req.pool_held)
+            req.pool_held = []
         with self._cv:
             for aid in req.held_ids:
                 self._in_flight[aid] = self._in_flight.get(aid, 1) - 1
