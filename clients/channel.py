@@ -37,12 +37,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import threading
+from typing import Any
 
 import grpc
 
 from clients.errors import ServerUnreachable
 from loraplane.env import ENV_ADMIN_TOKEN
+from loraplane.interceptors import pushback_s
 from loraplane.limits import MAX_MESSAGE_BYTES
 
 SERVICE = "loraplane.v1.ControlPlane"
@@ -164,6 +167,29 @@ def backoff_before(attempt: int, n_addrs: int) -> float:
         return 0.0
     rounds = attempt // n_addrs
     return min(RETRY_BACKOFF_S * 2 ** (rounds - 1), RETRY_BACKOFF_MAX_S)
+
+
+class BusyRetries:
+    """Retries of one call that a server refused as busy: RESOURCE_EXHAUSTED carrying gRPC's
+    server pushback (``grpc-retry-pushback-ms``, gRFC A6; the control plane's concurrency
+    limits send it). Other RESOURCE_EXHAUSTED answers (an upload over the size limit, a
+    worker queue that is full for Generate) carry none and are not retried.
+
+    At most ``max_retries`` retries, each after the pushback plus up to 50 % jitter.
+    """
+
+    def __init__(self, max_retries: int = 50) -> None:
+        self.left = max_retries
+
+    def wait_s(self, code: grpc.StatusCode | None, trailing: Any) -> float | None:
+        """Seconds to wait before retrying, or None when the error is not a busy refusal."""
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED or self.left <= 0:
+            return None
+        pushback = pushback_s(trailing)
+        if pushback is None:
+            return None
+        self.left -= 1
+        return pushback * (1.0 + 0.5 * random.random())
 
 
 class Replicas:

@@ -37,6 +37,7 @@ import grpc
 
 from clients.channel import (
     CHANNEL_OPTIONS,
+    BusyRetries,
     Replicas,
     auth_metadata,
     backoff_before,
@@ -46,6 +47,7 @@ from clients.channel import (
     wait_ready_async,
 )
 from clients.errors import LoraplaneError, ServerUnreachable, from_rpc_error
+from clients.peft import is_peft_folder, upload_source
 from clients.results import (
     Adapter,
     AdapterScale,
@@ -61,7 +63,6 @@ from clients.results import (
     WorkerInfo,
     event_from_proto,
 )
-from clients.peft import is_peft_folder, upload_source
 from clients.wire import adapter_map, generate_request, upload_chunks
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 
@@ -195,7 +196,9 @@ class LoraplaneClient:
         """
         n = len(self._replicas.addrs)
         last: tuple[grpc.RpcError, str] | None = None
-        for attempt in range(max_attempts(n)):
+        busy = BusyRetries()
+        attempt = 0
+        while attempt < max_attempts(n):
             time.sleep(backoff_before(attempt, n))
             addr, stub = self._connected()
             try:
@@ -204,8 +207,13 @@ class LoraplaneClient:
                 code = _code(err)
                 if code == grpc.StatusCode.NOT_FOUND and not_found_is_done and last is not None:
                     return None
+                wait = busy.wait_s(code, err.trailing_metadata())  # type: ignore[attr-defined]
+                if wait is not None:
+                    time.sleep(wait)  # the server is busy (pushback): same attempt again
+                    continue
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise from_rpc_error(err, addr) from None
+                attempt += 1
                 last = (err, addr)
                 self._failed(addr)
         assert last is not None
@@ -364,7 +372,9 @@ class AsyncLoraplaneClient:
                      not_found_is_done: bool = False) -> Any:
         n = len(self._replicas.addrs)
         last: tuple[grpc.aio.AioRpcError, str] | None = None
-        for attempt in range(max_attempts(n)):
+        busy = BusyRetries()
+        attempt = 0
+        while attempt < max_attempts(n):
             await asyncio.sleep(backoff_before(attempt, n))
             addr, stub = await self._connected()
             try:
@@ -373,8 +383,13 @@ class AsyncLoraplaneClient:
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND and not_found_is_done and last is not None:
                     return None
+                wait = busy.wait_s(err.code(), err.trailing_metadata())
+                if wait is not None:
+                    await asyncio.sleep(wait)  # the server is busy (pushback): same attempt again
+                    continue
                 if err.code() != grpc.StatusCode.UNAVAILABLE:
                     raise from_rpc_error(err, addr) from None
+                attempt += 1
                 last = (err, addr)
                 self._failed(addr)
         assert last is not None

@@ -210,6 +210,24 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
         return unary
 
 
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
+"""Trailing-metadata key of gRPC's server pushback (gRFC A6): milliseconds to wait before a retry."""
+
+BUSY_PUSHBACK_MS = 200
+"""Pushback sent with a concurrency-limit refusal."""
+
+
+def pushback_s(trailing: Sequence[tuple[str, str | bytes]] | None) -> float | None:
+    """Seconds of server pushback in ``trailing`` metadata, or None when there is none."""
+    for key, value in trailing or ():
+        if key == PUSHBACK_KEY:
+            try:
+                return max(0.0, int(value) / 1000.0)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
 class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
     """At most ``limit`` concurrent calls per group; the next gets RESOURCE_EXHAUSTED at once.
 
@@ -233,12 +251,15 @@ class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         for name, limit, applies, sem in self._groups:
             if applies(method):
-                return wrap_behavior(handler, lambda b: self._limited(b, handler.response_streaming,
-                                                                      name, limit, sem, method))
+                return wrap_behavior(handler, lambda b, n=name, lim=limit, s=sem: self._limited(
+                    b, handler.response_streaming, n, lim, s, method))
         return handler
 
     def _refuse(self, context, name: str, limit: int, method: str) -> None:
         self.refused[name] += 1
+        # gRPC's server pushback: tells clients this refusal is "busy, retry after N ms" (and
+        # not, say, an upload over the size limit, also RESOURCE_EXHAUSTED).
+        context.set_trailing_metadata(((PUSHBACK_KEY, str(BUSY_PUSHBACK_MS)),))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       f"{method}: {limit} {name} calls already in progress; retry later{self._hint}")
 
