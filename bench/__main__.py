@@ -35,22 +35,36 @@ DEFAULT_SEED = 1234
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="loraplane bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="loraplane bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="one repetition, fewer requests, K in {0, 4} (< 5 min)")
     size.add_argument("--smoke", action="store_true", help="the smallest run that exercises everything (tests)")
     ap.add_argument("--json", dest="json_out", metavar="OUT", help="write all results as JSON to OUT")
     ap.add_argument("--markdown", metavar="OUT", help="write the tables as Markdown to OUT")
-    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
-                    help="activation/compute dtype of the in-process model and the workers (default f32)")
-    ap.add_argument("--weights", choices=["packed", "dequant"], default="packed",
-                    help="base weight form, in-process and in the workers (worker --weights): packed = GGUF "
-                         "quantized matrices multiplied by our kernels (default); dequant = the f32 reference")
+    ap.add_argument(
+        "--dtype",
+        choices=["f32", "bf16"],
+        default="f32",
+        help="activation/compute dtype of the in-process model and the workers (default f32)",
+    )
+    ap.add_argument(
+        "--weights",
+        choices=["packed", "dequant"],
+        default="packed",
+        help="base weight form, in-process and in the workers (worker --weights): packed = GGUF "
+        "quantized matrices multiplied by our kernels (default); dequant = the f32 reference",
+    )
     ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="default cpu")
     ap.add_argument("--model", metavar="GGUF", help="base model (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--only", metavar="LIST", help="comma-separated scenarios to run: 1-6 or "
-                    + ", ".join(SCENARIOS.values()) + " (default: all)")
+    ap.add_argument(
+        "--only",
+        metavar="LIST",
+        help="comma-separated scenarios to run: 1-6 or " + ", ".join(SCENARIOS.values()) + " (default: all)",
+    )
     ap.add_argument("--reps", type=int, help="repetitions per figure (overrides the profile)")
     ap.add_argument("--requests", type=int, help="requests per serving run")
     ap.add_argument("--max-tokens", type=int, help="output tokens per serving request")
@@ -60,11 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--work-dir", metavar="DIR", help="where adapters, data dirs and logs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (server logs) afterwards")
     ap.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
-    ap.add_argument("--omp-wait-policy", choices=["inherit", "passive", "active"], default="inherit",
-                    help="OMP_WAIT_POLICY for this process and every server it starts (default: inherit the "
-                         "environment; unset, the worker's own default PASSIVE applies, in-process too). "
-                         "passive keeps a shared machine usable (spinning OpenMP threads collapse when another "
-                         "process takes a core); active spins")
+    ap.add_argument(
+        "--omp-wait-policy",
+        choices=["inherit", "passive", "active"],
+        default="inherit",
+        help="OMP_WAIT_POLICY for this process and every server it starts (default: inherit the "
+        "environment; unset, the worker's own default PASSIVE applies, in-process too). "
+        "passive keeps a shared machine usable (spinning OpenMP threads collapse when another "
+        "process takes a core); active spins",
+    )
     return ap
 
 
@@ -136,32 +154,53 @@ def main(argv: list[str] | None = None) -> int:
         # read by the OpenMP runtime when torch loads: set before the import; the servers
         # started later inherit it through the environment
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
-    import worker  # noqa: F401 - sets the worker's default OMP_WAIT_POLICY (PASSIVE) before torch loads
     import torch
 
+    import worker  # noqa: F401 - sets the worker's default OMP_WAIT_POLICY (PASSIVE) before torch loads
     from bench.machine import machine_info
-
     from bench.profiles import PROFILES, with_overrides
     from bench.report import print_section, render_markdown, sections_for
 
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
-    profile = with_overrides(PROFILES[name], reps=args.reps, requests=args.requests,
-                             max_tokens=args.max_tokens, ks=ks, single_requests=args.single_requests)
+    profile = with_overrides(
+        PROFILES[name],
+        reps=args.reps,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        ks=ks,
+        single_requests=args.single_requests,
+    )
     log = _Log()
     use_rich = _have_rich() and not args.plain
     run_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="loraplane-bench-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     llama_server = os.environ.get("LLAMA_SERVER") or None
     result: dict = {
-        "bench": "loraplane", "version": 1, "profile": name, "seed": args.seed,
-        "command": "loraplane bench " + " ".join(argv), "selected": selected,
-        "params": profile.to_json() | {"dtype": args.dtype, "device": args.device, "weights": args.weights,
-                                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")},
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "platform": platform.platform(),
-                    **machine_info(args.weights, args.device, args.dtype),
-                    "load_avg_start": _load_avg()},
-        "llama_server": llama_server, "scenarios": {}, "errors": [],
+        "bench": "loraplane",
+        "version": 1,
+        "profile": name,
+        "seed": args.seed,
+        "command": "loraplane bench " + " ".join(argv),
+        "selected": selected,
+        "params": profile.to_json()
+        | {
+            "dtype": args.dtype,
+            "device": args.device,
+            "weights": args.weights,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            **machine_info(args.weights, args.device, args.dtype),
+            "load_avg_start": _load_avg(),
+        },
+        "llama_server": llama_server,
+        "scenarios": {},
+        "errors": [],
     }
     log(f"profile {name}: {json.dumps(profile.to_json())}")
     log(f"machine: {json.dumps(result['machine'])}")
@@ -205,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
     if interrupted:
         return 130
-    log(f"done in {result['duration_s']:.0f}s" + (f" with {len(result['errors'])} failed scenario(s)"
-                                                  if result["errors"] else ""))
+    log(
+        f"done in {result['duration_s']:.0f}s"
+        + (f" with {len(result['errors'])} failed scenario(s)" if result["errors"] else "")
+    )
     return 1 if result["errors"] else 0
 
 
@@ -267,9 +308,19 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
     if "serving" in selected or "prefix" in selected or "lifecycle" in selected or "paging" in selected:
         from bench.serving import ServingContext, run_multitenant, run_prefix
 
-        sc = ServingContext(profile=profile, seed=args.seed, run_dir=run_dir, factory=factory, dtype=args.dtype,
-                            device=args.device, bos=bos, model_path=model_path, llama_server=llama_server, log=log,
-                            weights=args.weights)
+        sc = ServingContext(
+            profile=profile,
+            seed=args.seed,
+            run_dir=run_dir,
+            factory=factory,
+            dtype=args.dtype,
+            device=args.device,
+            bos=bos,
+            model_path=model_path,
+            llama_server=llama_server,
+            log=log,
+            weights=args.weights,
+        )
         if "serving" in selected:
             lifecycle_hook = _lifecycle_hook(factory, profile, bos, log) if "lifecycle" in selected else None
             holder: dict = {}
@@ -314,8 +365,7 @@ def _roofline_in_process(base, profile, engine_adapter, result, args, log) -> di
         from bench.engine import run_engine
         from bench.profiles import with_overrides
 
-        engine = run_engine(base, engine_adapter, with_overrides(profile, decode_batches=(1,)),
-                            seed=args.seed, log=log)
+        engine = run_engine(base, engine_adapter, with_overrides(profile, decode_batches=(1,)), seed=args.seed, log=log)
     return run_roofline(base, bw, engine, engine["adapter_bytes"])
 
 
@@ -341,6 +391,7 @@ def _lifecycle_hook(factory, profile, bos, log):
         except Exception as exc:  # noqa: BLE001 - reported under "lifecycle"
             traceback.print_exc(file=sys.stderr)
             return RuntimeError(f"{type(exc).__name__}: {exc}")
+
     return hook
 
 
@@ -348,8 +399,17 @@ def _lifecycle_alone(sc, factory, profile, bos, log) -> dict:
     from bench.lifecycle import run_lifecycle
     from bench.servers import LoraplaneServers, start_all
 
-    srv = LoraplaneServers(sc.run_dir, "lifecycle", slots=profile.slots, batching="mixed", prefix_cache="keyed",
-                           dtype=sc.dtype, device=sc.device, model_path=sc.model_path, weights=sc.weights)
+    srv = LoraplaneServers(
+        sc.run_dir,
+        "lifecycle",
+        slots=profile.slots,
+        batching="mixed",
+        prefix_cache="keyed",
+        dtype=sc.dtype,
+        device=sc.device,
+        model_path=sc.model_path,
+        weights=sc.weights,
+    )
     log("lifecycle: starting control plane + worker")
     start_all([srv])
     try:

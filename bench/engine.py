@@ -10,16 +10,16 @@ linear weight. Repetitions alternate base and LoRA so machine noise hits both al
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
 from bench.stats import Figure, ratio
 from worker.lora.adapter import load_lora_adapter
-from worker.runtime.context import Model, UBatch, WorkerContext
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.runtime.context import Model, UBatch, WorkerContext
 from worker.runtime.model import BaseModel
 
 TOKEN_LO, TOKEN_HI = 1000, 200_000  # ordinary vocabulary ids (no special tokens)
@@ -50,11 +50,12 @@ class EngineBench:
     seed: int
 
     @classmethod
-    def create(cls, base: BaseModel, adapter_path, *, n_ctx_seq: int, seed: int) -> "EngineBench":
+    def create(cls, base: BaseModel, adapter_path, *, n_ctx_seq: int, seed: int) -> EngineBench:
         model = Model(base)
         ctx = model.new_context(n_ctx_seq=n_ctx_seq)
-        adapter = load_lora_adapter(adapter_path, base_arch=base.arch, base_tensors=base.tensor_ne,
-                                    device_for=base.device_of, dtype=base.dtype)
+        adapter = load_lora_adapter(
+            adapter_path, base_arch=base.arch, base_tensors=base.tensor_ne, device_for=base.device_of, dtype=base.dtype
+        )
         model.adapters.add(0, adapter)
         sets = {"base": EMPTY_SET, "lora": AdapterSet.of({0: (adapter, 1.0)})}
         return cls(base, ctx, sets, adapter.size_bytes, seed)
@@ -132,27 +133,42 @@ def run_engine(base: BaseModel, adapter_path, profile, *, seed: int, log: Callab
         for b in p.decode_batches:
             for v in variants:
                 dec[v][b].append(eb.decode_steps(v, b, p.decode_steps, p.decode_ctx, rep))
-            log(f"engine: rep {rep + 1}/{p.reps} decode B={b}: base {dec['base'][b][-1] / p.decode_steps * 1e3:.0f} ms/step, "
-                f"lora {dec['lora'][b][-1] / p.decode_steps * 1e3:.0f} ms/step")
+            log(
+                f"engine: rep {rep + 1}/{p.reps} decode B={b}: "
+                f"base {dec['base'][b][-1] / p.decode_steps * 1e3:.0f} ms/step, "
+                f"lora {dec['lora'][b][-1] / p.decode_steps * 1e3:.0f} ms/step"
+            )
     out: dict = {
-        "dtype": str(base.dtype).removeprefix("torch."), "device": str(base.device),
-        "torch_threads": torch.get_num_threads(), "adapter_rank": 8,
-        "adapter_bytes": eb.adapter_bytes, "pp_tokens": p.pp_tokens, "decode_steps": p.decode_steps,
-        "decode_ctx": p.decode_ctx, "variants": {},
+        "dtype": str(base.dtype).removeprefix("torch."),
+        "device": str(base.device),
+        "torch_threads": torch.get_num_threads(),
+        "adapter_rank": 8,
+        "adapter_bytes": eb.adapter_bytes,
+        "pp_tokens": p.pp_tokens,
+        "decode_steps": p.decode_steps,
+        "decode_ctx": p.decode_ctx,
+        "variants": {},
     }
     for v in variants:
         out["variants"][v] = {
             "pp_tok_s": Figure.of([p.pp_tokens / t for t in pp[v]], "tok/s").to_json(),
-            "decode": {str(b): {
-                "tok_s": Figure.of([b * p.decode_steps / t for t in dec[v][b]], "tok/s").to_json(),
-                "step_ms": Figure.of([t / p.decode_steps * 1e3 for t in dec[v][b]], "ms").to_json(),
-            } for b in p.decode_batches},
+            "decode": {
+                str(b): {
+                    "tok_s": Figure.of([b * p.decode_steps / t for t in dec[v][b]], "tok/s").to_json(),
+                    "step_ms": Figure.of([t / p.decode_steps * 1e3 for t in dec[v][b]], "ms").to_json(),
+                }
+                for b in p.decode_batches
+            },
         }
     base_v, lora_v = out["variants"]["base"], out["variants"]["lora"]
     out["lora_overhead"] = {
         "pp": ratio(base_v["pp_tok_s"]["median"], lora_v["pp_tok_s"]["median"]),
-        **{f"decode_b{b}": ratio(base_v["decode"][str(b)]["tok_s"]["median"],
-                                 lora_v["decode"][str(b)]["tok_s"]["median"]) for b in p.decode_batches},
+        **{
+            f"decode_b{b}": ratio(
+                base_v["decode"][str(b)]["tok_s"]["median"], lora_v["decode"][str(b)]["tok_s"]["median"]
+            )
+            for b in p.decode_batches
+        },
     }
     eb.ctx.close()
     return out
@@ -173,5 +189,8 @@ def measure_bandwidth(mib: int, reps: int, device: torch.device) -> dict:
         times.append(time.perf_counter() - t0)
     moved = 2 * n * 4
     del src, dst
-    return {"bytes_moved": moved, "tensor_mib": mib,
-            "gb_s": Figure.of([moved / t / 1e9 for t in times], "GB/s").to_json()}
+    return {
+        "bytes_moved": moved,
+        "tensor_mib": mib,
+        "gb_s": Figure.of([moved / t / 1e9 for t in times], "GB/s").to_json(),
+    }

@@ -39,12 +39,22 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from worker.gguf.reader import dequantize, read_gguf  # noqa: E402
-from worker.runtime.kernels import (cpu_flags, cpu_model, pack_tensor, resolve_act, resolve_path,  # noqa: E402
-                                    supported)
+from worker.runtime.kernels import cpu_flags, cpu_model, pack_tensor, resolve_act, resolve_path, supported  # noqa: E402
 from worker.runtime.kernels.build import library_path  # noqa: E402
 
-SHOW_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
-              "avx512_bf16", "amx_tile", "amx_int8")
+SHOW_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+)
 
 
 def _times(fn, reps: int) -> list[float]:
@@ -74,8 +84,10 @@ def _fmt(ts: list[float]) -> str:
 def _methods(rec, path: str, with_baselines: bool):
     """name -> (callable(x), weight bytes read)."""
     ql = pack_tensor(rec)
-    out = {"ours": (lambda x: ql.matmul(x, path=path, act="i16"), ql.nbytes),
-           "ours-i8": (lambda x: ql.matmul(x, path=path, act="i8"), ql.nbytes)}
+    out = {
+        "ours": (lambda x: ql.matmul(x, path=path, act="i16"), ql.nbytes),
+        "ours-i8": (lambda x: ql.matmul(x, path=path, act="i8"), ql.nbytes),
+    }
     if path == "avx512" and supported("avx2"):
         out["ours-avx2"] = (lambda x: ql.matmul(x, path="avx2", act="i16"), ql.nbytes)
         out["ours-avx2-i8"] = (lambda x: ql.matmul(x, path="avx2", act="i8"), ql.nbytes)
@@ -101,8 +113,10 @@ def run(model: str, reps: int, batches: list[int], baselines: bool = True, quiet
             groups[(rec.ggml_type.name, rec.ne)].append(name)
     step: dict[tuple[str, int], float] = defaultdict(float)
     if not quiet:
-        print(f"{'weight':34s} {'type':5s} {'d x k':>13s} {'B':>3s} {'method':12s} "
-              f"{'median ms (min-max)':>24s} {'GB/s':>6s}")
+        print(
+            f"{'weight':34s} {'type':5s} {'d x k':>13s} {'B':>3s} {'method':12s} "
+            f"{'median ms (min-max)':>24s} {'GB/s':>6s}"
+        )
     for (tname, ne), names in sorted(groups.items(), key=lambda kv: -np.prod(kv[0][1])):
         rec = gf.tensors[names[0]]
         count = len(names)
@@ -110,13 +124,15 @@ def run(model: str, reps: int, batches: list[int], baselines: bool = True, quiet
         for b in batches:
             x = torch.randn(b, ne[0])
             for m, (fn, nbytes) in meths.items():
-                ts = _times(lambda: fn(x), reps)
+                ts = _times(lambda fn=fn, x=x: fn(x), reps)
                 med = statistics.median(ts)
                 step[(m, b)] += med * count
                 if not quiet:
                     label = names[0] if count == 1 else f"{names[0]} (x{count})"
-                    print(f"{label:34s} {tname:5s} {ne[1]:>6d}x{ne[0]:<6d} {b:>3d} {m:12s} {_fmt(ts):>24s} "
-                          f"{nbytes / med / 1e6:6.1f}")
+                    print(
+                        f"{label:34s} {tname:5s} {ne[1]:>6d}x{ne[0]:<6d} {b:>3d} {m:12s} {_fmt(ts):>24s} "
+                        f"{nbytes / med / 1e6:6.1f}"
+                    )
         del meths
     return step
 
@@ -136,7 +152,7 @@ def run_step(model: str, reps: int, batches: list[int], baselines: bool = True) 
     for b in batches:
         xs = {k: torch.randn(b, k) for k in {ne for _, ne in meths["ours"]}}
         for m, fns in meths.items():
-            out[(m, b)] = _times(lambda: [fn(xs[k]) for fn, k in fns], reps)
+            out[(m, b)] = _times(lambda fns=fns, xs=xs: [fn(xs[k]) for fn, k in fns], reps)
     return out
 
 
@@ -149,11 +165,23 @@ def _contention(args) -> None:
         try:
             for policy in ("active", "passive"):
                 env = dict(os.environ, OMP_WAIT_POLICY=policy)
-                cmd = [sys.executable, "-m", "bench.kernels", "--step-only", "--reps", str(args.reps),
-                       "--batches", args.batches, "--model", args.model]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.kernels",
+                    "--step-only",
+                    "--reps",
+                    str(args.reps),
+                    "--batches",
+                    args.batches,
+                    "--model",
+                    args.model,
+                ]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-                print(f"  OMP_WAIT_POLICY={policy:8s} {'with a busy process on core 0' if busy else 'alone':32s} "
-                      f"{out.strip()}")
+                print(
+                    f"  OMP_WAIT_POLICY={policy:8s} {'with a busy process on core 0' if busy else 'alone':32s} "
+                    f"{out.strip()}"
+                )
         finally:
             if hog is not None:
                 hog.kill()
@@ -171,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.model is None:
         from worker.runtime.model import default_model_path
+
         args.model = str(default_model_path())
     batches = [int(b) for b in args.batches.split(",")]
     if args.step_only:
@@ -179,36 +208,45 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     flags = cpu_flags()
     path = resolve_path()
-    print(f"cpu: {cpu_model()}; {os.cpu_count()} cpus; torch threads {torch.get_num_threads()}; "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+    print(
+        f"cpu: {cpu_model()}; {os.cpu_count()} cpus; torch threads {torch.get_num_threads()}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}"
+    )
     print("flags: " + " ".join(f"{f}={'y' if f in flags else 'n'}" for f in SHOW_FLAGS))
-    print(f"kernel path: {path} ({library_path(path).name if path != 'torch' else 'torch fallback'}); "
-          f"default activations: {resolve_act()}")
+    print(
+        f"kernel path: {path} ({library_path(path).name if path != 'torch' else 'torch fallback'}); "
+        f"default activations: {resolve_act()}"
+    )
     gf = read_gguf(args.model)
     gguf_bytes = sum(r.n_bytes for r in gf.tensors.values())
     lin = [r for r in gf.tensors.values() if len(r.ne) == 2]
     packed = sum(pack_tensor(r).nbytes for r in lin)
     lin_bytes = sum(r.n_bytes for r in lin)
     other = gguf_bytes - lin_bytes
-    print(f"weights: GGUF tensor bytes {gguf_bytes / 2**20:.1f} MiB (linear {lin_bytes / 2**20:.1f}); "
-          f"held packed {(packed + other) / 2**20:.1f} MiB = {(packed + other) / gguf_bytes:.2f}x "
-          f"(linear {packed / 2**20:.1f} MiB = {packed / lin_bytes:.2f}x)")
+    print(
+        f"weights: GGUF tensor bytes {gguf_bytes / 2**20:.1f} MiB (linear {lin_bytes / 2**20:.1f}); "
+        f"held packed {(packed + other) / 2**20:.1f} MiB = {(packed + other) / gguf_bytes:.2f}x "
+        f"(linear {packed / 2**20:.1f} MiB = {packed / lin_bytes:.2f}x)"
+    )
     copy_bw, read_bw = _bandwidth(args.reps)
     print(f"bandwidth: copy {copy_bw:.1f} GB/s (read + write), read-only {read_bw:.1f} GB/s\n")
     step = run(args.model, args.reps, batches, baselines=not args.no_baselines)
-    print("\ndecode step from the table above (sum of medians x tensor count; small weights are "
-          "cache-hot there), ms:")
+    print("\ndecode step from the table above (sum of medians x tensor count; small weights are cache-hot there), ms:")
     for b in batches:
         row = "  ".join(f"{m} {v:.1f}" for (m, bb), v in step.items() if bb == b)
         print(f"  B={b:<3d} {row}")
-    print("decode step measured: every linear weight in model order, then the output projection "
-          "(weights streamed from memory), median ms (min-max):")
+    print(
+        "decode step measured: every linear weight in model order, then the output projection "
+        "(weights streamed from memory), median ms (min-max):"
+    )
     real = run_step(args.model, args.reps, batches, baselines=not args.no_baselines)
     for b in batches:
         row = "  ".join(f"{m} {_fmt(ts).strip()}" for (m, bb), ts in real.items() if bb == b)
         print(f"  B={b:<3d} {row}")
-    print(f"  memory-bound time of the GGUF's tensor bytes at read-only bandwidth: "
-          f"{gguf_bytes / read_bw / 1e6:.1f} ms; of our packed bytes: {(packed + other) / read_bw / 1e6:.1f} ms")
+    print(
+        f"  memory-bound time of the GGUF's tensor bytes at read-only bandwidth: "
+        f"{gguf_bytes / read_bw / 1e6:.1f} ms; of our packed bytes: {(packed + other) / read_bw / 1e6:.1f} ms"
+    )
     if args.contention:
         _contention(args)
     return 0

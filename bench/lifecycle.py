@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from bench.servers import LoraplaneServers
 from bench.stats import Figure
@@ -25,20 +25,24 @@ from loraplane.limits import CHUNK_BYTES
 from loraplane.v1 import common_pb2
 
 GIB16 = 16 * (1 << 30)
-REGISTER_BASE = 100      # synthetic adapter numbers used here (distinct from scenarios 2/3)
+REGISTER_BASE = 100  # synthetic adapter numbers used here (distinct from scenarios 2/3)
 COLD_BASE = 400
 DIRECT_ID_BASE = 1_000_000  # ids for direct worker loads: never assigned by the control plane
 
 
 def _chunks(adapter_id: int, sha: str, data: bytes):
     for off in range(0, len(data), CHUNK_BYTES):
-        piece = data[off:off + CHUNK_BYTES]
-        yield (common_pb2.AdapterChunk(id=adapter_id, sha256=sha, data=piece) if off == 0
-               else common_pb2.AdapterChunk(data=piece))
+        piece = data[off : off + CHUNK_BYTES]
+        yield (
+            common_pb2.AdapterChunk(id=adapter_id, sha256=sha, data=piece)
+            if off == 0
+            else common_pb2.AdapterChunk(data=piece)
+        )
 
 
-def run_lifecycle(srv: LoraplaneServers, factory: AdapterFactory, profile, *, bos: int,
-                  log: Callable[[str], None]) -> dict:
+def run_lifecycle(
+    srv: LoraplaneServers, factory: AdapterFactory, profile, *, bos: int, log: Callable[[str], None]
+) -> dict:
     p = profile
     n = p.lifecycle_adapters
     samples = min(p.lifecycle_samples, n)
@@ -59,14 +63,17 @@ def run_lifecycle(srv: LoraplaneServers, factory: AdapterFactory, profile, *, bo
         register_ms.append((t1 - t0) * 1e3)
         if j < samples:
             t2 = None
-            for ev in client.generate_stream(prompt_tokens=prompt, adapters={info.id: 1.0}, max_tokens=1,
-                                             ignore_eos=True):
+            for ev in client.generate_stream(
+                prompt_tokens=prompt, adapters={info.id: 1.0}, max_tokens=1, ignore_eos=True
+            ):
                 if isinstance(ev, TokenEvent) and t2 is None:
                     t2 = time.perf_counter()
             first_token_ms.append((t2 - t0) * 1e3)
             ttft_ms.append((t2 - t1) * 1e3)
-            log(f"lifecycle: adapter {j + 1}: register {register_ms[-1]:.0f} ms, first token after "
-                f"{first_token_ms[-1]:.0f} ms")
+            log(
+                f"lifecycle: adapter {j + 1}: register {register_ms[-1]:.0f} ms, first token after "
+                f"{first_token_ms[-1]:.0f} ms"
+            )
         elif (j + 1) % 16 == 0:
             log(f"lifecycle: {j + 1}/{n} adapters registered")
     st1, rss1, cp1 = srv.stats(), srv.worker_rss(), srv.cp_rss()
@@ -89,7 +96,10 @@ def run_lifecycle(srv: LoraplaneServers, factory: AdapterFactory, profile, *, bo
     host_per = (rss1 - rss0) / held
     cp_per = (cp1 - cp0) / n
     return {
-        "adapters_registered": n, "timed": samples, "rank": factory.rank, "pairs": factory.n_pairs,
+        "adapters_registered": n,
+        "timed": samples,
+        "rank": factory.rank,
+        "pairs": factory.n_pairs,
         "file_bytes": file_bytes,
         "register_ms": Figure.of(register_ms, "ms").to_json(),
         "register_to_first_token_ms": Figure.of(first_token_ms, "ms").to_json(),
@@ -102,10 +112,12 @@ def run_lifecycle(srv: LoraplaneServers, factory: AdapterFactory, profile, *, bo
         "host_anon_bytes_per_adapter": (anon1 - anon0) / n,
         "control_plane_rss_bytes_per_adapter": cp_per,
         "control_plane_anon_bytes_per_adapter": (cp_anon1 - cp_anon0) / n,
-        "worker_rss_before": rss0, "worker_rss_after": rss1,
+        "worker_rss_before": rss0,
+        "worker_rss_after": rss1,
         "fit_16gib_device": int(GIB16 // device_per) if device_per > 0 else None,
         "fit_16gib_host": int(GIB16 // host_per) if host_per > 0 else None,
-        "device": srv.flags["device"], "dtype": srv.flags["dtype"],
+        "device": srv.flags["device"],
+        "dtype": srv.flags["dtype"],
         "registered_total": len(client.list_adapters()),
         "resident_on_worker": len(st1.adapter_ids),
     }

@@ -13,8 +13,20 @@ from __future__ import annotations
 
 import os
 
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
-         "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 def load_avg() -> str:
@@ -36,18 +48,29 @@ def kernels_used(weights: str, device: str) -> dict:
     from worker.runtime.kernels import resolve_act, resolve_path
 
     if weights == "dequant":
-        return {"weights": weights, "path": "torch", "act": None,
-                "summary": "dequant: torch matmul on f32-dequantized weights (reference)"}
+        return {
+            "weights": weights,
+            "path": "torch",
+            "act": None,
+            "summary": "dequant: torch matmul on f32-dequantized weights (reference)",
+        }
     if device.startswith("cuda"):
-        return {"weights": weights, "path": "torch", "act": None,
-                "summary": "packed on CUDA: torch matmul on bf16-dequantized weights"}
+        return {
+            "weights": weights,
+            "path": "torch",
+            "act": None,
+            "summary": "packed on CUDA: torch matmul on bf16-dequantized weights",
+        }
     path = resolve_path()
     if path == "torch":
-        return {"weights": weights, "path": "torch", "act": None,
-                "summary": "packed, torch fallback (dequantized f32)"}
+        return {"weights": weights, "path": "torch", "act": None, "summary": "packed, torch fallback (dequantized f32)"}
     act = resolve_act()
-    return {"weights": weights, "path": path, "act": act,
-            "summary": f"packed GGUF weights, {path} kernels, {act} activations (per row, per 32)"}
+    return {
+        "weights": weights,
+        "path": path,
+        "act": act,
+        "summary": f"packed GGUF weights, {path} kernels, {act} activations (per row, per 32)",
+    }
 
 
 def machine_info(weights: str, device: str, dtype: str) -> dict:
@@ -68,6 +91,8 @@ def machine_info(weights: str, device: str, dtype: str) -> dict:
 def machine_line(machine: dict) -> str:
     """One line for a table's notes: CPU, flags, kernels, OMP policy."""
     k = machine.get("kernels") or {}
-    return (f"CPU {machine.get('cpu_model', '?')} [{' '.join(machine.get('cpu_flags', [])) or 'no listed flags'}]; "
-            f"matmuls: {k.get('summary', '?')}; activations {machine.get('activation_dtype', '?')}; "
-            f"OMP_WAIT_POLICY={machine.get('omp_wait_policy', '?')}")
+    return (
+        f"CPU {machine.get('cpu_model', '?')} [{' '.join(machine.get('cpu_flags', [])) or 'no listed flags'}]; "
+        f"matmuls: {k.get('summary', '?')}; activations {machine.get('activation_dtype', '?')}; "
+        f"OMP_WAIT_POLICY={machine.get('omp_wait_policy', '?')}"
+    )

@@ -49,8 +49,16 @@ class PagingAdapters:
         p = self.dir / f"page-{i:04d}.gguf"
         if not p.exists():
             tmp = p.with_suffix(".part")
-            write_adapter(tmp, arch=self.arch, targets=self.targets, seed=self.base_seed + 50_000 + i,
-                          rank=RANKS[i % len(RANKS)], alpha=16.0, name=f"page-{i}", dtype=np.float16)
+            write_adapter(
+                tmp,
+                arch=self.arch,
+                targets=self.targets,
+                seed=self.base_seed + 50_000 + i,
+                rank=RANKS[i % len(RANKS)],
+                alpha=16.0,
+                name=f"page-{i}",
+                dtype=np.float16,
+            )
             tmp.replace(p)
         return p
 
@@ -58,8 +66,10 @@ class PagingAdapters:
 def _specs(p, n_adapters: int, ids: list[int], n: int, *, seed: int, bos: int, salt: int) -> list[RequestSpec]:
     rng = np.random.default_rng((seed, 6, n_adapters, salt))
     picks = zipf_choices(rng, n_adapters, n)
-    return [RequestSpec(random_tokens(rng, p.prompt_tokens, bos=bos), {ids[j]: 1.0}, p.paging_max_tokens, i)
-            for i, j in enumerate(picks)]
+    return [
+        RequestSpec(random_tokens(rng, p.prompt_tokens, bos=bos), {ids[j]: 1.0}, p.paging_max_tokens, i)
+        for i, j in enumerate(picks)
+    ]
 
 
 def _register(srv: LoraplaneServers, paths: list[Path], log, label: str) -> list[int]:
@@ -88,8 +98,9 @@ def _traffic(srv: LoraplaneServers, specs: list[RequestSpec], warm: list[Request
         if r.error is None and r.t_first is not None:
             srcs = [a.get("source") for a in r.telemetry.get("adapter_residency", [])]
             by_source.setdefault(srcs[0] if srcs else "none", []).append((r.t_first - r.t_submit) * 1e3)
-    out["ttft_by_source_ms"] = {k: {"n": len(v), "p50": percentile(v, 50), "p99": percentile(v, 99)}
-                                for k, v in sorted(by_source.items())}
+    out["ttft_by_source_ms"] = {
+        k: {"n": len(v), "p50": percentile(v, 50), "p99": percentile(v, 99)} for k, v in sorted(by_source.items())
+    }
     out["resident_adapters"] = st1.resident_adapters
     out["host_adapters"] = st1.host_adapters
     out["pool_mib"] = st1.pool_bytes / 2**20
@@ -99,22 +110,43 @@ def _traffic(srv: LoraplaneServers, specs: list[RequestSpec], warm: list[Request
 def run_paging(sc, arch: str, base_tensors: dict, log: Callable[[str], None]) -> dict:
     """Scenario 6 (see the module docstring); ``sc`` is bench.serving's ``ServingContext``."""
     p = sc.profile
-    adapters = PagingAdapters(sc.run_dir / "paging-adapters", arch=arch, base_tensors=base_tensors,
-                              base_seed=sc.seed)
+    adapters = PagingAdapters(sc.run_dir / "paging-adapters", arch=arch, base_tensors=base_tensors, base_seed=sc.seed)
     n = p.paging_adapters
     log(f"paging: writing {n + 1} synthetic adapters (F16, ranks {RANKS}, attention weights)")
     paths = [adapters.path(i) for i in range(n + 1)]
     disk = sum(q.stat().st_size for q in paths[:n])
-    flags = ("--max-loras", str(p.paging_max_loras), "--max-cpu-loras", str(p.paging_max_cpu_loras),
-             "--max-lora-rank", "16")
-    out: dict = {"adapters": n, "fit_adapters": p.paging_fit, "disk_mib": disk / 2**20, "max_loras": p.paging_max_loras,
-                 "max_cpu_loras": p.paging_max_cpu_loras, "streams": p.paging_streams,
-                 "requests": p.paging_requests, "max_tokens": p.paging_max_tokens, "ranks": list(RANKS)}
+    flags = (
+        "--max-loras",
+        str(p.paging_max_loras),
+        "--max-cpu-loras",
+        str(p.paging_max_cpu_loras),
+        "--max-lora-rank",
+        "16",
+    )
+    out: dict = {
+        "adapters": n,
+        "fit_adapters": p.paging_fit,
+        "disk_mib": disk / 2**20,
+        "max_loras": p.paging_max_loras,
+        "max_cpu_loras": p.paging_max_cpu_loras,
+        "streams": p.paging_streams,
+        "requests": p.paging_requests,
+        "max_tokens": p.paging_max_tokens,
+        "ranks": list(RANKS),
+    }
     bos = sc.bos
     for label, count in (("fit", p.paging_fit), ("many", n)):
-        srv = LoraplaneServers(sc.run_dir, f"paging-{label}", slots=p.paging_streams, batching="mixed",
-                               prefix_cache="keyed", dtype=sc.dtype, device=sc.device,
-                               model_path=sc.model_path, worker_args=flags)
+        srv = LoraplaneServers(
+            sc.run_dir,
+            f"paging-{label}",
+            slots=p.paging_streams,
+            batching="mixed",
+            prefix_cache="keyed",
+            dtype=sc.dtype,
+            device=sc.device,
+            model_path=sc.model_path,
+            worker_args=flags,
+        )
         log(f"paging: {label}: starting control plane + worker")
         srv.start()
         try:
@@ -139,14 +171,17 @@ def run_paging(sc, arch: str, base_tensors: dict, log: Callable[[str], None]) ->
                 t0 = time.perf_counter()
                 info = srv.client.add_adapter(paths[n])
                 t_first = None
-                for ev in srv.client.generate_stream(prompt_tokens=[bos, 1000, 1001], adapters={info.id: 1.0},
-                                                     max_tokens=1, ignore_eos=True):
+                for ev in srv.client.generate_stream(
+                    prompt_tokens=[bos, 1000, 1001], adapters={info.id: 1.0}, max_tokens=1, ignore_eos=True
+                ):
                     if isinstance(ev, TokenEvent) and t_first is None:
                         t_first = time.perf_counter()
                 res["register_to_first_token_ms"] = ((t_first or time.perf_counter()) - t0) * 1e3
             out[label] = res
-            log(f"paging: {label}: {res['tok_s']:.1f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms, "
-                f"page-ins/request {res['page_ins_per_request']:.2f}, fetches/request {res['fetches_per_request']:.2f}")
+            log(
+                f"paging: {label}: {res['tok_s']:.1f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms, "
+                f"page-ins/request {res['page_ins_per_request']:.2f}, fetches/request {res['fetches_per_request']:.2f}"
+            )
         finally:
             srv.stop()
     fit, many = out["fit"], out["many"]

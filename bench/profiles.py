@@ -72,16 +72,56 @@ class Profile:
 
 
 FULL = Profile("full", reps=3, requests=32, max_tokens=32)
-QUICK = Profile("quick", reps=1, decode_steps=4, requests=16, max_tokens=12, ks=(0, 4), single_requests=4,
-                prefix_requests=8, lifecycle_adapters=16, lifecycle_samples=2, bw_mib=128,
-                paging_adapters=100, paging_fit=8, paging_max_loras=8, paging_max_cpu_loras=24,
-                paging_requests=48, paging_warmup=8, paging_max_tokens=8, paging_streams=8)
-SMOKE = Profile("smoke", reps=1, pp_tokens=64, decode_steps=2, decode_ctx=8, streams=4, slots=4,
-                requests=4, max_tokens=4, prompt_tokens=8, ks=(0, 4), prefix_len=32, single_requests=2,
-                prefix_requests=6, prefix_user_tokens=4, prefix_max_tokens=2,
-                lifecycle_adapters=4, lifecycle_samples=1, bw_mib=32,
-                paging_adapters=6, paging_fit=2, paging_max_loras=2, paging_max_cpu_loras=3,
-                paging_requests=6, paging_warmup=2, paging_max_tokens=2, paging_streams=2)
+QUICK = Profile(
+    "quick",
+    reps=1,
+    decode_steps=4,
+    requests=16,
+    max_tokens=12,
+    ks=(0, 4),
+    single_requests=4,
+    prefix_requests=8,
+    lifecycle_adapters=16,
+    lifecycle_samples=2,
+    bw_mib=128,
+    paging_adapters=100,
+    paging_fit=8,
+    paging_max_loras=8,
+    paging_max_cpu_loras=24,
+    paging_requests=48,
+    paging_warmup=8,
+    paging_max_tokens=8,
+    paging_streams=8,
+)
+SMOKE = Profile(
+    "smoke",
+    reps=1,
+    pp_tokens=64,
+    decode_steps=2,
+    decode_ctx=8,
+    streams=4,
+    slots=4,
+    requests=4,
+    max_tokens=4,
+    prompt_tokens=8,
+    ks=(0, 4),
+    prefix_len=32,
+    single_requests=2,
+    prefix_requests=6,
+    prefix_user_tokens=4,
+    prefix_max_tokens=2,
+    lifecycle_adapters=4,
+    lifecycle_samples=1,
+    bw_mib=32,
+    paging_adapters=6,
+    paging_fit=2,
+    paging_max_loras=2,
+    paging_max_cpu_loras=3,
+    paging_requests=6,
+    paging_warmup=2,
+    paging_max_tokens=2,
+    paging_streams=2,
+)
 
 PROFILES = {p.name: p for p in (FULL, QUICK, SMOKE)}
 

@@ -39,44 +39,86 @@ def _x(r: float | None) -> str:
 
 
 def engine_section(e: dict) -> Section:
-    s = Section(f"1. Engine (in-process decode), dtype {e['dtype']}, {e['device']}, "
-                f"{e['torch_threads']} torch threads",
-                ["figure", "base", "LoRA r8 (all linear)", "LoRA overhead (base/LoRA)"])
+    s = Section(
+        f"1. Engine (in-process decode), dtype {e['dtype']}, {e['device']}, {e['torch_threads']} torch threads",
+        ["figure", "base", "LoRA r8 (all linear)", "LoRA overhead (base/LoRA)"],
+    )
     b, lo = e["variants"]["base"], e["variants"]["lora"]
-    s.rows.append([f"prompt processing, {e['pp_tokens']} tokens (tok/s)", _fig(b["pp_tok_s"]),
-                   _fig(lo["pp_tok_s"]), _x(e["lora_overhead"]["pp"])])
+    s.rows.append(
+        [
+            f"prompt processing, {e['pp_tokens']} tokens (tok/s)",
+            _fig(b["pp_tok_s"]),
+            _fig(lo["pp_tok_s"]),
+            _x(e["lora_overhead"]["pp"]),
+        ]
+    )
     for bs, d in b["decode"].items():
-        s.rows.append([f"decode B={bs} (tok/s)", _fig(d["tok_s"]), _fig(lo["decode"][bs]["tok_s"]),
-                       _x(e["lora_overhead"][f"decode_b{bs}"])])
+        s.rows.append(
+            [
+                f"decode B={bs} (tok/s)",
+                _fig(d["tok_s"]),
+                _fig(lo["decode"][bs]["tok_s"]),
+                _x(e["lora_overhead"][f"decode_b{bs}"]),
+            ]
+        )
         s.rows.append([f"decode B={bs} (ms/step)", _fig(d["step_ms"]), _fig(lo["decode"][bs]["step_ms"]), ""])
-    s.notes.append(f"decode: {e['decode_steps']} steps per repetition, each sequence holding "
-                   f"{e['decode_ctx']} tokens of context; adapter A/B = {e['adapter_bytes'] / MIB:.1f} MiB")
+    s.notes.append(
+        f"decode: {e['decode_steps']} steps per repetition, each sequence holding "
+        f"{e['decode_ctx']} tokens of context; adapter A/B = {e['adapter_bytes'] / MIB:.1f} MiB"
+    )
     return s
 
 
 def serving_sections(sv: dict) -> list[Section]:
     peer = sv.get("llama_server")
-    s = Section(f"2. Multi-tenant serving over gRPC: {sv['streams']} closed-loop streams, {sv['requests']} "
-                f"requests × {sv['max_tokens']} output tokens (greedy, ignore_eos), {sv['prompt_tokens']}-token "
-                f"prompts, {sv['slots']} slots, prefix cache {sv['prefix_cache']}",
-                ["workload", "server", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                 "ITL p99 ms", "mean batch", "errors"])
+    s = Section(
+        f"2. Multi-tenant serving over gRPC: {sv['streams']} closed-loop streams, {sv['requests']} "
+        f"requests × {sv['max_tokens']} output tokens (greedy, ignore_eos), {sv['prompt_tokens']}-token "
+        f"prompts, {sv['slots']} slots, prefix cache {sv['prefix_cache']}",
+        [
+            "workload",
+            "server",
+            "output tok/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "mean batch",
+            "errors",
+        ],
+    )
     for key in sv["workloads"]:
         arms = [(f"ours, {m}", sv["modes"][m][key]) for m in ("mixed", "compat") if key in sv["modes"][m]]
         if peer:
             arms.append(("llama-server", peer["runs"][key]))
         for label, d in arms:
-            s.rows.append([key, label, _fig(d["tok_s"]), _fig(d["ttft_p50_ms"]), _fig(d["ttft_p99_ms"]),
-                           _fig(d["itl_p50_ms"]), _fig(d["itl_p99_ms"]), _fig(d.get("mean_batch")),
-                           str(d["n_errors"])])
-    s.notes.append("K = number of rank-8 adapters in the traffic (K=0: base model only); rr = round-robin, "
-                   "zipf = Zipf(1.0) popularity; mean batch = sequences in the ubatch that produced each token")
+            s.rows.append(
+                [
+                    key,
+                    label,
+                    _fig(d["tok_s"]),
+                    _fig(d["ttft_p50_ms"]),
+                    _fig(d["ttft_p99_ms"]),
+                    _fig(d["itl_p50_ms"]),
+                    _fig(d["itl_p99_ms"]),
+                    _fig(d.get("mean_batch")),
+                    str(d["n_errors"]),
+                ]
+            )
+    s.notes.append(
+        "K = number of rank-8 adapters in the traffic (K=0: base model only); rr = round-robin, "
+        "zipf = Zipf(1.0) popularity; mean batch = sequences in the ubatch that produced each token"
+    )
     if sv.get("single_key"):
-        line = (f"{sv['single_key']}: one closed-loop stream, {sv['single_requests']} requests × {sv['max_tokens']} "
-                f"tokens, base model (ours: the mixed worker; compat is identical with one sequence)")
+        line = (
+            f"{sv['single_key']}: one closed-loop stream, {sv['single_requests']} requests × {sv['max_tokens']} "
+            f"tokens, base model (ours: the mixed worker; compat is identical with one sequence)"
+        )
         if peer and peer["runs"].get(sv["single_key"], {}).get("per_token_ms"):
-            line += (f"; llama-server's own timings.predicted_per_token_ms "
-                     f"{_fig(peer['runs'][sv['single_key']]['per_token_ms'])}")
+            line += (
+                f"; llama-server's own timings.predicted_per_token_ms "
+                f"{_fig(peer['runs'][sv['single_key']]['per_token_ms'])}"
+            )
         s.notes.append(line)
     if sv.get("weights"):
         s.notes.append(f"workers: --weights {sv['weights']}")
@@ -91,33 +133,60 @@ def serving_sections(sv: dict) -> list[Section]:
 
 
 def prefix_section(px: dict) -> Section:
-    s = Section(f"3. Prefix reuse: {px['prefix_len']}-token shared system prompt + {px['user_tokens']} user "
-                f"tokens, {px['requests']} requests one at a time alternating among {px['adapters']} adapters, "
-                f"{px['slots']} slots, {px['max_tokens']} output tokens",
-                ["prefix cache", "prompt tokens", "prefill tokens computed", "tokens from cache",
-                 "TTFT p50 ms", "TTFT mean ms", "slot caches cleared"])
+    s = Section(
+        f"3. Prefix reuse: {px['prefix_len']}-token shared system prompt + {px['user_tokens']} user "
+        f"tokens, {px['requests']} requests one at a time alternating among {px['adapters']} adapters, "
+        f"{px['slots']} slots, {px['max_tokens']} output tokens",
+        [
+            "prefix cache",
+            "prompt tokens",
+            "prefill tokens computed",
+            "tokens from cache",
+            "TTFT p50 ms",
+            "TTFT mean ms",
+            "slot caches cleared",
+        ],
+    )
     arms = [(f"ours, --prefix-cache {pol}", d) for pol, d in px["policies"].items()]
     if px.get("llama_server"):
         arms.append(("llama-server", px["llama_server"]["figures"]))
     for label, d in arms:
-        s.rows.append([label, str(px["prompt_tokens"]), _fig(d["computed"]), _fig(d["cached"]),
-                       _fig(d["ttft_p50_ms"]), _fig(d["ttft_mean_ms"]), _fig(d["cache_cleared"])])
+        s.rows.append(
+            [
+                label,
+                str(px["prompt_tokens"]),
+                _fig(d["computed"]),
+                _fig(d["cached"]),
+                _fig(d["ttft_p50_ms"]),
+                _fig(d["ttft_mean_ms"]),
+                _fig(d["cache_cleared"]),
+            ]
+        )
     lk = px["llama_over_keyed"]
-    s.notes.append(f"llama/keyed: prefill tokens computed {_x(lk['computed'])}, TTFT p50 {_x(lk['ttft_p50_ms'])}, "
-                   f"TTFT mean {_x(lk['ttft_mean_ms'])}")
+    s.notes.append(
+        f"llama/keyed: prefill tokens computed {_x(lk['computed'])}, TTFT p50 {_x(lk['ttft_p50_ms'])}, "
+        f"TTFT mean {_x(lk['ttft_mean_ms'])}"
+    )
     if px.get("llama_server_over_keyed"):
         pk = px["llama_server_over_keyed"]
-        s.notes.append(f"llama-server/ours keyed: prefill tokens computed {_x(pk['computed'])}, "
-                       f"TTFT p50 {_x(pk['ttft_p50_ms'])}, TTFT mean {_x(pk['ttft_mean_ms'])}")
-    s.notes.append("computed = the worker's Stats.prompt_tokens_computed difference (llama-server: timings.prompt_n); "
-                   "from cache = Σ telemetry cached_prompt_tokens (llama-server: timings.cache_n)")
+        s.notes.append(
+            f"llama-server/ours keyed: prefill tokens computed {_x(pk['computed'])}, "
+            f"TTFT p50 {_x(pk['ttft_p50_ms'])}, TTFT mean {_x(pk['ttft_mean_ms'])}"
+        )
+    s.notes.append(
+        "computed = the worker's Stats.prompt_tokens_computed difference (llama-server: timings.prompt_n); "
+        "from cache = Σ telemetry cached_prompt_tokens (llama-server: timings.cache_n)"
+    )
     return s
 
 
 def lifecycle_section(lc: dict) -> Section:
-    s = Section(f"4. Adapter lifecycle ({lc['adapters_registered']} adapters registered, rank {lc['rank']} on "
-                f"{lc['pairs']} weights, {lc['file_bytes'] / MIB:.2f} MiB file each; worker {lc['device']} "
-                f"{lc['dtype']})", ["figure", "value"])
+    s = Section(
+        f"4. Adapter lifecycle ({lc['adapters_registered']} adapters registered, rank {lc['rank']} on "
+        f"{lc['pairs']} weights, {lc['file_bytes'] / MIB:.2f} MiB file each; worker {lc['device']} "
+        f"{lc['dtype']})",
+        ["figure", "value"],
+    )
     rows = [
         ("register (upload + validate + push to worker), ms", _fig(lc["register_ms"])),
         ("register → first token served, ms", _fig(lc["register_to_first_token_ms"])),
@@ -125,18 +194,24 @@ def lifecycle_section(lc: dict) -> Section:
         ("worker cold load per adapter (LoadAdapter), ms", _fig(lc["worker_cold_load_ms"])),
         ("worker cold load, ms per MiB of file", _fig(lc["worker_cold_load_ms_per_mib"])),
         ("device bytes per adapter (A/B tensors on the model's device)", _mib(lc["device_bytes_per_adapter"])),
-        ("worker host RSS growth per adapter (of which anonymous)",
-         f"{_mib(lc['host_rss_bytes_per_adapter'])} ({_mib(lc['host_anon_bytes_per_adapter'])})"),
-        ("control-plane RSS growth per adapter (of which anonymous)",
-         f"{_mib(lc['control_plane_rss_bytes_per_adapter'])} ({_mib(lc['control_plane_anon_bytes_per_adapter'])})"),
+        (
+            "worker host RSS growth per adapter (of which anonymous)",
+            f"{_mib(lc['host_rss_bytes_per_adapter'])} ({_mib(lc['host_anon_bytes_per_adapter'])})",
+        ),
+        (
+            "control-plane RSS growth per adapter (of which anonymous)",
+            f"{_mib(lc['control_plane_rss_bytes_per_adapter'])} ({_mib(lc['control_plane_anon_bytes_per_adapter'])})",
+        ),
         ("adapters that fit in 16 GiB (device rate)", str(lc["fit_16gib_device"] or "-")),
         ("adapters that fit in 16 GiB (host RSS rate)", str(lc["fit_16gib_host"] or "-")),
         ("adapters resident on the worker / registered", f"{lc['resident_on_worker']} / {lc['registered_total']}"),
     ]
     s.rows = [[a, b] for a, b in rows]
-    s.notes.append(f"register→first token timed on the first {lc['timed']} adapters; memory rates from "
-                   f"{lc['adapters_registered']} registrations (worker RSS {lc['worker_rss_before'] / GIB:.2f} → "
-                   f"{lc['worker_rss_after'] / GIB:.2f} GiB)")
+    s.notes.append(
+        f"register→first token timed on the first {lc['timed']} adapters; memory rates from "
+        f"{lc['adapters_registered']} registrations (worker RSS {lc['worker_rss_before'] / GIB:.2f} → "
+        f"{lc['worker_rss_after'] / GIB:.2f} GiB)"
+    )
     return s
 
 
@@ -146,37 +221,78 @@ def _mib(b: float | None) -> str:
 
 def roofline_section(rf: dict) -> Section:
     bw = rf["bandwidth"]
-    s = Section(f"5. Roofline of a decode step (memory-bound), measured copy bandwidth "
-                f"{_fig(bw['gb_s'])} GB/s", ["figure", "bytes/step", "bound ms/step", "bound tok/s (B=1)",
-                                             "achieved ms/step (B=1)", "achieved/bound"])
+    s = Section(
+        f"5. Roofline of a decode step (memory-bound), measured copy bandwidth {_fig(bw['gb_s'])} GB/s",
+        ["figure", "bytes/step", "bound ms/step", "bound tok/s (B=1)", "achieved ms/step (B=1)", "achieved/bound"],
+    )
     held = rf.get("weights", "held")
-    s.rows.append([f"ours, weights as held ({held}, {rf['dtype']} activations)",
-                   f"{rf['weight_bytes_per_step'] / MIB:.1f} MiB", fmt(rf["bound_ms"]), fmt(rf["bound_tok_s_b1"]),
-                   fmt(rf.get("achieved_ms")), _pct(rf.get("achieved_over_bound"))])
-    s.rows.append(["ours + one r8 adapter", f"{(rf['weight_bytes_per_step'] + rf['adapter_bytes']) / MIB:.1f} MiB",
-                   fmt(rf["bound_lora_ms"]), fmt(1e3 / rf["bound_lora_ms"]), fmt(rf.get("achieved_lora_ms")),
-                   _pct(rf.get("achieved_over_bound_lora"))])
-    s.rows.append(["ours (in-process B=1 step) vs the GGUF's own tensor bytes",
-                   f"{rf['gguf_bytes_per_step'] / MIB:.1f} MiB", fmt(rf["bound_gguf_ms"]),
-                   fmt(rf["bound_gguf_tok_s_b1"]), fmt(rf.get("achieved_ms")),
-                   _pct(rf.get("achieved_over_bound_gguf"))])
+    s.rows.append(
+        [
+            f"ours, weights as held ({held}, {rf['dtype']} activations)",
+            f"{rf['weight_bytes_per_step'] / MIB:.1f} MiB",
+            fmt(rf["bound_ms"]),
+            fmt(rf["bound_tok_s_b1"]),
+            fmt(rf.get("achieved_ms")),
+            _pct(rf.get("achieved_over_bound")),
+        ]
+    )
+    s.rows.append(
+        [
+            "ours + one r8 adapter",
+            f"{(rf['weight_bytes_per_step'] + rf['adapter_bytes']) / MIB:.1f} MiB",
+            fmt(rf["bound_lora_ms"]),
+            fmt(1e3 / rf["bound_lora_ms"]),
+            fmt(rf.get("achieved_lora_ms")),
+            _pct(rf.get("achieved_over_bound_lora")),
+        ]
+    )
+    s.rows.append(
+        [
+            "ours (in-process B=1 step) vs the GGUF's own tensor bytes",
+            f"{rf['gguf_bytes_per_step'] / MIB:.1f} MiB",
+            fmt(rf["bound_gguf_ms"]),
+            fmt(rf["bound_gguf_tok_s_b1"]),
+            fmt(rf.get("achieved_ms")),
+            _pct(rf.get("achieved_over_bound_gguf")),
+        ]
+    )
     if rf.get("ours_1stream_itl_p50_ms") is not None:
-        s.rows.append(["ours, 1-stream serving (ITL p50, gRPC worker)", f"{rf['gguf_bytes_per_step'] / MIB:.1f} MiB",
-                       fmt(rf["bound_gguf_ms"]), fmt(rf["bound_gguf_tok_s_b1"]),
-                       fmt(rf["ours_1stream_itl_p50_ms"]),
-                       _pct(_div(rf["bound_gguf_ms"], rf["ours_1stream_itl_p50_ms"]))])
+        s.rows.append(
+            [
+                "ours, 1-stream serving (ITL p50, gRPC worker)",
+                f"{rf['gguf_bytes_per_step'] / MIB:.1f} MiB",
+                fmt(rf["bound_gguf_ms"]),
+                fmt(rf["bound_gguf_tok_s_b1"]),
+                fmt(rf["ours_1stream_itl_p50_ms"]),
+                _pct(_div(rf["bound_gguf_ms"], rf["ours_1stream_itl_p50_ms"])),
+            ]
+        )
     if rf.get("llama_server_1stream_per_token_ms") is not None:
-        s.rows.append(["llama-server, 1-stream (timings.predicted_per_token_ms)",
-                       f"{rf['gguf_bytes_per_step'] / MIB:.1f} MiB", fmt(rf["bound_gguf_ms"]),
-                       fmt(rf["bound_gguf_tok_s_b1"]), fmt(rf["llama_server_1stream_per_token_ms"]),
-                       _pct(rf.get("llama_server_over_bound_gguf"))])
-    s.notes.append(f"weights held by the model: {rf['weight_bytes_held'] / MIB:.1f} MiB vs the GGUF's tensor bytes "
-                   f"{rf['gguf_tensor_bytes'] / MIB:.1f} MiB = {_x(rf['held_over_gguf'])} (issue 10 target ≤ 1.50×)"
-                   + (f"; worker process RSS after loading (no adapters) {rf['worker_rss_bytes'] / MIB:.0f} MiB "
-                      f"(anonymous {rf['worker_rss_anon_bytes'] / MIB:.0f} MiB)" if rf.get("worker_rss_bytes") else ""))
-    s.notes.append("achieved/bound = bound step time / achieved step time (1.0 = at the roofline); the in-process step "
-                   "computes logits for the row but does no sampling; the 1-stream serving figures include "
-                   "sampling and the transport")
+        s.rows.append(
+            [
+                "llama-server, 1-stream (timings.predicted_per_token_ms)",
+                f"{rf['gguf_bytes_per_step'] / MIB:.1f} MiB",
+                fmt(rf["bound_gguf_ms"]),
+                fmt(rf["bound_gguf_tok_s_b1"]),
+                fmt(rf["llama_server_1stream_per_token_ms"]),
+                _pct(rf.get("llama_server_over_bound_gguf")),
+            ]
+        )
+    s.notes.append(
+        f"weights held by the model: {rf['weight_bytes_held'] / MIB:.1f} MiB vs the GGUF's tensor bytes "
+        f"{rf['gguf_tensor_bytes'] / MIB:.1f} MiB = {_x(rf['held_over_gguf'])} (issue 10 target ≤ 1.50×)"
+        + (
+            f"; worker process RSS after loading (no adapters) {rf['worker_rss_bytes'] / MIB:.0f} MiB "
+            f"(anonymous {rf['worker_rss_anon_bytes'] / MIB:.0f} MiB)"
+            if rf.get("worker_rss_bytes")
+            else ""
+        )
+    )
+    s.notes.append(
+        "achieved/bound = bound step time / achieved step time (1.0 = at the roofline); the in-process step "
+        "computes logits for the row but does no sampling; the 1-stream serving figures include "
+        "sampling and the transport"
+    )
     return s
 
 
@@ -193,33 +309,64 @@ def _pct(r: float | None) -> str:
 
 def paging_section(d: dict) -> Section:
     """Scenario 6: the many-adapters run beside the all-fit run."""
+
     def n(x, f="{:.1f}"):
         return "-" if x is None else f.format(x)
-    sec = Section(f"6. adapter paging: {d['adapters']} adapters ({d['disk_mib']:.0f} MiB F16 on disk, ranks "
-                  f"{'/'.join(map(str, d['ranks']))}, attention) vs {d['fit_adapters']} that fit; --max-loras {d['max_loras']} "
-                  f"--max-cpu-loras {d['max_cpu_loras']}; {d['streams']} streams × {d['requests']} requests × "
-                  f"{d['max_tokens']} tokens, Zipf(1.0)",
-                  ["run", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "page-ins/req", "evictions/req", "fetches/req",
-                   "cold TTFT p50 ms", "resident TTFT p50 ms", "worker RSS 10 → all MiB", "CP KiB/registration"])
+
+    sec = Section(
+        f"6. adapter paging: {d['adapters']} adapters ({d['disk_mib']:.0f} MiB F16 on disk, ranks "
+        f"{'/'.join(map(str, d['ranks']))}, attention) vs {d['fit_adapters']} that fit; --max-loras {d['max_loras']} "
+        f"--max-cpu-loras {d['max_cpu_loras']}; {d['streams']} streams × {d['requests']} requests × "
+        f"{d['max_tokens']} tokens, Zipf(1.0)",
+        [
+            "run",
+            "tok/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "page-ins/req",
+            "evictions/req",
+            "fetches/req",
+            "cold TTFT p50 ms",
+            "resident TTFT p50 ms",
+            "worker RSS 10 → all MiB",
+            "CP KiB/registration",
+        ],
+    )
     for label in ("fit", "many"):
         r = d[label]
         by = r.get("ttft_by_source_ms", {})
         cold = by.get("fetched") or by.get("loaded")
-        sec.rows.append([label, n(r["tok_s"]), n(r["ttft_p50_ms"], "{:.0f}"), n(r["ttft_p99_ms"], "{:.0f}"),
-                         n(r["page_ins_per_request"], "{:.2f}"), n(r["evictions_per_request"], "{:.2f}"),
-                         n(r["fetches_per_request"], "{:.2f}"), n(cold and cold["p50"], "{:.0f}"),
-                         n(by.get("resident", {}).get("p50"), "{:.0f}"),
-                         f"{r['worker_rss_10_mib']:.0f} → {r['worker_rss_all_mib']:.0f}",
-                         n(r.get("cp_rss_per_registration_kib"))])
-    sec.notes.append(f"tok/s many/fit = {n(d['tok_s_ratio_many_over_fit'], '{:.2f}')} (target ≥ 0.80); worker RSS "
-                     f"all/10 = {d['worker_rss_ratio_all_over_10']:.2f} (target ≤ 1.10); register → first token for "
-                     f"an adapter no worker holds: {d['many'].get('register_to_first_token_ms', 0):.0f} ms")
+        sec.rows.append(
+            [
+                label,
+                n(r["tok_s"]),
+                n(r["ttft_p50_ms"], "{:.0f}"),
+                n(r["ttft_p99_ms"], "{:.0f}"),
+                n(r["page_ins_per_request"], "{:.2f}"),
+                n(r["evictions_per_request"], "{:.2f}"),
+                n(r["fetches_per_request"], "{:.2f}"),
+                n(cold and cold["p50"], "{:.0f}"),
+                n(by.get("resident", {}).get("p50"), "{:.0f}"),
+                f"{r['worker_rss_10_mib']:.0f} → {r['worker_rss_all_mib']:.0f}",
+                n(r.get("cp_rss_per_registration_kib")),
+            ]
+        )
+    sec.notes.append(
+        f"tok/s many/fit = {n(d['tok_s_ratio_many_over_fit'], '{:.2f}')} (target ≥ 0.80); worker RSS "
+        f"all/10 = {d['worker_rss_ratio_all_over_10']:.2f} (target ≤ 1.10); register → first token for "
+        f"an adapter no worker holds: {d['many'].get('register_to_first_token_ms', 0):.0f} ms"
+    )
     return sec
 
 
-BUILDERS = {"engine": lambda d: [engine_section(d)], "serving": serving_sections,
-            "prefix": lambda d: [prefix_section(d)], "lifecycle": lambda d: [lifecycle_section(d)],
-            "roofline": lambda d: [roofline_section(d)], "paging": lambda d: [paging_section(d)]}
+BUILDERS = {
+    "engine": lambda d: [engine_section(d)],
+    "serving": serving_sections,
+    "prefix": lambda d: [prefix_section(d)],
+    "lifecycle": lambda d: [lifecycle_section(d)],
+    "roofline": lambda d: [roofline_section(d)],
+    "paging": lambda d: [paging_section(d)],
+}
 
 
 def sections_for(key: str, d: dict, machine: dict | None = None) -> list[Section]:
@@ -230,8 +377,9 @@ def sections_for(key: str, d: dict, machine: dict | None = None) -> list[Section
         return [Section(f"{key}: FAILED", ["error"], [[d["error"]]])]
     out = BUILDERS[key](d)
     if "load_avg" in d:
-        out[-1].notes.append(f"machine load average (1/5/15 min): {d['load_avg']['before']} before, "
-                             f"{d['load_avg']['after']} after")
+        out[-1].notes.append(
+            f"machine load average (1/5/15 min): {d['load_avg']['before']} before, {d['load_avg']['after']} after"
+        )
     if machine:
         from bench.machine import machine_line
 
@@ -290,10 +438,10 @@ def render_plain(result: dict) -> str:
     for s in sections(result):
         buf.write(f"\n{s.title}\n")
         widths = [max(len(c), *(len(r[i]) for r in s.rows)) if s.rows else len(c) for i, c in enumerate(s.columns)]
-        buf.write("  ".join(c.ljust(w) for c, w in zip(s.columns, widths)).rstrip() + "\n")
+        buf.write("  ".join(c.ljust(w) for c, w in zip(s.columns, widths, strict=False)).rstrip() + "\n")
         buf.write("  ".join("-" * w for w in widths) + "\n")
         for row in s.rows:
-            buf.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
+            buf.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() + "\n")
         for n in s.notes:
             buf.write(f"  {n}\n")
     return buf.getvalue()
@@ -317,9 +465,9 @@ def print_section(s: Section, *, use_rich: bool) -> None:
         return
     widths = [max(len(c), *(len(r[i]) for r in s.rows)) if s.rows else len(c) for i, c in enumerate(s.columns)]
     print(f"\n{s.title}")
-    print("  ".join(c.ljust(w) for c, w in zip(s.columns, widths)).rstrip())
+    print("  ".join(c.ljust(w) for c, w in zip(s.columns, widths, strict=False)).rstrip())
     print("  ".join("-" * w for w in widths))
     for row in s.rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip())
     for n in s.notes:
         print(f"  {n}")

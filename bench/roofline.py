@@ -48,8 +48,7 @@ def gguf_tensor_bytes(base: BaseModel, *, per_step: bool = False) -> int:
     """Bytes of the GGUF's tensors (its data section, no metadata); ``per_step`` leaves out
     ``token_embd`` when an untied ``output.weight`` exists (as :func:`weight_bytes_per_step`)."""
     names = base.gguf.tensors
-    return sum(r.n_bytes for n, r in names.items()
-               if not (per_step and n == TOKEN_EMBD and "output.weight" in names))
+    return sum(r.n_bytes for n, r in names.items() if not (per_step and n == TOKEN_EMBD and "output.weight" in names))
 
 
 def run_roofline(base: BaseModel, bandwidth: dict, engine: dict | None, adapter_bytes: int) -> dict:
@@ -62,17 +61,27 @@ def run_roofline(base: BaseModel, bandwidth: dict, engine: dict | None, adapter_
     gguf_ms = gguf_step / bw * 1e3
     held, gguf_all = base.weight_bytes, gguf_tensor_bytes(base)
     out = {
-        "bandwidth": bandwidth, "dtype": str(base.dtype).removeprefix("torch."), "weights": base.weight_form,
-        "weight_bytes_held": held, "gguf_tensor_bytes": gguf_all, "held_over_gguf": ratio(held, gguf_all),
-        "weight_bytes_per_step": ours, "gguf_bytes_per_step": gguf_step, "adapter_bytes": adapter_bytes,
-        "bound_ms": bound_ms, "bound_lora_ms": bound_lora_ms, "bound_gguf_ms": gguf_ms,
-        "bound_tok_s_b1": 1e3 / bound_ms, "bound_gguf_tok_s_b1": 1e3 / gguf_ms,
+        "bandwidth": bandwidth,
+        "dtype": str(base.dtype).removeprefix("torch."),
+        "weights": base.weight_form,
+        "weight_bytes_held": held,
+        "gguf_tensor_bytes": gguf_all,
+        "held_over_gguf": ratio(held, gguf_all),
+        "weight_bytes_per_step": ours,
+        "gguf_bytes_per_step": gguf_step,
+        "adapter_bytes": adapter_bytes,
+        "bound_ms": bound_ms,
+        "bound_lora_ms": bound_lora_ms,
+        "bound_gguf_ms": gguf_ms,
+        "bound_tok_s_b1": 1e3 / bound_ms,
+        "bound_gguf_tok_s_b1": 1e3 / gguf_ms,
     }
     if engine:
         base_ms = engine["variants"]["base"]["decode"]["1"]["step_ms"]["median"]
         lora_ms = engine["variants"]["lora"]["decode"]["1"]["step_ms"]["median"]
         out.update(
-            achieved_ms=base_ms, achieved_lora_ms=lora_ms,
+            achieved_ms=base_ms,
+            achieved_lora_ms=lora_ms,
             # achieved / bound, as throughput (≤ 1: the fraction of the roofline reached)
             achieved_over_bound=ratio(bound_ms, base_ms),
             achieved_over_bound_lora=ratio(bound_lora_ms, lora_ms),

@@ -16,14 +16,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import grpc
 
 from clients.client import LoraplaneClient
-from loraplane.process import stop_process
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
+from loraplane.process import stop_process
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,14 +67,33 @@ class LoraplaneServers:
             (``weights`` = ``worker --weights packed|dequant``).
     """
 
-    def __init__(self, run_dir: Path, name: str, *, slots: int, batching: str, prefix_cache: str,
-                 dtype: str, device: str, n_ctx: int = 1024, model_path: str | None = None,
-                 weights: str = "packed", worker_args: Sequence[str] = ()):
+    def __init__(
+        self,
+        run_dir: Path,
+        name: str,
+        *,
+        slots: int,
+        batching: str,
+        prefix_cache: str,
+        dtype: str,
+        device: str,
+        n_ctx: int = 1024,
+        model_path: str | None = None,
+        weights: str = "packed",
+        worker_args: Sequence[str] = (),
+    ):
         self.dir = Path(run_dir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.name = name
-        self.flags = dict(slots=slots, batching=batching, prefix_cache=prefix_cache, dtype=dtype,
-                          device=device, n_ctx=n_ctx, weights=weights)
+        self.flags = dict(
+            slots=slots,
+            batching=batching,
+            prefix_cache=prefix_cache,
+            dtype=dtype,
+            device=device,
+            n_ctx=n_ctx,
+            weights=weights,
+        )
         self.model_path = model_path
         self.worker_args = tuple(worker_args)
         self.addr = f"127.0.0.1:{free_port()}"
@@ -89,21 +108,60 @@ class LoraplaneServers:
     def _spawn(self, args: Sequence[str], log_name: str) -> subprocess.Popen:
         fh = open(self.dir / log_name, "ab")
         self._logs.append(fh)
-        return subprocess.Popen([sys.executable, "-m", "clients.cli", *args], cwd=ROOT, env=_env(),
-                                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [sys.executable, "-m", "clients.cli", *args],
+            cwd=ROOT,
+            env=_env(),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
 
     def start(self) -> None:
         """Start both processes (returns once the worker is registered and alive)."""
         model = ["--model", self.model_path] if self.model_path else []
         f = self.flags
-        self.cp = self._spawn(["control-plane", "--addr", self.addr, "--data-dir", str(self.dir / "data"),
-                               "--log-level", "warning", *model], "control-plane.log")
+        self.cp = self._spawn(
+            [
+                "control-plane",
+                "--addr",
+                self.addr,
+                "--data-dir",
+                str(self.dir / "data"),
+                "--log-level",
+                "warning",
+                *model,
+            ],
+            "control-plane.log",
+        )
         self.worker = self._spawn(
-            ["worker", "--control-plane", self.addr, "--addr", "127.0.0.1:0", "--slots", str(f["slots"]),
-             "--batching", f["batching"], "--prefix-cache", f["prefix_cache"], "--dtype", f["dtype"],
-             "--weights", f["weights"], "--device", f["device"], "--n-ctx", str(f["n_ctx"]), "--queue-limit", "1024", *model,
-             *self.worker_args],
-            "worker.log")
+            [
+                "worker",
+                "--control-plane",
+                self.addr,
+                "--addr",
+                "127.0.0.1:0",
+                "--slots",
+                str(f["slots"]),
+                "--batching",
+                f["batching"],
+                "--prefix-cache",
+                f["prefix_cache"],
+                "--dtype",
+                f["dtype"],
+                "--weights",
+                f["weights"],
+                "--device",
+                f["device"],
+                "--n-ctx",
+                str(f["n_ctx"]),
+                "--queue-limit",
+                "1024",
+                *model,
+                *self.worker_args,
+            ],
+            "worker.log",
+        )
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -115,18 +173,17 @@ class LoraplaneServers:
                 self.worker_addr = alive[0].addr
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: the worker did not register within {timeout_s:.0f}s "
-                                   f"(logs in {self.dir})")
+                raise RuntimeError(
+                    f"{self.name}: the worker did not register within {timeout_s:.0f}s (logs in {self.dir})"
+                )
             time.sleep(0.25)
-        self._worker_channel = grpc.insecure_channel(
-            self.worker_addr, options=GRPC_MESSAGE_OPTIONS)
+        self._worker_channel = grpc.insecure_channel(self.worker_addr, options=GRPC_MESSAGE_OPTIONS)
         self.worker_stub = worker_pb2_grpc.WorkerStub(self._worker_channel)
 
     def _check_alive(self) -> None:
         for what, proc in (("control plane", self.cp), ("worker", self.worker)):
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: the {what} exited with code {proc.returncode} "
-                                   f"(log: {self.dir})")
+                raise RuntimeError(f"{self.name}: the {what} exited with code {proc.returncode} (log: {self.dir})")
 
     def stats(self) -> worker_pb2.WorkerStats:
         return self.worker_stub.Stats(common_pb2.Empty(), timeout=60)
@@ -169,16 +226,38 @@ class LlamaServer:
     full scale vector, zeros explicit.
     """
 
-    def __init__(self, binary: str, run_dir: Path, name: str, *, model: str, adapters: Sequence[Path],
-                 parallel: int, n_ctx: int, threads: int | None = None):
+    def __init__(
+        self,
+        binary: str,
+        run_dir: Path,
+        name: str,
+        *,
+        model: str,
+        adapters: Sequence[Path],
+        parallel: int,
+        n_ctx: int,
+        threads: int | None = None,
+    ):
         self.binary = binary
         self.dir = Path(run_dir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.n_adapters = len(adapters)
-        args = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
-                "--parallel", str(parallel), "-c", str(parallel * n_ctx), "--no-webui",
-                "--lora-init-without-apply"]
+        args = [
+            binary,
+            "-m",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--parallel",
+            str(parallel),
+            "-c",
+            str(parallel * n_ctx),
+            "--no-webui",
+            "--lora-init-without-apply",
+        ]
         if adapters:  # one comma-separated list: a repeated --lora keeps only the last one
             args += ["--lora", ",".join(str(a) for a in adapters)]
         if threads:
@@ -189,8 +268,7 @@ class LlamaServer:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         self._log = open(self.dir / "llama-server.log", "ab")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -223,11 +301,19 @@ class LlamaServer:
 
     def stream(self, prompt: list[int], *, adapters: dict[int, float], max_tokens: int, seed: int):
         """Yield ``("token", n_tokens)`` per streamed chunk, then ``("done", final_json)``."""
-        body = json.dumps({
-            "prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-            "ignore_eos": True, "stream": True, "cache_prompt": True, "seed": seed,
-            "lora": self.lora_vector(adapters),
-        })
+        body = json.dumps(
+            {
+                "prompt": prompt,
+                "n_predict": max_tokens,
+                "temperature": 0.0,
+                "top_k": 1,
+                "ignore_eos": True,
+                "stream": True,
+                "cache_prompt": True,
+                "seed": seed,
+                "lora": self.lora_vector(adapters),
+            }
+        )
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         try:
             conn.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})

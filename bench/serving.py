@@ -24,15 +24,14 @@ loaded unapplied, per-request ``lora`` vectors, ``--parallel`` = our slots).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from bench.engine import random_tokens
-from bench.load import (RequestSpec, llama_server_driver, loraplane_driver, run_closed_loop,
-                        summarize)
+from bench.load import RequestSpec, llama_server_driver, loraplane_driver, run_closed_loop, summarize
 from bench.servers import LlamaServer, LoraplaneServers, start_all
 from bench.stats import Figure, ratio
 from bench.synth import AdapterFactory
@@ -83,8 +82,9 @@ def zipf_choices(rng: np.random.Generator, k: int, n: int, s: float = 1.0) -> li
     return [int(i) for i in rng.choice(k, size=n, p=w / w.sum())]
 
 
-def serving_specs(sc: ServingContext, k: int, dist: str, rep: int, *, n: int | None = None,
-                  max_tokens: int | None = None) -> list[RequestSpec]:
+def serving_specs(
+    sc: ServingContext, k: int, dist: str, rep: int, *, n: int | None = None, max_tokens: int | None = None
+) -> list[RequestSpec]:
     """The request list of one run; adapters are named by index 0..K-1 (mapped per server)."""
     p = sc.profile
     n = (p.single_requests if dist == SINGLE else p.requests) if n is None else n
@@ -103,8 +103,10 @@ def _mapped(inner, id_map: list[int]):
     """Wrap a loraplane driver so it takes index-keyed adapter maps (index j → registered id)."""
 
     def run(spec: RequestSpec, res) -> None:
-        inner(RequestSpec(spec.prompt, {id_map[j]: s for j, s in spec.adapters.items()},
-                          spec.max_tokens, spec.seed), res)
+        inner(
+            RequestSpec(spec.prompt, {id_map[j]: s for j, s in spec.adapters.items()}, spec.max_tokens, spec.seed), res
+        )
+
     return run
 
 
@@ -127,8 +129,9 @@ def _register(srv: LoraplaneServers, paths: list[Path]) -> list[int]:
     return [srv.client.add_adapter(p).id for p in paths]
 
 
-def run_multitenant(sc: ServingContext,
-                    keep_for_lifecycle: Callable[[LoraplaneServers], object] | None = None) -> tuple[dict, object]:
+def run_multitenant(
+    sc: ServingContext, keep_for_lifecycle: Callable[[LoraplaneServers], object] | None = None
+) -> tuple[dict, object]:
     """Scenario 2 (and, through ``keep_for_lifecycle``, scenario 4 on the mixed worker
     before it stops). Returns ``(scenario 2 results, what keep_for_lifecycle returned)``."""
     p = sc.profile
@@ -136,23 +139,40 @@ def run_multitenant(sc: ServingContext,
     max_k = max(p.ks)
     paths = sc.factory.paths(max_k)
     modes = ("mixed", "compat")
-    servers = {m: LoraplaneServers(sc.run_dir, f"serving-{m}", slots=p.slots, batching=m, prefix_cache="keyed",
-                                   dtype=sc.dtype, device=sc.device, n_ctx=p.prompt_tokens + p.max_tokens + 64,
-                                   model_path=sc.model_path, weights=sc.weights)
-               for m in modes}
-    sc.log(f"serving: starting control plane + worker for {', '.join(modes)} ({p.slots} slots each, "
-           f"weights {sc.weights})")
+    servers = {
+        m: LoraplaneServers(
+            sc.run_dir,
+            f"serving-{m}",
+            slots=p.slots,
+            batching=m,
+            prefix_cache="keyed",
+            dtype=sc.dtype,
+            device=sc.device,
+            n_ctx=p.prompt_tokens + p.max_tokens + 64,
+            model_path=sc.model_path,
+            weights=sc.weights,
+        )
+        for m in modes
+    }
+    sc.log(
+        f"serving: starting control plane + worker for {', '.join(modes)} ({p.slots} slots each, weights {sc.weights})"
+    )
     start_all(list(servers.values()))
-    runs: dict[str, dict[str, list[dict]]] = {m: {wl_key(*w): [] for w in wls if m == "mixed" or w[1] != SINGLE}
-                                              for m in modes}
+    runs: dict[str, dict[str, list[dict]]] = {
+        m: {wl_key(*w): [] for w in wls if m == "mixed" or w[1] != SINGLE} for m in modes
+    }
     lifecycle = None
-    rss: dict[str, dict[str, int]] = {m: {"loaded": s.worker_rss(), "loaded_anon": s.worker_rss("RssAnon")}
-                                      for m, s in servers.items()}
+    rss: dict[str, dict[str, int]] = {
+        m: {"loaded": s.worker_rss(), "loaded_anon": s.worker_rss("RssAnon")} for m, s in servers.items()
+    }
     try:
         ids = {m: _register(s, paths) for m, s in servers.items()}
         drivers = {m: _mapped(loraplane_driver(s.client), ids[m]) for m, s in servers.items()}
-        warm = serving_specs(sc, max_k, "rr", -1, n=max(max_k, p.streams), max_tokens=2) if max_k else \
-            serving_specs(sc, 0, "base", -1, n=p.streams, max_tokens=2)
+        warm = (
+            serving_specs(sc, max_k, "rr", -1, n=max(max_k, p.streams), max_tokens=2)
+            if max_k
+            else serving_specs(sc, 0, "base", -1, n=p.streams, max_tokens=2)
+        )
         for m in modes:  # warm-up, excluded
             run_closed_loop(drivers[m], warm, p.streams)
         for rep in range(p.reps):
@@ -164,9 +184,11 @@ def run_multitenant(sc: ServingContext,
                     res, wall = run_closed_loop(drivers[m], specs, streams_of(sc, dist))
                     s = summarize(res, wall)
                     runs[m][wl_key(k, dist)].append(s)
-                    sc.log(f"serving: rep {rep + 1}/{p.reps} {wl_key(k, dist)} {m}: {s['tok_s']:.1f} tok/s, "
-                           f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.0f} ms, "
-                           f"mean batch {s['mean_batch']:.1f}" + (f", {s['n_errors']} errors" if s["n_errors"] else ""))
+                    sc.log(
+                        f"serving: rep {rep + 1}/{p.reps} {wl_key(k, dist)} {m}: {s['tok_s']:.1f} tok/s, "
+                        f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.0f} ms, "
+                        f"mean batch {s['mean_batch']:.1f}" + (f", {s['n_errors']} errors" if s["n_errors"] else "")
+                    )
         worker_stats = {m: _stats_json(s) for m, s in servers.items()}
         for m, s in servers.items():
             rss[m]["after_runs"] = s.worker_rss()
@@ -176,54 +198,87 @@ def run_multitenant(sc: ServingContext,
         for s in servers.values():
             s.stop()
     out: dict = {
-        "streams": p.streams, "slots": p.slots, "requests": p.requests, "max_tokens": p.max_tokens,
-        "prompt_tokens": p.prompt_tokens, "ks": list(p.ks), "prefix_cache": "keyed",
+        "streams": p.streams,
+        "slots": p.slots,
+        "requests": p.requests,
+        "max_tokens": p.max_tokens,
+        "prompt_tokens": p.prompt_tokens,
+        "ks": list(p.ks),
+        "prefix_cache": "keyed",
         "workloads": [wl_key(*w) for w in wls],
         "modes": {m: {key: _aggregate(v) for key, v in runs[m].items()} for m in modes},
-        "single_requests": p.single_requests, "single_key": wl_key(0, SINGLE) if p.single_requests else None,
-        "worker_stats": worker_stats, "worker_rss": rss, "weights": sc.weights,
+        "single_requests": p.single_requests,
+        "single_key": wl_key(0, SINGLE) if p.single_requests else None,
+        "worker_stats": worker_stats,
+        "worker_rss": rss,
+        "weights": sc.weights,
     }
-    out["mixed_over_compat"] = {key: ratio(out["modes"]["mixed"][key]["tok_s"]["median"],
-                                           out["modes"]["compat"][key]["tok_s"]["median"])
-                                for key in out["workloads"] if key in out["modes"]["compat"]}
+    out["mixed_over_compat"] = {
+        key: ratio(out["modes"]["mixed"][key]["tok_s"]["median"], out["modes"]["compat"][key]["tok_s"]["median"])
+        for key in out["workloads"]
+        if key in out["modes"]["compat"]
+    }
     if sc.llama_server:
         out["llama_server"] = _peer_multitenant(sc, wls, paths)
         out["ours_over_llama_server"] = {
-            key: ratio(out["modes"]["mixed"][key]["tok_s"]["median"],
-                       out["llama_server"]["runs"][key]["tok_s"]["median"]) for key in out["workloads"]}
+            key: ratio(
+                out["modes"]["mixed"][key]["tok_s"]["median"], out["llama_server"]["runs"][key]["tok_s"]["median"]
+            )
+            for key in out["workloads"]
+        }
     return out, lifecycle
 
 
 def _stats_json(srv: LoraplaneServers) -> dict:
     st = srv.stats()
-    return {"graph_reuses": st.graph_reuses, "graph_rebuilds": st.graph_rebuilds,
-            "prompt_tokens_computed": st.prompt_tokens_computed, "tokens_generated": st.tokens_generated,
-            "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens, "adapter_bytes": st.adapter_bytes}
+    return {
+        "graph_reuses": st.graph_reuses,
+        "graph_rebuilds": st.graph_rebuilds,
+        "prompt_tokens_computed": st.prompt_tokens_computed,
+        "tokens_generated": st.tokens_generated,
+        "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens,
+        "adapter_bytes": st.adapter_bytes,
+    }
 
 
 def _peer_multitenant(sc: ServingContext, wls, paths) -> dict:
     p = sc.profile
-    srv = LlamaServer(sc.llama_server, sc.run_dir, "llama-server-serving", model=sc.model_path,
-                      adapters=paths, parallel=p.slots, n_ctx=p.prompt_tokens + p.max_tokens + 64)
+    srv = LlamaServer(
+        sc.llama_server,
+        sc.run_dir,
+        "llama-server-serving",
+        model=sc.model_path,
+        adapters=paths,
+        parallel=p.slots,
+        n_ctx=p.prompt_tokens + p.max_tokens + 64,
+    )
     sc.log(f"serving: starting llama-server ({srv.binary}, --parallel {p.slots}, {len(paths)} adapters)")
     srv.start()
     runs: dict[str, list[dict]] = {wl_key(*w): [] for w in wls}
     try:
         driver = llama_server_driver(srv)
         max_k = max(p.ks)
-        warm = serving_specs(sc, max_k, "rr", -1, n=max(max_k, p.streams), max_tokens=2) if max_k else \
-            serving_specs(sc, 0, "base", -1, n=p.streams, max_tokens=2)
+        warm = (
+            serving_specs(sc, max_k, "rr", -1, n=max(max_k, p.streams), max_tokens=2)
+            if max_k
+            else serving_specs(sc, 0, "base", -1, n=p.streams, max_tokens=2)
+        )
         run_closed_loop(driver, warm, p.streams)
         for rep in range(p.reps):
             for k, dist in wls:
                 res, wall = run_closed_loop(driver, serving_specs(sc, k, dist, rep), streams_of(sc, dist))
                 s = summarize(res, wall)
-                per_tok = [float(r.telemetry["predicted_per_token_ms"]) for r in res
-                           if r.error is None and r.telemetry.get("predicted_per_token_ms") is not None]
+                per_tok = [
+                    float(r.telemetry["predicted_per_token_ms"])
+                    for r in res
+                    if r.error is None and r.telemetry.get("predicted_per_token_ms") is not None
+                ]
                 s["per_token_ms"] = float(np.median(per_tok)) if per_tok else math.nan
                 runs[wl_key(k, dist)].append(s)
-                sc.log(f"serving: rep {rep + 1}/{p.reps} {wl_key(k, dist)} llama-server: {s['tok_s']:.1f} tok/s, "
-                       f"TTFT p50 {s['ttft_p50_ms']:.0f} ms" + (f", {s['n_errors']} errors" if s["n_errors"] else ""))
+                sc.log(
+                    f"serving: rep {rep + 1}/{p.reps} {wl_key(k, dist)} llama-server: {s['tok_s']:.1f} tok/s, "
+                    f"TTFT p50 {s['ttft_p50_ms']:.0f} ms" + (f", {s['n_errors']} errors" if s["n_errors"] else "")
+                )
     finally:
         srv.stop()
     return {"binary": sc.llama_server, "parallel": p.slots, "runs": {k: _aggregate(v) for k, v in runs.items()}}
@@ -231,12 +286,17 @@ def _peer_multitenant(sc: ServingContext, wls, paths) -> dict:
 
 # --- scenario 3 ---------------------------------------------------------------------------
 
+
 def prefix_specs(sc: ServingContext, rep: int) -> list[RequestSpec]:
     p = sc.profile
     rng = np.random.default_rng((sc.seed, 3, rep + 1000))
     system = random_tokens(rng, p.prefix_len, bos=sc.bos)
-    return [RequestSpec(system + random_tokens(rng, p.prefix_user_tokens), {i % p.prefix_adapters: 1.0},
-                        p.prefix_max_tokens, i) for i in range(p.prefix_requests)]
+    return [
+        RequestSpec(
+            system + random_tokens(rng, p.prefix_user_tokens), {i % p.prefix_adapters: 1.0}, p.prefix_max_tokens, i
+        )
+        for i in range(p.prefix_requests)
+    ]
 
 
 def _prefix_run(driver, specs, computed_before: int | None, stats_fn) -> dict:
@@ -265,13 +325,25 @@ def run_prefix(sc: ServingContext) -> dict:
     p = sc.profile
     paths = sc.factory.paths(p.prefix_adapters)
     policies = ("keyed", "llama")
-    servers = {pol: LoraplaneServers(sc.run_dir, f"prefix-{pol}", slots=p.prefix_slots, batching="mixed",
-                                     prefix_cache=pol, dtype=sc.dtype, device=sc.device,
-                                     n_ctx=p.prefix_len + p.prefix_user_tokens + p.prefix_max_tokens + 64,
-                                     model_path=sc.model_path, weights=sc.weights)
-               for pol in policies}
-    sc.log(f"prefix: starting control plane + worker for --prefix-cache {' and '.join(policies)} "
-           f"({p.prefix_slots} slots each)")
+    servers = {
+        pol: LoraplaneServers(
+            sc.run_dir,
+            f"prefix-{pol}",
+            slots=p.prefix_slots,
+            batching="mixed",
+            prefix_cache=pol,
+            dtype=sc.dtype,
+            device=sc.device,
+            n_ctx=p.prefix_len + p.prefix_user_tokens + p.prefix_max_tokens + 64,
+            model_path=sc.model_path,
+            weights=sc.weights,
+        )
+        for pol in policies
+    }
+    sc.log(
+        f"prefix: starting control plane + worker for --prefix-cache {' and '.join(policies)} "
+        f"({p.prefix_slots} slots each)"
+    )
     start_all(list(servers.values()))
     runs: dict[str, list[dict]] = {pol: [] for pol in policies}
     try:
@@ -287,26 +359,34 @@ def run_prefix(sc: ServingContext) -> dict:
                 before = srv.stats().prompt_tokens_computed
                 s = _prefix_run(drivers[pol], specs, before, lambda srv=srv: srv.stats().prompt_tokens_computed)
                 runs[pol].append(s)
-                sc.log(f"prefix: rep {rep + 1}/{p.reps} {pol}: computed {s['computed']} of {s['prompt_tokens']} "
-                       f"prompt tokens, TTFT p50 {s['ttft_p50_ms']:.0f} ms")
+                sc.log(
+                    f"prefix: rep {rep + 1}/{p.reps} {pol}: computed {s['computed']} of {s['prompt_tokens']} "
+                    f"prompt tokens, TTFT p50 {s['ttft_p50_ms']:.0f} ms"
+                )
     finally:
         for s in servers.values():
             s.stop()
     out: dict = {
-        "prefix_len": p.prefix_len, "user_tokens": p.prefix_user_tokens, "requests": p.prefix_requests,
-        "adapters": p.prefix_adapters, "slots": p.prefix_slots, "max_tokens": p.prefix_max_tokens,
+        "prefix_len": p.prefix_len,
+        "user_tokens": p.prefix_user_tokens,
+        "requests": p.prefix_requests,
+        "adapters": p.prefix_adapters,
+        "slots": p.prefix_slots,
+        "max_tokens": p.prefix_max_tokens,
         "prompt_tokens": runs["keyed"][0]["prompt_tokens"] if runs["keyed"] else 0,
         "policies": {pol: _prefix_aggregate(v) for pol, v in runs.items()},
     }
     out["llama_over_keyed"] = {
         f: ratio(out["policies"]["llama"][f]["median"], out["policies"]["keyed"][f]["median"])
-        for f in ("computed", "ttft_p50_ms", "ttft_mean_ms")}
+        for f in ("computed", "ttft_p50_ms", "ttft_mean_ms")
+    }
     if sc.llama_server:
         out["llama_server"] = _peer_prefix(sc, paths)
         peer = out["llama_server"]["figures"]
         out["llama_server_over_keyed"] = {
             f: ratio(peer[f]["median"], out["policies"]["keyed"][f]["median"])
-            for f in ("computed", "ttft_p50_ms", "ttft_mean_ms")}
+            for f in ("computed", "ttft_p50_ms", "ttft_mean_ms")
+        }
     return out
 
 
@@ -320,8 +400,15 @@ def _prefix_aggregate(runs: list[dict]) -> dict:
 
 def _peer_prefix(sc: ServingContext, paths) -> dict:
     p = sc.profile
-    srv = LlamaServer(sc.llama_server, sc.run_dir, "llama-server-prefix", model=sc.model_path, adapters=paths,
-                      parallel=p.prefix_slots, n_ctx=p.prefix_len + p.prefix_user_tokens + p.prefix_max_tokens + 64)
+    srv = LlamaServer(
+        sc.llama_server,
+        sc.run_dir,
+        "llama-server-prefix",
+        model=sc.model_path,
+        adapters=paths,
+        parallel=p.prefix_slots,
+        n_ctx=p.prefix_len + p.prefix_user_tokens + p.prefix_max_tokens + 64,
+    )
     sc.log(f"prefix: starting llama-server (--parallel {p.prefix_slots})")
     srv.start()
     runs = []
@@ -332,8 +419,10 @@ def _peer_prefix(sc: ServingContext, paths) -> dict:
         for rep in range(p.reps):
             s = _prefix_run(driver, prefix_specs(sc, rep), None, None)
             runs.append(s)
-            sc.log(f"prefix: rep {rep + 1}/{p.reps} llama-server: computed {s['computed']} prompt tokens, "
-                   f"TTFT p50 {s['ttft_p50_ms']:.0f} ms")
+            sc.log(
+                f"prefix: rep {rep + 1}/{p.reps} llama-server: computed {s['computed']} prompt tokens, "
+                f"TTFT p50 {s['ttft_p50_ms']:.0f} ms"
+            )
     finally:
         srv.stop()
     return {"binary": sc.llama_server, "parallel": p.prefix_slots, "figures": _prefix_aggregate(runs)}

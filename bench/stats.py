@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -20,15 +20,20 @@ class Figure:
     unit: str = ""
 
     @classmethod
-    def of(cls, values: Iterable[float], unit: str = "") -> "Figure":
+    def of(cls, values: Iterable[float], unit: str = "") -> Figure:
         vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
         if not vals:
             return cls(math.nan, math.nan, math.nan, 0, unit)
         return cls(statistics.median(vals), min(vals), max(vals), len(vals), unit)
 
     def to_json(self) -> dict:
-        return {"median": _num(self.median), "min": _num(self.min), "max": _num(self.max),
-                "n": self.n, "unit": self.unit}
+        return {
+            "median": _num(self.median),
+            "min": _num(self.min),
+            "max": _num(self.max),
+            "n": self.n,
+            "unit": self.unit,
+        }
 
 
 def _num(x: float) -> float | None:

@@ -25,8 +25,9 @@ DEFAULT_RANK = 8
 DEFAULT_ALPHA = 16.0
 
 
-def linear_targets(base_tensors: dict[str, tuple[int, ...]], *,
-                   pattern: re.Pattern[str] = LINEAR_WEIGHT) -> list[tuple[str, int, int]]:
+def linear_targets(
+    base_tensors: dict[str, tuple[int, ...]], *, pattern: re.Pattern[str] = LINEAR_WEIGHT
+) -> list[tuple[str, int, int]]:
     """``(name, k, d)`` of every linear weight a synthetic adapter patches, in layer order
     (``pattern``: all linear weights, or ``ATTENTION_WEIGHT``)."""
     out = []
@@ -38,9 +39,17 @@ def linear_targets(base_tensors: dict[str, tuple[int, ...]], *,
     return out
 
 
-def write_adapter(path: Path, *, arch: str, targets: list[tuple[str, int, int]], seed: int,
-                  rank: int = DEFAULT_RANK, alpha: float = DEFAULT_ALPHA, name: str = "",
-                  dtype: type = np.float32) -> Path:
+def write_adapter(
+    path: Path,
+    *,
+    arch: str,
+    targets: list[tuple[str, int, int]],
+    seed: int,
+    rank: int = DEFAULT_RANK,
+    alpha: float = DEFAULT_ALPHA,
+    name: str = "",
+    dtype: type = np.float32,
+) -> Path:
     """Write one adapter GGUF (A/B in ``dtype``: F32, or F16 for the paging scenario) at
     ``path``; returns ``path``.
 
@@ -56,7 +65,7 @@ def write_adapter(path: Path, *, arch: str, targets: list[tuple[str, int, int]],
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
     writer.add_name(name or path.stem)
     for tname, k, d in targets:
-        a = (rng.standard_normal((rank, k), dtype=np.float32) / np.float32(np.sqrt(k)))
+        a = rng.standard_normal((rank, k), dtype=np.float32) / np.float32(np.sqrt(k))
         b = rng.standard_normal((d, rank), dtype=np.float32) * np.float32(0.02)
         writer.add_tensor(f"{tname}.lora_a", a.astype(dtype))
         writer.add_tensor(f"{tname}.lora_b", b.astype(dtype))
@@ -73,8 +82,16 @@ class AdapterFactory:
     Adapter ``i`` always has seed ``base_seed + i``, so two runs write identical files.
     """
 
-    def __init__(self, out_dir: Path, *, arch: str, base_tensors: dict[str, tuple[int, ...]],
-                 base_seed: int, rank: int = DEFAULT_RANK, alpha: float = DEFAULT_ALPHA):
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        arch: str,
+        base_tensors: dict[str, tuple[int, ...]],
+        base_seed: int,
+        rank: int = DEFAULT_RANK,
+        alpha: float = DEFAULT_ALPHA,
+    ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.arch = arch
@@ -91,8 +108,15 @@ class AdapterFactory:
         p = self.out_dir / f"lora-{i:03d}.gguf"
         if not p.exists():
             tmp = p.with_suffix(".part")
-            write_adapter(tmp, arch=self.arch, targets=self.targets, seed=self.base_seed + i,
-                          rank=self.rank, alpha=self.alpha, name=f"bench-lora-{i}")
+            write_adapter(
+                tmp,
+                arch=self.arch,
+                targets=self.targets,
+                seed=self.base_seed + i,
+                rank=self.rank,
+                alpha=self.alpha,
+                name=f"bench-lora-{i}",
+            )
             tmp.replace(p)
         return p
 

@@ -15,5 +15,13 @@ from clients.client import (
     WorkerInfo,
 )
 
-__all__ = ["Adapter", "AsyncLoraplaneClient", "DefaultSet", "GenerateResult", "LoraplaneClient",
-           "LoraplaneError", "ServerUnreachable", "WorkerInfo"]
+__all__ = [
+    "Adapter",
+    "AsyncLoraplaneClient",
+    "DefaultSet",
+    "GenerateResult",
+    "LoraplaneClient",
+    "LoraplaneError",
+    "ServerUnreachable",
+    "WorkerInfo",
+]

@@ -94,8 +94,7 @@ def auth_metadata(admin_token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-def wait_ready(channel: grpc.Channel, addr: str, timeout: float,
-               wait_for_server: bool = False) -> None:
+def wait_ready(channel: grpc.Channel, addr: str, timeout: float, wait_for_server: bool = False) -> None:
     """Block until ``channel`` is READY; raise `ServerUnreachable` otherwise (see module doc)."""
     done = threading.Event()
     final: list[grpc.ChannelConnectivity] = []  # the state that ended the wait
@@ -103,8 +102,7 @@ def wait_ready(channel: grpc.Channel, addr: str, timeout: float,
     def on_change(state: grpc.ChannelConnectivity) -> None:
         if done.is_set():
             return
-        if state in (_C.READY, _C.SHUTDOWN) or (
-                state is _C.TRANSIENT_FAILURE and not wait_for_server):
+        if state in (_C.READY, _C.SHUTDOWN) or (state is _C.TRANSIENT_FAILURE and not wait_for_server):
             final.append(state)
             done.set()
 
@@ -118,8 +116,7 @@ def wait_ready(channel: grpc.Channel, addr: str, timeout: float,
         raise ServerUnreachable(addr, _describe(final[0]))
 
 
-async def wait_ready_async(channel: grpc.aio.Channel, addr: str, timeout: float,
-                           wait_for_server: bool = False) -> None:
+async def wait_ready_async(channel: grpc.aio.Channel, addr: str, timeout: float, wait_for_server: bool = False) -> None:
     """`wait_ready` for a ``grpc.aio`` channel."""
 
     async def until_ready() -> None:

@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # noqa: BLE001 - last resort: never show a traceback
         if env_flag(ENV_DEBUG):
             raise
-        click.echo(f"loraplane: internal error: {type(err).__name__}: {err} "
-                   "(set LORAPLANE_DEBUG=1 for a traceback)", err=True)
+        click.echo(
+            f"loraplane: internal error: {type(err).__name__}: {err} (set LORAPLANE_DEBUG=1 for a traceback)", err=True
+        )
         sys.exit(EXIT_INTERNAL)
 
 

@@ -41,8 +41,9 @@ class ClientOptions:
     connect_timeout: float
 
     def client(self) -> LoraplaneClient:
-        return LoraplaneClient(self.addr, admin_token=self.admin_token, timeout=self.timeout,
-                               connect_timeout=self.connect_timeout)
+        return LoraplaneClient(
+            self.addr, admin_token=self.admin_token, timeout=self.timeout, connect_timeout=self.connect_timeout
+        )
 
 
 def _opts(kwargs: dict) -> ClientOptions:
@@ -51,8 +52,10 @@ def _opts(kwargs: dict) -> ClientOptions:
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--addr") from None
     return ClientOptions(
-        addr=kwargs.pop("addr"), as_json=kwargs.pop("as_json"),
-        admin_token=kwargs.pop("admin_token"), timeout=kwargs.pop("timeout"),
+        addr=kwargs.pop("addr"),
+        as_json=kwargs.pop("as_json"),
+        admin_token=kwargs.pop("admin_token"),
+        timeout=kwargs.pop("timeout"),
         connect_timeout=kwargs.pop("connect_timeout"),
     )
 
@@ -93,32 +96,57 @@ def server_call(opts: ClientOptions) -> Iterator[LoraplaneClient]:
 
 @click.command()
 @click.argument("prompt", required=False)
-@click.option("--prompt-tokens", type=TOKEN_IDS, default=None,
-              help="Prompt as token ids, taken verbatim (nothing added). Instead of PROMPT.")
-@click.option("--lora", "loras", type=ADAPTER_SCALE, multiple=True,
-              help="Use adapter ID at SCALE (repeatable); every other adapter at 0.")
+@click.option(
+    "--prompt-tokens",
+    type=TOKEN_IDS,
+    default=None,
+    help="Prompt as token ids, taken verbatim (nothing added). Instead of PROMPT.",
+)
+@click.option(
+    "--lora",
+    "loras",
+    type=ADAPTER_SCALE,
+    multiple=True,
+    help="Use adapter ID at SCALE (repeatable); every other adapter at 0.",
+)
 @click.option("--no-lora", is_flag=True, help="Use no adapters at all (not the default set).")
-@click.option("--max-tokens", type=click.IntRange(min=1, max=UINT32_MAX), default=16,
-              show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="0 is greedy.")
-@click.option("--top-k", type=click.IntRange(min=0, max=UINT32_MAX), default=0, show_default=True,
-              help="0: no top-k cut.")
+@click.option("--max-tokens", type=click.IntRange(min=1, max=UINT32_MAX), default=16, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option(
+    "--top-k", type=click.IntRange(min=0, max=UINT32_MAX), default=0, show_default=True, help="0: no top-k cut."
+)
 @click.option("--top-p", type=click.FloatRange(min=0, max=1), default=1.0, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0, max=UINT64_MAX), default=None)
-@click.option("--logprobs", type=click.IntRange(min=0, max=UINT32_MAX), default=None, metavar="N",
-              help="Return each generated token's log-prob and the top N alternatives.")
-@click.option("--prompt-logprobs", is_flag=True,
-              help="Return the log-prob of every prompt token given its prefix.")
+@click.option(
+    "--logprobs",
+    type=click.IntRange(min=0, max=UINT32_MAX),
+    default=None,
+    metavar="N",
+    help="Return each generated token's log-prob and the top N alternatives.",
+)
+@click.option("--prompt-logprobs", is_flag=True, help="Return the log-prob of every prompt token given its prefix.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-generation.")
-@click.option("--stop", "stop", multiple=True, metavar="TEXT",
-              help="Stop when the generated text contains TEXT (cut before it; repeatable).")
+@click.option(
+    "--stop",
+    "stop",
+    multiple=True,
+    metavar="TEXT",
+    help="Stop when the generated text contains TEXT (cut before it; repeatable).",
+)
 @click.option("--request-id", default="", help="Request id (assigned by the server if empty).")
 @click.option("--no-telemetry", is_flag=True, help="Text mode: print only the generated text.")
 @client_options
-def generate(prompt: str | None, prompt_tokens: tuple[int, ...] | None,
-             loras: tuple[tuple[int, float], ...], no_lora: bool, logprobs: int | None,
-             prompt_logprobs: bool, no_telemetry: bool, stop: tuple[str, ...], **kwargs) -> None:
+def generate(
+    prompt: str | None,
+    prompt_tokens: tuple[int, ...] | None,
+    loras: tuple[tuple[int, float], ...],
+    no_lora: bool,
+    logprobs: int | None,
+    prompt_logprobs: bool,
+    no_telemetry: bool,
+    stop: tuple[str, ...],
+    **kwargs,
+) -> None:
     """Generate a continuation of PROMPT (or of --prompt-tokens), streaming tokens.
 
     Adapters: no --lora and no --no-lora → the control plane's default set; --no-lora →
@@ -137,17 +165,22 @@ def generate(prompt: str | None, prompt_tokens: tuple[int, ...] | None,
     elif loras:
         adapters = scales_to_map(loras, "--lora")
     sampling = dict(
-        max_tokens=kwargs["max_tokens"], temperature=kwargs["temperature"],
-        top_k=kwargs["top_k"], top_p=kwargs["top_p"], seed=kwargs["seed"],
-        logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs,
-        ignore_eos=kwargs["ignore_eos"], request_id=kwargs["request_id"], stop=stop,
+        max_tokens=kwargs["max_tokens"],
+        temperature=kwargs["temperature"],
+        top_k=kwargs["top_k"],
+        top_p=kwargs["top_p"],
+        seed=kwargs["seed"],
+        logprobs=logprobs or 0,
+        prompt_logprobs=prompt_logprobs,
+        ignore_eos=kwargs["ignore_eos"],
+        request_id=kwargs["request_id"],
+        stop=stop,
     )
     builder = ResultBuilder()
     streamed = False
     with server_call(opts) as client:
         try:
-            for ev in client.generate_stream(prompt, prompt_tokens=prompt_tokens,
-                                             adapters=adapters, **sampling):
+            for ev in client.generate_stream(prompt, prompt_tokens=prompt_tokens, adapters=adapters, **sampling):
                 builder.add(ev)
                 if not opts.as_json and isinstance(ev, TokenEvent) and ev.text:
                     click.echo(ev.text, nl=False)
@@ -161,8 +194,7 @@ def generate(prompt: str | None, prompt_tokens: tuple[int, ...] | None,
     if opts.as_json:
         from clients.render import print_json
 
-        print_json(result.to_json(include_logprobs=logprobs is not None,
-                                  include_prompt_logprobs=prompt_logprobs))
+        print_json(result.to_json(include_logprobs=logprobs is not None, include_prompt_logprobs=prompt_logprobs))
         return
     if not streamed and result.text:
         click.echo(result.text)
@@ -225,8 +257,7 @@ def adapters_show(adapter_id: int, **kwargs) -> None:
 @adapters.command("add")
 @click.argument("file", metavar="FILE")
 @click.option("--name", default=None, help="Display name (default: the file's general.name).")
-@click.option("--server-path", is_flag=True,
-              help="FILE is a path on the server: register it without uploading.")
+@click.option("--server-path", is_flag=True, help="FILE is a path on the server: register it without uploading.")
 @click.option("--pin", is_flag=True, help="Pin it: workers never evict it from their slots or host cache.")
 @client_options
 def adapters_add(file: str, name: str | None, server_path: bool, pin: bool, **kwargs) -> None:
@@ -243,12 +274,18 @@ def adapters_add(file: str, name: str | None, server_path: bool, pin: bool, **kw
         # Relative paths mean "relative to where I am", as for an upload.
         file = os.path.abspath(file) if not os.path.isabs(file) else file
     elif not os.path.isfile(file) and not is_peft_folder(file):
-        raise click.BadParameter(f"file {file!r} does not exist (nor is it a PEFT folder with "
-                                 "adapter_config.json)", param_hint="FILE")
+        raise click.BadParameter(
+            f"file {file!r} does not exist (nor is it a PEFT folder with adapter_config.json)", param_hint="FILE"
+        )
     big = server_path or is_peft_folder(file) or os.path.getsize(file) > UPLOAD_BAR_BYTES
-    with server_call(opts) as client, progress_bar(
-            f"uploading {os.path.basename(file.rstrip(os.sep))}", unit="bytes",
-            enabled=big and not server_path and progress_enabled(as_json=opts.as_json)) as advance:
+    with (
+        server_call(opts) as client,
+        progress_bar(
+            f"uploading {os.path.basename(file.rstrip(os.sep))}",
+            unit="bytes",
+            enabled=big and not server_path and progress_enabled(as_json=opts.as_json),
+        ) as advance,
+    ):
         try:
             adapter = client.add_adapter(file, name=name, server_path=server_path, progress=advance)
         except ValueError as err:  # a PEFT folder that cannot be converted (every problem listed)
@@ -260,8 +297,7 @@ def adapters_add(file: str, name: str | None, server_path: bool, pin: bool, **kw
     if opts.as_json:
         print_json(adapter.to_json())
     else:
-        click.echo(f"registered adapter {adapter.id} ({adapter.name or 'unnamed'}, "
-                   f"sha256 {adapter.sha256[:12]})")
+        click.echo(f"registered adapter {adapter.id} ({adapter.name or 'unnamed'}, sha256 {adapter.sha256[:12]})")
 
 
 @adapters.command("remove")

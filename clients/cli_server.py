@@ -37,8 +37,9 @@ class OrderedArgsCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
-def startup_adapters(raw_args: Sequence[str], lora: Sequence[str],
-                     lora_scaled: Sequence[tuple[str, float]]) -> list[tuple[str, float]]:
+def startup_adapters(
+    raw_args: Sequence[str], lora: Sequence[str], lora_scaled: Sequence[tuple[str, float]]
+) -> list[tuple[str, float]]:
     """``--lora`` / ``--lora-scaled`` values as ``(path, scale)`` in command-line order."""
     kinds: list[str] = []
     for arg in raw_args:
@@ -63,8 +64,9 @@ def _existing_file(path: str, flag: str) -> str:
     converted by the control plane at start-up)."""
     peft = os.path.isdir(path) and os.path.isfile(os.path.join(path, "adapter_config.json"))
     if not os.path.isfile(path) and not peft:
-        raise click.BadParameter(f"file {path!r} does not exist (nor is it a PEFT folder with "
-                                 "adapter_config.json)", param_hint=flag)
+        raise click.BadParameter(
+            f"file {path!r} does not exist (nor is it a PEFT folder with adapter_config.json)", param_hint=flag
+        )
     return os.path.abspath(path)
 
 
@@ -82,121 +84,302 @@ def make_config(cls: type, **values: Any) -> Any:
 
 def control_plane_options(f: F) -> F:
     options = [
-        click.option("--data-dir", default=DEFAULT_DATA_DIR, show_default=True,
-                     type=click.Path(file_okay=False),
-                     help="Where the SQLite registry and uploaded adapters live (with "
-                          "--database postgresql://…: uploads in progress only)."),
-        click.option("--database", envvar=ENV_DATABASE_URL, default=None, metavar="URL",
-                     help="sqlite:///PATH (default: <data-dir>/loraplane.sqlite3) or "
-                          "postgresql://USER@HOST:PORT/DB, which several control-plane "
-                          f"replicas may share (env {ENV_DATABASE_URL}).", show_envvar=False),
-        click.option("--db-pool-size", type=click.IntRange(min=1), default=None,
-                     help="Most PostgreSQL connections this control plane opens (default 10)."),
-        click.option("--adapter-dir", "adapter_dirs", multiple=True,
-                     type=click.Path(file_okay=False),
-                     help="Directory whose files may be registered by server path (repeatable)."),
-        click.option("--lora", "lora", multiple=True, metavar="PATH",
-                     help="Register this adapter at start-up, default scale 1 (repeatable)."),
-        click.option("--lora-scaled", "lora_scaled", multiple=True, type=PATH_SCALE,
-                     help="Register this adapter at start-up with default SCALE (repeatable)."),
-        click.option("--lora-init-without-apply", is_flag=True,
-                     help="Register the start-up adapters but leave the default set empty."),
-        click.option("--admin-token", envvar=ENV_ADMIN_TOKEN, default=None, metavar="TOKEN",
-                     help=f"Require this bearer token for admin calls (env {ENV_ADMIN_TOKEN})."),
-        click.option("--worker-secret", envvar=ENV_WORKER_SECRET, default=None, metavar="SECRET",
-                     help=f"Shared secret workers must present (env {ENV_WORKER_SECRET}); serve "
-                          "generates one for its own worker when unset."),
-        click.option("--max-upload-bytes", type=click.IntRange(min=1), default=None,
-                     help="Largest adapter upload accepted (RESOURCE_EXHAUSTED beyond)."),
-        click.option("--heartbeat-interval", "heartbeat_interval_s",
-                     type=click.FloatRange(min=0, min_open=True), default=None,
-                     metavar="SECONDS", help="Worker heartbeat interval."),
-        click.option("--max-threads", type=click.IntRange(min=1), default=None,
-                     help="gRPC handler threads (each streaming Generate holds one; default 64)."),
-        click.option("--max-streams", type=click.IntRange(min=1), default=None,
-                     help="Concurrent Generate streams; more get RESOURCE_EXHAUSTED at once "
-                          "(default: max-threads - 16, kept for heartbeats, health and reads)."),
-        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-                     default=None, help="Control-plane log level (default info)."),
-        click.option("--http-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
-                     help="Serve the OpenAI-compatible HTTP API here (default: off; port 0 picks one)."),
-        click.option("--metrics-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
-                     help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off; the "
-                          "HTTP API serves /metrics too)."),
-        click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
-                     metavar="FILE", help="jinja2 chat template overriding the model's."),
-        click.option("--served-model-name", default=None, metavar="NAME",
-                     help="The base model's name on the HTTP API (default: the GGUF file's stem)."),
-        click.option("--metrics-max-adapters", type=click.IntRange(min=0), default=None,
-                     help="Distinct adapter label values in metrics before the rest fold into "
-                          "'other' (default 64)."),
+        click.option(
+            "--data-dir",
+            default=DEFAULT_DATA_DIR,
+            show_default=True,
+            type=click.Path(file_okay=False),
+            help="Where the SQLite registry and uploaded adapters live (with "
+            "--database postgresql://…: uploads in progress only).",
+        ),
+        click.option(
+            "--database",
+            envvar=ENV_DATABASE_URL,
+            default=None,
+            metavar="URL",
+            help="sqlite:///PATH (default: <data-dir>/loraplane.sqlite3) or "
+            "postgresql://USER@HOST:PORT/DB, which several control-plane "
+            f"replicas may share (env {ENV_DATABASE_URL}).",
+            show_envvar=False,
+        ),
+        click.option(
+            "--db-pool-size",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Most PostgreSQL connections this control plane opens (default 10).",
+        ),
+        click.option(
+            "--adapter-dir",
+            "adapter_dirs",
+            multiple=True,
+            type=click.Path(file_okay=False),
+            help="Directory whose files may be registered by server path (repeatable).",
+        ),
+        click.option(
+            "--lora",
+            "lora",
+            multiple=True,
+            metavar="PATH",
+            help="Register this adapter at start-up, default scale 1 (repeatable).",
+        ),
+        click.option(
+            "--lora-scaled",
+            "lora_scaled",
+            multiple=True,
+            type=PATH_SCALE,
+            help="Register this adapter at start-up with default SCALE (repeatable).",
+        ),
+        click.option(
+            "--lora-init-without-apply",
+            is_flag=True,
+            help="Register the start-up adapters but leave the default set empty.",
+        ),
+        click.option(
+            "--admin-token",
+            envvar=ENV_ADMIN_TOKEN,
+            default=None,
+            metavar="TOKEN",
+            help=f"Require this bearer token for admin calls (env {ENV_ADMIN_TOKEN}).",
+        ),
+        click.option(
+            "--worker-secret",
+            envvar=ENV_WORKER_SECRET,
+            default=None,
+            metavar="SECRET",
+            help=f"Shared secret workers must present (env {ENV_WORKER_SECRET}); serve "
+            "generates one for its own worker when unset.",
+        ),
+        click.option(
+            "--max-upload-bytes",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Largest adapter upload accepted (RESOURCE_EXHAUSTED beyond).",
+        ),
+        click.option(
+            "--heartbeat-interval",
+            "heartbeat_interval_s",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            metavar="SECONDS",
+            help="Worker heartbeat interval.",
+        ),
+        click.option(
+            "--max-threads",
+            type=click.IntRange(min=1),
+            default=None,
+            help="gRPC handler threads (each streaming Generate holds one; default 64).",
+        ),
+        click.option(
+            "--max-streams",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Concurrent Generate streams; more get RESOURCE_EXHAUSTED at once "
+            "(default: max-threads - 16, kept for heartbeats, health and reads).",
+        ),
+        click.option(
+            "--log-level",
+            type=click.Choice(["debug", "info", "warning", "error"]),
+            default=None,
+            help="Control-plane log level (default info).",
+        ),
+        click.option(
+            "--http-addr",
+            type=HostPortType(),
+            default=None,
+            metavar="HOST:PORT",
+            help="Serve the OpenAI-compatible HTTP API here (default: off; port 0 picks one).",
+        ),
+        click.option(
+            "--metrics-addr",
+            type=HostPortType(),
+            default=None,
+            metavar="HOST:PORT",
+            help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off; the "
+            "HTTP API serves /metrics too).",
+        ),
+        click.option(
+            "--chat-template",
+            type=click.Path(exists=True, dir_okay=False),
+            default=None,
+            metavar="FILE",
+            help="jinja2 chat template overriding the model's.",
+        ),
+        click.option(
+            "--served-model-name",
+            default=None,
+            metavar="NAME",
+            help="The base model's name on the HTTP API (default: the GGUF file's stem).",
+        ),
+        click.option(
+            "--metrics-max-adapters",
+            type=click.IntRange(min=0),
+            default=None,
+            help="Distinct adapter label values in metrics before the rest fold into 'other' (default 64).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
-CP_TUNING = ("database", "db_pool_size", "max_upload_bytes", "heartbeat_interval_s", "max_threads",
-             "max_streams", "log_level", "http_addr", "metrics_addr", "chat_template", "served_model_name",
-             "metrics_max_adapters")
+CP_TUNING = (
+    "database",
+    "db_pool_size",
+    "max_upload_bytes",
+    "heartbeat_interval_s",
+    "max_threads",
+    "max_streams",
+    "log_level",
+    "http_addr",
+    "metrics_addr",
+    "chat_template",
+    "served_model_name",
+    "metrics_max_adapters",
+)
 
 
 def model_option(f: F) -> F:
-    return click.option("--model", "model_path", default=None, metavar="PATH",
-                        help="Base model GGUF (default: the embedded Gemma 3 270M).")(f)
+    return click.option(
+        "--model",
+        "model_path",
+        default=None,
+        metavar="PATH",
+        help="Base model GGUF (default: the embedded Gemma 3 270M).",
+    )(f)
 
 
 def worker_runtime_options(f: F) -> F:
     """Worker options that ``serve`` forwards to its worker subprocess."""
     options = [
-        click.option("--slots", "n_slots", type=click.IntRange(min=1), default=4,
-                     show_default=True, help="Parallel sequences (llama-server --parallel)."),
-        click.option("--batching", type=click.Choice(["mixed", "compat"]), default="mixed",
-                     show_default=True,
-                     help="mixed: different adapter sets share a batch; compat: llama.cpp's rule."),
-        click.option("--prefix-cache", type=click.Choice(["keyed", "llama"]), default="keyed",
-                     show_default=True,
-                     help="keyed: per adapter-set prefixes; llama: llama.cpp's clear-on-switch."),
-        click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32",
-                     show_default=True, help="Compute (activation) dtype."),
-        click.option("--weights", "weight_form", type=click.Choice(["packed", "dequant"]), default="packed",
-                     show_default=True,
-                     help="packed: GGUF-quantized matrices multiplied in place by our kernels; "
-                          "dequant: the f32/bf16 dequantized reference (slower, 4x the memory)."),
-        click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto",
-                     show_default=True, help="auto: CUDA when present."),
-        click.option("--n-ctx", "n_ctx_slot", type=click.IntRange(min=16), default=None,
-                     help="KV cache tokens per slot."),
-        click.option("--queue-limit", type=click.IntRange(min=0), default=None,
-                     help="Waiting requests beyond the slots before RESOURCE_EXHAUSTED."),
-        click.option("--prefix-cache-tokens", type=click.IntRange(min=0), default=None,
-                     help="Token budget of the keyed prefix cache."),
-        click.option("--max-loras", type=click.IntRange(min=1), default=None,
-                     help="Adapter slots in the worker's device pool (default 16); a request may "
-                          "use at most this many adapters."),
-        click.option("--max-cpu-loras", type=click.IntRange(min=1), default=None,
-                     help="Adapters kept in host memory, LRU beyond it (default 128)."),
-        click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
-                     help="Largest adapter rank a worker accepts (default 64)."),
+        click.option(
+            "--slots",
+            "n_slots",
+            type=click.IntRange(min=1),
+            default=4,
+            show_default=True,
+            help="Parallel sequences (llama-server --parallel).",
+        ),
+        click.option(
+            "--batching",
+            type=click.Choice(["mixed", "compat"]),
+            default="mixed",
+            show_default=True,
+            help="mixed: different adapter sets share a batch; compat: llama.cpp's rule.",
+        ),
+        click.option(
+            "--prefix-cache",
+            type=click.Choice(["keyed", "llama"]),
+            default="keyed",
+            show_default=True,
+            help="keyed: per adapter-set prefixes; llama: llama.cpp's clear-on-switch.",
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(["f32", "bf16"]),
+            default="f32",
+            show_default=True,
+            help="Compute (activation) dtype.",
+        ),
+        click.option(
+            "--weights",
+            "weight_form",
+            type=click.Choice(["packed", "dequant"]),
+            default="packed",
+            show_default=True,
+            help="packed: GGUF-quantized matrices multiplied in place by our kernels; "
+            "dequant: the f32/bf16 dequantized reference (slower, 4x the memory).",
+        ),
+        click.option(
+            "--device",
+            type=click.Choice(["cpu", "cuda", "auto"]),
+            default="auto",
+            show_default=True,
+            help="auto: CUDA when present.",
+        ),
+        click.option(
+            "--n-ctx", "n_ctx_slot", type=click.IntRange(min=16), default=None, help="KV cache tokens per slot."
+        ),
+        click.option(
+            "--queue-limit",
+            type=click.IntRange(min=0),
+            default=None,
+            help="Waiting requests beyond the slots before RESOURCE_EXHAUSTED.",
+        ),
+        click.option(
+            "--prefix-cache-tokens",
+            type=click.IntRange(min=0),
+            default=None,
+            help="Token budget of the keyed prefix cache.",
+        ),
+        click.option(
+            "--max-loras",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Adapter slots in the worker's device pool (default 16); a request may "
+            "use at most this many adapters.",
+        ),
+        click.option(
+            "--max-cpu-loras",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Adapters kept in host memory, LRU beyond it (default 128).",
+        ),
+        click.option(
+            "--max-lora-rank",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Largest adapter rank a worker accepts (default 64).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
-def worker_args(*, model_path: str | None, n_slots: int, batching: str, prefix_cache: str,
-                dtype: str, device: str, n_ctx_slot: int | None, queue_limit: int | None,
-                prefix_cache_tokens: int | None, weight_form: str = "packed",
-                metrics_max_adapters: int | None = None, metrics_addr: str | None = None,
-                max_loras: int | None = None, max_cpu_loras: int | None = None,
-                max_lora_rank: int | None = None) -> tuple[str, ...]:
+def worker_args(
+    *,
+    model_path: str | None,
+    n_slots: int,
+    batching: str,
+    prefix_cache: str,
+    dtype: str,
+    device: str,
+    n_ctx_slot: int | None,
+    queue_limit: int | None,
+    prefix_cache_tokens: int | None,
+    weight_form: str = "packed",
+    metrics_max_adapters: int | None = None,
+    metrics_addr: str | None = None,
+    max_loras: int | None = None,
+    max_cpu_loras: int | None = None,
+    max_lora_rank: int | None = None,
+) -> tuple[str, ...]:
     """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
-    args = ["--slots", str(n_slots), "--batching", batching, "--prefix-cache", prefix_cache,
-            "--dtype", dtype, "--weights", weight_form, "--device", device]
-    optional = {"--model": model_path, "--n-ctx": n_ctx_slot, "--queue-limit": queue_limit,
-                "--prefix-cache-tokens": prefix_cache_tokens,
-                "--metrics-max-adapters": metrics_max_adapters, "--metrics-addr": metrics_addr,
-                "--max-loras": max_loras, "--max-cpu-loras": max_cpu_loras, "--max-lora-rank": max_lora_rank}
+    args = [
+        "--slots",
+        str(n_slots),
+        "--batching",
+        batching,
+        "--prefix-cache",
+        prefix_cache,
+        "--dtype",
+        dtype,
+        "--weights",
+        weight_form,
+        "--device",
+        device,
+    ]
+    optional = {
+        "--model": model_path,
+        "--n-ctx": n_ctx_slot,
+        "--queue-limit": queue_limit,
+        "--prefix-cache-tokens": prefix_cache_tokens,
+        "--metrics-max-adapters": metrics_max_adapters,
+        "--metrics-addr": metrics_addr,
+        "--max-loras": max_loras,
+        "--max-cpu-loras": max_cpu_loras,
+        "--max-lora-rank": max_lora_rank,
+    }
     for flag, value in optional.items():
         if value is not None:
             args += [flag, str(value)]
@@ -214,11 +397,19 @@ def load_control_plane() -> tuple[Callable[..., Any], type]:
     return run_control_plane, ControlPlaneConfig
 
 
-def control_plane_config(cls: type, *, addr: str, data_dir: str,
-                         adapter_dirs: Sequence[str], model_path: str | None,
-                         adapters: Sequence[tuple[str, float]],
-                         lora_init_without_apply: bool, admin_token: str | None,
-                         worker_secret: str | None = None, **tuning: Any) -> Any:
+def control_plane_config(
+    cls: type,
+    *,
+    addr: str,
+    data_dir: str,
+    adapter_dirs: Sequence[str],
+    model_path: str | None,
+    adapters: Sequence[tuple[str, float]],
+    lora_init_without_apply: bool,
+    admin_token: str | None,
+    worker_secret: str | None = None,
+    **tuning: Any,
+) -> Any:
     """``ControlPlaneConfig``; ``tuning`` values that are None keep the config's defaults."""
     return make_config(
         cls,
@@ -235,8 +426,9 @@ def control_plane_config(cls: type, *, addr: str, data_dir: str,
     )
 
 
-def _startup_adapters_from(ctx: click.Context, lora: Sequence[str],
-                           lora_scaled: Sequence[tuple[str, float]]) -> list[tuple[str, float]]:
+def _startup_adapters_from(
+    ctx: click.Context, lora: Sequence[str], lora_scaled: Sequence[tuple[str, float]]
+) -> list[tuple[str, float]]:
     ordered = startup_adapters(ctx.meta.get(RAW_ARGS_KEY, ()), lora, lora_scaled)
     return [(_existing_file(p, "--lora/--lora-scaled"), s) for p, s in ordered]
 
@@ -262,106 +454,220 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
 
 
 @click.command("control-plane", cls=OrderedArgsCommand)
-@click.option("--addr", type=HostPortType(), default="127.0.0.1:50051", show_default=True,
-              help="Address to bind.")
+@click.option("--addr", type=HostPortType(), default="127.0.0.1:50051", show_default=True, help="Address to bind.")
 @control_plane_options
 @model_option
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="PEM certificate: serve TLS (with --tls-key).")
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="PEM private key of --tls-cert.")
-@click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
-              help="Refuse registering adapters above this rank (the workers' --max-lora-rank; default 64).")
+@click.option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="PEM certificate: serve TLS (with --tls-key).",
+)
+@click.option(
+    "--tls-key", type=click.Path(exists=True, dir_okay=False), default=None, help="PEM private key of --tls-cert."
+)
+@click.option(
+    "--max-lora-rank",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Refuse registering adapters above this rank (the workers' --max-lora-rank; default 64).",
+)
 @click.pass_context
-def control_plane_cmd(ctx: click.Context, addr: str, data_dir: str,
-                      adapter_dirs: tuple[str, ...], lora: tuple[str, ...],
-                      lora_scaled: tuple[tuple[str, float], ...], lora_init_without_apply: bool,
-                      admin_token: str | None, worker_secret: str | None, model_path: str | None,
-                      tls_cert: str | None, tls_key: str | None, **tuning: Any) -> None:
+def control_plane_cmd(
+    ctx: click.Context,
+    addr: str,
+    data_dir: str,
+    adapter_dirs: tuple[str, ...],
+    lora: tuple[str, ...],
+    lora_scaled: tuple[tuple[str, float], ...],
+    lora_init_without_apply: bool,
+    admin_token: str | None,
+    worker_secret: str | None,
+    model_path: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    **tuning: Any,
+) -> None:
     """Run the control plane (adapter registry, default set, routing) until SIGINT/SIGTERM."""
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
     run_control_plane, config_cls = load_control_plane()
     config = control_plane_config(
-        config_cls, addr=addr, data_dir=data_dir, adapter_dirs=adapter_dirs,
-        model_path=model_path, adapters=adapters,
-        lora_init_without_apply=lora_init_without_apply, admin_token=admin_token,
-        worker_secret=worker_secret, tls_cert=tls_cert, tls_key=tls_key, **tuning)
+        config_cls,
+        addr=addr,
+        data_dir=data_dir,
+        adapter_dirs=adapter_dirs,
+        model_path=model_path,
+        adapters=adapters,
+        lora_init_without_apply=lora_init_without_apply,
+        admin_token=admin_token,
+        worker_secret=worker_secret,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        **tuning,
+    )
     ctx.exit(_run_blocking("the control plane", lambda: run_control_plane(config)))
 
 
 @click.command("worker")
-@click.option("--control-plane", "control_plane", type=HostPortListType(),
-              default=None, metavar="HOST:PORT[,HOST:PORT…]",
-              help="Control plane to register with: one address (a Service) or every replica, "
-                   "comma-separated (omit: standalone).")
-@click.option("--addr", type=HostPortType(), default="127.0.0.1:0", show_default=True,
-              help="Address to bind (port 0 picks a free port).")
-@click.option("--advertise-addr", default=None, metavar="HOST:PORT",
-              help="Address the control plane should dial (default: the bound one).")
+@click.option(
+    "--control-plane",
+    "control_plane",
+    type=HostPortListType(),
+    default=None,
+    metavar="HOST:PORT[,HOST:PORT…]",
+    help="Control plane to register with: one address (a Service) or every replica, "
+    "comma-separated (omit: standalone).",
+)
+@click.option(
+    "--addr",
+    type=HostPortType(),
+    default="127.0.0.1:0",
+    show_default=True,
+    help="Address to bind (port 0 picks a free port).",
+)
+@click.option(
+    "--advertise-addr",
+    default=None,
+    metavar="HOST:PORT",
+    help="Address the control plane should dial (default: the bound one).",
+)
 @click.option("--worker-id", default="", help="Stable worker name (generated when empty).")
-@click.option("--adapter-dir", "adapter_dirs", multiple=True, type=click.Path(file_okay=False),
-              help="Directory whose files LoadAdapter may read by server path (repeatable; "
-                   "none: server paths are refused, adapters arrive as bytes).")
-@click.option("--worker-secret", envvar=ENV_WORKER_SECRET, default=None, metavar="SECRET",
-              help=f"Shared secret with the control plane (env {ENV_WORKER_SECRET}): required on "
-                   "every Worker RPC and sent on registration/heartbeats.")
-@click.option("--metrics-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
-              help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off).")
-@click.option("--metrics-max-adapters", type=click.IntRange(min=0), default=None,
-              help="Distinct adapter label values in metrics before the rest fold into 'other' "
-                   "(default 64).")
+@click.option(
+    "--adapter-dir",
+    "adapter_dirs",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Directory whose files LoadAdapter may read by server path (repeatable; "
+    "none: server paths are refused, adapters arrive as bytes).",
+)
+@click.option(
+    "--worker-secret",
+    envvar=ENV_WORKER_SECRET,
+    default=None,
+    metavar="SECRET",
+    help=f"Shared secret with the control plane (env {ENV_WORKER_SECRET}): required on "
+    "every Worker RPC and sent on registration/heartbeats.",
+)
+@click.option(
+    "--metrics-addr",
+    type=HostPortType(),
+    default=None,
+    metavar="HOST:PORT",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off).",
+)
+@click.option(
+    "--metrics-max-adapters",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Distinct adapter label values in metrics before the rest fold into 'other' (default 64).",
+)
 @model_option
 @worker_runtime_options
 @click.pass_context
-def worker_cmd(ctx: click.Context, control_plane: str | None, addr: str,
-               advertise_addr: str | None, worker_id: str, adapter_dirs: tuple[str, ...],
-               worker_secret: str | None, metrics_addr: str | None, metrics_max_adapters: int | None,
-               model_path: str | None,
-               n_slots: int, batching: str, prefix_cache: str, dtype: str, weight_form: str, device: str,
-               n_ctx_slot: int | None, queue_limit: int | None,
-               prefix_cache_tokens: int | None, max_loras: int | None, max_cpu_loras: int | None,
-               max_lora_rank: int | None) -> None:
+def worker_cmd(
+    ctx: click.Context,
+    control_plane: str | None,
+    addr: str,
+    advertise_addr: str | None,
+    worker_id: str,
+    adapter_dirs: tuple[str, ...],
+    worker_secret: str | None,
+    metrics_addr: str | None,
+    metrics_max_adapters: int | None,
+    model_path: str | None,
+    n_slots: int,
+    batching: str,
+    prefix_cache: str,
+    dtype: str,
+    weight_form: str,
+    device: str,
+    n_ctx_slot: int | None,
+    queue_limit: int | None,
+    prefix_cache_tokens: int | None,
+    max_loras: int | None,
+    max_cpu_loras: int | None,
+    max_lora_rank: int | None,
+) -> None:
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM."""
     try:
         from worker.config import Batching, PrefixCachePolicy, WorkerConfig
         from worker.rpc.server import serve_worker
     except ImportError as err:
         raise click.ClickException(f"the worker is not available: {err}") from None
-    optional = {"n_ctx_slot": n_ctx_slot, "queue_limit": queue_limit,
-                "prefix_cache_tokens": prefix_cache_tokens, "metrics_max_adapters": metrics_max_adapters,
-                "metrics_addr": metrics_addr, "max_loras": max_loras, "max_cpu_loras": max_cpu_loras,
-                "max_lora_rank": max_lora_rank}
+    optional = {
+        "n_ctx_slot": n_ctx_slot,
+        "queue_limit": queue_limit,
+        "prefix_cache_tokens": prefix_cache_tokens,
+        "metrics_max_adapters": metrics_max_adapters,
+        "metrics_addr": metrics_addr,
+        "max_loras": max_loras,
+        "max_cpu_loras": max_cpu_loras,
+        "max_lora_rank": max_lora_rank,
+    }
     config = make_config(
-        WorkerConfig, addr=addr, model_path=model_path, n_slots=n_slots,
-        batching=Batching(batching), prefix_cache=PrefixCachePolicy(prefix_cache),
-        dtype=dtype, weight_form=weight_form, device=device, control_plane=control_plane,
-        advertise_addr=advertise_addr, worker_id=worker_id,
-        adapter_dirs=tuple(str(Path(d).resolve()) for d in adapter_dirs), worker_secret=worker_secret or None,
+        WorkerConfig,
+        addr=addr,
+        model_path=model_path,
+        n_slots=n_slots,
+        batching=Batching(batching),
+        prefix_cache=PrefixCachePolicy(prefix_cache),
+        dtype=dtype,
+        weight_form=weight_form,
+        device=device,
+        control_plane=control_plane,
+        advertise_addr=advertise_addr,
+        worker_id=worker_id,
+        adapter_dirs=tuple(str(Path(d).resolve()) for d in adapter_dirs),
+        worker_secret=worker_secret or None,
         **{k: v for k, v in optional.items() if v is not None},
     )
     ctx.exit(_run_blocking("the worker", lambda: serve_worker(config)))
 
 
 @click.command("serve", cls=OrderedArgsCommand)
-@click.option("--addr", type=HostPortType(), default="127.0.0.1:50051", show_default=True,
-              help="Control plane address (port 0 picks a free port).")
+@click.option(
+    "--addr",
+    type=HostPortType(),
+    default="127.0.0.1:50051",
+    show_default=True,
+    help="Control plane address (port 0 picks a free port).",
+)
 @control_plane_options
 @model_option
 @worker_runtime_options
-@click.option("--ready-timeout", type=click.FloatRange(min=1), default=600.0,
-              show_default=True, metavar="SECONDS",
-              help="How long the worker may take to load the model and register.")
-@click.option("--worker-metrics-addr", type=HostPortType(), default=None, metavar="HOST:PORT",
-              help="The worker's Prometheus endpoint (default with --metrics-addr: a free "
-                   "127.0.0.1 port).")
+@click.option(
+    "--ready-timeout",
+    type=click.FloatRange(min=1),
+    default=600.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long the worker may take to load the model and register.",
+)
+@click.option(
+    "--worker-metrics-addr",
+    type=HostPortType(),
+    default=None,
+    metavar="HOST:PORT",
+    help="The worker's Prometheus endpoint (default with --metrics-addr: a free 127.0.0.1 port).",
+)
 @click.pass_context
-def serve_cmd(ctx: click.Context, addr: str, data_dir: str, adapter_dirs: tuple[str, ...],
-              lora: tuple[str, ...], lora_scaled: tuple[tuple[str, float], ...],
-              lora_init_without_apply: bool, admin_token: str | None, worker_secret: str | None,
-              model_path: str | None, ready_timeout: float, worker_metrics_addr: str | None,
-              **options: Any) -> None:
+def serve_cmd(
+    ctx: click.Context,
+    addr: str,
+    data_dir: str,
+    adapter_dirs: tuple[str, ...],
+    lora: tuple[str, ...],
+    lora_scaled: tuple[tuple[str, float], ...],
+    lora_init_without_apply: bool,
+    admin_token: str | None,
+    worker_secret: str | None,
+    model_path: str | None,
+    ready_timeout: float,
+    worker_metrics_addr: str | None,
+    **options: Any,
+) -> None:
     """Run the control plane here and one worker subprocess; SIGINT/SIGTERM stops both.
 
     The two share a worker secret: ``--worker-secret`` / ``$LORAPLANE_WORKER_SECRET``, else a
@@ -386,15 +692,31 @@ def serve_cmd(ctx: click.Context, addr: str, data_dir: str, adapter_dirs: tuple[
     if worker_metrics_addr:
         worker_metrics_addr = resolve_port(worker_metrics_addr)
     config = control_plane_config(
-        config_cls, addr=addr, data_dir=data_dir, adapter_dirs=adapter_dirs,
-        model_path=model_path, adapters=adapters,
-        lora_init_without_apply=lora_init_without_apply, admin_token=admin_token,
-        worker_secret=worker_secret, **tuning)
-    plan = ServePlan(cp_addr=addr, worker_args=worker_args(
-                         model_path=model_path, metrics_addr=worker_metrics_addr,
-                         metrics_max_adapters=tuning["metrics_max_adapters"], **runtime),
-                     ready_timeout_s=ready_timeout, worker_secret=worker_secret, http_addr=tuning["http_addr"],
-                     metrics_addr=tuning["metrics_addr"], worker_metrics_addr=worker_metrics_addr)
+        config_cls,
+        addr=addr,
+        data_dir=data_dir,
+        adapter_dirs=adapter_dirs,
+        model_path=model_path,
+        adapters=adapters,
+        lora_init_without_apply=lora_init_without_apply,
+        admin_token=admin_token,
+        worker_secret=worker_secret,
+        **tuning,
+    )
+    plan = ServePlan(
+        cp_addr=addr,
+        worker_args=worker_args(
+            model_path=model_path,
+            metrics_addr=worker_metrics_addr,
+            metrics_max_adapters=tuning["metrics_max_adapters"],
+            **runtime,
+        ),
+        ready_timeout_s=ready_timeout,
+        worker_secret=worker_secret,
+        http_addr=tuning["http_addr"],
+        metrics_addr=tuning["metrics_addr"],
+        worker_metrics_addr=worker_metrics_addr,
+    )
     code = 0
 
     def run() -> None:

@@ -21,13 +21,22 @@ def _tool_failed(what: str, err: BaseException) -> click.ClickException:
 
 @click.command("convert-peft")
 @click.argument("peft_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--output", "out_path", required=True, metavar="OUT.gguf",
-              help="Adapter GGUF to write.")
-@click.option("--model", "base_gguf", type=click.Path(exists=True, dir_okay=False),
-              default=None, metavar="BASE.gguf",
-              help="Base model: gives the architecture and validates the result.")
-@click.option("--outtype", type=click.Choice(["f32", "f16"]), default="f32",
-              show_default=True, help="Storage type of the A/B tensors.")
+@click.option("-o", "--output", "out_path", required=True, metavar="OUT.gguf", help="Adapter GGUF to write.")
+@click.option(
+    "--model",
+    "base_gguf",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    metavar="BASE.gguf",
+    help="Base model: gives the architecture and validates the result.",
+)
+@click.option(
+    "--outtype",
+    type=click.Choice(["f32", "f16"]),
+    default="f32",
+    show_default=True,
+    help="Storage type of the A/B tensors.",
+)
 def convert_peft_cmd(peft_dir: str, out_path: str, base_gguf: str | None, outtype: str) -> None:
     """Convert a PEFT LoRA folder (adapter_config.json + safetensors) into an adapter GGUF."""
     try:
@@ -38,25 +47,38 @@ def convert_peft_cmd(peft_dir: str, out_path: str, base_gguf: str | None, outtyp
 
     try:
         with progress_bar("converting modules", enabled=progress_enabled()) as advance:
-            written = convert_peft(peft_dir, out_path, base_gguf=base_gguf, outtype=outtype,
-                                   progress=advance)
+            written = convert_peft(peft_dir, out_path, base_gguf=base_gguf, outtype=outtype, progress=advance)
     except (ValueError, OSError) as err:
         raise _tool_failed("convert-peft", err) from None
     click.echo(f"wrote {written or out_path}")
 
 
 @click.command("export-lora")
-@click.option("--model", "base_gguf", required=True,
-              type=click.Path(exists=True, dir_okay=False), metavar="BASE.gguf",
-              help="Base model GGUF.")
-@click.option("--lora", "loras", required=True, multiple=True, type=PATH_OPTIONAL_SCALE,
-              help="Adapter to merge, with its scale (default 1); repeatable.")
-@click.option("-o", "--output", "out_path", required=True, metavar="OUT.gguf",
-              help="Merged model GGUF to write.")
-@click.option("--outtype", type=click.Choice(["f32", "f16", "q8_0"]), default="f32",
-              show_default=True, help="Storage type of the merged weights.")
-def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_path: str,
-                    outtype: str) -> None:
+@click.option(
+    "--model",
+    "base_gguf",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="BASE.gguf",
+    help="Base model GGUF.",
+)
+@click.option(
+    "--lora",
+    "loras",
+    required=True,
+    multiple=True,
+    type=PATH_OPTIONAL_SCALE,
+    help="Adapter to merge, with its scale (default 1); repeatable.",
+)
+@click.option("-o", "--output", "out_path", required=True, metavar="OUT.gguf", help="Merged model GGUF to write.")
+@click.option(
+    "--outtype",
+    type=click.Choice(["f32", "f16", "q8_0"]),
+    default="f32",
+    show_default=True,
+    help="Storage type of the merged weights.",
+)
+def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_path: str, outtype: str) -> None:
     """Merge adapters into the base model (dequantize, add scale·B·A, write back)."""
     for path, _ in loras:
         if not os.path.isfile(path):
@@ -69,18 +91,15 @@ def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_pa
 
     try:
         with progress_bar("writing tensors", enabled=progress_enabled()) as advance:
-            written = export_lora(base_gguf, list(loras), out_path, outtype=outtype,
-                                  progress=advance)
+            written = export_lora(base_gguf, list(loras), out_path, outtype=outtype, progress=advance)
     except (ValueError, OSError) as err:
         raise _tool_failed("export-lora", err) from None
     click.echo(f"wrote {written or out_path}")
 
 
-@click.command("bench", context_settings={"ignore_unknown_options": True,
-                                          "allow_extra_args": True})
+@click.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--quick", is_flag=True, help="A short run (minutes, not tens of minutes).")
-@click.option("--json", "json_out", default=None, metavar="OUT",
-              help="Also write the results as JSON to OUT.")
+@click.option("--json", "json_out", default=None, metavar="OUT", help="Also write the results as JSON to OUT.")
 @click.pass_context
 def bench_cmd(ctx: click.Context, quick: bool, json_out: str | None) -> None:
     """Run the benchmarks (further options are passed to bench as they are)."""

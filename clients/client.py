@@ -67,9 +67,20 @@ from clients.wire import adapter_map, generate_request, upload_chunks
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 
 __all__ = [
-    "Adapter", "AdapterScale", "AsyncLoraplaneClient", "DefaultSet", "FinishedEvent",
-    "GenerateEvent", "GenerateResult", "GeneratedLogprobs", "LoraplaneClient",
-    "LoraplaneError", "ServerUnreachable", "StartedEvent", "TokenEvent", "TokenLogprob",
+    "Adapter",
+    "AdapterScale",
+    "AsyncLoraplaneClient",
+    "DefaultSet",
+    "FinishedEvent",
+    "GenerateEvent",
+    "GenerateResult",
+    "GeneratedLogprobs",
+    "LoraplaneClient",
+    "LoraplaneError",
+    "ServerUnreachable",
+    "StartedEvent",
+    "TokenEvent",
+    "TokenLogprob",
     "WorkerInfo",
 ]
 
@@ -93,8 +104,7 @@ def _check_upload_source(path: str | Path, server_path: bool) -> None:
 
 
 def _stream_ended_early(request_id: str) -> LoraplaneError:
-    return LoraplaneError("UNKNOWN",
-                          f"generation stream of request {request_id!r} ended before finishing")
+    return LoraplaneError("UNKNOWN", f"generation stream of request {request_id!r} ended before finishing")
 
 
 def _unreachable(addr: str, errors: list[ServerUnreachable]) -> ServerUnreachable:
@@ -123,10 +133,15 @@ class LoraplaneClient:
         ValueError: an empty address in the list.
     """
 
-    def __init__(self, addr: str, *, admin_token: str | None = None,
-                 timeout: float | None = None,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
-                 wait_for_server: bool = False) -> None:
+    def __init__(
+        self,
+        addr: str,
+        *,
+        admin_token: str | None = None,
+        timeout: float | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+        wait_for_server: bool = False,
+    ) -> None:
         self.addr = addr
         self.timeout = timeout
         self._connect_timeout = connect_timeout
@@ -187,8 +202,7 @@ class LoraplaneClient:
             self._ready.discard(addr)
         self._replicas.failed(addr)
 
-    def _unary(self, method: str, make_request: Callable[[], Any], *,
-               not_found_is_done: bool = False) -> Any:
+    def _unary(self, method: str, make_request: Callable[[], Any], *, not_found_is_done: bool = False) -> Any:
         """Call ``method`` with retries on the next replica (see `clients.channel`).
 
         ``make_request`` builds the request anew for every attempt (an upload iterator
@@ -207,7 +221,7 @@ class LoraplaneClient:
                 code = _code(err)
                 if code == grpc.StatusCode.NOT_FOUND and not_found_is_done and last is not None:
                     return None
-                wait = busy.wait_s(code, err.trailing_metadata())  # type: ignore[attr-defined]
+                wait = busy.wait_s(code, err.trailing_metadata())
                 if wait is not None:
                     time.sleep(wait)  # the server is busy (pushback): same attempt again
                     continue
@@ -226,11 +240,11 @@ class LoraplaneClient:
         return [Adapter.from_proto(a) for a in reply.adapters]
 
     def get_adapter(self, adapter_id: int) -> Adapter:
-        return Adapter.from_proto(
-            self._unary("GetAdapter", lambda: common_pb2.AdapterRef(id=adapter_id)))
+        return Adapter.from_proto(self._unary("GetAdapter", lambda: common_pb2.AdapterRef(id=adapter_id)))
 
-    def add_adapter(self, path: str | Path, *, name: str | None = None,
-                    server_path: bool = False, progress: Any = None) -> Adapter:
+    def add_adapter(
+        self, path: str | Path, *, name: str | None = None, server_path: bool = False, progress: Any = None
+    ) -> Adapter:
         """Register an adapter GGUF: upload ``path`` in chunks, or (``server_path=True``) name a
         file the server reads itself. Content already registered returns the existing id.
         A replica failing mid-upload: the whole upload is sent again to the next one.
@@ -239,22 +253,25 @@ class LoraplaneClient:
         ``progress(bytes_sent, total)`` is called per uploaded chunk."""
         _check_upload_source(path, server_path)
         if server_path:
-            return Adapter.from_proto(self._unary(
-                "RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True)))
+            return Adapter.from_proto(
+                self._unary("RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True))
+            )
         with upload_source(path) as (gguf_path, fmt):
-            return Adapter.from_proto(self._unary(
-                "RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt,
-                                                         progress=progress)))
+            return Adapter.from_proto(
+                self._unary(
+                    "RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt, progress=progress)
+                )
+            )
 
     def remove_adapter(self, adapter_id: int) -> None:
         """Unregister ``adapter_id``; a retry on another replica that finds it gone is done."""
-        self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id),
-                    not_found_is_done=True)
+        self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id), not_found_is_done=True)
 
     def pin_adapter(self, adapter_id: int, pinned: bool = True) -> Adapter:
         """Pin (never evicted from workers' slot pools / host caches) or unpin an adapter."""
-        return Adapter.from_proto(self._unary(
-            "PinAdapter", lambda: control_plane_pb2.PinRequest(id=adapter_id, pinned=pinned)))
+        return Adapter.from_proto(
+            self._unary("PinAdapter", lambda: control_plane_pb2.PinRequest(id=adapter_id, pinned=pinned))
+        )
 
     # -- default set -----------------------------------------------------------------------
 
@@ -263,8 +280,7 @@ class LoraplaneClient:
 
     def set_default(self, scales: Mapping[int, float]) -> DefaultSet:
         """Replace the global default set (``{}`` clears it); returns the set now in force."""
-        return DefaultSet.from_proto(
-            self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
+        return DefaultSet.from_proto(self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -274,17 +290,20 @@ class LoraplaneClient:
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate_stream(self, prompt: str | None = None, *,
-                        prompt_tokens: Sequence[int] | None = None,
-                        adapters: Mapping[int, float] | None = None,
-                        **sampling: Any) -> Iterator[GenerateEvent]:
+    def generate_stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_tokens: Sequence[int] | None = None,
+        adapters: Mapping[int, float] | None = None,
+        **sampling: Any,
+    ) -> Iterator[GenerateEvent]:
         """Yield `StartedEvent`, then one `TokenEvent` per token as it is produced, then
         `FinishedEvent`. ``sampling``: max_tokens, temperature, top_k, top_p, seed, logprobs,
         prompt_logprobs, ignore_eos, request_id. Closing the iterator early cancels the call.
         Runs on the first replica that accepts a connection; never replayed once sent.
         """
-        req = generate_request(prompt, prompt_tokens=prompt_tokens, adapters=adapters,
-                               **sampling)
+        req = generate_request(prompt, prompt_tokens=prompt_tokens, adapters=adapters, **sampling)
         addr, stub = self._connected()
         call = stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
         try:
@@ -299,14 +318,17 @@ class LoraplaneClient:
         finally:
             call.cancel()  # no-op once the stream has completed
 
-    def generate(self, prompt: str | None = None, *,
-                 prompt_tokens: Sequence[int] | None = None,
-                 adapters: Mapping[int, float] | None = None,
-                 **sampling: Any) -> GenerateResult:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_tokens: Sequence[int] | None = None,
+        adapters: Mapping[int, float] | None = None,
+        **sampling: Any,
+    ) -> GenerateResult:
         """Run `generate_stream` to the end and collect the result."""
         builder = ResultBuilder()
-        for ev in self.generate_stream(prompt, prompt_tokens=prompt_tokens,
-                                       adapters=adapters, **sampling):
+        for ev in self.generate_stream(prompt, prompt_tokens=prompt_tokens, adapters=adapters, **sampling):
             builder.add(ev)
         if builder.finished is None:
             raise _stream_ended_early(builder.request_id)
@@ -320,10 +342,15 @@ class AsyncLoraplaneClient:
     Create it inside a running event loop; ``async with`` closes it.
     """
 
-    def __init__(self, addr: str, *, admin_token: str | None = None,
-                 timeout: float | None = None,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
-                 wait_for_server: bool = False) -> None:
+    def __init__(
+        self,
+        addr: str,
+        *,
+        admin_token: str | None = None,
+        timeout: float | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+        wait_for_server: bool = False,
+    ) -> None:
         self.addr = addr
         self.timeout = timeout
         self._connect_timeout = connect_timeout
@@ -368,8 +395,7 @@ class AsyncLoraplaneClient:
         self._ready.discard(addr)
         self._replicas.failed(addr)
 
-    async def _unary(self, method: str, make_request: Callable[[], Any], *,
-                     not_found_is_done: bool = False) -> Any:
+    async def _unary(self, method: str, make_request: Callable[[], Any], *, not_found_is_done: bool = False) -> Any:
         n = len(self._replicas.addrs)
         last: tuple[grpc.aio.AioRpcError, str] | None = None
         busy = BusyRetries()
@@ -378,8 +404,7 @@ class AsyncLoraplaneClient:
             await asyncio.sleep(backoff_before(attempt, n))
             addr, stub = await self._connected()
             try:
-                return await getattr(stub, method)(make_request(), timeout=self.timeout,
-                                                   metadata=self._metadata)
+                return await getattr(stub, method)(make_request(), timeout=self.timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND and not_found_is_done and last is not None:
                     return None
@@ -400,45 +425,47 @@ class AsyncLoraplaneClient:
         return [Adapter.from_proto(a) for a in reply.adapters]
 
     async def get_adapter(self, adapter_id: int) -> Adapter:
-        return Adapter.from_proto(
-            await self._unary("GetAdapter", lambda: common_pb2.AdapterRef(id=adapter_id)))
+        return Adapter.from_proto(await self._unary("GetAdapter", lambda: common_pb2.AdapterRef(id=adapter_id)))
 
-    async def add_adapter(self, path: str | Path, *, name: str | None = None,
-                          server_path: bool = False) -> Adapter:
+    async def add_adapter(self, path: str | Path, *, name: str | None = None, server_path: bool = False) -> Adapter:
         _check_upload_source(path, server_path)
         if server_path:
-            return Adapter.from_proto(await self._unary(
-                "RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True)))
+            return Adapter.from_proto(
+                await self._unary("RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True))
+            )
         with upload_source(path) as (gguf_path, fmt):
-            return Adapter.from_proto(await self._unary(
-                "RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt)))
+            return Adapter.from_proto(
+                await self._unary("RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt))
+            )
 
     async def remove_adapter(self, adapter_id: int) -> None:
-        await self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id),
-                          not_found_is_done=True)
+        await self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id), not_found_is_done=True)
 
     async def pin_adapter(self, adapter_id: int, pinned: bool = True) -> Adapter:
-        return Adapter.from_proto(await self._unary(
-            "PinAdapter", lambda: control_plane_pb2.PinRequest(id=adapter_id, pinned=pinned)))
+        return Adapter.from_proto(
+            await self._unary("PinAdapter", lambda: control_plane_pb2.PinRequest(id=adapter_id, pinned=pinned))
+        )
 
     async def get_default(self) -> DefaultSet:
         return DefaultSet.from_proto(await self._unary("GetDefaultAdapters", lambda: _EMPTY))
 
     async def set_default(self, scales: Mapping[int, float]) -> DefaultSet:
-        return DefaultSet.from_proto(
-            await self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
+        return DefaultSet.from_proto(await self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
 
     async def list_workers(self) -> list[WorkerInfo]:
         reply = await self._unary("ListWorkers", lambda: _EMPTY)
         return [WorkerInfo.from_proto(w) for w in reply.workers]
 
-    async def generate_stream(self, prompt: str | None = None, *,
-                              prompt_tokens: Sequence[int] | None = None,
-                              adapters: Mapping[int, float] | None = None,
-                              **sampling: Any) -> AsyncIterator[GenerateEvent]:
+    async def generate_stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_tokens: Sequence[int] | None = None,
+        adapters: Mapping[int, float] | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[GenerateEvent]:
         """Async twin of `LoraplaneClient.generate_stream`."""
-        req = generate_request(prompt, prompt_tokens=prompt_tokens, adapters=adapters,
-                               **sampling)
+        req = generate_request(prompt, prompt_tokens=prompt_tokens, adapters=adapters, **sampling)
         addr, stub = await self._connected()
         call = stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
         try:
@@ -453,13 +480,16 @@ class AsyncLoraplaneClient:
         finally:
             call.cancel()
 
-    async def generate(self, prompt: str | None = None, *,
-                       prompt_tokens: Sequence[int] | None = None,
-                       adapters: Mapping[int, float] | None = None,
-                       **sampling: Any) -> GenerateResult:
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_tokens: Sequence[int] | None = None,
+        adapters: Mapping[int, float] | None = None,
+        **sampling: Any,
+    ) -> GenerateResult:
         builder = ResultBuilder()
-        async for ev in self.generate_stream(prompt, prompt_tokens=prompt_tokens,
-                                             adapters=adapters, **sampling):
+        async for ev in self.generate_stream(prompt, prompt_tokens=prompt_tokens, adapters=adapters, **sampling):
             builder.add(ev)
         if builder.finished is None:
             raise _stream_ended_early(builder.request_id)

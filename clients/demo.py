@@ -48,8 +48,9 @@ def demo_adapter_ids(client: LoraplaneClient) -> dict[str, int]:
     return ids
 
 
-def run_demo_requests(client: LoraplaneClient, prompt: str, max_tokens: int,
-                      ids: dict[str, int]) -> list[tuple[str, GenerateResult]]:
+def run_demo_requests(
+    client: LoraplaneClient, prompt: str, max_tokens: int, ids: dict[str, int]
+) -> list[tuple[str, GenerateResult]]:
     """Base, shout and sea continuations of ``prompt`` (greedy), sent concurrently."""
     settings: list[tuple[str, dict[int, float]]] = [
         ("base (no adapters)", {}),
@@ -58,8 +59,7 @@ def run_demo_requests(client: LoraplaneClient, prompt: str, max_tokens: int,
     ]
     with ThreadPoolExecutor(max_workers=len(settings)) as pool:
         futures = [
-            pool.submit(client.generate, prompt, adapters=adapters, max_tokens=max_tokens,
-                        temperature=0.0)
+            pool.submit(client.generate, prompt, adapters=adapters, max_tokens=max_tokens, temperature=0.0)
             for _, adapters in settings
         ]
         return [(name, fut.result()) for (name, _), fut in zip(settings, futures, strict=True)]
@@ -73,15 +73,27 @@ def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool, address
         ids = demo_adapter_ids(client)
         columns = run_demo_requests(client, prompt, max_tokens, ids)
         if as_json:
-            click.echo(json.dumps({"prompt": prompt, "results": [
-                {"name": name, "text": r.text, "token_ids": list(r.token_ids), "telemetry": r.telemetry}
-                for name, r in columns]}, ensure_ascii=False))
+            click.echo(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "results": [
+                            {"name": name, "text": r.text, "token_ids": list(r.token_ids), "telemetry": r.telemetry}
+                            for name, r in columns
+                        ],
+                    },
+                    ensure_ascii=False,
+                )
+            )
         else:
             console.print(side_by_side(prompt, columns))
         if not once:
-            console.print(f"Serving on {client.addr}{addresses}. Try:  loraplane generate --addr "
-                          f"{client.addr} --lora {ids['shout']}=1 \"{prompt}\"   "
-                          "(Ctrl-C stops)", markup=False)
+            console.print(
+                f"Serving on {client.addr}{addresses}. Try:  loraplane generate --addr "
+                f'{client.addr} --lora {ids["shout"]}=1 "{prompt}"   '
+                "(Ctrl-C stops)",
+                markup=False,
+            )
         return once
 
     return on_ready
@@ -92,28 +104,57 @@ def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool, address
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as one JSON object.")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
-              help="Data dir to use (default: a fresh temporary one, removed on exit).")
-@click.option("--addr", default="127.0.0.1:50051", show_default=True,
-              help="Control plane address (port 0 picks a free port).")
-@click.option("--model", "model_path", default=None, metavar="PATH",
-              help="Base model GGUF (default: the embedded Gemma 3 270M).")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto",
-              show_default=True)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Data dir to use (default: a fresh temporary one, removed on exit).",
+)
+@click.option(
+    "--addr", default="127.0.0.1:50051", show_default=True, help="Control plane address (port 0 picks a free port)."
+)
+@click.option(
+    "--model", "model_path", default=None, metavar="PATH", help="Base model GGUF (default: the embedded Gemma 3 270M)."
+)
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True)
-@click.option("--ready-timeout", type=click.FloatRange(min=1), default=600.0,
-              show_default=True, metavar="SECONDS")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-              default="warning", show_default=True, help="Control-plane log level.")
-@click.option("--http-addr", default="127.0.0.1:0", show_default=True,
-              help="OpenAI-compatible HTTP API (port 0 picks a free port; printed).")
-@click.option("--metrics-addr", default="127.0.0.1:0", show_default=True,
-              help="Control-plane Prometheus endpoint (the worker gets a free port; both printed).")
+@click.option("--ready-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True, metavar="SECONDS")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="warning",
+    show_default=True,
+    help="Control-plane log level.",
+)
+@click.option(
+    "--http-addr",
+    default="127.0.0.1:0",
+    show_default=True,
+    help="OpenAI-compatible HTTP API (port 0 picks a free port; printed).",
+)
+@click.option(
+    "--metrics-addr",
+    default="127.0.0.1:0",
+    show_default=True,
+    help="Control-plane Prometheus endpoint (the worker gets a free port; both printed).",
+)
 @click.pass_context
-def demo_cmd(ctx: click.Context, once: bool, as_json: bool, prompt: str, max_tokens: int,
-             data_dir: str | None, addr: str, model_path: str | None, device: str,
-             dtype: str, ready_timeout: float, log_level: str, http_addr: str,
-             metrics_addr: str) -> None:
+def demo_cmd(
+    ctx: click.Context,
+    once: bool,
+    as_json: bool,
+    prompt: str,
+    max_tokens: int,
+    data_dir: str | None,
+    addr: str,
+    model_path: str | None,
+    device: str,
+    dtype: str,
+    ready_timeout: float,
+    log_level: str,
+    http_addr: str,
+    metrics_addr: str,
+) -> None:
     """Serve with the shout and sea demo adapters and compare them on one prompt."""
     from clients.cli_server import control_plane_config, load_control_plane, worker_args
     from clients.serve import ServePlan, resolve_port, run_serve
@@ -129,26 +170,47 @@ def demo_cmd(ctx: click.Context, once: bool, as_json: bool, prompt: str, max_tok
     http_addr, metrics_addr = resolve_port(http_addr), resolve_port(metrics_addr)
     worker_metrics_addr = resolve_port("127.0.0.1:0")
     config = control_plane_config(
-        config_cls, addr=addr, data_dir=str(root), adapter_dirs=[str(DEMO_DIR)],
-        model_path=model_path, adapters=[(str(p), 1.0) for _, p in DEMO_ADAPTERS],
-        lora_init_without_apply=True, admin_token=None, log_level=log_level,
-        http_addr=http_addr, metrics_addr=metrics_addr)
+        config_cls,
+        addr=addr,
+        data_dir=str(root),
+        adapter_dirs=[str(DEMO_DIR)],
+        model_path=model_path,
+        adapters=[(str(p), 1.0) for _, p in DEMO_ADAPTERS],
+        lora_init_without_apply=True,
+        admin_token=None,
+        log_level=log_level,
+        http_addr=http_addr,
+        metrics_addr=metrics_addr,
+    )
     plan = ServePlan(
         cp_addr=addr,
-        worker_args=worker_args(model_path=model_path, n_slots=4, batching="mixed",
-                                prefix_cache="keyed", dtype=dtype, device=device,
-                                n_ctx_slot=None, queue_limit=None, prefix_cache_tokens=None,
-                                metrics_addr=worker_metrics_addr),
+        worker_args=worker_args(
+            model_path=model_path,
+            n_slots=4,
+            batching="mixed",
+            prefix_cache="keyed",
+            dtype=dtype,
+            device=device,
+            n_ctx_slot=None,
+            queue_limit=None,
+            prefix_cache_tokens=None,
+            metrics_addr=worker_metrics_addr,
+        ),
         ready_timeout_s=ready_timeout,
         worker_log=root / "worker.log",
         quiet=once,
-        http_addr=http_addr, metrics_addr=metrics_addr, worker_metrics_addr=worker_metrics_addr,
+        http_addr=http_addr,
+        metrics_addr=metrics_addr,
+        worker_metrics_addr=worker_metrics_addr,
     )
-    click.echo(f"loraplane demo: data dir {root}, worker log {plan.worker_log}; "
-               f"loading the model...{plan.addresses()}", err=True)
+    click.echo(
+        f"loraplane demo: data dir {root}, worker log {plan.worker_log}; loading the model...{plan.addresses()}",
+        err=True,
+    )
     try:
-        code = run_serve(plan, run_control_plane, config,
-                         on_ready=_ready_hook(prompt, max_tokens, once, as_json, plan.addresses()))
+        code = run_serve(
+            plan, run_control_plane, config, on_ready=_ready_hook(prompt, max_tokens, once, as_json, plan.addresses())
+        )
     except (OSError, RuntimeError, ValueError) as err:
         raise click.ClickException(f"demo failed: {err}") from None
     finally:

@@ -48,8 +48,7 @@ class AdapterScaleType(click.ParamType):
 
     name = "ID=SCALE"
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> tuple[int, float]:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, float]:
         if isinstance(value, tuple):
             return value
         id_text, sep, scale_text = str(value).partition("=")
@@ -66,8 +65,7 @@ class TokenIdsType(click.ParamType):
 
     name = "ID,ID,…"
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> tuple[int, ...]:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
         if isinstance(value, tuple):
             return value
         parts = [p.strip() for p in str(value).split(",") if p.strip()]
@@ -92,8 +90,7 @@ class PathScaleType(click.ParamType):
         self.optional_scale = optional_scale
         self.name = "PATH[:SCALE]" if optional_scale else "PATH:SCALE"
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> tuple[str, float]:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, float]:
         if isinstance(value, tuple):
             return value
         text = str(value)
@@ -117,8 +114,7 @@ class HostPortType(click.ParamType):
     def __init__(self, allow_zero: bool = True) -> None:
         self.allow_zero = allow_zero
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> str:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         text = str(value)
         host, sep, port_text = text.rpartition(":")
         if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
@@ -134,8 +130,7 @@ class HostPortListType(click.ParamType):
 
     name = "HOST:PORT[,HOST:PORT…]"
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> str:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         parts = [p.strip() for p in str(value).split(",")]
         if not all(parts):
             self.fail(f"{value!r}: empty address in the list", param, ctx)
@@ -154,8 +149,7 @@ def scales_to_map(pairs: Sequence[tuple[int, float]], param_hint: str) -> dict[i
     out: dict[int, float] = {}
     for adapter_id, scale in pairs:
         if adapter_id in out:
-            raise click.BadParameter(f"adapter id {adapter_id} is given more than once",
-                                     param_hint=param_hint)
+            raise click.BadParameter(f"adapter id {adapter_id} is given more than once", param_hint=param_hint)
         out[adapter_id] = scale
     return out
 
@@ -163,19 +157,38 @@ def scales_to_map(pairs: Sequence[tuple[int, float]], param_hint: str) -> dict[i
 def client_options(f: F) -> F:
     """The options every client command takes: --addr, --json, --admin-token, timeouts."""
     options = [
-        click.option("--addr", envvar=ENV_ADDR, default=DEFAULT_ADDR, show_default=True,
-                     metavar="HOST:PORT[,HOST:PORT…]",
-                     help="Control plane address, or every replica's, comma-separated: calls "
-                          f"move to the next when one fails (env {ENV_ADDR})."),
-        click.option("--json", "as_json", is_flag=True,
-                     help="Print one JSON object on stdout (errors too)."),
-        click.option("--admin-token", envvar=ENV_ADMIN_TOKEN, default=None, metavar="TOKEN",
-                     help=f"Bearer token for admin calls (env {ENV_ADMIN_TOKEN})."),
-        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-                     metavar="SECONDS", help="Deadline of each call (default: none)."),
-        click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True),
-                     default=5.0, show_default=True, metavar="SECONDS",
-                     help="How long to wait for the server to accept the connection."),
+        click.option(
+            "--addr",
+            envvar=ENV_ADDR,
+            default=DEFAULT_ADDR,
+            show_default=True,
+            metavar="HOST:PORT[,HOST:PORT…]",
+            help="Control plane address, or every replica's, comma-separated: calls "
+            f"move to the next when one fails (env {ENV_ADDR}).",
+        ),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (errors too)."),
+        click.option(
+            "--admin-token",
+            envvar=ENV_ADMIN_TOKEN,
+            default=None,
+            metavar="TOKEN",
+            help=f"Bearer token for admin calls (env {ENV_ADMIN_TOKEN}).",
+        ),
+        click.option(
+            "--timeout",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            metavar="SECONDS",
+            help="Deadline of each call (default: none).",
+        ),
+        click.option(
+            "--connect-timeout",
+            type=click.FloatRange(min=0, min_open=True),
+            default=5.0,
+            show_default=True,
+            metavar="SECONDS",
+            help="How long to wait for the server to accept the connection.",
+        ),
     ]
     for option in reversed(options):
         f = option(f)

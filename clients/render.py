@@ -48,10 +48,16 @@ def adapters_table(adapters: Sequence[Adapter]) -> Table:
     table.add_column("file", overflow="fold")  # full path: `adapters show ID`
     for a in adapters:
         table.add_row(
-            str(a.id), a.name, ",".join(map(str, a.ranks)), f"{a.alpha:g}",
-            f"{a.default_scale:g}", a.task_name,
-            a.alora_invocation_text or ("yes" if a.is_alora else ""), "yes" if a.pinned else "",
-            a.sha256[:12], a.path.replace("\\", "/").rsplit("/", 1)[-1],
+            str(a.id),
+            a.name,
+            ",".join(map(str, a.ranks)),
+            f"{a.alpha:g}",
+            f"{a.default_scale:g}",
+            a.task_name,
+            a.alora_invocation_text or ("yes" if a.is_alora else ""),
+            "yes" if a.pinned else "",
+            a.sha256[:12],
+            a.path.replace("\\", "/").rsplit("/", 1)[-1],
         )
     if not adapters:
         table.caption = "no adapters are registered"
@@ -82,17 +88,41 @@ def default_table(default: DefaultSet) -> Table:
 
 def workers_table(workers: Sequence[WorkerInfo]) -> Table:
     table = Table(title="Workers", title_justify="left")
-    for col in ("worker", "addr", "state", "heartbeat", "restarts", "slots", "in flight", "adapters",
-                "resident", "host", "page-ins", "evictions", "fetches", "fetched", "model"):
+    for col in (
+        "worker",
+        "addr",
+        "state",
+        "heartbeat",
+        "restarts",
+        "slots",
+        "in flight",
+        "adapters",
+        "resident",
+        "host",
+        "page-ins",
+        "evictions",
+        "fetches",
+        "fetched",
+        "model",
+    ):
         table.add_column(col)
     for w in workers:
         table.add_row(
-            w.worker_id, w.addr, Text(w.state, style="green" if w.alive else "red"),
-            f"{w.last_heartbeat_age_s:.1f}s ago", str(w.restarts), str(w.n_slots), str(w.in_flight),
-            ",".join(map(str, w.adapter_ids))
-            + "".join(f" {i}(draining)" for i in w.draining_adapter_ids),
-            f"{w.resident}/{w.max_loras}", f"{w.host}/{w.max_cpu_loras}", str(w.page_ins),
-            str(w.evictions), str(w.fetches), f"{w.fetch_bytes / 2**20:.1f} MiB", w.model,
+            w.worker_id,
+            w.addr,
+            Text(w.state, style="green" if w.alive else "red"),
+            f"{w.last_heartbeat_age_s:.1f}s ago",
+            str(w.restarts),
+            str(w.n_slots),
+            str(w.in_flight),
+            ",".join(map(str, w.adapter_ids)) + "".join(f" {i}(draining)" for i in w.draining_adapter_ids),
+            f"{w.resident}/{w.max_loras}",
+            f"{w.host}/{w.max_cpu_loras}",
+            str(w.page_ins),
+            str(w.evictions),
+            str(w.fetches),
+            f"{w.fetch_bytes / 2**20:.1f} MiB",
+            w.model,
         )
     if not workers:
         table.caption = "no workers registered"
@@ -109,14 +139,15 @@ def telemetry_lines(result: GenerateResult) -> list[str]:
         f"({t.get('cached_prompt_tokens', 0)} from the prefix cache, "
         f"policy {t.get('prefix_cache') or '?'})",
         f"adapters {_scales_text(t.get('adapters') or [])}"
-        + (f"; aLoRA from token {t['alora_activation_pos']}"
-           if t.get("alora_activation_pos", -1) >= 0 else ""),
+        + (f"; aLoRA from token {t['alora_activation_pos']}" if t.get("alora_activation_pos", -1) >= 0 else ""),
         f"graph reused {t.get('graph_reuses', 0)} / rebuilt {t.get('graph_rebuilds', 0)} "
         f"steps; batch up to {t.get('max_batch_size', 0)} sequences, "
         f"{t.get('max_adapter_sets_in_batch', 0)} adapter sets"
-        + (f" ({steps[-1].get('batching')} batching, "
-           f"{steps[-1].get('n_nodes')}/{steps[-1].get('node_budget')} nodes)"
-           if steps else ""),
+        + (
+            f" ({steps[-1].get('batching')} batching, {steps[-1].get('n_nodes')}/{steps[-1].get('node_budget')} nodes)"
+            if steps
+            else ""
+        ),
         f"ttft {t.get('ttft_ms', 0.0):.1f} ms, total {t.get('total_ms', 0.0):.1f} ms; "
         f"worker {t.get('worker_id') or '?'} slot {t.get('slot_id', 0)}",
     ]
@@ -156,8 +187,7 @@ def prompt_logprobs_table(result: GenerateResult) -> Table:
 
 def side_by_side(prompt: str, columns: Sequence[tuple[str, GenerateResult]]) -> Table:
     """The demo's table: one column per adapter setting, text then telemetry."""
-    table = Table(title=f"Prompt: {prompt}", title_justify="left", show_lines=True,
-                  expand=True)
+    table = Table(title=f"Prompt: {prompt}", title_justify="left", show_lines=True, expand=True)
     for name, _ in columns:
         table.add_column(name, ratio=1, overflow="fold")
     table.add_row(*(Text(r.text.strip() or "(empty)") for _, r in columns))

@@ -231,8 +231,7 @@ class GeneratedLogprobs:
     top: tuple[TokenLogprob, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"token_id": self.token_id, "logprob": f32(self.logprob),
-                "top": [t.to_json() for t in self.top]}
+        return {"token_id": self.token_id, "logprob": f32(self.logprob), "top": [t.to_json() for t in self.top]}
 
 
 # ---- stream events -----------------------------------------------------------------------
@@ -288,8 +287,7 @@ def event_from_proto(ev: common_pb2.GenerateEvent) -> GenerateEvent | None:
         prompt_lps = None
         if len(s.prompt_logprobs):
             prompt_lps = tuple(
-                TokenLogprob(p.token_id, f32(p.logprob)) if p.has_logprob else None
-                for p in s.prompt_logprobs
+                TokenLogprob(p.token_id, f32(p.logprob)) if p.has_logprob else None for p in s.prompt_logprobs
             )
         return StartedEvent(ev.request_id, tuple(s.prompt_token_ids), prompt_lps)
     if kind == "token":
@@ -304,8 +302,7 @@ def event_from_proto(ev: common_pb2.GenerateEvent) -> GenerateEvent | None:
         )
     if kind == "finished":
         f = ev.finished
-        return FinishedEvent(ev.request_id, f.finish_reason, f.text,
-                             message_to_dict(f.telemetry))
+        return FinishedEvent(ev.request_id, f.finish_reason, f.text, message_to_dict(f.telemetry))
     return None
 
 
@@ -334,8 +331,7 @@ class GenerateResult:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None
     request_id: str = ""
 
-    def to_json(self, *, include_logprobs: bool = False,
-                include_prompt_logprobs: bool = False) -> dict[str, Any]:
+    def to_json(self, *, include_logprobs: bool = False, include_prompt_logprobs: bool = False) -> dict[str, Any]:
         """CONTRACT.md's ``generate --json`` object; the log-prob keys only when asked for."""
         out: dict[str, Any] = {
             "text": self.text,

@@ -135,16 +135,26 @@ def dial_addr(addr: str) -> str:
 
 
 def worker_command(cp_addr: str, worker_id: str, worker_args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "clients.cli", "worker", "--control-plane", cp_addr,
-            "--addr", "127.0.0.1:0", "--worker-id", worker_id, *worker_args]
+    return [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "worker",
+        "--control-plane",
+        cp_addr,
+        "--addr",
+        "127.0.0.1:0",
+        "--worker-id",
+        worker_id,
+        *worker_args,
+    ]
 
 
 def _worker_env(secret: str | None) -> dict[str, str]:
     env = dict(os.environ)
     if secret:
         env[ENV_WORKER_SECRET] = secret
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[ENV_NO_PROGRESS] = "1"  # serve draws the one "loading" spinner; two would garble the line
     return env
@@ -157,8 +167,7 @@ def _say(message: str) -> None:
 class _Supervisor(threading.Thread):
     """Starts and watches the worker; see the module docstring."""
 
-    def __init__(self, plan: ServePlan, on_ready: ReadyHook | None,
-                 stopping: threading.Event) -> None:
+    def __init__(self, plan: ServePlan, on_ready: ReadyHook | None, stopping: threading.Event) -> None:
         super().__init__(name="loraplane-serve-supervisor", daemon=True)
         self.plan = plan
         self.on_ready = on_ready
@@ -178,8 +187,9 @@ class _Supervisor(threading.Thread):
     def run(self) -> None:
         try:
             # No per-call deadline: on_ready may generate on a slow CPU worker.
-            with LoraplaneClient(dial_addr(self.plan.cp_addr), wait_for_server=True,
-                                 connect_timeout=self.plan.ready_timeout_s) as client:
+            with LoraplaneClient(
+                dial_addr(self.plan.cp_addr), wait_for_server=True, connect_timeout=self.plan.ready_timeout_s
+            ) as client:
                 client.connect()
                 if not self._spawn_worker():
                     return
@@ -190,8 +200,10 @@ class _Supervisor(threading.Thread):
                 if worker is None:
                     return
                 if not self.plan.quiet:
-                    _say(f"serving on {self.plan.cp_addr} "
-                         f"(worker {worker.worker_id} at {worker.addr}){self.plan.addresses()}; Ctrl-C stops")
+                    _say(
+                        f"serving on {self.plan.cp_addr} "
+                        f"(worker {worker.worker_id} at {worker.addr}){self.plan.addresses()}; Ctrl-C stops"
+                    )
                 if self.on_ready is not None and self.on_ready(client, worker):
                     self.request_stop(0)
                     return
@@ -206,8 +218,7 @@ class _Supervisor(threading.Thread):
                 self.request_stop(1)
 
     def _spawn_worker(self) -> bool:
-        cmd = worker_command(dial_addr(self.plan.cp_addr), self.worker_id,
-                             self.plan.worker_args)
+        cmd = worker_command(dial_addr(self.plan.cp_addr), self.worker_id, self.plan.worker_args)
         with self._lock:
             if self.stopping.is_set():
                 return False
@@ -215,9 +226,13 @@ class _Supervisor(threading.Thread):
             if self.plan.worker_log is not None:
                 self._log_file = open(self.plan.worker_log, "ab")  # noqa: SIM115
                 out = self._log_file
-            self._proc = subprocess.Popen(cmd, env=_worker_env(self.plan.worker_secret), stdout=out,
-                                          stderr=subprocess.STDOUT if out else None,
-                                          stdin=subprocess.DEVNULL)
+            self._proc = subprocess.Popen(
+                cmd,
+                env=_worker_env(self.plan.worker_secret),
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                stdin=subprocess.DEVNULL,
+            )
             self._started_at = time.monotonic()
         return True
 
@@ -226,12 +241,13 @@ class _Supervisor(threading.Thread):
         while not self.stopping.is_set():
             code = self._proc.poll() if self._proc else None
             if code is not None:
-                _say(f"the worker exited with code {code} before registering"
-                     + (f" (log: {self.plan.worker_log})" if self.plan.worker_log else ""))
+                _say(
+                    f"the worker exited with code {code} before registering"
+                    + (f" (log: {self.plan.worker_log})" if self.plan.worker_log else "")
+                )
                 self.request_stop(1)
                 return None
-            ours = [w for w in client.list_workers()
-                    if w.alive and w.worker_id == self.worker_id]
+            ours = [w for w in client.list_workers() if w.alive and w.worker_id == self.worker_id]
             if ours:
                 return ours[0]
             if time.monotonic() > deadline:
@@ -249,8 +265,10 @@ class _Supervisor(threading.Thread):
             if code is None or self.stopping.is_set():
                 continue
             delay = self.plan.backoff.next_delay(delay, time.monotonic() - self._started_at)
-            _say(f"the worker {self.worker_id} exited unexpectedly with code {code}; "
-                 f"restarting it in {delay:g}s (restart {self.restarts + 1})")
+            _say(
+                f"the worker {self.worker_id} exited unexpectedly with code {code}; "
+                f"restarting it in {delay:g}s (restart {self.restarts + 1})"
+            )
             if self.stopping.wait(delay):
                 return
             if self._log_file is not None:
@@ -287,8 +305,9 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_serve(plan: ServePlan, run_control_plane: Callable[..., Any], cp_config: Any,
-              on_ready: ReadyHook | None = None) -> int:
+def run_serve(
+    plan: ServePlan, run_control_plane: Callable[..., Any], cp_config: Any, on_ready: ReadyHook | None = None
+) -> int:
     """Serve until interrupted (or until ``on_ready`` returns True); returns the exit code.
 
     ``run_control_plane(cp_config, stop_event=event)`` blocks until ``event`` is set (its own

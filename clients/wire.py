@@ -33,8 +33,7 @@ def adapter_map(scales: Mapping[int, float]) -> common_pb2.AdapterMap:
     return amap
 
 
-def adapter_map_into(req: common_pb2.GenerateRequest,
-                     adapters: Mapping[int, float] | None) -> None:
+def adapter_map_into(req: common_pb2.GenerateRequest, adapters: Mapping[int, float] | None) -> None:
     """Set ``req.adapters``: None leaves it unset, a mapping (even empty) sets it."""
     if adapters is None:
         return
@@ -92,9 +91,14 @@ def generate_request(
     return req
 
 
-def upload_chunks(path: str | os.PathLike[str], *, name: str | None = None,
-                  server_path: bool = False, source_format: str = "",
-                  progress: Callable[[int, int], None] | None = None) -> Iterator[common_pb2.AdapterChunk]:
+def upload_chunks(
+    path: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    server_path: bool = False,
+    source_format: str = "",
+    progress: Callable[[int, int], None] | None = None,
+) -> Iterator[common_pb2.AdapterChunk]:
     """The `AdapterChunk` stream of a ``RegisterAdapter`` call.
 
     ``server_path=True``: one chunk naming a file the server reads itself (no bytes sent).

@@ -15,8 +15,9 @@ from loraplane.env import ENV_ADMIN_TOKEN
 from loraplane.interceptors import SharedSecretInterceptor
 
 _SERVICE = "/loraplane.v1.ControlPlane/"
-ADMIN_METHODS = frozenset(_SERVICE + m for m in ("RegisterAdapter", "UnregisterAdapter", "SetDefaultAdapters",
-                                                      "PinAdapter"))
+ADMIN_METHODS = frozenset(
+    _SERVICE + m for m in ("RegisterAdapter", "UnregisterAdapter", "SetDefaultAdapters", "PinAdapter")
+)
 
 
 def admin_token_from(flag: str | None) -> str | None:
@@ -35,5 +36,10 @@ class AdminAuthInterceptor(SharedSecretInterceptor):
     """Refuses admin methods without the right bearer token (constant-time comparison)."""
 
     def __init__(self, token: str) -> None:
-        super().__init__(token, key="authorization", applies=ADMIN_METHODS.__contains__,
-                         what="admin token ('authorization: Bearer <token>')", extract=_bearer)
+        super().__init__(
+            token,
+            key="authorization",
+            applies=ADMIN_METHODS.__contains__,
+            what="admin token ('authorization: Bearer <token>')",
+            extract=_bearer,
+        )

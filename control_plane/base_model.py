@@ -19,7 +19,7 @@ from worker.gguf.reader import GGUFFile, read_gguf
 
 log = structlog.get_logger("control_plane.base_model")
 
-_CACHE: dict[tuple[str, int, int], "BaseModel"] = {}
+_CACHE: dict[tuple[str, int, int], BaseModel] = {}
 _CACHE_LOCK = threading.Lock()
 
 

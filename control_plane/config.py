@@ -117,9 +117,11 @@ class ControlPlaneConfig:
         """
         limit = self.max_streams if self.max_streams is not None else self.max_threads - RESERVED_THREADS
         if limit < 1 or limit + ADMIN_CALLS + MEMBERSHIP_CALLS >= self.max_threads:
-            raise ValueError(f"max_threads {self.max_threads} must exceed max_streams {limit} + "
-                             f"{ADMIN_CALLS + MEMBERSHIP_CALLS} (admin + membership) so reads and health "
-                             f"keep a thread")
+            raise ValueError(
+                f"max_threads {self.max_threads} must exceed max_streams {limit} + "
+                f"{ADMIN_CALLS + MEMBERSHIP_CALLS} (admin + membership) so reads and health "
+                f"keep a thread"
+            )
         return limit
 
     @property

@@ -16,13 +16,23 @@ from loraplane.v1 import common_pb2, control_plane_pb2
 def adapter_info(rec: AdapterRecord) -> common_pb2.AdapterInfo:
     m = rec.metadata
     return common_pb2.AdapterInfo(
-        id=rec.id, name=rec.name, path=rec.path, sha256=rec.sha256, arch=m.get("arch", ""),
-        alpha=m.get("alpha", 0.0), ranks=m.get("ranks", []), target_tensors=m.get("target_tensors", []),
-        task_name=m.get("task_name", ""), prompt_prefix=m.get("prompt_prefix", ""),
+        id=rec.id,
+        name=rec.name,
+        path=rec.path,
+        sha256=rec.sha256,
+        arch=m.get("arch", ""),
+        alpha=m.get("alpha", 0.0),
+        ranks=m.get("ranks", []),
+        target_tensors=m.get("target_tensors", []),
+        task_name=m.get("task_name", ""),
+        prompt_prefix=m.get("prompt_prefix", ""),
         alora_invocation_tokens=m.get("alora_invocation_tokens", []),
-        alora_invocation_text=m.get("alora_invocation_text", ""), default_scale=rec.default_scale,
-        size_bytes=m.get("size_bytes", 0), n_nodes=m.get("n_nodes", 0),
-        source_format=rec.source_format, pinned=rec.pinned,
+        alora_invocation_text=m.get("alora_invocation_text", ""),
+        default_scale=rec.default_scale,
+        size_bytes=m.get("size_bytes", 0),
+        n_nodes=m.get("n_nodes", 0),
+        source_format=rec.source_format,
+        pinned=rec.pinned,
     )
 
 
@@ -50,11 +60,18 @@ def set_resolved_adapters(request: common_pb2.GenerateRequest, vector: Sequence[
 
 def worker_info(view: WorkerView) -> control_plane_pb2.WorkerInfo:
     return control_plane_pb2.WorkerInfo(
-        worker_id=view.worker_id, addr=view.addr, state=view.state,
-        last_heartbeat_age_s=view.last_heartbeat_age_s, adapter_ids=list(view.adapter_ids),
-        model=view.model, n_slots=view.n_slots, in_flight=view.in_flight, restarts=view.restarts,
+        worker_id=view.worker_id,
+        addr=view.addr,
+        state=view.state,
+        last_heartbeat_age_s=view.last_heartbeat_age_s,
+        adapter_ids=list(view.adapter_ids),
+        model=view.model,
+        n_slots=view.n_slots,
+        in_flight=view.in_flight,
+        restarts=view.restarts,
         draining_adapter_ids=list(view.draining_adapter_ids),
-        paging=view.paging, resident_adapter_ids=list(view.resident_ids),
+        paging=view.paging,
+        resident_adapter_ids=list(view.resident_ids),
         host_adapter_ids=list(view.host_ids),
     )
 
@@ -81,7 +98,8 @@ def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
     if first.server_path:
         if first.data or next(chunks, None) is not None:
             raise InvalidArgumentError(
-                f"RegisterAdapter: server_path '{first.server_path}' given together with data; send one or the other")
+                f"RegisterAdapter: server_path '{first.server_path}' given together with data; send one or the other"
+            )
         return Upload(first.name, first.server_path, iter(()))
     rest = (c.data for c in chunks)
     return Upload(first.name, "", itertools.chain([first.data], rest), first.source_format)

@@ -65,8 +65,14 @@ class ControlPlaneMetrics:
         adapter_label_cap: distinct ``adapter`` label values before "other".
     """
 
-    def __init__(self, *, adapter_name: Callable[[int], str], pool_state: Callable[[], tuple[int, int]],
-                 n_adapters: Callable[[], int], adapter_label_cap: int) -> None:
+    def __init__(
+        self,
+        *,
+        adapter_name: Callable[[int], str],
+        pool_state: Callable[[], tuple[int, int]],
+        n_adapters: Callable[[], int],
+        adapter_label_cap: int,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.labels = BoundedLabels(adapter_label_cap)
         self._adapter_name = adapter_name
@@ -76,20 +82,31 @@ class ControlPlaneMetrics:
         self._ids = itertools.count()
         self._in_flight: dict[int, _InFlight] = {}
         r = self.registry
-        self.requests = Counter("loraplane_requests", "Generate requests by outcome and adapter.",
-                                ["outcome", "adapter"], registry=r)
-        self.prompt_tokens = Counter("loraplane_prompt_tokens", "Prompt tokens of finished requests.",
-                                     ["adapter"], registry=r)
-        self.cached_tokens = Counter("loraplane_prompt_tokens_cached", "Prompt tokens served from prefix caches.",
-                                     ["adapter"], registry=r)
-        self.generation_tokens = Counter("loraplane_generation_tokens", "Generated tokens.", ["adapter"],
-                                         registry=r)
-        self.ttft = Histogram("loraplane_time_to_first_token_seconds", "Admission to first token.",
-                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.itl = Histogram("loraplane_inter_token_latency_seconds", "Time between consecutive tokens.",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.e2e = Histogram("loraplane_e2e_request_latency_seconds", "Admission to the finished event.",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.requests = Counter(
+            "loraplane_requests", "Generate requests by outcome and adapter.", ["outcome", "adapter"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "loraplane_prompt_tokens", "Prompt tokens of finished requests.", ["adapter"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "loraplane_prompt_tokens_cached", "Prompt tokens served from prefix caches.", ["adapter"], registry=r
+        )
+        self.generation_tokens = Counter("loraplane_generation_tokens", "Generated tokens.", ["adapter"], registry=r)
+        self.ttft = Histogram(
+            "loraplane_time_to_first_token_seconds", "Admission to first token.", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.itl = Histogram(
+            "loraplane_inter_token_latency_seconds",
+            "Time between consecutive tokens.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "loraplane_e2e_request_latency_seconds",
+            "Admission to the finished event.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
         r.register(_StateCollector(self))
 
     def exposition(self) -> tuple[bytes, str]:
@@ -97,8 +114,9 @@ class ControlPlaneMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     # -- the router hook -----------------------------------------------------------------
-    def track(self, vector: Sequence[tuple[int, float]],
-              events: Iterator[common_pb2.GenerateEvent]) -> Iterator[common_pb2.GenerateEvent]:
+    def track(
+        self, vector: Sequence[tuple[int, float]], events: Iterator[common_pb2.GenerateEvent]
+    ) -> Iterator[common_pb2.GenerateEvent]:
         """Relay ``events`` unchanged, counting the request (see the module docstring)."""
         ids = tuple(i for i, s in vector if s != 0.0)
         labels = [self.labels(str(i)) for i in ids] or [NO_ADAPTER_LABEL]
@@ -178,16 +196,19 @@ class _StateCollector:
         running, waiting = self.m.in_flight()
         live, slots = self.m.pool_state()
         for name, doc, value in (
-                ("loraplane_requests_running", "Requests streaming tokens.", len(running)),
-                ("loraplane_requests_waiting", "Requests routed but not started (queued or in prefill).",
-                 len(waiting)),
-                ("vllm:num_requests_running", "Number of requests in model execution batches.", len(running)),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(waiting)),
-                ("loraplane_workers_live", "Live workers.", live),
-                ("loraplane_worker_slots", "Slots over the live workers.", slots),
-                ("loraplane_adapters_registered", "Registered adapters.", self.m.n_adapters())):
+            ("loraplane_requests_running", "Requests streaming tokens.", len(running)),
+            ("loraplane_requests_waiting", "Requests routed but not started (queued or in prefill).", len(waiting)),
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", len(running)),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(waiting)),
+            ("loraplane_workers_live", "Live workers.", live),
+            ("loraplane_worker_slots", "Slots over the live workers.", slots),
+            ("loraplane_adapters_registered", "Registered adapters.", self.m.n_adapters()),
+        ):
             yield GaugeMetricFamily(name, doc, value=value)
-        info = GaugeMetricFamily(LORA_INFO, "Running stats on lora requests.",
-                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info = GaugeMetricFamily(
+            LORA_INFO,
+            "Running stats on lora requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
         info.add_metric([str(slots), _names(running), _names(waiting)], time.time())
         yield info

@@ -94,9 +94,16 @@ class AdapterRegistry:
             worker's slot pool could hold them (``--max-lora-rank``).
     """
 
-    def __init__(self, store: AdapterStore, base: BaseModel, *, data_dir: str | Path,
-                 adapter_dirs: Sequence[str | Path] = (),
-                 max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES, max_lora_rank: int = 64) -> None:
+    def __init__(
+        self,
+        store: AdapterStore,
+        base: BaseModel,
+        *,
+        data_dir: str | Path,
+        adapter_dirs: Sequence[str | Path] = (),
+        max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+        max_lora_rank: int = 64,
+    ) -> None:
         self.store = store
         self.base = base
         self.upload_dir = Path(data_dir) / "adapters"
@@ -115,8 +122,9 @@ class AdapterRegistry:
     def get(self, adapter_id: int) -> AdapterRecord:
         rec = self.store.get(adapter_id)
         if rec is None:
-            raise NotFoundError(f"adapter {adapter_id} not registered; "
-                                f"{describe_ids([r.id for r in self.store.list()])}")
+            raise NotFoundError(
+                f"adapter {adapter_id} not registered; {describe_ids([r.id for r in self.store.list()])}"
+            )
         return rec
 
     def default_set(self) -> AdapterVector:
@@ -133,8 +141,7 @@ class AdapterRegistry:
 
     # -- registration -------------------------------------------------------------------
 
-    def register_upload(self, data: Iterable[bytes], *, name: str = "",
-                        source_format: str = "gguf") -> Registration:
+    def register_upload(self, data: Iterable[bytes], *, name: str = "", source_format: str = "gguf") -> Registration:
         """Register uploaded bytes (streamed); the file is kept under the data dir.
 
         ``source_format`` records what the GGUF was made from ("peft": the client converted a
@@ -156,9 +163,14 @@ class AdapterRegistry:
             existing = self.store.get_by_sha256(sha256)
             if existing is not None:
                 return Registration(existing, created=False)
-            rec, created = self.store.insert(sha256=sha256, name=name or adapter.name,
-                                             metadata=self._metadata(adapter), content=tmp, source=None,
-                                             source_format=source_format)
+            rec, created = self.store.insert(
+                sha256=sha256,
+                name=name or adapter.name,
+                metadata=self._metadata(adapter),
+                content=tmp,
+                source=None,
+                source_format=source_format,
+            )
         finally:
             tmp.unlink(missing_ok=True)
         if created:
@@ -197,11 +209,11 @@ class AdapterRegistry:
             raise NotFoundError(f"adapter file '{path}' does not exist")
         adapter = self._validate(path, shown_as=str(path))
         sha256 = adapter.sha256
-        rec, created = self.store.insert(sha256=sha256, name=name or adapter.name,
-                                         metadata=self._metadata(adapter), content=path, source=str(path))
+        rec, created = self.store.insert(
+            sha256=sha256, name=name or adapter.name, metadata=self._metadata(adapter), content=path, source=str(path)
+        )
         if created:
-            log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source,
-                     path=str(path))
+            log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source, path=str(path))
         return Registration(rec, created)
 
     def _register_peft(self, folder: Path, *, name: str) -> Registration:
@@ -236,7 +248,8 @@ class AdapterRegistry:
                 if size > self.max_upload_bytes:
                     raise ResourceExhaustedError(
                         f"adapter upload exceeds the limit of {self.max_upload_bytes} bytes "
-                        f"(--max-upload-bytes); received {size} so far")
+                        f"(--max-upload-bytes); received {size} so far"
+                    )
                 h.update(piece)
                 fh.write(piece)
         return h.hexdigest(), size
@@ -248,8 +261,10 @@ class AdapterRegistry:
             raise InvalidArgumentError(str(exc).replace(str(path), shown_as)) from exc
         rank = max(adapter.ranks, default=0)
         if rank > self.max_lora_rank:
-            raise InvalidArgumentError(f"{shown_as}: rank {rank} exceeds --max-lora-rank {self.max_lora_rank} "
-                                       "(workers' adapter slots are padded to that rank)")
+            raise InvalidArgumentError(
+                f"{shown_as}: rank {rank} exceeds --max-lora-rank {self.max_lora_rank} "
+                "(workers' adapter slots are padded to that rank)"
+            )
         return adapter
 
     def _metadata(self, adapter: AdapterFile) -> dict[str, Any]:
@@ -266,8 +281,9 @@ class AdapterRegistry:
         """
         rec = self.store.delete(adapter_id)
         if rec is None:
-            raise NotFoundError(f"adapter {adapter_id} not registered; "
-                                f"{describe_ids([r.id for r in self.store.list()])}")
+            raise NotFoundError(
+                f"adapter {adapter_id} not registered; {describe_ids([r.id for r in self.store.list()])}"
+            )
         log.info("adapter_unregistered", adapter_id=adapter_id, sha256=rec.sha256)
         return rec
 
@@ -279,8 +295,9 @@ class AdapterRegistry:
         """
         rec = self.store.set_pinned(adapter_id, pinned)
         if rec is None:
-            raise NotFoundError(f"adapter {adapter_id} not registered; "
-                                f"{describe_ids([r.id for r in self.store.list()])}")
+            raise NotFoundError(
+                f"adapter {adapter_id} not registered; {describe_ids([r.id for r in self.store.list()])}"
+            )
         log.info("adapter_pinned" if pinned else "adapter_unpinned", adapter_id=adapter_id)
         return rec
 
@@ -324,6 +341,9 @@ class AdapterRegistry:
     def _warn_arch_mismatch(self) -> None:
         for rec in self.store.list():
             if rec.metadata.get("arch") != self.base.arch:
-                log.warning("adapter_arch_mismatch", adapter_id=rec.id, adapter_arch=rec.metadata.get("arch"),
-                            base_arch=self.base.arch)
-
+                log.warning(
+                    "adapter_arch_mismatch",
+                    adapter_id=rec.id,
+                    adapter_arch=rec.metadata.get("arch"),
+                    base_arch=self.base.arch,
+                )

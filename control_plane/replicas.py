@@ -71,8 +71,13 @@ class ReplicaSync:
         """A worker registered with or heartbeated this replica: tell the others (failures
         are logged: the worker's own membership here is unaffected)."""
         try:
-            self.store.record_worker(worker_id=hello.worker_id, addr=hello.addr, model=hello.model,
-                                     model_sha256=hello.model_sha256, n_slots=hello.n_slots)
+            self.store.record_worker(
+                worker_id=hello.worker_id,
+                addr=hello.addr,
+                model=hello.model,
+                model_sha256=hello.model_sha256,
+                n_slots=hello.n_slots,
+            )
         except ControlPlaneError as exc:
             log.warning("worker_sighting_not_recorded", worker_id=hello.worker_id, error=str(exc))
 
@@ -105,8 +110,9 @@ class ReplicaSync:
             return
         known = {v.worker_id: v.addr for v in self.pool.snapshot()}
         for s in sightings:
-            hello = control_plane_pb2.WorkerHello(worker_id=s.worker_id, addr=s.addr, model=s.model,
-                                                  model_sha256=s.model_sha256, n_slots=s.n_slots)
+            hello = control_plane_pb2.WorkerHello(
+                worker_id=s.worker_id, addr=s.addr, model=s.model, model_sha256=s.model_sha256, n_slots=s.n_slots
+            )
             if known.get(s.worker_id) == s.addr:
                 if s.replica_id != self.store.replica_id:
                     try:

@@ -36,8 +36,9 @@ def map_from_pairs(pairs: Iterable[tuple[int, float]]) -> dict[int, float]:
     return out
 
 
-def resolve_adapter_vector(request_map: Mapping[int, float] | None,
-                           default_set: Sequence[tuple[int, float]]) -> AdapterVector:
+def resolve_adapter_vector(
+    request_map: Mapping[int, float] | None, default_set: Sequence[tuple[int, float]]
+) -> AdapterVector:
     """The non-zero ``(id, scale)`` entries, by id, that a request runs with.
 
     Args:

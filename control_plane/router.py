@@ -24,8 +24,8 @@ import queue
 import threading
 import uuid
 from collections import OrderedDict
-from contextlib import closing
 from collections.abc import Generator, Iterator, Sequence
+from contextlib import closing
 from typing import Any, Protocol
 
 import grpc
@@ -42,10 +42,15 @@ log = structlog.get_logger("control_plane.router")
 
 # Status codes by which a worker tells us the *request* is wrong: relayed as they are. Any
 # other code means the worker itself failed.
-REQUEST_ERROR_CODES = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-})
+REQUEST_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
 # Worth another worker when nothing has been relayed yet.
 RETRY_ELSEWHERE_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
 AFFINITY_ENTRIES = 4096
@@ -92,8 +97,9 @@ class Router:
         # ``track(vector, events) -> events`` (control_plane.metrics); None: not counted.
         self.observer: Any = None
 
-    def generate(self, request: common_pb2.GenerateRequest,
-                 context: ClientContext) -> Iterator[common_pb2.GenerateEvent]:
+    def generate(
+        self, request: common_pb2.GenerateRequest, context: ClientContext
+    ) -> Iterator[common_pb2.GenerateEvent]:
         """Resolve, route and relay one request (see the module docstring).
 
         Raises:
@@ -109,8 +115,9 @@ class Router:
         routed = self._route(request, context, vector)
         yield from (routed if self.observer is None else self.observer.track(vector, routed))
 
-    def _route(self, request: common_pb2.GenerateRequest, context: ClientContext,
-               vector: list[tuple[int, float]]) -> Iterator[common_pb2.GenerateEvent]:
+    def _route(
+        self, request: common_pb2.GenerateRequest, context: ClientContext, vector: list[tuple[int, float]]
+    ) -> Iterator[common_pb2.GenerateEvent]:
         """Steps 3-5 of the module docstring for a resolved request."""
         key = adapter_set_key(vector)
         ids = [i for i, _ in vector]
@@ -148,8 +155,7 @@ class Router:
     def _others(self, tried: list[str]) -> bool:
         return any(w.worker_id not in tried for w in self.pool.live())
 
-    def _pick(self, key: tuple, *, exclude: list[str], last_error: str,
-              ids: Sequence[int] = ()) -> WorkerHandle:
+    def _pick(self, key: tuple, *, exclude: list[str], last_error: str, ids: Sequence[int] = ()) -> WorkerHandle:
         """The worker for the next attempt among live workers not yet tried that can still
         admit a request (in flight < slots + queue limit): not full (in flight < slots), then
         set affinity, then the most of ``ids`` resident in its slots, then on its host (as
@@ -166,8 +172,7 @@ class Router:
         live = [w for w in candidates if w.capacity is None or w.in_flight < w.capacity]
         if not live:
             full = ", ".join(f"{w.worker_id} {w.in_flight}/{w.capacity}" for w in candidates)
-            raise ResourceExhaustedError(f"every live worker is full (in flight/slots+queue: {full}); "
-                                         f"retry later")
+            raise ResourceExhaustedError(f"every live worker is full (in flight/slots+queue: {full}); retry later")
         with self._lock:
             preferred = self._affinity.get(key)
 
@@ -187,8 +192,9 @@ class Router:
                 self._affinity.popitem(last=False)
         return chosen
 
-    def _relay(self, worker: WorkerHandle, request: common_pb2.GenerateRequest,
-               context: ClientContext) -> Generator[common_pb2.GenerateEvent, None, None]:
+    def _relay(
+        self, worker: WorkerHandle, request: common_pb2.GenerateRequest, context: ClientContext
+    ) -> Generator[common_pb2.GenerateEvent, None, None]:
         # The request side stays open until we are done: a worker may read a half-close as
         # "the caller is gone" and free the slot.
         outbox: queue.Queue[worker_pb2.DecodeRequest | None] = queue.Queue()
@@ -214,5 +220,7 @@ class Router:
             call.cancel()  # no-op once the worker closed the call; frees it otherwise
             self.pool.end(worker)
         if context.is_active():
-            raise _WorkerFailed(worker, f"worker {worker.worker_id} failed: its stream ended before "
-                                        f"request {request.request_id} finished")
+            raise _WorkerFailed(
+                worker,
+                f"worker {worker.worker_id} failed: its stream ended before request {request.request_id} finished",
+            )

@@ -31,22 +31,21 @@ from grpc_reflection.v1alpha import reflection
 from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
 from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
-from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
-from loraplane.worker_secret import MEMBERSHIP_METHODS, membership_guard, worker_secret_from
 from control_plane.http.models import served_name
 from control_plane.metrics import ControlPlaneMetrics
-from loraplane.logging import configure_logging
 from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
 from control_plane.servicer import ControlPlaneServicer
 from control_plane.store import AdapterStore, open_store
 from control_plane.workers import MembershipTimings, WorkerPool
+from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
+from loraplane.logging import configure_logging
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+from loraplane.worker_secret import MEMBERSHIP_METHODS, membership_guard, worker_secret_from
 
-__all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lora_scaled",
-           "run_control_plane"]
+__all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lora_scaled", "run_control_plane"]
 
 log = structlog.get_logger("control_plane.server")
 
@@ -66,7 +65,7 @@ class ControlPlaneState:
     health: health.HealthServicer
     replicas: ReplicaSync
     metrics: ControlPlaneMetrics | None = None
-    http: Any = None            # control_plane.http.server.HttpServer when --http-addr is set
+    http: Any = None  # control_plane.http.server.HttpServer when --http-addr is set
     http_port: int = 0
     metrics_server: Any = None  # prometheus-client's server when --metrics-addr is set
     metrics_port: int = 0
@@ -94,8 +93,14 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
     store = open_store(config.database, data_dir, pool_size=config.db_pool_size)
     try:
         base = load_base_model(config.model_path or default_model_path())
-        registry = AdapterRegistry(store, base, data_dir=data_dir, adapter_dirs=config.adapter_dirs,
-                                   max_upload_bytes=config.max_upload_bytes, max_lora_rank=config.max_lora_rank)
+        registry = AdapterRegistry(
+            store,
+            base,
+            data_dir=data_dir,
+            adapter_dirs=config.adapter_dirs,
+            max_upload_bytes=config.max_upload_bytes,
+            max_lora_rank=config.max_lora_rank,
+        )
         for path, scale in config.startup_adapters:
             rec = registry.register_startup(path, scale)
             log.info("startup_adapter", adapter_id=rec.id, path=str(path), scale=scale)
@@ -104,15 +109,18 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
     except BaseException:
         store.close()
         raise
-    timings = MembershipTimings(heartbeat_interval_s=config.heartbeat_interval_s,
-                                dead_after_missed=config.dead_after_missed,
-                                unload_wait_s=config.unload_wait_s)
+    timings = MembershipTimings(
+        heartbeat_interval_s=config.heartbeat_interval_s,
+        dead_after_missed=config.dead_after_missed,
+        unload_wait_s=config.unload_wait_s,
+    )
     pool = WorkerPool(registry, timings, secret=worker_secret_from(config.worker_secret))
     replicas = ReplicaSync(store, pool, interval_s=timings.heartbeat_interval_s, dead_after_s=timings.dead_after_s)
     router = Router(registry, pool)
     metrics = build_metrics(config, registry, pool)
     router.observer = metrics
     return ControlPlaneState(config, store, registry, pool, router, health.HealthServicer(), replicas, metrics)
+
 
 def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: WorkerPool) -> ControlPlaneMetrics:
     """The control plane's Prometheus metrics over the live registry and pool."""
@@ -126,9 +134,12 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
         live = pool.live()
         return len(live), sum(w.n_slots for w in live)
 
-    return ControlPlaneMetrics(adapter_name=adapter_name, pool_state=pool_state,
-                               n_adapters=lambda: len(registry.list()),
-                               adapter_label_cap=config.metrics_max_adapters)
+    return ControlPlaneMetrics(
+        adapter_name=adapter_name,
+        pool_state=pool_state,
+        n_adapters=lambda: len(registry.list()),
+        adapter_label_cap=config.metrics_max_adapters,
+    )
 
 
 def start_side_servers(state: ControlPlaneState) -> None:
@@ -141,8 +152,7 @@ def start_side_servers(state: ControlPlaneState) -> None:
     if config.metrics_addr and state.metrics is not None:
         from loraplane.metrics import start_metrics_server
 
-        state.metrics_server, state.metrics_port = start_metrics_server(config.metrics_addr,
-                                                                        state.metrics.registry)
+        state.metrics_server, state.metrics_port = start_metrics_server(config.metrics_addr, state.metrics.registry)
         log.info("metrics_serving", addr=config.metrics_addr, port=state.metrics_port)
     if config.http_addr:
         from control_plane.http.app import create_app
@@ -162,25 +172,35 @@ def http_deps(state: ControlPlaneState) -> Any:
     tok = base.tokenizer()
     template = None
     if tok is not None or state.config.chat_template:
+
         def special(token_id: int) -> str:
             return tok.token_to_piece(token_id) if tok is not None and token_id >= 0 else ""
 
-        template = load_chat_template(override_file=state.config.chat_template, metadata=base.gguf.metadata,
-                                      arch=base.arch, bos_token=special(getattr(tok, "bos_id", -1)),
-                                      eos_token=special(getattr(tok, "eos_id", -1)))
-    return HttpDeps(registry=state.registry, router=state.router, pool=state.pool,
-                    base_name=state.config.served_model_name or Path(str(base.path)).name.removesuffix(".gguf"),
-                    base_root=str(base.path), tokenizer=tok, chat_template=template,
-                    admin_token=admin_token_from(state.config.admin_token),
-                    metrics_text=state.metrics.exposition if state.metrics is not None else None)
+        template = load_chat_template(
+            override_file=state.config.chat_template,
+            metadata=base.gguf.metadata,
+            arch=base.arch,
+            bos_token=special(getattr(tok, "bos_id", -1)),
+            eos_token=special(getattr(tok, "eos_id", -1)),
+        )
+    return HttpDeps(
+        registry=state.registry,
+        router=state.router,
+        pool=state.pool,
+        base_name=state.config.served_model_name or Path(str(base.path)).name.removesuffix(".gguf"),
+        base_root=str(base.path),
+        tokenizer=tok,
+        chat_template=template,
+        admin_token=admin_token_from(state.config.admin_token),
+        metrics_text=state.metrics.exposition if state.metrics is not None else None,
+    )
 
 
 def _bind(server: grpc.Server, config: ControlPlaneConfig) -> int:
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ValueError("TLS needs both tls_cert and tls_key")
     if config.tls_cert and config.tls_key:
-        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(),
-                                              Path(config.tls_cert).read_bytes())])
+        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
         port = server.add_secure_port(config.addr, creds)
     else:
         port = server.add_insecure_port(config.addr)
@@ -204,14 +224,20 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     state = build_state(config)
     token = admin_token_from(config.admin_token)
     secret = worker_secret_from(config.worker_secret)
-    limits = ConcurrencyLimitInterceptor({
-        "Generate stream": (stream_limit, GENERATE_METHOD.__eq__),
-        "admin": (ADMIN_CALLS, ADMIN_METHODS.__contains__),
-        "worker membership": (MEMBERSHIP_CALLS, MEMBERSHIP_METHODS.__contains__),
-    }, hint=" (control plane: --max-streams / --max-threads)")
-    interceptors = [*([AdminAuthInterceptor(token)] if token else []),
-                    *([membership_guard(secret)] if secret else []),
-                    DecodeGuardInterceptor(), limits]
+    limits = ConcurrencyLimitInterceptor(
+        {
+            "Generate stream": (stream_limit, GENERATE_METHOD.__eq__),
+            "admin": (ADMIN_CALLS, ADMIN_METHODS.__contains__),
+            "worker membership": (MEMBERSHIP_CALLS, MEMBERSHIP_METHODS.__contains__),
+        },
+        hint=" (control plane: --max-streams / --max-threads)",
+    )
+    interceptors = [
+        *([AdminAuthInterceptor(token)] if token else []),
+        *([membership_guard(secret)] if secret else []),
+        DecodeGuardInterceptor(),
+        limits,
+    ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_threads, thread_name_prefix="cp-rpc"),
         interceptors=interceptors,
@@ -220,14 +246,17 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         # min ping interval: clients send keepalive pings every 20 s during a call so a
         # Generate through a replica that vanished ends with UNAVAILABLE instead of hanging
         # (clients/channel.py); the server's default (5 min) would answer them with GOAWAY.
-        options=[*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0),
-                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)],
+        options=[
+            *GRPC_MESSAGE_OPTIONS,
+            ("grpc.so_reuseport", 0),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ],
     )
     control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
-        ControlPlaneServicer(state.registry, state.pool, state.router, state.replicas), server)
+        ControlPlaneServicer(state.registry, state.pool, state.router, state.replicas), server
+    )
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
-    reflection.enable_server_reflection(
-        (CONTROL_PLANE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((CONTROL_PLANE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         port = _bind(server, config)
         start_side_servers(state)
@@ -239,10 +268,19 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     state.replicas.start()
     for service in ("", CONTROL_PLANE_SERVICE):
         state.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("control_plane_started", addr=config.addr, port=port, database=state.store.description,
-             adapters=len(state.registry.list()), admin_auth=bool(token), worker_secret=bool(secret),
-             max_threads=config.max_threads, stream_limit=stream_limit,
-             http_port=state.http_port or None, metrics_port=state.metrics_port or None)
+    log.info(
+        "control_plane_started",
+        addr=config.addr,
+        port=port,
+        database=state.store.description,
+        adapters=len(state.registry.list()),
+        admin_auth=bool(token),
+        worker_secret=bool(secret),
+        max_threads=config.max_threads,
+        stream_limit=stream_limit,
+        http_port=state.http_port or None,
+        metrics_port=state.metrics_port or None,
+    )
     return server, port, state
 
 

@@ -66,6 +66,7 @@ def boundary(fn: Callable) -> Callable:
     """Log the call with its method name and turn raised errors into ``context.abort``."""
     method = fn.__name__
     if inspect.isgeneratorfunction(fn):
+
         @functools.wraps(fn)
         def stream(self, request, context):
             with bind_request(method=method):
@@ -75,6 +76,7 @@ def boundary(fn: Callable) -> Callable:
                 except Exception as exc:  # noqa: BLE001 - the boundary maps everything
                     code, message = _failure(method, exc)
                 context.abort(code, message)
+
         return stream
 
     @functools.wraps(fn)
@@ -85,6 +87,7 @@ def boundary(fn: Callable) -> Callable:
             except Exception as exc:  # noqa: BLE001 - the boundary maps everything
                 code, message = _failure(method, exc)
             context.abort(code, message)
+
     return unary
 
 
@@ -95,8 +98,9 @@ def ensure_request_id(request: common_pb2.GenerateRequest) -> common_pb2.Generat
 
 
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
-    def __init__(self, registry: AdapterRegistry, pool: WorkerPool, router: Router,
-                 replicas: ReplicaSync | None = None) -> None:
+    def __init__(
+        self, registry: AdapterRegistry, pool: WorkerPool, router: Router, replicas: ReplicaSync | None = None
+    ) -> None:
         self.registry = registry
         self.pool = pool
         self.router = router
@@ -110,8 +114,9 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         if upload.server_path:
             reg = self.registry.register_server_path(upload.server_path, name=upload.name)
         else:
-            reg = self.registry.register_upload(upload.data, name=upload.name,
-                                                source_format=upload.source_format or "gguf")
+            reg = self.registry.register_upload(
+                upload.data, name=upload.name, source_format=upload.source_format or "gguf"
+            )
         # No push: workers fetch the bytes by sha256 when a request first needs them (issue 12).
         return convert.adapter_info(reg.record)
 

@@ -43,8 +43,14 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from control_plane.errors import (ControlPlaneError, InvalidArgumentError, NotFoundError,
-                                  PermissionDeniedError, ResourceExhaustedError, UnavailableError)
+from control_plane.errors import (
+    ControlPlaneError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from control_plane.registry import AdapterRegistry
 from control_plane.store import AdapterRecord
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
@@ -52,6 +58,7 @@ from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
 
 log = structlog.get_logger("control_plane.workers")
+
 
 @dataclass(frozen=True)
 class MembershipTimings:
@@ -115,14 +122,15 @@ class WorkerHandle:
     restarts: int = 0
     loaded_at: dict[int, float] = field(default_factory=dict, repr=False)
     unloading: set[int] = field(default_factory=set, repr=False)
-    resident_ids: set[int] = field(default_factory=set)   # in device slots (last heartbeat)
-    host_ids: set[int] = field(default_factory=set)       # host tensors (last heartbeat)
+    resident_ids: set[int] = field(default_factory=set)  # in device slots (last heartbeat)
+    host_ids: set[int] = field(default_factory=set)  # host tensors (last heartbeat)
     paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
 
     @property
     def capacity(self) -> int | None:
         """Requests it admits at once (slots + queue limit); None when unknown."""
         return None if self.queue_limit is None else self.n_slots + self.queue_limit
+
     # One LoadAdapter at a time per worker, so concurrent requests do not push twice.
     load_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -154,8 +162,14 @@ class WorkerPool:
             is open, so addresses of live workers are pinned); also sent on every Worker RPC.
     """
 
-    def __init__(self, registry: AdapterRegistry, timings: MembershipTimings = MembershipTimings(),
-                 *, clock: Callable[[], float] = time.monotonic, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        timings: MembershipTimings = MembershipTimings(),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        secret: str | None = None,
+    ) -> None:
         self.registry = registry
         self.timings = timings
         self.trusted = secret is not None
@@ -192,7 +206,8 @@ class WorkerPool:
             if len(self._joining) >= self.timings.max_pending_joins:
                 raise ResourceExhaustedError(
                     f"worker {hello.worker_id}: {len(self._joining)} worker joins already pending "
-                    f"(limit {self.timings.max_pending_joins}); retry later")
+                    f"(limit {self.timings.max_pending_joins}); retry later"
+                )
             self._joining[hello.worker_id] = hello.addr
         copy = control_plane_pb2.WorkerHello()
         copy.CopyFrom(hello)
@@ -201,16 +216,17 @@ class WorkerPool:
         return False
 
     @staticmethod
-    def _check_not_taken(hello: control_plane_pb2.WorkerHello, old: WorkerHandle | None,
-                         joining: str | None) -> None:
+    def _check_not_taken(hello: control_plane_pb2.WorkerHello, old: WorkerHandle | None, joining: str | None) -> None:
         if old is not None and old.alive and old.addr != hello.addr:
             raise PermissionDeniedError(
                 f"worker id '{hello.worker_id}' is alive at {old.addr}; it cannot be registered from "
-                f"{hello.addr} without the worker secret (or before it is dead)")
+                f"{hello.addr} without the worker secret (or before it is dead)"
+            )
         if joining is not None and joining != hello.addr:
             raise PermissionDeniedError(
                 f"worker id '{hello.worker_id}' is joining from {joining}; it cannot be registered "
-                f"from {hello.addr} without the worker secret")
+                f"from {hello.addr} without the worker secret"
+            )
 
     def _join(self, hello: control_plane_pb2.WorkerHello) -> None:
         """Join-thread body: dial, reconcile, install; failures are logged (the worker's next
@@ -243,18 +259,27 @@ class WorkerPool:
         else:
             channel = self._dial(hello)
             handle = WorkerHandle(
-                worker_id=hello.worker_id, addr=hello.addr, model=hello.model,
-                model_sha256=hello.model_sha256, n_slots=hello.n_slots, channel=channel,
+                worker_id=hello.worker_id,
+                addr=hello.addr,
+                model=hello.model,
+                model_sha256=hello.model_sha256,
+                n_slots=hello.n_slots,
+                channel=channel,
                 stub=worker_pb2_grpc.WorkerStub(with_secret(channel, self._secret)),
-                last_heartbeat=self._clock())
+                last_heartbeat=self._clock(),
+            )
         try:
             self._reconcile(handle)
         except BaseException:
             if handle is not old:
                 handle.channel.close()
             raise
-        restarted = old is not None and bool(hello.incarnation) and old.incarnation != hello.incarnation \
+        restarted = (
+            old is not None
+            and bool(hello.incarnation)
+            and old.incarnation != hello.incarnation
             and bool(old.incarnation)
+        )
         with self._lock:
             handle.model, handle.model_sha256, handle.n_slots = hello.model, hello.model_sha256, hello.n_slots
             handle.queue_limit = hello.queue_limit if hello.HasField("queue_limit") else None
@@ -267,9 +292,14 @@ class WorkerPool:
         if old is not None and old is not handle:
             old.channel.close()
         self._refresh()
-        log.info("worker_restarted" if restarted else "worker_registered", worker_id=hello.worker_id,
-                 addr=hello.addr, adapter_ids=sorted(handle.adapter_ids), again=old is not None,
-                 restarts=handle.restarts)
+        log.info(
+            "worker_restarted" if restarted else "worker_registered",
+            worker_id=hello.worker_id,
+            addr=hello.addr,
+            adapter_ids=sorted(handle.adapter_ids),
+            again=old is not None,
+            restarts=handle.restarts,
+        )
 
     def _dial(self, hello: control_plane_pb2.WorkerHello) -> grpc.Channel:
         channel = grpc.insecure_channel(hello.addr, options=GRPC_MESSAGE_OPTIONS)
@@ -277,8 +307,9 @@ class WorkerPool:
             grpc.channel_ready_future(channel).result(timeout=self.timings.connect_timeout_s)
         except grpc.FutureTimeoutError:
             channel.close()
-            raise UnavailableError(f"worker {hello.worker_id}: cannot reach it at {hello.addr} "
-                                   f"within {self.timings.connect_timeout_s:g}s") from None
+            raise UnavailableError(
+                f"worker {hello.worker_id}: cannot reach it at {hello.addr} within {self.timings.connect_timeout_s:g}s"
+            ) from None
         return channel
 
     def heartbeat(self, hello: control_plane_pb2.WorkerHello, *, age_s: float = 0.0) -> bool:
@@ -301,10 +332,13 @@ class WorkerPool:
                 if handle is not None and not self.trusted:
                     raise PermissionDeniedError(
                         f"worker id '{hello.worker_id}' is registered at {handle.addr}, not {hello.addr}; "
-                        f"heartbeats from another address need the worker secret")
+                        f"heartbeats from another address need the worker secret"
+                    )
                 known = sorted(self._workers)
-                raise NotFoundError(f"worker '{hello.worker_id}' is not registered at {hello.addr} "
-                                    f"(call RegisterWorker); registered workers: {known}")
+                raise NotFoundError(
+                    f"worker '{hello.worker_id}' is not registered at {hello.addr} "
+                    f"(call RegisterWorker); registered workers: {known}"
+                )
             handle.last_heartbeat = max(handle.last_heartbeat, self._clock() - age_s)
             handle.failed = None
             if age_s == 0.0:
@@ -327,8 +361,12 @@ class WorkerPool:
             pushed_since = {i for i in w.adapter_ids if now - w.loaded_at.get(i, -1e18) < recent_s}
             believed = good | pushed_since
             if believed != w.adapter_ids:
-                log.warning("worker_adapters_reconciled", worker_id=w.worker_id,
-                            lost=sorted(w.adapter_ids - believed), found=sorted(believed - w.adapter_ids))
+                log.warning(
+                    "worker_adapters_reconciled",
+                    worker_id=w.worker_id,
+                    lost=sorted(w.adapter_ids - believed),
+                    found=sorted(believed - w.adapter_ids),
+                )
             w.adapter_ids = believed
             w.draining_ids = set(holdings.draining_ids) - believed
             stale = sorted(i for i in set(held) - good if i not in w.unloading)
@@ -361,11 +399,24 @@ class WorkerPool:
         self._refresh()
         now = self._clock()
         with self._lock:
-            return [WorkerView(w.worker_id, w.addr, "alive" if w.alive else "dead",
-                               max(0.0, now - w.last_heartbeat), tuple(sorted(w.adapter_ids)),
-                               w.model, w.n_slots, w.in_flight, w.restarts, tuple(sorted(w.draining_ids)),
-                               w.paging, tuple(sorted(w.resident_ids)), tuple(sorted(w.host_ids)))
-                    for _, w in sorted(self._workers.items())]
+            return [
+                WorkerView(
+                    w.worker_id,
+                    w.addr,
+                    "alive" if w.alive else "dead",
+                    max(0.0, now - w.last_heartbeat),
+                    tuple(sorted(w.adapter_ids)),
+                    w.model,
+                    w.n_slots,
+                    w.in_flight,
+                    w.restarts,
+                    tuple(sorted(w.draining_ids)),
+                    w.paging,
+                    tuple(sorted(w.resident_ids)),
+                    tuple(sorted(w.host_ids)),
+                )
+                for _, w in sorted(self._workers.items())
+            ]
 
     def _refresh(self) -> None:
         now = self._clock()
@@ -401,8 +452,13 @@ class WorkerPool:
             try:
                 w.stub.LoadAdapter(iter([self._header(record)]), timeout=self.timings.load_timeout_s)
             except grpc.RpcError as exc:
-                log.warning("adapter_pin_failed", worker_id=w.worker_id, adapter_id=record.id,
-                            code=exc.code().name, error=exc.details())
+                log.warning(
+                    "adapter_pin_failed",
+                    worker_id=w.worker_id,
+                    adapter_id=record.id,
+                    code=exc.code().name,
+                    error=exc.details(),
+                )
 
     def unload_adapter(self, adapter_id: int) -> None:
         """Unload a removed adapter from every worker that may hold it, in parallel, waiting at
@@ -412,8 +468,11 @@ class WorkerPool:
         ``draining_ids`` until its heartbeats say it is freed; other failures are logged and
         retried by heartbeat reconciliation."""
         with self._lock:
-            holders = [w for w in self._workers.values()
-                       if (adapter_id in w.adapter_ids or w.alive) and adapter_id not in w.unloading]
+            holders = [
+                w
+                for w in self._workers.values()
+                if (adapter_id in w.adapter_ids or w.alive) and adapter_id not in w.unloading
+            ]
             for w in holders:
                 w.unloading.add(adapter_id)
         pending = [self._unloads.submit(self._unload_one, w, adapter_id) for w in holders]
@@ -431,13 +490,22 @@ class WorkerPool:
                 outcome = "freed"  # it did not hold it (any more)
             elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 outcome = "draining"
-                log.warning("adapter_unload_pending", worker_id=w.worker_id, adapter_id=adapter_id,
-                            reason=f"still used by running requests after {self.timings.unload_wait_s:g}s; "
-                                   "the worker frees it when they finish")
+                log.warning(
+                    "adapter_unload_pending",
+                    worker_id=w.worker_id,
+                    adapter_id=adapter_id,
+                    reason=f"still used by running requests after {self.timings.unload_wait_s:g}s; "
+                    "the worker frees it when they finish",
+                )
             else:
                 outcome = "failed"
-                log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=adapter_id,
-                            code=code.name, error=exc.details())
+                log.warning(
+                    "adapter_unload_failed",
+                    worker_id=w.worker_id,
+                    adapter_id=adapter_id,
+                    code=code.name,
+                    error=exc.details(),
+                )
         with self._lock:
             w.unloading.discard(adapter_id)
             if outcome != "failed":
@@ -469,8 +537,9 @@ class WorkerPool:
             try:
                 w.stub.LoadAdapter(iter([self._header(record)]), timeout=self.timings.load_timeout_s)
             except grpc.RpcError as exc:
-                raise UnavailableError(f"worker {w.worker_id}: announcing adapter {record.id} failed: "
-                                       f"{exc.code().name}: {exc.details()}") from exc
+                raise UnavailableError(
+                    f"worker {w.worker_id}: announcing adapter {record.id} failed: {exc.code().name}: {exc.details()}"
+                ) from exc
             with self._lock:
                 w.adapter_ids.add(record.id)
                 w.loaded_at[record.id] = self._clock()
@@ -479,8 +548,9 @@ class WorkerPool:
     @staticmethod
     def _header(record: AdapterRecord) -> common_pb2.AdapterChunk:
         """The header-only ``LoadAdapter`` chunk: id, sha256, name, pin; bytes on demand."""
-        return common_pb2.AdapterChunk(id=record.id, sha256=record.sha256, name=record.name,
-                                       fetch_on_demand=True, pinned=record.pinned)
+        return common_pb2.AdapterChunk(
+            id=record.id, sha256=record.sha256, name=record.name, fetch_on_demand=True, pinned=record.pinned
+        )
 
     def _reconcile(self, w: WorkerHandle) -> None:
         """Align a (re)registering worker's adapters with the registry: keep what matches,
@@ -489,8 +559,9 @@ class WorkerPool:
         try:
             held = w.stub.ListAdapters(common_pb2.Empty(), timeout=self.timings.connect_timeout_s).adapters
         except grpc.RpcError as exc:
-            raise UnavailableError(f"worker {w.worker_id}: ListAdapters failed: "
-                                   f"{exc.code().name}: {exc.details()}") from exc
+            raise UnavailableError(
+                f"worker {w.worker_id}: ListAdapters failed: {exc.code().name}: {exc.details()}"
+            ) from exc
         wanted = {r.id: r for r in self.registry.list()}
         kept = {i.id for i in held if i.id in wanted and wanted[i.id].sha256 == i.sha256}
         with self._lock:
@@ -501,8 +572,13 @@ class WorkerPool:
             try:
                 w.stub.UnloadAdapter(common_pb2.AdapterRef(id=info.id), timeout=self.timings.unload_wait_s)
             except grpc.RpcError as exc:
-                log.warning("adapter_unload_failed", worker_id=w.worker_id, adapter_id=info.id,
-                            code=exc.code().name, error=exc.details())
+                log.warning(
+                    "adapter_unload_failed",
+                    worker_id=w.worker_id,
+                    adapter_id=info.id,
+                    code=exc.code().name,
+                    error=exc.details(),
+                )
 
     def close(self) -> None:
         self._joins.shutdown(wait=False, cancel_futures=True)

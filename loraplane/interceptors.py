@@ -21,6 +21,7 @@ Order on a server (first = outermost): auth interceptors, then `DecodeGuardInter
 from __future__ import annotations
 
 import collections
+import functools
 import hmac
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -44,8 +45,9 @@ def wrap_behavior(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Cal
     return handler._replace(unary_unary=wrap(handler.unary_unary))
 
 
-def refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str,
-            *, event: str = "rpc_refused", method: str = "") -> grpc.RpcMethodHandler:
+def refusal(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str, *, event: str = "rpc_refused", method: str = ""
+) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as ``handler`` that aborts with ``code``.
 
     The request is never deserialized (no deserializer), so a refused caller cannot make the
@@ -88,8 +90,15 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
     (never echoing what was presented).
     """
 
-    def __init__(self, secret: str, *, key: str, applies: MethodPredicate, what: str,
-                 extract: Callable[[str], str | None] = lambda v: v) -> None:
+    def __init__(
+        self,
+        secret: str,
+        *,
+        key: str,
+        applies: MethodPredicate,
+        what: str,
+        extract: Callable[[str], str | None] = lambda v: v,
+    ) -> None:
         if not secret:
             raise ValueError(f"{what}: an empty secret would accept anyone")
         self._secret = secret.encode()
@@ -106,12 +115,21 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
         raw = metadata_value(handler_call_details.invocation_metadata, self._key)
         presented = self._extract(raw) if raw is not None else None
         if presented is None:
-            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
-                           f"{method} needs the {self._what} ('{self._key}' metadata)",
-                           event="unauthenticated_call", method=method)
+            return refusal(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} needs the {self._what} ('{self._key}' metadata)",
+                event="unauthenticated_call",
+                method=method,
+            )
         if not hmac.compare_digest(presented.encode(), self._secret):
-            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, f"{method}: {self._what} rejected",
-                           event="unauthenticated_call", method=method)
+            return refusal(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method}: {self._what} rejected",
+                event="unauthenticated_call",
+                method=method,
+            )
         return handler
 
 
@@ -162,16 +180,19 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
     @staticmethod
     def _wrap_unary(behavior, response_streaming: bool, message):
         if response_streaming:
+
             def stream(request, context):
                 if isinstance(request, _Undecodable):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
                 yield from behavior(request, context)
+
             return stream
 
         def unary(request, context):
             if isinstance(request, _Undecodable):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(request))
             return behavior(request, context)
+
         return unary
 
     @staticmethod
@@ -184,6 +205,7 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
                 yield r
 
         if response_streaming:
+
             def stream(requests, context):
                 seen: list = []
                 try:
@@ -194,6 +216,7 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
                     raise
                 if seen:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(seen[0]))
+
             return stream
 
         def unary(requests, context):
@@ -207,6 +230,7 @@ class DecodeGuardInterceptor(grpc.ServerInterceptor):
             if seen:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, message(seen[0]))
             return result
+
         return unary
 
 
@@ -239,8 +263,9 @@ class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
     """
 
     def __init__(self, groups: Mapping[str, tuple[int, MethodPredicate]], *, hint: str = "") -> None:
-        self._groups = [(name, limit, applies, threading.BoundedSemaphore(limit))
-                        for name, (limit, applies) in groups.items()]
+        self._groups = [
+            (name, limit, applies, threading.BoundedSemaphore(limit)) for name, (limit, applies) in groups.items()
+        ]
         self._hint = hint
         self.refused: collections.Counter[str] = collections.Counter()
 
@@ -251,8 +276,17 @@ class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         for name, limit, applies, sem in self._groups:
             if applies(method):
-                return wrap_behavior(handler, lambda b, n=name, lim=limit, s=sem: self._limited(
-                    b, handler.response_streaming, n, lim, s, method))
+                return wrap_behavior(
+                    handler,
+                    functools.partial(
+                        self._limited,
+                        response_streaming=handler.response_streaming,
+                        name=name,
+                        limit=limit,
+                        sem=sem,
+                        method=method,
+                    ),
+                )
         return handler
 
     def _refuse(self, context, name: str, limit: int, method: str) -> None:
@@ -260,12 +294,16 @@ class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
         # gRPC's server pushback: tells clients this refusal is "busy, retry after N ms" (and
         # not, say, an upload over the size limit, also RESOURCE_EXHAUSTED).
         context.set_trailing_metadata(((PUSHBACK_KEY, str(BUSY_PUSHBACK_MS)),))
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"{method}: {limit} {name} calls already in progress; retry later{self._hint}")
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{method}: {limit} {name} calls already in progress; retry later{self._hint}",
+        )
 
-    def _limited(self, behavior, response_streaming: bool, name: str, limit: int,
-                 sem: threading.BoundedSemaphore, method: str):
+    def _limited(
+        self, behavior, response_streaming: bool, name: str, limit: int, sem: threading.BoundedSemaphore, method: str
+    ):
         if response_streaming:
+
             def stream(request, context):
                 if not sem.acquire(blocking=False):
                     self._refuse(context, name, limit, method)
@@ -273,6 +311,7 @@ class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
                     yield from behavior(request, context)
                 finally:
                     sem.release()
+
             return stream
 
         def unary(request, context):
@@ -282,26 +321,39 @@ class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
                 return behavior(request, context)
             finally:
                 sem.release()
+
         return unary
 
 
-class _ClientCallDetails(collections.namedtuple(
-        "_ClientCallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
-        grpc.ClientCallDetails):
+class _ClientCallDetails(
+    collections.namedtuple(
+        "_ClientCallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
     pass
 
 
-class MetadataClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                                grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class MetadataClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds ``metadata`` pairs to every call made through the intercepted channel."""
 
     def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
         self._metadata = tuple(metadata)
 
     def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        return _ClientCallDetails(d.method, d.timeout, tuple(d.metadata or ()) + self._metadata,
-                                  d.credentials, getattr(d, "wait_for_ready", None),
-                                  getattr(d, "compression", None))
+        return _ClientCallDetails(
+            d.method,
+            d.timeout,
+            tuple(d.metadata or ()) + self._metadata,
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)

@@ -53,6 +53,7 @@ def confine(path: str, allowed: Sequence[Path], *, flag: str = "--adapter-dir") 
     resolved = Path(path).resolve()
     if not any(is_inside(resolved, d) for d in allowed):
         shown = [str(d) for d in allowed] or f"none configured ({flag})"
-        raise OutsideAdapterDirs(f"server path '{path}' resolves to '{resolved}', outside the "
-                                 f"adapter directories ({shown})")
+        raise OutsideAdapterDirs(
+            f"server path '{path}' resolves to '{resolved}', outside the adapter directories ({shown})"
+        )
     return resolved

@@ -26,8 +26,7 @@ from loraplane.interceptors import MetadataClientInterceptor, SharedSecretInterc
 WORKER_SECRET_KEY = "loraplane-worker-secret"
 """Metadata key carrying the worker secret (gRPC keys are lower case)."""
 
-MEMBERSHIP_METHODS = frozenset({"/loraplane.v1.ControlPlane/RegisterWorker",
-                                "/loraplane.v1.ControlPlane/Heartbeat"})
+MEMBERSHIP_METHODS = frozenset({"/loraplane.v1.ControlPlane/RegisterWorker", "/loraplane.v1.ControlPlane/Heartbeat"})
 FETCH_METHODS = frozenset({"/loraplane.v1.ControlPlane/FetchAdapter"})
 """Worker → control plane calls outside membership that need the secret too (adapter bytes)."""
 WORKER_SERVICE_PREFIX = "/loraplane.v1.Worker/"
@@ -53,13 +52,16 @@ def with_secret(channel: grpc.Channel, secret: str | None) -> grpc.Channel:
 
 def membership_guard(secret: str) -> SharedSecretInterceptor:
     """Control-plane interceptor: RegisterWorker/Heartbeat and FetchAdapter need the secret."""
-    return SharedSecretInterceptor(secret, key=WORKER_SECRET_KEY,
-                                   applies=lambda m: m in MEMBERSHIP_METHODS or m in FETCH_METHODS,
-                                   what="worker secret")
+    return SharedSecretInterceptor(
+        secret,
+        key=WORKER_SECRET_KEY,
+        applies=lambda m: m in MEMBERSHIP_METHODS or m in FETCH_METHODS,
+        what="worker secret",
+    )
 
 
 def worker_guard(secret: str) -> SharedSecretInterceptor:
     """Worker interceptor: every Worker RPC needs the secret (health/reflection stay open)."""
-    return SharedSecretInterceptor(secret, key=WORKER_SECRET_KEY,
-                                   applies=lambda m: m.startswith(WORKER_SERVICE_PREFIX),
-                                   what="worker secret")
+    return SharedSecretInterceptor(
+        secret, key=WORKER_SECRET_KEY, applies=lambda m: m.startswith(WORKER_SERVICE_PREFIX), what="worker secret"
+    )

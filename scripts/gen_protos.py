@@ -14,8 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> None:
     protos = sorted((ROOT / "protos").rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{ROOT / 'protos'}", f"-I{include}",
-            f"--python_out={ROOT}", f"--pyi_out={ROOT}", f"--grpc_python_out={ROOT}"]
+    args = [
+        "protoc",
+        f"-I{ROOT / 'protos'}",
+        f"-I{include}",
+        f"--python_out={ROOT}",
+        f"--pyi_out={ROOT}",
+        f"--grpc_python_out={ROOT}",
+    ]
     args += [str(p) for p in protos]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")

@@ -78,8 +78,12 @@ def admin_control_plane(tmp_path_factory, fixtures_dir: Path, base_model_path: P
     worker, for authentication checks; ``.addr``, ``.admin_token``."""
     from tests.live_servers import ADMIN_TOKEN, start_control_plane
 
-    cp = start_control_plane(tmp_path_factory.mktemp("admin-cp") / "data",
-                             fixtures_dir / "adapters", base_model_path, admin_token=ADMIN_TOKEN)
+    cp = start_control_plane(
+        tmp_path_factory.mktemp("admin-cp") / "data",
+        fixtures_dir / "adapters",
+        base_model_path,
+        admin_token=ADMIN_TOKEN,
+    )
     yield cp
     cp.stop()
 

@@ -24,8 +24,10 @@ class ControlPlane:
         self.config = config
         self.server, self.port, self.state = create_server(config)
         self.addr = f"127.0.0.1:{self.port}"
-        self.channel = grpc.insecure_channel(self.addr, options=[
-            ("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)])
+        self.channel = grpc.insecure_channel(
+            self.addr,
+            options=[("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)],
+        )
         self.stub = control_plane_pb2_grpc.ControlPlaneStub(self.channel)
         self.stopped = False
 
@@ -42,7 +44,7 @@ def upload_chunks(path: Path, *, name: str = "", chunk: int = MiB):
     data = Path(path).read_bytes()
     yield common_pb2.AdapterChunk(name=name, data=data[:chunk])
     for i in range(chunk, len(data), chunk):
-        yield common_pb2.AdapterChunk(data=data[i:i + chunk])
+        yield common_pb2.AdapterChunk(data=data[i : i + chunk])
 
 
 def upload(stub, path: Path, *, name: str = "", metadata=None) -> common_pb2.AdapterInfo:

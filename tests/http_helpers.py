@@ -22,10 +22,10 @@ READY_TIMEOUT_S = 600
 class HttpServe:
     proc: subprocess.Popen
     grpc_addr: str
-    http: str            # http://127.0.0.1:PORT
-    cp_metrics: str      # http://127.0.0.1:PORT/metrics
+    http: str  # http://127.0.0.1:PORT
+    cp_metrics: str  # http://127.0.0.1:PORT/metrics
     worker_metrics: str
-    banner: str          # serve's "serving on …" line
+    banner: str  # serve's "serving on …" line
 
     def stop(self) -> int:
         return stop_process(self.proc, 60) or 0
@@ -42,17 +42,43 @@ def start_http_serve(tmp: Path, *extra: str, admin_token: str | None = None) -> 
         env["LORAPLANE_ADMIN_TOKEN"] = admin_token
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "clients.cli", "serve", "--addr", grpc_addr, "--data-dir", str(tmp / "data"),
-             "--device", "cpu", "--log-level", "warning", "--slots", "2", "--http-addr", http_addr,
-             "--metrics-addr", cp_m, "--worker-metrics-addr", w_m, *extra],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "clients.cli",
+                "serve",
+                "--addr",
+                grpc_addr,
+                "--data-dir",
+                str(tmp / "data"),
+                "--device",
+                "cpu",
+                "--log-level",
+                "warning",
+                "--slots",
+                "2",
+                "--http-addr",
+                http_addr,
+                "--metrics-addr",
+                cp_m,
+                "--worker-metrics-addr",
+                w_m,
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         text = log.read_text(errors="replace")
         banner = next((line for line in text.splitlines() if line.startswith("loraplane: serving on")), None)
         if banner:
-            return HttpServe(proc, grpc_addr, f"http://{http_addr}", f"http://{cp_m}/metrics",
-                             f"http://{w_m}/metrics", banner)
+            return HttpServe(
+                proc, grpc_addr, f"http://{http_addr}", f"http://{cp_m}/metrics", f"http://{w_m}/metrics", banner
+            )
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_process(proc, 10)
             raise RuntimeError(f"serve did not become ready (code {proc.returncode}); log:\n{text[-4000:]}")

@@ -74,23 +74,41 @@ class LiveControlPlane:
         self.state.close()
 
 
-def start_control_plane(data_dir: Path, adapter_dir: Path, model_path: Path, *,
-                        admin_token: str | None = None,
-                        addr: str = "127.0.0.1:0") -> LiveControlPlane:
+def start_control_plane(
+    data_dir: Path, adapter_dir: Path, model_path: Path, *, admin_token: str | None = None, addr: str = "127.0.0.1:0"
+) -> LiveControlPlane:
     """A real control plane on ``addr`` (default 127.0.0.1, port 0) over ``data_dir``;
     server paths are accepted inside ``adapter_dir``."""
     from control_plane.server import ControlPlaneConfig, create_server
 
-    config = ControlPlaneConfig(addr=addr, data_dir=str(data_dir),
-                                adapter_dirs=(str(adapter_dir),), model_path=str(model_path),
-                                admin_token=admin_token, log_level="warning")
+    config = ControlPlaneConfig(
+        addr=addr,
+        data_dir=str(data_dir),
+        adapter_dirs=(str(adapter_dir),),
+        model_path=str(model_path),
+        admin_token=admin_token,
+        log_level="warning",
+    )
     server, port, state = create_server(config)
-    return LiveControlPlane(addr=f"127.0.0.1:{port}", server=server, state=state,
-                            data_dir=data_dir, adapter_dir=adapter_dir, admin_token=admin_token)
+    return LiveControlPlane(
+        addr=f"127.0.0.1:{port}",
+        server=server,
+        state=state,
+        data_dir=data_dir,
+        adapter_dir=adapter_dir,
+        admin_token=admin_token,
+    )
 
 
-def start_worker(cp: LiveControlPlane, model_path: Path, log_path: Path, *,
-                 slots: int = 4, extra_args: tuple[str, ...] = (), worker_id: str = "") -> None:
+def start_worker(
+    cp: LiveControlPlane,
+    model_path: Path,
+    log_path: Path,
+    *,
+    slots: int = 4,
+    extra_args: tuple[str, ...] = (),
+    worker_id: str = "",
+) -> None:
     """Start one real worker for ``cp`` and wait until the control plane lists it alive.
 
     Raises:
@@ -98,28 +116,49 @@ def start_worker(cp: LiveControlPlane, model_path: Path, log_path: Path, *,
     """
     cp.worker_id = worker_id or f"test-worker-{uuid.uuid4().hex[:8]}"
     cp.worker_log = log_path
-    cmd = [sys.executable, "-m", "clients.cli", "worker", "--control-plane", cp.addr,
-           "--addr", "127.0.0.1:0", "--worker-id", cp.worker_id, "--slots", str(slots),
-           "--device", "cpu", "--model", str(model_path), *extra_args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p), "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "worker",
+        "--control-plane",
+        cp.addr,
+        "--addr",
+        "127.0.0.1:0",
+        "--worker-id",
+        cp.worker_id,
+        "--slots",
+        str(slots),
+        "--device",
+        "cpu",
+        "--model",
+        str(model_path),
+        *extra_args,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "PYTHONUNBUFFERED": "1",
+    }
     with open(log_path, "ab") as log:
-        cp.worker_proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        cp.worker_proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
     while True:
-        ours = [w for w in cp.state.pool.snapshot()
-                if w.worker_id == cp.worker_id and w.state == "alive"]
+        ours = [w for w in cp.state.pool.snapshot() if w.worker_id == cp.worker_id and w.state == "alive"]
         if ours:
             cp.worker_addr = ours[0].addr
             return
         code = cp.worker_proc.poll()
         if code is not None:
-            raise RuntimeError(f"the worker exited with code {code} before registering; "
-                               f"log tail:\n{cp.worker_log_tail()}")
+            raise RuntimeError(
+                f"the worker exited with code {code} before registering; log tail:\n{cp.worker_log_tail()}"
+            )
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the worker did not register within {WORKER_READY_TIMEOUT_S:g}s;"
-                               f" log tail:\n{cp.worker_log_tail()}")
+            raise RuntimeError(
+                f"the worker did not register within {WORKER_READY_TIMEOUT_S:g}s; log tail:\n{cp.worker_log_tail()}"
+            )
         time.sleep(0.25)
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker.runtime.context import UBatch, WorkerContext
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.alora import resolve_alora
+from worker.runtime.context import UBatch, WorkerContext
 
 
 @dataclass
@@ -49,12 +49,15 @@ class GroupStats:
         return hits / total if total else 1.0
 
     def report(self, group: str) -> str:
-        return (f"{group}: n={len(self.cases)} worst mean |d|={self.worst_mean:.4f} "
-                f"p95={self.p95:.4f} argmax={self.argmax_rate * 100:.1f}%")
+        return (
+            f"{group}: n={len(self.cases)} worst mean |d|={self.worst_mean:.4f} "
+            f"p95={self.p95:.4f} argmax={self.argmax_rate * 100:.1f}%"
+        )
 
 
-def teacher_forced_logprobs(ctx: WorkerContext, prompt: list[int], generated: list[int],
-                            adapter_set: AdapterSet = EMPTY_SET, seq_id: int = 0) -> torch.Tensor:
+def teacher_forced_logprobs(
+    ctx: WorkerContext, prompt: list[int], generated: list[int], adapter_set: AdapterSet = EMPTY_SET, seq_id: int = 0
+) -> torch.Tensor:
     """f32 ``(len(generated), n_vocab)`` log-probs at each generated position, computed in one
     ubatch with the aLoRA activation rule applied (tokens before the invocation run without it)."""
     toks = prompt + generated

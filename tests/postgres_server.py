@@ -39,13 +39,17 @@ def pg_bin_dir() -> Path:
     """
     on_path = shutil.which("pg_ctl")
     candidates = ([Path(on_path).resolve().parent] if on_path else []) + sorted(
-        Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
-        reverse=True)
+        Path("/usr/lib/postgresql").glob("*/bin"),
+        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
+        reverse=True,
+    )
     for d in candidates:
         if (d / "initdb").is_file() and (d / "pg_ctl").is_file():
             return d
-    raise PostgresUnavailable("no PostgreSQL binaries (initdb, pg_ctl) on PATH or under /usr/lib/postgresql/*/bin;"
-                              " run scripts/install_postgres.sh (apt-get install -y postgresql)")
+    raise PostgresUnavailable(
+        "no PostgreSQL binaries (initdb, pg_ctl) on PATH or under /usr/lib/postgresql/*/bin;"
+        " run scripts/install_postgres.sh (apt-get install -y postgresql)"
+    )
 
 
 def free_port() -> int:
@@ -80,8 +84,10 @@ class PostgresServer:
         return self.url(name)
 
     def stop(self) -> None:
-        _run(self.run_as + [str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", "immediate", "-w",
-                            "stop"], check=False)
+        _run(
+            self.run_as + [str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", "immediate", "-w", "stop"],
+            check=False,
+        )
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -115,12 +121,40 @@ def start_postgres() -> PostgresServer:
         shutil.chown(root, user=PG_USER)
     server = PostgresServer(bin_dir, root, free_port(), run_as)
     try:
-        _run(run_as + [str(bin_dir / "initdb"), "-D", str(server.data_dir), "-U", PG_ROLE, "--auth=trust",
-                       "--encoding=UTF8", "--no-sync"])
-        opts = (f"-p {server.port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
-                " -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
-        proc = _run(run_as + [str(bin_dir / "pg_ctl"), "-D", str(server.data_dir), "-o", opts,
-                              "-l", str(root / "server.log"), "-w", "-t", str(START_TIMEOUT_S), "start"], check=False)
+        _run(
+            run_as
+            + [
+                str(bin_dir / "initdb"),
+                "-D",
+                str(server.data_dir),
+                "-U",
+                PG_ROLE,
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-sync",
+            ]
+        )
+        opts = (
+            f"-p {server.port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
+            " -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+        )
+        proc = _run(
+            run_as
+            + [
+                str(bin_dir / "pg_ctl"),
+                "-D",
+                str(server.data_dir),
+                "-o",
+                opts,
+                "-l",
+                str(root / "server.log"),
+                "-w",
+                "-t",
+                str(START_TIMEOUT_S),
+                "start",
+            ],
+            check=False,
+        )
         if proc.returncode != 0:
             log = (root / "server.log").read_text(errors="replace")[-2000:] if (root / "server.log").exists() else ""
             raise PostgresUnavailable(f"pg_ctl start exited {proc.returncode}: {proc.stderr.strip()}\n{log}")

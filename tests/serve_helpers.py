@@ -12,16 +12,14 @@ import subprocess
 import sys
 import time
 from importlib.util import find_spec
-
-from loraplane.process import stop_process
 from pathlib import Path
 
 from clients.client import LoraplaneClient
+from loraplane.process import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo" / "adapters"
-HAVE_SERVERS = find_spec("control_plane.server") is not None and \
-    find_spec("worker.rpc.server") is not None
+HAVE_SERVERS = find_spec("control_plane.server") is not None and find_spec("worker.rpc.server") is not None
 READY_TIMEOUT_S = 600
 
 
@@ -35,10 +33,29 @@ def start_serve(data_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """``loraplane serve`` with shout (id 0) and sea (id 1) loaded, default set empty."""
     addr = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "clients.cli", "serve", "--addr", addr, "--data-dir",
-         str(data_dir), "--lora", str(DEMO / "shout.gguf"), "--lora", str(DEMO / "sea.gguf"),
-         "--lora-init-without-apply", "--device", "cpu", "--log-level", "warning", *extra],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "serve",
+            "--addr",
+            addr,
+            "--data-dir",
+            str(data_dir),
+            "--lora",
+            str(DEMO / "shout.gguf"),
+            "--lora",
+            str(DEMO / "sea.gguf"),
+            "--lora-init-without-apply",
+            "--device",
+            "cpu",
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         with LoraplaneClient(addr, wait_for_server=True, connect_timeout=READY_TIMEOUT_S) as lp:

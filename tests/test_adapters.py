@@ -14,9 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from worker.lora.adapter import (MAX_RANK, AdapterError, LoraPair, base_tensor_index, lora_scale,
-                             load_lora_adapter, validate_lora_adapter)
 from worker.gguf.reader import dequantize, read_gguf
+from worker.lora.adapter import (
+    MAX_RANK,
+    AdapterError,
+    LoraPair,
+    base_tensor_index,
+    load_lora_adapter,
+    lora_scale,
+    validate_lora_adapter,
+)
 
 # name, alpha, ranks, pair count, invocation tokens
 FIXTURE_ADAPTERS = [
@@ -60,19 +67,30 @@ def test_fixture_moe_adapter_loads(fixtures_dir):
     arch, index = base_tensor_index(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf")
     a = load_lora_adapter(fixtures_dir / "tiny_moe" / "moe_lora.gguf", base_arch=arch, base_tensors=index)
     assert (a.arch, a.alpha, a.ranks, a.alora_invocation_tokens) == ("llama", 8.0, (4,), ())
-    assert set(a.pairs) == {"blk.0.attn_q.weight", "blk.0.ffn_up_exps.weight",
-                            "blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"}
+    assert set(a.pairs) == {
+        "blk.0.attn_q.weight",
+        "blk.0.ffn_up_exps.weight",
+        "blk.1.ffn_up_exps.weight",
+        "blk.1.ffn_down_exps.weight",
+    }
     up = a.pairs["blk.0.ffn_up_exps.weight"]  # W ne [64, 128, 4]
     assert tuple(up.lora_a.shape) == (4, 4, 64) and tuple(up.lora_b.shape) == (4, 128, 4)
     down = a.pairs["blk.1.ffn_down_exps.weight"]  # W ne [128, 64, 4]
     assert tuple(down.lora_a.shape) == (4, 4, 128) and tuple(down.lora_b.shape) == (4, 64, 4)
 
 
-@pytest.mark.parametrize("adapter_scale,alpha,rank,expected", [
-    (1.0, 16.0, 8, 2.0), (0.5, 16.0, 8, 1.0), (1.0, 8.0, 16, 0.5), (1.0, 32.0, 16, 2.0),
-    (0.7, 0.0, 8, 0.7),  # alpha 0 = absent: no alpha/rank factor
-    (0.0, 16.0, 8, 0.0), (-1.0, 8.0, 4, -2.0),
-])
+@pytest.mark.parametrize(
+    "adapter_scale,alpha,rank,expected",
+    [
+        (1.0, 16.0, 8, 2.0),
+        (0.5, 16.0, 8, 1.0),
+        (1.0, 8.0, 16, 0.5),
+        (1.0, 32.0, 16, 2.0),
+        (0.7, 0.0, 8, 0.7),  # alpha 0 = absent: no alpha/rank factor
+        (0.0, 16.0, 8, 0.0),
+        (-1.0, 8.0, 4, -2.0),
+    ],
+)
 def test_lora_scale(adapter_scale, alpha, rank, expected):
     assert lora_scale(adapter_scale, alpha, rank) == pytest.approx(expected)
 
@@ -97,8 +115,16 @@ def good_q() -> dict[str, np.ndarray]:
     return {"blk.0.attn_q.weight.lora_a": _rand(R, K), "blk.0.attn_q.weight.lora_b": _rand(D, R)}
 
 
-def write_adapter(path: Path, tensors: dict, *, arch: str = "llama", gtype: str | None = "adapter",
-                  atype: str | None = "lora", alpha: float | None = 8.0, extra: dict | None = None) -> Path:
+def write_adapter(
+    path: Path,
+    tensors: dict,
+    *,
+    arch: str = "llama",
+    gtype: str | None = "adapter",
+    atype: str | None = "lora",
+    alpha: float | None = 8.0,
+    extra: dict | None = None,
+) -> Path:
     """Adapter GGUF; ``tensors`` values are arrays or (raw array, ggml type) tuples."""
     w = gguf.GGUFWriter(path, arch)
     if gtype is not None:
@@ -135,9 +161,11 @@ def test_good_synthetic_adapter(tmp_path):
     t["token_embd.weight.lora_b"] = _rand(D, R)  # ne [r, d]
     t["blk.0.ffn_up_exps.weight.lora_a"] = _rand(E, R, K)  # ne [k, r, E]
     t["blk.0.ffn_up_exps.weight.lora_b"] = _rand(E, D, R)  # ne [r, d, E]
-    extra = {"adapter.lora.task_name": ("shout", gguf.GGUFValueType.STRING, None),
-             "adapter.lora.prompt_prefix": ("Say: ", gguf.GGUFValueType.STRING, None),
-             "adapter.alora.invocation_tokens": ([5, 6], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)}
+    extra = {
+        "adapter.lora.task_name": ("shout", gguf.GGUFValueType.STRING, None),
+        "adapter.lora.prompt_prefix": ("Say: ", gguf.GGUFValueType.STRING, None),
+        "adapter.alora.invocation_tokens": ([5, 6], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32),
+    }
     path = write_adapter(tmp_path / "good.gguf", t, extra=extra)
     af = validate_lora_adapter(path, base_arch="llama", base_tensors=BASE)  # numpy, no torch
     a = load_lora_adapter(path, base_arch="llama", base_tensors=BASE)
@@ -182,8 +210,9 @@ def test_truncated(tmp_path):
 
 def test_general_type_must_be_adapter(tmp_path):
     path = write_adapter(tmp_path / "a.gguf", good_q(), gtype="model")
-    assert problems_of(path) == ["general.type: expected 'adapter', found 'model' "
-                                 "(this looks like a model file, not an adapter)"]
+    assert problems_of(path) == [
+        "general.type: expected 'adapter', found 'model' (this looks like a model file, not an adapter)"
+    ]
 
 
 def test_arch_must_match_base(tmp_path):
@@ -223,8 +252,8 @@ def test_unexpected_suffix(tmp_path):
 def test_half_pair(tmp_path):
     t = {"blk.0.attn_q.weight.lora_a": _rand(R, K)}
     assert problems_of(write_adapter(tmp_path / "a.gguf", t)) == [
-        "pair 'blk.0.attn_q.weight': missing 'blk.0.attn_q.weight.lora_b' "
-        "(found only 'blk.0.attn_q.weight.lora_a')"]
+        "pair 'blk.0.attn_q.weight': missing 'blk.0.attn_q.weight.lora_b' (found only 'blk.0.attn_q.weight.lora_a')"
+    ]
     t = {"blk.0.attn_q.weight.lora_b": _rand(D, R)}
     (p,) = problems_of(write_adapter(tmp_path / "b.gguf", t))
     assert "missing 'blk.0.attn_q.weight.lora_a'" in p
@@ -271,22 +300,24 @@ def test_token_embd_exception(tmp_path):
 
 
 def test_expert_shapes(tmp_path):
-    t = {"blk.0.ffn_up_exps.weight.lora_a": _rand(E - 1, R, K),
-         "blk.0.ffn_up_exps.weight.lora_b": _rand(E, D, R)}
+    t = {"blk.0.ffn_up_exps.weight.lora_a": _rand(E - 1, R, K), "blk.0.ffn_up_exps.weight.lora_b": _rand(E, D, R)}
     (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
     assert "'blk.0.ffn_up_exps.weight.lora_a': expected ne [32, 4, 4], found [32, 4, 3]" in p
-    t = {"blk.0.ffn_up_exps.weight.lora_a": _rand(R, K),  # 2-D pair on a 3-D expert tensor
-         "blk.0.ffn_up_exps.weight.lora_b": _rand(D, R)}
+    t = {
+        "blk.0.ffn_up_exps.weight.lora_a": _rand(R, K),  # 2-D pair on a 3-D expert tensor
+        "blk.0.ffn_up_exps.weight.lora_b": _rand(D, R),
+    }
     (p,) = problems_of(write_adapter(tmp_path / "b.gguf", t))
     assert "pair 'blk.0.ffn_up_exps.weight'" in p and "[k, r, E]" in p and "wrong number of dimensions" in p
 
 
 def test_float_types_accepted(tmp_path):
     a16, b32 = _rand(R, K), _rand(D, R)
-    bf16 = (torch.from_numpy(b32).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
-            .reshape(D, 2 * R))
-    t = {"blk.0.attn_q.weight.lora_a": a16.astype(np.float16),
-         "blk.0.attn_q.weight.lora_b": (bf16, gguf.GGMLQuantizationType.BF16)}
+    bf16 = torch.from_numpy(b32).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).reshape(D, 2 * R)
+    t = {
+        "blk.0.attn_q.weight.lora_a": a16.astype(np.float16),
+        "blk.0.attn_q.weight.lora_b": (bf16, gguf.GGMLQuantizationType.BF16),
+    }
     a = load_lora_adapter(write_adapter(tmp_path / "a.gguf", t), base_arch="llama", base_tensors=BASE)
     pair = a.pairs["blk.0.attn_q.weight"]
     np.testing.assert_array_equal(pair.lora_a.numpy(), a16.astype(np.float16).astype(np.float32))
@@ -296,8 +327,7 @@ def test_float_types_accepted(tmp_path):
 def test_quantized_dequantized_at_load(tmp_path):
     a32 = _rand(R, K)
     q = gguf.quants.quantize(a32, gguf.GGMLQuantizationType.Q8_0)
-    t = {"blk.0.attn_q.weight.lora_a": (q, gguf.GGMLQuantizationType.Q8_0),
-         "blk.0.attn_q.weight.lora_b": _rand(D, R)}
+    t = {"blk.0.attn_q.weight.lora_a": (q, gguf.GGMLQuantizationType.Q8_0), "blk.0.attn_q.weight.lora_b": _rand(D, R)}
     a = load_lora_adapter(write_adapter(tmp_path / "a.gguf", t), base_arch="llama", base_tensors=BASE)
     got = a.pairs["blk.0.attn_q.weight"].lora_a.numpy()
     assert got.dtype == np.float32 and np.abs(got - a32).max() < np.abs(a32).max() / 100
@@ -305,8 +335,10 @@ def test_quantized_dequantized_at_load(tmp_path):
 
 def test_unsupported_type(tmp_path):
     raw = np.zeros((R, K // 32 * 18), dtype=np.uint8)  # IQ4_NL: 18 bytes per 32 values
-    t = {"blk.0.attn_q.weight.lora_a": (raw, gguf.GGMLQuantizationType.IQ4_NL),
-         "blk.0.attn_q.weight.lora_b": _rand(D, R)}
+    t = {
+        "blk.0.attn_q.weight.lora_a": (raw, gguf.GGMLQuantizationType.IQ4_NL),
+        "blk.0.attn_q.weight.lora_b": _rand(D, R),
+    }
     (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
     assert p.startswith("tensor 'blk.0.attn_q.weight.lora_a': type IQ4_NL is not supported")
 
@@ -315,7 +347,8 @@ def test_max_rank(tmp_path):
     r = MAX_RANK + 1
     t = {"blk.0.attn_q.weight.lora_a": _rand(r, K), "blk.0.attn_q.weight.lora_b": _rand(D, r)}
     assert problems_of(write_adapter(tmp_path / "a.gguf", t)) == [
-        "'blk.0.attn_q.weight.lora_b': rank 513 exceeds max_rank 512"]
+        "'blk.0.attn_q.weight.lora_b': rank 513 exceeds max_rank 512"
+    ]
 
 
 def test_non_finite_values(tmp_path):
@@ -326,14 +359,22 @@ def test_non_finite_values(tmp_path):
 
 
 def test_all_problems_collected(tmp_path):
-    t = {"blk.0.attn_q.weight.lora_a": _rand(R, K),  # half pair
-         "blk.9.attn_q.weight.lora_a": _rand(R, K), "blk.9.attn_q.weight.lora_b": _rand(D, R),
-         "odd_tensor": _rand(3)}
+    t = {
+        "blk.0.attn_q.weight.lora_a": _rand(R, K),  # half pair
+        "blk.9.attn_q.weight.lora_a": _rand(R, K),
+        "blk.9.attn_q.weight.lora_b": _rand(D, R),
+        "odd_tensor": _rand(3),
+    }
     problems = problems_of(write_adapter(tmp_path / "a.gguf", t, gtype="model", arch="gemma3"))
     assert len(problems) == 5
     joined = "\n".join(problems)
-    for fragment in ("general.type", "general.architecture", "odd_tensor", "blk.9.attn_q.weight",
-                     "missing 'blk.0.attn_q.weight.lora_b'"):
+    for fragment in (
+        "general.type",
+        "general.architecture",
+        "odd_tensor",
+        "blk.9.attn_q.weight",
+        "missing 'blk.0.attn_q.weight.lora_b'",
+    ):
         assert fragment in joined
 
 

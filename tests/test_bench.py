@@ -8,8 +8,6 @@ reuse, adapter lifecycle, roofline.
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import math
 import os
@@ -17,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -48,8 +47,12 @@ def test_synthetic_adapter_is_a_valid_rank8_adapter_on_every_linear_weight(tmp_p
     factory = AdapterFactory(tmp_path, arch=arch, base_tensors=tensors, base_seed=7)
     path = factory.path(0)
     adapter = load_lora_adapter(path, base_arch=arch, base_tensors=tensors)
-    linear = [n for n in tensors if n.startswith("blk.") and n.rsplit(".", 2)[-2] in
-              ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    linear = [
+        n
+        for n in tensors
+        if n.startswith("blk.")
+        and n.rsplit(".", 2)[-2] in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    ]
     assert sorted(adapter.pairs) == sorted(linear)
     assert adapter.ranks == (8,) and adapter.alpha == 16.0
     again = AdapterFactory(tmp_path / "again", arch=arch, base_tensors=tensors, base_seed=7).path(0)
@@ -57,8 +60,9 @@ def test_synthetic_adapter_is_a_valid_rank8_adapter_on_every_linear_weight(tmp_p
 
 
 def test_workloads_are_deterministic():
-    from bench.serving import workloads, zipf_choices
     import numpy as np
+
+    from bench.serving import workloads, zipf_choices
 
     assert workloads((0, 1, 4)) == [(0, "base"), (1, "single"), (4, "rr"), (4, "zipf")]
     a = zipf_choices(np.random.default_rng(1), 16, 64)
@@ -73,9 +77,26 @@ def test_bench_quick_reports_every_scenario(tmp_path):
     env.pop("LLAMA_SERVER", None)
     proc = subprocess.run(
         # passive OpenMP waits: this machine may be shared, and spinning threads collapse then
-        [sys.executable, "-m", "clients.cli", "bench", "--json", str(out), "--quick", "--plain",
-         "--markdown", str(md), "--omp-wait-policy", "passive"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+        [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "bench",
+            "--json",
+            str(out),
+            "--quick",
+            "--plain",
+            "--markdown",
+            str(md),
+            "--omp-wait-policy",
+            "passive",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
     assert data["profile"] == "quick" and data["errors"] == []
@@ -126,20 +147,41 @@ def test_bench_quick_reports_every_scenario(tmp_path):
     for label in ("fit", "many"):
         assert pg[label]["n_errors"] == 0, pg[label]["errors"]
         assert _number(pg[label], "tok_s") > 0
-        for f in ("ttft_p50_ms", "ttft_p99_ms", "page_ins_per_request", "fetches_per_request",
-                  "worker_rss_10_mib", "worker_rss_all_mib"):
+        for f in (
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "page_ins_per_request",
+            "fetches_per_request",
+            "worker_rss_10_mib",
+            "worker_rss_all_mib",
+        ):
             _number(pg[label], f)
     _number(pg, "tok_s_ratio_many_over_fit")
     _number(pg, "many", "register_to_first_token_ms")
     assert pg["many"]["page_ins_per_request"] > 0  # more adapters than slots: it pages
 
     r = sc["roofline"]
-    for f in ("bound_ms", "bound_gguf_ms", "achieved_ms", "achieved_over_bound", "achieved_over_bound_gguf",
-              "weight_bytes_held", "gguf_tensor_bytes", "held_over_gguf", "worker_rss_bytes"):
+    for f in (
+        "bound_ms",
+        "bound_gguf_ms",
+        "achieved_ms",
+        "achieved_over_bound",
+        "achieved_over_bound_gguf",
+        "weight_bytes_held",
+        "gguf_tensor_bytes",
+        "held_over_gguf",
+        "worker_rss_bytes",
+    ):
         _number(r, f)
     _number(r, "bandwidth", "gb_s", "median")
 
     text = md.read_text()
-    for title in ("1. Engine", "2. Multi-tenant serving", "3. Prefix reuse", "4. Adapter lifecycle", "5. Roofline",
-                  "6. adapter paging"):
+    for title in (
+        "1. Engine",
+        "2. Multi-tenant serving",
+        "3. Prefix reuse",
+        "4. Adapter lifecycle",
+        "5. Roofline",
+        "6. adapter paging",
+    ):
         assert title in text

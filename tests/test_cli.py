@@ -145,9 +145,23 @@ ALL_COMMANDS = [()] + list(_all_command_paths(cli))
 
 def test_every_contract_command_exists():
     paths = {" ".join(p) for p in ALL_COMMANDS}
-    for name in ["generate", "adapters list", "adapters show", "adapters add",
-                 "adapters remove", "default get", "default set", "workers list", "serve",
-                 "control-plane", "worker", "convert-peft", "export-lora", "bench", "demo"]:
+    for name in [
+        "generate",
+        "adapters list",
+        "adapters show",
+        "adapters add",
+        "adapters remove",
+        "default get",
+        "default set",
+        "workers list",
+        "serve",
+        "control-plane",
+        "worker",
+        "convert-peft",
+        "export-lora",
+        "bench",
+        "demo",
+    ]:
         assert name in paths
 
 
@@ -186,10 +200,18 @@ def run_json(*args: str, env: dict | None = None) -> dict:
 
 
 def test_generate_json_shape(addr):
-    out = run_json("generate", "ab", "--addr", addr, "--max-tokens", "3", "--no-lora",
-                   "--logprobs", "2", "--prompt-logprobs")
-    assert list(out) == ["text", "token_ids", "prompt_token_ids", "finish_reason", "telemetry",
-                         "logprobs", "prompt_logprobs"]
+    out = run_json(
+        "generate", "ab", "--addr", addr, "--max-tokens", "3", "--no-lora", "--logprobs", "2", "--prompt-logprobs"
+    )
+    assert list(out) == [
+        "text",
+        "token_ids",
+        "prompt_token_ids",
+        "finish_reason",
+        "telemetry",
+        "logprobs",
+        "prompt_logprobs",
+    ]
     assert len(out["token_ids"]) == 3 and out["finish_reason"] == "length" and out["text"]
     assert out["prompt_token_ids"][0] == 2  # BOS added to a text prompt
     assert out["telemetry"]["prompt_tokens"] == len(out["prompt_token_ids"])
@@ -217,15 +239,13 @@ def test_generate_adapter_flags_select_the_adapters(addr, lp, adapters_dir):
     with restored_default(lp):
         run_json("default", "set", f"{shout}=1", "--addr", addr)
         default = run_json("generate", prompt, "--addr", addr, "--max-tokens", n)
-        explicit = run_json("generate", prompt, "--addr", addr, "--max-tokens", n,
-                            "--lora", f"{shout}=1")
+        explicit = run_json("generate", prompt, "--addr", addr, "--max-tokens", n, "--lora", f"{shout}=1")
         base = run_json("generate", prompt, "--addr", addr, "--max-tokens", n, "--no-lora")
     assert default["token_ids"] == explicit["token_ids"] != base["token_ids"]
     assert default["telemetry"]["adapters"] == [{"id": shout, "scale": 1.0}]
     assert base["telemetry"]["adapters"] == []
     ids = ",".join(map(str, base["prompt_token_ids"]))
-    verbatim = run_json("generate", "--prompt-tokens", ids, "--addr", addr, "--max-tokens", n,
-                        "--no-lora")
+    verbatim = run_json("generate", "--prompt-tokens", ids, "--addr", addr, "--max-tokens", n, "--no-lora")
     assert verbatim["prompt_token_ids"] == base["prompt_token_ids"]
     assert verbatim["token_ids"] == base["token_ids"]
 
@@ -265,8 +285,7 @@ def test_admin_commands_json(addr, lp, adapters_dir, tmp_path):
     assert tiny_id in [a["id"] for a in listed["adapters"]]
     assert run_json("adapters", "show", str(tiny_id), "--addr", addr) == added
 
-    sea = run_json("adapters", "add", str(adapters_dir / "sea.gguf"), "--server-path",
-                   "--addr", addr)
+    sea = run_json("adapters", "add", str(adapters_dir / "sea.gguf"), "--server-path", "--addr", addr)
     assert sea["sha256"] == hashlib.sha256((adapters_dir / "sea.gguf").read_bytes()).hexdigest()
 
     def attached(doc: dict) -> dict:
@@ -280,8 +299,7 @@ def test_admin_commands_json(addr, lp, adapters_dir, tmp_path):
 
     workers = run_json("workers", "list", "--addr", addr)["workers"]
     assert any(w["state"] == "alive" for w in workers)
-    assert run_json("adapters", "remove", str(tiny_id), "--addr", addr) == {
-        "id": tiny_id, "removed": True}
+    assert run_json("adapters", "remove", str(tiny_id), "--addr", addr) == {"id": tiny_id, "removed": True}
     assert run("adapters", "show", str(tiny_id), "--addr", addr).exit_code == 1
     for args in (["adapters", "list"], ["workers", "list"], ["default", "get"]):
         assert run(*args, "--addr", addr).exit_code == 0
@@ -302,8 +320,9 @@ def test_admin_token_flag_and_env(admin_control_plane, monkeypatch):
 
 
 def test_python_m_clients_cli_against_the_server(addr):
-    proc = _subprocess("generate", "--prompt-tokens", "2,596", "--no-lora", "--max-tokens",
-                       "2", "--addr", addr, "--json")
+    proc = _subprocess(
+        "generate", "--prompt-tokens", "2,596", "--no-lora", "--max-tokens", "2", "--addr", addr, "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["prompt_token_ids"] == [2, 596] and len(out["token_ids"]) == 2
@@ -313,8 +332,7 @@ def test_python_m_clients_cli_against_the_server(addr):
 
 
 def test_startup_adapters_keep_command_line_order():
-    raw = ["--lora", "a", "--lora-scaled", "b:0.5", "--model", "m", "--lora=c",
-           "--lora-scaled=d:2"]
+    raw = ["--lora", "a", "--lora-scaled", "b:0.5", "--model", "m", "--lora=c", "--lora-scaled=d:2"]
     got = startup_adapters(raw, ["a", "c"], [("b", 0.5), ("d", 2.0)])
     assert got == [("a", 1.0), ("b", 0.5), ("c", 1.0), ("d", 2.0)]
 
@@ -331,8 +349,9 @@ def test_convert_peft_bad_folder_exit_1(tmp_path):
 def _subprocess(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("LORAPLANE_ADDR", None)
-    return subprocess.run([sys.executable, "-m", "clients.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "clients.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_python_m_clients_cli_unreachable():
@@ -352,6 +371,7 @@ def test_python_m_clients_cli_usage_and_help():
 def test_console_script_installed():
     script = Path(sys.executable).with_name("loraplane")
     assert script.exists(), "loraplane console script not installed (pip install -e .)"
-    proc = subprocess.run([str(script), "workers", "list", "--addr", closed_addr(), "--json"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(script), "workers", "list", "--addr", closed_addr(), "--json"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 3 and "Traceback" not in proc.stderr

@@ -20,8 +20,13 @@ PROMPT = "The weather today is"
 
 
 def cli(addr: str, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "clients.cli", *args, "--addr", addr],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "clients.cli", *args, "--addr", addr],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
 
@@ -52,10 +57,18 @@ def test_startup_adapters_registered_in_order(server):
 
 def test_generate_json_contract_shape(server):
     _, addr = server
-    out = cli_json(addr, "generate", PROMPT, "--max-tokens", "6", "--logprobs", "3",
-                   "--prompt-logprobs", "--lora", "0=1")
-    assert list(out) == ["text", "token_ids", "prompt_token_ids", "finish_reason",
-                         "telemetry", "logprobs", "prompt_logprobs"]
+    out = cli_json(
+        addr, "generate", PROMPT, "--max-tokens", "6", "--logprobs", "3", "--prompt-logprobs", "--lora", "0=1"
+    )
+    assert list(out) == [
+        "text",
+        "token_ids",
+        "prompt_token_ids",
+        "finish_reason",
+        "telemetry",
+        "logprobs",
+        "prompt_logprobs",
+    ]
     assert len(out["token_ids"]) == 6 or out["finish_reason"] == "stop"
     assert out["finish_reason"] in ("length", "stop")
     assert len(out["logprobs"]) == len(out["token_ids"])
@@ -78,8 +91,7 @@ def test_adapter_flags_semantics(server):
     assert base["token_ids"] == default_empty["token_ids"] == zero["token_ids"]
     assert shout["token_ids"] != base["token_ids"]
     tokens = ",".join(map(str, base["prompt_token_ids"]))
-    verbatim = cli_json(addr, "generate", "--prompt-tokens", tokens, "--max-tokens", "8",
-                        "--no-lora")
+    verbatim = cli_json(addr, "generate", "--prompt-tokens", tokens, "--max-tokens", "8", "--no-lora")
     assert verbatim["prompt_token_ids"] == base["prompt_token_ids"]
     assert verbatim["token_ids"] == base["token_ids"]
 
@@ -122,10 +134,29 @@ def test_demo_once(tmp_path):
     from tests.serve_helpers import free_port
 
     proc = subprocess.run(
-        [sys.executable, "-m", "clients.cli", "demo", "--once", "--json", "--max-tokens", "24",
-         "--device", "cpu", "--addr", f"127.0.0.1:{free_port()}", "--data-dir",
-         str(tmp_path / "demo-data"), "--prompt", PROMPT],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "demo",
+            "--once",
+            "--json",
+            "--max-tokens",
+            "24",
+            "--device",
+            "cpu",
+            "--addr",
+            f"127.0.0.1:{free_port()}",
+            "--data-dir",
+            str(tmp_path / "demo-data"),
+            "--prompt",
+            PROMPT,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])

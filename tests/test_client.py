@@ -167,11 +167,13 @@ def test_relayed_worker_failure_is_a_refusal_not_unreachable():
         def details(self):
             return self._details
 
-    relayed = from_rpc_error(Err("worker w1 failed: UNAVAILABLE: failed to connect to all "
-                                 "addresses; last error: ..."), "a:1")
+    relayed = from_rpc_error(
+        Err("worker w1 failed: UNAVAILABLE: failed to connect to all addresses; last error: ..."), "a:1"
+    )
     assert type(relayed) is LoraplaneError and relayed.code == "UNAVAILABLE"
-    local = from_rpc_error(Err("failed to connect to all addresses; last error: "
-                               "UNKNOWN: ipv4:127.0.0.1:1: Connection refused"), "a:1")
+    local = from_rpc_error(
+        Err("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused"), "a:1"
+    )
     assert isinstance(local, ServerUnreachable)
 
 
@@ -187,8 +189,7 @@ def test_wait_for_server_waits_for_a_late_server(tmp_path, fixtures_dir, base_mo
     def start_late():
         time.sleep(0.5)
         try:
-            holder["cp"] = start_control_plane(tmp_path / "data", fixtures_dir / "adapters",
-                                               base_model_path, addr=addr)
+            holder["cp"] = start_control_plane(tmp_path / "data", fixtures_dir / "adapters", base_model_path, addr=addr)
         except BaseException as err:  # noqa: BLE001 - reported by the assertion below
             holder["error"] = err
 
@@ -235,15 +236,22 @@ def test_generate_collects_everything(lp):
     assert res.prompt_logprobs[0] is None
     assert res.prompt_logprobs[1].token_id == res.prompt_token_ids[1]
     assert res.prompt_logprobs[1].logprob < 0
-    for tok, lps in zip(res.token_ids, res.logprobs):
+    for tok, lps in zip(res.token_ids, res.logprobs, strict=False):
         assert lps.token_id == tok and len(lps.top) == 2
         assert lps.top[0].token_id == tok  # greedy: the chosen token is the most likely
         assert 0 >= lps.top[0].logprob >= lps.top[1].logprob
     assert res.telemetry["prompt_tokens"] == len(res.prompt_token_ids)
     assert len(res.telemetry["steps"]) == 3 and res.telemetry["adapters"] == []
     out = res.to_json(include_logprobs=True, include_prompt_logprobs=True)
-    assert list(out) == ["text", "token_ids", "prompt_token_ids", "finish_reason",
-                         "telemetry", "logprobs", "prompt_logprobs"]
+    assert list(out) == [
+        "text",
+        "token_ids",
+        "prompt_token_ids",
+        "finish_reason",
+        "telemetry",
+        "logprobs",
+        "prompt_logprobs",
+    ]
     assert set(out["logprobs"][0]) == {"token_id", "logprob", "top"}
     assert out["prompt_logprobs"][0] is None
     assert set(out["prompt_logprobs"][1]) == {"token_id", "logprob"}
@@ -336,9 +344,11 @@ def test_admin_token_required(admin_control_plane, adapters_dir, monkeypatch):
     monkeypatch.delenv("LORAPLANE_ADMIN_TOKEN", raising=False)
     for token in (None, "wrong-token"):
         with LoraplaneClient(cp.addr, admin_token=token) as client:
-            for call in (lambda: client.set_default({}),
-                         lambda: client.add_adapter(adapters_dir / "sea.gguf"),
-                         lambda: client.remove_adapter(0)):
+            for call in (
+                lambda: client.set_default({}),
+                lambda: client.add_adapter(adapters_dir / "sea.gguf"),
+                lambda: client.remove_adapter(0),
+            ):
                 with pytest.raises(LoraplaneError) as info:
                     call()
                 assert info.value.code == "UNAUTHENTICATED", token
@@ -370,8 +380,7 @@ def test_async_client(live_server, adapters_dir, tmp_path):
                 assert nonzero(await client.get_default()) == {shout.id: 1.0}
                 unset = await client.generate(PROMPT, max_tokens=4)
                 explicit = await client.generate(PROMPT, adapters={shout.id: 1.0}, max_tokens=4)
-                events = [e async for e in client.generate_stream(PROMPT, adapters={},
-                                                                  max_tokens=4)]
+                events = [e async for e in client.generate_stream(PROMPT, adapters={}, max_tokens=4)]
             finally:
                 registered = {a.id for a in await client.list_adapters()}
                 await client.set_default({i: s for i, s in saved.items() if i in registered})

@@ -22,11 +22,10 @@ from control_plane.resolution import adapter_set_key, resolve_adapter_vector
 from control_plane.server import parse_lora_scaled
 from control_plane.store import MIGRATIONS, SqliteStore
 from loraplane.v1 import common_pb2
-from tests.control_plane_helpers import (MiB, ControlPlane, by_path, default_of, ids_of, rpc_error,
-                                         upload, write_adapter)
-
+from tests.control_plane_helpers import ControlPlane, MiB, by_path, default_of, ids_of, rpc_error, upload, write_adapter
 
 pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def adapters_dir(fixtures_dir: Path) -> Path:
@@ -177,8 +176,10 @@ def test_removed_ids_are_never_reused_even_after_restart(start_cp, adapters_dir,
 def test_unregister_unknown_id_lists_registered(start_cp, adapters_dir):
     cp = start_cp()
     upload(cp.stub, adapters_dir / "sea.gguf")
-    for call in (lambda: cp.stub.UnregisterAdapter(common_pb2.AdapterRef(id=7)),
-                 lambda: cp.stub.GetAdapter(common_pb2.AdapterRef(id=7))):
+    for call in (
+        lambda: cp.stub.UnregisterAdapter(common_pb2.AdapterRef(id=7)),
+        lambda: cp.stub.GetAdapter(common_pb2.AdapterRef(id=7)),
+    ):
         err = rpc_error(call)
         assert err.code() == grpc.StatusCode.NOT_FOUND
         assert "7" in err.details() and "[0]" in err.details()
@@ -188,8 +189,11 @@ def test_registrations_ids_and_default_set_survive_restart(start_cp, adapters_di
     cp = start_cp()
     for name in ("shout", "sea", "critic_alora"):
         upload(cp.stub, adapters_dir / f"{name}.gguf")
-    cp.stub.SetDefaultAdapters(common_pb2.AdapterMap(entries=[
-        common_pb2.AdapterScale(id=0, scale=0.5), common_pb2.AdapterScale(id=2, scale=1.0)]))
+    cp.stub.SetDefaultAdapters(
+        common_pb2.AdapterMap(
+            entries=[common_pb2.AdapterScale(id=0, scale=0.5), common_pb2.AdapterScale(id=2, scale=1.0)]
+        )
+    )
     before = list(cp.stub.ListAdapters(common_pb2.Empty()).adapters)
     cp.stop()
     cp = start_cp()
@@ -203,8 +207,10 @@ def test_registrations_ids_and_default_set_survive_restart(start_cp, adapters_di
 
 
 def test_startup_flags_register_in_order_with_stable_ids(start_cp, adapters_dir):
-    flags = dict(lora=(str(adapters_dir / "shout.gguf"), str(adapters_dir / "sea.gguf")),
-                 lora_scaled=(parse_lora_scaled(f"{adapters_dir / 'critic_alora.gguf'}:0.5"),))
+    flags = dict(
+        lora=(str(adapters_dir / "shout.gguf"), str(adapters_dir / "sea.gguf")),
+        lora_scaled=(parse_lora_scaled(f"{adapters_dir / 'critic_alora.gguf'}:0.5"),),
+    )
     cp = start_cp(**flags)
     assert ids_of(cp.stub) == [0, 1, 2]
     assert [a.name for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters] == ["shout", "sea", "critic_alora"]
@@ -217,8 +223,7 @@ def test_startup_flags_register_in_order_with_stable_ids(start_cp, adapters_dir)
 
 
 def test_lora_init_without_apply_reports_scale_zero(start_cp, adapters_dir):
-    cp = start_cp(lora=(str(adapters_dir / "shout.gguf"), str(adapters_dir / "sea.gguf")),
-                  lora_init_without_apply=True)
+    cp = start_cp(lora=(str(adapters_dir / "shout.gguf"), str(adapters_dir / "sea.gguf")), lora_init_without_apply=True)
     assert default_of(cp.stub) == [(0, 0.0), (1, 0.0)]
     assert [a.default_scale for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters] == [0.0, 0.0]
 
@@ -234,10 +239,12 @@ def test_set_default_set_rules_and_unregister_drops_entry(start_cp, adapters_dir
     upload(cp.stub, adapters_dir / "sea.gguf")
     out = cp.stub.SetDefaultAdapters(common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=1, scale=0.25)]))
     assert [(e.id, e.scale) for e in out.entries] == [(0, 0.0), (1, 0.25)]  # unnamed → 0
-    for entries, code in (([common_pb2.AdapterScale(id=9, scale=1)], grpc.StatusCode.NOT_FOUND),
-                          ([common_pb2.AdapterScale(id=0, scale=-1)], grpc.StatusCode.INVALID_ARGUMENT),
-                          ([common_pb2.AdapterScale(id=0, scale=math.nan)], grpc.StatusCode.INVALID_ARGUMENT),
-                          ([common_pb2.AdapterScale(id=0, scale=1)] * 2, grpc.StatusCode.INVALID_ARGUMENT)):
+    for entries, code in (
+        ([common_pb2.AdapterScale(id=9, scale=1)], grpc.StatusCode.NOT_FOUND),
+        ([common_pb2.AdapterScale(id=0, scale=-1)], grpc.StatusCode.INVALID_ARGUMENT),
+        ([common_pb2.AdapterScale(id=0, scale=math.nan)], grpc.StatusCode.INVALID_ARGUMENT),
+        ([common_pb2.AdapterScale(id=0, scale=1)] * 2, grpc.StatusCode.INVALID_ARGUMENT),
+    ):
         err = rpc_error(cp.stub.SetDefaultAdapters, common_pb2.AdapterMap(entries=entries))
         assert err.code() == code and "adapter" in err.details()
     assert default_of(cp.stub) == [(0, 0.0), (1, 0.25)]  # refused changes changed nothing
@@ -269,8 +276,12 @@ def test_admin_rpcs_need_the_bearer_token(start_cp, adapters_dir, monkeypatch, v
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED, md
     ok = [("authorization", "Bearer s3cret")]
     assert upload(cp.stub, sea, metadata=ok).id == 0
-    assert cp.stub.SetDefaultAdapters(common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=0, scale=1)]),
-                                      metadata=ok).entries[0].scale == 1.0
+    assert (
+        cp.stub.SetDefaultAdapters(common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=0, scale=1)]), metadata=ok)
+        .entries[0]
+        .scale
+        == 1.0
+    )
     # Reads stay open.
     assert ids_of(cp.stub) == [0] and default_of(cp.stub) == [(0, 1.0)]
     assert cp.stub.GetAdapter(common_pb2.AdapterRef(id=0)).name == "sea"

@@ -28,8 +28,9 @@ def real_worker(base_model_path: Path):
     from worker.config import WorkerConfig
     from worker.rpc.server import create_server
 
-    server, port, engine = create_server(WorkerConfig(addr="127.0.0.1:0", model_path=str(base_model_path),
-                                                      n_slots=2, device="cpu", n_ctx_slot=512))
+    server, port, engine = create_server(
+        WorkerConfig(addr="127.0.0.1:0", model_path=str(base_model_path), n_slots=2, device="cpu", n_ctx_slot=512)
+    )
     yield port, engine
     server.stop(None).wait()
     engine.close()
@@ -51,8 +52,9 @@ def joined(start_control_plane, real_worker, fixtures_dir):
         engine.fetcher = ControlPlaneFetcher(cp.addr, engine.worker_id)  # what serve_worker sets up
         stop = threading.Event()
         stops.append(stop)
-        hello = control_plane_pb2.WorkerHello(worker_id=engine.worker_id, addr=f"127.0.0.1:{port}",
-                                              model="gemma3", n_slots=2)
+        hello = control_plane_pb2.WorkerHello(
+            worker_id=engine.worker_id, addr=f"127.0.0.1:{port}", model="gemma3", n_slots=2
+        )
         thread = start_membership(cp.addr, hello, stop, backoff=MembershipBackoff(initial_s=0.05, max_s=0.2))
         assert thread.registered.wait(60)
         return cp, worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -111,8 +113,11 @@ def test_unregister_unloads_from_the_worker(joined, fixtures_dir):
 
 def test_client_cancel_frees_the_worker_slot(joined):
     cp, wstub = joined()
-    req = common_pb2.GenerateRequest(text=PROMPT, adapters=common_pb2.AdapterMap(),
-                                     sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+    req = common_pb2.GenerateRequest(
+        text=PROMPT,
+        adapters=common_pb2.AdapterMap(),
+        sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True),
+    )
     call = cp.stub.Generate(req)
     for event in call:
         if event.HasField("token"):
@@ -122,5 +127,6 @@ def test_client_cancel_frees_the_worker_slot(joined):
     while wstub.Stats(common_pb2.Empty()).slots_busy and time.monotonic() < deadline:
         time.sleep(0.05)
     assert wstub.Stats(common_pb2.Empty()).slots_busy == 0
-    assert {w.worker_id: w.in_flight for w in cp.stub.ListWorkers(common_pb2.Empty()).workers} \
-        == {wstub.Stats(common_pb2.Empty()).worker_id: 0}
+    assert {w.worker_id: w.in_flight for w in cp.stub.ListWorkers(common_pb2.Empty()).workers} == {
+        wstub.Stats(common_pb2.Empty()).worker_id: 0
+    }

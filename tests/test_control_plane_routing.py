@@ -3,8 +3,10 @@
 The scripted worker is a real gRPC server implementing the ``loraplane.v1.Worker`` service
 from the proto (no model): it records what the control plane sends (adapter chunks, the
 submitted request) and answers Decode by the prompt text: ``"hang"`` waits until cancelled,
-``"fail"`` dies after one token, ``"refuse"`` rejects the request; anything else streams Started, two tokens and Finished. This pins the control
-plane's side of the wire contract (a worker marked ``down`` fails before any event); the real worker is covered in the worker's own tests.
+``"fail"`` dies after one token, ``"refuse"`` rejects the request; anything else streams
+Started, two tokens and Finished. This pins the control plane's side of the wire contract (a
+worker marked ``down`` fails before any event); the real worker is covered in the worker's own
+tests.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ FAST = MembershipBackoff(connect_timeout_s=1.0, initial_s=0.05, max_s=0.2)
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
-        self.adapters: dict[int, str] = {}      # id → sha256 held
+        self.adapters: dict[int, str] = {}  # id → sha256 held
         self.load_calls: list[list[common_pb2.AdapterChunk]] = []
         self.unloaded: list[int] = []
         self.submitted: list[common_pb2.GenerateRequest] = []
@@ -90,13 +92,15 @@ class WorkerProcess:
 
     def __init__(self, worker_id: str, cp_addr: str, n_slots: int = 2) -> None:
         self.servicer = ScriptedWorker(worker_id)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
-                                  options=[("grpc.max_receive_message_length", 64 * MiB)])
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.max_receive_message_length", 64 * MiB)]
+        )
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
-        self.hello = control_plane_pb2.WorkerHello(worker_id=worker_id, addr=f"127.0.0.1:{self.port}",
-                                                   model="gemma3", n_slots=n_slots)
+        self.hello = control_plane_pb2.WorkerHello(
+            worker_id=worker_id, addr=f"127.0.0.1:{self.port}", model="gemma3", n_slots=n_slots
+        )
         self.cp_addr = cp_addr
         self.stop_event = threading.Event()
         self.thread = None
@@ -254,8 +258,9 @@ def test_worker_reregisters_after_control_plane_restart(cluster, start_control_p
     assert set(w.servicer.adapters) == {0}
     loads = len(w.servicer.load_calls)
     cp.stop()
-    cp2 = start_control_plane(addr=f"127.0.0.1:{port}", heartbeat_interval_s=0.2,
-                              lora=(str(adapters_dir / "sea.gguf"),))
+    cp2 = start_control_plane(
+        addr=f"127.0.0.1:{port}", heartbeat_interval_s=0.2, lora=(str(adapters_dir / "sea.gguf"),)
+    )
     assert wait_for(lambda: "w1" in workers_of(cp2), timeout=10)
     assert list(workers_of(cp2)["w1"].adapter_ids) == [0]
     assert len(w.servicer.load_calls) == loads  # same content already held: nothing re-pushed

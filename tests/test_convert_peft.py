@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from worker.gguf.reader import dequantize, read_gguf
 from worker.lora.adapter import load_lora_adapter
 from worker.tools.convert_peft import ConvertError, convert_peft
-from worker.gguf.reader import dequantize, read_gguf
 
 # name → alpha we must write
 pytestmark = pytest.mark.parity
@@ -31,8 +31,9 @@ def compare_to_fixture(ours: Path, ref: Path, *, atol: float, rtol: float) -> No
     assert set(a.tensors) == set(b.tensors)
     for name, rec in b.tensors.items():
         assert a.tensors[name].ne == rec.ne, name
-        np.testing.assert_allclose(dequantize(ours, a.tensors[name]), dequantize(ref, rec),
-                                   atol=atol, rtol=rtol, err_msg=name)
+        np.testing.assert_allclose(
+            dequantize(ours, a.tensors[name]), dequantize(ref, rec), atol=atol, rtol=rtol, err_msg=name
+        )
     assert a.metadata["general.type"] == "adapter" and a.metadata["adapter.type"] == "lora"
     assert a.metadata["general.architecture"] == b.metadata["general.architecture"]
     assert a.metadata.get("adapter.alora.invocation_tokens") == b.metadata.get("adapter.alora.invocation_tokens")
@@ -56,8 +57,12 @@ def test_rslora_alpha_gives_peft_scale(fixtures_dir, tmp_path):
 
 def test_convert_fixture_f16_against_base(fixtures_dir, tmp_path, base_model_path, base_index):
     name = "shout_embd"  # token_embd exception + linear pairs, validated against the real base
-    out = convert_peft(fixtures_dir / "adapters" / "peft" / name, tmp_path / f"{name}.gguf",
-                       base_gguf=str(base_model_path), outtype="f16")
+    out = convert_peft(
+        fixtures_dir / "adapters" / "peft" / name,
+        tmp_path / f"{name}.gguf",
+        base_gguf=str(base_model_path),
+        outtype="f16",
+    )
     assert all(r.ggml_type.name == "F16" for r in read_gguf(out).tensors.values())
     compare_to_fixture(out, fixtures_dir / "adapters" / f"{name}.gguf", atol=1e-6, rtol=1e-3)
     arch, index = base_index
@@ -77,12 +82,23 @@ def _rand(*shape: int) -> torch.Tensor:
 
 def write_peft(folder: Path, tensors: dict[str, torch.Tensor], **cfg) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "base_model_name_or_path": "google/gemma-3-270m",
-              "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none"}
+    config = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "base_model_name_or_path": "google/gemma-3-270m",
+        "use_rslora": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "bias": "none",
+    }
     config.update(cfg)
     (folder / "adapter_config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(folder / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return folder
 
 
@@ -97,33 +113,51 @@ def tensor(path: Path, name: str) -> np.ndarray:
 
 def test_name_map_and_layouts(tmp_path):
     t = {}
-    for mod, (k, d) in {"self_attn.q_proj": (16, 32), "self_attn.k_proj": (16, 8), "self_attn.v_proj": (16, 8),
-                        "self_attn.o_proj": (32, 16), "mlp.gate_proj": (16, 40), "mlp.up_proj": (16, 40),
-                        "mlp.down_proj": (40, 16)}.items():
+    for mod, (k, d) in {
+        "self_attn.q_proj": (16, 32),
+        "self_attn.k_proj": (16, 8),
+        "self_attn.v_proj": (16, 8),
+        "self_attn.o_proj": (32, 16),
+        "mlp.gate_proj": (16, 40),
+        "mlp.up_proj": (16, 40),
+        "mlp.down_proj": (40, 16),
+    }.items():
         t.update(pair(f"1.{mod}", 4, k, d))
     t["base_model.model.model.embed_tokens.lora_embedding_A"] = _rand(4, 100)  # (r, V)
-    t["base_model.model.model.embed_tokens.lora_embedding_B"] = _rand(16, 4)   # (d, r)
+    t["base_model.model.model.embed_tokens.lora_embedding_B"] = _rand(16, 4)  # (d, r)
     t["base_model.model.lm_head.lora_A.weight"] = _rand(4, 16)
     t["base_model.model.lm_head.lora_B.weight"] = _rand(100, 4)
     out = convert_peft(write_peft(tmp_path / "p", t), tmp_path / "p.gguf")
     gf = read_gguf(out)
     names = {n[: -len(".lora_a")] for n in gf.tensors if n.endswith(".lora_a")}
-    assert names == {"blk.1.attn_q.weight", "blk.1.attn_k.weight", "blk.1.attn_v.weight",
-                     "blk.1.attn_output.weight", "blk.1.ffn_gate.weight", "blk.1.ffn_up.weight",
-                     "blk.1.ffn_down.weight", "token_embd.weight", "output.weight"}
-    assert gf.tensors["blk.1.ffn_down.weight.lora_a"].ne == (40, 4)   # [k, r]
-    assert gf.tensors["blk.1.ffn_down.weight.lora_b"].ne == (4, 16)   # [r, d]
-    assert gf.tensors["token_embd.weight.lora_a"].ne == (4, 100)      # [r, V] (exception)
-    assert gf.tensors["token_embd.weight.lora_b"].ne == (4, 16)       # [r, d]
-    np.testing.assert_array_equal(tensor(out, "token_embd.weight.lora_a"),
-                                  t["base_model.model.model.embed_tokens.lora_embedding_A"].T.numpy())
+    assert names == {
+        "blk.1.attn_q.weight",
+        "blk.1.attn_k.weight",
+        "blk.1.attn_v.weight",
+        "blk.1.attn_output.weight",
+        "blk.1.ffn_gate.weight",
+        "blk.1.ffn_up.weight",
+        "blk.1.ffn_down.weight",
+        "token_embd.weight",
+        "output.weight",
+    }
+    assert gf.tensors["blk.1.ffn_down.weight.lora_a"].ne == (40, 4)  # [k, r]
+    assert gf.tensors["blk.1.ffn_down.weight.lora_b"].ne == (4, 16)  # [r, d]
+    assert gf.tensors["token_embd.weight.lora_a"].ne == (4, 100)  # [r, V] (exception)
+    assert gf.tensors["token_embd.weight.lora_b"].ne == (4, 16)  # [r, d]
+    np.testing.assert_array_equal(
+        tensor(out, "token_embd.weight.lora_a"), t["base_model.model.model.embed_tokens.lora_embedding_A"].T.numpy()
+    )
     assert gf.metadata["general.architecture"] == "gemma3" and gf.metadata["general.name"] == "p"
     assert "adapter.alora.invocation_tokens" not in gf.metadata
 
 
 def test_unknown_module_is_an_error(tmp_path):
-    t = pair("0.self_attn.q_proj", 4, 16, 32) | pair("0.self_attn.qkv_proj", 4, 16, 48) \
+    t = (
+        pair("0.self_attn.q_proj", 4, 16, 32)
+        | pair("0.self_attn.qkv_proj", 4, 16, 48)
         | pair("0.mlp.experts.3.w1", 4, 16, 40)
+    )
     with pytest.raises(ConvertError) as info:
         convert_peft(write_peft(tmp_path / "p", t), tmp_path / "p.gguf")
     msg = str(info.value)
@@ -142,16 +176,18 @@ def test_non_lora_tensor_is_an_error(tmp_path):
 def test_unsupported_config(tmp_path):
     t = pair("0.self_attn.q_proj", 4, 16, 32)
     with pytest.raises(ConvertError) as info:
-        convert_peft(write_peft(tmp_path / "p", t, use_dora=True, base_model_name_or_path="org/some-model"),
-                     tmp_path / "p.gguf")
+        convert_peft(
+            write_peft(tmp_path / "p", t, use_dora=True, base_model_name_or_path="org/some-model"), tmp_path / "p.gguf"
+        )
     msg = str(info.value)
     assert "use_dora" in msg and "architecture: cannot tell it from base_model_name_or_path 'org/some-model'" in msg
 
 
 def test_arch_inferred_llama(tmp_path):
     t = pair("0.self_attn.v_proj", 4, 16, 8)
-    out = convert_peft(write_peft(tmp_path / "p", t, base_model_name_or_path="meta-llama/Llama-3.2-1B"),
-                       tmp_path / "p.gguf")
+    out = convert_peft(
+        write_peft(tmp_path / "p", t, base_model_name_or_path="meta-llama/Llama-3.2-1B"), tmp_path / "p.gguf"
+    )
     assert read_gguf(out).metadata["general.architecture"] == "llama"
 
 
@@ -163,14 +199,19 @@ def test_alora_tokens_written(tmp_path):
 
 def test_alpha_pattern_folded_into_b(tmp_path):
     t = pair("0.self_attn.q_proj", 4, 16, 32) | pair("0.self_attn.v_proj", 4, 16, 8)
-    out = convert_peft(write_peft(tmp_path / "p", t, r=4, lora_alpha=8, alpha_pattern={"q_proj": 32}),
-                       tmp_path / "p.gguf")
+    out = convert_peft(
+        write_peft(tmp_path / "p", t, r=4, lora_alpha=8, alpha_pattern={"q_proj": 32}), tmp_path / "p.gguf"
+    )
     assert read_gguf(out).metadata["adapter.lora.alpha"] == 8.0
     # served scale alpha/r = 2; PEFT's q scale is 32/4 = 8, so B_q carries the factor 4
-    np.testing.assert_allclose(tensor(out, "blk.0.attn_q.weight.lora_b"),
-                               4 * t[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"].numpy(), rtol=1e-6)
-    np.testing.assert_array_equal(tensor(out, "blk.0.attn_v.weight.lora_b"),
-                                  t[f"{PREFIX}.0.self_attn.v_proj.lora_B.weight"].numpy())
+    np.testing.assert_allclose(
+        tensor(out, "blk.0.attn_q.weight.lora_b"),
+        4 * t[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"].numpy(),
+        rtol=1e-6,
+    )
+    np.testing.assert_array_equal(
+        tensor(out, "blk.0.attn_v.weight.lora_b"), t[f"{PREFIX}.0.self_attn.v_proj.lora_B.weight"].numpy()
+    )
 
 
 def test_rank_pattern(tmp_path):
@@ -178,8 +219,9 @@ def test_rank_pattern(tmp_path):
     folder = write_peft(tmp_path / "p", t, r=4, lora_alpha=8, rank_pattern={"q_proj": 2})
     out = convert_peft(folder, tmp_path / "p.gguf")
     # per-module ranks need no folding: the loader's alpha / B.ne[0] is PEFT's alpha / r_module
-    np.testing.assert_array_equal(tensor(out, "blk.0.attn_q.weight.lora_b"),
-                                  t[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"].numpy())
+    np.testing.assert_array_equal(
+        tensor(out, "blk.0.attn_q.weight.lora_b"), t[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"].numpy()
+    )
     bad = write_peft(tmp_path / "bad", t, r=4, lora_alpha=8, rank_pattern={"q_proj": 3})
     with pytest.raises(ConvertError, match=r"rank 2 from its tensors, but the config .* says 3"):
         convert_peft(bad, tmp_path / "bad.gguf")
@@ -187,21 +229,30 @@ def test_rank_pattern(tmp_path):
 
 def test_rslora_with_rank_pattern(tmp_path):
     t = pair("0.self_attn.q_proj", 16, 16, 32) | pair("0.self_attn.v_proj", 4, 16, 8)
-    out = convert_peft(write_peft(tmp_path / "p", t, r=16, lora_alpha=8, use_rslora=True,
-                                  rank_pattern={"v_proj": 4}), tmp_path / "p.gguf")
+    out = convert_peft(
+        write_peft(tmp_path / "p", t, r=16, lora_alpha=8, use_rslora=True, rank_pattern={"v_proj": 4}),
+        tmp_path / "p.gguf",
+    )
     alpha = read_gguf(out).metadata["adapter.lora.alpha"]
     assert alpha == 32.0
     # v: PEFT scale 8/√4 = 4, served 32/4 = 8 → B_v halved; q: 8/√16 = 2 = 32/16 → unchanged
-    np.testing.assert_allclose(tensor(out, "blk.0.attn_v.weight.lora_b"),
-                               0.5 * t[f"{PREFIX}.0.self_attn.v_proj.lora_B.weight"].numpy(), rtol=1e-6)
-    np.testing.assert_array_equal(tensor(out, "blk.0.attn_q.weight.lora_b"),
-                                  t[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"].numpy())
+    np.testing.assert_allclose(
+        tensor(out, "blk.0.attn_v.weight.lora_b"),
+        0.5 * t[f"{PREFIX}.0.self_attn.v_proj.lora_B.weight"].numpy(),
+        rtol=1e-6,
+    )
+    np.testing.assert_array_equal(
+        tensor(out, "blk.0.attn_q.weight.lora_b"), t[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"].numpy()
+    )
 
 
 def test_llama_qk_rows_permuted_like_base(fixtures_dir, tmp_path):
     base = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"  # n_embd 64, 4 heads / 2 kv, head dim 16
-    t = pair("0.self_attn.q_proj", 4, 64, 64) | pair("0.self_attn.k_proj", 4, 64, 32) \
+    t = (
+        pair("0.self_attn.q_proj", 4, 64, 64)
+        | pair("0.self_attn.k_proj", 4, 64, 32)
         | pair("0.self_attn.v_proj", 4, 64, 32)
+    )
     folder = write_peft(tmp_path / "p", t, base_model_name_or_path="meta-llama/tiny")
     with pytest.raises(ConvertError, match="pass base_gguf"):
         convert_peft(folder, tmp_path / "nobase.gguf")

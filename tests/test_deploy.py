@@ -81,8 +81,7 @@ def test_control_plane_manifest():
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["strategy"]["type"] == "Recreate"
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
-    claim_names = [v["persistentVolumeClaim"]["claimName"] for v in volumes.values()
-                   if "persistentVolumeClaim" in v]
+    claim_names = [v["persistentVolumeClaim"]["claimName"] for v in volumes.values() if "persistentVolumeClaim" in v]
     assert claim_names == [pvc["metadata"]["name"]]
     c = only_container(dep)
     assert c["command"] == ["loraplane"] and c["args"][0] == "control-plane"
@@ -132,10 +131,13 @@ def parse_unit(name: str) -> configparser.ConfigParser:
     return parser
 
 
-@pytest.mark.parametrize("name,subcommand", [
-    ("loraplane-control-plane.service", "control-plane"),
-    ("loraplane-worker@.service", "worker"),
-])
+@pytest.mark.parametrize(
+    "name,subcommand",
+    [
+        ("loraplane-control-plane.service", "control-plane"),
+        ("loraplane-worker@.service", "worker"),
+    ],
+)
 def test_systemd_units(name, subcommand):
     unit = parse_unit(name)
     assert {"Unit", "Service", "Install"} <= set(unit.sections())
@@ -229,8 +231,11 @@ def test_dockerfile_base_image_is_pinned():
 def test_dockerfile_installs_pinned_torch_from_pytorch_index_before_the_project():
     import tomllib
 
-    pins = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-            if d.startswith("torch")]
+    pins = [
+        d
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if d.startswith("torch")
+    ]
     args = dockerfile_args()
     assert pins == [f"torch=={args['TORCH_VERSION']}"]
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"  # CPU image by default
@@ -276,8 +281,7 @@ def test_postgres_variant_rolls_with_replicas_and_reads_the_database_secret():
     assert set(kinds) == {"Deployment", "Service", "PodDisruptionBudget"}  # no PVC: nothing local to keep
     (dep,) = kinds["Deployment"]
     assert dep["spec"]["replicas"] >= 2
-    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
-                                       "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
     c = only_container(dep)
     env = {e["name"]: e for e in c["env"]}
     ref = env[ENV_DATABASE_URL]["valueFrom"]["secretKeyRef"]

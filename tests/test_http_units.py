@@ -22,9 +22,12 @@ def test_template_precedence_file_then_gguf_then_builtin(tmp_path):
     assert load_chat_template(override_file=None, metadata=meta, **kw).render(msgs) == "<s>Gx"
     builtin = load_chat_template(override_file=None, metadata={}, **kw)
     assert builtin.source == "builtin:gemma3" and builtin.text == GEMMA_TURN_TEMPLATE
-    assert builtin.render([{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}],
-                          add_generation_prompt=False) == \
-        "<s><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\nyo<end_of_turn>\n"
+    assert (
+        builtin.render(
+            [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}], add_generation_prompt=False
+        )
+        == "<s><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\nyo<end_of_turn>\n"
+    )
     assert load_chat_template(override_file=None, metadata={}, arch="llama", bos_token="", eos_token="") is None
 
 
@@ -32,19 +35,26 @@ def test_template_raise_exception_and_sandbox():
     t = load_chat_template(override_file=None, metadata={}, arch="gemma3", bos_token="<bos>", eos_token="<eos>")
     with pytest.raises(ChatTemplateError, match="Conversation roles must alternate"):
         t.render([{"role": "assistant", "content": "first"}])
-    evil = load_chat_template(override_file=None, metadata={"tokenizer.chat_template":
-                                                            "{{ ''.__class__.__mro__[1].__subclasses__() }}"},
-                              arch="x", bos_token="", eos_token="")
+    evil = load_chat_template(
+        override_file=None,
+        metadata={"tokenizer.chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}"},
+        arch="x",
+        bos_token="",
+        eos_token="",
+    )
     with pytest.raises(ChatTemplateError):
         evil.render([])
 
 
-@pytest.mark.parametrize("pieces, stops, emitted, hit", [
-    (["Hello", " wor", "ld. Next"], ["."], ["Hello", " wor", "ld"], True),
-    (["ab", "c", "d"], ["cd"], ["ab", "", ""], True),          # "c" held back until "d" completes the stop
-    (["ab", "c", "e"], ["cd"], ["ab", "", "ce"], False),       # released once it cannot be a stop any more
-    (["x<en", "d>y"], ["<end>", "zz"], ["x", ""], True),
-])
+@pytest.mark.parametrize(
+    "pieces, stops, emitted, hit",
+    [
+        (["Hello", " wor", "ld. Next"], ["."], ["Hello", " wor", "ld"], True),
+        (["ab", "c", "d"], ["cd"], ["ab", "", ""], True),  # "c" held back until "d" completes the stop
+        (["ab", "c", "e"], ["cd"], ["ab", "", "ce"], False),  # released once it cannot be a stop any more
+        (["x<en", "d>y"], ["<end>", "zz"], ["x", ""], True),
+    ],
+)
 def test_stop_matcher(pieces, stops, emitted, hit):
     m = StopMatcher(stops)
     out, found = [], False
@@ -88,8 +98,10 @@ def test_store_migration_adds_source_format(tmp_path):
     for migration in MIGRATIONS[:2]:
         for sql in migration.sqlite:
             conn.execute(sql)
-    conn.execute("INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at) "
-                 "VALUES (0, 'ab', 'old', '/x.gguf', '{}', 0, 0)")
+    conn.execute(
+        "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at) "
+        "VALUES (0, 'ab', 'old', '/x.gguf', '{}', 0, 0)"
+    )
     conn.execute("UPDATE id_counter SET next_id = 1")
     conn.commit()
     conn.close()
@@ -99,8 +111,9 @@ def test_store_migration_adds_source_format(tmp_path):
         assert store.get(0).source_format == "gguf"
         content = tmp_path / "new.part"
         content.write_bytes(b"gguf bytes")
-        rec, created = store.insert(sha256="cd", name="new", metadata={}, content=content, source=None,
-                                    source_format="peft")
+        rec, created = store.insert(
+            sha256="cd", name="new", metadata={}, content=content, source=None, source_format="peft"
+        )
         assert created and (rec.id, rec.source_format) == (1, "peft")
         assert store.get(1).source_format == "peft"
     finally:
@@ -115,7 +128,8 @@ def test_openai_error_shape_for_domain_errors():
     from control_plane.router import WorkerRequestError
 
     assert from_control_plane(NotFoundError("adapter 9")).body() == {
-        "error": {"message": "adapter 9", "type": "not_found_error", "param": None, "code": None}}
+        "error": {"message": "adapter 9", "type": "not_found_error", "param": None, "code": None}
+    }
     assert from_control_plane(UnavailableError("no worker")).status == 503
     busy = from_control_plane(WorkerRequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"))
     assert (busy.status, busy.code) == (429, "resource_exhausted")
@@ -131,17 +145,41 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
     from worker.serving.metrics import WorkerMetrics
     from worker.serving.scheduler import SchedulerStats
 
-    sched = SchedulerStats(n_slots=2, slots_busy=0, queue_depth=0, queue_limit=4, graph_reuses=0, graph_rebuilds=0,
-                           prefix_cache_entries=0, prefix_cache_hit_tokens=0, prompt_tokens_computed=0,
-                           tokens_generated=0)
-    stats = WorkerStatsRecord(scheduler=sched, worker_id="w", batching="mixed", prefix_cache="keyed", model="m",
-                              device="cpu", dtype="f32", adapter_ids=[], node_budget=0, adapter_bytes=0)
+    sched = SchedulerStats(
+        n_slots=2,
+        slots_busy=0,
+        queue_depth=0,
+        queue_limit=4,
+        graph_reuses=0,
+        graph_rebuilds=0,
+        prefix_cache_entries=0,
+        prefix_cache_hit_tokens=0,
+        prompt_tokens_computed=0,
+        tokens_generated=0,
+    )
+    stats = WorkerStatsRecord(
+        scheduler=sched,
+        worker_id="w",
+        batching="mixed",
+        prefix_cache="keyed",
+        model="m",
+        device="cpu",
+        dtype="f32",
+        adapter_ids=[],
+        node_budget=0,
+        adapter_bytes=0,
+    )
     cp = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (1, 2), n_adapters=lambda: 0, adapter_label_cap=4)
     wm = WorkerMetrics(lambda: stats, adapter_label_cap=4)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
-    exported = {fam.name + sfx for reg in (cp.registry, wm.registry) for fam in reg.collect()
-                for sfx in suffixes[fam.type]}
+    exported = {
+        fam.name + sfx for reg in (cp.registry, wm.registry) for fam in reg.collect() for sfx in suffixes[fam.type]
+    }
     dash = json.loads((Path(__file__).resolve().parents[1] / "deploy/grafana/loraplane-dashboard.json").read_text())
-    used = {m for p in dash["panels"] for t in p["targets"]
-            for m in re.findall(r"\b(?:loraplane_[a-z0-9_]+|vllm:[a-z_]+)", t["expr"])}
+    used = {
+        m
+        for p in dash["panels"]
+        for t in p["targets"]
+        for m in re.findall(r"\b(?:loraplane_[a-z0-9_]+|vllm:[a-z_]+)", t["expr"])
+    }
     assert used and used <= exported, sorted(used - exported)

@@ -27,27 +27,52 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
+from gguf import GGMLQuantizationType as T
 
 from worker.gguf.reader import dequantize, read_gguf
-from worker.runtime.kernels import build
-from worker.runtime.kernels import (KernelError, KernelPathError, QuantLinear, pack_experts, pack_tensor,
-                                    quantize_activations, resolve_act, resolve_path, supported)
+from worker.runtime.kernels import (
+    KernelError,
+    KernelPathError,
+    QuantLinear,
+    build,
+    pack_experts,
+    pack_tensor,
+    quantize_activations,
+    resolve_act,
+    resolve_path,
+    supported,
+)
 
 ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
 C_PATHS = [
     pytest.param("avx2", marks=pytest.mark.skipif(not supported("avx2"), reason="CPU lacks AVX2/FMA/F16C")),
-    pytest.param("avx512", marks=pytest.mark.skipif(
-        not supported("avx512"), reason="CPU lacks AVX-512 F/BW/VL/VNNI: only the AVX2 path is tested here")),
+    pytest.param(
+        "avx512",
+        marks=pytest.mark.skipif(
+            not supported("avx512"), reason="CPU lacks AVX-512 F/BW/VL/VNNI: only the AVX2 path is tested here"
+        ),
+    ),
 ]
 QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16}
 K_TYPES = {T.Q4_K, T.Q5_K, T.Q6_K}
 # (type, d, k): k not a multiple of 256 wherever the block size allows, d not a multiple of 16
 CASES = [
-    (T.Q8_0, 40, 96), (T.Q8_0, 16, 640), (T.Q5_0, 37, 160), (T.Q5_0, 64, 640),
-    (T.Q4_0, 24, 64), (T.Q4_1, 19, 96), (T.Q5_1, 33, 128),
-    (T.Q4_K, 40, 256), (T.Q4_K, 17, 1024), (T.Q5_K, 20, 512), (T.Q6_K, 40, 256), (T.Q6_K, 9, 768),
-    (T.F16, 23, 100), (T.F32, 31, 72), (T.BF16, 18, 64),
+    (T.Q8_0, 40, 96),
+    (T.Q8_0, 16, 640),
+    (T.Q5_0, 37, 160),
+    (T.Q5_0, 64, 640),
+    (T.Q4_0, 24, 64),
+    (T.Q4_1, 19, 96),
+    (T.Q5_1, 33, 128),
+    (T.Q4_K, 40, 256),
+    (T.Q4_K, 17, 1024),
+    (T.Q5_K, 20, 512),
+    (T.Q6_K, 40, 256),
+    (T.Q6_K, 9, 768),
+    (T.F16, 23, 100),
+    (T.F32, 31, 72),
+    (T.BF16, 18, 64),
 ]
 NS = [1, 3, 16, 64, 70]  # 70 > the kernel's 64-row activation chunk
 
@@ -62,7 +87,7 @@ def _k_blocks(t: T, nblk: int, rng: np.random.Generator) -> np.ndarray:
     b = rng.integers(0, 256, size=(nblk, tsz), dtype=np.uint8)
     if t == T.Q6_K:  # ql 128, qh 64, scales int8 16, d f16
         b[:, 208:210] = _f16_bytes(rng, nblk, -0.02, 0.02)
-    else:            # d, dmin f16, then 6-bit scales/mins and quants
+    else:  # d, dmin f16, then 6-bit scales/mins and quants
         b[:, 0:2] = _f16_bytes(rng, nblk, 0.001, 0.02)
         b[:, 2:4] = _f16_bytes(rng, nblk, 0.0, 0.02)
     return b
@@ -141,8 +166,11 @@ def test_repack_is_exact(packed, t, d, k):
 
 @pytest.mark.parametrize("act", ["i16", "i8"])
 @pytest.mark.parametrize("path", C_PATHS)
-@pytest.mark.parametrize("t,d,k", [c for c in CASES if c[0] not in (T.F16, T.F32, T.BF16)],
-                         ids=[_name(*c) for c in CASES if c[0] not in (T.F16, T.F32, T.BF16)])
+@pytest.mark.parametrize(
+    "t,d,k",
+    [c for c in CASES if c[0] not in (T.F16, T.F32, T.BF16)],
+    ids=[_name(*c) for c in CASES if c[0] not in (T.F16, T.F32, T.BF16)],
+)
 def test_c_matmul_vs_reference(packed, path, act, t, d, k):
     ql, ref = packed[_name(t, d, k)]
     g = torch.Generator().manual_seed(d * 1000 + k)
@@ -152,15 +180,18 @@ def test_c_matmul_vs_reference(packed, path, act, t, d, k):
         y = ql.matmul(x, path=path, act=act)
         assert y.shape == (n, d) and y.dtype == torch.float32
         xq, step = _act_quant_emul(x, act)
-        y_emul = (xq.double() @ ref64.T)
+        y_emul = xq.double() @ ref64.T
         mag = xq.abs().double() @ ref64.abs().T
         assert ((y.double() - y_emul).abs() <= 1e-5 * mag + 1e-6).all(), (path, act, n)
         bound = (step.double() / 2) @ ref64.abs().T * 1.001 + 1e-5
         assert ((y.double() - x.double() @ ref64.T).abs() <= bound).all(), (path, act, n)
 
 
-@pytest.mark.parametrize("t,d,k", [c for c in CASES if c[0] in (T.F16, T.F32, T.BF16)],
-                         ids=[_name(*c) for c in CASES if c[0] in (T.F16, T.F32, T.BF16)])
+@pytest.mark.parametrize(
+    "t,d,k",
+    [c for c in CASES if c[0] in (T.F16, T.F32, T.BF16)],
+    ids=[_name(*c) for c in CASES if c[0] in (T.F16, T.F32, T.BF16)],
+)
 def test_float_weights(packed, t, d, k):
     ql, ref = packed[_name(t, d, k)]
     for n in NS:
@@ -189,7 +220,7 @@ def test_outlier_row_does_not_touch_other_rows(packed, path, act):
     x[5, 7] = 3000.0  # a single outlier activation inside a row
     y_batch = ql.matmul(x, path=path, act=act)
     for i in (0, 4, 7):
-        y_alone = ql.matmul(x[i:i + 1], path=path, act=act)
+        y_alone = ql.matmul(x[i : i + 1], path=path, act=act)
         assert torch.equal(y_alone[0], y_batch[i])
         lp = torch.log_softmax(y_batch[i].double(), -1) - torch.log_softmax(y_alone[0].double(), -1)
         assert lp.abs().max() <= 1e-3
@@ -271,9 +302,9 @@ def test_avx2_library_has_no_avx512_instructions():
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump not installed")
-    asm = subprocess.run([objdump, "-d", str(build.build("avx2"))], capture_output=True, text=True,
-                         check=True).stdout
+    asm = subprocess.run([objdump, "-d", str(build.build("avx2"))], capture_output=True, text=True, check=True).stdout
     assert "zmm" not in asm and "%k1" not in asm and "{k" not in asm
-    asm5 = subprocess.run([objdump, "-d", str(build.build("avx512"))], capture_output=True, text=True,
-                          check=True).stdout
+    asm5 = subprocess.run(
+        [objdump, "-d", str(build.build("avx512"))], capture_output=True, text=True, check=True
+    ).stdout
     assert "vpdpbusd" in asm5

@@ -19,9 +19,11 @@ def _fresh(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_control_plane_does_not_import_torch():
-    r = _fresh("import control_plane.server, control_plane.registry, sys; "
-               "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
-               "assert not bad, bad[:5]")
+    r = _fresh(
+        "import control_plane.server, control_plane.registry, sys; "
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+        "assert not bad, bad[:5]"
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -42,24 +44,47 @@ def _py(*dirs: str) -> list[Path]:
     return [p for d in dirs for p in (ROOT / d).rglob("*.py") if "node_modules" not in p.parts]
 
 
-@pytest.mark.parametrize("package, forbidden", [
-    ("worker/lora", ("worker.serving", "worker.rpc", "worker.runtime.context", "control_plane", "clients")),
-    ("worker/gguf", ("worker.lora", "worker.runtime", "worker.serving", "worker.rpc", "torch")),
-    ("worker/runtime", ("worker.serving", "worker.rpc", "control_plane", "clients")),
-    ("worker/serving", ("worker.rpc", "grpc", "control_plane", "clients")),
-    # the control plane uses only the torch-free parts of the worker: the GGUF format, adapter-file
-    # validation and the tokenizer (to show aLoRA invocation text)
-    ("control_plane", ("worker.runtime.model", "worker.runtime.context", "worker.runtime.graph", "worker.serving",
-                       "worker.rpc", "worker.lora.adapter", "worker.lora.plan", "torch", "clients")),
-    ("loraplane", ("worker", "control_plane", "clients", "torch")),
-])
+@pytest.mark.parametrize(
+    "package, forbidden",
+    [
+        ("worker/lora", ("worker.serving", "worker.rpc", "worker.runtime.context", "control_plane", "clients")),
+        ("worker/gguf", ("worker.lora", "worker.runtime", "worker.serving", "worker.rpc", "torch")),
+        ("worker/runtime", ("worker.serving", "worker.rpc", "control_plane", "clients")),
+        ("worker/serving", ("worker.rpc", "grpc", "control_plane", "clients")),
+        # the control plane uses only the torch-free parts of the worker: the GGUF format, adapter-file
+        # validation and the tokenizer (to show aLoRA invocation text)
+        (
+            "control_plane",
+            (
+                "worker.runtime.model",
+                "worker.runtime.context",
+                "worker.runtime.graph",
+                "worker.serving",
+                "worker.rpc",
+                "worker.lora.adapter",
+                "worker.lora.plan",
+                "torch",
+                "clients",
+            ),
+        ),
+        ("loraplane", ("worker", "control_plane", "clients", "torch")),
+    ],
+)
 def test_package_does_not_import(package, forbidden):
-    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in _py(package)
-           for mod, line, _ in _imports(p) if any(mod == f or mod.startswith(f + ".") for f in forbidden)]
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} imports {mod}"
+        for p in _py(package)
+        for mod, line, _ in _imports(p)
+        if any(mod == f or mod.startswith(f + ".") for f in forbidden)
+    ]
     assert not bad, bad
 
 
 def test_product_packages_do_not_import_bench_at_module_level():
-    bad = [f"{p.relative_to(ROOT)}:{line}" for p in _py("worker", "control_plane", "clients", "loraplane")
-           for mod, line, top in _imports(p) if top and (mod == "bench" or mod.startswith("bench."))]
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in _py("worker", "control_plane", "clients", "loraplane")
+        for mod, line, top in _imports(p)
+        if top and (mod == "bench" or mod.startswith("bench."))
+    ]
     assert not bad, bad

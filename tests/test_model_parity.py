@@ -19,11 +19,11 @@ import torch
 
 from tests.parity import GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.registry import AdapterInUseError
 from worker.runtime.context import Model, UBatch
-from worker.tools.convert_peft import convert_peft
-from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.model import load_model
+from worker.tools.convert_peft import convert_peft
 
 pytestmark = pytest.mark.parity
 
@@ -48,8 +48,12 @@ def gemma(base_model_path, fixtures_dir, weight_form):
     torch.manual_seed(0)
     model = Model(load_model(base_model_path, dtype="f32", device="cpu", weights=weight_form))
     for aid, name in GOLDEN_IDS.items():
-        model.adapters.add(aid, load_lora_adapter(fixtures_dir / "adapters" / f"{name}.gguf",
-                                                  base_arch="gemma3", base_tensors=model.base.tensor_ne))
+        model.adapters.add(
+            aid,
+            load_lora_adapter(
+                fixtures_dir / "adapters" / f"{name}.gguf", base_arch="gemma3", base_tensors=model.base.tensor_ne
+            ),
+        )
     ctx = model.new_context(n_ctx_seq=512)
     yield model, ctx
     ctx.close()
@@ -123,30 +127,46 @@ def _assert_peft(g: GroupStats, name: str, form: str) -> None:
 def test_peft_shout_embd_tied_output(gemma, fixtures_dir):
     """Embedding adapter on a tied model: llama.cpp aborts; we patch the input lookup only (PEFT)."""
     model, ctx = gemma
-    _assert_peft(_peft_group(model, ctx, fixtures_dir, "shout_embd",
-                             AdapterSet.of({2: (model.adapters.by_id[2], 1.0)})), "shout_embd", model.base.weight_form)
+    _assert_peft(
+        _peft_group(model, ctx, fixtures_dir, "shout_embd", AdapterSet.of({2: (model.adapters.by_id[2], 1.0)})),
+        "shout_embd",
+        model.base.weight_form,
+    )
 
 
 def test_peft_shout_and_alora(gemma, fixtures_dir):
     model, ctx = gemma
-    _assert_peft(_peft_group(model, ctx, fixtures_dir, "shout", AdapterSet.of({0: (model.adapters.by_id[0], 1.0)})), "shout", model.base.weight_form)
-    _assert_peft(_peft_group(model, ctx, fixtures_dir, "critic_alora",
-                             AdapterSet.of({3: (model.adapters.by_id[3], 1.0)})), "critic_alora", model.base.weight_form)
+    _assert_peft(
+        _peft_group(model, ctx, fixtures_dir, "shout", AdapterSet.of({0: (model.adapters.by_id[0], 1.0)})),
+        "shout",
+        model.base.weight_form,
+    )
+    _assert_peft(
+        _peft_group(model, ctx, fixtures_dir, "critic_alora", AdapterSet.of({3: (model.adapters.by_id[3], 1.0)})),
+        "critic_alora",
+        model.base.weight_form,
+    )
 
 
 def test_peft_shout_rs_converted(gemma, fixtures_dir, tmp_path):
     """rsLoRA converted by convert-peft carries alpha 32 and matches PEFT's scale 2; the
     llama.cpp-converted fixture GGUF (alpha 8 → 0.5) does not."""
     model, ctx = gemma
-    out = convert_peft(fixtures_dir / "adapters" / "peft" / "shout_rs", tmp_path / "shout_rs.gguf",
-                       base_gguf=str(model.base.path))
+    out = convert_peft(
+        fixtures_dir / "adapters" / "peft" / "shout_rs", tmp_path / "shout_rs.gguf", base_gguf=str(model.base.path)
+    )
     ours = load_lora_adapter(out, base_arch="gemma3", base_tensors=model.base.tensor_ne)
     assert ours.alpha == pytest.approx(32.0)
     model.adapters.add(10, ours)
     try:
-        _assert_peft(_peft_group(model, ctx, fixtures_dir, "shout_rs", AdapterSet.of({10: (ours, 1.0)})), "shout_rs", model.base.weight_form)
-        lossy = load_lora_adapter(fixtures_dir / "adapters" / "shout_rs.gguf", base_arch="gemma3",
-                                  base_tensors=model.base.tensor_ne)
+        _assert_peft(
+            _peft_group(model, ctx, fixtures_dir, "shout_rs", AdapterSet.of({10: (ours, 1.0)})),
+            "shout_rs",
+            model.base.weight_form,
+        )
+        lossy = load_lora_adapter(
+            fixtures_dir / "adapters" / "shout_rs.gguf", base_arch="gemma3", base_tensors=model.base.tensor_ne
+        )
         model.adapters.add(11, lossy)
         g = _peft_group(model, ctx, fixtures_dir, "shout_rs", AdapterSet.of({11: (lossy, 1.0)}))
         assert max(c.mean for c in g.cases) > 0.05, "llama.cpp's lossy rsLoRA conversion should miss PEFT"
@@ -175,7 +195,7 @@ def test_batched_decode_equals_alone(gemma, golden):
     res = ctx.decode(UBatch(toks, pos, seq, want))
     lp = torch.log_softmax(res.logits, -1)
     rows = {r: i for i, r in enumerate(res.out_rows)}
-    for (first, n), ref in zip(spans, alone):
+    for (first, n), ref in zip(spans, alone, strict=False):
         got = lp[[rows[first + j] for j in range(n)]]
         assert float((got - ref).abs().max()) <= SAME_TOL[model.base.weight_form]
     # then single-token decode on top of the batched prompt matches too
@@ -192,13 +212,15 @@ def test_scale_zero_empty_and_detached_are_base(gemma, golden):
     zero = AdapterSet.of({0: (model.adapters.by_id[0], 0.0)})
     assert zero.is_empty()
     assert torch.equal(teacher_forced_logprobs(ctx, c["prompt_tokens"], c["tokens"], zero), base)
-    on = teacher_forced_logprobs(ctx, c["prompt_tokens"], c["tokens"], AdapterSet.of({0: (model.adapters.by_id[0], 1.0)}))
+    on = teacher_forced_logprobs(
+        ctx, c["prompt_tokens"], c["tokens"], AdapterSet.of({0: (model.adapters.by_id[0], 1.0)})
+    )
     assert not torch.equal(on, base)
     assert torch.equal(teacher_forced_logprobs(ctx, c["prompt_tokens"], c["tokens"], EMPTY_SET), base)
 
 
 def test_set_adapters_reuse_and_rebuild(gemma):
-    """"Graph reused" = no slot's content changed since the previous decode (issue 12): a
+    """ "Graph reused" = no slot's content changed since the previous decode (issue 12): a
     scale change or a different mix of resident adapters is a new routing input only; paging
     an adapter into a slot is a rebuild."""
     model, ctx = gemma
@@ -234,7 +256,9 @@ def test_set_adapters_reuse_and_rebuild(gemma):
 
 def test_free_adapter_in_use_is_refused_both_orders(gemma, fixtures_dir):
     model, ctx = gemma
-    sea2 = load_lora_adapter(fixtures_dir / "adapters" / "sea.gguf", base_arch="gemma3", base_tensors=model.base.tensor_ne)
+    sea2 = load_lora_adapter(
+        fixtures_dir / "adapters" / "sea.gguf", base_arch="gemma3", base_tensors=model.base.tensor_ne
+    )
     model.adapters.add(20, sea2)
     ctx.set_adapters(AdapterSet.of({20: (sea2, 1.0)}))
     with pytest.raises(AdapterInUseError, match="adapter 20"):
@@ -243,6 +267,7 @@ def test_free_adapter_in_use_is_refused_both_orders(gemma, fixtures_dir):
     assert model.adapters.free(20) is sea2
     # freed first, then a context tries to use it: refused, nothing dangling
     from worker.runtime.context import DecodeError
+
     with pytest.raises(DecodeError, match="not registered"):
         ctx.set_adapters(AdapterSet.of({20: (sea2, 1.0)}))
     assert ctx.active_sets == (EMPTY_SET,)
@@ -259,8 +284,10 @@ def test_tiny_moe_with_expert_adapter(fixtures_dir):
         s = _set(model, case["lora"])
         lp = teacher_forced_logprobs(ctx, case["prompt_tokens"], case["tokens"][: len(case["steps"])], s)
         st = compare_case(case["prompt"], lp, case["steps"])
-        print(f"moe {case['case']} {case['prompt']!r}: max {max(st.deltas):.4f} mean {st.mean:.4f} "
-              f"argmax {st.argmax_hits}/{st.argmax_total}")
+        print(
+            f"moe {case['case']} {case['prompt']!r}: max {max(st.deltas):.4f} mean {st.mean:.4f} "
+            f"argmax {st.argmax_hits}/{st.argmax_total}"
+        )
         assert max(st.deltas) <= 0.05 and st.mean <= 0.01
         assert st.argmax_hits == st.argmax_total
     # one expert's A/B for every token would be nats off: check the routing matters

@@ -33,19 +33,25 @@ MAX_TOKENS = "5"
 def node_installed() -> None:
     """Fail (never skip) every test here when node or the npm packages are missing."""
     if shutil.which("node") is None:
-        pytest.fail("node is not installed: the Node client tests need node >= 18 on PATH "
-                    "(then run `scripts/install.sh --with-node`)", pytrace=False)
-    missing = [p for p in ("@grpc/grpc-js", "@grpc/proto-loader")
-               if not (NODE_DIR / "node_modules" / p).is_dir()]
+        pytest.fail(
+            "node is not installed: the Node client tests need node >= 18 on PATH "
+            "(then run `scripts/install.sh --with-node`)",
+            pytrace=False,
+        )
+    missing = [p for p in ("@grpc/grpc-js", "@grpc/proto-loader") if not (NODE_DIR / "node_modules" / p).is_dir()]
     if missing:
-        pytest.fail(f"npm packages {missing} are missing from {NODE_DIR / 'node_modules'}: "
-                    "run `npm install --prefix clients/node` (or `scripts/install.sh "
-                    "--with-node`)", pytrace=False)
+        pytest.fail(
+            f"npm packages {missing} are missing from {NODE_DIR / 'node_modules'}: "
+            "run `npm install --prefix clients/node` (or `scripts/install.sh "
+            "--with-node`)",
+            pytrace=False,
+        )
 
 
 def node_generate(addr: str, *args: str) -> tuple[int, dict]:
-    proc = subprocess.run(["node", str(NODE_DIR / "generate.js"), "--addr", addr, *args],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["node", str(NODE_DIR / "generate.js"), "--addr", addr, *args], capture_output=True, text=True, timeout=300
+    )
     lines = proc.stdout.strip().splitlines()
     return proc.returncode, (json.loads(lines[-1]) if lines else {"stderr": proc.stderr})
 
@@ -69,8 +75,7 @@ def test_node_matches_python_for_default_empty_and_explicit_maps(live_server, lp
     with restored_default(lp):
         assert nonzero(lp.set_default({shout: 1.0})) == {shout: 1.0}
         for case, (flags, amap) in cases.items():
-            code, out = node_generate(live_server.addr, "--prompt", PROMPT,
-                                      "--max-tokens", MAX_TOKENS, *flags)
+            code, out = node_generate(live_server.addr, "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, *flags)
             assert code == 0, (case, out)
             expected = lp.generate(PROMPT, adapters=amap, max_tokens=int(MAX_TOKENS))
             assert out == {"text": expected.text, "token_ids": list(expected.token_ids)}, case

@@ -19,8 +19,14 @@ FOLDERS = ("shout", "sea", "shout_embd", "critic_alora", "shout_rs")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "clients.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "clients.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 @pytest.fixture
@@ -56,7 +62,11 @@ def test_startup_lora_peft_folder(start_control_plane, peft_dir, tmp_path):
     cp = start_control_plane(lora=(str(peft_dir / "sea"),))
     (rec,) = cp.state.registry.list()
     assert (rec.id, rec.sha256, rec.source_format, rec.default_scale) == (
-        0, hashlib.sha256(out.read_bytes()).hexdigest(), "peft", 1.0)
+        0,
+        hashlib.sha256(out.read_bytes()).hexdigest(),
+        "peft",
+        1.0,
+    )
     assert Path(rec.path).parent == Path(cp.config.data_dir) / "adapters"
 
 
@@ -66,8 +76,9 @@ def test_unconvertible_peft_folder_is_refused_with_every_problem(start_control_p
     import numpy as np
     from safetensors.numpy import save_file
 
-    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
-                                                          "use_dora": True}))
+    (bad / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": True})
+    )
     save_file({"base_model.model.model.norm.weight": np.zeros(4, np.float32)}, str(bad / "adapter_model.safetensors"))
     cp = start_control_plane(adapter_dirs=(str(tmp_path),))
     r = cli("adapters", "add", "--server-path", str(bad), "--addr", cp.addr, "--json")

@@ -17,13 +17,23 @@ from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
 K, D = 8, 6
 
 
-def adapter(name: str, *, rank: int = 2, alpha: float = 0.0, weights: tuple[str, ...] = ("w",),
-            seed: int = 0) -> LoraAdapter:
+def adapter(
+    name: str, *, rank: int = 2, alpha: float = 0.0, weights: tuple[str, ...] = ("w",), seed: int = 0
+) -> LoraAdapter:
     g = torch.Generator().manual_seed(seed)
     pairs = {w: LoraPair(w, torch.randn(rank, K, generator=g), torch.randn(D, rank, generator=g)) for w in weights}
-    return LoraAdapter(path=f"/x/{name}.gguf", sha256=name * 8, arch="llama", name=name, alpha=alpha,
-                       pairs=types.MappingProxyType(pairs), alora_invocation_tokens=(),
-                       task_name="", prompt_prefix="", size_bytes=0)
+    return LoraAdapter(
+        path=f"/x/{name}.gguf",
+        sha256=name * 8,
+        arch="llama",
+        name=name,
+        alpha=alpha,
+        pairs=types.MappingProxyType(pairs),
+        alora_invocation_tokens=(),
+        task_name="",
+        prompt_prefix="",
+        size_bytes=0,
+    )
 
 
 ADS = [adapter(f"a{i}", seed=i, rank=2 + i % 3) for i in range(6)]
@@ -52,10 +62,10 @@ def test_lru_eviction_skips_held_and_counts():
     pool.acquire([ADS[1]])
     pool.release([ADS[0]])
     pool.release([ADS[1]])
-    pool.acquire([ADS[1]])          # touch 1: 0 is now least recently used
+    pool.acquire([ADS[1]])  # touch 1: 0 is now least recently used
     pool.release([ADS[1]])
     gen = pool.generation
-    pool.acquire([ADS[2]])          # evicts 0
+    pool.acquire([ADS[2]])  # evicts 0
     assert pool.slot_of(ADS[0].sha256) is None and pool.slot_of(ADS[2].sha256) == 0
     assert (pool.stats.page_ins, pool.stats.evictions) == (3, 1) and pool.generation > gen
     # both slots held now → a third adapter must wait, and nothing changes
@@ -124,19 +134,25 @@ def test_heterogeneous_ranks_and_weights_routed_by_slot():
     from worker.lora.adapter import lora_scale
     from worker.runtime.graph import GraphContext, GraphInputs
 
-    ads = [adapter("r4", rank=4, alpha=8.0, weights=("w",), seed=1),
-           adapter("r8", rank=8, weights=("w", "v"), seed=2),
-           adapter("r16", rank=16, alpha=4.0, weights=("v",), seed=3),
-           adapter("r64", rank=64, alpha=16.0, weights=("w",), seed=4)]
+    ads = [
+        adapter("r4", rank=4, alpha=8.0, weights=("w",), seed=1),
+        adapter("r8", rank=8, weights=("w", "v"), seed=2),
+        adapter("r16", rank=16, alpha=4.0, weights=("v",), seed=3),
+        adapter("r64", rank=64, alpha=16.0, weights=("w",), seed=4),
+    ]
     pool = LoraPool(4, 64)
     pool.acquire(ads)
-    sets = (AdapterSet.of({0: (ads[0], 1.0), 2: (ads[2], 0.5)}), AdapterSet.of({1: (ads[1], 2.0)}),
-            AdapterSet.of({3: (ads[3], 1.0), 1: (ads[1], 1.0)}))
+    sets = (
+        AdapterSet.of({0: (ads[0], 1.0), 2: (ads[2], 0.5)}),
+        AdapterSet.of({1: (ads[1], 2.0)}),
+        AdapterSet.of({3: (ads[3], 1.0), 1: (ads[1], 1.0)}),
+    )
     plan = build_plan(sets, pool, {})
     route = torch.tensor([0, 1, 2, 2, 0])
     x = torch.randn(5, K)
-    inputs = GraphInputs(tokens=torch.zeros(5, dtype=torch.long), pos=torch.arange(5), spans=[],
-                         out_rows=torch.arange(5), row_set=route)
+    inputs = GraphInputs(
+        tokens=torch.zeros(5, dtype=torch.long), pos=torch.arange(5), spans=[], out_rows=torch.arange(5), row_set=route
+    )
     g = GraphContext({"w": torch.zeros(D, K), "v": torch.zeros(D, K)}, inputs, plan, None, torch.float32)  # type: ignore[arg-type]
     for name in ("w", "v"):
         y = g.build_lora_mm(name, x)
@@ -150,10 +166,20 @@ def test_heterogeneous_ranks_and_weights_routed_by_slot():
 
 
 def test_token_embd_side_branch_follows_slots():
-    emb = LoraAdapter(path="/x/e.gguf", sha256="e" * 64, arch="llama", name="e", alpha=0.0,
-                      pairs=types.MappingProxyType({"token_embd.weight": LoraPair(
-                          "token_embd.weight", torch.randn(10, 2), torch.randn(D, 2))}),
-                      alora_invocation_tokens=(), task_name="", prompt_prefix="", size_bytes=0)
+    emb = LoraAdapter(
+        path="/x/e.gguf",
+        sha256="e" * 64,
+        arch="llama",
+        name="e",
+        alpha=0.0,
+        pairs=types.MappingProxyType(
+            {"token_embd.weight": LoraPair("token_embd.weight", torch.randn(10, 2), torch.randn(D, 2))}
+        ),
+        alora_invocation_tokens=(),
+        task_name="",
+        prompt_prefix="",
+        size_bytes=0,
+    )
     pool = LoraPool(3, 8)
     pool.acquire([ADS[0], emb])
     side = side_branches(pool)

@@ -51,17 +51,36 @@ READY_TIMEOUT_S = 600
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-            "PYTHONUNBUFFERED": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def spawn_control_plane(addr: str, url: str, data_dir: Path, adapter_dir: Path, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "clients.cli", "control-plane", "--addr", addr, "--database", url,
-           "--data-dir", str(data_dir), "--adapter-dir", str(adapter_dir),
-           "--heartbeat-interval", str(HEARTBEAT_S), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "control-plane",
+        "--addr",
+        addr,
+        "--database",
+        url,
+        "--data-dir",
+        str(data_dir),
+        "--adapter-dir",
+        str(adapter_dir),
+        "--heartbeat-interval",
+        str(HEARTBEAT_S),
+        "--log-level",
+        "warning",
+    ]
     with open(log, "ab") as fh:
-        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
 
 
 class Cluster:
@@ -78,10 +97,30 @@ class Cluster:
         self.worker_id = "w-replicas"
         with open(root / "worker.log", "ab") as fh:
             self.worker = subprocess.Popen(
-                [sys.executable, "-m", "clients.cli", "worker", "--control-plane", f"{self.a_addr},{self.b_addr}",
-                 "--addr", "127.0.0.1:0", "--worker-id", self.worker_id, "--slots", "4", "--device", "cpu",
-                 "--n-ctx", "512"], cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-m",
+                    "clients.cli",
+                    "worker",
+                    "--control-plane",
+                    f"{self.a_addr},{self.b_addr}",
+                    "--addr",
+                    "127.0.0.1:0",
+                    "--worker-id",
+                    self.worker_id,
+                    "--slots",
+                    "4",
+                    "--device",
+                    "cpu",
+                    "--n-ctx",
+                    "512",
+                ],
+                cwd=ROOT,
+                env=_env(),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         self.procs.append(self.worker)
         for lp in (self.lp_a, self.lp_b):
             assert wait_until(lambda lp=lp: self.alive(lp, self.worker_id), timeout=READY_TIMEOUT_S), self.logs()
@@ -90,8 +129,9 @@ class Cluster:
         return any(w.worker_id == worker_id and w.alive for w in lp.list_workers())
 
     def logs(self) -> str:
-        return "\n".join(f"== {p.name}\n{p.read_bytes()[-3000:].decode(errors='replace')}"
-                         for p in sorted(self.root.glob("*.log")))
+        return "\n".join(
+            f"== {p.name}\n{p.read_bytes()[-3000:].decode(errors='replace')}" for p in sorted(self.root.glob("*.log"))
+        )
 
     def announce(self, adapter_id: int, sha256: str) -> None:
         """Tell the real worker about an adapter directly (header-only ``LoadAdapter``)."""
@@ -100,7 +140,8 @@ class Cluster:
 
         with grpc.insecure_channel(info.addr) as ch:
             worker_pb2_grpc.WorkerStub(ch).LoadAdapter(
-                iter([common_pb2.AdapterChunk(id=adapter_id, sha256=sha256, fetch_on_demand=True)]), timeout=30)
+                iter([common_pb2.AdapterChunk(id=adapter_id, sha256=sha256, fetch_on_demand=True)]), timeout=30
+            )
 
     def worker_adapter_ids(self) -> set[int]:
         (info,) = [w for w in self.lp_b.list_workers() if w.worker_id == self.worker_id]
@@ -258,10 +299,13 @@ def test_kill_a_during_registrations_and_generations(cluster, tmp_path):
     for adapter_id, sha in acknowledged:  # present through B
         assert cluster.lp_b.get_adapter(adapter_id).sha256 == sha
     with psycopg.connect(cluster.url) as conn:  # none half-registered: every row's bytes are whole
-        rows = conn.execute("SELECT a.sha256, string_agg(b.data, ''::bytea ORDER BY b.seq) FROM adapters a"
-                            " LEFT JOIN adapter_blobs b ON b.sha256 = a.sha256 GROUP BY a.sha256").fetchall()
-        orphans = conn.execute("SELECT count(*) FROM adapter_blobs b WHERE NOT EXISTS"
-                               " (SELECT 1 FROM adapters a WHERE a.sha256 = b.sha256)").fetchone()
+        rows = conn.execute(
+            "SELECT a.sha256, string_agg(b.data, ''::bytea ORDER BY b.seq) FROM adapters a"
+            " LEFT JOIN adapter_blobs b ON b.sha256 = a.sha256 GROUP BY a.sha256"
+        ).fetchall()
+        orphans = conn.execute(
+            "SELECT count(*) FROM adapter_blobs b WHERE NOT EXISTS (SELECT 1 FROM adapters a WHERE a.sha256 = b.sha256)"
+        ).fetchone()
     assert all(data is not None and hashlib.sha256(data).hexdigest() == sha for sha, data in rows)
     assert orphans == (0,)
     assert cluster.worker.poll() is None and cluster.alive(cluster.lp_b, cluster.worker_id)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.runtime.context import DecodeError, Model, UBatch
 from worker.gguf.reader import GGUFError, read_gguf
+from worker.runtime.context import DecodeError, Model, UBatch
 from worker.runtime.model import ModelError, load_model
 from worker.runtime.sampling import Sampler, SamplingError, SamplingParams, prompt_logprobs
 
@@ -89,8 +89,10 @@ def test_greedy_and_logprobs():
 
 def test_seed_is_deterministic_and_top_k_top_p_cut():
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
-    draw = lambda **kw: [Sampler(SamplingParams(temperature=1.0, seed=7, **kw)).sample(logits).token_id  # noqa: E731
-                         for _ in range(3)]
+    draw = lambda **kw: [
+        Sampler(SamplingParams(temperature=1.0, seed=7, **kw)).sample(logits).token_id  # noqa: E731
+        for _ in range(3)
+    ]
     assert draw() == draw()  # same seed, same tokens
     seqs = set()
     s = Sampler(SamplingParams(temperature=1.0, seed=3))
@@ -105,10 +107,15 @@ def test_seed_is_deterministic_and_top_k_top_p_cut():
     assert {s.sample(peaked).token_id for _ in range(50)} == {0}
 
 
-@pytest.mark.parametrize("field,value,msg", [("max_tokens", 0, "max_tokens must be >= 1"),
-                                             ("temperature", -1.0, "temperature must be >= 0"),
-                                             ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
-                                             ("logprobs", 50, r"logprobs must be in \[0, 20\]")])
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("max_tokens", 0, "max_tokens must be >= 1"),
+        ("temperature", -1.0, "temperature must be >= 0"),
+        ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+        ("logprobs", 50, r"logprobs must be in \[0, 20\]"),
+    ],
+)
 def test_sampling_validation(field, value, msg):
     with pytest.raises(SamplingError, match=msg):
         SamplingParams(**{field: value}).validate()

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from worker.serving.engine import WorkerEngine
-from worker.runtime.sampling import SamplingParams
 from worker.errors import QueueFullError
 from worker.rpc.status import status_of
+from worker.runtime.sampling import SamplingParams
+from worker.serving.engine import WorkerEngine
 from worker.serving.request import FinishedEvent, TokenEvent
 
 
@@ -20,9 +20,17 @@ def engine_for(fixtures_dir):
     made = []
 
     def make(batching: Batching, n_slots: int = 4, queue_limit: int = 64) -> WorkerEngine:
-        e = WorkerEngine(WorkerConfig(model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"),
-                                      n_slots=n_slots, batching=batching, prefix_cache=PrefixCachePolicy.LLAMA,
-                                      device="cpu", n_ctx_slot=256, queue_limit=queue_limit))
+        e = WorkerEngine(
+            WorkerConfig(
+                model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"),
+                n_slots=n_slots,
+                batching=batching,
+                prefix_cache=PrefixCachePolicy.LLAMA,
+                device="cpu",
+                n_ctx_slot=256,
+                queue_limit=queue_limit,
+            )
+        )
         e.load_adapter(0, path=str(fixtures_dir / "tiny_moe" / "moe_lora.gguf"))
         made.append(e)
         return e
@@ -36,9 +44,14 @@ def _run(engine: WorkerEngine, specs: list[tuple[str, list[tuple[int, float]]]],
     """Submit all at once; return per request the ordered (global event index, event) list."""
     q: queue.Queue = queue.Queue()
     for rid, entries in specs:
-        engine.submit(request_id=rid, prompt_tokens=[1, 450, 4996, 17354], prompt_text=None,
-                      params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), entries=entries,
-                      emit=lambda ev, rid=rid: q.put((rid, ev)))
+        engine.submit(
+            request_id=rid,
+            prompt_tokens=[1, 450, 4996, 17354],
+            prompt_text=None,
+            params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            entries=entries,
+            emit=lambda ev, rid=rid: q.put((rid, ev)),
+        )
     out: dict[str, list] = {rid: [] for rid, _ in specs}
     done, i = 0, 0
     deadline = time.monotonic() + 120
@@ -57,7 +70,7 @@ def test_compat_mode_rare_adapter_is_not_starved(engine_for):
     specs = [("a1", [(0, 1.0)]), ("a2", [(0, 1.0)]), ("a3", [(0, 1.0)]), ("base", [])]
     out = _run(e, specs)
     tok = {rid: [i for i, ev in evs if isinstance(ev, TokenEvent)] for rid, evs in out.items()}
-    for rid, evs in out.items():
+    for _rid, evs in out.items():
         steps = [ev.step for _, ev in evs if isinstance(ev, TokenEvent)]
         assert all(s.n_adapter_sets == 1 for s in steps)
         assert len(steps) == 8
@@ -101,8 +114,11 @@ def test_every_worker_error_has_one_status():
 
     from worker import errors
 
-    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
-               if issubclass(c, errors.WorkerError) and c is not errors.WorkerError]
+    classes = [
+        c
+        for _, c in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(c, errors.WorkerError) and c is not errors.WorkerError
+    ]
     assert len(classes) >= 8
     codes = {c.__name__: status_of(c("x")).name for c in classes}
     assert codes["QueueFullError"] == "RESOURCE_EXHAUSTED"

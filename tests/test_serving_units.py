@@ -24,23 +24,39 @@ from worker.runtime.kv_cache import KVCache
 from worker.runtime.sampling import SamplingParams
 from worker.serving.cache_policy import KeyedCachePolicy, LlamaCachePolicy, lora_should_clear_cache
 from worker.serving.engine import WorkerStatsRecord
-from worker.serving.scheduler import SchedulerStats
 from worker.serving.output import IncrementalDetokenizer, finish_reason, prompt_token_logprobs
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import GenRequest, RequestTelemetry, StepInfo
+from worker.serving.scheduler import SchedulerStats
 from worker.serving.slots import Slot, SlotState
 from worker.serving.ubatch import assemble_ubatch
 
 K, D = 8, 6
 
 
-def adapter(name: str, *, rank: int = 2, alpha: float = 0.0, invocation: tuple[int, ...] = (),
-            weights: tuple[str, ...] = ("w",), seed: int = 0) -> LoraAdapter:
+def adapter(
+    name: str,
+    *,
+    rank: int = 2,
+    alpha: float = 0.0,
+    invocation: tuple[int, ...] = (),
+    weights: tuple[str, ...] = ("w",),
+    seed: int = 0,
+) -> LoraAdapter:
     g = torch.Generator().manual_seed(seed)
     pairs = {w: LoraPair(w, torch.randn(rank, K, generator=g), torch.randn(D, rank, generator=g)) for w in weights}
-    return LoraAdapter(path=f"/x/{name}.gguf", sha256=name * 8, arch="llama", name=name, alpha=alpha,
-                       pairs=types.MappingProxyType(pairs), alora_invocation_tokens=invocation,
-                       task_name="", prompt_prefix="", size_bytes=0)
+    return LoraAdapter(
+        path=f"/x/{name}.gguf",
+        sha256=name * 8,
+        arch="llama",
+        name=name,
+        alpha=alpha,
+        pairs=types.MappingProxyType(pairs),
+        alora_invocation_tokens=invocation,
+        task_name="",
+        prompt_prefix="",
+        size_bytes=0,
+    )
 
 
 A, B = adapter("aaaa", seed=1), adapter("bbbb", seed=2, rank=3, alpha=6.0)
@@ -49,8 +65,14 @@ AL2 = adapter("alor2", invocation=(9,), seed=4)
 
 
 def request(prompt: list[int], aset: AdapterSet, *, prompt_logprobs: bool = False) -> GenRequest:
-    return GenRequest("r", prompt, SamplingParams(max_tokens=4, prompt_logprobs=prompt_logprobs),
-                      resolve_alora(aset, prompt), lambda ev: None, detok=None)  # type: ignore[arg-type]
+    return GenRequest(
+        "r",
+        prompt,
+        SamplingParams(max_tokens=4, prompt_logprobs=prompt_logprobs),
+        resolve_alora(aset, prompt),
+        lambda ev: None,
+        detok=None,
+    )  # type: ignore[arg-type]
 
 
 # --- aLoRA rule ---------------------------------------------------------------------------
@@ -73,17 +95,20 @@ def test_request_set_at_switches_at_activation():
 
 
 # --- llama-server's cache rule ------------------------------------------------------------
-@pytest.mark.parametrize("cur, nxt, clear", [
-    (EMPTY_SET, EMPTY_SET, False),
-    (EMPTY_SET, AdapterSet.of({0: (A, 1.0)}), True),
-    (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 1.0)}), False),
-    (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 0.5)}), True),
-    (AdapterSet.of({0: (A, 1.0)}), EMPTY_SET, True),
-    (EMPTY_SET, AdapterSet.of({5: (AL, 1.0)}), False),
-    (AdapterSet.of({5: (AL, 1.0)}), AdapterSet.of({6: (AL2, 1.0)}), False),
-    (AdapterSet.of({5: (AL, 1.0)}), EMPTY_SET, True),
-    (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({5: (AL, 1.0)}), True),
-])
+@pytest.mark.parametrize(
+    "cur, nxt, clear",
+    [
+        (EMPTY_SET, EMPTY_SET, False),
+        (EMPTY_SET, AdapterSet.of({0: (A, 1.0)}), True),
+        (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 1.0)}), False),
+        (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 0.5)}), True),
+        (AdapterSet.of({0: (A, 1.0)}), EMPTY_SET, True),
+        (EMPTY_SET, AdapterSet.of({5: (AL, 1.0)}), False),
+        (AdapterSet.of({5: (AL, 1.0)}), AdapterSet.of({6: (AL2, 1.0)}), False),
+        (AdapterSet.of({5: (AL, 1.0)}), EMPTY_SET, True),
+        (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({5: (AL, 1.0)}), True),
+    ],
+)
 def test_lora_should_clear_cache(cur, nxt, clear):
     assert lora_should_clear_cache(cur, nxt) is clear
 
@@ -96,8 +121,15 @@ def test_set_identity_is_content_and_scale_not_id():
 
 # --- policies ------------------------------------------------------------------------------
 def small_kv() -> KVCache:
-    return KVCache(n_layer=1, n_head_kv=1, n_embd_head_k=2, n_embd_head_v=2, n_ctx_seq=32,
-                   dtype=torch.float32, device=torch.device("cpu"))
+    return KVCache(
+        n_layer=1,
+        n_head_kv=1,
+        n_embd_head_k=2,
+        n_embd_head_v=2,
+        n_ctx_seq=32,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
 
 
 def fill(kv: KVCache, seq: int, n: int) -> None:
@@ -174,8 +206,11 @@ def test_assemble_mixed_routes_every_row_to_its_set():
 def test_assemble_compat_one_set_and_budget_and_alora_split():
     a = AdapterSet.of({0: (A, 1.0)})
     r1, r2, r3 = request([1, 2, 3, 4, 5], a), request([6, 7, 8], EMPTY_SET), request([1, 2], a)
-    slots = [busy_slot(0, r1, SlotState.PROMPT, 0, last_step=5), busy_slot(1, r2, SlotState.PROMPT, 0, last_step=1),
-             busy_slot(2, r3, SlotState.PROMPT, 0, last_step=3)]
+    slots = [
+        busy_slot(0, r1, SlotState.PROMPT, 0, last_step=5),
+        busy_slot(1, r2, SlotState.PROMPT, 0, last_step=1),
+        busy_slot(2, r3, SlotState.PROMPT, 0, last_step=3),
+    ]
     plan = assemble_ubatch(slots, compat=True)
     assert [s.id for s, _ in plan.parts] == [1] and len(plan.sets) == 1  # oldest group only
     plan = assemble_ubatch([slots[0], slots[2]], compat=True, n_batch=4)
@@ -206,8 +241,9 @@ def test_plan_routes_rows_by_slot_over_the_pool():
     route = torch.tensor([2, 0, 1, 1])
     x = torch.randn(4, K)
     w = torch.zeros(D, K)
-    inputs = GraphInputs(tokens=torch.zeros(4, dtype=torch.long), pos=torch.arange(4), spans=[],
-                         out_rows=torch.arange(4), row_set=route)
+    inputs = GraphInputs(
+        tokens=torch.zeros(4, dtype=torch.long), pos=torch.arange(4), spans=[], out_rows=torch.arange(4), row_set=route
+    )
     y = GraphContext({"w": w}, inputs, plan, None, torch.float32).build_lora_mm("w", x)  # type: ignore[arg-type]
     for i, j in enumerate(route.tolist()):  # every row gets exactly its own set's adapters
         ref = torch.zeros(D)
@@ -249,8 +285,10 @@ def test_prompt_logprobs_and_finish_reason():
     assert finish_reason(1, ignore_eos=False, n_generated=1, max_tokens=9, **kw) == "stop"
     assert finish_reason(1, ignore_eos=True, n_generated=1, max_tokens=9, **kw) is None
     assert finish_reason(2, ignore_eos=False, n_generated=9, max_tokens=9, **kw) == "length"
-    assert finish_reason(2, ignore_eos=False, n_generated=1, max_tokens=9, eog_ids=frozenset(), n_past=99,
-                         n_ctx=100) == "length"
+    assert (
+        finish_reason(2, ignore_eos=False, n_generated=1, max_tokens=9, eog_ids=frozenset(), n_past=99, n_ctx=100)
+        == "length"
+    )
 
 
 # --- typed records vs protos --------------------------------------------------------------
@@ -258,16 +296,25 @@ def _field_names(record) -> set[str]:
     """Field names, a nested record's fields flattened (WorkerStatsRecord.scheduler)."""
     out: set[str] = set()
     for f in dataclasses.fields(record):
-        out |= _field_names(f.type if not isinstance(f.type, str) else SchedulerStats) if f.name == "scheduler" \
+        out |= (
+            _field_names(f.type if not isinstance(f.type, str) else SchedulerStats)
+            if f.name == "scheduler"
             else {f.name}
+        )
     return out
 
 
-@pytest.mark.parametrize("record, message", [(RequestTelemetry, pb.RequestTelemetry), (StepInfo, pb.StepTelemetry),
-                                             (WorkerStatsRecord, worker_pb2.WorkerStats)])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (RequestTelemetry, pb.RequestTelemetry),
+        (StepInfo, pb.StepTelemetry),
+        (WorkerStatsRecord, worker_pb2.WorkerStats),
+    ],
+)
 def test_records_match_their_protos(record, message):
     ours = _field_names(record)
-    assert ours == set(message.DESCRIPTOR.fields_by_name), (ours ^ set(message.DESCRIPTOR.fields_by_name))
+    assert ours == set(message.DESCRIPTOR.fields_by_name), ours ^ set(message.DESCRIPTOR.fields_by_name)
 
 
 def test_telemetry_mapping_rejects_unknown_fields():
@@ -283,8 +330,16 @@ def test_telemetry_mapping_rejects_unknown_fields():
 def test_kv_import_after_decode_outside_inference_mode():
     """The scheduler imports prefix snapshots between decodes, outside inference mode, into KV
     tensors that a decode (inside inference mode) grew: must not raise."""
-    kv = KVCache(n_layer=1, n_head_kv=1, n_embd_head_k=2, n_embd_head_v=2, n_ctx_seq=256,
-                 dtype=torch.float32, device=torch.device("cpu"), n_seq_hint=4)  # rows for both seqs
+    kv = KVCache(
+        n_layer=1,
+        n_head_kv=1,
+        n_embd_head_k=2,
+        n_embd_head_v=2,
+        n_ctx_seq=256,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        n_seq_hint=4,
+    )  # rows for both seqs
     assert kv.cap == 64
     with torch.inference_mode():  # what WorkerContext.decode does: grows the layer tensors
         kv.begin_append(1, 0, 100)

@@ -30,8 +30,11 @@ def open_db(request, tmp_path: Path):
     """``open_db() -> AdapterStore``: a new store on one database per test (call it again for
     a second process's view of the same database)."""
     backend = request.param
-    url = (f"sqlite:///{tmp_path / 'db.sqlite3'}" if backend == "sqlite"
-           else request.getfixturevalue("postgres_server").create_database("store"))
+    url = (
+        f"sqlite:///{tmp_path / 'db.sqlite3'}"
+        if backend == "sqlite"
+        else request.getfixturevalue("postgres_server").create_database("store")
+    )
     opened: list[AdapterStore] = []
 
     def open_one() -> AdapterStore:
@@ -114,8 +117,7 @@ def test_failed_registration_leaves_nothing_and_no_gap(open_db, tmp_path):
         with psycopg.connect(open_db.url) as conn:
             assert conn.execute("SELECT count(*) FROM adapter_blobs WHERE sha256 = %s", (sha,)).fetchone() == (0,)
     else:
-        assert sorted(p.name for p in (tmp_path / "data" / "adapters").iterdir()) == \
-            [f"{store.list()[0].sha256}.gguf"]
+        assert sorted(p.name for p in (tmp_path / "data" / "adapters").iterdir()) == [f"{store.list()[0].sha256}.gguf"]
     assert upload(store, tmp_path, "next", seed=6)[0].id == 1  # the counter rolled back
 
 
@@ -141,11 +143,14 @@ def test_worker_sightings(open_db):
     b.record_worker(worker_id="w2", addr="10.0.0.2:50061", model="m.gguf", model_sha256="ab", n_slots=8)
     seen = a.recent_workers(max_age_s=30)
     assert [(s.worker_id, s.addr, s.n_slots, s.replica_id) for s in seen] == [
-        ("w1", "10.0.0.1:50061", 4, a.replica_id), ("w2", "10.0.0.2:50061", 8, b.replica_id)]
+        ("w1", "10.0.0.1:50061", 4, a.replica_id),
+        ("w2", "10.0.0.2:50061", 8, b.replica_id),
+    ]
     assert all(0 <= s.age_s < 30 for s in seen)
     b.record_worker(worker_id="w1", addr="10.0.0.9:50061", model="m.gguf", model_sha256="ab", n_slots=4)
     assert [(s.addr, s.replica_id) for s in a.recent_workers(30) if s.worker_id == "w1"] == [
-        ("10.0.0.9:50061", b.replica_id)]
+        ("10.0.0.9:50061", b.replica_id)
+    ]
     assert a.recent_workers(max_age_s=-1) == []
 
 
@@ -195,7 +200,7 @@ def test_migrations_concurrent_start_and_too_new(open_db):
         with pytest.raises(SchemaTooNewError, match="schema version 99"):
             PostgresStore(open_db.url)
     else:
-        path = open_db.url[len("sqlite:///"):]
+        path = open_db.url[len("sqlite:///") :]
         with sqlite3.connect(path) as conn:
             conn.execute("UPDATE schema_version SET version = 99")
         with pytest.raises(SchemaTooNewError, match="schema version 99"):

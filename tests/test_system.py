@@ -30,10 +30,29 @@ PROMPT = "The weather today is"
 
 def start_worker(cp_addr: str, worker_id: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "clients.cli", "worker", "--control-plane", cp_addr, "--addr", "127.0.0.1:0",
-         "--worker-id", worker_id, "--slots", "4", "--device", "cpu", "--n-ctx", "512"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "worker",
+            "--control-plane",
+            cp_addr,
+            "--addr",
+            "127.0.0.1:0",
+            "--worker-id",
+            worker_id,
+            "--slots",
+            "4",
+            "--device",
+            "cpu",
+            "--n-ctx",
+            "512",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def wait_alive(lp: LoraplaneClient, worker_id: str, timeout: float = 600) -> None:
@@ -47,8 +66,9 @@ def wait_alive(lp: LoraplaneClient, worker_id: str, timeout: float = 600) -> Non
 
 @pytest.fixture
 def system(start_control_plane, fixtures_dir):
-    cp = start_control_plane(adapter_dirs=(str(fixtures_dir / "adapters"),),
-                             heartbeat_interval_s=0.5, dead_after_missed=3)
+    cp = start_control_plane(
+        adapter_dirs=(str(fixtures_dir / "adapters"),), heartbeat_interval_s=0.5, dead_after_missed=3
+    )
     procs: list[subprocess.Popen] = []
 
     def spawn(worker_id: str) -> subprocess.Popen:

@@ -36,8 +36,17 @@ import pytest
 
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2
-from tests.worker_service_helpers import (CALL_TIMEOUT, Result, WorkerProcess, find_last, gen, greedy_argmax_many,
-                                          group_stats, second_alora_gguf, teacher_forced)
+from tests.worker_service_helpers import (
+    CALL_TIMEOUT,
+    Result,
+    WorkerProcess,
+    find_last,
+    gen,
+    greedy_argmax_many,
+    group_stats,
+    second_alora_gguf,
+    teacher_forced,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -58,10 +67,12 @@ ALORA_TOKENS = (105, 1179, 725, 107)  # "<start_of_turn>shout\n" (golden.json ad
 def workers(fixtures_dir):
     dirs = f"adapter_dirs=({str(fixtures_dir / 'adapters')!r},)"  # server paths are confined
     procs = {
-        "mixed": WorkerProcess("mixed", "n_slots=8, queue_limit=16, batching=Batching.MIXED, "
-                                        f"prefix_cache=PrefixCachePolicy.KEYED, {dirs}"),
-        "compat": WorkerProcess("compat", "n_slots=4, batching=Batching.COMPAT, "
-                                          f"prefix_cache=PrefixCachePolicy.LLAMA, {dirs}"),
+        "mixed": WorkerProcess(
+            "mixed", f"n_slots=8, queue_limit=16, batching=Batching.MIXED, prefix_cache=PrefixCachePolicy.KEYED, {dirs}"
+        ),
+        "compat": WorkerProcess(
+            "compat", f"n_slots=4, batching=Batching.COMPAT, prefix_cache=PrefixCachePolicy.LLAMA, {dirs}"
+        ),
     }
     try:
         t0 = time.monotonic()
@@ -100,6 +111,7 @@ def peft_ref(fixtures_dir) -> dict:
 
 # --- 1. llama-server's LoRA test: scale 0 = base, scale 1 = the adapter -------------------------
 
+
 def test_lora_scale_0_is_base_and_1_is_adapter_vs_llama_cpp(mixed, golden):
     """tools/server/tests/unit/test_lora.py restated against golden.json, teacher-forced."""
     groups = {"base": [(SHOUT, 0.0)], "shout@1": [(SHOUT, 1.0)]}
@@ -115,14 +127,19 @@ def test_lora_scale_0_is_base_and_1_is_adapter_vs_llama_cpp(mixed, golden):
     am = greedy_argmax_many(mixed, cases, "llama-lora")
     t2 = time.monotonic()
     print(f"\nteacher-forced {len(cases)} cases in {t1 - t0:.1f}s, greedy argmax in {t2 - t1:.1f}s")
-    for res, (name, c) in zip(tf, meta):
+    for res, (name, c) in zip(tf, meta, strict=False):
         assert res.prompt_ids == c["prompt_tokens"] + c["tokens"]
         # scale 0 detaches the adapter: the request runs on the base set
         assert [(a.id, a.scale) for a in res.telemetry.adapters] == ([] if name == "base" else [(SHOUT, 1.0)])
     for name in groups:
         idx = [i for i, (n, _) in enumerate(meta) if n == name]
-        st = group_stats(name, [cases[i][0] for i in idx], [meta[i][1]["steps"] for i in idx],
-                         [tf[i] for i in idx], [am[i] for i in idx])
+        st = group_stats(
+            name,
+            [cases[i][0] for i in idx],
+            [meta[i][1]["steps"] for i in idx],
+            [tf[i] for i in idx],
+            [am[i] for i in idx],
+        )
         print(st)
         assert max(st.case_means) <= 0.10, st
         assert st.p95 <= 0.25, st
@@ -142,12 +159,16 @@ def mix_runs(mixed, compat):
     """The four cases run alone (mixed worker, one after another) and concurrently on both."""
     t0 = time.monotonic()
     # prompt_logprobs: computed cold (no prefix reuse), the plainest reference there is
-    alone = {name: mixed.run(gen(f"alone-{name}", text=MIX_PROMPT, adapters=ad, prompt_logprobs=True))
-             for name, ad in MIX_CASES.items()}
+    alone = {
+        name: mixed.run(gen(f"alone-{name}", text=MIX_PROMPT, adapters=ad, prompt_logprobs=True))
+        for name, ad in MIX_CASES.items()
+    }
     t1 = time.monotonic()
     together = {}
     for wname, w in (("mixed", mixed), ("compat", compat)):
-        res = w.run_concurrently([gen(f"{wname}-{name}", text=MIX_PROMPT, adapters=ad) for name, ad in MIX_CASES.items()])
+        res = w.run_concurrently(
+            [gen(f"{wname}-{name}", text=MIX_PROMPT, adapters=ad) for name, ad in MIX_CASES.items()]
+        )
         together[wname] = {name: res[f"{wname}-{name}"] for name in MIX_CASES}
     t2 = time.monotonic()
     print(f"\nalone runs {t1 - t0:.1f}s, concurrent runs (both workers) {t2 - t1:.1f}s")
@@ -167,8 +188,9 @@ def test_concurrent_adapter_sets_each_get_their_own_result(mix_runs, mode):
         assert all(s.batching == mode for s in r.steps)
     steps = [s for r in runs.values() for s in r.steps]
     if mode == "mixed":
-        assert any(s.n_adapter_sets > 1 and s.batch_size > 1 for s in steps), \
+        assert any(s.n_adapter_sets > 1 and s.batch_size > 1 for s in steps), (
             "mixed batching never put different adapter sets in one ubatch"
+        )
         assert max(r.telemetry.max_adapter_sets_in_batch for r in runs.values()) > 1
     else:
         assert all(s.n_adapter_sets == 1 for s in steps)
@@ -226,8 +248,10 @@ def test_aba_prefix_cache(workers, mode):
     for r in (a1, a2):
         assert r.tokens == a_cold.tokens
         worst = max(worst, float(np.max(np.abs(np.array(r.logprobs) - np.array(a_cold.logprobs)))))
-    print(f"\n{mode}: A->B->A vs cold max |d| = {worst:.2e}; A2 cached={a2.telemetry.cached_prompt_tokens} "
-          f"cleared={a2.telemetry.cache_cleared} reason={a2.telemetry.cache_clear_reason!r}")
+    print(
+        f"\n{mode}: A->B->A vs cold max |d| = {worst:.2e}; A2 cached={a2.telemetry.cached_prompt_tokens} "
+        f"cleared={a2.telemetry.cache_cleared} reason={a2.telemetry.cache_clear_reason!r}"
+    )
     assert worst <= SAME_RESULT_TOL
     n_prompt = len(a1.prompt_ids)
     if mode == "mixed":  # keyed: B never sees A's prefix, A finds its own again
@@ -250,25 +274,29 @@ def test_aba_prefix_cache(workers, mode):
 
 # --- 5. aLoRA --------------------------------------------------------------------------------
 
+
 def test_alora_parity_with_peft_and_llama_cpp(mixed, peft_ref, golden):
-    peft_cases = [c for c in peft_ref["cases"] if c["adapter"] == "critic_alora"
-                  and c["prompt_text"].endswith(INVOCATION_SUFFIX)]
+    peft_cases = [
+        c for c in peft_ref["cases"] if c["adapter"] == "critic_alora" and c["prompt_text"].endswith(INVOCATION_SUFFIX)
+    ]
     llama_cases = [c for c in golden["completions"] if c["case"] == "critic_alora@1 (invoked)"]
     assert len(peft_cases) == 3 and len(llama_cases) == 7
     ad = [(CRITIC, 1.0)]
     cases = [(c["prompt_tokens"], c["token_ids"], ad) for c in peft_cases]
     cases += [(c["prompt_tokens"], c["tokens"], ad) for c in llama_cases]
     tf = teacher_forced(mixed, cases, "alora")
-    for (p, ref, _), res in zip(cases, tf):
+    for (p, _ref, _), res in zip(cases, tf, strict=False):
         start = find_last(p, ALORA_TOKENS)
         assert start == len(p) - len(ALORA_TOKENS)
         assert res.telemetry.alora_activation_pos == start
         assert [(a.id, a.scale) for a in res.telemetry.adapters] == ad
     am = greedy_argmax_many(mixed, cases[:3], "alora-peft")
-    peft = group_stats("critic_alora invoked vs PEFT", [c[0] for c in cases[:3]],
-                       [c["steps"] for c in peft_cases], tf[:3], am)
-    llama = group_stats("critic_alora invoked vs llama.cpp", [c[0] for c in cases[3:]],
-                        [c["steps"] for c in llama_cases], tf[3:], None)
+    peft = group_stats(
+        "critic_alora invoked vs PEFT", [c[0] for c in cases[:3]], [c["steps"] for c in peft_cases], tf[:3], am
+    )
+    llama = group_stats(
+        "critic_alora invoked vs llama.cpp", [c[0] for c in cases[3:]], [c["steps"] for c in llama_cases], tf[3:], None
+    )
     print(f"\n{peft}\n{llama}\nvs PEFT: max |d| = {max(peft.deltas):.2e}")
     assert max(peft.case_means) <= 0.05, peft
     assert peft.argmax_total > 0 and peft.argmax_rate >= 0.95, peft
@@ -289,16 +317,19 @@ def test_alora_without_invocation_is_base(mixed):
 def test_alora_shares_the_base_prefix_in_the_keyed_cache(mixed):
     prompt = "The garden behind the school was"
     alora_text = prompt + INVOCATION_SUFFIX
-    cold = mixed.run(gen("alora-share-cold", text=alora_text, adapters=[(CRITIC, 1.0)], max_tokens=12,
-                         prompt_logprobs=True))
+    cold = mixed.run(
+        gen("alora-share-cold", text=alora_text, adapters=[(CRITIC, 1.0)], max_tokens=12, prompt_logprobs=True)
+    )
     base = mixed.run(gen("alora-share-base", text=prompt, adapters=[], max_tokens=4))
     warm = mixed.run(gen("alora-share-warm", text=alora_text, adapters=[(CRITIC, 1.0)], max_tokens=12))
     start = find_last(warm.prompt_ids, ALORA_TOKENS)
     assert start > 0 and warm.telemetry.alora_activation_pos == start
-    assert warm.prompt_ids[:len(base.prompt_ids)] == base.prompt_ids
+    assert warm.prompt_ids[: len(base.prompt_ids)] == base.prompt_ids
     # the base request's KV serves the aLoRA request up to (never past) its activation point
-    print(f"\naLoRA after base: cached {warm.telemetry.cached_prompt_tokens} of {len(warm.prompt_ids)}, "
-          f"activation at {start}")
+    print(
+        f"\naLoRA after base: cached {warm.telemetry.cached_prompt_tokens} of {len(warm.prompt_ids)}, "
+        f"activation at {start}"
+    )
     assert 0 < warm.telemetry.cached_prompt_tokens <= start
     assert warm.tokens == cold.tokens
     assert np.max(np.abs(np.array(warm.logprobs) - np.array(cold.logprobs))) <= SAME_RESULT_TOL
@@ -307,8 +338,9 @@ def test_alora_shares_the_base_prefix_in_the_keyed_cache(mixed):
 
 
 def test_two_aloras_in_one_request_are_refused(mixed, fixtures_dir, tmp_path):
-    data = second_alora_gguf(fixtures_dir / "adapters" / "critic_alora.gguf", tmp_path / "alora2.gguf",
-                         [105, 2364, 107])  # "<start_of_turn>user\n"
+    data = second_alora_gguf(
+        fixtures_dir / "adapters" / "critic_alora.gguf", tmp_path / "alora2.gguf", [105, 2364, 107]
+    )  # "<start_of_turn>user\n"
     info = mixed.load(4, data=data)  # uploaded as bytes
     assert list(info.alora_invocation_tokens) == [105, 2364, 107]
     prompt = "Hello" + INVOCATION_SUFFIX
@@ -316,21 +348,36 @@ def test_two_aloras_in_one_request_are_refused(mixed, fixtures_dir, tmp_path):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "aLoRA" in err.details()
     # each one alone is fine
-    assert mixed.run(gen("one-alora", text=prompt, adapters=[(4, 1.0)], max_tokens=2)).telemetry.alora_activation_pos == -1
+    assert (
+        mixed.run(gen("one-alora", text=prompt, adapters=[(4, 1.0)], max_tokens=2)).telemetry.alora_activation_pos == -1
+    )
     mixed.stub.UnloadAdapter(pb.AdapterRef(id=4), timeout=60)
 
 
 # --- 7. cancellation -------------------------------------------------------------------------
 
+
 def test_cancelling_a_stream_frees_its_slot(mixed):
     mixed.wait_idle()
     before = mixed.stats().tokens_generated
-    call = mixed.stub.Decode(iter([worker_pb2.DecodeRequest(
-        submit=gen("cancel-long", text="Tell me a long story", adapters=[(SEA, 1.0)], max_tokens=200))]),
-        timeout=CALL_TIMEOUT)
+    call = mixed.stub.Decode(
+        iter(
+            [
+                worker_pb2.DecodeRequest(
+                    submit=gen("cancel-long", text="Tell me a long story", adapters=[(SEA, 1.0)], max_tokens=200)
+                )
+            ]
+        ),
+        timeout=CALL_TIMEOUT,
+    )
     other: dict[str, Result] = {}
-    t = threading.Thread(target=lambda: other.update(
-        mixed.decode([gen("cancel-other", text="The bakery on Main Street", adapters=[(SHOUT, 1.0)], max_tokens=24)])))
+    t = threading.Thread(
+        target=lambda: other.update(
+            mixed.decode(
+                [gen("cancel-other", text="The bakery on Main Street", adapters=[(SHOUT, 1.0)], max_tokens=24)]
+            )
+        )
+    )
     n = 0
     for ev in call:
         if ev.WhichOneof("event") == "token":
@@ -352,8 +399,10 @@ def test_cancelling_a_stream_frees_its_slot(mixed):
     assert r.finished.finish_reason == "length" and len(r.tokens) == 24
     assert r.finished_at > freed_at
     s = mixed.wait_idle(timeout=10)
-    print(f"\ncancelled after {n} tokens; slot freed {freed_at - cancelled_at:.2f}s after cancel; "
-          f"tokens generated in total {s.tokens_generated - before}")
+    print(
+        f"\ncancelled after {n} tokens; slot freed {freed_at - cancelled_at:.2f}s after cancel; "
+        f"tokens generated in total {s.tokens_generated - before}"
+    )
     # the cancelled request stopped long before its 200 tokens
     assert s.tokens_generated - before < 24 + 100
 
@@ -369,10 +418,14 @@ def test_cancel_request_id_stops_one_request_of_a_stream(mixed):
             yield item
 
     call = mixed.stub.Decode(requests(), timeout=60)  # a stream left open would hit this
-    outbox.put(worker_pb2.DecodeRequest(submit=gen("cid-long", text="Tell me a long story", adapters=[],
-                                                   max_tokens=200)))
-    outbox.put(worker_pb2.DecodeRequest(submit=gen("cid-short", text="Tell me a short story", adapters=[(SEA, 1.0)],
-                                                   max_tokens=16)))
+    outbox.put(
+        worker_pb2.DecodeRequest(submit=gen("cid-long", text="Tell me a long story", adapters=[], max_tokens=200))
+    )
+    outbox.put(
+        worker_pb2.DecodeRequest(
+            submit=gen("cid-short", text="Tell me a short story", adapters=[(SEA, 1.0)], max_tokens=16)
+        )
+    )
     res = {"cid-long": Result("cid-long"), "cid-short": Result("cid-short")}
     for ev in call:
         res[ev.request_id].add(ev)
@@ -393,6 +446,7 @@ def test_request_ids_are_opaque(mixed):
 
 # --- 8. errors -------------------------------------------------------------------------------
 
+
 def test_errors(mixed):
     err = mixed.error_of(gen("err-unknown", text="Hi", adapters=[(42, 1.0)]))
     assert err.code() == grpc.StatusCode.NOT_FOUND and "adapter 42" in err.details()
@@ -412,8 +466,10 @@ def test_queue_full_is_resource_exhausted(mixed):
     mixed.wait_idle()
     s = mixed.stats()
     assert (s.n_slots, s.queue_limit) == (8, 16)
-    reqs = [gen(f"qf-{i}", text="Count to one hundred:", adapters=[], max_tokens=200)
-            for i in range(s.n_slots + s.queue_limit + 1)]
+    reqs = [
+        gen(f"qf-{i}", text="Count to one hundred:", adapters=[], max_tokens=200)
+        for i in range(s.n_slots + s.queue_limit + 1)
+    ]
     with pytest.raises(grpc.RpcError) as info:
         mixed.decode(reqs, timeout=60)
     err = info.value
@@ -423,6 +479,7 @@ def test_queue_full_is_resource_exhausted(mixed):
 
 # --- 9. unload while in use ------------------------------------------------------------------
 
+
 def test_unload_drains_running_requests(mixed):
     mixed.wait_idle()
     running: dict[str, Result] = {}
@@ -430,9 +487,18 @@ def test_unload_drains_running_requests(mixed):
     result = Result("unload-running")
 
     def run_long():
-        call = mixed.stub.Decode(iter([worker_pb2.DecodeRequest(
-            submit=gen("unload-running", text="The weather today is", adapters=[(SHOUT_EMBD, 1.0)], max_tokens=40))]),
-            timeout=CALL_TIMEOUT)
+        call = mixed.stub.Decode(
+            iter(
+                [
+                    worker_pb2.DecodeRequest(
+                        submit=gen(
+                            "unload-running", text="The weather today is", adapters=[(SHOUT_EMBD, 1.0)], max_tokens=40
+                        )
+                    )
+                ]
+            ),
+            timeout=CALL_TIMEOUT,
+        )
         for ev in call:
             result.add(ev)
             first_token.set()

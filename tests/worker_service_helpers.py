@@ -50,8 +50,15 @@ class WorkerProcess:
         self.port = 0
         self.worker_id = ""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCH.format(args=config_args)], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCH.format(args=config_args)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
         # keep draining stdout (logs go there too) so the child never blocks on a full pipe
         threading.Thread(target=self._drain, daemon=True, name=f"{name}-stdout").start()
 
@@ -73,8 +80,10 @@ class WorkerProcess:
         health = health_pb2_grpc.HealthStub(self.channel)
         while True:
             try:
-                if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -103,7 +112,7 @@ class WorkerProcess:
         else:  # upload in 1 MiB chunks, header on the first
             step = 1 << 20
             chunks = [pb.AdapterChunk(id=adapter_id, data=data[:step])]
-            chunks += [pb.AdapterChunk(data=data[i:i + step]) for i in range(step, len(data), step)]
+            chunks += [pb.AdapterChunk(data=data[i : i + step]) for i in range(step, len(data), step)]
         return self.stub.LoadAdapter(iter(chunks), timeout=60)
 
     def stats(self) -> worker_pb2.WorkerStats:
@@ -119,7 +128,7 @@ class WorkerProcess:
                 raise AssertionError(f"worker {self.name} still busy after {timeout}s: {s}")
             time.sleep(0.05)
 
-    def decode(self, reqs: list[pb.GenerateRequest], timeout: float = CALL_TIMEOUT) -> dict[str, "Result"]:
+    def decode(self, reqs: list[pb.GenerateRequest], timeout: float = CALL_TIMEOUT) -> dict[str, Result]:
         """Submit ``reqs`` on one Decode stream; collect every request's events until all finish."""
         out = {r.request_id: Result(r.request_id) for r in reqs}
         call = self.stub.Decode(iter([worker_pb2.DecodeRequest(submit=r) for r in reqs]), timeout=timeout)
@@ -129,10 +138,10 @@ class WorkerProcess:
             assert r.finished, f"{r.rid}: stream ended without a finished event"
         return out
 
-    def run(self, req: pb.GenerateRequest, timeout: float = CALL_TIMEOUT) -> "Result":
+    def run(self, req: pb.GenerateRequest, timeout: float = CALL_TIMEOUT) -> Result:
         return self.decode([req], timeout)[req.request_id]
 
-    def run_concurrently(self, reqs: list[pb.GenerateRequest]) -> dict[str, "Result"]:
+    def run_concurrently(self, reqs: list[pb.GenerateRequest]) -> dict[str, Result]:
         """One Decode stream per request (what the control plane does), all started together."""
         out: dict[str, Result] = {}
         errors: list[BaseException] = []
@@ -191,13 +200,28 @@ class Result:
         return self.finished.telemetry
 
 
-def gen(rid: str, *, text: str | None = None, tokens: list[int] | None = None,
-        adapters: list[tuple[int, float]] | None = (), max_tokens: int = 24, prompt_logprobs: bool = False,
-        ignore_eos: bool = True, logprobs: int = 0) -> pb.GenerateRequest:
+def gen(
+    rid: str,
+    *,
+    text: str | None = None,
+    tokens: list[int] | None = None,
+    adapters: list[tuple[int, float]] | None = (),
+    max_tokens: int = 24,
+    prompt_logprobs: bool = False,
+    ignore_eos: bool = True,
+    logprobs: int = 0,
+) -> pb.GenerateRequest:
     """A greedy GenerateRequest; ``adapters=None`` leaves the adapter vector unset."""
-    r = pb.GenerateRequest(request_id=rid, sampling=pb.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, prompt_logprobs=prompt_logprobs, ignore_eos=ignore_eos,
-        logprobs=logprobs))
+    r = pb.GenerateRequest(
+        request_id=rid,
+        sampling=pb.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            prompt_logprobs=prompt_logprobs,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+        ),
+    )
     if text is not None:
         r.text = text
     else:
@@ -210,19 +234,23 @@ def gen(rid: str, *, text: str | None = None, tokens: list[int] | None = None,
 
 # --- parity helpers ---------------------------------------------------------------------------
 
+
 def find_last(tokens: list[int], needle: tuple[int, ...]) -> int:
     for s in range(len(tokens) - len(needle), -1, -1):
-        if tuple(tokens[s:s + len(needle)]) == needle:
+        if tuple(tokens[s : s + len(needle)]) == needle:
             return s
     return -1
 
 
-def teacher_forced(w: WorkerProcess, cases: list[tuple[list[int], list[int], list[tuple[int, float]]]],
-                   tag: str) -> list[Result]:
+def teacher_forced(
+    w: WorkerProcess, cases: list[tuple[list[int], list[int], list[tuple[int, float]]]], tag: str
+) -> list[Result]:
     """Send prompt + reference tokens with prompt_logprobs; returns one Result per case (its
     ``prompt_logprobs[len(prompt) + j]`` is our log-prob of reference token j)."""
-    reqs = [gen(f"{tag}-tf-{i}", tokens=p + ref, adapters=ad, max_tokens=1, prompt_logprobs=True)
-            for i, (p, ref, ad) in enumerate(cases)]
+    reqs = [
+        gen(f"{tag}-tf-{i}", tokens=p + ref, adapters=ad, max_tokens=1, prompt_logprobs=True)
+        for i, (p, ref, ad) in enumerate(cases)
+    ]
     res = w.decode(reqs)
     return [res[r.request_id] for r in reqs]
 
@@ -280,15 +308,23 @@ class GroupStats:
         return self.argmax_hits / self.argmax_total if self.argmax_total else 1.0
 
     def __str__(self) -> str:
-        return (f"{self.name}: cases={len(self.case_means)} mean|d|={np.mean(self.deltas):.4f} "
-                f"worst case mean={max(self.case_means):.4f} p95={self.p95:.4f} max={max(self.deltas):.4f} "
-                f"argmax={self.argmax_hits}/{self.argmax_total} ({self.argmax_rate * 100:.1f}%)")
+        return (
+            f"{self.name}: cases={len(self.case_means)} mean|d|={np.mean(self.deltas):.4f} "
+            f"worst case mean={max(self.case_means):.4f} p95={self.p95:.4f} max={max(self.deltas):.4f} "
+            f"argmax={self.argmax_hits}/{self.argmax_total} ({self.argmax_rate * 100:.1f}%)"
+        )
 
 
-def group_stats(name: str, prompts: list[list[int]], refs: list[list[dict]], tf: list[Result],
-                argmax: list[list[int]] | None, margin: float = 0.1) -> GroupStats:
+def group_stats(
+    name: str,
+    prompts: list[list[int]],
+    refs: list[list[dict]],
+    tf: list[Result],
+    argmax: list[list[int]] | None,
+    margin: float = 0.1,
+) -> GroupStats:
     means, deltas, hits, total = [], [], 0, 0
-    for i, (p, steps, res) in enumerate(zip(prompts, refs, tf)):
+    for i, (p, steps, res) in enumerate(zip(prompts, refs, tf, strict=False)):
         d = []
         for j, st in enumerate(steps):
             ours = res.prompt_logprobs[len(p) + j]
@@ -304,6 +340,7 @@ def group_stats(name: str, prompts: list[list[int]], refs: list[list[dict]], tf:
 
 
 # --- adapter files -------------------------------------------------------------------------------
+
 
 def second_alora_gguf(src: Path, dst: Path, invocation: list[int]) -> bytes:
     """critic_alora.gguf's metadata and tensors, rewritten with other invocation tokens."""

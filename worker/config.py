@@ -90,6 +90,7 @@ class WorkerConfig:
     def max_decode_streams(self) -> int:
         """Concurrent Decode streams accepted: every slot, every queue place, and a margin."""
         return self.n_slots + self.queue_limit + self.extra_streams
+
     max_loras: int = 16
     max_cpu_loras: int = 128
     max_lora_rank: int = 64

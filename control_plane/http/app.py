@@ -98,11 +98,16 @@ def create_app(deps: HttpDeps) -> FastAPI:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise OpenAIError(401, "admin endpoint: send 'Authorization: Bearer <token>' (admin token configured)",
-                              type="authentication_error", code="invalid_api_key")
+            raise OpenAIError(
+                401,
+                "admin endpoint: send 'Authorization: Bearer <token>' (admin token configured)",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
         if not hmac.compare_digest(token.strip().encode(), deps.admin_token.encode()):
-            raise OpenAIError(401, "admin endpoint: token rejected", type="authentication_error",
-                              code="invalid_api_key")
+            raise OpenAIError(
+                401, "admin endpoint: token rejected", type="authentication_error", code="invalid_api_key"
+            )
 
     def run(req, body: SamplingFields, *, chat: bool, n_top: int, want_logprobs: bool, rid: str) -> Response:
         call = HttpCallContext()
@@ -114,8 +119,11 @@ def create_app(deps: HttpDeps) -> FastAPI:
         def logprobs_of(toks, offset: int = 0):
             if not want_logprobs:
                 return None
-            return R.chat_logprobs(toks, token_text, n_top) if chat else \
-                R.completion_logprobs(toks, token_text, n_top, offset)
+            return (
+                R.chat_logprobs(toks, token_text, n_top)
+                if chat
+                else R.completion_logprobs(toks, token_text, n_top, offset)
+            )
 
         if not body.stream:
             try:
@@ -154,19 +162,29 @@ def create_app(deps: HttpDeps) -> FastAPI:
                             break
                     if item is None:  # finished: the rest of the text (a held-back tail), then the reason
                         full = "".join(streamed)
-                        rest = out.text[len(full):] if out.text.startswith(full) else ""
-                        yield R.sse(R.chat_chunk(rid, created_at, model, {"content": rest} if rest else {}, None,
-                                                 out.finish_reason) if chat else
-                                    R.completion_chunk(rid, created_at, model, rest, None, out.finish_reason))
+                        rest = out.text[len(full) :] if out.text.startswith(full) else ""
+                        yield R.sse(
+                            R.chat_chunk(
+                                rid, created_at, model, {"content": rest} if rest else {}, None, out.finish_reason
+                            )
+                            if chat
+                            else R.completion_chunk(rid, created_at, model, rest, None, out.finish_reason)
+                        )
                         continue
                     offset = len("".join(streamed))
                     streamed.append(item.text)
                     lp = logprobs_of([item], offset)
-                    yield R.sse(R.chat_chunk(rid, created_at, model, {"content": item.text}, lp, None) if chat else
-                                R.completion_chunk(rid, created_at, model, item.text, lp, None))
+                    yield R.sse(
+                        R.chat_chunk(rid, created_at, model, {"content": item.text}, lp, None)
+                        if chat
+                        else R.completion_chunk(rid, created_at, model, item.text, lp, None)
+                    )
                 if body.stream_options is not None and body.stream_options.include_usage:
-                    yield R.sse(R.usage_chunk(rid, created_at, model,
-                                              "chat.completion.chunk" if chat else "text_completion", out))
+                    yield R.sse(
+                        R.usage_chunk(
+                            rid, created_at, model, "chat.completion.chunk" if chat else "text_completion", out
+                        )
+                    )
             except ControlPlaneError as exc:
                 yield R.sse(from_control_plane(exc).body())
             yield R.SSE_DONE
@@ -207,20 +225,31 @@ def create_app(deps: HttpDeps) -> FastAPI:
             ids = [int(t) for t in prompt]
         rid = new_request_id("cmpl")
         req = build_request(
-            request_id=rid, text=text, tokens=ids, adapters=adapters,
-            max_tokens=body.max_tokens or 16, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=body.top_p or 1.0, top_k=body.top_k or 0, seed=body.seed, logprobs=body.logprobs or 0,
-            stop=body.stop_list(), ignore_eos=body.ignore_eos)
-        return run(req, body, chat=False, n_top=body.logprobs or 0, want_logprobs=body.logprobs is not None,
-                   rid=rid)
+            request_id=rid,
+            text=text,
+            tokens=ids,
+            adapters=adapters,
+            max_tokens=body.max_tokens or 16,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            logprobs=body.logprobs or 0,
+            stop=body.stop_list(),
+            ignore_eos=body.ignore_eos,
+        )
+        return run(req, body, chat=False, n_top=body.logprobs or 0, want_logprobs=body.logprobs is not None, rid=rid)
 
     @app.post("/v1/chat/completions")
     def chat_completions(body: ChatCompletionRequest) -> Response:
         body.check()
         if deps.chat_template is None or deps.tokenizer is None:
-            raise OpenAIError(400, "this model has no chat template (no tokenizer.chat_template in the GGUF and "
-                                   "no built-in one for its architecture); start with --chat-template FILE",
-                              param="messages")
+            raise OpenAIError(
+                400,
+                "this model has no chat template (no tokenizer.chat_template in the GGUF and "
+                "no built-in one for its architecture); start with --chat-template FILE",
+                param="messages",
+            )
         adapters = adapters_for(body)
         messages = [flatten_message(m.model_dump(exclude_none=True)) for m in body.messages]
         try:
@@ -231,32 +260,38 @@ def create_app(deps: HttpDeps) -> FastAPI:
         rid = new_request_id("chatcmpl")
         n_top = body.top_logprobs or 0
         req = build_request(
-            request_id=rid, text=None, tokens=ids, adapters=adapters,
+            request_id=rid,
+            text=None,
+            tokens=ids,
+            adapters=adapters,
             max_tokens=body.max_completion_tokens or body.max_tokens or CHAT_MAX_TOKENS_DEFAULT,
-            temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p or 1.0,
-            top_k=body.top_k or 0, seed=body.seed, logprobs=n_top, stop=body.stop_list(),
-            ignore_eos=body.ignore_eos)
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            logprobs=n_top,
+            stop=body.stop_list(),
+            ignore_eos=body.ignore_eos,
+        )
         return run(req, body, chat=True, n_top=n_top, want_logprobs=body.logprobs, rid=rid)
 
     @app.post("/v1/load_lora_adapter")
     def load_lora_adapter(body: LoadLoraRequest, request: Request) -> Response:
         check_admin(request)
         try:
+            # nothing is pushed: workers fetch an adapter's bytes the first time a request needs it
             reg = deps.registry.register_server_path(body.lora_path, name=body.lora_name)
-            if reg.created:
-                deps.pool.push_adapter(reg.record)
         except ControlPlaneError as exc:
             raise from_control_plane(exc) from None
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully "
-                                 f"(id {reg.record.id}).")
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully (id {reg.record.id}).")
 
     @app.post("/v1/unload_lora_adapter")
     def unload_lora_adapter(body: UnloadLoraRequest, request: Request) -> Response:
         check_admin(request)
         name = body.lora_name
         try:
-            if name.startswith(ID_PREFIX) and name[len(ID_PREFIX):].isdigit():
-                adapter_id = int(name[len(ID_PREFIX):])
+            if name.startswith(ID_PREFIX) and name[len(ID_PREFIX) :].isdigit():
+                adapter_id = int(name[len(ID_PREFIX) :])
             else:
                 ids = resolve_model(name, base_name="\0", registry=deps.registry)
                 (adapter_id,) = ids
@@ -284,8 +319,9 @@ def flatten_message(message: dict[str, Any]) -> dict[str, Any]:
         texts = []
         for part in content:
             if part.get("type") != "text":
-                raise OpenAIError(400, f"content part of type '{part.get('type')}' is not supported (text only)",
-                                  param="messages")
+                raise OpenAIError(
+                    400, f"content part of type '{part.get('type')}' is not supported (text only)", param="messages"
+                )
             texts.append(str(part.get("text", "")))
         message = {**message, "content": "".join(texts)}
     elif content is None:

@@ -63,7 +63,7 @@ def _raise_exception(message: str) -> None:
 class ChatTemplate:
     """A compiled template plus the special-token texts it is rendered with."""
 
-    source: str        # "file:<path>", "gguf" or "builtin:<arch>"
+    source: str  # "file:<path>", "gguf" or "builtin:<arch>"
     text: str
     bos_token: str
     eos_token: str
@@ -79,14 +79,18 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         try:
             return env.from_string(self.text).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token)
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template ({self.source}): {exc}") from exc
 
 
-def load_chat_template(*, override_file: str | None, metadata: dict[str, Any], arch: str,
-                       bos_token: str, eos_token: str) -> ChatTemplate | None:
+def load_chat_template(
+    *, override_file: str | None, metadata: dict[str, Any], arch: str, bos_token: str, eos_token: str
+) -> ChatTemplate | None:
     """The template to use (see the module docstring); None when there is none.
 
     Raises:

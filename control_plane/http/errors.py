@@ -43,8 +43,15 @@ GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
 class OpenAIError(Exception):
     """An HTTP error with OpenAI's body. ``param`` names the offending request field."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -53,8 +60,7 @@ class OpenAIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def unsupported(param: str, detail: str) -> OpenAIError:

@@ -71,18 +71,33 @@ class Outcome:
 
     def usage(self) -> dict[str, Any]:
         n_prompt, n_out = len(self.prompt_token_ids), len(self.tokens)
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def build_request(*, request_id: str, text: str | None, tokens: list[int] | None,
-                  adapters: dict[int, float] | None, max_tokens: int, temperature: float, top_p: float,
-                  top_k: int, seed: int | None, logprobs: int, stop: list[str],
-                  ignore_eos: bool) -> common_pb2.GenerateRequest:
+def build_request(
+    *,
+    request_id: str,
+    text: str | None,
+    tokens: list[int] | None,
+    adapters: dict[int, float] | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    logprobs: int,
+    stop: list[str],
+    ignore_eos: bool,
+) -> common_pb2.GenerateRequest:
     """The GenerateRequest: ``text`` is tokenized by the worker (BOS as the model says),
     ``tokens`` are taken verbatim; ``adapters`` None means the default set."""
     req = common_pb2.GenerateRequest(request_id=request_id)

@@ -36,33 +36,64 @@ def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> d
     if model == base_name:
         return {}
     if model.startswith(base_name + ":") and len(model) > len(base_name) + 1:
-        return resolve_model(model[len(base_name) + 1:], base_name="\0", registry=registry)
+        return resolve_model(model[len(base_name) + 1 :], base_name="\0", registry=registry)
     records = registry.list()
     if model.startswith(ID_PREFIX):
-        text = model[len(ID_PREFIX):]
+        text = model[len(ID_PREFIX) :]
         if text.isdigit() and any(r.id == int(text) for r in records):
             return {int(text): 1.0}
-        raise OpenAIError(404, f"The model '{model}' does not exist: no adapter with id '{text}' is "
-                               f"registered (ids: {[r.id for r in records]})", param="model",
-                          code="model_not_found", type="not_found_error")
+        raise OpenAIError(
+            404,
+            f"The model '{model}' does not exist: no adapter with id '{text}' is "
+            f"registered (ids: {[r.id for r in records]})",
+            param="model",
+            code="model_not_found",
+            type="not_found_error",
+        )
     matches = [r.id for r in records if r.name == model]
     if len(matches) == 1:
         return {matches[0]: 1.0}
     if len(matches) > 1:
-        raise OpenAIError(400, f"The model name '{model}' is ambiguous: adapters {matches} share it; "
-                               f"name one as 'adapter:<id>'", param="model", code="ambiguous_model")
+        raise OpenAIError(
+            400,
+            f"The model name '{model}' is ambiguous: adapters {matches} share it; name one as 'adapter:<id>'",
+            param="model",
+            code="ambiguous_model",
+        )
     available = [base_name] + [served_name(r, records) for r in records]
-    raise OpenAIError(404, f"The model '{model}' does not exist (served: {available})", param="model",
-                      code="model_not_found", type="not_found_error")
+    raise OpenAIError(
+        404,
+        f"The model '{model}' does not exist (served: {available})",
+        param="model",
+        code="model_not_found",
+        type="not_found_error",
+    )
 
 
 def model_list(base_name: str, base_root: str, created: int, registry: AdapterRegistry) -> dict[str, Any]:
     """``GET /v1/models``: the base model, then every adapter with ``parent`` = the base."""
     records = registry.list()
-    data = [{"id": base_name, "object": "model", "created": created, "owned_by": "loraplane",
-             "root": base_root, "parent": None}]
+    data = [
+        {
+            "id": base_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "loraplane",
+            "root": base_root,
+            "parent": None,
+        }
+    ]
     for r in records:
-        data.append({"id": served_name(r, records), "object": "model", "created": int(r.created_at),
-                     "owned_by": "loraplane", "root": f"{ID_PREFIX}{r.id}", "parent": base_name,
-                     "adapter_id": r.id, "source_format": r.source_format})
+        data.append(
+            {
+                "id": served_name(r, records),
+                "object": "model",
+                "created": int(r.created_at),
+                "owned_by": "loraplane",
+                "root": f"{ID_PREFIX}{r.id}",
+                "parent": base_name,
+                "adapter_id": r.id,
+                "source_format": r.source_format,
+            }
+        )
     return {"object": "list", "data": data}

@@ -25,8 +25,7 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def completion_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: int,
-                        offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: int, offset: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in tokens:
         text = token_text(t.token_id)
@@ -44,33 +43,69 @@ def chat_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: int) -> 
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(t.token_id, t.logprob),
-                         "top_logprobs": [entry(i, lp) for i, lp in t.top[:n_top]]} for t in tokens]}
+    return {
+        "content": [
+            {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top[:n_top]]} for t in tokens
+        ]
+    }
 
 
 def completion_body(rid: str, created: int, model: str, out: Outcome, logprobs: dict[str, Any] | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
-            "usage": out.usage()}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
+        "usage": out.usage(),
+    }
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, logprobs: dict[str, Any] | None,
-                     finish_reason: str | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def completion_chunk(
+    rid: str, created: int, model: str, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
 
 
 def chat_body(rid: str, created: int, model: str, out: Outcome, logprobs: dict[str, Any] | None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": logprobs, "finish_reason": out.finish_reason}],
-            "usage": out.usage()}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason,
+            }
+        ],
+        "usage": out.usage(),
+    }
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any], logprobs: dict[str, Any] | None,
-               finish_reason: str | None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, out: Outcome) -> dict:

@@ -34,11 +34,11 @@ class HttpServer:
             self._sock.close()
             raise
         self.port = int(self._sock.getsockname()[1])
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="loraplane-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="loraplane-http", daemon=True
+        )
 
     def start(self, timeout_s: float = 10.0) -> int:
         self._thread.start()

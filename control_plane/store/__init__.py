@@ -18,8 +18,17 @@ from control_plane.store.base import AdapterRecord, AdapterStore, SchemaTooNewEr
 from control_plane.store.migrations import MIGRATIONS
 from control_plane.store.sqlite import DB_FILENAME, SqliteStore
 
-__all__ = ["DB_FILENAME", "MIGRATIONS", "AdapterRecord", "AdapterStore", "SchemaTooNewError",
-           "SqliteStore", "WorkerSighting", "default_database_url", "open_store"]
+__all__ = [
+    "DB_FILENAME",
+    "MIGRATIONS",
+    "AdapterRecord",
+    "AdapterStore",
+    "SchemaTooNewError",
+    "SqliteStore",
+    "WorkerSighting",
+    "default_database_url",
+    "open_store",
+]
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
@@ -41,7 +50,7 @@ def open_store(url: str | None, data_dir: str | Path, *, pool_size: int | None =
     """
     url = url or default_database_url(data_dir)
     if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///"):]
+        path = url[len("sqlite:///") :]
         if not path:
             raise ValueError(f"--database {url!r}: no file path after sqlite:///")
         return SqliteStore(path, Path(data_dir) / "adapters")
@@ -50,6 +59,7 @@ def open_store(url: str | None, data_dir: str | Path, *, pool_size: int | None =
 
         return PostgresStore(url, pool_size=pool_size or DEFAULT_POOL_SIZE)
     scheme = url.split(":", 1)[0] if ":" in url else url
-    raise ValueError(f"--database: unsupported URL scheme {scheme!r} in {url[:40]!r}; "
-                     "use sqlite:///PATH or postgresql://USER@HOST:PORT/DB")
-
+    raise ValueError(
+        f"--database: unsupported URL scheme {scheme!r} in {url[:40]!r}; "
+        "use sqlite:///PATH or postgresql://USER@HOST:PORT/DB"
+    )

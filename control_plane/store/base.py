@@ -162,8 +162,16 @@ class AdapterStore(ABC):
     # -- adapters: writes ----------------------------------------------------------------------
 
     @abstractmethod
-    def insert(self, *, sha256: str, name: str, metadata: Mapping[str, Any], content: Path,
-               source: str | None, source_format: str = "gguf") -> tuple[AdapterRecord, bool]:
+    def insert(
+        self,
+        *,
+        sha256: str,
+        name: str,
+        metadata: Mapping[str, Any],
+        content: Path,
+        source: str | None,
+        source_format: str = "gguf",
+    ) -> tuple[AdapterRecord, bool]:
         """Register ``content`` (a validated GGUF whose sha256 is ``sha256``): ``(record, created)``.
 
         Args:
@@ -208,8 +216,7 @@ class AdapterStore(ABC):
     # -- worker sightings ----------------------------------------------------------------------
 
     @abstractmethod
-    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str,
-                      n_slots: int) -> None:
+    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int) -> None:
         """A worker registered with or heartbeated this replica, now."""
         raise NotImplementedError
 

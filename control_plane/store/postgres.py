@@ -112,17 +112,26 @@ class PostgresStore(AdapterStore):
     def __init__(self, url: str, *, pool_size: int = DEFAULT_POOL_SIZE) -> None:
         self.replica_id = uuid.uuid4().hex[:12]
         self.description = redact(url)
-        conninfo = make_conninfo(url, connect_timeout=CONNECT_TIMEOUT_S,
-                                 application_name=f"loraplane-control-plane-{self.replica_id}")
-        self._pool = ConnectionPool(conninfo, min_size=1, max_size=pool_size, open=False,
-                                    timeout=CONNECT_TIMEOUT_S, check=ConnectionPool.check_connection,
-                                    kwargs={"autocommit": True}, name=f"loraplane-{self.replica_id}")
+        conninfo = make_conninfo(
+            url, connect_timeout=CONNECT_TIMEOUT_S, application_name=f"loraplane-control-plane-{self.replica_id}"
+        )
+        self._pool = ConnectionPool(
+            conninfo,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            timeout=CONNECT_TIMEOUT_S,
+            check=ConnectionPool.check_connection,
+            kwargs={"autocommit": True},
+            name=f"loraplane-{self.replica_id}",
+        )
         try:
             self._pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
         except PoolTimeout as exc:
             self._pool.close()
-            raise UnavailableError(f"database {self.description}: cannot connect within "
-                                   f"{CONNECT_TIMEOUT_S}s: {exc}") from exc
+            raise UnavailableError(
+                f"database {self.description}: cannot connect within {CONNECT_TIMEOUT_S}s: {exc}"
+            ) from exc
         try:
             self._migrate()
         except BaseException:
@@ -144,14 +153,14 @@ class PostgresStore(AdapterStore):
             if version > len(MIGRATIONS):
                 raise SchemaTooNewError(
                     f"{self.description}: schema version {version} is newer than this build "
-                    f"knows ({len(MIGRATIONS)}); refusing to open")
+                    f"knows ({len(MIGRATIONS)}); refusing to open"
+                )
             for migration in MIGRATIONS[version:]:
                 for sql in migration.postgres:
                     conn.execute(sql)
             conn.execute("UPDATE schema_version SET version = %s", (len(MIGRATIONS),))
         if version < len(MIGRATIONS):
-            log.info("schema_migrated", database=self.description, from_version=version,
-                     to_version=len(MIGRATIONS))
+            log.info("schema_migrated", database=self.description, from_version=version, to_version=len(MIGRATIONS))
 
     @property
     @_unavailable
@@ -199,8 +208,9 @@ class PostgresStore(AdapterStore):
             piece = self._piece(record.sha256, seq)
             if piece is None:
                 if seq == 0:
-                    raise FileNotFoundError(f"adapter {record.id}: no bytes for sha256 {record.sha256} "
-                                            f"in {self.description}")
+                    raise FileNotFoundError(
+                        f"adapter {record.id}: no bytes for sha256 {record.sha256} in {self.description}"
+                    )
                 break
             buffer += piece
             seq += 1
@@ -213,28 +223,39 @@ class PostgresStore(AdapterStore):
     @_unavailable
     def _piece(self, sha256: str, seq: int) -> bytes | None:
         with self._pool.connection() as conn:
-            row = conn.execute("SELECT data FROM adapter_blobs WHERE sha256 = %s AND seq = %s",
-                               (sha256, seq)).fetchone()
+            row = conn.execute(
+                "SELECT data FROM adapter_blobs WHERE sha256 = %s AND seq = %s", (sha256, seq)
+            ).fetchone()
         return bytes(row[0]) if row is not None else None
 
     # -- writes -------------------------------------------------------------------------
 
     @_unavailable
-    def insert(self, *, sha256: str, name: str, metadata: Mapping[str, Any], content: Path,
-               source: str | None, source_format: str = "gguf") -> tuple[AdapterRecord, bool]:
+    def insert(
+        self,
+        *,
+        sha256: str,
+        name: str,
+        metadata: Mapping[str, Any],
+        content: Path,
+        source: str | None,
+        source_format: str = "gguf",
+    ) -> tuple[AdapterRecord, bool]:
         existing = self.get_by_sha256(sha256)  # fast path: no bytes written for a duplicate
         if existing is not None:
             return existing, False
         path = f"postgresql:adapter_blobs/{sha256}" if source is None else source
         try:
-            with self._pool.connection() as conn, conn.transaction(), \
-                    conn.cursor(row_factory=dict_row) as cur:
+            with self._pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
                 with open(content, "rb") as fh:
                     for seq, piece in enumerate(iter(lambda: fh.read(BLOB_CHUNK_BYTES), b"")):
-                        cur.execute("INSERT INTO adapter_blobs (sha256, seq, data) VALUES (%s, %s, %s)"
-                                    " ON CONFLICT DO NOTHING", (sha256, seq, piece))
-                row = cur.execute("UPDATE id_counter SET next_id = next_id + 1 WHERE singleton = 0"
-                                  " RETURNING next_id - 1 AS id").fetchone()
+                        cur.execute(
+                            "INSERT INTO adapter_blobs (sha256, seq, data) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
+                            (sha256, seq, piece),
+                        )
+                row = cur.execute(
+                    "UPDATE id_counter SET next_id = next_id + 1 WHERE singleton = 0 RETURNING next_id - 1 AS id"
+                ).fetchone()
                 assert row is not None  # the counter row is created by the first migration
                 new_id = int(row["id"])
                 dup = cur.execute("SELECT * FROM adapters WHERE sha256 = %s", (sha256,)).fetchone()
@@ -243,8 +264,15 @@ class PostgresStore(AdapterStore):
                 created = cur.execute(
                     "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at,"
                     " source_format) VALUES (%s, %s, %s, %s, %s, 0, %s, %s) RETURNING *",
-                    (new_id, sha256, name, path, json.dumps(dict(metadata), sort_keys=True), time.time(),
-                     source_format),
+                    (
+                        new_id,
+                        sha256,
+                        name,
+                        path,
+                        json.dumps(dict(metadata), sort_keys=True),
+                        time.time(),
+                        source_format,
+                    ),
                 ).fetchone()
         except _AlreadyRegistered as dup_exc:
             return dup_exc.record, False
@@ -259,8 +287,11 @@ class PostgresStore(AdapterStore):
                 return None
             cur.execute("DELETE FROM adapter_blobs WHERE sha256 = %s", (row["sha256"],))
             now = time.time()
-            cur.execute("INSERT INTO removed_adapters (adapter_id, sha256, removed_at) VALUES (%s, %s, %s)"
-                        " ON CONFLICT (adapter_id) DO NOTHING", (adapter_id, row["sha256"], now))
+            cur.execute(
+                "INSERT INTO removed_adapters (adapter_id, sha256, removed_at) VALUES (%s, %s, %s)"
+                " ON CONFLICT (adapter_id) DO NOTHING",
+                (adapter_id, row["sha256"], now),
+            )
             cur.execute("DELETE FROM removed_adapters WHERE removed_at < %s", (now - REMOVALS_KEPT_S,))
         return _record(row)
 
@@ -269,8 +300,9 @@ class PostgresStore(AdapterStore):
         with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
             if others is not None:
                 cur.execute("UPDATE adapters SET default_scale = %s", (float(others),))
-            cur.executemany("UPDATE adapters SET default_scale = %s WHERE id = %s",
-                            [(float(s), int(i)) for i, s in scales.items()])
+            cur.executemany(
+                "UPDATE adapters SET default_scale = %s WHERE id = %s", [(float(s), int(i)) for i, s in scales.items()]
+            )
 
     @_unavailable
     def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord | None:
@@ -287,8 +319,7 @@ class PostgresStore(AdapterStore):
     # -- worker sightings -------------------------------------------------------------------
 
     @_unavailable
-    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str,
-                      n_slots: int) -> None:
+    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int) -> None:
         with self._pool.connection() as conn:
             conn.execute(
                 "INSERT INTO worker_sightings (worker_id, addr, model, model_sha256, n_slots, replica_id, seen_at)"
@@ -296,19 +327,33 @@ class PostgresStore(AdapterStore):
                 " ON CONFLICT (worker_id) DO UPDATE SET addr = excluded.addr, model = excluded.model,"
                 " model_sha256 = excluded.model_sha256, n_slots = excluded.n_slots,"
                 " replica_id = excluded.replica_id, seen_at = excluded.seen_at",
-                (worker_id, addr, model, model_sha256, int(n_slots), self.replica_id))
+                (worker_id, addr, model, model_sha256, int(n_slots), self.replica_id),
+            )
 
     @_unavailable
     def recent_workers(self, max_age_s: float) -> Sightings:
         with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-            cur.execute("DELETE FROM worker_sightings"
-                        " WHERE seen_at < EXTRACT(EPOCH FROM clock_timestamp()) - %s", (SIGHTINGS_KEPT_S,))
+            cur.execute(
+                "DELETE FROM worker_sightings WHERE seen_at < EXTRACT(EPOCH FROM clock_timestamp()) - %s",
+                (SIGHTINGS_KEPT_S,),
+            )
             rows = cur.execute(
                 "SELECT *, EXTRACT(EPOCH FROM clock_timestamp()) - seen_at AS age_s FROM worker_sightings"
                 " WHERE seen_at >= EXTRACT(EPOCH FROM clock_timestamp()) - %s ORDER BY worker_id",
-                (max_age_s,)).fetchall()
-        return [WorkerSighting(r["worker_id"], r["addr"], r["model"], r["model_sha256"], int(r["n_slots"]),
-                               r["replica_id"], max(0.0, float(r["age_s"]))) for r in rows]
+                (max_age_s,),
+            ).fetchall()
+        return [
+            WorkerSighting(
+                r["worker_id"],
+                r["addr"],
+                r["model"],
+                r["model_sha256"],
+                int(r["n_slots"]),
+                r["replica_id"],
+                max(0.0, float(r["age_s"])),
+            )
+            for r in rows
+        ]
 
     def close(self) -> None:
         self._pool.close()

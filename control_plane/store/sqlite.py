@@ -95,7 +95,8 @@ class SqliteStore(AdapterStore):
                 if version > len(MIGRATIONS):
                     raise SchemaTooNewError(
                         f"{self.db_path}: schema version {version} is newer than this build "
-                        f"knows ({len(MIGRATIONS)}); refusing to open")
+                        f"knows ({len(MIGRATIONS)}); refusing to open"
+                    )
                 for migration in MIGRATIONS[version:]:
                     for sql in migration.sqlite:
                         c.execute(sql)
@@ -105,8 +106,7 @@ class SqliteStore(AdapterStore):
                 c.execute("ROLLBACK")
                 raise
             if version < len(MIGRATIONS):
-                log.info("schema_migrated", database=self.description, from_version=version,
-                         to_version=len(MIGRATIONS))
+                log.info("schema_migrated", database=self.description, from_version=version, to_version=len(MIGRATIONS))
 
     def _remove_orphans(self) -> None:
         """Delete upload copies no row names (a crash between the move and the commit) and
@@ -154,8 +154,16 @@ class SqliteStore(AdapterStore):
 
     # -- writes -------------------------------------------------------------------------
 
-    def insert(self, *, sha256: str, name: str, metadata: Mapping[str, Any], content: Path,
-               source: str | None, source_format: str = "gguf") -> tuple[AdapterRecord, bool]:
+    def insert(
+        self,
+        *,
+        sha256: str,
+        name: str,
+        metadata: Mapping[str, Any],
+        content: Path,
+        source: str | None,
+        source_format: str = "gguf",
+    ) -> tuple[AdapterRecord, bool]:
         final = self.blob_dir / f"{sha256}.gguf"
         with self._lock:
             c = self._conn
@@ -174,8 +182,15 @@ class SqliteStore(AdapterStore):
                 c.execute(
                     "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at,"
                     " source_format) VALUES (?, ?, ?, ?, ?, 0, ?, ?)",
-                    (new_id, sha256, name, str(final) if source is None else source,
-                     json.dumps(dict(metadata), sort_keys=True), time.time(), source_format),
+                    (
+                        new_id,
+                        sha256,
+                        name,
+                        str(final) if source is None else source,
+                        json.dumps(dict(metadata), sort_keys=True),
+                        time.time(),
+                        source_format,
+                    ),
                 )
                 row = c.execute("SELECT * FROM adapters WHERE id = ?", (new_id,)).fetchone()
                 c.execute("COMMIT")
@@ -197,8 +212,10 @@ class SqliteStore(AdapterStore):
                     return None
                 c.execute("DELETE FROM adapters WHERE id = ?", (adapter_id,))
                 now = time.time()
-                c.execute("INSERT OR REPLACE INTO removed_adapters (adapter_id, sha256, removed_at) VALUES (?, ?, ?)",
-                          (adapter_id, row["sha256"], now))
+                c.execute(
+                    "INSERT OR REPLACE INTO removed_adapters (adapter_id, sha256, removed_at) VALUES (?, ?, ?)",
+                    (adapter_id, row["sha256"], now),
+                )
                 c.execute("DELETE FROM removed_adapters WHERE removed_at < ?", (now - REMOVALS_KEPT_S,))
                 c.execute("COMMIT")
             except BaseException:
@@ -246,26 +263,35 @@ class SqliteStore(AdapterStore):
 
     # -- worker sightings -------------------------------------------------------------------
 
-    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str,
-                      n_slots: int) -> None:
+    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int) -> None:
         with self._lock:
             self._conn.execute(
                 "INSERT INTO worker_sightings (worker_id, addr, model, model_sha256, n_slots, replica_id, seen_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO UPDATE SET addr = excluded.addr,"
                 " model = excluded.model, model_sha256 = excluded.model_sha256, n_slots = excluded.n_slots,"
                 " replica_id = excluded.replica_id, seen_at = excluded.seen_at",
-                (worker_id, addr, model, model_sha256, int(n_slots), self.replica_id, time.time()))
+                (worker_id, addr, model, model_sha256, int(n_slots), self.replica_id, time.time()),
+            )
 
     def recent_workers(self, max_age_s: float) -> Sightings:
         now = time.time()
         with self._lock:
             self._conn.execute("DELETE FROM worker_sightings WHERE seen_at < ?", (now - SIGHTINGS_KEPT_S,))
             rows = self._conn.execute(
-                "SELECT * FROM worker_sightings WHERE seen_at >= ? ORDER BY worker_id",
-                (now - max_age_s,)).fetchall()
-        return [WorkerSighting(str(r["worker_id"]), str(r["addr"]), str(r["model"]), str(r["model_sha256"]),
-                               int(r["n_slots"]), str(r["replica_id"]), max(0.0, now - float(r["seen_at"])))
-                for r in rows]
+                "SELECT * FROM worker_sightings WHERE seen_at >= ? ORDER BY worker_id", (now - max_age_s,)
+            ).fetchall()
+        return [
+            WorkerSighting(
+                str(r["worker_id"]),
+                str(r["addr"]),
+                str(r["model"]),
+                str(r["model_sha256"]),
+                int(r["n_slots"]),
+                str(r["replica_id"]),
+                max(0.0, now - float(r["seen_at"])),
+            )
+            for r in rows
+        ]
 
     def close(self) -> None:
         with self._lock:

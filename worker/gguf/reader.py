@@ -27,9 +27,15 @@ from gguf.quants import quant_shape_to_byte_shape
 # Types we turn into float: plain floats plus every block format gguf's numpy code handles.
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 SUPPORTED_QUANT_TYPES = {
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q2_K,
-    GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q3_K,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
 }
 
@@ -91,21 +97,38 @@ class GGUFFile:
 
 # GGUF scalar value types → struct format (docs/gguf.md "gguf_metadata_value_type").
 _SCALAR_FMT = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
 }
 _NP_DTYPE = {
-    GGUFValueType.UINT8: np.uint8, GGUFValueType.INT8: np.int8, GGUFValueType.UINT16: np.uint16,
-    GGUFValueType.INT16: np.int16, GGUFValueType.UINT32: np.uint32, GGUFValueType.INT32: np.int32,
-    GGUFValueType.FLOAT32: np.float32, GGUFValueType.BOOL: np.bool_, GGUFValueType.UINT64: np.uint64,
-    GGUFValueType.INT64: np.int64, GGUFValueType.FLOAT64: np.float64,
+    GGUFValueType.UINT8: np.uint8,
+    GGUFValueType.INT8: np.int8,
+    GGUFValueType.UINT16: np.uint16,
+    GGUFValueType.INT16: np.int16,
+    GGUFValueType.UINT32: np.uint32,
+    GGUFValueType.INT32: np.int32,
+    GGUFValueType.FLOAT32: np.float32,
+    GGUFValueType.BOOL: np.bool_,
+    GGUFValueType.UINT64: np.uint64,
+    GGUFValueType.INT64: np.int64,
+    GGUFValueType.FLOAT64: np.float64,
 }
 _PLAIN_TENSOR_DTYPE = {
-    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
     GGMLQuantizationType.I64: np.int64,
 }
 
@@ -130,7 +153,7 @@ class _Cursor:
         n = self.scalar(GGUFValueType.UINT64)
         if self.off + n > len(self.buf):
             raise IndexError(f"string of {n} bytes runs past end of file at offset {self.off}")
-        v = bytes(self.buf[self.off:self.off + n]).decode("utf-8", errors="replace")
+        v = bytes(self.buf[self.off : self.off + n]).decode("utf-8", errors="replace")
         self.off += n
         return v
 
@@ -193,13 +216,15 @@ def _parse(path: Path, data: np.ndarray) -> tuple[dict[str, Any], dict[str, Tens
         n_bytes = n_elems * type_size // block
         lo = start + offset
         if lo + n_bytes > data.shape[0]:
-            raise GGUFError(f"{path}: tensor '{name}' data runs past the end of the file "
-                            f"(needs bytes {lo}..{lo + n_bytes}, file has {data.shape[0]}): truncated or corrupt GGUF")
+            raise GGUFError(
+                f"{path}: tensor '{name}' data runs past the end of the file "
+                f"(needs bytes {lo}..{lo + n_bytes}, file has {data.shape[0]}): truncated or corrupt GGUF"
+            )
         shape = tuple(reversed(ne))
         if gtype in _PLAIN_TENSOR_DTYPE:
-            raw = data[lo:lo + n_bytes].view(_PLAIN_TENSOR_DTYPE[gtype]).reshape(shape)
+            raw = data[lo : lo + n_bytes].view(_PLAIN_TENSOR_DTYPE[gtype]).reshape(shape)
         else:
-            raw = data[lo:lo + n_bytes].reshape(quant_shape_to_byte_shape(shape, gtype))
+            raw = data[lo : lo + n_bytes].reshape(quant_shape_to_byte_shape(shape, gtype))
         tensors[name] = TensorRecord(name, gtype, ne, raw)
     return metadata, tensors
 

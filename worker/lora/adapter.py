@@ -15,9 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.lora.adapter_file import (MAX_RANK, NODES_PER_LORA_WEIGHT, TOKEN_EMBD, AdapterError, AdapterFile,
-                                      base_tensor_index, lora_scale, read_adapter_gguf, read_lora_adapter,
-                                      validate_lora_adapter)
+from worker.lora.adapter_file import (
+    MAX_RANK,
+    NODES_PER_LORA_WEIGHT,
+    TOKEN_EMBD,
+    AdapterError,
+    AdapterFile,
+    base_tensor_index,
+    lora_scale,
+    read_adapter_gguf,
+    read_lora_adapter,
+    validate_lora_adapter,
+)
+
 
 @dataclass(frozen=True, eq=False)
 class LoraPair:
@@ -105,13 +115,17 @@ def load_lora_adapter(
     Raises:
         AdapterError: listing every problem found (``worker.lora.adapter_file`` rules).
     """
-    return adapter_from_file(read_lora_adapter(path, base_arch=base_arch, base_tensors=base_tensors),
-                             device_for=device_for, dtype=dtype)
+    return adapter_from_file(
+        read_lora_adapter(path, base_arch=base_arch, base_tensors=base_tensors), device_for=device_for, dtype=dtype
+    )
 
 
-def adapter_from_file(af: AdapterFile, *,
-                      device_for: Callable[[str], torch.device] = lambda name: torch.device("cpu"),
-                      dtype: torch.dtype = torch.float32) -> LoraAdapter:
+def adapter_from_file(
+    af: AdapterFile,
+    *,
+    device_for: Callable[[str], torch.device] = lambda name: torch.device("cpu"),
+    dtype: torch.dtype = torch.float32,
+) -> LoraAdapter:
     """``LoraAdapter`` with ``af``'s A/B as ``dtype`` tensors on ``device_for(base name)``."""
     pairs: dict[str, LoraPair] = {}
     size = 0
@@ -122,12 +136,31 @@ def adapter_from_file(af: AdapterFile, *,
         pairs[base] = LoraPair(base, a, b)
         size += a.numel() * a.element_size() + b.numel() * b.element_size()
     return LoraAdapter(
-        path=af.path, sha256=af.sha256, arch=af.arch, name=af.name, alpha=af.alpha,
-        pairs=types.MappingProxyType(pairs), alora_invocation_tokens=af.alora_invocation_tokens,
-        task_name=af.task_name, prompt_prefix=af.prompt_prefix, size_bytes=size,
+        path=af.path,
+        sha256=af.sha256,
+        arch=af.arch,
+        name=af.name,
+        alpha=af.alpha,
+        pairs=types.MappingProxyType(pairs),
+        alora_invocation_tokens=af.alora_invocation_tokens,
+        task_name=af.task_name,
+        prompt_prefix=af.prompt_prefix,
+        size_bytes=size,
     )
 
 
-__all__ = ["MAX_RANK", "NODES_PER_LORA_WEIGHT", "TOKEN_EMBD", "AdapterError", "AdapterFile", "LoraAdapter",
-           "LoraPair", "adapter_from_file", "base_tensor_index", "load_lora_adapter", "lora_scale",
-           "read_adapter_gguf", "validate_lora_adapter"]
+__all__ = [
+    "MAX_RANK",
+    "NODES_PER_LORA_WEIGHT",
+    "TOKEN_EMBD",
+    "AdapterError",
+    "AdapterFile",
+    "LoraAdapter",
+    "LoraPair",
+    "adapter_from_file",
+    "base_tensor_index",
+    "load_lora_adapter",
+    "lora_scale",
+    "read_adapter_gguf",
+    "validate_lora_adapter",
+]

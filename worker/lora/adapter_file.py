@@ -38,14 +38,23 @@ from __future__ import annotations
 import math
 import os
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from worker.gguf.reader import (FLOAT_TYPES, SUPPORTED_QUANT_TYPES, GGUFError, GGUFFile, file_sha256,
-                                TensorRecord, dequantize, read_gguf)
+from worker.gguf.reader import (
+    FLOAT_TYPES,
+    SUPPORTED_QUANT_TYPES,
+    GGUFError,
+    GGUFFile,
+    TensorRecord,
+    dequantize,
+    file_sha256,
+    read_gguf,
+)
 
 MAX_RANK = 512  # largest rank we accept (vLLM's max_lora_rank default range tops out here)
 NODES_PER_LORA_WEIGHT = 6  # llama.cpp graph_max_nodes reserves 6 nodes per lora tensor
@@ -171,13 +180,16 @@ def _check_metadata(meta: dict[str, Any], base_arch: str, problems: list[str]) -
     gtype = meta.get(KEY_GENERAL_TYPE)
     if gtype != "adapter":
         found = "missing" if gtype is None else f"'{gtype}'"
-        problems.append(f"{KEY_GENERAL_TYPE}: expected 'adapter', found {found}"
-                        + (" (this looks like a model file, not an adapter)" if gtype == "model" else ""))
+        problems.append(
+            f"{KEY_GENERAL_TYPE}: expected 'adapter', found {found}"
+            + (" (this looks like a model file, not an adapter)" if gtype == "model" else "")
+        )
     arch = meta.get(KEY_ARCH)
     if arch != base_arch:
         found = "missing" if arch is None else f"'{arch}'"
-        problems.append(f"{KEY_ARCH}: expected '{base_arch}' (the base model's), found {found} "
-                        "(hint: wrong base model?)")
+        problems.append(
+            f"{KEY_ARCH}: expected '{base_arch}' (the base model's), found {found} (hint: wrong base model?)"
+        )
     atype = meta.get(KEY_ADAPTER_TYPE)
     if atype != "lora":
         found = "missing" if atype is None else f"'{atype}'"
@@ -198,8 +210,9 @@ def _read_tokens(meta: dict[str, Any], problems: list[str]) -> tuple[int, ...]:
     raw = meta.get(KEY_INVOCATION)
     if raw is None:
         return ()
-    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                            and 0 <= t < 2**32 for t in raw):
+    if not isinstance(raw, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in raw
+    ):
         problems.append(f"{KEY_INVOCATION}: expected an array of uint32 token ids, found {raw!r}")
         return ()
     return tuple(int(t) for t in raw)
@@ -215,8 +228,7 @@ def _read_str(meta: dict[str, Any], key: str, problems: list[str]) -> str:
     return raw
 
 
-def _pair_tensors(tensors: Mapping[str, TensorRecord],
-                  problems: list[str]) -> dict[str, list[TensorRecord | None]]:
+def _pair_tensors(tensors: Mapping[str, TensorRecord], problems: list[str]) -> dict[str, list[TensorRecord | None]]:
     """Group tensors into ``base name → [A record, B record]`` (llama.cpp ``ab_map``)."""
     halves: dict[str, list[TensorRecord | None]] = {}
     for name, rec in tensors.items():
@@ -227,8 +239,10 @@ def _pair_tensors(tensors: Mapping[str, TensorRecord],
         elif name.endswith(_SKIPPED_ENDING):
             continue  # norm vectors (mergekit-extract-lora): not applied, like llama.cpp
         else:
-            problems.append(f"tensor '{name}': unexpected suffix (expected '{_SUFFIX_A}' or "
-                            f"'{_SUFFIX_B}', or a name ending '{_SKIPPED_ENDING}')")
+            problems.append(
+                f"tensor '{name}': unexpected suffix (expected '{_SUFFIX_A}' or "
+                f"'{_SUFFIX_B}', or a name ending '{_SKIPPED_ENDING}')"
+            )
             continue
         if base.endswith(_SKIPPED_ENDING):
             continue  # a low-rank pair on a norm vector: skipped like the bare norm
@@ -236,16 +250,17 @@ def _pair_tensors(tensors: Mapping[str, TensorRecord],
     return halves
 
 
-def _check_pair_shapes(base: str, a_ne: tuple[int, ...], b_ne: tuple[int, ...],
-                       w_ne: tuple[int, ...]) -> list[str]:
+def _check_pair_shapes(base: str, a_ne: tuple[int, ...], b_ne: tuple[int, ...], w_ne: tuple[int, ...]) -> list[str]:
     """Shape problems of one pair against its base tensor (empty list: fine)."""
     an, bn = f"'{base}{_SUFFIX_A}'", f"'{base}{_SUFFIX_B}'"
     where = f"base '{base}' is ne {_ne(w_ne)}"
     if base.endswith(TOKEN_EMBD):
         layout = "token_embd"
         if len(w_ne) != 2 or len(a_ne) != 2 or len(b_ne) != 2:
-            return [f"pair '{base}': expected 2-D W [d, V], A [r, V], B [r, d]; found W "
-                    f"{_ne(w_ne)}, A {_ne(a_ne)}, B {_ne(b_ne)}"]
+            return [
+                f"pair '{base}': expected 2-D W [d, V], A [r, V], B [r, d]; found W "
+                f"{_ne(w_ne)}, A {_ne(a_ne)}, B {_ne(b_ne)}"
+            ]
         d, n_vocab = w_ne
         r = b_ne[0]
         want_a, want_b = (r, n_vocab), (r, d)
@@ -253,14 +268,15 @@ def _check_pair_shapes(base: str, a_ne: tuple[int, ...], b_ne: tuple[int, ...],
         layout = "linear" if len(w_ne) == 2 else "expert"
         if len(a_ne) != len(w_ne) or len(b_ne) != len(w_ne):
             dims = "[k, r], B [r, d]" if len(w_ne) == 2 else "[k, r, E], B [r, d, E]"
-            return [f"pair '{base}': {where}, so A must be {dims}; found A {_ne(a_ne)}, "
-                    f"B {_ne(b_ne)} (wrong number of dimensions)"]
+            return [
+                f"pair '{base}': {where}, so A must be {dims}; found A {_ne(a_ne)}, "
+                f"B {_ne(b_ne)} (wrong number of dimensions)"
+            ]
         k, d = w_ne[0], w_ne[1]
         r = b_ne[0]
         want_a, want_b = (k, r, *w_ne[2:]), (r, d, *w_ne[2:])  # type: ignore[assignment]
     else:
-        return [f"pair '{base}': {where}; only 2-D (linear, token_embd) and 3-D (expert) "
-                "tensors can carry a LoRA pair"]
+        return [f"pair '{base}': {where}; only 2-D (linear, token_embd) and 3-D (expert) tensors can carry a LoRA pair"]
 
     out: list[str] = []
     if r <= 0:
@@ -268,8 +284,10 @@ def _check_pair_shapes(base: str, a_ne: tuple[int, ...], b_ne: tuple[int, ...],
     elif r > MAX_RANK:
         out.append(f"{bn}: rank {r} exceeds max_rank {MAX_RANK}")
     if tuple(b_ne) != want_b:
-        out.append(f"{bn}: expected ne {_ne(want_b)} ({layout} layout [r, d{', E' if layout == 'expert' else ''}]), "
-                   f"found {_ne(b_ne)}; {where}; hint: wrong base model?")
+        out.append(
+            f"{bn}: expected ne {_ne(want_b)} ({layout} layout [r, d{', E' if layout == 'expert' else ''}]), "
+            f"found {_ne(b_ne)}; {where}; hint: wrong base model?"
+        )
     if tuple(a_ne) != want_a:
         if layout == "token_embd":
             if tuple(a_ne) == (n_vocab, r):
@@ -277,8 +295,10 @@ def _check_pair_shapes(base: str, a_ne: tuple[int, ...], b_ne: tuple[int, ...],
             else:
                 hint = "hint: wrong base model?"
         elif a_ne[1] != b_ne[0]:
-            hint = (f"A.ne[1] = {a_ne[1]} != B.ne[0] = {b_ne[0]}: lora_a appears not transposed "
-                    "(old exporter format; re-convert the adapter)")
+            hint = (
+                f"A.ne[1] = {a_ne[1]} != B.ne[0] = {b_ne[0]}: lora_a appears not transposed "
+                "(old exporter format; re-convert the adapter)"
+            )
         else:
             hint = "hint: wrong base model?"
         out.append(f"{an}: expected ne {_ne(want_a)}, found {_ne(a_ne)}; {where}; {hint}")
@@ -288,8 +308,10 @@ def _check_pair_shapes(base: str, a_ne: tuple[int, ...], b_ne: tuple[int, ...],
 def _check_type(rec: TensorRecord) -> list[str]:
     if rec.ggml_type in FLOAT_TYPES or rec.ggml_type in SUPPORTED_QUANT_TYPES:
         return []
-    return [f"tensor '{rec.name}': type {rec.ggml_type.name} is not supported (expected F32, F16 "
-            "or BF16, or a block type we can dequantize; re-convert with outtype f32/f16)"]
+    return [
+        f"tensor '{rec.name}': type {rec.ggml_type.name} is not supported (expected F32, F16 "
+        "or BF16, or a block type we can dequantize; re-convert with outtype f32/f16)"
+    ]
 
 
 def _to_array(path: str, rec: TensorRecord, problems: list[str]) -> np.ndarray | None:
@@ -346,8 +368,10 @@ def read_lora_adapter(
             problems.append(f"pair '{base}': missing '{base}{miss}' (found only '{only}')")
             continue
         if base not in base_tensors:
-            problems.append(f"pair '{base}': base tensor '{base}' does not exist in the base model "
-                            f"(arch '{base_arch}', {len(base_tensors)} tensors; hint: wrong base model?)")
+            problems.append(
+                f"pair '{base}': base tensor '{base}' does not exist in the base model "
+                f"(arch '{base_arch}', {len(base_tensors)} tensors; hint: wrong base model?)"
+            )
             continue
         w_ne = tuple(int(n) for n in base_tensors[base])
         found = _check_pair_shapes(base, rec_a.ne, rec_b.ne, w_ne)
@@ -368,11 +392,16 @@ def read_lora_adapter(
         raise AdapterError(spath, problems)
 
     return AdapterFile(
-        path=spath, sha256=sha, arch=str(meta.get(KEY_ARCH)), name=name, alpha=alpha,
-        pairs=types.MappingProxyType(pairs), alora_invocation_tokens=tokens,
-        task_name=task_name, prompt_prefix=prompt_prefix,
+        path=spath,
+        sha256=sha,
+        arch=str(meta.get(KEY_ARCH)),
+        name=name,
+        alpha=alpha,
+        pairs=types.MappingProxyType(pairs),
+        alora_invocation_tokens=tokens,
+        task_name=task_name,
+        prompt_prefix=prompt_prefix,
     )
-
 
 
 validate_lora_adapter = read_lora_adapter

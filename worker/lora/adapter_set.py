@@ -25,7 +25,9 @@ class AdapterSet:
     entries: tuple[tuple[int, LoraAdapter, float], ...] = ()
 
     @classmethod
-    def of(cls, items: Mapping[int, tuple[LoraAdapter, float]] | Sequence[tuple[int, LoraAdapter, float]]) -> "AdapterSet":
+    def of(
+        cls, items: Mapping[int, tuple[LoraAdapter, float]] | Sequence[tuple[int, LoraAdapter, float]]
+    ) -> AdapterSet:
         rows = items.items() if isinstance(items, Mapping) else [(i, (a, s)) for i, a, s in items]
         kept = sorted((int(i), a, float(s)) for i, (a, s) in rows if float(s) != 0.0)
         return cls(tuple(kept))
@@ -55,7 +57,7 @@ class AdapterSet:
         """True when every adapter in the set is an activated LoRA (empty set: False)."""
         return bool(self.entries) and all(a.alora_invocation_tokens for _, a, _ in self.entries)
 
-    def without(self, adapter_ids: Sequence[int]) -> "AdapterSet":
+    def without(self, adapter_ids: Sequence[int]) -> AdapterSet:
         drop = set(adapter_ids)
         return AdapterSet(tuple(e for e in self.entries if e[0] not in drop))
 

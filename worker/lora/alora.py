@@ -31,7 +31,7 @@ def find_last(tokens: list[int], needle: tuple[int, ...]) -> int:
     """Index of the last occurrence of ``needle`` in ``tokens`` (reverse scan), or -1."""
     n = len(needle)
     for s in range(len(tokens) - n, -1, -1):
-        if tuple(tokens[s:s + n]) == needle:
+        if tuple(tokens[s : s + n]) == needle:
             return s
     return -1
 
@@ -51,8 +51,9 @@ def resolve_alora(adapter_set: AdapterSet, prompt: list[int]) -> AloraActivation
         return AloraActivation(adapter_set, adapter_set, -1)
     if len(aloras) > 1:
         names = ", ".join(f"{i} ('{a.name}')" for i, a in aloras)
-        raise InvalidRequestError(f"more than one activated LoRA (aLoRA) enabled in one request: adapters {names}; "
-                           "enable at most one")
+        raise InvalidRequestError(
+            f"more than one activated LoRA (aLoRA) enabled in one request: adapters {names}; enable at most one"
+        )
     aid, adapter = aloras[0]
     s = find_last(prompt, tuple(adapter.alora_invocation_tokens))
     without = adapter_set.without([aid])

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -122,8 +122,14 @@ class LoraPool:
         dtype: dtype of the slot buffers (the model's dtype).
     """
 
-    def __init__(self, max_loras: int, max_lora_rank: int, *, dtype: torch.dtype = torch.float32,
-                 device_for=lambda name: torch.device("cpu")):
+    def __init__(
+        self,
+        max_loras: int,
+        max_lora_rank: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device_for=lambda name: torch.device("cpu"),
+    ):
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         if max_lora_rank < 1:
@@ -167,8 +173,7 @@ class LoraPool:
 
     def buffer_bytes(self) -> int:
         """Bytes of every slot buffer allocated so far."""
-        return sum(w.a.numel() * w.a.element_size() + w.bt.numel() * w.bt.element_size()
-                   for w in self.weights.values())
+        return sum(w.a.numel() * w.a.element_size() + w.bt.numel() * w.bt.element_size() for w in self.weights.values())
 
     # --- pinning --------------------------------------------------------------------------
     def set_pinned(self, sha256: str, pinned: bool) -> None:
@@ -198,10 +203,13 @@ class LoraPool:
             return []
         keep = {self.by_sha[sha] for sha in distinct if sha in self.by_sha}
         free = [i for i, s in enumerate(self.slots) if s.adapter is None]
-        victims = sorted((s.last_used, i) for i, s in enumerate(self.slots)
-                         if s.adapter is not None and s.holds == 0 and not s.pinned and i not in keep)
+        victims = sorted(
+            (s.last_used, i)
+            for i, s in enumerate(self.slots)
+            if s.adapter is not None and s.holds == 0 and not s.pinned and i not in keep
+        )
         order = free + [i for _, i in victims]
-        return order[:len(missing)] if len(order) >= len(missing) else None
+        return order[: len(missing)] if len(order) >= len(missing) else None
 
     def acquire(self, adapters: Sequence[LoraAdapter]) -> AcquireResult:
         """Make every adapter resident (paging in what is missing) and hold it.
@@ -217,8 +225,8 @@ class LoraPool:
         targets = self.plan_acquire(list(distinct.values()))
         if targets is None:
             raise PoolExhaustedError(
-                f"{len(distinct)} adapters need slots but every one of the {self.max_loras} slots is held "
-                f"or pinned")
+                f"{len(distinct)} adapters need slots but every one of the {self.max_loras} slots is held or pinned"
+            )
         paged: list[str] = []
         it = iter(targets)
         for sha, a in distinct.items():
@@ -279,8 +287,9 @@ class LoraPool:
         """
         too_big = [f"{n}: rank {p.rank}" for n, p in adapter.pairs.items() if p.rank > self.max_lora_rank]
         if too_big:
-            raise ValueError(f"adapter '{adapter.name}' exceeds --max-lora-rank {self.max_lora_rank}: "
-                             f"{', '.join(too_big)}")
+            raise ValueError(
+                f"adapter '{adapter.name}' exceeds --max-lora-rank {self.max_lora_rank}: {', '.join(too_big)}"
+            )
         if self.slots[slot].adapter is not None:
             self.stats.evictions += 1
             self._clear(slot)
@@ -319,8 +328,7 @@ class LoraPool:
         a = torch.zeros((self.max_loras, need, k), dtype=self.dtype, device=dev)
         bt = torch.zeros((self.max_loras, need, d), dtype=self.dtype, device=dev)
         if w is None:
-            w = WeightSlots(a, bt, torch.zeros(self.max_loras, dtype=torch.float32, device=dev),
-                            [0] * self.max_loras)
+            w = WeightSlots(a, bt, torch.zeros(self.max_loras, dtype=torch.float32, device=dev), [0] * self.max_loras)
         else:
             old = w.rank_cap
             a[:, :old].copy_(w.a)
@@ -331,5 +339,14 @@ class LoraPool:
         return w
 
 
-__all__ = ["AcquireResult", "LoraPool", "PoolCapacityError", "PoolExhaustedError", "PoolStats", "RANK_ALIGN",
-           "SlotInfo", "WeightSlots", "is_pooled"]
+__all__ = [
+    "AcquireResult",
+    "LoraPool",
+    "PoolCapacityError",
+    "PoolExhaustedError",
+    "PoolStats",
+    "RANK_ALIGN",
+    "SlotInfo",
+    "WeightSlots",
+    "is_pooled",
+]

@@ -58,7 +58,8 @@ class ModelAdapters:
             if any(adapter_id in s.ids for s in ctx.active_sets):
                 raise AdapterInUseError(
                     f"adapter {adapter_id} ('{adapter.name}') is in a context's active adapter set; "
-                    "detach it (set_adapters without it) before freeing")
+                    "detach it (set_adapters without it) before freeing"
+                )
         if not any(i != adapter_id and a.sha256 == adapter.sha256 for i, a in self.by_id.items()):
             try:
                 self.pool.evict(adapter.sha256)

@@ -42,9 +42,10 @@ class ControlPlaneFetcher:
         for stub in self._stubs:
             chunks: list[bytes] = []
             try:
-                for chunk in stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256=sha256,
-                                                                                     worker_id=self.worker_id),
-                                               timeout=self.timeout_s):
+                for chunk in stub.FetchAdapter(
+                    control_plane_pb2.FetchAdapterRequest(sha256=sha256, worker_id=self.worker_id),
+                    timeout=self.timeout_s,
+                ):
                     chunks.append(chunk.data)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:

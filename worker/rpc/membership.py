@@ -73,9 +73,17 @@ class MembershipBackoff:
 
 
 class _Membership:
-    def __init__(self, addr: str, hello: control_plane_pb2.WorkerHello, stop: threading.Event,
-                 backoff: MembershipBackoff, credentials: grpc.ChannelCredentials | None,
-                 secret: str | None, holdings: Holdings | None, refresh: Refresh | None = None) -> None:
+    def __init__(
+        self,
+        addr: str,
+        hello: control_plane_pb2.WorkerHello,
+        stop: threading.Event,
+        backoff: MembershipBackoff,
+        credentials: grpc.ChannelCredentials | None,
+        secret: str | None,
+        holdings: Holdings | None,
+        refresh: Refresh | None = None,
+    ) -> None:
         self.addr = addr
         self.hello = hello
         self.stop = stop
@@ -96,8 +104,9 @@ class _Membership:
         return hello
 
     def run(self) -> None:
-        channel = (grpc.secure_channel(self.addr, self.credentials) if self.credentials
-                   else grpc.insecure_channel(self.addr))
+        channel = (
+            grpc.secure_channel(self.addr, self.credentials) if self.credentials else grpc.insecure_channel(self.addr)
+        )
         stub = control_plane_pb2_grpc.ControlPlaneStub(with_secret(channel, self.secret))
         log_ = log.bind(worker_id=self.hello.worker_id, control_plane=self.addr)
         try:
@@ -210,11 +219,17 @@ def control_plane_addresses(spec: str) -> list[str]:
     return list(dict.fromkeys(parts))
 
 
-def start_membership(control_plane_addr: str, hello: control_plane_pb2.WorkerHello,
-                     stop_event: threading.Event, *, backoff: MembershipBackoff = MembershipBackoff(),
-                     credentials: grpc.ChannelCredentials | None = None, secret: str | None = None,
-                     holdings: Holdings | None = None,
-                     refresh: Refresh | None = None) -> MembershipThread | MembershipGroup:
+def start_membership(
+    control_plane_addr: str,
+    hello: control_plane_pb2.WorkerHello,
+    stop_event: threading.Event,
+    *,
+    backoff: MembershipBackoff = MembershipBackoff(),
+    credentials: grpc.ChannelCredentials | None = None,
+    secret: str | None = None,
+    holdings: Holdings | None = None,
+    refresh: Refresh | None = None,
+) -> MembershipThread | MembershipGroup:
     """Start the register-then-heartbeat thread(s) (daemons) and return them.
 
     Args:
@@ -228,9 +243,10 @@ def start_membership(control_plane_addr: str, hello: control_plane_pb2.WorkerHel
     Set ``stop_event`` to stop them; each exits within one heartbeat interval / backoff step.
     """
     addrs = control_plane_addresses(control_plane_addr)
-    threads = [MembershipThread(_Membership(addr, hello, stop_event, backoff, credentials, secret, holdings,
-                                            refresh))
-               for addr in addrs]
+    threads = [
+        MembershipThread(_Membership(addr, hello, stop_event, backoff, credentials, secret, holdings, refresh))
+        for addr in addrs
+    ]
     for thread in threads:
         thread.start()
     return threads[0] if len(threads) == 1 else MembershipGroup(threads)

@@ -32,11 +32,11 @@ from grpc_reflection.v1alpha import reflection
 
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
-from loraplane.worker_secret import worker_guard, worker_secret_from
 from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
+from loraplane.worker_secret import worker_guard, worker_secret_from
 from worker.config import WorkerConfig
-from worker.serving.engine import WorkerEngine
 from worker.rpc.servicer import WorkerServicer
+from worker.serving.engine import WorkerEngine
 
 log = structlog.get_logger("loraplane.worker.rpc.server")
 
@@ -49,11 +49,16 @@ RESERVED_THREADS = 8
 
 def server_interceptors(config: WorkerConfig) -> list[grpc.ServerInterceptor]:
     """Worker secret (if any), decode guard, concurrency limits — in that order."""
-    limits = ConcurrencyLimitInterceptor({
-        "Decode stream": (config.max_decode_streams, f"/{SERVICE_NAME}/Decode".__eq__),
-        "adapter load/unload": (ADAPTER_OPS, lambda m: m in (f"/{SERVICE_NAME}/LoadAdapter",
-                                                             f"/{SERVICE_NAME}/UnloadAdapter")),
-    }, hint=" (worker: slots + --queue-limit)")
+    limits = ConcurrencyLimitInterceptor(
+        {
+            "Decode stream": (config.max_decode_streams, f"/{SERVICE_NAME}/Decode".__eq__),
+            "adapter load/unload": (
+                ADAPTER_OPS,
+                lambda m: m in (f"/{SERVICE_NAME}/LoadAdapter", f"/{SERVICE_NAME}/UnloadAdapter"),
+            ),
+        },
+        hint=" (worker: slots + --queue-limit)",
+    )
     secret = worker_secret_from(config.worker_secret)
     guards = [worker_guard(secret)] if secret else []
     return [*guards, DecodeGuardInterceptor(), limits]
@@ -74,15 +79,17 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     engine = WorkerEngine(config)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.max_decode_streams + ADAPTER_OPS + RESERVED_THREADS,
-                                   thread_name_prefix="worker-rpc"),
+        futures.ThreadPoolExecutor(
+            max_workers=config.max_decode_streams + ADAPTER_OPS + RESERVED_THREADS, thread_name_prefix="worker-rpc"
+        ),
         interceptors=server_interceptors(config),
         options=GRPC_MESSAGE_OPTIONS,
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     port = server.add_insecure_port(config.addr)
     if port == 0:
         engine.close()
@@ -91,11 +98,20 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     server.health_servicer = health_servicer  # kept for shutdown
-    log.info("worker serving", addr=config.addr, port=port, worker_id=engine.worker_id,
-             model=str(engine.base.path), device=str(engine.base.device), dtype=config.dtype,
-             batching=config.batching.value, prefix_cache=config.prefix_cache.value,
-             worker_secret=bool(worker_secret_from(config.worker_secret)),
-             adapter_dirs=list(config.adapter_dirs), max_decode_streams=config.max_decode_streams)
+    log.info(
+        "worker serving",
+        addr=config.addr,
+        port=port,
+        worker_id=engine.worker_id,
+        model=str(engine.base.path),
+        device=str(engine.base.device),
+        dtype=config.dtype,
+        batching=config.batching.value,
+        prefix_cache=config.prefix_cache.value,
+        worker_secret=bool(worker_secret_from(config.worker_secret)),
+        adapter_dirs=list(config.adapter_dirs),
+        max_decode_streams=config.max_decode_streams,
+    )
     return server, port, engine
 
 
@@ -104,9 +120,13 @@ def holdings_of(engine: WorkerEngine) -> control_plane_pb2.WorkerHoldings:
     knows, whether its bytes are fetched yet or not) and draining ids."""
     draining = engine.draining_ids()
     return control_plane_pb2.WorkerHoldings(
-        adapters=[control_plane_pb2.HeldAdapter(id=i, sha256=k.sha256)
-                  for i, k in sorted(engine.known().items()) if i not in draining],
-        draining_ids=sorted(draining))
+        adapters=[
+            control_plane_pb2.HeldAdapter(id=i, sha256=k.sha256)
+            for i, k in sorted(engine.known().items())
+            if i not in draining
+        ],
+        draining_ids=sorted(draining),
+    )
 
 
 def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) -> None:
@@ -117,10 +137,20 @@ def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) ->
     hello.resident_adapter_ids.extend(st.resident_adapter_ids)
     del hello.host_adapter_ids[:]
     hello.host_adapter_ids.extend(st.host_adapter_ids)
-    hello.paging.CopyFrom(control_plane_pb2.WorkerPaging(
-        max_loras=st.max_loras, max_cpu_loras=st.max_cpu_loras, resident=st.resident_adapters,
-        host=st.host_adapters, page_ins=st.page_ins, evictions=st.evictions, fetches=st.fetches,
-        fetch_bytes=st.fetch_bytes, page_in_bytes=st.page_in_bytes, host_evictions=st.host_evictions))
+    hello.paging.CopyFrom(
+        control_plane_pb2.WorkerPaging(
+            max_loras=st.max_loras,
+            max_cpu_loras=st.max_cpu_loras,
+            resident=st.resident_adapters,
+            host=st.host_adapters,
+            page_ins=st.page_ins,
+            evictions=st.evictions,
+            fetches=st.fetches,
+            fetch_bytes=st.fetch_bytes,
+            page_in_bytes=st.page_in_bytes,
+            host_evictions=st.host_evictions,
+        )
+    )
 
 
 def _advertised(config: WorkerConfig, port: int) -> str:
@@ -152,13 +182,25 @@ def serve_worker(config: WorkerConfig) -> None:
         from worker.rpc.fetch import ControlPlaneFetcher
         from worker.rpc.membership import start_membership
 
-        engine.fetcher = ControlPlaneFetcher(config.control_plane, engine.worker_id,
-                                             secret=worker_secret_from(config.worker_secret))
-        hello = control_plane_pb2.WorkerHello(worker_id=engine.worker_id, addr=_advertised(config, port),
-                                              model=str(engine.base.path), n_slots=config.n_slots,
-                                              queue_limit=config.queue_limit, incarnation=uuid.uuid4().hex)
-        start_membership(config.control_plane, hello, stop, secret=worker_secret_from(config.worker_secret),
-                         holdings=lambda: holdings_of(engine), refresh=lambda h: refresh_hello(engine, h))
+        engine.fetcher = ControlPlaneFetcher(
+            config.control_plane, engine.worker_id, secret=worker_secret_from(config.worker_secret)
+        )
+        hello = control_plane_pb2.WorkerHello(
+            worker_id=engine.worker_id,
+            addr=_advertised(config, port),
+            model=str(engine.base.path),
+            n_slots=config.n_slots,
+            queue_limit=config.queue_limit,
+            incarnation=uuid.uuid4().hex,
+        )
+        start_membership(
+            config.control_plane,
+            hello,
+            stop,
+            secret=worker_secret_from(config.worker_secret),
+            holdings=lambda: holdings_of(engine),
+            refresh=lambda h: refresh_hello(engine, h),
+        )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"worker {engine.worker_id} listening on port {port}", flush=True)

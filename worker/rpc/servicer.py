@@ -17,18 +17,24 @@ import threading
 import grpc
 import structlog
 
-from loraplane.v1 import common_pb2 as pb
-from loraplane.v1 import worker_pb2, worker_pb2_grpc
 from loraplane.interceptors import UndecodableRequest
 from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
+from loraplane.v1 import common_pb2 as pb
+from loraplane.v1 import worker_pb2, worker_pb2_grpc
 from worker.errors import InvalidRequestError, PermissionDeniedError, WorkerError
 from worker.rpc.status import status_of
-from worker.serving.engine import WorkerEngine
 from worker.runtime.sampling import SamplingParams
-from worker.serving.engine import KnownAdapter, WorkerStatsRecord
-from worker.serving.request import (ErrorEvent, Event, FinishedEvent, GenRequest, RequestTelemetry, StartedEvent,
-                                    StepInfo,
-                                    TokenEvent)
+from worker.serving.engine import KnownAdapter, WorkerEngine, WorkerStatsRecord
+from worker.serving.request import (
+    ErrorEvent,
+    Event,
+    FinishedEvent,
+    GenRequest,
+    RequestTelemetry,
+    StartedEvent,
+    StepInfo,
+    TokenEvent,
+)
 
 log = structlog.get_logger("loraplane.worker.rpc.servicer")
 
@@ -40,18 +46,35 @@ _CLOSED = object()  # (_CLOSED, rid): rid cancelled by cancel_request_id; no mor
 
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        max_tokens=s.max_tokens or 16, temperature=s.temperature, top_k=s.top_k,
+        max_tokens=s.max_tokens or 16,
+        temperature=s.temperature,
+        top_k=s.top_k,
         top_p=s.top_p if 0.0 < s.top_p <= 1.0 else (1.0 if s.top_p == 0.0 else s.top_p),
-        seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs,
-        prompt_logprobs=s.prompt_logprobs, ignore_eos=s.ignore_eos, stop=tuple(s.stop))
+        seed=s.seed if s.HasField("seed") else None,
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
+        ignore_eos=s.ignore_eos,
+        stop=tuple(s.stop),
+    )
 
 
 def adapter_info(adapter_id: int, a, default_scale: float = 0.0) -> pb.AdapterInfo:
     return pb.AdapterInfo(
-        id=adapter_id, name=a.name, path=str(a.path), sha256=a.sha256, arch=a.arch, alpha=a.alpha,
-        ranks=list(a.ranks), target_tensors=sorted(a.pairs), task_name=a.task_name,
-        prompt_prefix=a.prompt_prefix, alora_invocation_tokens=list(a.alora_invocation_tokens),
-        default_scale=default_scale, size_bytes=a.size_bytes, n_nodes=a.n_nodes)
+        id=adapter_id,
+        name=a.name,
+        path=str(a.path),
+        sha256=a.sha256,
+        arch=a.arch,
+        alpha=a.alpha,
+        ranks=list(a.ranks),
+        target_tensors=sorted(a.pairs),
+        task_name=a.task_name,
+        prompt_prefix=a.prompt_prefix,
+        alora_invocation_tokens=list(a.alora_invocation_tokens),
+        default_scale=default_scale,
+        size_bytes=a.size_bytes,
+        n_nodes=a.n_nodes,
+    )
 
 
 def known_info(adapter_id: int, k) -> pb.AdapterInfo:
@@ -84,17 +107,30 @@ def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:
         plp = []
         if ev.prompt_logprobs is not None:
             for e in ev.prompt_logprobs:
-                plp.append(pb.PromptLogprob() if e is None else
-                           pb.PromptLogprob(has_logprob=True, token_id=e[0], logprob=e[1]))
-        return pb.GenerateEvent(request_id=rid, started=pb.Started(prompt_token_ids=ev.prompt_tokens,
-                                                                   prompt_logprobs=plp))
+                plp.append(
+                    pb.PromptLogprob() if e is None else pb.PromptLogprob(has_logprob=True, token_id=e[0], logprob=e[1])
+                )
+        return pb.GenerateEvent(
+            request_id=rid, started=pb.Started(prompt_token_ids=ev.prompt_tokens, prompt_logprobs=plp)
+        )
     if isinstance(ev, TokenEvent):
-        return pb.GenerateEvent(request_id=rid, token=pb.GeneratedToken(
-            token_id=ev.token_id, text=ev.text, logprob=ev.logprob,
-            top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in ev.top], step=step_to_proto(ev.step)))
+        return pb.GenerateEvent(
+            request_id=rid,
+            token=pb.GeneratedToken(
+                token_id=ev.token_id,
+                text=ev.text,
+                logprob=ev.logprob,
+                top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in ev.top],
+                step=step_to_proto(ev.step),
+            ),
+        )
     if isinstance(ev, FinishedEvent):
-        return pb.GenerateEvent(request_id=rid, finished=pb.Finished(
-            finish_reason=ev.finish_reason, text=ev.text, telemetry=telemetry_to_proto(ev.telemetry)))
+        return pb.GenerateEvent(
+            request_id=rid,
+            finished=pb.Finished(
+                finish_reason=ev.finish_reason, text=ev.text, telemetry=telemetry_to_proto(ev.telemetry)
+            ),
+        )
     raise TypeError(f"no GenerateEvent for {type(ev).__name__}")
 
 
@@ -121,8 +157,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             events.put(_CALL_DONE)
 
         context.add_callback(cancel_all)
-        reader = threading.Thread(target=self._read_requests, args=(request_iterator, events, submitted),
-                                  daemon=True, name="decode-reader")
+        reader = threading.Thread(
+            target=self._read_requests, args=(request_iterator, events, submitted), daemon=True, name="decode-reader"
+        )
         reader.start()
         open_ids: set[str] = set()
         input_done = False
@@ -168,8 +205,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _submit(self, r: pb.GenerateRequest, events: queue.Queue, submitted: dict) -> None:
         rid = r.request_id
         if not r.HasField("adapters"):
-            events.put((rid, ErrorEvent(InvalidRequestError(
-                "request carries no adapter vector: workers only accept vectors resolved by the control plane"))))
+            events.put(
+                (
+                    rid,
+                    ErrorEvent(
+                        InvalidRequestError(
+                            "request carries no adapter vector: "
+                            "workers only accept vectors resolved by the control plane"
+                        )
+                    ),
+                )
+            )
             return
         which = r.WhichOneof("prompt")
         if which is None:
@@ -178,10 +224,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             events.put((_OPENED, rid))
             req = self.engine.submit(
-                request_id=rid, prompt_tokens=list(r.tokens.ids) if which == "tokens" else None,
-                prompt_text=r.text if which == "text" else None, params=sampling_from_proto(r.sampling),
+                request_id=rid,
+                prompt_tokens=list(r.tokens.ids) if which == "tokens" else None,
+                prompt_text=r.text if which == "text" else None,
+                params=sampling_from_proto(r.sampling),
                 entries=[(e.id, e.scale) for e in r.adapters.entries],
-                emit=functools.partial(_put_event, events, rid))
+                emit=functools.partial(_put_event, events, rid),
+            )
         except WorkerError as exc:
             events.put((rid, ErrorEvent(exc)))
             return
@@ -200,9 +249,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 data += chunk.data
             if path and data:
                 raise InvalidRequestError(f"adapter {first.id}: server_path and data given together; send one")
-            a = self.engine.load_adapter(first.id, sha256=first.sha256, path=path, data=bytes(data),
-                                         name=first.name, fetch_on_demand=first.fetch_on_demand,
-                                         pinned=first.pinned if first.HasField("pinned") else None)
+            a = self.engine.load_adapter(
+                first.id,
+                sha256=first.sha256,
+                path=path,
+                data=bytes(data),
+                name=first.name,
+                fetch_on_demand=first.fetch_on_demand,
+                pinned=first.pinned if first.HasField("pinned") else None,
+            )
         except WorkerError as exc:
             context.abort(status_of(exc), str(exc))
         k = self.engine.known().get(first.id)
@@ -239,9 +294,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def ListAdapters(self, request, context):
         host = self.engine.adapters()
-        return worker_pb2.WorkerAdapterList(adapters=[
-            adapter_info(i, host[i]) if i in host else known_info(i, k)
-            for i, k in sorted(self.engine.known().items())])
+        return worker_pb2.WorkerAdapterList(
+            adapters=[
+                adapter_info(i, host[i]) if i in host else known_info(i, k)
+                for i, k in sorted(self.engine.known().items())
+            ]
+        )
 
     def Stats(self, request, context):
         return stats_to_proto(self.engine.stats())

@@ -2,25 +2,26 @@
 
 Mirrors llama.cpp ``llama_context``: ``set_adapters`` is ``llama_set_adapters_lora`` (a no-op
 when the sets are unchanged — ``adapters_lora_are_same`` — otherwise it swaps them in, making
-every adapter of the new sets resident in the model's slot pool, ``worker.lora.pool``), and ``decode`` is ``llama_decode`` over one ubatch of
+every adapter of the new sets resident in the model's slot pool, ``worker.lora.pool``), and
+``decode`` is ``llama_decode`` over one ubatch of
 ``(token, pos, seq_id, wants_logits)`` rows from any number of sequences. Prompt processing
 and single-token decode take the same path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from worker.runtime import arch as arch_registry
-from worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
-from worker.runtime.kv_cache import KVCache, KVCacheError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.plan import FusedLora, LoraPlan, build_plan, side_branches
 from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
 from worker.lora.registry import ModelAdapters
+from worker.runtime import arch as arch_registry
+from worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
+from worker.runtime.kv_cache import KVCache, KVCacheError
 from worker.runtime.model import BaseModel
 
 
@@ -84,14 +85,21 @@ class WorkerContext:
         self.adapters = adapters
         self.arch = arch_registry.get(model.arch, model.path)
         hp = model.hparams
-        self.kv = KVCache(n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, n_embd_head_k=hp.n_embd_head_k,
-                          n_embd_head_v=hp.n_embd_head_v, n_ctx_seq=n_ctx_seq, dtype=model.dtype,
-                          device=model.device, n_seq_hint=n_seq)
+        self.kv = KVCache(
+            n_layer=hp.n_layer,
+            n_head_kv=hp.n_head_kv,
+            n_embd_head_k=hp.n_embd_head_k,
+            n_embd_head_v=hp.n_embd_head_v,
+            n_ctx_seq=n_ctx_seq,
+            dtype=model.dtype,
+            device=model.device,
+            n_seq_hint=n_seq,
+        )
         self._key_pos = torch.arange(n_ctx_seq, dtype=torch.long, device=model.device)  # key positions, sliced
         self.active_sets: tuple[AdapterSet, ...] = (EMPTY_SET,)
         self.pool: LoraPool = adapters.pool
-        self._held: list = []             # adapters this context holds in the pool (its active sets')
-        self._seen_generation = -1        # pool generation at the previous decode
+        self._held: list = []  # adapters this context holds in the pool (its active sets')
+        self._seen_generation = -1  # pool generation at the previous decode
         self._side: tuple[int, dict[str, FusedLora]] = (-1, {})
         self.stats = ContextStats()
         adapters.contexts.append(self)
@@ -124,8 +132,10 @@ class WorkerContext:
         for s in new:
             for aid, a, _ in s.entries:
                 if self.adapters.by_id.get(aid) is not a:
-                    raise DecodeError(f"adapter {aid} ('{a.name}') is not registered with this model "
-                                      f"(registered: {sorted(self.adapters.by_id)})")
+                    raise DecodeError(
+                        f"adapter {aid} ('{a.name}') is not registered with this model "
+                        f"(registered: {sorted(self.adapters.by_id)})"
+                    )
         wanted = [a for s in new for _, a, _ in s.entries]
         try:
             self.pool.acquire(wanted)
@@ -209,8 +219,12 @@ class WorkerContext:
         return DecodeRows(
             rows=torch.tensor([i for _, i in single], dtype=torch.long, device=dev),
             cache_rows=torch.tensor(cache_rows, dtype=torch.long, device=dev),
-            pos=torch.tensor(pos, dtype=torch.long, device=dev), pos_min=min(pos), pos_max=max(pos),
-            key_pos=self._key_pos, contiguous_from=first if contiguous else None)
+            pos=torch.tensor(pos, dtype=torch.long, device=dev),
+            pos_min=min(pos),
+            pos_max=max(pos),
+            key_pos=self._key_pos,
+            contiguous_from=first if contiguous else None,
+        )
 
     @torch.inference_mode()
     def decode(self, ub: UBatch) -> DecodeResult:
@@ -232,8 +246,7 @@ class WorkerContext:
             self.kv.commit(span.seq_id, span.pos0 + span.n)
         self.stats.decode_calls += 1
         self.stats.tokens_computed += len(ub)
-        return DecodeResult(logits.float(), inputs.out_rows.tolist(), reused,
-                            gctx.n_nodes, len({s for s in set_index}))
+        return DecodeResult(logits.float(), inputs.out_rows.tolist(), reused, gctx.n_nodes, len({s for s in set_index}))
 
 
 @dataclass

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from worker.lora.plan import FusedLora, LoraPlan
 from worker.runtime.kernels import QuantLinear, quantize_activations, resolve_path
 from worker.runtime.kv_cache import KVCache
-from worker.lora.plan import FusedLora, LoraPlan
 
 
 @dataclass
@@ -96,8 +96,15 @@ class GraphContext:
             ``build_lora_mm_group``.
     """
 
-    def __init__(self, weights: dict[str, Any], inputs: GraphInputs, plan: LoraPlan,
-                 kv: KVCache, dtype: torch.dtype, fused: dict[tuple[str, ...], QuantLinear] | None = None):
+    def __init__(
+        self,
+        weights: dict[str, Any],
+        inputs: GraphInputs,
+        plan: LoraPlan,
+        kv: KVCache,
+        dtype: torch.dtype,
+        fused: dict[tuple[str, ...], QuantLinear] | None = None,
+    ):
         self.w = weights
         self.fused = fused or {}
         self.inp = inputs
@@ -200,7 +207,7 @@ class GraphContext:
         if w is None or not any(w.rank_of[:u]):
             return y
         n, rk = x.shape[0], w.rank_cap
-        s = (self.row_slot * w.factor[:u]).to(x.dtype)                       # (n, u)
+        s = (self.row_slot * w.factor[:u]).to(x.dtype)  # (n, u)
         xa = (x @ w.a[:u].reshape(u * rk, -1).T).view(n, u, rk) * s.unsqueeze(2)  # (n, u, R)
         y = y + (xa.view(n, u * rk) @ w.bt[:u].reshape(u * rk, -1)).to(y.dtype)
         self.n_nodes += 4
@@ -228,8 +235,13 @@ class GraphContext:
                 i += 1
         packed = [w for _, w in calls if isinstance(w, QuantLinear) and w.qw is not None]
         xin: Any = x
-        if len(packed) > 1 and x.device.type == "cpu" and x.dim() == 2 and x.shape[-1] % 32 == 0 \
-                and resolve_path() != "torch":
+        if (
+            len(packed) > 1
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and x.shape[-1] % 32 == 0
+            and resolve_path() != "torch"
+        ):
             xin = quantize_activations(x)
         out: list[torch.Tensor] = []
         for group, w in calls:
@@ -290,8 +302,9 @@ class GraphContext:
         return self.base_mm(tied_to, x).float()
 
     # --- attention --------------------------------------------------------------------
-    def build_attn(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                   wo: str, kq_scale: float, n_swa: int = 0) -> torch.Tensor:
+    def build_attn(
+        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, wo: str, kq_scale: float, n_swa: int = 0
+    ) -> torch.Tensor:
         """Store K/V in the cache, attend, project with ``wo``.
 
         q ``(n, H, dk)``, k ``(n, Hkv, dk)``, v ``(n, Hkv, dv)``; causal; when ``n_swa > 0``
@@ -310,7 +323,9 @@ class GraphContext:
         for span in self.inp.spans:
             if dec is not None and span.n == 1:
                 continue
-            ks, vs = self.kv.store(il, span.seq_id, span.pos0, k.index_select(0, span.rows), v.index_select(0, span.rows))
+            ks, vs = self.kv.store(
+                il, span.seq_id, span.pos0, k.index_select(0, span.rows), v.index_select(0, span.rows)
+            )
             qs = q.index_select(0, span.rows)
             k_lo = max(0, span.pos0 - n_swa + 1) if n_swa > 0 else 0
             ks, vs = ks[k_lo:].to(q.dtype), vs[k_lo:].to(q.dtype)
@@ -320,15 +335,20 @@ class GraphContext:
             if n_swa > 0:
                 mask = mask & (q_pos - k_pos < n_swa)
             o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, scale=kq_scale, enable_gqa=n_head != ks.shape[1],
+                qs.transpose(0, 1).unsqueeze(0),
+                ks.transpose(0, 1).unsqueeze(0),
+                vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                scale=kq_scale,
+                enable_gqa=n_head != ks.shape[1],
             )
             out.index_copy_(0, span.rows, o.squeeze(0).transpose(0, 1))
         self.n_nodes += 8
         return self.build_lora_mm(wo, out.reshape(n, n_head * dv))
 
-    def _attn_decode_batch(self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           dec: DecodeRows, kq_scale: float, n_swa: int) -> torch.Tensor:
+    def _attn_decode_batch(
+        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: DecodeRows, kq_scale: float, n_swa: int
+    ) -> torch.Tensor:
         """One row per sequence, all sequences at once: store their K/V with one indexed
         write, read ``K/V[cache rows, lo:hi]`` ``(B, L, Hkv, d)`` (a view when the cache rows
         are consecutive), mask per row (causal + sliding window), one SDPA call.
@@ -336,27 +356,33 @@ class GraphContext:
         self.kv.store_rows(il, dec.cache_rows, dec.pos, k.index_select(0, dec.rows), v.index_select(0, dec.rows))
         lo = max(0, dec.pos_min - n_swa + 1) if n_swa > 0 else 0
         ks, vs = self.kv.rows_view(il, dec.cache_rows, lo, dec.pos_max + 1, dec.contiguous_from)
-        k_pos = dec.key_pos[lo: dec.pos_max + 1].unsqueeze(0)      # (1, L)
-        q_pos = dec.pos.unsqueeze(1)                                  # (B, 1)
+        k_pos = dec.key_pos[lo : dec.pos_max + 1].unsqueeze(0)  # (1, L)
+        q_pos = dec.pos.unsqueeze(1)  # (B, 1)
         mask = k_pos <= q_pos
         if n_swa > 0:
             mask = mask & (q_pos - k_pos < n_swa)
-        qs = q.index_select(0, dec.rows).unsqueeze(2)                 # (B, H, 1, dk)
+        qs = q.index_select(0, dec.rows).unsqueeze(2)  # (B, H, 1, dk)
         o = F.scaled_dot_product_attention(
-            qs, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
-            attn_mask=mask[:, None, None, :], scale=kq_scale, enable_gqa=q.shape[1] != ks.shape[2],
+            qs,
+            ks.transpose(1, 2).to(q.dtype),
+            vs.transpose(1, 2).to(q.dtype),
+            attn_mask=mask[:, None, None, :],
+            scale=kq_scale,
+            enable_gqa=q.shape[1] != ks.shape[2],
         )
         return o.squeeze(2)
 
-    def build_rope(self, x: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0,
-                   neox: bool) -> torch.Tensor:
+    def build_rope(
+        self, x: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0, neox: bool
+    ) -> torch.Tensor:
         """Rope x ``(n, H, d_head)`` at the ubatch positions; cos/sin are computed once per
         ubatch for each (n_rot, base, scale) and shared by every layer and by q and k."""
         key = (n_rot, freq_base, freq_scale)
         cs = self._rope_cache.get(key)
         if cs is None:
-            cs = self._rope_cache[key] = rope_cos_sin(self.inp.pos, n_rot=n_rot, freq_base=freq_base,
-                                                      freq_scale=freq_scale)
+            cs = self._rope_cache[key] = rope_cos_sin(
+                self.inp.pos, n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale
+            )
         self.n_nodes += 1
         return apply_rope(x, cs[0], cs[1], neox=neox)
 
@@ -368,8 +394,18 @@ class GraphContext:
         self.n_nodes += 2
         return self.build_lora_mm(down, _act(g, act) * u)
 
-    def build_moe_ffn(self, x: torch.Tensor, *, gate_inp: str, up_exps: str, gate_exps: str,
-                      down_exps: str, n_expert_used: int, norm_w: bool, act: str = "silu") -> torch.Tensor:
+    def build_moe_ffn(
+        self,
+        x: torch.Tensor,
+        *,
+        gate_inp: str,
+        up_exps: str,
+        gate_exps: str,
+        down_exps: str,
+        n_expert_used: int,
+        norm_w: bool,
+        act: str = "silu",
+    ) -> torch.Tensor:
         """Top-k mixture of experts (llama.cpp ``build_moe_ffn``, softmax gating).
 
         x ``(n, d)`` → ``(n, d)``: probs = softmax(gate_inp x), top-k experts, weights
@@ -396,8 +432,9 @@ def _act(x: torch.Tensor, act: str) -> torch.Tensor:
     raise ValueError(f"unknown activation '{act}'")
 
 
-def rope_cos_sin(pos: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    pos: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """f32 ``(n, 1, n_rot/2)`` cos and sin of theta_i = pos · freq_scale · base^(-2i/n_rot)
     (``ggml_rope_ext`` without YaRN), computed in f64 for accuracy at large positions."""
     half = n_rot // 2

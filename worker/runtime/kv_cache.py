@@ -55,8 +55,18 @@ class KVCache:
         n_seq_hint: sequences to make room for at once (the slot count).
     """
 
-    def __init__(self, *, n_layer: int, n_head_kv: int, n_embd_head_k: int, n_embd_head_v: int,
-                 n_ctx_seq: int, dtype: torch.dtype, device: torch.device, n_seq_hint: int = 1):
+    def __init__(
+        self,
+        *,
+        n_layer: int,
+        n_head_kv: int,
+        n_embd_head_k: int,
+        n_embd_head_v: int,
+        n_ctx_seq: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        n_seq_hint: int = 1,
+    ):
         self.n_layer = n_layer
         self.n_head_kv = n_head_kv
         self.n_embd_head_k = n_embd_head_k
@@ -64,8 +74,8 @@ class KVCache:
         self.n_ctx_seq = n_ctx_seq
         self.dtype = dtype
         self.device = device
-        self._len: dict[int, int] = {}       # seq id → positions held
-        self.row_of: dict[int, int] = {}     # seq id → row of the layer tensors
+        self._len: dict[int, int] = {}  # seq id → positions held
+        self.row_of: dict[int, int] = {}  # seq id → row of the layer tensors
         self._free_rows: list[int] = []
         self._n_seq_hint = max(1, n_seq_hint)
         self.k: list[torch.Tensor] = []
@@ -76,10 +86,14 @@ class KVCache:
     def _alloc(self, n_rows: int, cap: int) -> None:
         """(Re)allocate every layer to ``(n_rows, cap, ...)``, keeping what is stored."""
         old_k, old_v = self.k, self.v
-        self.k = [torch.zeros((n_rows, cap, self.n_head_kv, self.n_embd_head_k), dtype=self.dtype, device=self.device)
-                  for _ in range(self.n_layer)]
-        self.v = [torch.zeros((n_rows, cap, self.n_head_kv, self.n_embd_head_v), dtype=self.dtype, device=self.device)
-                  for _ in range(self.n_layer)]
+        self.k = [
+            torch.zeros((n_rows, cap, self.n_head_kv, self.n_embd_head_k), dtype=self.dtype, device=self.device)
+            for _ in range(self.n_layer)
+        ]
+        self.v = [
+            torch.zeros((n_rows, cap, self.n_head_kv, self.n_embd_head_v), dtype=self.dtype, device=self.device)
+            for _ in range(self.n_layer)
+        ]
         if old_k:
             r, c = min(n_rows, old_k[0].shape[0]), min(cap, old_k[0].shape[1])
             for il in range(self.n_layer):
@@ -140,13 +154,15 @@ class KVCache:
             self._alloc(self.k[0].shape[0], min(self.n_ctx_seq, max(pos0 + n, 2 * self.cap)))
 
     @torch.inference_mode()
-    def store(self, il: int, seq_id: int, pos0: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def store(
+        self, il: int, seq_id: int, pos0: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write K/V rows ``(t, n_head_kv, d)`` at ``pos0`` of layer ``il``; return the
         sequence's K and V views ``(pos0 + t, n_head_kv, d)``."""
         row = self.row_of[seq_id]
         t = k.shape[0]
-        self.k[il][row, pos0: pos0 + t] = k.to(self.dtype)
-        self.v[il][row, pos0: pos0 + t] = v.to(self.dtype)
+        self.k[il][row, pos0 : pos0 + t] = k.to(self.dtype)
+        self.v[il][row, pos0 : pos0 + t] = v.to(self.dtype)
         return self.k[il][row, : pos0 + t], self.v[il][row, : pos0 + t]
 
     @torch.inference_mode()
@@ -156,8 +172,9 @@ class KVCache:
         self.k[il][rows, pos] = k.to(self.dtype)
         self.v[il][rows, pos] = v.to(self.dtype)
 
-    def rows_view(self, il: int, rows: torch.Tensor, lo: int, hi: int, contiguous_from: int | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows_view(
+        self, il: int, rows: torch.Tensor, lo: int, hi: int, contiguous_from: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of cache rows ``rows`` at positions ``lo..hi-1``: ``(B, hi-lo, n_head_kv, d)``.
 
         ``contiguous_from`` = r when ``rows`` is ``r..r+B-1`` (then the result is a view, no
@@ -165,8 +182,10 @@ class KVCache:
         """
         if contiguous_from is not None:
             b = rows.shape[0]
-            return (self.k[il][contiguous_from: contiguous_from + b, lo:hi],
-                    self.v[il][contiguous_from: contiguous_from + b, lo:hi])
+            return (
+                self.k[il][contiguous_from : contiguous_from + b, lo:hi],
+                self.v[il][contiguous_from : contiguous_from + b, lo:hi],
+            )
         return self.k[il][rows, lo:hi], self.v[il][rows, lo:hi]
 
     def commit(self, seq_id: int, n_total: int) -> None:

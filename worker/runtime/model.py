@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from worker.runtime import arch as arch_registry
 from worker.gguf.reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
+from worker.runtime import arch as arch_registry
 from worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
 from worker.runtime.tokenizer import Tokenizer
 
@@ -119,13 +119,14 @@ class BaseModel:
         """Bytes the worker holds for base weights (packed values + scales, or float tensors)."""
         total = 0
         for w in self.weights.values():
-            for part in (w if isinstance(w, list) else [w]):
+            for part in w if isinstance(w, list) else [w]:
                 total += part.nbytes if isinstance(part, QuantLinear) else part.numel() * part.element_size()
         return total
 
 
-def load_model(path: str | os.PathLike[str] | None = None, *, dtype: str = "f32",
-               device: str = "auto", weights: str = "packed") -> BaseModel:
+def load_model(
+    path: str | os.PathLike[str] | None = None, *, dtype: str = "f32", device: str = "auto", weights: str = "packed"
+) -> BaseModel:
     """Load a base GGUF: hparams, tokenizer, and weights on ``device``.
 
     Args:
@@ -183,8 +184,9 @@ FUSE_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 storage form matches (``blk.{il}.{name}.weight``)."""
 
 
-def _fuse_key(w: QuantLinear) -> tuple | None:
-    if w.qw is None:
+def _fuse_key(w: Weight | None) -> tuple | None:
+    """What must match for packed weights to share one kernel call (None: not fusable)."""
+    if not isinstance(w, QuantLinear) or w.qw is None or w.scale is None or w.d % 16:
         return None
     return (w.ggml_type, w.k, w.bs, w.signed, w.offset, w.bias is None, w.qw.shape[1:], w.scale.shape[1:])
 
@@ -206,37 +208,59 @@ def fuse_projections(weights: dict[str, Weight], n_layer: int) -> dict[tuple[str
     for il in range(n_layer):
         for group in FUSE_GROUPS:
             names = [f"blk.{il}.{g}.weight" for g in group]
-            ws = [weights.get(n) for n in names]
+            found = [weights.get(n) for n in names]
+            keys = [_fuse_key(w) for w in found]
             i = 0
             while i < len(names):  # maximal runs of consecutive members with the same form
-                w0 = ws[i]
-                key = _fuse_key(w0) if isinstance(w0, QuantLinear) and w0.d % 16 == 0 else None
                 j = i + 1
-                while key is not None and j < len(names) and isinstance(ws[j], QuantLinear) \
-                        and ws[j].d % 16 == 0 and _fuse_key(ws[j]) == key:
+                while keys[i] is not None and j < len(names) and keys[j] == keys[i]:
                     j += 1
                 if j - i >= 2:
-                    out[tuple(names[i:j])] = _fuse(ws[i:j])
+                    run = [w for w in found[i:j] if isinstance(w, QuantLinear)]
+                    out[tuple(names[i:j])] = _fuse(run)
                 i = j
     return out
 
 
 def _fuse(ws: list[QuantLinear]) -> QuantLinear:
-    qw = torch.cat([w.qw for w in ws])
-    scale = torch.cat([w.scale for w in ws])
-    bias = None if ws[0].bias is None else torch.cat([w.bias for w in ws])
-    fused = QuantLinear("+".join(w.name for w in ws), ws[0].ggml_type, ws[0].k, sum(w.d for w in ws),
-                        ws[0].device, qw=qw, scale=scale, bias=bias, bs=ws[0].bs, signed=ws[0].signed,
-                        offset=ws[0].offset)
+    qws = [w.qw for w in ws if w.qw is not None]
+    scales = [w.scale for w in ws if w.scale is not None]
+    biases = [w.bias for w in ws if w.bias is not None]
+    assert len(qws) == len(scales) == len(ws) and len(biases) in (0, len(ws))  # _fuse_key checked
+    qw = torch.cat(qws)
+    scale = torch.cat(scales)
+    bias = torch.cat(biases) if biases else None
+    fused = QuantLinear(
+        "+".join(w.name for w in ws),
+        ws[0].ggml_type,
+        ws[0].k,
+        sum(w.d for w in ws),
+        ws[0].device,
+        qw=qw,
+        scale=scale,
+        bias=bias,
+        bs=ws[0].bs,
+        signed=ws[0].signed,
+        offset=ws[0].offset,
+    )
     g = 0
-    for w in ws:  # members become views: the bytes are held once
-        n = w.qw.shape[0]
-        w.qw, w.scale = qw[g: g + n], scale[g: g + n]
+    for w, member_qw in zip(ws, qws, strict=True):  # members become views: the bytes are held once
+        n = member_qw.shape[0]
+        w.qw, w.scale = qw[g : g + n], scale[g : g + n]
         if bias is not None:
-            w.bias = bias[g: g + n]
+            w.bias = bias[g : g + n]
         g += n
     return fused
 
 
-__all__ = ["BaseModel", "ModelError", "GGUFError", "WEIGHT_FORMS", "Weight", "load_model", "pick_device",
-           "default_model_path", "fuse_projections"]
+__all__ = [
+    "BaseModel",
+    "ModelError",
+    "GGUFError",
+    "WEIGHT_FORMS",
+    "Weight",
+    "load_model",
+    "pick_device",
+    "default_model_path",
+    "fuse_projections",
+]

@@ -47,7 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Raises SamplingError naming the first bad field."""
         if self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -89,8 +89,9 @@ class Sampler:
         """Whether this sampler takes the argmax (``temperature == 0``)."""
         return self.params.temperature == 0.0
 
-    def sample(self, logits: torch.Tensor, *, logp: torch.Tensor | None = None,
-               argmax: int | None = None) -> SampledToken:
+    def sample(
+        self, logits: torch.Tensor, *, logp: torch.Tensor | None = None, argmax: int | None = None
+    ) -> SampledToken:
         """Pick a token from f32 logits ``(n_vocab,)``.
 
         ``logp`` (this row's ``log_softmax``) and ``argmax`` may be passed when the caller
@@ -118,7 +119,7 @@ class Sampler:
         top: tuple[tuple[int, float], ...] = ()
         if p.logprobs > 0:
             v, i = torch.topk(logp, p.logprobs)
-            top = tuple((int(a), float(b)) for a, b in zip(i.tolist(), v.tolist()))
+            top = tuple((int(a), float(b)) for a, b in zip(i.tolist(), v.tolist(), strict=False))
         return SampledToken(tok, float(logp[tok]), top)
 
 

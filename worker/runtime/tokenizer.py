@@ -47,7 +47,6 @@ from typing import Any
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2  # generated protobuf module
 
-
 from worker.gguf.reader import GGUFFile
 
 _SPACE = " "
@@ -103,27 +102,80 @@ _HIDDEN_ATTRS = TokenAttr.CONTROL | TokenAttr.UNKNOWN  # empty in detokenize unl
 # these, a token with one of the texts becomes it and is forced to CONTROL (so parse_special cuts
 # it out). llama.cpp walks an unordered_map; we take the lowest id when several texts exist.
 _AUTODETECT_TEXTS: dict[str, tuple[str, ...]] = {
-    "eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-            "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
-            "<end_of_utterance>"),
+    "eot": (
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "<｜end▁of▁sentence｜>",
+        "<end_of_utterance>",
+    ),
     "eom": ("<|eom_id|>",),
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
-                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
-                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-                "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "fim_suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "fim_mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
 }
 # llama.cpp load(): every token with one of these texts ends generation (and is forced CONTROL).
-_EOG_TEXTS = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
-))
+_EOG_TEXTS = frozenset(
+    (
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    )
+)
 # Left out on purpose: "</s>" (added upstream for PaddleOCR, whose EOS it is). Gemma 3 has "</s>"
 # as an ordinary HTML tag (id 212, USER_DEFINED); as EOG it would end generation inside HTML and
 # stop being cut out with parse_special=false. Upstream later patched it out for Gemma 4 only
@@ -155,7 +207,7 @@ def _build_spm(pieces: Sequence[str], scores: Sequence[float], sentinel: str) ->
     proto = spm_pb2.ModelProto()  # type: ignore[attr-defined]
     normal = spm_pb2.ModelProto.SentencePiece.NORMAL  # type: ignore[attr-defined]
     add = proto.pieces.add
-    for text, score in zip(pieces, scores):
+    for text, score in zip(pieces, scores, strict=False):
         p = add()
         p.piece = text
         p.score = score
@@ -295,9 +347,7 @@ class Tokenizer:
         # cache_special_tokens: sorted by byte length, longest first. llama.cpp's std::sort is not
         # stable; equal-length special tokens only compete when they overlap in the text, which
         # no vocabulary we serve has. We break ties by id.
-        specials = [
-            _Special(pieces[i], i, attrs[i]) for i in range(self.n_vocab) if attrs[i] & _SPECIAL_ATTRS
-        ]
+        specials = [_Special(pieces[i], i, attrs[i]) for i in range(self.n_vocab) if attrs[i] & _SPECIAL_ATTRS]
         specials.sort(key=lambda s: (-len(s.text.encode("utf-8")), s.token_id))
         self._specials = specials
         sentinel = " <loraplane-unknown>"
@@ -307,7 +357,7 @@ class Tokenizer:
         self._spm = _build_spm(pieces, scores, sentinel)
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile) -> "Tokenizer":
+    def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
         """Build the tokenizer from ``gguf.metadata['tokenizer.ggml.*']`` (llama.cpp vocab load).
 
         Raises:
@@ -339,9 +389,17 @@ class Tokenizer:
         special_ids, eog = _apply_text_rules(md, pieces, attrs)
         eog.update(i for i in (eos_id, special_ids["eot"], special_ids["eom"]) if i is not None)
         return cls(
-            source=src, pieces=pieces, scores=scores, attrs=attrs,
-            bos_id=bos_id, eos_id=eos_id, eot_id=special_ids["eot"], eom_id=special_ids["eom"],
-            add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix,
+            source=src,
+            pieces=pieces,
+            scores=scores,
+            attrs=attrs,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            eot_id=special_ids["eot"],
+            eom_id=special_ids["eom"],
+            add_bos=add_bos,
+            add_eos=add_eos,
+            add_space_prefix=add_space_prefix,
             eog_ids=frozenset(eog),
         )
 

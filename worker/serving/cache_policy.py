@@ -55,7 +55,7 @@ class CachePolicy(Protocol):
 
 def _lcp(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -79,8 +79,9 @@ class LlamaCachePolicy:
         cur = slot.last_set
         if slot.cache_tokens and cur is not None and lora_should_clear_cache(cur, req.adapter_set):
             req.telemetry.cache_cleared = True
-            req.telemetry.cache_clear_reason = (f"adapter set changed ({cur.fingerprint} -> "
-                                                f"{req.adapter_set.fingerprint}): lora_should_clear_cache")
+            req.telemetry.cache_clear_reason = (
+                f"adapter set changed ({cur.fingerprint} -> {req.adapter_set.fingerprint}): lora_should_clear_cache"
+            )
             slot.drop_cache()
         n = 0 if req.params.prompt_logprobs else slot.cached_prefix_for(req)
         kv.seq_rm(slot.id, n)  # n == 0 drops the whole sequence

@@ -27,23 +27,29 @@ import tempfile
 import threading
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
-from worker.lora.adapter import AdapterError, LoraAdapter, load_lora_adapter
 from worker.config import WorkerConfig
-from worker.runtime.context import Model
+from worker.errors import (
+    AdapterConflictError,
+    AdapterFetchError,
+    AdapterNotFoundError,
+    DrainTimeoutError,
+    InvalidRequestError,
+    WorkerError,
+)
+from worker.lora.adapter import AdapterError, LoraAdapter, load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.runtime.context import Model
 from worker.runtime.model import BaseModel, load_model
 from worker.runtime.sampling import SamplingParams
-from worker.serving.scheduler import Scheduler, SchedulerStats
-from worker.errors import (AdapterConflictError, AdapterFetchError, AdapterNotFoundError, DrainTimeoutError,
-                           InvalidRequestError, WorkerError)
 from worker.serving.metrics import WorkerMetrics
 from worker.serving.request import Event, GenRequest
+from worker.serving.scheduler import Scheduler, SchedulerStats
 
 log = structlog.get_logger("loraplane.worker")
 
@@ -120,8 +126,9 @@ def max_piece_bytes(tokenizer) -> int:
     3-byte ``▁``, byte-fallback pieces ``<0xNN>`` cover one byte, ``<unk>`` one character).
     Gemma 3's vocab: 48 bytes.
     """
-    return max(1, max(len(tokenizer.token_to_piece(i).encode("utf-8", "surrogatepass"))
-                      for i in range(tokenizer.n_vocab)))
+    return max(
+        1, max(len(tokenizer.token_to_piece(i).encode("utf-8", "surrogatepass")) for i in range(tokenizer.n_vocab))
+    )
 
 
 def prompt_byte_limit(n_ctx_slot: int, piece_bytes: int) -> int:
@@ -150,12 +157,15 @@ def fetch_to_file(fetcher: Fetcher, adapter_id: int, sha256: str, target: Path) 
                 n += len(piece)
     except FetchError as exc:
         tmp.unlink(missing_ok=True)
-        raise AdapterFetchError(f"adapter {adapter_id}: fetching sha256 {sha256} from the control plane "
-                                f"failed: {exc}", not_found=exc.not_found) from exc
+        raise AdapterFetchError(
+            f"adapter {adapter_id}: fetching sha256 {sha256} from the control plane failed: {exc}",
+            not_found=exc.not_found,
+        ) from exc
     if h.hexdigest() != sha256:
         tmp.unlink(missing_ok=True)
-        raise AdapterFetchError(f"adapter {adapter_id}: fetched bytes hash to {h.hexdigest()}, "
-                                f"expected sha256 {sha256} (hash mismatch)")
+        raise AdapterFetchError(
+            f"adapter {adapter_id}: fetched bytes hash to {h.hexdigest()}, expected sha256 {sha256} (hash mismatch)"
+        )
     os.replace(tmp, target)
     return n
 
@@ -175,7 +185,7 @@ class WorkerEngine:
         self._lock = threading.Lock()
         self._draining: set[int] = set()
         self._known: dict[int, KnownAdapter] = {}
-        self._host_lru: dict[int, None] = {}   # host tier order, least recently used first
+        self._host_lru: dict[int, None] = {}  # host tier order, least recently used first
         self._inflight_loads: dict[str, concurrent.futures.Future[LoraAdapter]] = {}
         self.counters = PagingCounters()
         self.fetcher: Fetcher | None = None
@@ -198,8 +208,17 @@ class WorkerEngine:
         shutil.rmtree(self._cache_dir, ignore_errors=True)
 
     # --- adapters -------------------------------------------------------------------------
-    def load_adapter(self, adapter_id: int, *, sha256: str = "", path: str = "", data: bytes = b"",
-                     name: str = "", fetch_on_demand: bool = False, pinned: bool | None = None) -> LoraAdapter | KnownAdapter:
+    def load_adapter(
+        self,
+        adapter_id: int,
+        *,
+        sha256: str = "",
+        path: str = "",
+        data: bytes = b"",
+        name: str = "",
+        fetch_on_demand: bool = False,
+        pinned: bool | None = None,
+    ) -> LoraAdapter | KnownAdapter:
         """Register an adapter under the id the control plane assigned.
 
         With ``data`` or ``path`` it is validated and loaded into host memory now (its rank
@@ -248,7 +267,9 @@ class WorkerEngine:
                 return held
         adapter = self._read(adapter_id, path)
         if sha256 and adapter.sha256 != sha256:
-            raise InvalidRequestError(f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {adapter.sha256})")
+            raise InvalidRequestError(
+                f"adapter {adapter_id}: sha256 mismatch (expected {sha256}, got {adapter.sha256})"
+            )
         with self._lock:
             known = self._known.get(adapter_id)
             if known is None or known.sha256 != adapter.sha256:
@@ -269,15 +290,21 @@ class WorkerEngine:
             InvalidRequestError: the file fails validation or a rank exceeds --max-lora-rank.
         """
         try:
-            adapter = load_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne,
-                                        device_for=self.base.device_of, dtype=self.base.dtype)
+            adapter = load_lora_adapter(
+                path,
+                base_arch=self.base.arch,
+                base_tensors=self.base.tensor_ne,
+                device_for=self.base.device_of,
+                dtype=self.base.dtype,
+            )
         except AdapterError as exc:
             raise InvalidRequestError(str(exc)) from exc
         too_big = max(adapter.ranks, default=0)
         if too_big > self.config.max_lora_rank:
             raise InvalidRequestError(
                 f"adapter {adapter_id} ('{adapter.name}') has rank {too_big}, above this worker's "
-                f"--max-lora-rank {self.config.max_lora_rank}")
+                f"--max-lora-rank {self.config.max_lora_rank}"
+            )
         self.counters.host_loads += 1
         return adapter
 
@@ -311,8 +338,12 @@ class WorkerEngine:
             if a is None:
                 self._host_lru.pop(aid, None)
                 continue
-            if (a.sha256 in resident or (known is not None and known.pinned)
-                    or self.scheduler.adapter_in_flight(aid) or aid in self._draining):
+            if (
+                a.sha256 in resident
+                or (known is not None and known.pinned)
+                or self.scheduler.adapter_in_flight(aid)
+                or aid in self._draining
+            ):
                 continue
             del by_id[aid]
             self._host_lru.pop(aid, None)
@@ -341,7 +372,8 @@ class WorkerEngine:
             if known is None or adapter_id in self._draining:
                 raise AdapterNotFoundError(
                     f"adapter {adapter_id} is not loaded on worker {self.worker_id} "
-                    f"(loaded: {sorted(i for i in self._known if i not in self._draining)})")
+                    f"(loaded: {sorted(i for i in self._known if i not in self._draining)})"
+                )
             fut = self._inflight_loads.get(known.sha256)
             owner = fut is None
             if owner:
@@ -360,8 +392,9 @@ class WorkerEngine:
                 path = str(cached)
             adapter = self._read(adapter_id, path)
             if adapter.sha256 != known.sha256:
-                raise AdapterFetchError(f"adapter {adapter_id}: file '{path}' hashes to {adapter.sha256}, "
-                                        f"registered as {known.sha256}")
+                raise AdapterFetchError(
+                    f"adapter {adapter_id}: file '{path}' hashes to {adapter.sha256}, registered as {known.sha256}"
+                )
             with self._lock:
                 if adapter_id in self._known:
                     self._put_host(adapter_id, adapter)
@@ -381,8 +414,10 @@ class WorkerEngine:
             AdapterFetchError: no fetcher, the control plane failed, or a hash mismatch.
         """
         if self.fetcher is None:
-            raise AdapterFetchError(f"adapter {adapter_id}: worker {self.worker_id} has no bytes for it and no "
-                                    "control plane to fetch them from")
+            raise AdapterFetchError(
+                f"adapter {adapter_id}: worker {self.worker_id} has no bytes for it and no "
+                "control plane to fetch them from"
+            )
         try:
             n = fetch_to_file(self.fetcher, adapter_id, sha256, target)
         except AdapterFetchError:
@@ -402,8 +437,9 @@ class WorkerEngine:
         """
         with self._lock:
             if adapter_id not in self._known:
-                raise AdapterNotFoundError(f"adapter {adapter_id} is not loaded on worker {self.worker_id} "
-                                               f"(loaded: {sorted(self._known)})")
+                raise AdapterNotFoundError(
+                    f"adapter {adapter_id} is not loaded on worker {self.worker_id} (loaded: {sorted(self._known)})"
+                )
             self._draining.add(adapter_id)
         done = self.scheduler.run_when_idle_of(adapter_id, lambda: self._detach_and_free(adapter_id))
         try:
@@ -475,9 +511,16 @@ class WorkerEngine:
             sources[aid] = (source, (time.monotonic() - t0) * 1000)
         return AdapterSet.of(seen), sources
 
-    def submit(self, *, request_id: str, prompt_tokens: list[int] | None, prompt_text: str | None,
-               params: SamplingParams, entries: list[tuple[int, float]],
-               emit: Callable[[Event], None]) -> GenRequest:
+    def submit(
+        self,
+        *,
+        request_id: str,
+        prompt_tokens: list[int] | None,
+        prompt_text: str | None,
+        params: SamplingParams,
+        entries: list[tuple[int, float]],
+        emit: Callable[[Event], None],
+    ) -> GenRequest:
         """Tokenize (text prompts: BOS per the model, special tokens parsed), resolve the
         adapter set (fetching what this worker lacks) and admit the request.
 
@@ -492,8 +535,14 @@ class WorkerEngine:
             self.metrics.on_rejected(tuple(sorted(i for i, s in entries if s != 0.0)))
             raise
 
-    def _admit(self, request_id: str, prompt_tokens: list[int], params: SamplingParams,
-               entries: list[tuple[int, float]], emit: Callable[[Event], None]) -> GenRequest:
+    def _admit(
+        self,
+        request_id: str,
+        prompt_tokens: list[int],
+        params: SamplingParams,
+        entries: list[tuple[int, float]],
+        emit: Callable[[Event], None],
+    ) -> GenRequest:
         adapter_set, sources = self.resolve_set(entries)
         with self._lock:
             # Re-check under the lock: an unload may have started, or the host tier may have
@@ -505,8 +554,14 @@ class WorkerEngine:
                 if self.model.adapters.by_id.get(aid) is not a:
                     self.model.adapters.add(aid, a)
                     self._host_lru[aid] = None
-            req = self.scheduler.submit(request_id=request_id, prompt=prompt_tokens, params=params,
-                                        adapter_set=adapter_set, emit=emit, host_sources=sources)
+            req = self.scheduler.submit(
+                request_id=request_id,
+                prompt=prompt_tokens,
+                params=params,
+                adapter_set=adapter_set,
+                emit=emit,
+                host_sources=sources,
+            )
             self._evict_host()
         return req
 
@@ -526,32 +581,49 @@ class WorkerEngine:
             raise InvalidRequestError(
                 f"prompt text has {n_bytes} bytes (or more); a slot holds n_ctx={self.config.n_ctx_slot} tokens "
                 f"and one token covers at most {self.max_piece_bytes} bytes, so at most "
-                f"{self.max_prompt_bytes} bytes can fit (refused before tokenizing)")
+                f"{self.max_prompt_bytes} bytes can fit (refused before tokenizing)"
+            )
         with self._tokenize_lock:
             return self.base.tokenizer.encode(text, add_special=True, parse_special=True)
 
     def stats(self) -> WorkerStatsRecord:
         """Scheduler counters plus the worker's identity, model, adapter footprint and paging."""
         ads = self.adapters()
-        adapter_bytes = sum(p.lora_a.numel() * p.lora_a.element_size() + p.lora_b.numel() * p.lora_b.element_size()
-                            for a in ads.values() for p in a.pairs.values())
+        adapter_bytes = sum(
+            p.lora_a.numel() * p.lora_a.element_size() + p.lora_b.numel() * p.lora_b.element_size()
+            for a in ads.values()
+            for p in a.pairs.values()
+        )
         pool = self.ctx.pool
         known = self.known()
         resident_sha = pool.resident_shas()
         return WorkerStatsRecord(
-            worker_id=self.worker_id, batching=self.config.batching.value,
-            prefix_cache=self.config.prefix_cache.value, model=str(self.base.path),
-            device=str(self.base.device), dtype=self.config.dtype, adapter_ids=sorted(known),
-            node_budget=self.ctx.node_budget, adapter_bytes=adapter_bytes,
-            max_loras=pool.max_loras, max_cpu_loras=self.config.max_cpu_loras,
-            resident_adapters=len(resident_sha), host_adapters=len(ads), known_adapters=len(known),
-            page_ins=pool.stats.page_ins, evictions=pool.stats.evictions, page_in_bytes=pool.stats.page_in_bytes,
-            host_evictions=self.counters.host_evictions, fetches=self.counters.fetches,
-            fetch_bytes=self.counters.fetch_bytes, fetch_failures=self.counters.fetch_failures,
+            worker_id=self.worker_id,
+            batching=self.config.batching.value,
+            prefix_cache=self.config.prefix_cache.value,
+            model=str(self.base.path),
+            device=str(self.base.device),
+            dtype=self.config.dtype,
+            adapter_ids=sorted(known),
+            node_budget=self.ctx.node_budget,
+            adapter_bytes=adapter_bytes,
+            max_loras=pool.max_loras,
+            max_cpu_loras=self.config.max_cpu_loras,
+            resident_adapters=len(resident_sha),
+            host_adapters=len(ads),
+            known_adapters=len(known),
+            page_ins=pool.stats.page_ins,
+            evictions=pool.stats.evictions,
+            page_in_bytes=pool.stats.page_in_bytes,
+            host_evictions=self.counters.host_evictions,
+            fetches=self.counters.fetches,
+            fetch_bytes=self.counters.fetch_bytes,
+            fetch_failures=self.counters.fetch_failures,
             pool_bytes=pool.buffer_bytes(),
             resident_adapter_ids=sorted(i for i, k in known.items() if k.sha256 in resident_sha),
             host_adapter_ids=sorted(ads),
-            scheduler=self.scheduler.stats())
+            scheduler=self.scheduler.stats(),
+        )
 
     def residency(self) -> tuple[list[int], list[int]]:
         """(ids resident in slots, ids with host tensors) — what heartbeats report."""

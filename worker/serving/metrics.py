@@ -39,23 +39,31 @@ class WorkerMetrics:
     """The worker's metric objects in their own registry (one per engine: tests run several
     engines in one process)."""
 
-    def __init__(self, stats: Callable[[], Any], *, adapter_label_cap: int,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, stats: Callable[[], Any], *, adapter_label_cap: int, registry: CollectorRegistry | None = None
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.labels = BoundedLabels(adapter_label_cap)
         r = self.registry
-        self.requests = Counter(PREFIX + "requests", "Requests by outcome and adapter.",
-                                ["outcome", "adapter"], registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.",
-                                     ["adapter"], registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.",
-                                         ["adapter"], registry=r)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Admission to first token.",
-                              buckets=LATENCY_BUCKETS_S, registry=r)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens.",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Admission to last token.",
-                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.requests = Counter(
+            PREFIX + "requests", "Requests by outcome and adapter.", ["outcome", "adapter"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", ["adapter"], registry=r
+        )
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", ["adapter"], registry=r)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Admission to first token.", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive tokens.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Admission to last token.", buckets=LATENCY_BUCKETS_S, registry=r
+        )
         self.adapter_loads = Counter(PREFIX + "adapter_loads", "Adapters loaded.", registry=r)
         self.adapter_evictions = Counter(PREFIX + "adapter_evictions", "Adapters freed.", registry=r)
         r.register(_StatsCollector(stats))
@@ -98,18 +106,21 @@ class _StatsCollector:
     def collect(self):
         record = self._stats()
         s = record.scheduler
-        gauges = {"slots": ("Parallel sequences.", s.n_slots),
-                  "slots_busy": ("Slots holding a request.", s.slots_busy),
-                  "requests_running": ("Requests in a slot (prefill or decode).", s.slots_busy),
-                  "requests_waiting": ("Requests queued for a slot.", s.queue_depth),
-                  "queue_limit": ("Waiting requests allowed before RESOURCE_EXHAUSTED.", s.queue_limit),
-                  "adapters_loaded": ("Adapters registered on this worker.", len(record.adapter_ids))}
+        gauges = {
+            "slots": ("Parallel sequences.", s.n_slots),
+            "slots_busy": ("Slots holding a request.", s.slots_busy),
+            "requests_running": ("Requests in a slot (prefill or decode).", s.slots_busy),
+            "requests_waiting": ("Requests queued for a slot.", s.queue_depth),
+            "queue_limit": ("Waiting requests allowed before RESOURCE_EXHAUSTED.", s.queue_limit),
+            "adapters_loaded": ("Adapters registered on this worker.", len(record.adapter_ids)),
+        }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        counters = {"graph_reuses": ("Decode steps whose cached LoRA plan was reused.", s.graph_reuses),
-                    "graph_rebuilds": ("Decode steps that rebuilt the LoRA plan.", s.graph_rebuilds),
-                    "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.",
-                                                s.prefix_cache_hit_tokens),
-                    "prompt_tokens_computed": ("Prompt rows computed (cache misses).", s.prompt_tokens_computed)}
+        counters = {
+            "graph_reuses": ("Decode steps whose cached LoRA plan was reused.", s.graph_reuses),
+            "graph_rebuilds": ("Decode steps that rebuilt the LoRA plan.", s.graph_rebuilds),
+            "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.", s.prefix_cache_hit_tokens),
+            "prompt_tokens_computed": ("Prompt rows computed (cache misses).", s.prompt_tokens_computed),
+        }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

@@ -67,15 +67,15 @@ class StopMatcher:
         found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if found:
             self._held = ""
-            return buf[:min(found)], True
+            return buf[: min(found)], True
         keep = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), keep, -1):
                 if buf.endswith(s[:k]):
                     keep = k
                     break
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], False
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
 
     def flush(self) -> str:
         """The held-back tail (generation ended without a stop string)."""
@@ -98,11 +98,19 @@ def prompt_token_logprobs(logits: torch.Tensor, next_tokens: Sequence[int]) -> l
     lp = torch.log_softmax(logits.float(), dim=-1)
     idx = torch.tensor(list(next_tokens), dtype=torch.long, device=lp.device)
     vals = lp.gather(1, idx.unsqueeze(1)).squeeze(1).tolist()
-    return [(int(t), float(v)) for t, v in zip(next_tokens, vals)]
+    return [(int(t), float(v)) for t, v in zip(next_tokens, vals, strict=False)]
 
 
-def finish_reason(token_id: int, *, eog_ids: frozenset[int], ignore_eos: bool, n_generated: int,
-                  max_tokens: int, n_past: int, n_ctx: int) -> str | None:
+def finish_reason(
+    token_id: int,
+    *,
+    eog_ids: frozenset[int],
+    ignore_eos: bool,
+    n_generated: int,
+    max_tokens: int,
+    n_past: int,
+    n_ctx: int,
+) -> str | None:
     """Why generation stops after ``token_id``, or None to continue.
 
     "stop": an end-of-generation token (unless ``ignore_eos``); "length": ``max_tokens``

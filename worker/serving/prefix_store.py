@@ -52,7 +52,7 @@ class PrefixCache:
         best_n, best = 0, None
         with self._lock:
             self.lookups += 1
-            for key, e in self._entries.items():
+            for _key, e in self._entries.items():
                 if e.fingerprint != fingerprint:
                     continue
                 n = 0
@@ -73,9 +73,11 @@ class PrefixCache:
             return
         key = (fingerprint, tuple(tokens))
         with self._lock:
-            for k in [k for k, e in self._entries.items()
-                      if e.fingerprint == fingerprint and len(e.tokens) <= len(tokens)
-                      and e.tokens == key[1][: len(e.tokens)]]:
+            for k in [
+                k
+                for k, e in self._entries.items()
+                if e.fingerprint == fingerprint and len(e.tokens) <= len(tokens) and e.tokens == key[1][: len(e.tokens)]
+            ]:
                 self._tokens -= len(self._entries.pop(k).tokens)
             self._entries[key] = PrefixEntry(fingerprint, key[1], kv)
             self._tokens += len(tokens)

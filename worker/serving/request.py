@@ -187,5 +187,14 @@ class GenRequest:
         return self.activation.adapter_set.ids
 
 
-__all__ = ["AdapterResidency", "Event", "ErrorEvent", "FinishedEvent", "GenRequest", "RequestTelemetry", "StartedEvent",
-           "StepInfo", "TokenEvent"]
+__all__ = [
+    "AdapterResidency",
+    "Event",
+    "ErrorEvent",
+    "FinishedEvent",
+    "GenRequest",
+    "RequestTelemetry",
+    "StartedEvent",
+    "StepInfo",
+    "TokenEvent",
+]

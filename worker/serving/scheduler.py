@@ -1,7 +1,8 @@
 """Continuous-batching scheduler loop (llama-server ``server_context::update_slots``).
 
 One thread runs the loop: drop cancelled requests, run deferred adapter frees, attach queued
-requests to free slots (the cache policy picks the slot and decides what KV survives), assemble a ubatch (``worker.serving.ubatch``), set the context's adapter
+requests to free slots (the cache policy picks the slot and decides what KV survives),
+assemble a ubatch (``worker.serving.ubatch``), set the context's adapter
 sets once, decode, then hand each slot's logits to output handling (sampling, incremental
 detokenization, stop conditions) and stream events.
 
@@ -44,15 +45,14 @@ from worker.runtime.sampling import SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
 from worker.serving.output import IncrementalDetokenizer, StopMatcher, finish_reason, prompt_token_logprobs
 from worker.serving.prefix_store import PrefixCache
-from worker.serving.request import (ErrorEvent, Event, FinishedEvent, GenRequest, StartedEvent, StepInfo,
-                                    TokenEvent)
+from worker.serving.request import ErrorEvent, Event, FinishedEvent, GenRequest, StartedEvent, StepInfo, TokenEvent
 from worker.serving.slots import Slot, SlotState
 from worker.serving.ubatch import N_BATCH, assemble_ubatch
 
 log = structlog.get_logger("loraplane.worker.serving.scheduler")
 
 ADMIT_LOOKAHEAD = 8  # queued requests considered for resident-first admission
-MAX_BYPASS = 4       # times the queue head may be passed over before strict FIFO
+MAX_BYPASS = 4  # times the queue head may be passed over before strict FIFO
 
 
 class RequestObserver(Protocol):
@@ -115,7 +115,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._step = 0
-        self._in_flight: dict[int, int] = {}   # adapter id → requests holding it
+        self._in_flight: dict[int, int] = {}  # adapter id → requests holding it
         self._pending: list[tuple[int | None, Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self.prompt_tokens_computed = 0
         self.tokens_generated = 0
@@ -134,9 +134,16 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
-    def submit(self, *, request_id: str, prompt: list[int], params: SamplingParams,
-               adapter_set: AdapterSet, emit: Callable[[Event], None],
-               host_sources: dict[int, tuple[str, float]] | None = None) -> GenRequest:
+    def submit(
+        self,
+        *,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        adapter_set: AdapterSet,
+        emit: Callable[[Event], None],
+        host_sources: dict[int, tuple[str, float]] | None = None,
+    ) -> GenRequest:
         """Admit a request: validate, apply the aLoRA rule, queue it.
 
         Raises:
@@ -152,7 +159,8 @@ class Scheduler:
             raise InvalidRequestError(f"prompt token id {bad[0]} out of range [0, {n_vocab})")
         if len(prompt) >= self.config.n_ctx_slot:
             raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; the slot context holds {self.config.n_ctx_slot}")
+                f"prompt has {len(prompt)} tokens; the slot context holds {self.config.n_ctx_slot}"
+            )
         try:
             params.validate()
         except ValueError as exc:
@@ -161,10 +169,17 @@ class Scheduler:
         if n_adapters > self.ctx.pool.max_loras:
             raise InvalidRequestError(
                 f"request uses {n_adapters} adapters but worker {self.worker_id} has {self.ctx.pool.max_loras} "
-                f"adapter slots (--max-loras {self.ctx.pool.max_loras})")
+                f"adapter slots (--max-loras {self.ctx.pool.max_loras})"
+            )
         activation = resolve_alora(adapter_set, prompt)
-        req = GenRequest(request_id or uuid.uuid4().hex, list(prompt), params, activation, emit,
-                         IncrementalDetokenizer(self.tokenizer))
+        req = GenRequest(
+            request_id or uuid.uuid4().hex,
+            list(prompt),
+            params,
+            activation,
+            emit,
+            IncrementalDetokenizer(self.tokenizer),
+        )
         if params.stop:
             req.stop = StopMatcher(params.stop)
         req.host_sources = dict(host_sources or {})
@@ -176,7 +191,8 @@ class Scheduler:
             if busy + len(self.queue) >= len(self.slots) + self.config.queue_limit:
                 raise QueueFullError(
                     f"worker {self.worker_id}: queue full ({busy}/{len(self.slots)} slots busy, {len(self.queue)} "
-                    f"queued; admits slots + --queue-limit {self.config.queue_limit})")
+                    f"queued; admits slots + --queue-limit {self.config.queue_limit})"
+                )
             req.held_ids = adapter_set.ids
             for aid in req.held_ids:
                 self._in_flight[aid] = self._in_flight.get(aid, 0) + 1
@@ -211,20 +227,23 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         with self._cv:
             return SchedulerStats(
-                n_slots=len(self.slots), slots_busy=sum(s.busy for s in self.slots),
-                queue_depth=len(self.queue), queue_limit=self.config.queue_limit,
-                graph_reuses=self.ctx.stats.graph_reuses, graph_rebuilds=self.ctx.stats.graph_rebuilds,
+                n_slots=len(self.slots),
+                slots_busy=sum(s.busy for s in self.slots),
+                queue_depth=len(self.queue),
+                queue_limit=self.config.queue_limit,
+                graph_reuses=self.ctx.stats.graph_reuses,
+                graph_rebuilds=self.ctx.stats.graph_rebuilds,
                 prefix_cache_entries=len(self.prefix_cache),
                 prefix_cache_hit_tokens=self.prefix_cache.hit_tokens,
                 prompt_tokens_computed=self.prompt_tokens_computed,
-                tokens_generated=self.tokens_generated)
+                tokens_generated=self.tokens_generated,
+            )
 
     # --- loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while (not self._stop and not self.queue and not self._pending
-                       and not any(s.busy for s in self.slots)):
+                while not self._stop and not self.queue and not self._pending and not any(s.busy for s in self.slots):
                     self._cv.wait()
                 if self._stop:
                     return
@@ -284,8 +303,9 @@ class Scheduler:
             except PoolExhaustedError:
                 continue
             req.pool_held = adapters
-            req.note_residency(was, slot_wait_ms=(t0 - req.admitted_at) * 1000,
-                               page_in_ms=(time.monotonic() - t0) * 1000)
+            req.note_residency(
+                was, slot_wait_ms=(t0 - req.admitted_at) * 1000, page_in_ms=(time.monotonic() - t0) * 1000
+            )
             if req is not head:
                 head.bypassed += 1
             return req
@@ -329,9 +349,15 @@ class Scheduler:
                 self._fail(s, DecodeFailedError(f"decode failed: {exc}"))
             return
         self._step += 1
-        step = StepInfo(batch_size=len(plan.parts), batch_tokens=len(plan.ubatch), n_adapter_sets=len(plan.sets),
-                        graph_reused=res.graph_reused, n_nodes=res.n_nodes, node_budget=self.ctx.node_budget,
-                        batching=self.config.batching.value)
+        step = StepInfo(
+            batch_size=len(plan.parts),
+            batch_tokens=len(plan.ubatch),
+            n_adapter_sets=len(plan.sets),
+            graph_reused=res.graph_reused,
+            n_nodes=res.n_nodes,
+            node_budget=self.ctx.node_budget,
+            batching=self.config.batching.value,
+        )
         row_of = {r: i for i, r in enumerate(res.out_rows)}
         first = 0
         parts = []
@@ -339,20 +365,30 @@ class Scheduler:
             parts.append((s, rows, [row_of.get(first + j, -1) for j in range(len(rows))]))
             first += len(rows)
         # greedy rows that sample this step: one batched log_softmax + argmax for all of them
-        greedy = [out_idx[-1] for s, rows, out_idx in parts
-                  if s.sampler is not None and s.sampler.greedy and rows[-1] + 1 >= len(s.request.prompt)
-                  and out_idx[-1] >= 0]
+        greedy = [
+            out_idx[-1]
+            for s, rows, out_idx in parts
+            if s.sampler is not None and s.sampler.greedy and rows[-1] + 1 >= len(s.request.prompt) and out_idx[-1] >= 0
+        ]
         pre: dict[int, tuple[torch.Tensor, int]] = {}
         if len(greedy) > 1:
             logp, tok = greedy_rows(res.logits, greedy)
             pre = {r: (logp[i], tok[i]) for i, r in enumerate(greedy)}
         for s, rows, out_idx in parts:
             self._after_rows(s, rows, res.logits, out_idx, step, pre.get(out_idx[-1]))
-        log.debug("step", n=len(plan.ubatch), slots=len(plan.parts), sets=len(plan.sets),
-                  ms=(time.monotonic() - t0) * 1000)
+        log.debug(
+            "step", n=len(plan.ubatch), slots=len(plan.parts), sets=len(plan.sets), ms=(time.monotonic() - t0) * 1000
+        )
 
-    def _after_rows(self, slot: Slot, rows: list[int], logits: torch.Tensor, out_idx: list[int],
-                    step: StepInfo, pre: tuple[torch.Tensor, int] | None = None) -> None:
+    def _after_rows(
+        self,
+        slot: Slot,
+        rows: list[int],
+        logits: torch.Tensor,
+        out_idx: list[int],
+        step: StepInfo,
+        pre: tuple[torch.Tensor, int] | None = None,
+    ) -> None:
         """Record the rows in the slot's cache, then (once the prompt is done) sample
         (``pre``: this row's batched ``(log_softmax, argmax)`` for a greedy sampler)."""
         req = slot.request
@@ -368,7 +404,8 @@ class Scheduler:
                 m = sum(1 for p in rows if p + 1 < n_prompt)
                 if m:
                     req.prompt_logprobs += prompt_token_logprobs(
-                        logits[out_idx[:m]], [req.prompt[p + 1] for p in rows[:m]])
+                        logits[out_idx[:m]], [req.prompt[p + 1] for p in rows[:m]]
+                    )
             if slot.n_past < n_prompt:
                 return
             slot.state = SlotState.GENERATING
@@ -389,9 +426,15 @@ class Scheduler:
         self.tokens_generated += 1
         req.telemetry.count_step(step)
         piece = req.detok.push(sampled.token_id)
-        reason = finish_reason(sampled.token_id, eog_ids=self.tokenizer.eog_ids, ignore_eos=req.params.ignore_eos,
-                               n_generated=len(req.generated), max_tokens=req.params.max_tokens,
-                               n_past=slot.n_past, n_ctx=self.config.n_ctx_slot)
+        reason = finish_reason(
+            sampled.token_id,
+            eog_ids=self.tokenizer.eog_ids,
+            ignore_eos=req.params.ignore_eos,
+            n_generated=len(req.generated),
+            max_tokens=req.params.max_tokens,
+            n_past=slot.n_past,
+            n_ctx=self.config.n_ctx_slot,
+        )
         if req.stop is not None:
             piece, hit = req.stop.push(piece)
             if hit:

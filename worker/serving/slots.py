@@ -17,7 +17,7 @@ from worker.serving.request import GenRequest
 
 class SlotState(Enum):
     IDLE = "idle"
-    PROMPT = "prompt"          # prompt tokens still to compute
+    PROMPT = "prompt"  # prompt tokens still to compute
     GENERATING = "generating"  # one token per step
 
 

@@ -38,33 +38,37 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from collections.abc import Callable
-
 import gguf
 import numpy as np
 
-from worker.lora.adapter_file import AdapterError, validate_lora_adapter
 from worker.gguf.reader import GGUFFile, read_gguf
 from worker.gguf.writer import write_and_close
+from worker.lora.adapter_file import AdapterError, validate_lora_adapter
 
 SUPPORTED_ARCHS = ("gemma3", "llama")
 OUTTYPES = {"f32": np.float32, "f16": np.float16}
 
 _LAYER_MODULES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\."
-                     r"(?P<kind>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
+_KEY_RE = re.compile(
+    r"^base_model\.model\.(?P<module>.+)\."
+    r"(?P<kind>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$"
+)
 _LAYER_RE = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<sub>.+)$")
 # multimodal wrappers put the text model one level down
-_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-             ("language_model.", ""))
+_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", ""))
 # hints for telling the architecture from base_model_name_or_path / auto_mapping
 _ARCH_HINTS = (("gemma3", ("gemma-3", "gemma3", "gemma_3")), ("llama", ("llama",)))
 
@@ -103,7 +107,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         raise ConvertError(src, ["safetensors: file shorter than its 8-byte header length"])
     n = int(np.frombuffer(data[:8].tobytes(), dtype="<u8")[0])
     try:
-        header = json.loads(data[8:8 + n].tobytes())
+        header = json.loads(data[8 : 8 + n].tobytes())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConvertError(src, [f"safetensors: header is not JSON ({exc})"]) from None
     out: dict[str, np.ndarray] = {}
@@ -113,7 +117,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
             continue
         dtype, shape = info.get("dtype"), tuple(int(x) for x in info.get("shape", ()))
         begin, end = (int(x) for x in info.get("data_offsets", (0, 0)))
-        raw = data[base + begin:base + end]
+        raw = data[base + begin : base + end]
         if base + end > data.size:
             problems.append(f"tensor '{name}': data runs past the end of the file")
             continue
@@ -146,7 +150,7 @@ def _map_module(module: str) -> str | None:
     """GGUF base tensor name for a PEFT module path, or None when unknown."""
     for old, new in _PREFIXES:
         if module.startswith(old):
-            module = new + module[len(old):]
+            module = new + module[len(old) :]
             break
     if module == "model.embed_tokens":
         return "token_embd.weight"
@@ -160,8 +164,11 @@ def _map_module(module: str) -> str | None:
 
 def _infer_arch(cfg: dict[str, Any]) -> str | None:
     auto = cfg.get("auto_mapping") or {}
-    text = " ".join(str(x) for x in (cfg.get("base_model_name_or_path"),
-                                     auto.get("base_model_class"), auto.get("parent_library")) if x)
+    text = " ".join(
+        str(x)
+        for x in (cfg.get("base_model_name_or_path"), auto.get("base_model_class"), auto.get("parent_library"))
+        if x
+    )
     text = text.lower()
     found = [arch for arch, needles in _ARCH_HINTS if any(n in text for n in needles)]
     return found[0] if len(found) == 1 else None
@@ -184,16 +191,23 @@ def _check_config(cfg: dict[str, Any], problems: list[str]) -> None:
     if cfg.get("use_dora"):
         problems.append("use_dora: DoRA magnitude vectors cannot be stored in a LoRA GGUF")
     if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
-        problems.append(f"bias/lora_bias: LoRA biases are not supported (bias={cfg.get('bias')!r}, "
-                        f"lora_bias={cfg.get('lora_bias')!r})")
+        problems.append(
+            f"bias/lora_bias: LoRA biases are not supported (bias={cfg.get('bias')!r}, "
+            f"lora_bias={cfg.get('lora_bias')!r})"
+        )
     if cfg.get("trainable_token_indices"):
         problems.append("trainable_token_indices: trainable token rows are full weights, not LoRA")
     if cfg.get("invocation_string") and not cfg.get("alora_invocation_tokens"):
-        problems.append("invocation_string without alora_invocation_tokens: tokenize it with the "
-                        "base tokenizer and add alora_invocation_tokens to adapter_config.json")
+        problems.append(
+            "invocation_string without alora_invocation_tokens: tokenize it with the "
+            "base tokenizer and add alora_invocation_tokens to adapter_config.json"
+        )
     tokens = cfg.get("alora_invocation_tokens")
-    if tokens is not None and not (isinstance(tokens, list) and tokens and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens)):
+    if tokens is not None and not (
+        isinstance(tokens, list)
+        and tokens
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens)
+    ):
         problems.append(f"alora_invocation_tokens: expected a non-empty list of token ids, found {tokens!r}")
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(cfg.get(key) or {}, dict):
@@ -206,8 +220,10 @@ def _read_modules(st_path: Path, problems: list[str]) -> list[_Module]:
     for key, t in read_safetensors(st_path).items():
         m = _KEY_RE.match(key)
         if m is None:
-            problems.append(f"tensor '{key}': not a LoRA A/B tensor (full weights from "
-                            "modules_to_save, DoRA or biases cannot go into a LoRA GGUF)")
+            problems.append(
+                f"tensor '{key}': not a LoRA A/B tensor (full weights from "
+                "modules_to_save, DoRA or biases cannot go into a LoRA GGUF)"
+            )
             continue
         module, kind = m["module"], m["kind"]
         gguf_name = _map_module(module)
@@ -221,16 +237,20 @@ def _read_modules(st_path: Path, problems: list[str]) -> list[_Module]:
             entry.b = t
         entry.embedding = entry.embedding or kind.startswith("lora_embedding")
     for name in sorted(set(unknown)):
-        problems.append(f"module '{name}': no GGUF tensor name for it (known: layers.N."
-                        f"{{{', '.join(_LAYER_MODULES)}}}, embed_tokens, lm_head)")
+        problems.append(
+            f"module '{name}': no GGUF tensor name for it (known: layers.N."
+            f"{{{', '.join(_LAYER_MODULES)}}}, embed_tokens, lm_head)"
+        )
     out = []
     for mod in modules.values():
         if mod.a is None or mod.b is None:
             problems.append(f"module '{mod.peft_name}': missing lora_{'B' if mod.b is None else 'A'}")
             continue
         if mod.a.ndim != 2 or mod.b.ndim != 2 or mod.a.shape[0] != mod.b.shape[1]:
-            problems.append(f"module '{mod.peft_name}': expected A (r, k) and B (d, r) with equal r, "
-                            f"found A {tuple(mod.a.shape)}, B {tuple(mod.b.shape)}")
+            problems.append(
+                f"module '{mod.peft_name}': expected A (r, k) and B (d, r) with equal r, "
+                f"found A {tuple(mod.a.shape)}, B {tuple(mod.b.shape)}"
+            )
             continue
         if mod.embedding != (mod.gguf_name == "token_embd.weight"):
             problems.append(f"module '{mod.peft_name}': embedding/linear LoRA kind does not match the module")
@@ -297,17 +317,24 @@ def convert_peft(
     else:
         arch = _infer_arch(cfg) or ""
         if not arch:
-            problems.append(f"architecture: cannot tell it from base_model_name_or_path "
-                            f"{cfg.get('base_model_name_or_path')!r}; pass base_gguf")
+            problems.append(
+                f"architecture: cannot tell it from base_model_name_or_path "
+                f"{cfg.get('base_model_name_or_path')!r}; pass base_gguf"
+            )
     if arch and arch not in SUPPORTED_ARCHS:
         problems.append(f"architecture '{arch}': no PEFT name map (supported: {', '.join(SUPPORTED_ARCHS)})")
     modules = _read_modules(st_path, problems) if st_path.is_file() else []
     if not modules and not problems:
         problems.append(f"{st_path.name}: no LoRA A/B tensors found")
-    if base_gguf is not None and "output.weight" not in base_index and any(
-            m.gguf_name == "output.weight" for m in modules):
-        problems.append("module 'lm_head': the base model has no output.weight (tied to "
-                        "token_embd), so an lm_head LoRA cannot be applied; target embed_tokens")
+    if (
+        base_gguf is not None
+        and "output.weight" not in base_index
+        and any(m.gguf_name == "output.weight" for m in modules)
+    ):
+        problems.append(
+            "module 'lm_head': the base model has no output.weight (tied to "
+            "token_embd), so an lm_head LoRA cannot be applied; target embed_tokens"
+        )
     if problems:
         raise ConvertError(src, problems)
 
@@ -325,8 +352,9 @@ def convert_peft(
         r = int(b.shape[1])
         want_r = int(_pattern_value(rank_pattern, mod.peft_name, r_default))
         if r != want_r:
-            problems.append(f"module '{mod.peft_name}': rank {r} from its tensors, but the config "
-                            f"(r / rank_pattern) says {want_r}")
+            problems.append(
+                f"module '{mod.peft_name}': rank {r} from its tensors, but the config (r / rank_pattern) says {want_r}"
+            )
             continue
         mod_alpha = float(_pattern_value(alpha_pattern, mod.peft_name, lora_alpha))
         peft_scale = mod_alpha / (math.sqrt(r) if rslora else r)
@@ -337,8 +365,10 @@ def convert_peft(
             key = "head_count" if ".attn_q." in mod.gguf_name else "head_count_kv"
             n_head = base_meta.get(f"llama.attention.{key}")
             if not isinstance(n_head, int) or n_head <= 0:
-                problems.append(f"module '{mod.peft_name}': llama q/k need llama.attention.{key} "
-                                "from base_gguf for the rope row permutation; pass base_gguf")
+                problems.append(
+                    f"module '{mod.peft_name}': llama q/k need llama.attention.{key} "
+                    "from base_gguf for the rope row permutation; pass base_gguf"
+                )
                 continue
             b = _rope_permute_rows(b, n_head)
         if mod.embedding:
@@ -356,9 +386,12 @@ def convert_peft(
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
     writer.add_name(src.name if name is None else name)
     if cfg.get("alora_invocation_tokens"):
-        writer.add_key_value(gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS,
-                             [int(t) for t in cfg["alora_invocation_tokens"]],
-                             gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
+        writer.add_key_value(
+            gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS,
+            [int(t) for t in cfg["alora_invocation_tokens"]],
+            gguf.GGUFValueType.ARRAY,
+            gguf.GGUFValueType.UINT32,
+        )
     for name, arr in tensors:
         writer.add_tensor(name, arr)
     write_and_close(writer, tmp)
@@ -367,7 +400,9 @@ def convert_peft(
             validate_lora_adapter(tmp, base_arch=arch, base_tensors=base_index)
         except AdapterError as exc:
             tmp.unlink(missing_ok=True)
-            raise ConvertError(src, [f"converted adapter does not fit {getattr(base_gguf, 'path', base_gguf)}: {p}"
-                                     for p in exc.problems]) from exc
+            raise ConvertError(
+                src,
+                [f"converted adapter does not fit {getattr(base_gguf, 'path', base_gguf)}: {p}" for p in exc.problems],
+            ) from exc
     os.replace(tmp, out)
     return out

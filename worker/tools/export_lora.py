@@ -24,20 +24,19 @@ patched (norm pairs are skipped at load), so they stay as they were.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from worker.lora.adapter import TOKEN_EMBD, LoraAdapter, LoraPair, load_lora_adapter
 from worker.gguf.reader import GGUFError, TensorRecord, dequantize
 from worker.gguf.writer import write_and_close
+from worker.lora.adapter import TOKEN_EMBD, LoraAdapter, LoraPair, load_lora_adapter
 
-OUTTYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
-            "q8_0": GGMLQuantizationType.Q8_0}
+OUTTYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0}
 OUTPUT = "output.weight"
 # keys the writer sets itself or that describe the old file's layout
 _SKIP_KEYS = {"general.architecture", "general.alignment", "general.type"}
@@ -91,9 +90,12 @@ def _encode(w: np.ndarray, outtype: str) -> tuple[np.ndarray, GGMLQuantizationTy
 
 
 def _records(reader: GGUFReader) -> dict[str, TensorRecord]:
-    return {t.name: TensorRecord(t.name, GGMLQuantizationType(t.tensor_type),
-                                 tuple(int(n) for n in t.shape.tolist()), t.data)
-            for t in reader.tensors}
+    return {
+        t.name: TensorRecord(
+            t.name, GGMLQuantizationType(t.tensor_type), tuple(int(n) for n in t.shape.tolist()), t.data
+        )
+        for t in reader.tensors
+    }
 
 
 def export_lora(
@@ -129,8 +131,7 @@ def export_lora(
         reader = GGUFReader(base_path, "r")
     except Exception as exc:  # the reader raises bare ValueError/IndexError on bad files
         raise GGUFError(f"{base_path}: cannot read base model ({type(exc).__name__}: {exc})") from exc
-    arch = str(reader.fields["general.architecture"].contents()) \
-        if "general.architecture" in reader.fields else ""
+    arch = str(reader.fields["general.architecture"].contents()) if "general.architecture" in reader.fields else ""
     records = _records(reader)
     index = {name: rec.ne for name, rec in records.items()}
 

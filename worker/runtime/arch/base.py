@@ -39,8 +39,9 @@ class HParams:
         return False
 
 
-def common_hparams(gguf: Any, *, n_vocab: int, eps: float, rope_freq_base: float, n_ctx_train: int,
-                   n_swa: int = 0) -> dict[str, Any]:
+def common_hparams(
+    gguf: Any, *, n_vocab: int, eps: float, rope_freq_base: float, n_ctx_train: int, n_swa: int = 0
+) -> dict[str, Any]:
     """The ``HParams`` base fields read from ``{arch}.*`` metadata (llama.cpp
     ``llama_model::load_hparams``), with the architecture's defaults for the optional keys.
 
@@ -53,14 +54,19 @@ def common_hparams(gguf: Any, *, n_vocab: int, eps: float, rope_freq_base: float
     head_k = int(meta(gguf, "attention.key_length", n_embd // n_head))
     scale_factor = meta(gguf, "rope.scaling.factor", None)
     return dict(
-        n_vocab=n_vocab, n_embd=n_embd, n_layer=int(meta(gguf, "block_count", required=True)),
-        n_ff=int(meta(gguf, "feed_forward_length", required=True)), n_head=n_head,
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_layer=int(meta(gguf, "block_count", required=True)),
+        n_ff=int(meta(gguf, "feed_forward_length", required=True)),
+        n_head=n_head,
         n_head_kv=int(meta(gguf, "attention.head_count_kv", n_head)),
-        n_embd_head_k=head_k, n_embd_head_v=int(meta(gguf, "attention.value_length", head_k)),
+        n_embd_head_k=head_k,
+        n_embd_head_v=int(meta(gguf, "attention.value_length", head_k)),
         eps=float(meta(gguf, "attention.layer_norm_rms_epsilon", eps)),
         rope_freq_base=float(meta(gguf, "rope.freq_base", rope_freq_base)),
         rope_freq_scale=1.0 / float(scale_factor) if scale_factor else 1.0,
-        n_swa=n_swa, n_ctx_train=int(meta(gguf, "context_length", n_ctx_train)),
+        n_swa=n_swa,
+        n_ctx_train=int(meta(gguf, "context_length", n_ctx_train)),
     )
 
 

@@ -36,18 +36,36 @@ class HParams(base.HParams):
 
 def load_hparams(gguf) -> HParams:
     n_vocab = int(gguf.tensors["token_embd.weight"].ne[1]) if "token_embd.weight" in gguf.tensors else 0
-    common = base.common_hparams(gguf, n_vocab=n_vocab, eps=1e-6, rope_freq_base=1e6, n_ctx_train=8192,
-                                 n_swa=int(meta(gguf, "attention.sliding_window", 0)))
+    common = base.common_hparams(
+        gguf,
+        n_vocab=n_vocab,
+        eps=1e-6,
+        rope_freq_base=1e6,
+        n_ctx_train=8192,
+        n_swa=int(meta(gguf, "attention.sliding_window", 0)),
+    )
     # Gemma 3 27B scales queries by 1/sqrt(n_embd/n_head); every other size by 1/sqrt(head_k)
     # (llama-model.cpp, LLM_ARCH_GEMMA3 hparams).
-    att_scale = (1.0 / math.sqrt(common["n_embd_head_k"]) if common["n_layer"] != 62
-                 else 1.0 / math.sqrt(common["n_embd"] / common["n_head"]))
-    return HParams(**common, rope_freq_base_swa=float(meta(gguf, "rope.freq_base_swa", 10000.0)),
-                   swa_pattern=6, f_attention_scale=att_scale)
+    att_scale = (
+        1.0 / math.sqrt(common["n_embd_head_k"])
+        if common["n_layer"] != 62
+        else 1.0 / math.sqrt(common["n_embd"] / common["n_head"])
+    )
+    return HParams(
+        **common,
+        rope_freq_base_swa=float(meta(gguf, "rope.freq_base_swa", 10000.0)),
+        swa_pattern=6,
+        f_attention_scale=att_scale,
+    )
 
 
 def tensor_specs(hp: HParams) -> list[TensorSpec]:
-    d, qk, kvk, kvv = hp.n_embd, hp.n_head * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_v
+    d, qk, kvk, kvv = (
+        hp.n_embd,
+        hp.n_head * hp.n_embd_head_k,
+        hp.n_head_kv * hp.n_embd_head_k,
+        hp.n_head_kv * hp.n_embd_head_v,
+    )
     specs = [
         TensorSpec("token_embd.weight", (d, hp.n_vocab)),
         TensorSpec("output_norm.weight", (d,)),
@@ -92,15 +110,15 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
         q = ctx.build_rope(q, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
         k = ctx.build_rope(k, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
         q = q * hp.f_attention_scale
-        cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=1.0,
-                             n_swa=hp.n_swa if swa else 0)
+        cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=1.0, n_swa=hp.n_swa if swa else 0)
         if il == hp.n_layer - 1:
             cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
         cur = ctx.build_norm(cur, b + "post_attention_norm.weight", hp.eps)
         sa_out = cur + x
         cur = ctx.build_norm(sa_out, b + "ffn_norm.weight", hp.eps)
-        cur = ctx.build_ffn(cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight",
-                            down=b + "ffn_down.weight", act="gelu")
+        cur = ctx.build_ffn(
+            cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight", down=b + "ffn_down.weight", act="gelu"
+        )
         cur = ctx.build_norm(cur, b + "post_ffw_norm.weight", hp.eps)
         x = cur + sa_out
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)

@@ -30,8 +30,12 @@ class HParams(base.HParams):
 def load_hparams(gguf) -> HParams:
     n_vocab = int(meta(gguf, "vocab_size", 0)) or int(gguf.tensors["token_embd.weight"].ne[1])
     common = base.common_hparams(gguf, n_vocab=n_vocab, eps=1e-5, rope_freq_base=10000.0, n_ctx_train=4096)
-    return HParams(**common, n_rot=int(meta(gguf, "rope.dimension_count", common["n_embd_head_k"])),
-                   n_expert=int(meta(gguf, "expert_count", 0)), n_expert_used=int(meta(gguf, "expert_used_count", 0)))
+    return HParams(
+        **common,
+        n_rot=int(meta(gguf, "rope.dimension_count", common["n_embd_head_k"])),
+        n_expert=int(meta(gguf, "expert_count", 0)),
+        n_expert_used=int(meta(gguf, "expert_used_count", 0)),
+    )
 
 
 def tensor_specs(hp: HParams) -> list[TensorSpec]:
@@ -86,12 +90,19 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
         ffn_inp = cur + x
         cur = ctx.build_norm(ffn_inp, b + "ffn_norm.weight", hp.eps)
         if hp.n_expert > 0:
-            cur = ctx.build_moe_ffn(cur, gate_inp=b + "ffn_gate_inp.weight", up_exps=b + "ffn_up_exps.weight",
-                                    gate_exps=b + "ffn_gate_exps.weight", down_exps=b + "ffn_down_exps.weight",
-                                    n_expert_used=hp.n_expert_used, norm_w=True)
+            cur = ctx.build_moe_ffn(
+                cur,
+                gate_inp=b + "ffn_gate_inp.weight",
+                up_exps=b + "ffn_up_exps.weight",
+                gate_exps=b + "ffn_gate_exps.weight",
+                down_exps=b + "ffn_down_exps.weight",
+                n_expert_used=hp.n_expert_used,
+                norm_w=True,
+            )
         else:
-            cur = ctx.build_ffn(cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight",
-                                down=b + "ffn_down.weight", act="silu")
+            cur = ctx.build_ffn(
+                cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight", down=b + "ffn_down.weight", act="silu"
+            )
         x = cur + ffn_inp
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
     return ctx.build_output(x)

@@ -13,10 +13,35 @@ Public API (shapes in torch order; a GGUF weight with ggml ``ne = [k, d]`` is ``
 
 from worker.runtime.kernels.build import KernelBuildError
 from worker.runtime.kernels.cpu import KernelPathError, best_path, cpu_flags, cpu_model, resolve_path, supported
-from worker.runtime.kernels.linear import (ACTS, KernelError, QuantLinear, QuantizedActivations, pack_experts,
-                                           pack_model, pack_tensor, packed_nbytes, quantize_activations,
-                                           resolve_act)
+from worker.runtime.kernels.linear import (
+    ACTS,
+    KernelError,
+    QuantizedActivations,
+    QuantLinear,
+    pack_experts,
+    pack_model,
+    pack_tensor,
+    packed_nbytes,
+    quantize_activations,
+    resolve_act,
+)
 
-__all__ = ["ACTS", "KernelBuildError", "KernelError", "KernelPathError", "QuantLinear", "QuantizedActivations",
-           "best_path", "cpu_flags", "cpu_model", "pack_experts", "pack_model", "pack_tensor", "packed_nbytes",
-           "quantize_activations", "resolve_act", "resolve_path", "supported"]
+__all__ = [
+    "ACTS",
+    "KernelBuildError",
+    "KernelError",
+    "KernelPathError",
+    "QuantLinear",
+    "QuantizedActivations",
+    "best_path",
+    "cpu_flags",
+    "cpu_model",
+    "pack_experts",
+    "pack_model",
+    "pack_tensor",
+    "packed_nbytes",
+    "quantize_activations",
+    "resolve_act",
+    "resolve_path",
+    "supported",
+]

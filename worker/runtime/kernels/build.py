@@ -36,12 +36,10 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"]
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
-COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fopenmp",
-                "-fno-math-errno"]
+COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-fno-math-errno"]
 ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-DLP_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-               "-mavx512vl", "-mavx512vnni"],
+    "avx512": ["-DLP_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
 }
 
 
@@ -56,15 +54,18 @@ _libs: dict[str, ctypes.CDLL] = {}
 def _compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        raise KernelBuildError("no C++ compiler found (need g++ >= 9 on PATH, or set CXX); "
-                               "or set LORAPLANE_KERNELS=torch to use the torch fallback")
+        raise KernelBuildError(
+            "no C++ compiler found (need g++ >= 9 on PATH, or set CXX); "
+            "or set LORAPLANE_KERNELS=torch to use the torch fallback"
+        )
     return cxx
 
 
 def library_path(isa: str) -> Path:
     """Where the library for ``isa`` ('avx2' | 'avx512') lives, keyed by source+flags hash."""
-    h = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)
-                       + " ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode()).hexdigest()[:12]
+    h = hashlib.sha256(
+        b"".join(s.read_bytes() for s in SOURCES) + " ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode()
+    ).hexdigest()[:12]
     return BUILD_DIR / f"liblp_{isa}-{h}.so"
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
-from functools import lru_cache
+from functools import cache, lru_cache
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,9 @@ def best_path() -> str:
     for p in ("avx512", "avx2"):
         if supported(p):
             return p
-    log.warning("CPU lacks AVX2/FMA/F16C: quantized matmuls use the torch fallback "
-                "(weights dequantized to f32 at load)")
+    log.warning(
+        "CPU lacks AVX2/FMA/F16C: quantized matmuls use the torch fallback (weights dequantized to f32 at load)"
+    )
     return "torch"
 
 
@@ -86,7 +87,7 @@ def resolve_path(path: str | None = None) -> str:
     return _resolve(path or os.environ.get("LORAPLANE_KERNELS", "auto"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _resolve(want: str) -> str:
     if want == "auto":
         return best_path()
@@ -94,8 +95,9 @@ def _resolve(want: str) -> str:
         raise KernelPathError(f"unknown kernel path '{want}' (expected auto, {', '.join(PATHS)})")
     if not supported(want):
         missing = [f for f in NEEDS[want] if f not in cpu_flags()]
-        raise KernelPathError(f"kernel path '{want}' needs CPU flags {', '.join(missing)} "
-                              f"that this CPU ({cpu_model()}) lacks")
+        raise KernelPathError(
+            f"kernel path '{want}' needs CPU flags {', '.join(missing)} that this CPU ({cpu_model()}) lacks"
+        )
     return want
 
 

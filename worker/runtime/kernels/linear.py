@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from worker.gguf.reader import GGUFError, GGUFFile, TensorRecord, dequantize as gguf_dequantize
+from worker.gguf.reader import GGUFError, GGUFFile, TensorRecord
+from worker.gguf.reader import dequantize as gguf_dequantize
 from worker.runtime.kernels import build, cpu
 from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
 
@@ -105,8 +106,7 @@ def _fns(path: str, act: str) -> tuple:
     return f
 
 
-def quantize_activations(x: torch.Tensor, path: str | None = None, act: str | None = None
-                         ) -> QuantizedActivations:
+def quantize_activations(x: torch.Tensor, path: str | None = None, act: str | None = None) -> QuantizedActivations:
     """Quantize ``x`` ``(n, k)`` f32/bf16/f16 CPU (k a multiple of 32) for the C kernels.
 
     Args:
@@ -130,8 +130,9 @@ def quantize_activations(x: torch.Tensor, path: str | None = None, act: str | No
     d = torch.empty((n, k // 32), dtype=torch.float32)
     s16 = torch.empty((n, k // 16), dtype=torch.float32)
     s32 = torch.empty((n, k // 32), dtype=torch.float32)
-    _fns(p, a)[0](xf.data_ptr(), k, n, k, q.data_ptr(), d.data_ptr(), s16.data_ptr(), s32.data_ptr(),
-                  torch.get_num_threads())
+    _fns(p, a)[0](
+        xf.data_ptr(), k, n, k, q.data_ptr(), d.data_ptr(), s16.data_ptr(), s32.data_ptr(), torch.get_num_threads()
+    )
     return QuantizedActivations(q, d, s16, s32, p, a)
 
 
@@ -181,8 +182,11 @@ class QuantLinear:
         assert self.scale is not None
         G, nb = self.qw.shape[0], self.qw.shape[1]
         u = self.qw.permute(0, 3, 1, 2, 4).reshape(G * R, nb, self.bs)[: self.d]
-        return self._affine(u, self.scale.permute(0, 2, 1).reshape(G * R, nb)[: self.d],
-                            None if self.bias is None else self.bias.permute(0, 2, 1).reshape(G * R, nb)[: self.d])
+        return self._affine(
+            u,
+            self.scale.permute(0, 2, 1).reshape(G * R, nb)[: self.d],
+            None if self.bias is None else self.bias.permute(0, 2, 1).reshape(G * R, nb)[: self.d],
+        )
 
     def _affine(self, u: torch.Tensor, s: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
         """``s * u + c`` per block; u ``(m, nb, bs)`` -> f32 ``(m, k)``."""
@@ -210,14 +214,15 @@ class QuantLinear:
             return self.weight.index_select(0, ids).to(torch.float32)
         assert self.scale is not None
         g, r = ids // R, ids % R
-        u = self.qw[g, :, :, r, :]                       # (m, nb, bs/4, 4)
+        u = self.qw[g, :, :, r, :]  # (m, nb, bs/4, 4)
         u = u.reshape(ids.numel(), -1, self.bs)
-        s = self.scale[g, :, r]                          # (m, nb)
+        s = self.scale[g, :, r]  # (m, nb)
         c = None if self.bias is None else self.bias[g, :, r]
         return self._affine(u, s, c)
 
-    def matmul(self, x: torch.Tensor | QuantizedActivations, *, path: str | None = None,
-               act: str | None = None) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor | QuantizedActivations, *, path: str | None = None, act: str | None = None
+    ) -> torch.Tensor:
         """``y = x @ W.T``: x ``(..., k)`` f32/bf16/f16 (or pre-quantized rows) -> f32 ``(..., d)``.
 
         Args:
@@ -247,8 +252,9 @@ class QuantLinear:
             p = cpu.resolve_path(path)
             if p == "torch":
                 if self._f32_cache is None:
-                    log.warning("%s: torch kernel path, dequantizing to f32 (%.1f MiB)",
-                                self.name, self.d * self.k * 4 / 2**20)
+                    log.warning(
+                        "%s: torch kernel path, dequantizing to f32 (%.1f MiB)", self.name, self.d * self.k * 4 / 2**20
+                    )
                     self._f32_cache = self.dequantize()
                 y = x2.to(torch.float32) @ self._f32_cache.T
             else:
@@ -271,9 +277,21 @@ class QuantLinear:
             raise KernelError(f"{self.name}: width {self.k} is not a multiple of 32")
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
         assert self.qw is not None and self.scale is not None
-        rc = _fns(path, act)[2](xf.data_ptr(), self.k, n, self.k, self.qw.data_ptr(), self.scale.data_ptr(),
-                           _p(self.bias), self.offset, self.d, self.bs, int(self.signed), y.data_ptr(),
-                           torch.get_num_threads())
+        rc = _fns(path, act)[2](
+            xf.data_ptr(),
+            self.k,
+            n,
+            self.k,
+            self.qw.data_ptr(),
+            self.scale.data_ptr(),
+            _p(self.bias),
+            self.offset,
+            self.d,
+            self.bs,
+            int(self.signed),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise KernelError(f"{self.name}: kernel failed (rc={rc}, bs={self.bs}, signed={self.signed})")
         return y
@@ -284,9 +302,22 @@ class QuantLinear:
             return y
         assert self.qw is not None and self.scale is not None
         rc = _fns(a.path, a.act)[1](
-            self.qw.data_ptr(), self.scale.data_ptr(), _p(self.bias), self.offset, self.d, self.k, self.bs,
-            int(self.signed), a.q.data_ptr(), a.d.data_ptr(), a.s16.data_ptr(), a.s32.data_ptr(),
-            a.n, y.data_ptr(), torch.get_num_threads())
+            self.qw.data_ptr(),
+            self.scale.data_ptr(),
+            _p(self.bias),
+            self.offset,
+            self.d,
+            self.k,
+            self.bs,
+            int(self.signed),
+            a.q.data_ptr(),
+            a.d.data_ptr(),
+            a.s16.data_ptr(),
+            a.s32.data_ptr(),
+            a.n,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise KernelError(f"{self.name}: kernel rejected bs={self.bs} signed={self.signed}")
         return y
@@ -344,12 +375,15 @@ def pack_experts(rec: TensorRecord, *, device: str | torch.device = "cpu") -> li
     """
     if len(rec.ne) != 3:
         raise KernelError(f"{rec.name}: expected a 3-D expert weight, ne={list(rec.ne)}")
-    return [pack_tensor(TensorRecord(f"{rec.name}[{e}]", rec.ggml_type, tuple(rec.ne[:2]), rec.raw[e]),
-                        device=device) for e in range(int(rec.ne[2]))]
+    return [
+        pack_tensor(TensorRecord(f"{rec.name}[{e}]", rec.ggml_type, tuple(rec.ne[:2]), rec.raw[e]), device=device)
+        for e in range(int(rec.ne[2]))
+    ]
 
 
-def pack_model(gf: GGUFFile, names: list[str] | None = None, *, device: str | torch.device = "cpu"
-               ) -> dict[str, QuantLinear]:
+def pack_model(
+    gf: GGUFFile, names: list[str] | None = None, *, device: str | torch.device = "cpu"
+) -> dict[str, QuantLinear]:
     """Pack every 2-D tensor of ``gf`` (or those in ``names``) with :func:`pack_tensor`.
 
     The tied ``token_embd.weight`` is packed once and serves both ``get_rows`` (input
@@ -367,5 +401,15 @@ def packed_nbytes(weights: dict[str, QuantLinear]) -> int:
     return sum(w.nbytes for w in weights.values())
 
 
-__all__ = ["ACTS", "KernelError", "QuantLinear", "resolve_act", "QuantizedActivations", "quantize_activations",
-           "pack_experts", "pack_tensor", "pack_model", "packed_nbytes"]
+__all__ = [
+    "ACTS",
+    "KernelError",
+    "QuantLinear",
+    "resolve_act",
+    "QuantizedActivations",
+    "quantize_activations",
+    "pack_experts",
+    "pack_tensor",
+    "pack_model",
+    "packed_nbytes",
+]

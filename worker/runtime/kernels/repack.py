@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 QK_K = 256
 R = 16  # rows per interleaved group (one zmm of 16 x 4 bytes; two ymm halves on AVX2)
@@ -129,15 +130,15 @@ def decode(raw: np.ndarray, gtype: T, d: int, k: int) -> Affine:
     elif gtype in (T.Q4_K, T.Q5_K):
         dd, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
         sc, mn = _k_scale_min(b[:, 4:16])
-        s = (dd * sc.astype(np.float32))          # (N, 8)
-        c = -(dmin * mn.astype(np.float32))       # (N, 8)
+        s = dd * sc.astype(np.float32)  # (N, 8)
+        c = -(dmin * mn.astype(np.float32))  # (N, 8)
         if gtype == T.Q4_K:
             qs = b[:, 16:144].reshape(-1, 4, 32)  # 4 chunks of 32 bytes -> sub-blocks 2j, 2j+1
         else:
             qs = b[:, 48:176].reshape(-1, 4, 32)
         u = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, QK_K)
         if gtype == T.Q5_K:
-            qh = b[:, 16:48]                      # bit i of qh[l] -> high bit of sub-block i, elem l
+            qh = b[:, 16:48]  # bit i of qh[l] -> high bit of sub-block i, elem l
             hb = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
             u = (u | (hb.reshape(-1, QK_K) << 4)).astype(np.uint8)
         bs, signed = 32, False
@@ -148,7 +149,7 @@ def decode(raw: np.ndarray, gtype: T, d: int, k: int) -> Affine:
         lo = np.stack([ql.reshape(-1, 2, 64) & 0x0F, ql.reshape(-1, 2, 64) >> 4], axis=2).reshape(-1, 8, 32)
         hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
         u = (lo | (hi.reshape(-1, 8, 32) << 4)).reshape(-1, QK_K)
-        s = dd * sc                                # (N, 16)
+        s = dd * sc  # (N, 16)
         c, offset = None, -32.0
         bs, signed = 16, False
     if gtype not in (T.Q4_0, T.Q5_0, T.Q6_K):
