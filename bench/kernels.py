@@ -38,23 +38,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.machine import FLAGS  # noqa: E402
 from worker.gguf.reader import dequantize, read_gguf  # noqa: E402
 from worker.runtime.kernels import cpu_flags, cpu_model, pack_tensor, resolve_act, resolve_path, supported  # noqa: E402
 from worker.runtime.kernels.build import library_path  # noqa: E402
 
-SHOW_FLAGS = (
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx_vnni",
-    "avx512_bf16",
-    "amx_tile",
-    "amx_int8",
-)
+SHOW_FLAGS = FLAGS  # the flags every bench table prints (bench.machine)
 
 
 def _times(fn, reps: int) -> list[float]:
