@@ -290,10 +290,17 @@ def create_app(deps: HttpDeps) -> FastAPI:
         check_admin(request)
         name = body.lora_name
         try:
+            if name == deps.base_name:
+                raise OpenAIError(
+                    400,
+                    f"'{name}' is the base model; only adapters can be unloaded",
+                    param="lora_name",
+                    code="base_model",
+                )
             if name.startswith(ID_PREFIX) and name[len(ID_PREFIX) :].isdigit():
                 adapter_id = int(name[len(ID_PREFIX) :])
             else:
-                ids = resolve_model(name, base_name="\0", registry=deps.registry)
+                ids = resolve_model(name, base_name=deps.base_name, registry=deps.registry)
                 (adapter_id,) = ids
             deps.registry.unregister(adapter_id)
             deps.pool.unload_adapter(adapter_id)

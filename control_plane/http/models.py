@@ -36,7 +36,7 @@ def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> d
     if model == base_name:
         return {}
     if model.startswith(base_name + ":") and len(model) > len(base_name) + 1:
-        return resolve_model(model[len(base_name) + 1 :], base_name="\0", registry=registry)
+        return resolve_model(model[len(base_name) + 1 :], base_name=base_name, registry=registry)
     records = registry.list()
     if model.startswith(ID_PREFIX):
         text = model[len(ID_PREFIX) :]

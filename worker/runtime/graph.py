@@ -164,10 +164,17 @@ class GraphContext:
 
     # --- basic ops ----------------------------------------------------------------------
     def build_norm(self, x: torch.Tensor, name: str, eps: float) -> torch.Tensor:
-        """RMS norm over the last dim times weight ``name`` (``LLM_NORM_RMS``); f32 math."""
+        """RMS norm over the last dim times weight ``name`` (``LLM_NORM_RMS``).
+
+        The mean of squares is accumulated in f64: torch splits a reduction differently with the
+        number of rows (threads over the reduced dim when there are few rows), so in f32 a row's
+        norm would depend on what else is in the ubatch; on the packed path such a last-bit
+        difference can move int16 activation roundings downstream.
+        """
         self.n_nodes += 2
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ms = xf.double().pow(2).mean(-1, keepdim=True)
+        y = xf * torch.rsqrt(ms + eps).float()
         return (y * self.w[name]).to(self.dtype)
 
     def base_mm(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -361,16 +368,18 @@ class GraphContext:
         mask = k_pos <= q_pos
         if n_swa > 0:
             mask = mask & (q_pos - k_pos < n_swa)
-        qs = q.index_select(0, dec.rows).unsqueeze(2)  # (B, H, 1, dk)
+        # f64: the padded length L and the batch size change how SDPA splits its reductions, so in
+        # f32 a row's result would depend on the other rows of the ubatch (see build_norm)
+        qs = q.index_select(0, dec.rows).unsqueeze(2).double()  # (B, H, 1, dk)
         o = F.scaled_dot_product_attention(
             qs,
-            ks.transpose(1, 2).to(q.dtype),
-            vs.transpose(1, 2).to(q.dtype),
+            ks.transpose(1, 2).double(),
+            vs.transpose(1, 2).double(),
             attn_mask=mask[:, None, None, :],
             scale=kq_scale,
             enable_gqa=q.shape[1] != ks.shape[2],
         )
-        return o.squeeze(2)
+        return o.squeeze(2).to(q.dtype)
 
     def build_rope(
         self, x: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0, neox: bool

@@ -279,7 +279,6 @@ class WorkerEngine:
             self._draining.discard(adapter_id)
             if pinned is not None:
                 self._set_pinned(adapter_id, known, pinned)
-        self.metrics.on_adapter_loaded()
         log.info("adapter loaded", adapter_id=adapter_id, name=adapter.name, pairs=len(adapter.pairs))
         return adapter
 
@@ -306,6 +305,7 @@ class WorkerEngine:
                 f"--max-lora-rank {self.config.max_lora_rank}"
             )
         self.counters.host_loads += 1
+        self.metrics.on_adapter_loaded()  # every load into host memory: eager, local file or fetched
         return adapter
 
     def _set_pinned(self, adapter_id: int, known: KnownAdapter, pinned: bool) -> None:

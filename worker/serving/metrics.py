@@ -64,7 +64,12 @@ class WorkerMetrics:
         self.e2e = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Admission to last token.", buckets=LATENCY_BUCKETS_S, registry=r
         )
-        self.adapter_loads = Counter(PREFIX + "adapter_loads", "Adapters loaded.", registry=r)
+        self.adapter_loads = Counter(
+            PREFIX + "adapter_loads",
+            "Adapters loaded into host memory (eager, from a local file, or fetched from the control plane); "
+            "page-ins into device slots are the worker's page_ins stat.",
+            registry=r,
+        )
         self.adapter_evictions = Counter(PREFIX + "adapter_evictions", "Adapters freed.", registry=r)
         r.register(_StatsCollector(stats))
 
