@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import FinishedEvent, TokenEvent
+from clients.serve import worker_command
 from loraplane.process import stop_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -30,24 +30,7 @@ PROMPT = "The weather today is"
 
 def start_worker(cp_addr: str, worker_id: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "clients.cli",
-            "worker",
-            "--control-plane",
-            cp_addr,
-            "--addr",
-            "127.0.0.1:0",
-            "--worker-id",
-            worker_id,
-            "--slots",
-            "4",
-            "--device",
-            "cpu",
-            "--n-ctx",
-            "512",
-        ],
+        worker_command(cp_addr, worker_id, ["--slots", "4", "--device", "cpu", "--n-ctx", "512"]),
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.DEVNULL,
