@@ -7,6 +7,7 @@ order (reversed), which is what the loader reports.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import gguf
@@ -22,6 +23,7 @@ from worker.lora.adapter import (
     base_tensor_index,
     load_lora_adapter,
     lora_scale,
+    open_lora_adapter,
     validate_lora_adapter,
 )
 
@@ -381,3 +383,75 @@ def test_all_problems_collected(tmp_path):
 def test_pair_rank_is_derived():
     pair = LoraPair("w", torch.zeros(3, 10), torch.zeros(7, 3))
     assert pair.rank == 3
+
+
+# --- file-backed adapters (the worker's host tier, issue 12) -------------------------------
+
+
+def _mixed_types_adapter(tmp_path: Path) -> tuple[Path, dict]:
+    """attn_q in F16, a Q8_0 pair, token_embd and experts in F32: every storage path."""
+    t: dict = {
+        "blk.0.attn_q.weight.lora_a": (_rand(R, K).astype(np.float16), gguf.GGMLQuantizationType.F16),
+        "blk.0.attn_q.weight.lora_b": (_rand(D, R).astype(np.float16), gguf.GGMLQuantizationType.F16),
+        "token_embd.weight.lora_a": _rand(V, R),
+        "token_embd.weight.lora_b": _rand(D, R),
+        "blk.0.ffn_up_exps.weight.lora_a": _rand(E, R, K),
+        "blk.0.ffn_up_exps.weight.lora_b": _rand(E, D, R),
+    }
+    plain = {k: (v[0] if isinstance(v, tuple) else v) for k, v in t.items()}
+    return write_adapter(tmp_path / "mixed.gguf", t), plain
+
+
+def test_file_backed_adapter_reads_the_same_values(tmp_path):
+    path, t = _mixed_types_adapter(tmp_path)
+    mem = load_lora_adapter(path, base_arch="llama", base_tensors=BASE)
+    fb = open_lora_adapter(path, base_arch="llama", base_tensors=BASE)
+    assert fb.source is not None and (fb.sha256, fb.name, fb.ranks, fb.n_nodes) == (
+        mem.sha256,
+        mem.name,
+        mem.ranks,
+        mem.n_nodes,
+    )
+    q = fb.pairs["blk.0.attn_q.weight"]
+    assert q.lora_a.device.type == "meta" and q.lora_a.dtype == torch.float16 and q.rank == R
+    # side pairs stay in memory, in the storage dtype
+    assert fb.pairs["token_embd.weight"].lora_a.device.type == "cpu"
+    assert fb.size_bytes == 2 * (R * K + D * R) + 4 * (V * R + D * R) + 4 * (E * R * K + E * D * R)
+    data = fb.tensors()
+    for base, pair in data.items():
+        assert pair.lora_a.device.type == "cpu"
+        np.testing.assert_array_equal(pair.lora_a.float().numpy(), t[base + ".lora_a"].astype(np.float32))
+        np.testing.assert_array_equal(pair.lora_b.float().numpy(), t[base + ".lora_b"].astype(np.float32))
+        torch.testing.assert_close(pair.lora_a.float(), mem.pairs[base].lora_a, rtol=0, atol=0)
+    assert set(fb.tensors(["blk.0.attn_q.weight"])) == {"blk.0.attn_q.weight"}
+
+
+def test_file_backed_quantized_pair_is_dequantized_on_read(tmp_path):
+    base = {"blk.0.attn_q.weight": (64, D)}
+    a = _rand(R, 64)
+    qa = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+    t = {
+        "blk.0.attn_q.weight.lora_a": (qa, gguf.GGMLQuantizationType.Q8_0),
+        "blk.0.attn_q.weight.lora_b": _rand(D, R),
+    }
+    path = write_adapter(tmp_path / "q8.gguf", t)
+    mem = load_lora_adapter(path, base_arch="llama", base_tensors=base)
+    fb = open_lora_adapter(path, base_arch="llama", base_tensors=base)
+    got = fb.tensors()["blk.0.attn_q.weight"]
+    assert got.lora_a.dtype == torch.float32
+    torch.testing.assert_close(got.lora_a, mem.pairs["blk.0.attn_q.weight"].lora_a, rtol=0, atol=0)
+    assert float((got.lora_a - torch.from_numpy(a)).abs().max()) < 0.05  # really Q8_0 data
+
+
+def test_file_backed_adapter_refuses_a_changed_or_missing_file(tmp_path):
+    path = write_adapter(tmp_path / "a.gguf", good_q())
+    fb = open_lora_adapter(path, base_arch="llama", base_tensors=BASE)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(AdapterError) as info:
+        fb.tensors()
+    assert str(path) in str(info.value) and "changed on disk" in str(info.value)
+    path.unlink()
+    with pytest.raises(AdapterError) as info:
+        fb.tensors()
+    assert str(path) in str(info.value) and "cannot re-read" in str(info.value)

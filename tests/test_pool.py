@@ -4,12 +4,14 @@ generation (graph reuse), and the side path for token_embd."""
 
 from __future__ import annotations
 
+import os
 import types
 
+import numpy as np
 import pytest
 import torch
 
-from worker.lora.adapter import LoraAdapter, LoraPair
+from worker.lora.adapter import AdapterError, LoraAdapter, LoraPair, load_lora_adapter, open_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.plan import build_plan, side_branches
 from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
@@ -221,3 +223,44 @@ def test_fetch_to_file_verifies_the_hash_and_leaves_nothing_on_failure(tmp_path)
     with pytest.raises(AdapterFetchError, match="fetching sha256 .* failed: NOT_FOUND") as info:
         fetch_to_file(missing, 5, sha, tmp_path / "m.gguf")
     assert info.value.not_found and list(tmp_path.iterdir()) == [target]
+
+
+def test_file_backed_page_in_equals_in_memory_and_a_bad_file_evicts_nothing(tmp_path):
+    """The host tier is file-backed: a page-in re-reads the file (F16 converted to the pool's
+    dtype while copying) and fills the slot exactly as an in-memory adapter does; a file that
+    changed since validation fails the page-in before the victim slot is touched."""
+    from tests.test_adapters import BASE, write_adapter
+
+    rng = np.random.default_rng(3)
+    paths = []
+    for i, r in enumerate((4, 8)):
+        t = {
+            "blk.0.attn_q.weight.lora_a": rng.standard_normal((r, 32)).astype(np.float16),
+            "blk.0.attn_q.weight.lora_b": rng.standard_normal((24, r)).astype(np.float16),
+        }
+        paths.append(write_adapter(tmp_path / f"a{i}.gguf", t))
+    mem = [load_lora_adapter(p, base_arch="llama", base_tensors=BASE) for p in paths]
+    fb = [open_lora_adapter(p, base_arch="llama", base_tensors=BASE) for p in paths]
+    pm, pf = LoraPool(2, 16), LoraPool(2, 16)
+    pm.acquire(mem)
+    pf.acquire(fb)
+    wm, wf = pm.weights["blk.0.attn_q.weight"], pf.weights["blk.0.attn_q.weight"]
+    assert wf.a.dtype == torch.float32
+    assert torch.equal(wm.a, wf.a) and torch.equal(wm.bt, wf.bt) and torch.equal(wm.factor, wf.factor)
+    # staged tensors (read ahead on another thread) give the same slot content
+    ps = LoraPool(2, 16)
+    ps.acquire(fb, {a.sha256: LoraPool.stage(a) for a in fb})
+    assert torch.equal(ps.weights["blk.0.attn_q.weight"].a, wf.a)
+
+    pf.release(fb)
+    t = {
+        "blk.0.attn_q.weight.lora_a": rng.standard_normal((4, 32)).astype(np.float16),
+        "blk.0.attn_q.weight.lora_b": rng.standard_normal((24, 4)).astype(np.float16),
+    }
+    third = open_lora_adapter(write_adapter(tmp_path / "c.gguf", t), base_arch="llama", base_tensors=BASE)
+    st = os.stat(third.path)
+    os.utime(third.path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    before = (wf.a.clone(), dict(pf.by_sha), pf.stats.evictions)
+    with pytest.raises(AdapterError, match="changed on disk"):
+        pf.acquire([third])
+    assert torch.equal(wf.a, before[0]) and pf.by_sha == before[1] and pf.stats.evictions == before[2]

@@ -14,6 +14,7 @@ dequantizers come from the ``gguf`` package (which quant types we accept mirrors
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import struct
 from dataclasses import dataclass
@@ -56,12 +57,14 @@ class TensorRecord:
         ggml_type: storage type (F32, Q4_K, ...).
         ne: ggml shape, fastest dimension first (``ne[0]`` = row length).
         raw: the bytes as the reader mapped them (numpy view into the file).
+        offset: absolute byte offset of the data in the file (-1: not from a file).
     """
 
     name: str
     ggml_type: GGMLQuantizationType
     ne: tuple[int, ...]
     raw: np.ndarray
+    offset: int = -1
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -225,7 +228,7 @@ def _parse(path: Path, data: np.ndarray) -> tuple[dict[str, Any], dict[str, Tens
             raw = data[lo : lo + n_bytes].view(_PLAIN_TENSOR_DTYPE[gtype]).reshape(shape)
         else:
             raw = data[lo : lo + n_bytes].reshape(quant_shape_to_byte_shape(shape, gtype))
-        tensors[name] = TensorRecord(name, gtype, ne, raw)
+        tensors[name] = TensorRecord(name, gtype, ne, raw, lo)
     return metadata, tensors
 
 
@@ -260,6 +263,36 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def read_tensor(
+    fh: io.BufferedIOBase, path: Path | str, ggml_type: GGMLQuantizationType, ne: tuple[int, ...], offset: int
+) -> np.ndarray:
+    """Read one tensor's data with plain reads (no mapping kept): F32/F16 in their own dtype,
+    every other supported type dequantized to f32; numpy shape = reversed ``ne``.
+
+    Used to re-read a validated adapter's tensors at page-in (``worker.lora.adapter``): a
+    read of a file that shrank since raises instead of faulting the way a stale mapping does.
+
+    Raises:
+        GGUFError: short read (the file changed), or a type we cannot convert.
+    """
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    n_elems = int(np.prod(ne)) if ne else 1
+    n_bytes = n_elems * type_size // block
+    fh.seek(offset)
+    raw_buf = bytearray(n_bytes)
+    got = fh.readinto(raw_buf)
+    buf = np.frombuffer(raw_buf, dtype=np.uint8)
+    if got != n_bytes:
+        raise GGUFError(f"{path}: tensor data at offset {offset} is truncated ({got} of {n_bytes} bytes)")
+    shape = tuple(reversed(ne))
+    if ggml_type == GGMLQuantizationType.F32:
+        return buf.view(np.float32).reshape(shape)
+    if ggml_type == GGMLQuantizationType.F16:
+        return buf.view(np.float16).reshape(shape)
+    rec = TensorRecord("", ggml_type, ne, buf.reshape(quant_shape_to_byte_shape(shape, ggml_type)), offset)
+    return dequantize(path, rec)
 
 
 def dequantize(path: Path | str, rec: TensorRecord) -> np.ndarray:

@@ -1,6 +1,15 @@
 """LoRA adapters as device tensors: ``LoraPair`` / ``LoraAdapter`` built from a validated
 ``worker.lora.adapter_file.AdapterFile`` (the rules and shapes are documented there).
 
+Two storages. *In memory* (``load_lora_adapter``): the pairs hold the tensors. *File-backed*
+(``open_lora_adapter``, the worker's host tier, issue 12): the file is validated once (every
+tensor read, checked, dropped), then the pairs hold ``meta`` tensors (shape and dtype only)
+and ``LoraAdapter.tensors()`` re-reads the data from the file when the slot pool pages the
+adapter in. The bytes then live in the OS page cache, shared and reclaimable, not in the
+worker's heap, so a worker's RSS depends on its slot pool, not on how many adapters it has
+validated (llama.cpp keeps model weights in a file mapping for the same reason,
+``llama_mmap``). A file that changed on disk since it was validated is refused at re-read.
+
 Mirrors llama.cpp ``llama_adapter_lora_init`` (src/llama-adapter.cpp) and
 ``llama_adapter_lora::get_scale``; it only loads, it never activates anything (that is the
 context's job, see ``worker.lora.plan``). Torch shapes are ggml ``ne`` reversed.
@@ -10,11 +19,13 @@ from __future__ import annotations
 
 import os
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 
+from worker.gguf.reader import GGUFError, read_gguf, read_tensor
 from worker.lora.adapter_file import (
     MAX_RANK,
     NODES_PER_LORA_WEIGHT,
@@ -49,6 +60,26 @@ class LoraPair:
         return int(self.lora_b.shape[-1])
 
 
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor's data sits in a validated file: ggml type, ``ne``, absolute offset."""
+
+    ggml_type: int
+    ne: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class FileTensors:
+    """The tensors of a file-backed adapter: the file, its identity when validated, and the
+    A/B location of every pair (base tensor name → (A, B))."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    refs: Mapping[str, tuple[TensorRef, TensorRef]]
+
+
 # eq=False: identity equality/hash (tensors cannot be compared with ==); content identity
 # is ``sha256``.
 @dataclass(frozen=True, eq=False)
@@ -63,7 +94,9 @@ class LoraAdapter:
         alora_invocation_tokens: ``adapter.alora.invocation_tokens`` (empty: not an aLoRA).
         task_name / prompt_prefix: ``adapter.lora.task_name`` / ``.prompt_prefix`` or "".
         size_bytes: bytes of all A/B tensors as loaded (dtype and count), i.e. the memory the
-            adapter occupies; not the file size.
+            adapter occupies when its tensors are read; not the file size.
+        source: for a file-backed adapter (``open_lora_adapter``), where its tensors are;
+            its ``pairs`` then hold ``meta`` tensors (use ``tensors()`` for data). None: in memory.
     """
 
     path: str
@@ -76,6 +109,47 @@ class LoraAdapter:
     task_name: str
     prompt_prefix: str
     size_bytes: int
+    source: FileTensors | None = None
+
+    def tensors(
+        self, names: Collection[str] | None = None, *, device_for: Callable[[str], torch.device] | None = None
+    ) -> Mapping[str, LoraPair]:
+        """Pairs with data (all, or those of ``names``): ``pairs`` itself when in memory, else
+        read from the file now (F16 stays F16, F32 stays F32, other types dequantized to f32;
+        on ``device_for(base name)``, default CPU). The caller converts while copying.
+
+        Raises:
+            AdapterError: the file is gone, changed on disk since it was validated (size or
+                modification time), or cannot be read.
+        """
+        want = self.pairs if names is None else {n: self.pairs[n] for n in names if n in self.pairs}
+        src = self.source
+        if src is None:
+            return want
+        try:
+            st = os.stat(src.path)
+            if (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
+                raise AdapterError(
+                    src.path,
+                    [
+                        f"the file changed on disk since adapter '{self.name}' was validated "
+                        f"(size {src.size} -> {st.st_size}); register it again"
+                    ],
+                )
+            out: dict[str, LoraPair] = {}
+            with open(src.path, "rb") as fh:
+                for name in want:
+                    if name not in src.refs:  # a side pair: kept in memory
+                        out[name] = self.pairs[name]
+                        continue
+                    ra, rb = src.refs[name]
+                    dev = torch.device(device_for(name)) if device_for is not None else torch.device("cpu")
+                    a = _read_ref(fh, src.path, ra).to(dev)
+                    b = _read_ref(fh, src.path, rb).to(dev)
+                    out[name] = LoraPair(name, a, b)
+            return out
+        except (OSError, GGUFError) as exc:
+            raise AdapterError(src.path, [f"cannot re-read adapter '{self.name}' tensors: {exc}"]) from exc
 
     @property
     def n_nodes(self) -> int:
@@ -120,6 +194,76 @@ def load_lora_adapter(
     )
 
 
+def _read_ref(fh, path: str, ref: TensorRef) -> torch.Tensor:
+    return torch.from_numpy(read_tensor(fh, path, GGMLQuantizationType(ref.ggml_type), ref.ne, ref.offset))
+
+
+def is_pooled(name: str, pair: LoraPair) -> bool:
+    """True for plain 2-D matmul branches (the slot pool's); token_embd and 3-D expert
+    branches are fused on the side (``worker.lora.plan.side_branches``)."""
+    return name != TOKEN_EMBD and pair.lora_a.dim() == 2
+
+
+def open_lora_adapter(
+    path: str | os.PathLike[str],
+    *,
+    base_arch: str,
+    base_tensors: Mapping[str, tuple[int, ...]],
+    device_for: Callable[[str], torch.device] = lambda name: torch.device("cpu"),
+) -> LoraAdapter:
+    """Validate an adapter GGUF like ``load_lora_adapter`` and return it *file-backed*: its
+    pooled pairs (2-D matmul branches) hold ``meta`` tensors of the storage shape and dtype
+    (F16 for F16 data, else f32) and ``LoraAdapter.tensors()`` reads them when the pool pages
+    the adapter in (see the module docstring). Side pairs (token_embd, experts) are kept in
+    memory in the storage dtype on ``device_for(base name)``: the side fusion reads them at
+    every pool generation.
+
+    Raises:
+        AdapterError: listing every problem found (``worker.lora.adapter_file`` rules).
+    """
+    st = os.stat(path)
+    af = read_lora_adapter(path, base_arch=base_arch, base_tensors=base_tensors)
+    gf = read_gguf(path)  # the index again (offsets); parsing is cheap, the data is not touched
+    refs: dict[str, tuple[TensorRef, TensorRef]] = {}
+    pairs: dict[str, LoraPair] = {}
+    size = 0
+    for base in af.pairs:
+        ra, rb = gf.tensors[base + ".lora_a"], gf.tensors[base + ".lora_b"]
+        ab = []
+        for rec in (ra, rb):
+            dt = torch.float16 if rec.ggml_type == GGMLQuantizationType.F16 else torch.float32
+            ab.append(torch.empty(rec.shape, dtype=dt, device="meta"))
+            size += ab[-1].numel() * ab[-1].element_size()
+        pair = LoraPair(base, ab[0], ab[1])
+        if is_pooled(base, pair):
+            pairs[base] = pair
+            refs[base] = tuple(TensorRef(int(r.ggml_type), r.ne, r.offset) for r in (ra, rb))  # type: ignore[assignment]
+        else:
+            dev = torch.device(device_for(base))
+            a_np, b_np = af.pairs[base]
+            a_t = torch.from_numpy(a_np).to(dtype=ab[0].dtype, device=dev)
+            pairs[base] = LoraPair(base, a_t, torch.from_numpy(b_np).to(dtype=ab[1].dtype, device=dev))
+    sha, arch, name, alpha = af.sha256, af.arch, af.name, af.alpha
+    tokens, task_name, prompt_prefix = af.alora_invocation_tokens, af.task_name, af.prompt_prefix
+    del gf, af  # drop the mapping and the validation copies
+    st2 = os.stat(path)
+    if (st.st_size, st.st_mtime_ns) != (st2.st_size, st2.st_mtime_ns):
+        raise AdapterError(str(path), ["the file changed on disk while it was being validated"])
+    return LoraAdapter(
+        path=str(path),
+        sha256=sha,
+        arch=arch,
+        name=name,
+        alpha=alpha,
+        pairs=types.MappingProxyType(pairs),
+        alora_invocation_tokens=tokens,
+        task_name=task_name,
+        prompt_prefix=prompt_prefix,
+        size_bytes=size,
+        source=FileTensors(str(path), st.st_size, st.st_mtime_ns, types.MappingProxyType(refs)),
+    )
+
+
 def adapter_from_file(
     af: AdapterFile,
     *,
@@ -155,11 +299,15 @@ __all__ = [
     "TOKEN_EMBD",
     "AdapterError",
     "AdapterFile",
+    "FileTensors",
     "LoraAdapter",
     "LoraPair",
+    "TensorRef",
     "adapter_from_file",
+    "is_pooled",
     "base_tensor_index",
     "load_lora_adapter",
+    "open_lora_adapter",
     "lora_scale",
     "read_adapter_gguf",
     "validate_lora_adapter",

@@ -51,20 +51,22 @@ class FusedLora:
 
 
 def side_branches(pool: LoraPool) -> dict[str, FusedLora]:
-    """Fuse the non-pooled branches of the resident adapters (rebuilt per pool generation)."""
+    """Fuse the non-pooled branches of the resident adapters (rebuilt per pool generation),
+    in the pool's dtype (host copies may be F16; side pairs are always in memory)."""
     per_weight: dict[str, list[tuple[int, float, LoraPair]]] = {}
     for slot, info in enumerate(pool.slots):
         a = info.adapter
         if a is None:
             continue
         for name, pair in a.pairs.items():
-            if not is_pooled(name, pair):
-                per_weight.setdefault(name, []).append((slot, a.alpha / pair.rank if a.alpha else 1.0, pair))
+            if is_pooled(name, pair):
+                continue
+            per_weight.setdefault(name, []).append((slot, a.alpha / pair.rank if a.alpha else 1.0, pair))
     out: dict[str, FusedLora] = {}
     for name, parts in per_weight.items():
         a_dim = -1 if pair_is_embd(name) else -2
-        la = torch.cat([p.lora_a for _, _, p in parts], dim=a_dim)
-        lb = torch.cat([p.lora_b for _, _, p in parts], dim=-1)
+        la = torch.cat([p.lora_a.to(pool.dtype) for _, _, p in parts], dim=a_dim)
+        lb = torch.cat([p.lora_b.to(pool.dtype) for _, _, p in parts], dim=-1)
         dev = la.device
         col_slot = torch.cat([torch.full((p.rank,), s, dtype=torch.long) for s, _, p in parts]).to(dev)
         col_factor = torch.cat([torch.full((p.rank,), f, dtype=torch.float32) for _, f, p in parts]).to(dev)

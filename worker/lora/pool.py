@@ -44,12 +44,12 @@ Rules (SGLang ``lora_manager``, vLLM ``LRUCacheLoRAModelManager``):
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from worker.lora.adapter import TOKEN_EMBD, LoraAdapter, LoraPair
+from worker.lora.adapter import LoraAdapter, LoraPair, is_pooled
 
 RANK_ALIGN = 8  # padded rank granularity of a weight's slot buffers
 
@@ -60,11 +60,6 @@ class PoolExhaustedError(RuntimeError):
 
 class PoolCapacityError(ValueError):
     """A request can never fit: more distinct adapters than ``max_loras`` slots."""
-
-
-def is_pooled(name: str, pair: LoraPair) -> bool:
-    """True for plain 2-D matmul branches (pooled); token_embd and experts use side fusion."""
-    return name != TOKEN_EMBD and pair.lora_a.dim() == 2
 
 
 @dataclass
@@ -211,15 +206,20 @@ class LoraPool:
         order = free + [i for _, i in victims]
         return order[: len(missing)] if len(order) >= len(missing) else None
 
-    def acquire(self, adapters: Sequence[LoraAdapter]) -> AcquireResult:
+    def acquire(
+        self, adapters: Sequence[LoraAdapter], staged: Mapping[str, Mapping[str, LoraPair]] | None = None
+    ) -> AcquireResult:
         """Make every adapter resident (paging in what is missing) and hold it.
 
         Free slots are used lowest index first (keeps the used prefix short), then the least
-        recently used unheld, unpinned slot is evicted.
+        recently used unheld, unpinned slot is evicted. ``staged`` (sha256 → pooled pairs with
+        data, from ``stage``) spares a file-backed adapter's re-read on this thread.
 
         Raises:
             PoolCapacityError: more distinct adapters than ``max_loras`` (can never fit).
             PoolExhaustedError: not all can be resident now (nothing changed; retry later).
+            AdapterError: a file-backed adapter's tensors cannot be re-read (the adapters
+                paged in before it stay resident, unheld; nothing is held).
         """
         distinct = {a.sha256: a for a in adapters}
         targets = self.plan_acquire(list(distinct.values()))
@@ -231,7 +231,7 @@ class LoraPool:
         it = iter(targets)
         for sha, a in distinct.items():
             if sha not in self.by_sha:
-                self._page_in(a, next(it))
+                self._page_in(a, next(it), (staged or {}).get(sha))
                 paged.append(sha)
         self._tick += 1
         slots = {}
@@ -278,25 +278,37 @@ class LoraPool:
         self.slots[slot] = SlotInfo()
         self.generation += 1
 
-    def _page_in(self, adapter: LoraAdapter, slot: int) -> None:
+    @staticmethod
+    def stage(adapter: LoraAdapter) -> Mapping[str, LoraPair]:
+        """The pooled pairs of ``adapter`` with data, read now (any thread): what ``acquire``
+        copies into a slot. For a file-backed adapter this is the file read, done ahead of
+        admission so that the decode loop only copies (prefetch for queued requests).
+
+        Raises:
+            AdapterError: the file cannot be re-read.
+        """
+        return adapter.tensors([n for n, p in adapter.pairs.items() if is_pooled(n, p)])
+
+    def _page_in(self, adapter: LoraAdapter, slot: int, staged: Mapping[str, LoraPair] | None = None) -> None:
         """Copy ``adapter`` into ``slot`` in place (evicting its occupant).
 
         Raises:
             ValueError: a rank above ``max_lora_rank`` (checked before anything changes;
                 the worker refuses such adapters at load, so this is an internal guard).
+            AdapterError: a file-backed adapter's tensors cannot be re-read (checked before
+                the occupant is evicted).
         """
         too_big = [f"{n}: rank {p.rank}" for n, p in adapter.pairs.items() if p.rank > self.max_lora_rank]
         if too_big:
             raise ValueError(
                 f"adapter '{adapter.name}' exceeds --max-lora-rank {self.max_lora_rank}: {', '.join(too_big)}"
             )
+        data = staged if staged is not None else self.stage(adapter)
         if self.slots[slot].adapter is not None:
             self.stats.evictions += 1
             self._clear(slot)
         nbytes = 0
-        for name, pair in adapter.pairs.items():
-            if not is_pooled(name, pair):
-                continue
+        for name, pair in data.items():
             r = pair.rank
             w = self._weight(name, pair)
             w.a[slot, :r].copy_(pair.lora_a)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker.lora.adapter import AdapterError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.plan import FusedLora, LoraPlan, build_plan, side_branches
 from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
@@ -141,6 +142,8 @@ class WorkerContext:
             self.pool.acquire(wanted)
         except (PoolCapacityError, PoolExhaustedError) as exc:
             raise DecodeError(f"adapter sets need slots: {exc}") from exc
+        except AdapterError as exc:  # a file-backed adapter's tensors could not be re-read
+            raise DecodeError(f"paging an adapter in failed: {exc}") from exc
         self.pool.release(self._held)
         self._held = wanted
         self.active_sets = new

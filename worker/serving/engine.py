@@ -42,8 +42,9 @@ from worker.errors import (
     InvalidRequestError,
     WorkerError,
 )
-from worker.lora.adapter import AdapterError, LoraAdapter, load_lora_adapter
+from worker.lora.adapter import AdapterError, LoraAdapter, open_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.pool import LoraPool
 from worker.runtime.context import Model
 from worker.runtime.model import BaseModel, load_model
 from worker.runtime.sampling import SamplingParams
@@ -283,18 +284,15 @@ class WorkerEngine:
         return adapter
 
     def _read(self, adapter_id: int, path: str) -> LoraAdapter:
-        """Validate and load ``path`` as host tensors (rank checked against the pool).
+        """Validate ``path`` into the host tier, file-backed (``open_lora_adapter``: the pool
+        re-reads the tensors at page-in), its rank checked against the pool.
 
         Raises:
             InvalidRequestError: the file fails validation or a rank exceeds --max-lora-rank.
         """
         try:
-            adapter = load_lora_adapter(
-                path,
-                base_arch=self.base.arch,
-                base_tensors=self.base.tensor_ne,
-                device_for=self.base.device_of,
-                dtype=self.base.dtype,
+            adapter = open_lora_adapter(
+                path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne, device_for=self.base.device_of
             )
         except AdapterError as exc:
             raise InvalidRequestError(str(exc)) from exc
@@ -544,6 +542,7 @@ class WorkerEngine:
         emit: Callable[[Event], None],
     ) -> GenRequest:
         adapter_set, sources = self.resolve_set(entries)
+        staged = self._stage(adapter_set)
         with self._lock:
             # Re-check under the lock: an unload may have started, or the host tier may have
             # dropped an entry, while we loaded; the scheduler counts the request in flight
@@ -561,9 +560,28 @@ class WorkerEngine:
                 adapter_set=adapter_set,
                 emit=emit,
                 host_sources=sources,
+                staged=staged,
             )
             self._evict_host()
         return req
+
+    def _stage(self, adapter_set: AdapterSet) -> dict:
+        """Read ahead (caller's thread) the pooled tensors of the set's adapters that are not
+        resident now, so that admission on the decode loop only copies them into slots.
+
+        Raises:
+            AdapterFetchError: an adapter's file cannot be re-read (it changed or vanished).
+        """
+        resident = self.ctx.pool.resident_shas()
+        staged = {}
+        for aid, a, _ in adapter_set.entries:
+            if a.sha256 in resident or a.source is None:
+                continue
+            try:
+                staged[a.sha256] = LoraPool.stage(a)
+            except AdapterError as exc:
+                raise AdapterFetchError(f"adapter {aid}: {exc}") from exc
+        return staged
 
     def tokenize(self, text: str) -> list[int]:
         """Tokenize a text prompt, size first.

@@ -154,6 +154,9 @@ class GenRequest:
     bypassed: int = 0  # times passed over at the queue head (bounded waiting)
     # adapter id → (host source "host" | "loaded" | "fetched", ms spent getting it at submit)
     host_sources: dict[int, tuple[str, float]] = field(default_factory=dict)
+    # sha256 → pooled pairs read ahead at submit for adapters not resident then (prefetch;
+    # ``LoraPool.stage``); dropped at admission
+    staged: dict = field(default_factory=dict)
 
     def note_residency(self, was_resident: dict[str, bool], *, slot_wait_ms: float, page_in_ms: float) -> None:
         """Record, per adapter, where it came from and how long the request waited for it."""

@@ -36,7 +36,8 @@ import structlog
 import torch
 
 from worker.config import Batching, WorkerConfig
-from worker.errors import DecodeFailedError, InvalidRequestError, QueueFullError, WorkerError
+from worker.errors import AdapterFetchError, DecodeFailedError, InvalidRequestError, QueueFullError, WorkerError
+from worker.lora.adapter import AdapterError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.alora import resolve_alora
 from worker.lora.pool import LoraPool, PoolExhaustedError
@@ -143,8 +144,10 @@ class Scheduler:
         adapter_set: AdapterSet,
         emit: Callable[[Event], None],
         host_sources: dict[int, tuple[str, float]] | None = None,
+        staged: dict | None = None,
     ) -> GenRequest:
-        """Admit a request: validate, apply the aLoRA rule, queue it.
+        """Admit a request: validate, apply the aLoRA rule, queue it. ``staged``: tensors of
+        its non-resident adapters read ahead on the caller's thread (``LoraPool.stage``).
 
         Raises:
             InvalidRequestError: empty/too long prompt, token out of range, two aLoRAs, bad
@@ -183,6 +186,7 @@ class Scheduler:
         if params.stop:
             req.stop = StopMatcher(params.stop)
         req.host_sources = dict(host_sources or {})
+        req.staged = dict(staged or {})
         with self._cv:
             # Capacity is slots + queue limit: a queued request that a free slot will take at
             # the next loop turn is not "waiting", so a burst admits exactly that many even
@@ -299,9 +303,18 @@ class Scheduler:
                 # finished requests' adapters: drop them (the next step re-holds the rest).
                 self.ctx.set_adapters(EMPTY_SET)
             try:
-                pool.acquire(adapters)
+                pool.acquire(adapters, req.staged)
             except PoolExhaustedError:
                 continue
+            except AdapterError as exc:
+                # Its adapter's file cannot be re-read for the page-in: fail this request only.
+                self.queue.remove(req)
+                req.emit(ErrorEvent(AdapterFetchError(f"paging the adapter in failed: {exc}")))
+                self._release_adapters(req)
+                if self.observer is not None:
+                    self.observer.on_finish(req, "error")
+                return self._next_admissible() if self.queue else None
+            req.staged = {}
             req.pool_held = adapters
             req.note_residency(
                 was, slot_wait_ms=(t0 - req.admitted_at) * 1000, page_in_ms=(time.monotonic() - t0) * 1000
