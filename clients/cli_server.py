@@ -322,7 +322,8 @@ def worker_runtime_options(f: F) -> F:
             "--max-cpu-loras",
             type=click.IntRange(min=1),
             default=None,
-            help="Adapters kept in host memory, LRU beyond it (default 128).",
+            help="Adapters kept validated on the host, ready to page in (default 128), LRU "
+            "beyond it; their bytes stay in local files read at page-in, not in worker memory.",
         ),
         click.option(
             "--max-lora-rank",

@@ -60,8 +60,10 @@ class WorkerConfig:
             stream gets RESOURCE_EXHAUSTED at once.
         max_loras: adapter slots in the device pool (vLLM ``--max-loras``); a request may use
             at most this many adapters.
-        max_cpu_loras: adapters kept as tensors in host memory (vLLM ``--max-cpu-loras``), LRU
-            beyond it; never fewer than ``max_loras`` (resident adapters stay on host too).
+        max_cpu_loras: adapters kept validated on the host, ready to page in (vLLM
+            ``--max-cpu-loras``), LRU beyond it; never fewer than ``max_loras`` (resident
+            adapters stay on host too). File-backed: the worker keeps each one's tensor index
+            and re-reads the tensors from its local file at page-in (``open_lora_adapter``).
         max_lora_rank: largest rank an adapter may have here (vLLM ``--max-lora-rank``).
     """
 

@@ -7,13 +7,15 @@ requests naming the adapter are refused, running ones finish, then the context d
 and the model frees it — a context never points at freed weights.
 
 Three tiers (issue 12): the worker *knows* an adapter id (its sha256, name, pin flag) from a
-``LoadAdapter`` call — with bytes, a server path, or ``fetch_on_demand`` (header only); its
-tensors are in *host* memory (``ModelAdapters.by_id``, at most ``--max-cpu-loras``, least
+``LoadAdapter`` call — with bytes, a server path, or ``fetch_on_demand`` (header only); it is
+in the *host* tier once validated (``ModelAdapters.by_id``, at most ``--max-cpu-loras``, least
 recently used evicted first, never one that a request holds, that is resident in a slot or
-pinned); the slot pool (``worker.lora.pool``) holds what ubatches use. A request's adapters
-are brought to host at submit, on the caller's thread (off the decode loop): from a local
-file, or fetched from the control plane by sha256 (``fetcher``) the first time, once per
-content however many requests ask at once.
+pinned) — file-backed: the tensor index in memory, the bytes in a local file the pool re-reads
+at page-in (``worker.lora.adapter.open_lora_adapter``); the slot pool (``worker.lora.pool``)
+holds what ubatches use. A request's adapters are brought to host at submit, on the caller's
+thread (off the decode loop): from a local file, or fetched from the control plane by sha256
+(``fetcher``) the first time, once per content however many requests ask at once; the
+tensors of those not resident are read ahead then (``_stage``), so admission only copies.
 """
 
 from __future__ import annotations
