@@ -13,7 +13,7 @@ import torch
 
 from worker.lora.adapter import AdapterError, LoraAdapter, LoraPair, load_lora_adapter, open_lora_adapter
 from worker.lora.adapter_set import AdapterSet
-from worker.lora.plan import build_plan, side_branches
+from worker.lora.plan import build_plan
 from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
 
 K, D = 8, 6
@@ -149,7 +149,7 @@ def test_heterogeneous_ranks_and_weights_routed_by_slot():
         AdapterSet.of({1: (ads[1], 2.0)}),
         AdapterSet.of({3: (ads[3], 1.0), 1: (ads[1], 1.0)}),
     )
-    plan = build_plan(sets, pool, {})
+    plan = build_plan(sets, pool)
     route = torch.tensor([0, 1, 2, 2, 0])
     x = torch.randn(5, K)
     inputs = GraphInputs(
@@ -184,9 +184,20 @@ def test_token_embd_side_branch_follows_slots():
     )
     pool = LoraPool(3, 8)
     pool.acquire([ADS[0], emb])
-    side = side_branches(pool)
-    assert list(side) == ["token_embd.weight"] and side["token_embd.weight"].col_slot.tolist() == [1, 1]
     assert "token_embd.weight" not in pool.weights
+    assert pool.side[0] == {} and list(pool.side[1]) == ["token_embd.weight"]
+    br = pool.side[1]["token_embd.weight"]
+    assert br.factor == 1.0 and torch.equal(br.lora_a, emb.pairs["token_embd.weight"].lora_a)
+    # routing: only slots a set uses count, and the side branch is applied per used slot
+    plan = build_plan([AdapterSet.of({0: (ADS[0], 1.0)}), AdapterSet.of({1: (emb, 0.5)})], pool)
+    assert plan.side_slots == (1,)
+    assert build_plan([AdapterSet.of({0: (ADS[0], 1.0)})], pool).side_slots == ()
+    # paging another adapter into slot 2 leaves slot 1's side branch object untouched
+    pool.release([ADS[0], emb])
+    pool.acquire([ADS[1]])
+    assert pool.side[1]["token_embd.weight"] is br
+    pool.evict(emb.sha256)
+    assert pool.side[1] == {}
 
 
 # --- fetch into the worker's cache ----------------------------------------------------------

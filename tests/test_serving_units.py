@@ -233,7 +233,7 @@ def test_plan_routes_rows_by_slot_over_the_pool():
     sets = (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 0.5), 1: (B, 2.0)}), EMPTY_SET)
     pool = LoraPool(4, 8)
     pool.acquire([A, B])
-    plan = build_plan(sets, pool, {})
+    plan = build_plan(sets, pool)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.sets = ()  # type: ignore[misc]
     assert plan.s_used == 2 and pool.weights["w"].a.shape == (4, 8, K) and pool.weights["w"].bt.shape == (4, 8, D)

@@ -28,9 +28,10 @@ a later adapter with a larger rank (at most ``max_lora_rank``, enforced at load)
 once (a reallocation that copies every slot, counted in ``rank_growths``). So a worker's pool
 memory depends on ``max_loras`` and the ranks it has served, never on how many adapters are
 registered. Weights that are not plain 2-D matmuls — ``token_embd`` (A is ``(V, r)``: a
-padded ``(S, V, R)`` buffer would be hundreds of MiB) and 3-D expert tensors — are kept as
-the adapter's own tensors and fused per *slot generation* (``side_branches``), rebuilt only
-when some slot's content changes, never per batch composition.
+padded ``(S, V, R)`` buffer would be hundreds of MiB) and 3-D expert tensors — are *side
+branches*: the page-in stores that slot's own A/B for them (``side[slot]``, in the pool's
+dtype, on the weight's device) and the graph applies each used slot's side branch in turn;
+paging one adapter never touches another slot's side branches either.
 
 Rules (SGLang ``lora_manager``, vLLM ``LRUCacheLoRAModelManager``):
 - a held adapter (a running or admitted request holds it, ``acquire``) is never evicted;
@@ -74,6 +75,17 @@ class WeightSlots:
     @property
     def rank_cap(self) -> int:
         return int(self.a.shape[1])
+
+
+@dataclass(frozen=True)
+class SideBranch:
+    """One slot's branch on a side weight (torch shapes, the pool's dtype):
+    token_embd A ``(V, r)``, B ``(d, r)``; experts A ``(E, r, k)``, B ``(E, d, r)``;
+    ``factor`` = alpha / r (1 when alpha = 0)."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    factor: float
 
 
 @dataclass
@@ -135,6 +147,7 @@ class LoraPool:
         self.device_for = device_for
         self.slots = [SlotInfo() for _ in range(max_loras)]
         self.weights: dict[str, WeightSlots] = {}
+        self.side: list[dict[str, SideBranch]] = [{} for _ in range(max_loras)]  # per slot
         self.by_sha: dict[str, int] = {}
         self.generation = 0  # bumped whenever any slot's content changes
         self.stats = PoolStats()
@@ -275,6 +288,7 @@ class LoraPool:
             if w.rank_of[slot]:
                 w.factor[slot] = 0.0
                 w.rank_of[slot] = 0
+        self.side[slot] = {}
         self.slots[slot] = SlotInfo()
         self.generation += 1
 
@@ -319,6 +333,13 @@ class LoraPool:
             w.factor[slot] = adapter.alpha / r if adapter.alpha else 1.0
             w.rank_of[slot] = r
             nbytes += (pair.lora_a.numel() + pair.lora_b.numel()) * w.a.element_size()
+        for name, pair in adapter.pairs.items():
+            if is_pooled(name, pair):
+                continue
+            dev = self.device_for(name)
+            a, b = (t.to(dtype=self.dtype, device=dev) for t in (pair.lora_a, pair.lora_b))
+            self.side[slot][name] = SideBranch(a, b, adapter.alpha / pair.rank if adapter.alpha else 1.0)
+            nbytes += (a.numel() + b.numel()) * a.element_size()
         self.slots[slot] = SlotInfo(adapter=adapter, pinned=False)
         with self._by_sha_lock:
             self.by_sha[adapter.sha256] = slot
@@ -358,6 +379,7 @@ __all__ = [
     "PoolExhaustedError",
     "PoolStats",
     "RANK_ALIGN",
+    "SideBranch",
     "SlotInfo",
     "WeightSlots",
     "is_pooled",

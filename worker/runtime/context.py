@@ -17,7 +17,7 @@ import torch
 
 from worker.lora.adapter import AdapterError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from worker.lora.plan import FusedLora, LoraPlan, build_plan, side_branches
+from worker.lora.plan import LoraPlan, build_plan
 from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
 from worker.lora.registry import ModelAdapters
 from worker.runtime import arch as arch_registry
@@ -101,7 +101,6 @@ class WorkerContext:
         self.pool: LoraPool = adapters.pool
         self._held: list = []  # adapters this context holds in the pool (its active sets')
         self._seen_generation = -1  # pool generation at the previous decode
-        self._side: tuple[int, dict[str, FusedLora]] = (-1, {})
         self.stats = ContextStats()
         adapters.contexts.append(self)
 
@@ -155,11 +154,9 @@ class WorkerContext:
 
     def _get_plan(self) -> tuple[LoraPlan, bool]:
         """The ubatch's routing over the pool, and whether no slot changed since the last decode
-        ("graph reused"; side branches are re-fused only then)."""
+        ("graph reused")."""
         gen = self.pool.generation
-        if self._side[0] != gen:
-            self._side = (gen, side_branches(self.pool))
-        plan = build_plan(self.active_sets, self.pool, self._side[1])
+        plan = build_plan(self.active_sets, self.pool)
         reused = gen == self._seen_generation
         self._seen_generation = gen
         if reused:

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from worker.lora.plan import FusedLora, LoraPlan
+from worker.lora.plan import LoraPlan
+from worker.lora.pool import SideBranch
 from worker.runtime.kernels import QuantLinear, quantize_activations, resolve_path
 from worker.runtime.kv_cache import KVCache
 
@@ -121,30 +122,31 @@ class GraphContext:
 
     # --- inputs -----------------------------------------------------------------------
     def build_inp_embd(self, name: str = "token_embd.weight") -> torch.Tensor:
-        """``get_rows(W, ids)`` plus the embedding LoRA: ``B · (S ⊙ get_rows(A, ids))``.
+        """``get_rows(W, ids)`` plus the embedding LoRA of every slot the ubatch uses:
+        ``Σ_s (S[:, s] · f_s) ⊙ (get_rows(A_s, ids) · B_sᵀ)``.
 
-        W ``(V, d)``; fused A ``(V, R)`` (ggml ne ``[r, V]`` per adapter, the token_embd
-        exception) of the resident adapters (a side branch, ``worker.lora.plan``); B ``(d, R)``;
-        S ``(n, R)`` the per-row column scales. Returns ``(n, d)``.
+        W ``(V, d)``; per slot A_s ``(V, r)`` (ggml ne ``[r, V]``, the token_embd exception),
+        B_s ``(d, r)``, f_s = alpha / r (a side branch, ``worker.lora.pool.SideBranch``);
+        S ``(n, s_used)`` the per-row slot scales. Returns ``(n, d)``.
         """
         ids = self.inp.tokens
         w = self.w[name]
         x = (w.get_rows(ids) if isinstance(w, QuantLinear) else w.index_select(0, ids)).to(self.dtype)
         self.n_nodes += 1
-        fw = self.plan.side.get(name) if self.row_slot is not None else None
-        if fw is not None:
-            a = fw.lora_a.index_select(0, ids)
-            x = x + ((a * self._col_scales(fw, a.dtype)) @ fw.lora_b.T).to(x.dtype)
+        for slot, br in self._side_branches(name):
+            assert self.row_slot is not None
+            s = (self.row_slot[:, slot] * br.factor).to(br.lora_a.dtype).unsqueeze(1)  # (n, 1)
+            a = br.lora_a.index_select(0, ids)  # (n, r)
+            x = x + ((a * s) @ br.lora_b.T).to(x.dtype)
             self.n_nodes += 4
         return x
 
-    def _col_scales(self, fw: FusedLora, dtype: torch.dtype) -> torch.Tensor:
-        """``(n, R)`` scales of a side branch's rank columns for the rows alive now."""
-        assert self.row_slot is not None
-        rs = self.row_slot
-        if rs.shape[1] < self.plan.pool.max_loras:  # side columns may sit past the used prefix
-            rs = F.pad(rs, (0, self.plan.pool.max_loras - rs.shape[1]))
-        return (rs.index_select(1, fw.col_slot) * fw.col_factor).to(dtype)
+    def _side_branches(self, name: str) -> list[tuple[int, SideBranch]]:
+        """(slot, branch) of the side weight ``name`` for each slot this ubatch uses."""
+        if self.row_slot is None:
+            return []
+        side = self.plan.pool.side
+        return [(s, side[s][name]) for s in self.plan.side_slots if name in side[s]]
 
     def build_inp_out_ids(self, x: torch.Tensor) -> torch.Tensor:
         """Keep only the rows whose logits are wanted (``ggml_get_rows(cur, inp_out_ids)``).
@@ -269,30 +271,27 @@ class GraphContext:
         """Expert matmul routed by ``expert_ids`` (``ggml_mul_mat_id``) plus the experts' LoRA.
 
         W ``(E, d, k)``; x ``(n, k)`` or ``(n, K, k)`` (per selected expert); expert_ids
-        int64 ``(n, K)``. Fused A ``(E, R, k)`` and B ``(E, d, R)`` of the resident adapters
-        (a side branch, fused once per pool generation) are routed by the same ids as W —
-        never one expert's A/B for all tokens. Returns ``(n, K, d)``.
+        int64 ``(n, K)``. Each used slot's A ``(E, r, k)`` and B ``(E, d, r)`` (a side branch,
+        ``worker.lora.pool.SideBranch``) are routed by the same ids as W — never one expert's
+        A/B for all tokens. Returns ``(n, K, d)``.
         """
         w = self.w[name]
         n, top_k = expert_ids.shape
         xk = x.unsqueeze(1).expand(n, top_k, x.shape[-1]) if x.dim() == 2 else x
         d_out = w[0].d if isinstance(w, list) else w.shape[1]
         out = torch.zeros((n, top_k, d_out), dtype=x.dtype, device=x.device)
-        fw = self.plan.side.get(name) if self.row_slot is not None else None
-        scales: torch.Tensor | None = None
-        if fw is not None:
-            scales = self._col_scales(fw, x.dtype)
-            self.n_nodes += 4
-        self.n_nodes += 1
+        branches = self._side_branches(name)
+        self.n_nodes += 1 + 4 * len(branches)
         for e in torch.unique(expert_ids).tolist():
-            tok, slot = torch.nonzero(expert_ids == e, as_tuple=True)
-            xe = xk[tok, slot]
+            tok, k_idx = torch.nonzero(expert_ids == e, as_tuple=True)
+            xe = xk[tok, k_idx]
             we = w[e]
             ye = we.matmul(xe).to(xe.dtype) if isinstance(we, QuantLinear) else xe @ we.T
-            if fw is not None and scales is not None:
-                xa = xe @ fw.lora_a[e].T
-                ye = ye + (xa * scales.index_select(0, tok)) @ fw.lora_b[e].T
-            out[tok, slot] = ye
+            for lora_slot, br in branches:
+                assert self.row_slot is not None
+                s = (self.row_slot.index_select(0, tok)[:, lora_slot] * br.factor).to(xe.dtype).unsqueeze(1)
+                ye = ye + ((xe @ br.lora_a[e].T) * s) @ br.lora_b[e].T
+            out[tok, k_idx] = ye
         return out
 
     def build_output(self, x: torch.Tensor, *, tied_to: str = "token_embd.weight") -> torch.Tensor:
