@@ -144,7 +144,7 @@ def test_bench_quick_reports_every_scenario(tmp_path):
     _number(lc, "fit_16gib_device")
 
     pg = sc["paging"]
-    for label in ("fit", "many"):
+    for label in ("ten", "fit", "many"):
         assert pg[label]["n_errors"] == 0, pg[label]["errors"]
         assert _number(pg[label], "tok_s") > 0
         for f in (
@@ -152,11 +152,14 @@ def test_bench_quick_reports_every_scenario(tmp_path):
             "ttft_p99_ms",
             "page_ins_per_request",
             "fetches_per_request",
-            "worker_rss_10_mib",
-            "worker_rss_all_mib",
+            "worker_rss_registered_mib",
+            "worker_rss_mib",
+            "worker_rss_anon_mib",
         ):
             _number(pg[label], f)
+    assert (pg["ten"]["registered"], pg["many"]["registered"]) == (min(10, pg["adapters"]), pg["adapters"])
     _number(pg, "tok_s_ratio_many_over_fit")
+    _number(pg, "worker_rss_ratio_all_over_10")
     _number(pg, "many", "register_to_first_token_ms")
     assert pg["many"]["page_ins_per_request"] > 0  # more adapters than slots: it pages
 
