@@ -24,9 +24,8 @@ is the current unix time, labelled with the comma-joined *names* of the adapters
 / waiting requests use (what the Gateway API Inference Extension matches ``model`` against)
 and ``max_lora``. vLLM leaves one series behind per label combination ever seen; here the
 gauge is computed at scrape time, so exactly one series exists (bounded cardinality).
-``max_lora`` is the pool's adapter slots: workers keep every registered adapter resident and
-mixed batching lets each slot run a different adapter set, so the most distinct adapters in
-flight at once is the sum of the live workers' slots.
+``max_lora`` is vLLM's ``--max-loras`` summed over the live workers: each worker's slot pool
+(``--max-loras``) bounds the distinct adapters its batches use at once.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class ControlPlaneMetrics:
 
     Args:
         adapter_name: id → the name ``/v1/models`` serves it under.
-        pool_state: ``() -> (live workers, their total slots)``.
+        pool_state: ``() -> (live workers, their total slots, their total adapter slots)``.
         n_adapters: ``() -> registered adapters``.
         adapter_label_cap: distinct ``adapter`` label values before "other".
     """
@@ -69,7 +68,7 @@ class ControlPlaneMetrics:
         self,
         *,
         adapter_name: Callable[[int], str],
-        pool_state: Callable[[], tuple[int, int]],
+        pool_state: Callable[[], tuple[int, int, int]],
         n_adapters: Callable[[], int],
         adapter_label_cap: int,
     ) -> None:
@@ -172,7 +171,7 @@ class ControlPlaneMetrics:
             entries = list(self._in_flight.values())
         return [e for e in entries if e.running], [e for e in entries if not e.running]
 
-    def pool_state(self) -> tuple[int, int]:
+    def pool_state(self) -> tuple[int, int, int]:
         return self._pool_state()
 
     def n_adapters(self) -> int:
@@ -194,7 +193,7 @@ class _StateCollector:
 
     def collect(self):
         running, waiting = self.m.in_flight()
-        live, slots = self.m.pool_state()
+        live, slots, max_lora = self.m.pool_state()
         for name, doc, value in (
             ("loraplane_requests_running", "Requests streaming tokens.", len(running)),
             ("loraplane_requests_waiting", "Requests routed but not started (queued or in prefill).", len(waiting)),
@@ -210,5 +209,5 @@ class _StateCollector:
             "Running stats on lora requests.",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
-        info.add_metric([str(slots), _names(running), _names(waiting)], time.time())
+        info.add_metric([str(max_lora), _names(running), _names(waiting)], time.time())
         yield info

@@ -130,9 +130,12 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
         rec = next((r for r in records if r.id == adapter_id), None)
         return served_name(rec, records) if rec is not None else f"adapter:{adapter_id}"
 
-    def pool_state() -> tuple[int, int]:
+    def pool_state() -> tuple[int, int, int]:
         live = pool.live()
-        return len(live), sum(w.n_slots for w in live)
+        # a worker that has not reported its pool (older worker, another replica's sighting)
+        # counts its slots: without a pool each slot could run another adapter set
+        max_lora = sum(w.paging.max_loras or w.n_slots for w in live)
+        return len(live), sum(w.n_slots for w in live), max_lora
 
     return ControlPlaneMetrics(
         adapter_name=adapter_name,

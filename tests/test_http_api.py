@@ -35,6 +35,8 @@ def serve(tmp_path_factory, fixtures_dir: Path):
         "--lora-init-without-apply",
         "--adapter-dir",
         str(ad),
+        "--max-loras",
+        "3",
         admin_token=TOKEN,
     )
     yield s
@@ -358,13 +360,13 @@ def test_metrics_move_by_exact_amounts(serve, client):
     assert list(info) == [
         (
             "vllm:lora_requests_info",
-            (("max_lora", "2"), ("running_lora_adapters", "shout"), ("waiting_lora_adapters", "")),
+            (("max_lora", "3"), ("running_lora_adapters", "shout"), ("waiting_lora_adapters", "")),
         )
     ]
     assert during[("vllm:num_requests_running", ())] == 1 and during[("loraplane_requests_running", ())] == 1
     assert rest[-1].choices[0].finish_reason == "length"
     after = scrape(serve.cp_metrics)
     assert [k for k in after if k[0] == "vllm:lora_requests_info"] == [
-        ("vllm:lora_requests_info", (("max_lora", "2"), ("running_lora_adapters", ""), ("waiting_lora_adapters", "")))
+        ("vllm:lora_requests_info", (("max_lora", "3"), ("running_lora_adapters", ""), ("waiting_lora_adapters", "")))
     ]
     assert delta(after, cp1, "loraplane_requests_total", outcome="length", adapter="0") == 1

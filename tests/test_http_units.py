@@ -169,7 +169,7 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
         node_budget=0,
         adapter_bytes=0,
     )
-    cp = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (1, 2), n_adapters=lambda: 0, adapter_label_cap=4)
+    cp = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (1, 2, 16), n_adapters=lambda: 0, adapter_label_cap=4)
     wm = WorkerMetrics(lambda: stats, adapter_label_cap=4)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     exported = {

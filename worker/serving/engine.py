@@ -189,6 +189,7 @@ class WorkerEngine:
         self._draining: set[int] = set()
         self._known: dict[int, KnownAdapter] = {}
         self._host_lru: dict[int, None] = {}  # host tier order, least recently used first
+        self._submitting: dict[int, int] = {}  # adapter id -> requests resolving it now (kept on host)
         self._inflight_loads: dict[str, concurrent.futures.Future[LoraAdapter]] = {}
         self.counters = PagingCounters()
         self.fetcher: Fetcher | None = None
@@ -323,7 +324,11 @@ class WorkerEngine:
 
     def _evict_host(self) -> None:
         """Drop least recently used host entries beyond ``max_cpu_loras`` that no request holds,
-        that are not resident in a slot and not pinned (caller holds the lock)."""
+        that are not resident in a slot and not pinned (caller holds the lock). A dropped
+        adapter's copy in the worker's cache directory (fetched or pushed bytes) is deleted
+        too when a control plane can give the bytes again, so local disk holds at most the
+        host tier, not every adapter ever served; files under ``--adapter-dir`` are never
+        touched."""
         cap = max(self.config.max_cpu_loras, self.config.max_loras)
         by_id = self.model.adapters.by_id
         over = len(by_id) - cap
@@ -342,6 +347,7 @@ class WorkerEngine:
                 a.sha256 in resident
                 or (known is not None and known.pinned)
                 or self.scheduler.adapter_in_flight(aid)
+                or self._submitting.get(aid, 0)
                 or aid in self._draining
             ):
                 continue
@@ -349,12 +355,18 @@ class WorkerEngine:
             self._host_lru.pop(aid, None)
             self.counters.host_evictions += 1
             over -= 1
+            if self.fetcher is not None and not any(
+                b.sha256 == a.sha256 for b in by_id.values()
+            ):  # re-fetched by sha256 on next use
+                (self._cache_dir / f"{a.sha256}.gguf").unlink(missing_ok=True)
 
-    def _to_host(self, adapter_id: int) -> tuple[LoraAdapter, str]:
-        """The adapter's host tensors and where they came from ("host", "loaded", "fetched").
+    def _to_host(self, adapter_id: int, hold: list[int]) -> tuple[LoraAdapter, str]:
+        """The adapter's host entry and where it came from ("host", "loaded", "fetched").
 
         Runs on the caller's thread. One load per content at a time: concurrent requests for
-        the same adapter wait for the first one's load.
+        the same adapter wait for the first one's load. The id is appended to ``hold`` and
+        counted in ``_submitting`` (the host tier keeps it and its file) until the caller
+        drops it with ``_unhold`` — after the scheduler counts the request in flight.
 
         Raises:
             AdapterNotFoundError: the id is unknown or being unloaded.
@@ -368,6 +380,7 @@ class WorkerEngine:
             if a is not None:
                 self._host_lru.pop(adapter_id, None)
                 self._host_lru[adapter_id] = None
+                self._hold(adapter_id, hold)
                 return a, "host"
             if known is None or adapter_id in self._draining:
                 raise AdapterNotFoundError(
@@ -380,7 +393,8 @@ class WorkerEngine:
                 fut = self._inflight_loads[known.sha256] = concurrent.futures.Future()
         assert fut is not None
         if not owner:
-            return fut.result(), "host"
+            fut.result()  # the first request's load (its error is ours too)
+            return self._to_host(adapter_id, hold)  # a host hit now, or loaded again if dropped since
         try:
             source = "loaded"
             path = known.path
@@ -396,6 +410,7 @@ class WorkerEngine:
                     f"adapter {adapter_id}: file '{path}' hashes to {adapter.sha256}, registered as {known.sha256}"
                 )
             with self._lock:
+                self._hold(adapter_id, hold)
                 if adapter_id in self._known:
                     self._put_host(adapter_id, adapter)
             fut.set_result(adapter)
@@ -481,7 +496,9 @@ class WorkerEngine:
             return dict(self._known)
 
     # --- requests -------------------------------------------------------------------------
-    def resolve_set(self, entries: list[tuple[int, float]]) -> tuple[AdapterSet, dict[int, tuple[str, float]]]:
+    def resolve_set(
+        self, entries: list[tuple[int, float]], hold: list[int]
+    ) -> tuple[AdapterSet, dict[int, tuple[str, float]]]:
         """Turn a resolved adapter vector into an ``AdapterSet`` (zero scales dropped), bringing
         each adapter's tensors to host memory (load or fetch) on the caller's thread.
 
@@ -506,7 +523,7 @@ class WorkerEngine:
             if scale == 0.0:
                 continue
             t0 = time.monotonic()
-            adapter, source = self._to_host(aid)
+            adapter, source = self._to_host(aid, hold)
             seen[aid] = (adapter, scale)
             sources[aid] = (source, (time.monotonic() - t0) * 1000)
         return AdapterSet.of(seen), sources
@@ -543,7 +560,38 @@ class WorkerEngine:
         entries: list[tuple[int, float]],
         emit: Callable[[Event], None],
     ) -> GenRequest:
-        adapter_set, sources = self.resolve_set(entries)
+        hold: list[int] = []  # the host tier keeps these (and their files) until submitted
+        try:
+            return self._resolve_and_submit(request_id, prompt_tokens, params, entries, emit, hold)
+        finally:
+            with self._lock:
+                self._unhold(hold)
+
+    def _hold(self, adapter_id: int, hold: list[int]) -> None:
+        """Keep ``adapter_id`` in the host tier for a request being submitted (lock held)."""
+        self._submitting[adapter_id] = self._submitting.get(adapter_id, 0) + 1
+        hold.append(adapter_id)
+
+    def _unhold(self, hold: list[int]) -> None:
+        for aid in hold:
+            n = self._submitting.get(aid, 0) - 1
+            if n > 0:
+                self._submitting[aid] = n
+            else:
+                self._submitting.pop(aid, None)
+        hold.clear()
+        self._evict_host()
+
+    def _resolve_and_submit(
+        self,
+        request_id: str,
+        prompt_tokens: list[int],
+        params: SamplingParams,
+        entries: list[tuple[int, float]],
+        emit: Callable[[Event], None],
+        hold: list[int],
+    ) -> GenRequest:
+        adapter_set, sources = self.resolve_set(entries, hold)
         staged = self._stage(adapter_set)
         with self._lock:
             # Re-check under the lock: an unload may have started, or the host tier may have
