@@ -75,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep", action="store_true", help="keep the work dir (server logs) afterwards")
     ap.add_argument("--plain", action="store_true", help="plain-text tables even when rich is installed")
     ap.add_argument(
+        "--paging-prefix-cache",
+        choices=["keyed", "llama"],
+        default="keyed",
+        help="prefix cache policy of the paging scenario's workers (default keyed, the worker's "
+        "default; llama keeps no cross-request store, which isolates the pool's memory)",
+    )
+    ap.add_argument(
         "--omp-wait-policy",
         choices=["inherit", "passive", "active"],
         default="inherit",
@@ -320,6 +327,7 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
             llama_server=llama_server,
             log=log,
             weights=args.weights,
+            paging_prefix_cache=args.paging_prefix_cache,
         )
         if "serving" in selected:
             lifecycle_hook = _lifecycle_hook(factory, profile, bos, log) if "lifecycle" in selected else None

@@ -105,6 +105,7 @@ def _traffic(srv: LoraplaneServers, specs: list[RequestSpec], warm: list[Request
     out["ttft_by_source_ms"] = {
         k: {"n": len(v), "p50": percentile(v, 50), "p99": percentile(v, 99)} for k, v in sorted(by_source.items())
     }
+    out["prefix_cache_entries"] = st1.prefix_cache_entries
     out["resident_adapters"] = st1.resident_adapters
     out["host_adapters"] = st1.host_adapters
     out["pool_mib"] = st1.pool_bytes / 2**20
@@ -137,6 +138,7 @@ def run_paging(sc, arch: str, base_tensors: dict, log: Callable[[str], None]) ->
         "requests": p.paging_requests,
         "max_tokens": p.paging_max_tokens,
         "ranks": list(RANKS),
+        "prefix_cache": sc.paging_prefix_cache,
     }
     bos = sc.bos
     for label, count in (("ten", min(10, n)), ("fit", p.paging_fit), ("many", n)):
@@ -145,7 +147,7 @@ def run_paging(sc, arch: str, base_tensors: dict, log: Callable[[str], None]) ->
             f"paging-{label}",
             slots=p.paging_streams,
             batching="mixed",
-            prefix_cache="keyed",
+            prefix_cache=sc.paging_prefix_cache,
             dtype=sc.dtype,
             device=sc.device,
             model_path=sc.model_path,

@@ -316,7 +316,8 @@ def paging_section(d: dict) -> Section:
     sec = Section(
         f"6. adapter paging: {d['adapters']} adapters ({d['disk_mib']:.0f} MiB F16 on disk, ranks "
         f"{'/'.join(map(str, d['ranks']))}, attention) vs {d['fit_adapters']} that fit; --max-loras {d['max_loras']} "
-        f"--max-cpu-loras {d['max_cpu_loras']}; {d['streams']} streams × {d['requests']} requests × "
+        f"--max-cpu-loras {d['max_cpu_loras']} --prefix-cache {d.get('prefix_cache', 'keyed')}; "
+        f"{d['streams']} streams × {d['requests']} requests × "
         f"{d['max_tokens']} tokens, Zipf(1.0)",
         [
             "run",
@@ -360,8 +361,10 @@ def paging_section(d: dict) -> Section:
         f"{d['many'].get('register_to_first_token_ms', 0):.0f} ms"
     )
     sec.notes.append(
-        "RSS grows while serving in every run alike (the keyed prefix cache keeps KV up to "
-        "--prefix-cache-tokens); registrations and the host tier (file-backed) add nothing"
+        "RSS grows while serving: the keyed prefix cache keeps KV up to --prefix-cache-tokens "
+        "(entries after the traffic: "
+        + ", ".join(f"{k} {d[k].get('prefix_cache_entries', '?')}" for k in ("ten", "fit", "many") if k in d)
+        + "); registrations and the host tier (file-backed) add nothing"
     )
     return sec
 

@@ -54,6 +54,7 @@ class ServingContext:
     llama_server: str | None
     log: Callable[[str], None]
     weights: str = "packed"
+    paging_prefix_cache: str = "keyed"
 
 
 SINGLE = "1-stream"

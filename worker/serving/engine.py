@@ -50,6 +50,7 @@ from worker.lora.pool import LoraPool
 from worker.runtime.context import Model
 from worker.runtime.model import BaseModel, load_model
 from worker.runtime.sampling import SamplingParams
+from worker.serving.heap import release_free_heap
 from worker.serving.metrics import WorkerMetrics
 from worker.serving.request import Event, GenRequest
 from worker.serving.scheduler import Scheduler, SchedulerStats
@@ -561,11 +562,14 @@ class WorkerEngine:
         emit: Callable[[Event], None],
     ) -> GenRequest:
         hold: list[int] = []  # the host tier keeps these (and their files) until submitted
+        loads = self.counters.host_loads
         try:
             return self._resolve_and_submit(request_id, prompt_tokens, params, entries, emit, hold)
         finally:
             with self._lock:
                 self._unhold(hold)
+            if self.counters.host_loads != loads:
+                release_free_heap()  # validation buffers freed on this thread (worker.serving.heap)
 
     def _hold(self, adapter_id: int, hold: list[int]) -> None:
         """Keep ``adapter_id`` in the host tier for a request being submitted (lock held)."""
