@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import pytest
@@ -40,9 +41,7 @@ def engine_for(fixtures_dir):
         e.close()
 
 
-def _run(engine: WorkerEngine, specs: list[tuple[str, list[tuple[int, float]]]], max_tokens: int = 8):
-    """Submit all at once; return per request the ordered (global event index, event) list."""
-    q: queue.Queue = queue.Queue()
+def _submit_all(engine: WorkerEngine, specs, max_tokens: int, q: queue.Queue) -> None:
     for rid, entries in specs:
         engine.submit(
             request_id=rid,
@@ -52,6 +51,21 @@ def _run(engine: WorkerEngine, specs: list[tuple[str, list[tuple[int, float]]]],
             entries=entries,
             emit=lambda ev, rid=rid: q.put((rid, ev)),
         )
+
+
+def _run(engine: WorkerEngine, specs: list[tuple[str, list[tuple[int, float]]]], max_tokens: int = 8):
+    """Submit all at once; return per request the ordered (global event index, event) list.
+
+    The scheduler's loop thread is held (a deferred function waiting on a gate) while the
+    requests are submitted, so they are all queued before the first admission: without it the
+    first request may run a few steps alone, depending on thread timing."""
+    q: queue.Queue = queue.Queue()
+    gate = threading.Event()
+    engine.scheduler.run_soon(lambda: gate.wait(30))
+    try:
+        _submit_all(engine, specs, max_tokens, q)
+    finally:
+        gate.set()
     out: dict[str, list] = {rid: [] for rid, _ in specs}
     done, i = 0, 0
     deadline = time.monotonic() + 120
