@@ -168,6 +168,9 @@ def serve_worker(config: WorkerConfig) -> None:
 
     configure_logging(config.log_level)
     from loraplane.progress import progress_enabled, spinner
+    from worker.serving.heap import limit_arenas
+
+    limit_arenas()  # before the gRPC and OpenMP threads exist (worker.serving.heap)
 
     with spinner("loading the model", enabled=progress_enabled()):
         server, port, engine = create_server(config)

@@ -44,6 +44,7 @@ from worker.lora.pool import LoraPool, PoolExhaustedError
 from worker.runtime.context import DecodeError, WorkerContext
 from worker.runtime.sampling import SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
+from worker.serving.heap import release_free_heap
 from worker.serving.output import IncrementalDetokenizer, StopMatcher, finish_reason, prompt_token_logprobs
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import ErrorEvent, Event, FinishedEvent, GenRequest, StartedEvent, StepInfo, TokenEvent
@@ -116,6 +117,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._step = 0
+        self._trimmed_at_step = 0  # step count at the last idle heap trim
         self._in_flight: dict[int, int] = {}  # adapter id → requests holding it
         self._pending: list[tuple[int | None, Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self.prompt_tokens_computed = 0
@@ -248,6 +250,10 @@ class Scheduler:
         while True:
             with self._cv:
                 while not self._stop and not self.queue and not self._pending and not any(s.busy for s in self.slots):
+                    if self._step != self._trimmed_at_step:  # just went idle after decoding
+                        self._trimmed_at_step = self._step
+                        release_free_heap()  # the steps' freed buffers back to the OS (worker.serving.heap)
+                        continue
                     self._cv.wait()
                 if self._stop:
                     return
