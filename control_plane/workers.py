@@ -123,7 +123,7 @@ class WorkerHandle:
     loaded_at: dict[int, float] = field(default_factory=dict, repr=False)
     unloading: set[int] = field(default_factory=set, repr=False)
     resident_ids: set[int] = field(default_factory=set)  # in device slots (last heartbeat)
-    host_ids: set[int] = field(default_factory=set)  # host tensors (last heartbeat)
+    host_ids: set[int] = field(default_factory=set)  # in the host tier (last heartbeat)
     paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
 
     @property
@@ -590,7 +590,7 @@ class WorkerPool:
 
 
 def _note_holdings(handle: WorkerHandle, hello: control_plane_pb2.WorkerHello) -> None:
-    """Record what a worker reports holding in slots and host memory (caller holds the pool's
+    """Record what a worker reports holding in slots and its host tier (caller holds the pool's
     lock). A hello without ``paging`` (an older worker, or another replica's sighting) leaves
     the record as it is."""
     if hello.HasField("paging"):

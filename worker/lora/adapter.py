@@ -200,7 +200,7 @@ def _read_ref(fh, path: str, ref: TensorRef) -> torch.Tensor:
 
 def is_pooled(name: str, pair: LoraPair) -> bool:
     """True for plain 2-D matmul branches (the slot pool's); token_embd and 3-D expert
-    branches are fused on the side (``worker.lora.plan.side_branches``)."""
+    branches are side branches, kept per slot (``worker.lora.pool.SideBranch``)."""
     return name != TOKEN_EMBD and pair.lora_a.dim() == 2
 
 

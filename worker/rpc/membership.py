@@ -47,7 +47,7 @@ JOIN_POLL_S = 0.2
 
 Holdings = Callable[[], control_plane_pb2.WorkerHoldings]
 Refresh = Callable[[control_plane_pb2.WorkerHello], None]
-"""Writes what the worker holds in slots / host memory and its paging counters into a hello."""
+"""Writes what the worker holds in slots / its host tier and its paging counters into a hello."""
 
 log = structlog.get_logger("worker.rpc.membership")
 

@@ -226,7 +226,7 @@ class WorkerEngine:
     ) -> LoraAdapter | KnownAdapter:
         """Register an adapter under the id the control plane assigned.
 
-        With ``data`` or ``path`` it is validated and loaded into host memory now (its rank
+        With ``data`` or ``path`` it is validated into the host tier now (its rank
         checked against ``--max-lora-rank``). With ``fetch_on_demand`` only the id → sha256
         mapping is recorded; the bytes are fetched from the control plane when a request first
         needs them. ``pinned`` (None: unchanged) sets the pin flag either way.

@@ -66,7 +66,7 @@ class WorkerMetrics:
         )
         self.adapter_loads = Counter(
             PREFIX + "adapter_loads",
-            "Adapters loaded into host memory (eager, from a local file, or fetched from the control plane); "
+            "Adapters validated into the host tier (eager, from a local file, or fetched from the control plane); "
             "page-ins into device slots are the worker's page_ins stat.",
             registry=r,
         )
