@@ -17,8 +17,19 @@ def base_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    """``../shared/fixtures`` from the project root (llama.cpp goldens, adapters, tiny model)."""
-    return Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+    """``tests/fixtures`` in the repository (llama.cpp goldens, adapters, tiny model; provenance
+    and tolerances in its README)."""
+    return Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_f32(fixtures_dir: Path, tmp_path_factory) -> Path:
+    """The tiny llama-MoE model with its matrices back in F32 (the fixture is stored in F16),
+    for checks whose arithmetic is exact only in F32 (merge math, bit-equal copies)."""
+    from tests.gguf_retype import retype_gguf
+
+    src = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"
+    return retype_gguf(src, tmp_path_factory.mktemp("tiny-moe-f32") / "tiny-llama-moe-f32.gguf", "f32")
 
 
 @pytest.fixture(scope="session")

@@ -66,7 +66,7 @@ def test_fixture_shapes_linear_and_token_embd(fixtures_dir, base_index):
 
 
 def test_fixture_moe_adapter_loads(fixtures_dir):
-    arch, index = base_tensor_index(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf")
+    arch, index = base_tensor_index(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf")
     a = load_lora_adapter(fixtures_dir / "tiny_moe" / "moe_lora.gguf", base_arch=arch, base_tensors=index)
     assert (a.arch, a.alpha, a.ranks, a.alora_invocation_tokens) == ("llama", 8.0, (4,), ())
     assert set(a.pairs) == {

@@ -247,7 +247,7 @@ def test_rslora_with_rank_pattern(tmp_path):
 
 
 def test_llama_qk_rows_permuted_like_base(fixtures_dir, tmp_path):
-    base = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"  # n_embd 64, 4 heads / 2 kv, head dim 16
+    base = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"  # n_embd 64, 4 heads / 2 kv, head dim 16
     t = (
         pair("0.self_attn.q_proj", 4, 64, 64)
         | pair("0.self_attn.k_proj", 4, 64, 32)
@@ -271,7 +271,7 @@ def test_llama_qk_rows_permuted_like_base(fixtures_dir, tmp_path):
 
 
 def test_shape_mismatch_with_base_rejected(fixtures_dir, tmp_path):
-    base = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"
+    base = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"
     t = pair("0.self_attn.v_proj", 4, 64, 48)  # base attn_v is ne [64, 32]
     folder = write_peft(tmp_path / "p", t, base_model_name_or_path="meta-llama/tiny")
     with pytest.raises(ConvertError, match=r"blk.0.attn_v.weight.lora_b.*expected ne \[4, 32\].*found \[4, 48\]"):

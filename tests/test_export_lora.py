@@ -20,8 +20,8 @@ ALPHA, RANK = 8.0, 4  # moe_lora.gguf
 
 
 @pytest.fixture(scope="module")
-def tiny(fixtures_dir) -> tuple[Path, Path]:
-    return fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf", fixtures_dir / "tiny_moe" / "moe_lora.gguf"
+def tiny(tiny_moe_f32, fixtures_dir) -> tuple[Path, Path]:
+    return tiny_moe_f32, fixtures_dir / "tiny_moe" / "moe_lora.gguf"
 
 
 def expected_merge(base: Path, adapters: list[tuple[Path, float]]) -> dict[str, np.ndarray]:

@@ -44,7 +44,7 @@ TINY_TOKENS = [1, 450, 4996, 17354, 1701, 29916, 432, 22069, 975, 278]
 @pytest.mark.parametrize("outtype,bound", [("f32", 1e-3), ("f16", 5e-2), ("q8_0", 5e-1)])
 def test_tiny_moe_merged_matches_attached(fixtures_dir, tmp_path, outtype, bound):
     d = fixtures_dir / "tiny_moe"
-    base, lora = d / "tiny-llama-moe-f32.gguf", d / "moe_lora.gguf"
+    base, lora = d / "tiny-llama-moe-f16.gguf", d / "moe_lora.gguf"
     merged = export_lora(base, [(lora, 0.7)], tmp_path / f"merged-{outtype}.gguf", outtype=outtype)
     attached = _logprobs(base, TINY_TOKENS, [(lora, 0.7)])
     plain = _logprobs(merged, TINY_TOKENS)

@@ -43,7 +43,7 @@ def write_model_with_template(src: Path, out: Path, template: str) -> Path:
 def tiny(tmp_path_factory, fixtures_dir: Path):
     root = tmp_path_factory.mktemp("chat-template")
     model = write_model_with_template(
-        fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf", root / "tiny-chat.gguf", TEMPLATE
+        fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf", root / "tiny-chat.gguf", TEMPLATE
     )
     s = start_http_serve(root, "--model", str(model), "--served-model-name", "tiny")
     yield s, model

@@ -277,7 +277,7 @@ def test_tiny_moe_with_expert_adapter(fixtures_dir):
     """llama-MoE base + 3-D expert LoRA vs llama.cpp: max ≤ 0.05, mean ≤ 0.01, argmax equal."""
     d = fixtures_dir / "tiny_moe"
     golden = json.loads((d / "golden_moe.json").read_text())
-    model = Model(load_model(d / "tiny-llama-moe-f32.gguf", device="cpu"))
+    model = Model(load_model(d / "tiny-llama-moe-f16.gguf", device="cpu"))
     model.adapters.add(0, load_lora_adapter(d / "moe_lora.gguf", base_arch="llama", base_tensors=model.base.tensor_ne))
     ctx = model.new_context(n_ctx_seq=128)
     for case in golden["completions"]:

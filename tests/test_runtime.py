@@ -45,7 +45,7 @@ def test_not_gguf_names_file(tmp_path):
 
 
 def test_truncated_names_file(tmp_path, fixtures_dir):
-    src = (fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf").read_bytes()
+    src = (fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf").read_bytes()
     p = tmp_path / "cut.gguf"
     p.write_bytes(src[: len(src) // 3])
     with pytest.raises(GGUFError, match=r"cut\.gguf: .*truncated or corrupt"):

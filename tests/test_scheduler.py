@@ -23,7 +23,7 @@ def engine_for(fixtures_dir):
     def make(batching: Batching, n_slots: int = 4, queue_limit: int = 64) -> WorkerEngine:
         e = WorkerEngine(
             WorkerConfig(
-                model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"),
+                model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
                 n_slots=n_slots,
                 batching=batching,
                 prefix_cache=PrefixCachePolicy.LLAMA,

@@ -262,7 +262,7 @@ def test_incremental_detokenizer_equals_decode(fixtures_dir):
     from worker.gguf.reader import read_gguf
     from worker.runtime.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"))
+    tok = Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
     rng = random.Random(0)
     byte_ids = [tok.encode(ch, add_special=False)[-1] for ch in "é🌊中"]  # may be byte tokens
     for trial in range(200):

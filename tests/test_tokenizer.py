@@ -28,7 +28,7 @@ def gemma(gemma_gguf: GGUFFile) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def tiny_gguf(fixtures_dir: Path) -> GGUFFile:
-    return read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf")
+    return read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf")
 
 
 @pytest.fixture(scope="module")
