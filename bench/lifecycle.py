@@ -89,7 +89,7 @@ def run_lifecycle(
         srv.worker_stub.UnloadAdapter(common_pb2.AdapterRef(id=aid), timeout=300)
     log(f"lifecycle: worker cold load {sorted(cold_ms)[len(cold_ms) // 2]:.0f} ms per adapter")
     mib = file_bytes / (1 << 20)
-    # Registrations are not pushed (issue 12): only the sampled adapters (one request each)
+    # Registrations are not pushed: only the sampled adapters (one request each)
     # reached the worker, so per-adapter memory is over those it holds, not over registrations.
     held = max(1, st1.host_adapters - st0.host_adapters)
     device_per = (st1.adapter_bytes - st0.adapter_bytes) / held

@@ -1,4 +1,4 @@
-"""Scenario 6: thousands of adapters through the worker's slot pool (issue 12).
+"""Scenario 6: thousands of adapters through the worker's slot pool.
 
 Three control-plane + worker pairs with the same worker flags (``--max-loras``,
 ``--max-cpu-loras``, mixed batching, keyed prefix cache):

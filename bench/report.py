@@ -280,7 +280,7 @@ def roofline_section(rf: dict) -> Section:
         )
     s.notes.append(
         f"weights held by the model: {rf['weight_bytes_held'] / MIB:.1f} MiB vs the GGUF's tensor bytes "
-        f"{rf['gguf_tensor_bytes'] / MIB:.1f} MiB = {_x(rf['held_over_gguf'])} (issue 10 target ≤ 1.50×)"
+        f"{rf['gguf_tensor_bytes'] / MIB:.1f} MiB = {_x(rf['held_over_gguf'])} (target ≤ 1.50×)"
         + (
             f"; worker process RSS after loading (no adapters) {rf['worker_rss_bytes'] / MIB:.0f} MiB "
             f"(anonymous {rf['worker_rss_anon_bytes'] / MIB:.0f} MiB)"

@@ -10,7 +10,7 @@ bound on the step time is ``bytes read / bandwidth``, for two byte counts:
 - the GGUF's own tensor bytes (what llama.cpp reads per step: its weights stay in the file's
   form): the target is a step near *that* bound.
 
-Also: held bytes / GGUF tensor bytes (issue 10's target ≤ 1.5×), the worker process's RSS
+Also: held bytes / GGUF tensor bytes (target ≤ 1.5×), the worker process's RSS
 (measured on the serving scenario's mixed worker after the model loaded, before any adapter),
 and the single-stream per-token time of llama-server (``timings.predicted_per_token_ms``) and
 of our worker (ITL p50 of the 1-stream serving row) beside our in-process B=1 step.

@@ -1,4 +1,4 @@
-"""The ``loraplane`` command line (CONTRACT.md fixes its flags, ``--json`` shapes and exit codes).
+"""The ``loraplane`` command line: its flags, ``--json`` shapes and exit codes are a stable contract.
 
 Commands are defined by concern in `clients.cli_client` (generate, adapters, default,
 workers), `clients.cli_server` (serve, control-plane, worker), `clients.cli_tools`

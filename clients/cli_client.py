@@ -1,6 +1,6 @@
 """Client commands of the ``loraplane`` CLI: generate, adapters, default, workers.
 
-Exit codes (CONTRACT.md): 0 success; 1 the server refused (with ``--json`` the error object
+Exit codes: 0 success; 1 the server refused (with ``--json`` the error object
 goes to stdout, else the message to stderr); 2 usage error (click); 3 the server cannot be
 reached.
 """

@@ -5,7 +5,7 @@ imported inside the commands so that the CLI starts fast (no torch import for cl
 commands or ``--help``).
 
 Start-up adapters register in command-line order across ``--lora`` and ``--lora-scaled``
-(CONTRACT.md: "in the order given", as llama-server). click collects each option into its
+("in the order given", as llama-server). click collects each option into its
 own list, so `OrderedArgsCommand` keeps the raw arguments and `startup_adapters` restores the
 interleaving; the control plane then gets them all in ``lora_scaled`` (``--lora PATH`` is
 ``PATH:1.0``) and an empty ``lora`` list, which keeps that order whatever it does with the two.

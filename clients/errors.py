@@ -44,7 +44,7 @@ class LoraplaneError(Exception):
         self.message = message
 
     def to_json(self) -> dict:
-        """The CLI's ``--json`` error shape (CONTRACT.md)."""
+        """The CLI's ``--json`` error shape."""
         return {"error": {"code": self.code, "message": self.message}}
 
 

@@ -1,6 +1,6 @@
 """PEFT folders on the client side: ``adapters add PEFT_DIR`` converts before uploading.
 
-Where conversion runs (issue 13): the folder is read where it lies. An upload names a folder
+Where conversion runs: the folder is read where it lies. An upload names a folder
 on the client's machine, so the client converts it here — the same numpy-only
 ``worker.tools.convert_peft`` that the ``convert-peft`` command runs, without a base model, so
 the bytes (and the content hash) equal ``convert-peft PEFT_DIR -o X.gguf`` — and uploads the

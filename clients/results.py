@@ -123,7 +123,7 @@ class Adapter:
         return bool(self.alora_invocation_tokens)
 
     def to_json(self) -> dict[str, Any]:
-        """``{"id", "sha256", ...metadata}`` (CONTRACT.md's ``adapters add --json`` shape)."""
+        """``{"id", "sha256", ...metadata}`` (the ``adapters add --json`` shape)."""
         return {
             "id": self.id,
             "sha256": self.sha256,
@@ -176,7 +176,7 @@ class WorkerInfo:
     in_flight: int
     restarts: int = 0
     draining_adapter_ids: tuple[int, ...] = ()
-    # Adapter paging (issue 12), as of the worker's last heartbeat.
+    # Adapter paging, as of the worker's last heartbeat.
     resident_adapter_ids: tuple[int, ...] = ()
     host_adapter_ids: tuple[int, ...] = ()
     max_loras: int = 0
@@ -205,7 +205,7 @@ class WorkerInfo:
         return self.state == "alive"
 
     def to_json(self) -> dict[str, Any]:
-        """The ``workers list --json`` object (CONTRACT.md): every field, tuples as lists."""
+        """The ``workers list --json`` object: every field, tuples as lists."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["last_heartbeat_age_s"] = round(self.last_heartbeat_age_s, 3)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
@@ -332,7 +332,7 @@ class GenerateResult:
     request_id: str = ""
 
     def to_json(self, *, include_logprobs: bool = False, include_prompt_logprobs: bool = False) -> dict[str, Any]:
-        """CONTRACT.md's ``generate --json`` object; the log-prob keys only when asked for."""
+        """The ``generate --json`` object; the log-prob keys only when asked for."""
         out: dict[str, Any] = {
             "text": self.text,
             "token_ids": list(self.token_ids),

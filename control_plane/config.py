@@ -67,7 +67,7 @@ class ControlPlaneConfig:
         unload_wait_s: how long UnregisterAdapter waits for each worker to drain the adapter;
             a worker still draining then keeps it under ``draining_adapter_ids`` until freed.
         max_lora_rank: adapters with a larger rank are refused at registration
-            (INVALID_ARGUMENT); the workers' ``--max-lora-rank`` (issue 12).
+            (INVALID_ARGUMENT); the workers' ``--max-lora-rank``.
         log_level: structlog level ("debug", "info", ...).
         http_addr: host:port of the OpenAI-compatible HTTP front (None: off; port 0 picks one).
         metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP

@@ -1,6 +1,6 @@
 """Turning a request's adapter field into the resolved vector a worker receives.
 
-SPEC §4: a request with no adapter map uses the global default set as it was when the request
+A request with no adapter map uses the global default set as it was when the request
 was admitted; a request with a map (even an empty one) uses exactly that map, every other
 registered adapter at scale 0. Workers only ever see resolved vectors.
 """

@@ -6,7 +6,7 @@ One request, top to bottom (`Router.generate`):
      into ``request.adapters`` as an explicit map — workers only see resolved vectors;
   3. pick a live worker that is not full, preferring (in order) the one that last served the
      same adapter set (its prefix cache is warm), then the one holding most of the request's
-     adapters in its slots, then on its host (heartbeats report both, issue 12), then the
+     adapters in its slots, then on its host (heartbeats report both), then the
      least loaded;
   4. announce any adapter of the vector the worker does not know (id → sha256; it fetches
      the bytes from us on first use);
@@ -159,7 +159,7 @@ class Router:
         """The worker for the next attempt among live workers not yet tried that can still
         admit a request (in flight < slots + queue limit): not full (in flight < slots), then
         set affinity, then the most of ``ids`` resident in its slots, then on its host (as
-        its heartbeats report, issue 12), then least loaded.
+        its heartbeats report), then least loaded.
 
         Raises:
             UnavailableError: no live worker (left to try).

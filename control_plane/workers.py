@@ -9,7 +9,7 @@ is needed; transitions are logged when first observed.
 Joining is asynchronous: ``RegisterWorker`` only checks the hello and queues a join, then
 answers (``joined=false``); one of `MembershipTimings.join_threads` join threads dials the
 worker (at most ``connect_timeout_s``) and reconciles its adapters with the registry: ones the
-registry no longer has (or whose content differs) are unloaded. Nothing is pushed (issue 12):
+registry no longer has (or whose content differs) are unloaded. Nothing is pushed:
 right before the router uses a worker it announces the adapters the request needs that the
 worker does not know yet (`ensure_loaded`: a header-only ``LoadAdapter`` with
 ``fetch_on_demand``, id → sha256, pin flag), and the worker fetches the bytes by sha256

@@ -385,7 +385,7 @@ def test_pair_rank_is_derived():
     assert pair.rank == 3
 
 
-# --- file-backed adapters (the worker's host tier, issue 12) -------------------------------
+# --- file-backed adapters (the worker's host tier) -------------------------------
 
 
 def _mixed_types_adapter(tmp_path: Path) -> tuple[Path, dict]:

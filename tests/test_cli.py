@@ -1,5 +1,5 @@
 """The ``loraplane`` CLI: usage errors (2), unreachable server (3), server refusals (1), JSON
-shapes (CONTRACT.md), help for every command. Client commands run against the real control
+shapes, help for every command. Client commands run against the real control
 plane with one real worker (the shared ``live_server`` fixture) and, for the admin token, a
 real control plane with a token (``admin_control_plane``)."""
 

@@ -79,7 +79,7 @@ def test_default_set_and_explicit_maps_reach_the_worker_resolved(joined, fixture
     adapters = fixtures_dir / "adapters"
     cp, wstub = joined(lora=(str(adapters / "shout.gguf"),))
     upload(cp.stub, adapters / "sea.gguf")
-    assert list(wstub.ListAdapters(common_pb2.Empty()).adapters) == []  # nothing pushed (issue 12)
+    assert list(wstub.ListAdapters(common_pb2.Empty()).adapters) == []  # nothing pushed
 
     default_tokens, fin = run(cp)  # no map: the default set, shout@1
     assert [(a.id, a.scale) for a in fin.telemetry.adapters] == [(0, 1.0)]

@@ -143,7 +143,7 @@ def test_heartbeats_reconcile_what_the_worker_holds(start_control_plane, fixture
     monkeypatch.setattr(ScriptedWorker, "__init__", remember)
     w = _scripted(monkeypatch, cp.addr, holdings=holdings)
     try:
-        # Nothing is pushed at join (issue 12): a request naming the adapter announces it.
+        # Nothing is pushed at join: a request naming the adapter announces it.
         list(
             cp.stub.Generate(
                 pb.GenerateRequest(text="hi", adapters=pb.AdapterMap(entries=[pb.AdapterScale(id=sea.id, scale=1.0)])),
@@ -489,7 +489,7 @@ def test_serve_restarts_a_killed_worker(serve):
     after = serve.alive_worker()
     assert after.worker_id == before.worker_id and after.addr != before.addr
     assert _generate(serve.stub)[-1].HasField("finished")
-    # nothing is pushed at join (issue 12): the request announced shout (the default set)
+    # nothing is pushed at join: the request announced shout (the default set)
     assert wait_for(lambda: list(serve.alive_worker().adapter_ids) == [0], 10, 0.2)
     assert serve.proc.poll() is None
     assert "restarting it in 1s" in serve.log_tail()

@@ -220,7 +220,7 @@ def test_scale_zero_empty_and_detached_are_base(gemma, golden):
 
 
 def test_set_adapters_reuse_and_rebuild(gemma):
-    """ "Graph reused" = no slot's content changed since the previous decode (issue 12): a
+    """ "Graph reused" = no slot's content changed since the previous decode: a
     scale change or a different mix of resident adapters is a new routing input only; paging
     an adapter into a slot is a rebuild."""
     model, ctx = gemma

@@ -202,7 +202,7 @@ def test_service_address_worker_is_adopted_and_unregistration_reaches_every_work
     try:
         assert wait_until(lambda: cluster.alive(cluster.lp_b, "w-only-a"), timeout=30), cluster.logs()
         tiny = cluster.lp_a.add_adapter(write_adapter(tmp_path / "t.gguf", seed=8801))
-        # Nothing is pushed at registration (issue 12); both workers come to hold it as a
+        # Nothing is pushed at registration; both workers come to hold it as a
         # routed request would make them: the scripted one as if it had fetched it, the real
         # one told id → sha256 (it fetches the bytes on first use).
         with scripted.servicer.lock:

@@ -12,7 +12,7 @@ What the store holds, and the rules every implementation keeps (tested against b
 ``tests/test_store.py``):
 
 - **Adapters** (`AdapterRecord`): ids are non-negative, assigned from 0 in registration order,
-  never reused, stable across restarts (CONTRACT.md). The id comes from a one-row counter
+  never reused, stable across restarts. The id comes from a one-row counter
   updated in the registration's own transaction, so a failed registration leaves no gap (its
   update rolls back) and ids are unique across replicas (the counter row lock serialises the
   few milliseconds of id assignment). ``sha256`` is unique: registering content that is
@@ -64,7 +64,7 @@ class AdapterRecord:
         default_scale: this adapter's scale in the global default set (0: detached).
         created_at: unix time of registration, seconds.
         source_format: "gguf", or "peft" for a PEFT folder converted at registration.
-        pinned: never evicted from a worker's slot pool or host cache (issue 12).
+        pinned: never evicted from a worker's slot pool or host cache.
     """
 
     id: int

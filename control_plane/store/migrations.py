@@ -125,7 +125,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         postgres=("ALTER TABLE adapters ADD COLUMN source_format TEXT NOT NULL DEFAULT 'gguf'",),
     ),
     Migration(
-        "adapter pin flag (issue 12): pinned adapters are never evicted from workers' pools",
+        "adapter pin flag: pinned adapters are never evicted from workers' pools",
         sqlite=("ALTER TABLE adapters ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",),
         postgres=("ALTER TABLE adapters ADD COLUMN pinned BOOLEAN NOT NULL DEFAULT FALSE",),
     ),

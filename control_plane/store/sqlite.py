@@ -3,7 +3,7 @@
 Stdlib ``sqlite3`` in WAL mode, one connection guarded by a lock (gRPC handlers run on a
 thread pool). ``sqlite:///PATH`` (default ``<data-dir>/loraplane.sqlite3``).
 
-Ids (CONTRACT.md): non-negative, assigned from 0 in registration order, never reused, stable
+Ids: non-negative, assigned from 0 in registration order, never reused, stable
 across restarts. SQLite's AUTOINCREMENT starts at 1 and the rowid rules reuse ids after the
 highest row is deleted, so ids come from an explicit one-row counter table instead,
 incremented in the same transaction as the insert.

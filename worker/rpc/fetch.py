@@ -1,4 +1,4 @@
-"""Fetching adapter bytes from the control plane (``ControlPlane.FetchAdapter``, issue 12).
+"""Fetching adapter bytes from the control plane (``ControlPlane.FetchAdapter``).
 
 The worker asks by content hash the first time a request needs an adapter it has no bytes
 for; the control plane streams ``AdapterChunk``s from its store (files for SQLite, the

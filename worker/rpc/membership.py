@@ -100,7 +100,7 @@ class _Membership:
         if self.holdings is not None:
             hello.holdings.CopyFrom(self.holdings())
         if self.refresh is not None:
-            self.refresh(hello)  # residency for affinity routing (issue 12)
+            self.refresh(hello)  # residency for affinity routing
         return hello
 
     def run(self) -> None:

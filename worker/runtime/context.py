@@ -62,7 +62,7 @@ class DecodeResult:
 @dataclass
 class ContextStats:
     """``graph_reuses``: decodes in which no slot's content had changed since the previous
-    decode; ``graph_rebuilds``: decodes after a page-in or eviction (issue 12)."""
+    decode; ``graph_rebuilds``: decodes after a page-in or eviction."""
 
     graph_reuses: int = 0
     graph_rebuilds: int = 0

@@ -300,7 +300,7 @@ class GraphContext:
         With ``output.weight`` present it is an ordinary (LoRA-able) matmul. When tied to
         ``tied_to``, the base embedding matrix is used without the embedding adapter: we follow
         PEFT, where the embedding LoRA patches the input lookup only (llama.cpp instead applies
-        it flipped here and aborts in ``build_lora_mm``; see SPEC).
+        it flipped here and aborts in ``build_lora_mm``).
         """
         if "output.weight" in self.w:
             return self.build_lora_mm("output.weight", x).float()

@@ -26,6 +26,7 @@ import torch
 
 from worker.gguf.reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
 from worker.runtime import arch as arch_registry
+from worker.runtime.errors import ModelError
 from worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
 from worker.runtime.tokenizer import Tokenizer
 
@@ -35,10 +36,6 @@ WEIGHT_FORMS = ("packed", "dequant")
 
 Weight = torch.Tensor | QuantLinear | list[QuantLinear]
 """A base weight: a float tensor (norms, the ``dequant`` form), a packed matrix, or packed experts."""
-
-
-class ModelError(ValueError):
-    """The base model cannot be loaded (unknown architecture, missing tensor, bad shape)."""
 
 
 def pick_device(device: str = "auto") -> torch.device:

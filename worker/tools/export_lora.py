@@ -10,7 +10,7 @@ Deltas (torch shapes, see ``worker.lora.adapter``; ``s = lora_scale(scale, alpha
   token_embd  W (V, d)    += s · A (V, r) @ B (d, r)ᵀ   (row v of W gains B·A[v], the lookup)
   experts     W (E, d, k) += s · B (E, d, r) @ A (E, r, k)   (per expert)
 
-Tied output (ours; SPEC §2): when the base has no ``output.weight`` (lm_head tied to
+Tied output (ours): when the base has no ``output.weight`` (lm_head tied to
 ``token_embd``, as in Gemma 3) and an adapter patches ``token_embd.weight``, the original,
 unpatched ``token_embd`` is also written as ``output.weight``, so the output projection
 stays the base one — PEFT's behaviour (an embedding LoRA patches the input lookup only).

@@ -17,21 +17,20 @@ from pathlib import Path
 from types import ModuleType
 
 from worker.runtime.arch.base import HParams, TensorSpec, meta
+from worker.runtime.errors import ModelError
 
 
 def get(arch: str, path: Path | str = "") -> ModuleType:
     """Builder module for ``arch``.
 
     Raises:
-        worker.runtime.model.ModelError: unknown architecture (lists the supported ones).
+        worker.runtime.errors.ModelError: unknown architecture (lists the supported ones).
     """
     from worker.runtime.arch import gemma3, llama
 
     known = {"gemma3": gemma3, "llama": llama}
     mod = known.get(arch)
     if mod is None:
-        from worker.runtime.model import ModelError
-
         raise ModelError(f"{path}: unknown architecture '{arch}' (supported: {', '.join(sorted(known))})")
     return mod
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from worker.runtime.errors import ModelError
+
 
 @dataclass(frozen=True)
 class HParams:
@@ -46,7 +48,7 @@ def common_hparams(
     ``llama_model::load_hparams``), with the architecture's defaults for the optional keys.
 
     Raises:
-        worker.runtime.model.ModelError: a required key (embedding_length, attention.head_count,
+        worker.runtime.errors.ModelError: a required key (embedding_length, attention.head_count,
             block_count, feed_forward_length) is missing.
     """
     n_embd = int(meta(gguf, "embedding_length", required=True))
@@ -85,7 +87,5 @@ def meta(gguf: Any, key: str, default: Any = None, *, required: bool = False) ->
     if full in gguf.metadata:
         return gguf.metadata[full]
     if required:
-        from worker.runtime.model import ModelError
-
         raise ModelError(f"{gguf.path}: missing metadata key '{full}'")
     return default

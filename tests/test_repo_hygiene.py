@@ -1,0 +1,187 @@
+"""Repository hygiene (fast tier, no model): the clone stands alone and the code has no import
+cycles.
+
+- Nothing in the tracked tree reads outside the clone: no ``shared/`` fixture folder, no
+  relative path that climbs above the repository root, no ``Path(__file__).parents[N]`` that
+  leaves it. Caches, temp and system paths (``~/.cache``, ``/tmp``, ``/usr/...``) stay allowed.
+- No import cycle among the product packages, counting every ``import`` statement (also those
+  inside functions: a lazy import is how a cycle hides), except ``if TYPE_CHECKING:`` blocks.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("worker", "control_plane", "clients", "loraplane", "bench")
+GENERATED = ("loraplane/v1/",)
+TEXT_SUFFIXES = {".py", ".sh", ".md", ".toml", ".yaml", ".yml", ".proto", ".js", ".mjs", ".ts", ".cfg", ".ini", ".txt"}
+
+
+def _tracked() -> list[Path]:
+    """Tracked files plus untracked ones git does not ignore (what a commit would hold)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [ROOT / line for line in out.splitlines() if line and (ROOT / line).is_file()]
+
+
+def _text_files() -> list[Path]:
+    skip = ("clients/node/node_modules/", "clients/node/package-lock.json")
+    return [
+        p
+        for p in _tracked()
+        if p.suffix in TEXT_SUFFIXES or p.name in {".gitignore", "run"}
+        if not str(p.relative_to(ROOT)).startswith(skip)
+    ]
+
+
+_CLIMB = re.compile(r"(?:(?<=[\s\"'`(=:,])|^)((?:\.\./)+[\w.\-][\w.\-/]*)")
+_SHARED = re.compile(r"(?<![\w-])shared/(?:fixtures|SPEC|CONTRACT|STYLE|seeds)|\b(?:SPEC|CONTRACT|STYLE)\.md\b")
+
+
+def test_nothing_reads_outside_the_clone():
+    """No reference to the old ``shared/`` folder or its documents, and no ``../`` path that
+    resolves above the repository root from the file that writes it (or from the root)."""
+    bad: list[str] = []
+    for path in _text_files():
+        rel = path.relative_to(ROOT)
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if _SHARED.search(line):
+                bad.append(f"{rel}:{n}: {line.strip()[:100]}")
+            for m in _CLIMB.finditer(line):
+                target = m.group(1)
+                if not any((base / target).resolve().is_relative_to(ROOT) for base in (path.parent, ROOT)):
+                    bad.append(f"{rel}:{n}: climbs out of the clone: {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_file_path_climbs_out_through_parents():
+    """``Path(__file__).parents[N]`` / ``.parent.parent…`` chains stay inside the clone."""
+    bad: list[str] = []
+    for path in _tracked():
+        if path.suffix != ".py":
+            continue
+        depth = len(path.relative_to(ROOT).parts) - 1  # parents[depth] is ROOT
+        text = path.read_text(encoding="utf-8")
+        for m in re.finditer(r"__file__\)(?:\.resolve\(\))?\.parents\[(\d+)\]", text):
+            if int(m.group(1)) > depth:
+                bad.append(f"{path.relative_to(ROOT)}: parents[{m.group(1)}] is above the repository")
+        for m in re.finditer(r"__file__\)(?:\.resolve\(\))?((?:\.parent)+)", text):
+            if m.group(1).count(".parent") - 1 > depth:
+                bad.append(f"{path.relative_to(ROOT)}: {m.group(0)} is above the repository")
+    assert not bad, "\n".join(bad)
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for path in _tracked():
+        rel = path.relative_to(ROOT)
+        if path.suffix != ".py" or rel.parts[0] not in PRODUCT or str(rel).startswith(GENERATED):
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                lines.update(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
+    return lines
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: {product modules it imports}}``; ``from a.b import c`` is an edge to ``a.b.c``
+    when that is a module, else to ``a.b``. Relative imports are resolved."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skip = _type_checking_lines(tree)
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", 0) in skip:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_graph_sees_the_packages():
+    """The graph is built from the real tree (a guard against a vacuous cycle check)."""
+    g = import_graph()
+    assert "worker.runtime.model" in g and "worker.runtime.errors" in g["worker.runtime.model"]
+    assert "control_plane.server" in g and len(g) > 80
+
+
+def test_cycle_finder_finds_a_cycle():
+    """The detector itself: a 3-cycle and a self-contained chain."""
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(g) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("package", PRODUCT)
+def test_no_import_cycles(package):
+    cycles = [c for c in _cycles(import_graph()) if any(m.split(".")[0] == package for m in c)]
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
