@@ -36,15 +36,22 @@ Errors: the database being unreachable raises `control_plane.errors.UnavailableE
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 class SchemaTooNewError(RuntimeError):
     """The database was migrated by a newer build than this one; refuse to start."""
+
+
+class _Row(Protocol):
+    """A database row readable by column name."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,26 @@ class AdapterRecord:
     created_at: float = 0.0
     source_format: str = "gguf"
     pinned: bool = False
+
+    @classmethod
+    def from_row(cls, row: _Row) -> AdapterRecord:
+        """The record of one ``adapters`` table row, read by column name (an ``sqlite3.Row`` or
+        a psycopg dict row: both stores share the schema of ``control_plane.store.migrations``).
+
+        Raises:
+            json.JSONDecodeError: the row's ``metadata`` column is not JSON.
+        """
+        return cls(
+            id=int(row["id"]),
+            sha256=str(row["sha256"]),
+            name=str(row["name"]),
+            path=str(row["path"]),
+            metadata=json.loads(row["metadata"]),
+            default_scale=float(row["default_scale"]),
+            created_at=float(row["created_at"]),
+            source_format=str(row["source_format"]),
+            pinned=bool(row["pinned"]),
+        )
 
 
 DefaultScales = list[tuple[int, float]]

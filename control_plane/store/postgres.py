@@ -175,19 +175,19 @@ class PostgresStore(AdapterStore):
     @_unavailable
     def list(self) -> list[AdapterRecord]:
         with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-            return [_record(r) for r in cur.execute("SELECT * FROM adapters ORDER BY id")]
+            return [AdapterRecord.from_row(r) for r in cur.execute("SELECT * FROM adapters ORDER BY id")]
 
     @_unavailable
     def get(self, adapter_id: int) -> AdapterRecord | None:
         with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
             row = cur.execute("SELECT * FROM adapters WHERE id = %s", (adapter_id,)).fetchone()
-        return _record(row) if row is not None else None
+        return AdapterRecord.from_row(row) if row is not None else None
 
     @_unavailable
     def get_by_sha256(self, sha256: str) -> AdapterRecord | None:
         with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
             row = cur.execute("SELECT * FROM adapters WHERE sha256 = %s", (sha256,)).fetchone()
-        return _record(row) if row is not None else None
+        return AdapterRecord.from_row(row) if row is not None else None
 
     @_unavailable
     def default_set(self) -> DefaultScales:
@@ -260,7 +260,7 @@ class PostgresStore(AdapterStore):
                 new_id = int(row["id"])
                 dup = cur.execute("SELECT * FROM adapters WHERE sha256 = %s", (sha256,)).fetchone()
                 if dup is not None:
-                    raise _AlreadyRegistered(_record(dup))
+                    raise _AlreadyRegistered(AdapterRecord.from_row(dup))
                 created = cur.execute(
                     "INSERT INTO adapters (id, sha256, name, path, metadata, default_scale, created_at,"
                     " source_format) VALUES (%s, %s, %s, %s, %s, 0, %s, %s) RETURNING *",
@@ -277,7 +277,7 @@ class PostgresStore(AdapterStore):
         except _AlreadyRegistered as dup_exc:
             return dup_exc.record, False
         assert created is not None
-        return _record(created), True
+        return AdapterRecord.from_row(created), True
 
     @_unavailable
     def delete(self, adapter_id: int) -> AdapterRecord | None:
@@ -293,7 +293,7 @@ class PostgresStore(AdapterStore):
                 (adapter_id, row["sha256"], now),
             )
             cur.execute("DELETE FROM removed_adapters WHERE removed_at < %s", (now - REMOVALS_KEPT_S,))
-        return _record(row)
+        return AdapterRecord.from_row(row)
 
     @_unavailable
     def set_default_scales(self, scales: Mapping[int, float], *, others: float | None = 0.0) -> None:
@@ -309,7 +309,7 @@ class PostgresStore(AdapterStore):
         with self._pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
             cur.execute("UPDATE adapters SET pinned = %s WHERE id = %s", (bool(pinned), adapter_id))
             row = cur.execute("SELECT * FROM adapters WHERE id = %s", (adapter_id,)).fetchone()
-        return _record(row) if row is not None else None
+        return AdapterRecord.from_row(row) if row is not None else None
 
     @_unavailable
     def removed_ids(self) -> set[int]:
@@ -365,17 +365,3 @@ class _AlreadyRegistered(Exception):
     def __init__(self, record: AdapterRecord) -> None:
         super().__init__(record.sha256)
         self.record = record
-
-
-def _record(row: Mapping[str, Any]) -> AdapterRecord:
-    return AdapterRecord(
-        id=int(row["id"]),
-        sha256=str(row["sha256"]),
-        name=str(row["name"]),
-        path=str(row["path"]),
-        metadata=json.loads(row["metadata"]),
-        default_scale=float(row["default_scale"]),
-        created_at=float(row["created_at"]),
-        source_format=str(row["source_format"]),
-        pinned=bool(row["pinned"]),
-    )

@@ -131,17 +131,17 @@ class SqliteStore(AdapterStore):
     def list(self) -> list[AdapterRecord]:
         with self._lock:
             rows = self._conn.execute("SELECT * FROM adapters ORDER BY id").fetchall()
-        return [_record(r) for r in rows]
+        return [AdapterRecord.from_row(r) for r in rows]
 
     def get(self, adapter_id: int) -> AdapterRecord | None:
         with self._lock:
             row = self._conn.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
-        return _record(row) if row is not None else None
+        return AdapterRecord.from_row(row) if row is not None else None
 
     def get_by_sha256(self, sha256: str) -> AdapterRecord | None:
         with self._lock:
             row = self._conn.execute("SELECT * FROM adapters WHERE sha256 = ?", (sha256,)).fetchone()
-        return _record(row) if row is not None else None
+        return AdapterRecord.from_row(row) if row is not None else None
 
     def default_set(self) -> DefaultScales:
         with self._lock:
@@ -173,7 +173,7 @@ class SqliteStore(AdapterStore):
                 row = c.execute("SELECT * FROM adapters WHERE sha256 = ?", (sha256,)).fetchone()
                 if row is not None:
                     c.execute("COMMIT")
-                    return _record(row), False
+                    return AdapterRecord.from_row(row), False
                 if source is None:
                     os.replace(content, final)
                     moved = True
@@ -199,7 +199,7 @@ class SqliteStore(AdapterStore):
                 if moved:
                     final.unlink(missing_ok=True)
                 raise
-        return _record(row), True
+        return AdapterRecord.from_row(row), True
 
     def delete(self, adapter_id: int) -> AdapterRecord | None:
         with self._lock:
@@ -221,7 +221,7 @@ class SqliteStore(AdapterStore):
             except BaseException:
                 c.execute("ROLLBACK")
                 raise
-        rec = _record(row)
+        rec = AdapterRecord.from_row(row)
         owned = Path(rec.path)
         if owned.parent.resolve() == self.blob_dir.resolve():
             owned.unlink(missing_ok=True)
@@ -254,7 +254,7 @@ class SqliteStore(AdapterStore):
             except BaseException:
                 c.execute("ROLLBACK")
                 raise
-        return _record(row) if row is not None else None
+        return AdapterRecord.from_row(row) if row is not None else None
 
     def removed_ids(self) -> set[int]:
         with self._lock:
@@ -296,17 +296,3 @@ class SqliteStore(AdapterStore):
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-
-
-def _record(row: sqlite3.Row) -> AdapterRecord:
-    return AdapterRecord(
-        id=int(row["id"]),
-        sha256=str(row["sha256"]),
-        name=str(row["name"]),
-        path=str(row["path"]),
-        metadata=json.loads(row["metadata"]),
-        default_scale=float(row["default_scale"]),
-        created_at=float(row["created_at"]),
-        source_format=str(row["source_format"]),
-        pinned=bool(row["pinned"]),
-    )
