@@ -34,6 +34,11 @@ log = structlog.get_logger("loraplane.interceptors")
 MethodPredicate = Callable[[str], bool]
 
 
+def secret_matches(presented: str, secret: str) -> bool:
+    """Whether ``presented`` equals ``secret``, compared in constant time (UTF-8 bytes)."""
+    return hmac.compare_digest(presented.encode(), secret.encode())
+
+
 def wrap_behavior(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Callable]) -> grpc.RpcMethodHandler:
     """``handler`` with its behaviour function replaced by ``wrap(behaviour)`` (same kind)."""
     if handler.request_streaming and handler.response_streaming:
@@ -101,7 +106,7 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
     ) -> None:
         if not secret:
             raise ValueError(f"{what}: an empty secret would accept anyone")
-        self._secret = secret.encode()
+        self._secret = secret
         self._key = key
         self._applies = applies
         self._what = what
@@ -122,7 +127,7 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
                 event="unauthenticated_call",
                 method=method,
             )
-        if not hmac.compare_digest(presented.encode(), self._secret):
+        if not secret_matches(presented, self._secret):
             return refusal(
                 handler,
                 grpc.StatusCode.UNAUTHENTICATED,

@@ -1,7 +1,9 @@
 """OpenAI's error shape and how control-plane errors map onto HTTP statuses.
 
-Body (``https://platform.openai.com/docs/guides/error-codes``, also vLLM's ``ErrorResponse``):
+Body (what OpenAI and vLLM clients parse):
 ``{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}``.
+`install_error_handlers` makes every error of the app, request validation included, answer
+with it.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 from control_plane.errors import (
     ControlPlaneError,
@@ -60,6 +65,7 @@ class OpenAIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {message, type, param, code}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
@@ -79,3 +85,28 @@ def from_control_plane(exc: ControlPlaneError) -> OpenAIError:
             status, kind = STATUS_OF[cls]
             return OpenAIError(status, str(exc), type=kind)
     return OpenAIError(500, str(exc), type="internal_error")
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """The 400 for a request body that does not parse or validate: names the first offending
+    field (dotted path, ``body`` when there is none) and pydantic's message for it."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    return OpenAIError(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param)
+
+
+async def _openai_error_response(_request: Request, exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _validation_error_response(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = validation_error(exc)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer `OpenAIError` and request-validation errors with OpenAI's error JSON."""
+    app.exception_handler(OpenAIError)(_openai_error_response)
+    app.exception_handler(RequestValidationError)(_validation_error_response)

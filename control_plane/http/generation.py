@@ -1,8 +1,10 @@
-"""One OpenAI request through the router: GenerateRequest in, response bodies / SSE chunks out.
+"""One OpenAI request as the router sees it: the GenerateRequest, the call context, the events.
 
-``run`` calls ``Router.generate`` — the same function the gRPC ``Generate`` calls — with an
+`build_request` makes the ``GenerateRequest``; `completions.respond` passes it to
+``Router.generate`` — the same function the gRPC ``Generate`` calls — with an
 `HttpCallContext` standing in for the gRPC servicer context (its ``cancel`` cancels the
-worker call when the HTTP client goes away). Nothing here talks gRPC to the control plane.
+worker call when the HTTP client goes away); `fold` records the events into an `Outcome`
+for `streaming.CompletionStream`. Nothing here talks gRPC to the control plane.
 
 Token accounting: ``usage.prompt_tokens`` is the worker's prompt length,
 ``completion_tokens`` the tokens generated, ``prompt_tokens_details.cached_tokens`` the
@@ -30,6 +32,7 @@ class HttpCallContext:
         self._lock = threading.Lock()
 
     def add_callback(self, callback: Callable[[], Any]) -> bool:
+        """Run ``callback`` at `cancel`; False (and never run) when already cancelled."""
         with self._lock:
             if self._active:
                 self._callbacks.append(callback)
@@ -37,9 +40,11 @@ class HttpCallContext:
         return False
 
     def is_active(self) -> bool:
+        """True until `cancel`."""
         return self._active
 
     def time_remaining(self) -> float | None:
+        """None: an HTTP request has no deadline."""
         return None
 
     def cancel(self) -> None:
@@ -53,6 +58,9 @@ class HttpCallContext:
 
 @dataclass
 class TokenOut:
+    """One generated token: id, detokenized piece (may be empty), log-prob (natural log) and
+    its most likely alternatives as ``(token id, log-prob)``."""
+
     token_id: int
     text: str
     logprob: float
@@ -70,6 +78,7 @@ class Outcome:
     cached_tokens: int = 0
 
     def usage(self) -> dict[str, Any]:
+        """OpenAI's ``usage`` object (token counts; see the module docstring)."""
         n_prompt, n_out = len(self.prompt_token_ids), len(self.tokens)
         return {
             "prompt_tokens": n_prompt,
@@ -80,6 +89,7 @@ class Outcome:
 
 
 def new_request_id(prefix: str) -> str:
+    """A fresh response id, ``<prefix>-<32 hex digits>`` (``cmpl``, ``chatcmpl``)."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
@@ -137,4 +147,5 @@ def fold(events: Iterator[common_pb2.GenerateEvent], out: Outcome) -> Iterator[T
 
 
 def now_s() -> int:
+    """The current time in whole Unix seconds (OpenAI's ``created``)."""
     return int(time.time())

@@ -1,4 +1,4 @@
-"""``model`` → adapter map, and the ``/v1/models`` listing.
+"""``model`` → adapter map, and the ``GET /v1/models`` listing (`models_router`).
 
 Rules (vLLM: ``model`` = an adapter's name; SGLang: ``base:adapter``; ours: ``adapter:<id>``):
   * the served base-model name → no adapters (an explicit empty map, not the default set);
@@ -13,7 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi import APIRouter
+
+from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError
+from control_plane.http.generation import now_s
 from control_plane.registry import AdapterRegistry
 from control_plane.store import AdapterRecord
 
@@ -97,3 +101,15 @@ def model_list(base_name: str, base_root: str, created: int, registry: AdapterRe
             }
         )
     return {"object": "list", "data": data}
+
+
+def models_router(deps: HttpDeps) -> APIRouter:
+    """``GET /v1/models`` (`model_list`); the base model's ``created`` is this call's time."""
+    router = APIRouter()
+    created = now_s()
+
+    @router.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return model_list(deps.base_name, deps.base_root, created, deps.registry)
+
+    return router

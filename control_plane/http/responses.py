@@ -1,10 +1,10 @@
 """Response bodies and server-sent-event chunks in OpenAI's shapes (completions and chat).
 
-Shapes follow the OpenAI API reference (and vLLM's ``protocol.py``): ``text_completion`` /
-``chat.completion`` objects, ``…chunk`` objects for streaming, each ``data: <json>\\n\\n`` and
-a final ``data: [DONE]\\n\\n``. Legacy completions log-probs are ``{tokens, token_logprobs,
+Objects: ``text_completion`` / ``chat.completion`` bodies, ``text_completion`` /
+``chat.completion.chunk`` chunks for streaming, each framed as ``data: <json>\\n\\n``, and a
+final ``data: [DONE]\\n\\n``. Legacy completions log-probs are ``{tokens, token_logprobs,
 top_logprobs, text_offset}``; chat log-probs are ``{content: [{token, logprob, bytes,
-top_logprobs}]}``.
+top_logprobs}]}``. The order of chunks in a stream is `streaming.CompletionStream`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,21 @@ from control_plane.http.generation import Outcome, TokenOut
 TokenText = Callable[[int], str]
 
 
+def token_text_of(tokenizer: Any) -> TokenText:
+    """Token id → the text log-probs show for it: its bytes decoded as UTF-8 (invalid bytes
+    replaced), else its piece; always ``""`` when ``tokenizer`` is None."""
+
+    def token_text(token_id: int) -> str:
+        if tokenizer is None:
+            return ""
+        raw = tokenizer.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace") if raw else tokenizer.token_to_piece(token_id)
+
+    return token_text
+
+
 def sse(obj: Any) -> str:
+    """One server-sent event: ``data: <obj as JSON, non-ASCII kept>\\n\\n``."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
@@ -26,6 +40,9 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def completion_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: int, offset: int = 0) -> dict[str, Any]:
+    """Legacy completions ``logprobs`` for ``tokens``: ``top_logprobs`` holds the ``n_top`` most
+    likely alternatives (``n_top`` 0: the chosen token alone); ``text_offset`` counts
+    characters from ``offset`` (text before the first of ``tokens``)."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in tokens:
         text = token_text(t.token_id)
@@ -39,6 +56,9 @@ def completion_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: in
 
 
 def chat_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: int) -> dict[str, Any]:
+    """Chat ``logprobs`` for ``tokens``: one ``content`` entry per token (text, log-prob,
+    UTF-8 bytes) with its ``n_top`` most likely alternatives."""
+
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
@@ -51,6 +71,7 @@ def chat_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: int) -> 
 
 
 def completion_body(rid: str, created: int, model: str, out: Outcome, logprobs: dict[str, Any] | None) -> dict:
+    """A whole ``text_completion`` (one choice, with ``usage``); ``created`` in Unix seconds."""
     return {
         "id": rid,
         "object": "text_completion",
@@ -64,6 +85,7 @@ def completion_body(rid: str, created: int, model: str, out: Outcome, logprobs: 
 def completion_chunk(
     rid: str, created: int, model: str, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
 ) -> dict:
+    """One streamed ``text_completion`` chunk: ``text`` and, on the last, ``finish_reason``."""
     return {
         "id": rid,
         "object": "text_completion",
@@ -74,6 +96,7 @@ def completion_chunk(
 
 
 def chat_body(rid: str, created: int, model: str, out: Outcome, logprobs: dict[str, Any] | None) -> dict:
+    """A whole ``chat.completion`` (one assistant message, with ``usage``)."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -99,6 +122,8 @@ def chat_chunk(
     logprobs: dict[str, Any] | None,
     finish_reason: str | None,
 ) -> dict:
+    """One ``chat.completion.chunk``: ``delta`` (role and/or content, or ``{}``) and, on the
+    last, ``finish_reason``."""
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -109,4 +134,5 @@ def chat_chunk(
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, out: Outcome) -> dict:
+    """The ``stream_options.include_usage`` chunk: ``object`` = ``obj``, no choices, ``usage``."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": out.usage()}

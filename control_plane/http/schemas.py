@@ -27,11 +27,15 @@ CHAT_MAX_TOKENS_DEFAULT = 2**31 - 1
 
 
 class LoraEntry(BaseModel):
+    """One adapter of the ``lora`` extension: registered id and scale."""
+
     id: int = Field(ge=0, lt=2**32)
     scale: float = 1.0
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a usage chunk before ``[DONE]``."""
+
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
 
@@ -82,11 +86,13 @@ class SamplingFields(BaseModel):
             raise OpenAIError(400, "'lora' lists an adapter id more than once", param="lora")
 
     def stop_list(self) -> list[str]:
+        """``stop`` as a list (empty when omitted)."""
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def lora_map(self) -> dict[int, float] | None:
+        """``lora`` as ``{id: scale}``; None when omitted (``model`` decides)."""
         return None if self.lora is None else {e.id: e.scale for e in self.lora}
 
 
@@ -99,6 +105,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     def check(self) -> None:
+        """`SamplingFields.check`, plus ``echo``, ``suffix`` and batched or empty prompts."""
         super().check()
         if self.echo:
             raise unsupported("echo", "the prompt is not echoed back")
@@ -111,6 +118,8 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    """One chat message: ``role`` and ``content`` (text, a list of parts, or null)."""
+
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -129,6 +138,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
+        """`SamplingFields.check`, plus tools, structured output and ``top_logprobs``
+        without ``logprobs``."""
         super().check()
         if self.tools:
             raise unsupported("tools", "tool calling is not implemented")

@@ -20,7 +20,13 @@ from loraplane.metrics import split_host_port
 
 
 class HttpServer:
-    """``start()`` → bound port; ``stop()`` finishes in-flight responses for up to ``grace_s``."""
+    """``start()`` → bound port; ``stop()`` finishes in-flight responses for up to 5 s.
+
+    The socket is bound at construction (``addr``: ``host:port``, port 0 for any free one).
+
+    Raises:
+        OSError: ``addr`` cannot be bound.
+    """
 
     def __init__(self, app, addr: str) -> None:
         self.addr = addr
@@ -41,6 +47,11 @@ class HttpServer:
         )
 
     def start(self, timeout_s: float = 10.0) -> int:
+        """Start serving; the bound port once uvicorn is up.
+
+        Raises:
+            RuntimeError: uvicorn did not start within ``timeout_s`` seconds, or failed.
+        """
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started and self._thread.is_alive():
@@ -52,6 +63,7 @@ class HttpServer:
         return self.port
 
     def stop(self) -> None:
+        """Ask uvicorn to exit, wait for its thread (up to 10 s) and close the socket."""
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()

@@ -1,0 +1,199 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: request body → GenerateRequest →
+``Router.generate`` → `streaming.CompletionStream` → JSON body or server-sent events.
+
+The routes are plain ``def`` functions: FastAPI runs them on its worker threads, where they
+block on ``Router.generate`` exactly like a gRPC handler. ``model`` (or the ``lora`` extension)
+picks the adapters (`models.resolve_model`); chat messages are rendered with the model's chat
+template and tokenized with special tokens parsed and nothing added (BOS is the template's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from control_plane.http.chat_template import ChatTemplate, ChatTemplateError
+from control_plane.http.deps import HttpDeps
+from control_plane.http.errors import OpenAIError
+from control_plane.http.generation import HttpCallContext, build_request, new_request_id, now_s
+from control_plane.http.models import resolve_model
+from control_plane.http.responses import token_text_of
+from control_plane.http.schemas import (
+    CHAT_MAX_TOKENS_DEFAULT,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from control_plane.http.streaming import CompletionStream
+from loraplane.v1 import common_pb2
+
+COMPLETION_MAX_TOKENS_DEFAULT = 16
+
+
+def adapters_for(body: SamplingFields, deps: HttpDeps) -> dict[int, float]:
+    """``{adapter id: scale}`` for the request: its ``lora`` list, else what ``model`` names.
+
+    Raises:
+        OpenAIError: 404 unknown model, 400 ambiguous name (`models.resolve_model`).
+    """
+    lora = body.lora_map()
+    if lora is not None:
+        return lora
+    return resolve_model(body.model, base_name=deps.base_name, registry=deps.registry)
+
+
+class SamplingArgs(TypedDict):
+    """The `generation.build_request` keywords both endpoints fill the same way."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool
+
+
+def sampling_of(body: SamplingFields) -> SamplingArgs:
+    """The sampling keywords of `generation.build_request` both endpoints share, with
+    OpenAI's defaults for omitted fields (``temperature`` 1, ``top_p`` 1, ``top_k`` 0 = off)."""
+    return SamplingArgs(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=body.top_p or 1.0,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=body.stop_list(),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def prompt_of(body: CompletionRequest) -> tuple[str | None, list[int] | None]:
+    """``(text, token ids)`` of a completions ``prompt``: a string (or one-string list) is text
+    for the worker to tokenize; a list of integers is taken as token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt[0], str):
+        return str(prompt[0]), None
+    return None, [int(t) for t in prompt]
+
+
+def flatten_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose ``content`` is a list of parts becomes one string of its text parts;
+    a missing ``content`` becomes ``""``.
+
+    Raises:
+        OpenAIError: 400 for a non-text part (images, audio: a text model cannot take them).
+    """
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text":
+                raise OpenAIError(
+                    400, f"content part of type '{part.get('type')}' is not supported (text only)", param="messages"
+                )
+            texts.append(str(part.get("text", "")))
+        message = {**message, "content": "".join(texts)}
+    elif content is None:
+        message = {**message, "content": ""}
+    return message
+
+
+def chat_template_of(deps: HttpDeps) -> ChatTemplate:
+    """The model's chat template.
+
+    Raises:
+        OpenAIError: 400 when the model has no chat template or no tokenizer.
+    """
+    if deps.chat_template is None or deps.tokenizer is None:
+        raise OpenAIError(
+            400,
+            "this model has no chat template (no tokenizer.chat_template in the GGUF and "
+            "no built-in one for its architecture); start with --chat-template FILE",
+            param="messages",
+        )
+    return deps.chat_template
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: Any) -> list[int]:
+    """The chat prompt's token ids: messages rendered with ``template``, then tokenized.
+
+    Raises:
+        OpenAIError: 400 when a message part is not text or the template refuses the
+            conversation (its ``raise_exception``).
+    """
+    messages = [flatten_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    try:
+        prompt = template.render(messages, add_generation_prompt=body.add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise OpenAIError(400, str(exc), param="messages") from None
+    return tokenizer.encode(prompt, add_special=False, parse_special=True)
+
+
+def respond(
+    deps: HttpDeps, request: common_pb2.GenerateRequest, body: SamplingFields, *, chat: bool, logprobs: int | None
+) -> Response:
+    """Run ``request`` through the router and answer: the full JSON body, or (``stream``) a
+    server-sent-event stream. ``logprobs`` as `CompletionStream`'s.
+
+    Raises:
+        OpenAIError: the router failed (before the first token, when streaming).
+    """
+    call = HttpCallContext()
+    stream = CompletionStream(
+        deps.router.generate(request, call),
+        cancel=call.cancel,
+        request_id=request.request_id,
+        created=now_s(),
+        model=body.model,
+        chat=chat,
+        logprobs=logprobs,
+        token_text=token_text_of(deps.tokenizer),
+    )
+    if not body.stream:
+        return JSONResponse(stream.full_response(return_token_ids=body.return_token_ids))
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return stream.sse_response(include_usage=include_usage)
+
+
+def completions_router(deps: HttpDeps) -> APIRouter:
+    """The two generation routes over ``deps.router``."""
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    def completions(body: CompletionRequest) -> Response:
+        body.check()
+        adapters = adapters_for(body, deps)
+        text, ids = prompt_of(body)
+        request = build_request(
+            request_id=new_request_id("cmpl"),
+            text=text,
+            tokens=ids,
+            adapters=adapters,
+            max_tokens=body.max_tokens or COMPLETION_MAX_TOKENS_DEFAULT,
+            logprobs=body.logprobs or 0,
+            **sampling_of(body),
+        )
+        return respond(deps, request, body, chat=False, logprobs=body.logprobs)
+
+    @router.post("/v1/chat/completions")
+    def chat_completions(body: ChatCompletionRequest) -> Response:
+        body.check()
+        template = chat_template_of(deps)
+        adapters = adapters_for(body, deps)
+        ids = chat_prompt_ids(body, template, deps.tokenizer)
+        n_top = body.top_logprobs or 0
+        request = build_request(
+            request_id=new_request_id("chatcmpl"),
+            text=None,
+            tokens=ids,
+            adapters=adapters,
+            max_tokens=body.max_completion_tokens or body.max_tokens or CHAT_MAX_TOKENS_DEFAULT,
+            logprobs=n_top,
+            **sampling_of(body),
+        )
+        return respond(deps, request, body, chat=True, logprobs=n_top if body.logprobs else None)
+
+    return router

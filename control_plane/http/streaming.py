@@ -1,0 +1,214 @@
+"""`CompletionStream`: one generation's events as an OpenAI response, whole or streamed.
+
+Input: the ``GenerateEvent`` iterator of ``Router.generate`` (``started``, then ``token``
+events, then ``finished``), read through `generation.fold`. Output, for ``/v1/completions``
+(``text_completion`` objects) or ``/v1/chat/completions`` (``chat.completion[.chunk]``):
+
+* non-streaming: one JSON body (`CompletionStream.full_response`) with the finished text,
+  ``finish_reason``, ``usage`` and, when asked for, ``logprobs`` and token ids;
+* streaming: server-sent events (`CompletionStream.sse_chunks`), in this order:
+
+  1. chat only: a chunk whose delta is ``{"role": "assistant", "content": ""}``;
+  2. one chunk per generated token: its text as ``delta.content`` (chat) or ``text``
+     (completions), with that token's ``logprobs`` when asked for (completions log-probs carry
+     ``text_offset``: characters streamed before the token);
+  3. at ``finished``: the text the token pieces did not cover (a tail the worker held back while
+     it could still be a stop string) and ``finish_reason``; an empty chat delta is ``{}``;
+  4. with ``stream_options.include_usage``: a chunk with empty ``choices`` and ``usage``;
+  5. ``data: [DONE]``.
+
+Errors: a control-plane error before the first token raises `OpenAIError` (the response keeps
+its HTTP status); one after it becomes a ``data: {"error": …}`` event in OpenAI's error shape,
+followed by ``[DONE]`` (no usage chunk). The worker call is cancelled when the response is
+complete, fails, or the client goes away.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any
+
+import anyio
+import structlog
+from fastapi.responses import StreamingResponse
+
+from control_plane.errors import ControlPlaneError
+from control_plane.http import responses as R
+from control_plane.http.errors import from_control_plane
+from control_plane.http.generation import Outcome, TokenOut, fold
+from loraplane.v1 import common_pb2
+
+log = structlog.get_logger("loraplane.control_plane.http.streaming")
+
+CHAT_CHUNK = "chat.completion.chunk"
+COMPLETION_CHUNK = "text_completion"
+
+
+class CompletionStream:
+    """The state machine from one request's ``GenerateEvent`` stream to OpenAI's response.
+
+    Use one of `full_response` (non-streaming), `sse_chunks` / `sse_response` (streaming),
+    once. Everything the request produced is recorded in `outcome` as it is read.
+
+    Args:
+        events: ``Router.generate``'s iterator for this request (not started yet).
+        cancel: cancels the worker call (``HttpCallContext.cancel``); called exactly when the
+            response is done, failed, or abandoned; must be idempotent.
+        request_id: the response ``id`` (``cmpl-…`` / ``chatcmpl-…``).
+        created: the response ``created`` time, Unix seconds.
+        model: the response ``model`` (as the client named it).
+        chat: True → ``chat.completion`` shapes; False → ``text_completion`` shapes.
+        logprobs: None → no log-probs; ``n`` → each token's log-prob with its ``n`` most
+            likely alternatives (0: none; completions then list the chosen token alone).
+        token_text: token id → text shown in log-probs.
+    """
+
+    def __init__(
+        self,
+        events: Iterable[common_pb2.GenerateEvent],
+        *,
+        cancel: Callable[[], None],
+        request_id: str,
+        created: int,
+        model: str,
+        chat: bool,
+        logprobs: int | None,
+        token_text: R.TokenText,
+    ) -> None:
+        self.outcome = Outcome()
+        self._items = fold(iter(events), self.outcome)
+        self._cancel = cancel
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.chat = chat
+        self.logprobs = logprobs
+        self._token_text = token_text
+        self._streamed: list[str] = []  # token pieces sent so far
+        self._streamed_chars = 0
+
+    def close(self) -> None:
+        """Cancel the worker call (nothing happens when it already ended)."""
+        self._cancel()
+
+    # ---- non-streaming ----------------------------------------------------------------------
+
+    def full_response(self, *, return_token_ids: bool = False) -> dict[str, Any]:
+        """Read every event, then the whole ``text_completion`` / ``chat.completion`` body.
+
+        ``return_token_ids`` adds ``prompt_token_ids`` and the choice's ``token_ids``.
+
+        Raises:
+            OpenAIError: the router failed (status from `errors.from_control_plane`).
+        """
+        try:
+            for _ in self._items:
+                pass
+        except ControlPlaneError as exc:
+            raise from_control_plane(exc) from None
+        finally:
+            self.close()
+        out = self.outcome
+        make = R.chat_body if self.chat else R.completion_body
+        body = make(self.request_id, self.created, self.model, out, self._logprobs_of(out.tokens))
+        if return_token_ids:
+            body["prompt_token_ids"] = out.prompt_token_ids
+            body["choices"][0]["token_ids"] = [t.token_id for t in out.tokens]
+        return body
+
+    # ---- streaming ----------------------------------------------------------------------------
+
+    def sse_chunks(self, *, include_usage: bool = False) -> Iterator[str]:
+        """The response's server-sent events (``data: …\\n\\n`` strings), in the order of the
+        module docstring; ``include_usage`` adds the usage chunk before ``[DONE]``.
+
+        The first event is read now, so an error before the first token raises here.
+
+        Raises:
+            OpenAIError: the router failed before the first token (the call is cancelled).
+        """
+        try:
+            first = next(self._items, None)
+        except ControlPlaneError as exc:
+            self.close()
+            raise from_control_plane(exc) from None
+        except BaseException:
+            self.close()
+            raise
+        return self._chunks(first, include_usage)
+
+    def sse_response(self, *, include_usage: bool = False) -> StreamingResponse:
+        """`sse_chunks` as a ``text/event-stream`` response.
+
+        Each event is produced on a worker thread (the router blocks); the worker call is
+        cancelled when the stream ends or the client disconnects.
+
+        Raises:
+            OpenAIError: as `sse_chunks`.
+        """
+        chunks = self.sse_chunks(include_usage=include_usage)
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                while True:
+                    chunk = await anyio.to_thread.run_sync(next, chunks, None)
+                    if chunk is None:
+                        return
+                    yield chunk
+            finally:
+                self.close()
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    def _chunks(self, first: TokenOut | None, include_usage: bool) -> Iterator[str]:
+        if self.chat:
+            yield R.sse(self._role_chunk())
+        try:
+            for item in itertools.chain([first], self._items):
+                yield R.sse(self._finish_chunk() if item is None else self._token_chunk(item))
+            if include_usage:
+                yield R.sse(self._usage_chunk())
+        except ControlPlaneError as exc:
+            error = from_control_plane(exc)
+            log.warning("http_stream_failed", request_id=self.request_id, status=error.status, error=error.message)
+            yield R.sse(error.body())
+        yield R.SSE_DONE
+
+    # ---- chunk bodies (dicts; `responses.sse` frames them) -----------------------------------
+
+    def _role_chunk(self) -> dict[str, Any]:
+        return R.chat_chunk(self.request_id, self.created, self.model, {"role": "assistant", "content": ""}, None, None)
+
+    def _token_chunk(self, token: TokenOut) -> dict[str, Any]:
+        """One generated token: its piece and (when asked for) its log-probs."""
+        offset = self._streamed_chars
+        self._streamed.append(token.text)
+        self._streamed_chars += len(token.text)
+        logprobs = self._logprobs_of([token], offset)
+        if self.chat:
+            return R.chat_chunk(self.request_id, self.created, self.model, {"content": token.text}, logprobs, None)
+        return R.completion_chunk(self.request_id, self.created, self.model, token.text, logprobs, None)
+
+    def _finish_chunk(self) -> dict[str, Any]:
+        """The finish: the finished text beyond what was streamed, and ``finish_reason``."""
+        out = self.outcome
+        streamed = "".join(self._streamed)
+        rest = out.text[len(streamed) :] if out.text.startswith(streamed) else ""
+        if self.chat:
+            delta = {"content": rest} if rest else {}
+            return R.chat_chunk(self.request_id, self.created, self.model, delta, None, out.finish_reason)
+        return R.completion_chunk(self.request_id, self.created, self.model, rest, None, out.finish_reason)
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        kind = CHAT_CHUNK if self.chat else COMPLETION_CHUNK
+        return R.usage_chunk(self.request_id, self.created, self.model, kind, self.outcome)
+
+    def _logprobs_of(self, tokens: list[TokenOut], offset: int = 0) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice or chunk covering ``tokens`` (``offset``: characters
+        before the first of them, completions only); None when not asked for."""
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return R.chat_logprobs(tokens, self._token_text, self.logprobs)
+        return R.completion_logprobs(tokens, self._token_text, self.logprobs, offset)

@@ -1,0 +1,198 @@
+"""In-process stand-ins for the HTTP front's dependencies, and a tiny ASGI driver.
+
+No model, no worker, no sockets: `FakeRouter` replays scripted ``GenerateEvent`` lists (or
+raises), `FakeRegistry` / `FakePool` hold a few adapter records, `FakeTokenizer` maps token id
+``i`` to the text ``<i>``, and `call_app` sends one request through a FastAPI app and collects
+its status, headers and body bytes exactly as a client would receive them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from control_plane.errors import ControlPlaneError, NotFoundError
+from loraplane.v1 import common_pb2
+
+# ---- GenerateEvent builders -------------------------------------------------------------------
+
+
+def started(*prompt_ids: int) -> common_pb2.GenerateEvent:
+    return common_pb2.GenerateEvent(started=common_pb2.Started(prompt_token_ids=list(prompt_ids)))
+
+
+def token(token_id: int, text: str, logprob: float = -0.5, top: Iterable[tuple[int, float]] = ()):
+    return common_pb2.GenerateEvent(
+        token=common_pb2.GeneratedToken(
+            token_id=token_id,
+            text=text,
+            logprob=logprob,
+            top=[common_pb2.TokenLogprob(token_id=i, logprob=lp) for i, lp in top],
+        )
+    )
+
+
+def finished(text: str, reason: str = "length", cached: int = 0) -> common_pb2.GenerateEvent:
+    return common_pb2.GenerateEvent(
+        finished=common_pb2.Finished(
+            finish_reason=reason, text=text, telemetry=common_pb2.RequestTelemetry(cached_prompt_tokens=cached)
+        )
+    )
+
+
+def scripted(*items: common_pb2.GenerateEvent | BaseException) -> Iterator[common_pb2.GenerateEvent]:
+    """Yields the events in order; an exception in the list is raised at that point."""
+    for item in items:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+# ---- dependencies -------------------------------------------------------------------------------
+
+
+class FakeTokenizer:
+    """Token id ``i`` reads ``<i>``; ``encode`` gives one id per character."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return f"<{token_id}>".encode()
+
+    def token_to_piece(self, token_id: int) -> str:
+        return f"<{token_id}>"
+
+    def encode(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return [ord(c) for c in text]
+
+
+@dataclass
+class FakeRecord:
+    id: int
+    name: str
+    created_at: float = 1700000000.0
+    source_format: str = "gguf"
+
+
+@dataclass
+class FakeRegistration:
+    record: FakeRecord
+
+
+@dataclass
+class FakeRegistry:
+    records: list[FakeRecord] = field(default_factory=list)
+
+    def list(self) -> list[FakeRecord]:
+        return list(self.records)
+
+    def register_server_path(self, path: str, *, name: str) -> FakeRegistration:
+        if path.startswith("/missing"):
+            raise NotFoundError(f"no adapter at {path}")
+        rec = FakeRecord(id=max((r.id for r in self.records), default=-1) + 1, name=name)
+        self.records.append(rec)
+        return FakeRegistration(rec)
+
+    def unregister(self, adapter_id: int) -> None:
+        if not any(r.id == adapter_id for r in self.records):
+            raise NotFoundError(f"adapter {adapter_id} is not registered")
+        self.records = [r for r in self.records if r.id != adapter_id]
+
+
+@dataclass
+class FakePool:
+    unloaded: list[int] = field(default_factory=list)
+
+    def unload_adapter(self, adapter_id: int) -> None:
+        self.unloaded.append(adapter_id)
+
+
+class FakeRouter:
+    """``generate`` replays ``script`` (events, or an exception raised where it stands) and
+    records each request and whether the HTTP side cancelled the call."""
+
+    def __init__(self) -> None:
+        self.script: list[common_pb2.GenerateEvent | BaseException] = []
+        self.requests: list[common_pb2.GenerateRequest] = []
+        self.cancelled = 0
+
+    def generate(self, request: common_pb2.GenerateRequest, context: Any) -> Iterator[common_pb2.GenerateEvent]:
+        self.requests.append(request)
+        context.add_callback(self._cancel)
+        yield from scripted(*self.script)
+
+    def _cancel(self) -> None:
+        self.cancelled += 1
+
+
+def worker_error(message: str = "worker went away") -> ControlPlaneError:
+    from control_plane.errors import UnavailableError
+
+    return UnavailableError(message)
+
+
+# ---- ASGI driver --------------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def call_app(app: Any, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> Reply:
+    """One HTTP request through ``app`` (ASGI, in this thread's event loop): the reply as sent."""
+    raw = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    hdrs = [(b"content-type", b"application/json")] + [
+        (k.lower().encode(), v.encode()) for k, v in (headers or {}).items()
+    ]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": hdrs,
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        done = anyio.Event()
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await done.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                done.set()
+
+        await app(scope, receive, send)
+        done.set()
+
+    anyio.run(main)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body_bytes = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return Reply(
+        status=start["status"],
+        headers={k.decode(): v.decode() for k, v in start["headers"]},
+        body=body_bytes,
+    )

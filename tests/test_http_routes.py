@@ -1,0 +1,286 @@
+"""The HTTP front's routes in-process (`tests.http_fakes`: scripted router, fake registry, an
+ASGI call without sockets): request → GenerateRequest, response bytes and statuses, the admin
+bearer check shared with gRPC. No model, no processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import control_plane.http.completions as completions
+from control_plane.auth import BearerCheck, bearer_token, check_bearer
+from control_plane.errors import UnavailableError
+from control_plane.http.app import HttpDeps, create_app
+from control_plane.http.chat_template import load_chat_template
+from control_plane.http.responses import token_text_of
+from control_plane.http.streaming import CompletionStream
+from tests.http_fakes import (
+    FakePool,
+    FakeRecord,
+    FakeRegistry,
+    FakeRouter,
+    FakeTokenizer,
+    call_app,
+    finished,
+    scripted,
+    started,
+    token,
+)
+
+TOKEN = "s3cret"
+EVENTS = [started(5, 6), token(10, "Hi", -0.5), token(11, " there", -0.25), finished("Hi there.", "stop")]
+MISSING = {
+    "error": {
+        "message": "admin endpoint: send 'Authorization: Bearer <token>' (admin token configured)",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+}
+REJECTED = {
+    "error": {
+        "message": "admin endpoint: token rejected",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+}
+
+
+class Front:
+    """An app over fakes, with the fakes at hand."""
+
+    def __init__(self, *, admin_token: str | None = TOKEN, chat: bool = True, metrics: bool = True) -> None:
+        records = [FakeRecord(0, "shout"), FakeRecord(1, "sea"), FakeRecord(2, "dup"), FakeRecord(3, "dup")]
+        self.registry = FakeRegistry(records)
+        self.router = FakeRouter()
+        self.pool = FakePool()
+        template = (
+            load_chat_template(override_file=None, metadata={}, arch="gemma3", bos_token="<bos>", eos_token="<eos>")
+            if chat
+            else None
+        )
+        self.app = create_app(
+            HttpDeps(
+                registry=self.registry,
+                router=self.router,
+                pool=self.pool,
+                base_name="base",
+                base_root="/models/base.gguf",
+                tokenizer=FakeTokenizer() if chat else None,
+                chat_template=template,
+                admin_token=admin_token,
+                metrics_text=(lambda: (b"up 1\n", "text/plain; version=0.0.4")) if metrics else None,
+            )
+        )
+
+    def post(self, path: str, body, events=(), headers=None):
+        self.router.script = list(events)
+        return call_app(self.app, "POST", path, body, headers)
+
+
+@pytest.fixture(autouse=True)
+def fixed_ids(monkeypatch):
+    monkeypatch.setattr(completions, "new_request_id", lambda prefix: f"{prefix}-1")
+    monkeypatch.setattr(completions, "now_s", lambda: 1700000000)
+
+
+# ---- generation routes ---------------------------------------------------------------------------
+
+
+def test_completion_request_takes_openai_defaults_and_the_adapter_model_names():
+    front = Front()
+    r = front.post("/v1/completions", {"model": "sea", "prompt": "hello"}, EVENTS)
+    assert r.status == 200 and r.headers["content-type"] == "application/json"
+    assert r.json()["choices"][0]["text"] == "Hi there."
+    (req,) = front.router.requests
+    assert req.request_id == "cmpl-1" and req.text == "hello"
+    assert [(e.id, e.scale) for e in req.adapters.entries] == [(1, 1.0)]
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.logprobs, s.HasField("seed")) == (
+        16,
+        1.0,
+        1.0,
+        0,
+        0,
+        False,
+    )
+    assert front.router.cancelled == 1
+
+
+def test_token_id_prompt_and_lora_list_win_over_model():
+    front = Front()
+    body = {"model": "base", "prompt": [1, 2], "lora": [{"id": 0, "scale": 0.5}], "seed": 7, "stop": "."}
+    front.post("/v1/completions", body, EVENTS)
+    (req,) = front.router.requests
+    assert list(req.tokens.ids) == [1, 2] and [(e.id, e.scale) for e in req.adapters.entries] == [(0, 0.5)]
+    assert (req.sampling.seed, list(req.sampling.stop)) == (7, ["."])
+
+
+def test_streamed_response_is_the_streams_events_byte_for_byte():
+    front = Front()
+    body = {
+        "model": "shout",
+        "prompt": "hello",
+        "stream": True,
+        "logprobs": 1,
+        "stream_options": {"include_usage": True},
+    }
+    r = front.post("/v1/completions", body, EVENTS)
+    assert r.status == 200 and r.headers["content-type"] == "text/event-stream; charset=utf-8"
+    expected = CompletionStream(
+        scripted(*EVENTS),
+        cancel=lambda: None,
+        request_id="cmpl-1",
+        created=1700000000,
+        model="shout",
+        chat=False,
+        logprobs=1,
+        token_text=token_text_of(FakeTokenizer()),
+    ).sse_chunks(include_usage=True)
+    assert r.body.decode() == "".join(expected)
+    assert front.router.cancelled == 1
+
+
+def test_stream_error_before_the_first_token_keeps_its_http_status():
+    front = Front()
+    r = front.post("/v1/completions", {"model": "sea", "prompt": "q", "stream": True}, [UnavailableError("no worker")])
+    assert (r.status, r.json()) == (
+        503,
+        {"error": {"message": "no worker", "type": "service_unavailable", "param": None, "code": None}},
+    )
+    assert front.router.cancelled == 1
+
+
+def test_chat_renders_the_template_and_flattens_text_parts():
+    front = Front()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    body = {"model": "base", "messages": messages, "logprobs": True, "top_logprobs": 1}
+    r = front.post("/v1/chat/completions", body, EVENTS)
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Hi there."}
+    assert r.json()["choices"][0]["logprobs"]["content"][0] == {
+        "token": "<10>",
+        "logprob": -0.5,
+        "bytes": [60, 49, 48, 62],
+        "top_logprobs": [],  # the scripted tokens carry no alternatives
+    }
+    (req,) = front.router.requests
+    prompt = "<bos><start_of_turn>user\nab<end_of_turn>\n<start_of_turn>model\n"
+    assert list(req.tokens.ids) == [ord(c) for c in prompt]
+    assert (req.sampling.logprobs, req.sampling.max_tokens, len(req.adapters.entries)) == (1, 2**31 - 1, 0)
+
+
+@pytest.mark.parametrize(
+    "front_kw, body, status, param",
+    [
+        ({}, {"model": "sea", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+        ({}, {"model": "sea", "messages": [{"role": "assistant", "content": "first"}]}, 400, "messages"),
+        ({"chat": False}, {"model": "nope", "messages": [{"role": "user", "content": "q"}]}, 400, "messages"),
+        ({}, {"model": "nope", "messages": [{"role": "user", "content": "q"}]}, 404, "model"),
+        ({}, {"model": "dup", "messages": [{"role": "user", "content": "q"}]}, 400, "model"),
+        ({}, {"model": "sea"}, 400, "messages"),
+    ],
+)
+def test_chat_errors_name_the_offending_field(front_kw, body, status, param):
+    r = Front(**front_kw).post("/v1/chat/completions", body)
+    assert r.status == status and r.json()["error"]["param"] == param, r.body
+
+
+def test_invalid_json_is_an_openai_400():
+    r = Front().post("/v1/completions", b"{not json")
+    assert r.status == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---- models, health, metrics -------------------------------------------------------------------
+
+
+def test_models_health_and_metrics():
+    front = Front()
+    models = call_app(front.app, "GET", "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["base", "shout", "sea", "adapter:2", "adapter:3"]
+    assert call_app(front.app, "GET", "/health").json() == {}
+    m = call_app(front.app, "GET", "/metrics")
+    assert (m.status, m.body, m.headers["content-type"]) == (200, b"up 1\n", "text/plain; version=0.0.4; charset=utf-8")
+    off = call_app(Front(metrics=False).app, "GET", "/metrics")
+    assert off.status == 404 and off.json()["error"]["type"] == "not_found_error"
+
+
+# ---- admin ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, token",
+    [
+        ("Bearer s3cret", "s3cret"),
+        ("bearer   s3cret  ", "s3cret"),
+        ("BEARER a b", "a b"),
+        ("Bearer", None),
+        ("Bearer    ", None),
+        ("Basic s3cret", None),
+        ("s3cret", None),
+        ("", None),
+    ],
+)
+def test_bearer_token(value, token):
+    assert bearer_token(value) == token
+
+
+def test_check_bearer():
+    assert check_bearer("Bearer s3cret", TOKEN) is BearerCheck.ACCEPTED
+    assert check_bearer("Bearer s3cret2", TOKEN) is BearerCheck.REJECTED
+    assert check_bearer("Bearer ", TOKEN) is BearerCheck.MISSING
+    assert check_bearer(None, TOKEN) is BearerCheck.MISSING
+
+
+@pytest.mark.parametrize(
+    "headers, expected",
+    [
+        (None, MISSING),
+        ({"authorization": "Bearer"}, MISSING),
+        ({"authorization": "Basic s3cret"}, MISSING),
+        ({"authorization": "Bearer wrong"}, REJECTED),
+    ],
+)
+def test_admin_routes_refuse_without_the_token(headers, expected):
+    front = Front()
+    for path, body in (
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/a.gguf"}),
+        ("/v1/unload_lora_adapter", {"lora_name": "sea"}),
+    ):
+        r = front.post(path, body, headers=headers)
+        assert (r.status, r.json()) == (401, expected)
+    assert [r.id for r in front.registry.records] == [0, 1, 2, 3] and front.pool.unloaded == []
+
+
+def test_load_and_unload_with_the_token():
+    front = Front()
+    auth = {"authorization": "Bearer s3cret"}
+    r = front.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/a.gguf"}, headers=auth)
+    assert (r.status, r.body) == (200, b"Success: LoRA adapter 'new' added successfully (id 4).")
+    assert r.headers["content-type"] == "text/plain; charset=utf-8"
+    r = front.post("/v1/unload_lora_adapter", {"lora_name": "sea"}, headers=auth)
+    assert r.body == b"Success: LoRA adapter 'sea' removed successfully (id 1)."
+    r = front.post("/v1/unload_lora_adapter", {"lora_name": "adapter:3"}, headers=auth)
+    assert r.body == b"Success: LoRA adapter 'adapter:3' removed successfully (id 3)."
+    assert front.pool.unloaded == [1, 3]
+    assert [rec.id for rec in front.registry.records] == [0, 2, 4]
+
+
+@pytest.mark.parametrize(
+    "name, status, code",
+    [("base", 400, "base_model"), ("dup", 400, "ambiguous_model"), ("zzz", 404, "model_not_found")],
+)
+def test_unload_refusals(name, status, code):
+    front = Front()
+    r = front.post("/v1/unload_lora_adapter", {"lora_name": name}, headers={"authorization": "Bearer s3cret"})
+    assert (r.status, r.json()["error"]["code"]) == (status, code)
+    assert front.pool.unloaded == []
+
+
+def test_admin_routes_are_open_without_a_configured_token():
+    front = Front(admin_token=None)
+    r = front.post("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/a.gguf"})
+    assert r.status == 200
+    r = front.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/missing/a.gguf"})
+    assert r.status == 404 and json.loads(r.body)["error"]["type"] == "not_found_error"

@@ -1,0 +1,402 @@
+"""`CompletionStream` on scripted ``GenerateEvent`` lists: the exact server-sent events and JSON
+bodies a client receives, errors before and after the first token, and when the worker call is
+cancelled. No model, no processes."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import grpc
+import pytest
+
+from control_plane.errors import UnavailableError
+from control_plane.http.errors import OpenAIError
+from control_plane.http.responses import token_text_of
+from control_plane.http.streaming import CompletionStream
+from control_plane.router import WorkerRequestError
+from tests.http_fakes import FakeTokenizer, finished, scripted, started, token
+
+CREATED = 1700000000
+# prompt of 3 tokens; "Hel" + "lo" + "" streamed; the worker's finished text adds a held-back "!"
+EVENTS = [
+    started(5, 6, 7),
+    token(10, "Hel", -0.25, [(10, -0.25), (11, -1.5), (12, -3.0)]),
+    token(11, "lo", -0.125, [(11, -0.125), (9, -2.0)]),
+    token(12, "", -1.0, [(12, -1.0)]),
+    finished("Hello!", "stop", cached=2),
+]
+USAGE = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+class Cancel:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def make(events, *, chat: bool, logprobs: int | None = None, cancel: Cancel | None = None) -> CompletionStream:
+    return CompletionStream(
+        scripted(*events),
+        cancel=cancel or Cancel(),
+        request_id="chatcmpl-1" if chat else "cmpl-1",
+        created=CREATED,
+        model="m",
+        chat=chat,
+        logprobs=logprobs,
+        token_text=token_text_of(FakeTokenizer()),
+    )
+
+
+def data(chunks: list[str]) -> list[dict]:
+    """The JSON of each event but the final ``[DONE]``."""
+    assert all(c.startswith("data: ") and c.endswith("\n\n") for c in chunks)
+    assert chunks[-1] == "data: [DONE]\n\n"
+    return [json.loads(c[len("data: ") :]) for c in chunks[:-1]]
+
+
+def cmpl_chunk(text: str, logprobs=None, finish_reason=None) -> dict:
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": CREATED,
+        "model": "m",
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
+
+
+def chat_chunk(delta: dict, logprobs=None, finish_reason=None) -> dict:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
+
+
+# ---- streaming: the exact events --------------------------------------------------------------
+
+
+def test_completion_stream_exact_bytes_with_logprobs_and_usage():
+    cancel = Cancel()
+    chunks = list(make(EVENTS, chat=False, logprobs=1, cancel=cancel).sse_chunks(include_usage=True))
+    head = '{"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "m", '
+    assert chunks == [
+        "data: "
+        + head
+        + '"choices": [{"index": 0, "text": "Hel", "logprobs": {"tokens": ["<10>"], "token_logprobs": [-0.25], '
+        '"top_logprobs": [{"<10>": -0.25}], "text_offset": [0]}, "finish_reason": null}]}\n\n',
+        "data: "
+        + head
+        + '"choices": [{"index": 0, "text": "lo", "logprobs": {"tokens": ["<11>"], "token_logprobs": [-0.125], '
+        '"top_logprobs": [{"<11>": -0.125}], "text_offset": [3]}, "finish_reason": null}]}\n\n',
+        "data: "
+        + head
+        + '"choices": [{"index": 0, "text": "", "logprobs": {"tokens": ["<12>"], "token_logprobs": [-1.0], '
+        '"top_logprobs": [{"<12>": -1.0}], "text_offset": [5]}, "finish_reason": null}]}\n\n',
+        "data: " + head + '"choices": [{"index": 0, "text": "!", "logprobs": null, "finish_reason": "stop"}]}\n\n',
+        "data: " + head + '"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, '
+        '"prompt_tokens_details": {"cached_tokens": 2}}}\n\n',
+        "data: [DONE]\n\n",
+    ]
+    assert cancel.calls == 0  # the stream's owner (sse_response) cancels; see the tests below
+
+
+def test_chat_stream_role_first_then_deltas_finish_usage_done():
+    chunks = list(make(EVENTS, chat=True).sse_chunks(include_usage=True))
+    assert chunks[0] == (
+        'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "m", '
+        '"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, '
+        '"finish_reason": null}]}\n\n'
+    )
+    assert data(chunks) == [
+        chat_chunk({"role": "assistant", "content": ""}),
+        chat_chunk({"content": "Hel"}),
+        chat_chunk({"content": "lo"}),
+        chat_chunk({"content": ""}),
+        chat_chunk({"content": "!"}, finish_reason="stop"),
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": CREATED,
+            "model": "m",
+            "choices": [],
+            "usage": USAGE,
+        },
+    ]
+
+
+def test_chat_stream_logprobs_per_token_with_top_alternatives():
+    got = data(list(make(EVENTS, chat=True, logprobs=2).sse_chunks()))
+    assert [c["choices"][0]["logprobs"] for c in got] == [
+        None,
+        {
+            "content": [
+                {
+                    "token": "<10>",
+                    "logprob": -0.25,
+                    "bytes": [60, 49, 48, 62],
+                    "top_logprobs": [
+                        {"token": "<10>", "logprob": -0.25, "bytes": [60, 49, 48, 62]},
+                        {"token": "<11>", "logprob": -1.5, "bytes": [60, 49, 49, 62]},
+                    ],
+                }
+            ]
+        },
+        {
+            "content": [
+                {
+                    "token": "<11>",
+                    "logprob": -0.125,
+                    "bytes": [60, 49, 49, 62],
+                    "top_logprobs": [
+                        {"token": "<11>", "logprob": -0.125, "bytes": [60, 49, 49, 62]},
+                        {"token": "<9>", "logprob": -2.0, "bytes": [60, 57, 62]},
+                    ],
+                }
+            ]
+        },
+        {
+            "content": [
+                {
+                    "token": "<12>",
+                    "logprob": -1.0,
+                    "bytes": [60, 49, 50, 62],
+                    "top_logprobs": [{"token": "<12>", "logprob": -1.0, "bytes": [60, 49, 50, 62]}],
+                }
+            ]
+        },
+        None,  # the finish chunk carries no log-probs
+    ]
+
+
+def test_completion_stream_without_logprobs_or_usage():
+    assert data(list(make(EVENTS, chat=False).sse_chunks())) == [
+        cmpl_chunk("Hel"),
+        cmpl_chunk("lo"),
+        cmpl_chunk(""),
+        cmpl_chunk("!", finish_reason="stop"),
+    ]
+
+
+def test_text_offsets_count_characters_and_non_ascii_stays_literal():
+    events = [started(1), token(3, "é"), token(4, "日本"), token(5, "x"), finished("é日本x", "length")]
+    chunks = list(make(events, chat=False, logprobs=0).sse_chunks())
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in data(chunks)[:3]] == [[0], [1], [3]]
+    assert '"text": "日本"' in chunks[1]  # UTF-8 in the event, not \\u escapes
+    assert data(chunks)[3] == cmpl_chunk("", finish_reason="length")
+
+
+@pytest.mark.parametrize(
+    "final_text, rest",
+    [
+        ("abc!", "c!"),  # the tail the worker held back (a possible stop string) arrives at the finish
+        ("ab", ""),  # everything was streamed
+        ("xyz", ""),  # the finished text does not extend what was streamed: nothing more is sent
+    ],
+)
+def test_finish_chunk_sends_the_unstreamed_tail(final_text, rest):
+    events = [started(1), token(3, "a"), token(4, "b"), finished(final_text, "stop")]
+    assert data(list(make(events, chat=False).sse_chunks()))[-1] == cmpl_chunk(rest, finish_reason="stop")
+    assert data(list(make(events, chat=True).sse_chunks()))[-1] == chat_chunk(
+        {"content": rest} if rest else {}, finish_reason="stop"
+    )
+
+
+def test_finish_without_tokens():
+    events = [started(1, 2), finished("", "length")]
+    assert data(list(make(events, chat=True).sse_chunks(include_usage=True))) == [
+        chat_chunk({"role": "assistant", "content": ""}),
+        chat_chunk({}, finish_reason="length"),
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": CREATED,
+            "model": "m",
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 2,
+                "completion_tokens": 0,
+                "total_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+        },
+    ]
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_error_before_first_token_raises_with_its_status_and_cancels():
+    cancel = Cancel()
+    stream = make([UnavailableError("no live worker")], chat=True, cancel=cancel)
+    with pytest.raises(OpenAIError) as err:
+        stream.sse_chunks()
+    assert (err.value.status, err.value.body()) == (
+        503,
+        {"error": {"message": "no live worker", "type": "service_unavailable", "param": None, "code": None}},
+    )
+    assert cancel.calls == 1
+
+
+def test_worker_refusal_after_started_keeps_the_worker_code():
+    events = [started(1), WorkerRequestError(grpc.StatusCode.OUT_OF_RANGE, "prompt too long")]
+    with pytest.raises(OpenAIError) as err:
+        make(events, chat=False).sse_chunks()
+    assert err.value.status == 400 and err.value.code == "out_of_range"
+
+
+def test_error_mid_stream_is_an_error_event_then_done_without_usage():
+    cancel = Cancel()
+    events = [started(1), token(3, "ab"), UnavailableError("worker died")]
+    chunks = list(make(events, chat=False, cancel=cancel).sse_chunks(include_usage=True))
+    assert chunks == [
+        'data: {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "m", '
+        '"choices": [{"index": 0, "text": "ab", "logprobs": null, "finish_reason": null}]}\n\n',
+        'data: {"error": {"message": "worker died", "type": "service_unavailable", "param": null, "code": null}}\n\n',
+        "data: [DONE]\n\n",
+    ]
+
+
+def test_no_events_at_all_ends_with_an_empty_finish():
+    assert data(list(make([], chat=False).sse_chunks(include_usage=True))) == [
+        cmpl_chunk(""),
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": CREATED,
+            "model": "m",
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "total_tokens": 0,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+        },
+    ]
+
+
+# ---- non-streaming -----------------------------------------------------------------------------
+
+
+def test_full_completion_body_with_logprobs_and_token_ids():
+    cancel = Cancel()
+    body = make(EVENTS, chat=False, logprobs=2, cancel=cancel).full_response(return_token_ids=True)
+    assert body == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": CREATED,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": "Hello!",
+                "logprobs": {
+                    "tokens": ["<10>", "<11>", "<12>"],
+                    "token_logprobs": [-0.25, -0.125, -1.0],
+                    "top_logprobs": [{"<10>": -0.25, "<11>": -1.5}, {"<11>": -0.125, "<9>": -2.0}, {"<12>": -1.0}],
+                    "text_offset": [0, 3, 5],
+                },
+                "finish_reason": "stop",
+                "token_ids": [10, 11, 12],
+            }
+        ],
+        "usage": USAGE,
+        "prompt_token_ids": [5, 6, 7],
+    }
+    assert cancel.calls == 1
+
+
+def test_full_chat_body():
+    assert make(EVENTS, chat=True).full_response() == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": CREATED,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello!"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": USAGE,
+    }
+
+
+def test_full_response_error_raises_and_cancels():
+    cancel = Cancel()
+    events = [started(1), token(3, "ab"), WorkerRequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")]
+    with pytest.raises(OpenAIError) as err:
+        make(events, chat=False, cancel=cancel).full_response()
+    assert (err.value.status, err.value.type, err.value.code) == (429, "rate_limit_error", "resource_exhausted")
+    assert cancel.calls == 1
+
+
+def test_token_text_without_a_tokenizer_is_empty():
+    events = [started(1), token(3, "a", -0.5), finished("a", "stop")]
+    stream = CompletionStream(
+        scripted(*events),
+        cancel=Cancel(),
+        request_id="cmpl-1",
+        created=CREATED,
+        model="m",
+        chat=False,
+        logprobs=0,
+        token_text=token_text_of(None),
+    )
+    assert stream.full_response()["choices"][0]["logprobs"]["tokens"] == [""]
+
+
+# ---- the HTTP response: cancellation -----------------------------------------------------------
+
+
+def test_sse_response_cancels_once_the_stream_is_sent():
+    cancel = Cancel()
+    stream = make(EVENTS, chat=False, cancel=cancel)
+
+    async def read_all() -> list[str]:
+        response = stream.sse_response(include_usage=False)
+        assert response.media_type == "text/event-stream"
+        return [c async for c in response.body_iterator]
+
+    got = anyio.run(read_all)
+    assert got == list(make(EVENTS, chat=False).sse_chunks())
+    assert cancel.calls == 1
+
+
+def test_sse_response_cancels_when_the_client_goes_away():
+    cancel = Cancel()
+    consumed: list[int] = []
+
+    def events():
+        yield started(1)
+        for i in range(100):
+            consumed.append(i)
+            yield token(i, "x")
+
+    stream = CompletionStream(
+        events(),
+        cancel=cancel,
+        request_id="cmpl-1",
+        created=CREATED,
+        model="m",
+        chat=False,
+        logprobs=None,
+        token_text=token_text_of(None),
+    )
+
+    async def read_one() -> str:
+        body = stream.sse_response().body_iterator
+        first = await body.__anext__()
+        await body.aclose()  # what the server does when the client disconnects
+        return first
+
+    assert json.loads(anyio.run(read_one)[len("data: ") :])["choices"][0]["text"] == "x"
+    assert cancel.calls == 1
+    assert len(consumed) < 100
