@@ -13,8 +13,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-
 from control_plane.errors import ControlPlaneError, NotFoundError
 from loraplane.v1 import common_pb2
 
@@ -133,7 +131,7 @@ def worker_error(message: str = "worker went away") -> ControlPlaneError:
     return UnavailableError(message)
 
 
-# ---- ASGI driver --------------------------------------------------------------------------------
+# ---- in-process HTTP client ----------------------------------------------------------------------
 
 
 @dataclass
@@ -147,52 +145,11 @@ class Reply:
 
 
 def call_app(app: Any, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> Reply:
-    """One HTTP request through ``app`` (ASGI, in this thread's event loop): the reply as sent."""
+    """One HTTP request through ``app`` in-process (FastAPI's ``TestClient``, httpx underneath):
+    the reply as sent, a streamed body read to its end."""
+    from fastapi.testclient import TestClient
+
     raw = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    hdrs = [(b"content-type", b"application/json")] + [
-        (k.lower().encode(), v.encode()) for k, v in (headers or {}).items()
-    ]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": hdrs,
-        "client": ("127.0.0.1", 1234),
-        "server": ("127.0.0.1", 80),
-    }
-    sent: list[dict[str, Any]] = []
-
-    async def main() -> None:
-        done = anyio.Event()
-        delivered = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            await done.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                done.set()
-
-        await app(scope, receive, send)
-        done.set()
-
-    anyio.run(main)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body_bytes = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return Reply(
-        status=start["status"],
-        headers={k.decode(): v.decode() for k, v in start["headers"]},
-        body=body_bytes,
-    )
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.request(method, path, content=raw, headers={"content-type": "application/json", **(headers or {})})
+    return Reply(status=r.status_code, headers=dict(r.headers), body=r.content)
