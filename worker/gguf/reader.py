@@ -91,12 +91,6 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
-    def require(self, key: str) -> Any:
-        """Metadata value for ``key``; raises GGUFError naming the file and key when absent."""
-        if key not in self.metadata:
-            raise GGUFError(f"{self.path}: missing metadata key '{key}'")
-        return self.metadata[key]
-
 
 # GGUF scalar value types → struct format (docs/gguf.md "gguf_metadata_value_type").
 _SCALAR_FMT = {

@@ -2,7 +2,7 @@
 
 Public API (shapes in torch order; a GGUF weight with ggml ``ne = [k, d]`` is ``(d, k)``):
 
-- :func:`pack_tensor` ``(rec) -> QuantLinear`` and :func:`pack_model` ``(gguf) -> {name: QuantLinear}``;
+- :func:`pack_tensor` ``(rec) -> QuantLinear``;
   :func:`pack_experts` ``(rec 3-D) -> [QuantLinear] * E``
 - :class:`QuantLinear`: ``.matmul(x (n, k)) -> (n, d) f32``, ``.get_rows(ids (m,)) -> (m, k) f32``,
   ``.dequantize() -> (d, k) f32``, ``.nbytes``
@@ -19,9 +19,7 @@ from worker.runtime.kernels.linear import (
     QuantizedActivations,
     QuantLinear,
     pack_experts,
-    pack_model,
     pack_tensor,
-    packed_nbytes,
     quantize_activations,
     resolve_act,
 )
@@ -37,9 +35,7 @@ __all__ = [
     "cpu_flags",
     "cpu_model",
     "pack_experts",
-    "pack_model",
     "pack_tensor",
-    "packed_nbytes",
     "quantize_activations",
     "resolve_act",
     "resolve_path",

@@ -34,6 +34,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours; see module docst
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"]
+HEADERS = [CSRC_DIR / "qmm_common.h"]  # included by both sources: part of the build key
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-fno-math-errno"]
@@ -64,7 +65,7 @@ def _compiler() -> str:
 def library_path(isa: str) -> Path:
     """Where the library for ``isa`` ('avx2' | 'avx512') lives, keyed by source+flags hash."""
     h = hashlib.sha256(
-        b"".join(s.read_bytes() for s in SOURCES) + " ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode()
+        b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode()
     ).hexdigest()[:12]
     return BUILD_DIR / f"liblp_{isa}-{h}.so"
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from worker.gguf.reader import GGUFError, GGUFFile, TensorRecord
+from worker.gguf.reader import GGUFError, TensorRecord
 from worker.gguf.reader import dequantize as gguf_dequantize
 from worker.runtime.kernels import build, cpu
 from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
@@ -381,26 +381,6 @@ def pack_experts(rec: TensorRecord, *, device: str | torch.device = "cpu") -> li
     ]
 
 
-def pack_model(
-    gf: GGUFFile, names: list[str] | None = None, *, device: str | torch.device = "cpu"
-) -> dict[str, QuantLinear]:
-    """Pack every 2-D tensor of ``gf`` (or those in ``names``) with :func:`pack_tensor`.
-
-    The tied ``token_embd.weight`` is packed once and serves both ``get_rows`` (input
-    embedding) and ``matmul`` (output logits).
-    """
-    out: dict[str, QuantLinear] = {}
-    for name, rec in gf.tensors.items():
-        if (names is None and len(rec.ne) == 2) or (names is not None and name in names):
-            out[name] = pack_tensor(rec, device=device)
-    return out
-
-
-def packed_nbytes(weights: dict[str, QuantLinear]) -> int:
-    """Total bytes held by packed weights (compare with the GGUF's tensor bytes)."""
-    return sum(w.nbytes for w in weights.values())
-
-
 __all__ = [
     "ACTS",
     "KernelError",
@@ -410,6 +390,4 @@ __all__ = [
     "quantize_activations",
     "pack_experts",
     "pack_tensor",
-    "pack_model",
-    "packed_nbytes",
 ]

@@ -35,17 +35,12 @@
 #include <omp.h>
 #endif
 
-#if defined(LP_AVX512)
-#define LP_FN(name) lp_avx512_##name
-#else
-#define LP_FN(name) lp_avx2_##name
-#endif
-#define LP_EXPORT extern "C" __attribute__((visibility("default")))
+#include "qmm_common.h"
 
 namespace {
 
 constexpr int R = 16;        // weight rows per interleaved group
-constexpr int XCHUNK = 64;   // activation rows kept hot while a thread walks its groups
+using lp::XCHUNK;
 
 // ---- activation quantization (per row, per 32; ggml-quants.c quantize_row_q8_0) ----------
 // x: f32 (n, k) row stride ldx.  aq: int8 (n, k).  ad: f32 (n, k/32) = d_a.
@@ -261,44 +256,4 @@ LP_EXPORT void LP_FN(quantize_act)(const float* x, int64_t ldx, int n, int k, in
   quantize_rows(x, ldx, n, k, aq, ad, as16, as32, nthreads);
 }
 
-// y (n, d) f32 row-major = x @ W.T for the packed W (see the header comment).
-//   bs: weight block 16 or 32; is_signed: 1 for the signed (Q8_0) form, which has no bias;
-//   bias: f32 (G, nb, 16) stored offsets, or NULL for c = off * s (off ignored when signed).
-//   aq/ad/as16/as32: activations from quantize_act.  Rows of x over XCHUNK are done in
-//   chunks so each chunk's activations stay in cache while the weights stream once.
-// Returns 0, or -1 for an unsupported (bs, is_signed) pair.
-LP_EXPORT int LP_FN(qmm)(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, int bs,
-                         int is_signed, const int8_t* aq, const float* ad, const float* as16,
-                         const float* as32, int n, float* y, int nthreads) {
-  for (int r0 = 0; r0 < n; r0 += XCHUNK) {
-    const int nr = n - r0 < XCHUNK ? n - r0 : XCHUNK;
-    Act a{aq + (int64_t)r0 * k, ad + (int64_t)r0 * (k / 32), as16 + (int64_t)r0 * (k / 16),
-          as32 + (int64_t)r0 * (k / 32), k};
-    float* yc = y + (int64_t)r0 * d;
-    if (bs == 32 && is_signed) gemm<32, 1>(qw, sc, nullptr, 0.f, d, k, a, nr, yc, nthreads);
-    else if (bs == 32 && bias) gemm<32, 0>(qw, sc, bias, 0.f, d, k, a, nr, yc, nthreads);
-    else if (bs == 32) gemm<32, 2>(qw, sc, nullptr, off, d, k, a, nr, yc, nthreads);
-    else if (bs == 16 && !is_signed && bias) gemm<16, 0>(qw, sc, bias, 0.f, d, k, a, nr, yc, nthreads);
-    else if (bs == 16 && !is_signed) gemm<16, 2>(qw, sc, nullptr, off, d, k, a, nr, yc, nthreads);
-    else return -1;
-  }
-  return 0;
-}
-
-// quantize_act + qmm in one call (one ctypes crossing per matmul); the activation buffers are
-// malloc'd here and freed before returning.  Returns 0, -1 (unsupported form), -2 (no memory).
-LP_EXPORT int LP_FN(qmm_f32)(const float* x, int64_t ldx, int n, int k, const uint8_t* qw,
-                             const float* sc, const float* bias, float off, int d, int bs, int is_signed,
-                             float* y, int nthreads) {
-  const int64_t nk = (int64_t)n * k;
-  char* buf = (char*)malloc(nk + (nk / 32) * 4 * 2 + (nk / 16) * 4 + 64);
-  if (!buf) return -2;
-  int8_t* aq = (int8_t*)buf;
-  float* ad = (float*)(buf + ((nk + 63) & ~(int64_t)63));
-  float* as32 = ad + nk / 32;
-  float* as16 = as32 + nk / 32;
-  quantize_rows(x, ldx, n, k, aq, ad, as16, as32, nthreads);
-  const int rc = LP_FN(qmm)(qw, sc, bias, off, d, k, bs, is_signed, aq, ad, as16, as32, n, y, nthreads);
-  free(buf);
-  return rc;
-}
+LP_DEFINE_QMM(qmm, Act, int8_t, quantize_rows)

@@ -18,17 +18,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(LP_AVX512)
-#define LP_FN(name) lp_avx512_##name
-#else
-#define LP_FN(name) lp_avx2_##name
-#endif
-#define LP_EXPORT extern "C" __attribute__((visibility("default")))
+#include "qmm_common.h"
 
 namespace {
 
 constexpr int R = 16;
-constexpr int XCHUNK = 64;
+using lp::XCHUNK;
 
 // x f32 (n, k) stride ldx -> aq int16 (n, k); ad (n, k/32) = amax/32767; as16 (n, k/16) and
 // as32 (n, k/32) = d * sum(q) per 16 / 32.  Rounding: nearest-even (_mm256_round_ps).
@@ -236,38 +231,4 @@ LP_EXPORT void LP_FN(quantize_act16)(const float* x, int64_t ldx, int n, int k, 
   quantize_rows16(x, ldx, n, k, aq, ad, as16, as32, nthreads);
 }
 
-// As qmm in qmm.cpp, with int16 activations from quantize_act16.
-LP_EXPORT int LP_FN(qmm16)(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k,
-                           int bs, int is_signed, const int16_t* aq, const float* ad, const float* as16,
-                           const float* as32, int n, float* y, int nthreads) {
-  for (int r0 = 0; r0 < n; r0 += XCHUNK) {
-    const int nr = n - r0 < XCHUNK ? n - r0 : XCHUNK;
-    Act16 a{aq + (int64_t)r0 * k, ad + (int64_t)r0 * (k / 32), as16 + (int64_t)r0 * (k / 16),
-            as32 + (int64_t)r0 * (k / 32), k};
-    float* yc = y + (int64_t)r0 * d;
-    if (bs == 32 && is_signed) gemm<32, 1>(qw, sc, nullptr, 0.f, d, k, a, nr, yc, nthreads);
-    else if (bs == 32 && bias) gemm<32, 0>(qw, sc, bias, 0.f, d, k, a, nr, yc, nthreads);
-    else if (bs == 32) gemm<32, 2>(qw, sc, nullptr, off, d, k, a, nr, yc, nthreads);
-    else if (bs == 16 && !is_signed && bias) gemm<16, 0>(qw, sc, bias, 0.f, d, k, a, nr, yc, nthreads);
-    else if (bs == 16 && !is_signed) gemm<16, 2>(qw, sc, nullptr, off, d, k, a, nr, yc, nthreads);
-    else return -1;
-  }
-  return 0;
-}
-
-// quantize_act16 + qmm16 in one call; 0, -1 (unsupported form), -2 (no memory).
-LP_EXPORT int LP_FN(qmm16_f32)(const float* x, int64_t ldx, int n, int k, const uint8_t* qw,
-                               const float* sc, const float* bias, float off, int d, int bs, int is_signed,
-                               float* y, int nthreads) {
-  const int64_t nk = (int64_t)n * k;
-  char* buf = (char*)malloc(nk * 2 + (nk / 32) * 4 * 2 + (nk / 16) * 4 + 64);
-  if (!buf) return -2;
-  int16_t* aq = (int16_t*)buf;
-  float* ad = (float*)(buf + ((nk * 2 + 63) & ~(int64_t)63));
-  float* as32 = ad + nk / 32;
-  float* as16 = as32 + nk / 32;
-  quantize_rows16(x, ldx, n, k, aq, ad, as16, as32, nthreads);
-  const int rc = LP_FN(qmm16)(qw, sc, bias, off, d, k, bs, is_signed, aq, ad, as16, as32, n, y, nthreads);
-  free(buf);
-  return rc;
-}
+LP_DEFINE_QMM(qmm16, Act16, int16_t, quantize_rows16)
