@@ -119,18 +119,12 @@ def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
     return code() if callable(code) else None
 
 
-class LoraplaneClient:
-    """Blocking client. Thread-safe; close it (or use ``with``) to release the channels.
-
-    Args:
-        addr: ``HOST:PORT``, or several comma-separated (one per control-plane replica).
-        admin_token: bearer token for admin calls (else ``$LORAPLANE_ADMIN_TOKEN``).
-        timeout: deadline of each call attempt, seconds (None: none).
-        connect_timeout: how long to wait for each replica to accept the connection, seconds.
-        wait_for_server: keep waiting through connection failures until ``connect_timeout``.
+class _ClientBase:
+    """What both clients hold: the replica list, deadlines, the admin-token metadata and
+    ``_ready`` (replicas whose channel has connected once). Channels are the subclass's.
 
     Raises:
-        ValueError: an empty address in the list.
+        ValueError: an empty address in ``addr``.
     """
 
     def __init__(
@@ -148,9 +142,31 @@ class LoraplaneClient:
         self._wait_for_server = wait_for_server
         self._metadata = auth_metadata(admin_token)
         self._replicas = Replicas(parse_addresses(addr))
+        self._ready: set[str] = set()
+        self._init_channels()
+
+    def _init_channels(self) -> None:
+        """Set up the (empty) channel table; called once at the end of ``__init__``."""
+        raise NotImplementedError
+
+
+class LoraplaneClient(_ClientBase):
+    """Blocking client. Thread-safe; close it (or use ``with``) to release the channels.
+
+    Args:
+        addr: ``HOST:PORT``, or several comma-separated (one per control-plane replica).
+        admin_token: bearer token for admin calls (else ``$LORAPLANE_ADMIN_TOKEN``).
+        timeout: deadline of each call attempt, seconds (None: none).
+        connect_timeout: how long to wait for each replica to accept the connection, seconds.
+        wait_for_server: keep waiting through connection failures until ``connect_timeout``.
+
+    Raises:
+        ValueError: an empty address in the list.
+    """
+
+    def _init_channels(self) -> None:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
-        self._ready: set[str] = set()
         # A client never closed must not keep the interpreter from exiting: grpc's
         # connectivity watch (started by `connect`) blocks grpc's shutdown at exit while a
         # channel is open. `weakref.finalize` closes them when the client is collected or, at
@@ -335,30 +351,15 @@ class LoraplaneClient:
         return builder.build()
 
 
-class AsyncLoraplaneClient:
+class AsyncLoraplaneClient(_ClientBase):
     """asyncio client (``grpc.aio``); same methods and replica handling as `LoraplaneClient`,
     awaitable.
 
     Create it inside a running event loop; ``async with`` closes it.
     """
 
-    def __init__(
-        self,
-        addr: str,
-        *,
-        admin_token: str | None = None,
-        timeout: float | None = None,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
-        wait_for_server: bool = False,
-    ) -> None:
-        self.addr = addr
-        self.timeout = timeout
-        self._connect_timeout = connect_timeout
-        self._wait_for_server = wait_for_server
-        self._metadata = auth_metadata(admin_token)
-        self._replicas = Replicas(parse_addresses(addr))
+    def _init_channels(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._ready: set[str] = set()
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
