@@ -191,3 +191,24 @@ def test_cycle_finder_finds_a_cycle():
 def test_no_import_cycles(package):
     cycles = [c for c in _cycles(import_graph()) if any(m.split(".")[0] == package for m in c)]
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+MAX_FUNCTION_LINES = 120
+# Declarative option lists: one click.option(...) entry after another, no logic.
+OPTION_LISTS = {("clients/cli_server.py", "control_plane_options")}
+
+
+def test_no_long_functions_in_product_code():
+    """No function or method in product code is longer than 120 lines (declarative option
+    lists excepted); a long function is where several jobs hide."""
+    long: list[str] = []
+    for path in _tracked():
+        rel = path.relative_to(ROOT)
+        if path.suffix != ".py" or rel.parts[0] not in PRODUCT or str(rel).startswith(GENERATED):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES and (str(rel), node.name) not in OPTION_LISTS:
+                    long.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
+    assert not long, "\n".join(long)

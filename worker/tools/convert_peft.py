@@ -299,6 +299,58 @@ def convert_peft(
     out = Path(out_path)
     if outtype not in OUTTYPES:
         raise ConvertError(src, [f"outtype: expected one of {', '.join(OUTTYPES)}, found {outtype!r}"])
+    inputs = _read_inputs(src, base_gguf)
+    cfg = inputs.cfg
+    r_default, lora_alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    alpha = lora_alpha * math.sqrt(r_default) if cfg.get("use_rslora") else lora_alpha
+
+    problems: list[str] = []
+    tensors: list[tuple[str, np.ndarray]] = []
+    for done, mod in enumerate(inputs.modules, 1):
+        if progress is not None:
+            progress(done, len(inputs.modules))
+        pair = _module_pair(mod, inputs, alpha, problems)
+        if pair is not None:
+            np_type = OUTTYPES[outtype]
+            tensors.append((mod.gguf_name + ".lora_a", np.ascontiguousarray(pair[0]).astype(np_type)))
+            tensors.append((mod.gguf_name + ".lora_b", np.ascontiguousarray(pair[1]).astype(np_type)))
+    if problems:
+        raise ConvertError(src, problems)
+
+    tmp = out.with_name(out.name + ".tmp")
+    _write_adapter(tmp, inputs.arch, alpha, src.name if name is None else name, cfg, tensors)
+    if base_gguf is not None:
+        try:
+            validate_lora_adapter(tmp, base_arch=inputs.arch, base_tensors=inputs.base_index)
+        except AdapterError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ConvertError(
+                src,
+                [f"converted adapter does not fit {getattr(base_gguf, 'path', base_gguf)}: {p}" for p in exc.problems],
+            ) from exc
+    os.replace(tmp, out)
+    return out
+
+
+@dataclass
+class _Inputs:
+    """A PEFT folder read and checked: its config, the architecture, the base model's metadata
+    and tensor index (empty without a base), and the complete A/B modules."""
+
+    cfg: dict[str, Any]
+    arch: str
+    base_meta: dict[str, Any]
+    base_index: dict[str, tuple[int, ...]]
+    modules: list[_Module]
+
+
+def _read_inputs(src: Path, base_gguf: str | GGUFFile | None) -> _Inputs:
+    """Read ``src``'s config and tensors and check them (and against ``base_gguf`` if given).
+
+    Raises:
+        ConvertError: every problem found (missing files, unsupported config, architecture,
+            no tensors, an ``lm_head`` LoRA on a tied base).
+    """
     cfg_path, st_path = src / PEFT_CONFIG, src / PEFT_WEIGHTS
     missing = [str(p) for p in (cfg_path, st_path) if not p.is_file()]
     if missing:
@@ -323,7 +375,7 @@ def convert_peft(
             )
     if arch and arch not in SUPPORTED_ARCHS:
         problems.append(f"architecture '{arch}': no PEFT name map (supported: {', '.join(SUPPORTED_ARCHS)})")
-    modules = _read_modules(st_path, problems) if st_path.is_file() else []
+    modules = _read_modules(st_path, problems)
     if not modules and not problems:
         problems.append(f"{st_path.name}: no LoRA A/B tensors found")
     if (
@@ -337,54 +389,60 @@ def convert_peft(
         )
     if problems:
         raise ConvertError(src, problems)
+    return _Inputs(cfg, arch, base_meta, base_index, modules)
 
+
+def _module_pair(mod: _Module, inputs: _Inputs, alpha: float, problems: list[str]) -> tuple[Any, Any] | None:
+    """``(lora_a, lora_b)`` of one module in llama.cpp's layout, or None after appending the
+    problem to ``problems``.
+
+    The module's own PEFT scale (``rank_pattern`` / ``alpha_pattern``, rsLoRA) is folded into
+    B where it differs from the file's ``alpha / r``; llama q/k rows get the rope permutation
+    of ``convert_hf_to_gguf.py`` (``LlamaModel.permute``); an embedding's A is transposed to
+    ne ``[r, V]`` (llama.cpp's token_embd exception).
+    """
+    cfg = inputs.cfg
     r_default, lora_alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     rslora = bool(cfg.get("use_rslora"))
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    alpha = lora_alpha * math.sqrt(r_default) if rslora else lora_alpha
-
-    tensors: list[tuple[str, np.ndarray]] = []
-    for done, mod in enumerate(modules, 1):
-        if progress is not None:
-            progress(done, len(modules))
-        a, b = mod.a, mod.b
-        assert a is not None and b is not None  # _collect reported incomplete modules
-        r = int(b.shape[1])
-        want_r = int(_pattern_value(rank_pattern, mod.peft_name, r_default))
-        if r != want_r:
+    a, b = mod.a, mod.b
+    assert a is not None and b is not None  # _collect reported incomplete modules
+    r = int(b.shape[1])
+    want_r = int(_pattern_value(cfg.get("rank_pattern") or {}, mod.peft_name, r_default))
+    if r != want_r:
+        problems.append(
+            f"module '{mod.peft_name}': rank {r} from its tensors, but the config (r / rank_pattern) says {want_r}"
+        )
+        return None
+    mod_alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, mod.peft_name, lora_alpha))
+    peft_scale = mod_alpha / (math.sqrt(r) if rslora else r)
+    fold = peft_scale / (alpha / r)
+    if not math.isclose(fold, 1.0, rel_tol=1e-6):
+        b = b * fold  # this module's PEFT scale differs from alpha / r: fold it into B
+    if inputs.arch == "llama" and mod.gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+        key = "head_count" if ".attn_q." in mod.gguf_name else "head_count_kv"
+        n_head = inputs.base_meta.get(f"llama.attention.{key}")
+        if not isinstance(n_head, int) or n_head <= 0:
             problems.append(
-                f"module '{mod.peft_name}': rank {r} from its tensors, but the config (r / rank_pattern) says {want_r}"
+                f"module '{mod.peft_name}': llama q/k need llama.attention.{key} "
+                "from base_gguf for the rope row permutation; pass base_gguf"
             )
-            continue
-        mod_alpha = float(_pattern_value(alpha_pattern, mod.peft_name, lora_alpha))
-        peft_scale = mod_alpha / (math.sqrt(r) if rslora else r)
-        fold = peft_scale / (alpha / r)
-        if not math.isclose(fold, 1.0, rel_tol=1e-6):
-            b = b * fold  # this module's PEFT scale differs from alpha / r: fold it into B
-        if arch == "llama" and mod.gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
-            key = "head_count" if ".attn_q." in mod.gguf_name else "head_count_kv"
-            n_head = base_meta.get(f"llama.attention.{key}")
-            if not isinstance(n_head, int) or n_head <= 0:
-                problems.append(
-                    f"module '{mod.peft_name}': llama q/k need llama.attention.{key} "
-                    "from base_gguf for the rope row permutation; pass base_gguf"
-                )
-                continue
-            b = _rope_permute_rows(b, n_head)
-        if mod.embedding:
-            a = a.T  # (r, V) → (V, r): ne [r, V], llama.cpp's token_embd exception
-        np_type = OUTTYPES[outtype]
-        tensors.append((mod.gguf_name + ".lora_a", np.ascontiguousarray(a).astype(np_type)))
-        tensors.append((mod.gguf_name + ".lora_b", np.ascontiguousarray(b).astype(np_type)))
-    if problems:
-        raise ConvertError(src, problems)
+            return None
+        b = _rope_permute_rows(b, n_head)
+    if mod.embedding:
+        a = a.T  # (r, V) → (V, r): ne [r, V], llama.cpp's token_embd exception
+    return a, b
 
-    tmp = out.with_name(out.name + ".tmp")
+
+def _write_adapter(
+    tmp: Path, arch: str, alpha: float, name: str, cfg: dict[str, Any], tensors: list[tuple[str, np.ndarray]]
+) -> None:
+    """Write the adapter GGUF (``general.type`` adapter, ``adapter.lora.alpha``, the aLoRA
+    invocation tokens when the config has them) to ``tmp``; removed again on failure."""
     writer = gguf.GGUFWriter(tmp, arch)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
-    writer.add_name(src.name if name is None else name)
+    writer.add_name(name)
     if cfg.get("alora_invocation_tokens"):
         writer.add_key_value(
             gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS,
@@ -392,17 +450,6 @@ def convert_peft(
             gguf.GGUFValueType.ARRAY,
             gguf.GGUFValueType.UINT32,
         )
-    for name, arr in tensors:
-        writer.add_tensor(name, arr)
+    for tensor_name, arr in tensors:
+        writer.add_tensor(tensor_name, arr)
     write_and_close(writer, tmp)
-    if base_gguf is not None:
-        try:
-            validate_lora_adapter(tmp, base_arch=arch, base_tensors=base_index)
-        except AdapterError as exc:
-            tmp.unlink(missing_ok=True)
-            raise ConvertError(
-                src,
-                [f"converted adapter does not fit {getattr(base_gguf, 'path', base_gguf)}: {p}" for p in exc.problems],
-            ) from exc
-    os.replace(tmp, out)
-    return out
