@@ -17,7 +17,7 @@ import structlog
 
 from worker.gguf.reader import GGUFFile, read_gguf
 
-log = structlog.get_logger("control_plane.base_model")
+log = structlog.get_logger("loraplane.control_plane.base_model")
 
 _CACHE: dict[tuple[str, int, int], BaseModel] = {}
 _CACHE_LOCK = threading.Lock()

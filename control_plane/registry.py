@@ -50,7 +50,7 @@ from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_
 from worker.lora.adapter_file import AdapterFile, validate_lora_adapter
 from worker.tools.convert_peft import convert_peft, is_peft_dir
 
-log = structlog.get_logger("control_plane.registry")
+log = structlog.get_logger("loraplane.control_plane.registry")
 
 DEFAULT_MAX_UPLOAD_BYTES = 512 * 1024 * 1024
 SOURCE_FORMATS = ("gguf", "peft")

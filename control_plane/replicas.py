@@ -43,7 +43,7 @@ from control_plane.store import AdapterStore
 from control_plane.workers import WorkerPool
 from loraplane.v1 import control_plane_pb2
 
-log = structlog.get_logger("control_plane.replicas")
+log = structlog.get_logger("loraplane.control_plane.replicas")
 
 
 class ReplicaSync:

@@ -38,7 +38,7 @@ from control_plane.resolution import adapter_set_key
 from control_plane.workers import WorkerHandle, WorkerPool
 from loraplane.v1 import common_pb2, worker_pb2
 
-log = structlog.get_logger("control_plane.router")
+log = structlog.get_logger("loraplane.control_plane.router")
 
 # Status codes by which a worker tells us the *request* is wrong: relayed as they are. Any
 # other code means the worker itself failed.

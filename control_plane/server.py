@@ -47,7 +47,7 @@ from loraplane.worker_secret import MEMBERSHIP_METHODS, membership_guard, worker
 
 __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lora_scaled", "run_control_plane"]
 
-log = structlog.get_logger("control_plane.server")
+log = structlog.get_logger("loraplane.control_plane.server")
 
 CONTROL_PLANE_SERVICE = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 GENERATE_METHOD = f"/{CONTROL_PLANE_SERVICE}/Generate"

@@ -32,7 +32,7 @@ from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 
-log = structlog.get_logger("control_plane.servicer")
+log = structlog.get_logger("loraplane.control_plane.servicer")
 
 STATUS_OF: dict[type[ControlPlaneError], grpc.StatusCode] = {
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,

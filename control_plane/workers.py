@@ -57,7 +57,7 @@ from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
 
-log = structlog.get_logger("control_plane.workers")
+log = structlog.get_logger("loraplane.control_plane.workers")
 
 
 @dataclass(frozen=True)

@@ -212,3 +212,38 @@ def test_no_long_functions_in_product_code():
                 if n > MAX_FUNCTION_LINES and (str(rel), node.name) not in OPTION_LISTS:
                     long.append(f"{rel}:{node.lineno} {node.name}: {n} lines")
     assert not long, "\n".join(long)
+
+
+_LOGGER = re.compile(r"(?:structlog\.get_logger|logging\.getLogger)\(([^)]*)\)")
+_EVENT = re.compile(r"\blog\.(?:debug|info|warning|error|exception|critical)\(\s*(f?)([\"'])(.*?)\2")
+
+
+def _product_sources() -> list[tuple[Path, str]]:
+    out = []
+    for path in _tracked():
+        rel = path.relative_to(ROOT)
+        if path.suffix == ".py" and rel.parts[0] in PRODUCT and not str(rel).startswith(GENERATED):
+            out.append((rel, path.read_text(encoding="utf-8")))
+    return out
+
+
+def test_loggers_are_named_loraplane_dot_module():
+    """Every logger is ``loraplane.<dotted module path>`` (one filter catches all of ours)."""
+    bad = []
+    for rel, text in _product_sources():
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        want = module if module.startswith("loraplane.") else f"loraplane.{module}"
+        for m in _LOGGER.finditer(text):
+            if m.group(1).strip() != f'"{want}"':
+                bad.append(f"{rel}: logger {m.group(1) or '()'}, want {want!r}")
+    assert not bad, "\n".join(bad)
+
+
+def test_log_events_are_snake_case():
+    """Log events are snake_case names; details go in key/value fields, not in the event."""
+    bad = []
+    for rel, text in _product_sources():
+        for m in _EVENT.finditer(text):
+            if m.group(1) or not re.fullmatch(r"[a-z][a-z0-9_]*", m.group(3)):
+                bad.append(f"{rel}: event {m.group(3)!r}")
+    assert not bad, "\n".join(bad)

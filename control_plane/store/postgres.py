@@ -61,7 +61,7 @@ from control_plane.store.base import (
 )
 from control_plane.store.migrations import MIGRATION_LOCK_KEY, MIGRATIONS, SCHEMA_VERSION_DDL
 
-log = structlog.get_logger("control_plane.store.postgres")
+log = structlog.get_logger("loraplane.control_plane.store.postgres")
 
 BLOB_CHUNK_BYTES = 1 << 20
 """Size of one ``adapter_blobs`` piece (the last piece of a file may be shorter)."""

@@ -43,7 +43,7 @@ from control_plane.store.base import (
 )
 from control_plane.store.migrations import MIGRATIONS, SCHEMA_VERSION_DDL
 
-log = structlog.get_logger("control_plane.store.sqlite")
+log = structlog.get_logger("loraplane.control_plane.store.sqlite")
 
 DB_FILENAME = "loraplane.sqlite3"
 

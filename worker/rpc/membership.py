@@ -49,7 +49,7 @@ Holdings = Callable[[], control_plane_pb2.WorkerHoldings]
 Refresh = Callable[[control_plane_pb2.WorkerHello], None]
 """Writes what the worker holds in slots / its host tier and its paging counters into a hello."""
 
-log = structlog.get_logger("worker.rpc.membership")
+log = structlog.get_logger("loraplane.worker.rpc.membership")
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     server.health_servicer = health_servicer  # kept for shutdown
     log.info(
-        "worker serving",
+        "worker_serving",
         addr=config.addr,
         port=port,
         worker_id=engine.worker_id,
@@ -180,7 +180,7 @@ def serve_worker(config: WorkerConfig) -> None:
         from loraplane.metrics import start_metrics_server
 
         metrics_server, metrics_port = start_metrics_server(config.metrics_addr, engine.metrics.registry)
-        log.info("worker metrics serving", addr=config.metrics_addr, port=metrics_port)
+        log.info("worker_metrics_serving", addr=config.metrics_addr, port=metrics_port)
     if config.control_plane:
         from worker.rpc.fetch import ControlPlaneFetcher
         from worker.rpc.membership import start_membership

@@ -15,12 +15,13 @@ for the process; ``QuantLinear.matmul(..., path=...)`` forces one for a call.
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 from functools import cache, lru_cache
 
-log = logging.getLogger(__name__)
+import structlog
+
+log = structlog.get_logger("loraplane.worker.runtime.kernels.cpu")
 
 PATHS = ("avx512", "avx2", "torch")
 NEEDS = {
@@ -73,7 +74,8 @@ def best_path() -> str:
         if supported(p):
             return p
     log.warning(
-        "CPU lacks AVX2/FMA/F16C: quantized matmuls use the torch fallback (weights dequantized to f32 at load)"
+        "kernels_torch_fallback",
+        reason="CPU lacks AVX2/FMA/F16C: quantized matmuls use the torch fallback (weights dequantized to f32)",
     )
     return "torch"
 

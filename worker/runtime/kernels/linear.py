@@ -25,11 +25,11 @@ Forms, by GGUF type:
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 import torch
 from gguf import GGMLQuantizationType as T
 
@@ -38,7 +38,7 @@ from worker.gguf.reader import dequantize as gguf_dequantize
 from worker.runtime.kernels import build, cpu
 from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("loraplane.worker.runtime.kernels.linear")
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 
@@ -252,9 +252,7 @@ class QuantLinear:
             p = cpu.resolve_path(path)
             if p == "torch":
                 if self._f32_cache is None:
-                    log.warning(
-                        "%s: torch kernel path, dequantizing to f32 (%.1f MiB)", self.name, self.d * self.k * 4 / 2**20
-                    )
+                    log.warning("kernels_dequantize_f32", tensor=self.name, mib=round(self.d * self.k * 4 / 2**20, 1))
                     self._f32_cache = self.dequantize()
                 y = x2.to(torch.float32) @ self._f32_cache.T
             else:
@@ -361,7 +359,7 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
     except GGUFError as exc:
         raise KernelError(f"{rec.name}: unsupported GGML type {t.name}") from exc
     if t not in FLOAT_TYPES:
-        log.warning("%s: %s has no repack rule; kept as f32 (torch matmul)", rec.name, t.name)
+        log.warning("kernels_no_repack_rule", tensor=rec.name, ggml_type=t.name, kept_as="f32")
     ql.weight = w
     return ql
 
