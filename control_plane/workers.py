@@ -24,7 +24,7 @@ one, a worker id that is alive at one address cannot be registered or heartbeate
 another (PERMISSION_DENIED) until it is dead.
 
 Reconciliation from heartbeats: workers report what they hold (``WorkerHello.holdings``); the
-pool's view follows the report (an adapter unloaded behind our back is pushed again when next
+pool's view follows the report (an adapter unloaded behind our back is announced again when next
 needed), adapters the registry no longer has are unloaded in the background, and adapters
 still draining after an unregister are listed under ``draining_ids`` until the worker frees
 them. Heartbeats also carry what each worker holds in its slots and host cache and its paging
@@ -96,7 +96,7 @@ class WorkerHandle:
         last_heartbeat: ``clock()`` time of the last RegisterWorker/Heartbeat.
         failed: why a call to it failed since that heartbeat (None: no failure).
         adapter_ids: adapters the worker holds, as far as the control plane knows (its last
-            heartbeat, plus what was pushed since).
+            heartbeat, plus what was announced since).
         draining_ids: unregistered adapters the worker is still draining.
         in_flight: Generate calls currently relayed from it.
         queue_limit: requests it queues beyond its slots (None: an older worker, unknown).
@@ -131,7 +131,7 @@ class WorkerHandle:
         """Requests it admits at once (slots + queue limit); None when unknown."""
         return None if self.queue_limit is None else self.n_slots + self.queue_limit
 
-    # One LoadAdapter at a time per worker, so concurrent requests do not push twice.
+    # One LoadAdapter at a time per worker, so concurrent requests do not announce twice.
     load_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -350,7 +350,7 @@ class WorkerPool:
 
     def _reconcile_holdings(self, w: WorkerHandle, holdings: control_plane_pb2.WorkerHoldings) -> None:
         """Follow the worker's own report: what it holds is what we believe it holds (except
-        adapters pushed since the report may have been built), and what it holds that the
+        adapters announced since the report may have been built), and what it holds that the
         registry no longer has (or has with other content) is unloaded in the background."""
         registered = {r.id: r.sha256 for r in self.registry.list()}
         held = {a.id: a.sha256 for a in holdings.adapters}
@@ -358,8 +358,8 @@ class WorkerPool:
         now = self._clock()
         recent_s = 3 * self.timings.heartbeat_interval_s  # a report in flight is at most this old
         with self._lock:
-            pushed_since = {i for i in w.adapter_ids if now - w.loaded_at.get(i, -1e18) < recent_s}
-            believed = good | pushed_since
+            announced_since = {i for i in w.adapter_ids if now - w.loaded_at.get(i, -1e18) < recent_s}
+            believed = good | announced_since
             if believed != w.adapter_ids:
                 log.warning(
                     "worker_adapters_reconciled",

@@ -10,9 +10,10 @@
      again; other failures are logged and the next heartbeat is tried on schedule — gRPC
      reconnects the channel itself.
 
-``RegisterWorker`` answers at once; the control plane then dials the worker back and pushes
-adapters in the background, and heartbeats answer ``joined=true`` once that is done (until
-then we heartbeat every `JOIN_POLL_S`). ``registered`` is set at that point. The worker's own
+``RegisterWorker`` answers at once; the control plane then dials the worker back and announces
+adapters in the background (the worker fetches their bytes when a request needs them), and
+heartbeats answer ``joined=true`` once that is done (until then we heartbeat every
+`JOIN_POLL_S`). ``registered`` is set at that point. The worker's own
 server must already be serving when this starts.
 
 Every call carries the worker secret (``loraplane-worker-secret`` metadata) when one is
@@ -43,7 +44,7 @@ from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 from loraplane.worker_secret import with_secret
 
 JOIN_POLL_S = 0.2
-"""Heartbeat period while the control plane is still dialing us back / pushing adapters."""
+"""Heartbeat period while the control plane is still dialing us back / announcing adapters."""
 
 Holdings = Callable[[], control_plane_pb2.WorkerHoldings]
 Refresh = Callable[[control_plane_pb2.WorkerHello], None]
@@ -59,7 +60,7 @@ class MembershipBackoff:
     Attributes:
         connect_timeout_s: how long one attempt waits for the channel to become ready.
         register_timeout_s: deadline of one RegisterWorker call (it includes the control
-            plane pushing every adapter to us).
+            plane announcing every adapter to us).
         initial_s / max_s / multiplier: exponential backoff between failed attempts.
         heartbeat_timeout_s: deadline of one Heartbeat call.
     """

@@ -42,7 +42,7 @@ log = structlog.get_logger("loraplane.worker.rpc.server")
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 ADAPTER_OPS = 2
-"""Concurrent LoadAdapter/UnloadAdapter calls (the control plane pushes one at a time per worker)."""
+"""Concurrent LoadAdapter/UnloadAdapter calls (the control plane announces one at a time per worker)."""
 RESERVED_THREADS = 8
 """Pool threads beyond the streaming/adapter limits, left for Stats, ListAdapters, health."""
 
