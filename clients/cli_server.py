@@ -674,7 +674,7 @@ def serve_cmd(
     The two share a worker secret: ``--worker-secret`` / ``$LORAPLANE_WORKER_SECRET``, else a
     fresh random one; the worker gets it through its environment, never its command line.
     """
-    from clients.serve import ServePlan, resolve_port, run_serve
+    from clients.serve import ServeSpec, resolve_port, run_serve
     from loraplane.worker_secret import new_worker_secret
 
     worker_secret = worker_secret or new_worker_secret()
@@ -704,7 +704,7 @@ def serve_cmd(
         worker_secret=worker_secret,
         **tuning,
     )
-    plan = ServePlan(
+    spec = ServeSpec(
         cp_addr=addr,
         worker_args=worker_args(
             model_path=model_path,
@@ -722,7 +722,7 @@ def serve_cmd(
 
     def run() -> None:
         nonlocal code
-        code = run_serve(plan, run_control_plane, config)
+        code = run_serve(spec, run_control_plane, config)
 
     _run_blocking("serve", run)
     ctx.exit(code)

@@ -157,7 +157,7 @@ def demo_cmd(
 ) -> None:
     """Serve with the shout and sea demo adapters and compare them on one prompt."""
     from clients.cli_server import control_plane_config, load_control_plane, worker_args
-    from clients.serve import ServePlan, resolve_port, run_serve
+    from clients.serve import ServeSpec, resolve_port, run_serve
 
     missing = [str(p) for _, p in DEMO_ADAPTERS if not p.is_file()]
     if missing:
@@ -182,7 +182,7 @@ def demo_cmd(
         http_addr=http_addr,
         metrics_addr=metrics_addr,
     )
-    plan = ServePlan(
+    spec = ServeSpec(
         cp_addr=addr,
         worker_args=worker_args(
             model_path=model_path,
@@ -204,12 +204,12 @@ def demo_cmd(
         worker_metrics_addr=worker_metrics_addr,
     )
     click.echo(
-        f"loraplane demo: data dir {root}, worker log {plan.worker_log}; loading the model...{plan.addresses()}",
+        f"loraplane demo: data dir {root}, worker log {spec.worker_log}; loading the model...{spec.addresses()}",
         err=True,
     )
     try:
         code = run_serve(
-            plan, run_control_plane, config, on_ready=_ready_hook(prompt, max_tokens, once, as_json, plan.addresses())
+            spec, run_control_plane, config, on_ready=_ready_hook(prompt, max_tokens, once, as_json, spec.addresses())
         )
     except (OSError, RuntimeError, ValueError) as err:
         raise click.ClickException(f"demo failed: {err}") from None

@@ -14,7 +14,7 @@ Who runs what:
   line each time; the control plane lists it ``dead`` meanwhile and counts the restart
   (``workers list``: ``restarts``). Streams it was serving end UNAVAILABLE. A worker that
   exits before it ever registered (bad model path, ...) still stops ``serve`` with exit 1.
-- The worker secret (``ServePlan.worker_secret``) reaches the worker through
+- The worker secret (``ServeSpec.worker_secret``) reaches the worker through
   ``$LORAPLANE_WORKER_SECRET`` in its environment, never its command line.
 - Stopping: one ``threading.Event`` is the control plane's ``stop_event`` (its SIGINT/SIGTERM
   handlers set it) and the supervisor's stop flag. Whoever ends serving — a signal, the worker
@@ -76,7 +76,7 @@ class RestartBackoff:
 
 
 @dataclass(frozen=True)
-class ServePlan:
+class ServeSpec:
     """What `run_serve` starts.
 
     Attributes:
@@ -167,9 +167,9 @@ def _say(message: str) -> None:
 class _Supervisor(threading.Thread):
     """Starts and watches the worker; see the module docstring."""
 
-    def __init__(self, plan: ServePlan, on_ready: ReadyHook | None, stopping: threading.Event) -> None:
+    def __init__(self, spec: ServeSpec, on_ready: ReadyHook | None, stopping: threading.Event) -> None:
         super().__init__(name="loraplane-serve-supervisor", daemon=True)
-        self.plan = plan
+        self.spec = spec
         self.on_ready = on_ready
         self.exit_code = 0
         self.stopping = stopping
@@ -188,7 +188,7 @@ class _Supervisor(threading.Thread):
         try:
             # No per-call deadline: on_ready may generate on a slow CPU worker.
             with LoraplaneClient(
-                dial_addr(self.plan.cp_addr), wait_for_server=True, connect_timeout=self.plan.ready_timeout_s
+                dial_addr(self.spec.cp_addr), wait_for_server=True, connect_timeout=self.spec.ready_timeout_s
             ) as client:
                 client.connect()
                 if not self._spawn_worker():
@@ -199,10 +199,10 @@ class _Supervisor(threading.Thread):
                     worker = self._wait_registered(client)
                 if worker is None:
                     return
-                if not self.plan.quiet:
+                if not self.spec.quiet:
                     _say(
-                        f"serving on {self.plan.cp_addr} "
-                        f"(worker {worker.worker_id} at {worker.addr}){self.plan.addresses()}; Ctrl-C stops"
+                        f"serving on {self.spec.cp_addr} "
+                        f"(worker {worker.worker_id} at {worker.addr}){self.spec.addresses()}; Ctrl-C stops"
                     )
                 if self.on_ready is not None and self.on_ready(client, worker):
                     self.request_stop(0)
@@ -218,17 +218,17 @@ class _Supervisor(threading.Thread):
                 self.request_stop(1)
 
     def _spawn_worker(self) -> bool:
-        cmd = worker_command(dial_addr(self.plan.cp_addr), self.worker_id, self.plan.worker_args)
+        cmd = worker_command(dial_addr(self.spec.cp_addr), self.worker_id, self.spec.worker_args)
         with self._lock:
             if self.stopping.is_set():
                 return False
             out: Any = None
-            if self.plan.worker_log is not None:
-                self._log_file = open(self.plan.worker_log, "ab")  # noqa: SIM115
+            if self.spec.worker_log is not None:
+                self._log_file = open(self.spec.worker_log, "ab")  # noqa: SIM115
                 out = self._log_file
             self._proc = subprocess.Popen(
                 cmd,
-                env=_worker_env(self.plan.worker_secret),
+                env=_worker_env(self.spec.worker_secret),
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
                 stdin=subprocess.DEVNULL,
@@ -237,13 +237,13 @@ class _Supervisor(threading.Thread):
         return True
 
     def _wait_registered(self, client: LoraplaneClient) -> WorkerInfo | None:
-        deadline = time.monotonic() + self.plan.ready_timeout_s
+        deadline = time.monotonic() + self.spec.ready_timeout_s
         while not self.stopping.is_set():
             code = self._proc.poll() if self._proc else None
             if code is not None:
                 _say(
                     f"the worker exited with code {code} before registering"
-                    + (f" (log: {self.plan.worker_log})" if self.plan.worker_log else "")
+                    + (f" (log: {self.spec.worker_log})" if self.spec.worker_log else "")
                 )
                 self.request_stop(1)
                 return None
@@ -251,7 +251,7 @@ class _Supervisor(threading.Thread):
             if ours:
                 return ours[0]
             if time.monotonic() > deadline:
-                _say(f"the worker did not register within {self.plan.ready_timeout_s:g}s")
+                _say(f"the worker did not register within {self.spec.ready_timeout_s:g}s")
                 self.request_stop(1)
                 return None
             self.stopping.wait(POLL_INTERVAL_S)
@@ -264,7 +264,7 @@ class _Supervisor(threading.Thread):
             code = self._proc.poll() if self._proc else None
             if code is None or self.stopping.is_set():
                 continue
-            delay = self.plan.backoff.next_delay(delay, time.monotonic() - self._started_at)
+            delay = self.spec.backoff.next_delay(delay, time.monotonic() - self._started_at)
             _say(
                 f"the worker {self.worker_id} exited unexpectedly with code {code}; "
                 f"restarting it in {delay:g}s (restart {self.restarts + 1})"
@@ -306,7 +306,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def run_serve(
-    plan: ServePlan, run_control_plane: Callable[..., Any], cp_config: Any, on_ready: ReadyHook | None = None
+    spec: ServeSpec, run_control_plane: Callable[..., Any], cp_config: Any, on_ready: ReadyHook | None = None
 ) -> int:
     """Serve until interrupted (or until ``on_ready`` returns True); returns the exit code.
 
@@ -317,7 +317,7 @@ def run_serve(
     """
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     stopping = threading.Event()
-    supervisor = _Supervisor(plan, on_ready, stopping)
+    supervisor = _Supervisor(spec, on_ready, stopping)
     supervisor.start()
     try:
         run_control_plane(cp_config, stop_event=stopping)
