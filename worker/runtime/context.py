@@ -66,7 +66,6 @@ class ContextStats:
 
     graph_reuses: int = 0
     graph_rebuilds: int = 0
-    set_adapter_calls: int = 0
     decode_calls: int = 0
     tokens_computed: int = 0
 
@@ -126,7 +125,6 @@ class WorkerContext:
                 free now (``max_loras``, or every slot held/pinned).
         """
         new = (sets,) if isinstance(sets, AdapterSet) else tuple(sets) or (EMPTY_SET,)
-        self.stats.set_adapter_calls += 1
         if new == self.active_sets:
             return False
         for s in new:

@@ -35,7 +35,6 @@ class PrefixCache:
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], PrefixEntry] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
-        self.hits = 0
         self.hit_tokens = 0
         self.lookups = 0
 
@@ -63,7 +62,6 @@ class PrefixCache:
                     best_n, best = n, e
             if best is not None:
                 self._entries.move_to_end((best.fingerprint, best.tokens))
-                self.hits += 1
                 self.hit_tokens += best_n
         return best_n, best
 

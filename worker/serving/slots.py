@@ -39,7 +39,6 @@ class Slot:
     last_step: int = -1
     last_used: float = 0.0
     last_set: AdapterSet | None = None  # llama-server ``slot.lora``: the previous request's set
-    task: str = "completion"
 
     @property
     def busy(self) -> bool:
@@ -57,9 +56,10 @@ class Slot:
         return self.request.set_at(self.n_past)
 
     def can_batch_with(self, other: Slot) -> bool:
-        """llama-server's compatibility rule: same task type and the same adapter set for
-        the rows both feed next (whole adapter vector equal)."""
-        return self.task == other.task and self.next_set() == other.next_set()
+        """llama-server's compatibility rule: the same adapter set for the rows both feed next
+        (whole adapter vector equal; every slot serves completions, so the task type, the
+        rule's other half, always matches)."""
+        return self.next_set() == other.next_set()
 
     def assign(self, req: GenRequest) -> None:
         self.req = req
