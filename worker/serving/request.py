@@ -14,12 +14,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from worker.errors import WorkerError
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import AloraActivation
 from worker.runtime.sampling import SamplingParams
-from worker.serving.output import IncrementalDetokenizer, StopMatcher
+
+if TYPE_CHECKING:  # output builds on this module's events
+    from worker.serving.output import IncrementalDetokenizer, StopMatcher
 
 
 @dataclass(frozen=True)
