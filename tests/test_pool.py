@@ -1,4 +1,4 @@
-"""Unit tests of the adapter slot pool (issue 12) on tiny synthetic tensors (fast tier):
+"""Unit tests of the adapter slot pool on tiny synthetic tensors (fast tier):
 page-in as an in-place copy, LRU eviction, holds, pinning, capacity errors, rank growth,
 generation (graph reuse), and the side path for token_embd."""
 

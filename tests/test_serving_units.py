@@ -351,7 +351,7 @@ def test_kv_import_after_decode_outside_inference_mode():
     assert torch.equal(kv.k[0][kv.row_of[2], :80], torch.ones(80, 1, 2))
 
 
-# --- admission with the slot pool (issue 12) -------------------------------------------------
+# --- admission with the slot pool ----------------------------------------------------------
 def test_admission_resident_first_with_bounded_bypass():
     from worker.lora.pool import LoraPool
     from worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order

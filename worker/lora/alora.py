@@ -1,4 +1,4 @@
-"""The activated-LoRA (aLoRA) rule: where in a prompt an aLoRA starts to apply (SPEC §4).
+"""The activated-LoRA (aLoRA) rule: where in a prompt an aLoRA starts to apply.
 
 An aLoRA carries ``adapter.alora.invocation_tokens``; it applies from the last occurrence of
 that sequence in the prompt onwards (PEFT's activation point, which the adapters are trained
@@ -37,7 +37,7 @@ def find_last(tokens: list[int], needle: tuple[int, ...]) -> int:
 
 
 def resolve_alora(adapter_set: AdapterSet, prompt: list[int]) -> AloraActivation:
-    """Apply the aLoRA rule (SPEC §4; PEFT's activation point, which the adapters are trained on).
+    """Apply the aLoRA rule (PEFT's activation point, which the adapters are trained on).
 
     For each enabled aLoRA, reverse-scan the prompt for its invocation sequence. Not found →
     that adapter is dropped (scale 0) for this request. Found at ``s`` → tokens ``0..s-1`` are

@@ -75,6 +75,7 @@ class WeightSlots:
 
     @property
     def rank_cap(self) -> int:
+        """Padded rank ``R`` of the slot buffers (``a.shape[1]``)."""
         return int(self.a.shape[1])
 
 
@@ -158,6 +159,7 @@ class LoraPool:
 
     # --- queries --------------------------------------------------------------------------
     def slot_of(self, sha256: str) -> int | None:
+        """Slot index holding content ``sha256``, None when not resident (owner thread)."""
         return self.by_sha.get(sha256)
 
     def resident_shas(self) -> set[str]:
@@ -170,6 +172,7 @@ class LoraPool:
         return [s.adapter for s in self.slots if s.adapter is not None]
 
     def held(self, sha256: str) -> int:
+        """Slot holds on content ``sha256`` (0 when not resident)."""
         s = self.by_sha.get(sha256)
         return 0 if s is None else self.slots[s].holds
 

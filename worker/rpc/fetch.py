@@ -58,5 +58,6 @@ class ControlPlaneFetcher:
         raise AdapterFetchError("; ".join(errors) or "no control plane to fetch from")
 
     def close(self) -> None:
+        """Close the channels."""
         for c in self._channels:
             c.close()

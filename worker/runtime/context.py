@@ -157,6 +157,7 @@ class WorkerContext:
 
     @property
     def node_budget(self) -> int:
+        """Worst-case graph nodes (``ModelAdapters.node_budget``)."""
         return self.adapters.node_budget()
 
     def _get_plan(self) -> tuple[LoraPlan, bool]:
@@ -277,4 +278,6 @@ class Model:
         self.adapters = ModelAdapters(self.base.n_base_tensors, pool)
 
     def new_context(self, *, n_ctx_seq: int = 4096, n_seq: int = 1) -> WorkerContext:
+        """A context over this model (``n_ctx_seq`` KV positions per sequence, room for
+        ``n_seq`` sequences); it shares the model's adapters and slot pool."""
         return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq)

@@ -150,6 +150,7 @@ class WorkerEngine:
 
     @property
     def base(self) -> BaseModel:
+        """The loaded base model (weights, tokenizer, hparams)."""
         return self.model.base
 
     @property
@@ -159,6 +160,7 @@ class WorkerEngine:
 
     @fetcher.setter
     def fetcher(self, fetcher: Fetcher | None) -> None:
+        """Set by the process once it knows its control plane (``worker.rpc.fetch``)."""
         self.host.fetcher = fetcher
 
     def close(self) -> None:

@@ -18,6 +18,8 @@ from worker.runtime.kv_cache import KVSnapshot
 
 @dataclass
 class PrefixEntry:
+    """A cached prefix: the adapter-set fingerprint that computed it, its tokens, its KV."""
+
     fingerprint: str
     tokens: tuple[int, ...]
     kv: KVSnapshot
@@ -43,6 +45,7 @@ class PrefixCache:
 
     @property
     def n_tokens(self) -> int:
+        """Cached positions over every entry."""
         return self._tokens
 
     def lookup(self, fingerprint: str, prompt: list[int], limit: int) -> tuple[int, PrefixEntry | None]:

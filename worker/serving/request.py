@@ -176,6 +176,7 @@ class GenRequest:
 
     @property
     def adapter_set(self) -> AdapterSet:
+        """The request's full adapter set (what computes positions from the aLoRA start)."""
         return self.activation.adapter_set
 
     def set_at(self, pos: int) -> AdapterSet:
@@ -190,6 +191,7 @@ class GenRequest:
 
     @property
     def adapter_ids(self) -> tuple[int, ...]:
+        """Ids of the adapters the request uses (metrics labels)."""
         return self.activation.adapter_set.ids
 
 

@@ -74,8 +74,11 @@ class RequestObserver(Protocol):
     request with its outcome ("stop", "length", "cancelled" or "error").
     """
 
-    def on_token(self, req: GenRequest, now: float) -> None: ...
-    def on_finish(self, req: GenRequest, outcome: str) -> None: ...
+    def on_token(self, req: GenRequest, now: float) -> None:
+        """A token of ``req`` was sampled at monotonic time ``now`` (seconds)."""
+
+    def on_finish(self, req: GenRequest, outcome: str) -> None:
+        """``req`` ended with ``outcome`` (called once per request)."""
 
 
 @dataclass(frozen=True)
@@ -138,9 +141,12 @@ class Scheduler:
 
     # --- public -------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the loop thread."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop thread (at its next turn; waits up to 10 s). Queued and running
+        requests are abandoned: the process is ending."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
@@ -271,10 +277,12 @@ class Scheduler:
                 self._holds.pop(aid, None)
 
     def wake(self) -> None:
+        """Wake the loop (a request was cancelled from another thread)."""
         with self._cv:
             self._cv.notify_all()
 
     def stats(self) -> SchedulerStats:
+        """A consistent snapshot of the counters and gauges (any thread)."""
         with self._cv:
             return SchedulerStats(
                 n_slots=len(self.slots),

@@ -16,6 +16,8 @@ from worker.serving.request import GenRequest
 
 
 class SlotState(Enum):
+    """What a slot is doing (llama-server ``slot_state``)."""
+
     IDLE = "idle"
     PROMPT = "prompt"  # prompt tokens still to compute
     GENERATING = "generating"  # one token per step
@@ -42,6 +44,7 @@ class Slot:
 
     @property
     def busy(self) -> bool:
+        """Whether a request runs on this slot."""
         return self.req is not None
 
     @property
@@ -62,11 +65,13 @@ class Slot:
         return self.next_set() == other.next_set()
 
     def assign(self, req: GenRequest) -> None:
+        """Start serving ``req`` (its prompt first) with a fresh sampler."""
         self.req = req
         self.sampler = Sampler(req.params)
         self.state = SlotState.PROMPT
 
     def release(self) -> None:
+        """Become idle, remembering the finished request's adapter set (``last_set``)."""
         if self.req is not None:
             self.last_set = self.req.adapter_set
         self.req = None
