@@ -8,12 +8,13 @@ validated file-backed entries, fetching from the control plane, draining).
 
 A request's adapters are brought to host at submit, on the caller's thread (off the decode
 loop): the request holds them in the scheduler first (``Scheduler.holding``), so the host tier
-keeps them from the moment they are found or loaded until the request ends — ``submit`` takes
-the request's own holds before the submit-time ones are dropped, leaving no gap in which the
-host tier could drop an adapter a request is about to use. The tensors of those not resident
-in a slot are read ahead then (``HostCache.prefetch``), so admission on the loop only copies. Unloading
-drains: new requests naming the adapter are refused at once, running ones finish, then the
-context detaches it and the host tier frees it — a context never points at freed weights.
+keeps them (and their fetched files) from the moment they are found or loaded until the
+request ends — ``Scheduler.submit`` takes the request's own holds before the submit-time ones
+are dropped, leaving no gap in which the host tier could drop an adapter a request is about
+to use. The tensors of those not resident in a slot are read ahead then
+(``HostCache.prefetch``), so admission on the loop only copies. Unloading drains: new requests
+naming the adapter are refused at once, running ones finish, then the context detaches it and
+the host tier frees it — a context never points at freed weights.
 """
 
 from __future__ import annotations

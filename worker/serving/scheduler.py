@@ -311,8 +311,9 @@ class Scheduler:
                     return
                 self._drop_cancelled()
                 ready = self._take_ready_pending()
-            # Outside the condition's lock: a deferred function may take the engine's lock,
-            # which is taken before this one elsewhere (submit).
+            # Outside the condition's lock: a deferred function may take the host tier's lock
+            # (an unload's free), which is taken before this one elsewhere (the host tier asks
+            # ``is_held`` with its lock held).
             for fn, fut in ready:
                 try:
                     fut.set_result(fn())
