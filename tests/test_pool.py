@@ -205,7 +205,7 @@ def test_fetch_to_file_verifies_the_hash_and_leaves_nothing_on_failure(tmp_path)
     import hashlib
 
     from worker.errors import AdapterFetchError
-    from worker.serving.engine import FetchError, fetch_to_file
+    from worker.lora.host_cache import fetch_to_file
 
     data = b"GGUF" + bytes(range(256)) * 5
     sha = hashlib.sha256(data).hexdigest()
@@ -228,7 +228,7 @@ def test_fetch_to_file_verifies_the_hash_and_leaves_nothing_on_failure(tmp_path)
     assert list(tmp_path.iterdir()) == [target]  # no partial file
 
     def missing(digest: str):
-        raise FetchError("NOT_FOUND: no registered adapter has sha256 x", not_found=True)
+        raise AdapterFetchError("NOT_FOUND: no registered adapter has sha256 x", not_found=True)
         yield b""  # pragma: no cover - makes this a generator
 
     with pytest.raises(AdapterFetchError, match="fetching sha256 .* failed: NOT_FOUND") as info:

@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
 import queue
+import shutil
 import threading
 import time
+from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from worker.errors import QueueFullError
+from worker.errors import AdapterFetchError, DecodeFailedError, QueueFullError
 from worker.rpc.status import status_of
 from worker.runtime.sampling import SamplingParams
 from worker.serving.engine import WorkerEngine
-from worker.serving.request import FinishedEvent, TokenEvent
+from worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
+from worker.serving.scheduler import MAX_BYPASS
 
 
 @pytest.fixture
 def engine_for(fixtures_dir):
     made = []
 
-    def make(batching: Batching, n_slots: int = 4, queue_limit: int = 64) -> WorkerEngine:
+    def make(batching: Batching, n_slots: int = 4, queue_limit: int = 64, **config) -> WorkerEngine:
         e = WorkerEngine(
             WorkerConfig(
                 model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
@@ -30,6 +36,7 @@ def engine_for(fixtures_dir):
                 device="cpu",
                 n_ctx_slot=256,
                 queue_limit=queue_limit,
+                **config,
             )
         )
         e.load_adapter(0, path=str(fixtures_dir / "tiny_moe" / "moe_lora.gguf"))
@@ -140,3 +147,156 @@ def test_every_worker_error_has_one_status():
     assert [n for n, code in codes.items() if code == "INTERNAL"] == ["DecodeFailedError"]
     with pytest.raises(KeyError):
         status_of(type("Unlisted", (errors.WorkerError,), {})("x"))
+
+
+# --- how requests end, and what the metrics see -------------------------------------------
+PROMPT = [1, 450, 4996, 17354]
+
+
+def _requests_total(engine: WorkerEngine, outcome: str, adapter: str) -> float:
+    """``loraplane_worker_requests_total{outcome, adapter}`` from the engine's own registry."""
+    v = engine.metrics.registry.get_sample_value(
+        "loraplane_worker_requests_total", {"outcome": outcome, "adapter": adapter}
+    )
+    return 0.0 if v is None else v
+
+
+def _until_end(q: queue.Queue, timeout: float = 60.0) -> list:
+    """Events of one request until its FinishedEvent or ErrorEvent."""
+    out: list = []
+    while not out or not isinstance(out[-1], FinishedEvent | ErrorEvent):
+        out.append(q.get(timeout=timeout))
+    return out
+
+
+def _generate(engine: WorkerEngine, rid: str, entries, max_tokens: int = 3) -> list:
+    q: queue.Queue = queue.Queue()
+    engine.submit(
+        request_id=rid,
+        prompt_tokens=PROMPT,
+        prompt_text=None,
+        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        entries=entries,
+        emit=q.put,
+    )
+    return _until_end(q)
+
+
+def _write_llama_adapter(path: Path, seed: int) -> Path:
+    """A rank-2 adapter on ``blk.0.attn_q.weight`` of the tiny llama-MoE (W ne [64, 64])."""
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", 4.0)
+    w.add_name(f"tiny{seed}")
+    rng = np.random.default_rng(seed)
+    w.add_tensor("blk.0.attn_q.weight.lora_a", rng.standard_normal((2, 64)).astype(np.float32))
+    w.add_tensor("blk.0.attn_q.weight.lora_b", rng.standard_normal((64, 2)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_attach_failure_ends_the_request_through_the_one_exit(engine_for):
+    """A fault while attaching a request to its slot (the prefix-cache step) fails that
+    request only, and now counts like every other error: requests_total{outcome="error"}
+    for its adapter, its slot hold and request hold dropped, its slot free for the next."""
+    e = engine_for(Batching.MIXED, n_slots=1)
+    sha = e.adapters()[0].sha256
+    policy = e.scheduler.cache_policy
+    real_attach = policy.attach
+
+    def attach(slot, req, kv):
+        if req.request_id == "bad":
+            raise RuntimeError("KV import failed")
+        return real_attach(slot, req, kv)
+
+    policy.attach = attach  # type: ignore[method-assign]
+    assert _requests_total(e, "error", "0") == 0
+    events = _generate(e, "bad", [(0, 1.0)])
+    assert len(events) == 1 and isinstance(events[0].error, DecodeFailedError)
+    assert "attaching the request to slot 0 failed" in str(events[0].error)
+    assert status_of(events[0].error).name == "INTERNAL"
+    # the observer runs right after the event, on the loop thread
+    deadline = time.monotonic() + 10
+    while _requests_total(e, "error", "0") < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _requests_total(e, "error", "0") == 1
+    assert not e.scheduler.is_held(0) and e.ctx.pool.held(sha) == 0
+    assert e.scheduler.stats().slots_busy == 0
+    # the slot serves the next request, which finishes normally and is counted as such
+    ok = _generate(e, "good", [(0, 1.0)])
+    assert isinstance(ok[-1], FinishedEvent) and ok[-1].finish_reason == "length"
+    deadline = time.monotonic() + 10
+    while _requests_total(e, "length", "0") < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _requests_total(e, "length", "0") == 1 and _requests_total(e, "error", "0") == 1
+    e.unload_adapter(0, timeout_s=10)  # nothing holds it any more
+
+
+def test_page_in_failure_ends_the_request_with_an_error_and_counts_it(engine_for, tmp_path):
+    """An adapter whose file changed on disk after validation cannot be paged in again: its
+    request ends with AdapterFetchError (no mock: the file really changed), is counted in
+    requests_total{outcome="error"}, and leaves no hold behind."""
+    e = engine_for(Batching.MIXED, n_slots=1, max_loras=1, max_cpu_loras=2)
+    path_a = shutil.copy(Path(e.adapters()[0].source.path), tmp_path / "a.gguf")  # type: ignore[union-attr]
+    e.load_adapter(1, path=str(path_a))
+    e.load_adapter(2, path=str(_write_llama_adapter(tmp_path / "b.gguf", seed=1)))
+    assert isinstance(_generate(e, "warm", [(1, 1.0)])[-1], FinishedEvent)  # adapter 1 resident
+    qa: queue.Queue = queue.Queue()
+    qb: queue.Queue = queue.Queue()
+    gate = threading.Event()
+    e.scheduler.run_soon(lambda: gate.wait(30))  # queue both before any admission
+    try:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        rb = e.submit(
+            request_id="b", prompt_tokens=PROMPT, prompt_text=None, params=params, entries=[(2, 1.0)], emit=qb.put
+        )
+        # adapter 1 is resident now, so nothing is read ahead for "a": its page-in re-reads the file
+        e.submit(request_id="a", prompt_tokens=PROMPT, prompt_text=None, params=params, entries=[(1, 1.0)], emit=qa.put)
+        rb.bypassed = MAX_BYPASS  # "b" goes first (bounded waiting), evicting adapter 1 from the one slot
+        with open(path_a, "ab") as f:
+            f.write(b"\0")  # the file changes after validation
+    finally:
+        gate.set()
+    assert isinstance(_until_end(qb)[-1], FinishedEvent)
+    events = _until_end(qa)
+    assert len(events) == 1 and isinstance(events[0].error, AdapterFetchError)
+    assert "paging the adapter in failed" in str(events[0].error) and "changed on disk" in str(events[0].error)
+    deadline = time.monotonic() + 10
+    while _requests_total(e, "error", "1") < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _requests_total(e, "error", "1") == 1
+    assert not e.scheduler.is_held(1) and e.scheduler.stats().slots_busy == 0
+
+
+def test_adapters_being_submitted_stay_on_host_with_their_files(engine_for, tmp_path):
+    """The host tier (capacity 2 here) may drop an entry while another request is still
+    being submitted; the request's adapters are held from before they are fetched until the
+    scheduler counts the request, so the entry dropped is another one and the fetched copy
+    the request reads ahead at submit is still there."""
+    e = engine_for(Batching.MIXED, n_slots=2, max_loras=2, max_cpu_loras=2)
+    e.unload_adapter(0, timeout_s=10)
+    files = {i: _write_llama_adapter(tmp_path / f"f{i}.gguf", seed=10 + i) for i in (0, 1, 2)}
+    sha = {i: hashlib.sha256(files[i].read_bytes()).hexdigest() for i in files}
+    by_sha = {sha[i]: files[i] for i in files}
+
+    def fetcher(digest: str):
+        if digest == sha[1]:
+            # Meanwhile another caller registers adapter 2: the host tier holds 0, 2, then 1.
+            e.load_adapter(2, path=str(files[2]))
+        yield by_sha[digest].read_bytes()
+
+    e.fetcher = fetcher
+    for i in (0, 1):
+        e.load_adapter(i, sha256=sha[i], fetch_on_demand=True)
+    events = _generate(e, "r", [(0, 1.0), (1, 1.0)])
+    assert isinstance(events[-1], FinishedEvent), events[-1]
+    sources = {r.id: r.source for r in events[-1].telemetry.adapter_residency}
+    assert sources == {0: "fetched", 1: "fetched"}
+    st = e.stats()
+    assert st.host_evictions == 1 and st.fetches == 2
+    assert sorted(st.host_adapter_ids) == [0, 1]  # 2 was dropped, not 0 (held by the request)
+    assert (e.host.cache_dir / f"{sha[0]}.gguf").is_file()

@@ -21,12 +21,18 @@ from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.alora import find_last, resolve_alora
 from worker.lora.plan import build_plan
 from worker.runtime.kv_cache import KVCache
-from worker.runtime.sampling import SamplingParams
+from worker.runtime.sampling import Sampler, SamplingParams
 from worker.serving.cache_policy import KeyedCachePolicy, LlamaCachePolicy, lora_should_clear_cache
 from worker.serving.engine import WorkerStatsRecord
-from worker.serving.output import IncrementalDetokenizer, finish_reason, prompt_token_logprobs
+from worker.serving.output import (
+    IncrementalDetokenizer,
+    OutputStage,
+    StopMatcher,
+    finish_reason,
+    prompt_token_logprobs,
+)
 from worker.serving.prefix_store import PrefixCache
-from worker.serving.request import GenRequest, RequestTelemetry, StepInfo
+from worker.serving.request import GenRequest, RequestTelemetry, StartedEvent, StepInfo, TokenEvent
 from worker.serving.scheduler import SchedulerStats
 from worker.serving.slots import Slot, SlotState
 from worker.serving.ubatch import assemble_ubatch
@@ -291,6 +297,113 @@ def test_prompt_logprobs_and_finish_reason():
     )
 
 
+@pytest.fixture(scope="module")
+def tiny_tokenizer(fixtures_dir):
+    """The tiny llama-MoE's real tokenizer (32000 pieces, EOG = 2)."""
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"))
+
+
+STEP = StepInfo(
+    batch_size=1, batch_tokens=1, n_adapter_sets=1, graph_reused=True, n_nodes=0, node_budget=0, batching="mixed"
+)
+
+
+def _stage_request(tok, params: SamplingParams, prompt: list[int] | None = None) -> GenRequest:
+    req = GenRequest(
+        "r",
+        prompt or [1, 450],
+        params,
+        resolve_alora(EMPTY_SET, prompt or [1, 450]),
+        lambda ev: None,
+        IncrementalDetokenizer(tok),
+    )
+    if params.stop:
+        req.stop = StopMatcher(params.stop)
+    return req
+
+
+def _peaked(n_vocab: int, token_id: int) -> torch.Tensor:
+    """f32 logits ``(n_vocab,)`` whose argmax is ``token_id``."""
+    row = torch.zeros(n_vocab)
+    row[token_id] = 10.0
+    return row
+
+
+def _feed(stage: OutputStage, req: GenRequest, ids: list[int], **kw) -> list[tuple[TokenEvent, str | None]]:
+    """Run the stage on one peaked row per id until it gives a finish reason."""
+    sampler = Sampler(req.params)
+    out = []
+    for i, t in enumerate(ids):
+        ev, reason = stage.token(req, sampler, _peaked(stage.tokenizer.n_vocab, t), n_past=10 + i, step=STEP, **kw)
+        out.append((ev, reason))
+        if reason is not None:
+            break
+    return out
+
+
+def test_output_stage_cuts_at_a_stop_string_across_tokens(tiny_tokenizer):
+    """sample → detokenize → stop string → finish reason → event: the stop string ", then"
+    spans two tokens; the piece before it is held back until it cannot start the stop
+    string, nothing of it is emitted, and the final text is what was streamed."""
+    tok = tiny_tokenizer
+    ids = tok.encode("The sea, then the shore", add_special=False)  # ' The' ' sea' ',' ' then' ...
+    stage = OutputStage(tok, n_ctx_slot=256)
+    req = _stage_request(tok, SamplingParams(max_tokens=20, stop=(", then",)))
+    seen: list[float | None] = []
+    out = _feed(stage, req, ids, on_token=lambda r, now: seen.append(r.last_token_at))
+    assert [ev.token_id for ev, _ in out] == ids[:4] and req.generated == ids[:4]
+    assert [ev.text for ev, _ in out] == ["The", " sea", "", ""]  # ',' held back, then the stop hit
+    assert [r for _, r in out] == [None, None, None, "stop"]
+    assert stage.final_text(req) == "The sea"
+    assert out[0][0].logprob == pytest.approx(float(torch.log_softmax(_peaked(tok.n_vocab, ids[0]), -1)[ids[0]]))
+    # on_token sees the previous token's time (None for the first), then the time is recorded
+    assert seen[0] is None and all(a is not None for a in seen[1:]) and req.first_token_at is not None
+    assert req.telemetry.graph_reuses == 4 and req.telemetry.max_batch_size == 1
+
+
+def test_output_stage_finish_reasons(tiny_tokenizer):
+    """End of generation is "stop" (unless ignore_eos), max_tokens and a full slot context are
+    "length"; a tail held back for a possible stop string is flushed on "length"."""
+    tok = tiny_tokenizer
+    stage = OutputStage(tok, n_ctx_slot=256)
+    eog = min(tok.eog_ids)
+    the, sea, comma = tok.encode("The sea,", add_special=False)
+    req = _stage_request(tok, SamplingParams(max_tokens=5))
+    assert [r for _, r in _feed(stage, req, [the, eog])] == [None, "stop"]
+    assert stage.final_text(req) == tok.decode([the, eog]) == "The"
+    req = _stage_request(tok, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [r for _, r in _feed(stage, req, [eog, the])] == [None, "length"]
+    req = _stage_request(tok, SamplingParams(max_tokens=3, stop=(", then",)))
+    out = _feed(stage, req, [the, sea, comma])
+    assert [ev.text for ev, _ in out] == ["The", " sea", ","] and out[-1][1] == "length"  # "," flushed
+    assert stage.final_text(req) == "The sea,"
+    small = OutputStage(tok, n_ctx_slot=12)  # _feed's n_past runs 10, 11: the context is full at 11
+    req = _stage_request(tok, SamplingParams(max_tokens=9))
+    assert [r for _, r in _feed(small, req, [the, sea, comma])] == [None, "length"]
+
+
+def test_output_stage_prompt_logprobs_and_started(tiny_tokenizer):
+    """Prompt log-probs accumulate over prompt chunks (one per next prompt token, none for
+    the last position), and the started event carries them after a None for token 0."""
+    stage = OutputStage(tiny_tokenizer, n_ctx_slot=256)
+    prompt = [1, 450, 7205, 29892]
+    req = _stage_request(tiny_tokenizer, SamplingParams(prompt_logprobs=True), prompt)
+    logits = torch.randn(4, tiny_tokenizer.n_vocab, generator=torch.Generator().manual_seed(0))
+    stage.prompt_rows(req, [0, 1], logits, [0, 1])
+    stage.prompt_rows(req, [2, 3], logits, [2, 3])  # position 3 is the last: no next prompt token
+    ref = torch.log_softmax(logits, -1)
+    assert req.prompt_logprobs == [(t, pytest.approx(float(ref[i, t]))) for i, t in enumerate(prompt[1:])]
+    ev = stage.started(req)
+    assert isinstance(ev, StartedEvent) and ev.prompt_tokens == prompt
+    assert ev.prompt_logprobs == [None, *req.prompt_logprobs]
+    plain = _stage_request(tiny_tokenizer, SamplingParams(), prompt)
+    stage.prompt_rows(plain, [0, 1, 2, 3], logits, [0, 1, 2, 3])
+    assert plain.prompt_logprobs == [] and stage.started(plain).prompt_logprobs is None
+
+
 # --- typed records vs protos --------------------------------------------------------------
 def _field_names(record) -> set[str]:
     """Field names, a nested record's fields flattened (WorkerStatsRecord.scheduler)."""
@@ -351,7 +464,7 @@ def test_kv_import_after_decode_outside_inference_mode():
     assert torch.equal(kv.k[0][kv.row_of[2], :80], torch.ones(80, 1, 2))
 
 
-# --- admission with the slot pool -------------------------------------------------
+# --- admission with the slot pool ----------------------------------------------------------
 def test_admission_resident_first_with_bounded_bypass():
     from worker.lora.pool import LoraPool
     from worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order

@@ -2,7 +2,7 @@
 ``worker.lora.adapter_file.AdapterFile`` (the rules and shapes are documented there).
 
 Two storages. *In memory* (``load_lora_adapter``): the pairs hold the tensors. *File-backed*
-(``open_lora_adapter``, the worker's host tier): the file is validated once (every
+(``open_lora_adapter``, the worker's host tier, ``worker.lora.host_cache``): the file is validated once (every
 tensor read, checked, dropped), then the pairs hold ``meta`` tensors (shape and dtype only)
 and ``LoraAdapter.tensors()`` re-reads the data from the file when the slot pool pages the
 adapter in. The bytes then live in the OS page cache, shared and reclaimable, not in the

@@ -12,7 +12,8 @@ Layout, per patched 2-D base weight ``W (d, k)`` (torch order; ``S`` = slot capa
 
     a   (S, R, k)   slot s rows 0..r-1 = the adapter's lora_a (r, k), rows r..R-1 zero
     bt  (S, R, d)   slot s rows 0..r-1 = lora_b.T (r, d), rows r..R-1 zero
-    factor f32 (S,) alpha / r of the adapter on this weight (1 when alpha = 0; 0 = no branch)
+    factor f32 (S,) alpha / r of the adapter on this weight (1 when alpha = 0; 0 = no branch):
+                    ``lora_scale(1.0, alpha, r)``, llama.cpp's scale rule at adapter scale 1
 
 B is stored transposed so that the first ``s_used`` slots of both tensors are one contiguous
 ``(s_used·R, ·)`` matrix: the mixed product is two dense matmuls over the used slot prefix
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.lora.adapter import LoraAdapter, LoraPair, is_pooled
+from worker.lora.adapter import LoraAdapter, LoraPair, is_pooled, lora_scale
 
 RANK_ALIGN = 8  # padded rank granularity of a weight's slot buffers
 
@@ -74,6 +75,7 @@ class WeightSlots:
 
     @property
     def rank_cap(self) -> int:
+        """Padded rank ``R`` of the slot buffers (``a.shape[1]``)."""
         return int(self.a.shape[1])
 
 
@@ -81,7 +83,7 @@ class WeightSlots:
 class SideBranch:
     """One slot's branch on a side weight (torch shapes, the pool's dtype):
     token_embd A ``(V, r)``, B ``(d, r)``; experts A ``(E, r, k)``, B ``(E, d, r)``;
-    ``factor`` = alpha / r (1 when alpha = 0)."""
+    ``factor`` = ``lora_scale(1.0, alpha, r)`` (alpha / r; 1 when alpha = 0)."""
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
@@ -157,6 +159,7 @@ class LoraPool:
 
     # --- queries --------------------------------------------------------------------------
     def slot_of(self, sha256: str) -> int | None:
+        """Slot index holding content ``sha256``, None when not resident (owner thread)."""
         return self.by_sha.get(sha256)
 
     def resident_shas(self) -> set[str]:
@@ -168,14 +171,8 @@ class LoraPool:
         """Adapters in slots, by slot index."""
         return [s.adapter for s in self.slots if s.adapter is not None]
 
-    def n_used(self) -> int:
-        """One past the highest occupied slot: the slot prefix a product must cover."""
-        for i in range(self.max_loras - 1, -1, -1):
-            if self.slots[i].adapter is not None:
-                return i + 1
-        return 0
-
     def held(self, sha256: str) -> int:
+        """Slot holds on content ``sha256`` (0 when not resident)."""
         s = self.by_sha.get(sha256)
         return 0 if s is None else self.slots[s].holds
 
@@ -330,7 +327,7 @@ class LoraPool:
             if r < w.rank_cap:
                 w.a[slot, r:].zero_()
                 w.bt[slot, r:].zero_()
-            w.factor[slot] = adapter.alpha / r if adapter.alpha else 1.0
+            w.factor[slot] = lora_scale(1.0, adapter.alpha, r)
             w.rank_of[slot] = r
             nbytes += (pair.lora_a.numel() + pair.lora_b.numel()) * w.a.element_size()
         for name, pair in adapter.pairs.items():
@@ -338,7 +335,7 @@ class LoraPool:
                 continue
             dev = self.device_for(name)
             a, b = (t.to(dtype=self.dtype, device=dev) for t in (pair.lora_a, pair.lora_b))
-            self.side[slot][name] = SideBranch(a, b, adapter.alpha / pair.rank if adapter.alpha else 1.0)
+            self.side[slot][name] = SideBranch(a, b, lora_scale(1.0, adapter.alpha, pair.rank))
             nbytes += (a.numel() + b.numel()) * a.element_size()
         self.slots[slot] = SlotInfo(adapter=adapter, pinned=False)
         with self._by_sha_lock:

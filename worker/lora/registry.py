@@ -1,8 +1,9 @@
 """The per-model adapter registry (llama.cpp ``llama_model::loras`` + graph node budget).
 
-``by_id`` holds the adapters of the host tier (validated; file-backed in a worker); the slot pool
-(``worker.lora.pool``, the device tier) holds those a ubatch may use. The node budget counts
-the adapters resident in slots: what a ubatch can touch, not every registration.
+``by_id`` holds the adapters of the host tier (validated; file-backed in a worker, kept by
+``worker.lora.host_cache``); the slot pool (``worker.lora.pool``, the device tier) holds those
+a ubatch may use. The node budget counts the adapters resident in slots: what a ubatch can
+touch, not every registration.
 """
 
 from __future__ import annotations

@@ -16,13 +16,14 @@ import grpc
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 from loraplane.worker_secret import with_secret
+from worker.errors import AdapterFetchError
 from worker.rpc.membership import control_plane_addresses
-from worker.serving.engine import FetchError
 
 
 class ControlPlaneFetcher:
-    """``sha256 → chunks`` over gRPC; raises ``FetchError`` (``not_found`` when the control
-    plane has no such content).
+    """``sha256 → chunks`` over gRPC (a ``worker.lora.host_cache.Fetcher``); raises
+    ``AdapterFetchError`` (``not_found`` when the control plane has no such content), which
+    ``fetch_to_file`` re-raises naming the adapter id.
 
     Args:
         spec: one control-plane address or several, comma-separated.
@@ -49,13 +50,14 @@ class ControlPlaneFetcher:
                     chunks.append(chunk.data)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    raise FetchError(f"NOT_FOUND: {exc.details()}", not_found=True) from None
+                    raise AdapterFetchError(f"NOT_FOUND: {exc.details()}", not_found=True) from None
                 errors.append(f"{exc.code().name}: {exc.details()}")
                 continue
             yield from chunks
             return
-        raise FetchError("; ".join(errors) or "no control plane to fetch from")
+        raise AdapterFetchError("; ".join(errors) or "no control plane to fetch from")
 
     def close(self) -> None:
+        """Close the channels."""
         for c in self._channels:
             c.close()

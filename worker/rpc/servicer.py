@@ -22,9 +22,10 @@ from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2, worker_pb2_grpc
 from worker.errors import InvalidRequestError, PermissionDeniedError, WorkerError
+from worker.lora.host_cache import KnownAdapter
 from worker.rpc.status import status_of
 from worker.runtime.sampling import SamplingParams
-from worker.serving.engine import KnownAdapter, WorkerEngine, WorkerStatsRecord
+from worker.serving.engine import WorkerEngine, WorkerStatsRecord
 from worker.serving.request import (
     ErrorEvent,
     Event,

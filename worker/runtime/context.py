@@ -2,7 +2,9 @@
 
 Mirrors llama.cpp ``llama_context``: ``set_adapters`` is ``llama_set_adapters_lora`` (a no-op
 when the sets are unchanged — ``adapters_lora_are_same`` — otherwise it swaps them in, making
-every adapter of the new sets resident in the model's slot pool, ``worker.lora.pool``), and
+every adapter of the new sets resident in the model's slot pool, ``worker.lora.pool``; the
+context holds no slot: whoever decodes keeps the adapters held until then, as the scheduler's
+admitted requests do), and
 ``decode`` is ``llama_decode`` over one ubatch of
 ``(token, pos, seq_id, wants_logits)`` rows from any number of sequences. Prompt processing
 and single-token decode take the same path.
@@ -66,7 +68,6 @@ class ContextStats:
 
     graph_reuses: int = 0
     graph_rebuilds: int = 0
-    set_adapter_calls: int = 0
     decode_calls: int = 0
     tokens_computed: int = 0
 
@@ -99,7 +100,6 @@ class WorkerContext:
         self._key_pos = torch.arange(n_ctx_seq, dtype=torch.long, device=model.device)  # key positions, sliced
         self.active_sets: tuple[AdapterSet, ...] = (EMPTY_SET,)
         self.pool: LoraPool = adapters.pool
-        self._held: list = []  # adapters this context holds in the pool (its active sets')
         self._seen_generation = -1  # pool generation at the previous decode
         self.stats = ContextStats()
         adapters.contexts.append(self)
@@ -109,24 +109,24 @@ class WorkerContext:
         if self in self.adapters.contexts:
             self.adapters.contexts.remove(self)
         self.kv.clear()
-        self.pool.release(self._held)
-        self._held = []
 
     # --- adapters -------------------------------------------------------------------------
     def set_adapters(self, sets: AdapterSet | Sequence[AdapterSet]) -> bool:
         """Make ``sets`` the active adapter sets; returns True when they changed.
 
         Unchanged (same adapters by content, same non-zero scales) → no-op. Changed → every
-        adapter of ``sets`` is made resident in the slot pool and held (paging in what is
-        missing, evicting least recently used unheld slots), and the previous sets' holds
-        are dropped. Only a page-in changes slot content; changing sets alone costs nothing.
+        adapter of ``sets`` is made resident in the slot pool (paging in what is missing,
+        evicting least recently used unheld slots) and marked recently used. The context
+        holds no slot: the caller keeps them held until ``decode`` when anything else may
+        page in between (the scheduler's requests hold theirs from admission); ``decode``
+        pages in again what went meanwhile. Only a page-in changes slot content; changing
+        sets alone costs nothing.
 
         Raises:
             DecodeError: an adapter is not registered, or the sets need more slots than can be
                 free now (``max_loras``, or every slot held/pinned).
         """
         new = (sets,) if isinstance(sets, AdapterSet) else tuple(sets) or (EMPTY_SET,)
-        self.stats.set_adapter_calls += 1
         if new == self.active_sets:
             return False
         for s in new:
@@ -136,20 +136,28 @@ class WorkerContext:
                         f"adapter {aid} ('{a.name}') is not registered with this model "
                         f"(registered: {sorted(self.adapters.by_id)})"
                     )
-        wanted = [a for s in new for _, a, _ in s.entries]
+        self._make_resident(new)
+        self.active_sets = new
+        return True
+
+    def _make_resident(self, sets: Sequence[AdapterSet]) -> None:
+        """Page in every adapter of ``sets`` that is not resident, holding nothing afterwards.
+
+        Raises:
+            DecodeError: they cannot all be resident now, or a file cannot be re-read.
+        """
+        wanted = [a for s in sets for _, a, _ in s.entries]
         try:
             self.pool.acquire(wanted)
         except (PoolCapacityError, PoolExhaustedError) as exc:
             raise DecodeError(f"adapter sets need slots: {exc}") from exc
         except AdapterError as exc:  # a file-backed adapter's tensors could not be re-read
             raise DecodeError(f"paging an adapter in failed: {exc}") from exc
-        self.pool.release(self._held)
-        self._held = wanted
-        self.active_sets = new
-        return True
+        self.pool.release(wanted)
 
     @property
     def node_budget(self) -> int:
+        """Worst-case graph nodes (``ModelAdapters.node_budget``)."""
         return self.adapters.node_budget()
 
     def _get_plan(self) -> tuple[LoraPlan, bool]:
@@ -232,12 +240,15 @@ class WorkerContext:
 
         Raises:
             DecodeError: malformed ubatch (token out of range, positions that do not continue
-                their sequence, set index out of range); nothing is written to the KV cache.
+                their sequence, set index out of range), or an active adapter evicted since
+                ``set_adapters`` cannot be paged in again; nothing is written to the KV cache.
         """
         n_sets = len(self.active_sets)
         set_index = ub.set_index or [0] * len(ub)
         if any(not 0 <= j < n_sets for j in set_index):
             raise DecodeError(f"set_index out of range: {n_sets} active adapter sets")
+        if any(self.pool.slot_of(a.sha256) is None for s in self.active_sets for _, a, _ in s.entries):
+            self._make_resident(self.active_sets)  # evicted since set_adapters (nothing held them)
         inputs = self._inputs(ub, set_index)
         plan, reused = self._get_plan()
         gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype, self.model.fused)
@@ -267,4 +278,6 @@ class Model:
         self.adapters = ModelAdapters(self.base.n_base_tensors, pool)
 
     def new_context(self, *, n_ctx_seq: int = 4096, n_seq: int = 1) -> WorkerContext:
+        """A context over this model (``n_ctx_seq`` KV positions per sequence, room for
+        ``n_seq`` sequences); it shares the model's adapters and slot pool."""
         return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq)

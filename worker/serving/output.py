@@ -1,18 +1,24 @@
-"""Output handling: incremental detokenization, prompt log-probs, stop conditions.
+"""Output handling: what a slot's logits become for the client, after each decode.
 
-Pure helpers the scheduler calls after each decode (llama-server ``process_token`` /
-``populate_token_probs``; vLLM's incremental detokenizer). None of them touch slots or the KV
-cache.
+``OutputStage`` is the one place that turns a request's logits rows into events: prompt
+log-probs while the prompt is computed, then per generated token sample → record →
+detokenize → stop strings → finish reason → ``TokenEvent`` (llama-server ``process_token`` /
+``populate_token_probs``; vLLM's output processor with its incremental detokenizer and stop
+checker). It and the helpers below never touch slots or the KV cache: the scheduler keeps
+that bookkeeping and ends the request when the stage gives a finish reason.
 """
 
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
+from worker.runtime.sampling import Sampler
 from worker.runtime.tokenizer import Tokenizer
+from worker.serving.request import GenRequest, StartedEvent, StepInfo, TokenEvent
 
 
 class IncrementalDetokenizer:
@@ -63,6 +69,7 @@ class StopMatcher:
         self._held = ""
 
     def push(self, text: str) -> tuple[str, bool]:
+        """Feed newly detokenized ``text``; returns ``(text safe to emit, stop string hit)``."""
         buf = self._held + text
         found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if found:
@@ -124,4 +131,107 @@ def finish_reason(
     return None
 
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher", "finish_reason", "prompt_token_logprobs"]
+class OutputStage:
+    """Turns one request's logits rows into its events (module docstring).
+
+    Args:
+        tokenizer: the model's tokenizer (end-of-generation ids, final text).
+        n_ctx_slot: KV positions of a slot; generation stops ("length") before it is full.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, n_ctx_slot: int):
+        self.tokenizer = tokenizer
+        self.n_ctx_slot = n_ctx_slot
+
+    def prompt_rows(self, req: GenRequest, rows: Sequence[int], logits: torch.Tensor, out_idx: Sequence[int]) -> None:
+        """Record the prompt log-probs of computed prompt positions ``rows`` (only when the
+        request asked for them; vLLM ``prompt_logprobs``).
+
+        Args:
+            req: the request; its ``prompt_logprobs`` grows by one entry per row whose next
+                token is a prompt token.
+            rows: the positions computed, consecutive.
+            logits: f32 ``(n_out, n_vocab)`` of the ubatch's output rows.
+            out_idx: per position of ``rows``, its row in ``logits``.
+        """
+        if not req.params.prompt_logprobs:
+            return
+        n_prompt = len(req.prompt)
+        m = sum(1 for p in rows if p + 1 < n_prompt)
+        if m:
+            req.prompt_logprobs += prompt_token_logprobs(
+                logits[list(out_idx[:m])], [req.prompt[p + 1] for p in rows[:m]]
+            )
+
+    def started(self, req: GenRequest) -> StartedEvent:
+        """The event of a request whose prompt is computed (prompt log-probs: None for token 0,
+        then one per token; the list is None unless asked for)."""
+        plp = [None, *req.prompt_logprobs] if req.params.prompt_logprobs else None
+        return StartedEvent(list(req.prompt), plp)
+
+    def token(
+        self,
+        req: GenRequest,
+        sampler: Sampler,
+        logits_row: torch.Tensor,
+        *,
+        n_past: int,
+        step: StepInfo,
+        pre: tuple[torch.Tensor, int] | None = None,
+        on_token: Callable[[GenRequest, float], None] | None = None,
+    ) -> tuple[TokenEvent, str | None]:
+        """Sample one token for ``req`` and produce its event and finish reason.
+
+        Samples from ``logits_row`` (f32 ``(n_vocab,)``; ``pre``: this row's batched
+        ``(log_softmax, argmax)`` for a greedy sampler, ``greedy_rows``), records it on the
+        request (token times, ``generated``, step telemetry), detokenizes it incrementally,
+        decides the finish reason (``finish_reason``: end of generation, ``max_tokens`` or the
+        slot's context full; "stop" also when a stop string completes) and cuts the text at a
+        stop string (``StopMatcher``: held-back text is flushed when generation ends for
+        another reason). ``on_token(req, now)`` is called before the token's time is recorded
+        (``req.last_token_at`` still holds the previous token's).
+
+        Args:
+            n_past: positions in the slot's KV sequence after this step.
+
+        Returns:
+            ``(TokenEvent, reason)``; reason None: generation continues.
+        """
+        if pre is not None:
+            sampled = sampler.sample(logits_row, logp=pre[0], argmax=pre[1])
+        else:
+            sampled = sampler.sample(logits_row)
+        now = time.monotonic()
+        if req.first_token_at is None:
+            req.first_token_at = now
+        if on_token is not None:
+            on_token(req, now)
+        req.last_token_at = now
+        req.generated.append(sampled.token_id)
+        req.telemetry.count_step(step)
+        piece = req.detok.push(sampled.token_id)
+        reason = finish_reason(
+            sampled.token_id,
+            eog_ids=self.tokenizer.eog_ids,
+            ignore_eos=req.params.ignore_eos,
+            n_generated=len(req.generated),
+            max_tokens=req.params.max_tokens,
+            n_past=n_past,
+            n_ctx=self.n_ctx_slot,
+        )
+        if req.stop is not None:
+            piece, hit = req.stop.push(piece)
+            if hit:
+                reason = "stop"
+            elif reason is not None:
+                piece += req.stop.push(req.detok.flush())[0] + req.stop.flush()
+            req.text_out.append(piece)
+        return TokenEvent(sampled.token_id, piece, sampled.logprob, sampled.top, step), reason
+
+    def final_text(self, req: GenRequest) -> str:
+        """The whole generated text of a finished request: the pieces emitted (cut at a stop
+        string) when it has stop strings, else the tokenizer's decode of every token."""
+        return "".join(req.text_out) if req.stop is not None else self.tokenizer.decode(req.generated)
+
+
+__all__ = ["IncrementalDetokenizer", "OutputStage", "StopMatcher", "finish_reason", "prompt_token_logprobs"]

@@ -18,6 +18,8 @@ from worker.runtime.kv_cache import KVSnapshot
 
 @dataclass
 class PrefixEntry:
+    """A cached prefix: the adapter-set fingerprint that computed it, its tokens, its KV."""
+
     fingerprint: str
     tokens: tuple[int, ...]
     kv: KVSnapshot
@@ -35,7 +37,6 @@ class PrefixCache:
         self._entries: OrderedDict[tuple[str, tuple[int, ...]], PrefixEntry] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
-        self.hits = 0
         self.hit_tokens = 0
         self.lookups = 0
 
@@ -44,6 +45,7 @@ class PrefixCache:
 
     @property
     def n_tokens(self) -> int:
+        """Cached positions over every entry."""
         return self._tokens
 
     def lookup(self, fingerprint: str, prompt: list[int], limit: int) -> tuple[int, PrefixEntry | None]:
@@ -63,7 +65,6 @@ class PrefixCache:
                     best_n, best = n, e
             if best is not None:
                 self._entries.move_to_end((best.fingerprint, best.tokens))
-                self.hits += 1
                 self.hit_tokens += best_n
         return best_n, best
 

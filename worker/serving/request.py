@@ -14,12 +14,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from worker.errors import WorkerError
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import AloraActivation
 from worker.runtime.sampling import SamplingParams
-from worker.serving.output import IncrementalDetokenizer, StopMatcher
+
+if TYPE_CHECKING:  # output builds on this module's events
+    from worker.serving.output import IncrementalDetokenizer, StopMatcher
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,7 @@ class GenRequest:
 
     @property
     def adapter_set(self) -> AdapterSet:
+        """The request's full adapter set (what computes positions from the aLoRA start)."""
         return self.activation.adapter_set
 
     def set_at(self, pos: int) -> AdapterSet:
@@ -187,6 +191,7 @@ class GenRequest:
 
     @property
     def adapter_ids(self) -> tuple[int, ...]:
+        """Ids of the adapters the request uses (metrics labels)."""
         return self.activation.adapter_set.ids
 
 

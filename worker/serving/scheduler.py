@@ -6,7 +6,7 @@ assemble a ubatch (``worker.serving.ubatch``), set the context's adapter
 sets once, decode, then hand each slot's logits to output handling (sampling, incremental
 detokenization, stop conditions) and stream events.
 
-Admission with the adapter slot pool (``worker.lora.pool``, issue 12): a request is attached
+Admission with the adapter slot pool (``worker.lora.pool``): a request is attached
 only once every adapter it uses is resident and held in the pool (``LoraPool.acquire``: the
 page-in, an in-place copy, happens here between steps; fetching and parsing happened before,
 at submit, off the loop). Among the first ``ADMIT_LOOKAHEAD`` queued requests, one whose
@@ -16,19 +16,28 @@ nothing is admitted before it (bounded waiting, vLLM/SGLang-style fairness). Whe
 is held the request waits in the queue (never fails); a request needing more adapters than
 ``--max-loras`` is refused at submit.
 
+Holds, one notion per layer: the scheduler counts *request holds* per adapter id — a request
+queued or running holds its adapters, and so does a request being submitted
+(``hold_adapters``/``holding``, taken before its adapters are brought to host) — which keep
+an adapter in the host tier (``worker.lora.host_cache``) and make an unload wait
+(``run_when_idle_of``); the pool counts *slot holds* (``LoraPool.acquire``), taken when a
+request is admitted. Every way a request ends goes through ``_end``, which frees its KV
+sequence, its slot and both kinds of hold, and reports the outcome to the observer.
+
 The pieces live beside it: requests/events/telemetry in ``request``, slots in ``slots``, the
 ``llama``/``keyed`` prefix-cache rules in ``cache_policy``, ubatch assembly in ``ubatch``,
-output helpers in ``output``.
+sampling/detokenizing/stop strings in ``output`` (``OutputStage``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,18 +45,18 @@ import structlog
 import torch
 
 from worker.config import Batching, WorkerConfig
-from worker.errors import AdapterFetchError, DecodeFailedError, InvalidRequestError, QueueFullError, WorkerError
+from worker.errors import AdapterFetchError, DecodeFailedError, InvalidRequestError, QueueFullError
 from worker.lora.adapter import AdapterError
-from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import resolve_alora
 from worker.lora.pool import LoraPool, PoolExhaustedError
 from worker.runtime.context import DecodeError, WorkerContext
 from worker.runtime.sampling import SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
 from worker.serving.heap import release_free_heap
-from worker.serving.output import IncrementalDetokenizer, StopMatcher, finish_reason, prompt_token_logprobs
+from worker.serving.output import IncrementalDetokenizer, OutputStage, StopMatcher
 from worker.serving.prefix_store import PrefixCache
-from worker.serving.request import ErrorEvent, Event, FinishedEvent, GenRequest, StartedEvent, StepInfo, TokenEvent
+from worker.serving.request import ErrorEvent, Event, FinishedEvent, GenRequest, StepInfo
 from worker.serving.slots import Slot, SlotState
 from worker.serving.ubatch import N_BATCH, assemble_ubatch
 
@@ -65,8 +74,11 @@ class RequestObserver(Protocol):
     request with its outcome ("stop", "length", "cancelled" or "error").
     """
 
-    def on_token(self, req: GenRequest, now: float) -> None: ...
-    def on_finish(self, req: GenRequest, outcome: str) -> None: ...
+    def on_token(self, req: GenRequest, now: float) -> None:
+        """A token of ``req`` was sampled at monotonic time ``now`` (seconds)."""
+
+    def on_finish(self, req: GenRequest, outcome: str) -> None:
+        """``req`` ended with ``outcome`` (called once per request)."""
 
 
 @dataclass(frozen=True)
@@ -118,19 +130,23 @@ class Scheduler:
         self._stop = False
         self._step = 0
         self._trimmed_at_step = 0  # step count at the last idle heap trim
-        self._in_flight: dict[int, int] = {}  # adapter id → requests holding it
+        self._holds: dict[int, int] = {}  # adapter id → request holds (module docstring)
         self._pending: list[tuple[int | None, Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self.prompt_tokens_computed = 0
         self.tokens_generated = 0
         # Observer of request outcomes and token times (worker.serving.metrics); None: no metrics.
         self.observer: RequestObserver | None = None
+        self.output = OutputStage(self.tokenizer, config.n_ctx_slot)
         self._thread = threading.Thread(target=self._loop, name="loraplane-scheduler", daemon=True)
 
     # --- public -------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the loop thread."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop thread (at its next turn; waits up to 10 s). Queued and running
+        requests are abandoned: the process is ending."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
@@ -200,8 +216,7 @@ class Scheduler:
                     f"queued; admits slots + --queue-limit {self.config.queue_limit})"
                 )
             req.held_ids = adapter_set.ids
-            for aid in req.held_ids:
-                self._in_flight[aid] = self._in_flight.get(aid, 0) + 1
+            self._count_holds(req.held_ids, +1)
             self.queue.append(req)
             self._cv.notify_all()
         return req
@@ -222,15 +237,52 @@ class Scheduler:
             self._cv.notify_all()
         return fut
 
-    def adapter_in_flight(self, adapter_id: int) -> int:
+    # --- request holds ------------------------------------------------------------------
+    def hold_adapters(self, adapter_ids: Iterable[int]) -> None:
+        """Take one request hold on each id for a request not submitted yet (its adapters are
+        being brought to host): the host tier keeps them and an unload waits, from now until
+        ``release_adapters``. ``submit`` takes the request's own holds, so a caller that
+        releases after ``submit`` returns leaves no gap."""
         with self._cv:
-            return self._in_flight.get(adapter_id, 0)
+            self._count_holds(adapter_ids, +1)
+
+    def release_adapters(self, adapter_ids: Iterable[int]) -> None:
+        """Drop holds taken with ``hold_adapters`` (one per id)."""
+        with self._cv:
+            self._count_holds(adapter_ids, -1)
+            self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def holding(self, adapter_ids: Iterable[int]) -> Iterator[None]:
+        """``hold_adapters`` for the duration of a ``with`` block."""
+        ids = tuple(adapter_ids)
+        self.hold_adapters(ids)
+        try:
+            yield
+        finally:
+            self.release_adapters(ids)
+
+    def is_held(self, adapter_id: int) -> bool:
+        """Whether any request (submitted, or being submitted) holds ``adapter_id``."""
+        with self._cv:
+            return self._holds.get(adapter_id, 0) > 0
+
+    def _count_holds(self, adapter_ids: Iterable[int], delta: int) -> None:
+        """Add ``delta`` to each id's request holds (the condition's lock held)."""
+        for aid in adapter_ids:
+            n = self._holds.get(aid, 0) + delta
+            if n > 0:
+                self._holds[aid] = n
+            else:
+                self._holds.pop(aid, None)
 
     def wake(self) -> None:
+        """Wake the loop (a request was cancelled from another thread)."""
         with self._cv:
             self._cv.notify_all()
 
     def stats(self) -> SchedulerStats:
+        """A consistent snapshot of the counters and gauges (any thread)."""
         with self._cv:
             return SchedulerStats(
                 n_slots=len(self.slots),
@@ -259,8 +311,9 @@ class Scheduler:
                     return
                 self._drop_cancelled()
                 ready = self._take_ready_pending()
-            # Outside the condition's lock: a deferred function may take the engine's lock,
-            # which is taken before this one elsewhere (submit).
+            # Outside the condition's lock: a deferred function may take the host tier's lock
+            # (an unload's free), which is taken before this one elsewhere (the host tier asks
+            # ``is_held`` with its lock held).
             for fn, fut in ready:
                 try:
                     fut.set_result(fn())
@@ -269,8 +322,10 @@ class Scheduler:
             with self._cv:
                 self._admit()
                 busy = [s for s in self.slots if s.busy]
-                if not busy and self.queue and not ready:
-                    self._cv.wait(0.05)  # queued requests wait for pool slots: no hot spin
+                if not busy and not ready and (self.queue or self._pending):
+                    # Queued requests wait for pool slots, deferred functions for request
+                    # holds to go (a request being submitted holds them too): no hot spin.
+                    self._cv.wait(0.05)
             if busy:
                 self._step_once(busy)
 
@@ -279,7 +334,7 @@ class Scheduler:
         ready = []
         for item in list(self._pending):
             aid, fn, fut = item
-            if aid is None or self._in_flight.get(aid, 0) == 0:
+            if aid is None or self._holds.get(aid, 0) == 0:
                 self._pending.remove(item)
                 ready.append((fn, fut))
         return ready
@@ -287,38 +342,29 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.queue if r.cancelled.is_set()]:
             self.queue.remove(req)
-            self._release_adapters(req)
-            if self.observer is not None:
-                self.observer.on_finish(req, "cancelled")
+            self._end(req, "cancelled", None)
         for slot in self.slots:
             if slot.req is not None and slot.req.cancelled.is_set():
-                log.info("request cancelled", request_id=slot.req.request_id, slot=slot.id)
-                self._finish(slot, None)
+                log.info("request_cancelled", request_id=slot.req.request_id, slot=slot.id)
+                self._end(slot.req, "cancelled", None, slot)
 
     def _next_admissible(self) -> GenRequest | None:
         """The queued request to attach next, its adapters acquired in the pool; None when
-        none can get its adapters resident now (it waits). Rules: module docstring."""
+        none can get its adapters resident now (it waits). Rules: module docstring. A request
+        whose adapter cannot be paged in (its file cannot be re-read) ends with an error."""
         pool = self.ctx.pool
         head = self.queue[0]
         for req in admission_order(self.queue, pool):
             adapters = [a for _, a, _ in req.adapter_set.entries]
             t0 = time.monotonic()
             was = {a.sha256: pool.slot_of(a.sha256) is not None for a in adapters}
-            if pool.plan_acquire(adapters) is None:
-                # The context still holds the sets of the previous step, which may include
-                # finished requests' adapters: drop them (the next step re-holds the rest).
-                self.ctx.set_adapters(EMPTY_SET)
             try:
                 pool.acquire(adapters, req.staged)
             except PoolExhaustedError:
                 continue
             except AdapterError as exc:
-                # Its adapter's file cannot be re-read for the page-in: fail this request only.
                 self.queue.remove(req)
-                req.emit(ErrorEvent(AdapterFetchError(f"paging the adapter in failed: {exc}")))
-                self._release_adapters(req)
-                if self.observer is not None:
-                    self.observer.on_finish(req, "error")
+                self._end(req, "error", ErrorEvent(AdapterFetchError(f"paging the adapter in failed: {exc}")))
                 return self._next_admissible() if self.queue else None
             req.staged = {}
             req.pool_held = adapters
@@ -344,11 +390,9 @@ class Scheduler:
             try:
                 n = self.cache_policy.attach(slot, req, self.ctx.kv)
             except Exception as exc:  # a cache fault fails this request, never the loop
-                log.error("attach failed", request_id=req.request_id, slot=slot.id, error=repr(exc))
-                self.ctx.kv.seq_rm(slot.id)
-                slot.drop_cache()
-                req.emit(ErrorEvent(DecodeFailedError(f"attaching the request to slot {slot.id} failed: {exc!r}")))
-                self._release_adapters(req)
+                log.error("attach_failed", request_id=req.request_id, slot=slot.id, error=repr(exc))
+                error = DecodeFailedError(f"attaching the request to slot {slot.id} failed: {exc!r}")
+                self._end(req, "error", ErrorEvent(error), slot)
                 continue
             slot.cache_tokens = req.prompt[:n]
             slot.cache_sets = [req.set_at(p) for p in range(n)]
@@ -363,9 +407,9 @@ class Scheduler:
         try:
             res = self.ctx.decode(plan.ubatch)
         except (DecodeError, RuntimeError) as exc:
-            log.error("decode failed", error=str(exc), slots=[s.id for s, _ in plan.parts])
+            log.error("decode_failed", error=str(exc), slots=[s.id for s, _ in plan.parts])
             for s, _ in plan.parts:
-                self._fail(s, DecodeFailedError(f"decode failed: {exc}"))
+                self._end(s.request, "error", ErrorEvent(DecodeFailedError(f"decode failed: {exc}")), s)
             return
         self._step += 1
         step = StepInfo(
@@ -408,105 +452,82 @@ class Scheduler:
         step: StepInfo,
         pre: tuple[torch.Tensor, int] | None = None,
     ) -> None:
-        """Record the rows in the slot's cache, then (once the prompt is done) sample
-        (``pre``: this row's batched ``(log_softmax, argmax)`` for a greedy sampler)."""
+        """Record the computed positions ``rows`` in the slot's cache; once the prompt is done,
+        hand the last row to the output stage (``pre``: its batched ``(log_softmax, argmax)``
+        for a greedy sampler) and end the request when the stage says so."""
         req = slot.request
         slot.last_step = self._step
-        n_prompt = len(req.prompt)
         for p in rows:
             slot.cache_tokens.append(req.token_at(p))
             slot.cache_sets.append(req.set_at(p))
         slot.n_past = rows[-1] + 1
         if slot.state == SlotState.PROMPT:
             self.prompt_tokens_computed += len(rows)
-            if req.params.prompt_logprobs:
-                m = sum(1 for p in rows if p + 1 < n_prompt)
-                if m:
-                    req.prompt_logprobs += prompt_token_logprobs(
-                        logits[out_idx[:m]], [req.prompt[p + 1] for p in rows[:m]]
-                    )
-            if slot.n_past < n_prompt:
+            self.output.prompt_rows(req, rows, logits, out_idx)
+            if slot.n_past < len(req.prompt):
                 return
             slot.state = SlotState.GENERATING
-            plp = [None, *req.prompt_logprobs] if req.params.prompt_logprobs else None
-            req.emit(StartedEvent(list(req.prompt), plp))
+            req.emit(self.output.started(req))
         assert slot.sampler is not None
-        if pre is not None:
-            sampled = slot.sampler.sample(logits[out_idx[-1]], logp=pre[0], argmax=pre[1])
-        else:
-            sampled = slot.sampler.sample(logits[out_idx[-1]])
-        now = time.monotonic()
-        if req.first_token_at is None:
-            req.first_token_at = now
-        if self.observer is not None:
-            self.observer.on_token(req, now)
-        req.last_token_at = now
-        req.generated.append(sampled.token_id)
-        self.tokens_generated += 1
-        req.telemetry.count_step(step)
-        piece = req.detok.push(sampled.token_id)
-        reason = finish_reason(
-            sampled.token_id,
-            eog_ids=self.tokenizer.eog_ids,
-            ignore_eos=req.params.ignore_eos,
-            n_generated=len(req.generated),
-            max_tokens=req.params.max_tokens,
-            n_past=slot.n_past,
-            n_ctx=self.config.n_ctx_slot,
+        on_token = self.observer.on_token if self.observer is not None else None
+        event, reason = self.output.token(
+            req, slot.sampler, logits[out_idx[-1]], n_past=slot.n_past, step=step, pre=pre, on_token=on_token
         )
-        if req.stop is not None:
-            piece, hit = req.stop.push(piece)
-            if hit:
-                reason = "stop"
-            elif reason is not None:
-                piece += req.stop.push(req.detok.flush())[0] + req.stop.flush()
-            req.text_out.append(piece)
-        req.emit(TokenEvent(sampled.token_id, piece, sampled.logprob, sampled.top, step))
+        self.tokens_generated += 1
+        req.emit(event)
         if reason is not None:
-            self._finish(slot, reason)
+            self._end(req, reason, self._finished_event(slot, req, reason), slot)
 
-    def _finish(self, slot: Slot, reason: str | None) -> None:
-        """End ``slot``'s request: ``reason`` None means cancelled (no event)."""
-        req = slot.request
-        self.cache_policy.on_finish(slot, req, self.ctx.kv)
-        if reason is not None:
-            now = time.monotonic()
-            t = req.telemetry
-            t.prompt_tokens = len(req.prompt)
-            t.prefix_cache = self.cache_policy.name
-            t.alora_activation_pos = req.activation.start
-            t.adapter_set_fingerprint = req.adapter_set.fingerprint
-            t.slot_id = slot.id
-            t.worker_id = self.worker_id
-            t.adapters = [(i, s) for i, _, s in req.adapter_set.entries]
-            t.ttft_ms = ((req.first_token_at or now) - req.admitted_at) * 1000
-            t.total_ms = (now - req.admitted_at) * 1000
-            text = "".join(req.text_out) if req.stop is not None else self.tokenizer.decode(req.generated)
-            req.emit(FinishedEvent(reason, text, t))
-        self._release_adapters(req)
-        slot.release()
+    def _finished_event(self, slot: Slot, req: GenRequest, reason: str) -> FinishedEvent:
+        """The final event of a request that ended with ``reason`` ("stop" or "length"): its
+        whole text and its telemetry summary."""
+        now = time.monotonic()
+        t = req.telemetry
+        t.prompt_tokens = len(req.prompt)
+        t.prefix_cache = self.cache_policy.name
+        t.alora_activation_pos = req.activation.start
+        t.adapter_set_fingerprint = req.adapter_set.fingerprint
+        t.slot_id = slot.id
+        t.worker_id = self.worker_id
+        t.adapters = [(i, s) for i, _, s in req.adapter_set.entries]
+        t.ttft_ms = ((req.first_token_at or now) - req.admitted_at) * 1000
+        t.total_ms = (now - req.admitted_at) * 1000
+        return FinishedEvent(reason, self.output.final_text(req), t)
+
+    def _end(self, req: GenRequest, outcome: str, event: Event | None, slot: Slot | None = None) -> None:
+        """The one exit of a request, whatever ended it (loop thread).
+
+        Frees its KV sequence (``slot``: the slot it runs on or was being attached to, None
+        for a queued request): on "stop", "length" or "cancelled" the cache policy keeps or
+        stores what it may (llama-server keeps a slot's last sequence), on "error" the sequence
+        is dropped, its content unknown. Then emits ``event`` (None: the client went away),
+        drops the request's slot and request holds, frees the slot, and reports ``outcome``
+        ("stop", "length", "cancelled" or "error") to the observer — always, so every ended
+        request is counted once.
+        """
+        if slot is not None:
+            if outcome == "error":
+                self.ctx.kv.seq_rm(slot.id)
+                slot.drop_cache()
+            else:
+                self.cache_policy.on_finish(slot, req, self.ctx.kv)
+        if event is not None:
+            req.emit(event)
+        self._release_holds(req)
+        if slot is not None and slot.req is req:
+            slot.release()
         if self.observer is not None:
-            self.observer.on_finish(req, reason or "cancelled")
+            self.observer.on_finish(req, outcome)
 
-    def _fail(self, slot: Slot, error: WorkerError) -> None:
-        req = slot.request
-        req.emit(ErrorEvent(error))
-        self.ctx.kv.seq_rm(slot.id)
-        slot.drop_cache()
-        self._release_adapters(req)
-        slot.release()
-        if self.observer is not None:
-            self.observer.on_finish(req, "error")
-
-    def _release_adapters(self, req: GenRequest) -> None:
+    def _release_holds(self, req: GenRequest) -> None:
+        """Drop the request's slot holds (pool) and request holds (this scheduler)."""
         if req.pool_held:
             self.ctx.pool.release(req.pool_held)
             req.pool_held = []
         with self._cv:
-            for aid in req.held_ids:
-                self._in_flight[aid] = self._in_flight.get(aid, 1) - 1
+            self._count_holds(req.held_ids, -1)
             req.held_ids = ()
             self._cv.notify_all()
 
 
-__all__ = ["Scheduler", "SchedulerStats"]
+__all__ = ["RequestObserver", "Scheduler", "SchedulerStats"]

@@ -16,6 +16,8 @@ from worker.serving.request import GenRequest
 
 
 class SlotState(Enum):
+    """What a slot is doing (llama-server ``slot_state``)."""
+
     IDLE = "idle"
     PROMPT = "prompt"  # prompt tokens still to compute
     GENERATING = "generating"  # one token per step
@@ -39,10 +41,10 @@ class Slot:
     last_step: int = -1
     last_used: float = 0.0
     last_set: AdapterSet | None = None  # llama-server ``slot.lora``: the previous request's set
-    task: str = "completion"
 
     @property
     def busy(self) -> bool:
+        """Whether a request runs on this slot."""
         return self.req is not None
 
     @property
@@ -57,16 +59,19 @@ class Slot:
         return self.request.set_at(self.n_past)
 
     def can_batch_with(self, other: Slot) -> bool:
-        """llama-server's compatibility rule: same task type and the same adapter set for
-        the rows both feed next (whole adapter vector equal)."""
-        return self.task == other.task and self.next_set() == other.next_set()
+        """llama-server's compatibility rule: the same adapter set for the rows both feed next
+        (whole adapter vector equal; every slot serves completions, so the task type, the
+        rule's other half, always matches)."""
+        return self.next_set() == other.next_set()
 
     def assign(self, req: GenRequest) -> None:
+        """Start serving ``req`` (its prompt first) with a fresh sampler."""
         self.req = req
         self.sampler = Sampler(req.params)
         self.state = SlotState.PROMPT
 
     def release(self) -> None:
+        """Become idle, remembering the finished request's adapter set (``last_set``)."""
         if self.req is not None:
             self.last_set = self.req.adapter_set
         self.req = None
