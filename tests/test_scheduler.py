@@ -208,10 +208,10 @@ def test_attach_failure_ends_the_request_through_the_one_exit(engine_for):
     policy = e.scheduler.cache_policy
     real_attach = policy.attach
 
-    def attach(slot, req, kv):
+    def attach(seq, req, kv):
         if req.request_id == "bad":
             raise RuntimeError("KV import failed")
-        return real_attach(slot, req, kv)
+        return real_attach(seq, req, kv)
 
     policy.attach = attach  # type: ignore[method-assign]
     assert _requests_total(e, "error", "0") == 0

@@ -34,7 +34,7 @@ from worker.serving.output import (
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import GenRequest, RequestTelemetry, StartedEvent, StepInfo, TokenEvent
 from worker.serving.scheduler import SchedulerStats
-from worker.serving.slots import Slot, SlotState
+from worker.serving.sequences import Seq, SeqState
 from worker.serving.ubatch import assemble_ubatch
 
 K, D = 8, 6
@@ -145,13 +145,13 @@ def fill(kv: KVCache, seq: int, n: int) -> None:
 
 def test_llama_policy_picks_longest_prefix_and_clears_on_switch():
     pol, kv = LlamaCachePolicy(), small_kv()
-    s0, s1 = Slot(0, cache_tokens=[1, 2, 3], last_used=1.0), Slot(1, cache_tokens=[1, 9], last_used=0.0)
+    s0, s1 = Seq(0, cache_tokens=[1, 2, 3], last_used=1.0), Seq(1, cache_tokens=[1, 9], last_used=0.0)
     a = AdapterSet.of({0: (A, 1.0)})
     s0.cache_sets, s1.cache_sets = [a] * 3, [a] * 2
     s0.last_set = s1.last_set = a
     req = request([1, 2, 3, 4], a)
-    assert pol.pick_slot([s0, s1], req) is s0
-    assert pol.pick_slot([s0, s1], request([5, 6], a)) is s1  # no common prefix: LRU
+    assert pol.pick_seq([s0, s1], req) is s0
+    assert pol.pick_seq([s0, s1], request([5, 6], a)) is s1  # no common prefix: LRU
     fill(kv, 0, 3)
     assert pol.attach(s0, req, kv) == 3 and kv.seq_len(0) == 3 and not req.telemetry.cache_cleared
     other = request([1, 2, 3, 4], AdapterSet.of({0: (B, 1.0)}))
@@ -179,18 +179,18 @@ def test_keyed_policy_roundtrip_respects_alora_start():
     pol, kv = KeyedCachePolicy(store), small_kv()
     aset = AdapterSet.of({5: (AL, 1.0)})
     done = request([1, 2, 3, 7, 8, 4], aset)
-    slot = Slot(0, req=done, n_past=6, cache_tokens=[1, 2, 3, 7, 8, 4])
+    seq = Seq(0, req=done, n_past=6, cache_tokens=[1, 2, 3, 7, 8, 4])
     fill(kv, 0, 6)
-    pol.on_finish(slot, done, kv)  # only the pre-activation prefix [1,2,3] is stored, under no adapter
-    assert kv.seq_len(0) == 0 and slot.cache_tokens == []
+    pol.on_finish(seq, done, kv)  # only the pre-activation prefix [1,2,3] is stored, under no adapter
+    assert kv.seq_len(0) == 0 and seq.cache_tokens == []
     base_req = request([1, 2, 3, 5, 6], EMPTY_SET)
-    assert pol.attach(slot, base_req, kv) == 3 and kv.seq_len(0) == 3
-    assert pol.attach(slot, request([1, 2, 3, 5], AdapterSet.of({0: (A, 1.0)})), kv) == 0
+    assert pol.attach(seq, base_req, kv) == 3 and kv.seq_len(0) == 3
+    assert pol.attach(seq, request([1, 2, 3, 5], AdapterSet.of({0: (A, 1.0)})), kv) == 0
 
 
 # --- ubatch assembly ---------------------------------------------------------------------
-def busy_slot(sid: int, req: GenRequest, state: SlotState, n_past: int, last_step: int = 0) -> Slot:
-    s = Slot(sid, state=state, req=req, n_past=n_past, last_step=last_step)
+def busy_seq(sid: int, req: GenRequest, state: SeqState, n_past: int, last_step: int = 0) -> Seq:
+    s = Seq(sid, state=state, req=req, n_past=n_past, last_step=last_step)
     return s
 
 
@@ -199,32 +199,32 @@ def test_assemble_mixed_routes_every_row_to_its_set():
     g = request([1, 2, 3], a)
     g.generated = [9]
     p = request([4, 5, 6, 7], b)
-    slots = [busy_slot(0, g, SlotState.GENERATING, 3), busy_slot(1, p, SlotState.PROMPT, 1)]
-    plan = assemble_ubatch(slots, compat=False)
+    seqs = [busy_seq(0, g, SeqState.GENERATING, 3), busy_seq(1, p, SeqState.PROMPT, 1)]
+    plan = assemble_ubatch(seqs, compat=False)
     ub = plan.ubatch
     assert ub.tokens == [9, 5, 6, 7] and ub.pos == [3, 1, 2, 3] and ub.seq_ids == [0, 1, 1, 1]
     assert ub.logits == [True, False, False, True]
     assert [plan.sets[i] for i in ub.set_index] == [a, b, b, b]
     assert [s.fingerprint for s in plan.sets] == sorted(s.fingerprint for s in plan.sets)
-    assert all(slot.state in (SlotState.GENERATING, SlotState.PROMPT) for slot in slots)  # untouched
+    assert all(seq.state in (SeqState.GENERATING, SeqState.PROMPT) for seq in seqs)  # untouched
 
 
 def test_assemble_compat_one_set_and_budget_and_alora_split():
     a = AdapterSet.of({0: (A, 1.0)})
     r1, r2, r3 = request([1, 2, 3, 4, 5], a), request([6, 7, 8], EMPTY_SET), request([1, 2], a)
-    slots = [
-        busy_slot(0, r1, SlotState.PROMPT, 0, last_step=5),
-        busy_slot(1, r2, SlotState.PROMPT, 0, last_step=1),
-        busy_slot(2, r3, SlotState.PROMPT, 0, last_step=3),
+    seqs = [
+        busy_seq(0, r1, SeqState.PROMPT, 0, last_step=5),
+        busy_seq(1, r2, SeqState.PROMPT, 0, last_step=1),
+        busy_seq(2, r3, SeqState.PROMPT, 0, last_step=3),
     ]
-    plan = assemble_ubatch(slots, compat=True)
+    plan = assemble_ubatch(seqs, compat=True)
     assert [s.id for s, _ in plan.parts] == [1] and len(plan.sets) == 1  # oldest group only
-    plan = assemble_ubatch([slots[0], slots[2]], compat=True, n_batch=4)
+    plan = assemble_ubatch([seqs[0], seqs[2]], compat=True, n_batch=4)
     assert [(s.id, rows) for s, rows in plan.parts] == [(0, [0, 1, 2, 3])]  # budget spent
     al = request([1, 7, 8, 2], AdapterSet.of({5: (AL, 1.0)}))
-    plan = assemble_ubatch([busy_slot(0, al, SlotState.PROMPT, 0)], compat=True)
+    plan = assemble_ubatch([busy_seq(0, al, SeqState.PROMPT, 0)], compat=True)
     assert plan.parts[0][1] == [0]  # compat splits at the activation point (start = 1)
-    plan = assemble_ubatch([busy_slot(0, al, SlotState.PROMPT, 0)], compat=False)
+    plan = assemble_ubatch([busy_seq(0, al, SeqState.PROMPT, 0)], compat=False)
     assert plan.parts[0][1] == [0, 1, 2, 3] and len(plan.sets) == 2
 
 
@@ -303,7 +303,7 @@ def tiny_tokenizer(fixtures_dir):
     from worker.gguf.reader import read_gguf
     from worker.runtime.tokenizer import Tokenizer
 
-    return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f32.gguf"))
+    return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 
 
 STEP = StepInfo(

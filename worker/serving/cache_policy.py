@@ -1,10 +1,10 @@
-"""Prefix-cache policies: what KV a slot keeps when a new request is attached to it.
+"""Prefix-cache policies: what KV a sequence keeps when a new request is attached to it.
 
 One interface, two implementations (``--prefix-cache``):
 
-- ``LlamaCachePolicy`` (llama-server): each slot keeps its last sequence; a slot is picked by
+- ``LlamaCachePolicy`` (llama-server): each sequence keeps its last request's KV; a sequence is picked by
   longest common token prefix (``get_available_slot``); when the adapter set changes,
-  ``lora_should_clear_cache`` decides whether the slot's cache survives.
+  ``lora_should_clear_cache`` decides whether the sequence's cache survives.
 - ``KeyedCachePolicy`` (ours): finished prefixes go to a shared ``PrefixCache`` keyed by the
   adapter-set fingerprint (content hashes + scales), so A→B→A finds A's prefix again.
 
@@ -21,11 +21,11 @@ from worker.lora.adapter_set import AdapterSet
 from worker.runtime.kv_cache import KVCache
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import GenRequest
-from worker.serving.slots import Slot
+from worker.serving.sequences import Seq, common_prefix_len
 
 
 def lora_should_clear_cache(current: AdapterSet, nxt: AdapterSet) -> bool:
-    """llama-server's rule when a slot's adapter set changes: keep the cache only when the
+    """llama-server's rule when a sequence's adapter set changes: keep the cache only when the
     current set is empty or all-aLoRA **and** the next set is all-aLoRA (an empty set is not
     all-aLoRA). Source: tools/server ``lora_should_clear_cache``."""
     if current == nxt:
@@ -35,60 +35,51 @@ def lora_should_clear_cache(current: AdapterSet, nxt: AdapterSet) -> bool:
 
 
 class CachePolicy(Protocol):
-    """How a scheduler picks a slot for a request and what KV the request may reuse."""
+    """How a scheduler picks a sequence for a request and what KV the request may reuse."""
 
     name: str
 
-    def pick_slot(self, free: list[Slot], req: GenRequest) -> Slot:
+    def pick_seq(self, free: list[Seq], req: GenRequest) -> Seq:
         """One of ``free`` (non-empty) for ``req``."""
         ...
 
-    def attach(self, slot: Slot, req: GenRequest, kv: KVCache) -> int:
-        """Prepare ``slot``'s KV sequence for ``req``; returns the positions reused (the KV
+    def attach(self, seq: Seq, req: GenRequest, kv: KVCache) -> int:
+        """Prepare ``seq``'s KV sequence for ``req``; returns the positions reused (the KV
         sequence holds exactly those afterwards). Records cache telemetry on ``req``."""
         ...
 
-    def on_finish(self, slot: Slot, req: GenRequest, kv: KVCache) -> None:
-        """``req`` finished on ``slot`` (normally or cancelled)."""
+    def on_finish(self, seq: Seq, req: GenRequest, kv: KVCache) -> None:
+        """``req`` finished on ``seq`` (normally or cancelled)."""
         ...
 
 
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class LlamaCachePolicy:
-    """llama-server's per-slot prompt cache with ``lora_should_clear_cache``."""
+    """llama-server's per-slot prompt cache (one per sequence) with ``lora_should_clear_cache``."""
 
     name = PrefixCachePolicy.LLAMA.value
 
-    def pick_slot(self, free: list[Slot], req: GenRequest) -> Slot:
-        """The idle slot whose cached tokens share the longest prefix with the prompt (tokens
+    def pick_seq(self, free: list[Seq], req: GenRequest) -> Seq:
+        """The idle sequence whose cached tokens share the longest prefix with the prompt (tokens
         only: the adapter rule is applied in ``attach``), else the least recently used."""
-        best = max(free, key=lambda s: (_lcp(s.cache_tokens, req.prompt), -s.last_used))
-        if _lcp(best.cache_tokens, req.prompt) > 0:
+        best = max(free, key=lambda s: (common_prefix_len(s.cache_tokens, req.prompt), -s.last_used))
+        if common_prefix_len(best.cache_tokens, req.prompt) > 0:
             return best
         return min(free, key=lambda s: s.last_used)
 
-    def attach(self, slot: Slot, req: GenRequest, kv: KVCache) -> int:
-        cur = slot.last_set
-        if slot.cache_tokens and cur is not None and lora_should_clear_cache(cur, req.adapter_set):
+    def attach(self, seq: Seq, req: GenRequest, kv: KVCache) -> int:
+        cur = seq.last_set
+        if seq.cache_tokens and cur is not None and lora_should_clear_cache(cur, req.adapter_set):
             req.telemetry.cache_cleared = True
             req.telemetry.cache_clear_reason = (
                 f"adapter set changed ({cur.fingerprint} -> {req.adapter_set.fingerprint}): lora_should_clear_cache"
             )
-            slot.drop_cache()
-        n = 0 if req.params.prompt_logprobs else slot.cached_prefix_for(req)
-        kv.seq_rm(slot.id, n)  # n == 0 drops the whole sequence
+            seq.drop_cache()
+        n = 0 if req.params.prompt_logprobs else seq.cached_prefix_for(req)
+        kv.seq_rm(seq.id, n)  # n == 0 drops the whole sequence
         return n
 
-    def on_finish(self, slot: Slot, req: GenRequest, kv: KVCache) -> None:
-        """The slot keeps its sequence for the next request."""
+    def on_finish(self, seq: Seq, req: GenRequest, kv: KVCache) -> None:
+        """The sequence keeps its KV for the next request."""
 
 
 class KeyedCachePolicy:
@@ -99,12 +90,12 @@ class KeyedCachePolicy:
     def __init__(self, store: PrefixCache):
         self.store = store
 
-    def pick_slot(self, free: list[Slot], req: GenRequest) -> Slot:
-        """Least recently used (the cache is shared, so any slot will do)."""
+    def pick_seq(self, free: list[Seq], req: GenRequest) -> Seq:
+        """Least recently used (the cache is shared, so any sequence will do)."""
         return min(free, key=lambda s: s.last_used)
 
-    def attach(self, slot: Slot, req: GenRequest, kv: KVCache) -> int:
-        kv.seq_rm(slot.id)
+    def attach(self, seq: Seq, req: GenRequest, kv: KVCache) -> int:
+        kv.seq_rm(seq.id)
         if req.params.prompt_logprobs:
             return 0
         limit = len(req.prompt) - 1
@@ -113,21 +104,21 @@ class KeyedCachePolicy:
         n, entry = self.store.lookup(req.activation.pre_set.fingerprint, req.prompt, limit)
         if entry is None or n == 0:
             return 0
-        kv.import_(slot.id, entry.kv, n)
+        kv.import_(seq.id, entry.kv, n)
         return n
 
-    def on_finish(self, slot: Slot, req: GenRequest, kv: KVCache) -> None:
+    def on_finish(self, seq: Seq, req: GenRequest, kv: KVCache) -> None:
         """Save the cacheable prefix under the fingerprint that computed it, free the sequence."""
-        n = slot.n_past
+        n = seq.n_past
         start = req.activation.start
         if start >= 0:
             n, st = min(n, start), req.activation.pre_set
         else:
             st = req.adapter_set
-        if n > 0 and kv.seq_len(slot.id) >= n:
-            self.store.store(st.fingerprint, slot.cache_tokens[:n], kv.export(slot.id, n))
-        kv.seq_rm(slot.id)
-        slot.drop_cache()
+        if n > 0 and kv.seq_len(seq.id) >= n:
+            self.store.store(st.fingerprint, seq.cache_tokens[:n], kv.export(seq.id, n))
+        kv.seq_rm(seq.id)
+        seq.drop_cache()
 
 
 def make_cache_policy(policy: PrefixCachePolicy, store: PrefixCache) -> CachePolicy:

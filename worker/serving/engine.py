@@ -92,7 +92,7 @@ def max_piece_bytes(tokenizer) -> int:
 
 
 def prompt_byte_limit(n_ctx_slot: int, piece_bytes: int) -> int:
-    """Largest text prompt, in UTF-8 bytes, that could still fit a slot: a longer one needs at
+    """Largest text prompt, in UTF-8 bytes, that could still fit a sequence: a longer one needs at
     least ``n_ctx_slot`` tokens, which ``Scheduler.submit`` refuses anyway, so refusing it
     before tokenizing changes no answer, only the cost (Gemma 3, n_ctx 4096: 196 560 bytes)."""
     return (n_ctx_slot - 1) * piece_bytes
@@ -327,7 +327,7 @@ class WorkerEngine:
         """Tokenize a text prompt, size first.
 
         A text over ``max_prompt_bytes`` (`prompt_byte_limit`) is refused before any
-        tokenization, since it cannot fit the slot context. Tokenizations run one at a time
+        tokenization, since it cannot fit the sequence's context. Tokenizations run one at a time
         (``_tokenize_lock``): the decode loop then shares the interpreter with at most one
         tokenizing thread, for at most ~0.6 s (the limit's worth of text on this CPU).
 
@@ -337,7 +337,7 @@ class WorkerEngine:
         n_bytes = len(text) if len(text) > self.max_prompt_bytes else len(text.encode("utf-8", "surrogatepass"))
         if n_bytes > self.max_prompt_bytes:
             raise InvalidRequestError(
-                f"prompt text has {n_bytes} bytes (or more); a slot holds n_ctx={self.config.n_ctx_slot} tokens "
+                f"prompt text has {n_bytes} bytes (or more); a sequence holds n_ctx={self.config.n_ctx_slot} tokens "
                 f"and one token covers at most {self.max_piece_bytes} bytes, so at most "
                 f"{self.max_prompt_bytes} bytes can fit (refused before tokenizing)"
             )

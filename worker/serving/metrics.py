@@ -112,10 +112,10 @@ class _StatsCollector:
         record = self._stats()
         s = record.scheduler
         gauges = {
-            "slots": ("Parallel sequences.", s.n_slots),
-            "slots_busy": ("Slots holding a request.", s.slots_busy),
-            "requests_running": ("Requests in a slot (prefill or decode).", s.slots_busy),
-            "requests_waiting": ("Requests queued for a slot.", s.queue_depth),
+            "slots": ("Parallel KV sequences (--slots).", s.n_slots),
+            "slots_busy": ("KV sequences serving a request.", s.slots_busy),
+            "requests_running": ("Requests on a KV sequence (prefill or decode).", s.slots_busy),
+            "requests_waiting": ("Requests queued for a KV sequence.", s.queue_depth),
             "queue_limit": ("Waiting requests allowed before RESOURCE_EXHAUSTED.", s.queue_limit),
             "adapters_loaded": ("Adapters registered on this worker.", len(record.adapter_ids)),
         }

@@ -1,10 +1,10 @@
-"""Output handling: what a slot's logits become for the client, after each decode.
+"""Output handling: what a sequence's logits become for the client, after each decode.
 
 ``OutputStage`` is the one place that turns a request's logits rows into events: prompt
 log-probs while the prompt is computed, then per generated token sample → record →
 detokenize → stop strings → finish reason → ``TokenEvent`` (llama-server ``process_token`` /
 ``populate_token_probs``; vLLM's output processor with its incremental detokenizer and stop
-checker). It and the helpers below never touch slots or the KV cache: the scheduler keeps
+checker). It and the helpers below never touch sequences or the KV cache: the scheduler keeps
 that bookkeeping and ends the request when the stage gives a finish reason.
 """
 
@@ -121,7 +121,7 @@ def finish_reason(
     """Why generation stops after ``token_id``, or None to continue.
 
     "stop": an end-of-generation token (unless ``ignore_eos``); "length": ``max_tokens``
-    generated or the slot's context (``n_ctx`` positions) full — llama-server's
+    generated or the sequence's context (``n_ctx`` positions) full — llama-server's
     ``has_budget`` / ``n_ctx`` checks.
     """
     if token_id in eog_ids and not ignore_eos:
@@ -136,7 +136,7 @@ class OutputStage:
 
     Args:
         tokenizer: the model's tokenizer (end-of-generation ids, final text).
-        n_ctx_slot: KV positions of a slot; generation stops ("length") before it is full.
+        n_ctx_slot: KV positions of a sequence; generation stops ("length") before it is full.
     """
 
     def __init__(self, tokenizer: Tokenizer, n_ctx_slot: int):
@@ -186,13 +186,13 @@ class OutputStage:
         ``(log_softmax, argmax)`` for a greedy sampler, ``greedy_rows``), records it on the
         request (token times, ``generated``, step telemetry), detokenizes it incrementally,
         decides the finish reason (``finish_reason``: end of generation, ``max_tokens`` or the
-        slot's context full; "stop" also when a stop string completes) and cuts the text at a
+        sequence's context full; "stop" also when a stop string completes) and cuts the text at a
         stop string (``StopMatcher``: held-back text is flushed when generation ends for
         another reason). ``on_token(req, now)`` is called before the token's time is recorded
         (``req.last_token_at`` still holds the previous token's).
 
         Args:
-            n_past: positions in the slot's KV sequence after this step.
+            n_past: positions in the KV sequence after this step.
 
         Returns:
             ``(TokenEvent, reason)``; reason None: generation continues.

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from worker.runtime.kv_cache import KVSnapshot
+from worker.serving.sequences import common_prefix_len
 
 
 @dataclass
@@ -57,10 +58,7 @@ class PrefixCache:
             for _key, e in self._entries.items():
                 if e.fingerprint != fingerprint:
                     continue
-                n = 0
-                m = min(len(e.tokens), limit)
-                while n < m and e.tokens[n] == prompt[n]:
-                    n += 1
+                n = common_prefix_len(e.tokens, prompt, limit)
                 if n > best_n:
                     best_n, best = n, e
             if best is not None:

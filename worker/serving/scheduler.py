@@ -1,9 +1,9 @@
 """Continuous-batching scheduler loop (llama-server ``server_context::update_slots``).
 
 One thread runs the loop: drop cancelled requests, run deferred adapter frees, attach queued
-requests to free slots (the cache policy picks the slot and decides what KV survives),
+requests to free KV sequences (the cache policy picks the sequence and decides what KV survives),
 assemble a ubatch (``worker.serving.ubatch``), set the context's adapter
-sets once, decode, then hand each slot's logits to output handling (sampling, incremental
+sets once, decode, then hand each sequence's logits to output handling (sampling, incremental
 detokenization, stop conditions) and stream events.
 
 Admission with the adapter slot pool (``worker.lora.pool``): a request is attached
@@ -12,7 +12,7 @@ page-in, an in-place copy, happens here between steps; fetching and parsing happ
 at submit, off the loop). Among the first ``ADMIT_LOOKAHEAD`` queued requests, one whose
 adapters are all resident goes first (no page-in, no eviction: fewer page-ins under skewed
 traffic), then FIFO; the queue head is passed over at most ``MAX_BYPASS`` times, after which
-nothing is admitted before it (bounded waiting, vLLM/SGLang-style fairness). When every slot
+nothing is admitted before it (bounded waiting, vLLM/SGLang-style fairness). When every sequence
 is held the request waits in the queue (never fails); a request needing more adapters than
 ``--max-loras`` is refused at submit.
 
@@ -22,9 +22,9 @@ queued or running holds its adapters, and so does a request being submitted
 an adapter in the host tier (``worker.lora.host_cache``) and make an unload wait
 (``run_when_idle_of``); the pool counts *slot holds* (``LoraPool.acquire``), taken when a
 request is admitted. Every way a request ends goes through ``_end``, which frees its KV
-sequence, its slot and both kinds of hold, and reports the outcome to the observer.
+sequence and both kinds of hold, and reports the outcome to the observer.
 
-The pieces live beside it: requests/events/telemetry in ``request``, slots in ``slots``, the
+The pieces live beside it: requests/events/telemetry in ``request``, sequences in ``sequences``, the
 ``llama``/``keyed`` prefix-cache rules in ``cache_policy``, ubatch assembly in ``ubatch``,
 sampling/detokenizing/stop strings in ``output`` (``OutputStage``).
 """
@@ -57,7 +57,7 @@ from worker.serving.heap import release_free_heap
 from worker.serving.output import IncrementalDetokenizer, OutputStage, StopMatcher
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import ErrorEvent, Event, FinishedEvent, GenRequest, StepInfo
-from worker.serving.slots import Slot, SlotState
+from worker.serving.sequences import Seq, SeqState
 from worker.serving.ubatch import N_BATCH, assemble_ubatch
 
 log = structlog.get_logger("loraplane.worker.serving.scheduler")
@@ -109,11 +109,11 @@ def admission_order(queue: Sequence[GenRequest], pool: LoraPool) -> list[GenRequ
 
 
 class Scheduler:
-    """Owns the slots and the loop thread; ``submit`` is safe from any thread.
+    """Owns the KV sequences and the loop thread; ``submit`` is safe from any thread.
 
     Args:
         ctx: the worker context (model, adapters, KV cache).
-        config: batching mode, prefix-cache policy, slot count, queue limit.
+        config: batching mode, prefix-cache policy, sequence count (``--slots``), queue limit.
         worker_id: reported in telemetry and error messages.
     """
 
@@ -122,7 +122,7 @@ class Scheduler:
         self.config = config
         self.worker_id = worker_id
         self.tokenizer = ctx.model.tokenizer
-        self.slots = [Slot(i) for i in range(config.n_slots)]
+        self.seqs = [Seq(i) for i in range(config.n_slots)]
         self.queue: deque[GenRequest] = deque()
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
         self.cache_policy = make_cache_policy(config.prefix_cache, self.prefix_cache)
@@ -170,7 +170,7 @@ class Scheduler:
         Raises:
             InvalidRequestError: empty/too long prompt, token out of range, two aLoRAs, bad
                 sampling field.
-            QueueFullError: busy slots + queued requests already equal slots + ``queue_limit``.
+            QueueFullError: busy sequences + queued requests already equal ``--slots`` + ``queue_limit``.
         """
         n_vocab = self.ctx.model.n_vocab
         if not prompt:
@@ -179,9 +179,7 @@ class Scheduler:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} out of range [0, {n_vocab})")
         if len(prompt) >= self.config.n_ctx_slot:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; the slot context holds {self.config.n_ctx_slot}"
-            )
+            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; a KV sequence holds {self.config.n_ctx_slot}")
         try:
             params.validate()
         except ValueError as exc:
@@ -206,13 +204,13 @@ class Scheduler:
         req.host_sources = dict(host_sources or {})
         req.staged = dict(staged or {})
         with self._cv:
-            # Capacity is slots + queue limit: a queued request that a free slot will take at
+            # Capacity is sequences + queue limit: a queued request that a free sequence takes at
             # the next loop turn is not "waiting", so a burst admits exactly that many even
-            # while the loop is mid-step with idle slots.
-            busy = sum(s.busy for s in self.slots)
-            if busy + len(self.queue) >= len(self.slots) + self.config.queue_limit:
+            # while the loop is mid-step with idle sequences.
+            busy = sum(s.busy for s in self.seqs)
+            if busy + len(self.queue) >= len(self.seqs) + self.config.queue_limit:
                 raise QueueFullError(
-                    f"worker {self.worker_id}: queue full ({busy}/{len(self.slots)} slots busy, {len(self.queue)} "
+                    f"worker {self.worker_id}: queue full ({busy}/{len(self.seqs)} slots busy, {len(self.queue)} "
                     f"queued; admits slots + --queue-limit {self.config.queue_limit})"
                 )
             req.held_ids = adapter_set.ids
@@ -285,8 +283,8 @@ class Scheduler:
         """A consistent snapshot of the counters and gauges (any thread)."""
         with self._cv:
             return SchedulerStats(
-                n_slots=len(self.slots),
-                slots_busy=sum(s.busy for s in self.slots),
+                n_slots=len(self.seqs),
+                slots_busy=sum(s.busy for s in self.seqs),
                 queue_depth=len(self.queue),
                 queue_limit=self.config.queue_limit,
                 graph_reuses=self.ctx.stats.graph_reuses,
@@ -301,7 +299,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self.queue and not self._pending and not any(s.busy for s in self.slots):
+                while not self._stop and not self.queue and not self._pending and not any(s.busy for s in self.seqs):
                     if self._step != self._trimmed_at_step:  # just went idle after decoding
                         self._trimmed_at_step = self._step
                         release_free_heap()  # the steps' freed buffers back to the OS (worker.serving.heap)
@@ -321,7 +319,7 @@ class Scheduler:
                     fut.set_exception(exc)
             with self._cv:
                 self._admit()
-                busy = [s for s in self.slots if s.busy]
+                busy = [s for s in self.seqs if s.busy]
                 if not busy and not ready and (self.queue or self._pending):
                     # Queued requests wait for pool slots, deferred functions for request
                     # holds to go (a request being submitted holds them too): no hot spin.
@@ -343,10 +341,10 @@ class Scheduler:
         for req in [r for r in self.queue if r.cancelled.is_set()]:
             self.queue.remove(req)
             self._end(req, "cancelled", None)
-        for slot in self.slots:
-            if slot.req is not None and slot.req.cancelled.is_set():
-                log.info("request_cancelled", request_id=slot.req.request_id, slot=slot.id)
-                self._end(slot.req, "cancelled", None, slot)
+        for seq in self.seqs:
+            if seq.req is not None and seq.req.cancelled.is_set():
+                log.info("request_cancelled", request_id=seq.req.request_id, seq=seq.id)
+                self._end(seq.req, "cancelled", None, seq)
 
     def _next_admissible(self) -> GenRequest | None:
         """The queued request to attach next, its adapters acquired in the pool; None when
@@ -377,37 +375,37 @@ class Scheduler:
         return None
 
     def _admit(self) -> None:
-        """Attach queued requests to free slots (resident-first within bounded waiting)."""
+        """Attach queued requests to free sequences (resident-first within bounded waiting)."""
         while self.queue:
-            free = [s for s in self.slots if not s.busy]
+            free = [s for s in self.seqs if not s.busy]
             if not free:
                 return
             req = self._next_admissible()
             if req is None:
                 return
             del self.queue[next(i for i, r in enumerate(self.queue) if r is req)]
-            slot = self.cache_policy.pick_slot(free, req)
+            seq = self.cache_policy.pick_seq(free, req)
             try:
-                n = self.cache_policy.attach(slot, req, self.ctx.kv)
+                n = self.cache_policy.attach(seq, req, self.ctx.kv)
             except Exception as exc:  # a cache fault fails this request, never the loop
-                log.error("attach_failed", request_id=req.request_id, slot=slot.id, error=repr(exc))
-                error = DecodeFailedError(f"attaching the request to slot {slot.id} failed: {exc!r}")
-                self._end(req, "error", ErrorEvent(error), slot)
+                log.error("attach_failed", request_id=req.request_id, seq=seq.id, error=repr(exc))
+                error = DecodeFailedError(f"attaching the request to slot {seq.id} failed: {exc!r}")
+                self._end(req, "error", ErrorEvent(error), seq)
                 continue
-            slot.cache_tokens = req.prompt[:n]
-            slot.cache_sets = [req.set_at(p) for p in range(n)]
-            slot.n_past = n
+            seq.cache_tokens = req.prompt[:n]
+            seq.cache_sets = [req.set_at(p) for p in range(n)]
+            seq.n_past = n
             req.telemetry.cached_prompt_tokens = n
-            slot.assign(req)
+            seq.assign(req)
 
-    def _step_once(self, busy: list[Slot]) -> None:
+    def _step_once(self, busy: list[Seq]) -> None:
         plan = assemble_ubatch(busy, compat=self.config.batching == Batching.COMPAT, n_batch=N_BATCH)
         self.ctx.set_adapters(plan.sets)
         t0 = time.monotonic()
         try:
             res = self.ctx.decode(plan.ubatch)
         except (DecodeError, RuntimeError) as exc:
-            log.error("decode_failed", error=str(exc), slots=[s.id for s, _ in plan.parts])
+            log.error("decode_failed", error=str(exc), seqs=[s.id for s, _ in plan.parts])
             for s, _ in plan.parts:
                 self._end(s.request, "error", ErrorEvent(DecodeFailedError(f"decode failed: {exc}")), s)
             return
@@ -440,45 +438,45 @@ class Scheduler:
         for s, rows, out_idx in parts:
             self._after_rows(s, rows, res.logits, out_idx, step, pre.get(out_idx[-1]))
         log.debug(
-            "step", n=len(plan.ubatch), slots=len(plan.parts), sets=len(plan.sets), ms=(time.monotonic() - t0) * 1000
+            "step", n=len(plan.ubatch), seqs=len(plan.parts), sets=len(plan.sets), ms=(time.monotonic() - t0) * 1000
         )
 
     def _after_rows(
         self,
-        slot: Slot,
+        seq: Seq,
         rows: list[int],
         logits: torch.Tensor,
         out_idx: list[int],
         step: StepInfo,
         pre: tuple[torch.Tensor, int] | None = None,
     ) -> None:
-        """Record the computed positions ``rows`` in the slot's cache; once the prompt is done,
+        """Record the computed positions ``rows`` in the sequence's cache; once the prompt is done,
         hand the last row to the output stage (``pre``: its batched ``(log_softmax, argmax)``
         for a greedy sampler) and end the request when the stage says so."""
-        req = slot.request
-        slot.last_step = self._step
+        req = seq.request
+        seq.last_step = self._step
         for p in rows:
-            slot.cache_tokens.append(req.token_at(p))
-            slot.cache_sets.append(req.set_at(p))
-        slot.n_past = rows[-1] + 1
-        if slot.state == SlotState.PROMPT:
+            seq.cache_tokens.append(req.token_at(p))
+            seq.cache_sets.append(req.set_at(p))
+        seq.n_past = rows[-1] + 1
+        if seq.state == SeqState.PROMPT:
             self.prompt_tokens_computed += len(rows)
             self.output.prompt_rows(req, rows, logits, out_idx)
-            if slot.n_past < len(req.prompt):
+            if seq.n_past < len(req.prompt):
                 return
-            slot.state = SlotState.GENERATING
+            seq.state = SeqState.GENERATING
             req.emit(self.output.started(req))
-        assert slot.sampler is not None
+        assert seq.sampler is not None
         on_token = self.observer.on_token if self.observer is not None else None
         event, reason = self.output.token(
-            req, slot.sampler, logits[out_idx[-1]], n_past=slot.n_past, step=step, pre=pre, on_token=on_token
+            req, seq.sampler, logits[out_idx[-1]], n_past=seq.n_past, step=step, pre=pre, on_token=on_token
         )
         self.tokens_generated += 1
         req.emit(event)
         if reason is not None:
-            self._end(req, reason, self._finished_event(slot, req, reason), slot)
+            self._end(req, reason, self._finished_event(seq, req, reason), seq)
 
-    def _finished_event(self, slot: Slot, req: GenRequest, reason: str) -> FinishedEvent:
+    def _finished_event(self, seq: Seq, req: GenRequest, reason: str) -> FinishedEvent:
         """The final event of a request that ended with ``reason`` ("stop" or "length"): its
         whole text and its telemetry summary."""
         now = time.monotonic()
@@ -487,35 +485,35 @@ class Scheduler:
         t.prefix_cache = self.cache_policy.name
         t.alora_activation_pos = req.activation.start
         t.adapter_set_fingerprint = req.adapter_set.fingerprint
-        t.slot_id = slot.id
+        t.slot_id = seq.id
         t.worker_id = self.worker_id
         t.adapters = [(i, s) for i, _, s in req.adapter_set.entries]
         t.ttft_ms = ((req.first_token_at or now) - req.admitted_at) * 1000
         t.total_ms = (now - req.admitted_at) * 1000
         return FinishedEvent(reason, self.output.final_text(req), t)
 
-    def _end(self, req: GenRequest, outcome: str, event: Event | None, slot: Slot | None = None) -> None:
+    def _end(self, req: GenRequest, outcome: str, event: Event | None, seq: Seq | None = None) -> None:
         """The one exit of a request, whatever ended it (loop thread).
 
-        Frees its KV sequence (``slot``: the slot it runs on or was being attached to, None
+        Frees its KV sequence (``seq``: the one it runs on or was being attached to, None
         for a queued request): on "stop", "length" or "cancelled" the cache policy keeps or
         stores what it may (llama-server keeps a slot's last sequence), on "error" the sequence
         is dropped, its content unknown. Then emits ``event`` (None: the client went away),
-        drops the request's slot and request holds, frees the slot, and reports ``outcome``
+        drops the request's slot and request holds, frees the sequence, and reports ``outcome``
         ("stop", "length", "cancelled" or "error") to the observer — always, so every ended
         request is counted once.
         """
-        if slot is not None:
+        if seq is not None:
             if outcome == "error":
-                self.ctx.kv.seq_rm(slot.id)
-                slot.drop_cache()
+                self.ctx.kv.seq_rm(seq.id)
+                seq.drop_cache()
             else:
-                self.cache_policy.on_finish(slot, req, self.ctx.kv)
+                self.cache_policy.on_finish(seq, req, self.ctx.kv)
         if event is not None:
             req.emit(event)
         self._release_holds(req)
-        if slot is not None and slot.req is req:
-            slot.release()
+        if seq is not None and seq.req is req:
+            seq.release()
         if self.observer is not None:
             self.observer.on_finish(req, outcome)
 

@@ -1,22 +1,42 @@
-"""Slots: parallel sequences (llama-server ``server_slot``).
+"""Sequences: the parallel KV sequences a worker decodes (llama-server's ``server_slot``; the
+``--slots`` flag sets how many).
 
-A ``Slot`` owns one KV sequence (seq_id = slot id) and remembers which adapter set computed
-each cached position, so KV computed under one set never serves another.
+A ``Seq`` owns one KV sequence (llama.cpp ``seq_id`` = ``Seq.id``) and remembers which adapter
+set computed each cached position, so KV computed under one set never serves another. "Slot"
+alone means an adapter slot of the pool (``worker.lora.pool``) everywhere in the worker.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar
 
 from worker.lora.adapter_set import AdapterSet
 from worker.runtime.sampling import Sampler
 from worker.serving.request import GenRequest
 
+T = TypeVar("T")
 
-class SlotState(Enum):
-    """What a slot is doing (llama-server ``slot_state``)."""
+
+def common_prefix_len(a: Sequence[T], b: Sequence[T], limit: int | None = None) -> int:
+    """How many leading items ``a`` and ``b`` share (``==``), at most ``limit`` (None: no cap).
+
+    The one longest-common-prefix rule of the worker: a sequence's reusable cache, the
+    llama-server slot choice (``LlamaCachePolicy.pick_seq``) and the keyed prefix cache's
+    lookup (``worker.serving.prefix_store``) all count with it.
+    """
+    n = min(len(a), len(b)) if limit is None else max(0, min(len(a), len(b), limit))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class SeqState(Enum):
+    """What a sequence is doing (llama-server ``slot_state``)."""
 
     IDLE = "idle"
     PROMPT = "prompt"  # prompt tokens still to compute
@@ -24,7 +44,7 @@ class SlotState(Enum):
 
 
 @dataclass
-class Slot:
+class Seq:
     """A parallel sequence: owns KV sequence ``id`` and what is cached in it.
 
     ``cache_tokens[p]`` is the token whose KV sits at position p and ``cache_sets[p]`` the
@@ -32,7 +52,7 @@ class Slot:
     """
 
     id: int
-    state: SlotState = SlotState.IDLE
+    state: SeqState = SeqState.IDLE
     req: GenRequest | None = None
     sampler: Sampler | None = None
     n_past: int = 0
@@ -44,23 +64,23 @@ class Slot:
 
     @property
     def busy(self) -> bool:
-        """Whether a request runs on this slot."""
+        """Whether a request runs on this sequence."""
         return self.req is not None
 
     @property
     def request(self) -> GenRequest:
-        """The request this slot serves (raises ``RuntimeError`` on an idle slot)."""
+        """The request this sequence serves (raises ``RuntimeError`` when idle)."""
         if self.req is None:
-            raise RuntimeError(f"slot {self.id} is idle")
+            raise RuntimeError(f"sequence {self.id} is idle")
         return self.req
 
     def next_set(self) -> AdapterSet:
-        """The adapter set of the rows this slot feeds next."""
+        """The adapter set of the rows this sequence feeds next."""
         return self.request.set_at(self.n_past)
 
-    def can_batch_with(self, other: Slot) -> bool:
+    def can_batch_with(self, other: Seq) -> bool:
         """llama-server's compatibility rule: the same adapter set for the rows both feed next
-        (whole adapter vector equal; every slot serves completions, so the task type, the
+        (whole adapter vector equal; every sequence serves completions, so the task type, the
         rule's other half, always matches)."""
         return self.next_set() == other.next_set()
 
@@ -68,7 +88,7 @@ class Slot:
         """Start serving ``req`` (its prompt first) with a fresh sampler."""
         self.req = req
         self.sampler = Sampler(req.params)
-        self.state = SlotState.PROMPT
+        self.state = SeqState.PROMPT
 
     def release(self) -> None:
         """Become idle, remembering the finished request's adapter set (``last_set``)."""
@@ -76,21 +96,18 @@ class Slot:
             self.last_set = self.req.adapter_set
         self.req = None
         self.sampler = None
-        self.state = SlotState.IDLE
+        self.state = SeqState.IDLE
         self.last_used = time.monotonic()
 
     def drop_cache(self) -> None:
-        """Forget what the slot's KV sequence held (the caller clears the KV itself)."""
+        """Forget what the KV sequence held (the caller clears the KV itself)."""
         self.cache_tokens, self.cache_sets = [], []
 
     def cached_prefix_for(self, req: GenRequest) -> int:
-        """Positions of this slot's cache that ``req`` may reuse: same tokens *and* the same
+        """Positions of this sequence's cache that ``req`` may reuse: same tokens *and* the same
         adapter set at every position (capped so the last prompt token is recomputed)."""
-        n = 0
-        limit = min(len(self.cache_tokens), len(req.prompt) - 1)
-        while n < limit and self.cache_tokens[n] == req.prompt[n] and self.cache_sets[n] == req.set_at(n):
-            n += 1
-        return n
+        n = common_prefix_len(self.cache_tokens, req.prompt, len(req.prompt) - 1)
+        return common_prefix_len(self.cache_sets, [req.set_at(p) for p in range(n)])
 
 
-__all__ = ["Slot", "SlotState"]
+__all__ = ["Seq", "SeqState", "common_prefix_len"]
