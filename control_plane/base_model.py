@@ -19,7 +19,7 @@ from worker.gguf.reader import GGUFFile, read_gguf
 
 log = structlog.get_logger("loraplane.control_plane.base_model")
 
-_CACHE: dict[tuple[str, int, int], BaseModel] = {}
+_CACHE: dict[tuple[str, int, int], BaseModelInfo] = {}
 _CACHE_LOCK = threading.Lock()
 
 
@@ -31,8 +31,10 @@ def default_model_path() -> str:
 
 
 @dataclass
-class BaseModel:
-    """The base model's index. ``tensors`` maps GGUF tensor name to its record (``.ne``)."""
+class BaseModelInfo:
+    """What the control plane knows of the base model without loading its weights: the GGUF's
+    metadata and tensor index (``tensors`` maps a tensor name to its record, ``.ne``) and, on
+    first use, its tokenizer. The worker's loaded model is ``worker.runtime.model.LoadedModel``."""
 
     gguf: GGUFFile
     _tokenizer: Any = field(default=None, repr=False)
@@ -81,7 +83,7 @@ class BaseModel:
             return self._tokenizer
 
 
-def load_base_model(path: str | Path) -> BaseModel:
+def load_base_model(path: str | Path) -> BaseModelInfo:
     """Parse (or reuse the cached parse of) the base model's GGUF header and tensor index.
 
     Raises:
@@ -96,7 +98,7 @@ def load_base_model(path: str | Path) -> BaseModel:
     with _CACHE_LOCK:
         if key is not None and key in _CACHE:
             return _CACHE[key]
-    model = BaseModel(read_gguf(p))
+    model = BaseModelInfo(read_gguf(p))
     log.info("base_model_indexed", model=str(p), arch=model.arch, n_tensors=len(model.gguf.tensors))
     if key is not None:
         with _CACHE_LOCK:

@@ -36,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from control_plane.base_model import BaseModel
+from control_plane.base_model import BaseModelInfo
 from control_plane.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -97,7 +97,7 @@ class AdapterRegistry:
     def __init__(
         self,
         store: AdapterStore,
-        base: BaseModel,
+        base: BaseModelInfo,
         *,
         data_dir: str | Path,
         adapter_dirs: Sequence[str | Path] = (),

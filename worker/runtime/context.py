@@ -25,7 +25,7 @@ from worker.lora.registry import ModelAdapters
 from worker.runtime import arch as arch_registry
 from worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
 from worker.runtime.kv_cache import KVCache, KVCacheError
-from worker.runtime.model import BaseModel
+from worker.runtime.model import LoadedModel
 
 
 class DecodeError(ValueError):
@@ -82,7 +82,7 @@ class WorkerContext:
         n_seq: sequences expected at once (slots); the KV cache makes room for them up front.
     """
 
-    def __init__(self, model: BaseModel, adapters: ModelAdapters, *, n_ctx_seq: int = 4096, n_seq: int = 1):
+    def __init__(self, model: LoadedModel, adapters: ModelAdapters, *, n_ctx_seq: int = 4096, n_seq: int = 1):
         self.model = model
         self.adapters = adapters
         self.arch = arch_registry.get(model.arch, model.path)
@@ -268,7 +268,7 @@ class Model:
     ``--max-lora-rank``; vLLM's names and defaults).
     """
 
-    base: BaseModel
+    base: LoadedModel
     max_loras: int = 16
     max_lora_rank: int = 64
     adapters: ModelAdapters = field(init=False)

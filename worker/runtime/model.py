@@ -59,8 +59,10 @@ def default_model_path() -> Path:
 
 
 @dataclass
-class BaseModel:
-    """A loaded base model.
+class LoadedModel:
+    """A base model loaded from its GGUF for decoding (llama.cpp's ``llama_model``): weights in
+    their serving form, hyper-parameters, tokenizer. The control plane's lighter view of the
+    same file is ``control_plane.base_model.BaseModelInfo``.
 
     Attributes:
         path: the GGUF file.
@@ -123,7 +125,7 @@ class BaseModel:
 
 def load_model(
     path: str | os.PathLike[str] | None = None, *, dtype: str = "f32", device: str = "auto", weights: str = "packed"
-) -> BaseModel:
+) -> LoadedModel:
     """Load a base GGUF: hparams, tokenizer, and weights on ``device``.
 
     Args:
@@ -173,7 +175,7 @@ def load_model(
     tensor_ne = {name: rec.ne for name, rec in gf.tensors.items()}
     tok = Tokenizer.from_gguf(gf)
     fused = fuse_projections(held, hparams.n_layer) if weights == "packed" and dev.type == "cpu" else {}
-    return BaseModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, weights, fused)
+    return LoadedModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, weights, fused)
 
 
 FUSE_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
@@ -251,7 +253,7 @@ def _fuse(ws: list[QuantLinear]) -> QuantLinear:
 
 
 __all__ = [
-    "BaseModel",
+    "LoadedModel",
     "ModelError",
     "GGUFError",
     "WEIGHT_FORMS",

@@ -36,7 +36,7 @@ from worker.lora.adapter import LoraAdapter, open_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.host_cache import Fetcher, HostCache, KnownAdapter
 from worker.runtime.context import Model
-from worker.runtime.model import BaseModel, load_model
+from worker.runtime.model import LoadedModel, load_model
 from worker.runtime.sampling import SamplingParams
 from worker.serving.heap import release_free_heap
 from worker.serving.metrics import WorkerMetrics
@@ -150,7 +150,7 @@ class WorkerEngine:
         self.scheduler.start()
 
     @property
-    def base(self) -> BaseModel:
+    def base(self) -> LoadedModel:
         """The loaded base model (weights, tokenizer, hparams)."""
         return self.model.base
 
