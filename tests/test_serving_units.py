@@ -200,12 +200,12 @@ def test_assemble_mixed_routes_every_row_to_its_set():
     g.generated = [9]
     p = request([4, 5, 6, 7], b)
     seqs = [busy_seq(0, g, SeqState.GENERATING, 3), busy_seq(1, p, SeqState.PROMPT, 1)]
-    plan = assemble_ubatch(seqs, compat=False)
-    ub = plan.ubatch
+    batch = assemble_ubatch(seqs, compat=False)
+    ub = batch.ubatch
     assert ub.tokens == [9, 5, 6, 7] and ub.pos == [3, 1, 2, 3] and ub.seq_ids == [0, 1, 1, 1]
     assert ub.logits == [True, False, False, True]
-    assert [plan.sets[i] for i in ub.set_index] == [a, b, b, b]
-    assert [s.fingerprint for s in plan.sets] == sorted(s.fingerprint for s in plan.sets)
+    assert [batch.sets[i] for i in ub.set_index] == [a, b, b, b]
+    assert [s.fingerprint for s in batch.sets] == sorted(s.fingerprint for s in batch.sets)
     assert all(seq.state in (SeqState.GENERATING, SeqState.PROMPT) for seq in seqs)  # untouched
 
 
@@ -217,15 +217,15 @@ def test_assemble_compat_one_set_and_budget_and_alora_split():
         busy_seq(1, r2, SeqState.PROMPT, 0, last_step=1),
         busy_seq(2, r3, SeqState.PROMPT, 0, last_step=3),
     ]
-    plan = assemble_ubatch(seqs, compat=True)
-    assert [s.id for s, _ in plan.parts] == [1] and len(plan.sets) == 1  # oldest group only
-    plan = assemble_ubatch([seqs[0], seqs[2]], compat=True, n_batch=4)
-    assert [(s.id, rows) for s, rows in plan.parts] == [(0, [0, 1, 2, 3])]  # budget spent
+    batch = assemble_ubatch(seqs, compat=True)
+    assert [s.id for s, _ in batch.parts] == [1] and len(batch.sets) == 1  # oldest group only
+    batch = assemble_ubatch([seqs[0], seqs[2]], compat=True, n_batch=4)
+    assert [(s.id, rows) for s, rows in batch.parts] == [(0, [0, 1, 2, 3])]  # budget spent
     al = request([1, 7, 8, 2], AdapterSet.of({5: (AL, 1.0)}))
-    plan = assemble_ubatch([busy_seq(0, al, SeqState.PROMPT, 0)], compat=True)
-    assert plan.parts[0][1] == [0]  # compat splits at the activation point (start = 1)
-    plan = assemble_ubatch([busy_seq(0, al, SeqState.PROMPT, 0)], compat=False)
-    assert plan.parts[0][1] == [0, 1, 2, 3] and len(plan.sets) == 2
+    batch = assemble_ubatch([busy_seq(0, al, SeqState.PROMPT, 0)], compat=True)
+    assert batch.parts[0][1] == [0]  # compat splits at the activation point (start = 1)
+    batch = assemble_ubatch([busy_seq(0, al, SeqState.PROMPT, 0)], compat=False)
+    assert batch.parts[0][1] == [0, 1, 2, 3] and len(batch.sets) == 2
 
 
 # --- plan and scale rule ------------------------------------------------------------------

@@ -197,7 +197,7 @@ class LoraPool:
         return others < self.max_loras - 1
 
     # --- acquire / release ----------------------------------------------------------------
-    def plan_acquire(self, adapters: Sequence[LoraAdapter]) -> list[int] | None:
+    def find_slots(self, adapters: Sequence[LoraAdapter]) -> list[int] | None:
         """Slots that ``acquire(adapters)`` would page into (victims included), or None when
         they cannot all be resident now. Changes nothing."""
         distinct = {a.sha256: a for a in adapters}
@@ -232,7 +232,7 @@ class LoraPool:
                 paged in before it stay resident, unheld; nothing is held).
         """
         distinct = {a.sha256: a for a in adapters}
-        targets = self.plan_acquire(list(distinct.values()))
+        targets = self.find_slots(list(distinct.values()))
         if targets is None:
             raise PoolExhaustedError(
                 f"{len(distinct)} adapters need slots but every one of the {self.max_loras} slots is held or pinned"

@@ -399,21 +399,21 @@ class Scheduler:
             seq.assign(req)
 
     def _step_once(self, busy: list[Seq]) -> None:
-        plan = assemble_ubatch(busy, compat=self.config.batching == Batching.COMPAT, n_batch=N_BATCH)
-        self.ctx.set_adapters(plan.sets)
+        batch = assemble_ubatch(busy, compat=self.config.batching == Batching.COMPAT, n_batch=N_BATCH)
+        self.ctx.set_adapters(batch.sets)
         t0 = time.monotonic()
         try:
-            res = self.ctx.decode(plan.ubatch)
+            res = self.ctx.decode(batch.ubatch)
         except (DecodeError, RuntimeError) as exc:
-            log.error("decode_failed", error=str(exc), seqs=[s.id for s, _ in plan.parts])
-            for s, _ in plan.parts:
+            log.error("decode_failed", error=str(exc), seqs=[s.id for s, _ in batch.parts])
+            for s, _ in batch.parts:
                 self._end(s.request, "error", ErrorEvent(DecodeFailedError(f"decode failed: {exc}")), s)
             return
         self._step += 1
         step = StepInfo(
-            batch_size=len(plan.parts),
-            batch_tokens=len(plan.ubatch),
-            n_adapter_sets=len(plan.sets),
+            batch_size=len(batch.parts),
+            batch_tokens=len(batch.ubatch),
+            n_adapter_sets=len(batch.sets),
             graph_reused=res.graph_reused,
             n_nodes=res.n_nodes,
             node_budget=self.ctx.node_budget,
@@ -422,7 +422,7 @@ class Scheduler:
         row_of = {r: i for i, r in enumerate(res.out_rows)}
         first = 0
         parts = []
-        for s, rows in plan.parts:
+        for s, rows in batch.parts:
             parts.append((s, rows, [row_of.get(first + j, -1) for j in range(len(rows))]))
             first += len(rows)
         # greedy rows that sample this step: one batched log_softmax + argmax for all of them
@@ -438,7 +438,7 @@ class Scheduler:
         for s, rows, out_idx in parts:
             self._after_rows(s, rows, res.logits, out_idx, step, pre.get(out_idx[-1]))
         log.debug(
-            "step", n=len(plan.ubatch), seqs=len(plan.parts), sets=len(plan.sets), ms=(time.monotonic() - t0) * 1000
+            "step", n=len(batch.ubatch), seqs=len(batch.parts), sets=len(batch.sets), ms=(time.monotonic() - t0) * 1000
         )
 
     def _after_rows(

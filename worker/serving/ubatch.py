@@ -20,7 +20,7 @@ N_BATCH = 512  # most token rows in one ubatch (llama.cpp n_batch / n_ubatch)
 
 
 @dataclass(frozen=True)
-class UBatchPlan:
+class AssembledBatch:
     """A ubatch and where its rows came from.
 
     Attributes:
@@ -53,7 +53,7 @@ def rows_for(seq: Seq, budget: int, compat: bool) -> list[int]:
     return list(range(seq.n_past, end))
 
 
-def assemble_ubatch(busy: list[Seq], *, compat: bool, n_batch: int = N_BATCH) -> UBatchPlan:
+def assemble_ubatch(busy: list[Seq], *, compat: bool, n_batch: int = N_BATCH) -> AssembledBatch:
     """Build the next ubatch from the busy sequences (reads them, changes nothing).
 
     Generating sequences first (one row each), then prompt sequences while the ``n_batch`` budget
@@ -92,7 +92,7 @@ def assemble_ubatch(busy: list[Seq], *, compat: bool, n_batch: int = N_BATCH) ->
             row_sets.append(st)
     sets.sort(key=lambda st: st.fingerprint)
     index = {st: i for i, st in enumerate(sets)}
-    return UBatchPlan(parts, UBatch(tokens, pos, seqs, want, [index[st] for st in row_sets]), sets)
+    return AssembledBatch(parts, UBatch(tokens, pos, seqs, want, [index[st] for st in row_sets]), sets)
 
 
-__all__ = ["N_BATCH", "UBatchPlan", "assemble_ubatch", "compat_group", "rows_for"]
+__all__ = ["N_BATCH", "AssembledBatch", "assemble_ubatch", "compat_group", "rows_for"]
