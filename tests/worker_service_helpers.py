@@ -1,4 +1,4 @@
-"""Helpers for tests/test_worker_service.py: a real worker process driven over gRPC, and the
+"""Helpers for tests/parity/test_worker_service.py: a real worker process driven over gRPC, and the
 teacher-forced / greedy-argmax comparison against the fixture goldens (fixtures README).
 
 ``WorkerProcess`` runs ``serve_worker`` in a child process (``sys.executable -c``), parses

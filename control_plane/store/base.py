@@ -9,7 +9,7 @@ Owned by the control-plane process: one `AdapterStore` per process, opened from
   control-plane replicas share one database.
 
 What the store holds, and the rules every implementation keeps (tested against both in
-``tests/test_store.py``):
+``tests/integration/test_store.py``):
 
 - **Adapters** (`AdapterRecord`): ids are non-negative, assigned from 0 in registration order,
   never reused, stable across restarts. The id comes from a one-row counter

@@ -28,7 +28,7 @@ are permuted like the base weights (HF rotate-half → GGUF interleaved rope,
 
 The module needs no torch: safetensors files are read with ``read_safetensors`` (numpy,
 F64/F32/F16/BF16), so the control plane and the CLI run the same conversion as the
-``convert-peft`` tool (``control_plane`` never loads torch; ``tests/test_layout.py``).
+``convert-peft`` tool (``control_plane`` never loads torch; ``tests/unit/test_layout.py``).
 All arithmetic is f32 numpy, bit-for-bit what the earlier torch version wrote.
 """
 

@@ -23,7 +23,7 @@ from tests.live_servers import nonzero, restored_default
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NODE_DIR = ROOT / "clients" / "node"
 PROMPT = "Tell me about the weather today."
 MAX_TOKENS = "5"

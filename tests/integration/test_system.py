@@ -24,7 +24,7 @@ from loraplane.process import stop_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The weather today is"
 
 

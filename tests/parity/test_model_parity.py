@@ -17,7 +17,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from tests.parity import GroupStats, compare_case, teacher_forced_logprobs
+from tests.parity.compare import GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.registry import AdapterInUseError

@@ -175,7 +175,7 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
     exported = {
         fam.name + sfx for reg in (cp.registry, wm.registry) for fam in reg.collect() for sfx in suffixes[fam.type]
     }
-    dash = json.loads((Path(__file__).resolve().parents[1] / "deploy/grafana/loraplane-dashboard.json").read_text())
+    dash = json.loads((Path(__file__).resolve().parents[2] / "deploy/grafana/loraplane-dashboard.json").read_text())
     used = {
         m
         for p in dash["panels"]

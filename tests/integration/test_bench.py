@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ("engine", "serving", "prefix", "lifecycle", "roofline")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("worker", "control_plane", "clients", "loraplane", "bench")
 GENERATED = ("loraplane/v1/",)
 TEXT_SUFFIXES = {".py", ".sh", ".md", ".toml", ".yaml", ".yml", ".proto", ".js", ".mjs", ".ts", ".cfg", ".ini", ".txt"}
@@ -40,8 +40,8 @@ def _text_files() -> list[Path]:
     skip = (
         "clients/node/node_modules/",
         "clients/node/package-lock.json",
-        "tests/test_repo_hygiene.py",
-        "tests/test_docs.py",
+        "tests/unit/test_repo_hygiene.py",
+        "tests/unit/test_docs.py",
     )
     return [
         p

@@ -25,7 +25,7 @@ from tests.live_servers import restored_default
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_SHOUT = ROOT / "demo" / "adapters" / "shout.gguf"
 
 

@@ -52,7 +52,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 # The workers run the default path (packed GGUF weights, int16 activations per block of 32).
 # Results that are exactly equal on the f32 reference (checked in-process at 1e-4 in
-# tests/test_model_parity.py and tests/test_runtime.py with weights="dequant") differ here by
+# tests/parity/test_model_parity.py and tests/unit/test_runtime.py with weights="dequant") differ here by
 # the few activation rounding steps that a last-bit float difference upstream can move (KV
 # computed in another ubatch shape, another batch composition); measured up to 2.3e-3.
 SAME_RESULT_TOL = 3e-3

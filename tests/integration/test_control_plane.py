@@ -316,7 +316,7 @@ def test_health_serving_and_reflection_lists_services(start_cp):
 
 
 def test_store_ids_start_at_zero_and_schema_is_versioned(tmp_path):
-    # Both databases: tests/test_store.py. This one pins the SQLite file layout.
+    # Both databases: tests/integration/test_store.py. This one pins the SQLite file layout.
     store = SqliteStore(tmp_path / "db.sqlite3")
     assert store.schema_version == len(MIGRATIONS)
     content = tmp_path / "a.gguf"

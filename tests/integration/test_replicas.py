@@ -44,7 +44,7 @@ from tests.postgres_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The weather today is"
 HEARTBEAT_S = 0.5
 READY_TIMEOUT_S = 600

@@ -35,7 +35,7 @@ from tests.control_plane_helpers import by_path, rpc_error, upload
 from tests.serve_helpers import DEMO, free_port
 from tests.worker_service_helpers import WorkerProcess, gen
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "test-worker-secret"
 
 
