@@ -28,7 +28,13 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the real imports are lazy: torch must load after OMP_WAIT_POLICY is set
+    from bench.profiles import Profile
+    from worker.runtime.model import BaseModel
 
 SCENARIOS = {"1": "engine", "2": "serving", "3": "prefix", "4": "lifecycle", "5": "roofline", "6": "paging"}
 DEFAULT_SEED = 1234
@@ -277,7 +283,7 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
 
     model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
     in_process = "engine" in selected or "roofline" in selected
-    base = None
+    base: BaseModel | None = None
     if in_process:
         from worker.runtime.model import load_model
 
@@ -293,27 +299,19 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
     factory = AdapterFactory(run_dir / "adapters", arch=arch, base_tensors=tensors, base_seed=args.seed)
     engine_adapter = factory.path(0)
 
-    if "engine" in selected:
-        from bench.engine import run_engine
-
-        record("engine", lambda: run_engine(base, engine_adapter, profile, seed=args.seed, log=log))
     roofline_part: dict = {}
-    if "roofline" in selected:
-        # the in-process half now (it needs the loaded model); the table is recorded after the
-        # serving scenario, which adds the worker's RSS and the 1-stream per-token times
-        try:
-            roofline_part["value"] = _roofline_in_process(base, profile, engine_adapter, result, args, log)
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported under "roofline"
-            traceback.print_exc(file=sys.stderr)
-            roofline_part["error"] = exc
-    if base is not None:
+    if base is not None:  # loaded exactly when "engine" or "roofline" is selected
+        roofline_part = _in_process_scenarios(base, profile, selected, engine_adapter, result, args, record, log)
         del base
         gc.collect()
 
     if "serving" in selected or "prefix" in selected or "lifecycle" in selected or "paging" in selected:
         from bench.serving import ServingContext, run_multitenant, run_prefix
+
+        if bos is None:
+            raise RuntimeError(
+                f"{model_path}: the tokenizer has no BOS token id, which every benchmark prompt starts with"
+            )
 
         sc = ServingContext(
             profile=profile,
@@ -359,6 +357,36 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
             return add_serving(roofline_part["value"], result["scenarios"].get("serving"))
 
         record("roofline", roofline)
+
+
+def _in_process_scenarios(
+    base: BaseModel,
+    profile: Profile,
+    selected: list[str],
+    engine_adapter: Path,
+    result: dict,
+    args: argparse.Namespace,
+    record: Callable[[str, Callable[[], dict]], None],
+    log: Callable[[str], None],
+) -> dict:
+    """Scenario 1 (recorded) and scenario 5's in-process half on the loaded model; returns
+    ``{"value": ...}`` or ``{"error": exc}`` for the roofline (``{}`` when it is not selected)."""
+    if "engine" in selected:
+        from bench.engine import run_engine
+
+        record("engine", lambda: run_engine(base, engine_adapter, profile, seed=args.seed, log=log))
+    roofline_part: dict = {}
+    if "roofline" in selected:
+        # the in-process half now (it needs the loaded model); the table is recorded after the
+        # serving scenario, which adds the worker's RSS and the 1-stream per-token times
+        try:
+            roofline_part["value"] = _roofline_in_process(base, profile, engine_adapter, result, args, log)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported under "roofline"
+            traceback.print_exc(file=sys.stderr)
+            roofline_part["error"] = exc
+    return roofline_part
 
 
 def _roofline_in_process(base, profile, engine_adapter, result, args, log) -> dict:

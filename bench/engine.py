@@ -12,10 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.profiles import Profile
 from bench.stats import Figure, ratio
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
@@ -110,7 +112,7 @@ class EngineBench:
         return time.perf_counter() - t0
 
 
-def run_engine(base: BaseModel, adapter_path, profile, *, seed: int, log: Callable[[str], None]) -> dict:
+def run_engine(base: BaseModel, adapter_path: Path, profile: Profile, *, seed: int, log: Callable[[str], None]) -> dict:
     """Scenario 1. Returns JSON-ready results (see ``bench.report.engine_rows``)."""
     p = profile
     max_b = max(p.decode_batches)

@@ -17,6 +17,7 @@ import hashlib
 import time
 from collections.abc import Callable
 
+from bench.profiles import Profile
 from bench.servers import LoraplaneServers
 from bench.stats import Figure
 from bench.synth import AdapterFactory
@@ -41,8 +42,9 @@ def _chunks(adapter_id: int, sha: str, data: bytes):
 
 
 def run_lifecycle(
-    srv: LoraplaneServers, factory: AdapterFactory, profile, *, bos: int, log: Callable[[str], None]
+    srv: LoraplaneServers, factory: AdapterFactory, profile: Profile, *, bos: int, log: Callable[[str], None]
 ) -> dict:
+    """Scenario 4 (see the module docstring) on ``srv``, which is started and ready."""
     p = profile
     n = p.lifecycle_adapters
     samples = min(p.lifecycle_samples, n)
@@ -68,6 +70,10 @@ def run_lifecycle(
             ):
                 if isinstance(ev, TokenEvent) and t2 is None:
                     t2 = time.perf_counter()
+            if t2 is None:
+                raise RuntimeError(
+                    f"lifecycle: the 1-token request with adapter {info.id} ({path.name}) streamed no token"
+                )
             first_token_ms.append((t2 - t0) * 1e3)
             ttft_ms.append((t2 - t1) * 1e3)
             log(

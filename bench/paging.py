@@ -30,8 +30,9 @@ import numpy as np
 
 from bench.engine import random_tokens
 from bench.load import RequestSpec, loraplane_driver, run_closed_loop, summarize
+from bench.profiles import Profile
 from bench.servers import LoraplaneServers
-from bench.serving import zipf_choices
+from bench.serving import ServingContext, zipf_choices
 from bench.stats import percentile
 from bench.synth import ATTENTION_WEIGHT, linear_targets, write_adapter
 from clients.results import TokenEvent
@@ -67,7 +68,7 @@ class PagingAdapters:
         return p
 
 
-def _specs(p, n_adapters: int, ids: list[int], n: int, *, seed: int, bos: int, salt: int) -> list[RequestSpec]:
+def _specs(p: Profile, n_adapters: int, ids: list[int], n: int, *, seed: int, bos: int, salt: int) -> list[RequestSpec]:
     rng = np.random.default_rng((seed, 6, n_adapters, salt))
     picks = zipf_choices(rng, n_adapters, n)
     return [
@@ -76,7 +77,7 @@ def _specs(p, n_adapters: int, ids: list[int], n: int, *, seed: int, bos: int, s
     ]
 
 
-def _register(srv: LoraplaneServers, paths: list[Path], log, label: str) -> list[int]:
+def _register(srv: LoraplaneServers, paths: list[Path], log: Callable[[str], None], label: str) -> list[int]:
     ids = []
     for j, path in enumerate(paths):
         ids.append(srv.client.add_adapter(path).id)
@@ -112,7 +113,7 @@ def _traffic(srv: LoraplaneServers, specs: list[RequestSpec], warm: list[Request
     return out
 
 
-def run_paging(sc, arch: str, base_tensors: dict, log: Callable[[str], None]) -> dict:
+def run_paging(sc: ServingContext, arch: str, base_tensors: dict, log: Callable[[str], None]) -> dict:
     """Scenario 6 (see the module docstring); ``sc`` is bench.serving's ``ServingContext``."""
     p = sc.profile
     adapters = PagingAdapters(sc.run_dir / "paging-adapters", arch=arch, base_tensors=base_tensors, base_seed=sc.seed)

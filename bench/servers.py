@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO, TypedDict
 
 import grpc
 
@@ -47,6 +48,18 @@ def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     except OSError:
         pass
     return 0
+
+
+class WorkerFlags(TypedDict):
+    """The runtime flags one ``LoraplaneServers`` passes to its worker."""
+
+    slots: int
+    batching: str
+    prefix_cache: str
+    dtype: str
+    device: str
+    n_ctx: int
+    weights: str
 
 
 def _env() -> dict[str, str]:
@@ -85,7 +98,7 @@ class LoraplaneServers:
         self.dir = Path(run_dir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.name = name
-        self.flags = dict(
+        self.flags = WorkerFlags(
             slots=slots,
             batching=batching,
             prefix_cache=prefix_cache,
@@ -99,11 +112,25 @@ class LoraplaneServers:
         self.addr = f"127.0.0.1:{free_port()}"
         self.cp: subprocess.Popen | None = None
         self.worker: subprocess.Popen | None = None
-        self.client: LoraplaneClient | None = None
+        self._client: LoraplaneClient | None = None
         self.worker_addr = ""
         self._worker_channel: grpc.Channel | None = None
-        self.worker_stub: worker_pb2_grpc.WorkerStub | None = None
-        self._logs: list = []
+        self._worker_stub: worker_pb2_grpc.WorkerStub | None = None
+        self._logs: list[IO[bytes]] = []
+
+    @property
+    def client(self) -> LoraplaneClient:
+        """The control plane's client (set by ``wait_ready``)."""
+        if self._client is None:
+            raise RuntimeError(f"{self.name}: no control-plane client yet (call wait_ready() first)")
+        return self._client
+
+    @property
+    def worker_stub(self) -> worker_pb2_grpc.WorkerStub:
+        """A gRPC stub straight to the worker (set by ``wait_ready``, once the worker registered)."""
+        if self._worker_stub is None:
+            raise RuntimeError(f"{self.name}: no worker stub yet (call wait_ready() first)")
+        return self._worker_stub
 
     def _spawn(self, args: Sequence[str], log_name: str) -> subprocess.Popen:
         fh = open(self.dir / log_name, "ab")
@@ -165,10 +192,11 @@ class LoraplaneServers:
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
-        self.client = LoraplaneClient(self.addr, wait_for_server=True, connect_timeout=timeout_s, timeout=600)
+        client = LoraplaneClient(self.addr, wait_for_server=True, connect_timeout=timeout_s, timeout=600)
+        self._client = client
         while True:
             self._check_alive()
-            alive = [w for w in self.client.list_workers() if w.alive]
+            alive = [w for w in client.list_workers() if w.alive]
             if alive:
                 self.worker_addr = alive[0].addr
                 break
@@ -178,7 +206,7 @@ class LoraplaneServers:
                 )
             time.sleep(0.25)
         self._worker_channel = grpc.insecure_channel(self.worker_addr, options=GRPC_MESSAGE_OPTIONS)
-        self.worker_stub = worker_pb2_grpc.WorkerStub(self._worker_channel)
+        self._worker_stub = worker_pb2_grpc.WorkerStub(self._worker_channel)
 
     def _check_alive(self) -> None:
         for what, proc in (("control plane", self.cp), ("worker", self.worker)):
@@ -195,8 +223,8 @@ class LoraplaneServers:
         return rss_bytes(self.cp.pid, field) if self.cp else 0
 
     def stop(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        if self._client is not None:
+            self._client.close()
         if self._worker_channel is not None:
             self._worker_channel.close()
         stop_process(self.worker)
@@ -264,11 +292,12 @@ class LlamaServer:
             args += ["-t", str(threads)]
         self.args = args
         self.proc: subprocess.Popen | None = None
-        self._log = None
+        self._log: IO[bytes] | None = None
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        self._log = open(self.dir / "llama-server.log", "ab")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log = open(self.dir / "llama-server.log", "ab")
+        self._log = log
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

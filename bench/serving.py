@@ -24,14 +24,24 @@ loaded unapplied, per-request ``lora`` vectors, ``--parallel`` = our slots).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from bench.engine import random_tokens
-from bench.load import RequestSpec, llama_server_driver, loraplane_driver, run_closed_loop, summarize
+from bench.load import (
+    Driver,
+    RequestResult,
+    RequestSpec,
+    llama_server_driver,
+    loraplane_driver,
+    run_closed_loop,
+    summarize,
+)
+from bench.profiles import Profile
 from bench.servers import LlamaServer, LoraplaneServers, start_all
 from bench.stats import Figure, ratio
 from bench.synth import AdapterFactory
@@ -43,7 +53,7 @@ RUN_FIGURES = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"
 class ServingContext:
     """What the serving scenarios share."""
 
-    profile: object
+    profile: Profile
     seed: int
     run_dir: Path
     factory: AdapterFactory
@@ -60,7 +70,7 @@ class ServingContext:
 SINGLE = "1-stream"
 
 
-def workloads(ks, single: bool = False) -> list[tuple[int, str]]:
+def workloads(ks: Sequence[int], single: bool = False) -> list[tuple[int, str]]:
     """``(K, distribution)``: K ≤ 1 has one distribution; larger K both rr and zipf; with
     ``single``, first the 1-stream base row ``(0, "1-stream")``."""
     out = [(0, SINGLE)] if single else []
@@ -100,10 +110,10 @@ def serving_specs(
     return specs
 
 
-def _mapped(inner, id_map: list[int]):
+def _mapped(inner: Driver, id_map: list[int]) -> Driver:
     """Wrap a loraplane driver so it takes index-keyed adapter maps (index j → registered id)."""
 
-    def run(spec: RequestSpec, res) -> None:
+    def run(spec: RequestSpec, res: RequestResult) -> None:
         inner(
             RequestSpec(spec.prompt, {id_map[j]: s for j, s in spec.adapters.items()}, spec.max_tokens, spec.seed), res
         )
@@ -116,7 +126,7 @@ def streams_of(sc: ServingContext, dist: str) -> int:
 
 
 def _aggregate(runs: list[dict]) -> dict:
-    out = {f: Figure.of([r[f] for r in runs]).to_json() for f in RUN_FIGURES}
+    out: dict[str, object] = {f: Figure.of([r[f] for r in runs]).to_json() for f in RUN_FIGURES}
     if runs and "per_token_ms" in runs[0]:
         out["per_token_ms"] = Figure.of([r["per_token_ms"] for r in runs], "ms").to_json()
     out["n_errors"] = sum(r["n_errors"] for r in runs)
@@ -164,11 +174,11 @@ def run_multitenant(
     }
     lifecycle = None
     rss: dict[str, dict[str, int]] = {
-        m: {"loaded": s.worker_rss(), "loaded_anon": s.worker_rss("RssAnon")} for m, s in servers.items()
+        m: {"loaded": srv.worker_rss(), "loaded_anon": srv.worker_rss("RssAnon")} for m, srv in servers.items()
     }
     try:
-        ids = {m: _register(s, paths) for m, s in servers.items()}
-        drivers = {m: _mapped(loraplane_driver(s.client), ids[m]) for m, s in servers.items()}
+        ids = {m: _register(srv, paths) for m, srv in servers.items()}
+        drivers = {m: _mapped(loraplane_driver(srv.client), ids[m]) for m, srv in servers.items()}
         warm = (
             serving_specs(sc, max_k, "rr", -1, n=max(max_k, p.streams), max_tokens=2)
             if max_k
@@ -190,14 +200,14 @@ def run_multitenant(
                         f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.0f} ms, "
                         f"mean batch {s['mean_batch']:.1f}" + (f", {s['n_errors']} errors" if s["n_errors"] else "")
                     )
-        worker_stats = {m: _stats_json(s) for m, s in servers.items()}
-        for m, s in servers.items():
-            rss[m]["after_runs"] = s.worker_rss()
+        worker_stats = {m: _stats_json(srv) for m, srv in servers.items()}
+        for m, srv in servers.items():
+            rss[m]["after_runs"] = srv.worker_rss()
         if keep_for_lifecycle is not None:
             lifecycle = keep_for_lifecycle(servers["mixed"])
     finally:
-        for s in servers.values():
-            s.stop()
+        for srv in servers.values():
+            srv.stop()
     out: dict = {
         "streams": p.streams,
         "slots": p.slots,
@@ -220,7 +230,7 @@ def run_multitenant(
         if key in out["modes"]["compat"]
     }
     if sc.llama_server:
-        out["llama_server"] = _peer_multitenant(sc, wls, paths)
+        out["llama_server"] = _peer_multitenant(sc, sc.llama_server, wls, paths)
         out["ours_over_llama_server"] = {
             key: ratio(
                 out["modes"]["mixed"][key]["tok_s"]["median"], out["llama_server"]["runs"][key]["tok_s"]["median"]
@@ -242,10 +252,10 @@ def _stats_json(srv: LoraplaneServers) -> dict:
     }
 
 
-def _peer_multitenant(sc: ServingContext, wls, paths) -> dict:
+def _peer_multitenant(sc: ServingContext, binary: str, wls: list[tuple[int, str]], paths: list[Path]) -> dict:
     p = sc.profile
     srv = LlamaServer(
-        sc.llama_server,
+        binary,
         sc.run_dir,
         "llama-server-serving",
         model=sc.model_path,
@@ -282,7 +292,7 @@ def _peer_multitenant(sc: ServingContext, wls, paths) -> dict:
                 )
     finally:
         srv.stop()
-    return {"binary": sc.llama_server, "parallel": p.slots, "runs": {k: _aggregate(v) for k, v in runs.items()}}
+    return {"binary": binary, "parallel": p.slots, "runs": {k: _aggregate(v) for k, v in runs.items()}}
 
 
 # --- scenario 3 ---------------------------------------------------------------------------
@@ -300,15 +310,22 @@ def prefix_specs(sc: ServingContext, rep: int) -> list[RequestSpec]:
     ]
 
 
-def _prefix_run(driver, specs, computed_before: int | None, stats_fn) -> dict:
+def _prompt_tokens_computed(srv: LoraplaneServers) -> int:
+    return srv.stats().prompt_tokens_computed
+
+
+def _prefix_run(driver: Driver, specs: list[RequestSpec], computed_fn: Callable[[], int] | None) -> dict:
+    """One prefix run; ``computed_fn`` reads our worker's prompt-token counter (None: llama-server,
+    whose per-request timings say what it computed)."""
+    computed_before = computed_fn() if computed_fn is not None else 0
     res, wall = run_closed_loop(driver, specs, 1)
     s = summarize(res, wall)
     ok = [r for r in res if r.error is None]
     ttft = [(r.t_first - r.t_submit) * 1e3 for r in ok if r.t_first is not None]
     s["ttft_mean_ms"] = sum(ttft) / len(ttft) if ttft else math.nan
     s["prompt_tokens"] = sum(len(sp.prompt) for sp in specs)
-    if computed_before is not None:  # ours: worker Stats, cross-checked with telemetry
-        s["computed"] = stats_fn() - computed_before
+    if computed_fn is not None:  # ours: worker Stats, cross-checked with telemetry
+        s["computed"] = computed_fn() - computed_before
         s["cached"] = sum(int(r.telemetry.get("cached_prompt_tokens", 0)) for r in ok)
         s["cache_cleared"] = sum(1 for r in ok if r.telemetry.get("cache_cleared"))
     else:  # llama-server: per-request timings
@@ -348,25 +365,23 @@ def run_prefix(sc: ServingContext) -> dict:
     start_all(list(servers.values()))
     runs: dict[str, list[dict]] = {pol: [] for pol in policies}
     try:
-        ids = {pol: _register(s, paths) for pol, s in servers.items()}
-        drivers = {pol: _mapped(loraplane_driver(s.client), ids[pol]) for pol, s in servers.items()}
+        ids = {pol: _register(srv, paths) for pol, srv in servers.items()}
+        drivers = {pol: _mapped(loraplane_driver(srv.client), ids[pol]) for pol, srv in servers.items()}
         warm = prefix_specs(sc, -1)[: p.prefix_adapters]
         for pol in policies:  # warm-up, excluded (another system prompt)
             run_closed_loop(drivers[pol], [RequestSpec(w.prompt, w.adapters, 2, w.seed) for w in warm], 1)
         for rep in range(p.reps):
             specs = prefix_specs(sc, rep)
             for pol in policies:
-                srv = servers[pol]
-                before = srv.stats().prompt_tokens_computed
-                s = _prefix_run(drivers[pol], specs, before, lambda srv=srv: srv.stats().prompt_tokens_computed)
+                s = _prefix_run(drivers[pol], specs, partial(_prompt_tokens_computed, servers[pol]))
                 runs[pol].append(s)
                 sc.log(
                     f"prefix: rep {rep + 1}/{p.reps} {pol}: computed {s['computed']} of {s['prompt_tokens']} "
                     f"prompt tokens, TTFT p50 {s['ttft_p50_ms']:.0f} ms"
                 )
     finally:
-        for s in servers.values():
-            s.stop()
+        for srv in servers.values():
+            srv.stop()
     out: dict = {
         "prefix_len": p.prefix_len,
         "user_tokens": p.prefix_user_tokens,
@@ -382,7 +397,7 @@ def run_prefix(sc: ServingContext) -> dict:
         for f in ("computed", "ttft_p50_ms", "ttft_mean_ms")
     }
     if sc.llama_server:
-        out["llama_server"] = _peer_prefix(sc, paths)
+        out["llama_server"] = _peer_prefix(sc, sc.llama_server, paths)
         peer = out["llama_server"]["figures"]
         out["llama_server_over_keyed"] = {
             f: ratio(peer[f]["median"], out["policies"]["keyed"][f]["median"])
@@ -392,17 +407,17 @@ def run_prefix(sc: ServingContext) -> dict:
 
 
 def _prefix_aggregate(runs: list[dict]) -> dict:
-    out = {f: Figure.of([r[f] for r in runs]).to_json() for f in PREFIX_FIGURES}
+    out: dict[str, object] = {f: Figure.of([r[f] for r in runs]).to_json() for f in PREFIX_FIGURES}
     out["cache_cleared"] = Figure.of([r["cache_cleared"] for r in runs]).to_json()
     out["n_errors"] = sum(r["n_errors"] for r in runs)
     out["errors"] = [e for r in runs for e in r["errors"]][:5]
     return out
 
 
-def _peer_prefix(sc: ServingContext, paths) -> dict:
+def _peer_prefix(sc: ServingContext, binary: str, paths: list[Path]) -> dict:
     p = sc.profile
     srv = LlamaServer(
-        sc.llama_server,
+        binary,
         sc.run_dir,
         "llama-server-prefix",
         model=sc.model_path,
@@ -418,7 +433,7 @@ def _peer_prefix(sc: ServingContext, paths) -> dict:
         warm = prefix_specs(sc, -1)[: p.prefix_adapters]
         run_closed_loop(driver, [RequestSpec(w.prompt, w.adapters, 2, w.seed) for w in warm], 1)
         for rep in range(p.reps):
-            s = _prefix_run(driver, prefix_specs(sc, rep), None, None)
+            s = _prefix_run(driver, prefix_specs(sc, rep), None)
             runs.append(s)
             sc.log(
                 f"prefix: rep {rep + 1}/{p.reps} llama-server: computed {s['computed']} prompt tokens, "
@@ -426,4 +441,4 @@ def _peer_prefix(sc: ServingContext, paths) -> dict:
             )
     finally:
         srv.stop()
-    return {"binary": sc.llama_server, "parallel": p.prefix_slots, "figures": _prefix_aggregate(runs)}
+    return {"binary": binary, "parallel": p.prefix_slots, "figures": _prefix_aggregate(runs)}
