@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the real imports are lazy: torch must load after OMP_WAIT_POLICY is set
     from bench.profiles import Profile
-    from worker.runtime.model import BaseModel
+    from worker.runtime.model import LoadedModel
 
 SCENARIOS = {"1": "engine", "2": "serving", "3": "prefix", "4": "lifecycle", "5": "roofline", "6": "paging"}
 DEFAULT_SEED = 1234
@@ -283,7 +283,7 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
 
     model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
     in_process = "engine" in selected or "roofline" in selected
-    base: BaseModel | None = None
+    base: LoadedModel | None = None
     if in_process:
         from worker.runtime.model import load_model
 
@@ -360,7 +360,7 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
 
 
 def _in_process_scenarios(
-    base: BaseModel,
+    base: LoadedModel,
     profile: Profile,
     selected: list[str],
     engine_adapter: Path,

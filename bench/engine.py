@@ -22,7 +22,7 @@ from bench.stats import Figure, ratio
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import Model, UBatch, WorkerContext
-from worker.runtime.model import BaseModel
+from worker.runtime.model import LoadedModel
 
 TOKEN_LO, TOKEN_HI = 1000, 200_000  # ordinary vocabulary ids (no special tokens)
 N_BATCH = 512  # rows per ubatch when prefilling several sequences
@@ -45,14 +45,14 @@ def _sync(device: torch.device) -> None:
 class EngineBench:
     """One loaded model, one context, one registered synthetic adapter."""
 
-    base: BaseModel
+    base: LoadedModel
     ctx: WorkerContext
     sets: dict[str, AdapterSet]
     adapter_bytes: int
     seed: int
 
     @classmethod
-    def create(cls, base: BaseModel, adapter_path, *, n_ctx_seq: int, seed: int) -> EngineBench:
+    def create(cls, base: LoadedModel, adapter_path, *, n_ctx_seq: int, seed: int) -> EngineBench:
         model = Model(base)
         ctx = model.new_context(n_ctx_seq=n_ctx_seq)
         adapter = load_lora_adapter(
@@ -112,7 +112,9 @@ class EngineBench:
         return time.perf_counter() - t0
 
 
-def run_engine(base: BaseModel, adapter_path: Path, profile: Profile, *, seed: int, log: Callable[[str], None]) -> dict:
+def run_engine(
+    base: LoadedModel, adapter_path: Path, profile: Profile, *, seed: int, log: Callable[[str], None]
+) -> dict:
     """Scenario 1. Returns JSON-ready results (see ``bench.report.engine_rows``)."""
     p = profile
     max_b = max(p.decode_batches)

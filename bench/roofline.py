@@ -3,7 +3,7 @@
 A decode step at small batch is memory-bound: every weight is read once per step. The lower
 bound on the step time is ``bytes read / bandwidth``, for two byte counts:
 
-- the weights our model holds (``BaseModel.weight_bytes``: packed GGUF matrices + scales with
+- the weights our model holds (``LoadedModel.weight_bytes``: packed GGUF matrices + scales with
   ``--weights packed``, f32 tensors with ``--weights dequant``), all read by a step (the tied
   ``token_embd`` is the LM head; with an untied ``output.weight`` the embedding lookup reads a
   few rows only and is left out); with one adapter, plus its A/B bytes;
@@ -24,7 +24,7 @@ import math
 
 from bench.stats import ratio
 from worker.runtime.kernels import QuantLinear
-from worker.runtime.model import BaseModel
+from worker.runtime.model import LoadedModel
 
 TOKEN_EMBD = "token_embd.weight"
 
@@ -34,7 +34,7 @@ def _nbytes(w) -> int:
     return sum(p.nbytes if isinstance(p, QuantLinear) else p.numel() * p.element_size() for p in parts)
 
 
-def weight_bytes_per_step(base: BaseModel) -> int:
+def weight_bytes_per_step(base: LoadedModel) -> int:
     """Bytes of weights a decode step reads (see the module docstring)."""
     total = 0
     for name, w in base.weights.items():
@@ -44,14 +44,14 @@ def weight_bytes_per_step(base: BaseModel) -> int:
     return total
 
 
-def gguf_tensor_bytes(base: BaseModel, *, per_step: bool = False) -> int:
+def gguf_tensor_bytes(base: LoadedModel, *, per_step: bool = False) -> int:
     """Bytes of the GGUF's tensors (its data section, no metadata); ``per_step`` leaves out
     ``token_embd`` when an untied ``output.weight`` exists (as :func:`weight_bytes_per_step`)."""
     names = base.gguf.tensors
     return sum(r.n_bytes for n, r in names.items() if not (per_step and n == TOKEN_EMBD and "output.weight" in names))
 
 
-def run_roofline(base: BaseModel, bandwidth: dict, engine: dict | None, adapter_bytes: int) -> dict:
+def run_roofline(base: LoadedModel, bandwidth: dict, engine: dict | None, adapter_bytes: int) -> dict:
     """Bounds vs the achieved batch-1 decode step (from scenario 1)."""
     bw = bandwidth["gb_s"]["median"] * 1e9
     ours = weight_bytes_per_step(base)
