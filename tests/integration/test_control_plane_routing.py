@@ -169,7 +169,7 @@ def wait_for(predicate, timeout: float = 5.0) -> bool:
 
 
 def test_registration_pushes_nothing_and_fetch_streams_bytes_in_chunks(cluster, adapters_dir):
-    """Issue 12: no push on registration; a request announces the adapter (header only, id →
+    """Adapter paging: nothing sent to workers on registration; a request announces the adapter (header only, id →
     sha256); the worker fetches the bytes by sha256 in ≤ 1 MiB chunks."""
     shout = adapters_dir / "shout.gguf"
     cp, [w] = cluster(1, lora=(str(shout),))

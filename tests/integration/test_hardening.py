@@ -1,4 +1,4 @@
-"""Issue 11 (hardening), checked with real processes on loopback.
+"""Hardening (bad input, auth, limits, failures), checked with real processes on loopback.
 
 Two kinds of tests:
 

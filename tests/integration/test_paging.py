@@ -1,4 +1,4 @@
-"""Issue 12 with real processes: a control plane and two real workers with ``--max-loras 2``
+"""Adapter paging with real processes: a control plane and two real workers with ``--max-loras 2``
 (f32 reference weights), adapters fetched on demand, LRU paging, pinning, unregistering,
 failed fetches and affinity routing. One module-scoped cluster; tests run in file order and
 use distinct adapters or check deltas, so they stay independent."""
