@@ -70,11 +70,13 @@ class SqliteStore(AdapterStore):
         self._lock = threading.Lock()
         # isolation_level=None: we issue BEGIN/COMMIT ourselves so each operation is one
         # explicit transaction.
-        self._conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None)
+        # The busy timeout is set before anything else: switching to WAL takes the database's
+        # write lock, and two processes starting at once must wait for it, not fail "locked".
+        self._conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None, timeout=30.0)
         self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA busy_timeout=30000")
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.execute("PRAGMA busy_timeout=30000")
         self._migrate()
         self._remove_orphans()
 

@@ -53,7 +53,7 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
 
 def _scripted(monkeypatch, cp_addr: str, name: str = "w1", n_slots: int = 2, **membership_kw):
     """The scripted worker of test_control_plane_routing, its membership given ``membership_kw``."""
-    import tests.test_control_plane_routing as routing
+    import tests.integration.test_control_plane_routing as routing
     from worker.rpc import membership
 
     monkeypatch.setattr(
@@ -132,7 +132,7 @@ def test_heartbeats_reconcile_what_the_worker_holds(start_control_plane, fixture
                 adapters=[control_plane_pb2.HeldAdapter(id=i, sha256=h) for i, h in s.adapters.items()]
             )
 
-    from tests.test_control_plane_routing import ScriptedWorker
+    from tests.integration.test_control_plane_routing import ScriptedWorker
 
     real_init = ScriptedWorker.__init__
 
@@ -221,7 +221,7 @@ def test_generate_streams_beyond_the_limit_are_refused_at_once_and_reads_answer(
 
 
 def test_unregister_while_a_worker_drains_returns_promptly_and_lists_it_draining(start_control_plane, fixtures_dir):
-    from tests.test_control_plane_routing import ScriptedWorker, WorkerProcess
+    from tests.integration.test_control_plane_routing import ScriptedWorker, WorkerProcess
 
     release = threading.Event()
 

@@ -196,7 +196,7 @@ def test_default_set_via_b_read_via_a(cluster, fixtures_dir):
 
 
 def test_service_address_worker_is_adopted_and_unregistration_reaches_every_worker(cluster, tmp_path):
-    from tests.test_control_plane_routing import WorkerProcess
+    from tests.integration.test_control_plane_routing import WorkerProcess
 
     scripted = WorkerProcess("w-only-a", cluster.a_addr)  # one address, like a Service
     try:

@@ -240,7 +240,7 @@ def test_file_backed_page_in_equals_in_memory_and_a_bad_file_evicts_nothing(tmp_
     """The host tier is file-backed: a page-in re-reads the file (F16 converted to the pool's
     dtype while copying) and fills the slot exactly as an in-memory adapter does; a file that
     changed since validation fails the page-in before the victim slot is touched."""
-    from tests.test_adapters import BASE, write_adapter
+    from tests.unit.test_adapters import BASE, write_adapter
 
     rng = np.random.default_rng(3)
     paths = []
