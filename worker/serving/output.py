@@ -66,14 +66,14 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(s for s in stops if s)
-        self._held = ""
+        self._tail = ""
 
     def push(self, text: str) -> tuple[str, bool]:
         """Feed newly detokenized ``text``; returns ``(text safe to emit, stop string hit)``."""
-        buf = self._held + text
+        buf = self._tail + text
         found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if found:
-            self._held = ""
+            self._tail = ""
             return buf[: min(found)], True
         keep = 0
         for s in self.stops:
@@ -81,12 +81,12 @@ class StopMatcher:
                 if buf.endswith(s[:k]):
                     keep = k
                     break
-        self._held = buf[len(buf) - keep :] if keep else ""
+        self._tail = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
     def flush(self) -> str:
         """The held-back tail (generation ended without a stop string)."""
-        out, self._held = self._held, ""
+        out, self._tail = self._tail, ""
         return out
 
 
