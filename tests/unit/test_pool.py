@@ -11,32 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.lora_fakes import D, K, adapter
 from worker.lora.adapter import AdapterError, LoraAdapter, LoraPair, load_lora_adapter, open_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.plan import build_plan
 from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
-
-K, D = 8, 6
-
-
-def adapter(
-    name: str, *, rank: int = 2, alpha: float = 0.0, weights: tuple[str, ...] = ("w",), seed: int = 0
-) -> LoraAdapter:
-    g = torch.Generator().manual_seed(seed)
-    pairs = {w: LoraPair(w, torch.randn(rank, K, generator=g), torch.randn(D, rank, generator=g)) for w in weights}
-    return LoraAdapter(
-        path=f"/x/{name}.gguf",
-        sha256=name * 8,
-        arch="llama",
-        name=name,
-        alpha=alpha,
-        pairs=types.MappingProxyType(pairs),
-        alora_invocation_tokens=(),
-        task_name="",
-        prompt_prefix="",
-        size_bytes=0,
-    )
-
 
 ADS = [adapter(f"a{i}", seed=i, rank=2 + i % 3) for i in range(6)]
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import types
 
 import pytest
 import torch
 
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2
+from tests.lora_fakes import D, K, adapter
 from worker.config import PrefixCachePolicy
 from worker.errors import InvalidRequestError
-from worker.lora.adapter import LoraAdapter, LoraPair, lora_scale
+from worker.lora.adapter import lora_scale
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.alora import find_last, resolve_alora
 from worker.lora.plan import build_plan
@@ -36,34 +36,6 @@ from worker.serving.request import GenRequest, RequestTelemetry, StartedEvent, S
 from worker.serving.scheduler import SchedulerStats
 from worker.serving.sequences import Seq, SeqState
 from worker.serving.ubatch import assemble_ubatch
-
-K, D = 8, 6
-
-
-def adapter(
-    name: str,
-    *,
-    rank: int = 2,
-    alpha: float = 0.0,
-    invocation: tuple[int, ...] = (),
-    weights: tuple[str, ...] = ("w",),
-    seed: int = 0,
-) -> LoraAdapter:
-    g = torch.Generator().manual_seed(seed)
-    pairs = {w: LoraPair(w, torch.randn(rank, K, generator=g), torch.randn(D, rank, generator=g)) for w in weights}
-    return LoraAdapter(
-        path=f"/x/{name}.gguf",
-        sha256=name * 8,
-        arch="llama",
-        name=name,
-        alpha=alpha,
-        pairs=types.MappingProxyType(pairs),
-        alora_invocation_tokens=invocation,
-        task_name="",
-        prompt_prefix="",
-        size_bytes=0,
-    )
-
 
 A, B = adapter("aaaa", seed=1), adapter("bbbb", seed=2, rank=3, alpha=6.0)
 AL = adapter("alora", invocation=(7, 8), seed=3)
