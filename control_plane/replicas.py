@@ -26,7 +26,7 @@ heartbeat reaches a replica that already adopted it, or gets NOT_FOUND and re-re
 **Adapters held by workers.** An unregistration through replica A unloads the adapter from
 the workers A knows hold it at once; the store also records the removal, and every replica
 unloads each newly removed id from every worker it knows (NOT_FOUND counts as done), so an
-adapter that replica B pushed is unloaded too, whichever replica took the call.
+adapter that replica B announced is unloaded too, whichever replica took the call.
 
 Failures of one tick (database unreachable, a worker that cannot be dialled) are logged and
 retried on the next tick.

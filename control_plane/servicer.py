@@ -117,7 +117,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
             reg = self.registry.register_upload(
                 upload.data, name=upload.name, source_format=upload.source_format or "gguf"
             )
-        # No push: workers fetch the bytes by sha256 when a request first needs them.
+        # Nothing is sent: workers fetch the bytes by sha256 when a request first needs them.
         return convert.adapter_info(reg.record)
 
     @boundary

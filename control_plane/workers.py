@@ -9,7 +9,7 @@ is needed; transitions are logged when first observed.
 Joining is asynchronous: ``RegisterWorker`` only checks the hello and queues a join, then
 answers (``joined=false``); one of `MembershipTimings.join_threads` join threads dials the
 worker (at most ``connect_timeout_s``) and reconciles its adapters with the registry: ones the
-registry no longer has (or whose content differs) are unloaded. Nothing is pushed:
+registry no longer has (or whose content differs) are unloaded. No bytes are sent:
 right before the router uses a worker it announces the adapters the request needs that the
 worker does not know yet (`ensure_loaded`: a header-only ``LoadAdapter`` with
 ``fetch_on_demand``, id → sha256, pin flag), and the worker fetches the bytes by sha256
@@ -463,7 +463,7 @@ class WorkerPool:
     def unload_adapter(self, adapter_id: int) -> None:
         """Unload a removed adapter from every worker that may hold it, in parallel, waiting at
         most ``unload_wait_s`` (+1 s) in all. Live workers are all asked, not only those this
-        replica pushed it to: another replica may have pushed it (`control_plane.replicas`);
+        replica announced it to: another replica may have announced it (`control_plane.replicas`);
         NOT_FOUND means not held. A worker still draining it then lists it under
         ``draining_ids`` until its heartbeats say it is freed; other failures are logged and
         retried by heartbeat reconciliation."""
@@ -554,8 +554,8 @@ class WorkerPool:
 
     def _reconcile(self, w: WorkerHandle) -> None:
         """Align a (re)registering worker's adapters with the registry: keep what matches,
-        unload what the registry no longer has (or holds with other content). Nothing is
-        pushed: the router announces adapters when a request needs them."""
+        unload what the registry no longer has (or holds with other content). No bytes are
+        sent: the router announces adapters when a request needs them."""
         try:
             held = w.stub.ListAdapters(common_pb2.Empty(), timeout=self.timings.connect_timeout_s).adapters
         except grpc.RpcError as exc:

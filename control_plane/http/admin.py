@@ -3,7 +3,7 @@
 
 When an admin token is configured they need ``Authorization: Bearer <token>`` (the same token
 and check as the gRPC admin methods, `control_plane.auth.check_bearer`), else 401. Loading
-registers a server-side path (GGUF file or PEFT folder); nothing is pushed to workers, which
+registers a server-side path (GGUF file or PEFT folder); nothing is sent to workers, which
 fetch an adapter's bytes the first time a request needs it. Unloading unregisters the adapter
 and drops it from every worker.
 """

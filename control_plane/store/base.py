@@ -22,7 +22,7 @@ What the store holds, and the rules every implementation keeps (tested against b
   together or not at all.
 - **The default set**: every adapter's ``default_scale`` (0: detached).
 - **Removed adapters**: ids unregistered through any replica (`removed_ids`), so every
-  replica unloads them from the workers it pushed them to.
+  replica unloads them from the workers it announced them to.
 - **Worker sightings** (`WorkerSighting`): which worker last heartbeated which replica, so
   that every replica knows every worker (`control_plane.replicas`).
 

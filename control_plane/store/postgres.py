@@ -9,7 +9,7 @@ Adapter bytes live in the database, table ``adapter_blobs(sha256, seq, data BYTE
 pieces of `BLOB_CHUNK_BYTES` (1 MiB): every replica reads them with no shared volume, a
 registration commits the row and the bytes in one transaction (all or nothing), and a
 ``pg_dump`` backs up adapters with their metadata. Pieces keep each value far below
-``bytea``'s 1 GB limit and let a push to a worker stream without holding the file in memory.
+``bytea``'s 1 GB limit and let a worker's fetch stream without holding the file in memory.
 Server paths and start-up files are copied in too: a path on one replica's disk means
 nothing to another.
 

@@ -16,8 +16,8 @@ Three tiers, of which this module keeps the first two:
 An adapter reaches the host tier from its local file or, the first time, by fetching its bytes
 from the control plane by sha256 (``fetcher``) into the cache directory, once per content
 however many requests ask at once (later askers wait for the first one's load). A dropped
-entry's fetched or pushed copy is deleted with it when a control plane can give the bytes
-again, so local disk is bounded by the host tier; files under ``--adapter-dir`` are never
+entry's local copy (fetched, or written from bytes sent in ``LoadAdapter``) is deleted with it
+when a control plane can give the bytes again, so local disk is bounded by the host tier; files under ``--adapter-dir`` are never
 touched. Unloading drains: ``start_drain`` refuses new requests at once, and the owner calls
 ``forget`` once no request holds the id.
 
