@@ -17,9 +17,9 @@ An adapter reaches the host tier from its local file or, the first time, by fetc
 from the control plane by sha256 (``fetcher``) into the cache directory, once per content
 however many requests ask at once (later askers wait for the first one's load). A dropped
 entry's local copy (fetched, or written from bytes sent in ``LoadAdapter``) is deleted with it
-when a control plane can give the bytes again, so local disk is bounded by the host tier; files under ``--adapter-dir`` are never
-touched. Unloading drains: ``start_drain`` refuses new requests at once, and the owner calls
-``forget`` once no request holds the id.
+when a control plane can give the bytes again, so local disk is bounded by the host tier;
+files under ``--adapter-dir`` are never touched. Unloading drains: ``start_drain`` refuses
+new requests at once, and the owner calls ``forget`` once no request holds the id.
 
 Locking: one lock guards the tables; ``in_use`` and ``set_pinned`` are called with it held, so
 they must not call back into this object.
