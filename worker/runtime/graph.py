@@ -179,6 +179,16 @@ class GraphContext:
         y = xf * torch.rsqrt(ms + eps).float()
         return (y * self.w[name]).to(self.dtype)
 
+    def build_bias(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x + b`` for the optional bias vector ``name`` ``(d,)`` (f32) broadcast over the rows of
+        x ``(n, d)``; x unchanged when the model has no such tensor (llama.cpp adds ``bq``/``bk``/
+        ``bv`` after ``build_lora_mm`` when the layer has them, e.g. ``src/models/qwen2.cpp``)."""
+        b = self.w.get(name)
+        if b is None:
+            return x
+        self.n_nodes += 1
+        return (x + b).to(x.dtype)
+
     def base_mm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for base weight ``name`` ``(d, k)``; x ``(n, k)`` → ``(n, d)`` in x's dtype.
 

@@ -26,9 +26,9 @@ def get(arch: str, path: Path | str = "") -> ModuleType:
     Raises:
         worker.runtime.errors.ModelError: unknown architecture (lists the supported ones).
     """
-    from worker.runtime.arch import gemma3, llama
+    from worker.runtime.arch import gemma3, llama, qwen2
 
-    known = {"gemma3": gemma3, "llama": llama}
+    known = {"gemma3": gemma3, "llama": llama, "qwen2": qwen2}
     mod = known.get(arch)
     if mod is None:
         raise ModelError(f"{path}: unknown architecture '{arch}' (supported: {', '.join(sorted(known))})")

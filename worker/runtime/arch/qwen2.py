@@ -1,0 +1,84 @@
+"""Qwen 2 / 2.5 (llama.cpp ``src/models/qwen2.cpp``).
+
+Per layer: RMS norm → q/k/v, each plus its bias (``attn_{q,k,v}.bias``) → NEOX-mode rope
+(halves rotated; the converter does not permute q/k for this arch) → attention with scale
+1/sqrt(head_dim), GQA → o → residual → RMS norm → SiLU-gated FFN → residual. The output
+projection is ``output.weight`` when the file has it, else tied to ``token_embd`` (stock
+Qwen2.5 0.5–3B files are tied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.runtime.arch import base
+from worker.runtime.arch.base import TensorSpec, meta
+from worker.runtime.graph import GraphContext, inv_sqrt
+
+
+@dataclass(frozen=True)
+class HParams(base.HParams):
+    """Qwen 2 hyper-parameters: the shared base plus the rope dimension count."""
+
+    n_rot: int
+
+
+def load_hparams(gguf) -> HParams:
+    n_vocab = int(meta(gguf, "vocab_size", 0)) or int(gguf.tensors["token_embd.weight"].ne[1])
+    common = base.common_hparams(gguf, n_vocab=n_vocab, eps=1e-6, rope_freq_base=10000.0, n_ctx_train=32768)
+    return HParams(**common, n_rot=int(meta(gguf, "rope.dimension_count", common["n_embd_head_k"])))
+
+
+def tensor_specs(hp: HParams) -> list[TensorSpec]:
+    d = hp.n_embd
+    q, kv_k, kv_v = hp.n_head * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_v
+    specs = [
+        TensorSpec("token_embd.weight", (d, hp.n_vocab)),
+        TensorSpec("output_norm.weight", (d,)),
+        TensorSpec("output.weight", (d, hp.n_vocab), required=False),
+    ]
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (d,)),
+            TensorSpec(b + "attn_q.weight", (d, q)),
+            TensorSpec(b + "attn_k.weight", (d, kv_k)),
+            TensorSpec(b + "attn_v.weight", (d, kv_v)),
+            TensorSpec(b + "attn_q.bias", (q,)),
+            TensorSpec(b + "attn_k.bias", (kv_k,)),
+            TensorSpec(b + "attn_v.bias", (kv_v,)),
+            TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
+            TensorSpec(b + "ffn_norm.weight", (d,)),
+            TensorSpec(b + "ffn_gate.weight", (d, hp.n_ff)),
+            TensorSpec(b + "ffn_up.weight", (d, hp.n_ff)),
+            TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),
+        ]
+    return specs
+
+
+def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
+    """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
+    x = ctx.build_inp_embd("token_embd.weight")
+    n = x.shape[0]
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
+        q, k, v = ctx.build_lora_mm_group((b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), cur)
+        q = ctx.build_bias(q, b + "attn_q.bias").view(n, hp.n_head, hp.n_embd_head_k)
+        k = ctx.build_bias(k, b + "attn_k.bias").view(n, hp.n_head_kv, hp.n_embd_head_k)
+        v = ctx.build_bias(v, b + "attn_v.bias").view(n, hp.n_head_kv, hp.n_embd_head_v)
+        q = ctx.build_rope(q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True)
+        k = ctx.build_rope(k, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True)
+        cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=inv_sqrt(hp.n_embd_head_k))
+        if il == hp.n_layer - 1:
+            cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
+        ffn_inp = cur + x
+        cur = ctx.build_norm(ffn_inp, b + "ffn_norm.weight", hp.eps)
+        cur = ctx.build_ffn(
+            cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight", down=b + "ffn_down.weight", act="silu"
+        )
+        x = cur + ffn_inp
+    x = ctx.build_norm(x, "output_norm.weight", hp.eps)
+    return ctx.build_output(x)
