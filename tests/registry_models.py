@@ -108,23 +108,31 @@ def assemble(name: str = "qwen2.5-coder-0.5b") -> Path:
 
 
 def llama_cpp_vocabs() -> Path:
-    """Folder holding llama.cpp's ``ggml-vocab-*.gguf`` tokenizer models and their
-    ``.gguf.inp`` / ``.gguf.out`` cases, extracted from the llama-cpp-python sdist once."""
+    """Folder holding llama.cpp's ``ggml-vocab-*.gguf`` tokenizer models with their
+    ``.gguf.inp`` / ``.gguf.out`` cases, and under ``templates/`` the chat templates llama.cpp
+    tests with (``models/templates/*.jinja``), extracted from the llama-cpp-python sdist once."""
     out = cache_dir() / "llama-cpp-vocabs-0.3.36"
-    if (out / "ggml-vocab-qwen2.gguf").exists():
+    if (out / "ggml-vocab-qwen2.gguf").exists() and (out / "templates").is_dir():
         return out
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         _pip_download([LLAMA_CPP_PYTHON], Path(tmp), sdist=True)
         (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
         staging = Path(tmp) / "vocabs"
-        staging.mkdir()
+        (staging / "templates").mkdir(parents=True)
         with tarfile.open(sdist) as tf:
             for member in tf.getmembers():
                 base = Path(member.name).name
-                if member.isfile() and "/vendor/llama.cpp/models/" in member.name and base.startswith("ggml-vocab-"):
-                    src = tf.extractfile(member)
-                    assert src is not None
-                    (staging / base).write_bytes(src.read())
+                if not member.isfile():
+                    continue
+                if "/vendor/llama.cpp/models/templates/" in member.name and base.endswith(".jinja"):
+                    dst = staging / "templates" / base
+                elif "/vendor/llama.cpp/models/" in member.name and base.startswith("ggml-vocab-"):
+                    dst = staging / base
+                else:
+                    continue
+                src = tf.extractfile(member)
+                assert src is not None
+                dst.write_bytes(src.read())
         if out.exists():
             shutil.rmtree(out)
         staging.replace(out)

@@ -10,8 +10,10 @@ Otherwise chat requests get a 400.
 
 Rendering follows Hugging Face transformers (``apply_chat_template``): a sandboxed jinja2
 environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``), the
-variables ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, and the
-callable ``raise_exception`` (its error becomes a 400). The rendered text is then tokenized
+variables ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, the
+callables ``raise_exception`` (its error becomes a 400) and ``strftime_now`` (today's date, which
+Llama 3.x templates print), and transformers' ``tojson`` filter (``ensure_ascii=False``,
+``indent``, ``separators``, ``sort_keys``). The rendered text is then tokenized
 with special tokens parsed and **nothing added**, so BOS appears once: where the template puts
 ``bos_token``.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,22 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson`` filter: JSON without HTML escaping (jinja2's own escapes ``<``)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    """The current local time formatted with ``fmt`` (transformers' ``strftime_now`` global)."""
+    return datetime.now().strftime(fmt)
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """A compiled template plus the special-token texts it is rendered with."""
@@ -68,21 +87,26 @@ class ChatTemplate:
     bos_token: str
     eos_token: str
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``.
+    def render(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, tools: list[Any] | None = None
+    ) -> str:
+        """The prompt text for ``messages`` (and ``tools``, OpenAI function definitions, for
+        templates that render them; None: the variable is left undefined, as transformers does).
 
         Raises:
             ChatTemplateError: ``raise_exception`` in the template, or a template error.
         """
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
         try:
             return env.from_string(self.text).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **({"tools": tools} if tools is not None else {}),
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template ({self.source}): {exc}") from exc
