@@ -13,6 +13,7 @@ partition) is in `worker.runtime.tokenizer.vocab`. Any other model, or an unknow
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from worker.gguf.reader import GGUFFile
@@ -86,7 +87,7 @@ class Tokenizer:
             )
         if model_name == "llama":
             vocab = read_vocab(md, src)
-            resolve_specials(vocab, md, **SPM_DEFAULTS)
+            resolve_specials(vocab, md, SPM_DEFAULTS)
             return cls(vocab, SpmModel(vocab), "llama", None)
         pre = str(md.get("tokenizer.ggml.pre") or "default")  # load(): absent -> "default"
         if pre not in PRE_TOKENIZERS:
@@ -95,7 +96,7 @@ class Tokenizer:
                 f"(supported: {', '.join(supported_pre())})"
             )
         vocab = read_vocab(md, src)
-        resolve_specials(vocab, md, **{**BPE_DEFAULTS, "default_add_bos": PRE_TOKENIZERS[pre].add_bos})
+        resolve_specials(vocab, md, dataclasses.replace(BPE_DEFAULTS, add_bos=PRE_TOKENIZERS[pre].add_bos))
         return cls(vocab, BpeModel(vocab, md, pre), "gpt2", pre)
 
     # ----------------------------------------------------------------------------------- encode

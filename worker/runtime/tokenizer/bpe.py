@@ -50,10 +50,10 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab
+from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
 # load(), tokenizer_model == "gpt2": special ids and flags before the metadata overrides them.
-BPE_DEFAULTS = {"default_bos": 11, "default_eos": 11, "default_add_bos": False, "default_add_space_prefix": False}
+BPE_DEFAULTS = VocabDefaults(bos=11, eos=11, add_bos=False, add_space_prefix=False)
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -82,8 +82,7 @@ _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN35 = (
-    _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _UPPER_THEN_LOWER = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
 _UPPER_RUN = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"

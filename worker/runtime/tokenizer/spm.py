@@ -31,13 +31,13 @@ from collections.abc import Sequence
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2  # generated protobuf module
 
-from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab
+from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
 _SPACE = " "
 _ESCAPED_SPACE = "\u2581"  # "▁", what SentencePiece vocabularies use for a space
 
 # load(), tokenizer_model == "llama": special ids and flags before the metadata overrides them.
-SPM_DEFAULTS = {"default_bos": 1, "default_eos": 2, "default_add_bos": True, "default_add_space_prefix": True}
+SPM_DEFAULTS = VocabDefaults(bos=1, eos=2, add_bos=True, add_space_prefix=True)
 
 
 def _build_spm(pieces: Sequence[str], scores: Sequence[float], sentinel: str) -> spm.SentencePieceProcessor:

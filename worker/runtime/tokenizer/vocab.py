@@ -198,6 +198,16 @@ class Vocab:
         return len(self.pieces)
 
 
+@dataclass(frozen=True)
+class VocabDefaults:
+    """What load() sets for a vocab type before the metadata overrides it."""
+
+    bos: int | None
+    eos: int | None
+    add_bos: bool
+    add_space_prefix: bool
+
+
 def meta_id(md: dict[str, Any], key: str, n_vocab: int, default: int | None) -> int | None:
     """A special-token id from metadata; out-of-range values keep the default, as llama.cpp does
     (load(), "special tokens"), and an out-of-range default is disabled."""
@@ -245,11 +255,7 @@ def read_vocab(md: dict[str, Any], src: str) -> Vocab:
 def resolve_specials(
     vocab: Vocab,
     md: dict[str, Any],
-    *,
-    default_bos: int | None,
-    default_eos: int | None,
-    default_add_bos: bool,
-    default_add_space_prefix: bool,
+    defaults: VocabDefaults,
 ) -> None:
     """load()'s special-token rules on ``vocab`` (in place), given the vocab type's defaults.
 
@@ -260,11 +266,11 @@ def resolve_specials(
         TokenizerError: ``add_bos``/``add_eos`` without the id (llama.cpp asserts at tokenize).
     """
     n, src = vocab.n_vocab, vocab.source
-    vocab.bos_id = meta_id(md, "tokenizer.ggml.bos_token_id", n, default_bos)
-    vocab.eos_id = meta_id(md, "tokenizer.ggml.eos_token_id", n, default_eos)
-    vocab.add_bos = bool(md.get("tokenizer.ggml.add_bos_token", default_add_bos))
+    vocab.bos_id = meta_id(md, "tokenizer.ggml.bos_token_id", n, defaults.bos)
+    vocab.eos_id = meta_id(md, "tokenizer.ggml.eos_token_id", n, defaults.eos)
+    vocab.add_bos = bool(md.get("tokenizer.ggml.add_bos_token", defaults.add_bos))
     vocab.add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
-    vocab.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", default_add_space_prefix))
+    vocab.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", defaults.add_space_prefix))
     if vocab.add_bos and vocab.bos_id is None:
         raise TokenizerError(f"{src}: tokenizer.ggml.add_bos_token is true, but bos_token_id is not set")
     if vocab.add_eos and vocab.eos_id is None:
