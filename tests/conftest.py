@@ -23,19 +23,6 @@ def fixtures_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def llama_cpp_vocab_dir() -> Path:
-    """llama.cpp's ``ggml-vocab-*.gguf`` tokenizer models with their ``.gguf.inp`` / ``.gguf.out``
-    cases (``tests.registry_models.llama_cpp_vocabs``: from the llama-cpp-python sdist, once);
-    skipped with pip's reason when the package registry cannot be reached."""
-    from tests.registry_models import RegistryUnavailable, llama_cpp_vocabs
-
-    try:
-        return llama_cpp_vocabs()
-    except RegistryUnavailable as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="session")
 def tiny_moe_f32(fixtures_dir: Path, tmp_path_factory) -> Path:
     """The tiny llama-MoE model with its matrices back in F32 (the fixture is stored in F16),
     for checks whose arithmetic is exact only in F32 (merge math, bit-equal copies)."""

@@ -1,7 +1,7 @@
 """Convert a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to an adapter GGUF.
 
 Our own implementation of what llama.cpp's ``convert_lora_to_gguf.py`` does, for the
-architectures we serve (gemma3, llama), plus the two things it gets wrong or drops:
+architectures we serve (gemma3, gemma2, llama incl. Llama 3, qwen2, qwen3, phi3), plus the two things it gets wrong or drops:
 
 * rsLoRA (``use_rslora: true``): PEFT scales by ``lora_alpha / sqrt(r)``; llama.cpp scales
   by ``alpha / r`` and writes ``lora_alpha`` unchanged. We write ``alpha = lora_alpha *
@@ -12,9 +12,11 @@ architectures we serve (gemma3, llama), plus the two things it gets wrong or dro
   alpha, or rsLoRA with a per-module rank) the ratio is folded into that module's B, so the
   served delta equals PEFT's exactly.
 
-Name map (gemma3 and llama; PEFT key → GGUF tensor):
+Name map (PEFT key → GGUF tensor, as ``convert_hf_to_gguf.py``'s tensor map names them):
   ``base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj`` → ``blk.{i}.attn_{q,k,v,output}.weight``
   ``base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj``  → ``blk.{i}.ffn_{gate,up,down}.weight``
+  phi3's fused ``self_attn.qkv_proj`` → ``attn_qkv``, ``mlp.gate_up_proj`` → ``ffn_up`` (the
+  adapter patches the fused weight, as llama.cpp applies it)
   ``base_model.model.model.embed_tokens`` (``lora_embedding_A/B``) → ``token_embd.weight``
   ``base_model.model.lm_head`` → ``output.weight``
 Unknown modules and non-LoRA tensors are errors, never silently dropped.
@@ -22,9 +24,10 @@ Unknown modules and non-LoRA tensors are errors, never silently dropped.
 Layouts (torch shapes; GGUF ``ne`` is reversed): PEFT ``lora_A.weight`` is ``(r, k)`` and
 ``lora_B.weight`` ``(d, r)`` — written as is (A ne ``[k, r]``, B ne ``[r, d]``). The token
 embedding's ``lora_embedding_A`` ``(r, V)`` is transposed to ``(V, r)`` (ne ``[r, V]``, the
-llama.cpp exception); ``lora_embedding_B`` ``(d, r)`` is written as is. For llama, q/k rows
-are permuted like the base weights (HF rotate-half → GGUF interleaved rope,
-``convert_hf_to_gguf.LlamaModel.permute``): the permutation acts on B's rows only.
+llama.cpp exception); ``lora_embedding_B`` ``(d, r)`` is written as is. For llama (Llama 2 and
+3 alike), q/k rows are permuted like the base weights (HF rotate-half → GGUF interleaved rope,
+``convert_hf_to_gguf.LlamaModel.permute``): the permutation acts on B's rows only. qwen2, qwen3,
+gemma2/3 and phi3 use NEOX rope in llama.cpp, so their converter permutes nothing.
 
 The module needs no torch: safetensors files are read with ``read_safetensors`` (numpy,
 F64/F32/F16/BF16), so the control plane and the CLI run the same conversion as the
@@ -50,7 +53,7 @@ from worker.gguf.reader import GGUFFile, read_gguf
 from worker.gguf.writer import write_and_close
 from worker.lora.adapter_file import AdapterError, validate_lora_adapter
 
-SUPPORTED_ARCHS = ("gemma3", "llama")
+SUPPORTED_ARCHS = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
 OUTTYPES = {"f32": np.float32, "f16": np.float16}
 
 _LAYER_MODULES = {
@@ -61,6 +64,8 @@ _LAYER_MODULES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # phi3 (fused)
+    "mlp.gate_up_proj": "ffn_up",  # phi3 (fused gate and up, gate first)
 }
 _KEY_RE = re.compile(
     r"^base_model\.model\.(?P<module>.+)\."
@@ -70,7 +75,14 @@ _LAYER_RE = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<sub>.+)$")
 # multimodal wrappers put the text model one level down
 _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", ""))
 # hints for telling the architecture from base_model_name_or_path / auto_mapping
-_ARCH_HINTS = (("gemma3", ("gemma-3", "gemma3", "gemma_3")), ("llama", ("llama",)))
+_ARCH_HINTS = (
+    ("gemma3", ("gemma-3", "gemma3", "gemma_3")),
+    ("gemma2", ("gemma-2", "gemma2", "gemma_2")),
+    ("llama", ("llama",)),
+    ("qwen3", ("qwen3", "qwen-3")),
+    ("qwen2", ("qwen2", "qwen-2")),
+    ("phi3", ("phi-3", "phi3", "phi-4-mini")),
+)
 
 
 PEFT_CONFIG = "adapter_config.json"
