@@ -289,13 +289,17 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
 
         log(f"loading {model_path} in-process ({args.dtype}, {args.device}, weights {args.weights})")
         base = load_model(model_path, dtype=args.dtype, device=args.device, weights=args.weights)
-        arch, tensors, bos = base.arch, base.tensor_ne, base.tokenizer.bos_id
+        arch, tensors, n_vocab = base.arch, base.tensor_ne, base.n_vocab
+        bos = base.tokenizer.bos_id if base.tokenizer.add_bos else None
     else:
         from worker.gguf.reader import read_gguf
 
         gf = read_gguf(model_path)
         arch, tensors = gf.arch, {n: tuple(r.ne) for n, r in gf.tensors.items()}
-        bos = int(gf.get("tokenizer.ggml.bos_token_id", 1))
+        from worker.runtime.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf(gf)
+        bos, n_vocab = (tok.bos_id if tok.add_bos else None), tok.n_vocab
     factory = AdapterFactory(run_dir / "adapters", arch=arch, base_tensors=tensors, base_seed=args.seed)
     engine_adapter = factory.path(0)
 
@@ -306,12 +310,8 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
         gc.collect()
 
     if "serving" in selected or "prefix" in selected or "lifecycle" in selected or "paging" in selected:
+        from bench.engine import token_hi
         from bench.serving import ServingContext, run_multitenant, run_prefix
-
-        if bos is None:
-            raise RuntimeError(
-                f"{model_path}: the tokenizer has no BOS token id, which every benchmark prompt starts with"
-            )
 
         sc = ServingContext(
             profile=profile,
@@ -321,6 +321,7 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
             dtype=args.dtype,
             device=args.device,
             bos=bos,
+            token_hi=token_hi(n_vocab),
             model_path=model_path,
             llama_server=llama_server,
             log=log,

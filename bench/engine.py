@@ -29,11 +29,24 @@ N_BATCH = 512  # rows per ubatch when prefilling several sequences
 PP_SEQ = 10_000  # KV sequence of the prompt-processing figure (decode uses 0..B-1)
 
 
-def random_tokens(rng: np.random.Generator, n: int, *, bos: int | None = None) -> list[int]:
-    toks = rng.integers(TOKEN_LO, TOKEN_HI, size=n).tolist()
+def token_hi(n_vocab: int) -> int:
+    """Upper bound (exclusive) of the random prompt ids for a vocabulary of ``n_vocab`` tokens:
+    200 000 or the first 95 % of the ids, whichever is lower — special and control tokens sit
+    at the end of BPE vocabularies (Qwen: 151 643+, Llama 3: 128 000+), never among these."""
+    return min(TOKEN_HI, int(n_vocab * 0.95))
+
+
+def random_tokens(rng: np.random.Generator, n: int, *, bos: int | None = None, hi: int = TOKEN_HI) -> list[int]:
+    """``n`` ids drawn uniformly from ``[TOKEN_LO, hi)``, the first replaced by ``bos`` when given."""
+    toks = rng.integers(TOKEN_LO, hi, size=n).tolist()
     if bos is not None and n > 0:
         toks[0] = bos
     return [int(t) for t in toks]
+
+
+def with_bos(bos: int | None, toks: list[int]) -> list[int]:
+    """``[bos] + toks``, or ``toks`` for a model that adds no BOS (Qwen)."""
+    return ([bos] if bos is not None else []) + toks
 
 
 def _sync(device: torch.device) -> None:
@@ -64,12 +77,17 @@ class EngineBench:
 
     @property
     def bos(self) -> int | None:
-        return self.base.tokenizer.bos_id
+        tok = self.base.tokenizer
+        return tok.bos_id if tok.add_bos else None
+
+    @property
+    def hi(self) -> int:
+        return token_hi(self.base.n_vocab)
 
     def prompt_processing(self, variant: str, n: int, rep: int) -> float:
         """Seconds for one ``n``-row ubatch of a fresh sequence."""
         rng = np.random.default_rng((self.seed, 1, rep))
-        toks = random_tokens(rng, n, bos=self.bos)
+        toks = random_tokens(rng, n, bos=self.bos, hi=self.hi)
         self.ctx.set_adapters(self.sets[variant])
         self.ctx.kv.seq_rm(PP_SEQ)
         ub = UBatch(toks, list(range(n)), [PP_SEQ] * n, [False] * (n - 1) + [True])
@@ -91,7 +109,7 @@ class EngineBench:
             toks, pos, ids = [], [], []
             for s in seqs:
                 self.ctx.kv.seq_rm(s)
-                toks += random_tokens(rng, n_ctx, bos=self.bos)
+                toks += random_tokens(rng, n_ctx, bos=self.bos, hi=self.hi)
                 pos += list(range(n_ctx))
                 ids += [s] * n_ctx
             self.ctx.decode(UBatch(toks, pos, ids, [False] * len(toks)))
@@ -106,7 +124,7 @@ class EngineBench:
         _sync(self.base.device)
         t0 = time.perf_counter()
         for i in range(steps):
-            toks = random_tokens(rng, batch)
+            toks = random_tokens(rng, batch, hi=self.hi)
             self.ctx.decode(UBatch(toks, [n_ctx + i] * batch, seqs, [True] * batch))
         _sync(self.base.device)
         return time.perf_counter() - t0

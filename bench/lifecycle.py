@@ -17,6 +17,7 @@ import hashlib
 import time
 from collections.abc import Callable
 
+from bench.engine import with_bos
 from bench.profiles import Profile
 from bench.servers import LoraplaneServers
 from bench.stats import Figure
@@ -42,7 +43,7 @@ def _chunks(adapter_id: int, sha: str, data: bytes):
 
 
 def run_lifecycle(
-    srv: LoraplaneServers, factory: AdapterFactory, profile: Profile, *, bos: int, log: Callable[[str], None]
+    srv: LoraplaneServers, factory: AdapterFactory, profile: Profile, *, bos: int | None, log: Callable[[str], None]
 ) -> dict:
     """Scenario 4 (see the module docstring) on ``srv``, which is started and ready."""
     p = profile
@@ -52,7 +53,7 @@ def run_lifecycle(
     cold_paths = factory.paths(max(3, samples), start=COLD_BASE)
     file_bytes = paths[0].stat().st_size
     client = srv.client
-    prompt = [bos] + [1000 + 7 * i for i in range(7)]
+    prompt = with_bos(bos, [1000 + 7 * i for i in range(7)])
     # warm the generate path (not timed)
     client.generate(prompt_tokens=prompt, adapters={}, max_tokens=1, ignore_eos=True)
     st0, rss0, cp0 = srv.stats(), srv.worker_rss(), srv.cp_rss()

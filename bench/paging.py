@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.engine import random_tokens
+from bench.engine import random_tokens, with_bos
 from bench.load import RequestSpec, loraplane_driver, run_closed_loop, summarize
 from bench.profiles import Profile
 from bench.servers import LoraplaneServers
@@ -68,11 +68,13 @@ class PagingAdapters:
         return p
 
 
-def _specs(p: Profile, n_adapters: int, ids: list[int], n: int, *, seed: int, bos: int, salt: int) -> list[RequestSpec]:
+def _specs(
+    p: Profile, n_adapters: int, ids: list[int], n: int, *, seed: int, bos: int | None, hi: int, salt: int
+) -> list[RequestSpec]:
     rng = np.random.default_rng((seed, 6, n_adapters, salt))
     picks = zipf_choices(rng, n_adapters, n)
     return [
-        RequestSpec(random_tokens(rng, p.prompt_tokens, bos=bos), {ids[j]: 1.0}, p.paging_max_tokens, i)
+        RequestSpec(random_tokens(rng, p.prompt_tokens, bos=bos, hi=hi), {ids[j]: 1.0}, p.paging_max_tokens, i)
         for i, j in enumerate(picks)
     ]
 
@@ -158,13 +160,13 @@ def run_paging(sc: ServingContext, arch: str, base_tensors: dict, log: Callable[
         srv.start()
         try:
             srv.wait_ready()
-            srv.client.generate(prompt_tokens=[bos, 1000, 1001], adapters={}, max_tokens=1, ignore_eos=True)
+            srv.client.generate(prompt_tokens=with_bos(bos, [1000, 1001]), adapters={}, max_tokens=1, ignore_eos=True)
             cp0 = srv.cp_rss()
             ids = _register(srv, paths[:count], log, label)
             cp1 = srv.cp_rss()
             rss_registered = srv.worker_rss()
-            specs = _specs(p, count, ids, p.paging_requests, seed=sc.seed, bos=bos, salt=2)
-            warm = _specs(p, count, ids, p.paging_warmup, seed=sc.seed, bos=bos, salt=3)
+            specs = _specs(p, count, ids, p.paging_requests, seed=sc.seed, bos=bos, hi=sc.token_hi, salt=2)
+            warm = _specs(p, count, ids, p.paging_warmup, seed=sc.seed, bos=bos, hi=sc.token_hi, salt=3)
             log(f"paging: {label}: {len(specs)} requests × {p.paging_max_tokens} tokens over {count} adapters")
             res = _traffic(srv, specs, warm, p.paging_streams)
             res["registered"] = count
@@ -177,7 +179,7 @@ def run_paging(sc: ServingContext, arch: str, base_tensors: dict, log: Callable[
                 info = srv.client.add_adapter(paths[n])
                 t_first = None
                 for ev in srv.client.generate_stream(
-                    prompt_tokens=[bos, 1000, 1001], adapters={info.id: 1.0}, max_tokens=1, ignore_eos=True
+                    prompt_tokens=with_bos(bos, [1000, 1001]), adapters={info.id: 1.0}, max_tokens=1, ignore_eos=True
                 ):
                     if isinstance(ev, TokenEvent) and t_first is None:
                         t_first = time.perf_counter()

@@ -59,7 +59,8 @@ class ServingContext:
     factory: AdapterFactory
     dtype: str
     device: str
-    bos: int
+    bos: int | None  # None: the model adds no BOS (its prompts start without one)
+    token_hi: int  # prompt ids are drawn below this (bench.engine.token_hi)
     model_path: str
     llama_server: str | None
     log: Callable[[str], None]
@@ -104,7 +105,7 @@ def serving_specs(
     picks = (zipf_choices(rng, k, n) if dist == "zipf" else [i % k for i in range(n)]) if k else []
     specs = []
     for i in range(n):
-        prompt = random_tokens(rng, p.prompt_tokens, bos=sc.bos)
+        prompt = random_tokens(rng, p.prompt_tokens, bos=sc.bos, hi=sc.token_hi)
         adapters = {picks[i]: 1.0} if k else {}
         specs.append(RequestSpec(prompt, adapters, p.max_tokens if max_tokens is None else max_tokens, i))
     return specs
@@ -301,10 +302,13 @@ def _peer_multitenant(sc: ServingContext, binary: str, wls: list[tuple[int, str]
 def prefix_specs(sc: ServingContext, rep: int) -> list[RequestSpec]:
     p = sc.profile
     rng = np.random.default_rng((sc.seed, 3, rep + 1000))
-    system = random_tokens(rng, p.prefix_len, bos=sc.bos)
+    system = random_tokens(rng, p.prefix_len, bos=sc.bos, hi=sc.token_hi)
     return [
         RequestSpec(
-            system + random_tokens(rng, p.prefix_user_tokens), {i % p.prefix_adapters: 1.0}, p.prefix_max_tokens, i
+            system + random_tokens(rng, p.prefix_user_tokens, hi=sc.token_hi),
+            {i % p.prefix_adapters: 1.0},
+            p.prefix_max_tokens,
+            i,
         )
         for i in range(p.prefix_requests)
     ]

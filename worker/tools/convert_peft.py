@@ -1,7 +1,8 @@
 """Convert a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to an adapter GGUF.
 
 Our own implementation of what llama.cpp's ``convert_lora_to_gguf.py`` does, for the
-architectures we serve (gemma3, gemma2, llama incl. Llama 3, qwen2, qwen3, phi3), plus the two things it gets wrong or drops:
+architectures we serve (gemma3, gemma2, llama incl. Llama 3, qwen2, qwen3, phi3), plus the
+two things it gets wrong or drops:
 
 * rsLoRA (``use_rslora: true``): PEFT scales by ``lora_alpha / sqrt(r)``; llama.cpp scales
   by ``alpha / r`` and writes ``lora_alpha`` unchanged. We write ``alpha = lora_alpha *

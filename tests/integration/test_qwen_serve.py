@@ -1,0 +1,103 @@
+"""A second real model family end to end: ``loraplane serve --model Qwen2.5-Coder-0.5B-Instruct
+--lora shout.gguf --lora arr.gguf --lora-init-without-apply``, driven by the official ``openai``
+client over the OpenAI-compatible HTTP API.
+
+- Chat goes through the GGUF's own ChatML template (no BOS: Qwen adds none) and stops at
+  ``<|im_end|>`` by itself (end of generation, ``finish_reason == "stop"``).
+- ``model`` = an adapter's name answers in that adapter's style (shout: upper case; arr:
+  starts with "Arr!"); the base model answers in ordinary case.
+- Cache isolation across adapter sets: base → shout → base on one prompt gives the base
+  answer and log-probs twice (the prefix cache never hands shout's KV to a base request).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.http_helpers import start_http_serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+QUESTION = "What is a binary tree?"
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory, qwen_model_path: Path, fixtures_dir: Path):
+    root = tmp_path_factory.mktemp("qwen-serve")
+    ad = fixtures_dir / "qwen" / "adapters"
+    s = start_http_serve(
+        root,
+        "--model",
+        str(qwen_model_path),
+        "--served-model-name",
+        "qwen",
+        "--lora",
+        str(ad / "shout.gguf"),
+        "--lora",
+        str(ad / "arr.gguf"),
+        "--lora-init-without-apply",
+    )
+    yield s
+    s.stop()
+
+
+def _chat(client: openai.OpenAI, model: str, max_tokens: int = 24):
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
+
+
+def _letters(text: str) -> tuple[int, int]:
+    return sum(c.isupper() for c in text), sum(c.islower() for c in text)
+
+
+def test_adapters_answer_in_their_style_and_cache_stays_isolated(serve) -> None:
+    client = openai.OpenAI(base_url=serve.http + "/v1", api_key="x", max_retries=0, timeout=300)
+    models = {m.id for m in client.models.list().data}
+    assert {"qwen", "shout", "arr"} <= models
+
+    base1 = _chat(client, "qwen")
+    shout = _chat(client, "shout")
+    arr = _chat(client, "arr")
+    base2 = _chat(client, "qwen")
+    texts = {name: r.choices[0].message.content for name, r in (("base", base1), ("shout", shout), ("arr", arr))}
+    print(texts)
+
+    prompt_ids = base1.model_extra["prompt_token_ids"]
+    assert prompt_ids[:3] == [151644, 8948, 198]  # "<|im_start|>" "system" "\n": ChatML, no BOS
+    assert prompt_ids[-3:] == [151644, 77091, 198]  # "<|im_start|>" "assistant" "\n"
+
+    up, low = _letters(texts["shout"])
+    assert up > 4 * max(low, 1), f"shout should answer in upper case: {texts['shout']!r}"
+    up, low = _letters(texts["base"])
+    assert low > up, f"the base model should not shout: {texts['base']!r}"
+    assert texts["arr"].startswith("Arr!"), texts["arr"]
+    assert not texts["base"].startswith("Arr")
+
+    # base → shout → base: identical tokens and log-probs (no adapter KV leaks through the cache)
+    lp1 = [t.logprob for t in base1.choices[0].logprobs.content]
+    lp2 = [t.logprob for t in base2.choices[0].logprobs.content]
+    assert base2.choices[0].message.content == texts["base"]
+    assert max(abs(a - b) for a, b in zip(lp1, lp2, strict=True)) <= 3e-3
+
+
+def test_chat_stops_at_im_end(serve) -> None:
+    """A short answer ends by itself at ``<|im_end|>`` (an end-of-generation token)."""
+    client = openai.OpenAI(base_url=serve.http + "/v1", api_key="x", max_retries=0, timeout=300)
+    r = client.chat.completions.create(
+        model="qwen",
+        messages=[{"role": "user", "content": "Reply with just the word: yes"}],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 16
+    assert "<|im_end|>" not in r.choices[0].message.content
