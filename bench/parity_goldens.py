@@ -9,8 +9,9 @@ greedy continuations with top-k log-probs, base and with adapters (the format of
 "cases": [{"case": "base", "lora": {}}, {"case": "shout@1", "lora": {"0": 1.0}}, ...]}`` —
 every case runs on every prompt; ``lora`` maps an index into ``--lora`` to its scale (the
 others are sent as 0: llama-server reads an absent list as "the global scales"). A prompt given
-as a list of ints is sent as token ids. Each request: ``temperature 0, top_k 1, n_probs 5,
-post_sampling_probs false, cache_prompt false`` (log-probs before sampling).
+as a list of ints is sent as token ids. The golden records the sha256 of the model and of
+each adapter. Each request: ``temperature 0, top_k 1, n_probs 5, post_sampling_probs false,
+cache_prompt false`` (log-probs before sampling).
 
 Build llama-server for this CPU with ``bench/build_llama_server.sh``; commit the goldens,
 never the build.
@@ -19,6 +20,7 @@ never the build.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import http.client
 import json
 import tempfile
@@ -83,6 +85,14 @@ def complete(server: LlamaServer, prompt: str | list[int], scales: dict[int, flo
     }
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def make_goldens(
     llama_server: str, model: Path, loras: Sequence[Path], spec: dict[str, Any], *, threads: int | None = None
 ) -> dict[str, Any]:
@@ -112,7 +122,9 @@ def make_goldens(
             server.stop()
     return {
         "model": model.name,
+        "model_sha256": _sha256(model),
         "adapters": [p.name for p in loras],
+        "adapters_sha256": [_sha256(p) for p in loras],
         "tokenize": toks,
         "completions": comps,
     }
