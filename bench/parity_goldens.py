@@ -52,8 +52,9 @@ def tokenize(server: LlamaServer, text: str) -> list[int]:
 
 
 def complete(server: LlamaServer, prompt: str | list[int], scales: dict[int, float], n_predict: int) -> dict[str, Any]:
-    """One greedy completion: ``prompt_tokens``, ``content``, ``tokens`` and per generated
-    position ``steps`` = ``{id, logprob, top: [{id, logprob}] × 5}`` (before sampling)."""
+    """One greedy completion: ``prompt_tokens``, ``content``, ``tokens`` (every generated id) and
+    per generated position ``steps`` = ``{id, logprob, top: [{id, logprob}] × 5}`` (before
+    sampling), cut before the first token llama-server reports none for (``aligned_steps``)."""
     prompt_tokens = prompt if isinstance(prompt, list) else tokenize(server, prompt)
     out = _post(
         server,
@@ -66,6 +67,7 @@ def complete(server: LlamaServer, prompt: str | list[int], scales: dict[int, flo
             "n_probs": N_PROBS,
             "post_sampling_probs": False,
             "cache_prompt": False,
+            "return_tokens": True,
             "lora": server.lora_vector(scales),
         },
     )
@@ -77,12 +79,26 @@ def complete(server: LlamaServer, prompt: str | list[int], scales: dict[int, flo
         }
         for p in out.get("completion_probabilities", [])
     ]
+    tokens = [int(t) for t in out.get("tokens", [s["id"] for s in steps])]
     return {
         "prompt_tokens": prompt_tokens,
         "content": out["content"],
-        "tokens": [s["id"] for s in steps],
-        "steps": steps,
+        "tokens": tokens,
+        "steps": aligned_steps(tokens, steps),
     }
+
+
+def aligned_steps(tokens: list[int], steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps of ``tokens``' longest prefix that has them: llama-server gives no log-probs for
+    a token that leaves the text with an incomplete UTF-8 character (a byte token), so its list
+    skips those positions; the steps are cut before the first skipped one so ``steps[j]`` is
+    always the step of ``tokens[j]``."""
+    out = []
+    for tok, st in zip(tokens, steps, strict=False):
+        if st["id"] != tok:
+            break
+        out.append(st)
+    return out
 
 
 def _sha256(path: Path) -> str:
