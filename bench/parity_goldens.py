@@ -9,8 +9,9 @@ greedy continuations with top-k log-probs, base and with adapters (the format of
 "cases": [{"case": "base", "lora": {}}, {"case": "shout@1", "lora": {"0": 1.0}}, ...]}`` —
 every case runs on every prompt; ``lora`` maps an index into ``--lora`` to its scale (the
 others are sent as 0: llama-server reads an absent list as "the global scales"). A prompt given
-as a list of ints is sent as token ids. Each request: ``temperature 0, top_k 1, n_probs 5,
-post_sampling_probs false, cache_prompt false`` (log-probs before sampling).
+as a list of ints is sent as token ids. The golden records the sha256 of the model and of
+each adapter. Each request: ``temperature 0, top_k 1, n_probs 5, post_sampling_probs false,
+cache_prompt false`` (log-probs before sampling).
 
 Build llama-server for this CPU with ``bench/build_llama_server.sh``; commit the goldens,
 never the build.
@@ -19,6 +20,7 @@ never the build.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import http.client
 import json
 import tempfile
@@ -50,8 +52,9 @@ def tokenize(server: LlamaServer, text: str) -> list[int]:
 
 
 def complete(server: LlamaServer, prompt: str | list[int], scales: dict[int, float], n_predict: int) -> dict[str, Any]:
-    """One greedy completion: ``prompt_tokens``, ``content``, ``tokens`` and per generated
-    position ``steps`` = ``{id, logprob, top: [{id, logprob}] × 5}`` (before sampling)."""
+    """One greedy completion: ``prompt_tokens``, ``content``, ``tokens`` (every generated id) and
+    per generated position ``steps`` = ``{id, logprob, top: [{id, logprob}] × 5}`` (before
+    sampling), cut before the first token llama-server reports none for (``aligned_steps``)."""
     prompt_tokens = prompt if isinstance(prompt, list) else tokenize(server, prompt)
     out = _post(
         server,
@@ -64,6 +67,7 @@ def complete(server: LlamaServer, prompt: str | list[int], scales: dict[int, flo
             "n_probs": N_PROBS,
             "post_sampling_probs": False,
             "cache_prompt": False,
+            "return_tokens": True,
             "lora": server.lora_vector(scales),
         },
     )
@@ -75,12 +79,34 @@ def complete(server: LlamaServer, prompt: str | list[int], scales: dict[int, flo
         }
         for p in out.get("completion_probabilities", [])
     ]
+    tokens = [int(t) for t in out.get("tokens", [s["id"] for s in steps])]
     return {
         "prompt_tokens": prompt_tokens,
         "content": out["content"],
-        "tokens": [s["id"] for s in steps],
-        "steps": steps,
+        "tokens": tokens,
+        "steps": aligned_steps(tokens, steps),
     }
+
+
+def aligned_steps(tokens: list[int], steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps of ``tokens``' longest prefix that has them: llama-server gives no log-probs for
+    a token that leaves the text with an incomplete UTF-8 character (a byte token), so its list
+    skips those positions; the steps are cut before the first skipped one so ``steps[j]`` is
+    always the step of ``tokens[j]``."""
+    out = []
+    for tok, st in zip(tokens, steps, strict=False):
+        if st["id"] != tok:
+            break
+        out.append(st)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def make_goldens(
@@ -112,7 +138,9 @@ def make_goldens(
             server.stop()
     return {
         "model": model.name,
+        "model_sha256": _sha256(model),
         "adapters": [p.name for p in loras],
+        "adapters_sha256": [_sha256(p) for p in loras],
         "tokenize": toks,
         "completions": comps,
     }

@@ -117,7 +117,7 @@ class GraphContext:
         if not plan.empty:
             self.row_slot = plan.set_slot_scale.to(inputs.row_set.device).index_select(0, inputs.row_set)
         self._rows_reduced = False
-        self._rope_cache: dict[tuple[int, float, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
 
     # --- inputs -----------------------------------------------------------------------
@@ -319,13 +319,28 @@ class GraphContext:
 
     # --- attention --------------------------------------------------------------------
     def build_attn(
-        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, wo: str, kq_scale: float, n_swa: int = 0
+        self,
+        il: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        wo: str,
+        kq_scale: float,
+        n_swa: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Store K/V in the cache, attend, project with ``wo``.
 
         q ``(n, H, dk)``, k ``(n, Hkv, dk)``, v ``(n, Hkv, dv)``; causal; when ``n_swa > 0``
         a key at position p_k is visible from p_q only if ``p_q - p_k < n_swa``
         (llama.cpp ``is_masked_swa``, LLAMA_SWA_TYPE_STANDARD). Returns ``(n, d)``.
+
+        ``softcap > 0``: attention logit soft-capping, each score ``s = kq_scale · q·k``
+        becomes ``softcap · tanh(s / softcap)`` before the mask and softmax (llama.cpp
+        ``build_attn_mha`` with ``hparams.attn_soft_cap``, Gemma 2; the two coincide with
+        llama.cpp's non-flash order whenever ``kq_scale`` is 1, as Gemma 2 passes it). The
+        scores are then computed explicitly; with 0 the fused SDPA path is used unchanged.
 
         Sequences that feed one row (decode) are attended together in one batched op over
         the unified KV cache (``_attn_decode_batch``); multi-row spans (prompts) one by one.
@@ -335,7 +350,7 @@ class GraphContext:
         out = torch.empty((n, n_head, dv), dtype=q.dtype, device=q.device)
         dec = self.inp.decode_rows
         if dec is not None:
-            out.index_copy_(0, dec.rows, self._attn_decode_batch(il, q, k, v, dec, kq_scale, n_swa))
+            out.index_copy_(0, dec.rows, self._attn_decode_batch(il, q, k, v, dec, kq_scale, n_swa, softcap))
         for span in self.inp.spans:
             if dec is not None and span.n == 1:
                 continue
@@ -350,20 +365,28 @@ class GraphContext:
             mask = k_pos <= q_pos
             if n_swa > 0:
                 mask = mask & (q_pos - k_pos < n_swa)
-            o = F.scaled_dot_product_attention(
+            o = _sdpa(
                 qs.transpose(0, 1).unsqueeze(0),
                 ks.transpose(0, 1).unsqueeze(0),
                 vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                scale=kq_scale,
-                enable_gqa=n_head != ks.shape[1],
+                mask,
+                kq_scale,
+                softcap,
             )
             out.index_copy_(0, span.rows, o.squeeze(0).transpose(0, 1))
         self.n_nodes += 8
         return self.build_lora_mm(wo, out.reshape(n, n_head * dv))
 
     def _attn_decode_batch(
-        self, il: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec: DecodeRows, kq_scale: float, n_swa: int
+        self,
+        il: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dec: DecodeRows,
+        kq_scale: float,
+        n_swa: int,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """One row per sequence, all sequences at once: store their K/V with one indexed
         write, read ``K/V[cache rows, lo:hi]`` ``(B, L, Hkv, d)`` (a view when the cache rows
@@ -380,35 +403,59 @@ class GraphContext:
         # f64: the padded length L and the batch size change how SDPA splits its reductions, so in
         # f32 a row's result would depend on the other rows of the ubatch (see build_norm)
         qs = q.index_select(0, dec.rows).unsqueeze(2).double()  # (B, H, 1, dk)
-        o = F.scaled_dot_product_attention(
-            qs,
-            ks.transpose(1, 2).double(),
-            vs.transpose(1, 2).double(),
-            attn_mask=mask[:, None, None, :],
-            scale=kq_scale,
-            enable_gqa=q.shape[1] != ks.shape[2],
-        )
+        ks, vs = ks.transpose(1, 2).double(), vs.transpose(1, 2).double()
+        o = _sdpa(qs, ks, vs, mask[:, None, None, :], kq_scale, softcap)
         return o.squeeze(2).to(q.dtype)
 
     def build_rope(
-        self, x: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0, neox: bool
+        self,
+        x: torch.Tensor,
+        *,
+        n_rot: int,
+        freq_base: float,
+        freq_scale: float = 1.0,
+        neox: bool,
+        freq_factors: str | None = None,
+        attn_factor: float = 1.0,
     ) -> torch.Tensor:
         """Rope x ``(n, H, d_head)`` at the ubatch positions; cos/sin are computed once per
-        ubatch for each (n_rot, base, scale) and shared by every layer and by q and k."""
-        key = (n_rot, freq_base, freq_scale)
+        ubatch for each (n_rot, base, scale, factors, attn_factor) and shared by every layer
+        and by q and k.
+
+        ``freq_factors``: name of an f32 ``(n_rot/2,)`` weight dividing each pair's frequency
+        (``ggml_rope_ext``'s ``freq_factors``: Llama 3 ``rope_freqs.weight``, Phi-3 LongRoPE
+        ``rope_factors_short/long.weight``); ``attn_factor`` multiplies cos and sin (ggml's
+        ``mscale`` with no YaRN ramp; llama.cpp ``rope.scaling.attn_factor``)."""
+        key = (n_rot, freq_base, freq_scale, freq_factors, attn_factor)
         cs = self._rope_cache.get(key)
         if cs is None:
-            cs = self._rope_cache[key] = rope_cos_sin(
-                self.inp.pos, n_rot=n_rot, freq_base=freq_base, freq_scale=freq_scale
+            cs = rope_cos_sin(
+                self.inp.pos,
+                n_rot=n_rot,
+                freq_base=freq_base,
+                freq_scale=freq_scale,
+                freq_factors=None if freq_factors is None else self.w[freq_factors],
             )
+            if attn_factor != 1.0:
+                cs = (cs[0] * attn_factor, cs[1] * attn_factor)
+            self._rope_cache[key] = cs
         self.n_nodes += 1
         return apply_rope(x, cs[0], cs[1], neox=neox)
 
     # --- feed-forward -------------------------------------------------------------------
-    def build_ffn(self, x: torch.Tensor, *, up: str, gate: str, down: str, act: str) -> torch.Tensor:
+    def build_ffn(self, x: torch.Tensor, *, up: str, gate: str | None, down: str, act: str) -> torch.Tensor:
         """Gated FFN ``down(act(gate x) * up x)`` (``LLM_FFN_PAR``); act "silu" or "gelu"
-        (ggml_gelu = tanh approximation)."""
-        g, u = self.build_lora_mm_group((gate, up), x)
+        (ggml_gelu = tanh approximation).
+
+        ``gate=None``: ``up`` is a fused ``(2·n_ff, d)`` weight whose first ``n_ff`` output rows
+        are the gate and the rest the up projection; one (LoRA-able) matmul, then the split
+        (llama.cpp ``build_ffn`` with no gate and ``LLM_FFN_SWIGLU``/``LLM_FFN_SEQ``, i.e.
+        ``ggml_swiglu``: act on the first half times the second; Phi-3)."""
+        if gate is None:
+            h = self.build_lora_mm(up, x)
+            g, u = h.chunk(2, dim=-1)
+        else:
+            g, u = self.build_lora_mm_group((gate, up), x)
         self.n_nodes += 2
         return self.build_lora_mm(down, _act(g, act) * u)
 
@@ -442,6 +489,25 @@ class GraphContext:
         return (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
 
 
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Masked attention ``softmax(cap(scale · q kᵀ) + mask) v`` over q ``(B, H, Lq, dk)``,
+    k ``(B, Hkv, Lk, dk)``, v ``(B, Hkv, Lk, dv)`` (GQA: each KV head serves H/Hkv query
+    heads), mask bool broadcastable to ``(B, H, Lq, Lk)``; ``cap`` is ``c·tanh(s/c)`` for
+    ``softcap = c > 0`` (explicit scores), the identity for 0 (fused SDPA)."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap <= 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
 def _act(x: torch.Tensor, act: str) -> torch.Tensor:
     if act == "silu":
         return F.silu(x)
@@ -451,12 +517,20 @@ def _act(x: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    pos: torch.Tensor, *, n_rot: int, freq_base: float, freq_scale: float = 1.0
+    pos: torch.Tensor,
+    *,
+    n_rot: int,
+    freq_base: float,
+    freq_scale: float = 1.0,
+    freq_factors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """f32 ``(n, 1, n_rot/2)`` cos and sin of theta_i = pos · freq_scale · base^(-2i/n_rot)
-    (``ggml_rope_ext`` without YaRN), computed in f64 for accuracy at large positions."""
+    """f32 ``(n, 1, n_rot/2)`` cos and sin of theta_i = pos · freq_scale · base^(-2i/n_rot) / f_i
+    (``ggml_rope_ext`` without YaRN; f_i = ``freq_factors[i]`` ``(n_rot/2,)``, 1 when None),
+    computed in f64 for accuracy at large positions."""
     half = n_rot // 2
     inv = freq_base ** (-torch.arange(0, half, device=pos.device, dtype=torch.float64) * 2.0 / n_rot)
+    if freq_factors is not None:
+        inv = inv / freq_factors.to(device=pos.device, dtype=torch.float64).reshape(half)
     theta = (pos.to(torch.float64) * freq_scale).unsqueeze(1) * inv.unsqueeze(0)
     return torch.cos(theta).float().unsqueeze(1), torch.sin(theta).float().unsqueeze(1)
 

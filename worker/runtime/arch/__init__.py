@@ -26,9 +26,17 @@ def get(arch: str, path: Path | str = "") -> ModuleType:
     Raises:
         worker.runtime.errors.ModelError: unknown architecture (lists the supported ones).
     """
-    from worker.runtime.arch import gemma3, llama, qwen2
+    from worker.runtime.arch import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe
 
-    known = {"gemma3": gemma3, "llama": llama, "qwen2": qwen2}
+    known = {
+        "gemma2": gemma2,
+        "gemma3": gemma3,
+        "llama": llama,
+        "phi3": phi3,
+        "qwen2": qwen2,
+        "qwen3": qwen3,
+        "qwen3moe": qwen3moe,
+    }
     mod = known.get(arch)
     if mod is None:
         raise ModelError(f"{path}: unknown architecture '{arch}' (supported: {', '.join(sorted(known))})")

@@ -1,10 +1,12 @@
-"""Llama, dense and mixture-of-experts (llama.cpp ``src/models/llama.cpp``).
+"""Llama 1/2/3.x, dense and mixture-of-experts (llama.cpp ``src/models/llama.cpp``).
 
 Per layer: RMS norm → q/k/v → NORM-mode rope (adjacent pairs; the GGUF converter permuted
-q/k for it) → attention with scale 1/sqrt(head_dim) → o → residual → RMS norm → SiLU-gated
+q/k for it; with ``rope_freqs.weight`` — Llama 3.1+ "llama3" rope scaling — each pair's
+frequency is divided by its factor, ggml ``rope_ext`` ``freq_factors``) → attention with
+scale 1/sqrt(head_dim) → o → residual → RMS norm → SiLU-gated
 FFN, or, when the layer has ``ffn_gate_inp``, a top-k softmax-gated mixture of experts with
 weights renormalised over the chosen experts (Mixtral) → residual. Untied ``output.weight``
-(falls back to ``token_embd`` when absent).
+(falls back to ``token_embd`` when absent: Llama 3.2 1B/3B are tied).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def load_hparams(gguf) -> HParams:
     )
 
 
+ROPE_FREQS = "rope_freqs.weight"
+"""Llama 3 per-dimension rope frequency factors, ne ``[n_rot/2]`` (one tensor shared by all layers)."""
+
+
 def tensor_specs(hp: HParams) -> list[TensorSpec]:
     d = hp.n_embd
     kv = hp.n_head_kv * hp.n_embd_head_k
@@ -45,6 +51,7 @@ def tensor_specs(hp: HParams) -> list[TensorSpec]:
         TensorSpec("token_embd.weight", (d, hp.n_vocab)),
         TensorSpec("output_norm.weight", (d,)),
         TensorSpec("output.weight", (d, hp.n_vocab), required=False),
+        TensorSpec(ROPE_FREQS, (hp.n_rot // 2,), required=False),
     ]
     for il in range(hp.n_layer):
         b = f"blk.{il}."
@@ -76,14 +83,19 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight")
     n = x.shape[0]
+    ff = ROPE_FREQS if ROPE_FREQS in ctx.w else None
     for il in range(hp.n_layer):
         b = f"blk.{il}."
         cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
         q = ctx.build_lora_mm(b + "attn_q.weight", cur).view(n, hp.n_head, hp.n_embd_head_k)
         k = ctx.build_lora_mm(b + "attn_k.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_k)
         v = ctx.build_lora_mm(b + "attn_v.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_v)
-        q = ctx.build_rope(q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False)
-        k = ctx.build_rope(k, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False)
+        q = ctx.build_rope(
+            q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False, freq_factors=ff
+        )
+        k = ctx.build_rope(
+            k, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False, freq_factors=ff
+        )
         cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=inv_sqrt(hp.n_embd_head_k))
         if il == hp.n_layer - 1:
             cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
