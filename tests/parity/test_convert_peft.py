@@ -277,3 +277,22 @@ def test_shape_mismatch_with_base_rejected(fixtures_dir, tmp_path):
     with pytest.raises(ConvertError, match=r"blk.0.attn_v.weight.lora_b.*expected ne \[4, 32\].*found \[4, 48\]"):
         convert_peft(folder, tmp_path / "p.gguf", base_gguf=str(base))
     assert not (tmp_path / "p.gguf").exists() and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "phi3"])
+def test_convert_equals_llama_cpp_converter_per_arch(fixtures_dir, tmp_path, name):
+    """Llama 3 (q/k rows permuted for NORM rope, GQA head counts), Qwen 2 (NEOX rope: nothing
+    permuted) and Phi-3 (fused ``qkv_proj`` / ``gate_up_proj`` → ``attn_qkv`` / ``ffn_up``):
+    every tensor equal to what llama.cpp's ``convert_lora_to_gguf.py`` wrote from the same PEFT
+    folder (``scripts/make_convert_fixtures.py``), against the tiny base model of that shape."""
+    from tests.tiny_models import MODELS
+
+    arch = {"llama3": "llama"}.get(name, name)
+    base = MODELS[arch](tmp_path / f"{name}-base.gguf")
+    src = fixtures_dir / "convert" / name
+    out = convert_peft(src / "peft", tmp_path / f"{name}.gguf", base_gguf=str(base))
+    ref = read_gguf(src / "llama_cpp.gguf")
+    assert read_gguf(out).arch == ref.arch == arch
+    assert len(ref.tensors) >= 16
+    compare_to_fixture(out, src / "llama_cpp.gguf", atol=0.0, rtol=0.0)
+    assert read_gguf(out).metadata["adapter.lora.alpha"] == ref.metadata["adapter.lora.alpha"] == 8.0
