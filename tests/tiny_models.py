@@ -4,18 +4,22 @@ exact file llama-server made the goldens of ``tests/fixtures/tiny_archs/`` from 
 records each file's sha256).
 
 Every model: 2 layers, n_embd 64, 4 query heads / 2 KV heads of 16, FFN 128, F16 matrices and
-F32 norms, with the tokenizer fields (``tokenizer.*``) copied from one of llama.cpp's vocab
-test files (``tests.registry_models.llama_cpp_vocabs``), which also sets the vocabulary size.
-The vocabularies are SentencePiece ones (``llama-spm``, ``phi-3``) for now: our loader reads
-only SPM vocabularies; the parity goldens feed token ids, so the model's forward pass is what
-they check. Each architecture's distinctive metadata is set to values that matter in a short
-prompt (Llama 3 ``rope_freqs`` with factors 1…8, Gemma 2 soft-caps that bend the logits and a
-sliding window of 4, Qwen 2 non-zero q/k/v biases, Phi-3 LongRoPE short/long factors and
-attention factor).
+F32 norms, with the tokenizer fields (``tokenizer.*``) copied byte for byte from its family's
+llama.cpp vocab test file (``tests.registry_models.llama_cpp_vocabs``; ``VOCAB``), which also
+sets the vocabulary size: Llama 3's byte-level BPE (``llama-bpe``, 128 256 tokens, adds BOS),
+Qwen 2's (``qwen2``, 151 936, no BOS) for the three Qwen models, Phi-3's SentencePiece
+(``phi-3``, 32 064) and, for Gemma 2, Llama's SentencePiece (``llama-spm``, 32 000; the sdist
+ships no Gemma 2 vocabulary). The goldens' prompts are text, so llama-server's tokenization of
+them is checked along with the forward pass. Each architecture's distinctive metadata is set to
+values that matter in a short prompt (Llama 3 ``rope_freqs`` with factors 1…8, Gemma 2
+soft-caps that bend the logits and a sliding window of 4, Qwen 2 non-zero q/k/v biases, Phi-3
+LongRoPE short/long factors and attention factor).
 
-Weights are scaled so a random model gives peaked, non-saturated next-token distributions:
-matrices ~ N(0, gain²/k) (k = input width), norms 1 + N(0, 0.1²), output rows scaled so
-logits have a standard deviation of a few nats.
+Weights are scaled so a random model gives non-saturated next-token distributions with a clear
+top 1: matrices ~ N(0, gain²/k) (k = input width), norms 1 + N(0, 0.1²), output rows scaled so
+logits have a standard deviation of a few nats (on the golden prompts, even with the 128k/152k
+vocabularies: greedy top-1 log-probs between -4.4 and -0.2, entropy 2.8–7.6 nats, most top-1/top-2
+margins above 0.1).
 
     python -m tests.tiny_models OUT_DIR [ARCH ...]   # writes <arch>.gguf and <arch>-lora.gguf
 """
@@ -23,14 +27,14 @@ logits have a standard deviation of a few nats.
 from __future__ import annotations
 
 import functools
+import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import gguf
 import numpy as np
-
-from tests.gguf_retype import _field_value
 
 N_LAYER, N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF = 2, 64, 4, 2, 16, 128
 RANK, ALPHA = 4, 8.0
@@ -38,29 +42,91 @@ ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2")
 """Architectures with a tiny model (the keys of ``MODELS``)."""
 
 VOCAB = {
-    "llama": "llama-spm",
-    "qwen2": "llama-spm",
-    "qwen3": "llama-spm",
-    "qwen3moe": "llama-spm",
+    "llama": "llama-bpe",
+    "qwen2": "qwen2",
+    "qwen3": "qwen2",
+    "qwen3moe": "qwen2",
     "phi3": "phi-3",
     "gemma2": "llama-spm",
 }
 """Which ``ggml-vocab-<name>.gguf`` each tiny model copies its tokenizer from."""
 
 
+_SCALAR = {
+    gguf.GGUFValueType.UINT8: "<B",
+    gguf.GGUFValueType.INT8: "<b",
+    gguf.GGUFValueType.UINT16: "<H",
+    gguf.GGUFValueType.INT16: "<h",
+    gguf.GGUFValueType.UINT32: "<I",
+    gguf.GGUFValueType.INT32: "<i",
+    gguf.GGUFValueType.FLOAT32: "<f",
+    gguf.GGUFValueType.BOOL: "<?",
+    gguf.GGUFValueType.UINT64: "<Q",
+    gguf.GGUFValueType.INT64: "<q",
+    gguf.GGUFValueType.FLOAT64: "<d",
+}
+
+
+_KV = tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]
+"""``(key, value, type, array element type or None)`` of one GGUF key/value."""
+
+
+def _read_kv(buf: bytes) -> list[_KV]:
+    """Every key/value of a GGUF (versions 2/3) as ``(key, value, type, array element type)``,
+    array strings kept as ``bytes`` so the copy is byte for byte. ``gguf.GGUFReader`` takes seconds
+    on a 150k-token vocabulary (a numpy view per element); this reads it in a fraction."""
+    off = 8  # magic, version
+
+    def scalar(fmt: str) -> Any:
+        nonlocal off
+        (v,) = struct.unpack_from(fmt, buf, off)
+        off += struct.calcsize(fmt)
+        return v
+
+    def string() -> bytes:
+        nonlocal off
+        n = int(scalar("<Q"))
+        off += n
+        return buf[off - n : off]
+
+    def value(vtype: gguf.GGUFValueType) -> object:
+        if vtype == gguf.GGUFValueType.STRING:
+            return string()
+        return scalar(_SCALAR[vtype])
+
+    scalar("<Q")  # tensor count
+    out: list[_KV] = []
+    for _ in range(int(scalar("<Q"))):
+        key = string().decode("utf-8")
+        vtype = gguf.GGUFValueType(scalar("<I"))
+        if vtype == gguf.GGUFValueType.ARRAY:
+            etype = gguf.GGUFValueType(scalar("<I"))
+            if etype == gguf.GGUFValueType.ARRAY:
+                raise ValueError(f"{key}: nested arrays are not copied")
+            n = int(scalar("<Q"))
+            if etype == gguf.GGUFValueType.STRING:
+                items: list[object] = [string() for _ in range(n)]
+            else:
+                dt = np.dtype(_SCALAR[etype])
+                items = np.frombuffer(buf, dtype=dt, count=n, offset=off).tolist()
+                off += n * dt.itemsize
+            out.append((key, items, vtype, etype))
+        else:
+            v = value(vtype)
+            out.append((key, v.decode("utf-8") if isinstance(v, bytes) else v, vtype, None))
+    return out
+
+
 @functools.cache
-def _vocab_fields(name: str) -> tuple[list[tuple[str, object, gguf.GGUFValueType, object]], int]:
+def _vocab_fields(name: str) -> tuple[list[_KV], int]:
     """``(key, value, type, array element type)`` of every ``tokenizer.*`` field of the vocab
     file ``name``, in file order, and the vocabulary size."""
     from tests.registry_models import llama_cpp_vocabs
 
-    reader = gguf.GGUFReader(llama_cpp_vocabs() / f"ggml-vocab-{name}.gguf")
-    out = []
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            value, etype = _field_value(field)
-            out.append((key, value, field.types[0], etype))
-    return out, len(reader.fields["tokenizer.ggml.tokens"].data)
+    fields = _read_kv((llama_cpp_vocabs() / f"ggml-vocab-{name}.gguf").read_bytes())
+    out = [f for f in fields if f[0].startswith("tokenizer.")]
+    tokens = next(v for k, v, _, _ in out if k == "tokenizer.ggml.tokens")
+    return out, len(cast(list, tokens))
 
 
 class _Gen:

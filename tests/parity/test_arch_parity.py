@@ -1,7 +1,9 @@
 """Every architecture against llama.cpp on its tiny random-weight model (``tests/tiny_models.py``,
 regenerated here and checked byte for byte by sha256 against what the goldens in
 ``tests/fixtures/tiny_archs/`` were made from), in both weight forms, base and with the arch's
-rank-4 adapter at scales 1 and 0.5, teacher-forced.
+rank-4 adapter at scales 1 and 0.5, teacher-forced; and each model's tokenizer (its family's
+real llama.cpp vocabulary, ``tests.tiny_models.VOCAB``) against llama-server's ``/tokenize`` of
+the string set in ``tests/fixtures/tiny_archs/cases.json`` and of the completion prompts.
 
 Bounds (fixtures README, "tiny_archs"): per case max |Δ log-prob| ≤ 0.05 and mean ≤ 0.01,
 argmax equal wherever llama.cpp's top-1/top-2 margin > 0.1 nats. Statistics are printed
@@ -18,13 +20,15 @@ import pytest
 import torch
 
 from tests.parity.compare import compare_case, teacher_forced_logprobs
-from tests.tiny_models import ARCHS, MODELS, adapter
+from tests.tiny_models import ARCHS, MODELS, VOCAB, adapter
+from worker.gguf.reader import read_gguf
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.runtime import arch as arch_registry
 from worker.runtime.context import Model, UBatch
 from worker.runtime.errors import ModelError
 from worker.runtime.model import load_model
+from worker.runtime.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
 
@@ -53,6 +57,32 @@ def tiny(request, tiny_dir: Path, fixtures_dir: Path):
     return arch, golden, model_path, lora_path
 
 
+# Family vocabulary → (tokenizer.ggml.model, pre-tokenizer, adds BOS).
+_VOCAB_KIND = {
+    "llama-bpe": ("gpt2", "llama-bpe", True),
+    "qwen2": ("gpt2", "qwen2", False),
+    "phi-3": ("llama", None, True),
+    "llama-spm": ("llama", None, True),
+}
+
+
+def test_tokenizer_matches_llama_cpp(tiny, fixtures_dir: Path):
+    """Our `Tokenizer` built from the generated GGUF gives llama-server's ``/tokenize`` ids for
+    every string of cases.json and for every completion prompt (BOS as the vocab says)."""
+    arch, golden, model_path, _ = tiny
+    tok = Tokenizer.from_gguf(read_gguf(model_path))
+    assert (tok.vocab_type, tok.pre, tok.add_bos) == _VOCAB_KIND[VOCAB[arch]]
+    spec = json.loads((fixtures_dir / "tiny_archs" / "cases.json").read_text())
+    assert [c["text"] for c in golden["tokenize"]] == spec["tokenize"], f"{arch}: golden made from other strings"
+    assert len(golden["tokenize"]) >= 20
+    for case in golden["tokenize"]:
+        assert tok.encode(case["text"]) == case["tokens"], f"{arch}: {case['text']!r}"
+    for case in golden["completions"]:
+        assert isinstance(case["prompt"], str), f"{arch}: prompts are text, so they go through the tokenizer"
+        assert tok.encode(case["prompt"]) == case["prompt_tokens"], f"{arch}: prompt {case['prompt']!r}"
+    print(f"{arch} ({VOCAB[arch]}): {len(golden['tokenize'])} strings and {len(golden['completions'])} prompts")
+
+
 @pytest.mark.parametrize("weight_form", ["packed", "dequant"])
 def test_arch_matches_llama_cpp(tiny, weight_form: str):
     arch, golden, model_path, lora_path = tiny
@@ -70,7 +100,7 @@ def test_arch_matches_llama_cpp(tiny, weight_form: str):
             st = compare_case(str(case["prompt"]), lp, steps, margin=MARGIN)
             worst_max, worst_mean = max(worst_max, max(st.deltas)), max(worst_mean, st.mean)
             n_pos, hits, total = n_pos + len(st.deltas), hits + st.argmax_hits, total + st.argmax_total
-            where = f"{arch} {weight_form} {case['case']} prompt {case['prompt'][:4]}…"
+            where = f"{arch} {weight_form} {case['case']} prompt {case['prompt'][:12]!r}…"
             assert max(st.deltas) <= MAX_D, f"{where}: max |d| {max(st.deltas):.4f} > {MAX_D}"
             assert st.mean <= MEAN_D, f"{where}: mean |d| {st.mean:.4f} > {MEAN_D}"
             assert st.argmax_hits == st.argmax_total, f"{where}: argmax {st.argmax_hits}/{st.argmax_total}"
@@ -85,7 +115,7 @@ def test_arch_matches_llama_cpp(tiny, weight_form: str):
 def test_adapter_changes_the_output(tiny):
     """The goldens' adapter cases differ from base (the adapter is not a no-op on any arch)."""
     _, golden, _, _ = tiny
-    by = {(c["case"], tuple(c["prompt"])): c for c in golden["completions"]}
+    by = {(c["case"], c["prompt"]): c for c in golden["completions"]}
     diff = [
         abs(by[("lora@1", p)]["steps"][0]["logprob"] - by[("base", p)]["steps"][0]["logprob"])
         + (by[("lora@1", p)]["tokens"] != by[("base", p)]["tokens"])
@@ -93,6 +123,19 @@ def test_adapter_changes_the_output(tiny):
         if case == "base"
     ]
     assert max(diff) > 0.1
+
+
+def test_golden_distributions_are_not_degenerate(tiny):
+    """With the 128k/152k vocabularies the random weights still give llama.cpp distributions
+    that test something: top-1 log-probs well above uniform (-log n_vocab ≈ -10.4…-11.9) and
+    below saturation, and a clear top-1/top-2 margin at most positions."""
+    arch, golden, _, _ = tiny
+    steps = [st for c in golden["completions"] for st in c["steps"]]
+    top1 = [st["top"][0]["logprob"] for st in steps]
+    clear = sum(st["top"][0]["logprob"] - st["top"][1]["logprob"] > MARGIN for st in steps)
+    assert len(steps) >= 100, f"{arch}: {len(steps)} positions"
+    assert -8.0 < min(top1) and max(top1) < -0.05, f"{arch}: top-1 log-probs {min(top1):.2f}…{max(top1):.2f}"
+    assert clear >= 0.7 * len(steps), f"{arch}: clear argmax at {clear}/{len(steps)} positions"
 
 
 def test_unknown_architecture_is_refused():
