@@ -135,7 +135,7 @@ def test_qwen2_special_tokens_bos_and_eog(load) -> None:
     assert q.add_bos is False and q.add_eos is False and q.pre == "qwen2"
     assert q.encode("") == [] and q.encode("", add_special=False) == []
     assert q.bos_id == q.eos_id == 151643
-    assert q.eog_ids == {151643, 151645}  # <|endoftext|>, <|im_end|>
+    assert q.eog_ids == {151643, 151645, 128247}  # <|endoftext|>, <|im_end|>, "</s>" (by text, as llama.cpp)
 
 
 @pytest.mark.parity

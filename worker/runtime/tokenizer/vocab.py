@@ -14,8 +14,9 @@ Rule sources, all llama.cpp ``src/llama-vocab.cpp``:
   token at a time over all raw fragments; CONTROL and UNKNOWN only when ``parse_special``,
   USER_DEFINED always; LSTRIP/RSTRIP eat the whitespace next to the cut.
 
-Known differences from llama.cpp, none reachable with the vocabularies we serve: "</s>" is not an
-end-of-generation text here (see `EOG_TEXTS`); equal-length special tokens that overlap in the
+Known differences from llama.cpp: "</s>" is an end-of-generation text here only where the vocab
+does not declare it USER_DEFINED (Gemma 3's HTML tag; see `EOG_TEXT_UNLESS_USER_DEFINED`);
+equal-length special tokens that overlap in the
 text are tried in id order (llama.cpp's std::sort leaves that order unspecified); a vocab with
 several auto-detectable EOT/FIM texts takes the lowest id (llama.cpp: hash-map order).
 """
@@ -152,10 +153,13 @@ EOG_TEXTS = frozenset(
         "[e~[",
     )
 )
-# Left out on purpose: "</s>" (added upstream for PaddleOCR, whose EOS it is). Gemma 3 has "</s>"
-# as an ordinary HTML tag (id 212, USER_DEFINED); as EOG it would end generation inside HTML and
-# stop being cut out with parse_special=false. Upstream later patched it out for Gemma 4 only
-# (llama.cpp PR #21492). Where "</s>" is a vocab's real end token it is its eos_token_id anyway.
+# "</s>" is in llama.cpp's list too (added for PaddleOCR, whose EOS it is), and so it is here —
+# Qwen 2's vocabulary has it as an ordinary token (id 128247) that llama.cpp turns into a CONTROL
+# end-of-generation token, which changes how "…</s>" tokenizes. The one exception: a vocab that
+# declares it USER_DEFINED, as Gemma 3 does for the HTML tag (id 212): as EOG it would end
+# generation inside HTML and stop being cut out with parse_special=false (llama.cpp later made
+# the same exception for Gemma 4).
+EOG_TEXT_UNLESS_USER_DEFINED = "</s>"
 
 # load(), gpt-oss: these are always rendered, so they become USER_DEFINED.
 _ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
@@ -306,6 +310,10 @@ def _apply_text_rules(
         if text in index:
             eog.add(index[text])
             attrs[index[text]] |= TokenAttr.CONTROL
+    tid = index.get(EOG_TEXT_UNLESS_USER_DEFINED)
+    if tid is not None and not attrs[tid] & TokenAttr.USER_DEFINED:
+        eog.add(tid)
+        attrs[tid] |= TokenAttr.CONTROL
     for text in _ALWAYS_RENDERED:
         if text in index:
             attrs[index[text]] = TokenAttr.USER_DEFINED
