@@ -62,11 +62,12 @@ def _letters(text: str) -> tuple[int, int]:
 def test_adapters_answer_in_their_style_and_cache_stays_isolated(serve) -> None:
     client = openai.OpenAI(base_url=serve.http + "/v1", api_key="x", max_retries=0, timeout=300)
     models = {m.id for m in client.models.list().data}
-    assert {"qwen", "shout", "arr"} <= models
+    # adapters are named by their GGUF's general.name (llama.cpp's converter wrote "Shout", "Arr")
+    assert {"qwen", "Shout", "Arr"} <= models
 
     base1 = _chat(client, "qwen")
-    shout = _chat(client, "shout")
-    arr = _chat(client, "arr")
+    shout = _chat(client, "Shout")
+    arr = _chat(client, "Arr")
     base2 = _chat(client, "qwen")
     texts = {name: r.choices[0].message.content for name, r in (("base", base1), ("shout", shout), ("arr", arr))}
     print(texts)
