@@ -65,8 +65,10 @@ _LAYER_MODULES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
-    "self_attn.qkv_proj": "attn_qkv",  # phi3 (fused)
-    "mlp.gate_up_proj": "ffn_up",  # phi3 (fused gate and up, gate first)
+}
+# per-architecture additions: phi3's fused projections (its tensor map in convert_hf_to_gguf.py)
+_ARCH_LAYER_MODULES = {
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},  # gate|up, gate first
 }
 _KEY_RE = re.compile(
     r"^base_model\.model\.(?P<module>.+)\."
@@ -159,8 +161,13 @@ class _Module:
     embedding: bool = False
 
 
-def _map_module(module: str) -> str | None:
-    """GGUF base tensor name for a PEFT module path, or None when unknown."""
+def _layer_modules(arch: str) -> dict[str, str]:
+    """PEFT layer sub-module → GGUF tensor stem for ``arch``."""
+    return {**_LAYER_MODULES, **_ARCH_LAYER_MODULES.get(arch, {})}
+
+
+def _map_module(module: str, arch: str = "") -> str | None:
+    """GGUF base tensor name for a PEFT module path of an ``arch`` model, or None when unknown."""
     for old, new in _PREFIXES:
         if module.startswith(old):
             module = new + module[len(old) :]
@@ -170,8 +177,9 @@ def _map_module(module: str) -> str | None:
     if module == "lm_head":
         return "output.weight"
     m = _LAYER_RE.match(module)
-    if m and m["sub"] in _LAYER_MODULES:
-        return f"blk.{m['i']}.{_LAYER_MODULES[m['sub']]}.weight"
+    layer_modules = _layer_modules(arch)
+    if m and m["sub"] in layer_modules:
+        return f"blk.{m['i']}.{layer_modules[m['sub']]}.weight"
     return None
 
 
@@ -227,7 +235,7 @@ def _check_config(cfg: dict[str, Any], problems: list[str]) -> None:
             problems.append(f"{key}: expected a mapping, found {cfg.get(key)!r}")
 
 
-def _read_modules(st_path: Path, problems: list[str]) -> list[_Module]:
+def _read_modules(st_path: Path, arch: str, problems: list[str]) -> list[_Module]:
     modules: dict[str, _Module] = {}
     unknown: list[str] = []
     for key, t in read_safetensors(st_path).items():
@@ -239,7 +247,7 @@ def _read_modules(st_path: Path, problems: list[str]) -> list[_Module]:
             )
             continue
         module, kind = m["module"], m["kind"]
-        gguf_name = _map_module(module)
+        gguf_name = _map_module(module, arch)
         if gguf_name is None:
             unknown.append(module)
             continue
@@ -252,7 +260,7 @@ def _read_modules(st_path: Path, problems: list[str]) -> list[_Module]:
     for name in sorted(set(unknown)):
         problems.append(
             f"module '{name}': no GGUF tensor name for it (known: layers.N."
-            f"{{{', '.join(_LAYER_MODULES)}}}, embed_tokens, lm_head)"
+            f"{{{', '.join(_layer_modules(arch))}}}, embed_tokens, lm_head)"
         )
     out = []
     for mod in modules.values():
@@ -388,7 +396,7 @@ def _read_inputs(src: Path, base_gguf: str | GGUFFile | None) -> _Inputs:
             )
     if arch and arch not in SUPPORTED_ARCHS:
         problems.append(f"architecture '{arch}': no PEFT name map (supported: {', '.join(SUPPORTED_ARCHS)})")
-    modules = _read_modules(st_path, problems)
+    modules = _read_modules(st_path, arch, problems)
     if not modules and not problems:
         problems.append(f"{st_path.name}: no LoRA A/B tensors found")
     if (
