@@ -89,3 +89,53 @@ def meta(gguf: Any, key: str, default: Any = None, *, required: bool = False) ->
     if required:
         raise ModelError(f"{gguf.path}: missing metadata key '{full}'")
     return default
+
+
+def output_specs(hp: HParams, *, output_optional: bool = True) -> list[TensorSpec]:
+    """The embedding, final norm and LM head every decoder has: ``token_embd`` ne ``[d, V]``,
+    ``output_norm`` ``[d]``, ``output`` ``[d, V]`` (optional where absent means tied to
+    ``token_embd``, as llama.cpp's ``load_tensors`` falls back with ``TENSOR_DUPLICATED``)."""
+    d = hp.n_embd
+    specs = [TensorSpec("token_embd.weight", (d, hp.n_vocab)), TensorSpec("output_norm.weight", (d,))]
+    if output_optional:
+        specs.append(TensorSpec("output.weight", (d, hp.n_vocab), required=False))
+    return specs
+
+
+def attn_specs(hp: HParams, b: str) -> list[TensorSpec]:
+    """Layer ``b`` (``blk.N.``)'s pre-attention norm and separate q/k/v/o projections:
+    q ne ``[d, H·dk]``, k ``[d, Hkv·dk]``, v ``[d, Hkv·dv]``, o ``[H·dv, d]``."""
+    d = hp.n_embd
+    return [
+        TensorSpec(b + "attn_norm.weight", (d,)),
+        TensorSpec(b + "attn_q.weight", (d, hp.n_head * hp.n_embd_head_k)),
+        TensorSpec(b + "attn_k.weight", (d, hp.n_head_kv * hp.n_embd_head_k)),
+        TensorSpec(b + "attn_v.weight", (d, hp.n_head_kv * hp.n_embd_head_v)),
+        TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
+    ]
+
+
+def ffn_specs(hp: HParams, b: str) -> list[TensorSpec]:
+    """Layer ``b``'s FFN norm and gated FFN: gate/up ne ``[d, n_ff]``, down ``[n_ff, d]``."""
+    d = hp.n_embd
+    return [
+        TensorSpec(b + "ffn_norm.weight", (d,)),
+        TensorSpec(b + "ffn_gate.weight", (d, hp.n_ff)),
+        TensorSpec(b + "ffn_up.weight", (d, hp.n_ff)),
+        TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),
+    ]
+
+
+def build_qkv(ctx: Any, hp: HParams, b: str, cur: Any, *, biases: bool = False) -> tuple[Any, Any, Any]:
+    """Layer ``b``'s q/k/v from the normed input cur ``(n, d)`` through the one LoRA entry point
+    (``GraphContext.build_lora_mm_group``), plus ``attn_{q,k,v}.bias`` when ``biases``, split
+    into heads: q ``(n, H, dk)``, k ``(n, Hkv, dk)``, v ``(n, Hkv, dv)``."""
+    n = cur.shape[0]
+    q, k, v = ctx.build_lora_mm_group((b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), cur)
+    if biases:
+        q, k, v = (ctx.build_bias(t, b + f"attn_{x}.bias") for t, x in ((q, "q"), (k, "k"), (v, "v")))
+    return (
+        q.reshape(n, hp.n_head, hp.n_embd_head_k),
+        k.reshape(n, hp.n_head_kv, hp.n_embd_head_k),
+        v.reshape(n, hp.n_head_kv, hp.n_embd_head_v),
+    )

@@ -60,55 +60,34 @@ def load_hparams(gguf) -> HParams:
 
 
 def tensor_specs(hp: HParams) -> list[TensorSpec]:
-    d, qk, kvk, kvv = (
-        hp.n_embd,
-        hp.n_head * hp.n_embd_head_k,
-        hp.n_head_kv * hp.n_embd_head_k,
-        hp.n_head_kv * hp.n_embd_head_v,
-    )
-    specs = [
-        TensorSpec("token_embd.weight", (d, hp.n_vocab)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (d, hp.n_vocab), required=False),
-    ]
+    d = hp.n_embd
+    specs = base.output_specs(hp)
     for il in range(hp.n_layer):
         b = f"blk.{il}."
+        specs += base.attn_specs(hp, b)
         specs += [
-            TensorSpec(b + "attn_norm.weight", (d,)),
-            TensorSpec(b + "attn_q.weight", (d, qk)),
-            TensorSpec(b + "attn_k.weight", (d, kvk)),
-            TensorSpec(b + "attn_v.weight", (d, kvv)),
             TensorSpec(b + "attn_q_norm.weight", (hp.n_embd_head_k,)),
             TensorSpec(b + "attn_k_norm.weight", (hp.n_embd_head_k,)),
-            TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
             TensorSpec(b + "post_attention_norm.weight", (d,)),
-            TensorSpec(b + "ffn_norm.weight", (d,)),
-            TensorSpec(b + "ffn_gate.weight", (d, hp.n_ff)),
-            TensorSpec(b + "ffn_up.weight", (d, hp.n_ff)),
-            TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),
-            TensorSpec(b + "post_ffw_norm.weight", (d,)),
         ]
+        specs += base.ffn_specs(hp, b) + [TensorSpec(b + "post_ffw_norm.weight", (d,))]
     return specs
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight") * math.sqrt(hp.n_embd)
-    n = x.shape[0]
     for il in range(hp.n_layer):
         b = f"blk.{il}."
         swa = hp.is_swa(il)
         cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-        q, k, v = ctx.build_lora_mm_group((b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), cur)
-        q = q.reshape(n, hp.n_head, hp.n_embd_head_k)
-        k = k.reshape(n, hp.n_head_kv, hp.n_embd_head_k)
-        v = v.reshape(n, hp.n_head_kv, hp.n_embd_head_v)
+        q, k, v = base.build_qkv(ctx, hp, b, cur)
         q = ctx.build_norm(q, b + "attn_q_norm.weight", hp.eps)
         k = ctx.build_norm(k, b + "attn_k_norm.weight", hp.eps)
-        base = hp.rope_freq_base_swa if swa else hp.rope_freq_base
+        fbase = hp.rope_freq_base_swa if swa else hp.rope_freq_base
         fscale = 1.0 if swa else hp.rope_freq_scale
-        q = ctx.build_rope(q, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
-        k = ctx.build_rope(k, n_rot=hp.n_embd_head_k, freq_base=base, freq_scale=fscale, neox=True)
+        q = ctx.build_rope(q, n_rot=hp.n_embd_head_k, freq_base=fbase, freq_scale=fscale, neox=True)
+        k = ctx.build_rope(k, n_rot=hp.n_embd_head_k, freq_base=fbase, freq_scale=fscale, neox=True)
         q = q * hp.f_attention_scale
         cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=1.0, n_swa=hp.n_swa if swa else 0)
         if il == hp.n_layer - 1:

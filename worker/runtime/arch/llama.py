@@ -46,50 +46,31 @@ ROPE_FREQS = "rope_freqs.weight"
 
 def tensor_specs(hp: HParams) -> list[TensorSpec]:
     d = hp.n_embd
-    kv = hp.n_head_kv * hp.n_embd_head_k
-    specs = [
-        TensorSpec("token_embd.weight", (d, hp.n_vocab)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (d, hp.n_vocab), required=False),
-        TensorSpec(ROPE_FREQS, (hp.n_rot // 2,), required=False),
-    ]
+    specs = base.output_specs(hp) + [TensorSpec(ROPE_FREQS, (hp.n_rot // 2,), required=False)]
     for il in range(hp.n_layer):
         b = f"blk.{il}."
-        specs += [
-            TensorSpec(b + "attn_norm.weight", (d,)),
-            TensorSpec(b + "attn_q.weight", (d, hp.n_head * hp.n_embd_head_k)),
-            TensorSpec(b + "attn_k.weight", (d, kv)),
-            TensorSpec(b + "attn_v.weight", (d, hp.n_head_kv * hp.n_embd_head_v)),
-            TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
-            TensorSpec(b + "ffn_norm.weight", (d,)),
-        ]
+        specs += base.attn_specs(hp, b)
         if hp.n_expert > 0:
             specs += [
+                TensorSpec(b + "ffn_norm.weight", (d,)),
                 TensorSpec(b + "ffn_gate_inp.weight", (d, hp.n_expert)),
                 TensorSpec(b + "ffn_gate_exps.weight", (d, hp.n_ff, hp.n_expert)),
                 TensorSpec(b + "ffn_up_exps.weight", (d, hp.n_ff, hp.n_expert)),
                 TensorSpec(b + "ffn_down_exps.weight", (hp.n_ff, d, hp.n_expert)),
             ]
         else:
-            specs += [
-                TensorSpec(b + "ffn_gate.weight", (d, hp.n_ff)),
-                TensorSpec(b + "ffn_up.weight", (d, hp.n_ff)),
-                TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),
-            ]
+            specs += base.ffn_specs(hp, b)
     return specs
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight")
-    n = x.shape[0]
     ff = ROPE_FREQS if ROPE_FREQS in ctx.w else None
     for il in range(hp.n_layer):
         b = f"blk.{il}."
         cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-        q = ctx.build_lora_mm(b + "attn_q.weight", cur).view(n, hp.n_head, hp.n_embd_head_k)
-        k = ctx.build_lora_mm(b + "attn_k.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_k)
-        v = ctx.build_lora_mm(b + "attn_v.weight", cur).view(n, hp.n_head_kv, hp.n_embd_head_v)
+        q, k, v = base.build_qkv(ctx, hp, b, cur)
         q = ctx.build_rope(
             q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False, freq_factors=ff
         )

@@ -63,26 +63,21 @@ def load_hparams(gguf) -> HParams:
 def tensor_specs(hp: HParams) -> list[TensorSpec]:
     d = hp.n_embd
     q, kv_k, kv_v = hp.n_head * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_v
-    specs = [
-        TensorSpec("token_embd.weight", (d, hp.n_vocab)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (d, hp.n_vocab), required=False),
+    specs = base.output_specs(hp) + [
         TensorSpec(ROPE_SHORT, (hp.n_rot // 2,), required=False),
         TensorSpec(ROPE_LONG, (hp.n_rot // 2,), required=False),
     ]
     for il in range(hp.n_layer):
         b = f"blk.{il}."
-        specs.append(TensorSpec(b + "attn_norm.weight", (d,)))
         if hp.fused_qkv:
-            specs.append(TensorSpec(b + "attn_qkv.weight", (d, q + kv_k + kv_v)))
-        else:
             specs += [
-                TensorSpec(b + "attn_q.weight", (d, q)),
-                TensorSpec(b + "attn_k.weight", (d, kv_k)),
-                TensorSpec(b + "attn_v.weight", (d, kv_v)),
+                TensorSpec(b + "attn_norm.weight", (d,)),
+                TensorSpec(b + "attn_qkv.weight", (d, q + kv_k + kv_v)),
+                TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
             ]
+        else:
+            specs += base.attn_specs(hp, b)
         specs += [
-            TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
             TensorSpec(b + "ffn_norm.weight", (d,)),
             TensorSpec(b + "ffn_up.weight", (d, 2 * hp.n_ff)),
             TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),

@@ -26,49 +26,32 @@ class HParams(base.HParams):
 
 
 def load_hparams(gguf) -> HParams:
+    """``{arch}.*`` metadata of a Qwen 2 / Qwen 3 file (llama.cpp ``load_hparams``; rope
+    dimensions default to the head size)."""
     n_vocab = int(meta(gguf, "vocab_size", 0)) or int(gguf.tensors["token_embd.weight"].ne[1])
     common = base.common_hparams(gguf, n_vocab=n_vocab, eps=1e-6, rope_freq_base=10000.0, n_ctx_train=32768)
     return HParams(**common, n_rot=int(meta(gguf, "rope.dimension_count", common["n_embd_head_k"])))
 
 
 def tensor_specs(hp: HParams) -> list[TensorSpec]:
-    d = hp.n_embd
     q, kv_k, kv_v = hp.n_head * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_v
-    specs = [
-        TensorSpec("token_embd.weight", (d, hp.n_vocab)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (d, hp.n_vocab), required=False),
-    ]
+    specs = base.output_specs(hp)
     for il in range(hp.n_layer):
         b = f"blk.{il}."
-        specs += [
-            TensorSpec(b + "attn_norm.weight", (d,)),
-            TensorSpec(b + "attn_q.weight", (d, q)),
-            TensorSpec(b + "attn_k.weight", (d, kv_k)),
-            TensorSpec(b + "attn_v.weight", (d, kv_v)),
-            TensorSpec(b + "attn_q.bias", (q,)),
-            TensorSpec(b + "attn_k.bias", (kv_k,)),
-            TensorSpec(b + "attn_v.bias", (kv_v,)),
-            TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
-            TensorSpec(b + "ffn_norm.weight", (d,)),
-            TensorSpec(b + "ffn_gate.weight", (d, hp.n_ff)),
-            TensorSpec(b + "ffn_up.weight", (d, hp.n_ff)),
-            TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),
-        ]
+        specs += base.attn_specs(hp, b)
+        specs += [TensorSpec(b + "attn_q.bias", (q,)), TensorSpec(b + "attn_k.bias", (kv_k,))]
+        specs += [TensorSpec(b + "attn_v.bias", (kv_v,))]
+        specs += base.ffn_specs(hp, b)
     return specs
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight")
-    n = x.shape[0]
     for il in range(hp.n_layer):
         b = f"blk.{il}."
         cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-        q, k, v = ctx.build_lora_mm_group((b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), cur)
-        q = ctx.build_bias(q, b + "attn_q.bias").view(n, hp.n_head, hp.n_embd_head_k)
-        k = ctx.build_bias(k, b + "attn_k.bias").view(n, hp.n_head_kv, hp.n_embd_head_k)
-        v = ctx.build_bias(v, b + "attn_v.bias").view(n, hp.n_head_kv, hp.n_embd_head_v)
+        q, k, v = base.build_qkv(ctx, hp, b, cur, biases=True)
         q = ctx.build_rope(q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True)
         k = ctx.build_rope(k, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True)
         cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=inv_sqrt(hp.n_embd_head_k))

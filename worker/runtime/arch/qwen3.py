@@ -9,60 +9,32 @@ residual. The output projection is ``output.weight`` when present, else tied to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from worker.runtime.arch import base
-from worker.runtime.arch.base import TensorSpec, meta
+from worker.runtime.arch import base, qwen2
+from worker.runtime.arch.base import TensorSpec
 from worker.runtime.graph import GraphContext, inv_sqrt
 
-
-@dataclass(frozen=True)
-class HParams(base.HParams):
-    """Qwen 3 hyper-parameters: the shared base plus the rope dimension count (= head_dim)."""
-
-    n_rot: int
-
-
-def load_hparams(gguf) -> HParams:
-    """``qwen3.*`` metadata (llama.cpp ``llama_model_qwen3::load_arch_hparams``)."""
-    n_vocab = int(meta(gguf, "vocab_size", 0)) or int(gguf.tensors["token_embd.weight"].ne[1])
-    common = base.common_hparams(gguf, n_vocab=n_vocab, eps=1e-6, rope_freq_base=10000.0, n_ctx_train=40960)
-    return HParams(**common, n_rot=int(meta(gguf, "rope.dimension_count", common["n_embd_head_k"])))
+# Qwen 3 has Qwen 2's hyper-parameters (llama.cpp ``llama_model_qwen3::load_arch_hparams``
+# reads the same keys; ``meta`` prefixes them with the file's own ``general.architecture``).
+HParams = qwen2.HParams
+load_hparams = qwen2.load_hparams
 
 
 def attn_tensor_specs(hp: base.HParams, b: str) -> list[TensorSpec]:
     """Attention tensors of one Qwen 3 layer with prefix ``b`` (``blk.N.``): q/k/v/o and the
     per-head q/k norms ``(head_dim,)`` (shared with ``qwen3moe``)."""
-    d = hp.n_embd
-    return [
-        TensorSpec(b + "attn_norm.weight", (d,)),
-        TensorSpec(b + "attn_q.weight", (d, hp.n_head * hp.n_embd_head_k)),
-        TensorSpec(b + "attn_k.weight", (d, hp.n_head_kv * hp.n_embd_head_k)),
-        TensorSpec(b + "attn_v.weight", (d, hp.n_head_kv * hp.n_embd_head_v)),
+    return base.attn_specs(hp, b) + [
         TensorSpec(b + "attn_q_norm.weight", (hp.n_embd_head_k,)),
         TensorSpec(b + "attn_k_norm.weight", (hp.n_embd_head_k,)),
-        TensorSpec(b + "attn_output.weight", (hp.n_head * hp.n_embd_head_v, d)),
-        TensorSpec(b + "ffn_norm.weight", (d,)),
     ]
 
 
 def tensor_specs(hp: HParams) -> list[TensorSpec]:
-    d = hp.n_embd
-    specs = [
-        TensorSpec("token_embd.weight", (d, hp.n_vocab)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (d, hp.n_vocab), required=False),
-    ]
+    specs = base.output_specs(hp)
     for il in range(hp.n_layer):
         b = f"blk.{il}."
-        specs += attn_tensor_specs(hp, b)
-        specs += [
-            TensorSpec(b + "ffn_gate.weight", (d, hp.n_ff)),
-            TensorSpec(b + "ffn_up.weight", (d, hp.n_ff)),
-            TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),
-        ]
+        specs += attn_tensor_specs(hp, b) + base.ffn_specs(hp, b)
     return specs
 
 
@@ -70,12 +42,10 @@ def build_attn_block(ctx: GraphContext, hp: HParams, il: int, x: torch.Tensor) -
     """Layer ``il``'s attention on the residual stream x ``(n, d)``: norm, q/k/v, per-head q/k
     RMS norms, NEOX rope, attention, o. Returns ``(n, d)`` before the residual add."""
     b = f"blk.{il}."
-    n = x.shape[0]
     cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-    q, k, v = ctx.build_lora_mm_group((b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), cur)
-    q = ctx.build_norm(q.reshape(n, hp.n_head, hp.n_embd_head_k), b + "attn_q_norm.weight", hp.eps)
-    k = ctx.build_norm(k.reshape(n, hp.n_head_kv, hp.n_embd_head_k), b + "attn_k_norm.weight", hp.eps)
-    v = v.reshape(n, hp.n_head_kv, hp.n_embd_head_v)
+    q, k, v = base.build_qkv(ctx, hp, b, cur)
+    q = ctx.build_norm(q, b + "attn_q_norm.weight", hp.eps)
+    k = ctx.build_norm(k, b + "attn_k_norm.weight", hp.eps)
     q = ctx.build_rope(q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True)
     k = ctx.build_rope(k, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True)
     return ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=inv_sqrt(hp.n_embd_head_k))

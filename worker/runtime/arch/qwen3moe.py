@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.runtime.arch import qwen3
+from worker.runtime.arch import base, qwen3
 from worker.runtime.arch.base import TensorSpec, meta
 from worker.runtime.errors import ModelError
 from worker.runtime.graph import GraphContext
@@ -47,15 +47,12 @@ def load_hparams(gguf) -> HParams:
 
 def tensor_specs(hp: HParams) -> list[TensorSpec]:
     d, f, e = hp.n_embd, hp.n_ff_exp, hp.n_expert
-    specs = [
-        TensorSpec("token_embd.weight", (d, hp.n_vocab)),
-        TensorSpec("output_norm.weight", (d,)),
-        TensorSpec("output.weight", (d, hp.n_vocab), required=False),
-    ]
+    specs = base.output_specs(hp)
     for il in range(hp.n_layer):
         b = f"blk.{il}."
         specs += qwen3.attn_tensor_specs(hp, b)
         specs += [
+            TensorSpec(b + "ffn_norm.weight", (d,)),
             TensorSpec(b + "ffn_gate_inp.weight", (d, e)),
             TensorSpec(b + "ffn_gate_exps.weight", (d, f, e)),
             TensorSpec(b + "ffn_up_exps.weight", (d, f, e)),
