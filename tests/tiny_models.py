@@ -22,6 +22,7 @@ vocabularies: greedy top-1 log-probs between -4.4 and -0.2, entropy 2.8–7.6 na
 margins above 0.1).
 
     python -m tests.tiny_models OUT_DIR [ARCH ...]   # writes <arch>.gguf and <arch>-lora.gguf
+    python -m tests.tiny_models --pre OUT_DIR        # writes <pre>.gguf per PRE_VOCAB value
 """
 
 from __future__ import annotations
@@ -156,10 +157,21 @@ class _Gen:
         return (self.rng.standard_normal((v, d), dtype=np.float32) * std).astype(np.float16)
 
 
+_KEEP = object()
+"""``_write``'s ``pre`` default: the vocab file's own ``tokenizer.ggml.pre``."""
+
+
 def _write(
-    path: Path, arch: str, kv: list[tuple[str, object, gguf.GGUFValueType]], tensors: dict[str, np.ndarray], vocab: str
+    path: Path,
+    arch: str,
+    kv: list[tuple[str, object, gguf.GGUFValueType]],
+    tensors: dict[str, np.ndarray],
+    vocab: str,
+    *,
+    pre: object = _KEEP,
 ) -> Path:
-    """One GGUF: ``general.*``, the ``{arch}.*`` keys ``kv``, the vocab's tokenizer, tensors."""
+    """One GGUF: ``general.*``, the ``{arch}.*`` keys ``kv``, the vocab's tokenizer, tensors.
+    ``pre`` (a string, or None for no key at all) replaces the vocab's ``tokenizer.ggml.pre``."""
     w = gguf.GGUFWriter(path, arch=arch)
     w.add_key_value("general.type", "model", gguf.GGUFValueType.STRING)
     w.add_key_value("general.name", f"tiny-{arch}", gguf.GGUFValueType.STRING)
@@ -167,6 +179,10 @@ def _write(
         w.add_key_value(f"{arch}.{key}", value, vtype)
     fields, _ = _vocab_fields(vocab)
     for key, value, vtype, etype in fields:
+        if key == "tokenizer.ggml.pre" and pre is not _KEEP:
+            if pre is None:
+                continue
+            value = pre
         w.add_key_value(key, value, vtype, sub_type=etype)
     for name, data in tensors.items():
         w.add_tensor(name, data)
@@ -365,6 +381,33 @@ def model_gemma2(path: Path) -> Path:
     return _write(path, "gemma2", kv, t, VOCAB["gemma2"])
 
 
+PRE_VOCAB = {
+    "tekken": "llama-bpe",
+    "smollm": "llama-bpe",
+    "deepseek-r1-qwen": "qwen2",
+    "default": "llama-bpe",
+    "": "llama-bpe",
+    "llama3": "llama-bpe",
+    "dbrx": "llama-bpe",
+    "smaug-bpe": "llama-bpe",
+}
+"""``tokenizer.ggml.pre`` values checked on their own (no llama.cpp vocab test file has them) ->
+the vocab file whose tokens and merges the model carries; ``""`` stands for no key at all."""
+
+
+def model_pre(path: Path, pre: str) -> Path:
+    """Tokenizer-only check model: a 1-layer llama (tied output) with ``PRE_VOCAB[pre]``'s
+    tokenizer fields and ``tokenizer.ggml.pre`` set to ``pre`` (removed for ``""``)."""
+    vocab = PRE_VOCAB[pre]
+    _, n_vocab = _vocab_fields(vocab)
+    g = _Gen(11)
+    t = _head(g, n_vocab, tied=True)
+    t["output_norm.weight"] = g.norm(N_EMBD)
+    t |= _attn(g, "blk.0.") | _ffn(g, "blk.0.")
+    kv = [(k, 1 if k == "block_count" else v, vt) for k, v, vt in _base_kv(eps=1e-5)]
+    return _write(path, "llama", kv, t, vocab, pre=pre or None)
+
+
 MODELS: dict[str, Callable[[Path], Path]] = {
     "llama": model_llama,
     "qwen2": model_qwen2,
@@ -438,8 +481,19 @@ def write_all(out_dir: Path, archs: tuple[str, ...] = ARCHS) -> dict[str, tuple[
     return {a: (MODELS[a](out_dir / f"{a}.gguf"), adapter(a, out_dir / f"{a}-lora.gguf")) for a in archs}
 
 
+def write_pre(out_dir: Path) -> dict[str, Path]:
+    """``pre -> model_pre`` file for every ``PRE_VOCAB`` value, as ``<pre>.gguf`` (``none.gguf``
+    for the absent key) under ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return {p: model_pre(out_dir / f"{p or 'none'}.gguf", p) for p in PRE_VOCAB}
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m tests.tiny_models OUT_DIR [ARCH ...]")
+        raise SystemExit("usage: python -m tests.tiny_models OUT_DIR [ARCH ...] | --pre OUT_DIR")
+    if sys.argv[1] == "--pre":
+        for pre, m in write_pre(Path(sys.argv[2])).items():
+            print(pre or "(absent)", m)
+        raise SystemExit(0)
     for arch, (m, lo) in write_all(Path(sys.argv[1]), tuple(sys.argv[2:]) or ARCHS).items():
         print(arch, m, lo)
