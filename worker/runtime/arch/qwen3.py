@@ -52,18 +52,6 @@ def build_attn_block(ctx: GraphContext, hp: HParams, il: int, x: torch.Tensor) -
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
-    """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
-    x = ctx.build_inp_embd("token_embd.weight")
-    for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        cur = build_attn_block(ctx, hp, il, x)
-        if il == hp.n_layer - 1:
-            cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
-        ffn_inp = cur + x
-        cur = ctx.build_norm(ffn_inp, b + "ffn_norm.weight", hp.eps)
-        cur = ctx.build_ffn(
-            cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight", down=b + "ffn_down.weight", act="silu"
-        )
-        x = cur + ffn_inp
-    x = ctx.build_norm(x, "output_norm.weight", hp.eps)
-    return ctx.build_output(x)
+    """Forward pass of one ubatch (Qwen 2's decoder with this attention block); returns logits
+    ``(n_out, n_vocab)`` for the wanted rows."""
+    return qwen2.build_layers(ctx, hp, build_attn_block)
