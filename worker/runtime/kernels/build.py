@@ -34,13 +34,32 @@ import torch  # noqa: F401  (loads torch's libgomp before ours; see module docst
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"]
-HEADERS = [CSRC_DIR / "qmm_common.h"]  # included by both sources: part of the build key
+HEADERS = [CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h"]  # included by both sources: part of the build key
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-fno-math-errno"]
 ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-DLP_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+}
+
+
+_P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_QUANT = [_P, _I64, _I32, _I32, _P, _P, _P, _P, _I32]
+_QMM = [_P, _P, _P, _F32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _I32, _P, _I32]
+_QMM_F32 = [_P, _I64, _I32, _I32, _P, _P, _P, _F32, _I32, _I32, _I32, _P, _I32]
+
+# Every exported function (``lp_<isa>_<name>``) with its ctypes (argtypes, restype); each
+# source's functions are listed together.
+SIGNATURES: dict[str, tuple[list, object]] = {
+    # qmm.cpp (int8 activations)
+    "quantize_act": (_QUANT, None),
+    "qmm": (_QMM, _I32),
+    "qmm_f32": (_QMM_F32, _I32),
+    # qmm16.cpp (int16 activations)
+    "quantize_act16": (_QUANT, None),
+    "qmm16": (_QMM, _I32),
+    "qmm16_f32": (_QMM_F32, _I32),
 }
 
 
@@ -111,26 +130,9 @@ def load(isa: str) -> ctypes.CDLL:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
             raise KernelBuildError(f"loading {path} failed: {exc}") from exc
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        q = getattr(lib, f"lp_{isa}_quantize_act")
-        q.argtypes = [p, i64, i32, i32, p, p, p, p, i32]
-        q.restype = None
-        m = getattr(lib, f"lp_{isa}_qmm")
-        f32 = ctypes.c_float
-        m.argtypes = [p, p, p, f32, i32, i32, i32, i32, p, p, p, p, i32, p, i32]
-        m.restype = i32
-        f = getattr(lib, f"lp_{isa}_qmm_f32")
-        f.argtypes = [p, i64, i32, i32, p, p, p, f32, i32, i32, i32, p, i32]
-        f.restype = i32
-        q16 = getattr(lib, f"lp_{isa}_quantize_act16")
-        q16.argtypes = q.argtypes
-        q16.restype = None
-        m16 = getattr(lib, f"lp_{isa}_qmm16")
-        m16.argtypes = m.argtypes
-        m16.restype = i32
-        f16 = getattr(lib, f"lp_{isa}_qmm16_f32")
-        f16.argtypes = f.argtypes
-        f16.restype = i32
+        for fn, (argtypes, restype) in SIGNATURES.items():
+            f = getattr(lib, f"lp_{isa}_{fn}")
+            f.argtypes, f.restype = argtypes, restype
         _libs[isa] = lib
         return lib
 

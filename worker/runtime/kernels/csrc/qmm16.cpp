@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "qmm_common.h"
 
 namespace {
@@ -31,8 +32,8 @@ void quantize_rows16(const float* x, int64_t ldx, int n, int k, int16_t* aq, flo
                      float* as16, float* as32, int nthreads) {
   const int nb = k / 32;
   const __m256 signbit = _mm256_set1_ps(-0.0f);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && (int64_t)n * k >= (1 << 16))
-  for (int i = 0; i < n; ++i) {
+  const int nt = nthreads > 1 && (int64_t)n * k >= (1 << 16) ? nthreads : 1;
+  lp::parallel_for(n, nt, [&](int i) {
     const float* xr = x + (int64_t)i * ldx;
     for (int b = 0; b < nb; ++b) {
       const float* p = xr + b * 32;
@@ -65,7 +66,7 @@ void quantize_rows16(const float* x, int64_t ldx, int n, int k, int16_t* aq, flo
       as16[(int64_t)i * 2 * nb + 2 * b + 1] = d * (float)sum_hi;
       as32[(int64_t)i * nb + b] = d * (float)(sum_lo + sum_hi);
     }
-  }
+  });
 }
 
 struct Act16 {
@@ -211,8 +212,8 @@ void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int 
   const int G = (d + R - 1) / R;
   const int64_t wstride = (int64_t)nb * BS * R;
   const int64_t sstride = (int64_t)nb * R;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && G > 1)
-  for (int g = 0; g < G; ++g) {
+  const int nt = nthreads > 1 && G > 1 ? nthreads : 1;
+  lp::parallel_for(G, nt, [&](int g) {
     const uint8_t* W = qw + g * wstride;
     const float* S = sc + g * sstride;
     const float* C = bias ? bias + g * sstride : nullptr;
@@ -221,7 +222,7 @@ void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int 
     int i0 = 0;
     for (; i0 + NXMAX <= n; i0 += NXMAX) tile<NXMAX, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
     for (; i0 < n; ++i0) tile<1, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
-  }
+  });
 }
 
 }  // namespace
