@@ -38,7 +38,7 @@ PEFT_MEAN = {"dequant": 0.05, "packed": 0.10}
 SAME_TOL = {"dequant": 1e-4, "packed": 1e-3}
 
 
-@pytest.fixture(scope="module", params=["packed", "dequant"])
+@pytest.fixture(scope="module", params=["packed", pytest.param("dequant", marks=pytest.mark.slow)])
 def weight_form(request) -> str:
     return request.param
 

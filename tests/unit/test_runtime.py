@@ -123,7 +123,7 @@ def test_sampling_validation(field, value, msg):
 
 
 # --- KV cache, sliding window, dtype ---------------------------------------------------------
-@pytest.fixture(scope="module", params=["packed", "dequant"])
+@pytest.fixture(scope="module", params=["packed", pytest.param("dequant", marks=pytest.mark.slow)])
 def gemma(base_model_path, request):
     model = Model(load_model(base_model_path, dtype="f32", device="cpu", weights=request.param))
     ctx = model.new_context(n_ctx_seq=1024)
