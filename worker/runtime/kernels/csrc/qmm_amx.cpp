@@ -74,23 +74,32 @@ inline void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
+// Store C tile `ct` (16 rows x 64 bytes) to cb.  GCC's _tile_stored clobbers all memory,
+// which forces the 16 accumulators below out to the stack around every store; this one names
+// only the 1 KiB it writes.
+using CTile = int32_t[256];
+#define LP_TILE_STORED(ct, cb)                                  \
+  asm volatile("tilestored %%tmm" #ct ", (%1,%2,1)"             \
+               : "=m"(*(CTile*)(cb))                            \
+               : "r"((void*)(cb)), "r"(64L))
+
+// Per tile of 16 activation rows, the rows' scales transposed so that block b's 16 values are
+// contiguous: dT (nb32, 16) = d_a, sT (nb, 16) = d_a * sum(a_q) per BS (zero for pad rows).
 // Scale one stored C tile (16 rows x 16 int32, row t at cb + 16 t) of block b into acc[16]:
 // the vpdpbusd tile's per-block float operations, in its order (qmm8.h tile).
 template <int BS, int MODE>
-inline void scale_block(const int32_t* cb, const float* S, const float* C, float off, int b, const Act& a,
-                        int64_t r0, __m512* acc) {
-  const int nb32 = a.k / 32, nb16 = a.k / 16;
+inline void scale_block(const int32_t* cb, const float* S, const float* C, float off, int b, const float* dT,
+                        const float* sT, __m512* acc) {
   const __m512 s = _mm512_loadu_ps(S + b * R);
   const __m512 c = MODE == 0 ? _mm512_loadu_ps(C + b * R)
                              : _mm512_mul_ps(s, _mm512_set1_ps(MODE == 1 ? -128.f : off));
+  const float* da = dT + ((b * BS) / 32) * 16;
+  const float* sa = sT + b * 16;
 #pragma GCC unroll 16
   for (int t = 0; t < 16; ++t) {
-    const int64_t row = r0 + t;
-    const float da = a.d[row * nb32 + (b * BS) / 32];
-    const float sa = BS == 32 ? a.s32[row * nb32 + b] : a.s16[row * nb16 + b];
     const __m512i isum = _mm512_load_si512((const void*)(cb + 16 * t));
-    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, _mm512_set1_ps(da)), acc[t]);
-    acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sa), acc[t]);
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, _mm512_set1_ps(da[t])), acc[t]);
+    acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sa[t]), acc[t]);
   }
 }
 
@@ -108,15 +117,14 @@ inline void scale_block(const int32_t* cb, const float* S, const float* C, float
     }                                                       \
   } while (0)
 
-// y rows r0 .. r0+mrows-1 (mrows <= 16; the tile always computes 16 rows of `a`, which must
-// exist) x the nvalid rows of one weight group, over all nb blocks.
+// y rows 0 .. mrows-1 (mrows <= 16) of one tile of 16 activation rows (q: 16 rows of k bytes,
+// all readable; dT/sT its transposed scales) x the nvalid rows of one weight group.
 template <int BS, int MODE>
-void rows16(const uint8_t* W, const float* S, const float* C, float off, int nb, const Act& a, int64_t r0,
-            int mrows, float* y, int64_t ldy, int nvalid, int32_t* cbuf /* 4 x 256 */) {
+void rows16(const uint8_t* W, const float* S, const float* C, float off, int nb, const int8_t* q, long k,
+            const float* dT, const float* sT, int mrows, float* y, int64_t ldy, int nvalid,
+            int32_t* cbuf /* 4 x 256 */) {
   __m512 acc[16];
   for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-  const int8_t* q = a.q + r0 * a.k;
-  const long k = a.k;
   // Software pipeline over pairs of blocks: pair p's tile products are issued, then pair
   // p-1 (stored to the other half of cbuf an iteration earlier) is scaled while the tile unit
   // works, and only then pair p is stored (its tilestored waits for the products; vector
@@ -129,12 +137,12 @@ void rows16(const uint8_t* W, const float* S, const float* C, float off, int nb,
     LP_AMX_BLOCK(1, 5, 7, q + (b + 1) * BS, k, W + (int64_t)(b + 1) * BS * R);
     if (p > 0) {
       const int32_t* cq = cbuf + ((p - 1) & 1) * 512;
-      scale_block<BS, MODE>(cq, S, C, off, b - 2, a, r0, acc);
-      scale_block<BS, MODE>(cq + 256, S, C, off, b - 1, a, r0, acc);
+      scale_block<BS, MODE>(cq, S, C, off, b - 2, dT, sT, acc);
+      scale_block<BS, MODE>(cq + 256, S, C, off, b - 1, dT, sT, acc);
     }
     int32_t* cp = cbuf + (p & 1) * 512;
-    _tile_stored(0, cp, 64);
-    _tile_stored(1, cp + 256, 64);
+    LP_TILE_STORED(0, cp);
+    LP_TILE_STORED(1, cp + 256);
   }
   if (nb & 1) {
     const int b = nb - 1;
@@ -142,41 +150,19 @@ void rows16(const uint8_t* W, const float* S, const float* C, float off, int nb,
   }
   if (npairs > 0) {
     const int32_t* cq = cbuf + ((npairs - 1) & 1) * 512;
-    scale_block<BS, MODE>(cq, S, C, off, 2 * npairs - 2, a, r0, acc);
-    scale_block<BS, MODE>(cq + 256, S, C, off, 2 * npairs - 1, a, r0, acc);
+    scale_block<BS, MODE>(cq, S, C, off, 2 * npairs - 2, dT, sT, acc);
+    scale_block<BS, MODE>(cq + 256, S, C, off, 2 * npairs - 1, dT, sT, acc);
   }
   if (nb & 1) {
-    _tile_stored(0, cbuf, 64);
-    scale_block<BS, MODE>(cbuf, S, C, off, nb - 1, a, r0, acc);
+    LP_TILE_STORED(0, cbuf);
+    scale_block<BS, MODE>(cbuf, S, C, off, nb - 1, dT, sT, acc);
   }
   const __mmask16 m = nvalid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nvalid) - 1);
   for (int t = 0; t < 16; ++t)
-    if (t < mrows) _mm512_mask_storeu_ps(y + (r0 + t) * ldy, m, acc[t]);
+    if (t < mrows) _mm512_mask_storeu_ps(y + t * ldy, m, acc[t]);
 }
 #undef LP_AMX_BLOCK
-
-// The last n % 16 rows of a, zero-padded to 16 rows (zero activations and scales: the padded
-// rows compute zeros that are never stored), so every A tile load stays in bounds.
-struct Tail {
-  Act a;
-  void* buf;
-};
-
-Tail make_tail(const Act& a, int r0, int mrows) {
-  const int k = a.k, nb32 = k / 32, nb16 = k / 16;
-  const size_t qbytes = (size_t)16 * k, fl = (size_t)16 * (2 * nb32 + nb16);
-  char* buf = (char*)calloc(1, qbytes + fl * sizeof(float) + 64);
-  if (!buf) return {a, nullptr};
-  int8_t* q = (int8_t*)buf;
-  float* d = (float*)(buf + ((qbytes + 63) & ~(size_t)63));
-  float* s32 = d + 16 * nb32;
-  float* s16 = s32 + 16 * nb32;
-  memcpy(q, a.q + (int64_t)r0 * k, (size_t)mrows * k);
-  memcpy(d, a.d + (int64_t)r0 * nb32, (size_t)mrows * nb32 * sizeof(float));
-  memcpy(s32, a.s32 + (int64_t)r0 * nb32, (size_t)mrows * nb32 * sizeof(float));
-  memcpy(s16, a.s16 + (int64_t)r0 * nb16, (size_t)mrows * nb16 * sizeof(float));
-  return {Act{q, d, s16, s32, k}, buf};
-}
+#undef LP_TILE_STORED
 
 template <int BS, int MODE>
 void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, const Act& a, int n,
@@ -185,20 +171,32 @@ void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int 
     gemm_vnni<BS, MODE>(qw, sc, bias, off, d, k, a, n, y, nthreads);
     return;
   }
-  const int nb = k / BS;
+  const int nb = k / BS, nb32 = k / 32, nb16 = k / 16;
   const int G = (d + R - 1) / R;
   const int64_t wstride = (int64_t)nb * BS * R;  // bytes per group
   const int64_t sstride = (int64_t)nb * R;       // scales per group
-  const int nfull = n / 16 * 16, mtail = n - nfull;
-  Tail tail{a, nullptr};
-  if (mtail) {
-    tail = make_tail(a, nfull, mtail);
-    if (!tail.buf) {  // no memory for 16 rows: the vpdpbusd kernel gives the same result
-      gemm_vnni<BS, MODE>(qw, sc, bias, off, d, k, a, n, y, nthreads);
-      return;
-    }
+  const int ntiles = (n + 15) / 16, nfull = n / 16, mtail = n - nfull * 16;
+  // Per call: the transposed scales of every row tile (dT, sT) and the last n % 16 rows
+  // zero-padded to a whole tile (tq), so every A tile load stays in bounds; pad rows compute
+  // zeros that are never stored.
+  const size_t tq_bytes = mtail ? (size_t)16 * k : 0;
+  const size_t nfl = (size_t)ntiles * 16 * (nb32 + nb);
+  char* buf = (char*)calloc(1, nfl * sizeof(float) + tq_bytes + 64);
+  if (!buf) {  // out of memory for the scratch: the vpdpbusd kernel gives the same result
+    gemm_vnni<BS, MODE>(qw, sc, bias, off, d, k, a, n, y, nthreads);
+    return;
   }
-  asm volatile("" ::: "memory");  // the tail's bytes are written before any tile load reads them
+  float* dT = (float*)buf;
+  float* sT = dT + (size_t)ntiles * 16 * nb32;
+  int8_t* tq = (int8_t*)(sT + (size_t)ntiles * 16 * nb);
+  const float* sa = BS == 32 ? a.s32 : a.s16;
+  for (int i = 0; i < n; ++i) {
+    const int tile = i / 16, t = i % 16;
+    for (int j = 0; j < nb32; ++j) dT[((size_t)tile * nb32 + j) * 16 + t] = a.d[(int64_t)i * nb32 + j];
+    for (int j = 0; j < nb; ++j) sT[((size_t)tile * nb + j) * 16 + t] = sa[(int64_t)i * (BS == 32 ? nb32 : nb16) + j];
+  }
+  if (mtail) memcpy(tq, a.q + (int64_t)nfull * 16 * k, (size_t)mtail * k);
+  asm volatile("" ::: "memory");  // the scratch is written before any tile load reads it
   const int nt = nthreads > 1 && G > 1 ? (nthreads < G ? nthreads : G) : 1;
   // One index per thread (parallel_for's static split over G, by hand), so that each thread
   // configures its tiles once per call.
@@ -212,13 +210,16 @@ void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int 
       const float* S = sc + g * sstride;
       const float* C = bias ? bias + g * sstride : nullptr;
       const int nvalid = d - g * R < R ? d - g * R : R;
-      float* yg = y + (int64_t)g * R;
-      for (int i0 = 0; i0 < nfull; i0 += 16) rows16<BS, MODE>(W, S, C, off, nb, a, i0, 16, yg, d, nvalid, cbuf);
-      if (mtail) rows16<BS, MODE>(W, S, C, off, nb, tail.a, 0, mtail, yg + (int64_t)nfull * d, d, nvalid, cbuf);
+      for (int it = 0; it < ntiles; ++it) {
+        const bool full = it < nfull;
+        rows16<BS, MODE>(W, S, C, off, nb, full ? a.q + (int64_t)it * 16 * k : tq, k, dT + (size_t)it * 16 * nb32,
+                         sT + (size_t)it * 16 * nb, full ? 16 : mtail, y + (int64_t)it * 16 * d + (int64_t)g * R, d,
+                         nvalid, cbuf);
+      }
     }
     _tile_release();
   });
-  free(tail.buf);
+  free(buf);
 }
 
 }  // namespace
