@@ -2,8 +2,8 @@
 
 Promise tested here: the amx path's int8 results are **bit-identical** to the avx512 int8
 kernel (``csrc/qmm8.h``, ``vpdpbusd``) for every repacked GGUF type, at ragged batch sizes
-(1 and 3 run the vpdpbusd code inside the amx library, 16/17/512 the tiles, 17 with a
-zero-padded tail tile), ``d`` not a multiple of 16 and ``k`` not a multiple of 256 where the
+(1 and 3 run the vpdpbusd code inside the amx library; 12 one zero-padded tile; 16 and 512
+whole tiles; 17 a tile + one vpdpbusd row; 29 a tile + a padded tail tile), ``d`` not a multiple of 16 and ``k`` not a multiple of 256 where the
 block allows; so a row's result is also the same alone or batched and with 1 or 2 threads.
 The int16 path of the amx library is the avx512 code: equal too. The accuracy of the avx512
 int8 kernel itself against the dequantized reference is tested in ``test_kernels.py``.
@@ -48,7 +48,7 @@ CASES = [
     (T.Q6_K, 9, 256),
     (T.Q6_K, 40, 768),
 ]
-NS = [1, 3, 16, 17, 512]
+NS = [1, 3, 12, 16, 17, 29, 512]
 
 
 def _name(t: T, d: int, k: int) -> str:
@@ -113,18 +113,22 @@ def test_amx_int16_is_the_avx512_code(packed, t, d, k):
 @needs_amx
 @pytest.mark.parametrize("t,d,k", [CASES[1], CASES[7], CASES[10]], ids=[_name(*c) for c in (CASES[1], CASES[7], CASES[10])])
 def test_amx_row_alone_equals_batched(packed, t, d, k):
-    """Rows 0, 5, 16 and 511 alone (n=1: the vpdpbusd code) equal their rows in batches of 17
-    and 512 (tiles; 17's last row in the zero-padded tail tile), outlier rows included."""
+    """Rows 0, 5, 16, 28 and 511 alone (n=1: the vpdpbusd code) equal their rows in batches
+    of 17, 29 and 512 (tiles; 17's last row by vpdpbusd, 29's in the zero-padded tail tile),
+    outlier rows included."""
     ql, _ = packed[_name(t, d, k)]
     x = _x(512, k, seed=3)
     x[5] *= 1000.0
     y512 = ql.matmul(x, path="amx", act="i8")
     y17 = ql.matmul(x[:17], path="amx", act="i8")
-    for i in (0, 5, 16, 511):
+    y29 = ql.matmul(x[:29], path="amx", act="i8")
+    for i in (0, 5, 16, 28, 511):
         alone = ql.matmul(x[i : i + 1], path="amx", act="i8")[0]
         assert torch.equal(alone, y512[i])
         if i < 17:
             assert torch.equal(alone, y17[i])
+        if i < 29:
+            assert torch.equal(alone, y29[i])
 
 
 @needs_amx
@@ -133,7 +137,7 @@ def test_amx_thread_count_does_not_change_results(packed, t, d, k):
     ql, _ = packed[_name(t, d, k)]
     before = torch.get_num_threads()
     try:
-        for n in (16, 17, 512):
+        for n in (16, 17, 29, 512):
             x = _x(n, k, seed=11)
             torch.set_num_threads(1)
             y1 = ql.matmul(x, path="amx", act="i8")

@@ -39,9 +39,11 @@
 
 namespace {
 
-// Below this many rows in a call the vpdpbusd kernel is faster (measured, see the README):
-// the tile work per block is for 16 rows whatever the call holds.
-constexpr int AMX_MIN_ROWS = 16;
+// A tile always does the work of 16 rows, and costs about what 11 (bs 32) to 13 (bs 16) rows
+// cost in the vpdpbusd kernel (measured, see the README): fewer rows than this (a small call,
+// or the n % 16 rows after the whole tiles) go to the vpdpbusd kernel, more to a tile (the
+// last one zero-padded).  Both give the same bits, so this is a speed choice only.
+constexpr int AMX_MIN_ROWS = 12;
 
 struct alignas(64) TileConfig {  // the 64-byte ldtilecfg operand, palette 1
   uint8_t palette;
@@ -167,30 +169,31 @@ void rows16(const uint8_t* W, const float* S, const float* C, float off, int nb,
 template <int BS, int MODE>
 void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, const Act& a, int n,
           float* y, int nthreads) {
-  if (n < AMX_MIN_ROWS) {
-    gemm_vnni<BS, MODE>(qw, sc, bias, off, d, k, a, n, y, nthreads);
-    return;
-  }
   const int nb = k / BS, nb32 = k / 32, nb16 = k / 16;
   const int G = (d + R - 1) / R;
   const int64_t wstride = (int64_t)nb * BS * R;  // bytes per group
   const int64_t sstride = (int64_t)nb * R;       // scales per group
-  const int ntiles = (n + 15) / 16, nfull = n / 16, mtail = n - nfull * 16;
-  // Per call: the transposed scales of every row tile (dT, sT) and the last n % 16 rows
-  // zero-padded to a whole tile (tq), so every A tile load stays in bounds; pad rows compute
-  // zeros that are never stored.
+  const int nfull = n / 16, rest = n - nfull * 16;
+  const int mtail = rest >= AMX_MIN_ROWS ? rest : 0;  // rows of the padded tail tile
+  const int ntiles = nfull + (mtail ? 1 : 0), mtiles = nfull * 16 + mtail;
+  if (mtiles < n) {  // the rows after the tiles: vpdpbusd
+    const int64_t r0 = (int64_t)nfull * 16;
+    const Act at{a.q + r0 * k, a.d + r0 * nb32, a.s16 + r0 * nb16, a.s32 + r0 * nb32, k};
+    gemm_vnni<BS, MODE>(qw, sc, bias, off, d, k, at, n - mtiles, y + r0 * d, nthreads);
+  }
+  if (ntiles == 0) return;
   const size_t tq_bytes = mtail ? (size_t)16 * k : 0;
   const size_t nfl = (size_t)ntiles * 16 * (nb32 + nb);
   char* buf = (char*)calloc(1, nfl * sizeof(float) + tq_bytes + 64);
   if (!buf) {  // out of memory for the scratch: the vpdpbusd kernel gives the same result
-    gemm_vnni<BS, MODE>(qw, sc, bias, off, d, k, a, n, y, nthreads);
+    gemm_vnni<BS, MODE>(qw, sc, bias, off, d, k, a, mtiles, y, nthreads);
     return;
   }
   float* dT = (float*)buf;
   float* sT = dT + (size_t)ntiles * 16 * nb32;
   int8_t* tq = (int8_t*)(sT + (size_t)ntiles * 16 * nb);
   const float* sa = BS == 32 ? a.s32 : a.s16;
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < mtiles; ++i) {
     const int tile = i / 16, t = i % 16;
     for (int j = 0; j < nb32; ++j) dT[((size_t)tile * nb32 + j) * 16 + t] = a.d[(int64_t)i * nb32 + j];
     for (int j = 0; j < nb; ++j) sT[((size_t)tile * nb + j) * 16 + t] = sa[(int64_t)i * (BS == 32 ? nb32 : nb16) + j];
@@ -205,16 +208,23 @@ void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int 
     load_tile_config<BS>();
     if (MODE == 1) _tile_loadd(3, kU128, 64);
     const int g0 = (int)((int64_t)G * t / nt), g1 = (int)((int64_t)G * (t + 1) / nt);
-    for (int g = g0; g < g1; ++g) {
-      const uint8_t* W = qw + g * wstride;
-      const float* S = sc + g * sstride;
-      const float* C = bias ? bias + g * sstride : nullptr;
-      const int nvalid = d - g * R < R ? d - g * R : R;
+    // Groups in spans of about 512 KiB of weights (kept in L2 while every row tile passes
+    // over them), so each output row is written in runs of gspan * 64 bytes: one group at a
+    // time, a 512-row prefill against a 262144-row LM head wrote 64 bytes per 1 MiB row
+    // stride (a TLB and cache miss per store) and took seconds.
+    const int gspan = wstride >= (512 << 10) ? 1 : (int)((512 << 10) / wstride);
+    for (int gs = g0; gs < g1; gs += gspan) {
+      const int ge = gs + gspan < g1 ? gs + gspan : g1;
       for (int it = 0; it < ntiles; ++it) {
         const bool full = it < nfull;
-        rows16<BS, MODE>(W, S, C, off, nb, full ? a.q + (int64_t)it * 16 * k : tq, k, dT + (size_t)it * 16 * nb32,
-                         sT + (size_t)it * 16 * nb, full ? 16 : mtail, y + (int64_t)it * 16 * d + (int64_t)g * R, d,
-                         nvalid, cbuf);
+        const int8_t* q = full ? a.q + (int64_t)it * 16 * k : tq;
+        for (int g = gs; g < ge; ++g) {
+          const float* C = bias ? bias + g * sstride : nullptr;
+          const int nvalid = d - g * R < R ? d - g * R : R;
+          rows16<BS, MODE>(qw + g * wstride, sc + g * sstride, C, off, nb, q, k, dT + (size_t)it * 16 * nb32,
+                           sT + (size_t)it * 16 * nb, full ? 16 : mtail, y + (int64_t)it * 16 * d + (int64_t)g * R,
+                           d, nvalid, cbuf);
+        }
       }
     }
     _tile_release();
