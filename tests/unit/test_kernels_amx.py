@@ -3,10 +3,11 @@
 Promise tested here: the amx path's int8 results are **bit-identical** to the avx512 int8
 kernel (``csrc/qmm8.h``, ``vpdpbusd``) for every repacked GGUF type, at ragged batch sizes
 (1 and 3 run the vpdpbusd code inside the amx library; 12 one zero-padded tile; 16 and 512
-whole tiles; 17 a tile + one vpdpbusd row; 29 a tile + a padded tail tile), ``d`` not a multiple of 16 and ``k`` not a multiple of 256 where the
-block allows; so a row's result is also the same alone or batched and with 1 or 2 threads.
-The int16 path of the amx library is the avx512 code: equal too. The accuracy of the avx512
-int8 kernel itself against the dequantized reference is tested in ``test_kernels.py``.
+whole tiles; 17 a tile + one vpdpbusd row; 29 a tile + a padded tail tile), ``d`` not a
+multiple of 16 and ``k`` not a multiple of 256 where the block allows; so a row's result is
+also the same alone or batched and with 1 or 2 threads. The int16 path of the amx library is
+the avx512 code: equal too. The accuracy of the avx512 int8 kernel itself against the
+dequantized reference is tested in ``test_kernels.py``.
 
 Weights: real GGUF block bytes written with ``gguf.GGUFWriter`` and read back with
 ``worker.gguf.reader`` (``test_kernels._weight_array``: gguf's quantizer where it has one,
@@ -22,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter
 
 from tests.unit.test_kernels import _weight_array
 from worker.gguf.reader import dequantize, read_gguf
@@ -49,6 +50,8 @@ CASES = [
     (T.Q6_K, 40, 768),
 ]
 NS = [1, 3, 12, 16, 17, 29, 512]
+SOME = [CASES[1], CASES[7], CASES[10]]  # Q8_0 (signed), Q4_K (stored bias), Q6_K (bs 16)
+SOME_IDS = [f"w.{t.name}.{d}x{k}" for t, d, k in SOME]
 
 
 def _name(t: T, d: int, k: int) -> str:
@@ -102,7 +105,7 @@ def test_amx_int8_bit_identical_to_avx512(packed, t, d, k):
 
 @needs_amx
 @needs_avx512
-@pytest.mark.parametrize("t,d,k", [CASES[1], CASES[7], CASES[10]], ids=[_name(*c) for c in (CASES[1], CASES[7], CASES[10])])
+@pytest.mark.parametrize("t,d,k", SOME, ids=SOME_IDS)
 def test_amx_int16_is_the_avx512_code(packed, t, d, k):
     ql, _ = packed[_name(t, d, k)]
     for n in (1, 17):
@@ -111,7 +114,7 @@ def test_amx_int16_is_the_avx512_code(packed, t, d, k):
 
 
 @needs_amx
-@pytest.mark.parametrize("t,d,k", [CASES[1], CASES[7], CASES[10]], ids=[_name(*c) for c in (CASES[1], CASES[7], CASES[10])])
+@pytest.mark.parametrize("t,d,k", SOME, ids=SOME_IDS)
 def test_amx_row_alone_equals_batched(packed, t, d, k):
     """Rows 0, 5, 16, 28 and 511 alone (n=1: the vpdpbusd code) equal their rows in batches
     of 17, 29 and 512 (tiles; 17's last row by vpdpbusd, 29's in the zero-padded tail tile),
@@ -132,7 +135,7 @@ def test_amx_row_alone_equals_batched(packed, t, d, k):
 
 
 @needs_amx
-@pytest.mark.parametrize("t,d,k", [CASES[0], CASES[6], CASES[9]], ids=[_name(*c) for c in (CASES[0], CASES[6], CASES[9])])
+@pytest.mark.parametrize("t,d,k", SOME, ids=SOME_IDS)
 def test_amx_thread_count_does_not_change_results(packed, t, d, k):
     ql, _ = packed[_name(t, d, k)]
     before = torch.get_num_threads()
