@@ -2,8 +2,10 @@
 
 Promise tested here: the amx path's int8 results are **bit-identical** to the avx512 int8
 kernel (``csrc/qmm8.h``, ``vpdpbusd``) for every repacked GGUF type, at ragged batch sizes
-(1 and 3 run the vpdpbusd code inside the amx library; 12 one zero-padded tile; 16 and 512
-whole tiles; 17 a tile + one vpdpbusd row; 29 a tile + a padded tail tile), ``d`` not a
+(1 and 3 run the vpdpbusd code inside the amx library; 12 one zero-padded tile for bs 32,
+vpdpbusd for bs 16; 14 a padded tile for both; 16 and 512 whole tiles; 17 a tile + one
+vpdpbusd row; 29 a tile + a padded tail tile (bs 32) or 13 vpdpbusd rows (bs 16); 30 a tile +
+a padded tail tile), ``d`` not a
 multiple of 16 and ``k`` not a multiple of 256 where the block allows; so a row's result is
 also the same alone or batched and with 1 or 2 threads. The int16 path of the amx library is
 the avx512 code: equal too. The accuracy of the avx512 int8 kernel itself against the
@@ -49,7 +51,7 @@ CASES = [
     (T.Q6_K, 9, 256),
     (T.Q6_K, 40, 768),
 ]
-NS = [1, 3, 12, 16, 17, 29, 512]
+NS = [1, 3, 12, 14, 16, 17, 29, 30, 512]
 SOME = [CASES[1], CASES[7], CASES[10]]  # Q8_0 (signed), Q4_K (stored bias), Q6_K (bs 16)
 SOME_IDS = [f"w.{t.name}.{d}x{k}" for t, d, k in SOME]
 
@@ -117,21 +119,21 @@ def test_amx_int16_is_the_avx512_code(packed, t, d, k):
 @pytest.mark.parametrize("t,d,k", SOME, ids=SOME_IDS)
 def test_amx_row_alone_equals_batched(packed, t, d, k):
     """Rows 0, 5, 16, 28 and 511 alone (n=1: the vpdpbusd code) equal their rows in batches
-    of 17, 29 and 512 (tiles; 17's last row by vpdpbusd, 29's in the zero-padded tail tile),
+    of 17, 30 and 512 (tiles; 17's last row by vpdpbusd, 30's in the zero-padded tail tile),
     outlier rows included."""
     ql, _ = packed[_name(t, d, k)]
     x = _x(512, k, seed=3)
     x[5] *= 1000.0
     y512 = ql.matmul(x, path="amx", act="i8")
     y17 = ql.matmul(x[:17], path="amx", act="i8")
-    y29 = ql.matmul(x[:29], path="amx", act="i8")
+    y30 = ql.matmul(x[:30], path="amx", act="i8")
     for i in (0, 5, 16, 28, 511):
         alone = ql.matmul(x[i : i + 1], path="amx", act="i8")[0]
         assert torch.equal(alone, y512[i])
         if i < 17:
             assert torch.equal(alone, y17[i])
-        if i < 29:
-            assert torch.equal(alone, y29[i])
+        if i < 30:
+            assert torch.equal(alone, y30[i])
 
 
 @needs_amx
@@ -140,7 +142,7 @@ def test_amx_thread_count_does_not_change_results(packed, t, d, k):
     ql, _ = packed[_name(t, d, k)]
     before = torch.get_num_threads()
     try:
-        for n in (16, 17, 29, 512):
+        for n in (16, 17, 30, 512):
             x = _x(n, k, seed=11)
             torch.set_num_threads(1)
             y1 = ql.matmul(x, path="amx", act="i8")

@@ -5,7 +5,7 @@
 // results bit for bit: every block's integer dot product is exact in both kernels, and the
 // f32 accumulation below repeats the vpdpbusd tile's operations in the same order
 //   acc = fma(float(isum), s * d_a, acc);  acc = fma(c, d_a * sum(a_q), acc)      per block.
-// Hence rows below AMX_MIN_ROWS can run the vpdpbusd kernel (qmm8.h gemm_vnni) and the rest
+// Hence rows below amx_min_rows(BS) can run the vpdpbusd kernel (qmm8.h gemm_vnni) and the rest
 // AMX without a row's result depending on the batch.
 //
 // Why the packed weights need no repacking: a block of the interleaved form is BS/4 lines of
@@ -39,11 +39,11 @@
 
 namespace {
 
-// A tile always does the work of 16 rows, and costs about what 11 (bs 32) to 13 (bs 16) rows
+// A tile always does the work of 16 rows, and costs about what 11 (bs 32) to 14 (bs 16) rows
 // cost in the vpdpbusd kernel (measured, see the README): fewer rows than this (a small call,
 // or the n % 16 rows after the whole tiles) go to the vpdpbusd kernel, more to a tile (the
 // last one zero-padded).  Both give the same bits, so this is a speed choice only.
-constexpr int AMX_MIN_ROWS = 12;
+constexpr int amx_min_rows(int bs) { return bs == 32 ? 12 : 14; }
 
 struct alignas(64) TileConfig {  // the 64-byte ldtilecfg operand, palette 1
   uint8_t palette;
@@ -174,7 +174,7 @@ void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int 
   const int64_t wstride = (int64_t)nb * BS * R;  // bytes per group
   const int64_t sstride = (int64_t)nb * R;       // scales per group
   const int nfull = n / 16, rest = n - nfull * 16;
-  const int mtail = rest >= AMX_MIN_ROWS ? rest : 0;  // rows of the padded tail tile
+  const int mtail = rest >= amx_min_rows(BS) ? rest : 0;  // rows of the padded tail tile
   const int ntiles = nfull + (mtail ? 1 : 0), mtiles = nfull * 16 + mtail;
   if (mtiles < n) {  // the rows after the tiles: vpdpbusd
     const int64_t r0 = (int64_t)nfull * 16;
