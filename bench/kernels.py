@@ -24,9 +24,9 @@ int8-activation matmul on the avx512 path (``vpdpbusd``) and the amx path (AMX t
 side, interleaved rep by rep (wall time and process CPU time per call), on the LM heads
 (Gemma 262144 x 640 Q8_0, Qwen2.5-Coder-0.5B 151936 x 896 Q8_0 when its GGUF is in
 ``~/.cache/loraplane``) and Gemma's layer shapes
-(640 -> 2048 Q5_0, 2048 -> 640 Q4_K and Q6_K): median [min-max] ms, int8 MAC/s from the
-median CPU time, and the fraction of the AMX int8 peak (1024 MAC per cycle per core at the
-``/proc/cpuinfo`` clock; a nominal figure).
+(640 -> 2048 Q5_0, 2048 -> 640 Q4_K and Q6_K): median [min-max] ms, int8 MAC per CPU-second
+from the median CPU time, and its fraction of one core's AMX int8 peak (1024 MAC per cycle at
+the ``/proc/cpuinfo`` clock; a nominal figure).
 """
 
 from __future__ import annotations
@@ -217,19 +217,19 @@ def run_amx(model: str, reps: int, batches: list[int]) -> None:
         return
     nt = torch.get_num_threads()
     ghz = _cpu_ghz()
-    peak = 1024 * ghz * 1e9 * nt
+    core_peak = 1024 * ghz * 1e9  # AMX int8 MAC/s of one core
     print(
         f"int8 matmul, avx512 (vpdpbusd) vs amx (tiles), {nt} threads, {reps} reps interleaved; "
-        f"AMX int8 peak {peak / 1e12:.2f} TMAC/s (1024 MAC/cycle/core x {nt} x {ghz:.2f} GHz)"
+        f"AMX int8 peak {core_peak / 1e12:.2f} TMAC/s per core (1024 MAC/cycle x {ghz:.2f} GHz)"
     )
     print(
         "wall ms median (min-max); cpu ms = median process CPU time per call (all threads; on a\n"
         "shared machine the wall time includes time-slices lost to other processes, the CPU time\n"
-        "does not); speedup and GMAC/s from the CPU time"
+        "does not); speedup and GMAC per CPU-second from the CPU time, % of one core's AMX peak"
     )
     print(
         f"{'weight':16s} {'type':5s} {'d x k':>13s} {'B':>4s} {'avx512 wall ms':>26s} {'cpu ms':>8s} "
-        f"{'amx wall ms':>26s} {'cpu ms':>8s} {'speedup':>7s} {'amx GMAC/s':>10s} {'% peak':>6s}"
+        f"{'amx wall ms':>26s} {'cpu ms':>8s} {'speedup':>7s} {'amx GMAC/cpu-s':>14s} {'% peak':>6s}"
     )
     qwen = Path.home() / ".cache/loraplane/qwen2.5-coder-0.5b-instruct.gguf"
     files = {"gemma": read_gguf(model), "qwen": read_gguf(qwen) if qwen.exists() else None}
@@ -254,11 +254,11 @@ def run_amx(model: str, reps: int, batches: list[int]) -> None:
                     ts[p].append((time.perf_counter() - t0) * 1e3)
                     cs[p].append((time.process_time() - c0) * 1e3)
             cpu_v, cpu_a = statistics.median(cs["avx512"]), statistics.median(cs["amx"])
-            macs = b * d * k / (cpu_a / 1e3) * nt  # per CPU-second x threads
+            macs = b * d * k / (cpu_a / 1e3)  # per CPU-second (the CPU time sums the threads)
             print(
                 f"{label:16s} {rec.ggml_type.name:5s} {d:>6d}x{k:<6d} {b:>4d} {_fmt(ts['avx512']):>26s} "
-                f"{cpu_v:8.2f} {_fmt(ts['amx']):>26s} {cpu_a:8.2f} {cpu_v / cpu_a:6.2f}x {macs / 1e9:10.1f} "
-                f"{100 * macs / peak:5.1f}%"
+                f"{cpu_v:8.2f} {_fmt(ts['amx']):>26s} {cpu_a:8.2f} {cpu_v / cpu_a:6.2f}x {macs / 1e9:14.1f} "
+                f"{100 * macs / core_peak:5.1f}%"
             )
         del ql
 
