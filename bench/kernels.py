@@ -18,6 +18,15 @@ time (every linear weight of the 18 layers + the output projection) per method a
 
 ``--contention`` re-runs the step sum in child processes with ``OMP_WAIT_POLICY`` active vs
 passive, alone and with a competing busy process pinned to a core, to pick the default.
+
+``--amx`` (alone: ``python -m bench.kernels --amx [--reps 7] [--batches 1,16,512]``) times the
+int8-activation matmul on the avx512 path (``vpdpbusd``) and the amx path (AMX tiles) side by
+side, interleaved rep by rep (wall time and process CPU time per call), on the LM heads
+(Gemma 262144 x 640 Q8_0, Qwen2.5-Coder-0.5B 151936 x 896 Q8_0 when its GGUF is in
+``~/.cache/loraplane``) and Gemma's layer shapes
+(640 -> 2048 Q5_0, 2048 -> 640 Q4_K and Q6_K): median [min-max] ms, int8 MAC per CPU-second
+from the median CPU time, and its fraction of one core's AMX int8 peak (1024 MAC per cycle at
+the ``/proc/cpuinfo`` clock; a nominal figure).
 """
 
 from __future__ import annotations
@@ -177,6 +186,83 @@ def _contention(args) -> None:
                 hog.wait()
 
 
+AMX_SHAPES = (  # (label, GGUF, tensor name): the LM heads and Gemma's layer shapes
+    ("gemma LM head", "gemma", "token_embd.weight"),
+    ("qwen LM head", "qwen", "output.weight"),
+    ("gemma ffn_gate", "gemma", "blk.0.ffn_gate.weight"),
+    ("gemma ffn_down", "gemma", "blk.2.ffn_down.weight"),
+    ("gemma ffn_down", "gemma", "blk.0.ffn_down.weight"),
+)
+
+
+def _cpu_ghz() -> float:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("cpu MHz"):
+                    return float(line.split(":", 1)[1]) / 1e3
+    except (OSError, ValueError):
+        pass
+    return float("nan")
+
+
+def run_amx(model: str, reps: int, batches: list[int]) -> None:
+    """avx512 (vpdpbusd) vs amx (tiles) int8 matmul, side by side (see the module docstring)."""
+    from pathlib import Path
+
+    if not supported("amx") or not supported("avx512"):
+        from worker.runtime.kernels.cpu import amx_unavailable_reason
+
+        print(f"amx: unavailable here ({amx_unavailable_reason()}); nothing to compare")
+        return
+    nt = torch.get_num_threads()
+    ghz = _cpu_ghz()
+    core_peak = 1024 * ghz * 1e9  # AMX int8 MAC/s of one core
+    print(
+        f"int8 matmul, avx512 (vpdpbusd) vs amx (tiles), {nt} threads, {reps} reps interleaved; "
+        f"AMX int8 peak {core_peak / 1e12:.2f} TMAC/s per core (1024 MAC/cycle x {ghz:.2f} GHz)"
+    )
+    print(
+        "wall ms median (min-max); cpu ms = median process CPU time per call (all threads; on a\n"
+        "shared machine the wall time includes time-slices lost to other processes, the CPU time\n"
+        "does not); speedup and GMAC per CPU-second from the CPU time, % of one core's AMX peak"
+    )
+    print(
+        f"{'weight':16s} {'type':5s} {'d x k':>13s} {'B':>4s} {'avx512 wall ms':>26s} {'cpu ms':>8s} "
+        f"{'amx wall ms':>26s} {'cpu ms':>8s} {'speedup':>7s} {'amx GMAC/cpu-s':>14s} {'% peak':>6s}"
+    )
+    qwen = Path.home() / ".cache/loraplane/qwen2.5-coder-0.5b-instruct.gguf"
+    files = {"gemma": read_gguf(model), "qwen": read_gguf(qwen) if qwen.exists() else None}
+    for label, which, name in AMX_SHAPES:
+        gf = files[which]
+        if gf is None:
+            print(f"{label:16s} (skipped: {qwen} not found)")
+            continue
+        rec = gf.tensors[name]
+        ql = pack_tensor(rec)
+        k, d = int(rec.ne[0]), int(rec.ne[1])
+        for b in batches:
+            x = torch.randn(b, k)
+            ts: dict[str, list[float]] = {"avx512": [], "amx": []}
+            cs: dict[str, list[float]] = {"avx512": [], "amx": []}
+            for p in ts:
+                ql.matmul(x, path=p, act="i8")  # warm-up
+            for _ in range(reps):
+                for p in ts:
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    ql.matmul(x, path=p, act="i8")
+                    ts[p].append((time.perf_counter() - t0) * 1e3)
+                    cs[p].append((time.process_time() - c0) * 1e3)
+            cpu_v, cpu_a = statistics.median(cs["avx512"]), statistics.median(cs["amx"])
+            macs = b * d * k / (cpu_a / 1e3)  # per CPU-second (the CPU time sums the threads)
+            print(
+                f"{label:16s} {rec.ggml_type.name:5s} {d:>6d}x{k:<6d} {b:>4d} {_fmt(ts['avx512']):>26s} "
+                f"{cpu_v:8.2f} {_fmt(ts['amx']):>26s} {cpu_a:8.2f} {cpu_v / cpu_a:6.2f}x {macs / 1e9:14.1f} "
+                f"{100 * macs / core_peak:5.1f}%"
+            )
+        del ql
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
@@ -184,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--no-baselines", action="store_true", help="time only our kernels")
     ap.add_argument("--contention", action="store_true", help="also measure OMP_WAIT_POLICY under load")
+    ap.add_argument("--amx", action="store_true", help="only the avx512 vs amx int8 comparison")
     ap.add_argument("--step-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.model is None:
@@ -191,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(default_model_path())
     batches = [int(b) for b in args.batches.split(",")]
+    if args.amx:
+        print(f"cpu: {cpu_model()}; {os.cpu_count()} cpus; load average {os.getloadavg()[0]:.1f}")
+        run_amx(args.model, args.reps, batches)
+        return 0
     if args.step_only:
         step = run_step(args.model, args.reps, batches, baselines=False)
         print("  ".join(f"{m} {_fmt(ts).strip()}" for (m, b), ts in step.items()))

@@ -41,7 +41,7 @@ def kernels_used(weights: str, device: str) -> dict:
     """The matmul path a model loaded with ``--weights weights`` on ``device`` takes.
 
     Returns ``{"weights", "path", "act", "summary"}``; ``path`` is the ISA of our C kernels
-    ('avx512' | 'avx2'), or 'torch' (dequantized float weights: ``--weights dequant``, CUDA,
+    ('amx' | 'avx512' | 'avx2'), or 'torch' (dequantized float weights: ``--weights dequant``, CUDA,
     a CPU without AVX2, or ``LORAPLANE_KERNELS=torch``); ``act`` the activation precision of
     the C kernels ('i16' | 'i8'), None for the torch path.
     """

@@ -113,7 +113,7 @@ def test_bench_quick_reports_every_scenario(tmp_path):
 
     m = data["machine"]
     assert m["cpu_model"] and isinstance(m["cpu_flags"], list)
-    assert m["kernels"]["weights"] == "packed" and m["kernels"]["path"] in ("avx512", "avx2", "torch")
+    assert m["kernels"]["weights"] == "packed" and m["kernels"]["path"] in ("amx", "avx512", "avx2", "torch")
     assert data["params"]["weights"] == "packed"
 
     s = sc["serving"]

@@ -280,7 +280,7 @@ def test_path_resolution(monkeypatch):
     monkeypatch.setenv("LORAPLANE_KERNELS", "torch")
     assert resolve_path() == "torch"
     monkeypatch.setenv("LORAPLANE_KERNELS", "auto")
-    assert resolve_path() in ("avx512", "avx2", "torch")
+    assert resolve_path() in ("amx", "avx512", "avx2", "torch")
     monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
     assert resolve_act() == "i16"
     monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i8")

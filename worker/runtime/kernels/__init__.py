@@ -1,4 +1,4 @@
-"""Quantized matmul kernels for GGUF linear weights (CPU: AVX2 / AVX-512 VNNI; CUDA: torch).
+"""Quantized matmul kernels for GGUF linear weights (CPU: AVX2 / AVX-512 VNNI / AMX; CUDA: torch).
 
 Public API (shapes in torch order; a GGUF weight with ggml ``ne = [k, d]`` is ``(d, k)``):
 

@@ -1,10 +1,13 @@
-"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``) for each x86 ISA path.
+"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/qmm_amx.cpp``)
+for each x86 ISA path.
 
-One source, two shared libraries, each compiled with its own target flags (never
-``-march=native``), so the AVX2 library runs on an AVX2-only CPU:
+Three shared libraries, each compiled with its own target flags (never ``-march=native``), so
+the AVX2 library runs on an AVX2-only CPU:
 
-- ``avx2``:   ``-mavx2 -mfma -mf16c``
-- ``avx512``: ``-mavx512f -mavx512bw -mavx512vl -mavx512vnni`` (+ the AVX2 flags)
+- ``avx2``:   ``qmm.cpp qmm16.cpp`` with ``-mavx2 -mfma -mf16c``
+- ``avx512``: ``qmm.cpp qmm16.cpp`` with ``-mavx512f -mavx512bw -mavx512vl -mavx512vnni`` (+ the AVX2 flags)
+- ``amx``:    ``qmm_amx.cpp qmm16.cpp`` with the avx512 flags + ``-mamx-tile -mamx-int8``: the
+  int8-activation matmul on AMX tiles, the int16 one the avx512 code (AMX has no int16 product)
 
 Built with plain ``g++`` (no torch headers, about 1 s each) into ``_build/`` beside this file,
 named by a hash of the source and flags so a stale library is never loaded. ``scripts/install.sh``
@@ -33,8 +36,14 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp before ours; see module docstring)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"]
-HEADERS = [CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h"]  # included by both sources: part of the build key
+SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", CSRC_DIR / "qmm_amx.cpp"]
+HEADERS = [CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h", CSRC_DIR / "qmm8.h"]  # included: part of the build key
+# Which sources each ISA's library is compiled from (every one exports the SIGNATURES below).
+ISA_SOURCES = {
+    "avx2": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"],
+    "avx512": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"],
+    "amx": [CSRC_DIR / "qmm_amx.cpp", CSRC_DIR / "qmm16.cpp"],
+}
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-fno-math-errno"]
@@ -42,6 +51,7 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-DLP_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
 }
+ISA_FLAGS["amx"] = ["-DLP_AMX", *ISA_FLAGS["avx512"], "-mamx-tile", "-mamx-int8"]
 
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -60,6 +70,11 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "quantize_act16": (_QUANT, None),
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
+}
+# Functions only one ISA's library exports.
+ISA_SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
+    # qmm_amx.cpp: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) -> 0 or errno
+    "amx": {"request_tile_perm": ([], _I32)},
 }
 
 
@@ -82,9 +97,9 @@ def _compiler() -> str:
 
 
 def library_path(isa: str) -> Path:
-    """Where the library for ``isa`` ('avx2' | 'avx512') lives, keyed by source+flags hash."""
+    """Where the library for ``isa`` ('avx2' | 'avx512' | 'amx') lives, keyed by source+flags hash."""
     h = hashlib.sha256(
-        b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode()
+        b"".join(s.read_bytes() for s in ISA_SOURCES[isa] + HEADERS) + " ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode()
     ).hexdigest()[:12]
     return BUILD_DIR / f"liblp_{isa}-{h}.so"
 
@@ -106,7 +121,7 @@ def build(isa: str) -> Path:
         if out.exists():
             return out
         tmp = out.with_suffix(f".tmp{os.getpid()}")
-        cmd = [_compiler(), *COMMON_FLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", str(tmp)]
+        cmd = [_compiler(), *COMMON_FLAGS, *ISA_FLAGS[isa], *map(str, ISA_SOURCES[isa]), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
@@ -130,7 +145,7 @@ def load(isa: str) -> ctypes.CDLL:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
             raise KernelBuildError(f"loading {path} failed: {exc}") from exc
-        for fn, (argtypes, restype) in SIGNATURES.items():
+        for fn, (argtypes, restype) in {**SIGNATURES, **ISA_SIGNATURES.get(isa, {})}.items():
             f = getattr(lib, f"lp_{isa}_{fn}")
             f.argtypes, f.restype = argtypes, restype
         _libs[isa] = lib
@@ -138,10 +153,18 @@ def load(isa: str) -> ctypes.CDLL:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Build every ISA's library (what install.sh runs); exit status 1 on any failure."""
+    """Build every ISA's library (what install.sh runs); exit status 1 on any failure of the
+    avx2/avx512 builds. The optional ``amx`` library (needs g++ >= 11 for ``-mamx-int8``) only
+    warns when it fails: ``cpu.py`` then reports the amx path unavailable and ``auto`` takes
+    avx512."""
     try:
         for isa in ISA_FLAGS:
-            print(f"kernels: {isa} -> {build(isa)}")
+            try:
+                print(f"kernels: {isa} -> {build(isa)}")
+            except KernelBuildError as exc:
+                if isa != "amx":
+                    raise
+                print(f"kernels: amx build failed, the amx path will be unavailable: {exc}", file=sys.stderr)
     except KernelBuildError as exc:
         print(f"kernels: BUILD FAILED: {exc}", file=sys.stderr)
         return 1

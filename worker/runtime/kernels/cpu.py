@@ -2,15 +2,21 @@
 
 Paths:
 
+- ``amx``: the ``avx512`` path with the int8-activation matmul on AMX tiles (``csrc/qmm_amx.cpp``,
+  ``tdpbsud``/``tdpbssd``, results bit-identical to the avx512 int8 kernel); int16 activations
+  run the avx512 code (AMX has no int16 product). Needs the avx512 flags + ``amx_tile amx_int8``
+  AND the Linux kernel's permission for the tile state, asked once per process with
+  ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`` (Linux >= 5.16); if refused,
+  ``auto`` logs why and takes ``avx512``.
 - ``avx512``: needs ``avx512f avx512bw avx512vl avx512_vnni`` (int8 dot products with
-  ``vpdpbusd``, 16 weight rows per instruction). AMX is never assumed.
+  ``vpdpbusd``, 16 weight rows per instruction).
 - ``avx2``: needs ``avx2 fma f16c`` (``vpmaddubsw`` + ``vpmaddwd``); runs on any x86-64 CPU of
   the last decade, including AVX-512 ones (tests force it there).
 - ``torch``: no C kernels; the weight is dequantized once to f32 (CPU) or bf16 (CUDA) and
   multiplied with torch. Used on CUDA, on CPUs without AVX2, or when asked for.
 
-``LORAPLANE_KERNELS`` = ``auto`` (default) | ``avx512`` | ``avx2`` | ``torch`` forces a path
-for the process; ``QuantLinear.matmul(..., path=...)`` forces one for a call.
+``LORAPLANE_KERNELS`` = ``auto`` (default) | ``amx`` | ``avx512`` | ``avx2`` | ``torch`` forces a
+path for the process; ``QuantLinear.matmul(..., path=...)`` forces one for a call.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import structlog
 
 log = structlog.get_logger("loraplane.worker.runtime.kernels.cpu")
 
-PATHS = ("avx512", "avx2", "torch")
+PATHS = ("amx", "avx512", "avx2", "torch")
 NEEDS = {
+    "amx": ("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"),
     "avx2": ("avx2", "fma", "f16c"),
 }
@@ -59,17 +66,58 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def supported(path: str) -> bool:
-    """Whether this CPU can run ``path`` ('avx512' | 'avx2' | 'torch')."""
-    if path == "torch":
-        return True
+def _has_flags(path: str) -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     return all(f in cpu_flags() for f in NEEDS[path])
 
 
+@lru_cache(maxsize=1)
+def amx_unavailable_reason() -> str | None:
+    """None when the amx path can run here, else why not (missing flags, the kernel refused
+    the tile state, or the amx library failed to build).
+
+    The first call on an AMX CPU asks Linux for the tile data state for the whole process:
+    ``arch_prctl(ARCH_REQ_XCOMP_PERM=0x1023, XFEATURE_XTILEDATA=18)`` (Linux >= 5.16), through
+    the amx library's ``lp_amx_request_tile_perm``; without that grant the first tile
+    instruction raises SIGILL. Cached: asked once per process.
+    """
+    if not _has_flags("amx"):
+        missing = [f for f in NEEDS["amx"] if f not in cpu_flags()]
+        return f"CPU ({cpu_model()}) lacks {', '.join(missing) or 'x86-64'}"
+    from worker.runtime.kernels import build  # the library is only needed on AMX CPUs
+
+    try:
+        lib = build.load("amx")
+    except build.KernelBuildError as exc:
+        return f"the amx library did not build: {str(exc).splitlines()[0]}"
+    err = lib.lp_amx_request_tile_perm()
+    if err:
+        return (
+            f"Linux refused the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): "
+            f"{os.strerror(err)}; needs Linux >= 5.16, kernel {platform.release()})"
+        )
+    return None
+
+
+def supported(path: str) -> bool:
+    """Whether this CPU can run ``path`` ('amx' | 'avx512' | 'avx2' | 'torch'); for 'amx' this
+    also asks Linux for the tile state (see :func:`amx_unavailable_reason`)."""
+    if path == "torch":
+        return True
+    if path == "amx":
+        return amx_unavailable_reason() is None
+    return _has_flags(path)
+
+
 def best_path() -> str:
-    """The fastest path this CPU supports: avx512, else avx2, else torch (with a warning)."""
+    """The fastest path this CPU supports: amx, else avx512, else avx2, else torch (with a
+    warning). An AMX CPU whose tile state is refused logs the reason and takes avx512."""
+    if _has_flags("amx"):
+        reason = amx_unavailable_reason()
+        if reason is None:
+            return "amx"
+        log.warning("kernels_amx_unavailable", reason=reason, fallback="avx512")
     for p in ("avx512", "avx2"):
         if supported(p):
             return p
@@ -95,6 +143,8 @@ def _resolve(want: str) -> str:
         return best_path()
     if want not in PATHS:
         raise KernelPathError(f"unknown kernel path '{want}' (expected auto, {', '.join(PATHS)})")
+    if want == "amx" and not supported(want):
+        raise KernelPathError(f"kernel path 'amx' is unavailable: {amx_unavailable_reason()}")
     if not supported(want):
         missing = [f for f in NEEDS[want] if f not in cpu_flags()]
         raise KernelPathError(
@@ -103,4 +153,13 @@ def _resolve(want: str) -> str:
     return want
 
 
-__all__ = ["PATHS", "KernelPathError", "cpu_flags", "cpu_model", "supported", "best_path", "resolve_path"]
+__all__ = [
+    "PATHS",
+    "KernelPathError",
+    "amx_unavailable_reason",
+    "cpu_flags",
+    "cpu_model",
+    "supported",
+    "best_path",
+    "resolve_path",
+]

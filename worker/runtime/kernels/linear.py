@@ -110,7 +110,7 @@ def quantize_activations(x: torch.Tensor, path: str | None = None, act: str | No
     """Quantize ``x`` ``(n, k)`` f32/bf16/f16 CPU (k a multiple of 32) for the C kernels.
 
     Args:
-        path: ISA ('avx512' | 'avx2'; default :func:`~worker.runtime.kernels.cpu.resolve_path`).
+        path: ISA ('amx' | 'avx512' | 'avx2'; default :func:`~worker.runtime.kernels.cpu.resolve_path`).
         act: 'i16' | 'i8' (default :func:`resolve_act`).
     Raises:
         KernelError: not a 2-D CPU tensor, ``k`` not a multiple of 32, unknown ``act``.
@@ -227,8 +227,10 @@ class QuantLinear:
 
         Args:
             x: activations, on this weight's device.
-            path: force 'avx512' | 'avx2' | 'torch' for this call (default: see
+            path: force 'amx' | 'avx512' | 'avx2' | 'torch' for this call (default: see
                 :func:`worker.runtime.kernels.cpu.resolve_path`); ignored for float weights.
+                'amx' runs int8 activations on AMX tiles (bit-identical to avx512's int8
+                kernel) and int16 ones on the avx512 code.
             act: activation precision 'i16' | 'i8' (default :func:`resolve_act`).
         Raises:
             KernelError: wrong width or device, unknown ``act``.

@@ -13,7 +13,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(LP_AVX512)
+#if defined(LP_AMX)
+#define LP_FN(name) lp_amx_##name
+#elif defined(LP_AVX512)
 #define LP_FN(name) lp_avx512_##name
 #else
 #define LP_FN(name) lp_avx2_##name
@@ -23,16 +25,21 @@
 namespace lp {
 
 constexpr int XCHUNK = 64;  // activation rows kept hot while a thread walks its weight groups
+// A source may define LP_QMM_CHUNK before including this header to use another chunk in its
+// exports (qmm_amx.cpp: 256, its weight group is reused by 16 tiles of 16 rows).
+#ifndef LP_QMM_CHUNK
+#define LP_QMM_CHUNK lp::XCHUNK
+#endif
 
-// y (n, d) f32 = x @ W.T from activations already quantized, XCHUNK rows at a time.
+// y (n, d) f32 = x @ W.T from activations already quantized, K::kChunk rows at a time.
 //   bs 16 or 32; is_signed: the signed (Q8_0) form, which has no bias; bias: stored offsets
 //   or NULL for c = off * s.  Returns 0, or -1 for an unsupported (bs, is_signed) pair.
 template <class K, class Q>
 inline int qmm_chunks(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, int bs,
                       int is_signed, const Q* aq, const float* ad, const float* as16, const float* as32, int n,
                       float* y, int nthreads) {
-  for (int r0 = 0; r0 < n; r0 += XCHUNK) {
-    const int nr = n - r0 < XCHUNK ? n - r0 : XCHUNK;
+  for (int r0 = 0; r0 < n; r0 += K::kChunk) {
+    const int nr = n - r0 < K::kChunk ? n - r0 : K::kChunk;
     typename K::Activations a{aq + (int64_t)r0 * k, ad + (int64_t)r0 * (k / 32), as16 + (int64_t)r0 * (k / 16),
                       as32 + (int64_t)r0 * (k / 32), k};
     float* yc = y + (int64_t)r0 * d;
@@ -79,6 +86,7 @@ inline int qmm_from_f32(Quantize quantize, const float* x, int64_t ldx, int n, i
   namespace {                                                                                                 \
   struct QMM##_kernel {                                                                                       \
     using Activations = ACT;                                                                                  \
+    static constexpr int kChunk = LP_QMM_CHUNK;                                                               \
     template <int BS, int MODE>                                                                               \
     static void run(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k,           \
                     const Activations& a, int n, float* y, int nthreads) {                                    \
