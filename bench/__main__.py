@@ -335,6 +335,10 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
             def serving() -> dict:
                 out, lc = run_multitenant(sc, lifecycle_hook)
                 holder["lifecycle"] = lc
+                eng = result["scenarios"].get("engine") or {}
+                step = eng.get("variants", {}).get("base", {}).get("decode", {}).get(str(profile.streams), {})
+                if "step_sampled_ms" in step:  # scenario 1's in-process step at B = streams
+                    out["engine_step_sampled_ms"] = step["step_sampled_ms"]
                 return out
 
             record("serving", serving)

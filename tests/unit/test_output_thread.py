@@ -156,7 +156,7 @@ def test_stop_string_on_the_output_thread_matches_inline(engine):
     _, stop, before = _stop_at(pieces)
     params = SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,), logprobs=2)
     threaded = _generate(e, params)
-    e.scheduler.use_inline_output()
+    e.scheduler.use_output_thread(False)
     inline = _generate(e, params)
     assert threaded[0] == inline[0] and threaded[1] == inline[1]
     assert threaded[2].text == inline[2].text == before and threaded[2].finish_reason == "stop"

@@ -38,10 +38,11 @@ The pieces live beside it: requests/events/telemetry in ``request``, sequences i
 ``llama``/``keyed`` prefix-cache rules in ``cache_policy``, ubatch assembly in ``ubatch``,
 sampling/detokenizing/stop strings in ``output`` (``OutputStage``, ``EmitWorker``).
 
-Step timing: the start time, duration and batch of the last ``STEP_LOG`` decode-only steps
-are kept in a ring (``step_log``); ``stats`` reports the median interval between consecutive
-step starts (the loop not idle in between) and the median step duration, so the serving tax
-(the interval minus the step) is measurable from outside (``WorkerStats``, ``bench/``).
+Step timing: the interval since the previous step start and the duration of the last
+``STEP_LOG`` decode-only steps are kept in a ring (``step_log``); ``stats`` reports the median
+interval between consecutive step starts (the loop not idle in between) and the median step
+duration, so the serving tax (the interval minus the step) is measurable from outside
+(``WorkerStats``, ``bench/``).
 """
 
 from __future__ import annotations
@@ -170,12 +171,13 @@ class Scheduler:
             self._thread.join(timeout=10)
         self.emitter.close()
 
-    def use_inline_output(self) -> None:
-        """Render and emit on the loop thread again, as each step's tokens are handed over (the
-        text work back on the critical path; ``bench/step_interval.py`` measures both). Call
-        before submitting requests."""
+    def use_output_thread(self, threaded: bool) -> None:
+        """Render and emit on the output thread (``threaded``, the default) or on the loop thread
+        as each step's tokens are handed over (the text work back on the critical path, as
+        before the output thread existed; ``bench/step_interval.py`` measures both). Call while
+        no request runs."""
         self.emitter.close()
-        self.emitter = EmitWorker(self.output, lambda: self.observer, threaded=False)
+        self.emitter = EmitWorker(self.output, lambda: self.observer, threaded=threaded)
 
     def submit(
         self,
@@ -496,8 +498,10 @@ class Scheduler:
         self.emitter.put_tokens(self._step, records)  # every step: ``wait_rendered`` counts steps
         for s, reason in ended:  # after the tokens: the output thread sees them first
             self._finish(s, s.request, reason)
+        t1 = time.monotonic()
         if len(batch.ubatch) == len(batch.parts) and records:  # decode-only: one generated row each
-            self.step_log.append((interval, time.monotonic() - t0))
+            self.step_log.append((interval, t1 - t0))
+        log.debug("step", n=len(batch.ubatch), seqs=len(batch.parts), sets=len(batch.sets), ms=(t1 - t0) * 1000)
 
     def _after_rows(
         self,
