@@ -12,8 +12,9 @@ Repetitions alternate two arms on the same engine:
 Per repetition it prints the scheduler's step interval p50 (``WorkerStats.step_interval_p50_ms``:
 median time between consecutive step starts on the loop, over the last decode-only steps) and
 the step on the loop p50, and, measured on the loop thread while it is idle (``run_soon``), the
-in-process decode step at B = streams with the scheduler's greedy sampling. Summary: median
-[min–max] of each over the repetitions.
+in-process decode step at B = streams with the scheduler's greedy sampling, and the text work
+per step (``EmitWorker.render_s``: detokenizing, stop strings, events; on the loop in the inline
+arm, off it in the other). Summary: median [min–max] of each over the repetitions.
 
 Run: ``python -m bench.step_interval [--reps 3] [--streams 16] [--requests 32] [--max-tokens 24]``.
 """
@@ -153,7 +154,7 @@ def main() -> None:
         f"{args.max_tokens} tokens, {args.prompt_tokens}-token prompts"
     )
     res: dict[str, dict[str, list[float]]] = {
-        arm: {"interval": [], "busy": [], "in_process": [], "tok_s": []} for arm in ("inline", "thread")
+        arm: {"interval": [], "busy": [], "in_process": [], "tok_s": [], "render": []} for arm in ("inline", "thread")
     }
     try:
         serve(engine, args.streams, args.streams, 2, args.prompt_tokens, seed=999)  # warm-up
@@ -163,17 +164,21 @@ def main() -> None:
                 engine.scheduler.step_log.clear()
                 wall = serve(engine, args.streams, args.requests, args.max_tokens, args.prompt_tokens, seed=rep)
                 st = engine.stats().scheduler
+                em = engine.scheduler.emitter
+                render_ms = em.render_s / max(1, em.rendered_steps) * 1000  # text work per step, either thread
                 ip = in_process_step_ms(engine, args.streams, args.in_process_steps, seed=rep)
                 r = res[arm]
                 r["interval"].append(st.step_interval_p50_ms)
                 r["busy"].append(st.step_busy_p50_ms)
                 r["in_process"].append(ip)
                 r["tok_s"].append(args.requests * args.max_tokens / wall)
+                r["render"].append(render_ms)
                 print(
                     f"rep {rep + 1}/{args.reps} {arm:6s}: scheduler step interval p50 {st.step_interval_p50_ms:.1f} ms "
                     f"(step on the loop {st.step_busy_p50_ms:.1f} ms, {st.step_samples} intervals), in-process step "
                     f"incl. sampling B={args.streams} {ip:.1f} ms, interval/in-process "
-                    f"{st.step_interval_p50_ms / ip:.3f}, {r['tok_s'][-1]:.1f} tok/s",
+                    f"{st.step_interval_p50_ms / ip:.3f}, {r['tok_s'][-1]:.1f} tok/s, "
+                    f"rendering {render_ms:.2f} ms/step ({'output thread' if arm == 'thread' else 'on the loop'})",
                     flush=True,
                 )
     finally:
@@ -185,6 +190,7 @@ def main() -> None:
             f"{arm:6s}: scheduler step interval p50 {_fig(r['interval'])} ms | step on the loop {_fig(r['busy'])} ms"
             f" | in-process step incl. sampling {_fig(r['in_process'])} ms | interval/in-process "
             f"{statistics.median(ratio):.3f} [{min(ratio):.3f}–{max(ratio):.3f}] | {_fig(r['tok_s'])} tok/s"
+            f" | rendering {_fig(r['render'])} ms/step"
         )
 
 

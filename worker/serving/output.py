@@ -349,6 +349,8 @@ class EmitWorker:
         self._observer = observer
         self.threaded = threaded
         self.dropped = 0  # tokens sampled past a stop string, cut from their responses
+        self.render_s = 0.0  # seconds spent rendering and emitting steps' tokens (``put_tokens`` items)
+        self.rendered_steps = 0
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._rendered_step = -1  # last step whose tokens were rendered
@@ -402,11 +404,14 @@ class EmitWorker:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "tokens":
+            t0 = time.perf_counter()
             _, step_no, records = item
             observer = self._observer()
             on_token = observer.on_token if observer is not None else None
             for req, sampled, step, now, reason in records:
                 self._guarded(req, self._token, req, sampled, step, now, reason, on_token)
+            self.render_s += time.perf_counter() - t0
+            self.rendered_steps += 1
             with self._cv:
                 self._rendered_step = step_no
                 self._cv.notify_all()
