@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from bench.engine import random_tokens, token_hi
+from loraplane.logging import configure_logging
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.lora.adapter_set import EMPTY_SET
 from worker.rpc.servicer import event_to_proto
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("--in-process-steps", type=int, default=8)
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
+    configure_logging("info")  # as the worker process does: the loop's debug lines filtered out
     engine = WorkerEngine(
         WorkerConfig(
             model_path=args.model or str(default_model_path()),
