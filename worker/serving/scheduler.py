@@ -104,9 +104,10 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int
     prompt_tokens_computed: int
     tokens_generated: int
-    step_interval_p50_ms: float
-    step_busy_p50_ms: float
-    step_samples: int
+    # loop timing over ``step_log`` (module docstring), ms; 0 before any decode-only step
+    step_interval_p50_ms: float = 0.0
+    step_busy_p50_ms: float = 0.0
+    step_samples: int = 0
 
 
 def admission_order(queue: Sequence[GenRequest], pool: LoraPool) -> list[GenRequest]:
