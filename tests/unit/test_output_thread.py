@@ -47,8 +47,8 @@ class LaggingEmitWorker(EmitWorker):
     """Renders each step's tokens only once the next step's are handed over (or a request
     ends): every stop string is found exactly one step late, the case the rules allow."""
 
-    def __init__(self, stage, observer):
-        super().__init__(stage, observer, threaded=False)
+    def __init__(self, stage, observer, after_step):
+        super().__init__(stage, observer, threaded=False, after_step=after_step)
         self.held: list[tuple] = []
 
     def _put(self, item: tuple) -> None:
@@ -126,7 +126,7 @@ def test_stop_string_found_a_step_late_never_leaks(engine):
 
     s = e.scheduler
     s.emitter.close()
-    s.emitter = LaggingEmitWorker(s.output, lambda: s.observer)
+    s.emitter = LaggingEmitWorker(s.output, lambda: s.observer, s._step)
     q: queue.Queue = queue.Queue()
     req = _submit(e, "stopped", SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)), q)
     evs = _collect(q, {"stopped"})["stopped"]

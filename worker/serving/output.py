@@ -336,6 +336,8 @@ class EmitWorker:
             the worker starts).
         threaded: False renders each item on the caller's thread as it is put (the text work
             back on the decode loop: the "before" of ``bench/step_interval.py``).
+        after_step: the scheduler's step count when this worker takes over (steps up to it
+            count as rendered for ``wait_rendered``).
     """
 
     def __init__(
@@ -344,6 +346,7 @@ class EmitWorker:
         observer: Callable[[], RequestObserver | None],
         *,
         threaded: bool = True,
+        after_step: int = -1,
     ):
         self.stage = stage
         self._observer = observer
@@ -353,7 +356,7 @@ class EmitWorker:
         self.rendered_steps = 0
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()
-        self._rendered_step = -1  # last step whose tokens were rendered
+        self._rendered_step = after_step  # last step whose tokens were rendered
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name="loraplane-output", daemon=True)

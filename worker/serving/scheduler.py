@@ -177,8 +177,10 @@ class Scheduler:
         as each step's tokens are handed over (the text work back on the critical path, as
         before the output thread existed; ``bench/step_interval.py`` measures both). Call while
         no request runs."""
-        self.emitter.close()
-        self.emitter = EmitWorker(self.output, lambda: self.observer, threaded=threaded)
+        old = self.emitter
+        old.close()
+        self.emitter = EmitWorker(self.output, lambda: self.observer, threaded=threaded, after_step=self._step)
+        self.emitter.dropped = old.dropped  # ``stats`` subtracts it from the tokens sampled
 
     def submit(
         self,
