@@ -218,3 +218,31 @@ def test_many_streams_finish_at_once_in_order(engine):
             assert "".join(t.text for t in toks) == evs[-1].text == ref_fin.text
             assert max(t.step.batch_size for t in toks) == 16
     assert e.stats().scheduler.slots_busy == 0
+
+
+def test_a_slow_output_thread_holds_the_loop_to_one_token_past_a_stop(engine):
+    """The output thread lags (each token's emit sleeps 50 ms while the tiny model steps in a
+    few ms): with a stop-string request running the loop waits for it before each step, so at
+    most one token past the stop string is ever sampled, and none reaches the response."""
+    e = engine()
+    ids, pieces, _ = _generate(e, SamplingParams(max_tokens=24, ignore_eos=True))
+    j, stop, before = _stop_at(pieces)
+    q: queue.Queue = queue.Queue()
+
+    def slow(ev, q=q):
+        if isinstance(ev, TokenEvent):
+            time.sleep(0.05)
+        q.put(("slow", ev))
+
+    e.submit(
+        request_id="slow",
+        prompt_tokens=list(PROMPT),
+        prompt_text=None,
+        params=SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)),
+        entries=[],
+        emit=slow,
+    )
+    evs = _collect(q, {"slow"})["slow"]
+    assert [ev.token_id for ev in evs if isinstance(ev, TokenEvent)] == ids[: j + 1]
+    assert evs[-1].text == before and evs[-1].finish_reason == "stop"
+    assert e.scheduler.emitter.dropped <= 1
