@@ -335,6 +335,10 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
             def serving() -> dict:
                 out, lc = run_multitenant(sc, lifecycle_hook)
                 holder["lifecycle"] = lc
+                eng = result["scenarios"].get("engine") or {}
+                step = eng.get("variants", {}).get("base", {}).get("decode", {}).get(str(profile.streams), {})
+                if "step_sampled_ms" in step:  # scenario 1's in-process step at B = streams
+                    out["engine_step_sampled_ms"] = step["step_sampled_ms"]
                 return out
 
             record("serving", serving)
@@ -374,8 +378,12 @@ def _in_process_scenarios(
     ``{"value": ...}`` or ``{"error": exc}`` for the roofline (``{}`` when it is not selected)."""
     if "engine" in selected:
         from bench.engine import run_engine
+        from bench.profiles import with_overrides
 
-        record("engine", lambda: run_engine(base, engine_adapter, profile, seed=args.seed, log=log))
+        # B = streams too: the in-process step table 2c puts beside the worker's step interval
+        batches = tuple(sorted({*profile.decode_batches, profile.streams}))
+        eng_profile = with_overrides(profile, decode_batches=batches)
+        record("engine", lambda: run_engine(base, engine_adapter, eng_profile, seed=args.seed, log=log))
     roofline_part: dict = {}
     if "roofline" in selected:
         # the in-process half now (it needs the loaded model); the table is recorded after the

@@ -2,9 +2,12 @@
 
 Drives ``worker.runtime.context.WorkerContext.decode`` directly — no gRPC, no scheduler — so the
 figures are the model's own cost: prompt processing (one ubatch of ``pp_tokens`` rows, logits
-for the last row only) and decode steps at batch 1, 8 and 32 (one row per sequence, logits for
-every row, as the scheduler asks), on the base model and with one rank-8 adapter on every
-linear weight. Repetitions alternate base and LoRA so machine noise hits both alike.
+for the last row only) and decode steps at batch 1, 8, 16 and 32 (one row per sequence, logits
+for every row, as the scheduler asks), on the base model and with one rank-8 adapter on every
+linear weight. Each decode step is also timed with the scheduler's greedy sampling after it
+(``greedy_rows`` over the batch, then ``Sampler.sample`` per row with its log-prob):
+``step_sampled_ms``, the in-process step the serving scheduler's step interval is compared
+with. Repetitions alternate base and LoRA so machine noise hits both alike.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import Model, UBatch, WorkerContext
 from worker.runtime.model import LoadedModel
+from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
 
 TOKEN_LO, TOKEN_HI = 1000, 200_000  # ordinary vocabulary ids (no special tokens)
 N_BATCH = 512  # rows per ubatch when prefilling several sequences
@@ -114,20 +118,36 @@ class EngineBench:
                 ids += [s] * n_ctx
             self.ctx.decode(UBatch(toks, pos, ids, [False] * len(toks)))
 
-    def decode_steps(self, variant: str, batch: int, steps: int, n_ctx: int, rep: int) -> float:
-        """Seconds for ``steps`` decode steps of ``batch`` sequences (each back at ``n_ctx``)."""
+    def decode_steps(self, variant: str, batch: int, steps: int, n_ctx: int, rep: int) -> tuple[float, float]:
+        """``steps`` decode steps of ``batch`` sequences (each back at ``n_ctx``), each followed by
+        the scheduler's greedy sampling of every row (``Scheduler._step_once``: one batched
+        ``greedy_rows`` for B > 1, then ``Sampler.sample`` per row). Returns ``(seconds of the
+        decodes, seconds of decodes + sampling)``."""
         rng = np.random.default_rng((self.seed, 3, batch, rep))
         self.ctx.set_adapters(self.sets[variant])
         for s in range(batch):
             self.ctx.kv.seq_rm(s, n_ctx)
         seqs = list(range(batch))
-        _sync(self.base.device)
-        t0 = time.perf_counter()
+        samplers = [Sampler(SamplingParams(max_tokens=steps)) for _ in seqs]
+        t_decode = t_all = 0.0
         for i in range(steps):
             toks = random_tokens(rng, batch, hi=self.hi)
-            self.ctx.decode(UBatch(toks, [n_ctx + i] * batch, seqs, [True] * batch))
-        _sync(self.base.device)
-        return time.perf_counter() - t0
+            _sync(self.base.device)
+            t0 = time.perf_counter()
+            res = self.ctx.decode(UBatch(toks, [n_ctx + i] * batch, seqs, [True] * batch))
+            _sync(self.base.device)
+            t1 = time.perf_counter()
+            rows = list(range(len(res.out_rows)))  # every row is an output row, in batch order
+            if batch > 1:
+                logp, top = greedy_rows(res.logits, rows)
+                for j, r in enumerate(rows):
+                    samplers[j].sample(res.logits[r], logp=logp[j], argmax=top[j])
+            else:
+                samplers[0].sample(res.logits[0])
+            t2 = time.perf_counter()
+            t_decode += t1 - t0
+            t_all += t2 - t0
+        return t_decode, t_all
 
 
 def run_engine(
@@ -147,6 +167,7 @@ def run_engine(
             eb.decode_steps(v, b, 1, p.decode_ctx, rep=999)
     pp: dict[str, list[float]] = {v: [] for v in variants}
     dec: dict[str, dict[int, list[float]]] = {v: {b: [] for b in p.decode_batches} for v in variants}
+    dec_s: dict[str, dict[int, list[float]]] = {v: {b: [] for b in p.decode_batches} for v in variants}
     for rep in range(p.reps):
         for v in variants:
             dt = eb.prompt_processing(v, p.pp_tokens, rep)
@@ -154,10 +175,13 @@ def run_engine(
             log(f"engine: rep {rep + 1}/{p.reps} {v}: pp{p.pp_tokens} {p.pp_tokens / dt:.1f} tok/s")
         for b in p.decode_batches:
             for v in variants:
-                dec[v][b].append(eb.decode_steps(v, b, p.decode_steps, p.decode_ctx, rep))
+                t_dec, t_all = eb.decode_steps(v, b, p.decode_steps, p.decode_ctx, rep)
+                dec[v][b].append(t_dec)
+                dec_s[v][b].append(t_all)
             log(
                 f"engine: rep {rep + 1}/{p.reps} decode B={b}: "
-                f"base {dec['base'][b][-1] / p.decode_steps * 1e3:.0f} ms/step, "
+                f"base {dec['base'][b][-1] / p.decode_steps * 1e3:.0f} ms/step "
+                f"({dec_s['base'][b][-1] / p.decode_steps * 1e3:.0f} with sampling), "
                 f"lora {dec['lora'][b][-1] / p.decode_steps * 1e3:.0f} ms/step"
             )
     out: dict = {
@@ -178,6 +202,7 @@ def run_engine(
                 str(b): {
                     "tok_s": Figure.of([b * p.decode_steps / t for t in dec[v][b]], "tok/s").to_json(),
                     "step_ms": Figure.of([t / p.decode_steps * 1e3 for t in dec[v][b]], "ms").to_json(),
+                    "step_sampled_ms": Figure.of([t / p.decode_steps * 1e3 for t in dec_s[v][b]], "ms").to_json(),
                 }
                 for b in p.decode_batches
             },

@@ -39,7 +39,7 @@ class Profile:
     name: str
     reps: int = 3
     pp_tokens: int = 512
-    decode_batches: tuple[int, ...] = (1, 8, 32)
+    decode_batches: tuple[int, ...] = (1, 8, 16, 32)
     decode_steps: int = 8
     decode_ctx: int = 32
     streams: int = 16

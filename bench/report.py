@@ -62,6 +62,15 @@ def engine_section(e: dict) -> Section:
             ]
         )
         s.rows.append([f"decode B={bs} (ms/step)", _fig(d["step_ms"]), _fig(lo["decode"][bs]["step_ms"]), ""])
+        if "step_sampled_ms" in d:
+            s.rows.append(
+                [
+                    f"decode B={bs} incl. sampling (ms/step)",
+                    _fig(d["step_sampled_ms"]),
+                    _fig(lo["decode"][bs]["step_sampled_ms"]),
+                    "",
+                ]
+            )
     s.notes.append(
         f"decode: {e['decode_steps']} steps per repetition, each sequence holding "
         f"{e['decode_ctx']} tokens of context; adapter A/B = {e['adapter_bytes'] / MIB:.1f} MiB"
@@ -122,6 +131,7 @@ def serving_sections(sv: dict) -> list[Section]:
         s.notes.append(line)
     if sv.get("weights"):
         s.notes.append(f"workers: --weights {sv['weights']}")
+    loop = _loop_section(sv)
     cols = ["workload", "mixed/compat tok/s"] + (["ours (mixed)/llama-server tok/s"] if peer else [])
     r = Section("2b. Throughput ratios (medians)", cols)
     for key in sv["workloads"]:
@@ -129,7 +139,33 @@ def serving_sections(sv: dict) -> list[Section]:
         if peer:
             row.append(_x(sv["ours_over_llama_server"][key]))
         r.rows.append(row)
-    return [s, r]
+    return [s, r] + ([loop] if loop else [])
+
+
+def _loop_section(sv: dict) -> Section | None:
+    """2c: the worker scheduler's step interval vs the in-process step incl. sampling (None
+    for results without the loop figures)."""
+    mixed = sv["modes"]["mixed"]
+    if not any("sched_interval_p50_ms" in d for d in mixed.values()):
+        return None
+    eng = sv.get("engine_step_sampled_ms")
+    sec = Section(
+        "2c. Scheduler loop (mixed worker): step interval vs the in-process step",
+        ["workload", "scheduler step interval p50 ms", "step on the loop p50 ms", "in-process step incl. sampling ms"],
+    )
+    for key in sv["workloads"]:
+        d = mixed.get(key, {})
+        if "sched_interval_p50_ms" not in d:
+            continue
+        in_proc = _fig(eng) if eng and not key.endswith("1-stream") else ""
+        sec.rows.append([key, _fig(d["sched_interval_p50_ms"]), _fig(d["sched_busy_p50_ms"]), in_proc])
+    sec.notes.append(
+        "interval = median time between consecutive step starts on the worker's scheduler thread over its "
+        "last decode-only steps (WorkerStats.step_interval_p50_ms, read after each run); step on the loop = "
+        "batch + decode + sampling + hand-off to the output thread; in-process = scenario 1's base decode "
+        f"step at B={sv['streams']} with the scheduler's greedy sampling (no gRPC, no scheduler)"
+    )
+    return sec
 
 
 def prefix_section(px: dict) -> Section:

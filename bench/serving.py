@@ -126,8 +126,23 @@ def streams_of(sc: ServingContext, dist: str) -> int:
     return 1 if dist == SINGLE else sc.profile.streams
 
 
+def _loop_timing(srv: LoraplaneServers) -> dict:
+    """The worker scheduler's loop timing right after a run (``WorkerStats``: medians over its
+    last decode-only steps, ``worker.serving.scheduler.STEP_LOG``): the interval between step
+    starts and the step itself on the loop thread, in ms."""
+    st = srv.stats()
+    return {
+        "sched_interval_p50_ms": st.step_interval_p50_ms,
+        "sched_busy_p50_ms": st.step_busy_p50_ms,
+        "sched_samples": st.step_samples,
+    }
+
+
 def _aggregate(runs: list[dict]) -> dict:
     out: dict[str, object] = {f: Figure.of([r[f] for r in runs]).to_json() for f in RUN_FIGURES}
+    for f in ("sched_interval_p50_ms", "sched_busy_p50_ms"):
+        if runs and f in runs[0]:
+            out[f] = Figure.of([r[f] for r in runs], "ms").to_json()
     if runs and "per_token_ms" in runs[0]:
         out["per_token_ms"] = Figure.of([r["per_token_ms"] for r in runs], "ms").to_json()
     out["n_errors"] = sum(r["n_errors"] for r in runs)
@@ -195,11 +210,14 @@ def run_multitenant(
                         continue
                     res, wall = run_closed_loop(drivers[m], specs, streams_of(sc, dist))
                     s = summarize(res, wall)
+                    s.update(_loop_timing(servers[m]))
                     runs[m][wl_key(k, dist)].append(s)
                     sc.log(
                         f"serving: rep {rep + 1}/{p.reps} {wl_key(k, dist)} {m}: {s['tok_s']:.1f} tok/s, "
                         f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, ITL p50 {s['itl_p50_ms']:.0f} ms, "
-                        f"mean batch {s['mean_batch']:.1f}" + (f", {s['n_errors']} errors" if s["n_errors"] else "")
+                        f"mean batch {s['mean_batch']:.1f}, scheduler step interval p50 "
+                        f"{s['sched_interval_p50_ms']:.0f} ms (step {s['sched_busy_p50_ms']:.0f} ms)"
+                        + (f", {s['n_errors']} errors" if s["n_errors"] else "")
                     )
         worker_stats = {m: _stats_json(srv) for m, srv in servers.items()}
         for m, srv in servers.items():

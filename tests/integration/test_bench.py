@@ -107,8 +107,11 @@ def test_bench_quick_reports_every_scenario(tmp_path):
     e = sc["engine"]
     for variant in ("base", "lora"):
         _number(e, "variants", variant, "pp_tok_s", "median")
-        for b in ("1", "8", "32"):
+        for b in ("1", "8", "16", "32"):
             _number(e, "variants", variant, "decode", b, "tok_s", "median")
+            assert _number(e, "variants", variant, "decode", b, "step_sampled_ms", "median") >= _number(
+                e, "variants", variant, "decode", b, "step_ms", "min"
+            )
     _number(e, "lora_overhead", "decode_b1")
 
     m = data["machine"]
@@ -118,6 +121,7 @@ def test_bench_quick_reports_every_scenario(tmp_path):
 
     s = sc["serving"]
     assert s["single_key"] in s["workloads"] and s["single_key"] in s["modes"]["mixed"]
+    _number(s, "engine_step_sampled_ms", "median")  # scenario 1's B=streams step, printed beside the loop's
     for key in s["workloads"]:
         for mode in ("mixed", "compat") if key != s["single_key"] else ("mixed",):
             run = s["modes"][mode][key]
@@ -125,6 +129,9 @@ def test_bench_quick_reports_every_scenario(tmp_path):
             assert _number(run, "tok_s", "median") > 0
             for f in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
                 _number(run, f, "median")
+            if key != s["single_key"]:  # the worker's loop timing after each run (decode-only steps)
+                assert _number(run, "sched_interval_p50_ms", "median") > 0
+                assert _number(run, "sched_busy_p50_ms", "median") > 0
         if key != s["single_key"]:
             _number(s, "mixed_over_compat", key)
 

@@ -1,7 +1,7 @@
 """Prometheus metrics of one worker (``/metrics`` on ``--metrics-addr``).
 
 Two sources. Request outcomes, token counts and latencies are observed as they happen: the
-scheduler calls `WorkerMetrics.on_token` / `on_finish` (its ``observer`` hook) and the engine
+scheduler's output thread calls `WorkerMetrics.on_token` / `on_finish` (its ``observer`` hook) and the engine
 calls `on_rejected` / `on_adapter_loaded` / `on_adapter_freed`. Everything the scheduler
 already counts (slots, queue, graph reuse, prefix-cache hits) is read from
 ``WorkerEngine.stats()`` at scrape time by `_StatsCollector`, so there is one count, not two.

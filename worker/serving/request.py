@@ -132,9 +132,11 @@ Event = StartedEvent | TokenEvent | FinishedEvent | ErrorEvent
 class GenRequest:
     """One admitted generation request and its running state.
 
-    ``emit`` receives the request's events in order; ``cancelled`` is set by the gRPC edge.
-    ``detok`` turns generated tokens into text incrementally (never re-decoding the whole
-    output per step).
+    ``emit`` receives the request's events in order (from the output thread,
+    ``worker.serving.output.EmitWorker``); ``cancelled`` is set by the gRPC edge. ``generated``
+    is appended by the scheduler thread as tokens are sampled; ``detok``, ``stop``,
+    ``text_out`` and the token times belong to the output thread (``detok`` turns generated
+    tokens into text incrementally, never re-decoding the whole output per step).
     """
 
     request_id: str
@@ -152,6 +154,12 @@ class GenRequest:
     held_ids: tuple[int, ...] = ()  # adapter ids this request pins (unload waits for them)
     stop: StopMatcher | None = None  # set when params.stop is non-empty
     text_out: list[str] = field(default_factory=list)  # pieces emitted so far (with stop strings)
+    # Output thread's state (``worker.serving.output.EmitWorker``): tokens rendered so far, and
+    # once a stop string completes, the generated tokens the response keeps (the scheduler
+    # finishes the sequence when it sees it set; later tokens are cut).
+    n_rendered: int = 0
+    n_kept: int | None = None
+    output_failed: bool = False  # rendering raised: the request ends with an error
     last_token_at: float | None = None  # monotonic time of the last token (inter-token latency)
     pool_held: list = field(default_factory=list)  # adapters it holds in the slot pool (LoraAdapter)
     bypassed: int = 0  # times passed over at the queue head (bounded waiting)

@@ -3,8 +3,18 @@
 One thread runs the loop: drop cancelled requests, run deferred adapter frees, attach queued
 requests to free KV sequences (the cache policy picks the sequence and decides what KV survives),
 assemble a ubatch (``worker.serving.ubatch``), set the context's adapter
-sets once, decode, then hand each sequence's logits to output handling (sampling, incremental
-detokenization, stop conditions) and stream events.
+sets once, decode, sample, append the ids to the requests, and hand the step's tokens to the
+output thread in one non-blocking put (``worker.serving.output.EmitWorker``), which
+detokenizes, matches stop strings and emits the events. The loop's critical path is the step.
+
+Stops: end of generation, ``max_tokens`` and a full context are decided on ids here, and the
+sequence is freed in the same step. A stop string is found by the output thread up to one
+step late: it sets the request's ``n_kept``, the loop finishes the sequence at its next turn
+(``_drop_stopped``, the KV trimmed back to what an immediate stop would have left) and the
+output thread cuts the tokens past it from the response. With stop strings in the batch the
+loop waits, before each step, for the previous-but-one step's tokens to be rendered, so the
+delay never exceeds one step (the output thread is far faster than a step: in practice no
+wait).
 
 Admission with the adapter slot pool (``worker.lora.pool``): a request is attached
 only once every adapter it uses is resident and held in the pool (``LoraPool.acquire``: the
@@ -26,7 +36,13 @@ sequence and both kinds of hold, and reports the outcome to the observer.
 
 The pieces live beside it: requests/events/telemetry in ``request``, sequences in ``sequences``, the
 ``llama``/``keyed`` prefix-cache rules in ``cache_policy``, ubatch assembly in ``ubatch``,
-sampling/detokenizing/stop strings in ``output`` (``OutputStage``).
+sampling/detokenizing/stop strings in ``output`` (``OutputStage``, ``EmitWorker``).
+
+Step timing: the interval since the previous step start and the duration of the last
+``STEP_LOG`` decode-only steps are kept in a ring (``step_log``); ``stats`` reports the median
+interval between consecutive step starts (the loop not idle in between) and the median step
+duration, so the serving tax (the interval minus the step) is measurable from outside
+(``WorkerStats``, ``bench/``).
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 import torch
@@ -54,9 +70,16 @@ from worker.runtime.context import DecodeError, WorkerContext
 from worker.runtime.sampling import SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
 from worker.serving.heap import release_free_heap
-from worker.serving.output import IncrementalDetokenizer, OutputStage, StopMatcher
+from worker.serving.output import (
+    FINISH,
+    EmitWorker,
+    IncrementalDetokenizer,
+    OutputStage,
+    RequestObserver,
+    StopMatcher,
+)
 from worker.serving.prefix_store import PrefixCache
-from worker.serving.request import ErrorEvent, Event, FinishedEvent, GenRequest, StepInfo
+from worker.serving.request import ErrorEvent, Event, GenRequest, StepInfo
 from worker.serving.sequences import Seq, SeqState
 from worker.serving.ubatch import N_BATCH, assemble_ubatch
 
@@ -64,21 +87,7 @@ log = structlog.get_logger("loraplane.worker.serving.scheduler")
 
 ADMIT_LOOKAHEAD = 8  # queued requests considered for resident-first admission
 MAX_BYPASS = 4  # times the queue head may be passed over before strict FIFO
-
-
-class RequestObserver(Protocol):
-    """What the loop reports about requests (``worker.serving.metrics.WorkerMetrics``).
-
-    Called on the loop thread: ``on_token`` before each sampled token is recorded (the
-    request's ``last_token_at`` still holds the previous token's time), ``on_finish`` once per
-    request with its outcome ("stop", "length", "cancelled" or "error").
-    """
-
-    def on_token(self, req: GenRequest, now: float) -> None:
-        """A token of ``req`` was sampled at monotonic time ``now`` (seconds)."""
-
-    def on_finish(self, req: GenRequest, outcome: str) -> None:
-        """``req`` ended with ``outcome`` (called once per request)."""
+STEP_LOG = 48  # decode-only steps kept for the step-interval figures (module docstring)
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,10 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int
     prompt_tokens_computed: int
     tokens_generated: int
+    # loop timing over ``step_log`` (module docstring), ms; 0 before any decode-only step
+    step_interval_p50_ms: float = 0.0
+    step_busy_p50_ms: float = 0.0
+    step_samples: int = 0
 
 
 def admission_order(queue: Sequence[GenRequest], pool: LoraPool) -> list[GenRequest]:
@@ -137,6 +150,11 @@ class Scheduler:
         # Observer of request outcomes and token times (worker.serving.metrics); None: no metrics.
         self.observer: RequestObserver | None = None
         self.output = OutputStage(self.tokenizer, config.n_ctx_slot)
+        self.emitter = EmitWorker(self.output, lambda: self.observer)
+        # (interval since the previous step start or None after idling, step duration) in s,
+        # of the last STEP_LOG decode-only steps (module docstring)
+        self.step_log: deque[tuple[float | None, float]] = deque(maxlen=STEP_LOG)
+        self._last_step_start: float | None = None
         self._thread = threading.Thread(target=self._loop, name="loraplane-scheduler", daemon=True)
 
     # --- public -------------------------------------------------------------------------
@@ -152,6 +170,17 @@ class Scheduler:
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self.emitter.close()
+
+    def use_output_thread(self, threaded: bool) -> None:
+        """Render and emit on the output thread (``threaded``, the default) or on the loop thread
+        as each step's tokens are handed over (the text work back on the critical path, as
+        before the output thread existed; ``bench/step_interval.py`` measures both). Call while
+        no request runs."""
+        old = self.emitter
+        old.close()
+        self.emitter = EmitWorker(self.output, lambda: self.observer, threaded=threaded, after_step=self._step)
+        self.emitter.dropped = old.dropped  # ``stats`` subtracts it from the tokens sampled
 
     def submit(
         self,
@@ -280,7 +309,12 @@ class Scheduler:
             self._cv.notify_all()
 
     def stats(self) -> SchedulerStats:
-        """A consistent snapshot of the counters and gauges (any thread)."""
+        """A consistent snapshot of the counters and gauges (any thread). ``tokens_generated``
+        counts the tokens responses keep (those sampled past a stop string are not counted);
+        the step figures are medians over ``step_log`` in ms (0 when empty)."""
+        log_ = list(self.step_log)
+        intervals = sorted(i for i, _ in log_ if i is not None)
+        busy = sorted(b for _, b in log_)
         with self._cv:
             return SchedulerStats(
                 n_slots=len(self.seqs),
@@ -292,7 +326,10 @@ class Scheduler:
                 prefix_cache_entries=len(self.prefix_cache),
                 prefix_cache_hit_tokens=self.prefix_cache.hit_tokens,
                 prompt_tokens_computed=self.prompt_tokens_computed,
-                tokens_generated=self.tokens_generated,
+                tokens_generated=self.tokens_generated - self.emitter.dropped,
+                step_interval_p50_ms=_median(intervals) * 1000,
+                step_busy_p50_ms=_median(busy) * 1000,
+                step_samples=len(intervals),
             )
 
     # --- loop ---------------------------------------------------------------------------
@@ -304,10 +341,14 @@ class Scheduler:
                         self._trimmed_at_step = self._step
                         release_free_heap()  # the steps' freed buffers back to the OS (worker.serving.heap)
                         continue
+                    self._last_step_start = None  # the next step's interval would count idle time
                     self._cv.wait()
                 if self._stop:
                     return
+            self._bound_stop_delay()
+            with self._cv:
                 self._drop_cancelled()
+                self._drop_stopped()
                 ready = self._take_ready_pending()
             # Outside the condition's lock: a deferred function may take the host tier's lock
             # (an unload's free), which is taken before this one elsewhere (the host tier asks
@@ -323,6 +364,7 @@ class Scheduler:
                 if not busy and not ready and (self.queue or self._pending):
                     # Queued requests wait for pool slots, deferred functions for request
                     # holds to go (a request being submitted holds them too): no hot spin.
+                    self._last_step_start = None
                     self._cv.wait(0.05)
             if busy:
                 self._step_once(busy)
@@ -336,6 +378,19 @@ class Scheduler:
                 self._pending.remove(item)
                 ready.append((fn, fut))
         return ready
+
+    def _bound_stop_delay(self) -> None:
+        """With a stop-string request running, wait until the output thread rendered the tokens
+        of the step before the last one: a stop string completed by them is then seen before
+        the next step, so at most one token past it is ever computed (module docstring)."""
+        if self._step >= 2 and any(s.req is not None and s.req.stop is not None for s in self.seqs):
+            self.emitter.wait_rendered(self._step - 1)
+
+    def _drop_stopped(self) -> None:
+        """Finish the sequences whose output found a stop string (``req.n_kept`` set)."""
+        for seq in self.seqs:
+            if seq.req is not None and seq.req.n_kept is not None:
+                self._finish(seq, seq.req, "stop")
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.queue if r.cancelled.is_set()]:
@@ -399,9 +454,11 @@ class Scheduler:
             seq.assign(req)
 
     def _step_once(self, busy: list[Seq]) -> None:
+        t0 = time.monotonic()
+        interval = None if self._last_step_start is None else t0 - self._last_step_start
+        self._last_step_start = t0
         batch = assemble_ubatch(busy, compat=self.config.batching == Batching.COMPAT, n_batch=N_BATCH)
         self.ctx.set_adapters(batch.sets)
-        t0 = time.monotonic()
         try:
             res = self.ctx.decode(batch.ubatch)
         except (DecodeError, RuntimeError) as exc:
@@ -435,11 +492,19 @@ class Scheduler:
         if len(greedy) > 1:
             logp, tok = greedy_rows(res.logits, greedy)
             pre = {r: (logp[i], tok[i]) for i, r in enumerate(greedy)}
+        records: list = []
+        ended: list[tuple[Seq, str]] = []
         for s, rows, out_idx in parts:
-            self._after_rows(s, rows, res.logits, out_idx, step, pre.get(out_idx[-1]))
-        log.debug(
-            "step", n=len(batch.ubatch), seqs=len(batch.parts), sets=len(batch.sets), ms=(time.monotonic() - t0) * 1000
-        )
+            reason = self._after_rows(s, rows, res.logits, out_idx, step, records, pre.get(out_idx[-1]))
+            if reason is not None:
+                ended.append((s, reason))
+        self.emitter.put_tokens(self._step, records)  # every step: ``wait_rendered`` counts steps
+        for s, reason in ended:  # after the tokens: the output thread sees them first
+            self._finish(s, s.request, reason)
+        t1 = time.monotonic()
+        if len(batch.ubatch) == len(batch.parts) and records:  # decode-only: one generated row each
+            self.step_log.append((interval, t1 - t0))
+        log.debug("step", n=len(batch.ubatch), seqs=len(batch.parts), sets=len(batch.sets), ms=(t1 - t0) * 1000)
 
     def _after_rows(
         self,
@@ -448,11 +513,13 @@ class Scheduler:
         logits: torch.Tensor,
         out_idx: list[int],
         step: StepInfo,
+        records: list,
         pre: tuple[torch.Tensor, int] | None = None,
-    ) -> None:
+    ) -> str | None:
         """Record the computed positions ``rows`` in the sequence's cache; once the prompt is done,
-        hand the last row to the output stage (``pre``: its batched ``(log_softmax, argmax)``
-        for a greedy sampler) and end the request when the stage says so."""
+        sample the last row (``OutputStage.sample``; ``pre``: its batched ``(log_softmax,
+        argmax)`` for a greedy sampler) and append the token's record for the output thread to
+        ``records``. Returns the finish reason the ids decide, or None."""
         req = seq.request
         seq.last_step = self._step
         for p in rows:
@@ -463,23 +530,18 @@ class Scheduler:
             self.prompt_tokens_computed += len(rows)
             self.output.prompt_rows(req, rows, logits, out_idx)
             if seq.n_past < len(req.prompt):
-                return
+                return None
             seq.state = SeqState.GENERATING
-            req.emit(self.output.started(req))
+            self.emitter.put_started(req)
         assert seq.sampler is not None
-        on_token = self.observer.on_token if self.observer is not None else None
-        event, reason = self.output.token(
-            req, seq.sampler, logits[out_idx[-1]], n_past=seq.n_past, step=step, pre=pre, on_token=on_token
-        )
+        sampled, reason = self.output.sample(req, seq.sampler, logits[out_idx[-1]], n_past=seq.n_past, pre=pre)
+        records.append((req, sampled, step, time.monotonic(), reason))
         self.tokens_generated += 1
-        req.emit(event)
-        if reason is not None:
-            self._end(req, reason, self._finished_event(seq, req, reason), seq)
+        return reason
 
-    def _finished_event(self, seq: Seq, req: GenRequest, reason: str) -> FinishedEvent:
-        """The final event of a request that ended with ``reason`` ("stop" or "length"): its
-        whole text and its telemetry summary."""
-        now = time.monotonic()
+    def _finish(self, seq: Seq, req: GenRequest, reason: str) -> None:
+        """End a request that finished with ``reason`` ("stop" or "length"): its telemetry
+        summary (the output thread adds the times and the text, ``EmitWorker``), then ``_end``."""
         t = req.telemetry
         t.prompt_tokens = len(req.prompt)
         t.prefix_cache = self.cache_policy.name
@@ -488,34 +550,37 @@ class Scheduler:
         t.slot_id = seq.id
         t.worker_id = self.worker_id
         t.adapters = [(i, s) for i, _, s in req.adapter_set.entries]
-        t.ttft_ms = ((req.first_token_at or now) - req.admitted_at) * 1000
-        t.total_ms = (now - req.admitted_at) * 1000
-        return FinishedEvent(reason, self.output.final_text(req), t)
+        self._end(req, reason, FINISH, seq)
 
-    def _end(self, req: GenRequest, outcome: str, event: Event | None, seq: Seq | None = None) -> None:
+    def _end(self, req: GenRequest, outcome: str, event: Event | object | None, seq: Seq | None = None) -> None:
         """The one exit of a request, whatever ended it (loop thread).
 
         Frees its KV sequence (``seq``: the one it runs on or was being attached to, None
         for a queued request): on "stop", "length" or "cancelled" the cache policy keeps or
         stores what it may (llama-server keeps a slot's last sequence), on "error" the sequence
-        is dropped, its content unknown. Then emits ``event`` (None: the client went away),
-        drops the request's slot and request holds, frees the sequence, and reports ``outcome``
-        ("stop", "length", "cancelled" or "error") to the observer — always, so every ended
-        request is counted once.
+        is dropped, its content unknown; a sequence stopped by a stop string found late is first
+        trimmed to what an immediate stop would have left (positions up to the kept tokens). Then
+        hands ``event`` (``FINISH``: the finished event; None: the client went away) to the
+        output thread, which emits it after the request's tokens and reports ``outcome`` ("stop",
+        "length", "cancelled" or "error") to the observer — always, so every ended request is
+        counted once; drops the request's slot and request holds and frees the sequence.
         """
         if seq is not None:
+            kept = req.n_kept
+            if kept is not None and outcome != "error":
+                n = min(seq.n_past, len(req.prompt) + kept - 1)
+                self.ctx.kv.seq_rm(seq.id, max(n, 1))
+                del seq.cache_tokens[n:], seq.cache_sets[n:]
+                seq.n_past = n
             if outcome == "error":
                 self.ctx.kv.seq_rm(seq.id)
                 seq.drop_cache()
             else:
                 self.cache_policy.on_finish(seq, req, self.ctx.kv)
-        if event is not None:
-            req.emit(event)
         self._release_holds(req)
         if seq is not None and seq.req is req:
             seq.release()
-        if self.observer is not None:
-            self.observer.on_finish(req, outcome)
+        self.emitter.put_end(req, outcome, event, time.monotonic())
 
     def _release_holds(self, req: GenRequest) -> None:
         """Drop the request's slot holds (pool) and request holds (this scheduler)."""
@@ -526,6 +591,14 @@ class Scheduler:
             self._count_holds(req.held_ids, -1)
             req.held_ids = ()
             self._cv.notify_all()
+
+
+def _median(xs: list[float]) -> float:
+    """Median of sorted ``xs`` (0.0 when empty)."""
+    if not xs:
+        return 0.0
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
 
 
 __all__ = ["RequestObserver", "Scheduler", "SchedulerStats"]
