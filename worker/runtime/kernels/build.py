@@ -1,4 +1,5 @@
-"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``) for each x86 ISA path.
+"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/threadpool.cpp``)
+for each x86 ISA path.
 
 One source, two shared libraries, each compiled with its own target flags (never
 ``-march=native``), so the AVX2 library runs on an AVX2-only CPU:
@@ -13,9 +14,11 @@ compiler is missing or the build breaks; at run time a missing library is built 
 (under a file lock), and a failed build raises :class:`KernelBuildError` — there is no silent
 fallback. ``LORAPLANE_KERNELS=torch`` selects the documented torch path explicitly instead.
 
-OpenMP: the libraries are linked ``-fopenmp`` against ``libgomp.so.1``; torch's CPU wheel loads
-its own ``libgomp.so.1`` first (``import torch`` happens before we load), and the dynamic loader
-reuses a loaded soname, so our parallel regions share torch's OpenMP thread pool.
+Threads: ``lp::parallel_for`` runs on our own pool (``csrc/threadpool.cpp``) by default, or on
+OpenMP with ``LORAPLANE_KERNEL_THREADS=omp`` (:func:`threads_config`). For the latter the
+libraries are linked ``-fopenmp`` against ``libgomp.so.1``; torch's CPU wheel loads its own
+``libgomp.so.1`` first (``import torch`` happens before we load), and the dynamic loader reuses a
+loaded soname, so those parallel regions share torch's OpenMP thread pool.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp before ours; see module docstring)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"]
+SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", CSRC_DIR / "threadpool.cpp"]
 HEADERS = [CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h"]  # included by both sources: part of the build key
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
@@ -60,6 +63,9 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "quantize_act16": (_QUANT, None),
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
+    # threadpool.cpp (the threading backend of lp::parallel_for)
+    "threads_config": ([_I32, _I32], None),
+    "pool_size": ([], _I32),
 }
 
 
@@ -67,8 +73,63 @@ class KernelBuildError(RuntimeError):
     """The C kernels could not be compiled or loaded (message holds the compiler's output)."""
 
 
+THREAD_BACKENDS = {"pool": 0, "omp": 1}  # lp::parallel_for backends (csrc/parallel.h)
+DEFAULT_THREADS = "pool"
+DEFAULT_SPIN_US = 50
+
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
+_threads: tuple[str, int] | None = None  # set_threads() override of the environment
+
+
+def threads_config() -> tuple[str, int]:
+    """The kernels' threading backend and spin budget: ``(backend, spin_us)``.
+
+    ``backend`` is ``LORAPLANE_KERNEL_THREADS`` ('pool', the default: our thread pool in
+    ``csrc/threadpool.cpp``; 'omp': OpenMP in torch's libgomp, where ``OMP_WAIT_POLICY``
+    applies); ``spin_us`` is ``LORAPLANE_KERNEL_SPIN_US`` (default 50): how long, in
+    microseconds, a pool thread polls for work (and the caller for completion) before it sleeps
+    on a futex; 0 sleeps at once. Measured in worker/runtime/kernels/README.md ("Threads").
+    A :func:`set_threads` call overrides the environment.
+
+    Raises:
+        KernelBuildError: an unknown backend or a spin budget that is not an integer >= 0.
+    """
+    if _threads is not None:
+        return _threads
+    backend = os.environ.get("LORAPLANE_KERNEL_THREADS", "").strip().lower() or DEFAULT_THREADS
+    if backend not in THREAD_BACKENDS:
+        raise KernelBuildError(
+            f"LORAPLANE_KERNEL_THREADS={backend!r}: expected one of {', '.join(THREAD_BACKENDS)}"
+        )
+    raw = os.environ.get("LORAPLANE_KERNEL_SPIN_US", "").strip()
+    try:
+        spin = int(raw) if raw else DEFAULT_SPIN_US
+    except ValueError:
+        spin = -1
+    if spin < 0:
+        raise KernelBuildError(f"LORAPLANE_KERNEL_SPIN_US={raw!r}: expected an integer >= 0 (microseconds)")
+    return backend, spin
+
+
+def set_threads(backend: str | None = None, spin_us: int | None = None) -> tuple[str, int]:
+    """Switch every loaded (and later loaded) library's threading backend and/or spin budget
+    (see :func:`threads_config`; ``None`` keeps the current value); returns the new setting.
+
+    Raises:
+        KernelBuildError: unknown backend or negative ``spin_us``.
+    """
+    global _threads
+    with _lock:
+        cur_backend, cur_spin = threads_config()
+        backend = cur_backend if backend is None else backend
+        spin = cur_spin if spin_us is None else int(spin_us)
+        if backend not in THREAD_BACKENDS or spin < 0:
+            raise KernelBuildError(f"set_threads({backend!r}, {spin_us!r}): backend pool|omp, spin_us >= 0")
+        _threads = (backend, spin)
+        for isa, lib in _libs.items():
+            getattr(lib, f"lp_{isa}_threads_config")(THREAD_BACKENDS[backend], spin)
+        return _threads
 
 
 def _compiler() -> str:
@@ -133,6 +194,8 @@ def load(isa: str) -> ctypes.CDLL:
         for fn, (argtypes, restype) in SIGNATURES.items():
             f = getattr(lib, f"lp_{isa}_{fn}")
             f.argtypes, f.restype = argtypes, restype
+        backend, spin = threads_config()
+        getattr(lib, f"lp_{isa}_threads_config")(THREAD_BACKENDS[backend], spin)
         _libs[isa] = lib
         return lib
 
