@@ -39,7 +39,9 @@ def weights(tmp_path_factory) -> dict:
     path: Path = tmp_path_factory.mktemp("threads") / "w.gguf"
     rng = np.random.default_rng(7)
     wr = GGUFWriter(str(path), "llama")
-    wr.add_tensor("q8", quants.quantize(rng.standard_normal((80, K)).astype(np.float32) * 0.05, T.Q8_0), raw_dtype=T.Q8_0)
+    wr.add_tensor(
+        "q8", quants.quantize(rng.standard_normal((80, K)).astype(np.float32) * 0.05, T.Q8_0), raw_dtype=T.Q8_0
+    )
     blk, tsz = GGML_QUANT_SIZES[T.Q4_K]
     b = rng.integers(0, 256, size=(100 * K // blk, tsz), dtype=np.uint8)
     b[:, 0:2] = rng.uniform(0.001, 0.02, size=(len(b), 1)).astype(np.float16).view(np.uint8)
@@ -94,16 +96,22 @@ def test_threads_config_env(monkeypatch):
     monkeypatch.setattr(build, "_threads", None)
     monkeypatch.delenv("LORAPLANE_KERNEL_THREADS", raising=False)
     monkeypatch.delenv("LORAPLANE_KERNEL_SPIN_US", raising=False)
-    assert build.threads_config() == (build.DEFAULT_THREADS, build.DEFAULT_SPIN_US)
+    monkeypatch.delenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", raising=False)
+    assert build.threads_config() == (build.DEFAULT_THREADS, build.DEFAULT_SPIN_US, build.DEFAULT_SPIN_BACKOFF_MS)
     monkeypatch.setenv("LORAPLANE_KERNEL_THREADS", "omp")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_US", "0")
-    assert build.threads_config() == ("omp", 0)
+    monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", "7")
+    assert build.threads_config() == ("omp", 0, 7)
     monkeypatch.setenv("LORAPLANE_KERNEL_THREADS", "tbb")
     with pytest.raises(build.KernelBuildError, match="LORAPLANE_KERNEL_THREADS"):
         build.threads_config()
     monkeypatch.setenv("LORAPLANE_KERNEL_THREADS", "pool")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_US", "-5")
     with pytest.raises(build.KernelBuildError, match="LORAPLANE_KERNEL_SPIN_US"):
+        build.threads_config()
+    monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_US", "20")
+    monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", "x")
+    with pytest.raises(build.KernelBuildError, match="LORAPLANE_KERNEL_SPIN_BACKOFF_MS"):
         build.threads_config()
 
 

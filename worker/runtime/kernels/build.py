@@ -64,7 +64,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
     # threadpool.cpp (the threading backend of lp::parallel_for)
-    "threads_config": ([_I32, _I32], None),
+    "threads_config": ([_I32, _I32, _I32], None),
     "pool_size": ([], _I32),
 }
 
@@ -76,60 +76,82 @@ class KernelBuildError(RuntimeError):
 THREAD_BACKENDS = {"pool": 0, "omp": 1}  # lp::parallel_for backends (csrc/parallel.h)
 DEFAULT_THREADS = "pool"
 DEFAULT_SPIN_US = 50
+DEFAULT_SPIN_BACKOFF_MS = 100
 
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
-_threads: tuple[str, int] | None = None  # set_threads() override of the environment
+_threads: tuple[str, int, int] | None = None  # set_threads() override of the environment
 
 
-def threads_config() -> tuple[str, int]:
-    """The kernels' threading backend and spin budget: ``(backend, spin_us)``.
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        v = int(raw) if raw else default
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise KernelBuildError(f"{name}={raw!r}: expected an integer >= 0")
+    return v
 
-    ``backend`` is ``LORAPLANE_KERNEL_THREADS`` ('pool', the default: our thread pool in
-    ``csrc/threadpool.cpp``; 'omp': OpenMP in torch's libgomp, where ``OMP_WAIT_POLICY``
-    applies); ``spin_us`` is ``LORAPLANE_KERNEL_SPIN_US`` (default 50): how long, in
-    microseconds, a pool thread polls for work (and the caller for completion) before it sleeps
-    on a futex; 0 sleeps at once. Measured in worker/runtime/kernels/README.md ("Threads").
-    A :func:`set_threads` call overrides the environment.
+
+def threads_config() -> tuple[str, int, int]:
+    """The kernels' threading setting: ``(backend, spin_us, backoff_ms)``.
+
+    - ``backend``: ``LORAPLANE_KERNEL_THREADS`` — 'pool' (default: our thread pool,
+      ``csrc/threadpool.cpp``) or 'omp' (OpenMP in torch's libgomp, where ``OMP_WAIT_POLICY``
+      applies).
+    - ``spin_us``: ``LORAPLANE_KERNEL_SPIN_US`` (default 50) — microseconds a pool thread polls
+      for work, and the caller for completion, before it sleeps on a futex; 0 sleeps at once.
+    - ``backoff_ms``: ``LORAPLANE_KERNEL_SPIN_BACKOFF_MS`` (default 100) — when a spinning
+      thread finds it was descheduled (another process wants the core), the pool stops spinning
+      for this many milliseconds; 0 never stops.
+
+    Measured in worker/runtime/kernels/README.md ("Threads"). :func:`set_threads` overrides
+    the environment.
 
     Raises:
-        KernelBuildError: an unknown backend or a spin budget that is not an integer >= 0.
+        KernelBuildError: an unknown backend, or a number that is not an integer >= 0.
     """
     if _threads is not None:
         return _threads
     backend = os.environ.get("LORAPLANE_KERNEL_THREADS", "").strip().lower() or DEFAULT_THREADS
     if backend not in THREAD_BACKENDS:
-        raise KernelBuildError(
-            f"LORAPLANE_KERNEL_THREADS={backend!r}: expected one of {', '.join(THREAD_BACKENDS)}"
-        )
-    raw = os.environ.get("LORAPLANE_KERNEL_SPIN_US", "").strip()
-    try:
-        spin = int(raw) if raw else DEFAULT_SPIN_US
-    except ValueError:
-        spin = -1
-    if spin < 0:
-        raise KernelBuildError(f"LORAPLANE_KERNEL_SPIN_US={raw!r}: expected an integer >= 0 (microseconds)")
-    return backend, spin
+        raise KernelBuildError(f"LORAPLANE_KERNEL_THREADS={backend!r}: expected one of {', '.join(THREAD_BACKENDS)}")
+    return (
+        backend,
+        _env_int("LORAPLANE_KERNEL_SPIN_US", DEFAULT_SPIN_US),
+        _env_int("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", DEFAULT_SPIN_BACKOFF_MS),
+    )
 
 
-def set_threads(backend: str | None = None, spin_us: int | None = None) -> tuple[str, int]:
-    """Switch every loaded (and later loaded) library's threading backend and/or spin budget
-    (see :func:`threads_config`; ``None`` keeps the current value); returns the new setting.
+def _apply(isa: str, lib: ctypes.CDLL, cfg: tuple[str, int, int]) -> None:
+    getattr(lib, f"lp_{isa}_threads_config")(THREAD_BACKENDS[cfg[0]], cfg[1], cfg[2])
+
+
+def set_threads(
+    backend: str | None = None, spin_us: int | None = None, backoff_ms: int | None = None
+) -> tuple[str, int, int]:
+    """Switch every loaded (and later loaded) library's threading backend, spin budget and/or
+    spin back-off (see :func:`threads_config`; ``None`` keeps the current value); returns the
+    new setting.
 
     Raises:
-        KernelBuildError: unknown backend or negative ``spin_us``.
+        KernelBuildError: unknown backend, or a negative number.
     """
     global _threads
     with _lock:
-        cur_backend, cur_spin = threads_config()
-        backend = cur_backend if backend is None else backend
-        spin = cur_spin if spin_us is None else int(spin_us)
-        if backend not in THREAD_BACKENDS or spin < 0:
-            raise KernelBuildError(f"set_threads({backend!r}, {spin_us!r}): backend pool|omp, spin_us >= 0")
-        _threads = (backend, spin)
+        cur = threads_config()
+        new = (
+            cur[0] if backend is None else backend,
+            cur[1] if spin_us is None else int(spin_us),
+            cur[2] if backoff_ms is None else int(backoff_ms),
+        )
+        if new[0] not in THREAD_BACKENDS or new[1] < 0 or new[2] < 0:
+            raise KernelBuildError(f"set_threads{new}: backend pool|omp, spin_us and backoff_ms >= 0")
+        _threads = new
         for isa, lib in _libs.items():
-            getattr(lib, f"lp_{isa}_threads_config")(THREAD_BACKENDS[backend], spin)
-        return _threads
+            _apply(isa, lib, new)
+        return new
 
 
 def _compiler() -> str:
@@ -194,8 +216,7 @@ def load(isa: str) -> ctypes.CDLL:
         for fn, (argtypes, restype) in SIGNATURES.items():
             f = getattr(lib, f"lp_{isa}_{fn}")
             f.argtypes, f.restype = argtypes, restype
-        backend, spin = threads_config()
-        getattr(lib, f"lp_{isa}_threads_config")(THREAD_BACKENDS[backend], spin)
+        _apply(isa, lib, threads_config())
         _libs[isa] = lib
         return lib
 

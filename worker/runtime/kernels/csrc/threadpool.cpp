@@ -50,7 +50,9 @@
 namespace lp {
 
 std::atomic<int> g_backend{LP_BACKEND_POOL};
-static std::atomic<int64_t> g_spin_ns{50 * 1000};
+static std::atomic<int64_t> g_spin_ns{50 * 1000};       // LORAPLANE_KERNEL_SPIN_US
+static std::atomic<int64_t> g_backoff_ns{100 * 1000000};  // LORAPLANE_KERNEL_SPIN_BACKOFF_MS
+static std::atomic<int64_t> g_nospin_until{0};           // CLOCK_MONOTONIC ns
 
 namespace {
 
@@ -69,16 +71,33 @@ inline int64_t now_ns() {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-// Spin (with pause) while *addr == v, for at most spin_ns; true when it changed.
-inline bool spin_while_equal(const std::atomic<uint32_t>& a, uint32_t v, int64_t spin_ns) {
-  if (spin_ns <= 0) return a.load(std::memory_order_acquire) != v;
-  const int64_t end = now_ns() + spin_ns;
+constexpr int64_t kPreemptedNs = 200 * 1000;
+
+// Spin (with pause) until done() or the spin budget has passed; true when done() held.
+// A gap of more than kPreemptedNs between two clock reads means this thread was descheduled
+// while it spun: another runnable thread wants this core, spinning takes its time (and costs
+// us the scheduler's wake-up preference), so every thread of this pool sleeps at once instead
+// of spinning for the next g_backoff_ns.
+template <class P>
+inline bool spin_until(P done) {
+  const int64_t spin = g_spin_ns.load(std::memory_order_relaxed);
+  if (spin <= 0) return done();
+  int64_t t = now_ns();
+  if (t < g_nospin_until.load(std::memory_order_relaxed)) return done();
+  const int64_t end = t + spin;
   for (;;) {
     for (int j = 0; j < 16; ++j) {
-      if (a.load(std::memory_order_acquire) != v) return true;
+      if (done()) return true;
       _mm_pause();
     }
-    if (now_ns() >= end) return a.load(std::memory_order_acquire) != v;
+    const int64_t t2 = now_ns();
+    if (t2 - t > kPreemptedNs) {
+      const int64_t b = g_backoff_ns.load(std::memory_order_relaxed);
+      if (b > 0) g_nospin_until.store(t2 + b, std::memory_order_relaxed);
+      return done();
+    }
+    if (t2 >= end) return done();
+    t = t2;
   }
 }
 
@@ -117,7 +136,7 @@ void* worker_main(void* p) {
   Pool* pool = a.pool;
   uint32_t seen = a.seen;
   for (;;) {
-    if (!spin_while_equal(pool->word, seen, g_spin_ns.load(std::memory_order_relaxed))) {
+    if (!spin_until([&] { return pool->word.load(std::memory_order_acquire) != seen; })) {
       pool->sleepers.fetch_add(1, std::memory_order_seq_cst);
       while (pool->word.load(std::memory_order_seq_cst) == seen) futex_wait(&pool->word, seen);
       pool->sleepers.fetch_sub(1, std::memory_order_relaxed);
@@ -188,18 +207,9 @@ bool pool_run(int nthreads, task_fn fn, void* ctx) {
   fn(ctx, 0, nt);
 
   // completion: spin until pending == 0, then sleep on it
-  const int64_t spin = g_spin_ns.load(std::memory_order_relaxed);
-  uint32_t left = pool->pending.load(std::memory_order_acquire);
-  if (left != 0 && spin > 0) {
-    const int64_t end = now_ns() + spin;
-    for (;;) {
-      for (int j = 0; j < 16 && left != 0; ++j) {
-        _mm_pause();
-        left = pool->pending.load(std::memory_order_acquire);
-      }
-      if (left == 0 || now_ns() >= end) break;
-    }
-  }
+  uint32_t left = 0;
+  if (!spin_until([&] { return (left = pool->pending.load(std::memory_order_acquire)) == 0; }))
+    left = pool->pending.load(std::memory_order_acquire);
   if (left != 0) {
     pool->caller_sleeps.store(1, std::memory_order_seq_cst);
     while ((left = pool->pending.load(std::memory_order_seq_cst)) != 0) futex_wait(&pool->pending, left);
@@ -212,11 +222,15 @@ bool pool_run(int nthreads, task_fn fn, void* ctx) {
 }  // namespace lp
 
 // Threading backend and spin budget for this library's kernels (build.py sets them from
-// LORAPLANE_KERNEL_THREADS / LORAPLANE_KERNEL_SPIN_US when it loads the library).
-// backend: 0 = our pool, 1 = OpenMP (torch's libgomp); spin_us < 0 keeps the current budget.
-LP_EXPORT void LP_FN(threads_config)(int backend, int spin_us) {
+// LORAPLANE_KERNEL_THREADS / LORAPLANE_KERNEL_SPIN_US /
+// LORAPLANE_KERNEL_SPIN_BACKOFF_MS when it loads the library).
+// backend: 0 = our pool, 1 = OpenMP (torch's libgomp); spin_us, backoff_ms < 0 keep the current
+// value; backoff_ms = 0 never stops spinning after a preemption.
+LP_EXPORT void LP_FN(threads_config)(int backend, int spin_us, int backoff_ms) {
   lp::g_backend.store(backend == 1 ? LP_BACKEND_OMP : LP_BACKEND_POOL, std::memory_order_relaxed);
   if (spin_us >= 0) lp::g_spin_ns.store((int64_t)spin_us * 1000, std::memory_order_relaxed);
+  if (backoff_ms >= 0) lp::g_backoff_ns.store((int64_t)backoff_ms * 1000000, std::memory_order_relaxed);
+  lp::g_nospin_until.store(0, std::memory_order_relaxed);
 }
 
 // Threads the pool holds now, the caller included (1 before the first parallel call, and in a
