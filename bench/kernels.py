@@ -151,25 +151,22 @@ def run_step(model: str, reps: int, batches: list[int], baselines: bool = True) 
     return out
 
 
-# --contention conditions: (label, environment of the child process)
+# --contention conditions: (label, environment of the child process); "pool S/B" is our pool
+# with LORAPLANE_KERNEL_SPIN_US=S and LORAPLANE_KERNEL_SPIN_BACKOFF_MS=B
 CONDITIONS = [
     ("omp PASSIVE", {"LORAPLANE_KERNEL_THREADS": "omp", "OMP_WAIT_POLICY": "PASSIVE"}),
     ("omp ACTIVE", {"LORAPLANE_KERNEL_THREADS": "omp", "OMP_WAIT_POLICY": "ACTIVE"}),
-    (
-        "pool spin 0",
-        {"LORAPLANE_KERNEL_THREADS": "pool", "LORAPLANE_KERNEL_SPIN_US": "0", "OMP_WAIT_POLICY": "PASSIVE"},
-    ),
-    (
-        "pool spin 20",
-        {"LORAPLANE_KERNEL_THREADS": "pool", "LORAPLANE_KERNEL_SPIN_US": "20", "OMP_WAIT_POLICY": "PASSIVE"},
-    ),
-    (
-        "pool spin 50",
-        {"LORAPLANE_KERNEL_THREADS": "pool", "LORAPLANE_KERNEL_SPIN_US": "50", "OMP_WAIT_POLICY": "PASSIVE"},
-    ),
-    (
-        "pool spin 200",
-        {"LORAPLANE_KERNEL_THREADS": "pool", "LORAPLANE_KERNEL_SPIN_US": "200", "OMP_WAIT_POLICY": "PASSIVE"},
+    *(
+        (
+            f"pool {spin}/{backoff}",
+            {
+                "LORAPLANE_KERNEL_THREADS": "pool",
+                "LORAPLANE_KERNEL_SPIN_US": str(spin),
+                "LORAPLANE_KERNEL_SPIN_BACKOFF_MS": str(backoff),
+                "OMP_WAIT_POLICY": "PASSIVE",
+            },
+        )
+        for spin, backoff in ((0, 0), (5, 100), (50, 0), (50, 100))
     ),
 ]
 DECODE_CTX = 32  # KV positions each sequence holds before the measured decode step
@@ -249,7 +246,10 @@ def _contention(args) -> None:
     os.kill(hog.pid, signal.SIGSTOP)
     children = []
     try:
+        wanted = args.conditions.split(",") if args.conditions else [c for c, _ in CONDITIONS]
         for label, extra in CONDITIONS:
+            if label not in wanted:
+                continue
             env = dict(os.environ, **extra)
             cmd = [sys.executable, "-m", "bench.kernels", "--contention-child", "--batches", args.batches]
             cmd += ["--model", args.model]
@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contention", action="store_true", help="also compare the threading backends under load")
     ap.add_argument("--rounds", type=int, default=6, help="--contention: interleaved rounds")
     ap.add_argument("--contention-only", action="store_true", help="run only the --contention comparison")
+    ap.add_argument(
+        "--conditions", default=None, help="--contention: comma-separated labels of CONDITIONS to run (default all)"
+    )
     ap.add_argument("--step-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--contention-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -6,9 +6,15 @@
 // counter, and the poll is bounded in microseconds (LORAPLANE_KERNEL_SPIN_US), not iterations.
 //
 // Why not OpenMP: libgomp's OMP_WAIT_POLICY is one process-wide choice, made when torch loads
-// it. ACTIVE (spin) is faster on an idle machine and collapses when another process takes a
-// core; PASSIVE sleeps at once and pays a wake-up per region. A bounded spin gets the first
-// without the second (measured: worker/runtime/kernels/README.md, "Threads").
+// it, for torch's ops and ours alike. ACTIVE (spin) is faster on an idle machine and collapses
+// when another process takes a core; PASSIVE sleeps at once and pays a wake-up per region.
+// This pool gives the kernels their own spin budget, and a second concurrent caller runs
+// inline instead of starting another team. Measured on the shared 2-core machine
+// (worker/runtime/kernels/README.md, "Threads"), any budget >= 20 us cost more than it saved,
+// so the default is 0: sleep at once, as fast as OpenMP PASSIVE.
+//
+// Spin back-off: a spinning thread that finds itself descheduled (a clock gap in its poll loop)
+// stops every thread of the pool from spinning for LORAPLANE_KERNEL_SPIN_BACKOFF_MS.
 //
 // Protocol (one dispatch):
 //   caller: claims the pool (busy flag; a second caller, or a nested call, runs inline instead),
@@ -50,8 +56,8 @@
 namespace lp {
 
 std::atomic<int> g_backend{LP_BACKEND_POOL};
-static std::atomic<int64_t> g_spin_ns{50 * 1000};       // LORAPLANE_KERNEL_SPIN_US
-static std::atomic<int64_t> g_backoff_ns{100 * 1000000};  // LORAPLANE_KERNEL_SPIN_BACKOFF_MS
+static std::atomic<int64_t> g_spin_ns{0};                // LORAPLANE_KERNEL_SPIN_US (us -> ns)
+static std::atomic<int64_t> g_backoff_ns{100 * 1000000};  // LORAPLANE_KERNEL_SPIN_BACKOFF_MS (ms -> ns)
 static std::atomic<int64_t> g_nospin_until{0};           // CLOCK_MONOTONIC ns
 
 namespace {
