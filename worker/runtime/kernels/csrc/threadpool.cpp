@@ -111,7 +111,7 @@ struct Pool {
   // written by the claiming caller only
   task_fn fn = nullptr;
   void* ctx = nullptr;
-  int size = 1;  // threads incl. the caller (workers 1..size-1 exist)
+  std::atomic<int> size{1};  // threads incl. the caller (workers 1..size-1 exist); atomic for lp_*_pool_size
   alignas(64) std::atomic<uint32_t> word{0};  // generation << 8 | nthreads
   alignas(64) std::atomic<uint32_t> sleepers{0};
   alignas(64) std::atomic<uint32_t> pending{0};
@@ -168,7 +168,7 @@ void grow(Pool* pool, int want) {
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
   while (pool->size < want) {
-    auto* arg = new WorkerArg{pool, pool->size, pool->word.load(std::memory_order_relaxed)};
+    auto* arg = new WorkerArg{pool, pool->size.load(), pool->word.load(std::memory_order_relaxed)};
     pthread_t th;
     if (pthread_create(&th, &attr, worker_main, arg) != 0) {
       delete arg;
@@ -198,7 +198,8 @@ bool pool_run(int nthreads, task_fn fn, void* ctx) {
   bool expected = false;
   if (!pool->busy.compare_exchange_strong(expected, true, std::memory_order_acquire)) return false;
   if (pool->size < nthreads) grow(pool, nthreads);
-  const int nt = nthreads < pool->size ? nthreads : pool->size;
+  const int size = pool->size.load(std::memory_order_relaxed);
+  const int nt = nthreads < size ? nthreads : size;
   if (nt <= 1) {
     pool->busy.store(false, std::memory_order_release);
     return false;
@@ -243,5 +244,5 @@ LP_EXPORT void LP_FN(threads_config)(int backend, int spin_us, int backoff_ms) {
 // forked child until its first one).
 LP_EXPORT int LP_FN(pool_size)(void) {
   lp::Pool* p = lp::g_pool.load(std::memory_order_acquire);
-  return p ? p->size : 1;
+  return p ? p->size.load(std::memory_order_relaxed) : 1;
 }
