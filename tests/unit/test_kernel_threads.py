@@ -15,6 +15,8 @@ No timing is asserted; speed is measured by ``python -m bench.kernels --contenti
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -190,3 +192,29 @@ def test_pool_after_fork(weights, threads):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
     # the parent's pool still works after the fork
     assert torch.equal(_mm(ql, x, path, "i16", 2), ref)
+
+
+@pytest.mark.parametrize("spin_us", ["0", "50"])
+def test_process_exits_with_pool_alive(spin_us):
+    """A process whose pool threads are alive (sleeping, or spinning at exit with a budget)
+    exits normally: the threads are detached, nothing joins them at interpreter shutdown."""
+    code = f"""
+import torch
+from worker.runtime.kernels import build
+from worker.runtime.kernels.linear import _fns
+torch.set_num_threads(3)
+lib = build.load({PATHS[-1]!r})
+n, k = 64, 2048
+x = torch.randn(n, k)
+q = torch.empty((n, k), dtype=torch.int16)
+d, s16, s32 = torch.empty((n, k // 32)), torch.empty((n, k // 16)), torch.empty((n, k // 32))
+quant = _fns({PATHS[-1]!r}, "i16")[0]
+for _ in range(20):
+    quant(x.data_ptr(), k, n, k, q.data_ptr(), d.data_ptr(), s16.data_ptr(), s32.data_ptr(), 3)
+print(getattr(lib, "lp_{PATHS[-1]}_pool_size")())
+"""
+    env = dict(os.environ, LORAPLANE_KERNEL_THREADS="pool", LORAPLANE_KERNEL_SPIN_US=spin_us)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3"]  # the pool grew to 3 threads and they were alive at exit
