@@ -16,8 +16,14 @@ measured side by side in one run, with the GB/s of weight bytes each achieves ag
 measured copy (read + write) and read-only bandwidths; then one decode step's summed matmul
 time (every linear weight of the 18 layers + the output projection) per method and batch.
 
-``--contention`` re-runs the step sum in child processes with ``OMP_WAIT_POLICY`` active vs
-passive, alone and with a competing busy process pinned to a core, to pick the default.
+``--contention`` (``--contention-only`` to skip the tables above; ``--rounds N``) compares the
+kernels' threading backends (:data:`CONDITIONS`: OpenMP with ``OMP_WAIT_POLICY`` PASSIVE and
+ACTIVE, our pool with several ``LORAPLANE_KERNEL_SPIN_US`` budgets), each with no neighbour
+and with a busy process pinned to core 0, on one decode step's matmuls and on one whole
+in-process decode step (torch ops on libgomp, PASSIVE in every pool condition). The
+conditions are interleaved: one loaded child process per condition, all but the running one
+stopped with SIGSTOP, every round running each condition back to back under both neighbour
+states, so a shared machine's load changes hit all conditions alike.
 
 ``--amx`` (alone: ``python -m bench.kernels --amx [--reps 7] [--batches 1,16,512]``) times the
 int8-activation matmul on the avx512 path (``vpdpbusd``) and the amx path (AMX tiles) side by
@@ -154,36 +160,142 @@ def run_step(model: str, reps: int, batches: list[int], baselines: bool = True) 
     return out
 
 
+# --contention conditions: (label, environment of the child process); "pool S/B" is our pool
+# with LORAPLANE_KERNEL_SPIN_US=S and LORAPLANE_KERNEL_SPIN_BACKOFF_MS=B
+CONDITIONS = [
+    ("omp PASSIVE", {"LORAPLANE_KERNEL_THREADS": "omp", "OMP_WAIT_POLICY": "PASSIVE"}),
+    ("omp ACTIVE", {"LORAPLANE_KERNEL_THREADS": "omp", "OMP_WAIT_POLICY": "ACTIVE"}),
+    *(
+        (
+            f"pool {spin}/{backoff}",
+            {
+                "LORAPLANE_KERNEL_THREADS": "pool",
+                "LORAPLANE_KERNEL_SPIN_US": str(spin),
+                "LORAPLANE_KERNEL_SPIN_BACKOFF_MS": str(backoff),
+                "OMP_WAIT_POLICY": "PASSIVE",
+            },
+        )
+        for spin, backoff in ((0, 0), (5, 100), (50, 0), (50, 100))
+    ),
+]
+DECODE_CTX = 32  # KV positions each sequence holds before the measured decode step
+
+
+def _contention_child(args) -> int:
+    """Child of ``--contention``: load, warm up, print ``ready``; then for each stdin line ``R``
+    time R reps of (a) one decode step's matmuls (:func:`run_step`, ``ours``) and (b) one whole
+    in-process decode step (``WorkerContext.decode``, base model, torch ops on libgomp) at each
+    batch size, and print ``{"mm<B>": [ms...], "dec<B>": [ms...]}`` as one JSON line."""
+    import json
+
+    from worker.lora.adapter_set import EMPTY_SET
+    from worker.runtime.context import Model, UBatch
+    from worker.runtime.model import load_model
+
+    batches = [int(b) for b in args.batches.split(",")]
+    path = resolve_path()
+    gf = read_gguf(args.model)
+    recs = [r for n, r in gf.tensors.items() if len(r.ne) == 2 and n != "token_embd.weight"]
+    recs.append(gf.tensors["token_embd.weight"])
+    mms = [(pack_tensor(r), r.ne[0]) for r in recs]
+    xs = {b: {k: torch.randn(b, k) for k in {k for _, k in mms}} for b in batches}
+    base = load_model(args.model)
+    ctx = Model(base).new_context(n_ctx_seq=DECODE_CTX + 8, n_seq=max(batches))
+    ctx.set_adapters(EMPTY_SET)
+    nseq = max(batches)
+    rng = np.random.default_rng(0)
+    toks = rng.integers(1000, 200_000, size=nseq * DECODE_CTX).tolist()
+    pos = [p for _ in range(nseq) for p in range(DECODE_CTX)]
+    ids = [s for s in range(nseq) for _ in range(DECODE_CTX)]
+    ctx.decode(UBatch(toks, pos, ids, [False] * len(toks)))
+
+    def mm_step(b: int) -> None:
+        for ql, k in mms:
+            ql.matmul(xs[b][k], path=path)
+
+    def dec_step(b: int) -> None:
+        for s in range(b):
+            ctx.kv.seq_rm(s, DECODE_CTX)
+        ctx.decode(UBatch(rng.integers(1000, 200_000, size=b).tolist(), [DECODE_CTX] * b, list(range(b)), [True] * b))
+
+    def timed(fn, b: int) -> float:
+        t0 = time.perf_counter()
+        fn(b)
+        return (time.perf_counter() - t0) * 1e3
+
+    for b in batches:
+        mm_step(b)
+        dec_step(b)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        reps = int(line)
+        out: dict[str, list[float]] = {}
+        for b in batches:
+            out[f"mm{b}"] = [timed(mm_step, b) for _ in range(reps)]
+            out[f"dec{b}"] = [timed(dec_step, b) for _ in range(reps)]
+        print(json.dumps(out), flush=True)
+    return 0
+
+
 def _contention(args) -> None:
-    """Step sum at B=16 under OMP_WAIT_POLICY active/passive, alone and with a busy neighbour."""
-    print("\nthread behaviour (measured decode step, ours, B=1 and B=16, median ms (min-max)):")
+    """Every condition of :data:`CONDITIONS`, alone and with a busy process pinned to core 0,
+    interleaved: one child process per condition stays loaded and is stopped (SIGSTOP) while
+    the others run, so each round measures every condition back to back under the same load."""
+    import json
+    import signal
+
+    batches = [int(b) for b in args.batches.split(",")]
+    rounds, per = args.rounds, 2
+    print(
+        f"\nthread behaviour, interleaved: {rounds} rounds x {per} reps per condition and neighbour state; "
+        "mm = one decode step's matmuls (ours), dec = one whole decode step in-process (base model), ms"
+    )
     spin = [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"]
-    for busy in (False, True):
-        hog = subprocess.Popen(spin) if busy else None
-        try:
-            for policy in ("active", "passive"):
-                env = dict(os.environ, OMP_WAIT_POLICY=policy)
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "bench.kernels",
-                    "--step-only",
-                    "--reps",
-                    str(args.reps),
-                    "--batches",
-                    args.batches,
-                    "--model",
-                    args.model,
-                ]
-                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-                print(
-                    f"  OMP_WAIT_POLICY={policy:8s} {'with a busy process on core 0' if busy else 'alone':32s} "
-                    f"{out.strip()}"
-                )
-        finally:
-            if hog is not None:
-                hog.kill()
-                hog.wait()
+    hog = subprocess.Popen(spin)
+    os.kill(hog.pid, signal.SIGSTOP)
+    children = []
+    try:
+        wanted = args.conditions.split(",") if args.conditions else [c for c, _ in CONDITIONS]
+        for label, extra in CONDITIONS:
+            if label not in wanted:
+                continue
+            env = dict(os.environ, **extra)
+            cmd = [sys.executable, "-m", "bench.kernels", "--contention-child", "--batches", args.batches]
+            cmd += ["--model", args.model]
+            ch = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            line = ch.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"{label}: child did not start ({line!r})")
+            os.kill(ch.pid, signal.SIGSTOP)
+            children.append((label, ch))
+        res: dict[tuple[str, bool], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for r in range(rounds):
+            for busy in (r % 2 == 0, r % 2 == 1):
+                os.kill(hog.pid, signal.SIGCONT if busy else signal.SIGSTOP)
+                order = children[r % len(children) :] + children[: r % len(children)]
+                for label, ch in order:
+                    os.kill(ch.pid, signal.SIGCONT)
+                    ch.stdin.write(f"{per}\n")
+                    ch.stdin.flush()
+                    got = json.loads(ch.stdout.readline())
+                    os.kill(ch.pid, signal.SIGSTOP)
+                    for key, ts in got.items():
+                        res[(label, busy)][key] += ts
+            print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+        keys = [f"{kind}{b}" for kind in ("mm", "dec") for b in batches]
+        print(f"  {'condition':14s} {'neighbour':10s} " + " ".join(f"{k:>22s}" for k in keys))
+        for busy in (False, True):
+            for label, _ in children:
+                row = " ".join(f"{_fmt(res[(label, busy)][k]).strip():>22s}" for k in keys)
+                print(f"  {label:14s} {'busy core0' if busy else 'none':10s} {row}")
+    finally:
+        for _, ch in children:
+            ch.kill()
+            os.kill(ch.pid, signal.SIGCONT)
+            ch.wait()
+        hog.kill()
+        os.kill(hog.pid, signal.SIGCONT)
+        hog.wait()
 
 
 AMX_SHAPES = (  # (label, GGUF, tensor name): the LM heads and Gemma's layer shapes
@@ -269,9 +381,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--no-baselines", action="store_true", help="time only our kernels")
-    ap.add_argument("--contention", action="store_true", help="also measure OMP_WAIT_POLICY under load")
     ap.add_argument("--amx", action="store_true", help="only the avx512 vs amx int8 comparison")
+    ap.add_argument("--contention", action="store_true", help="also compare the threading backends under load")
+    ap.add_argument("--rounds", type=int, default=6, help="--contention: interleaved rounds")
+    ap.add_argument("--contention-only", action="store_true", help="run only the --contention comparison")
+    ap.add_argument(
+        "--conditions", default=None, help="--contention: comma-separated labels of CONDITIONS to run (default all)"
+    )
     ap.add_argument("--step-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--contention-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.model is None:
         from worker.runtime.model import default_model_path
@@ -281,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.amx:
         print(f"cpu: {cpu_model()}; {os.cpu_count()} cpus; load average {os.getloadavg()[0]:.1f}")
         run_amx(args.model, args.reps, batches)
+        return 0
+    if args.contention_child:
+        return _contention_child(args)
+    if args.contention_only:
+        _contention(args)
         return 0
     if args.step_only:
         step = run_step(args.model, args.reps, batches, baselines=False)

@@ -5,6 +5,10 @@ it once at load): with the default spin-wait, every OpenMP region of a decode st
 descheduled spinning sibling when another process holds a core, and a step that takes tens of
 ms takes 0.4–1.5 s (measured on the 2-core machines; ``worker/runtime/kernels/README.md``).
 Set ``OMP_WAIT_POLICY=ACTIVE`` in the environment to opt out on a dedicated machine.
+
+It governs torch's own ops (norms, rope, elementwise, attention); our C matmul kernels run on
+their own thread pool (``LORAPLANE_KERNEL_THREADS``, ``LORAPLANE_KERNEL_SPIN_US``,
+``LORAPLANE_KERNEL_SPIN_BACKOFF_MS``: ``worker.runtime.kernels.build.threads_config``).
 """
 
 import os as _os

@@ -1,4 +1,5 @@
-"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/qmm_amx.cpp``)
+"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/qmm_amx.cpp``,
+``csrc/threadpool.cpp``)
 for each x86 ISA path.
 
 Three shared libraries, each compiled with its own target flags (never ``-march=native``), so
@@ -16,9 +17,11 @@ compiler is missing or the build breaks; at run time a missing library is built 
 (under a file lock), and a failed build raises :class:`KernelBuildError` — there is no silent
 fallback. ``LORAPLANE_KERNELS=torch`` selects the documented torch path explicitly instead.
 
-OpenMP: the libraries are linked ``-fopenmp`` against ``libgomp.so.1``; torch's CPU wheel loads
-its own ``libgomp.so.1`` first (``import torch`` happens before we load), and the dynamic loader
-reuses a loaded soname, so our parallel regions share torch's OpenMP thread pool.
+Threads: ``lp::parallel_for`` runs on our own pool (``csrc/threadpool.cpp``) by default, or on
+OpenMP with ``LORAPLANE_KERNEL_THREADS=omp`` (:func:`threads_config`). For the latter the
+libraries are linked ``-fopenmp`` against ``libgomp.so.1``; torch's CPU wheel loads its own
+``libgomp.so.1`` first (``import torch`` happens before we load), and the dynamic loader reuses a
+loaded soname, so those parallel regions share torch's OpenMP thread pool.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp before ours; see module docstring)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", CSRC_DIR / "qmm_amx.cpp"]
+SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", CSRC_DIR / "qmm_amx.cpp", CSRC_DIR / "threadpool.cpp"]
 HEADERS = [CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h", CSRC_DIR / "qmm8.h"]  # included: part of the build key
 # Which sources each ISA's library is compiled from (every one exports the SIGNATURES below).
+_POOL = CSRC_DIR / "threadpool.cpp"
 ISA_SOURCES = {
-    "avx2": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"],
-    "avx512": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"],
-    "amx": [CSRC_DIR / "qmm_amx.cpp", CSRC_DIR / "qmm16.cpp"],
+    "avx2": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", _POOL],
+    "avx512": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", _POOL],
+    "amx": [CSRC_DIR / "qmm_amx.cpp", CSRC_DIR / "qmm16.cpp", _POOL],
 }
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
@@ -70,6 +74,9 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "quantize_act16": (_QUANT, None),
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
+    # threadpool.cpp (the threading backend of lp::parallel_for)
+    "threads_config": ([_I32, _I32, _I32], None),
+    "pool_size": ([], _I32),
 }
 # Functions only one ISA's library exports.
 ISA_SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
@@ -82,8 +89,85 @@ class KernelBuildError(RuntimeError):
     """The C kernels could not be compiled or loaded (message holds the compiler's output)."""
 
 
+THREAD_BACKENDS = {"pool": 0, "omp": 1}  # lp::parallel_for backends (csrc/parallel.h)
+DEFAULT_THREADS = "pool"
+DEFAULT_SPIN_US = 0  # measured: any spin >= 20 us slowed steps on the shared 2-core machine (README "Threads")
+DEFAULT_SPIN_BACKOFF_MS = 100
+
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
+_threads: tuple[str, int, int] | None = None  # set_threads() override of the environment
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        v = int(raw) if raw else default
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise KernelBuildError(f"{name}={raw!r}: expected an integer >= 0")
+    return v
+
+
+def threads_config() -> tuple[str, int, int]:
+    """The kernels' threading setting: ``(backend, spin_us, backoff_ms)``.
+
+    - ``backend``: ``LORAPLANE_KERNEL_THREADS`` — 'pool' (default: our thread pool,
+      ``csrc/threadpool.cpp``) or 'omp' (OpenMP in torch's libgomp, where ``OMP_WAIT_POLICY``
+      applies).
+    - ``spin_us``: ``LORAPLANE_KERNEL_SPIN_US`` (default 0) — microseconds a pool thread polls
+      for work, and the caller for completion, before it sleeps on a futex; 0 sleeps at once.
+    - ``backoff_ms``: ``LORAPLANE_KERNEL_SPIN_BACKOFF_MS`` (default 100) — when a spinning
+      thread finds it was descheduled (another process wants the core), the pool stops spinning
+      for this many milliseconds; 0 never stops.
+
+    Measured in worker/runtime/kernels/README.md ("Threads"). :func:`set_threads` overrides
+    the environment.
+
+    Raises:
+        KernelBuildError: an unknown backend, or a number that is not an integer >= 0.
+    """
+    if _threads is not None:
+        return _threads
+    backend = os.environ.get("LORAPLANE_KERNEL_THREADS", "").strip().lower() or DEFAULT_THREADS
+    if backend not in THREAD_BACKENDS:
+        raise KernelBuildError(f"LORAPLANE_KERNEL_THREADS={backend!r}: expected one of {', '.join(THREAD_BACKENDS)}")
+    return (
+        backend,
+        _env_int("LORAPLANE_KERNEL_SPIN_US", DEFAULT_SPIN_US),
+        _env_int("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", DEFAULT_SPIN_BACKOFF_MS),
+    )
+
+
+def _apply(isa: str, lib: ctypes.CDLL, cfg: tuple[str, int, int]) -> None:
+    getattr(lib, f"lp_{isa}_threads_config")(THREAD_BACKENDS[cfg[0]], cfg[1], cfg[2])
+
+
+def set_threads(
+    backend: str | None = None, spin_us: int | None = None, backoff_ms: int | None = None
+) -> tuple[str, int, int]:
+    """Switch every loaded (and later loaded) library's threading backend, spin budget and/or
+    spin back-off (see :func:`threads_config`; ``None`` keeps the current value); returns the
+    new setting.
+
+    Raises:
+        KernelBuildError: unknown backend, or a negative number.
+    """
+    global _threads
+    with _lock:
+        cur = threads_config()
+        new = (
+            cur[0] if backend is None else backend,
+            cur[1] if spin_us is None else int(spin_us),
+            cur[2] if backoff_ms is None else int(backoff_ms),
+        )
+        if new[0] not in THREAD_BACKENDS or new[1] < 0 or new[2] < 0:
+            raise KernelBuildError(f"set_threads{new}: backend pool|omp, spin_us and backoff_ms >= 0")
+        _threads = new
+        for isa, lib in _libs.items():
+            _apply(isa, lib, new)
+        return new
 
 
 def _compiler() -> str:
@@ -148,6 +232,7 @@ def load(isa: str) -> ctypes.CDLL:
         for fn, (argtypes, restype) in {**SIGNATURES, **ISA_SIGNATURES.get(isa, {})}.items():
             f = getattr(lib, f"lp_{isa}_{fn}")
             f.argtypes, f.restype = argtypes, restype
+        _apply(isa, lib, threads_config())
         _libs[isa] = lib
         return lib
 
