@@ -41,6 +41,7 @@ from bench.serving import ServingContext, _mapped, _register, wl_key, zipf_choic
 from bench.stats import Figure, ratio
 
 OURS, PEER = "ours", "llama-server"
+PREFILL_TOK_S = 600  # prefill rate of Gemma 3 270M on 2 quiet cores (RESULTS.md), for the time estimate only
 LONG_FIGURES = ("tok_s", "prompt_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "computed")
 CTX_FIGURES = ("itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "tok_s")
 
@@ -163,6 +164,13 @@ def run_long(sc: ServingContext, selected: list[str]) -> dict[str, dict | BaseEx
     sc.log(
         f"long: starting control plane + worker ({p.longprompt_streams} slots, --n-ctx {n_ctx})"
         + (f" and llama-server (--parallel {p.longprompt_streams}, -c {p.longprompt_streams * n_ctx})" if peer else "")
+    )
+    n_prompt = (p.longprompt_tokens * p.longprompt_requests * len(p.longprompt_ks) if want_prompt else 0) + (
+        (p.longctx_tokens + p.longctx_short) * p.longctx_requests if want_ctx else 0
+    )
+    sc.log(
+        f"long: {n_prompt * p.reps:,} prompt tokens per server over {p.reps} repetition(s); at ~{PREFILL_TOK_S} "
+        f"prompt tok/s (2 quiet cores) about {n_prompt * p.reps / PREFILL_TOK_S / 60:.1f} min of prefill per server"
     )
     start_all([ours])
     out: dict[str, dict | BaseException] = {}

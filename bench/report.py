@@ -513,7 +513,7 @@ def bounds_section(bd: dict) -> Section:
     )
     s.rows.append(
         [
-            f"**B={bd['batch']} bound** = max(fastest compute, GGUF memory): {bd['bound_kind']}-bound",
+            f"B={bd['batch']} bound = max(fastest compute, GGUF memory): {bd['bound_kind']}-bound",
             "",
             fmt(bd["bound_ms"]),
             f"{_x(bd['step_over_bound'])} (target ≤ {bd['target_step_over_bound']:.1f}×)",
@@ -538,8 +538,8 @@ def bounds_section(bd: dict) -> Section:
         )
     s.notes.append(
         "peak rates: bench/csrc/peak_int8.cpp, register-resident independent chains of one instruction per thread; "
-        "bounds use the best repetition of each rate (median [min–max] shown); attention's QK^T/PV products are "
-        f"not counted ({bd['decode_ctx']} tokens of context); our kernels multiply int16 activations "
+        "bounds use the best repetition of each rate (the rate column: median, min–max); attention's QK^T/PV "
+        f"products are not counted ({bd['decode_ctx']} tokens of context); our kernels multiply int16 activations "
         "(vpdpwssd, half vpdpbusd's MACs per instruction) by default"
     )
     return s

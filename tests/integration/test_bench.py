@@ -234,10 +234,18 @@ def test_peak_int8_counts_the_macs_it_runs():
     chains = {"amx": 4, "avx512vnni": 12, "avxvnni": 12, "avx2": 8}
     isas = available_isas()
     assert isas, "no x86 int8 instruction family listed in /proc/cpuinfo"
+    checked = []
     for isa in isas:
-        macs, secs = _run_peak(exe, isa, 2, 1000)
+        try:
+            macs, secs = _run_peak(exe, isa, 2, 1000)
+        except RuntimeError as exc:
+            # a kernel/VM that lists AMX but refuses its state (arch_prctl): exit status 3, nothing else
+            assert isa == "amx" and "exit status 3" in str(exc), (isa, exc)
+            continue
         assert macs == 2 * 1000 * chains[isa] * ISAS[isa][1], isa
         assert secs > 0
+        checked.append(isa)
+    assert "avx2" in checked or "avx2" not in isas
 
 
 def test_available_isas_follow_the_cpu_flags():
