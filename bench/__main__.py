@@ -6,11 +6,15 @@ Runs, in one process and one go:
 2. multi-tenant serving over gRPC, mixed vs compat batching, K = 0, 1, 4, 16 adapters;
 3. prefix reuse under ``--prefix-cache keyed`` vs ``llama``;
 4. adapter lifecycle: register → first token, worker cold load, resident bytes per adapter;
-5. the memory roofline of a decode step.
+5. the memory roofline of a decode step;
+6. adapter paging (many adapters vs a few that fit);
+7. long prompts (distinct ~1 500-token prompts, 8 streams, K = 0 and 16);
+8. long-context decode: inter-token latency at ~3 000 vs ~100 tokens of context;
+9. the compute (peak int8 MAC rate) and memory bounds of a B=16 decode step vs the step.
 
 Each scenario prints its table as soon as it finishes; ``--json OUT`` writes every figure
 (median, min, max, n) and ``--markdown OUT`` the tables for ``bench/RESULTS.md``. With
-``$LLAMA_SERVER`` naming a llama-server binary, scenarios 2 and 3 also run against it.
+``$LLAMA_SERVER`` naming a llama-server binary, scenarios 2, 3, 7 and 8 also run against it.
 Progress goes to stderr. Exit code 0 when every scenario ran, 1 when one failed (its error
 is in the table and the JSON), 2 on a usage error.
 """
@@ -36,7 +40,17 @@ if TYPE_CHECKING:  # the real imports are lazy: torch must load after OMP_WAIT_P
     from bench.profiles import Profile
     from worker.runtime.model import LoadedModel
 
-SCENARIOS = {"1": "engine", "2": "serving", "3": "prefix", "4": "lifecycle", "5": "roofline", "6": "paging"}
+SCENARIOS = {
+    "1": "engine",
+    "2": "serving",
+    "3": "prefix",
+    "4": "lifecycle",
+    "5": "roofline",
+    "6": "paging",
+    "7": "longprompt",
+    "8": "longctx",
+    "9": "bounds",
+}
 DEFAULT_SEED = 1234
 
 
@@ -69,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--only",
         metavar="LIST",
-        help="comma-separated scenarios to run: 1-6 or " + ", ".join(SCENARIOS.values()) + " (default: all)",
+        help="comma-separated scenarios to run: 1-9 or " + ", ".join(SCENARIOS.values()) + " (default: all)",
     )
     ap.add_argument("--reps", type=int, help="repetitions per figure (overrides the profile)")
     ap.add_argument("--requests", type=int, help="requests per serving run")
@@ -107,7 +121,7 @@ def _selected(only: str | None) -> list[str]:
         item = item.strip()
         name = SCENARIOS.get(item, item)
         if name not in SCENARIOS.values():
-            raise ValueError(f"--only: unknown scenario '{item}' (expected 1-6 or {', '.join(SCENARIOS.values())})")
+            raise ValueError(f"--only: unknown scenario '{item}' (expected 1-9 or {', '.join(SCENARIOS.values())})")
         out.append(name)
     return out
 
@@ -282,7 +296,7 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
     from worker.runtime.model import default_model_path
 
     model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
-    in_process = "engine" in selected or "roofline" in selected
+    in_process = "engine" in selected or "roofline" in selected or "bounds" in selected
     base: LoadedModel | None = None
     if in_process:
         from worker.runtime.model import load_model
@@ -304,12 +318,16 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
     engine_adapter = factory.path(0)
 
     roofline_part: dict = {}
-    if base is not None:  # loaded exactly when "engine" or "roofline" is selected
+    bounds_part: dict = {}
+    if base is not None:  # loaded exactly when "engine", "roofline" or "bounds" is selected
         roofline_part = _in_process_scenarios(base, profile, selected, engine_adapter, result, args, record, log)
+        if "bounds" in selected:
+            bounds_part = _deferred(lambda: _bounds_in_process(base, profile, engine_adapter, args, log))
         del base
         gc.collect()
 
-    if "serving" in selected or "prefix" in selected or "lifecycle" in selected or "paging" in selected:
+    serving_like = ("serving", "prefix", "lifecycle", "paging", "longprompt", "longctx")
+    if any(s in selected for s in serving_like):
         from bench.engine import token_hi
         from bench.serving import ServingContext, run_multitenant, run_prefix
 
@@ -353,6 +371,19 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
             from bench.paging import run_paging
 
             record("paging", lambda: run_paging(sc, arch, tensors, log))
+        if "longprompt" in selected or "longctx" in selected:
+            from bench.longcontext import run_long
+
+            try:
+                long_out: dict = run_long(sc, selected)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the servers failed: both scenarios report it
+                traceback.print_exc(file=sys.stderr)
+                long_out = {"longprompt": exc, "longctx": exc}
+            for key in ("longprompt", "longctx"):
+                if key in selected:
+                    record(key, lambda key=key: _unwrap(long_out.get(key)))
     if "roofline" in selected:
         from bench.roofline import add_serving
 
@@ -362,6 +393,33 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
             return add_serving(roofline_part["value"], result["scenarios"].get("serving"))
 
         record("roofline", roofline)
+    if "bounds" in selected:
+        from bench.bounds import add_served_step
+
+        def bounds() -> dict:
+            if "error" in bounds_part:
+                raise bounds_part["error"]
+            return add_served_step(bounds_part["value"], result["scenarios"].get("serving"))
+
+        record("bounds", bounds)
+
+
+def _deferred(fn: Callable[[], dict]) -> dict:
+    """``{"value": fn()}``, or ``{"error": exc}`` (printed) — for an in-process part whose table
+    is recorded later, after the serving scenarios."""
+    try:
+        return {"value": fn()}
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported under its scenario when recorded
+        traceback.print_exc(file=sys.stderr)
+        return {"error": exc}
+
+
+def _bounds_in_process(base, profile, engine_adapter, args, log) -> dict:
+    from bench.bounds import run_bounds
+
+    return run_bounds(base, engine_adapter, profile, seed=args.seed, log=log)
 
 
 def _in_process_scenarios(
@@ -416,7 +474,7 @@ def _roofline_in_process(base, profile, engine_adapter, result, args, log) -> di
 
 def _unwrap(lc):
     if lc is None:
-        raise RuntimeError("not run: the serving scenario failed before the lifecycle measurements")
+        raise RuntimeError("not run: the scenario that carries it failed before reaching it")
     if isinstance(lc, BaseException):
         raise lc
     return lc

@@ -34,6 +34,16 @@ class Profile:
             attention weights), how many fit in the comparison run, worker ``--max-loras`` /
             ``--max-cpu-loras``, requests after ``paging_warmup`` warm-up requests, output
             tokens, streams.
+        longprompt_*: long prompts (scenario 7): distinct prompts of ``longprompt_tokens``
+            tokens (no prefix shared between requests), ``longprompt_max_tokens`` output
+            tokens, ``longprompt_streams`` closed-loop streams (= slots), ``longprompt_requests``
+            requests per run, adapter counts ``longprompt_ks`` (K > 0: Zipf(1.0) popularity).
+        longctx_*: long-context decode (scenario 8): one closed-loop stream,
+            ``longctx_requests`` requests per context length and repetition, prompts of
+            ``longctx_tokens`` and of ``longctx_short`` tokens, ``longctx_max_tokens`` output
+            tokens each; ITL measured between the output tokens (after the prompt).
+        bounds_batch / bounds_run_s: compute bounds (scenario 9): the decode batch whose
+            step is bounded, and the seconds each peak-rate measurement runs for.
     """
 
     name: str
@@ -66,6 +76,17 @@ class Profile:
     paging_warmup: int = 16
     paging_max_tokens: int = 32
     paging_streams: int = 16
+    longprompt_tokens: int = 1500
+    longprompt_max_tokens: int = 64
+    longprompt_streams: int = 8
+    longprompt_requests: int = 16
+    longprompt_ks: tuple[int, ...] = (0, 16)
+    longctx_tokens: int = 3000
+    longctx_short: int = 100
+    longctx_max_tokens: int = 32
+    longctx_requests: int = 2
+    bounds_batch: int = 16
+    bounds_run_s: float = 0.25
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -92,6 +113,12 @@ QUICK = Profile(
     paging_warmup=8,
     paging_max_tokens=8,
     paging_streams=8,
+    longprompt_tokens=512,
+    longprompt_max_tokens=16,
+    longprompt_requests=8,
+    longctx_tokens=1000,
+    longctx_max_tokens=16,
+    longctx_requests=1,
 )
 SMOKE = Profile(
     "smoke",
@@ -121,6 +148,16 @@ SMOKE = Profile(
     paging_warmup=2,
     paging_max_tokens=2,
     paging_streams=2,
+    longprompt_tokens=96,
+    longprompt_max_tokens=4,
+    longprompt_streams=2,
+    longprompt_requests=4,
+    longprompt_ks=(0, 4),
+    longctx_tokens=160,
+    longctx_short=16,
+    longctx_max_tokens=4,
+    longctx_requests=1,
+    bounds_run_s=0.05,
 )
 
 PROFILES = {p.name: p for p in (FULL, QUICK, SMOKE)}

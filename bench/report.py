@@ -405,6 +405,182 @@ def paging_section(d: dict) -> Section:
     return sec
 
 
+def _ok_of(d: dict) -> str:
+    """``ok/sent`` requests over all repetitions of one arm."""
+    return f"{d.get('ok', 0)}/{d.get('requests', 0) * d.get('runs', 0)}"
+
+
+def longprompt_section(lp: dict) -> list[Section]:
+    """Scenario 7: long distinct prompts, ours beside llama-server."""
+    s = Section(
+        f"7. Long prompts: {lp['streams']} closed-loop streams, {lp['requests']} requests per run × "
+        f"{lp['reps']} runs, distinct {lp['prompt_tokens']}-token prompts (no shared prefix) → "
+        f"{lp['max_tokens']} output tokens (greedy, ignore_eos), {lp['slots']} slots",
+        [
+            "workload",
+            "server",
+            "output tok/s",
+            "prompt tok/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "prompt tokens computed / run",
+            "requests ok/sent",
+            "errors",
+        ],
+    )
+    for key in lp["workloads"]:
+        for who, d in lp["servers"].items():
+            r = d[key]
+            s.rows.append(
+                [
+                    key,
+                    who,
+                    _fig(r["tok_s"]),
+                    _fig(r["prompt_tok_s"]),
+                    _fig(r["ttft_p50_ms"]),
+                    _fig(r["ttft_p99_ms"]),
+                    _fig(r["itl_p50_ms"]),
+                    _fig(r["itl_p99_ms"]),
+                    _fig(r["computed"]),
+                    _ok_of(r),
+                    str(r["n_errors"]),
+                ]
+            )
+    s.notes.append(
+        "prompt tok/s = prompt tokens of the finished requests / the run's wall time (first submit → last "
+        "token); computed = the worker's Stats.prompt_tokens_computed difference (llama-server: Σ "
+        f"timings.prompt_n), {lp['requests'] * lp['prompt_tokens']:,} sent per run; K>0: Zipf(1.0) over K "
+        "rank-8 adapters; ours: --batching mixed --prefix-cache keyed"
+    )
+    out = [s]
+    if lp.get("ours_over_llama_server"):
+        r = Section(
+            "7b. Long prompts, ours/llama-server (medians)",
+            ["workload", "output tok/s", "prompt tok/s", "TTFT p50", "ITL p50"],
+        )
+        for key, x in lp["ours_over_llama_server"].items():
+            r.rows.append([key, _x(x["tok_s"]), _x(x["prompt_tok_s"]), _x(x["ttft_p50_ms"]), _x(x["itl_p50_ms"])])
+        out.append(r)
+    return out
+
+
+def longctx_section(lc: dict) -> Section:
+    """Scenario 8: decode ITL at a long vs a short context."""
+    s = Section(
+        f"8. Long-context decode: 1 stream, {lc['requests']} request(s) per context per run × {lc['reps']} runs, "
+        f"{lc['max_tokens']} output tokens after a {lc['long_tokens']}- or {lc['short_tokens']}-token prompt",
+        [
+            "server",
+            f"ITL p50 ms @{lc['long_tokens']}",
+            f"ITL p50 ms @{lc['short_tokens']}",
+            "ITL long/short",
+            f"ITL p99 ms @{lc['long_tokens']}",
+            f"TTFT p50 ms @{lc['long_tokens']}",
+            "per-token ms (server's own) long / short",
+            "requests ok/sent",
+        ],
+    )
+    for who, d in lc["servers"].items():
+        lo, sh = d["long"], d["short"]
+        own = f"{_fig(lo['per_token_ms'])} / {_fig(sh['per_token_ms'])}" if "per_token_ms" in lo else "-"
+        s.rows.append(
+            [
+                who,
+                _fig(lo["itl_p50_ms"]),
+                _fig(sh["itl_p50_ms"]),
+                _x(lc["long_over_short"].get(who)),
+                _fig(lo["itl_p99_ms"]),
+                _fig(lo["ttft_p50_ms"]),
+                own,
+                f"{_ok_of(lo)} + {_ok_of(sh)}",
+            ]
+        )
+    if lc.get("ours_over_llama_server"):
+        o = lc["ours_over_llama_server"]
+        s.notes.append(
+            f"ours/llama-server ITL p50: {_x(o['long'])} at {lc['long_tokens']} tokens, {_x(o['short'])} at "
+            f"{lc['short_tokens']} (below 1: ours faster)"
+        )
+    s.notes.append(
+        "ITL = gaps between successive output tokens at the client (the prompt's time is the TTFT, not in it)"
+    )
+    return s
+
+
+def bounds_section(bd: dict) -> Section:
+    """Scenario 9: peak int8 MAC rates, the B=16 step's compute and memory bounds, the step."""
+    s = Section(
+        f"9. Bounds of a B={bd['batch']} decode step on {bd['threads']} threads: "
+        f"{bd['macs_per_step'] / 1e9:.2f} GMAC ({bd['linear_weights']} linear weights + LM head "
+        f"{bd['lm_head']}, × {bd['batch']} rows)",
+        ["figure", "rate", f"B={bd['batch']} step bound ms", "in-process step / bound"],
+    )
+    step_med = bd["step_ms"]["median"]
+    for isa, pk in bd["peaks"].items():
+        if "error" in pk:
+            s.rows.append([f"peak int8, {pk['instruction']}", f"failed: {pk['error']}", "-", "-"])
+            continue
+        s.rows.append(
+            [
+                f"peak int8, {pk['instruction']}" + (" (fastest)" if isa == bd["fastest"] else ""),
+                f"{_fig(pk['gmac_s'])} GMAC/s",
+                fmt(pk["compute_bound_ms"]),
+                _x(_div(step_med, pk["compute_bound_ms"])),
+            ]
+        )
+    bw = bd["bandwidth"]["gb_s"]
+    s.rows.append(
+        [
+            f"memory, the GGUF's tensor bytes ({bd['gguf_bytes_per_step'] / MIB:.1f} MiB/step)",
+            f"{_fig(bw)} GB/s copy",
+            fmt(bd["memory_bound_ms"]),
+            _x(_div(step_med, bd["memory_bound_ms"])),
+        ]
+    )
+    s.rows.append(
+        [
+            f"memory, the bytes our model holds ({bd['weight_bytes_per_step'] / MIB:.1f} MiB/step, {bd['weights']})",
+            f"{_fig(bw)} GB/s copy",
+            fmt(bd["memory_bound_held_ms"]),
+            _x(_div(step_med, bd["memory_bound_held_ms"])),
+        ]
+    )
+    s.rows.append(
+        [
+            f"B={bd['batch']} bound = max(fastest compute, GGUF memory): {bd['bound_kind']}-bound",
+            "",
+            fmt(bd["bound_ms"]),
+            f"{_x(bd['step_over_bound'])} (target ≤ {bd['target_step_over_bound']:.1f}×)",
+        ]
+    )
+    s.rows.append(
+        [
+            f"in-process B={bd['batch']} step ({bd['weights']} weights, {bd['dtype']}, no sampling)",
+            f"{_fig(bd['step_ms'])} ms",
+            "",
+            f"best {_x(bd['step_best_over_bound'])}",
+        ]
+    )
+    if bd.get("served_step_ms") is not None:
+        s.rows.append(
+            [
+                "worker's decode step interval (serving, mixed)",
+                f"{fmt(bd['served_step_ms'])} ms",
+                "",
+                _x(bd["served_step_over_bound"]),
+            ]
+        )
+    s.notes.append(
+        "peak rates: bench/csrc/peak_int8.cpp, register-resident independent chains of one instruction per thread; "
+        "bounds use the best repetition of each rate (the rate column: median, min–max); attention's QK^T/PV "
+        f"products are not counted ({bd['decode_ctx']} tokens of context); our kernels multiply int16 activations "
+        "(vpdpwssd, half vpdpbusd's MACs per instruction) by default"
+    )
+    return s
+
+
 BUILDERS = {
     "engine": lambda d: [engine_section(d)],
     "serving": serving_sections,
@@ -412,6 +588,9 @@ BUILDERS = {
     "lifecycle": lambda d: [lifecycle_section(d)],
     "roofline": lambda d: [roofline_section(d)],
     "paging": lambda d: [paging_section(d)],
+    "longprompt": longprompt_section,
+    "longctx": lambda d: [longctx_section(d)],
+    "bounds": lambda d: [bounds_section(d)],
 }
 
 
@@ -435,7 +614,7 @@ def sections_for(key: str, d: dict, machine: dict | None = None) -> list[Section
 
 
 def sections(result: dict) -> list[Section]:
-    """All tables, in scenario order 1–5."""
+    """All tables, in scenario order."""
     out = []
     for key in BUILDERS:
         d = result["scenarios"].get(key)

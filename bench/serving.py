@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bounds import STEP_INTERVAL_FIELD
 from bench.engine import random_tokens
 from bench.load import (
     Driver,
@@ -268,6 +269,8 @@ def _stats_json(srv: LoraplaneServers) -> dict:
         "tokens_generated": st.tokens_generated,
         "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens,
         "adapter_bytes": st.adapter_bytes,
+        # hook (bench.bounds.STEP_INTERVAL_FIELD): the scheduler's step interval, once WorkerStats has it
+        **{f: getattr(st, f) for f in (STEP_INTERVAL_FIELD,) if f in st.DESCRIPTOR.fields_by_name},
     }
 
 
