@@ -60,7 +60,7 @@ ISAS: dict[str, tuple[str, int, tuple[str, ...]]] = {
 # ``WorkerStats`` under this field (milliseconds), ``bench.serving._stats_json`` copies it into
 # the serving scenario's ``worker_stats`` and :func:`add_served_step` puts it beside the
 # in-process step and the bound. Rename here if the field lands under another name.
-STEP_INTERVAL_FIELD = "step_interval_ms"
+STEP_INTERVAL_FIELD = "step_interval_p50_ms"
 
 
 def build_dir() -> Path:

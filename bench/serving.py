@@ -269,7 +269,7 @@ def _stats_json(srv: LoraplaneServers) -> dict:
         "tokens_generated": st.tokens_generated,
         "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens,
         "adapter_bytes": st.adapter_bytes,
-        # hook (bench.bounds.STEP_INTERVAL_FIELD): the scheduler's step interval, once WorkerStats has it
+        # the scheduler's step interval p50 (bench.bounds.STEP_INTERVAL_FIELD) for the bounds table
         **{f: getattr(st, f) for f in (STEP_INTERVAL_FIELD,) if f in st.DESCRIPTOR.fields_by_name},
     }
 
