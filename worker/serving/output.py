@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from worker.runtime.sampling import Sampler
+from worker.runtime.sampling import RowLogprobs, Sampler
 from worker.runtime.tokenizer import Tokenizer
 from worker.serving.request import GenRequest, StartedEvent, StepInfo, TokenEvent
 
@@ -177,7 +177,7 @@ class OutputStage:
         *,
         n_past: int,
         step: StepInfo,
-        pre: tuple[torch.Tensor, int] | None = None,
+        pre: tuple[RowLogprobs, int] | None = None,
         on_token: Callable[[GenRequest, float], None] | None = None,
     ) -> tuple[TokenEvent, str | None]:
         """Sample one token for ``req`` and produce its event and finish reason.

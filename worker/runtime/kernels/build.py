@@ -1,4 +1,4 @@
-"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``) for each x86 ISA path.
+"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/sample.cpp``) for each x86 ISA path.
 
 One source, two shared libraries, each compiled with its own target flags (never
 ``-march=native``), so the AVX2 library runs on an AVX2-only CPU:
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp before ours; see module docstring)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"]
+SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", CSRC_DIR / "sample.cpp"]
 HEADERS = [CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h"]  # included by both sources: part of the build key
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
@@ -60,6 +60,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "quantize_act16": (_QUANT, None),
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
+    # sample.cpp (fused max / log-sum-exp / top-k of logits rows)
+    "logits_summary": ([_P, _I64, _I32, _I32, _I32, _P, _P, _P, _P, _I32], _I32),
 }
 
 
