@@ -1,6 +1,6 @@
 """Microbenchmark of the quantized matmul kernels on the real base model's weights.
 
-``python -m bench.kernels [--reps 7] [--batches 1,16] [--model PATH] [--contention]``
+``python -m bench.kernels [--reps 7] [--batches 1,16] [--model PATH] [--contention] [--sampling]``
 
 Prints the CPU flags and the kernel path taken, then for each distinct (type, shape) of the
 Gemma 3 270M GGUF's linear weights, and the 262144 x 640 Q8_0 output projection, at each batch
@@ -15,6 +15,9 @@ size: median and min-max milliseconds over ``--reps`` runs of
 measured side by side in one run, with the GB/s of weight bytes each achieves against the
 measured copy (read + write) and read-only bandwidths; then one decode step's summed matmul
 time (every linear weight of the 18 layers + the output projection) per method and batch.
+
+``--sampling`` instead times greedy sampling of 16 and 1 rows over 262144 / 151936 logits: the
+torch path (``log_softmax`` + ``argmax``) vs the fused ``csrc/sample.cpp`` kernel.
 
 ``--contention`` re-runs the step sum in child processes with ``OMP_WAIT_POLICY`` active vs
 passive, alone and with a competing busy process pinned to a core, to pick the default.
@@ -177,6 +180,50 @@ def _contention(args) -> None:
                 hog.wait()
 
 
+def run_sampling(reps: int) -> None:
+    """Greedy sampling of B rows as the scheduler does it (B > 1: ``greedy_rows`` then
+    ``Sampler.sample`` per row; B = 1: ``Sampler.sample``), torch path vs the fused kernel
+    (``LORAPLANE_KERNELS`` switched per call), methods interleaved per repetition; prints median
+    [min-max] ms."""
+    from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
+
+    paths = ["torch"] + [p for p in ("avx512", "avx2") if supported(p)]
+    before = os.environ.get("LORAPLANE_KERNELS")
+    print(f"greedy sampling (logprobs 0), torch threads {torch.get_num_threads()}, ms median [min-max]:")
+    try:
+        for v in (262144, 151936):
+            for b in (16, 1):
+                x = torch.randn(b, v, generator=torch.Generator().manual_seed(v + b)) * 4
+                samplers = [Sampler(SamplingParams()) for _ in range(b)]
+
+                def step(x: torch.Tensor = x, samplers: list[Sampler] = samplers) -> list[int]:
+                    if len(samplers) == 1:
+                        return [samplers[0].sample(x[0]).token_id]
+                    pre, tok = greedy_rows(x, list(range(len(samplers))))
+                    return [s.sample(x[i], logp=pre[i], argmax=tok[i]).token_id for i, s in enumerate(samplers)]
+
+                ts: dict[str, list[float]] = {p: [] for p in paths}
+                ids = {}
+                for _ in range(reps + 1):  # the first round is a warm-up
+                    for p in paths:
+                        os.environ["LORAPLANE_KERNELS"] = p
+                        t0 = time.perf_counter()
+                        ids[p] = step()
+                        ts[p].append((time.perf_counter() - t0) * 1e3)
+                assert all(ids[p] == ids["torch"] for p in paths), "greedy ids differ"
+                row = "  ".join(
+                    f"{p if p == 'torch' else 'fused-' + p} "
+                    f"{statistics.median(t[1:]):.2f} [{min(t[1:]):.2f}-{max(t[1:]):.2f}]"
+                    for p, t in ts.items()
+                )
+                print(f"  V={v:<6d} B={b:<2d} {row}")
+    finally:
+        if before is None:
+            os.environ.pop("LORAPLANE_KERNELS", None)
+        else:
+            os.environ["LORAPLANE_KERNELS"] = before
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
@@ -185,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baselines", action="store_true", help="time only our kernels")
     ap.add_argument("--contention", action="store_true", help="also measure OMP_WAIT_POLICY under load")
     ap.add_argument("--step-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sampling", action="store_true", help="only greedy sampling: torch vs the fused kernel")
     args = ap.parse_args(argv)
+    if args.sampling:
+        run_sampling(args.reps)
+        return 0
     if args.model is None:
         from worker.runtime.model import default_model_path
 
