@@ -120,12 +120,14 @@ def test_batched_equals_alone_and_threads(path):
         wide = torch.zeros(6, QWEN + 100)
         wide[:, :QWEN] = x
         strided = logits_summary(wide[:, :QWEN], 20, path=path)
+        picked = logits_summary(x, 20, rows=[4, 0, 4], path=path)  # rows read in place
     finally:
         torch.set_num_threads(before)
     for f in ("max", "logsum", "top_ids", "top_logits"):
         b = getattr(batch, f)
         assert torch.equal(b, getattr(one, f)) and torch.equal(b, getattr(strided, f))
         assert torch.equal(b, torch.cat([getattr(a, f) for a in alone]))
+        assert torch.equal(getattr(picked, f), b[[4, 0, 4]])
     # a smaller k gives the prefix of a larger k's list
     assert torch.equal(logits_summary(x, 5, path=path).top_ids, batch.top_ids[:, :5])
 
@@ -135,6 +137,8 @@ def test_errors():
         logits_summary(torch.zeros(1, 10), 11)
     with pytest.raises(ValueError, match="k must be"):
         logits_summary(torch.zeros(1, 1000), TOPK_MAX + 1)
+    with pytest.raises(ValueError, match="rows must be"):
+        logits_summary(torch.zeros(2, 10), 1, rows=[2])
     with pytest.raises(ValueError, match="2-D"):
         logits_summary(torch.zeros(10), 1)
 
@@ -155,8 +159,10 @@ def test_greedy_sampler_same_tokens_as_torch(monkeypatch, v):
 
     def run():
         single = [Sampler(params).sample(x[r]) for r in range(6)]
-        pre, tok = greedy_rows(x, list(range(6)))
-        batched = [Sampler(params).sample(x[r], logp=pre[r], argmax=tok[r]) for r in range(6)]
+        order = [5, 0, 3, 1, 4, 2]
+        pre, tok = greedy_rows(x, order)
+        batched = [Sampler(params).sample(x[r], logp=pre[i], argmax=tok[i]) for i, r in enumerate(order)]
+        batched = [batched[order.index(r)] for r in range(6)]
         return single, batched
 
     (fused, fused_b), (ref, ref_b) = _both_paths(monkeypatch, run)

@@ -126,11 +126,12 @@ class RowSummary:
 RowLogprobs = torch.Tensor | RowSummary
 
 
-def summarize_rows(logits: torch.Tensor, k: int, path: str) -> list[RowSummary]:
-    """Fused summaries of the rows of f32 CPU ``logits`` ``(m, n_vocab)`` with the top-``k``
-    (``k`` clamped to ``[1, min(TOPK_MAX, n_vocab)]``); one C call for all rows."""
+def summarize_rows(logits: torch.Tensor, k: int, path: str, rows: list[int] | None = None) -> list[RowSummary]:
+    """Fused summaries of the rows ``rows`` (None: all) of f32 CPU ``logits`` ``(m, n_vocab)``
+    with the top-``k`` (``k`` clamped to ``[1, min(TOPK_MAX, n_vocab)]``); one C call for all
+    rows, read in place."""
     k = max(1, min(k, TOPK_MAX, logits.shape[-1]))
-    s = logits_summary(logits, k, path=path)
+    s = logits_summary(logits, k, rows=rows, path=path)
     mx, ls, ids = s.max.tolist(), s.logsum.tolist(), s.top_ids.tolist()
     return [RowSummary(mx[i], ls[i], ids[i], s.top_logits[i]) for i in range(len(mx))]
 
@@ -269,12 +270,11 @@ def greedy_rows(logits: torch.Tensor, rows: list[int]) -> tuple[list[RowLogprobs
     Raises:
         KernelPathError: ``LORAPLANE_KERNELS`` names a path this CPU cannot run.
     """
-    sel = logits.float().index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-    path = _fused_path(sel)
+    path = _fused_path(logits)
     if path is not None:
-        summ = summarize_rows(sel, MAX_LOGPROBS, path)
+        summ = summarize_rows(logits.float(), MAX_LOGPROBS, path, rows)
         return list(summ), [s.top_ids[0] for s in summ]
-    sel = sel.cpu()
+    sel = logits.float().cpu().index_select(0, torch.tensor(rows, dtype=torch.long))
     return list(torch.log_softmax(sel, dim=-1)), sel.argmax(dim=-1).tolist()
 
 

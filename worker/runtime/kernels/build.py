@@ -61,7 +61,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
     # sample.cpp (fused max / log-sum-exp / top-k of logits rows)
-    "logits_summary": ([_P, _I64, _I32, _I32, _I32, _P, _P, _P, _P, _I32], _I32),
+    "logits_summary": ([_P, _I64, _P, _I32, _I32, _I32, _P, _P, _P, _P, _I32], _I32),
 }
 
 

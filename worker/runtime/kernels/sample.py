@@ -8,7 +8,7 @@ passes.
 ``aten/src/ATen/native/cpu/SoftMaxKernel.cpp`` ``_vec_log_softmax_lastdim``; llama.cpp's
 ``llama_sampler_softmax_impl`` also takes the max first). Results are deterministic: a row's
 values are bit-identical alone or in any batch and with any thread count (fixed chunks of
-8192 entries, merged in order); they differ between the avx2 and avx512 builds in the last
+16384 entries, merged in order); they differ between the avx2 and avx512 builds in the last
 bits of ``logsum`` only (vector width changes the summation order).
 """
 
@@ -43,14 +43,17 @@ class LogitsSummary:
     top_logits: torch.Tensor
 
 
-def logits_summary(x: torch.Tensor, k: int = 1, *, path: str | None = None) -> LogitsSummary:
-    """Max, log-sum-exp and top-``k`` of each row of ``x`` in one fused C call.
+def logits_summary(
+    x: torch.Tensor, k: int = 1, *, rows: list[int] | None = None, path: str | None = None
+) -> LogitsSummary:
+    """Max, log-sum-exp and top-``k`` of each row of ``x`` (or of ``x[rows]``) in one fused C
+    call.
 
     Args:
-        x: f32 CPU ``(n, n_vocab)`` (other float dtypes are converted; rows may be strided,
-            the last dimension must be contiguous). NaN entries are not supported; ``-inf``
-            entries (masked tokens) are (their ``exp`` is 0); an all ``-inf`` row gives
-            ``max = logsum = -inf``.
+        x: f32 CPU ``(m, n_vocab)`` (other float dtypes are converted; rows may be strided).
+            NaN entries are not supported; ``-inf`` entries (masked tokens) are (their ``exp``
+            is 0); an all ``-inf`` row gives ``max = logsum = -inf``.
+        rows: the rows of ``x`` to summarize (read in place, no copy); None: all ``m``.
         k: top entries kept per row, ``1 <= k <= min(TOPK_MAX, n_vocab)``.
         path: 'avx512' | 'avx2' (default: :func:`resolve_path`).
 
@@ -64,22 +67,27 @@ def logits_summary(x: torch.Tensor, k: int = 1, *, path: str | None = None) -> L
         raise KernelPathError("logits_summary has no torch path; use torch.log_softmax / topk")
     if x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"logits_summary needs 2-D CPU logits, got {tuple(x.shape)} on {x.device}")
-    n, v = x.shape
+    m, v = x.shape
+    n = m if rows is None else len(rows)
+    if rows is not None and not all(0 <= r < m for r in rows):
+        raise ValueError(f"rows must be in [0, {m}), got {rows}")
     if not 1 <= k <= min(TOPK_MAX, v):
         raise ValueError(f"k must be in [1, {min(TOPK_MAX, v)}], got {k}")
     if x.dtype != torch.float32:
         x = x.float()
-    if x.stride(1) != 1 or (n > 1 and x.stride(0) < v):
+    if x.stride(1) != 1 or (m > 1 and x.stride(0) < v):
         x = x.contiguous()
+    idx = None if rows is None else torch.tensor(rows, dtype=torch.int64)
     mx = torch.empty(n, dtype=torch.float32)
     ls = torch.empty(n, dtype=torch.float32)
     ids = torch.empty((n, k), dtype=torch.int32)
     vals = torch.empty((n, k), dtype=torch.float32)
     fn = getattr(build.load(path), f"lp_{path}_logits_summary")
-    ldx = x.stride(0) if n > 1 else v
+    ldx = x.stride(0) if m > 1 else v
     rc = fn(
         x.data_ptr(),
         ldx,
+        None if idx is None else idx.data_ptr(),
         n,
         v,
         k,

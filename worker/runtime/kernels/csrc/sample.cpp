@@ -1,8 +1,9 @@
 // Fused logits summary for sampling: per row of f32 logits, in two streaming passes over each
 // L1-sized chunk, the row's max, its log-sum-exp parts and its top-k (ids + logits).
 //
-//   logits_summary(x, ldx, n, v, k, mx, logsum, top_ids, top_vals, nthreads)
-//     x (n, v) f32 row-major (row stride ldx floats), 1 <= k <= LP_TOPK_MAX, k <= v.
+//   logits_summary(x, ldx, rows, n, v, k, mx, logsum, top_ids, top_vals, nthreads)
+//     x f32 row-major (row stride ldx floats, v entries per row); the n rows summarized are
+//     rows[0..n) (NULL: rows 0..n-1), read in place; 1 <= k <= LP_TOPK_MAX, k <= v.
 //     mx[n]                     max of the row
 //     logsum[n]                 log(sum_j exp(x_j - mx))  -> log_softmax(x)_j = (x_j - mx) - logsum
 //     top_ids[n*k], top_vals[n*k]  the k largest logits, descending, ties by ascending id
@@ -39,7 +40,7 @@
 
 namespace {
 
-constexpr int CHUNK = 8192;        // entries per work item (32 KiB: pass 2 reads it from L1/L2)
+constexpr int CHUNK = 16384;       // entries per work item (64 KiB: pass 2 reads it from L2)
 constexpr int LP_TOPK_MAX = 128;   // largest k
 
 // Cephes expf constants (public domain): ln2 split for the reduction, polynomial for e^r.
@@ -222,8 +223,8 @@ void chunk_pass(const float* x, int len, int32_t base, int k, float* m_out, doub
 
 }  // namespace
 
-LP_EXPORT int LP_FN(logits_summary)(const float* x, int64_t ldx, int n, int v, int k, float* mx, float* logsum,
-                                    int32_t* top_ids, float* top_vals, int nthreads) {
+LP_EXPORT int LP_FN(logits_summary)(const float* x, int64_t ldx, const int64_t* rows, int n, int v, int k, float* mx,
+                                    float* logsum, int32_t* top_ids, float* top_vals, int nthreads) {
   if (n < 0 || v < 1 || k < 1 || k > LP_TOPK_MAX || k > v || ldx < v) return -1;
   if (n == 0) return 0;
   const int nch = (v + CHUNK - 1) / CHUNK;
@@ -239,7 +240,7 @@ LP_EXPORT int LP_FN(logits_summary)(const float* x, int64_t ldx, int n, int v, i
   lp::parallel_for((int)items, nthreads, [&](int it) {
     const int r = it / nch, c = it % nch;
     const int lo = c * CHUNK, len = v - lo < CHUNK ? v - lo : CHUNK;
-    chunk_pass(x + (int64_t)r * ldx + lo, len, lo, k < len ? k : len, cm + it, cs + it, cc + it,
+    chunk_pass(x + (rows ? rows[r] : (int64_t)r) * ldx + lo, len, lo, k < len ? k : len, cm + it, cs + it, cc + it,
                cv + (int64_t)it * k, ci + (int64_t)it * k);
   });
   lp::parallel_for(n, nthreads, [&](int r) {
