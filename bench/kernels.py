@@ -1,6 +1,6 @@
 """Microbenchmark of the quantized matmul kernels on the real base model's weights.
 
-``python -m bench.kernels [--reps 7] [--batches 1,16] [--model PATH] [--contention]``
+``python -m bench.kernels [--reps 7] [--batches 1,16] [--model PATH] [--contention] [--sampling]``
 
 Prints the CPU flags and the kernel path taken, then for each distinct (type, shape) of the
 Gemma 3 270M GGUF's linear weights, and the 262144 x 640 Q8_0 output projection, at each batch
@@ -33,6 +33,9 @@ side, interleaved rep by rep (wall time and process CPU time per call), on the L
 (640 -> 2048 Q5_0, 2048 -> 640 Q4_K and Q6_K): median [min-max] ms, int8 MAC per CPU-second
 from the median CPU time, and its fraction of one core's AMX int8 peak (1024 MAC per cycle at
 the ``/proc/cpuinfo`` clock; a nominal figure).
+
+``--sampling`` instead times greedy sampling of 16 and 1 rows over 262144 / 151936 logits: the
+torch path (``log_softmax`` + ``argmax``) vs the fused ``csrc/sample.cpp`` kernel.
 """
 
 from __future__ import annotations
@@ -263,6 +266,7 @@ def _contention(args) -> None:
             cmd = [sys.executable, "-m", "bench.kernels", "--contention-child", "--batches", args.batches]
             cmd += ["--model", args.model]
             ch = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert ch.stdin is not None and ch.stdout is not None  # both piped
             line = ch.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"{label}: child did not start ({line!r})")
@@ -274,6 +278,7 @@ def _contention(args) -> None:
                 os.kill(hog.pid, signal.SIGCONT if busy else signal.SIGSTOP)
                 order = children[r % len(children) :] + children[: r % len(children)]
                 for label, ch in order:
+                    assert ch.stdin is not None and ch.stdout is not None
                     os.kill(ch.pid, signal.SIGCONT)
                     ch.stdin.write(f"{per}\n")
                     ch.stdin.flush()
@@ -375,6 +380,50 @@ def run_amx(model: str, reps: int, batches: list[int]) -> None:
         del ql
 
 
+def run_sampling(reps: int) -> None:
+    """Greedy sampling of B rows as the scheduler does it (B > 1: ``greedy_rows`` then
+    ``Sampler.sample`` per row; B = 1: ``Sampler.sample``), torch path vs the fused kernel
+    (``LORAPLANE_KERNELS`` switched per call), methods interleaved per repetition; prints median
+    [min-max] ms."""
+    from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
+
+    paths = ["torch"] + [p for p in ("avx512", "avx2") if supported(p)]
+    before = os.environ.get("LORAPLANE_KERNELS")
+    print(f"greedy sampling (logprobs 0), torch threads {torch.get_num_threads()}, ms median [min-max]:")
+    try:
+        for v in (262144, 151936):
+            for b in (16, 1):
+                x = torch.randn(b, v, generator=torch.Generator().manual_seed(v + b)) * 4
+                samplers = [Sampler(SamplingParams()) for _ in range(b)]
+
+                def step(x: torch.Tensor = x, samplers: list[Sampler] = samplers) -> list[int]:
+                    if len(samplers) == 1:
+                        return [samplers[0].sample(x[0]).token_id]
+                    pre, tok = greedy_rows(x, list(range(len(samplers))))
+                    return [s.sample(x[i], logp=pre[i], argmax=tok[i]).token_id for i, s in enumerate(samplers)]
+
+                ts: dict[str, list[float]] = {p: [] for p in paths}
+                ids = {}
+                for _ in range(reps + 1):  # the first round is a warm-up
+                    for p in paths:
+                        os.environ["LORAPLANE_KERNELS"] = p
+                        t0 = time.perf_counter()
+                        ids[p] = step()
+                        ts[p].append((time.perf_counter() - t0) * 1e3)
+                assert all(ids[p] == ids["torch"] for p in paths), "greedy ids differ"
+                row = "  ".join(
+                    f"{p if p == 'torch' else 'fused-' + p} "
+                    f"{statistics.median(t[1:]):.2f} [{min(t[1:]):.2f}-{max(t[1:]):.2f}]"
+                    for p, t in ts.items()
+                )
+                print(f"  V={v:<6d} B={b:<2d} {row}")
+    finally:
+        if before is None:
+            os.environ.pop("LORAPLANE_KERNELS", None)
+        else:
+            os.environ["LORAPLANE_KERNELS"] = before
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
@@ -390,7 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--step-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--contention-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sampling", action="store_true", help="only greedy sampling: torch vs the fused kernel")
     args = ap.parse_args(argv)
+    if args.sampling:
+        run_sampling(args.reps)
+        return 0
     if args.model is None:
         from worker.runtime.model import default_model_path
 

@@ -49,7 +49,7 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(rank, len(s)) - 1]
 
 
-def ratio(a: float, b: float) -> float:
+def ratio(a: float | None, b: float | None) -> float:
     """``a / b``, NaN when either is missing or ``b`` is 0."""
     if a is None or b is None or not math.isfinite(a) or not math.isfinite(b) or b == 0:
         return math.nan

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         hog = subprocess.Popen([sys.executable, "-c", spin])
     saved = build.threads_config()
     try:
-        res = {(w, b, c): [] for w in what for b in batches for c in conds}
+        res: dict[tuple, list[float]] = {(w, b, c): [] for w in what for b in batches for c in conds}
         for cfg in conds.values():  # warm-up
             build.set_threads(*cfg)
             for w in what:

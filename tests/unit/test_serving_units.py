@@ -330,7 +330,10 @@ def test_output_stage_cuts_at_a_stop_string_across_tokens(tiny_tokenizer):
     assert [ev.text for ev, _ in out] == ["The", " sea", "", ""]  # ',' held back, then the stop hit
     assert [r for _, r in out] == [None, None, None, "stop"]
     assert stage.final_text(req) == "The sea"
-    assert out[0][0].logprob == pytest.approx(float(torch.log_softmax(_peaked(tok.n_vocab, ids[0]), -1)[ids[0]]))
+    # f64 reference: torch's f32 log_softmax is itself ~3e-6 off on this near-uniform row (the
+    # fused sampling kernel is within 1e-8 of f64)
+    want = float(torch.log_softmax(_peaked(tok.n_vocab, ids[0]).double(), -1)[ids[0]])
+    assert out[0][0].logprob == pytest.approx(want, abs=1e-5)
     # on_token sees the previous token's time (None for the first), then the time is recorded
     assert seen[0] is None and all(a is not None for a in seen[1:]) and req.first_token_at is not None
     assert req.telemetry.graph_reuses == 4 and req.telemetry.max_batch_size == 1

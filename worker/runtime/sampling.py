@@ -6,6 +6,12 @@ and vLLM's default. Sampling: greedy when ``temperature == 0``; otherwise
 ``softmax(logits / T)``, cut to the top-k tokens, then to the smallest nucleus with
 cumulative probability ≥ top_p, and drawn with a per-request ``torch.Generator`` so a fixed
 seed gives the same tokens every time.
+
+On CPU the row goes through the fused C kernel ``worker.runtime.kernels.sample.logits_summary``
+(max, log-sum-exp and top-k in one pass, ``csrc/sample.cpp``) instead of ``log_softmax`` +
+``argmax`` + ``topk``: the same greedy ids, log-probs within ~1e-5 of torch's f32
+``log_softmax`` (more accurate against f64, tests), and a top-k cut samples from the top-k
+candidates. The torch path stays for CUDA logits and ``LORAPLANE_KERNELS=torch``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from worker.runtime.kernels.cpu import resolve_path
+from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
+
+MAX_LOGPROBS = 20  # the most top log-probs a request may ask for (SamplingParams.logprobs)
 
 
 class SamplingError(ValueError):
@@ -57,8 +68,8 @@ class SamplingParams:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.logprobs <= 20:
-            raise SamplingError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must not be empty")
         return self
@@ -71,6 +82,58 @@ class SampledToken:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+
+
+def _fused_path(logits: torch.Tensor) -> str | None:
+    """The C path of ``logits_summary`` for these logits, or None for the torch path (CUDA
+    logits, ``LORAPLANE_KERNELS=torch``, a CPU without AVX2).
+
+    Raises:
+        KernelPathError: ``LORAPLANE_KERNELS`` names a path this CPU cannot run.
+    """
+    if logits.device.type != "cpu":
+        return None
+    path = resolve_path()
+    return None if path == "torch" else path
+
+
+@dataclass(frozen=True)
+class RowSummary:
+    """One logits row's fused summary (``worker.runtime.kernels.sample.logits_summary``):
+    everything greedy sampling, the chosen token's log-prob and the top log-probs need, without
+    a full ``log_softmax`` row.
+
+    Attributes:
+        max: the row's largest logit.
+        logsum: ``log(sum_j exp(x_j - max))``; ``log_softmax(x)_j = (x_j - max) - logsum`` (f32).
+        top_ids: token ids of the largest logits, descending, equal logits by ascending id
+            (``top_ids[0]`` is the argmax, the first maximum like ``torch.argmax``).
+        top_logits: f32 ``(len(top_ids),)``, their logits.
+    """
+
+    max: float
+    logsum: float
+    top_ids: list[int]
+    top_logits: torch.Tensor
+
+    def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``log_softmax`` of the f32 logits ``logits`` (any shape) of this row, in f32."""
+        return (logits.float() - self.max) - self.logsum
+
+
+# What a batched pre-computation hands ``Sampler.sample`` for one row: the row's full
+# ``log_softmax`` (torch path) or its fused summary (C path).
+RowLogprobs = torch.Tensor | RowSummary
+
+
+def summarize_rows(logits: torch.Tensor, k: int, path: str, rows: list[int] | None = None) -> list[RowSummary]:
+    """Fused summaries of the rows ``rows`` (None: all) of f32 CPU ``logits`` ``(m, n_vocab)``
+    with the top-``k`` (``k`` clamped to ``[1, min(TOPK_MAX, n_vocab)]``); one C call for all
+    rows, read in place."""
+    k = max(1, min(k, TOPK_MAX, logits.shape[-1]))
+    s = logits_summary(logits, k, rows=rows, path=path)
+    mx, ls, ids = s.max.tolist(), s.logsum.tolist(), s.top_ids.tolist()
+    return [RowSummary(mx[i], ls[i], ids[i], s.top_logits[i]) for i in range(len(mx))]
 
 
 class Sampler:
@@ -89,49 +152,130 @@ class Sampler:
         """Whether this sampler takes the argmax (``temperature == 0``)."""
         return self.params.temperature == 0.0
 
+    def _top_needed(self, n_vocab: int) -> int:
+        """Entries of the fused top list this sampler needs: its top log-probs, and for a
+        top-k cut ``top_k + 8`` (room for logits tied with the k-th; a last entry still tied
+        shows that ties may run past the list)."""
+        p = self.params
+        k = max(1, p.logprobs)
+        if not self.greedy and 0 < p.top_k < n_vocab and p.top_k + 1 <= TOPK_MAX:
+            k = max(k, min(p.top_k + 8, TOPK_MAX))
+        return k
+
     def sample(
-        self, logits: torch.Tensor, *, logp: torch.Tensor | None = None, argmax: int | None = None
+        self, logits: torch.Tensor, *, logp: RowLogprobs | None = None, argmax: int | None = None
     ) -> SampledToken:
         """Pick a token from f32 logits ``(n_vocab,)``.
 
-        ``logp`` (this row's ``log_softmax``) and ``argmax`` may be passed when the caller
-        computed them for many rows at once (``greedy_rows``); the result is the same.
+        ``logp`` (this row's ``log_softmax`` tensor, or its ``RowSummary``) and ``argmax`` may
+        be passed when the caller computed them for many rows at once (``greedy_rows``); the
+        result is the same (a summary must hold at least ``params.logprobs`` top entries).
+
+        On CPU with the C kernels (``resolve_path()`` not 'torch') the row is summarized by
+        the fused kernel (``logits_summary``: max, log-sum-exp, top-k in one pass) instead of
+        ``log_softmax`` + ``argmax`` + ``topk``: greedy ids are the same (first maximum),
+        log-probs agree with torch's f32 ``log_softmax`` to ~1e-5 (tests). A top-k cut
+        (``0 < top_k < TOPK_MAX``) then samples from the top-k candidates only; without one the
+        full-vocabulary torch draw is kept (top-p alone needs the whole distribution).
+
+        Raises:
+            KernelPathError: ``LORAPLANE_KERNELS`` names a path this CPU cannot run.
         """
-        logits = logits.float().cpu()
+        logits = logits.float()
+        if logp is None:
+            path = _fused_path(logits)
+            if path is not None:
+                logp = summarize_rows(logits.unsqueeze(0), self._top_needed(logits.numel()), path)[0]
+        logits = logits.cpu()
+        if isinstance(logp, RowSummary):
+            return self._sample_summary(logits, logp, argmax)
         if logp is None:
             logp = torch.log_softmax(logits, dim=-1)
         p = self.params
         if p.temperature == 0.0:
             tok = int(torch.argmax(logits)) if argmax is None else argmax
         else:
-            scaled = logits / p.temperature
-            if p.top_k > 0 and p.top_k < scaled.numel():
-                kth = torch.topk(scaled, p.top_k).values[-1]
-                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-            probs = torch.softmax(scaled, dim=-1)
-            if p.top_p < 1.0:
-                sp, si = torch.sort(probs, descending=True)
-                cum = torch.cumsum(sp, dim=0)
-                drop = (cum - sp) >= p.top_p  # keep the smallest prefix reaching top_p
-                sp = sp.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter_(0, si, sp)
-            tok = int(torch.multinomial(probs, 1, generator=self.gen))
+            tok = self._draw_full(logits)
         top: tuple[tuple[int, float], ...] = ()
         if p.logprobs > 0:
             v, i = torch.topk(logp, p.logprobs)
             top = tuple((int(a), float(b)) for a, b in zip(i.tolist(), v.tolist(), strict=False))
         return SampledToken(tok, float(logp[tok]), top)
 
+    def _draw_full(self, logits: torch.Tensor) -> int:
+        """Temperature, top-k, top-p over the whole vocabulary and a draw (the torch path)."""
+        p = self.params
+        scaled = logits / p.temperature
+        if p.top_k > 0 and p.top_k < scaled.numel():
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if p.top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sp, dim=0)
+            drop = (cum - sp) >= p.top_p  # keep the smallest prefix reaching top_p
+            sp = sp.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, si, sp)
+        return int(torch.multinomial(probs, 1, generator=self.gen))
 
-def greedy_rows(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """``log_softmax`` and argmax of the logits rows ``rows`` of f32 ``(m, n_vocab)`` in one
-    batched op each (one pass over the ubatch instead of one per sequence); per row the
-    values equal ``Sampler.sample``'s own (same ops, same reduction per row).
+    def _draw_candidates(self, s: RowSummary, n_vocab: int) -> int | None:
+        """Temperature, top-k, top-p on the fused top list and a draw; None when the list
+        cannot decide (no top-k cut, or logits tied with the k-th run past the list's end).
 
-    Returns ``(logp (len(rows), n_vocab), argmax ids)``.
+        The same distribution as ``_draw_full`` (every token with a scaled logit >= the k-th
+        is kept, ties included; top-p on the kept tokens in descending order, equal ones by
+        id), drawn over the candidates: a fixed seed gives the same tokens every time, but not
+        the same tokens as the full-vocabulary draw.
+        """
+        p = self.params
+        n = len(s.top_ids)
+        if not (0 < p.top_k < n_vocab) or n <= p.top_k:
+            return None
+        scaled = s.top_logits / p.temperature
+        keep = scaled >= scaled[p.top_k - 1]
+        if bool(keep[-1]) and n < n_vocab:
+            return None  # ties with the k-th go past the list: the full path keeps them all
+        scaled = scaled[keep]
+        probs = torch.softmax(scaled, dim=-1)  # descending (scaled is)
+        if p.top_p < 1.0:
+            drop = (torch.cumsum(probs, dim=0) - probs) >= p.top_p  # smallest prefix reaching top_p
+            probs = probs.masked_fill(drop, 0.0)
+        return s.top_ids[int(torch.multinomial(probs, 1, generator=self.gen))]
+
+    def _sample_summary(self, logits: torch.Tensor, s: RowSummary, argmax: int | None) -> SampledToken:
+        p = self.params
+        if p.temperature == 0.0:
+            tok = s.top_ids[0] if argmax is None else argmax
+        else:
+            drawn = self._draw_candidates(s, logits.numel())
+            tok = self._draw_full(logits) if drawn is None else drawn
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs > 0:
+            lp = s.logprobs(s.top_logits[: p.logprobs]).tolist()
+            top = tuple(zip(s.top_ids[: p.logprobs], lp, strict=True))
+        return SampledToken(tok, float(s.logprobs(logits[tok])), top)
+
+
+def greedy_rows(logits: torch.Tensor, rows: list[int]) -> tuple[list[RowLogprobs], list[int]]:
+    """Per-row log-prob data and argmax of the logits rows ``rows`` of f32 ``(m, n_vocab)``, all
+    rows in one call (one pass over the ubatch instead of one per sequence); per row the
+    values equal ``Sampler.sample``'s own.
+
+    On CPU with the C kernels each row's entry is its ``RowSummary`` (fused max, log-sum-exp
+    and top-20 = the most top log-probs a request may ask for); otherwise its
+    ``log_softmax`` row ``(n_vocab,)``. Hand an entry to ``Sampler.sample(logp=...)``.
+
+    Returns ``(per-row log-prob data, argmax ids)`` (argmax: first maximum).
+
+    Raises:
+        KernelPathError: ``LORAPLANE_KERNELS`` names a path this CPU cannot run.
     """
+    path = _fused_path(logits)
+    if path is not None:
+        summ = summarize_rows(logits.float(), MAX_LOGPROBS, path, rows)
+        return list(summ), [s.top_ids[0] for s in summ]
     sel = logits.float().cpu().index_select(0, torch.tensor(rows, dtype=torch.long))
-    return torch.log_softmax(sel, dim=-1), sel.argmax(dim=-1).tolist()
+    return list(torch.log_softmax(sel, dim=-1)), sel.argmax(dim=-1).tolist()
 
 
 def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int]) -> list[float]:

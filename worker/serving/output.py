@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from worker.errors import DecodeFailedError
-from worker.runtime.sampling import SampledToken, Sampler
+from worker.runtime.sampling import RowLogprobs, SampledToken, Sampler
 from worker.runtime.tokenizer import Tokenizer
 from worker.serving.request import ErrorEvent, FinishedEvent, GenRequest, StartedEvent, StepInfo, TokenEvent
 
@@ -185,14 +185,14 @@ class OutputStage:
         logits_row: torch.Tensor,
         *,
         n_past: int,
-        pre: tuple[torch.Tensor, int] | None = None,
+        pre: tuple[RowLogprobs, int] | None = None,
     ) -> tuple[SampledToken, str | None]:
         """The scheduler's half of a generated token: sample it, append its id to
         ``req.generated`` and decide what the ids alone decide (``finish_reason``: end of
         generation, ``max_tokens``, the sequence's context full). No text work.
 
         Samples from ``logits_row`` (f32 ``(n_vocab,)``; ``pre``: this row's batched
-        ``(log_softmax, argmax)`` for a greedy sampler, ``greedy_rows``).
+        ``(log-probs, argmax)`` for a greedy sampler, ``greedy_rows``).
 
         Args:
             n_past: positions in the KV sequence after this step.
@@ -267,7 +267,7 @@ class OutputStage:
         *,
         n_past: int,
         step: StepInfo,
-        pre: tuple[torch.Tensor, int] | None = None,
+        pre: tuple[RowLogprobs, int] | None = None,
         on_token: Callable[[GenRequest, float], None] | None = None,
     ) -> tuple[TokenEvent, str | None]:
         """``sample`` then ``render`` on the calling thread: one token's event and finish

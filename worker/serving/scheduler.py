@@ -67,7 +67,7 @@ from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import resolve_alora
 from worker.lora.pool import LoraPool, PoolExhaustedError
 from worker.runtime.context import DecodeError, WorkerContext
-from worker.runtime.sampling import SamplingParams, greedy_rows
+from worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
 from worker.serving.heap import release_free_heap
 from worker.serving.output import (
@@ -488,7 +488,7 @@ class Scheduler:
             for s, rows, out_idx in parts
             if s.sampler is not None and s.sampler.greedy and rows[-1] + 1 >= len(s.request.prompt) and out_idx[-1] >= 0
         ]
-        pre: dict[int, tuple[torch.Tensor, int]] = {}
+        pre: dict[int, tuple[RowLogprobs, int]] = {}
         if len(greedy) > 1:
             logp, tok = greedy_rows(res.logits, greedy)
             pre = {r: (logp[i], tok[i]) for i, r in enumerate(greedy)}
@@ -514,7 +514,7 @@ class Scheduler:
         out_idx: list[int],
         step: StepInfo,
         records: list,
-        pre: tuple[torch.Tensor, int] | None = None,
+        pre: tuple[RowLogprobs, int] | None = None,
     ) -> str | None:
         """Record the computed positions ``rows`` in the sequence's cache; once the prompt is done,
         sample the last row (``OutputStage.sample``; ``pre``: its batched ``(log_softmax,

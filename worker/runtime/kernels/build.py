@@ -1,5 +1,6 @@
 """Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/qmm_amx.cpp``,
-``csrc/threadpool.cpp``)
+``csrc/threadpool.cpp``,
+``csrc/sample.cpp``)
 for each x86 ISA path.
 
 Three shared libraries, each compiled with its own target flags (never ``-march=native``), so
@@ -39,14 +40,20 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp before ours; see module docstring)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", CSRC_DIR / "qmm_amx.cpp", CSRC_DIR / "threadpool.cpp"]
-HEADERS = [CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h", CSRC_DIR / "qmm8.h"]  # included: part of the build key
+SOURCES = [
+    CSRC_DIR / "qmm.cpp",
+    CSRC_DIR / "qmm16.cpp",
+    CSRC_DIR / "qmm_amx.cpp",
+    CSRC_DIR / "threadpool.cpp",
+    CSRC_DIR / "sample.cpp",
+]
+HEADERS = [CSRC_DIR / "export.h", CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h", CSRC_DIR / "qmm8.h"]  # included: part of the build key
 # Which sources each ISA's library is compiled from (every one exports the SIGNATURES below).
-_POOL = CSRC_DIR / "threadpool.cpp"
+_COMMON = [CSRC_DIR / "qmm16.cpp", CSRC_DIR / "threadpool.cpp", CSRC_DIR / "sample.cpp"]
 ISA_SOURCES = {
-    "avx2": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", _POOL],
-    "avx512": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", _POOL],
-    "amx": [CSRC_DIR / "qmm_amx.cpp", CSRC_DIR / "qmm16.cpp", _POOL],
+    "avx2": [CSRC_DIR / "qmm.cpp", *_COMMON],
+    "avx512": [CSRC_DIR / "qmm.cpp", *_COMMON],
+    "amx": [CSRC_DIR / "qmm_amx.cpp", *_COMMON],
 }
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
@@ -74,6 +81,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "quantize_act16": (_QUANT, None),
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
+    # sample.cpp (fused max / log-sum-exp / top-k of logits rows)
+    "logits_summary": ([_P, _I64, _P, _I32, _I32, _I32, _P, _P, _P, _P, _I32], _I32),
     # threadpool.cpp (the threading backend of lp::parallel_for)
     "threads_config": ([_I32, _I32, _I32], None),
     "pool_size": ([], _I32),

@@ -13,14 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(LP_AMX)
-#define LP_FN(name) lp_amx_##name
-#elif defined(LP_AVX512)
-#define LP_FN(name) lp_avx512_##name
-#else
-#define LP_FN(name) lp_avx2_##name
-#endif
-#define LP_EXPORT extern "C" __attribute__((visibility("default")))
+#include "export.h"
 
 namespace lp {
 

@@ -1,0 +1,280 @@
+// Fused logits summary for sampling: per row of f32 logits, in two streaming passes over each
+// L1-sized chunk, the row's max, its log-sum-exp parts and its top-k (ids + logits).
+//
+//   logits_summary(x, ldx, rows, n, v, k, mx, logsum, top_ids, top_vals, nthreads)
+//     x f32 row-major (row stride ldx floats, v entries per row); the n rows summarized are
+//     rows[0..n) (NULL: rows 0..n-1), read in place; 1 <= k <= LP_TOPK_MAX, k <= v.
+//     mx[n]                     max of the row
+//     logsum[n]                 log(sum_j exp(x_j - mx))  -> log_softmax(x)_j = (x_j - mx) - logsum
+//     top_ids[n*k], top_vals[n*k]  the k largest logits, descending, ties by ascending id
+//                               (top_ids[r*k] is the argmax: the lowest id among equal maxima)
+//   Returns 0, -1 (bad arguments), -2 (no memory).
+//
+// Work items are (row, chunk of CHUNK entries); each computes its chunk's max m_c, the sum
+// s_c = sum exp(x - m_c) (f32 blocks into f64 lanes, fixed order) and the chunk's top-k.  A second
+// loop merges each row's chunks in chunk order: M = max m_c, S = sum_c s_c exp(m_c - M) in
+// double, top lists merged with earlier chunks winning ties (their ids are lower).  The chunk
+// boundaries depend only on v, so a row's result is bit-identical alone or in any batch and
+// with any thread count.  -inf entries (masked tokens) contribute exp = 0; a row that is -inf
+// everywhere gives mx = -inf, logsum = -inf.  NaN entries are not supported (unspecified).
+//
+// exp: our own vectorized exp for x <= 0 (Cody-Waite range reduction x = n ln2 + r,
+// |r| <= ln2/2, degree-7 minimax-style polynomial in r as in Cephes' expf, 2^n by exponent
+// bits; x < -87 gives 0).  The idea is the one of ggml's ggml_v_expf (ggml-cpu/vec.h).  The
+// reference semantics are torch's log_softmax / argmax / topk and llama.cpp's sampler
+// (llama-sampling.cpp llama_sampler_softmax_impl: max, then sum of exp(x - max)).
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "parallel.h"
+
+#include "export.h"
+
+namespace {
+
+constexpr int CHUNK = 16384;       // entries per work item (64 KiB: pass 2 reads it from L2)
+constexpr int LP_TOPK_MAX = 128;   // largest k
+
+// Cephes expf constants (public domain): ln2 split for the reduction, polynomial for e^r.
+constexpr float LOG2E = 1.44269504088896341f;
+constexpr float LN2_HI = 0.693359375f;
+constexpr float LN2_LO = -2.12194440e-4f;
+constexpr float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e-3f, P3 = 4.1665795894e-2f,
+                P4 = 1.6666665459e-1f, P5 = 5.0000001201e-1f;
+constexpr float EXP_LO = -87.0f;   // below: exp is 0 (e^-87 < 1.7e-38; 2^n stays a normal float)
+
+#if defined(LP_AVX512)
+constexpr int W = 16;
+typedef __m512 vf;
+static inline vf vset(float a) { return _mm512_set1_ps(a); }
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a*b
+static inline unsigned vgt(vf a, vf b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+static inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+// e^x for x <= 0 (x < EXP_LO, -inf included, gives 0).
+static inline vf vexp(vf x) {
+  const __mmask16 ok = _mm512_cmp_ps_mask(x, vset(EXP_LO), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, vset(EXP_LO));
+  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = vfnma(n, vset(LN2_HI), x);
+  r = vfnma(n, vset(LN2_LO), r);
+  vf p = vfma(vset(P0), r, vset(P1));
+  p = vfma(p, r, vset(P2));
+  p = vfma(p, r, vset(P3));
+  p = vfma(p, r, vset(P4));
+  p = vfma(p, r, vset(P5));
+  p = vfma(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, vset(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(ok, p, _mm512_castsi512_ps(e));
+}
+static inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+typedef __m512d vd;  // the 16 lanes as two f64 halves
+static inline vd vdzero() { return _mm512_setzero_pd(); }
+static inline void vdacc(vd& lo, vd& hi, vf a) {
+  lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
+  hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
+}
+static inline void vdstore(double* p, vd lo, vd hi) {
+  _mm512_storeu_pd(p, lo);
+  _mm512_storeu_pd(p + 8, hi);
+}
+#else
+constexpr int W = 8;
+typedef __m256 vf;
+static inline vf vset(float a) { return _mm256_set1_ps(a); }
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline unsigned vgt(vf a, vf b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vexp(vf x) {
+  const vf ok = _mm256_cmp_ps(x, vset(EXP_LO), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, vset(EXP_LO));
+  const vf n = _mm256_round_ps(_mm256_mul_ps(x, vset(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = vfnma(n, vset(LN2_HI), x);
+  r = vfnma(n, vset(LN2_LO), r);
+  vf p = vfma(vset(P0), r, vset(P1));
+  p = vfma(p, r, vset(P2));
+  p = vfma(p, r, vset(P3));
+  p = vfma(p, r, vset(P4));
+  p = vfma(p, r, vset(P5));
+  p = vfma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, vset(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+static inline float vhmax(vf a) {
+  float t[W];
+  vstore(t, a);
+  float m = t[0];
+  for (int i = 1; i < W; ++i) m = t[i] > m ? t[i] : m;
+  return m;
+}
+typedef __m256d vd;  // the 8 lanes as two f64 halves
+static inline vd vdzero() { return _mm256_setzero_pd(); }
+static inline void vdacc(vd& lo, vd& hi, vf a) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));
+}
+static inline void vdstore(double* p, vd lo, vd hi) {
+  _mm256_storeu_pd(p, lo);
+  _mm256_storeu_pd(p + 4, hi);
+}
+#endif
+
+// Sorted (descending value, ascending id among equals) list of at most k entries.
+struct Top {
+  float* val;
+  int32_t* id;
+  int cnt, k;
+  // Insert (x, i); i is larger than every id already held, so an equal value goes after them.
+  inline void push(float x, int32_t i) {
+    if (cnt == k && !(x > val[k - 1])) return;
+    int p = cnt == k ? k - 1 : cnt;
+    while (p > 0 && val[p - 1] < x) {
+      val[p] = val[p - 1];
+      id[p] = id[p - 1];
+      --p;
+    }
+    val[p] = x;
+    id[p] = i;
+    if (cnt < k) ++cnt;
+  }
+};
+
+// One chunk x[0, len) whose first entry has id `base`: max, sum of exp(x - max), top-k.
+void chunk_pass(const float* x, int len, int32_t base, int k, float* m_out, double* s_out, int* cnt_out, float* tv,
+                int32_t* ti) {
+  Top top{tv, ti, 0, k};
+  const float NEG_INF = -INFINITY;
+  vf vm = vset(NEG_INF);
+  vf thr = vset(NEG_INF);
+  const int nv = len / W * W;
+  // pass 1: max and top-k (a vector compare against the k-th value; rare scalar inserts)
+  for (int i = 0; i < nv; i += W) {
+    const vf a = vload(x + i);
+    vm = vmax(vm, a);
+    unsigned mask = top.cnt < k ? (1u << W) - 1 : vgt(a, thr);
+    if (mask) {
+      while (mask) {
+        const int j = __builtin_ctz(mask);
+        mask &= mask - 1;
+        top.push(x[i + j], base + i + j);
+      }
+      thr = vset(top.cnt == k ? top.val[k - 1] : NEG_INF);
+    }
+  }
+  float m = vhmax(vm);
+  for (int i = nv; i < len; ++i) {
+    m = x[i] > m ? x[i] : m;
+    top.push(x[i], base + i);
+  }
+  // pass 2: sum of exp(x - m).  f32 partial sums of at most 8 terms per lane (blocks of
+  // 2 x 8 vectors), each block added into f64 lanes: near-uniform rows (all terms ~1) would
+  // otherwise drift by ~1e-5 relative from f32 rounding that always goes the same way.
+  double s = 0.0;
+  if (m != NEG_INF) {
+    const vf vmx = vset(m);
+    vd d0 = vdzero(), d1 = vdzero();
+    int i = 0;
+    while (i < nv) {
+      vf s0 = vset(0.f), s1 = vset(0.f);
+      const int end = nv - i < 16 * W ? nv : i + 16 * W;
+      for (; i + 2 * W <= end; i += 2 * W) {
+        s0 = vadd(s0, vexp(vsub(vload(x + i), vmx)));
+        s1 = vadd(s1, vexp(vsub(vload(x + i + W), vmx)));
+      }
+      if (i < end) {
+        s0 = vadd(s0, vexp(vsub(vload(x + i), vmx)));
+        i += W;
+      }
+      vdacc(d0, d1, vadd(s0, s1));
+    }
+    if (nv < len) {
+      float t[W];
+      for (int j = 0; j < W; ++j) t[j] = nv + j < len ? x[nv + j] : NEG_INF;
+      vdacc(d0, d1, vexp(vsub(vload(t), vmx)));
+    }
+    double u[W];
+    vdstore(u, d0, d1);
+    // fixed pairwise order over the lanes
+    for (int w = W / 2; w >= 1; w /= 2)
+      for (int j = 0; j < w; ++j) u[j] += u[j + w];
+    s = u[0];
+  }
+  *m_out = m;
+  *s_out = s;
+  *cnt_out = top.cnt;
+}
+
+}  // namespace
+
+LP_EXPORT int LP_FN(logits_summary)(const float* x, int64_t ldx, const int64_t* rows, int n, int v, int k, float* mx,
+                                    float* logsum, int32_t* top_ids, float* top_vals, int nthreads) {
+  if (n < 0 || v < 1 || k < 1 || k > LP_TOPK_MAX || k > v || ldx < v) return -1;
+  if (n == 0) return 0;
+  const int nch = (v + CHUNK - 1) / CHUNK;
+  const int64_t items = (int64_t)n * nch;
+  const size_t per_item = sizeof(double) + sizeof(float) + sizeof(int) + k * (sizeof(float) + sizeof(int32_t));
+  char* buf = (char*)malloc(items * per_item);
+  if (!buf) return -2;
+  double* cs = (double*)buf;
+  float* cm = (float*)(cs + items);
+  int* cc = (int*)(cm + items);
+  float* cv = (float*)(cc + items);
+  int32_t* ci = (int32_t*)(cv + items * k);
+  lp::parallel_for((int)items, nthreads, [&](int it) {
+    const int r = it / nch, c = it % nch;
+    const int lo = c * CHUNK, len = v - lo < CHUNK ? v - lo : CHUNK;
+    chunk_pass(x + (rows ? rows[r] : (int64_t)r) * ldx + lo, len, lo, k < len ? k : len, cm + it, cs + it, cc + it,
+               cv + (int64_t)it * k, ci + (int64_t)it * k);
+  });
+  lp::parallel_for(n, nthreads, [&](int r) {
+    const int64_t b = (int64_t)r * nch;
+    float M = -INFINITY;
+    for (int c = 0; c < nch; ++c) M = cm[b + c] > M ? cm[b + c] : M;
+    double S = 0.0;
+    if (M != -INFINITY)
+      for (int c = 0; c < nch; ++c)
+        if (cm[b + c] != -INFINITY) S += cs[b + c] * exp((double)cm[b + c] - (double)M);
+    mx[r] = M;
+    logsum[r] = M == -INFINITY ? -INFINITY : (float)log(S);
+    // merge the chunks' lists in chunk order (earlier chunk wins a tie: lower ids)
+    float* ov = top_vals + (int64_t)r * k;
+    int32_t* oi = top_ids + (int64_t)r * k;
+    float tv[LP_TOPK_MAX];
+    int32_t ti[LP_TOPK_MAX];
+    int cnt = cc[b];
+    memcpy(ov, cv + b * k, cnt * sizeof(float));
+    memcpy(oi, ci + b * k, cnt * sizeof(int32_t));
+    for (int c = 1; c < nch; ++c) {
+      const float* bv = cv + (b + c) * k;
+      const int32_t* bi = ci + (b + c) * k;
+      const int bn = cc[b + c];
+      int i = 0, j = 0, o = 0;
+      while (o < k && (i < cnt || j < bn)) {
+        if (j >= bn || (i < cnt && !(bv[j] > ov[i]))) {
+          tv[o] = ov[i];
+          ti[o++] = oi[i++];
+        } else {
+          tv[o] = bv[j];
+          ti[o++] = bi[j++];
+        }
+      }
+      cnt = o;
+      memcpy(ov, tv, cnt * sizeof(float));
+      memcpy(oi, ti, cnt * sizeof(int32_t));
+    }
+  });
+  free(buf);
+  return 0;
+}
