@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     print("flags: " + " ".join(f"{f}={'y' if f in flags else 'n'}" for f in SHOW_FLAGS))
     print(
         f"kernel path: {path} ({library_path(path).name if path != 'torch' else 'torch fallback'}); "
-        f"default activations: {resolve_act()}"
+        f"activations: {resolve_act() if os.environ.get('LORAPLANE_KERNEL_ACT') else 'per weight (i16, LM head i8)'}"
     )
     gf = read_gguf(args.model)
     gguf_bytes = sum(r.n_bytes for r in gf.tensors.values())

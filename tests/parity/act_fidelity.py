@@ -7,8 +7,8 @@ against ``tests/fixtures/qwen/golden.json``; packed weights, f32 compute) and ea
 ``all-i16`` (``LORAPLANE_KERNEL_ACT=i16``, the former default), ``policy`` (unset: each
 weight's own ``QuantLinear.act`` from ``worker.runtime.model.assign_acts``), ``all-i8``
 (``LORAPLANE_KERNEL_ACT=i8``), ``rescore`` (the policy plus the LM head's top ``--rescore``
-candidates per row recomputed with int16 activations) — prints every golden group's worst case mean |Δ log-prob|, 95th
-percentile and argmax agreement, computed teacher-forced exactly as
+candidates per row recomputed with int16 activations) — prints every golden group's worst case
+mean |Δ log-prob|, 95th percentile and argmax agreement, computed teacher-forced exactly as
 ``tests/parity/test_model_parity.py`` / ``test_qwen_parity.py`` do (bounds: case mean ≤ 0.10,
 p95 ≤ 0.25, argmax ≥ 95 %; tests/fixtures/README.md). The model is loaded once per model and
 the environment variable toggled between settings (it is read at every matmul).

@@ -50,7 +50,8 @@ from tests.worker_service_helpers import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-# The workers run the default path (packed GGUF weights, int16 activations per block of 32).
+# The workers run the default path (packed GGUF weights, int16 activations per block of 32,
+# int8 for the LM head).
 # Results that are exactly equal on the f32 reference (checked in-process at 1e-4 in
 # tests/parity/test_model_parity.py and tests/unit/test_runtime.py with weights="dequant") differ here by
 # the few activation rounding steps that a last-bit float difference upstream can move (KV
