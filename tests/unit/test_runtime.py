@@ -170,10 +170,16 @@ def test_lm_head_runs_int8_activations_by_default(gemma, monkeypatch):
     assert float(top1.max()) <= 0.1  # the golden bound on a case mean
 
 
-def test_incremental_decode_past_sliding_window_equals_one_shot(gemma):
+def test_incremental_decode_past_sliding_window_equals_one_shot(gemma, monkeypatch):
     """A 600-token sequence (> the 512 sliding window): prompt in chunks then token by token
-    gives the one-shot ubatch's logits (checks the per-layer window mask on both paths)."""
+    gives the one-shot ubatch's logits (checks the per-layer window mask on both paths).
+
+    Packed weights run with every weight at int16 (``LORAPLANE_KERNEL_ACT=i16``): under the
+    default policy the LM head's int8 rounding step (1/127 of a block's amax) turns the same
+    last-bit float difference into up to 0.037 on some tail logit (measured), which would hide
+    the small errors this test is for."""
     model, ctx = gemma
+    monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i16")
     g = torch.Generator().manual_seed(0)
     toks = [2] + torch.randint(300, 20000, (599,), generator=g).tolist()
     n = len(toks)
