@@ -55,8 +55,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 # Results that are exactly equal on the f32 reference (checked in-process at 1e-4 in
 # tests/parity/test_model_parity.py and tests/unit/test_runtime.py with weights="dequant") differ here by
 # the few activation rounding steps that a last-bit float difference upstream can move (KV
-# computed in another ubatch shape, another batch composition); measured up to 2.3e-3.
-SAME_RESULT_TOL = 3e-3
+# computed in another ubatch shape, another batch composition): measured up to 2.3e-3 with
+# int16 activations everywhere; the LM head's int8 activations (step 1/127 of a block's amax,
+# llama.cpp's q8_0) turn the same float difference into up to 1.1e-2 on a returned log-prob.
+SAME_RESULT_TOL = 3e-2
 
 ADAPTER_FILES = {0: "shout.gguf", 1: "sea.gguf", 2: "shout_embd.gguf", 3: "critic_alora.gguf"}
 SHOUT, SEA, SHOUT_EMBD, CRITIC = 0, 1, 2, 3
@@ -209,7 +211,7 @@ def test_mixed_and_compat_logprobs_match(mix_runs):
         d = np.abs(np.array(m.logprobs) - np.array(c.logprobs))
         worst = max(worst, float(d.max()))
     print(f"\nmixed vs compat: max |d logprob| = {worst:.2e}")
-    assert worst <= 1e-3
+    assert worst <= SAME_RESULT_TOL
 
 
 def test_base_rows_in_a_mixed_batch_equal_a_base_only_run(mix_runs):

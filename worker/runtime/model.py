@@ -186,7 +186,8 @@ takes no activations)."""
 
 INT8_WEIGHTS = "lm_head"
 """The activation-precision policy (:func:`assign_acts`): which packed weights take int8
-activations (``csrc/qmm.cpp``, llama.cpp's ``q8_0`` per 32) instead of the default int16."""
+activations (``csrc/qmm.cpp``, llama.cpp's ``q8_0`` per 32) instead of the default int16:
+'lm_head' (the LM head only) or 'none' (int16 everywhere)."""
 
 
 def assign_acts(weights: dict[str, Weight]) -> dict[str, str]:
