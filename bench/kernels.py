@@ -209,11 +209,13 @@ def run_act_policy(
 ) -> None:
     """LM head matmul and whole decode steps under each ``ACT_SETTINGS`` entry, reps interleaved."""
     from worker.runtime.context import Model, UBatch
+    from worker.runtime.kernels import QuantLinear
     from worker.runtime.model import LM_HEAD_NAMES, load_model
 
     base = load_model(model, dtype="f32", device="cpu")
     head_name = next(n for n in LM_HEAD_NAMES if n in base.weights)
     head = base.weights[head_name]
+    assert isinstance(head, QuantLinear), f"{head_name} is not a packed weight"
     acts = {n: w.act for n, w in base.weights.items() if hasattr(w, "act") and w.act != "i16"}
     print(f"model {base.arch}; LM head {head_name} {head.ggml_type.name} {head.d}x{head.k}; weights not i16: {acts}")
     print(f"rescore: the LM head's top {rescore} per row recomputed with i16")

@@ -26,7 +26,8 @@ from tests.parity.compare import GroupStats, compare_case, teacher_forced_logpro
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.runtime.context import Model
-from worker.runtime.model import default_model_path, load_model
+from worker.runtime.kernels import QuantLinear
+from worker.runtime.model import LM_HEAD_NAMES, default_model_path, load_model
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 SETTINGS = {"all-i16": "i16", "policy": None, "all-i8": "i8", "rescore": None}
@@ -77,20 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for mname in args.models.split(","):
         model, golden, _ = _model(mname)
-        acts = {n: w.act for n, w in model.base.weights.items() if getattr(w, "act", "i16") != "i16"}
+        packed = {n: w for n, w in model.base.weights.items() if isinstance(w, QuantLinear)}
+        acts = {n: w.act for n, w in packed.items() if w.act != "i16"}
         print(f"== {mname} ({model.base.arch}); weights with int8 activations under the policy: {acts}")
         ctx = model.new_context(n_ctx_seq=512, n_seq=4)
         res = {}
-        head = next(
-            w
-            for n, w in model.base.weights.items()
-            if n in ("output.weight", "token_embd.weight") and getattr(w, "act", "") == "i8"
-        )
+        head = next(w for n, w in packed.items() if n in LM_HEAD_NAMES and w.act == "i8")
         for st in settings:
             head.rescore = args.rescore if st == "rescore" else 0
             old = os.environ.pop("LORAPLANE_KERNEL_ACT", None)
-            if SETTINGS[st] is not None:
-                os.environ["LORAPLANE_KERNEL_ACT"] = SETTINGS[st]
+            forced = SETTINGS[st]
+            if forced is not None:
+                os.environ["LORAPLANE_KERNEL_ACT"] = forced
             try:
                 res[st] = groups_for(model, ctx, golden)
             finally:
