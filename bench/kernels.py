@@ -36,6 +36,12 @@ the ``/proc/cpuinfo`` clock; a nominal figure).
 
 ``--sampling`` instead times greedy sampling of 16 and 1 rows over 262144 / 151936 logits: the
 torch path (``log_softmax`` + ``argmax``) vs the fused ``csrc/sample.cpp`` kernel.
+
+``--act-policy`` instead compares the activation-precision policy of ``worker.runtime.model.assign_acts``
+(int8 activations for the LM head only) with all-i16 (``LORAPLANE_KERNEL_ACT=i16``, the former
+default) and all-i8, side by side in one process with the repetitions interleaved: the loaded
+model's LM head matmul, and whole decode steps (``WorkerContext.decode``, B sequences at a
+context of 64, logits for every row) at each batch size.
 """
 
 from __future__ import annotations
@@ -424,6 +430,84 @@ def run_sampling(reps: int) -> None:
             os.environ["LORAPLANE_KERNELS"] = before
 
 
+ACT_SETTINGS = {"all-i16": "i16", "policy": None, "rescore": None, "all-i8": "i8"}
+"""label -> ``LORAPLANE_KERNEL_ACT`` (None: unset). ``rescore``: the policy with the LM head's
+``QuantLinear.rescore`` set (its top candidates per row recomputed with int16)."""
+
+
+def _with_act(setting: str | None, fn, head=None, rescore: int = 0):
+    """Run ``fn()`` with ``$LORAPLANE_KERNEL_ACT`` set to ``setting`` (None: unset, the policy)
+    and ``head.rescore`` set to ``rescore``."""
+    if head is not None:
+        head.rescore = rescore
+    old = os.environ.pop("LORAPLANE_KERNEL_ACT", None)
+    if setting is not None:
+        os.environ["LORAPLANE_KERNEL_ACT"] = setting
+    try:
+        return fn()
+    finally:
+        os.environ.pop("LORAPLANE_KERNEL_ACT", None)
+        if old is not None:
+            os.environ["LORAPLANE_KERNEL_ACT"] = old
+
+
+def run_act_policy(
+    model: str, reps: int, batches: list[int], steps: int = 4, n_ctx: int = 64, rescore: int = 32
+) -> None:
+    """LM head matmul and whole decode steps under each ``ACT_SETTINGS`` entry, reps interleaved."""
+    from worker.runtime.context import Model, UBatch
+    from worker.runtime.kernels import QuantLinear
+    from worker.runtime.model import LM_HEAD_NAMES, load_model
+
+    base = load_model(model, dtype="f32", device="cpu")
+    head_name = next(n for n in LM_HEAD_NAMES if n in base.weights)
+    head = base.weights[head_name]
+    assert isinstance(head, QuantLinear), f"{head_name} is not a packed weight"
+    acts = {n: w.act for n, w in base.weights.items() if hasattr(w, "act") and w.act != "i16"}
+    print(f"model {base.arch}; LM head {head_name} {head.ggml_type.name} {head.d}x{head.k}; weights not i16: {acts}")
+    print(f"rescore: the LM head's top {rescore} per row recomputed with i16")
+    print(f"LM head matmul, median ms (min-max) over {reps} interleaved reps:")
+    for b in batches:
+        x = torch.randn(b, head.k)
+        ts: dict[str, list[float]] = {k: [] for k in ACT_SETTINGS}
+        for _ in range(reps + 1):
+            for label, setting in ACT_SETTINGS.items():
+                rs = rescore if label == "rescore" else 0
+                ts[label] += _with_act(setting, lambda x=x: _times(lambda: head.matmul(x), 1), head, rs)
+        row = "  ".join(f"{k} {_fmt(v[1:]).strip()}" for k, v in ts.items())
+        print(f"  B={b:<3d} {row}")
+    ctx = Model(base).new_context(n_ctx_seq=n_ctx + steps + 8, n_seq=max(batches))
+    rng = np.random.default_rng(0)
+    nb = max(batches)
+    ctx.decode(  # a context of n_ctx tokens for every sequence
+        UBatch(
+            [int(t) for t in rng.integers(1000, 100_000, nb * n_ctx)],
+            [p for _ in range(nb) for p in range(n_ctx)],
+            [s for s in range(nb) for _ in range(n_ctx)],
+            [False] * (nb * n_ctx),
+        )
+    )
+    print(f"decode step ({steps} steps per rep, logits for every row), median ms per step (min-max):")
+    for b in batches:
+        ts = {k: [] for k in ACT_SETTINGS}
+        for _ in range(reps + 1):
+            for label, setting in ACT_SETTINGS.items():
+                for s in range(b):
+                    ctx.kv.seq_rm(s, n_ctx)
+
+                def go(b=b):
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        toks = [int(t) for t in rng.integers(1000, 100_000, b)]
+                        ctx.decode(UBatch(toks, [n_ctx + i] * b, list(range(b)), [True] * b))
+                    return (time.perf_counter() - t0) * 1e3 / steps
+
+                ts[label].append(_with_act(setting, go, head, rescore if label == "rescore" else 0))
+        row = "  ".join(f"{k} {_fmt(v[1:]).strip()}" for k, v in ts.items())
+        print(f"  B={b:<3d} {row}")
+    ctx.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
@@ -437,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--conditions", default=None, help="--contention: comma-separated labels of CONDITIONS to run (default all)"
     )
+    ap.add_argument("--act-policy", action="store_true", help="LM head + decode step: act policy vs all-i16/all-i8")
+    ap.add_argument("--rescore", type=int, default=32, help="--act-policy: candidates re-scored per row")
     ap.add_argument("--step-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--contention-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sampling", action="store_true", help="only greedy sampling: torch vs the fused kernel")
@@ -471,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     print("flags: " + " ".join(f"{f}={'y' if f in flags else 'n'}" for f in SHOW_FLAGS))
     print(
         f"kernel path: {path} ({library_path(path).name if path != 'torch' else 'torch fallback'}); "
-        f"default activations: {resolve_act()}"
+        f"activations: {resolve_act() if os.environ.get('LORAPLANE_KERNEL_ACT') else 'per weight (i16, LM head i8)'}"
     )
     gf = read_gguf(args.model)
     gguf_bytes = sum(r.n_bytes for r in gf.tensors.values())
@@ -484,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
         f"held packed {(packed + other) / 2**20:.1f} MiB = {(packed + other) / gguf_bytes:.2f}x "
         f"(linear {packed / 2**20:.1f} MiB = {packed / lin_bytes:.2f}x)"
     )
+    if args.act_policy:
+        run_act_policy(args.model, args.reps, batches, rescore=args.rescore)
+        return 0
     copy_bw, read_bw = _bandwidth(args.reps)
     print(f"bandwidth: copy {copy_bw:.1f} GB/s (read + write), read-only {read_bw:.1f} GB/s\n")
     step = run(args.model, args.reps, batches, baselines=not args.no_baselines)

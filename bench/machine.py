@@ -43,7 +43,8 @@ def kernels_used(weights: str, device: str) -> dict:
     Returns ``{"weights", "path", "act", "summary"}``; ``path`` is the ISA of our C kernels
     ('amx' | 'avx512' | 'avx2'), or 'torch' (dequantized float weights: ``--weights dequant``, CUDA,
     a CPU without AVX2, or ``LORAPLANE_KERNELS=torch``); ``act`` the activation precision of
-    the C kernels ('i16' | 'i8'), None for the torch path.
+    the C kernels ('i16' | 'i8' when ``LORAPLANE_KERNEL_ACT`` forces one, else the per-weight
+    policy 'i16, LM head i8'), None for the torch path.
     """
     from worker.runtime.kernels import resolve_act, resolve_path
 
@@ -64,7 +65,8 @@ def kernels_used(weights: str, device: str) -> dict:
     path = resolve_path()
     if path == "torch":
         return {"weights": weights, "path": "torch", "act": None, "summary": "packed, torch fallback (dequantized f32)"}
-    act = resolve_act()
+    forced = os.environ.get("LORAPLANE_KERNEL_ACT")
+    act = resolve_act() if forced else "i16, LM head i8"  # the per-weight policy (model.assign_acts)
     return {
         "weights": weights,
         "path": path,

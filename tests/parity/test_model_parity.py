@@ -32,8 +32,9 @@ GOLDEN_IDS = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}
 
 # Tolerances per weight form. ``dequant`` is the f32 reference (PEFT bound 0.05, batched =
 # alone 1e-4); ``packed`` is the default path (GGUF-quantized weights, int16 activations per
-# block of 32): the llama.cpp bounds for every group and for the PEFT cases, and batched =
-# alone within 1e-3 (a tiny float difference upstream can flip one activation rounding).
+# block of 32, int8 for the LM head — ``worker.runtime.model.assign_acts``): the llama.cpp
+# bounds for every group and for the PEFT cases, and batched = alone within 1e-3 (a tiny
+# float difference upstream can flip one activation rounding).
 PEFT_MEAN = {"dequant": 0.05, "packed": 0.10}
 SAME_TOL = {"dequant": 1e-4, "packed": 1e-3}
 

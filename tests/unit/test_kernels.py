@@ -20,9 +20,11 @@ Tolerances (stated per path):
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,6 +33,8 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as T
 
 from worker.gguf.reader import dequantize, read_gguf
+from worker.runtime import graph as graph_mod
+from worker.runtime.graph import GraphContext
 from worker.runtime.kernels import (
     KernelError,
     KernelPathError,
@@ -43,6 +47,7 @@ from worker.runtime.kernels import (
     resolve_path,
     supported,
 )
+from worker.runtime.model import assign_acts
 
 ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
 C_PATHS = [
@@ -235,13 +240,121 @@ def test_shared_quantized_activations(packed, path, act):
     x = torch.randn(5, 640)
     qa = quantize_activations(x, path, act)
     assert qa.q.dtype == (torch.int16 if act == "i16" else torch.int8)
-    assert torch.equal(a.matmul(qa), a.matmul(x, path=path, act=act))
-    assert torch.equal(c.matmul(qa), c.matmul(x, path=path, act=act))
+    assert torch.equal(a.matmul(qa, act=act), a.matmul(x, path=path, act=act))
+    assert torch.equal(c.matmul(qa, act=act), c.matmul(x, path=path, act=act))
     with pytest.raises(KernelError, match="width"):
         b.matmul(qa)
     f, _ = packed[_name(T.F32, 31, 72)]
     with pytest.raises(KernelError, match="float activations"):
         f.matmul(qa)
+
+
+@pytest.mark.parametrize("path", C_PATHS)
+def test_per_weight_act_is_honored(packed, path, monkeypatch):
+    """``QuantLinear.act`` picks the kernel of each weight; ``$LORAPLANE_KERNEL_ACT`` overrides
+    it for every weight; an explicit ``act=`` overrides both; pre-quantized activations of the
+    other precision are refused."""
+    monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
+    base, _ = packed[_name(T.Q5_0, 64, 640)]
+    w8 = dataclasses.replace(base, act="i8")
+    w16 = dataclasses.replace(base, act="i16")
+    x = torch.randn(4, 640)
+    y8 = base.matmul(x, path=path, act="i8")
+    y16 = base.matmul(x, path=path, act="i16")
+    assert not torch.equal(y8, y16)  # the two precisions are distinguishable here
+    assert torch.equal(w8.matmul(x, path=path), y8)
+    assert torch.equal(w16.matmul(x, path=path), y16)
+    assert torch.equal(w8.matmul(x, path=path, act="i16"), y16)
+    assert torch.equal(w8.matmul(quantize_activations(x, path, "i8")), y8)
+    with pytest.raises(KernelError, match="quantized as i16, this weight runs i8"):
+        w8.matmul(quantize_activations(x, path, "i16"))
+    monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i16")  # forced override, for measurement
+    assert w8.resolved_act() == "i16"
+    assert torch.equal(w8.matmul(x, path=path), y16)
+    monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i8")
+    assert torch.equal(w16.matmul(x, path=path), y8)
+
+
+@pytest.mark.parametrize("path", C_PATHS)
+def test_group_with_mixed_acts_batched_equals_alone(packed, path, monkeypatch):
+    """``build_lora_mm_group`` over weights of both precisions: each output equals that weight's
+    own matmul (its act honored), ``x`` is quantized once per precision used by more than one
+    weight, and every row is bit-identical alone or in the batch."""
+    monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
+    monkeypatch.setenv("LORAPLANE_KERNELS", path)
+    a, _ = packed[_name(T.Q5_0, 64, 640)]
+    c, _ = packed[_name(T.Q8_0, 16, 640)]
+    ws = {
+        "a16": dataclasses.replace(a, act="i16"),
+        "c8": dataclasses.replace(c, act="i8"),
+        "a8": dataclasses.replace(a, act="i8"),
+        "c16": dataclasses.replace(c, act="i16"),
+    }
+    names = tuple(ws)
+    g = GraphContext(ws, inputs=None, plan=SimpleNamespace(empty=True), kv=None, dtype=torch.float32)  # type: ignore[arg-type]
+    made: list[str] = []
+    real = graph_mod.quantize_activations
+
+    def counting(x, path=None, act=None):
+        made.append(act)
+        return real(x, path, act)
+
+    monkeypatch.setattr(graph_mod, "quantize_activations", counting)
+    x = torch.randn(6, 640)
+    x[2] *= 100.0
+    out = g.build_lora_mm_group(names, x)
+    assert sorted(made) == ["i16", "i8"]
+    for name, y in zip(names, out, strict=True):
+        assert torch.equal(y, ws[name].matmul(x)), name
+    assert not torch.equal(out[0], out[2])  # a at i16 vs a at i8
+    for i in range(x.shape[0]):
+        alone = g.build_lora_mm_group(names, x[i : i + 1])
+        for name, y_b, y_a in zip(names, out, alone, strict=True):
+            assert torch.equal(y_b[i], y_a[0]), (name, i)
+
+
+@pytest.mark.parametrize("path", C_PATHS)
+def test_rescore_top_outputs_with_i16(packed, path, monkeypatch):
+    """``rescore=K`` on an int8 weight: each row's K largest int8 outputs carry the i16 kernel's
+    values bit for bit, every other output the int8 value; rows are independent (alone =
+    batched, a 100x outlier row beside them)."""
+    monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
+    base, _ = packed[_name(T.Q5_0, 37, 160)]  # d = 37: three 16-row groups, the last padded
+    w = dataclasses.replace(base, act="i8", rescore=5)
+    x = torch.randn(7, 160)
+    x[4] *= 100.0
+    y8 = base.matmul(x, path=path, act="i8")
+    y16 = base.matmul(x, path=path, act="i16")
+    y = w.matmul(x, path=path)
+    top = torch.topk(y8, 5, dim=-1).indices
+    mask = torch.zeros_like(y, dtype=torch.bool).scatter_(1, top, True)
+    assert torch.equal(y[mask], y16[mask])
+    assert torch.equal(y[~mask], y8[~mask])
+    assert not torch.equal(y, y8)
+    for i in range(x.shape[0]):
+        assert torch.equal(w.matmul(x[i : i + 1], path=path)[0], y[i])
+    assert torch.equal(w.matmul(x, path=path, act="i16"), y16)  # no re-score when run at i16
+
+
+def test_assign_acts_policy(packed):
+    """The load-time policy: int8 activations for the LM head only (``output.weight`` when the
+    model has one, else the tied ``token_embd``), int16 for everything else; float weights
+    untouched."""
+    q8, _ = packed[_name(T.Q8_0, 16, 640)]
+    q5, _ = packed[_name(T.Q5_0, 64, 640)]
+    f, _ = packed[_name(T.F32, 31, 72)]
+    tied = {"token_embd.weight": dataclasses.replace(q8), "blk.0.attn_q.weight": dataclasses.replace(q5)}
+    assert assign_acts(tied) == {"token_embd.weight": "i8"}
+    assert [w.act for w in tied.values()] == ["i8", "i16"]
+    untied = {
+        "token_embd.weight": dataclasses.replace(q8),
+        "output.weight": dataclasses.replace(q8),
+        "blk.0.ffn_down.weight": dataclasses.replace(q5),
+    }
+    assert assign_acts(untied) == {"output.weight": "i8"}
+    assert [w.act for w in untied.values()] == ["i16", "i8", "i16"]
+    float_head = {"output.weight": dataclasses.replace(f)}
+    assert assign_acts(float_head) == {}
 
 
 def test_expert_weights(gguf_file):

@@ -236,7 +236,8 @@ class GraphContext:
         """``build_lora_mm(name, x)`` for several weights that read the same ``x``, with as few
         kernel calls as their packed forms allow: a run of ``names`` fused at load
         (``self.fused``) is one matmul whose output is split; when more than one packed call
-        remains, ``x`` is quantized once (``quantize_activations``) and shared. Results equal
+        remains, ``x`` is quantized once per activation precision those weights use
+        (``quantize_activations``; each weight's own ``QuantLinear.act``) and shared. Results equal
         the separate calls bit for bit (rows and output rows are independent in the kernels).
         Each weight's LoRA branch is then added as in ``build_lora_mm``.
         """
@@ -252,20 +253,19 @@ class GraphContext:
             else:
                 calls.append(((names[i],), self.w[names[i]]))
                 i += 1
-        packed = [w for _, w in calls if isinstance(w, QuantLinear) and w.qw is not None]
-        xin: Any = x
-        if (
-            len(packed) > 1
-            and x.device.type == "cpu"
-            and x.dim() == 2
-            and x.shape[-1] % 32 == 0
-            and resolve_path() != "torch"
-        ):
-            xin = quantize_activations(x)
+        n_by_act: dict[str, int] = {}
+        for _, w in calls:
+            if isinstance(w, QuantLinear) and w.qw is not None:
+                a = w.resolved_act()
+                n_by_act[a] = n_by_act.get(a, 0) + 1
+        xq: dict[str, Any] = {}
+        if x.device.type == "cpu" and x.dim() == 2 and x.shape[-1] % 32 == 0 and resolve_path() != "torch":
+            # one quantization per precision that more than one packed weight here uses
+            xq = {a: quantize_activations(x, act=a) for a, c in n_by_act.items() if c > 1}
         out: list[torch.Tensor] = []
         for group, w in calls:
             if isinstance(w, QuantLinear):
-                y = w.matmul(xin if w.qw is not None else x).to(x.dtype)
+                y = w.matmul(xq.get(w.resolved_act(), x) if w.qw is not None else x).to(x.dtype)
             else:
                 y = x @ w.T
             if len(group) == 1:

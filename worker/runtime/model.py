@@ -174,8 +174,50 @@ def load_model(
         del arr, t
     tensor_ne = {name: rec.ne for name, rec in gf.tensors.items()}
     tok = Tokenizer.from_gguf(gf)
+    assign_acts(held)
     fused = fuse_projections(held, hparams.n_layer) if weights == "packed" and dev.type == "cpu" else {}
     return LoadedModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, weights, fused)
+
+
+LM_HEAD_NAMES = ("output.weight", "token_embd.weight")
+"""Where the LM head lives: ``output.weight``, else the tied ``token_embd`` (what
+``GraphContext.build_output`` multiplies; the embedding lookup, ``get_rows``, is exact and
+takes no activations)."""
+
+INT8_WEIGHTS = "lm_head"
+"""The activation-precision policy (:func:`assign_acts`): which packed weights take int8
+activations (``csrc/qmm.cpp``, llama.cpp's ``q8_0`` per 32) instead of the default int16:
+'lm_head' (the LM head only) or 'none' (int16 everywhere)."""
+
+
+def assign_acts(weights: dict[str, Weight]) -> dict[str, str]:
+    """Set each packed weight's activation precision (:attr:`QuantLinear.act`) once, at load.
+
+    Policy ``INT8_WEIGHTS = "lm_head"``: the LM head (``output.weight`` if present, else the
+    tied ``token_embd``) runs int8 activations; every other weight int16. Measured on the
+    golden fixtures (kernels README, "Activation precision per weight"): int8 at the LM head
+    keeps every parity bound with the i16 figures almost unchanged on Gemma 3 and Qwen2.5 (its
+    input is the output-normed hidden state: no |x| ≈ 250 outlier blocks, and llama.cpp itself
+    multiplies it with ``q8_0`` activations), while int8 in every layer too, where Gemma's
+    residual outliers feed the projections, puts Gemma's shout@1+sea@1 group at worst mean
+    0.103 > 0.10. The LM head is the largest matmul of a decode step (Gemma 3 270M: 262144 ×
+    640), so it gains the most. Its cost: results equal up to float order (another ubatch
+    shape, prefix-cache reuse) now differ by up to ~4e-2 in a log-prob instead of ~2e-3.
+
+    The choice is per weight, never per batch (batched = alone stays bit-exact).
+    ``$LORAPLANE_KERNEL_ACT`` still forces one precision for all weights
+    (:func:`worker.runtime.kernels.resolve_act`).
+
+    Returns:
+        ``name -> act`` for the packed weights set to something other than 'i16'.
+    """
+    out: dict[str, str] = {}
+    head = next((n for n in LM_HEAD_NAMES if n in weights), None)
+    if INT8_WEIGHTS == "lm_head" and head is not None:
+        w = weights[head]
+        if isinstance(w, QuantLinear) and w.qw is not None:
+            w.act = out[head] = "i8"
+    return out
 
 
 FUSE_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
@@ -187,7 +229,7 @@ def _fuse_key(w: Weight | None) -> tuple | None:
     """What must match for packed weights to share one kernel call (None: not fusable)."""
     if not isinstance(w, QuantLinear) or w.qw is None or w.scale is None or w.d % 16:
         return None
-    return (w.ggml_type, w.k, w.bs, w.signed, w.offset, w.bias is None, w.qw.shape[1:], w.scale.shape[1:])
+    return (w.ggml_type, w.k, w.bs, w.signed, w.offset, w.bias is None, w.qw.shape[1:], w.scale.shape[1:], w.act)
 
 
 def fuse_projections(weights: dict[str, Weight], n_layer: int) -> dict[tuple[str, ...], QuantLinear]:
@@ -241,6 +283,7 @@ def _fuse(ws: list[QuantLinear]) -> QuantLinear:
         bs=ws[0].bs,
         signed=ws[0].signed,
         offset=ws[0].offset,
+        act=ws[0].act,
     )
     g = 0
     for w, member_qw in zip(ws, qws, strict=True):  # members become views: the bytes are held once
@@ -254,6 +297,7 @@ def _fuse(ws: list[QuantLinear]) -> QuantLinear:
 
 __all__ = [
     "LoadedModel",
+    "assign_acts",
     "ModelError",
     "GGUFError",
     "WEIGHT_FORMS",

@@ -47,7 +47,12 @@ SOURCES = [
     CSRC_DIR / "threadpool.cpp",
     CSRC_DIR / "sample.cpp",
 ]
-HEADERS = [CSRC_DIR / "export.h", CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h", CSRC_DIR / "qmm8.h"]  # included: part of the build key
+HEADERS = [
+    CSRC_DIR / "export.h",
+    CSRC_DIR / "qmm_common.h",
+    CSRC_DIR / "parallel.h",
+    CSRC_DIR / "qmm8.h",
+]  # included: part of the build key
 # Which sources each ISA's library is compiled from (every one exports the SIGNATURES below).
 _COMMON = [CSRC_DIR / "qmm16.cpp", CSRC_DIR / "threadpool.cpp", CSRC_DIR / "sample.cpp"]
 ISA_SOURCES = {

@@ -12,9 +12,11 @@ Forms, by GGUF type:
   (own scale per row and block) and take integer dot products against the packed weights:
   ``act="i16"`` (default, ``csrc/qmm16.cpp``): int16 activations, error ~1e-5 relative, as
   good as f32 for the model; ``act="i8"`` (``csrc/qmm.cpp``): int8 activations exactly as
-  llama.cpp's ``quantize_row_q8_0``, faster at B=16 but noisier (see the README). Rows never
-  share a scale, so a row's result does not depend on the other rows of the batch
-  (bit-identical alone or batched).
+  llama.cpp's ``quantize_row_q8_0``, faster at B=16 but noisier (see the README). The
+  precision is a property of each weight (``QuantLinear.act``, set at model load by
+  ``worker.runtime.model.assign_acts``: int8 for the LM head only), overridden for all weights
+  by ``$LORAPLANE_KERNEL_ACT``; never by batch size. Rows never share a scale, so a row's
+  result does not depend on the other rows of the batch (bit-identical alone or batched).
 - F32: kept as the f32 tensor (torch/MKL matmul, exact).
 - F16, BF16: an f32 copy (exact; 2x the GGUF bytes of that tensor — such linear weights are
   rare in quantized GGUFs, and torch's FBGEMM fp16 packing is deprecated).
@@ -46,13 +48,18 @@ FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 ACTS = ("i16", "i8")
 
 
-def resolve_act(act: str | None = None) -> str:
-    """Activation precision: ``act`` if given, else ``$LORAPLANE_KERNEL_ACT``, else 'i16'.
+def resolve_act(act: str | None = None, weight_act: str | None = None) -> str:
+    """The activation precision a matmul uses, in this order: ``act`` (a caller forcing it for
+    one call), ``$LORAPLANE_KERNEL_ACT`` (a forced override for every weight of the process,
+    for measurement), ``weight_act`` (the weight's own choice, :attr:`QuantLinear.act`, set at
+    model load by :func:`worker.runtime.model.assign_acts`), else 'i16'.
+
+    It never depends on the batch: a row's result is the same alone or batched.
 
     Raises:
         KernelError: not 'i16' or 'i8'.
     """
-    want = act or os.environ.get("LORAPLANE_KERNEL_ACT", "i16")
+    want = act or os.environ.get("LORAPLANE_KERNEL_ACT") or weight_act or "i16"
     if want not in ACTS:
         raise KernelError(f"unknown activation precision '{want}' (expected {' or '.join(ACTS)})")
     return want
@@ -151,6 +158,13 @@ class QuantLinear:
         bs: sub-block size of ``scale`` (16 or 32); signed: Q8_0's int8 values.
         weight: float ``(d, k)`` weight (F32/F16/BF16 types and the torch path), else None.
         device: where the weight lives.
+        act: this weight's activation precision on the C kernel paths, 'i16' | 'i8' (chosen
+            per weight at model load, :func:`worker.runtime.model.assign_acts`; overridden for
+            all weights by ``$LORAPLANE_KERNEL_ACT``, see :func:`resolve_act`).
+        rescore: when > 0 and this weight runs 'i8': each row's ``rescore`` largest outputs
+            are recomputed with int16 activations (equal bit for bit to the 'i16' kernel's
+            values), the rest stay int8 — an LM head option that keeps the top candidates'
+            logits exact (:meth:`matmul`).
     """
 
     name: str
@@ -165,6 +179,8 @@ class QuantLinear:
     signed: bool = False
     offset: float = 0.0
     weight: torch.Tensor | None = None
+    act: str = "i16"
+    rescore: int = 0
     _f32_cache: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -172,6 +188,11 @@ class QuantLinear:
         """Bytes this weight holds (packed values + scales, or the float weight)."""
         ts = [self.qw, self.scale, self.bias, self.weight, self._f32_cache]
         return sum(int(t.numel() * t.element_size()) for t in ts if t is not None)
+
+    def resolved_act(self, act: str | None = None) -> str:
+        """The precision :meth:`matmul` uses for this weight (:func:`resolve_act` with ``act``,
+        the environment override and :attr:`act`)."""
+        return resolve_act(act, self.act)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as f32 ``(d, k)`` (torch order), on ``device``: exactly what
@@ -231,9 +252,12 @@ class QuantLinear:
                 :func:`worker.runtime.kernels.cpu.resolve_path`); ignored for float weights.
                 'amx' runs int8 activations on AMX tiles (bit-identical to avx512's int8
                 kernel) and int16 ones on the avx512 code.
-            act: activation precision 'i16' | 'i8' (default :func:`resolve_act`).
+            act: force activation precision 'i16' | 'i8' for this call (default: this weight's,
+                :meth:`resolved_act`). Pre-quantized ``x`` must have been quantized with that
+                precision.
         Raises:
-            KernelError: wrong width or device, unknown ``act``.
+            KernelError: wrong width or device, unknown ``act``, pre-quantized ``x`` of another
+                precision than this weight's.
             KernelPathError: a forced path this CPU cannot run.
         """
         if isinstance(x, QuantizedActivations):
@@ -241,6 +265,9 @@ class QuantLinear:
                 raise KernelError(f"{self.name}: {self.ggml_type.name} weight takes float activations")
             if x.k != self.k:
                 raise KernelError(f"{self.name}: activations have width {x.k}, weight expects {self.k}")
+            want = self.resolved_act(act)
+            if x.act != want:
+                raise KernelError(f"{self.name}: activations quantized as {x.act}, this weight runs {want}")
             return self._qmm(x)
         if x.shape[-1] != self.k:
             raise KernelError(f"{self.name}: input width {x.shape[-1]} does not match k={self.k}")
@@ -258,8 +285,36 @@ class QuantLinear:
                     self._f32_cache = self.dequantize()
                 y = x2.to(torch.float32) @ self._f32_cache.T
             else:
-                y = self._qmm_f32(x2, p, resolve_act(act))
+                a = self.resolved_act(act)
+                y = self._qmm_f32(x2, p, a)
+                if a == "i8" and self.rescore > 0 and y.shape[0]:
+                    y = self._rescore_top(x2, y, p)
         return y.reshape(*lead, self.d)
+
+    def _rescore_top(self, x: torch.Tensor, y: torch.Tensor, path: str) -> torch.Tensor:
+        """Replace each row's ``rescore`` largest int8 outputs of ``y`` ``(n, d)`` by their int16
+        values: the 16-row groups holding any row's candidates are multiplied by the i16 kernel
+        (output rows are independent in the kernels, so these equal the full i16 matmul's
+        values bit for bit, and a row's result does not depend on the other rows)."""
+        assert self.qw is not None and self.scale is not None
+        idx = torch.topk(y, min(self.rescore, self.d), dim=-1).indices  # (n, K)
+        groups = torch.unique(idx // R)  # sorted 16-row groups
+        sub = QuantLinear(
+            self.name + "[rescore]",
+            self.ggml_type,
+            self.k,
+            groups.numel() * R,
+            self.device,
+            qw=self.qw.index_select(0, groups),
+            scale=self.scale.index_select(0, groups),
+            bias=None if self.bias is None else self.bias.index_select(0, groups),
+            bs=self.bs,
+            signed=self.signed,
+            offset=self.offset,
+        )
+        ys = sub._qmm_f32(x, path, "i16")
+        pos = torch.searchsorted(groups, idx // R) * R + idx % R
+        return y.scatter_(1, idx, ys.gather(1, pos))
 
     def _float_mm(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
