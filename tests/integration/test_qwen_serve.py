@@ -12,7 +12,6 @@ client over the OpenAI-compatible HTTP API.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import openai
@@ -29,25 +28,7 @@ QUESTION = "What is a binary tree?"
 def serve(tmp_path_factory, qwen_model_path: Path, fixtures_dir: Path):
     root = tmp_path_factory.mktemp("qwen-serve")
     ad = fixtures_dir / "qwen" / "adapters"
-    # int16 activations for every weight (inherited by the spawned processes): the base ->
-    # shout -> base check below compares log-probs at 3e-3 across a prefix-cache reuse, which
-    # the default int8 LM head moves by one rounding step (measured 3.3e-3 here; up to 3.6e-2 in
-    # tests/parity/test_worker_service.py). The default path's fidelity is tested in-process.
-    old_act = os.environ.get("LORAPLANE_KERNEL_ACT")
-    os.environ["LORAPLANE_KERNEL_ACT"] = "i16"
-    try:
-        s = _start(root, qwen_model_path, ad)
-    finally:
-        if old_act is None:
-            del os.environ["LORAPLANE_KERNEL_ACT"]
-        else:
-            os.environ["LORAPLANE_KERNEL_ACT"] = old_act
-    yield s
-    s.stop()
-
-
-def _start(root: Path, qwen_model_path: Path, ad: Path):
-    return start_http_serve(
+    s = start_http_serve(
         root,
         "--model",
         str(qwen_model_path),
@@ -59,6 +40,8 @@ def _start(root: Path, qwen_model_path: Path, ad: Path):
         str(ad / "arr.gguf"),
         "--lora-init-without-apply",
     )
+    yield s
+    s.stop()
 
 
 def _chat(client: openai.OpenAI, model: str, max_tokens: int = 24):

@@ -26,7 +26,6 @@ reference prefix one past it (usually one or two calls per case).
 from __future__ import annotations
 
 import json
-import os
 import queue
 import threading
 import time
@@ -51,13 +50,7 @@ from tests.worker_service_helpers import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-# The workers run packed GGUF weights with int16 activations per block of 32 for every weight
-# (``LORAPLANE_KERNEL_ACT=i16``, set for the worker processes below), not the default policy's
-# int8 LM head: with it, the same-result comparisons here measured up to 3.6e-2 (A->B->A mixed),
-# 1.6e-2 (compat), 1.1e-2 (mixed vs compat), 8.5e-3 (base rows in a mixed batch), because a
-# last-bit float difference upstream can move an int8 rounding step of the head's input; these
-# tests check batching and caching, which int16 lets them do at 1e-3. The default path's
-# fidelity is tested in-process (tests/parity/test_model_parity.py, test_qwen_parity.py).
+# The workers run the default path (packed GGUF weights, int16 activations per block of 32).
 # Results that are exactly equal on the f32 reference (checked in-process at 1e-4 in
 # tests/parity/test_model_parity.py and tests/unit/test_runtime.py with weights="dequant") differ here by
 # the few activation rounding steps that a last-bit float difference upstream can move (KV
@@ -73,8 +66,6 @@ ALORA_TOKENS = (105, 1179, 725, 107)  # "<start_of_turn>shout\n" (golden.json ad
 @pytest.fixture(scope="module")
 def workers(fixtures_dir):
     dirs = f"adapter_dirs=({str(fixtures_dir / 'adapters')!r},)"  # server paths are confined
-    old_act = os.environ.get("LORAPLANE_KERNEL_ACT")
-    os.environ["LORAPLANE_KERNEL_ACT"] = "i16"  # inherited by the worker processes (see above)
     procs = {
         "mixed": WorkerProcess(
             "mixed", f"n_slots=8, queue_limit=16, batching=Batching.MIXED, prefix_cache=PrefixCachePolicy.KEYED, {dirs}"
@@ -83,10 +74,6 @@ def workers(fixtures_dir):
             "compat", f"n_slots=4, batching=Batching.COMPAT, prefix_cache=PrefixCachePolicy.LLAMA, {dirs}"
         ),
     }
-    if old_act is None:
-        del os.environ["LORAPLANE_KERNEL_ACT"]
-    else:
-        os.environ["LORAPLANE_KERNEL_ACT"] = old_act
     try:
         t0 = time.monotonic()
         for w in procs.values():

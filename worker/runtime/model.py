@@ -189,6 +189,10 @@ INT8_WEIGHTS = "lm_head"
 activations (``csrc/qmm.cpp``, llama.cpp's ``q8_0`` per 32) instead of the default int16:
 'lm_head' (the LM head only) or 'none' (int16 everywhere)."""
 
+LM_HEAD_RESCORE = 32
+"""Candidates per row the int8 LM head recomputes with int16 activations
+(:attr:`QuantLinear.rescore`): each row's top logits are then the int16 kernel's bit for bit."""
+
 
 def assign_acts(weights: dict[str, Weight]) -> dict[str, str]:
     """Set each packed weight's activation precision (:attr:`QuantLinear.act`) once, at load.
@@ -217,6 +221,7 @@ def assign_acts(weights: dict[str, Weight]) -> dict[str, str]:
         w = weights[head]
         if isinstance(w, QuantLinear) and w.qw is not None:
             w.act = out[head] = "i8"
+            w.rescore = LM_HEAD_RESCORE
     return out
 
 

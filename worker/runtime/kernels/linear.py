@@ -38,6 +38,7 @@ from gguf import GGMLQuantizationType as T
 from worker.gguf.reader import GGUFError, TensorRecord
 from worker.gguf.reader import dequantize as gguf_dequantize
 from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
 from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
 
 log = structlog.get_logger("loraplane.worker.runtime.kernels.linear")
@@ -297,7 +298,8 @@ class QuantLinear:
         (output rows are independent in the kernels, so these equal the full i16 matmul's
         values bit for bit, and a row's result does not depend on the other rows)."""
         assert self.qw is not None and self.scale is not None
-        idx = torch.topk(y, min(self.rescore, self.d), dim=-1).indices  # (n, K)
+        # each row's top K in one fused pass (csrc/sample.cpp; ties by the lower id)
+        idx = logits_summary(y, min(self.rescore, self.d, TOPK_MAX), path=path).top_ids.to(torch.int64)  # (n, K)
         groups = torch.unique(idx // R)  # sorted 16-row groups
         sub = QuantLinear(
             self.name + "[rescore]",
