@@ -108,9 +108,10 @@ def test_distinct_k_v_dims_and_odd_multiples(path):
 @pytest.mark.parametrize("path", PATHS)
 def test_row_alone_equals_batched_and_threads_do_not_matter(path):
     """Bit-identical: each sequence alone vs the batch (any order), 1 vs 2 threads, and every
-    head-block split (which query heads of a KV head share a task)."""
+    head-block split (which query heads of a KV head share a task), with the parallel-work
+    threshold on (B=1 short contexts run on one thread) or off."""
     q, kc, vc, rows, pos = _inputs(4, 128)
-    kw = dict(kq_scale=0.09, n_swa=700, softcap=20.0, path=path)
+    kw = dict(kq_scale=0.09, n_swa=700, softcap=20.0, path=path, min_parallel_work=0)  # 2 threads do run
     full = attn_decode(q, kc, vc, rows, pos, nthreads=1, **kw)
     assert torch.equal(full, attn_decode(q, kc, vc, rows, pos, nthreads=2, **kw))
     for hb in (1, 2, 3, 4):
@@ -121,6 +122,8 @@ def test_row_alone_equals_batched_and_threads_do_not_matter(path):
     perm = torch.tensor([3, 0, 5, 1, 4, 2])
     shuffled = attn_decode(q[perm], kc, vc, rows[perm], pos[perm], nthreads=2, **kw)
     assert torch.equal(shuffled, full[perm])
+    kw["min_parallel_work"] = 1 << 23
+    assert torch.equal(full, attn_decode(q, kc, vc, rows, pos, nthreads=2, **kw))
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -92,6 +92,11 @@ inline vf vload(const void* base, int64_t i) {
 }
 #endif
 
+// exp(x) for x <= 0, 0 below -60: a weight under e^-60 (~1e-26) of the row's largest (which is
+// 1, so S >= 1) is far below f32 rounding of any output, and flushing it keeps denormals
+// (slow microcode assists in the FMAs) out of the accumulators.
+inline float wexp(float x) { return x > -60.0f ? expf(x) : 0.0f; }
+
 struct Args {
   const float* q;  // (B, H, dk) f32, row stride q_ld (elements), heads contiguous
   int64_t q_ld;
@@ -153,11 +158,11 @@ void attend(const Args& a, int b, int g, int h0) {
     for (int r = 0; r < NH; ++r) {
       float m = M[r];
       for (int j = 0; j < nt; ++j) m = s[r][j] > m ? s[r][j] : m;
-      alpha[r] = M[r] == -INFINITY ? 0.0f : expf(M[r] - m);
+      alpha[r] = M[r] == -INFINITY ? 0.0f : wexp(M[r] - m);
       M[r] = m;
       double sum = 0.0;
       for (int j = 0; j < nt; ++j) {
-        const float w = expf(s[r][j] - m);
+        const float w = wexp(s[r][j] - m);
         s[r][j] = w;
         sum += (double)w;
       }
@@ -205,22 +210,42 @@ void attend_heads(const Args& a, int b, int g, int h0, int nh) {
 //   k, v: the layer's cache tensors, element strides (row, pos, kv head) ks*/vs*, innermost
 //     dim contiguous; dtype 0 f32, 1 f16, 2 bf16 (both the same).
 //   cache_rows, pos: int64 (B,).
-//   head_block: query heads per task (1..H/Hkv; only the split of work, never the result).
+//   head_block: query heads per task (1..H/Hkv; 0: chosen here from B, Hkv and the threads);
+//     only the split of work, never the result.
+//   min_parallel_work: multiply-adds (sum of keys x H x (dk + dv)) below which one thread runs.
 // Returns 0; -1 for an unsupported shape (dk or dv not a multiple of 16 or > 512, H not a
 // multiple of Hkv, unknown dtype), nothing written then.
 LP_EXPORT int LP_FN(attn_decode)(const float* q, int64_t q_ld, const void* k, const void* v, int dtype, int64_t ks0,
                                  int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
                                  const int64_t* cache_rows, const int64_t* pos, int B, int H, int Hkv, int dk, int dv,
-                                 float kq_scale, float softcap, int n_swa, int head_block, float* out, int nthreads) {
+                                 float kq_scale, float softcap, int n_swa, int head_block, int64_t min_parallel_work,
+                                 float* out, int nthreads) {
   if (B <= 0) return 0;
   if (Hkv <= 0 || H % Hkv || dk % 16 || dv % 16 || dk <= 0 || dv <= 0 || dk > MAX_D || dv > MAX_D) return -1;
   if (dtype < 0 || dtype > 2) return -1;
   const int rep = H / Hkv;
-  int hb = head_block < 1 ? 1 : head_block > rep ? rep : head_block;
+  // go parallel only for work worth waking threads for (min_parallel_work multiply-adds; the
+  // caller passes ~8M, about 1 ms on one core): a parallel region costs a wake-up per thread,
+  // which on a busy machine takes longer than a short context's whole attention.  The
+  // results do not depend on it.
+  int64_t work = 0;
+  for (int b = 0; b < B; ++b) {
+    const int64_t p = pos[b], lo = n_swa > 0 && p - n_swa + 1 > 0 ? p - n_swa + 1 : 0;
+    work += (p + 1 - lo) * (int64_t)H * (dk + dv);
+  }
+  const int nt = work >= min_parallel_work ? nthreads : 1;
+  // auto head block: a KV head's query heads together (K/V read once), split only when there
+  // are fewer (row, KV head) pairs than threads
+  int hb = head_block;
+  if (hb < 1) {
+    const int pairs = B * Hkv, per = pairs >= nt ? 1 : (nt + pairs - 1) / pairs;
+    hb = (rep + per - 1) / per;
+  }
+  if (hb > rep) hb = rep;
   const int nblk = (rep + hb - 1) / hb;
   const Args a{q, q_ld, k, v, ks0, ks1, ks2, vs0, vs1, vs2, cache_rows, pos, H, Hkv, dk, dv, kq_scale, softcap, n_swa, out};
   const int ntask = B * Hkv * nblk;
-  lp::parallel_for(ntask, nthreads, [&](int t) {
+  lp::parallel_for(ntask, nt, [&](int t) {
     const int b = t / (Hkv * nblk), rest = t % (Hkv * nblk), g = rest / nblk, blk = rest % nblk;
     const int h0 = g * rep + blk * hb, nh = (blk + 1) * hb <= rep ? hb : rep - blk * hb;
     if (dtype == 0) attend_heads<0>(a, b, g, h0, nh);
