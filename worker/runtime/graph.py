@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from worker.lora.plan import LoraPlan
 from worker.lora.pool import SideBranch
 from worker.runtime.kernels import QuantLinear, quantize_activations, resolve_path
+from worker.runtime.kernels.attn import attn_decode, resolve_attn
+from worker.runtime.kernels.attn import supports as attn_kernel_supports
 from worker.runtime.kv_cache import KVCache
 
 
@@ -389,10 +391,30 @@ class GraphContext:
         softcap: float = 0.0,
     ) -> torch.Tensor:
         """One row per sequence, all sequences at once: store their K/V with one indexed
-        write, read ``K/V[cache rows, lo:hi]`` ``(B, L, Hkv, d)`` (a view when the cache rows
-        are consecutive), mask per row (causal + sliding window), one SDPA call.
-        Returns ``(B, H, dv)`` in ``dec.rows`` order."""
+        write, then attend. Returns ``(B, H, dv)`` in ``dec.rows`` order.
+
+        CPU (default, ``LORAPLANE_ATTN`` auto|c): the C kernel ``attn_decode``
+        (``worker.runtime.kernels.attn``) reads each row's keys ``lo..pos`` from the cache
+        in place, online softmax in a fixed key order, f32. Otherwise (CUDA, a shape or
+        dtype the kernel does not take, ``LORAPLANE_ATTN=torch``): read
+        ``K/V[cache rows, lo:hi]`` ``(B, L, Hkv, d)`` (a view when the cache rows are
+        consecutive), mask per row (causal + sliding window), one f64 SDPA call. Both make a
+        row's result independent of the other rows of the ubatch."""
         self.kv.store_rows(il, dec.cache_rows, dec.pos, k.index_select(0, dec.rows), v.index_select(0, dec.rows))
+        kc, vc = self.kv.k[il], self.kv.v[il]
+        if q.device.type == "cpu" and resolve_attn() == "c" and attn_kernel_supports(kc, vc, q.shape[1]):
+            o = attn_decode(
+                q.index_select(0, dec.rows),
+                kc,
+                vc,
+                dec.cache_rows,
+                dec.pos,
+                kq_scale=kq_scale,
+                n_swa=n_swa,
+                softcap=softcap,
+                check=False,
+            )
+            return o.to(q.dtype)
         lo = max(0, dec.pos_min - n_swa + 1) if n_swa > 0 else 0
         ks, vs = self.kv.rows_view(il, dec.cache_rows, lo, dec.pos_max + 1, dec.contiguous_from)
         k_pos = dec.key_pos[lo : dec.pos_max + 1].unsqueeze(0)  # (1, L)

@@ -38,8 +38,8 @@ from gguf import GGMLQuantizationType as T
 from worker.gguf.reader import GGUFError, TensorRecord
 from worker.gguf.reader import dequantize as gguf_dequantize
 from worker.runtime.kernels import build, cpu
-from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
 from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
+from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
 
 log = structlog.get_logger("loraplane.worker.runtime.kernels.linear")
 

@@ -1,0 +1,256 @@
+// Decode attention over the unified KV cache, read in place (no gather, no f64 copy).
+//
+// One query row per sequence (a decode step): for sequence b at position p_b in cache row
+// cache_rows[b], query head h attends the keys at positions lo_b..p_b of that row, where
+// lo_b = max(0, p_b - n_swa + 1) with a sliding window (n_swa > 0) and 0 otherwise
+// (llama.cpp is_masked_swa, LLAMA_SWA_TYPE_STANDARD: key visible iff p_q - p_k < n_swa);
+// GQA: head h reads KV head h / (H / Hkv).
+//
+// The idea is llama.cpp's CPU flash attention (ggml-cpu ops.cpp
+// ggml_compute_forward_flash_attn_ext_f16_one_chunk): an online softmax with a running
+// maximum M and sum S, the value accumulator rescaled by exp(M_old - M_new) when M grows.
+// Here the keys go in tiles of TILE positions counted from lo_b: a tile's scores
+// s = kq_scale * q.k (then softcap * tanh(s / softcap) when softcap > 0) are computed first,
+// M moves once per tile, then the tile's V rows are accumulated with weights exp(s - M).
+// f32 vectors for the dot products and the accumulator, expf/tanhf from libm, S in double.
+//
+// Determinism: a head's result depends only on its own query, its row's keys/values and
+// (p_b, n_swa, kq_scale, softcap): the keys go in one fixed order, the tiles start at lo_b,
+// each head has its own accumulators and the same instruction sequence whichever heads share
+// its task.  So a row is bit-identical alone or batched, and with any thread count (tasks
+// are (row, block of query heads of one KV head); the block size only splits work).
+//
+// The two builds differ in vector width (AVX-512: 16 lanes, AVX2: 8 lanes), so their results
+// differ in the last bits; each process uses one.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "parallel.h"
+#include "qmm_common.h"
+
+namespace {
+
+constexpr int TILE = 32;      // key positions per softmax update
+constexpr int MAX_HB = 4;     // query heads per task (kept in registers together)
+constexpr int MAX_D = 512;    // largest head dim (K or V) supported
+
+#if defined(LP_AVX512)
+constexpr int W = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vloadf(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline float vsum(vf x) {
+  // fixed tree: 16 -> 8 -> 4 -> 2 -> 1
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+// DT: 0 f32, 1 f16, 2 bf16
+template <int DT>
+inline vf vload(const void* base, int64_t i) {
+  if constexpr (DT == 0) {
+    return _mm512_loadu_ps((const float*)base + i);
+  } else if constexpr (DT == 1) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i)));
+  } else {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+}
+#else
+constexpr int W = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vloadf(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline float vsum(vf x) {
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+template <int DT>
+inline vf vload(const void* base, int64_t i) {
+  if constexpr (DT == 0) {
+    return _mm256_loadu_ps((const float*)base + i);
+  } else if constexpr (DT == 1) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + i)));
+  } else {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+}
+#endif
+
+// exp(x) for x <= 0, 0 below -60: a weight under e^-60 (~1e-26) of the row's largest (which is
+// 1, so S >= 1) is far below f32 rounding of any output, and flushing it keeps denormals
+// (slow microcode assists in the FMAs) out of the accumulators.
+inline float wexp(float x) { return x > -60.0f ? expf(x) : 0.0f; }
+
+struct Args {
+  const float* q;  // (B, H, dk) f32, row stride q_ld (elements), heads contiguous
+  int64_t q_ld;
+  const void* k;   // cache: element (row, pos, g, i) at k + row*ks0 + pos*ks1 + g*ks2 + i
+  const void* v;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  const int64_t* cache_rows;  // (B,)
+  const int64_t* pos;         // (B,)
+  int H, Hkv, dk, dv;
+  float scale, softcap;
+  int n_swa;
+  float* out;  // (B, H, dv) f32 contiguous
+};
+
+// Heads h0..h0+NH-1 (one KV head g) of sequence b.
+template <int DT, int NH>
+void attend(const Args& a, int b, int g, int h0) {
+  const int dk = a.dk, dv = a.dv, nck = dk / W, ncv = dv / W;
+  const int64_t p = a.pos[b];
+  const int64_t lo = a.n_swa > 0 && p - a.n_swa + 1 > 0 ? p - a.n_swa + 1 : 0;
+  const int64_t row = a.cache_rows[b];
+  const char* kbase = (const char*)a.k;
+  const char* vbase = (const char*)a.v;
+  constexpr int es = DT == 0 ? 4 : 2;
+  const void* krow = kbase + (row * a.ks0 + g * a.ks2) * es;
+  const void* vrow = vbase + (row * a.vs0 + g * a.vs2) * es;
+
+  const float* q[NH];
+  for (int r = 0; r < NH; ++r) q[r] = a.q + b * a.q_ld + (int64_t)(h0 + r) * dk;
+  alignas(64) float acc[NH][MAX_D];
+  float s[NH][TILE];
+  float M[NH];
+  double S[NH];
+  for (int r = 0; r < NH; ++r) {
+    M[r] = -INFINITY;
+    S[r] = 0.0;
+    for (int i = 0; i < dv; ++i) acc[r][i] = 0.0f;
+  }
+  const float scale = a.scale, softcap = a.softcap;
+  for (int64_t t0 = lo; t0 <= p; t0 += TILE) {
+    const int nt = (int)(p + 1 - t0 < TILE ? p + 1 - t0 : TILE);
+    // scores of the tile
+    for (int j = 0; j < nt; ++j) {
+      const int64_t ko = (t0 + j) * a.ks1;
+      vf d[NH];
+      for (int r = 0; r < NH; ++r) d[r] = vzero();
+      for (int c = 0; c < nck; ++c) {
+        const vf kv = vload<DT>(krow, ko + c * W);
+        for (int r = 0; r < NH; ++r) d[r] = vfma(vloadf(q[r] + c * W), kv, d[r]);
+      }
+      for (int r = 0; r < NH; ++r) {
+        float x = vsum(d[r]) * scale;
+        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+        s[r][j] = x;
+      }
+    }
+    // online softmax update: new maximum, rescale factor, weights
+    float alpha[NH];
+    for (int r = 0; r < NH; ++r) {
+      float m = M[r];
+      for (int j = 0; j < nt; ++j) m = s[r][j] > m ? s[r][j] : m;
+      alpha[r] = M[r] == -INFINITY ? 0.0f : wexp(M[r] - m);
+      M[r] = m;
+      double sum = 0.0;
+      for (int j = 0; j < nt; ++j) {
+        const float w = wexp(s[r][j] - m);
+        s[r][j] = w;
+        sum += (double)w;
+      }
+      S[r] = S[r] * (double)alpha[r] + sum;
+    }
+    // acc = acc * alpha + sum_j w_j v_j, one vector of dv at a time, keys in order
+    for (int c = 0; c < ncv; ++c) {
+      vf o[NH];
+      for (int r = 0; r < NH; ++r) o[r] = vmul(vloadf(acc[r] + c * W), vset1(alpha[r]));
+      for (int j = 0; j < nt; ++j) {
+        const vf vv = vload<DT>(vrow, (t0 + j) * a.vs1 + c * W);
+        for (int r = 0; r < NH; ++r) o[r] = vfma(vset1(s[r][j]), vv, o[r]);
+      }
+      for (int r = 0; r < NH; ++r) vstore(acc[r] + c * W, o[r]);
+    }
+  }
+  for (int r = 0; r < NH; ++r) {
+    const vf inv = vset1((float)(1.0 / S[r]));
+    float* o = a.out + ((int64_t)b * a.H + h0 + r) * dv;
+    for (int c = 0; c < ncv; ++c) vstore(o + c * W, vmul(vloadf(acc[r] + c * W), inv));
+  }
+}
+
+template <int DT>
+void attend_heads(const Args& a, int b, int g, int h0, int nh) {
+  // blocks of at most MAX_HB heads; a head's arithmetic is the same in every block size
+  while (nh > 0) {
+    const int n = nh < MAX_HB ? nh : MAX_HB;
+    switch (n) {
+      case 1: attend<DT, 1>(a, b, g, h0); break;
+      case 2: attend<DT, 2>(a, b, g, h0); break;
+      case 3: attend<DT, 3>(a, b, g, h0); break;
+      default: attend<DT, 4>(a, b, g, h0); break;
+    }
+    h0 += n;
+    nh -= n;
+  }
+}
+
+}  // namespace
+
+// out (B, H, dv) f32 = softmax(cap(kq_scale * q K^T)) V per sequence and query head, keys
+// lo_b..pos[b] of cache row cache_rows[b] read in place (see the top of this file).
+//   q: (B, H, dk) f32, row stride q_ld elements, each row's heads contiguous.
+//   k, v: the layer's cache tensors, element strides (row, pos, kv head) ks*/vs*, innermost
+//     dim contiguous; dtype 0 f32, 1 f16, 2 bf16 (both the same).
+//   cache_rows, pos: int64 (B,).
+//   head_block: query heads per task (1..H/Hkv; 0: chosen here from B, Hkv and the threads);
+//     only the split of work, never the result.
+//   min_parallel_work: multiply-adds (sum of keys x H x (dk + dv)) below which one thread runs.
+// Returns 0; -1 for an unsupported shape (dk or dv not a multiple of 16 or > 512, H not a
+// multiple of Hkv, unknown dtype), nothing written then.
+LP_EXPORT int LP_FN(attn_decode)(const float* q, int64_t q_ld, const void* k, const void* v, int dtype, int64_t ks0,
+                                 int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1, int64_t vs2,
+                                 const int64_t* cache_rows, const int64_t* pos, int B, int H, int Hkv, int dk, int dv,
+                                 float kq_scale, float softcap, int n_swa, int head_block, int64_t min_parallel_work,
+                                 float* out, int nthreads) {
+  if (B <= 0) return 0;
+  if (Hkv <= 0 || H % Hkv || dk % 16 || dv % 16 || dk <= 0 || dv <= 0 || dk > MAX_D || dv > MAX_D) return -1;
+  if (dtype < 0 || dtype > 2) return -1;
+  const int rep = H / Hkv;
+  // go parallel only for work worth waking threads for (min_parallel_work multiply-adds; the
+  // caller passes ~8M, about 1 ms on one core): a parallel region costs a wake-up per thread,
+  // which on a busy machine takes longer than a short context's whole attention.  The
+  // results do not depend on it.
+  int64_t work = 0;
+  for (int b = 0; b < B; ++b) {
+    const int64_t p = pos[b], lo = n_swa > 0 && p - n_swa + 1 > 0 ? p - n_swa + 1 : 0;
+    work += (p + 1 - lo) * (int64_t)H * (dk + dv);
+  }
+  const int nt = work >= min_parallel_work ? nthreads : 1;
+  // auto head block: a KV head's query heads together (K/V read once), split only when there
+  // are fewer (row, KV head) pairs than threads
+  int hb = head_block;
+  if (hb < 1) {
+    const int pairs = B * Hkv, per = pairs >= nt ? 1 : (nt + pairs - 1) / pairs;
+    hb = (rep + per - 1) / per;
+  }
+  if (hb > rep) hb = rep;
+  const int nblk = (rep + hb - 1) / hb;
+  const Args a{q, q_ld, k, v, ks0, ks1, ks2, vs0, vs1, vs2, cache_rows, pos, H, Hkv, dk, dv, kq_scale, softcap, n_swa, out};
+  const int ntask = B * Hkv * nblk;
+  lp::parallel_for(ntask, nt, [&](int t) {
+    const int b = t / (Hkv * nblk), rest = t % (Hkv * nblk), g = rest / nblk, blk = rest % nblk;
+    const int h0 = g * rep + blk * hb, nh = (blk + 1) * hb <= rep ? hb : rep - blk * hb;
+    if (dtype == 0) attend_heads<0>(a, b, g, h0, nh);
+    else if (dtype == 1) attend_heads<1>(a, b, g, h0, nh);
+    else attend_heads<2>(a, b, g, h0, nh);
+  });
+  return 0;
+}
