@@ -168,9 +168,11 @@ class KVCache:
     @torch.inference_mode()
     def store_rows(self, il: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one K/V row per sequence: ``k``/``v`` ``(B, n_head_kv, d)`` at cache rows
-        ``rows`` int64 ``(B,)`` and positions ``pos`` int64 ``(B,)`` of layer ``il`` (one op)."""
-        self.k[il][rows, pos] = k.to(self.dtype)
-        self.v[il][rows, pos] = v.to(self.dtype)
+        ``rows`` int64 ``(B,)`` and positions ``pos`` int64 ``(B,)`` of layer ``il``: one
+        ``index_copy_`` per tensor over the cache viewed as ``(n_rows·cap, n_head_kv, d)``."""
+        for cache, x in ((self.k[il], k), (self.v[il], v)):
+            flat = rows * cache.shape[1] + pos
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, flat, x.to(self.dtype))
 
     def rows_view(
         self, il: int, rows: torch.Tensor, lo: int, hi: int, contiguous_from: int | None
