@@ -21,6 +21,7 @@ Shapes are torch order. Symbols: ``n`` = token rows in the ubatch, ``d`` = n_emb
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,12 @@ import torch.nn.functional as F
 from worker.lora.plan import LoraPlan
 from worker.lora.pool import SideBranch
 from worker.runtime.kernels import QuantLinear, quantize_activations, resolve_path
+from worker.runtime.kernels.lora import LoraPairs, lora_bgmv, lora_dense, lora_pairs
 from worker.runtime.kv_cache import KVCache
+
+LORA_MODE = os.environ.get("LORAPLANE_LORA", "auto")
+"""``auto``: gathered LoRA (BGMV kernel) where it applies, else dense; ``dense``: always the
+dense masked product (``GraphContext._add_lora``; for measurement and comparison)."""
 
 
 @dataclass
@@ -117,6 +123,8 @@ class GraphContext:
         if not plan.empty:
             self.row_slot = plan.set_slot_scale.to(inputs.row_set.device).index_select(0, inputs.row_set)
         self._rows_reduced = False
+        self._pairs: LoraPairs | None = None  # (row, slot) pairs of row_slot for the gathered LoRA
+        self._lora_rank: dict[str, torch.Tensor] = {}  # int32 (s_used,) rank_of per weight
         self._rope_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
 
@@ -161,6 +169,7 @@ class GraphContext:
             self._rows_reduced = True
             if self.row_slot is not None:
                 self.row_slot = self.row_slot.index_select(0, out)
+                self._pairs = None
         self.n_nodes += 1
         return x.index_select(0, out)
 
@@ -218,19 +227,38 @@ class GraphContext:
         return self._add_lora(name, x, y)
 
     def _add_lora(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y + Σ_s S[:, s] · B_s (A_s x)`` over the used slots (``build_lora_mm``'s branch)."""
+        """``y + Σ_s S[:, s] · B_s (A_s x)`` over the used slots (``build_lora_mm``'s branch).
+
+        Two forms with the same semantics (``worker.runtime.kernels.lora``): on the C kernel
+        paths with f32 activations and slot buffers, the gathered product (BGMV,
+        ``lora_bgmv``: each row reads only the slots its set holds, added into ``y`` in place;
+        ``y`` is a fresh product owned by the caller, possibly a column slice of a fused one);
+        otherwise (CUDA, bf16, the torch path, or ``LORA_MODE = "dense"``) the dense masked
+        product over every used slot (``lora_dense``).
+        """
         if self.row_slot is None:
             return y
         w = self.plan.pool.weights.get(name)
         u = self.plan.s_used
         if w is None or not any(w.rank_of[:u]):
             return y
-        n, rk = x.shape[0], w.rank_cap
-        s = (self.row_slot * w.factor[:u]).to(x.dtype)  # (n, u)
-        xa = (x @ w.a[:u].reshape(u * rk, -1).T).view(n, u, rk) * s.unsqueeze(2)  # (n, u, R)
-        y = y + (xa.view(n, u * rk) @ w.bt[:u].reshape(u * rk, -1)).to(y.dtype)
         self.n_nodes += 4
-        return y
+        if (
+            LORA_MODE != "dense"
+            and x.device.type == "cpu"
+            and x.dtype == y.dtype == w.a.dtype == torch.float32
+            and x.dim() == 2
+            and y.stride(-1) == 1
+            and resolve_path() != "torch"
+        ):
+            rank = self._lora_rank.get(name)
+            if rank is None:
+                rank = self._lora_rank[name] = torch.tensor(w.rank_of[:u], dtype=torch.int32)
+            if self._pairs is None:
+                self._pairs = lora_pairs(self.row_slot)
+            xc = x if x.is_contiguous() else x.contiguous()
+            return lora_bgmv(xc, y, w.a, w.bt, rank, w.factor, self._pairs)
+        return lora_dense(x, y, w.a[:u], w.bt[:u], w.factor[:u], self.row_slot)
 
     def build_lora_mm_group(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """``build_lora_mm(name, x)`` for several weights that read the same ``x``, with as few

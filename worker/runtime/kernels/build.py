@@ -1,4 +1,4 @@
-"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``) for each x86 ISA path.
+"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/lora.cpp``) for each x86 ISA path.
 
 One source, two shared libraries, each compiled with its own target flags (never
 ``-march=native``), so the AVX2 library runs on an AVX2-only CPU:
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp before ours; see module docstring)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp"]
+SOURCES = [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", CSRC_DIR / "lora.cpp"]
 HEADERS = [CSRC_DIR / "qmm_common.h", CSRC_DIR / "parallel.h"]  # included by both sources: part of the build key
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
@@ -48,6 +48,7 @@ _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_f
 _QUANT = [_P, _I64, _I32, _I32, _P, _P, _P, _P, _I32]
 _QMM = [_P, _P, _P, _F32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _I32, _P, _I32]
 _QMM_F32 = [_P, _I64, _I32, _I32, _P, _P, _P, _F32, _I32, _I32, _I32, _P, _I32]
+_BGMV = [_P, _I64, _I32, _I32, _P, _P, _I32, _I32, _P, _P, _I32, _P, _P, _P, _P, _P, _P, _I64, _I32]
 
 # Every exported function (``lp_<isa>_<name>``) with its ctypes (argtypes, restype); each
 # source's functions are listed together.
@@ -60,6 +61,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "quantize_act16": (_QUANT, None),
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
+    # lora.cpp (gathered multi-LoRA, f32)
+    "lora_bgmv": (_BGMV, _I32),
 }
 
 
