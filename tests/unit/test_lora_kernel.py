@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from worker.runtime.kernels import KernelPathError, supported
+from worker.runtime.kernels import lora as lora_mod
 from worker.runtime.kernels.lora import lora_bgmv, lora_dense, lora_pairs, lora_sgmv_torch
 
 C_PATHS = [
@@ -42,13 +43,15 @@ def _pool(S: int, R: int, k: int, d: int, seed: int):
     return a, bt, ranks, factor
 
 
-def _row_slot(n: int, S: int, seed: int) -> torch.Tensor:
+def _row_slot(n: int, S: int, seed: int, segments: bool = False) -> torch.Tensor:
     """Per-row slot scales: row 0 no adapter, row 1 two adapters, the rest one each (some on
-    the branchless slot), scales in [0.25, 1.5)."""
+    the branchless slot; with ``segments`` runs of 5 rows share a slot, the prefill case whose
+    rows the kernel tiles together), scales in [0.25, 1.5)."""
     g = torch.Generator().manual_seed(seed)
     rs = torch.zeros(n, S)
     for i in range(1, n):
-        rs[i, int(torch.randint(0, S, (1,), generator=g))] = 0.25 + 1.25 * float(torch.rand(1, generator=g))
+        s = (i // 5) % S if segments else int(torch.randint(0, S, (1,), generator=g))
+        rs[i, s] = 0.25 + 1.25 * float(torch.rand(1, generator=g))
     rs[1].zero_()
     rs[1, 0], rs[1, S - 1] = 0.7, -0.4
     return rs
@@ -65,10 +68,11 @@ def _reference(x, y, a, bt, factor, rs) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("path", C_PATHS)
+@pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize(("S", "R", "k", "d", "n"), [(5, 8, 640, 1024, 7), (9, 16, 200, 37, 13), (3, 24, 33, 300, 40)])
-def test_bgmv_vs_float64_reference(path, S, R, k, d, n):
+def test_bgmv_vs_float64_reference(path, segments, S, R, k, d, n):
     a, bt, ranks, factor = _pool(S, R, k, d, seed=S * 31 + k)
-    rs = _row_slot(n, S, seed=n)
+    rs = _row_slot(n, S, seed=n, segments=segments)
     x, y = torch.randn(n, k), torch.randn(n, d)
     ref = _reference(x, y, a, bt, factor, rs)
     out = lora_bgmv(x, y.clone(), a, bt, ranks, factor, lora_pairs(rs), path=path)
@@ -82,10 +86,12 @@ def test_bgmv_vs_float64_reference(path, S, R, k, d, n):
 
 
 @pytest.mark.parametrize("path", C_PATHS)
-def test_row_alone_equals_batched_and_threads(path):
+@pytest.mark.parametrize("segments", [False, True])
+def test_row_alone_equals_batched_and_threads(path, segments, monkeypatch):
+    monkeypatch.setattr(lora_mod, "PARALLEL_MIN_MACS", 0)  # use the threads even for this size
     S, R, k, d, n = 16, 8, 640, 2048, 16
     a, bt, ranks, factor = _pool(S, R, k, d, seed=1)
-    rs = _row_slot(n, S, seed=2)
+    rs = _row_slot(n, S, seed=2, segments=segments)
     x, y = torch.randn(n, k), torch.randn(n, d)
     x[5] *= 100.0  # an outlier row in the batch
     before = torch.get_num_threads()
@@ -117,6 +123,22 @@ def test_column_slice_of_fused_output(path):
     alone = lora_bgmv(x, before[:, d : 2 * d].contiguous(), a, bt, ranks, factor, lora_pairs(rs), path=path)
     assert torch.equal(fused[:, d : 2 * d], alone)
     assert torch.equal(fused[:, :d], before[:, :d]) and torch.equal(fused[:, 2 * d :], before[:, 2 * d :])
+
+
+@pytest.mark.parametrize("path", C_PATHS)
+def test_many_adapters_per_row(path):
+    """Rows whose sets hold 20 adapters (a 4-row tile then has more pairs than the kernel's
+    stack scratch) still match the reference, and alone = batched."""
+    S, R, k, d, n = 24, 8, 96, 80, 6
+    a, bt, ranks, factor = _pool(S, R, k, d, seed=7)
+    g = torch.Generator().manual_seed(8)
+    rs = torch.where(torch.rand(n, S, generator=g) < 0.85, torch.rand(n, S, generator=g) + 0.1, torch.zeros(n, S))
+    x, y = torch.randn(n, k), torch.randn(n, d)
+    ref = _reference(x, y, a, bt, factor, rs)
+    out = lora_bgmv(x, y.clone(), a, bt, ranks, factor, lora_pairs(rs), path=path)
+    assert (out.double() - ref).abs().max().item() <= 2e-5 * (ref.abs().max().item() + 1)
+    alone = lora_bgmv(x[4:5], y[4:5].clone(), a, bt, ranks, factor, lora_pairs(rs[4:5]), path=path)
+    assert torch.equal(alone[0], out[4])
 
 
 def test_pairs_and_errors():

@@ -48,7 +48,7 @@ _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_f
 _QUANT = [_P, _I64, _I32, _I32, _P, _P, _P, _P, _I32]
 _QMM = [_P, _P, _P, _F32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _I32, _P, _I32]
 _QMM_F32 = [_P, _I64, _I32, _I32, _P, _P, _P, _F32, _I32, _I32, _I32, _P, _I32]
-_BGMV = [_P, _I64, _I32, _I32, _P, _P, _I32, _I32, _P, _P, _I32, _P, _P, _P, _P, _P, _P, _I64, _I32]
+_BGMV = [_P, _I64, _I32, _I32, _P, _P, _I32, _I32, _P, _P, _P, _P, _P, _P, _I64, _I32]
 
 # Every exported function (``lp_<isa>_<name>``) with its ctypes (argtypes, restype); each
 # source's functions are listed together.

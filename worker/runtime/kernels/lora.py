@@ -27,6 +27,14 @@ import torch
 from worker.runtime.kernels import build, cpu
 
 
+PARALLEL_MIN_MACS = 1 << 20
+"""Below this many multiply-adds (pairs × R × (k + d)) a ``lora_bgmv`` call runs on one thread:
+a B=16 rank-8 decode product is ~0.3 M MACs, a few µs of work, less than waking a second
+thread costs on a busy machine (``bench.lora``)."""
+
+_FN: dict[str, object] = {}
+
+
 @dataclass(frozen=True)
 class LoraPairs:
     """The (row, slot) pairs of a ubatch with a nonzero per-row slot scale, sorted by row then
@@ -107,23 +115,26 @@ def lora_bgmv(
         ValueError: dtypes/devices/layouts the kernel does not take.
     """
     p = cpu.resolve_path(path)
-    if p == "torch":
-        raise cpu.KernelPathError("lora_bgmv is for the C kernel paths, not 'torch'")
+    fn = _FN.get(p)
+    if fn is None:
+        if p == "torch":
+            raise cpu.KernelPathError("lora_bgmv is for the C kernel paths, not 'torch'")
+        fn = _FN[p] = getattr(build.load(p), f"lp_{p}_lora_bgmv")
     if not (x.dtype == y.dtype == a.dtype == bt.dtype == factor.dtype == torch.float32):
         raise ValueError("lora_bgmv takes f32 x, y, a, bt, factor")
     if x.device.type != "cpu" or y.device.type != "cpu":
         raise ValueError("lora_bgmv runs on CPU tensors")
     n, k = x.shape
     R, d = int(a.shape[1]), int(bt.shape[2])
-    if y.shape != (n, d) or y.stride(1) != 1 or x.stride(1) != 1 or a.shape[2] != k:
+    if y.shape != (n, d) or y.stride(1) != 1 or x.stride(1) != 1 or a.shape[2] != k or R > 256:
         raise ValueError(f"lora_bgmv: bad shapes x {tuple(x.shape)}, y {tuple(y.shape)}, a {tuple(a.shape)}")
     if not (a.is_contiguous() and bt.is_contiguous() and rank.dtype == torch.int32 and pairs.n == n):
         raise ValueError("lora_bgmv: a/bt must be contiguous, rank int32, pairs for these rows")
     P = int(pairs.row.shape[0])
-    if P == 0 or n == 0:
+    if P == 0:
         return y
-    xa = torch.empty((P, R), dtype=torch.float32)
-    fn = getattr(build.load(p), f"lp_{p}_lora_bgmv")
+    # threads only where the work pays for waking them (values never depend on the count)
+    nt = torch.get_num_threads() if P * R * (k + d) >= PARALLEL_MIN_MACS else 1
     fn(
         x.data_ptr(),
         x.stride(0),
@@ -135,15 +146,12 @@ def lora_bgmv(
         d,
         rank.data_ptr(),
         factor.data_ptr(),
-        P,
-        pairs.row.data_ptr(),
         pairs.slot.data_ptr(),
         pairs.scale.data_ptr(),
         pairs.row_ptr.data_ptr(),
-        xa.data_ptr(),
         y.data_ptr(),
         y.stride(0),
-        torch.get_num_threads(),
+        nt,
     )
     return y
 
