@@ -89,6 +89,7 @@ def test_bgmv_vs_float64_reference(path, segments, S, R, k, d, n):
 @pytest.mark.parametrize("segments", [False, True])
 def test_row_alone_equals_batched_and_threads(path, segments, monkeypatch):
     monkeypatch.setattr(lora_mod, "PARALLEL_MIN_MACS", 0)  # use the threads even for this size
+    monkeypatch.setattr(lora_mod, "PARALLEL_MIN_SLOT_FLOATS", 0)
     S, R, k, d, n = 16, 8, 640, 2048, 16
     a, bt, ranks, factor = _pool(S, R, k, d, seed=1)
     rs = _row_slot(n, S, seed=2, segments=segments)
@@ -145,7 +146,7 @@ def test_pairs_and_errors():
     rs = torch.tensor([[0.0, 0.0, 0.0], [0.5, 0.0, 2.0], [0.0, 1.0, 0.0]])
     p = lora_pairs(rs)
     assert p.row.tolist() == [1, 1, 2] and p.slot.tolist() == [0, 2, 1]
-    assert p.scale.tolist() == [0.5, 2.0, 1.0] and p.row_ptr.tolist() == [0, 0, 2, 3]
+    assert p.scale.tolist() == [0.5, 2.0, 1.0] and p.row_ptr.tolist() == [0, 0, 2, 3] and p.n_slots == 3
     a, bt, ranks, factor = _pool(3, 8, 32, 16, seed=5)
     with pytest.raises(KernelPathError):
         lora_bgmv(torch.randn(3, 32), torch.zeros(3, 16), a, bt, ranks, factor, p, path="torch")

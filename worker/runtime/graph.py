@@ -10,9 +10,11 @@ Scaling rule (one place, like llama.cpp ``build_lora_mm``): the base product fir
 holds, per row and slot, ``adapter_scale · alpha / rank`` (or ``adapter_scale`` when alpha
 is 0): the row's set's ``adapter_scale`` of the slot's adapter (the routing input,
 ``worker.lora.plan``) times the slot's ``alpha / rank`` on this weight. Scaling after the A
-product equals llama.cpp's scaling after B·A·x. A mixed ubatch therefore costs one matmul
-pair per patched weight however many adapters it holds, and which adapters it holds changes
-only the input S; rows whose set lacks a slot's adapter get zero scales there.
+product equals llama.cpp's scaling after B·A·x. Which adapters a mixed ubatch holds changes
+only the input S; rows whose set lacks a slot's adapter get zero scales there. On the CPU
+kernel paths (f32) the product is gathered (BGMV, ``worker.runtime.kernels.lora``): each row
+multiplies only by the slots with a nonzero scale, so the work grows with the rows' adapters,
+not with the used slots; elsewhere it is one dense matmul pair over the used slots.
 
 Shapes are torch order. Symbols: ``n`` = token rows in the ubatch, ``d`` = n_embd,
 ``k`` = a matmul's input width, ``r`` = LoRA rank, ``E`` = experts, ``V`` = vocab.
@@ -219,8 +221,9 @@ class GraphContext:
 
         Semantics:
             for each row i, slot s < u:  y[i] += S[i, s] · B_s (A_s x[i])
-        computed as two dense matmuls with the mask between them (zero-padded rank rows and
-        slots a row does not use contribute exact zeros).
+        computed by the gathered kernel over the (row, slot) pairs with S ≠ 0, or as two dense
+        matmuls with the mask between them (zero-padded rank rows and slots a row does not use
+        contribute exact zeros); see ``_add_lora``.
         """
         y = self.base_mm(name, x)
         self.n_nodes += 1

@@ -28,9 +28,13 @@ from worker.runtime.kernels import build, cpu
 
 
 PARALLEL_MIN_MACS = 1 << 20
-"""Below this many multiply-adds (pairs × R × (k + d)) a ``lora_bgmv`` call runs on one thread:
-a B=16 rank-8 decode product is ~0.3 M MACs, a few µs of work, less than waking a second
-thread costs on a busy machine (``bench.lora``)."""
+PARALLEL_MIN_SLOT_FLOATS = 1 << 17
+"""A ``lora_bgmv`` call runs on one thread unless it has at least ``PARALLEL_MIN_MACS``
+multiply-adds (pairs × R × (k + d)) or reads at least ``PARALLEL_MIN_SLOT_FLOATS`` floats of
+distinct slots (slots × R × (k + d)): a B=16 rank-8 decode product over 1–4 adapters is a few µs
+of work, less than waking a second thread costs on a busy machine, while over 16 adapters it
+streams 1.4 MB of A/B and two threads read it faster (``bench.lora``; 2-core machine). The
+thread count never changes a value."""
 
 _FN: dict[str, object] = {}
 
@@ -47,6 +51,7 @@ class LoraPairs:
         scale: f32 ``(P,)`` the row's ``adapter_scale`` of the slot (the alpha / r factor is
             per weight and applied by the kernel).
         row_ptr: int32 ``(n + 1,)``: row i's pairs are ``row_ptr[i]..row_ptr[i+1]-1``.
+        n_slots: distinct slots among the pairs.
     """
 
     n: int
@@ -54,6 +59,7 @@ class LoraPairs:
     slot: torch.Tensor
     scale: torch.Tensor
     row_ptr: torch.Tensor
+    n_slots: int
 
 
 def lora_pairs(row_slot: torch.Tensor) -> LoraPairs:
@@ -72,6 +78,7 @@ def lora_pairs(row_slot: torch.Tensor) -> LoraPairs:
         slots.to(torch.int32).contiguous(),
         rs[rows, slots].contiguous(),
         ptr,
+        int((rs != 0).any(0).sum()),
     )
 
 
@@ -134,7 +141,8 @@ def lora_bgmv(
     if P == 0:
         return y
     # threads only where the work pays for waking them (values never depend on the count)
-    nt = torch.get_num_threads() if P * R * (k + d) >= PARALLEL_MIN_MACS else 1
+    big = P * R * (k + d) >= PARALLEL_MIN_MACS or pairs.n_slots * R * (k + d) >= PARALLEL_MIN_SLOT_FLOATS
+    nt = torch.get_num_threads() if big else 1
     fn(
         x.data_ptr(),
         x.stride(0),
