@@ -18,7 +18,8 @@
 2. **Whole decode step** of the model in-process (``WorkerContext.decode``, B=16 sequences at
    64 tokens of context): K=0 (no adapter), K=16 distinct rank-8 synthetic adapters one per
    row with the graph's LoRA mode ``dense`` and ``auto`` (gathered), interleaved per repetition;
-   the LoRA overhead is (K=16 step − K=0 step) / K=0 step.
+   the LoRA overhead is (K=16 step − K=0 step) / K=0 step, in wall time and in process CPU time
+   (the latter less sensitive to other processes on a shared machine).
 """
 
 from __future__ import annotations
@@ -66,10 +67,33 @@ def _row_slot(n: int, K: int, segments: int | None) -> torch.Tensor:
     return rs
 
 
+def _methods(bufs: list[tuple], xs: dict, ys: dict, rs: torch.Tensor, K: int) -> dict:
+    """The three methods over every weight's branch for one ubatch (x by k, y by d)."""
+
+    def dense() -> None:
+        for k, d, a, bt, _, f in bufs:
+            lora_dense(xs[k], ys[d], a, bt, f, rs)
+
+    def gathered() -> None:
+        pairs = lora_pairs(rs)  # once per ubatch, as in the graph
+        for k, d, a, bt, r, f in bufs:
+            lora_bgmv(xs[k], ys[d].clone(), a, bt, r, f, pairs)
+
+    def segments() -> None:
+        pairs = lora_pairs(rs)
+        rl = [RANK] * K
+        for k, d, a, bt, _, f in bufs:
+            lora_sgmv_torch(xs[k], ys[d], a, bt, rl, f, pairs)
+
+    return {"dense": dense, "gathered": gathered, "segments": segments}
+
+
 def run_products(model_tensors: dict, ks: list[int], reps: int) -> None:
     targets = linear_targets(model_tensors)
-    print(f"\n## LoRA products, rank {RANK} on {len(targets)} weights (all layers' q/k/v/o/gate/up/down), "
-          f"summed ms per ubatch, median [min–max] over {reps}")
+    print(
+        f"\n## LoRA products, rank {RANK} on {len(targets)} weights (all layers' q/k/v/o/gate/up/down), "
+        f"summed ms per ubatch, median [min–max] over {reps}"
+    )
     print(f"path {resolve_path()}, threads {torch.get_num_threads()}\n")
     print("| K | ubatch | dense | gathered (BGMV kernel) | segments (torch) |")
     print("|---|---|---|---|---|")
@@ -80,22 +104,7 @@ def run_products(model_tensors: dict, ks: list[int], reps: int) -> None:
             xs = {k: torch.randn(n, k) for k in {b[0] for b in bufs}}
             ys = {d: torch.randn(n, d) for d in {b[1] for b in bufs}}
 
-            def dense() -> None:
-                for k, d, a, bt, _, f in bufs:
-                    lora_dense(xs[k], ys[d], a, bt, f, rs)
-
-            def gathered() -> None:
-                pairs = lora_pairs(rs)  # once per ubatch, as in the graph
-                for k, d, a, bt, r, f in bufs:
-                    lora_bgmv(xs[k], ys[d].clone(), a, bt, r, f, pairs)
-
-            def segments() -> None:
-                pairs = lora_pairs(rs)
-                rl = [RANK] * K
-                for k, d, a, bt, _, f in bufs:
-                    lora_sgmv_torch(xs[k], ys[d], a, bt, rl, f, pairs)
-
-            fns = {"dense": dense, "gathered": gathered, "segments": segments}
+            fns = _methods(bufs, xs, ys, rs, K)
             times: dict[str, list[float]] = {m: [] for m in fns}
             for fn in fns.values():
                 fn()  # warm-up
@@ -104,9 +113,10 @@ def run_products(model_tensors: dict, ks: list[int], reps: int) -> None:
                     t0 = time.perf_counter()
                     fn()
                     times[m].append((time.perf_counter() - t0) * 1e3)
-            print(f"| {K} | {label} | {_fmt(times['dense'])} | {_fmt(times['gathered'])} | {_fmt(times['segments'])} |",
-                  flush=True)
-        del bufs
+            print(
+                f"| {K} | {label} | {_fmt(times['dense'])} | {_fmt(times['gathered'])} | {_fmt(times['segments'])} |",
+                flush=True,
+            )
 
 
 def run_step(model_path: str | None, K: int, reps: int, steps: int) -> None:
@@ -124,8 +134,9 @@ def run_step(model_path: str | None, K: int, reps: int, steps: int) -> None:
         fac = AdapterFactory(Path(tmp), arch=base.arch, base_tensors=base.tensor_ne, base_seed=1234, rank=RANK)
         adapters = []
         for i, p in enumerate(fac.paths(K)):
-            a = load_lora_adapter(p, base_arch=base.arch, base_tensors=base.tensor_ne, device_for=base.device_of,
-                                  dtype=base.dtype)
+            a = load_lora_adapter(
+                p, base_arch=base.arch, base_tensors=base.tensor_ne, device_for=base.device_of, dtype=base.dtype
+            )
             model.adapters.add(i, a)
             adapters.append(a)
     sets = [AdapterSet.of({i: (a, 1.0)}) for i, a in enumerate(adapters)]
@@ -138,9 +149,11 @@ def run_step(model_path: str | None, K: int, reps: int, steps: int) -> None:
         pos += list(range(n_ctx))
         ids += [s] * n_ctx
     for c0 in range(0, len(toks), 512):
-        ctx.decode(UBatch(toks[c0 : c0 + 512], pos[c0 : c0 + 512], ids[c0 : c0 + 512], [False] * len(toks[c0 : c0 + 512])))
+        ctx.decode(
+            UBatch(toks[c0 : c0 + 512], pos[c0 : c0 + 512], ids[c0 : c0 + 512], [False] * len(toks[c0 : c0 + 512]))
+        )
 
-    def step_ms(variant: str) -> float:
+    def step_ms(variant: str) -> tuple[float, float]:
         graph.LORA_MODE = "dense" if variant == "dense" else "auto"
         if variant == "K=0":
             ctx.set_adapters(EMPTY_SET)
@@ -150,28 +163,39 @@ def run_step(model_path: str | None, K: int, reps: int, steps: int) -> None:
             set_index = [i % K for i in range(B)]
         for s in range(B):
             ctx.kv.seq_rm(s, n_ctx)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for j in range(steps):
             ctx.decode(UBatch(rng.integers(10, hi, B).tolist(), [n_ctx + j] * B, list(range(B)), [True] * B, set_index))
-        return (time.perf_counter() - t0) * 1e3 / steps
+        return (time.perf_counter() - t0) * 1e3 / steps, (time.process_time() - c0) * 1e3 / steps
 
     variants = ("K=0", "dense", "gathered")
     for v in variants:
         step_ms(v)  # warm-up
     t: dict[str, list[float]] = {v: [] for v in variants}
+    c: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(reps):
         for v in variants:
-            t[v].append(step_ms(v))
+            wall, cpu_ms = step_ms(v)
+            t[v].append(wall)
+            c[v].append(cpu_ms)
     graph.LORA_MODE = "auto"
-    print(f"\n## Whole decode step, {base.path.name if hasattr(base.path, 'name') else base.path}, B={B} at "
-          f"{n_ctx} tokens of context, {steps} steps per repetition, ms/step median [min–max] over {reps}\n")
-    print("| variant | ms/step | LoRA overhead vs K=0 (median of per-rep ratios) |")
-    print("|---|---|---|")
+    print(
+        f"\n## Whole decode step, {Path(str(base.path)).name}, B={B} at {n_ctx} tokens of context, "
+        f"{steps} steps per repetition, median [min–max] over {reps} (variants interleaved)\n"
+    )
+    print(
+        "wall = elapsed ms/step; cpu = process CPU ms/step (all threads; less sensitive to other "
+        "processes taking the cores). Overhead = (K=16 − K=0) / K=0 within each repetition.\n"
+    )
+    print("| variant | wall ms/step | overhead (wall) | cpu ms/step | overhead (cpu) |")
+    print("|---|---|---|---|---|")
     for v in variants:
-        ov = [100.0 * (t[v][i] - t["K=0"][i]) / t["K=0"][i] for i in range(reps)]
         label = "K=0" if v == "K=0" else f"K={K} {v}"
-        ovs = "" if v == "K=0" else f"{statistics.median(ov):.1f} % [{min(ov):.1f}–{max(ov):.1f}]"
-        print(f"| {label} | {_fmt(t[v])} | {ovs} |", flush=True)
+        cells = []
+        for m in (t, c):
+            ov = [100.0 * (m[v][i] - m["K=0"][i]) / m["K=0"][i] for i in range(reps)]
+            cells += [_fmt(m[v]), "" if v == "K=0" else f"{statistics.median(ov):.1f} % [{min(ov):.1f}–{max(ov):.1f}]"]
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,9 @@ def tiny(request, tmp_path):
     model = Model(base, max_loras=4, max_lora_rank=16)
     ads = []
     for i, seed in enumerate((100, 200, 300)):
-        a = load_lora_adapter(adapter(arch, tmp_path / f"l{i}.gguf", seed=seed), base_arch=arch, base_tensors=base.tensor_ne)
+        a = load_lora_adapter(
+            adapter(arch, tmp_path / f"l{i}.gguf", seed=seed), base_arch=arch, base_tensors=base.tensor_ne
+        )
         model.adapters.add(i, a)
         ads.append(a)
     sets = [
@@ -68,9 +70,7 @@ def _mixed(ctx, sets, mode: str, seqs: list[int]) -> dict[int, torch.Tensor]:
         si += [s] * N_TOK
     res = ctx.decode(UBatch(toks, pos, ids, [True] * len(toks), si))
     step = ctx.decode(UBatch([5 + s for s in seqs], [N_TOK] * len(seqs), seqs, [True] * len(seqs), seqs))
-    return {
-        s: torch.cat([res.logits[j * N_TOK : (j + 1) * N_TOK], step.logits[j : j + 1]]) for j, s in enumerate(seqs)
-    }
+    return {s: torch.cat([res.logits[j * N_TOK : (j + 1) * N_TOK], step.logits[j : j + 1]]) for j, s in enumerate(seqs)}
 
 
 def test_gathered_equals_dense_and_alone(tiny):

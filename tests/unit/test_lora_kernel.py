@@ -103,7 +103,9 @@ def test_row_alone_equals_batched_and_threads(path, segments, monkeypatch):
         full1 = lora_bgmv(x, y.clone(), a, bt, ranks, factor, lora_pairs(rs), path=path)
         torch.set_num_threads(2)
         for i in (1, 3, 5):
-            alone = lora_bgmv(x[i : i + 1], y[i : i + 1].clone(), a, bt, ranks, factor, lora_pairs(rs[i : i + 1]), path=path)
+            alone = lora_bgmv(
+                x[i : i + 1], y[i : i + 1].clone(), a, bt, ranks, factor, lora_pairs(rs[i : i + 1]), path=path
+            )
             assert torch.equal(alone[0], full2[i])
     finally:
         torch.set_num_threads(before)

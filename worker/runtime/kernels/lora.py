@@ -26,7 +26,6 @@ import torch
 
 from worker.runtime.kernels import build, cpu
 
-
 PARALLEL_MIN_MACS = 1 << 20
 PARALLEL_MIN_SLOT_FLOATS = 1 << 17
 """A ``lora_bgmv`` call runs on one thread unless it has at least ``PARALLEL_MIN_MACS``
@@ -165,7 +164,13 @@ def lora_bgmv(
 
 
 def lora_sgmv_torch(
-    x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, rank_of: list[int], factor: torch.Tensor, pairs: LoraPairs
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    rank_of: list[int],
+    factor: torch.Tensor,
+    pairs: LoraPairs,
 ) -> torch.Tensor:
     """Segment-grouped LoRA in torch (SGMV's idea without a kernel): for each slot, one dense
     product over the rows that use it (``index_select``, ``A_s`` at its true rank, scaled,
