@@ -21,6 +21,7 @@ Which one the graph uses is decided in ``worker.runtime.graph.GraphContext._add_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ of work, less than waking a second thread costs on a busy machine, while over 16
 streams 1.4 MB of A/B and two threads read it faster (``bench.lora``; 2-core machine). The
 thread count never changes a value."""
 
-_FN: dict[str, object] = {}
+_FN: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
