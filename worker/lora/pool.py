@@ -16,12 +16,12 @@ Layout, per patched 2-D base weight ``W (d, k)`` (torch order; ``S`` = slot capa
                     ``lora_scale(1.0, alpha, r)``, llama.cpp's scale rule at adapter scale 1
 
 B is stored transposed so that the first ``s_used`` slots of both tensors are one contiguous
-``(s_used·R, ·)`` matrix: the mixed product is two dense matmuls over the used slot prefix
-with a per-row, per-slot scale mask between them (see ``worker.runtime.graph.build_lora_mm``).
-Measured on the 2-core CPU against gathered ``bmm`` over per-row slot indices and per-slot
-segmented matmuls: the masked dense product over the used prefix wins for ranks 8-16 at 16
-rows, and stays within 2x of the best at rank 64 (``bench/kernels``-style microbenchmark in
-the branch's report).
+``(s_used·R, ·)`` matrix and each slot's rank rows ``bt[s, j]`` are contiguous output rows. The
+graph reads these buffers in two ways (``worker.runtime.kernels.lora``): on the CPU kernel
+paths in f32 the gathered BGMV kernel (each row reads only the slots its adapter set holds, at
+their true rank ``rank_of``), elsewhere two dense matmuls over the used slot prefix with a
+per-row, per-slot scale mask between them (``worker.runtime.graph.build_lora_mm``). Measured
+side by side (``python -m bench.lora``, numbers in ``worker/runtime/kernels/README.md``).
 
 Allocation: a weight's tensors are allocated when the first adapter patching it is paged in,
 with all ``S`` slots at once and ``R`` = that adapter's rank rounded up to a multiple of 8;

@@ -10,9 +10,11 @@ Scaling rule (one place, like llama.cpp ``build_lora_mm``): the base product fir
 holds, per row and slot, ``adapter_scale · alpha / rank`` (or ``adapter_scale`` when alpha
 is 0): the row's set's ``adapter_scale`` of the slot's adapter (the routing input,
 ``worker.lora.plan``) times the slot's ``alpha / rank`` on this weight. Scaling after the A
-product equals llama.cpp's scaling after B·A·x. A mixed ubatch therefore costs one matmul
-pair per patched weight however many adapters it holds, and which adapters it holds changes
-only the input S; rows whose set lacks a slot's adapter get zero scales there.
+product equals llama.cpp's scaling after B·A·x. Which adapters a mixed ubatch holds changes
+only the input S; rows whose set lacks a slot's adapter get zero scales there. On the CPU
+kernel paths (f32) the product is gathered (BGMV, ``worker.runtime.kernels.lora``): each row
+multiplies only by the slots with a nonzero scale, so the work grows with the rows' adapters,
+not with the used slots; elsewhere it is one dense matmul pair over the used slots.
 
 Shapes are torch order. Symbols: ``n`` = token rows in the ubatch, ``d`` = n_embd,
 ``k`` = a matmul's input width, ``r`` = LoRA rank, ``E`` = experts, ``V`` = vocab.
@@ -21,6 +23,7 @@ Shapes are torch order. Symbols: ``n`` = token rows in the ubatch, ``d`` = n_emb
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +35,12 @@ from worker.lora.pool import SideBranch
 from worker.runtime.kernels import QuantLinear, quantize_activations, resolve_path
 from worker.runtime.kernels.attn import attn_decode, resolve_attn
 from worker.runtime.kernels.attn import supports as attn_kernel_supports
+from worker.runtime.kernels.lora import LoraPairs, lora_bgmv, lora_dense, lora_pairs
 from worker.runtime.kv_cache import KVCache
+
+LORA_MODE = os.environ.get("LORAPLANE_LORA", "auto")
+"""``auto``: gathered LoRA (BGMV kernel) where it applies, else dense; ``dense``: always the
+dense masked product (``GraphContext._add_lora``; for measurement and comparison)."""
 
 
 @dataclass
@@ -119,6 +127,8 @@ class GraphContext:
         if not plan.empty:
             self.row_slot = plan.set_slot_scale.to(inputs.row_set.device).index_select(0, inputs.row_set)
         self._rows_reduced = False
+        self._pairs: LoraPairs | None = None  # (row, slot) pairs of row_slot for the gathered LoRA
+        self._lora_rank: dict[str, torch.Tensor] = {}  # int32 (s_used,) rank_of per weight
         self._rope_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
 
@@ -163,6 +173,7 @@ class GraphContext:
             self._rows_reduced = True
             if self.row_slot is not None:
                 self.row_slot = self.row_slot.index_select(0, out)
+                self._pairs = None
         self.n_nodes += 1
         return x.index_select(0, out)
 
@@ -212,27 +223,47 @@ class GraphContext:
 
         Semantics:
             for each row i, slot s < u:  y[i] += S[i, s] · B_s (A_s x[i])
-        computed as two dense matmuls with the mask between them (zero-padded rank rows and
-        slots a row does not use contribute exact zeros).
+        computed by the gathered kernel over the (row, slot) pairs with S ≠ 0, or as two dense
+        matmuls with the mask between them (zero-padded rank rows and slots a row does not use
+        contribute exact zeros); see ``_add_lora``.
         """
         y = self.base_mm(name, x)
         self.n_nodes += 1
         return self._add_lora(name, x, y)
 
     def _add_lora(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y + Σ_s S[:, s] · B_s (A_s x)`` over the used slots (``build_lora_mm``'s branch)."""
+        """``y + Σ_s S[:, s] · B_s (A_s x)`` over the used slots (``build_lora_mm``'s branch).
+
+        Two forms with the same semantics (``worker.runtime.kernels.lora``): on the C kernel
+        paths with f32 activations and slot buffers, the gathered product (BGMV,
+        ``lora_bgmv``: each row reads only the slots its set holds, added into ``y`` in place;
+        ``y`` is a fresh product owned by the caller, possibly a column slice of a fused one);
+        otherwise (CUDA, bf16, the torch path, or ``LORA_MODE = "dense"``) the dense masked
+        product over every used slot (``lora_dense``).
+        """
         if self.row_slot is None:
             return y
         w = self.plan.pool.weights.get(name)
         u = self.plan.s_used
         if w is None or not any(w.rank_of[:u]):
             return y
-        n, rk = x.shape[0], w.rank_cap
-        s = (self.row_slot * w.factor[:u]).to(x.dtype)  # (n, u)
-        xa = (x @ w.a[:u].reshape(u * rk, -1).T).view(n, u, rk) * s.unsqueeze(2)  # (n, u, R)
-        y = y + (xa.view(n, u * rk) @ w.bt[:u].reshape(u * rk, -1)).to(y.dtype)
         self.n_nodes += 4
-        return y
+        if (
+            LORA_MODE != "dense"
+            and x.device.type == "cpu"
+            and x.dtype == y.dtype == w.a.dtype == torch.float32
+            and x.dim() == 2
+            and y.stride(-1) == 1
+            and resolve_path() != "torch"
+        ):
+            rank = self._lora_rank.get(name)
+            if rank is None:
+                rank = self._lora_rank[name] = torch.tensor(w.rank_of[:u], dtype=torch.int32)
+            if self._pairs is None:
+                self._pairs = lora_pairs(self.row_slot)
+            xc = x if x.is_contiguous() else x.contiguous()
+            return lora_bgmv(xc, y, w.a, w.bt, rank, w.factor, self._pairs)
+        return lora_dense(x, y, w.a[:u], w.bt[:u], w.factor[:u], self.row_slot)
 
     def build_lora_mm_group(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
         """``build_lora_mm(name, x)`` for several weights that read the same ``x``, with as few

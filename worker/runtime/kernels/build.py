@@ -1,6 +1,6 @@
 """Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/qmm_amx.cpp``,
 ``csrc/threadpool.cpp``,
-``csrc/sample.cpp``, ``csrc/attn.cpp``)
+``csrc/sample.cpp``, ``csrc/attn.cpp``, ``csrc/lora.cpp``)
 for each x86 ISA path.
 
 Three shared libraries, each compiled with its own target flags (never ``-march=native``), so
@@ -47,6 +47,7 @@ SOURCES = [
     CSRC_DIR / "threadpool.cpp",
     CSRC_DIR / "sample.cpp",
     CSRC_DIR / "attn.cpp",
+    CSRC_DIR / "lora.cpp",
 ]
 HEADERS = [
     CSRC_DIR / "export.h",
@@ -55,7 +56,13 @@ HEADERS = [
     CSRC_DIR / "qmm8.h",
 ]  # included: part of the build key
 # Which sources each ISA's library is compiled from (every one exports the SIGNATURES below).
-_COMMON = [CSRC_DIR / "qmm16.cpp", CSRC_DIR / "threadpool.cpp", CSRC_DIR / "sample.cpp", CSRC_DIR / "attn.cpp"]
+_COMMON = [
+    CSRC_DIR / "qmm16.cpp",
+    CSRC_DIR / "threadpool.cpp",
+    CSRC_DIR / "sample.cpp",
+    CSRC_DIR / "attn.cpp",
+    CSRC_DIR / "lora.cpp",
+]
 ISA_SOURCES = {
     "avx2": [CSRC_DIR / "qmm.cpp", *_COMMON],
     "avx512": [CSRC_DIR / "qmm.cpp", *_COMMON],
@@ -76,6 +83,7 @@ _QUANT = [_P, _I64, _I32, _I32, _P, _P, _P, _P, _I32]
 _QMM = [_P, _P, _P, _F32, _I32, _I32, _I32, _I32, _P, _P, _P, _P, _I32, _P, _I32]
 _QMM_F32 = [_P, _I64, _I32, _I32, _P, _P, _P, _F32, _I32, _I32, _I32, _P, _I32]
 _ATTN = [_P, _I64, _P, _P, _I32, *[_I64] * 6, _P, _P, *[_I32] * 5, _F32, _F32, _I32, _I32, _I64, _P, _I32]
+_BGMV = [_P, _I64, _I32, _I32, _P, _P, _I32, _I32, _P, _P, _P, _P, _P, _P, _I64, _I32]
 
 # Every exported function (``lp_<isa>_<name>``) with its ctypes (argtypes, restype); each
 # source's functions are listed together.
@@ -88,6 +96,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "quantize_act16": (_QUANT, None),
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
+    # lora.cpp (gathered multi-LoRA, f32)
+    "lora_bgmv": (_BGMV, _I32),
     # attn.cpp (decode attention over the KV cache)
     "attn_decode": (_ATTN, _I32),
     # sample.cpp (fused max / log-sum-exp / top-k of logits rows)
