@@ -166,8 +166,8 @@ def test_amx_shared_quantized_activations(packed):
     assert qa.path == "amx" and torch.equal(qa.q, qv.q) and torch.equal(qa.d, qv.d)
     assert torch.equal(qa.s16, qv.s16) and torch.equal(qa.s32, qv.s32)
     for w in (a, b):
-        assert torch.equal(w.matmul(qa), w.matmul(x, path="amx", act="i8"))
-        assert torch.equal(w.matmul(qa), w.matmul(qv))
+        assert torch.equal(w.matmul(qa, act="i8"), w.matmul(x, path="amx", act="i8"))
+        assert torch.equal(w.matmul(qa, act="i8"), w.matmul(qv, act="i8"))
 
 
 def test_amx_path_resolution(monkeypatch):
