@@ -47,6 +47,7 @@ def kernels_used(weights: str, device: str) -> dict:
     policy 'i16, LM head i8'), None for the torch path.
     """
     from worker.runtime.kernels import resolve_act, resolve_path
+    from worker.runtime.model import int8_policy
 
     if weights == "dequant":
         return {
@@ -66,7 +67,8 @@ def kernels_used(weights: str, device: str) -> dict:
     if path == "torch":
         return {"weights": weights, "path": "torch", "act": None, "summary": "packed, torch fallback (dequantized f32)"}
     forced = os.environ.get("LORAPLANE_KERNEL_ACT")
-    act = resolve_act() if forced else "i16, LM head i8"  # the per-weight policy (model.assign_acts)
+    # the per-weight policy (model.assign_acts) unless one precision is forced for all weights
+    act = resolve_act() if forced else ("i16, LM head i8" if int8_policy() == "lm_head" else "i16")
     return {
         "weights": weights,
         "path": path,

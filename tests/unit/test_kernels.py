@@ -47,7 +47,7 @@ from worker.runtime.kernels import (
     resolve_path,
     supported,
 )
-from worker.runtime.model import assign_acts
+from worker.runtime.model import LM_HEAD_RESCORE, ModelError, assign_acts
 
 ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
 C_PATHS = [
@@ -336,25 +336,34 @@ def test_rescore_top_outputs_with_i16(packed, path, monkeypatch):
     assert torch.equal(w.matmul(x, path=path, act="i16"), y16)  # no re-score when run at i16
 
 
-def test_assign_acts_policy(packed):
-    """The load-time policy: int8 activations for the LM head only (``output.weight`` when the
-    model has one, else the tied ``token_embd``), int16 for everything else; float weights
-    untouched."""
+def test_assign_acts_policy(packed, monkeypatch):
+    """The load-time policy: by default int16 for every weight; 'lm_head' gives int8
+    activations (with the int16 re-score of the top candidates) to the LM head only
+    (``output.weight`` when the model has one, else the tied ``token_embd``); float weights
+    untouched; an unknown policy is refused."""
     q8, _ = packed[_name(T.Q8_0, 16, 640)]
     q5, _ = packed[_name(T.Q5_0, 64, 640)]
     f, _ = packed[_name(T.F32, 31, 72)]
+    monkeypatch.delenv("LORAPLANE_INT8_WEIGHTS", raising=False)
     tied = {"token_embd.weight": dataclasses.replace(q8), "blk.0.attn_q.weight": dataclasses.replace(q5)}
-    assert assign_acts(tied) == {"token_embd.weight": "i8"}
+    assert assign_acts(tied) == {}
+    assert [w.act for w in tied.values()] == ["i16", "i16"]
+    assert assign_acts(tied, "lm_head") == {"token_embd.weight": "i8"}
     assert [w.act for w in tied.values()] == ["i8", "i16"]
+    assert tied["token_embd.weight"].rescore == LM_HEAD_RESCORE
     untied = {
         "token_embd.weight": dataclasses.replace(q8),
         "output.weight": dataclasses.replace(q8),
         "blk.0.ffn_down.weight": dataclasses.replace(q5),
     }
+    monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "lm_head")
     assert assign_acts(untied) == {"output.weight": "i8"}
     assert [w.act for w in untied.values()] == ["i16", "i8", "i16"]
     float_head = {"output.weight": dataclasses.replace(f)}
     assert assign_acts(float_head) == {}
+    monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "everything")
+    with pytest.raises(ModelError, match="LORAPLANE_INT8_WEIGHTS='everything'"):
+        assign_acts(float_head)
 
 
 def test_expert_weights(gguf_file):

@@ -184,29 +184,47 @@ LM_HEAD_NAMES = ("output.weight", "token_embd.weight")
 ``GraphContext.build_output`` multiplies; the embedding lookup, ``get_rows``, is exact and
 takes no activations)."""
 
-INT8_WEIGHTS = "lm_head"
-"""The activation-precision policy (:func:`assign_acts`): which packed weights take int8
-activations (``csrc/qmm.cpp``, llama.cpp's ``q8_0`` per 32) instead of the default int16:
-'lm_head' (the LM head only) or 'none' (int16 everywhere)."""
+INT8_POLICIES = ("none", "lm_head")
+
+
+def int8_policy() -> str:
+    """The activation-precision policy of :func:`assign_acts`: ``$LORAPLANE_INT8_WEIGHTS``,
+    'none' (default: int16 everywhere) or 'lm_head' (the LM head takes int8 activations and
+    re-scores its top candidates with int16).
+
+    Raises:
+        ModelError: another value.
+    """
+    want = os.environ.get("LORAPLANE_INT8_WEIGHTS", "none")
+    if want not in INT8_POLICIES:
+        raise ModelError(f"LORAPLANE_INT8_WEIGHTS={want!r}: expected one of {', '.join(INT8_POLICIES)}")
+    return want
+
 
 LM_HEAD_RESCORE = 32
 """Candidates per row the int8 LM head recomputes with int16 activations
 (:attr:`QuantLinear.rescore`): each row's top logits are then the int16 kernel's bit for bit."""
 
 
-def assign_acts(weights: dict[str, Weight]) -> dict[str, str]:
+def assign_acts(weights: dict[str, Weight], policy: str | None = None) -> dict[str, str]:
     """Set each packed weight's activation precision (:attr:`QuantLinear.act`) once, at load.
 
-    Policy ``INT8_WEIGHTS = "lm_head"``: the LM head (``output.weight`` if present, else the
-    tied ``token_embd``) runs int8 activations; every other weight int16. Measured on the
-    golden fixtures (kernels README, "Activation precision per weight"): int8 at the LM head
-    keeps every parity bound with the i16 figures almost unchanged on Gemma 3 and Qwen2.5 (its
-    input is the output-normed hidden state: no |x| ≈ 250 outlier blocks, and llama.cpp itself
-    multiplies it with ``q8_0`` activations), while int8 in every layer too, where Gemma's
-    residual outliers feed the projections, puts Gemma's shout@1+sea@1 group at worst mean
-    0.103 > 0.10. The LM head is the largest matmul of a decode step (Gemma 3 270M: 262144 ×
-    640), so it gains the most. Its cost: results equal up to float order (another ubatch
-    shape, prefix-cache reuse) now differ by up to ~4e-2 in a log-prob instead of ~2e-3.
+    ``policy`` (default :func:`int8_policy`):
+
+    - 'none' (the default): int16 activations for every weight.
+    - 'lm_head': the LM head (``output.weight`` if present, else the tied ``token_embd``) runs
+      int8 activations (llama.cpp's ``q8_0`` per 32; the AMX tiles where the CPU has them) and
+      re-scores each row's top :data:`LM_HEAD_RESCORE` logits with int16; every other weight
+      int16.
+
+    Why 'none' is the default (measured; kernels README, "Activation precision per weight"):
+    the int8 head keeps every golden bound against llama.cpp on Gemma 3 and Qwen2.5, but a
+    last-bit float difference upstream (another ubatch shape, KV reused from the prefix cache)
+    moves whole int8 rounding steps of the head's input, so results that must agree across
+    batching modes do not: mixed vs compat batching differs by up to 1.1e-2 in a log-prob
+    (6.3e-3 with the re-score: the log-sum-exp still sums the int8 tail), against the 1e-3
+    bound and ≤ 2.3e-3 with int16 everywhere. int8 in every layer also breaks a golden bound
+    (Gemma's |x| ≈ 250 residual outliers).
 
     The choice is per weight, never per batch (batched = alone stays bit-exact).
     ``$LORAPLANE_KERNEL_ACT`` still forces one precision for all weights
@@ -214,10 +232,15 @@ def assign_acts(weights: dict[str, Weight]) -> dict[str, str]:
 
     Returns:
         ``name -> act`` for the packed weights set to something other than 'i16'.
+    Raises:
+        ModelError: an unknown policy.
     """
+    policy = int8_policy() if policy is None else policy
+    if policy not in INT8_POLICIES:
+        raise ModelError(f"unknown int8 policy {policy!r}: expected one of {', '.join(INT8_POLICIES)}")
     out: dict[str, str] = {}
     head = next((n for n in LM_HEAD_NAMES if n in weights), None)
-    if INT8_WEIGHTS == "lm_head" and head is not None:
+    if policy == "lm_head" and head is not None:
         w = weights[head]
         if isinstance(w, QuantLinear) and w.qw is not None:
             w.act = out[head] = "i8"
@@ -303,6 +326,7 @@ def _fuse(ws: list[QuantLinear]) -> QuantLinear:
 __all__ = [
     "LoadedModel",
     "assign_acts",
+    "int8_policy",
     "ModelError",
     "GGUFError",
     "WEIGHT_FORMS",
