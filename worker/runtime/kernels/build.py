@@ -119,7 +119,7 @@ class KernelBuildError(RuntimeError):
 
 THREAD_BACKENDS = {"pool": 0, "omp": 1}  # lp::parallel_for backends (csrc/parallel.h)
 DEFAULT_THREADS = "pool"
-DEFAULT_SPIN_US = 20  # measured: ACTIVE's idle speed, PASSIVE's under contention (README "Threads")
+DEFAULT_SPIN_US = 0  # measured: spinning loses in serving, where the worker shares the cores (README "Threads")
 DEFAULT_SPIN_BACKOFF_MS = 100
 
 _lock = threading.Lock()
@@ -144,7 +144,7 @@ def threads_config() -> tuple[str, int, int]:
     - ``backend``: ``LORAPLANE_KERNEL_THREADS`` — 'pool' (default: our thread pool,
       ``csrc/threadpool.cpp``) or 'omp' (OpenMP in torch's libgomp, where ``OMP_WAIT_POLICY``
       applies).
-    - ``spin_us``: ``LORAPLANE_KERNEL_SPIN_US`` (default 20) — microseconds a pool thread polls
+    - ``spin_us``: ``LORAPLANE_KERNEL_SPIN_US`` (default 0) — microseconds a pool thread polls
       for work, and the caller for completion, before it sleeps on a futex; 0 sleeps at once.
     - ``backoff_ms``: ``LORAPLANE_KERNEL_SPIN_BACKOFF_MS`` (default 100) — when a spinning
       thread finds it was descheduled (another process wants the core), the pool stops spinning
