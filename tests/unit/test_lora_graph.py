@@ -24,7 +24,10 @@ from worker.runtime.context import Model, UBatch
 from worker.runtime.kernels import supported
 from worker.runtime.model import load_model
 
-pytestmark = pytest.mark.skipif(not supported("avx2"), reason="the gathered kernel needs the AVX2 or AVX-512 path")
+pytestmark = [
+    pytest.mark.skipif(not supported("avx2"), reason="the gathered kernel needs the AVX2 or AVX-512 path"),
+    pytest.mark.slow,  # four tiny models, each decoded several ways
+]
 
 N_TOK = 6
 
