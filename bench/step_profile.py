@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(default_model_path())
     flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_vnni", "amx_int8", "amx_tile"}))
     print(
-        f"cpu: {cpu_model()}; flags: {flags}; {kernels_used('packed', 'cpu')['summary']}; torch threads {torch.get_num_threads()}"
+        f"cpu: {cpu_model()}; flags: {flags}; {kernels_used('packed', 'cpu')['summary']}; "
+        f"torch threads {torch.get_num_threads()}"
     )
     print(
         f"model {Path(model).name}, B={args.batch}, context {args.ctx}, {args.steps} steps"

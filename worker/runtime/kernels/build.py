@@ -1,6 +1,6 @@
 """Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/qmm_amx.cpp``,
 ``csrc/threadpool.cpp``,
-``csrc/sample.cpp``, ``csrc/attn.cpp``, ``csrc/lora.cpp``)
+``csrc/sample.cpp``, ``csrc/attn.cpp``, ``csrc/lora.cpp``, ``csrc/norm.cpp``)
 for each x86 ISA path.
 
 Three shared libraries, each compiled with its own target flags (never ``-march=native``), so
@@ -48,6 +48,7 @@ SOURCES = [
     CSRC_DIR / "sample.cpp",
     CSRC_DIR / "attn.cpp",
     CSRC_DIR / "lora.cpp",
+    CSRC_DIR / "norm.cpp",
 ]
 HEADERS = [
     CSRC_DIR / "export.h",
@@ -62,6 +63,7 @@ _COMMON = [
     CSRC_DIR / "sample.cpp",
     CSRC_DIR / "attn.cpp",
     CSRC_DIR / "lora.cpp",
+    CSRC_DIR / "norm.cpp",
 ]
 ISA_SOURCES = {
     "avx2": [CSRC_DIR / "qmm.cpp", *_COMMON],
@@ -96,6 +98,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "quantize_act16": (_QUANT, None),
     "qmm16": (_QMM, _I32),
     "qmm16_f32": (_QMM_F32, _I32),
+    # norm.cpp (RMS norm rows, sum of squares in double in a fixed order)
+    "rms_norm": ([_P, _I64, _P, _I32, _I32, _F32, _P, _I64, _I64, _I32], None),
     # lora.cpp (gathered multi-LoRA, f32)
     "lora_bgmv": (_BGMV, _I32),
     # attn.cpp (decode attention over the KV cache)
