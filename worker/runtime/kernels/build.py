@@ -44,6 +44,7 @@ SOURCES = [
     CSRC_DIR / "qmm.cpp",
     CSRC_DIR / "qmm16.cpp",
     CSRC_DIR / "qmm_amx.cpp",
+    CSRC_DIR / "qmm16_amx.cpp",
     CSRC_DIR / "threadpool.cpp",
     CSRC_DIR / "sample.cpp",
     CSRC_DIR / "attn.cpp",
@@ -54,19 +55,19 @@ HEADERS = [
     CSRC_DIR / "qmm_common.h",
     CSRC_DIR / "parallel.h",
     CSRC_DIR / "qmm8.h",
+    CSRC_DIR / "qmm16.h",
 ]  # included: part of the build key
 # Which sources each ISA's library is compiled from (every one exports the SIGNATURES below).
 _COMMON = [
-    CSRC_DIR / "qmm16.cpp",
     CSRC_DIR / "threadpool.cpp",
     CSRC_DIR / "sample.cpp",
     CSRC_DIR / "attn.cpp",
     CSRC_DIR / "lora.cpp",
 ]
 ISA_SOURCES = {
-    "avx2": [CSRC_DIR / "qmm.cpp", *_COMMON],
-    "avx512": [CSRC_DIR / "qmm.cpp", *_COMMON],
-    "amx": [CSRC_DIR / "qmm_amx.cpp", *_COMMON],
+    "avx2": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", *_COMMON],
+    "avx512": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", *_COMMON],
+    "amx": [CSRC_DIR / "qmm_amx.cpp", CSRC_DIR / "qmm16_amx.cpp", *_COMMON],
 }
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 
