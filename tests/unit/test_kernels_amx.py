@@ -1,4 +1,5 @@
-"""The ``amx`` kernel path (``csrc/qmm_amx.cpp``): int8-activation matmul on AMX tiles.
+"""The ``amx`` kernel path: int8-activation (``csrc/qmm_amx.cpp``) and int16-activation
+(``csrc/qmm16_amx.cpp``, byte split ``q = 256 hi + lo``) matmuls on AMX tiles.
 
 Promise tested here: the amx path's int8 results are **bit-identical** to the avx512 int8
 kernel (``csrc/qmm8.h``, ``vpdpbusd``) for every repacked GGUF type, at ragged batch sizes
@@ -7,8 +8,9 @@ vpdpbusd for bs 16; 14 a padded tile for both; 16 and 512 whole tiles; 17 a tile
 vpdpbusd row; 29 a tile + a padded tail tile (bs 32) or 13 vpdpbusd rows (bs 16); 30 a tile +
 a padded tail tile), ``d`` not a
 multiple of 16 and ``k`` not a multiple of 256 where the block allows; so a row's result is
-also the same alone or batched and with 1 or 2 threads. The int16 path of the amx library is
-the avx512 code: equal too. The accuracy of the avx512 int8 kernel itself against the
+also the same alone or batched and with 1 or 2 threads. The int16 results likewise equal the
+avx512 ``vpdpwssd`` kernel's bit for bit (bs 32 on tiles, bs 16 on ``vpdpwssd``; cases in
+``test_amx_int16_bit_identical_to_avx512``). The accuracy of the avx512 int8 kernel itself against the
 dequantized reference is tested in ``test_kernels.py``.
 
 Weights: real GGUF block bytes written with ``gguf.GGUFWriter`` and read back with
@@ -239,7 +241,18 @@ def test_amx_library_uses_tiles():
         return subprocess.run([objdump, "-d", str(build.build(isa))], capture_output=True, text=True, check=True).stdout
 
     a = asm("amx")
-    for ins in ("ldtilecfg", "tileloadd", "tdpbsud", "tdpbssd", "tdpbuud", "tdpbusd", "tilestored", "tilerelease", "vpdpbusd", "vpdpwssd"):
+    for ins in (
+        "ldtilecfg",
+        "tileloadd",
+        "tdpbsud",
+        "tdpbssd",
+        "tdpbuud",
+        "tdpbusd",
+        "tilestored",
+        "tilerelease",
+        "vpdpbusd",
+        "vpdpwssd",
+    ):
         assert ins in a, ins
     for isa in ("avx512", "avx2"):
         assert "tmm" not in asm(isa) and "ldtilecfg" not in asm(isa)
