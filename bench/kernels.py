@@ -25,14 +25,16 @@ conditions are interleaved: one loaded child process per condition, all but the 
 stopped with SIGSTOP, every round running each condition back to back under both neighbour
 states, so a shared machine's load changes hit all conditions alike.
 
-``--amx`` (alone: ``python -m bench.kernels --amx [--reps 7] [--batches 1,16,512]``) times the
-int8-activation matmul on the avx512 path (``vpdpbusd``) and the amx path (AMX tiles) side by
+``--amx`` (alone: ``python -m bench.kernels --amx [--reps 7] [--batches 1,16,512] [--acts i8,i16]
+[--step-batches 16]``) times the int8-activation matmul (``vpdpbusd`` vs tiles) and the int16 one
+(``vpdpwssd`` vs tiles on the byte split) on the avx512 path and the amx path side by
 side, interleaved rep by rep (wall time and process CPU time per call), on the LM heads
 (Gemma 262144 x 640 Q8_0, Qwen2.5-Coder-0.5B 151936 x 896 Q8_0 when its GGUF is in
 ``~/.cache/loraplane``) and Gemma's layer shapes
 (640 -> 2048 Q5_0, 2048 -> 640 Q4_K and Q6_K): median [min-max] ms, int8 MAC per CPU-second
 from the median CPU time, and its fraction of one core's AMX int8 peak (1024 MAC per cycle at
-the ``/proc/cpuinfo`` clock; a nominal figure).
+the ``/proc/cpuinfo`` clock; a nominal figure; for int16, 4 int8 tile MACs per MAC), then whole
+decode steps of ``--step-batches`` sequences with ``LORAPLANE_KERNELS`` = avx512 and amx.
 
 ``--sampling`` instead times greedy sampling of 16 and 1 rows over 262144 / 151936 logits: the
 torch path (``log_softmax`` + ``argmax``) vs the fused ``csrc/sample.cpp`` kernel.
@@ -329,8 +331,10 @@ def _cpu_ghz() -> float:
     return float("nan")
 
 
-def run_amx(model: str, reps: int, batches: list[int]) -> None:
-    """avx512 (vpdpbusd) vs amx (tiles) int8 matmul, side by side (see the module docstring)."""
+def run_amx(model: str, reps: int, batches: list[int], acts: tuple[str, ...] = ("i8", "i16")) -> None:
+    """avx512 vs amx matmul per activation precision, side by side (see the module docstring):
+    i8 ``vpdpbusd`` vs tiles (``csrc/qmm_amx.cpp``), i16 ``vpdpwssd`` vs tiles on the byte
+    split (``csrc/qmm16_amx.cpp``; bs-16 weights run ``vpdpwssd`` in both)."""
     from pathlib import Path
 
     if not supported("amx") or not supported("avx512"):
@@ -341,49 +345,101 @@ def run_amx(model: str, reps: int, batches: list[int]) -> None:
     nt = torch.get_num_threads()
     ghz = _cpu_ghz()
     core_peak = 1024 * ghz * 1e9  # AMX int8 MAC/s of one core
-    print(
-        f"int8 matmul, avx512 (vpdpbusd) vs amx (tiles), {nt} threads, {reps} reps interleaved; "
-        f"AMX int8 peak {core_peak / 1e12:.2f} TMAC/s per core (1024 MAC/cycle x {ghz:.2f} GHz)"
-    )
-    print(
-        "wall ms median (min-max); cpu ms = median process CPU time per call (all threads; on a\n"
-        "shared machine the wall time includes time-slices lost to other processes, the CPU time\n"
-        "does not); speedup and GMAC per CPU-second from the CPU time, % of one core's AMX peak"
-    )
-    print(
-        f"{'weight':16s} {'type':5s} {'d x k':>13s} {'B':>4s} {'avx512 wall ms':>26s} {'cpu ms':>8s} "
-        f"{'amx wall ms':>26s} {'cpu ms':>8s} {'speedup':>7s} {'amx GMAC/cpu-s':>14s} {'% peak':>6s}"
-    )
     qwen = Path.home() / ".cache/loraplane/qwen2.5-coder-0.5b-instruct.gguf"
     files = {"gemma": read_gguf(model), "qwen": read_gguf(qwen) if qwen.exists() else None}
-    for label, which, name in AMX_SHAPES:
-        gf = files[which]
-        if gf is None:
-            print(f"{label:16s} (skipped: {qwen} not found)")
-            continue
-        rec = gf.tensors[name]
-        ql = pack_tensor(rec)
-        k, d = int(rec.ne[0]), int(rec.ne[1])
-        for b in batches:
-            x = torch.randn(b, k)
-            ts: dict[str, list[float]] = {"avx512": [], "amx": []}
-            cs: dict[str, list[float]] = {"avx512": [], "amx": []}
-            for p in ts:
-                ql.matmul(x, path=p, act="i8")  # warm-up
-            for _ in range(reps):
+    for act in acts:
+        print(
+            f"{act} matmul, avx512 vs amx (tiles), {nt} threads, {reps} reps interleaved; "
+            f"AMX int8 peak {core_peak / 1e12:.2f} TMAC/s per core (1024 MAC/cycle x {ghz:.2f} GHz"
+            + ("" if act == "i8" else "; an int16 MAC takes 4 int8 tile MACs: % peak counts those")
+            + ")"
+        )
+        print(
+            "wall ms median (min-max); cpu ms = median process CPU time per call (all threads; on a\n"
+            "shared machine the wall time includes time-slices lost to other processes, the CPU time\n"
+            "does not); speedup and GMAC per CPU-second from the CPU time, % of one core's AMX peak"
+        )
+        print(
+            f"{'weight':16s} {'type':5s} {'d x k':>13s} {'B':>4s} {'avx512 wall ms':>26s} {'cpu ms':>8s} "
+            f"{'amx wall ms':>26s} {'cpu ms':>8s} {'speedup':>7s} {'amx GMAC/cpu-s':>14s} {'% peak':>6s}"
+        )
+        tile_macs = 1 if act == "i8" else 4
+        for label, which, name in AMX_SHAPES:
+            gf = files[which]
+            if gf is None:
+                print(f"{label:16s} (skipped: {qwen} not found)")
+                continue
+            rec = gf.tensors[name]
+            ql = pack_tensor(rec)
+            k, d = int(rec.ne[0]), int(rec.ne[1])
+            for b in batches:
+                x = torch.randn(b, k)
+                ts: dict[str, list[float]] = {"avx512": [], "amx": []}
+                cs: dict[str, list[float]] = {"avx512": [], "amx": []}
                 for p in ts:
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    ql.matmul(x, path=p, act="i8")
-                    ts[p].append((time.perf_counter() - t0) * 1e3)
-                    cs[p].append((time.process_time() - c0) * 1e3)
-            cpu_v, cpu_a = statistics.median(cs["avx512"]), statistics.median(cs["amx"])
-            macs = b * d * k / (cpu_a / 1e3)  # per CPU-second (the CPU time sums the threads)
-            print(
-                f"{label:16s} {rec.ggml_type.name:5s} {d:>6d}x{k:<6d} {b:>4d} {_fmt(ts['avx512']):>26s} "
-                f"{cpu_v:8.2f} {_fmt(ts['amx']):>26s} {cpu_a:8.2f} {cpu_v / cpu_a:6.2f}x {macs / 1e9:14.1f} "
-                f"{100 * macs / core_peak:5.1f}%"
-            )
-        del ql
+                    ql.matmul(x, path=p, act=act)  # warm-up
+                for _ in range(reps):
+                    for p in ts:
+                        c0, t0 = time.process_time(), time.perf_counter()
+                        ql.matmul(x, path=p, act=act)
+                        ts[p].append((time.perf_counter() - t0) * 1e3)
+                        cs[p].append((time.process_time() - c0) * 1e3)
+                cpu_v, cpu_a = statistics.median(cs["avx512"]), statistics.median(cs["amx"])
+                macs = b * d * k / (cpu_a / 1e3)  # per CPU-second (the CPU time sums the threads)
+                print(
+                    f"{label:16s} {rec.ggml_type.name:5s} {d:>6d}x{k:<6d} {b:>4d} {_fmt(ts['avx512']):>26s} "
+                    f"{cpu_v:8.2f} {_fmt(ts['amx']):>26s} {cpu_a:8.2f} {cpu_v / cpu_a:6.2f}x {macs / 1e9:14.1f} "
+                    f"{100 * tile_macs * macs / core_peak:5.1f}%"
+                )
+            del ql
+
+
+def run_amx_step(model: str, reps: int, batches: list[int], steps: int = 4, n_ctx: int = 64) -> None:
+    """Whole decode steps (``WorkerContext.decode``, B sequences at a context of ``n_ctx``,
+    logits for every row, the default activation policy) with ``LORAPLANE_KERNELS`` = avx512 and
+    amx, the reps interleaved in one process; median ms per step (min-max)."""
+    from worker.runtime.context import Model, UBatch
+    from worker.runtime.model import load_model
+
+    if not supported("amx") or not supported("avx512"):
+        return
+    base = load_model(model, dtype="f32", device="cpu")
+    nb = max(batches)
+    ctx = Model(base).new_context(n_ctx_seq=n_ctx + steps + 8, n_seq=nb)
+    rng = np.random.default_rng(0)
+    ctx.decode(
+        UBatch(
+            [int(t) for t in rng.integers(1000, 100_000, nb * n_ctx)],
+            [p for _ in range(nb) for p in range(n_ctx)],
+            [s for s in range(nb) for _ in range(n_ctx)],
+            [False] * (nb * n_ctx),
+        )
+    )
+    old = os.environ.get("LORAPLANE_KERNELS")
+    print(
+        f"decode step, {base.arch}, {steps} steps per rep, {torch.get_num_threads()} threads; "
+        "median ms per step (min-max):"
+    )
+    try:
+        for b in batches:
+            ts: dict[str, list[float]] = {"avx512": [], "amx": []}
+            for _ in range(reps + 1):
+                for p in ts:
+                    os.environ["LORAPLANE_KERNELS"] = p
+                    for s in range(b):
+                        ctx.kv.seq_rm(s, n_ctx)
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        toks = [int(t) for t in rng.integers(1000, 100_000, b)]
+                        ctx.decode(UBatch(toks, [n_ctx + i] * b, list(range(b)), [True] * b))
+                    ts[p].append((time.perf_counter() - t0) * 1e3 / steps)
+            print(f"  B={b:<3d} avx512 {_fmt(ts['avx512'][1:]).strip()}  amx {_fmt(ts['amx'][1:]).strip()}")
+    finally:
+        if old is None:
+            os.environ.pop("LORAPLANE_KERNELS", None)
+        else:
+            os.environ["LORAPLANE_KERNELS"] = old
+        ctx.close()
 
 
 def run_sampling(reps: int) -> None:
@@ -514,7 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--no-baselines", action="store_true", help="time only our kernels")
-    ap.add_argument("--amx", action="store_true", help="only the avx512 vs amx int8 comparison")
+    ap.add_argument("--amx", action="store_true", help="only the avx512 vs amx comparison (int8 and int16)")
+    ap.add_argument("--acts", default="i8,i16", help="--amx: activation precisions to compare")
+    ap.add_argument("--step-batches", default="16", help="--amx: decode-step batch sizes, avx512 vs amx ('' none)")
     ap.add_argument("--contention", action="store_true", help="also compare the threading backends under load")
     ap.add_argument("--rounds", type=int, default=6, help="--contention: interleaved rounds")
     ap.add_argument("--contention-only", action="store_true", help="run only the --contention comparison")
@@ -537,7 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if args.amx:
         print(f"cpu: {cpu_model()}; {os.cpu_count()} cpus; load average {os.getloadavg()[0]:.1f}")
-        run_amx(args.model, args.reps, batches)
+        run_amx(args.model, args.reps, batches, tuple(args.acts.split(",")))
+        if args.step_batches:
+            run_amx_step(args.model, args.reps, [int(b) for b in args.step_batches.split(",")])
         return 0
     if args.contention_child:
         return _contention_child(args)

@@ -1,4 +1,5 @@
-"""The ``amx`` kernel path (``csrc/qmm_amx.cpp``): int8-activation matmul on AMX tiles.
+"""The ``amx`` kernel path: int8-activation (``csrc/qmm_amx.cpp``) and int16-activation
+(``csrc/qmm16_amx.cpp``, byte split ``q = 256 hi + lo``) matmuls on AMX tiles.
 
 Promise tested here: the amx path's int8 results are **bit-identical** to the avx512 int8
 kernel (``csrc/qmm8.h``, ``vpdpbusd``) for every repacked GGUF type, at ragged batch sizes
@@ -7,8 +8,9 @@ vpdpbusd for bs 16; 14 a padded tile for both; 16 and 512 whole tiles; 17 a tile
 vpdpbusd row; 29 a tile + a padded tail tile (bs 32) or 13 vpdpbusd rows (bs 16); 30 a tile +
 a padded tail tile), ``d`` not a
 multiple of 16 and ``k`` not a multiple of 256 where the block allows; so a row's result is
-also the same alone or batched and with 1 or 2 threads. The int16 path of the amx library is
-the avx512 code: equal too. The accuracy of the avx512 int8 kernel itself against the
+also the same alone or batched and with 1 or 2 threads. The int16 results likewise equal the
+avx512 ``vpdpwssd`` kernel's bit for bit (bs 32 on tiles, bs 16 on ``vpdpwssd``; cases in
+``test_amx_int16_bit_identical_to_avx512``). The accuracy of the avx512 int8 kernel itself against the
 dequantized reference is tested in ``test_kernels.py``.
 
 Weights: real GGUF block bytes written with ``gguf.GGUFWriter`` and read back with
@@ -105,30 +107,60 @@ def test_amx_int8_bit_identical_to_avx512(packed, t, d, k):
         assert ((y_amx.double() - y_ref).abs() <= 0.02 * y_ref.abs().max() + 1e-3).all(), n
 
 
+NS16 = [1, 3, 12, 15, 16, 17, 29, 31, 512]
+
+
 @needs_amx
 @needs_avx512
-@pytest.mark.parametrize("t,d,k", SOME, ids=SOME_IDS)
-def test_amx_int16_is_the_avx512_code(packed, t, d, k):
-    ql, _ = packed[_name(t, d, k)]
-    for n in (1, 17):
-        x = _x(n, k, seed=n)
-        assert torch.equal(ql.matmul(x, path="amx", act="i16"), ql.matmul(x, path="avx512", act="i16"))
+@pytest.mark.parametrize("t,d,k", CASES, ids=[_name(*c) for c in CASES])
+def test_amx_int16_bit_identical_to_avx512(packed, t, d, k):
+    """int16 activations on tiles (q = 256 hi + lo, csrc/qmm16_amx.cpp) equal the avx512
+    vpdpwssd kernel bit for bit. bs 32: n < 15 and a rest of 1 (17) or 13 (29) run vpdpwssd,
+    16 and 512 whole tiles, 15 and 31 a zero-padded tile; bs 16 (Q6_K, Q4_K, Q5_K) runs
+    vpdpwssd inside the amx library (tiles do not pay there)."""
+    ql, ref = packed[_name(t, d, k)]
+    for n in NS16:
+        x = _x(n, k, seed=n * 5 + d)
+        y_amx = ql.matmul(x, path="amx", act="i16")
+        y_vnni = ql.matmul(x, path="avx512", act="i16")
+        assert y_amx.shape == (n, d)
+        assert torch.equal(y_amx, y_vnni), (n, (y_amx - y_vnni).abs().max().item())
+        y_ref = x.double() @ ref.double().T
+        assert ((y_amx.double() - y_ref).abs() <= 1e-3 * y_ref.abs().max() + 1e-4).all(), n
+
+
+@needs_amx
+@needs_avx512
+def test_amx_int16_extreme_activations(packed):
+    """Every int16 value's byte split: a row holding -32767, 32767, -256, -255, 255, 256, 0,
+    -1 per block (the hi/lo split at its edges); Q8_0 (signed weights), Q4_K (stored bias),
+    Q5_0 (implicit bias), 16 rows: one whole tile."""
+    for name in (_name(T.Q8_0, 33, 640), _name(T.Q4_K, 17, 768), _name(T.Q5_0, 24, 640)):
+        ql, ref = packed[name]
+        k = ref.shape[1]
+        x = torch.zeros(16, k)
+        edges = torch.tensor([-32767.0, 32767.0, -256.0, -255.0, 255.0, 256.0, 0.0, -1.0, 1.0, -128.0, 128.0, 127.0])
+        for i in range(16):
+            x[i] = edges[torch.arange(k) * (i + 1) % len(edges)]
+            x[i, ::32] = 32767.0  # amax of each block: the values quantize to themselves
+        assert torch.equal(ql.matmul(x, path="amx", act="i16"), ql.matmul(x, path="avx512", act="i16")), name
 
 
 @needs_amx
 @pytest.mark.parametrize("t,d,k", SOME, ids=SOME_IDS)
-def test_amx_row_alone_equals_batched(packed, t, d, k):
+@pytest.mark.parametrize("act", ["i8", "i16"])
+def test_amx_row_alone_equals_batched(packed, t, d, k, act):
     """Rows 0, 5, 16, 28 and 511 alone (n=1: the vpdpbusd code) equal their rows in batches
     of 17, 30 and 512 (tiles; 17's last row by vpdpbusd, 30's in the zero-padded tail tile),
     outlier rows included."""
     ql, _ = packed[_name(t, d, k)]
     x = _x(512, k, seed=3)
     x[5] *= 1000.0
-    y512 = ql.matmul(x, path="amx", act="i8")
-    y17 = ql.matmul(x[:17], path="amx", act="i8")
-    y30 = ql.matmul(x[:30], path="amx", act="i8")
+    y512 = ql.matmul(x, path="amx", act=act)
+    y17 = ql.matmul(x[:17], path="amx", act=act)
+    y30 = ql.matmul(x[:30], path="amx", act=act)
     for i in (0, 5, 16, 28, 511):
-        alone = ql.matmul(x[i : i + 1], path="amx", act="i8")[0]
+        alone = ql.matmul(x[i : i + 1], path="amx", act=act)[0]
         assert torch.equal(alone, y512[i])
         if i < 17:
             assert torch.equal(alone, y17[i])
@@ -138,16 +170,17 @@ def test_amx_row_alone_equals_batched(packed, t, d, k):
 
 @needs_amx
 @pytest.mark.parametrize("t,d,k", SOME, ids=SOME_IDS)
-def test_amx_thread_count_does_not_change_results(packed, t, d, k):
+@pytest.mark.parametrize("act", ["i8", "i16"])
+def test_amx_thread_count_does_not_change_results(packed, t, d, k, act):
     ql, _ = packed[_name(t, d, k)]
     before = torch.get_num_threads()
     try:
         for n in (16, 17, 30, 512):
             x = _x(n, k, seed=11)
             torch.set_num_threads(1)
-            y1 = ql.matmul(x, path="amx", act="i8")
+            y1 = ql.matmul(x, path="amx", act=act)
             torch.set_num_threads(2)
-            y2 = ql.matmul(x, path="amx", act="i8")
+            y2 = ql.matmul(x, path="amx", act=act)
             assert torch.equal(y1, y2), n
     finally:
         torch.set_num_threads(before)
@@ -208,7 +241,18 @@ def test_amx_library_uses_tiles():
         return subprocess.run([objdump, "-d", str(build.build(isa))], capture_output=True, text=True, check=True).stdout
 
     a = asm("amx")
-    for ins in ("ldtilecfg", "tileloadd", "tdpbsud", "tdpbssd", "tilestored", "tilerelease", "vpdpbusd"):
+    for ins in (
+        "ldtilecfg",
+        "tileloadd",
+        "tdpbsud",
+        "tdpbssd",
+        "tdpbuud",
+        "tdpbusd",
+        "tilestored",
+        "tilerelease",
+        "vpdpbusd",
+        "vpdpwssd",
+    ):
         assert ins in a, ins
     for isa in ("avx512", "avx2"):
         assert "tmm" not in asm(isa) and "ldtilecfg" not in asm(isa)

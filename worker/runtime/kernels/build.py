@@ -1,4 +1,4 @@
-"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/qmm_amx.cpp``,
+"""Build and load the C kernels (``csrc/qmm.cpp``, ``csrc/qmm16.cpp``, ``csrc/qmm_amx.cpp``, ``csrc/qmm16_amx.cpp``,
 ``csrc/threadpool.cpp``,
 ``csrc/sample.cpp``, ``csrc/attn.cpp``, ``csrc/lora.cpp``, ``csrc/norm.cpp``)
 for each x86 ISA path.
@@ -8,8 +8,8 @@ the AVX2 library runs on an AVX2-only CPU:
 
 - ``avx2``:   ``qmm.cpp qmm16.cpp`` with ``-mavx2 -mfma -mf16c``
 - ``avx512``: ``qmm.cpp qmm16.cpp`` with ``-mavx512f -mavx512bw -mavx512vl -mavx512vnni`` (+ the AVX2 flags)
-- ``amx``:    ``qmm_amx.cpp qmm16.cpp`` with the avx512 flags + ``-mamx-tile -mamx-int8``: the
-  int8-activation matmul on AMX tiles, the int16 one the avx512 code (AMX has no int16 product)
+- ``amx``:    ``qmm_amx.cpp qmm16_amx.cpp`` with the avx512 flags + ``-mamx-tile -mamx-int8``: the
+  int8- and int16-activation matmuls on AMX tiles (bit-identical to the avx512 library's)
 
 Built with plain ``g++`` (no torch headers, about 1 s each) into ``_build/`` beside this file,
 named by a hash of the source and flags so a stale library is never loaded. ``scripts/install.sh``
@@ -44,6 +44,7 @@ SOURCES = [
     CSRC_DIR / "qmm.cpp",
     CSRC_DIR / "qmm16.cpp",
     CSRC_DIR / "qmm_amx.cpp",
+    CSRC_DIR / "qmm16_amx.cpp",
     CSRC_DIR / "threadpool.cpp",
     CSRC_DIR / "sample.cpp",
     CSRC_DIR / "attn.cpp",
@@ -55,10 +56,10 @@ HEADERS = [
     CSRC_DIR / "qmm_common.h",
     CSRC_DIR / "parallel.h",
     CSRC_DIR / "qmm8.h",
+    CSRC_DIR / "qmm16.h",
 ]  # included: part of the build key
 # Which sources each ISA's library is compiled from (every one exports the SIGNATURES below).
 _COMMON = [
-    CSRC_DIR / "qmm16.cpp",
     CSRC_DIR / "threadpool.cpp",
     CSRC_DIR / "sample.cpp",
     CSRC_DIR / "attn.cpp",
@@ -66,9 +67,9 @@ _COMMON = [
     CSRC_DIR / "norm.cpp",
 ]
 ISA_SOURCES = {
-    "avx2": [CSRC_DIR / "qmm.cpp", *_COMMON],
-    "avx512": [CSRC_DIR / "qmm.cpp", *_COMMON],
-    "amx": [CSRC_DIR / "qmm_amx.cpp", *_COMMON],
+    "avx2": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", *_COMMON],
+    "avx512": [CSRC_DIR / "qmm.cpp", CSRC_DIR / "qmm16.cpp", *_COMMON],
+    "amx": [CSRC_DIR / "qmm_amx.cpp", CSRC_DIR / "qmm16_amx.cpp", *_COMMON],
 }
 BUILD_DIR = Path(os.environ.get("LORAPLANE_KERNEL_BUILD_DIR", Path(__file__).resolve().parent / "_build"))
 

@@ -3,8 +3,8 @@
 Paths:
 
 - ``amx``: the ``avx512`` path with the int8-activation matmul on AMX tiles (``csrc/qmm_amx.cpp``,
-  ``tdpbsud``/``tdpbssd``, results bit-identical to the avx512 int8 kernel); int16 activations
-  run the avx512 code (AMX has no int16 product). Needs the avx512 flags + ``amx_tile amx_int8``
+  ``tdpbsud``/``tdpbssd``) and the int16 one on tiles by a byte split (``csrc/qmm16_amx.cpp``),
+  results bit-identical to the avx512 kernels. Needs the avx512 flags + ``amx_tile amx_int8``
   AND the Linux kernel's permission for the tile state, asked once per process with
   ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`` (Linux >= 5.16); if refused,
   ``auto`` logs why and takes ``avx512``.

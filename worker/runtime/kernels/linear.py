@@ -251,8 +251,8 @@ class QuantLinear:
             x: activations, on this weight's device.
             path: force 'amx' | 'avx512' | 'avx2' | 'torch' for this call (default: see
                 :func:`worker.runtime.kernels.cpu.resolve_path`); ignored for float weights.
-                'amx' runs int8 activations on AMX tiles (bit-identical to avx512's int8
-                kernel) and int16 ones on the avx512 code.
+                'amx' runs int8 and int16 activations on AMX tiles (bit-identical to
+                avx512's kernels).
             act: force activation precision 'i16' | 'i8' for this call (default: this weight's,
                 :meth:`resolved_act`). Pre-quantized ``x`` must have been quantized with that
                 precision.

@@ -1,0 +1,219 @@
+// The int16-activation kernel shared by qmm16.cpp (the avx2 / avx512 libraries) and
+// qmm16_amx.cpp (the amx library, which runs it for the rows AMX tiles do not pay off on):
+// the quantizer quantize_rows16, the Act16 struct and the vpdpwssd / vpmaddwd tiles with their
+// gemm_vnni16 driver.  Why int16 and the pair layout: see the comment at the top of qmm16.cpp.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "parallel.h"
+#include "qmm_common.h"
+
+namespace {
+
+constexpr int R = 16;
+using lp::XCHUNK;
+
+// x f32 (n, k) stride ldx -> aq int16 (n, k); ad (n, k/32) = amax/32767; as16 (n, k/16) and
+// as32 (n, k/32) = d * sum(q) per 16 / 32.  Rounding: nearest-even (_mm256_round_ps).
+void quantize_rows16(const float* x, int64_t ldx, int n, int k, int16_t* aq, float* ad,
+                     float* as16, float* as32, int nthreads) {
+  const int nb = k / 32;
+  const __m256 signbit = _mm256_set1_ps(-0.0f);
+  const int nt = nthreads > 1 && (int64_t)n * k >= (1 << 16) ? nthreads : 1;
+  lp::parallel_for(n, nt, [&](int i) {
+    const float* xr = x + (int64_t)i * ldx;
+    for (int b = 0; b < nb; ++b) {
+      const float* p = xr + b * 32;
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(p + 8 * j);
+      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signbit, v[0]), _mm256_andnot_ps(signbit, v[1])),
+                               _mm256_max_ps(_mm256_andnot_ps(signbit, v[2]), _mm256_andnot_ps(signbit, v[3])));
+      __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const float d = amax / 32767.f;
+      const __m256 vid = _mm256_set1_ps(amax != 0.0f ? 32767.f / amax : 0.0f);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]);
+      __m128i h01 = _mm_add_epi32(_mm256_castsi256_si128(s01), _mm256_extracti128_si256(s01, 1));
+      __m128i h23 = _mm_add_epi32(_mm256_castsi256_si128(s23), _mm256_extracti128_si256(s23, 1));
+      h01 = _mm_hadd_epi32(h01, h23);
+      h01 = _mm_hadd_epi32(h01, h01);
+      const int sum_lo = _mm_cvtsi128_si32(h01), sum_hi = _mm_extract_epi32(h01, 1);
+      // packs_epi32 interleaves 128-bit lanes; permute 64-bit quarters back into order
+      __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+      __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+      _mm256_storeu_si256((__m256i*)(aq + (int64_t)i * k + b * 32), p01);
+      _mm256_storeu_si256((__m256i*)(aq + (int64_t)i * k + b * 32 + 16), p23);
+      ad[(int64_t)i * nb + b] = d;
+      as16[(int64_t)i * 2 * nb + 2 * b] = d * (float)sum_lo;
+      as16[(int64_t)i * 2 * nb + 2 * b + 1] = d * (float)sum_hi;
+      as32[(int64_t)i * nb + b] = d * (float)(sum_lo + sum_hi);
+    }
+  });
+}
+
+struct Act16 {
+  const int16_t* q;
+  const float* d;
+  const float* s16;
+  const float* s32;
+  int k;
+};
+
+// MODE: 0 stored bias, 1 signed (Q8_0, no bias), 2 implicit bias c = off * s.
+#if defined(LP_AVX512)
+template <int NX, int BS, int MODE>
+inline void tile(const uint8_t* W, const float* S, const float* C, float off, int nb, const Act16& a,
+                 int i0, float* y, int64_t ldy, int nvalid) {
+  __m512 accA[NX], accB[NX];
+  for (int t = 0; t < NX; ++t) accA[t] = accB[t] = _mm512_setzero_ps();
+  const __m512i dupA = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i dupB = _mm512_add_epi32(dupA, _mm512_set1_epi32(8));
+  const int nb32 = a.k / 32, nb16 = a.k / 16;
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* wb = W + (int64_t)b * BS * R;
+    __m512i iA[NX], iB[NX];
+    for (int t = 0; t < NX; ++t) iA[t] = iB[t] = _mm512_setzero_si512();
+    const int16_t* ab = a.q + (int64_t)i0 * a.k + b * BS;
+#pragma GCC unroll 8
+    for (int c = 0; c < BS / 4; ++c) {
+      const __m256i lo = _mm256_loadu_si256((const __m256i*)(wb + c * 64));
+      const __m256i hi = _mm256_loadu_si256((const __m256i*)(wb + c * 64 + 32));
+      const __m512i wA = MODE == 1 ? _mm512_cvtepi8_epi16(lo) : _mm512_cvtepu8_epi16(lo);
+      const __m512i wB = MODE == 1 ? _mm512_cvtepi8_epi16(hi) : _mm512_cvtepu8_epi16(hi);
+      for (int t = 0; t < NX; ++t) {
+        int64_t a8;
+        memcpy(&a8, ab + (int64_t)t * a.k + c * 4, 8);
+        const __m512i av = _mm512_set1_epi64(a8);
+        iA[t] = _mm512_dpwssd_epi32(iA[t], wA, av);
+        iB[t] = _mm512_dpwssd_epi32(iB[t], wB, av);
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(S + b * R);
+    const __m512 sA = _mm512_permutexvar_ps(dupA, s), sB = _mm512_permutexvar_ps(dupB, s);
+    __m512 cA = _mm512_setzero_ps(), cB = _mm512_setzero_ps();
+    if (MODE != 1) {
+      const __m512 cb = MODE == 0 ? _mm512_loadu_ps(C + b * R) : _mm512_mul_ps(s, _mm512_set1_ps(off));
+      cA = _mm512_permutexvar_ps(dupA, cb);
+      cB = _mm512_permutexvar_ps(dupB, cb);
+    }
+    for (int t = 0; t < NX; ++t) {
+      const int64_t row = i0 + t;
+      const __m512 da = _mm512_set1_ps(a.d[row * nb32 + (b * BS) / 32]);
+      accA[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iA[t]), _mm512_mul_ps(sA, da), accA[t]);
+      accB[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iB[t]), _mm512_mul_ps(sB, da), accB[t]);
+      if (MODE != 1) {  // each of a row's two lanes takes half of c * d * sum(q)
+        const __m512 sa = _mm512_set1_ps(0.5f * (BS == 32 ? a.s32[row * nb32 + b] : a.s16[row * nb16 + b]));
+        accA[t] = _mm512_fmadd_ps(cA, sa, accA[t]);
+        accB[t] = _mm512_fmadd_ps(cB, sa, accB[t]);
+      }
+    }
+  }
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+  const __mmask16 m = nvalid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nvalid) - 1);
+  for (int t = 0; t < NX; ++t) {
+    const __m512 out = _mm512_add_ps(_mm512_permutex2var_ps(accA[t], ev, accB[t]),
+                                     _mm512_permutex2var_ps(accA[t], od, accB[t]));
+    _mm512_mask_storeu_ps(y + (int64_t)(i0 + t) * ldy, m, out);
+  }
+}
+constexpr int NXMAX = 4;
+#else
+template <int NX, int BS, int MODE>
+inline void tile(const uint8_t* W, const float* S, const float* C, float off, int nb, const Act16& a,
+                 int i0, float* y, int64_t ldy, int nvalid) {
+  const int nb32 = a.k / 32, nb16 = a.k / 16;
+  const __m256i dupA = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  const __m256i dupB = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  for (int h = 0; h < 2; ++h) {
+    if (h * 8 >= nvalid) break;
+    __m256 accA[NX], accB[NX];  // rows 0-3 / 4-7 of this half, pair layout
+    for (int t = 0; t < NX; ++t) accA[t] = accB[t] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* wb = W + (int64_t)b * BS * R + h * 32;
+      __m256i iA[NX], iB[NX];
+      for (int t = 0; t < NX; ++t) iA[t] = iB[t] = _mm256_setzero_si256();
+      const int16_t* ab = a.q + (int64_t)i0 * a.k + b * BS;
+#pragma GCC unroll 8
+      for (int c = 0; c < BS / 4; ++c) {
+        const __m128i lo = _mm_loadu_si128((const __m128i*)(wb + c * 64));
+        const __m128i hi = _mm_loadu_si128((const __m128i*)(wb + c * 64 + 16));
+        const __m256i wA = MODE == 1 ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
+        const __m256i wB = MODE == 1 ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
+        for (int t = 0; t < NX; ++t) {
+          int64_t a8;
+          memcpy(&a8, ab + (int64_t)t * a.k + c * 4, 8);
+          const __m256i av = _mm256_set1_epi64x(a8);
+          iA[t] = _mm256_add_epi32(iA[t], _mm256_madd_epi16(wA, av));
+          iB[t] = _mm256_add_epi32(iB[t], _mm256_madd_epi16(wB, av));
+        }
+      }
+      const __m256 s = _mm256_loadu_ps(S + b * R + h * 8);
+      const __m256 sA = _mm256_permutevar8x32_ps(s, dupA), sB = _mm256_permutevar8x32_ps(s, dupB);
+      __m256 cA = _mm256_setzero_ps(), cB = _mm256_setzero_ps();
+      if (MODE != 1) {
+        const __m256 cb = MODE == 0 ? _mm256_loadu_ps(C + b * R + h * 8) : _mm256_mul_ps(s, _mm256_set1_ps(off));
+        cA = _mm256_permutevar8x32_ps(cb, dupA);
+        cB = _mm256_permutevar8x32_ps(cb, dupB);
+      }
+      for (int t = 0; t < NX; ++t) {
+        const int64_t row = i0 + t;
+        const __m256 da = _mm256_set1_ps(a.d[row * nb32 + (b * BS) / 32]);
+        accA[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iA[t]), _mm256_mul_ps(sA, da), accA[t]);
+        accB[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iB[t]), _mm256_mul_ps(sB, da), accB[t]);
+        if (MODE != 1) {
+          const __m256 sa = _mm256_set1_ps(0.5f * (BS == 32 ? a.s32[row * nb32 + b] : a.s16[row * nb16 + b]));
+          accA[t] = _mm256_fmadd_ps(cA, sa, accA[t]);
+          accB[t] = _mm256_fmadd_ps(cB, sa, accB[t]);
+        }
+      }
+    }
+    const int nv = nvalid - h * 8;
+    const __m256i fix = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int t = 0; t < NX; ++t) {
+      // hadd -> [r0 r1 r4 r5 | r2 r3 r6 r7]; permute to r0..r7
+      const __m256 out = _mm256_permutevar8x32_ps(_mm256_hadd_ps(accA[t], accB[t]), fix);
+      float* yp = y + (int64_t)(i0 + t) * ldy + h * 8;
+      if (nv >= 8) {
+        _mm256_storeu_ps(yp, out);
+      } else {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, out);
+        for (int r = 0; r < nv; ++r) yp[r] = tmp[r];
+      }
+    }
+  }
+}
+constexpr int NXMAX = 3;
+#endif
+
+template <int BS, int MODE>
+void gemm_vnni16(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, const Act16& a,
+          int n, float* y, int nthreads) {
+  const int nb = k / BS;
+  const int G = (d + R - 1) / R;
+  const int64_t wstride = (int64_t)nb * BS * R;
+  const int64_t sstride = (int64_t)nb * R;
+  const int nt = nthreads > 1 && G > 1 ? nthreads : 1;
+  lp::parallel_for(G, nt, [&](int g) {
+    const uint8_t* W = qw + g * wstride;
+    const float* S = sc + g * sstride;
+    const float* C = bias ? bias + g * sstride : nullptr;
+    const int nvalid = d - g * R < R ? d - g * R : R;
+    float* yg = y + (int64_t)g * R;
+    int i0 = 0;
+    for (; i0 + NXMAX <= n; i0 += NXMAX) tile<NXMAX, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
+    for (; i0 < n; ++i0) tile<1, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
+  });
+}
+
+}  // namespace
