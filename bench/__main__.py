@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, help="output tokens per serving request")
     ap.add_argument("--ks", metavar="LIST", help="adapter counts for serving, e.g. 0,1,4,16")
     ap.add_argument("--single-requests", type=int, help="requests of the 1-stream serving row (0: no such row)")
+    ap.add_argument(
+        "--longprompt-requests", type=int, help="requests per run of the long-prompt scenario (default: the profile's)"
+    )
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
     ap.add_argument("--work-dir", metavar="DIR", help="where adapters, data dirs and logs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (server logs) afterwards")
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         ks=ks,
         single_requests=args.single_requests,
+        longprompt_requests=args.longprompt_requests,
     )
     log = _Log()
     use_rich = _have_rich() and not args.plain
