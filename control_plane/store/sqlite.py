@@ -48,6 +48,24 @@ log = structlog.get_logger("loraplane.control_plane.store.sqlite")
 DB_FILENAME = "loraplane.sqlite3"
 
 
+OPEN_RETRY_S = 30.0
+"""How long opening the database retries a lock conflict SQLite reports at once (seconds)."""
+
+
+def _retry_locked(fn, limit_s: float):
+    """``fn()``, retried every 50 ms while SQLite reports the database locked or busy, for at
+    most ``limit_s`` seconds; then the last error is raised."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            return fn()
+        except sqlite3.OperationalError as exc:
+            msg = str(exc).lower()
+            if ("locked" not in msg and "busy" not in msg) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 class SqliteStore(AdapterStore):
     """The registry in one SQLite file; uploaded bytes as files in ``blob_dir``.
 
@@ -75,9 +93,12 @@ class SqliteStore(AdapterStore):
         self._conn = sqlite3.connect(str(self.db_path), check_same_thread=False, isolation_level=None, timeout=30.0)
         self._conn.row_factory = sqlite3.Row
         self._conn.execute("PRAGMA busy_timeout=30000")
-        self._conn.execute("PRAGMA journal_mode=WAL")
+        # Some lock conflicts of a concurrent first open (the switch to WAL, the first schema
+        # read while another connection converts the file) return SQLITE_BUSY at once instead
+        # of calling the busy handler, so opening retries them within the same 30 s.
+        _retry_locked(lambda: self._conn.execute("PRAGMA journal_mode=WAL"), OPEN_RETRY_S)
         self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._migrate()
+        _retry_locked(self._migrate, OPEN_RETRY_S)
         self._remove_orphans()
 
     # -- schema -------------------------------------------------------------------------
