@@ -177,6 +177,21 @@ def control_plane_options(f: F) -> F:
             "(default: max-threads - 16, kept for heartbeats, health and reads).",
         ),
         click.option(
+            "--max-fetches",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Concurrent FetchAdapter streams (workers pulling adapter bytes); more get "
+            "RESOURCE_EXHAUSTED at once (default 4; counts against --max-threads like --max-streams).",
+        ),
+        click.option(
+            "--fetch-stall-timeout",
+            "fetch_stall_timeout_s",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            metavar="SECONDS",
+            help="Cancel a FetchAdapter whose reader accepts no chunk for this long (default 10).",
+        ),
+        click.option(
             "--log-level",
             type=click.Choice(["debug", "info", "warning", "error"]),
             default=None,
@@ -229,6 +244,8 @@ CP_TUNING = (
     "heartbeat_interval_s",
     "max_threads",
     "max_streams",
+    "max_fetches",
+    "fetch_stall_timeout_s",
     "log_level",
     "http_addr",
     "metrics_addr",
@@ -473,6 +490,13 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
     default=None,
     help="Refuse registering adapters above this rank (the workers' --max-lora-rank; default 64).",
 )
+@click.option(
+    "--insecure-workers",
+    is_flag=True,
+    help="Without --worker-secret, let anyone who reaches this port join as a worker and "
+    "download adapter bytes (trusted networks only). Default: worker RPCs are refused "
+    "until a secret is set.",
+)
 @click.pass_context
 def control_plane_cmd(
     ctx: click.Context,
@@ -487,9 +511,13 @@ def control_plane_cmd(
     model_path: str | None,
     tls_cert: str | None,
     tls_key: str | None,
+    insecure_workers: bool,
     **tuning: Any,
 ) -> None:
-    """Run the control plane (adapter registry, default set, routing) until SIGINT/SIGTERM."""
+    """Run the control plane (adapter registry, default set, routing) until SIGINT/SIGTERM.
+
+    Workers need the same ``--worker-secret`` / ``$LORAPLANE_WORKER_SECRET``; without one the
+    worker RPCs are refused unless ``--insecure-workers`` (docs/security.md)."""
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
@@ -506,6 +534,7 @@ def control_plane_cmd(
         worker_secret=worker_secret,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        insecure_workers=insecure_workers,
         **tuning,
     )
     ctx.exit(_run_blocking("the control plane", lambda: run_control_plane(config)))

@@ -12,6 +12,10 @@ ADMIN_CALLS = 4
 """Concurrent admin calls (uploads, unregisters waiting on workers, default-set writes)."""
 MEMBERSHIP_CALLS = 4
 """Concurrent RegisterWorker/Heartbeat calls (each answers in milliseconds: no dialing)."""
+DEFAULT_MAX_FETCHES = 4
+"""Concurrent FetchAdapter streams (their own cap: a fetch storm never blocks heartbeats)."""
+DEFAULT_FETCH_STALL_TIMEOUT_S = 10.0
+"""A FetchAdapter reader that accepts no chunk for this long is cut off (CANCELLED)."""
 
 
 def parse_lora_scaled(spec: str) -> tuple[str, float]:
@@ -63,7 +67,16 @@ class ControlPlaneConfig:
             reads and admin calls however many streams run).
         worker_secret: shared secret workers must present on RegisterWorker/Heartbeat and
             that the control plane sends on every Worker RPC. None falls back to
-            ``$LORAPLANE_WORKER_SECRET``; neither means membership is open (firewall it).
+            ``$LORAPLANE_WORKER_SECRET``; with neither, worker RPCs (RegisterWorker,
+            Heartbeat, FetchAdapter) are refused UNAUTHENTICATED unless ``insecure_workers``.
+        insecure_workers: without a worker secret, leave the worker RPCs open to anyone who
+            reaches the port (a trusted network only; warned about at start). Ignored when a
+            secret is configured.
+        max_fetches: concurrent FetchAdapter streams; the next gets RESOURCE_EXHAUSTED (with
+            pushback) at once. Its own cap, apart from membership's.
+        fetch_stall_timeout_s: a FetchAdapter reader that accepts no chunk for this long, or
+            stays below `control_plane.fetch.MIN_RATE_BYTES_S` after a grace, is cancelled
+            (its handler thread comes back).
         unload_wait_s: how long UnregisterAdapter waits for each worker to drain the adapter;
             a worker still draining then keeps it under ``draining_adapter_ids`` until freed.
         max_lora_rank: adapters with a larger rank are refused at registration
@@ -99,6 +112,9 @@ class ControlPlaneConfig:
     max_threads: int = 64
     max_streams: int | None = None
     worker_secret: str | None = None
+    insecure_workers: bool = False
+    max_fetches: int = DEFAULT_MAX_FETCHES
+    fetch_stall_timeout_s: float = DEFAULT_FETCH_STALL_TIMEOUT_S
     unload_wait_s: float = 5.0
     max_lora_rank: int = 64
     log_level: str = "info"
@@ -116,10 +132,11 @@ class ControlPlaneConfig:
             ValueError: the limits leave no thread for the reserved calls.
         """
         limit = self.max_streams if self.max_streams is not None else self.max_threads - RESERVED_THREADS
-        if limit < 1 or limit + ADMIN_CALLS + MEMBERSHIP_CALLS >= self.max_threads:
+        reserved = ADMIN_CALLS + MEMBERSHIP_CALLS + self.max_fetches
+        if limit < 1 or limit + reserved >= self.max_threads:
             raise ValueError(
                 f"max_threads {self.max_threads} must exceed max_streams {limit} + "
-                f"{ADMIN_CALLS + MEMBERSHIP_CALLS} (admin + membership) so reads and health "
+                f"{reserved} (admin + membership + max_fetches) so reads and health "
                 f"keep a thread"
             )
         return limit

@@ -9,9 +9,13 @@ thread for its whole life, so groups of calls are capped (`ConcurrencyLimitInter
 RESOURCE_EXHAUSTED at once beyond the cap) and the rest of the pool stays free for short
 calls: Generate ≤ ``stream_limit`` (default ``max_threads - 16``), admin calls ≤ 4,
 RegisterWorker/Heartbeat ≤ 4 (both answer in milliseconds: dialing a worker happens in the
-pool's own join threads). Reads, health and reflection are never capped and always find a
-thread. Interceptors, outermost first: admin token, worker secret, decode guard
-(undecodable requests → INVALID_ARGUMENT), the caps.
+pool's own join threads), FetchAdapter ≤ ``max_fetches`` (default 4; its own cap, so a fetch
+storm never blocks heartbeats; a reader that stalls is cancelled after
+``fetch_stall_timeout_s``, `control_plane.fetch`). Reads, health and reflection are never
+capped and always find a thread. Interceptors, outermost first: admin token, the worker door
+(`loraplane.worker_secret.worker_door`: the secret's guard; without a secret the worker RPCs
+are refused UNAUTHENTICATED unless ``insecure_workers``), decode guard (undecodable requests →
+INVALID_ARGUMENT), the caps.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
 from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
+from control_plane.fetch import FetchWatchdog
 from control_plane.http.models import served_name
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.registry import AdapterRegistry
@@ -43,7 +48,13 @@ from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInter
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.logging import configure_logging
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
-from loraplane.worker_secret import MEMBERSHIP_METHODS, membership_guard, worker_secret_from
+from loraplane.worker_secret import (
+    FETCH_METHODS,
+    MEMBERSHIP_METHODS,
+    NO_SECRET_HINT,
+    worker_door,
+    worker_secret_from,
+)
 
 __all__ = ["ControlPlaneConfig", "ControlPlaneState", "create_server", "parse_lora_scaled", "run_control_plane"]
 
@@ -69,6 +80,7 @@ class ControlPlaneState:
     http_port: int = 0
     metrics_server: Any = None  # prometheus-client's server when --metrics-addr is set
     metrics_port: int = 0
+    fetch_watchdog: FetchWatchdog | None = None  # cuts off stalled FetchAdapter readers
 
     def close(self) -> None:
         """Stop the HTTP and metrics servers and the replica sync, release worker channels and
@@ -232,12 +244,13 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
             "Generate stream": (stream_limit, GENERATE_METHOD.__eq__),
             "admin": (ADMIN_CALLS, ADMIN_METHODS.__contains__),
             "worker membership": (MEMBERSHIP_CALLS, MEMBERSHIP_METHODS.__contains__),
+            "adapter fetch": (config.max_fetches, FETCH_METHODS.__contains__),
         },
-        hint=" (control plane: --max-streams / --max-threads)",
+        hint=" (control plane: --max-streams / --max-threads / --max-fetches)",
     )
     interceptors = [
         *([AdminAuthInterceptor(token)] if token else []),
-        *([membership_guard(secret)] if secret else []),
+        *worker_door(secret, config.insecure_workers),
         DecodeGuardInterceptor(),
         limits,
     ]
@@ -255,8 +268,12 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ],
     )
+    state.fetch_watchdog = FetchWatchdog(config.fetch_stall_timeout_s)
     control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
-        ControlPlaneServicer(state.registry, state.pool, state.router, state.replicas), server
+        ControlPlaneServicer(
+            state.registry, state.pool, state.router, state.replicas, fetch_watchdog=state.fetch_watchdog
+        ),
+        server,
     )
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     reflection.enable_server_reflection((CONTROL_PLANE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -279,12 +296,34 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         adapters=len(state.registry.list()),
         admin_auth=bool(token),
         worker_secret=bool(secret),
+        insecure_workers=not secret and config.insecure_workers,
         max_threads=config.max_threads,
         stream_limit=stream_limit,
         http_port=state.http_port or None,
         metrics_port=state.metrics_port or None,
     )
+    log_worker_door(config, secret)
     return server, port, state
+
+
+def log_worker_door(config: ControlPlaneConfig, secret: str | None) -> None:
+    """Say at start-up, loudly, when the worker RPCs are closed or open to anyone."""
+    if secret:
+        if config.insecure_workers:
+            log.warning("insecure_workers_ignored", reason="a worker secret is configured; workers must present it")
+        return
+    if config.insecure_workers:
+        log.warning(
+            "insecure_workers",
+            warning="--insecure-workers: RegisterWorker, Heartbeat and FetchAdapter are open to anyone who "
+            "reaches this port (any caller can join as a worker or download any adapter's bytes); "
+            "use only on a trusted network, or set --worker-secret",
+        )
+        return
+    log.warning(
+        "workers_cannot_join",
+        reason=f"no worker secret: RegisterWorker, Heartbeat and FetchAdapter are refused; {NO_SECRET_HINT}",
+    )
 
 
 def stop_server(server: grpc.Server, state: ControlPlaneState, grace_s: float = 5.0) -> None:

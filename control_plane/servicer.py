@@ -15,6 +15,7 @@ import grpc
 import structlog
 
 from control_plane import convert
+from control_plane.config import DEFAULT_FETCH_STALL_TIMEOUT_S
 from control_plane.errors import (
     ControlPlaneError,
     InvalidArgumentError,
@@ -24,6 +25,7 @@ from control_plane.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from control_plane.fetch import FetchWatchdog
 from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router, WorkerRequestError
@@ -99,12 +101,20 @@ def ensure_request_id(request: common_pb2.GenerateRequest) -> common_pb2.Generat
 
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     def __init__(
-        self, registry: AdapterRegistry, pool: WorkerPool, router: Router, replicas: ReplicaSync | None = None
+        self,
+        registry: AdapterRegistry,
+        pool: WorkerPool,
+        router: Router,
+        replicas: ReplicaSync | None = None,
+        *,
+        fetch_watchdog: FetchWatchdog | None = None,
     ) -> None:
         self.registry = registry
         self.pool = pool
         self.router = router
         self.replicas = replicas  # None: sightings are not shared (tests of one replica)
+        # cuts off FetchAdapter readers that stall (None: the config's default timeout)
+        self.fetch_watchdog = fetch_watchdog or FetchWatchdog(DEFAULT_FETCH_STALL_TIMEOUT_S)
 
     # -- admin ---------------------------------------------------------------------------
 
@@ -174,11 +184,12 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     @boundary
     def FetchAdapter(self, request, context):
         """Stream the bytes of content ``request.sha256`` (NOT_FOUND when none is registered,
-        or its bytes are gone)."""
+        or its bytes are gone). A reader that stalls is cancelled (`control_plane.fetch`)."""
         rec = self.registry.get_by_sha256(request.sha256)
         log.info("adapter_fetch", sha256=request.sha256, adapter_id=rec.id, worker_id=request.worker_id)
+        what = f"FetchAdapter adapter {rec.id} for worker {request.worker_id or '?'} ({context.peer()})"
         try:
-            for piece in self.registry.read_chunks(rec, CHUNK_BYTES):
+            for piece in self.fetch_watchdog.stream(context, self.registry.read_chunks(rec, CHUNK_BYTES), what):
                 yield common_pb2.AdapterChunk(data=piece)
         except FileNotFoundError as exc:
             raise NotFoundError(f"adapter {rec.id}: its bytes are missing on the control plane ({exc})") from None

@@ -8,9 +8,11 @@ own worker). It travels as ``loraplane-worker-secret`` metadata:
 - control plane → worker: every ``loraplane.v1.Worker`` RPC (`worker_guard`). The standard
   health and reflection services stay open so probes work without it.
 
-Without a secret configured both checks are off (as before this existed); the docs say to
-firewall the worker port and the control plane's membership then. Plain metadata is readable
-on the wire: across hosts, run both planes with TLS (``--tls-cert``/``--tls-key``) or mTLS.
+A control plane without a secret refuses the worker RPCs (`closed_door`, UNAUTHENTICATED
+naming what to do) unless its operator passed ``--insecure-workers`` (open, as before: for a
+trusted network only). A worker without a secret sends none and checks none (it works against
+an ``--insecure-workers`` control plane; firewall its port). Plain metadata is readable on the
+wire: across hosts, run both planes with TLS (``--tls-cert``/``--tls-key``) or mTLS.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import secrets
 import grpc
 
 from loraplane.env import ENV_WORKER_SECRET
-from loraplane.interceptors import MetadataClientInterceptor, SharedSecretInterceptor
+from loraplane.interceptors import MetadataClientInterceptor, SharedSecretInterceptor, refusal
 
 WORKER_SECRET_KEY = "loraplane-worker-secret"
 """Metadata key carrying the worker secret (gRPC keys are lower case)."""
@@ -29,6 +31,14 @@ WORKER_SECRET_KEY = "loraplane-worker-secret"
 MEMBERSHIP_METHODS = frozenset({"/loraplane.v1.ControlPlane/RegisterWorker", "/loraplane.v1.ControlPlane/Heartbeat"})
 FETCH_METHODS = frozenset({"/loraplane.v1.ControlPlane/FetchAdapter"})
 """Worker → control plane calls outside membership that need the secret too (adapter bytes)."""
+WORKER_METHODS = MEMBERSHIP_METHODS | FETCH_METHODS
+"""Every control-plane RPC only workers make (guarded by the secret, or closed without one)."""
+
+NO_SECRET_HINT = (
+    "start the control plane with --worker-secret or $LORAPLANE_WORKER_SECRET and give the same "
+    "secret to workers, or --insecure-workers on a trusted network"
+)
+"""What to do when a control plane has no worker secret (in refusals and the start-up log)."""
 WORKER_SERVICE_PREFIX = "/loraplane.v1.Worker/"
 
 
@@ -55,9 +65,39 @@ def membership_guard(secret: str) -> SharedSecretInterceptor:
     return SharedSecretInterceptor(
         secret,
         key=WORKER_SECRET_KEY,
-        applies=lambda m: m in MEMBERSHIP_METHODS or m in FETCH_METHODS,
+        applies=WORKER_METHODS.__contains__,
         what="worker secret",
     )
+
+
+class ClosedDoorInterceptor(grpc.ServerInterceptor):
+    """Control-plane interceptor without a secret nor ``--insecure-workers``: every worker RPC
+    (`WORKER_METHODS`) is refused UNAUTHENTICATED, the message saying what to do
+    (`NO_SECRET_HINT`). Nothing is deserialized and no limiter permit is taken."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method not in WORKER_METHODS:
+            return handler
+        return refusal(
+            handler,
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{method}: this control plane has no worker secret, so workers cannot join: {NO_SECRET_HINT}",
+            event="worker_rpc_refused_no_secret",
+            method=method,
+        )
+
+
+def worker_door(secret: str | None, insecure: bool) -> list[grpc.ServerInterceptor]:
+    """The control plane's interceptors for worker RPCs: the secret's guard when a secret is
+    configured (``insecure`` is then ignored), none with ``insecure`` (open), else the closed
+    door (`ClosedDoorInterceptor`)."""
+    if secret:
+        return [membership_guard(secret)]
+    if insecure:
+        return []
+    return [ClosedDoorInterceptor()]
 
 
 def worker_guard(secret: str) -> SharedSecretInterceptor:

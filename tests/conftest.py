@@ -45,14 +45,22 @@ def base_index(base_model_path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
 def start_control_plane(tmp_path: Path, base_model_path: Path):
     """``start_control_plane(**ControlPlaneConfig overrides) -> ControlPlane`` (see
     ``tests/control_plane_helpers.py``): a real control plane on 127.0.0.1 port 0 over
-    ``tmp_path/data``, validating against the embedded base model; all stopped at teardown."""
+    ``tmp_path/data``, validating against the embedded base model, workers presenting
+    ``tests.live_servers.WORKER_SECRET`` (override ``worker_secret=None`` for none); all
+    stopped at teardown."""
     from control_plane.server import ControlPlaneConfig
     from tests.control_plane_helpers import ControlPlane
+    from tests.live_servers import WORKER_SECRET
 
     started: list[ControlPlane] = []
 
     def start(**overrides) -> ControlPlane:
-        fields = dict(addr="127.0.0.1:0", data_dir=str(tmp_path / "data"), model_path=str(base_model_path))
+        fields = dict(
+            addr="127.0.0.1:0",
+            data_dir=str(tmp_path / "data"),
+            model_path=str(base_model_path),
+            worker_secret=WORKER_SECRET,
+        )
         fields.update(overrides)
         cp = ControlPlane(ControlPlaneConfig(**fields))
         started.append(cp)

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
+from loraplane.worker_secret import with_secret
 
 MiB = 1 << 20
 
 
 class ControlPlane:
-    """A running control plane (``create_server``) and a client stub for it."""
+    """A running control plane (``create_server``) and client stubs for it: ``stub`` sends no
+    credential, ``worker_stub`` the config's worker secret (as a worker does)."""
 
     def __init__(self, config) -> None:
         from control_plane.server import create_server
@@ -29,6 +31,7 @@ class ControlPlane:
             options=[("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)],
         )
         self.stub = control_plane_pb2_grpc.ControlPlaneStub(self.channel)
+        self.worker_stub = control_plane_pb2_grpc.ControlPlaneStub(with_secret(self.channel, config.worker_secret))
         self.stopped = False
 
     def stop(self) -> None:

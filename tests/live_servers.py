@@ -23,12 +23,17 @@ from pathlib import Path
 
 import grpc
 
+from loraplane.env import ENV_WORKER_SECRET
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from loraplane.worker_secret import with_secret
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_READY_TIMEOUT_S = 600.0
 WORKER_STOP_GRACE_S = 20.0
 ADMIN_TOKEN = "test-admin-token"
+WORKER_SECRET = "test-worker-secret"
+"""The worker secret every test control plane and worker shares (a control plane without one
+refuses workers unless ``insecure_workers``)."""
 
 
 @dataclass
@@ -51,7 +56,7 @@ class LiveControlPlane:
         """The worker's own ``Stats`` (slots busy, tokens generated, ...)."""
         if self._worker_channel is None:
             self._worker_channel = grpc.insecure_channel(self.worker_addr)
-        stub = worker_pb2_grpc.WorkerStub(self._worker_channel)
+        stub = worker_pb2_grpc.WorkerStub(with_secret(self._worker_channel, WORKER_SECRET))
         return stub.Stats(common_pb2.Empty(), timeout=10)
 
     def worker_log_tail(self, n_bytes: int = 4000) -> str:
@@ -78,7 +83,7 @@ def start_control_plane(
     data_dir: Path, adapter_dir: Path, model_path: Path, *, admin_token: str | None = None, addr: str = "127.0.0.1:0"
 ) -> LiveControlPlane:
     """A real control plane on ``addr`` (default 127.0.0.1, port 0) over ``data_dir``;
-    server paths are accepted inside ``adapter_dir``."""
+    server paths are accepted inside ``adapter_dir``; workers present `WORKER_SECRET`."""
     from control_plane.server import ControlPlaneConfig, create_server
 
     config = ControlPlaneConfig(
@@ -87,6 +92,7 @@ def start_control_plane(
         adapter_dirs=(str(adapter_dir),),
         model_path=str(model_path),
         admin_token=admin_token,
+        worker_secret=WORKER_SECRET,
         log_level="warning",
     )
     server, port, state = create_server(config)
@@ -139,6 +145,7 @@ def start_worker(
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
         "PYTHONUNBUFFERED": "1",
+        ENV_WORKER_SECRET: WORKER_SECRET,
     }
     with open(log_path, "ab") as log:
         cp.worker_proc = subprocess.Popen(

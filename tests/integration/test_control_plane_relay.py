@@ -16,6 +16,7 @@ import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
 from tests.control_plane_helpers import rpc_error, upload
+from tests.live_servers import WORKER_SECRET
 from worker.rpc.membership import MembershipBackoff, start_membership
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -49,13 +50,16 @@ def joined(start_control_plane, real_worker, fixtures_dir):
         cp = start_control_plane(**overrides)
         from worker.rpc.fetch import ControlPlaneFetcher
 
-        engine.fetcher = ControlPlaneFetcher(cp.addr, engine.worker_id)  # what serve_worker sets up
+        # what serve_worker sets up
+        engine.fetcher = ControlPlaneFetcher(cp.addr, engine.worker_id, secret=WORKER_SECRET)
         stop = threading.Event()
         stops.append(stop)
         hello = control_plane_pb2.WorkerHello(
             worker_id=engine.worker_id, addr=f"127.0.0.1:{port}", model="gemma3", n_slots=2
         )
-        thread = start_membership(cp.addr, hello, stop, backoff=MembershipBackoff(initial_s=0.05, max_s=0.2))
+        thread = start_membership(
+            cp.addr, hello, stop, backoff=MembershipBackoff(initial_s=0.05, max_s=0.2), secret=WORKER_SECRET
+        )
         assert thread.registered.wait(60)
         return cp, worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 

@@ -23,6 +23,7 @@ import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2, worker_pb2_grpc
 from tests.control_plane_helpers import MiB, by_path, rpc_error, upload
+from tests.live_servers import WORKER_SECRET
 from worker.rpc.membership import MembershipBackoff, start_membership
 
 pytestmark = pytest.mark.integration
@@ -88,9 +89,12 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
 
 
 class WorkerProcess:
-    """A scripted worker server plus its membership thread."""
+    """A scripted worker server plus its membership thread (presenting ``secret``)."""
 
-    def __init__(self, worker_id: str, cp_addr: str, n_slots: int = 2) -> None:
+    secret: str | None = WORKER_SECRET
+
+    def __init__(self, worker_id: str, cp_addr: str, n_slots: int = 2, secret: str | None = WORKER_SECRET) -> None:
+        self.secret = secret
         self.servicer = ScriptedWorker(worker_id)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.max_receive_message_length", 64 * MiB)]
@@ -108,7 +112,7 @@ class WorkerProcess:
 
     def join(self) -> None:
         self.stop_event = threading.Event()
-        self.thread = start_membership(self.cp_addr, self.hello, self.stop_event, backoff=FAST)
+        self.thread = start_membership(self.cp_addr, self.hello, self.stop_event, backoff=FAST, secret=self.secret)
         assert self.thread.registered.wait(20), "worker did not register"
 
     def leave(self) -> None:
@@ -181,11 +185,11 @@ def test_registration_pushes_nothing_and_fetch_streams_bytes_in_chunks(cluster, 
     digest = hashlib.sha256(shout.read_bytes()).hexdigest()
     assert (header.id, header.sha256, header.fetch_on_demand, header.data) == (0, digest, True, b"")
     assert header.HasField("pinned") and header.pinned is False
-    chunks = list(cp.stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256=digest, worker_id="w1")))
+    chunks = list(cp.worker_stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256=digest, worker_id="w1")))
     assert len(chunks) == -(-shout.stat().st_size // MiB) and all(len(c.data) <= MiB for c in chunks)
     assert hashlib.sha256(b"".join(c.data for c in chunks)).hexdigest() == digest
     with pytest.raises(grpc.RpcError) as info:
-        list(cp.stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256="0" * 64)))
+        list(cp.worker_stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256="0" * 64)))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and "0" * 64 in info.value.details()
     info = workers_of(cp)["w1"]
     assert (info.state, info.addr, info.n_slots) == ("alive", w.hello.addr, 2)

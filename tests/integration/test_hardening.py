@@ -57,7 +57,7 @@ def _scripted(monkeypatch, cp_addr: str, name: str = "w1", n_slots: int = 2, **m
     from worker.rpc import membership
 
     monkeypatch.setattr(
-        routing, "start_membership", lambda *a, **kw: membership.start_membership(*a, **kw, **membership_kw)
+        routing, "start_membership", lambda *a, **kw: membership.start_membership(*a, **{**kw, **membership_kw})
     )
     return routing.WorkerProcess(name, cp_addr, n_slots=n_slots)
 
@@ -81,8 +81,9 @@ def test_membership_needs_the_worker_secret_and_the_real_worker_keeps_serving(st
 
 
 def test_untrusted_membership_cannot_take_over_a_live_worker_id(start_control_plane, monkeypatch):
-    cp = start_control_plane(heartbeat_interval_s=0.2)  # no secret: membership open
-    w = _scripted(monkeypatch, cp.addr)
+    # no secret and --insecure-workers: membership open
+    cp = start_control_plane(worker_secret=None, insecure_workers=True, heartbeat_interval_s=0.2)
+    w = _scripted(monkeypatch, cp.addr, secret=None)
     try:
         rogue = control_plane_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
         for call in (cp.stub.RegisterWorker, cp.stub.Heartbeat):
@@ -103,7 +104,7 @@ def test_registration_flood_to_unreachable_addresses_never_stalls_reads(start_co
     for i in range(60):  # each names an address nobody listens on (a join would dial it 5 s)
         hello = control_plane_pb2.WorkerHello(worker_id=f"rogue-{i}", addr=f"10.255.255.1:{1000 + i}")
         try:
-            ack = cp.stub.RegisterWorker(hello, timeout=5)
+            ack = cp.worker_stub.RegisterWorker(hello, timeout=5)
             assert not ack.joined
             codes.append(grpc.StatusCode.OK)
         except grpc.RpcError as exc:
@@ -195,7 +196,7 @@ def test_no_worker_can_admit_is_resource_exhausted_at_the_control_plane(start_co
 
 
 def test_generate_streams_beyond_the_limit_are_refused_at_once_and_reads_answer(start_control_plane, monkeypatch):
-    cp = start_control_plane(heartbeat_interval_s=0.2, max_threads=12, max_streams=3)
+    cp = start_control_plane(heartbeat_interval_s=0.2, max_threads=16, max_streams=3)
     w = _scripted(monkeypatch, cp.addr, n_slots=50)
     try:
         held = [cp.stub.Generate(pb.GenerateRequest(text="hang"), timeout=20) for _ in range(3)]

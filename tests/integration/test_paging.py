@@ -16,8 +16,9 @@ import pytest
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from loraplane.worker_secret import with_secret
 from tests.control_plane_helpers import write_adapter
-from tests.live_servers import LiveControlPlane, start_control_plane, start_worker, wait_until
+from tests.live_servers import WORKER_SECRET, LiveControlPlane, start_control_plane, start_worker, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -46,7 +47,9 @@ class Cluster:
             start_worker(handle, model, root / f"w{i}.log", slots=5, extra_args=POOL_ARGS, worker_id=f"pg-w{i}")
             self.workers.append(handle)
         self.lp = LoraplaneClient(self.cp.addr)
-        self.channels = {w.worker_id: grpc.insecure_channel(w.worker_addr) for w in self.workers}
+        self.channels = {
+            w.worker_id: with_secret(grpc.insecure_channel(w.worker_addr), WORKER_SECRET) for w in self.workers
+        }
 
     def direct(
         self,

@@ -36,10 +36,12 @@ from click.testing import CliRunner
 from clients.cli import cli
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
+from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
 from loraplane.v1 import common_pb2, worker_pb2_grpc
+from loraplane.worker_secret import with_secret
 from tests.control_plane_helpers import write_adapter
-from tests.live_servers import wait_until
+from tests.live_servers import WORKER_SECRET, wait_until
 from tests.postgres_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -55,6 +57,7 @@ def _env() -> dict[str, str]:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
         "PYTHONUNBUFFERED": "1",
+        ENV_WORKER_SECRET: WORKER_SECRET,  # both control planes and the worker
     }
 
 
@@ -139,7 +142,7 @@ class Cluster:
         import grpc
 
         with grpc.insecure_channel(info.addr) as ch:
-            worker_pb2_grpc.WorkerStub(ch).LoadAdapter(
+            worker_pb2_grpc.WorkerStub(with_secret(ch, WORKER_SECRET)).LoadAdapter(
                 iter([common_pb2.AdapterChunk(id=adapter_id, sha256=sha256, fetch_on_demand=True)]), timeout=30
             )
 
@@ -148,7 +151,9 @@ class Cluster:
         import grpc
 
         with grpc.insecure_channel(info.addr) as ch:
-            reply = worker_pb2_grpc.WorkerStub(ch).ListAdapters(common_pb2.Empty(), timeout=30)
+            reply = worker_pb2_grpc.WorkerStub(with_secret(ch, WORKER_SECRET)).ListAdapters(
+                common_pb2.Empty(), timeout=30
+            )
         return {a.id for a in reply.adapters}
 
     def close(self) -> None:

@@ -20,7 +20,9 @@ from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import FinishedEvent, TokenEvent
 from clients.serve import worker_command
+from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
+from tests.live_servers import WORKER_SECRET
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -32,7 +34,7 @@ def start_worker(cp_addr: str, worker_id: str) -> subprocess.Popen:
     return subprocess.Popen(
         worker_command(cp_addr, worker_id, ["--slots", "4", "--device", "cpu", "--n-ctx", "512"]),
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), ENV_WORKER_SECRET: WORKER_SECRET},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

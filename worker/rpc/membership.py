@@ -7,7 +7,9 @@
      (capped, interruptible through ``stop_event``) and tries again;
   2. calls ``Heartbeat`` every ``WorkerAck.heartbeat_interval_ms``; a NOT_FOUND answer means
      the control plane forgot us (it restarted, or could not dial us back), so we register
-     again; other failures are logged and the next heartbeat is tried on schedule — gRPC
+     again; RESOURCE_EXHAUSTED (its membership cap taken, e.g. by a flood) is retried within
+     the interval after a short pause (the server's pushback, at most a quarter interval);
+     other failures are logged and the next heartbeat is tried on schedule — gRPC
      reconnects the channel itself.
 
 ``RegisterWorker`` answers at once; the control plane then dials the worker back and announces
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from loraplane.interceptors import pushback_s
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 from loraplane.worker_secret import with_secret
 
@@ -134,7 +137,10 @@ class _Membership:
             except grpc.FutureTimeoutError:
                 log_.warning("control_plane_unreachable", retry_in_s=delay)
             except grpc.RpcError as exc:
-                log_.warning("register_failed", code=exc.code().name, error=exc.details(), retry_in_s=delay)
+                # UNAUTHENTICATED: the control plane wants a (different) worker secret; its
+                # message says what to configure
+                level = log_.error if exc.code() == grpc.StatusCode.UNAUTHENTICATED else log_.warning
+                level("register_failed", code=exc.code().name, error=exc.details(), retry_in_s=delay)
             if self.stop.wait(delay):
                 return None
             delay = min(delay * self.backoff.multiplier, self.backoff.max_s)
@@ -144,7 +150,7 @@ class _Membership:
         """Heartbeat every interval until stopped or the control plane no longer knows us."""
         while not self.stop.wait(interval_s if self.registered.is_set() else min(interval_s, JOIN_POLL_S)):
             try:
-                ack = stub.Heartbeat(self._heartbeat_hello(), timeout=self.backoff.heartbeat_timeout_s)
+                ack = self._heartbeat(stub, interval_s)
                 if ack.heartbeat_interval_ms:
                     interval_s = ack.heartbeat_interval_ms / 1000.0
                 if ack.joined and not self.registered.is_set():
@@ -156,6 +162,24 @@ class _Membership:
                     self.registered.clear()
                     return
                 log_.warning("heartbeat_failed", code=exc.code().name, error=exc.details())
+
+    def _heartbeat(self, stub, interval_s: float) -> control_plane_pb2.WorkerAck:
+        """One Heartbeat, retried on RESOURCE_EXHAUSTED for up to 3/4 of the interval.
+
+        Raises:
+            grpc.RpcError: the last failure.
+        """
+        hello = self._heartbeat_hello()
+        give_up = time.monotonic() + 0.75 * interval_s
+        while True:
+            try:
+                return stub.Heartbeat(hello, timeout=self.backoff.heartbeat_timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                wait = min(pushback_s(exc.trailing_metadata()) or 0.05, interval_s / 4)
+                if time.monotonic() + wait > give_up or self.stop.wait(wait):
+                    raise
 
 
 class MembershipThread(threading.Thread):

@@ -1,0 +1,230 @@
+"""No open door for workers: the worker secret by default, caps and deadlines on FetchAdapter.
+
+A real control plane in this process (``start_control_plane``), real sockets, raw gRPC callers
+playing outsiders, and the scripted worker of ``test_control_plane_routing`` (no model):
+
+- without a worker secret, RegisterWorker / Heartbeat / FetchAdapter are refused
+  UNAUTHENTICATED with a message saying what to configure, and an outsider gets no adapter
+  bytes; ``insecure_workers`` (``--insecure-workers``) opens them as before;
+- a flood of unauthenticated membership calls never gets the real worker declared dead;
+- 100 stalled FetchAdapter readers (insiders, with the secret) leave health and reads
+  answering, and the stalled calls are cut off after the stall timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+import structlog
+import structlog.testing
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from loraplane.env import ENV_WORKER_SECRET
+from loraplane.v1 import common_pb2 as pb
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+from loraplane.worker_secret import WORKER_SECRET_KEY
+from tests.control_plane_helpers import MiB, upload
+from tests.live_servers import WORKER_SECRET
+
+pytestmark = pytest.mark.integration
+
+HINT = "--worker-secret or $LORAPLANE_WORKER_SECRET"
+
+
+def _worker(monkeypatch, cp_addr: str, *, secret: str | None, wait: bool = True, **kw):
+    """The scripted worker of test_control_plane_routing presenting ``secret``."""
+    import tests.integration.test_control_plane_routing as routing
+
+    if wait:
+        return routing.WorkerProcess("w1", cp_addr, secret=secret, **kw)
+    monkeypatch.setattr(routing.WorkerProcess, "join", lambda self: None)
+    w = routing.WorkerProcess("w1", cp_addr, secret=secret, **kw)
+    monkeypatch.undo()
+    return w
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def _fetch(stub, sha256: str, metadata=None, timeout: float = 10.0) -> tuple[bytes, grpc.RpcError | None]:
+    """Every byte FetchAdapter streams before it ends, and the error it ends with (None: OK)."""
+    data = b""
+    try:
+        for chunk in stub.FetchAdapter(
+            control_plane_pb2.FetchAdapterRequest(sha256=sha256, worker_id="outsider"),
+            metadata=metadata,
+            timeout=timeout,
+        ):
+            data += chunk.data
+    except grpc.RpcError as exc:
+        return data, exc
+    return data, None
+
+
+def test_without_a_secret_worker_rpcs_are_refused_saying_what_to_do(start_control_plane, fixtures_dir, monkeypatch):
+    monkeypatch.delenv(ENV_WORKER_SECRET, raising=False)
+    cp = start_control_plane(worker_secret=None, heartbeat_interval_s=0.2)
+    sea = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")  # admin calls stay as they were
+    hello = control_plane_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
+    for md in (None, [(WORKER_SECRET_KEY, "anything")]):
+        for call in (cp.stub.RegisterWorker, cp.stub.Heartbeat):
+            with pytest.raises(grpc.RpcError) as info:
+                call(hello, metadata=md, timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert HINT in info.value.details() and "--insecure-workers" in info.value.details()
+        data, err = _fetch(cp.stub, sea.sha256, md)
+        assert data == b"" and err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert HINT in err.details()
+    # a real worker without a secret does not get in either
+    w = _worker(monkeypatch, cp.addr, secret=None, wait=False)
+    try:
+        w.stop_event = threading.Event()
+        from worker.rpc.membership import MembershipBackoff, start_membership
+
+        w.thread = start_membership(cp.addr, w.hello, w.stop_event, backoff=MembershipBackoff(initial_s=0.05))
+        assert not w.thread.registered.wait(0.5)
+        assert list(cp.stub.ListWorkers(pb.Empty()).workers) == []
+    finally:
+        w.close()
+
+
+def test_start_up_log_says_workers_cannot_join(start_control_plane, monkeypatch):
+    monkeypatch.delenv(ENV_WORKER_SECRET, raising=False)
+    with structlog.testing.capture_logs() as logs:
+        start_control_plane(worker_secret=None)
+    [entry] = [e for e in logs if e["event"] == "workers_cannot_join"]
+    assert entry["log_level"] == "warning" and HINT in entry["reason"]
+
+
+def test_insecure_workers_opens_the_door_as_before(start_control_plane, fixtures_dir, monkeypatch):
+    monkeypatch.delenv(ENV_WORKER_SECRET, raising=False)
+    with structlog.testing.capture_logs() as logs:
+        cp = start_control_plane(worker_secret=None, insecure_workers=True, heartbeat_interval_s=0.2)
+    [entry] = [e for e in logs if e["event"] == "insecure_workers"]
+    assert entry["log_level"] == "warning" and "trusted network" in entry["warning"]
+    sea = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")
+    data, err = _fetch(cp.stub, sea.sha256)
+    assert err is None and hashlib.sha256(data).hexdigest() == sea.sha256
+    w = _worker(monkeypatch, cp.addr, secret=None)  # joins without a secret
+    try:
+        [info] = cp.stub.ListWorkers(pb.Empty()).workers
+        assert (info.worker_id, info.state) == ("w1", "alive")
+    finally:
+        w.close()
+
+
+def test_with_a_secret_an_outsider_gets_no_adapter_bytes(start_control_plane, fixtures_dir):
+    cp = start_control_plane()  # the fixture's worker secret
+    sea = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")
+    for md in (None, [(WORKER_SECRET_KEY, "wrong")], [("authorization", f"Bearer {WORKER_SECRET}")]):
+        data, err = _fetch(cp.stub, sea.sha256, md)
+        assert data == b"" and err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED, md
+    data, err = _fetch(cp.worker_stub, sea.sha256)
+    assert err is None and hashlib.sha256(data).hexdigest() == sea.sha256
+
+
+def test_unauthenticated_membership_flood_never_gets_the_real_worker_declared_dead(start_control_plane, monkeypatch):
+    cp = start_control_plane(heartbeat_interval_s=0.2, dead_after_missed=3)
+    w = _worker(monkeypatch, cp.addr, secret=WORKER_SECRET)
+    stop = threading.Event()
+    codes: list[grpc.StatusCode] = []
+
+    def flood(i: int) -> None:
+        ch = grpc.insecure_channel(cp.addr)
+        stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+        # the real worker's own id: the flood impersonates it
+        hello = control_plane_pb2.WorkerHello(worker_id="w1", addr=f"127.0.0.1:{9 + i}", n_slots=4)
+        while not stop.is_set():
+            for call in (stub.Heartbeat, stub.RegisterWorker):
+                try:
+                    call(hello, timeout=5)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+        ch.close()
+
+    states: set[str] = set()
+    try:
+        with futures.ThreadPoolExecutor(24) as pool:
+            for i in range(24):
+                pool.submit(flood, i)
+            t_end = time.monotonic() + 1.8  # three times dead_after (0.6 s)
+            while time.monotonic() < t_end:
+                states.update(x.state for x in cp.stub.ListWorkers(pb.Empty(), timeout=5).workers)
+                time.sleep(0.05)
+            stop.set()
+        assert states == {"alive"}
+        assert len(codes) > 50 and set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
+        [info] = cp.stub.ListWorkers(pb.Empty()).workers
+        assert (info.addr, info.state) == (w.hello.addr, "alive")
+    finally:
+        stop.set()
+        w.close()
+
+
+def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_off(
+    start_control_plane, fixtures_dir, monkeypatch
+):
+    cp = start_control_plane(heartbeat_interval_s=0.2, dead_after_missed=10, fetch_stall_timeout_s=1.0)
+    big = upload(cp.stub, fixtures_dir / "adapters" / "shout_embd.gguf")  # 10.9 MB
+    w = _worker(monkeypatch, cp.addr, secret=WORKER_SECRET)
+    md = [(WORKER_SECRET_KEY, WORKER_SECRET)]
+    # one connection per reader, BDP probing off: the transport takes ~64 KiB, not MiBs, so
+    # each admitted call stalls after one chunk (what an attacker would do)
+    options = [
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.max_receive_message_length", 64 * MiB),
+    ]
+    channels = [grpc.insecure_channel(cp.addr, options=options) for _ in range(100)]
+    try:
+        req = control_plane_pb2.FetchAdapterRequest(sha256=big.sha256, worker_id="stalled")
+        calls = [control_plane_pb2_grpc.ControlPlaneStub(ch).FetchAdapter(req, metadata=md) for ch in channels]
+        stalled, refused = [], []
+        for call in calls:  # read one chunk (or the refusal), then stop reading
+            try:
+                assert len(next(call).data) == MiB
+                stalled.append(call)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                assert "adapter fetch" in exc.details() and "--max-fetches" in exc.details()
+                refused.append(call)
+        assert len(stalled) == 4 and len(refused) == 96  # the default cap
+        health = health_pb2_grpc.HealthStub(cp.channel)
+        worst = 0.0
+        for _ in range(10):  # while the 4 stall
+            t = time.monotonic()
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+            assert big.id in [a.id for a in cp.stub.ListAdapters(pb.Empty(), timeout=5).adapters]
+            worst = max(worst, time.monotonic() - t)
+        assert worst < 5.0
+        # the stalled calls are cut off (CANCELLED) after the 1 s stall timeout, unread...
+        assert _wait_for(lambda: cp.state.fetch_watchdog.cut_off == 4, 15.0)
+        for call in stalled:
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in call:  # what the transport had taken before the cut
+                    pass
+            assert info.value.code() == grpc.StatusCode.CANCELLED
+        # ...and their threads and permits are back: a fetch gets every byte
+        data, err = _fetch(cp.worker_stub, big.sha256)
+        assert err is None and hashlib.sha256(data).hexdigest() == big.sha256
+        [info] = cp.stub.ListWorkers(pb.Empty()).workers
+        assert info.state == "alive"  # fetches have their own cap: heartbeats got through
+    finally:
+        for ch in channels:
+            ch.close()
+        w.close()
