@@ -2,7 +2,8 @@
 
 ``LoraplaneServers``: one control plane and one worker, each a subprocess
 (``python -m clients.cli control-plane …`` and ``… worker --control-plane …``), both started
-at once (the worker retries registering until the control plane is up). Their logs go to
+at once (the worker retries registering until the control plane is up), sharing a worker
+secret generated for the run (`WORKER_SECRET`, in their environment). Their logs go to
 files in the run's temp dir. ``LlamaServer``: the optional llama-server peer
 (``$LLAMA_SERVER``), started with the same GGUF and adapters.
 """
@@ -23,9 +24,11 @@ from typing import IO, TypedDict
 import grpc
 
 from clients.client import LoraplaneClient
+from loraplane.env import ENV_WORKER_SECRET
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.process import stop_process
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from loraplane.worker_secret import new_worker_secret, with_secret
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 900.0
@@ -62,11 +65,17 @@ class WorkerFlags(TypedDict):
     weights: str
 
 
+WORKER_SECRET = new_worker_secret()
+"""The worker secret every control plane and worker of this bench run shares (through
+``$LORAPLANE_WORKER_SECRET``: a control plane without one refuses workers)."""
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("LORAPLANE_ADMIN_TOKEN", None)
+    env[ENV_WORKER_SECRET] = WORKER_SECRET
     return env
 
 
@@ -206,7 +215,7 @@ class LoraplaneServers:
                 )
             time.sleep(0.25)
         self._worker_channel = grpc.insecure_channel(self.worker_addr, options=GRPC_MESSAGE_OPTIONS)
-        self._worker_stub = worker_pb2_grpc.WorkerStub(self._worker_channel)
+        self._worker_stub = worker_pb2_grpc.WorkerStub(with_secret(self._worker_channel, WORKER_SECRET))
 
     def _check_alive(self) -> None:
         for what, proc in (("control plane", self.cp), ("worker", self.worker)):

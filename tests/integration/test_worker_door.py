@@ -14,9 +14,13 @@ playing outsiders, and the scripted worker of ``test_control_plane_routing`` (no
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -25,14 +29,17 @@ import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplane.env import ENV_WORKER_SECRET
+from loraplane.process import stop_process
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 from loraplane.worker_secret import WORKER_SECRET_KEY
 from tests.control_plane_helpers import MiB, upload
 from tests.live_servers import WORKER_SECRET
+from tests.serve_helpers import free_port
 
 pytestmark = pytest.mark.integration
 
+ROOT = Path(__file__).resolve().parents[2]
 HINT = "--worker-secret or $LORAPLANE_WORKER_SECRET"
 
 
@@ -228,3 +235,62 @@ def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_
         for ch in channels:
             ch.close()
         w.close()
+
+
+def test_cli_flags():
+    from click.testing import CliRunner
+
+    from clients.cli import cli
+
+    cp_help = CliRunner().invoke(cli, ["control-plane", "--help"]).output
+    for flag in ("--insecure-workers", "--max-fetches", "--fetch-stall-timeout", "--worker-secret"):
+        assert flag in cp_help, flag
+    serve_help = CliRunner().invoke(cli, ["serve", "--help"]).output
+    assert "--max-fetches" in serve_help and "--insecure-workers" not in serve_help  # serve has its secret
+
+
+# ---- slow: the real `loraplane control-plane` processes ------------------------------------
+
+
+def _spawn_control_plane(tmp_path, name: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    addr = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env.pop(ENV_WORKER_SECRET, None)
+    cmd = [sys.executable, "-m", "clients.cli", "control-plane", "--addr", addr, "--data-dir", str(tmp_path / name)]
+    with open(tmp_path / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(
+            [*cmd, "--heartbeat-interval", "0.2", *flags],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return proc, addr
+
+
+@pytest.mark.slow
+def test_control_plane_command_closes_the_door_by_default_and_insecure_workers_opens_it(tmp_path, monkeypatch):
+    closed, closed_addr = _spawn_control_plane(tmp_path, "closed")
+    opened, open_addr = _spawn_control_plane(tmp_path, "open", "--insecure-workers")
+    try:
+        for addr in (closed_addr, open_addr):
+            with grpc.insecure_channel(addr) as ch:
+                grpc.channel_ready_future(ch).result(timeout=120)
+        hello = control_plane_pb2.WorkerHello(worker_id="probe", addr="127.0.0.1:9", n_slots=1)
+        with grpc.insecure_channel(closed_addr) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                control_plane_pb2_grpc.ControlPlaneStub(ch).Heartbeat(hello, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and HINT in info.value.details()
+        assert "workers_cannot_join" in (tmp_path / "closed.log").read_text()
+        w = _worker(monkeypatch, open_addr, secret=None)  # a worker without a secret joins
+        try:
+            with grpc.insecure_channel(open_addr) as ch:
+                [info] = control_plane_pb2_grpc.ControlPlaneStub(ch).ListWorkers(pb.Empty(), timeout=10).workers
+            assert (info.worker_id, info.state) == ("w1", "alive")
+        finally:
+            w.close()
+        assert "insecure_workers" in (tmp_path / "open.log").read_text()
+    finally:
+        for proc in (closed, opened):
+            stop_process(proc, 20)

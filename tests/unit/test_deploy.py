@@ -313,3 +313,24 @@ def test_postgres_variant_rolls_with_replicas_and_reads_the_database_secret():
     for arg in c["args"][1:]:
         if arg.startswith("--"):
             assert arg in help_text, arg
+
+
+def test_every_workload_shares_the_worker_secret_and_none_opens_the_door():
+    """A control plane without a worker secret refuses workers (docs/security.md): every
+    control plane and worker takes LORAPLANE_WORKER_SECRET from the same required Secret key,
+    and no manifest or unit passes --insecure-workers."""
+    from loraplane.env import ENV_WORKER_SECRET
+
+    refs = set()
+    for name, workload in all_workloads():
+        c = only_container(workload)
+        env = {e["name"]: e for e in c.get("env", [])}
+        ref = env[ENV_WORKER_SECRET]["valueFrom"]["secretKeyRef"]
+        assert not ref.get("optional", False), name
+        refs.add((ref["name"], ref["key"]))
+        assert "--insecure-workers" not in c.get("args", []), name
+    assert refs == {("loraplane-worker-secret", "secret")}
+    for unit in SYSTEMD.glob("*.service"):
+        text = unit.read_text()
+        assert "--insecure-workers" not in text and ENV_WORKER_SECRET in text, unit.name
+    assert "loraplane-worker-secret" in (DEPLOY / "README.md").read_text()
