@@ -196,6 +196,7 @@ def http_deps(state: ControlPlaneState) -> Any:
         chat_template=template,
         admin_token=admin_token_from(state.config.admin_token),
         metrics_text=state.metrics.exposition if state.metrics is not None else None,
+        write_timeout_s=state.config.http_write_timeout_s,
     )
 
 
