@@ -90,11 +90,16 @@ class Serve:
             self.proc.kill()
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 120.0) -> float:
-    """Seconds until ``predicate()`` held (polled every 10 ms); NaN past ``timeout_s``."""
+WAIT_S = 120.0  # how long one wait may take before it counts as NaN (--timeout)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float | None = None) -> float:
+    """Seconds until ``predicate()`` held (polled every 10 ms); NaN past ``timeout_s``
+    (default `WAIT_S`)."""
+    limit = WAIT_S if timeout_s is None else timeout_s
     t0 = time.monotonic()
     while not predicate():
-        if time.monotonic() - t0 > timeout_s:
+        if time.monotonic() - t0 > limit:
             return float("nan")
         time.sleep(0.01)
     return time.monotonic() - t0
@@ -203,12 +208,15 @@ SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {"drop": drop, "vani
 
 
 def main(argv: list[str] | None = None) -> int:
+    global WAIT_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default=None, help="base model GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ",".join(SCENARIOS))
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--timeout", type=float, default=WAIT_S, help="seconds one wait may take (then NaN)")
     args = ap.parse_args(argv)
+    WAIT_S = args.timeout
     machine = machine_info("packed", "cpu", "float32")
     print(machine_line(machine), f"load {load_avg()}", flush=True)
     results: dict[str, dict] = {}
