@@ -4,8 +4,8 @@ control plane on loopback (gRPC and HTTP) and the scripted worker heartbeating i
 - PostgreSQL stopped (``pg_ctl stop``) and, separately, hung (the postmaster and every backend
   SIGSTOPped: TCP still connects, nothing answers): every call that needs the database fails
   within the promised 2 s (checked under 5 s) with gRPC UNAVAILABLE / HTTP 503 in OpenAI's
-  shape with ``Retry-After``, naming the database; base-model generation, which needs no
-  database, goes on; the worker, heartbeating with holdings every 0.2 s (dead after 0.6 s), is
+  shape with ``Retry-After``, naming the database; base-model generation, ``/health`` and
+  ``/metrics``, which need no database, go on; the worker, heartbeating with holdings every 0.2 s (dead after 0.6 s), is
   alive in every sample taken throughout and after the outage; once the database is back calls
   succeed again and the worker's sighting is written.
 - One adapter row with a metadata column that does not parse (raw SQL), on SQLite: listing,
@@ -151,7 +151,9 @@ def _outage_probes(cp, http: httpx.Client, base_name: str, adapter_id: int, fixt
             json={"lora_name": "shout", "lora_path": str(fixtures_dir / "adapters" / "shout.gguf")},
         ),
         "http unload": lambda: http.post("/v1/unload_lora_adapter", json={"lora_name": "sea"}),
-        # needs no database: the base model alone
+        # need no database: the base model alone, health and metrics
+        "http health": lambda: http.get("/health"),
+        "http metrics": lambda: http.get("/metrics"),
         "http completions(base)": lambda: http.post(
             "/v1/completions", json={"model": base_name, "prompt": "hi", "max_tokens": 2}
         ),
@@ -164,10 +166,13 @@ def _outage_probes(cp, http: httpx.Client, base_name: str, adapter_id: int, fixt
         return {name: f.result() for name, f in running.items()}
 
 
+SERVED_THROUGHOUT = ("http completions(base)", "grpc Generate(no adapters)", "http health", "http metrics")
+
+
 def _check_failed_fast(results: dict, database: str) -> None:
     for name, (seconds, out) in results.items():
         assert seconds < CEILING_S, f"{name} took {seconds:.2f}s (promised {PROMISED_S:g}s)"
-        if name in ("http completions(base)", "grpc Generate(no adapters)"):  # served throughout
+        if name in SERVED_THROUGHOUT:
             ok = out.status_code == 200 if name.startswith("http") else out[-1].HasField("finished")
             assert ok, f"{name}: {out}"
         elif name.startswith("grpc"):
