@@ -35,7 +35,12 @@ import grpc
 import structlog
 
 from control_plane.convert import request_map_or_none, set_resolved_adapters
-from control_plane.errors import ControlPlaneError, ResourceExhaustedError, UnavailableError
+from control_plane.errors import (
+    ControlPlaneError,
+    DatabaseUnavailableError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from control_plane.registry import AdapterRegistry
 from control_plane.resolution import adapter_set_key
 from control_plane.workers import WorkerHandle, WorkerPool
@@ -145,6 +150,8 @@ class Router:
             tried.append(worker.worker_id)
             try:
                 self.pool.ensure_loaded(worker, ids)
+            except DatabaseUnavailableError:
+                raise  # not this worker's fault: trying the others would fail the same way
             except UnavailableError as exc:
                 last_error = str(exc)
                 log.warning("worker_skipped", worker_id=worker.worker_id, error=last_error)

@@ -17,6 +17,7 @@ import structlog
 from control_plane import convert
 from control_plane.errors import (
     ControlPlaneError,
+    DataCorruptionError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
@@ -41,6 +42,7 @@ STATUS_OF: dict[type[ControlPlaneError], grpc.StatusCode] = {
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    DataCorruptionError: grpc.StatusCode.DATA_LOSS,
 }
 
 
