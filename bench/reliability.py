@@ -10,7 +10,9 @@ loopback sockets:
   token;
 - ``vanish``: a non-streaming 2000-token request whose client closes after 0.5 s: seconds until
   its capacity is back (in flight 0) and the worker counted it ``cancelled``;
-- ``health``: ``GET /health`` latency while 68 streams are admitted (4 running, 64 queued).
+- ``health``: ``GET /health`` latency while 68 streams are admitted (4 running, 64 queued);
+- ``pg``: a PostgreSQL outage as the store sees it (its own server; the server stopped, then
+  hung): seconds per failed call, and to the first success once it is back.
 
 Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
 printed with them (the worker inherits this environment). Targets (issue "Reliability round 3"):
@@ -204,7 +206,63 @@ def health(serve: Serve, probes: int = 10) -> dict[str, float]:
         wait_until(lambda: serve.in_flight() == 0)
 
 
-SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {"drop": drop, "vanish": vanish, "health": health}
+def pg_outage(_serve: Serve | None = None, calls: int = 5) -> dict[str, float]:
+    """A PostgreSQL outage seen by the store (no serve needed): seconds per failed call with the
+    server stopped and with it hung (every process SIGSTOPped), and seconds to the first
+    success once it is back. Starts its own PostgreSQL (``tests/postgres_server.py``: needs
+    the repository checkout)."""
+    from control_plane.errors import DatabaseUnavailableError
+    from control_plane.store import open_store
+    from tests.postgres_server import start_postgres
+
+    server = start_postgres()
+    out: dict[str, float] = {}
+    try:
+        store = open_store(server.create_database("bench"), tempfile.mkdtemp(prefix="loraplane-bench-pg-"))
+        store.list()
+        for kind in ("stopped", "hung"):
+            frozen: list[int] = []
+            if kind == "stopped":
+                server.halt()
+            else:
+                frozen = server.freeze()
+            seconds = []
+            try:
+                for _ in range(calls):
+                    t0 = time.monotonic()
+                    try:
+                        store.list()
+                        raise RuntimeError("a store call succeeded during the outage")
+                    except DatabaseUnavailableError:
+                        seconds.append(time.monotonic() - t0)
+            finally:
+                if kind == "stopped":
+                    server.resume_after_halt()
+                else:
+                    server.thaw(frozen)
+
+            def back() -> bool:
+                try:
+                    store.list()
+                    return True
+                except DatabaseUnavailableError:
+                    return False
+
+            out[f"{kind}_call_s"] = sorted(seconds)[len(seconds) // 2]
+            out[f"{kind}_first_success_after_back_s"] = wait_until(back)
+        store.close()
+    finally:
+        server.stop()
+    return out
+
+
+SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
+    "drop": drop,
+    "vanish": vanish,
+    "health": health,
+    "pg": pg_outage,
+}
+NEEDS_SERVE = ("drop", "vanish", "health")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,19 +278,29 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info("packed", "cpu", "float32")
     print(machine_line(machine), f"load {load_avg()}", flush=True)
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="loraplane-bench-reliability-") as tmp:
-        serve = Serve(args.model, Path(tmp))
-        try:
-            serve.wait_ready()
-            for name in args.scenarios.split(","):
-                runs = [SCENARIOS[name](serve) for _ in range(args.reps)]
-                for key in runs[0]:
-                    fig = Figure.of((r[key] for r in runs), "s")
-                    results[f"{name}.{key}"] = fig.to_json()
-                    spread = f"[{fig.min:.3f}–{fig.max:.3f}] (n={fig.n})"
-                    print(f"{name:8s} {key:28s} {fig.median:8.3f} s {spread}", flush=True)
-        finally:
-            serve.stop()
+    names = args.scenarios.split(",")
+
+    def run(name: str, serve: Serve | None) -> None:
+        runs = [SCENARIOS[name](serve) for _ in range(args.reps)]  # type: ignore[arg-type]
+        for key in runs[0]:
+            fig = Figure.of((r[key] for r in runs), "s")
+            results[f"{name}.{key}"] = fig.to_json()
+            spread = f"[{fig.min:.3f}–{fig.max:.3f}] (n={fig.n})"
+            print(f"{name:8s} {key:36s} {fig.median:8.3f} s {spread}", flush=True)
+
+    if any(n in NEEDS_SERVE for n in names):
+        with tempfile.TemporaryDirectory(prefix="loraplane-bench-reliability-") as tmp:
+            serve = Serve(args.model, Path(tmp))
+            try:
+                serve.wait_ready()
+                for name in names:
+                    if name in NEEDS_SERVE:
+                        run(name, serve)
+            finally:
+                serve.stop()
+    for name in names:
+        if name not in NEEDS_SERVE:
+            run(name, None)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "results": results}, indent=2) + "\n")
     return 0
