@@ -83,6 +83,8 @@ class ControlPlaneConfig:
             (INVALID_ARGUMENT); the workers' ``--max-lora-rank``.
         log_level: structlog level ("debug", "info", ...).
         http_addr: host:port of the OpenAI-compatible HTTP front (None: off; port 0 picks one).
+        http_write_timeout_s: seconds an HTTP response write may wait on a client that reads
+            nothing; past it the client counts as gone and its generation is cancelled.
         metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP
             front serves ``/metrics`` too).
         chat_template: jinja2 chat template file overriding the model's (None: the GGUF's
@@ -119,6 +121,7 @@ class ControlPlaneConfig:
     max_lora_rank: int = 64
     log_level: str = "info"
     http_addr: str | None = None
+    http_write_timeout_s: float = 30.0
     metrics_addr: str | None = None
     chat_template: str | None = None
     served_model_name: str | None = None

@@ -34,7 +34,32 @@ class UnauthenticatedError(ControlPlaneError):
 
 
 class UnavailableError(ControlPlaneError):
-    """No live worker, or the chosen worker failed."""
+    """No live worker, the chosen worker failed, or the database is unreachable; the client
+    may retry (gRPC UNAVAILABLE; HTTP 503 with ``Retry-After: retry_after_s``)."""
+
+    retry_after_s: int = 1
+
+
+class DatabaseUnavailableError(UnavailableError):
+    """The control plane's database (`control_plane.store`) could not be reached or did not
+    answer within its bounded timeouts (connect, pool wait, statement: 2 s each).
+
+    The message names the database without credentials and the reason, e.g.
+    ``database unavailable (postgresql://lp@db:5432/lp: connection refused); retry later``.
+    """
+
+    retry_after_s: int = 2
+
+    def __init__(self, database: str, reason: str) -> None:
+        super().__init__(f"database unavailable ({database}: {reason}); retry later")
+        self.database = database
+        self.reason = reason
+
+
+class DataCorruptionError(ControlPlaneError):
+    """A stored record that cannot be read: a database row whose columns do not parse
+    (e.g. an adapter's ``metadata`` that is not a JSON object). Listing and routing skip such
+    a row; asking for it by id raises this (gRPC DATA_LOSS, HTTP 500) naming the row."""
 
 
 def describe_ids(ids: list[int] | tuple[int, ...] | set[int]) -> str:

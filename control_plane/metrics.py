@@ -114,9 +114,15 @@ class ControlPlaneMetrics:
 
     # -- the router hook -----------------------------------------------------------------
     def track(
-        self, vector: Sequence[tuple[int, float]], events: Iterator[common_pb2.GenerateEvent]
+        self, vector: Sequence[tuple[int, float]], events: Iterator[common_pb2.GenerateEvent], context=None
     ) -> Iterator[common_pb2.GenerateEvent]:
-        """Relay ``events`` unchanged, counting the request (see the module docstring)."""
+        """Relay ``events`` unchanged, counting the request (see the module docstring).
+
+        ``context`` (the router's client context, optional): when the client goes away the
+        request leaves the running/waiting gauges at once and is counted ``cancelled``, even
+        while this generator is suspended; a relay that ends without ``finished`` after the
+        client left is ``cancelled`` too, not ``error``.
+        """
         ids = tuple(i for i, s in vector if s != 0.0)
         labels = [self.labels(str(i)) for i in ids] or [NO_ADAPTER_LABEL]
         key = next(self._ids)
@@ -125,8 +131,32 @@ class ControlPlaneMetrics:
             self._in_flight[key] = entry
         t0 = time.monotonic()
         last: float | None = None
+        counts = {"prompt": 0, "cached": 0, "out": 0}
+        done = threading.Lock()
+        counted = False
+
+        def count(outcome: str) -> None:
+            nonlocal counted
+            with done:
+                if counted:
+                    return
+                counted = True
+            with self._lock:
+                self._in_flight.pop(key, None)
+            for label in labels:
+                self.requests.labels(outcome, label).inc()
+                self.prompt_tokens.labels(label).inc(counts["prompt"])
+                self.cached_tokens.labels(label).inc(counts["cached"])
+                self.generation_tokens.labels(label).inc(counts["out"])
+
+        finish: list[str] = []  # the finish reason, once the worker sent it
+
+        def client_gone() -> None:
+            count(finish[0] if finish else "cancelled")
+
+        if context is not None and not context.add_callback(client_gone):
+            client_gone()
         outcome = "error"
-        n_prompt = n_cached = n_out = 0
         try:
             for ev in events:
                 kind = ev.WhichOneof("event")
@@ -134,17 +164,20 @@ class ControlPlaneMetrics:
                 if kind == "started":
                     entry.running = True
                 elif kind == "token":
-                    n_out += 1
+                    counts["out"] += 1
                     self.ttft.observe(now - t0) if last is None else self.itl.observe(now - last)
                     last = now
                 elif kind == "finished":
                     outcome = ev.finished.finish_reason or "stop"
-                    n_prompt = ev.finished.telemetry.prompt_tokens
-                    n_cached = ev.finished.telemetry.cached_prompt_tokens
+                    finish.append(outcome)
+                    counts["prompt"] = ev.finished.telemetry.prompt_tokens
+                    counts["cached"] = ev.finished.telemetry.cached_prompt_tokens
                     self.e2e.observe(now - t0)
                 yield ev
+            if outcome == "error" and context is not None and not context.is_active():
+                outcome = "cancelled"  # the router ends a relay quietly when its client left
         except GeneratorExit:
-            outcome = "cancelled"
+            outcome = finish[0] if finish else "cancelled"
             raise
         except REJECTED:
             outcome = "rejected"
@@ -157,13 +190,7 @@ class ControlPlaneMetrics:
             close = getattr(events, "close", None)
             if close is not None:
                 close()  # a client that went away: the router cancels the worker call
-            with self._lock:
-                self._in_flight.pop(key, None)
-            for label in labels:
-                self.requests.labels(outcome, label).inc()
-                self.prompt_tokens.labels(label).inc(n_prompt)
-                self.cached_tokens.labels(label).inc(n_cached)
-                self.generation_tokens.labels(label).inc(n_out)
+            count(outcome)
 
     def in_flight(self) -> tuple[list[_InFlight], list[_InFlight]]:
         """``(running, waiting)`` requests now."""

@@ -132,7 +132,16 @@ class AdapterRegistry:
         return self.store.default_set()
 
     def resolve(self, request_map: Mapping[int, float] | None) -> AdapterVector:
-        """A request's resolved vector against the default set as of now (its admission)."""
+        """A request's resolved vector against the default set as of now (its admission).
+
+        An explicit empty map (the base model alone) needs nothing from the store, so such
+        requests are served through a database outage.
+
+        Raises:
+            DatabaseUnavailableError: the store cannot be read (any other map).
+        """
+        if request_map is not None and not request_map:
+            return []
         return resolve_adapter_vector(request_map, self.store.default_set())
 
     def read_chunks(self, record: AdapterRecord, chunk_size: int = 1 << 20) -> Iterator[bytes]:

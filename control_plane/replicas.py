@@ -30,11 +30,20 @@ adapter that replica B announced is unloaded too, whichever replica took the cal
 
 Failures of one tick (database unreachable, a worker that cannot be dialled) are logged and
 retried on the next tick.
+
+**Nothing on the heartbeat path waits for the database.** `record` only notes the latest
+hello per worker in memory; a writer thread of its own writes the sightings (with their age,
+so a late write does not make a heartbeat look newer than it was) and keeps the ones it could
+not write for the next round, every ``interval_s``. A database outage therefore never delays
+or fails a ``Heartbeat``/``RegisterWorker`` answer, and a worker heartbeating this replica
+stays alive here throughout; other replicas see its sightings again once the database is back
+(they keep it alive meanwhile only if it heartbeats them too, e.g. ``--control-plane A,B``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import structlog
 
@@ -66,29 +75,93 @@ class ReplicaSync:
         # Removals before this replica started need no unloading here: a worker it adopts
         # or that registers with it is reconciled against the registry.
         self._removed_seen: set[int] = store.removed_ids()
+        # Sightings not yet written: worker id → (hello, time.monotonic() of the heartbeat).
+        self._pending: dict[str, tuple[control_plane_pb2.WorkerHello, float]] = {}
+        self._pending_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._write_failing = False
 
     def record(self, hello: control_plane_pb2.WorkerHello) -> None:
-        """A worker registered with or heartbeated this replica: tell the others (failures
-        are logged: the worker's own membership here is unaffected)."""
-        try:
-            self.store.record_worker(
-                worker_id=hello.worker_id,
-                addr=hello.addr,
-                model=hello.model,
-                model_sha256=hello.model_sha256,
-                n_slots=hello.n_slots,
+        """A worker registered with or heartbeated this replica: tell the others. Returns at
+        once; the writer thread writes it (`flush_sightings`), so the caller never waits for
+        the database."""
+        copy = control_plane_pb2.WorkerHello(
+            worker_id=hello.worker_id,
+            addr=hello.addr,
+            model=hello.model,
+            model_sha256=hello.model_sha256,
+            n_slots=hello.n_slots,
+        )
+        with self._pending_lock:
+            self._pending[hello.worker_id] = (copy, time.monotonic())
+        self._wake.set()
+
+    def flush_sightings(self) -> bool:
+        """Write the pending sightings; ones that fail (database unavailable) stay pending
+        unless a newer heartbeat of the same worker replaced them. True when all were written.
+        """
+        with self._pending_lock:
+            batch, self._pending = self._pending, {}
+        failed: dict[str, tuple[control_plane_pb2.WorkerHello, float]] = {}
+        error = ""
+        for worker_id, (hello, seen_at) in batch.items():
+            if error:  # the database is down: do not wait on it once per worker
+                failed[worker_id] = (hello, seen_at)
+                continue
+            try:
+                self.store.record_worker(
+                    worker_id=hello.worker_id,
+                    addr=hello.addr,
+                    model=hello.model,
+                    model_sha256=hello.model_sha256,
+                    n_slots=hello.n_slots,
+                    age_s=max(0.0, time.monotonic() - seen_at),
+                )
+            except ControlPlaneError as exc:
+                error = str(exc)
+                failed[worker_id] = (hello, seen_at)
+        with self._pending_lock:
+            for worker_id, item in failed.items():
+                self._pending.setdefault(worker_id, item)  # a newer heartbeat wins
+        if error and not self._write_failing:
+            log.warning(
+                "worker_sightings_not_recorded", workers=sorted(failed), error=error, retry_in_s=self.interval_s
             )
-        except ControlPlaneError as exc:
-            log.warning("worker_sighting_not_recorded", worker_id=hello.worker_id, error=str(exc))
+        elif not error and self._write_failing:
+            log.info("worker_sightings_recorded_again", workers=sorted(batch))
+        self._write_failing = bool(error)
+        return not error
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="replica-sync", daemon=True)
         self._thread.start()
+        self._writer = threading.Thread(target=self._write_loop, name="replica-sightings", daemon=True)
+        self._writer.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._wake.set()
+        for thread in (self._thread, self._writer):
+            if thread is not None:
+                thread.join(timeout=30)
+
+    def _write_loop(self) -> None:
+        """Write sightings as they come; after a failure, retry every ``interval_s``."""
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                ok = self.flush_sightings()
+            except Exception:  # noqa: BLE001 - keep writing; the next round retries
+                log.exception("worker_sightings_write_failed")
+                ok = False
+            if not ok and self._stop.wait(self.interval_s):
+                return
+            if not ok:
+                self._wake.set()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

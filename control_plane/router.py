@@ -12,7 +12,10 @@ One request, top to bottom (`Router.generate`):
      the bytes from us on first use);
   5. open the worker's bidi ``Decode`` stream, submit, relay every event until ``finished``.
 
-The client going away cancels the worker call (``context.add_callback``). A worker that fails
+The client going away cancels the worker call and gives its worker capacity back at once
+(``context.add_callback``): the in-flight count follows the relay's lifetime exactly — it is
+decremented once, on whichever exit comes first (finished, error, client cancel, a disconnect
+the HTTP front detects), never left to the moment a suspended relay generator is collected. A worker that fails
 before the first event is marked failed and the next one is tried; once events have been
 relayed a failure ends the call with UNAVAILABLE naming the worker. Errors the worker returns
 about the request itself (bad prompt, queue full, ...) keep their status code.
@@ -32,7 +35,12 @@ import grpc
 import structlog
 
 from control_plane.convert import request_map_or_none, set_resolved_adapters
-from control_plane.errors import ControlPlaneError, ResourceExhaustedError, UnavailableError
+from control_plane.errors import (
+    ControlPlaneError,
+    DatabaseUnavailableError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from control_plane.registry import AdapterRegistry
 from control_plane.resolution import adapter_set_key
 from control_plane.workers import WorkerHandle, WorkerPool
@@ -86,6 +94,20 @@ class _WorkerFailed(Exception):
         self.code = code
 
 
+class _Once:
+    """``fn`` run at most once, whichever caller comes first (thread-safe)."""
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
 class Router:
     """Picks workers for Generate calls and relays their streams."""
 
@@ -94,7 +116,7 @@ class Router:
         self.pool = pool
         self._affinity: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
-        # ``track(vector, events) -> events`` (control_plane.metrics); None: not counted.
+        # ``track(vector, events, context) -> events`` (control_plane.metrics); None: not counted.
         self.observer: Any = None
 
     def generate(
@@ -113,7 +135,7 @@ class Router:
         vector = self.registry.resolve(request_map_or_none(request))
         set_resolved_adapters(request, vector)
         routed = self._route(request, context, vector)
-        yield from (routed if self.observer is None else self.observer.track(vector, routed))
+        yield from (routed if self.observer is None else self.observer.track(vector, routed, context))
 
     def _route(
         self, request: common_pb2.GenerateRequest, context: ClientContext, vector: list[tuple[int, float]]
@@ -128,6 +150,8 @@ class Router:
             tried.append(worker.worker_id)
             try:
                 self.pool.ensure_loaded(worker, ids)
+            except DatabaseUnavailableError:
+                raise  # not this worker's fault: trying the others would fail the same way
             except UnavailableError as exc:
                 last_error = str(exc)
                 log.warning("worker_skipped", worker_id=worker.worker_id, error=last_error)
@@ -200,8 +224,19 @@ class Router:
         outbox: queue.Queue[worker_pb2.DecodeRequest | None] = queue.Queue()
         outbox.put(worker_pb2.DecodeRequest(submit=request))
         call = worker.stub.Decode(iter(outbox.get, None), timeout=_client_deadline(context))
-        context.add_callback(call.cancel)
         self.pool.begin(worker)
+        release = _Once(lambda: self.pool.end(worker))
+
+        def client_gone() -> None:
+            # Runs on the thread that noticed (gRPC's callback, the HTTP front's disconnect
+            # watcher), possibly while this generator is suspended or blocked: the worker call
+            # and the in-flight count are both released here, not when the generator is
+            # next resumed or collected.
+            call.cancel()
+            release()
+
+        if not context.add_callback(client_gone):
+            client_gone()  # the client left before the call was made
         try:
             for event in call:
                 yield event
@@ -218,7 +253,7 @@ class Router:
         finally:
             outbox.put(None)
             call.cancel()  # no-op once the worker closed the call; frees it otherwise
-            self.pool.end(worker)
+            release()
         if context.is_active():
             raise _WorkerFailed(
                 worker,

@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
 from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
+from control_plane.errors import DatabaseUnavailableError
 from control_plane.fetch import FetchWatchdog
 from control_plane.http.models import served_name
 from control_plane.metrics import ControlPlaneMetrics
@@ -137,10 +138,24 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
 def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: WorkerPool) -> ControlPlaneMetrics:
     """The control plane's Prometheus metrics over the live registry and pool."""
 
+    # Metrics never fail for a database outage: names fall back to ``adapter:<id>`` and the
+    # adapter count to the last one read.
+    last_count = [0]
+
     def adapter_name(adapter_id: int) -> str:
-        records = registry.list()
+        try:
+            records = registry.list()
+        except DatabaseUnavailableError:
+            return f"adapter:{adapter_id}"
         rec = next((r for r in records if r.id == adapter_id), None)
         return served_name(rec, records) if rec is not None else f"adapter:{adapter_id}"
+
+    def n_adapters() -> int:
+        try:
+            last_count[0] = len(registry.list())
+        except DatabaseUnavailableError:
+            pass
+        return last_count[0]
 
     def pool_state() -> tuple[int, int, int]:
         live = pool.live()
@@ -152,7 +167,7 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
     return ControlPlaneMetrics(
         adapter_name=adapter_name,
         pool_state=pool_state,
-        n_adapters=lambda: len(registry.list()),
+        n_adapters=n_adapters,
         adapter_label_cap=config.metrics_max_adapters,
     )
 
@@ -208,6 +223,7 @@ def http_deps(state: ControlPlaneState) -> Any:
         chat_template=template,
         admin_token=admin_token_from(state.config.admin_token),
         metrics_text=state.metrics.exposition if state.metrics is not None else None,
+        write_timeout_s=state.config.http_write_timeout_s,
     )
 
 

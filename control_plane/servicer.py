@@ -18,6 +18,7 @@ from control_plane import convert
 from control_plane.config import DEFAULT_FETCH_STALL_TIMEOUT_S
 from control_plane.errors import (
     ControlPlaneError,
+    DataCorruptionError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
@@ -43,6 +44,7 @@ STATUS_OF: dict[type[ControlPlaneError], grpc.StatusCode] = {
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    DataCorruptionError: grpc.StatusCode.DATA_LOSS,
 }
 
 

@@ -30,6 +30,13 @@ still draining after an unregister are listed under ``draining_ids`` until the w
 them. Heartbeats also carry what each worker holds in its slots and host cache and its paging
 counters (``resident_adapter_ids``, ``host_adapter_ids``, ``paging``), so routing can prefer a
 holder (affinity) on any control plane.
+
+Liveness never waits for the database: membership lives in memory, a heartbeat is recorded
+before anything else, and the reconciliation its report asks for (which reads the registry)
+runs on a thread of its own (`_reconcile_due`, latest report per worker, one registry read
+per round), so a database outage neither delays a heartbeat's answer nor makes a worker look
+dead. A join during an outage skips the registry check (the worker's heartbeats reconcile it
+once the database answers again).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import structlog
 
 from control_plane.errors import (
     ControlPlaneError,
+    DatabaseUnavailableError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
@@ -180,6 +188,11 @@ class WorkerPool:
         self._joining: dict[str, str] = {}  # worker id → address being joined
         self._joins = concurrent.futures.ThreadPoolExecutor(timings.join_threads, thread_name_prefix="cp-join")
         self._unloads = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cp-unload")
+        # Heartbeat reports waiting to be reconciled: worker id → (handle, holdings).
+        self._holdings_due: dict[str, tuple[WorkerHandle, control_plane_pb2.WorkerHoldings]] = {}
+        self._holdings_scheduled = False
+        self._holdings_failing = False
+        self._reconciler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cp-holdings")
 
     # -- membership RPCs ----------------------------------------------------------------
 
@@ -345,14 +358,54 @@ class WorkerPool:
                 _note_holdings(handle, hello)
         self._refresh()
         if hello.HasField("holdings"):
-            self._reconcile_holdings(handle, hello.holdings)
+            self._queue_holdings(handle, hello.holdings)
         return True
 
-    def _reconcile_holdings(self, w: WorkerHandle, holdings: control_plane_pb2.WorkerHoldings) -> None:
+    def _queue_holdings(self, handle: WorkerHandle, holdings: control_plane_pb2.WorkerHoldings) -> None:
+        """Hand a heartbeat's report to the reconciler thread (the newest report per worker
+        replaces an older one still waiting)."""
+        copy = control_plane_pb2.WorkerHoldings()
+        copy.CopyFrom(holdings)
+        with self._lock:
+            self._holdings_due[handle.worker_id] = (handle, copy)
+            if self._holdings_scheduled:
+                return
+            self._holdings_scheduled = True
+        try:
+            self._reconciler.submit(self._reconcile_due)
+        except RuntimeError:  # closed
+            pass
+
+    def _reconcile_due(self) -> None:
+        """Reconciler-thread body: one registry read for every report waiting. The registry
+        unavailable (database outage): the reports are dropped (the next heartbeats bring new
+        ones) and the failure is logged once until it answers again."""
+        with self._lock:
+            due, self._holdings_due = self._holdings_due, {}
+            self._holdings_scheduled = False
+        try:
+            registered = {r.id: r.sha256 for r in self.registry.list()}
+        except ControlPlaneError as exc:
+            if not self._holdings_failing:
+                log.warning("worker_holdings_not_reconciled", workers=sorted(due), error=str(exc))
+            self._holdings_failing = True
+            return
+        if self._holdings_failing:
+            log.info("worker_holdings_reconciled_again", workers=sorted(due))
+        self._holdings_failing = False
+        for handle, holdings in due.values():
+            try:
+                self._reconcile_holdings(handle, holdings, registered)
+            except Exception:  # noqa: BLE001 - one worker's report must not stop the others'
+                log.exception("worker_holdings_reconcile_failed", worker_id=handle.worker_id)
+
+    def _reconcile_holdings(
+        self, w: WorkerHandle, holdings: control_plane_pb2.WorkerHoldings, registered: dict[int, str]
+    ) -> None:
         """Follow the worker's own report: what it holds is what we believe it holds (except
         adapters announced since the report may have been built), and what it holds that the
-        registry no longer has (or has with other content) is unloaded in the background."""
-        registered = {r.id: r.sha256 for r in self.registry.list()}
+        registry (``registered``: id → sha256) no longer has (or has with other content) is
+        unloaded in the background."""
         held = {a.id: a.sha256 for a in holdings.adapters}
         good = {i for i, sha in held.items() if registered.get(i) == sha}
         now = self._clock()
@@ -562,7 +615,15 @@ class WorkerPool:
             raise UnavailableError(
                 f"worker {w.worker_id}: ListAdapters failed: {exc.code().name}: {exc.details()}"
             ) from exc
-        wanted = {r.id: r for r in self.registry.list()}
+        try:
+            wanted = {r.id: r for r in self.registry.list()}
+        except DatabaseUnavailableError as exc:
+            # The database is down: join anyway, believing the worker holds nothing (requests
+            # announce what they need; its heartbeats unload what is stale once it answers).
+            log.warning("worker_join_unreconciled", worker_id=w.worker_id, error=str(exc))
+            with self._lock:
+                w.adapter_ids = set()
+            return
         kept = {i.id for i in held if i.id in wanted and wanted[i.id].sha256 == i.sha256}
         with self._lock:
             w.adapter_ids = set(kept)
@@ -583,6 +644,7 @@ class WorkerPool:
     def close(self) -> None:
         self._joins.shutdown(wait=False, cancel_futures=True)
         self._unloads.shutdown(wait=False, cancel_futures=True)
+        self._reconciler.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             workers, self._workers = list(self._workers.values()), {}
         for w in workers:

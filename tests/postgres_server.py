@@ -45,6 +45,7 @@ import importlib.util
 import os
 import pwd
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -202,6 +203,72 @@ class PostgresServer:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
+    def options(self) -> str:
+        """The server options ``pg_ctl start -o`` gets (port, socket directory, loopback only)."""
+        return (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
+            " -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+        )
+
+    def halt(self) -> None:
+        """Stop the server now (``pg_ctl stop -m fast``: sessions cut off), keeping its data: an outage
+        that `resume_after_halt` ends. Clients see their connections reset and new ones
+        refused."""
+        _run(
+            self.run_as + [str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w", "stop"],
+            cwd=self.root,
+        )
+
+    def resume_after_halt(self) -> None:
+        """Start the halted server again on the same port with the same data."""
+        _run(
+            self.run_as
+            + [
+                str(self.bin_dir / "pg_ctl"),
+                "-D",
+                str(self.data_dir),
+                "-o",
+                self.options(),
+                "-l",
+                str(self.root / "server.log"),
+                "-w",
+                "-t",
+                str(START_TIMEOUT_S),
+                "start",
+            ],
+            cwd=self.root,
+        )
+
+    def server_pids(self) -> list[int]:
+        """The postmaster's pid and its children's (backends, background processes)."""
+        master = int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        children = []
+        for stat_file in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat_file.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == master:
+                children.append(int(stat_file.parent.name))
+        return [master, *children]
+
+    def freeze(self) -> list[int]:
+        """SIGSTOP the postmaster and every backend: a server that accepts TCP connections
+        (the kernel does) but never answers. Returns the pids to give `thaw`."""
+        pids = self.server_pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    @staticmethod
+    def thaw(pids: list[int]) -> None:
+        """SIGCONT what `freeze` stopped."""
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
         """Stop the server (immediate mode) if it runs, and delete its directory."""
         if (self.data_dir / "postmaster.pid").exists():
@@ -306,10 +373,7 @@ def start_postgres(source: str | None = None) -> PostgresServer:
             ],
             cwd=root,
         )
-        opts = (
-            f"-p {server.port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
-            " -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
-        )
+        opts = server.options()
         proc = _run(
             run_as
             + [

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from control_plane.http.chat_template import ChatTemplate, ChatTemplateError
 from control_plane.http.deps import HttpDeps
@@ -26,7 +26,7 @@ from control_plane.http.schemas import (
     CompletionRequest,
     SamplingFields,
 )
-from control_plane.http.streaming import CompletionStream
+from control_plane.http.streaming import CompletionStream, RelayResponse
 from loraplane.v1 import common_pb2
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16
@@ -152,10 +152,14 @@ def respond(
         logprobs=logprobs,
         token_text=token_text_of(deps.tokenizer),
     )
-    if not body.stream:
-        return JSONResponse(stream.full_response(return_token_ids=body.return_token_ids))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return stream.sse_response(include_usage=include_usage)
+    return RelayResponse(
+        stream,
+        sse=bool(body.stream),
+        include_usage=bool(include_usage),
+        return_token_ids=body.return_token_ids,
+        write_timeout_s=deps.write_timeout_s,
+    )
 
 
 def completions_router(deps: HttpDeps) -> APIRouter:

@@ -28,6 +28,8 @@ class HttpDeps:
         admin_token: None → admin routes are open.
         metrics_text: the control plane's ``/metrics`` exposition (bytes, content type);
             None → ``/metrics`` is a 404.
+        write_timeout_s: seconds one response write may wait for a client that reads
+            nothing before the client counts as gone (`streaming.RelayResponse`).
     """
 
     registry: AdapterRegistry
@@ -39,3 +41,4 @@ class HttpDeps:
     chat_template: ChatTemplate | None
     admin_token: str | None
     metrics_text: Callable[[], tuple[bytes, str]] | None = None
+    write_timeout_s: float = 30.0

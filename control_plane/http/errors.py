@@ -3,7 +3,9 @@
 Body (what OpenAI and vLLM clients parse):
 ``{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}``.
 `install_error_handlers` makes every error of the app, request validation included, answer
-with it.
+with it; a domain error a route lets through (e.g. the database unavailable while listing
+``/v1/models``) is mapped by `from_control_plane` there. Every 503 carries ``Retry-After``
+(seconds: 2 for a database outage, 1 for no live worker), as vLLM/OpenAI clients expect.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from control_plane.errors import (
     ControlPlaneError,
+    DataCorruptionError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
@@ -33,7 +36,10 @@ STATUS_OF: dict[type[ControlPlaneError], tuple[int, str]] = {
     ResourceExhaustedError: (429, "rate_limit_error"),
     UnauthenticatedError: (401, "authentication_error"),
     UnavailableError: (503, "service_unavailable"),
+    DataCorruptionError: (500, "internal_error"),
 }
+RETRY_AFTER_S = 1
+"""``Retry-After`` of a 503 whose error names no ``retry_after_s`` of its own."""
 # A worker's status code (relayed by the router as WorkerRequestError) → HTTP status.
 GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -56,6 +62,7 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -63,6 +70,7 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {message, type, param, code}}``."""
@@ -75,16 +83,18 @@ def unsupported(param: str, detail: str) -> OpenAIError:
 
 
 def from_control_plane(exc: ControlPlaneError) -> OpenAIError:
-    """The HTTP error for a domain error (``control_plane.errors``, router errors)."""
+    """The HTTP error for a domain error (``control_plane.errors``, router errors); a 503
+    carries ``Retry-After`` (the error's ``retry_after_s``, else `RETRY_AFTER_S`)."""
     code = getattr(exc, "code", None)
     if isinstance(code, grpc.StatusCode):
         status, kind = GRPC_TO_HTTP.get(code, (500, "internal_error"))
-        return OpenAIError(status, str(exc), type=kind, code=code.name.lower())
-    for cls in type(exc).__mro__:
-        if cls in STATUS_OF:
-            status, kind = STATUS_OF[cls]
-            return OpenAIError(status, str(exc), type=kind)
-    return OpenAIError(500, str(exc), type="internal_error")
+        err = OpenAIError(status, str(exc), type=kind, code=code.name.lower())
+    else:
+        status, kind = next((STATUS_OF[c] for c in type(exc).__mro__ if c in STATUS_OF), (500, "internal_error"))
+        err = OpenAIError(status, str(exc), type=kind)
+    if err.status == 503:
+        err.headers = {"Retry-After": str(int(getattr(exc, "retry_after_s", RETRY_AFTER_S)))}
+    return err
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -98,7 +108,12 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 async def _openai_error_response(_request: Request, exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _control_plane_error_response(_request: Request, exc: ControlPlaneError) -> JSONResponse:
+    err = from_control_plane(exc)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 async def _validation_error_response(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -107,6 +122,8 @@ async def _validation_error_response(_request: Request, exc: RequestValidationEr
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer `OpenAIError` and request-validation errors with OpenAI's error JSON."""
+    """Answer `OpenAIError`, domain errors (`from_control_plane`) and request-validation
+    errors with OpenAI's error JSON."""
     app.exception_handler(OpenAIError)(_openai_error_response)
+    app.exception_handler(ControlPlaneError)(_control_plane_error_response)
     app.exception_handler(RequestValidationError)(_validation_error_response)

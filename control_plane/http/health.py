@@ -16,12 +16,14 @@ def health_router(deps: HttpDeps) -> APIRouter:
     """The routes probes and scrapers call: ``/health`` and ``/metrics``."""
     router = APIRouter()
 
+    # ``async def``: answered on the event loop itself, never queued behind the worker
+    # threads that generation requests occupy (probes stay fast under any load).
     @router.get("/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
         return {}
 
     @router.get("/metrics")
-    def metrics() -> Response:
+    async def metrics() -> Response:
         if deps.metrics_text is None:
             raise OpenAIError(404, "metrics are not enabled", type="not_found_error")
         data, content_type = deps.metrics_text()

@@ -21,17 +21,26 @@ Errors: a control-plane error before the first token raises `OpenAIError` (the r
 its HTTP status); one after it becomes a ``data: {"error": …}`` event in OpenAI's error shape,
 followed by ``[DONE]`` (no usage chunk). The worker call is cancelled when the response is
 complete, fails, or the client goes away.
+
+`RelayResponse` is the ASGI response that runs a `CompletionStream` (both modes) while it
+watches the client: the router's blocking reads run on threads of their own limiter
+(`RELAY_THREADS`), the event loop waits for ``http.disconnect``, and every write is bounded by
+``write_timeout_s``. A client that disconnects — before its first token, while queued on a
+worker, mid-stream, or while a non-streaming body is being generated — or that reads nothing
+for ``write_timeout_s`` once the socket buffers are full, has its worker call cancelled and its
+worker capacity given back at once (``Router``: in-flight accounting follows the relay).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import anyio
 import structlog
-from fastapi.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from control_plane.errors import ControlPlaneError
 from control_plane.http import responses as R
@@ -40,6 +49,11 @@ from control_plane.http.generation import Outcome, TokenOut, fold
 from loraplane.v1 import common_pb2
 
 log = structlog.get_logger("loraplane.control_plane.http.streaming")
+
+RELAY_THREADS = 256
+"""Threads the HTTP front may block at once reading generations (a thread waits for each next
+token); their own limiter, so long generations never starve the routes' default limiter."""
+_relay_limiter: anyio.CapacityLimiter | None = None
 
 CHAT_CHUNK = "chat.completion.chunk"
 COMPLETION_CHUNK = "text_completion"
@@ -89,8 +103,11 @@ class CompletionStream:
         self._streamed_chars = 0
 
     def close(self) -> None:
-        """Cancel the worker call (nothing happens when it already ended)."""
-        self._cancel()
+        """Cancel the worker call and release its capacity (nothing happens when it already
+        ended); safe from any thread, also while another thread blocks reading events; the
+        ``cancel`` callback runs once."""
+        cancel, self._cancel = self._cancel, _noop
+        cancel()
 
     # ---- non-streaming ----------------------------------------------------------------------
 
@@ -137,29 +154,6 @@ class CompletionStream:
             self.close()
             raise
         return self._chunks(first, include_usage)
-
-    def sse_response(self, *, include_usage: bool = False) -> StreamingResponse:
-        """`sse_chunks` as a ``text/event-stream`` response.
-
-        Each event is produced on a worker thread (the router blocks); the worker call is
-        cancelled when the stream ends or the client disconnects.
-
-        Raises:
-            OpenAIError: as `sse_chunks`.
-        """
-        chunks = self.sse_chunks(include_usage=include_usage)
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                while True:
-                    chunk = await anyio.to_thread.run_sync(next, chunks, None)
-                    if chunk is None:
-                        return
-                    yield chunk
-            finally:
-                self.close()
-
-        return StreamingResponse(body(), media_type="text/event-stream")
 
     def _chunks(self, first: TokenOut | None, include_usage: bool) -> Iterator[str]:
         if self.chat:
@@ -212,3 +206,128 @@ class CompletionStream:
         if self.chat:
             return R.chat_logprobs(tokens, self._token_text, self.logprobs)
         return R.completion_logprobs(tokens, self._token_text, self.logprobs, offset)
+
+
+def _noop() -> None:
+    pass
+
+
+def relay_limiter() -> anyio.CapacityLimiter:
+    """The limiter of the threads that read generations (`RELAY_THREADS`), made on first use."""
+    global _relay_limiter
+    if _relay_limiter is None:
+        _relay_limiter = anyio.CapacityLimiter(RELAY_THREADS)
+    return _relay_limiter
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected or stopped reading; the worker call was cancelled."""
+
+
+class RelayResponse(Response):
+    """One `CompletionStream` as an ASGI response: a JSON body (``sse`` False) or server-sent
+    events (``sse`` True), produced while the client is watched (module docstring).
+
+    Args:
+        stream: the request's `CompletionStream` (not started).
+        sse: stream server-sent events rather than one JSON body.
+        include_usage: SSE only: add the usage chunk.
+        return_token_ids: JSON only: add prompt and choice token ids.
+        write_timeout_s: seconds one write may wait on a client that reads nothing.
+
+    Raises (from the ASGI call, before anything is sent, so FastAPI's handlers answer them):
+        OpenAIError: the router failed before the first token (or, JSON, at all).
+    """
+
+    def __init__(
+        self,
+        stream: CompletionStream,
+        *,
+        sse: bool,
+        include_usage: bool = False,
+        return_token_ids: bool = False,
+        write_timeout_s: float = 30.0,
+    ) -> None:
+        self.stream = stream
+        self.sse = sse
+        self.include_usage = include_usage
+        self.return_token_ids = return_token_ids
+        self.write_timeout_s = write_timeout_s
+        self.status_code = 200
+        self.background = None
+        self.media_type = "text/event-stream" if sse else "application/json"
+        self.init_headers(None)
+        self._gone = False
+
+    def _client_gone(self, why: str) -> None:
+        if not self._gone:
+            self._gone = True
+            log.info("http_client_gone", request_id=self.stream.request_id, reason=why)
+        self.stream.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        self._client_gone("disconnected")
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                if self.sse:
+                    await self._send_events(send)
+                else:
+                    await self._send_body(scope, receive, send)
+            except ClientGone:
+                pass
+            except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
+                failure = exc
+            finally:
+                self.stream.close()
+                tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _read(self, fn, *args):
+        """``fn(*args)`` on a relay thread; `ClientGone` if the client left meanwhile."""
+        result = await anyio.to_thread.run_sync(fn, *args, limiter=relay_limiter())
+        if self._gone:
+            raise ClientGone
+        return result
+
+    async def _write(self, send: Send, message: dict) -> None:
+        """One ASGI send, bounded by ``write_timeout_s``; `ClientGone` past it."""
+        if self._gone:
+            raise ClientGone
+        try:
+            with anyio.fail_after(self.write_timeout_s):
+                await send(message)
+        except TimeoutError:
+            self._client_gone(f"no write completed for {self.write_timeout_s:g} s (the client stopped reading)")
+            raise ClientGone from None
+        except OSError:
+            self._client_gone("write failed")
+            raise ClientGone from None
+
+    async def _send_body(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read(lambda: self.stream.full_response(return_token_ids=self.return_token_ids))
+        response = JSONResponse(body)
+        await self._write(
+            send, {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
+        )
+        await self._write(send, {"type": "http.response.body", "body": response.body, "more_body": False})
+
+    async def _send_events(self, send: Send) -> None:
+        chunks = await self._read(lambda: self.stream.sse_chunks(include_usage=self.include_usage))
+        await self._write(send, {"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        while True:
+            chunk = await self._read(next, chunks, None)
+            if chunk is None:
+                break
+            await self._write(send, {"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        await self._write(send, {"type": "http.response.body", "body": b"", "more_body": False})

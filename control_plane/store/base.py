@@ -29,19 +29,41 @@ What the store holds, and the rules every implementation keeps (tested against b
 Every read goes to the database: a change committed through one replica is what the next
 read on any replica returns (no cache to invalidate).
 
-Errors: the database being unreachable raises `control_plane.errors.UnavailableError`
-(gRPC UNAVAILABLE) naming the database; a schema newer than this build raises
-`SchemaTooNewError` at start-up.
+Errors: the database being unreachable, or not answering within the store's bounded
+timeouts (2 s: `CALL_TIMEOUT_S`), raises `control_plane.errors.DatabaseUnavailableError`
+(gRPC UNAVAILABLE, HTTP 503 with ``Retry-After``) naming the database; a schema newer than
+this build raises `SchemaTooNewError` at start-up.
+
+Bad rows: an ``adapters`` row whose columns do not parse (metadata that is not a JSON object
+of the expected shape, a scale that is not a number — anything written behind the control
+plane's back) is skipped by `AdapterStore.list` and `AdapterStore.default_set` with a warning
+log naming the row id (`BadRows`), so one bad row never stops listing or serving the others;
+`AdapterStore.get` / `get_by_sha256` of that row raise `control_plane.errors.DataCorruptionError`
+naming it (gRPC DATA_LOSS); `AdapterStore.delete` still removes it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+import structlog
+
+from control_plane.errors import DataCorruptionError
+
+log = structlog.get_logger("loraplane.control_plane.store")
+
+CALL_TIMEOUT_S = 2.0
+"""The most one store call may take before it fails with `DatabaseUnavailableError`, seconds:
+PostgreSQL's connect timeout, the wait for a pooled connection, and each statement (client-side
+deadline and server-side ``statement_timeout``); SQLite's busy timeout after start-up."""
 
 
 class SchemaTooNewError(RuntimeError):
@@ -90,19 +112,146 @@ class AdapterRecord:
         a psycopg dict row: both stores share the schema of ``control_plane.store.migrations``).
 
         Raises:
-            json.JSONDecodeError: the row's ``metadata`` column is not JSON.
+            DataCorruptionError: a column does not parse (``metadata`` not a JSON object of the
+                shape `adapter_metadata` writes, a non-numeric scale, ...), naming the row id
+                and the column.
         """
-        return cls(
-            id=int(row["id"]),
-            sha256=str(row["sha256"]),
-            name=str(row["name"]),
-            path=str(row["path"]),
-            metadata=json.loads(row["metadata"]),
-            default_scale=float(row["default_scale"]),
-            created_at=float(row["created_at"]),
-            source_format=str(row["source_format"]),
-            pinned=bool(row["pinned"]),
-        )
+        row_id = _row_id(row)
+        column = "id"
+        try:
+            column = "metadata"
+            metadata = _check_metadata(json.loads(row["metadata"]))
+            column = "default_scale"
+            default_scale = float(row["default_scale"])
+            if not math.isfinite(default_scale) or default_scale < 0:
+                raise ValueError(f"{default_scale} is not a finite non-negative number")
+            column = "created_at"
+            created_at = float(row["created_at"])
+            fields = {}
+            for column in ("sha256", "name", "path", "source_format"):
+                value = row[column]
+                if not isinstance(value, str):
+                    raise ValueError(f"{type(value).__name__}, not text")
+                fields[column] = value
+            column = "pinned"
+            pinned = row["pinned"]
+            if pinned not in (0, 1, True, False):
+                raise ValueError(f"{pinned!r} is not a flag")
+            return cls(
+                id=int(row["id"]),
+                metadata=metadata,
+                default_scale=default_scale,
+                created_at=created_at,
+                pinned=bool(pinned),
+                **fields,
+            )
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise DataCorruptionError(
+                f"adapter {row_id}: its database row does not parse ({column}: {exc}); it is skipped by "
+                "listing and routing: fix the row or unregister the adapter"
+            ) from None
+
+
+# What `control_plane.registry.adapter_metadata` writes: key → accepted JSON types. Keys may be
+# missing (older rows); present ones must have these types (`control_plane.convert` reads them).
+_METADATA_TYPES: dict[str, tuple[type, ...]] = {
+    "general_name": (str,),
+    "arch": (str,),
+    "alpha": (int, float),
+    "ranks": (list,),
+    "target_tensors": (list,),
+    "task_name": (str,),
+    "prompt_prefix": (str,),
+    "alora_invocation_tokens": (list,),
+    "alora_invocation_text": (str,),
+    "size_bytes": (int,),
+    "n_nodes": (int,),
+}
+_METADATA_ITEM_TYPES: dict[str, type] = {"ranks": int, "target_tensors": str, "alora_invocation_tokens": int}
+
+
+def _check_metadata(value: Any) -> dict[str, Any]:
+    """``value`` when it is a JSON object whose known keys have the types they are written with.
+
+    Raises:
+        ValueError: naming the key at fault.
+    """
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object")
+    for key, types in _METADATA_TYPES.items():
+        if key not in value:
+            continue
+        item: Any = value[key]
+        if isinstance(item, bool) or not isinstance(item, types):
+            raise ValueError(f"key {key!r} is {type(item).__name__}, not {'/'.join(t.__name__ for t in types)}")
+        inner = _METADATA_ITEM_TYPES.get(key)
+        if inner is None:
+            continue
+        listed: list[Any] = value[key]
+        if not all(isinstance(x, inner) and not isinstance(x, bool) for x in listed):
+            raise ValueError(f"key {key!r} holds a non-{inner.__name__} item")
+    return value
+
+
+def _row_id(row: _Row) -> str:
+    try:
+        return str(int(row["id"]))
+    except (ValueError, TypeError, KeyError, IndexError):
+        return "(unreadable id)"
+
+
+class BadRows:
+    """Parses adapter rows for listing, skipping (and logging) the ones that do not parse.
+
+    A warning ``adapter_row_skipped`` naming the row id and the reason is logged the first time
+    a row is skipped and again at most every `REPEAT_S` seconds while it stays bad (listing
+    runs on every request: one bad row must not flood the log).
+    """
+
+    REPEAT_S = 60.0
+
+    def __init__(self, database: str) -> None:
+        self.database = database
+        self._lock = threading.Lock()
+        self._logged: dict[str, float] = {}
+
+    def records(self, rows: Iterable[_Row]) -> list[AdapterRecord]:
+        """The records of ``rows`` that parse, in order."""
+        out = []
+        for row in rows:
+            try:
+                out.append(AdapterRecord.from_row(row))
+            except DataCorruptionError as exc:
+                self.skipped(_row_id(row), str(exc))
+        return out
+
+    def default_scales(self, rows: Iterable[_Row]) -> DefaultScales:
+        """``[(id, default scale)]`` of ``rows`` (whole ``adapters`` rows): a row whose scale is
+        non-zero must parse whole (a request with no adapter map will use it); a detached row
+        needs only a readable id and scale (it is only checked against, never used)."""
+        out = []
+        for row in rows:
+            try:
+                scale = float(row["default_scale"])
+                if scale != 0.0:
+                    rec = AdapterRecord.from_row(row)
+                    out.append((rec.id, rec.default_scale))
+                else:
+                    out.append((int(row["id"]), 0.0))
+            except DataCorruptionError as exc:
+                self.skipped(_row_id(row), str(exc))
+            except (ValueError, TypeError) as exc:
+                self.skipped(_row_id(row), f"default_scale: {exc}")
+        return out
+
+    def skipped(self, row_id: str, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._logged.get(row_id)
+            if last is not None and now - last < self.REPEAT_S:
+                return
+            self._logged[row_id] = now
+        log.warning("adapter_row_skipped", adapter_id=row_id, database=self.database, reason=reason)
 
 
 DefaultScales = list[tuple[int, float]]
@@ -243,8 +392,11 @@ class AdapterStore(ABC):
     # -- worker sightings ----------------------------------------------------------------------
 
     @abstractmethod
-    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int) -> None:
-        """A worker registered with or heartbeated this replica, now."""
+    def record_worker(
+        self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int, age_s: float = 0.0
+    ) -> None:
+        """A worker registered with or heartbeated this replica ``age_s`` seconds ago (0: now;
+        `control_plane.replicas` writes sightings from a thread of its own, a little later)."""
         raise NotImplementedError
 
     @abstractmethod

@@ -28,17 +28,39 @@ Registration order (`insert`), for concurrent replicas:
 A failed registration rolls the counter back with it, so it leaves no gap: ids have holes
 only where adapters were unregistered.
 
-Errors: a connection or server failure (``psycopg.OperationalError``, pool timeout) becomes
-`UnavailableError` naming the database (gRPC UNAVAILABLE; clients retry on another replica).
+Bounded waits (an outage costs each call at most about `CALL_TIMEOUT_S`, 2 s, never a hang):
+
+- libpq ``connect_timeout`` `CONNECT_TIMEOUT_S` (2 s, psycopg's minimum) for every new
+  connection, and a pool that gives up re-connecting after `RECONNECT_TIMEOUT_S` so that a
+  later call tries again at once (psycopg_pool's backoff would otherwise wait up to 16 s
+  after a 20 s outage before its next attempt);
+- one deadline per call, `CALL_TIMEOUT_S` from its start, covering the wait for a pooled
+  connection, the pool's liveness check of it and every statement; it is enforced on the
+  client (`_Watchdog` shuts the connection's socket down when it passes, so a server that
+  accepts bytes but never answers — stopped, swapped out, a network black hole — fails the
+  call instead of blocking its thread) and on the server (``statement_timeout`` and
+  ``lock_timeout``, `STATEMENT_TIMEOUT_S`, in the connection's ``options``; a URL's own
+  ``options`` come after ours and win). Registration re-arms the deadline for each 1 MiB
+  piece it writes; migrations at start-up get `MIGRATE_TIMEOUT_S`.
+
+Errors: a connection or server failure (``psycopg.OperationalError``, pool timeout, deadline)
+becomes `DatabaseUnavailableError` naming the database and the reason, e.g.
+``database unavailable (postgresql://lp@db:5432/lp: connection refused); retry later`` (gRPC
+UNAVAILABLE, HTTP 503 with ``Retry-After``; clients retry, on another replica if they have one).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+import os
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,12 +70,14 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from control_plane.errors import UnavailableError
+from control_plane.errors import DatabaseUnavailableError, DataCorruptionError
 from control_plane.store.base import (
+    CALL_TIMEOUT_S,
     REMOVALS_KEPT_S,
     SIGHTINGS_KEPT_S,
     AdapterRecord,
     AdapterStore,
+    BadRows,
     DefaultScales,
     SchemaTooNewError,
     Sightings,
@@ -67,8 +91,17 @@ BLOB_CHUNK_BYTES = 1 << 20
 """Size of one ``adapter_blobs`` piece (the last piece of a file may be shorter)."""
 
 DEFAULT_POOL_SIZE = 10
-CONNECT_TIMEOUT_S = 10
-"""libpq ``connect_timeout`` and the pool's wait for a free connection, seconds."""
+CONNECT_TIMEOUT_S = 2
+"""libpq ``connect_timeout`` of every new connection, seconds (psycopg's minimum)."""
+OPEN_TIMEOUT_S = 10.0
+"""How long start-up waits for the first connection (the database may be starting too)."""
+STATEMENT_TIMEOUT_S = CALL_TIMEOUT_S
+"""Server-side ``statement_timeout`` and ``lock_timeout`` of every connection, seconds."""
+RECONNECT_TIMEOUT_S = 2.0
+"""psycopg_pool's ``reconnect_timeout``: a failing background re-connection gives up after
+this long, and the next call that needs a connection starts a new one at once."""
+MIGRATE_TIMEOUT_S = 60.0
+"""Deadline of the start-up migration (it may wait for another replica's)."""
 
 T = TypeVar("T")
 
@@ -84,17 +117,151 @@ def redact(url: str) -> str:
     return f"postgresql://{user + '@' if user else ''}{host}{':' + str(port) if port else ''}/{db}"
 
 
+def short_reason(exc: BaseException) -> str:
+    """The gist of a psycopg error for a message: ``connection refused``, ``connection timeout
+    expired``, ``server closed the connection unexpectedly``, ... (libpq's first line, without
+    the host preamble it repeats)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = text.removeprefix("connection failed: ")
+    if " failed: " in text:
+        text = text.rsplit(" failed: ", 1)[1]
+    return text[:1].lower() + text[1:]
+
+
 def _unavailable(fn: Callable[..., T]) -> Callable[..., T]:
-    """Turn database failures into `UnavailableError` (see the module docstring)."""
+    """Turn database failures into `DatabaseUnavailableError` (see the module docstring)."""
 
     @functools.wraps(fn)
     def wrapper(self: PostgresStore, *args: Any, **kwargs: Any) -> T:
         try:
             return fn(self, *args, **kwargs)
-        except (psycopg.OperationalError, PoolTimeout) as exc:
-            raise UnavailableError(f"database {self.description} unavailable: {exc}") from exc
+        except PoolTimeout as exc:
+            raise DatabaseUnavailableError(self.description, self._no_connection_reason()) from exc
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailableError(self.description, short_reason(exc)) from exc
 
     return wrapper
+
+
+class _Watchdog:
+    """Client-side deadlines for blocking psycopg calls: one daemon thread that, when an armed
+    deadline passes, shuts down the socket of that call's connection. The blocked call then
+    fails at once (``OperationalError``: the server closed the connection) and the pool
+    discards the connection. Shutting a socket down wakes a thread blocked on it, unlike
+    closing its descriptor; psycopg has no client-side statement timeout of its own.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, psycopg.Connection[Any]]] = {}
+        self._fired: set[int] = set()
+        self._tokens = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"{name}-watchdog", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def watching(self, conn: psycopg.Connection[Any], deadline: float) -> Iterator[Callable[[float], None]]:
+        """Guard the block with ``deadline`` (``time.monotonic()``); yields ``rearm(deadline)``.
+
+        Raises:
+            DeadlinePassed: the deadline fired and the block failed because of it (a block that
+                finished anyway keeps its result; the pool's check discards the connection).
+        """
+        with self._cond:
+            token = next(self._tokens)
+            self._armed[token] = (deadline, conn)
+            self._cond.notify()
+
+        def rearm(new_deadline: float) -> None:
+            with self._cond:
+                if token in self._armed:
+                    self._armed[token] = (new_deadline, conn)
+                    self._cond.notify()
+
+        failed: BaseException | None = None
+        try:
+            yield rearm
+        except BaseException as exc:
+            failed = exc
+            raise
+        finally:
+            with self._cond:
+                self._armed.pop(token, None)
+                fired = token in self._fired
+                self._fired.discard(token)
+            if fired and isinstance(failed, psycopg.Error):
+                raise DeadlinePassed() from failed
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                due = [t for t, (d, _) in self._armed.items() if d <= now]
+                for token in due:
+                    _, conn = self._armed.pop(token)
+                    self._fired.add(token)
+                    _shutdown(conn)
+                soonest = min((d for d, _ in self._armed.values()), default=None)
+                self._cond.wait(None if soonest is None else max(0.0, soonest - now))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+class DeadlinePassed(Exception):
+    """A store call's deadline passed (`_Watchdog`); mapped to `DatabaseUnavailableError`."""
+
+
+def _shutdown(conn: psycopg.Connection[Any]) -> None:
+    """Shut down ``conn``'s socket (both directions), leaving the descriptor to psycopg."""
+    try:
+        if conn.closed:
+            return
+        fd = conn.pgconn.socket
+        sock = socket.socket(fileno=os.dup(fd))
+    except (psycopg.Error, OSError):
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+class _Failures:
+    """The last connection failure this store saw (a refused or timed-out connect, a liveness
+    check that failed), so a call that found no connection can say why."""
+
+    def __init__(self) -> None:
+        self.last: tuple[float, str] | None = None
+
+    def note(self, reason: str) -> None:
+        self.last = (time.monotonic(), reason)
+
+    def clear(self) -> None:
+        self.last = None
+
+
+def _recording_connection_class(failures: _Failures) -> type[psycopg.Connection[Any]]:
+    """A `psycopg.Connection` whose ``connect`` notes its failures in ``failures`` (the pool
+    connects in its own threads and reports nothing to a waiting caller)."""
+
+    class RecordingConnection(psycopg.Connection[Any]):
+        @classmethod
+        def connect(cls, conninfo: str = "", **kwargs: Any) -> RecordingConnection:
+            try:
+                conn = super().connect(conninfo, **kwargs)
+            except psycopg.Error as exc:
+                failures.note(short_reason(exc))
+                raise
+            failures.clear()
+            return conn
+
+    return RecordingConnection
 
 
 class PostgresStore(AdapterStore):
@@ -105,43 +272,117 @@ class PostgresStore(AdapterStore):
         pool_size: most connections this replica opens.
 
     Raises:
-        UnavailableError: the database cannot be reached within `CONNECT_TIMEOUT_S`.
+        DatabaseUnavailableError: the database cannot be reached within `OPEN_TIMEOUT_S`.
         SchemaTooNewError: a newer build migrated the database.
     """
 
     def __init__(self, url: str, *, pool_size: int = DEFAULT_POOL_SIZE) -> None:
         self.replica_id = uuid.uuid4().hex[:12]
         self.description = redact(url)
+        self._max_size = pool_size
+        self._tls = threading.local()  # the deadline of the call this thread is making
+        self._failures = _Failures()
+        self._watchdog = _Watchdog(f"loraplane-{self.replica_id}")
+        self._bad_rows = BadRows(self.description)
         conninfo = make_conninfo(
             url, connect_timeout=CONNECT_TIMEOUT_S, application_name=f"loraplane-control-plane-{self.replica_id}"
         )
-        self._pool = ConnectionPool(
+        self._pool: ConnectionPool[Any] = ConnectionPool(
             conninfo,
+            connection_class=_recording_connection_class(self._failures),
             min_size=1,
             max_size=pool_size,
             open=False,
-            timeout=CONNECT_TIMEOUT_S,
-            check=ConnectionPool.check_connection,
+            timeout=CALL_TIMEOUT_S,
+            reconnect_timeout=RECONNECT_TIMEOUT_S,
+            check=self._check,
+            configure=self._configure,
             kwargs={"autocommit": True},
             name=f"loraplane-{self.replica_id}",
         )
         try:
-            self._pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
+            self._pool.open(wait=True, timeout=OPEN_TIMEOUT_S)
         except PoolTimeout as exc:
-            self._pool.close()
-            raise UnavailableError(
-                f"database {self.description}: cannot connect within {CONNECT_TIMEOUT_S}s: {exc}"
+            self.close()
+            reason = self._failures.last[1] if self._failures.last else str(exc)
+            raise DatabaseUnavailableError(
+                self.description, f"cannot connect within {OPEN_TIMEOUT_S:g} s: {reason}"
             ) from exc
         try:
             self._migrate()
         except BaseException:
-            self._pool.close()
+            self.close()
             raise
+
+    # -- connections, deadlines ---------------------------------------------------------
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """Every new connection: the server-side statement and lock timeouts (set per session,
+        not in the startup packet, so poolers that refuse ``options`` still work)."""
+        ms = str(int(STATEMENT_TIMEOUT_S * 1000))
+        with self._watchdog.watching(conn, time.monotonic() + CALL_TIMEOUT_S):
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false)", (ms, ms)
+            )
+
+    def _check(self, conn: psycopg.Connection[Any]) -> None:
+        """The pool's liveness check of a connection before it is handed out, bounded by the
+        calling thread's deadline (raises when it fails: the pool then discards it)."""
+        deadline = getattr(self._tls, "deadline", None) or time.monotonic() + CALL_TIMEOUT_S
+        try:
+            with self._watchdog.watching(conn, deadline):
+                ConnectionPool.check_connection(conn)
+        except DeadlinePassed:
+            self._failures.note(f"no answer within {CALL_TIMEOUT_S:g} s")
+            raise
+        except psycopg.Error as exc:
+            self._failures.note(short_reason(exc))
+            raise
+        self._failures.clear()
+
+    @contextmanager
+    def _connection(
+        self, timeout_s: float = CALL_TIMEOUT_S
+    ) -> Iterator[tuple[psycopg.Connection[Any], Callable[[], None]]]:
+        """A pooled connection for one call, and ``rearm()`` (a fresh ``timeout_s`` for the
+        next statement of a long call). Everything inside — the wait for a connection, its
+        check, every statement — ends by the deadline.
+
+        Raises:
+            DatabaseUnavailableError: no connection within the deadline, the deadline passed,
+                or the connection failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        self._tls.deadline = deadline
+        try:
+            with self._pool.connection(timeout=timeout_s) as conn:
+                self._tls.deadline = None
+                with self._watchdog.watching(conn, deadline) as rearm:
+                    yield conn, lambda: rearm(time.monotonic() + timeout_s)
+        except DeadlinePassed as exc:
+            self._failures.note(f"no answer within {timeout_s:g} s")
+            raise DatabaseUnavailableError(self.description, f"no answer within {timeout_s:g} s") from exc
+        except PoolTimeout as exc:
+            raise DatabaseUnavailableError(self.description, self._no_connection_reason()) from exc
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailableError(self.description, short_reason(exc)) from exc
+        finally:
+            self._tls.deadline = None
+
+    def _no_connection_reason(self) -> str:
+        last = self._failures.last
+        if last is not None and time.monotonic() - last[0] < 60.0:
+            return last[1]
+        return f"no connection free within {CALL_TIMEOUT_S:g} s (all {self._max_size} in use)"
 
     # -- schema -------------------------------------------------------------------------
 
     def _migrate(self) -> None:
-        with self._pool.connection() as conn, conn.transaction():
+        with self._connection(MIGRATE_TIMEOUT_S) as (conn, _), conn.transaction():
+            ms = str(int(MIGRATE_TIMEOUT_S * 1000))  # may wait for another replica's migration
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, true), set_config('lock_timeout', %s, true)", (ms, ms)
+            )
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
             conn.execute(SCHEMA_VERSION_DDL)
             row = conn.execute("SELECT version FROM schema_version").fetchone()
@@ -165,7 +406,7 @@ class PostgresStore(AdapterStore):
     @property
     @_unavailable
     def schema_version(self) -> int:
-        with self._pool.connection() as conn:
+        with self._connection() as (conn, _):
             row = conn.execute("SELECT version FROM schema_version").fetchone()
         assert row is not None  # written by _migrate
         return int(row[0])
@@ -174,26 +415,27 @@ class PostgresStore(AdapterStore):
 
     @_unavailable
     def list(self) -> list[AdapterRecord]:
-        with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-            return [AdapterRecord.from_row(r) for r in cur.execute("SELECT * FROM adapters ORDER BY id")]
+        with self._connection() as (conn, _), conn.cursor(row_factory=dict_row) as cur:
+            rows = cur.execute("SELECT * FROM adapters ORDER BY id").fetchall()
+        return self._bad_rows.records(rows)
 
     @_unavailable
     def get(self, adapter_id: int) -> AdapterRecord | None:
-        with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        with self._connection() as (conn, _), conn.cursor(row_factory=dict_row) as cur:
             row = cur.execute("SELECT * FROM adapters WHERE id = %s", (adapter_id,)).fetchone()
         return AdapterRecord.from_row(row) if row is not None else None
 
     @_unavailable
     def get_by_sha256(self, sha256: str) -> AdapterRecord | None:
-        with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        with self._connection() as (conn, _), conn.cursor(row_factory=dict_row) as cur:
             row = cur.execute("SELECT * FROM adapters WHERE sha256 = %s", (sha256,)).fetchone()
         return AdapterRecord.from_row(row) if row is not None else None
 
     @_unavailable
     def default_set(self) -> DefaultScales:
-        with self._pool.connection() as conn:
-            rows = conn.execute("SELECT id, default_scale FROM adapters ORDER BY id").fetchall()
-        return [(int(i), float(s)) for i, s in rows]
+        with self._connection() as (conn, _), conn.cursor(row_factory=dict_row) as cur:
+            rows = cur.execute("SELECT * FROM adapters ORDER BY id").fetchall()
+        return self._bad_rows.default_scales(rows)
 
     def read_chunks(self, record: AdapterRecord, chunk_size: int) -> Iterator[bytes]:
         """One query per stored piece, so no connection is held while the caller (a gRPC
@@ -222,7 +464,7 @@ class PostgresStore(AdapterStore):
 
     @_unavailable
     def _piece(self, sha256: str, seq: int) -> bytes | None:
-        with self._pool.connection() as conn:
+        with self._connection() as (conn, _):
             row = conn.execute(
                 "SELECT data FROM adapter_blobs WHERE sha256 = %s AND seq = %s", (sha256, seq)
             ).fetchone()
@@ -246,9 +488,10 @@ class PostgresStore(AdapterStore):
             return existing, False
         path = f"postgresql:adapter_blobs/{sha256}" if source is None else source
         try:
-            with self._pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+            with self._connection() as (conn, rearm), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
                 with open(content, "rb") as fh:
                     for seq, piece in enumerate(iter(lambda: fh.read(BLOB_CHUNK_BYTES), b"")):
+                        rearm()  # each piece gets the whole per-call deadline
                         cur.execute(
                             "INSERT INTO adapter_blobs (sha256, seq, data) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
                             (sha256, seq, piece),
@@ -274,6 +517,7 @@ class PostgresStore(AdapterStore):
                         source_format,
                     ),
                 ).fetchone()
+                rearm()  # the commit too
         except _AlreadyRegistered as dup_exc:
             return dup_exc.record, False
         assert created is not None
@@ -281,7 +525,7 @@ class PostgresStore(AdapterStore):
 
     @_unavailable
     def delete(self, adapter_id: int) -> AdapterRecord | None:
-        with self._pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        with self._connection() as (conn, _), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
             row = cur.execute("DELETE FROM adapters WHERE id = %s RETURNING *", (adapter_id,)).fetchone()
             if row is None:
                 return None
@@ -293,11 +537,11 @@ class PostgresStore(AdapterStore):
                 (adapter_id, row["sha256"], now),
             )
             cur.execute("DELETE FROM removed_adapters WHERE removed_at < %s", (now - REMOVALS_KEPT_S,))
-        return AdapterRecord.from_row(row)
+        return _removed_record(row)
 
     @_unavailable
     def set_default_scales(self, scales: Mapping[int, float], *, others: float | None = 0.0) -> None:
-        with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+        with self._connection() as (conn, _), conn.transaction(), conn.cursor() as cur:
             if others is not None:
                 cur.execute("UPDATE adapters SET default_scale = %s", (float(others),))
             cur.executemany(
@@ -306,33 +550,35 @@ class PostgresStore(AdapterStore):
 
     @_unavailable
     def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord | None:
-        with self._pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        with self._connection() as (conn, _), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
             cur.execute("UPDATE adapters SET pinned = %s WHERE id = %s", (bool(pinned), adapter_id))
             row = cur.execute("SELECT * FROM adapters WHERE id = %s", (adapter_id,)).fetchone()
         return AdapterRecord.from_row(row) if row is not None else None
 
     @_unavailable
     def removed_ids(self) -> set[int]:
-        with self._pool.connection() as conn:
+        with self._connection() as (conn, _):
             return {int(r[0]) for r in conn.execute("SELECT adapter_id FROM removed_adapters")}
 
     # -- worker sightings -------------------------------------------------------------------
 
     @_unavailable
-    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int) -> None:
-        with self._pool.connection() as conn:
+    def record_worker(
+        self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int, age_s: float = 0.0
+    ) -> None:
+        with self._connection() as (conn, _):
             conn.execute(
                 "INSERT INTO worker_sightings (worker_id, addr, model, model_sha256, n_slots, replica_id, seen_at)"
-                " VALUES (%s, %s, %s, %s, %s, %s, EXTRACT(EPOCH FROM clock_timestamp()))"
+                " VALUES (%s, %s, %s, %s, %s, %s, EXTRACT(EPOCH FROM clock_timestamp()) - %s)"
                 " ON CONFLICT (worker_id) DO UPDATE SET addr = excluded.addr, model = excluded.model,"
                 " model_sha256 = excluded.model_sha256, n_slots = excluded.n_slots,"
                 " replica_id = excluded.replica_id, seen_at = excluded.seen_at",
-                (worker_id, addr, model, model_sha256, int(n_slots), self.replica_id),
+                (worker_id, addr, model, model_sha256, int(n_slots), self.replica_id, max(0.0, float(age_s))),
             )
 
     @_unavailable
     def recent_workers(self, max_age_s: float) -> Sightings:
-        with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        with self._connection() as (conn, _), conn.cursor(row_factory=dict_row) as cur:
             cur.execute(
                 "DELETE FROM worker_sightings WHERE seen_at < EXTRACT(EPOCH FROM clock_timestamp()) - %s",
                 (SIGHTINGS_KEPT_S,),
@@ -357,6 +603,7 @@ class PostgresStore(AdapterStore):
 
     def close(self) -> None:
         self._pool.close()
+        self._watchdog.close()
 
 
 class _AlreadyRegistered(Exception):
@@ -365,3 +612,14 @@ class _AlreadyRegistered(Exception):
     def __init__(self, record: AdapterRecord) -> None:
         super().__init__(record.sha256)
         self.record = record
+
+
+def _removed_record(row: Mapping[str, Any]) -> AdapterRecord:
+    """The record of a row just deleted; a row that does not parse (a bad row being removed)
+    gives its id, sha256, name and path as stored and defaults for the rest."""
+    try:
+        return AdapterRecord.from_row(row)
+    except DataCorruptionError:
+        return AdapterRecord(
+            id=int(row["id"]), sha256=str(row["sha256"]), name=str(row["name"]), path=str(row["path"]), metadata={}
+        )

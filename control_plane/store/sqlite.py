@@ -15,27 +15,40 @@ same thing to the only process that reads it). A crash between the move and the 
 leaves a file with no row; `SqliteStore` deletes such files (and stale ``.part`` uploads) when
 it opens, so what survives is the whole adapter or nothing. The ``adapter_blobs`` table the
 shared migrations create is the PostgreSQL store's and stays empty here.
+
+Bounded waits: opening waits up to `OPEN_RETRY_S` for a concurrent first open (WAL switch,
+migration); after that every call waits at most `control_plane.store.base.CALL_TIMEOUT_S` for
+this process's own lock and at most as long for SQLite's (``busy_timeout``: another process
+writing, e.g. an operator's ``sqlite3`` shell). A database that stays locked, or that SQLite
+cannot read or write (``sqlite3.OperationalError``: locked, disk I/O error, disk full, file
+gone), fails the call with `DatabaseUnavailableError` naming the file (gRPC UNAVAILABLE,
+HTTP 503).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
+from control_plane.errors import DatabaseUnavailableError, DataCorruptionError
 from control_plane.store.base import (
+    CALL_TIMEOUT_S,
     REMOVALS_KEPT_S,
     SIGHTINGS_KEPT_S,
     AdapterRecord,
     AdapterStore,
+    BadRows,
     DefaultScales,
     SchemaTooNewError,
     Sightings,
@@ -64,6 +77,23 @@ def _retry_locked(fn, limit_s: float):
             if ("locked" not in msg and "busy" not in msg) or time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)
+
+
+T = TypeVar("T")
+
+
+def _unavailable(fn: Callable[..., T]) -> Callable[..., T]:
+    """Turn SQLite's operational failures into `DatabaseUnavailableError` (see the module
+    docstring)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: SqliteStore, *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(self, *args, **kwargs)
+        except sqlite3.OperationalError as exc:
+            raise DatabaseUnavailableError(self.description, str(exc)) from exc
+
+    return wrapper
 
 
 class SqliteStore(AdapterStore):
@@ -100,6 +130,26 @@ class SqliteStore(AdapterStore):
         self._conn.execute("PRAGMA synchronous=NORMAL")
         _retry_locked(self._migrate, OPEN_RETRY_S)
         self._remove_orphans()
+        # From now on a call waits at most CALL_TIMEOUT_S for another process's lock.
+        self._conn.execute(f"PRAGMA busy_timeout={int(CALL_TIMEOUT_S * 1000)}")
+        self._bad_rows = BadRows(self.description)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """This store's lock (one connection, many handler threads), waited for at most
+        `CALL_TIMEOUT_S`.
+
+        Raises:
+            DatabaseUnavailableError: the lock stayed taken (a call stuck on SQLite's own lock).
+        """
+        if not self._lock.acquire(timeout=CALL_TIMEOUT_S):
+            raise DatabaseUnavailableError(
+                self.description, f"busy: another call held it for over {CALL_TIMEOUT_S:g} s"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     # -- schema -------------------------------------------------------------------------
 
@@ -145,31 +195,36 @@ class SqliteStore(AdapterStore):
                 log.warning("adapter_file_missing", path=path)
 
     @property
+    @_unavailable
     def schema_version(self) -> int:
-        with self._lock:
+        with self._locked():
             return int(self._conn.execute("SELECT version FROM schema_version").fetchone()[0])
 
     # -- reads --------------------------------------------------------------------------
 
+    @_unavailable
     def list(self) -> list[AdapterRecord]:
-        with self._lock:
+        with self._locked():
             rows = self._conn.execute("SELECT * FROM adapters ORDER BY id").fetchall()
-        return [AdapterRecord.from_row(r) for r in rows]
+        return self._bad_rows.records(rows)
 
+    @_unavailable
     def get(self, adapter_id: int) -> AdapterRecord | None:
-        with self._lock:
+        with self._locked():
             row = self._conn.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
         return AdapterRecord.from_row(row) if row is not None else None
 
+    @_unavailable
     def get_by_sha256(self, sha256: str) -> AdapterRecord | None:
-        with self._lock:
+        with self._locked():
             row = self._conn.execute("SELECT * FROM adapters WHERE sha256 = ?", (sha256,)).fetchone()
         return AdapterRecord.from_row(row) if row is not None else None
 
+    @_unavailable
     def default_set(self) -> DefaultScales:
-        with self._lock:
-            rows = self._conn.execute("SELECT id, default_scale FROM adapters ORDER BY id").fetchall()
-        return [(int(r["id"]), float(r["default_scale"])) for r in rows]
+        with self._locked():
+            rows = self._conn.execute("SELECT * FROM adapters ORDER BY id").fetchall()
+        return self._bad_rows.default_scales(rows)
 
     def read_chunks(self, record: AdapterRecord, chunk_size: int) -> Iterator[bytes]:
         with open(record.path, "rb") as fh:
@@ -177,6 +232,7 @@ class SqliteStore(AdapterStore):
 
     # -- writes -------------------------------------------------------------------------
 
+    @_unavailable
     def insert(
         self,
         *,
@@ -188,7 +244,7 @@ class SqliteStore(AdapterStore):
         source_format: str = "gguf",
     ) -> tuple[AdapterRecord, bool]:
         final = self.blob_dir / f"{sha256}.gguf"
-        with self._lock:
+        with self._locked():
             c = self._conn
             c.execute("BEGIN IMMEDIATE")
             moved = False
@@ -224,8 +280,9 @@ class SqliteStore(AdapterStore):
                 raise
         return AdapterRecord.from_row(row), True
 
+    @_unavailable
     def delete(self, adapter_id: int) -> AdapterRecord | None:
-        with self._lock:
+        with self._locked():
             c = self._conn
             c.execute("BEGIN IMMEDIATE")
             try:
@@ -244,14 +301,15 @@ class SqliteStore(AdapterStore):
             except BaseException:
                 c.execute("ROLLBACK")
                 raise
-        rec = AdapterRecord.from_row(row)
+        rec = _removed_record(row)
         owned = Path(rec.path)
         if owned.parent.resolve() == self.blob_dir.resolve():
             owned.unlink(missing_ok=True)
         return rec
 
+    @_unavailable
     def set_default_scales(self, scales: Mapping[int, float], *, others: float | None = 0.0) -> None:
-        with self._lock:
+        with self._locked():
             c = self._conn
             c.execute("BEGIN IMMEDIATE")
             try:
@@ -266,8 +324,9 @@ class SqliteStore(AdapterStore):
                 c.execute("ROLLBACK")
                 raise
 
+    @_unavailable
     def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord | None:
-        with self._lock:
+        with self._locked():
             c = self._conn
             c.execute("BEGIN IMMEDIATE")
             try:
@@ -279,27 +338,36 @@ class SqliteStore(AdapterStore):
                 raise
         return AdapterRecord.from_row(row) if row is not None else None
 
+    @_unavailable
     def removed_ids(self) -> set[int]:
-        with self._lock:
+        with self._locked():
             rows = self._conn.execute("SELECT adapter_id FROM removed_adapters").fetchall()
         return {int(r[0]) for r in rows}
 
     # -- worker sightings -------------------------------------------------------------------
 
-    def record_worker(self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int) -> None:
-        with self._lock:
+    @_unavailable
+    def record_worker(
+        self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int, age_s: float = 0.0
+    ) -> None:
+        with self._locked():
             self._conn.execute(
                 "INSERT INTO worker_sightings (worker_id, addr, model, model_sha256, n_slots, replica_id, seen_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (worker_id) DO UPDATE SET addr = excluded.addr,"
                 " model = excluded.model, model_sha256 = excluded.model_sha256, n_slots = excluded.n_slots,"
                 " replica_id = excluded.replica_id, seen_at = excluded.seen_at",
-                (worker_id, addr, model, model_sha256, int(n_slots), self.replica_id, time.time()),
+                (worker_id, addr, model, model_sha256, int(n_slots), self.replica_id, time.time() - max(0.0, age_s)),
             )
 
+    @_unavailable
     def recent_workers(self, max_age_s: float) -> Sightings:
         now = time.time()
-        with self._lock:
-            self._conn.execute("DELETE FROM worker_sightings WHERE seen_at < ?", (now - SIGHTINGS_KEPT_S,))
+        with self._locked():
+            # a read unless there is something to prune: a write would wait (holding our lock)
+            # whenever another process holds SQLite's write lock
+            cutoff = now - SIGHTINGS_KEPT_S
+            if self._conn.execute("SELECT 1 FROM worker_sightings WHERE seen_at < ? LIMIT 1", (cutoff,)).fetchone():
+                self._conn.execute("DELETE FROM worker_sightings WHERE seen_at < ?", (cutoff,))
             rows = self._conn.execute(
                 "SELECT * FROM worker_sightings WHERE seen_at >= ? ORDER BY worker_id", (now - max_age_s,)
             ).fetchall()
@@ -319,3 +387,14 @@ class SqliteStore(AdapterStore):
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+def _removed_record(row: sqlite3.Row) -> AdapterRecord:
+    """The record of a row just deleted; a row that does not parse (a bad row being removed)
+    gives its id, sha256, name and path as stored and defaults for the rest."""
+    try:
+        return AdapterRecord.from_row(row)
+    except DataCorruptionError:
+        return AdapterRecord(
+            id=int(row["id"]), sha256=str(row["sha256"]), name=str(row["name"]), path=str(row["path"]), metadata={}
+        )

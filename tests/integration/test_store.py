@@ -256,3 +256,47 @@ def test_postgres_unreachable_is_unavailable(tmp_path):
     port = free_port()  # nothing listens there
     with pytest.raises(UnavailableError, match=rf"postgresql://nobody@127.0.0.1:{port}/x: cannot connect"):
         PostgresStore(f"postgresql://nobody:pw@127.0.0.1:{port}/x?connect_timeout=1")
+
+
+@both
+def test_a_row_that_does_not_parse_is_skipped_logged_and_named(open_db, tmp_path):
+    """Rows edited behind the store's back (raw SQL): listing and the default set skip them
+    with a warning naming the row; asking for one by id says what does not parse; removing it
+    works."""
+    import structlog
+
+    from control_plane.errors import DataCorruptionError
+
+    store = open_db()
+    a, b, c = (upload(store, tmp_path, n, seed=i, arch="gemma3")[0] for i, n in enumerate("abc"))
+    store.set_default_scales({c.id: 0.5})
+    edits = [("{not json", b.id), ('{"ranks": "x"}', c.id)]
+    if open_db.backend == "postgres":
+        with psycopg.connect(open_db.url, autocommit=True) as conn:
+            for meta, i in edits:
+                conn.execute("UPDATE adapters SET metadata = %s WHERE id = %s", (meta, i))
+    else:
+        with sqlite3.connect(open_db.url[len("sqlite:///") :]) as conn:
+            for meta, i in edits:
+                conn.execute("UPDATE adapters SET metadata = ? WHERE id = ?", (meta, i))
+            conn.execute("UPDATE adapters SET default_scale = 'abc' WHERE id = ?", (a.id,))  # SQLite stores it
+    with structlog.testing.capture_logs() as logs:
+        listed = store.list()
+        again = store.list()  # logged once, not per call
+    expected = [] if open_db.backend == "sqlite" else [a.id]
+    assert [r.id for r in listed] == [r.id for r in again] == expected
+    warned = {e["adapter_id"]: e["reason"] for e in logs if e["event"] == "adapter_row_skipped"}
+    assert len([e for e in logs if e["event"] == "adapter_row_skipped"]) == len(warned)
+    assert "not json" not in str(warned)  # the reason, not the content
+    assert warned[str(b.id)].startswith(f"adapter {b.id}: its database row does not parse (metadata: ")
+    assert "key 'ranks' is str, not list" in warned[str(c.id)]
+    if open_db.backend == "sqlite":
+        assert "default_scale" in warned[str(a.id)]
+    # b (detached) can be checked against; c (in the default set) cannot be used, so it is left out
+    assert store.default_set() == ([] if open_db.backend == "sqlite" else [(a.id, 0.0)]) + [(b.id, 0.0)]
+    for lookup in (lambda: store.get(b.id), lambda: store.get_by_sha256(b.sha256)):
+        with pytest.raises(DataCorruptionError, match=rf"^adapter {b.id}: its database row does not parse"):
+            lookup()
+    removed = store.delete(b.id)
+    assert (removed.id, removed.sha256) == (b.id, b.sha256)
+    assert store.get(b.id) is None and b.id in store.removed_ids()

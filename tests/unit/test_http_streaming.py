@@ -5,6 +5,8 @@ cancelled. No model, no processes."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import anyio
 import grpc
@@ -13,7 +15,7 @@ import pytest
 from control_plane.errors import UnavailableError
 from control_plane.http.errors import OpenAIError
 from control_plane.http.responses import token_text_of
-from control_plane.http.streaming import CompletionStream
+from control_plane.http.streaming import CompletionStream, RelayResponse
 from control_plane.router import WorkerRequestError
 from tests.http_fakes import FakeTokenizer, finished, scripted, started, token
 
@@ -102,7 +104,7 @@ def test_completion_stream_exact_bytes_with_logprobs_and_usage():
         '"prompt_tokens_details": {"cached_tokens": 2}}}\n\n',
         "data: [DONE]\n\n",
     ]
-    assert cancel.calls == 0  # the stream's owner (sse_response) cancels; see the tests below
+    assert cancel.calls == 0  # the stream's owner (RelayResponse) cancels; see the tests below
 
 
 def test_chat_stream_role_first_then_deltas_finish_usage_done():
@@ -356,33 +358,73 @@ def test_token_text_without_a_tokenizer_is_empty():
 # ---- the HTTP response: cancellation -----------------------------------------------------------
 
 
-def test_sse_response_cancels_once_the_stream_is_sent():
+class Client:
+    """A scripted ASGI client: ``receive`` answers ``http.disconnect`` once ``leave`` is set;
+    ``send`` records messages and blocks forever once ``stall`` is set (a client that stops
+    reading, its socket buffers full)."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.leave = threading.Event()
+        self.stall = False
+
+    async def receive(self) -> dict:
+        while not self.leave.is_set():
+            await anyio.sleep(0.005)
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        if self.stall:
+            await anyio.sleep_forever()
+        self.sent.append(message)
+
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
+
+
+def relay(response: RelayResponse, client: Client) -> None:
+    anyio.run(response, {"type": "http"}, client.receive, client.send)
+
+
+def test_relay_response_sends_every_event_then_cancels_once():
     cancel = Cancel()
-    stream = make(EVENTS, chat=False, cancel=cancel)
-
-    async def read_all() -> list[str]:
-        response = stream.sse_response(include_usage=False)
-        assert response.media_type == "text/event-stream"
-        return [c async for c in response.body_iterator]
-
-    got = anyio.run(read_all)
-    assert got == list(make(EVENTS, chat=False).sse_chunks())
+    client = Client()
+    relay(RelayResponse(make(EVENTS, chat=False, cancel=cancel), sse=True), client)
+    assert client.sent[0]["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in client.sent[0]["headers"]
+    assert client.body().decode() == "".join(make(EVENTS, chat=False).sse_chunks())
+    assert client.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     assert cancel.calls == 1
 
 
-def test_sse_response_cancels_when_the_client_goes_away():
+def test_relay_response_json_body():
     cancel = Cancel()
-    consumed: list[int] = []
+    client = Client()
+    relay(RelayResponse(make(EVENTS, chat=True, cancel=cancel), sse=False), client)
+    assert client.sent[0]["status"] == 200
+    assert json.loads(client.body()) == make(EVENTS, chat=True).full_response()
+    assert cancel.calls == 1
 
-    def events():
-        yield started(1)
-        for i in range(100):
-            consumed.append(i)
-            yield token(i, "x")
 
-    stream = CompletionStream(
-        events(),
-        cancel=cancel,
+def endless(consumed: list[int], released: threading.Event, *, first_token_after: threading.Event | None = None):
+    """Events of a generation that never ends by itself: it stops when ``released`` is set
+    (what cancelling the worker call does to the router's relay)."""
+    yield started(1)
+    if first_token_after is not None:
+        while not (first_token_after.is_set() or released.is_set()):
+            time.sleep(0.005)
+    for i in range(10_000):
+        if released.is_set():
+            return
+        consumed.append(i)
+        time.sleep(0.001)
+        yield token(i, "x")
+
+
+def endless_stream(consumed: list[int], released: threading.Event, **kw) -> CompletionStream:
+    return CompletionStream(
+        endless(consumed, released, **kw),
+        cancel=released.set,
         request_id="cmpl-1",
         created=CREATED,
         model="m",
@@ -391,12 +433,56 @@ def test_sse_response_cancels_when_the_client_goes_away():
         token_text=token_text_of(None),
     )
 
-    async def read_one() -> str:
-        body = stream.sse_response().body_iterator
-        first = await body.__anext__()
-        await body.aclose()  # what the server does when the client disconnects
-        return first
 
-    assert json.loads(anyio.run(read_one)[len("data: ") :])["choices"][0]["text"] == "x"
-    assert cancel.calls == 1
-    assert len(consumed) < 100
+def test_relay_response_disconnect_mid_stream_cancels_the_call():
+    consumed: list[int] = []
+    released = threading.Event()
+    client = Client()
+    response = RelayResponse(endless_stream(consumed, released), sse=True)
+
+    async def leave_after_first_chunk(message: dict) -> None:
+        client.sent.append(message)
+        if message.get("body"):
+            client.leave.set()
+
+    anyio.run(response, {"type": "http"}, client.receive, leave_after_first_chunk)
+    assert released.is_set()
+    assert 1 <= len(consumed) < 10_000
+    assert b"[DONE]" not in client.body()
+
+
+def test_relay_response_disconnect_before_the_first_token_cancels_the_call():
+    """A request still queued on its worker (no token yet) when the client leaves."""
+    consumed: list[int] = []
+    released = threading.Event()
+    never = threading.Event()
+    client = Client()
+    client.leave.set()
+    for sse in (True, False):
+        released.clear()
+        client.sent.clear()
+        relay(RelayResponse(endless_stream(consumed, released, first_token_after=never), sse=sse), client)
+        assert released.is_set()
+        assert consumed == []
+        assert client.sent == []
+
+
+def test_relay_response_non_streaming_disconnect_cancels_generation():
+    consumed: list[int] = []
+    released = threading.Event()
+    client = Client()
+    threading.Timer(0.1, client.leave.set).start()
+    relay(RelayResponse(endless_stream(consumed, released), sse=False), client)
+    assert released.is_set()
+    assert 0 < len(consumed) < 10_000
+    assert client.sent == []
+
+
+def test_relay_response_stalled_reader_is_cut_after_the_write_timeout():
+    consumed: list[int] = []
+    released = threading.Event()
+    client = Client()
+    client.stall = True
+    relay(RelayResponse(endless_stream(consumed, released), sse=True, write_timeout_s=0.2), client)
+    assert released.is_set()
+    assert len(consumed) < 10_000

@@ -1,0 +1,310 @@
+"""Reliability figures: how fast the service recovers from clients and peers that misbehave.
+
+Starts one ``loraplane serve`` (embedded Gemma 3 270M unless ``--model``; ``--slots 4``,
+``--queue-limit 64``, HTTP front and metrics on) and measures, ``--reps`` times each, over raw
+loopback sockets:
+
+- ``drop``: 12 SSE streams (4 running, 8 queued on the worker) closed by their clients with a
+  reset after the running ones streamed their first chunk: seconds until the control plane's
+  in-flight count (``ListWorkers``) is 0, and until a new streaming request gets its first
+  token;
+- ``vanish``: a non-streaming 2000-token request whose client closes after 0.5 s: seconds until
+  its capacity is back (in flight 0) and the worker counted it ``cancelled``;
+- ``health``: ``GET /health`` latency while 68 streams are admitted (4 running, 64 queued);
+- ``pg``: a PostgreSQL outage as the store sees it (its own server; the server stopped, then
+  hung): seconds per failed call, and to the first success once it is back.
+
+Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
+printed with them (the worker inherits this environment). Targets (issue "Reliability round 3"):
+new request served < 1 s after the drop; vanished client's request cancelled < 1 s; ``/health``
+< 1 s.
+
+Run: ``python -m bench.reliability [--reps 3] [--model PATH] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from bench.machine import load_avg, machine_info, machine_line
+from bench.servers import free_port
+from bench.stats import Figure
+from loraplane.v1 import common_pb2, control_plane_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOTS, QUEUE = 4, 64
+BASE_PROMPT = "Once upon a time"
+
+
+class Serve:
+    """``loraplane serve`` on free loopback ports, HTTP front and both metrics endpoints on."""
+
+    def __init__(self, model: str | None, workdir: Path) -> None:
+        ports = [free_port() for _ in range(4)]
+        self.grpc_addr, http, cp_metrics, w_metrics = (f"127.0.0.1:{p}" for p in ports)
+        self.http = f"http://{http}"
+        self.cp_metrics = f"http://{cp_metrics}/metrics"
+        self.worker_metrics = f"http://{w_metrics}/metrics"
+        args = [sys.executable, "-m", "clients.cli", "serve", "--addr", self.grpc_addr]
+        args += ["--data-dir", str(workdir / "data"), "--device", "cpu", "--log-level", "warning"]
+        args += ["--slots", str(SLOTS), "--queue-limit", str(QUEUE), "--http-addr", http]
+        args += ["--metrics-addr", cp_metrics, "--worker-metrics-addr", w_metrics]
+        if model:
+            args += ["--model", model]
+        self.log = workdir / "serve.log"
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(self.grpc_addr)
+        self.cp = control_plane_pb2_grpc.ControlPlaneStub(self.channel)
+        self.model_name = ""
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "loraplane: serving on" not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve did not start; see {self.log}:\n{self.log.read_text(errors='replace')}")
+            time.sleep(0.2)
+        with urllib.request.urlopen(self.http + "/v1/models", timeout=30) as r:
+            self.model_name = json.loads(r.read())["data"][0]["id"]
+
+    def in_flight(self) -> int:
+        return sum(w.in_flight for w in self.cp.ListWorkers(common_pb2.Empty(), timeout=10).workers)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+WAIT_S = 120.0  # how long one wait may take before it counts as NaN (--timeout)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float | None = None) -> float:
+    """Seconds until ``predicate()`` held (polled every 10 ms); NaN past ``timeout_s``
+    (default `WAIT_S`)."""
+    limit = WAIT_S if timeout_s is None else timeout_s
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > limit:
+            return float("nan")
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def open_request(serve: Serve, *, stream: bool, max_tokens: int) -> socket.socket:
+    """A raw HTTP/1.1 completion request, sent; its response left unread."""
+    host, port = serve.http.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(
+        {
+            "model": serve.model_name,
+            "prompt": BASE_PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
+    s = socket.create_connection((host, int(port)), timeout=120)
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    s.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def reset(s: socket.socket) -> None:
+    """Close with a TCP reset (SO_LINGER 0), as a client that crashes does."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    s.close()
+
+
+def first_token_s(serve: Serve) -> float:
+    """Seconds from sending a streaming request to its first token chunk."""
+    t0 = time.monotonic()
+    s = open_request(serve, stream=True, max_tokens=4)
+    try:
+        seen = b""
+        while b'"text"' not in seen:
+            chunk = s.recv(65536)
+            if not chunk:
+                return float("nan")
+            seen += chunk
+        return time.monotonic() - t0
+    finally:
+        s.close()
+
+
+def worker_cancelled(serve: Serve) -> float:
+    text = urllib.request.urlopen(serve.worker_metrics, timeout=30).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("loraplane_worker_requests_total{") and 'outcome="cancelled"' in line
+    )
+
+
+def drop(serve: Serve) -> dict[str, float]:
+    """12 SSE streams dropped: seconds to in-flight 0 and to a new request's first token."""
+    n = SLOTS + 8
+    socks = [open_request(serve, stream=True, max_tokens=400) for _ in range(n)]
+    wait_until(lambda: serve.in_flight() == n)
+    for s in socks[:SLOTS]:
+        s.recv(4096)  # the running ones: their first chunk
+    t0 = time.monotonic()
+    for s in socks:
+        reset(s)
+    freed = wait_until(lambda: serve.in_flight() == 0)
+    served = time.monotonic() - t0 + first_token_s(serve)
+    return {"in_flight_zero_s": freed, "new_request_first_token_s": served}
+
+
+def vanish(serve: Serve) -> dict[str, float]:
+    """A non-streaming client gone mid-generation: seconds to capacity back and to cancelled."""
+    wait_until(lambda: serve.in_flight() == 0)
+    before = worker_cancelled(serve)
+    s = open_request(serve, stream=False, max_tokens=2000)
+    wait_until(lambda: serve.in_flight() == 1)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    s.close()
+    freed = wait_until(lambda: serve.in_flight() == 0)
+    wait_until(lambda: worker_cancelled(serve) > before)
+    return {"in_flight_zero_s": freed, "worker_cancelled_s": time.monotonic() - t0}
+
+
+def health(serve: Serve, probes: int = 10) -> dict[str, float]:
+    """``/health`` latency (median of ``probes``) with 68 streams admitted."""
+    n = SLOTS + QUEUE
+    socks = [open_request(serve, stream=True, max_tokens=200) for _ in range(n)]
+    try:
+        wait_until(lambda: serve.in_flight() == n)
+        times = []
+        for _ in range(probes):
+            t0 = time.monotonic()
+            with urllib.request.urlopen(serve.http + "/health", timeout=60) as r:
+                r.read()
+            times.append(time.monotonic() - t0)
+        times.sort()
+        return {"health_s": times[len(times) // 2], "health_max_s": times[-1]}
+    finally:
+        for s in socks:
+            reset(s)
+        wait_until(lambda: serve.in_flight() == 0)
+
+
+def pg_outage(_serve: Serve | None = None, calls: int = 5) -> dict[str, float]:
+    """A PostgreSQL outage seen by the store (no serve needed): seconds per failed call with the
+    server stopped and with it hung (every process SIGSTOPped), and seconds to the first
+    success once it is back. Starts its own PostgreSQL (``tests/postgres_server.py``: needs
+    the repository checkout)."""
+    from control_plane.errors import DatabaseUnavailableError
+    from control_plane.store import open_store
+    from tests.postgres_server import start_postgres
+
+    server = start_postgres()
+    out: dict[str, float] = {}
+    try:
+        store = open_store(server.create_database("bench"), tempfile.mkdtemp(prefix="loraplane-bench-pg-"))
+        store.list()
+        for kind in ("stopped", "hung"):
+            frozen: list[int] = []
+            if kind == "stopped":
+                server.halt()
+            else:
+                frozen = server.freeze()
+            seconds = []
+            try:
+                for _ in range(calls):
+                    t0 = time.monotonic()
+                    try:
+                        store.list()
+                        raise RuntimeError("a store call succeeded during the outage")
+                    except DatabaseUnavailableError:
+                        seconds.append(time.monotonic() - t0)
+            finally:
+                if kind == "stopped":
+                    server.resume_after_halt()
+                else:
+                    server.thaw(frozen)
+
+            def back() -> bool:
+                try:
+                    store.list()
+                    return True
+                except DatabaseUnavailableError:
+                    return False
+
+            out[f"{kind}_call_s"] = sorted(seconds)[len(seconds) // 2]
+            out[f"{kind}_first_success_after_back_s"] = wait_until(back)
+        store.close()
+    finally:
+        server.stop()
+    return out
+
+
+SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
+    "drop": drop,
+    "vanish": vanish,
+    "health": health,
+    "pg": pg_outage,
+}
+NEEDS_SERVE = ("drop", "vanish", "health")
+
+
+def main(argv: list[str] | None = None) -> int:
+    global WAIT_S
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", default=None, help="base model GGUF (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ",".join(SCENARIOS))
+    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--timeout", type=float, default=WAIT_S, help="seconds one wait may take (then NaN)")
+    args = ap.parse_args(argv)
+    WAIT_S = args.timeout
+    machine = machine_info("packed", "cpu", "float32")
+    print(machine_line(machine), f"load {load_avg()}", flush=True)
+    results: dict[str, dict] = {}
+    names = args.scenarios.split(",")
+
+    def run(name: str, serve: Serve | None) -> None:
+        runs = [SCENARIOS[name](serve) for _ in range(args.reps)]  # type: ignore[arg-type]
+        for key in runs[0]:
+            fig = Figure.of((r[key] for r in runs), "s")
+            results[f"{name}.{key}"] = fig.to_json()
+            spread = f"[{fig.min:.3f}–{fig.max:.3f}] (n={fig.n})"
+            print(f"{name:8s} {key:36s} {fig.median:8.3f} s {spread}", flush=True)
+
+    if any(n in NEEDS_SERVE for n in names):
+        with tempfile.TemporaryDirectory(prefix="loraplane-bench-reliability-") as tmp:
+            serve = Serve(args.model, Path(tmp))
+            try:
+                serve.wait_ready()
+                for name in names:
+                    if name in NEEDS_SERVE:
+                        run(name, serve)
+            finally:
+                serve.stop()
+    for name in names:
+        if name not in NEEDS_SERVE:
+            run(name, None)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
