@@ -85,14 +85,18 @@ class FetchWatchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="fetch-watchdog", daemon=True)
                 self._thread.start()
+        it = iter(pieces)
         try:
-            for piece in pieces:
+            for piece in it:
                 watched.last = time.monotonic()
                 yield piece
                 watched.sent += len(piece)
         finally:
             with self._lock:
                 self._calls.pop(id(watched), None)
+            close = getattr(it, "close", None)
+            if close is not None:  # a store reader holding a file or a database cursor
+                close()
 
     def _verdict(self, w: _Watched, now: float) -> str:
         if now - w.last > self.stall_timeout_s:

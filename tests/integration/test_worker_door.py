@@ -219,7 +219,15 @@ def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_
             assert big.id in [a.id for a in cp.stub.ListAdapters(pb.Empty(), timeout=5).adapters]
             worst = max(worst, time.monotonic() - t)
         assert worst < 5.0
-        # the stalled calls are cut off (CANCELLED) after the 1 s stall timeout, unread...
+        # a worker's fetch meanwhile: RESOURCE_EXHAUSTED (cap taken), retried with backoff
+        # until the stalled calls are cut off (CANCELLED) after the 1 s stall timeout...
+        from worker.rpc.fetch import ControlPlaneFetcher
+
+        fetcher = ControlPlaneFetcher(cp.addr, "w1", secret=WORKER_SECRET, timeout_s=30, attempts=8)
+        try:
+            assert hashlib.sha256(b"".join(fetcher(big.sha256))).hexdigest() == big.sha256
+        finally:
+            fetcher.close()
         assert _wait_for(lambda: cp.state.fetch_watchdog.cut_off == 4, 15.0)
         for call in stalled:
             with pytest.raises(grpc.RpcError) as info:
@@ -235,6 +243,42 @@ def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_
         for ch in channels:
             ch.close()
         w.close()
+
+
+def test_a_reader_slower_than_the_minimum_rate_is_cut_off_after_the_grace():
+    from control_plane.fetch import FetchWatchdog
+
+    dog = FetchWatchdog(30.0, min_rate_bytes_s=64 * MiB, grace_s=0.5)  # the stall rule never fires
+    ended: list[str] = []
+
+    class Slow(control_plane_pb2_grpc.ControlPlaneServicer):
+        def FetchAdapter(self, request, context):
+            try:
+                for piece in dog.stream(context, (b"x" * MiB for _ in range(200)), "slow reader"):
+                    yield pb.AdapterChunk(data=piece)
+                ended.append("finished")
+            except GeneratorExit:
+                ended.append("closed")
+                raise
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(Slow(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        call = control_plane_pb2_grpc.ControlPlaneStub(ch).FetchAdapter(control_plane_pb2.FetchAdapterRequest())
+        t0, got = time.monotonic(), 0
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in call:  # one chunk every 0.1 s: ~10 MiB/s, under the 64 MiB/s minimum
+                got += 1
+                time.sleep(0.1)
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert time.monotonic() - t0 < 10.0 and got < 100
+        assert _wait_for(lambda: ended == ["closed"], 5.0) and dog.cut_off == 1
+    finally:
+        ch.close()
+        server.stop(None)
 
 
 def test_cli_flags():
