@@ -132,9 +132,11 @@ class ControlPlaneConfig:
         """Concurrent Generate relays allowed (see ``max_streams``).
 
         Raises:
-            ValueError: the limits leave no thread for the reserved calls.
+            ValueError: the limits leave no thread for the reserved calls, or ``max_fetches`` < 1.
         """
         limit = self.max_streams if self.max_streams is not None else self.max_threads - RESERVED_THREADS
+        if self.max_fetches < 1:
+            raise ValueError(f"max_fetches must be at least 1, got {self.max_fetches}")
         reserved = ADMIN_CALLS + MEMBERSHIP_CALLS + self.max_fetches
         if limit < 1 or limit + reserved >= self.max_threads:
             raise ValueError(

@@ -248,10 +248,12 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     ways. Stop with ``server.stop(grace)`` then ``state.close()``.
 
     Raises:
-        ValueError: thread limits that leave nothing for reads (`ControlPlaneConfig.stream_limit`).
+        ValueError: thread limits that leave nothing for reads (`ControlPlaneConfig.stream_limit`),
+            a fetch stall timeout ≤ 0.
     """
     configure_logging(config.log_level)
     stream_limit = config.stream_limit
+    fetch_watchdog = FetchWatchdog(config.fetch_stall_timeout_s)  # validates before anything opens
     state = build_state(config)
     token = admin_token_from(config.admin_token)
     secret = worker_secret_from(config.worker_secret)
@@ -284,7 +286,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ],
     )
-    state.fetch_watchdog = FetchWatchdog(config.fetch_stall_timeout_s)
+    state.fetch_watchdog = fetch_watchdog
     control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
         ControlPlaneServicer(
             state.registry, state.pool, state.router, state.replicas, fetch_watchdog=state.fetch_watchdog

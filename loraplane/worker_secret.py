@@ -8,7 +8,7 @@ own worker). It travels as ``loraplane-worker-secret`` metadata:
 - control plane → worker: every ``loraplane.v1.Worker`` RPC (`worker_guard`). The standard
   health and reflection services stay open so probes work without it.
 
-A control plane without a secret refuses the worker RPCs (`closed_door`, UNAUTHENTICATED
+A control plane without a secret refuses the worker RPCs (`ClosedDoorInterceptor`, UNAUTHENTICATED
 naming what to do) unless its operator passed ``--insecure-workers`` (open, as before: for a
 trusted network only). A worker without a secret sends none and checks none (it works against
 an ``--insecure-workers`` control plane; firewall its port). Plain metadata is readable on the
