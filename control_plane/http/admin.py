@@ -19,6 +19,7 @@ from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError, from_control_plane
 from control_plane.http.models import ID_PREFIX, resolve_model
 from control_plane.http.schemas import LoadLoraRequest, UnloadLoraRequest
+from control_plane.resolution import parse_adapter_id
 
 
 def require_admin(request: Request, admin_token: str | None) -> None:
@@ -52,10 +53,14 @@ def unload_target(name: str, deps: HttpDeps) -> int:
         raise OpenAIError(
             400, f"'{name}' is the base model; only adapters can be unloaded", param="lora_name", code="base_model"
         )
-    if name.startswith(ID_PREFIX) and name[len(ID_PREFIX) :].isdigit():
-        return int(name[len(ID_PREFIX) :])
-    (adapter_id,) = resolve_model(name, base_name=deps.base_name, registry=deps.registry)
-    return adapter_id
+    if name.startswith(ID_PREFIX) and (adapter_id := parse_adapter_id(name[len(ID_PREFIX) :])) is not None:
+        return adapter_id
+    found = resolve_model(name, base_name=deps.base_name, registry=deps.registry)
+    if len(found) != 1:  # "<base>:<base>": the base model again
+        raise OpenAIError(
+            400, f"'{name}' names the base model; only adapters can be unloaded", param="lora_name", code="base_model"
+        )
+    return next(iter(found))
 
 
 def admin_router(deps: HttpDeps) -> APIRouter:

@@ -5,7 +5,9 @@ Omitted parameters take OpenAI's defaults, as vLLM does: ``temperature`` 1, ``to
 loraplane does not implement are refused with a 400 naming them (`SamplingFields.check`):
 ``n`` > 1, ``best_of`` > 1, non-zero ``presence_penalty`` / ``frequency_penalty``,
 ``repetition_penalty`` ≠ 1, ``logit_bias``, ``echo``, ``suffix``, tools and structured output.
-Unknown fields are ignored (clients send vendor extras freely).
+Unknown fields are ignored (clients send vendor extras freely). Every string of a body, keys
+included, must be valid Unicode: a lone surrogate is a 400 ``invalid_unicode`` naming the field
+(`HttpBody`).
 
 Extensions (vLLM / llama-server names): ``top_k``, ``ignore_eos``, ``return_token_ids``
 (vLLM: non-streaming responses carry ``prompt_token_ids`` and each choice's ``token_ids``), and
@@ -15,15 +17,64 @@ picks the adapters explicitly and wins over ``model``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from control_plane.http.errors import OpenAIError, unsupported
+from control_plane.http.errors import INVALID_UNICODE, OpenAIError, unsupported
 
 MAX_STOP_STRINGS = 16
 # "until the context is full": the worker stops at its slot context (finish_reason "length")
 CHAT_MAX_TOKENS_DEFAULT = 2**31 - 1
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(data: Any) -> tuple[str, int, int] | None:
+    """The first string in parsed JSON ``data`` (keys included) holding a lone UTF-16 surrogate:
+    ``(dotted field path, character index, code point)``; None when every string is valid
+    Unicode. JSON may spell one (``"\\ud800"``) and Python's decoder keeps it, but it has no
+    UTF-8 form: protobuf, the tokenizer and the response encoder would all fail on it later.
+    Walks with an explicit stack (no recursion limit); ASCII strings cost one ``isascii``."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and (m := _SURROGATE.search(value)):
+                return path or "body", m.start(), ord(m.group())
+        elif isinstance(value, dict):
+            items = list(value.items())
+            for key, item in reversed(items):
+                name = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and not key.isascii() and (m := _SURROGATE.search(key)):
+                    return (path or "body"), m.start(), ord(m.group())
+                stack.append((name, item))
+        elif isinstance(value, list):
+            for i in range(len(value) - 1, -1, -1):
+                stack.append((f"{path}.{i}" if path else str(i), value[i]))
+    return None
+
+
+class HttpBody(BaseModel):
+    """Base of every request body: strings must be valid Unicode (`lone_surrogate`), else a
+    400 ``invalid_unicode`` naming the field (`errors.validation_error`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found is not None:
+            field, index, code_point = found
+            raise PydanticCustomError(
+                INVALID_UNICODE,
+                "invalid unicode in '{field}': lone UTF-16 surrogate U+{code_point} at character {index} "
+                "(strings must be valid UTF-8 text)",
+                {"field": field, "index": index, "code_point": f"{code_point:04X}"},
+            )
+        return data
 
 
 class LoraEntry(BaseModel):
@@ -40,7 +91,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(HttpBody):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="allow")
@@ -151,14 +202,14 @@ class ChatCompletionRequest(SamplingFields):
             raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 
 
-class LoadLoraRequest(BaseModel):
+class LoadLoraRequest(HttpBody):
     """vLLM's ``/v1/load_lora_adapter`` body: a server-side path (GGUF file or PEFT folder)."""
 
     lora_name: str
     lora_path: str
 
 
-class UnloadLoraRequest(BaseModel):
+class UnloadLoraRequest(HttpBody):
     """vLLM's ``/v1/unload_lora_adapter`` body (``lora_name`` may also be ``adapter:<id>``)."""
 
     model_config = ConfigDict(extra="allow")
