@@ -237,6 +237,7 @@ class AdapterRegistry:
             PermissionDeniedError: the resolved path is outside every adapter dir (nothing read).
             NotFoundError: no such file.
         """
+        self.check_name(name)
         try:
             resolved = confine(path, self.adapter_dirs)
         except MalformedPath as exc:

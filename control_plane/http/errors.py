@@ -166,7 +166,7 @@ async def _http_error_response(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404 and detail == "Not Found":
         detail = f"no route {request.method} {request.url.path} (served: /v1/models, /v1/completions, ...)"
     elif exc.status_code == 405 and detail == "Method Not Allowed":
-        allowed = (exc.headers or {}).get("allow", "")
+        allowed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
         detail = f"method {request.method} is not allowed on {request.url.path}" + (
             f" (allowed: {allowed})" if allowed else ""
         )
