@@ -1,10 +1,14 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: request body → GenerateRequest →
 ``Router.generate`` → `streaming.CompletionStream` → JSON body or server-sent events.
 
-The routes are plain ``def`` functions: FastAPI runs them on its worker threads, where they
-block on ``Router.generate`` exactly like a gRPC handler. ``model`` (or the ``lora`` extension)
-picks the adapters (`models.resolve_model`); chat messages are rendered with the model's chat
-template and tokenized with special tokens parsed and nothing added (BOS is the template's).
+The routes read the (size-bounded) body on the event loop and hand it to a worker thread
+(``run_in_threadpool``), where everything else happens: JSON parsing and validation
+(`schemas.parse_body`), the chat template, tokenizing, and blocking on ``Router.generate``
+exactly like a gRPC handler. Nothing proportional to the body's size runs on the event loop.
+The body is JSON whatever its ``Content-Type`` (``curl -d`` sends a form type; llama-server
+accepts it too). ``model`` (or the ``lora`` extension) picks the adapters
+(`models.resolve_model`); chat messages are rendered with the model's chat template and
+tokenized with special tokens parsed and nothing added (BOS is the template's).
 
 Input is sized before it costs anything (the gRPC path's rule, `deps.prompt_byte_limit`): a text
 prompt or a conversation's content over ``max_prompt_bytes`` UTF-8 bytes is a 400 before any
@@ -17,8 +21,9 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from control_plane.http.chat_template import RENDER_MAX_CHARS, ChatTemplate, ChatTemplateError
 from control_plane.http.deps import HttpDeps
@@ -31,6 +36,7 @@ from control_plane.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    parse_body,
 )
 from control_plane.http.streaming import CompletionStream
 from loraplane.v1 import common_pb2
@@ -260,7 +266,12 @@ def completions_router(deps: HttpDeps) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/completions")
-    def completions(body: CompletionRequest) -> Response:
+    async def completions(request: Request) -> Response:
+        raw = await request.body()  # at most --http-max-body-bytes (app.BodySizeLimit)
+        return await run_in_threadpool(run_completion, raw)
+
+    def run_completion(raw: bytes) -> Response:
+        body = parse_body(raw, CompletionRequest)
         body.check()
         text, ids = prompt_of(body)
         if ids is not None:
@@ -281,7 +292,12 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         return respond(deps, request, body, chat=False, logprobs=body.logprobs)
 
     @router.post("/v1/chat/completions")
-    def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        raw = await request.body()
+        return await run_in_threadpool(run_chat, raw)
+
+    def run_chat(raw: bytes) -> Response:
+        body = parse_body(raw, ChatCompletionRequest)
         body.check()
         template = chat_template_of(deps)
         adapters = adapters_for(body, deps)

@@ -17,10 +17,12 @@ picks the adapters explicitly and wins over ``model``.
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from control_plane.http.errors import INVALID_UNICODE, OpenAIError, unsupported
@@ -31,6 +33,25 @@ CHAT_MAX_TOKENS_DEFAULT = 2**31 - 1
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# a JSON escape that decodes to a surrogate code point: the only way one gets into a body
+# decoded as strict UTF-8 (a false hit, such as an escaped backslash before "ud800", only
+# costs the walk)
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+MAX_PROMPT_ITEMS = 1 << 20
+"""Most items a completions ``prompt`` list may hold (token ids: no context is longer)."""
+MAX_CHAT_ITEMS = 1 << 16
+"""Most messages plus content parts a chat request may hold."""
+MAX_LORA_ENTRIES = 4096
+"""Most entries of the ``lora`` extension."""
+
+
+def _surrogate_in(text: str) -> int:
+    """Index of the first lone surrogate in ``text``, or -1 (ASCII text: one C call)."""
+    if text.isascii():
+        return -1
+    m = _SURROGATE.search(text)
+    return -1 if m is None else m.start()
 
 
 def lone_surrogate(data: Any) -> tuple[str, int, int] | None:
@@ -38,24 +59,121 @@ def lone_surrogate(data: Any) -> tuple[str, int, int] | None:
     ``(dotted field path, character index, code point)``; None when every string is valid
     Unicode. JSON may spell one (``"\\ud800"``) and Python's decoder keeps it, but it has no
     UTF-8 form: protobuf, the tokenizer and the response encoder would all fail on it later.
-    Walks with an explicit stack (no recursion limit); ASCII strings cost one ``isascii``."""
-    stack: list[tuple[str, Any]] = [("", data)]
+
+    Walks with an explicit stack (no recursion limit); a scalar item costs one type check and
+    paths are only spelled out for the hit, so a million-item list takes tens of milliseconds.
+    """
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
     while stack:
         path, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii() and (m := _SURROGATE.search(value)):
-                return path or "body", m.start(), ord(m.group())
-        elif isinstance(value, dict):
-            items = list(value.items())
-            for key, item in reversed(items):
-                name = f"{path}.{key}" if path else str(key)
-                if isinstance(key, str) and not key.isascii() and (m := _SURROGATE.search(key)):
-                    return (path or "body"), m.start(), ord(m.group())
-                stack.append((name, item))
-        elif isinstance(value, list):
-            for i in range(len(value) - 1, -1, -1):
-                stack.append((f"{path}.{i}" if path else str(i), value[i]))
+        kind = type(value)
+        if kind is str:
+            if (i := _surrogate_in(value)) >= 0:
+                return _spell(path), i, ord(value[i])
+            continue
+        if kind is dict:
+            items: Any = value.items()
+        elif kind is list:
+            items = enumerate(value)
+        else:
+            continue
+        nested = []
+        for key, item in items:
+            if type(key) is str and (i := _surrogate_in(key)) >= 0:
+                return _spell(path), i, ord(key[i])
+            t = type(item)
+            if t is str:
+                if (i := _surrogate_in(item)) >= 0:
+                    return _spell((*path, key)), i, ord(item[i])
+            elif t is dict or t is list:
+                nested.append(((*path, key), item))
+        stack.extend(reversed(nested))
     return None
+
+
+def _spell(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path) or "body"
+
+
+def _too_many(what: str, n: int, limit: int, param: str) -> OpenAIError:
+    return OpenAIError(400, f"{what} has {n} items; at most {limit} are accepted", param=param, code="too_many_items")
+
+
+def check_sizes(data: dict[str, Any]) -> None:
+    """Bound the lists of a completions / chat body before pydantic validates them item by item
+    (a 32 MiB body of one-character items would otherwise cost seconds per field):
+    ``prompt`` ≤ `MAX_PROMPT_ITEMS`, messages plus content parts ≤ `MAX_CHAT_ITEMS`, ``stop``
+    ≤ `MAX_STOP_STRINGS`, ``lora`` ≤ `MAX_LORA_ENTRIES`; a non-empty ``logit_bias`` is refused
+    here already (unsupported).
+
+    Raises:
+        OpenAIError: 400 naming the field.
+    """
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_ITEMS:
+        raise _too_many("'prompt'", len(prompt), MAX_PROMPT_ITEMS, "prompt")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        n = len(messages)
+        for m in messages:
+            if n > MAX_CHAT_ITEMS:
+                break
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                n += len(content)
+        if n > MAX_CHAT_ITEMS:
+            raise _too_many("'messages' (messages and content parts)", n, MAX_CHAT_ITEMS, "messages")
+    stop = data.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise OpenAIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    lora = data.get("lora")
+    if isinstance(lora, list) and len(lora) > MAX_LORA_ENTRIES:
+        raise _too_many("'lora'", len(lora), MAX_LORA_ENTRIES, "lora")
+    if data.get("logit_bias"):
+        raise unsupported("logit_bias", "logit biases are not implemented")
+
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[B]) -> B:
+    """A request body → ``model``, for routes that parse on a worker thread (never the event
+    loop): strict UTF-8 (RFC 8259), JSON, an object, `check_sizes`, valid Unicode
+    (`lone_surrogate`, walked only when the text holds a surrogate escape), then pydantic.
+
+    Raises:
+        OpenAIError: 400 ``invalid_json`` (not UTF-8, not JSON, too deep, empty, not an
+            object), ``invalid_unicode`` or a size rule, naming the field where there is one.
+        RequestValidationError: pydantic refused a field (`errors.validation_error` answers
+            it: 400 naming the field).
+    """
+    if not raw.strip():
+        raise OpenAIError(400, "request body is empty: expected a JSON object", code="invalid_json")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OpenAIError(
+            400, f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})", code="invalid_json"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise OpenAIError(400, f"request body is not valid JSON: {exc.msg} ({where})", code="invalid_json") from None
+    except RecursionError:
+        raise OpenAIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "request body must be a JSON object", code="invalid_json")
+    check_sizes(data)
+    walk = _ESCAPED_SURROGATE.search(text) is not None
+    try:
+        return model.model_validate(data, context={SKIP_UNICODE_WALK: not walk})
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+SKIP_UNICODE_WALK = "skip_unicode_walk"
+"""Validation-context key: the raw text held no surrogate escape, so `HttpBody` need not walk."""
 
 
 class HttpBody(BaseModel):
@@ -64,7 +182,9 @@ class HttpBody(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
+    def _valid_unicode(cls, data: Any, info: ValidationInfo) -> Any:
+        if isinstance(info.context, dict) and info.context.get(SKIP_UNICODE_WALK):
+            return data
         found = lone_surrogate(data)
         if found is not None:
             field, index, code_point = found
@@ -154,6 +274,23 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> str | list[str] | list[int]:
+        """A string, a list of strings or a list of integers (JSON ``true`` is not an id),
+        checked with one type test per item: pydantic's union would validate a long list once
+        per member (16 M ids: over 20 s)."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and len(value) <= MAX_PROMPT_ITEMS:
+            if all(type(x) is str for x in value):
+                return value
+            if all(type(x) is int for x in value):
+                return value
+        raise PydanticCustomError(
+            "prompt_type", "'prompt' must be a string, a list of strings or a list of token ids (integers)"
+        )
 
     def check(self) -> None:
         """`SamplingFields.check`, plus ``echo``, ``suffix`` and batched or empty prompts."""

@@ -222,7 +222,9 @@ def test_lone_surrogate_is_400_naming_the_field(api, path, raw, param):
         (b"{not json", {"content-type": "application/json"}, "not valid JSON"),
         (b"", {"content-type": "application/json"}, "empty"),
         (b"[1, 2]", {"content-type": "application/json"}, "JSON object"),
-        (b'{"model": "base-model", "prompt": "x"}', {"content-type": "text/plain"}, "JSON object"),
+        (b'"a string"', {"content-type": "text/plain"}, "JSON object"),
+        (b'{"model": "m", "prompt": "\xff"}', {"content-type": "application/json"}, "not valid UTF-8"),
+        (b"[" * 100_000, {"content-type": "application/json"}, "not valid JSON"),
     ],
 )
 def test_body_parse_errors_are_openai_400s(api, raw, headers, message):

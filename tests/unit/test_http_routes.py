@@ -344,3 +344,29 @@ def test_admin_routes_are_open_without_a_configured_token():
     assert r.status == 200
     r = front.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/missing/a.gguf"})
     assert r.status == 404 and json.loads(r.body)["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"model": "base", "prompt": [1] * ((1 << 20) + 1)}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"model": "base", "messages": [{"role": "user", "content": "a"}] * 70_000},
+            "messages",
+        ),
+        ("/v1/completions", {"model": "base", "prompt": "q", "lora": [{"id": 0}] * 5000}, "lora"),
+    ],
+)
+def test_long_lists_are_refused_before_item_by_item_validation(path, body, param):
+    """Old code validated such lists item by item on the event loop (16 M ids: over 20 s)."""
+    front = Front()
+    r = front.post(path, body)
+    assert r.status == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, "too_many_items")
+    assert front.router.requests == []
+
+
+@pytest.mark.parametrize("prompt", [[True], [1, "a"], [1.5], {"a": 1}, None])
+def test_prompt_must_be_text_or_token_ids(prompt):
+    r = Front().post("/v1/completions", {"model": "base", "prompt": prompt})
+    assert r.status == 400 and r.json()["error"]["param"] == "prompt", r.body
