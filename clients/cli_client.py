@@ -22,6 +22,7 @@ from clients.params import (
     TOKEN_IDS,
     UINT32_MAX,
     UINT64_MAX,
+    AdapterIdType,
     client_options,
     scales_to_map,
 )
@@ -239,7 +240,7 @@ def adapters_list(**kwargs) -> None:
 
 
 @adapters.command("show")
-@click.argument("adapter_id", metavar="ID", type=click.IntRange(min=0, max=UINT32_MAX))
+@click.argument("adapter_id", metavar="ID", type=AdapterIdType())
 @client_options
 def adapters_show(adapter_id: int, **kwargs) -> None:
     """Show everything known about adapter ID."""
@@ -301,7 +302,7 @@ def adapters_add(file: str, name: str | None, server_path: bool, pin: bool, **kw
 
 
 @adapters.command("remove")
-@click.argument("adapter_id", metavar="ID", type=click.IntRange(min=0, max=UINT32_MAX))
+@click.argument("adapter_id", metavar="ID", type=AdapterIdType())
 @client_options
 def adapters_remove(adapter_id: int, **kwargs) -> None:
     """Unregister adapter ID (its id is never reused)."""
@@ -329,7 +330,7 @@ def _pin_command(adapter_id: int, pinned: bool, kwargs: dict) -> None:
 
 
 @adapters.command("pin")
-@click.argument("adapter_id", metavar="ID", type=click.IntRange(min=0, max=UINT32_MAX))
+@click.argument("adapter_id", metavar="ID", type=AdapterIdType())
 @client_options
 def adapters_pin(adapter_id: int, **kwargs) -> None:
     """Pin adapter ID: workers never evict it from their slot pool or host cache."""
@@ -337,7 +338,7 @@ def adapters_pin(adapter_id: int, **kwargs) -> None:
 
 
 @adapters.command("unpin")
-@click.argument("adapter_id", metavar="ID", type=click.IntRange(min=0, max=UINT32_MAX))
+@click.argument("adapter_id", metavar="ID", type=AdapterIdType())
 @client_options
 def adapters_unpin(adapter_id: int, **kwargs) -> None:
     """Unpin adapter ID (it is evicted by LRU like any other)."""

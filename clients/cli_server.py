@@ -240,6 +240,19 @@ def control_plane_options(f: F) -> F:
             default=None,
             help="Distinct adapter label values in metrics before the rest fold into 'other' (default 64).",
         ),
+        click.option(
+            "--http-max-body-bytes",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Largest HTTP request body; larger ones get 413 before they are read (default 16777216 = 16 MiB).",
+        ),
+        click.option(
+            "--http-max-prompt-bytes",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Largest HTTP text prompt / chat content in UTF-8 bytes, refused with 400 before "
+            "tokenizing (default: what n_ctx tokens can cover, the gRPC path's rule).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -262,6 +275,8 @@ CP_TUNING = (
     "chat_template",
     "served_model_name",
     "metrics_max_adapters",
+    "http_max_body_bytes",
+    "http_max_prompt_bytes",
 )
 
 
@@ -415,6 +430,13 @@ def worker_args(
 
 
 # ---- loading the servers -----------------------------------------------------------------
+
+
+def worker_default_n_ctx() -> int:
+    """The worker's ``--n-ctx`` default (``WorkerConfig.n_ctx_slot``), without importing torch."""
+    from worker.config import WorkerConfig
+
+    return int(WorkerConfig.n_ctx_slot)
 
 
 def load_control_plane() -> tuple[Callable[..., Any], type]:
@@ -721,6 +743,7 @@ def serve_cmd(
     tuning = {k: options.pop(k) for k in CP_TUNING}
     runtime = options
     tuning["max_lora_rank"] = runtime.get("max_lora_rank")  # one flag for both processes
+    tuning["http_n_ctx"] = runtime.get("n_ctx_slot") or worker_default_n_ctx()  # size HTTP prompts for our worker
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
     run_control_plane, config_cls = load_control_plane()
     addr = resolve_port(addr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -33,11 +34,20 @@ def _finite_float(text: str, what: str) -> float:
     return value
 
 
+_ASCII_INT = re.compile(r"-?[0-9]+")
+
+
+def _ascii_int(text: str) -> int | None:
+    """``text`` as an integer when it is ASCII digits (an optional ``-``), else None: ``int()``
+    alone takes any Unicode digit (``"٣"`` is 3), ``+``, spaces and ``_`` separators."""
+    text = text.strip()
+    return int(text) if _ASCII_INT.fullmatch(text) else None
+
+
 def _adapter_id(text: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise ValueError(f"adapter id {text!r} is not an integer") from None
+    value = _ascii_int(text)
+    if value is None:
+        raise ValueError(f"adapter id {text!r} is not an integer (ASCII digits)")
     if not 0 <= value <= UINT32_MAX:
         raise ValueError(f"adapter id {value} is out of range (0..{UINT32_MAX})")
     return value
@@ -60,6 +70,20 @@ class AdapterScaleType(click.ParamType):
             self.fail(f"{value!r}: {err}", param, ctx)
 
 
+class AdapterIdType(click.ParamType):
+    """An adapter id: ASCII digits, ``0..UINT32_MAX`` (``click.IntRange`` would take ``"٣"``)."""
+
+    name = "ID"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return _adapter_id(str(value))
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+
+
 class TokenIdsType(click.ParamType):
     """``ID,ID,…`` → a non-empty tuple of non-negative token ids."""
 
@@ -73,10 +97,9 @@ class TokenIdsType(click.ParamType):
             self.fail("no token ids given", param, ctx)
         ids = []
         for part in parts:
-            try:
-                token = int(part)
-            except ValueError:
-                self.fail(f"token id {part!r} is not an integer", param, ctx)
+            token = _ascii_int(part)
+            if token is None:
+                self.fail(f"token id {part!r} is not an integer (ASCII digits)", param, ctx)
             if not 0 <= token <= UINT32_MAX:
                 self.fail(f"token id {token} is out of range (0..{UINT32_MAX})", param, ctx)
             ids.append(token)
@@ -117,7 +140,7 @@ class HostPortType(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         text = str(value)
         host, sep, port_text = text.rpartition(":")
-        if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        if not sep or not host or not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
             self.fail(f"{text!r} is not HOST:PORT", param, ctx)
         if int(port_text) == 0 and not self.allow_zero:
             self.fail(f"{text!r}: port 0 is not allowed here", param, ctx)

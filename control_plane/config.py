@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from control_plane.registry import DEFAULT_MAX_UPLOAD_BYTES
+from loraplane.limits import HTTP_MAX_BODY_BYTES
 
 RESERVED_THREADS = 16
 """Handler threads Generate relays can never take (default ``max_streams`` = threads - this)."""
@@ -91,6 +92,14 @@ class ControlPlaneConfig:
             ``tokenizer.chat_template``, else a built-in one for the architecture).
         served_model_name: the base model's name on the HTTP API (None: the GGUF file's stem).
         metrics_max_adapters: distinct adapter label values in metrics before "other".
+        http_max_body_bytes: larger HTTP request bodies get 413 before they are read.
+        http_max_prompt_bytes: a completions text prompt or a chat conversation's content over
+            this many UTF-8 bytes gets 400 before any template or tokenizer runs. None: the
+            gRPC path's rule, ``(n_ctx - 1) × longest vocab piece`` with ``n_ctx`` =
+            ``http_n_ctx`` (`control_plane.http.deps.prompt_byte_limit`).
+        http_n_ctx: the context (tokens) the HTTP front sizes prompts for: prompts of this many
+            tokens or more get 400 before routing. ``serve`` passes its worker's ``--n-ctx``;
+            None: the model's training context (``<arch>.context_length``).
 
     Start-up flags set the default scale of the adapters they name, every start; adapters
     they do not name keep their persisted scale.
@@ -126,6 +135,9 @@ class ControlPlaneConfig:
     chat_template: str | None = None
     served_model_name: str | None = None
     metrics_max_adapters: int = 64
+    http_max_body_bytes: int = HTTP_MAX_BODY_BYTES
+    http_max_prompt_bytes: int | None = None
+    http_n_ctx: int | None = None
 
     @property
     def stream_limit(self) -> int:

@@ -56,6 +56,29 @@ DEFAULT_MAX_UPLOAD_BYTES = 512 * 1024 * 1024
 SOURCE_FORMATS = ("gguf", "peft")
 
 
+ID_NAME_PREFIX = "adapter:"
+"""``adapter:<id>`` names an adapter by id on the HTTP API, so no name may start with it."""
+
+
+def served_base_name(served_model_name: str | None, base_path: str | Path) -> str:
+    """The base model's name on the HTTP API: ``--served-model-name``, else the GGUF file's stem."""
+    return served_model_name or Path(str(base_path)).name.removesuffix(".gguf")
+
+
+def name_clash(name: str, base_name: str | None) -> str | None:
+    """Why ``name`` cannot name an adapter, or None when it can: it equals the served base-model
+    name ``base_name``, starts with ``<base_name>:`` (the ``base:adapter`` form) or with
+    ``adapter:`` (the id form). Such a name would be shadowed on the HTTP API (``model``
+    resolves the base and the id forms first) and list an id twice in ``/v1/models``."""
+    if base_name and name == base_name:
+        return f"adapter name '{name}' is the served base model's name; pick another"
+    if base_name and name.startswith(base_name + ":"):
+        return f"adapter name '{name}' starts with '{base_name}:' (the base-model prefix form); pick another"
+    if name.startswith(ID_NAME_PREFIX):
+        return f"adapter name '{name}' starts with '{ID_NAME_PREFIX}' (the id form); pick another"
+    return None
+
+
 @dataclass(frozen=True)
 class Registration:
     """Outcome of a registration: the record, and whether this call created it."""
@@ -92,6 +115,9 @@ class AdapterRegistry:
         max_upload_bytes: larger uploads are refused (RESOURCE_EXHAUSTED).
         max_lora_rank: adapters with a larger rank are refused (INVALID_ARGUMENT): no
             worker's slot pool could hold them (``--max-lora-rank``).
+        base_name: the served base-model name (`served_base_name`); a requested adapter name
+            that would shadow it is refused (INVALID_ARGUMENT, `name_clash`), a clashing name
+            embedded in the file is dropped (the adapter is served as ``adapter:<id>``).
     """
 
     def __init__(
@@ -103,8 +129,10 @@ class AdapterRegistry:
         adapter_dirs: Sequence[str | Path] = (),
         max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
         max_lora_rank: int = 64,
+        base_name: str | None = None,
     ) -> None:
         self.store = store
+        self.base_name = base_name
         self.base = base
         self.upload_dir = Path(data_dir) / "adapters"
         self.upload_dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +178,29 @@ class AdapterRegistry:
 
     # -- registration -------------------------------------------------------------------
 
+    def check_name(self, name: str) -> None:
+        """Refuse a requested adapter name that would shadow the base model or an id
+        (`name_clash`); "" (no name: the file's own) passes.
+
+        Raises:
+            InvalidArgumentError: the clash, named.
+        """
+        problem = name_clash(name, self.base_name) if name else None
+        if problem:
+            raise InvalidArgumentError(problem)
+
+    def _name_of(self, requested: str, adapter: AdapterFile) -> str:
+        """The name to store: the requested one (checked), else the file's own unless it clashes."""
+        if requested:
+            self.check_name(requested)
+            return requested
+        embedded = adapter.name or ""
+        problem = name_clash(embedded, self.base_name) if embedded else None
+        if problem:
+            log.warning("adapter_name_dropped", name=embedded, reason=problem)
+            return ""
+        return embedded
+
     def register_upload(self, data: Iterable[bytes], *, name: str = "", source_format: str = "gguf") -> Registration:
         """Register uploaded bytes (streamed); the file is kept under the data dir.
 
@@ -163,6 +214,7 @@ class AdapterRegistry:
         """
         if source_format not in SOURCE_FORMATS:
             raise InvalidArgumentError(f"source_format '{source_format}': expected one of {list(SOURCE_FORMATS)}")
+        self.check_name(name)
         tmp = self.upload_dir / f".upload-{uuid.uuid4().hex}.part"
         try:
             sha256, size = self._receive(data, tmp)
@@ -174,7 +226,7 @@ class AdapterRegistry:
                 return Registration(existing, created=False)
             rec, created = self.store.insert(
                 sha256=sha256,
-                name=name or adapter.name,
+                name=self._name_of(name, adapter),
                 metadata=self._metadata(adapter),
                 content=tmp,
                 source=None,
@@ -194,6 +246,7 @@ class AdapterRegistry:
             PermissionDeniedError: the resolved path is outside every adapter dir (nothing read).
             NotFoundError: no such file.
         """
+        self.check_name(name)
         try:
             resolved = confine(path, self.adapter_dirs)
         except MalformedPath as exc:
@@ -212,6 +265,7 @@ class AdapterRegistry:
         return self.get(rec.id)
 
     def _register_file(self, path: Path, *, name: str, source: str) -> Registration:
+        self.check_name(name)
         if is_peft_dir(path):
             return self._register_peft(path, name=name)
         if not path.is_file():
@@ -219,7 +273,11 @@ class AdapterRegistry:
         adapter = self._validate(path, shown_as=str(path))
         sha256 = adapter.sha256
         rec, created = self.store.insert(
-            sha256=sha256, name=name or adapter.name, metadata=self._metadata(adapter), content=path, source=str(path)
+            sha256=sha256,
+            name=self._name_of(name, adapter),
+            metadata=self._metadata(adapter),
+            content=path,
+            source=str(path),
         )
         if created:
             log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source, path=str(path))

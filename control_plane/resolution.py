@@ -8,11 +8,29 @@ registered adapter at scale 0. Workers only ever see resolved vectors.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from control_plane.errors import InvalidArgumentError, NotFoundError, describe_ids
 
 AdapterVector = list[tuple[int, float]]
+
+MAX_ADAPTER_ID = 2**32 - 1
+"""Adapter ids are protobuf ``uint32`` on the wire (``AdapterRef.id``, ``AdapterScale.id``)."""
+_ASCII_ID = re.compile(r"[0-9]{1,10}")
+
+
+def parse_adapter_id(text: str) -> int | None:
+    """The adapter id ``text`` spells, or None when it spells none.
+
+    ASCII digits only, at most `MAX_ADAPTER_ID`: ``int()`` and ``str.isdigit`` accept any
+    Unicode digit (``"٣"`` is 3), signs, spaces and underscores, so an id is never parsed with
+    them alone. A 20-digit id is None (not registered), never an overflow further down.
+    """
+    if not _ASCII_ID.fullmatch(text):
+        return None
+    value = int(text)
+    return value if value <= MAX_ADAPTER_ID else None
 
 
 def check_scale(scale: float, what: str) -> float:

@@ -39,7 +39,7 @@ from control_plane.errors import DatabaseUnavailableError
 from control_plane.fetch import FetchWatchdog
 from control_plane.http.models import served_name
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.registry import AdapterRegistry
+from control_plane.registry import AdapterRegistry, served_base_name
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
 from control_plane.servicer import ControlPlaneServicer
@@ -113,6 +113,7 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
             adapter_dirs=config.adapter_dirs,
             max_upload_bytes=config.max_upload_bytes,
             max_lora_rank=config.max_lora_rank,
+            base_name=served_base_name(config.served_model_name, base.path),
         )
         for path, scale in config.startup_adapters:
             rec = registry.register_startup(path, scale)
@@ -148,7 +149,7 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
         except DatabaseUnavailableError:
             return f"adapter:{adapter_id}"
         rec = next((r for r in records if r.id == adapter_id), None)
-        return served_name(rec, records) if rec is not None else f"adapter:{adapter_id}"
+        return served_name(rec, records, registry.base_name) if rec is not None else f"adapter:{adapter_id}"
 
     def n_adapters() -> int:
         try:
@@ -197,6 +198,7 @@ def http_deps(state: ControlPlaneState) -> Any:
     """The HTTP front's dependencies: this process's registry, router and pool."""
     from control_plane.http.app import HttpDeps
     from control_plane.http.chat_template import load_chat_template
+    from control_plane.http.deps import n_ctx_train, prompt_byte_limit
 
     base = state.registry.base
     tok = base.tokenizer()
@@ -213,17 +215,24 @@ def http_deps(state: ControlPlaneState) -> Any:
             bos_token=special(getattr(tok, "bos_id", -1)),
             eos_token=special(getattr(tok, "eos_id", -1)),
         )
+    n_ctx = state.config.http_n_ctx or n_ctx_train(base.gguf.metadata, base.arch)
+    max_prompt_bytes = state.config.http_max_prompt_bytes
+    if max_prompt_bytes is None and tok is not None:
+        max_prompt_bytes = prompt_byte_limit(tok, n_ctx)
     return HttpDeps(
         registry=state.registry,
         router=state.router,
         pool=state.pool,
-        base_name=state.config.served_model_name or Path(str(base.path)).name.removesuffix(".gguf"),
+        base_name=served_base_name(state.config.served_model_name, base.path),
         base_root=str(base.path),
         tokenizer=tok,
         chat_template=template,
         admin_token=admin_token_from(state.config.admin_token),
         metrics_text=state.metrics.exposition if state.metrics is not None else None,
         write_timeout_s=state.config.http_write_timeout_s,
+        max_body_bytes=state.config.http_max_body_bytes,
+        max_prompt_bytes=max_prompt_bytes,
+        n_ctx=n_ctx,
     )
 
 

@@ -21,3 +21,11 @@ GRPC_MESSAGE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 """Channel/server options applying ``MAX_MESSAGE_BYTES`` in both directions."""
+
+HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024
+"""Default largest HTTP request body, in bytes (``--http-max-body-bytes``): answered 413 before
+it is read. It exceeds the largest prompt any worker accepts (``worker.serving.engine.
+prompt_byte_limit``: 131 071 tokens × 48-byte pieces ≈ 6 MiB, ×2 for JSON's ``\\uXXXX``
+escapes) and stays under `MAX_MESSAGE_BYTES`, so a body that passes can become one gRPC request;
+no larger, because decoding a body holds the interpreter lock (about 0.04 s per MiB of small
+token ids on a busy 2-core machine), which delays every other response of the process."""

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from control_plane.auth import BearerCheck, check_bearer
 from control_plane.errors import ControlPlaneError
 from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError, from_control_plane
 from control_plane.http.models import ID_PREFIX, resolve_model
-from control_plane.http.schemas import LoadLoraRequest, UnloadLoraRequest
+from control_plane.http.schemas import LoadLoraRequest, UnloadLoraRequest, parse_body
+from control_plane.resolution import parse_adapter_id
 
 
-def require_admin(request: Request, admin_token: str | None) -> None:
-    """Pass when no token is configured or the request carries it as its bearer token.
+def require_admin(authorization: str | None, admin_token: str | None) -> None:
+    """Pass when no token is configured or ``authorization`` (the request's header) carries it
+    as its bearer token. Checked before the body is parsed.
 
     Raises:
         OpenAIError: 401 ``authentication_error`` / ``invalid_api_key``: no bearer token, or
@@ -30,7 +33,7 @@ def require_admin(request: Request, admin_token: str | None) -> None:
     """
     if admin_token is None:
         return
-    found = check_bearer(request.headers.get("authorization"), admin_token)
+    found = check_bearer(authorization, admin_token)
     if found is BearerCheck.MISSING:
         raise OpenAIError(
             401,
@@ -52,10 +55,14 @@ def unload_target(name: str, deps: HttpDeps) -> int:
         raise OpenAIError(
             400, f"'{name}' is the base model; only adapters can be unloaded", param="lora_name", code="base_model"
         )
-    if name.startswith(ID_PREFIX) and name[len(ID_PREFIX) :].isdigit():
-        return int(name[len(ID_PREFIX) :])
-    (adapter_id,) = resolve_model(name, base_name=deps.base_name, registry=deps.registry)
-    return adapter_id
+    if name.startswith(ID_PREFIX) and (adapter_id := parse_adapter_id(name[len(ID_PREFIX) :])) is not None:
+        return adapter_id
+    found = resolve_model(name, base_name=deps.base_name, registry=deps.registry)
+    if len(found) != 1:  # "<base>:<base>": the base model again
+        raise OpenAIError(
+            400, f"'{name}' names the base model; only adapters can be unloaded", param="lora_name", code="base_model"
+        )
+    return next(iter(found))
 
 
 def admin_router(deps: HttpDeps) -> APIRouter:
@@ -63,8 +70,13 @@ def admin_router(deps: HttpDeps) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/load_lora_adapter")
-    def load_lora_adapter(body: LoadLoraRequest, request: Request) -> Response:
-        require_admin(request, deps.admin_token)
+    async def load_lora_adapter(request: Request) -> Response:
+        raw = await request.body()  # parsed, like the work, on a worker thread
+        return await run_in_threadpool(load, raw, request.headers.get("authorization"))
+
+    def load(raw: bytes, authorization: str | None) -> Response:
+        require_admin(authorization, deps.admin_token)
+        body = parse_body(raw, LoadLoraRequest)
         try:
             reg = deps.registry.register_server_path(body.lora_path, name=body.lora_name)
         except ControlPlaneError as exc:
@@ -72,8 +84,13 @@ def admin_router(deps: HttpDeps) -> APIRouter:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully (id {reg.record.id}).")
 
     @router.post("/v1/unload_lora_adapter")
-    def unload_lora_adapter(body: UnloadLoraRequest, request: Request) -> Response:
-        require_admin(request, deps.admin_token)
+    async def unload_lora_adapter(request: Request) -> Response:
+        raw = await request.body()
+        return await run_in_threadpool(unload, raw, request.headers.get("authorization"))
+
+    def unload(raw: bytes, authorization: str | None) -> Response:
+        require_admin(authorization, deps.admin_token)
+        body = parse_body(raw, UnloadLoraRequest)
         name = body.lora_name
         try:
             adapter_id = unload_target(name, deps)

@@ -8,29 +8,134 @@ Routes, one module per concern:
     one is configured, as on gRPC);
   * ``GET /health``, ``GET /metrics`` (`health`).
 Every error is OpenAI's JSON shape (`errors.install_error_handlers`).
+
+Request bodies are bounded before they are read (`BodySizeLimit`, ``--http-max-body-bytes``):
+a declared ``Content-Length`` over the limit is answered 413 at once, without reading a byte
+of the body; a chunked body is counted as it arrives and answered 413 once it passes the limit.
+Either way the connection is closed after the answer (the rest of the body is never read).
 """
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.http.admin import admin_router
 from control_plane.http.completions import completions_router
-from control_plane.http.deps import HttpDeps
-from control_plane.http.errors import install_error_handlers
+from control_plane.http.deps import DEFAULT_MAX_BODY_BYTES, HttpDeps
+from control_plane.http.errors import OpenAIError, http_error, install_error_handlers
 from control_plane.http.health import health_router
 from control_plane.http.models import models_router
 
-__all__ = ["HttpDeps", "create_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "BodySizeLimit", "HttpDeps", "create_app"]
+
+
+def too_large_message(limit: int, declared: int | None = None) -> str:
+    """What a 413 says: the size (``declared``: its ``Content-Length``) and the limit's flag."""
+    got = f"declares {declared} bytes" if declared is not None else f"passed {limit} bytes"
+    return f"request body {got}; the limit is {limit} bytes (--http-max-body-bytes)"
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from the wrapped ``receive`` once a streamed body passes the limit: a Starlette
+    HTTP error, so FastAPI's body reader re-raises it as it is (any other exception there
+    becomes a 400) and `errors.install_error_handlers` answers it (413, ``Connection: close``)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, too_large_message(limit), headers={"connection": "close"})
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware bounding HTTP request bodies to ``max_bytes``.
+
+    * ``Content-Length`` over the limit (or not a number): 413 (400) in OpenAI's error shape
+      before the app runs, so not one byte of the body is read.
+    * No ``Content-Length`` (chunked): the bytes the app receives are counted; the chunk that
+      passes the limit makes ``receive`` raise `BodyTooLarge`, answered 413 here when no
+      response has started. At most ``max_bytes`` plus one chunk is ever buffered.
+
+    Every refusal carries ``Connection: close``: the server drops the connection instead of
+    reading (and discarding) the rest of the body. Non-HTTP scopes pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be positive (got {max_bytes})")
+        self.app = app
+        self.max_bytes = int(max_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared == -1:
+            await _send_error(send, OpenAIError(400, "Content-Length is not a non-negative integer", code="bad_header"))
+            return
+        if declared is not None and declared > self.max_bytes:
+            await _send_error(send, http_error(413, too_large_message(self.max_bytes, declared)))
+            return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except BodyTooLarge as exc:
+            if started:  # a route streaming its answer while reading more body: cannot answer
+                raise
+            await _send_error(send, http_error(413, exc.detail))
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The request's ``Content-Length``: None when absent, -1 when not a non-negative integer
+    (ASCII digits only)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            text = value.strip()
+            if not text or not text.isdigit() or len(text) > 19:
+                return -1
+            return int(text)
+    return None
+
+
+async def _send_error(send: Send, err: OpenAIError) -> None:
+    body = json.dumps(err.body()).encode()
+    headers: list[Any] = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def create_app(deps: HttpDeps) -> FastAPI:
-    """The HTTP front over ``deps`` (no docs or OpenAPI routes); serve it with
-    `server.HttpServer`."""
+    """The HTTP front over ``deps`` (no docs or OpenAPI routes), its bodies bounded by
+    ``deps.max_body_bytes`` (`BodySizeLimit`); serve it with `server.HttpServer`."""
     app = FastAPI(title="loraplane", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.include_router(health_router(deps))
     app.include_router(models_router(deps))
     app.include_router(completions_router(deps))
     app.include_router(admin_router(deps))
+    app.add_middleware(BodySizeLimit, max_bytes=deps.max_body_bytes)
     return app

@@ -1,20 +1,31 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: request body → GenerateRequest →
 ``Router.generate`` → `streaming.CompletionStream` → JSON body or server-sent events.
 
-The routes are plain ``def`` functions: FastAPI runs them on its worker threads, where they
-block on ``Router.generate`` exactly like a gRPC handler. ``model`` (or the ``lora`` extension)
-picks the adapters (`models.resolve_model`); chat messages are rendered with the model's chat
-template and tokenized with special tokens parsed and nothing added (BOS is the template's).
+The routes read the (size-bounded) body on the event loop and hand it to a worker thread
+(``run_in_threadpool``), where everything else happens: JSON parsing and validation
+(`schemas.parse_body`), the chat template, tokenizing, and blocking on ``Router.generate``
+exactly like a gRPC handler. Nothing proportional to the body's size runs on the event loop.
+The body is JSON whatever its ``Content-Type`` (``curl -d`` sends a form type; llama-server
+accepts it too). ``model`` (or the ``lora`` extension) picks the adapters
+(`models.resolve_model`); chat messages are rendered with the model's chat template and
+tokenized with special tokens parsed and nothing added (BOS is the template's).
+
+Input is sized before it costs anything (the gRPC path's rule, `deps.prompt_byte_limit`): a text
+prompt or a conversation's content over ``max_prompt_bytes`` UTF-8 bytes is a 400 before any
+template or tokenizer runs; token-id prompts are range-checked (``[0, n_vocab)``) and counted;
+a prompt of ``n_ctx`` tokens or more is a 400. Requests that can never run are never answered
+429. Rendering and tokenizing run on the route's worker thread, never on the event loop.
 """
 
 from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
-from control_plane.http.chat_template import ChatTemplate, ChatTemplateError
+from control_plane.http.chat_template import RENDER_MAX_CHARS, ChatTemplate, ChatTemplateError
 from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError
 from control_plane.http.generation import HttpCallContext, build_request, new_request_id, now_s
@@ -25,11 +36,14 @@ from control_plane.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    parse_body,
 )
 from control_plane.http.streaming import CompletionStream, RelayResponse
 from loraplane.v1 import common_pb2
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16
+TOKEN_ID_LIMIT = 2**32
+"""Token ids travel as protobuf ``uint32``: without a vocab size, ids must be below this."""
 
 
 def adapters_for(body: SamplingFields, deps: HttpDeps) -> dict[int, float]:
@@ -79,6 +93,66 @@ def prompt_of(body: CompletionRequest) -> tuple[str | None, list[int] | None]:
     return None, [int(t) for t in prompt]
 
 
+def check_prompt_ids(ids: list[int], *, n_vocab: int | None, n_ctx: int | None) -> None:
+    """Token-id prompts are checked before routing: every id in ``[0, n_vocab)`` (the base
+    vocab; without a tokenizer, protobuf's ``uint32`` range) and fewer than ``n_ctx`` of them.
+
+    Raises:
+        OpenAIError: 400 ``param="prompt"`` naming the first bad index and id, or the length.
+    """
+    upper = n_vocab if n_vocab else TOKEN_ID_LIMIT
+    for i, t in enumerate(ids):
+        if not 0 <= t < upper:
+            raise OpenAIError(
+                400,
+                f"prompt[{i}]: token id {t} is out of range [0, {upper})",
+                param="prompt",
+                code="invalid_token_id",
+            )
+    check_prompt_tokens(len(ids), n_ctx=n_ctx, param="prompt")
+
+
+def check_prompt_tokens(n_tokens: int, *, n_ctx: int | None, param: str) -> None:
+    """A prompt of ``n_ctx`` tokens or more can never run (the worker needs one position to
+    generate): 400, never a retry-later 429 from a full worker.
+
+    Raises:
+        OpenAIError: 400 ``context_length_exceeded`` naming ``param``.
+    """
+    if n_ctx is not None and n_tokens >= n_ctx:
+        raise OpenAIError(
+            400,
+            f"'{param}' has {n_tokens} tokens; this model's context is {n_ctx} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def check_prompt_bytes(n_bytes: int, *, limit: int | None, param: str, what: str) -> None:
+    """The byte rule of the gRPC path (`deps.prompt_byte_limit`), applied before any template
+    or tokenizer runs.
+
+    Raises:
+        OpenAIError: 400 ``context_length_exceeded`` naming ``param`` and the limit.
+    """
+    if limit is not None and n_bytes > limit:
+        raise OpenAIError(
+            400,
+            f"{what} has {n_bytes} UTF-8 bytes; at most {limit} bytes can fit this model's context "
+            "(refused before tokenizing)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def text_bytes(text: str, limit: int | None) -> int:
+    """UTF-8 length of ``text``, skipping the encode when its length in characters already
+    passes ``limit`` (a character is at least one byte)."""
+    if limit is not None and len(text) > limit:
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
 def flatten_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message whose ``content`` is a list of parts becomes one string of its text parts;
     a missing ``content`` becomes ``""``.
@@ -117,19 +191,48 @@ def chat_template_of(deps: HttpDeps) -> ChatTemplate:
     return deps.chat_template
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: Any) -> list[int]:
+def chat_prompt_ids(
+    body: ChatCompletionRequest,
+    template: ChatTemplate,
+    tokenizer: Any,
+    *,
+    max_prompt_bytes: int | None = None,
+    n_ctx: int | None = None,
+) -> list[int]:
     """The chat prompt's token ids: messages rendered with ``template``, then tokenized.
 
+    Sizes first: the messages' content (all text parts, UTF-8 bytes) must fit
+    ``max_prompt_bytes`` before the template runs; the template renders under its time and
+    output bounds (`ChatTemplate.render`, output at most ``max_prompt_bytes`` characters); the
+    rendered text must fit ``max_prompt_bytes`` bytes before it is tokenized; the token count
+    must stay under ``n_ctx``.
+
     Raises:
-        OpenAIError: 400 when a message part is not text or the template refuses the
-            conversation (its ``raise_exception``).
+        OpenAIError: 400 when a message part is not text, the conversation is too long, or the
+            template refuses it (its ``raise_exception``), fails, recurses too deep or passes its
+            time or output bound.
     """
     messages = [flatten_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += text_bytes(content, max_prompt_bytes)
+    check_prompt_bytes(total, limit=max_prompt_bytes, param="messages", what="the conversation's content")
     try:
-        prompt = template.render(messages, add_generation_prompt=body.add_generation_prompt)
+        prompt = template.render(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            max_chars=max_prompt_bytes if max_prompt_bytes is not None else RENDER_MAX_CHARS,
+        )
     except ChatTemplateError as exc:
-        raise OpenAIError(400, str(exc), param="messages") from None
-    return tokenizer.encode(prompt, add_special=False, parse_special=True)
+        raise OpenAIError(400, str(exc), param="messages", code=exc.code) from None
+    check_prompt_bytes(
+        text_bytes(prompt, max_prompt_bytes), limit=max_prompt_bytes, param="messages", what="the rendered chat prompt"
+    )
+    ids: list[int] = tokenizer.encode(prompt, add_special=False, parse_special=True)
+    check_prompt_tokens(len(ids), n_ctx=n_ctx, param="messages")
+    return ids
 
 
 def respond(
@@ -167,10 +270,20 @@ def completions_router(deps: HttpDeps) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/completions")
-    def completions(body: CompletionRequest) -> Response:
+    async def completions(request: Request) -> Response:
+        raw = await request.body()  # at most --http-max-body-bytes (app.BodySizeLimit)
+        return await run_in_threadpool(run_completion, raw)
+
+    def run_completion(raw: bytes) -> Response:
+        body = parse_body(raw, CompletionRequest)
         body.check()
-        adapters = adapters_for(body, deps)
         text, ids = prompt_of(body)
+        if ids is not None:
+            check_prompt_ids(ids, n_vocab=getattr(deps.tokenizer, "n_vocab", None), n_ctx=deps.n_ctx)
+        else:
+            limit = deps.max_prompt_bytes
+            check_prompt_bytes(text_bytes(text or "", limit), limit=limit, param="prompt", what="'prompt'")
+        adapters = adapters_for(body, deps)
         request = build_request(
             request_id=new_request_id("cmpl"),
             text=text,
@@ -183,11 +296,16 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         return respond(deps, request, body, chat=False, logprobs=body.logprobs)
 
     @router.post("/v1/chat/completions")
-    def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        raw = await request.body()
+        return await run_in_threadpool(run_chat, raw)
+
+    def run_chat(raw: bytes) -> Response:
+        body = parse_body(raw, ChatCompletionRequest)
         body.check()
         template = chat_template_of(deps)
         adapters = adapters_for(body, deps)
-        ids = chat_prompt_ids(body, template, deps.tokenizer)
+        ids = chat_prompt_ids(body, template, deps.tokenizer, max_prompt_bytes=deps.max_prompt_bytes, n_ctx=deps.n_ctx)
         n_top = body.top_logprobs or 0
         request = build_request(
             request_id=new_request_id("chatcmpl"),

@@ -1,4 +1,5 @@
-"""`HttpDeps`: the objects the HTTP routes work on, the same ones the gRPC servicer holds."""
+"""`HttpDeps`: the objects the HTTP routes work on, the same ones the gRPC servicer holds, and
+the HTTP front's input limits (`prompt_byte_limit`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,41 @@ from control_plane.http.chat_template import ChatTemplate
 from control_plane.registry import AdapterRegistry
 from control_plane.router import Router
 from control_plane.workers import WorkerPool
+from loraplane.limits import HTTP_MAX_BODY_BYTES
+
+DEFAULT_MAX_BODY_BYTES = HTTP_MAX_BODY_BYTES
+DEFAULT_N_CTX_TRAIN = 32768
+"""Context assumed when the GGUF has no ``<arch>.context_length`` key."""
+
+
+def max_piece_bytes(tokenizer: Any) -> int:
+    """An upper bound on the input bytes one token can cover: the longest vocab piece's text in
+    UTF-8 bytes (the worker's ``worker.serving.engine.max_piece_bytes`` measures the rendered
+    piece, which is never longer; Gemma 3: 48 both ways). Reads the vocab's texts when the
+    tokenizer exposes them (20 ms for 262k pieces), else renders every piece."""
+    pieces = getattr(tokenizer, "_pieces", None)
+    if isinstance(pieces, list) and pieces:
+        return max(1, max(len(str(p).encode("utf-8", "surrogatepass")) for p in pieces))
+    n_vocab = int(getattr(tokenizer, "n_vocab", 0))
+    sizes = (len(tokenizer.token_to_piece(i).encode("utf-8", "surrogatepass")) for i in range(n_vocab))
+    return max(1, max(sizes, default=1))
+
+
+def prompt_byte_limit(tokenizer: Any, n_ctx: int) -> int:
+    """The gRPC path's rule (``worker.serving.engine.prompt_byte_limit``) for a context of
+    ``n_ctx`` tokens: a text longer than ``(n_ctx - 1) × max_piece_bytes`` UTF-8 bytes needs at
+    least ``n_ctx`` tokens, which no worker with that context accepts, so refusing it before
+    tokenizing changes no answer, only the cost. The HTTP front uses the model's training
+    context (``<arch>.context_length``): workers started with a longer ``--n-ctx`` than the
+    model was trained for are the only ones it could refuse early."""
+    return max(1, (int(n_ctx) - 1) * max_piece_bytes(tokenizer))
+
+
+def n_ctx_train(metadata: dict[str, Any], arch: str) -> int:
+    """The model's training context from the GGUF (``<arch>.context_length``), else
+    `DEFAULT_N_CTX_TRAIN`."""
+    value = metadata.get(f"{arch}.context_length")
+    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_N_CTX_TRAIN
 
 
 @dataclass
@@ -30,6 +66,13 @@ class HttpDeps:
             None → ``/metrics`` is a 404.
         write_timeout_s: seconds one response write may wait for a client that reads
             nothing before the client counts as gone (`streaming.RelayResponse`).
+        max_body_bytes: larger request bodies get 413 before they are read
+            (``--http-max-body-bytes``).
+        max_prompt_bytes: a completions text prompt, or a chat conversation's content, longer
+            than this many UTF-8 bytes gets 400 before any template or tokenizer runs
+            (`prompt_byte_limit`, or ``--http-max-prompt-bytes``); None: only the body limit.
+        n_ctx: prompts of this many tokens or more get 400 before routing (the model's
+            training context, `n_ctx_train`); None: the worker decides.
     """
 
     registry: AdapterRegistry
@@ -42,3 +85,6 @@ class HttpDeps:
     admin_token: str | None
     metrics_text: Callable[[], tuple[bytes, str]] | None = None
     write_timeout_s: float = 30.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_bytes: int | None = None
+    n_ctx: int | None = None

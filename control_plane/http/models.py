@@ -2,11 +2,14 @@
 
 Rules (vLLM: ``model`` = an adapter's name; SGLang: ``base:adapter``; ours: ``adapter:<id>``):
   * the served base-model name → no adapters (an explicit empty map, not the default set);
-  * ``adapter:<id>`` → that adapter at scale 1 (404 when the id is not registered);
+  * ``adapter:<id>`` → that adapter at scale 1 (404 when the id is not registered; ``<id>`` is
+    ASCII digits within uint32, `resolution.parse_adapter_id`: ``adapter:٣`` names nothing);
   * ``<base name>:<adapter>`` → the adapter part resolved by these rules;
   * an adapter name → that adapter at scale 1. Names are metadata, not keys, so a name shared
     by several adapters is a 400 that lists their ids (use ``adapter:<id>``); an unknown name
     is a 404 listing what is served.
+An adapter may not be named like the base model (`registry.check_adapter_name`); a row that
+predates that rule is listed as ``adapter:<id>``, so ``/v1/models`` never shows an id twice.
 """
 
 from __future__ import annotations
@@ -19,14 +22,22 @@ from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError
 from control_plane.http.generation import now_s
 from control_plane.registry import AdapterRegistry
+from control_plane.resolution import parse_adapter_id
 from control_plane.store import AdapterRecord
 
 ID_PREFIX = "adapter:"
 
 
-def served_name(rec: AdapterRecord, records: list[AdapterRecord]) -> str:
-    """The id ``/v1/models`` shows: the name when unique and non-empty, else ``adapter:<id>``."""
-    if rec.name and sum(1 for r in records if r.name == rec.name) == 1 and not rec.name.startswith(ID_PREFIX):
+def served_name(rec: AdapterRecord, records: list[AdapterRecord], base_name: str | None = None) -> str:
+    """The id ``/v1/models`` shows: the name when unique, non-empty and not the base model's
+    (``base_name``; rows registered before names were checked against it), else
+    ``adapter:<id>``. So no id is ever listed twice."""
+    if (
+        rec.name
+        and rec.name != base_name
+        and sum(1 for r in records if r.name == rec.name) == 1
+        and not rec.name.startswith(ID_PREFIX)
+    ):
         return rec.name
     return f"{ID_PREFIX}{rec.id}"
 
@@ -44,8 +55,9 @@ def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> d
     records = registry.list()
     if model.startswith(ID_PREFIX):
         text = model[len(ID_PREFIX) :]
-        if text.isdigit() and any(r.id == int(text) for r in records):
-            return {int(text): 1.0}
+        adapter_id = parse_adapter_id(text)
+        if adapter_id is not None and any(r.id == adapter_id for r in records):
+            return {adapter_id: 1.0}
         raise OpenAIError(
             404,
             f"The model '{model}' does not exist: no adapter with id '{text}' is "
@@ -64,7 +76,7 @@ def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> d
             param="model",
             code="ambiguous_model",
         )
-    available = [base_name] + [served_name(r, records) for r in records]
+    available = [base_name] + [served_name(r, records, base_name) for r in records]
     raise OpenAIError(
         404,
         f"The model '{model}' does not exist (served: {available})",
@@ -90,7 +102,7 @@ def model_list(base_name: str, base_root: str, created: int, registry: AdapterRe
     for r in records:
         data.append(
             {
-                "id": served_name(r, records),
+                "id": served_name(r, records, base_name),
                 "object": "model",
                 "created": int(r.created_at),
                 "owned_by": "loraplane",

@@ -5,7 +5,9 @@ Omitted parameters take OpenAI's defaults, as vLLM does: ``temperature`` 1, ``to
 loraplane does not implement are refused with a 400 naming them (`SamplingFields.check`):
 ``n`` > 1, ``best_of`` > 1, non-zero ``presence_penalty`` / ``frequency_penalty``,
 ``repetition_penalty`` ≠ 1, ``logit_bias``, ``echo``, ``suffix``, tools and structured output.
-Unknown fields are ignored (clients send vendor extras freely).
+Unknown fields are ignored (clients send vendor extras freely). Every string of a body, keys
+included, must be valid Unicode: a lone surrogate is a 400 ``invalid_unicode`` naming the field
+(`HttpBody`).
 
 Extensions (vLLM / llama-server names): ``top_k``, ``ignore_eos``, ``return_token_ids``
 (vLLM: non-streaming responses carry ``prompt_token_ids`` and each choice's ``token_ids``), and
@@ -15,15 +17,184 @@ picks the adapters explicitly and wins over ``model``.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import re
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from control_plane.http.errors import OpenAIError, unsupported
+from control_plane.http.errors import INVALID_UNICODE, OpenAIError, unsupported
 
 MAX_STOP_STRINGS = 16
 # "until the context is full": the worker stops at its slot context (finish_reason "length")
 CHAT_MAX_TOKENS_DEFAULT = 2**31 - 1
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# a JSON escape that decodes to a surrogate code point: the only way one gets into a body
+# decoded as strict UTF-8 (a false hit, such as an escaped backslash before "ud800", only
+# costs the walk)
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+MAX_PROMPT_ITEMS = 1 << 20
+"""Most items a completions ``prompt`` list may hold (token ids: no context is longer)."""
+MAX_CHAT_ITEMS = 1 << 16
+"""Most messages plus content parts a chat request may hold."""
+MAX_LORA_ENTRIES = 4096
+"""Most entries of the ``lora`` extension."""
+
+
+def _surrogate_in(text: str) -> int:
+    """Index of the first lone surrogate in ``text``, or -1 (ASCII text: one C call)."""
+    if text.isascii():
+        return -1
+    m = _SURROGATE.search(text)
+    return -1 if m is None else m.start()
+
+
+def lone_surrogate(data: Any) -> tuple[str, int, int] | None:
+    """The first string in parsed JSON ``data`` (keys included) holding a lone UTF-16 surrogate:
+    ``(dotted field path, character index, code point)``; None when every string is valid
+    Unicode. JSON may spell one (``"\\ud800"``) and Python's decoder keeps it, but it has no
+    UTF-8 form: protobuf, the tokenizer and the response encoder would all fail on it later.
+
+    Walks with an explicit stack (no recursion limit); a scalar item costs one type check and
+    paths are only spelled out for the hit, so a million-item list takes tens of milliseconds.
+    """
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        kind = type(value)
+        if kind is str:
+            if (i := _surrogate_in(value)) >= 0:
+                return _spell(path), i, ord(value[i])
+            continue
+        if kind is dict:
+            items: Any = value.items()
+        elif kind is list:
+            items = enumerate(value)
+        else:
+            continue
+        nested = []
+        for key, item in items:
+            if type(key) is str and (i := _surrogate_in(key)) >= 0:
+                return _spell(path), i, ord(key[i])
+            t = type(item)
+            if t is str:
+                if (i := _surrogate_in(item)) >= 0:
+                    return _spell((*path, key)), i, ord(item[i])
+            elif t is dict or t is list:
+                nested.append(((*path, key), item))
+        stack.extend(reversed(nested))
+    return None
+
+
+def _spell(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path) or "body"
+
+
+def _too_many(what: str, n: int, limit: int, param: str) -> OpenAIError:
+    return OpenAIError(400, f"{what} has {n} items; at most {limit} are accepted", param=param, code="too_many_items")
+
+
+def check_sizes(data: dict[str, Any]) -> None:
+    """Bound the lists of a completions / chat body before pydantic validates them item by item
+    (a 16 MiB body of one-character items would otherwise cost seconds per field):
+    ``prompt`` ≤ `MAX_PROMPT_ITEMS`, messages plus content parts ≤ `MAX_CHAT_ITEMS`, ``stop``
+    ≤ `MAX_STOP_STRINGS`, ``lora`` ≤ `MAX_LORA_ENTRIES`; a non-empty ``logit_bias`` is refused
+    here already (unsupported).
+
+    Raises:
+        OpenAIError: 400 naming the field.
+    """
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_ITEMS:
+        raise _too_many("'prompt'", len(prompt), MAX_PROMPT_ITEMS, "prompt")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        n = len(messages)
+        for m in messages:
+            if n > MAX_CHAT_ITEMS:
+                break
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                n += len(content)
+        if n > MAX_CHAT_ITEMS:
+            raise _too_many("'messages' (messages and content parts)", n, MAX_CHAT_ITEMS, "messages")
+    stop = data.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise OpenAIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    lora = data.get("lora")
+    if isinstance(lora, list) and len(lora) > MAX_LORA_ENTRIES:
+        raise _too_many("'lora'", len(lora), MAX_LORA_ENTRIES, "lora")
+    if data.get("logit_bias"):
+        raise unsupported("logit_bias", "logit biases are not implemented")
+
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[B]) -> B:
+    """A request body → ``model``, for routes that parse on a worker thread (never the event
+    loop): strict UTF-8 (RFC 8259), JSON, an object, `check_sizes`, valid Unicode
+    (`lone_surrogate`, walked only when the text holds a surrogate escape), then pydantic.
+
+    Raises:
+        OpenAIError: 400 ``invalid_json`` (not UTF-8, not JSON, too deep, empty, not an
+            object), ``invalid_unicode`` or a size rule, naming the field where there is one.
+        RequestValidationError: pydantic refused a field (`errors.validation_error` answers
+            it: 400 naming the field).
+    """
+    if not raw.strip():
+        raise OpenAIError(400, "request body is empty: expected a JSON object", code="invalid_json")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OpenAIError(
+            400, f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})", code="invalid_json"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise OpenAIError(400, f"request body is not valid JSON: {exc.msg} ({where})", code="invalid_json") from None
+    except RecursionError:
+        raise OpenAIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "request body must be a JSON object", code="invalid_json")
+    check_sizes(data)
+    walk = _ESCAPED_SURROGATE.search(text) is not None
+    try:
+        return model.model_validate(data, context={SKIP_UNICODE_WALK: not walk})
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+SKIP_UNICODE_WALK = "skip_unicode_walk"
+"""Validation-context key: the raw text held no surrogate escape, so `HttpBody` need not walk."""
+
+
+class HttpBody(BaseModel):
+    """Base of every request body: strings must be valid Unicode (`lone_surrogate`), else a
+    400 ``invalid_unicode`` naming the field (`errors.validation_error`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any, info: ValidationInfo) -> Any:
+        if isinstance(info.context, dict) and info.context.get(SKIP_UNICODE_WALK):
+            return data
+        found = lone_surrogate(data)
+        if found is not None:
+            field, index, code_point = found
+            raise PydanticCustomError(
+                INVALID_UNICODE,
+                "invalid unicode in '{field}': lone UTF-16 surrogate U+{code_point} at character {index} "
+                "(strings must be valid UTF-8 text)",
+                {"field": field, "index": index, "code_point": f"{code_point:04X}"},
+            )
+        return data
 
 
 class LoraEntry(BaseModel):
@@ -40,7 +211,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(HttpBody):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="allow")
@@ -104,6 +275,23 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> str | list[str] | list[int]:
+        """A string, a list of strings or a list of integers (JSON ``true`` is not an id),
+        checked with one type test per item: pydantic's union would validate a long list once
+        per member (16 M ids: over 20 s)."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and len(value) <= MAX_PROMPT_ITEMS:
+            if all(type(x) is str for x in value):
+                return value
+            if all(type(x) is int for x in value):
+                return value
+        raise PydanticCustomError(
+            "prompt_type", "'prompt' must be a string, a list of strings or a list of token ids (integers)"
+        )
+
     def check(self) -> None:
         """`SamplingFields.check`, plus ``echo``, ``suffix`` and batched or empty prompts."""
         super().check()
@@ -151,14 +339,14 @@ class ChatCompletionRequest(SamplingFields):
             raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 
 
-class LoadLoraRequest(BaseModel):
+class LoadLoraRequest(HttpBody):
     """vLLM's ``/v1/load_lora_adapter`` body: a server-side path (GGUF file or PEFT folder)."""
 
     lora_name: str
     lora_path: str
 
 
-class UnloadLoraRequest(BaseModel):
+class UnloadLoraRequest(HttpBody):
     """vLLM's ``/v1/unload_lora_adapter`` body (``lora_name`` may also be ``adapter:<id>``)."""
 
     model_config = ConfigDict(extra="allow")

@@ -58,7 +58,7 @@ import structlog
 
 from control_plane.errors import DataCorruptionError
 
-log = structlog.get_logger("loraplane.control_plane.store")
+log = structlog.get_logger("loraplane.control_plane.store.base")
 
 CALL_TIMEOUT_S = 2.0
 """The most one store call may take before it fails with `DatabaseUnavailableError`, seconds:

@@ -1,4 +1,4 @@
-"""Database outages and bad rows (issue 21, defects 7 and 9), with a real PostgreSQL, a real
+"""Database outages and bad rows, with a real PostgreSQL, a real
 control plane on loopback (gRPC and HTTP) and the scripted worker heartbeating it.
 
 - PostgreSQL stopped (``pg_ctl stop``) and, separately, hung (the postmaster and every backend

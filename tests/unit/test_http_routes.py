@@ -51,13 +51,21 @@ REJECTED = {
 class Front:
     """An app over fakes, with the fakes at hand."""
 
-    def __init__(self, *, admin_token: str | None = TOKEN, chat: bool = True, metrics: bool = True) -> None:
+    def __init__(
+        self, *, admin_token: str | None = TOKEN, chat: bool = True, metrics: bool = True, template_text: str = ""
+    ) -> None:
         records = [FakeRecord(0, "shout"), FakeRecord(1, "sea"), FakeRecord(2, "dup"), FakeRecord(3, "dup")]
         self.registry = FakeRegistry(records)
         self.router = FakeRouter()
         self.pool = FakePool()
         template = (
-            load_chat_template(override_file=None, metadata={}, arch="gemma3", bos_token="<bos>", eos_token="<eos>")
+            load_chat_template(
+                override_file=None,
+                metadata={"tokenizer.chat_template": template_text} if template_text else {},
+                arch="gemma3",
+                bos_token="<bos>",
+                eos_token="<eos>",
+            )
             if chat
             else None
         )
@@ -190,6 +198,58 @@ def test_chat_errors_name_the_offending_field(front_kw, body, status, param):
 def test_invalid_json_is_an_openai_400():
     r = Front().post("/v1/completions", b"{not json")
     assert r.status == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["param"] is None  # not pydantic's "0" (a character position)
+
+
+@pytest.mark.parametrize(
+    "template_text, code",
+    [
+        ("{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}", "chat_template_recursion"),
+        ("{{ messages + 1 }}", "chat_template_error"),
+        ("{{ 'ab' * 10**9 }}", "chat_template_too_large"),
+        ("{{ raise_exception('no system role') }}", "chat_template_refused"),
+    ],
+)
+def test_template_failures_are_400s(template_text, code):
+    r = Front(template_text=template_text).post(
+        "/v1/chat/completions", {"model": "base", "messages": [{"role": "user", "content": "q"}]}
+    )
+    assert r.status == 400 and r.json()["error"]["code"] == code, r.body
+    assert r.json()["error"]["param"] == "messages"
+
+
+def test_unexpected_exception_is_an_openai_500_without_its_details(monkeypatch):
+    import control_plane.http.errors as errors
+
+    logged: list[tuple[str, dict]] = []
+    monkeypatch.setattr(
+        errors, "log", type("Log", (), {"error": lambda self, event, **kw: logged.append((event, kw))})()
+    )
+    r = Front().post("/v1/completions", {"model": "sea", "prompt": "q"}, [RuntimeError("secret detail")])
+    assert r.status == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["type"] == "internal_error" and "secret" not in r.body.decode()
+    ((event, fields),) = logged
+    assert event == "http_unhandled_error" and fields["error"] == "RuntimeError: secret detail"
+
+
+def test_unload_by_a_non_ascii_or_huge_id_removes_nothing():
+    front = Front(admin_token=None)
+    for name in ("adapter:\u0663", "adapter:12345678901234567890", "adapter:+3", "adapter: 3"):
+        r = front.post("/v1/unload_lora_adapter", {"lora_name": name})
+        assert r.status == 404 and r.json()["error"]["param"] == "model", (name, r.body)
+    assert [rec.id for rec in front.registry.records] == [0, 1, 2, 3] and front.pool.unloaded == []
+    r = front.post("/v1/completions", {"model": "adapter:\u0663", "prompt": "q"})
+    assert r.status == 404 and front.router.requests == []
+
+
+def test_models_never_lists_an_id_twice():
+    front = Front()
+    front.registry.records.append(FakeRecord(4, "base"))
+    ids = [m["id"] for m in call_app(front.app, "GET", "/v1/models").json()["data"]]
+    assert ids == ["base", "shout", "sea", "adapter:2", "adapter:3", "adapter:4"]
+    r = front.post("/v1/completions", {"model": "base", "prompt": "q"}, EVENTS)
+    assert r.status == 200 and front.router.requests[0].HasField("adapters")
+    assert len(front.router.requests[0].adapters.entries) == 0  # the base model, not adapter 4
 
 
 # ---- models, health, metrics -------------------------------------------------------------------
@@ -284,3 +344,29 @@ def test_admin_routes_are_open_without_a_configured_token():
     assert r.status == 200
     r = front.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/missing/a.gguf"})
     assert r.status == 404 and json.loads(r.body)["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"model": "base", "prompt": [1] * ((1 << 20) + 1)}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"model": "base", "messages": [{"role": "user", "content": "a"}] * 70_000},
+            "messages",
+        ),
+        ("/v1/completions", {"model": "base", "prompt": "q", "lora": [{"id": 0}] * 5000}, "lora"),
+    ],
+)
+def test_long_lists_are_refused_before_item_by_item_validation(path, body, param):
+    """Old code validated such lists item by item on the event loop (16 M ids: over 20 s)."""
+    front = Front()
+    r = front.post(path, body)
+    assert r.status == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, "too_many_items")
+    assert front.router.requests == []
+
+
+@pytest.mark.parametrize("prompt", [[True], [1, "a"], [1.5], {"a": 1}, None])
+def test_prompt_must_be_text_or_token_ids(prompt):
+    r = Front().post("/v1/completions", {"model": "base", "prompt": prompt})
+    assert r.status == 400 and r.json()["error"]["param"] == "prompt", r.body

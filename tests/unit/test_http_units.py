@@ -46,6 +46,84 @@ def test_template_raise_exception_and_sandbox():
         evil.render([])
 
 
+def _template(text: str):
+    from control_plane.http.chat_template import ChatTemplate
+
+    return ChatTemplate(source="file:test", text=text, bos_token="", eos_token="")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # calls range() between inner loops: the sandbox's hooks see the deadline
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        # loops over a string, no call or lookup inside: only the watchdog can stop it
+        "{% set s = messages[0].content %}{% for a in s %}{% for b in s %}{% for c in s %}"
+        "{% for d in s %}{% endfor %}{% endfor %}{% endfor %}{% endfor %}",
+    ],
+)
+def test_template_endless_loop_is_stopped_by_its_time_bound(text):
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="time limit of 0.2 s") as err:
+        _template(text).render([{"role": "user", "content": "x" * 300}], timeout_s=0.2)
+    assert err.value.code == "chat_template_timeout" and time.monotonic() - t0 < 5
+    # the watchdog's exception never outlives the call: this thread keeps running code
+    t1 = time.monotonic()
+    while time.monotonic() - t1 < 0.4:
+        sum(range(1000))
+
+
+@pytest.mark.parametrize(
+    "text, code",
+    [
+        ("{% macro f(x) %}{{ f(x ~ 'a') }}{% endmacro %}{{ f('') }}", "chat_template_recursion"),
+        ("{{ 'ab' * 10**9 }}", "chat_template_too_large"),
+        ("{{ 7 ** 100000 }}", "chat_template_too_large"),
+        ("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}", "chat_template_too_large"),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            "chat_template_too_large",
+        ),
+    ],
+)
+def test_template_recursion_and_size_bounds(text, code):
+    with pytest.raises(ChatTemplateError) as err:
+        _template(text).render([{"role": "user", "content": "y" * 1000}], max_chars=100_000)
+    assert err.value.code == code
+
+
+def test_bounded_render_keeps_normal_output_and_reuses_the_compiled_template():
+    t = load_chat_template(override_file=None, metadata={}, arch="gemma3", bos_token="<bos>", eos_token="<eos>")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert t.render(msgs) == t.render(msgs) == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    assert t._compiled is t._compiled
+
+
+def test_cli_ids_are_ascii_digits():
+    import click
+
+    from clients.params import AdapterIdType, HostPortType, TokenIdsType
+
+    assert AdapterIdType().convert("7", None, None) == 7
+    for bad in ("\u0663", "1_0", "+3", "4294967296", "-1", "12345678901234567890"):
+        with pytest.raises(click.BadParameter):
+            AdapterIdType().convert(bad, None, None)
+    with pytest.raises(click.BadParameter):
+        TokenIdsType().convert("1,\u0663", None, None)
+    with pytest.raises(click.BadParameter):
+        HostPortType().convert("localhost:\u0668\u0660", None, None)
+
+
+def test_parse_adapter_id_is_ascii_and_uint32():
+    from control_plane.resolution import parse_adapter_id
+
+    assert parse_adapter_id("0") == 0 and parse_adapter_id("4294967295") == 2**32 - 1
+    for bad in ("\u0663", "", "3 ", "+3", "1_0", "4294967296", "12345678901234567890"):
+        assert parse_adapter_id(bad) is None
+
+
 @pytest.mark.parametrize(
     "pieces, stops, emitted, hit",
     [
