@@ -33,7 +33,7 @@ from control_plane.errors import (
     UnavailableError,
 )
 
-log = structlog.get_logger("loraplane.control_plane.http")
+log = structlog.get_logger("loraplane.control_plane.http.errors")
 
 INVALID_UNICODE = "invalid_unicode"
 """Error code (and pydantic error type) of a request string holding a lone UTF-16 surrogate."""
