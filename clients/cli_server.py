@@ -205,13 +205,13 @@ def control_plane_options(f: F) -> F:
             help="Serve the OpenAI-compatible HTTP API here (default: off; port 0 picks one).",
         ),
         click.option(
-            "--http-write-timeout",
-            "http_write_timeout_s",
+            "--client-write-timeout",
+            "client_write_timeout_s",
             type=click.FloatRange(min=0.1),
             default=None,
             metavar="SECONDS",
-            help="HTTP API: a client that reads nothing for this long while its response waits "
-            "to be written counts as gone; its generation is cancelled (default 30).",
+            help="A client (HTTP or gRPC Generate) that reads nothing for this long while its "
+            "response waits to be written counts as gone; its generation is cancelled (default 30).",
         ),
         click.option(
             "--metrics-addr",
@@ -270,7 +270,7 @@ CP_TUNING = (
     "fetch_stall_timeout_s",
     "log_level",
     "http_addr",
-    "http_write_timeout_s",
+    "client_write_timeout_s",
     "metrics_addr",
     "chat_template",
     "served_model_name",

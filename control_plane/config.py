@@ -76,7 +76,7 @@ class ControlPlaneConfig:
         max_fetches: concurrent FetchAdapter streams; the next gets RESOURCE_EXHAUSTED (with
             pushback) at once. Its own cap, apart from membership's.
         fetch_stall_timeout_s: a FetchAdapter reader that accepts no chunk for this long, or
-            stays below `control_plane.fetch.MIN_RATE_BYTES_S` after a grace, is cancelled
+            stays below `control_plane.stall.MIN_RATE_BYTES_S` after a grace, is cancelled
             (its handler thread comes back).
         unload_wait_s: how long UnregisterAdapter waits for each worker to drain the adapter;
             a worker still draining then keeps it under ``draining_adapter_ids`` until freed.
@@ -84,8 +84,9 @@ class ControlPlaneConfig:
             (INVALID_ARGUMENT); the workers' ``--max-lora-rank``.
         log_level: structlog level ("debug", "info", ...).
         http_addr: host:port of the OpenAI-compatible HTTP front (None: off; port 0 picks one).
-        http_write_timeout_s: seconds an HTTP response write may wait on a client that reads
-            nothing; past it the client counts as gone and its generation is cancelled.
+        client_write_timeout_s: seconds a response write (an HTTP response, a gRPC ``Generate``
+            event) may wait on a client that reads nothing; past it the client counts as gone
+            and its generation is cancelled.
         metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP
             front serves ``/metrics`` too).
         chat_template: jinja2 chat template file overriding the model's (None: the GGUF's
@@ -130,7 +131,7 @@ class ControlPlaneConfig:
     max_lora_rank: int = 64
     log_level: str = "info"
     http_addr: str | None = None
-    http_write_timeout_s: float = 30.0
+    client_write_timeout_s: float = 30.0
     metrics_addr: str | None = None
     chat_template: str | None = None
     served_model_name: str | None = None

@@ -11,7 +11,7 @@ calls: Generate ≤ ``stream_limit`` (default ``max_threads - 16``), admin calls
 RegisterWorker/Heartbeat ≤ 4 (both answer in milliseconds: dialing a worker happens in the
 pool's own join threads), FetchAdapter ≤ ``max_fetches`` (default 4; its own cap, so a fetch
 storm never blocks heartbeats; a reader that stalls is cancelled after
-``fetch_stall_timeout_s``, `control_plane.fetch`). Reads, health and reflection are never
+``fetch_stall_timeout_s``, `control_plane.stall`). Reads, health and reflection are never
 capped and always find a thread. Interceptors, outermost first: admin token, the worker door
 (`loraplane.worker_secret.worker_door`: the secret's guard; without a secret the worker RPCs
 are refused UNAUTHENTICATED unless ``insecure_workers``), decode guard (undecodable requests →
@@ -36,13 +36,13 @@ from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, admin_token_
 from control_plane.base_model import default_model_path, load_base_model
 from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
 from control_plane.errors import DatabaseUnavailableError
-from control_plane.fetch import FetchWatchdog
 from control_plane.http.models import served_name
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.registry import AdapterRegistry, served_base_name
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
 from control_plane.servicer import ControlPlaneServicer
+from control_plane.stall import StallWatchdog
 from control_plane.store import AdapterStore, open_store
 from control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
@@ -81,7 +81,7 @@ class ControlPlaneState:
     http_port: int = 0
     metrics_server: Any = None  # prometheus-client's server when --metrics-addr is set
     metrics_port: int = 0
-    fetch_watchdog: FetchWatchdog | None = None  # cuts off stalled FetchAdapter readers
+    fetch_watchdog: StallWatchdog | None = None  # cuts off stalled FetchAdapter readers
 
     def close(self) -> None:
         """Stop the HTTP and metrics servers and the replica sync, release worker channels and
@@ -229,7 +229,7 @@ def http_deps(state: ControlPlaneState) -> Any:
         chat_template=template,
         admin_token=admin_token_from(state.config.admin_token),
         metrics_text=state.metrics.exposition if state.metrics is not None else None,
-        write_timeout_s=state.config.http_write_timeout_s,
+        write_timeout_s=state.config.client_write_timeout_s,
         max_body_bytes=state.config.http_max_body_bytes,
         max_prompt_bytes=max_prompt_bytes,
         n_ctx=n_ctx,
@@ -258,11 +258,12 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
 
     Raises:
         ValueError: thread limits that leave nothing for reads (`ControlPlaneConfig.stream_limit`),
-            a fetch stall timeout ≤ 0.
+            a fetch stall or client write timeout ≤ 0.
     """
     configure_logging(config.log_level)
     stream_limit = config.stream_limit
-    fetch_watchdog = FetchWatchdog(config.fetch_stall_timeout_s)  # validates before anything opens
+    fetch_watchdog = StallWatchdog(config.fetch_stall_timeout_s)  # validates before anything opens
+    generate_watchdog = StallWatchdog(config.client_write_timeout_s, min_rate_bytes_s=0, kind="generate")
     state = build_state(config)
     token = admin_token_from(config.admin_token)
     secret = worker_secret_from(config.worker_secret)
@@ -298,7 +299,12 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     state.fetch_watchdog = fetch_watchdog
     control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(
         ControlPlaneServicer(
-            state.registry, state.pool, state.router, state.replicas, fetch_watchdog=state.fetch_watchdog
+            state.registry,
+            state.pool,
+            state.router,
+            state.replicas,
+            fetch_watchdog=state.fetch_watchdog,
+            generate_watchdog=generate_watchdog,
         ),
         server,
     )

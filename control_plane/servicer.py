@@ -26,10 +26,10 @@ from control_plane.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from control_plane.fetch import FetchWatchdog
 from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router, WorkerRequestError
+from control_plane.stall import StallWatchdog
 from control_plane.workers import WorkerPool
 from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
@@ -101,6 +101,10 @@ def ensure_request_id(request: common_pb2.GenerateRequest) -> common_pb2.Generat
     return request
 
 
+def _byte_size(message) -> int:
+    return message.ByteSize()
+
+
 class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     def __init__(
         self,
@@ -109,14 +113,17 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         router: Router,
         replicas: ReplicaSync | None = None,
         *,
-        fetch_watchdog: FetchWatchdog | None = None,
+        fetch_watchdog: StallWatchdog | None = None,
+        generate_watchdog: StallWatchdog | None = None,
     ) -> None:
         self.registry = registry
         self.pool = pool
         self.router = router
         self.replicas = replicas  # None: sightings are not shared (tests of one replica)
         # cuts off FetchAdapter readers that stall (None: the config's default timeout)
-        self.fetch_watchdog = fetch_watchdog or FetchWatchdog(DEFAULT_FETCH_STALL_TIMEOUT_S)
+        self.fetch_watchdog = fetch_watchdog or StallWatchdog(DEFAULT_FETCH_STALL_TIMEOUT_S)
+        # cancels Generate calls whose client stopped reading (None: never)
+        self.generate_watchdog = generate_watchdog
 
     # -- admin ---------------------------------------------------------------------------
 
@@ -172,7 +179,10 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     def Generate(self, request, context):
         ensure_request_id(request)
         with bind_request(request_id=request.request_id):
-            yield from self.router.generate(request, context)
+            events = self.router.generate(request, context)
+            if self.generate_watchdog is not None:
+                events = self.generate_watchdog.stream(context, events, request.request_id, size=_byte_size)
+            yield from events
 
     # -- membership ----------------------------------------------------------------------
 
@@ -186,7 +196,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     @boundary
     def FetchAdapter(self, request, context):
         """Stream the bytes of content ``request.sha256`` (NOT_FOUND when none is registered,
-        or its bytes are gone). A reader that stalls is cancelled (`control_plane.fetch`)."""
+        or its bytes are gone). A reader that stalls is cancelled (`control_plane.stall`)."""
         rec = self.registry.get_by_sha256(request.sha256)
         log.info("adapter_fetch", sha256=request.sha256, adapter_id=rec.id, worker_id=request.worker_id)
         what = f"FetchAdapter adapter {rec.id} for worker {request.worker_id or '?'} ({context.peer()})"

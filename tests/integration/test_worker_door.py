@@ -246,9 +246,9 @@ def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_
 
 
 def test_a_reader_slower_than_the_minimum_rate_is_cut_off_after_the_grace():
-    from control_plane.fetch import FetchWatchdog
+    from control_plane.stall import StallWatchdog
 
-    dog = FetchWatchdog(30.0, min_rate_bytes_s=64 * MiB, grace_s=0.5)  # the stall rule never fires
+    dog = StallWatchdog(30.0, min_rate_bytes_s=64 * MiB, grace_s=0.5)  # the stall rule never fires
     ended: list[str] = []
 
     class Slow(control_plane_pb2_grpc.ControlPlaneServicer):
@@ -279,6 +279,41 @@ def test_a_reader_slower_than_the_minimum_rate_is_cut_off_after_the_grace():
     finally:
         ch.close()
         server.stop(None)
+
+
+class _Context:
+    """What `StallWatchdog` calls on a servicer context."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_stall_watchdog_counts_only_time_spent_sending():
+    """A ``Generate`` relay waits on its worker between events (a slow producer): never cut;
+    a consumer that does not take the message being sent (a stalled reader): cut after the
+    timeout."""
+    from control_plane.stall import StallWatchdog
+
+    dog = StallWatchdog(0.3, min_rate_bytes_s=0, kind="generate")
+
+    def slow_producer():
+        for i in range(3):
+            time.sleep(0.5)  # the next token takes longer than the stall timeout
+            yield i
+
+    ctx = _Context()
+    assert list(dog.stream(ctx, slow_producer(), "slow producer", size=lambda _: 1)) == [0, 1, 2]
+    assert not ctx.cancelled.is_set() and dog.cut_off == 0
+
+    stalled = _Context()
+    it = dog.stream(stalled, iter(range(10)), "stalled reader", size=lambda _: 1)
+    assert next(it) == 0  # handed to the transport, never taken
+    assert stalled.cancelled.wait(5.0)
+    assert dog.cut_off == 1
+    it.close()
 
 
 def test_cli_flags():
