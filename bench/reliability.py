@@ -11,13 +11,16 @@ loopback sockets:
 - ``vanish``: a non-streaming 2000-token request whose client closes after 0.5 s: seconds until
   its capacity is back (in flight 0) and the worker counted it ``cancelled``;
 - ``health``: ``GET /health`` latency while 68 streams are admitted (4 running, 64 queued);
+- ``input``: requests that can never run: a 4 MB and a 1 MB chat prompt (seconds to the 400),
+  a body claiming 300 MB (seconds to the 413, RSS growth of the process in MB);
 - ``pg``: a PostgreSQL outage as the store sees it (its own server; the server stopped, then
   hung): seconds per failed call, and to the first success once it is back.
 
 Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
 printed with them (the worker inherits this environment). Targets (issue "Reliability round 3"):
 new request served < 1 s after the drop; vanished client's request cancelled < 1 s; ``/health``
-< 1 s.
+< 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB. The worker door
+(outsiders, stalled FetchAdapter readers) is measured by ``bench/reliability_fetch.py``.
 
 Run: ``python -m bench.reliability [--reps 3] [--model PATH] [--json FILE]``.
 """
@@ -25,6 +28,7 @@ Run: ``python -m bench.reliability [--reps 3] [--model PATH] [--json FILE]``.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import socket
@@ -32,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -211,6 +216,57 @@ def health(serve: Serve, probes: int = 10) -> dict[str, float]:
         wait_until(lambda: serve.in_flight() == 0)
 
 
+def rss_mb(pid: int) -> float:
+    """Resident set size of ``pid`` in MB (``/proc/<pid>/status`` VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def post_chat(serve: Serve, n_bytes: int) -> tuple[int, float]:
+    """A chat whose one message is ``n_bytes`` of text: (HTTP status, seconds to the answer)."""
+    body = {"model": serve.model_name, "messages": [{"role": "user", "content": "a" * n_bytes}], "max_tokens": 1}
+    req = urllib.request.Request(
+        serve.http + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=WAIT_S) as r:
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    return status, time.monotonic() - t0
+
+
+def huge_input(serve: Serve) -> dict[str, float]:
+    """Input that can never run: a 4 MB and a 1 MB chat prompt (seconds to the 400), and a body
+    that claims 300 MB after 64 KiB (seconds to the 413, and the serve process's RSS growth in
+    MB: the control plane runs in it)."""
+    out: dict[str, float] = {}
+    for label, n in (("chat_4mb_refused_s", 4 << 20), ("chat_1mb_refused_s", 1 << 20)):
+        status, seconds = post_chat(serve, n)
+        out[label] = seconds if status == 400 else float("nan")
+    host, port = serve.http.removeprefix("http://").rsplit(":", 1)
+    before = rss_mb(serve.proc.pid)
+    conn = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(300_000_000))
+    conn.endheaders()
+    conn.send(b'{"model": "x", "messages": [{"role": "user", "content": "' + b"a" * 65536)
+    t0 = time.monotonic()
+    resp = conn.getresponse()
+    resp.read()
+    out["body_300mb_413_s"] = time.monotonic() - t0 if resp.status == 413 else float("nan")
+    conn.close()
+    time.sleep(0.2)
+    out["body_300mb_rss_growth_mb"] = rss_mb(serve.proc.pid) - before
+    return out
+
+
 def pg_outage(_serve: Serve | None = None, calls: int = 5) -> dict[str, float]:
     """A PostgreSQL outage seen by the store (no serve needed): seconds per failed call with the
     server stopped and with it hung (every process SIGSTOPped), and seconds to the first
@@ -265,9 +321,10 @@ SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
     "drop": drop,
     "vanish": vanish,
     "health": health,
+    "input": huge_input,
     "pg": pg_outage,
 }
-NEEDS_SERVE = ("drop", "vanish", "health")
+NEEDS_SERVE = ("drop", "vanish", "health", "input")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,10 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     def run(name: str, serve: Serve | None) -> None:
         runs = [SCENARIOS[name](serve) for _ in range(args.reps)]  # type: ignore[arg-type]
         for key in runs[0]:
-            fig = Figure.of((r[key] for r in runs), "s")
+            unit = "MB" if key.endswith("_mb") else "s"
+            fig = Figure.of((r[key] for r in runs), unit)
             results[f"{name}.{key}"] = fig.to_json()
             spread = f"[{fig.min:.3f}–{fig.max:.3f}] (n={fig.n})"
-            print(f"{name:8s} {key:36s} {fig.median:8.3f} s {spread}", flush=True)
+            print(f"{name:8s} {key:36s} {fig.median:8.3f} {unit:2s} {spread}", flush=True)
 
     if any(n in NEEDS_SERVE for n in names):
         with tempfile.TemporaryDirectory(prefix="loraplane-bench-reliability-") as tmp:
