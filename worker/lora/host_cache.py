@@ -83,7 +83,8 @@ _CACHE_DIR_NAME = re.compile(re.escape(CACHE_DIR_PREFIX) + r"([0-9]+)-[^/]+\Z")
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (signal 0; one we may not signal exists too)."""
+    """Whether a process ``pid`` exists and is not a zombie (signal 0; one we may not signal
+    exists too; ``/proc/<pid>/stat`` state ``Z`` is a dead process not yet reaped)."""
     if pid <= 0:
         return False
     try:
@@ -92,7 +93,11 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust the signal
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def remove_stale_cache_dirs(parent: str | Path | None = None) -> list[Path]:
