@@ -155,7 +155,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("tiny")
     return {
         "model": tiny_models.model_llama(d / "llama.gguf"),
-        **{f"a{i}": tiny_models.adapter("llama", d / f"a{i}.gguf", seed=200 + i) for i in (1, 2, 3)},
+        **{f"a{i}": tiny_models.adapter("llama", d / f"a{i}.gguf", seed=200 + i) for i in range(1, 7)},
     }
 
 
@@ -217,7 +217,7 @@ def test_a_local_adapter_copy_changed_on_disk_is_fetched_again(served, tiny):
 
 def test_host_tier_is_trimmed_to_its_cap_when_requests_end(served, tiny):
     s = served.serve
-    ids = [upload(s.stub, tiny[f"a{i}"]).id for i in (1, 2, 3)]
+    ids = [upload(s.stub, tiny[f"a{i}"]).id for i in (4, 5, 6)]  # none on the worker yet
     barrier = threading.Barrier(3)
     out: list = []
 
@@ -334,7 +334,8 @@ def test_sigterm_drains_a_worker_and_the_control_plane_routes_around_it(served, 
 def test_sigterm_of_serve_drains_its_worker_then_exits(served):
     s = served.serve
     wpid = s.worker_pid()
-    n = 500
+    [wid] = [w.worker_id for w in s.alive_workers()]
+    n = 800
     events: list = []
     started = threading.Event()
 
@@ -347,6 +348,11 @@ def test_sigterm_of_serve_drains_its_worker_then_exits(served):
     t.start()
     assert started.wait(60)
     s.proc.send_signal(signal.SIGTERM)
+    # the worker drains first, while the control plane still serves and relays its stream
+    assert wait_for(lambda: [w.state for w in s.workers() if w.worker_id == wid] == ["draining"], 10, 0.05), (
+        s.workers(),
+        s.log_tail(),
+    )
     t.join(180)
     assert _finished(events).finish_reason == "length"
     assert len([e for e in events if e.HasField("token")]) == n
