@@ -291,7 +291,10 @@ def serve_worker(config: WorkerConfig) -> None:
         )
     print(f"worker {engine.worker_id} listening on port {port}", flush=True)
     shutdown.draining.wait()
-    engine.draining.set()  # before the heartbeat that says so
+    # refuse and report NOT_SERVING before the heartbeat that says "draining" goes out
+    engine.draining.set()
+    server.health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     if wake is not None:
         wake.set()  # heartbeat "draining" now: the control plane stops routing here
     if not shutdown.now.is_set():
