@@ -373,6 +373,16 @@ def worker_runtime_options(f: F) -> F:
             default=None,
             help="Largest adapter rank a worker accepts (default 64).",
         ),
+        click.option(
+            "--drain-timeout",
+            "drain_timeout_s",
+            type=click.FloatRange(min=0),
+            default=None,
+            metavar="SECONDS",
+            help="On SIGTERM the worker admits nothing new and lets in-flight generations finish "
+            "for up to this long, then exits; a second signal stops at once (default 45, below "
+            "the Kubernetes manifests' terminationGracePeriodSeconds of 60).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -396,6 +406,7 @@ def worker_args(
     max_loras: int | None = None,
     max_cpu_loras: int | None = None,
     max_lora_rank: int | None = None,
+    drain_timeout_s: float | None = None,
 ) -> tuple[str, ...]:
     """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
     args = [
@@ -422,6 +433,7 @@ def worker_args(
         "--max-loras": max_loras,
         "--max-cpu-loras": max_cpu_loras,
         "--max-lora-rank": max_lora_rank,
+        "--drain-timeout": drain_timeout_s,
     }
     for flag, value in optional.items():
         if value is not None:
@@ -651,8 +663,10 @@ def worker_cmd(
     max_loras: int | None,
     max_cpu_loras: int | None,
     max_lora_rank: int | None,
+    drain_timeout_s: float | None,
 ) -> None:
-    """Run a worker (base model, slots, caches) until SIGINT/SIGTERM."""
+    """Run a worker (base model, slots, caches) until SIGINT/SIGTERM (the first drains, see
+    ``--drain-timeout``; a second stops at once)."""
     try:
         from worker.config import Batching, PrefixCachePolicy, WorkerConfig
         from worker.rpc.server import serve_worker
@@ -667,6 +681,7 @@ def worker_cmd(
         "max_loras": max_loras,
         "max_cpu_loras": max_cpu_loras,
         "max_lora_rank": max_lora_rank,
+        "drain_timeout_s": drain_timeout_s,
     }
     config = make_config(
         WorkerConfig,
@@ -779,6 +794,8 @@ def serve_cmd(
         http_addr=tuning["http_addr"],
         metrics_addr=tuning["metrics_addr"],
         worker_metrics_addr=worker_metrics_addr,
+        # the worker drains for --drain-timeout (default 45 s), then exits; SIGKILL only after
+        worker_stop_grace_s=(45.0 if runtime["drain_timeout_s"] is None else runtime["drain_timeout_s"]) + 15.0,
     )
     code = 0
 

@@ -110,7 +110,7 @@ def workers_table(workers: Sequence[WorkerInfo]) -> Table:
         table.add_row(
             w.worker_id,
             w.addr,
-            Text(w.state, style="green" if w.alive else "red"),
+            Text(w.state, style="green" if w.alive else "yellow" if w.state == "draining" else "red"),
             f"{w.last_heartbeat_age_s:.1f}s ago",
             str(w.restarts),
             str(w.n_slots),

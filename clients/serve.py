@@ -18,9 +18,20 @@ Who runs what:
   ``$LORAPLANE_WORKER_SECRET`` in its environment, never its command line.
 - Stopping: one ``threading.Event`` is the control plane's ``stop_event`` (its SIGINT/SIGTERM
   handlers set it) and the supervisor's stop flag. Whoever ends serving — a signal, the worker
-  never registering, ``on_ready`` asking to stop — sets it; ``run_control_plane``
-  returns and the main thread terminates the worker (SIGTERM, then SIGKILL after a grace
-  period), so shutdown always takes the same path.
+  never registering, ``on_ready`` asking to stop — sets it; the control plane then, still
+  serving, runs `_Supervisor.drain_worker` (``before_stop``): SIGTERM to the worker, which
+  drains (admits nothing new, finishes its generations within ``--drain-timeout``, exits)
+  while the control plane relays them to their end; a second SIGINT/SIGTERM meanwhile is
+  passed on (the worker stops at once). Then ``run_control_plane`` returns and the main thread
+  makes sure the worker is gone (SIGKILL after ``worker_stop_grace_s``), so shutdown always
+  takes the same path.
+- Parent death: each worker gets the read end of a pipe whose write end only this process
+  holds (``$LORAPLANE_PARENT_FD``, `worker.rpc.parent`); when ``serve`` dies in any way,
+  ``kill -9`` included, the worker reads end-of-file and exits, so no orphan keeps its port
+  or heartbeats the next ``serve``.
+- Restart count: each restarted worker learns its number (``$LORAPLANE_WORKER_RESTARTS``) and
+  reports it in its hello, so ``workers list`` shows the number this log prints even when a
+  restarted worker died before it registered.
 """
 
 from __future__ import annotations
@@ -43,11 +54,12 @@ import click
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import WorkerInfo
-from loraplane.env import ENV_NO_PROGRESS, ENV_WORKER_SECRET
+from loraplane.env import ENV_NO_PROGRESS, ENV_PARENT_FD, ENV_WORKER_RESTARTS, ENV_WORKER_SECRET
 from loraplane.process import stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-WORKER_STOP_GRACE_S = 20.0
+WORKER_STOP_GRACE_S = 60.0
+"""Default wait for the worker to drain and exit before SIGKILL (its drain timeout + a margin)."""
 POLL_INTERVAL_S = 0.25
 
 # Called with a connected client and the registered worker once serving; returns True to stop.
@@ -88,6 +100,8 @@ class ServeSpec:
         http_addr / metrics_addr / worker_metrics_addr: announced with readiness (None: off).
         worker_secret: passed to the worker in ``$LORAPLANE_WORKER_SECRET`` (None: not set).
         backoff: restart timing of a worker that died after registering.
+        worker_stop_grace_s: how long a stopping ``serve`` waits for its draining worker
+            before SIGKILL (above the worker's ``--drain-timeout``).
     """
 
     cp_addr: str
@@ -100,6 +114,7 @@ class ServeSpec:
     http_addr: str | None = None
     metrics_addr: str | None = None
     worker_metrics_addr: str | None = None
+    worker_stop_grace_s: float = WORKER_STOP_GRACE_S
 
     def addresses(self) -> str:
         """``"; HTTP API http://…/v1; metrics http://…/metrics (control plane), …"`` for the
@@ -150,10 +165,12 @@ def worker_command(cp_addr: str, worker_id: str, worker_args: Sequence[str]) -> 
     ]
 
 
-def _worker_env(secret: str | None) -> dict[str, str]:
+def _worker_env(secret: str | None, parent_fd: int, restarts: int) -> dict[str, str]:
     env = dict(os.environ)
     if secret:
         env[ENV_WORKER_SECRET] = secret
+    env[ENV_PARENT_FD] = str(parent_fd)
+    env[ENV_WORKER_RESTARTS] = str(restarts)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[ENV_NO_PROGRESS] = "1"  # serve draws the one "loading" spinner; two would garble the line
@@ -178,6 +195,7 @@ class _Supervisor(threading.Thread):
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
+        self._parent_pipe: int | None = None  # write end: the worker sees EOF when we die
         self._stop_requested = False
         self._started_at = 0.0
         self.restarts = 0
@@ -217,7 +235,8 @@ class _Supervisor(threading.Thread):
                 _say(f"serve failed: {type(err).__name__}: {err}")
                 self.request_stop(1)
 
-    def _spawn_worker(self) -> bool:
+    def _spawn_worker(self, restarts: int = 0) -> bool:
+        """Start the worker (its ``restarts``-th restart); False when stopping already."""
         cmd = worker_command(dial_addr(self.spec.cp_addr), self.worker_id, self.spec.worker_args)
         with self._lock:
             if self.stopping.is_set():
@@ -226,13 +245,26 @@ class _Supervisor(threading.Thread):
             if self.spec.worker_log is not None:
                 self._log_file = open(self.spec.worker_log, "ab")  # noqa: SIM115
                 out = self._log_file
-            self._proc = subprocess.Popen(
-                cmd,
-                env=_worker_env(self.spec.worker_secret),
-                stdout=out,
-                stderr=subprocess.STDOUT if out else None,
-                stdin=subprocess.DEVNULL,
-            )
+            # os.pipe() fds are close-on-exec: only the worker gets the read end (pass_fds),
+            # and nothing we start ever inherits the write end.
+            read_end, write_end = os.pipe()
+            try:
+                self._proc = subprocess.Popen(
+                    cmd,
+                    env=_worker_env(self.spec.worker_secret, read_end, restarts),
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(read_end,),
+                )
+            except BaseException:
+                os.close(write_end)
+                raise
+            finally:
+                os.close(read_end)
+            if self._parent_pipe is not None:
+                os.close(self._parent_pipe)  # the previous (dead) worker's
+            self._parent_pipe = write_end
             self._started_at = time.monotonic()
         return True
 
@@ -274,7 +306,7 @@ class _Supervisor(threading.Thread):
             if self._log_file is not None:
                 self._log_file.close()
                 self._log_file = None
-            if not self._spawn_worker():
+            if not self._spawn_worker(self.restarts + 1):
                 return
             self.restarts += 1
             _say(f"worker {self.worker_id} restarted (pid {self._proc.pid if self._proc else '?'})")
@@ -290,12 +322,46 @@ class _Supervisor(threading.Thread):
             self.exit_code = exit_code
         self.stopping.set()
 
+    def drain_worker(self) -> None:
+        """Main thread, while the control plane still serves (``run_control_plane``'s
+        ``before_stop``): SIGTERM the worker and wait up to ``worker_stop_grace_s`` for it to
+        drain and exit. A SIGINT/SIGTERM meanwhile is passed on to the worker (its second
+        signal: stop now)."""
+        with self._lock:
+            self.stopping.set()
+            proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+
+        def forward(signum: int, _frame: Any) -> None:
+            if proc.poll() is None:
+                _say("stopping the worker now (second signal)")
+                proc.send_signal(signal.SIGTERM)
+
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            proc.send_signal(signal.SIGTERM)
+            if not self.spec.quiet:
+                _say(f"draining the worker {self.worker_id} (a second Ctrl-C stops at once)")
+            proc.wait(self.spec.worker_stop_grace_s)
+        except subprocess.TimeoutExpired:
+            pass  # shutdown() kills it
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
     def shutdown(self) -> None:
         """Main thread, after the control plane returned: stop the worker and this thread."""
         with self._lock:
             self.stopping.set()
             proc = self._proc
-        stop_process(proc, WORKER_STOP_GRACE_S)
+        stop_process(proc, self.spec.worker_stop_grace_s)
+        with self._lock:
+            if self._parent_pipe is not None:
+                os.close(self._parent_pipe)
+                self._parent_pipe = None
         if self._log_file is not None:
             self._log_file.close()
         self.join(timeout=5.0)
@@ -310,17 +376,18 @@ def run_serve(
 ) -> int:
     """Serve until interrupted (or until ``on_ready`` returns True); returns the exit code.
 
-    ``run_control_plane(cp_config, stop_event=event)`` blocks until ``event`` is set (its own
-    SIGINT/SIGTERM handlers set it). Before it installs them, and after it restores them, both
-    signals raise KeyboardInterrupt here (even where SIGINT was inherited as ignored, as for
-    background jobs of a script), which ends serving the same way.
+    ``run_control_plane(cp_config, stop_event=event, before_stop=hook)`` blocks until ``event``
+    is set (its own SIGINT/SIGTERM handlers set it), then runs ``hook`` (the worker's drain).
+    Before it installs them, and after it restores them, both signals raise
+    KeyboardInterrupt here (even where SIGINT was inherited as ignored, as for background jobs
+    of a script), which ends serving the same way.
     """
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     stopping = threading.Event()
     supervisor = _Supervisor(spec, on_ready, stopping)
     supervisor.start()
     try:
-        run_control_plane(cp_config, stop_event=stopping)
+        run_control_plane(cp_config, stop_event=stopping, before_stop=supervisor.drain_worker)
     except KeyboardInterrupt:
         pass
     finally:

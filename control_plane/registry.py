@@ -399,11 +399,13 @@ class AdapterRegistry:
         self.store.set_default_scales({}, others=0.0)
 
     def _remove_partial_uploads(self) -> None:
-        """Delete ``.upload-*.part`` files a crash mid-upload left behind (this process owns
-        the data dir, so none can belong to a live upload at start-up)."""
-        for part in self.upload_dir.glob(".upload-*.part"):
-            part.unlink(missing_ok=True)
-            log.info("partial_upload_removed", path=str(part))
+        """Delete ``.upload-*.part`` files and ``.peft-*.gguf`` conversions a crash mid-upload
+        left behind (this process owns the data dir, so none can belong to a live upload at
+        start-up)."""
+        for pattern in (".upload-*.part", ".peft-*.gguf"):
+            for part in self.upload_dir.glob(pattern):
+                part.unlink(missing_ok=True)
+                log.info("partial_upload_removed", path=str(part))
 
     def _warn_arch_mismatch(self) -> None:
         for rec in self.store.list():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,8 +368,17 @@ def stop_server(server: grpc.Server, state: ControlPlaneState, grace_s: float = 
     log.info("control_plane_stopped")
 
 
-def run_control_plane(config: ControlPlaneConfig, *, stop_event: threading.Event | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (or ``stop_event``, when given, is set)."""
+def run_control_plane(
+    config: ControlPlaneConfig,
+    *,
+    stop_event: threading.Event | None = None,
+    before_stop: Callable[[], None] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM (or ``stop_event``, when given, is set).
+
+    ``before_stop`` (``loraplane serve``: drain its worker) runs on this thread once stopping
+    was asked for, while everything still serves, so streams relayed from a draining worker
+    run to their end; a signal during it is that hook's business (its own handlers)."""
     stop = stop_event or threading.Event()
     server, port, state = create_server(config)
     previous = {}
@@ -377,6 +387,8 @@ def run_control_plane(config: ControlPlaneConfig, *, stop_event: threading.Event
             previous[sig] = signal.signal(sig, lambda signum, _frame: stop.set())
     try:
         stop.wait()
+        if before_stop is not None:
+            before_stop()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

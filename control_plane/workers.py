@@ -109,7 +109,11 @@ class WorkerHandle:
         in_flight: Generate calls currently relayed from it.
         queue_limit: requests it queues beyond its slots (None: an older worker, unknown).
         incarnation: random per worker process; a new one at the same id is a restart.
-        restarts: how many times this worker id came back as a new process.
+        restarts: how many times this worker id came back as a new process: new incarnations
+            seen here, or the supervisor's count (``WorkerHello.supervisor_restarts``: ``serve``
+            also counts restarts that died before registering) when that is higher.
+        draining: its last heartbeat said it is shutting down (SIGTERM): alive and listed,
+            but not routed to (`WorkerPool.live`).
     """
 
     worker_id: str
@@ -128,6 +132,7 @@ class WorkerHandle:
     queue_limit: int | None = None
     incarnation: str = ""
     restarts: int = 0
+    draining: bool = False
     loaded_at: dict[int, float] = field(default_factory=dict, repr=False)
     unloading: set[int] = field(default_factory=set, repr=False)
     resident_ids: set[int] = field(default_factory=set)  # in device slots (last heartbeat)
@@ -296,8 +301,9 @@ class WorkerPool:
         with self._lock:
             handle.model, handle.model_sha256, handle.n_slots = hello.model, hello.model_sha256, hello.n_slots
             handle.queue_limit = hello.queue_limit if hello.HasField("queue_limit") else None
-            handle.restarts = (old.restarts if old is not None else 0) + int(restarted)
+            handle.restarts = max((old.restarts if old is not None else 0) + int(restarted), hello.supervisor_restarts)
             handle.incarnation = hello.incarnation
+            handle.draining = hello.draining
             handle.last_heartbeat = self._clock()
             handle.failed = None
             _note_holdings(handle, hello)
@@ -356,6 +362,10 @@ class WorkerPool:
             handle.failed = None
             if age_s == 0.0:
                 _note_holdings(handle, hello)
+                handle.restarts = max(handle.restarts, hello.supervisor_restarts)
+                if hello.draining and not handle.draining:
+                    log.info("worker_draining", worker_id=handle.worker_id, in_flight=handle.in_flight)
+                handle.draining = hello.draining
         self._refresh()
         if hello.HasField("holdings"):
             self._queue_holdings(handle, hello.holdings)
@@ -443,10 +453,10 @@ class WorkerPool:
         self._refresh()
 
     def live(self) -> list[WorkerHandle]:
-        """Workers currently alive, by id."""
+        """Workers currently alive and not draining (the ones to route to), by id."""
         self._refresh()
         with self._lock:
-            return [w for _, w in sorted(self._workers.items()) if w.alive]
+            return [w for _, w in sorted(self._workers.items()) if w.alive and not w.draining]
 
     def snapshot(self) -> list[WorkerView]:
         self._refresh()
@@ -456,7 +466,7 @@ class WorkerPool:
                 WorkerView(
                     w.worker_id,
                     w.addr,
-                    "alive" if w.alive else "dead",
+                    ("draining" if w.draining else "alive") if w.alive else "dead",
                     max(0.0, now - w.last_heartbeat),
                     tuple(sorted(w.adapter_ids)),
                     w.model,

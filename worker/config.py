@@ -65,6 +65,9 @@ class WorkerConfig:
             adapters stay on host too). File-backed: the worker keeps each one's tensor index
             and re-reads the tensors from its local file at page-in (``open_lora_adapter``).
         max_lora_rank: largest rank an adapter may have here (vLLM ``--max-lora-rank``).
+        drain_timeout_s: on SIGTERM, seconds in-flight generations may take to finish while
+            nothing new is admitted (``--drain-timeout``; below the Kubernetes
+            ``terminationGracePeriodSeconds`` of 60 in ``deploy/k8s/workers.yaml``).
     """
 
     addr: str = "127.0.0.1:0"
@@ -96,3 +99,4 @@ class WorkerConfig:
     max_loras: int = 16
     max_cpu_loras: int = 128
     max_lora_rank: int = 64
+    drain_timeout_s: float = 45.0

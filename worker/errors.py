@@ -43,6 +43,11 @@ class UnauthenticatedError(WorkerError):
     """A call without the control plane's credential."""
 
 
+class WorkerDrainingError(WorkerError):
+    """The worker is shutting down (SIGTERM): it finishes what it runs and admits nothing new,
+    so the control plane retries the request on another worker."""
+
+
 class DecodeFailedError(WorkerError):
     """The forward pass failed for a request already admitted (an internal fault)."""
 
@@ -52,6 +57,8 @@ class AdapterFetchError(WorkerError):
     (``not_found``) or not hashing to the registered sha256. The request fails; no slot is
     taken."""
 
-    def __init__(self, message: str, *, not_found: bool = False):
+    def __init__(self, message: str, *, not_found: bool = False, adapter_id: int | None = None):
         super().__init__(message)
         self.not_found = not_found
+        self.adapter_id = adapter_id
+        """The adapter whose local copy failed to re-read (page-in), when known."""

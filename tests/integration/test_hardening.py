@@ -275,10 +275,12 @@ def test_partial_uploads_left_by_a_crash_are_removed_at_start(start_control_plan
     uploads.mkdir(parents=True)
     stale = uploads / ".upload-0123456789abcdef.part"
     stale.write_bytes(b"half an adapter")
+    peft = uploads / ".peft-0123456789abcdef.gguf"  # a PEFT conversion cut off by kill -9
+    peft.write_bytes(b"half a conversion")
     keep = uploads / "notes.txt"
     keep.write_text("not ours to delete")
     start_control_plane()
-    assert not stale.exists() and keep.exists()
+    assert not stale.exists() and not peft.exists() and keep.exists()
 
 
 def test_undecodable_requests_and_nul_paths_are_invalid_argument(start_control_plane, fixtures_dir):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -74,6 +75,59 @@ class HostCounters:
     fetch_failures: int = 0
     host_loads: int = 0
     host_evictions: int = 0
+
+
+CACHE_DIR_PREFIX = "loraplane-worker-adapters-"
+"""Cache directories are ``<tempdir>/loraplane-worker-adapters-<pid>-<random>``."""
+_CACHE_DIR_NAME = re.compile(re.escape(CACHE_DIR_PREFIX) + r"([0-9]+)-[^/]+\Z")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists and is not a zombie (signal 0; one we may not signal
+    exists too; ``/proc/<pid>/stat`` state ``Z`` is a dead process not yet reaped)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust the signal
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def remove_stale_cache_dirs(parent: str | Path | None = None) -> list[Path]:
+    """Remove the adapter cache directories under ``parent`` (default: the temp directory)
+    whose owning worker process is gone (the pid in the name is not alive), as left by a
+    worker killed without cleanup. A directory whose pid now belongs to another process is
+    kept (it may be a live worker's); errors are logged, never raised.
+
+    Returns:
+        The directories removed.
+    """
+    root = Path(tempfile.gettempdir() if parent is None else parent)
+    removed: list[Path] = []
+    try:
+        entries = list(root.iterdir())
+    except OSError as exc:
+        log.warning("stale_cache_scan_failed", dir=str(root), error=str(exc))
+        return removed
+    for entry in entries:
+        m = _CACHE_DIR_NAME.match(entry.name)
+        if m is None or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink() and entry.stat().st_uid == os.getuid():
+                shutil.rmtree(entry)
+                removed.append(entry)
+                log.info("stale_adapter_cache_removed", path=str(entry), pid=int(m.group(1)))
+        except OSError as exc:
+            log.warning("stale_adapter_cache_not_removed", path=str(entry), error=str(exc))
+    return removed
 
 
 def fetch_to_file(fetcher: Fetcher, adapter_id: int, sha256: str, target: Path) -> int:
@@ -156,8 +210,10 @@ class HostCache:
         self._lru: dict[int, None] = {}  # host entries, least recently used first
         self._draining: set[int] = set()
         self._loads: dict[str, concurrent.futures.Future[LoraAdapter]] = {}  # by sha256
-        # The pid in the name tells operators (and tests) whose directory it is.
-        self.cache_dir = Path(tempfile.mkdtemp(prefix=f"loraplane-worker-adapters-{os.getpid()}-"))
+        # The pid in the name tells operators (and tests) whose directory it is, and lets the
+        # next worker remove it when this process died without `close` (kill -9, OOM kill).
+        remove_stale_cache_dirs()
+        self.cache_dir = Path(tempfile.mkdtemp(prefix=f"{CACHE_DIR_PREFIX}{os.getpid()}-"))
 
     def close(self) -> None:
         """Remove the cache directory (its files are copies: the control plane keeps the
@@ -397,22 +453,67 @@ class HostCache:
         """
         source = "loaded"
         path = known.path
+        cached = self.cache_dir / f"{known.sha256}.gguf"
         if not path or not os.path.isfile(path):
-            cached = self.cache_dir / f"{known.sha256}.gguf"
             if not cached.is_file():
                 self._fetch(adapter_id, known.sha256, cached)
                 source = "fetched"
             path = str(cached)
-        adapter = self._read(adapter_id, path)
-        if adapter.sha256 != known.sha256:
-            raise AdapterFetchError(
-                f"adapter {adapter_id}: file '{path}' hashes to {adapter.sha256}, registered as {known.sha256}"
-            )
+        try:
+            adapter = self._read_verified(adapter_id, path, known.sha256)
+        except (InvalidRequestError, AdapterFetchError) as exc:
+            # A local copy (fetched, or written from LoadAdapter bytes) that no longer reads or
+            # hashes right — corrupted or cut on disk — is fetched again once by its sha256.
+            if source == "fetched" or self.fetcher is None or Path(path) != cached:
+                raise
+            log.warning("adapter_copy_bad_refetching", adapter_id=adapter_id, path=path, error=str(exc))
+            cached.unlink(missing_ok=True)
+            self._fetch(adapter_id, known.sha256, cached)
+            source = "fetched"
+            adapter = self._read_verified(adapter_id, path, known.sha256)
         with self._lock:
             if adapter_id in self._known:
                 adapter = self._put(adapter_id, adapter)
                 self._trim()
         return adapter, source
+
+    def _read_verified(self, adapter_id: int, path: str, sha256: str) -> LoraAdapter:
+        """``_read``, then check the file hashes to ``sha256``.
+
+        Raises:
+            InvalidRequestError: as ``_read``.
+            AdapterFetchError: the file hashes to something else.
+        """
+        adapter = self._read(adapter_id, path)
+        if adapter.sha256 != sha256:
+            raise AdapterFetchError(
+                f"adapter {adapter_id}: file '{path}' hashes to {adapter.sha256}, registered as {sha256}"
+            )
+        return adapter
+
+    def discard_bad_copy(self, adapter_id: int) -> bool:
+        """Drop the host entry of ``adapter_id`` (and every id with the same content) and its
+        local copy in the cache directory, after that copy failed to re-read at page-in
+        (deleted or changed on disk), so that the next ``get`` fetches it again. Files under
+        ``--adapter-dir`` are never touched.
+
+        Returns:
+            True when something was discarded and a fetcher can give the bytes again (retry the
+            request's adapters once); False otherwise (fail the request).
+        """
+        with self._lock:
+            a = self._by_id.get(adapter_id)
+            if a is None or a.source is None or self.fetcher is None:
+                return False
+            copy = self.cache_dir / f"{a.sha256}.gguf"
+            if Path(a.source.path) != copy:
+                return False
+            for aid in [i for i, b in self._by_id.items() if b.sha256 == a.sha256]:
+                del self._by_id[aid]
+                self._lru.pop(aid, None)
+            copy.unlink(missing_ok=True)
+        log.warning("adapter_copy_bad_discarded", adapter_id=adapter_id, path=str(copy))
+        return True
 
     def _fetch(self, adapter_id: int, sha256: str, target: Path) -> None:
         """Fetch the bytes of ``sha256`` from the control plane into ``target``, verified.
@@ -461,7 +562,8 @@ class HostCache:
             sha256 → pooled pairs with data (what ``LoraPool.acquire`` takes as ``staged``).
 
         Raises:
-            AdapterFetchError: an adapter's file cannot be re-read (it changed or vanished).
+            AdapterFetchError: an adapter's file cannot be re-read (it changed or vanished);
+                its ``adapter_id`` names it (`discard_bad_copy`, then try again).
         """
         resident = self._pool.resident_shas()
         staged = {}
@@ -471,7 +573,7 @@ class HostCache:
             try:
                 staged[a.sha256] = LoraPool.stage(a)
             except AdapterError as exc:
-                raise AdapterFetchError(f"adapter {aid}: {exc}") from exc
+                raise AdapterFetchError(f"adapter {aid}: {exc}", adapter_id=aid) from exc
         return staged
 
     # --- unloading ------------------------------------------------------------------------

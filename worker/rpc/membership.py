@@ -76,6 +76,25 @@ class MembershipBackoff:
     heartbeat_timeout_s: float = 5.0
 
 
+class Wakeup:
+    """Wakes every membership thread that subscribed (each has its own event) for a heartbeat
+    now (`start_membership`'s ``wake``)."""
+
+    def __init__(self) -> None:
+        self._events: list[threading.Event] = []
+
+    def subscribe(self) -> threading.Event:
+        """A new event that `set` sets (one per membership thread)."""
+        event = threading.Event()
+        self._events.append(event)
+        return event
+
+    def set(self) -> None:
+        """Heartbeat now, on every subscribed thread."""
+        for event in self._events:
+            event.set()
+
+
 class _Membership:
     def __init__(
         self,
@@ -87,6 +106,7 @@ class _Membership:
         secret: str | None,
         holdings: Holdings | None,
         refresh: Refresh | None = None,
+        wake: threading.Event | None = None,
     ) -> None:
         self.addr = addr
         self.hello = hello
@@ -96,6 +116,7 @@ class _Membership:
         self.secret = secret
         self.holdings = holdings
         self.refresh = refresh
+        self.wake = wake
         self.registered = threading.Event()
 
     def _heartbeat_hello(self) -> control_plane_pb2.WorkerHello:
@@ -146,9 +167,18 @@ class _Membership:
             delay = min(delay * self.backoff.multiplier, self.backoff.max_s)
         return None
 
+    def _sleep(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less when ``wake`` is set (it is cleared); True when stopped."""
+        if self.wake is None:
+            return self.stop.wait(seconds)
+        if self.wake.wait(seconds):
+            self.wake.clear()
+        return self.stop.is_set()
+
     def _heartbeat_until_forgotten(self, stub, interval_s: float, log_) -> None:
-        """Heartbeat every interval until stopped or the control plane no longer knows us."""
-        while not self.stop.wait(interval_s if self.registered.is_set() else min(interval_s, JOIN_POLL_S)):
+        """Heartbeat every interval (at once when ``wake`` is set) until stopped or the control
+        plane no longer knows us."""
+        while not self._sleep(interval_s if self.registered.is_set() else min(interval_s, JOIN_POLL_S)):
             try:
                 ack = self._heartbeat(stub, interval_s)
                 if ack.heartbeat_interval_ms:
@@ -254,6 +284,7 @@ def start_membership(
     secret: str | None = None,
     holdings: Holdings | None = None,
     refresh: Refresh | None = None,
+    wake: Wakeup | None = None,
 ) -> MembershipThread | MembershipGroup:
     """Start the register-then-heartbeat thread(s) (daemons) and return them.
 
@@ -264,12 +295,27 @@ def start_membership(
         holdings: called before each heartbeat; what the worker holds (None: not reported).
         refresh: called on each heartbeat's hello: adapters resident in slots / on host and
             the paging counters (None: not reported).
+        wake: ``wake.set()`` sends every thread's next heartbeat now instead of at the
+            interval (a worker that starts draining tells the control plane at once); call it
+            after setting ``stop_event`` too, to end the threads without waiting out the interval.
 
     Set ``stop_event`` to stop them; each exits within one heartbeat interval / backoff step.
     """
     addrs = control_plane_addresses(control_plane_addr)
     threads = [
-        MembershipThread(_Membership(addr, hello, stop_event, backoff, credentials, secret, holdings, refresh))
+        MembershipThread(
+            _Membership(
+                addr,
+                hello,
+                stop_event,
+                backoff,
+                credentials,
+                secret,
+                holdings,
+                refresh,
+                wake.subscribe() if wake is not None else None,
+            )
+        )
         for addr in addrs
     ]
     for thread in threads:

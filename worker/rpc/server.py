@@ -2,7 +2,8 @@
 
 ``create_server`` binds (port 0 picks a free one), loads the model, and flips health to
 SERVING once the model is ready; ``serve_worker`` also registers with the control plane and
-blocks until SIGINT/SIGTERM, then reports NOT_SERVING and stops.
+blocks until SIGINT/SIGTERM, then drains (`drain`: NOT_SERVING, nothing new admitted,
+in-flight generations finish within ``--drain-timeout``) and stops.
 
 Threads (one ``ThreadPoolExecutor``; a streaming call holds a thread for its whole life):
 
@@ -20,6 +21,7 @@ health/reflection), undecodable requests → INVALID_ARGUMENT, the limits above.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import uuid
@@ -85,7 +87,8 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
         interceptors=server_interceptors(config),
         options=GRPC_MESSAGE_OPTIONS,
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
+    servicer = WorkerServicer(engine)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -98,6 +101,7 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     server.health_servicer = health_servicer  # kept for shutdown
+    server.servicer = servicer  # its open Decode calls: the drain's end
     log.info(
         "worker_serving",
         addr=config.addr,
@@ -130,9 +134,12 @@ def holdings_of(engine: WorkerEngine) -> control_plane_pb2.WorkerHoldings:
 
 
 def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) -> None:
-    """Write what ``engine`` holds now (resident / host adapter ids, paging counters) into
-    ``hello`` — sent with every heartbeat so any control plane can route by affinity."""
+    """Write what ``engine`` holds now (resident / host adapter ids, paging counters) and
+    whether it is draining into ``hello`` — sent with every heartbeat so any control plane can
+    route by affinity, and around a draining worker."""
+    engine.host.trim()  # back to the host tier's cap at rest (a cancelled call's holds end late)
     st = engine.stats()
+    hello.draining = engine.draining.is_set()
     del hello.resident_adapter_ids[:]
     hello.resident_adapter_ids.extend(st.resident_adapter_ids)
     del hello.host_adapter_ids[:]
@@ -162,11 +169,80 @@ def _advertised(config: WorkerConfig, port: int) -> str:
     return f"{host}:{port}"
 
 
+class Shutdown:
+    """How a worker process stops: the first SIGTERM/SIGINT starts a drain (``draining``), a
+    second one (or the parent ``serve`` dying, `worker.rpc.parent`) stops now (``now``)."""
+
+    def __init__(self) -> None:
+        self.draining = threading.Event()
+        self.now = threading.Event()
+
+    def on_signal(self, signum: int, _frame: object = None) -> None:
+        """Signal handler: drain on the first signal, stop now on the next."""
+        if self.draining.is_set():
+            log.warning("worker_stopping_now", signal=signal.Signals(signum).name)
+            self.stop_now()
+        else:
+            log.info("worker_drain_requested", signal=signal.Signals(signum).name)
+            self.draining.set()
+
+    def stop_now(self) -> None:
+        """Stop without waiting for in-flight generations (any thread)."""
+        self.now.set()
+        self.draining.set()
+
+
+def drain(
+    server: grpc.Server, engine: WorkerEngine, servicer: WorkerServicer, shutdown: Shutdown, timeout_s: float
+) -> bool:
+    """Report NOT_SERVING, refuse new requests (UNAVAILABLE: the control plane retries them on
+    another worker), and wait up to ``timeout_s`` seconds for the open Decode calls to end
+    (``shutdown.now`` cuts the wait short). True when none is left open.
+
+    The caller has told the control plane already (a heartbeat with ``draining``) or does so
+    right after; Kubernetes sends SIGTERM ``terminationGracePeriodSeconds`` before SIGKILL, so
+    ``timeout_s`` (``--drain-timeout``) must stay below it.
+    """
+    engine.draining.set()
+    server.health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    open_calls = servicer.open_decode_calls()
+    log.info("worker_draining", worker_id=engine.worker_id, open_decode_calls=open_calls, drain_timeout_s=timeout_s)
+    done = servicer.wait_decode_idle(timeout_s, shutdown.now)
+    if done:
+        log.info("worker_drained", worker_id=engine.worker_id)
+    else:
+        log.warning(
+            "worker_drain_cut_short",
+            worker_id=engine.worker_id,
+            open_decode_calls=servicer.open_decode_calls(),
+            reason="second signal or parent gone" if shutdown.now.is_set() else f"--drain-timeout {timeout_s:g}s",
+        )
+    return done
+
+
+def _supervisor_restarts() -> int:
+    """``$LORAPLANE_WORKER_RESTARTS`` (set by ``serve``), 0 when unset or not a number."""
+    from loraplane.env import ENV_WORKER_RESTARTS
+
+    value = os.environ.pop(ENV_WORKER_RESTARTS, "")
+    return int(value) if value.isdigit() else 0
+
+
 def serve_worker(config: WorkerConfig) -> None:
-    """Run a worker until SIGINT/SIGTERM; registers with ``config.control_plane`` when set."""
+    """Run a worker until SIGINT/SIGTERM; registers with ``config.control_plane`` when set.
+
+    SIGTERM (or SIGINT) drains: health NOT_SERVING, heartbeats say ``draining`` (one is sent at
+    once, so the control plane routes around this worker), new requests are refused with
+    UNAVAILABLE, and in-flight generations run to their end for up to ``config.drain_timeout_s``
+    seconds; then the process exits. A second signal stops at once. Started by ``serve``
+    (``$LORAPLANE_PARENT_FD``), it also stops at once when ``serve`` dies (`worker.rpc.parent`).
+    """
     from loraplane.logging import configure_logging  # one JSON log format for both planes
+    from worker.rpc.parent import watch_parent_from_env
 
     configure_logging(config.log_level)
+    parent = watch_parent_from_env()  # first: serve may die while the model loads
     from loraplane.progress import progress_enabled, spinner
     from worker.serving.heap import limit_arenas
 
@@ -174,7 +250,13 @@ def serve_worker(config: WorkerConfig) -> None:
 
     with spinner("loading the model", enabled=progress_enabled()):
         server, port, engine = create_server(config)
+    shutdown = Shutdown()  # until here, SIGTERM/SIGINT end the process as Python's defaults do
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, shutdown.on_signal)
+    if parent is not None:
+        parent.on_parent_death = shutdown.stop_now
     stop = threading.Event()
+    wake = None
     metrics_server = None
     if config.metrics_addr:
         from loraplane.metrics import start_metrics_server
@@ -183,7 +265,7 @@ def serve_worker(config: WorkerConfig) -> None:
         log.info("worker_metrics_serving", addr=config.metrics_addr, port=metrics_port)
     if config.control_plane:
         from worker.rpc.fetch import ControlPlaneFetcher
-        from worker.rpc.membership import start_membership
+        from worker.rpc.membership import Wakeup, start_membership
 
         engine.fetcher = ControlPlaneFetcher(
             config.control_plane, engine.worker_id, secret=worker_secret_from(config.worker_secret)
@@ -195,7 +277,9 @@ def serve_worker(config: WorkerConfig) -> None:
             n_slots=config.n_slots,
             queue_limit=config.queue_limit,
             incarnation=uuid.uuid4().hex,
+            supervisor_restarts=_supervisor_restarts(),
         )
+        wake = Wakeup()
         start_membership(
             config.control_plane,
             hello,
@@ -203,13 +287,23 @@ def serve_worker(config: WorkerConfig) -> None:
             secret=worker_secret_from(config.worker_secret),
             holdings=lambda: holdings_of(engine),
             refresh=lambda h: refresh_hello(engine, h),
+            wake=wake,
         )
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print(f"worker {engine.worker_id} listening on port {port}", flush=True)
-    stop.wait()
+    shutdown.draining.wait()
+    # refuse and report NOT_SERVING before the heartbeat that says "draining" goes out
+    engine.draining.set()
     server.health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    server.stop(grace=2).wait()
+    server.health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if wake is not None:
+        wake.set()  # heartbeat "draining" now: the control plane stops routing here
+    if not shutdown.now.is_set():
+        drain(server, engine, server.servicer, shutdown, config.drain_timeout_s)
+    stop.set()
+    if wake is not None:
+        wake.set()
+    server.health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.stop(grace=0 if shutdown.now.is_set() else 1).wait()
     if metrics_server is not None:
         metrics_server.shutdown()
     engine.close()

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import queue
 import threading
+import time
 
 import grpc
 import structlog
@@ -146,8 +147,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: WorkerEngine):
         self.engine = engine
         self.adapter_dirs = resolve_dirs(engine.config.adapter_dirs)
+        self._calls = threading.Condition()
+        self._open_decode_calls = 0
+
+    def open_decode_calls(self) -> int:
+        """Decode calls open now (their generations running, queued or still streaming out)."""
+        with self._calls:
+            return self._open_decode_calls
+
+    def wait_decode_idle(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
+        """Wait until no Decode call is open (a drain's end), at most ``timeout_s`` seconds or
+        until ``stop`` is set (checked every 0.1 s); True when none is open."""
+        deadline = time.monotonic() + timeout_s
+        with self._calls:
+            while self._open_decode_calls:
+                left = deadline - time.monotonic()
+                if left <= 0 or (stop is not None and stop.is_set()):
+                    return False
+                self._calls.wait(min(left, 0.1))
+            return True
 
     def Decode(self, request_iterator, context):
+        with self._calls:
+            self._open_decode_calls += 1
+        try:
+            yield from self._decode(request_iterator, context)
+        finally:
+            # the call's requests have ended: host entries only they kept go now, so the host
+            # tier is back at --max-cpu-loras at rest, not only at the next request
+            self.engine.host.trim()
+            with self._calls:
+                self._open_decode_calls -= 1
+                self._calls.notify_all()
+
+    def _decode(self, request_iterator, context):
         events: queue.Queue = queue.Queue()
         submitted: dict[str, GenRequest] = {}
 

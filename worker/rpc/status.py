@@ -15,6 +15,9 @@ STATUS_OF: dict[type[errors.WorkerError], grpc.StatusCode] = {
     errors.PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     errors.UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     errors.DecodeFailedError: grpc.StatusCode.INTERNAL,
+    # UNAVAILABLE: the control plane marks the worker unusable and retries the request on
+    # another one (nothing was relayed yet).
+    errors.WorkerDrainingError: grpc.StatusCode.UNAVAILABLE,
     # FAILED_PRECONDITION, not UNAVAILABLE: the control plane relays it as the request's own
     # error instead of marking the worker dead (the bytes, not the worker, are at fault).
     errors.AdapterFetchError: grpc.StatusCode.FAILED_PRECONDITION,

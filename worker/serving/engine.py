@@ -31,7 +31,13 @@ from dataclasses import dataclass, field
 import structlog
 
 from worker.config import WorkerConfig
-from worker.errors import DrainTimeoutError, InvalidRequestError, WorkerError
+from worker.errors import (
+    AdapterFetchError,
+    DrainTimeoutError,
+    InvalidRequestError,
+    WorkerDrainingError,
+    WorkerError,
+)
 from worker.lora.adapter import LoraAdapter, open_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.host_cache import Fetcher, HostCache, KnownAdapter
@@ -147,6 +153,8 @@ class WorkerEngine:
         self.max_piece_bytes = max_piece_bytes(base.tokenizer)
         self.max_prompt_bytes = prompt_byte_limit(config.n_ctx_slot, self.max_piece_bytes)
         self._tokenize_lock = threading.Lock()
+        self.draining = threading.Event()
+        """Set on SIGTERM (``worker.rpc.server``): ``submit`` refuses everything from then on."""
         self.scheduler.start()
 
     @property
@@ -257,10 +265,16 @@ class WorkerEngine:
         adapter set (fetching what this worker lacks) and admit the request.
 
         Raises:
+            WorkerDrainingError: the worker is shutting down (``draining`` is set).
             WorkerError: a subclass naming the outcome (``worker.errors``); the request is
                 counted as rejected in the metrics.
         """
         try:
+            if self.draining.is_set():
+                raise WorkerDrainingError(
+                    f"worker {self.worker_id} is draining (shutting down) and admits no new request "
+                    f"{request_id}; retry on another worker"
+                )
             if prompt_tokens is None:
                 prompt_tokens = self.tokenize(prompt_text or "")
             return self._admit(request_id, prompt_tokens, params, entries, emit)
@@ -289,7 +303,14 @@ class WorkerEngine:
         try:
             with self.scheduler.holding(wanted):
                 adapter_set, sources = self._to_host(wanted)
-                staged = self.host.prefetch(adapter_set)
+                try:
+                    staged = self.host.prefetch(adapter_set)
+                except AdapterFetchError as exc:
+                    # a local copy deleted or changed on disk: fetch it again once, then fail
+                    if exc.adapter_id is None or not self.host.discard_bad_copy(exc.adapter_id):
+                        raise
+                    adapter_set, sources = self._to_host(wanted)
+                    staged = self.host.prefetch(adapter_set)
                 self.host.check_servable(adapter_set)
                 return self.scheduler.submit(
                     request_id=request_id,
