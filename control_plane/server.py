@@ -199,7 +199,7 @@ def http_deps(state: ControlPlaneState) -> Any:
     """The HTTP front's dependencies: this process's registry, router and pool."""
     from control_plane.http.app import HttpDeps
     from control_plane.http.chat_template import load_chat_template
-    from control_plane.http.deps import n_ctx_train, prompt_byte_limit
+    from control_plane.http.deps import max_piece_bytes, n_ctx_train, prompt_byte_limit
 
     base = state.registry.base
     tok = base.tokenizer()
@@ -218,7 +218,9 @@ def http_deps(state: ControlPlaneState) -> Any:
         )
     n_ctx = state.config.http_n_ctx or n_ctx_train(base.gguf.metadata, base.arch)
     max_prompt_bytes = state.config.http_max_prompt_bytes
+    max_piece = None  # the limit follows the live workers' n_ctx unless the operator fixed it
     if max_prompt_bytes is None and tok is not None:
+        max_piece = max_piece_bytes(tok)
         max_prompt_bytes = prompt_byte_limit(tok, n_ctx)
     return HttpDeps(
         registry=state.registry,
@@ -234,6 +236,8 @@ def http_deps(state: ControlPlaneState) -> Any:
         max_body_bytes=state.config.http_max_body_bytes,
         max_prompt_bytes=max_prompt_bytes,
         n_ctx=n_ctx,
+        live_n_ctx=state.pool.max_n_ctx,
+        max_piece=max_piece,
     )
 
 

@@ -107,6 +107,7 @@ class WorkerHandle:
             heartbeat, plus what was announced since).
         draining_ids: unregistered adapters the worker is still draining.
         in_flight: Generate calls currently relayed from it.
+        n_ctx: its KV tokens per slot, as its hello reported (0: not reported).
         queue_limit: requests it queues beyond its slots (None: an older worker, unknown).
         incarnation: random per worker process; a new one at the same id is a restart.
         restarts: how many times this worker id came back as a new process: new incarnations
@@ -128,6 +129,7 @@ class WorkerHandle:
     adapter_ids: set[int] = field(default_factory=set)
     draining_ids: set[int] = field(default_factory=set)
     in_flight: int = 0
+    n_ctx: int = 0  # KV tokens per slot (0: not reported)
     alive: bool = True
     queue_limit: int | None = None
     incarnation: str = ""
@@ -301,6 +303,7 @@ class WorkerPool:
         with self._lock:
             handle.model, handle.model_sha256, handle.n_slots = hello.model, hello.model_sha256, hello.n_slots
             handle.queue_limit = hello.queue_limit if hello.HasField("queue_limit") else None
+            handle.n_ctx = hello.n_ctx
             handle.restarts = max((old.restarts if old is not None else 0) + int(restarted), hello.supervisor_restarts)
             handle.incarnation = hello.incarnation
             handle.draining = hello.draining
@@ -457,6 +460,11 @@ class WorkerPool:
         self._refresh()
         with self._lock:
             return [w for _, w in sorted(self._workers.items()) if w.alive and not w.draining]
+
+    def max_n_ctx(self) -> int | None:
+        """The largest KV context per slot (tokens) among live workers that report one; None
+        when none does. A prompt of at least this many tokens can run nowhere."""
+        return max((w.n_ctx for w in self.live() if w.n_ctx > 0), default=None)
 
     def snapshot(self) -> list[WorkerView]:
         self._refresh()

@@ -279,9 +279,9 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         body.check()
         text, ids = prompt_of(body)
         if ids is not None:
-            check_prompt_ids(ids, n_vocab=getattr(deps.tokenizer, "n_vocab", None), n_ctx=deps.n_ctx)
+            check_prompt_ids(ids, n_vocab=getattr(deps.tokenizer, "n_vocab", None), n_ctx=deps.prompt_n_ctx())
         else:
-            limit = deps.max_prompt_bytes
+            limit = deps.prompt_max_bytes()
             check_prompt_bytes(text_bytes(text or "", limit), limit=limit, param="prompt", what="'prompt'")
         adapters = adapters_for(body, deps)
         request = build_request(
@@ -305,7 +305,9 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         body.check()
         template = chat_template_of(deps)
         adapters = adapters_for(body, deps)
-        ids = chat_prompt_ids(body, template, deps.tokenizer, max_prompt_bytes=deps.max_prompt_bytes, n_ctx=deps.n_ctx)
+        ids = chat_prompt_ids(
+            body, template, deps.tokenizer, max_prompt_bytes=deps.prompt_max_bytes(), n_ctx=deps.prompt_n_ctx()
+        )
         n_top = body.top_logprobs or 0
         request = build_request(
             request_id=new_request_id("chatcmpl"),

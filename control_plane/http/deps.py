@@ -72,7 +72,13 @@ class HttpDeps:
             than this many UTF-8 bytes gets 400 before any template or tokenizer runs
             (`prompt_byte_limit`, or ``--http-max-prompt-bytes``); None: only the body limit.
         n_ctx: prompts of this many tokens or more get 400 before routing (the model's
-            training context, `n_ctx_train`); None: the worker decides.
+            training context, `n_ctx_train`); None: the worker decides. Used until a live
+            worker reports its own (`prompt_n_ctx`).
+        live_n_ctx: the largest ``n_ctx`` live workers report (``WorkerPool.max_n_ctx``);
+            None: not followed.
+        max_piece: the longest vocab piece in bytes (`max_piece_bytes`): set, the prompt byte
+            limit follows `prompt_n_ctx`; None: ``max_prompt_bytes`` is fixed (the operator's
+            ``--http-max-prompt-bytes``, or no tokenizer).
     """
 
     registry: AdapterRegistry
@@ -85,6 +91,23 @@ class HttpDeps:
     admin_token: str | None
     metrics_text: Callable[[], tuple[bytes, str]] | None = None
     write_timeout_s: float = 30.0
+    live_n_ctx: Callable[[], int | None] | None = None
+    max_piece: int | None = None
+
+    def prompt_n_ctx(self) -> int | None:
+        """The context prompts are sized for now: the largest live worker's ``n_ctx`` (workers
+        report theirs in every hello), else the start-up value `n_ctx`."""
+        live = self.live_n_ctx() if self.live_n_ctx is not None else None
+        return live or self.n_ctx
+
+    def prompt_max_bytes(self) -> int | None:
+        """The prompt byte limit now: `prompt_byte_limit`'s rule for `prompt_n_ctx` when the
+        limit follows the workers (``max_piece`` set), else the fixed `max_prompt_bytes`."""
+        n_ctx = self.prompt_n_ctx()
+        if self.max_piece is None or n_ctx is None:
+            return self.max_prompt_bytes
+        return max(1, (int(n_ctx) - 1) * self.max_piece)
+
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_bytes: int | None = None
     n_ctx: int | None = None

@@ -30,7 +30,7 @@ class WorkerHoldings(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[HeldAdapter, _Mapping]]] = ..., draining_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "addr", "model", "model_sha256", "n_slots", "queue_limit", "holdings", "incarnation", "resident_adapter_ids", "host_adapter_ids", "paging", "draining", "supervisor_restarts")
+    __slots__ = ("worker_id", "addr", "model", "model_sha256", "n_slots", "queue_limit", "holdings", "incarnation", "resident_adapter_ids", "host_adapter_ids", "paging", "draining", "supervisor_restarts", "n_ctx")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class WorkerHello(_message.Message):
     PAGING_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     SUPERVISOR_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     addr: str
     model: str
@@ -57,7 +58,8 @@ class WorkerHello(_message.Message):
     paging: WorkerPaging
     draining: bool
     supervisor_restarts: int
-    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., model: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_slots: _Optional[int] = ..., queue_limit: _Optional[int] = ..., holdings: _Optional[_Union[WorkerHoldings, _Mapping]] = ..., incarnation: _Optional[str] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ..., draining: _Optional[bool] = ..., supervisor_restarts: _Optional[int] = ...) -> None: ...
+    n_ctx: int
+    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., model: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_slots: _Optional[int] = ..., queue_limit: _Optional[int] = ..., holdings: _Optional[_Union[WorkerHoldings, _Mapping]] = ..., incarnation: _Optional[str] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ..., draining: _Optional[bool] = ..., supervisor_restarts: _Optional[int] = ..., n_ctx: _Optional[int] = ...) -> None: ...
 
 class WorkerPaging(_message.Message):
     __slots__ = ("max_loras", "max_cpu_loras", "resident", "host", "page_ins", "evictions", "fetches", "fetch_bytes", "page_in_bytes", "host_evictions")

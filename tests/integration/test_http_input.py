@@ -289,3 +289,42 @@ def test_adapter_names_cannot_shadow_the_base_model(cp, api):
     r = api.post("/v1/load_lora_adapter", json={"lora_name": BASE, "lora_path": str(path)})
     err400 = openai_error(r, 400)
     assert BASE in err400["message"]
+
+
+# ---- limits that follow the live workers' context --------------------------------------------
+
+
+def test_prompt_limits_follow_the_largest_live_workers_n_ctx(start_control_plane, monkeypatch):
+    """A stand-alone control plane (no ``http_n_ctx``: the model's training context, 32 768
+    tokens for Gemma 3) sizes prompts by what its live workers report: with one worker of
+    ``n_ctx`` 64, a chat over 63 × the longest piece bytes is refused before the template or
+    the tokenizer runs, and a prompt of 64 token ids before routing; once the worker leaves,
+    the training context applies again."""
+    from control_plane.http.deps import max_piece_bytes
+    from tests.integration.test_control_plane_routing import WorkerProcess
+
+    cp = start_control_plane(http_addr="127.0.0.1:0", served_model_name=BASE)
+    tok = cp.state.registry.base.tokenizer()
+    calls: list[int] = []
+    original = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **kw: calls.append(len(text)) or original(text, *a, **kw))
+    limit = 63 * max_piece_bytes(tok)
+    with httpx.Client(base_url=f"http://127.0.0.1:{cp.state.http_port}", timeout=60) as api:
+        over = chat("a" * (limit + 1))
+        r = api.post("/v1/chat/completions", json=over)
+        assert r.status_code != 400 or openai_error(r, 400)["code"] != "context_length_exceeded"
+        assert calls, "without a worker the training context applies: this prompt is tokenized"
+        calls.clear()
+        w = WorkerProcess("small-ctx", cp.addr)
+        w.leave()
+        w.hello.n_ctx = 64
+        w.join()
+        try:
+            err = openai_error(api.post("/v1/chat/completions", json=over), 400)
+            assert err["code"] == "context_length_exceeded" and str(limit) in err["message"], err
+            assert calls == []
+            ids = {"model": BASE, "prompt": [1] * 64, "max_tokens": 1}
+            err = openai_error(api.post("/v1/completions", json=ids), 400)
+            assert err["code"] == "context_length_exceeded", err
+        finally:
+            w.close()

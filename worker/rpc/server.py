@@ -276,6 +276,7 @@ def serve_worker(config: WorkerConfig) -> None:
             model=str(engine.base.path),
             n_slots=config.n_slots,
             queue_limit=config.queue_limit,
+            n_ctx=config.n_ctx_slot,
             incarnation=uuid.uuid4().hex,
             supervisor_restarts=_supervisor_restarts(),
         )
