@@ -22,7 +22,8 @@ new request served < 1 s after the drop; vanished client's request cancelled < 1
 < 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB. The worker door
 (outsiders, stalled FetchAdapter readers) is measured by ``bench/reliability_fetch.py``.
 
-Run: ``python -m bench.reliability [--reps 3] [--model PATH] [--json FILE]``.
+Run: ``python -m bench.reliability [--reps 3] [--model PATH] [--json FILE]``; before vs after in
+one run: ``--repo OLD_CHECKOUT --repo .`` (each serve-based scenario runs against each).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ BASE_PROMPT = "Once upon a time"
 class Serve:
     """``loraplane serve`` on free loopback ports, HTTP front and both metrics endpoints on."""
 
-    def __init__(self, model: str | None, workdir: Path) -> None:
+    def __init__(self, model: str | None, workdir: Path, repo: Path = ROOT) -> None:
         ports = [free_port() for _ in range(4)]
         self.grpc_addr, http, cp_metrics, w_metrics = (f"127.0.0.1:{p}" for p in ports)
         self.http = f"http://{http}"
@@ -69,9 +70,9 @@ class Serve:
         if model:
             args += ["--model", model]
         self.log = workdir / "serve.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(repo)}
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(args, cwd=repo, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(self.grpc_addr)
         self.cp = control_plane_pb2_grpc.ControlPlaneStub(self.channel)
         self.model_name = ""
@@ -327,6 +328,12 @@ SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
 NEEDS_SERVE = ("drop", "vanish", "health", "input")
 
 
+def git_head(repo: Path) -> str:
+    """``repo``'s short commit id ("?" outside git)."""
+    r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or "?"
+
+
 def main(argv: list[str] | None = None) -> int:
     global WAIT_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -335,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ",".join(SCENARIOS))
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--timeout", type=float, default=WAIT_S, help="seconds one wait may take (then NaN)")
+    ap.add_argument(
+        "--repo",
+        action="append",
+        default=None,
+        help="serve from this checkout (repeat: before vs after in one run, each scenario for each; default: this one)",
+    )
     args = ap.parse_args(argv)
     WAIT_S = args.timeout
     machine = machine_info("packed", "cpu", "float32")
@@ -342,23 +355,26 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     names = args.scenarios.split(",")
 
-    def run(name: str, serve: Serve | None) -> None:
+    repos = [Path(r).resolve() for r in (args.repo or [str(ROOT)])]
+
+    def run(name: str, serve: Serve | None, label: str = "") -> None:
         runs = [SCENARIOS[name](serve) for _ in range(args.reps)]  # type: ignore[arg-type]
         for key in runs[0]:
             unit = "MB" if key.endswith("_mb") else "s"
             fig = Figure.of((r[key] for r in runs), unit)
-            results[f"{name}.{key}"] = fig.to_json()
+            results[f"{label}{name}.{key}"] = fig.to_json()
             spread = f"[{fig.min:.3f}–{fig.max:.3f}] (n={fig.n})"
-            print(f"{name:8s} {key:36s} {fig.median:8.3f} {unit:2s} {spread}", flush=True)
+            print(f"{label}{name:8s} {key:36s} {fig.median:8.3f} {unit:2s} {spread}", flush=True)
 
-    if any(n in NEEDS_SERVE for n in names):
+    for repo in repos if any(n in NEEDS_SERVE for n in names) else []:
+        label = f"{repo.name}@{git_head(repo)}: " if len(repos) > 1 else ""
         with tempfile.TemporaryDirectory(prefix="loraplane-bench-reliability-") as tmp:
-            serve = Serve(args.model, Path(tmp))
+            serve = Serve(args.model, Path(tmp), repo)
             try:
                 serve.wait_ready()
                 for name in names:
                     if name in NEEDS_SERVE:
-                        run(name, serve)
+                        run(name, serve, label)
             finally:
                 serve.stop()
     for name in names:
