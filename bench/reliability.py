@@ -17,7 +17,7 @@ loopback sockets:
   hung): seconds per failed call, and to the first success once it is back.
 
 Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
-printed with them (the worker inherits this environment). Targets (issue "Reliability round 3"):
+printed with them (the worker inherits this environment). Targets:
 new request served < 1 s after the drop; vanished client's request cancelled < 1 s; ``/health``
 < 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB. The worker door
 (outsiders, stalled FetchAdapter readers) is measured by ``bench/reliability_fetch.py``.

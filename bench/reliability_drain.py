@@ -1,4 +1,4 @@
-"""Rolling restart of workers under load: how many generations are cut short (issue 21).
+"""Rolling restart of workers under load: how many generations are cut short.
 
 Starts a control plane (``loraplane control-plane``) and ``--workers`` workers (``loraplane
 worker``, real processes on loopback), keeps ``--streams`` client streams generating

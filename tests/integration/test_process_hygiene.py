@@ -1,4 +1,4 @@
-"""Process hygiene and graceful drain (issue 21), with real ``loraplane serve`` / worker processes
+"""Process hygiene and graceful drain, with real ``loraplane serve`` / worker processes
 on loopback over the tiny synthetic Llama of ``tests/tiny_models.py`` (loads in seconds).
 
 One module-scoped ``serve`` (``--slots 1 --max-loras 1 --max-cpu-loras 2``, a known worker

@@ -1,4 +1,4 @@
-"""Fast checks of the worker lifecycle pieces of issue 21 (a real control plane in this process,
+"""Fast checks of the worker lifecycle (drain, restarts, stale folders; a real control plane in this process,
 the scripted workers of ``test_control_plane_routing`` over real sockets; no model):
 
 - a heartbeat saying ``draining`` takes the worker out of routing at once, and it stays listed

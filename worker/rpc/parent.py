@@ -7,7 +7,7 @@ blocks in ``read`` and gets end-of-file exactly when the last holder of the writ
 that is when the ``serve`` process exited — a clean exit, a crash or ``kill -9`` alike. The
 worker then stops at once (no drain: the control plane that relayed its streams died with
 ``serve``), so it never outlives its parent to heartbeat a later ``serve``'s control plane
-from the port that ``serve``'s own worker needs (issue 21, defect 8).
+from the port that ``serve``'s own worker needs.
 
 Why a pipe and not ``prctl(PR_SET_PDEATHSIG)``: the parent-death signal fires when the *thread*
 that forked the child exits, and ``serve`` starts (and restarts) its worker from a supervisor
