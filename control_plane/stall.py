@@ -59,7 +59,8 @@ class StallWatchdog:
         stall_timeout_s: longest wait for the reader to accept one message, seconds.
         min_rate_bytes_s / grace_s: the slowest average rate tolerated after ``grace_s``
             (bytes/s; 0 turns the rate rule off).
-        kind: what the log line calls a cut-off call (``adapter_fetch``, ``generate``).
+        kind: ``adapter_fetch`` or ``generate``: the cut-off call's log event
+            (``adapter_fetch_cut_off`` / ``generate_cut_off``) and the thread's name.
 
     The checking thread runs only while some call is watched (it exits when none is), so a
     process with many control planes (tests) keeps no idle threads.
@@ -146,5 +147,8 @@ class StallWatchdog:
                         del self._calls[key]
             for w in doomed:
                 self.cut_off += 1
-                log.warning(f"{self.kind}_cut_off", call=w.what, reason=w.cut, bytes_sent=w.sent)
+                if self.kind == "generate":
+                    log.warning("generate_cut_off", request_id=w.what, reason=w.cut, bytes_sent=w.sent)
+                else:
+                    log.warning("adapter_fetch_cut_off", call=w.what, reason=w.cut, bytes_sent=w.sent)
                 w.context.cancel()
