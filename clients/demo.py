@@ -158,6 +158,7 @@ def demo_cmd(
     """Serve with the shout and sea demo adapters and compare them on one prompt."""
     from clients.cli_server import control_plane_config, load_control_plane, worker_args
     from clients.serve import ServeSpec, resolve_port, run_serve
+    from loraplane.worker_secret import new_worker_secret
 
     missing = [str(p) for _, p in DEMO_ADAPTERS if not p.is_file()]
     if missing:
@@ -169,6 +170,7 @@ def demo_cmd(
     addr = resolve_port(addr)
     http_addr, metrics_addr = resolve_port(http_addr), resolve_port(metrics_addr)
     worker_metrics_addr = resolve_port("127.0.0.1:0")
+    worker_secret = new_worker_secret()  # as ``serve``: its own worker only, given in the environment
     config = control_plane_config(
         config_cls,
         addr=addr,
@@ -178,6 +180,7 @@ def demo_cmd(
         adapters=[(str(p), 1.0) for _, p in DEMO_ADAPTERS],
         lora_init_without_apply=True,
         admin_token=None,
+        worker_secret=worker_secret,
         log_level=log_level,
         http_addr=http_addr,
         metrics_addr=metrics_addr,
@@ -197,6 +200,7 @@ def demo_cmd(
             metrics_addr=worker_metrics_addr,
         ),
         ready_timeout_s=ready_timeout,
+        worker_secret=worker_secret,
         worker_log=root / "worker.log",
         quiet=once,
         http_addr=http_addr,
