@@ -211,3 +211,15 @@ def test_top_k_ties_at_the_cut_are_kept():
     y[0] = 1.5  # top_k=2: 199 tokens tie with the 2nd, past any top list
     s = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=0))
     assert len({s.sample(y).token_id for _ in range(300)}) > 100
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-38])
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_tiny_temperature_is_greedy_not_a_nan_draw(temperature, top_k):
+    """A temperature so small that ``logits / t`` overflows f32 (accepted: finite and > 0)
+    draws the argmax; it used to make ``torch.multinomial`` raise on the scheduler thread,
+    which ended the worker's scheduling for every request."""
+    x = torch.randn(QWEN, generator=torch.Generator().manual_seed(5)) * 3
+    for row in (x, x - 100.0):  # positive logits overflow to +inf, all-negative ones to -inf
+        s = Sampler(SamplingParams(temperature=temperature, top_k=top_k, seed=3))
+        assert {s.sample(row).token_id for _ in range(5)} == {int(torch.argmax(row))}

@@ -205,7 +205,7 @@ class Sampler:
     def _draw_full(self, logits: torch.Tensor) -> int:
         """Temperature, top-k, top-p over the whole vocabulary and a draw (the torch path)."""
         p = self.params
-        scaled = logits / p.temperature
+        scaled = _scale(logits, p.temperature)
         if p.top_k > 0 and p.top_k < scaled.numel():
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -231,7 +231,7 @@ class Sampler:
         n = len(s.top_ids)
         if not (0 < p.top_k < n_vocab) or n <= p.top_k:
             return None
-        scaled = s.top_logits / p.temperature
+        scaled = _scale(s.top_logits, p.temperature)
         keep = scaled >= scaled[p.top_k - 1]
         if bool(keep[-1]) and n < n_vocab:
             return None  # ties with the k-th go past the list: the full path keeps them all
@@ -254,6 +254,19 @@ class Sampler:
             lp = s.logprobs(s.top_logits[: p.logprobs]).tolist()
             top = tuple(zip(s.top_ids[: p.logprobs], lp, strict=True))
         return SampledToken(tok, float(s.logprobs(logits[tok])), top)
+
+
+def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``; when a tiny temperature (below ~1e-37 in f32) overflows that
+    to ±inf, the max-shifted form ``(logits - max) / temperature`` instead: the same softmax
+    (shift invariance), finite at the top (0) and -inf elsewhere, so the draw is the argmax
+    rather than a NaN distribution that makes ``torch.multinomial`` raise (which used to end
+    the worker's scheduler thread)."""
+    scaled = logits / temperature
+    top = scaled.max()
+    if bool(torch.isfinite(top)):
+        return scaled
+    return (logits - logits.max()) / temperature
 
 
 def greedy_rows(logits: torch.Tensor, rows: list[int]) -> tuple[list[RowLogprobs], list[int]]:
