@@ -223,3 +223,20 @@ def test_tiny_temperature_is_greedy_not_a_nan_draw(temperature, top_k):
     for row in (x, x - 100.0):  # positive logits overflow to +inf, all-negative ones to -inf
         s = Sampler(SamplingParams(temperature=temperature, top_k=top_k, seed=3))
         assert {s.sample(row).token_id for _ in range(5)} == {int(torch.argmax(row))}
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_nan_and_inf_logits_draw_a_token_instead_of_raising(top_k):
+    """Logits with NaN or ±inf (an adapter at scale 1e30 drives activations past f32) draw
+    a finite-or-+inf argmax token; ``torch.multinomial`` used to raise on the scheduler
+    thread and stop the worker's scheduling for good."""
+    x = torch.randn(QWEN, generator=torch.Generator().manual_seed(6))
+    nan_some = x.clone()
+    nan_some[::3] = float("nan")
+    with_inf = x.clone()
+    with_inf[17] = float("inf")
+    all_nan = torch.full((QWEN,), float("nan"))
+    for row in (nan_some, with_inf, all_nan):
+        s = Sampler(SamplingParams(temperature=0.7, top_k=top_k, seed=3))
+        assert 0 <= s.sample(row).token_id < QWEN
+    assert Sampler(SamplingParams(temperature=0.7, top_k=top_k)).sample(with_inf).token_id == 17

@@ -257,16 +257,26 @@ class Sampler:
 
 
 def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logits / temperature``; when a tiny temperature (below ~1e-37 in f32) overflows that
-    to ±inf, the max-shifted form ``(logits - max) / temperature`` instead: the same softmax
-    (shift invariance), finite at the top (0) and -inf elsewhere, so the draw is the argmax
-    rather than a NaN distribution that makes ``torch.multinomial`` raise (which used to end
-    the worker's scheduler thread)."""
+    """``logits / temperature`` made safe to softmax and draw from (never NaN, never +inf).
+
+    The fast path is the plain quotient. When it is not finite at the top: a tiny temperature
+    (below ~1e-37 in f32) overflowed it, or the logits hold NaN or ±inf (an adapter at a huge
+    scale drives activations past f32). Then NaN counts as -inf and the max-shifted form
+    ``(logits - max) / temperature`` is used (the same softmax by shift invariance, 0 at the
+    top and -inf elsewhere for tiny temperatures); a +inf logit, or no finite one at all,
+    leaves only the argmax. Without this ``torch.multinomial`` raised on the scheduler thread,
+    which ended scheduling for every request of the worker.
+    """
     scaled = logits / temperature
-    top = scaled.max()
-    if bool(torch.isfinite(top)):
+    if bool(torch.isfinite(scaled.max())):  # max propagates NaN
         return scaled
-    return (logits - logits.max()) / temperature
+    clean = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    top = clean.max()
+    if not bool(torch.isfinite(top)):
+        only = torch.full_like(clean, float("-inf"))
+        only[int(torch.argmax(clean))] = 0.0
+        return only
+    return (clean - top) / temperature
 
 
 def greedy_rows(logits: torch.Tensor, rows: list[int]) -> tuple[list[RowLogprobs], list[int]]:
