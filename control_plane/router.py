@@ -223,7 +223,8 @@ class Router:
         # "the caller is gone" and free the slot.
         outbox: queue.Queue[worker_pb2.DecodeRequest | None] = queue.Queue()
         outbox.put(worker_pb2.DecodeRequest(submit=request))
-        call = worker.stub.Decode(iter(outbox.get, None), timeout=_client_deadline(context))
+        client_deadline = _client_deadline(context)
+        call = worker.stub.Decode(iter(outbox.get, None), timeout=client_deadline)
         self.pool.begin(worker)
         release = _Once(lambda: self.pool.end(worker))
 
@@ -246,6 +247,12 @@ class Router:
             if not context.is_active():
                 return  # the client cancelled; call.cancel already ran
             code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and client_deadline is not None:
+                # The worker call carries the client's own deadline: its expiry is the client's
+                # doing (the server context may not be inactive yet), never the worker's fault.
+                # Marking the worker failed here let any client with a 1 ms deadline take every
+                # worker out of routing until its next heartbeat.
+                raise WorkerRequestError(code, f"deadline exceeded (the client's, {client_deadline:.3f} s)") from None
             message = f"worker {worker.worker_id} failed: {code.name}: {exc.details()}"
             if code in REQUEST_ERROR_CODES and code not in RETRY_ELSEWHERE_CODES:
                 raise WorkerRequestError(code, f"worker {worker.worker_id}: {exc.details()}") from None

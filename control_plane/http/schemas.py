@@ -142,8 +142,9 @@ def parse_body(raw: bytes, model: type[B]) -> B:
     (`lone_surrogate`, walked only when the text holds a surrogate escape), then pydantic.
 
     Raises:
-        OpenAIError: 400 ``invalid_json`` (not UTF-8, not JSON, too deep, empty, not an
-            object), ``invalid_unicode`` or a size rule, naming the field where there is one.
+        OpenAIError: 400 ``invalid_json`` (not UTF-8, not JSON, too deep, an integer of more
+            than 4300 digits, empty, not an object), ``invalid_unicode`` or a size rule, naming
+            the field where there is one.
         RequestValidationError: pydantic refused a field (`errors.validation_error` answers
             it: 400 naming the field).
     """
@@ -162,6 +163,8 @@ def parse_body(raw: bytes, model: type[B]) -> B:
         raise OpenAIError(400, f"request body is not valid JSON: {exc.msg} ({where})", code="invalid_json") from None
     except RecursionError:
         raise OpenAIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # an integer literal past Python's int-str digit limit (4300 digits)
+        raise OpenAIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "request body must be a JSON object", code="invalid_json")
     check_sizes(data)

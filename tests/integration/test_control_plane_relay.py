@@ -115,6 +115,23 @@ def test_unregister_unloads_from_the_worker(joined, fixtures_dir):
     assert err.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_client_deadlines_never_take_the_worker_out_of_routing(joined):
+    # a client whose own deadline expires while the relay runs is not a failing worker: a
+    # stream of 3 ms deadlines used to mark the only worker dead ("no live worker") for everyone
+    cp, wstub = joined()
+    req = common_pb2.GenerateRequest(text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+    codes = set()
+    for i in range(60):
+        try:
+            list(cp.stub.Generate(req, timeout=0.002 + 0.001 * (i % 20)))
+        except grpc.RpcError as exc:
+            codes.add(exc.code())
+        assert [w.state for w in cp.stub.ListWorkers(common_pb2.Empty()).workers] == ["alive"], i
+    assert codes == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    tokens, finished = run(cp, max_tokens=2)
+    assert len(tokens) == 2 and finished.finish_reason == "length"
+
+
 def test_client_cancel_frees_the_worker_slot(joined):
     cp, wstub = joined()
     req = common_pb2.GenerateRequest(

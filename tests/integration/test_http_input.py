@@ -225,6 +225,7 @@ def test_lone_surrogate_is_400_naming_the_field(api, path, raw, param):
         (b'"a string"', {"content-type": "text/plain"}, "JSON object"),
         (b'{"model": "m", "prompt": "\xff"}', {"content-type": "application/json"}, "not valid UTF-8"),
         (b"[" * 100_000, {"content-type": "application/json"}, "not valid JSON"),
+        (b'{"model": "m", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}", {}, "not valid JSON"),
     ],
 )
 def test_body_parse_errors_are_openai_400s(api, raw, headers, message):

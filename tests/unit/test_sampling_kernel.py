@@ -211,3 +211,32 @@ def test_top_k_ties_at_the_cut_are_kept():
     y[0] = 1.5  # top_k=2: 199 tokens tie with the 2nd, past any top list
     s = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=0))
     assert len({s.sample(y).token_id for _ in range(300)}) > 100
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-38])
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_tiny_temperature_is_greedy_not_a_nan_draw(temperature, top_k):
+    """A temperature so small that ``logits / t`` overflows f32 (accepted: finite and > 0)
+    draws the argmax; it used to make ``torch.multinomial`` raise on the scheduler thread,
+    which ended the worker's scheduling for every request."""
+    x = torch.randn(QWEN, generator=torch.Generator().manual_seed(5)) * 3
+    for row in (x, x - 100.0):  # positive logits overflow to +inf, all-negative ones to -inf
+        s = Sampler(SamplingParams(temperature=temperature, top_k=top_k, seed=3))
+        assert {s.sample(row).token_id for _ in range(5)} == {int(torch.argmax(row))}
+
+
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_nan_and_inf_logits_draw_a_token_instead_of_raising(top_k):
+    """Logits with NaN or ±inf (an adapter at scale 1e30 drives activations past f32) draw
+    a finite-or-+inf argmax token; ``torch.multinomial`` used to raise on the scheduler
+    thread and stop the worker's scheduling for good."""
+    x = torch.randn(QWEN, generator=torch.Generator().manual_seed(6))
+    nan_some = x.clone()
+    nan_some[::3] = float("nan")
+    with_inf = x.clone()
+    with_inf[17] = float("inf")
+    all_nan = torch.full((QWEN,), float("nan"))
+    for row in (nan_some, with_inf, all_nan):
+        s = Sampler(SamplingParams(temperature=0.7, top_k=top_k, seed=3))
+        assert 0 <= s.sample(row).token_id < QWEN
+    assert Sampler(SamplingParams(temperature=0.7, top_k=top_k)).sample(with_inf).token_id == 17

@@ -205,7 +205,7 @@ class Sampler:
     def _draw_full(self, logits: torch.Tensor) -> int:
         """Temperature, top-k, top-p over the whole vocabulary and a draw (the torch path)."""
         p = self.params
-        scaled = logits / p.temperature
+        scaled = _scale(logits, p.temperature)
         if p.top_k > 0 and p.top_k < scaled.numel():
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -231,7 +231,7 @@ class Sampler:
         n = len(s.top_ids)
         if not (0 < p.top_k < n_vocab) or n <= p.top_k:
             return None
-        scaled = s.top_logits / p.temperature
+        scaled = _scale(s.top_logits, p.temperature)
         keep = scaled >= scaled[p.top_k - 1]
         if bool(keep[-1]) and n < n_vocab:
             return None  # ties with the k-th go past the list: the full path keeps them all
@@ -254,6 +254,29 @@ class Sampler:
             lp = s.logprobs(s.top_logits[: p.logprobs]).tolist()
             top = tuple(zip(s.top_ids[: p.logprobs], lp, strict=True))
         return SampledToken(tok, float(s.logprobs(logits[tok])), top)
+
+
+def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` made safe to softmax and draw from (never NaN, never +inf).
+
+    The fast path is the plain quotient. When it is not finite at the top: a tiny temperature
+    (below ~1e-37 in f32) overflowed it, or the logits hold NaN or ±inf (an adapter at a huge
+    scale drives activations past f32). Then NaN counts as -inf and the max-shifted form
+    ``(logits - max) / temperature`` is used (the same softmax by shift invariance, 0 at the
+    top and -inf elsewhere for tiny temperatures); a +inf logit, or no finite one at all,
+    leaves only the argmax. Without this ``torch.multinomial`` raised on the scheduler thread,
+    which ended scheduling for every request of the worker.
+    """
+    scaled = logits / temperature
+    if bool(torch.isfinite(scaled.max())):  # max propagates NaN
+        return scaled
+    clean = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    top = clean.max()
+    if not bool(torch.isfinite(top)):
+        only = torch.full_like(clean, float("-inf"))
+        only[int(torch.argmax(clean))] = 0.0
+        return only
+    return (clean - top) / temperature
 
 
 def greedy_rows(logits: torch.Tensor, rows: list[int]) -> tuple[list[RowLogprobs], list[int]]:
