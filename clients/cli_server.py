@@ -205,6 +205,15 @@ def control_plane_options(f: F) -> F:
             help="Serve the OpenAI-compatible HTTP API here (default: off; port 0 picks one).",
         ),
         click.option(
+            "--http-max-connections",
+            "http_max_connections",
+            type=click.IntRange(min=1),
+            default=None,
+            metavar="N",
+            help="Open HTTP connections; past it a new one is closed at once (default 1024). A "
+            "connection without a complete request head for 30 s is closed.",
+        ),
+        click.option(
             "--client-write-timeout",
             "client_write_timeout_s",
             type=click.FloatRange(min=0.1),
@@ -271,6 +280,7 @@ CP_TUNING = (
     "log_level",
     "http_addr",
     "client_write_timeout_s",
+    "http_max_connections",
     "metrics_addr",
     "chat_template",
     "served_model_name",

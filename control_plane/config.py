@@ -87,6 +87,8 @@ class ControlPlaneConfig:
         client_write_timeout_s: seconds a response write (an HTTP response, a gRPC ``Generate``
             event) may wait on a client that reads nothing; past it the client counts as gone
             and its generation is cancelled.
+        http_max_connections: open HTTP connections; past it a new one is closed at once
+            (idle connections and trickled request heads are closed after 30 s).
         metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP
             front serves ``/metrics`` too).
         chat_template: jinja2 chat template file overriding the model's (None: the GGUF's
@@ -132,6 +134,7 @@ class ControlPlaneConfig:
     log_level: str = "info"
     http_addr: str | None = None
     client_write_timeout_s: float = 30.0
+    http_max_connections: int = 1024
     metrics_addr: str | None = None
     chat_template: str | None = None
     served_model_name: str | None = None

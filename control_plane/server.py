@@ -190,7 +190,9 @@ def start_side_servers(state: ControlPlaneState) -> None:
         from control_plane.http.app import create_app
         from control_plane.http.server import HttpServer
 
-        state.http = HttpServer(create_app(http_deps(state)), config.http_addr)
+        state.http = HttpServer(
+            create_app(http_deps(state)), config.http_addr, max_connections=config.http_max_connections
+        )
         state.http_port = state.http.start()
         log.info("http_serving", addr=config.http_addr, port=state.http_port)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -49,6 +50,22 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, too_large_message(limit), headers={"connection": "close"})
 
 
+HTTP_BODY_TIMEOUT_S = 60.0
+"""Seconds a request body may take to arrive, from the request's start (408 past it)."""
+
+
+class BodyTimeout(StarletteHTTPException):
+    """Raised from the wrapped ``receive`` when the body did not arrive within the deadline (a
+    Starlette HTTP error, as `BodyTooLarge`: answered 408, ``Connection: close``)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s of the request's start",
+            headers={"connection": "close"},
+        )
+
+
 class BodySizeLimit:
     """Pure ASGI middleware bounding HTTP request bodies to ``max_bytes``.
 
@@ -58,15 +75,19 @@ class BodySizeLimit:
       passes the limit makes ``receive`` raise `BodyTooLarge`, answered 413 here when no
       response has started. At most ``max_bytes`` plus one chunk is ever buffered.
 
+    * A body still incomplete ``body_timeout_s`` after the request began (a client trickling
+      it byte by byte holds a connection and a coroutine): 408 in OpenAI's error shape.
+
     Every refusal carries ``Connection: close``: the server drops the connection instead of
     reading (and discarding) the rest of the body. Non-HTTP scopes pass through untouched.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float = HTTP_BODY_TIMEOUT_S) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be positive (got {max_bytes})")
         self.app = app
         self.max_bytes = int(max_bytes)
+        self.body_timeout_s = float(body_timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -81,14 +102,23 @@ class BodySizeLimit:
             return
         seen = 0
         started = False
+        body_done = False
+        deadline = anyio.current_time() + self.body_timeout_s
 
         async def counted_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # the body is in: what follows is a wait for the disconnect
+                return await receive()
+            try:
+                with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyTimeout(self.body_timeout_s) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
+                body_done = not message.get("more_body", False)
             return message
 
         async def tracked_send(message: Message) -> None:
@@ -103,6 +133,10 @@ class BodySizeLimit:
             if started:  # a route streaming its answer while reading more body: cannot answer
                 raise
             await _send_error(send, http_error(413, exc.detail))
+        except BodyTimeout as exc:
+            if started:
+                raise
+            await _send_error(send, http_error(408, exc.detail))
 
 
 def _content_length(scope: Scope) -> int | None:

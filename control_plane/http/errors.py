@@ -150,7 +150,7 @@ def http_error(status: int, detail: Any) -> OpenAIError:
     kind = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}.get(
         status, "invalid_request_error" if 400 <= status < 500 else "internal_error"
     )
-    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+    code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}.get(status)
     return OpenAIError(status, str(detail), type=kind, code=code)
 
 
@@ -188,7 +188,7 @@ async def _http_error_response(request: Request, exc: Exception) -> Response:
         )
     err = http_error(exc.status_code, detail)
     headers = dict(exc.headers or {})
-    if err.status == 413:  # the rest of the body is never read: do not keep the connection
+    if err.status in (408, 413):  # the rest of the body is never read: do not keep the connection
         headers["connection"] = "close"
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
