@@ -136,6 +136,13 @@ def check_sizes(data: dict[str, Any]) -> None:
 B = TypeVar("B", bound=BaseModel)
 
 
+MAX_JSON_VALUES = 2 * 1024 * 1024
+"""The most ``,`` ``[`` ``{`` bytes a body may hold (an upper bound on its JSON values, string
+contents included). Decoding holds the interpreter lock and builds one Python object per value
+(16 MiB of ``[],`` is 5.6 M lists: 400 MB and seconds of stalled responses); no request needs
+this many: a ``prompt`` is at most 1 048 576 token ids, a chat 65 536 messages and parts."""
+
+
 def parse_body(raw: bytes, model: type[B]) -> B:
     """A request body → ``model``, for routes that parse on a worker thread (never the event
     loop): strict UTF-8 (RFC 8259), JSON, an object, `check_sizes`, valid Unicode
@@ -143,13 +150,22 @@ def parse_body(raw: bytes, model: type[B]) -> B:
 
     Raises:
         OpenAIError: 400 ``invalid_json`` (not UTF-8, not JSON, too deep, an integer of more
-            than 4300 digits, empty, not an object), ``invalid_unicode`` or a size rule, naming
-            the field where there is one.
+            than 4300 digits, empty, not an object), ``too_many_items`` (more than
+            `MAX_JSON_VALUES` values, counted on the bytes before parsing), ``invalid_unicode``
+            or a size rule, naming the field where there is one.
         RequestValidationError: pydantic refused a field (`errors.validation_error` answers
             it: 400 naming the field).
     """
     if not raw.strip():
         raise OpenAIError(400, "request body is empty: expected a JSON object", code="invalid_json")
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+    if values > MAX_JSON_VALUES:
+        raise OpenAIError(
+            400,
+            f"request body holds about {values} JSON values (',' '[' '{{' counted), more than any request "
+            f"can use ({MAX_JSON_VALUES}); refused before parsing",
+            code="too_many_items",
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

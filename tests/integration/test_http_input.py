@@ -233,6 +233,26 @@ def test_body_parse_errors_are_openai_400s(api, raw, headers, message):
     assert message in err["message"] and err["code"] == "invalid_json"
 
 
+def test_a_body_of_millions_of_tiny_values_is_refused_before_parsing(api, monkeypatch):
+    """8 MB of ``[],`` (2.8 M empty lists, under the body limit): 400 ``too_many_items`` from a
+    byte count, without ``json.loads`` ever running on it."""
+    import control_plane.http.schemas as schemas
+
+    parsed: list[int] = []
+    real_loads = schemas.json.loads
+    monkeypatch.setattr(schemas.json, "loads", lambda text, *a, **kw: parsed.append(len(text)) or real_loads(text))
+    pad = b"[]," * (8 * 1024 * 1024 // 3 - 20)
+    raw = b'{"model": "base-model", "prompt": "hi", "x": [' + pad + b"[]]}"
+    err = openai_error(api.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), 400)
+    assert err["code"] == "too_many_items" and str(schemas.MAX_JSON_VALUES) in err["message"], err
+    assert [n for n in parsed if n > 1_000_000] == []  # (the json module is shared: small loads are ours)
+    # a prompt of 1 048 576 token ids (the most a request may hold) still passes the count
+    ids = b'{"model": "base-model", "max_tokens": 1, "prompt": [' + b"1," * (1024 * 1024 - 1) + b"1]}"
+    r = api.post("/v1/completions", content=ids, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and openai_error(r, 400)["code"] == "context_length_exceeded", r.text[:300]
+    assert len([n for n in parsed if n > 1_000_000]) == 1
+
+
 def test_unknown_routes_and_methods_are_openai_errors(api):
     assert openai_error(api.get("/v1/nothing"), 404)["code"] == "not_found"
     err = openai_error(api.get("/v1/completions"), 405)
