@@ -125,7 +125,7 @@ def check_sizes(data: dict[str, Any]) -> None:
             raise _too_many("'messages' (messages and content parts)", n, MAX_CHAT_ITEMS, "messages")
     stop = data.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-        raise OpenAIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        raise OpenAIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings (got {len(stop)})", param="stop")
     lora = data.get("lora")
     if isinstance(lora, list) and len(lora) > MAX_LORA_ENTRIES:
         raise _too_many("'lora'", len(lora), MAX_LORA_ENTRIES, "lora")
@@ -270,8 +270,10 @@ class SamplingFields(HttpBody):
         if self.logit_bias:
             raise unsupported("logit_bias", "logit biases are not implemented")
         stops = self.stop_list()
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise OpenAIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise OpenAIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings (got {len(stops)})", param="stop")
+        if any(not s for s in stops):
+            raise OpenAIError(400, "'stop' strings must not be empty (an empty one would stop at once)", param="stop")
         if self.lora is not None and len({e.id for e in self.lora}) != len(self.lora):
             raise OpenAIError(400, "'lora' lists an adapter id more than once", param="lora")
 

@@ -349,3 +349,10 @@ def test_prompt_limits_follow_the_largest_live_workers_n_ctx(start_control_plane
             assert err["code"] == "context_length_exceeded", err
         finally:
             w.close()
+
+
+def test_stop_rules_name_what_is_wrong(api):
+    err = openai_error(api.post("/v1/completions", json={"model": BASE, "prompt": "x", "stop": [""]}), 400)
+    assert err["param"] == "stop" and "must not be empty" in err["message"], err
+    err = openai_error(api.post("/v1/completions", json={"model": BASE, "prompt": "x", "stop": ["a"] * 17}), 400)
+    assert err["param"] == "stop" and "at most 16 strings (got 17)" in err["message"], err
