@@ -480,3 +480,24 @@ def test_the_loop_stopping_for_good_marks_the_worker_unhealthy(fixtures_dir):
         channel.close()
         server.stop(0).wait()
         e.close()
+
+
+def test_a_fault_outside_a_step_stops_the_loop_and_fails_what_it_held(engine_for):
+    """An exception in the loop's own bookkeeping (outside a step: state may be inconsistent)
+    stops the loop at once — no retry — and fails the running request INTERNAL, and the
+    ``on_fatal`` callbacks run (the worker process marks itself unhealthy and exits)."""
+    e = engine_for(Batching.MIXED, n_slots=1)
+    fatal: list[BaseException] = []
+    e.scheduler.on_fatal.append(fatal.append)
+
+    def broken() -> None:  # once the request runs (after its first step)
+        if any(s.busy for s in e.scheduler.seqs):
+            raise KeyError("injected bookkeeping fault")
+
+    e.scheduler._bound_stop_delay = broken  # type: ignore[method-assign]
+    events = _generate(e, "victim", [(0, 1.0)])
+    assert isinstance(events[-1], ErrorEvent) and status_of(events[-1].error).name == "INTERNAL"
+    assert "scheduler stopped (KeyError" in str(events[-1].error)
+    e.scheduler._thread.join(10)
+    assert not e.scheduler._thread.is_alive() and fatal == [e.scheduler.failure]
+    assert e.scheduler.stats().slots_busy == 0 and not e.scheduler.is_held(0)
