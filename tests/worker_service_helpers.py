@@ -41,9 +41,10 @@ _LAUNCH = (
 
 
 class WorkerProcess:
-    """A ``serve_worker`` child process, its port (parsed from stdout) and gRPC stubs."""
+    """A ``serve_worker`` child process, its port (parsed from stdout) and gRPC stubs.
+    ``prelude``: Python run in the child before the worker starts (a test's fault injection)."""
 
-    def __init__(self, name: str, config_args: str):
+    def __init__(self, name: str, config_args: str, prelude: str = ""):
         self.name = name
         self.lines: collections.deque[str] = collections.deque(maxlen=400)
         self._port_found = threading.Event()
@@ -51,7 +52,7 @@ class WorkerProcess:
         self.worker_id = ""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCH.format(args=config_args)],
+            [sys.executable, "-c", prelude + "\n" + _LAUNCH.format(args=config_args)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

@@ -602,6 +602,38 @@ def test_worker_removes_its_adapter_temp_dir_on_sigterm(fixtures_dir, tmp_path):
     assert not any(p.exists() for p in mine)
 
 
+_BREAK_FORWARD = """
+def _broken(self, ub):
+    raise RuntimeError("injected: device lost")
+import worker.runtime.context
+worker.runtime.context.WorkerContext.decode = _broken
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_whose_scheduler_loop_stops_exits_non_zero(fixtures_dir):
+    """A forward pass that always fails (a broken device; injected in the child): each of
+    the first ``MAX_STEP_FAILURES`` requests ends INTERNAL naming the error, then the loop
+    stops for good and the process exits non-zero (``serve`` and Kubernetes restart it)
+    instead of staying up, heartbeating and answering SERVING with a dead loop."""
+    from worker.serving.scheduler import MAX_STEP_FAILURES
+
+    tiny = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"
+    w = WorkerProcess("broken-forward", f"n_slots=1, model_path={str(tiny)!r}", prelude=_BREAK_FORWARD)
+    try:
+        w.wait_ready()
+        for i in range(MAX_STEP_FAILURES):
+            err = w.error_of(gen(f"doomed-{i}", tokens=[1, 450, 4996, 17354], adapters=[], max_tokens=2))
+            assert err.code() == grpc.StatusCode.INTERNAL, err
+            assert "injected: device lost" in err.details()
+        rc = w.proc.wait(60)
+        assert rc != 0, w.log_tail()
+        log_text = "\n".join(w.lines)
+        assert "scheduler_stopped" in log_text and "worker_not_serving" in log_text
+    finally:
+        w.stop()
+
+
 @pytest.mark.slow
 def test_a_burst_admits_exactly_slots_plus_queue_limit(guarded):
     """4 slots + queue limit 8: of 20 simultaneous requests exactly 12 are admitted."""

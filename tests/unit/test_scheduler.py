@@ -12,6 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.errors import AdapterFetchError, DecodeFailedError, QueueFullError
@@ -300,3 +301,203 @@ def test_adapters_being_submitted_stay_on_host_with_their_files(engine_for, tmp_
     assert st.host_evictions == 1 and st.fetches == 2
     assert sorted(st.host_adapter_ids) == [0, 1]  # 2 was dropped, not 0 (held by the request)
     assert (e.host.cache_dir / f"{sha[0]}.gguf").is_file()
+
+
+# --- faults inside a step: contained; the loop stopping for good: unhealthy and exiting ---------
+
+
+def _tokens(events: list) -> list[int]:
+    return [ev.token_id for ev in events if isinstance(ev, TokenEvent)]
+
+
+def _assert_no_leak(e: WorkerEngine, sha: str) -> None:
+    """Every slot free, nothing queued, no slot or request hold left, and each KV sequence
+    holding exactly what its sequence's cache records (an error drops both)."""
+    st = e.scheduler.stats()
+    assert (st.slots_busy, st.queue_depth) == (0, 0)
+    assert e.ctx.pool.held(sha) == 0 and not e.scheduler.is_held(0)
+    for seq in e.scheduler.seqs:
+        assert not seq.busy
+        assert e.ctx.kv.seq_len(seq.id) == len(seq.cache_tokens) == len(seq.cache_sets), seq.id
+
+
+def test_a_fault_in_a_step_fails_that_step_only_and_the_loop_serves_on(engine_for):
+    """An exception inside a step (here sampling, injected for one request id) fails every
+    request of that step with INTERNAL naming the error — the faulty one and its batch peer —
+    frees their slots, holds and KV sequences, and the loop goes on: a request queued behind
+    them and the next one are served with the greedy reference's exact tokens."""
+    e = engine_for(Batching.MIXED, n_slots=2)
+    sha = e.adapters()[0].sha256
+    ref = _tokens(_generate(e, "ref", [(0, 1.0)], max_tokens=6))
+    assert len(ref) == 6
+    real_sample = e.scheduler.output.sample
+
+    def sample(req, *args, **kwargs):
+        if req.request_id == "bad":
+            raise RuntimeError("injected sampling fault")
+        return real_sample(req, *args, **kwargs)
+
+    e.scheduler.output.sample = sample  # type: ignore[method-assign]
+    queues = {rid: queue.Queue() for rid in ("peer", "bad", "queued")}
+    gate = threading.Event()
+    e.scheduler.run_soon(lambda: gate.wait(30))  # all three queued before the first admission
+    try:
+        for rid, q in queues.items():
+            e.submit(
+                request_id=rid,
+                prompt_tokens=PROMPT,
+                prompt_text=None,
+                params=SamplingParams(max_tokens=6, ignore_eos=True),
+                entries=[(0, 1.0)],
+                emit=q.put,
+            )
+    finally:
+        gate.set()
+    for rid in ("peer", "bad"):  # one step: both rows fail, the faulty one and its peer
+        events = _until_end(queues[rid])
+        assert isinstance(events[-1], ErrorEvent) and _tokens(events) == [], rid
+        assert status_of(events[-1].error).name == "INTERNAL"
+        assert "RuntimeError: injected sampling fault" in str(events[-1].error)
+        assert e.worker_id in str(events[-1].error)
+    queued = _until_end(queues["queued"])  # was not in the failed step: untouched
+    assert isinstance(queued[-1], FinishedEvent) and _tokens(queued) == ref
+    after = _generate(e, "after", [(0, 1.0)], max_tokens=6)
+    assert isinstance(after[-1], FinishedEvent) and _tokens(after) == ref
+    assert e.scheduler._thread.is_alive() and e.scheduler.failure is None and e.scheduler.step_failures == 0
+    deadline = time.monotonic() + 10
+    while _requests_total(e, "length", "0") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _requests_total(e, "error", "0") == 2 and _requests_total(e, "length", "0") == 3
+    _assert_no_leak(e, sha)
+    e.unload_adapter(0, timeout_s=10)  # nothing holds it any more
+
+
+def test_a_failing_forward_pass_fails_its_requests_and_counts_in_a_row(engine_for):
+    """The forward pass itself raising (a kernel error, out of memory): the step's requests
+    fail INTERNAL, the failures-in-a-row counter rises, and one good step resets it."""
+    e = engine_for(Batching.MIXED, n_slots=1)
+    sha = e.adapters()[0].sha256
+    real_decode = e.ctx.decode
+    fail = {"n": 2}
+
+    def decode(ub):
+        if fail["n"] > 0:
+            fail["n"] -= 1
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return real_decode(ub)
+
+    e.ctx.decode = decode  # type: ignore[method-assign]
+    for rid in ("f1", "f2"):
+        events = _until_end_q(e, rid)
+        assert isinstance(events[-1], ErrorEvent) and "OutOfMemoryError" in str(events[-1].error)
+    assert e.scheduler.step_failures == 2 and e.scheduler.failure is None
+    ok = _until_end_q(e, "ok")
+    assert isinstance(ok[-1], FinishedEvent) and len(_tokens(ok)) == 3
+    assert e.scheduler.step_failures == 0
+    _assert_no_leak(e, sha)
+
+
+def _until_end_q(e: WorkerEngine, rid: str) -> list:
+    return _generate(e, rid, [(0, 1.0)], max_tokens=3)
+
+
+def test_the_loop_stopping_for_good_marks_the_worker_unhealthy(fixtures_dir):
+    """MAX_STEP_FAILURES failed steps in a row (a broken device): the loop stops for good, and
+    the worker says so instead of looking alive — gRPC health NOT_SERVING on the real port,
+    new requests refused UNAVAILABLE (the control plane retries elsewhere), the request
+    queued at that moment failed UNAVAILABLE, a deferred call failed, and ``serve_worker`` then
+    exits non-zero (``SchedulerStoppedError``: the process test is in the slow tier)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from worker.errors import WorkerDrainingError
+    from worker.rpc.server import create_server
+    from worker.serving.scheduler import MAX_STEP_FAILURES
+
+    config = WorkerConfig(
+        model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
+        addr="127.0.0.1:0",
+        n_slots=1,
+        device="cpu",
+        n_ctx_slot=256,
+    )
+    server, port, e = create_server(config)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def status() -> int:
+            return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+
+        def decode(ub):
+            raise RuntimeError("injected: device lost")
+
+        e.ctx.decode = decode  # type: ignore[method-assign]
+        fatal: list[BaseException] = []
+        e.scheduler.on_fatal.append(fatal.append)
+        queues = {f"r{i}": queue.Queue() for i in range(MAX_STEP_FAILURES + 1)}
+        gate = threading.Event()
+        e.scheduler.run_soon(lambda: gate.wait(30))
+        try:
+            for rid, q in queues.items():
+                e.submit(
+                    request_id=rid,
+                    prompt_tokens=PROMPT,
+                    prompt_text=None,
+                    params=SamplingParams(max_tokens=3, ignore_eos=True),
+                    entries=[],
+                    emit=q.put,
+                )
+        finally:
+            gate.set()
+        ends = {rid: _until_end(q)[-1] for rid, q in queues.items()}
+        assert all(isinstance(ev, ErrorEvent) for ev in ends.values())
+        *stepped, last = queues
+        assert [status_of(ends[r].error).name for r in stepped] == ["INTERNAL"] * MAX_STEP_FAILURES
+        assert "injected: device lost" in str(ends[stepped[-1]].error)
+        assert status_of(ends[last].error).name == "UNAVAILABLE"  # queued: never started
+        assert "scheduler stopped" in str(ends[last].error)
+        e.scheduler._thread.join(10)
+        assert not e.scheduler._thread.is_alive()
+        assert isinstance(e.scheduler.failure, RuntimeError) and fatal == [e.scheduler.failure]
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert status_of(WorkerDrainingError("x")).name == "UNAVAILABLE"
+        with pytest.raises(WorkerDrainingError, match="draining"):
+            e.submit(
+                request_id="late",
+                prompt_tokens=PROMPT,
+                prompt_text=None,
+                params=SamplingParams(max_tokens=3),
+                entries=[],
+                emit=lambda ev: None,
+            )
+        with pytest.raises(WorkerDrainingError, match="scheduler stopped"):
+            e.scheduler.run_soon(lambda: None).result(10)
+        assert e.scheduler.stats().slots_busy == 0 and e.scheduler.stats().queue_depth == 0
+    finally:
+        channel.close()
+        server.stop(0).wait()
+        e.close()
+
+
+def test_a_fault_outside_a_step_stops_the_loop_and_fails_what_it_held(engine_for):
+    """An exception in the loop's own bookkeeping (outside a step: state may be inconsistent)
+    stops the loop at once — no retry — and fails the running request INTERNAL, and the
+    ``on_fatal`` callbacks run (the worker process marks itself unhealthy and exits)."""
+    e = engine_for(Batching.MIXED, n_slots=1)
+    fatal: list[BaseException] = []
+    e.scheduler.on_fatal.append(fatal.append)
+
+    def broken() -> None:  # once the request runs (after its first step)
+        if any(s.busy for s in e.scheduler.seqs):
+            raise KeyError("injected bookkeeping fault")
+
+    e.scheduler._bound_stop_delay = broken  # type: ignore[method-assign]
+    events = _generate(e, "victim", [(0, 1.0)])
+    assert isinstance(events[-1], ErrorEvent) and status_of(events[-1].error).name == "INTERNAL"
+    assert "scheduler stopped (KeyError" in str(events[-1].error)
+    e.scheduler._thread.join(10)
+    assert not e.scheduler._thread.is_alive() and fatal == [e.scheduler.failure]
+    assert e.scheduler.stats().slots_busy == 0 and not e.scheduler.is_held(0)

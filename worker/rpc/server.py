@@ -100,6 +100,9 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    engine.scheduler.on_fatal.append(lambda _exc: _mark_unhealthy(engine, health_servicer))
+    if engine.scheduler.failure is not None:  # stopped before the callback was in place
+        _mark_unhealthy(engine, health_servicer)
     server.health_servicer = health_servicer  # kept for shutdown
     server.servicer = servicer  # its open Decode calls: the drain's end
     log.info(
@@ -117,6 +120,16 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
         max_decode_streams=config.max_decode_streams,
     )
     return server, port, engine
+
+
+def _mark_unhealthy(engine: WorkerEngine, health_servicer: health.HealthServicer) -> None:
+    """The scheduler loop stopped for good (``Scheduler.on_fatal``): admit nothing (new
+    requests get UNAVAILABLE, so the control plane retries them elsewhere; heartbeats say
+    ``draining``) and report NOT_SERVING on both health names."""
+    engine.draining.set()
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.critical("worker_not_serving", worker_id=engine.worker_id, reason="the scheduler loop stopped")
 
 
 def holdings_of(engine: WorkerEngine) -> control_plane_pb2.WorkerHoldings:
@@ -167,6 +180,12 @@ def _advertised(config: WorkerConfig, port: int) -> str:
     if host in ("0.0.0.0", "[::]", "::"):
         host = "127.0.0.1"
     return f"{host}:{port}"
+
+
+class SchedulerStoppedError(RuntimeError):
+    """``serve_worker`` ends with this when the scheduler loop stopped for good
+    (``worker.serving.scheduler``: Faults): the process exits non-zero (``loraplane worker``:
+    exit 1), so ``serve``'s supervisor or Kubernetes restarts it."""
 
 
 class Shutdown:
@@ -237,6 +256,11 @@ def serve_worker(config: WorkerConfig) -> None:
     UNAVAILABLE, and in-flight generations run to their end for up to ``config.drain_timeout_s``
     seconds; then the process exits. A second signal stops at once. Started by ``serve``
     (``$LORAPLANE_PARENT_FD``), it also stops at once when ``serve`` dies (`worker.rpc.parent`).
+
+    Raises:
+        SchedulerStoppedError: the scheduler loop stopped for good (``Scheduler.on_fatal``):
+            the worker reported NOT_SERVING, heartbeated ``draining`` and stopped at once; the
+            caller exits non-zero so that the process is restarted.
     """
     from loraplane.logging import configure_logging  # one JSON log format for both planes
     from worker.rpc.parent import watch_parent_from_env
@@ -255,6 +279,11 @@ def serve_worker(config: WorkerConfig) -> None:
         signal.signal(sig, shutdown.on_signal)
     if parent is not None:
         parent.on_parent_death = shutdown.stop_now
+    # The scheduler loop stopping for good ends the process, non-zero (below): serve and
+    # Kubernetes restart a worker that exits, never one that only stopped serving.
+    engine.scheduler.on_fatal.append(lambda _exc: shutdown.stop_now())
+    if engine.scheduler.failure is not None:
+        shutdown.stop_now()
     stop = threading.Event()
     wake = None
     metrics_server = None
@@ -308,3 +337,9 @@ def serve_worker(config: WorkerConfig) -> None:
     if metrics_server is not None:
         metrics_server.shutdown()
     engine.close()
+    failure = engine.scheduler.failure
+    if failure is not None:
+        raise SchedulerStoppedError(
+            f"worker {engine.worker_id}: the scheduler loop stopped ({type(failure).__name__}: {failure}); "
+            "exiting so that the supervisor restarts the worker"
+        ) from failure

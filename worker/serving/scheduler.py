@@ -38,6 +38,21 @@ The pieces live beside it: requests/events/telemetry in ``request``, sequences i
 ``llama``/``keyed`` prefix-cache rules in ``cache_policy``, ubatch assembly in ``ubatch``,
 sampling/detokenizing/stop strings in ``output`` (``OutputStage``, ``EmitWorker``).
 
+Faults: an exception anywhere in a step (ubatch assembly, ``set_adapters``, the forward pass,
+sampling, handing the tokens over; a kernel error, an out-of-memory error, a bug) fails the
+requests of that step only — every row of the step, whichever row raised, since the step's
+K/V and logits are shared: each gets an ``ErrorEvent`` (``DecodeFailedError``, gRPC INTERNAL)
+naming the error, leaves through ``_end`` like any error (its KV sequence dropped, its slot and
+request holds released), the traceback is logged once, and the loop serves the next requests.
+Queued requests and sequences outside the failed step are untouched. ``MAX_STEP_FAILURES``
+failed steps in a row (the model or device itself is broken: a sticky CUDA error) or an
+exception outside a step (the loop's own bookkeeping) stop the loop for good
+(``_fail_fatally``): every queued and running request gets an error, deferred functions
+raise, ``submit`` refuses with ``WorkerDrainingError`` (UNAVAILABLE: the control plane retries
+elsewhere), and the ``on_fatal`` callbacks run — the worker process reports NOT_SERVING,
+heartbeats ``draining`` and exits non-zero, so ``serve`` (or Kubernetes) restarts it
+(``worker.rpc.server``). Never a live-looking worker whose loop is gone.
+
 Step timing: the interval since the previous step start and the duration of the last
 ``STEP_LOG`` decode-only steps are kept in a ring (``step_log``); ``stats`` reports the median
 interval between consecutive step starts (the loop not idle in between) and the median step
@@ -51,6 +66,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -61,12 +77,19 @@ import structlog
 import torch
 
 from worker.config import Batching, WorkerConfig
-from worker.errors import AdapterFetchError, DecodeFailedError, InvalidRequestError, QueueFullError
+from worker.errors import (
+    AdapterFetchError,
+    DecodeFailedError,
+    InvalidRequestError,
+    QueueFullError,
+    WorkerDrainingError,
+    WorkerError,
+)
 from worker.lora.adapter import AdapterError
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import resolve_alora
 from worker.lora.pool import LoraPool, PoolExhaustedError
-from worker.runtime.context import DecodeError, WorkerContext
+from worker.runtime.context import WorkerContext
 from worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows
 from worker.serving.cache_policy import make_cache_policy
 from worker.serving.heap import release_free_heap
@@ -88,6 +111,7 @@ log = structlog.get_logger("loraplane.worker.serving.scheduler")
 ADMIT_LOOKAHEAD = 8  # queued requests considered for resident-first admission
 MAX_BYPASS = 4  # times the queue head may be passed over before strict FIFO
 STEP_LOG = 48  # decode-only steps kept for the step-interval figures (module docstring)
+MAX_STEP_FAILURES = 3  # failed steps in a row after which the loop stops for good (module docstring)
 
 
 @dataclass(frozen=True)
@@ -108,6 +132,18 @@ class SchedulerStats:
     step_interval_p50_ms: float = 0.0
     step_busy_p50_ms: float = 0.0
     step_samples: int = 0
+
+
+@dataclass
+class _StepProgress:
+    """How far a step got, for ``Scheduler._step_failed``: its sequences (once the batch is
+    assembled), whether its step number was taken and its tokens handed over, and how many
+    tokens it sampled."""
+
+    seqs: list[Seq] | None = None
+    numbered: bool = False
+    handed_over: bool = False
+    sampled: int = 0
 
 
 def admission_order(queue: Sequence[GenRequest], pool: LoraPool) -> list[GenRequest]:
@@ -155,6 +191,10 @@ class Scheduler:
         # of the last STEP_LOG decode-only steps (module docstring)
         self.step_log: deque[tuple[float | None, float]] = deque(maxlen=STEP_LOG)
         self._last_step_start: float | None = None
+        self.step_failures = 0  # failed steps in a row (module docstring: Faults)
+        self.failure: BaseException | None = None  # why the loop stopped for good; None: it runs
+        # Called once, on the loop thread, with that exception when the loop stops for good.
+        self.on_fatal: list[Callable[[BaseException], None]] = []
         self._thread = threading.Thread(target=self._loop, name="loraplane-scheduler", daemon=True)
 
     # --- public -------------------------------------------------------------------------
@@ -200,6 +240,7 @@ class Scheduler:
             InvalidRequestError: empty/too long prompt, token out of range, two aLoRAs, bad
                 sampling field.
             QueueFullError: busy sequences + queued requests already equal ``--slots`` + ``queue_limit``.
+            WorkerDrainingError: the loop stopped for good (``failure``); the worker is exiting.
         """
         n_vocab = self.ctx.model.n_vocab
         if not prompt:
@@ -233,6 +274,8 @@ class Scheduler:
         req.host_sources = dict(host_sources or {})
         req.staged = dict(staged or {})
         with self._cv:
+            if self.failure is not None:
+                raise self._stopped_error()
             # Capacity is sequences + queue limit: a queued request that a free sequence takes at
             # the next loop turn is not "waiting", so a burst admits exactly that many even
             # while the loop is mid-step with idle sequences.
@@ -252,6 +295,9 @@ class Scheduler:
         """Run ``fn`` on the loop thread, between steps, once no request holds ``adapter_id``."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cv:
+            if self.failure is not None:
+                fut.set_exception(self._stopped_error())
+                return fut
             self._pending.append((adapter_id, fn, fut))
             self._cv.notify_all()
         return fut
@@ -260,6 +306,9 @@ class Scheduler:
         """Run ``fn`` on the loop thread at the next step boundary (pool changes go here)."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cv:
+            if self.failure is not None:
+                fut.set_exception(self._stopped_error())
+                return fut
             self._pending.append((None, fn, fut))
             self._cv.notify_all()
         return fut
@@ -334,6 +383,14 @@ class Scheduler:
 
     # --- loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
+        """The loop thread: ``_turns`` until stopped; an exception escaping it (outside a step,
+        or ``MAX_STEP_FAILURES`` failed steps in a row) stops the loop for good."""
+        try:
+            self._turns()
+        except Exception as exc:
+            self._fail_fatally(exc)
+
+    def _turns(self) -> None:
         while True:
             with self._cv:
                 while not self._stop and not self.queue and not self._pending and not any(s.busy for s in self.seqs):
@@ -367,7 +424,45 @@ class Scheduler:
                     self._last_step_start = None
                     self._cv.wait(0.05)
             if busy:
-                self._step_once(busy)
+                self._step_contained(busy)
+
+    def _fail_fatally(self, exc: BaseException) -> None:
+        """The loop cannot go on (module docstring: Faults): record ``exc`` (``submit`` and the
+        deferred-function calls refuse from now on), run the ``on_fatal`` callbacks, fail every
+        running request (``DecodeFailedError``: INTERNAL) and every queued one
+        (``WorkerDrainingError``: UNAVAILABLE, it never started and may run elsewhere), and
+        fail the deferred functions. Runs on the loop thread, which then ends."""
+        log.critical("scheduler_stopped", worker_id=self.worker_id, error=repr(exc), exception=_traceback_of(exc))
+        with self._cv:
+            self.failure = exc
+            queued = list(self.queue)
+            self.queue.clear()
+            pending, self._pending = self._pending, []
+            self._cv.notify_all()
+        for callback in self.on_fatal:
+            try:
+                callback(exc)
+            except Exception as cb_exc:
+                log.error("scheduler_on_fatal_failed", error=repr(cb_exc), exception=_traceback_of(cb_exc))
+        running = f"worker {self.worker_id}: the scheduler stopped ({type(exc).__name__}: {exc}); the worker restarts"
+        ends: list[tuple[GenRequest, Seq | None, WorkerError]] = [(r, None, self._stopped_error()) for r in queued]
+        ends += [(s.req, s, DecodeFailedError(running)) for s in self.seqs if s.req is not None]
+        for req, seq, error in ends:
+            try:
+                self._end(req, "error", ErrorEvent(error), seq)
+            except Exception as end_exc:  # the clean-up is broken too: the client still hears
+                log.error("request_end_failed", request_id=req.request_id, error=repr(end_exc))
+                self.emitter.put_end(req, "error", ErrorEvent(error), time.monotonic())
+        for _, _, fut in pending:
+            fut.set_exception(self._stopped_error())
+
+    def _stopped_error(self) -> WorkerDrainingError:
+        """What ``submit`` and deferred calls get once the loop stopped for good."""
+        exc = self.failure
+        return WorkerDrainingError(
+            f"worker {self.worker_id} admits nothing: its scheduler stopped "
+            f"({type(exc).__name__}: {exc}) and the worker restarts"
+        )
 
     def _take_ready_pending(self) -> list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]:
         """Deferred functions that may run now (no request holds their adapter)."""
@@ -453,20 +548,56 @@ class Scheduler:
             req.telemetry.cached_prompt_tokens = n
             seq.assign(req)
 
-    def _step_once(self, busy: list[Seq]) -> None:
+    def _step_contained(self, busy: list[Seq]) -> None:
+        """Run one step; an exception in it fails the step's requests and the loop goes on
+        (module docstring: Faults). Raises the step's exception once ``MAX_STEP_FAILURES``
+        steps in a row failed, or any exception of the clean-up itself."""
+        progress = _StepProgress()
+        try:
+            self._step_once(busy, progress)
+        except Exception as exc:
+            self._step_failed(busy, progress, exc)
+        else:
+            self.step_failures = 0
+
+    def _step_failed(self, busy: list[Seq], progress: _StepProgress, exc: Exception) -> None:
+        """Fail the requests still running on the failed step's sequences (all of ``busy`` when
+        the batch was not assembled yet) through ``_end``; keep the output thread's step count
+        going. Raises ``exc`` after ``MAX_STEP_FAILURES`` failures in a row."""
+        self.step_failures += 1
+        seqs = [s for s in (progress.seqs if progress.seqs is not None else busy) if s.req is not None]
+        ids = [s.request.request_id for s in seqs]
+        log.error(
+            "step_failed",
+            worker_id=self.worker_id,
+            error=repr(exc),
+            request_ids=ids,
+            seqs=[s.id for s in seqs],
+            failures_in_a_row=self.step_failures,
+            exception=_traceback_of(exc),
+        )
+        if not progress.handed_over:
+            self.tokens_generated -= progress.sampled  # never emitted
+            if progress.numbered:
+                self.emitter.put_tokens(self._step, [])  # ``wait_rendered`` counts every step
+        if self.step_failures >= MAX_STEP_FAILURES:
+            raise exc
+        message = f"worker {self.worker_id}: the decode step failed ({type(exc).__name__}: {exc})"
+        for s in seqs:
+            self._end(s.request, "error", ErrorEvent(DecodeFailedError(message)), s)
+
+    def _step_once(self, busy: list[Seq], progress: _StepProgress) -> None:
+        """Assemble a ubatch of ``busy``, decode, sample and hand the tokens over; ``progress``
+        records how far it got (``_step_failed``)."""
         t0 = time.monotonic()
         interval = None if self._last_step_start is None else t0 - self._last_step_start
         self._last_step_start = t0
         batch = assemble_ubatch(busy, compat=self.config.batching == Batching.COMPAT, n_batch=N_BATCH)
+        progress.seqs = [s for s, _ in batch.parts]
         self.ctx.set_adapters(batch.sets)
-        try:
-            res = self.ctx.decode(batch.ubatch)
-        except (DecodeError, RuntimeError) as exc:
-            log.error("decode_failed", error=str(exc), seqs=[s.id for s, _ in batch.parts])
-            for s, _ in batch.parts:
-                self._end(s.request, "error", ErrorEvent(DecodeFailedError(f"decode failed: {exc}")), s)
-            return
+        res = self.ctx.decode(batch.ubatch)
         self._step += 1
+        progress.numbered = True
         step = StepInfo(
             batch_size=len(batch.parts),
             batch_tokens=len(batch.ubatch),
@@ -496,9 +627,11 @@ class Scheduler:
         ended: list[tuple[Seq, str]] = []
         for s, rows, out_idx in parts:
             reason = self._after_rows(s, rows, res.logits, out_idx, step, records, pre.get(out_idx[-1]))
+            progress.sampled = len(records)
             if reason is not None:
                 ended.append((s, reason))
         self.emitter.put_tokens(self._step, records)  # every step: ``wait_rendered`` counts steps
+        progress.handed_over = True
         for s, reason in ended:  # after the tokens: the output thread sees them first
             self._finish(s, s.request, reason)
         t1 = time.monotonic()
@@ -591,6 +724,13 @@ class Scheduler:
             self._count_holds(req.held_ids, -1)
             req.held_ids = ()
             self._cv.notify_all()
+
+
+def _traceback_of(exc: BaseException) -> str:
+    """The formatted traceback of ``exc``, logged as the ``exception`` field (what structlog's
+    ``format_exc_info`` writes) without any renderer's locals dump: fast, and no tensors or
+    prompts in the log."""
+    return "".join(traceback.format_exception(exc))
 
 
 def _median(xs: list[float]) -> float:
