@@ -188,8 +188,9 @@ def vanish(serve: Serve) -> dict[str, float]:
     t0 = time.monotonic()
     s.close()
     freed = wait_until(lambda: serve.in_flight() == 0)
-    wait_until(lambda: worker_cancelled(serve) > before)
-    return {"in_flight_zero_s": freed, "worker_cancelled_s": time.monotonic() - t0}
+    cancelled = wait_until(lambda: worker_cancelled(serve) > before)
+    at = time.monotonic() - t0 if cancelled == cancelled else float("nan")  # NaN: never cancelled
+    return {"in_flight_zero_s": freed, "worker_cancelled_s": at}
 
 
 def health(serve: Serve, probes: int = 10) -> dict[str, float]:
@@ -239,6 +240,8 @@ def post_chat(serve: Serve, n_bytes: int) -> tuple[int, float]:
             status = r.status
     except urllib.error.HTTPError as exc:
         status = exc.code
+    except (TimeoutError, urllib.error.URLError, ConnectionError):
+        return 0, float("nan")  # no answer within --timeout
     return status, time.monotonic() - t0
 
 
@@ -259,9 +262,12 @@ def huge_input(serve: Serve) -> dict[str, float]:
     conn.endheaders()
     conn.send(b'{"model": "x", "messages": [{"role": "user", "content": "' + b"a" * 65536)
     t0 = time.monotonic()
-    resp = conn.getresponse()
-    resp.read()
-    out["body_300mb_413_s"] = time.monotonic() - t0 if resp.status == 413 else float("nan")
+    try:
+        resp = conn.getresponse()
+        resp.read()
+        out["body_300mb_413_s"] = time.monotonic() - t0 if resp.status == 413 else float("nan")
+    except (TimeoutError, ConnectionError):
+        out["body_300mb_413_s"] = float("nan")  # the server waits for the 300 MB it was promised
     conn.close()
     time.sleep(0.2)
     out["body_300mb_rss_growth_mb"] = rss_mb(serve.proc.pid) - before
