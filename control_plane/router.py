@@ -17,7 +17,11 @@ The client going away cancels the worker call and gives its worker capacity back
 decremented once, on whichever exit comes first (finished, error, client cancel, a disconnect
 the HTTP front detects), never left to the moment a suspended relay generator is collected. A worker that fails
 before the first event is marked failed and the next one is tried; once events have been
-relayed a failure ends the call with UNAVAILABLE naming the worker. Errors the worker returns
+relayed a failure ends the call with UNAVAILABLE naming the worker. A worker the pool declares
+dead while a relay runs (no heartbeat for ``dead_after_s``, e.g. a stopped process whose
+stream blocks forever, or another call of it failed) has the relay cut at once (its cancel is
+registered with ``WorkerPool.begin``): UNAVAILABLE ``worker w1 declared dead (<why>) while
+relaying request <id>``, or, when nothing was relayed yet, another worker is tried. Errors the worker returns
 about the request itself (bad prompt, queue full, ...) keep their status code.
 """
 
@@ -225,8 +229,20 @@ class Router:
         outbox.put(worker_pb2.DecodeRequest(submit=request))
         client_deadline = _client_deadline(context)
         call = worker.stub.Decode(iter(outbox.get, None), timeout=client_deadline)
-        self.pool.begin(worker)
-        release = _Once(lambda: self.pool.end(worker))
+        declared_dead: list[str] = []  # why the pool declared the worker dead, set before the cancel
+        token: int | None = None
+        release = _Once(lambda: self.pool.end(worker, token))
+
+        def worker_dead(reason: str) -> None:
+            # The pool's watchdog (or whoever noticed) declared the worker dead: no heartbeat
+            # (a stopped or hung process) or a failed call. The relay may be blocked reading a
+            # stream that never ends: cut it and give the capacity back now; the read then
+            # raises CANCELLED, answered below with the reason.
+            declared_dead.append(reason)
+            call.cancel()
+            release()
+
+        token = self.pool.begin(worker, worker_dead)
 
         def client_gone() -> None:
             # Runs on the thread that noticed (gRPC's callback, the HTTP front's disconnect
@@ -246,6 +262,13 @@ class Router:
         except grpc.RpcError as exc:
             if not context.is_active():
                 return  # the client cancelled; call.cancel already ran
+            if declared_dead:
+                raise _WorkerFailed(
+                    worker,
+                    f"worker {worker.worker_id} declared dead ({declared_dead[0]}) while relaying request "
+                    f"{request.request_id}",
+                    code=grpc.StatusCode.UNAVAILABLE,
+                ) from None
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and client_deadline is not None:
                 # The worker call carries the client's own deadline: its expiry is the client's

@@ -3,8 +3,11 @@
 Owned by the control-plane process. Workers call ``RegisterWorker`` once and ``Heartbeat``
 every ``heartbeat_interval_s``; a worker whose last heartbeat is older than
 ``dead_after_missed × heartbeat_interval_s``, or that failed a call (`mark_failed`), is dead
-until its next heartbeat. State is computed from the clock when asked, so no reaper thread
-is needed; transitions are logged when first observed.
+until its next heartbeat. State is computed from the clock when asked; transitions are logged
+when first observed. The router registers a cancel for every relay in flight (`begin`); when a
+worker is found dead those cancels run at once (outside the lock), so a stopped or hung worker
+never holds its clients. Since nobody may ask while every client is blocked on that worker, a
+watchdog thread (started with the first relay) asks every half heartbeat interval (≤ 0.5 s).
 
 Joining is asynchronous: ``RegisterWorker`` only checks the hello and queues a join, then
 answers (``joined=false``); one of `MembershipTimings.join_threads` join threads dials the
@@ -42,6 +45,7 @@ once the database answers again).
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -107,6 +111,8 @@ class WorkerHandle:
             heartbeat, plus what was announced since).
         draining_ids: unregistered adapters the worker is still draining.
         in_flight: Generate calls currently relayed from it.
+        relays: the cancel callbacks of those relays that registered one (`WorkerPool.begin`),
+            by token; all of them are called, and dropped, when the worker is declared dead.
         n_ctx: its KV tokens per slot, as its hello reported (0: not reported).
         queue_limit: requests it queues beyond its slots (None: an older worker, unknown).
         incarnation: random per worker process; a new one at the same id is a restart.
@@ -129,6 +135,7 @@ class WorkerHandle:
     adapter_ids: set[int] = field(default_factory=set)
     draining_ids: set[int] = field(default_factory=set)
     in_flight: int = 0
+    relays: dict[int, Callable[[str], None]] = field(default_factory=dict, repr=False)
     n_ctx: int = 0  # KV tokens per slot (0: not reported)
     alive: bool = True
     queue_limit: int | None = None
@@ -200,6 +207,9 @@ class WorkerPool:
         self._holdings_scheduled = False
         self._holdings_failing = False
         self._reconciler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cp-holdings")
+        self._tokens = itertools.count(1)
+        self._closed = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     # -- membership RPCs ----------------------------------------------------------------
 
@@ -490,27 +500,78 @@ class WorkerPool:
             ]
 
     def _refresh(self) -> None:
+        """Recompute every worker's liveness from the clock, log transitions, and cancel the
+        relays in flight to a dead worker (`begin`): a stopped (SIGSTOP) or hung worker holds
+        no client beyond the moment it is declared dead. The cancels run outside the lock."""
         now = self._clock()
+        to_cancel: list[tuple[WorkerHandle, str, list[Callable[[str], None]]]] = []
         with self._lock:
             for w in self._workers.values():
                 alive = w.failed is None and now - w.last_heartbeat <= self.timings.dead_after_s
+                reason = w.failed or f"no heartbeat for {now - w.last_heartbeat:.1f} s"
                 if alive != w.alive:
                     w.alive = alive
-                    reason = w.failed or f"no heartbeat for {now - w.last_heartbeat:.1f}s"
                     if alive:
                         log.info("worker_alive", worker_id=w.worker_id)
                     else:
-                        log.warning("worker_dead", worker_id=w.worker_id, reason=reason)
+                        log.warning("worker_dead", worker_id=w.worker_id, reason=reason, in_flight=w.in_flight)
+                if not alive and w.relays:
+                    to_cancel.append((w, reason, list(w.relays.values())))
+                    w.relays.clear()
+        for w, reason, cancels in to_cancel:
+            log.warning("worker_dead_relays_cancelled", worker_id=w.worker_id, relays=len(cancels), reason=reason)
+            for cancel in cancels:
+                try:
+                    cancel(reason)
+                except Exception:  # noqa: BLE001 - one relay's cancel must not stop the others'
+                    log.exception("relay_cancel_failed", worker_id=w.worker_id)
+
+    def _watch(self) -> None:
+        """Watchdog-thread body: liveness is otherwise computed only when asked (a call, a
+        heartbeat), so with clients blocked on a stopped worker and no other traffic nobody
+        would ask; this asks every ``heartbeat_interval_s / 2`` (0.05–0.5 s), so relays to a
+        worker are cancelled within that much of its ``dead_after_s``."""
+        period = min(0.5, max(0.05, self.timings.heartbeat_interval_s / 2))
+        while not self._closed.wait(period):
+            try:
+                self._refresh()
+            except Exception:  # noqa: BLE001 - the watchdog must outlive one bad pass
+                log.exception("worker_watchdog_failed")
+
+    def _start_watchdog(self) -> None:
+        """Start `_watch` once, on the first relay that registers a cancel."""
+        with self._lock:
+            if self._watchdog is not None or self._closed.is_set():
+                return
+            self._watchdog = threading.Thread(target=self._watch, name="cp-worker-watchdog", daemon=True)
+        self._watchdog.start()
 
     # -- in-flight accounting (router) --------------------------------------------------
 
-    def begin(self, handle: WorkerHandle) -> None:
+    def begin(self, handle: WorkerHandle, cancel: Callable[[str], None] | None = None) -> int:
+        """One more request relayed from ``handle``; returns the token `end` takes.
+
+        ``cancel(reason)``, when given, is called once (from the thread that notices, outside
+        the pool's lock) if the worker is declared dead while the relay runs — no heartbeat
+        for ``dead_after_s`` (a stopped or hung process), or `mark_failed` — with the reason
+        (``"no heartbeat for 3.2 s"``); on the watchdog's next pass (`_watch`) when it is
+        already dead. It must cancel the worker call and not block. `end` unregisters it."""
+        token = next(self._tokens)
         with self._lock:
             handle.in_flight += 1
+            if cancel is not None:
+                handle.relays[token] = cancel
+        if cancel is not None:
+            self._start_watchdog()
+        return token
 
-    def end(self, handle: WorkerHandle) -> None:
+    def end(self, handle: WorkerHandle, token: int | None = None) -> None:
+        """The relay `begin` returned ``token`` for is over: one fewer in flight, its cancel
+        dropped. Call exactly once per `begin`."""
         with self._lock:
             handle.in_flight -= 1
+            if token is not None:
+                handle.relays.pop(token, None)
 
     # -- adapters on workers ------------------------------------------------------------
 
@@ -660,6 +721,7 @@ class WorkerPool:
                 )
 
     def close(self) -> None:
+        self._closed.set()
         self._joins.shutdown(wait=False, cancel_futures=True)
         self._unloads.shutdown(wait=False, cancel_futures=True)
         self._reconciler.shutdown(wait=False, cancel_futures=True)

@@ -5,17 +5,40 @@ Objects: ``text_completion`` / ``chat.completion`` bodies, ``text_completion`` /
 final ``data: [DONE]\\n\\n``. Legacy completions log-probs are ``{tokens, token_logprobs,
 top_logprobs, text_offset}``; chat log-probs are ``{content: [{token, logprob, bytes,
 top_logprobs}]}``. The order of chunks in a stream is `streaming.CompletionStream`'s.
+
+Log-probs are always finite JSON numbers (`json_logprob`): a worker reports NaN / -inf when
+the logits were NaN or a token had probability 0 (e.g. an adapter at scale 1e30), and JSON has
+no such numbers (Python's ``json`` would write bare ``NaN`` / ``-Infinity``, and starlette's
+``JSONResponse`` refuses them with a 500). As vLLM's OpenAI server
+(``max(logprob, -9999.0)`` in ``serving_completion`` / ``serving_chat``), -inf and anything
+below become ``-9999.0``; NaN also becomes ``-9999.0`` (vLLM's ``max`` lets NaN through);
++inf becomes ``0.0`` (a log-prob is at most 0). The gRPC API keeps the worker's raw floats.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
 from control_plane.http.generation import Outcome, TokenOut
 
 TokenText = Callable[[int], str]
+
+
+LOGPROB_FLOOR = -9999.0
+"""The smallest log-prob an HTTP response carries (vLLM's OpenAI server: ``max(logprob, -9999.0)``)."""
+
+
+def json_logprob(logprob: float) -> float:
+    """``logprob`` as a finite JSON number: NaN and anything below `LOGPROB_FLOOR` (-inf
+    included) → ``-9999.0``, +inf → ``0.0``; finite values at or above the floor unchanged."""
+    if math.isnan(logprob):
+        return LOGPROB_FLOOR
+    if math.isinf(logprob) and logprob > 0:
+        return 0.0
+    return max(logprob, LOGPROB_FLOOR)
 
 
 def token_text_of(tokenizer: Any) -> TokenText:
@@ -32,8 +55,13 @@ def token_text_of(tokenizer: Any) -> TokenText:
 
 
 def sse(obj: Any) -> str:
-    """One server-sent event: ``data: <obj as JSON, non-ASCII kept>\\n\\n``."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event: ``data: <obj as JSON, non-ASCII kept>\\n\\n``.
+
+    Raises:
+        ValueError: ``obj`` holds NaN or ±inf (never valid JSON; log-probs are made finite
+            before, `json_logprob`).
+    """
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -42,13 +70,15 @@ SSE_DONE = "data: [DONE]\n\n"
 def completion_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: int, offset: int = 0) -> dict[str, Any]:
     """Legacy completions ``logprobs`` for ``tokens``: ``top_logprobs`` holds the ``n_top`` most
     likely alternatives (``n_top`` 0: the chosen token alone); ``text_offset`` counts
-    characters from ``offset`` (text before the first of ``tokens``)."""
+    characters from ``offset`` (text before the first of ``tokens``). Log-probs pass through
+    `json_logprob`."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in tokens:
         text = token_text(t.token_id)
         out["tokens"].append(text)
-        out["token_logprobs"].append(t.logprob)
-        top = {token_text(i): lp for i, lp in t.top[:n_top]} if n_top else {text: t.logprob}
+        logprob = json_logprob(t.logprob)
+        out["token_logprobs"].append(logprob)
+        top = {token_text(i): json_logprob(lp) for i, lp in t.top[:n_top]} if n_top else {text: logprob}
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(t.text)
@@ -57,11 +87,12 @@ def completion_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: in
 
 def chat_logprobs(tokens: list[TokenOut], token_text: TokenText, n_top: int) -> dict[str, Any]:
     """Chat ``logprobs`` for ``tokens``: one ``content`` entry per token (text, log-prob,
-    UTF-8 bytes) with its ``n_top`` most likely alternatives."""
+    UTF-8 bytes) with its ``n_top`` most likely alternatives. Log-probs pass through
+    `json_logprob`."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     return {
         "content": [

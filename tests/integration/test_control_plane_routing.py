@@ -3,15 +3,17 @@
 The scripted worker is a real gRPC server implementing the ``loraplane.v1.Worker`` service
 from the proto (no model): it records what the control plane sends (adapter chunks, the
 submitted request) and answers Decode by the prompt text: ``"hang"`` waits until cancelled,
-``"fail"`` dies after one token, ``"refuse"`` rejects the request; anything else streams
-Started, two tokens and Finished. This pins the control plane's side of the wire contract (a
-worker marked ``down`` fails before any event); the real worker is covered in the worker's own
-tests.
+``"fail"`` dies after one token, ``"token then hang"`` waits after one token, ``"refuse"``
+rejects the request; anything else streams Started, two tokens and Finished. With ``stall``
+set, Decode sends nothing and blocks until cancelled (a worker process stopped or hung
+mid-request). This pins the control plane's side of the wire contract (a worker marked
+``down`` fails before any event); the real worker is covered in the worker's own tests.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import threading
 import time
@@ -19,6 +21,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2, worker_pb2_grpc
@@ -39,7 +42,9 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         self.unloaded: list[int] = []
         self.submitted: list[common_pb2.GenerateRequest] = []
         self.cancelled = threading.Event()
+        self.n_cancelled = 0
         self.down = False  # Decode fails with UNAVAILABLE before any event
+        self.stall = False  # Decode blocks before any event until cancelled
         self.lock = threading.Lock()
 
     def LoadAdapter(self, request_iterator, context):
@@ -73,19 +78,30 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
         if text == "refuse":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+        if self.stall:
+            self._block_until_cancelled(context, 60)
+            return
         yield common_pb2.GenerateEvent(request_id=rid, started=common_pb2.Started(prompt_token_ids=[2, 9]))
         if text == "hang":
-            done = threading.Event()
-            context.add_callback(done.set)
-            done.wait(30)
-            if not context.is_active():
-                self.cancelled.set()
+            self._block_until_cancelled(context, 30)
             return
         yield common_pb2.GenerateEvent(request_id=rid, token=common_pb2.GeneratedToken(token_id=7, text="a"))
+        if text == "token then hang":
+            self._block_until_cancelled(context, 30)
+            return
         if text == "fail":
             context.abort(grpc.StatusCode.INTERNAL, "CUDA error: boom")
         yield common_pb2.GenerateEvent(request_id=rid, token=common_pb2.GeneratedToken(token_id=8, text="b"))
         yield common_pb2.GenerateEvent(request_id=rid, finished=common_pb2.Finished(finish_reason="length", text="ab"))
+
+    def _block_until_cancelled(self, context, timeout_s: float) -> None:
+        done = threading.Event()
+        context.add_callback(done.set)
+        done.wait(timeout_s)
+        if not context.is_active():
+            with self.lock:
+                self.n_cancelled += 1
+            self.cancelled.set()
 
 
 class WorkerProcess:
@@ -377,4 +393,110 @@ def test_client_deadline_bounds_the_worker_call(cluster):
         list(call)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert w.servicer.cancelled.wait(5)
+    assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)
+
+
+# -- a worker declared dead while relaying (stopped / hung: no heartbeat, Decode blocked) --------
+
+
+def test_relays_to_a_worker_declared_dead_are_cut_with_unavailable(cluster):
+    """Issue 21: `kill -STOP` of a worker with streams in flight left their clients without a
+    byte for as long as it stayed stopped. Here the worker's heartbeats stop and its Decode
+    streams block forever: every client gets UNAVAILABLE naming the worker and why once it is
+    declared dead (0.6 s), the worker calls are cancelled and in-flight returns to 0."""
+    cp, [w] = cluster(1, heartbeat_interval_s=0.2, dead_after_missed=3)
+    calls = [cp.stub.Generate(common_pb2.GenerateRequest(text="hang", request_id=f"r{i}")) for i in range(3)]
+    for call in calls:
+        assert next(call).HasField("started")
+    assert workers_of(cp)["w1"].in_flight == 3
+    w.leave()  # heartbeats stop; the server keeps every Decode blocked
+    started = time.monotonic()
+    errors = []
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as info:
+            next(call)
+        errors.append(info.value)
+    took = time.monotonic() - started
+    assert took < 0.6 + 5.0, f"clients were cut {took:.1f} s after the last heartbeat"
+    for i, err in enumerate(errors):
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "worker w1 declared dead (no heartbeat for" in err.details()
+        assert f"while relaying request r{i}" in err.details()
+    assert wait_for(lambda: w.servicer.n_cancelled == 3)
+    info = workers_of(cp)["w1"]
+    assert (info.state, info.in_flight) == ("dead", 0)
+    w.join()  # back: routable again, its accounting exact
+    assert len(generate(cp, "hello")) == 4
+    assert workers_of(cp)["w1"].in_flight == 0
+
+
+def test_a_request_cut_before_its_first_event_is_retried_on_a_live_worker(cluster):
+    """Nothing relayed yet when its worker is declared dead: the router's rule for failures
+    before the first event sends the request to another live worker."""
+    cp, [w1, w2] = cluster(2, heartbeat_interval_s=0.2, dead_after_missed=3)
+    w1.servicer.stall = True  # w1 (first pick: both idle, by id) accepts and sends nothing
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(generate(cp, "hello")), daemon=True)
+    thread.start()
+    assert wait_for(lambda: len(w1.servicer.submitted) == 1)
+    w1.leave()
+    thread.join(0.6 + 5.0)
+    assert not thread.is_alive(), "the request stayed on the stopped worker"
+    [events] = result
+    assert [e.WhichOneof("event") for e in events] == ["started", "token", "token", "finished"]
+    assert len(w2.servicer.submitted) == 1 and w1.servicer.cancelled.wait(5)
+    states = {k: (v.state, v.in_flight) for k, v in workers_of(cp).items()}
+    assert states == {"w1": ("dead", 0), "w2": ("alive", 0)}
+
+
+def test_mark_failed_cuts_the_other_relays_on_that_worker(cluster):
+    """One stream of a worker fails mid-stream (the worker is marked failed): its other
+    streams are cut at once too, naming the worker, rather than left to hang on it."""
+    cp, [w] = cluster(1, heartbeat_interval_s=5.0)
+    held = cp.stub.Generate(common_pb2.GenerateRequest(text="hang", request_id="held"))
+    assert next(held).HasField("started")
+    with pytest.raises(grpc.RpcError):
+        generate(cp, "fail")
+    with pytest.raises(grpc.RpcError) as info:
+        next(held)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "worker w1 declared dead (worker w1 failed: INTERNAL" in info.value.details()
+    assert w.servicer.cancelled.wait(5)
+    assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)
+
+
+def test_http_clients_of_a_worker_declared_dead_get_503_or_an_error_event(cluster):
+    """The HTTP front over the same router: a request cut before its first token is a 503 with
+    ``Retry-After`` in OpenAI's error shape; a stream cut after it ends with the ``data:
+    {"error": …}`` event and ``[DONE]``; both name the worker."""
+    cp, [w] = cluster(1, heartbeat_interval_s=0.2, dead_after_missed=3, http_addr="127.0.0.1:0")
+    with httpx.Client(base_url=f"http://127.0.0.1:{cp.state.http_port}", timeout=30) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        results: dict[str, object] = {}
+
+        def before_first_token() -> None:
+            results["json"] = http.post("/v1/completions", json={"model": model, "prompt": "hang", "max_tokens": 4})
+
+        def streamed() -> None:
+            body = {"model": model, "prompt": "token then hang", "max_tokens": 4, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                results["sse"] = (r.status_code, [line for line in r.iter_lines() if line])
+
+        threads = [threading.Thread(target=fn, daemon=True) for fn in (before_first_token, streamed)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 2)
+        w.leave()
+        for t in threads:
+            t.join(0.6 + 5.0)
+        assert not any(t.is_alive() for t in threads), "an HTTP client stayed on the stopped worker"
+    r = results["json"]
+    assert isinstance(r, httpx.Response)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    error = r.json()["error"]
+    assert error["type"] == "service_unavailable" and "worker w1 declared dead" in error["message"]
+    status, lines = results["sse"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    event = json.loads(lines[-2][len("data: ") :])
+    assert "worker w1 declared dead (no heartbeat for" in event["error"]["message"]
     assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)

@@ -11,9 +11,12 @@ on the control plane's ``/metrics`` counts the requests whose client left.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -183,3 +186,67 @@ def test_cancelled_grpc_generate_is_counted_cancelled_and_frees_capacity(serve, 
     assert kinds[0] == "started"
     assert wait_until(lambda: in_flight(cp) == 0), in_flight(cp)
     assert wait_until(lambda: cancelled_total(serve) == before + 1), cancelled_total(serve) - before
+
+
+def worker_pid(serve) -> int:
+    """The pid of serve's worker process (its one child), from ``/proc``."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == serve.proc.pid:  # ppid
+            children.append(int(stat.parent.name))
+    assert len(children) == 1, children
+    return children[0]
+
+
+def test_stopped_worker_releases_its_clients_once_declared_dead(serve, cp):
+    """Issue 21: ``kill -STOP`` of the worker with streams running left every client without a
+    byte for as long as it stayed stopped. Here (a real worker process, real gRPC and HTTP
+    clients), once the control plane declares it dead (3 missed heartbeats of 1 s), each relay
+    is cut: the gRPC stream ends UNAVAILABLE naming the worker and why, the HTTP stream with
+    its error event; in-flight is back to 0; after SIGCONT the worker serves again."""
+    assert wait_until(lambda: in_flight(cp) == 0)
+    req = common_pb2.GenerateRequest(
+        text="Once upon a time",
+        adapters=common_pb2.AdapterMap(),
+        sampling=common_pb2.SamplingParams(max_tokens=2000, ignore_eos=True),
+    )
+    # one gRPC and one HTTP stream: both slots generating; the deadline only bounds a failure
+    calls = [cp.Generate(req, timeout=3.0 + 2 * CEILING_S)]
+    for call in calls:
+        while not next(call).HasField("token"):
+            pass
+    s = open_request(serve, stream=True, max_tokens=2000)
+    s.settimeout(CEILING_S)
+    received = b""
+    while b'"text"' not in received:  # its first token chunk
+        chunk = s.recv(65536)
+        assert chunk, received
+        received += chunk
+    pid = worker_pid(serve)
+    assert wait_until(lambda: in_flight(cp) == 2), in_flight(cp)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "declared dead (no heartbeat for" in info.value.details()
+        while b"data: [DONE]" not in received:
+            chunk = s.recv(65536)
+            assert chunk, received[-500:]
+            received += chunk
+        took = time.monotonic() - started
+        assert b"declared dead" in received
+        assert took < 3.0 + CEILING_S
+        assert wait_until(lambda: in_flight(cp) == 0), in_flight(cp)
+    finally:
+        s.close()
+        os.kill(pid, signal.SIGCONT)
+    assert wait_until(lambda: any(w.state == "alive" for w in cp.ListWorkers(common_pb2.Empty()).workers))
+    assert complete(serve)["choices"][0]["finish_reason"] in ("length", "stop")

@@ -486,3 +486,72 @@ def test_relay_response_stalled_reader_is_cut_after_the_write_timeout():
     relay(RelayResponse(endless_stream(consumed, released), sse=True, write_timeout_s=0.2), client)
     assert released.is_set()
     assert len(consumed) < 10_000
+
+
+# ---- non-finite log-probs (an adapter at scale 1e30: NaN logits) ------------------------------
+
+NAN, INF = float("nan"), float("inf")
+NON_FINITE = [
+    started(1),
+    token(3, "a", NAN, [(3, NAN), (4, -INF), (5, INF)]),
+    token(4, "b", -INF, [(4, -INF), (6, -12345.0)]),
+    finished("ab", "length"),
+]
+
+
+def strict_json(text: str | bytes):
+    """``json.loads`` that refuses ``NaN`` / ``Infinity`` / ``-Infinity`` (not JSON)."""
+
+    def refuse(constant: str):
+        raise ValueError(f"non-JSON constant {constant} in {text!r}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_non_finite_logprobs_are_clamped_in_every_sse_chunk(chat):
+    chunks = list(make(NON_FINITE, chat=chat, logprobs=3).sse_chunks(include_usage=True))
+    assert chunks[-1] == "data: [DONE]\n\n"
+    bodies = [strict_json(c[len("data: ") :]) for c in chunks[:-1]]
+    logprobs = [b["choices"][0]["logprobs"] for b in bodies if b["choices"] and b["choices"][0]["logprobs"]]
+    if chat:
+        entries = [e for lp in logprobs for e in lp["content"]]
+        assert [e["logprob"] for e in entries] == [-9999.0, -9999.0]
+        assert [[t["logprob"] for t in e["top_logprobs"]] for e in entries] == [
+            [-9999.0, -9999.0, 0.0],
+            [-9999.0, -9999.0],
+        ]
+    else:
+        assert [lp["token_logprobs"] for lp in logprobs] == [[-9999.0], [-9999.0]]
+        assert [lp["top_logprobs"] for lp in logprobs] == [
+            [{"<3>": -9999.0, "<4>": -9999.0, "<5>": 0.0}],
+            [{"<4>": -9999.0, "<6>": -9999.0}],
+        ]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_non_finite_logprobs_give_a_json_body_not_a_500(chat):
+    client = Client()
+    relay(RelayResponse(make(NON_FINITE, chat=chat, logprobs=0), sse=False), client)
+    assert client.sent[0]["status"] == 200
+    body = strict_json(client.body())
+    logprobs = body["choices"][0]["logprobs"]
+    if chat:
+        assert [e["logprob"] for e in logprobs["content"]] == [-9999.0, -9999.0]
+    else:
+        assert logprobs["token_logprobs"] == [-9999.0, -9999.0]
+        assert logprobs["top_logprobs"] == [{"<3>": -9999.0}, {"<4>": -9999.0}]
+
+
+def test_json_logprob_rule():
+    from control_plane.http.responses import json_logprob
+
+    assert [json_logprob(x) for x in (NAN, -INF, INF, -1e5, -9999.0, -0.5, 0.0)] == [
+        -9999.0,
+        -9999.0,
+        0.0,
+        -9999.0,
+        -9999.0,
+        -0.5,
+        0.0,
+    ]
