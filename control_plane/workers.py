@@ -501,8 +501,10 @@ class WorkerPool:
 
     def _refresh(self) -> None:
         """Recompute every worker's liveness from the clock, log transitions, and cancel the
-        relays in flight to a dead worker (`begin`): a stopped (SIGSTOP) or hung worker holds
-        no client beyond the moment it is declared dead. The cancels run outside the lock."""
+        relays in flight to a worker declared dead for silence (no heartbeat for
+        ``dead_after_s``; `begin`): a stopped (SIGSTOP) or hung worker holds no client beyond
+        that moment. A worker only marked failed (one call's error) keeps its other relays.
+        The cancels run outside the lock."""
         now = self._clock()
         to_cancel: list[tuple[WorkerHandle, str, list[Callable[[str], None]]]] = []
         with self._lock:
@@ -515,8 +517,12 @@ class WorkerPool:
                         log.info("worker_alive", worker_id=w.worker_id)
                     else:
                         log.warning("worker_dead", worker_id=w.worker_id, reason=reason, in_flight=w.in_flight)
-                if not alive and w.relays:
-                    to_cancel.append((w, reason, list(w.relays.values())))
+                # Only silence cuts a worker's streams: a worker marked failed by one call
+                # (an error on one request) still heartbeats, and its other streams are
+                # healthy; they end on their own if it is really broken.
+                silent = now - w.last_heartbeat > self.timings.dead_after_s
+                if silent and w.relays:
+                    to_cancel.append((w, f"no heartbeat for {now - w.last_heartbeat:.1f} s", list(w.relays.values())))
                     w.relays.clear()
         for w, reason, cancels in to_cancel:
             log.warning("worker_dead_relays_cancelled", worker_id=w.worker_id, relays=len(cancels), reason=reason)

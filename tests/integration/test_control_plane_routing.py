@@ -400,7 +400,7 @@ def test_client_deadline_bounds_the_worker_call(cluster):
 
 
 def test_relays_to_a_worker_declared_dead_are_cut_with_unavailable(cluster):
-    """Issue 21: `kill -STOP` of a worker with streams in flight left their clients without a
+    """`kill -STOP` of a worker with streams in flight used to leave their clients without a
     byte for as long as it stayed stopped. Here the worker's heartbeats stop and its Decode
     streams block forever: every client gets UNAVAILABLE naming the worker and why once it is
     declared dead (0.6 s), the worker calls are cancelled and in-flight returns to 0."""
@@ -449,18 +449,19 @@ def test_a_request_cut_before_its_first_event_is_retried_on_a_live_worker(cluste
     assert states == {"w1": ("dead", 0), "w2": ("alive", 0)}
 
 
-def test_mark_failed_cuts_the_other_relays_on_that_worker(cluster):
-    """One stream of a worker fails mid-stream (the worker is marked failed): its other
-    streams are cut at once too, naming the worker, rather than left to hang on it."""
-    cp, [w] = cluster(1, heartbeat_interval_s=5.0)
+def test_one_failed_stream_leaves_the_workers_other_streams_alone(cluster):
+    """One stream of a worker fails mid-stream (the worker is marked failed until its next
+    heartbeat): its other streams are not cut, since the worker still heartbeats; only
+    silence (`test_relays_to_a_worker_declared_dead_are_cut_with_unavailable`) cuts them."""
+    cp, [w] = cluster(1, heartbeat_interval_s=0.2, dead_after_missed=3)
     held = cp.stub.Generate(common_pb2.GenerateRequest(text="hang", request_id="held"))
     assert next(held).HasField("started")
     with pytest.raises(grpc.RpcError):
         generate(cp, "fail")
-    with pytest.raises(grpc.RpcError) as info:
-        next(held)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "worker w1 declared dead (worker w1 failed: INTERNAL" in info.value.details()
+    time.sleep(1.5)  # several watchdog passes and heartbeats
+    assert not held.done()
+    assert workers_of(cp)["w1"].in_flight == 1
+    held.cancel()
     assert w.servicer.cancelled.wait(5)
     assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)
 

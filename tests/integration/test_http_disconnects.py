@@ -203,7 +203,7 @@ def worker_pid(serve) -> int:
 
 
 def test_stopped_worker_releases_its_clients_once_declared_dead(serve, cp):
-    """Issue 21: ``kill -STOP`` of the worker with streams running left every client without a
+    """``kill -STOP`` of the worker with streams running used to leave every client without a
     byte for as long as it stayed stopped. Here (a real worker process, real gRPC and HTTP
     clients), once the control plane declares it dead (3 missed heartbeats of 1 s), each relay
     is cut: the gRPC stream ends UNAVAILABLE naming the worker and why, the HTTP stream with
