@@ -87,7 +87,12 @@ class Serve:
             self.model_name = json.loads(r.read())["data"][0]["id"]
 
     def in_flight(self) -> int:
-        return sum(w.in_flight for w in self.cp.ListWorkers(common_pb2.Empty(), timeout=10).workers)
+        """Requests in flight on the control plane (``ListWorkers``); -1 when it does not
+        answer within 10 s."""
+        try:
+            return sum(w.in_flight for w in self.cp.ListWorkers(common_pb2.Empty(), timeout=10).workers)
+        except grpc.RpcError:
+            return -1
 
     def stop(self) -> None:
         self.channel.close()
@@ -207,7 +212,8 @@ def health(serve: Serve, probes: int = 10) -> dict[str, float]:
                     r.read()
                 times.append(time.monotonic() - t0)
             except TimeoutError:
-                times.append(float("nan"))  # no answer within --timeout
+                times.append(float("nan"))  # no answer within --timeout: the others would not either
+                break
         answered = sorted(t for t in times if t == t)
         if len(answered) < len(times):
             return {"health_s": float("nan"), "health_max_s": float("nan")}
