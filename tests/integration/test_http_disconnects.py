@@ -56,7 +56,7 @@ def wait_until(predicate, timeout: float = CEILING_S) -> bool:
     return bool(predicate())
 
 
-def open_request(serve, *, stream: bool, max_tokens: int = 400) -> socket.socket:
+def open_request(serve, *, stream: bool, max_tokens: int = 2000) -> socket.socket:
     """A raw HTTP/1.1 completion request, sent; the response is left unread."""
     host, port = serve.http.removeprefix("http://").rsplit(":", 1)
     body = json.dumps(
