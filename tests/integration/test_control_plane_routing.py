@@ -449,6 +449,7 @@ def test_a_request_cut_before_its_first_event_is_retried_on_a_live_worker(cluste
     assert states == {"w1": ("dead", 0), "w2": ("alive", 0)}
 
 
+@pytest.mark.slow
 def test_one_failed_stream_leaves_the_workers_other_streams_alone(cluster):
     """One stream of a worker fails mid-stream (the worker is marked failed until its next
     heartbeat): its other streams are not cut, since the worker still heartbeats; only

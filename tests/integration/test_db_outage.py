@@ -5,8 +5,9 @@ control plane on loopback (gRPC and HTTP) and the scripted worker heartbeating i
   SIGSTOPped: TCP still connects, nothing answers): every call that needs the database fails
   within the promised 2 s (checked under 5 s) with gRPC UNAVAILABLE / HTTP 503 in OpenAI's
   shape with ``Retry-After``, naming the database; base-model generation, ``/health`` and
-  ``/metrics``, which need no database, go on; the worker, heartbeating with holdings every 0.5 s (dead after 1.5 s, less than one
-  database call's 2 s bound: a heartbeat that waited on the database would show), is
+  ``/metrics``, which need no database, go on; the worker, heartbeating with holdings every
+  0.5 s (dead after 1.5 s, less than one database call's 2 s bound: a heartbeat that waited
+  on the database would show), is
   alive in every sample taken throughout and after the outage; once the database is back calls
   succeed again and the worker's sighting is written.
 - One adapter row with a metadata column that does not parse (raw SQL), on SQLite: listing,
@@ -251,6 +252,7 @@ def test_postgres_stopped_and_hung_fail_fast_and_workers_stay_live(
     assert monitor.gaps == [], f"the worker was not live in {len(monitor.gaps)} samples: {monitor.gaps[:10]}"
 
 
+@pytest.mark.slow
 def test_sqlite_locked_fails_fast_as_unavailable(start_control_plane, tmp_path):
     cp = start_control_plane()
     db = Path(cp.config.data_dir) / "loraplane.sqlite3"

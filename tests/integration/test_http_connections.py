@@ -10,6 +10,7 @@ import socket
 import time
 
 import anyio
+import pytest
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -17,6 +18,8 @@ from starlette.responses import JSONResponse
 from control_plane.http.app import BodySizeLimit
 from control_plane.http.errors import install_error_handlers
 from control_plane.http.server import HttpServer
+
+pytestmark = pytest.mark.slow  # timers of 0.5-1.5 s: seconds of waiting, kept off the fast tier
 
 
 async def echo(request: Request) -> JSONResponse:

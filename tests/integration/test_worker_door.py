@@ -141,6 +141,7 @@ def test_with_a_secret_an_outsider_gets_no_adapter_bytes(start_control_plane, fi
     assert err is None and hashlib.sha256(data).hexdigest() == sea.sha256
 
 
+@pytest.mark.slow
 def test_unauthenticated_membership_flood_never_gets_the_real_worker_declared_dead(start_control_plane, monkeypatch):
     cp = start_control_plane(heartbeat_interval_s=0.2, dead_after_missed=3)
     w = _worker(monkeypatch, cp.addr, secret=WORKER_SECRET)
@@ -180,6 +181,7 @@ def test_unauthenticated_membership_flood_never_gets_the_real_worker_declared_de
         w.close()
 
 
+@pytest.mark.slow
 def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_off(
     start_control_plane, fixtures_dir, monkeypatch
 ):
