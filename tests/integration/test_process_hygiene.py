@@ -36,6 +36,7 @@ from loraplane.v1 import control_plane_pb2_grpc, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
 from tests import tiny_models
 from tests.control_plane_helpers import rpc_error, upload
+from tests.live_servers import wait_until as wait_for
 from tests.serve_helpers import free_port
 from tests.worker_service_helpers import gen
 from worker.lora.host_cache import CACHE_DIR_PREFIX, pid_alive
@@ -44,15 +45,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "process-hygiene-test-secret"
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
 
 
 def _children(pid: int) -> list[int]:
