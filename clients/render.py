@@ -11,14 +11,37 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
 from clients.results import Adapter, DefaultSet, GenerateResult, WorkerInfo, f32
 
 
+class _StdoutConsole(Console):
+    """A console that, off a terminal (piped, redirected), widens itself to the natural width
+    of each table it prints, so no cell is cut with "…" or folded at 80 columns: ``workers
+    list | cat`` or ``> file`` keeps full ids, addresses and paths. Tables that fill the
+    width on purpose (``expand=True``, the demo's side-by-side) keep the console's width."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        if not self.is_terminal:
+            wide = self.options.update_width(_UNBOUNDED)
+            need = max(
+                (Measurement.get(self, wide, o).maximum for o in objects if isinstance(o, Table) and not o.expand),
+                default=0,
+            )
+            if need > self.width:
+                self.width = need
+        super().print(*objects, **kwargs)
+
+
+_UNBOUNDED = 1 << 20  # columns offered when measuring a table's natural width
+
+
 def stdout_console() -> Console:
-    return Console(highlight=False, soft_wrap=False)
+    """Rich console on stdout: a terminal's width on a TTY, each table's full width off one."""
+    return _StdoutConsole(highlight=False, soft_wrap=False)
 
 
 def stderr_console() -> Console:

@@ -16,8 +16,27 @@ Names (histograms in seconds):
   loraplane_adapters_registered                gauges, read at scrape time
   vllm:num_requests_running, vllm:num_requests_waiting   the same two gauges under vLLM's names
   vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
+  vllm:kv_cache_usage_perc                     KV cells of running requests / all cells, over
+                                               the alive workers (0–1)
+  loraplane_kv_cache_usage_perc{worker}        the same per alive worker
+  loraplane_adapter_residency{worker, adapter, state}   1 when that alive worker holds the
+                                               adapter in that state: device (in a slot of its
+                                               GPU/CPU slot pool), host (host tier only, not in a
+                                               slot), pinned (in a slot and pinned there); the
+                                               "other" label counts the adapters past the cap
+  loraplane_adapter_slot_page_ins_total{adapter}, loraplane_adapter_slot_evictions_total{adapter}
+                                               slot page-ins / LRU evictions over all workers
 ``adapter`` is the adapter id ("none": base model; stacked adapters count once each), capped
-by ``loraplane.metrics.BoundedLabels``.
+by ``loraplane.metrics.BoundedLabels`` (values past the cap add up under "other").
+
+KV-cache usage and residency come from the workers' heartbeats (as of the last one, every
+``--heartbeat-interval``): a worker reports the KV cells (token positions) held by the
+sequences of its running requests and its capacity (``slots × n_ctx``). Cells an idle slot
+keeps for prompt reuse count as free, as vLLM counts cached free blocks (they are reused or
+overwritten at once), so the gauge is 0 on an idle pool and > 0 while requests run. The
+Gateway API Inference Extension's model-server protocol reads ``vllm:kv_cache_usage_perc``.
+Page-ins and evictions are cumulative per worker process in heartbeats; the control plane adds
+the increase since the previous heartbeat of the same process (a new incarnation starts from 0).
 
 ``vllm:lora_requests_info`` matches vLLM (``vllm/v1/metrics/loggers.py``): a gauge whose value
 is the current unix time, labelled with the comma-joined *names* of the adapters that running
@@ -41,8 +60,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from control_plane.errors import InvalidArgumentError, NotFoundError
-from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, BoundedLabels
+from control_plane.workers import WorkerHoldingsView
+from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, BoundedLabels, kv_usage
 from loraplane.v1 import common_pb2
+from loraplane.v1.control_plane_pb2 import AdapterPagingCount
 
 LORA_INFO = "vllm:lora_requests_info"
 REJECTED = (InvalidArgumentError, NotFoundError)
@@ -62,6 +83,8 @@ class ControlPlaneMetrics:
         pool_state: ``() -> (live workers, their total slots, their total adapter slots)``.
         n_adapters: ``() -> registered adapters``.
         adapter_label_cap: distinct ``adapter`` label values before "other".
+        holdings: ``() -> [WorkerHoldingsView]`` of the alive workers (None: no KV or residency
+            gauges).
     """
 
     def __init__(
@@ -71,12 +94,17 @@ class ControlPlaneMetrics:
         pool_state: Callable[[], tuple[int, int, int]],
         n_adapters: Callable[[], int],
         adapter_label_cap: int,
+        holdings: Callable[[], list[WorkerHoldingsView]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.labels = BoundedLabels(adapter_label_cap)
         self._adapter_name = adapter_name
         self._pool_state = pool_state
         self._n_adapters = n_adapters
+        self._holdings = holdings
+        self._paging_lock = threading.Lock()
+        # worker id → (incarnation, adapter id → (page-ins, evictions) as last reported)
+        self._paging_last: dict[str, tuple[str, dict[int, tuple[int, int]]]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._in_flight: dict[int, _InFlight] = {}
@@ -104,6 +132,18 @@ class ControlPlaneMetrics:
             "loraplane_e2e_request_latency_seconds",
             "Admission to the finished event.",
             buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.page_ins = Counter(
+            "loraplane_adapter_slot_page_ins",
+            "Page-ins of an adapter into a worker's device slot (all workers).",
+            ["adapter"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "loraplane_adapter_slot_evictions",
+            "LRU evictions of an adapter out of a worker's device slot (all workers).",
+            ["adapter"],
             registry=r,
         )
         r.register(_StateCollector(self))
@@ -192,6 +232,32 @@ class ControlPlaneMetrics:
                 close()  # a client that went away: the router cancels the worker call
             count(outcome)
 
+    # -- the worker pool hook -------------------------------------------------------------
+    def on_paging(self, worker_id: str, incarnation: str, counts: Sequence[AdapterPagingCount]) -> None:
+        """A heartbeat's cumulative per-adapter page-ins / evictions of ``worker_id``'s process
+        ``incarnation``: add the increase since its previous heartbeat to the counters (a new
+        incarnation, or a count below the last one, starts again from 0). Never blocks long: the
+        pool calls it under its lock."""
+        with self._paging_lock:
+            seen_incarnation, last = self._paging_last.get(worker_id, (incarnation, {}))
+            if seen_incarnation != incarnation:
+                last = {}
+            now = dict(last)
+            for c in counts:
+                p0, e0 = last.get(c.adapter_id, (0, 0))
+                dp = c.page_ins - p0 if c.page_ins >= p0 else c.page_ins
+                de = c.evictions - e0 if c.evictions >= e0 else c.evictions
+                label = self.labels(str(c.adapter_id))
+                if dp:
+                    self.page_ins.labels(label).inc(dp)
+                if de:
+                    self.evictions.labels(label).inc(de)
+                now[c.adapter_id] = (c.page_ins, c.evictions)
+            self._paging_last[worker_id] = (incarnation, now)
+
+    def holdings(self) -> list[WorkerHoldingsView]:
+        return self._holdings() if self._holdings is not None else []
+
     def in_flight(self) -> tuple[list[_InFlight], list[_InFlight]]:
         """``(running, waiting)`` requests now."""
         with self._lock:
@@ -238,3 +304,36 @@ class _StateCollector:
         )
         info.add_metric([str(max_lora), _names(running), _names(waiting)], time.time())
         yield info
+        yield from self._holdings()
+
+    def _holdings(self):
+        """KV-cache usage and adapter residency over the alive workers' last heartbeats."""
+        workers = self.m.holdings()
+        used = sum(w.kv_cells[0] for w in workers)
+        total = sum(w.kv_cells[1] for w in workers)
+        yield GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", value=kv_usage(used, total)
+        )
+        per_worker = GaugeMetricFamily(
+            "loraplane_kv_cache_usage_perc",
+            "KV cache cells held by running requests / all cells of one worker (0-1).",
+            labels=["worker"],
+        )
+        for w in workers:
+            per_worker.add_metric([w.worker_id], kv_usage(*w.kv_cells))
+        yield per_worker
+        residency = GaugeMetricFamily(
+            "loraplane_adapter_residency",
+            "Adapters an alive worker holds: device (in a slot), host (host tier only), pinned (pinned in a slot).",
+            labels=["worker", "adapter", "state"],
+        )
+        for w in workers:
+            states = {"device": w.resident_ids, "host": w.host_ids - w.resident_ids, "pinned": w.pinned_ids}
+            for state, ids in states.items():
+                counts: dict[str, int] = {}
+                for i in sorted(ids):
+                    label = self.m.labels(str(i))
+                    counts[label] = counts.get(label, 0) + 1
+                for label, n in counts.items():
+                    residency.add_metric([w.worker_id, label, state], n)
+        yield residency

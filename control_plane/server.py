@@ -166,12 +166,15 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
         max_lora = sum(w.paging.max_loras or w.n_slots for w in live)
         return len(live), sum(w.n_slots for w in live), max_lora
 
-    return ControlPlaneMetrics(
+    metrics = ControlPlaneMetrics(
         adapter_name=adapter_name,
         pool_state=pool_state,
         n_adapters=n_adapters,
         adapter_label_cap=config.metrics_max_adapters,
+        holdings=pool.holdings,
     )
+    pool.on_paging = metrics.on_paging
+    return metrics
 
 
 def start_side_servers(state: ControlPlaneState) -> None:

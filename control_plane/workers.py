@@ -147,6 +147,8 @@ class WorkerHandle:
     resident_ids: set[int] = field(default_factory=set)  # in device slots (last heartbeat)
     host_ids: set[int] = field(default_factory=set)  # in the host tier (last heartbeat)
     paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
+    pinned_ids: set[int] = field(default_factory=set)  # in device slots, pinned (last heartbeat)
+    kv_cells: tuple[int, int] = (0, 0)  # KV cells used by running requests, total (last heartbeat)
 
     @property
     def capacity(self) -> int | None:
@@ -174,6 +176,18 @@ class WorkerView:
     paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
     resident_ids: tuple[int, ...] = ()
     host_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerHoldingsView:
+    """One alive worker's last reported holdings (for the metrics): adapter ids in device
+    slots, in the host tier, pinned in slots, and KV cells (used by running requests, total)."""
+
+    worker_id: str
+    resident_ids: frozenset[int]
+    host_ids: frozenset[int]
+    pinned_ids: frozenset[int]
+    kv_cells: tuple[int, int]
 
 
 class WorkerPool:
@@ -210,6 +224,9 @@ class WorkerPool:
         self._tokens = itertools.count(1)
         self._closed = threading.Event()
         self._watchdog: threading.Thread | None = None
+        # Called (under the pool's lock, so it must not block) with each heartbeat's per-adapter
+        # paging counters: (worker id, incarnation, counts) — the metrics turn them into counters.
+        self.on_paging: Callable[[str, str, Sequence[control_plane_pb2.AdapterPagingCount]], None] | None = None
 
     # -- membership RPCs ----------------------------------------------------------------
 
@@ -320,6 +337,7 @@ class WorkerPool:
             handle.last_heartbeat = self._clock()
             handle.failed = None
             _note_holdings(handle, hello)
+            self._paging_reported(handle, hello)
             self._workers[hello.worker_id] = handle
         if old is not None and old is not handle:
             old.channel.close()
@@ -375,6 +393,7 @@ class WorkerPool:
             handle.failed = None
             if age_s == 0.0:
                 _note_holdings(handle, hello)
+                self._paging_reported(handle, hello)
                 handle.restarts = max(handle.restarts, hello.supervisor_restarts)
                 if hello.draining and not handle.draining:
                     log.info("worker_draining", worker_id=handle.worker_id, in_flight=handle.in_flight)
@@ -464,6 +483,25 @@ class WorkerPool:
             if handle is not None:
                 handle.failed = reason
         self._refresh()
+
+    def _paging_reported(self, handle: WorkerHandle, hello: control_plane_pb2.WorkerHello) -> None:
+        """Hand a heartbeat's per-adapter paging counters to ``on_paging`` (caller holds the
+        lock); a hello without ``paging`` (another replica's sighting) carries none."""
+        if self.on_paging is not None and hello.HasField("paging"):
+            self.on_paging(handle.worker_id, hello.incarnation, hello.adapter_paging)
+
+    def holdings(self) -> list[WorkerHoldingsView]:
+        """What each alive worker (draining included: it still holds cache and adapters)
+        reported on its last heartbeat, by id."""
+        self._refresh()
+        with self._lock:
+            return [
+                WorkerHoldingsView(
+                    w.worker_id, frozenset(w.resident_ids), frozenset(w.host_ids), frozenset(w.pinned_ids), w.kv_cells
+                )
+                for _, w in sorted(self._workers.items())
+                if w.alive
+            ]
 
     def live(self) -> list[WorkerHandle]:
         """Workers currently alive and not draining (the ones to route to), by id."""
@@ -745,3 +783,5 @@ def _note_holdings(handle: WorkerHandle, hello: control_plane_pb2.WorkerHello) -
         handle.resident_ids = set(hello.resident_adapter_ids)
         handle.host_ids = set(hello.host_adapter_ids)
         handle.paging = hello.paging
+        handle.pinned_ids = set(hello.pinned_adapter_ids)
+        handle.kv_cells = (hello.kv_cells_used, hello.kv_cells_total)

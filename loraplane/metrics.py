@@ -69,6 +69,12 @@ class BoundedLabels:
         return OTHER_LABEL
 
 
+def kv_usage(used: int, total: int) -> float:
+    """KV-cache usage ``used / total`` cells (0–1; 0 when ``total`` is 0: nothing reported) —
+    vLLM's ``vllm:kv_cache_usage_perc`` (used blocks / all blocks, ``KVCacheManager.usage``)."""
+    return min(1.0, used / total) if total > 0 else 0.0
+
+
 def split_host_port(addr: str) -> tuple[str, int]:
     """``"HOST:PORT"`` → ``(host, port)`` (IPv6 hosts may be bracketed).
 

@@ -30,7 +30,7 @@ class WorkerHoldings(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[HeldAdapter, _Mapping]]] = ..., draining_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "addr", "model", "model_sha256", "n_slots", "queue_limit", "holdings", "incarnation", "resident_adapter_ids", "host_adapter_ids", "paging", "draining", "supervisor_restarts", "n_ctx")
+    __slots__ = ("worker_id", "addr", "model", "model_sha256", "n_slots", "queue_limit", "holdings", "incarnation", "resident_adapter_ids", "host_adapter_ids", "paging", "draining", "supervisor_restarts", "n_ctx", "kv_cells_used", "kv_cells_total", "pinned_adapter_ids", "adapter_paging")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,10 @@ class WorkerHello(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     SUPERVISOR_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
+    KV_CELLS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_CELLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PINNED_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_PAGING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     addr: str
     model: str
@@ -59,7 +63,21 @@ class WorkerHello(_message.Message):
     draining: bool
     supervisor_restarts: int
     n_ctx: int
-    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., model: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_slots: _Optional[int] = ..., queue_limit: _Optional[int] = ..., holdings: _Optional[_Union[WorkerHoldings, _Mapping]] = ..., incarnation: _Optional[str] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ..., draining: _Optional[bool] = ..., supervisor_restarts: _Optional[int] = ..., n_ctx: _Optional[int] = ...) -> None: ...
+    kv_cells_used: int
+    kv_cells_total: int
+    pinned_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    adapter_paging: _containers.RepeatedCompositeFieldContainer[AdapterPagingCount]
+    def __init__(self, worker_id: _Optional[str] = ..., addr: _Optional[str] = ..., model: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_slots: _Optional[int] = ..., queue_limit: _Optional[int] = ..., holdings: _Optional[_Union[WorkerHoldings, _Mapping]] = ..., incarnation: _Optional[str] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., paging: _Optional[_Union[WorkerPaging, _Mapping]] = ..., draining: _Optional[bool] = ..., supervisor_restarts: _Optional[int] = ..., n_ctx: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_total: _Optional[int] = ..., pinned_adapter_ids: _Optional[_Iterable[int]] = ..., adapter_paging: _Optional[_Iterable[_Union[AdapterPagingCount, _Mapping]]] = ...) -> None: ...
+
+class AdapterPagingCount(_message.Message):
+    __slots__ = ("adapter_id", "page_ins", "evictions")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: int
+    page_ins: int
+    evictions: int
+    def __init__(self, adapter_id: _Optional[int] = ..., page_ins: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class WorkerPaging(_message.Message):
     __slots__ = ("max_loras", "max_cpu_loras", "resident", "host", "page_ins", "evictions", "fetches", "fetch_bytes", "page_in_bytes", "host_evictions")

@@ -22,7 +22,7 @@ class WorkerAdapterList(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "n_slots", "slots_busy", "queue_depth", "queue_limit", "graph_reuses", "graph_rebuilds", "prefix_cache_entries", "prefix_cache_hit_tokens", "prompt_tokens_computed", "tokens_generated", "batching", "prefix_cache", "model", "device", "dtype", "adapter_ids", "node_budget", "adapter_bytes", "max_loras", "max_cpu_loras", "resident_adapters", "host_adapters", "known_adapters", "page_ins", "evictions", "page_in_bytes", "host_evictions", "fetches", "fetch_bytes", "fetch_failures", "pool_bytes", "resident_adapter_ids", "host_adapter_ids", "step_interval_p50_ms", "step_busy_p50_ms", "step_samples")
+    __slots__ = ("worker_id", "n_slots", "slots_busy", "queue_depth", "queue_limit", "graph_reuses", "graph_rebuilds", "prefix_cache_entries", "prefix_cache_hit_tokens", "prompt_tokens_computed", "tokens_generated", "batching", "prefix_cache", "model", "device", "dtype", "adapter_ids", "node_budget", "adapter_bytes", "max_loras", "max_cpu_loras", "resident_adapters", "host_adapters", "known_adapters", "page_ins", "evictions", "page_in_bytes", "host_evictions", "fetches", "fetch_bytes", "fetch_failures", "pool_bytes", "resident_adapter_ids", "host_adapter_ids", "step_interval_p50_ms", "step_busy_p50_ms", "step_samples", "kv_cells_used", "kv_cells_total", "pinned_adapter_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     N_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_BUSY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,9 @@ class WorkerStats(_message.Message):
     STEP_INTERVAL_P50_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_BUSY_P50_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    KV_CELLS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_CELLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PINNED_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     n_slots: int
     slots_busy: int
@@ -97,4 +100,7 @@ class WorkerStats(_message.Message):
     step_interval_p50_ms: float
     step_busy_p50_ms: float
     step_samples: int
-    def __init__(self, worker_id: _Optional[str] = ..., n_slots: _Optional[int] = ..., slots_busy: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_limit: _Optional[int] = ..., graph_reuses: _Optional[int] = ..., graph_rebuilds: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., batching: _Optional[str] = ..., prefix_cache: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., node_budget: _Optional[int] = ..., adapter_bytes: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., resident_adapters: _Optional[int] = ..., host_adapters: _Optional[int] = ..., known_adapters: _Optional[int] = ..., page_ins: _Optional[int] = ..., evictions: _Optional[int] = ..., page_in_bytes: _Optional[int] = ..., host_evictions: _Optional[int] = ..., fetches: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., step_interval_p50_ms: _Optional[float] = ..., step_busy_p50_ms: _Optional[float] = ..., step_samples: _Optional[int] = ...) -> None: ...
+    kv_cells_used: int
+    kv_cells_total: int
+    pinned_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., n_slots: _Optional[int] = ..., slots_busy: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_limit: _Optional[int] = ..., graph_reuses: _Optional[int] = ..., graph_rebuilds: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., batching: _Optional[str] = ..., prefix_cache: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., node_budget: _Optional[int] = ..., adapter_bytes: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., resident_adapters: _Optional[int] = ..., host_adapters: _Optional[int] = ..., known_adapters: _Optional[int] = ..., page_ins: _Optional[int] = ..., evictions: _Optional[int] = ..., page_in_bytes: _Optional[int] = ..., host_evictions: _Optional[int] = ..., fetches: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., step_interval_p50_ms: _Optional[float] = ..., step_busy_p50_ms: _Optional[float] = ..., step_samples: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_total: _Optional[int] = ..., pinned_adapter_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -87,6 +87,40 @@ def test_usage_errors_exit_2(args):
     assert result.stdout == ""
 
 
+# Usage errors honour --json: the CONTRACT's error object on stdout, still exit 2.
+JSON_USAGE_ERRORS = [
+    (["adapters", "show", "--json"], "loraplane adapters show: Missing argument"),
+    (["--json", "adapters", "show"], "loraplane adapters show: Missing argument"),
+    (["generate", "hello", "--max-tokens", "0", "--json"], "loraplane generate: Invalid value for '--max-tokens'"),
+    (["workers", "list", "--json", "--no-such-flag"], "loraplane workers list: No such option '--no-such-flag'"),
+    (["--json", "nosuchcommand"], "loraplane: No such command 'nosuchcommand'"),
+    (["default", "set", "--json"], "loraplane default set: give ID=SCALE"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"), JSON_USAGE_ERRORS, ids=lambda a: " ".join(a) if isinstance(a, list) else ""
+)
+def test_usage_errors_honour_json(args, message):
+    result = CliRunner().invoke(cli, args, prog_name="loraplane")
+    assert "Traceback" not in result.output, result.output
+    assert result.exit_code == 2, (args, result.output)
+    assert result.stderr == ""
+    out = json.loads(result.stdout)
+    assert list(out) == ["error"] and sorted(out["error"]) == ["code", "message"]
+    assert out["error"]["code"] == "INVALID_ARGUMENT"
+    assert out["error"]["message"].startswith(message), out
+
+
+def test_usage_error_json_from_a_real_process():
+    proc = _subprocess("adapters", "show", "--json")
+    assert proc.returncode == 2 and proc.stderr == ""
+    err = json.loads(proc.stdout)["error"]
+    assert err["code"] == "INVALID_ARGUMENT" and err["message"].startswith("loraplane adapters show: Missing argument")
+    plain = _subprocess("adapters", "show")  # without --json: click's usage text on stderr, as before
+    assert plain.returncode == 2 and plain.stdout == "" and "Usage: loraplane adapters show" in plain.stderr
+
+
 def test_bad_lora_value_names_the_problem():
     result = run("generate", "hi", "--lora", "3=abc")
     assert result.exit_code == 2
@@ -349,9 +383,30 @@ def test_convert_peft_bad_folder_exit_1(tmp_path):
 def _subprocess(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("LORAPLANE_ADDR", None)
+    env.pop("COLUMNS", None)  # rich's default width off a terminal: 80
     return subprocess.run(
         [sys.executable, "-m", "clients.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
+
+
+def test_tables_keep_every_cell_when_piped(addr):
+    """Off a terminal (stdout is a pipe here) tables keep their natural width: full worker ids,
+    addresses and model paths, full adapter names, no "…" and no fold at 80 columns."""
+    workers = run_json("workers", "list", "--addr", addr)["workers"]
+    assert workers
+    proc = _subprocess("workers", "list", "--addr", addr)
+    assert proc.returncode == 0, proc.stderr
+    for w in workers:
+        for value in (w["worker_id"], w["addr"], w["model"]):
+            assert value in proc.stdout, (value, proc.stdout)
+    assert "…" not in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) > 80  # wider than the old 80-column cut
+    adapters = run_json("adapters", "list", "--addr", addr)["adapters"]
+    proc = _subprocess("adapters", "list", "--addr", addr)
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout
+    for ad in adapters:
+        assert ad["name"] in proc.stdout and ad["sha256"][:12] in proc.stdout
 
 
 def test_python_m_clients_cli_unreachable():

@@ -340,6 +340,10 @@ def test_metrics_move_by_exact_amounts(serve, client):
     ) == 3 + 2
     assert delta(w1, w0, "loraplane_worker_prompt_tokens_computed_total") == (pa - ca) + (pb - cb)
     assert w1[("loraplane_worker_slots", ())] == 2 and w1[("loraplane_worker_slots_busy", ())] == 0
+    # the worker's own view: shout (id 0) ran, so it is in a slot; nothing runs, so no KV cell is in use
+    assert w1[("loraplane_worker_adapter_residency", (("adapter", "0"), ("state", "device")))] == 1
+    assert w1[("loraplane_worker_adapter_slot_page_ins_total", (("adapter", "0"),))] >= 1
+    assert w1[("vllm:kv_cache_usage_perc", ())] == 0 == w1[("loraplane_worker_kv_cache_usage_perc", ())]
     assert cp1[("vllm:num_requests_running", ())] == 0 and cp1[("vllm:num_requests_waiting", ())] == 0
 
     # the LoRA-state gauge while a shout request streams, then after it ended

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
@@ -59,6 +60,7 @@ class Cluster:
         text: str = PROMPT,
         max_tokens: int = 1,
         prompt_logprobs: bool = False,
+        ignore_eos: bool = False,
     ):
         """Generate on one worker, bypassing routing (the control plane's announce, then
         ``Decode`` with the resolved vector): (started, finished) events."""
@@ -71,7 +73,9 @@ class Cluster:
         req = common_pb2.GenerateRequest(
             request_id=f"direct-{time.monotonic_ns()}",
             text=text,
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs),
+            sampling=common_pb2.SamplingParams(
+                max_tokens=max_tokens, prompt_logprobs=prompt_logprobs, ignore_eos=ignore_eos
+            ),
         )
         req.adapters.SetInParent()
         req.adapters.entries.extend(common_pb2.AdapterScale(id=i, scale=s) for i, s in adapters.items())
@@ -290,3 +294,118 @@ def test_host_tier_eviction_drops_the_local_copy_and_fetches_again(cluster, ids)
     assert [r.source for r in fin.telemetry.adapter_residency] == ["fetched"]
     assert cluster.stats(wid).fetches == f0 + 1
     assert fin.text == first[name]  # greedy: the refetched adapter behaves the same
+
+
+def scrape(cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The control plane's ``/metrics`` body parsed by prometheus_client's text parser:
+    (sample name, sorted labels) → value."""
+    body, _ = cluster.cp.state.metrics.exposition()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(body.decode())
+        for s in fam.samples
+    }
+
+
+def residency(samples, worker_id: str) -> dict[str, set[int]]:
+    """``loraplane_adapter_residency`` of one worker: state → adapter ids (value 1)."""
+    out: dict[str, set[int]] = {"device": set(), "host": set(), "pinned": set()}
+    for (name, labels), v in samples.items():
+        lab = dict(labels)
+        if name == "loraplane_adapter_residency" and lab["worker"] == worker_id and v == 1:
+            out[lab["state"]].add(int(lab["adapter"]))
+    return out
+
+
+def paging_count(samples, kind: str, adapter_id: int) -> float:
+    return samples.get((f"loraplane_adapter_slot_{kind}_total", (("adapter", str(adapter_id)),)), 0.0)
+
+
+def test_residency_gauges_and_paging_counters_follow_the_worker(cluster, ids):
+    """``loraplane_adapter_residency`` mirrors what the worker reports (its Stats, over its
+    heartbeat) state by state, and the page-in / eviction counters move by exactly the pages a
+    2-slot worker must do: page shout in (evicting the LRU slot), then evict it again."""
+    wid = "pg-w1"
+
+    def synced():
+        st = cluster.stats(wid)
+        want = {
+            "device": set(st.resident_adapter_ids),
+            "host": set(st.host_adapter_ids) - set(st.resident_adapter_ids),
+            "pinned": set(st.pinned_adapter_ids),
+        }
+        got = residency(scrape(cluster), wid)
+        return got if got == want else None
+
+    for name in ("shout_rs", "shout_embd"):
+        cluster.direct(wid, {ids[name]: 1.0})
+    before = cluster.stats(wid)
+    assert ids["shout"] not in before.resident_adapter_ids
+    assert wait_until(synced, timeout=15)
+    m0 = scrape(cluster)
+    cluster.direct(wid, {ids["shout"]: 1.0})  # pages shout in over the LRU of the two
+    mid = cluster.stats(wid)
+    assert wait_until(synced, timeout=15)
+    assert ids["shout"] in residency(scrape(cluster), wid)["device"]
+    m1 = scrape(cluster)
+    assert paging_count(m1, "page_ins", ids["shout"]) == paging_count(m0, "page_ins", ids["shout"]) + 1
+    (victim,) = set(before.resident_adapter_ids) - set(mid.resident_adapter_ids)
+    assert paging_count(m1, "evictions", victim) == paging_count(m0, "evictions", victim) + 1
+    for name in ("shout_rs", "shout_embd"):  # two others take both slots: shout goes
+        cluster.direct(wid, {ids[name]: 1.0})
+    assert ids["shout"] not in cluster.stats(wid).resident_adapter_ids
+    assert wait_until(synced, timeout=15)
+    assert ids["shout"] not in residency(scrape(cluster), wid)["device"]
+    m2 = scrape(cluster)
+    assert paging_count(m2, "evictions", ids["shout"]) == paging_count(m1, "evictions", ids["shout"]) + 1
+    assert paging_count(m2, "page_ins", ids["shout"]) == paging_count(m1, "page_ins", ids["shout"])
+
+
+def test_pinned_residency_gauge(cluster, ids):
+    lp = cluster.lp
+    wid = "pg-w1"
+    aid = ids["sea"]
+    stub = worker_pb2_grpc.WorkerStub(cluster.channels[wid])
+    sha = lp.get_adapter(aid).sha256
+    assert lp.pin_adapter(aid, True).pinned
+    try:
+        stub.LoadAdapter(
+            iter([common_pb2.AdapterChunk(id=aid, sha256=sha, fetch_on_demand=True, pinned=True)]), timeout=30
+        )
+        cluster.direct(wid, {aid: 1.0})
+        assert aid in cluster.stats(wid).pinned_adapter_ids
+        assert wait_until(lambda: aid in residency(scrape(cluster), wid)["pinned"], timeout=15)
+        assert aid in residency(scrape(cluster), wid)["device"]
+    finally:
+        lp.pin_adapter(aid, False)
+        stub.LoadAdapter(
+            iter([common_pb2.AdapterChunk(id=aid, sha256=sha, fetch_on_demand=True, pinned=False)]), timeout=30
+        )
+
+
+def test_kv_cache_usage_is_above_zero_while_a_request_runs_and_zero_idle(cluster, ids):
+    """``vllm:kv_cache_usage_perc`` = KV cells held by running requests / all cells of the
+    alive workers (slots x n_ctx = 2 x 5 x 256): > 0 while a 32-token request runs on one
+    worker, at most its prompt + 32 cells; 0 once both are idle (a finished request's kept
+    prompt cache counts as free, as vLLM counts cached free blocks)."""
+    wid = "pg-w1"
+    total = 2 * 5 * 256
+    seen: list[float] = []
+    t = threading.Thread(
+        target=lambda: cluster.direct(wid, {ids["shout"]: 1.0}, max_tokens=32, ignore_eos=True), daemon=True
+    )
+    t.start()
+
+    def running_usage():
+        m = scrape(cluster)
+        v = m[("vllm:kv_cache_usage_perc", ())]
+        per = m[("loraplane_kv_cache_usage_perc", (("worker", wid),))]
+        if v > 0:
+            seen.append(v)
+            assert per == pytest.approx(v * 2)  # the other worker is idle: all cells used are on this one
+        return v > 0
+
+    assert wait_until(running_usage, timeout=120, interval=0.05), "never saw the running request's KV cells"
+    t.join(300)
+    assert 0 < seen[0] <= (16 + 32) / total
+    assert wait_until(lambda: scrape(cluster)[("vllm:kv_cache_usage_perc", ())] == 0.0, timeout=15)

@@ -174,6 +174,119 @@ def test_unit_options_match_the_cli():
                 assert arg in help_text, (name, arg)
 
 
+# ---- systemd: optional flags from the environment files ----------------------------------
+
+NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+
+
+def env_file(path: Path) -> dict[str, str]:
+    """An EnvironmentFile's assignments (systemd.exec(5): ``KEY=VALUE`` lines, ``#``/``;``
+    comments and blank lines skipped, a value in matching quotes unquoted)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        key, sep, value = line.partition("=")
+        assert sep and re.fullmatch(NAME, key.strip()), (path.name, line)
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key.strip()] = value
+    return out
+
+
+def expand_exec(cmdline: str, env: dict[str, str]) -> list[str]:
+    """An ExecStart= line as systemd runs it (systemd.service(5), "Command lines"): ``${VAR}``
+    becomes its value as exactly one word; ``$VAR`` as a word of its own becomes the value split
+    at whitespace, zero or more words (an empty or unset variable: none)."""
+    argv = []
+    for word in shlex.split(cmdline):
+        whole = re.fullmatch(rf"\$({NAME})", word)
+        if whole:
+            argv += env.get(whole[1], "").split()
+        else:
+            argv.append(re.sub(rf"\$\{{({NAME})\}}", lambda m: env.get(m[1], ""), word))
+    return argv
+
+
+def unit_lines(name: str, key: str) -> list[str]:
+    """Every value of ``key=`` in the unit's [Service] section, in order (repeatable keys)."""
+    return [
+        line.split("=", 1)[1].strip()
+        for line in (SYSTEMD / name).read_text().splitlines()
+        if line.startswith(f"{key}=")
+    ]
+
+
+def parse_flags(subcommand: str, args: list[str]) -> dict:
+    """``args`` through click's own parser for ``loraplane SUBCOMMAND`` (no conversion, no
+    side effects): option name → raw value. Raises click's NoSuchOption for a flag it lacks."""
+    import click
+
+    from clients.cli import cli
+
+    cmd = cli.commands[subcommand]
+    opts, _, _ = cmd.make_parser(click.Context(cmd, info_name=subcommand)).parse_args(args)
+    return opts
+
+
+@pytest.mark.parametrize(
+    "name,instance,expected",
+    [
+        (
+            "loraplane-control-plane.service",
+            "",
+            {"http_addr": "0.0.0.0:8000", "metrics_addr": "0.0.0.0:9400", "addr": "0.0.0.0:50051"},
+        ),
+        ("loraplane-worker@.service", "0", {"max_loras": "8", "max_cpu_loras": "64", "metrics_addr": "0.0.0.0:9401"}),
+    ],
+)
+def test_units_take_optional_flags_from_their_environment_files(name, instance, expected):
+    """The example environment files shipped next to the units turn on HTTP and metrics: with
+    them the ExecStart line expands (as systemd does) to flags the CLI parses to those values;
+    without them the optional-flag variables expand to no argument at all."""
+    (env_line,) = unit_lines(name, "Environment")
+    defaults = dict(kv.split("=", 1) for kv in shlex.split(env_line.replace("%i", instance)))
+    (exec_start,) = unit_lines(name, "ExecStart")
+    exec_start = exec_start.replace("%i", instance).replace("%H", "host")
+    bare = expand_exec(exec_start, defaults)
+    assert "" not in bare and not any("$" in a for a in bare), bare
+    env = dict(defaults)
+    for path in unit_lines(name, "EnvironmentFile"):
+        example = SYSTEMD / (Path(path.lstrip("-").replace("%i", instance)).name + ".example")
+        assert example.exists(), example  # every environment file the unit reads has an example
+        env.update(env_file(example))
+    argv = expand_exec(exec_start, env)
+    assert argv[:2] == bare[:2] and len(argv) > len(bare)
+    flags = parse_flags(argv[1], argv[2:])
+    assert {k: flags.get(k) for k in expected} == expected
+    parse_flags(bare[1], bare[2:])  # the defaults alone parse too
+
+
+def test_units_pass_systemd_analyze_verify(tmp_path):
+    """``systemd-analyze verify`` accepts both units (the worker as instance 0), with ExecStart
+    pointed at this environment's ``loraplane`` (verify checks the binary exists)."""
+    import shutil
+    import subprocess
+    import sys
+
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed")
+    script = Path(sys.executable).with_name("loraplane")
+    if not script.exists():
+        pytest.skip("the loraplane console script is not installed (pip install -e .)")
+    for name, target in (
+        ("loraplane-control-plane.service", "loraplane-control-plane.service"),
+        ("loraplane-worker@.service", "loraplane-worker@0.service"),
+    ):
+        text = (SYSTEMD / name).read_text().replace("/opt/loraplane/venv/bin/loraplane", str(script))
+        (tmp_path / target).write_text(text)
+        proc = subprocess.run([tool, "verify", str(tmp_path / target)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "loraplane" not in proc.stderr, (target, proc.stderr)
+
+
 def test_manifest_options_match_the_cli():
     from click.testing import CliRunner
 

@@ -261,3 +261,62 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
         for m in re.findall(r"\b(?:loraplane_[a-z0-9_]+|vllm:[a-z_]+)", t["expr"])
     }
     assert used and used <= exported, sorted(used - exported)
+
+
+def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
+    """The heartbeat-fed metrics on their own: KV usage summed over workers, residency per
+    worker and state, page-in / eviction counters from cumulative per-process counts (a new
+    incarnation starts again from 0), all under the adapter label cap (here 1: the rest is
+    "other"), parsed back with prometheus_client's text parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from control_plane.metrics import ControlPlaneMetrics
+    from control_plane.workers import WorkerHoldingsView
+    from loraplane.v1.control_plane_pb2 import AdapterPagingCount as Count
+
+    views = [
+        WorkerHoldingsView("w1", frozenset({1, 2, 3}), frozenset({1, 2, 3, 4}), frozenset({1}), (30, 100)),
+        WorkerHoldingsView("w2", frozenset(), frozenset(), frozenset(), (0, 100)),
+    ]
+    m = ControlPlaneMetrics(
+        adapter_name=str,
+        pool_state=lambda: (2, 2, 4),
+        n_adapters=lambda: 4,
+        adapter_label_cap=1,
+        holdings=lambda: views,
+    )
+    m.on_paging("w1", "inc-a", [Count(adapter_id=1, page_ins=2, evictions=1), Count(adapter_id=3, page_ins=5)])
+    m.on_paging(
+        "w1",
+        "inc-a",
+        [
+            Count(adapter_id=1, page_ins=3, evictions=1),
+            Count(adapter_id=3, page_ins=5),
+            Count(adapter_id=4, page_ins=1),
+        ],
+    )
+    m.on_paging("w1", "inc-b", [Count(adapter_id=1, page_ins=1)])  # restarted: its counts begin again
+    body, _ = m.exposition()
+    s = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for fam in text_string_to_metric_families(body.decode())
+        for x in fam.samples
+    }
+    assert s[("loraplane_adapter_slot_page_ins_total", (("adapter", "1"),))] == 3 + 1
+    assert s[("loraplane_adapter_slot_evictions_total", (("adapter", "1"),))] == 1
+    assert s[("loraplane_adapter_slot_page_ins_total", (("adapter", "other"),))] == 5 + 1
+    residency = {
+        tuple(v for _, v in labels): value
+        for (name, labels), value in s.items()
+        if name == "loraplane_adapter_residency"
+    }
+    # labels sort as (adapter, state, worker)
+    assert residency == {
+        ("1", "device", "w1"): 1,
+        ("other", "device", "w1"): 2,
+        ("other", "host", "w1"): 1,
+        ("1", "pinned", "w1"): 1,
+    }
+    assert s[("vllm:kv_cache_usage_perc", ())] == 30 / 200
+    assert s[("loraplane_kv_cache_usage_perc", (("worker", "w1"),))] == 0.3
+    assert s[("loraplane_kv_cache_usage_perc", (("worker", "w2"),))] == 0.0

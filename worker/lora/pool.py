@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -108,6 +108,9 @@ class PoolStats:
     evictions: int = 0
     page_in_bytes: int = 0
     rank_growths: int = 0
+    # per adapter content (sha256): page-ins into a slot and LRU evictions out of one
+    page_ins_by_sha: dict[str, int] = field(default_factory=dict)
+    evictions_by_sha: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,11 @@ class LoraPool:
     def resident(self) -> list[LoraAdapter]:
         """Adapters in slots, by slot index."""
         return [s.adapter for s in self.slots if s.adapter is not None]
+
+    def pinned_shas(self) -> set[str]:
+        """Content hashes of the resident adapters whose slot is pinned (safe from any thread:
+        a snapshot of the slot list)."""
+        return {s.adapter.sha256 for s in list(self.slots) if s.adapter is not None and s.pinned}
 
     def held(self, sha256: str) -> int:
         """Slot holds on content ``sha256`` (0 when not resident)."""
@@ -315,8 +323,11 @@ class LoraPool:
                 f"adapter '{adapter.name}' exceeds --max-lora-rank {self.max_lora_rank}: {', '.join(too_big)}"
             )
         data = staged if staged is not None else self.stage(adapter)
-        if self.slots[slot].adapter is not None:
+        occupant = self.slots[slot].adapter
+        if occupant is not None:
             self.stats.evictions += 1
+            by_sha = self.stats.evictions_by_sha
+            by_sha[occupant.sha256] = by_sha.get(occupant.sha256, 0) + 1
             self._clear(slot)
         nbytes = 0
         for name, pair in data.items():
@@ -343,6 +354,7 @@ class LoraPool:
         if adapter.sha256 in self._pinned_sha:
             self.slots[slot].pinned = self._may_pin(slot)
         self.stats.page_ins += 1
+        self.stats.page_ins_by_sha[adapter.sha256] = self.stats.page_ins_by_sha.get(adapter.sha256, 0) + 1
         self.stats.page_in_bytes += nbytes
         self.generation += 1
 

@@ -147,7 +147,8 @@ def holdings_of(engine: WorkerEngine) -> control_plane_pb2.WorkerHoldings:
 
 
 def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) -> None:
-    """Write what ``engine`` holds now (resident / host adapter ids, paging counters) and
+    """Write what ``engine`` holds now (resident / host / pinned adapter ids, paging counters,
+    per-adapter page-ins and evictions, KV cells in use) and
     whether it is draining into ``hello`` — sent with every heartbeat so any control plane can
     route by affinity, and around a draining worker."""
     engine.host.trim()  # back to the host tier's cap at rest (a cancelled call's holds end late)
@@ -170,6 +171,15 @@ def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) ->
             page_in_bytes=st.page_in_bytes,
             host_evictions=st.host_evictions,
         )
+    )
+    hello.kv_cells_used = st.scheduler.kv_cells_used
+    hello.kv_cells_total = st.scheduler.kv_cells_total
+    del hello.pinned_adapter_ids[:]
+    hello.pinned_adapter_ids.extend(st.pinned_adapter_ids)
+    del hello.adapter_paging[:]
+    hello.adapter_paging.extend(
+        control_plane_pb2.AdapterPagingCount(adapter_id=i, page_ins=p, evictions=e)
+        for i, (p, e) in sorted(engine.adapter_paging().items())
     )
 
 

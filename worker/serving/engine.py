@@ -83,6 +83,7 @@ class WorkerStatsRecord:
     pool_bytes: int = 0
     resident_adapter_ids: list[int] = field(default_factory=list)
     host_adapter_ids: list[int] = field(default_factory=list)
+    pinned_adapter_ids: list[int] = field(default_factory=list)  # resident and pinned in their slot
 
 
 def max_piece_bytes(tokenizer) -> int:
@@ -136,7 +137,11 @@ class WorkerEngine:
         self.model = Model(base, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
         self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot, n_seq=config.n_slots)
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
-        self.metrics = WorkerMetrics(self.stats, adapter_label_cap=config.metrics_max_adapters)
+        self._paging_lock = threading.Lock()
+        self._paging_seen: dict[int, tuple[int, int]] = {}  # adapter_paging's last counts
+        self.metrics = WorkerMetrics(
+            self.stats, adapter_label_cap=config.metrics_max_adapters, adapter_paging=self.adapter_paging
+        )
         self.scheduler.observer = self.metrics
         self.host = HostCache(
             self.model.adapters,
@@ -376,6 +381,7 @@ class WorkerEngine:
         pool = self.ctx.pool
         known = self.known()
         resident_sha = pool.resident_shas()
+        pinned_sha = pool.pinned_shas()
         return WorkerStatsRecord(
             worker_id=self.worker_id,
             batching=self.config.batching.value,
@@ -401,8 +407,23 @@ class WorkerEngine:
             pool_bytes=pool.buffer_bytes(),
             resident_adapter_ids=sorted(i for i, k in known.items() if k.sha256 in resident_sha),
             host_adapter_ids=sorted(ads),
+            pinned_adapter_ids=sorted(i for i, k in known.items() if k.sha256 in pinned_sha),
             scheduler=self.scheduler.stats(),
         )
+
+    def adapter_paging(self) -> dict[int, tuple[int, int]]:
+        """Adapter id → (page-ins into a device slot, LRU evictions out of one), cumulative for
+        this process, for the adapters with a nonzero count (the pool counts by content; every
+        known id with that content gets the count). An id no longer known keeps its last counts,
+        so the counters never go back (any thread)."""
+        st = self.ctx.pool.stats
+        page_ins, evictions = dict(st.page_ins_by_sha), dict(st.evictions_by_sha)
+        with self._paging_lock:
+            for i, k in self.known().items():
+                p, e = page_ins.get(k.sha256, 0), evictions.get(k.sha256, 0)
+                if p or e:
+                    self._paging_seen[i] = (p, e)
+            return dict(self._paging_seen)
 
     def residency(self) -> tuple[list[int], list[int]]:
         """(ids resident in slots, ids with host tensors) — what heartbeats report."""

@@ -17,8 +17,16 @@ Names (all prefixed ``loraplane_worker_``; histograms in seconds):
   slots, slots_busy, requests_running, requests_waiting, queue_limit, adapters_loaded   gauges
   graph_reuses_total, graph_rebuilds_total, prefix_cache_hit_tokens_total,
   prompt_tokens_computed_total (prefill rows actually run)                                counters
+  kv_cache_usage_perc                    KV cells held by running requests / all slots' cells
+  adapter_residency{adapter, state}      1 per (adapter, state) this worker holds; state: device
+                                         (in a slot of the GPU/CPU slot pool), host (host tier
+                                         only, not in a slot), pinned (in a slot, pinned there)
+  adapter_slot_page_ins_total{adapter}, adapter_slot_evictions_total{adapter}   slot paging
+plus ``vllm:kv_cache_usage_perc`` (the same ratio under vLLM's name, 0–1). The KV ratio is
+cells (token positions) of busy sequences over ``slots × n_ctx``; a finished request's cells
+that an idle slot keeps for prompt reuse are free (vLLM counts cached free blocks as free).
 ``adapter`` is the adapter id ("none": no adapter; a stacked request counts once per
-adapter), bounded by ``loraplane.metrics.BoundedLabels``.
+adapter), bounded by ``loraplane.metrics.BoundedLabels`` (folded values add up under "other").
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, BoundedLabels
+from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, BoundedLabels, kv_usage
 from worker.serving.request import GenRequest
 
 PREFIX = "loraplane_worker_"
@@ -40,7 +48,12 @@ class WorkerMetrics:
     engines in one process)."""
 
     def __init__(
-        self, stats: Callable[[], Any], *, adapter_label_cap: int, registry: CollectorRegistry | None = None
+        self,
+        stats: Callable[[], Any],
+        *,
+        adapter_label_cap: int,
+        registry: CollectorRegistry | None = None,
+        adapter_paging: Callable[[], dict[int, tuple[int, int]]] | None = None,
     ) -> None:
         self.registry = registry or CollectorRegistry()
         self.labels = BoundedLabels(adapter_label_cap)
@@ -71,7 +84,7 @@ class WorkerMetrics:
             registry=r,
         )
         self.adapter_evictions = Counter(PREFIX + "adapter_evictions", "Adapters freed.", registry=r)
-        r.register(_StatsCollector(stats))
+        r.register(_StatsCollector(stats, self.labels, adapter_paging or dict))
 
     def adapter_labels(self, ids: tuple[int, ...]) -> list[str]:
         return [self.labels(str(i)) for i in ids] or [NO_ADAPTER_LABEL]
@@ -103,10 +116,15 @@ class WorkerMetrics:
 
 
 class _StatsCollector:
-    """Scrape-time view of ``WorkerEngine.stats()`` (a ``WorkerStatsRecord``)."""
+    """Scrape-time view of ``WorkerEngine.stats()`` (a ``WorkerStatsRecord``) and of the
+    engine's per-adapter paging counters."""
 
-    def __init__(self, stats: Callable[[], Any]) -> None:
+    def __init__(
+        self, stats: Callable[[], Any], labels: BoundedLabels, paging: Callable[[], dict[int, tuple[int, int]]]
+    ) -> None:
         self._stats = stats
+        self._labels = labels
+        self._paging = paging
 
     def collect(self):
         record = self._stats()
@@ -129,3 +147,42 @@ class _StatsCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        usage = kv_usage(s.kv_cells_used, s.kv_cells_total)
+        yield GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc", "KV cache cells held by running requests / all cells (0-1).", value=usage
+        )
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", value=usage)
+        resident = set(record.resident_adapter_ids)
+        states = {
+            "device": resident,
+            "host": set(record.host_adapter_ids) - resident,
+            "pinned": set(record.pinned_adapter_ids),
+        }
+        residency = GaugeMetricFamily(
+            PREFIX + "adapter_residency",
+            "Adapters this worker holds, by state: device (in a slot), host (host tier only), pinned (in a slot).",
+            labels=["adapter", "state"],
+        )
+        for state, ids in states.items():
+            for label, n in _fold(self._labels, {i: 1 for i in ids}).items():
+                residency.add_metric([label, state], n)
+        yield residency
+        paging = self._paging()
+        for name, doc, k in (
+            ("adapter_slot_page_ins", "Page-ins of an adapter into a device slot.", 0),
+            ("adapter_slot_evictions", "LRU evictions of an adapter out of a device slot.", 1),
+        ):
+            fam = CounterMetricFamily(PREFIX + name, doc, labels=["adapter"])
+            for label, n in _fold(self._labels, {i: v[k] for i, v in paging.items()}).items():
+                fam.add_metric([label], n)
+            yield fam
+
+
+def _fold(labels: BoundedLabels, values: dict[int, int]) -> dict[str, int]:
+    """Per-adapter-id values → per-label values, the ids past the label cap summed under
+    "other" (``loraplane.metrics.BoundedLabels``), in id order."""
+    out: dict[str, int] = {}
+    for i in sorted(values):
+        label = labels(str(i))
+        out[label] = out.get(label, 0) + values[i]
+    return out

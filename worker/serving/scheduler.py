@@ -132,6 +132,11 @@ class SchedulerStats:
     step_interval_p50_ms: float = 0.0
     step_busy_p50_ms: float = 0.0
     step_samples: int = 0
+    # KV cache cells (token positions) held by busy sequences / all slots' capacity
+    # (n_slots x n_ctx per slot): vLLM's kv_cache_usage_perc is their ratio. An idle slot's
+    # kept prompt cache is reusable at once, so it counts as free (vLLM: cached free blocks).
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
 
 
 @dataclass
@@ -379,6 +384,8 @@ class Scheduler:
                 step_interval_p50_ms=_median(intervals) * 1000,
                 step_busy_p50_ms=_median(busy) * 1000,
                 step_samples=len(intervals),
+                kv_cells_used=sum(self.ctx.kv.seq_len(s.id) for s in self.seqs if s.busy),
+                kv_cells_total=len(self.seqs) * self.ctx.kv.n_ctx_seq,
             )
 
     # --- loop ---------------------------------------------------------------------------
