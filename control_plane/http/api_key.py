@@ -59,7 +59,7 @@ class ApiKeyAuth:
         authorization = None
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                authorization = value.decode("latin-1")
+                authorization = value.decode("utf-8", "replace")
                 break
         found = check_api_key(authorization, self.api_key, self.admin_token)
         if found is BearerCheck.ACCEPTED:

@@ -174,6 +174,7 @@ class ToolCallParser:
     def __init__(self) -> None:
         self._pending = ""  # text not released yet
         self._in_call = False  # inside <tool_call> … (pending is the block's body so far)
+        self._scanned = 0  # inside a block: pending[:scanned] holds no closing tag (linear scans)
         self._held_ws = ""  # whitespace before a possible call, dropped if the call parses
         self._after_call = False  # the last thing released was a call: drop leading whitespace
         self.calls: list[dict[str, Any]] = []
@@ -184,8 +185,9 @@ class ToolCallParser:
         out = ToolDelta()
         while True:
             if self._in_call:
-                end = self._pending.find(CALL_CLOSE)
+                end = self._pending.find(CALL_CLOSE, self._scanned)
                 if end < 0:
+                    self._scanned = max(0, len(self._pending) - len(CALL_CLOSE) + 1)
                     return out
                 body, self._pending = self._pending[:end], self._pending[end + len(CALL_CLOSE) :]
                 self._in_call = False
@@ -195,7 +197,7 @@ class ToolCallParser:
             if start >= 0:
                 self._content(self._pending[:start], out)
                 self._pending = self._pending[start + len(CALL_OPEN) :]
-                self._in_call = True
+                self._in_call, self._scanned = True, 0
                 continue
             keep = _held_prefix(self._pending, CALL_OPEN)
             cut = len(self._pending) - keep
