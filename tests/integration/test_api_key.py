@@ -28,7 +28,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
-from loraplane.process import stop_process
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 from tests.live_servers import wait_until
 from tests.serve_helpers import free_port
@@ -88,7 +87,8 @@ def plane(tmp_path_factory, base_model_path: Path):
         assert wait_until(up, timeout=120, interval=0.2) and proc.poll() is None, log.read_text(errors="replace")
         yield p
     finally:
-        stop_process(proc, 30)
+        proc.kill()  # its shutdown is not under test here (and a polite one costs seconds)
+        proc.wait(30)
 
 
 def _openai(plane: Plane, key: str) -> openai.OpenAI:
@@ -185,13 +185,14 @@ def test_python_client_and_cli_send_the_key(plane: Plane, monkeypatch) -> None:
     assert err.value.code == "UNAUTHENTICATED"
     with LoraplaneClient(plane.grpc_addr, timeout=10, api_key=API_KEY) as lp:
         assert lp.list_adapters() == []
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "LORAPLANE_API_KEY": API_KEY}
+    monkeypatch.setenv("LORAPLANE_API_KEY", API_KEY)
+    with LoraplaneClient(plane.grpc_addr, timeout=10) as lp:  # the key from the environment
+        assert lp.list_adapters() == []
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "clients.cli", "adapters", "list", "--addr", plane.grpc_addr, "--json"]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([*cmd, "--api-key", API_KEY], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout) == {"adapters": []}
-    r = subprocess.run([*cmd, "--api-key", "wrong"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "UNAUTHENTICATED"  # the flag wins
 
 
 @pytest.mark.slow  # needs node and the npm packages, as tests/integration/test_node_client.py
