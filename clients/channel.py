@@ -44,7 +44,7 @@ from typing import Any
 import grpc
 
 from clients.errors import ServerUnreachable
-from loraplane.env import ENV_ADMIN_TOKEN
+from loraplane.env import ENV_ADMIN_TOKEN, ENV_API_KEY
 from loraplane.interceptors import pushback_s
 from loraplane.limits import MAX_MESSAGE_BYTES
 
@@ -86,9 +86,14 @@ CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
 _C = grpc.ChannelConnectivity
 
 
-def auth_metadata(admin_token: str | None) -> tuple[tuple[str, str], ...]:
-    """``authorization: Bearer <token>`` from the argument, else ``$LORAPLANE_ADMIN_TOKEN``."""
+def auth_metadata(admin_token: str | None, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """``authorization: Bearer <token>``: the admin token (argument, else
+    ``$LORAPLANE_ADMIN_TOKEN``), else the inference API key (argument, else
+    ``$LORAPLANE_API_KEY``). The admin token passes wherever the API key does, so it wins when
+    both are known; none → no metadata."""
     token = admin_token if admin_token is not None else os.environ.get(ENV_ADMIN_TOKEN)
+    if not token:
+        token = api_key if api_key is not None else os.environ.get(ENV_API_KEY)
     if not token:
         return ()
     return (("authorization", f"Bearer {token}"),)

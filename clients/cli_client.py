@@ -38,12 +38,17 @@ class ClientOptions:
     addr: str
     as_json: bool
     admin_token: str | None
+    api_key: str | None
     timeout: float | None
     connect_timeout: float
 
     def client(self) -> LoraplaneClient:
         return LoraplaneClient(
-            self.addr, admin_token=self.admin_token, timeout=self.timeout, connect_timeout=self.connect_timeout
+            self.addr,
+            admin_token=self.admin_token,
+            api_key=self.api_key,
+            timeout=self.timeout,
+            connect_timeout=self.connect_timeout,
         )
 
 
@@ -56,6 +61,7 @@ def _opts(kwargs: dict) -> ClientOptions:
         addr=kwargs.pop("addr"),
         as_json=kwargs.pop("as_json"),
         admin_token=kwargs.pop("admin_token"),
+        api_key=kwargs.pop("api_key"),
         timeout=kwargs.pop("timeout"),
         connect_timeout=kwargs.pop("connect_timeout"),
     )

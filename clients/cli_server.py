@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import click
 
-from clients.params import ENV_ADMIN_TOKEN, PATH_SCALE, HostPortListType, HostPortType
+from clients.params import ENV_ADMIN_TOKEN, ENV_API_KEY, PATH_SCALE, HostPortListType, HostPortType
 from loraplane.env import ENV_DATABASE_URL, ENV_WORKER_SECRET
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -140,6 +140,14 @@ def control_plane_options(f: F) -> F:
             default=None,
             metavar="TOKEN",
             help=f"Require this bearer token for admin calls (env {ENV_ADMIN_TOKEN}).",
+        ),
+        click.option(
+            "--api-key",
+            envvar=ENV_API_KEY,
+            default=None,
+            metavar="KEY",
+            help=f"Require this bearer key for inference and reads, gRPC and HTTP (env {ENV_API_KEY}); "
+            "the admin token passes too; /health and /metrics stay open.",
         ),
         click.option(
             "--worker-secret",
@@ -287,6 +295,7 @@ CP_TUNING = (
     "metrics_max_adapters",
     "http_max_body_bytes",
     "http_max_prompt_bytes",
+    "api_key",
 )
 
 
@@ -801,6 +810,7 @@ def serve_cmd(
         ),
         ready_timeout_s=ready_timeout,
         worker_secret=worker_secret,
+        api_key=tuning["api_key"] or None,
         http_addr=tuning["http_addr"],
         metrics_addr=tuning["metrics_addr"],
         worker_metrics_addr=worker_metrics_addr,

@@ -19,7 +19,8 @@ again runs it on another replica.
 Errors: `ServerUnreachable` when no connection can be made (checked once, before the first
 call, with a deadline of ``connect_timeout``), `LoraplaneError` (``code``, ``message``) when
 the server refuses. The admin token (argument, else ``$LORAPLANE_ADMIN_TOKEN``) is sent as
-``authorization: Bearer <token>`` metadata on every call. ``timeout`` is the per-call deadline
+``authorization: Bearer <token>`` metadata on every call; without one, the inference API key
+(``api_key``, else ``$LORAPLANE_API_KEY``) is. ``timeout`` is the per-call deadline
 in seconds (None: none); for `generate_stream` it bounds the whole stream.
 """
 
@@ -135,12 +136,13 @@ class _ClientBase:
         timeout: float | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
         wait_for_server: bool = False,
+        api_key: str | None = None,
     ) -> None:
         self.addr = addr
         self.timeout = timeout
         self._connect_timeout = connect_timeout
         self._wait_for_server = wait_for_server
-        self._metadata = auth_metadata(admin_token)
+        self._metadata = auth_metadata(admin_token, api_key)
         self._replicas = Replicas(parse_addresses(addr))
         self._ready: set[str] = set()
         self._init_channels()
@@ -156,6 +158,9 @@ class LoraplaneClient(_ClientBase):
     Args:
         addr: ``HOST:PORT``, or several comma-separated (one per control-plane replica).
         admin_token: bearer token for admin calls (else ``$LORAPLANE_ADMIN_TOKEN``).
+        api_key: the inference API key of a control plane started with ``--api-key`` (else
+            ``$LORAPLANE_API_KEY``); sent when no admin token is known (the admin token passes
+            wherever the key does).
         timeout: deadline of each call attempt, seconds (None: none).
         connect_timeout: how long to wait for each replica to accept the connection, seconds.
         wait_for_server: keep waiting through connection failures until ``connect_timeout``.

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
-from loraplane.env import ENV_ADDR, ENV_ADMIN_TOKEN
+from loraplane.env import ENV_ADDR, ENV_ADMIN_TOKEN, ENV_API_KEY
 
 UINT32_MAX = 2**32 - 1  # ids and counts are uint32 on the wire
 UINT64_MAX = 2**64 - 1
@@ -196,6 +196,14 @@ def client_options(f: F) -> F:
             default=None,
             metavar="TOKEN",
             help=f"Bearer token for admin calls (env {ENV_ADMIN_TOKEN}).",
+        ),
+        click.option(
+            "--api-key",
+            envvar=ENV_API_KEY,
+            default=None,
+            metavar="KEY",
+            help=f"Inference API key of a control plane started with --api-key (env {ENV_API_KEY}); "
+            "the admin token, when given, is sent instead.",
         ),
         click.option(
             "--timeout",

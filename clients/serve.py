@@ -99,6 +99,8 @@ class ServeSpec:
         quiet: do not announce readiness on stderr.
         http_addr / metrics_addr / worker_metrics_addr: announced with readiness (None: off).
         worker_secret: passed to the worker in ``$LORAPLANE_WORKER_SECRET`` (None: not set).
+        api_key: the control plane's inference API key, sent by serve's own client (None: the
+            admin token from the environment, if any).
         backoff: restart timing of a worker that died after registering.
         worker_stop_grace_s: how long a stopping ``serve`` waits for its draining worker
             before SIGKILL (above the worker's ``--drain-timeout``).
@@ -110,6 +112,7 @@ class ServeSpec:
     worker_log: Path | None = None
     quiet: bool = False
     worker_secret: str | None = None
+    api_key: str | None = None
     backoff: RestartBackoff = RestartBackoff()
     http_addr: str | None = None
     metrics_addr: str | None = None
@@ -206,7 +209,10 @@ class _Supervisor(threading.Thread):
         try:
             # No per-call deadline: on_ready may generate on a slow CPU worker.
             with LoraplaneClient(
-                dial_addr(self.spec.cp_addr), wait_for_server=True, connect_timeout=self.spec.ready_timeout_s
+                dial_addr(self.spec.cp_addr),
+                wait_for_server=True,
+                connect_timeout=self.spec.ready_timeout_s,
+                api_key=self.spec.api_key,
             ) as client:
                 client.connect()
                 if not self._spawn_worker():

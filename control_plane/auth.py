@@ -1,12 +1,20 @@
-"""The admin bearer token: how it is configured, parsed and checked (gRPC and HTTP).
+"""The admin bearer token and the inference API key: how they are configured, parsed and
+checked (gRPC and HTTP).
 
 When a token is configured (``--admin-token`` or ``$LORAPLANE_ADMIN_TOKEN``), the methods in
 `ADMIN_METHODS` need ``authorization: Bearer <token>`` metadata, else UNAUTHENTICATED
 (`AdminAuthInterceptor`); the HTTP front's admin routes need the same header, else 401
 (`check_bearer`). Both read the header with `bearer_token` and compare in constant time with
-`loraplane.interceptors.secret_matches`. Every other method (reads, Generate) stays open;
-worker membership is guarded by the worker secret instead (`loraplane.worker_secret`). With no
-token configured nothing is checked.
+`loraplane.interceptors.secret_matches`. Worker membership is guarded by the worker secret
+instead (`loraplane.worker_secret`). With no token configured nothing is checked.
+
+The inference API key (``--api-key`` or ``$LORAPLANE_API_KEY``, as vLLM's and llama-server's
+``--api-key``): when configured, every other ``ControlPlane`` method (Generate, the reads, and
+the admin methods too) needs ``authorization: Bearer <key>`` (`ApiKeyInterceptor`), and so do
+the HTTP routes other than `OPEN_HTTP_PATHS` (``control_plane.http.api_key``). The admin token
+passes wherever the API key does (admin ⊇ inference); the admin methods still need the admin
+token when one is configured. The worker RPCs and the standard health and reflection services
+never need it. One key (as vLLM); compared in constant time.
 """
 
 from __future__ import annotations
@@ -14,8 +22,9 @@ from __future__ import annotations
 import enum
 import os
 
-from loraplane.env import ENV_ADMIN_TOKEN
+from loraplane.env import ENV_ADMIN_TOKEN, ENV_API_KEY
 from loraplane.interceptors import SharedSecretInterceptor, secret_matches
+from loraplane.worker_secret import WORKER_METHODS
 
 _SERVICE = "/loraplane.v1.ControlPlane/"
 ADMIN_METHODS = frozenset(
@@ -29,12 +38,31 @@ def admin_token_from(flag: str | None) -> str | None:
     return token or None
 
 
+def api_key_from(flag: str | None) -> str | None:
+    """The configured inference API key: the flag, else ``$LORAPLANE_API_KEY``; None (or
+    empty) disables the check."""
+    key = flag if flag else os.environ.get(ENV_API_KEY, "")
+    return key or None
+
+
+def needs_api_key(method: str) -> bool:
+    """Whether the full gRPC method name is guarded by the API key: every ``ControlPlane``
+    method except the worker RPCs (those carry the worker secret). Health and reflection live in
+    other services and stay open."""
+    return method.startswith(_SERVICE) and method not in WORKER_METHODS
+
+
 def bearer_token(authorization: str) -> str | None:
     """The token of an ``authorization`` value ``Bearer <token>`` (scheme in any case,
     surrounding blanks stripped); None for another scheme or an empty token."""
     scheme, _, token = authorization.partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
+
+
+OPEN_HTTP_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+"""HTTP paths served without the API key: probes, scrapes and the API's schema (vLLM leaves
+everything outside ``/v1`` open; we guard every other path, so routes added later are too)."""
 
 
 class BearerCheck(enum.Enum):
@@ -54,6 +82,16 @@ def check_bearer(authorization: str | None, token: str) -> BearerCheck:
     return BearerCheck.ACCEPTED if secret_matches(presented, token) else BearerCheck.REJECTED
 
 
+def check_api_key(authorization: str | None, api_key: str, admin_token: str | None) -> BearerCheck:
+    """`check_bearer` for the inference API key, the admin token accepted as well (both compared
+    in constant time, whichever matched); never raises."""
+    presented = bearer_token(authorization or "")
+    if presented is None:
+        return BearerCheck.MISSING
+    matches = [secret_matches(presented, s) for s in (api_key, admin_token) if s]
+    return BearerCheck.ACCEPTED if any(matches) else BearerCheck.REJECTED
+
+
 class AdminAuthInterceptor(SharedSecretInterceptor):
     """Refuses admin methods without the right bearer token (constant-time comparison)."""
 
@@ -64,4 +102,24 @@ class AdminAuthInterceptor(SharedSecretInterceptor):
             applies=ADMIN_METHODS.__contains__,
             what="admin token ('authorization: Bearer <token>')",
             extract=bearer_token,
+        )
+
+
+class ApiKeyInterceptor(SharedSecretInterceptor):
+    """Refuses the methods `needs_api_key` names without the API key or the admin token as
+    bearer token (UNAUTHENTICATED; constant-time comparison).
+
+    Args:
+        api_key: the inference key.
+        admin_token: also accepted (None: only the key).
+    """
+
+    def __init__(self, api_key: str, admin_token: str | None = None) -> None:
+        super().__init__(
+            api_key,
+            key="authorization",
+            applies=needs_api_key,
+            what="API key ('authorization: Bearer <key>')",
+            extract=bearer_token,
+            also=(admin_token,) if admin_token else (),
         )

@@ -58,6 +58,9 @@ class ControlPlaneConfig:
             scale to 0 (llama-server reports 1.0 there; we report the truth, 0).
         admin_token: bearer token for admin RPCs; None falls back to
             ``$LORAPLANE_ADMIN_TOKEN``; neither means admin RPCs are open.
+        api_key: bearer key for Generate, the reads and the HTTP API (not ``/health``,
+            ``/metrics``, gRPC health/reflection, worker RPCs); the admin token passes too.
+            None falls back to ``$LORAPLANE_API_KEY``; neither means inference is open.
         max_upload_bytes: larger RegisterAdapter uploads get RESOURCE_EXHAUSTED.
         heartbeat_interval_s / dead_after_missed: workers heartbeat every interval and are
             dead after this many intervals without one.
@@ -118,6 +121,7 @@ class ControlPlaneConfig:
     lora_scaled: tuple[tuple[str, float], ...] = ()
     lora_init_without_apply: bool = False
     admin_token: str | None = None
+    api_key: str | None = None
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     heartbeat_interval_s: float = 1.0
     dead_after_missed: int = 3

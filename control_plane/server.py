@@ -12,7 +12,8 @@ RegisterWorker/Heartbeat ≤ 4 (both answer in milliseconds: dialing a worker ha
 pool's own join threads), FetchAdapter ≤ ``max_fetches`` (default 4; its own cap, so a fetch
 storm never blocks heartbeats; a reader that stalls is cancelled after
 ``fetch_stall_timeout_s``, `control_plane.stall`). Reads, health and reflection are never
-capped and always find a thread. Interceptors, outermost first: admin token, the worker door
+capped and always find a thread. Interceptors, outermost first: the inference API key (every
+ControlPlane call but the worker RPCs; the admin token passes too), admin token, the worker door
 (`loraplane.worker_secret.worker_door`: the secret's guard; without a secret the worker RPCs
 are refused UNAUTHENTICATED unless ``insecure_workers``), decode guard (undecodable requests →
 INVALID_ARGUMENT), the caps.
@@ -33,7 +34,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, admin_token_from
+from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, ApiKeyInterceptor, admin_token_from, api_key_from
 from control_plane.base_model import default_model_path, load_base_model
 from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
 from control_plane.errors import DatabaseUnavailableError
@@ -236,6 +237,7 @@ def http_deps(state: ControlPlaneState) -> Any:
         tokenizer=tok,
         chat_template=template,
         admin_token=admin_token_from(state.config.admin_token),
+        api_key=api_key_from(state.config.api_key),
         metrics_text=state.metrics.exposition if state.metrics is not None else None,
         write_timeout_s=state.config.client_write_timeout_s,
         max_body_bytes=state.config.http_max_body_bytes,
@@ -276,6 +278,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     generate_watchdog = StallWatchdog(config.client_write_timeout_s, min_rate_bytes_s=0, kind="generate")
     state = build_state(config)
     token = admin_token_from(config.admin_token)
+    api_key = api_key_from(config.api_key)
     secret = worker_secret_from(config.worker_secret)
     limits = ConcurrencyLimitInterceptor(
         {
@@ -287,6 +290,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         hint=" (control plane: --max-streams / --max-threads / --max-fetches)",
     )
     interceptors = [
+        *([ApiKeyInterceptor(api_key, token)] if api_key else []),
         *([AdminAuthInterceptor(token)] if token else []),
         *worker_door(secret, config.insecure_workers),
         DecodeGuardInterceptor(),

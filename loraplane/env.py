@@ -8,6 +8,10 @@ ENV_ADDR = "LORAPLANE_ADDR"
 ENV_ADMIN_TOKEN = "LORAPLANE_ADMIN_TOKEN"
 """Bearer token for admin RPCs (register, unregister, default set)."""
 
+ENV_API_KEY = "LORAPLANE_API_KEY"
+"""Bearer key for inference and read calls (Generate, reads, the HTTP API's /v1 routes); the
+admin token passes wherever it does. Distinct from the admin token and the worker secret."""
+
 ENV_DEBUG = "LORAPLANE_DEBUG"
 """``1``: the CLI prints tracebacks for unexpected internal errors."""
 

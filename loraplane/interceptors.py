@@ -90,6 +90,8 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
         what: how refusals name the credential ("worker secret", ...).
         extract: turns the metadata value into the presented secret (e.g. strip ``Bearer``);
             None from it counts as absent.
+        also: further secrets accepted in the same place (the admin token where the inference
+            API key is asked for); each is compared, in constant time, whatever matched first.
 
     Refusal: UNAUTHENTICATED, message naming the method and the missing/rejected credential
     (never echoing what was presented).
@@ -103,10 +105,11 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
         applies: MethodPredicate,
         what: str,
         extract: Callable[[str], str | None] = lambda v: v,
+        also: Sequence[str] = (),
     ) -> None:
-        if not secret:
+        if not secret or not all(also):
             raise ValueError(f"{what}: an empty secret would accept anyone")
-        self._secret = secret
+        self._secrets = (secret, *also)
         self._key = key
         self._applies = applies
         self._what = what
@@ -127,7 +130,7 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
                 event="unauthenticated_call",
                 method=method,
             )
-        if not secret_matches(presented, self._secret):
+        if not any([secret_matches(presented, s) for s in self._secrets]):  # a list: compare every one
             return refusal(
                 handler,
                 grpc.StatusCode.UNAUTHENTICATED,

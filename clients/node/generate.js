@@ -5,8 +5,9 @@
 //
 //   node clients/node/generate.js --addr HOST:PORT --prompt TEXT [--lora ID=SCALE]...
 //                                 [--no-lora] [--prompt-tokens ID,ID,...] [--max-tokens N]
-//                                 [--temperature T] [--seed S] [--stream]
+//                                 [--temperature T] [--seed S] [--stream] [--api-key KEY]
 //
+// --api-key (default $LORAPLANE_API_KEY): the control plane's inference API key.
 // No --lora and no --no-lora: the control plane's default adapter set; --no-lora: no adapters;
 // --lora: exactly those adapters, every other one at 0. --stream echoes token pieces to stderr
 // as they arrive. Exit codes as the loraplane CLI: 0 ok, 1 server refused (error JSON on
@@ -16,7 +17,8 @@ const { parseArgs } = require('util');
 const { generate, LoraplaneError, ServerUnreachable } = require('./loraplane');
 
 const USAGE = 'usage: generate.js --addr HOST:PORT (--prompt TEXT | --prompt-tokens ID,ID,...) '
-  + '[--lora ID=SCALE]... [--no-lora] [--max-tokens N] [--temperature T] [--seed S] [--stream]';
+  + '[--lora ID=SCALE]... [--no-lora] [--max-tokens N] [--temperature T] [--seed S] [--stream] '
+  + '[--api-key KEY]';
 
 class UsageError extends Error {}
 
@@ -51,6 +53,7 @@ function parseCommandLine(argv) {
         temperature: { type: 'string', default: '0' },
         seed: { type: 'string' },
         stream: { type: 'boolean', default: false },
+        'api-key': { type: 'string', default: process.env.LORAPLANE_API_KEY || '' },
         help: { type: 'boolean', short: 'h', default: false },
       },
       strict: true,
@@ -88,6 +91,7 @@ function parseCommandLine(argv) {
   return {
     addr: values.addr,
     stream: values.stream,
+    apiKey: values['api-key'],
     request: {
       prompt: values.prompt,
       promptTokens,
@@ -114,7 +118,7 @@ async function main() {
   }
   const onToken = cmd.stream ? (tok) => process.stderr.write(tok.text) : undefined;
   try {
-    const result = await generate(cmd.addr, cmd.request, { onToken });
+    const result = await generate(cmd.addr, cmd.request, { onToken, apiKey: cmd.apiKey });
     if (cmd.stream) process.stderr.write('\n');
     process.stdout.write(`${JSON.stringify({ text: result.text, token_ids: result.token_ids })}\n`);
     return 0;

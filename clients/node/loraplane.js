@@ -104,9 +104,19 @@ function generateRequest({ prompt, promptTokens, adapters, maxTokens = 16, tempe
   return req;
 }
 
+// Call metadata carrying `authorization: Bearer <apiKey>` (a control plane started with
+// --api-key; its admin token passes too); empty metadata when apiKey is empty/undefined.
+function authMetadata(apiKey) {
+  const md = new grpc.Metadata();
+  if (apiKey) md.set('authorization', `Bearer ${apiKey}`);
+  return md;
+}
+
 // Stream a generation. onToken(tokenEvent) is called for every token as it arrives.
+// apiKey: the control plane's --api-key (default: $LORAPLANE_API_KEY).
 // Resolves with {text, token_ids, prompt_token_ids, finish_reason, telemetry}.
-async function generate(addr, options, { onToken, connectTimeoutMs = 5000 } = {}) {
+async function generate(addr, options, { onToken, connectTimeoutMs = 5000,
+                                         apiKey = process.env.LORAPLANE_API_KEY } = {}) {
   const client = createClient(addr);
   try {
     await waitReady(client, addr, connectTimeoutMs);
@@ -115,7 +125,7 @@ async function generate(addr, options, { onToken, connectTimeoutMs = 5000 } = {}
                        telemetry: null };
       const pieces = [];
       let finished = false;
-      const call = client.Generate(generateRequest(options));
+      const call = client.Generate(generateRequest(options), authMetadata(apiKey));
       call.on('data', (ev) => {
         if (ev.event === 'started') {
           result.prompt_token_ids = ev.started.prompt_token_ids.map(Number);
@@ -148,6 +158,7 @@ module.exports = {
   ServerUnreachable,
   PROTO_ROOT,
   adapterMap,
+  authMetadata,
   createClient,
   generate,
   generateRequest,

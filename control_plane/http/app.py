@@ -6,7 +6,8 @@ Routes, one module per concern:
     server-sent events from `streaming`);
   * ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (`admin`: bearer token when
     one is configured, as on gRPC);
-  * ``GET /health``, ``GET /metrics`` (`health`).
+  * ``GET /health``, ``GET /metrics`` (`health`): open even when an API key guards the rest
+    (`api_key`).
 Every error is OpenAI's JSON shape (`errors.install_error_handlers`).
 
 Request bodies are bounded before they are read (`BodySizeLimit`, ``--http-max-body-bytes``):
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control_plane.http.admin import admin_router
+from control_plane.http.api_key import ApiKeyAuth
 from control_plane.http.completions import completions_router
 from control_plane.http.deps import DEFAULT_MAX_BODY_BYTES, HttpDeps
 from control_plane.http.errors import OpenAIError, http_error, install_error_handlers
@@ -164,7 +166,9 @@ async def _send_error(send: Send, err: OpenAIError) -> None:
 
 def create_app(deps: HttpDeps) -> FastAPI:
     """The HTTP front over ``deps`` (no docs or OpenAPI routes), its bodies bounded by
-    ``deps.max_body_bytes`` (`BodySizeLimit`); serve it with `server.HttpServer`."""
+    ``deps.max_body_bytes`` (`BodySizeLimit`) and, with ``deps.api_key``, its routes other
+    than ``/health`` and ``/metrics`` behind the API key (`api_key.ApiKeyAuth`); serve it with
+    `server.HttpServer`."""
     app = FastAPI(title="loraplane", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.include_router(health_router(deps))
@@ -172,4 +176,6 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app.include_router(completions_router(deps))
     app.include_router(admin_router(deps))
     app.add_middleware(BodySizeLimit, max_bytes=deps.max_body_bytes)
+    if deps.api_key:  # added last: outermost, so an unauthenticated request reaches nothing
+        app.add_middleware(ApiKeyAuth, api_key=deps.api_key, admin_token=deps.admin_token)
     return app

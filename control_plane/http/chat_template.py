@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
@@ -245,6 +246,16 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         return env.from_string(self.text)
+
+    def references(self, name: str) -> bool:
+        """Whether the template reads the variable ``name`` (jinja2's
+        ``meta.find_undeclared_variables``; transformers tells a tool-aware template by its
+        reading ``tools``). False for a template that does not parse."""
+        try:
+            ast = self._compiled.environment.parse(self.text)
+        except jinja2.TemplateError:
+            return False
+        return name in jinja2.meta.find_undeclared_variables(ast)
 
     def render(
         self,

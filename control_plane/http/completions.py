@@ -8,7 +8,9 @@ exactly like a gRPC handler. Nothing proportional to the body's size runs on the
 The body is JSON whatever its ``Content-Type`` (``curl -d`` sends a form type; llama-server
 accepts it too). ``model`` (or the ``lora`` extension) picks the adapters
 (`models.resolve_model`); chat messages are rendered with the model's chat template and
-tokenized with special tokens parsed and nothing added (BOS is the template's).
+tokenized with special tokens parsed and nothing added (BOS is the template's). ``tools`` go
+into the template when it renders them, and the answer's ``<tool_call>`` blocks come back as
+``tool_calls`` (`tools`).
 
 Input is sized before it costs anything (the gRPC path's rule, `deps.prompt_byte_limit`): a text
 prompt or a conversation's content over ``max_prompt_bytes`` UTF-8 bytes is a 400 before any
@@ -39,6 +41,7 @@ from control_plane.http.schemas import (
     parse_body,
 )
 from control_plane.http.streaming import CompletionStream, RelayResponse
+from control_plane.http.tools import check_tools, template_message
 from loraplane.v1 import common_pb2
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16
@@ -198,8 +201,11 @@ def chat_prompt_ids(
     *,
     max_prompt_bytes: int | None = None,
     n_ctx: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The chat prompt's token ids: messages rendered with ``template``, then tokenized.
+    """The chat prompt's token ids: messages (assistant ``tool_calls`` arguments as objects,
+    `tools.template_message`) and ``tools`` (None: not passed) rendered with ``template``, then
+    tokenized.
 
     Sizes first: the messages' content (all text parts, UTF-8 bytes) must fit
     ``max_prompt_bytes`` before the template runs; the template renders under its time and
@@ -212,7 +218,7 @@ def chat_prompt_ids(
             template refuses it (its ``raise_exception``), fails, recurses too deep or passes its
             time or output bound.
     """
-    messages = [flatten_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    messages = [template_message(flatten_message(m.model_dump(exclude_none=True))) for m in body.messages]
     total = 0
     for m in messages:
         content = m.get("content")
@@ -223,6 +229,7 @@ def chat_prompt_ids(
         prompt = template.render(
             messages,
             add_generation_prompt=body.add_generation_prompt,
+            tools=tools,
             max_chars=max_prompt_bytes if max_prompt_bytes is not None else RENDER_MAX_CHARS,
         )
     except ChatTemplateError as exc:
@@ -236,10 +243,16 @@ def chat_prompt_ids(
 
 
 def respond(
-    deps: HttpDeps, request: common_pb2.GenerateRequest, body: SamplingFields, *, chat: bool, logprobs: int | None
+    deps: HttpDeps,
+    request: common_pb2.GenerateRequest,
+    body: SamplingFields,
+    *,
+    chat: bool,
+    logprobs: int | None,
+    tool_calls: bool = False,
 ) -> Response:
     """Run ``request`` through the router and answer: the full JSON body, or (``stream``) a
-    server-sent-event stream. ``logprobs`` as `CompletionStream`'s.
+    server-sent-event stream. ``logprobs`` and ``tool_calls`` as `CompletionStream`'s.
 
     Raises:
         OpenAIError: the router failed (before the first token, when streaming).
@@ -254,6 +267,7 @@ def respond(
         chat=chat,
         logprobs=logprobs,
         token_text=token_text_of(deps.tokenizer),
+        tool_calls=tool_calls,
     )
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return RelayResponse(
@@ -304,9 +318,15 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         body = parse_body(raw, ChatCompletionRequest)
         body.check()
         template = chat_template_of(deps)
+        tools = check_tools(body.tools, body.tool_choice, template)
         adapters = adapters_for(body, deps)
         ids = chat_prompt_ids(
-            body, template, deps.tokenizer, max_prompt_bytes=deps.prompt_max_bytes(), n_ctx=deps.prompt_n_ctx()
+            body,
+            template,
+            deps.tokenizer,
+            max_prompt_bytes=deps.prompt_max_bytes(),
+            n_ctx=deps.prompt_n_ctx(),
+            tools=tools,
         )
         n_top = body.top_logprobs or 0
         request = build_request(
@@ -318,6 +338,8 @@ def completions_router(deps: HttpDeps) -> APIRouter:
             logprobs=n_top,
             **sampling_of(body),
         )
-        return respond(deps, request, body, chat=True, logprobs=n_top if body.logprobs else None)
+        return respond(
+            deps, request, body, chat=True, logprobs=n_top if body.logprobs else None, tool_calls=tools is not None
+        )
 
     return router

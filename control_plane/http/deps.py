@@ -62,6 +62,8 @@ class HttpDeps:
             base model has none.
         chat_template: None → chat requests get a 400.
         admin_token: None → admin routes are open.
+        api_key: the inference API key every route but ``/health`` and ``/metrics`` needs (the
+            admin token passes too; `api_key.ApiKeyAuth`); None → open.
         metrics_text: the control plane's ``/metrics`` exposition (bytes, content type);
             None → ``/metrics`` is a 404.
         write_timeout_s: seconds one response write may wait for a client that reads
@@ -109,5 +111,6 @@ class HttpDeps:
         return max(1, (int(n_ctx) - 1) * self.max_piece)
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = None
     max_prompt_bytes: int | None = None
     n_ctx: int | None = None

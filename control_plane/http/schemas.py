@@ -4,7 +4,8 @@ Omitted parameters take OpenAI's defaults, as vLLM does: ``temperature`` 1, ``to
 ``max_tokens`` 16 for completions and "until the context is full" for chat. Parameters
 loraplane does not implement are refused with a 400 naming them (`SamplingFields.check`):
 ``n`` > 1, ``best_of`` > 1, non-zero ``presence_penalty`` / ``frequency_penalty``,
-``repetition_penalty`` ≠ 1, ``logit_bias``, ``echo``, ``suffix``, tools and structured output.
+``repetition_penalty`` ≠ 1, ``logit_bias``, ``echo``, ``suffix`` and structured output
+(``tools`` / ``tool_choice`` are checked against the chat template: `tools.check_tools`).
 Unknown fields are ignored (clients send vendor extras freely). Every string of a body, keys
 included, must be valid Unicode: a lone surrogate is a 400 ``invalid_unicode`` naming the field
 (`HttpBody`).
@@ -347,13 +348,9 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
-        """`SamplingFields.check`, plus tools, structured output and ``top_logprobs``
-        without ``logprobs``."""
+        """`SamplingFields.check`, plus structured output and ``top_logprobs`` without
+        ``logprobs`` (``tools`` need the template: `tools.check_tools`)."""
         super().check()
-        if self.tools:
-            raise unsupported("tools", "tool calling is not implemented")
-        if self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", "tool calling is not implemented")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise unsupported("response_format", "structured output is not implemented")
         if self.top_logprobs and not self.logprobs:

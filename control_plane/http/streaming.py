@@ -17,6 +17,14 @@ events, then ``finished``), read through `generation.fold`. Output, for ``/v1/co
   4. with ``stream_options.include_usage``: a chunk with empty ``choices`` and ``usage``;
   5. ``data: [DONE]``.
 
+Tool calls (chat with ``tools``, `tools.ToolCallParser`): the generated text goes through the
+parser. Non-streaming, the message gets ``content`` (None when the answer is only calls) and
+``tool_calls``; streaming, a token's chunk carries the content the parser released (a chunk
+with nothing released is left out, unless it carries log-probs: then its delta is ``{}``), and a
+call goes out whole, as one ``{"tool_calls": [{"index", "id", "type", "function": {"name",
+"arguments"}}]}`` delta, when its closing tag arrives (what is held at the end is released with
+the finish). ``finish_reason`` is ``"tool_calls"`` when the answer holds a call (vLLM's rule).
+
 Errors: a control-plane error before the first token raises `OpenAIError` (the response keeps
 its HTTP status); one after it becomes a ``data: {"error": …}`` event in OpenAI's error shape,
 followed by ``[DONE]`` (no usage chunk). The worker call is cancelled when the response is
@@ -46,6 +54,7 @@ from control_plane.errors import ControlPlaneError
 from control_plane.http import responses as R
 from control_plane.http.errors import from_control_plane
 from control_plane.http.generation import Outcome, TokenOut, fold
+from control_plane.http.tools import ToolCallParser, ToolDelta, split_tool_calls
 from loraplane.v1 import common_pb2
 
 log = structlog.get_logger("loraplane.control_plane.http.streaming")
@@ -76,6 +85,7 @@ class CompletionStream:
         logprobs: None → no log-probs; ``n`` → each token's log-prob with its ``n`` most
             likely alternatives (0: none; completions then list the chosen token alone).
         token_text: token id → text shown in log-probs.
+        tool_calls: chat only: parse ``<tool_call>`` blocks out of the text (module docstring).
     """
 
     def __init__(
@@ -89,6 +99,7 @@ class CompletionStream:
         chat: bool,
         logprobs: int | None,
         token_text: R.TokenText,
+        tool_calls: bool = False,
     ) -> None:
         self.outcome = Outcome()
         self._items = fold(iter(events), self.outcome)
@@ -101,6 +112,7 @@ class CompletionStream:
         self._token_text = token_text
         self._streamed: list[str] = []  # token pieces sent so far
         self._streamed_chars = 0
+        self._tools = ToolCallParser() if tool_calls and chat else None
 
     def close(self) -> None:
         """Cancel the worker call and release its capacity (nothing happens when it already
@@ -129,6 +141,12 @@ class CompletionStream:
         out = self.outcome
         make = R.chat_body if self.chat else R.completion_body
         body = make(self.request_id, self.created, self.model, out, self._logprobs_of(out.tokens))
+        if self._tools is not None:
+            content, calls = split_tool_calls(out.text)
+            if calls:
+                choice = body["choices"][0]
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
         if return_token_ids:
             body["prompt_token_ids"] = out.prompt_token_ids
             body["choices"][0]["token_ids"] = [t.token_id for t in out.tokens]
@@ -160,7 +178,9 @@ class CompletionStream:
             yield R.sse(self._role_chunk())
         try:
             for item in itertools.chain([first], self._items):
-                yield R.sse(self._finish_chunk() if item is None else self._token_chunk(item))
+                chunk = self._finish_chunk() if item is None else self._token_chunk(item)
+                if chunk is not None:
+                    yield R.sse(chunk)
             if include_usage:
                 yield R.sse(self._usage_chunk())
         except ControlPlaneError as exc:
@@ -174,12 +194,18 @@ class CompletionStream:
     def _role_chunk(self) -> dict[str, Any]:
         return R.chat_chunk(self.request_id, self.created, self.model, {"role": "assistant", "content": ""}, None, None)
 
-    def _token_chunk(self, token: TokenOut) -> dict[str, Any]:
-        """One generated token: its piece and (when asked for) its log-probs."""
+    def _token_chunk(self, token: TokenOut) -> dict[str, Any] | None:
+        """One generated token: its piece and (when asked for) its log-probs; with tool calls,
+        what the parser released (None: nothing to send)."""
         offset = self._streamed_chars
         self._streamed.append(token.text)
         self._streamed_chars += len(token.text)
         logprobs = self._logprobs_of([token], offset)
+        if self._tools is not None:
+            delta = self._tool_delta(self._tools.feed(token.text))
+            if not delta and logprobs is None:
+                return None
+            return R.chat_chunk(self.request_id, self.created, self.model, delta, logprobs, None)
         if self.chat:
             return R.chat_chunk(self.request_id, self.created, self.model, {"content": token.text}, logprobs, None)
         return R.completion_chunk(self.request_id, self.created, self.model, token.text, logprobs, None)
@@ -189,10 +215,29 @@ class CompletionStream:
         out = self.outcome
         streamed = "".join(self._streamed)
         rest = out.text[len(streamed) :] if out.text.startswith(streamed) else ""
+        if self._tools is not None:
+            fed, tail = self._tools.feed(rest), self._tools.finish()
+            delta = self._tool_delta(fed, tail)
+            reason = "tool_calls" if self._tools.calls else out.finish_reason
+            return R.chat_chunk(self.request_id, self.created, self.model, delta, None, reason)
         if self.chat:
             delta = {"content": rest} if rest else {}
             return R.chat_chunk(self.request_id, self.created, self.model, delta, None, out.finish_reason)
         return R.completion_chunk(self.request_id, self.created, self.model, rest, None, out.finish_reason)
+
+    def _tool_delta(self, *steps: ToolDelta) -> dict[str, Any]:
+        """A chat delta of what the tool parser released: ``content`` and/or ``tool_calls``
+        (indexed in the order calls were made); ``{}`` when nothing."""
+        made = self._tools.calls if self._tools is not None else []
+        content = "".join(s.content for s in steps)
+        calls = [c for s in steps for c in s.calls]
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            first = len(made) - len(calls)
+            delta["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(calls)]
+        return delta
 
     def _usage_chunk(self) -> dict[str, Any]:
         kind = CHAT_CHUNK if self.chat else COMPLETION_CHUNK

@@ -8,10 +8,14 @@ client over the OpenAI-compatible HTTP API.
   starts with "Arr!"); the base model answers in ordinary case.
 - Cache isolation across adapter sets: base → shout → base on one prompt gives the base
   answer and log-probs twice (the prefix cache never hands shout's KV to a base request).
+- Tools: ``tools`` are rendered by Qwen's template (the prompt the worker ran holds them), a
+  history of tool calls and results renders as transformers would, and the answer goes through
+  the hermes ``<tool_call>`` parser.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import openai
@@ -102,3 +106,75 @@ def test_chat_stops_at_im_end(serve) -> None:
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 16
     assert "<|im_end|>" not in r.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def tok(qwen_model_path: Path):
+    """Qwen's tokenizer, to read the prompts the worker ran (``return_token_ids``)."""
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(read_gguf(qwen_model_path))
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tools_are_rendered_and_the_answer_parsed_as_hermes(serve, tok) -> None:
+    """``tools`` reach the model through Qwen's own template (the tool definitions and the
+    ``<tool_call>`` instructions are in the prompt the worker ran); the answer goes through the
+    hermes parser. This 0.5B model answers with the call's JSON but without the ``<tool_call>``
+    tags (at temperature 0, whatever the prompt), so, as with vLLM's hermes parser, it stays
+    ``content``: the tagged path is covered by tests/unit/test_tool_calls.py."""
+    assert tok.token_bytes(151657) == b"<tool_call>"  # a user-defined token: the worker emits its text
+    client = openai.OpenAI(base_url=serve.http + "/v1", api_key="x", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    kw = {"model": "qwen", "messages": messages, "tools": [WEATHER_TOOL], "temperature": 0, "max_tokens": 40}
+    r = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+    prompt = tok.decode(r.model_extra["prompt_token_ids"], skip_special=False)
+    assert f"<tools>\n{json.dumps(WEATHER_TOOL)}\n</tools>" in prompt
+    assert prompt.endswith(f"<|im_start|>user\n{messages[0]['content']}<|im_end|>\n<|im_start|>assistant\n")
+    choice = r.choices[0]
+    assert json.loads(choice.message.content) == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    # streamed: the same text, no tool calls
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_tool_history_is_rendered_and_forcing_a_call_is_refused(serve, tok) -> None:
+    client = openai.OpenAI(base_url=serve.http + "/v1", api_key="x", max_retries=0, timeout=300)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}
+    messages = [
+        {"role": "user", "content": "What is the weather in Tokyo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 18}'},
+    ]
+    r = client.chat.completions.create(
+        model="qwen",
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        temperature=0,
+        max_tokens=1,
+        extra_body={"return_token_ids": True},
+    )
+    prompt = tok.decode(r.model_extra["prompt_token_ids"], skip_special=False)
+    assert prompt.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>'
+        '<|im_end|>\n<|im_start|>user\n<tool_response>\n{"temperature_c": 18}\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\n"
+    )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="qwen", messages=messages[:1], tools=[WEATHER_TOOL], tool_choice="required", max_tokens=4
+        )
+    assert err.value.body["param"] == "tool_choice" and err.value.body["code"] == "unsupported_parameter"

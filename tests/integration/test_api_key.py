@@ -1,0 +1,213 @@
+"""The inference API key (``--api-key``) against a real ``loraplane control-plane`` process with
+its HTTP front and metrics on (no worker: whether a call passed the key shows in what it
+answers): the official ``openai`` client, plain HTTP, gRPC stubs, the Python client and CLI.
+
+- missing or wrong key → HTTP 401 ``invalid_api_key`` / gRPC UNAUTHENTICATED;
+- the key → served (``/v1/models`` lists the base model; Generate reaches routing: UNAVAILABLE,
+  no live worker);
+- the admin token → served wherever the key is (admin ⊇ inference); admin calls still need
+  the admin token, not the key;
+- ``/health``, ``/metrics``, gRPC health and the worker RPCs never ask for the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
+from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
+from tests.live_servers import wait_until
+from tests.serve_helpers import free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "inference-key-1"
+ADMIN = "admin-token-1"
+BASE = "gemma-3-270m-q4_k_m"
+
+
+class Plane:
+    def __init__(self, proc: subprocess.Popen, grpc_addr: str, http: str, metrics: str) -> None:
+        self.proc, self.grpc_addr, self.http, self.metrics = proc, grpc_addr, http, metrics
+
+
+def _get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory, base_model_path: Path):
+    tmp = tmp_path_factory.mktemp("api-key")
+    grpc_addr, http_addr, metrics_addr = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLANE_")}
+    env.update(PYTHONPATH=str(ROOT), LORAPLANE_API_KEY=API_KEY)  # the key from the environment
+    log = tmp / "cp.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "clients.cli", "control-plane", "--addr", grpc_addr),
+                *("--data-dir", str(tmp / "data"), "--model", str(base_model_path), "--admin-token", ADMIN),
+                *("--http-addr", http_addr, "--metrics-addr", metrics_addr, "--insecure-workers"),
+                *("--log-level", "warning"),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    p = Plane(proc, grpc_addr, f"http://{http_addr}", f"http://{metrics_addr}/metrics")
+    try:
+
+        def up() -> bool:
+            try:
+                return _get(p.http + "/health")[0] == 200
+            except OSError:
+                return proc.poll() is not None  # exited: stop waiting, the assert says why
+
+        assert wait_until(up, timeout=120, interval=0.2) and proc.poll() is None, log.read_text(errors="replace")
+        yield p
+    finally:
+        proc.kill()  # its shutdown is not under test here (and a polite one costs seconds)
+        proc.wait(30)
+
+
+def _openai(plane: Plane, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=plane.http + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_http_needs_the_key(plane: Plane) -> None:
+    for key in ("wrong-key", API_KEY + "x"):
+        with pytest.raises(openai.AuthenticationError) as err:
+            _openai(plane, key).models.list()
+        assert err.value.status_code == 401
+        assert err.value.body["code"] == "invalid_api_key" and err.value.body["type"] == "authentication_error"
+        assert err.value.body["message"] == "API key rejected"
+    # no Authorization header at all (the openai client always sends one)
+    status, body = _get(plane.http + "/v1/models")
+    assert status == 401
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert "Authorization: Bearer <key>" in json.loads(body)["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        _openai(plane, "wrong").completions.create(model=BASE, prompt="hi", max_tokens=1)
+
+
+def test_http_key_and_admin_token_are_served(plane: Plane) -> None:
+    for key in (API_KEY, ADMIN):
+        assert [m.id for m in _openai(plane, key).models.list().data] == [BASE]
+        # past the key: routing answers (no live worker yet), not authentication
+        with pytest.raises(openai.APIStatusError) as err:
+            _openai(plane, key).completions.create(model=BASE, prompt="hi", max_tokens=1)
+        assert err.value.status_code == 503
+
+
+def test_admin_routes_need_the_admin_token_not_the_key(plane: Plane) -> None:
+    def load(token: str) -> int:
+        req = urllib.request.Request(
+            plane.http + "/v1/load_lora_adapter",
+            data=json.dumps({"lora_name": "x", "lora_path": "/nonexistent.gguf"}).encode(),
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert load(API_KEY) == 401  # the admin check, after the key passed
+    assert load(ADMIN) == 403  # past both checks: the path is refused (no --adapter-dir)
+
+
+def test_health_and_metrics_stay_open(plane: Plane) -> None:
+    assert _get(plane.http + "/health") == (200, b"{}")
+    status, body = _get(plane.http + "/metrics")
+    assert status == 200 and b"# TYPE" in body
+    assert _get(plane.metrics)[0] == 200
+    with grpc.insecure_channel(plane.grpc_addr) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpc_needs_the_key(plane: Plane) -> None:
+    with grpc.insecure_channel(plane.grpc_addr) as ch:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+        req = common_pb2.GenerateRequest(text="hi")
+        for md in ((), (("authorization", "Bearer wrong"),), (("authorization", f"Basic {API_KEY}"),)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ListAdapters(common_pb2.Empty(), metadata=md, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "API key" in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(req, metadata=md, timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for token in (API_KEY, ADMIN):
+            md = (("authorization", f"Bearer {token}"),)
+            assert list(stub.ListAdapters(common_pb2.Empty(), metadata=md, timeout=10).adapters) == []
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(req, metadata=md, timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # served: no live worker
+        # an admin call: the key passes the key check but not the admin one
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SetDefaultAdapters(common_pb2.AdapterMap(), metadata=(("authorization", f"Bearer {API_KEY}"),))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "admin token" in err.value.details()
+        # worker RPCs carry the worker secret, not the key (this plane: --insecure-workers)
+        try:
+            stub.RegisterWorker(control_plane_pb2.WorkerHello(worker_id="", addr=""), timeout=10)
+        except grpc.RpcError as exc:
+            assert exc.code() != grpc.StatusCode.UNAUTHENTICATED, exc.details()
+
+
+def test_python_client_and_cli_send_the_key(plane: Plane, monkeypatch) -> None:
+    monkeypatch.delenv("LORAPLANE_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("LORAPLANE_API_KEY", raising=False)
+    with LoraplaneClient(plane.grpc_addr, timeout=10) as lp, pytest.raises(LoraplaneError) as err:
+        lp.list_adapters()
+    assert err.value.code == "UNAUTHENTICATED"
+    with LoraplaneClient(plane.grpc_addr, timeout=10, api_key=API_KEY) as lp:
+        assert lp.list_adapters() == []
+    monkeypatch.setenv("LORAPLANE_API_KEY", API_KEY)
+    with LoraplaneClient(plane.grpc_addr, timeout=10) as lp:  # the key from the environment
+        assert lp.list_adapters() == []
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "clients.cli", "adapters", "list", "--addr", plane.grpc_addr, "--json"]
+    r = subprocess.run([*cmd, "--api-key", API_KEY], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout) == {"adapters": []}
+
+
+@pytest.mark.slow  # needs node and the npm packages, as tests/integration/test_node_client.py
+def test_node_client_sends_the_key(plane: Plane) -> None:
+    node_dir = ROOT / "clients" / "node"
+    if shutil.which("node") is None or not (node_dir / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.fail("node and `npm install --prefix clients/node` are needed (scripts/install.sh --with-node)")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+    def node(*flags: str) -> tuple[int, dict]:
+        cmd = ["node", str(node_dir / "generate.js"), "--addr", plane.grpc_addr, "--prompt", "hi", *flags]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        return r.returncode, json.loads(r.stdout.strip().splitlines()[-1])
+
+    code, out = node()
+    assert code == 1 and out["error"]["code"] == "UNAUTHENTICATED"
+    code, out = node("--api-key", API_KEY)
+    assert code == 1 and out["error"]["code"] == "UNAVAILABLE"  # served: no live worker
