@@ -12,7 +12,8 @@ RegisterWorker/Heartbeat ≤ 4 (both answer in milliseconds: dialing a worker ha
 pool's own join threads), FetchAdapter ≤ ``max_fetches`` (default 4; its own cap, so a fetch
 storm never blocks heartbeats; a reader that stalls is cancelled after
 ``fetch_stall_timeout_s``, `control_plane.stall`). Reads, health and reflection are never
-capped and always find a thread. Interceptors, outermost first: admin token, the worker door
+capped and always find a thread. Interceptors, outermost first: status details bounded
+(`loraplane.status_details`: no message outgrows a client's metadata limit), admin token, the worker door
 (`loraplane.worker_secret.worker_door`: the secret's guard; without a secret the worker RPCs
 are refused UNAUTHENTICATED unless ``insecure_workers``), decode guard (undecodable requests →
 INVALID_ARGUMENT), the caps.
@@ -49,6 +50,7 @@ from control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.logging import configure_logging
+from loraplane.status_details import BoundedStatusInterceptor
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 from loraplane.worker_secret import (
     FETCH_METHODS,
@@ -284,6 +286,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         hint=" (control plane: --max-streams / --max-threads / --max-fetches)",
     )
     interceptors = [
+        BoundedStatusInterceptor(),
         *([AdminAuthInterceptor(token)] if token else []),
         *worker_door(secret, config.insecure_workers),
         DecodeGuardInterceptor(),
