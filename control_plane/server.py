@@ -32,7 +32,6 @@ from typing import Any
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, admin_token_from
 from control_plane.base_model import default_model_path, load_base_model
@@ -43,15 +42,16 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.registry import AdapterRegistry, served_base_name
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
-from control_plane.servicer import ControlPlaneServicer
+from control_plane.servicer import ControlPlaneServicer, WorkerMembershipServicer
 from control_plane.stall import StallWatchdog
 from control_plane.store import AdapterStore, open_store
 from control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.logging import configure_logging
+from loraplane.reflection import enable_reflection
 from loraplane.status_details import BoundedStatusInterceptor
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, membership_pb2, membership_pb2_grpc
 from loraplane.worker_secret import (
     FETCH_METHODS,
     MEMBERSHIP_METHODS,
@@ -66,6 +66,7 @@ log = structlog.get_logger("loraplane.control_plane.server")
 
 CONTROL_PLANE_SERVICE = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 GENERATE_METHOD = f"/{CONTROL_PLANE_SERVICE}/Generate"
+MEMBERSHIP_SERVICE = membership_pb2.DESCRIPTOR.services_by_name["WorkerMembership"].full_name
 
 
 @dataclass
@@ -313,13 +314,16 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
             state.pool,
             state.router,
             state.replicas,
-            fetch_watchdog=state.fetch_watchdog,
             generate_watchdog=generate_watchdog,
         ),
         server,
     )
+    membership_pb2_grpc.add_WorkerMembershipServicer_to_server(
+        WorkerMembershipServicer(state.registry, state.pool, state.replicas, fetch_watchdog=state.fetch_watchdog),
+        server,
+    )
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
-    reflection.enable_server_reflection((CONTROL_PLANE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection((CONTROL_PLANE_SERVICE, MEMBERSHIP_SERVICE, health.SERVICE_NAME), server)
     try:
         port = _bind(server, config)
         start_side_servers(state)

@@ -31,10 +31,10 @@ from concurrent import futures
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
+from loraplane.reflection import enable_reflection
 from loraplane.status_details import BoundedStatusInterceptor
 from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import worker_guard, worker_secret_from
@@ -92,9 +92,7 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     servicer = WorkerServicer(engine)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     port = server.add_insecure_port(config.addr)
     if port == 0:
         engine.close()
