@@ -50,6 +50,23 @@ JAVA_JARS = ("protobuf", "grpc-api", "grpc-stub", "grpc-protobuf", "grpc-protobu
 JAVA_ANNOTATIONS = "geronimo-annotation-1.3-spec"  # javax.annotation.Generated (grpc-java's stubs)
 
 
+@pytest.fixture(scope="module")
+def cp(tmp_path_factory, base_model_path: Path):
+    """One real control plane for the module (worker secret set, no worker)."""
+    from control_plane.server import ControlPlaneConfig
+    from tests.control_plane_helpers import ControlPlane
+    from tests.live_servers import WORKER_SECRET
+
+    data = tmp_path_factory.mktemp("proto-clients") / "data"
+    server = ControlPlane(
+        ControlPlaneConfig(
+            addr="127.0.0.1:0", data_dir=str(data), model_path=str(base_model_path), worker_secret=WORKER_SECRET
+        )
+    )
+    yield server
+    server.stop()
+
+
 def _reflect(addr: str, pb2, service: str, **request) -> list:
     """Send one ServerReflectionRequest over the raw ``service`` path; the responses."""
     with grpc.insecure_channel(addr) as channel:
@@ -65,16 +82,14 @@ def _reflect(addr: str, pb2, service: str, **request) -> list:
     ("pb2", "service"),
     [(v1_pb2, "grpc.reflection.v1.ServerReflection"), (v1alpha_pb2, "grpc.reflection.v1alpha.ServerReflection")],
 )
-def test_reflection_lists_both_services(start_control_plane, pb2, service: str) -> None:
-    cp = start_control_plane()
+def test_reflection_lists_both_services(cp, pb2, service: str) -> None:
     [response] = _reflect(cp.addr, pb2, service, list_services="")
     assert {s.name for s in response.list_services_response.service} == EXPECTED_SERVICES
 
 
-def test_reflection_v1_serves_the_membership_file(start_control_plane) -> None:
+def test_reflection_v1_serves_the_membership_file(cp) -> None:
     from google.protobuf import descriptor_pb2
 
-    cp = start_control_plane()
     [response] = _reflect(
         cp.addr, v1_pb2, "grpc.reflection.v1.ServerReflection", file_containing_symbol="loraplane.v1.WorkerMembership"
     )
@@ -91,8 +106,7 @@ def test_reflection_v1_serves_the_membership_file(start_control_plane) -> None:
     assert error.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
-def test_worker_rpcs_left_the_control_plane_service(start_control_plane) -> None:
-    cp = start_control_plane()
+def test_worker_rpcs_left_the_control_plane_service(cp) -> None:
     old = cp.channel.unary_unary(
         "/loraplane.v1.ControlPlane/Heartbeat",
         request_serializer=control_plane_pb2.WorkerHello.SerializeToString,
@@ -164,7 +178,7 @@ func main() {
 
 
 @pytest.mark.slow
-def test_go_client_builds_from_the_shipped_protos_and_talks(start_control_plane, tmp_path: Path) -> None:
+def test_go_client_builds_from_the_shipped_protos_and_talks(cp, tmp_path: Path) -> None:
     _need(
         "go",
         "protoc",
@@ -188,7 +202,6 @@ def test_go_client_builds_from_the_shipped_protos_and_talks(start_control_plane,
     (src / "lpclient" / "main.go").write_text(GO_CLIENT)
     env = {**os.environ, "GO111MODULE": "off", "GOPATH": f"{tmp_path}:/usr/share/gocode", "GOFLAGS": ""}
     _run(["go", "build", "-o", str(tmp_path / "lpclient"), "lpclient"], cwd=tmp_path, env=env)
-    cp = start_control_plane()
     out = _run([str(tmp_path / "lpclient"), cp.addr])
     assert out.splitlines() == ["adapters=0", "heartbeat=Unauthenticated"]
 

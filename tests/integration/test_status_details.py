@@ -170,3 +170,20 @@ def test_a_stream_abort_after_messages_is_bounded(bare_server) -> None:
     assert err.value.code() == grpc.StatusCode.ABORTED
     assert err.value.details().startswith("éé")
     assert encoded_size(err.value.details()) <= MAX_DETAILS_BYTES
+
+
+def test_http_error_bodies_stay_whole(start_control_plane, base_model_path: Path) -> None:
+    """The HTTP front calls the registry in-process: its JSON error keeps every problem."""
+    import httpx
+
+    cp = start_control_plane(http_addr="127.0.0.1:0", adapter_dirs=(str(base_model_path.parent),))
+    r = httpx.post(
+        f"http://127.0.0.1:{cp.state.http_port}/v1/load_lora_adapter",
+        json={"lora_name": "base-as-adapter", "lora_path": str(base_model_path)},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert MODEL_FILE_HINT in message
+    assert message.count("\n  - ") == 129
+    assert "more problems" not in message
