@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
+from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTER = ROOT / "tests" / "fixtures" / "adapters" / "shout_embd.gguf"
@@ -49,7 +49,7 @@ def outsider_bytes(addr: str, sha256: str) -> tuple[int, str]:
     call ended ("OK" or the status code's name)."""
     got = 0
     with grpc.insecure_channel(addr, options=OPTIONS) as ch:
-        stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+        stub = membership_pb2_grpc.WorkerMembershipStub(ch)
         try:
             for chunk in stub.FetchAdapter(
                 control_plane_pb2.FetchAdapterRequest(sha256=sha256, worker_id="outsider"), timeout=60
@@ -89,7 +89,8 @@ def stalled_readers(addr: str, sha256: str, secret: str, n: int = 100, probes: i
     channels = [grpc.insecure_channel(addr, options=opts) for _ in range(n)]
     req = control_plane_pb2.FetchAdapterRequest(sha256=sha256, worker_id="stalled")
     md = [(SECRET_KEY, secret)]
-    calls = [control_plane_pb2_grpc.ControlPlaneStub(ch).FetchAdapter(req, metadata=md, timeout=120) for ch in channels]
+    stubs = [membership_pb2_grpc.WorkerMembershipStub(ch) for ch in channels]
+    calls = [stub.FetchAdapter(req, metadata=md, timeout=120) for stub in stubs]
 
     def first(call) -> str:
         try:
@@ -127,7 +128,7 @@ def stalled_readers(addr: str, sha256: str, secret: str, n: int = 100, probes: i
         out["probe_timeouts"] = timeouts
         back, last = 60.0, ""
         while time.monotonic() - t_stall < 60.0:
-            last = _full_fetch(stub, sha256, secret, timeout=20.0)
+            last = _full_fetch(membership_pb2_grpc.WorkerMembershipStub(probe_ch), sha256, secret, timeout=20.0)
             if last == "OK":
                 back = time.monotonic() - t_stall
                 break

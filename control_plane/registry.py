@@ -27,6 +27,7 @@ already indexed, and the resulting GGUF is kept under ``<data-dir>/adapters/`` l
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -242,7 +243,8 @@ class AdapterRegistry:
         """Register a file already on the server; it must lie inside an adapter dir.
 
         Raises:
-            InvalidArgumentError: a relative path, a NUL byte, or an invalid adapter.
+            InvalidArgumentError: a relative path, a NUL byte, a name too long for the file
+                system, or an invalid adapter.
             PermissionDeniedError: the resolved path is outside every adapter dir (nothing read).
             NotFoundError: no such file.
         """
@@ -253,7 +255,12 @@ class AdapterRegistry:
             raise InvalidArgumentError(str(exc)) from None
         except OutsideAdapterDirs as exc:
             raise PermissionDeniedError(str(exc)) from None
-        return self._register_file(resolved, name=name, source="server_path")
+        try:
+            return self._register_file(resolved, name=name, source="server_path")
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG:
+                raise
+            raise InvalidArgumentError(f"server path '{path}': {exc.strerror}") from None
 
     def register_startup(self, path: str | Path, scale: float) -> AdapterRecord:
         """Register a ``--lora``/``--lora-scaled`` file (trusted: no adapter-dir check) and

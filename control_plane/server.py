@@ -12,8 +12,9 @@ RegisterWorker/Heartbeat ≤ 4 (both answer in milliseconds: dialing a worker ha
 pool's own join threads), FetchAdapter ≤ ``max_fetches`` (default 4; its own cap, so a fetch
 storm never blocks heartbeats; a reader that stalls is cancelled after
 ``fetch_stall_timeout_s``, `control_plane.stall`). Reads, health and reflection are never
-capped and always find a thread. Interceptors, outermost first: the inference API key (every
-ControlPlane call but the worker RPCs; the admin token passes too), admin token, the worker door
+capped and always find a thread. Interceptors, outermost first: status details bounded
+(`loraplane.status_details`: no message outgrows a client's metadata limit), the inference API
+key (every ControlPlane call; the admin token passes too), admin token, the worker door
 (`loraplane.worker_secret.worker_door`: the secret's guard; without a secret the worker RPCs
 are refused UNAUTHENTICATED unless ``insecure_workers``), decode guard (undecodable requests →
 INVALID_ARGUMENT), the caps.
@@ -32,7 +33,6 @@ from typing import Any
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from control_plane.auth import ADMIN_METHODS, AdminAuthInterceptor, ApiKeyInterceptor, admin_token_from, api_key_from
 from control_plane.base_model import default_model_path, load_base_model
@@ -43,14 +43,16 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.registry import AdapterRegistry, served_base_name
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
-from control_plane.servicer import ControlPlaneServicer
+from control_plane.servicer import ControlPlaneServicer, WorkerMembershipServicer
 from control_plane.stall import StallWatchdog
 from control_plane.store import AdapterStore, open_store
 from control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.logging import configure_logging
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+from loraplane.reflection import enable_reflection
+from loraplane.status_details import BoundedStatusInterceptor
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, membership_pb2, membership_pb2_grpc
 from loraplane.worker_secret import (
     FETCH_METHODS,
     MEMBERSHIP_METHODS,
@@ -65,6 +67,7 @@ log = structlog.get_logger("loraplane.control_plane.server")
 
 CONTROL_PLANE_SERVICE = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 GENERATE_METHOD = f"/{CONTROL_PLANE_SERVICE}/Generate"
+MEMBERSHIP_SERVICE = membership_pb2.DESCRIPTOR.services_by_name["WorkerMembership"].full_name
 
 
 @dataclass
@@ -290,6 +293,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         hint=" (control plane: --max-streams / --max-threads / --max-fetches)",
     )
     interceptors = [
+        BoundedStatusInterceptor(),
         *([ApiKeyInterceptor(api_key, token)] if api_key else []),
         *([AdminAuthInterceptor(token)] if token else []),
         *worker_door(secret, config.insecure_workers),
@@ -317,13 +321,16 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
             state.pool,
             state.router,
             state.replicas,
-            fetch_watchdog=state.fetch_watchdog,
             generate_watchdog=generate_watchdog,
         ),
         server,
     )
+    membership_pb2_grpc.add_WorkerMembershipServicer_to_server(
+        WorkerMembershipServicer(state.registry, state.pool, state.replicas, fetch_watchdog=state.fetch_watchdog),
+        server,
+    )
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
-    reflection.enable_server_reflection((CONTROL_PLANE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection((CONTROL_PLANE_SERVICE, MEMBERSHIP_SERVICE, health.SERVICE_NAME), server)
     try:
         port = _bind(server, config)
         start_side_servers(state)

@@ -1,4 +1,8 @@
-"""The ControlPlane gRPC servicer: proto in, domain call, proto out.
+"""The control plane's gRPC servicers: proto in, domain call, proto out.
+
+`ControlPlaneServicer` serves the public ``ControlPlane`` service (admin, reads, Generate);
+`WorkerMembershipServicer` serves ``WorkerMembership`` (RegisterWorker, Heartbeat,
+FetchAdapter: what workers call), on the same server and port.
 
 This is the one place where domain errors become status codes (`STATUS_OF`); every method
 delegates to the registry, the worker pool or the router.
@@ -33,7 +37,7 @@ from control_plane.stall import StallWatchdog
 from control_plane.workers import WorkerPool
 from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
-from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
+from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
 
 log = structlog.get_logger("loraplane.control_plane.servicer")
 
@@ -113,15 +117,12 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         router: Router,
         replicas: ReplicaSync | None = None,
         *,
-        fetch_watchdog: StallWatchdog | None = None,
         generate_watchdog: StallWatchdog | None = None,
     ) -> None:
         self.registry = registry
         self.pool = pool
         self.router = router
         self.replicas = replicas  # None: sightings are not shared (tests of one replica)
-        # cuts off FetchAdapter readers that stall (None: the config's default timeout)
-        self.fetch_watchdog = fetch_watchdog or StallWatchdog(DEFAULT_FETCH_STALL_TIMEOUT_S)
         # cancels Generate calls whose client stopped reading (None: never)
         self.generate_watchdog = generate_watchdog
 
@@ -184,7 +185,26 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
                 events = self.generate_watchdog.stream(context, events, request.request_id, size=_byte_size)
             yield from events
 
-    # -- membership ----------------------------------------------------------------------
+
+class WorkerMembershipServicer(membership_pb2_grpc.WorkerMembershipServicer):
+    """The ``WorkerMembership`` service (``protos/loraplane/v1/membership.proto``): what
+    workers call on the control plane — RegisterWorker, Heartbeat, FetchAdapter. Served by
+    the same gRPC server and port as `ControlPlaneServicer`; the worker door
+    (`loraplane.worker_secret`) guards every method of it."""
+
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        pool: WorkerPool,
+        replicas: ReplicaSync | None = None,
+        *,
+        fetch_watchdog: StallWatchdog | None = None,
+    ) -> None:
+        self.registry = registry
+        self.pool = pool
+        self.replicas = replicas  # None: sightings are not shared (tests of one replica)
+        # cuts off FetchAdapter readers that stall (None: the config's default timeout)
+        self.fetch_watchdog = fetch_watchdog or StallWatchdog(DEFAULT_FETCH_STALL_TIMEOUT_S)
 
     @boundary
     def RegisterWorker(self, request, context):

@@ -4,7 +4,8 @@ One shared secret, distinct from the admin token, configured on the control plan
 worker (``--worker-secret`` or ``$LORAPLANE_WORKER_SECRET``; ``serve`` generates one for its
 own worker). It travels as ``loraplane-worker-secret`` metadata:
 
-- worker → control plane: ``RegisterWorker`` and ``Heartbeat`` (`membership_guard`);
+- worker → control plane: every ``loraplane.v1.WorkerMembership`` RPC (``RegisterWorker``,
+  ``Heartbeat``, ``FetchAdapter``; `membership_guard`);
 - control plane → worker: every ``loraplane.v1.Worker`` RPC (`worker_guard`). The standard
   health and reflection services stay open so probes work without it.
 
@@ -28,11 +29,20 @@ from loraplane.interceptors import MetadataClientInterceptor, SharedSecretInterc
 WORKER_SECRET_KEY = "loraplane-worker-secret"
 """Metadata key carrying the worker secret (gRPC keys are lower case)."""
 
-MEMBERSHIP_METHODS = frozenset({"/loraplane.v1.ControlPlane/RegisterWorker", "/loraplane.v1.ControlPlane/Heartbeat"})
-FETCH_METHODS = frozenset({"/loraplane.v1.ControlPlane/FetchAdapter"})
+MEMBERSHIP_SERVICE_PREFIX = "/loraplane.v1.WorkerMembership/"
+"""The service of every RPC only workers make on the control plane (``membership.proto``)."""
+MEMBERSHIP_METHODS = frozenset({MEMBERSHIP_SERVICE_PREFIX + "RegisterWorker", MEMBERSHIP_SERVICE_PREFIX + "Heartbeat"})
+FETCH_METHODS = frozenset({MEMBERSHIP_SERVICE_PREFIX + "FetchAdapter"})
 """Worker → control plane calls outside membership that need the secret too (adapter bytes)."""
 WORKER_METHODS = MEMBERSHIP_METHODS | FETCH_METHODS
-"""Every control-plane RPC only workers make (guarded by the secret, or closed without one)."""
+"""Every control-plane RPC only workers make today."""
+
+
+def is_worker_method(method: str) -> bool:
+    """Whether ``method`` (``/pkg.Service/Method``) belongs to the ``WorkerMembership`` service:
+    guarded by the secret, or closed without one (a method added to it later is guarded too)."""
+    return method.startswith(MEMBERSHIP_SERVICE_PREFIX)
+
 
 NO_SECRET_HINT = (
     "start the control plane with --worker-secret or $LORAPLANE_WORKER_SECRET and give the same "
@@ -61,24 +71,25 @@ def with_secret(channel: grpc.Channel, secret: str | None) -> grpc.Channel:
 
 
 def membership_guard(secret: str) -> SharedSecretInterceptor:
-    """Control-plane interceptor: RegisterWorker/Heartbeat and FetchAdapter need the secret."""
+    """Control-plane interceptor: every WorkerMembership RPC (RegisterWorker, Heartbeat,
+    FetchAdapter) needs the secret."""
     return SharedSecretInterceptor(
         secret,
         key=WORKER_SECRET_KEY,
-        applies=WORKER_METHODS.__contains__,
+        applies=is_worker_method,
         what="worker secret",
     )
 
 
 class ClosedDoorInterceptor(grpc.ServerInterceptor):
     """Control-plane interceptor without a secret nor ``--insecure-workers``: every worker RPC
-    (`WORKER_METHODS`) is refused UNAUTHENTICATED, the message saying what to do
+    (`is_worker_method`) is refused UNAUTHENTICATED, the message saying what to do
     (`NO_SECRET_HINT`). Nothing is deserialized and no limiter permit is taken."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method not in WORKER_METHODS:
+        if handler is None or not is_worker_method(method):
             return handler
         return refusal(
             handler,

@@ -14,6 +14,30 @@ t=$(date +%s)
 # not fatal: without the registry the tests that need this data skip and say why
 $PY -m tests.registry_models all || echo "registry data unavailable: those tests will skip"
 echo "registry data took $(( $(date +%s) - t )) s"
+echo "== Go/Java toolchains (Debian packages, root only) and buf, for tests/integration/test_proto_clients.py"
+# keep in step with DEBIAN_PACKAGES in tests/integration/test_proto_clients.py
+PROTO_PACKAGES="protobuf-compiler golang-go golang-google-grpc-dev golang-google-protobuf-dev \
+golang-github-golang-protobuf-1-5-dev protoc-gen-go protoc-gen-go-grpc libgrpc-java libprotobuf-java \
+protobuf-compiler-grpc-java-plugin default-jdk-headless"
+PROTO_FILES="/usr/bin/protoc /usr/bin/go /usr/bin/protoc-gen-go /usr/bin/protoc-gen-go-grpc /usr/bin/grpc_java_plugin \
+/usr/share/java/protobuf.jar /usr/share/java/grpc-stub.jar /usr/share/gocode/src/google.golang.org/grpc \
+/usr/share/gocode/src/google.golang.org/protobuf /usr/share/gocode/src/github.com/golang/protobuf/proto/registry.go"
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=0
+  for f in $PROTO_FILES; do [ -e "$f" ] || missing=1; done
+  command -v javac >/dev/null || missing=1
+  if [ "$missing" = 1 ]; then
+    # not fatal: without them the Go/Java tests fail and say what is missing
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $PROTO_PACKAGES) \
+      || echo "could not install $PROTO_PACKAGES"
+  fi
+fi
+if ! command -v buf >/dev/null && command -v npm >/dev/null; then
+  # buf lint (tests/unit/test_protos.py); not fatal: the test checks the same rules without it
+  npm install --no-audit --no-fund --prefix .tools/buf @bufbuild/buf@1.75.0 >/dev/null 2>&1 \
+    || echo "buf unavailable: test_buf_lint will skip"
+fi
+if [ -x .tools/buf/node_modules/.bin/buf ]; then export PATH="$PWD/.tools/buf/node_modules/.bin:$PATH"; fi
 echo "== fast tier: pytest -m 'not slow'"
 t0=$(date +%s)
 $PY -m pytest -q -m "not slow" "$@"

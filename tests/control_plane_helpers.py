@@ -10,15 +10,16 @@ import grpc
 import numpy as np
 import pytest
 
-from loraplane.v1 import common_pb2, control_plane_pb2_grpc
+from loraplane.v1 import common_pb2, control_plane_pb2_grpc, membership_pb2_grpc
 from loraplane.worker_secret import with_secret
 
 MiB = 1 << 20
 
 
 class ControlPlane:
-    """A running control plane (``create_server``) and client stubs for it: ``stub`` sends no
-    credential, ``worker_stub`` the config's worker secret (as a worker does)."""
+    """A running control plane (``create_server``) and client stubs for it: ``stub``
+    (ControlPlane) and ``membership_stub`` (WorkerMembership) send no credential,
+    ``worker_stub`` (WorkerMembership) the config's worker secret (as a worker does)."""
 
     def __init__(self, config) -> None:
         from control_plane.server import create_server
@@ -31,7 +32,8 @@ class ControlPlane:
             options=[("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)],
         )
         self.stub = control_plane_pb2_grpc.ControlPlaneStub(self.channel)
-        self.worker_stub = control_plane_pb2_grpc.ControlPlaneStub(with_secret(self.channel, config.worker_secret))
+        self.membership_stub = membership_pb2_grpc.WorkerMembershipStub(self.channel)
+        self.worker_stub = membership_pb2_grpc.WorkerMembershipStub(with_secret(self.channel, config.worker_secret))
         self.stopped = False
 
     def stop(self) -> None:

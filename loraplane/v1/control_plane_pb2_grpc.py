@@ -80,21 +80,6 @@ class ControlPlaneStub:
                 request_serializer=loraplane_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=loraplane_dot_v1_dot_common__pb2.GenerateEvent.FromString,
                 _registered_method=True)
-        self.RegisterWorker = channel.unary_unary(
-                '/loraplane.v1.ControlPlane/RegisterWorker',
-                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
-                response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
-                _registered_method=True)
-        self.Heartbeat = channel.unary_unary(
-                '/loraplane.v1.ControlPlane/Heartbeat',
-                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
-                response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
-                _registered_method=True)
-        self.FetchAdapter = channel.unary_stream(
-                '/loraplane.v1.ControlPlane/FetchAdapter',
-                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.FetchAdapterRequest.SerializeToString,
-                response_deserializer=loraplane_dot_v1_dot_common__pb2.AdapterChunk.FromString,
-                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -158,29 +143,6 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterWorker(self, request, context):
-        """Worker membership: need the worker secret (metadata `loraplane-worker-secret`) when the
-        control plane has one.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def FetchAdapter(self, request, context):
-        """Workers fetch an adapter's bytes by content hash the first time they need it (1 MiB
-        chunks; NOT_FOUND when no registered adapter has that content or its bytes are gone).
-        Needs the worker secret, like membership, when the control plane has one.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,21 +190,6 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=loraplane_dot_v1_dot_common__pb2.GenerateRequest.FromString,
                     response_serializer=loraplane_dot_v1_dot_common__pb2.GenerateEvent.SerializeToString,
-            ),
-            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterWorker,
-                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.FromString,
-                    response_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.SerializeToString,
-            ),
-            'Heartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.Heartbeat,
-                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.FromString,
-                    response_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.SerializeToString,
-            ),
-            'FetchAdapter': grpc.unary_stream_rpc_method_handler(
-                    servicer.FetchAdapter,
-                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.FetchAdapterRequest.FromString,
-                    response_serializer=loraplane_dot_v1_dot_common__pb2.AdapterChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -488,87 +435,6 @@ class ControlPlane:
             '/loraplane.v1.ControlPlane/Generate',
             loraplane_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
             loraplane_dot_v1_dot_common__pb2.GenerateEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RegisterWorker(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/loraplane.v1.ControlPlane/RegisterWorker',
-            loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
-            loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Heartbeat(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/loraplane.v1.ControlPlane/Heartbeat',
-            loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
-            loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def FetchAdapter(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/loraplane.v1.ControlPlane/FetchAdapter',
-            loraplane_dot_v1_dot_control__plane__pb2.FetchAdapterRequest.SerializeToString,
-            loraplane_dot_v1_dot_common__pb2.AdapterChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.v1 import common_pb2 as pb
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, worker_pb2, worker_pb2_grpc
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import WORKER_SECRET_KEY, with_secret
 from tests.control_plane_helpers import by_path, rpc_error, upload
 from tests.serve_helpers import DEMO, free_port
@@ -67,7 +67,7 @@ def test_membership_needs_the_worker_secret_and_the_real_worker_keeps_serving(st
     w = _scripted(monkeypatch, cp.addr, secret=SECRET)  # the real worker knows the secret: it joins
     try:
         rogue = control_plane_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
-        for call in (cp.stub.RegisterWorker, cp.stub.Heartbeat):
+        for call in (cp.membership_stub.RegisterWorker, cp.membership_stub.Heartbeat):
             for md in (None, [(WORKER_SECRET_KEY, "wrong")], [("authorization", f"Bearer {SECRET}")]):
                 err = rpc_error(call, rogue, metadata=md, timeout=5)
                 assert err.code() == grpc.StatusCode.UNAUTHENTICATED, (call, md)
@@ -86,7 +86,7 @@ def test_untrusted_membership_cannot_take_over_a_live_worker_id(start_control_pl
     w = _scripted(monkeypatch, cp.addr, secret=None)
     try:
         rogue = control_plane_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
-        for call in (cp.stub.RegisterWorker, cp.stub.Heartbeat):
+        for call in (cp.membership_stub.RegisterWorker, cp.membership_stub.Heartbeat):
             err = rpc_error(call, rogue, timeout=5)
             assert err.code() == grpc.StatusCode.PERMISSION_DENIED
             assert w.hello.addr in err.details() and "127.0.0.1:9" in err.details()
@@ -356,6 +356,7 @@ class Serve:
             )
         self.channel = grpc.insecure_channel(self.addr)
         self.stub = control_plane_pb2_grpc.ControlPlaneStub(self.channel)
+        self.membership_stub = membership_pb2_grpc.WorkerMembershipStub(self.channel)
         assert wait_for(lambda: self.alive_worker() is not None, 300, 0.5), self.log_tail()
 
     def alive_worker(self) -> control_plane_pb2.WorkerInfo | None:
@@ -429,7 +430,7 @@ def test_serve_generates_a_secret_passed_by_environment_and_the_worker_port_need
         ch.close()
     # a rogue registration naming the live worker's id changes nothing
     rogue = control_plane_pb2.WorkerHello(worker_id=worker.worker_id, addr="127.0.0.1:9", n_slots=4)
-    for call in (serve.stub.RegisterWorker, serve.stub.Heartbeat):
+    for call in (serve.membership_stub.RegisterWorker, serve.membership_stub.Heartbeat):
         assert rpc_error(call, rogue, timeout=5).code() == grpc.StatusCode.UNAUTHENTICATED
     assert serve.alive_worker().addr == worker.addr
     assert _generate(serve.stub)[-1].HasField("finished")

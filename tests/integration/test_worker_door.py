@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
 from loraplane.v1 import common_pb2 as pb
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
 from loraplane.worker_secret import WORKER_SECRET_KEY
 from tests.control_plane_helpers import MiB, upload
 from tests.live_servers import WORKER_SECRET
@@ -85,12 +85,12 @@ def test_without_a_secret_worker_rpcs_are_refused_saying_what_to_do(start_contro
     sea = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")  # admin calls stay as they were
     hello = control_plane_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
     for md in (None, [(WORKER_SECRET_KEY, "anything")]):
-        for call in (cp.stub.RegisterWorker, cp.stub.Heartbeat):
+        for call in (cp.membership_stub.RegisterWorker, cp.membership_stub.Heartbeat):
             with pytest.raises(grpc.RpcError) as info:
                 call(hello, metadata=md, timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert HINT in info.value.details() and "--insecure-workers" in info.value.details()
-        data, err = _fetch(cp.stub, sea.sha256, md)
+        data, err = _fetch(cp.membership_stub, sea.sha256, md)
         assert data == b"" and err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED
         assert HINT in err.details()
     # a real worker without a secret does not get in either
@@ -121,7 +121,7 @@ def test_insecure_workers_opens_the_door_as_before(start_control_plane, fixtures
     [entry] = [e for e in logs if e["event"] == "insecure_workers"]
     assert entry["log_level"] == "warning" and "trusted network" in entry["warning"]
     sea = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")
-    data, err = _fetch(cp.stub, sea.sha256)
+    data, err = _fetch(cp.membership_stub, sea.sha256)
     assert err is None and hashlib.sha256(data).hexdigest() == sea.sha256
     w = _worker(monkeypatch, cp.addr, secret=None)  # joins without a secret
     try:
@@ -135,7 +135,7 @@ def test_with_a_secret_an_outsider_gets_no_adapter_bytes(start_control_plane, fi
     cp = start_control_plane()  # the fixture's worker secret
     sea = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")
     for md in (None, [(WORKER_SECRET_KEY, "wrong")], [("authorization", f"Bearer {WORKER_SECRET}")]):
-        data, err = _fetch(cp.stub, sea.sha256, md)
+        data, err = _fetch(cp.membership_stub, sea.sha256, md)
         assert data == b"" and err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED, md
     data, err = _fetch(cp.worker_stub, sea.sha256)
     assert err is None and hashlib.sha256(data).hexdigest() == sea.sha256
@@ -150,7 +150,7 @@ def test_unauthenticated_membership_flood_never_gets_the_real_worker_declared_de
 
     def flood(i: int) -> None:
         ch = grpc.insecure_channel(cp.addr)
-        stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+        stub = membership_pb2_grpc.WorkerMembershipStub(ch)
         # the real worker's own id: the flood impersonates it
         hello = control_plane_pb2.WorkerHello(worker_id="w1", addr=f"127.0.0.1:{9 + i}", n_slots=4)
         while not stop.is_set():
@@ -199,7 +199,7 @@ def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_
     channels = [grpc.insecure_channel(cp.addr, options=options) for _ in range(100)]
     try:
         req = control_plane_pb2.FetchAdapterRequest(sha256=big.sha256, worker_id="stalled")
-        calls = [control_plane_pb2_grpc.ControlPlaneStub(ch).FetchAdapter(req, metadata=md) for ch in channels]
+        calls = [membership_pb2_grpc.WorkerMembershipStub(ch).FetchAdapter(req, metadata=md) for ch in channels]
         stalled, refused = [], []
         for call in calls:  # read one chunk (or the refusal), then stop reading
             try:
@@ -253,7 +253,7 @@ def test_a_reader_slower_than_the_minimum_rate_is_cut_off_after_the_grace():
     dog = StallWatchdog(30.0, min_rate_bytes_s=64 * MiB, grace_s=0.5)  # the stall rule never fires
     ended: list[str] = []
 
-    class Slow(control_plane_pb2_grpc.ControlPlaneServicer):
+    class Slow(membership_pb2_grpc.WorkerMembershipServicer):
         def FetchAdapter(self, request, context):
             try:
                 for piece in dog.stream(context, (b"x" * MiB for _ in range(200)), "slow reader"):
@@ -264,12 +264,12 @@ def test_a_reader_slower_than_the_minimum_rate_is_cut_off_after_the_grace():
                 raise
 
     server = grpc.server(futures.ThreadPoolExecutor(2))
-    control_plane_pb2_grpc.add_ControlPlaneServicer_to_server(Slow(), server)
+    membership_pb2_grpc.add_WorkerMembershipServicer_to_server(Slow(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.http2.bdp_probe", 0)])
     try:
-        call = control_plane_pb2_grpc.ControlPlaneStub(ch).FetchAdapter(control_plane_pb2.FetchAdapterRequest())
+        call = membership_pb2_grpc.WorkerMembershipStub(ch).FetchAdapter(control_plane_pb2.FetchAdapterRequest())
         t0, got = time.monotonic(), 0
         with pytest.raises(grpc.RpcError) as info:
             for _ in call:  # one chunk every 0.1 s: ~10 MiB/s, under the 64 MiB/s minimum
@@ -361,7 +361,7 @@ def test_control_plane_command_closes_the_door_by_default_and_insecure_workers_o
         hello = control_plane_pb2.WorkerHello(worker_id="probe", addr="127.0.0.1:9", n_slots=1)
         with grpc.insecure_channel(closed_addr) as ch:
             with pytest.raises(grpc.RpcError) as info:
-                control_plane_pb2_grpc.ControlPlaneStub(ch).Heartbeat(hello, timeout=10)
+                membership_pb2_grpc.WorkerMembershipStub(ch).Heartbeat(hello, timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and HINT in info.value.details()
         assert "workers_cannot_join" in (tmp_path / "closed.log").read_text()
         w = _worker(monkeypatch, open_addr, secret=None)  # a worker without a secret joins

@@ -1,4 +1,4 @@
-"""Fetching adapter bytes from the control plane (``ControlPlane.FetchAdapter``).
+"""Fetching adapter bytes from the control plane (``WorkerMembership.FetchAdapter``).
 
 The worker asks by content hash the first time a request needs an adapter it has no bytes
 for; the control plane streams ``AdapterChunk``s from its store (files for SQLite, the
@@ -22,7 +22,7 @@ import grpc
 
 from loraplane.interceptors import pushback_s
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+from loraplane.v1 import control_plane_pb2, membership_pb2_grpc
 from loraplane.worker_secret import with_secret
 from worker.errors import AdapterFetchError
 from worker.rpc.membership import control_plane_addresses
@@ -67,7 +67,7 @@ class ControlPlaneFetcher:
         self.attempts = max(1, attempts)
         self.backoff_s = backoff_s
         self._channels = [grpc.insecure_channel(a, options=GRPC_MESSAGE_OPTIONS) for a in control_plane_addresses(spec)]
-        self._stubs = [control_plane_pb2_grpc.ControlPlaneStub(with_secret(c, secret)) for c in self._channels]
+        self._stubs = [membership_pb2_grpc.WorkerMembershipStub(with_secret(c, secret)) for c in self._channels]
 
     def __call__(self, sha256: str) -> Iterator[bytes]:
         errors: list[str] = []

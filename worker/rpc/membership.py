@@ -43,7 +43,7 @@ import grpc
 import structlog
 
 from loraplane.interceptors import pushback_s
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
+from loraplane.v1 import control_plane_pb2, membership_pb2_grpc
 from loraplane.worker_secret import with_secret
 
 JOIN_POLL_S = 0.2
@@ -132,7 +132,7 @@ class _Membership:
         channel = (
             grpc.secure_channel(self.addr, self.credentials) if self.credentials else grpc.insecure_channel(self.addr)
         )
-        stub = control_plane_pb2_grpc.ControlPlaneStub(with_secret(channel, self.secret))
+        stub = membership_pb2_grpc.WorkerMembershipStub(with_secret(channel, self.secret))
         log_ = log.bind(worker_id=self.hello.worker_id, control_plane=self.addr)
         try:
             while not self.stop.is_set():

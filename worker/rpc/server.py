@@ -15,8 +15,9 @@ Threads (one ``ThreadPoolExecutor``; a streaming call holds a thread for its who
 - `RESERVED_THREADS` more threads that only short calls can use: ``Stats``,
   ``ListAdapters``, health checks and reflection answer within milliseconds under any load.
 
-Interceptors, outermost first: the worker secret (when configured; every Worker RPC, not
-health/reflection), undecodable requests → INVALID_ARGUMENT, the limits above.
+Interceptors, outermost first: bounded status details (`loraplane.status_details`), the
+worker secret (when configured; every Worker RPC, not health/reflection), undecodable
+requests → INVALID_ARGUMENT, the limits above.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from concurrent import futures
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
+from loraplane.reflection import enable_reflection
+from loraplane.status_details import BoundedStatusInterceptor
 from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import worker_guard, worker_secret_from
 from worker.config import WorkerConfig
@@ -50,7 +52,7 @@ RESERVED_THREADS = 8
 
 
 def server_interceptors(config: WorkerConfig) -> list[grpc.ServerInterceptor]:
-    """Worker secret (if any), decode guard, concurrency limits — in that order."""
+    """Bounded status details, worker secret (if any), decode guard, concurrency limits — in that order."""
     limits = ConcurrencyLimitInterceptor(
         {
             "Decode stream": (config.max_decode_streams, f"/{SERVICE_NAME}/Decode".__eq__),
@@ -63,7 +65,7 @@ def server_interceptors(config: WorkerConfig) -> list[grpc.ServerInterceptor]:
     )
     secret = worker_secret_from(config.worker_secret)
     guards = [worker_guard(secret)] if secret else []
-    return [*guards, DecodeGuardInterceptor(), limits]
+    return [BoundedStatusInterceptor(), *guards, DecodeGuardInterceptor(), limits]
 
 
 def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]:
@@ -90,9 +92,7 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
     servicer = WorkerServicer(engine)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     port = server.add_insecure_port(config.addr)
     if port == 0:
         engine.close()

@@ -1,0 +1,1 @@
+"""Code generated from vendored third-party protos (see ``scripts/gen_protos.py``)."""
