@@ -186,13 +186,15 @@ class OutputStage:
         *,
         n_past: int,
         pre: tuple[RowLogprobs, int] | None = None,
+        penalized: torch.Tensor | None = None,
     ) -> tuple[SampledToken, str | None]:
         """The scheduler's half of a generated token: sample it, append its id to
         ``req.generated`` and decide what the ids alone decide (``finish_reason``: end of
         generation, ``max_tokens``, the sequence's context full). No text work.
 
         Samples from ``logits_row`` (f32 ``(n_vocab,)``; ``pre``: this row's batched
-        ``(log-probs, argmax)`` for a greedy sampler, ``greedy_rows``).
+        ``(log-probs, argmax)`` for a greedy sampler, ``greedy_rows``; ``penalized``: the row
+        after the request's penalties, which the token is chosen from, ``Sampler.sample``).
 
         Args:
             n_past: positions in the KV sequence after this step.
@@ -202,9 +204,9 @@ class OutputStage:
             tell (a stop string is the text half's business, ``render``).
         """
         if pre is not None:
-            sampled = sampler.sample(logits_row, logp=pre[0], argmax=pre[1])
+            sampled = sampler.sample(logits_row, logp=pre[0], argmax=pre[1], penalized=penalized)
         else:
-            sampled = sampler.sample(logits_row)
+            sampled = sampler.sample(logits_row, penalized=penalized)
         req.generated.append(sampled.token_id)
         reason = finish_reason(
             sampled.token_id,
