@@ -21,9 +21,7 @@ def test_apply_penalties_exact_values():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 3.0]])
     prompt_mask = torch.tensor([[True, True, False, False, False]])
     counts = torch.tensor([[0, 0, 2, 0, 1]])
-    out = apply_penalties(
-        logits, prompt_mask, counts, torch.tensor([0.25]), torch.tensor([0.5]), torch.tensor([2.0])
-    )
+    out = apply_penalties(logits, prompt_mask, counts, torch.tensor([0.25]), torch.tensor([0.5]), torch.tensor([2.0]))
     # 0: prompt, positive -> /2; 1: prompt, negative -> *2; 2: output x2 -> /2 - 0.5*2 - 0.25;
     # 3: unseen, unchanged; 4: output x1 -> /2 - 0.5 - 0.25
     assert out.tolist() == [[1.0, -2.0, -1.0, 1.0, 0.75]]
@@ -81,8 +79,7 @@ def test_min_p_exact_probabilities():
 def test_min_p_cuts_the_draw_after_temperature(top_k):
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2, 1e-6]))
     drawn = lambda **kw: {  # noqa: E731
-        Sampler(SamplingParams(temperature=1.0, top_k=top_k, seed=s, **kw)).sample(logits).token_id
-        for s in range(200)
+        Sampler(SamplingParams(temperature=1.0, top_k=top_k, seed=s, **kw)).sample(logits).token_id for s in range(200)
     }
     assert drawn() == {0, 1, 2}
     assert drawn(min_p=0.5) == {0, 1}  # 0.2 < 0.25
