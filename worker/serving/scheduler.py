@@ -748,7 +748,6 @@ def _median(xs: list[float]) -> float:
     return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
 
 
-
 def _penalize_step(parts: list, logits: torch.Tensor) -> dict[int, torch.Tensor]:
     """The penalty step of a decode step (`sampling.penalize_rows`, one batched call): for
     every sequence that samples this step with a penalty on (``SamplingParams.penalized``), its
@@ -772,5 +771,6 @@ def _penalize_step(parts: list, logits: torch.Tensor) -> dict[int, torch.Tensor]
         return {}
     pen = penalize_rows(logits, rows, params, prompts, outputs)
     return {r: pen[i] for i, r in enumerate(rows)}
+
 
 __all__ = ["RequestObserver", "Scheduler", "SchedulerStats"]
