@@ -116,3 +116,41 @@ def test_penalty_validation(field, value, msg):
     with pytest.raises(SamplingError, match=msg):
         SamplingParams(**{field: value}).validate()
     assert SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.5, min_p=1.0).validate()
+
+
+def test_sparse_penalize_rows_equals_the_dense_rule_on_random_rows():
+    """`penalize_rows` touches only seen tokens; the dense `apply_penalties` (vLLM's form) gives
+    the same logits for random rows, ids and penalties."""
+    g = torch.Generator().manual_seed(5)
+    m, n_vocab = 6, 50
+    logits = torch.randn(m, n_vocab, generator=g) * 3
+    prompts = [
+        torch.randint(0, n_vocab, (int(k),), generator=g).tolist() for k in torch.randint(0, 30, (m,), generator=g)
+    ]
+    outputs = [
+        torch.randint(0, n_vocab, (int(k),), generator=g).tolist() for k in torch.randint(0, 30, (m,), generator=g)
+    ]
+    params = [
+        SamplingParams(
+            presence_penalty=float(torch.empty(1).uniform_(-2, 2, generator=g)),
+            frequency_penalty=float(torch.empty(1).uniform_(-2, 2, generator=g)),
+            repetition_penalty=float(torch.empty(1).uniform_(0.5, 3, generator=g)) if i % 3 else 1.0,
+        )
+        for i in range(m)
+    ]
+    prompt_mask = torch.zeros(m, n_vocab, dtype=torch.bool)
+    counts = torch.zeros(m, n_vocab, dtype=torch.int64)
+    for i in range(m):
+        prompt_mask[i, prompts[i]] = True
+        for t in outputs[i]:
+            counts[i, t] += 1
+    dense = apply_penalties(
+        logits,
+        prompt_mask,
+        counts,
+        torch.tensor([q.presence_penalty for q in params]),
+        torch.tensor([q.frequency_penalty for q in params]),
+        torch.tensor([q.repetition_penalty for q in params]),
+    )
+    sparse = penalize_rows(logits, list(range(m)), params, prompts, outputs)
+    assert torch.allclose(sparse, dense, atol=1e-5)

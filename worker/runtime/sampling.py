@@ -5,9 +5,10 @@ penalty / temperature / top-k / top-p / min-p — what llama-server returns with
 ``post_sampling_probs: false`` and vLLM's default (``logprobs_mode="raw_logprobs"``).
 
 The order of the steps (vLLM v1 ``vllm/v1/sample/sampler.py``):
-  1. penalties on the raw logits (`apply_penalties`, batched over the step's rows by
-     `penalize_rows`): repetition over prompt and output tokens, then frequency and presence
-     over output tokens; greedy rows take the argmax of the penalized logits;
+  1. penalties on the raw logits (`apply_penalties`' rule, applied to the step's rows by
+     `penalize_rows`, touching only the tokens each row has seen): repetition over prompt and
+     output tokens, then frequency and presence over output tokens; greedy rows take the
+     argmax of the penalized logits;
   2. (a per-row constraint mask would go here, on the penalized logits);
   3. temperature: greedy when ``temperature == 0``; otherwise ``softmax(logits / T)``;
   4. min-p (drop tokens whose probability is below ``min_p`` × the largest), top-k, then the
@@ -364,35 +365,32 @@ def penalize_rows(
     prompts: list[list[int]],
     outputs: list[list[int]],
 ) -> torch.Tensor:
-    """The rows ``rows`` of f32 ``logits`` ``(m, n_vocab)`` after `apply_penalties`, all in one
-    batched call (rows of a mixed batch carry different penalties): ``(len(rows), n_vocab)`` f32
-    on the CPU. ``params[i]``, ``prompts[i]`` and ``outputs[i]`` (token ids so far) belong to
-    ``rows[i]``; the prompt mask and the output counts are built by scatter (ids out of
-    ``[0, n_vocab)`` are ignored: token ids are non-negative), never by a loop over the vocabulary."""
-    sel = logits.float().cpu().index_select(0, torch.tensor(rows, dtype=torch.long))
-    m, n_vocab = sel.shape
+    """The rows ``rows`` of f32 ``logits`` ``(m, n_vocab)`` after `apply_penalties`: ``(len(rows),
+    n_vocab)`` f32 on the CPU, one copy of the selected rows. ``params[i]``, ``prompts[i]`` and
+    ``outputs[i]`` (token ids so far) belong to ``rows[i]``; rows of a mixed batch carry
+    different penalties.
 
-    def padded(lists: list[list[int]]) -> torch.Tensor:
-        width = max((len(x) for x in lists), default=0)
-        ids = torch.full((m, max(1, width)), n_vocab, dtype=torch.long)
-        for i, x in enumerate(lists):
-            if x:
-                ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        return ids.clamp_(0, n_vocab)  # n_vocab: the padding (and out-of-range) column
-
-    counts = torch.zeros((m, n_vocab + 1), dtype=torch.int32)
-    out_ids = padded(outputs)
-    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
-    prompt_mask = torch.zeros((m, n_vocab + 1), dtype=torch.bool)
-    prompt_mask.scatter_(1, padded(prompts), True)
-    return apply_penalties(
-        sel,
-        prompt_mask[:, :n_vocab],
-        counts[:, :n_vocab],
-        torch.tensor([q.presence_penalty for q in params], dtype=torch.float32),
-        torch.tensor([q.frequency_penalty for q in params], dtype=torch.float32),
-        torch.tensor([q.repetition_penalty for q in params], dtype=torch.float32),
-    )
+    The same values as `apply_penalties` (tests compare them), computed sparsely: a penalty only
+    moves the logits of tokens the row has seen, so per row only those are gathered, changed
+    and scattered back (``torch.unique`` of its prompt and output ids; ids outside ``[0,
+    n_vocab)`` are ignored). No pass over the vocabulary beyond the copy: with a 262k vocabulary
+    the dense form costs tens of milliseconds per step for 16 rows, this well under one.
+    """
+    out = logits.float().cpu().index_select(0, torch.tensor(rows, dtype=torch.long))
+    n_vocab = out.shape[1]
+    for i, q in enumerate(params):
+        row = out[i]
+        produced = torch.tensor(outputs[i], dtype=torch.long)
+        produced = produced[(produced >= 0) & (produced < n_vocab)]
+        if q.repetition_penalty != 1.0:
+            seen = torch.tensor(prompts[i], dtype=torch.long)
+            seen = torch.unique(torch.cat([seen[(seen >= 0) & (seen < n_vocab)], produced]))
+            v = row[seen]
+            row[seen] = torch.where(v > 0, v / q.repetition_penalty, v * q.repetition_penalty)
+        if (q.frequency_penalty != 0.0 or q.presence_penalty != 0.0) and produced.numel():
+            ids, counts = torch.unique(produced, return_counts=True)
+            row[ids] -= q.frequency_penalty * counts.to(row.dtype) + q.presence_penalty
+    return out
 
 
 def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
