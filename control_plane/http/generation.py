@@ -76,9 +76,9 @@ class Outcome:
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int = 0
-    # per prompt token, ``(token id, log-prob)`` given its prefix (None for the first token);
-    # None unless the request asked for prompt log-probs
-    prompt_logprobs: list[tuple[int, float] | None] | None = None
+    # per prompt token, ``(token id, log-prob, rank or None)`` given its prefix (None for the
+    # first token); None unless the request asked for prompt log-probs
+    prompt_logprobs: list[tuple[int, float, int | None] | None] | None = None
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's ``usage`` object (token counts; see the module docstring)."""
@@ -148,7 +148,8 @@ def fold(events: Iterator[common_pb2.GenerateEvent], out: Outcome) -> Iterator[T
             out.prompt_token_ids = list(ev.started.prompt_token_ids)
             if len(ev.started.prompt_logprobs):
                 out.prompt_logprobs = [
-                    (e.token_id, e.logprob) if e.has_logprob else None for e in ev.started.prompt_logprobs
+                    (e.token_id, e.logprob, e.rank or None) if e.has_logprob else None
+                    for e in ev.started.prompt_logprobs
                 ]
         elif kind == "token":
             t = ev.token

@@ -169,14 +169,16 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, out: Outcome) -> d
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": out.usage()}
 
 
-def prompt_logprobs(entries: list[tuple[int, float] | None], token_text: TokenText) -> list[dict[str, Any] | None]:
+def prompt_logprobs(
+    entries: list[tuple[int, float, int | None] | None], token_text: TokenText
+) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: one entry per prompt token, None for the first (it has no
     prefix), else ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt
-    token alone (``prompt_logprobs: 0``). ``rank`` is None: the worker does not rank prompt
-    tokens. Log-probs pass through `json_logprob`."""
+    token alone (``prompt_logprobs: 0``); ``rank`` is 1 + the number of tokens more likely
+    (None from a worker that does not rank). Log-probs pass through `json_logprob`."""
     return [
         None
         if e is None
-        else {str(e[0]): {"logprob": json_logprob(e[1]), "rank": None, "decoded_token": token_text(e[0])}}
+        else {str(e[0]): {"logprob": json_logprob(e[1]), "rank": e[2], "decoded_token": token_text(e[0])}}
         for e in entries
     ]

@@ -153,14 +153,16 @@ class Started(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ...) -> None: ...
 
 class PromptLogprob(_message.Message):
-    __slots__ = ("has_logprob", "token_id", "logprob")
+    __slots__ = ("has_logprob", "token_id", "logprob", "rank")
     HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     has_logprob: bool
     token_id: int
     logprob: float
-    def __init__(self, has_logprob: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    rank: int
+    def __init__(self, has_logprob: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GeneratedToken(_message.Message):
     __slots__ = ("token_id", "text", "logprob", "top", "step")

@@ -94,7 +94,7 @@ def test_model_may_be_omitted_and_means_the_base_model():
 def _started_with_prompt_logprobs() -> common_pb2.GenerateEvent:
     plp = [
         common_pb2.PromptLogprob(),
-        common_pb2.PromptLogprob(has_logprob=True, token_id=6, logprob=-1.5),
+        common_pb2.PromptLogprob(has_logprob=True, token_id=6, logprob=-1.5, rank=3),
         common_pb2.PromptLogprob(has_logprob=True, token_id=7, logprob=float("-inf")),
     ]
     return common_pb2.GenerateEvent(started=common_pb2.Started(prompt_token_ids=[5, 6, 7], prompt_logprobs=plp))
@@ -103,7 +103,7 @@ def _started_with_prompt_logprobs() -> common_pb2.GenerateEvent:
 def test_prompt_logprobs_in_vllms_shape():
     expected = [
         None,
-        {"6": {"logprob": -1.5, "rank": None, "decoded_token": "<6>"}},
+        {"6": {"logprob": -1.5, "rank": 3, "decoded_token": "<6>"}},
         {"7": {"logprob": -9999.0, "rank": None, "decoded_token": "<7>"}},
     ]
     events = [_started_with_prompt_logprobs(), token(10, "Hi"), finished("Hi", "length")]

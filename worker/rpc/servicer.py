@@ -117,7 +117,9 @@ def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:
         if ev.prompt_logprobs is not None:
             for e in ev.prompt_logprobs:
                 plp.append(
-                    pb.PromptLogprob() if e is None else pb.PromptLogprob(has_logprob=True, token_id=e[0], logprob=e[1])
+                    pb.PromptLogprob()
+                    if e is None
+                    else pb.PromptLogprob(has_logprob=True, token_id=e[0], logprob=e[1], rank=e[2])
                 )
         return pb.GenerateEvent(
             request_id=rid, started=pb.Started(prompt_token_ids=ev.prompt_tokens, prompt_logprobs=plp)

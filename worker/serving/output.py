@@ -99,22 +99,25 @@ class StopMatcher:
         return out
 
 
-def prompt_token_logprobs(logits: torch.Tensor, next_tokens: Sequence[int]) -> list[tuple[int, float]]:
-    """Log-prob of each next prompt token given its prefix (vLLM ``prompt_logprobs``).
+def prompt_token_logprobs(logits: torch.Tensor, next_tokens: Sequence[int]) -> list[tuple[int, float, int]]:
+    """Log-prob and rank of each next prompt token given its prefix (vLLM ``prompt_logprobs``;
+    rank as vLLM's ``Logprob.rank``: 1 + the number of tokens with a larger log-prob).
 
     Args:
         logits: f32 ``(m, V)`` logits of ``m`` consecutive prompt rows.
         next_tokens: the ``m`` tokens that follow those rows.
 
     Returns:
-        ``[(token id, log-prob)]`` of length ``m``.
+        ``[(token id, log-prob, rank)]`` of length ``m``.
     """
     if len(next_tokens) == 0:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
     idx = torch.tensor(list(next_tokens), dtype=torch.long, device=lp.device)
-    vals = lp.gather(1, idx.unsqueeze(1)).squeeze(1).tolist()
-    return [(int(t), float(v)) for t, v in zip(next_tokens, vals, strict=False)]
+    chosen = lp.gather(1, idx.unsqueeze(1))
+    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+    vals = chosen.squeeze(1).tolist()
+    return [(int(t), float(v), int(r)) for t, v, r in zip(next_tokens, vals, ranks, strict=False)]
 
 
 def finish_reason(
