@@ -123,6 +123,34 @@ def server_call(opts: ClientOptions) -> Iterator[LoraplaneClient]:
     "--top-k", type=click.IntRange(min=0, max=UINT32_MAX), default=0, show_default=True, help="0: no top-k cut."
 )
 @click.option("--top-p", type=click.FloatRange(min=0, max=1), default=1.0, show_default=True)
+@click.option(
+    "--min-p",
+    type=click.FloatRange(min=0, max=1),
+    default=0.0,
+    show_default=True,
+    help="Drop tokens less likely than MIN_P × the most likely one (after temperature); 0: off.",
+)
+@click.option(
+    "--presence-penalty",
+    type=click.FloatRange(min=-2, max=2),
+    default=0.0,
+    show_default=True,
+    help="Subtracted from the logit of every token already generated (OpenAI / vLLM).",
+)
+@click.option(
+    "--frequency-penalty",
+    type=click.FloatRange(min=-2, max=2),
+    default=0.0,
+    show_default=True,
+    help="Subtracted once per occurrence of a token in the generated text (OpenAI / vLLM).",
+)
+@click.option(
+    "--repetition-penalty",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Tokens of the prompt or the output: positive logits divided by it, others multiplied (vLLM); 1: off.",
+)
 @click.option("--seed", type=click.IntRange(min=0, max=UINT64_MAX), default=None)
 @click.option(
     "--logprobs",
@@ -176,6 +204,10 @@ def generate(
         temperature=kwargs["temperature"],
         top_k=kwargs["top_k"],
         top_p=kwargs["top_p"],
+        min_p=kwargs["min_p"],
+        presence_penalty=kwargs["presence_penalty"],
+        frequency_penalty=kwargs["frequency_penalty"],
+        repetition_penalty=kwargs["repetition_penalty"],
         seed=kwargs["seed"],
         logprobs=logprobs or 0,
         prompt_logprobs=prompt_logprobs,

@@ -320,7 +320,8 @@ class LoraplaneClient(_ClientBase):
         **sampling: Any,
     ) -> Iterator[GenerateEvent]:
         """Yield `StartedEvent`, then one `TokenEvent` per token as it is produced, then
-        `FinishedEvent`. ``sampling``: max_tokens, temperature, top_k, top_p, seed, logprobs,
+        `FinishedEvent`. ``sampling``: max_tokens, temperature, top_k, top_p, min_p,
+        presence_penalty, frequency_penalty, repetition_penalty, seed, logprobs,
         prompt_logprobs, ignore_eos, request_id. Closing the iterator early cancels the call.
         Runs on the first replica that accepts a connection; never replayed once sent.
         """

@@ -50,6 +50,10 @@ def generate_request(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 0.0,
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
     seed: int | None = None,
     logprobs: int = 0,
     prompt_logprobs: bool = False,
@@ -57,7 +61,9 @@ def generate_request(
     request_id: str = "",
     stop: Sequence[str] = (),
 ) -> common_pb2.GenerateRequest:
-    """A `GenerateRequest` from keyword arguments (exactly one of ``prompt``/``prompt_tokens``)."""
+    """A `GenerateRequest` from keyword arguments (exactly one of ``prompt``/``prompt_tokens``).
+    ``min_p`` and the penalties follow vLLM (``repetition_penalty`` 1 and the others 0: off);
+    the worker range-checks them (INVALID_ARGUMENT naming the field)."""
     if (prompt is None) == (prompt_tokens is None):
         raise ValueError("give exactly one of prompt (text) or prompt_tokens (ids)")
     req = common_pb2.GenerateRequest(request_id=request_id)
@@ -78,6 +84,10 @@ def generate_request(
     sampling.temperature = temperature
     sampling.top_k = top_k
     sampling.top_p = top_p
+    sampling.min_p = min_p
+    sampling.presence_penalty = presence_penalty
+    sampling.frequency_penalty = frequency_penalty
+    sampling.repetition_penalty = repetition_penalty
     if seed is not None:
         sampling.seed = seed
     sampling.logprobs = logprobs

@@ -1,7 +1,10 @@
 """The FastAPI application: OpenAI-compatible routes over the control plane's own objects.
 
 Routes, one module per concern:
-  * ``GET /v1/models`` (`models`);
+  * ``GET /v1/models``, ``GET /v1/models/{model}`` (`models`);
+  * ``POST /tokenize``, ``POST /detokenize`` (`tokenize`, vLLM's shapes);
+  * ``GET /openapi.json``: FastAPI's schema of these routes (no ``/docs`` or ``/redoc``: their
+    pages load scripts from a CDN);
   * ``POST /v1/completions``, ``POST /v1/chat/completions`` (`completions`; responses and
     server-sent events from `streaming`);
   * ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (`admin`: bearer token when
@@ -33,6 +36,7 @@ from control_plane.http.deps import DEFAULT_MAX_BODY_BYTES, HttpDeps
 from control_plane.http.errors import OpenAIError, http_error, install_error_handlers
 from control_plane.http.health import health_router
 from control_plane.http.models import models_router
+from control_plane.http.tokenize import tokenize_router
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "BodySizeLimit", "HttpDeps", "create_app"]
 
@@ -165,15 +169,16 @@ async def _send_error(send: Send, err: OpenAIError) -> None:
 
 
 def create_app(deps: HttpDeps) -> FastAPI:
-    """The HTTP front over ``deps`` (no docs or OpenAPI routes), its bodies bounded by
-    ``deps.max_body_bytes`` (`BodySizeLimit`) and, with ``deps.api_key``, its routes other
-    than ``/health`` and ``/metrics`` behind the API key (`api_key.ApiKeyAuth`); serve it with
-    `server.HttpServer`."""
-    app = FastAPI(title="loraplane", docs_url=None, redoc_url=None, openapi_url=None)
+    """The HTTP front over ``deps`` (``/openapi.json``, no Swagger / ReDoc pages), its bodies
+    bounded by ``deps.max_body_bytes`` (`BodySizeLimit`) and, with ``deps.api_key``, its routes
+    other than ``/health``, ``/metrics`` and ``/openapi.json`` behind the API key
+    (`api_key.ApiKeyAuth`); serve it with `server.HttpServer`."""
+    app = FastAPI(title="loraplane", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app)
     app.include_router(health_router(deps))
     app.include_router(models_router(deps))
     app.include_router(completions_router(deps))
+    app.include_router(tokenize_router(deps))
     app.include_router(admin_router(deps))
     app.add_middleware(BodySizeLimit, max_bytes=deps.max_body_bytes)
     if deps.api_key:  # added last: outermost, so an unauthenticated request reaches nothing

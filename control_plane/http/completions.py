@@ -8,9 +8,11 @@ exactly like a gRPC handler. Nothing proportional to the body's size runs on the
 The body is JSON whatever its ``Content-Type`` (``curl -d`` sends a form type; llama-server
 accepts it too). ``model`` (or the ``lora`` extension) picks the adapters
 (`models.resolve_model`); chat messages are rendered with the model's chat template and
-tokenized with special tokens parsed and nothing added (BOS is the template's). ``tools`` go
-into the template when it renders them, and the answer's ``<tool_call>`` blocks come back as
-``tool_calls`` (`tools`).
+tokenized with special tokens parsed and nothing added (BOS is the template's; vLLM's
+``add_special_tokens: true`` adds the vocabulary's too). A completions text prompt is tokenized
+by the worker (BOS as the model says); with ``add_special_tokens: false`` here, without BOS.
+``tools`` go into the template when it renders them, and the answer's ``<tool_call>`` blocks
+come back as ``tool_calls`` (`tools`).
 
 Input is sized before it costs anything (the gRPC path's rule, `deps.prompt_byte_limit`): a text
 prompt or a conversation's content over ``max_prompt_bytes`` UTF-8 bytes is a 400 before any
@@ -58,6 +60,8 @@ def adapters_for(body: SamplingFields, deps: HttpDeps) -> dict[int, float]:
     lora = body.lora_map()
     if lora is not None:
         return lora
+    if body.model is None:  # vLLM: an omitted model is the served (base) model
+        return {}
     return resolve_model(body.model, base_name=deps.base_name, registry=deps.registry)
 
 
@@ -70,18 +74,29 @@ class SamplingArgs(TypedDict):
     seed: int | None
     stop: list[str]
     ignore_eos: bool
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    prompt_logprobs: bool
 
 
 def sampling_of(body: SamplingFields) -> SamplingArgs:
     """The sampling keywords of `generation.build_request` both endpoints share, with
-    OpenAI's defaults for omitted fields (``temperature`` 1, ``top_p`` 1, ``top_k`` 0 = off)."""
+    OpenAI's / vLLM's defaults for omitted fields (``temperature`` 1, ``top_p`` 1, ``top_k`` 0
+    or -1 = off, ``min_p`` 0, penalties off: presence / frequency 0, repetition 1)."""
     return SamplingArgs(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=body.top_p or 1.0,
-        top_k=body.top_k or 0,
+        top_k=max(0, body.top_k or 0),
         seed=body.seed,
         stop=body.stop_list(),
         ignore_eos=body.ignore_eos,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        prompt_logprobs=body.prompt_logprobs is not None,
     )
 
 
@@ -178,6 +193,17 @@ def flatten_message(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def tokenizer_of(deps: HttpDeps) -> Any:
+    """The base tokenizer (workers of one base model share its vocabulary).
+
+    Raises:
+        OpenAIError: 400 when the base model has none.
+    """
+    if deps.tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer (the GGUF holds no vocabulary)", code="no_tokenizer")
+    return deps.tokenizer
+
+
 def chat_template_of(deps: HttpDeps) -> ChatTemplate:
     """The model's chat template.
 
@@ -237,7 +263,7 @@ def chat_prompt_ids(
     check_prompt_bytes(
         text_bytes(prompt, max_prompt_bytes), limit=max_prompt_bytes, param="messages", what="the rendered chat prompt"
     )
-    ids: list[int] = tokenizer.encode(prompt, add_special=False, parse_special=True)
+    ids: list[int] = tokenizer.encode(prompt, add_special=body.add_special_tokens, parse_special=True)
     check_prompt_tokens(len(ids), n_ctx=n_ctx, param="messages")
     return ids
 
@@ -263,7 +289,7 @@ def respond(
         cancel=call.cancel,
         request_id=request.request_id,
         created=now_s(),
-        model=body.model,
+        model=body.model or deps.base_name,
         chat=chat,
         logprobs=logprobs,
         token_text=token_text_of(deps.tokenizer),
@@ -292,6 +318,12 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         body = parse_body(raw, CompletionRequest)
         body.check()
         text, ids = prompt_of(body)
+        if ids is None and not body.add_special_tokens:
+            limit = deps.prompt_max_bytes()
+            check_prompt_bytes(text_bytes(text or "", limit), limit=limit, param="prompt", what="'prompt'")
+            ids = tokenizer_of(deps).encode(text or "", add_special=False, parse_special=True)
+            if not ids:
+                raise OpenAIError(400, "'prompt' is empty once tokenized", param="prompt")
         if ids is not None:
             check_prompt_ids(ids, n_vocab=getattr(deps.tokenizer, "n_vocab", None), n_ctx=deps.prompt_n_ctx())
         else:

@@ -76,6 +76,9 @@ class Outcome:
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int = 0
+    # per prompt token, ``(token id, log-prob, rank or None)`` given its prefix (None for the
+    # first token); None unless the request asked for prompt log-probs
+    prompt_logprobs: list[tuple[int, float, int | None] | None] | None = None
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's ``usage`` object (token counts; see the module docstring)."""
@@ -107,9 +110,15 @@ def build_request(
     logprobs: int,
     stop: list[str],
     ignore_eos: bool,
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    prompt_logprobs: bool = False,
 ) -> common_pb2.GenerateRequest:
     """The GenerateRequest: ``text`` is tokenized by the worker (BOS as the model says),
-    ``tokens`` are taken verbatim; ``adapters`` None means the default set."""
+    ``tokens`` are taken verbatim; ``adapters`` None means the default set. The sampling
+    fields map one to one onto ``SamplingParams`` (``repetition_penalty`` 1 = off)."""
     req = common_pb2.GenerateRequest(request_id=request_id)
     if tokens is not None:
         req.tokens.ids.extend(tokens)
@@ -125,6 +134,9 @@ def build_request(
     s.logprobs = logprobs
     s.ignore_eos = ignore_eos
     s.stop.extend(stop)
+    s.min_p, s.presence_penalty, s.frequency_penalty = min_p, presence_penalty, frequency_penalty
+    s.repetition_penalty = repetition_penalty
+    s.prompt_logprobs = prompt_logprobs
     return req
 
 
@@ -134,6 +146,11 @@ def fold(events: Iterator[common_pb2.GenerateEvent], out: Outcome) -> Iterator[T
         kind = ev.WhichOneof("event")
         if kind == "started":
             out.prompt_token_ids = list(ev.started.prompt_token_ids)
+            if len(ev.started.prompt_logprobs):
+                out.prompt_logprobs = [
+                    (e.token_id, e.logprob, e.rank or None) if e.has_logprob else None
+                    for e in ev.started.prompt_logprobs
+                ]
         elif kind == "token":
             t = ev.token
             tok = TokenOut(t.token_id, t.text, t.logprob, [(x.token_id, x.logprob) for x in t.top])

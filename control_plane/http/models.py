@@ -115,13 +115,37 @@ def model_list(base_name: str, base_root: str, created: int, registry: AdapterRe
     return {"object": "list", "data": data}
 
 
+def model_card(model: str, base_name: str, base_root: str, created: int, registry: AdapterRegistry) -> dict[str, Any]:
+    """``GET /v1/models/{model}``: the `model_list` entry whose ``id`` is ``model``, else the
+    entry of what ``model`` resolves to by the request rules (``adapter:<id>``,
+    ``<base>:<adapter>``), so every name a request accepts can be retrieved.
+
+    Raises:
+        OpenAIError: 404 ``model_not_found`` (OpenAI's shape), 400 ambiguous name.
+    """
+    data = model_list(base_name, base_root, created, registry)["data"]
+    for entry in data:
+        if entry["id"] == model:
+            return entry
+    adapters = resolve_model(model, base_name=base_name, registry=registry)
+    if not adapters:
+        return data[0]
+    (adapter_id,) = adapters
+    return next(e for e in data[1:] if e["adapter_id"] == adapter_id)
+
+
 def models_router(deps: HttpDeps) -> APIRouter:
-    """``GET /v1/models`` (`model_list`); the base model's ``created`` is this call's time."""
+    """``GET /v1/models`` (`model_list`) and ``GET /v1/models/{model}`` (`model_card`; the id
+    may hold ``:`` and ``/``); the base model's ``created`` is this call's time."""
     router = APIRouter()
     created = now_s()
 
     @router.get("/v1/models")
     def models() -> dict[str, Any]:
         return model_list(deps.base_name, deps.base_root, created, deps.registry)
+
+    @router.get("/v1/models/{model:path}")
+    def model(model: str) -> dict[str, Any]:
+        return model_card(model, deps.base_name, deps.base_root, created, deps.registry)
 
     return router

@@ -167,3 +167,18 @@ def chat_chunk(
 def usage_chunk(rid: str, created: int, model: str, obj: str, out: Outcome) -> dict:
     """The ``stream_options.include_usage`` chunk: ``object`` = ``obj``, no choices, ``usage``."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": out.usage()}
+
+
+def prompt_logprobs(
+    entries: list[tuple[int, float, int | None] | None], token_text: TokenText
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: one entry per prompt token, None for the first (it has no
+    prefix), else ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt
+    token alone (``prompt_logprobs: 0``); ``rank`` is 1 + the number of tokens more likely
+    (None from a worker that does not rank). Log-probs pass through `json_logprob`."""
+    return [
+        None
+        if e is None
+        else {str(e[0]): {"logprob": json_logprob(e[1]), "rank": e[2], "decoded_token": token_text(e[0])}}
+        for e in entries
+    ]

@@ -1,16 +1,24 @@
 """Request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (pydantic).
 
 Omitted parameters take OpenAI's defaults, as vLLM does: ``temperature`` 1, ``top_p`` 1,
-``max_tokens`` 16 for completions and "until the context is full" for chat. Parameters
-loraplane does not implement are refused with a 400 naming them (`SamplingFields.check`):
-``n`` > 1, ``best_of`` > 1, non-zero ``presence_penalty`` / ``frequency_penalty``,
-``repetition_penalty`` ≠ 1, ``logit_bias``, ``echo``, ``suffix`` and structured output
-(``tools`` / ``tool_choice`` are checked against the chat template: `tools.check_tools`).
-Unknown fields are ignored (clients send vendor extras freely). Every string of a body, keys
+``max_tokens`` 16 for completions and "until the context is full" for chat; an omitted
+``model`` is the served base model (vLLM's default). Implemented beyond OpenAI's core:
+``min_p``, ``presence_penalty`` / ``frequency_penalty`` (output tokens), ``repetition_penalty``
+(prompt and output tokens; vLLM's semantics, ``worker.runtime.sampling``) and
+``prompt_logprobs`` (0: each prompt token's own log-prob, vLLM's shape).
+
+The rule for everything else (`SamplingFields.check`): a known OpenAI / vLLM / llama-server
+parameter that loraplane does not implement is refused with a 400 naming it when it carries a
+non-default value (``n`` > 1, ``best_of`` > 1, ``logit_bias``, ``echo``, ``suffix``,
+``use_beam_search``, ``min_tokens`` … `UNSUPPORTED`); at its default value it is ignored, and so
+is any unknown key (clients send ``user``, ``stream_options``, ``parallel_tool_calls``,
+``service_tier``, ``store``, ``metadata`` freely). ``tools`` / ``tool_choice`` are checked against
+the chat template (`tools.check_tools`). Every string of a body, keys
 included, must be valid Unicode: a lone surrogate is a 400 ``invalid_unicode`` naming the field
 (`HttpBody`).
 
-Extensions (vLLM / llama-server names): ``top_k``, ``ignore_eos``, ``return_token_ids``
+Extensions (vLLM / llama-server names): ``top_k`` (0 or -1: off), ``min_p``,
+``repetition_penalty``, ``prompt_logprobs``, ``add_special_tokens``, ``ignore_eos``, ``return_token_ids``
 (vLLM: non-streaming responses carry ``prompt_token_ids`` and each choice's ``token_ids``), and
 ``lora``: a list of ``{"id": int, "scale": float}`` (llama-server's per-request shape) that
 picks the adapters explicitly and wins over ``model``.
@@ -231,25 +239,79 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # vLLM extensions
+    "use_beam_search": ((False,), "beam search is not implemented"),
+    "length_penalty": ((1.0,), "length_penalty applies to beam search, which is not implemented"),
+    "min_tokens": ((0,), "a minimum output length is not implemented"),
+    "stop_token_ids": ((), "stop token ids are not implemented (use 'stop' strings)"),
+    "include_stop_str_in_output": ((False,), "the stop string is always cut from the output"),
+    "skip_special_tokens": ((True,), "special tokens are always left out of the output text"),
+    "spaces_between_special_tokens": ((True,), "special tokens are always left out of the output text"),
+    "truncate_prompt_tokens": ((), "prompts are never truncated (a prompt too long is a 400)"),
+    "allowed_token_ids": ((), "allowed token ids are not implemented"),
+    "bad_words": ((), "bad words are not implemented"),
+    "logits_processors": ((), "custom logits processors are not implemented"),
+    "prompt_embeds": ((), "prompt embeddings are not accepted"),
+    "return_tokens_as_token_ids": ((False,), "log-prob tokens are always text"),
+    "continue_final_message": ((False,), "continuing the final message is not implemented"),
+    "chat_template": ((), "the chat template is the server's (--chat-template)"),
+    "chat_template_kwargs": ((), "chat template arguments are not implemented"),
+    "documents": ((), "documents for the chat template are not implemented"),
+    "priority": ((0,), "request priorities are not implemented"),
+    # OpenAI chat parameters for features a text model server does not have
+    "modalities": ((["text"],), "only text output"),
+    "audio": ((), "audio output is not implemented"),
+    "prediction": ((), "predicted outputs are not implemented"),
+    "reasoning_effort": ((), "reasoning effort is not implemented"),
+    "web_search_options": ((), "web search is not implemented"),
+    # llama-server samplers
+    "typical_p": ((1.0,), "locally typical sampling is not implemented"),
+    "tfs_z": ((1.0,), "tail-free sampling is not implemented"),
+    "mirostat": ((0,), "mirostat sampling is not implemented"),
+    "dynatemp_range": ((0.0,), "dynamic temperature is not implemented"),
+    "xtc_probability": ((0.0,), "XTC sampling is not implemented"),
+    "dry_multiplier": ((0.0,), "DRY sampling is not implemented"),
+    "repeat_penalty": ((1.0,), "llama-server's windowed penalty is not implemented; use 'repetition_penalty'"),
+}
+"""Known parameters loraplane does not implement: ``name → (default values, why)``. A value
+that is None, empty or one of the defaults is ignored; anything else is a 400 naming it
+(``code: "unsupported_parameter"``). ``n``, ``best_of``, ``logit_bias``, ``echo`` and
+``suffix`` are checked with their fields. Structured output and tool keys are not listed here."""
+
+
+def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is a parameter's default: None, an empty list / dict / string, or equal
+    to one of ``defaults`` (``True`` is not ``1`` here: a bool must match a bool)."""
+    if value is None or (isinstance(value, list | dict | str) and not value):
+        return True
+    return any(
+        (type(value) is type(d) and value == d) or (type(d) is float and type(value) is int and value == d)
+        for d in defaults
+    )
+
+
 class SamplingFields(HttpBody):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1, lt=2**32)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0, lt=2**32)
+    top_k: int | None = Field(default=None, ge=-1, lt=2**32)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     n: int | None = None
     best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2**31)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     lora: list[LoraEntry] | None = None
@@ -257,19 +319,26 @@ class SamplingFields(HttpBody):
     user: str | None = None
 
     def check(self) -> None:
-        """Raise a 400 `OpenAIError` naming the first unsupported parameter."""
+        """Raise a 400 `OpenAIError` naming the first unsupported parameter (`UNSUPPORTED`)."""
         if self.n not in (None, 1):
             raise unsupported("n", f"one choice per request (got n={self.n})")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", f"one candidate per request (got best_of={self.best_of})")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise unsupported(name, f"penalties are not implemented (got {value})")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise unsupported("repetition_penalty", f"penalties are not implemented (got {self.repetition_penalty})")
         if self.logit_bias:
             raise unsupported("logit_bias", "logit biases are not implemented")
+        extra = self.model_extra or {}
+        for name, (defaults, why) in UNSUPPORTED.items():
+            value = extra.get(name)
+            if not _is_default(value, defaults):
+                raise unsupported(name, f"{why} (got {json.dumps(value)[:100]})")
+        if self.prompt_logprobs:
+            raise unsupported(
+                "prompt_logprobs",
+                "only 0 (each prompt token's own log-prob, no alternatives) is implemented "
+                f"(got {self.prompt_logprobs})",
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise unsupported("prompt_logprobs", "prompt log-probs are returned in non-streaming responses only")
         stops = self.stop_list()
         if len(stops) > MAX_STOP_STRINGS:
             raise OpenAIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings (got {len(stops)})", param="stop")
@@ -296,6 +365,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -343,6 +413,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=2**32)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    echo: bool = False
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -351,6 +423,8 @@ class ChatCompletionRequest(SamplingFields):
         """`SamplingFields.check`, plus structured output and ``top_logprobs`` without
         ``logprobs`` (``tools`` need the template: `tools.check_tools`)."""
         super().check()
+        if self.echo:
+            raise unsupported("echo", "the last message is not echoed back")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise unsupported("response_format", "structured output is not implemented")
         if self.top_logprobs and not self.logprobs:

@@ -126,7 +126,9 @@ class CompletionStream:
     def full_response(self, *, return_token_ids: bool = False) -> dict[str, Any]:
         """Read every event, then the whole ``text_completion`` / ``chat.completion`` body.
 
-        ``return_token_ids`` adds ``prompt_token_ids`` and the choice's ``token_ids``.
+        ``return_token_ids`` adds ``prompt_token_ids`` and the choice's ``token_ids``; prompt
+        log-probs (when the request asked for them) are added in vLLM's place and shape
+        (`responses.prompt_logprobs`).
 
         Raises:
             OpenAIError: the router failed (status from `errors.from_control_plane`).
@@ -150,6 +152,12 @@ class CompletionStream:
         if return_token_ids:
             body["prompt_token_ids"] = out.prompt_token_ids
             body["choices"][0]["token_ids"] = [t.token_id for t in out.tokens]
+        if out.prompt_logprobs is not None:
+            plp = R.prompt_logprobs(out.prompt_logprobs, self._token_text)
+            if self.chat:  # vLLM: on the chat response, on the completion's choice
+                body["prompt_logprobs"] = plp
+            else:
+                body["choices"][0]["prompt_logprobs"] = plp
         return body
 
     # ---- streaming ----------------------------------------------------------------------------

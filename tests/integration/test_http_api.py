@@ -188,9 +188,11 @@ def test_seeded_sampling_is_reproducible(client):
     "extra, param",
     [
         ({"n": 2}, "n"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": 1.0}, "frequency_penalty"),
         ({"best_of": 3}, "best_of"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+        ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
+        ({"extra_body": {"prompt_logprobs": 3}}, "prompt_logprobs"),
     ],
 )
 def test_unsupported_parameters_are_400_naming_them(client, extra, param):
@@ -374,3 +376,141 @@ def test_metrics_move_by_exact_amounts(serve, client):
         ("vllm:lora_requests_info", (("max_lora", "3"), ("running_lora_adapters", ""), ("waiting_lora_adapters", "")))
     ]
     assert delta(after, cp1, "loraplane_requests_total", outcome="length", adapter="0") == 1
+
+
+# ---- vLLM / llama-server parity: penalties, min_p, prompt log-probs, optional model, tokenize -------
+
+
+def _greedy_ids(client, **extra) -> tuple[list[int], list[int]]:
+    """(prompt ids, generated ids) of a greedy base-model completion of PROMPT (16 tokens)."""
+    body = {"return_token_ids": True, "ignore_eos": True, **extra.pop("extra_body", {})}
+    extra.setdefault("temperature", 0)
+    r = client.completions.create(model=BASE, prompt=PROMPT, max_tokens=16, extra_body=body, **extra)
+    return r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
+
+
+def test_penalties_change_greedy_output_exactly_at_the_first_repeat(serve, client):
+    prompt, ref = _greedy_ids(client)
+    # repetition penalty (prompt and output tokens): the run is unchanged until the plain run picks
+    # a token already seen, and differs exactly there
+    first = next(i for i, t in enumerate(ref) if t in prompt or t in ref[:i])
+    _, rep = _greedy_ids(client, extra_body={"repetition_penalty": 1e4})
+    assert rep[:first] == ref[:first] and rep[first] != ref[first], (first, ref, rep)
+    # the same over gRPC from the CLI (--repetition-penalty)
+    flags = ("--no-lora", "--max-tokens", "16", "--ignore-eos", "--repetition-penalty", "1e4")
+    assert cli(serve, "generate", PROMPT, *flags)["token_ids"] == rep
+    # presence / frequency (output tokens only; the openai client's own arguments)
+    first_out = next(i for i, t in enumerate(ref) if t in ref[:i])
+    _, pres = _greedy_ids(client, presence_penalty=2.0, frequency_penalty=2.0)
+    assert pres[:first_out] == ref[:first_out] and pres != ref, (first_out, ref, pres)
+    # a value out of vLLM's range is a 400 naming it
+    with pytest.raises(openai.BadRequestError) as err:
+        _greedy_ids(client, presence_penalty=2.5)
+    assert err.value.body["param"] == "presence_penalty"
+
+
+def test_min_p_is_applied_after_temperature(client):
+    _, ref = _greedy_ids(client)
+    # min_p = 1 keeps only the most likely token: sampling at any temperature is greedy
+    for seed in (1, 2):
+        _, drawn = _greedy_ids(client, temperature=1.5, seed=seed, extra_body={"min_p": 1.0})
+        assert drawn == ref
+
+
+def test_prompt_logprobs_equal_the_grpc_values(serve, client):
+    ref = cli(serve, "generate", PROMPT, "--no-lora", "--max-tokens", "1", "--prompt-logprobs")
+    expected = ref["prompt_logprobs"]
+    assert expected[0] is None and len(expected) == len(ref["prompt_token_ids"]) > 2
+    r = client.completions.create(model=BASE, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected)
+    for entry, want in zip(got[1:], expected[1:], strict=True):
+        ((token_id, value),) = entry.items()
+        assert int(token_id) == want["token_id"]
+        assert value["logprob"] == pytest.approx(want["logprob"], abs=1e-6) and value["rank"] >= 1
+    chat = client.chat.completions.create(
+        model=BASE,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 0, "return_token_ids": True},
+    )
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(chat.model_extra["prompt_token_ids"])
+    assert [int(next(iter(e))) for e in plp[1:]] == chat.model_extra["prompt_token_ids"][1:]
+
+
+def test_model_may_be_omitted(serve):
+    import httpx
+
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(serve.http + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    with_model = httpx.post(serve.http + "/v1/completions", json={**body, "model": BASE}, timeout=300).json()
+    assert r.json()["model"] == BASE
+    assert r.json()["choices"][0]["token_ids"] == with_model["choices"][0]["token_ids"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(serve.http + "/v1/chat/completions", json=chat, timeout=300).json()["model"] == BASE
+
+
+def test_retrieve_a_model_by_id_and_404_in_openais_shape(client):
+    assert client.models.retrieve(BASE).id == BASE
+    shout = client.models.retrieve("shout")
+    assert (shout.id, shout.parent, shout.root) == ("shout", BASE, "adapter:0")
+    assert client.models.retrieve("adapter:1").id == "sea"
+    assert client.models.retrieve(f"{BASE}:sea").id == "sea"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("org/no-such:model")
+    assert err.value.body["type"] == "not_found_error" and err.value.body["code"] == "model_not_found"
+    assert err.value.body["param"] == "model" and "'org/no-such:model'" in err.value.body["message"]
+
+
+def test_tokenize_detokenize_round_trip_equals_the_workers_ids(serve, client):
+    import httpx
+
+    prompt_ids, _ = _greedy_ids(client)  # the worker's tokenization of PROMPT
+    r = httpx.post(serve.http + "/tokenize", json={"prompt": PROMPT}, timeout=60).json()
+    assert r["tokens"] == prompt_ids and r["count"] == len(prompt_ids) and r["max_model_len"] > 0
+    text = httpx.post(serve.http + "/detokenize", json={"model": "shout", "tokens": prompt_ids}, timeout=60).json()
+    assert text == {"prompt": "<bos>" + PROMPT}  # special tokens spelled out, as vLLM
+    again = httpx.post(serve.http + "/tokenize", json={"prompt": text["prompt"], "add_special_tokens": False})
+    assert again.json()["tokens"] == prompt_ids
+    # chat: the same ids the chat route sends to the worker
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = client.chat.completions.create(
+        model=BASE, messages=messages, max_tokens=1, extra_body={"return_token_ids": True}
+    )
+    r = httpx.post(serve.http + "/tokenize", json={"messages": messages}, timeout=60).json()
+    assert r["tokens"] == chat.model_extra["prompt_token_ids"]
+    bad = httpx.post(serve.http + "/detokenize", json={"tokens": [1 << 30]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_openapi_json_and_no_cdn_docs_page(serve):
+    import httpx
+
+    r = httpx.get(serve.http + "/openapi.json", timeout=60)
+    assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
+    for page in ("/docs", "/redoc"):
+        r = httpx.get(serve.http + page, timeout=60)
+        assert r.status_code == 404 and "cdn" not in r.text.lower()
+
+
+def test_unknown_keys_and_default_values_are_ignored(client):
+    r = client.completions.create(
+        model=BASE,
+        prompt=PROMPT,
+        max_tokens=2,
+        temperature=0,
+        n=1,
+        presence_penalty=0,
+        user="u-1",
+        extra_body={
+            "service_tier": "auto",
+            "store": False,
+            "metadata": {"k": "v"},
+            "parallel_tool_calls": True,
+            "use_beam_search": False,
+            "vendor_extension": {"x": [1, 2]},
+        },
+    )
+    assert r.choices[0].finish_reason == "length"

@@ -69,19 +69,18 @@ class Front:
             if chat
             else None
         )
-        self.app = create_app(
-            HttpDeps(
-                registry=self.registry,
-                router=self.router,
-                pool=self.pool,
-                base_name="base",
-                base_root="/models/base.gguf",
-                tokenizer=FakeTokenizer() if chat else None,
-                chat_template=template,
-                admin_token=admin_token,
-                metrics_text=(lambda: (b"up 1\n", "text/plain; version=0.0.4")) if metrics else None,
-            )
+        self.deps = HttpDeps(
+            registry=self.registry,
+            router=self.router,
+            pool=self.pool,
+            base_name="base",
+            base_root="/models/base.gguf",
+            tokenizer=FakeTokenizer() if chat else None,
+            chat_template=template,
+            admin_token=admin_token,
+            metrics_text=(lambda: (b"up 1\n", "text/plain; version=0.0.4")) if metrics else None,
         )
+        self.app = create_app(self.deps)
 
     def post(self, path: str, body, events=(), headers=None):
         self.router.script = list(events)

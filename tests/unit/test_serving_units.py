@@ -258,7 +258,8 @@ def test_prompt_logprobs_and_finish_reason():
     logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
     got = prompt_token_logprobs(logits, [2, 0])
     ref = torch.log_softmax(logits, -1)
-    assert got == [(2, pytest.approx(float(ref[0, 2]))), (0, pytest.approx(float(ref[1, 0])))]
+    assert got == [(2, pytest.approx(float(ref[0, 2])), 1), (0, pytest.approx(float(ref[1, 0])), 1)]
+    assert prompt_token_logprobs(logits, [0, 1])[0][2] == 3 and prompt_token_logprobs(logits, [1])[0][2] == 2
     kw = dict(eog_ids=frozenset({1}), n_past=5, n_ctx=100)
     assert finish_reason(1, ignore_eos=False, n_generated=1, max_tokens=9, **kw) == "stop"
     assert finish_reason(1, ignore_eos=True, n_generated=1, max_tokens=9, **kw) is None
@@ -370,7 +371,8 @@ def test_output_stage_prompt_logprobs_and_started(tiny_tokenizer):
     stage.prompt_rows(req, [0, 1], logits, [0, 1])
     stage.prompt_rows(req, [2, 3], logits, [2, 3])  # position 3 is the last: no next prompt token
     ref = torch.log_softmax(logits, -1)
-    assert req.prompt_logprobs == [(t, pytest.approx(float(ref[i, t]))) for i, t in enumerate(prompt[1:])]
+    ranks = [int((ref[i] > ref[i, t]).sum()) + 1 for i, t in enumerate(prompt[1:])]
+    assert req.prompt_logprobs == [(t, pytest.approx(float(ref[i, t])), ranks[i]) for i, t in enumerate(prompt[1:])]
     ev = stage.started(req)
     assert isinstance(ev, StartedEvent) and ev.prompt_tokens == prompt
     assert ev.prompt_logprobs == [None, *req.prompt_logprobs]

@@ -47,6 +47,9 @@ _CLOSED = object()  # (_CLOSED, rid): rid cancelled by cancel_request_id; no mor
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
+    """The worker's `SamplingParams` of the wire message (proto3 zeros mean the defaults:
+    ``max_tokens`` 16, ``top_p`` 1, ``repetition_penalty`` 1); range checks are
+    ``SamplingParams.validate``'s."""
     return SamplingParams(
         max_tokens=s.max_tokens or 16,
         temperature=s.temperature,
@@ -57,6 +60,10 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         prompt_logprobs=s.prompt_logprobs,
         ignore_eos=s.ignore_eos,
         stop=tuple(s.stop),
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0,
     )
 
 
@@ -110,7 +117,9 @@ def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:
         if ev.prompt_logprobs is not None:
             for e in ev.prompt_logprobs:
                 plp.append(
-                    pb.PromptLogprob() if e is None else pb.PromptLogprob(has_logprob=True, token_id=e[0], logprob=e[1])
+                    pb.PromptLogprob()
+                    if e is None
+                    else pb.PromptLogprob(has_logprob=True, token_id=e[0], logprob=e[1], rank=e[2])
                 )
         return pb.GenerateEvent(
             request_id=rid, started=pb.Started(prompt_token_ids=ev.prompt_tokens, prompt_logprobs=plp)

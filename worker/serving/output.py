@@ -99,22 +99,25 @@ class StopMatcher:
         return out
 
 
-def prompt_token_logprobs(logits: torch.Tensor, next_tokens: Sequence[int]) -> list[tuple[int, float]]:
-    """Log-prob of each next prompt token given its prefix (vLLM ``prompt_logprobs``).
+def prompt_token_logprobs(logits: torch.Tensor, next_tokens: Sequence[int]) -> list[tuple[int, float, int]]:
+    """Log-prob and rank of each next prompt token given its prefix (vLLM ``prompt_logprobs``;
+    rank as vLLM's ``Logprob.rank``: 1 + the number of tokens with a larger log-prob).
 
     Args:
         logits: f32 ``(m, V)`` logits of ``m`` consecutive prompt rows.
         next_tokens: the ``m`` tokens that follow those rows.
 
     Returns:
-        ``[(token id, log-prob)]`` of length ``m``.
+        ``[(token id, log-prob, rank)]`` of length ``m``.
     """
     if len(next_tokens) == 0:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
     idx = torch.tensor(list(next_tokens), dtype=torch.long, device=lp.device)
-    vals = lp.gather(1, idx.unsqueeze(1)).squeeze(1).tolist()
-    return [(int(t), float(v)) for t, v in zip(next_tokens, vals, strict=False)]
+    chosen = lp.gather(1, idx.unsqueeze(1))
+    ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+    vals = chosen.squeeze(1).tolist()
+    return [(int(t), float(v), int(r)) for t, v, r in zip(next_tokens, vals, ranks, strict=False)]
 
 
 def finish_reason(
@@ -186,13 +189,15 @@ class OutputStage:
         *,
         n_past: int,
         pre: tuple[RowLogprobs, int] | None = None,
+        penalized: torch.Tensor | None = None,
     ) -> tuple[SampledToken, str | None]:
         """The scheduler's half of a generated token: sample it, append its id to
         ``req.generated`` and decide what the ids alone decide (``finish_reason``: end of
         generation, ``max_tokens``, the sequence's context full). No text work.
 
         Samples from ``logits_row`` (f32 ``(n_vocab,)``; ``pre``: this row's batched
-        ``(log-probs, argmax)`` for a greedy sampler, ``greedy_rows``).
+        ``(log-probs, argmax)`` for a greedy sampler, ``greedy_rows``; ``penalized``: the row
+        after the request's penalties, which the token is chosen from, ``Sampler.sample``).
 
         Args:
             n_past: positions in the KV sequence after this step.
@@ -202,9 +207,9 @@ class OutputStage:
             tell (a stop string is the text half's business, ``render``).
         """
         if pre is not None:
-            sampled = sampler.sample(logits_row, logp=pre[0], argmax=pre[1])
+            sampled = sampler.sample(logits_row, logp=pre[0], argmax=pre[1], penalized=penalized)
         else:
-            sampled = sampler.sample(logits_row)
+            sampled = sampler.sample(logits_row, penalized=penalized)
         req.generated.append(sampled.token_id)
         reason = finish_reason(
             sampled.token_id,

@@ -91,11 +91,11 @@ class RequestTelemetry:
 
 @dataclass(frozen=True)
 class StartedEvent:
-    """The prompt is computed. ``prompt_logprobs[i]`` = (token id, log-prob) of prompt token
-    ``i`` given its prefix (None for token 0); the list is None unless asked for."""
+    """The prompt is computed. ``prompt_logprobs[i]`` = (token id, log-prob, rank) of prompt
+    token ``i`` given its prefix (None for token 0); the list is None unless asked for."""
 
     prompt_tokens: list[int]
-    prompt_logprobs: list[tuple[int, float] | None] | None
+    prompt_logprobs: list[tuple[int, float, int] | None] | None
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class GenRequest:
     admitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     generated: list[int] = field(default_factory=list)
-    prompt_logprobs: list[tuple[int, float] | None] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, float, int] | None] = field(default_factory=list)
     telemetry: RequestTelemetry = field(default_factory=RequestTelemetry)
     held_ids: tuple[int, ...] = ()  # adapter ids this request pins (unload waits for them)
     stop: StopMatcher | None = None  # set when params.stop is non-empty

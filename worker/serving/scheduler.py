@@ -90,7 +90,7 @@ from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import resolve_alora
 from worker.lora.pool import LoraPool, PoolExhaustedError
 from worker.runtime.context import WorkerContext
-from worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows
+from worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows, penalize_rows
 from worker.serving.cache_policy import make_cache_policy
 from worker.serving.heap import release_free_heap
 from worker.serving.output import (
@@ -630,10 +630,13 @@ class Scheduler:
         if len(greedy) > 1:
             logp, tok = greedy_rows(res.logits, greedy)
             pre = {r: (logp[i], tok[i]) for i, r in enumerate(greedy)}
+        penalized = _penalize_step(parts, res.logits)
         records: list = []
         ended: list[tuple[Seq, str]] = []
         for s, rows, out_idx in parts:
-            reason = self._after_rows(s, rows, res.logits, out_idx, step, records, pre.get(out_idx[-1]))
+            reason = self._after_rows(
+                s, rows, res.logits, out_idx, step, records, pre.get(out_idx[-1]), penalized.get(out_idx[-1])
+            )
             progress.sampled = len(records)
             if reason is not None:
                 ended.append((s, reason))
@@ -655,11 +658,13 @@ class Scheduler:
         step: StepInfo,
         records: list,
         pre: tuple[RowLogprobs, int] | None = None,
+        penalized: torch.Tensor | None = None,
     ) -> str | None:
         """Record the computed positions ``rows`` in the sequence's cache; once the prompt is done,
         sample the last row (``OutputStage.sample``; ``pre``: its batched ``(log_softmax,
-        argmax)`` for a greedy sampler) and append the token's record for the output thread to
-        ``records``. Returns the finish reason the ids decide, or None."""
+        argmax)`` for a greedy sampler; ``penalized``: the row after the request's penalties,
+        `_penalize_step`) and append the token's record for the output thread to ``records``.
+        Returns the finish reason the ids decide, or None."""
         req = seq.request
         seq.last_step = self._step
         for p in rows:
@@ -674,7 +679,9 @@ class Scheduler:
             seq.state = SeqState.GENERATING
             self.emitter.put_started(req)
         assert seq.sampler is not None
-        sampled, reason = self.output.sample(req, seq.sampler, logits[out_idx[-1]], n_past=seq.n_past, pre=pre)
+        sampled, reason = self.output.sample(
+            req, seq.sampler, logits[out_idx[-1]], n_past=seq.n_past, pre=pre, penalized=penalized
+        )
         records.append((req, sampled, step, time.monotonic(), reason))
         self.tokens_generated += 1
         return reason
@@ -746,6 +753,31 @@ def _median(xs: list[float]) -> float:
         return 0.0
     m = len(xs) // 2
     return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def _penalize_step(parts: list, logits: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The penalty step of a decode step (`sampling.penalize_rows`, one batched call): for
+    every sequence that samples this step with a penalty on (``SamplingParams.penalized``), its
+    output row of ``logits`` (f32 ``(n_out, n_vocab)``) after its own presence / frequency /
+    repetition penalties over its prompt and the tokens generated so far. Runs on the raw
+    logits, before any other per-row logits step. Returns ``{output row: penalized row
+    (n_vocab,)}``; empty when no row is penalized (the common case costs one scan of ``parts``).
+
+    ``parts``: ``(seq, positions, output rows)`` per sequence of the ubatch."""
+    rows, params, prompts, outputs = [], [], [], []
+    for s, pos, out_idx in parts:
+        if s.sampler is None or not s.sampler.params.penalized or out_idx[-1] < 0:
+            continue
+        if pos[-1] + 1 < len(s.request.prompt):
+            continue  # still in the prompt: nothing is sampled this step
+        rows.append(out_idx[-1])
+        params.append(s.sampler.params)
+        prompts.append(s.request.prompt)
+        outputs.append(s.request.generated)
+    if not rows:
+        return {}
+    pen = penalize_rows(logits, rows, params, prompts, outputs)
+    return {r: pen[i] for i, r in enumerate(rows)}
 
 
 __all__ = ["RequestObserver", "Scheduler", "SchedulerStats"]
