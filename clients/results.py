@@ -95,6 +95,7 @@ class Adapter:
     n_nodes: int
     source_format: str = "gguf"
     pinned: bool = False
+    aliases: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, info: common_pb2.AdapterInfo) -> Adapter:
@@ -116,6 +117,7 @@ class Adapter:
             n_nodes=info.n_nodes,
             source_format=info.source_format or "gguf",
             pinned=info.pinned,
+            aliases=tuple(info.aliases),
         )
 
     @property
@@ -142,6 +144,7 @@ class Adapter:
             "n_nodes": self.n_nodes,
             "source_format": self.source_format,
             "pinned": self.pinned,
+            "aliases": list(self.aliases),
         }
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loraplane/v1/common.proto\x12\x0cloraplane.v1\")\n\x0c\x41\x64\x61pterScale\x12\n\n\x02id\x18\x01 \x01(\r\x12\r\n\x05scale\x18\x02 \x01(\x02\"9\n\nAdapterMap\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.loraplane.v1.AdapterScale\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc0\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x07 \x01(\x08\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\tB\x07\n\x05_seed\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x9f\x01\n\rStepTelemetry\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\r\x12\x16\n\x0en_adapter_sets\x18\x03 \x01(\r\x12\x14\n\x0cgraph_reused\x18\x04 \x01(\x08\x12\x0f\n\x07n_nodes\x18\x05 \x01(\r\x12\x13\n\x0bnode_budget\x18\x06 \x01(\r\x12\x10\n\x08\x62\x61tching\x18\x07 \x01(\t\"\xe8\x03\n\x10RequestTelemetry\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcache_cleared\x18\x03 \x01(\x08\x12\x1a\n\x12\x63\x61\x63he_clear_reason\x18\x04 \x01(\t\x12\x14\n\x0cprefix_cache\x18\x05 \x01(\t\x12\x1c\n\x14\x61lora_activation_pos\x18\x06 \x01(\x05\x12\x1f\n\x17\x61\x64\x61pter_set_fingerprint\x18\x07 \x01(\t\x12\x0f\n\x07slot_id\x18\x08 \x01(\r\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x14\n\x0cgraph_reuses\x18\n \x01(\r\x12\x16\n\x0egraph_rebuilds\x18\x0b \x01(\r\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r\x12!\n\x19max_adapter_sets_in_batch\x18\r \x01(\r\x12,\n\x08\x61\x64\x61pters\x18\x0e \x03(\x0b\x32\x1a.loraplane.v1.AdapterScale\x12\x0f\n\x07ttft_ms\x18\x0f \x01(\x01\x12\x10\n\x08total_ms\x18\x10 \x01(\x01\x12\x39\n\x11\x61\x64\x61pter_residency\x18\x11 \x03(\x0b\x32\x1e.loraplane.v1.AdapterResidency\"?\n\x10\x41\x64\x61pterResidency\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x01\"\xc5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.loraplane.v1.TokenIdsH\x00\x12*\n\x08\x61\x64\x61pters\x18\x04 \x01(\x0b\x32\x18.loraplane.v1.AdapterMap\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.loraplane.v1.SamplingParamsB\x08\n\x06prompt\"Y\n\x07Started\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x34\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1b.loraplane.v1.PromptLogprob\"G\n\rPromptLogprob\x12\x13\n\x0bhas_logprob\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x95\x01\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.loraplane.v1.TokenLogprob\x12)\n\x04step\x18\x05 \x01(\x0b\x32\x1b.loraplane.v1.StepTelemetry\"b\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\ttelemetry\x18\x03 \x01(\x0b\x32\x1e.loraplane.v1.RequestTelemetry\"\xb1\x01\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07started\x18\x02 \x01(\x0b\x32\x15.loraplane.v1.StartedH\x00\x12-\n\x05token\x18\x03 \x01(\x0b\x32\x1c.loraplane.v1.GeneratedTokenH\x00\x12*\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x16.loraplane.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\xd6\x02\n\x0b\x41\x64\x61pterInfo\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04\x61rch\x18\x05 \x01(\t\x12\r\n\x05\x61lpha\x18\x06 \x01(\x02\x12\r\n\x05ranks\x18\x07 \x03(\r\x12\x16\n\x0etarget_tensors\x18\x08 \x03(\t\x12\x11\n\ttask_name\x18\t \x01(\t\x12\x15\n\rprompt_prefix\x18\n \x01(\t\x12\x1f\n\x17\x61lora_invocation_tokens\x18\x0b \x03(\r\x12\x1d\n\x15\x61lora_invocation_text\x18\x0c \x01(\t\x12\x15\n\rdefault_scale\x18\r \x01(\x02\x12\x12\n\nsize_bytes\x18\x0e \x01(\x04\x12\x0f\n\x07n_nodes\x18\x0f \x01(\r\x12\x15\n\rsource_format\x18\x10 \x01(\t\x12\x0e\n\x06pinned\x18\x11 \x01(\x08\"\xab\x01\n\x0c\x41\x64\x61pterChunk\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0bserver_path\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x15\n\rsource_format\x18\x06 \x01(\t\x12\x17\n\x0f\x66\x65tch_on_demand\x18\x07 \x01(\x08\x12\x13\n\x06pinned\x18\x08 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_pinned\"\x18\n\nAdapterRef\x12\n\n\x02id\x18\x01 \x01(\r\"\x07\n\x05\x45mptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19loraplane/v1/common.proto\x12\x0cloraplane.v1\"7\n\x0c\x41\x64\x61pterScale\x12\n\n\x02id\x18\x01 \x01(\r\x12\r\n\x05scale\x18\x02 \x01(\x02\x12\x0c\n\x04name\x18\x03 \x01(\t\"9\n\nAdapterMap\x12+\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1a.loraplane.v1.AdapterScale\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc0\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x07 \x01(\x08\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\tB\x07\n\x05_seed\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x9f\x01\n\rStepTelemetry\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x02 \x01(\r\x12\x16\n\x0en_adapter_sets\x18\x03 \x01(\r\x12\x14\n\x0cgraph_reused\x18\x04 \x01(\x08\x12\x0f\n\x07n_nodes\x18\x05 \x01(\r\x12\x13\n\x0bnode_budget\x18\x06 \x01(\r\x12\x10\n\x08\x62\x61tching\x18\x07 \x01(\t\"\xe8\x03\n\x10RequestTelemetry\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcache_cleared\x18\x03 \x01(\x08\x12\x1a\n\x12\x63\x61\x63he_clear_reason\x18\x04 \x01(\t\x12\x14\n\x0cprefix_cache\x18\x05 \x01(\t\x12\x1c\n\x14\x61lora_activation_pos\x18\x06 \x01(\x05\x12\x1f\n\x17\x61\x64\x61pter_set_fingerprint\x18\x07 \x01(\t\x12\x0f\n\x07slot_id\x18\x08 \x01(\r\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x14\n\x0cgraph_reuses\x18\n \x01(\r\x12\x16\n\x0egraph_rebuilds\x18\x0b \x01(\r\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r\x12!\n\x19max_adapter_sets_in_batch\x18\r \x01(\r\x12,\n\x08\x61\x64\x61pters\x18\x0e \x03(\x0b\x32\x1a.loraplane.v1.AdapterScale\x12\x0f\n\x07ttft_ms\x18\x0f \x01(\x01\x12\x10\n\x08total_ms\x18\x10 \x01(\x01\x12\x39\n\x11\x61\x64\x61pter_residency\x18\x11 \x03(\x0b\x32\x1e.loraplane.v1.AdapterResidency\"?\n\x10\x41\x64\x61pterResidency\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07wait_ms\x18\x03 \x01(\x01\"\xc5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.loraplane.v1.TokenIdsH\x00\x12*\n\x08\x61\x64\x61pters\x18\x04 \x01(\x0b\x32\x18.loraplane.v1.AdapterMap\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.loraplane.v1.SamplingParamsB\x08\n\x06prompt\"Y\n\x07Started\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x34\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1b.loraplane.v1.PromptLogprob\"G\n\rPromptLogprob\x12\x13\n\x0bhas_logprob\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x95\x01\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.loraplane.v1.TokenLogprob\x12)\n\x04step\x18\x05 \x01(\x0b\x32\x1b.loraplane.v1.StepTelemetry\"b\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x31\n\ttelemetry\x18\x03 \x01(\x0b\x32\x1e.loraplane.v1.RequestTelemetry\"\xb1\x01\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07started\x18\x02 \x01(\x0b\x32\x15.loraplane.v1.StartedH\x00\x12-\n\x05token\x18\x03 \x01(\x0b\x32\x1c.loraplane.v1.GeneratedTokenH\x00\x12*\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x16.loraplane.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\xe7\x02\n\x0b\x41\x64\x61pterInfo\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04\x61rch\x18\x05 \x01(\t\x12\r\n\x05\x61lpha\x18\x06 \x01(\x02\x12\r\n\x05ranks\x18\x07 \x03(\r\x12\x16\n\x0etarget_tensors\x18\x08 \x03(\t\x12\x11\n\ttask_name\x18\t \x01(\t\x12\x15\n\rprompt_prefix\x18\n \x01(\t\x12\x1f\n\x17\x61lora_invocation_tokens\x18\x0b \x03(\r\x12\x1d\n\x15\x61lora_invocation_text\x18\x0c \x01(\t\x12\x15\n\rdefault_scale\x18\r \x01(\x02\x12\x12\n\nsize_bytes\x18\x0e \x01(\x04\x12\x0f\n\x07n_nodes\x18\x0f \x01(\r\x12\x15\n\rsource_format\x18\x10 \x01(\t\x12\x0e\n\x06pinned\x18\x11 \x01(\x08\x12\x0f\n\x07\x61liases\x18\x12 \x03(\t\"\xab\x01\n\x0c\x41\x64\x61pterChunk\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x13\n\x0bserver_path\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x15\n\rsource_format\x18\x06 \x01(\t\x12\x17\n\x0f\x66\x65tch_on_demand\x18\x07 \x01(\x08\x12\x13\n\x06pinned\x18\x08 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_pinned\"&\n\nAdapterRef\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x07\n\x05\x45mptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,39 +32,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraplane.v1.common_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADAPTERSCALE']._serialized_start=43
-  _globals['_ADAPTERSCALE']._serialized_end=84
-  _globals['_ADAPTERMAP']._serialized_start=86
-  _globals['_ADAPTERMAP']._serialized_end=143
-  _globals['_TOKENIDS']._serialized_start=145
-  _globals['_TOKENIDS']._serialized_end=168
-  _globals['_SAMPLINGPARAMS']._serialized_start=171
-  _globals['_SAMPLINGPARAMS']._serialized_end=363
-  _globals['_TOKENLOGPROB']._serialized_start=365
-  _globals['_TOKENLOGPROB']._serialized_end=414
-  _globals['_STEPTELEMETRY']._serialized_start=417
-  _globals['_STEPTELEMETRY']._serialized_end=576
-  _globals['_REQUESTTELEMETRY']._serialized_start=579
-  _globals['_REQUESTTELEMETRY']._serialized_end=1067
-  _globals['_ADAPTERRESIDENCY']._serialized_start=1069
-  _globals['_ADAPTERRESIDENCY']._serialized_end=1132
-  _globals['_GENERATEREQUEST']._serialized_start=1135
-  _globals['_GENERATEREQUEST']._serialized_end=1332
-  _globals['_STARTED']._serialized_start=1334
-  _globals['_STARTED']._serialized_end=1423
-  _globals['_PROMPTLOGPROB']._serialized_start=1425
-  _globals['_PROMPTLOGPROB']._serialized_end=1496
-  _globals['_GENERATEDTOKEN']._serialized_start=1499
-  _globals['_GENERATEDTOKEN']._serialized_end=1648
-  _globals['_FINISHED']._serialized_start=1650
-  _globals['_FINISHED']._serialized_end=1748
-  _globals['_GENERATEEVENT']._serialized_start=1751
-  _globals['_GENERATEEVENT']._serialized_end=1928
-  _globals['_ADAPTERINFO']._serialized_start=1931
-  _globals['_ADAPTERINFO']._serialized_end=2273
-  _globals['_ADAPTERCHUNK']._serialized_start=2276
-  _globals['_ADAPTERCHUNK']._serialized_end=2447
-  _globals['_ADAPTERREF']._serialized_start=2449
-  _globals['_ADAPTERREF']._serialized_end=2473
-  _globals['_EMPTY']._serialized_start=2475
-  _globals['_EMPTY']._serialized_end=2482
+  _globals['_ADAPTERSCALE']._serialized_end=98
+  _globals['_ADAPTERMAP']._serialized_start=100
+  _globals['_ADAPTERMAP']._serialized_end=157
+  _globals['_TOKENIDS']._serialized_start=159
+  _globals['_TOKENIDS']._serialized_end=182
+  _globals['_SAMPLINGPARAMS']._serialized_start=185
+  _globals['_SAMPLINGPARAMS']._serialized_end=377
+  _globals['_TOKENLOGPROB']._serialized_start=379
+  _globals['_TOKENLOGPROB']._serialized_end=428
+  _globals['_STEPTELEMETRY']._serialized_start=431
+  _globals['_STEPTELEMETRY']._serialized_end=590
+  _globals['_REQUESTTELEMETRY']._serialized_start=593
+  _globals['_REQUESTTELEMETRY']._serialized_end=1081
+  _globals['_ADAPTERRESIDENCY']._serialized_start=1083
+  _globals['_ADAPTERRESIDENCY']._serialized_end=1146
+  _globals['_GENERATEREQUEST']._serialized_start=1149
+  _globals['_GENERATEREQUEST']._serialized_end=1346
+  _globals['_STARTED']._serialized_start=1348
+  _globals['_STARTED']._serialized_end=1437
+  _globals['_PROMPTLOGPROB']._serialized_start=1439
+  _globals['_PROMPTLOGPROB']._serialized_end=1510
+  _globals['_GENERATEDTOKEN']._serialized_start=1513
+  _globals['_GENERATEDTOKEN']._serialized_end=1662
+  _globals['_FINISHED']._serialized_start=1664
+  _globals['_FINISHED']._serialized_end=1762
+  _globals['_GENERATEEVENT']._serialized_start=1765
+  _globals['_GENERATEEVENT']._serialized_end=1942
+  _globals['_ADAPTERINFO']._serialized_start=1945
+  _globals['_ADAPTERINFO']._serialized_end=2304
+  _globals['_ADAPTERCHUNK']._serialized_start=2307
+  _globals['_ADAPTERCHUNK']._serialized_end=2478
+  _globals['_ADAPTERREF']._serialized_start=2480
+  _globals['_ADAPTERREF']._serialized_end=2518
+  _globals['_EMPTY']._serialized_start=2520
+  _globals['_EMPTY']._serialized_end=2527
 # @@protoc_insertion_point(module_scope)
