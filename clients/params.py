@@ -57,13 +57,11 @@ AdapterKey = int | str
 """An adapter as the CLI names it: an id (ASCII digits) or a name / alias, resolved by the
 control plane (`control_plane.resolution.find_adapter`, the rule HTTP ``model`` follows too)."""
 
-_ASCII_DIGITS = re.compile(r"[0-9]+")
-
-
 def _adapter_key(text: str) -> AdapterKey:
-    """ASCII digits only → an id (range-checked: an all-digit token is never a name); anything
-    else non-empty → a name, left for the control plane to resolve."""
-    if _ASCII_DIGITS.fullmatch(text):
+    """ASCII digits only (or with a ``-``: refused as out of range) → an id (range-checked: an
+    all-digit token is never a name); anything else non-empty → a name, left for the control
+    plane to resolve."""
+    if _ASCII_INT.fullmatch(text):
         return _adapter_id(text)
     if not text:
         raise ValueError("empty adapter id or name")

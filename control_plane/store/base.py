@@ -20,6 +20,12 @@ What the store holds, and the rules every implementation keeps (tested against b
 - **Adapter bytes**, content-addressed by sha256, readable by every process that opens the
   same database (`read_chunks`). Registration is atomic: metadata and bytes are committed
   together or not at all.
+- **Names and aliases**: an adapter's ``name`` and ``aliases`` (a JSON list, migration 5),
+  changed only through `AdapterStore.set_names`, whose transaction serialises name changes
+  so two replicas cannot give one alias to two adapters. (A registration's requested name is
+  checked just before its insert, outside that lock: two replicas registering *different*
+  content under one new name at the same instant can both succeed; the name is then
+  ambiguous and every API says so, listing both ids, rather than serve the wrong adapter.)
 - **The default set**: every adapter's ``default_scale`` (0: detached).
 - **Removed adapters**: ids unregistered through any replica (`removed_ids`), so every
   replica unloads them from the workers it announced them to.
