@@ -57,6 +57,7 @@ AdapterKey = int | str
 """An adapter as the CLI names it: an id (ASCII digits) or a name / alias, resolved by the
 control plane (`control_plane.resolution.find_adapter`, the rule HTTP ``model`` follows too)."""
 
+
 def _adapter_key(text: str) -> AdapterKey:
     """ASCII digits only (or with a ``-``: refused as out of range) → an id (range-checked: an
     all-digit token is never a name); anything else non-empty → a name, left for the control

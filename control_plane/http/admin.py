@@ -30,6 +30,7 @@ from control_plane.auth import BearerCheck, check_bearer
 from control_plane.errors import ControlPlaneError, InvalidArgumentError
 from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError, from_control_plane
+from control_plane.http.models import resolve_model
 from control_plane.http.schemas import LoadLoraRequest, UnloadLoraRequest, parse_body
 
 
@@ -113,8 +114,10 @@ def admin_router(deps: HttpDeps) -> APIRouter:
         require_admin(authorization, deps.admin_token)
         body = parse_body(raw, UnloadLoraRequest)
         name = body.lora_name
+        target = unload_target(name, deps)
+        resolve_model(target, base_name=deps.base_name, registry=deps.registry)  # 404 / 400 as for `model`
         try:
-            removal = deps.registry.unload_name(unload_target(name, deps))
+            removal = deps.registry.unload_name(target)
             if removal.unregistered:
                 deps.pool.unload_adapter(removal.record.id)
         except ControlPlaneError as exc:
