@@ -31,14 +31,21 @@ def f32(x: float) -> float:
     return target
 
 
+_REQUEST_ONLY = {("loraplane.v1.AdapterScale", "name")}
+"""Fields only requests use (an adapter by name); answers leave them empty, so they are not shown."""
+
+
 def message_to_dict(msg: Message) -> dict[str, Any]:
-    """Every field of ``msg`` in declaration order, defaults included, float32 shortened.
+    """Every field of ``msg`` in declaration order, defaults included (request-only fields,
+    `_REQUEST_ONLY`, left out), float32 shortened.
 
     (``json_format.MessageToDict`` puts set fields first and renders 64-bit ints as strings;
     telemetry is easier to read and diff in declaration order with real numbers.)
     """
     out: dict[str, Any] = {}
     for fd in msg.DESCRIPTOR.fields:
+        if (msg.DESCRIPTOR.full_name, fd.name) in _REQUEST_ONLY:
+            continue
         value = getattr(msg, fd.name)
         if _is_repeated(fd):
             out[fd.name] = [_scalar_or_message(fd, v) for v in value]
