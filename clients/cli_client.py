@@ -18,11 +18,12 @@ from clients.channel import parse_addresses
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError, ServerUnreachable
 from clients.params import (
+    ADAPTER_REF,
     ADAPTER_SCALE,
     TOKEN_IDS,
     UINT32_MAX,
     UINT64_MAX,
-    AdapterIdType,
+    AdapterKey,
     client_options,
     scales_to_map,
 )
@@ -114,7 +115,7 @@ def server_call(opts: ClientOptions) -> Iterator[LoraplaneClient]:
     "loras",
     type=ADAPTER_SCALE,
     multiple=True,
-    help="Use adapter ID at SCALE (repeatable); every other adapter at 0.",
+    help="Use adapter ID (or NAME: its name or an alias) at SCALE (repeatable); every other adapter at 0.",
 )
 @click.option("--no-lora", is_flag=True, help="Use no adapters at all (not the default set).")
 @click.option("--max-tokens", type=click.IntRange(min=1, max=UINT32_MAX), default=16, show_default=True)
@@ -174,7 +175,7 @@ def server_call(opts: ClientOptions) -> Iterator[LoraplaneClient]:
 def generate(
     prompt: str | None,
     prompt_tokens: tuple[int, ...] | None,
-    loras: tuple[tuple[int, float], ...],
+    loras: tuple[tuple[AdapterKey, float], ...],
     no_lora: bool,
     logprobs: int | None,
     prompt_logprobs: bool,
@@ -185,7 +186,7 @@ def generate(
     """Generate a continuation of PROMPT (or of --prompt-tokens), streaming tokens.
 
     Adapters: no --lora and no --no-lora → the control plane's default set; --no-lora →
-    none; --lora ID=SCALE… → exactly those.
+    none; --lora ID=SCALE… or NAME=SCALE… → exactly those (ASCII digits are always an id).
     """
     opts = _opts(kwargs)
     if (prompt is None) == (prompt_tokens is None):
@@ -194,7 +195,7 @@ def generate(
         raise click.UsageError("--lora and --no-lora exclude each other")
     if any(not s for s in stop):
         raise click.BadParameter("stop strings must not be empty", param_hint="--stop")
-    adapters: dict[int, float] | None = None
+    adapters: dict[AdapterKey, float] | None = None
     if no_lora:
         adapters = {}
     elif loras:
@@ -278,10 +279,10 @@ def adapters_list(**kwargs) -> None:
 
 
 @adapters.command("show")
-@click.argument("adapter_id", metavar="ID", type=AdapterIdType())
+@click.argument("adapter_id", metavar="ID|NAME", type=ADAPTER_REF)
 @client_options
-def adapters_show(adapter_id: int, **kwargs) -> None:
-    """Show everything known about adapter ID."""
+def adapters_show(adapter_id: AdapterKey, **kwargs) -> None:
+    """Show everything known about adapter ID (or NAME: its name or an alias)."""
     opts = _opts(kwargs)
     with server_call(opts) as client:
         adapter = client.get_adapter(adapter_id)
@@ -340,12 +341,14 @@ def adapters_add(file: str, name: str | None, server_path: bool, pin: bool, **kw
 
 
 @adapters.command("remove")
-@click.argument("adapter_id", metavar="ID", type=AdapterIdType())
+@click.argument("adapter_ref", metavar="ID|NAME", type=ADAPTER_REF)
 @client_options
-def adapters_remove(adapter_id: int, **kwargs) -> None:
-    """Unregister adapter ID (its id is never reused)."""
+def adapters_remove(adapter_ref: AdapterKey, **kwargs) -> None:
+    """Unregister adapter ID (or NAME: its name or an alias), with every name it has; its id
+    is never reused."""
     opts = _opts(kwargs)
     with server_call(opts) as client:
+        adapter_id = adapter_ref if isinstance(adapter_ref, int) else client.get_adapter(adapter_ref).id
         client.remove_adapter(adapter_id)
     from clients.render import print_json
 
@@ -355,31 +358,31 @@ def adapters_remove(adapter_id: int, **kwargs) -> None:
         click.echo(f"removed adapter {adapter_id}")
 
 
-def _pin_command(adapter_id: int, pinned: bool, kwargs: dict) -> None:
+def _pin_command(adapter_ref: AdapterKey, pinned: bool, kwargs: dict) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
-        adapter = client.pin_adapter(adapter_id, pinned)
+        adapter = client.pin_adapter(adapter_ref, pinned)
     from clients.render import print_json
 
     if opts.as_json:
         print_json(adapter.to_json())
     else:
-        click.echo(f"{'pinned' if pinned else 'unpinned'} adapter {adapter_id}")
+        click.echo(f"{'pinned' if pinned else 'unpinned'} adapter {adapter.id}")
 
 
 @adapters.command("pin")
-@click.argument("adapter_id", metavar="ID", type=AdapterIdType())
+@click.argument("adapter_id", metavar="ID|NAME", type=ADAPTER_REF)
 @client_options
-def adapters_pin(adapter_id: int, **kwargs) -> None:
-    """Pin adapter ID: workers never evict it from their slot pool or host cache."""
+def adapters_pin(adapter_id: AdapterKey, **kwargs) -> None:
+    """Pin adapter ID (or NAME): workers never evict it from their slot pool or host cache."""
     _pin_command(adapter_id, True, kwargs)
 
 
 @adapters.command("unpin")
-@click.argument("adapter_id", metavar="ID", type=AdapterIdType())
+@click.argument("adapter_id", metavar="ID|NAME", type=ADAPTER_REF)
 @client_options
-def adapters_unpin(adapter_id: int, **kwargs) -> None:
-    """Unpin adapter ID (it is evicted by LRU like any other)."""
+def adapters_unpin(adapter_id: AdapterKey, **kwargs) -> None:
+    """Unpin adapter ID (or NAME; it is evicted by LRU like any other)."""
     _pin_command(adapter_id, False, kwargs)
 
 
@@ -411,11 +414,11 @@ def default_get(**kwargs) -> None:
 
 
 @default.command("set")
-@click.argument("entries", metavar="ID=SCALE...", type=ADAPTER_SCALE, nargs=-1)
+@click.argument("entries", metavar="ID|NAME=SCALE...", type=ADAPTER_SCALE, nargs=-1)
 @click.option("--clear", is_flag=True, help="Set the default to no adapters.")
 @client_options
-def default_set(entries: tuple[tuple[int, float], ...], clear: bool, **kwargs) -> None:
-    """Replace the default set with ID=SCALE… (others at 0), or --clear it."""
+def default_set(entries: tuple[tuple[AdapterKey, float], ...], clear: bool, **kwargs) -> None:
+    """Replace the default set with ID=SCALE… or NAME=SCALE… (others at 0), or --clear it."""
     opts = _opts(kwargs)
     if bool(entries) == clear:
         raise click.UsageError("give ID=SCALE… or --clear (not both)")

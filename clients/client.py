@@ -30,7 +30,7 @@ import asyncio
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ from clients.results import (
     WorkerInfo,
     event_from_proto,
 )
-from clients.wire import adapter_map, generate_request, upload_chunks
+from clients.wire import AdapterScales, adapter_map, adapter_ref, generate_request, upload_chunks
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 
 __all__ = [
@@ -87,6 +87,11 @@ __all__ = [
 
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 _EMPTY = common_pb2.Empty()
+
+
+def _pin_request(adapter: int | str, pinned: bool) -> control_plane_pb2.PinRequest:
+    ref = adapter_ref(adapter)
+    return control_plane_pb2.PinRequest(id=ref.id, name=ref.name, pinned=pinned)
 
 
 def _close_channels(channels: dict[str, grpc.Channel], lock: threading.Lock) -> None:
@@ -260,14 +265,16 @@ class LoraplaneClient(_ClientBase):
         reply = self._unary("ListAdapters", lambda: _EMPTY)
         return [Adapter.from_proto(a) for a in reply.adapters]
 
-    def get_adapter(self, adapter_id: int) -> Adapter:
-        return Adapter.from_proto(self._unary("GetAdapter", lambda: common_pb2.AdapterRef(id=adapter_id)))
+    def get_adapter(self, adapter: int | str) -> Adapter:
+        return Adapter.from_proto(self._unary("GetAdapter", lambda: adapter_ref(adapter)))
 
     def add_adapter(
         self, path: str | Path, *, name: str | None = None, server_path: bool = False, progress: Any = None
     ) -> Adapter:
         """Register an adapter GGUF: upload ``path`` in chunks, or (``server_path=True``) name a
-        file the server reads itself. Content already registered returns the existing id.
+        file the server reads itself. Content already registered returns the existing id (a
+        new ``name`` becomes an alias of it); a ``name`` another adapter answers to is
+        ALREADY_EXISTS.
         A replica failing mid-upload: the whole upload is sent again to the next one.
         A PEFT folder is converted here first (``clients.peft.upload_source``) and uploaded as
         GGUF; a PEFT folder given as a server path is converted by the control plane.
@@ -284,22 +291,21 @@ class LoraplaneClient(_ClientBase):
                 )
             )
 
-    def remove_adapter(self, adapter_id: int) -> None:
-        """Unregister ``adapter_id``; a retry on another replica that finds it gone is done."""
-        self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id), not_found_is_done=True)
+    def remove_adapter(self, adapter: int | str) -> None:
+        """Unregister ``adapter`` (an id, or a name / alias: the whole adapter goes, whatever
+        names it); a retry on another replica that finds it gone is done."""
+        self._unary("UnregisterAdapter", lambda: adapter_ref(adapter), not_found_is_done=True)
 
-    def pin_adapter(self, adapter_id: int, pinned: bool = True) -> Adapter:
+    def pin_adapter(self, adapter: int | str, pinned: bool = True) -> Adapter:
         """Pin (never evicted from workers' slot pools / host caches) or unpin an adapter."""
-        return Adapter.from_proto(
-            self._unary("PinAdapter", lambda: control_plane_pb2.PinRequest(id=adapter_id, pinned=pinned))
-        )
+        return Adapter.from_proto(self._unary("PinAdapter", lambda: _pin_request(adapter, pinned)))
 
     # -- default set -----------------------------------------------------------------------
 
     def get_default(self) -> DefaultSet:
         return DefaultSet.from_proto(self._unary("GetDefaultAdapters", lambda: _EMPTY))
 
-    def set_default(self, scales: Mapping[int, float]) -> DefaultSet:
+    def set_default(self, scales: AdapterScales) -> DefaultSet:
         """Replace the global default set (``{}`` clears it); returns the set now in force."""
         return DefaultSet.from_proto(self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
 
@@ -316,7 +322,7 @@ class LoraplaneClient(_ClientBase):
         prompt: str | None = None,
         *,
         prompt_tokens: Sequence[int] | None = None,
-        adapters: Mapping[int, float] | None = None,
+        adapters: AdapterScales | None = None,
         **sampling: Any,
     ) -> Iterator[GenerateEvent]:
         """Yield `StartedEvent`, then one `TokenEvent` per token as it is produced, then
@@ -345,7 +351,7 @@ class LoraplaneClient(_ClientBase):
         prompt: str | None = None,
         *,
         prompt_tokens: Sequence[int] | None = None,
-        adapters: Mapping[int, float] | None = None,
+        adapters: AdapterScales | None = None,
         **sampling: Any,
     ) -> GenerateResult:
         """Run `generate_stream` to the end and collect the result."""
@@ -431,8 +437,8 @@ class AsyncLoraplaneClient(_ClientBase):
         reply = await self._unary("ListAdapters", lambda: _EMPTY)
         return [Adapter.from_proto(a) for a in reply.adapters]
 
-    async def get_adapter(self, adapter_id: int) -> Adapter:
-        return Adapter.from_proto(await self._unary("GetAdapter", lambda: common_pb2.AdapterRef(id=adapter_id)))
+    async def get_adapter(self, adapter: int | str) -> Adapter:
+        return Adapter.from_proto(await self._unary("GetAdapter", lambda: adapter_ref(adapter)))
 
     async def add_adapter(self, path: str | Path, *, name: str | None = None, server_path: bool = False) -> Adapter:
         _check_upload_source(path, server_path)
@@ -445,18 +451,16 @@ class AsyncLoraplaneClient(_ClientBase):
                 await self._unary("RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt))
             )
 
-    async def remove_adapter(self, adapter_id: int) -> None:
-        await self._unary("UnregisterAdapter", lambda: common_pb2.AdapterRef(id=adapter_id), not_found_is_done=True)
+    async def remove_adapter(self, adapter: int | str) -> None:
+        await self._unary("UnregisterAdapter", lambda: adapter_ref(adapter), not_found_is_done=True)
 
-    async def pin_adapter(self, adapter_id: int, pinned: bool = True) -> Adapter:
-        return Adapter.from_proto(
-            await self._unary("PinAdapter", lambda: control_plane_pb2.PinRequest(id=adapter_id, pinned=pinned))
-        )
+    async def pin_adapter(self, adapter: int | str, pinned: bool = True) -> Adapter:
+        return Adapter.from_proto(await self._unary("PinAdapter", lambda: _pin_request(adapter, pinned)))
 
     async def get_default(self) -> DefaultSet:
         return DefaultSet.from_proto(await self._unary("GetDefaultAdapters", lambda: _EMPTY))
 
-    async def set_default(self, scales: Mapping[int, float]) -> DefaultSet:
+    async def set_default(self, scales: AdapterScales) -> DefaultSet:
         return DefaultSet.from_proto(await self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
 
     async def list_workers(self) -> list[WorkerInfo]:
@@ -468,7 +472,7 @@ class AsyncLoraplaneClient(_ClientBase):
         prompt: str | None = None,
         *,
         prompt_tokens: Sequence[int] | None = None,
-        adapters: Mapping[int, float] | None = None,
+        adapters: AdapterScales | None = None,
         **sampling: Any,
     ) -> AsyncIterator[GenerateEvent]:
         """Async twin of `LoraplaneClient.generate_stream`."""
@@ -492,7 +496,7 @@ class AsyncLoraplaneClient(_ClientBase):
         prompt: str | None = None,
         *,
         prompt_tokens: Sequence[int] | None = None,
-        adapters: Mapping[int, float] | None = None,
+        adapters: AdapterScales | None = None,
         **sampling: Any,
     ) -> GenerateResult:
         builder = ResultBuilder()

@@ -53,21 +53,51 @@ def _adapter_id(text: str) -> int:
     return value
 
 
+AdapterKey = int | str
+"""An adapter as the CLI names it: an id (ASCII digits) or a name / alias, resolved by the
+control plane (`control_plane.resolution.find_adapter`, the rule HTTP ``model`` follows too)."""
+
+
+def _adapter_key(text: str) -> AdapterKey:
+    """ASCII digits only (or with a ``-``: refused as out of range) → an id (range-checked: an
+    all-digit token is never a name); anything else non-empty → a name, left for the control
+    plane to resolve."""
+    if _ASCII_INT.fullmatch(text):
+        return _adapter_id(text)
+    if not text:
+        raise ValueError("empty adapter id or name")
+    return text
+
+
 class AdapterScaleType(click.ParamType):
-    """``ID=SCALE`` → ``(id, scale)``."""
+    """``ID=SCALE`` or ``NAME=SCALE`` → ``(id or name, scale)`` (the last ``=`` splits)."""
 
-    name = "ID=SCALE"
+    name = "ID|NAME=SCALE"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, float]:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[AdapterKey, float]:
         if isinstance(value, tuple):
             return value
-        id_text, sep, scale_text = str(value).partition("=")
+        key_text, sep, scale_text = str(value).rpartition("=")
         if not sep:
-            self.fail(f"{value!r} is not ID=SCALE (e.g. 0=1.0)", param, ctx)
+            self.fail(f"{value!r} is not ID=SCALE or NAME=SCALE (e.g. 0=1.0, shout=0.5)", param, ctx)
         try:
-            return _adapter_id(id_text), _finite_float(scale_text, "scale")
+            return _adapter_key(key_text), _finite_float(scale_text, "scale")
         except ValueError as err:
             self.fail(f"{value!r}: {err}", param, ctx)
+
+
+class AdapterRefType(click.ParamType):
+    """An adapter id (ASCII digits, ``0..UINT32_MAX``) or a name / alias (anything else)."""
+
+    name = "ID|NAME"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> AdapterKey:
+        if isinstance(value, int):
+            return value
+        try:
+            return _adapter_key(str(value))
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
 
 
 class AdapterIdType(click.ParamType):
@@ -162,17 +192,20 @@ class HostPortListType(click.ParamType):
 
 
 ADAPTER_SCALE = AdapterScaleType()
+ADAPTER_REF = AdapterRefType()
 TOKEN_IDS = TokenIdsType()
 PATH_SCALE = PathScaleType()
 PATH_OPTIONAL_SCALE = PathScaleType(optional_scale=True)
 
 
-def scales_to_map(pairs: Sequence[tuple[int, float]], param_hint: str) -> dict[int, float]:
-    """``[(id, scale), …]`` → ``{id: scale}``; an id given twice is a usage error."""
-    out: dict[int, float] = {}
+def scales_to_map(pairs: Sequence[tuple[AdapterKey, float]], param_hint: str) -> dict[AdapterKey, float]:
+    """``[(id or name, scale), …]`` → ``{id or name: scale}``; one given twice is a usage error
+    (an id and a name of the same adapter are caught by the control plane)."""
+    out: dict[AdapterKey, float] = {}
     for adapter_id, scale in pairs:
         if adapter_id in out:
-            raise click.BadParameter(f"adapter id {adapter_id} is given more than once", param_hint=param_hint)
+            what = f"adapter id {adapter_id}" if isinstance(adapter_id, int) else f"adapter '{adapter_id}'"
+            raise click.BadParameter(f"{what} is given more than once", param_hint=param_hint)
         out[adapter_id] = scale
     return out
 

@@ -65,7 +65,7 @@ def _scales_text(entries: Sequence[dict[str, Any]] | dict[int, float]) -> str:
 
 def adapters_table(adapters: Sequence[Adapter]) -> Table:
     table = Table(title="Registered adapters", title_justify="left")
-    for col in ("id", "name", "rank", "alpha", "default", "task", "aLoRA", "pinned"):
+    for col in ("id", "name", "aliases", "rank", "alpha", "default", "task", "aLoRA", "pinned"):
         table.add_column(col, justify="right" if col in {"id", "alpha", "default"} else "left")
     table.add_column("sha256", min_width=12, no_wrap=True)
     table.add_column("file", overflow="fold")  # full path: `adapters show ID`
@@ -73,6 +73,7 @@ def adapters_table(adapters: Sequence[Adapter]) -> Table:
         table.add_row(
             str(a.id),
             a.name,
+            ",".join(a.aliases),
             ",".join(map(str, a.ranks)),
             f"{a.alpha:g}",
             f"{a.default_scale:g}",

@@ -31,14 +31,21 @@ def f32(x: float) -> float:
     return target
 
 
+_REQUEST_ONLY = {("loraplane.v1.AdapterScale", "name")}
+"""Fields only requests use (an adapter by name); answers leave them empty, so they are not shown."""
+
+
 def message_to_dict(msg: Message) -> dict[str, Any]:
-    """Every field of ``msg`` in declaration order, defaults included, float32 shortened.
+    """Every field of ``msg`` in declaration order, defaults included (request-only fields,
+    `_REQUEST_ONLY`, left out), float32 shortened.
 
     (``json_format.MessageToDict`` puts set fields first and renders 64-bit ints as strings;
     telemetry is easier to read and diff in declaration order with real numbers.)
     """
     out: dict[str, Any] = {}
     for fd in msg.DESCRIPTOR.fields:
+        if (msg.DESCRIPTOR.full_name, fd.name) in _REQUEST_ONLY:
+            continue
         value = getattr(msg, fd.name)
         if _is_repeated(fd):
             out[fd.name] = [_scalar_or_message(fd, v) for v in value]
@@ -95,6 +102,7 @@ class Adapter:
     n_nodes: int
     source_format: str = "gguf"
     pinned: bool = False
+    aliases: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, info: common_pb2.AdapterInfo) -> Adapter:
@@ -116,6 +124,7 @@ class Adapter:
             n_nodes=info.n_nodes,
             source_format=info.source_format or "gguf",
             pinned=info.pinned,
+            aliases=tuple(info.aliases),
         )
 
     @property
@@ -142,6 +151,7 @@ class Adapter:
             "n_nodes": self.n_nodes,
             "source_format": self.source_format,
             "pinned": self.pinned,
+            "aliases": list(self.aliases),
         }
 
 

@@ -17,23 +17,40 @@ from pathlib import Path
 from loraplane.limits import CHUNK_BYTES
 from loraplane.v1 import common_pb2
 
+AdapterScales = Mapping[int, float] | Mapping[str, float] | Mapping[int | str, float]
+"""``{adapter: scale}``: each adapter by id (int) or by name / alias (str)."""
+
 # Data chunk size of adapter uploads: well under gRPC's 4 MiB default message limit.
 
 
-def adapter_map(scales: Mapping[int, float]) -> common_pb2.AdapterMap:
-    """An `AdapterMap` with one entry per id, in id order. Validates ids and scales."""
+def adapter_ref(adapter: int | str) -> common_pb2.AdapterRef:
+    """An `AdapterRef` by id (an int) or by name / alias (a str, resolved by the control plane;
+    ASCII digits there read as an id)."""
+    if isinstance(adapter, str):
+        if not adapter:
+            raise ValueError("adapter name must not be empty")
+        return common_pb2.AdapterRef(name=adapter)
+    if isinstance(adapter, bool) or not isinstance(adapter, int) or adapter < 0:
+        raise ValueError(f"adapter id must be a non-negative integer or a name, got {adapter!r}")
+    return common_pb2.AdapterRef(id=adapter)
+
+
+def adapter_map(scales: AdapterScales) -> common_pb2.AdapterMap:
+    """An `AdapterMap` with one entry per adapter: ids (ints) in id order, then names (strs,
+    resolved by the control plane) in the order given. Validates ids and scales."""
     amap = common_pb2.AdapterMap()
-    for adapter_id, scale in sorted(scales.items()):
-        if isinstance(adapter_id, bool) or not isinstance(adapter_id, int) or adapter_id < 0:
-            raise ValueError(f"adapter id must be a non-negative integer, got {adapter_id!r}")
+    ordered: list[tuple[int | str, float]] = sorted((k, v) for k, v in scales.items() if not isinstance(k, str))
+    ordered += [(k, v) for k, v in scales.items() if isinstance(k, str)]
+    for adapter, scale in ordered:
+        ref = adapter_ref(adapter)
         scale = float(scale)
         if not math.isfinite(scale):
-            raise ValueError(f"scale of adapter {adapter_id} must be finite, got {scale!r}")
-        amap.entries.add(id=adapter_id, scale=scale)
+            raise ValueError(f"scale of adapter {adapter!r} must be finite, got {scale!r}")
+        amap.entries.add(id=ref.id, name=ref.name, scale=scale)
     return amap
 
 
-def adapter_map_into(req: common_pb2.GenerateRequest, adapters: Mapping[int, float] | None) -> None:
+def adapter_map_into(req: common_pb2.GenerateRequest, adapters: AdapterScales | None) -> None:
     """Set ``req.adapters``: None leaves it unset, a mapping (even empty) sets it."""
     if adapters is None:
         return
@@ -45,7 +62,7 @@ def generate_request(
     prompt: str | None = None,
     *,
     prompt_tokens: Sequence[int] | None = None,
-    adapters: Mapping[int, float] | None = None,
+    adapters: AdapterScales | None = None,
     max_tokens: int = 16,
     temperature: float = 0.0,
     top_k: int = 0,

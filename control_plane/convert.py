@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from control_plane.errors import InvalidArgumentError
@@ -33,6 +33,7 @@ def adapter_info(rec: AdapterRecord) -> common_pb2.AdapterInfo:
         n_nodes=m.get("n_nodes", 0),
         source_format=rec.source_format,
         pinned=rec.pinned,
+        aliases=list(rec.aliases),
     )
 
 
@@ -40,14 +41,34 @@ def adapter_map(vector: Sequence[tuple[int, float]]) -> common_pb2.AdapterMap:
     return common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=i, scale=s) for i, s in vector])
 
 
-def request_map(msg: common_pb2.AdapterMap) -> dict[int, float]:
-    """``{id: scale}`` of an AdapterMap; an id listed twice is INVALID_ARGUMENT."""
-    return map_from_pairs((e.id, e.scale) for e in msg.entries)
+Lookup = Callable[[str], int]
+"""A name → id resolver (`control_plane.registry.AdapterRegistry.lookup`)."""
 
 
-def request_map_or_none(request: common_pb2.GenerateRequest) -> dict[int, float] | None:
+def ref_id(ref: common_pb2.AdapterRef | common_pb2.AdapterScale | control_plane_pb2.PinRequest, lookup: Lookup) -> int:
+    """The id an ``AdapterRef`` / ``AdapterScale`` / ``PinRequest`` names: its ``name`` through
+    ``lookup`` when set (ASCII digits read as an id), else its ``id``.
+
+    Raises:
+        InvalidArgumentError: both a non-zero ``id`` and a ``name`` (give one).
+        NotFoundError / AmbiguousNameError: from ``lookup``.
+    """
+    if not ref.name:
+        return ref.id
+    if ref.id:
+        raise InvalidArgumentError(f"adapter given both as id {ref.id} and as name '{ref.name}'; give one")
+    return lookup(ref.name)
+
+
+def request_map(msg: common_pb2.AdapterMap, lookup: Lookup) -> dict[int, float]:
+    """``{id: scale}`` of an AdapterMap, names resolved by ``lookup`` (`ref_id`); an adapter
+    listed twice (by id or by name) is INVALID_ARGUMENT."""
+    return map_from_pairs((ref_id(e, lookup), e.scale) for e in msg.entries)
+
+
+def request_map_or_none(request: common_pb2.GenerateRequest, lookup: Lookup) -> dict[int, float] | None:
     """The request's map, or None when the field is unset ("use the default set")."""
-    return request_map(request.adapters) if request.HasField("adapters") else None
+    return request_map(request.adapters, lookup) if request.HasField("adapters") else None
 
 
 def set_resolved_adapters(request: common_pb2.GenerateRequest, vector: Sequence[tuple[int, float]]) -> None:

@@ -16,6 +16,17 @@ class InvalidArgumentError(ControlPlaneError):
     """The request itself is wrong (bad adapter file, negative scale, malformed upload)."""
 
 
+class AmbiguousNameError(InvalidArgumentError):
+    """An adapter name (or alias) that several adapters answer to (names are metadata, not
+    keys: files may embed the same ``general.name``). The message lists their ids; gRPC
+    INVALID_ARGUMENT, HTTP 400, as vLLM answers a request it cannot act on."""
+
+
+class AlreadyExistsError(ControlPlaneError):
+    """A name asked for at registration that an adapter already answers to (gRPC
+    ALREADY_EXISTS; HTTP 400 with vLLM's "has already been loaded" message)."""
+
+
 class NotFoundError(ControlPlaneError):
     """An adapter id, worker or file that does not exist. Messages list what does exist."""
 

@@ -27,6 +27,7 @@ already indexed, and the resulting GGUF is kept under ``<data-dir>/adapters/`` l
 
 from __future__ import annotations
 
+import builtins
 import errno
 import hashlib
 import uuid
@@ -39,13 +40,22 @@ import structlog
 
 from control_plane.base_model import BaseModelInfo
 from control_plane.errors import (
+    AlreadyExistsError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
+    UnavailableError,
     describe_ids,
 )
-from control_plane.resolution import AdapterVector, check_scale, resolve_adapter_vector
+from control_plane.resolution import (
+    ID_PREFIX,
+    AdapterVector,
+    check_scale,
+    find_adapter,
+    is_id_token,
+    resolve_adapter_vector,
+)
 from control_plane.store import AdapterRecord, AdapterStore
 from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
 from worker.lora.adapter_file import AdapterFile, validate_lora_adapter
@@ -57,8 +67,8 @@ DEFAULT_MAX_UPLOAD_BYTES = 512 * 1024 * 1024
 SOURCE_FORMATS = ("gguf", "peft")
 
 
-ID_NAME_PREFIX = "adapter:"
-"""``adapter:<id>`` names an adapter by id on the HTTP API, so no name may start with it."""
+ID_NAME_PREFIX = ID_PREFIX
+"""``adapter:<id>`` names an adapter by id, so no name may start with it."""
 
 
 def served_base_name(served_model_name: str | None, base_path: str | Path) -> str:
@@ -70,7 +80,11 @@ def name_clash(name: str, base_name: str | None) -> str | None:
     """Why ``name`` cannot name an adapter, or None when it can: it equals the served base-model
     name ``base_name``, starts with ``<base_name>:`` (the ``base:adapter`` form) or with
     ``adapter:`` (the id form). Such a name would be shadowed on the HTTP API (``model``
-    resolves the base and the id forms first) and list an id twice in ``/v1/models``."""
+    resolves the base and the id forms first) and list an id twice in ``/v1/models``. A name
+    of ASCII digits only is refused too: such a token always names an adapter id on every API
+    (`resolution.is_id_token`)."""
+    if is_id_token(name):
+        return f"adapter name '{name}' is all digits, which names an adapter id; pick a name with a non-digit"
     if base_name and name == base_name:
         return f"adapter name '{name}' is the served base model's name; pick another"
     if base_name and name.startswith(base_name + ":"):
@@ -86,6 +100,16 @@ class Registration:
 
     record: AdapterRecord
     created: bool
+    aliased: bool = False  # known content: the requested name was added as an alias
+
+
+@dataclass(frozen=True)
+class NameRemoval:
+    """Outcome of `AdapterRegistry.unload_name`: the record as it is now (as it was, when
+    ``unregistered``), and whether the adapter itself was unregistered."""
+
+    record: AdapterRecord
+    unregistered: bool
 
 
 def adapter_metadata(adapter: AdapterFile, invocation_text: str) -> dict[str, Any]:
@@ -156,6 +180,19 @@ class AdapterRegistry:
             )
         return rec
 
+    def lookup(self, token: str) -> int:
+        """The id ``token`` names: ASCII digits or ``adapter:<id>`` an id, anything else a name
+        or alias (`resolution.find_adapter`, the rule every API shares).
+
+        Raises:
+            NotFoundError / AmbiguousNameError: see `resolution.find_adapter`.
+        """
+        return find_adapter(token, self.store.list())
+
+    def name_owners(self, name: str) -> builtins.list[int]:
+        """Ids of the adapters that answer to ``name`` (as name or alias)."""
+        return [r.id for r in self.store.list() if name in r.names]
+
     def default_set(self) -> AdapterVector:
         """``[(id, scale)]`` for every registered adapter (0: detached), by id."""
         return self.store.default_set()
@@ -224,7 +261,8 @@ class AdapterRegistry:
             adapter = self._validate(tmp, shown_as="uploaded adapter")
             existing = self.store.get_by_sha256(sha256)
             if existing is not None:
-                return Registration(existing, created=False)
+                return self._known(existing, name)
+            self._check_free(name)
             rec, created = self.store.insert(
                 sha256=sha256,
                 name=self._name_of(name, adapter),
@@ -235,8 +273,9 @@ class AdapterRegistry:
             )
         finally:
             tmp.unlink(missing_ok=True)
-        if created:
-            log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source="upload", size=size)
+        if not created:  # another replica registered the same content meanwhile
+            return self._known(rec, name)
+        log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source="upload", size=size)
         return Registration(rec, created)
 
     def register_server_path(self, path: str, *, name: str = "") -> Registration:
@@ -279,6 +318,10 @@ class AdapterRegistry:
             raise NotFoundError(f"adapter file '{path}' does not exist")
         adapter = self._validate(path, shown_as=str(path))
         sha256 = adapter.sha256
+        existing = self.store.get_by_sha256(sha256)
+        if existing is not None:
+            return self._known(existing, name)
+        self._check_free(name)
         rec, created = self.store.insert(
             sha256=sha256,
             name=self._name_of(name, adapter),
@@ -286,9 +329,46 @@ class AdapterRegistry:
             content=path,
             source=str(path),
         )
-        if created:
-            log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source, path=str(path))
+        if not created:
+            return self._known(rec, name)
+        log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source, path=str(path))
         return Registration(rec, created)
+
+    def _check_free(self, name: str) -> None:
+        """Refuse a requested ``name`` an adapter already answers to ("": nothing to check).
+
+        Raises:
+            AlreadyExistsError: naming the name and the adapter(s) holding it.
+        """
+        owners = self.name_owners(name) if name else []
+        if owners:
+            raise AlreadyExistsError(f"adapter name '{name}' is taken by adapter(s) {owners}; pick another name")
+
+    def _known(self, rec: AdapterRecord, name: str) -> Registration:
+        """Content already registered as ``rec``, asked for again under ``name``: unchanged
+        when ``name`` is empty or already one of its names (a retried registration), else
+        ``name`` becomes an alias of it (vLLM's ``load_lora_adapter`` of the same files under a
+        new ``lora_name``: the new name must serve at once).
+
+        Raises:
+            AlreadyExistsError: another adapter answers to ``name``.
+        """
+        if not name or name in rec.names:
+            return Registration(rec, created=False)
+
+        def add_alias(current: AdapterRecord, records: list[AdapterRecord]) -> tuple[str, tuple[str, ...]]:
+            owners = [r.id for r in records if name in r.names and r.id != current.id]
+            if owners:
+                raise AlreadyExistsError(f"adapter name '{name}' is taken by adapter(s) {owners}; pick another name")
+            if name in current.names:
+                return current.name, current.aliases
+            return current.name, (*current.aliases, name)
+
+        updated = self.store.set_names(rec.id, add_alias)
+        if updated is None:  # unregistered between the lookup and now
+            raise UnavailableError(f"adapter {rec.id} was unregistered while '{name}' was being added; retry")
+        log.info("adapter_alias_added", adapter_id=rec.id, alias=name, sha256=rec.sha256)
+        return Registration(updated, created=False, aliased=True)
 
     def _register_peft(self, folder: Path, *, name: str) -> Registration:
         """Convert a PEFT folder (rules of ``convert-peft``) and register the GGUF as an upload.
@@ -360,6 +440,38 @@ class AdapterRegistry:
             )
         log.info("adapter_unregistered", adapter_id=adapter_id, sha256=rec.sha256)
         return rec
+
+    def unload_name(self, token: str) -> NameRemoval:
+        """vLLM's ``unload_lora_adapter``: drop the name ``token``, not more.
+
+        * ``token`` is an alias → that alias goes; the adapter stays (same id, other names);
+        * ``token`` is the adapter's name and it has aliases → its oldest alias becomes its
+          name; the adapter stays, so a client that loaded it under another name keeps it;
+        * ``token`` is its name and it has no aliases, or an id (ASCII digits,
+          ``adapter:<id>``) → the adapter is unregistered (`unregister`); the caller unloads
+          it from the workers. (An alias of an unnamed adapter goes alone: the adapter was
+          registered by someone else and stays, as ``adapter:<id>``.)
+
+        Raises:
+            NotFoundError / AmbiguousNameError: ``token`` names no / several adapters.
+            UnavailableError: the adapter's names changed meanwhile (another replica); retry.
+        """
+        rec = self.get(self.lookup(token))
+        if token not in rec.names or (token == rec.name and not rec.aliases):
+            return NameRemoval(self.unregister(rec.id), unregistered=True)
+
+        def drop(current: AdapterRecord, _records: list[AdapterRecord]) -> tuple[str, tuple[str, ...]]:
+            if token in current.aliases:
+                return current.name, tuple(a for a in current.aliases if a != token)
+            if token == current.name and current.aliases:
+                return current.aliases[0], current.aliases[1:]
+            raise UnavailableError(f"adapter {current.id}: its names changed while '{token}' was being unloaded; retry")
+
+        updated = self.store.set_names(rec.id, drop)
+        if updated is None:
+            raise NotFoundError(f"adapter {rec.id} was unregistered meanwhile")
+        log.info("adapter_name_removed", adapter_id=rec.id, name=token, now_named=updated.name)
+        return NameRemoval(updated, unregistered=False)
 
     def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord:
         """Pin (never evicted on workers) or unpin an adapter.

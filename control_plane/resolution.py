@@ -11,13 +11,23 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from control_plane.errors import InvalidArgumentError, NotFoundError, describe_ids
+from control_plane.errors import AmbiguousNameError, InvalidArgumentError, NotFoundError, describe_ids
+from control_plane.store import AdapterRecord
 
 AdapterVector = list[tuple[int, float]]
 
 MAX_ADAPTER_ID = 2**32 - 1
 """Adapter ids are protobuf ``uint32`` on the wire (``AdapterRef.id``, ``AdapterScale.id``)."""
 _ASCII_ID = re.compile(r"[0-9]{1,10}")
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+ID_PREFIX = "adapter:"
+"""``adapter:<id>`` names an adapter by id on every API (and no adapter name may start with it)."""
+
+
+def is_id_token(text: str) -> bool:
+    """True when ``text`` is ASCII digits only: such a token always names an adapter id, never
+    a name (so registration refuses all-digit names, `registry.name_clash`)."""
+    return bool(_ASCII_DIGITS.fullmatch(text))
 
 
 def parse_adapter_id(text: str) -> int | None:
@@ -31,6 +41,37 @@ def parse_adapter_id(text: str) -> int | None:
         return None
     value = int(text)
     return value if value <= MAX_ADAPTER_ID else None
+
+
+def find_adapter(token: str, records: Sequence[AdapterRecord]) -> int:
+    """The id of the adapter ``token`` names among ``records``: the one rule the CLI, gRPC
+    (``AdapterRef.name``, ``AdapterScale.name``, ``PinRequest.name``) and HTTP (``model``,
+    ``lora_name``) share.
+
+    * ASCII digits only → that id (`parse_adapter_id`; never a name);
+    * ``adapter:<id>`` → that id (the form ``/v1/models`` lists unnamed adapters under);
+    * otherwise a name: the adapter whose name or one of whose aliases it is.
+
+    Raises:
+        NotFoundError: no registered adapter has that id / name (the message lists what is).
+        AmbiguousNameError: several adapters answer to the name (the message lists their ids;
+            name one by id).
+    """
+    id_text = token[len(ID_PREFIX) :] if token.startswith(ID_PREFIX) else token
+    if is_id_token(id_text):
+        adapter_id = parse_adapter_id(id_text)
+        if adapter_id is not None and any(r.id == adapter_id for r in records):
+            return adapter_id
+        raise NotFoundError(f"adapter {id_text} not registered; {describe_ids([r.id for r in records])}")
+    matches = [r.id for r in records if token in r.names]
+    if len(matches) > 1:
+        raise AmbiguousNameError(
+            f"adapter name '{token}' is ambiguous: adapters {matches} answer to it; name one by id"
+        )
+    if not matches:
+        names = sorted({n for r in records for n in r.names})
+        raise NotFoundError(f"no adapter is named '{token}' (names: {names}; {describe_ids([r.id for r in records])})")
+    return matches[0]
 
 
 def check_scale(scale: float, what: str) -> float:

@@ -136,7 +136,7 @@ class Router:
         """
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        vector = self.registry.resolve(request_map_or_none(request))
+        vector = self.registry.resolve(request_map_or_none(request, lambda name: self.registry.lookup(name)))
         set_resolved_adapters(request, vector)
         routed = self._route(request, context, vector)
         yield from (routed if self.observer is None else self.observer.track(vector, routed, context))

@@ -21,6 +21,7 @@ import structlog
 from control_plane import convert
 from control_plane.config import DEFAULT_FETCH_STALL_TIMEOUT_S
 from control_plane.errors import (
+    AlreadyExistsError,
     ControlPlaneError,
     DataCorruptionError,
     InvalidArgumentError,
@@ -43,6 +44,7 @@ log = structlog.get_logger("loraplane.control_plane.servicer")
 
 STATUS_OF: dict[type[ControlPlaneError], grpc.StatusCode] = {
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -142,19 +144,21 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     @boundary
     def UnregisterAdapter(self, request, context):
-        self.registry.unregister(request.id)
-        self.pool.unload_adapter(request.id)
+        # by id or by any of its names: the whole adapter goes (HTTP unload_lora_adapter drops a name)
+        adapter_id = convert.ref_id(request, self.registry.lookup)
+        self.registry.unregister(adapter_id)
+        self.pool.unload_adapter(adapter_id)
         return common_pb2.Empty()
 
     @boundary
     def PinAdapter(self, request, context):
-        rec = self.registry.set_pinned(request.id, request.pinned)
+        rec = self.registry.set_pinned(convert.ref_id(request, self.registry.lookup), request.pinned)
         self.pool.set_pinned(rec)
         return convert.adapter_info(rec)
 
     @boundary
     def SetDefaultAdapters(self, request, context):
-        return convert.adapter_map(self.registry.set_default_set(convert.request_map(request)))
+        return convert.adapter_map(self.registry.set_default_set(convert.request_map(request, self.registry.lookup)))
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -164,7 +168,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     @boundary
     def GetAdapter(self, request, context):
-        return convert.adapter_info(self.registry.get(request.id))
+        return convert.adapter_info(self.registry.get(convert.ref_id(request, self.registry.lookup)))
 
     @boundary
     def GetDefaultAdapters(self, request, context):

@@ -62,13 +62,16 @@ def by_path(stub, path: Path | str, *, metadata=None) -> common_pb2.AdapterInfo:
     return stub.RegisterAdapter(iter([common_pb2.AdapterChunk(server_path=str(path))]), metadata=metadata)
 
 
-def write_adapter(path: Path, *, general_type: str = "adapter", seed: int = 0, r: int = 2) -> Path:
-    """A small adapter GGUF on ``blk.0.attn_q.weight`` of Gemma 3 270M (W ne [640, 1024])."""
+def write_adapter(
+    path: Path, *, general_type: str = "adapter", seed: int = 0, r: int = 2, name: str | None = None
+) -> Path:
+    """A small adapter GGUF on ``blk.0.attn_q.weight`` of Gemma 3 270M (W ne [640, 1024]),
+    ``general.name`` = ``name`` (default ``tiny<seed>``)."""
     w = gguf.GGUFWriter(str(path), arch="gemma3")
     w.add_type(general_type)
     w.add_string("adapter.type", "lora")
     w.add_float32("adapter.lora.alpha", 4.0)
-    w.add_name(f"tiny{seed}")
+    w.add_name(f"tiny{seed}" if name is None else name)
     rng = np.random.default_rng(seed)
     w.add_tensor("blk.0.attn_q.weight.lora_a", rng.standard_normal((r, 640)).astype(np.float32))
     w.add_tensor("blk.0.attn_q.weight.lora_b", rng.standard_normal((1024, r)).astype(np.float32))

@@ -72,11 +72,23 @@ class FakeRecord:
     name: str
     created_at: float = 1700000000.0
     source_format: str = "gguf"
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ((self.name,) if self.name else ()) + self.aliases
 
 
 @dataclass
 class FakeRegistration:
     record: FakeRecord
+    aliased: bool = False
+
+
+@dataclass
+class FakeNameRemoval:
+    record: FakeRecord
+    unregistered: bool
 
 
 @dataclass
@@ -93,10 +105,24 @@ class FakeRegistry:
         self.records.append(rec)
         return FakeRegistration(rec)
 
-    def unregister(self, adapter_id: int) -> None:
-        if not any(r.id == adapter_id for r in self.records):
+    def unregister(self, adapter_id: int) -> FakeRecord:
+        found = [r for r in self.records if r.id == adapter_id]
+        if not found:
             raise NotFoundError(f"adapter {adapter_id} is not registered")
         self.records = [r for r in self.records if r.id != adapter_id]
+        return found[0]
+
+    def lookup(self, token: str) -> int:
+        from control_plane.resolution import find_adapter
+
+        return find_adapter(token, self.records)  # type: ignore[arg-type]
+
+    def name_owners(self, name: str) -> list[int]:
+        return [r.id for r in self.records if name in r.names]
+
+    def unload_name(self, token: str) -> FakeNameRemoval:
+        """The whole adapter goes (the real registry's alias rules are tested live)."""
+        return FakeNameRemoval(self.unregister(self.lookup(token)), unregistered=True)
 
 
 @dataclass

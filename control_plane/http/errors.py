@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane.errors import (
+    AlreadyExistsError,
     ControlPlaneError,
     DataCorruptionError,
     InvalidArgumentError,
@@ -41,6 +42,7 @@ INVALID_UNICODE = "invalid_unicode"
 # (HTTP status, OpenAI error type) per domain error; the first matching class in the MRO wins.
 STATUS_OF: dict[type[ControlPlaneError], tuple[int, str]] = {
     InvalidArgumentError: (400, "invalid_request_error"),
+    AlreadyExistsError: (400, "invalid_request_error"),  # vLLM: 400 "has already been loaded"
     NotFoundError: (404, "not_found_error"),
     PermissionDeniedError: (403, "permission_error"),
     ResourceExhaustedError: (429, "rate_limit_error"),

@@ -2,14 +2,17 @@
 
 Rules (vLLM: ``model`` = an adapter's name; SGLang: ``base:adapter``; ours: ``adapter:<id>``):
   * the served base-model name → no adapters (an explicit empty map, not the default set);
-  * ``adapter:<id>`` → that adapter at scale 1 (404 when the id is not registered; ``<id>`` is
-    ASCII digits within uint32, `resolution.parse_adapter_id`: ``adapter:٣`` names nothing);
   * ``<base name>:<adapter>`` → the adapter part resolved by these rules;
-  * an adapter name → that adapter at scale 1. Names are metadata, not keys, so a name shared
-    by several adapters is a 400 that lists their ids (use ``adapter:<id>``); an unknown name
-    is a 404 listing what is served.
-An adapter may not be named like the base model (`registry.check_adapter_name`); a row that
-predates that rule is listed as ``adapter:<id>``, so ``/v1/models`` never shows an id twice.
+  * otherwise `resolution.find_adapter`, the rule the CLI and gRPC share: ASCII digits or
+    ``adapter:<id>`` → that id at scale 1 (404 when not registered; ``adapter:٣`` names
+    nothing); anything else an adapter's name or one of its aliases → that adapter at scale 1.
+    Names are metadata, not keys (files may embed the same ``general.name``), so a name
+    several adapters answer to is a 400 that lists their ids (use ``adapter:<id>``); an
+    unknown name is a 404 listing what is served.
+An adapter may not be named like the base model, ``adapter:…`` or all digits
+(`registry.name_clash`); a row that predates those rules is listed as ``adapter:<id>``, so
+``/v1/models`` never shows an id twice. Each alias is listed as a model of its own (what a
+vLLM LoRA controller looks for after ``load_lora_adapter``), with the same ``adapter_id``.
 """
 
 from __future__ import annotations
@@ -18,28 +21,41 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from control_plane.errors import AmbiguousNameError, NotFoundError
 from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError
 from control_plane.http.generation import now_s
 from control_plane.registry import AdapterRegistry
-from control_plane.resolution import parse_adapter_id
+from control_plane.resolution import ID_PREFIX, find_adapter, is_id_token
 from control_plane.store import AdapterRecord
 
-ID_PREFIX = "adapter:"
+__all__ = ["ID_PREFIX", "model_list", "models_router", "resolve_model", "served_name"]
+
+
+def _servable(name: str, records: list[AdapterRecord], base_name: str | None) -> bool:
+    """``name`` can be listed as a model id: non-empty, not the base model's name, not an id
+    form, and exactly one adapter answers to it."""
+    return (
+        bool(name)
+        and name != base_name
+        and not name.startswith(ID_PREFIX)
+        and not is_id_token(name)
+        and sum(1 for r in records if name in r.names) == 1
+    )
 
 
 def served_name(rec: AdapterRecord, records: list[AdapterRecord], base_name: str | None = None) -> str:
-    """The id ``/v1/models`` shows: the name when unique, non-empty and not the base model's
-    (``base_name``; rows registered before names were checked against it), else
-    ``adapter:<id>``. So no id is ever listed twice."""
-    if (
-        rec.name
-        and rec.name != base_name
-        and sum(1 for r in records if r.name == rec.name) == 1
-        and not rec.name.startswith(ID_PREFIX)
-    ):
+    """The id ``/v1/models`` shows: the name when unique (over names and aliases), non-empty
+    and not the base model's (``base_name``; rows registered before names were checked
+    against it), else ``adapter:<id>``. So no id is ever listed twice."""
+    if _servable(rec.name, records, base_name):
         return rec.name
     return f"{ID_PREFIX}{rec.id}"
+
+
+def served_aliases(rec: AdapterRecord, records: list[AdapterRecord], base_name: str | None = None) -> list[str]:
+    """The aliases of ``rec`` listed as models of their own (the unique ones)."""
+    return [a for a in rec.aliases if _servable(a, records, base_name)]
 
 
 def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> dict[int, float]:
@@ -53,41 +69,36 @@ def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> d
     if model.startswith(base_name + ":") and len(model) > len(base_name) + 1:
         return resolve_model(model[len(base_name) + 1 :], base_name=base_name, registry=registry)
     records = registry.list()
-    if model.startswith(ID_PREFIX):
-        text = model[len(ID_PREFIX) :]
-        adapter_id = parse_adapter_id(text)
-        if adapter_id is not None and any(r.id == adapter_id for r in records):
-            return {adapter_id: 1.0}
-        raise OpenAIError(
-            404,
-            f"The model '{model}' does not exist: no adapter with id '{text}' is "
-            f"registered (ids: {[r.id for r in records]})",
-            param="model",
-            code="model_not_found",
-            type="not_found_error",
-        )
-    matches = [r.id for r in records if r.name == model]
-    if len(matches) == 1:
-        return {matches[0]: 1.0}
-    if len(matches) > 1:
+    try:
+        return {find_adapter(model, records): 1.0}
+    except AmbiguousNameError:
+        matches = [r.id for r in records if model in r.names]
         raise OpenAIError(
             400,
             f"The model name '{model}' is ambiguous: adapters {matches} share it; name one as 'adapter:<id>'",
             param="model",
             code="ambiguous_model",
+        ) from None
+    except NotFoundError:
+        pass
+    if model.startswith(ID_PREFIX) or is_id_token(model):
+        text = model.removeprefix(ID_PREFIX)
+        message = (
+            f"The model '{model}' does not exist: no adapter with id '{text}' is "
+            f"registered (ids: {[r.id for r in records]})"
         )
-    available = [base_name] + [served_name(r, records, base_name) for r in records]
-    raise OpenAIError(
-        404,
-        f"The model '{model}' does not exist (served: {available})",
-        param="model",
-        code="model_not_found",
-        type="not_found_error",
-    )
+    else:
+        available = [base_name]
+        for r in records:
+            available += [served_name(r, records, base_name), *served_aliases(r, records, base_name)]
+        message = f"The model '{model}' does not exist (served: {available})"
+    raise OpenAIError(404, message, param="model", code="model_not_found", type="not_found_error")
 
 
 def model_list(base_name: str, base_root: str, created: int, registry: AdapterRegistry) -> dict[str, Any]:
-    """``GET /v1/models``: the base model, then every adapter with ``parent`` = the base."""
+    """``GET /v1/models``: the base model, then every adapter with ``parent`` = the base (its
+    name or ``adapter:<id>``, then one entry per alias; each carries ``adapter_id`` and the
+    adapter's ``aliases``)."""
     records = registry.list()
     data = [
         {
@@ -100,18 +111,20 @@ def model_list(base_name: str, base_root: str, created: int, registry: AdapterRe
         }
     ]
     for r in records:
-        data.append(
-            {
-                "id": served_name(r, records, base_name),
-                "object": "model",
-                "created": int(r.created_at),
-                "owned_by": "loraplane",
-                "root": f"{ID_PREFIX}{r.id}",
-                "parent": base_name,
-                "adapter_id": r.id,
-                "source_format": r.source_format,
-            }
-        )
+        for model_id in (served_name(r, records, base_name), *served_aliases(r, records, base_name)):
+            data.append(
+                {
+                    "id": model_id,
+                    "object": "model",
+                    "created": int(r.created_at),
+                    "owned_by": "loraplane",
+                    "root": f"{ID_PREFIX}{r.id}",
+                    "parent": base_name,
+                    "adapter_id": r.id,
+                    "source_format": r.source_format,
+                    "aliases": list(r.aliases),
+                }
+            )
     return {"object": "list", "data": data}
 
 

@@ -20,6 +20,12 @@ What the store holds, and the rules every implementation keeps (tested against b
 - **Adapter bytes**, content-addressed by sha256, readable by every process that opens the
   same database (`read_chunks`). Registration is atomic: metadata and bytes are committed
   together or not at all.
+- **Names and aliases**: an adapter's ``name`` and ``aliases`` (a JSON list, migration 5),
+  changed only through `AdapterStore.set_names`, whose transaction serialises name changes
+  so two replicas cannot give one alias to two adapters. (A registration's requested name is
+  checked just before its insert, outside that lock: two replicas registering *different*
+  content under one new name at the same instant can both succeed; the name is then
+  ambiguous and every API says so, listing both ids, rather than serve the wrong adapter.)
 - **The default set**: every adapter's ``default_scale`` (0: detached).
 - **Removed adapters**: ids unregistered through any replica (`removed_ids`), so every
   replica unloads them from the workers it announced them to.
@@ -49,7 +55,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -94,6 +100,7 @@ class AdapterRecord:
         created_at: unix time of registration, seconds.
         source_format: "gguf", or "peft" for a PEFT folder converted at registration.
         pinned: never evicted from a worker's slot pool or host cache.
+        aliases: other names it is served under, oldest first (`AdapterStore.set_names`).
     """
 
     id: int
@@ -105,6 +112,12 @@ class AdapterRecord:
     created_at: float = 0.0
     source_format: str = "gguf"
     pinned: bool = False
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name this adapter answers to: its name (when non-empty), then its aliases."""
+        return ((self.name,) if self.name else ()) + self.aliases
 
     @classmethod
     def from_row(cls, row: _Row) -> AdapterRecord:
@@ -137,12 +150,17 @@ class AdapterRecord:
             pinned = row["pinned"]
             if pinned not in (0, 1, True, False):
                 raise ValueError(f"{pinned!r} is not a flag")
+            column = "aliases"
+            aliases = json.loads(row["aliases"])
+            if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+                raise ValueError("not a JSON list of non-empty strings")
             return cls(
                 id=int(row["id"]),
                 metadata=metadata,
                 default_scale=default_scale,
                 created_at=created_at,
                 pinned=bool(pinned),
+                aliases=tuple(aliases),
                 **fields,
             )
         except (ValueError, TypeError, KeyError, IndexError) as exc:
@@ -253,6 +271,9 @@ class BadRows:
             self._logged[row_id] = now
         log.warning("adapter_row_skipped", adapter_id=row_id, database=self.database, reason=reason)
 
+
+NameEdit = Callable[["AdapterRecord", list["AdapterRecord"]], tuple[str, tuple[str, ...]]]
+"""``edit(record, all_records) -> (name, aliases)`` of `AdapterStore.set_names`."""
 
 DefaultScales = list[tuple[int, float]]
 """``[(adapter id, default scale)]`` by id (a module-level alias: the stores' ``list`` method
@@ -382,6 +403,18 @@ class AdapterStore(ABC):
     @abstractmethod
     def set_pinned(self, adapter_id: int, pinned: bool) -> AdapterRecord | None:
         """Set an adapter's pin flag; the updated record, or None when the id is unknown."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def set_names(self, adapter_id: int, edit: NameEdit) -> AdapterRecord | None:
+        """Change an adapter's name and aliases in one transaction that serialises name
+        changes (SQLite's write lock; PostgreSQL: every ``adapters`` row locked ``FOR UPDATE``).
+
+        ``edit(record, all_records)`` returns the new ``(name, aliases)``; it sees every record
+        that parses as of the transaction, so it can refuse a name another adapter holds by
+        raising (the transaction rolls back and the error propagates). The updated record, or
+        None when the id is unknown (``edit`` is not called).
+        """
         raise NotImplementedError
 
     @abstractmethod

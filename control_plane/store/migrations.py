@@ -129,6 +129,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         sqlite=("ALTER TABLE adapters ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",),
         postgres=("ALTER TABLE adapters ADD COLUMN pinned BOOLEAN NOT NULL DEFAULT FALSE",),
     ),
+    Migration(
+        "adapter aliases: other names an adapter is served under (a JSON list of strings), "
+        "added when known content is loaded again under a new name",
+        sqlite=("ALTER TABLE adapters ADD COLUMN aliases TEXT NOT NULL DEFAULT '[]'",),
+        postgres=("ALTER TABLE adapters ADD COLUMN aliases TEXT NOT NULL DEFAULT '[]'",),
+    ),
 )
 
 SCHEMA_VERSION_DDL = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"

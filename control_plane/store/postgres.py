@@ -79,6 +79,7 @@ from control_plane.store.base import (
     AdapterStore,
     BadRows,
     DefaultScales,
+    NameEdit,
     SchemaTooNewError,
     Sightings,
     WorkerSighting,
@@ -554,6 +555,22 @@ class PostgresStore(AdapterStore):
             cur.execute("UPDATE adapters SET pinned = %s WHERE id = %s", (bool(pinned), adapter_id))
             row = cur.execute("SELECT * FROM adapters WHERE id = %s", (adapter_id,)).fetchone()
         return AdapterRecord.from_row(row) if row is not None else None
+
+    @_unavailable
+    def set_names(self, adapter_id: int, edit: NameEdit) -> AdapterRecord | None:
+        with self._connection() as (conn, _), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+            rows = cur.execute("SELECT * FROM adapters ORDER BY id FOR UPDATE").fetchall()
+            records = self._bad_rows.records(rows)
+            target = next((r for r in records if r.id == adapter_id), None)
+            if target is None:
+                return None
+            name, aliases = edit(target, records)
+            row = cur.execute(
+                "UPDATE adapters SET name = %s, aliases = %s WHERE id = %s RETURNING *",
+                (name, json.dumps(list(aliases)), adapter_id),
+            ).fetchone()
+        assert row is not None  # the row is locked by this transaction
+        return AdapterRecord.from_row(row)
 
     @_unavailable
     def removed_ids(self) -> set[int]:

@@ -50,6 +50,7 @@ from control_plane.store.base import (
     AdapterStore,
     BadRows,
     DefaultScales,
+    NameEdit,
     SchemaTooNewError,
     Sightings,
     WorkerSighting,
@@ -337,6 +338,29 @@ class SqliteStore(AdapterStore):
                 c.execute("ROLLBACK")
                 raise
         return AdapterRecord.from_row(row) if row is not None else None
+
+    @_unavailable
+    def set_names(self, adapter_id: int, edit: NameEdit) -> AdapterRecord | None:
+        with self._locked():
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                records = self._bad_rows.records(c.execute("SELECT * FROM adapters ORDER BY id").fetchall())
+                target = next((r for r in records if r.id == adapter_id), None)
+                if target is None:
+                    c.execute("COMMIT")
+                    return None
+                name, aliases = edit(target, records)
+                c.execute(
+                    "UPDATE adapters SET name = ?, aliases = ? WHERE id = ?",
+                    (name, json.dumps(list(aliases)), adapter_id),
+                )
+                row = c.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+        return AdapterRecord.from_row(row)
 
     @_unavailable
     def removed_ids(self) -> set[int]:

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdapterScale(_message.Message):
-    __slots__ = ("id", "scale")
+    __slots__ = ("id", "scale", "name")
     ID_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     id: int
     scale: float
-    def __init__(self, id: _Optional[int] = ..., scale: _Optional[float] = ...) -> None: ...
+    name: str
+    def __init__(self, id: _Optional[int] = ..., scale: _Optional[float] = ..., name: _Optional[str] = ...) -> None: ...
 
 class AdapterMap(_message.Message):
     __slots__ = ("entries",)
@@ -201,7 +203,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., started: _Optional[_Union[Started, _Mapping]] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("id", "name", "path", "sha256", "arch", "alpha", "ranks", "target_tensors", "task_name", "prompt_prefix", "alora_invocation_tokens", "alora_invocation_text", "default_scale", "size_bytes", "n_nodes", "source_format", "pinned")
+    __slots__ = ("id", "name", "path", "sha256", "arch", "alpha", "ranks", "target_tensors", "task_name", "prompt_prefix", "alora_invocation_tokens", "alora_invocation_text", "default_scale", "size_bytes", "n_nodes", "source_format", "pinned", "aliases")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +221,7 @@ class AdapterInfo(_message.Message):
     N_NODES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     path: str
@@ -236,7 +239,8 @@ class AdapterInfo(_message.Message):
     n_nodes: int
     source_format: str
     pinned: bool
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., arch: _Optional[str] = ..., alpha: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ..., target_tensors: _Optional[_Iterable[str]] = ..., task_name: _Optional[str] = ..., prompt_prefix: _Optional[str] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ..., alora_invocation_text: _Optional[str] = ..., default_scale: _Optional[float] = ..., size_bytes: _Optional[int] = ..., n_nodes: _Optional[int] = ..., source_format: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., sha256: _Optional[str] = ..., arch: _Optional[str] = ..., alpha: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ..., target_tensors: _Optional[_Iterable[str]] = ..., task_name: _Optional[str] = ..., prompt_prefix: _Optional[str] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ..., alora_invocation_text: _Optional[str] = ..., default_scale: _Optional[float] = ..., size_bytes: _Optional[int] = ..., n_nodes: _Optional[int] = ..., source_format: _Optional[str] = ..., pinned: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdapterChunk(_message.Message):
     __slots__ = ("id", "sha256", "name", "server_path", "data", "source_format", "fetch_on_demand", "pinned")
@@ -259,10 +263,12 @@ class AdapterChunk(_message.Message):
     def __init__(self, id: _Optional[int] = ..., sha256: _Optional[str] = ..., name: _Optional[str] = ..., server_path: _Optional[str] = ..., data: _Optional[bytes] = ..., source_format: _Optional[str] = ..., fetch_on_demand: _Optional[bool] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
-    __slots__ = ("id",)
+    __slots__ = ("id", "name")
     ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     id: int
-    def __init__(self, id: _Optional[int] = ...) -> None: ...
+    name: str
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

@@ -112,12 +112,14 @@ class FetchAdapterRequest(_message.Message):
     def __init__(self, sha256: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("id", "pinned")
+    __slots__ = ("id", "pinned", "name")
     ID_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     id: int
     pinned: bool
-    def __init__(self, id: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    name: str
+    def __init__(self, id: _Optional[int] = ..., pinned: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
 
 class WorkerAck(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "joined")

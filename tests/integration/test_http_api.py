@@ -219,7 +219,11 @@ def test_unknown_model_is_404(client):
     }
 
 
-def test_admin_endpoints_need_the_token_and_ambiguous_names_are_400(serve, client, fixtures_dir):
+def test_admin_endpoints_need_the_token_and_follow_vllms_lifecycle(serve, client, fixtures_dir):
+    """vLLM's load/unload semantics through curl and the ``openai`` client: loading a name
+    twice is a 400, the same content under a new name is an alias served at once (the same
+    text as the adapter's name) and listed in ``/v1/models``; unloading the alias drops only
+    it."""
     url = serve.http + "/v1/load_lora_adapter"
     body = json.dumps({"lora_name": "dup", "lora_path": str(fixtures_dir / "adapters" / "shout_rs.gguf")})
     r = curl("-w", "\n%{http_code}", "-H", "content-type: application/json", "-d", body, url)
@@ -237,29 +241,59 @@ def test_admin_endpoints_need_the_token_and_ambiguous_names_are_400(serve, clien
     r1 = curl("-w", "\n%{http_code}", *auth, "-d", body, url)
     assert r1.stdout.endswith("\n200"), r1.stdout
     peft = json.dumps({"lora_name": "dup", "lora_path": str(fixtures_dir / "adapters" / "peft" / "shout_rs")})
-    r2 = curl("-w", "\n%{http_code}", *auth, "-d", peft, url)
+    for again in (body, peft):
+        out, code = curl("-w", "\n%{http_code}", *auth, "-d", again, url).stdout.rsplit("\n", 1)
+        assert code == "400"
+        assert json.loads(out)["error"]["message"] == "The lora adapter 'dup' has already been loaded."
+    r2 = curl(
+        "-w", "\n%{http_code}", *auth, "-d", json.dumps({"lora_name": "dup"}), serve.http + "/v1/unload_lora_adapter"
+    )
     assert r2.stdout.endswith("\n200"), r2.stdout
-    dup_ids = sorted(
-        m.model_extra["adapter_id"] for m in client.models.list().data if m.model_extra.get("adapter_id", -1) >= 2
-    )
-    assert len(dup_ids) == 2
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="dup", prompt=PROMPT, max_tokens=2)
-    assert err.value.body["message"] == (
-        f"The model name 'dup' is ambiguous: adapters {dup_ids} share it; name one as 'adapter:<id>'"
-    )
-    assert err.value.body["param"] == "model"
-    for i in dup_ids:
-        r3 = curl(
-            "-w",
-            "\n%{http_code}",
-            *auth,
-            "-d",
-            json.dumps({"lora_name": f"adapter:{i}"}),
-            serve.http + "/v1/unload_lora_adapter",
-        )
-        assert r3.stdout.endswith("\n200"), r3.stdout
+    # shout's files loaded again under a new name: an alias of adapter 0, served at once
+    alias = json.dumps({"lora_name": "loud", "lora_path": str(fixtures_dir / "adapters" / "shout.gguf")})
+    r3 = curl("-w", "\n%{http_code}", *auth, "-d", alias, url)
+    assert r3.stdout == "Success: LoRA adapter 'loud' added successfully (alias of adapter 0).\n200", r3.stdout
+    listed = {m.id: m.model_extra for m in client.models.list().data}
+    assert listed["loud"]["adapter_id"] == listed["shout"]["adapter_id"] == 0
+    assert listed["shout"]["aliases"] == listed["loud"]["aliases"] == ["loud"]
+    texts = {
+        model: client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+        for model in ("loud", "shout", BASE)
+    }
+    assert texts["loud"] == texts["shout"] != texts[BASE]
+    assert texts["loud"] == texts["loud"].upper() and any(c.isalpha() for c in texts["loud"])
+    unload = serve.http + "/v1/unload_lora_adapter"
+    r4 = curl("-w", "\n%{http_code}", *auth, "-d", json.dumps({"lora_name": "loud"}), unload)
+    assert r4.stdout == "Success: LoRA adapter 'loud' removed successfully (adapter 0 stays as 'shout').\n200"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="loud", prompt=PROMPT, max_tokens=1)
+    again = client.completions.create(model="shout", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert again.choices[0].text == texts["shout"]
     assert [m.id for m in client.models.list().data] == [BASE, "shout", "sea"]
+
+
+def test_cli_takes_adapter_names_wherever_ids(serve):
+    """``generate --lora NAME=SCALE``, ``adapters show/pin/unpin NAME``, ``default set
+    NAME=SCALE`` against the live server: the same adapter, the same tokens as by id."""
+    by_name = cli(serve, "generate", PROMPT, "--lora", "shout=1", "--max-tokens", "6")
+    by_id = cli(serve, "generate", PROMPT, "--lora", "0=1", "--max-tokens", "6")
+    assert by_name["token_ids"] == by_id["token_ids"] and by_name["text"] == by_name["text"].upper()
+    shown = cli(serve, "adapters", "show", "sea")
+    assert (shown["id"], shown["name"], shown["aliases"]) == (1, "sea", [])
+    assert cli(serve, "adapters", "pin", "sea")["pinned"] is True
+    assert cli(serve, "adapters", "unpin", "sea")["pinned"] is False
+    now = cli(serve, "default", "set", "sea=0.5", "shout=0.25")["adapters"]
+    assert {e["id"]: e["scale"] for e in now if e["scale"]} == {0: 0.25, 1: 0.5}
+    assert not any(e["scale"] for e in cli(serve, "default", "set", "--clear")["adapters"])
+    r = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "adapters", "show", "nope", "--addr", serve.grpc_addr],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode == 1 and "NOT_FOUND: no adapter is named 'nope'" in r.stderr, r.stderr
 
 
 def test_curl_completion_and_sse(serve):

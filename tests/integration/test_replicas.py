@@ -189,6 +189,21 @@ def test_register_via_a_generate_via_b(cluster, fixtures_dir):
     assert via_b.telemetry["worker_id"] == cluster.worker_id
 
 
+def test_alias_via_a_is_served_by_name_via_b(cluster, fixtures_dir, tmp_path):
+    """Aliases live in the shared database: shout's content registered again through A under a
+    new name is, through B at once, the same adapter by that name (lookup and generation)."""
+    shout = fixtures_dir / "adapters" / "shout.gguf"
+    info = cluster.lp_a.add_adapter(shout, name="shout-b")
+    assert (info.name, info.aliases) == ("shout", ("shout-b",))
+    assert cluster.lp_b.get_adapter("shout-b") == info
+    by_name = cluster.lp_b.generate(PROMPT, adapters={"shout-b": 1.0}, max_tokens=8)
+    by_id = cluster.lp_a.generate(PROMPT, adapters={info.id: 1.0}, max_tokens=8)
+    assert by_name.token_ids == by_id.token_ids and len(by_name.token_ids) == 8
+    with pytest.raises(LoraplaneError) as taken:
+        cluster.lp_b.add_adapter(write_adapter(tmp_path / "other.gguf", seed=8800), name="shout-b")
+    assert taken.value.code == "ALREADY_EXISTS"
+
+
 def test_default_set_via_b_read_via_a(cluster, fixtures_dir):
     sea = cluster.lp_a.add_adapter(fixtures_dir / "adapters" / "sea.gguf", server_path=True)
     assert sea.path == str((fixtures_dir / "adapters" / "sea.gguf").resolve())  # copied from there

@@ -68,7 +68,8 @@ def upload(store: AdapterStore, tmp_path: Path, name: str, size: int = 1000, see
 @both
 def test_ids_from_zero_dedup_never_reused_and_survive_reopen(open_db, tmp_path):
     store = open_db()
-    assert store.schema_version == len(MIGRATIONS) == 4  # ids/bytes, replicas, source_format, pinned
+    # ids/bytes, replicas, source_format, pinned, aliases
+    assert store.schema_version == len(MIGRATIONS) == 5
     a, created = upload(store, tmp_path, "a", seed=1)
     assert (a.id, created, a.name, a.default_scale) == (0, True, "a", 0.0)
     b, _ = upload(store, tmp_path, "b", seed=2)
@@ -81,6 +82,39 @@ def test_ids_from_zero_dedup_never_reused_and_survive_reopen(open_db, tmp_path):
     reopened = open_db()
     assert [r.id for r in reopened.list()] == [0, 2]
     assert upload(reopened, tmp_path, "b2", seed=2)[0].id == 3  # b's content again: a new id
+
+
+@both
+def test_aliases_round_trip_and_name_edits_are_transactions(open_db, tmp_path):
+    """`AdapterStore.set_names`: aliases are stored, read back by another connection (a second
+    replica's view) and after reopening; an edit that raises changes nothing; an unknown id
+    is None without calling the edit."""
+    store = open_db()
+    a, _ = upload(store, tmp_path, "a", seed=1)
+    b, _ = upload(store, tmp_path, "b", seed=2)
+    assert a.aliases == () and a.names == ("a",)
+
+    def add(alias):
+        return lambda rec, records: (rec.name, (*rec.aliases, alias))
+
+    assert store.set_names(a.id, add("a2")).aliases == ("a2",)
+    assert store.set_names(a.id, add("a3")).names == ("a", "a2", "a3")
+    seen_by = []
+
+    def refuse(rec, records):
+        seen_by.append(sorted(r.id for r in records))
+        raise ValueError("taken")
+
+    with pytest.raises(ValueError, match="taken"):
+        store.set_names(b.id, refuse)
+    assert seen_by == [[a.id, b.id]] and store.get(b.id).aliases == ()
+    assert store.set_names(99, refuse) is None and len(seen_by) == 1
+    other = open_db()  # another process on the same database
+    assert [(r.id, r.name, r.aliases) for r in other.list()] == [(a.id, "a", ("a2", "a3")), (b.id, "b", ())]
+    # the name promoted from the oldest alias, as unloading the name does
+    promoted = other.set_names(a.id, lambda rec, records: (rec.aliases[0], rec.aliases[1:]))
+    assert (promoted.name, promoted.aliases) == ("a2", ("a3",))
+    assert store.get_by_sha256(a.sha256).names == ("a2", "a3")
 
 
 @both
@@ -218,8 +252,10 @@ def test_sqlite_version_1_data_dir_upgrades_in_place(tmp_path):
         conn.execute("INSERT INTO adapters VALUES (0, 'aa', 'old', '/x.gguf', '{}', 0.5, 1.0)")
         conn.execute("UPDATE id_counter SET next_id = 1")
     store = SqliteStore(db, tmp_path / "blobs")
-    assert store.schema_version == len(MIGRATIONS) == 4
-    assert [(r.id, r.name, r.default_scale, r.pinned) for r in store.list()] == [(0, "old", 0.5, False)]
+    assert store.schema_version == len(MIGRATIONS) == 5
+    assert [(r.id, r.name, r.default_scale, r.pinned, r.aliases) for r in store.list()] == [
+        (0, "old", 0.5, False, ())  # migration 5's default: no aliases
+    ]
     assert store.get(0).source_format == "gguf"  # migration 3's default for rows from before
     assert store.set_pinned(0, True).pinned is True and store.get(0).pinned is True  # migration 4's column
     assert store.set_pinned(7, True) is None

@@ -456,6 +456,10 @@ def test_errors(mixed):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "262144" in err.details()
     err = mixed.error_of(gen("err-empty", tokens=[], adapters=[]))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    named = gen("err-named", text="Hi", adapters=[])
+    named.adapters.entries.add(name="shout", scale=1.0)  # names are the control plane's to resolve
+    err = mixed.error_of(named)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "['shout'] given by name" in err.details()
     # a zero scale for an unknown id is "absent", not an error
     assert mixed.run(gen("err-zero", text="Hi", adapters=[(42, 0.0)], max_tokens=1)).finished.finish_reason
 

@@ -264,6 +264,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if which is None:
             events.put((rid, ErrorEvent(InvalidRequestError("request has neither prompt text nor prompt tokens"))))
             return
+        named = [e.name for e in r.adapters.entries if e.name]
+        if named:  # never run adapter 0 for a name it cannot resolve
+            events.put(
+                (
+                    rid,
+                    ErrorEvent(
+                        InvalidRequestError(
+                            f"adapters {named} given by name: a worker takes ids only; "
+                            "names are resolved by the control plane"
+                        )
+                    ),
+                )
+            )
+            return
         try:
             events.put((_OPENED, rid))
             req = self.engine.submit(
