@@ -39,6 +39,7 @@ from control_plane.http.schemas import (
     parse_body,
 )
 from control_plane.http.streaming import CompletionStream, RelayResponse
+from control_plane.http.structured import response_format_of
 from loraplane.v1 import common_pb2
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16
@@ -67,6 +68,7 @@ class SamplingArgs(TypedDict):
     seed: int | None
     stop: list[str]
     ignore_eos: bool
+    response_format: common_pb2.ResponseFormat | None
 
 
 def sampling_of(body: SamplingFields) -> SamplingArgs:
@@ -79,6 +81,7 @@ def sampling_of(body: SamplingFields) -> SamplingArgs:
         seed=body.seed,
         stop=body.stop_list(),
         ignore_eos=body.ignore_eos,
+        response_format=response_format_of(body),
     )
 
 

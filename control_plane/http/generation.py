@@ -107,9 +107,11 @@ def build_request(
     logprobs: int,
     stop: list[str],
     ignore_eos: bool,
+    response_format: common_pb2.ResponseFormat | None = None,
 ) -> common_pb2.GenerateRequest:
     """The GenerateRequest: ``text`` is tokenized by the worker (BOS as the model says),
-    ``tokens`` are taken verbatim; ``adapters`` None means the default set."""
+    ``tokens`` are taken verbatim; ``adapters`` None means the default set;
+    ``response_format``: structured output (`control_plane.http.structured`)."""
     req = common_pb2.GenerateRequest(request_id=request_id)
     if tokens is not None:
         req.tokens.ids.extend(tokens)
@@ -125,6 +127,8 @@ def build_request(
     s.logprobs = logprobs
     s.ignore_eos = ignore_eos
     s.stop.extend(stop)
+    if response_format is not None:
+        s.response_format.CopyFrom(response_format)
     return req
 
 

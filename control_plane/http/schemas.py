@@ -4,7 +4,7 @@ Omitted parameters take OpenAI's defaults, as vLLM does: ``temperature`` 1, ``to
 ``max_tokens`` 16 for completions and "until the context is full" for chat. Parameters
 loraplane does not implement are refused with a 400 naming them (`SamplingFields.check`):
 ``n`` > 1, ``best_of`` > 1, non-zero ``presence_penalty`` / ``frequency_penalty``,
-``repetition_penalty`` ≠ 1, ``logit_bias``, ``echo``, ``suffix``, tools and structured output.
+``repetition_penalty`` ≠ 1, ``logit_bias``, ``echo``, ``suffix`` and tools.
 Unknown fields are ignored (clients send vendor extras freely). Every string of a body, keys
 included, must be valid Unicode: a lone surrogate is a 400 ``invalid_unicode`` naming the field
 (`HttpBody`).
@@ -12,7 +12,9 @@ included, must be valid Unicode: a lone surrogate is a 400 ``invalid_unicode`` n
 Extensions (vLLM / llama-server names): ``top_k``, ``ignore_eos``, ``return_token_ids``
 (vLLM: non-streaming responses carry ``prompt_token_ids`` and each choice's ``token_ids``), and
 ``lora``: a list of ``{"id": int, "scale": float}`` (llama-server's per-request shape) that
-picks the adapters explicitly and wins over ``model``.
+picks the adapters explicitly and wins over ``model``. Structured output: OpenAI
+``response_format`` and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` /
+``guided_choice`` / ``structured_outputs`` (`control_plane.http.structured`).
 """
 
 from __future__ import annotations
@@ -254,6 +256,13 @@ class SamplingFields(HttpBody):
     lora: list[LoraEntry] | None = None
     return_token_ids: bool = False
     user: str | None = None
+    # structured output (control_plane.http.structured)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
 
     def check(self) -> None:
         """Raise a 400 `OpenAIError` naming the first unsupported parameter."""
@@ -344,18 +353,14 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
-        """`SamplingFields.check`, plus tools, structured output and ``top_logprobs``
-        without ``logprobs``."""
+        """`SamplingFields.check`, plus tools and ``top_logprobs`` without ``logprobs``."""
         super().check()
         if self.tools:
             raise unsupported("tools", "tool calling is not implemented")
         if self.tool_choice not in (None, "none"):
             raise unsupported("tool_choice", "tool calling is not implemented")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "structured output is not implemented")
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 

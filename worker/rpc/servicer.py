@@ -25,6 +25,7 @@ from loraplane.v1 import worker_pb2, worker_pb2_grpc
 from worker.errors import InvalidRequestError, PermissionDeniedError, WorkerError
 from worker.lora.host_cache import KnownAdapter
 from worker.rpc.status import status_of
+from worker.runtime.grammar import GrammarError, ResponseFormat
 from worker.runtime.sampling import SamplingParams
 from worker.serving.engine import WorkerEngine, WorkerStatsRecord
 from worker.serving.request import (
@@ -47,6 +48,15 @@ _CLOSED = object()  # (_CLOSED, rid): rid cancelled by cancel_request_id; no mor
 
 
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
+    """The runtime sampling parameters of a proto ``SamplingParams``.
+
+    Raises:
+        InvalidRequestError: a ``response_format`` type this worker does not know.
+    """
+    try:
+        fmt = ResponseFormat.from_proto(s.response_format) if s.HasField("response_format") else None
+    except GrammarError as exc:
+        raise InvalidRequestError(str(exc)) from exc
     return SamplingParams(
         max_tokens=s.max_tokens or 16,
         temperature=s.temperature,
@@ -57,6 +67,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         prompt_logprobs=s.prompt_logprobs,
         ignore_eos=s.ignore_eos,
         stop=tuple(s.stop),
+        response_format=fmt,
     )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.runtime.grammar import ResponseFormat
 from worker.runtime.kernels.cpu import resolve_path
 from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
 
@@ -46,6 +47,8 @@ class SamplingParams:
         ignore_eos: do not stop at end-of-generation tokens.
         stop: stop strings (OpenAI ``stop``): generation ends once the generated text contains
             one; the text is cut before it (``worker.serving.output.StopMatcher``).
+        response_format: structured output: the grammar the output must match
+            (``worker.runtime.grammar.ResponseFormat``); None: unconstrained.
     """
 
     max_tokens: int = 16
@@ -57,6 +60,7 @@ class SamplingParams:
     prompt_logprobs: bool = False
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    response_format: ResponseFormat | None = None
 
     def validate(self) -> SamplingParams:
         """Raises SamplingError naming the first bad field."""
