@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -215,7 +216,8 @@ _LLTOK_LOCK = threading.Lock()
 
 def grammar_tokenizer(tok: Any, n_vocab: int | None = None) -> Any:
     """The ``llguidance.LLTokenizer`` of our `worker.runtime.tokenizer.Tokenizer` ``tok``
-    (cached per tokenizer; building it walks the whole vocabulary, ~1 s at 262k tokens).
+    (cached per tokenizer; built at the first constrained request: it walks the whole
+    vocabulary, about 2 s of one core at 262k tokens).
 
     Args:
         tok: the model's tokenizer.
@@ -228,12 +230,18 @@ def grammar_tokenizer(tok: Any, n_vocab: int | None = None) -> Any:
         hit = _LLTOK.get(key)
         if hit is not None and hit[0] is tok:
             return hit[1]
-    view = _VocabView(tok)
+    view = _VocabView(tok)  # a Python loop: other threads keep running between its bytecodes
+    # The engine holds the GIL while it builds (about 0.7 s for the token trie, 0.9 s for the
+    # mask slices at 262k tokens on an idle core): two holds instead of one keep the worker's
+    # heartbeat thread from stalling for the sum.
     llt = llguidance.LLTokenizer(
         llguidance.TokenizerWrapper(view),
         n_vocab=max(n_vocab or 0, tok.n_vocab),
         eos_token=sorted(tok.eog_ids) or None,
+        slices=[],
     )
+    time.sleep(0)  # let waiting threads (heartbeats) run between the two holds
+    llt = llt.with_slices(llguidance.LLTokenizer.general_slices())
     with _LLTOK_LOCK:
         _LLTOK[key] = (tok, llt)
     return llt
@@ -325,25 +333,50 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) 
     grammar bitmask to the logits before its sampler the same way). ``-inf`` survives every
     penalty (repetition divides or multiplies, presence/frequency subtract), so the order
     against penalties does not change the result.
+
+    On CPU the work goes by 32-token word, so a row costs what its mask changes: a word with no
+    allowed token is one 128-byte block fill, a word of all-allowed tokens is skipped, and only
+    mixed words are expanded to bits. JSON masks are mostly one or the other (a few structural
+    tokens, or nearly everything inside a string); a row-wide ``masked_fill`` with a bool row
+    costs several times more on a 262k vocabulary (bench/grammar_engines.py).
     """
     if not rows:
         return
-    n_vocab = logits.shape[-1]
-    bits = masks[: len(rows)].numpy().view(np.uint8)
-    allowed = np.unpackbits(bits, axis=1, bitorder="little")[:, :n_vocab]
-    idx = torch.tensor(list(rows), dtype=torch.long)
     with torch.inference_mode():  # the decode's logits are inference tensors
-        _apply(logits, idx, allowed)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            _apply_cpu(logits, rows, masks)
+        else:
+            _apply_torch(logits, rows, masks)
 
 
-def _apply(logits: torch.Tensor, idx: torch.Tensor, allowed: np.ndarray) -> None:
-    if logits.device.type == "cpu":
-        sel = logits.index_select(0, idx)
-        sel.masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))
-        logits.index_copy_(0, idx, sel)
-    else:
-        keep = torch.from_numpy(allowed).to(logits.device, non_blocking=True).bool()
-        logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+def _apply_cpu(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
+    n_vocab = logits.shape[-1]
+    words = masks.numpy().view(np.uint32)
+    n_full = n_vocab // 32
+    for i, r in enumerate(rows):
+        row = logits[r].numpy()
+        w = words[i]
+        blocks = row[: n_full * 32].reshape(n_full, 32)
+        wf = w[:n_full]
+        blocks[wf == 0] = -np.inf
+        mixed = np.flatnonzero((wf != 0) & (wf != 0xFFFFFFFF))
+        if mixed.size:
+            bits = np.unpackbits(wf[mixed].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little").view(bool)
+            sub = blocks[mixed]
+            sub[~bits] = -np.inf
+            blocks[mixed] = sub
+        tail = n_vocab - n_full * 32
+        if tail:
+            tb = np.unpackbits(w[n_full : n_full + 1].view(np.uint8), bitorder="little")[:tail].view(bool)
+            row[n_full * 32 :][~tb] = -np.inf
+
+
+def _apply_torch(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
+    n_vocab = logits.shape[-1]
+    allowed = np.unpackbits(masks[: len(rows)].numpy().view(np.uint8), axis=1, bitorder="little")[:, :n_vocab]
+    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    keep = torch.from_numpy(allowed).to(logits.device).bool()
+    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
 
 
 __all__ = [

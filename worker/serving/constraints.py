@@ -19,6 +19,7 @@ Per decode step (``Scheduler._step_once``):
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Sequence
 
 import structlog
@@ -51,6 +52,11 @@ class GrammarStage:
         self.n_vocab = n_vocab
         self._buf = torch.zeros((max(1, n_rows), mask_words(n_vocab)), dtype=torch.int32)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # loop-thread seconds spent on constrained steps (bench/grammar_engines.py): waiting for
+        # masks the forward pass did not hide, and applying them; steps that had any
+        self.wait_s = 0.0
+        self.apply_s = 0.0
+        self.steps = 0
 
     def start(self, reqs: Sequence[GenRequest]) -> PendingMasks | None:
         """Start the bitmasks of the constrained requests among ``reqs`` (those sampling this
@@ -71,7 +77,9 @@ class GrammarStage:
         (``row_of``: ``id(request)`` → its sampling row of ``logits``, f32 ``(m, n_vocab)``)."""
         if pending is None:
             return
+        t0 = time.perf_counter()
         pending.fut.result()
+        t1 = time.perf_counter()
         reqs = [r for r in pending.reqs if id(r) in row_of]
         if len(reqs) != len(pending.reqs):  # a row that did not sample: keep the mask rows aligned
             keep = [i for i, r in enumerate(pending.reqs) if id(r) in row_of]
@@ -79,6 +87,9 @@ class GrammarStage:
         else:
             masks = pending.buf
         apply_masks(logits, [row_of[id(r)] for r in reqs], masks)
+        self.wait_s += t1 - t0
+        self.apply_s += time.perf_counter() - t1
+        self.steps += 1
 
     def advance(self, req: GenRequest, token_id: int, reason: str | None) -> str | None:
         """Feed the sampled ``token_id`` to ``req``'s matcher; returns the finish reason: the one
