@@ -271,7 +271,10 @@ class Constraint:
         import llguidance
 
         g = compile_grammar(fmt)
-        m = llguidance.LLMatcher(grammar_tokenizer(tok, n_vocab), g, log_level=0)
+        try:
+            m = llguidance.LLMatcher(grammar_tokenizer(tok, n_vocab), g, log_level=0)
+        except (ValueError, RuntimeError) as exc:  # API misuse only, per llguidance; never a crash here
+            raise GrammarError(f"{fmt.type}: {_one_line(str(exc))}") from exc
         if m.is_error():
             raise GrammarError(f"{fmt.type}: {_one_line(m.get_error())}")
         return cls(m, fmt)
