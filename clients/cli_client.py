@@ -169,6 +169,24 @@ def server_call(opts: ClientOptions) -> Iterator[LoraplaneClient]:
     metavar="TEXT",
     help="Stop when the generated text contains TEXT (cut before it; repeatable).",
 )
+@click.option(
+    "--json-schema",
+    "json_schema",
+    type=click.File("r"),
+    default=None,
+    metavar="FILE",
+    help="Structured output: the text is JSON valid against the JSON Schema in FILE ('-': stdin).",
+)
+@click.option("--strict", is_flag=True, help="With --json-schema: objects admit no properties beyond the listed ones.")
+@click.option("--json-object", is_flag=True, help="Structured output: the text is a JSON object.")
+@click.option("--regex", default=None, metavar="REGEX", help="Structured output: the whole text matches REGEX.")
+@click.option(
+    "--grammar",
+    type=click.File("r"),
+    default=None,
+    metavar="FILE",
+    help="Structured output: the text follows the Lark (or llama.cpp GBNF) grammar in FILE.",
+)
 @click.option("--request-id", default="", help="Request id (assigned by the server if empty).")
 @click.option("--no-telemetry", is_flag=True, help="Text mode: print only the generated text.")
 @client_options
@@ -195,6 +213,14 @@ def generate(
         raise click.UsageError("--lora and --no-lora exclude each other")
     if any(not s for s in stop):
         raise click.BadParameter("stop strings must not be empty", param_hint="--stop")
+    structured = {
+        "json_schema": kwargs["json_schema"].read() if kwargs["json_schema"] else None,
+        "json_object": kwargs["json_object"],
+        "regex": kwargs["regex"],
+        "grammar": kwargs["grammar"].read() if kwargs["grammar"] else None,
+    }
+    if sum(v is not None and v is not False for v in structured.values()) > 1:
+        raise click.UsageError("give at most one of --json-schema, --json-object, --regex, --grammar")
     adapters: dict[AdapterKey, float] | None = None
     if no_lora:
         adapters = {}
@@ -215,6 +241,8 @@ def generate(
         ignore_eos=kwargs["ignore_eos"],
         request_id=kwargs["request_id"],
         stop=stop,
+        strict=kwargs["strict"],
+        **structured,
     )
     builder = ResultBuilder()
     streamed = False

@@ -9,10 +9,12 @@ field present (``SetInParent``) rather than add nothing.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from loraplane.limits import CHUNK_BYTES
 from loraplane.v1 import common_pb2
@@ -77,10 +79,20 @@ def generate_request(
     ignore_eos: bool = False,
     request_id: str = "",
     stop: Sequence[str] = (),
+    json_schema: Mapping[str, Any] | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    strict: bool = False,
 ) -> common_pb2.GenerateRequest:
     """A `GenerateRequest` from keyword arguments (exactly one of ``prompt``/``prompt_tokens``).
     ``min_p`` and the penalties follow vLLM (``repetition_penalty`` 1 and the others 0: off);
-    the worker range-checks them (INVALID_ARGUMENT naming the field)."""
+    the worker range-checks them (INVALID_ARGUMENT naming the field).
+
+    Structured output (at most one): ``json_schema`` (a schema dict or its JSON text; ``strict``:
+    no properties beyond the listed ones), ``json_object`` (any JSON object), ``regex``,
+    ``grammar`` (Lark, or llama.cpp GBNF). The server compiles it: a bad one is INVALID_ARGUMENT.
+    """
     if (prompt is None) == (prompt_tokens is None):
         raise ValueError("give exactly one of prompt (text) or prompt_tokens (ids)")
     req = common_pb2.GenerateRequest(request_id=request_id)
@@ -115,6 +127,23 @@ def generate_request(
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
     sampling.stop.extend(stop)
+    formats = [
+        (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, json_schema is not None),
+        (common_pb2.ResponseFormat.TYPE_JSON_OBJECT, json_object),
+        (common_pb2.ResponseFormat.TYPE_REGEX, regex is not None),
+        (common_pb2.ResponseFormat.TYPE_GRAMMAR, grammar is not None),
+    ]
+    chosen = [t for t, on in formats if on]
+    if len(chosen) > 1:
+        raise ValueError("give at most one of json_schema, json_object, regex, grammar")
+    if chosen:
+        rf = sampling.response_format
+        rf.type = chosen[0]
+        if json_schema is not None:
+            rf.schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+            rf.strict = strict
+        rf.regex = regex or ""
+        rf.grammar = grammar or ""
     return req
 
 

@@ -42,6 +42,7 @@ from control_plane.convert import request_map_or_none, set_resolved_adapters
 from control_plane.errors import (
     ControlPlaneError,
     DatabaseUnavailableError,
+    InvalidArgumentError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -49,6 +50,7 @@ from control_plane.registry import AdapterRegistry
 from control_plane.resolution import adapter_set_key
 from control_plane.workers import WorkerHandle, WorkerPool
 from loraplane.v1 import common_pb2, worker_pb2
+from worker.runtime.grammar import GrammarError, ResponseFormat, compile_grammar
 
 log = structlog.get_logger("loraplane.control_plane.router")
 
@@ -112,6 +114,21 @@ class _Once:
             fn()
 
 
+def check_response_format(rf: common_pb2.ResponseFormat) -> None:
+    """Compile a request's structured-output format here, before any worker sees it (no
+    vocabulary needed; a JSON schema compiles in about a millisecond).
+
+    Raises:
+        InvalidArgumentError: the schema / regex / grammar does not compile (names the fault).
+    """
+    try:
+        fmt = ResponseFormat.from_proto(rf)
+        if fmt is not None:
+            compile_grammar(fmt)
+    except GrammarError as exc:
+        raise InvalidArgumentError(f"response_format: {exc}") from exc
+
+
 class Router:
     """Picks workers for Generate calls and relays their streams."""
 
@@ -136,6 +153,8 @@ class Router:
         """
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        if request.sampling.HasField("response_format"):
+            check_response_format(request.sampling.response_format)
         vector = self.registry.resolve(request_map_or_none(request, lambda name: self.registry.lookup(name)))
         set_resolved_adapters(request, vector)
         routed = self._route(request, context, vector)

@@ -43,6 +43,7 @@ from control_plane.http.schemas import (
     parse_body,
 )
 from control_plane.http.streaming import CompletionStream, RelayResponse
+from control_plane.http.structured import response_format_of
 from control_plane.http.tools import check_tools, template_message
 from loraplane.v1 import common_pb2
 
@@ -79,6 +80,7 @@ class SamplingArgs(TypedDict):
     frequency_penalty: float
     repetition_penalty: float
     prompt_logprobs: bool
+    response_format: common_pb2.ResponseFormat | None
 
 
 def sampling_of(body: SamplingFields) -> SamplingArgs:
@@ -97,6 +99,7 @@ def sampling_of(body: SamplingFields) -> SamplingArgs:
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         prompt_logprobs=body.prompt_logprobs is not None,
+        response_format=response_format_of(body),
     )
 
 

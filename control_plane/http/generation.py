@@ -115,10 +115,12 @@ def build_request(
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
     prompt_logprobs: bool = False,
+    response_format: common_pb2.ResponseFormat | None = None,
 ) -> common_pb2.GenerateRequest:
     """The GenerateRequest: ``text`` is tokenized by the worker (BOS as the model says),
     ``tokens`` are taken verbatim; ``adapters`` None means the default set. The sampling
-    fields map one to one onto ``SamplingParams`` (``repetition_penalty`` 1 = off)."""
+    fields map one to one onto ``SamplingParams`` (``repetition_penalty`` 1 = off);
+    ``response_format``: structured output (`control_plane.http.structured`)."""
     req = common_pb2.GenerateRequest(request_id=request_id)
     if tokens is not None:
         req.tokens.ids.extend(tokens)
@@ -137,6 +139,8 @@ def build_request(
     s.min_p, s.presence_penalty, s.frequency_penalty = min_p, presence_penalty, frequency_penalty
     s.repetition_penalty = repetition_penalty
     s.prompt_logprobs = prompt_logprobs
+    if response_format is not None:
+        s.response_format.CopyFrom(response_format)
     return req
 
 

@@ -13,7 +13,8 @@ non-default value (``n`` > 1, ``best_of`` > 1, ``logit_bias``, ``echo``, ``suffi
 ``use_beam_search``, ``min_tokens`` … `UNSUPPORTED`); at its default value it is ignored, and so
 is any unknown key (clients send ``user``, ``stream_options``, ``parallel_tool_calls``,
 ``service_tier``, ``store``, ``metadata`` freely). ``tools`` / ``tool_choice`` are checked against
-the chat template (`tools.check_tools`). Every string of a body, keys
+the chat template (`tools.check_tools`); ``response_format`` and vLLM's ``guided_*`` /
+``structured_outputs`` are structured output (`structured`). Every string of a body, keys
 included, must be valid Unicode: a lone surrogate is a 400 ``invalid_unicode`` naming the field
 (`HttpBody`).
 
@@ -21,7 +22,9 @@ Extensions (vLLM / llama-server names): ``top_k`` (0 or -1: off), ``min_p``,
 ``repetition_penalty``, ``prompt_logprobs``, ``add_special_tokens``, ``ignore_eos``, ``return_token_ids``
 (vLLM: non-streaming responses carry ``prompt_token_ids`` and each choice's ``token_ids``), and
 ``lora``: a list of ``{"id": int, "scale": float}`` (llama-server's per-request shape) that
-picks the adapters explicitly and wins over ``model``.
+picks the adapters explicitly and wins over ``model``. Structured output: OpenAI
+``response_format`` and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` /
+``guided_choice`` / ``structured_outputs`` (`control_plane.http.structured`).
 """
 
 from __future__ import annotations
@@ -317,6 +320,13 @@ class SamplingFields(HttpBody):
     lora: list[LoraEntry] | None = None
     return_token_ids: bool = False
     user: str | None = None
+    # structured output (control_plane.http.structured)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
 
     def check(self) -> None:
         """Raise a 400 `OpenAIError` naming the first unsupported parameter (`UNSUPPORTED`)."""
@@ -417,16 +427,14 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
-        """`SamplingFields.check`, plus structured output and ``top_logprobs`` without
-        ``logprobs`` (``tools`` need the template: `tools.check_tools`)."""
+        """`SamplingFields.check`, plus ``echo`` and ``top_logprobs`` without ``logprobs``
+        (``tools`` need the template: `tools.check_tools`; structured output:
+        `structured.response_format_of`)."""
         super().check()
         if self.echo:
             raise unsupported("echo", "the last message is not echoed back")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "structured output is not implemented")
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 

@@ -548,3 +548,107 @@ def test_unknown_keys_and_default_values_are_ignored(client):
         },
     )
     assert r.choices[0].finish_reason == "length"
+
+
+# --- structured output (response_format / guided_*) ---------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
+
+
+def check_person(text: str) -> dict:
+    """The answer parses and validates against ``PERSON`` with ``strict`` (jsonschema)."""
+    import jsonschema
+
+    doc = json.loads(text)
+    jsonschema.validate(doc, {**PERSON, "additionalProperties": False})
+    return doc
+
+
+def test_response_format_json_schema_with_an_adapter_beside_unconstrained_rows(client):
+    """The official client's ``response_format`` json_schema with ``model`` = an adapter name,
+    while another adapter's unconstrained request decodes beside it (2 slots): the JSON answer
+    validates; the unconstrained text equals the same request run alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    msgs = [{"role": "user", "content": "Give me a person as JSON."}]
+    with ThreadPoolExecutor(2) as ex:
+        constrained = ex.submit(
+            client.chat.completions.create, model="sea", messages=msgs, max_tokens=40, temperature=0, response_format=rf
+        )
+        free = ex.submit(
+            client.completions.create,
+            model="shout",
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        c, f = constrained.result(), free.result()
+    assert c.choices[0].finish_reason == "stop"
+    check_person(c.choices[0].message.content)
+    alone = client.completions.create(
+        model="shout", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert f.choices[0].text == alone.choices[0].text
+    # the base model, sampled, through /v1/completions and vLLM's guided_json; and a regex
+    base = client.completions.create(
+        model=BASE,
+        prompt="A person as JSON:",
+        max_tokens=40,
+        temperature=0.8,
+        seed=3,
+        extra_body={"guided_json": {**PERSON, "additionalProperties": False}},
+    )
+    assert base.choices[0].finish_reason == "stop"
+    check_person(base.choices[0].text)
+    rx = client.completions.create(
+        model="shout", prompt="The answer is", max_tokens=10, temperature=0, extra_body={"guided_regex": "(yes|no)"}
+    )
+    assert rx.choices[0].text in ("yes", "no") and rx.choices[0].finish_reason == "stop"
+
+
+def test_bad_schema_is_400_in_openai_shape(client):
+    rf = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "foo"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="shout", messages=[{"role": "user", "content": "x"}], response_format=rf)
+    assert err.value.status_code == 400
+    assert err.value.body == {
+        "message": err.value.body["message"],
+        "type": "invalid_request_error",
+        "param": "response_format.json_schema.schema",
+        "code": "invalid_response_format",
+    }
+    assert "Invalid type: foo" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=BASE, prompt="x", extra_body={"guided_regex": "(a"})
+    assert err.value.body["param"] == "guided_regex" and "unclosed group" in err.value.body["message"]
+
+
+def test_structured_output_over_grpc_client_and_cli(serve, tmp_path):
+    """gRPC: the Python client's ``json_schema=`` and the CLI's ``--json-schema FILE`` /
+    ``--regex``; a bad regex is INVALID_ARGUMENT naming it, and the service keeps serving."""
+    from clients.client import LoraplaneClient
+    from clients.errors import LoraplaneError
+
+    with LoraplaneClient(serve.grpc_addr, timeout=300, admin_token=TOKEN) as c:
+        r = c.generate("A person as JSON:", adapters={1: 1.0}, max_tokens=40, json_schema=PERSON, strict=True)
+        assert r.finish_reason == "stop"
+        check_person(r.text)
+        with pytest.raises(LoraplaneError) as err:
+            c.generate("x", regex="(a", max_tokens=2)
+        assert err.value.code == "INVALID_ARGUMENT" and "response_format: regex:" in err.value.message
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    out = cli(serve, "generate", "A person as JSON:", "--json-schema", str(schema), "--strict", "--max-tokens", "40")
+    assert out["finish_reason"] == "stop"
+    check_person(out["text"])
+    out = cli(serve, "generate", "The answer is", "--lora", "0=1", "--regex", "(yes|no)", "--max-tokens", "5")
+    assert out["text"] in ("yes", "no")

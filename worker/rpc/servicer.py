@@ -25,6 +25,7 @@ from loraplane.v1 import worker_pb2, worker_pb2_grpc
 from worker.errors import InvalidRequestError, PermissionDeniedError, WorkerError
 from worker.lora.host_cache import KnownAdapter
 from worker.rpc.status import status_of
+from worker.runtime.grammar import GrammarError, ResponseFormat
 from worker.runtime.sampling import SamplingParams
 from worker.serving.engine import WorkerEngine, WorkerStatsRecord
 from worker.serving.request import (
@@ -49,7 +50,15 @@ _CLOSED = object()  # (_CLOSED, rid): rid cancelled by cancel_request_id; no mor
 def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     """The worker's `SamplingParams` of the wire message (proto3 zeros mean the defaults:
     ``max_tokens`` 16, ``top_p`` 1, ``repetition_penalty`` 1); range checks are
-    ``SamplingParams.validate``'s."""
+    ``SamplingParams.validate``'s.
+
+    Raises:
+        InvalidRequestError: a ``response_format`` type this worker does not know.
+    """
+    try:
+        fmt = ResponseFormat.from_proto(s.response_format) if s.HasField("response_format") else None
+    except GrammarError as exc:
+        raise InvalidRequestError(str(exc)) from exc
     return SamplingParams(
         max_tokens=s.max_tokens or 16,
         temperature=s.temperature,
@@ -64,6 +73,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty or 1.0,
+        response_format=fmt,
     )
 
 

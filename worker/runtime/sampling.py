@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.runtime.grammar import ResponseFormat
 from worker.runtime.kernels.cpu import resolve_path
 from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
 
@@ -63,6 +64,8 @@ class SamplingParams:
         frequency_penalty: in [-2, 2]; subtracted once per occurrence in the output; 0 → off.
         repetition_penalty: > 0; a token of the prompt or the output has its logit divided by
             it when positive, multiplied when not (HF / vLLM, CTRL paper); 1 → off.
+        response_format: structured output: the grammar the output must match
+            (``worker.runtime.grammar.ResponseFormat``); None: unconstrained.
     """
 
     max_tokens: int = 16
@@ -78,6 +81,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    response_format: ResponseFormat | None = None
 
     @property
     def penalized(self) -> bool:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from worker.errors import WorkerError
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import AloraActivation
+from worker.runtime.grammar import Constraint
 from worker.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:  # output builds on this module's events
@@ -168,6 +169,8 @@ class GenRequest:
     # sha256 → pooled pairs read ahead at submit for adapters not resident then (prefetch;
     # ``LoraPool.stage``); dropped at admission
     staged: dict = field(default_factory=dict)
+    # structured output: the grammar the output must match (``worker.runtime.grammar``), or None
+    constraint: Constraint | None = None
 
     def note_residency(self, was_resident: dict[str, bool], *, slot_wait_ms: float, page_in_ms: float) -> None:
         """Record, per adapter, where it came from and how long the request waited for it."""

@@ -90,8 +90,10 @@ from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import resolve_alora
 from worker.lora.pool import LoraPool, PoolExhaustedError
 from worker.runtime.context import WorkerContext
+from worker.runtime.grammar import Constraint, GrammarError
 from worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows, penalize_rows
 from worker.serving.cache_policy import make_cache_policy
+from worker.serving.constraints import GrammarStage
 from worker.serving.heap import release_free_heap
 from worker.serving.output import (
     FINISH,
@@ -191,6 +193,7 @@ class Scheduler:
         # Observer of request outcomes and token times (worker.serving.metrics); None: no metrics.
         self.observer: RequestObserver | None = None
         self.output = OutputStage(self.tokenizer, config.n_ctx_slot)
+        self.grammar = GrammarStage(ctx.model.n_vocab, config.n_slots)  # structured output (per row)
         self.emitter = EmitWorker(self.output, lambda: self.observer)
         # (interval since the previous step start or None after idling, step duration) in s,
         # of the last STEP_LOG decode-only steps (module docstring)
@@ -216,6 +219,7 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self.emitter.close()
+        self.grammar.close()
 
     def use_output_thread(self, threaded: bool) -> None:
         """Render and emit on the output thread (``threaded``, the default) or on the loop thread
@@ -243,7 +247,7 @@ class Scheduler:
 
         Raises:
             InvalidRequestError: empty/too long prompt, token out of range, two aLoRAs, bad
-                sampling field.
+                sampling field, a response format (schema / regex / grammar) that does not compile.
             QueueFullError: busy sequences + queued requests already equal ``--slots`` + ``queue_limit``.
             WorkerDrainingError: the loop stopped for good (``failure``); the worker is exiting.
         """
@@ -265,6 +269,12 @@ class Scheduler:
                 f"request uses {n_adapters} adapters but worker {self.worker_id} has {self.ctx.pool.max_loras} "
                 f"adapter slots (--max-loras {self.ctx.pool.max_loras})"
             )
+        constraint = None
+        if params.response_format is not None:
+            try:  # compiled here, on the caller's thread: the loop only steps matchers
+                constraint = Constraint.build(params.response_format, self.tokenizer, n_vocab)
+            except GrammarError as exc:
+                raise InvalidRequestError(f"response_format: {exc}") from exc
         activation = resolve_alora(adapter_set, prompt)
         req = GenRequest(
             request_id or uuid.uuid4().hex,
@@ -276,6 +286,7 @@ class Scheduler:
         )
         if params.stop:
             req.stop = StopMatcher(params.stop)
+        req.constraint = constraint
         req.host_sources = dict(host_sources or {})
         req.staged = dict(staged or {})
         with self._cv:
@@ -602,6 +613,9 @@ class Scheduler:
         batch = assemble_ubatch(busy, compat=self.config.batching == Batching.COMPAT, n_batch=N_BATCH)
         progress.seqs = [s for s, _ in batch.parts]
         self.ctx.set_adapters(batch.sets)
+        # structured output: the constrained rows that sample this step get their bitmasks
+        # computed beside the forward pass (worker.serving.constraints)
+        masks = self.grammar.start([s.request for s, rows in batch.parts if rows[-1] + 1 >= len(s.request.prompt)])
         res = self.ctx.decode(batch.ubatch)
         self._step += 1
         progress.numbered = True
@@ -620,6 +634,10 @@ class Scheduler:
         for s, rows in batch.parts:
             parts.append((s, rows, [row_of.get(first + j, -1) for j in range(len(rows))]))
             first += len(rows)
+        # the grammar-mask step: disallowed logits of constrained rows → -inf, before sampling
+        self.grammar.apply(
+            masks, res.logits, {id(s.request): out_idx[-1] for s, _, out_idx in parts if out_idx[-1] >= 0}
+        )
         # greedy rows that sample this step: one batched log_softmax + argmax for all of them
         greedy = [
             out_idx[-1]
@@ -682,6 +700,8 @@ class Scheduler:
         sampled, reason = self.output.sample(
             req, seq.sampler, logits[out_idx[-1]], n_past=seq.n_past, pre=pre, penalized=penalized
         )
+        if req.constraint is not None:
+            reason = self.grammar.advance(req, sampled.token_id, reason)
         records.append((req, sampled, step, time.monotonic(), reason))
         self.tokens_generated += 1
         return reason

@@ -1,0 +1,396 @@
+"""Structured output: per-request grammar constraints on sampling (llguidance).
+
+A request may carry a ``ResponseFormat`` (JSON object, JSON Schema, regex or a Lark grammar).
+It is compiled once at submit into an ``llguidance.LLMatcher`` bound to the model's vocabulary
+(`grammar_tokenizer`); at each decode step the scheduler fills the allowed-token bitmask of
+every constrained row that samples (`fill_masks`, one ``LLExecutor`` call for the whole batch,
+started before the forward pass so it overlaps it), sets the disallowed logits of those rows to
+``-inf`` (`apply_masks`: the separate "grammar mask" step, after penalties and before
+temperature / top-k / top-p / min-p) and advances each matcher with the token it sampled
+(`Constraint.advance`). Unconstrained rows are never touched.
+
+The rules follow vLLM's structured-output backend for llguidance
+(``vllm/v1/structured_output/backend_guidance.py``): control tokens are spelled with a leading
+``0xFF`` byte so no grammar text can produce them, the end-of-generation ids are the
+tokenizer's EOS set (the mask allows them once the grammar accepts; a grammar that is complete
+and allows nothing else leaves only them, which forces the end), and ``json_object`` is the
+schema ``{"type": "object"}``. Engine choice and its measured cost: ``bench/grammar_engines.py``
+and bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+KINDS = ("json_object", "json_schema", "regex", "grammar")
+
+# The JSON compiler's options (llguidance ``JsonCompileOptions``): compact JSON (no whitespace
+# between tokens; vLLM's ``disable_any_whitespace``), which keeps small models from looping on
+# newlines, and ``oneOf`` treated as ``anyOf``.
+_JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "coerce_one_of": True}
+
+
+def _close_objects(node: Any) -> Any:
+    """OpenAI ``strict``: every object schema without ``additionalProperties`` gets ``false``
+    (recursively through properties, items, definitions and combinators)."""
+    if isinstance(node, list):
+        return [_close_objects(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _close_objects(v) if k not in ("enum", "const", "default", "examples") else v for k, v in node.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+class GrammarError(ValueError):
+    """A response format that does not compile (names the format and the engine's message)."""
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What a request's output must match.
+
+    Attributes:
+        type: ``json_object`` (any JSON object), ``json_schema`` (``schema`` holds the JSON
+            Schema text), ``regex`` (``pattern``, a Rust-regex-syntax expression matched against
+            the whole output) or ``grammar`` (``grammar``, a Lark grammar, llguidance's native
+            form; llama.cpp GBNF is converted with ``llguidance.gbnf_to_lark`` when it looks
+            like GBNF, i.e. uses ``::=``).
+        schema: JSON Schema text (``json_schema``).
+        strict: OpenAI's ``strict``: objects admit no properties beyond those listed.
+        pattern: the regex (``regex``).
+        grammar: the grammar text (``grammar``).
+    """
+
+    type: str
+    schema: str = ""
+    strict: bool = False
+    pattern: str = ""
+    grammar: str = ""
+
+    @classmethod
+    def from_proto(cls, rf: Any) -> ResponseFormat | None:
+        """The format of a ``loraplane.v1.ResponseFormat`` message; None for TYPE_UNSPECIFIED
+        (unconstrained). Unknown type numbers (a newer client) raise `GrammarError`."""
+        if rf.type == 0:
+            return None
+        kind = _PROTO_TYPES.get(rf.type)
+        if kind is None:
+            raise GrammarError(f"response_format.type {rf.type} is not known to this server")
+        return cls(kind, schema=rf.schema, strict=rf.strict, pattern=rf.regex, grammar=rf.grammar)
+
+
+# ``loraplane.v1.ResponseFormat.Type`` numbers → `ResponseFormat.type`
+_PROTO_TYPES = {1: "json_object", 2: "json_schema", 3: "regex", 4: "grammar"}
+
+
+def _one_line(msg: str) -> str:
+    """The engine's multi-line message (with its caret drawing) on one line."""
+    return " ".join(part.strip() for part in msg.splitlines() if part.strip())
+
+
+def _schema_obj(text: str, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"{what}: not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise GrammarError(f"{what}: a JSON Schema must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def json_schema_grammar(schema: dict[str, Any] | str, *, strict: bool = False) -> str:
+    """The llguidance grammar (JSON text) of a JSON Schema: what tool-call constraints use too.
+
+    Args:
+        schema: the schema as a dict or JSON text.
+        strict: OpenAI ``strict``: no properties beyond the listed ones in any object.
+
+    Raises:
+        GrammarError: the text is not JSON, not an object, or the engine rejects the schema.
+    """
+    import llguidance
+
+    obj = _schema_obj(schema, "json_schema") if isinstance(schema, str) else dict(schema)
+    if strict:
+        obj = _close_objects(obj)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(obj, defaults=_JSON_DEFAULTS)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise GrammarError(f"json_schema: {exc}") from exc
+
+
+def compile_grammar(fmt: ResponseFormat) -> str:
+    """The llguidance grammar text for ``fmt``, validated without a vocabulary (cheap enough for
+    the control plane: no tokenizer needed).
+
+    Raises:
+        GrammarError: unknown type, empty text, a schema / regex / grammar the engine rejects
+            (the message names the type and carries the engine's reason).
+    """
+    import llguidance
+
+    t = fmt.type
+    if t == "json_object":
+        g = json_schema_grammar({"type": "object"})
+    elif t == "json_schema":
+        if not fmt.schema.strip():
+            raise GrammarError("json_schema: the schema is empty")
+        g = json_schema_grammar(fmt.schema, strict=fmt.strict)
+    elif t == "regex":
+        if not fmt.pattern:
+            raise GrammarError("regex: the pattern is empty")
+        g = llguidance.LLMatcher.grammar_from_regex(fmt.pattern)
+    elif t == "grammar":
+        text = fmt.grammar
+        if not text.strip():
+            raise GrammarError("grammar: the grammar is empty")
+        if "::=" in text:  # llama.cpp GBNF
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                text = gbnf_to_lark(text)
+            except Exception as exc:  # the converter raises plain exceptions on bad GBNF
+                raise GrammarError(f"grammar: GBNF does not convert to Lark: {exc}") from exc
+        g = llguidance.LLMatcher.grammar_from_lark(text)
+    else:
+        raise GrammarError(f"response format type {t!r} is not supported (supported: {', '.join(KINDS)})")
+    bad, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(g, None)
+    if bad:
+        raise GrammarError(f"{t}: {_one_line(msgs[0] if msgs else 'invalid')}")
+    return g
+
+
+# ------------------------------------------------------------------------------ vocabulary
+
+
+class _VocabView:
+    """The duck-typed tokenizer ``llguidance.TokenizerWrapper`` wraps: token bytes with control
+    tokens marked by a leading ``0xFF`` (llguidance's convention, its ``llamacpp.py``), the
+    EOS id and an encode callable."""
+
+    def __init__(self, tok: Any) -> None:
+        from worker.runtime.tokenizer import TokenAttr
+
+        self._tok = tok
+        self.eos_token_id = tok.eos_id if tok.eos_id is not None else sorted(tok.eog_ids)[0]
+        self.bos_token_id = tok.bos_id
+        attrs = tok._attrs
+        special = TokenAttr.CONTROL | TokenAttr.UNKNOWN
+        tokens: list[bytes] = []
+        ids: list[int] = []
+        for i in range(tok.n_vocab):
+            a = attrs[i]
+            if a & special or (
+                a & TokenAttr.USER_DEFINED and tok._pieces[i].startswith("<") and tok._pieces[i].endswith(">")
+            ):
+                tokens.append(b"\xff" + tok.token_bytes(i, skip_special=False))
+                ids.append(i)
+            else:
+                tokens.append(tok.token_bytes(i, skip_special=False))
+        self.tokens = tokens
+        self.special_token_ids = ids
+
+    def __call__(self, text: str) -> list[int]:
+        """Token ids of a piece of text in the middle of an output: no BOS and, for SPM, no
+        leading-space prefix (llguidance re-tokenizes forced bytes with this)."""
+        if self._tok.vocab_type == "llama":
+            from worker.runtime.tokenizer.spm import _ESCAPED_SPACE, _SPACE
+
+            return self._tok._model._encode_fragment(text.replace(_SPACE, _ESCAPED_SPACE)) if text else []
+        return self._tok.encode(text, add_special=False, parse_special=False)
+
+
+_LLTOK: dict[int, Any] = {}
+_LLTOK_LOCK = threading.Lock()
+
+
+def grammar_tokenizer(tok: Any, n_vocab: int | None = None) -> Any:
+    """The ``llguidance.LLTokenizer`` of our `worker.runtime.tokenizer.Tokenizer` ``tok``
+    (cached per tokenizer; built at the first constrained request: it walks the whole
+    vocabulary, about 2 s of one core at 262k tokens).
+
+    Args:
+        tok: the model's tokenizer.
+        n_vocab: the logits' width when it exceeds the vocabulary (padded rows are never allowed).
+    """
+    import llguidance
+
+    key = id(tok)
+    with _LLTOK_LOCK:
+        hit = _LLTOK.get(key)
+        if hit is not None and hit[0] is tok:
+            return hit[1]
+    view = _VocabView(tok)  # a Python loop: other threads keep running between its bytecodes
+    # The engine holds the GIL while it builds (about 0.7 s for the token trie, 0.9 s for the
+    # mask slices at 262k tokens on an idle core): two holds instead of one keep the worker's
+    # heartbeat thread from stalling for the sum.
+    llt = llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(view),
+        n_vocab=max(n_vocab or 0, tok.n_vocab),
+        eos_token=sorted(tok.eog_ids) or None,
+        slices=[],
+    )
+    time.sleep(0)  # let waiting threads (heartbeats) run between the two holds
+    llt = llt.with_slices(llguidance.LLTokenizer.general_slices())
+    with _LLTOK_LOCK:
+        _LLTOK[key] = (tok, llt)
+    return llt
+
+
+# ------------------------------------------------------------------------------ matching
+
+
+class Constraint:
+    """One request's grammar state: an ``llguidance.LLMatcher`` advanced token by token.
+
+    Build it at submit (`Constraint.build`); the scheduler thread alone then uses it.
+    """
+
+    def __init__(self, matcher: Any, fmt: ResponseFormat) -> None:
+        self.matcher = matcher
+        self.format = fmt
+
+    @classmethod
+    def build(cls, fmt: ResponseFormat, tok: Any, n_vocab: int | None = None) -> Constraint:
+        """Compile ``fmt`` against the vocabulary of ``tok``.
+
+        Raises:
+            GrammarError: the format does not compile (`compile_grammar`) or the matcher
+                refuses it (names the type and the engine's message).
+        """
+        import llguidance
+
+        g = compile_grammar(fmt)
+        try:
+            m = llguidance.LLMatcher(grammar_tokenizer(tok, n_vocab), g, log_level=0)
+        except (ValueError, RuntimeError) as exc:  # API misuse only, per llguidance; never a crash here
+            raise GrammarError(f"{fmt.type}: {_one_line(str(exc))}") from exc
+        if m.is_error():
+            raise GrammarError(f"{fmt.type}: {_one_line(m.get_error())}")
+        return cls(m, fmt)
+
+    def advance(self, token_id: int) -> bool:
+        """Feed the sampled token; False when the grammar refuses it (the matcher is then in its
+        error state, `error`)."""
+        return bool(self.matcher.consume_token(int(token_id)))
+
+    @property
+    def error(self) -> str | None:
+        """The matcher's error text, or None."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    @property
+    def done(self) -> bool:
+        """The grammar accepted the output and can take nothing more (stopped)."""
+        return bool(self.matcher.is_stopped())
+
+
+_EXECUTOR: Any = None
+
+
+def _executor() -> Any:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR
+
+
+def mask_words(n_vocab: int) -> int:
+    """int32 words of one row's bitmask (32 tokens a word)."""
+    return (n_vocab + 31) // 32
+
+
+def fill_masks(constraints: Sequence[Constraint], out: torch.Tensor) -> None:
+    """Compute the allowed-token bitmasks of ``constraints`` into rows ``0..len-1`` of ``out``
+    (int32 ``(>= len, mask_words(n_vocab))``, contiguous CPU; bit ``t % 32`` of word ``t // 32``
+    set = token ``t`` allowed). One ``LLExecutor`` call computes all rows on its thread pool
+    with the GIL released, so it may run beside the forward pass.
+    """
+    if not constraints:
+        return
+    assert out.dtype == torch.int32 and out.is_contiguous() and not out.is_cuda
+    words = out.shape[1]
+    _executor().unsafe_compute_mask_ptr(
+        [(c.matcher, i) for i, c in enumerate(constraints)], out.data_ptr(), words * 4, out.shape[0]
+    )
+
+
+def apply_masks(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
+    """The grammar-mask step: set to ``-inf`` every logit of ``logits[rows[i]]`` whose token is
+    not allowed by ``masks[i]`` (in place; ``logits`` f32 ``(m, n_vocab)``, ``masks`` int32
+    ``(>= len(rows), mask_words(n_vocab))`` from `fill_masks`). Other rows are untouched.
+
+    It runs after penalties and before temperature / top-k / top-p / min-p (vLLM applies the
+    grammar bitmask to the logits before its sampler the same way). ``-inf`` survives every
+    penalty (repetition divides or multiplies, presence/frequency subtract), so the order
+    against penalties does not change the result.
+
+    On CPU the work goes by 32-token word, so a row costs what its mask changes: a word with no
+    allowed token is one 128-byte block fill, a word of all-allowed tokens is skipped, and only
+    mixed words are expanded to bits. JSON masks are mostly one or the other (a few structural
+    tokens, or nearly everything inside a string); a row-wide ``masked_fill`` with a bool row
+    costs several times more on a 262k vocabulary (bench/grammar_engines.py).
+    """
+    if not rows:
+        return
+    with torch.inference_mode():  # the decode's logits are inference tensors
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            _apply_cpu(logits, rows, masks)
+        else:
+            _apply_torch(logits, rows, masks)
+
+
+def _apply_cpu(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
+    n_vocab = logits.shape[-1]
+    words = masks.numpy().view(np.uint32)
+    n_full = n_vocab // 32
+    for i, r in enumerate(rows):
+        row = logits[r].numpy()
+        w = words[i]
+        blocks = row[: n_full * 32].reshape(n_full, 32)
+        wf = w[:n_full]
+        blocks[wf == 0] = -np.inf
+        mixed = np.flatnonzero((wf != 0) & (wf != 0xFFFFFFFF))
+        if mixed.size:
+            bits = np.unpackbits(wf[mixed].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little").view(bool)
+            sub = blocks[mixed]
+            sub[~bits] = -np.inf
+            blocks[mixed] = sub
+        tail = n_vocab - n_full * 32
+        if tail:
+            tb = np.unpackbits(w[n_full : n_full + 1].view(np.uint8), bitorder="little")[:tail].view(bool)
+            row[n_full * 32 :][~tb] = -np.inf
+
+
+def _apply_torch(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
+    n_vocab = logits.shape[-1]
+    allowed = np.unpackbits(masks[: len(rows)].numpy().view(np.uint8), axis=1, bitorder="little")[:, :n_vocab]
+    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    keep = torch.from_numpy(allowed).to(logits.device).bool()
+    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+
+
+__all__ = [
+    "KINDS",
+    "Constraint",
+    "GrammarError",
+    "ResponseFormat",
+    "apply_masks",
+    "compile_grammar",
+    "fill_masks",
+    "grammar_tokenizer",
+    "json_schema_grammar",
+    "mask_words",
+]

@@ -1,0 +1,114 @@
+"""The scheduler's grammar-mask step: per-row structured-output constraints in a mixed batch.
+
+Per decode step (``Scheduler._step_once``):
+
+1. `GrammarStage.start` — before the forward pass, for the constrained sequences that sample
+   this step, start computing their allowed-token bitmasks (`worker.runtime.grammar.fill_masks`:
+   one llguidance ``LLExecutor`` call for all rows, GIL released) on a helper thread, so the
+   mask work overlaps the decode instead of adding to it;
+2. `GrammarStage.apply` — after the forward pass, wait for the masks and set the disallowed
+   logits of those rows to ``-inf`` (`worker.runtime.grammar.apply_masks`); rows without a
+   constraint are never touched. Sampling (greedy or drawn) then sees only allowed tokens;
+3. `GrammarStage.advance` — after a constrained row sampled, feed the token to its matcher;
+   a grammar that is complete and allows nothing more ends the request ("stop"), as a forced
+   end-of-generation token would (vLLM ends a request whose grammar terminated the same way).
+
+``max_tokens`` and stop strings keep their meaning ("length" / "stop").
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Sequence
+
+import structlog
+import torch
+
+from worker.runtime.grammar import Constraint, apply_masks, fill_masks, mask_words
+from worker.serving.request import GenRequest
+
+log = structlog.get_logger("loraplane.worker.serving.constraints")
+
+
+class PendingMasks:
+    """Masks being computed for one step: the requests in mask-row order and the future."""
+
+    def __init__(self, reqs: list[GenRequest], buf: torch.Tensor, fut: concurrent.futures.Future[None]) -> None:
+        self.reqs = reqs
+        self.buf = buf
+        self.fut = fut
+
+
+class GrammarStage:
+    """Mask computation and application for a scheduler (loop thread only, plus its helper).
+
+    Args:
+        n_vocab: the logits' width (a bitmask row covers it).
+        n_rows: the most rows a step samples (the sequence count): the mask buffer's height.
+    """
+
+    def __init__(self, n_vocab: int, n_rows: int) -> None:
+        self.n_vocab = n_vocab
+        self._buf = torch.zeros((max(1, n_rows), mask_words(n_vocab)), dtype=torch.int32)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # loop-thread seconds spent on constrained steps (bench/grammar_engines.py): waiting for
+        # masks the forward pass did not hide, and applying them; steps that had any
+        self.wait_s = 0.0
+        self.apply_s = 0.0
+        self.steps = 0
+
+    def start(self, reqs: Sequence[GenRequest]) -> PendingMasks | None:
+        """Start the bitmasks of the constrained requests among ``reqs`` (those sampling this
+        step); None when none is constrained (the step pays nothing)."""
+        cons = [r for r in reqs if r.constraint is not None]
+        if not cons:
+            return None
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loraplane-grammar")
+        if len(cons) > self._buf.shape[0]:
+            self._buf = torch.zeros((len(cons), self._buf.shape[1]), dtype=torch.int32)
+        constraints: list[Constraint] = [r.constraint for r in cons]  # type: ignore[misc]
+        fut = self._pool.submit(fill_masks, constraints, self._buf)
+        return PendingMasks(cons, self._buf, fut)
+
+    def apply(self, pending: PendingMasks | None, logits: torch.Tensor, row_of: dict[int, int]) -> None:
+        """Wait for ``pending`` and mask the logits rows of its requests in place
+        (``row_of``: ``id(request)`` → its sampling row of ``logits``, f32 ``(m, n_vocab)``)."""
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        pending.fut.result()
+        t1 = time.perf_counter()
+        reqs = [r for r in pending.reqs if id(r) in row_of]
+        if len(reqs) != len(pending.reqs):  # a row that did not sample: keep the mask rows aligned
+            keep = [i for i, r in enumerate(pending.reqs) if id(r) in row_of]
+            masks = pending.buf[keep]
+        else:
+            masks = pending.buf
+        apply_masks(logits, [row_of[id(r)] for r in reqs], masks)
+        self.wait_s += t1 - t0
+        self.apply_s += time.perf_counter() - t1
+        self.steps += 1
+
+    def advance(self, req: GenRequest, token_id: int, reason: str | None) -> str | None:
+        """Feed the sampled ``token_id`` to ``req``'s matcher; returns the finish reason: the one
+        the ids decided, else "stop" once the grammar is complete (or refused the token: logged,
+        never raised — the worker keeps serving)."""
+        c = req.constraint
+        if c is None:
+            return reason
+        if not c.advance(token_id):
+            log.warning("grammar_rejected_token", request_id=req.request_id, token_id=token_id, error=c.error)
+            return reason or "stop"
+        if reason is None and c.done:
+            return "stop"
+        return reason
+
+    def close(self) -> None:
+        """Stop the helper thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+__all__ = ["GrammarStage", "PendingMasks"]
