@@ -49,8 +49,8 @@ from control_plane.errors import (
 from control_plane.registry import AdapterRegistry
 from control_plane.resolution import adapter_set_key
 from control_plane.workers import WorkerHandle, WorkerPool
+from loraplane.response_format import GrammarError, ResponseFormat, compile_grammar
 from loraplane.v1 import common_pb2, worker_pb2
-from worker.runtime.grammar import GrammarError, ResponseFormat, compile_grammar
 
 log = structlog.get_logger("loraplane.control_plane.router")
 

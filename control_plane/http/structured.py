@@ -22,8 +22,8 @@ import json
 from typing import Any
 
 from control_plane.http.errors import OpenAIError
+from loraplane.response_format import GrammarError, ResponseFormat, compile_grammar
 from loraplane.v1 import common_pb2
-from worker.runtime.grammar import GrammarError, ResponseFormat, compile_grammar
 
 _PB_TYPE = {
     "json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
