@@ -321,6 +321,21 @@ def paging_count(samples, kind: str, adapter_id: int) -> float:
     return samples.get((f"loraplane_adapter_slot_{kind}_total", (("adapter", str(adapter_id)),)), 0.0)
 
 
+def counters_settled(cluster):
+    """A ``wait_until`` condition: the paging counters did not move over three heartbeat
+    intervals (every worker's latest totals are in)."""
+
+    def settled() -> bool:
+        def counters():
+            return {k: v for k, v in scrape(cluster).items() if k[0].startswith("loraplane_adapter_slot_")}
+
+        before = counters()
+        time.sleep(3 * cluster.cp.state.config.heartbeat_interval_s)
+        return counters() == before
+
+    return settled
+
+
 def test_residency_gauges_and_paging_counters_follow_the_worker(cluster, ids):
     """``loraplane_adapter_residency`` mirrors what the worker reports (its Stats, over its
     heartbeat) state by state, and the page-in / eviction counters move by exactly the pages a
@@ -342,6 +357,10 @@ def test_residency_gauges_and_paging_counters_follow_the_worker(cluster, ids):
     before = cluster.stats(wid)
     assert ids["shout"] not in before.resident_adapter_ids
     assert wait_until(synced, timeout=15)
+    # the counters have no worker label: every worker's last heartbeat must be in before m0
+    # (a heartbeat of another worker carrying an earlier test's page-in would land between m0
+    # and m1)
+    assert wait_until(counters_settled(cluster), timeout=30)
     m0 = scrape(cluster)
     cluster.direct(wid, {ids["shout"]: 1.0})  # pages shout in over the LRU of the two
     mid = cluster.stats(wid)
