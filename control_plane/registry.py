@@ -101,6 +101,9 @@ class Registration:
     record: AdapterRecord
     created: bool
     aliased: bool = False  # known content: the requested name was added as an alias
+    # this call attached the requested name (created under it, or aliased); False for a retry
+    # that found the name already there, and when no name was requested
+    named: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,7 +268,7 @@ class AdapterRegistry:
             self._check_free(name)
             rec, created = self.store.insert(
                 sha256=sha256,
-                name=self._name_of(name, adapter),
+                name="" if name else self._name_of(name, adapter),  # a requested name: `_claim`
                 metadata=self._metadata(adapter),
                 content=tmp,
                 source=None,
@@ -275,8 +278,9 @@ class AdapterRegistry:
             tmp.unlink(missing_ok=True)
         if not created:  # another replica registered the same content meanwhile
             return self._known(rec, name)
+        rec = self._claim(rec, name)
         log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source="upload", size=size)
-        return Registration(rec, created)
+        return Registration(rec, created, named=bool(name))
 
     def register_server_path(self, path: str, *, name: str = "") -> Registration:
         """Register a file already on the server; it must lie inside an adapter dir.
@@ -324,15 +328,52 @@ class AdapterRegistry:
         self._check_free(name)
         rec, created = self.store.insert(
             sha256=sha256,
-            name=self._name_of(name, adapter),
+            name="" if name else self._name_of(name, adapter),  # a requested name: `_claim`
             metadata=self._metadata(adapter),
             content=path,
             source=str(path),
         )
         if not created:
             return self._known(rec, name)
+        rec = self._claim(rec, name)
         log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source, path=str(path))
-        return Registration(rec, created)
+        return Registration(rec, created, named=bool(name))
+
+    def _claim(self, rec: AdapterRecord, name: str) -> AdapterRecord:
+        """Give the just-inserted, still unnamed ``rec`` the requested ``name`` in the store's
+        serialised name transaction (`AdapterStore.set_names`), so that of several callers
+        (threads or replicas) registering different content under one new name at once, one
+        gets it and the others fail: `_check_free` ran before the insert and cannot see them.
+        A loser's record is unregistered again unless someone gave it a name meanwhile.
+
+        Raises:
+            AlreadyExistsError: another adapter, or another call, took ``name`` first.
+            UnavailableError: ``rec`` was unregistered meanwhile.
+        """
+        if not name:
+            return rec
+
+        def take(current: AdapterRecord, records: list[AdapterRecord]) -> tuple[str, tuple[str, ...]]:
+            owners = [r.id for r in records if name in r.names and r.id != current.id]
+            if owners or name in current.names:
+                raise AlreadyExistsError(
+                    f"adapter name '{name}' is taken by adapter(s) {owners or [current.id]}; pick another name"
+                )
+            if current.name:  # named meanwhile (same content registered by another call)
+                return current.name, (*current.aliases, name)
+            return name, current.aliases
+
+        try:
+            updated = self.store.set_names(rec.id, take)
+        except AlreadyExistsError:
+            now = self.store.get(rec.id)
+            if now is not None and not now.names:
+                self.store.delete(rec.id)
+                log.info("adapter_registration_undone", adapter_id=rec.id, name=name, reason="name_taken")
+            raise
+        if updated is None:
+            raise UnavailableError(f"adapter {rec.id} was unregistered while '{name}' was being given to it; retry")
+        return updated
 
     def _check_free(self, name: str) -> None:
         """Refuse a requested ``name`` an adapter already answers to ("": nothing to check).
@@ -355,20 +396,25 @@ class AdapterRegistry:
         """
         if not name or name in rec.names:
             return Registration(rec, created=False)
+        added = False
 
         def add_alias(current: AdapterRecord, records: list[AdapterRecord]) -> tuple[str, tuple[str, ...]]:
+            nonlocal added
             owners = [r.id for r in records if name in r.names and r.id != current.id]
             if owners:
                 raise AlreadyExistsError(f"adapter name '{name}' is taken by adapter(s) {owners}; pick another name")
-            if name in current.names:
+            if name in current.names:  # another call added it meanwhile
                 return current.name, current.aliases
+            added = True
             return current.name, (*current.aliases, name)
 
         updated = self.store.set_names(rec.id, add_alias)
         if updated is None:  # unregistered between the lookup and now
             raise UnavailableError(f"adapter {rec.id} was unregistered while '{name}' was being added; retry")
+        if not added:
+            return Registration(updated, created=False)
         log.info("adapter_alias_added", adapter_id=rec.id, alias=name, sha256=rec.sha256)
-        return Registration(updated, created=False, aliased=True)
+        return Registration(updated, created=False, aliased=True, named=True)
 
     def _register_peft(self, folder: Path, *, name: str) -> Registration:
         """Convert a PEFT folder (rules of ``convert-peft``) and register the GGUF as an upload.

@@ -235,3 +235,50 @@ def test_the_same_store_row_survives_a_restart_with_its_aliases(cp, tmp_path, ba
         assert list(info.aliases) == ["eps-alias"]
     finally:
         again.stop()
+
+
+def test_racing_loads_of_one_new_name_give_one_200(cp, api):
+    """Several ``/v1/load_lora_adapter`` calls for one new ``lora_name`` at once (different
+    files, or the same file): each passes the "is the name free" check before any inserts (a
+    barrier in the real store forces that interleaving), yet exactly one gets 200 and the
+    others vLLM's 400, and the name then serves exactly one adapter, never an ambiguous one."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = cp.state.registry.store
+    real_insert = store.insert
+    barrier = threading.Barrier(2, timeout=30)
+
+    def insert_after_both_checked(**kw):
+        barrier.wait()
+        return real_insert(**kw)
+
+    def race(name: str, paths: list[Path]) -> list[httpx.Response]:
+        barrier.reset()
+        store.insert = insert_after_both_checked
+        try:
+            with ThreadPoolExecutor(len(paths)) as ex:
+                return list(
+                    ex.map(
+                        lambda p: api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(p)}),
+                        paths,
+                    )
+                )
+        finally:
+            del store.insert  # the instance attribute goes; the class's method is back
+
+    before = {a.id for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters}
+    for name, paths in (
+        ("raced", [write_adapter(cp.tmp / f"race{i}.gguf", seed=40 + i) for i in range(2)]),
+        ("raced-same", [write_adapter(cp.tmp / "race-same.gguf", seed=50)] * 2),
+    ):
+        answers = race(name, paths)
+        assert sorted(r.status_code for r in answers) == [200, 400], [r.text for r in answers]
+        loser = next(r for r in answers if r.status_code == 400)
+        assert openai_error(loser, 400)["message"] == f"The lora adapter '{name}' has already been loaded."
+        owner = cp.stub.GetAdapter(ref(name=name))  # one owner: not ambiguous
+        assert owner.name == name and list(owner.aliases) == []
+        assert api.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 1}).status_code == 503
+    # the losing different-content registration was undone: one new adapter per name
+    after = {a.id for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters}
+    assert len(after - before) == 2
