@@ -30,6 +30,7 @@ from __future__ import annotations
 import builtins
 import errno
 import hashlib
+import unicodedata
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -82,7 +83,12 @@ def name_clash(name: str, base_name: str | None) -> str | None:
     ``adapter:`` (the id form). Such a name would be shadowed on the HTTP API (``model``
     resolves the base and the id forms first) and list an id twice in ``/v1/models``. A name
     of ASCII digits only is refused too: such a token always names an adapter id on every API
-    (`resolution.is_id_token`)."""
+    (`resolution.is_id_token`). So is a name holding a control character (Unicode category
+    Cc: NUL, which PostgreSQL text cannot store, newline, tab, ...), which no client can put in
+    a URL path or a table cell and mean."""
+    bad = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        return f"adapter name {name!r} holds the control character U+{ord(bad):04X}; pick a printable name"
     if is_id_token(name):
         return f"adapter name '{name}' is all digits, which names an adapter id; pick a name with a non-digit"
     if base_name and name == base_name:
@@ -365,11 +371,11 @@ class AdapterRegistry:
 
         try:
             updated = self.store.set_names(rec.id, take)
-        except AlreadyExistsError:
+        except Exception as exc:  # name taken (or the store failed): no nameless row left behind
             now = self.store.get(rec.id)
             if now is not None and not now.names:
                 self.store.delete(rec.id)
-                log.info("adapter_registration_undone", adapter_id=rec.id, name=name, reason="name_taken")
+                log.info("adapter_registration_undone", adapter_id=rec.id, name=name, reason=type(exc).__name__)
             raise
         if updated is None:
             raise UnavailableError(f"adapter {rec.id} was unregistered while '{name}' was being given to it; retry")

@@ -113,6 +113,25 @@ def test_all_digit_names_are_refused_and_embedded_ones_dropped(cp, api):
     cp.stub.UnregisterAdapter(ref(id=info.id))
 
 
+def test_names_with_control_characters_are_refused(cp, api):
+    """NUL (which PostgreSQL text cannot store: INTERNAL there before), newline and tab in a
+    requested name are refused up front on gRPC and HTTP, whether the content is new (a new
+    adapter) or known (an alias), and nothing is registered."""
+    fresh = write_adapter(cp.tmp / "ctrl.gguf", seed=70)
+    known = write_adapter(cp.tmp / "ctrl-known.gguf", seed=71)
+    upload(cp.stub, known, name="ctrl-known")
+    before = [(a.id, a.name, list(a.aliases)) for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters]
+    for name, code in (("a\x00b", "U+0000"), ("a\nb", "U+000A"), ("\tx", "U+0009")):
+        for path in (fresh, known):
+            err = rpc_error(upload, cp.stub, path, name=name)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+            assert f"holds the control character {code}" in err.details()
+            r = api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+            assert f"holds the control character {code}" in openai_error(r, 400)["message"]
+    after = [(a.id, a.name, list(a.aliases)) for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters]
+    assert after == before
+
+
 def test_a_name_several_adapters_share_is_ambiguous_everywhere(cp, api):
     """Names embedded in files are not keys: two files both named ``twin`` register (no name
     asked for), and every API then refuses the name, listing both ids."""
