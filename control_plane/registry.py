@@ -505,23 +505,39 @@ class AdapterRegistry:
           registered by someone else and stays, as ``adapter:<id>``.)
 
         Raises:
-            NotFoundError / AmbiguousNameError: ``token`` names no / several adapters.
-            UnavailableError: the adapter's names changed meanwhile (another replica); retry.
+            NotFoundError / AmbiguousNameError: ``token`` names no / several adapters (also
+                when a racing unload took the name first).
         """
         rec = self.get(self.lookup(token))
-        if token not in rec.names or (token == rec.name and not rec.aliases):
+        if token not in rec.names:  # an id
             return NameRemoval(self.unregister(rec.id), unregistered=True)
 
+        last_name = False  # ``token`` was the adapter's name and it had no alias
+
         def drop(current: AdapterRecord, _records: list[AdapterRecord]) -> tuple[str, tuple[str, ...]]:
+            nonlocal last_name
             if token in current.aliases:
                 return current.name, tuple(a for a in current.aliases if a != token)
-            if token == current.name and current.aliases:
-                return current.aliases[0], current.aliases[1:]
-            raise UnavailableError(f"adapter {current.id}: its names changed while '{token}' was being unloaded; retry")
+            if token == current.name:  # its oldest alias becomes its name, or none is left
+                last_name = not current.aliases
+                return (current.aliases[0], current.aliases[1:]) if current.aliases else ("", ())
+            raise NotFoundError(f"no adapter is named '{token}' (adapter {current.id} lost it meanwhile)")
 
+        # The name goes in the serialised name transaction; the adapter goes only if no name is
+        # left then, and only if none was given to it since (an alias load racing this unload
+        # answered 200 "alias of adapter N": N must stay and serve it).
         updated = self.store.set_names(rec.id, drop)
         if updated is None:
             raise NotFoundError(f"adapter {rec.id} was unregistered meanwhile")
+        if last_name:
+            removed = self.store.delete(rec.id, only_if_nameless=True)
+            if removed is not None:
+                log.info("adapter_unregistered", adapter_id=rec.id, sha256=removed.sha256)
+                return NameRemoval(removed, unregistered=True)
+            now = self.store.get(rec.id)
+            if now is None:
+                raise NotFoundError(f"adapter {rec.id} was unregistered meanwhile")
+            updated = now
         log.info("adapter_name_removed", adapter_id=rec.id, name=token, now_named=updated.name)
         return NameRemoval(updated, unregistered=False)
 

@@ -301,3 +301,37 @@ def test_racing_loads_of_one_new_name_give_one_200(cp, api):
     # the losing different-content registration was undone: one new adapter per name
     after = {a.id for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters}
     assert len(after - before) == 2
+
+
+def test_an_alias_loaded_while_the_last_name_is_unloaded_keeps_serving(cp, api):
+    """vLLM's lifecycle under a race: ``unload A`` (A is the adapter's only name) and ``load C``
+    of the same files interleave so that C is added as an alias after the unload looked the
+    adapter up and before it removed it (a hook on the real store's delete forces that). The
+    load answered 200 "alias of adapter N", so N stays and serves C; A is gone."""
+    path = write_adapter(cp.tmp / "unload-race.gguf", seed=90)
+    load = lambda name: api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})  # noqa: E731
+    assert load("ur-a").status_code == 200
+    aid = cp.stub.GetAdapter(ref(name="ur-a")).id
+    store = cp.state.registry.store
+    real_delete = store.delete
+    answers: list[httpx.Response] = []
+
+    def alias_loaded_first(adapter_id, **kw):
+        answers.append(load("ur-c"))  # from the same thread: the unload holds no store lock here
+        return real_delete(adapter_id, **kw)
+
+    store.delete = alias_loaded_first
+    try:
+        r = api.post("/v1/unload_lora_adapter", json={"lora_name": "ur-a"})
+    finally:
+        del store.delete
+    assert [a.text for a in answers] == [f"Success: LoRA adapter 'ur-c' added successfully (alias of adapter {aid})."]
+    assert r.status_code == 200, r.text
+    assert r.text == f"Success: LoRA adapter 'ur-a' removed successfully (adapter {aid} stays as 'ur-c')."
+    now = cp.stub.GetAdapter(ref(name="ur-c"))
+    assert (now.id, now.name, list(now.aliases)) == (aid, "", ["ur-c"])
+    assert "ur-a" not in models(api) and models(api)["ur-c"] == aid
+    assert api.post("/v1/completions", json={"model": "ur-c", "prompt": "x", "max_tokens": 1}).status_code == 503
+    r = api.post("/v1/unload_lora_adapter", json={"lora_name": "ur-c"})  # an alias of an unnamed adapter
+    assert r.status_code == 200 and cp.stub.GetAdapter(ref(id=aid)).id == aid
+    cp.stub.UnregisterAdapter(ref(id=aid))
