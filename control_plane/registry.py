@@ -30,6 +30,7 @@ from __future__ import annotations
 import builtins
 import errno
 import hashlib
+import unicodedata
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -82,7 +83,12 @@ def name_clash(name: str, base_name: str | None) -> str | None:
     ``adapter:`` (the id form). Such a name would be shadowed on the HTTP API (``model``
     resolves the base and the id forms first) and list an id twice in ``/v1/models``. A name
     of ASCII digits only is refused too: such a token always names an adapter id on every API
-    (`resolution.is_id_token`)."""
+    (`resolution.is_id_token`). So is a name holding a control character (Unicode category
+    Cc: NUL, which PostgreSQL text cannot store, newline, tab, ...), which no client can put in
+    a URL path or a table cell and mean."""
+    bad = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        return f"adapter name {name!r} holds the control character U+{ord(bad):04X}; pick a printable name"
     if is_id_token(name):
         return f"adapter name '{name}' is all digits, which names an adapter id; pick a name with a non-digit"
     if base_name and name == base_name:
@@ -101,6 +107,9 @@ class Registration:
     record: AdapterRecord
     created: bool
     aliased: bool = False  # known content: the requested name was added as an alias
+    # this call attached the requested name (created under it, or aliased); False for a retry
+    # that found the name already there, and when no name was requested
+    named: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,7 +274,7 @@ class AdapterRegistry:
             self._check_free(name)
             rec, created = self.store.insert(
                 sha256=sha256,
-                name=self._name_of(name, adapter),
+                name="" if name else self._name_of(name, adapter),  # a requested name: `_claim`
                 metadata=self._metadata(adapter),
                 content=tmp,
                 source=None,
@@ -275,8 +284,9 @@ class AdapterRegistry:
             tmp.unlink(missing_ok=True)
         if not created:  # another replica registered the same content meanwhile
             return self._known(rec, name)
+        rec = self._claim(rec, name)
         log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source="upload", size=size)
-        return Registration(rec, created)
+        return Registration(rec, created, named=bool(name))
 
     def register_server_path(self, path: str, *, name: str = "") -> Registration:
         """Register a file already on the server; it must lie inside an adapter dir.
@@ -324,15 +334,52 @@ class AdapterRegistry:
         self._check_free(name)
         rec, created = self.store.insert(
             sha256=sha256,
-            name=self._name_of(name, adapter),
+            name="" if name else self._name_of(name, adapter),  # a requested name: `_claim`
             metadata=self._metadata(adapter),
             content=path,
             source=str(path),
         )
         if not created:
             return self._known(rec, name)
+        rec = self._claim(rec, name)
         log.info("adapter_registered", adapter_id=rec.id, sha256=sha256, source=source, path=str(path))
-        return Registration(rec, created)
+        return Registration(rec, created, named=bool(name))
+
+    def _claim(self, rec: AdapterRecord, name: str) -> AdapterRecord:
+        """Give the just-inserted, still unnamed ``rec`` the requested ``name`` in the store's
+        serialised name transaction (`AdapterStore.set_names`), so that of several callers
+        (threads or replicas) registering different content under one new name at once, one
+        gets it and the others fail: `_check_free` ran before the insert and cannot see them.
+        A loser's record is unregistered again unless someone gave it a name meanwhile.
+
+        Raises:
+            AlreadyExistsError: another adapter, or another call, took ``name`` first.
+            UnavailableError: ``rec`` was unregistered meanwhile.
+        """
+        if not name:
+            return rec
+
+        def take(current: AdapterRecord, records: list[AdapterRecord]) -> tuple[str, tuple[str, ...]]:
+            owners = [r.id for r in records if name in r.names and r.id != current.id]
+            if owners or name in current.names:
+                raise AlreadyExistsError(
+                    f"adapter name '{name}' is taken by adapter(s) {owners or [current.id]}; pick another name"
+                )
+            if current.name:  # named meanwhile (same content registered by another call)
+                return current.name, (*current.aliases, name)
+            return name, current.aliases
+
+        try:
+            updated = self.store.set_names(rec.id, take)
+        except Exception as exc:  # name taken (or the store failed): no nameless row left behind
+            now = self.store.get(rec.id)
+            if now is not None and not now.names:
+                self.store.delete(rec.id)
+                log.info("adapter_registration_undone", adapter_id=rec.id, name=name, reason=type(exc).__name__)
+            raise
+        if updated is None:
+            raise UnavailableError(f"adapter {rec.id} was unregistered while '{name}' was being given to it; retry")
+        return updated
 
     def _check_free(self, name: str) -> None:
         """Refuse a requested ``name`` an adapter already answers to ("": nothing to check).
@@ -355,20 +402,25 @@ class AdapterRegistry:
         """
         if not name or name in rec.names:
             return Registration(rec, created=False)
+        added = False
 
         def add_alias(current: AdapterRecord, records: list[AdapterRecord]) -> tuple[str, tuple[str, ...]]:
+            nonlocal added
             owners = [r.id for r in records if name in r.names and r.id != current.id]
             if owners:
                 raise AlreadyExistsError(f"adapter name '{name}' is taken by adapter(s) {owners}; pick another name")
-            if name in current.names:
+            if name in current.names:  # another call added it meanwhile
                 return current.name, current.aliases
+            added = True
             return current.name, (*current.aliases, name)
 
         updated = self.store.set_names(rec.id, add_alias)
         if updated is None:  # unregistered between the lookup and now
             raise UnavailableError(f"adapter {rec.id} was unregistered while '{name}' was being added; retry")
+        if not added:
+            return Registration(updated, created=False)
         log.info("adapter_alias_added", adapter_id=rec.id, alias=name, sha256=rec.sha256)
-        return Registration(updated, created=False, aliased=True)
+        return Registration(updated, created=False, aliased=True, named=True)
 
     def _register_peft(self, folder: Path, *, name: str) -> Registration:
         """Convert a PEFT folder (rules of ``convert-peft``) and register the GGUF as an upload.
@@ -453,23 +505,39 @@ class AdapterRegistry:
           registered by someone else and stays, as ``adapter:<id>``.)
 
         Raises:
-            NotFoundError / AmbiguousNameError: ``token`` names no / several adapters.
-            UnavailableError: the adapter's names changed meanwhile (another replica); retry.
+            NotFoundError / AmbiguousNameError: ``token`` names no / several adapters (also
+                when a racing unload took the name first).
         """
         rec = self.get(self.lookup(token))
-        if token not in rec.names or (token == rec.name and not rec.aliases):
+        if token not in rec.names:  # an id
             return NameRemoval(self.unregister(rec.id), unregistered=True)
 
+        last_name = False  # ``token`` was the adapter's name and it had no alias
+
         def drop(current: AdapterRecord, _records: list[AdapterRecord]) -> tuple[str, tuple[str, ...]]:
+            nonlocal last_name
             if token in current.aliases:
                 return current.name, tuple(a for a in current.aliases if a != token)
-            if token == current.name and current.aliases:
-                return current.aliases[0], current.aliases[1:]
-            raise UnavailableError(f"adapter {current.id}: its names changed while '{token}' was being unloaded; retry")
+            if token == current.name:  # its oldest alias becomes its name, or none is left
+                last_name = not current.aliases
+                return (current.aliases[0], current.aliases[1:]) if current.aliases else ("", ())
+            raise NotFoundError(f"no adapter is named '{token}' (adapter {current.id} lost it meanwhile)")
 
+        # The name goes in the serialised name transaction; the adapter goes only if no name is
+        # left then, and only if none was given to it since (an alias load racing this unload
+        # answered 200 "alias of adapter N": N must stay and serve it).
         updated = self.store.set_names(rec.id, drop)
         if updated is None:
             raise NotFoundError(f"adapter {rec.id} was unregistered meanwhile")
+        if last_name:
+            removed = self.store.delete(rec.id, only_if_nameless=True)
+            if removed is not None:
+                log.info("adapter_unregistered", adapter_id=rec.id, sha256=removed.sha256)
+                return NameRemoval(removed, unregistered=True)
+            now = self.store.get(rec.id)
+            if now is None:
+                raise NotFoundError(f"adapter {rec.id} was unregistered meanwhile")
+            updated = now
         log.info("adapter_name_removed", adapter_id=rec.id, name=token, now_named=updated.name)
         return NameRemoval(updated, unregistered=False)
 

@@ -27,7 +27,7 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from control_plane.auth import BearerCheck, check_bearer
-from control_plane.errors import ControlPlaneError, InvalidArgumentError
+from control_plane.errors import AlreadyExistsError, ControlPlaneError, InvalidArgumentError
 from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError, from_control_plane
 from control_plane.http.models import resolve_model
@@ -98,9 +98,11 @@ def admin_router(deps: HttpDeps) -> APIRouter:
             if deps.registry.name_owners(name):
                 raise already_loaded(name)
             reg = deps.registry.register_server_path(body.lora_path, name=name)
+        except AlreadyExistsError:  # the name was taken between the check above and now
+            raise already_loaded(name) from None
         except ControlPlaneError as exc:
             raise from_control_plane(exc) from None
-        if name not in reg.record.names:  # another caller took the name meanwhile
+        if not reg.named:  # another caller took the name meanwhile (or loaded it first)
             raise already_loaded(name)
         how = f"alias of adapter {reg.record.id}" if reg.aliased else f"id {reg.record.id}"
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully ({how}).")

@@ -385,10 +385,14 @@ class AdapterStore(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def delete(self, adapter_id: int) -> AdapterRecord | None:
+    def delete(self, adapter_id: int, *, only_if_nameless: bool = False) -> AdapterRecord | None:
         """Remove an adapter, its default-set entry and its bytes (if the store owns them),
         and record the removal (`removed_ids`); the removed record, or None when the id is
-        unknown. The counter is untouched, so the id is never handed out again."""
+        unknown. The counter is untouched, so the id is never handed out again.
+
+        ``only_if_nameless``: remove it only if it has no name and no aliases as of this
+        transaction (None otherwise, nothing changes): a name given to it meanwhile (an alias
+        load racing an unload, `AdapterRegistry.unload_name`) keeps it."""
         raise NotImplementedError
 
     @abstractmethod

@@ -525,9 +525,14 @@ class PostgresStore(AdapterStore):
         return AdapterRecord.from_row(created), True
 
     @_unavailable
-    def delete(self, adapter_id: int) -> AdapterRecord | None:
+    def delete(self, adapter_id: int, *, only_if_nameless: bool = False) -> AdapterRecord | None:
         with self._connection() as (conn, _), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-            row = cur.execute("DELETE FROM adapters WHERE id = %s RETURNING *", (adapter_id,)).fetchone()
+            if only_if_nameless:  # under READ COMMITTED a racing name change is waited for, then seen
+                row = cur.execute(
+                    "DELETE FROM adapters WHERE id = %s AND name = '' AND aliases = '[]' RETURNING *", (adapter_id,)
+                ).fetchone()
+            else:
+                row = cur.execute("DELETE FROM adapters WHERE id = %s RETURNING *", (adapter_id,)).fetchone()
             if row is None:
                 return None
             cur.execute("DELETE FROM adapter_blobs WHERE sha256 = %s", (row["sha256"],))

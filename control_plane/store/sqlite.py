@@ -282,13 +282,13 @@ class SqliteStore(AdapterStore):
         return AdapterRecord.from_row(row), True
 
     @_unavailable
-    def delete(self, adapter_id: int) -> AdapterRecord | None:
+    def delete(self, adapter_id: int, *, only_if_nameless: bool = False) -> AdapterRecord | None:
         with self._locked():
             c = self._conn
             c.execute("BEGIN IMMEDIATE")
             try:
                 row = c.execute("SELECT * FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
-                if row is None:
+                if row is None or (only_if_nameless and AdapterRecord.from_row(row).names):
                     c.execute("COMMIT")
                     return None
                 c.execute("DELETE FROM adapters WHERE id = ?", (adapter_id,))

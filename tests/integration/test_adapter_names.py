@@ -113,6 +113,25 @@ def test_all_digit_names_are_refused_and_embedded_ones_dropped(cp, api):
     cp.stub.UnregisterAdapter(ref(id=info.id))
 
 
+def test_names_with_control_characters_are_refused(cp, api):
+    """NUL (which PostgreSQL text cannot store: INTERNAL there before), newline and tab in a
+    requested name are refused up front on gRPC and HTTP, whether the content is new (a new
+    adapter) or known (an alias), and nothing is registered."""
+    fresh = write_adapter(cp.tmp / "ctrl.gguf", seed=70)
+    known = write_adapter(cp.tmp / "ctrl-known.gguf", seed=71)
+    upload(cp.stub, known, name="ctrl-known")
+    before = [(a.id, a.name, list(a.aliases)) for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters]
+    for name, code in (("a\x00b", "U+0000"), ("a\nb", "U+000A"), ("\tx", "U+0009")):
+        for path in (fresh, known):
+            err = rpc_error(upload, cp.stub, path, name=name)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+            assert f"holds the control character {code}" in err.details()
+            r = api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+            assert f"holds the control character {code}" in openai_error(r, 400)["message"]
+    after = [(a.id, a.name, list(a.aliases)) for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters]
+    assert after == before
+
+
 def test_a_name_several_adapters_share_is_ambiguous_everywhere(cp, api):
     """Names embedded in files are not keys: two files both named ``twin`` register (no name
     asked for), and every API then refuses the name, listing both ids."""
@@ -235,3 +254,84 @@ def test_the_same_store_row_survives_a_restart_with_its_aliases(cp, tmp_path, ba
         assert list(info.aliases) == ["eps-alias"]
     finally:
         again.stop()
+
+
+def test_racing_loads_of_one_new_name_give_one_200(cp, api):
+    """Several ``/v1/load_lora_adapter`` calls for one new ``lora_name`` at once (different
+    files, or the same file): each passes the "is the name free" check before any inserts (a
+    barrier in the real store forces that interleaving), yet exactly one gets 200 and the
+    others vLLM's 400, and the name then serves exactly one adapter, never an ambiguous one."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = cp.state.registry.store
+    real_insert = store.insert
+    barrier = threading.Barrier(2, timeout=30)
+
+    def insert_after_both_checked(**kw):
+        barrier.wait()
+        return real_insert(**kw)
+
+    def race(name: str, paths: list[Path]) -> list[httpx.Response]:
+        barrier.reset()
+        store.insert = insert_after_both_checked
+        try:
+            with ThreadPoolExecutor(len(paths)) as ex:
+                return list(
+                    ex.map(
+                        lambda p: api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(p)}),
+                        paths,
+                    )
+                )
+        finally:
+            del store.insert  # the instance attribute goes; the class's method is back
+
+    before = {a.id for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters}
+    for name, paths in (
+        ("raced", [write_adapter(cp.tmp / f"race{i}.gguf", seed=40 + i) for i in range(2)]),
+        ("raced-same", [write_adapter(cp.tmp / "race-same.gguf", seed=50)] * 2),
+    ):
+        answers = race(name, paths)
+        assert sorted(r.status_code for r in answers) == [200, 400], [r.text for r in answers]
+        loser = next(r for r in answers if r.status_code == 400)
+        assert openai_error(loser, 400)["message"] == f"The lora adapter '{name}' has already been loaded."
+        owner = cp.stub.GetAdapter(ref(name=name))  # one owner: not ambiguous
+        assert owner.name == name and list(owner.aliases) == []
+        assert api.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 1}).status_code == 503
+    # the losing different-content registration was undone: one new adapter per name
+    after = {a.id for a in cp.stub.ListAdapters(common_pb2.Empty()).adapters}
+    assert len(after - before) == 2
+
+
+def test_an_alias_loaded_while_the_last_name_is_unloaded_keeps_serving(cp, api):
+    """vLLM's lifecycle under a race: ``unload A`` (A is the adapter's only name) and ``load C``
+    of the same files interleave so that C is added as an alias after the unload looked the
+    adapter up and before it removed it (a hook on the real store's delete forces that). The
+    load answered 200 "alias of adapter N", so N stays and serves C; A is gone."""
+    path = write_adapter(cp.tmp / "unload-race.gguf", seed=90)
+    load = lambda name: api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})  # noqa: E731
+    assert load("ur-a").status_code == 200
+    aid = cp.stub.GetAdapter(ref(name="ur-a")).id
+    store = cp.state.registry.store
+    real_delete = store.delete
+    answers: list[httpx.Response] = []
+
+    def alias_loaded_first(adapter_id, **kw):
+        answers.append(load("ur-c"))  # from the same thread: the unload holds no store lock here
+        return real_delete(adapter_id, **kw)
+
+    store.delete = alias_loaded_first
+    try:
+        r = api.post("/v1/unload_lora_adapter", json={"lora_name": "ur-a"})
+    finally:
+        del store.delete
+    assert [a.text for a in answers] == [f"Success: LoRA adapter 'ur-c' added successfully (alias of adapter {aid})."]
+    assert r.status_code == 200, r.text
+    assert r.text == f"Success: LoRA adapter 'ur-a' removed successfully (adapter {aid} stays as 'ur-c')."
+    now = cp.stub.GetAdapter(ref(name="ur-c"))
+    assert (now.id, now.name, list(now.aliases)) == (aid, "", ["ur-c"])
+    assert "ur-a" not in models(api) and models(api)["ur-c"] == aid
+    assert api.post("/v1/completions", json={"model": "ur-c", "prompt": "x", "max_tokens": 1}).status_code == 503
+    r = api.post("/v1/unload_lora_adapter", json={"lora_name": "ur-c"})  # an alias of an unnamed adapter
+    assert r.status_code == 200 and cp.stub.GetAdapter(ref(id=aid)).id == aid
+    cp.stub.UnregisterAdapter(ref(id=aid))
