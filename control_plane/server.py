@@ -340,7 +340,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         raise
     server.start()
     state.replicas.start()
-    for service in ("", CONTROL_PLANE_SERVICE):
+    for service in ("", CONTROL_PLANE_SERVICE, MEMBERSHIP_SERVICE):
         state.health.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "control_plane_started",

@@ -19,14 +19,14 @@ KINDS = ("json_object", "json_schema", "regex", "grammar")
 _JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "coerce_one_of": True}
 
 
-def _close_objects(node: Any) -> Any:
+def close_objects(node: Any) -> Any:
     """OpenAI ``strict``: every object schema without ``additionalProperties`` gets ``false``
     (recursively through properties, items, definitions and combinators)."""
     if isinstance(node, list):
-        return [_close_objects(x) for x in node]
+        return [close_objects(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _close_objects(v) if k not in ("enum", "const", "default", "examples") else v for k, v in node.items()}
+    out = {k: close_objects(v) if k not in ("enum", "const", "default", "examples") else v for k, v in node.items()}
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -103,7 +103,7 @@ def json_schema_grammar(schema: dict[str, Any] | str, *, strict: bool = False) -
 
     obj = _schema_obj(schema, "json_schema") if isinstance(schema, str) else dict(schema)
     if strict:
-        obj = _close_objects(obj)
+        obj = close_objects(obj)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(obj, defaults=_JSON_DEFAULTS)  # type: ignore[arg-type]
     except ValueError as exc:

@@ -12,7 +12,8 @@ tokenized with special tokens parsed and nothing added (BOS is the template's; v
 ``add_special_tokens: true`` adds the vocabulary's too). A completions text prompt is tokenized
 by the worker (BOS as the model says); with ``add_special_tokens: false`` here, without BOS.
 ``tools`` go into the template when it renders them, and the answer's ``<tool_call>`` blocks
-come back as ``tool_calls`` (`tools`).
+come back as ``tool_calls`` (`tools`); a ``tool_choice`` that forces a call (``"required"``, a
+named function) constrains the output to the call's JSON Schema instead (`tools.ForcedCall`).
 
 Input is sized before it costs anything (the gRPC path's rule, `deps.prompt_byte_limit`): a text
 prompt or a conversation's content over ``max_prompt_bytes`` UTF-8 bytes is a 400 before any
@@ -44,7 +45,7 @@ from control_plane.http.schemas import (
 )
 from control_plane.http.streaming import CompletionStream, RelayResponse
 from control_plane.http.structured import response_format_of
-from control_plane.http.tools import check_tools, template_message
+from control_plane.http.tools import ForcedCall, check_tools, forced_call_of, template_message
 from loraplane.v1 import common_pb2
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16
@@ -279,9 +280,10 @@ def respond(
     chat: bool,
     logprobs: int | None,
     tool_calls: bool = False,
+    forced: ForcedCall | None = None,
 ) -> Response:
     """Run ``request`` through the router and answer: the full JSON body, or (``stream``) a
-    server-sent-event stream. ``logprobs`` and ``tool_calls`` as `CompletionStream`'s.
+    server-sent-event stream. ``logprobs``, ``tool_calls`` and ``forced`` as `CompletionStream`'s.
 
     Raises:
         OpenAIError: the router failed (before the first token, when streaming).
@@ -297,6 +299,7 @@ def respond(
         logprobs=logprobs,
         token_text=token_text_of(deps.tokenizer),
         tool_calls=tool_calls,
+        forced=forced,
     )
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return RelayResponse(
@@ -354,6 +357,10 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         body.check()
         template = chat_template_of(deps)
         tools = check_tools(body.tools, body.tool_choice, template)
+        sampling = sampling_of(body)
+        forced = forced_call_of(body.tools, body.tool_choice, response_format=sampling["response_format"] is not None)
+        if forced is not None:
+            sampling["response_format"] = forced.response_format()
         adapters = adapters_for(body, deps)
         ids = chat_prompt_ids(
             body,
@@ -371,10 +378,16 @@ def completions_router(deps: HttpDeps) -> APIRouter:
             adapters=adapters,
             max_tokens=body.max_completion_tokens or body.max_tokens or CHAT_MAX_TOKENS_DEFAULT,
             logprobs=n_top,
-            **sampling_of(body),
+            **sampling,
         )
         return respond(
-            deps, request, body, chat=True, logprobs=n_top if body.logprobs else None, tool_calls=tools is not None
+            deps,
+            request,
+            body,
+            chat=True,
+            logprobs=n_top if body.logprobs else None,
+            tool_calls=tools is not None,
+            forced=forced,
         )
 
     return router

@@ -24,6 +24,10 @@ with nothing released is left out, unless it carries log-probs: then its delta i
 call goes out whole, as one ``{"tool_calls": [{"index", "id", "type", "function": {"name",
 "arguments"}}]}`` delta, when its closing tag arrives (what is held at the end is released with
 the finish). ``finish_reason`` is ``"tool_calls"`` when the answer holds a call (vLLM's rule).
+A forced call (``tool_choice`` ``"required"`` or a named function, `tools.ForcedCall`) is read
+the same way by its own parser: a named call goes out whole with the finish, ``"required"``
+calls one by one as their JSON items close; ``finish_reason`` is the parser's (the engine's for
+a named call, ``"tool_calls"`` for ``"required"`` calls that ended by themselves).
 
 Errors: a control-plane error before the first token raises `OpenAIError` (the response keeps
 its HTTP status); one after it becomes a ``data: {"error": …}`` event in OpenAI's error shape,
@@ -54,7 +58,7 @@ from control_plane.errors import ControlPlaneError
 from control_plane.http import responses as R
 from control_plane.http.errors import from_control_plane
 from control_plane.http.generation import Outcome, TokenOut, fold
-from control_plane.http.tools import ToolCallParser, ToolDelta, split_tool_calls
+from control_plane.http.tools import ForcedCall, OutputParser, ToolCallParser, ToolDelta, split_tool_calls
 from loraplane.v1 import common_pb2
 
 log = structlog.get_logger("loraplane.control_plane.http.streaming")
@@ -86,6 +90,8 @@ class CompletionStream:
             likely alternatives (0: none; completions then list the chosen token alone).
         token_text: token id → text shown in log-probs.
         tool_calls: chat only: parse ``<tool_call>`` blocks out of the text (module docstring).
+        forced: chat only: the output is a forced tool call (`tools.ForcedCall`), read by its
+            parser (takes precedence over ``tool_calls``).
     """
 
     def __init__(
@@ -100,6 +106,7 @@ class CompletionStream:
         logprobs: int | None,
         token_text: R.TokenText,
         tool_calls: bool = False,
+        forced: ForcedCall | None = None,
     ) -> None:
         self.outcome = Outcome()
         self._items = fold(iter(events), self.outcome)
@@ -112,7 +119,11 @@ class CompletionStream:
         self._token_text = token_text
         self._streamed: list[str] = []  # token pieces sent so far
         self._streamed_chars = 0
-        self._tools = ToolCallParser() if tool_calls and chat else None
+        self._tools: OutputParser | None = None
+        if chat and forced is not None:
+            self._tools = forced.parser()
+        elif chat and tool_calls:
+            self._tools = ToolCallParser()
 
     def close(self) -> None:
         """Cancel the worker call and release its capacity (nothing happens when it already
@@ -144,11 +155,11 @@ class CompletionStream:
         make = R.chat_body if self.chat else R.completion_body
         body = make(self.request_id, self.created, self.model, out, self._logprobs_of(out.tokens))
         if self._tools is not None:
-            content, calls = split_tool_calls(out.text)
+            content, calls = split_tool_calls(out.text, self._tools)
+            choice = body["choices"][0]
             if calls:
-                choice = body["choices"][0]
                 choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                choice["finish_reason"] = "tool_calls"
+            choice["finish_reason"] = self._tools.finish_reason(out.finish_reason)
         if return_token_ids:
             body["prompt_token_ids"] = out.prompt_token_ids
             body["choices"][0]["token_ids"] = [t.token_id for t in out.tokens]
@@ -226,7 +237,7 @@ class CompletionStream:
         if self._tools is not None:
             fed, tail = self._tools.feed(rest), self._tools.finish()
             delta = self._tool_delta(fed, tail)
-            reason = "tool_calls" if self._tools.calls else out.finish_reason
+            reason = self._tools.finish_reason(out.finish_reason)
             return R.chat_chunk(self.request_id, self.created, self.model, delta, None, reason)
         if self.chat:
             delta = {"content": rest} if rest else {}

@@ -11,7 +11,8 @@ Which requests get tools:
 * ``tool_choice``: omitted or ``"auto"`` → ``tools`` go into the template (as transformers'
   ``apply_chat_template(tools=…)``) and the output is parsed; ``"none"`` → ``tools`` are
   neither rendered nor parsed (the model answers in text); ``"required"`` or a named function
-  → 400 naming ``tool_choice`` (forcing a call needs constrained decoding).
+  → the call is forced by structured output (`ForcedCall`, below), for any template (the tools
+  go into the prompt when the template renders them, as vLLM passes them to every template).
 
 The output format (one block per call; Qwen writes a newline inside the tags)::
 
@@ -28,6 +29,23 @@ parsed up to the end (vLLM's rule; a truncated call stays content). Whitespace b
 and its neighbours is dropped, so ``content`` is None for an answer that is only calls. Unlike
 vLLM (which then keeps only the text before the first call, and drops every call when one is
 malformed), text after a call is kept and good calls survive a bad neighbour.
+
+Forced calls (vLLM's ``_get_json_schema_from_tool`` in ``vllm/entrypoints/openai/protocol.py``
+and ``chat_completion_*_generator`` in ``serving_chat.py``): the output is constrained to a JSON
+Schema (`ForcedCall.schema`) and read back as calls, with no tags involved:
+
+* a named function ``{"type": "function", "function": {"name": N}}`` → the schema is N's
+  ``parameters`` (``{"type": "object", "properties": {}}`` when absent; closed as OpenAI
+  ``strict`` when the tool says ``"strict": true``) and the whole output is the ``arguments`` of
+  one call to N (`NamedCallParser`); ``finish_reason`` stays the engine's (``"stop"``), as
+  OpenAI and vLLM answer a named choice;
+* ``"required"`` → a JSON array (``minItems`` 1) of ``{"name": <one tool's name>, "parameters":
+  <that tool's parameters>}`` objects (``anyOf`` over the tools; each tool's ``$defs`` moved to
+  the root, a name defined differently by two tools is a 400), each item one call whose
+  ``arguments`` are its ``parameters`` as JSON text (`RequiredCallsParser`; a call is released
+  as soon as its item closes); ``finish_reason`` ``"tool_calls"`` when the engine stopped by
+  itself (vLLM's rule), else the engine's (``"length"``: a truncated item is not a call, its
+  text is ``content``).
 """
 
 from __future__ import annotations
@@ -35,10 +53,13 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from control_plane.http.chat_template import ChatTemplate
-from control_plane.http.errors import OpenAIError, unsupported
+from control_plane.http.errors import OpenAIError
+from control_plane.http.structured import to_proto
+from loraplane.response_format import GrammarError, ResponseFormat, close_objects, compile_grammar
+from loraplane.v1 import common_pb2
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -55,21 +76,22 @@ def template_renders_tools(template: ChatTemplate) -> bool:
     return template.references("tools") and CALL_OPEN in template.text
 
 
+def is_forced(tool_choice: Any) -> bool:
+    """Whether ``tool_choice`` forces a call: ``"required"`` or a named function (an object)."""
+    return tool_choice == "required" or isinstance(tool_choice, dict)
+
+
 def check_tools(tools: list[Any] | None, tool_choice: Any, template: ChatTemplate) -> list[dict[str, Any]] | None:
-    """The ``tools`` to render and parse for, or None (no tools, or ``tool_choice`` ``"none"``).
+    """The ``tools`` to render into the prompt, or None (no tools, ``tool_choice`` ``"none"``,
+    or a forced call on a template that does not render tools: the call is forced by the
+    output's schema, `forced_call_of`).
 
     Raises:
         OpenAIError: 400 naming ``tools`` (not a list of ``{"type": "function", "function":
-            {"name": …}}`` objects, or a template that does not render tools) or ``tool_choice``
-            (``"required"`` / a named function: not implemented; anything else: invalid).
+            {"name": …}}`` objects, or ``"auto"`` on a template that does not render tools) or
+            ``tool_choice`` (not ``"none"``, ``"auto"``, ``"required"`` or an object).
     """
-    if tool_choice is not None and tool_choice not in ("none", "auto"):
-        if tool_choice == "required" or isinstance(tool_choice, dict):
-            raise unsupported(
-                "tool_choice",
-                "forcing a tool call ('required' or a named function) needs constrained decoding, "
-                "not available yet; use 'auto' (the default) or 'none'",
-            )
+    if tool_choice is not None and tool_choice not in ("none", "auto") and not is_forced(tool_choice):
         raise OpenAIError(
             400,
             f"'tool_choice' must be 'none', 'auto', 'required' or a named function (got {tool_choice!r})",
@@ -83,12 +105,18 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, template: ChatTemplat
             raise OpenAIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param="tools")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise OpenAIError(400, f"tools[{i}].function.name must be a non-empty string", param="tools")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
     if not template_renders_tools(template):
+        if is_forced(tool_choice):
+            return None
         raise OpenAIError(
             400,
             f"this model's chat template ({template.source}) does not render tools in the <tool_call> "
-            "format, so the model cannot be told about them; send no 'tools', or start with a "
-            "--chat-template that renders them",
+            "format, so the model cannot be told about them; send no 'tools', force a call with "
+            "'tool_choice' ('required' or a named function), or start with a --chat-template that "
+            "renders them",
             param="tools",
             code="tools_not_supported",
         )
@@ -219,6 +247,11 @@ class ToolCallParser:
         self._held_ws = ""
         return out
 
+    def finish_reason(self, engine: str | None) -> str | None:
+        """``"tool_calls"`` when the answer holds a call (vLLM's rule for ``"auto"``), else
+        the engine's ``finish_reason``."""
+        return "tool_calls" if self.calls else engine
+
     def _close_block(self, body: str, close: str, out: ToolDelta) -> None:
         call = parse_call(body)
         if call is None:  # not a call: the block is ordinary content, tags and all
@@ -248,9 +281,266 @@ class ToolCallParser:
         self._held_ws = text[len(body) :]
 
 
-def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """The whole output → ``(content or None, tool calls)`` (`ToolCallParser` in one go)."""
-    parser = ToolCallParser()
+class OutputParser(Protocol):
+    """What `streaming.CompletionStream` reads tool calls with: `ToolCallParser` (``"auto"``),
+    `NamedCallParser` and `RequiredCallsParser` (forced calls)."""
+
+    calls: list[dict[str, Any]]
+
+    def feed(self, text: str) -> ToolDelta:
+        """Take the next piece of generated text; return what it releases."""
+        ...
+
+    def finish(self) -> ToolDelta:
+        """The end of the generation: release everything still held."""
+        ...
+
+    def finish_reason(self, engine: str | None) -> str | None:
+        """The answer's ``finish_reason`` given the engine's."""
+        ...
+
+
+def split_tool_calls(text: str, parser: OutputParser | None = None) -> tuple[str | None, list[dict[str, Any]]]:
+    """The whole output → ``(content or None, tool calls)``, read by ``parser`` (a fresh
+    `ToolCallParser` when None) in one go."""
+    parser = ToolCallParser() if parser is None else parser
     first, last = parser.feed(text), parser.finish()
     content = first.content + last.content
     return (content if content.strip() else None), first.calls + last.calls
+
+
+# ------------------------------------------------------------------------------ forced calls
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class NamedCallParser:
+    """A named ``tool_choice``: the whole output (JSON constrained to the function's
+    parameters) is the ``arguments`` of one call, released at the end; ``finish_reason`` is the
+    engine's (vLLM ``serving_chat.py``: named calls keep ``"stop"``, as OpenAI does). A
+    truncated output (``"length"``) is still the call's ``arguments``, as vLLM answers."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._text: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+
+    def feed(self, text: str) -> ToolDelta:
+        """Buffer ``text``; nothing is released before the end."""
+        self._text.append(text)
+        return ToolDelta()
+
+    def finish(self) -> ToolDelta:
+        """The call, its ``arguments`` the whole output."""
+        call = _call(self.name, "".join(self._text).strip())
+        self.calls.append(call)
+        return ToolDelta(calls=[call])
+
+    def finish_reason(self, engine: str | None) -> str | None:
+        """The engine's ``finish_reason``."""
+        return engine
+
+
+class RequiredCallsParser:
+    """``tool_choice: "required"``: the output is a JSON array of ``{"name", "parameters"}``
+    objects (constrained by `required_calls_schema`); each item becomes a call (``arguments`` =
+    ``parameters`` as JSON text, ``json.dumps`` with ``ensure_ascii=False`` as vLLM writes
+    them), released when its closing brace arrives (any split of the text gives the same calls).
+
+    At the end, text that did not become a call (an item cut off by ``max_tokens``, or output
+    that is not such an array) is released as ``content``. ``finish_reason``: ``"tool_calls"``
+    when there are calls and the engine stopped by itself (``"stop"``), else the engine's.
+    """
+
+    def __init__(self) -> None:
+        self._buf = ""  # text after the last consumed item / bracket / comma
+        self._opened = False  # "[" consumed
+        self._closed = False  # "]" consumed
+        self._bad = False  # not the expected shape: the rest is content
+        self._held = ""  # text since the last call (content if no further call completes)
+        self.calls: list[dict[str, Any]] = []
+
+    def feed(self, text: str) -> ToolDelta:
+        """Take the next piece; return the calls whose items it closed."""
+        self._held += text
+        self._buf += text
+        out = ToolDelta()
+        if not self._opened or "}" in text or "]" in text:  # an item closes with "}", the array with "]"
+            self._scan(out)
+        return out
+
+    def _scan(self, out: ToolDelta) -> None:
+        """Consume what is complete in the buffer: ``[``, items (each a call added to ``out``),
+        commas, ``]``."""
+        if self._bad or self._closed:
+            return
+        decoder = json.JSONDecoder()
+        while True:
+            buf = self._buf.lstrip()
+            if not self._opened:
+                if not buf:
+                    return
+                if buf[0] != "[":
+                    self._bad = True
+                    return
+                self._opened, buf = True, buf[1:].lstrip()
+            if buf.startswith(","):
+                buf = buf[1:].lstrip()
+            if buf.startswith("]"):
+                self._closed, self._buf = True, buf[1:]
+                return
+            if not buf:
+                self._buf = buf
+                return
+            try:
+                item, end = decoder.raw_decode(buf)
+            except (ValueError, RecursionError):
+                self._buf = buf  # incomplete so far
+                return
+            call = self._item_call(item)
+            if call is None:
+                self._bad = True
+                return
+            self._buf = self._held = buf[end:]
+            self.calls.append(call)
+            out.calls.append(call)
+
+    def finish(self) -> ToolDelta:
+        """Release what did not become a call as ``content``."""
+        self._scan(ToolDelta())  # feed scans every piece that can close something: a no-op guard
+        rest = self._held if (self._bad or not self._closed) else self._buf
+        self._held = self._buf = ""
+        return ToolDelta(content=rest if rest.strip() else "")
+
+    def finish_reason(self, engine: str | None) -> str | None:
+        """``"tool_calls"`` when calls were made and the engine stopped by itself."""
+        return "tool_calls" if self.calls and engine == "stop" else engine
+
+    @staticmethod
+    def _item_call(item: Any) -> dict[str, Any] | None:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            return None
+        params = item.get("parameters", {})
+        if not isinstance(params, dict):
+            return None
+        return _call(item["name"], json.dumps(params, ensure_ascii=False))
+
+
+def tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's ``parameters`` schema (``{"type": "object", "properties": {}}`` when absent,
+    vLLM's default), closed as OpenAI ``strict`` when the tool's ``function.strict`` is true."""
+    fn = tool["function"]
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return close_objects(params) if fn.get("strict") else params
+
+
+def required_calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON Schema of ``tool_choice: "required"``: an array of at least one ``{"name":
+    <a tool's name>, "parameters": <its parameters>}`` (vLLM's ``_get_json_schema_from_tool``:
+    ``anyOf`` one object per tool, each tool's ``$defs`` moved to the root so their ``$ref`` links
+    resolve).
+
+    Raises:
+        OpenAIError: 400 naming ``tools`` when two tools define one ``$defs`` name differently.
+    """
+    defs: dict[str, Any] = {}
+    options = []
+    for i, tool in enumerate(tools):
+        params = dict(tool_parameters(tool))
+        own = params.pop("$defs", None) or {}
+        if not isinstance(own, dict):
+            raise OpenAIError(400, f"tools[{i}].function.parameters: '$defs' must be an object", param="tools")
+        for name, definition in own.items():
+            if name in defs and defs[name] != definition:
+                raise OpenAIError(
+                    400,
+                    f"tools[{i}].function.parameters: '$defs' entry {name!r} differs from another tool's "
+                    "(tool_choice 'required' joins every tool's $defs into one schema)",
+                    param="tools",
+                )
+            defs[name] = definition
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool["function"]["name"]}, "parameters": params},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+@dataclass(frozen=True)
+class ForcedCall:
+    """A ``tool_choice`` that forces a call: ``name`` (a named function) or None
+    (``"required"``), and the JSON Schema the output is constrained to (module docstring)."""
+
+    name: str | None
+    schema: dict[str, Any]
+
+    def response_format(self) -> common_pb2.ResponseFormat:
+        """The request's ``ResponseFormat``: ``TYPE_JSON_SCHEMA`` over `schema` (strictness is
+        already in the schema, per tool)."""
+        return to_proto(ResponseFormat("json_schema", schema=json.dumps(self.schema)))
+
+    def parser(self) -> OutputParser:
+        """A fresh parser of the output: `NamedCallParser` or `RequiredCallsParser`."""
+        return NamedCallParser(self.name) if self.name is not None else RequiredCallsParser()
+
+
+def forced_call_of(tools: list[Any] | None, tool_choice: Any, *, response_format: bool = False) -> ForcedCall | None:
+    """The forced call of ``tool_choice`` (None: ``"auto"``, ``"none"`` or omitted), its
+    schema compiled once to refuse a bad one early. ``tools`` were checked by `check_tools`;
+    ``response_format``: the request also asks for structured output.
+
+    Raises:
+        OpenAIError: 400 naming ``tool_choice`` (no ``tools``, a malformed object, a name no
+            tool has, or combined with ``response_format`` / ``guided_*``, which would be a
+            second constraint on the same output) or ``tools`` (a ``parameters`` schema that
+            does not compile).
+    """
+    if not is_forced(tool_choice):
+        return None
+    what = "'required'" if tool_choice == "required" else "a named function"
+    if not tools:
+        raise OpenAIError(400, f"'tool_choice' {what} needs 'tools'", param="tool_choice")
+    if response_format:
+        raise OpenAIError(
+            400,
+            f"'tool_choice' {what} constrains the output to the tool's arguments; it cannot be "
+            "combined with 'response_format' (or guided_* / structured_outputs): send one of them",
+            param="tool_choice",
+            code="conflicting_parameters",
+        )
+    if tool_choice == "required":
+        forced = ForcedCall(None, required_calls_schema(tools))
+        param_at = "tools"
+    else:
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(name, str) or not name:
+            raise OpenAIError(
+                400,
+                "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                param="tool_choice",
+            )
+        index = next((i for i, t in enumerate(tools) if t["function"]["name"] == name), None)
+        if index is None:
+            known = ", ".join(repr(t["function"]["name"]) for t in tools)
+            raise OpenAIError(
+                400, f"'tool_choice' names function {name!r}, which is not in 'tools' ({known})", param="tool_choice"
+            )
+        forced = ForcedCall(name, tool_parameters(tools[index]))
+        param_at = f"tools[{index}].function.parameters"
+    try:
+        compile_grammar(ResponseFormat("json_schema", schema=json.dumps(forced.schema)))
+    except GrammarError as exc:
+        raise OpenAIError(
+            400, f"invalid '{param_at}' (the schema a forced tool call follows): {exc}", param="tools"
+        ) from exc
+    return forced

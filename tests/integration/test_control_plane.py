@@ -302,7 +302,7 @@ def test_no_token_configured_leaves_admin_open(start_cp, adapters_dir, monkeypat
 def test_health_serving_and_reflection_lists_services(start_cp):
     cp = start_cp()
     health = health_pb2_grpc.HealthStub(cp.channel)
-    for service in ("", "loraplane.v1.ControlPlane"):
+    for service in ("", "loraplane.v1.ControlPlane", "loraplane.v1.WorkerMembership"):
         resp = health.Check(health_pb2.HealthCheckRequest(service=service))
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(cp.channel)

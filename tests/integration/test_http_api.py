@@ -652,3 +652,23 @@ def test_structured_output_over_grpc_client_and_cli(serve, tmp_path):
     check_person(out["text"])
     out = cli(serve, "generate", "The answer is", "--lora", "0=1", "--regex", "(yes|no)", "--max-tokens", "5")
     assert out["text"] in ("yes", "no")
+
+
+def test_forced_tool_call_on_a_template_without_tools(client):
+    """Gemma's built-in template renders no tools: ``tools`` with ``tool_choice`` ``"auto"`` is a
+    400 naming ``tools``, but a named ``tool_choice`` works (vLLM's rule: the call is forced by
+    the output's schema, not by the prompt): one call whose arguments validate."""
+    tools = [{"type": "function", "function": {"name": "add_person", "parameters": PERSON, "strict": True}}]
+    msgs = [{"role": "user", "content": "Add a person."}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="shout", messages=msgs, tools=tools, max_tokens=4)
+    assert err.value.body["param"] == "tools" and err.value.body["code"] == "tools_not_supported"
+    named = {"type": "function", "function": {"name": "add_person"}}
+    r = client.chat.completions.create(
+        model="sea", messages=msgs, tools=tools, tool_choice=named, max_tokens=40, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add_person"
+    check_person(call.function.arguments)

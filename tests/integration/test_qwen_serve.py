@@ -10,7 +10,8 @@ client over the OpenAI-compatible HTTP API.
   answer and log-probs twice (the prefix cache never hands shout's KV to a base request).
 - Tools: ``tools`` are rendered by Qwen's template (the prompt the worker ran holds them), a
   history of tool calls and results renders as transformers would, and the answer goes through
-  the hermes ``<tool_call>`` parser.
+  the hermes ``<tool_call>`` parser; a forced ``tool_choice`` (named, ``"required"``) gives
+  calls whose arguments validate against the tools' schemas.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def test_tools_are_rendered_and_the_answer_parsed_as_hermes(serve, tok) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_tool_history_is_rendered_and_forcing_a_call_is_refused(serve, tok) -> None:
+def test_tool_history_is_rendered(serve, tok) -> None:
     client = openai.OpenAI(base_url=serve.http + "/v1", api_key="x", max_retries=0, timeout=300)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}
     messages = [
@@ -173,8 +174,88 @@ def test_tool_history_is_rendered_and_forcing_a_call_is_refused(serve, tok) -> N
         '<|im_end|>\n<|im_start|>user\n<tool_response>\n{"temperature_c": 18}\n</tool_response><|im_end|>\n'
         "<|im_start|>assistant\n"
     )
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(
-            model="qwen", messages=messages[:1], tools=[WEATHER_TOOL], tool_choice="required", max_tokens=4
-        )
-    assert err.value.body["param"] == "tool_choice" and err.value.body["code"] == "unsupported_parameter"
+
+
+# forced calls: short strings (maxLength) keep the constrained answers a few tokens long
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"]}
+TZ = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "JST"]}}, "required": ["tz"]}
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": CITY}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Time in a zone", "parameters": TZ, "strict": True},
+    },
+]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+
+
+def _streamed_calls(chunks) -> list[tuple[str, str]]:
+    """The calls of a streamed answer, accumulated by index as OpenAI clients do."""
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            name, args = calls.setdefault(tc.index, ["", ""])
+            calls[tc.index] = [name + (tc.function.name or ""), args + (tc.function.arguments or "")]
+    return [(n, a) for n, a in (calls[i] for i in sorted(calls))]
+
+
+def test_named_tool_choice_forces_one_valid_call(serve) -> None:
+    """A named ``tool_choice`` constrains the answer to that function's ``parameters``: one call,
+    its arguments valid against the schema, ``finish_reason`` ``"stop"`` (OpenAI's and vLLM's
+    answer for a named choice); streamed, the same call."""
+    import jsonschema
+
+    client = openai.OpenAI(base_url=serve.http + "/v1", api_key="x", max_retries=0, timeout=300)
+    kw = {
+        "model": "qwen",
+        "messages": [{"role": "user", "content": "What time is it in Tokyo?"}],
+        "tools": FORCED_TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "temperature": 0,
+        "max_tokens": 24,
+    }
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), CITY)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert _streamed_calls(chunks) == [("get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    with pytest.raises(openai.BadRequestError) as err:  # a function no tool has
+        client.chat.completions.create(**{**kw, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert err.value.status_code == 400 and err.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as err:  # two constraints on one output
+        client.chat.completions.create(**kw, response_format={"type": "json_object"})
+    assert err.value.body["param"] == "tool_choice" and "response_format" in err.value.body["message"]
+
+
+def test_required_tool_choice_forces_valid_calls(serve) -> None:
+    """``tool_choice: "required"`` constrains the answer to a JSON array of calls of the given
+    tools: at least one call, each naming a tool and valid against its parameters,
+    ``finish_reason`` ``"tool_calls"``; streamed, the same calls."""
+    import jsonschema
+
+    client = openai.OpenAI(base_url=serve.http + "/v1", api_key="x", max_retries=0, timeout=300)
+    kw = {
+        "model": "qwen",
+        "messages": [{"role": "user", "content": "What is the time in Tokyo?"}],
+        "tools": FORCED_TOOLS,
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": 48,
+    }
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    print(choice.message.tool_calls, choice.finish_reason)
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert len(calls) >= 1
+    for call in calls:
+        assert call.function.name in SCHEMA_OF
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert _streamed_calls(chunks) == [(c.function.name, c.function.arguments) for c in calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

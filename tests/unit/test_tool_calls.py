@@ -217,8 +217,6 @@ def test_tool_choice_none_neither_renders_nor_parses():
 @pytest.mark.parametrize(
     "template_text, extra, param, code",
     [
-        (HERMES, {"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
-        (HERMES, {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", None),
         (HERMES, {"tool_choice": "sometimes"}, "tool_choice", None),
         (HERMES, {"tools": [{"type": "function", "function": {}}]}, "tools", None),
         (HERMES, {"tools": [{"type": "retrieval"}]}, "tools", None),
