@@ -83,6 +83,7 @@ class FakeRecord:
 class FakeRegistration:
     record: FakeRecord
     aliased: bool = False
+    named: bool = False  # this call attached the requested name (registry.Registration)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class FakeRegistry:
             raise NotFoundError(f"no adapter at {path}")
         rec = FakeRecord(id=max((r.id for r in self.records), default=-1) + 1, name=name)
         self.records.append(rec)
-        return FakeRegistration(rec)
+        return FakeRegistration(rec, named=bool(name))
 
     def unregister(self, adapter_id: int) -> FakeRecord:
         found = [r for r in self.records if r.id == adapter_id]
