@@ -47,6 +47,7 @@ import grpc
 from bench.machine import load_avg, machine_info, machine_line
 from bench.servers import free_port
 from bench.stats import Figure
+from loraplane.process import cli_module
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,7 @@ class Serve:
         self.http = f"http://{http}"
         self.cp_metrics = f"http://{cp_metrics}/metrics"
         self.worker_metrics = f"http://{w_metrics}/metrics"
-        args = [sys.executable, "-m", "clients.cli", "serve", "--addr", self.grpc_addr]
+        args = [sys.executable, "-m", cli_module(repo), "serve", "--addr", self.grpc_addr]
         args += ["--data-dir", str(workdir / "data"), "--device", "cpu", "--log-level", "warning"]
         args += ["--slots", str(SLOTS), "--queue-limit", str(QUEUE), "--http-addr", http]
         args += ["--metrics-addr", cp_metrics, "--worker-metrics-addr", w_metrics]

@@ -34,6 +34,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loraplane.process import cli_module
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +161,7 @@ def start_control_plane(repo: Path, data_dir: Path, secret: str | None, log_path
     env.pop("LORAPLANE_WORKER_SECRET", None)
     if secret:
         env["LORAPLANE_WORKER_SECRET"] = secret
-    cmd = [sys.executable, "-m", "clients.cli", "control-plane", "--addr", addr, "--data-dir", str(data_dir)]
+    cmd = [sys.executable, "-m", cli_module(repo), "control-plane", "--addr", addr, "--data-dir", str(data_dir)]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     with grpc.insecure_channel(addr) as ch:

@@ -26,11 +26,11 @@ import grpc
 from clients.client import LoraplaneClient
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
-from loraplane.process import stop_process
+from loraplane.process import IMPORT_ROOT, child_pythonpath, stop_process
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import new_worker_secret, with_secret
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = IMPORT_ROOT  # the children's working directory: a checkout's root or site-packages
 START_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
 
@@ -72,7 +72,7 @@ WORKER_SECRET = new_worker_secret()
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = child_pythonpath(env)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("LORAPLANE_ADMIN_TOKEN", None)
     env[ENV_WORKER_SECRET] = WORKER_SECRET

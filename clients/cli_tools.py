@@ -97,6 +97,11 @@ def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_pa
     click.echo(f"wrote {written or out_path}")
 
 
+BENCH_MODULE = "bench.__main__"
+"""The module ``loraplane bench`` runs (imported on use: product code never imports the bench at
+module level)."""
+
+
 @click.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--quick", is_flag=True, help="A short run (minutes, not tens of minutes).")
 @click.option("--json", "json_out", default=None, metavar="OUT", help="Also write the results as JSON to OUT.")
@@ -104,13 +109,13 @@ def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_pa
 def bench_cmd(ctx: click.Context, quick: bool, json_out: str | None) -> None:
     """Run the benchmarks (further options are passed to bench as they are)."""
     try:
-        bench_main = importlib.import_module("bench.__main__").main
+        bench_main = importlib.import_module(BENCH_MODULE).main
     except ModuleNotFoundError as err:
-        if err.name in ("bench", "bench.__main__"):
+        if err.name and (BENCH_MODULE + ".").startswith(err.name + "."):
             raise click.ClickException("bench not installed") from None
         raise click.ClickException(f"bench is not available: {err}") from None
     except AttributeError:
-        raise click.ClickException("bench not installed (bench.__main__ has no main)") from None
+        raise click.ClickException(f"bench not installed ({BENCH_MODULE} has no main)") from None
     argv = (["--quick"] if quick else []) + (["--json", json_out] if json_out else [])
     code = bench_main(argv + list(ctx.args))
     ctx.exit(int(code or 0))

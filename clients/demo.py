@@ -1,8 +1,9 @@
 """``loraplane demo``: serve with the two demo adapters and show what they do.
 
 Starts what ``serve`` starts (control plane here, one worker subprocess) on a fresh temporary
-data dir (or ``--data-dir``), with ``demo/adapters/shout.gguf`` and ``sea.gguf`` registered
-as with ``--lora-init-without-apply`` (loaded, default set empty). Once the worker is up it
+data dir (or ``--data-dir``), with ``demo/adapters/shout.gguf`` and ``sea.gguf`` (package data,
+:data:`DEMO_DIR`) registered as with ``--lora-init-without-apply`` (loaded, default set empty).
+Once the worker is up it
 sends one prompt three times at once — no adapters, shout@1, sea@1 — so the three requests
 can share a batch (mixed batching), prints the greedy continuations side by side with their
 telemetry, and keeps serving until interrupted (``--once``: exits after printing).
@@ -19,11 +20,14 @@ from pathlib import Path
 
 import click
 
+import loraplane
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import GenerateResult, WorkerInfo
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "demo" / "adapters"
+DEMO_DIR = (Path(loraplane.__file__).resolve().parent / "demo" / "adapters").resolve()
+"""Package data of the wheel (``loraplane/demo/adapters/``); in a checkout ``loraplane/demo`` is a
+symlink to the repository's ``demo/``, so both read the same two files."""
 DEMO_ADAPTERS = (("shout", DEMO_DIR / "shout.gguf"), ("sea", DEMO_DIR / "sea.gguf"))
 DEFAULT_PROMPT = "Tell me about the weather today."
 

@@ -55,9 +55,8 @@ from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import WorkerInfo
 from loraplane.env import ENV_NO_PROGRESS, ENV_PARENT_FD, ENV_WORKER_RESTARTS, ENV_WORKER_SECRET
-from loraplane.process import stop_process
+from loraplane.process import child_pythonpath, stop_process
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORKER_STOP_GRACE_S = 60.0
 """Default wait for the worker to drain and exit before SIGKILL (its drain timeout + a margin)."""
 POLL_INTERVAL_S = 0.25
@@ -174,7 +173,7 @@ def _worker_env(secret: str | None, parent_fd: int, restarts: int) -> dict[str, 
         env[ENV_WORKER_SECRET] = secret
     env[ENV_PARENT_FD] = str(parent_fd)
     env[ENV_WORKER_RESTARTS] = str(restarts)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = child_pythonpath(env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[ENV_NO_PROGRESS] = "1"  # serve draws the one "loading" spinner; two would garble the line
     return env

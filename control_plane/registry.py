@@ -5,8 +5,9 @@ Workers never register anything themselves; they receive adapters the registry a
 (`control_plane.workers` pushes them).
 
 Registration validates the whole file against the base model's tensor index
-(`worker.lora.adapter_file.validate_lora_adapter`, numpy only) before anything is stored. Uploaded bytes land in a
-temporary file under ``<data-dir>/adapters/`` (local to this process) and are handed to the
+(`worker.lora.adapter_file.validate_lora_adapter`, numpy only) before anything is stored.
+Uploaded bytes land in a temporary file under ``<data-dir>/adapters/`` (local to this process)
+and are handed to the
 store only once valid; the store keeps the row and the bytes together or not at all
 (`control_plane.store.base.AdapterStore.insert`: a file under the data dir for SQLite, the
 database itself for PostgreSQL, where server paths and start-up files are copied in too).

@@ -2,8 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+from pathlib import Path
+
+IMPORT_ROOT = Path(__file__).resolve().parent.parent
+"""The directory that holds the ``loraplane`` package: a checkout's root, or ``site-packages``
+of an installed wheel. Children started with ``python -m loraplane...`` get it on ``PYTHONPATH``
+(so a checkout runs without an install) and may run with it as their working directory; never
+a folder inside the package, whose ``logging.py`` would shadow the standard library's."""
+
+
+def cli_module(checkout: Path) -> str:
+    """The CLI's module in ``checkout`` for ``python -m``: ``loraplane.clients.cli``, or, in a
+    checkout from before the one import name (the bench's before/after runs), the folder's own."""
+    if (checkout / "loraplane" / "clients").is_dir():
+        return "loraplane.clients.cli"
+    return ".".join(("clients", "cli"))  # spelled so that no rename of module paths touches it
+
+
+def child_pythonpath(env: dict[str, str]) -> str:
+    """``PYTHONPATH`` for a child Python process: :data:`IMPORT_ROOT`, then ``env``'s own entries."""
+    return os.pathsep.join(p for p in (str(IMPORT_ROOT), env.get("PYTHONPATH", "")) if p)
 
 
 def stop_process(proc: subprocess.Popen | None, grace_s: float = 20.0) -> int | None:

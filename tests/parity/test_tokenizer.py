@@ -1,4 +1,5 @@
-"""worker.runtime.tokenizer against llama.cpp's own token ids (fixtures/golden.json, tiny_moe/golden_moe.json)."""
+"""worker.runtime.tokenizer against llama.cpp's own token ids (fixtures/golden.json,
+tiny_moe/golden_moe.json)."""
 
 from __future__ import annotations
 

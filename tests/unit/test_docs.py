@@ -76,7 +76,8 @@ def path_tokens(text: str) -> list[str]:
 
 def module_tokens(text: str) -> list[str]:
     """Dotted names in inline code that start with one of our Python packages
-    (``worker.lora.pool``, ``clients.LoraplaneClient``); file names (``loraplane.sqlite3``) are not."""
+    (``worker.lora.pool``, ``clients.LoraplaneClient``); file names (``loraplane.sqlite3``) are
+    not."""
     packages, out = _python_packages(), []
     for span in CODE_SPAN.findall(text):
         for raw in span.split():

@@ -1,0 +1,184 @@
+"""The installed product, not the checkout: build the sdist and from it the wheel (no network,
+no build isolation), install the wheel with ``--no-deps`` into a fresh target folder, and run
+``loraplane demo`` and ``loraplane bench`` from there, in a working directory outside the
+repository, so nothing of the checkout can stand in for a file the wheel lacks.
+
+The wheel holds one top-level package, ``loraplane`` (``control_plane/``, ``worker/``,
+``clients/`` and ``bench/`` are mapped under it by symlinks; docs/architecture.md "One import
+name"), plus the package data the product reads at run time: the demo adapters and the C
+sources of the kernels and of the bench's peak-rate probe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.serve_helpers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "The weather today is"
+# what the wheel's source tree needs: no tests, no node client, nothing git ignores
+SKIP = ("tests/", "clients/node/", ".git")
+
+
+def _source_copy(dest: Path) -> Path:
+    """The files git would commit (symlinks kept as symlinks), tests and the node client left out."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for rel in out.splitlines():
+        src = ROOT / rel
+        if rel.startswith(SKIP) or not (src.is_symlink() or src.is_file()):
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            target.symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, target)
+    return dest
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 600):
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict:
+    """``{"wheel", "sdist", "target", "env", "cwd"}``: the built files and the install."""
+    base = tmp_path_factory.mktemp("wheel")
+    src = _source_copy(base / "src")
+    dist = base / "dist"
+    _run(
+        [sys.executable, "-c", f"from setuptools import build_meta as b; b.build_sdist({str(dist)!r})"],
+        cwd=src,
+    )
+    (sdist,) = dist.glob("loraplane-*.tar.gz")
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(dist)]
+        + [str(sdist)],
+        cwd=base,
+    )
+    (wheel,) = dist.glob("loraplane-*.whl")
+    target = base / "site"
+    _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)], base)
+    cwd = base / "elsewhere"
+    cwd.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
+    # The kernels' build key hashes their packaged sources (a missing one fails the worker); the
+    # libraries the checkout already compiled from the same sources are reused, not rebuilt.
+    env["LORAPLANE_KERNEL_BUILD_DIR"] = str(target / "loraplane" / "worker" / "runtime" / "kernels" / "_build")
+    built = ROOT / "worker" / "runtime" / "kernels" / "_build"
+    if built.is_dir() and not os.environ.get("LORAPLANE_KERNEL_BUILD_DIR"):
+        env["LORAPLANE_KERNEL_BUILD_DIR"] = str(built)
+    return {"wheel": wheel, "sdist": sdist, "target": target, "env": env, "cwd": cwd}
+
+
+def test_wheel_and_sdist_hold_only_the_loraplane_package(installed):
+    names = zipfile.ZipFile(installed["wheel"]).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"loraplane", "loraplane-0.1.0.dist-info"}, sorted(top)
+    for want in (
+        "loraplane/control_plane/server.py",
+        "loraplane/worker/rpc/server.py",
+        "loraplane/clients/cli.py",
+        "loraplane/bench/__main__.py",
+        "loraplane/v1/control_plane_pb2.py",
+        "loraplane/demo/adapters/shout.gguf",
+        "loraplane/demo/adapters/sea.gguf",
+        "loraplane/worker/runtime/kernels/csrc/qmm.cpp",
+        "loraplane/worker/runtime/kernels/csrc/qmm_common.h",
+        "loraplane/bench/csrc/peak_int8.cpp",
+    ):
+        assert want in names, want
+    assert not [n for n in names if n.startswith("loraplane/tests/") or "/_build/" in n]
+    entry_points = zipfile.ZipFile(installed["wheel"]).read("loraplane-0.1.0.dist-info/entry_points.txt").decode()
+    assert "loraplane = loraplane.clients.cli:main" in entry_points
+    # the sdist holds real files under loraplane/ (symlinks followed), not the links
+    with tarfile.open(installed["sdist"]) as tar:
+        members = {m.name.split("/", 1)[1]: m for m in tar.getmembers() if "/" in m.name}
+    assert members["loraplane/clients/demo.py"].isfile()
+    assert members["loraplane/demo/adapters/shout.gguf"].isfile()
+
+
+def test_installed_package_is_the_one_imported(installed):
+    """The wheel's files are what runs (not the checkout's, nor an editable install's)."""
+    proc = _run(
+        [
+            sys.executable,
+            "-c",
+            "import loraplane, loraplane.clients.demo as d; "
+            "print(loraplane.__file__); print(d.DEMO_DIR); print(all(p.is_file() for _, p in d.DEMO_ADAPTERS))",
+        ],
+        cwd=installed["cwd"],
+        env=installed["env"],
+    )
+    init, demo_dir, found = proc.stdout.split()
+    target = installed["target"].resolve()
+    assert Path(init).resolve().is_relative_to(target)
+    assert Path(demo_dir).is_relative_to(target) and found == "True"
+
+
+def test_demo_from_the_installed_wheel(installed, tmp_path):
+    """README command 1 from the installed wheel (its console script, a working directory outside
+    the checkout): ``loraplane demo`` finds its packaged adapters, its worker child imports the
+    installed package too, and the three continuations differ as the adapters say (shout: upper
+    case; sea: 🌊 after sentences; base: neither)."""
+    script = installed["target"] / "bin" / "loraplane"
+    proc = subprocess.run(
+        [sys.executable, str(script), "demo", "--once", "--json", "--max-tokens", "24", "--device", "cpu"]
+        + ["--addr", f"127.0.0.1:{free_port()}", "--data-dir", str(tmp_path / "demo-data"), "--prompt", PROMPT],
+        cwd=installed["cwd"],
+        env=installed["env"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    texts = {r["name"].split(" ")[0]: r["text"] for r in out["results"]}
+    assert set(texts) == {"base", "shout", "sea"}
+    assert all(len(r["token_ids"]) == 24 for r in out["results"]), out
+    letters = lambda t: [c for c in t if c.isalpha()]  # noqa: E731
+    shout, base, sea = letters(texts["shout"]), letters(texts["base"]), texts["sea"]
+    assert sum(c.isupper() for c in shout) >= 0.9 * len(shout) > 10, texts["shout"]
+    assert sum(c.islower() for c in base) >= 0.7 * len(base) > 10, texts["base"]
+    assert "\N{WATER WAVE}" in sea and "\N{WATER WAVE}" not in texts["base"], texts
+    assert len({texts["base"], texts["shout"], sea}) == 3
+    assert (tmp_path / "demo-data").is_dir()  # a given data dir is kept
+
+
+def test_bench_from_the_installed_wheel(installed):
+    """``loraplane bench`` reaches the installed bench (its own argument parser answers); a real
+    run is the bench's own tests' job (minutes)."""
+    script = installed["target"] / "bin" / "loraplane"
+    proc = _run([sys.executable, str(script), "bench", "--", "--help"], cwd=installed["cwd"], env=installed["env"])
+    assert proc.stdout.startswith("usage: loraplane bench") and "--smoke" in proc.stdout, proc.stdout
+    proc = subprocess.run(
+        [sys.executable, str(script), "bench", "--only", "nosuch"],
+        cwd=installed["cwd"],
+        env=installed["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "unknown scenario 'nosuch'" in proc.stderr, proc.stderr
+    assert "not installed" not in proc.stderr
