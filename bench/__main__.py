@@ -1,4 +1,4 @@
-"""``python -m bench [--quick | --smoke] [--json OUT]`` (also ``loraplane bench``).
+"""``python -m loraplane.bench [--quick | --smoke] [--json OUT]`` (also ``loraplane bench``).
 
 Runs, in one process and one go:
 
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the real imports are lazy: torch must load after OMP_WAIT_POLICY is set
-    from bench.profiles import Profile
-    from worker.runtime.model import LoadedModel
+    from loraplane.bench.profiles import Profile
+    from loraplane.worker.runtime.model import LoadedModel
 
 SCENARIOS = {
     "1": "engine",
@@ -136,7 +136,7 @@ def _have_rich() -> bool:
 
 
 def _load_avg() -> str:
-    from bench.machine import load_avg
+    from loraplane.bench.machine import load_avg
 
     return load_avg()
 
@@ -186,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     import torch
 
-    import worker  # noqa: F401 - sets the worker's default OMP_WAIT_POLICY (PASSIVE) before torch loads
-    from bench.machine import machine_info
-    from bench.profiles import PROFILES, with_overrides
-    from bench.report import print_section, render_markdown, sections_for
+    import loraplane.worker  # noqa: F401 - sets the worker's default OMP_WAIT_POLICY (PASSIVE) before torch loads
+    from loraplane.bench.machine import machine_info
+    from loraplane.bench.profiles import PROFILES, with_overrides
+    from loraplane.bench.report import print_section, render_markdown, sections_for
 
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     profile = with_overrides(
@@ -296,25 +296,25 @@ def _clean(o):
 
 
 def _run(args, profile, selected, run_dir: Path, llama_server, result, record, log) -> None:
-    from bench.synth import AdapterFactory
-    from worker.runtime.model import default_model_path
+    from loraplane.bench.synth import AdapterFactory
+    from loraplane.worker.runtime.model import default_model_path
 
     model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
     in_process = "engine" in selected or "roofline" in selected or "bounds" in selected
     base: LoadedModel | None = None
     if in_process:
-        from worker.runtime.model import load_model
+        from loraplane.worker.runtime.model import load_model
 
         log(f"loading {model_path} in-process ({args.dtype}, {args.device}, weights {args.weights})")
         base = load_model(model_path, dtype=args.dtype, device=args.device, weights=args.weights)
         arch, tensors, n_vocab = base.arch, base.tensor_ne, base.n_vocab
         bos = base.tokenizer.bos_id if base.tokenizer.add_bos else None
     else:
-        from worker.gguf.reader import read_gguf
+        from loraplane.worker.gguf.reader import read_gguf
 
         gf = read_gguf(model_path)
         arch, tensors = gf.arch, {n: tuple(r.ne) for n, r in gf.tensors.items()}
-        from worker.runtime.tokenizer import Tokenizer
+        from loraplane.worker.runtime.tokenizer import Tokenizer
 
         tok = Tokenizer.from_gguf(gf)
         bos, n_vocab = (tok.bos_id if tok.add_bos else None), tok.n_vocab
@@ -332,8 +332,8 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
 
     serving_like = ("serving", "prefix", "lifecycle", "paging", "longprompt", "longctx")
     if any(s in selected for s in serving_like):
-        from bench.engine import token_hi
-        from bench.serving import ServingContext, run_multitenant, run_prefix
+        from loraplane.bench.engine import token_hi
+        from loraplane.bench.serving import ServingContext, run_multitenant, run_prefix
 
         sc = ServingContext(
             profile=profile,
@@ -372,11 +372,11 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
         if "prefix" in selected:
             record("prefix", lambda: run_prefix(sc))
         if "paging" in selected:
-            from bench.paging import run_paging
+            from loraplane.bench.paging import run_paging
 
             record("paging", lambda: run_paging(sc, arch, tensors, log))
         if "longprompt" in selected or "longctx" in selected:
-            from bench.longcontext import run_long
+            from loraplane.bench.longcontext import run_long
 
             try:
                 long_out: dict = run_long(sc, selected)
@@ -389,7 +389,7 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
                 if key in selected:
                     record(key, lambda key=key: _unwrap(long_out.get(key)))
     if "roofline" in selected:
-        from bench.roofline import add_serving
+        from loraplane.bench.roofline import add_serving
 
         def roofline() -> dict:
             if "error" in roofline_part:
@@ -398,7 +398,7 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
 
         record("roofline", roofline)
     if "bounds" in selected:
-        from bench.bounds import add_served_step
+        from loraplane.bench.bounds import add_served_step
 
         def bounds() -> dict:
             if "error" in bounds_part:
@@ -421,7 +421,7 @@ def _deferred(fn: Callable[[], dict]) -> dict:
 
 
 def _bounds_in_process(base, profile, engine_adapter, args, log) -> dict:
-    from bench.bounds import run_bounds
+    from loraplane.bench.bounds import run_bounds
 
     return run_bounds(base, engine_adapter, profile, seed=args.seed, log=log)
 
@@ -439,8 +439,8 @@ def _in_process_scenarios(
     """Scenario 1 (recorded) and scenario 5's in-process half on the loaded model; returns
     ``{"value": ...}`` or ``{"error": exc}`` for the roofline (``{}`` when it is not selected)."""
     if "engine" in selected:
-        from bench.engine import run_engine
-        from bench.profiles import with_overrides
+        from loraplane.bench.engine import run_engine
+        from loraplane.bench.profiles import with_overrides
 
         # B = streams too: the in-process step table 2c puts beside the worker's step interval
         batches = tuple(sorted({*profile.decode_batches, profile.streams}))
@@ -462,15 +462,15 @@ def _in_process_scenarios(
 
 def _roofline_in_process(base, profile, engine_adapter, result, args, log) -> dict:
     """Scenario 5's in-process measurements: copy bandwidth, bytes, the B=1 decode step."""
-    from bench.engine import measure_bandwidth
-    from bench.roofline import run_roofline
+    from loraplane.bench.engine import measure_bandwidth
+    from loraplane.bench.roofline import run_roofline
 
     bw = measure_bandwidth(profile.bw_mib, max(9, profile.reps), base.device)
     log(f"roofline: copy bandwidth {bw['gb_s']['median']:.1f} GB/s")
     engine = result["scenarios"].get("engine")
     if not engine or "error" in engine:
-        from bench.engine import run_engine
-        from bench.profiles import with_overrides
+        from loraplane.bench.engine import run_engine
+        from loraplane.bench.profiles import with_overrides
 
         engine = run_engine(base, engine_adapter, with_overrides(profile, decode_batches=(1,)), seed=args.seed, log=log)
     return run_roofline(base, bw, engine, engine["adapter_bytes"])
@@ -487,7 +487,7 @@ def _unwrap(lc):
 def _lifecycle_hook(factory, profile, bos, log):
     """Run scenario 4 on scenario 2's mixed worker before it stops; an error is kept, not raised,
     so that scenario 2's results survive it."""
-    from bench.lifecycle import run_lifecycle
+    from loraplane.bench.lifecycle import run_lifecycle
 
     def hook(srv):
         try:
@@ -503,8 +503,8 @@ def _lifecycle_hook(factory, profile, bos, log):
 
 
 def _lifecycle_alone(sc, factory, profile, bos, log) -> dict:
-    from bench.lifecycle import run_lifecycle
-    from bench.servers import LoraplaneServers, start_all
+    from loraplane.bench.lifecycle import run_lifecycle
+    from loraplane.bench.servers import LoraplaneServers, start_all
 
     srv = LoraplaneServers(
         sc.run_dir,

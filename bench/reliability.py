@@ -22,7 +22,7 @@ new request served < 1 s after the drop; vanished client's request cancelled < 1
 < 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB. The worker door
 (outsiders, stalled FetchAdapter readers) is measured by ``bench/reliability_fetch.py``.
 
-Run: ``python -m bench.reliability [--reps 3] [--model PATH] [--json FILE]``; before vs after in
+Run: ``python -m loraplane.bench.reliability [--reps 3] [--model PATH] [--json FILE]``; before vs after in
 one run: ``--repo OLD_CHECKOUT --repo .`` (each serve-based scenario runs against each).
 """
 
@@ -44,9 +44,9 @@ from pathlib import Path
 
 import grpc
 
-from bench.machine import load_avg, machine_info, machine_line
-from bench.servers import free_port
-from bench.stats import Figure
+from loraplane.bench.machine import load_avg, machine_info, machine_line
+from loraplane.bench.servers import free_port
+from loraplane.bench.stats import Figure
 from loraplane.process import cli_module
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 
@@ -286,8 +286,8 @@ def pg_outage(_serve: Serve | None = None, calls: int = 5) -> dict[str, float]:
     server stopped and with it hung (every process SIGSTOPped), and seconds to the first
     success once it is back. Starts its own PostgreSQL (``tests/postgres_server.py``: needs
     the repository checkout)."""
-    from control_plane.errors import DatabaseUnavailableError
-    from control_plane.store import open_store
+    from loraplane.control_plane.errors import DatabaseUnavailableError
+    from loraplane.control_plane.store import open_store
     from tests.postgres_server import start_postgres
 
     server = start_postgres()

@@ -10,7 +10,7 @@ import io
 import math
 from dataclasses import dataclass, field
 
-from bench.stats import Figure, fmt, fmt_fig
+from loraplane.bench.stats import Figure, fmt, fmt_fig
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -606,7 +606,7 @@ def sections_for(key: str, d: dict, machine: dict | None = None) -> list[Section
             f"machine load average (1/5/15 min): {d['load_avg']['before']} before, {d['load_avg']['after']} after"
         )
     if machine:
-        from bench.machine import machine_line
+        from loraplane.bench.machine import machine_line
 
         for sec in out:
             sec.notes.append(machine_line(machine))

@@ -21,9 +21,9 @@ from pathlib import Path
 import click
 
 import loraplane
-from clients.client import LoraplaneClient
-from clients.errors import LoraplaneError
-from clients.results import GenerateResult, WorkerInfo
+from loraplane.clients.client import LoraplaneClient
+from loraplane.clients.errors import LoraplaneError
+from loraplane.clients.results import GenerateResult, WorkerInfo
 
 DEMO_DIR = (Path(loraplane.__file__).resolve().parent / "demo" / "adapters").resolve()
 """Package data of the wheel (``loraplane/demo/adapters/``); in a checkout ``loraplane/demo`` is a
@@ -71,7 +71,7 @@ def run_demo_requests(
 
 def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool, addresses: str = ""):
     def on_ready(client: LoraplaneClient, worker: WorkerInfo) -> bool:
-        from clients.render import side_by_side, stdout_console
+        from loraplane.clients.render import side_by_side, stdout_console
 
         console = stdout_console()
         ids = demo_adapter_ids(client)
@@ -160,8 +160,8 @@ def demo_cmd(
     metrics_addr: str,
 ) -> None:
     """Serve with the shout and sea demo adapters and compare them on one prompt."""
-    from clients.cli_server import control_plane_config, load_control_plane, worker_args
-    from clients.serve import ServeSpec, resolve_port, run_serve
+    from loraplane.clients.cli_server import control_plane_config, load_control_plane, worker_args
+    from loraplane.clients.serve import ServeSpec, resolve_port, run_serve
     from loraplane.worker_secret import new_worker_secret
 
     missing = [str(p) for _, p in DEMO_ADAPTERS if not p.is_file()]

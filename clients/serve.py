@@ -2,10 +2,10 @@
 
 Who runs what:
 
-- The **main thread** runs ``control_plane.server.run_control_plane(config)``, which blocks
+- The **main thread** runs ``loraplane.control_plane.server.run_control_plane(config)``, which blocks
   until SIGINT/SIGTERM (it must own the main thread: only it can install signal handlers).
 - A **supervisor thread** waits until the control plane accepts connections, starts the
-  worker (``python -m clients.cli worker --control-plane <addr> --addr 127.0.0.1:0 …``),
+  worker (``python -m loraplane.clients.cli worker --control-plane <addr> --addr 127.0.0.1:0 …``),
   polls ``ListWorkers`` until the worker has registered, announces readiness, runs the
   optional ``on_ready`` hook (the demo) and then watches the worker process.
 - Supervision: once the worker has registered, a worker that exits (crash, OOM kill,
@@ -26,7 +26,7 @@ Who runs what:
   makes sure the worker is gone (SIGKILL after ``worker_stop_grace_s``), so shutdown always
   takes the same path.
 - Parent death: each worker gets the read end of a pipe whose write end only this process
-  holds (``$LORAPLANE_PARENT_FD``, `worker.rpc.parent`); when ``serve`` dies in any way,
+  holds (``$LORAPLANE_PARENT_FD``, `loraplane.worker.rpc.parent`); when ``serve`` dies in any way,
   ``kill -9`` included, the worker reads end-of-file and exits, so no orphan keeps its port
   or heartbeats the next ``serve``.
 - Restart count: each restarted worker learns its number (``$LORAPLANE_WORKER_RESTARTS``) and
@@ -51,9 +51,9 @@ from typing import Any
 
 import click
 
-from clients.client import LoraplaneClient
-from clients.errors import LoraplaneError
-from clients.results import WorkerInfo
+from loraplane.clients.client import LoraplaneClient
+from loraplane.clients.errors import LoraplaneError
+from loraplane.clients.results import WorkerInfo
 from loraplane.env import ENV_NO_PROGRESS, ENV_PARENT_FD, ENV_WORKER_RESTARTS, ENV_WORKER_SECRET
 from loraplane.process import child_pythonpath, stop_process
 
@@ -155,7 +155,7 @@ def worker_command(cp_addr: str, worker_id: str, worker_args: Sequence[str]) -> 
     return [
         sys.executable,
         "-m",
-        "clients.cli",
+        "loraplane.clients.cli",
         "worker",
         "--control-plane",
         cp_addr,

@@ -11,7 +11,7 @@ instead (`loraplane.worker_secret`). With no token configured nothing is checked
 The inference API key (``--api-key`` or ``$LORAPLANE_API_KEY``, as vLLM's and llama-server's
 ``--api-key``): when configured, every other ``ControlPlane`` method (Generate, the reads, and
 the admin methods too) needs ``authorization: Bearer <key>`` (`ApiKeyInterceptor`), and so do
-the HTTP routes other than `OPEN_HTTP_PATHS` (``control_plane.http.api_key``). The admin token
+the HTTP routes other than `OPEN_HTTP_PATHS` (``loraplane.control_plane.http.api_key``). The admin token
 passes wherever the API key does (admin ⊇ inference); the admin methods still need the admin
 token when one is configured. The worker RPCs and the standard health and reflection services
 never need it. One key (as vLLM); compared in constant time.

@@ -6,10 +6,10 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from control_plane.errors import InvalidArgumentError
-from control_plane.resolution import map_from_pairs
-from control_plane.store import AdapterRecord
-from control_plane.workers import WorkerView
+from loraplane.control_plane.errors import InvalidArgumentError
+from loraplane.control_plane.resolution import map_from_pairs
+from loraplane.control_plane.store import AdapterRecord
+from loraplane.control_plane.workers import WorkerView
 from loraplane.v1 import common_pb2, control_plane_pb2
 
 
@@ -42,7 +42,7 @@ def adapter_map(vector: Sequence[tuple[int, float]]) -> common_pb2.AdapterMap:
 
 
 Lookup = Callable[[str], int]
-"""A name → id resolver (`control_plane.registry.AdapterRegistry.lookup`)."""
+"""A name → id resolver (`loraplane.control_plane.registry.AdapterRegistry.lookup`)."""
 
 
 def ref_id(ref: common_pb2.AdapterRef | common_pb2.AdapterScale | control_plane_pb2.PinRequest, lookup: Lookup) -> int:

@@ -59,8 +59,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from control_plane.errors import InvalidArgumentError, NotFoundError
-from control_plane.workers import WorkerHoldingsView
+from loraplane.control_plane.errors import InvalidArgumentError, NotFoundError
+from loraplane.control_plane.workers import WorkerHoldingsView
 from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, BoundedLabels, kv_usage
 from loraplane.v1 import common_pb2
 from loraplane.v1.control_plane_pb2 import AdapterPagingCount

@@ -11,8 +11,8 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from control_plane.errors import AmbiguousNameError, InvalidArgumentError, NotFoundError, describe_ids
-from control_plane.store import AdapterRecord
+from loraplane.control_plane.errors import AmbiguousNameError, InvalidArgumentError, NotFoundError, describe_ids
+from loraplane.control_plane.store import AdapterRecord
 
 AdapterVector = list[tuple[int, float]]
 

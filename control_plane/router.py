@@ -38,17 +38,17 @@ from typing import Any, Protocol
 import grpc
 import structlog
 
-from control_plane.convert import request_map_or_none, set_resolved_adapters
-from control_plane.errors import (
+from loraplane.control_plane.convert import request_map_or_none, set_resolved_adapters
+from loraplane.control_plane.errors import (
     ControlPlaneError,
     DatabaseUnavailableError,
     InvalidArgumentError,
     ResourceExhaustedError,
     UnavailableError,
 )
-from control_plane.registry import AdapterRegistry
-from control_plane.resolution import adapter_set_key
-from control_plane.workers import WorkerHandle, WorkerPool
+from loraplane.control_plane.registry import AdapterRegistry
+from loraplane.control_plane.resolution import adapter_set_key
+from loraplane.control_plane.workers import WorkerHandle, WorkerPool
 from loraplane.response_format import GrammarError, ResponseFormat, compile_grammar
 from loraplane.v1 import common_pb2, worker_pb2
 
@@ -137,7 +137,7 @@ class Router:
         self.pool = pool
         self._affinity: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
-        # ``track(vector, events, context) -> events`` (control_plane.metrics); None: not counted.
+        # ``track(vector, events, context) -> events`` (loraplane.control_plane.metrics); None: not counted.
         self.observer: Any = None
 
     def generate(

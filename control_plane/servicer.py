@@ -18,9 +18,9 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from control_plane import convert
-from control_plane.config import DEFAULT_FETCH_STALL_TIMEOUT_S
-from control_plane.errors import (
+from loraplane.control_plane import convert
+from loraplane.control_plane.config import DEFAULT_FETCH_STALL_TIMEOUT_S
+from loraplane.control_plane.errors import (
     AlreadyExistsError,
     ControlPlaneError,
     DataCorruptionError,
@@ -31,11 +31,11 @@ from control_plane.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from control_plane.registry import AdapterRegistry
-from control_plane.replicas import ReplicaSync
-from control_plane.router import Router, WorkerRequestError
-from control_plane.stall import StallWatchdog
-from control_plane.workers import WorkerPool
+from loraplane.control_plane.registry import AdapterRegistry
+from loraplane.control_plane.replicas import ReplicaSync
+from loraplane.control_plane.router import Router, WorkerRequestError
+from loraplane.control_plane.stall import StallWatchdog
+from loraplane.control_plane.workers import WorkerPool
 from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
@@ -220,7 +220,7 @@ class WorkerMembershipServicer(membership_pb2_grpc.WorkerMembershipServicer):
     @boundary
     def FetchAdapter(self, request, context):
         """Stream the bytes of content ``request.sha256`` (NOT_FOUND when none is registered,
-        or its bytes are gone). A reader that stalls is cancelled (`control_plane.stall`)."""
+        or its bytes are gone). A reader that stalls is cancelled (`loraplane.control_plane.stall`)."""
         rec = self.registry.get_by_sha256(request.sha256)
         log.info("adapter_fetch", sha256=request.sha256, adapter_id=rec.id, worker_id=request.worker_id)
         what = f"FetchAdapter adapter {rec.id} for worker {request.worker_id or '?'} ({context.peer()})"

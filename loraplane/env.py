@@ -25,7 +25,7 @@ Worker RPC need it when set). Distinct from the admin token; ``serve`` generates
 own worker and hands it over through this variable (never on the command line)."""
 ENV_PARENT_FD = "LORAPLANE_PARENT_FD"
 """Set by ``serve`` for its worker: the read end of a pipe whose write end only ``serve``
-holds; end of file on it means ``serve`` died, and the worker stops (``worker.rpc.parent``)."""
+holds; end of file on it means ``serve`` died, and the worker stops (``loraplane.worker.rpc.parent``)."""
 ENV_WORKER_RESTARTS = "LORAPLANE_WORKER_RESTARTS"
 """Set by ``serve`` for its worker: how many times it started this worker id again before this
 process (reported in the worker's hello, so the control plane's ``restarts`` matches serve's log)."""

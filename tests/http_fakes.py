@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from control_plane.errors import ControlPlaneError, NotFoundError
+from loraplane.control_plane.errors import ControlPlaneError, NotFoundError
 from loraplane.v1 import common_pb2
 
 # ---- GenerateEvent builders -------------------------------------------------------------------
@@ -114,7 +114,7 @@ class FakeRegistry:
         return found[0]
 
     def lookup(self, token: str) -> int:
-        from control_plane.resolution import find_adapter
+        from loraplane.control_plane.resolution import find_adapter
 
         return find_adapter(token, self.records)  # type: ignore[arg-type]
 
@@ -153,7 +153,7 @@ class FakeRouter:
 
 
 def worker_error(message: str = "worker went away") -> ControlPlaneError:
-    from control_plane.errors import UnavailableError
+    from loraplane.control_plane.errors import UnavailableError
 
     return UnavailableError(message)
 

@@ -45,7 +45,7 @@ def start_http_serve(tmp: Path, *extra: str, admin_token: str | None = None) -> 
             [
                 sys.executable,
                 "-m",
-                "clients.cli",
+                "loraplane.clients.cli",
                 "serve",
                 "--addr",
                 grpc_addr,

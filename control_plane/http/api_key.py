@@ -1,11 +1,11 @@
 """`ApiKeyAuth`: the HTTP front's inference API key (``--api-key`` / ``$LORAPLANE_API_KEY``).
 
-When a key is configured, every request whose path is not in `control_plane.auth.OPEN_HTTP_PATHS`
+When a key is configured, every request whose path is not in `loraplane.control_plane.auth.OPEN_HTTP_PATHS`
 (``/health``, ``/metrics``, ``/openapi.json``) needs ``Authorization: Bearer <key>``; the admin
 token is accepted as well (admin ⊇ inference). Anything else is answered 401 in OpenAI's error
 shape with ``code: "invalid_api_key"`` (what the official ``openai`` client raises as
 ``AuthenticationError``) before the app runs, so no byte of the body is read. The admin routes
-check the admin token afterwards as before (`control_plane.http.admin.require_admin`): with an
+check the admin token afterwards as before (`loraplane.control_plane.http.admin.require_admin`): with an
 admin token configured, the API key alone does not load or unload adapters.
 
 The rule follows vLLM's ``--api-key`` middleware (``vllm/entrypoints/openai/api_server.py``,
@@ -20,8 +20,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from control_plane.auth import OPEN_HTTP_PATHS, BearerCheck, check_api_key
-from control_plane.http.errors import OpenAIError
+from loraplane.control_plane.auth import OPEN_HTTP_PATHS, BearerCheck, check_api_key
+from loraplane.control_plane.http.errors import OpenAIError
 
 
 def api_key_error(found: BearerCheck) -> OpenAIError:

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from control_plane.errors import (
+from loraplane.control_plane.errors import (
     AlreadyExistsError,
     ControlPlaneError,
     DataCorruptionError,
@@ -95,7 +95,7 @@ def unsupported(param: str, detail: str) -> OpenAIError:
 
 
 def from_control_plane(exc: ControlPlaneError) -> OpenAIError:
-    """The HTTP error for a domain error (``control_plane.errors``, router errors); a 503
+    """The HTTP error for a domain error (``loraplane.control_plane.errors``, router errors); a 503
     carries ``Retry-After`` (the error's ``retry_after_s``, else `RETRY_AFTER_S`)."""
     code = getattr(exc, "code", None)
     if isinstance(code, grpc.StatusCode):

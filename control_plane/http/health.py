@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from control_plane.http.deps import HttpDeps
-from control_plane.http.errors import OpenAIError
+from loraplane.control_plane.http.deps import HttpDeps
+from loraplane.control_plane.http.errors import OpenAIError
 
 
 def health_router(deps: HttpDeps) -> APIRouter:

@@ -11,7 +11,7 @@ Accepted on ``/v1/completions`` and ``/v1/chat/completions`` (one of them per re
   ``choice``, ``json_object``.
 
 The result is the ``loraplane.v1.ResponseFormat`` of the request's ``SamplingParams``. The
-format is compiled here (`worker.runtime.grammar.compile_grammar`, no vocabulary needed): a bad
+format is compiled here (`loraplane.worker.runtime.grammar.compile_grammar`, no vocabulary needed): a bad
 schema, regex or grammar is a 400 in OpenAI's error shape whose ``param`` names the field and
 whose message carries the engine's reason.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from control_plane.http.errors import OpenAIError
+from loraplane.control_plane.http.errors import OpenAIError
 from loraplane.response_format import GrammarError, ResponseFormat, compile_grammar
 from loraplane.v1 import common_pb2
 

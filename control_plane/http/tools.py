@@ -55,9 +55,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from control_plane.http.chat_template import ChatTemplate
-from control_plane.http.errors import OpenAIError
-from control_plane.http.structured import to_proto
+from loraplane.control_plane.http.chat_template import ChatTemplate
+from loraplane.control_plane.http.errors import OpenAIError
+from loraplane.control_plane.http.structured import to_proto
 from loraplane.response_format import GrammarError, ResponseFormat, close_objects, compile_grammar
 from loraplane.v1 import common_pb2
 

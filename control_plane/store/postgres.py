@@ -70,8 +70,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from control_plane.errors import DatabaseUnavailableError, DataCorruptionError
-from control_plane.store.base import (
+from loraplane.control_plane.errors import DatabaseUnavailableError, DataCorruptionError
+from loraplane.control_plane.store.base import (
     CALL_TIMEOUT_S,
     REMOVALS_KEPT_S,
     SIGHTINGS_KEPT_S,
@@ -84,7 +84,7 @@ from control_plane.store.base import (
     Sightings,
     WorkerSighting,
 )
-from control_plane.store.migrations import MIGRATION_LOCK_KEY, MIGRATIONS, SCHEMA_VERSION_DDL
+from loraplane.control_plane.store.migrations import MIGRATION_LOCK_KEY, MIGRATIONS, SCHEMA_VERSION_DDL
 
 log = structlog.get_logger("loraplane.control_plane.store.postgres")
 

@@ -17,9 +17,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from clients.cli import cli
-from clients.cli_server import startup_adapters
-from clients.client import LoraplaneClient
+from loraplane.clients.cli import cli
+from loraplane.clients.cli_server import startup_adapters
+from loraplane.clients.client import LoraplaneClient
 from tests.control_plane_helpers import write_adapter
 from tests.live_servers import restored_default
 
@@ -390,7 +390,12 @@ def _subprocess(*args: str) -> subprocess.CompletedProcess:
     env.pop("LORAPLANE_ADDR", None)
     env.pop("COLUMNS", None)  # rich's default width off a terminal: 80
     return subprocess.run(
-        [sys.executable, "-m", "clients.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "loraplane.clients.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

@@ -33,9 +33,9 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 
-from clients.cli import cli
-from clients.client import LoraplaneClient
-from clients.errors import LoraplaneError
+from loraplane.clients.cli import cli
+from loraplane.clients.client import LoraplaneClient
+from loraplane.clients.errors import LoraplaneError
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
 from loraplane.v1 import common_pb2, worker_pb2_grpc
@@ -65,7 +65,7 @@ def spawn_control_plane(addr: str, url: str, data_dir: Path, adapter_dir: Path, 
     cmd = [
         sys.executable,
         "-m",
-        "clients.cli",
+        "loraplane.clients.cli",
         "control-plane",
         "--addr",
         addr,
@@ -103,7 +103,7 @@ class Cluster:
                 [
                     sys.executable,
                     "-m",
-                    "clients.cli",
+                    "loraplane.clients.cli",
                     "worker",
                     "--control-plane",
                     f"{self.a_addr},{self.b_addr}",

@@ -1,7 +1,7 @@
-"""The store (`control_plane.store`) against both databases: a SQLite file and a real
+"""The store (`loraplane.control_plane.store`) against both databases: a SQLite file and a real
 PostgreSQL server (``postgres_server`` fixture, one per session, a fresh database per test).
 
-Every rule of `control_plane.store.base` is checked on both: ids from 0, never reused, no gap
+Every rule of `loraplane.control_plane.store.base` is checked on both: ids from 0, never reused, no gap
 after a failed registration; one id per content, also under concurrent registration;
 atomic registration (row and bytes or nothing); bytes readable back exactly; the default
 set; the removals feed; worker sightings; migrations (versioned, concurrent start-up safe,
@@ -19,8 +19,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from control_plane.store import MIGRATIONS, AdapterStore, SchemaTooNewError, SqliteStore, open_store
-from control_plane.store.postgres import BLOB_CHUNK_BYTES, PostgresStore, redact
+from loraplane.control_plane.store import MIGRATIONS, AdapterStore, SchemaTooNewError, SqliteStore, open_store
+from loraplane.control_plane.store.postgres import BLOB_CHUNK_BYTES, PostgresStore, redact
 
 BACKENDS = ["sqlite", "postgres"]
 
@@ -286,7 +286,7 @@ def test_open_store_urls_and_redaction(tmp_path):
 
 
 def test_postgres_unreachable_is_unavailable(tmp_path):
-    from control_plane.errors import UnavailableError
+    from loraplane.control_plane.errors import UnavailableError
     from tests.postgres_server import free_port
 
     port = free_port()  # nothing listens there
@@ -301,7 +301,7 @@ def test_a_row_that_does_not_parse_is_skipped_logged_and_named(open_db, tmp_path
     works."""
     import structlog
 
-    from control_plane.errors import DataCorruptionError
+    from loraplane.control_plane.errors import DataCorruptionError
 
     store = open_db()
     a, b, c = (upload(store, tmp_path, n, seed=i, arch="gemma3")[0] for i, n in enumerate("abc"))

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 
+from loraplane.worker.lora.host_cache import CACHE_DIR_PREFIX, remove_stale_cache_dirs
 from tests.integration.test_control_plane_routing import (  # noqa: F401 - fixtures
     adapters_dir,
     cluster,
@@ -22,7 +23,6 @@ from tests.integration.test_control_plane_routing import (  # noqa: F401 - fixtu
     wait_for,
     workers_of,
 )
-from worker.lora.host_cache import CACHE_DIR_PREFIX, remove_stale_cache_dirs
 
 
 def test_a_draining_worker_is_listed_but_gets_no_request(cluster):  # noqa: F811 - the imported fixture
@@ -67,7 +67,7 @@ def test_stale_cache_dirs_of_dead_pids_are_removed_and_live_ones_kept(tmp_path):
 
 
 def test_first_signal_drains_second_stops_now():
-    from worker.rpc.server import Shutdown
+    from loraplane.worker.rpc.server import Shutdown
 
     s = Shutdown()
     s.on_signal(signal.SIGTERM)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from loraplane.worker.gguf.reader import read_gguf
+from loraplane.worker.runtime.tokenizer import Tokenizer
 from tests.tiny_models import PRE_VOCAB, model_pre
-from worker.gguf.reader import read_gguf
-from worker.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.parity
 

@@ -1,4 +1,4 @@
-"""worker.tools.export_lora: merged tensors equal base + scaled delta; the untie rule.
+"""loraplane.worker.tools.export_lora: merged tensors equal base + scaled delta; the untie rule.
 
 Structural checks on the tiny MoE model and a small synthetic tied gemma3-like model; the
 expected values are recomputed here with numpy straight from the GGUF files.
@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 
-from worker.gguf.reader import dequantize, read_gguf
-from worker.lora.adapter import AdapterError
-from worker.tools.export_lora import export_lora
+from loraplane.worker.gguf.reader import dequantize, read_gguf
+from loraplane.worker.lora.adapter import AdapterError
+from loraplane.worker.tools.export_lora import export_lora
 
 ALPHA, RANK = 8.0, 4  # moe_lora.gguf
 

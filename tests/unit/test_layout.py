@@ -20,7 +20,7 @@ def _fresh(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_control_plane_does_not_import_torch():
     r = _fresh(
-        "import control_plane.server, control_plane.registry, sys; "
+        "import loraplane.control_plane.server, loraplane.control_plane.registry, sys; "
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
         "assert not bad, bad[:5]"
     )

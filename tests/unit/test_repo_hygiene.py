@@ -294,7 +294,7 @@ _CODE_IMPORT = re.compile(r"(?m)(?:^|;)[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b
 
 
 def _is_module(dotted: str) -> bool:
-    """``dotted`` names a module or package file of the repository (``bench``, ``clients.cli``)."""
+    """``dotted`` names a module or package file of the repository (``bench``, ``loraplane.clients.cli``)."""
     base = ROOT.joinpath(*dotted.split("."))
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.runtime.sampling import (
+from loraplane.worker.runtime.sampling import (
     Sampler,
     SamplingError,
     SamplingParams,

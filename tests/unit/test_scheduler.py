@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from worker.errors import AdapterFetchError, DecodeFailedError, QueueFullError
-from worker.rpc.status import status_of
-from worker.runtime.sampling import SamplingParams
-from worker.serving.engine import WorkerEngine
-from worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
-from worker.serving.scheduler import MAX_BYPASS
+from loraplane.worker.config import Batching, PrefixCachePolicy, WorkerConfig
+from loraplane.worker.errors import AdapterFetchError, DecodeFailedError, QueueFullError
+from loraplane.worker.rpc.status import status_of
+from loraplane.worker.runtime.sampling import SamplingParams
+from loraplane.worker.serving.engine import WorkerEngine
+from loraplane.worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
+from loraplane.worker.serving.scheduler import MAX_BYPASS
 
 
 @pytest.fixture
@@ -134,7 +134,7 @@ def test_every_worker_error_has_one_status():
     by accident (only a decode fault is INTERNAL)."""
     import inspect
 
-    from worker import errors
+    from loraplane.worker import errors
 
     classes = [
         c
@@ -410,9 +410,9 @@ def test_the_loop_stopping_for_good_marks_the_worker_unhealthy(fixtures_dir):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from worker.errors import WorkerDrainingError
-    from worker.rpc.server import create_server
-    from worker.serving.scheduler import MAX_STEP_FAILURES
+    from loraplane.worker.errors import WorkerDrainingError
+    from loraplane.worker.rpc.server import create_server
+    from loraplane.worker.serving.scheduler import MAX_STEP_FAILURES
 
     config = WorkerConfig(
         model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),

@@ -10,9 +10,14 @@ from pathlib import Path
 
 import pytest
 
-import control_plane.http.completions as completions
-from control_plane.http.chat_template import ChatTemplate, load_chat_template
-from control_plane.http.tools import ToolCallParser, split_tool_calls, template_message, template_renders_tools
+import loraplane.control_plane.http.completions as completions
+from loraplane.control_plane.http.chat_template import ChatTemplate, load_chat_template
+from loraplane.control_plane.http.tools import (
+    ToolCallParser,
+    split_tool_calls,
+    template_message,
+    template_renders_tools,
+)
 from tests.http_fakes import FakeTokenizer, finished, started, token
 from tests.unit.test_http_routes import Front
 

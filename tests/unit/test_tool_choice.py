@@ -12,9 +12,9 @@ import json
 import jsonschema
 import pytest
 
-import control_plane.http.completions as completions
-from control_plane.http.errors import OpenAIError
-from control_plane.http.tools import (
+import loraplane.control_plane.http.completions as completions
+from loraplane.control_plane.http.errors import OpenAIError
+from loraplane.control_plane.http.tools import (
     NamedCallParser,
     RequiredCallsParser,
     forced_call_of,

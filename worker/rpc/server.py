@@ -37,10 +37,10 @@ from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.reflection import enable_reflection
 from loraplane.status_details import BoundedStatusInterceptor
 from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
+from loraplane.worker.config import WorkerConfig
+from loraplane.worker.rpc.servicer import WorkerServicer
+from loraplane.worker.serving.engine import WorkerEngine
 from loraplane.worker_secret import worker_guard, worker_secret_from
-from worker.config import WorkerConfig
-from worker.rpc.servicer import WorkerServicer
-from worker.serving.engine import WorkerEngine
 
 log = structlog.get_logger("loraplane.worker.rpc.server")
 
@@ -75,7 +75,7 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
         (server, bound port, engine).
 
     Raises:
-        worker.runtime.model.ModelError / GGUFError: the base model cannot be loaded.
+        loraplane.worker.runtime.model.ModelError / GGUFError: the base model cannot be loaded.
         RuntimeError: the address cannot be bound.
     """
     health_servicer = health.HealthServicer()
@@ -194,13 +194,13 @@ def _advertised(config: WorkerConfig, port: int) -> str:
 
 class SchedulerStoppedError(RuntimeError):
     """``serve_worker`` ends with this when the scheduler loop stopped for good
-    (``worker.serving.scheduler``: Faults): the process exits non-zero (``loraplane worker``:
+    (``loraplane.worker.serving.scheduler``: Faults): the process exits non-zero (``loraplane worker``:
     exit 1), so ``serve``'s supervisor or Kubernetes restarts it."""
 
 
 class Shutdown:
     """How a worker process stops: the first SIGTERM/SIGINT starts a drain (``draining``), a
-    second one (or the parent ``serve`` dying, `worker.rpc.parent`) stops now (``now``)."""
+    second one (or the parent ``serve`` dying, `loraplane.worker.rpc.parent`) stops now (``now``)."""
 
     def __init__(self) -> None:
         self.draining = threading.Event()
@@ -265,7 +265,7 @@ def serve_worker(config: WorkerConfig) -> None:
     once, so the control plane routes around this worker), new requests are refused with
     UNAVAILABLE, and in-flight generations run to their end for up to ``config.drain_timeout_s``
     seconds; then the process exits. A second signal stops at once. Started by ``serve``
-    (``$LORAPLANE_PARENT_FD``), it also stops at once when ``serve`` dies (`worker.rpc.parent`).
+    (``$LORAPLANE_PARENT_FD``), it also stops at once when ``serve`` dies (`loraplane.worker.rpc.parent`).
 
     Raises:
         SchedulerStoppedError: the scheduler loop stopped for good (``Scheduler.on_fatal``):
@@ -273,14 +273,14 @@ def serve_worker(config: WorkerConfig) -> None:
             caller exits non-zero so that the process is restarted.
     """
     from loraplane.logging import configure_logging  # one JSON log format for both planes
-    from worker.rpc.parent import watch_parent_from_env
+    from loraplane.worker.rpc.parent import watch_parent_from_env
 
     configure_logging(config.log_level)
     parent = watch_parent_from_env()  # first: serve may die while the model loads
     from loraplane.progress import progress_enabled, spinner
-    from worker.serving.heap import limit_arenas
+    from loraplane.worker.serving.heap import limit_arenas
 
-    limit_arenas()  # before the gRPC and OpenMP threads exist (worker.serving.heap)
+    limit_arenas()  # before the gRPC and OpenMP threads exist (loraplane.worker.serving.heap)
 
     with spinner("loading the model", enabled=progress_enabled()):
         server, port, engine = create_server(config)
@@ -303,8 +303,8 @@ def serve_worker(config: WorkerConfig) -> None:
         metrics_server, metrics_port = start_metrics_server(config.metrics_addr, engine.metrics.registry)
         log.info("worker_metrics_serving", addr=config.metrics_addr, port=metrics_port)
     if config.control_plane:
-        from worker.rpc.fetch import ControlPlaneFetcher
-        from worker.rpc.membership import Wakeup, start_membership
+        from loraplane.worker.rpc.fetch import ControlPlaneFetcher
+        from loraplane.worker.rpc.membership import Wakeup, start_membership
 
         engine.fetcher = ControlPlaneFetcher(
             config.control_plane, engine.worker_id, secret=worker_secret_from(config.worker_secret)

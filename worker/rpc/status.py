@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from worker import errors
+from loraplane.worker import errors
 
 STATUS_OF: dict[type[errors.WorkerError], grpc.StatusCode] = {
     errors.InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,

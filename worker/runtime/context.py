@@ -2,7 +2,7 @@
 
 Mirrors llama.cpp ``llama_context``: ``set_adapters`` is ``llama_set_adapters_lora`` (a no-op
 when the sets are unchanged — ``adapters_lora_are_same`` — otherwise it swaps them in, making
-every adapter of the new sets resident in the model's slot pool, ``worker.lora.pool``; the
+every adapter of the new sets resident in the model's slot pool, ``loraplane.worker.lora.pool``; the
 context holds no slot: whoever decodes keeps the adapters held until then, as the scheduler's
 admitted requests do), and
 ``decode`` is ``llama_decode`` over one ubatch of
@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.lora.adapter import AdapterError
-from worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from worker.lora.plan import LoraPlan, build_plan
-from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
-from worker.lora.registry import ModelAdapters
-from worker.runtime import arch as arch_registry
-from worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
-from worker.runtime.kv_cache import KVCache, KVCacheError
-from worker.runtime.model import LoadedModel
+from loraplane.worker.lora.adapter import AdapterError
+from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from loraplane.worker.lora.plan import LoraPlan, build_plan
+from loraplane.worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
+from loraplane.worker.lora.registry import ModelAdapters
+from loraplane.worker.runtime import arch as arch_registry
+from loraplane.worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
+from loraplane.worker.runtime.kv_cache import KVCache, KVCacheError
+from loraplane.worker.runtime.model import LoadedModel
 
 
 class DecodeError(ValueError):

@@ -48,7 +48,7 @@ class _VocabView:
     EOS id and an encode callable."""
 
     def __init__(self, tok: Any) -> None:
-        from worker.runtime.tokenizer import TokenAttr
+        from loraplane.worker.runtime.tokenizer import TokenAttr
 
         self._tok = tok
         self.eos_token_id = tok.eos_id if tok.eos_id is not None else sorted(tok.eog_ids)[0]
@@ -73,7 +73,7 @@ class _VocabView:
         """Token ids of a piece of text in the middle of an output: no BOS and, for SPM, no
         leading-space prefix (llguidance re-tokenizes forced bytes with this)."""
         if self._tok.vocab_type == "llama":
-            from worker.runtime.tokenizer.spm import _ESCAPED_SPACE, _SPACE
+            from loraplane.worker.runtime.tokenizer.spm import _ESCAPED_SPACE, _SPACE
 
             return self._tok._model._encode_fragment(text.replace(_SPACE, _ESCAPED_SPACE)) if text else []
         return self._tok.encode(text, add_special=False, parse_special=False)
@@ -84,7 +84,7 @@ _LLTOK_LOCK = threading.Lock()
 
 
 def grammar_tokenizer(tok: Any, n_vocab: int | None = None) -> Any:
-    """The ``llguidance.LLTokenizer`` of our `worker.runtime.tokenizer.Tokenizer` ``tok``
+    """The ``llguidance.LLTokenizer`` of our `loraplane.worker.runtime.tokenizer.Tokenizer` ``tok``
     (cached per tokenizer; built at the first constrained request: it walks the whole
     vocabulary, about 2 s of one core at 262k tokens).
 

@@ -1,11 +1,11 @@
 """Base model: a GGUF file's hyper-parameters and weights as torch tensors on one device.
 
 Dispatch is on ``general.architecture`` (llama.cpp ``llm_arch_from_string``): each
-architecture module in ``worker.runtime.arch`` reads its hparams, declares its tensors and builds
+architecture module in ``loraplane.worker.runtime.arch`` reads its hparams, declares its tensors and builds
 its forward pass.
 
 Weight forms (``--weights``): ``packed`` (default) keeps every matrix close to its GGUF
-quantized form (``worker.runtime.kernels.QuantLinear``: exact int8 values + block scales,
+quantized form (``loraplane.worker.runtime.kernels.QuantLinear``: exact int8 values + block scales,
 multiplied by our AVX2 / AVX-512 kernels; on CUDA dequantized once to bf16), so no f32 copy of
 the model exists; ``dequant`` is the reference: every weight dequantized once to the compute
 dtype and multiplied by torch. Norm vectors are f32 in both.
@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from worker.gguf.reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
-from worker.runtime import arch as arch_registry
-from worker.runtime.errors import ModelError
-from worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
-from worker.runtime.tokenizer import Tokenizer
+from loraplane.worker.gguf.reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
+from loraplane.worker.runtime import arch as arch_registry
+from loraplane.worker.runtime.errors import ModelError
+from loraplane.worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
+from loraplane.worker.runtime.tokenizer import Tokenizer
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 WEIGHT_FORMS = ("packed", "dequant")
@@ -62,7 +62,7 @@ def default_model_path() -> Path:
 class LoadedModel:
     """A base model loaded from its GGUF for decoding (llama.cpp's ``llama_model``): weights in
     their serving form, hyper-parameters, tokenizer. The control plane's lighter view of the
-    same file is ``control_plane.base_model.BaseModelInfo``.
+    same file is ``loraplane.control_plane.base_model.BaseModelInfo``.
 
     Attributes:
         path: the GGUF file.
@@ -228,7 +228,7 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None) -> dict[s
 
     The choice is per weight, never per batch (batched = alone stays bit-exact).
     ``$LORAPLANE_KERNEL_ACT`` still forces one precision for all weights
-    (:func:`worker.runtime.kernels.resolve_act`).
+    (:func:`loraplane.worker.runtime.kernels.resolve_act`).
 
     Returns:
         ``name -> act`` for the packed weights set to something other than 'i16'.

@@ -3,9 +3,9 @@
 
 A ``GenRequest`` is admitted with a fully resolved adapter vector turned into an
 ``AdapterSet``; the aLoRA activation is decided once, at admission
-(``worker.lora.alora.resolve_alora``). The scheduler emits ``StartedEvent`` once the prompt is
+(``loraplane.worker.lora.alora.resolve_alora``). The scheduler emits ``StartedEvent`` once the prompt is
 computed, one ``TokenEvent`` per sampled token, then ``FinishedEvent`` or ``ErrorEvent``; the
-gRPC edge converts them to protos in one place (``worker.rpc.servicer.event_to_proto``).
+gRPC edge converts them to protos in one place (``loraplane.worker.rpc.servicer.event_to_proto``).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker.errors import WorkerError
-from worker.lora.adapter_set import AdapterSet
-from worker.lora.alora import AloraActivation
-from worker.runtime.grammar import Constraint
-from worker.runtime.sampling import SamplingParams
+from loraplane.worker.errors import WorkerError
+from loraplane.worker.lora.adapter_set import AdapterSet
+from loraplane.worker.lora.alora import AloraActivation
+from loraplane.worker.runtime.grammar import Constraint
+from loraplane.worker.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:  # output builds on this module's events
-    from worker.serving.output import IncrementalDetokenizer, StopMatcher
+    from loraplane.worker.serving.output import IncrementalDetokenizer, StopMatcher
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class AdapterResidency:
 class RequestTelemetry:
     """Per-request summary (proto ``RequestTelemetry``, field for field; times in ms).
 
-    The proto mapping lives in ``worker.rpc.servicer.telemetry_to_proto``; a test checks that
+    The proto mapping lives in ``loraplane.worker.rpc.servicer.telemetry_to_proto``; a test checks that
     every field here exists in the proto, so a misspelling cannot vanish silently.
     """
 
@@ -134,7 +134,7 @@ class GenRequest:
     """One admitted generation request and its running state.
 
     ``emit`` receives the request's events in order (from the output thread,
-    ``worker.serving.output.EmitWorker``); ``cancelled`` is set by the gRPC edge. ``generated``
+    ``loraplane.worker.serving.output.EmitWorker``); ``cancelled`` is set by the gRPC edge. ``generated``
     is appended by the scheduler thread as tokens are sampled; ``detok``, ``stop``,
     ``text_out`` and the token times belong to the output thread (``detok`` turns generated
     tokens into text incrementally, never re-decoding the whole output per step).
@@ -155,7 +155,7 @@ class GenRequest:
     held_ids: tuple[int, ...] = ()  # adapter ids this request pins (unload waits for them)
     stop: StopMatcher | None = None  # set when params.stop is non-empty
     text_out: list[str] = field(default_factory=list)  # pieces emitted so far (with stop strings)
-    # Output thread's state (``worker.serving.output.EmitWorker``): tokens rendered so far, and
+    # Output thread's state (``loraplane.worker.serving.output.EmitWorker``): tokens rendered so far, and
     # once a stop string completes, the generated tokens the response keeps (the scheduler
     # finishes the sequence when it sees it set; later tokens are cut).
     n_rendered: int = 0
@@ -169,7 +169,7 @@ class GenRequest:
     # sha256 → pooled pairs read ahead at submit for adapters not resident then (prefetch;
     # ``LoraPool.stage``); dropped at admission
     staged: dict = field(default_factory=dict)
-    # structured output: the grammar the output must match (``worker.runtime.grammar``), or None
+    # structured output: the grammar the output must match (``loraplane.worker.runtime.grammar``), or None
     constraint: Constraint | None = None
 
     def note_residency(self, was_resident: dict[str, bool], *, slot_wait_ms: float, page_in_ms: float) -> None:

@@ -12,9 +12,16 @@ Public API (shapes in torch order; a GGUF weight with ggml ``ne = [k, d]`` is ``
 - :func:`resolve_path`, :func:`cpu_flags`: which ISA path runs (``LORAPLANE_KERNELS``)
 """
 
-from worker.runtime.kernels.build import KernelBuildError
-from worker.runtime.kernels.cpu import KernelPathError, best_path, cpu_flags, cpu_model, resolve_path, supported
-from worker.runtime.kernels.linear import (
+from loraplane.worker.runtime.kernels.build import KernelBuildError
+from loraplane.worker.runtime.kernels.cpu import (
+    KernelPathError,
+    best_path,
+    cpu_flags,
+    cpu_model,
+    resolve_path,
+    supported,
+)
+from loraplane.worker.runtime.kernels.linear import (
     ACTS,
     KernelError,
     QuantizedActivations,

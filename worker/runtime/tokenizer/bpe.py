@@ -50,7 +50,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
+from loraplane.worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
 # load(), tokenizer_model == "gpt2": special ids and flags before the metadata overrides them.
 BPE_DEFAULTS = VocabDefaults(bos=11, eos=11, add_bos=False, add_space_prefix=False)

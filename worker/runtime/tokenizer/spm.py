@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2  # generated protobuf module
 
-from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
+from loraplane.worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
 _SPACE = " "
 _ESCAPED_SPACE = "\u2581"  # "▁", what SentencePiece vocabularies use for a space
