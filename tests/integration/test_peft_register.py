@@ -34,6 +34,8 @@ def peft_dir(fixtures_dir: Path) -> Path:
     return fixtures_dir / "adapters" / "peft"
 
 
+# slow: converts a PEFT folder twice and uploads both (about 8 s)
+@pytest.mark.slow
 def test_adapters_add_peft_folder_equals_convert_then_add(start_control_plane, peft_dir, tmp_path):
     cp = start_control_plane(adapter_dirs=(str(peft_dir),))
     for name in FOLDERS:

@@ -285,6 +285,8 @@ def test_open_store_urls_and_redaction(tmp_path):
     assert redact("postgresql://bob:s3cret@db.example:5433/loraplane") == "postgresql://bob@db.example:5433/loraplane"
 
 
+# slow: psycopg waits out its connect attempts (about 10 s)
+@pytest.mark.slow
 def test_postgres_unreachable_is_unavailable(tmp_path):
     from loraplane.control_plane.errors import UnavailableError
     from tests.postgres_server import free_port
