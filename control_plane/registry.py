@@ -403,7 +403,7 @@ class AdapterRegistry:
         """
         if not name or name in rec.names:
             return Registration(rec, created=False)
-        added = False
+        added = ""  # "alias", or "name": the record was still unnamed (another call's insert, not yet claimed)
 
         def add_alias(current: AdapterRecord, records: list[AdapterRecord]) -> tuple[str, tuple[str, ...]]:
             nonlocal added
@@ -412,7 +412,10 @@ class AdapterRegistry:
                 raise AlreadyExistsError(f"adapter name '{name}' is taken by adapter(s) {owners}; pick another name")
             if name in current.names:  # another call added it meanwhile
                 return current.name, current.aliases
-            added = True
+            if not current.name:  # never an alias of a nameless record: the name becomes its name
+                added = "name"
+                return name, current.aliases
+            added = "alias"
             return current.name, (*current.aliases, name)
 
         updated = self.store.set_names(rec.id, add_alias)
@@ -420,8 +423,11 @@ class AdapterRegistry:
             raise UnavailableError(f"adapter {rec.id} was unregistered while '{name}' was being added; retry")
         if not added:
             return Registration(updated, created=False)
-        log.info("adapter_alias_added", adapter_id=rec.id, alias=name, sha256=rec.sha256)
-        return Registration(updated, created=False, aliased=True, named=True)
+        if added == "alias":
+            log.info("adapter_alias_added", adapter_id=rec.id, alias=name, sha256=rec.sha256)
+        else:
+            log.info("adapter_named", adapter_id=rec.id, name=name, sha256=rec.sha256)
+        return Registration(updated, created=False, aliased=added == "alias", named=True)
 
     def _register_peft(self, folder: Path, *, name: str) -> Registration:
         """Convert a PEFT folder (rules of ``convert-peft``) and register the GGUF as an upload.

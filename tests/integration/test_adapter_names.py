@@ -307,7 +307,8 @@ def test_an_alias_loaded_while_the_last_name_is_unloaded_keeps_serving(cp, api):
     """vLLM's lifecycle under a race: ``unload A`` (A is the adapter's only name) and ``load C``
     of the same files interleave so that C is added as an alias after the unload looked the
     adapter up and before it removed it (a hook on the real store's delete forces that). The
-    load answered 200 "alias of adapter N", so N stays and serves C; A is gone."""
+    adapter had no name left, so C becomes its name (never an alias of a nameless adapter): the
+    load answered 200 "(id N)", N stays and serves C; A is gone."""
     path = write_adapter(cp.tmp / "unload-race.gguf", seed=90)
     load = lambda name: api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})  # noqa: E731
     assert load("ur-a").status_code == 200
@@ -325,13 +326,15 @@ def test_an_alias_loaded_while_the_last_name_is_unloaded_keeps_serving(cp, api):
         r = api.post("/v1/unload_lora_adapter", json={"lora_name": "ur-a"})
     finally:
         del store.delete
-    assert [a.text for a in answers] == [f"Success: LoRA adapter 'ur-c' added successfully (alias of adapter {aid})."]
+    assert [a.text for a in answers] == [f"Success: LoRA adapter 'ur-c' added successfully (id {aid})."]
     assert r.status_code == 200, r.text
     assert r.text == f"Success: LoRA adapter 'ur-a' removed successfully (adapter {aid} stays as 'ur-c')."
     now = cp.stub.GetAdapter(ref(name="ur-c"))
-    assert (now.id, now.name, list(now.aliases)) == (aid, "", ["ur-c"])
+    assert (now.id, now.name, list(now.aliases)) == (aid, "ur-c", [])
     assert "ur-a" not in models(api) and models(api)["ur-c"] == aid
     assert api.post("/v1/completions", json={"model": "ur-c", "prompt": "x", "max_tokens": 1}).status_code == 503
-    r = api.post("/v1/unload_lora_adapter", json={"lora_name": "ur-c"})  # an alias of an unnamed adapter
-    assert r.status_code == 200 and cp.stub.GetAdapter(ref(id=aid)).id == aid
-    cp.stub.UnregisterAdapter(ref(id=aid))
+    r = api.post("/v1/unload_lora_adapter", json={"lora_name": "ur-c"})  # its last name: the adapter goes
+    assert r.status_code == 200, r.text
+    with pytest.raises(grpc.RpcError) as err:
+        cp.stub.GetAdapter(ref(id=aid))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND

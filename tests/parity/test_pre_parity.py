@@ -18,7 +18,8 @@ from loraplane.worker.gguf.reader import read_gguf
 from loraplane.worker.runtime.tokenizer import Tokenizer
 from tests.tiny_models import PRE_VOCAB, model_pre
 
-pytestmark = pytest.mark.parity
+# slow tier: twelve pre-tokenizers, each over llama.cpp's whole test corpus (13 s on a 2-core AMD EPYC)
+pytestmark = [pytest.mark.parity, pytest.mark.slow]
 
 # pre value -> (golden file stem, the pre type we resolve it to, adds BOS)
 _EXPECT = {

@@ -16,6 +16,9 @@ from loraplane.worker.gguf.reader import dequantize, read_gguf
 from loraplane.worker.lora.adapter import AdapterError
 from loraplane.worker.tools.export_lora import export_lora
 
+# slow tier: each test merges a whole model file and reads it back (12 s in all on a 2-core AMD EPYC)
+pytestmark = pytest.mark.slow
+
 ALPHA, RANK = 8.0, 4  # moe_lora.gguf
 
 

@@ -5,9 +5,10 @@ models (``tests/tiny_models.py``), with several adapters in one mixed ubatch:
   (``"dense"``): logits within 1e-3 (f32 rounding only) — llama's q/k/v and gate/up fused at
   load (``build_lora_mm_group`` adds each weight's LoRA on its column slice), Phi-3's fused
   ``attn_qkv`` / ``ffn_up`` adapters, Qwen 2, Gemma 2;
-- a sequence's prompt logits in the mixed ubatch are bit-identical to the same sequence
-  decoded alone with its set (rows with one adapter, two adapters, none); its decode row within
-  1e-4 (the batched decode attention itself is not bit-stable across batch sizes);
+- a sequence's prompt logits in the mixed ubatch equal the same sequence decoded alone with
+  its set (rows with one adapter, two adapters, none) within `ROW_TOL`, its decode row within
+  1e-4 (the batched decode attention itself is not bit-stable across batch sizes). A row that
+  took another row's adapter would be off by more than 1e-2;
 - the gathered path actually changes the logits (adapters are applied, not skipped).
 """
 
@@ -30,6 +31,10 @@ pytestmark = [
 ]
 
 N_TOK = 6
+# The tiny models' f32 projections go through torch's f32 GEMM, which blocks the rows
+# differently for another row count on some CPUs (an AMD EPYC: 4e-6 to 2e-5 on one matmul of
+# 6 vs 24 rows; bit-identical on an Intel Xeon), so "the same row alone" is held to this.
+ROW_TOL = 1e-4
 
 
 @pytest.fixture(params=["llama", "phi3", "qwen2", "gemma2"])
@@ -84,10 +89,12 @@ def test_gathered_equals_dense_and_alone(tiny):
     for s in seqs:
         assert float((gathered[s] - dense[s]).abs().max()) <= 1e-3
         alone = _mixed(ctx, sets, "auto", [s])
-        # prompt rows: bit-identical; the decode row also goes through the batched decode
-        # attention, which is not bit-stable across batch sizes (≈ 7e-6 here with no adapter
-        # at all), so it is held to 1e-4
-        assert torch.equal(alone[s][:N_TOK], gathered[s][:N_TOK])
+        # prompt rows: as alone up to the GEMM's row blocking (ROW_TOL); the decode row also goes
+        # through the batched decode attention, not bit-stable across batch sizes (≈ 7e-6 here
+        # with no adapter at all), so it is held to 1e-4
+        worst_row = float((alone[s][:N_TOK] - gathered[s][:N_TOK]).abs().max())
+        print(f"seq {s}: prompt rows alone vs gathered max |d| = {worst_row:.1e}")
+        assert worst_row <= ROW_TOL
         assert float((alone[s][N_TOK:] - gathered[s][N_TOK:]).abs().max()) <= 1e-4
     # the adapters change the logits: set 0 vs the empty set on the same tokens differ
     assert float((gathered[0] - _mixed(ctx, [EMPTY_SET] * 4, "auto", [0])[0]).abs().max()) > 1e-2
