@@ -69,7 +69,7 @@ def upload(store: AdapterStore, tmp_path: Path, name: str, size: int = 1000, see
 def test_ids_from_zero_dedup_never_reused_and_survive_reopen(open_db, tmp_path):
     store = open_db()
     # ids/bytes, replicas, source_format, pinned, aliases
-    assert store.schema_version == len(MIGRATIONS) == 5
+    assert store.schema_version == len(MIGRATIONS) == 6
     a, created = upload(store, tmp_path, "a", seed=1)
     assert (a.id, created, a.name, a.default_scale) == (0, True, "a", 0.0)
     b, _ = upload(store, tmp_path, "b", seed=2)
@@ -252,7 +252,7 @@ def test_sqlite_version_1_data_dir_upgrades_in_place(tmp_path):
         conn.execute("INSERT INTO adapters VALUES (0, 'aa', 'old', '/x.gguf', '{}', 0.5, 1.0)")
         conn.execute("UPDATE id_counter SET next_id = 1")
     store = SqliteStore(db, tmp_path / "blobs")
-    assert store.schema_version == len(MIGRATIONS) == 5
+    assert store.schema_version == len(MIGRATIONS) == 6
     assert [(r.id, r.name, r.default_scale, r.pinned, r.aliases) for r in store.list()] == [
         (0, "old", 0.5, False, ())  # migration 5's default: no aliases
     ]
