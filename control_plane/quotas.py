@@ -256,7 +256,7 @@ class QuotaBook:
                     f"{record.tokens_per_minute}; lower max_tokens"
                 )
         with self._lock:
-            if record is not None and record.limited:
+            if record is not None:  # a row: its usage is accounted (and its limits checked)
                 self._check(tenant.name, record, need)
             self._local[tenant.name] = self._local.get(tenant.name, 0) + 1
         if self.metrics is not None:
@@ -264,7 +264,8 @@ class QuotaBook:
         return Admission(self, tenant, need)
 
     def _check(self, name: str, record: TenantRecord, need: int) -> None:
-        """Admit (take from the buckets) or raise; under the lock."""
+        """Admit (take from the buckets, count it in flight and in the totals) or raise; under
+        the lock."""
         now = self.clock()
         u = self._usage_of(record, now)
         refusal: tuple[str, str, float] | None = None
@@ -325,7 +326,7 @@ class QuotaBook:
                 self._local.pop(name, None)
             u = self._usage.get(name)
             record = admission.tenant.record
-            if u is not None and record is not None and record.limited:
+            if u is not None and record is not None:
                 u.in_flight = max(0, u.in_flight - 1)
                 back = admission.reserved - used if record.tokens_per_minute else 0
                 if u.tokens is not None and back:
@@ -462,7 +463,7 @@ class QuotaBook:
                 return TenantUsageView(in_flight=local)
             s = u.stored
             return TenantUsageView(
-                in_flight=u.in_flight + u.others if s is not None and s.record.limited else local + u.others,
+                in_flight=u.in_flight + u.others,
                 tokens_available=u.tokens.level(now) if u.tokens is not None else 0.0,
                 requests_available=u.requests.level(now) if u.requests is not None else 0.0,
                 requests_total=(s.requests_total if s else 0) + u.unsent.requests_total,

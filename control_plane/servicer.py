@@ -144,7 +144,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         self.replicas = replicas  # None: sightings are not shared (tests of one replica)
         # cancels Generate calls whose client stopped reading (None: never)
         self.generate_watchdog = generate_watchdog
-        self.tenants = tenants  # None: the tenant RPCs answer UNIMPLEMENTED-like UNAVAILABLE
+        self.tenants = tenants  # None: the tenant RPCs answer UNAVAILABLE
 
     # -- admin ---------------------------------------------------------------------------
 

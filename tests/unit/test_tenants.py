@@ -190,6 +190,10 @@ def test_max_concurrent_and_requests_per_minute(book):
         admit(book, "r")
     assert (rpm.value.reason, rpm.value.retry_after_s) == ("requests_per_minute", 30)
     admit(book, "nobody")  # no row: no limits
+    admin.add("weighted", {"weight": 3})  # a row without limits: its usage is still accounted
+    admit(book, "weighted").settle(3, 4)
+    (weighted,) = [s for s in book.sync() or [] if s.record.name == "weighted"]
+    assert (weighted.requests_total, weighted.tokens_total, weighted.record.weight) == (1, 7, 3.0)
     assert book.local_in_flight() == {"c": 1, "r": 2, "nobody": 1}
 
 
