@@ -508,6 +508,32 @@ class AsyncLoraplaneClient(_ClientBase):
         reply = await self._unary("ListWorkers", lambda: _EMPTY)
         return [WorkerInfo.from_proto(w) for w in reply.workers]
 
+    async def add_tenant(
+        self, name: str, *, api_key: str | None = None, **settings: float | int | None
+    ) -> tuple[Tenant, str]:
+        limits = tenant_limits(settings)
+        reply = await self._unary(
+            "AddTenant",
+            lambda: control_plane_pb2.AddTenantRequest(name=name, limits=limits, api_key=api_key or ""),
+        )
+        return Tenant.from_proto(reply.tenant), reply.api_key
+
+    async def update_tenant(self, name: str, **settings: float | int | None) -> Tenant:
+        limits = tenant_limits(settings)
+        reply = await self._unary(
+            "UpdateTenant", lambda: control_plane_pb2.UpdateTenantRequest(name=name, limits=limits)
+        )
+        return Tenant.from_proto(reply.tenant)
+
+    async def list_tenants(self) -> list[Tenant]:
+        reply = await self._unary("ListTenants", lambda: control_plane_pb2.ListTenantsRequest())
+        return [Tenant.from_proto(t) for t in reply.tenants]
+
+    async def remove_tenant(self, name: str) -> None:
+        await self._unary(
+            "RemoveTenant", lambda: control_plane_pb2.RemoveTenantRequest(name=name), not_found_is_done=True
+        )
+
     async def generate_stream(
         self,
         prompt: str | None = None,

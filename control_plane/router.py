@@ -178,8 +178,11 @@ class Router:
             request.request_id = uuid.uuid4().hex
         if request.sampling.HasField("response_format"):
             check_response_format(request.sampling.response_format)
-        vector = self.registry.resolve(request_map_or_none(request, lambda name: self.registry.lookup(name)))
-        tenant = self.tenants.resolve(principal, None if principal else self._first_adapter(request))
+        asked = request_map_or_none(request, lambda name: self.registry.lookup(name))
+        vector = self.registry.resolve(asked)
+        tenant = self.tenants.resolve(
+            principal, None if principal or not asked else self._adapter_name(next(iter(asked)))
+        )
         set_resolved_adapters(request, vector)
         admission = None
         if self.quotas is not None:
@@ -191,18 +194,13 @@ class Router:
             routed = settled(admission, routed, context)
         yield from (routed if self.observer is None else self.observer.track(vector, routed, context))
 
-    def _first_adapter(self, request: common_pb2.GenerateRequest) -> str | None:
-        """The name (else the id) of the first adapter of the request's explicit map; None
-        without a map or with an empty one. Called after the map was checked."""
-        if not request.HasField("adapters") or not request.adapters.entries:
-            return None
-        entry = request.adapters.entries[0]
+    def _adapter_name(self, adapter_id: int) -> str:
+        """An adapter's name for its tenant (``adapter:<name>``): its name, else its id (also
+        when the store cannot say)."""
         try:
-            adapter_id = self.registry.lookup(entry.name) if entry.name else entry.id
-            rec = self.registry.get(adapter_id)
+            return self.registry.get(adapter_id).name or str(adapter_id)
         except ControlPlaneError:
-            return entry.name or str(entry.id)
-        return rec.name or str(rec.id)
+            return str(adapter_id)
 
     def prompt_tokens(self, request: common_pb2.GenerateRequest) -> int:
         """The request's prompt length in tokens: token ids as sent; a text prompt tokenized
