@@ -416,11 +416,19 @@ class SqliteStore(AdapterStore):
     # -- tenants ---------------------------------------------------------------------------
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (``BEGIN IMMEDIATE``) under this store's lock."""
+    def _write(self, *, wait: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction (``BEGIN IMMEDIATE``) under this store's lock; ``wait=False``:
+        fail at once (``database is locked``) instead of waiting for another process's write
+        lock, so this store's lock is not held meanwhile (the quota sync retries next tick)."""
         with self._locked():
             c = self._conn
-            c.execute("BEGIN IMMEDIATE")
+            if not wait:
+                c.execute("PRAGMA busy_timeout=0")
+            try:
+                c.execute("BEGIN IMMEDIATE")
+            finally:
+                if not wait:
+                    c.execute(f"PRAGMA busy_timeout={int(CALL_TIMEOUT_S * 1000)}")
             try:
                 yield c
                 c.execute("COMMIT")
@@ -484,7 +492,7 @@ class SqliteStore(AdapterStore):
                     SQL.states(), {"now": now, "replica_id": self.replica_id, "ttl": in_flight_ttl_s}
                 ).fetchall()
             return [state_of(r) for r in rows]
-        with self._write() as c:
+        with self._write(wait=False) as c:
             for name, d in deltas.items():
                 c.execute(
                     SQL.sync_update(),
