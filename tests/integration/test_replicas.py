@@ -286,9 +286,13 @@ def test_tenant_over_tokens_per_minute_on_a_is_refused_on_b_within_one_second(cl
             via_a.generate(prompt_tokens=prompt, adapters={}, max_tokens=max_tokens, ignore_eos=True)
         assert on_a.value.code == "RESOURCE_EXHAUSTED"
         assert len(other_b.generate(prompt_tokens=prompt, adapters={}, max_tokens=2).token_ids) == 2
-        usage = {t.name: t.usage for t in cluster.lp_b.list_tenants()}
-        assert (usage["global-tpm"].requests_total, usage["global-tpm"].tokens_total) == (3, 36)
-        assert usage["global-tpm"].rejected_total == 2  # one refusal on each replica
+
+        def usage():
+            return next(t.usage for t in cluster.lp_b.list_tenants() if t.name == "global-tpm")
+
+        # one refusal on each replica; A's reaches the database with A's next sync
+        assert wait_until(lambda: usage().rejected_total == 2, timeout=2.0), usage()
+        assert (usage().requests_total, usage().tokens_total) == (3, 36)
     finally:
         for lp in (via_a, via_b, other_b):
             lp.close()
@@ -310,8 +314,15 @@ def test_tenant_max_concurrent_counts_requests_in_flight_on_every_replica(cluste
         assert refused.value.code == "RESOURCE_EXHAUSTED"
         assert "1 requests in flight, max_concurrent 1" in refused.value.message
         stream.close()  # cancels the request on A
-        time.sleep(1.0)
-        assert len(via_b.generate(PROMPT, adapters={}, max_tokens=2).token_ids) == 2
+
+        def admitted_on_b() -> bool:
+            try:
+                return len(via_b.generate(PROMPT, adapters={}, max_tokens=2).token_ids) == 2
+            except LoraplaneError as exc:
+                assert exc.code == "RESOURCE_EXHAUSTED", exc.message
+                return False
+
+        assert wait_until(admitted_on_b, timeout=3.0, interval=0.1)
     finally:
         via_a.close()
         via_b.close()
