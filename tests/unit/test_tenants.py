@@ -332,3 +332,37 @@ def test_quota_refusal_is_openai_rate_limit_429_with_retry_after():
         {"Retry-After": "7"},
     )
     assert err.message == "tenant 'acme': over tokens_per_minute 100; retry after 7 s"
+
+
+def test_tenant_metrics_count_by_outcome_and_keep_the_label_cap(book):
+    """Counters and gauges by tenant, parsed back from the exposition; with a cap of 1 the second
+    tenant counts under "other" and has no limit series (limits do not add up)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loraplane.control_plane.metrics import ControlPlaneMetrics
+
+    m = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (0, 0, 0), n_adapters=lambda: 0, adapter_label_cap=1)
+    book.metrics, m.quotas = m, book
+    admin = TenantAdmin(book.store, book)
+    admin.add("a", {"tokens_per_minute": 60, "max_concurrent": 1})
+    admin.add("b", {"requests_per_minute": 5})
+    held = admit(book, "a")
+    with pytest.raises(QuotaExceededError):
+        admit(book, "a")
+    admit(book, "b").settle(3, 4)
+    held.settle(10, 2)
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(m.exposition()[0].decode())
+        for s in fam.samples
+        if s.name.startswith("loraplane_tenant") and not s.name.endswith("_created")
+    }
+    assert got[("loraplane_tenant_requests_total", (("outcome", "admitted"), ("tenant", "a")))] == 1
+    assert got[("loraplane_tenant_requests_total", (("outcome", "max_concurrent"), ("tenant", "a")))] == 1
+    assert got[("loraplane_tenant_requests_total", (("outcome", "admitted"), ("tenant", "other")))] == 1
+    assert got[("loraplane_tenant_tokens_total", (("kind", "prompt"), ("tenant", "a")))] == 10
+    assert got[("loraplane_tenant_tokens_total", (("kind", "output"), ("tenant", "other")))] == 4
+    assert got[("loraplane_tenant_limit", (("limit", "tokens_per_minute"), ("tenant", "a")))] == 60
+    assert got[("loraplane_tenant_bucket_level", (("bucket", "tokens"), ("tenant", "a")))] == 48  # 60 - 12 used
+    assert not any(dict(labels).get("tenant") == "other" for name, labels in got if name == "loraplane_tenant_limit")
+    assert got[("loraplane_tenant_quota_sync_failures_total", ())] == 0
