@@ -366,3 +366,37 @@ def test_tenant_metrics_count_by_outcome_and_keep_the_label_cap(book):
     assert got[("loraplane_tenant_bucket_level", (("bucket", "tokens"), ("tenant", "a")))] == 48  # 60 - 12 used
     assert not any(dict(labels).get("tenant") == "other" for name, labels in got if name == "loraplane_tenant_limit")
     assert got[("loraplane_tenant_quota_sync_failures_total", ())] == 0
+
+
+def test_http_tenant_routes_add_list_remove_with_openai_errors(book):
+    from loraplane.control_plane.http.app import HttpDeps, create_app
+    from tests.http_fakes import FakePool, FakeRegistry, FakeRouter, call_app
+
+    deps = HttpDeps(
+        registry=FakeRegistry([]),
+        router=FakeRouter(),
+        pool=FakePool(),
+        base_name="base",
+        base_root="/models/base.gguf",
+        tokenizer=None,
+        chat_template=None,
+        admin_token="admin-token-1",
+        tenants=book.directory,
+        tenant_admin=TenantAdmin(book.store, book),
+    )
+    app = create_app(deps)
+    auth = {"authorization": "Bearer admin-token-1"}
+    added = call_app(app, "POST", "/v1/tenants", {"name": "acme", "max_concurrent": 2}, auth)
+    body = added.json()
+    assert added.status == 200 and body["api_key"].startswith("lp-")
+    assert (body["name"], body["max_concurrent"], body["usage"]["in_flight"]) == ("acme", 2, 0)
+    again = call_app(app, "POST", "/v1/tenants", {"name": "acme"}, auth)
+    assert (again.status, again.json()["error"]["code"]) == (409, "already_exists")
+    bad = call_app(app, "POST", "/v1/tenants", {"name": "b", "weight": -1}, auth)
+    assert bad.status == 400 and "weight -1" in bad.json()["error"]["message"]
+    assert call_app(app, "GET", "/v1/tenants", None, {"authorization": "Bearer wrong"}).status == 401
+    listed = call_app(app, "GET", "/v1/tenants", None, auth).json()["tenants"]
+    assert [(t["name"], t["key_count"]) for t in listed] == [("acme", 1)]
+    assert call_app(app, "DELETE", "/v1/tenants/acme", None, auth).json() == {"name": "acme", "removed": True}
+    gone = call_app(app, "DELETE", "/v1/tenants/acme", None, auth)
+    assert gone.status == 404 and "no tenants are configured" in gone.json()["error"]["message"]
