@@ -1,9 +1,10 @@
 """The ``loraplane`` command line: its flags, ``--json`` shapes and exit codes are a stable contract.
 
 Commands are defined by concern in `loraplane.clients.cli_client` (generate, adapters, default,
-workers), `loraplane.clients.cli_server` (serve, control-plane, worker), `loraplane.clients.cli_tools`
-(convert-peft, export-lora, bench) and `loraplane.clients.demo`; this module assembles them and is the
-console-script entry point (also ``python -m loraplane.clients.cli``).
+workers), `loraplane.clients.cli_tenants` (tenants), `loraplane.clients.cli_server` (serve,
+control-plane, worker), `loraplane.clients.cli_tools` (convert-peft, export-lora, bench) and
+`loraplane.clients.demo`; this module assembles them and is the console-script entry point
+(also ``python -m loraplane.clients.cli``).
 
 Exit codes: 0 success, 1 the server refused (or a tool failed), 2 usage error, 3 the server
 cannot be reached, 130 interrupted. With ``--json`` a usage error too is one JSON object on
@@ -21,6 +22,7 @@ import click
 
 from loraplane.clients.cli_client import CLIENT_COMMANDS
 from loraplane.clients.cli_server import SERVER_COMMANDS
+from loraplane.clients.cli_tenants import TENANT_COMMANDS
 from loraplane.clients.cli_tools import TOOL_COMMANDS
 from loraplane.clients.demo import demo_cmd
 from loraplane.clients.params import env_flag
@@ -108,7 +110,7 @@ def cli() -> None:
     """
 
 
-for _command in (*CLIENT_COMMANDS, *SERVER_COMMANDS, *TOOL_COMMANDS, demo_cmd):
+for _command in (*CLIENT_COMMANDS, *TENANT_COMMANDS, *SERVER_COMMANDS, *TOOL_COMMANDS, demo_cmd):
     cli.add_command(_command)
 
 

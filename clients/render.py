@@ -15,7 +15,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from loraplane.clients.results import Adapter, DefaultSet, GenerateResult, WorkerInfo, f32
+from loraplane.clients.results import Adapter, DefaultSet, GenerateResult, Tenant, WorkerInfo, f32
 
 
 class _StdoutConsole(Console):
@@ -216,4 +216,45 @@ def side_by_side(prompt: str, columns: Sequence[tuple[str, GenerateResult]]) -> 
         table.add_column(name, ratio=1, overflow="fold")
     table.add_row(*(Text(r.text.strip() or "(empty)") for _, r in columns))
     table.add_row(*(Text("\n".join(telemetry_lines(r)), style="dim") for _, r in columns))
+    return table
+
+
+def _limit(value: int) -> str:
+    return str(value) if value else "∞"
+
+
+def tenants_table(tenants: Sequence[Tenant]) -> Table:
+    """Tenants: settings (∞: unlimited) and usage over all replicas (buckets: available / limit)."""
+    table = Table(title="Tenants", title_justify="left")
+    for col in (
+        "tenant",
+        "weight",
+        "priority",
+        "keys",
+        "in flight",
+        "tokens/min",
+        "requests/min",
+        "requests",
+        "tokens",
+        "rejected",
+    ):
+        table.add_column(col)
+    for t in tenants:
+        u = t.usage
+        tpm = f"{u.tokens_available:.0f}/{t.tokens_per_minute}" if t.tokens_per_minute else "∞"
+        rpm = f"{u.requests_available:.0f}/{t.requests_per_minute}" if t.requests_per_minute else "∞"
+        table.add_row(
+            t.name,
+            f"{t.weight:g}",
+            str(t.priority),
+            str(t.key_count),
+            f"{u.in_flight}/{_limit(t.max_concurrent)}",
+            tpm,
+            rpm,
+            str(u.requests_total),
+            str(u.tokens_total),
+            str(u.rejected_total),
+        )
+    if not tenants:
+        table.caption = "no tenants configured: every request is unlimited"
     return table

@@ -402,3 +402,59 @@ class ResultBuilder:
             prompt_logprobs=self.prompt_logprobs,
             request_id=self.request_id,
         )
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """A tenant's current usage over all control-plane replicas (as of the last quota sync)."""
+
+    in_flight: int = 0
+    tokens_available: float = 0.0
+    requests_available: float = 0.0
+    requests_total: int = 0
+    tokens_total: int = 0
+    rejected_total: int = 0
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A tenant: its settings (0: unlimited), how many API keys map to it, its usage."""
+
+    name: str
+    weight: float = 1.0
+    priority: int = 0
+    max_concurrent: int = 0
+    tokens_per_minute: int = 0
+    requests_per_minute: int = 0
+    key_count: int = 0
+    usage: TenantUsage = TenantUsage()
+
+    @classmethod
+    def from_proto(cls, t: control_plane_pb2.Tenant) -> Tenant:
+        u = t.usage
+        return cls(
+            name=t.name,
+            weight=t.weight,
+            priority=t.priority,
+            max_concurrent=t.max_concurrent,
+            tokens_per_minute=t.tokens_per_minute,
+            requests_per_minute=t.requests_per_minute,
+            key_count=t.key_count,
+            usage=TenantUsage(
+                in_flight=u.in_flight,
+                tokens_available=u.tokens_available,
+                requests_available=u.requests_available,
+                requests_total=u.requests_total,
+                tokens_total=u.tokens_total,
+                rejected_total=u.rejected_total,
+            ),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``tenants … --json`` object (the HTTP front's ``/v1/tenants`` shape): settings,
+        ``key_count`` and ``usage`` (bucket levels rounded to 3 decimals)."""
+        usage = {f.name: getattr(self.usage, f.name) for f in fields(self.usage)}
+        for k in ("tokens_available", "requests_available"):
+            usage[k] = round(usage[k], 3)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "usage"}
+        return {**out, "usage": usage}

@@ -179,3 +179,22 @@ def upload_chunks(
             sent += len(data)
             if progress is not None:
                 progress(sent, total)
+
+
+TENANT_LIMIT_FIELDS = ("weight", "priority", "max_concurrent", "tokens_per_minute", "requests_per_minute")
+
+
+def tenant_limits(settings: Mapping[str, float | int | None]) -> Any:
+    """A ``TenantLimits`` with the settings given (None or absent: unset, so the control plane
+    keeps the value or takes the default).
+
+    Raises:
+        ValueError: an unknown setting name.
+    """
+    from loraplane.v1 import control_plane_pb2
+
+    unknown = set(settings) - set(TENANT_LIMIT_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown tenant settings {sorted(unknown)} (known: {', '.join(TENANT_LIMIT_FIELDS)})")
+    given: dict[str, Any] = {k: v for k, v in settings.items() if v is not None}
+    return control_plane_pb2.TenantLimits(**given)

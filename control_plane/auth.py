@@ -15,12 +15,19 @@ the HTTP routes other than `OPEN_HTTP_PATHS` (``loraplane.control_plane.http.api
 passes wherever the API key does (admin ⊇ inference); the admin methods still need the admin
 token when one is configured. The worker RPCs and the standard health and reflection services
 never need it. One key (as vLLM); compared in constant time.
+
+Tenant keys (``loraplane tenants add``, `loraplane.control_plane.tenants`) pass the API-key check
+too, for everything but the admin methods and routes (`ADMIN_METHODS`, `ADMIN_HTTP_PATHS`): a
+tenant's key runs inference and reads, never changes adapters or tenants. Without ``--api-key``
+nothing is refused for lack of a key (as today, as vLLM): a tenant key presented only selects
+its tenant, an unknown one is ignored.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 
 from loraplane.env import ENV_ADMIN_TOKEN, ENV_API_KEY
 from loraplane.interceptors import SharedSecretInterceptor, secret_matches
@@ -28,7 +35,17 @@ from loraplane.worker_secret import WORKER_METHODS
 
 _SERVICE = "/loraplane.v1.ControlPlane/"
 ADMIN_METHODS = frozenset(
-    _SERVICE + m for m in ("RegisterAdapter", "UnregisterAdapter", "SetDefaultAdapters", "PinAdapter")
+    _SERVICE + m
+    for m in (
+        "RegisterAdapter",
+        "UnregisterAdapter",
+        "SetDefaultAdapters",
+        "PinAdapter",
+        "AddTenant",
+        "UpdateTenant",
+        "ListTenants",
+        "RemoveTenant",
+    )
 )
 
 
@@ -60,6 +77,15 @@ def bearer_token(authorization: str) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
+ADMIN_HTTP_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/tenants")
+"""HTTP paths (and, for ``/v1/tenants``, the paths below it) a tenant key does not open."""
+
+
+def is_admin_http_path(path: str) -> bool:
+    """Whether ``path`` is an admin route (`ADMIN_HTTP_PATHS`)."""
+    return any(path == p or path.startswith(p + "/") for p in ADMIN_HTTP_PATHS)
+
+
 OPEN_HTTP_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 """HTTP paths served without the API key: probes, scrapes and the API's schema (vLLM leaves
 everything outside ``/v1`` open; we guard every other path, so routes added later are too)."""
@@ -82,14 +108,22 @@ def check_bearer(authorization: str | None, token: str) -> BearerCheck:
     return BearerCheck.ACCEPTED if secret_matches(presented, token) else BearerCheck.REJECTED
 
 
-def check_api_key(authorization: str | None, api_key: str, admin_token: str | None) -> BearerCheck:
+def check_api_key(
+    authorization: str | None,
+    api_key: str,
+    admin_token: str | None,
+    accept: Callable[[str], bool] | None = None,
+) -> BearerCheck:
     """`check_bearer` for the inference API key, the admin token accepted as well (both compared
-    in constant time, whichever matched); never raises."""
+    in constant time, whichever matched), and any token ``accept`` accepts (a tenant key);
+    never raises."""
     presented = bearer_token(authorization or "")
     if presented is None:
         return BearerCheck.MISSING
     matches = [secret_matches(presented, s) for s in (api_key, admin_token) if s]
-    return BearerCheck.ACCEPTED if any(matches) else BearerCheck.REJECTED
+    if any(matches) or (accept is not None and accept(presented)):
+        return BearerCheck.ACCEPTED
+    return BearerCheck.REJECTED
 
 
 class AdminAuthInterceptor(SharedSecretInterceptor):
@@ -112,9 +146,16 @@ class ApiKeyInterceptor(SharedSecretInterceptor):
     Args:
         api_key: the inference key.
         admin_token: also accepted (None: only the key).
+        tenant_key: ``tenant_key(token)``: whether ``token`` is a tenant's API key, accepted
+            for every method but `ADMIN_METHODS` (None: no tenant keys).
     """
 
-    def __init__(self, api_key: str, admin_token: str | None = None) -> None:
+    def __init__(
+        self, api_key: str, admin_token: str | None = None, tenant_key: Callable[[str], bool] | None = None
+    ) -> None:
+        def accept(method: str, token: str) -> bool:
+            return tenant_key is not None and method not in ADMIN_METHODS and tenant_key(token)
+
         super().__init__(
             api_key,
             key="authorization",
@@ -122,4 +163,5 @@ class ApiKeyInterceptor(SharedSecretInterceptor):
             what="API key ('authorization: Bearer <key>')",
             extract=bearer_token,
             also=(admin_token,) if admin_token else (),
+            accept=accept,
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from loraplane.control_plane.errors import InvalidArgumentError
 from loraplane.control_plane.resolution import map_from_pairs
 from loraplane.control_plane.store import AdapterRecord
+from loraplane.control_plane.tenant_admin import TenantView
 from loraplane.control_plane.workers import WorkerView
 from loraplane.v1 import common_pb2, control_plane_pb2
 
@@ -124,3 +125,33 @@ def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
         return Upload(first.name, first.server_path, iter(()))
     rest = (c.data for c in chunks)
     return Upload(first.name, "", itertools.chain([first.data], rest), first.source_format)
+
+
+def tenant_info(view: TenantView) -> control_plane_pb2.Tenant:
+    """A tenant with its limits and usage (`loraplane.control_plane.tenant_admin.TenantView`)."""
+    r, u = view.record, view.usage
+    return control_plane_pb2.Tenant(
+        name=r.name,
+        weight=r.weight,
+        priority=r.priority,
+        max_concurrent=r.max_concurrent,
+        tokens_per_minute=r.tokens_per_minute,
+        requests_per_minute=r.requests_per_minute,
+        key_count=r.key_count,
+        usage=control_plane_pb2.TenantUsage(
+            in_flight=u.in_flight,
+            tokens_available=u.tokens_available,
+            requests_available=u.requests_available,
+            requests_total=u.requests_total,
+            tokens_total=u.tokens_total,
+            rejected_total=u.rejected_total,
+        ),
+    )
+
+
+TENANT_LIMIT_FIELDS = ("weight", "priority", "max_concurrent", "tokens_per_minute", "requests_per_minute")
+
+
+def tenant_settings(limits: control_plane_pb2.TenantLimits) -> dict[str, float | int]:
+    """The settings a ``TenantLimits`` sets (its optional fields that are present)."""
+    return {f: getattr(limits, f) for f in TENANT_LIMIT_FIELDS if limits.HasField(f)}

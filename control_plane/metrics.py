@@ -29,6 +29,21 @@ Names (histograms in seconds):
 ``adapter`` is the adapter id ("none": base model; stacked adapters count once each), capped
 by ``loraplane.metrics.BoundedLabels`` (values past the cap add up under "other").
 
+Tenants (`loraplane.control_plane.quotas`; ``tenant`` capped like ``adapter``, with the same cap,
+``--metrics-max-adapters``):
+  loraplane_tenant_requests_total{tenant, outcome}   outcome: admitted | max_concurrent |
+                                               requests_per_minute | tokens_per_minute (the
+                                               limit a refused request passed)
+  loraplane_tenant_tokens_total{tenant, kind}  kind: prompt | output (settled when requests end)
+  loraplane_tenant_requests_in_flight{tenant}  admitted here and not finished (this replica)
+  loraplane_tenant_limit{tenant, limit}        limit: max_concurrent | tokens_per_minute |
+                                               requests_per_minute (0: unlimited); tenants with a row
+  loraplane_tenant_bucket_level{tenant, bucket}   bucket: tokens | requests, as this replica sees
+                                               it (limited buckets only)
+  loraplane_tenant_quota_sync_failures_total, loraplane_tenant_quota_sync_age_seconds
+                                               quota syncs with the store that failed; seconds since
+                                               the last one that succeeded (-1: never)
+
 KV-cache usage and residency come from the workers' heartbeats (as of the last one, every
 ``--heartbeat-interval``): a worker reports the KV cells (token positions) held by the
 sequences of its running requests and its capacity (``slots × n_ctx``). Cells an idle slot
@@ -54,6 +69,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -61,7 +77,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from loraplane.control_plane.errors import InvalidArgumentError, NotFoundError
 from loraplane.control_plane.workers import WorkerHoldingsView
-from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, BoundedLabels, kv_usage
+from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, OTHER_LABEL, BoundedLabels, kv_usage
 from loraplane.v1 import common_pb2
 from loraplane.v1.control_plane_pb2 import AdapterPagingCount
 
@@ -146,6 +162,21 @@ class ControlPlaneMetrics:
             ["adapter"],
             registry=r,
         )
+        self.tenant_labels = BoundedLabels(adapter_label_cap)
+        self.tenant_requests = Counter(
+            "loraplane_tenant_requests",
+            "Requests by tenant: admitted, or refused by the quota named.",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_token_counts = Counter(
+            "loraplane_tenant_tokens", "Tokens of finished requests by tenant.", ["tenant", "kind"], registry=r
+        )
+        self.tenant_sync_failures = Counter(
+            "loraplane_tenant_quota_sync_failures", "Quota syncs with the store that failed.", registry=r
+        )
+        # the quota book (loraplane.control_plane.quotas.QuotaBook), for the tenant gauges; None: none
+        self.quotas: Any = None
         r.register(_StateCollector(self))
 
     def exposition(self) -> tuple[bytes, str]:
@@ -232,6 +263,21 @@ class ControlPlaneMetrics:
                 close()  # a client that went away: the router cancels the worker call
             count(outcome)
 
+    # -- the quota book hooks --------------------------------------------------------------
+    def tenant_admitted(self, tenant: str) -> None:
+        self.tenant_requests.labels(self.tenant_labels(tenant), "admitted").inc()
+
+    def tenant_rejected(self, tenant: str, reason: str) -> None:
+        self.tenant_requests.labels(self.tenant_labels(tenant), reason).inc()
+
+    def tenant_tokens(self, tenant: str, prompt: int, output: int) -> None:
+        label = self.tenant_labels(tenant)
+        self.tenant_token_counts.labels(label, "prompt").inc(prompt)
+        self.tenant_token_counts.labels(label, "output").inc(output)
+
+    def tenant_sync_failed(self) -> None:
+        self.tenant_sync_failures.inc()
+
     # -- the worker pool hook -------------------------------------------------------------
     def on_paging(self, worker_id: str, incarnation: str, counts: Sequence[AdapterPagingCount]) -> None:
         """A heartbeat's cumulative per-adapter page-ins / evictions of ``worker_id``'s process
@@ -305,6 +351,50 @@ class _StateCollector:
         info.add_metric([str(max_lora), _names(running), _names(waiting)], time.time())
         yield info
         yield from self._holdings()
+        yield from self._tenants()
+
+    def _tenants(self):
+        """In-flight counts, limits and bucket levels by tenant, and the sync's age."""
+        book = self.m.quotas
+        in_flight = GaugeMetricFamily(
+            "loraplane_tenant_requests_in_flight", "Requests admitted here and not finished.", labels=["tenant"]
+        )
+        limits = GaugeMetricFamily(
+            "loraplane_tenant_limit", "A tenant's limits (0: unlimited).", labels=["tenant", "limit"]
+        )
+        levels = GaugeMetricFamily(
+            "loraplane_tenant_bucket_level",
+            "Token / request bucket levels as this replica sees them.",
+            labels=["tenant", "bucket"],
+        )
+        age = -1.0
+        if book is not None:
+            counts: dict[str, int] = {}
+            for name, n in book.local_in_flight().items():
+                label = self.m.tenant_labels(name)
+                counts[label] = counts.get(label, 0) + n
+            for label, n in counts.items():
+                in_flight.add_metric([label], n)
+            for rec in book.directory.records():
+                label = self.m.tenant_labels(rec.name)
+                if label == OTHER_LABEL:
+                    continue  # limits do not add up
+                limits.add_metric([label, "max_concurrent"], rec.max_concurrent)
+                limits.add_metric([label, "tokens_per_minute"], rec.tokens_per_minute)
+                limits.add_metric([label, "requests_per_minute"], rec.requests_per_minute)
+                usage = book.usage(rec.name)
+                if rec.tokens_per_minute:
+                    levels.add_metric([label, "tokens"], usage.tokens_available)
+                if rec.requests_per_minute:
+                    levels.add_metric([label, "requests"], usage.requests_available)
+            synced = book.synced_age_s()
+            age = -1.0 if synced is None else synced
+        yield in_flight
+        yield limits
+        yield levels
+        yield GaugeMetricFamily(
+            "loraplane_tenant_quota_sync_age_seconds", "Seconds since the last quota sync (-1: never).", value=age
+        )
 
     def _holdings(self):
         """KV-cache usage and adapter residency over the alive workers' last heartbeats."""

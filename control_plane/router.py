@@ -10,7 +10,14 @@ One request, top to bottom (`Router.generate`):
      least loaded;
   4. announce any adapter of the vector the worker does not know (id → sha256; it fetches
      the bytes from us on first use);
-  5. open the worker's bidi ``Decode`` stream, submit, relay every event until ``finished``.
+  5. open the worker's bidi ``Decode`` stream, submit (with the request's tenant, for the
+     worker's fair admission), relay every event until ``finished``.
+
+Between 2 and 3 the request's tenant is resolved (its API key, else its explicit map's first
+adapter, else "anonymous": `loraplane.control_plane.tenants`) and admitted against the
+tenant's quotas (`loraplane.control_plane.quotas`): a tenant over a limit is refused here,
+before any worker work, and its reservation is settled with the real token counts when the
+stream ends, on whichever exit comes first (as the in-flight count below).
 
 The client going away cancels the worker call and gives its worker capacity back at once
 (``context.add_callback``): the in-flight count follows the relay's lifetime exactly — it is
@@ -46,8 +53,10 @@ from loraplane.control_plane.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from loraplane.control_plane.quotas import Admission, QuotaBook
 from loraplane.control_plane.registry import AdapterRegistry
 from loraplane.control_plane.resolution import adapter_set_key
+from loraplane.control_plane.tenants import ResolvedTenant, TenantDirectory
 from loraplane.control_plane.workers import WorkerHandle, WorkerPool
 from loraplane.response_format import GrammarError, ResponseFormat, compile_grammar
 from loraplane.v1 import common_pb2, worker_pb2
@@ -132,21 +141,35 @@ def check_response_format(rf: common_pb2.ResponseFormat) -> None:
 class Router:
     """Picks workers for Generate calls and relays their streams."""
 
-    def __init__(self, registry: AdapterRegistry, pool: WorkerPool) -> None:
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        pool: WorkerPool,
+        *,
+        tenants: TenantDirectory | None = None,
+        quotas: QuotaBook | None = None,
+    ) -> None:
         self.registry = registry
         self.pool = pool
+        self.tenants = tenants or TenantDirectory()  # no rows: every tenant unlimited
+        self.quotas = quotas  # None: no quotas, no per-tenant counts
         self._affinity: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
         # ``track(vector, events, context) -> events`` (loraplane.control_plane.metrics); None: not counted.
         self.observer: Any = None
 
     def generate(
-        self, request: common_pb2.GenerateRequest, context: ClientContext
+        self, request: common_pb2.GenerateRequest, context: ClientContext, *, principal: str | None = None
     ) -> Iterator[common_pb2.GenerateEvent]:
-        """Resolve, route and relay one request (see the module docstring).
+        """Resolve, admit, route and relay one request (see the module docstring).
+
+        Args:
+            principal: the tenant the caller's API key names (`TenantDirectory.principal`);
+                None: no key, or an unknown one.
 
         Raises:
             NotFoundError / InvalidArgumentError: the adapter map is wrong.
+            QuotaExceededError: the tenant is over a quota (RESOURCE_EXHAUSTED, retry-after).
             UnavailableError: no live worker, or the worker failed mid-stream.
             ResourceExhaustedError: every live worker is at slots + queue limit.
             WorkerRequestError: the worker refused the request (its code is kept).
@@ -155,13 +178,48 @@ class Router:
             request.request_id = uuid.uuid4().hex
         if request.sampling.HasField("response_format"):
             check_response_format(request.sampling.response_format)
-        vector = self.registry.resolve(request_map_or_none(request, lambda name: self.registry.lookup(name)))
+        asked = request_map_or_none(request, lambda name: self.registry.lookup(name))
+        vector = self.registry.resolve(asked)
+        tenant = self.tenants.resolve(
+            principal, None if principal or not asked else self._adapter_name(next(iter(asked)))
+        )
         set_resolved_adapters(request, vector)
-        routed = self._route(request, context, vector)
+        admission = None
+        if self.quotas is not None:
+            admission = self.quotas.admit(
+                tenant, max_tokens=request.sampling.max_tokens, prompt_tokens=lambda: self.prompt_tokens(request)
+            )
+        routed = self._route(request, context, vector, tenant)
+        if admission is not None:
+            routed = settled(admission, routed, context)
         yield from (routed if self.observer is None else self.observer.track(vector, routed, context))
 
+    def _adapter_name(self, adapter_id: int) -> str:
+        """An adapter's name for its tenant (``adapter:<name>``): its name, else its id (also
+        when the store cannot say)."""
+        try:
+            return self.registry.get(adapter_id).name or str(adapter_id)
+        except ControlPlaneError:
+            return str(adapter_id)
+
+    def prompt_tokens(self, request: common_pb2.GenerateRequest) -> int:
+        """The request's prompt length in tokens: token ids as sent; a text prompt tokenized
+        with the base tokenizer as the worker does (BOS as the model says, special tokens
+        parsed); without a tokenizer, its UTF-8 byte count (an upper bound the settling
+        corrects)."""
+        if request.WhichOneof("prompt") == "tokens":
+            return len(request.tokens.ids)
+        tok = self.registry.base.tokenizer()
+        if tok is None:
+            return len(request.text.encode("utf-8", "surrogatepass"))
+        return len(tok.encode(request.text, add_special=True, parse_special=True))
+
     def _route(
-        self, request: common_pb2.GenerateRequest, context: ClientContext, vector: list[tuple[int, float]]
+        self,
+        request: common_pb2.GenerateRequest,
+        context: ClientContext,
+        vector: list[tuple[int, float]],
+        tenant: ResolvedTenant,
     ) -> Iterator[common_pb2.GenerateEvent]:
         """Steps 3-5 of the module docstring for a resolved request."""
         key = adapter_set_key(vector)
@@ -181,7 +239,7 @@ class Router:
                 continue
             log.info("request_routed", worker_id=worker.worker_id, adapters=vector)
             relayed = False
-            relay = self._relay(worker, request, context)
+            relay = self._relay(worker, request, context, tenant)
             try:
                 with closing(relay):  # a client that goes away closes us; close the relay now
                     for event in relay:
@@ -240,12 +298,17 @@ class Router:
         return chosen
 
     def _relay(
-        self, worker: WorkerHandle, request: common_pb2.GenerateRequest, context: ClientContext
+        self,
+        worker: WorkerHandle,
+        request: common_pb2.GenerateRequest,
+        context: ClientContext,
+        tenant: ResolvedTenant,
     ) -> Generator[common_pb2.GenerateEvent, None, None]:
         # The request side stays open until we are done: a worker may read a half-close as
         # "the caller is gone" and free the slot.
         outbox: queue.Queue[worker_pb2.DecodeRequest | None] = queue.Queue()
-        outbox.put(worker_pb2.DecodeRequest(submit=request))
+        who = worker_pb2.RequestTenant(name=tenant.name, weight=tenant.weight, priority=tenant.priority)
+        outbox.put(worker_pb2.DecodeRequest(submit=request, tenant=who))
         client_deadline = _client_deadline(context)
         call = worker.stub.Decode(iter(outbox.get, None), timeout=client_deadline)
         declared_dead: list[str] = []  # why the pool declared the worker dead, set before the cancel
@@ -308,3 +371,33 @@ class Router:
                 worker,
                 f"worker {worker.worker_id} failed: its stream ended before request {request.request_id} finished",
             )
+
+
+def settled(
+    admission: Admission, events: Iterator[common_pb2.GenerateEvent], context: ClientContext
+) -> Iterator[common_pb2.GenerateEvent]:
+    """Relay ``events`` unchanged and settle ``admission`` once with the tokens they carried
+    (prompt: the worker's ``started`` / finished telemetry; output: one per ``token`` event),
+    when they end or the client goes away, whichever comes first."""
+    counts = [0, 0]  # prompt, output
+
+    def settle() -> None:
+        admission.settle(counts[0], counts[1])
+
+    if not context.add_callback(settle):
+        settle()
+    try:
+        for ev in events:
+            kind = ev.WhichOneof("event")
+            if kind == "started":
+                counts[0] = len(ev.started.prompt_token_ids)
+            elif kind == "token":
+                counts[1] += 1
+            elif kind == "finished":
+                counts[0] = ev.finished.telemetry.prompt_tokens or counts[0]
+            yield ev
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+        settle()

@@ -46,12 +46,15 @@ from loraplane.control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, Contro
 from loraplane.control_plane.errors import DatabaseUnavailableError
 from loraplane.control_plane.http.models import served_name
 from loraplane.control_plane.metrics import ControlPlaneMetrics
+from loraplane.control_plane.quotas import QuotaBook
 from loraplane.control_plane.registry import AdapterRegistry, served_base_name
 from loraplane.control_plane.replicas import ReplicaSync
 from loraplane.control_plane.router import Router
 from loraplane.control_plane.servicer import ControlPlaneServicer, WorkerMembershipServicer
 from loraplane.control_plane.stall import StallWatchdog
 from loraplane.control_plane.store import AdapterStore, open_store
+from loraplane.control_plane.tenant_admin import TenantAdmin
+from loraplane.control_plane.tenants import TenantDirectory
 from loraplane.control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
@@ -88,6 +91,8 @@ class ControlPlaneState:
     health: health.HealthServicer
     replicas: ReplicaSync
     metrics: ControlPlaneMetrics | None = None
+    quotas: QuotaBook | None = None  # tenant quotas, synced with the store (started with the server)
+    tenant_admin: TenantAdmin | None = None
     http: Any = None  # loraplane.control_plane.http.server.HttpServer when --http-addr is set
     http_port: int = 0
     metrics_server: Any = None  # prometheus-client's server when --metrics-addr is set
@@ -101,6 +106,8 @@ class ControlPlaneState:
             self.http.stop()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        if self.quotas is not None:
+            self.quotas.stop()
         self.replicas.stop()
         self.pool.close()
         self.store.close()
@@ -141,10 +148,24 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
     )
     pool = WorkerPool(registry, timings, secret=worker_secret_from(config.worker_secret))
     replicas = ReplicaSync(store, pool, interval_s=timings.heartbeat_interval_s, dead_after_s=timings.dead_after_s)
-    router = Router(registry, pool)
+    directory = TenantDirectory(api_key=api_key_from(config.api_key), admin_token=admin_token_from(config.admin_token))
     metrics = build_metrics(config, registry, pool)
+    quotas = QuotaBook(store, directory, metrics=metrics)
+    metrics.quotas = quotas
+    router = Router(registry, pool, tenants=directory, quotas=quotas)
     router.observer = metrics
-    return ControlPlaneState(config, store, registry, pool, router, health.HealthServicer(), replicas, metrics)
+    return ControlPlaneState(
+        config,
+        store,
+        registry,
+        pool,
+        router,
+        health.HealthServicer(),
+        replicas,
+        metrics,
+        quotas=quotas,
+        tenant_admin=TenantAdmin(store, quotas),
+    )
 
 
 def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: WorkerPool) -> ControlPlaneMetrics:
@@ -254,6 +275,8 @@ def http_deps(state: ControlPlaneState) -> Any:
         n_ctx=n_ctx,
         live_n_ctx=state.pool.max_n_ctx,
         max_piece=max_piece,
+        tenants=state.router.tenants,
+        tenant_admin=state.tenant_admin,
     )
 
 
@@ -300,7 +323,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
     )
     interceptors = [
         BoundedStatusInterceptor(),
-        *([ApiKeyInterceptor(api_key, token)] if api_key else []),
+        *([ApiKeyInterceptor(api_key, token, state.router.tenants.accepts)] if api_key else []),
         *([AdminAuthInterceptor(token)] if token else []),
         *worker_door(secret, config.insecure_workers),
         DecodeGuardInterceptor(),
@@ -328,6 +351,7 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
             state.router,
             state.replicas,
             generate_watchdog=generate_watchdog,
+            tenants=state.tenant_admin,
         ),
         server,
     )
@@ -344,6 +368,8 @@ def create_server(config: ControlPlaneConfig) -> tuple[grpc.Server, int, Control
         server.stop(0)
         state.close()
         raise
+    if state.quotas is not None:
+        state.quotas.start()  # keys and limits loaded before the first request is served
     server.start()
     state.replicas.start()
     for service in ("", CONTROL_PLANE_SERVICE, MEMBERSHIP_SERVICE):

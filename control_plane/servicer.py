@@ -31,11 +31,14 @@ from loraplane.control_plane.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from loraplane.control_plane.quotas import QuotaExceededError
 from loraplane.control_plane.registry import AdapterRegistry
 from loraplane.control_plane.replicas import ReplicaSync
 from loraplane.control_plane.router import Router, WorkerRequestError
 from loraplane.control_plane.stall import StallWatchdog
+from loraplane.control_plane.tenant_admin import TenantAdmin
 from loraplane.control_plane.workers import WorkerPool
+from loraplane.interceptors import metadata_value
 from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
@@ -63,6 +66,18 @@ def status_of(exc: ControlPlaneError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+RETRY_AFTER_KEY = "retry-after"
+"""Trailing metadata of a quota refusal: whole seconds before the request could pass (the HTTP
+front's ``Retry-After``). Not gRPC's pushback key: clients retry pushback on their own, and a
+tenant over its quota should see the refusal."""
+
+
+def _retry_after(context, exc: Exception) -> None:
+    """Put a quota refusal's ``retry-after`` into the call's trailing metadata."""
+    if isinstance(exc, QuotaExceededError):
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(exc.retry_after_s)),))
+
+
 def _failure(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ControlPlaneError):
         code = status_of(exc)
@@ -85,6 +100,7 @@ def boundary(fn: Callable) -> Callable:
                     return
                 except Exception as exc:  # noqa: BLE001 - the boundary maps everything
                     code, message = _failure(method, exc)
+                    _retry_after(context, exc)
                 context.abort(code, message)
 
         return stream
@@ -120,6 +136,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         replicas: ReplicaSync | None = None,
         *,
         generate_watchdog: StallWatchdog | None = None,
+        tenants: TenantAdmin | None = None,
     ) -> None:
         self.registry = registry
         self.pool = pool
@@ -127,6 +144,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         self.replicas = replicas  # None: sightings are not shared (tests of one replica)
         # cancels Generate calls whose client stopped reading (None: never)
         self.generate_watchdog = generate_watchdog
+        self.tenants = tenants  # None: the tenant RPCs answer UNAVAILABLE
 
     # -- admin ---------------------------------------------------------------------------
 
@@ -178,13 +196,42 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     def ListWorkers(self, request, context):
         return control_plane_pb2.WorkerList(workers=[convert.worker_info(v) for v in self.pool.snapshot()])
 
+    # -- tenants (admin) -------------------------------------------------------------------
+
+    def _tenant_admin(self) -> TenantAdmin:
+        if self.tenants is None:
+            raise UnavailableError("tenants are not served by this control plane")
+        return self.tenants
+
+    @boundary
+    def AddTenant(self, request, context):
+        view, key = self._tenant_admin().add(request.name, convert.tenant_settings(request.limits), request.api_key)
+        return control_plane_pb2.AddTenantResponse(tenant=convert.tenant_info(view), api_key=key)
+
+    @boundary
+    def UpdateTenant(self, request, context):
+        view = self._tenant_admin().update(request.name, convert.tenant_settings(request.limits))
+        return control_plane_pb2.UpdateTenantResponse(tenant=convert.tenant_info(view))
+
+    @boundary
+    def ListTenants(self, request, context):
+        views = self._tenant_admin().list()
+        return control_plane_pb2.ListTenantsResponse(tenants=[convert.tenant_info(v) for v in views])
+
+    @boundary
+    def RemoveTenant(self, request, context):
+        self._tenant_admin().remove(request.name)
+        return control_plane_pb2.RemoveTenantResponse()
+
     # -- generation ----------------------------------------------------------------------
 
     @boundary
     def Generate(self, request, context):
         ensure_request_id(request)
+        authorization = metadata_value(context.invocation_metadata(), "authorization")
+        principal = self.router.tenants.principal(authorization)
         with bind_request(request_id=request.request_id):
-            events = self.router.generate(request, context)
+            events = self.router.generate(request, context, principal=principal)
             if self.generate_watchdog is not None:
                 events = self.generate_watchdog.stream(context, events, request.request_id, size=_byte_size)
             yield from events

@@ -92,6 +92,8 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
             None from it counts as absent.
         also: further secrets accepted in the same place (the admin token where the inference
             API key is asked for); each is compared, in constant time, whatever matched first.
+        accept: ``accept(method, presented)``: a further acceptance of a value that matched none
+            of the secrets (a tenant's API key, looked up by its hash); None: none.
 
     Refusal: UNAUTHENTICATED, message naming the method and the missing/rejected credential
     (never echoing what was presented).
@@ -106,10 +108,12 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
         what: str,
         extract: Callable[[str], str | None] = lambda v: v,
         also: Sequence[str] = (),
+        accept: Callable[[str, str], bool] | None = None,
     ) -> None:
         if not secret or not all(also):
             raise ValueError(f"{what}: an empty secret would accept anyone")
         self._secrets = (secret, *also)
+        self._accept = accept
         self._key = key
         self._applies = applies
         self._what = what
@@ -130,7 +134,8 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
                 event="unauthenticated_call",
                 method=method,
             )
-        if not any([secret_matches(presented, s) for s in self._secrets]):  # a list: compare every one
+        matched = any([secret_matches(presented, s) for s in self._secrets])  # a list: compare every one
+        if not matched and not (self._accept is not None and self._accept(method, presented)):
             return refusal(
                 handler,
                 grpc.StatusCode.UNAUTHENTICATED,

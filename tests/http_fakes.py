@@ -136,15 +136,20 @@ class FakePool:
 
 class FakeRouter:
     """``generate`` replays ``script`` (events, or an exception raised where it stands) and
-    records each request and whether the HTTP side cancelled the call."""
+    records each request, the tenant its key named (``principals``) and whether the HTTP side
+    cancelled the call."""
 
     def __init__(self) -> None:
         self.script: list[common_pb2.GenerateEvent | BaseException] = []
         self.requests: list[common_pb2.GenerateRequest] = []
+        self.principals: list[str | None] = []
         self.cancelled = 0
 
-    def generate(self, request: common_pb2.GenerateRequest, context: Any) -> Iterator[common_pb2.GenerateEvent]:
+    def generate(
+        self, request: common_pb2.GenerateRequest, context: Any, *, principal: str | None = None
+    ) -> Iterator[common_pb2.GenerateEvent]:
         self.requests.append(request)
+        self.principals.append(principal)
         context.add_callback(self._cancel)
         yield from scripted(*self.script)
 

@@ -8,6 +8,9 @@ shape with ``code: "invalid_api_key"`` (what the official ``openai`` client rais
 check the admin token afterwards as before (`loraplane.control_plane.http.admin.require_admin`): with an
 admin token configured, the API key alone does not load or unload adapters.
 
+A tenant's API key (`loraplane.control_plane.tenants`) passes as well, except on the admin routes
+(`loraplane.control_plane.auth.ADMIN_HTTP_PATHS`): a tenant runs inference, never administers.
+
 The rule follows vLLM's ``--api-key`` middleware (``vllm/entrypoints/openai/api_server.py``,
 which guards ``/v1``) but guards by default: a route added later is covered without a list to
 update.
@@ -16,11 +19,12 @@ update.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplane.control_plane.auth import OPEN_HTTP_PATHS, BearerCheck, check_api_key
+from loraplane.control_plane.auth import OPEN_HTTP_PATHS, BearerCheck, check_api_key, is_admin_http_path
 from loraplane.control_plane.http.errors import OpenAIError
 
 
@@ -41,16 +45,25 @@ class ApiKeyAuth:
         app: the wrapped application.
         api_key: the inference key (non-empty).
         admin_token: also accepted (None: only the key).
+        tenant_key: ``tenant_key(token)``: whether ``token`` is a tenant's API key (accepted
+            outside the admin routes); None: no tenant keys.
 
     Non-HTTP scopes (lifespan) pass through untouched.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str, admin_token: str | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str,
+        admin_token: str | None = None,
+        tenant_key: Callable[[str], bool] | None = None,
+    ) -> None:
         if not api_key:
             raise ValueError("an empty API key would accept anyone")
         self.app = app
         self.api_key = api_key
         self.admin_token = admin_token
+        self.tenant_key = tenant_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path", "") in OPEN_HTTP_PATHS:
@@ -61,7 +74,9 @@ class ApiKeyAuth:
             if name == b"authorization":
                 authorization = value.decode("utf-8", "replace")
                 break
-        found = check_api_key(authorization, self.api_key, self.admin_token)
+        path = scope.get("path", "")
+        tenant_key = None if is_admin_http_path(path) else self.tenant_key
+        found = check_api_key(authorization, self.api_key, self.admin_token, tenant_key)
         if found is BearerCheck.ACCEPTED:
             await self.app(scope, receive, send)
             return

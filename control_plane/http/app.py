@@ -8,7 +8,8 @@ Routes, one module per concern:
   * ``POST /v1/completions``, ``POST /v1/chat/completions`` (`completions`; responses and
     server-sent events from `streaming`);
   * ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (`admin`: bearer token when
-    one is configured, as on gRPC);
+    one is configured, as on gRPC); ``GET``/``POST /v1/tenants``, ``DELETE
+    /v1/tenants/{name}`` (`tenant_routes`, the same guard);
   * ``GET /health``, ``GET /metrics`` (`health`): open even when an API key guards the rest
     (`api_key`).
 Every error is OpenAI's JSON shape (`errors.install_error_handlers`).
@@ -36,6 +37,7 @@ from loraplane.control_plane.http.deps import DEFAULT_MAX_BODY_BYTES, HttpDeps
 from loraplane.control_plane.http.errors import OpenAIError, http_error, install_error_handlers
 from loraplane.control_plane.http.health import health_router
 from loraplane.control_plane.http.models import models_router
+from loraplane.control_plane.http.tenant_routes import tenants_router
 from loraplane.control_plane.http.tokenize import tokenize_router
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "BodySizeLimit", "HttpDeps", "create_app"]
@@ -180,7 +182,9 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app.include_router(completions_router(deps))
     app.include_router(tokenize_router(deps))
     app.include_router(admin_router(deps))
+    app.include_router(tenants_router(deps))
     app.add_middleware(BodySizeLimit, max_bytes=deps.max_body_bytes)
     if deps.api_key:  # added last: outermost, so an unauthenticated request reaches nothing
-        app.add_middleware(ApiKeyAuth, api_key=deps.api_key, admin_token=deps.admin_token)
+        tenant_key = deps.tenants.accepts if deps.tenants is not None else None
+        app.add_middleware(ApiKeyAuth, api_key=deps.api_key, admin_token=deps.admin_token, tenant_key=tenant_key)
     return app

@@ -281,16 +281,18 @@ def respond(
     logprobs: int | None,
     tool_calls: bool = False,
     forced: ForcedCall | None = None,
+    principal: str | None = None,
 ) -> Response:
     """Run ``request`` through the router and answer: the full JSON body, or (``stream``) a
-    server-sent-event stream. ``logprobs``, ``tool_calls`` and ``forced`` as `CompletionStream`'s.
+    server-sent-event stream. ``logprobs``, ``tool_calls`` and ``forced`` as `CompletionStream`'s;
+    ``principal``: the tenant the request's API key names (`HttpDeps.principal`).
 
     Raises:
         OpenAIError: the router failed (before the first token, when streaming).
     """
     call = HttpCallContext()
     stream = CompletionStream(
-        deps.router.generate(request, call),
+        deps.router.generate(request, call, principal=principal),
         cancel=call.cancel,
         request_id=request.request_id,
         created=now_s(),
@@ -318,9 +320,9 @@ def completions_router(deps: HttpDeps) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         raw = await request.body()  # at most --http-max-body-bytes (app.BodySizeLimit)
-        return await run_in_threadpool(run_completion, raw)
+        return await run_in_threadpool(run_completion, raw, request.headers.get("authorization"))
 
-    def run_completion(raw: bytes) -> Response:
+    def run_completion(raw: bytes, authorization: str | None = None) -> Response:
         body = parse_body(raw, CompletionRequest)
         body.check()
         text, ids = prompt_of(body)
@@ -345,14 +347,14 @@ def completions_router(deps: HttpDeps) -> APIRouter:
             logprobs=body.logprobs or 0,
             **sampling_of(body),
         )
-        return respond(deps, request, body, chat=False, logprobs=body.logprobs)
+        return respond(deps, request, body, chat=False, logprobs=body.logprobs, principal=deps.principal(authorization))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         raw = await request.body()
-        return await run_in_threadpool(run_chat, raw)
+        return await run_in_threadpool(run_chat, raw, request.headers.get("authorization"))
 
-    def run_chat(raw: bytes) -> Response:
+    def run_chat(raw: bytes, authorization: str | None = None) -> Response:
         body = parse_body(raw, ChatCompletionRequest)
         body.check()
         template = chat_template_of(deps)
@@ -388,6 +390,7 @@ def completions_router(deps: HttpDeps) -> APIRouter:
             logprobs=n_top if body.logprobs else None,
             tool_calls=tools is not None,
             forced=forced,
+            principal=deps.principal(authorization),
         )
 
     return router

@@ -10,6 +10,8 @@ from typing import Any
 from loraplane.control_plane.http.chat_template import ChatTemplate
 from loraplane.control_plane.registry import AdapterRegistry
 from loraplane.control_plane.router import Router
+from loraplane.control_plane.tenant_admin import TenantAdmin
+from loraplane.control_plane.tenants import TenantDirectory
 from loraplane.control_plane.workers import WorkerPool
 from loraplane.limits import HTTP_MAX_BODY_BYTES
 
@@ -73,6 +75,9 @@ class HttpDeps:
         max_prompt_bytes: a completions text prompt, or a chat conversation's content, longer
             than this many UTF-8 bytes gets 400 before any template or tokenizer runs
             (`prompt_byte_limit`, or ``--http-max-prompt-bytes``); None: only the body limit.
+        tenants: keys → tenants (`loraplane.control_plane.tenants.TenantDirectory`): the
+            tenant of each request, and tenant keys accepted by the API-key check; None: none.
+        tenant_admin: serves ``/v1/tenants`` (None: those routes answer 503).
         n_ctx: prompts of this many tokens or more get 400 before routing (the model's
             training context, `n_ctx_train`); None: the worker decides. Used until a live
             worker reports its own (`prompt_n_ctx`).
@@ -114,3 +119,10 @@ class HttpDeps:
     api_key: str | None = None
     max_prompt_bytes: int | None = None
     n_ctx: int | None = None
+    tenants: TenantDirectory | None = None
+    tenant_admin: TenantAdmin | None = None
+
+    def principal(self, authorization: str | None) -> str | None:
+        """The tenant a request's ``Authorization`` names (`TenantDirectory.principal`); None
+        without a directory, a key, or with an unknown key."""
+        return self.tenants.principal(authorization) if self.tenants is not None else None

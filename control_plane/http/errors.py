@@ -8,7 +8,8 @@ route lets through (e.g. the database unavailable while listing ``/v1/models``, 
 `from_control_plane`), and, as a last resort, any unexpected exception (500, logged with its
 traceback). `app.BodySizeLimit` answers 413 in the same shape before a too-large body is read.
 Every 503 carries ``Retry-After`` (seconds: 2 for a database outage, 1 for no live worker), as
-vLLM/OpenAI clients expect.
+vLLM/OpenAI clients expect; so does a 429 for a tenant over its quota
+(`loraplane.control_plane.quotas.QuotaExceededError`: ``code`` ``rate_limit_exceeded``, as OpenAI).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from loraplane.control_plane.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from loraplane.control_plane.quotas import QuotaExceededError
 
 log = structlog.get_logger("loraplane.control_plane.http.errors")
 
@@ -51,6 +53,9 @@ STATUS_OF: dict[type[ControlPlaneError], tuple[int, str]] = {
     DataCorruptionError: (500, "internal_error"),
 }
 RETRY_AFTER_S = 1
+RATE_LIMIT_CODE = "rate_limit_exceeded"
+"""OpenAI's ``code`` of a 429 for a caller over its rate limits (the official client raises
+``RateLimitError`` for the status)."""
 """``Retry-After`` of a 503 whose error names no ``retry_after_s`` of its own."""
 # A worker's status code (relayed by the router as WorkerRequestError) → HTTP status.
 GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -106,6 +111,9 @@ def from_control_plane(exc: ControlPlaneError) -> OpenAIError:
         err = OpenAIError(status, str(exc), type=kind)
     if err.status == 503:
         err.headers = {"Retry-After": str(int(getattr(exc, "retry_after_s", RETRY_AFTER_S)))}
+    elif isinstance(exc, QuotaExceededError):  # OpenAI's rate-limit answer: code and Retry-After
+        err.code = RATE_LIMIT_CODE
+        err.headers = {"Retry-After": str(int(exc.retry_after_s))}
     return err
 
 

@@ -303,6 +303,96 @@ class WorkerSighting:
 Sightings = list[WorkerSighting]
 
 
+@dataclass(frozen=True)
+class TenantRecord:
+    """One tenant as stored (``tenants`` table, migration 6).
+
+    Attributes:
+        name: unique; what requests are accounted to (`loraplane.control_plane.tenants.check_tenant_name`).
+        weight: fair share on the workers (VTC weight, > 0).
+        priority: priority class on the workers (lower is served first).
+        max_concurrent: requests in flight over all replicas (0: unlimited).
+        tokens_per_minute: prompt + output tokens per minute (0: unlimited).
+        requests_per_minute: requests per minute (0: unlimited).
+        key_count: API keys that map to it (stored as sha256 only).
+        created_at: unix time it was added, seconds.
+    """
+
+    name: str
+    weight: float = 1.0
+    priority: int = 0
+    max_concurrent: int = 0
+    tokens_per_minute: int = 0
+    requests_per_minute: int = 0
+    key_count: int = 0
+    created_at: float = 0.0
+
+    @property
+    def limited(self) -> bool:
+        """Whether any quota applies."""
+        return bool(self.max_concurrent or self.tokens_per_minute or self.requests_per_minute)
+
+
+TenantStates = list["TenantState"]
+"""A module-level alias (the stores' ``list`` method shadows the builtin in their class bodies)."""
+
+TENANT_SETTINGS = ("weight", "priority", "max_concurrent", "tokens_per_minute", "requests_per_minute")
+"""The columns `AdapterStore.update_tenant` may change."""
+
+
+@dataclass
+class UsageDelta:
+    """One replica's tenant usage not yet written to the store (`AdapterStore.sync_tenants`).
+
+    Attributes:
+        tokens: tokens taken from the token bucket (reservations at admission minus what
+            settling gave back; may be negative).
+        requests: requests taken from the request bucket.
+        requests_total / tokens_total / rejected_total: what the totals grow by (admitted
+            requests, settled prompt + output tokens, refusals over quota).
+    """
+
+    tokens: float = 0.0
+    requests: float = 0.0
+    requests_total: int = 0
+    tokens_total: int = 0
+    rejected_total: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.requests or self.requests_total or self.tokens_total or self.rejected_total)
+
+    def add(self, other: UsageDelta) -> None:
+        """Add ``other`` into this one."""
+        self.tokens += other.tokens
+        self.requests += other.requests
+        self.requests_total += other.requests_total
+        self.tokens_total += other.tokens_total
+        self.rejected_total += other.rejected_total
+
+
+@dataclass(frozen=True)
+class TenantState:
+    """A tenant's stored limits and usage as of one read (the database's clock).
+
+    Attributes:
+        record: the tenant.
+        tokens_level / requests_level: the buckets' levels now (refilled at limit / 60 per
+            second up to the limit since they were last written; may be negative after
+            replicas overshot together). 0 when that limit is 0 (unlimited).
+        in_flight_others: requests in flight on the *other* replicas (their rows younger than
+            the in-flight TTL); all replicas' when read by `AdapterStore.tenant_states`.
+        requests_total / tokens_total / rejected_total: totals since the tenant was added.
+    """
+
+    record: TenantRecord
+    tokens_level: float = 0.0
+    requests_level: float = 0.0
+    in_flight_others: int = 0
+    requests_total: int = 0
+    tokens_total: int = 0
+    rejected_total: int = 0
+
+
 class AdapterStore(ABC):
     """Adapters, their bytes, the default set, removals and worker sightings.
 
@@ -440,6 +530,48 @@ class AdapterStore(ABC):
     def recent_workers(self, max_age_s: float) -> Sightings:
         """Workers whose last recorded heartbeat is at most ``max_age_s`` old; sightings older
         than `SIGHTINGS_KEPT_S` are deleted on the way."""
+        raise NotImplementedError
+
+    # -- tenants -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def add_tenant(self, record: TenantRecord, key_sha256: str) -> TenantRecord:
+        """Add a tenant with one API key (its sha256, hex); its buckets start full.
+
+        Raises:
+            AlreadyExistsError: the name is taken, or the key already maps to a tenant.
+        """
+        raise NotImplementedError
+
+    @abstractmethod
+    def update_tenant(self, name: str, changes: Mapping[str, float | int]) -> TenantRecord | None:
+        """Change some of `TENANT_SETTINGS` (others keep their value); the updated record, or
+        None when there is no such tenant. A bucket whose limit changes keeps its level, at
+        most the new limit (full when the limit was 0, unlimited, before)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def remove_tenant(self, name: str) -> bool:
+        """Remove a tenant, its keys and its in-flight rows; False when there is none."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def tenant_keys(self) -> dict[str, str]:
+        """``{key sha256: tenant name}`` over every stored key."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def sync_tenants(
+        self,
+        deltas: Mapping[str, UsageDelta],
+        in_flight: Mapping[str, int],
+        in_flight_ttl_s: float,
+    ) -> TenantStates:
+        """One replica's quota sync, in one transaction: apply ``deltas`` (one ``UPDATE``
+        per tenant, the buckets refilled from the database's clock first; unknown names are
+        ignored), write this replica's in-flight counts (a count of 0 deletes its row), and
+        return every tenant's state (by name) with ``in_flight_others`` summed over the
+        other replicas' rows younger than ``in_flight_ttl_s``."""
         raise NotImplementedError
 
     @abstractmethod

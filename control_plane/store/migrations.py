@@ -135,6 +135,70 @@ MIGRATIONS: tuple[Migration, ...] = (
         sqlite=("ALTER TABLE adapters ADD COLUMN aliases TEXT NOT NULL DEFAULT '[]'",),
         postgres=("ALTER TABLE adapters ADD COLUMN aliases TEXT NOT NULL DEFAULT '[]'",),
     ),
+    Migration(
+        "tenants: limits, token and request buckets (levels as of level_at, the database's "
+        "clock), totals; their API keys by sha256; in-flight requests per (tenant, replica)",
+        sqlite=(
+            """CREATE TABLE tenants (
+                   name TEXT PRIMARY KEY,
+                   weight REAL NOT NULL DEFAULT 1 CHECK (weight > 0),
+                   priority INTEGER NOT NULL DEFAULT 0,
+                   max_concurrent INTEGER NOT NULL DEFAULT 0 CHECK (max_concurrent >= 0),
+                   tokens_per_minute INTEGER NOT NULL DEFAULT 0 CHECK (tokens_per_minute >= 0),
+                   requests_per_minute INTEGER NOT NULL DEFAULT 0 CHECK (requests_per_minute >= 0),
+                   tokens_level REAL NOT NULL DEFAULT 0,
+                   requests_level REAL NOT NULL DEFAULT 0,
+                   level_at REAL NOT NULL,
+                   requests_total INTEGER NOT NULL DEFAULT 0,
+                   tokens_total INTEGER NOT NULL DEFAULT 0,
+                   rejected_total INTEGER NOT NULL DEFAULT 0,
+                   created_at REAL NOT NULL
+               )""",
+            """CREATE TABLE tenant_keys (
+                   key_sha256 TEXT PRIMARY KEY,
+                   tenant TEXT NOT NULL,
+                   created_at REAL NOT NULL
+               )""",
+            "CREATE INDEX tenant_keys_by_tenant ON tenant_keys (tenant)",
+            """CREATE TABLE tenant_in_flight (
+                   tenant TEXT NOT NULL,
+                   replica_id TEXT NOT NULL,
+                   in_flight INTEGER NOT NULL,
+                   seen_at REAL NOT NULL,
+                   PRIMARY KEY (tenant, replica_id)
+               )""",
+        ),
+        postgres=(
+            """CREATE TABLE tenants (
+                   name TEXT PRIMARY KEY,
+                   weight DOUBLE PRECISION NOT NULL DEFAULT 1 CHECK (weight > 0),
+                   priority INTEGER NOT NULL DEFAULT 0,
+                   max_concurrent BIGINT NOT NULL DEFAULT 0 CHECK (max_concurrent >= 0),
+                   tokens_per_minute BIGINT NOT NULL DEFAULT 0 CHECK (tokens_per_minute >= 0),
+                   requests_per_minute BIGINT NOT NULL DEFAULT 0 CHECK (requests_per_minute >= 0),
+                   tokens_level DOUBLE PRECISION NOT NULL DEFAULT 0,
+                   requests_level DOUBLE PRECISION NOT NULL DEFAULT 0,
+                   level_at DOUBLE PRECISION NOT NULL,
+                   requests_total BIGINT NOT NULL DEFAULT 0,
+                   tokens_total BIGINT NOT NULL DEFAULT 0,
+                   rejected_total BIGINT NOT NULL DEFAULT 0,
+                   created_at DOUBLE PRECISION NOT NULL
+               )""",
+            """CREATE TABLE tenant_keys (
+                   key_sha256 TEXT PRIMARY KEY,
+                   tenant TEXT NOT NULL,
+                   created_at DOUBLE PRECISION NOT NULL
+               )""",
+            "CREATE INDEX tenant_keys_by_tenant ON tenant_keys (tenant)",
+            """CREATE TABLE tenant_in_flight (
+                   tenant TEXT NOT NULL,
+                   replica_id TEXT NOT NULL,
+                   in_flight INTEGER NOT NULL,
+                   seen_at DOUBLE PRECISION NOT NULL,
+                   PRIMARY KEY (tenant, replica_id)
+               )""",
+        ),
+    ),
 )
 
 SCHEMA_VERSION_DDL = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"

@@ -70,7 +70,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from loraplane.control_plane.errors import DatabaseUnavailableError, DataCorruptionError
+from loraplane.control_plane.errors import AlreadyExistsError, DatabaseUnavailableError, DataCorruptionError
 from loraplane.control_plane.store.base import (
     CALL_TIMEOUT_S,
     REMOVALS_KEPT_S,
@@ -82,9 +82,13 @@ from loraplane.control_plane.store.base import (
     NameEdit,
     SchemaTooNewError,
     Sightings,
+    TenantRecord,
+    TenantStates,
+    UsageDelta,
     WorkerSighting,
 )
 from loraplane.control_plane.store.migrations import MIGRATION_LOCK_KEY, MIGRATIONS, SCHEMA_VERSION_DDL
+from loraplane.control_plane.store.tenant_sql import Dialect, record_of, record_params, state_of
 
 log = structlog.get_logger("loraplane.control_plane.store.postgres")
 
@@ -105,6 +109,12 @@ MIGRATE_TIMEOUT_S = 60.0
 """Deadline of the start-up migration (it may wait for another replica's)."""
 
 T = TypeVar("T")
+SQL = Dialect(
+    param=lambda name: f"%({name})s",
+    now="EXTRACT(EPOCH FROM now())::float8",  # the transaction's start: one instant per sync
+    least="LEAST",
+    greatest="GREATEST",
+)
 
 
 def redact(url: str) -> str:
@@ -622,6 +632,84 @@ class PostgresStore(AdapterStore):
             )
             for r in rows
         ]
+
+    # -- tenants ---------------------------------------------------------------------------
+
+    @_unavailable
+    def add_tenant(self, record: TenantRecord, key_sha256: str) -> TenantRecord:
+        try:
+            with self._connection() as (conn, _), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+                cur.execute(SQL.insert(), {**record_params(record), "created_at": time.time()})
+                cur.execute(
+                    "INSERT INTO tenant_keys (key_sha256, tenant, created_at) VALUES (%s, %s, %s)",
+                    (key_sha256, record.name, time.time()),
+                )
+                row = cur.execute("SELECT *, 1 AS key_count FROM tenants WHERE name = %s", (record.name,)).fetchone()
+        except psycopg.errors.UniqueViolation as exc:
+            table = getattr(exc.diag, "table_name", "") or ""
+            if table == "tenant_keys":
+                raise AlreadyExistsError("this API key already belongs to a tenant; give another (or none)") from None
+            raise AlreadyExistsError(f"tenant '{record.name}' already exists") from None
+        assert row is not None
+        return record_of(row)
+
+    @_unavailable
+    def update_tenant(self, name: str, changes: Mapping[str, float | int]) -> TenantRecord | None:
+        with self._connection() as (conn, _), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+            if changes:
+                cur.execute(SQL.settings_update(set(changes)), {**changes, "name": name})
+            row = cur.execute(
+                "SELECT t.*, (SELECT COUNT(*) FROM tenant_keys k WHERE k.tenant = t.name) AS key_count"
+                " FROM tenants t WHERE t.name = %s",
+                (name,),
+            ).fetchone()
+        return record_of(row) if row is not None else None
+
+    @_unavailable
+    def remove_tenant(self, name: str) -> bool:
+        with self._connection() as (conn, _), conn.transaction(), conn.cursor() as cur:
+            gone = cur.execute("DELETE FROM tenants WHERE name = %s", (name,)).rowcount > 0
+            cur.execute("DELETE FROM tenant_keys WHERE tenant = %s", (name,))
+            cur.execute("DELETE FROM tenant_in_flight WHERE tenant = %s", (name,))
+        return gone
+
+    @_unavailable
+    def tenant_keys(self) -> dict[str, str]:
+        with self._connection() as (conn, _):
+            return {str(r[0]): str(r[1]) for r in conn.execute("SELECT key_sha256, tenant FROM tenant_keys")}
+
+    @_unavailable
+    def sync_tenants(
+        self,
+        deltas: Mapping[str, UsageDelta],
+        in_flight: Mapping[str, int],
+        in_flight_ttl_s: float,
+    ) -> TenantStates:
+        params = {"replica_id": self.replica_id, "ttl": float(in_flight_ttl_s)}
+        with self._connection() as (conn, _), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+            for name, d in sorted(deltas.items()):  # one order on every replica: no deadlock
+                cur.execute(
+                    SQL.sync_update(),
+                    {
+                        "name": name,
+                        "tokens": float(d.tokens),
+                        "requests": float(d.requests),
+                        "requests_total": int(d.requests_total),
+                        "tokens_total": int(d.tokens_total),
+                        "rejected_total": int(d.rejected_total),
+                    },
+                )
+            for name, n in sorted(in_flight.items()):
+                if n > 0:
+                    cur.execute(SQL.in_flight_upsert(), {"tenant": name, "replica_id": self.replica_id, "in_flight": n})
+                else:
+                    cur.execute(
+                        "DELETE FROM tenant_in_flight WHERE tenant = %s AND replica_id = %s", (name, self.replica_id)
+                    )
+            if deltas or in_flight:
+                cur.execute(SQL.prune_in_flight(), params)
+            rows = cur.execute(SQL.states(), params).fetchall()
+        return [state_of(r) for r in rows]
 
     def close(self) -> None:
         self._pool.close()

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from loraplane.control_plane.errors import DatabaseUnavailableError, DataCorruptionError
+from loraplane.control_plane.errors import AlreadyExistsError, DatabaseUnavailableError, DataCorruptionError
 from loraplane.control_plane.store.base import (
     CALL_TIMEOUT_S,
     REMOVALS_KEPT_S,
@@ -53,13 +53,18 @@ from loraplane.control_plane.store.base import (
     NameEdit,
     SchemaTooNewError,
     Sightings,
+    TenantRecord,
+    TenantStates,
+    UsageDelta,
     WorkerSighting,
 )
 from loraplane.control_plane.store.migrations import MIGRATIONS, SCHEMA_VERSION_DDL
+from loraplane.control_plane.store.tenant_sql import Dialect, record_of, record_params, state_of
 
 log = structlog.get_logger("loraplane.control_plane.store.sqlite")
 
 DB_FILENAME = "loraplane.sqlite3"
+SQL = Dialect(param=lambda name: f":{name}", now=":now", least="MIN", greatest="MAX")
 
 
 OPEN_RETRY_S = 30.0
@@ -407,6 +412,115 @@ class SqliteStore(AdapterStore):
             )
             for r in rows
         ]
+
+    # -- tenants ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self, *, wait: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction (``BEGIN IMMEDIATE``) under this store's lock; ``wait=False``:
+        fail at once (``database is locked``) instead of waiting for another process's write
+        lock, so this store's lock is not held meanwhile (the quota sync retries next tick)."""
+        with self._locked():
+            c = self._conn
+            if not wait:
+                c.execute("PRAGMA busy_timeout=0")
+            try:
+                c.execute("BEGIN IMMEDIATE")
+            finally:
+                if not wait:
+                    c.execute(f"PRAGMA busy_timeout={int(CALL_TIMEOUT_S * 1000)}")
+            try:
+                yield c
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+
+    @_unavailable
+    def add_tenant(self, record: TenantRecord, key_sha256: str) -> TenantRecord:
+        now = time.time()
+        with self._write() as c:
+            if c.execute("SELECT 1 FROM tenants WHERE name = ?", (record.name,)).fetchone():
+                raise AlreadyExistsError(f"tenant '{record.name}' already exists")
+            if c.execute("SELECT 1 FROM tenant_keys WHERE key_sha256 = ?", (key_sha256,)).fetchone():
+                raise AlreadyExistsError("this API key already belongs to a tenant; give another (or none)")
+            c.execute(SQL.insert(), {**record_params(record), "created_at": now, "now": now})
+            c.execute(
+                "INSERT INTO tenant_keys (key_sha256, tenant, created_at) VALUES (?, ?, ?)",
+                (key_sha256, record.name, now),
+            )
+            row = c.execute("SELECT *, 1 AS key_count FROM tenants WHERE name = ?", (record.name,)).fetchone()
+        return record_of(row)
+
+    @_unavailable
+    def update_tenant(self, name: str, changes: Mapping[str, float | int]) -> TenantRecord | None:
+        with self._write() as c:
+            if changes:
+                c.execute(SQL.settings_update(set(changes)), {**changes, "name": name, "now": time.time()})
+            row = c.execute(
+                "SELECT t.*, (SELECT COUNT(*) FROM tenant_keys k WHERE k.tenant = t.name) AS key_count"
+                " FROM tenants t WHERE t.name = ?",
+                (name,),
+            ).fetchone()
+        return record_of(row) if row is not None else None
+
+    @_unavailable
+    def remove_tenant(self, name: str) -> bool:
+        with self._write() as c:
+            gone = c.execute("DELETE FROM tenants WHERE name = ?", (name,)).rowcount > 0
+            c.execute("DELETE FROM tenant_keys WHERE tenant = ?", (name,))
+            c.execute("DELETE FROM tenant_in_flight WHERE tenant = ?", (name,))
+        return gone
+
+    @_unavailable
+    def tenant_keys(self) -> dict[str, str]:
+        with self._locked():
+            rows = self._conn.execute("SELECT key_sha256, tenant FROM tenant_keys").fetchall()
+        return {str(r[0]): str(r[1]) for r in rows}
+
+    @_unavailable
+    def sync_tenants(
+        self,
+        deltas: Mapping[str, UsageDelta],
+        in_flight: Mapping[str, int],
+        in_flight_ttl_s: float,
+    ) -> TenantStates:
+        now = time.time()
+        if not deltas and not in_flight:  # a read: no write lock taken
+            with self._locked():
+                rows = self._conn.execute(
+                    SQL.states(), {"now": now, "replica_id": self.replica_id, "ttl": in_flight_ttl_s}
+                ).fetchall()
+            return [state_of(r) for r in rows]
+        with self._write(wait=False) as c:
+            for name, d in deltas.items():
+                c.execute(
+                    SQL.sync_update(),
+                    {
+                        "name": name,
+                        "now": now,
+                        "tokens": float(d.tokens),
+                        "requests": float(d.requests),
+                        "requests_total": int(d.requests_total),
+                        "tokens_total": int(d.tokens_total),
+                        "rejected_total": int(d.rejected_total),
+                    },
+                )
+            for name, n in in_flight.items():
+                if n > 0:
+                    c.execute(
+                        SQL.in_flight_upsert(),
+                        {"tenant": name, "replica_id": self.replica_id, "in_flight": n, "now": now},
+                    )
+                else:
+                    c.execute(
+                        "DELETE FROM tenant_in_flight WHERE tenant = ? AND replica_id = ?", (name, self.replica_id)
+                    )
+            c.execute(SQL.prune_in_flight(), {"now": now, "ttl": in_flight_ttl_s})
+            rows = c.execute(
+                SQL.states(), {"now": now, "replica_id": self.replica_id, "ttl": in_flight_ttl_s}
+            ).fetchall()
+        return [state_of(r) for r in rows]
 
     def close(self) -> None:
         with self._lock:

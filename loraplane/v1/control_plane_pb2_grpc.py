@@ -75,6 +75,26 @@ class ControlPlaneStub:
                 request_serializer=loraplane_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerList.FromString,
                 _registered_method=True)
+        self.AddTenant = channel.unary_unary(
+                '/loraplane.v1.ControlPlane/AddTenant',
+                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.AddTenantRequest.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.AddTenantResponse.FromString,
+                _registered_method=True)
+        self.UpdateTenant = channel.unary_unary(
+                '/loraplane.v1.ControlPlane/UpdateTenant',
+                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.UpdateTenantRequest.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.UpdateTenantResponse.FromString,
+                _registered_method=True)
+        self.ListTenants = channel.unary_unary(
+                '/loraplane.v1.ControlPlane/ListTenants',
+                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.ListTenantsRequest.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.ListTenantsResponse.FromString,
+                _registered_method=True)
+        self.RemoveTenant = channel.unary_unary(
+                '/loraplane.v1.ControlPlane/RemoveTenant',
+                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.RemoveTenantRequest.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.RemoveTenantResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/loraplane.v1.ControlPlane/Generate',
                 request_serializer=loraplane_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
@@ -136,6 +156,31 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddTenant(self, request, context):
+        """Tenants (admin token when configured, ListTenants included: it shows usage).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTenants(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Generation: resolves the adapter vector, picks a worker, relays its stream.
         """
@@ -185,6 +230,26 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=loraplane_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerList.SerializeToString,
+            ),
+            'AddTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddTenant,
+                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.AddTenantRequest.FromString,
+                    response_serializer=loraplane_dot_v1_dot_control__plane__pb2.AddTenantResponse.SerializeToString,
+            ),
+            'UpdateTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateTenant,
+                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.UpdateTenantRequest.FromString,
+                    response_serializer=loraplane_dot_v1_dot_control__plane__pb2.UpdateTenantResponse.SerializeToString,
+            ),
+            'ListTenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTenants,
+                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.ListTenantsRequest.FromString,
+                    response_serializer=loraplane_dot_v1_dot_control__plane__pb2.ListTenantsResponse.SerializeToString,
+            ),
+            'RemoveTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveTenant,
+                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.RemoveTenantRequest.FromString,
+                    response_serializer=loraplane_dot_v1_dot_control__plane__pb2.RemoveTenantResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -408,6 +473,114 @@ class ControlPlane:
             '/loraplane.v1.ControlPlane/ListWorkers',
             loraplane_dot_v1_dot_common__pb2.Empty.SerializeToString,
             loraplane_dot_v1_dot_control__plane__pb2.WorkerList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.ControlPlane/AddTenant',
+            loraplane_dot_v1_dot_control__plane__pb2.AddTenantRequest.SerializeToString,
+            loraplane_dot_v1_dot_control__plane__pb2.AddTenantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.ControlPlane/UpdateTenant',
+            loraplane_dot_v1_dot_control__plane__pb2.UpdateTenantRequest.SerializeToString,
+            loraplane_dot_v1_dot_control__plane__pb2.UpdateTenantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.ControlPlane/ListTenants',
+            loraplane_dot_v1_dot_control__plane__pb2.ListTenantsRequest.SerializeToString,
+            loraplane_dot_v1_dot_control__plane__pb2.ListTenantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplane.v1.ControlPlane/RemoveTenant',
+            loraplane_dot_v1_dot_control__plane__pb2.RemoveTenantRequest.SerializeToString,
+            loraplane_dot_v1_dot_control__plane__pb2.RemoveTenantResponse.FromString,
             options,
             channel_credentials,
             insecure,

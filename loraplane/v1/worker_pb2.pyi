@@ -8,12 +8,44 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("submit", "cancel_request_id")
+    __slots__ = ("submit", "cancel_request_id", "tenant")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     submit: _common_pb2.GenerateRequest
     cancel_request_id: str
-    def __init__(self, submit: _Optional[_Union[_common_pb2.GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ...) -> None: ...
+    tenant: RequestTenant
+    def __init__(self, submit: _Optional[_Union[_common_pb2.GenerateRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ..., tenant: _Optional[_Union[RequestTenant, _Mapping]] = ...) -> None: ...
+
+class RequestTenant(_message.Message):
+    __slots__ = ("name", "weight", "priority")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    priority: int
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class TenantService(_message.Message):
+    __slots__ = ("name", "virtual_tokens", "prompt_tokens", "output_tokens", "queued", "running", "weight", "priority")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    virtual_tokens: float
+    prompt_tokens: int
+    output_tokens: int
+    queued: int
+    running: int
+    weight: float
+    priority: int
+    def __init__(self, name: _Optional[str] = ..., virtual_tokens: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., weight: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class WorkerAdapterList(_message.Message):
     __slots__ = ("adapters",)
@@ -22,7 +54,7 @@ class WorkerAdapterList(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "n_slots", "slots_busy", "queue_depth", "queue_limit", "graph_reuses", "graph_rebuilds", "prefix_cache_entries", "prefix_cache_hit_tokens", "prompt_tokens_computed", "tokens_generated", "batching", "prefix_cache", "model", "device", "dtype", "adapter_ids", "node_budget", "adapter_bytes", "max_loras", "max_cpu_loras", "resident_adapters", "host_adapters", "known_adapters", "page_ins", "evictions", "page_in_bytes", "host_evictions", "fetches", "fetch_bytes", "fetch_failures", "pool_bytes", "resident_adapter_ids", "host_adapter_ids", "step_interval_p50_ms", "step_busy_p50_ms", "step_samples", "kv_cells_used", "kv_cells_total", "pinned_adapter_ids")
+    __slots__ = ("worker_id", "n_slots", "slots_busy", "queue_depth", "queue_limit", "graph_reuses", "graph_rebuilds", "prefix_cache_entries", "prefix_cache_hit_tokens", "prompt_tokens_computed", "tokens_generated", "batching", "prefix_cache", "model", "device", "dtype", "adapter_ids", "node_budget", "adapter_bytes", "max_loras", "max_cpu_loras", "resident_adapters", "host_adapters", "known_adapters", "page_ins", "evictions", "page_in_bytes", "host_evictions", "fetches", "fetch_bytes", "fetch_failures", "pool_bytes", "resident_adapter_ids", "host_adapter_ids", "step_interval_p50_ms", "step_busy_p50_ms", "step_samples", "kv_cells_used", "kv_cells_total", "pinned_adapter_ids", "fairness", "tenants")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     N_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_BUSY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +95,8 @@ class WorkerStats(_message.Message):
     KV_CELLS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_CELLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PINNED_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAIRNESS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     n_slots: int
     slots_busy: int
@@ -103,4 +137,6 @@ class WorkerStats(_message.Message):
     kv_cells_used: int
     kv_cells_total: int
     pinned_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., n_slots: _Optional[int] = ..., slots_busy: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_limit: _Optional[int] = ..., graph_reuses: _Optional[int] = ..., graph_rebuilds: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., batching: _Optional[str] = ..., prefix_cache: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., node_budget: _Optional[int] = ..., adapter_bytes: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., resident_adapters: _Optional[int] = ..., host_adapters: _Optional[int] = ..., known_adapters: _Optional[int] = ..., page_ins: _Optional[int] = ..., evictions: _Optional[int] = ..., page_in_bytes: _Optional[int] = ..., host_evictions: _Optional[int] = ..., fetches: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., step_interval_p50_ms: _Optional[float] = ..., step_busy_p50_ms: _Optional[float] = ..., step_samples: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_total: _Optional[int] = ..., pinned_adapter_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    fairness: str
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantService]
+    def __init__(self, worker_id: _Optional[str] = ..., n_slots: _Optional[int] = ..., slots_busy: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_limit: _Optional[int] = ..., graph_reuses: _Optional[int] = ..., graph_rebuilds: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., batching: _Optional[str] = ..., prefix_cache: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., adapter_ids: _Optional[_Iterable[int]] = ..., node_budget: _Optional[int] = ..., adapter_bytes: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., resident_adapters: _Optional[int] = ..., host_adapters: _Optional[int] = ..., known_adapters: _Optional[int] = ..., page_ins: _Optional[int] = ..., evictions: _Optional[int] = ..., page_in_bytes: _Optional[int] = ..., host_evictions: _Optional[int] = ..., fetches: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., resident_adapter_ids: _Optional[_Iterable[int]] = ..., host_adapter_ids: _Optional[_Iterable[int]] = ..., step_interval_p50_ms: _Optional[float] = ..., step_busy_p50_ms: _Optional[float] = ..., step_samples: _Optional[int] = ..., kv_cells_used: _Optional[int] = ..., kv_cells_total: _Optional[int] = ..., pinned_adapter_ids: _Optional[_Iterable[int]] = ..., fairness: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantService, _Mapping]]] = ...) -> None: ...

@@ -212,3 +212,64 @@ def test_node_client_sends_the_key(plane: Plane) -> None:
     assert code == 1 and out["error"]["code"] == "UNAUTHENTICATED"
     code, out = node("--api-key", API_KEY)
     assert code == 1 and out["error"]["code"] == "UNAVAILABLE"  # served: no live worker
+
+
+@pytest.mark.slow
+def test_tenants_cli_json_and_tenant_keys_pass_for_inference_only(plane: Plane, monkeypatch) -> None:
+    """``tenants add/update/list/remove --json`` against the real process (admin token), the
+    contract's exit codes for its refusals; the tenant's key then passes the key check on HTTP
+    and gRPC (past it: no live worker) but never opens an admin call or route, and is refused
+    as soon as the tenant is removed."""
+    from click.testing import CliRunner
+
+    from loraplane.clients.cli import cli
+
+    for var in ("LORAPLANE_ADMIN_TOKEN", "LORAPLANE_API_KEY", "LORAPLANE_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+
+    def run(*args: str, token: str = ADMIN) -> tuple[int, dict]:
+        r = CliRunner().invoke(cli, ["tenants", *args, "--json", "--addr", plane.grpc_addr, "--admin-token", token])
+        return r.exit_code, json.loads(r.stdout)
+
+    code, added = run("add", "acme", "--tokens-per-minute", "1000", "--weight", "2")
+    key = added.pop("api_key")
+    assert code == 0 and key.startswith("lp-") and len(key) == 46
+    usage = {"in_flight": 0, "tokens_available": 1000.0, "requests_available": 0.0}
+    usage.update(requests_total=0, tokens_total=0, rejected_total=0)
+    expected = {"name": "acme", "weight": 2.0, "priority": 0, "max_concurrent": 0, "tokens_per_minute": 1000}
+    expected.update(requests_per_minute=0, key_count=1, usage=usage)
+    assert added == expected
+    assert run("add", "acme") == (1, {"error": {"code": "ALREADY_EXISTS", "message": "tenant 'acme' already exists"}})
+    code, err = run("add", " acme")
+    assert (code, err["error"]["code"]) == (1, "INVALID_ARGUMENT") and "blank" in err["error"]["message"]
+    code, err = run("update", "ghost", "--weight", "3")
+    assert (code, err["error"]["code"]) == (1, "NOT_FOUND") and "tenants: acme" in err["error"]["message"]
+    code, updated = run("update", "acme", "--max-concurrent", "3")
+    assert code == 0 and updated == {**expected, "max_concurrent": 3}
+    assert run("list") == (0, {"tenants": [{**expected, "max_concurrent": 3}]})
+    code, err = run("list", token=API_KEY)  # the key is not the admin token
+    assert (code, err["error"]["code"]) == (1, "UNAUTHENTICATED")
+    code, err = run("update", "acme", token=API_KEY)
+    assert code == 2 and err["error"]["code"] == "INVALID_ARGUMENT"  # usage: nothing to change
+
+    assert [m.id for m in _openai(plane, key).models.list().data] == [BASE]
+    with pytest.raises(openai.APIStatusError) as past:
+        _openai(plane, key).completions.create(model=BASE, prompt="hi", max_tokens=1)
+    assert past.value.status_code == 503  # routing answered: no live worker
+    assert _get(plane.http + "/v1/tenants", key)[0] == 401
+    assert json.loads(_get(plane.http + "/v1/tenants", ADMIN)[1])["tenants"][0]["name"] == "acme"
+    with grpc.insecure_channel(plane.grpc_addr) as ch:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+        md = (("authorization", f"Bearer {key}"),)
+        assert list(stub.ListAdapters(common_pb2.Empty(), metadata=md, timeout=10).adapters) == []
+        with pytest.raises(grpc.RpcError) as err_gen:
+            list(stub.Generate(common_pb2.GenerateRequest(text="hi"), metadata=md, timeout=10))
+        assert err_gen.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as err_admin:
+            stub.ListTenants(control_plane_pb2.ListTenantsRequest(), metadata=md, timeout=10)
+        assert err_admin.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    assert run("remove", "acme") == (0, {"name": "acme", "removed": True})
+    assert run("remove", "acme")[1]["error"]["code"] == "NOT_FOUND"
+    with pytest.raises(openai.AuthenticationError):
+        _openai(plane, key).models.list()  # removed through this replica: refused at once

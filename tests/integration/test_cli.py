@@ -144,6 +144,10 @@ CLIENT_CALLS = [
     ["default", "set", "shout=1"],
     ["generate", "hello", "--lora", "shout=1"],
     ["workers", "list"],
+    ["tenants", "list"],
+    ["tenants", "add", "acme", "--tokens-per-minute", "100"],
+    ["tenants", "update", "acme", "--weight", "2"],
+    ["tenants", "remove", "acme"],
 ]
 
 

@@ -41,6 +41,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         self.load_calls: list[list[common_pb2.AdapterChunk]] = []
         self.unloaded: list[int] = []
         self.submitted: list[common_pb2.GenerateRequest] = []
+        self.tenants: list[worker_pb2.RequestTenant] = []  # DecodeRequest.tenant of each submit
         self.cancelled = threading.Event()
         self.n_cancelled = 0
         self.down = False  # Decode fails with UNAVAILABLE before any event
@@ -70,9 +71,11 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.WorkerAdapterList(adapters=infos)
 
     def Decode(self, request_iterator, context):
-        req = next(request_iterator).submit
+        first = next(request_iterator)
+        req = first.submit
         with self.lock:
             self.submitted.append(req)
+            self.tenants.append(first.tenant)
         rid, text = req.request_id, req.text
         if self.down:
             context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
@@ -303,6 +306,45 @@ def test_generate_sends_resolved_vectors_and_relays_events(cluster, adapters_dir
     generate(cp, "hello", {1: 0.5, 0: 0.0}, request_id="mine")
     sent = w.servicer.submitted[-1]
     assert sent.request_id == "mine" and [(e.id, e.scale) for e in sent.adapters.entries] == [(1, 0.5)]
+
+
+def test_generate_carries_the_tenant_and_refuses_over_quota_before_any_worker(cluster, adapters_dir):
+    """The tenant reaches the worker on the submit (keyless: the explicit map's first adapter,
+    else "anonymous"; a tenant key: that tenant with its weight and priority); a tenant over its
+    tokens per minute is refused RESOURCE_EXHAUSTED with ``retry-after`` before the worker sees
+    anything, a request that can never fit is INVALID_ARGUMENT, and keyless traffic is untouched."""
+    cp, [w] = cluster(1, lora=(str(adapters_dir / "shout.gguf"),))
+    sea = upload(cp.stub, adapters_dir / "sea.gguf")
+    generate(cp, "hello")
+    generate(cp, "hello", {sea.id: 0.5, 0: 1.0})
+    generate(cp, "hello", {})
+    names = [(t.name, t.weight, t.priority) for t in w.servicer.tenants]
+    assert names == [("anonymous", 1.0, 0), (f"adapter:{sea.name}", 1.0, 0), ("anonymous", 1.0, 0)]
+    limits = control_plane_pb2.TenantLimits(weight=2.5, priority=-1, tokens_per_minute=20)
+    added = cp.stub.AddTenant(control_plane_pb2.AddTenantRequest(name="acme", limits=limits))
+    assert added.api_key.startswith("lp-") and added.tenant.usage.tokens_available == 20.0
+    key = (("authorization", f"Bearer {added.api_key}"),)
+    request = common_pb2.GenerateRequest(text="hello", sampling=common_pb2.SamplingParams(max_tokens=15))
+    events = list(cp.stub.Generate(request, metadata=key))  # reserves 2 prompt + 15; settles 2 + 2
+    assert events[-1].HasField("finished")
+    assert (w.servicer.tenants[-1].name, w.servicer.tenants[-1].weight, w.servicer.tenants[-1].priority) == (
+        "acme",
+        2.5,
+        -1,
+    )
+    n_submitted = len(w.servicer.submitted)
+    err = rpc_error(lambda: list(cp.stub.Generate(request, metadata=key)))  # needs 17, 16 left
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tenant 'acme': over tokens_per_minute 20 (the request needs 17 tokens, 16 are left)" in err.details()
+    retry = dict(err.trailing_metadata())["retry-after"]
+    assert retry in ("2", "3") and f"retry after {retry} s" in err.details()  # 1 token at 20/60 per second
+    too_big = common_pb2.GenerateRequest(text="hello", sampling=common_pb2.SamplingParams(max_tokens=50))
+    err = rpc_error(lambda: list(cp.stub.Generate(too_big, metadata=key)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than its tokens_per_minute 20" in err.details()
+    assert len(w.servicer.submitted) == n_submitted  # refused before any worker work
+    assert generate(cp, "hello")[-1].HasField("finished")  # another tenant: untouched
+    (acme,) = cp.stub.ListTenants(control_plane_pb2.ListTenantsRequest()).tenants
+    assert (acme.usage.requests_total, acme.usage.tokens_total, acme.usage.rejected_total) == (1, 4, 1)
 
 
 def test_generate_refuses_bad_maps_before_any_worker(cluster, adapters_dir):

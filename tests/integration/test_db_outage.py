@@ -4,8 +4,9 @@ control plane on loopback (gRPC and HTTP) and the scripted worker heartbeating i
 - PostgreSQL stopped (``pg_ctl stop``) and, separately, hung (the postmaster and every backend
   SIGSTOPped: TCP still connects, nothing answers): every call that needs the database fails
   within the promised 2 s (checked under 5 s) with gRPC UNAVAILABLE / HTTP 503 in OpenAI's
-  shape with ``Retry-After``, naming the database; base-model generation, ``/health`` and
-  ``/metrics``, which need no database, go on; the worker, heartbeating with holdings every
+  shape with ``Retry-After``, naming the database; base-model generation (also for a tenant
+  with quotas: admitted on the last levels, its usage written once the database is back),
+  ``/health`` and ``/metrics``, which need no database, go on; the worker, heartbeating with holdings every
   0.5 s (dead after 1.5 s, less than one database call's 2 s bound: a heartbeat that waited
   on the database would show), is
   alive in every sample taken throughout and after the outage; once the database is back calls
@@ -107,6 +108,17 @@ class LivenessMonitor:
         self._thread.join(5)
 
 
+def wait_for_totals(cp, tenant: str, requests: int, timeout_s: float = 5.0) -> bool:
+    """Whether ``tenant``'s stored ``requests_total`` reaches ``requests`` within the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = {s.record.name: s for s in cp.state.store.sync_tenants({}, {}, 5.0)}
+        if states[tenant].requests_total >= requests:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def timed(call):
     """``(seconds, result or the exception raised)``."""
     t0 = time.monotonic()
@@ -130,7 +142,9 @@ def private_postgres():
     server.stop()
 
 
-def _outage_probes(cp, http: httpx.Client, base_name: str, adapter_id: int, fixtures_dir: Path) -> dict:
+def _outage_probes(
+    cp, http: httpx.Client, base_name: str, adapter_id: int, fixtures_dir: Path, tenant_key: str
+) -> dict:
     """Every kind of call that reads the store, concurrently; ``{name: (seconds, outcome)}``."""
     with_adapter = pb.GenerateRequest(
         text="hi", adapters=pb.AdapterMap(entries=[pb.AdapterScale(id=adapter_id, scale=1.0)])
@@ -162,13 +176,27 @@ def _outage_probes(cp, http: httpx.Client, base_name: str, adapter_id: int, fixt
         "grpc Generate(no adapters)": lambda: list(
             cp.stub.Generate(pb.GenerateRequest(text="hi", adapters=pb.AdapterMap()), timeout=30)
         ),
+        # a tenant with quotas: admitted on the last levels (fail-open), no database call
+        "grpc Generate(tenant, no adapters)": lambda: list(
+            cp.stub.Generate(
+                pb.GenerateRequest(text="hi", adapters=pb.AdapterMap()),
+                metadata=(("authorization", f"Bearer {tenant_key}"),),
+                timeout=30,
+            )
+        ),
     }
     with ThreadPoolExecutor(len(probes)) as ex:
         running = {name: ex.submit(timed, fn) for name, fn in probes.items()}
         return {name: f.result() for name, f in running.items()}
 
 
-SERVED_THROUGHOUT = ("http completions(base)", "grpc Generate(no adapters)", "http health", "http metrics")
+SERVED_THROUGHOUT = (
+    "http completions(base)",
+    "grpc Generate(no adapters)",
+    "grpc Generate(tenant, no adapters)",
+    "http health",
+    "http metrics",
+)
 
 
 def _check_failed_fast(results: dict, database: str) -> None:
@@ -206,6 +234,8 @@ def test_postgres_stopped_and_hung_fail_fast_and_workers_stay_live(
         adapter_dirs=(str(fixtures_dir / "adapters"),),
     )
     sea = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf", name="sea")
+    limits = control_plane_pb2.TenantLimits(tokens_per_minute=100_000, max_concurrent=10)
+    tenant_key = cp.stub.AddTenant(control_plane_pb2.AddTenantRequest(name="t", limits=limits)).api_key
     worker = HeartbeatingWorker(cp.addr)
     monitor = LivenessMonitor(cp.stub, "w1")
     base_name = base_model_path.stem
@@ -225,7 +255,7 @@ def test_postgres_stopped_and_hung_fail_fast_and_workers_stay_live(
             else:
                 frozen = private_postgres.freeze()
             try:
-                _check_failed_fast(_outage_probes(cp, http, base_name, sea.id, fixtures_dir), redact(url))
+                _check_failed_fast(_outage_probes(cp, http, base_name, sea.id, fixtures_dir, tenant_key), redact(url))
                 time.sleep(2.0)  # > dead-after (1.5 s) more of outage with the worker heartbeating
             finally:
                 if outage == "stopped":
@@ -244,6 +274,8 @@ def test_postgres_stopped_and_hung_fail_fast_and_workers_stay_live(
             time.sleep(2.0)  # right after the database came back, too
         # the sightings written after the outage: other replicas see the worker again
         assert [s.worker_id for s in cp.state.store.recent_workers(5.0)] == ["w1"]
+        # the tenant requests admitted during the outages reached the database once it was back
+        assert wait_for_totals(cp, "t", 2)  # one per outage
     finally:
         monitor.stop()
         http.close()

@@ -258,6 +258,76 @@ def test_concurrent_registrations_on_two_replicas(cluster, tmp_path):
     assert len(set(same_ids)) == 1 and same_ids[0] > max(ids)
 
 
+KEYS_REFRESH_S = 1.0  # loraplane.control_plane.tenants.KEYS_REFRESH_S: B learns A's new keys within it
+
+
+def test_tenant_over_tokens_per_minute_on_a_is_refused_on_b_within_one_second(cluster):
+    """The quota is global: a tenant whose tokens per minute are used up through A is refused
+    through B at most 1 s after the request that crossed the limit was admitted; another tenant
+    is served on both; usage is summed over the replicas."""
+    prompt, max_tokens = [2, 651, 6114, 3124], 8  # 12 tokens a request
+    _, key = cluster.lp_a.add_tenant("global-tpm", tokens_per_minute=36)
+    _, other_key = cluster.lp_a.add_tenant("global-other", tokens_per_minute=100_000)
+    time.sleep(KEYS_REFRESH_S + 0.5)  # B's key table is reloaded once a second
+    via_a = LoraplaneClient(cluster.a_addr, api_key=key, timeout=120)
+    via_b = LoraplaneClient(cluster.b_addr, api_key=key, timeout=120)
+    other_b = LoraplaneClient(cluster.b_addr, api_key=other_key, timeout=120)
+    try:
+        for _ in range(2):
+            via_a.generate(prompt_tokens=prompt, adapters={}, max_tokens=max_tokens, ignore_eos=True)
+        crossed_at = time.monotonic()  # the third request's admission uses the last of the 36 tokens
+        via_a.generate(prompt_tokens=prompt, adapters={}, max_tokens=max_tokens, ignore_eos=True)
+        time.sleep(max(0.0, crossed_at + 1.0 - time.monotonic()))
+        with pytest.raises(LoraplaneError) as refused:
+            via_b.generate(prompt_tokens=prompt, adapters={}, max_tokens=max_tokens, ignore_eos=True)
+        assert refused.value.code == "RESOURCE_EXHAUSTED", refused.value.message
+        assert "tenant 'global-tpm': over tokens_per_minute 36" in refused.value.message
+        with pytest.raises(LoraplaneError) as on_a:
+            via_a.generate(prompt_tokens=prompt, adapters={}, max_tokens=max_tokens, ignore_eos=True)
+        assert on_a.value.code == "RESOURCE_EXHAUSTED"
+        assert len(other_b.generate(prompt_tokens=prompt, adapters={}, max_tokens=2).token_ids) == 2
+
+        def usage():
+            return next(t.usage for t in cluster.lp_b.list_tenants() if t.name == "global-tpm")
+
+        # one refusal on each replica; A's reaches the database with A's next sync
+        assert wait_until(lambda: usage().rejected_total == 2, timeout=2.0), usage()
+        assert (usage().requests_total, usage().tokens_total) == (3, 36)
+    finally:
+        for lp in (via_a, via_b, other_b):
+            lp.close()
+
+
+def test_tenant_max_concurrent_counts_requests_in_flight_on_every_replica(cluster):
+    """max_concurrent 1: a stream in flight through A makes B refuse the tenant; once it is
+    cancelled, B admits it again (after both replicas synced)."""
+    _, key = cluster.lp_a.add_tenant("global-conc", max_concurrent=1)
+    time.sleep(KEYS_REFRESH_S + 0.5)
+    via_a = LoraplaneClient(cluster.a_addr, api_key=key, timeout=120)
+    via_b = LoraplaneClient(cluster.b_addr, api_key=key, timeout=120)
+    try:
+        stream = via_a.generate_stream(PROMPT, adapters={}, max_tokens=400, ignore_eos=True)
+        next(stream)  # started: in flight on A
+        time.sleep(1.0)  # A's sync, then B's (250 ms each)
+        with pytest.raises(LoraplaneError) as refused:
+            via_b.generate(PROMPT, adapters={}, max_tokens=2)
+        assert refused.value.code == "RESOURCE_EXHAUSTED"
+        assert "1 requests in flight, max_concurrent 1" in refused.value.message
+        stream.close()  # cancels the request on A
+
+        def admitted_on_b() -> bool:
+            try:
+                return len(via_b.generate(PROMPT, adapters={}, max_tokens=2).token_ids) == 2
+            except LoraplaneError as exc:
+                assert exc.code == "RESOURCE_EXHAUSTED", exc.message
+                return False
+
+        assert wait_until(admitted_on_b, timeout=3.0, interval=0.1)
+    finally:
+        via_a.close()
+        via_b.close()
+
+
 def test_kill_a_during_registrations_and_generations(cluster, tmp_path):
     both = f"{cluster.a_addr},{cluster.b_addr}"
     files = [write_adapter(tmp_path / f"k{i}.gguf", seed=9500 + i) for i in range(12)]

@@ -69,7 +69,7 @@ def upload(store: AdapterStore, tmp_path: Path, name: str, size: int = 1000, see
 def test_ids_from_zero_dedup_never_reused_and_survive_reopen(open_db, tmp_path):
     store = open_db()
     # ids/bytes, replicas, source_format, pinned, aliases
-    assert store.schema_version == len(MIGRATIONS) == 5
+    assert store.schema_version == len(MIGRATIONS) == 6
     a, created = upload(store, tmp_path, "a", seed=1)
     assert (a.id, created, a.name, a.default_scale) == (0, True, "a", 0.0)
     b, _ = upload(store, tmp_path, "b", seed=2)
@@ -252,7 +252,7 @@ def test_sqlite_version_1_data_dir_upgrades_in_place(tmp_path):
         conn.execute("INSERT INTO adapters VALUES (0, 'aa', 'old', '/x.gguf', '{}', 0.5, 1.0)")
         conn.execute("UPDATE id_counter SET next_id = 1")
     store = SqliteStore(db, tmp_path / "blobs")
-    assert store.schema_version == len(MIGRATIONS) == 5
+    assert store.schema_version == len(MIGRATIONS) == 6
     assert [(r.id, r.name, r.default_scale, r.pinned, r.aliases) for r in store.list()] == [
         (0, "old", 0.5, False, ())  # migration 5's default: no aliases
     ]
@@ -338,3 +338,41 @@ def test_a_row_that_does_not_parse_is_skipped_logged_and_named(open_db, tmp_path
     removed = store.delete(b.id)
     assert (removed.id, removed.sha256) == (b.id, b.sha256)
     assert store.get(b.id) is None and b.id in store.removed_ids()
+
+
+@pytest.mark.parametrize("open_db", ["sqlite", pytest.param("postgres", marks=pytest.mark.slow)], indirect=True)
+def test_tenants_crud_hashed_keys_and_sync_between_two_replicas(open_db):
+    """Tenants on both databases: unique names and keys (only the sha256 is stored), settings
+    updates re-basing the buckets, removal with keys and in-flight rows; two stores on one
+    database (two replicas) share bucket levels and each other's in-flight counts."""
+    from loraplane.control_plane.errors import AlreadyExistsError
+    from loraplane.control_plane.store.base import TenantRecord, UsageDelta
+
+    a, b = open_db(), open_db()
+    key = hashlib.sha256(b"k" * 16).hexdigest()
+    rec = a.add_tenant(TenantRecord("acme", weight=2.0, priority=-1, tokens_per_minute=600, max_concurrent=5), key)
+    assert (rec.name, rec.weight, rec.priority, rec.tokens_per_minute, rec.max_concurrent, rec.key_count) == (
+        "acme",
+        2.0,
+        -1,
+        600,
+        5,
+        1,
+    )
+    with pytest.raises(AlreadyExistsError, match="tenant 'acme' already exists"):
+        b.add_tenant(TenantRecord("acme"), hashlib.sha256(b"other").hexdigest())
+    with pytest.raises(AlreadyExistsError, match="already belongs to a tenant"):
+        b.add_tenant(TenantRecord("beta"), key)
+    assert b.tenant_keys() == {key: "acme"}  # the hash, never the key
+    (s,) = a.sync_tenants({"acme": UsageDelta(tokens=100, requests_total=1)}, {"acme": 2}, 5.0)
+    assert s.tokens_level == pytest.approx(500, abs=1) and s.in_flight_others == 0
+    (s,) = b.sync_tenants({"acme": UsageDelta(tokens=50, tokens_total=30, rejected_total=1)}, {"acme": 1}, 5.0)
+    assert s.tokens_level == pytest.approx(450, abs=1) and s.in_flight_others == 2
+    assert (s.requests_total, s.tokens_total, s.rejected_total) == (1, 30, 1)
+    updated = b.update_tenant("acme", {"tokens_per_minute": 300, "weight": 0.5})
+    assert updated is not None and (updated.tokens_per_minute, updated.weight, updated.key_count) == (300, 0.5, 1)
+    (s,) = a.sync_tenants({}, {"acme": 0}, 5.0)
+    assert s.tokens_level == pytest.approx(300, abs=1) and s.in_flight_others == 1  # capped; A's row gone
+    assert a.update_tenant("ghost", {"weight": 3.0}) is None
+    assert a.remove_tenant("acme") and not a.remove_tenant("acme")
+    assert b.tenant_keys() == {} and b.sync_tenants({}, {}, 5.0) == []

@@ -1,0 +1,492 @@
+"""Per-tenant quotas at the control plane, global across replicas through the store.
+
+Owned by the control-plane process: one `QuotaBook` per process, one daemon thread
+(``tenant-quotas``). ``Router.generate`` calls `QuotaBook.admit` after the adapter map is
+resolved and before any worker is picked; the `Admission` it returns is settled when the
+request's stream ends, however it ends.
+
+**Limits** (a tenant's row, `loraplane.control_plane.tenants`; 0 = unlimited; names without a row
+have none):
+
+- ``max_concurrent``: requests in flight over all replicas;
+- ``requests_per_minute``: a token bucket of capacity N refilled at N/60 per second, one per
+  request;
+- ``tokens_per_minute``: a bucket of capacity N refilled at N/60 per second; a request
+  reserves ``prompt tokens + max_tokens`` at admission (prompt tokens: token-id prompts and
+  chat prompts — templated and tokenized by the HTTP front — count as sent, a text prompt is
+  tokenized here with the base tokenizer, as the worker will; ``max_tokens`` 0 is the worker's
+  16) and, when it ends, the unused part of the reservation goes back: the bucket is charged the
+  real ``prompt + generated`` tokens (0 for a request that ended before its prompt ran).
+
+A request that would pass a limit is refused before any worker work: `QuotaExceededError`
+(gRPC RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata, HTTP 429
+``rate_limit_exceeded`` with a ``Retry-After`` header): whole seconds, at least 1, until the
+bucket holds what the request needs (1 s for ``max_concurrent``). A request that needs more
+tokens than the bucket can ever hold (``prompt + max_tokens > tokens_per_minute``) is
+INVALID_ARGUMENT / 400 instead: waiting would never help.
+
+**Across replicas** (PostgreSQL; SQLite is one replica and runs the same code). Bucket levels
+live in the ``tenants`` rows. Each replica keeps a local copy per tenant and decides on it at
+once (no database call on the request path): its last synced level, refilled by its own clock
+since, minus what it admitted since. Every `SYNC_INTERVAL_S` (250 ms) `QuotaBook.sync` sends its
+deltas in one transaction, one ``UPDATE … `` per tenant with activity, the refill computed from
+the database's clock (`loraplane.control_plane.store.tenant_sql`), then reads every tenant's level
+back. In-flight counts are rows per (tenant, replica), rewritten every sync while non-zero and
+summed by the others; rows older than `IN_FLIGHT_TTL_S` (a dead replica's) stop counting.
+
+Accuracy: a replica sees the others' admissions at most two sync intervals after they happen
+(their next sync, then its own), so a tenant is refused everywhere within about 0.5 s (plus two
+store calls) of crossing a limit anywhere, and it can overshoot a limit by at most what the other
+replicas admit for it within that window. ``max_concurrent`` likewise.
+
+**Database outage: fail open on the last levels.** A failed sync keeps its deltas for the next
+one and the replica keeps deciding on its local copy: it still charges its own admissions to
+the last levels it read, but no longer sees the other replicas' (so during an outage each
+replica enforces the quota alone: up to N replicas × the quota in total). Generation never
+waits for the database because of quotas. ``loraplane_tenant_quota_sync_failures_total`` counts
+the failed syncs, ``loraplane_tenant_quota_sync_age_seconds`` says how old the levels are, and
+``tenant_quota_sync_failing`` is logged once per outage.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from loraplane.control_plane.errors import ControlPlaneError, InvalidArgumentError, ResourceExhaustedError
+from loraplane.control_plane.store import AdapterStore
+from loraplane.control_plane.store.base import TenantRecord, TenantState, UsageDelta
+from loraplane.control_plane.tenants import KEYS_REFRESH_S, ResolvedTenant, TenantDirectory
+
+log = structlog.get_logger("loraplane.control_plane.quotas")
+
+SYNC_INTERVAL_S = 0.25
+"""Seconds between quota syncs with the store."""
+IN_FLIGHT_TTL_S = 5.0
+"""A replica's in-flight row older than this no longer counts (the replica is gone)."""
+DEFAULT_MAX_TOKENS = 16
+"""What the worker generates when ``max_tokens`` is 0 (``worker.rpc.servicer.sampling_from_proto``)."""
+
+REASONS = ("max_concurrent", "requests_per_minute", "tokens_per_minute")
+
+
+class QuotaExceededError(ResourceExhaustedError):
+    """A tenant over one of its limits (gRPC RESOURCE_EXHAUSTED, HTTP 429).
+
+    Attributes:
+        tenant: the tenant refused.
+        reason: the limit passed: one of `REASONS`.
+        retry_after_s: whole seconds (≥ 1) before the request could pass.
+    """
+
+    def __init__(self, tenant: str, reason: str, message: str, retry_after_s: int) -> None:
+        super().__init__(f"tenant '{tenant}': {message}; retry after {retry_after_s} s")
+        self.tenant = tenant
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class TokenBucket:
+    """A token bucket as one replica sees it: ``capacity`` refilled at ``capacity / 60`` per
+    second from ``level`` at time ``at`` (seconds of the caller's clock). The level may be
+    negative (several replicas took from it within one sync); it refills from there.
+
+    Args:
+        per_minute: the limit (capacity and refill per minute, > 0).
+        level: tokens in the bucket at ``at``.
+        at: the time of ``level``.
+    """
+
+    def __init__(self, per_minute: float, level: float, at: float) -> None:
+        if per_minute <= 0:
+            raise ValueError(f"a bucket needs a positive limit, got {per_minute}")
+        self.capacity = float(per_minute)
+        self.rate = self.capacity / 60.0
+        self._level = min(self.capacity, float(level))
+        self._at = at
+
+    def level(self, now: float) -> float:
+        """Tokens in the bucket at ``now`` (refilled since the last change, at most the capacity)."""
+        return min(self.capacity, self._level + max(0.0, now - self._at) * self.rate)
+
+    def take(self, n: float, now: float) -> None:
+        """Remove ``n`` tokens at ``now`` (a negative ``n`` gives back, never past the capacity)."""
+        self._level = min(self.capacity, self.level(now) - n)
+        self._at = max(now, self._at)
+
+    def wait_s(self, n: float, now: float) -> float:
+        """Seconds from ``now`` until the bucket holds ``n`` tokens (0 when it does)."""
+        return max(0.0, n - self.level(now)) / self.rate
+
+
+def retry_after(wait_s: float) -> int:
+    """``Retry-After`` seconds for a wait: whole seconds rounded up, at least 1."""
+    return max(1, math.ceil(wait_s - 1e-9))
+
+
+@dataclass
+class TenantUsageView:
+    """One tenant's usage as this replica knows it (`QuotaBook.usage`).
+
+    Attributes:
+        in_flight: requests in flight over all replicas (this one's now, the others' as of the
+            last sync).
+        tokens_available / requests_available: bucket levels now (0 for an unlimited one).
+        requests_total / tokens_total / rejected_total: the stored totals plus this replica's
+            unsent counts.
+        synced_age_s: seconds since the last successful sync (None: never).
+    """
+
+    in_flight: int = 0
+    tokens_available: float = 0.0
+    requests_available: float = 0.0
+    requests_total: int = 0
+    tokens_total: int = 0
+    rejected_total: int = 0
+    synced_age_s: float | None = None
+
+
+@dataclass
+class _Usage:
+    """One tenant's local state (guarded by `QuotaBook`'s lock)."""
+
+    tokens: TokenBucket | None = None
+    requests: TokenBucket | None = None
+    in_flight: int = 0  # this replica's
+    others: int = 0  # the other replicas', as of the last sync
+    sent_in_flight: int = 0  # what this replica's row says
+    unsent: UsageDelta = field(default_factory=UsageDelta)
+    stored: TenantState | None = None
+    limits: tuple[int, int] = (0, 0)  # (tokens, requests) per minute the buckets were made for
+
+
+class Admission:
+    """An admitted request's reservation; `settle` it once when the request ends (later calls
+    do nothing)."""
+
+    def __init__(self, book: QuotaBook, tenant: ResolvedTenant, reserved: int) -> None:
+        self.book = book
+        self.tenant = tenant
+        self.reserved = reserved
+        self._lock = threading.Lock()
+        self._done = False
+
+    def settle(self, prompt_tokens: int, output_tokens: int) -> None:
+        """The request ended having used ``prompt_tokens + output_tokens``: give back the rest
+        of the reservation (or take what it used beyond it) and leave the in-flight count."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self.book._settle(self, int(prompt_tokens), int(output_tokens))
+
+
+class QuotaBook:
+    """Admission against tenant limits, synced with the store (see the module docstring).
+
+    Args:
+        store: the shared store.
+        directory: the tenants and keys; refreshed by this book.
+        clock: monotonic seconds (tests inject one).
+        sync_interval_s / in_flight_ttl_s / keys_refresh_s: see the module constants.
+        metrics: an object with ``tenant_admitted(name)``, ``tenant_rejected(name, reason)``,
+            ``tenant_tokens(name, prompt, output)`` and ``tenant_sync_failed()`` (None: not counted).
+    """
+
+    def __init__(
+        self,
+        store: AdapterStore,
+        directory: TenantDirectory,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sync_interval_s: float = SYNC_INTERVAL_S,
+        in_flight_ttl_s: float = IN_FLIGHT_TTL_S,
+        keys_refresh_s: float = KEYS_REFRESH_S,
+        metrics: Any = None,
+    ) -> None:
+        self.store = store
+        self.directory = directory
+        self.clock = clock
+        self.sync_interval_s = sync_interval_s
+        self.in_flight_ttl_s = in_flight_ttl_s
+        self.keys_refresh_s = keys_refresh_s
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self._usage: dict[str, _Usage] = {}
+        self._local: dict[str, int] = {}  # in flight here, every tenant (limited or not)
+        self._synced_at: float | None = None
+        self._failing = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(
+        self, tenant: ResolvedTenant, *, max_tokens: int, prompt_tokens: Callable[[], int] | int = 0
+    ) -> Admission:
+        """Admit one request of ``tenant`` or refuse it.
+
+        Args:
+            max_tokens: the request's ``max_tokens`` (0: the worker's default, 16).
+            prompt_tokens: its prompt length, or a function computing it (called only when the
+                tenant has a tokens-per-minute limit).
+
+        Raises:
+            QuotaExceededError: over ``max_concurrent``, ``requests_per_minute`` or
+                ``tokens_per_minute`` (checked in that order).
+            InvalidArgumentError: the request alone needs more tokens than ``tokens_per_minute``.
+        """
+        record = tenant.record
+        need = 0
+        if record is not None and record.tokens_per_minute:
+            n_prompt = prompt_tokens() if callable(prompt_tokens) else prompt_tokens
+            need = int(n_prompt) + (max_tokens or DEFAULT_MAX_TOKENS)
+            if need > record.tokens_per_minute:
+                raise InvalidArgumentError(
+                    f"tenant '{tenant.name}': the request needs {need} tokens ({n_prompt} prompt + "
+                    f"{max_tokens or DEFAULT_MAX_TOKENS} max_tokens), more than its tokens_per_minute "
+                    f"{record.tokens_per_minute}; lower max_tokens"
+                )
+        with self._lock:
+            if record is not None:  # a row: its usage is accounted (and its limits checked)
+                self._check(tenant.name, record, need)
+            self._local[tenant.name] = self._local.get(tenant.name, 0) + 1
+        if self.metrics is not None:
+            self.metrics.tenant_admitted(tenant.name)
+        return Admission(self, tenant, need)
+
+    def _check(self, name: str, record: TenantRecord, need: int) -> None:
+        """Admit (take from the buckets, count it in flight and in the totals) or raise; under
+        the lock."""
+        now = self.clock()
+        u = self._usage_of(record, now)
+        refusal: tuple[str, str, float] | None = None
+        if record.max_concurrent and u.in_flight + u.others >= record.max_concurrent:
+            refusal = (
+                "max_concurrent",
+                f"{u.in_flight + u.others} requests in flight, max_concurrent {record.max_concurrent}",
+                1.0,
+            )
+        elif u.requests is not None and u.requests.level(now) < 1.0:
+            refusal = (
+                "requests_per_minute",
+                f"over requests_per_minute {record.requests_per_minute}",
+                u.requests.wait_s(1.0, now),
+            )
+        elif u.tokens is not None and u.tokens.level(now) < need:
+            refusal = (
+                "tokens_per_minute",
+                f"over tokens_per_minute {record.tokens_per_minute} (the request needs {need} tokens, "
+                f"{max(0, int(u.tokens.level(now)))} are left)",
+                u.tokens.wait_s(need, now),
+            )
+        if refusal is not None:
+            reason, message, wait = refusal
+            u.unsent.rejected_total += 1
+            if self.metrics is not None:
+                self.metrics.tenant_rejected(name, reason)
+            raise QuotaExceededError(name, reason, message, retry_after(wait))
+        if u.requests is not None:
+            u.requests.take(1.0, now)
+        if u.tokens is not None:
+            u.tokens.take(need, now)
+        u.in_flight += 1
+        u.unsent.requests += 1.0 if u.requests is not None else 0.0
+        u.unsent.tokens += need
+        u.unsent.requests_total += 1
+
+    def _usage_of(self, record: TenantRecord, now: float) -> _Usage:
+        """The local state of a limited tenant, made (buckets full) or re-limited as needed."""
+        u = self._usage.get(record.name)
+        if u is None:
+            u = self._usage[record.name] = _Usage()
+        limits = (record.tokens_per_minute, record.requests_per_minute)
+        if u.limits != limits:  # new, or its limits changed before the next sync
+            u.tokens = _rebucket(u.tokens, record.tokens_per_minute, now)
+            u.requests = _rebucket(u.requests, record.requests_per_minute, now)
+            u.limits = limits
+        return u
+
+    def _settle(self, admission: Admission, prompt_tokens: int, output_tokens: int) -> None:
+        name = admission.tenant.name
+        used = prompt_tokens + output_tokens
+        with self._lock:
+            left = self._local.get(name, 0) - 1
+            if left > 0:
+                self._local[name] = left
+            else:
+                self._local.pop(name, None)
+            u = self._usage.get(name)
+            record = admission.tenant.record
+            if u is not None and record is not None:
+                u.in_flight = max(0, u.in_flight - 1)
+                back = admission.reserved - used if record.tokens_per_minute else 0
+                if u.tokens is not None and back:
+                    u.tokens.take(-back, self.clock())
+                u.unsent.tokens -= back
+                u.unsent.tokens_total += used
+        if self.metrics is not None:
+            self.metrics.tenant_tokens(name, prompt_tokens, output_tokens)
+
+    # -- syncing -------------------------------------------------------------------------------
+
+    def sync(self, *, raise_unavailable: bool = False) -> list[TenantState] | None:
+        """One sync with the store (see the module docstring); the states read, or None when
+        the store is unavailable (the deltas are kept for the next sync).
+
+        Raises:
+            DatabaseUnavailableError: the store is unavailable and ``raise_unavailable`` (an
+                admin read).
+        """
+        with self._sync_lock:
+            with self._lock:
+                deltas: dict[str, UsageDelta] = {}
+                in_flight: dict[str, int] = {}
+                for name, u in self._usage.items():
+                    if u.unsent:
+                        deltas[name], u.unsent = u.unsent, UsageDelta()
+                    if u.in_flight or u.sent_in_flight:
+                        in_flight[name] = u.in_flight
+            try:
+                states = self.store.sync_tenants(deltas, in_flight, self.in_flight_ttl_s)
+            except ControlPlaneError as exc:
+                with self._lock:
+                    for name, d in deltas.items():
+                        self._usage.setdefault(name, _Usage()).unsent.add(d)
+                if not self._failing:
+                    log.warning("tenant_quota_sync_failing", error=str(exc), retry_in_s=self.sync_interval_s)
+                self._failing = True
+                if self.metrics is not None:
+                    self.metrics.tenant_sync_failed()
+                if raise_unavailable:
+                    raise
+                return None
+            if self._failing:
+                log.info("tenant_quota_sync_recovered")
+            self._failing = False
+            self._apply(states, in_flight)
+            self.directory.set_records([s.record for s in states])
+            return states
+
+    def _apply(self, states: list[TenantState], sent: dict[str, int]) -> None:
+        """The levels read become the local buckets, less what was admitted here since."""
+        with self._lock:
+            now = self.clock()
+            self._synced_at = now
+            seen = set()
+            for s in states:
+                r = s.record
+                seen.add(r.name)
+                u = self._usage.setdefault(r.name, _Usage())
+                u.stored = s
+                u.limits = (r.tokens_per_minute, r.requests_per_minute)
+                u.tokens = (
+                    TokenBucket(r.tokens_per_minute, s.tokens_level - u.unsent.tokens, now)
+                    if r.tokens_per_minute
+                    else None
+                )
+                u.requests = (
+                    TokenBucket(r.requests_per_minute, s.requests_level - u.unsent.requests, now)
+                    if r.requests_per_minute
+                    else None
+                )
+                if r.name in sent:
+                    u.sent_in_flight = sent[r.name]
+                u.others = s.in_flight_others
+            for name in [n for n, u in self._usage.items() if n not in seen and not u.in_flight]:
+                del self._usage[name]  # removed (or never stored) and idle
+
+    def refresh_keys(self) -> bool:
+        """Reload the key table from the store; False when it is unavailable (the last one stays)."""
+        try:
+            keys = self.store.tenant_keys()
+        except ControlPlaneError as exc:
+            log.debug("tenant_keys_unavailable", error=str(exc))
+            return False
+        self.directory.set_keys(keys)
+        return True
+
+    def refresh(self) -> None:
+        """Sync and reload the keys now (after an admin change through this replica)."""
+        self.sync()
+        self.refresh_keys()
+
+    def start(self) -> None:
+        """Load the keys and levels once, then sync on a daemon thread."""
+        self.refresh()
+        self._thread = threading.Thread(target=self._run, name="tenant-quotas", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        keys_at = self.clock()
+        while not self._stop.is_set():
+            self._wake.wait(self.sync_interval_s)
+            woken = self._wake.is_set()
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.sync()
+                if woken or self.clock() - keys_at >= self.keys_refresh_s:
+                    self.refresh_keys()
+                    keys_at = self.clock()
+            except Exception:  # noqa: BLE001 - keep syncing; the next round retries
+                log.exception("tenant_quota_sync_error")
+
+    def wake(self) -> None:
+        """Run a sync (and a key reload) on the thread now."""
+        self._wake.set()
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def usage(self, name: str) -> TenantUsageView:
+        """Tenant ``name``'s usage as this replica knows it now."""
+        with self._lock:
+            now = self.clock()
+            u = self._usage.get(name)
+            local = self._local.get(name, 0)
+            if u is None:
+                return TenantUsageView(in_flight=local)
+            s = u.stored
+            return TenantUsageView(
+                in_flight=u.in_flight + u.others,
+                tokens_available=u.tokens.level(now) if u.tokens is not None else 0.0,
+                requests_available=u.requests.level(now) if u.requests is not None else 0.0,
+                requests_total=(s.requests_total if s else 0) + u.unsent.requests_total,
+                tokens_total=(s.tokens_total if s else 0) + u.unsent.tokens_total,
+                rejected_total=(s.rejected_total if s else 0) + u.unsent.rejected_total,
+                synced_age_s=None if self._synced_at is None else now - self._synced_at,
+            )
+
+    def local_in_flight(self) -> dict[str, int]:
+        """Requests in flight on this replica, by tenant (every tenant, limited or not)."""
+        with self._lock:
+            return dict(self._local)
+
+    def synced_age_s(self) -> float | None:
+        """Seconds since the last successful sync (None: never)."""
+        with self._lock:
+            return None if self._synced_at is None else self.clock() - self._synced_at
+
+
+def _rebucket(bucket: TokenBucket | None, per_minute: int, now: float) -> TokenBucket | None:
+    """A bucket for a (new) limit: None for 0 (unlimited); full when there was none; else the
+    old level, at most the new capacity."""
+    if not per_minute:
+        return None
+    level = bucket.level(now) if bucket is not None else float(per_minute)
+    return TokenBucket(per_minute, level, now)

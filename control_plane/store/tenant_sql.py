@@ -1,0 +1,158 @@
+"""The tenant tables' SQL, spelled once for both databases (`Dialect` fills the differences).
+
+Tables (migration 6, `loraplane.control_plane.store.migrations`): ``tenants`` (limits, the two
+buckets' levels as written at ``level_at``, totals), ``tenant_keys`` (API keys by sha256, several
+per tenant), ``tenant_in_flight`` (requests in flight per (tenant, replica), with the time each
+replica last wrote its row).
+
+Buckets are stored as ``(level, level_at)``; the level *now* is the stored one plus the refill
+since ``level_at`` (``limit / 60`` per second, at most ``limit``), computed inside the statement
+from the database's clock (`Dialect.now`: PostgreSQL's ``now()``, the transaction's start; SQLite:
+this host's clock, passed in), so replicas' clocks never enter the arithmetic. Every write
+re-bases both buckets to now. The level may go below 0 (replicas that admitted within one sync
+interval together); it then refills from there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loraplane.control_plane.store.base import TenantRecord, TenantState
+
+BUCKETS = (("tokens_level", "tokens_per_minute"), ("requests_level", "requests_per_minute"))
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What differs between SQLite and PostgreSQL here.
+
+    Attributes:
+        param: a named parameter's placeholder (``:x`` / ``%(x)s``).
+        now: the current time in epoch seconds (a parameter for SQLite, the clock for PostgreSQL).
+        least / greatest: the two-argument minimum and maximum functions.
+    """
+
+    param: Callable[[str], str]
+    now: str
+    least: str
+    greatest: str
+
+    def bucket_now(self, level: str, limit: str, at: str = "level_at") -> str:
+        """A bucket's level as of `now` (0 for an unlimited bucket): ``level`` as written at
+        ``at`` plus ``limit / 60`` per second since, at most ``limit``."""
+        return (
+            f"(CASE WHEN {limit} = 0 THEN 0 ELSE {self.least}({limit}, "
+            f"{level} + {self.greatest}(0, {self.now} - {at}) * {limit} / 60.0) END)"
+        )
+
+    def sync_update(self) -> str:
+        """``UPDATE`` one tenant with one replica's deltas (parameters ``name``, ``tokens``,
+        ``requests``, ``requests_total``, ``tokens_total``, ``rejected_total``): both buckets
+        refilled to now, then the deltas taken (at most the limit: a give-back never overfills)."""
+        p = self.param
+        sets = [
+            f"{level} = (CASE WHEN {limit} = 0 THEN 0 ELSE "
+            f"{self.least}({limit}, {self.bucket_now(level, limit)} - {p(delta)}) END)"
+            for (level, limit), delta in zip(BUCKETS, ("tokens", "requests"), strict=True)
+        ]
+        sets.append(f"level_at = {self.now}")
+        sets += [f"{c} = {c} + {p(c)}" for c in ("requests_total", "tokens_total", "rejected_total")]
+        return f"UPDATE tenants SET {', '.join(sets)} WHERE name = {p('name')}"
+
+    def settings_update(self, changed: set[str]) -> str:
+        """``UPDATE`` one tenant's settings (parameter ``name`` and one per column in
+        ``changed``): both buckets re-based to now under their (possibly new) limit — a lowered
+        limit caps the level, a limit set where there was none (0) starts full."""
+        p = self.param
+        sets = []
+        for level, limit in BUCKETS:
+            new = p(limit) if limit in changed else limit
+            sets.append(
+                f"{level} = (CASE WHEN {new} = 0 THEN 0 WHEN {limit} = 0 THEN {new} "
+                f"ELSE {self.least}({new}, {self.bucket_now(level, limit)}) END)"
+            )
+        sets.append(f"level_at = {self.now}")
+        sets += [f"{c} = {p(c)}" for c in sorted(changed)]
+        return f"UPDATE tenants SET {', '.join(sets)} WHERE name = {p('name')}"
+
+    def insert(self) -> str:
+        """``INSERT`` a tenant with full buckets (parameters: the record's columns)."""
+        p = self.param
+        cols = ("name", "weight", "priority", "max_concurrent", "tokens_per_minute", "requests_per_minute")
+        values = [p(c) for c in cols]
+        return (
+            f"INSERT INTO tenants ({', '.join(cols)}, tokens_level, requests_level, level_at, created_at) "
+            f"VALUES ({', '.join(values)}, {p('tokens_per_minute')}, {p('requests_per_minute')}, "
+            f"{self.now}, {p('created_at')})"
+        )
+
+    def in_flight_upsert(self) -> str:
+        """This replica's in-flight count of one tenant (``tenant``, ``replica_id``, ``in_flight``)."""
+        p = self.param
+        return (
+            "INSERT INTO tenant_in_flight (tenant, replica_id, in_flight, seen_at) "
+            f"VALUES ({p('tenant')}, {p('replica_id')}, {p('in_flight')}, {self.now}) "
+            "ON CONFLICT (tenant, replica_id) DO UPDATE SET in_flight = excluded.in_flight, seen_at = excluded.seen_at"
+        )
+
+    def states(self) -> str:
+        """Every tenant with its buckets as of now, key count and in-flight sum over the other
+        replicas' fresh rows (parameters ``replica_id``, ``ttl``), by name."""
+        p = self.param
+        mine = f" AND f.replica_id <> {p('replica_id')}"
+        return (
+            "SELECT t.name, t.weight, t.priority, t.max_concurrent, t.tokens_per_minute, t.requests_per_minute, "
+            "t.created_at, t.requests_total, t.tokens_total, t.rejected_total, "
+            f"{self.bucket_now('t.tokens_level', 't.tokens_per_minute', 't.level_at')} AS tokens_now, "
+            f"{self.bucket_now('t.requests_level', 't.requests_per_minute', 't.level_at')} AS requests_now, "
+            "(SELECT COUNT(*) FROM tenant_keys k WHERE k.tenant = t.name) AS key_count, "
+            "COALESCE((SELECT SUM(f.in_flight) FROM tenant_in_flight f WHERE f.tenant = t.name"
+            f"{mine} AND f.seen_at >= {self.now} - {p('ttl')}), 0) AS others "
+            "FROM tenants t ORDER BY t.name"
+        )
+
+    def prune_in_flight(self) -> str:
+        """Delete in-flight rows older than ``ttl`` seconds (a dead replica's)."""
+        return f"DELETE FROM tenant_in_flight WHERE seen_at < {self.now} - {self.param('ttl')}"
+
+
+def record_of(row) -> TenantRecord:
+    """The `TenantRecord` of a ``tenants`` row (by column name; ``key_count`` when selected)."""
+    keys = row["key_count"] if "key_count" in row.keys() else 0
+    return TenantRecord(
+        name=str(row["name"]),
+        weight=float(row["weight"]),
+        priority=int(row["priority"]),
+        max_concurrent=int(row["max_concurrent"]),
+        tokens_per_minute=int(row["tokens_per_minute"]),
+        requests_per_minute=int(row["requests_per_minute"]),
+        key_count=int(keys),
+        created_at=float(row["created_at"]),
+    )
+
+
+def state_of(row) -> TenantState:
+    """The `TenantState` of a row of `Dialect.states`."""
+    return TenantState(
+        record=record_of(row),
+        tokens_level=float(row["tokens_now"]),
+        requests_level=float(row["requests_now"]),
+        in_flight_others=int(row["others"]),
+        requests_total=int(row["requests_total"]),
+        tokens_total=int(row["tokens_total"]),
+        rejected_total=int(row["rejected_total"]),
+    )
+
+
+def record_params(record: TenantRecord) -> dict[str, object]:
+    """`Dialect.insert`'s parameters for ``record``."""
+    return {
+        "name": record.name,
+        "weight": float(record.weight),
+        "priority": int(record.priority),
+        "max_concurrent": int(record.max_concurrent),
+        "tokens_per_minute": int(record.tokens_per_minute),
+        "requests_per_minute": int(record.requests_per_minute),
+        "created_at": float(record.created_at),
+    }

@@ -1,0 +1,402 @@
+"""Tenants and quotas without a server: the token bucket on an injected clock, key hashing and
+lookup, the tenant of a request, name / key / setting checks, and the quota book over a real
+SQLite store (admission, settling, refusals with their retry-after, other tenants untouched)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from loraplane.control_plane.errors import (
+    AlreadyExistsError,
+    DatabaseUnavailableError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from loraplane.control_plane.quotas import QuotaBook, QuotaExceededError, TokenBucket, retry_after
+from loraplane.control_plane.store import SqliteStore
+from loraplane.control_plane.store.base import TenantRecord, UsageDelta
+from loraplane.control_plane.tenant_admin import TenantAdmin, check_settings
+from loraplane.control_plane.tenants import (
+    ANONYMOUS_TENANT,
+    DEFAULT_TENANT,
+    TenantDirectory,
+    check_key,
+    check_tenant_name,
+    generate_key,
+    key_hash,
+    tenant_of,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- the bucket ----------------------------------------------------------------------------
+
+
+def test_token_bucket_refills_at_limit_per_minute_up_to_capacity():
+    b = TokenBucket(600, 600, at=0.0)  # 10 tokens / s
+    b.take(600, now=0.0)
+    assert b.level(0.0) == 0.0
+    assert b.level(1.5) == pytest.approx(15.0)
+    assert b.wait_s(25, now=1.5) == pytest.approx(1.0)
+    assert b.level(1000.0) == 600.0  # never past the capacity
+    b.take(700, now=1000.0)  # several replicas overshot together: negative, refills from there
+    assert b.level(1000.0) == -100.0 and b.level(1010.0) == pytest.approx(0.0)
+    b.take(-10_000, now=1010.0)  # a give-back never overfills
+    assert b.level(1010.0) == 600.0
+    with pytest.raises(ValueError):
+        TokenBucket(0, 0, at=0.0)
+
+
+def test_retry_after_is_whole_seconds_rounded_up_at_least_one():
+    assert [retry_after(w) for w in (0.0, 0.2, 1.0, 1.01, 59.5)] == [1, 1, 1, 2, 60]
+
+
+# ---- keys, names, the tenant of a request --------------------------------------------------
+
+
+def test_keys_are_stored_as_sha256_and_looked_up_by_it():
+    key = generate_key()
+    assert key.startswith("lp-") and len(key) == 3 + 43
+    assert key_hash(key) == hashlib.sha256(key.encode()).hexdigest() and key not in key_hash(key)
+    d = TenantDirectory(api_key="the-inference-key", admin_token="the-admin-token")
+    d.set_keys({key_hash(key): "acme"})
+    assert d.principal(f"Bearer {key}") == "acme"
+    assert d.principal(f"bearer   {key}  ") == "acme"
+    assert d.principal("Bearer the-inference-key") == DEFAULT_TENANT
+    assert d.principal("Bearer the-admin-token") == DEFAULT_TENANT
+    assert d.principal("Bearer lp-someone-else-entirely") is None
+    assert d.principal(None) is None and d.principal(f"Basic {key}") is None
+    assert d.accepts(key) and not d.accepts("the-inference-key")
+
+
+def test_tenant_of_a_request_key_then_explicit_map_then_anonymous():
+    assert tenant_of("acme", "shout") == "acme"
+    assert tenant_of(DEFAULT_TENANT, "shout") == DEFAULT_TENANT
+    assert tenant_of(None, "shout") == "adapter:shout"
+    assert tenant_of(None, "3") == "adapter:3"
+    assert tenant_of(None, None) == ANONYMOUS_TENANT
+    d = TenantDirectory()
+    d.set_records([TenantRecord("adapter:shout", tokens_per_minute=10, weight=2.0, priority=1)])
+    limited, free = d.resolve(None, "shout"), d.resolve(None, "other")
+    assert (limited.name, limited.weight, limited.priority, limited.record is not None) == (
+        "adapter:shout",
+        2.0,
+        1,
+        True,
+    )
+    assert (free.name, free.weight, free.priority, free.record) == ("adapter:other", 1.0, 0, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "fault"),
+    [("", "empty"), ("x" * 129, "129 characters"), ("a\tb", "non-printable"), (" acme", "blank")],
+)
+def test_bad_tenant_names_are_refused_naming_the_fault(name, fault):
+    with pytest.raises(InvalidArgumentError, match=fault):
+        check_tenant_name(name)
+
+
+def test_good_names_keys_and_settings_pass_bad_ones_name_the_fault():
+    for name in ("acme", "default", "anonymous", "adapter:shout", "Ünïcode team 7", "x" * 128):
+        assert check_tenant_name(name) == name
+    assert check_key("k" * 16) == "k" * 16
+    for bad, fault in (("short", "5 characters"), ("has blank in it!!", "without blanks"), ("ключ" * 5, "ASCII")):
+        with pytest.raises(InvalidArgumentError, match=fault) as err:
+            check_key(bad)
+        assert bad not in str(err.value)  # a refusal never echoes the key
+    assert check_settings({"weight": 2, "tokens_per_minute": 0}) == {"weight": 2.0, "tokens_per_minute": 0}
+    for bad, fault in (
+        ({"weight": 0}, "weight 0 is not"),
+        ({"weight": float("nan")}, "weight nan"),
+        ({"max_concurrent": -1}, "max_concurrent -1"),
+        ({"priority": 2**31}, "priority"),
+        ({"tokens_per_minute": True}, "tokens_per_minute True"),
+        ({"colour": 1}, "unknown tenant setting 'colour'"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=fault):
+            check_settings(bad)
+
+
+# ---- the quota book over a real SQLite store ------------------------------------------------
+
+
+@pytest.fixture
+def book(tmp_path: Path):
+    store = SqliteStore(tmp_path / "db.sqlite3")
+    clock = Clock()
+    b = QuotaBook(store, TenantDirectory(), clock=clock)
+    b.clock_ = clock  # type: ignore[attr-defined]
+    yield b
+    store.close()
+
+
+def admit(book: QuotaBook, name: str, prompt: int = 10, max_tokens: int = 20):
+    return book.admit(book.directory.resolve(name, None), max_tokens=max_tokens, prompt_tokens=prompt)
+
+
+def test_tokens_per_minute_refuses_with_retry_after_and_leaves_others_alone(book):
+    admin = TenantAdmin(book.store, book)
+    admin.add("heavy", {"tokens_per_minute": 120})  # 2 tokens / s
+    admin.add("light", {"tokens_per_minute": 120})
+    first = [admit(book, "heavy") for _ in range(4)]  # 4 × (10 + 20) = 120 reserved
+    with pytest.raises(QuotaExceededError) as refused:
+        admit(book, "heavy")
+    err = refused.value
+    assert (err.tenant, err.reason, err.retry_after_s) == ("heavy", "tokens_per_minute", 15)  # 30 tokens at 2/s
+    assert "tenant 'heavy': over tokens_per_minute 120 (the request needs 30 tokens, 0 are left)" in str(err)
+    admit(book, "light").settle(10, 20)  # another tenant: untouched
+    first[0].settle(10, 2)  # finished early: 18 of its 30 go back
+    first[0].settle(10, 2)  # settling twice changes nothing
+    assert book.usage("heavy").tokens_available == pytest.approx(18.0)
+    with pytest.raises(QuotaExceededError) as again:
+        admit(book, "heavy")
+    assert again.value.retry_after_s == 6  # 12 more tokens at 2/s
+    book.clock_.now += 6.0  # type: ignore[attr-defined]
+    admit(book, "heavy")
+    with pytest.raises(InvalidArgumentError, match="needs 130 tokens .* more than its tokens_per_minute 120"):
+        admit(book, "heavy", prompt=10, max_tokens=120)
+    # synced: the store holds the level, totals and refusals
+    states = {s.record.name: s for s in book.sync() or []}
+    heavy = states["heavy"]
+    assert (heavy.requests_total, heavy.rejected_total, heavy.tokens_total) == (5, 2, 12)
+    # the store refills by its own clock (milliseconds passed, not the injected 6 s): 120 - 132 net
+    assert heavy.tokens_level == pytest.approx(-12.0, abs=1.0)
+
+
+def test_max_concurrent_and_requests_per_minute(book):
+    admin = TenantAdmin(book.store, book)
+    admin.add("c", {"max_concurrent": 2})
+    admin.add("r", {"requests_per_minute": 2})
+    a, b = admit(book, "c"), admit(book, "c")
+    with pytest.raises(QuotaExceededError) as busy:
+        admit(book, "c")
+    assert (busy.value.reason, busy.value.retry_after_s) == ("max_concurrent", 1)
+    a.settle(10, 20)
+    admit(book, "c")
+    b.settle(0, 0)
+    admit(book, "r")
+    admit(book, "r")
+    with pytest.raises(QuotaExceededError) as rpm:
+        admit(book, "r")
+    assert (rpm.value.reason, rpm.value.retry_after_s) == ("requests_per_minute", 30)
+    admit(book, "nobody")  # no row: no limits
+    admin.add("weighted", {"weight": 3})  # a row without limits: its usage is still accounted
+    admit(book, "weighted").settle(3, 4)
+    (weighted,) = [s for s in book.sync() or [] if s.record.name == "weighted"]
+    assert (weighted.requests_total, weighted.tokens_total, weighted.record.weight) == (1, 7, 3.0)
+    assert book.local_in_flight() == {"c": 1, "r": 2, "nobody": 1}
+
+
+def test_admin_errors_and_limits_changed_at_once(book):
+    admin = TenantAdmin(book.store, book)
+    view, key = admin.add("acme", {"tokens_per_minute": 60}, api_key="k" * 20)
+    assert key == "k" * 20 and view.record.key_count == 1 and view.usage.tokens_available == 60.0
+    assert book.directory.tenant_of_key("k" * 20) == "acme"  # refreshed at once, not in a second
+    with pytest.raises(AlreadyExistsError, match="tenant 'acme' already exists"):
+        admin.add("acme", {})
+    with pytest.raises(AlreadyExistsError, match="already belongs to a tenant"):
+        admin.add("other", {}, api_key="k" * 20)
+    with pytest.raises(NotFoundError, match="tenant 'ghost' not found; tenants: acme"):
+        admin.update("ghost", {"weight": 2})
+    assert admin.update("acme", {"tokens_per_minute": 30}).usage.tokens_available == 30.0  # capped to the new limit
+    assert admin.update("acme", {"tokens_per_minute": 0}).record.tokens_per_minute == 0
+    admit(book, "acme", prompt=1000, max_tokens=1000)  # unlimited now
+    admin.remove("acme")
+    assert book.directory.tenant_of_key("k" * 20) is None and book.directory.record("acme") is None
+    with pytest.raises(NotFoundError, match="no tenants are configured"):
+        admin.remove("acme")
+
+
+def test_store_sync_applies_deltas_and_counts_other_replicas_in_flight(tmp_path: Path):
+    """Two stores on one SQLite file stand for two replicas' views of the shared rows."""
+    a, b = SqliteStore(tmp_path / "db.sqlite3"), SqliteStore(tmp_path / "db.sqlite3")
+    try:
+        a.add_tenant(TenantRecord("t", tokens_per_minute=600, requests_per_minute=60), key_hash("k" * 16))
+        (s,) = a.sync_tenants({"t": UsageDelta(tokens=100, requests=1, requests_total=1)}, {"t": 3}, 5.0)
+        assert (s.tokens_level, s.requests_level, s.in_flight_others) == (
+            pytest.approx(500, abs=1),
+            pytest.approx(59, abs=0.1),
+            0,
+        )
+        (s,) = b.sync_tenants({"t": UsageDelta(tokens=-1000)}, {"t": 1}, 5.0)  # a give-back never overfills
+        assert (s.tokens_level, s.in_flight_others, s.requests_total) == (600.0, 3, 1)
+        (s,) = a.sync_tenants({}, {"t": 0}, 5.0)  # a count of 0 deletes the row
+        assert s.in_flight_others == 1
+        assert b.sync_tenants({}, {}, 5.0)[0].in_flight_others == 0
+        assert b.sync_tenants({"ghost": UsageDelta(tokens=5)}, {}, 5.0)[0].record.name == "t"  # unknown: ignored
+    finally:
+        a.close()
+        b.close()
+
+
+class Down:
+    """A store whose database is unreachable."""
+
+    def sync_tenants(self, *args, **kwargs):
+        raise DatabaseUnavailableError("sqlite:///db", "disk I/O error")
+
+
+def test_two_books_on_one_database_share_the_quota_after_one_sync_each(tmp_path: Path):
+    """Replica A crosses the tenant's tokens per minute; once A and then B have synced, B
+    refuses it too, and counts A's requests in flight against max_concurrent; another tenant
+    passes on both; A's deltas survive a failed sync."""
+    store_a, store_b = SqliteStore(tmp_path / "db.sqlite3"), SqliteStore(tmp_path / "db.sqlite3")
+    a, b = QuotaBook(store_a, TenantDirectory()), QuotaBook(store_b, TenantDirectory())
+    try:
+        TenantAdmin(store_a, a).add("t", {"tokens_per_minute": 100, "max_concurrent": 3})
+        TenantAdmin(store_a, a).add("u", {"tokens_per_minute": 100})
+        b.refresh()
+        held = [admit(a, "t", prompt=10, max_tokens=20) for _ in range(3)]  # 90 of 100 tokens
+        mine = admit(b, "t", prompt=5, max_tokens=5)  # B has not seen A's admissions yet
+        a.store = Down()  # type: ignore[assignment]  # A's next sync fails: its deltas are kept
+        assert a.sync() is None
+        with pytest.raises(DatabaseUnavailableError):
+            a.sync(raise_unavailable=True)
+        a.store = store_a
+        assert a.sync() is not None and b.sync() is not None
+        with pytest.raises(QuotaExceededError) as refused:
+            admit(b, "t", prompt=5, max_tokens=5)
+        assert refused.value.reason == "max_concurrent"  # A's 3 + B's 1 in flight
+        held[0].settle(10, 20)  # all its reservation used
+        mine.settle(5, 5)
+        a.sync()
+        b.sync()
+        with pytest.raises(QuotaExceededError) as over:
+            admit(b, "t", prompt=5, max_tokens=5)
+        assert over.value.reason == "tokens_per_minute"  # 100 - 90 - 10 (B's own) = 0 left
+        admit(b, "u").settle(10, 20)
+    finally:
+        store_a.close()
+        store_b.close()
+
+
+# ---- the HTTP front: tenant keys, refusals ------------------------------------------------------
+
+
+def test_http_tenant_key_names_the_tenant_and_never_opens_admin_routes():
+    from loraplane.control_plane.http.app import HttpDeps, create_app
+    from tests.http_fakes import FakePool, FakeRecord, FakeRegistry, FakeRouter, FakeTokenizer, call_app
+    from tests.http_fakes import finished as finished_event
+    from tests.http_fakes import started as started_event
+
+    directory = TenantDirectory(api_key="inference-key-123")
+    directory.set_keys({key_hash("tenant-key-12345678"): "acme"})
+    router = FakeRouter()
+    deps = HttpDeps(
+        registry=FakeRegistry([FakeRecord(0, "shout")]),
+        router=router,
+        pool=FakePool(),
+        base_name="base",
+        base_root="/models/base.gguf",
+        tokenizer=FakeTokenizer(),
+        chat_template=None,
+        admin_token=None,
+        api_key="inference-key-123",
+        tenants=directory,
+    )
+    app = create_app(deps)
+
+    def post(path: str, key: str, body=None):
+        router.script = [started_event(5), finished_event("", "stop")]
+        return call_app(app, "POST", path, body or {"prompt": "hi"}, {"authorization": f"Bearer {key}"})
+
+    assert post("/v1/completions", "tenant-key-12345678").status == 200
+    assert post("/v1/completions", "inference-key-123").status == 200
+    assert router.principals == ["acme", DEFAULT_TENANT]
+    assert post("/v1/completions", "lp-unknown-key-0000").status == 401
+    for path in ("/v1/tenants", "/v1/load_lora_adapter"):  # admin: the tenant key is refused
+        refused = post(path, "tenant-key-12345678", {"name": "x", "lora_name": "x", "lora_path": "/x"})
+        assert (refused.status, refused.json()["error"]["code"]) == (401, "invalid_api_key"), path
+    listing = call_app(app, "GET", "/v1/tenants", None, {"authorization": "Bearer inference-key-123"})
+    assert listing.status == 503  # passed the key check; this front serves no tenant admin
+
+
+def test_quota_refusal_is_openai_rate_limit_429_with_retry_after():
+    from loraplane.control_plane.http.errors import from_control_plane
+
+    err = from_control_plane(QuotaExceededError("acme", "tokens_per_minute", "over tokens_per_minute 100", 7))
+    assert (err.status, err.type, err.code, err.headers) == (
+        429,
+        "rate_limit_error",
+        "rate_limit_exceeded",
+        {"Retry-After": "7"},
+    )
+    assert err.message == "tenant 'acme': over tokens_per_minute 100; retry after 7 s"
+
+
+def test_tenant_metrics_count_by_outcome_and_keep_the_label_cap(book):
+    """Counters and gauges by tenant, parsed back from the exposition; with a cap of 1 the second
+    tenant counts under "other" and has no limit series (limits do not add up)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loraplane.control_plane.metrics import ControlPlaneMetrics
+
+    m = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (0, 0, 0), n_adapters=lambda: 0, adapter_label_cap=1)
+    book.metrics, m.quotas = m, book
+    admin = TenantAdmin(book.store, book)
+    admin.add("a", {"tokens_per_minute": 60, "max_concurrent": 1})
+    admin.add("b", {"requests_per_minute": 5})
+    held = admit(book, "a")
+    with pytest.raises(QuotaExceededError):
+        admit(book, "a")
+    admit(book, "b").settle(3, 4)
+    held.settle(10, 2)
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(m.exposition()[0].decode())
+        for s in fam.samples
+        if s.name.startswith("loraplane_tenant") and not s.name.endswith("_created")
+    }
+    assert got[("loraplane_tenant_requests_total", (("outcome", "admitted"), ("tenant", "a")))] == 1
+    assert got[("loraplane_tenant_requests_total", (("outcome", "max_concurrent"), ("tenant", "a")))] == 1
+    assert got[("loraplane_tenant_requests_total", (("outcome", "admitted"), ("tenant", "other")))] == 1
+    assert got[("loraplane_tenant_tokens_total", (("kind", "prompt"), ("tenant", "a")))] == 10
+    assert got[("loraplane_tenant_tokens_total", (("kind", "output"), ("tenant", "other")))] == 4
+    assert got[("loraplane_tenant_limit", (("limit", "tokens_per_minute"), ("tenant", "a")))] == 60
+    assert got[("loraplane_tenant_bucket_level", (("bucket", "tokens"), ("tenant", "a")))] == 48  # 60 - 12 used
+    assert not any(dict(labels).get("tenant") == "other" for name, labels in got if name == "loraplane_tenant_limit")
+    assert got[("loraplane_tenant_quota_sync_failures_total", ())] == 0
+
+
+def test_http_tenant_routes_add_list_remove_with_openai_errors(book):
+    from loraplane.control_plane.http.app import HttpDeps, create_app
+    from tests.http_fakes import FakePool, FakeRegistry, FakeRouter, call_app
+
+    deps = HttpDeps(
+        registry=FakeRegistry([]),
+        router=FakeRouter(),
+        pool=FakePool(),
+        base_name="base",
+        base_root="/models/base.gguf",
+        tokenizer=None,
+        chat_template=None,
+        admin_token="admin-token-1",
+        tenants=book.directory,
+        tenant_admin=TenantAdmin(book.store, book),
+    )
+    app = create_app(deps)
+    auth = {"authorization": "Bearer admin-token-1"}
+    added = call_app(app, "POST", "/v1/tenants", {"name": "acme", "max_concurrent": 2}, auth)
+    body = added.json()
+    assert added.status == 200 and body["api_key"].startswith("lp-")
+    assert (body["name"], body["max_concurrent"], body["usage"]["in_flight"]) == ("acme", 2, 0)
+    again = call_app(app, "POST", "/v1/tenants", {"name": "acme"}, auth)
+    assert (again.status, again.json()["error"]["code"]) == (409, "already_exists")
+    bad = call_app(app, "POST", "/v1/tenants", {"name": "b", "weight": -1}, auth)
+    assert bad.status == 400 and "weight -1" in bad.json()["error"]["message"]
+    assert call_app(app, "GET", "/v1/tenants", None, {"authorization": "Bearer wrong"}).status == 401
+    listed = call_app(app, "GET", "/v1/tenants", None, auth).json()["tenants"]
+    assert [(t["name"], t["key_count"]) for t in listed] == [("acme", 1)]
+    assert call_app(app, "DELETE", "/v1/tenants/acme", None, auth).json() == {"name": "acme", "removed": True}
+    gone = call_app(app, "DELETE", "/v1/tenants/acme", None, auth)
+    assert gone.status == 404 and "no tenants are configured" in gone.json()["error"]["message"]
