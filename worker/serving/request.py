@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loraplane.worker.errors import WorkerError
 from loraplane.worker.lora.adapter_set import AdapterSet
@@ -37,6 +37,21 @@ class StepInfo:
     n_nodes: int
     node_budget: int
     batching: str
+
+
+@dataclass(frozen=True)
+class RequestTenant:
+    """Who a request is accounted to, for fair admission (proto ``RequestTenant``, set by the
+    control plane; ``loraplane.worker.serving.fairness``). ``weight``: its share (> 0, finite;
+    the wire's 0 reads 1); ``priority``: its class, lower values served first."""
+
+    name: str = "anonymous"
+    weight: float = 1.0
+    priority: int = 0
+
+
+ANONYMOUS = RequestTenant()
+"""The tenant of a request that names none."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +186,11 @@ class GenRequest:
     staged: dict = field(default_factory=dict)
     # structured output: the grammar the output must match (``loraplane.worker.runtime.grammar``), or None
     constraint: Constraint | None = None
+    tenant: RequestTenant = ANONYMOUS  # fair admission (``loraplane.worker.serving.fairness``)
+    # with --fairness vtc: its tenant's state (``fairness.TenantState``) while queued or running,
+    # and whether it runs; set by ``FairQueue``
+    fair_state: Any = None
+    fair_running: bool = False
 
     def note_residency(self, was_resident: dict[str, bool], *, slot_wait_ms: float, page_in_ms: float) -> None:
         """Record, per adapter, where it came from and how long the request waited for it."""
@@ -207,12 +227,14 @@ class GenRequest:
 
 
 __all__ = [
+    "ANONYMOUS",
     "AdapterResidency",
     "Event",
     "ErrorEvent",
     "FinishedEvent",
     "GenRequest",
     "RequestTelemetry",
+    "RequestTenant",
     "StartedEvent",
     "StepInfo",
     "TokenEvent",
