@@ -317,6 +317,35 @@ def model_option(f: F) -> F:
     )(f)
 
 
+FAIRNESS_OPTIONS = [
+    click.option(
+        "--fairness",
+        type=click.Choice(["off", "vtc"]),
+        default=None,
+        help="Admission order across tenants: off = first come, first served (resident "
+        "adapters first, bounded bypass); vtc = Virtual Token Counter fair share per tenant, "
+        "weighted, strict priority classes (docs/fairness.md). Default off.",
+    ),
+    click.option(
+        "--fairness-prompt-weight",
+        type=float,
+        default=None,
+        callback=_positive_weight,
+        metavar="W",
+        help="VTC: virtual tokens charged per prompt token (finite, > 0; default 1).",
+    ),
+    click.option(
+        "--fairness-output-weight",
+        type=float,
+        default=None,
+        callback=_positive_weight,
+        metavar="W",
+        help="VTC: virtual tokens charged per generated token (finite, > 0; default 2).",
+    ),
+]
+"""Fair admission (``loraplane.worker.serving.fairness``): part of `worker_runtime_options`."""
+
+
 def worker_runtime_options(f: F) -> F:
     """Worker options that ``serve`` forwards to its worker subprocess."""
     options = [
@@ -410,30 +439,7 @@ def worker_runtime_options(f: F) -> F:
             "for up to this long, then exits; a second signal stops at once (default 45, below "
             "the Kubernetes manifests' terminationGracePeriodSeconds of 60).",
         ),
-        click.option(
-            "--fairness",
-            type=click.Choice(["off", "vtc"]),
-            default=None,
-            help="Admission order across tenants: off = first come, first served (resident "
-            "adapters first, bounded bypass); vtc = Virtual Token Counter fair share per tenant, "
-            "weighted, strict priority classes (docs/fairness.md). Default off.",
-        ),
-        click.option(
-            "--fairness-prompt-weight",
-            type=float,
-            default=None,
-            callback=_positive_weight,
-            metavar="W",
-            help="VTC: virtual tokens charged per prompt token (finite, > 0; default 1).",
-        ),
-        click.option(
-            "--fairness-output-weight",
-            type=float,
-            default=None,
-            callback=_positive_weight,
-            metavar="W",
-            help="VTC: virtual tokens charged per generated token (finite, > 0; default 2).",
-        ),
+        *FAIRNESS_OPTIONS,
     ]
     for option in reversed(options):
         f = option(f)
