@@ -327,3 +327,40 @@ def test_fairness_off_admits_in_todays_order():
             want.append(pick.name)
         assert got == want
         assert all(r.fair_state is None for r in reqs)
+
+
+# ---- the bench's service measure (bench/fairness.py) ----------------------------------------
+
+
+def test_bench_service_difference_counts_only_tenants_backlogged_over_the_window():
+    from loraplane.bench.fairness import (
+        Call,
+        backlog_intervals,
+        max_service_difference,
+        service_at,
+        service_curve,
+        vtc_bound,
+    )
+
+    # A: one request sent at 0, prompt (4 tokens) computed at 1, a token every second 2..9, ends at 10
+    a = [Call("A", 0, 0.0, prompt_tokens=4, started=1.0, tokens=[float(t) for t in range(2, 10)], ended=10.0)]
+    # B: two requests back to back (a 0.1 s turnaround), a token at 3 and 4, then 7 and 8
+    b = [
+        Call("B", 0, 0.0, prompt_tokens=2, started=2.5, tokens=[3.0, 4.0], ended=5.0),
+        Call("B", 0, 5.1, prompt_tokens=2, started=6.5, tokens=[7.0, 8.0], ended=9.0),
+    ]
+    # C: idle between 3 and 8: never backlogged over a window that crosses that gap
+    c = [Call("C", 0, 0.0, started=0.5, tokens=[1.0], ended=3.0), Call("C", 0, 8.0, ended=10.0)]
+    curves = {k: service_curve(v, 1.0, 2.0) for k, v in (("A", a), ("B", b), ("C", c))}
+    assert service_at(curves["A"], 0.9) == 0 and service_at(curves["A"], 1.0) == 4
+    assert service_at(curves["A"], 9.0) == 4 + 2 * 8 and service_at(curves["B"], 9.0) == 2 * (2 + 2 * 2)
+    intervals = {k: backlog_intervals(v, gap_s=0.25) for k, v in (("A", a), ("B", b), ("C", c))}
+    assert intervals["B"] == [(0.0, 9.0)] and intervals["C"] == [(0.0, 3.0), (8.0, 10.0)]
+    # windows [0, 4], [2, 6], [4, 8]: A and B are compared, C never (not backlogged throughout);
+    # S(b) - S(a) with S counting events at or before t: [0,4]: A 4 + 3 tokens x 2 = 10, B 2 +
+    # 2 x 2 = 6 → 4; [2,6]: A 8, B 6 → 2; [4,8]: A 8, B 2 + 2 x 2 = 6 → 2
+    d, n = max_service_difference(curves, intervals, 0.0, 8.0, 4.0, 2.0)
+    assert (d, n) == (4.0, 3)
+    assert max_service_difference(curves, intervals, 0.0, 8.0, 9.0, 1.0) == (pytest.approx(math.nan, nan_ok=True), 0)
+    assert vtc_bound(1.0, 2.0, max_prompt=32, slots=2, max_tokens=32) == 256.0
+    assert vtc_bound(1.0, 2.0, max_prompt=1000, slots=2, max_tokens=32) == 2000.0
