@@ -364,3 +364,33 @@ def test_bench_service_difference_counts_only_tenants_backlogged_over_the_window
     assert max_service_difference(curves, intervals, 0.0, 8.0, 9.0, 1.0) == (pytest.approx(math.nan, nan_ok=True), 0)
     assert vtc_bound(1.0, 2.0, max_prompt=32, slots=2, max_tokens=32) == 256.0
     assert vtc_bound(1.0, 2.0, max_prompt=1000, slots=2, max_tokens=32) == 2000.0
+
+
+def test_tenant_service_is_the_proto_field_for_field_and_reaches_worker_stats():
+    import dataclasses
+
+    from loraplane.worker.rpc.servicer import stats_to_proto
+    from loraplane.worker.serving.engine import WorkerStatsRecord
+    from loraplane.worker.serving.fairness import TenantService
+    from loraplane.worker.serving.scheduler import SchedulerStats
+
+    assert {f.name for f in dataclasses.fields(TenantService)} == set(
+        worker_pb2.TenantService.DESCRIPTOR.fields_by_name
+    )
+    fq = FairQueue()
+    fq.enqueue(r := req("r", "acme", 5, weight=4.0, priority=2))
+    fq.admitted(r)
+    sched_stats = SchedulerStats(*([0] * 10), fairness="vtc", tenants=tuple(fq.snapshot()))
+    rec = WorkerStatsRecord(sched_stats, "w", "mixed", "keyed", "m", "cpu", "f32", [], 0, 0)
+    msg = stats_to_proto(rec)
+    assert msg.fairness == "vtc" and len(msg.tenants) == 1
+    t = msg.tenants[0]
+    assert (t.name, t.virtual_tokens, t.prompt_tokens, t.running, t.queued, t.weight, t.priority) == (
+        "acme",
+        1.25,
+        5,
+        1,
+        0,
+        4.0,
+        2,
+    )
