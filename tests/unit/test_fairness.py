@@ -207,7 +207,7 @@ def test_tenant_from_the_wire():
         tenant_from_proto(worker_pb2.RequestTenant(name="x" * 300))
 
 
-def test_cli_flags_validated_and_forwarded_by_serve():
+def test_cli_flags_validated_and_turned_into_worker_args():
     from loraplane.clients.cli_server import worker_args, worker_cmd
 
     for bad in ("0", "-2", "nan", "inf"):
@@ -394,3 +394,27 @@ def test_tenant_service_is_the_proto_field_for_field_and_reaches_worker_stats():
         4.0,
         2,
     )
+
+
+def test_serve_passes_the_fairness_flags_to_its_worker(monkeypatch, tmp_path):
+    """``loraplane serve --fairness vtc …``: the worker subprocess gets the same flags (the
+    serve machinery itself is replaced: no process starts)."""
+    import loraplane.clients.serve as serve_mod
+    from loraplane.clients.cli_server import serve_cmd
+
+    seen = {}
+
+    def fake_run_serve(spec, run_control_plane, config, on_ready=None):
+        seen["worker_args"] = spec.worker_args
+        return 0
+
+    monkeypatch.setattr(serve_mod, "run_serve", fake_run_serve)
+    res = CliRunner().invoke(
+        serve_cmd,
+        ["--addr", "127.0.0.1:0", "--data-dir", str(tmp_path), "--fairness", "vtc", "--fairness-output-weight", "3"],
+    )
+    assert res.exit_code == 0, res.output
+    args = list(seen["worker_args"])
+    assert args[args.index("--fairness") + 1] == "vtc"
+    assert args[args.index("--fairness-output-weight") + 1] == "3.0"
+    assert "--fairness-prompt-weight" not in args  # not given: the worker's default
