@@ -1,7 +1,8 @@
 """Fair admission at the worker (``--fairness vtc``) against first come, first served.
 
-What runs: one ``loraplane worker`` process (standalone, the embedded Gemma 3 270M unless
-``--model``, ``--slots 2``), driven straight over its ``Decode`` RPC with
+What runs: two standalone ``loraplane worker`` processes, one with ``--fairness off`` and one
+with ``--fairness vtc``, both started at the outset (the embedded Gemma 3 270M unless
+``--model``, ``--slots 2``). Each is driven straight over its ``Decode`` RPC with
 ``DecodeRequest.tenant`` set, one call per request as the control plane makes them. That
 measures the worker's mechanism alone; the control plane only names the tenant. Four tenants
 run closed loops: the heavy one with ``--heavy-streams`` (8) concurrent streams, three light
@@ -11,12 +12,16 @@ greedily with ``ignore_eos``. All tenants have weight 1 and priority 0.
 
 Three runs:
 
-1. ``off``: a worker with ``--fairness off``, the load above;
-2. ``vtc``: a worker with ``--fairness vtc``, the same load;
+1. ``off``: on the ``--fairness off`` worker, the load above;
+2. ``vtc``: on the ``--fairness vtc`` worker, the same load;
 3. ``alone``: the reference, on the ``vtc`` worker, with the heavy tenant at the light ones'
    concurrency (4 streams on 2 slots). The reference still queues: with ``--slots`` at or
    above its stream count there would be no queueing at all, and its TTFT would be a bare
    prefill rather than the wait a light request meets in a loaded pool.
+
+With ``--reps N`` the three runs repeat N times, in that order each time, so machine noise hits
+all three alike. The checks use the median total tok/s and light TTFT p99 over the repetitions,
+and the largest service differences.
 
 Each run lasts ``--duration`` seconds. The first ``--warmup`` seconds are not measured. After
 that no new request is sent, and the run waits (up to ``--drain`` s) for those in flight to
@@ -51,7 +56,7 @@ Checks, printed as PASS or FAIL:
 - with it off, the difference grows from T to 3T (3T's > 1.5 × T's).
 
 Run: ``python -m loraplane.bench.fairness [--slots 2] [--duration 90] [--window 15]
-[--json OUT]``. The CPU flags and kernel path are printed first.
+[--reps 1] [--json OUT]``. The CPU flags and kernel path are printed first.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import bisect
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -367,6 +373,21 @@ def light_ttft_p99(run: Run) -> float:
     return percentile(ttft, 99)
 
 
+def aggregate(reps: list[dict]) -> dict:
+    """One run's figures over its repetitions: the median total tok/s and light TTFT p99, the
+    largest service differences (the bound is a worst case), the longest prompt."""
+    diffs = {
+        k: {"max_difference": max(r["service_difference"][k]["max_difference"] for r in reps)}
+        for k in reps[0]["service_difference"]
+    }
+    return {
+        "total_tok_s": statistics.median(r["total_tok_s"] for r in reps),
+        "light_ttft_p99_ms": statistics.median(r["light_ttft_p99_ms"] for r in reps),
+        "service_difference": diffs,
+        "max_prompt_tokens": max(r["max_prompt_tokens"] for r in reps),
+    }
+
+
 def checks(res: dict, bound: float, one_request: float) -> list[tuple[bool, str]]:
     """The targets (module docstring) as (passed, line)."""
     off, on, ref = res["off"], res["vtc"], res["alone"]
@@ -425,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="worker --device (default cpu)")
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     ap.add_argument("--weights", choices=["packed", "dequant"], default="packed")
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of the three runs, alternated (default 1)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", default=None, metavar="OUT", help="write every figure here")
     args = ap.parse_args(argv)
@@ -442,29 +464,36 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     t_start = time.monotonic()
-    runs: dict[str, Run] = {}
+    plan = (("off", "off", heavy), ("vtc", "vtc", heavy), ("alone", "vtc", alone))
+    reps: dict[str, list[dict]] = {label: [] for label, _, _ in plan}
     with tempfile.TemporaryDirectory(prefix="loraplane-bench-fairness-") as tmp:
-        for fairness, plan in (("off", [("off", heavy)]), ("vtc", [("vtc", heavy), ("alone", alone)])):
-            w = Worker(args, fairness, Path(tmp) / f"worker-{fairness}.log")
-            try:
+        workers = {f: Worker(args, f, Path(tmp) / f"worker-{f}.log") for f in ("off", "vtc")}
+        try:
+            for w in workers.values():
                 w.wait_ready()
-                for label, streams in plan:
-                    print(
-                        f"[{time.monotonic() - t_start:6.0f} s] run {label} (worker --fairness {fairness})", flush=True
-                    )
-                    runs[label] = run_load(w.stub, streams, args, label, args.seed)
-                if fairness == "vtc":
-                    tenants = [
-                        (t.name, round(t.virtual_tokens), t.prompt_tokens, t.output_tokens) for t in w.stats().tenants
-                    ]
-                    print(f"  worker's counters after both runs (name, virtual tokens, prompt, output): {tenants}")
-            finally:
+            for rep in range(args.reps):  # alternating: machine noise hits every run alike
+                for label, fairness, streams in plan:
+                    tag = f"{label} rep {rep + 1}" if args.reps > 1 else label
+                    print(f"[{time.monotonic() - t_start:6.0f} s] run {tag} (worker --fairness {fairness})", flush=True)
+                    run = run_load(workers[fairness].stub, streams, args, f"{label}{rep}", args.seed + rep)
+                    r = analyze(run, args)
+                    r["light_ttft_p99_ms"] = light_ttft_p99(run)
+                    reps[label].append(r)
+                    _print_run(tag, r)
+            tenants = [(t.name, round(t.virtual_tokens)) for t in workers["vtc"].stats().tenants]
+            print(f"\nthe vtc worker's counters after its runs (name, virtual tokens): {tenants}")
+        finally:
+            for w in workers.values():
                 w.stop()
-    res = {}
-    for label, run in runs.items():
-        res[label] = analyze(run, args)
-        res[label]["light_ttft_p99_ms"] = light_ttft_p99(run)
-        _print_run(label, res[label])
+    res = {label: aggregate(rs) for label, rs in reps.items()}
+    if args.reps > 1:
+        for label, r in res.items():
+            d = r["service_difference"]
+            print(
+                f"{label}: median total {r['total_tok_s']:.2f} tok/s, median light TTFT p99 "
+                f"{r['light_ttft_p99_ms']:.0f} ms, max service difference T {d['T']['max_difference']:.0f}, "
+                f"3T {d['3T']['max_difference']:.0f} (over {args.reps} repetitions)"
+            )
     max_prompt = max(r["max_prompt_tokens"] for r in res.values())
     bound = vtc_bound(args.prompt_weight, args.output_weight, max_prompt, args.slots, args.max_tokens)
     one_request = args.prompt_weight * max_prompt + args.output_weight * args.max_tokens
@@ -484,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                     "machine": machine,
                     "params": {k: v for k, v in vars(args).items() if k != "prompt_ids"},
                     "runs": res,
+                    "repetitions": reps,
                     "bound": bound,
                     "checks": [{"passed": ok, "check": line} for ok, line in results],
                 },
