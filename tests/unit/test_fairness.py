@@ -203,6 +203,8 @@ def test_tenant_from_the_wire():
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(InvalidRequestError, match="tenant 'acme': weight"):
             tenant_from_proto(worker_pb2.RequestTenant(name="acme", weight=bad))
+    with pytest.raises(ValueError, match="tenant 'x': weight 0 must be a finite number > 0"):
+        RequestTenant("x", 0)
     with pytest.raises(InvalidRequestError, match="tenant name has 300 characters; at most 256"):
         tenant_from_proto(worker_pb2.RequestTenant(name="x" * 300))
 

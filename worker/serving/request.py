@@ -10,6 +10,7 @@ gRPC edge converts them to protos in one place (``loraplane.worker.rpc.servicer.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,12 @@ class RequestTenant:
     name: str = "anonymous"
     weight: float = 1.0
     priority: int = 0
+
+    def __post_init__(self) -> None:
+        """Raises ValueError for a weight that is not a finite number > 0 (the wire's
+        conversion, ``loraplane.worker.rpc.servicer.tenant_from_proto``, refuses it first)."""
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"tenant {self.name!r}: weight {self.weight} must be a finite number > 0")
 
 
 ANONYMOUS = RequestTenant()
