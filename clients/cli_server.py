@@ -14,6 +14,7 @@ interleaving; the control plane then gets them all in ``lora_scaled`` (``--lora 
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -299,6 +300,13 @@ CP_TUNING = (
 )
 
 
+def _positive_weight(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A fairness weight: a finite number > 0 (click's FloatRange lets inf and nan through)."""
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise click.BadParameter(f"{value} is not a finite number > 0", ctx=ctx, param=param)
+    return value
+
+
 def model_option(f: F) -> F:
     return click.option(
         "--model",
@@ -307,6 +315,35 @@ def model_option(f: F) -> F:
         metavar="PATH",
         help="Base model GGUF (default: the embedded Gemma 3 270M).",
     )(f)
+
+
+FAIRNESS_OPTIONS = [
+    click.option(
+        "--fairness",
+        type=click.Choice(["off", "vtc"]),
+        default=None,
+        help="Admission order across tenants: off = first come, first served (resident "
+        "adapters first, bounded bypass); vtc = Virtual Token Counter fair share per tenant, "
+        "weighted, strict priority classes (docs/fairness.md). Default off.",
+    ),
+    click.option(
+        "--fairness-prompt-weight",
+        type=float,
+        default=None,
+        callback=_positive_weight,
+        metavar="W",
+        help="VTC: virtual tokens charged per prompt token (finite, > 0; default 1).",
+    ),
+    click.option(
+        "--fairness-output-weight",
+        type=float,
+        default=None,
+        callback=_positive_weight,
+        metavar="W",
+        help="VTC: virtual tokens charged per generated token (finite, > 0; default 2).",
+    ),
+]
+"""Fair admission (``loraplane.worker.serving.fairness``): part of `worker_runtime_options`."""
 
 
 def worker_runtime_options(f: F) -> F:
@@ -402,6 +439,7 @@ def worker_runtime_options(f: F) -> F:
             "for up to this long, then exits; a second signal stops at once (default 45, below "
             "the Kubernetes manifests' terminationGracePeriodSeconds of 60).",
         ),
+        *FAIRNESS_OPTIONS,
     ]
     for option in reversed(options):
         f = option(f)
@@ -426,6 +464,9 @@ def worker_args(
     max_cpu_loras: int | None = None,
     max_lora_rank: int | None = None,
     drain_timeout_s: float | None = None,
+    fairness: str | None = None,
+    fairness_prompt_weight: float | None = None,
+    fairness_output_weight: float | None = None,
 ) -> tuple[str, ...]:
     """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
     args = [
@@ -453,6 +494,9 @@ def worker_args(
         "--max-cpu-loras": max_cpu_loras,
         "--max-lora-rank": max_lora_rank,
         "--drain-timeout": drain_timeout_s,
+        "--fairness": fairness,
+        "--fairness-prompt-weight": fairness_prompt_weight,
+        "--fairness-output-weight": fairness_output_weight,
     }
     for flag, value in optional.items():
         if value is not None:
@@ -683,11 +727,14 @@ def worker_cmd(
     max_cpu_loras: int | None,
     max_lora_rank: int | None,
     drain_timeout_s: float | None,
+    fairness: str | None,
+    fairness_prompt_weight: float | None,
+    fairness_output_weight: float | None,
 ) -> None:
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM (the first drains, see
     ``--drain-timeout``; a second stops at once)."""
     try:
-        from loraplane.worker.config import Batching, PrefixCachePolicy, WorkerConfig
+        from loraplane.worker.config import Batching, Fairness, PrefixCachePolicy, WorkerConfig
         from loraplane.worker.rpc.server import serve_worker
     except ImportError as err:
         raise click.ClickException(f"the worker is not available: {err}") from None
@@ -701,6 +748,9 @@ def worker_cmd(
         "max_cpu_loras": max_cpu_loras,
         "max_lora_rank": max_lora_rank,
         "drain_timeout_s": drain_timeout_s,
+        "fairness": None if fairness is None else Fairness(fairness),
+        "fairness_prompt_weight": fairness_prompt_weight,
+        "fairness_output_weight": fairness_output_weight,
     }
     config = make_config(
         WorkerConfig,

@@ -27,6 +27,16 @@ class PrefixCachePolicy(str, Enum):
     LLAMA = "llama"
 
 
+class Fairness(str, Enum):
+    """Admission order across tenants. ``off``: first come, first served within the slot
+    pool's resident-first rule (``loraplane.worker.serving.scheduler``). ``vtc``: the Virtual
+    Token Counter across the requests' tenants, weighted, with priority classes
+    (``loraplane.worker.serving.fairness``)."""
+
+    OFF = "off"
+    VTC = "vtc"
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything a worker process needs to start.
@@ -68,6 +78,11 @@ class WorkerConfig:
         drain_timeout_s: on SIGTERM, seconds in-flight generations may take to finish while
             nothing new is admitted (``--drain-timeout``; below the Kubernetes
             ``terminationGracePeriodSeconds`` of 60 in ``deploy/k8s/workers.yaml``).
+        fairness: admission order across tenants (``Fairness``; ``--fairness``).
+        fairness_prompt_weight / fairness_output_weight: VTC's virtual tokens per prompt
+            token / per generated token (``--fairness-prompt-weight`` 1,
+            ``--fairness-output-weight`` 2: the paper's evaluation); finite and > 0, checked
+            when the scheduler is made (ValueError).
     """
 
     addr: str = "127.0.0.1:0"
@@ -100,3 +115,6 @@ class WorkerConfig:
     max_cpu_loras: int = 128
     max_lora_rank: int = 64
     drain_timeout_s: float = 45.0
+    fairness: Fairness = Fairness.OFF
+    fairness_prompt_weight: float = 1.0
+    fairness_output_weight: float = 2.0

@@ -558,3 +558,51 @@ def test_penalties_apply_per_row_in_a_mixed_batch(engine_for):
     ref, pen = together["base"], together["base-pres"]
     first = next(i for i, t in enumerate(pen) if t in pen[:i])  # the first repeat
     assert pen != ref and len(set(pen)) < 8 and first >= 1, (ref, pen)
+
+
+# --- fair admission (--fairness vtc) --------------------------------------------------------
+@pytest.mark.parametrize("fairness", ["off", "vtc"])
+def test_fair_admission_puts_a_light_tenant_before_a_heavy_backlog(engine_for, fairness):
+    """One slot; a heavy tenant queues four requests, then a light tenant one, all while the
+    loop is held. Off: first come, first served. vtc: the light tenant (lifted to the heavy
+    one's counter, 0) goes right after the heavy one's first request, which charged its
+    prompt; counters in ``stats`` follow (prompt 4 x 1 + 3 tokens x 2 per request)."""
+    from loraplane.worker.config import Fairness
+    from loraplane.worker.serving.request import RequestTenant
+
+    e = engine_for(Batching.MIXED, n_slots=1, fairness=Fairness(fairness))
+    q: queue.Queue = queue.Queue()
+    gate = threading.Event()
+    e.scheduler.run_soon(lambda: gate.wait(30))
+    specs = [(f"h{i}", RequestTenant("heavy")) for i in range(4)] + [("l0", RequestTenant("light", 2.0))]
+    try:
+        for rid, tenant in specs:
+            e.submit(
+                request_id=rid,
+                prompt_tokens=PROMPT,
+                prompt_text=None,
+                params=SamplingParams(max_tokens=3, ignore_eos=True),
+                entries=[],
+                emit=lambda ev, rid=rid: q.put((rid, ev)),
+                tenant=tenant,
+            )
+    finally:
+        gate.set()
+    started: list[str] = []
+    done = 0
+    while done < len(specs):
+        rid, ev = q.get(timeout=60)
+        if isinstance(ev, TokenEvent) and rid not in started:
+            started.append(rid)
+        done += isinstance(ev, FinishedEvent)
+    st = e.scheduler.stats()
+    assert st.fairness == fairness
+    if fairness == "off":
+        assert started == ["h0", "h1", "h2", "h3", "l0"]
+        assert st.tenants == ()
+        return
+    assert started == ["h0", "l0", "h1", "h2", "h3"]
+    t = {x.name: x for x in st.tenants}
+    assert (t["heavy"].virtual_tokens, t["heavy"].prompt_tokens, t["heavy"].output_tokens) == (40.0, 16, 12)
+    # light: lifted to 0 (heavy's counter when it arrived), then (4 + 3 x 2) / weight 2
+    assert (t["light"].virtual_tokens, t["light"].weight, t["light"].queued, t["light"].running) == (5.0, 2.0, 0, 0)

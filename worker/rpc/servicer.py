@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import queue
 import threading
 import time
@@ -34,6 +35,7 @@ from loraplane.worker.serving.request import (
     FinishedEvent,
     GenRequest,
     RequestTelemetry,
+    RequestTenant,
     StartedEvent,
     StepInfo,
     TokenEvent,
@@ -77,6 +79,27 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     )
 
 
+MAX_TENANT_NAME = 256  # characters of a tenant name (the worker remembers thousands of them)
+
+
+def tenant_from_proto(t: worker_pb2.RequestTenant | None) -> RequestTenant:
+    """The request's tenant for fair admission: an empty name reads "anonymous", weight 0
+    reads 1 (proto3 zeros: the control plane left them unset); None: "anonymous".
+
+    Raises:
+        InvalidRequestError: a negative or non-finite weight, or a name over
+            ``MAX_TENANT_NAME`` characters.
+    """
+    if t is None:
+        return RequestTenant()
+    weight = t.weight or 1.0
+    if not math.isfinite(weight) or weight < 0:
+        raise InvalidRequestError(f"tenant {t.name!r}: weight {t.weight} must be a finite number > 0 (0 reads 1)")
+    if len(t.name) > MAX_TENANT_NAME:
+        raise InvalidRequestError(f"tenant name has {len(t.name)} characters; at most {MAX_TENANT_NAME}")
+    return RequestTenant(name=t.name or "anonymous", weight=weight, priority=t.priority)
+
+
 def adapter_info(adapter_id: int, a, default_scale: float = 0.0) -> pb.AdapterInfo:
     return pb.AdapterInfo(
         id=adapter_id,
@@ -117,7 +140,9 @@ def telemetry_to_proto(t: RequestTelemetry) -> pb.RequestTelemetry:
 def stats_to_proto(s: WorkerStatsRecord) -> worker_pb2.WorkerStats:
     """``WorkerStatsRecord`` → ``WorkerStats`` (an unknown field raises ValueError)."""
     fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "scheduler"}
-    return worker_pb2.WorkerStats(**fields, **dataclasses.asdict(s.scheduler))
+    sched = {f.name: getattr(s.scheduler, f.name) for f in dataclasses.fields(s.scheduler) if f.name != "tenants"}
+    tenants = [worker_pb2.TenantService(**dataclasses.asdict(t)) for t in s.scheduler.tenants]
+    return worker_pb2.WorkerStats(**fields, **sched, tenants=tenants)
 
 
 def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:
@@ -241,7 +266,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             for msg in request_iterator:
                 if msg.HasField("submit"):
-                    self._submit(msg.submit, events, submitted)
+                    self._submit(msg.submit, events, submitted, msg.tenant if msg.HasField("tenant") else None)
                 elif msg.cancel_request_id:
                     req = submitted.get(msg.cancel_request_id)
                     if req is not None:
@@ -255,7 +280,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return
         events.put(_END_OF_INPUT)
 
-    def _submit(self, r: pb.GenerateRequest, events: queue.Queue, submitted: dict) -> None:
+    def _submit(
+        self,
+        r: pb.GenerateRequest,
+        events: queue.Queue,
+        submitted: dict,
+        tenant: worker_pb2.RequestTenant | None = None,
+    ) -> None:
         rid = r.request_id
         if not r.HasField("adapters"):
             events.put(
@@ -297,6 +328,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 params=sampling_from_proto(r.sampling),
                 entries=[(e.id, e.scale) for e in r.adapters.entries],
                 emit=functools.partial(_put_event, events, rid),
+                tenant=tenant_from_proto(tenant),
             )
         except WorkerError as exc:
             events.put((rid, ErrorEvent(exc)))

@@ -46,7 +46,7 @@ from loraplane.worker.runtime.model import LoadedModel, load_model
 from loraplane.worker.runtime.sampling import SamplingParams
 from loraplane.worker.serving.heap import release_free_heap
 from loraplane.worker.serving.metrics import WorkerMetrics
-from loraplane.worker.serving.request import Event, GenRequest
+from loraplane.worker.serving.request import Event, GenRequest, RequestTenant
 from loraplane.worker.serving.scheduler import Scheduler, SchedulerStats
 
 log = structlog.get_logger("loraplane.worker.serving.engine")
@@ -265,9 +265,11 @@ class WorkerEngine:
         params: SamplingParams,
         entries: list[tuple[int, float]],
         emit: Callable[[Event], None],
+        tenant: RequestTenant | None = None,
     ) -> GenRequest:
         """Tokenize (text prompts: BOS per the model, special tokens parsed), resolve the
-        adapter set (fetching what this worker lacks) and admit the request.
+        adapter set (fetching what this worker lacks) and admit the request. ``tenant``: who
+        it is accounted to (fair admission; None: "anonymous").
 
         Raises:
             WorkerDrainingError: the worker is shutting down (``draining`` is set).
@@ -282,7 +284,7 @@ class WorkerEngine:
                 )
             if prompt_tokens is None:
                 prompt_tokens = self.tokenize(prompt_text or "")
-            return self._admit(request_id, prompt_tokens, params, entries, emit)
+            return self._admit(request_id, prompt_tokens, params, entries, emit, tenant)
         except WorkerError:
             self.metrics.on_rejected(tuple(sorted(i for i, s in entries if s != 0.0)))
             raise
@@ -294,6 +296,7 @@ class WorkerEngine:
         params: SamplingParams,
         entries: list[tuple[int, float]],
         emit: Callable[[Event], None],
+        tenant: RequestTenant | None = None,
     ) -> GenRequest:
         """Hold the request's adapters, bring them to host, read ahead what is not resident,
         re-check that none is being unloaded, and submit (module docstring: no gap between
@@ -325,6 +328,7 @@ class WorkerEngine:
                     emit=emit,
                     host_sources=sources,
                     staged=staged,
+                    tenant=tenant,
                 )
         finally:
             self.host.trim()  # entries kept only by this request's submit-time holds may go now

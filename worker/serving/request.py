@@ -10,11 +10,12 @@ gRPC edge converts them to protos in one place (``loraplane.worker.rpc.servicer.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loraplane.worker.errors import WorkerError
 from loraplane.worker.lora.adapter_set import AdapterSet
@@ -37,6 +38,27 @@ class StepInfo:
     n_nodes: int
     node_budget: int
     batching: str
+
+
+@dataclass(frozen=True)
+class RequestTenant:
+    """Who a request is accounted to, for fair admission (proto ``RequestTenant``, set by the
+    control plane; ``loraplane.worker.serving.fairness``). ``weight``: its share (> 0, finite;
+    the wire's 0 reads 1); ``priority``: its class, lower values served first."""
+
+    name: str = "anonymous"
+    weight: float = 1.0
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        """Raises ValueError for a weight that is not a finite number > 0 (the wire's
+        conversion, ``loraplane.worker.rpc.servicer.tenant_from_proto``, refuses it first)."""
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"tenant {self.name!r}: weight {self.weight} must be a finite number > 0")
+
+
+ANONYMOUS = RequestTenant()
+"""The tenant of a request that names none."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +193,11 @@ class GenRequest:
     staged: dict = field(default_factory=dict)
     # structured output: the grammar the output must match (``loraplane.worker.runtime.grammar``), or None
     constraint: Constraint | None = None
+    tenant: RequestTenant = ANONYMOUS  # fair admission (``loraplane.worker.serving.fairness``)
+    # with --fairness vtc: its tenant's state (``fairness.TenantState``) while queued or running,
+    # and whether it runs; set by ``FairQueue``
+    fair_state: Any = None
+    fair_running: bool = False
 
     def note_residency(self, was_resident: dict[str, bool], *, slot_wait_ms: float, page_in_ms: float) -> None:
         """Record, per adapter, where it came from and how long the request waited for it."""
@@ -207,12 +234,14 @@ class GenRequest:
 
 
 __all__ = [
+    "ANONYMOUS",
     "AdapterResidency",
     "Event",
     "ErrorEvent",
     "FinishedEvent",
     "GenRequest",
     "RequestTelemetry",
+    "RequestTenant",
     "StartedEvent",
     "StepInfo",
     "TokenEvent",

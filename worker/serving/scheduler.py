@@ -26,6 +26,15 @@ nothing is admitted before it (bounded waiting, vLLM/SGLang-style fairness). Whe
 is held the request waits in the queue (never fails); a request needing more adapters than
 ``--max-loras`` is refused at submit.
 
+Fair admission (``--fairness vtc``, ``loraplane.worker.serving.fairness``): the Virtual Token
+Counter's order across the requests' tenants replaces FIFO as the base order — the queue
+"head" above is the fair head (the request of the least-served backlogged tenant of the top
+priority class), the lookahead window is the first ``ADMIT_LOOKAHEAD`` of the fair order
+(within that class), and the same ``MAX_BYPASS`` bound applies to the fair head. Tenants'
+counters are charged when a request is admitted (its prompt) and per sampled token (in
+``_step_once``: one call per step, O(rows)); ``--fairness off`` (the default) creates no
+tenant state and admission is exactly the FIFO rule above.
+
 Holds, one notion per layer: the scheduler counts *request holds* per adapter id — a request
 queued or running holds its adapters, and so does a request being submitted
 (``hold_adapters``/``holding``, taken before its adapters are brought to host) — which keep
@@ -76,7 +85,7 @@ from typing import Any
 import structlog
 import torch
 
-from loraplane.worker.config import Batching, WorkerConfig
+from loraplane.worker.config import Batching, Fairness, WorkerConfig
 from loraplane.worker.errors import (
     AdapterFetchError,
     DecodeFailedError,
@@ -94,6 +103,7 @@ from loraplane.worker.runtime.grammar import Constraint, GrammarError
 from loraplane.worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows, penalize_rows
 from loraplane.worker.serving.cache_policy import make_cache_policy
 from loraplane.worker.serving.constraints import GrammarStage
+from loraplane.worker.serving.fairness import FairQueue, TenantService
 from loraplane.worker.serving.heap import release_free_heap
 from loraplane.worker.serving.output import (
     FINISH,
@@ -104,7 +114,7 @@ from loraplane.worker.serving.output import (
     StopMatcher,
 )
 from loraplane.worker.serving.prefix_store import PrefixCache
-from loraplane.worker.serving.request import ErrorEvent, Event, GenRequest, StepInfo
+from loraplane.worker.serving.request import ANONYMOUS, ErrorEvent, Event, GenRequest, RequestTenant, StepInfo
 from loraplane.worker.serving.sequences import Seq, SeqState
 from loraplane.worker.serving.ubatch import N_BATCH, assemble_ubatch
 
@@ -139,6 +149,9 @@ class SchedulerStats:
     # kept prompt cache is reusable at once, so it counts as free (vLLM: cached free blocks).
     kv_cells_used: int = 0
     kv_cells_total: int = 0
+    # fair admission: "off" or "vtc", and the tenants known (``FairQueue.snapshot``; vtc only)
+    fairness: str = "off"
+    tenants: tuple[TenantService, ...] = ()
 
 
 @dataclass
@@ -156,7 +169,9 @@ class _StepProgress:
 def admission_order(queue: Sequence[GenRequest], pool: LoraPool) -> list[GenRequest]:
     """The queued requests admission tries, in order (module docstring): the head alone once
     it was passed over ``MAX_BYPASS`` times; else, among the first ``ADMIT_LOOKAHEAD``, those
-    whose adapters are all resident in ``pool`` first, then the rest, FIFO within each."""
+    whose adapters are all resident in ``pool`` first, then the rest, in ``queue``'s order
+    within each. ``queue``: the base order, the FIFO queue itself or, with fair admission,
+    ``FairQueue.order``'s list (its first element is the head either way)."""
     head = queue[0]
     window = [head] if head.bypassed >= MAX_BYPASS else list(queue)[:ADMIT_LOOKAHEAD]
     resident = [r for r in window if all(pool.slot_of(a.sha256) is not None for _, a, _ in r.adapter_set.entries)]
@@ -180,6 +195,12 @@ class Scheduler:
         self.tokenizer = ctx.model.tokenizer
         self.seqs = [Seq(i) for i in range(config.n_slots)]
         self.queue: deque[GenRequest] = deque()
+        # fair admission (module docstring); None with --fairness off: no tenant state at all
+        self.fair: FairQueue | None = (
+            FairQueue(config.fairness_prompt_weight, config.fairness_output_weight)
+            if config.fairness == Fairness.VTC
+            else None
+        )
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
         self.cache_policy = make_cache_policy(config.prefix_cache, self.prefix_cache)
         self._cv = threading.Condition()
@@ -241,9 +262,11 @@ class Scheduler:
         emit: Callable[[Event], None],
         host_sources: dict[int, tuple[str, float]] | None = None,
         staged: dict | None = None,
+        tenant: RequestTenant | None = None,
     ) -> GenRequest:
         """Admit a request: validate, apply the aLoRA rule, queue it. ``staged``: tensors of
-        its non-resident adapters read ahead on the caller's thread (``LoraPool.stage``).
+        its non-resident adapters read ahead on the caller's thread (``LoraPool.stage``);
+        ``tenant``: who it is accounted to (fair admission; None: "anonymous").
 
         Raises:
             InvalidRequestError: empty/too long prompt, token out of range, two aLoRAs, bad
@@ -289,6 +312,7 @@ class Scheduler:
         req.constraint = constraint
         req.host_sources = dict(host_sources or {})
         req.staged = dict(staged or {})
+        req.tenant = tenant or ANONYMOUS
         with self._cv:
             if self.failure is not None:
                 raise self._stopped_error()
@@ -304,6 +328,8 @@ class Scheduler:
             req.held_ids = adapter_set.ids
             self._count_holds(req.held_ids, +1)
             self.queue.append(req)
+            if self.fair is not None:
+                self.fair.enqueue(req)
             self._cv.notify_all()
         return req
 
@@ -397,6 +423,8 @@ class Scheduler:
                 step_samples=len(intervals),
                 kv_cells_used=sum(self.ctx.kv.seq_len(s.id) for s in self.seqs if s.busy),
                 kv_cells_total=len(self.seqs) * self.ctx.kv.n_ctx_seq,
+                fairness=Fairness(self.config.fairness).value,
+                tenants=() if self.fair is None else tuple(self.fair.snapshot()),
             )
 
     # --- loop ---------------------------------------------------------------------------
@@ -517,10 +545,14 @@ class Scheduler:
     def _next_admissible(self) -> GenRequest | None:
         """The queued request to attach next, its adapters acquired in the pool; None when
         none can get its adapters resident now (it waits). Rules: module docstring. A request
-        whose adapter cannot be paged in (its file cannot be re-read) ends with an error."""
+        whose adapter cannot be paged in (its file cannot be re-read) ends with an error.
+        With fair admission the fair order is the base order (module docstring)."""
         pool = self.ctx.pool
-        head = self.queue[0]
-        for req in admission_order(self.queue, pool):
+        base: Sequence[GenRequest] = self.queue if self.fair is None else self.fair.order(ADMIT_LOOKAHEAD)
+        if not base:
+            return None
+        head = base[0]
+        for req in admission_order(base, pool):
             adapters = [a for _, a, _ in req.adapter_set.entries]
             t0 = time.monotonic()
             was = {a.sha256: pool.slot_of(a.sha256) is not None for a in adapters}
@@ -552,6 +584,8 @@ class Scheduler:
             if req is None:
                 return
             del self.queue[next(i for i, r in enumerate(self.queue) if r is req)]
+            if self.fair is not None:
+                self.fair.admitted(req)  # its prompt charged to its tenant
             seq = self.cache_policy.pick_seq(free, req)
             try:
                 n = self.cache_policy.attach(seq, req, self.ctx.kv)
@@ -658,6 +692,8 @@ class Scheduler:
             progress.sampled = len(records)
             if reason is not None:
                 ended.append((s, reason))
+        if self.fair is not None:
+            self.fair.charge_output([r[0] for r in records])  # one token per sampled row
         self.emitter.put_tokens(self._step, records)  # every step: ``wait_rendered`` counts steps
         progress.handed_over = True
         for s, reason in ended:  # after the tokens: the output thread sees them first
@@ -745,6 +781,8 @@ class Scheduler:
             else:
                 self.cache_policy.on_finish(seq, req, self.ctx.kv)
         self._release_holds(req)
+        if self.fair is not None:
+            self.fair.ended(req)
         if seq is not None and seq.req is req:
             seq.release()
         self.emitter.put_end(req, outcome, event, time.monotonic())
