@@ -56,7 +56,7 @@ from loraplane.control_plane.errors import (
 from loraplane.control_plane.quotas import Admission, QuotaBook
 from loraplane.control_plane.registry import AdapterRegistry
 from loraplane.control_plane.resolution import adapter_set_key
-from loraplane.control_plane.tenants import ResolvedTenant, TenantDirectory
+from loraplane.control_plane.tenants import ADAPTER_TENANT_PREFIX, MAX_NAME_CHARS, ResolvedTenant, TenantDirectory
 from loraplane.control_plane.workers import WorkerHandle, WorkerPool
 from loraplane.response_format import GrammarError, ResponseFormat, compile_grammar
 from loraplane.v1 import common_pb2, worker_pb2
@@ -196,11 +196,15 @@ class Router:
 
     def _adapter_name(self, adapter_id: int) -> str:
         """An adapter's name for its tenant (``adapter:<name>``): its name, else its id (also
-        when the store cannot say)."""
+        when the store cannot say, or when the name would make a tenant name longer than
+        `MAX_NAME_CHARS`: adapter names are not bounded, tenant names are)."""
         try:
-            return self.registry.get(adapter_id).name or str(adapter_id)
+            name = self.registry.get(adapter_id).name
         except ControlPlaneError:
             return str(adapter_id)
+        if not name or len(ADAPTER_TENANT_PREFIX) + len(name) > MAX_NAME_CHARS:
+            return str(adapter_id)
+        return name
 
     def prompt_tokens(self, request: common_pb2.GenerateRequest) -> int:
         """The request's prompt length in tokens: token ids as sent; a text prompt tokenized

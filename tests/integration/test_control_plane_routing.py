@@ -26,7 +26,7 @@ import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2, worker_pb2_grpc
 from loraplane.worker.rpc.membership import MembershipBackoff, start_membership
-from tests.control_plane_helpers import MiB, by_path, rpc_error, upload
+from tests.control_plane_helpers import MiB, by_path, rpc_error, upload, upload_chunks
 from tests.live_servers import WORKER_SECRET
 
 pytestmark = pytest.mark.integration
@@ -320,6 +320,10 @@ def test_generate_carries_the_tenant_and_refuses_over_quota_before_any_worker(cl
     generate(cp, "hello", {})
     names = [(t.name, t.weight, t.priority) for t in w.servicer.tenants]
     assert names == [("anonymous", 1.0, 0), (f"adapter:{sea.name}", 1.0, 0), ("anonymous", 1.0, 0)]
+    # an adapter name too long for a tenant name (adapter names are unbounded): adapter:<id>
+    long = cp.stub.RegisterAdapter(upload_chunks(adapters_dir / "shout_embd.gguf", name="n" * 300))
+    generate(cp, "hello", {long.id: 1.0})
+    assert w.servicer.tenants[-1].name == f"adapter:{long.id}"
     limits = control_plane_pb2.TenantLimits(weight=2.5, priority=-1, tokens_per_minute=20)
     added = cp.stub.AddTenant(control_plane_pb2.AddTenantRequest(name="acme", limits=limits))
     assert added.api_key.startswith("lp-") and added.tenant.usage.tokens_available == 20.0
