@@ -217,6 +217,22 @@ def test_admin_errors_and_limits_changed_at_once(book):
         admin.remove("acme")
 
 
+def test_server_credentials_are_never_a_tenant_key(tmp_path: Path):
+    store = SqliteStore(tmp_path / "db.sqlite3")
+    directory = TenantDirectory(api_key="inference-key-123", admin_token="admin-token-12345")
+    book = QuotaBook(store, directory)
+    admin = TenantAdmin(store, book)
+    for key in ("inference-key-123", "admin-token-12345"):
+        with pytest.raises(AlreadyExistsError, match="control plane's --api-key or admin token"):
+            admin.add("thief", {}, api_key=key)
+    assert [r.name for r in directory.records()] == []
+    # a row holding the key anyway (added through a replica with other flags) takes nothing over
+    directory.set_keys({key_hash("inference-key-123"): "thief", key_hash("admin-token-12345"): "thief"})
+    assert directory.principal("Bearer inference-key-123") == DEFAULT_TENANT
+    assert directory.principal("Bearer admin-token-12345") == DEFAULT_TENANT
+    store.close()
+
+
 def test_store_sync_applies_deltas_and_counts_other_replicas_in_flight(tmp_path: Path):
     """Two stores on one SQLite file stand for two replicas' views of the shared rows."""
     a, b = SqliteStore(tmp_path / "db.sqlite3"), SqliteStore(tmp_path / "db.sqlite3")
