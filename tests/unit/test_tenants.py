@@ -444,6 +444,12 @@ def test_http_tenant_routes_add_list_remove_with_openai_errors(book):
     assert (again.status, again.json()["error"]["code"]) == (409, "already_exists")
     bad = call_app(app, "POST", "/v1/tenants", {"name": "b", "weight": -1}, auth)
     assert bad.status == 400 and "weight -1" in bad.json()["error"]["message"]
+    for field, value in (("max_concurrent", True), ("weight", "2"), ("tokens_per_minute", 5.0), ("api_key", 12)):
+        loose = call_app(app, "POST", "/v1/tenants", {"name": "b", field: value}, auth)  # no silent coercion
+        assert (loose.status, loose.json()["error"]["param"]) == (400, field), (field, value)
+    weighted = call_app(app, "POST", "/v1/tenants", {"name": "w", "weight": 2}, auth)  # an integer weight passes
+    assert (weighted.status, weighted.json()["weight"]) == (200, 2.0)
+    assert call_app(app, "DELETE", "/v1/tenants/w", None, auth).status == 200
     assert call_app(app, "GET", "/v1/tenants", None, {"authorization": "Bearer wrong"}).status == 401
     listed = call_app(app, "GET", "/v1/tenants", None, auth).json()["tenants"]
     assert [(t["name"], t["key_count"]) for t in listed] == [("acme", 1)]
