@@ -15,8 +15,10 @@ have none):
   reserves ``prompt tokens + max_tokens`` at admission (prompt tokens: token-id prompts and
   chat prompts — templated and tokenized by the HTTP front — count as sent, a text prompt is
   tokenized here with the base tokenizer, as the worker will; ``max_tokens`` 0 is the worker's
-  16) and, when it ends, the unused part of the reservation goes back: the bucket is charged the
-  real ``prompt + generated`` tokens (0 for a request that ended before its prompt ran).
+  16; ``max_tokens`` is capped at what the largest live worker's context leaves after the
+  prompt, where a worker stops any request) and, when it ends, the unused part of the
+  reservation goes back: the bucket is charged the real ``prompt + generated`` tokens (0 for a
+  request that ended before its prompt ran).
 
 A request that would pass a limit is refused before any worker work: `QuotaExceededError`
 (gRPC RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata, HTTP 429
@@ -230,7 +232,12 @@ class QuotaBook:
     # -- admission ---------------------------------------------------------------------------
 
     def admit(
-        self, tenant: ResolvedTenant, *, max_tokens: int, prompt_tokens: Callable[[], int] | int = 0
+        self,
+        tenant: ResolvedTenant,
+        *,
+        max_tokens: int,
+        prompt_tokens: Callable[[], int] | int = 0,
+        context_tokens: Callable[[], int | None] | int | None = None,
     ) -> Admission:
         """Admit one request of ``tenant`` or refuse it.
 
@@ -238,6 +245,12 @@ class QuotaBook:
             max_tokens: the request's ``max_tokens`` (0: the worker's default, 16).
             prompt_tokens: its prompt length, or a function computing it (called only when the
                 tenant has a tokens-per-minute limit).
+            context_tokens: the most tokens (prompt + output) one KV sequence holds on any live
+                worker (`WorkerPool.max_n_ctx`), or a function computing it (called only with a
+                tokens-per-minute limit); None: unknown. A worker stops a request when its
+                sequence is full, so the output reserved is at most what the prompt leaves of
+                it: a chat request without ``max_tokens`` (the HTTP front sends "until the
+                context is full") reserves the context, not 2^31 tokens.
 
         Raises:
             QuotaExceededError: over ``max_concurrent``, ``requests_per_minute`` or
@@ -247,13 +260,19 @@ class QuotaBook:
         record = tenant.record
         need = 0
         if record is not None and record.tokens_per_minute:
-            n_prompt = prompt_tokens() if callable(prompt_tokens) else prompt_tokens
-            need = int(n_prompt) + (max_tokens or DEFAULT_MAX_TOKENS)
+            n_prompt = int(prompt_tokens() if callable(prompt_tokens) else prompt_tokens)
+            n_out = max_tokens or DEFAULT_MAX_TOKENS
+            n_ctx = context_tokens() if callable(context_tokens) else context_tokens
+            what = "max_tokens"
+            if n_ctx and n_prompt + n_out > n_ctx:
+                n_out, what = max(0, n_ctx - n_prompt), f"output tokens the context of {n_ctx} leaves"
+            need = n_prompt + n_out
             if need > record.tokens_per_minute:
+                fix = "lower max_tokens" if n_out and n_prompt < record.tokens_per_minute else "shorten the prompt"
                 raise InvalidArgumentError(
                     f"tenant '{tenant.name}': the request needs {need} tokens ({n_prompt} prompt + "
-                    f"{max_tokens or DEFAULT_MAX_TOKENS} max_tokens), more than its tokens_per_minute "
-                    f"{record.tokens_per_minute}; lower max_tokens"
+                    f"{n_out} {what}), more than its tokens_per_minute "
+                    f"{record.tokens_per_minute}; {fix}"
                 )
         with self._lock:
             if record is not None:  # a row: its usage is accounted (and its limits checked)

@@ -187,7 +187,10 @@ class Router:
         admission = None
         if self.quotas is not None:
             admission = self.quotas.admit(
-                tenant, max_tokens=request.sampling.max_tokens, prompt_tokens=lambda: self.prompt_tokens(request)
+                tenant,
+                max_tokens=request.sampling.max_tokens,
+                prompt_tokens=lambda: self.prompt_tokens(request),
+                context_tokens=self.pool.max_n_ctx,
             )
         routed = self._route(request, context, vector, tenant)
         if admission is not None:

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from loraplane.control_plane.errors import InvalidArgumentError, NotFoundError
+from loraplane.control_plane.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from loraplane.control_plane.quotas import QuotaBook, TenantUsageView
 from loraplane.control_plane.store import AdapterStore
 from loraplane.control_plane.store.base import TENANT_SETTINGS, TenantRecord
@@ -76,10 +76,20 @@ class TenantAdmin:
 
     def add(self, name: str, settings: Mapping[str, float | int], api_key: str = "") -> tuple[TenantView, str]:
         """Add tenant ``name`` with ``settings`` (others at their defaults) and one API key
-        (``api_key``, else a generated one); ``(the tenant, its key in clear)``."""
+        (``api_key``, else a generated one); ``(the tenant, its key in clear)``.
+
+        Raises:
+            AlreadyExistsError: the name is taken, or the key is another tenant's or this
+                control plane's own ``--api-key`` / admin token.
+        """
         check_tenant_name(name)
         values = check_settings(settings)
         key = check_key(api_key) if api_key else generate_key()
+        if self.book.directory.is_server_credential(key):
+            raise AlreadyExistsError(
+                "this API key is the control plane's --api-key or admin token (they stand for the "
+                "tenant 'default'); give another (or none)"
+            )
         record = self.store.add_tenant(TenantRecord(name=name, **values), key_hash(key))  # type: ignore[arg-type]
         self.book.refresh()
         return TenantView(record, self.book.usage(name)), key

@@ -5,8 +5,9 @@ Owned by the control-plane process: one `TenantDirectory` per process (the quota
 
 **The tenant of a request** (`tenant_of`), first match wins:
 
-1. a bearer token that is a tenant's API key → that tenant;
-2. the inference ``--api-key``, or the admin token → ``"default"``;
+1. the inference ``--api-key``, or the admin token → ``"default"`` (checked first, so a tenant
+   row holding the same key, added on a replica configured otherwise, never takes them over);
+2. a bearer token that is a tenant's API key → that tenant;
 3. the request's *explicit* adapter map (gRPC ``adapters`` set; HTTP ``model`` naming an
    adapter, or ``lora``) → ``adapter:<the first adapter's name>`` (``adapter:<id>`` when it has
    none);
@@ -176,17 +177,20 @@ class TenantDirectory:
             return self._keys.get(digest)
 
     def principal(self, authorization: str | None) -> str | None:
-        """Rules 1-2 of `tenant_of` for an ``authorization`` header / metadata value: the
-        tenant its bearer token names, ``"default"`` for the API key or the admin token, None
-        for no token or an unknown one."""
+        """Rules 1-2 of `tenant_of` for an ``authorization`` header / metadata value:
+        ``"default"`` for the API key or the admin token, else the tenant its bearer token
+        names; None for no token or an unknown one."""
         token = bearer_token(authorization or "")
         if token is None:
             return None
-        tenant = self.tenant_of_key(token)
-        if tenant is not None:
-            return tenant
-        matches = [secret_matches(token, s) for s in (self.api_key, self.admin_token) if s]
-        return DEFAULT_TENANT if any(matches) else None
+        if self.is_server_credential(token):
+            return DEFAULT_TENANT
+        return self.tenant_of_key(token)
+
+    def is_server_credential(self, token: str) -> bool:
+        """Whether ``token`` is this control plane's own ``--api-key`` or admin token (compared
+        in constant time): those name ``"default"`` and are never a tenant's key."""
+        return any([secret_matches(token, s) for s in (self.api_key, self.admin_token) if s])
 
     def accepts(self, token: str) -> bool:
         """Whether ``token`` is some tenant's API key (the API-key check's extra acceptance)."""

@@ -27,9 +27,13 @@ from loraplane.control_plane.tenant_admin import TenantAdmin, TenantView
 
 
 class AddTenantBody(HttpBody):
-    """``POST /v1/tenants``: the name, an optional key (else one is generated) and settings."""
+    """``POST /v1/tenants``: the name, an optional key (else one is generated) and settings.
 
-    model_config = ConfigDict(extra="forbid")
+    Strict types: ``true`` is not a ``max_concurrent`` of 1, nor ``"2"`` a weight (an integer
+    passes for ``weight``); a setting of the wrong JSON type is 400 naming it.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str
     api_key: str | None = None

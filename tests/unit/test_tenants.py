@@ -217,6 +217,56 @@ def test_admin_errors_and_limits_changed_at_once(book):
         admin.remove("acme")
 
 
+def test_server_credentials_are_never_a_tenant_key(tmp_path: Path):
+    store = SqliteStore(tmp_path / "db.sqlite3")
+    directory = TenantDirectory(api_key="inference-key-123", admin_token="admin-token-12345")
+    book = QuotaBook(store, directory)
+    admin = TenantAdmin(store, book)
+    for key in ("inference-key-123", "admin-token-12345"):
+        with pytest.raises(AlreadyExistsError, match="control plane's --api-key or admin token"):
+            admin.add("thief", {}, api_key=key)
+    assert [r.name for r in directory.records()] == []
+    # a row holding the key anyway (added through a replica with other flags) takes nothing over
+    directory.set_keys({key_hash("inference-key-123"): "thief", key_hash("admin-token-12345"): "thief"})
+    assert directory.principal("Bearer inference-key-123") == DEFAULT_TENANT
+    assert directory.principal("Bearer admin-token-12345") == DEFAULT_TENANT
+    store.close()
+
+
+def test_tokens_reserved_are_capped_by_the_context_a_worker_stops_at(book):
+    """A chat request without max_tokens (the HTTP front sends 2^31 - 1: until the context is
+    full) reserves what the context leaves after the prompt, not 2^31 tokens."""
+    from loraplane.control_plane.router import Router
+    from loraplane.v1 import common_pb2
+
+    admin = TenantAdmin(book.store, book)
+    admin.add("acme", {"tokens_per_minute": 300})
+    acme = book.directory.resolve("acme", None)
+    held = book.admit(acme, max_tokens=2**31 - 1, prompt_tokens=10, context_tokens=256)
+    assert book.usage("acme").tokens_available == 44.0  # 300 - 256
+    held.settle(10, 246)
+    assert book.admit(acme, max_tokens=0, prompt_tokens=10, context_tokens=lambda: 256).reserved == 26  # 10 + 16
+    with pytest.raises(InvalidArgumentError, match=r"needs 400 tokens \(400 prompt \+ 0 output tokens"):
+        book.admit(acme, max_tokens=5, prompt_tokens=400, context_tokens=256)  # never fits anywhere
+    with pytest.raises(InvalidArgumentError, match="tokens_per_minute 300; shorten the prompt"):
+        book.admit(acme, max_tokens=5, prompt_tokens=400, context_tokens=256)
+
+    class Registry:
+        def resolve(self, asked):
+            return []
+
+    class Pool:
+        def max_n_ctx(self):
+            return 256
+
+    admin.update("acme", {"tokens_per_minute": 200})
+    router = Router(Registry(), Pool(), tenants=book.directory, quotas=book)  # type: ignore[arg-type]
+    request = common_pb2.GenerateRequest(tokens=common_pb2.TokenIds(ids=list(range(10))))
+    request.sampling.max_tokens = 2**31 - 1
+    with pytest.raises(InvalidArgumentError, match=r"needs 256 tokens \(10 prompt \+ 246 output tokens the context"):
+        next(router.generate(request, None, principal="acme"))  # type: ignore[arg-type]
+
+
 def test_store_sync_applies_deltas_and_counts_other_replicas_in_flight(tmp_path: Path):
     """Two stores on one SQLite file stand for two replicas' views of the shared rows."""
     a, b = SqliteStore(tmp_path / "db.sqlite3"), SqliteStore(tmp_path / "db.sqlite3")
@@ -394,6 +444,12 @@ def test_http_tenant_routes_add_list_remove_with_openai_errors(book):
     assert (again.status, again.json()["error"]["code"]) == (409, "already_exists")
     bad = call_app(app, "POST", "/v1/tenants", {"name": "b", "weight": -1}, auth)
     assert bad.status == 400 and "weight -1" in bad.json()["error"]["message"]
+    for field, value in (("max_concurrent", True), ("weight", "2"), ("tokens_per_minute", 5.0), ("api_key", 12)):
+        loose = call_app(app, "POST", "/v1/tenants", {"name": "b", field: value}, auth)  # no silent coercion
+        assert (loose.status, loose.json()["error"]["param"]) == (400, field), (field, value)
+    weighted = call_app(app, "POST", "/v1/tenants", {"name": "w", "weight": 2}, auth)  # an integer weight passes
+    assert (weighted.status, weighted.json()["weight"]) == (200, 2.0)
+    assert call_app(app, "DELETE", "/v1/tenants/w", None, auth).status == 200
     assert call_app(app, "GET", "/v1/tenants", None, {"authorization": "Bearer wrong"}).status == 401
     listed = call_app(app, "GET", "/v1/tenants", None, auth).json()["tenants"]
     assert [(t["name"], t["key_count"]) for t in listed] == [("acme", 1)]
