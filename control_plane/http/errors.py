@@ -101,7 +101,8 @@ def unsupported(param: str, detail: str) -> OpenAIError:
 
 def from_control_plane(exc: ControlPlaneError) -> OpenAIError:
     """The HTTP error for a domain error (``loraplane.control_plane.errors``, router errors); a 503
-    carries ``Retry-After`` (the error's ``retry_after_s``, else `RETRY_AFTER_S`)."""
+    carries ``Retry-After`` (the error's ``retry_after_s``, else `RETRY_AFTER_S`), and so does
+    every 429 (a quota's own wait, else `RETRY_AFTER_S`)."""
     code = getattr(exc, "code", None)
     if isinstance(code, grpc.StatusCode):
         status, kind = GRPC_TO_HTTP.get(code, (500, "internal_error"))
@@ -114,6 +115,8 @@ def from_control_plane(exc: ControlPlaneError) -> OpenAIError:
     elif isinstance(exc, QuotaExceededError):  # OpenAI's rate-limit answer: code and Retry-After
         err.code = RATE_LIMIT_CODE
         err.headers = {"Retry-After": str(int(exc.retry_after_s))}
+    elif err.status == 429:  # every worker full (queue limit): retry soon, as a 503's default
+        err.headers = {"Retry-After": str(RETRY_AFTER_S)}
     return err
 
 

@@ -210,7 +210,7 @@ def test_openai_error_shape_for_domain_errors():
     }
     assert from_control_plane(UnavailableError("no worker")).status == 503
     busy = from_control_plane(WorkerRequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"))
-    assert (busy.status, busy.code) == (429, "resource_exhausted")
+    assert (busy.status, busy.code, busy.headers) == (429, "resource_exhausted", {"Retry-After": "1"})
 
 
 def test_grafana_dashboard_uses_only_exported_metric_names():
