@@ -96,6 +96,8 @@ def tenants() -> None:
 @client_options
 def tenants_add(name: str, key: str | None, **kwargs: Any) -> None:
     """Add tenant NAME with one API key (stored hashed: the key is printed this once)."""
+    if key is not None and not key:  # `--key ""` (an unset variable): never a silently generated key
+        raise click.BadParameter("is empty; leave --key out to have a key generated", param_hint="--key")
     settings = _settings(kwargs)
     opts = _opts(kwargs)
     with server_call(opts) as client:

@@ -369,7 +369,12 @@ class _StateCollector:
         )
         age = -1.0
         if book is not None:
-            counts: dict[str, int] = {}
+            # a tenant with a row reads 0 when idle (a series that vanishes reads as "no data")
+            counts: dict[str, int] = {
+                label: 0
+                for label in (self.m.tenant_labels(r.name) for r in book.directory.records())
+                if label != OTHER_LABEL
+            }
             for name, n in book.local_in_flight().items():
                 label = self.m.tenant_labels(name)
                 counts[label] = counts.get(label, 0) + n

@@ -78,6 +78,7 @@ USAGE_ERRORS = [
     ["worker", "--control-plane", "nohostport"],
     ["convert-peft", "/no/such/dir", "-o", "x.gguf"],
     ["export-lora", "--lora", "a.gguf", "-o", "x.gguf"],
+    ["tenants", "add", "acme", "--key", ""],  # an empty key (unset variable), never a generated one
 ]
 
 

@@ -416,6 +416,8 @@ def test_tenant_metrics_count_by_outcome_and_keep_the_label_cap(book):
     assert got[("loraplane_tenant_bucket_level", (("bucket", "tokens"), ("tenant", "a")))] == 48  # 60 - 12 used
     assert not any(dict(labels).get("tenant") == "other" for name, labels in got if name == "loraplane_tenant_limit")
     assert got[("loraplane_tenant_quota_sync_failures_total", ())] == 0
+    # both settled: tenant a (a row, under the cap) reads 0 in flight instead of vanishing
+    assert got[("loraplane_tenant_requests_in_flight", (("tenant", "a"),))] == 0
 
 
 def test_http_tenant_routes_add_list_remove_with_openai_errors(book):
