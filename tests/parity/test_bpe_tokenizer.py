@@ -79,6 +79,7 @@ def load(llama_cpp_vocab_dir: Path):
 
 
 @pytest.mark.parity
+@pytest.mark.slow  # every vocabulary's whole case file (6 s on a 2-core AMD EPYC); qwen2's checks below stay fast
 @pytest.mark.parametrize("name", sorted(CHECKED))
 def test_every_llama_cpp_case_matches(name: str, load, llama_cpp_vocab_dir: Path) -> None:
     tok = load(name)
