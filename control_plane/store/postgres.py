@@ -658,11 +658,7 @@ class PostgresStore(AdapterStore):
         with self._connection() as (conn, _), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
             if changes:
                 cur.execute(SQL.settings_update(set(changes)), {**changes, "name": name})
-            row = cur.execute(
-                "SELECT t.*, (SELECT COUNT(*) FROM tenant_keys k WHERE k.tenant = t.name) AS key_count"
-                " FROM tenants t WHERE t.name = %s",
-                (name,),
-            ).fetchone()
+            row = cur.execute(SQL.record_by_name(), {"name": name}).fetchone()
         return record_of(row) if row is not None else None
 
     @_unavailable

@@ -457,11 +457,7 @@ class SqliteStore(AdapterStore):
         with self._write() as c:
             if changes:
                 c.execute(SQL.settings_update(set(changes)), {**changes, "name": name, "now": time.time()})
-            row = c.execute(
-                "SELECT t.*, (SELECT COUNT(*) FROM tenant_keys k WHERE k.tenant = t.name) AS key_count"
-                " FROM tenants t WHERE t.name = ?",
-                (name,),
-            ).fetchone()
+            row = c.execute(SQL.record_by_name(), {"name": name}).fetchone()
         return record_of(row) if row is not None else None
 
     @_unavailable

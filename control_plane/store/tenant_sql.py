@@ -87,6 +87,13 @@ class Dialect:
             f"{self.now}, {p('created_at')})"
         )
 
+    def record_by_name(self) -> str:
+        """One tenant's row with its key count (parameter ``name``), for `record_of`."""
+        return (
+            "SELECT t.*, (SELECT COUNT(*) FROM tenant_keys k WHERE k.tenant = t.name) AS key_count"
+            f" FROM tenants t WHERE t.name = {self.param('name')}"
+        )
+
     def in_flight_upsert(self) -> str:
         """This replica's in-flight count of one tenant (``tenant``, ``replica_id``, ``in_flight``)."""
         p = self.param
