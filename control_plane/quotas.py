@@ -3,7 +3,7 @@
 Owned by the control-plane process: one `QuotaBook` per process, one daemon thread
 (``tenant-quotas``). ``Router.generate`` calls `QuotaBook.admit` after the adapter map is
 resolved and before any worker is picked; the `Admission` it returns is settled when the
-request's stream ends, however it ends.
+request's stream ends, however it ends (finished, error, the client gone).
 
 **Limits** (a tenant's row, `loraplane.control_plane.tenants`; 0 = unlimited; names without a row
 have none):
@@ -25,45 +25,64 @@ A request that would pass a limit is refused before any worker work: `QuotaExcee
 ``rate_limit_exceeded`` with a ``Retry-After`` header): whole seconds, at least 1, until the
 bucket holds what the request needs (1 s for ``max_concurrent``). A request that needs more
 tokens than the bucket can ever hold (``prompt + max_tokens > tokens_per_minute``) is
-INVALID_ARGUMENT / 400 instead: waiting would never help.
+INVALID_ARGUMENT / 400 instead: waiting would never help (`loraplane.control_plane.quota_rules`).
 
-**Across replicas** (PostgreSQL; SQLite is one replica and runs the same code). Bucket levels
-live in the ``tenants`` rows. Each replica keeps a local copy per tenant and decides on it at
-once (no database call on the request path): its last synced level, refilled by its own clock
-since, minus what it admitted since. Every `SYNC_INTERVAL_S` (250 ms) `QuotaBook.sync` sends its
-deltas in one transaction, one ``UPDATE … `` per tenant with activity, the refill computed from
-the database's clock (`loraplane.control_plane.store.tenant_sql`), then reads every tenant's level
-back. In-flight counts are rows per (tenant, replica), rewritten every sync while non-zero and
-summed by the others; rows older than `IN_FLIGHT_TTL_S` (a dead replica's) stop counting.
+**Admission is decided by the database** for a tenant with any limit: one statement
+(`AdapterStore.admit_tenant_request`, `loraplane.control_plane.store.tenant_sql`) takes the
+request from the buckets and, with ``max_concurrent``, writes a **claim** — only if every limit
+allows it, under the tenant row's lock, so however many replicas admit at once (PostgreSQL;
+SQLite is one replica and runs the same code) a limit is never passed: no window, no
+overshoot. A refusal reads the row back for its reason (a second call). When the request ends,
+one statement (`AdapterStore.settle_tenant_request`) gives back the unused tokens, adds the
+totals and deletes the claim. Tenants without a limit (a row for a weight, or no row) cost no
+database call: their usage goes with the sync.
 
-Accuracy: a replica sees the others' admissions at most two sync intervals after they happen
-(their next sync, then its own), so a tenant is refused everywhere within about 0.5 s (plus two
-store calls) of crossing a limit anywhere, and it can overshoot a limit by at most what the other
-replicas admit for it within that window. ``max_concurrent`` likewise.
+**Claims have a lease** (`CLAIM_LEASE_S`, 5 s, on the database's clock): every sync
+(`SYNC_INTERVAL_S`, 250 ms) renews this replica's claims and deletes the other replicas'
+expired ones, so the claims of a replica that died (``kill -9``, a lost host) stop counting
+within the lease plus one sync; a settle that could not reach the database is retried by the
+next syncs, and the claim lapses by itself meanwhile.
 
-**Database outage: fail open on the last levels.** A failed sync keeps its deltas for the next
-one and the replica keeps deciding on its local copy: it still charges its own admissions to
-the last levels it read, but no longer sees the other replicas' (so during an outage each
-replica enforces the quota alone: up to N replicas × the quota in total). Generation never
-waits for the database because of quotas. ``loraplane_tenant_quota_sync_failures_total`` counts
-the failed syncs, ``loraplane_tenant_quota_sync_age_seconds`` says how old the levels are, and
-``tenant_quota_sync_failing`` is logged once per outage.
+**The sync** sends, in one transaction, the deltas not written at admission or settling (the
+usage of tenants without limits, and what was decided during an outage: below), this replica's
+in-flight counts (rows per (tenant, replica), rewritten every sync while non-zero and summed by
+the others, for the usage views; rows older than `IN_FLIGHT_TTL_S` stop counting), the claims
+above, then reads every tenant's limits and levels back: the local copy that usage views,
+metrics and the outage fallback use.
+
+**Database outage: fail open on the last levels.** An admission or settle that cannot reach
+the database (and every one after it until a sync succeeds: no 2 s wait per request) is
+decided on this replica's copy — the last levels read, refilled by its own clock since, minus
+what it admitted since; ``max_concurrent`` against its own requests in flight plus the others'
+as last read — and its usage is sent with the next successful sync. During an outage each
+replica thus enforces the quota alone (up to N replicas × the quota in total), and generation
+never waits for the database because of quotas. ``loraplane_tenant_quota_sync_failures_total``
+counts the failed syncs, ``loraplane_tenant_quota_sync_age_seconds`` says how old the levels
+are, and ``tenant_quota_sync_failing`` is logged once per outage.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from loraplane.control_plane.errors import ControlPlaneError, InvalidArgumentError, ResourceExhaustedError
+from loraplane.control_plane.errors import ControlPlaneError, InvalidArgumentError
+from loraplane.control_plane.quota_rules import (
+    REASONS,
+    QuotaExceededError,
+    TokenBucket,
+    rebucket,
+    refusal,
+    retry_after,
+)
 from loraplane.control_plane.store import AdapterStore
-from loraplane.control_plane.store.base import TenantRecord, TenantState, UsageDelta
+from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantState, UsageDelta
 from loraplane.control_plane.tenants import KEYS_REFRESH_S, ResolvedTenant, TenantDirectory
 
 log = structlog.get_logger("loraplane.control_plane.quotas")
@@ -72,64 +91,23 @@ SYNC_INTERVAL_S = 0.25
 """Seconds between quota syncs with the store."""
 IN_FLIGHT_TTL_S = 5.0
 """A replica's in-flight row older than this no longer counts (the replica is gone)."""
+CLAIM_LEASE_S = 5.0
+"""A concurrency claim not renewed for this long (its replica is gone) is deleted, seconds."""
+ADMIT_ATTEMPTS = 3
+"""Store admissions tried for one request when each refusal finds, on reading the row back, that
+the limit was freed meanwhile (another request of the tenant ended between the two calls)."""
 DEFAULT_MAX_TOKENS = 16
 """What the worker generates when ``max_tokens`` is 0 (``worker.rpc.servicer.sampling_from_proto``)."""
 
-REASONS = ("max_concurrent", "requests_per_minute", "tokens_per_minute")
-
-
-class QuotaExceededError(ResourceExhaustedError):
-    """A tenant over one of its limits (gRPC RESOURCE_EXHAUSTED, HTTP 429).
-
-    Attributes:
-        tenant: the tenant refused.
-        reason: the limit passed: one of `REASONS`.
-        retry_after_s: whole seconds (≥ 1) before the request could pass.
-    """
-
-    def __init__(self, tenant: str, reason: str, message: str, retry_after_s: int) -> None:
-        super().__init__(f"tenant '{tenant}': {message}; retry after {retry_after_s} s")
-        self.tenant = tenant
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-
-
-class TokenBucket:
-    """A token bucket as one replica sees it: ``capacity`` refilled at ``capacity / 60`` per
-    second from ``level`` at time ``at`` (seconds of the caller's clock). The level may be
-    negative (several replicas took from it within one sync); it refills from there.
-
-    Args:
-        per_minute: the limit (capacity and refill per minute, > 0).
-        level: tokens in the bucket at ``at``.
-        at: the time of ``level``.
-    """
-
-    def __init__(self, per_minute: float, level: float, at: float) -> None:
-        if per_minute <= 0:
-            raise ValueError(f"a bucket needs a positive limit, got {per_minute}")
-        self.capacity = float(per_minute)
-        self.rate = self.capacity / 60.0
-        self._level = min(self.capacity, float(level))
-        self._at = at
-
-    def level(self, now: float) -> float:
-        """Tokens in the bucket at ``now`` (refilled since the last change, at most the capacity)."""
-        return min(self.capacity, self._level + max(0.0, now - self._at) * self.rate)
-
-    def take(self, n: float, now: float) -> None:
-        """Remove ``n`` tokens at ``now`` (a negative ``n`` gives back, never past the capacity)."""
-        self._level = min(self.capacity, self.level(now) - n)
-        self._at = max(now, self._at)
-
-    def wait_s(self, n: float, now: float) -> float:
-        """Seconds from ``now`` until the bucket holds ``n`` tokens (0 when it does)."""
-        return max(0.0, n - self.level(now)) / self.rate
-
-
-def retry_after(wait_s: float) -> int:
-    """``Retry-After`` seconds for a wait: whole seconds rounded up, at least 1."""
-    return max(1, math.ceil(wait_s - 1e-9))
+__all__ = [
+    "REASONS",
+    "Admission",
+    "QuotaBook",
+    "QuotaExceededError",
+    "TenantUsageView",
+    "TokenBucket",
+    "retry_after",
+]
 
 
 @dataclass
@@ -170,18 +148,37 @@ class _Usage:
 
 class Admission:
     """An admitted request's reservation; `settle` it once when the request ends (later calls
-    do nothing)."""
+    do nothing).
 
-    def __init__(self, book: QuotaBook, tenant: ResolvedTenant, reserved: int) -> None:
+    Attributes:
+        reserved: tokens reserved at admission (0 without a tokens-per-minute limit).
+        in_store: the store admitted it (`AdapterStore.admit_tenant_request`), so its settling
+            is written there too; False: decided on this replica's copy (no limit, or the
+            database unreachable), settled through the sync.
+        claim_id: its concurrency claim in the store (None: none).
+    """
+
+    def __init__(
+        self,
+        book: QuotaBook,
+        tenant: ResolvedTenant,
+        reserved: int,
+        *,
+        in_store: bool = False,
+        claim_id: str | None = None,
+    ) -> None:
         self.book = book
         self.tenant = tenant
         self.reserved = reserved
+        self.in_store = in_store
+        self.claim_id = claim_id
         self._lock = threading.Lock()
         self._done = False
 
     def settle(self, prompt_tokens: int, output_tokens: int) -> None:
         """The request ended having used ``prompt_tokens + output_tokens``: give back the rest
-        of the reservation (or take what it used beyond it) and leave the in-flight count."""
+        of the reservation (or take what it used beyond it), leave the in-flight count and
+        release its claim (one store call when the store admitted it)."""
         with self._lock:
             if self._done:
                 return
@@ -190,13 +187,15 @@ class Admission:
 
 
 class QuotaBook:
-    """Admission against tenant limits, synced with the store (see the module docstring).
+    """Admission against tenant limits, decided by the store and synced with it (see the module
+    docstring).
 
     Args:
         store: the shared store.
         directory: the tenants and keys; refreshed by this book.
-        clock: monotonic seconds (tests inject one).
-        sync_interval_s / in_flight_ttl_s / keys_refresh_s: see the module constants.
+        clock: monotonic seconds (tests inject one): the local copy's refill.
+        sync_interval_s / in_flight_ttl_s / claim_lease_s / keys_refresh_s: see the module
+            constants.
         metrics: an object with ``tenant_admitted(name)``, ``tenant_rejected(name, reason)``,
             ``tenant_tokens(name, prompt, output)`` and ``tenant_sync_failed()`` (None: not counted).
     """
@@ -209,6 +208,7 @@ class QuotaBook:
         clock: Callable[[], float] = time.monotonic,
         sync_interval_s: float = SYNC_INTERVAL_S,
         in_flight_ttl_s: float = IN_FLIGHT_TTL_S,
+        claim_lease_s: float = CLAIM_LEASE_S,
         keys_refresh_s: float = KEYS_REFRESH_S,
         metrics: Any = None,
     ) -> None:
@@ -217,14 +217,16 @@ class QuotaBook:
         self.clock = clock
         self.sync_interval_s = sync_interval_s
         self.in_flight_ttl_s = in_flight_ttl_s
+        self.claim_lease_s = claim_lease_s
         self.keys_refresh_s = keys_refresh_s
         self.metrics = metrics
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._usage: dict[str, _Usage] = {}
         self._local: dict[str, int] = {}  # in flight here, every tenant (limited or not)
+        self._unreleased: list[str] = []  # claims whose settle did not reach the store
         self._synced_at: float | None = None
-        self._failing = False
+        self._failing = False  # the store is unreachable: decide locally until a sync succeeds
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -274,45 +276,101 @@ class QuotaBook:
                     f"{n_out} {what}), more than its tokens_per_minute "
                     f"{record.tokens_per_minute}; {fix}"
                 )
+        claim_id = uuid.uuid4().hex
+        stored = None
+        if record is not None and record.limited and not self._failing:
+            stored = self._admit_in_store(record, need, claim_id)
         with self._lock:
-            if record is not None:  # a row: its usage is accounted (and its limits checked)
+            if record is not None and stored is not None:
+                self._admitted_in_store(record, stored)
+            elif record is not None:  # a row: its usage is accounted (and its limits checked)
                 self._check(tenant.name, record, need)
             self._local[tenant.name] = self._local.get(tenant.name, 0) + 1
         if self.metrics is not None:
             self.metrics.tenant_admitted(tenant.name)
-        return Admission(self, tenant, need)
+        claimed = stored is not None and stored.claimed
+        return Admission(self, tenant, need, in_store=stored is not None, claim_id=claim_id if claimed else None)
 
-    def _check(self, name: str, record: TenantRecord, need: int) -> None:
-        """Admit (take from the buckets, count it in flight and in the totals) or raise; under
-        the lock."""
+    def _admit_in_store(self, record: TenantRecord, need: int, claim_id: str) -> AdmissionClaim | None:
+        """The store's admission of one request of ``record`` (module docstring); None when it
+        cannot decide (the database unreachable: fail open; or the tenant no longer stored).
+
+        Raises:
+            QuotaExceededError: refused, with the store's reason.
+        """
+        for _ in range(ADMIT_ATTEMPTS):
+            try:
+                got = self.store.admit_tenant_request(
+                    record.name, claim_id=claim_id, tokens=need, lease_s=self.claim_lease_s
+                )
+            except ControlPlaneError as exc:
+                self._store_failed(exc)
+                return None
+            if got is None or got.admitted:
+                return got
+            refused = refusal(
+                record.name,
+                need=need,
+                in_flight=got.claims,
+                max_concurrent=got.max_concurrent,
+                requests_level=got.requests_level,
+                requests_per_minute=got.requests_per_minute,
+                tokens_level=got.tokens_level,
+                tokens_per_minute=got.tokens_per_minute,
+            )
+            if refused is not None:
+                raise self._counted(record, refused)
+            # else: the limit was freed between the refusal and the read: try again
+        reason = next(r for r, limit in zip(REASONS, _limits(record), strict=True) if limit)
+        lost = f"{ADMIT_ATTEMPTS} admissions in a row found its limits taken by concurrent requests"
+        raise self._counted(record, QuotaExceededError(record.name, reason, lost, 1))
+
+    def _counted(self, record: TenantRecord, refused: QuotaExceededError) -> QuotaExceededError:
+        """``refused``, counted (the tenant's rejected total and the metric)."""
+        with self._lock:
+            self._usage_of(record, self.clock()).unsent.rejected_total += 1
+        if self.metrics is not None:
+            self.metrics.tenant_rejected(record.name, refused.reason)
+        return refused
+
+    def _admitted_in_store(self, record: TenantRecord, got: AdmissionClaim) -> None:
+        """The local copy after the store admitted a request: the levels it answered (less
+        what this replica has not sent yet), one more in flight here; under the lock."""
         now = self.clock()
         u = self._usage_of(record, now)
-        refusal: tuple[str, str, float] | None = None
-        if record.max_concurrent and u.in_flight + u.others >= record.max_concurrent:
-            refusal = (
-                "max_concurrent",
-                f"{u.in_flight + u.others} requests in flight, max_concurrent {record.max_concurrent}",
-                1.0,
-            )
-        elif u.requests is not None and u.requests.level(now) < 1.0:
-            refusal = (
-                "requests_per_minute",
-                f"over requests_per_minute {record.requests_per_minute}",
-                u.requests.wait_s(1.0, now),
-            )
-        elif u.tokens is not None and u.tokens.level(now) < need:
-            refusal = (
-                "tokens_per_minute",
-                f"over tokens_per_minute {record.tokens_per_minute} (the request needs {need} tokens, "
-                f"{max(0, int(u.tokens.level(now)))} are left)",
-                u.tokens.wait_s(need, now),
-            )
-        if refusal is not None:
-            reason, message, wait = refusal
+        u.in_flight += 1
+        u.requests = (
+            TokenBucket(got.requests_per_minute, got.requests_level - u.unsent.requests, now)
+            if got.requests_per_minute
+            else None
+        )
+        u.tokens = (
+            TokenBucket(got.tokens_per_minute, got.tokens_level - u.unsent.tokens, now)
+            if got.tokens_per_minute
+            else None
+        )
+        u.limits = (got.tokens_per_minute, got.requests_per_minute)
+
+    def _check(self, name: str, record: TenantRecord, need: int) -> None:
+        """Admit on this replica's copy (take from the buckets, count it in flight and in the
+        totals, all sent with the next sync) or raise; under the lock."""
+        now = self.clock()
+        u = self._usage_of(record, now)
+        refused = refusal(
+            name,
+            need=need,
+            in_flight=u.in_flight + u.others,
+            max_concurrent=record.max_concurrent,
+            requests_level=u.requests.level(now) if u.requests is not None else 0.0,
+            requests_per_minute=record.requests_per_minute if u.requests is not None else 0,
+            tokens_level=u.tokens.level(now) if u.tokens is not None else 0.0,
+            tokens_per_minute=record.tokens_per_minute if u.tokens is not None else 0,
+        )
+        if refused is not None:
             u.unsent.rejected_total += 1
             if self.metrics is not None:
-                self.metrics.tenant_rejected(name, reason)
-            raise QuotaExceededError(name, reason, message, retry_after(wait))
+                self.metrics.tenant_rejected(name, refused.reason)
+            raise refused
         if u.requests is not None:
             u.requests.take(1.0, now)
         if u.tokens is not None:
@@ -329,14 +387,16 @@ class QuotaBook:
             u = self._usage[record.name] = _Usage()
         limits = (record.tokens_per_minute, record.requests_per_minute)
         if u.limits != limits:  # new, or its limits changed before the next sync
-            u.tokens = _rebucket(u.tokens, record.tokens_per_minute, now)
-            u.requests = _rebucket(u.requests, record.requests_per_minute, now)
+            u.tokens = rebucket(u.tokens, record.tokens_per_minute, now)
+            u.requests = rebucket(u.requests, record.requests_per_minute, now)
             u.limits = limits
         return u
 
     def _settle(self, admission: Admission, prompt_tokens: int, output_tokens: int) -> None:
         name = admission.tenant.name
         used = prompt_tokens + output_tokens
+        record = admission.tenant.record
+        direct: UsageDelta | None = None  # written to the store now (else with the sync)
         with self._lock:
             left = self._local.get(name, 0) - 1
             if left > 0:
@@ -344,16 +404,35 @@ class QuotaBook:
             else:
                 self._local.pop(name, None)
             u = self._usage.get(name)
-            record = admission.tenant.record
             if u is not None and record is not None:
                 u.in_flight = max(0, u.in_flight - 1)
                 back = admission.reserved - used if record.tokens_per_minute else 0
                 if u.tokens is not None and back:
                     u.tokens.take(-back, self.clock())
-                u.unsent.tokens -= back
-                u.unsent.tokens_total += used
+                delta = UsageDelta(tokens=-back, tokens_total=used)
+                if admission.in_store and not self._failing:
+                    direct = delta
+                else:
+                    u.unsent.add(delta)
+                    if admission.claim_id is not None:
+                        self._unreleased.append(admission.claim_id)
+        if direct is not None:
+            try:
+                self.store.settle_tenant_request(name, admission.claim_id, direct)
+            except ControlPlaneError as exc:  # the next syncs write it (the claim lapses meanwhile)
+                self._store_failed(exc)
+                with self._lock:
+                    self._usage.setdefault(name, _Usage()).unsent.add(direct)
+                    if admission.claim_id is not None:
+                        self._unreleased.append(admission.claim_id)
         if self.metrics is not None:
             self.metrics.tenant_tokens(name, prompt_tokens, output_tokens)
+
+    def _store_failed(self, exc: ControlPlaneError) -> None:
+        """The store is unreachable: decide on the local copy until a sync succeeds."""
+        if not self._failing:
+            log.warning("tenant_quota_sync_failing", error=str(exc), retry_in_s=self.sync_interval_s)
+        self._failing = True
 
     # -- syncing -------------------------------------------------------------------------------
 
@@ -374,15 +453,17 @@ class QuotaBook:
                         deltas[name], u.unsent = u.unsent, UsageDelta()
                     if u.in_flight or u.sent_in_flight:
                         in_flight[name] = u.in_flight
+                released, self._unreleased = self._unreleased, []
             try:
-                states = self.store.sync_tenants(deltas, in_flight, self.in_flight_ttl_s)
+                states = self.store.sync_tenants(
+                    deltas, in_flight, self.in_flight_ttl_s, released=released, claim_lease_s=self.claim_lease_s
+                )
             except ControlPlaneError as exc:
                 with self._lock:
                     for name, d in deltas.items():
                         self._usage.setdefault(name, _Usage()).unsent.add(d)
-                if not self._failing:
-                    log.warning("tenant_quota_sync_failing", error=str(exc), retry_in_s=self.sync_interval_s)
-                self._failing = True
+                    self._unreleased.extend(released)
+                self._store_failed(exc)
                 if self.metrics is not None:
                     self.metrics.tenant_sync_failed()
                 if raise_unavailable:
@@ -502,10 +583,6 @@ class QuotaBook:
             return None if self._synced_at is None else self.clock() - self._synced_at
 
 
-def _rebucket(bucket: TokenBucket | None, per_minute: int, now: float) -> TokenBucket | None:
-    """A bucket for a (new) limit: None for 0 (unlimited); full when there was none; else the
-    old level, at most the new capacity."""
-    if not per_minute:
-        return None
-    level = bucket.level(now) if bucket is not None else float(per_minute)
-    return TokenBucket(per_minute, level, now)
+def _limits(record: TenantRecord) -> tuple[int, int, int]:
+    """``record``'s limits in `REASONS` order."""
+    return (record.max_concurrent, record.requests_per_minute, record.tokens_per_minute)

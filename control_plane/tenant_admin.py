@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from loraplane.control_plane.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from loraplane.control_plane.quotas import QuotaBook, TenantUsageView
 from loraplane.control_plane.store import AdapterStore
-from loraplane.control_plane.store.base import TENANT_SETTINGS, TenantRecord
+from loraplane.control_plane.store.tenant_records import TENANT_SETTINGS, TenantRecord
 from loraplane.control_plane.tenants import check_key, check_tenant_name, generate_key, key_hash
 
 INT32_MAX = 2**31 - 1

@@ -47,7 +47,7 @@ import structlog
 
 from loraplane.control_plane.auth import bearer_token
 from loraplane.control_plane.errors import InvalidArgumentError
-from loraplane.control_plane.store.base import TenantRecord
+from loraplane.control_plane.store.tenant_records import TenantRecord
 from loraplane.interceptors import secret_matches
 
 log = structlog.get_logger("loraplane.control_plane.tenants")

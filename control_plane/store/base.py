@@ -55,7 +55,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,6 +63,7 @@ from typing import Any, Protocol
 import structlog
 
 from loraplane.control_plane.errors import DataCorruptionError
+from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
 
 log = structlog.get_logger("loraplane.control_plane.store.base")
 
@@ -303,96 +304,6 @@ class WorkerSighting:
 Sightings = list[WorkerSighting]
 
 
-@dataclass(frozen=True)
-class TenantRecord:
-    """One tenant as stored (``tenants`` table, migration 6).
-
-    Attributes:
-        name: unique; what requests are accounted to (`loraplane.control_plane.tenants.check_tenant_name`).
-        weight: fair share on the workers (VTC weight, > 0).
-        priority: priority class on the workers (lower is served first).
-        max_concurrent: requests in flight over all replicas (0: unlimited).
-        tokens_per_minute: prompt + output tokens per minute (0: unlimited).
-        requests_per_minute: requests per minute (0: unlimited).
-        key_count: API keys that map to it (stored as sha256 only).
-        created_at: unix time it was added, seconds.
-    """
-
-    name: str
-    weight: float = 1.0
-    priority: int = 0
-    max_concurrent: int = 0
-    tokens_per_minute: int = 0
-    requests_per_minute: int = 0
-    key_count: int = 0
-    created_at: float = 0.0
-
-    @property
-    def limited(self) -> bool:
-        """Whether any quota applies."""
-        return bool(self.max_concurrent or self.tokens_per_minute or self.requests_per_minute)
-
-
-TenantStates = list["TenantState"]
-"""A module-level alias (the stores' ``list`` method shadows the builtin in their class bodies)."""
-
-TENANT_SETTINGS = ("weight", "priority", "max_concurrent", "tokens_per_minute", "requests_per_minute")
-"""The columns `AdapterStore.update_tenant` may change."""
-
-
-@dataclass
-class UsageDelta:
-    """One replica's tenant usage not yet written to the store (`AdapterStore.sync_tenants`).
-
-    Attributes:
-        tokens: tokens taken from the token bucket (reservations at admission minus what
-            settling gave back; may be negative).
-        requests: requests taken from the request bucket.
-        requests_total / tokens_total / rejected_total: what the totals grow by (admitted
-            requests, settled prompt + output tokens, refusals over quota).
-    """
-
-    tokens: float = 0.0
-    requests: float = 0.0
-    requests_total: int = 0
-    tokens_total: int = 0
-    rejected_total: int = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.tokens or self.requests or self.requests_total or self.tokens_total or self.rejected_total)
-
-    def add(self, other: UsageDelta) -> None:
-        """Add ``other`` into this one."""
-        self.tokens += other.tokens
-        self.requests += other.requests
-        self.requests_total += other.requests_total
-        self.tokens_total += other.tokens_total
-        self.rejected_total += other.rejected_total
-
-
-@dataclass(frozen=True)
-class TenantState:
-    """A tenant's stored limits and usage as of one read (the database's clock).
-
-    Attributes:
-        record: the tenant.
-        tokens_level / requests_level: the buckets' levels now (refilled at limit / 60 per
-            second up to the limit since they were last written; may be negative after
-            replicas overshot together). 0 when that limit is 0 (unlimited).
-        in_flight_others: requests in flight on the *other* replicas (their rows younger than
-            the in-flight TTL); all replicas' when read by `AdapterStore.tenant_states`.
-        requests_total / tokens_total / rejected_total: totals since the tenant was added.
-    """
-
-    record: TenantRecord
-    tokens_level: float = 0.0
-    requests_level: float = 0.0
-    in_flight_others: int = 0
-    requests_total: int = 0
-    tokens_total: int = 0
-    rejected_total: int = 0
-
-
 class AdapterStore(ABC):
     """Adapters, their bytes, the default set, removals and worker sightings.
 
@@ -566,12 +477,35 @@ class AdapterStore(ABC):
         deltas: Mapping[str, UsageDelta],
         in_flight: Mapping[str, int],
         in_flight_ttl_s: float,
+        *,
+        released: Collection[str] = (),
+        claim_lease_s: float = 0.0,
     ) -> TenantStates:
-        """One replica's quota sync, in one transaction: apply ``deltas`` (one ``UPDATE``
-        per tenant, the buckets refilled from the database's clock first; unknown names are
-        ignored), write this replica's in-flight counts (a count of 0 deletes its row), and
-        return every tenant's state (by name) with ``in_flight_others`` summed over the
-        other replicas' rows younger than ``in_flight_ttl_s``."""
+        """One replica's quota sync, in one transaction: delete the claims ``released`` (ids
+        whose `settle_tenant_request` failed), extend this replica's other claims to
+        ``claim_lease_s`` from now and delete the other replicas' expired ones (0: neither),
+        apply ``deltas`` and the claims deleted (one ``UPDATE`` per tenant, in name order, the
+        buckets refilled from the database's clock first; unknown names are ignored), write
+        this replica's in-flight counts (a count of 0 deletes its row), and return every
+        tenant's state (by name) with ``in_flight_others`` summed over the other replicas'
+        rows younger than ``in_flight_ttl_s``."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def admit_tenant_request(self, name: str, *, claim_id: str, tokens: float, lease_s: float) -> AdmissionClaim | None:
+        """Admit one request of tenant ``name`` reserving ``tokens``, or refuse it, in one
+        statement against the tenant's row (`loraplane.control_plane.store.tenant_sql`): with
+        ``max_concurrent`` the admission writes claim ``claim_id`` (this replica's, its lease
+        ``lease_s`` from now). A refusal reads the row's state back (a second call). None: no
+        such tenant."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def settle_tenant_request(self, name: str, claim_id: str | None, delta: UsageDelta) -> None:
+        """A request admitted by `admit_tenant_request` ended: apply ``delta`` to tenant
+        ``name`` (the tokens given back, the totals) and release claim ``claim_id`` (None: it
+        has none), in one transaction; ``claims`` goes down only if the claim was still there
+        (not reclaimed after its lease)."""
         raise NotImplementedError
 
     @abstractmethod

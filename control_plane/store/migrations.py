@@ -199,6 +199,35 @@ MIGRATIONS: tuple[Migration, ...] = (
                )""",
         ),
     ),
+    Migration(
+        "tenant concurrency claims: one row per admitted request of a tenant with max_concurrent "
+        "(its replica, its lease's expiry on the database's clock), and their count on the "
+        "tenant's row, so admission is one guarded UPDATE across replicas",
+        sqlite=(
+            "ALTER TABLE tenants ADD COLUMN claims INTEGER NOT NULL DEFAULT 0 CHECK (claims >= 0)",
+            """CREATE TABLE tenant_claims (
+                   claim_id TEXT PRIMARY KEY,
+                   tenant TEXT NOT NULL,
+                   replica_id TEXT NOT NULL,
+                   expires_at REAL NOT NULL
+               )""",
+            "CREATE INDEX tenant_claims_by_replica ON tenant_claims (replica_id)",
+            "CREATE INDEX tenant_claims_by_expiry ON tenant_claims (expires_at)",
+            "CREATE INDEX tenant_claims_by_tenant ON tenant_claims (tenant)",
+        ),
+        postgres=(
+            "ALTER TABLE tenants ADD COLUMN claims BIGINT NOT NULL DEFAULT 0 CHECK (claims >= 0)",
+            """CREATE TABLE tenant_claims (
+                   claim_id TEXT PRIMARY KEY,
+                   tenant TEXT NOT NULL,
+                   replica_id TEXT NOT NULL,
+                   expires_at DOUBLE PRECISION NOT NULL
+               )""",
+            "CREATE INDEX tenant_claims_by_replica ON tenant_claims (replica_id)",
+            "CREATE INDEX tenant_claims_by_expiry ON tenant_claims (expires_at)",
+            "CREATE INDEX tenant_claims_by_tenant ON tenant_claims (tenant)",
+        ),
+    ),
 )
 
 SCHEMA_VERSION_DDL = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"

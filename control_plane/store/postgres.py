@@ -59,7 +59,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -82,13 +82,19 @@ from loraplane.control_plane.store.base import (
     NameEdit,
     SchemaTooNewError,
     Sightings,
-    TenantRecord,
-    TenantStates,
-    UsageDelta,
     WorkerSighting,
 )
 from loraplane.control_plane.store.migrations import MIGRATION_LOCK_KEY, MIGRATIONS, SCHEMA_VERSION_DDL
-from loraplane.control_plane.store.tenant_sql import Dialect, record_of, record_params, state_of
+from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
+from loraplane.control_plane.store.tenant_sql import (
+    CLAIM_COLUMNS,
+    Dialect,
+    admission_of,
+    claim_counts,
+    record_of,
+    record_params,
+    state_of,
+)
 
 log = structlog.get_logger("loraplane.control_plane.store.postgres")
 
@@ -667,6 +673,7 @@ class PostgresStore(AdapterStore):
             gone = cur.execute("DELETE FROM tenants WHERE name = %s", (name,)).rowcount > 0
             cur.execute("DELETE FROM tenant_keys WHERE tenant = %s", (name,))
             cur.execute("DELETE FROM tenant_in_flight WHERE tenant = %s", (name,))
+            cur.execute("DELETE FROM tenant_claims WHERE tenant = %s", (name,))
         return gone
 
     @_unavailable
@@ -680,21 +687,26 @@ class PostgresStore(AdapterStore):
         deltas: Mapping[str, UsageDelta],
         in_flight: Mapping[str, int],
         in_flight_ttl_s: float,
+        *,
+        released: Collection[str] = (),
+        claim_lease_s: float = 0.0,
     ) -> TenantStates:
         params = {"replica_id": self.replica_id, "ttl": float(in_flight_ttl_s)}
         with self._connection() as (conn, _), conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-            for name, d in sorted(deltas.items()):  # one order on every replica: no deadlock
-                cur.execute(
-                    SQL.sync_update(),
-                    {
-                        "name": name,
-                        "tokens": float(d.tokens),
-                        "requests": float(d.requests),
-                        "requests_total": int(d.requests_total),
-                        "tokens_total": int(d.tokens_total),
-                        "rejected_total": int(d.rejected_total),
-                    },
+            # Claim rows first, then tenant rows in name order, as every other writer of both
+            # (a settle, an admission) takes them: no lock cycle between replicas.
+            freed: dict[str, int] = {}
+            if released:
+                freed = claim_counts(
+                    (r["tenant"],) for r in cur.execute(RELEASE_MANY, {"ids": list(released)}).fetchall()
                 )
+            if claim_lease_s:
+                lease = {"replica_id": self.replica_id, "lease": float(claim_lease_s)}
+                cur.execute(SQL.renew_claims(), lease)
+                for name, n in claim_counts((r["tenant"],) for r in cur.execute(SQL.reclaim_expired(), lease)).items():
+                    freed[name] = freed.get(name, 0) + n
+            for name in sorted(set(deltas) | set(freed)):  # one order on every replica: no deadlock
+                cur.execute(SQL.sync_update(), _sync_params(name, deltas.get(name), freed.get(name, 0)))
             for name, n in sorted(in_flight.items()):
                 if n > 0:
                     cur.execute(SQL.in_flight_upsert(), {"tenant": name, "replica_id": self.replica_id, "in_flight": n})
@@ -707,9 +719,63 @@ class PostgresStore(AdapterStore):
             rows = cur.execute(SQL.states(), params).fetchall()
         return [state_of(r) for r in rows]
 
+    @_unavailable
+    def admit_tenant_request(self, name: str, *, claim_id: str, tokens: float, lease_s: float) -> AdmissionClaim | None:
+        params = {
+            "name": name,
+            "tokens": float(tokens),
+            "claim_id": claim_id,
+            "replica_id": self.replica_id,
+            "lease": float(lease_s),
+        }
+        with self._connection() as (conn, _), conn.cursor(row_factory=dict_row) as cur:
+            row = cur.execute(ADMIT, params).fetchone()  # one statement, one round trip
+            if row is not None:
+                return admission_of(row, admitted=True, claimed=bool(row["claimed"]))
+            state = cur.execute(SQL.admission_state(), {"name": name}).fetchone()
+        return None if state is None else admission_of(state, admitted=False)
+
+    @_unavailable
+    def settle_tenant_request(self, name: str, claim_id: str | None, delta: UsageDelta) -> None:
+        with self._connection() as (conn, _), conn.cursor() as cur:
+            if claim_id is None:
+                cur.execute(SQL.sync_update(), _sync_params(name, delta, 0))
+            else:  # one statement: the claim row goes, and the count with it only if it was there
+                cur.execute(
+                    f"WITH gone AS ({RELEASE_ONE}) {SQL.sync_update('(SELECT COUNT(*) FROM gone)')}",
+                    {**_sync_params(name, delta, 0), "claim_id": claim_id},
+                )
+
     def close(self) -> None:
         self._pool.close()
         self._watchdog.close()
+
+
+RELEASE_ONE = "DELETE FROM tenant_claims WHERE claim_id = %(claim_id)s RETURNING tenant"
+RELEASE_MANY = "DELETE FROM tenant_claims WHERE claim_id = ANY(%(ids)s) RETURNING tenant"
+ADMIT = (
+    f"WITH admitted AS ({SQL.admit_update()}), "
+    f"claimed AS (INSERT INTO tenant_claims {CLAIM_COLUMNS} "
+    f"SELECT {SQL.claim_values()} FROM admitted WHERE admitted.max_concurrent > 0 RETURNING claim_id) "
+    "SELECT admitted.*, (SELECT COUNT(*) FROM claimed) AS claimed FROM admitted"
+)
+"""One admission in one statement (`AdapterStore.admit_tenant_request`): the guarded ``UPDATE``
+of the tenant's row and, when it admitted a tenant with ``max_concurrent``, its claim row."""
+
+
+def _sync_params(name: str, d: UsageDelta | None, released: int) -> dict[str, object]:
+    """`Dialect.sync_update`'s parameters: tenant ``name``, its deltas (None: none), the claims
+    just deleted."""
+    d = d or UsageDelta()
+    return {
+        "name": name,
+        "tokens": float(d.tokens),
+        "requests": float(d.requests),
+        "requests_total": int(d.requests_total),
+        "tokens_total": int(d.tokens_total),
+        "rejected_total": int(d.rejected_total),
+        "released": int(released),
+    }
 
 
 class _AlreadyRegistered(Exception):

@@ -34,7 +34,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -53,13 +53,18 @@ from loraplane.control_plane.store.base import (
     NameEdit,
     SchemaTooNewError,
     Sightings,
-    TenantRecord,
-    TenantStates,
-    UsageDelta,
     WorkerSighting,
 )
 from loraplane.control_plane.store.migrations import MIGRATIONS, SCHEMA_VERSION_DDL
-from loraplane.control_plane.store.tenant_sql import Dialect, record_of, record_params, state_of
+from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
+from loraplane.control_plane.store.tenant_sql import (
+    Dialect,
+    admission_of,
+    claim_counts,
+    record_of,
+    record_params,
+    state_of,
+)
 
 log = structlog.get_logger("loraplane.control_plane.store.sqlite")
 
@@ -466,6 +471,7 @@ class SqliteStore(AdapterStore):
             gone = c.execute("DELETE FROM tenants WHERE name = ?", (name,)).rowcount > 0
             c.execute("DELETE FROM tenant_keys WHERE tenant = ?", (name,))
             c.execute("DELETE FROM tenant_in_flight WHERE tenant = ?", (name,))
+            c.execute("DELETE FROM tenant_claims WHERE tenant = ?", (name,))
         return gone
 
     @_unavailable
@@ -480,28 +486,26 @@ class SqliteStore(AdapterStore):
         deltas: Mapping[str, UsageDelta],
         in_flight: Mapping[str, int],
         in_flight_ttl_s: float,
+        *,
+        released: Collection[str] = (),
+        claim_lease_s: float = 0.0,
     ) -> TenantStates:
         now = time.time()
-        if not deltas and not in_flight:  # a read: no write lock taken
-            with self._locked():
-                rows = self._conn.execute(
-                    SQL.states(), {"now": now, "replica_id": self.replica_id, "ttl": in_flight_ttl_s}
-                ).fetchall()
+        states = {"now": now, "replica_id": self.replica_id, "ttl": in_flight_ttl_s}
+        if not deltas and not in_flight and not released and not self._claims_to_sync(now, claim_lease_s):
+            with self._locked():  # a read: no write lock taken
+                rows = self._conn.execute(SQL.states(), states).fetchall()
             return [state_of(r) for r in rows]
         with self._write(wait=False) as c:
-            for name, d in deltas.items():
-                c.execute(
-                    SQL.sync_update(),
-                    {
-                        "name": name,
-                        "now": now,
-                        "tokens": float(d.tokens),
-                        "requests": float(d.requests),
-                        "requests_total": int(d.requests_total),
-                        "tokens_total": int(d.tokens_total),
-                        "rejected_total": int(d.rejected_total),
-                    },
-                )
+            gone = [c.execute(RELEASE, (claim_id,)).fetchall() for claim_id in released]
+            freed = claim_counts(row for rows in gone for row in rows)
+            if claim_lease_s:
+                lease = {"now": now, "replica_id": self.replica_id, "lease": claim_lease_s}
+                c.execute(SQL.renew_claims(), lease)
+                for name, n in claim_counts(c.execute(SQL.reclaim_expired(), lease).fetchall()).items():
+                    freed[name] = freed.get(name, 0) + n
+            for name in sorted(set(deltas) | set(freed)):
+                c.execute(SQL.sync_update(), _sync_params(name, deltas.get(name), freed.get(name, 0), now))
             for name, n in in_flight.items():
                 if n > 0:
                     c.execute(
@@ -513,14 +517,64 @@ class SqliteStore(AdapterStore):
                         "DELETE FROM tenant_in_flight WHERE tenant = ? AND replica_id = ?", (name, self.replica_id)
                     )
             c.execute(SQL.prune_in_flight(), {"now": now, "ttl": in_flight_ttl_s})
-            rows = c.execute(
-                SQL.states(), {"now": now, "replica_id": self.replica_id, "ttl": in_flight_ttl_s}
-            ).fetchall()
+            rows = c.execute(SQL.states(), states).fetchall()
         return [state_of(r) for r in rows]
+
+    def _claims_to_sync(self, now: float, lease_s: float) -> bool:
+        """Whether a sync has claims to renew (this replica holds some) or to reclaim (another
+        replica's lease expired): the read-only sync otherwise takes no write lock."""
+        if not lease_s:
+            return False
+        with self._locked():
+            row = self._conn.execute(
+                "SELECT 1 FROM tenant_claims WHERE replica_id = ? OR expires_at < ? LIMIT 1", (self.replica_id, now)
+            ).fetchone()
+        return row is not None
+
+    @_unavailable
+    def admit_tenant_request(self, name: str, *, claim_id: str, tokens: float, lease_s: float) -> AdmissionClaim | None:
+        now = time.time()
+        with self._write() as c:
+            rows = c.execute(SQL.admit_update(), {"name": name, "tokens": float(tokens), "now": now}).fetchall()
+            if rows:
+                row = rows[0]
+                claimed = int(row["max_concurrent"]) > 0
+                if claimed:
+                    claim = {"claim_id": claim_id, "name": name, "replica_id": self.replica_id, "lease": lease_s}
+                    c.execute(SQL.claim_insert(), {**claim, "now": now})
+                return admission_of(row, admitted=True, claimed=claimed)
+            state = c.execute(SQL.admission_state(), {"name": name, "now": now}).fetchone()
+        return None if state is None else admission_of(state, admitted=False)
+
+    @_unavailable
+    def settle_tenant_request(self, name: str, claim_id: str | None, delta: UsageDelta) -> None:
+        now = time.time()
+        with self._write() as c:
+            released = len(c.execute(RELEASE, (claim_id,)).fetchall()) if claim_id is not None else 0
+            c.execute(SQL.sync_update(), _sync_params(name, delta, released, now))
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+RELEASE = "DELETE FROM tenant_claims WHERE claim_id = ? RETURNING tenant"
+
+
+def _sync_params(name: str, d: UsageDelta | None, released: int, now: float) -> dict[str, object]:
+    """`Dialect.sync_update`'s parameters: tenant ``name``, its deltas (None: none), the claims
+    just deleted."""
+    d = d or UsageDelta()
+    return {
+        "name": name,
+        "now": now,
+        "tokens": float(d.tokens),
+        "requests": float(d.requests),
+        "requests_total": int(d.requests_total),
+        "tokens_total": int(d.tokens_total),
+        "rejected_total": int(d.rejected_total),
+        "released": int(released),
+    }
 
 
 def _removed_record(row: sqlite3.Row) -> AdapterRecord:

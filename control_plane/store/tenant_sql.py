@@ -1,16 +1,28 @@
 """The tenant tables' SQL, spelled once for both databases (`Dialect` fills the differences).
 
-Tables (migration 6, `loraplane.control_plane.store.migrations`): ``tenants`` (limits, the two
-buckets' levels as written at ``level_at``, totals), ``tenant_keys`` (API keys by sha256, several
-per tenant), ``tenant_in_flight`` (requests in flight per (tenant, replica), with the time each
-replica last wrote its row).
+Tables (migrations 6 and 7, `loraplane.control_plane.store.migrations`): ``tenants`` (limits, the
+two buckets' levels as written at ``level_at``, totals, ``claims``), ``tenant_keys`` (API keys by
+sha256, several per tenant), ``tenant_in_flight`` (requests in flight per (tenant, replica), with
+the time each replica last wrote its row: what usage reports), ``tenant_claims`` (one row per
+admitted request of a tenant with ``max_concurrent``: its replica and its lease's expiry;
+``tenants.claims`` counts them).
+
+**Admission** (`Dialect.admit_update`) is one ``UPDATE … WHERE <every limit allows one more>``
+of the tenant's row: the row lock serialises concurrent admissions of one tenant on every
+replica, and PostgreSQL re-evaluates the ``WHERE`` on the row as the previous holder left it
+(READ COMMITTED), so ``claims`` never passes ``max_concurrent`` and a bucket never pays out what
+it does not hold, however many replicas admit at once. Only a claim row's deletion decrements
+``claims`` (`Dialect.sync_update`'s ``released``: a settle, or a lease expired), so a claim is
+released exactly once, whoever gets there first.
 
 Buckets are stored as ``(level, level_at)``; the level *now* is the stored one plus the refill
 since ``level_at`` (``limit / 60`` per second, at most ``limit``), computed inside the statement
 from the database's clock (`Dialect.now`: PostgreSQL's ``now()``, the transaction's start; SQLite:
 this host's clock, passed in), so replicas' clocks never enter the arithmetic. Every write
-re-bases both buckets to now. The level may go below 0 (replicas that admitted within one sync
-interval together); it then refills from there.
+re-bases both buckets to now (never back: a statement that waited for the row lock may carry
+an earlier ``now()`` than the writer before it). A sync's deltas may take a level below 0
+(admissions a replica decided alone during a database outage, `loraplane.control_plane.quotas`);
+it then refills from there.
 """
 
 from __future__ import annotations
@@ -18,9 +30,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loraplane.control_plane.store.base import TenantRecord, TenantState
+from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantState
 
 BUCKETS = (("tokens_level", "tokens_per_minute"), ("requests_level", "requests_per_minute"))
+ADMISSION_COLUMNS = (
+    "max_concurrent",
+    "claims",
+    "requests_per_minute",
+    "tokens_per_minute",
+    "requests_level",
+    "tokens_level",
+)
+"""What `Dialect.admit_update` returns and `Dialect.admission_state` reads (`admission_of`)."""
+CLAIM_COLUMNS = "(claim_id, tenant, replica_id, expires_at)"
 
 
 @dataclass(frozen=True)
@@ -46,19 +68,83 @@ class Dialect:
             f"{level} + {self.greatest}(0, {self.now} - {at}) * {limit} / 60.0) END)"
         )
 
-    def sync_update(self) -> str:
+    def sync_update(self, released: str | None = None) -> str:
         """``UPDATE`` one tenant with one replica's deltas (parameters ``name``, ``tokens``,
         ``requests``, ``requests_total``, ``tokens_total``, ``rejected_total``): both buckets
-        refilled to now, then the deltas taken (at most the limit: a give-back never overfills)."""
+        refilled to now, then the deltas taken (at most the limit: a give-back never overfills);
+        ``claims`` less ``released`` (an SQL expression: claim rows just deleted; default the
+        parameter ``released``)."""
         p = self.param
         sets = [
             f"{level} = (CASE WHEN {limit} = 0 THEN 0 ELSE "
             f"{self.least}({limit}, {self.bucket_now(level, limit)} - {p(delta)}) END)"
             for (level, limit), delta in zip(BUCKETS, ("tokens", "requests"), strict=True)
         ]
-        sets.append(f"level_at = {self.now}")
+        sets.append(f"level_at = {self.greatest}(level_at, {self.now})")
         sets += [f"{c} = {c} + {p(c)}" for c in ("requests_total", "tokens_total", "rejected_total")]
+        sets.append(f"claims = {self.greatest}(0, claims - {released or p('released')})")
         return f"UPDATE tenants SET {', '.join(sets)} WHERE name = {p('name')}"
+
+    def admit_update(self) -> str:
+        """``UPDATE`` one tenant admitting one request that reserves ``tokens`` (parameters
+        ``name``, ``tokens``) only if every limit allows it: ``claims`` below
+        ``max_concurrent``, a request and ``tokens`` in the buckets (refilled to now); then one
+        more claim (with ``max_concurrent``), one request and ``tokens`` taken, one more request
+        in the totals. ``RETURNING`` the limits and the levels after it (`ADMISSION_COLUMNS`);
+        no row: refused (or no such tenant: `admission_state` tells)."""
+        p = self.param
+        requests_now = self.bucket_now("requests_level", "requests_per_minute")
+        tokens_now = self.bucket_now("tokens_level", "tokens_per_minute")
+        allowed = (
+            "(max_concurrent = 0 OR claims < max_concurrent)"
+            f" AND (requests_per_minute = 0 OR {requests_now} >= 1)"
+            f" AND (tokens_per_minute = 0 OR {tokens_now} >= {p('tokens')})"
+        )
+        sets = (
+            "claims = claims + (CASE WHEN max_concurrent > 0 THEN 1 ELSE 0 END)",
+            f"requests_level = {requests_now} - (CASE WHEN requests_per_minute > 0 THEN 1 ELSE 0 END)",
+            f"tokens_level = {tokens_now} - (CASE WHEN tokens_per_minute > 0 THEN {p('tokens')} ELSE 0 END)",
+            f"level_at = {self.greatest}(level_at, {self.now})",
+            "requests_total = requests_total + 1",
+        )
+        return (
+            f"UPDATE tenants SET {', '.join(sets)} WHERE name = {p('name')} AND {allowed} "
+            f"RETURNING {', '.join(ADMISSION_COLUMNS)}"
+        )
+
+    def admission_state(self) -> str:
+        """One tenant's limits, claims and bucket levels now (parameter ``name``), as
+        `ADMISSION_COLUMNS`: why `admit_update` refused."""
+        requests_now = self.bucket_now("requests_level", "requests_per_minute")
+        tokens_now = self.bucket_now("tokens_level", "tokens_per_minute")
+        return (
+            "SELECT max_concurrent, claims, requests_per_minute, tokens_per_minute, "
+            f"{requests_now} AS requests_level, {tokens_now} AS tokens_level "
+            f"FROM tenants WHERE name = {self.param('name')}"
+        )
+
+    def claim_values(self) -> str:
+        """The values of a new ``tenant_claims`` row, in `CLAIM_COLUMNS` order (parameters
+        ``claim_id``, ``name``, ``replica_id``, ``lease``): its lease runs ``lease`` seconds from now."""
+        p = self.param
+        return f"{p('claim_id')}, {p('name')}, {p('replica_id')}, {self.now} + {p('lease')}"
+
+    def claim_insert(self) -> str:
+        """``INSERT`` one claim (`claim_values`' parameters)."""
+        return f"INSERT INTO tenant_claims {CLAIM_COLUMNS} VALUES ({self.claim_values()})"
+
+    def renew_claims(self) -> str:
+        """Extend every claim of one replica (``replica_id``) to ``lease`` seconds from now."""
+        p = self.param
+        return f"UPDATE tenant_claims SET expires_at = {self.now} + {p('lease')} WHERE replica_id = {p('replica_id')}"
+
+    def reclaim_expired(self) -> str:
+        """Delete the other replicas' claims whose lease expired (their replica stopped renewing:
+        it is gone), ``RETURNING`` each one's tenant (parameter ``replica_id``: this one)."""
+        return (
+            f"DELETE FROM tenant_claims WHERE expires_at < {self.now} "
+            f"AND replica_id <> {self.param('replica_id')} RETURNING tenant"
+        )
 
     def settings_update(self, changed: set[str]) -> str:
         """``UPDATE`` one tenant's settings (parameter ``name`` and one per column in
@@ -163,3 +249,27 @@ def record_params(record: TenantRecord) -> dict[str, object]:
         "requests_per_minute": int(record.requests_per_minute),
         "created_at": float(record.created_at),
     }
+
+
+def admission_of(row, *, admitted: bool, claimed: bool = False) -> AdmissionClaim:
+    """The `AdmissionClaim` of a row of `ADMISSION_COLUMNS` (`Dialect.admit_update` /
+    `Dialect.admission_state`)."""
+    return AdmissionClaim(
+        admitted=admitted,
+        claimed=claimed,
+        max_concurrent=int(row["max_concurrent"]),
+        claims=int(row["claims"]),
+        requests_per_minute=int(row["requests_per_minute"]),
+        tokens_per_minute=int(row["tokens_per_minute"]),
+        requests_level=float(row["requests_level"]),
+        tokens_level=float(row["tokens_level"]),
+    )
+
+
+def claim_counts(tenants) -> dict[str, int]:
+    """``{tenant: claims}`` of the ``tenant`` column of deleted claim rows."""
+    counts: dict[str, int] = {}
+    for row in tenants:
+        name = str(row[0])
+        counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def upload(store: AdapterStore, tmp_path: Path, name: str, size: int = 1000, see
 def test_ids_from_zero_dedup_never_reused_and_survive_reopen(open_db, tmp_path):
     store = open_db()
     # ids/bytes, replicas, source_format, pinned, aliases
-    assert store.schema_version == len(MIGRATIONS) == 6
+    assert store.schema_version == len(MIGRATIONS) == 7
     a, created = upload(store, tmp_path, "a", seed=1)
     assert (a.id, created, a.name, a.default_scale) == (0, True, "a", 0.0)
     b, _ = upload(store, tmp_path, "b", seed=2)
@@ -252,7 +253,7 @@ def test_sqlite_version_1_data_dir_upgrades_in_place(tmp_path):
         conn.execute("INSERT INTO adapters VALUES (0, 'aa', 'old', '/x.gguf', '{}', 0.5, 1.0)")
         conn.execute("UPDATE id_counter SET next_id = 1")
     store = SqliteStore(db, tmp_path / "blobs")
-    assert store.schema_version == len(MIGRATIONS) == 6
+    assert store.schema_version == len(MIGRATIONS) == 7
     assert [(r.id, r.name, r.default_scale, r.pinned, r.aliases) for r in store.list()] == [
         (0, "old", 0.5, False, ())  # migration 5's default: no aliases
     ]
@@ -346,7 +347,7 @@ def test_tenants_crud_hashed_keys_and_sync_between_two_replicas(open_db):
     updates re-basing the buckets, removal with keys and in-flight rows; two stores on one
     database (two replicas) share bucket levels and each other's in-flight counts."""
     from loraplane.control_plane.errors import AlreadyExistsError
-    from loraplane.control_plane.store.base import TenantRecord, UsageDelta
+    from loraplane.control_plane.store.tenant_records import TenantRecord, UsageDelta
 
     a, b = open_db(), open_db()
     key = hashlib.sha256(b"k" * 16).hexdigest()
@@ -376,3 +377,64 @@ def test_tenants_crud_hashed_keys_and_sync_between_two_replicas(open_db):
     assert a.update_tenant("ghost", {"weight": 3.0}) is None
     assert a.remove_tenant("acme") and not a.remove_tenant("acme")
     assert b.tenant_keys() == {} and b.sync_tenants({}, {}, 5.0) == []
+
+
+@pytest.mark.parametrize("open_db", ["sqlite", pytest.param("postgres", marks=pytest.mark.slow)], indirect=True)
+def test_tenant_admission_claims_settling_and_leases(open_db):
+    """Admission in the store on both databases: one call takes a request from every limit or
+    refuses with the row's state; a claim is released once (a second settle, or a settle after
+    the lease was reclaimed, changes nothing); a replica's sync renews its own claims and
+    deletes the others' expired ones; 16 threads on two replicas at once never pass a limit."""
+    from loraplane.control_plane.store.tenant_records import TenantRecord, UsageDelta
+
+    a, b = open_db(), open_db()
+    a.add_tenant(
+        TenantRecord("acme", max_concurrent=2, requests_per_minute=60, tokens_per_minute=100),
+        hashlib.sha256(b"acme").hexdigest(),
+    )
+    assert a.admit_tenant_request("ghost", claim_id="g", tokens=1, lease_s=5.0) is None
+    first = a.admit_tenant_request("acme", claim_id="c1", tokens=40, lease_s=5.0)
+    assert first is not None and (first.admitted, first.claimed, first.claims, first.max_concurrent) == (
+        True,
+        True,
+        1,
+        2,
+    )
+    assert (first.tokens_level, first.requests_level) == (pytest.approx(60, abs=0.5), pytest.approx(59, abs=0.1))
+    second = b.admit_tenant_request("acme", claim_id="c2", tokens=40, lease_s=0.2)  # a short lease
+    assert second is not None and (second.admitted, second.claims) == (True, 2)
+    busy = a.admit_tenant_request("acme", claim_id="c3", tokens=10, lease_s=5.0)
+    assert busy is not None and (busy.admitted, busy.claimed, busy.claims) == (False, False, 2)
+    assert busy.tokens_level == pytest.approx(20, abs=0.5)  # the refusal took nothing
+    a.settle_tenant_request("acme", "c1", UsageDelta(tokens=-30, tokens_total=10))  # 30 of its 40 back
+    a.settle_tenant_request("acme", "c1", UsageDelta())  # again: released once only
+    short = a.admit_tenant_request("acme", claim_id="c3", tokens=60, lease_s=5.0)  # 50 left
+    assert short is not None and (short.admitted, short.claims) == (False, 1)
+    assert short.tokens_level == pytest.approx(50, abs=0.5)
+    third = a.admit_tenant_request("acme", claim_id="c3", tokens=50, lease_s=5.0)
+    assert third is not None and (third.admitted, third.claims) == (True, 2)
+
+    time.sleep(0.3)  # B's claim c2 expires: the next sync of A deletes it
+    (state,) = a.sync_tenants({}, {}, 5.0, claim_lease_s=5.0)
+    assert (state.requests_total, state.tokens_total) == (3, 10)
+    b.settle_tenant_request("acme", "c2", UsageDelta(tokens_total=5))  # reclaimed already: no double release
+    assert a.admit_tenant_request("acme", claim_id="c4", tokens=0, lease_s=5.0).admitted  # type: ignore[union-attr]
+    assert not a.admit_tenant_request("acme", claim_id="c5", tokens=0, lease_s=5.0).admitted  # type: ignore[union-attr]
+    a.sync_tenants({}, {}, 5.0, released=["c3", "c4"], claim_lease_s=5.0)  # settles that failed, retried
+    assert b.admit_tenant_request("acme", claim_id="c5", tokens=0, lease_s=5.0).claims == 1  # type: ignore[union-attr]
+
+    a.add_tenant(TenantRecord("burst", max_concurrent=3, requests_per_minute=5), hashlib.sha256(b"b").hexdigest())
+    start = threading.Barrier(16)
+
+    def one(i: int) -> bool:
+        start.wait()
+        got = (a, b)[i % 2].admit_tenant_request("burst", claim_id=f"burst-{i}", tokens=0, lease_s=5.0)
+        return got is not None and got.admitted
+
+    with ThreadPoolExecutor(16) as ex:
+        assert sum(ex.map(one, range(16))) == 3  # max_concurrent
+    for i in range(16):
+        a.settle_tenant_request("burst", f"burst-{i}", UsageDelta())
+    start = threading.Barrier(16)
+    with ThreadPoolExecutor(16) as ex:
+        assert sum(ex.map(one, range(16))) == 2  # the 5 requests a minute, 3 taken already
