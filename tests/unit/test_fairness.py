@@ -420,3 +420,31 @@ def test_serve_passes_the_fairness_flags_to_its_worker(monkeypatch, tmp_path):
     assert args[args.index("--fairness") + 1] == "vtc"
     assert args[args.index("--fairness-output-weight") + 1] == "3.0"
     assert "--fairness-prompt-weight" not in args  # not given: the worker's default
+
+
+# ---- queue shares: who gives way on a full worker --------------------------------------------
+
+
+def test_give_way_names_the_largest_tenants_newest_queued_request_never_a_better_class():
+    """``FairQueue.give_way`` (the rule of ``loraplane.queue_shares``): the heaviest tenant's newest
+    queued request, only while it stays at least as loaded as the newcomer after the swap;
+    a worse priority class gives way to a better one at any load, never the other way; running
+    requests count in a tenant's load but only a queued one is given."""
+    from loraplane.queue_shares import Share, gives_way
+
+    fq = FairQueue()
+    reqs = [req(f"h{i}", "heavy") for i in range(3)] + [req("m0", "mid"), req("m1", "mid")]
+    for r in reqs:
+        fq.enqueue(r)
+    fq.admitted(reqs[0])  # h0 runs: heavy holds 3 (1 running), mid 2
+    assert fq.give_way(RequestTenant("new")).name == "h2"  # 3 > 1 and > mid's 2
+    assert fq.give_way(RequestTenant("mid")) is None  # heavy 3 > 2 + 1? no
+    assert fq.give_way(RequestTenant("heavy")) is None  # mid 2 > 4? no
+    assert fq.give_way(RequestTenant("mid", weight=2.0)).name == "h2"  # 3 > (2 + 1) / 2
+    low = req("x0", "batch", priority=5)
+    fq.enqueue(low)
+    assert fq.give_way(RequestTenant("vip", priority=-1)).name == "x0"  # the worst class first, load 1
+    assert fq.give_way(RequestTenant("batch2", priority=9)) is None  # a worse class takes no place
+    # the rule alone: no swap ever makes the split less even, so no ping-pong
+    assert gives_way(Share(3, 1.0, 0), Share(1, 1.0, 0)) and not gives_way(Share(2, 1.0, 0), Share(2, 1.0, 0))
+    assert gives_way(Share(1, 1.0, 0), Share(0, 4.0, 0)) and not gives_way(Share(0, 1.0, 0), Share(0, 1.0, 0))

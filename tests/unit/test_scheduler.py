@@ -19,7 +19,7 @@ from loraplane.worker.errors import AdapterFetchError, DecodeFailedError, QueueF
 from loraplane.worker.rpc.status import status_of
 from loraplane.worker.runtime.sampling import SamplingParams
 from loraplane.worker.serving.engine import WorkerEngine
-from loraplane.worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
+from loraplane.worker.serving.request import ErrorEvent, FinishedEvent, RequestTenant, TokenEvent
 from loraplane.worker.serving.scheduler import MAX_BYPASS
 
 
@@ -123,8 +123,16 @@ def test_queue_limit_answers_resource_exhausted(engine_for):
     # capacity = 1 slot + 1 queue place: q1 is the free slot's (not "waiting"), q2 waits
     for rid in ("q1", "q2"):
         e.submit(request_id=rid, prompt_tokens=[1, 2], prompt_text=None, params=params, entries=[], emit=sink)
-    with pytest.raises(QueueFullError) as err:
-        e.submit(request_id="q3", prompt_tokens=[1, 2], prompt_text=None, params=params, entries=[], emit=sink)
+    with pytest.raises(QueueFullError) as err:  # another tenant too: --fairness off has no queue shares
+        e.submit(
+            request_id="q3",
+            prompt_tokens=[1, 2],
+            prompt_text=None,
+            params=params,
+            entries=[],
+            emit=sink,
+            tenant=RequestTenant("light"),
+        )
     assert status_of(err.value).name == "RESOURCE_EXHAUSTED"
     assert "queue full (0/1 slots busy, 2 queued; admits slots + --queue-limit 1)" in str(err.value)
 
@@ -606,3 +614,61 @@ def test_fair_admission_puts_a_light_tenant_before_a_heavy_backlog(engine_for, f
     assert (t["heavy"].virtual_tokens, t["heavy"].prompt_tokens, t["heavy"].output_tokens) == (40.0, 16, 12)
     # light: lifted to 0 (heavy's counter when it arrived), then (4 + 3 x 2) / weight 2
     assert (t["light"].virtual_tokens, t["light"].weight, t["light"].queued, t["light"].running) == (5.0, 2.0, 0, 0)
+
+
+def test_a_full_worker_gives_a_heavy_tenants_newest_queued_place_to_a_light_tenant(engine_for):
+    """--fairness vtc, one slot + a queue of 2, the loop held, all three places the heavy
+    tenant's: a light tenant's request takes the place of the heavy tenant's newest queued one
+    (which ends with RESOURCE_EXHAUSTED naming why); a second light request finds an even split
+    (2 : 1 counting it) and is refused, as is the heavy tenant's next; a tenant of weight 4 takes
+    one more place. (--fairness off refuses: ``test_queue_limit_answers_resource_exhausted``.)"""
+    from loraplane.worker.config import Fairness
+
+    e = engine_for(Batching.MIXED, n_slots=1, queue_limit=2, fairness=Fairness.VTC)
+    q: queue.Queue = queue.Queue()
+    gate = threading.Event()
+    e.scheduler.run_soon(lambda: gate.wait(30))
+    heavy, light, weighty = RequestTenant("heavy"), RequestTenant("light"), RequestTenant("weighty", 4.0)
+
+    def submit(rid: str, tenant: RequestTenant) -> None:
+        e.submit(
+            request_id=rid,
+            prompt_tokens=PROMPT,
+            prompt_text=None,
+            params=SamplingParams(max_tokens=2, ignore_eos=True),
+            entries=[],
+            emit=lambda ev: q.put((rid, ev)),
+            tenant=tenant,
+        )
+
+    refused: list[str] = []
+    try:
+        for rid, tenant in [("h0", heavy), ("h1", heavy), ("h2", heavy), ("l0", light), ("l1", light)]:
+            try:
+                submit(rid, tenant)
+            except QueueFullError as exc:
+                assert status_of(exc).name == "RESOURCE_EXHAUSTED"
+                assert "queue full (0/1 slots busy, 3 queued; admits slots + --queue-limit 2)" in str(exc)
+                refused.append(rid)
+        with pytest.raises(QueueFullError):
+            submit("h3", heavy)
+        submit("w0", weighty)  # heavy 2 of weight 1 > (0 + 1) / 4: h1 gives way
+    finally:
+        gate.set()
+    ends: dict[str, object] = {}
+    while set(ends) != {"h0", "h1", "h2", "l0", "w0"}:
+        rid, ev = q.get(timeout=60)
+        if isinstance(ev, (FinishedEvent, ErrorEvent)):
+            ends[rid] = ev
+    assert refused == ["l1"]
+    gave = {rid for rid, ev in ends.items() if isinstance(ev, ErrorEvent)}
+    assert gave == {"h2", "h1"}  # the heavy tenant's newest queued, each time
+    err = ends["h2"].error  # type: ignore[attr-defined]
+    assert isinstance(err, QueueFullError) and status_of(err).name == "RESOURCE_EXHAUSTED"
+    assert str(err) == (
+        f"worker {e.worker_id}: queue full: this queued request gave its place to a lighter tenant's "
+        "(tenant 'heavy' had 3 of the 3 queued; admits slots + --queue-limit 2, shared between tenants "
+        "by --fairness vtc); retry later"
+    )
+    assert {rid for rid, ev in ends.items() if isinstance(ev, FinishedEvent)} == {"h0", "l0", "w0"}
+    assert e.scheduler.stats().queue_depth == 0

@@ -42,6 +42,12 @@ tokens the running requests may still produce without a scheduling decision: her
 ``max_tokens``; the paper's ``M`` is its KV pool's token capacity, which preemption-free
 batching turns into this).
 
+Queue shares. A full worker (``--slots + --queue-limit`` requests) still takes a request whose
+tenant is lighter than another with a request queued: ``give_way`` names that tenant's newest
+queued request, which the scheduler evicts (RESOURCE_EXHAUSTED, as a full queue answers) to make
+room; the rule is `loraplane.queue_shares`. So a heavy tenant cannot keep the others out of the
+queue, only out of what it leaves.
+
 Memory. Tenants with queued or running requests are always kept; idle ones are remembered
 up to ``max_tenants`` (LRU beyond). Forgetting a tenant only forgets its counter and totals:
 when it returns it is lifted to the least-served backlogged tenant of its class (or to the
@@ -64,8 +70,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from loraplane.queue_shares import Share, gives_way, ordering
+
 if TYPE_CHECKING:
-    from loraplane.worker.serving.request import GenRequest
+    from loraplane.worker.serving.request import GenRequest, RequestTenant
 
 MAX_TENANTS = 4096  # idle tenants remembered (LRU beyond; busy ones are always kept)
 STATS_TENANTS = 64  # tenants reported in WorkerStats.tenants (busy first, then recent)
@@ -211,6 +219,22 @@ class FairQueue:
             else:
                 self._unqueue(t, req)
             req.fair_state, req.fair_running = None, False
+
+    def give_way(self, tag: RequestTenant) -> GenRequest | None:
+        """On a full worker, the queued request that gives its place to a new request of tenant
+        ``tag``: the newest queued request of the largest tenant that gives way
+        (`loraplane.queue_shares`); None when none does (the new request is refused). The caller
+        removes it from the queue (``ended``) and ends it."""
+        with self._lock:
+            t = self._tenants.get(tag.name)
+            newcomer = Share(0 if t is None else len(t.queue) + t.running, tag.weight, tag.priority)
+            best: tuple[tuple[int, float], TenantState] | None = None
+            for h in self._backlogged.values():  # only they have a queued request to give
+                share = Share(len(h.queue) + h.running, h.weight, h.priority)
+                if h.name != tag.name and gives_way(share, newcomer):
+                    if best is None or ordering(share) > best[0]:
+                        best = (ordering(share), h)
+            return None if best is None else best[1].queue[-1][1]
 
     def charge_output(self, reqs: Iterable[GenRequest]) -> None:
         """One generated token for each of ``reqs`` (one decode step's sampled rows; a

@@ -198,6 +198,9 @@ class GenRequest:
     # and whether it runs; set by ``FairQueue``
     fair_state: Any = None
     fair_running: bool = False
+    # why the scheduler evicted it from the queue (its place given to a lighter tenant's
+    # request: fair admission's queue shares); None: not evicted
+    evicted: WorkerError | None = None
 
     def note_residency(self, was_resident: dict[str, bool], *, slot_wait_ms: float, page_in_ms: float) -> None:
         """Record, per adapter, where it came from and how long the request waited for it."""

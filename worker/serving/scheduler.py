@@ -195,6 +195,7 @@ class Scheduler:
         self.tokenizer = ctx.model.tokenizer
         self.seqs = [Seq(i) for i in range(config.n_slots)]
         self.queue: deque[GenRequest] = deque()
+        self._evicted: list[GenRequest] = []  # queued requests that gave way, ended at the next turn
         # fair admission (module docstring); None with --fairness off: no tenant state at all
         self.fair: FairQueue | None = (
             FairQueue(config.fairness_prompt_weight, config.fairness_output_weight)
@@ -321,10 +322,7 @@ class Scheduler:
             # while the loop is mid-step with idle sequences.
             busy = sum(s.busy for s in self.seqs)
             if busy + len(self.queue) >= len(self.seqs) + self.config.queue_limit:
-                raise QueueFullError(
-                    f"worker {self.worker_id}: queue full ({busy}/{len(self.seqs)} slots busy, {len(self.queue)} "
-                    f"queued; admits slots + --queue-limit {self.config.queue_limit})"
-                )
+                self._make_room(req.tenant, busy)
             req.held_ids = adapter_set.ids
             self._count_holds(req.held_ids, +1)
             self.queue.append(req)
@@ -332,6 +330,33 @@ class Scheduler:
                 self.fair.enqueue(req)
             self._cv.notify_all()
         return req
+
+    def _make_room(self, tenant: RequestTenant, busy: int) -> None:
+        """The worker is full: evict the queued request that gives its place to a request of
+        ``tenant`` (fair admission's queue shares, ``FairQueue.give_way``; ended with
+        ``QueueFullError`` at the loop's next turn), or refuse. The condition's lock held.
+
+        Raises:
+            QueueFullError: nothing gives way (or ``--fairness off``: first come, first served).
+        """
+        capacity = f"slots + --queue-limit {self.config.queue_limit}"
+        fair = self.fair
+        victim = fair.give_way(tenant) if fair is not None else None
+        if fair is None or victim is None:
+            raise QueueFullError(
+                f"worker {self.worker_id}: queue full ({busy}/{len(self.seqs)} slots busy, {len(self.queue)} "
+                f"queued; admits {capacity})"
+            )
+        held = sum(1 for r in self.queue if r.tenant.name == victim.tenant.name)
+        self.queue.remove(victim)
+        fair.ended(victim)
+        self._evicted.append(victim)
+        log.info("queued_request_evicted", request_id=victim.request_id, tenant=victim.tenant.name, to=tenant.name)
+        victim.evicted = QueueFullError(
+            f"worker {self.worker_id}: queue full: this queued request gave its place to a lighter tenant's "
+            f"(tenant '{victim.tenant.name}' had {held} of the {len(self.queue) + 1} queued; admits {capacity}, "
+            "shared between tenants by --fairness vtc); retry later"
+        )
 
     def run_when_idle_of(self, adapter_id: int, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Run ``fn`` on the loop thread, between steps, once no request holds ``adapter_id``."""
@@ -439,7 +464,13 @@ class Scheduler:
     def _turns(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self.queue and not self._pending and not any(s.busy for s in self.seqs):
+                while (
+                    not self._stop
+                    and not self.queue
+                    and not self._pending
+                    and not self._evicted
+                    and not any(s.busy for s in self.seqs)
+                ):
                     if self._step != self._trimmed_at_step:  # just went idle after decoding
                         self._trimmed_at_step = self._step
                         release_free_heap()  # the steps' freed buffers back to the OS (loraplane.worker.serving.heap)
@@ -450,6 +481,7 @@ class Scheduler:
                     return
             self._bound_stop_delay()
             with self._cv:
+                self._drop_evicted()
                 self._drop_cancelled()
                 self._drop_stopped()
                 ready = self._take_ready_pending()
@@ -481,8 +513,9 @@ class Scheduler:
         log.critical("scheduler_stopped", worker_id=self.worker_id, error=repr(exc), exception=_traceback_of(exc))
         with self._cv:
             self.failure = exc
-            queued = list(self.queue)
+            queued = list(self.queue) + self._evicted
             self.queue.clear()
+            self._evicted = []
             pending, self._pending = self._pending, []
             self._cv.notify_all()
         for callback in self.on_fatal:
@@ -532,6 +565,12 @@ class Scheduler:
         for seq in self.seqs:
             if seq.req is not None and seq.req.n_kept is not None:
                 self._finish(seq, seq.req, "stop")
+
+    def _drop_evicted(self) -> None:
+        """End the queued requests that gave their place (``_make_room``) with their error."""
+        evicted, self._evicted = self._evicted, []
+        for req in evicted:
+            self._end(req, "error", ErrorEvent(req.evicted or QueueFullError("evicted")))
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self.queue if r.cancelled.is_set()]:
