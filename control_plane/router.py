@@ -56,8 +56,15 @@ from loraplane.control_plane.errors import (
 from loraplane.control_plane.quotas import Admission, QuotaBook
 from loraplane.control_plane.registry import AdapterRegistry
 from loraplane.control_plane.resolution import adapter_set_key
-from loraplane.control_plane.tenants import ADAPTER_TENANT_PREFIX, MAX_NAME_CHARS, ResolvedTenant, TenantDirectory
+from loraplane.control_plane.tenants import (
+    ADAPTER_TENANT_PREFIX,
+    ANONYMOUS_TENANT,
+    MAX_NAME_CHARS,
+    ResolvedTenant,
+    TenantDirectory,
+)
 from loraplane.control_plane.workers import WorkerHandle, WorkerPool
+from loraplane.queue_shares import Share
 from loraplane.response_format import GrammarError, ResponseFormat, compile_grammar
 from loraplane.v1 import common_pb2, worker_pb2
 
@@ -234,7 +241,7 @@ class Router:
         tried: list[str] = []
         last_error = ""
         while True:
-            worker = self._pick(key, exclude=tried, last_error=last_error, ids=ids)
+            worker = self._pick(key, exclude=tried, last_error=last_error, ids=ids, tenant=tenant)
             tried.append(worker.worker_id)
             try:
                 self.pool.ensure_loaded(worker, ids)
@@ -267,11 +274,20 @@ class Router:
     def _others(self, tried: list[str]) -> bool:
         return any(w.worker_id not in tried for w in self.pool.live())
 
-    def _pick(self, key: tuple, *, exclude: list[str], last_error: str, ids: Sequence[int] = ()) -> WorkerHandle:
+    def _pick(
+        self,
+        key: tuple,
+        *,
+        exclude: list[str],
+        last_error: str,
+        ids: Sequence[int] = (),
+        tenant: ResolvedTenant | None = None,
+    ) -> WorkerHandle:
         """The worker for the next attempt among live workers not yet tried that can still
-        admit a request (in flight < slots + queue limit): not full (in flight < slots), then
-        set affinity, then the most of ``ids`` resident in its slots, then on its host (as
-        its heartbeats report), then least loaded.
+        admit a request of ``tenant`` (in flight < slots + queue limit, or, full, another
+        tenant there gives way to it: `WorkerPool.has_room`): not full (in flight < slots),
+        then set affinity, then the most of ``ids`` resident in its slots, then on its host
+        (as its heartbeats report), then least loaded.
 
         Raises:
             UnavailableError: no live worker (left to try).
@@ -281,7 +297,8 @@ class Router:
         if not candidates:
             detail = f" (tried {exclude}; last error: {last_error})" if exclude else ""
             raise UnavailableError(f"no live worker to serve the request{detail}")
-        live = [w for w in candidates if w.capacity is None or w.in_flight < w.capacity]
+        share = _share(tenant or ResolvedTenant(ANONYMOUS_TENANT))
+        live = [w for w in candidates if self.pool.has_room(w, share)]
         if not live:
             full = ", ".join(f"{w.worker_id} {w.in_flight}/{w.capacity}" for w in candidates)
             raise ResourceExhaustedError(f"every live worker is full (in flight/slots+queue: {full}); retry later")
@@ -331,7 +348,7 @@ class Router:
             call.cancel()
             release()
 
-        token = self.pool.begin(worker, worker_dead)
+        token = self.pool.begin(worker, worker_dead, tenant=_share(tenant))
 
         def client_gone() -> None:
             # Runs on the thread that noticed (gRPC's callback, the HTTP front's disconnect
@@ -378,6 +395,12 @@ class Router:
                 worker,
                 f"worker {worker.worker_id} failed: its stream ended before request {request.request_id} finished",
             )
+
+
+def _share(tenant: ResolvedTenant) -> Share:
+    """A request's tenant as the workers' queue shares count it (one request, its weight and
+    priority)."""
+    return Share(1, tenant.weight, tenant.priority, tenant.name)
 
 
 def settled(

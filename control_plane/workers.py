@@ -49,7 +49,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
@@ -66,6 +66,7 @@ from loraplane.control_plane.errors import (
 from loraplane.control_plane.registry import AdapterRegistry
 from loraplane.control_plane.store import AdapterRecord
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
+from loraplane.queue_shares import Share, gives_way
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
 
@@ -113,6 +114,7 @@ class WorkerHandle:
         in_flight: Generate calls currently relayed from it.
         relays: the cancel callbacks of those relays that registered one (`WorkerPool.begin`),
             by token; all of them are called, and dropped, when the worker is declared dead.
+        tenants: those relays by tenant: how many, the tenant's weight and priority.
         n_ctx: its KV tokens per slot, as its hello reported (0: not reported).
         queue_limit: requests it queues beyond its slots (None: an older worker, unknown).
         incarnation: random per worker process; a new one at the same id is a restart.
@@ -136,6 +138,9 @@ class WorkerHandle:
     draining_ids: set[int] = field(default_factory=set)
     in_flight: int = 0
     relays: dict[int, Callable[[str], None]] = field(default_factory=dict, repr=False)
+    # the relays in flight by tenant (queue shares, `WorkerPool.has_room`), and each token's tenant
+    tenants: dict[str, Share] = field(default_factory=dict, repr=False)
+    relay_tenants: dict[int, str] = field(default_factory=dict, repr=False)
     n_ctx: int = 0  # KV tokens per slot (0: not reported)
     alive: bool = True
     queue_limit: int | None = None
@@ -592,19 +597,26 @@ class WorkerPool:
 
     # -- in-flight accounting (router) --------------------------------------------------
 
-    def begin(self, handle: WorkerHandle, cancel: Callable[[str], None] | None = None) -> int:
+    def begin(
+        self, handle: WorkerHandle, cancel: Callable[[str], None] | None = None, *, tenant: Share | None = None
+    ) -> int:
         """One more request relayed from ``handle``; returns the token `end` takes.
 
         ``cancel(reason)``, when given, is called once (from the thread that notices, outside
         the pool's lock) if the worker is declared dead while the relay runs — no heartbeat
         for ``dead_after_s`` (a stopped or hung process), or `mark_failed` — with the reason
         (``"no heartbeat for 3.2 s"``); on the watchdog's next pass (`_watch`) when it is
-        already dead. It must cancel the worker call and not block. `end` unregisters it."""
+        already dead. It must cancel the worker call and not block. `end` unregisters it.
+        ``tenant``: the request's tenant (name, weight, priority), counted for `has_room`."""
         token = next(self._tokens)
         with self._lock:
             handle.in_flight += 1
             if cancel is not None:
                 handle.relays[token] = cancel
+            if tenant is not None:
+                held = handle.tenants.get(tenant.name)
+                handle.tenants[tenant.name] = replace(tenant, requests=(held.requests if held else 0) + 1)
+                handle.relay_tenants[token] = tenant.name
         if cancel is not None:
             self._start_watchdog()
         return token
@@ -616,6 +628,25 @@ class WorkerPool:
             handle.in_flight -= 1
             if token is not None:
                 handle.relays.pop(token, None)
+                name = handle.relay_tenants.pop(token, None)
+                held = handle.tenants.get(name) if name is not None else None
+                if held is not None and held.requests > 1:
+                    handle.tenants[held.name] = replace(held, requests=held.requests - 1)
+                elif held is not None:
+                    del handle.tenants[held.name]
+
+    def has_room(self, handle: WorkerHandle, tenant: Share) -> bool:
+        """Whether ``handle`` can take one more request of ``tenant`` (``requests`` ignored):
+        fewer relays from here in flight than its slots + queue limit (unknown: yes), or, full,
+        another tenant there gives way to it (`loraplane.queue_shares`: a worker with
+        ``--fairness vtc`` then evicts that tenant's newest queued request; one without refuses,
+        RESOURCE_EXHAUSTED as before)."""
+        with self._lock:
+            if handle.capacity is None or handle.in_flight < handle.capacity:
+                return True
+            held = handle.tenants.get(tenant.name)
+            newcomer = replace(tenant, requests=held.requests if held else 0)
+            return any(gives_way(h, newcomer) for name, h in handle.tenants.items() if name != tenant.name)
 
     # -- adapters on workers ------------------------------------------------------------
 

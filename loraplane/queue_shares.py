@@ -37,11 +37,13 @@ class Share:
         requests: its requests there (queued and running; for a newcomer, before the new one).
         weight: its fair share (> 0).
         priority: its class (lower is served first).
+        name: the tenant.
     """
 
     requests: int
     weight: float
     priority: int
+    name: str = ""
 
     @property
     def load(self) -> float:

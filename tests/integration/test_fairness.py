@@ -1,15 +1,20 @@
 """Fair admission in a real worker process (``--fairness vtc``, tiny llama-MoE model): a light
 tenant's request queued behind a heavy tenant's backlog takes the next free slot, and
-``Stats`` reports the tenants' counters."""
+``Stats`` reports the tenants' counters; through a real control plane, a light tenant's
+requests are admitted while a heavy tenant keeps the worker full (per-tenant queue shares)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
 
+from loraplane.clients.client import LoraplaneClient
+from loraplane.clients.errors import LoraplaneError
 from loraplane.v1 import worker_pb2
+from tests.live_servers import start_control_plane, start_worker, wait_until
 from tests.worker_service_helpers import WorkerProcess, gen
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -68,3 +73,58 @@ def test_light_tenant_takes_the_next_free_slot_and_stats_report_the_counters(fix
         assert "tenant 'acme': weight -1.0 must be a finite number > 0" in err.value.details()
     finally:
         w.stop()
+
+
+def test_light_tenant_is_admitted_through_the_control_plane_while_a_heavy_one_fills_the_worker(
+    tmp_path, fixtures_dir, base_model_path
+):
+    """A real control plane and worker (``--slots 2 --queue-limit 2 --fairness vtc``): eight
+    heavy streams re-send as soon as they end or are refused, keeping all four places taken;
+    each of a light tenant's requests (same weight) is still admitted — the control plane lets
+    it through to the full worker, which evicts the heavy tenant's newest queued request (that
+    client gets RESOURCE_EXHAUSTED saying so) — and served, never "every live worker is full"."""
+    cp = start_control_plane(tmp_path / "data", fixtures_dir / "adapters", base_model_path)
+    heavy_threads: list[threading.Thread] = []
+    stop = threading.Event()
+    try:
+        tiny = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"
+        extra = ("--queue-limit", "2", "--fairness", "vtc", "--n-ctx", "256")
+        start_worker(cp, tiny, tmp_path / "worker.log", slots=2, extra_args=extra)
+        admin = LoraplaneClient(cp.addr, timeout=120)
+        _, heavy_key = admin.add_tenant("heavy")
+        _, light_key = admin.add_tenant("light")
+        served: list[int] = []
+        refusals: list[str] = []
+
+        def heavy() -> None:
+            with LoraplaneClient(cp.addr, api_key=heavy_key, timeout=120) as lp:
+                while not stop.is_set():
+                    try:
+                        lp.generate(prompt_tokens=PROMPT, adapters={}, max_tokens=48, ignore_eos=True)
+                        served.append(1)
+                    except LoraplaneError as exc:
+                        assert exc.code == "RESOURCE_EXHAUSTED", exc
+                        refusals.append(exc.message)
+                        time.sleep(0.02)
+
+        heavy_threads = [threading.Thread(target=heavy, daemon=True) for _ in range(8)]
+        for t in heavy_threads:
+            t.start()
+        assert wait_until(lambda: any("every live worker is full" in m for m in refusals), timeout=60), refusals
+        light_outcomes: list[str] = []
+        with LoraplaneClient(cp.addr, api_key=light_key, timeout=120) as light:
+            for _ in range(4):
+                try:
+                    done = light.generate(prompt_tokens=PROMPT, adapters={}, max_tokens=4, ignore_eos=True)
+                    light_outcomes.append(f"served {len(done.token_ids)}")
+                except LoraplaneError as exc:
+                    light_outcomes.append(f"{exc.code}: {exc.message}")
+        assert light_outcomes == ["served 4"] * 4
+        evicted = [m for m in refusals if "this queued request gave its place to a lighter tenant's" in m]
+        assert evicted and "tenant 'heavy' had" in evicted[0], refusals[-5:]
+        assert served, "the heavy tenant kept being served too"
+    finally:
+        stop.set()
+        for t in heavy_threads:
+            t.join(60)
+        cp.stop()

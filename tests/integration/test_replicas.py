@@ -11,10 +11,14 @@ both (``--control-plane A,B``). Tests run in file order; the last one kills A.
   unregistration through B reaches every worker holding the adapter;
 - 2 replicas × 20 concurrent registrations of distinct adapters → 40 distinct ids; the same
   content on both at once → one id;
+- tenant quotas hold across the replicas: a tenant out of tokens through A is refused
+  through B within 1 s; a stream in flight through A counts against max_concurrent on B; a
+  simultaneous burst of 32 requests through both never has more than max_concurrent in flight
+  nor admits more than requests_per_minute (+10 %);
 - ``kill -9`` A during a burst of registrations and generations: every acknowledged
   registration is present, none is half-registered (bytes hash to their sha256), clients
-  given both addresses finish on B, a stream broken by A's death ends with UNAVAILABLE, and
-  the worker keeps serving.
+  given both addresses finish on B, a stream broken by A's death ends with UNAVAILABLE, the
+  worker keeps serving, and the concurrency claim A held is reclaimed after its lease.
 """
 
 from __future__ import annotations
@@ -328,6 +332,70 @@ def test_tenant_max_concurrent_counts_requests_in_flight_on_every_replica(cluste
         via_b.close()
 
 
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals ``(start, end)`` open at one instant."""
+    edges = sorted([(t0, 1) for t0, _ in intervals] + [(t1, -1) for _, t1 in intervals], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def burst(addrs: list[str], key: str, n: int, max_tokens: int) -> tuple[list[tuple[float, float]], list[str]]:
+    """``n`` streams of tenant ``key`` sent at one instant, alternately through ``addrs``:
+    ``(the (first event, end) interval of each admitted one, each refusal's message)``."""
+    clients = [LoraplaneClient(addrs[i % len(addrs)], api_key=key, timeout=120) for i in range(n)]
+    start = threading.Barrier(n)
+    admitted: list[tuple[float, float]] = []
+    refused: list[str] = []
+
+    def one(lp: LoraplaneClient) -> None:
+        lp.list_adapters()  # connected before the barrier: the burst is the requests alone
+        start.wait(30)
+        try:
+            first = None
+            for _ev in lp.generate_stream(PROMPT, adapters={}, max_tokens=max_tokens, ignore_eos=True):
+                first = first or time.monotonic()
+            admitted.append((first or time.monotonic(), time.monotonic()))
+        except LoraplaneError as exc:
+            assert exc.code == "RESOURCE_EXHAUSTED", exc
+            refused.append(exc.message)
+
+    try:
+        with ThreadPoolExecutor(n) as ex:
+            list(ex.map(one, clients))
+    finally:
+        for lp in clients:
+            lp.close()
+    return admitted, refused
+
+
+def test_a_simultaneous_burst_through_both_replicas_never_passes_max_concurrent_or_rpm(cluster):
+    """32 requests of one tenant at the same instant, 16 through each replica: with
+    max_concurrent 2 at most 2 are ever in flight (the intervals between each admitted stream's
+    first event and its end never overlap more), with requests_per_minute 10 at most 11 of 32
+    are admitted (≤ 10 % over). Each admission is decided by the database, not by each
+    replica's view of the others' (which let 2 per replica, 4, and 16 of 32 through)."""
+    _, conc_key = cluster.lp_a.add_tenant("burst-conc", max_concurrent=2)
+    _, rpm_key = cluster.lp_a.add_tenant("burst-rpm", requests_per_minute=10)
+    time.sleep(KEYS_REFRESH_S + 0.5)
+    both = [cluster.a_addr, cluster.b_addr]
+    admitted, refused = burst(both, conc_key, 32, max_tokens=24)
+    assert admitted and len(admitted) + len(refused) == 32
+    assert max_overlap(admitted) <= 2, admitted
+    assert all("requests in flight, max_concurrent 2" in m for m in refused), refused[:3]
+    admitted, refused = burst(both, rpm_key, 32, max_tokens=1)
+    assert 10 <= len(admitted) <= 11, (len(admitted), refused[:3])
+    assert all("over requests_per_minute 10" in m for m in refused), refused[:3]
+
+    def usage(name: str):
+        return next(t.usage for t in cluster.lp_b.list_tenants() if t.name == name)
+
+    assert usage("burst-rpm").requests_total == len(admitted)
+    assert wait_until(lambda: usage("burst-conc").in_flight == 0, timeout=3.0)  # A's rows: its next sync
+
+
 def test_kill_a_during_registrations_and_generations(cluster, tmp_path):
     both = f"{cluster.a_addr},{cluster.b_addr}"
     files = [write_adapter(tmp_path / f"k{i}.gguf", seed=9500 + i) for i in range(12)]
@@ -371,6 +439,14 @@ def test_kill_a_during_registrations_and_generations(cluster, tmp_path):
             except LoraplaneError as exc:
                 stream_outcome["error"] = exc
 
+    # a tenant whose only concurrency claim A holds when it dies: B refuses it until the claim's
+    # lease (5 s, renewed by A's syncs until then) expires, then admits it
+    _, lease_key = cluster.lp_a.add_tenant("lease", max_concurrent=1)
+    time.sleep(KEYS_REFRESH_S + 0.5)
+    lease_a = LoraplaneClient(cluster.a_addr, api_key=lease_key, timeout=120)
+    lease_b = LoraplaneClient(cluster.b_addr, api_key=lease_key, timeout=120)
+    held = lease_a.generate_stream(PROMPT, adapters={}, max_tokens=400, ignore_eos=True)
+    next(held)  # started: A holds the claim
     threads = [threading.Thread(target=f) for f in (register, generate, generate, long_stream_through_a)]
     for t in threads:
         t.start()
@@ -378,6 +454,22 @@ def test_kill_a_during_registrations_and_generations(cluster, tmp_path):
     assert wait_until(lambda: len(acknowledged) >= 3, timeout=120)
     cluster.a.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
+    with pytest.raises(LoraplaneError) as still_held:
+        lease_b.generate(PROMPT, adapters={}, max_tokens=2)
+    assert "1 requests in flight, max_concurrent 1" in still_held.value.message
+
+    def lease_admitted() -> bool:
+        try:
+            return len(lease_b.generate(PROMPT, adapters={}, max_tokens=2).token_ids) == 2
+        except LoraplaneError as exc:
+            assert "max_concurrent 1" in exc.message, exc
+            return False
+
+    assert wait_until(lease_admitted, timeout=15, interval=0.2)
+    reclaimed_s = time.monotonic() - killed_at
+    assert 3.0 < reclaimed_s < 7.0, reclaimed_s  # the lease (5 s) after A's last renewal, plus a sync
+    lease_a.close()
+    lease_b.close()
     threads[3].join(30)
     assert not threads[3].is_alive(), "a stream through the dead replica hung"
     assert stream_outcome["error"].code == "UNAVAILABLE" and time.monotonic() - killed_at < 30
