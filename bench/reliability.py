@@ -14,7 +14,11 @@ loopback sockets:
 - ``input``: requests that can never run: a 4 MB and a 1 MB chat prompt (seconds to the 400),
   a body claiming 300 MB (seconds to the 413, RSS growth of the process in MB);
 - ``pg``: a PostgreSQL outage as the store sees it (its own server; the server stopped, then
-  hung): seconds per failed call, and to the first success once it is back.
+  hung): seconds per failed call, and to the first success once it is back;
+- ``replica_burst``: two control planes on one PostgreSQL, 32 requests of one tenant at one
+  instant through both (`loraplane.bench.replica_burst`, its own cluster per checkout): the
+  most in flight with ``max_concurrent 2``, how many were admitted, and of ``requests_per_minute
+  10`` alone.
 
 Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
 printed with them (the worker inherits this environment). Targets:
@@ -45,6 +49,7 @@ from pathlib import Path
 import grpc
 
 from loraplane.bench.machine import load_avg, machine_info, machine_line
+from loraplane.bench.replica_burst import replica_burst
 from loraplane.bench.servers import free_port
 from loraplane.bench.stats import Figure
 from loraplane.process import cli_module
@@ -337,8 +342,10 @@ SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
     "health": health,
     "input": huge_input,
     "pg": pg_outage,
+    "replica_burst": replica_burst,  # type: ignore[dict-item]  # a checkout, not a Serve (PER_REPO)
 }
 NEEDS_SERVE = ("drop", "vanish", "health", "input")
+PER_REPO = ("replica_burst",)  # start their own servers from each --repo
 
 
 def git_head(repo: Path) -> str:
@@ -373,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(name: str, serve: Serve | None, label: str = "") -> None:
         runs = [SCENARIOS[name](serve) for _ in range(args.reps)]  # type: ignore[arg-type]
         for key in runs[0]:
-            unit = "MB" if key.endswith("_mb") else "s"
+            unit = "MB" if key.endswith("_mb") else "" if key.endswith("_count") else "s"
             fig = Figure.of((r[key] for r in runs), unit)
             results[f"{label}{name}.{key}"] = fig.to_json()
             spread = f"[{fig.min:.3f}–{fig.max:.3f}] (n={fig.n})"
@@ -391,7 +398,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 serve.stop()
     for name in names:
-        if name not in NEEDS_SERVE:
+        if name in PER_REPO:
+            for repo in repos:
+                run(name, repo, f"{repo.name}@{git_head(repo)}: " if len(repos) > 1 else "")  # type: ignore[arg-type]
+        elif name not in NEEDS_SERVE:
             run(name, None)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "results": results}, indent=2) + "\n")
