@@ -324,7 +324,9 @@ FAIRNESS_OPTIONS = [
         default=None,
         help="Admission order across tenants: off = first come, first served (resident "
         "adapters first, bounded bypass); vtc = Virtual Token Counter fair share per tenant, "
-        "weighted, strict priority classes (docs/fairness.md). Default off.",
+        "weighted, strict priority classes, and the queue's places shared between tenants: a "
+        "lighter tenant's request takes a heavier one's newest queued place (docs/fairness.md). "
+        "Default off.",
     ),
     click.option(
         "--fairness-prompt-weight",

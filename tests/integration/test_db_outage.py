@@ -176,7 +176,8 @@ def _outage_probes(
         "grpc Generate(no adapters)": lambda: list(
             cp.stub.Generate(pb.GenerateRequest(text="hi", adapters=pb.AdapterMap()), timeout=30)
         ),
-        # a tenant with quotas: admitted on the last levels (fail-open), no database call
+        # a tenant with quotas: admitted on the last levels (fail-open) once its admission in the
+        # database failed (or the quota sync noticed the outage first)
         "grpc Generate(tenant, no adapters)": lambda: list(
             cp.stub.Generate(
                 pb.GenerateRequest(text="hi", adapters=pb.AdapterMap()),
