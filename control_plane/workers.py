@@ -138,7 +138,9 @@ class WorkerHandle:
     draining_ids: set[int] = field(default_factory=set)
     in_flight: int = 0
     relays: dict[int, Callable[[str], None]] = field(default_factory=dict, repr=False)
-    # the relays in flight by tenant (queue shares, `WorkerPool.has_room`), and each token's tenant
+    # queue shares (`WorkerPool.has_room`): whether it shares its queue between tenants (its
+    # --fairness vtc), its relays in flight by tenant, and each relay token's tenant
+    shares_queue: bool = False
     tenants: dict[str, Share] = field(default_factory=dict, repr=False)
     relay_tenants: dict[int, str] = field(default_factory=dict, repr=False)
     n_ctx: int = 0  # KV tokens per slot (0: not reported)
@@ -326,6 +328,7 @@ class WorkerPool:
             if handle is not old:
                 handle.channel.close()
             raise
+        shares = self._shares_queue(handle)
         restarted = (
             old is not None
             and bool(hello.incarnation)
@@ -339,6 +342,7 @@ class WorkerPool:
             handle.restarts = max((old.restarts if old is not None else 0) + int(restarted), hello.supervisor_restarts)
             handle.incarnation = hello.incarnation
             handle.draining = hello.draining
+            handle.shares_queue = shares
             handle.last_heartbeat = self._clock()
             handle.failed = None
             _note_holdings(handle, hello)
@@ -355,6 +359,15 @@ class WorkerPool:
             again=old is not None,
             restarts=handle.restarts,
         )
+
+    def _shares_queue(self, handle: WorkerHandle) -> bool:
+        """Whether the worker shares its queue between tenants (``--fairness vtc`` in its
+        ``Stats``); False when it cannot say (an older worker, or the call failed)."""
+        try:
+            return handle.stub.Stats(common_pb2.Empty(), timeout=self.timings.connect_timeout_s).fairness == "vtc"
+        except grpc.RpcError as exc:
+            log.info("worker_stats_unavailable", worker_id=handle.worker_id, error=exc.code().name)
+            return False
 
     def _dial(self, hello: control_plane_pb2.WorkerHello) -> grpc.Channel:
         channel = grpc.insecure_channel(hello.addr, options=GRPC_MESSAGE_OPTIONS)
@@ -637,13 +650,15 @@ class WorkerPool:
 
     def has_room(self, handle: WorkerHandle, tenant: Share) -> bool:
         """Whether ``handle`` can take one more request of ``tenant`` (``requests`` ignored):
-        fewer relays from here in flight than its slots + queue limit (unknown: yes), or, full,
-        another tenant there gives way to it (`loraplane.queue_shares`: a worker with
-        ``--fairness vtc`` then evicts that tenant's newest queued request; one without refuses,
-        RESOURCE_EXHAUSTED as before)."""
+        fewer relays from here in flight than its slots + queue limit (unknown: yes), or, full
+        but sharing its queue between tenants (``--fairness vtc``), another tenant there gives
+        way to it (`loraplane.queue_shares`: the worker then evicts that tenant's newest queued
+        request, or refuses if its own count says otherwise)."""
         with self._lock:
             if handle.capacity is None or handle.in_flight < handle.capacity:
                 return True
+            if not handle.shares_queue:
+                return False
             held = handle.tenants.get(tenant.name)
             newcomer = replace(tenant, requests=held.requests if held else 0)
             return any(gives_way(h, newcomer) for name, h in handle.tenants.items() if name != tenant.name)

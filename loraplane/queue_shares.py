@@ -6,8 +6,9 @@ A worker takes ``--slots + --queue-limit`` requests at once. With fair admission
 tenant T when another tenant H *gives way* to it: H's newest queued request is then evicted
 (RESOURCE_EXHAUSTED, HTTP 429 with ``Retry-After``, as a full queue answers) and T's request
 takes its place. The control plane applies the same rule to its own count of what it relayed
-to each worker before it answers "every live worker is full" (`Router`), so a light tenant's
-request reaches the worker's queue instead of being turned away in front of it.
+to each worker that shares its queue before it answers "every live worker is full"
+(`WorkerPool.has_room`), so a light tenant's request reaches the worker's queue instead of
+being turned away in front of it.
 
 A tenant's **load** on a worker is its requests there (queued and running) divided by its
 weight. H gives way to a new request of T (`gives_way`) when H has a request queued (running

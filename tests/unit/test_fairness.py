@@ -448,3 +448,31 @@ def test_give_way_names_the_largest_tenants_newest_queued_request_never_a_better
     # the rule alone: no swap ever makes the split less even, so no ping-pong
     assert gives_way(Share(3, 1.0, 0), Share(1, 1.0, 0)) and not gives_way(Share(2, 1.0, 0), Share(2, 1.0, 0))
     assert gives_way(Share(1, 1.0, 0), Share(0, 4.0, 0)) and not gives_way(Share(0, 1.0, 0), Share(0, 1.0, 0))
+
+
+def test_the_control_plane_tries_a_full_worker_for_a_lighter_tenant_only_if_it_shares_its_queue():
+    """``WorkerPool.has_room`` counts its relays per worker and tenant: a worker at slots + queue
+    limit is still tried for a tenant the rule lets in (the worker then evicts), never for the
+    heavy tenant itself, and never when the worker does not share its queue (--fairness off:
+    "every live worker is full" as before); a relay that ends gives its count back."""
+    from loraplane.control_plane.workers import WorkerHandle, WorkerPool
+    from loraplane.queue_shares import Share
+
+    pool = WorkerPool(None)  # type: ignore[arg-type]  # no registry: membership is not used here
+    w = WorkerHandle("w1", "127.0.0.1:1", "m", "", 2, None, None, 0.0, queue_limit=2)  # type: ignore[arg-type]
+    heavy, light = Share(1, 1.0, 0, "heavy"), Share(1, 1.0, 0, "light")
+    tokens = [pool.begin(w, tenant=heavy) for _ in range(4)]
+    assert w.in_flight == 4 and w.tenants["heavy"].requests == 4
+    assert not pool.has_room(w, light)  # --fairness off (the default until its Stats say vtc)
+    w.shares_queue = True
+    assert pool.has_room(w, light) and not pool.has_room(w, heavy)
+    mine = pool.begin(w, tenant=light)
+    pool.end(w, tokens.pop())  # the heavy request that gave way
+    assert pool.has_room(w, light)  # heavy 3 > light 1 + 1
+    pool.begin(w, tenant=light)
+    pool.end(w, tokens.pop())
+    assert not pool.has_room(w, light) and not pool.has_room(w, heavy)  # 2 : 2
+    assert pool.has_room(w, Share(1, 1.0, -1, "vip"))  # a better class: any load gives way
+    pool.end(w, mine)
+    assert w.tenants["light"].requests == 1 and w.in_flight == 3
+    assert pool.has_room(w, heavy)  # below the capacity: anyone
