@@ -185,7 +185,7 @@ def test_store_migration_adds_source_format(tmp_path):
     conn.close()
     store = open_store(None, tmp_path)
     try:
-        assert store.schema_version == len(MIGRATIONS) == 6
+        assert store.schema_version == len(MIGRATIONS) == 7
         assert store.get(0).source_format == "gguf"
         content = tmp_path / "new.part"
         content.write_bytes(b"gguf bytes")
