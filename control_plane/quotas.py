@@ -404,16 +404,17 @@ class QuotaBook:
             else:
                 self._local.pop(name, None)
             u = self._usage.get(name)
-            if u is not None and record is not None:
-                u.in_flight = max(0, u.in_flight - 1)
+            if record is not None:  # a row: its usage is accounted
                 back = admission.reserved - used if record.tokens_per_minute else 0
-                if u.tokens is not None and back:
-                    u.tokens.take(-back, self.clock())
                 delta = UsageDelta(tokens=-back, tokens_total=used)
+                if u is not None:
+                    u.in_flight = max(0, u.in_flight - 1)
+                    if u.tokens is not None and back:
+                        u.tokens.take(-back, self.clock())
                 if admission.in_store and not self._failing:
                     direct = delta
                 else:
-                    u.unsent.add(delta)
+                    self._usage.setdefault(name, _Usage()).unsent.add(delta)
                     if admission.claim_id is not None:
                         self._unreleased.append(admission.claim_id)
         if direct is not None:
