@@ -33,7 +33,10 @@ priority class), the lookahead window is the first ``ADMIT_LOOKAHEAD`` of the fa
 (within that class), and the same ``MAX_BYPASS`` bound applies to the fair head. Tenants'
 counters are charged when a request is admitted (its prompt) and per sampled token (in
 ``_step_once``: one call per step, O(rows)); ``--fairness off`` (the default) creates no
-tenant state and admission is exactly the FIFO rule above.
+tenant state and admission is exactly the FIFO rule above. With fair admission a full worker
+(``--slots`` + ``--queue-limit``) still takes a request of a lighter tenant: the heaviest
+tenant's newest queued request gives its place (``_make_room``, ``FairQueue.give_way``,
+``loraplane.queue_shares``) and ends with ``QueueFullError`` at the loop's next turn.
 
 Holds, one notion per layer: the scheduler counts *request holds* per adapter id — a request
 queued or running holds its adapters, and so does a request being submitted
