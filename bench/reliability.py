@@ -18,7 +18,7 @@ loopback sockets:
 - ``replica_burst``: two control planes on one PostgreSQL, 32 requests of one tenant at one
   instant through both (`loraplane.bench.replica_burst`, its own cluster per checkout): the
   most in flight with ``max_concurrent 2``, how many were admitted, and of ``requests_per_minute
-  10`` alone.
+  10`` alone and of ``tokens_per_minute`` for 10 requests alone.
 
 Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
 printed with them (the worker inherits this environment). Targets:

@@ -10,7 +10,9 @@ worker registered with both (embedded Gemma 3 270M, ``--slots 4``), all on loopb
   them between their first event and their end at once, as the clients saw it (a lower bound
   of what the replicas held); ``admitted_count``: how many were served;
 - tenant ``rpm`` (``requests_per_minute 10`` only): the same burst of 1-token requests;
-  ``rpm_admitted_count``: how many were served (the limit allows 10; the target is ≤ 11).
+  ``rpm_admitted_count``: how many were served (the limit allows 10; the target is ≤ 11);
+- tenant ``tpm`` (``tokens_per_minute`` 50: 10 requests of a 4-token prompt and 1 token):
+  ``tpm_admitted_count``, likewise.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import cli_module, stop_process
 
 BURST = 32
-PROMPT = "The weather today is"
+PROMPT = [2, 651, 6114, 3124]  # token ids: what tokens_per_minute counts exactly
 SECRET = "bench-replica-burst-secret"
 READY_S = 900.0
 
@@ -61,7 +63,7 @@ def burst(addrs: list[str], key: str, max_tokens: int) -> list[tuple[float, floa
         start.wait(60)
         try:
             first = None
-            for _ev in lp.generate_stream(PROMPT, adapters={}, max_tokens=max_tokens, ignore_eos=True):
+            for _ev in lp.generate_stream(prompt_tokens=PROMPT, adapters={}, max_tokens=max_tokens, ignore_eos=True):
                 first = first or time.monotonic()
             served.append((first or time.monotonic(), time.monotonic()))
         except LoraplaneError as exc:
@@ -111,15 +113,18 @@ def replica_burst(repo: Path) -> dict[str, float]:
                 time.sleep(0.2)
             _, key = admins[0].add_tenant("burst", max_concurrent=2, requests_per_minute=10)
             _, rpm_key = admins[0].add_tenant("rpm", requests_per_minute=10)
+            _, tpm_key = admins[0].add_tenant("tpm", tokens_per_minute=10 * (len(PROMPT) + 1))
             time.sleep(1.5)  # the other replica reloads its key table every second
             served = burst(addrs, key, max_tokens=24)
             rpm_served = burst(addrs, rpm_key, max_tokens=1)
+            tpm_served = burst(addrs, tpm_key, max_tokens=1)
             for lp in admins:
                 lp.close()
             return {
                 "max_in_flight_count": float(max_overlap(served)),
                 "admitted_count": float(len(served)),
                 "rpm_admitted_count": float(len(rpm_served)),
+                "tpm_admitted_count": float(len(tpm_served)),
             }
         finally:
             for p in procs:

@@ -263,6 +263,7 @@ def test_concurrent_registrations_on_two_replicas(cluster, tmp_path):
 
 
 KEYS_REFRESH_S = 1.0  # loraplane.control_plane.tenants.KEYS_REFRESH_S: B learns A's new keys within it
+TOKENS = [2, 651, 6114, 3124]  # a 4-token prompt: what tokens_per_minute counts exactly
 
 
 def test_tenant_over_tokens_per_minute_on_a_is_refused_on_b_within_one_second(cluster):
@@ -355,7 +356,7 @@ def burst(addrs: list[str], key: str, n: int, max_tokens: int) -> tuple[list[tup
         start.wait(30)
         try:
             first = None
-            for _ev in lp.generate_stream(PROMPT, adapters={}, max_tokens=max_tokens, ignore_eos=True):
+            for _ev in lp.generate_stream(prompt_tokens=TOKENS, adapters={}, max_tokens=max_tokens, ignore_eos=True):
                 first = first or time.monotonic()
             admitted.append((first or time.monotonic(), time.monotonic()))
         except LoraplaneError as exc:
@@ -371,14 +372,16 @@ def burst(addrs: list[str], key: str, n: int, max_tokens: int) -> tuple[list[tup
     return admitted, refused
 
 
-def test_a_simultaneous_burst_through_both_replicas_never_passes_max_concurrent_or_rpm(cluster):
+def test_a_simultaneous_burst_through_both_replicas_never_passes_max_concurrent_rpm_or_tpm(cluster):
     """32 requests of one tenant at the same instant, 16 through each replica: with
     max_concurrent 2 at most 2 are ever in flight (the intervals between each admitted stream's
-    first event and its end never overlap more), with requests_per_minute 10 at most 11 of 32
-    are admitted (≤ 10 % over). Each admission is decided by the database, not by each
-    replica's view of the others' (which let 2 per replica, 4, and 16 of 32 through)."""
+    first event and its end never overlap more); with requests_per_minute 10, or with
+    tokens_per_minute for 10 requests, at most 11 of 32 are admitted (≤ 10 % over). Each
+    admission is decided by the database, not by each replica's view of the others' (which let
+    2 per replica, 4, and 16 to 20 of 32 through)."""
     _, conc_key = cluster.lp_a.add_tenant("burst-conc", max_concurrent=2)
     _, rpm_key = cluster.lp_a.add_tenant("burst-rpm", requests_per_minute=10)
+    _, tpm_key = cluster.lp_a.add_tenant("burst-tpm", tokens_per_minute=10 * (len(TOKENS) + 1))
     time.sleep(KEYS_REFRESH_S + 0.5)
     both = [cluster.a_addr, cluster.b_addr]
     admitted, refused = burst(both, conc_key, 32, max_tokens=24)
@@ -388,6 +391,9 @@ def test_a_simultaneous_burst_through_both_replicas_never_passes_max_concurrent_
     admitted, refused = burst(both, rpm_key, 32, max_tokens=1)
     assert 10 <= len(admitted) <= 11, (len(admitted), refused[:3])
     assert all("over requests_per_minute 10" in m for m in refused), refused[:3]
+    admitted, refused = burst(both, tpm_key, 32, max_tokens=1)
+    assert 10 <= len(admitted) <= 11, (len(admitted), refused[:3])
+    assert all("over tokens_per_minute 50 (the request needs 5 tokens" in m for m in refused), refused[:3]
 
     def usage(name: str):
         return next(t.usage for t in cluster.lp_b.list_tenants() if t.name == name)
