@@ -41,7 +41,7 @@ database call: their usage goes with the sync.
 (`SYNC_INTERVAL_S`, 250 ms) renews this replica's claims and deletes the other replicas'
 expired ones, so the claims of a replica that died (``kill -9``, a lost host) stop counting
 within the lease plus one sync; a settle that could not reach the database is retried by the
-next syncs, and the claim lapses by itself meanwhile.
+next syncs (and its claim lapses after the lease if they cannot reach it either).
 
 **The sync** sends, in one transaction, the deltas not written at admission or settling (the
 usage of tenants without limits, and what was decided during an outage: below), this replica's
@@ -55,8 +55,9 @@ the database (and every one after it until a sync succeeds: no 2 s wait per requ
 decided on this replica's copy — the last levels read, refilled by its own clock since, minus
 what it admitted since; ``max_concurrent`` against its own requests in flight plus the others'
 as last read — and its usage is sent with the next successful sync. During an outage each
-replica thus enforces the quota alone (up to N replicas × the quota in total), and generation
-never waits for the database because of quotas. ``loraplane_tenant_quota_sync_failures_total``
+replica thus enforces the quota alone (up to N replicas × the quota in total), and a database
+that hangs costs one request the store's bound (2 s), not every one.
+``loraplane_tenant_quota_sync_failures_total``
 counts the failed syncs, ``loraplane_tenant_quota_sync_age_seconds`` says how old the levels
 are, and ``tenant_quota_sync_failing`` is logged once per outage.
 """
