@@ -176,15 +176,17 @@ class Admission:
         self._lock = threading.Lock()
         self._done = False
 
-    def settle(self, prompt_tokens: int, output_tokens: int) -> None:
+    def settle(self, prompt_tokens: int, output_tokens: int, *, wait: bool = True) -> None:
         """The request ended having used ``prompt_tokens + output_tokens``: give back the rest
         of the reservation (or take what it used beyond it), leave the in-flight count and
-        release its claim (one store call when the store admitted it)."""
+        release its claim — one store call when the store admitted it, or, with ``wait``
+        False (a thread that must not block: the HTTP front's event loop, a gRPC callback),
+        handed to the sync thread, woken at once."""
         with self._lock:
             if self._done:
                 return
             self._done = True
-        self.book._settle(self, int(prompt_tokens), int(output_tokens))
+        self.book._settle(self, int(prompt_tokens), int(output_tokens), wait=wait)
 
 
 class QuotaBook:
@@ -393,7 +395,7 @@ class QuotaBook:
             u.limits = limits
         return u
 
-    def _settle(self, admission: Admission, prompt_tokens: int, output_tokens: int) -> None:
+    def _settle(self, admission: Admission, prompt_tokens: int, output_tokens: int, *, wait: bool = True) -> None:
         name = admission.tenant.name
         used = prompt_tokens + output_tokens
         record = admission.tenant.record
@@ -412,12 +414,14 @@ class QuotaBook:
                     u.in_flight = max(0, u.in_flight - 1)
                     if u.tokens is not None and back:
                         u.tokens.take(-back, self.clock())
-                if admission.in_store and not self._failing:
+                if admission.in_store and wait and not self._failing:
                     direct = delta
                 else:
                     self._usage.setdefault(name, _Usage()).unsent.add(delta)
                     if admission.claim_id is not None:
                         self._unreleased.append(admission.claim_id)
+        if admission.in_store and not wait:
+            self.wake()
         if direct is not None:
             try:
                 self.store.settle_tenant_request(name, admission.claim_id, direct)

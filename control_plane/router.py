@@ -408,13 +408,17 @@ def settled(
 ) -> Iterator[common_pb2.GenerateEvent]:
     """Relay ``events`` unchanged and settle ``admission`` once with the tokens they carried
     (prompt: the worker's ``started`` / finished telemetry; output: one per ``token`` event),
-    when they end or the client goes away, whichever comes first."""
+    when they end or the client goes away, whichever comes first. The end of the events
+    settles on the relaying thread, before the call ends (so the tenant's next request finds
+    its claim released); the client going away settles without blocking the thread that
+    noticed (gRPC's callback, the HTTP front's event loop): the store write goes to the
+    quota sync thread."""
     counts = [0, 0]  # prompt, output
 
-    def settle() -> None:
-        admission.settle(counts[0], counts[1])
+    def settle(wait: bool = True) -> None:
+        admission.settle(counts[0], counts[1], wait=wait)
 
-    if not context.add_callback(settle):
+    if not context.add_callback(lambda: settle(wait=False)):
         settle()
     try:
         for ev in events:

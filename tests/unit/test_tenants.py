@@ -327,7 +327,8 @@ def test_two_books_on_one_database_share_every_limit_at_once_and_fail_open_alone
     tenant the moment A holds its max_concurrent and admits it the moment one of A's requests
     ends, and A's tokens are gone for B with no sync in between; another tenant passes on both.
     With the database unreachable, A decides on its last levels (fail open), keeps its usage
-    and the claim it could not release, and writes both with its first sync after."""
+    and the claim it could not release, and writes both with its first sync after; a settle
+    that must not block (the client gone) is written by the sync too."""
     db = tmp_path / "db.sqlite3"
     store_a, store_b = SqliteStore(db), SqliteStore(db)
     a, b = QuotaBook(store_a, TenantDirectory()), QuotaBook(store_b, TenantDirectory())
@@ -365,7 +366,9 @@ def test_two_books_on_one_database_share_every_limit_at_once_and_fail_open_alone
         states = {s.record.name: s for s in b.sync() or []}
         assert (states["u"].requests_total, states["u"].tokens_total) == (2, 45)
         assert (states["t"].requests_total, states["t"].rejected_total, states["t"].tokens_total) == (4, 2, 90)
-        mine.settle(5, 5)
+        mine.settle(5, 5, wait=False)  # its client gone: a thread that must not block hands it to the sync
+        assert claims_in(db, "t") == (1, 1)
+        b.sync()
         assert claims_in(db, "t") == (0, 0)
     finally:
         store_a.close()
