@@ -265,6 +265,29 @@ def control_plane_options(f: F) -> F:
             help="Largest HTTP request body; larger ones get 413 before they are read (default 16777216 = 16 MiB).",
         ),
         click.option(
+            "--max-tools",
+            type=click.IntRange(min=1),
+            default=None,
+            metavar="N",
+            help="Most entries in a chat request's 'tools' (default 128, as OpenAI's API).",
+        ),
+        click.option(
+            "--grammar-check-processes",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Child processes that compile structured-output formats before routing, so a "
+            "format that crashes the grammar engine costs one child, not the server (default 2).",
+        ),
+        click.option(
+            "--grammar-check-timeout",
+            "grammar_check_timeout_s",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            metavar="SECONDS",
+            help="A structured-output format that takes longer to compile is refused with 400 / "
+            "INVALID_ARGUMENT and its child process killed (default 10).",
+        ),
+        click.option(
             "--http-max-prompt-bytes",
             type=click.IntRange(min=1),
             default=None,
@@ -297,6 +320,9 @@ CP_TUNING = (
     "http_max_body_bytes",
     "http_max_prompt_bytes",
     "api_key",
+    "grammar_check_processes",
+    "grammar_check_timeout_s",
+    "max_tools",
 )
 
 
@@ -344,6 +370,67 @@ FAIRNESS_OPTIONS = [
     ),
 ]
 """Fair admission (``loraplane.worker.serving.fairness``): part of `worker_runtime_options`."""
+
+
+GRAMMAR_LIMIT_OPTIONS = [
+    click.option(
+        "--grammar-max-bytes",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="BYTES",
+        help="Largest structured-output schema / regex / grammar text, and guided_choice list "
+        "(default 262144); larger is refused with 400 / INVALID_ARGUMENT.",
+    ),
+    click.option(
+        "--grammar-max-depth",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="Longest chain of nested schemas through $refs, or of grammar rule references, in a "
+        "structured-output format (default 128).",
+    ),
+    click.option(
+        "--grammar-max-rules",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="Most $defs of a JSON Schema, rules of a Lark or GBNF grammar (default 1024).",
+    ),
+    click.option(
+        "--grammar-max-choices",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="Most strings in a guided_choice list (default 1024).",
+    ),
+]
+"""Bounds on structured output (``loraplane.grammar_limits.GrammarLimits``): the control
+plane's, the worker's (`worker_runtime_options`; ``serve`` gives both the same). The control
+plane's ``--max-tools`` completes them (`control_plane_options`)."""
+
+GRAMMAR_LIMIT_FIELDS = {
+    "grammar_max_bytes": "max_bytes",
+    "grammar_max_depth": "max_depth",
+    "grammar_max_rules": "max_rules",
+    "grammar_max_choices": "max_choices",
+    "max_tools": "max_tools",
+}
+
+
+def grammar_limits_of(values: dict[str, Any]) -> Any:
+    """The ``GrammarLimits`` of the `GRAMMAR_LIMIT_OPTIONS` in ``values`` (removed from it);
+    None when none was given (the config's default)."""
+    from loraplane.grammar_limits import GrammarLimits
+
+    given = {field: values.pop(flag) for flag, field in GRAMMAR_LIMIT_FIELDS.items() if flag in values}
+    given = {k: v for k, v in given.items() if v is not None}
+    return GrammarLimits(**given) if given else None
+
+
+def grammar_limit_options(f: F) -> F:
+    for option in reversed(GRAMMAR_LIMIT_OPTIONS):
+        f = option(f)
+    return f
 
 
 def worker_runtime_options(f: F) -> F:
@@ -440,6 +527,14 @@ def worker_runtime_options(f: F) -> F:
             "the Kubernetes manifests' terminationGracePeriodSeconds of 60).",
         ),
         *FAIRNESS_OPTIONS,
+        *GRAMMAR_LIMIT_OPTIONS,
+        click.option(
+            "--grammar-warmup/--no-grammar-warmup",
+            default=None,
+            help="Build the grammar engine's view of the vocabulary at start-up, before "
+            "registering (default), or at the first structured-output request (several seconds "
+            "of one core; for tests that start many workers).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -467,8 +562,11 @@ def worker_args(
     fairness: str | None = None,
     fairness_prompt_weight: float | None = None,
     fairness_output_weight: float | None = None,
+    grammar_warmup: bool | None = None,
+    **grammar_limits: int | None,
 ) -> tuple[str, ...]:
-    """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
+    """The ``loraplane worker`` arguments for `worker_runtime_options` values
+    (``grammar_limits``: the `GRAMMAR_LIMIT_OPTIONS`, by parameter name)."""
     args = [
         "--slots",
         str(n_slots),
@@ -483,7 +581,7 @@ def worker_args(
         "--device",
         device,
     ]
-    optional = {
+    optional: dict[str, str | int | float | None] = {
         "--model": model_path,
         "--n-ctx": n_ctx_slot,
         "--queue-limit": queue_limit,
@@ -498,9 +596,15 @@ def worker_args(
         "--fairness-prompt-weight": fairness_prompt_weight,
         "--fairness-output-weight": fairness_output_weight,
     }
+    for name, bound in grammar_limits.items():
+        if name not in GRAMMAR_LIMIT_FIELDS:
+            raise TypeError(f"worker_args() got an unexpected keyword argument {name!r}")
+        optional["--" + name.replace("_", "-")] = bound
     for flag, value in optional.items():
         if value is not None:
             args += [flag, str(value)]
+    if grammar_warmup is not None:
+        args.append("--grammar-warmup" if grammar_warmup else "--no-grammar-warmup")
     return tuple(args)
 
 
@@ -581,6 +685,7 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
 @click.command("control-plane", cls=OrderedArgsCommand)
 @click.option("--addr", type=HostPortType(), default="127.0.0.1:50051", show_default=True, help="Address to bind.")
 @control_plane_options
+@grammar_limit_options
 @model_option
 @click.option(
     "--tls-cert",
@@ -629,6 +734,7 @@ def control_plane_cmd(
         raise click.UsageError("--tls-cert and --tls-key go together")
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
     run_control_plane, config_cls = load_control_plane()
+    tuning["grammar_limits"] = grammar_limits_of(tuning)
     config = control_plane_config(
         config_cls,
         addr=addr,
@@ -730,6 +836,8 @@ def worker_cmd(
     fairness: str | None,
     fairness_prompt_weight: float | None,
     fairness_output_weight: float | None,
+    grammar_warmup: bool | None,
+    **grammar: int | None,
 ) -> None:
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM (the first drains, see
     ``--drain-timeout``; a second stops at once)."""
@@ -751,6 +859,8 @@ def worker_cmd(
         "fairness": None if fairness is None else Fairness(fairness),
         "fairness_prompt_weight": fairness_prompt_weight,
         "fairness_output_weight": fairness_output_weight,
+        "grammar_warmup": grammar_warmup,
+        "grammar_limits": grammar_limits_of(dict(grammar)),
     }
     config = make_config(
         WorkerConfig,
@@ -827,6 +937,8 @@ def serve_cmd(
     tuning = {k: options.pop(k) for k in CP_TUNING}
     runtime = options
     tuning["max_lora_rank"] = runtime.get("max_lora_rank")  # one flag for both processes
+    # the worker gets the same bounds (its flags); --max-tools is the control plane's alone
+    tuning["grammar_limits"] = grammar_limits_of({**runtime, "max_tools": tuning.pop("max_tools")})
     tuning["http_n_ctx"] = runtime.get("n_ctx_slot") or worker_default_n_ctx()  # size HTTP prompts for our worker
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
     run_control_plane, config_cls = load_control_plane()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraplane.control_plane.registry import DEFAULT_MAX_UPLOAD_BYTES
+from loraplane.grammar_limits import GrammarLimits
 from loraplane.limits import HTTP_MAX_BODY_BYTES
 
 RESERVED_THREADS = 16
@@ -107,6 +108,11 @@ class ControlPlaneConfig:
             tokens or more get 400 before routing. ``serve`` passes its worker's ``--n-ctx``;
             None: the model's training context (``<arch>.context_length``).
 
+        grammar_limits: bounds on every request's structured-output format and tools
+            (``--grammar-max-*``, ``--max-tools``; `loraplane.grammar_limits`).
+        grammar_check_processes / grammar_check_timeout_s: the child processes formats are
+            compiled in, and how long one may take (`loraplane.control_plane.grammar_check`).
+
     Start-up flags set the default scale of the adapters they name, every start; adapters
     they do not name keep their persisted scale.
     """
@@ -146,6 +152,9 @@ class ControlPlaneConfig:
     http_max_body_bytes: int = HTTP_MAX_BODY_BYTES
     http_max_prompt_bytes: int | None = None
     http_n_ctx: int | None = None
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    grammar_check_processes: int = 2
+    grammar_check_timeout_s: float = 10.0
 
     @property
     def stream_limit(self) -> int:

@@ -44,6 +44,7 @@ from loraplane.control_plane.auth import (
 from loraplane.control_plane.base_model import default_model_path, load_base_model
 from loraplane.control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
 from loraplane.control_plane.errors import DatabaseUnavailableError
+from loraplane.control_plane.grammar_check import GrammarChecker
 from loraplane.control_plane.http.models import served_name
 from loraplane.control_plane.metrics import ControlPlaneMetrics
 from loraplane.control_plane.quotas import QuotaBook
@@ -110,6 +111,7 @@ class ControlPlaneState:
             self.quotas.stop()
         self.replicas.stop()
         self.pool.close()
+        self.router.grammar.close()
         self.store.close()
 
 
@@ -152,7 +154,10 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
     metrics = build_metrics(config, registry, pool)
     quotas = QuotaBook(store, directory, metrics=metrics)
     metrics.quotas = quotas
-    router = Router(registry, pool, tenants=directory, quotas=quotas)
+    grammar = GrammarChecker(
+        config.grammar_limits, processes=config.grammar_check_processes, timeout_s=config.grammar_check_timeout_s
+    )
+    router = Router(registry, pool, tenants=directory, quotas=quotas, grammar=grammar)
     router.observer = metrics
     return ControlPlaneState(
         config,
