@@ -372,6 +372,9 @@ FAIRNESS_OPTIONS = [
 """Fair admission (``loraplane.worker.serving.fairness``): part of `worker_runtime_options`."""
 
 
+ENV_GRAMMAR_WARMUP = "LORAPLANE_GRAMMAR_WARMUP"
+"""``0`` / ``false``: workers skip the grammar warm-up unless ``--grammar-warmup`` is given."""
+
 GRAMMAR_LIMIT_OPTIONS = [
     click.option(
         "--grammar-max-bytes",
@@ -530,10 +533,11 @@ def worker_runtime_options(f: F) -> F:
         *GRAMMAR_LIMIT_OPTIONS,
         click.option(
             "--grammar-warmup/--no-grammar-warmup",
+            envvar=ENV_GRAMMAR_WARMUP,
             default=None,
             help="Build the grammar engine's view of the vocabulary at start-up, before "
             "registering (default), or at the first structured-output request (several seconds "
-            "of one core; for tests that start many workers).",
+            f"of one core; for tests that start many workers; env {ENV_GRAMMAR_WARMUP}=0).",
         ),
     ]
     for option in reversed(options):
