@@ -11,6 +11,7 @@ cap is full."""
 from __future__ import annotations
 
 import json
+import logging
 import select
 import socket
 import time
@@ -232,3 +233,24 @@ def test_health_and_metrics_have_their_own_listener_while_the_api_cap_is_full(st
     finally:
         for s in flood:
             s.close()
+
+
+def test_a_client_gone_before_its_body_is_no_server_error():
+    server = start()
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = errors.append  # type: ignore[method-assign]
+    uvicorn_log = logging.getLogger("uvicorn.error")  # "Exception in ASGI application" goes here
+    uvicorn_log.addHandler(handler)
+    try:
+        for i in range(4):
+            with connect(server.port, f"127.0.0.{2 + i}") as s:
+                s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+                time.sleep(0.05)  # the route is reading the body
+        assert get(server.port, "/ok") == {"ok": True}  # after the event loop went past the four
+        time.sleep(0.2)
+        assert [r.getMessage() for r in errors if r.levelno >= logging.ERROR] == []
+        assert server.guard.open == 0
+    finally:
+        uvicorn_log.removeHandler(handler)
+        server.stop()
