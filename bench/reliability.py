@@ -14,12 +14,16 @@ loopback sockets:
 - ``input``: requests that can never run: a 4 MB and a 1 MB chat prompt (seconds to the 400),
   a body claiming 300 MB (seconds to the 413, RSS growth of the process in MB);
 - ``pg``: a PostgreSQL outage as the store sees it (its own server; the server stopped, then
-  hung): seconds per failed call, and to the first success once it is back.
+  hung): seconds per failed call, and to the first success once it is back;
+- ``idle_flood``: 1100 idle connections to the HTTP API from 127.0.0.2-.9 (more than its
+  default cap of 1024): ``/health`` latency on ``--metrics-addr`` right after, and seconds until
+  the API's ``/health`` answers again.
 
 Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
 printed with them (the worker inherits this environment). Targets:
 new request served < 1 s after the drop; vanished client's request cancelled < 1 s; ``/health``
-< 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB. The worker door
+< 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB; after an idle
+flood, ``/health`` on ``--metrics-addr`` < 1 s and the API back < 5 s. The worker door
 (outsiders, stalled FetchAdapter readers) is measured by ``bench/reliability_fetch.py``.
 
 Run: ``python -m loraplane.bench.reliability [--reps 3] [--model PATH] [--json FILE]``; before vs after in
@@ -331,14 +335,57 @@ def pg_outage(_serve: Serve | None = None, calls: int = 5) -> dict[str, float]:
     return out
 
 
+def flood_health_ok(url: str) -> bool:
+    """One ``GET url`` answered 200 within 2 s (a refused or reset connection: False)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            r.read()
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def idle_flood(serve: Serve, n: int = 1100, addresses: int = 8) -> dict[str, float]:
+    """``n`` idle connections (not a byte sent) to the HTTP API from 127.0.0.2, .3, … (``addresses``
+    of them, round robin: below any per-client cap), more than its default cap of 1024: seconds
+    for ``GET /health`` on ``--metrics-addr`` right after the flood (older checkouts answer
+    there with prometheus-client's server), and seconds from the flood's end until ``GET /health``
+    on the API's port answers again (how long the API stays unavailable)."""
+    host, port = serve.http.removeprefix("http://").rsplit(":", 1)
+    api_health = serve.http + "/health"
+    metrics_health = serve.cp_metrics.rsplit("/", 1)[0] + "/health"
+    socks: list[socket.socket] = []
+    try:
+        for i in range(n):
+            try:
+                src = (f"127.0.0.{2 + i % addresses}", 0)
+                socks.append(socket.create_connection((host, int(port)), timeout=5, source_address=src))
+            except OSError:
+                pass  # the listen backlog full: the flood is as big as it gets
+        flood_end = time.monotonic()
+        t0 = time.monotonic()
+        ok = flood_health_ok(metrics_health)
+        health_s = time.monotonic() - t0 if ok else float("nan")
+        back = wait_until(lambda: flood_health_ok(api_health))
+        return {
+            "metrics_port_health_s": health_s,
+            "api_unavailable_s": time.monotonic() - flood_end if back == back else back,
+        }
+    finally:
+        for s in socks:
+            s.close()
+        wait_until(lambda: flood_health_ok(api_health))
+
+
 SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
     "drop": drop,
     "vanish": vanish,
     "health": health,
     "input": huge_input,
     "pg": pg_outage,
+    "idle_flood": idle_flood,
 }
-NEEDS_SERVE = ("drop", "vanish", "health", "input")
+NEEDS_SERVE = ("drop", "vanish", "health", "input", "idle_flood")
 
 
 def git_head(repo: Path) -> str:

@@ -219,8 +219,38 @@ def control_plane_options(f: F) -> F:
             type=click.IntRange(min=1),
             default=None,
             metavar="N",
-            help="Open HTTP connections; past it a new one is closed at once (default 1024). A "
-            "connection without a complete request head for 30 s is closed.",
+            help="Open HTTP connections; past it a new one is reset at once (default 1024). From "
+            "3/4 of it on, idle connections get --http-head-timeout-busy instead of --http-head-timeout.",
+        ),
+        click.option(
+            "--http-max-connections-per-client",
+            "http_max_connections_per_client",
+            type=click.IntRange(min=0),
+            default=None,
+            metavar="N",
+            help="Open HTTP connections per client address (nginx's limit_conn); past it a new one "
+            "from that address is reset at once (default 256; 0: no limit; behind a proxy, all its "
+            "connections are one client).",
+        ),
+        click.option(
+            "--http-head-timeout",
+            "http_head_timeout_s",
+            type=click.FloatRange(min=0, min_open=True),
+            callback=_positive_seconds,
+            default=None,
+            metavar="SECONDS",
+            help="Close an HTTP connection without a complete request head this long after it "
+            "opened or answered its last request (default 30).",
+        ),
+        click.option(
+            "--http-head-timeout-busy",
+            "http_head_timeout_busy_s",
+            type=click.FloatRange(min=0, min_open=True),
+            callback=_positive_seconds,
+            default=None,
+            metavar="SECONDS",
+            help="--http-head-timeout while the open connections are at 3/4 of --http-max-connections "
+            "or more, for those already open too: an idle flood is shed in seconds (default 2).",
         ),
         click.option(
             "--client-write-timeout",
@@ -236,8 +266,9 @@ def control_plane_options(f: F) -> F:
             type=HostPortType(),
             default=None,
             metavar="HOST:PORT",
-            help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off; the "
-            "HTTP API serves /metrics too).",
+            help="Serve /health and Prometheus /metrics at http://HOST:PORT, with connections "
+            "of their own: probes and scrapers get in while the HTTP API's are full (default: "
+            "off; the HTTP API serves both too).",
         ),
         click.option(
             "--chat-template",
@@ -313,6 +344,9 @@ CP_TUNING = (
     "http_addr",
     "client_write_timeout_s",
     "http_max_connections",
+    "http_max_connections_per_client",
+    "http_head_timeout_s",
+    "http_head_timeout_busy_s",
     "metrics_addr",
     "chat_template",
     "served_model_name",
@@ -324,6 +358,13 @@ CP_TUNING = (
     "grammar_check_timeout_s",
     "max_tools",
 )
+
+
+def _positive_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A duration: a finite number of seconds > 0 (click's FloatRange lets inf and nan through)."""
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise click.BadParameter(f"{value} is not a finite number of seconds > 0", ctx=ctx, param=param)
+    return value
 
 
 def _positive_weight(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:

@@ -91,10 +91,15 @@ class ControlPlaneConfig:
         client_write_timeout_s: seconds a response write (an HTTP response, a gRPC ``Generate``
             event) may wait on a client that reads nothing; past it the client counts as gone
             and its generation is cancelled.
-        http_max_connections: open HTTP connections; past it a new one is closed at once
-            (idle connections and trickled request heads are closed after 30 s).
-        metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP
-            front serves ``/metrics`` too).
+        http_max_connections: open HTTP connections; past it a new one is reset at once.
+        http_max_connections_per_client: open HTTP connections per client address; past it a
+            new one from that address is reset at once (0: no limit).
+        http_head_timeout_s: seconds an HTTP connection may stay open without a complete
+            request head (from its opening or its last response).
+        http_head_timeout_busy_s: the same once the open connections reach 3/4 of
+            ``http_max_connections`` (connections already open included).
+        metrics_addr: host:port of the listener for ``/health`` and the Prometheus ``/metrics``
+            (None: off; the HTTP front serves both too, within its own connection cap).
         chat_template: jinja2 chat template file overriding the model's (None: the GGUF's
             ``tokenizer.chat_template``, else a built-in one for the architecture).
         served_model_name: the base model's name on the HTTP API (None: the GGUF file's stem).
@@ -145,6 +150,9 @@ class ControlPlaneConfig:
     http_addr: str | None = None
     client_write_timeout_s: float = 30.0
     http_max_connections: int = 1024
+    http_max_connections_per_client: int = 256
+    http_head_timeout_s: float = 30.0
+    http_head_timeout_busy_s: float = 2.0
     metrics_addr: str | None = None
     chat_template: str | None = None
     served_model_name: str | None = None
