@@ -17,13 +17,20 @@ loopback sockets:
   hung): seconds per failed call, and to the first success once it is back;
 - ``idle_flood``: 1100 idle connections to the HTTP API from 127.0.0.2-.9 (more than its
   default cap of 1024): ``/health`` latency on ``--metrics-addr`` right after, and seconds until
-  the API's ``/health`` answers again.
+  the API's ``/health`` answers again;
+- ``grammar_bomb``: the structured-output formats that crashed the control plane (chained
+  ``$defs`` / ``$ref``-s / Lark and GBNF rules, 100 000 choices): seconds to the answer, how
+  many were 400s, and whether the server still serves afterwards (run last on its serve);
+- ``cold_burst``: a fresh serve per repetition, 8 constrained + 4 plain requests the moment it
+  is ready: the longest heartbeat age the control plane reports meanwhile (heartbeats every
+  1 s), failed requests, and the burst's and the start-up's seconds.
 
 Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
 printed with them (the worker inherits this environment). Targets:
 new request served < 1 s after the drop; vanished client's request cancelled < 1 s; ``/health``
 < 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB; after an idle
-flood, ``/health`` on ``--metrics-addr`` < 1 s and the API back < 5 s. The worker door
+flood, ``/health`` on ``--metrics-addr`` < 1 s and the API back < 5 s; every grammar bomb a
+400 with the server serving after; a cold burst with no failure and heartbeats < 1 s late. The worker door
 (outsiders, stalled FetchAdapter readers) is measured by ``bench/reliability_fetch.py``.
 
 Run: ``python -m loraplane.bench.reliability [--reps 3] [--model PATH] [--json FILE]``; before vs after in
@@ -33,6 +40,7 @@ one run: ``--repo OLD_CHECKOUT --repo .`` (each serve-based scenario runs agains
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import http.client
 import json
 import os
@@ -40,11 +48,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -377,6 +387,102 @@ def idle_flood(serve: Serve, n: int = 1100, addresses: int = 8) -> dict[str, flo
         wait_until(lambda: flood_health_ok(api_health))
 
 
+def chat_json(serve: Serve, body: dict, timeout_s: float = 300) -> tuple[int, str]:
+    """``POST /v1/chat/completions``: (status, body text); status 0 when no answer came."""
+    req = urllib.request.Request(
+        serve.http + "/v1/chat/completions",
+        data=json.dumps(
+            {"model": serve.model_name, "messages": [{"role": "user", "content": "JSON please"}], **body}
+        ).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def grammar_bomb(serve: Serve) -> dict[str, float]:
+    """The structured-output crash shapes (a 75 KB JSON Schema of 1 000 chained ``$defs``, 5 000
+    chained ``$ref``-s, a Lark grammar of 3 000 chained rules, 5 000 GBNF rules, 100 000
+    ``guided_choice`` strings), one at a time: the median seconds to the answer, how many were
+    400s, and whether the server still serves a plain request afterwards (1) or not (0: the
+    control plane died; an old checkout's serve ends here)."""
+    from tests.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
+
+    bombs: list[dict[str, Any]] = [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": defs_chain(1000)}}},
+        {"guided_json": refs_chain(5000)},
+        {"guided_grammar": lark_chain(3000)},
+        {"guided_grammar": gbnf_chain(5000)},
+        {"guided_choice": [f"choice number {i}" for i in range(100_000)]},
+    ]
+    seconds, refused = [], 0
+    for body in bombs:
+        t0 = time.monotonic()
+        status, _ = chat_json(serve, {**body, "max_tokens": 4}, timeout_s=WAIT_S)
+        seconds.append(time.monotonic() - t0 if status else float("nan"))
+        refused += status == 400
+    status, _ = chat_json(serve, {"max_tokens": 2}, timeout_s=30)
+    finite = sorted(x for x in seconds if x == x)
+    return {
+        "answer_s": finite[len(finite) // 2] if finite else float("nan"),
+        "refused_400_n": float(refused),
+        "serving_after": float(status == 200),
+    }
+
+
+def cold_burst(repo: Path, model: str | None, workdir: Path) -> dict[str, float]:
+    """A fresh ``serve``; the moment it is ready, 8 constrained (each its own JSON Schema) + 4
+    plain chat requests at once while ``ListWorkers`` is polled every 20 ms: the longest
+    heartbeat age seen (heartbeats every 1 s: its lateness is the age beyond 1 s), failed
+    requests, seconds until all answered, and seconds from start to ready."""
+    t_start = time.monotonic()
+    serve = Serve(model, workdir, repo)
+    try:
+        serve.wait_ready()
+        ready_s = time.monotonic() - t_start
+        ages: list[float] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                try:
+                    ws = serve.cp.ListWorkers(common_pb2.Empty(), timeout=5).workers
+                    ages.extend(w.last_heartbeat_age_s for w in ws if w.state != "dead")
+                    if any(w.state == "dead" for w in ws):
+                        ages.append(float("inf"))
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        schemas = [
+            {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]} for i in range(8)
+        ]
+        bodies = [{"guided_json": sc, "max_tokens": 8} for sc in schemas] + [{"max_tokens": 8}] * 4
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            statuses = [status for status, _ in ex.map(lambda b: chat_json(serve, b), bodies)]
+        burst_s = time.monotonic() - t0
+        stop.set()
+        watcher.join()
+        longest = max(ages) if ages else float("nan")
+        return {
+            "heartbeat_max_age_s": longest,
+            "heartbeat_late_s": max(0.0, longest - 1.0),
+            "failed_n": float(sum(st != 200 for st in statuses)),
+            "burst_s": burst_s,
+            "ready_s": ready_s,
+        }
+    finally:
+        serve.stop()
+
+
 SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
     "drop": drop,
     "vanish": vanish,
@@ -384,8 +490,11 @@ SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
     "input": huge_input,
     "pg": pg_outage,
     "idle_flood": idle_flood,
+    "grammar_bomb": grammar_bomb,  # last of those on one serve: an old checkout's dies here
 }
-NEEDS_SERVE = ("drop", "vanish", "health", "input", "idle_flood")
+NEEDS_SERVE = ("drop", "vanish", "health", "input", "idle_flood", "grammar_bomb")
+OWN_SERVE: dict[str, Callable[[Path, str | None, Path], dict[str, float]]] = {"cold_burst": cold_burst}
+"""Scenarios that start a fresh ``serve`` of each checkout per repetition."""
 
 
 def git_head(repo: Path) -> str:
@@ -399,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default=None, help="base model GGUF (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ",".join(SCENARIOS))
+    every = [*SCENARIOS, *OWN_SERVE]
+    ap.add_argument("--scenarios", default=",".join(every), help="comma-separated subset of " + ",".join(every))
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--timeout", type=float, default=WAIT_S, help="seconds one wait may take (then NaN)")
     ap.add_argument(
@@ -417,10 +527,16 @@ def main(argv: list[str] | None = None) -> int:
 
     repos = [Path(r).resolve() for r in (args.repo or [str(ROOT)])]
 
-    def run(name: str, serve: Serve | None, label: str = "") -> None:
-        runs = [SCENARIOS[name](serve) for _ in range(args.reps)]  # type: ignore[arg-type]
+    def run(name: str, serve: Serve | None, label: str = "", repo: Path | None = None) -> None:
+        if name in OWN_SERVE:
+            runs = []
+            for _ in range(args.reps):
+                with tempfile.TemporaryDirectory(prefix="loraplane-bench-reliability-") as tmp:
+                    runs.append(OWN_SERVE[name](repo or ROOT, args.model, Path(tmp)))
+        else:
+            runs = [SCENARIOS[name](serve) for _ in range(args.reps)]  # type: ignore[arg-type]
         for key in runs[0]:
-            unit = "MB" if key.endswith("_mb") else "s"
+            unit = "MB" if key.endswith("_mb") else "" if key.endswith(("_n", "_after")) else "s"
             fig = Figure.of((r[key] for r in runs), unit)
             results[f"{label}{name}.{key}"] = fig.to_json()
             spread = f"[{fig.min:.3f}–{fig.max:.3f}] (n={fig.n})"
@@ -432,13 +548,18 @@ def main(argv: list[str] | None = None) -> int:
             serve = Serve(args.model, Path(tmp), repo)
             try:
                 serve.wait_ready()
-                for name in names:
-                    if name in NEEDS_SERVE:
-                        run(name, serve, label)
+                # grammar_bomb last: an old checkout's control plane does not survive it
+                for name in sorted((n for n in names if n in NEEDS_SERVE), key=lambda n: n == "grammar_bomb"):
+                    run(name, serve, label)
             finally:
                 serve.stop()
+    for repo in repos:
+        label = f"{repo.name}@{git_head(repo)}: " if len(repos) > 1 else ""
+        for name in names:
+            if name in OWN_SERVE:
+                run(name, None, label, repo)
     for name in names:
-        if name not in NEEDS_SERVE:
+        if name not in NEEDS_SERVE and name not in OWN_SERVE:
             run(name, None)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "results": results}, indent=2) + "\n")
