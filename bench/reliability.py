@@ -452,9 +452,8 @@ def cold_burst(repo: Path, model: str | None, workdir: Path) -> dict[str, float]
             while not stop.is_set():
                 try:
                     ws = serve.cp.ListWorkers(common_pb2.Empty(), timeout=5).workers
-                    ages.extend(w.last_heartbeat_age_s for w in ws if w.state != "dead")
-                    if any(w.state == "dead" for w in ws):
-                        ages.append(float("inf"))
+                    live = [w.last_heartbeat_age_s for w in ws if w.state != "dead"]
+                    ages.extend(live or [float("inf")])  # declared dead (or dropped): no heartbeat in time
                 except grpc.RpcError:
                     pass
                 time.sleep(0.02)
