@@ -15,15 +15,26 @@ loopback sockets:
   a body claiming 300 MB (seconds to the 413, RSS growth of the process in MB);
 - ``pg``: a PostgreSQL outage as the store sees it (its own server; the server stopped, then
   hung): seconds per failed call, and to the first success once it is back;
+- ``idle_flood``: 1100 idle connections to the HTTP API from 127.0.0.2-.9 (more than its
+  default cap of 1024): ``/health`` latency on ``--metrics-addr`` right after, and seconds until
+  the API's ``/health`` answers again;
+- ``grammar_bomb``: the structured-output formats that crashed the control plane (chained
+  ``$defs`` / ``$ref``-s / Lark and GBNF rules, 100 000 choices): seconds to the answer, how
+  many were 400s, and whether the server still serves afterwards (run last on its serve);
+- ``cold_burst``: a fresh serve per repetition, 8 constrained + 4 plain requests the moment it
+  is ready: the longest heartbeat age the control plane reports meanwhile (heartbeats every
+  1 s), failed requests, and the burst's and the start-up's seconds.
 - ``replica_burst``: two control planes on one PostgreSQL, 32 requests of one tenant at one
-  instant through both (`loraplane.bench.replica_burst`, its own cluster per checkout): the
-  most in flight with ``max_concurrent 2``, how many were admitted, and of ``requests_per_minute
-  10`` alone and of ``tokens_per_minute`` for 10 requests alone.
+  instant through both (`loraplane.bench.replica_burst`, its own cluster per checkout and
+  repetition): the most in flight with ``max_concurrent 2``, how many were admitted, and of
+  ``requests_per_minute 10`` alone and of ``tokens_per_minute`` for 10 requests alone.
 
 Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
 printed with them (the worker inherits this environment). Targets:
 new request served < 1 s after the drop; vanished client's request cancelled < 1 s; ``/health``
-< 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB. The worker door
+< 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB; after an idle
+flood, ``/health`` on ``--metrics-addr`` < 1 s and the API back < 5 s; every grammar bomb a
+400 with the server serving after; a cold burst with no failure and heartbeats < 1 s late. The worker door
 (outsiders, stalled FetchAdapter readers) is measured by ``bench/reliability_fetch.py``.
 
 Run: ``python -m loraplane.bench.reliability [--reps 3] [--model PATH] [--json FILE]``; before vs after in
@@ -33,6 +44,7 @@ one run: ``--repo OLD_CHECKOUT --repo .`` (each serve-based scenario runs agains
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import http.client
 import json
 import os
@@ -40,11 +52,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -336,16 +350,158 @@ def pg_outage(_serve: Serve | None = None, calls: int = 5) -> dict[str, float]:
     return out
 
 
+def flood_health_ok(url: str) -> bool:
+    """One ``GET url`` answered 200 within 2 s (a refused or reset connection: False)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            r.read()
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def idle_flood(serve: Serve, n: int = 1100, addresses: int = 8) -> dict[str, float]:
+    """``n`` idle connections (not a byte sent) to the HTTP API from 127.0.0.2, .3, … (``addresses``
+    of them, round robin: below any per-client cap), more than its default cap of 1024: seconds
+    for ``GET /health`` on ``--metrics-addr`` right after the flood (older checkouts answer
+    there with prometheus-client's server), and seconds from the flood's end until ``GET /health``
+    on the API's port answers again (how long the API stays unavailable)."""
+    host, port = serve.http.removeprefix("http://").rsplit(":", 1)
+    api_health = serve.http + "/health"
+    metrics_health = serve.cp_metrics.rsplit("/", 1)[0] + "/health"
+    socks: list[socket.socket] = []
+    try:
+        for i in range(n):
+            try:
+                src = (f"127.0.0.{2 + i % addresses}", 0)
+                socks.append(socket.create_connection((host, int(port)), timeout=5, source_address=src))
+            except OSError:
+                pass  # the listen backlog full: the flood is as big as it gets
+        flood_end = time.monotonic()
+        t0 = time.monotonic()
+        ok = flood_health_ok(metrics_health)
+        health_s = time.monotonic() - t0 if ok else float("nan")
+        back = wait_until(lambda: flood_health_ok(api_health))
+        return {
+            "metrics_port_health_s": health_s,
+            "api_unavailable_s": time.monotonic() - flood_end if back == back else back,
+        }
+    finally:
+        for s in socks:
+            s.close()
+        wait_until(lambda: flood_health_ok(api_health))
+
+
+def chat_json(serve: Serve, body: dict, timeout_s: float = 300) -> tuple[int, str]:
+    """``POST /v1/chat/completions``: (status, body text); status 0 when no answer came."""
+    req = urllib.request.Request(
+        serve.http + "/v1/chat/completions",
+        data=json.dumps(
+            {"model": serve.model_name, "messages": [{"role": "user", "content": "JSON please"}], **body}
+        ).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def grammar_bomb(serve: Serve) -> dict[str, float]:
+    """The structured-output crash shapes (a 75 KB JSON Schema of 1 000 chained ``$defs``, 5 000
+    chained ``$ref``-s, a Lark grammar of 3 000 chained rules, 5 000 GBNF rules, 100 000
+    ``guided_choice`` strings), one at a time: the median seconds to the answer, how many were
+    400s, and whether the server still serves a plain request afterwards (1) or not (0: the
+    control plane died; an old checkout's serve ends here)."""
+    from tests.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
+
+    bombs: list[dict[str, Any]] = [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": defs_chain(1000)}}},
+        {"guided_json": refs_chain(5000)},
+        {"guided_grammar": lark_chain(3000)},
+        {"guided_grammar": gbnf_chain(5000)},
+        {"guided_choice": [f"choice number {i}" for i in range(100_000)]},
+    ]
+    seconds, refused = [], 0
+    for body in bombs:
+        t0 = time.monotonic()
+        status, _ = chat_json(serve, {**body, "max_tokens": 4}, timeout_s=WAIT_S)
+        seconds.append(time.monotonic() - t0 if status else float("nan"))
+        refused += status == 400
+    status, _ = chat_json(serve, {"max_tokens": 2}, timeout_s=30)
+    finite = sorted(x for x in seconds if x == x)
+    return {
+        "answer_s": finite[len(finite) // 2] if finite else float("nan"),
+        "refused_400_n": float(refused),
+        "serving_after": float(status == 200),
+    }
+
+
+def cold_burst(repo: Path, model: str | None, workdir: Path) -> dict[str, float]:
+    """A fresh ``serve``; the moment it is ready, 8 constrained (each its own JSON Schema) + 4
+    plain chat requests at once while ``ListWorkers`` is polled every 20 ms: the longest
+    heartbeat age seen (heartbeats every 1 s: its lateness is the age beyond 1 s), failed
+    requests, seconds until all answered, and seconds from start to ready."""
+    t_start = time.monotonic()
+    serve = Serve(model, workdir, repo)
+    try:
+        serve.wait_ready()
+        ready_s = time.monotonic() - t_start
+        ages: list[float] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                try:
+                    ws = serve.cp.ListWorkers(common_pb2.Empty(), timeout=5).workers
+                    live = [w.last_heartbeat_age_s for w in ws if w.state != "dead"]
+                    ages.extend(live or [float("inf")])  # declared dead (or dropped): no heartbeat in time
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        schemas = [
+            {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]} for i in range(8)
+        ]
+        bodies = [{"guided_json": sc, "max_tokens": 8} for sc in schemas] + [{"max_tokens": 8}] * 4
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            statuses = [status for status, _ in ex.map(lambda b: chat_json(serve, b), bodies)]
+        burst_s = time.monotonic() - t0
+        stop.set()
+        watcher.join()
+        longest = max(ages) if ages else float("nan")
+        return {
+            "heartbeat_max_age_s": longest,
+            "heartbeat_late_s": max(0.0, longest - 1.0),
+            "failed_n": float(sum(st != 200 for st in statuses)),
+            "burst_s": burst_s,
+            "ready_s": ready_s,
+        }
+    finally:
+        serve.stop()
+
+
 SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
     "drop": drop,
     "vanish": vanish,
     "health": health,
     "input": huge_input,
     "pg": pg_outage,
-    "replica_burst": replica_burst,  # type: ignore[dict-item]  # a checkout, not a Serve (PER_REPO)
+    "idle_flood": idle_flood,
+    "grammar_bomb": grammar_bomb,  # last of those on one serve: an old checkout's dies here
 }
-NEEDS_SERVE = ("drop", "vanish", "health", "input")
-PER_REPO = ("replica_burst",)  # start their own servers from each --repo
+NEEDS_SERVE = ("drop", "vanish", "health", "input", "idle_flood", "grammar_bomb")
+OWN_SERVE: dict[str, Callable[[Path, str | None, Path], dict[str, float]]] = {
+    "cold_burst": cold_burst,
+    "replica_burst": replica_burst,
+}
+"""Scenarios that start a fresh ``serve`` of each checkout per repetition."""
 
 
 def git_head(repo: Path) -> str:
@@ -359,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default=None, help="base model GGUF (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ",".join(SCENARIOS))
+    every = [*SCENARIOS, *OWN_SERVE]
+    ap.add_argument("--scenarios", default=",".join(every), help="comma-separated subset of " + ",".join(every))
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--timeout", type=float, default=WAIT_S, help="seconds one wait may take (then NaN)")
     ap.add_argument(
@@ -377,10 +534,16 @@ def main(argv: list[str] | None = None) -> int:
 
     repos = [Path(r).resolve() for r in (args.repo or [str(ROOT)])]
 
-    def run(name: str, serve: Serve | None, label: str = "") -> None:
-        runs = [SCENARIOS[name](serve) for _ in range(args.reps)]  # type: ignore[arg-type]
+    def run(name: str, serve: Serve | None, label: str = "", repo: Path | None = None) -> None:
+        if name in OWN_SERVE:
+            runs = []
+            for _ in range(args.reps):
+                with tempfile.TemporaryDirectory(prefix="loraplane-bench-reliability-") as tmp:
+                    runs.append(OWN_SERVE[name](repo or ROOT, args.model, Path(tmp)))
+        else:
+            runs = [SCENARIOS[name](serve) for _ in range(args.reps)]  # type: ignore[arg-type]
         for key in runs[0]:
-            unit = "MB" if key.endswith("_mb") else "" if key.endswith("_count") else "s"
+            unit = "MB" if key.endswith("_mb") else "" if key.endswith(("_n", "_after")) else "s"
             fig = Figure.of((r[key] for r in runs), unit)
             results[f"{label}{name}.{key}"] = fig.to_json()
             spread = f"[{fig.min:.3f}–{fig.max:.3f}] (n={fig.n})"
@@ -392,16 +555,18 @@ def main(argv: list[str] | None = None) -> int:
             serve = Serve(args.model, Path(tmp), repo)
             try:
                 serve.wait_ready()
-                for name in names:
-                    if name in NEEDS_SERVE:
-                        run(name, serve, label)
+                # grammar_bomb last: an old checkout's control plane does not survive it
+                for name in sorted((n for n in names if n in NEEDS_SERVE), key=lambda n: n == "grammar_bomb"):
+                    run(name, serve, label)
             finally:
                 serve.stop()
+    for repo in repos:
+        label = f"{repo.name}@{git_head(repo)}: " if len(repos) > 1 else ""
+        for name in names:
+            if name in OWN_SERVE:
+                run(name, None, label, repo)
     for name in names:
-        if name in PER_REPO:
-            for repo in repos:
-                run(name, repo, f"{repo.name}@{git_head(repo)}: " if len(repos) > 1 else "")  # type: ignore[arg-type]
-        elif name not in NEEDS_SERVE:
+        if name not in NEEDS_SERVE and name not in OWN_SERVE:
             run(name, None)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "results": results}, indent=2) + "\n")

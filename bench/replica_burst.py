@@ -3,16 +3,17 @@ tenant quotas hold when one instant's requests arrive through every replica?
 
 Per call: its own PostgreSQL (``tests/postgres_server.py``: needs the repository checkout), two
 control planes from the checkout under test sharing it (``control-plane --database``), one
-worker registered with both (embedded Gemma 3 270M, ``--slots 4``), all on loopback. Then:
+worker registered with both (the bench's ``--model``, default the embedded Gemma 3 270M;
+``--slots 4``), all on loopback. Then:
 
 - tenant ``burst`` (``max_concurrent 2``, ``requests_per_minute 10``): 32 streams (24 tokens
-  each) released at one instant, 16 through each replica. ``max_in_flight_count``: the most of
+  each) released at one instant, 16 through each replica. ``max_in_flight_n``: the most of
   them between their first event and their end at once, as the clients saw it (a lower bound
-  of what the replicas held); ``admitted_count``: how many were served;
+  of what the replicas held); ``admitted_n``: how many were served;
 - tenant ``rpm`` (``requests_per_minute 10`` only): the same burst of 1-token requests;
-  ``rpm_admitted_count``: how many were served (the limit allows 10; the target is ≤ 11);
+  ``rpm_admitted_n``: how many were served (the limit allows 10; the target is ≤ 11);
 - tenant ``tpm`` (``tokens_per_minute`` 50: 10 requests of a 4-token prompt and 1 token):
-  ``tpm_admitted_count``, likewise.
+  ``tpm_admitted_n``, likewise.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -89,44 +89,45 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
     return most
 
 
-def replica_burst(repo: Path) -> dict[str, float]:
-    """One run of the scenario (module docstring) against the checkout ``repo``."""
+def replica_burst(repo: Path, model: str | None, workdir: Path) -> dict[str, float]:
+    """One run of the scenario (module docstring) against the checkout ``repo``: its servers'
+    files and logs under ``workdir``; ``model``: the worker's base model (None: the embedded
+    one)."""
     from tests.postgres_server import start_postgres
 
     server = start_postgres()
     procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix="loraplane-bench-replica-burst-") as tmp:
-        work = Path(tmp)
-        try:
-            url = server.create_database("burst")
-            addrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-            for i, addr in enumerate(addrs):
-                args = ["control-plane", "--addr", addr, "--database", url, "--data-dir", str(work / f"cp{i}")]
-                procs.append(_spawn(repo, [*args, "--log-level", "warning"], work / f"cp{i}.log"))
-            worker = ["worker", "--control-plane", ",".join(addrs), "--addr", "127.0.0.1:0", "--worker-id", "w-burst"]
-            procs.append(_spawn(repo, [*worker, "--slots", "4", "--device", "cpu"], work / "worker.log"))
-            admins = [LoraplaneClient(a, timeout=120, connect_timeout=READY_S, wait_for_server=True) for a in addrs]
-            deadline = time.monotonic() + READY_S
-            while not all(any(w.alive for w in lp.list_workers()) for lp in admins):
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError(f"the replica burst's cluster did not start; logs in {work}")
-                time.sleep(0.2)
-            _, key = admins[0].add_tenant("burst", max_concurrent=2, requests_per_minute=10)
-            _, rpm_key = admins[0].add_tenant("rpm", requests_per_minute=10)
-            _, tpm_key = admins[0].add_tenant("tpm", tokens_per_minute=10 * (len(PROMPT) + 1))
-            time.sleep(1.5)  # the other replica reloads its key table every second
-            served = burst(addrs, key, max_tokens=24)
-            rpm_served = burst(addrs, rpm_key, max_tokens=1)
-            tpm_served = burst(addrs, tpm_key, max_tokens=1)
-            for lp in admins:
-                lp.close()
-            return {
-                "max_in_flight_count": float(max_overlap(served)),
-                "admitted_count": float(len(served)),
-                "rpm_admitted_count": float(len(rpm_served)),
-                "tpm_admitted_count": float(len(tpm_served)),
-            }
-        finally:
-            for p in procs:
-                stop_process(p, 30)
-            server.stop()
+    try:
+        url = server.create_database("burst")
+        addrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+        for i, addr in enumerate(addrs):
+            args = ["control-plane", "--addr", addr, "--database", url, "--data-dir", str(workdir / f"cp{i}")]
+            procs.append(_spawn(repo, [*args, "--log-level", "warning"], workdir / f"cp{i}.log"))
+        worker = ["worker", "--control-plane", ",".join(addrs), "--addr", "127.0.0.1:0", "--worker-id", "w-burst"]
+        worker += ["--slots", "4", "--device", "cpu", *(["--model", model] if model else [])]
+        procs.append(_spawn(repo, worker, workdir / "worker.log"))
+        admins = [LoraplaneClient(a, timeout=120, connect_timeout=READY_S, wait_for_server=True) for a in addrs]
+        deadline = time.monotonic() + READY_S
+        while not all(any(w.alive for w in lp.list_workers()) for lp in admins):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"the replica burst's cluster did not start; logs in {workdir}")
+            time.sleep(0.2)
+        _, key = admins[0].add_tenant("burst", max_concurrent=2, requests_per_minute=10)
+        _, rpm_key = admins[0].add_tenant("rpm", requests_per_minute=10)
+        _, tpm_key = admins[0].add_tenant("tpm", tokens_per_minute=10 * (len(PROMPT) + 1))
+        time.sleep(1.5)  # the other replica reloads its key table every second
+        served = burst(addrs, key, max_tokens=24)
+        rpm_served = burst(addrs, rpm_key, max_tokens=1)
+        tpm_served = burst(addrs, tpm_key, max_tokens=1)
+        for lp in admins:
+            lp.close()
+        return {
+            "max_in_flight_n": float(max_overlap(served)),
+            "admitted_n": float(len(served)),
+            "rpm_admitted_n": float(len(rpm_served)),
+            "tpm_admitted_n": float(len(tpm_served)),
+        }
+    finally:
+        for p in procs:
+            stop_process(p, 30)
+        server.stop()

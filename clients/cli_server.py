@@ -219,8 +219,38 @@ def control_plane_options(f: F) -> F:
             type=click.IntRange(min=1),
             default=None,
             metavar="N",
-            help="Open HTTP connections; past it a new one is closed at once (default 1024). A "
-            "connection without a complete request head for 30 s is closed.",
+            help="Open HTTP connections; past it a new one is reset at once (default 1024). From "
+            "3/4 of it on, idle connections get --http-head-timeout-busy instead of --http-head-timeout.",
+        ),
+        click.option(
+            "--http-max-connections-per-client",
+            "http_max_connections_per_client",
+            type=click.IntRange(min=0),
+            default=None,
+            metavar="N",
+            help="Open HTTP connections per client address (nginx's limit_conn); past it a new one "
+            "from that address is reset at once (default 256; 0: no limit; behind a proxy, all its "
+            "connections are one client).",
+        ),
+        click.option(
+            "--http-head-timeout",
+            "http_head_timeout_s",
+            type=click.FloatRange(min=0, min_open=True),
+            callback=_positive_seconds,
+            default=None,
+            metavar="SECONDS",
+            help="Close an HTTP connection without a complete request head this long after it "
+            "opened or answered its last request (default 30).",
+        ),
+        click.option(
+            "--http-head-timeout-busy",
+            "http_head_timeout_busy_s",
+            type=click.FloatRange(min=0, min_open=True),
+            callback=_positive_seconds,
+            default=None,
+            metavar="SECONDS",
+            help="--http-head-timeout while the open connections are at 3/4 of --http-max-connections "
+            "or more, for those already open too: an idle flood is shed in seconds (default 2).",
         ),
         click.option(
             "--client-write-timeout",
@@ -236,8 +266,9 @@ def control_plane_options(f: F) -> F:
             type=HostPortType(),
             default=None,
             metavar="HOST:PORT",
-            help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: off; the "
-            "HTTP API serves /metrics too).",
+            help="Serve /health and Prometheus /metrics at http://HOST:PORT, with connections "
+            "of their own: probes and scrapers get in while the HTTP API's are full (default: "
+            "off; the HTTP API serves both too).",
         ),
         click.option(
             "--chat-template",
@@ -265,6 +296,29 @@ def control_plane_options(f: F) -> F:
             help="Largest HTTP request body; larger ones get 413 before they are read (default 16777216 = 16 MiB).",
         ),
         click.option(
+            "--max-tools",
+            type=click.IntRange(min=1),
+            default=None,
+            metavar="N",
+            help="Most entries in a chat request's 'tools' (default 128, as OpenAI's API).",
+        ),
+        click.option(
+            "--grammar-check-processes",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Child processes that compile structured-output formats before routing, so a "
+            "format that crashes the grammar engine costs one child, not the server (default 2).",
+        ),
+        click.option(
+            "--grammar-check-timeout",
+            "grammar_check_timeout_s",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            metavar="SECONDS",
+            help="A structured-output format that takes longer to compile is refused with 400 / "
+            "INVALID_ARGUMENT and its child process killed (default 10).",
+        ),
+        click.option(
             "--http-max-prompt-bytes",
             type=click.IntRange(min=1),
             default=None,
@@ -290,6 +344,9 @@ CP_TUNING = (
     "http_addr",
     "client_write_timeout_s",
     "http_max_connections",
+    "http_max_connections_per_client",
+    "http_head_timeout_s",
+    "http_head_timeout_busy_s",
     "metrics_addr",
     "chat_template",
     "served_model_name",
@@ -297,7 +354,17 @@ CP_TUNING = (
     "http_max_body_bytes",
     "http_max_prompt_bytes",
     "api_key",
+    "grammar_check_processes",
+    "grammar_check_timeout_s",
+    "max_tools",
 )
+
+
+def _positive_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A duration: a finite number of seconds > 0 (click's FloatRange lets inf and nan through)."""
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise click.BadParameter(f"{value} is not a finite number of seconds > 0", ctx=ctx, param=param)
+    return value
 
 
 def _positive_weight(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
@@ -346,6 +413,70 @@ FAIRNESS_OPTIONS = [
     ),
 ]
 """Fair admission (``loraplane.worker.serving.fairness``): part of `worker_runtime_options`."""
+
+
+ENV_GRAMMAR_WARMUP = "LORAPLANE_GRAMMAR_WARMUP"
+"""``0`` / ``false``: workers skip the grammar warm-up unless ``--grammar-warmup`` is given."""
+
+GRAMMAR_LIMIT_OPTIONS = [
+    click.option(
+        "--grammar-max-bytes",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="BYTES",
+        help="Largest structured-output schema / regex / grammar text, and guided_choice list "
+        "(default 262144); larger is refused with 400 / INVALID_ARGUMENT.",
+    ),
+    click.option(
+        "--grammar-max-depth",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="Longest chain of nested schemas through $refs, or of grammar rule references, in a "
+        "structured-output format (default 128).",
+    ),
+    click.option(
+        "--grammar-max-rules",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="Most $defs of a JSON Schema, rules of a Lark or GBNF grammar (default 1024).",
+    ),
+    click.option(
+        "--grammar-max-choices",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="Most strings in a guided_choice list (default 1024).",
+    ),
+]
+"""Bounds on structured output (``loraplane.grammar_limits.GrammarLimits``): the control
+plane's, the worker's (`worker_runtime_options`; ``serve`` gives both the same). The control
+plane's ``--max-tools`` completes them (`control_plane_options`)."""
+
+GRAMMAR_LIMIT_FIELDS = {
+    "grammar_max_bytes": "max_bytes",
+    "grammar_max_depth": "max_depth",
+    "grammar_max_rules": "max_rules",
+    "grammar_max_choices": "max_choices",
+    "max_tools": "max_tools",
+}
+
+
+def grammar_limits_of(values: dict[str, Any]) -> Any:
+    """The ``GrammarLimits`` of the `GRAMMAR_LIMIT_OPTIONS` in ``values`` (removed from it);
+    None when none was given (the config's default)."""
+    from loraplane.grammar_limits import GrammarLimits
+
+    given = {field: values.pop(flag) for flag, field in GRAMMAR_LIMIT_FIELDS.items() if flag in values}
+    given = {k: v for k, v in given.items() if v is not None}
+    return GrammarLimits(**given) if given else None
+
+
+def grammar_limit_options(f: F) -> F:
+    for option in reversed(GRAMMAR_LIMIT_OPTIONS):
+        f = option(f)
+    return f
 
 
 def worker_runtime_options(f: F) -> F:
@@ -442,6 +573,15 @@ def worker_runtime_options(f: F) -> F:
             "the Kubernetes manifests' terminationGracePeriodSeconds of 60).",
         ),
         *FAIRNESS_OPTIONS,
+        *GRAMMAR_LIMIT_OPTIONS,
+        click.option(
+            "--grammar-warmup/--no-grammar-warmup",
+            envvar=ENV_GRAMMAR_WARMUP,
+            default=None,
+            help="Build the grammar engine's view of the vocabulary at start-up, before "
+            "registering (default), or at the first structured-output request (several seconds "
+            f"of one core; for tests that start many workers; env {ENV_GRAMMAR_WARMUP}=0).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -469,8 +609,11 @@ def worker_args(
     fairness: str | None = None,
     fairness_prompt_weight: float | None = None,
     fairness_output_weight: float | None = None,
+    grammar_warmup: bool | None = None,
+    **grammar_limits: int | None,
 ) -> tuple[str, ...]:
-    """The ``loraplane worker`` arguments for `worker_runtime_options` values."""
+    """The ``loraplane worker`` arguments for `worker_runtime_options` values
+    (``grammar_limits``: the `GRAMMAR_LIMIT_OPTIONS`, by parameter name)."""
     args = [
         "--slots",
         str(n_slots),
@@ -485,7 +628,7 @@ def worker_args(
         "--device",
         device,
     ]
-    optional = {
+    optional: dict[str, str | int | float | None] = {
         "--model": model_path,
         "--n-ctx": n_ctx_slot,
         "--queue-limit": queue_limit,
@@ -500,9 +643,15 @@ def worker_args(
         "--fairness-prompt-weight": fairness_prompt_weight,
         "--fairness-output-weight": fairness_output_weight,
     }
+    for name, bound in grammar_limits.items():
+        if name not in GRAMMAR_LIMIT_FIELDS:
+            raise TypeError(f"worker_args() got an unexpected keyword argument {name!r}")
+        optional["--" + name.replace("_", "-")] = bound
     for flag, value in optional.items():
         if value is not None:
             args += [flag, str(value)]
+    if grammar_warmup is not None:
+        args.append("--grammar-warmup" if grammar_warmup else "--no-grammar-warmup")
     return tuple(args)
 
 
@@ -583,6 +732,7 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
 @click.command("control-plane", cls=OrderedArgsCommand)
 @click.option("--addr", type=HostPortType(), default="127.0.0.1:50051", show_default=True, help="Address to bind.")
 @control_plane_options
+@grammar_limit_options
 @model_option
 @click.option(
     "--tls-cert",
@@ -631,6 +781,7 @@ def control_plane_cmd(
         raise click.UsageError("--tls-cert and --tls-key go together")
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
     run_control_plane, config_cls = load_control_plane()
+    tuning["grammar_limits"] = grammar_limits_of(tuning)
     config = control_plane_config(
         config_cls,
         addr=addr,
@@ -732,6 +883,8 @@ def worker_cmd(
     fairness: str | None,
     fairness_prompt_weight: float | None,
     fairness_output_weight: float | None,
+    grammar_warmup: bool | None,
+    **grammar: int | None,
 ) -> None:
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM (the first drains, see
     ``--drain-timeout``; a second stops at once)."""
@@ -753,6 +906,8 @@ def worker_cmd(
         "fairness": None if fairness is None else Fairness(fairness),
         "fairness_prompt_weight": fairness_prompt_weight,
         "fairness_output_weight": fairness_output_weight,
+        "grammar_warmup": grammar_warmup,
+        "grammar_limits": grammar_limits_of(dict(grammar)),
     }
     config = make_config(
         WorkerConfig,
@@ -829,6 +984,8 @@ def serve_cmd(
     tuning = {k: options.pop(k) for k in CP_TUNING}
     runtime = options
     tuning["max_lora_rank"] = runtime.get("max_lora_rank")  # one flag for both processes
+    # the worker gets the same bounds (its flags); --max-tools is the control plane's alone
+    tuning["grammar_limits"] = grammar_limits_of({**runtime, "max_tools": tuning.pop("max_tools")})
     tuning["http_n_ctx"] = runtime.get("n_ctx_slot") or worker_default_n_ctx()  # size HTTP prompts for our worker
     adapters = _startup_adapters_from(ctx, lora, lora_scaled)
     run_control_plane, config_cls = load_control_plane()

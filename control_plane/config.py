@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraplane.control_plane.registry import DEFAULT_MAX_UPLOAD_BYTES
+from loraplane.grammar_limits import GrammarLimits
 from loraplane.limits import HTTP_MAX_BODY_BYTES
 
 RESERVED_THREADS = 16
@@ -90,10 +91,15 @@ class ControlPlaneConfig:
         client_write_timeout_s: seconds a response write (an HTTP response, a gRPC ``Generate``
             event) may wait on a client that reads nothing; past it the client counts as gone
             and its generation is cancelled.
-        http_max_connections: open HTTP connections; past it a new one is closed at once
-            (idle connections and trickled request heads are closed after 30 s).
-        metrics_addr: host:port of the Prometheus ``/metrics`` endpoint (None: off; the HTTP
-            front serves ``/metrics`` too).
+        http_max_connections: open HTTP connections; past it a new one is reset at once.
+        http_max_connections_per_client: open HTTP connections per client address; past it a
+            new one from that address is reset at once (0: no limit).
+        http_head_timeout_s: seconds an HTTP connection may stay open without a complete
+            request head (from its opening or its last response).
+        http_head_timeout_busy_s: the same once the open connections reach 3/4 of
+            ``http_max_connections`` (connections already open included).
+        metrics_addr: host:port of the listener for ``/health`` and the Prometheus ``/metrics``
+            (None: off; the HTTP front serves both too, within its own connection cap).
         chat_template: jinja2 chat template file overriding the model's (None: the GGUF's
             ``tokenizer.chat_template``, else a built-in one for the architecture).
         served_model_name: the base model's name on the HTTP API (None: the GGUF file's stem).
@@ -106,6 +112,11 @@ class ControlPlaneConfig:
         http_n_ctx: the context (tokens) the HTTP front sizes prompts for: prompts of this many
             tokens or more get 400 before routing. ``serve`` passes its worker's ``--n-ctx``;
             None: the model's training context (``<arch>.context_length``).
+
+        grammar_limits: bounds on every request's structured-output format and tools
+            (``--grammar-max-*``, ``--max-tools``; `loraplane.grammar_limits`).
+        grammar_check_processes / grammar_check_timeout_s: the child processes formats are
+            compiled in, and how long one may take (`loraplane.control_plane.grammar_check`).
 
     Start-up flags set the default scale of the adapters they name, every start; adapters
     they do not name keep their persisted scale.
@@ -139,6 +150,9 @@ class ControlPlaneConfig:
     http_addr: str | None = None
     client_write_timeout_s: float = 30.0
     http_max_connections: int = 1024
+    http_max_connections_per_client: int = 256
+    http_head_timeout_s: float = 30.0
+    http_head_timeout_busy_s: float = 2.0
     metrics_addr: str | None = None
     chat_template: str | None = None
     served_model_name: str | None = None
@@ -146,6 +160,9 @@ class ControlPlaneConfig:
     http_max_body_bytes: int = HTTP_MAX_BODY_BYTES
     http_max_prompt_bytes: int | None = None
     http_n_ctx: int | None = None
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    grammar_check_processes: int = 2
+    grammar_check_timeout_s: float = 10.0
 
     @property
     def stream_limit(self) -> int:

@@ -26,6 +26,11 @@ Names (histograms in seconds):
                                                "other" label counts the adapters past the cap
   loraplane_adapter_slot_page_ins_total{adapter}, loraplane_adapter_slot_evictions_total{adapter}
                                                slot page-ins / LRU evictions over all workers
+  loraplane_http_connections_open{listener}, loraplane_http_connections_refused_total{listener,
+  reason}, loraplane_http_head_timeouts_total{listener}
+                                               HTTP connections of the API (listener "http") and
+                                               of --metrics-addr ("metrics"), read at scrape time
+                                               (`loraplane.control_plane.http.connections`)
 ``adapter`` is the adapter id ("none": base model; stacked adapters count once each), capped
 by ``loraplane.metrics.BoundedLabels`` (values past the cap add up under "other").
 

@@ -53,6 +53,7 @@ from loraplane.control_plane.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from loraplane.control_plane.grammar_check import GrammarChecker
 from loraplane.control_plane.quotas import Admission, QuotaBook
 from loraplane.control_plane.registry import AdapterRegistry
 from loraplane.control_plane.resolution import adapter_set_key
@@ -65,7 +66,7 @@ from loraplane.control_plane.tenants import (
 )
 from loraplane.control_plane.workers import WorkerHandle, WorkerPool
 from loraplane.queue_shares import Share
-from loraplane.response_format import GrammarError, ResponseFormat, compile_grammar
+from loraplane.response_format import GrammarError, ResponseFormat
 from loraplane.v1 import common_pb2, worker_pb2
 
 log = structlog.get_logger("loraplane.control_plane.router")
@@ -130,17 +131,18 @@ class _Once:
             fn()
 
 
-def check_response_format(rf: common_pb2.ResponseFormat) -> None:
-    """Compile a request's structured-output format here, before any worker sees it (no
-    vocabulary needed; a JSON schema compiles in about a millisecond).
+def check_response_format(rf: common_pb2.ResponseFormat, grammar: GrammarChecker) -> None:
+    """Compile a request's structured-output format before any worker sees it, in one of
+    ``grammar``'s child processes (its limits first; no vocabulary needed).
 
     Raises:
-        InvalidArgumentError: the schema / regex / grammar does not compile (names the fault).
+        InvalidArgumentError: the schema / regex / grammar is over a limit, does not compile,
+            or crashed the grammar engine in the child (names the fault).
     """
     try:
         fmt = ResponseFormat.from_proto(rf)
         if fmt is not None:
-            compile_grammar(fmt)
+            grammar.check(fmt)
     except GrammarError as exc:
         raise InvalidArgumentError(f"response_format: {exc}") from exc
 
@@ -155,8 +157,11 @@ class Router:
         *,
         tenants: TenantDirectory | None = None,
         quotas: QuotaBook | None = None,
+        grammar: GrammarChecker | None = None,
     ) -> None:
         self.registry = registry
+        # every structured-output format is compiled here first, in child processes
+        self.grammar = grammar or GrammarChecker()
         self.pool = pool
         self.tenants = tenants or TenantDirectory()  # no rows: every tenant unlimited
         self.quotas = quotas  # None: no quotas, no per-tenant counts
@@ -184,7 +189,7 @@ class Router:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         if request.sampling.HasField("response_format"):
-            check_response_format(request.sampling.response_format)
+            check_response_format(request.sampling.response_format, self.grammar)
         asked = request_map_or_none(request, lambda name: self.registry.lookup(name))
         vector = self.registry.resolve(asked)
         tenant = self.tenants.resolve(

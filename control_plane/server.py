@@ -44,6 +44,7 @@ from loraplane.control_plane.auth import (
 from loraplane.control_plane.base_model import default_model_path, load_base_model
 from loraplane.control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
 from loraplane.control_plane.errors import DatabaseUnavailableError
+from loraplane.control_plane.grammar_check import GrammarChecker
 from loraplane.control_plane.http.models import served_name
 from loraplane.control_plane.metrics import ControlPlaneMetrics
 from loraplane.control_plane.quotas import QuotaBook
@@ -77,6 +78,8 @@ log = structlog.get_logger("loraplane.control_plane.server")
 CONTROL_PLANE_SERVICE = control_plane_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 GENERATE_METHOD = f"/{CONTROL_PLANE_SERVICE}/Generate"
 MEMBERSHIP_SERVICE = membership_pb2.DESCRIPTOR.services_by_name["WorkerMembership"].full_name
+METRICS_MAX_CONNECTIONS = 64
+"""Open connections of the ``--metrics-addr`` listener: probes and scrapers, a handful each."""
 
 
 @dataclass
@@ -95,7 +98,7 @@ class ControlPlaneState:
     tenant_admin: TenantAdmin | None = None
     http: Any = None  # loraplane.control_plane.http.server.HttpServer when --http-addr is set
     http_port: int = 0
-    metrics_server: Any = None  # prometheus-client's server when --metrics-addr is set
+    metrics_server: Any = None  # the /health + /metrics HttpServer when --metrics-addr is set
     metrics_port: int = 0
     fetch_watchdog: StallWatchdog | None = None  # cuts off stalled FetchAdapter readers
 
@@ -105,11 +108,12 @@ class ControlPlaneState:
         if self.http is not None:
             self.http.stop()
         if self.metrics_server is not None:
-            self.metrics_server.shutdown()
+            self.metrics_server.stop()
         if self.quotas is not None:
             self.quotas.stop()
         self.replicas.stop()
         self.pool.close()
+        self.router.grammar.close()
         self.store.close()
 
 
@@ -152,7 +156,10 @@ def build_state(config: ControlPlaneConfig) -> ControlPlaneState:
     metrics = build_metrics(config, registry, pool)
     quotas = QuotaBook(store, directory, metrics=metrics)
     metrics.quotas = quotas
-    router = Router(registry, pool, tenants=directory, quotas=quotas)
+    grammar = GrammarChecker(
+        config.grammar_limits, processes=config.grammar_check_processes, timeout_s=config.grammar_check_timeout_s
+    )
+    router = Router(registry, pool, tenants=directory, quotas=quotas, grammar=grammar)
     router.observer = metrics
     return ControlPlaneState(
         config,
@@ -209,24 +216,46 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
 
 
 def start_side_servers(state: ControlPlaneState) -> None:
-    """The HTTP front (``http_addr``) and the metrics endpoint (``metrics_addr``), when set.
+    """The metrics listener (``metrics_addr``: ``/health`` and ``/metrics``, its own connections)
+    and the HTTP front (``http_addr``), when set; their connection counts go to the metrics.
 
     Raises:
         OSError: an address cannot be bound; RuntimeError: uvicorn did not start.
     """
-    config = state.config
-    if config.metrics_addr and state.metrics is not None:
-        from loraplane.metrics import start_metrics_server
+    from loraplane.control_plane.http.connections import ConnectionCollector, ConnectionGuard
+    from loraplane.control_plane.http.server import HttpServer
 
-        state.metrics_server, state.metrics_port = start_metrics_server(config.metrics_addr, state.metrics.registry)
+    config = state.config
+    guards: list[ConnectionGuard] = []
+    if state.metrics is not None:
+        state.metrics.registry.register(ConnectionCollector(guards))
+    if config.metrics_addr and state.metrics is not None:
+        from loraplane.control_plane.http.health import health_app
+
+        state.metrics_server = HttpServer(
+            health_app(state.metrics.exposition),
+            config.metrics_addr,
+            listener="metrics",
+            max_connections=METRICS_MAX_CONNECTIONS,
+            max_connections_per_client=0,
+            head_timeout_s=config.http_head_timeout_s,
+            head_timeout_busy_s=config.http_head_timeout_busy_s,
+        )
+        guards.append(state.metrics_server.guard)
+        state.metrics_port = state.metrics_server.start()
         log.info("metrics_serving", addr=config.metrics_addr, port=state.metrics_port)
     if config.http_addr:
         from loraplane.control_plane.http.app import create_app
-        from loraplane.control_plane.http.server import HttpServer
 
         state.http = HttpServer(
-            create_app(http_deps(state)), config.http_addr, max_connections=config.http_max_connections
+            create_app(http_deps(state)),
+            config.http_addr,
+            max_connections=config.http_max_connections,
+            max_connections_per_client=config.http_max_connections_per_client,
+            head_timeout_s=config.http_head_timeout_s,
+            head_timeout_busy_s=config.http_head_timeout_busy_s,
         )
+        guards.append(state.http.guard)
         state.http_port = state.http.start()
         log.info("http_serving", addr=config.http_addr, port=state.http_port)
 

@@ -11,6 +11,19 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
+from loraplane.grammar_limits import (
+    GrammarError,
+    GrammarLimits,
+    check_gbnf,
+    check_lark,
+    check_schema,
+    check_text,
+)
+
+log = structlog.get_logger("loraplane.response_format")
+
 KINDS = ("json_object", "json_schema", "regex", "grammar")
 
 # The JSON compiler's options (llguidance ``JsonCompileOptions``): compact JSON (no whitespace
@@ -30,10 +43,6 @@ def close_objects(node: Any) -> Any:
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
-
-
-class GrammarError(ValueError):
-    """A response format that does not compile (names the format and the engine's message)."""
 
 
 @dataclass(frozen=True)
@@ -74,14 +83,42 @@ class ResponseFormat:
 _PROTO_TYPES = {1: "json_object", 2: "json_schema", 3: "regex", 4: "grammar"}
 
 
+ENGINE_MESSAGE_CHARS = 512
+"""Characters of the grammar engine's message a client sees (the rest is logged)."""
+
+
 def one_line(msg: str) -> str:
-    """The engine's multi-line message (with its caret drawing) on one line."""
-    return " ".join(part.strip() for part in msg.splitlines() if part.strip())
+    """The engine's message as a client sees it: on one line (its caret drawing folded), cut to
+    `ENGINE_MESSAGE_CHARS`, without the parser state and grammar dump it appends to matcher
+    errors (``<state>…``, ``<grammar>…``), and never a panic message or backtrace from the
+    engine's internals (replaced by a plain sentence; the original is logged once)."""
+    if "panicked at" in msg or "stack backtrace" in msg or "RUST_BACKTRACE" in msg:
+        log.warning("grammar_engine_panic", message=msg[:4096])
+        return "the grammar engine failed on this format (an internal error; see the server log)"
+    for marker in ("<state>", "<grammar>"):
+        cut = msg.find(marker)
+        if cut >= 0:
+            msg = msg[:cut]
+    text = " ".join(part.strip() for part in msg.splitlines() if part.strip())
+    if len(text) > ENGINE_MESSAGE_CHARS:
+        text = text[: ENGINE_MESSAGE_CHARS - 1] + "…"
+    return text
+
+
+def engine_limits() -> Any:
+    """The ``llguidance.LLParserLimits`` every validation and matcher uses: the engine's
+    defaults, but without ``verbose_errors`` (the parser state and the whole grammar in every
+    message: a 1 MB ``guided_choice`` list came back in its 400)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 def _schema_obj(text: str, what: str) -> dict[str, Any]:
     try:
         obj = json.loads(text)
+    except RecursionError:
+        raise GrammarError(f"{what}: the JSON is nested too deeply") from None
     except json.JSONDecodeError as exc:
         raise GrammarError(f"{what}: not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
@@ -89,47 +126,61 @@ def _schema_obj(text: str, what: str) -> dict[str, Any]:
     return obj
 
 
-def json_schema_grammar(schema: dict[str, Any] | str, *, strict: bool = False) -> str:
+def json_schema_grammar(
+    schema: dict[str, Any] | str, *, strict: bool = False, limits: GrammarLimits | None = None
+) -> str:
     """The llguidance grammar (JSON text) of a JSON Schema: what tool-call constraints use too.
 
     Args:
         schema: the schema as a dict or JSON text.
         strict: OpenAI ``strict``: no properties beyond the listed ones in any object.
+        limits: bounds checked before the engine sees the schema (default `GrammarLimits()`).
 
     Raises:
-        GrammarError: the text is not JSON, not an object, or the engine rejects the schema.
+        GrammarError: the text is not JSON, not an object, over a limit (`LimitError`), or the
+            engine rejects the schema.
     """
     import llguidance
 
-    obj = _schema_obj(schema, "json_schema") if isinstance(schema, str) else dict(schema)
+    limits = limits or GrammarLimits()
+    if isinstance(schema, str):
+        check_text("json_schema", schema, limits)
+        obj = _schema_obj(schema, "json_schema")
+    else:
+        obj = dict(schema)
+    check_schema("json_schema", obj, limits)
     if strict:
         obj = close_objects(obj)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(obj, defaults=_JSON_DEFAULTS)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise GrammarError(f"json_schema: {exc}") from exc
+        raise GrammarError(f"json_schema: {one_line(str(exc))}") from exc
 
 
-def compile_grammar(fmt: ResponseFormat) -> str:
+def compile_grammar(fmt: ResponseFormat, limits: GrammarLimits | None = None) -> str:
     """The llguidance grammar text for ``fmt``, validated without a vocabulary (cheap enough for
-    the control plane: no tokenizer needed).
+    the control plane: no tokenizer needed). ``limits`` (default `GrammarLimits()`) are checked
+    in Python before any engine code runs (`loraplane.grammar_limits`).
 
     Raises:
-        GrammarError: unknown type, empty text, a schema / regex / grammar the engine rejects
-            (the message names the type and carries the engine's reason).
+        GrammarError: unknown type, empty text, over a limit (`LimitError`, naming it and its
+            flag), a schema / regex / grammar the engine rejects (the message names the type and
+            carries the engine's reason).
     """
     import llguidance
 
+    limits = limits or GrammarLimits()
     t = fmt.type
     if t == "json_object":
         g = json_schema_grammar({"type": "object"})
     elif t == "json_schema":
         if not fmt.schema.strip():
             raise GrammarError("json_schema: the schema is empty")
-        g = json_schema_grammar(fmt.schema, strict=fmt.strict)
+        g = json_schema_grammar(fmt.schema, strict=fmt.strict, limits=limits)
     elif t == "regex":
         if not fmt.pattern:
             raise GrammarError("regex: the pattern is empty")
+        check_text("regex", fmt.pattern, limits)
         g = llguidance.LLMatcher.grammar_from_regex(fmt.pattern)
     elif t == "grammar":
         text = fmt.grammar
@@ -138,14 +189,26 @@ def compile_grammar(fmt: ResponseFormat) -> str:
         if "::=" in text:  # llama.cpp GBNF
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
+            check_gbnf("grammar", text, limits)
             try:
                 text = gbnf_to_lark(text)
+            except RecursionError:
+                raise GrammarError("grammar: GBNF nested too deeply to convert to Lark") from None
             except Exception as exc:  # the converter raises plain exceptions on bad GBNF
-                raise GrammarError(f"grammar: GBNF does not convert to Lark: {exc}") from exc
+                raise GrammarError(f"grammar: GBNF does not convert to Lark: {one_line(str(exc))}") from exc
+        check_lark("grammar", text, limits, sized="::=" not in fmt.grammar)
         g = llguidance.LLMatcher.grammar_from_lark(text)
     else:
         raise GrammarError(f"response format type {t!r} is not supported (supported: {', '.join(KINDS)})")
-    bad, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(g, None)
+    bad, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(g, None, limits=engine_limits())
     if bad:
         raise GrammarError(f"{t}: {one_line(msgs[0] if msgs else 'invalid')}")
     return g
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The Lark grammar matching exactly one of ``choices`` (vLLM ``guided_choice``): one
+    terminal whose alternatives are the strings, so the engine's lexer matches them (one
+    automaton) instead of its parser tracking one item per alternative (it refuses rows of more
+    than 2 000 items, and a 100 000-item row cost minutes)."""
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Workers the tests start skip the grammar warm-up (seconds of a core each, at every start);
+# the tests of the warm-up itself pass --grammar-warmup.
+os.environ.setdefault("LORAPLANE_GRAMMAR_WARMUP", "0")
 
 
 @pytest.fixture(scope="session")

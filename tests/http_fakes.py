@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplane.control_plane.errors import ControlPlaneError, NotFoundError
+from loraplane.control_plane.grammar_check import InlineChecker
 from loraplane.v1 import common_pb2
 
 # ---- GenerateEvent builders -------------------------------------------------------------------
@@ -144,6 +145,7 @@ class FakeRouter:
         self.requests: list[common_pb2.GenerateRequest] = []
         self.principals: list[str | None] = []
         self.cancelled = 0
+        self.grammar = InlineChecker()  # formats compiled in the test process (the router's is a pool)
 
     def generate(
         self, request: common_pb2.GenerateRequest, context: Any, *, principal: str | None = None

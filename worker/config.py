@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+
+from loraplane.grammar_limits import GrammarLimits
 
 
 class Batching(str, Enum):
@@ -83,6 +85,12 @@ class WorkerConfig:
             token / per generated token (``--fairness-prompt-weight`` 1,
             ``--fairness-output-weight`` 2: the paper's evaluation); finite and > 0, checked
             when the scheduler is made (ValueError).
+        grammar_limits: bounds on a request's structured-output format, checked before the
+            grammar engine sees it (``--grammar-max-*``; the control plane holds every request to
+            the same bounds first: `loraplane.grammar_limits`).
+        grammar_warmup: build the grammar engine's view of the vocabulary at start-up, before
+            registering (``--no-grammar-warmup``: at the first constrained request instead;
+            `loraplane.worker.runtime.grammar.grammar_tokenizer`).
     """
 
     addr: str = "127.0.0.1:0"
@@ -118,3 +126,5 @@ class WorkerConfig:
     fairness: Fairness = Fairness.OFF
     fairness_prompt_weight: float = 1.0
     fairness_output_weight: float = 2.0
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    grammar_warmup: bool = True

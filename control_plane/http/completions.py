@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from loraplane.control_plane.grammar_check import GrammarChecker
 from loraplane.control_plane.http.chat_template import RENDER_MAX_CHARS, ChatTemplate, ChatTemplateError
 from loraplane.control_plane.http.deps import HttpDeps
 from loraplane.control_plane.http.errors import OpenAIError
@@ -84,10 +85,11 @@ class SamplingArgs(TypedDict):
     response_format: common_pb2.ResponseFormat | None
 
 
-def sampling_of(body: SamplingFields) -> SamplingArgs:
+def sampling_of(body: SamplingFields, checker: GrammarChecker) -> SamplingArgs:
     """The sampling keywords of `generation.build_request` both endpoints share, with
     OpenAI's / vLLM's defaults for omitted fields (``temperature`` 1, ``top_p`` 1, ``top_k`` 0
-    or -1 = off, ``min_p`` 0, penalties off: presence / frequency 0, repetition 1)."""
+    or -1 = off, ``min_p`` 0, penalties off: presence / frequency 0, repetition 1); the
+    structured-output format compiled by ``checker`` (the router's)."""
     return SamplingArgs(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=body.top_p or 1.0,
@@ -100,7 +102,7 @@ def sampling_of(body: SamplingFields) -> SamplingArgs:
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         prompt_logprobs=body.prompt_logprobs is not None,
-        response_format=response_format_of(body),
+        response_format=response_format_of(body, checker),
     )
 
 
@@ -345,7 +347,7 @@ def completions_router(deps: HttpDeps) -> APIRouter:
             adapters=adapters,
             max_tokens=body.max_tokens or COMPLETION_MAX_TOKENS_DEFAULT,
             logprobs=body.logprobs or 0,
-            **sampling_of(body),
+            **sampling_of(body, deps.router.grammar),
         )
         return respond(deps, request, body, chat=False, logprobs=body.logprobs, principal=deps.principal(authorization))
 
@@ -358,9 +360,12 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         body = parse_body(raw, ChatCompletionRequest)
         body.check()
         template = chat_template_of(deps)
-        tools = check_tools(body.tools, body.tool_choice, template)
-        sampling = sampling_of(body)
-        forced = forced_call_of(body.tools, body.tool_choice, response_format=sampling["response_format"] is not None)
+        grammar = deps.router.grammar
+        tools = check_tools(body.tools, body.tool_choice, template, max_tools=grammar.limits.max_tools)
+        sampling = sampling_of(body, grammar)
+        forced = forced_call_of(
+            body.tools, body.tool_choice, grammar, response_format=sampling["response_format"] is not None
+        )
         if forced is not None:
             sampling["response_format"] = forced.response_format()
         adapters = adapters_for(body, deps)

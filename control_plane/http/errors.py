@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from loraplane.control_plane.errors import (
     AlreadyExistsError,
@@ -57,6 +58,8 @@ RATE_LIMIT_CODE = "rate_limit_exceeded"
 """OpenAI's ``code`` of a 429 for a caller over its rate limits (the official client raises
 ``RateLimitError`` for the status)."""
 """``Retry-After`` of a 503 whose error names no ``retry_after_s`` of its own."""
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a request whose client closed the connection first (never sent)."""
 # A worker's status code (relayed by the router as WorkerRequestError) → HTTP status.
 GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -206,6 +209,14 @@ async def _http_error_response(request: Request, exc: Exception) -> Response:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
+async def _client_gone_response(request: Request, _exc: Exception) -> Response:
+    # The client closed its connection before its request body was in: nobody reads an answer
+    # (uvicorn drops it), and it is no server error: counted as a 500 with a traceback, a flood
+    # of half-sent bodies, then closed, would write two tracebacks per connection to the logs.
+    log.debug("http_client_gone", method=request.method, path=request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST, headers={"connection": "close"})
+
+
 async def _unexpected_error_response(request: Request, exc: Exception) -> JSONResponse:
     log.error(
         "http_unhandled_error",
@@ -220,10 +231,12 @@ async def _unexpected_error_response(request: Request, exc: Exception) -> JSONRe
 
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error in OpenAI's JSON: `OpenAIError`, domain errors (`from_control_plane`),
-    request validation (400), Starlette's HTTP errors (404 unknown route, 405 wrong method), and
-    any other exception (500, logged)."""
+    request validation (400), Starlette's HTTP errors (404 unknown route, 405 wrong method), a
+    client gone before its body was in (no answer, no error logged), and any other exception
+    (500, logged)."""
     app.exception_handler(OpenAIError)(_openai_error_response)
     app.exception_handler(ControlPlaneError)(_control_plane_error_response)
     app.exception_handler(RequestValidationError)(_validation_error_response)
     app.exception_handler(StarletteHTTPException)(_http_error_response)
+    app.exception_handler(ClientDisconnect)(_client_gone_response)
     app.exception_handler(Exception)(_unexpected_error_response)

@@ -1,6 +1,7 @@
 """uvicorn on its own thread, beside the gRPC server.
 
-Threading: uvicorn's event loop runs on one daemon thread (``loraplane-http``); the
+Threading: uvicorn's event loop runs on one daemon thread (``loraplane-http``; the listener for
+``/health`` and ``/metrics`` on ``--metrics-addr`` has its own, ``loraplane-metrics``); the
 generation routes are sync functions that FastAPI runs on anyio's worker threads (40 by
 default), where they block on ``Router.generate`` like the gRPC handlers do on gRPC's pool.
 The listening socket is bound here, in the caller's thread, before the loop starts, so a busy
@@ -10,106 +11,55 @@ handlers off the main thread; ``stop()`` asks it to exit and joins.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
 
-import structlog
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from loraplane.control_plane.http.connections import (
+    HEAD_TIMEOUT_BUSY_S,
+    HEAD_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_CLIENT,
+    ConnectionGuard,
+    guarded_protocol,
+)
 from loraplane.metrics import split_host_port
-
-log = structlog.get_logger("loraplane.control_plane.http.server")
-
-HEAD_TIMEOUT_S = 30.0
-"""Seconds a connection may stay open without a complete request head: from its opening, or
-from its previous response (uvicorn's keep-alive timer closes idle connections only after a
-first response, and not one that trickles bytes)."""
-MAX_CONNECTIONS = 1024
-"""Default open HTTP connections (``--http-max-connections``); past it new ones are closed at
-once, before they cost a file descriptor for long."""
-
-
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with two guards against connections that hold resources without
-    asking for anything (idle sockets, headers trickled a byte at a time):
-
-    * a head deadline (`head_timeout_s`): a connection with no request in progress that has
-      not completed a request head within the deadline of opening (or of its last response)
-      is closed;
-    * a connection cap (`max_connections`): a connection opened while the server holds that
-      many is closed at once (counted, logged at most once per second).
-
-    Class attributes are set per server by `guarded_protocol`.
-    """
-
-    head_timeout_s: float = HEAD_TIMEOUT_S
-    max_connections: int = MAX_CONNECTIONS
-    _refused_logged_at = 0.0
-    refused = 0
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._head_deadline: asyncio.TimerHandle | None = None
-        if len(self.connections) > self.max_connections:
-            cls = type(self)
-            cls.refused += 1
-            now = time.monotonic()
-            if now - cls._refused_logged_at > 1.0:
-                cls._refused_logged_at = now
-                log.warning("http_connection_refused", open=len(self.connections), limit=self.max_connections)
-            transport.abort()
-            return
-        self._arm_head_deadline()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_head_deadline()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        deadline = getattr(self, "_head_deadline", None)
-        if deadline is not None:
-            deadline.cancel()
-        super().connection_lost(exc)
-
-    def _arm_head_deadline(self) -> None:
-        if getattr(self, "_head_deadline", None) is not None:
-            self._head_deadline.cancel()  # type: ignore[union-attr]
-        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_deadline_passed, self.cycle)
-
-    def _head_deadline_passed(self, cycle) -> None:
-        self._head_deadline = None
-        idle = self.cycle is cycle and (cycle is None or cycle.response_complete)
-        if idle and not self.transport.is_closing():
-            self.transport.close()
-
-
-def guarded_protocol(head_timeout_s: float, max_connections: int) -> type[GuardedH11Protocol]:
-    """A `GuardedH11Protocol` class with these limits (each server its own)."""
-    return type(
-        "GuardedH11Protocol",
-        (GuardedH11Protocol,),
-        {"head_timeout_s": float(head_timeout_s), "max_connections": int(max_connections), "refused": 0},
-    )
 
 
 class HttpServer:
     """``start()`` → bound port; ``stop()`` finishes in-flight responses for up to 5 s.
 
     The socket is bound at construction (``addr``: ``host:port``, port 0 for any free one).
-    Connections are guarded (`GuardedH11Protocol`): at most ``max_connections`` open, and a
-    request head due within ``head_timeout_s``.
+    Connections are guarded (`connections.ConnectionGuard`, ``self.guard``): at most
+    ``max_connections`` open, ``max_connections_per_client`` per peer address (0: no limit), a
+    request head due within ``head_timeout_s`` seconds, ``head_timeout_busy_s`` once the open
+    connections reach 3/4 of the cap. ``listener`` names it in metrics, logs and its thread.
 
     Raises:
-        OSError: ``addr`` cannot be bound.
+        OSError: ``addr`` cannot be bound; ValueError: a limit out of range.
     """
 
     def __init__(
-        self, app, addr: str, *, max_connections: int = MAX_CONNECTIONS, head_timeout_s: float = HEAD_TIMEOUT_S
+        self,
+        app,
+        addr: str,
+        *,
+        listener: str = "http",
+        max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+        head_timeout_busy_s: float = HEAD_TIMEOUT_BUSY_S,
     ) -> None:
         self.addr = addr
+        self.guard = ConnectionGuard(
+            listener=listener,
+            max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client,
+            head_timeout_s=head_timeout_s,
+            head_timeout_busy_s=head_timeout_busy_s,
+        )
         host, port = split_host_port(addr)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -120,7 +70,7 @@ class HttpServer:
             self._sock.close()
             raise
         self.port = int(self._sock.getsockname()[1])
-        self.protocol = guarded_protocol(head_timeout_s, max_connections)
+        self.protocol = guarded_protocol(self.guard)
         config = uvicorn.Config(
             app,
             log_level="warning",
@@ -131,7 +81,7 @@ class HttpServer:
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, name="loraplane-http", daemon=True
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name=f"loraplane-{listener}", daemon=True
         )
 
     def start(self, timeout_s: float = 10.0) -> int:

@@ -11,9 +11,10 @@ Accepted on ``/v1/completions`` and ``/v1/chat/completions`` (one of them per re
   ``choice``, ``json_object``.
 
 The result is the ``loraplane.v1.ResponseFormat`` of the request's ``SamplingParams``. The
-format is compiled here (`loraplane.worker.runtime.grammar.compile_grammar`, no vocabulary needed): a bad
-schema, regex or grammar is a 400 in OpenAI's error shape whose ``param`` names the field and
-whose message carries the engine's reason.
+format is compiled here, in the control plane's grammar-check child processes
+(`loraplane.control_plane.grammar_check`, limits first, no vocabulary needed): a bad schema,
+regex or grammar, or one over a limit, is a 400 in OpenAI's error shape whose ``param`` names
+the field and whose message carries the reason.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from loraplane.control_plane.grammar_check import GrammarChecker, InlineChecker
 from loraplane.control_plane.http.errors import OpenAIError
-from loraplane.response_format import GrammarError, ResponseFormat, compile_grammar
+from loraplane.grammar_limits import GrammarError, GrammarLimits, check_choices
+from loraplane.response_format import ResponseFormat, choice_grammar
 from loraplane.v1 import common_pb2
 
 _PB_TYPE = {
@@ -49,11 +52,16 @@ def _schema_text(value: Any, param: str) -> str:
     return json.dumps(value)
 
 
-def _choice_grammar(choices: Any, param: str) -> str:
-    """A Lark grammar matching exactly one of ``choices`` (vLLM ``guided_choice``)."""
+def _choice_grammar(choices: Any, param: str, limits: GrammarLimits) -> str:
+    """A Lark grammar matching exactly one of ``choices`` (vLLM ``guided_choice``), within
+    ``limits`` (count and total bytes)."""
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise _bad(param, f"'{param}' must be a non-empty list of non-empty strings")
-    return "start: " + " | ".join(json.dumps(c) for c in choices)
+    try:
+        check_choices(choices, limits, what=f"'{param}'")
+    except GrammarError as exc:
+        raise _bad(param, str(exc)) from exc
+    return choice_grammar(choices)
 
 
 def _openai(rf: Any) -> ResponseFormat | None:
@@ -79,7 +87,7 @@ def _openai(rf: Any) -> ResponseFormat | None:
     )
 
 
-def _vllm(fields: dict[str, Any], prefix: str) -> list[tuple[str, ResponseFormat]]:
+def _vllm(fields: dict[str, Any], prefix: str, limits: GrammarLimits) -> list[tuple[str, ResponseFormat]]:
     """The formats named by vLLM-style keys (``prefix`` ``guided_`` or ``structured_outputs.``)."""
     out: list[tuple[str, ResponseFormat]] = []
     names = {"json": "json", "regex": "regex", "grammar": "grammar", "choice": "choice", "json_object": "json_object"}
@@ -101,17 +109,19 @@ def _vllm(fields: dict[str, Any], prefix: str) -> list[tuple[str, ResponseFormat
                 raise _bad(param, f"'{param}' must be a string")
             out.append((param, ResponseFormat("grammar", grammar=value)))
         else:
-            out.append((param, ResponseFormat("grammar", grammar=_choice_grammar(value, param))))
+            out.append((param, ResponseFormat("grammar", grammar=_choice_grammar(value, param, limits))))
     return out
 
 
-def response_format_of(body: Any) -> common_pb2.ResponseFormat | None:
+def response_format_of(body: Any, checker: GrammarChecker | InlineChecker) -> common_pb2.ResponseFormat | None:
     """The request's structured-output format as a proto (None: unconstrained), compiled once to
     refuse a bad one early.
 
     Args:
         body: a parsed request (`schemas.SamplingFields`): ``response_format``, ``guided_json``,
             ``guided_regex``, ``guided_grammar``, ``guided_choice``, ``structured_outputs``.
+        checker: compiles the format: the router's `GrammarChecker` (limits, then the engine,
+            in a child process).
 
     Raises:
         OpenAIError: 400 naming the field: a malformed field, more than one format, or a
@@ -127,11 +137,11 @@ def response_format_of(body: Any) -> common_pb2.ResponseFormat | None:
         k[len("guided_") :]: getattr(body, k)
         for k in ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
     }
-    found += _vllm(guided, "guided_")
+    found += _vllm(guided, "guided_", checker.limits)
     if body.structured_outputs is not None:
         if not isinstance(body.structured_outputs, dict):
             raise _bad("structured_outputs", "'structured_outputs' must be an object")
-        found += _vllm(body.structured_outputs, "structured_outputs.")
+        found += _vllm(body.structured_outputs, "structured_outputs.", checker.limits)
     if not found:
         return None
     if len(found) > 1:
@@ -139,7 +149,7 @@ def response_format_of(body: Any) -> common_pb2.ResponseFormat | None:
         raise _bad(found[1][0], f"one structured-output format per request (got {names})")
     param, fmt = found[0]
     try:
-        compile_grammar(fmt)
+        checker.check(fmt)
     except GrammarError as exc:
         raise _bad(param, f"invalid '{param}': {exc}") from exc
     return to_proto(fmt)

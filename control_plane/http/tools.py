@@ -55,10 +55,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from loraplane.control_plane.grammar_check import GrammarChecker, InlineChecker
 from loraplane.control_plane.http.chat_template import ChatTemplate
 from loraplane.control_plane.http.errors import OpenAIError
 from loraplane.control_plane.http.structured import to_proto
-from loraplane.response_format import GrammarError, ResponseFormat, close_objects, compile_grammar
+from loraplane.response_format import GrammarError, ResponseFormat, close_objects
 from loraplane.v1 import common_pb2
 
 CALL_OPEN = "<tool_call>"
@@ -81,16 +82,29 @@ def is_forced(tool_choice: Any) -> bool:
     return tool_choice == "required" or isinstance(tool_choice, dict)
 
 
-def check_tools(tools: list[Any] | None, tool_choice: Any, template: ChatTemplate) -> list[dict[str, Any]] | None:
+def check_tools(
+    tools: list[Any] | None, tool_choice: Any, template: ChatTemplate, *, max_tools: int
+) -> list[dict[str, Any]] | None:
     """The ``tools`` to render into the prompt, or None (no tools, ``tool_choice`` ``"none"``,
     or a forced call on a template that does not render tools: the call is forced by the
     output's schema, `forced_call_of`).
 
+    Args:
+        max_tools: most entries ``tools`` may have (``--max-tools``, `GrammarLimits.max_tools`).
+
     Raises:
-        OpenAIError: 400 naming ``tools`` (not a list of ``{"type": "function", "function":
-            {"name": …}}`` objects, or ``"auto"`` on a template that does not render tools) or
-            ``tool_choice`` (not ``"none"``, ``"auto"``, ``"required"`` or an object).
+        OpenAIError: 400 naming ``tools`` (more than ``max_tools``, not a list of ``{"type":
+            "function", "function": {"name": …}}`` objects, or ``"auto"`` on a template that does
+            not render tools) or ``tool_choice`` (not ``"none"``, ``"auto"``, ``"required"`` or an
+            object).
     """
+    if isinstance(tools, list) and len(tools) > max_tools:
+        raise OpenAIError(
+            400,
+            f"'tools' has {len(tools)} entries, over the limit of {max_tools} (--max-tools)",
+            param="tools",
+            code="too_many_tools",
+        )
     if tool_choice is not None and tool_choice not in ("none", "auto") and not is_forced(tool_choice):
         raise OpenAIError(
             400,
@@ -493,9 +507,16 @@ class ForcedCall:
         return NamedCallParser(self.name) if self.name is not None else RequiredCallsParser()
 
 
-def forced_call_of(tools: list[Any] | None, tool_choice: Any, *, response_format: bool = False) -> ForcedCall | None:
+def forced_call_of(
+    tools: list[Any] | None,
+    tool_choice: Any,
+    checker: GrammarChecker | InlineChecker,
+    *,
+    response_format: bool = False,
+) -> ForcedCall | None:
     """The forced call of ``tool_choice`` (None: ``"auto"``, ``"none"`` or omitted), its
-    schema compiled once to refuse a bad one early. ``tools`` were checked by `check_tools`;
+    schema compiled once by ``checker`` (the router's: limits, then the engine, in a child
+    process) to refuse a bad one early. ``tools`` were checked by `check_tools`;
     ``response_format``: the request also asks for structured output.
 
     Raises:
@@ -538,7 +559,7 @@ def forced_call_of(tools: list[Any] | None, tool_choice: Any, *, response_format
         forced = ForcedCall(name, tool_parameters(tools[index]))
         param_at = f"tools[{index}].function.parameters"
     try:
-        compile_grammar(ResponseFormat("json_schema", schema=json.dumps(forced.schema)))
+        checker.check(ResponseFormat("json_schema", schema=json.dumps(forced.schema)))
     except GrammarError as exc:
         raise OpenAIError(
             400, f"invalid '{param_at}' (the schema a forced tool call follows): {exc}", param="tools"

@@ -30,7 +30,14 @@ def real_worker(base_model_path: Path):
     from loraplane.worker.rpc.server import create_server
 
     server, port, engine = create_server(
-        WorkerConfig(addr="127.0.0.1:0", model_path=str(base_model_path), n_slots=2, device="cpu", n_ctx_slot=512)
+        WorkerConfig(
+            addr="127.0.0.1:0",
+            model_path=str(base_model_path),
+            n_slots=2,
+            device="cpu",
+            n_ctx_slot=512,
+            grammar_warmup=False,
+        )
     )
     yield port, engine
     server.stop(None).wait()

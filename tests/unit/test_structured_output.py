@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from loraplane.control_plane.grammar_check import InlineChecker
 from loraplane.control_plane.http.errors import OpenAIError
 from loraplane.control_plane.http.schemas import ChatCompletionRequest, CompletionRequest
 from loraplane.control_plane.http.structured import response_format_of
@@ -260,29 +261,32 @@ def test_bad_schema_is_a_request_error_and_the_worker_keeps_serving(engine):
 
 # ---------------------------------------------------------------------------- HTTP parsing
 
+INLINE = InlineChecker()  # compiles in the test process (the server's checker is a process pool)
+
 
 def _chat(**extra) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
 
 
 def test_http_response_format_and_vllm_extensions():
-    assert response_format_of(_chat()) is None
-    assert response_format_of(_chat(response_format={"type": "text"})) is None
-    rf = response_format_of(_chat(response_format={"type": "json_object"}))
+    assert response_format_of(_chat(), INLINE) is None
+    assert response_format_of(_chat(response_format={"type": "text"}), INLINE) is None
+    rf = response_format_of(_chat(response_format={"type": "json_object"}), INLINE)
     assert rf is not None and rf.type == common_pb2.ResponseFormat.TYPE_JSON_OBJECT
     rf = response_format_of(
-        _chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}})
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}),
+        INLINE,
     )
     assert rf is not None and rf.type == common_pb2.ResponseFormat.TYPE_JSON_SCHEMA and rf.strict
     assert json.loads(rf.schema) == SCHEMA
     comp = CompletionRequest.model_validate({"model": "m", "prompt": "x", "guided_regex": "[0-9]+"})
-    rf = response_format_of(comp)
+    rf = response_format_of(comp, INLINE)
     assert rf is not None and rf.type == common_pb2.ResponseFormat.TYPE_REGEX and rf.regex == "[0-9]+"
-    rf = response_format_of(_chat(guided_json=json.dumps(SCHEMA)))
+    rf = response_format_of(_chat(guided_json=json.dumps(SCHEMA)), INLINE)
     assert rf is not None and json.loads(rf.schema) == SCHEMA
-    rf = response_format_of(_chat(guided_choice=["yes", "no"]))
+    rf = response_format_of(_chat(guided_choice=["yes", "no"]), INLINE)
     assert rf is not None and rf.type == common_pb2.ResponseFormat.TYPE_GRAMMAR
-    rf = response_format_of(_chat(structured_outputs={"grammar": 'start: "a"'}))
+    rf = response_format_of(_chat(structured_outputs={"grammar": 'start: "a"'}), INLINE)
     assert rf is not None and rf.grammar == 'start: "a"'
 
 
@@ -305,5 +309,5 @@ def test_http_response_format_and_vllm_extensions():
 )
 def test_http_bad_formats_are_400_naming_the_field(extra, param, text):
     with pytest.raises(OpenAIError) as exc:
-        response_format_of(_chat(**extra))
+        response_format_of(_chat(**extra), INLINE)
     assert exc.value.status == 400 and exc.value.param == param and text in str(exc.value)

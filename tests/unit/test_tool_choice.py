@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 import loraplane.control_plane.http.completions as completions
+from loraplane.control_plane.grammar_check import InlineChecker
 from loraplane.control_plane.http.errors import OpenAIError
 from loraplane.control_plane.http.tools import (
     NamedCallParser,
@@ -60,7 +61,7 @@ def test_named_schema_is_the_tools_parameters_closed_when_strict():
     assert tool_parameters(NOW) == {"type": "object", "properties": {}}
     strict = tool_parameters(TIME)
     assert strict["additionalProperties"] is False
-    forced = forced_call_of([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}})
+    forced = forced_call_of([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, InlineChecker())
     assert forced is not None and forced.name == "get_weather" and forced.schema == CITY
     rf = forced.response_format()
     assert rf.type == common_pb2.ResponseFormat.TYPE_JSON_SCHEMA and json.loads(rf.schema) == CITY
@@ -116,7 +117,7 @@ def test_required_schema_refuses_clashing_defs():
 )
 def test_forced_call_refusals_name_the_field(tools, choice, extra, param, words):
     with pytest.raises(OpenAIError) as err:
-        forced_call_of(tools, choice, **extra)
+        forced_call_of(tools, choice, InlineChecker(), **extra)
     assert err.value.status == 400 and err.value.param == param and words in err.value.message
 
 

@@ -302,6 +302,11 @@ def serve_worker(config: WorkerConfig) -> None:
 
         metrics_server, metrics_port = start_metrics_server(config.metrics_addr, engine.metrics.registry)
         log.info("worker_metrics_serving", addr=config.metrics_addr, port=metrics_port)
+    warmup = engine.grammar_warmup
+    while warmup is not None and warmup.is_alive() and not shutdown.draining.is_set():
+        # before registering: the engine holds the interpreter lock for up to ~1 s at a time
+        # while it builds, and no heartbeat should wait on that
+        warmup.join(0.1)
     if config.control_plane:
         from loraplane.worker.rpc.fetch import ControlPlaneFetcher
         from loraplane.worker.rpc.membership import Wakeup, start_membership

@@ -26,16 +26,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
 
+from loraplane.grammar_limits import GrammarLimits
 from loraplane.response_format import (
     KINDS,
     GrammarError,
     ResponseFormat,
     compile_grammar,
+    engine_limits,
     json_schema_grammar,
     one_line,
 )
+
+log = structlog.get_logger("loraplane.worker.runtime.grammar")
 
 __all__ = ["KINDS", "GrammarError", "ResponseFormat", "compile_grammar", "json_schema_grammar"]
 
@@ -79,41 +84,122 @@ class _VocabView:
         return self._tok.encode(text, add_special=False, parse_special=False)
 
 
-_LLTOK: dict[int, Any] = {}
+class _Build:
+    """One tokenizer's grammar view, built once: the first caller builds, the others wait."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok  # held so that its id is not reused while the entry lives
+        self.done = threading.Event()
+        self.llt: Any = None
+        self.error: BaseException | None = None
+
+
+_LLTOK: dict[int, _Build] = {}
 _LLTOK_LOCK = threading.Lock()
 
 
 def grammar_tokenizer(tok: Any, n_vocab: int | None = None) -> Any:
-    """The ``llguidance.LLTokenizer`` of our `loraplane.worker.runtime.tokenizer.Tokenizer` ``tok``
-    (cached per tokenizer; built at the first constrained request: it walks the whole
-    vocabulary, about 2 s of one core at 262k tokens).
+    """The ``llguidance.LLTokenizer`` of our `loraplane.worker.runtime.tokenizer.Tokenizer` ``tok``,
+    built once per tokenizer (single-flight: callers that arrive while it is being built wait
+    for that build instead of starting their own; a failed build is retried by the next caller).
+
+    It walks the whole vocabulary (the Python part, about 2 s at 262k tokens, lets other
+    threads run) and then the engine holds the interpreter lock twice (about 0.7 s for the
+    token trie, 0.9 s for the mask slices on an idle core, twice that on a busy one): a worker
+    builds it at start-up, before it registers (`start_grammar_warmup`), so that no heartbeat
+    waits on those holds, and four concurrent first requests cost one build, not four.
 
     Args:
         tok: the model's tokenizer.
         n_vocab: the logits' width when it exceeds the vocabulary (padded rows are never allowed).
-    """
-    import llguidance
 
+    Raises:
+        whatever the engine raises building it (to every caller waiting on that build).
+    """
     key = id(tok)
     with _LLTOK_LOCK:
-        hit = _LLTOK.get(key)
-        if hit is not None and hit[0] is tok:
-            return hit[1]
+        entry = _LLTOK.get(key)
+        if entry is None or entry.tok is not tok or (entry.done.is_set() and entry.error is not None):
+            entry = _LLTOK[key] = _Build(tok)
+            builder = True
+        else:
+            builder = False
+    if builder:
+        try:
+            entry.llt = _build_tokenizer(tok, n_vocab)
+        except BaseException as exc:
+            entry.error = exc
+            raise
+        finally:
+            entry.done.set()
+        return entry.llt
+    entry.done.wait()
+    if entry.error is not None:
+        raise entry.error
+    return entry.llt
+
+
+def _build_tokenizer(tok: Any, n_vocab: int | None) -> Any:
+    import llguidance
+
     view = _VocabView(tok)  # a Python loop: other threads keep running between its bytecodes
-    # The engine holds the GIL while it builds (about 0.7 s for the token trie, 0.9 s for the
-    # mask slices at 262k tokens on an idle core): two holds instead of one keep the worker's
-    # heartbeat thread from stalling for the sum.
+    # two holds of the interpreter lock instead of one: waiting threads run between them
     llt = llguidance.LLTokenizer(
         llguidance.TokenizerWrapper(view),
         n_vocab=max(n_vocab or 0, tok.n_vocab),
         eos_token=sorted(tok.eog_ids) or None,
         slices=[],
     )
-    time.sleep(0)  # let waiting threads (heartbeats) run between the two holds
-    llt = llt.with_slices(llguidance.LLTokenizer.general_slices())
-    with _LLTOK_LOCK:
-        _LLTOK[key] = (tok, llt)
-    return llt
+    time.sleep(0)
+    return llt.with_slices(llguidance.LLTokenizer.general_slices())
+
+
+def start_grammar_warmup(tok: Any, n_vocab: int | None = None) -> threading.Thread:
+    """Build ``tok``'s grammar view (`grammar_tokenizer`) on a background thread, started now;
+    join the thread to wait for it. A failure is logged, and the first constrained request
+    tries again."""
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            grammar_tokenizer(tok, n_vocab)
+        except Exception as exc:  # never fatal: structured output retries at its first request
+            log.warning("grammar_warmup_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        log.info("grammar_vocabulary_ready", seconds=round(time.monotonic() - t0, 3), n_vocab=tok.n_vocab)
+
+    thread = threading.Thread(target=run, name="loraplane-grammar-warmup", daemon=True)
+    thread.start()
+    return thread
+
+
+COMPILE_STACK_BYTES = 256 * 1024 * 1024
+"""Stack of the threads matchers are built on: 32 times the one the control plane checks every
+format on (`loraplane.control_plane.grammar_check.CHILD_STACK_BYTES`), so a format that passed
+there cannot overflow here however deep the engine recurses. Only the pages used are committed."""
+
+_COMPILER: Any = None
+_COMPILER_LOCK = threading.Lock()
+
+
+def _compiler() -> Any:
+    """Two threads with `COMPILE_STACK_BYTES` stacks that build matchers (created at first use;
+    the engine drops the interpreter lock while it builds)."""
+    global _COMPILER
+    with _COMPILER_LOCK:
+        if _COMPILER is None:
+            import concurrent.futures
+
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="loraplane-grammar-compile")
+                # threads take the stack size in force when they start: start both now
+                for f in [pool.submit(time.sleep, 0.01) for _ in range(2)]:
+                    f.result()
+            finally:
+                threading.stack_size(previous)
+            _COMPILER = pool
+        return _COMPILER
 
 
 # ------------------------------------------------------------------------------ matching
@@ -130,18 +216,30 @@ class Constraint:
         self.format = fmt
 
     @classmethod
-    def build(cls, fmt: ResponseFormat, tok: Any, n_vocab: int | None = None) -> Constraint:
-        """Compile ``fmt`` against the vocabulary of ``tok``.
+    def build(
+        cls, fmt: ResponseFormat, tok: Any, n_vocab: int | None = None, limits: GrammarLimits | None = None
+    ) -> Constraint:
+        """Compile ``fmt`` against the vocabulary of ``tok``, on a thread with a
+        `COMPILE_STACK_BYTES` stack (the caller waits for it).
+
+        Args:
+            limits: bounds checked before the engine sees the format (the worker's
+                ``--grammar-max-*``; default `GrammarLimits()`).
 
         Raises:
-            GrammarError: the format does not compile (`compile_grammar`) or the matcher
-                refuses it (names the type and the engine's message).
+            GrammarError: over a limit, the format does not compile (`compile_grammar`) or the
+                matcher refuses it (names the type and the engine's message).
         """
+        llt = grammar_tokenizer(tok, n_vocab)  # on the caller's thread: single-flight, may wait
+        return _compiler().submit(cls._build, fmt, llt, limits).result()
+
+    @classmethod
+    def _build(cls, fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None) -> Constraint:
         import llguidance
 
-        g = compile_grammar(fmt)
+        g = compile_grammar(fmt, limits)
         try:
-            m = llguidance.LLMatcher(grammar_tokenizer(tok, n_vocab), g, log_level=0)
+            m = llguidance.LLMatcher(llt, g, log_level=0, limits=engine_limits())
         except (ValueError, RuntimeError) as exc:  # API misuse only, per llguidance; never a crash here
             raise GrammarError(f"{fmt.type}: {one_line(str(exc))}") from exc
         if m.is_error():
@@ -262,4 +360,5 @@ __all__ = [
     "grammar_tokenizer",
     "json_schema_grammar",
     "mask_words",
+    "start_grammar_warmup",
 ]

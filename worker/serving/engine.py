@@ -42,6 +42,7 @@ from loraplane.worker.lora.adapter import LoraAdapter, open_lora_adapter
 from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from loraplane.worker.lora.host_cache import Fetcher, HostCache, KnownAdapter
 from loraplane.worker.runtime.context import Model
+from loraplane.worker.runtime.grammar import start_grammar_warmup
 from loraplane.worker.runtime.model import LoadedModel, load_model
 from loraplane.worker.runtime.sampling import SamplingParams
 from loraplane.worker.serving.heap import release_free_heap
@@ -134,6 +135,11 @@ class WorkerEngine:
         self.config = config
         self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         base = load_model(config.model_path, dtype=config.dtype, device=config.device, weights=config.weight_form)
+        self.grammar_warmup: threading.Thread | None = None
+        """Builds the grammar engine's vocabulary view beside the rest of start-up
+        (``--no-grammar-warmup``: None); `loraplane.worker.rpc.server` joins it before registering."""
+        if config.grammar_warmup:
+            self.grammar_warmup = start_grammar_warmup(base.tokenizer, base.n_vocab)
         self.model = Model(base, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
         self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot, n_seq=config.n_slots)
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)

@@ -299,7 +299,9 @@ class Scheduler:
         constraint = None
         if params.response_format is not None:
             try:  # compiled here, on the caller's thread: the loop only steps matchers
-                constraint = Constraint.build(params.response_format, self.tokenizer, n_vocab)
+                constraint = Constraint.build(
+                    params.response_format, self.tokenizer, n_vocab, self.config.grammar_limits
+                )
             except GrammarError as exc:
                 raise InvalidRequestError(f"response_format: {exc}") from exc
         activation = resolve_alora(adapter_set, prompt)
