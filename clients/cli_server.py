@@ -436,8 +436,9 @@ def worker_runtime_options(f: F) -> F:
             default=None,
             metavar="SECONDS",
             help="On SIGTERM the worker admits nothing new and lets in-flight generations finish "
-            "for up to this long, then exits; a second signal stops at once (default 45, below "
-            "the Kubernetes manifests' terminationGracePeriodSeconds of 60).",
+            "for up to this long, then exits; a second signal stops at once. Whatever happens, the "
+            "process is gone 5 s after this (default 45; keep it + 5 below the Kubernetes "
+            "manifests' terminationGracePeriodSeconds of 60).",
         ),
         *FAIRNESS_OPTIONS,
     ]

@@ -318,11 +318,14 @@ class Scheduler:
                 raise self._stopped_error()
             # Capacity is sequences + queue limit: a queued request that a free sequence takes at
             # the next loop turn is not "waiting", so a burst admits exactly that many even
-            # while the loop is mid-step with idle sequences.
-            busy = sum(s.busy for s in self.seqs)
-            if busy + len(self.queue) >= len(self.seqs) + self.config.queue_limit:
+            # while the loop is mid-step with idle sequences. A cancelled request (its client
+            # went away) takes no place: the loop drops it at its next turn, possibly a long
+            # step from now.
+            busy = sum(s.req is not None and not s.req.cancelled.is_set() for s in self.seqs)
+            queued = sum(not r.cancelled.is_set() for r in self.queue)
+            if busy + queued >= len(self.seqs) + self.config.queue_limit:
                 raise QueueFullError(
-                    f"worker {self.worker_id}: queue full ({busy}/{len(self.seqs)} slots busy, {len(self.queue)} "
+                    f"worker {self.worker_id}: queue full ({busy}/{len(self.seqs)} slots busy, {queued} "
                     f"queued; admits slots + --queue-limit {self.config.queue_limit})"
                 )
             req.held_ids = adapter_set.ids
