@@ -229,7 +229,9 @@ def control_plane_options(f: F) -> F:
             default=None,
             metavar="SECONDS",
             help="A client (HTTP or gRPC Generate) that reads nothing for this long while its "
-            "response waits to be written counts as gone; its generation is cancelled (default 30).",
+            "response waits to be written, or (HTTP streams) acknowledges none of the bytes owed to "
+            "it however much the socket buffers take, counts as gone; its generation is cancelled "
+            "(default 30).",
         ),
         click.option(
             "--metrics-addr",

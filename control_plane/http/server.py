@@ -19,6 +19,7 @@ import structlog
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from loraplane.control_plane.http.delivery import TRANSPORT_EXTENSION
 from loraplane.metrics import split_host_port
 
 log = structlog.get_logger("loraplane.control_plane.http.server")
@@ -34,7 +35,9 @@ once, before they cost a file descriptor for long."""
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with two guards against connections that hold resources without
-    asking for anything (idle sockets, headers trickled a byte at a time):
+    asking for anything (idle sockets, headers trickled a byte at a time), and the connection's
+    transport in each request's scope (``scope["extensions"]``, `TRANSPORT_EXTENSION`: how far
+    the client has read, ``loraplane.control_plane.http.delivery``):
 
     * a head deadline (`head_timeout_s`): a connection with no request in progress that has
       not completed a request head within the deadline of opening (or of its last response)
@@ -63,6 +66,11 @@ class GuardedH11Protocol(H11Protocol):
             transport.abort()
             return
         self._arm_head_deadline()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None:  # the response watches the connection's TCP state (http.delivery)
+            self.cycle.scope.setdefault("extensions", {})[TRANSPORT_EXTENSION] = {"transport": self.transport}
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
