@@ -20,7 +20,7 @@ from loraplane.control_plane.http.streaming import RelayResponse
 from tests.live_servers import wait_until
 from tests.unit.test_http_streaming import endless_stream
 
-WRITE_TIMEOUT_S = 0.5
+WRITE_TIMEOUT_S = 0.3
 
 
 @pytest.fixture
