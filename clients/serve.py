@@ -344,8 +344,8 @@ class _Supervisor(threading.Thread):
 
         def forward(signum: int, _frame: Any) -> None:
             if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # first: the message may block (a stalled stderr)
                 _say("stopping the worker now (second signal)")
-                proc.send_signal(signal.SIGTERM)
 
         previous = {}
         if threading.current_thread() is threading.main_thread():

@@ -67,7 +67,7 @@ class DeliveryProgress:
                 return None
             (acked,) = _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_OFFSET)
             pending = struct.unpack("i", fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):  # AttributeError: no TCP_INFO / TIOCOUTQ here
             return None
         return acked, pending + self.transport.get_write_buffer_size()
 

@@ -335,6 +335,7 @@ class RelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         failure: Exception | None = None
+        delivery = DeliveryProgress.of(scope) if self.sse else None
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -346,8 +347,8 @@ class RelayResponse(Response):
                         return
 
             tg.start_soon(watch)
-            if self.sse:
-                tg.start_soon(self._watch_delivery, scope, tg.cancel_scope)
+            if delivery is not None:
+                tg.start_soon(self._watch_delivery, delivery, tg.cancel_scope)
             try:
                 if self.sse:
                     await self._send_events(send)
@@ -363,13 +364,10 @@ class RelayResponse(Response):
         if failure is not None:
             raise failure
 
-    async def _watch_delivery(self, scope: Scope, cancel_scope: anyio.CancelScope) -> None:
+    async def _watch_delivery(self, progress: DeliveryProgress, cancel_scope: anyio.CancelScope) -> None:
         """Cut a client that acknowledges nothing for ``write_timeout_s`` while it owes bytes,
         though every write completed (the kernel buffers took them; `delivery`): its call is
         cancelled and the connection reset (`DeliveryProgress.reset`)."""
-        progress = DeliveryProgress.of(scope)
-        if progress is None:
-            return
         interval = min(1.0, self.write_timeout_s / 4)
         while True:
             await anyio.sleep(interval)
