@@ -8,6 +8,9 @@ loopback sockets:
   reset after the running ones streamed their first chunk: seconds until the control plane's
   in-flight count (``ListWorkers``) is 0, and until a new streaming request gets its first
   token;
+- ``reset_burst``: 12 SSE streams with ~4 KB prompts reset as soon as the control plane relays
+  them (some still being submitted on the worker): seconds until the worker holds none of them
+  (its /metrics), and until a new streaming request gets its first token;
 - ``vanish``: a non-streaming 2000-token request whose client closes after 0.5 s: seconds until
   its capacity is back (in flight 0) and the worker counted it ``cancelled``;
 - ``health``: ``GET /health`` latency while 68 streams are admitted (4 running, 64 queued);
@@ -201,6 +204,39 @@ def drop(serve: Serve) -> dict[str, float]:
     freed = wait_until(lambda: serve.in_flight() == 0)
     served = time.monotonic() - t0 + first_token_s(serve)
     return {"in_flight_zero_s": freed, "new_request_first_token_s": served}
+
+
+def worker_holds(serve: Serve) -> float:
+    """Requests the worker holds (``slots_busy`` + ``requests_waiting`` on its /metrics)."""
+    text = urllib.request.urlopen(serve.worker_metrics, timeout=30).read().decode()
+    names = ("loraplane_worker_slots_busy ", "loraplane_worker_requests_waiting ")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(names))
+
+
+def reset_burst(serve: Serve) -> dict[str, float]:
+    """12 SSE streams with ~4 KB prompts reset as soon as the control plane relays them all
+    (the worker tokenizes one text at a time, so some are still being submitted): seconds until
+    the worker holds none of them, and until a new streaming request gets its first token. A
+    request whose call ended during its submit used to run its 400 tokens for nobody."""
+    n = SLOTS + 8
+    wait_until(lambda: serve.in_flight() == 0 and worker_holds(serve) == 0)
+    host, port = serve.http.removeprefix("http://").rsplit(":", 1)
+    prompt = " ".join(f"{BASE_PROMPT} {i}" for i in range(200))  # ~4 KB, ~1000 tokens
+    body = {"model": serve.model_name, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    data = json.dumps(body).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection((host, int(port)), timeout=120)
+        s.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        socks.append(s)
+    wait_until(lambda: serve.in_flight() == n)
+    t0 = time.monotonic()
+    for s in socks:
+        reset(s)
+    idle = wait_until(lambda: worker_holds(serve) == 0)
+    served = time.monotonic() - t0 + first_token_s(serve)
+    return {"worker_holds_none_s": idle, "new_request_first_token_s": served}
 
 
 def vanish(serve: Serve) -> dict[str, float]:
@@ -489,6 +525,7 @@ def cold_burst(repo: Path, model: str | None, workdir: Path) -> dict[str, float]
 
 SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
     "drop": drop,
+    "reset_burst": reset_burst,
     "vanish": vanish,
     "health": health,
     "input": huge_input,
@@ -496,7 +533,7 @@ SCENARIOS: dict[str, Callable[[Serve], dict[str, float]]] = {
     "idle_flood": idle_flood,
     "grammar_bomb": grammar_bomb,  # last of those on one serve: an old checkout's dies here
 }
-NEEDS_SERVE = ("drop", "vanish", "health", "input", "idle_flood", "grammar_bomb")
+NEEDS_SERVE = ("drop", "reset_burst", "vanish", "health", "input", "idle_flood", "grammar_bomb")
 OWN_SERVE: dict[str, Callable[[Path, str | None, Path], dict[str, float]]] = {
     "cold_burst": cold_burst,
     "replica_burst": replica_burst,

@@ -259,7 +259,9 @@ def control_plane_options(f: F) -> F:
             default=None,
             metavar="SECONDS",
             help="A client (HTTP or gRPC Generate) that reads nothing for this long while its "
-            "response waits to be written counts as gone; its generation is cancelled (default 30).",
+            "response waits to be written, or (HTTP streams) acknowledges none of the bytes owed to "
+            "it however much the socket buffers take, counts as gone; its generation is cancelled "
+            "(default 30).",
         ),
         click.option(
             "--metrics-addr",
@@ -569,8 +571,9 @@ def worker_runtime_options(f: F) -> F:
             default=None,
             metavar="SECONDS",
             help="On SIGTERM the worker admits nothing new and lets in-flight generations finish "
-            "for up to this long, then exits; a second signal stops at once (default 45, below "
-            "the Kubernetes manifests' terminationGracePeriodSeconds of 60).",
+            "for up to this long, then exits; a second signal stops at once. Whatever happens, the "
+            "process is gone 5 s after this (default 45; keep it + 5 below the Kubernetes "
+            "manifests' terminationGracePeriodSeconds of 60).",
         ),
         *FAIRNESS_OPTIONS,
         *GRAMMAR_LIMIT_OPTIONS,

@@ -25,6 +25,9 @@ Who runs what:
   passed on (the worker stops at once). Then ``run_control_plane`` returns and the main thread
   makes sure the worker is gone (SIGKILL after ``worker_stop_grace_s``), so shutdown always
   takes the same path.
+- Signals reach the worker from ``serve`` only: it runs in its own session (process group), so
+  a signal to ``serve``'s process group (Ctrl-C in a terminal, ``kill -TERM -PGID``) is not
+  also a first signal to the worker that ``serve``'s own SIGTERM would turn into "stop now".
 - Parent death: each worker gets the read end of a pipe whose write end only this process
   holds (``$LORAPLANE_PARENT_FD``, `loraplane.worker.rpc.parent`); when ``serve`` dies in any way,
   ``kill -9`` included, the worker reads end-of-file and exits, so no orphan keeps its port
@@ -261,6 +264,7 @@ class _Supervisor(threading.Thread):
                     stderr=subprocess.STDOUT if out else None,
                     stdin=subprocess.DEVNULL,
                     pass_fds=(read_end,),
+                    start_new_session=True,  # group signals are serve's to pass on (docstring)
                 )
             except BaseException:
                 os.close(write_end)
@@ -340,8 +344,8 @@ class _Supervisor(threading.Thread):
 
         def forward(signum: int, _frame: Any) -> None:
             if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # first: the message may block (a stalled stderr)
                 _say("stopping the worker now (second signal)")
-                proc.send_signal(signal.SIGTERM)
 
         previous = {}
         if threading.current_thread() is threading.main_thread():

@@ -7,6 +7,16 @@ names the thing at fault (adapter id, path, tensor, worker).
 
 from __future__ import annotations
 
+MAX_ECHO_CHARS = 256
+"""Characters of client-given text (a model id, an adapter or tenant name) an error message
+repeats; longer text is cut and ends with "…", so a 100 KB model id is not sent back whole."""
+
+
+def echo(text: str) -> str:
+    """``text`` for an error message: whole up to `MAX_ECHO_CHARS` characters, else its start
+    and "…" (`MAX_ECHO_CHARS` characters in all)."""
+    return text if len(text) <= MAX_ECHO_CHARS else text[: MAX_ECHO_CHARS - 1] + "…"
+
 
 class ControlPlaneError(Exception):
     """Base class: a request the control plane refuses or cannot serve."""

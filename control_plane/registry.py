@@ -49,6 +49,7 @@ from loraplane.control_plane.errors import (
     ResourceExhaustedError,
     UnavailableError,
     describe_ids,
+    echo,
 )
 from loraplane.control_plane.resolution import (
     ID_PREFIX,
@@ -59,6 +60,7 @@ from loraplane.control_plane.resolution import (
     resolve_adapter_vector,
 )
 from loraplane.control_plane.store import AdapterRecord, AdapterStore
+from loraplane.limits import MAX_ADAPTER_NAME_BYTES
 from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
 from loraplane.worker.lora.adapter_file import AdapterFile, validate_lora_adapter
 from loraplane.worker.tools.convert_peft import convert_peft, is_peft_dir
@@ -86,7 +88,11 @@ def name_clash(name: str, base_name: str | None) -> str | None:
     of ASCII digits only is refused too: such a token always names an adapter id on every API
     (`resolution.is_id_token`). So is a name holding a control character (Unicode category
     Cc: NUL, which PostgreSQL text cannot store, newline, tab, ...), which no client can put in
-    a URL path or a table cell and mean."""
+    a URL path or a table cell and mean, and one over `MAX_ADAPTER_NAME_BYTES` UTF-8 bytes
+    (every ``/v1/models`` answer repeats every name)."""
+    n_bytes = len(name.encode("utf-8", "surrogatepass"))
+    if n_bytes > MAX_ADAPTER_NAME_BYTES:
+        return f"adapter name '{echo(name)}' has {n_bytes} bytes (UTF-8); the limit is {MAX_ADAPTER_NAME_BYTES}"
     bad = next((c for c in name if unicodedata.category(c) == "Cc"), None)
     if bad is not None:
         return f"adapter name {name!r} holds the control character U+{ord(bad):04X}; pick a printable name"
@@ -245,7 +251,7 @@ class AdapterRegistry:
         embedded = adapter.name or ""
         problem = name_clash(embedded, self.base_name) if embedded else None
         if problem:
-            log.warning("adapter_name_dropped", name=embedded, reason=problem)
+            log.warning("adapter_name_dropped", name=echo(embedded), reason=problem)
             return ""
         return embedded
 

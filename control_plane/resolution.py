@@ -11,8 +11,9 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from loraplane.control_plane.errors import AmbiguousNameError, InvalidArgumentError, NotFoundError, describe_ids
+from loraplane.control_plane.errors import AmbiguousNameError, InvalidArgumentError, NotFoundError, describe_ids, echo
 from loraplane.control_plane.store import AdapterRecord
+from loraplane.limits import MAX_ADAPTER_SCALE
 
 AdapterVector = list[tuple[int, float]]
 
@@ -62,26 +63,31 @@ def find_adapter(token: str, records: Sequence[AdapterRecord]) -> int:
         adapter_id = parse_adapter_id(id_text)
         if adapter_id is not None and any(r.id == adapter_id for r in records):
             return adapter_id
-        raise NotFoundError(f"adapter {id_text} not registered; {describe_ids([r.id for r in records])}")
+        raise NotFoundError(f"adapter {echo(id_text)} not registered; {describe_ids([r.id for r in records])}")
     matches = [r.id for r in records if token in r.names]
     if len(matches) > 1:
         raise AmbiguousNameError(
-            f"adapter name '{token}' is ambiguous: adapters {matches} answer to it; name one by id"
+            f"adapter name '{echo(token)}' is ambiguous: adapters {matches} answer to it; name one by id"
         )
     if not matches:
         names = sorted({n for r in records for n in r.names})
-        raise NotFoundError(f"no adapter is named '{token}' (names: {names}; {describe_ids([r.id for r in records])})")
+        raise NotFoundError(
+            f"no adapter is named '{echo(token)}' (names: {names}; {describe_ids([r.id for r in records])})"
+        )
     return matches[0]
 
 
 def check_scale(scale: float, what: str) -> float:
     """``scale`` as a float; InvalidArgumentError naming ``what`` (e.g. "adapter 3") when it is
-    negative or not finite."""
+    negative, not finite, or above `MAX_ADAPTER_SCALE` (the one check of every scale that enters
+    the control plane: gRPC and HTTP adapter maps, the default set, start-up adapters)."""
     value = float(scale)
     if not math.isfinite(value):
         raise InvalidArgumentError(f"{what}: scale {value} is not a finite number")
     if value < 0:
         raise InvalidArgumentError(f"{what}: scale {value} is negative (0 detaches an adapter)")
+    if value > MAX_ADAPTER_SCALE:
+        raise InvalidArgumentError(f"{what}: scale {value:g} is above the limit of {MAX_ADAPTER_SCALE:g}")
     return value
 
 
@@ -107,7 +113,7 @@ def resolve_adapter_vector(
 
     Raises:
         NotFoundError: an id in ``request_map`` is not registered (the message lists them).
-        InvalidArgumentError: a negative or non-finite scale.
+        InvalidArgumentError: a negative or non-finite scale, or one above `MAX_ADAPTER_SCALE`.
     """
     if request_map is None:
         chosen = {int(i): check_scale(s, f"adapter {i}") for i, s in default_set}

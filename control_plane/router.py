@@ -212,7 +212,7 @@ class Router:
     def _adapter_name(self, adapter_id: int) -> str:
         """An adapter's name for its tenant (``adapter:<name>``): its name, else its id (also
         when the store cannot say, or when the name would make a tenant name longer than
-        `MAX_NAME_CHARS`: adapter names are not bounded, tenant names are)."""
+        `MAX_NAME_CHARS`: adapter names may hold 256 bytes, tenant names 128 characters)."""
         try:
             name = self.registry.get(adapter_id).name
         except ControlPlaneError:

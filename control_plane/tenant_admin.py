@@ -82,7 +82,7 @@ class TenantAdmin:
             AlreadyExistsError: the name is taken, or the key is another tenant's or this
                 control plane's own ``--api-key`` / admin token.
         """
-        check_tenant_name(name)
+        check_tenant_name(name, new=True)
         values = check_settings(settings)
         key = check_key(api_key) if api_key else generate_key()
         if self.book.directory.is_server_credential(key):

@@ -49,6 +49,7 @@ from loraplane.control_plane.auth import bearer_token
 from loraplane.control_plane.errors import InvalidArgumentError
 from loraplane.control_plane.store.tenant_records import TenantRecord
 from loraplane.interceptors import secret_matches
+from loraplane.metrics import OTHER_LABEL
 
 log = structlog.get_logger("loraplane.control_plane.tenants")
 
@@ -58,6 +59,8 @@ ANONYMOUS_TENANT = "anonymous"
 """The tenant of requests with no key and no explicit adapter map."""
 ADAPTER_TENANT_PREFIX = "adapter:"
 MAX_NAME_CHARS = 128
+RESERVED_TENANT_NAMES = (OTHER_LABEL,)
+"""Names no tenant may be given: ``other`` is the metrics' overflow label (`loraplane.metrics`)."""
 MIN_KEY_CHARS = 16
 """A given API key shorter than this is refused: keys are stored as one fast hash, which is
 only safe for high-entropy secrets."""
@@ -67,10 +70,12 @@ KEYS_REFRESH_S = 1.0
 """Seconds between reloads of the key table from the store."""
 
 
-def check_tenant_name(name: str) -> str:
+def check_tenant_name(name: str, *, new: bool = False) -> str:
     """``name`` when it can name a tenant: 1 to `MAX_NAME_CHARS` printable characters, no
     leading or trailing blank. ``default``, ``anonymous`` and ``adapter:…`` are allowed (rows
-    for them give limits to that traffic; see the module docstring).
+    for them give limits to that traffic; see the module docstring). A ``new`` tenant may not
+    take a `RESERVED_TENANT_NAMES` name (a row made before that rule can still be changed or
+    removed).
 
     Raises:
         InvalidArgumentError: naming the fault.
@@ -79,6 +84,11 @@ def check_tenant_name(name: str) -> str:
         raise InvalidArgumentError("tenant name is empty")
     if len(name) > MAX_NAME_CHARS:
         raise InvalidArgumentError(f"tenant name has {len(name)} characters; at most {MAX_NAME_CHARS}")
+    if new and name in RESERVED_TENANT_NAMES:
+        raise InvalidArgumentError(
+            f"tenant name '{name}' is reserved: the metrics' tenant label counts every tenant past "
+            "the label cap (--metrics-max-adapters) under it; pick another"
+        )
     if not name.isprintable():
         raise InvalidArgumentError(f"tenant name {name!r} holds a non-printable character")
     if name != name.strip():

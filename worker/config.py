@@ -78,8 +78,8 @@ class WorkerConfig:
             and re-reads the tensors from its local file at page-in (``open_lora_adapter``).
         max_lora_rank: largest rank an adapter may have here (vLLM ``--max-lora-rank``).
         drain_timeout_s: on SIGTERM, seconds in-flight generations may take to finish while
-            nothing new is admitted (``--drain-timeout``; below the Kubernetes
-            ``terminationGracePeriodSeconds`` of 60 in ``deploy/k8s/workers.yaml``).
+            nothing new is admitted (``--drain-timeout``; + the stop grace of 5 s below the
+            Kubernetes ``terminationGracePeriodSeconds`` of 60 in ``deploy/k8s/workers.yaml``).
         fairness: admission order across tenants (``Fairness``; ``--fairness``).
         fairness_prompt_weight / fairness_output_weight: VTC's virtual tokens per prompt
             token / per generated token (``--fairness-prompt-weight`` 1,

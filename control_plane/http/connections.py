@@ -37,6 +37,8 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
+from loraplane.control_plane.http.delivery import TRANSPORT_EXTENSION
+
 log = structlog.get_logger("loraplane.control_plane.http.connections")
 
 MAX_CONNECTIONS = 1024
@@ -169,7 +171,9 @@ class ConnectionGuard:
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol under a `ConnectionGuard` (the class attribute ``guard``, set per
     listener by `guarded_protocol`): refused connections are reset in ``connection_made``,
-    admitted ones get a head deadline, armed again after each response."""
+    admitted ones get a head deadline, armed again after each response. Each request's scope
+    carries the connection's transport (``scope["extensions"]``, `TRANSPORT_EXTENSION`: how far
+    the client has read, ``loraplane.control_plane.http.delivery``)."""
 
     guard: ConnectionGuard = ConnectionGuard()
 
@@ -190,6 +194,11 @@ class GuardedH11Protocol(H11Protocol):
             for conn in list(self.connections):
                 if isinstance(conn, GuardedH11Protocol) and conn is not self:
                     conn._shorten_head_deadline(now, self.guard.head_timeout_busy_s)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None:  # the response watches the connection's TCP state (http.delivery)
+            self.cycle.scope.setdefault("extensions", {})[TRANSPORT_EXTENSION] = {"transport": self.transport}
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

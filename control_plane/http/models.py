@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from loraplane.control_plane.errors import AmbiguousNameError, NotFoundError
+from loraplane.control_plane.errors import AmbiguousNameError, NotFoundError, echo
 from loraplane.control_plane.http.deps import HttpDeps
 from loraplane.control_plane.http.errors import OpenAIError
 from loraplane.control_plane.http.generation import now_s
@@ -75,7 +75,7 @@ def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> d
         matches = [r.id for r in records if model in r.names]
         raise OpenAIError(
             400,
-            f"The model name '{model}' is ambiguous: adapters {matches} share it; name one as 'adapter:<id>'",
+            f"The model name '{echo(model)}' is ambiguous: adapters {matches} share it; name one as 'adapter:<id>'",
             param="model",
             code="ambiguous_model",
         ) from None
@@ -84,14 +84,14 @@ def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> d
     if model.startswith(ID_PREFIX) or is_id_token(model):
         text = model.removeprefix(ID_PREFIX)
         message = (
-            f"The model '{model}' does not exist: no adapter with id '{text}' is "
+            f"The model '{echo(model)}' does not exist: no adapter with id '{echo(text)}' is "
             f"registered (ids: {[r.id for r in records]})"
         )
     else:
         available = [base_name]
         for r in records:
             available += [served_name(r, records, base_name), *served_aliases(r, records, base_name)]
-        message = f"The model '{model}' does not exist (served: {available})"
+        message = f"The model '{echo(model)}' does not exist (served: {available})"
     raise OpenAIError(404, message, param="model", code="model_not_found", type="not_found_error")
 
 

@@ -39,8 +39,11 @@ watches the client: the router's blocking reads run on threads of their own limi
 (`RELAY_THREADS`), the event loop waits for ``http.disconnect``, and every write is bounded by
 ``write_timeout_s``. A client that disconnects — before its first token, while queued on a
 worker, mid-stream, or while a non-streaming body is being generated — or that reads nothing
-for ``write_timeout_s`` once the socket buffers are full, has its worker call cancelled and its
-worker capacity given back at once (``Router``: in-flight accounting follows the relay).
+for ``write_timeout_s``, has its worker call cancelled and its worker capacity given back at
+once (``Router``: in-flight accounting follows the relay). "Reads nothing" is measured on the
+client's side of the stream: a write that blocks that long, or (`delivery.DeliveryProgress`)
+bytes owed to it that it has not acknowledged for that long while the kernel buffers still take
+every write.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from starlette.types import Receive, Scope, Send
 
 from loraplane.control_plane.errors import ControlPlaneError
 from loraplane.control_plane.http import responses as R
+from loraplane.control_plane.http.delivery import DeliveryProgress
 from loraplane.control_plane.http.errors import from_control_plane
 from loraplane.control_plane.http.generation import Outcome, TokenOut, fold
 from loraplane.control_plane.http.tools import ForcedCall, OutputParser, ToolCallParser, ToolDelta, split_tool_calls
@@ -331,6 +335,7 @@ class RelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         failure: Exception | None = None
+        delivery = DeliveryProgress.of(scope) if self.sse else None
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -342,6 +347,8 @@ class RelayResponse(Response):
                         return
 
             tg.start_soon(watch)
+            if delivery is not None:
+                tg.start_soon(self._watch_delivery, delivery, tg.cancel_scope)
             try:
                 if self.sse:
                     await self._send_events(send)
@@ -356,6 +363,21 @@ class RelayResponse(Response):
                 tg.cancel_scope.cancel()
         if failure is not None:
             raise failure
+
+    async def _watch_delivery(self, progress: DeliveryProgress, cancel_scope: anyio.CancelScope) -> None:
+        """Cut a client that acknowledges nothing for ``write_timeout_s`` while it owes bytes,
+        though every write completed (the kernel buffers took them; `delivery`): its call is
+        cancelled and the connection reset (`DeliveryProgress.reset`)."""
+        interval = min(1.0, self.write_timeout_s / 4)
+        while True:
+            await anyio.sleep(interval)
+            if progress.stalled_for() >= self.write_timeout_s:
+                self._client_gone(
+                    f"nothing acknowledged for {self.write_timeout_s:g} s with bytes owed (the client stopped reading)"
+                )
+                progress.reset()
+                cancel_scope.cancel()
+                return
 
     async def _read(self, fn, *args):
         """``fn(*args)`` on a relay thread; `ClientGone` if the client left meanwhile."""

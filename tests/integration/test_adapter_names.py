@@ -338,3 +338,51 @@ def test_an_alias_loaded_while_the_last_name_is_unloaded_keeps_serving(cp, api):
     with pytest.raises(grpc.RpcError) as err:
         cp.stub.GetAdapter(ref(id=aid))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_names_over_256_bytes_are_refused_naming_the_limit(cp, api):
+    """1 MB names were stored and repeated in every ``/v1/models`` answer; a name is now at most
+    256 UTF-8 bytes on gRPC and HTTP (the CLI's ``adapters add --name`` is gRPC), and the
+    refusal repeats 256 characters of it."""
+    path = write_adapter(cp.tmp / "long.gguf", seed=80)
+    for name, n_bytes in (("x" * 257, 257), ("é" * 129, 258), ("n" * 1_000_000, 1_000_000)):
+        err = rpc_error(upload, cp.stub, path, name=name)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"has {n_bytes} bytes (UTF-8); the limit is 256" in err.details() and len(err.details()) < 400
+        r = api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        message = openai_error(r, 400)["message"]
+        assert f"has {n_bytes} bytes (UTF-8); the limit is 256" in message and len(message) < 400
+    longest = upload(cp.stub, path, name="é" * 128)  # 256 bytes: at the limit
+    assert longest.name == "é" * 128
+    cp.stub.UnregisterAdapter(ref(id=longest.id))
+
+
+def test_scales_above_1e4_are_refused_naming_the_adapter_and_the_limit(cp, api):
+    """A scale of 1e30 was served (NaN logits: pad tokens); every way a scale enters refuses
+    one above 1e4: the default set, a gRPC request's map, an HTTP request's ``lora``."""
+    a = upload(cp.stub, write_adapter(cp.tmp / "scaled.gguf", seed=81), name="scaled")
+    for scale in (1e30, 10000.5):
+        bad = common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=a.id, scale=scale)])
+        err = rpc_error(cp.stub.SetDefaultAdapters, bad)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == f"adapter {a.id}: scale {scale:g} is above the limit of 10000"
+        req = common_pb2.GenerateRequest(text="x", adapters=bad)
+        err = rpc_error(lambda r=req: list(cp.stub.Generate(r, timeout=30)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "above the limit of 10000" in err.details()
+        body = {"model": BASE, "prompt": "x", "max_tokens": 1, "lora": [{"id": a.id, "scale": scale}]}
+        message = openai_error(api.post("/v1/completions", json=body), 400)["message"]
+        assert message == f"adapter {a.id}: scale {scale:g} is above the limit of 10000"
+    ok = common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=a.id, scale=10000.0)])
+    assert [(e.id, e.scale) for e in cp.stub.SetDefaultAdapters(ok).entries if e.scale] == [(a.id, 10000.0)]
+    cp.stub.SetDefaultAdapters(common_pb2.AdapterMap())
+    cp.stub.UnregisterAdapter(ref(id=a.id))
+
+
+def test_a_100_kb_model_id_or_name_is_echoed_cut_to_256_characters(cp, api):
+    for model in ("m" * 100_000, "7" * 100_000, "adapter:" + "7" * 100_000):
+        message = openai_error(api.post("/v1/completions", json={"model": model, "prompt": "x"}), 404)["message"]
+        assert message.startswith(f"The model '{model[:255]}…' does not exist"), message[:300]
+        assert len(message) < 2000
+    err = rpc_error(cp.stub.GetAdapter, ref(name="q" * 100_000))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert err.details().startswith(f"no adapter is named '{'q' * 255}…' (names: ")

@@ -320,8 +320,8 @@ def test_generate_carries_the_tenant_and_refuses_over_quota_before_any_worker(cl
     generate(cp, "hello", {})
     names = [(t.name, t.weight, t.priority) for t in w.servicer.tenants]
     assert names == [("anonymous", 1.0, 0), (f"adapter:{sea.name}", 1.0, 0), ("anonymous", 1.0, 0)]
-    # an adapter name too long for a tenant name (adapter names are unbounded): adapter:<id>
-    long = cp.stub.RegisterAdapter(upload_chunks(adapters_dir / "shout_embd.gguf", name="n" * 300))
+    # an adapter name too long for a tenant name (256 bytes against 128 characters): adapter:<id>
+    long = cp.stub.RegisterAdapter(upload_chunks(adapters_dir / "shout_embd.gguf", name="n" * 200))
     generate(cp, "hello", {long.id: 1.0})
     assert w.servicer.tenants[-1].name == f"adapter:{long.id}"
     limits = control_plane_pb2.TenantLimits(weight=2.5, priority=-1, tokens_per_minute=20)

@@ -5,7 +5,9 @@ the scripted workers of ``test_control_plane_routing`` over real sockets; no mod
   (state "draining"); a worker that refuses UNAVAILABLE before any event is retried elsewhere;
 - the supervisor's restart count in the hello is the floor of ``restarts``;
 - stale adapter cache directories of dead worker pids are removed, live ones kept;
-- the worker's signal handling: first signal drains, the second stops now.
+- the worker's signal handling: first signal drains, the second stops now, each arming the
+  kernel deadline first (drain timeout + grace, then the grace); an armed deadline is only
+  ever brought forward.
 """
 
 from __future__ import annotations
@@ -69,8 +71,27 @@ def test_stale_cache_dirs_of_dead_pids_are_removed_and_live_ones_kept(tmp_path):
 def test_first_signal_drains_second_stops_now():
     from loraplane.worker.rpc.server import Shutdown
 
-    s = Shutdown()
+    armed: list[float] = []
+    s = Shutdown(45.0, hard_stop=armed.append)
     s.on_signal(signal.SIGTERM)
     assert s.draining.is_set() and not s.now.is_set()
+    assert armed == [50.0]  # --drain-timeout 45 + STOP_GRACE_S 5
     s.on_signal(signal.SIGINT)
     assert s.now.is_set()
+    assert armed == [50.0, 5.0]
+
+
+def test_the_stop_deadline_is_only_brought_forward():
+    from loraplane.worker.rpc import deadline
+
+    assert deadline.remaining() == 0.0
+    try:
+        deadline.arm(300.0)
+        assert 299.0 < deadline.remaining() <= 300.0
+        deadline.arm(600.0)  # later: the earlier one stays
+        assert 299.0 < deadline.remaining() <= 300.0
+        deadline.arm(200.0)
+        assert 199.0 < deadline.remaining() <= 200.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # disarm: it would end the test process
+    assert deadline.remaining() == 0.0

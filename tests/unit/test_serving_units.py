@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
@@ -459,3 +460,16 @@ def test_admission_resident_first_with_bounded_bypass():
     many = [head] + [request([1, 2], AdapterSet.of({0: (A, 1.0)})) for _ in range(ADMIT_LOOKAHEAD + 3)]
     head.bypassed = 0
     assert len(admission_order(many, pool)) == ADMIT_LOOKAHEAD  # a bounded window
+
+
+def test_the_worker_refuses_an_adapter_scale_above_the_limit_too():
+    """Behind the control plane's check (``resolution.check_scale``): a peer holding the worker
+    secret that sends 1e30 is refused, not served NaN logits."""
+    from loraplane.worker.serving.engine import adapter_vector
+
+    assert adapter_vector([(3, 10000.0), (4, 0.0), (5, -2.0)]) == {3: 10000.0, 5: -2.0}
+    for scale in (1e30, -1e30, 10000.5):
+        with pytest.raises(
+            InvalidRequestError, match=re.escape(f"adapter 3: scale {scale:g} is above the limit of 10000")
+        ):
+            adapter_vector([(3, scale)])

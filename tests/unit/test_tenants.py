@@ -217,7 +217,7 @@ def test_admin_errors_and_limits_changed_at_once(book):
     with pytest.raises(AlreadyExistsError, match="tenant 'acme' already exists"):
         admin.add("acme", {})
     with pytest.raises(AlreadyExistsError, match="already belongs to a tenant"):
-        admin.add("other", {}, api_key="k" * 20)
+        admin.add("acme-2", {}, api_key="k" * 20)
     with pytest.raises(NotFoundError, match="tenant 'ghost' not found; tenants: acme"):
         admin.update("ghost", {"weight": 2})
     assert admin.update("acme", {"tokens_per_minute": 30}).usage.tokens_available == 30.0  # capped to the new limit
@@ -227,6 +227,18 @@ def test_admin_errors_and_limits_changed_at_once(book):
     assert book.directory.tenant_of_key("k" * 20) is None and book.directory.record("acme") is None
     with pytest.raises(NotFoundError, match="no tenants are configured"):
         admin.remove("acme")
+
+
+def test_no_new_tenant_may_be_named_other_the_metrics_overflow_label(book):
+    admin = TenantAdmin(book.store, book)
+    with pytest.raises(InvalidArgumentError, match="tenant name 'other' is reserved: the metrics' tenant label"):
+        admin.add("other", {})
+    assert book.directory.record("other") is None
+    # a row from before the rule can still be changed and removed
+    book.store.add_tenant(TenantRecord(name="other"), key_hash("k" * 20))
+    book.refresh()
+    assert admin.update("other", {"weight": 2}).record.weight == 2.0
+    admin.remove("other")
 
 
 def test_server_credentials_are_never_a_tenant_key(tmp_path: Path):

@@ -7,7 +7,15 @@ blocks in ``read`` and gets end-of-file exactly when the last holder of the writ
 that is when the ``serve`` process exited — a clean exit, a crash or ``kill -9`` alike. The
 worker then stops at once (no drain: the control plane that relayed its streams died with
 ``serve``), so it never outlives its parent to heartbeat a later ``serve``'s control plane
-from the port that ``serve``'s own worker needs.
+from the port that ``serve``'s own worker needs. Whatever state it is in (loading, serving,
+draining, stopping), it is gone `STOP_GRACE_S` seconds later at the latest: the watch hands
+that deadline to the kernel (`loraplane.worker.rpc.deadline`) before it does anything else,
+logging included (a log line blocks for good when nobody reads the worker's stderr).
+
+A child that ``serve`` forks without exec would hold a copy of the write end and keep the
+end-of-file away; the watch therefore also checks every `REPARENT_CHECK_S` seconds whether
+the worker was re-parented (``getppid`` no longer ``serve``'s pid), which happens exactly when
+``serve`` died.
 
 Why a pipe and not ``prctl(PR_SET_PDEATHSIG)``: the parent-death signal fires when the *thread*
 that forked the child exits, and ``serve`` starts (and restarts) its worker from a supervisor
@@ -17,19 +25,21 @@ thread; it also needs a ``getppid`` check to close the fork race. The pipe follo
 from __future__ import annotations
 
 import os
+import select
 import threading
 from collections.abc import Callable
 
 import structlog
 
 from loraplane.env import ENV_PARENT_FD
+from loraplane.worker.rpc.deadline import STOP_GRACE_S, arm
 
 log = structlog.get_logger("loraplane.worker.rpc.parent")
 
-EXIT_FALLBACK_S = 10.0
-"""After the parent died, seconds the orderly stop may take before the process exits hard."""
 EXIT_CODE_PARENT_GONE = 3
 """Exit status of a worker that stopped hard because its parent died."""
+REPARENT_CHECK_S = 0.5
+"""Seconds between two checks of the parent's pid while the pipe stays silent."""
 
 
 class ParentWatch:
@@ -38,13 +48,14 @@ class ParentWatch:
     Attributes:
         on_parent_death: called once on the watch thread when the parent is gone; until the
             worker replaces it (``serve_worker`` does, with "stop now"), it ends the process
-            at once (the model may still be loading). Whatever it is, the process exits with
-            `EXIT_CODE_PARENT_GONE` if it is still alive `EXIT_FALLBACK_S` seconds later.
-        parent_gone: set when end-of-file was read.
+            at once with `EXIT_CODE_PARENT_GONE` (the model may still be loading). Whatever it
+            is, the kernel ends the process `STOP_GRACE_S` seconds later if it still lives.
+        parent_gone: set when the parent is seen gone (end-of-file, or re-parented).
     """
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.parent_pid = os.getppid()
         self.parent_gone = threading.Event()
         self.on_parent_death: Callable[[], None] = _exit_now
         self._thread = threading.Thread(target=self._run, name="parent-watch", daemon=True)
@@ -53,22 +64,29 @@ class ParentWatch:
         self._thread.start()
         return self
 
+    def _wait_gone(self) -> str:
+        """Block until the parent is gone; returns how that was seen."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)  # end of file reads as POLLHUP, always reported
+        while True:
+            if poller.poll(REPARENT_CHECK_S * 1000) and not os.read(self.fd, 4096):  # bytes are ignored
+                return "end of file"
+            if os.getppid() != self.parent_pid:
+                return "re-parented"
+
     def _run(self) -> None:
         try:
-            while os.read(self.fd, 4096):
-                pass  # nothing is written; bytes would only be ignored
+            how = self._wait_gone()
         except OSError as exc:
             log.warning("parent_watch_failed", fd=self.fd, error=str(exc))
             return
         self.parent_gone.set()
-        log.warning("parent_died_stopping", parent_fd=self.fd)
-        timer = threading.Timer(EXIT_FALLBACK_S, _exit_now)
-        timer.daemon = True
-        timer.start()
+        arm(STOP_GRACE_S)  # first: anything below may block for good (a log line)
         try:
             self.on_parent_death()
         except BaseException:  # noqa: BLE001 - whatever happens, the process must go
             _exit_now()
+        log.warning("parent_died_stopping", parent_fd=self.fd, parent_pid=self.parent_pid, seen=how)
 
 
 def _exit_now() -> None:

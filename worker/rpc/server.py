@@ -3,7 +3,8 @@
 ``create_server`` binds (port 0 picks a free one), loads the model, and flips health to
 SERVING once the model is ready; ``serve_worker`` also registers with the control plane and
 blocks until SIGINT/SIGTERM, then drains (`drain`: NOT_SERVING, nothing new admitted,
-in-flight generations finish within ``--drain-timeout``) and stops.
+in-flight generations finish within ``--drain-timeout``) and stops (`Shutdown`: by the drain
+timeout + `STOP_GRACE_S` at the latest, whatever else happens).
 
 Threads (one ``ThreadPoolExecutor``; a streaming call holds a thread for its whole life):
 
@@ -26,6 +27,7 @@ import os
 import signal
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -38,6 +40,8 @@ from loraplane.reflection import enable_reflection
 from loraplane.status_details import BoundedStatusInterceptor
 from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
 from loraplane.worker.config import WorkerConfig
+from loraplane.worker.rpc import deadline
+from loraplane.worker.rpc.deadline import STOP_GRACE_S
 from loraplane.worker.rpc.servicer import WorkerServicer
 from loraplane.worker.serving.engine import WorkerEngine
 from loraplane.worker_secret import worker_guard, worker_secret_from
@@ -200,23 +204,41 @@ class SchedulerStoppedError(RuntimeError):
 
 class Shutdown:
     """How a worker process stops: the first SIGTERM/SIGINT starts a drain (``draining``), a
-    second one (or the parent ``serve`` dying, `loraplane.worker.rpc.parent`) stops now (``now``)."""
+    second one (or the parent ``serve`` dying, `loraplane.worker.rpc.parent`) stops now (``now``).
 
-    def __init__(self) -> None:
+    Each step first arms the kernel deadline ``hard_stop`` (`loraplane.worker.rpc.deadline.arm`;
+    None: nothing is armed), then acts, and logs last: the process is gone ``drain_timeout_s``
+    + `STOP_GRACE_S` seconds after the first signal and `STOP_GRACE_S` seconds after a second
+    one at the latest, whatever else happens in it (a log line blocked on a stderr pipe nobody
+    reads, a stuck thread). The orderly stop normally ends long before.
+    """
+
+    def __init__(self, drain_timeout_s: float = 0.0, hard_stop: Callable[[float], None] | None = None) -> None:
         self.draining = threading.Event()
         self.now = threading.Event()
+        self.drain_timeout_s = drain_timeout_s
+        self._hard_stop = hard_stop
 
     def on_signal(self, signum: int, _frame: object = None) -> None:
         """Signal handler: drain on the first signal, stop now on the next."""
         if self.draining.is_set():
-            log.warning("worker_stopping_now", signal=signal.Signals(signum).name)
             self.stop_now()
+            log.warning("worker_stopping_now", signal=signal.Signals(signum).name)
         else:
+            self.start_drain()
             log.info("worker_drain_requested", signal=signal.Signals(signum).name)
-            self.draining.set()
+
+    def start_drain(self) -> None:
+        """Start a drain: the process ends ``drain_timeout_s`` + `STOP_GRACE_S` from now at the latest."""
+        if self._hard_stop is not None:
+            self._hard_stop(self.drain_timeout_s + STOP_GRACE_S)
+        self.draining.set()
 
     def stop_now(self) -> None:
-        """Stop without waiting for in-flight generations (any thread)."""
+        """Stop without waiting for in-flight generations (any thread): the process ends
+        `STOP_GRACE_S` from now at the latest."""
+        if self._hard_stop is not None:
+            self._hard_stop(STOP_GRACE_S)
         self.now.set()
         self.draining.set()
 
@@ -266,6 +288,8 @@ def serve_worker(config: WorkerConfig) -> None:
     UNAVAILABLE, and in-flight generations run to their end for up to ``config.drain_timeout_s``
     seconds; then the process exits. A second signal stops at once. Started by ``serve``
     (``$LORAPLANE_PARENT_FD``), it also stops at once when ``serve`` dies (`loraplane.worker.rpc.parent`).
+    Whatever else happens, the kernel ends the process `STOP_GRACE_S` seconds after the drain
+    timeout, a second signal or ``serve``'s death (`Shutdown`, `loraplane.worker.rpc.deadline`).
 
     Raises:
         SchedulerStoppedError: the scheduler loop stopped for good (``Scheduler.on_fatal``):
@@ -276,6 +300,7 @@ def serve_worker(config: WorkerConfig) -> None:
     from loraplane.worker.rpc.parent import watch_parent_from_env
 
     configure_logging(config.log_level)
+    deadline.install()  # SIGALRM at its default action: the stops' deadline ends the process
     parent = watch_parent_from_env()  # first: serve may die while the model loads
     from loraplane.progress import progress_enabled, spinner
     from loraplane.worker.serving.heap import limit_arenas
@@ -284,7 +309,8 @@ def serve_worker(config: WorkerConfig) -> None:
 
     with spinner("loading the model", enabled=progress_enabled()):
         server, port, engine = create_server(config)
-    shutdown = Shutdown()  # until here, SIGTERM/SIGINT end the process as Python's defaults do
+    # until here, SIGTERM/SIGINT end the process as Python's defaults do
+    shutdown = Shutdown(config.drain_timeout_s, hard_stop=deadline.arm)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, shutdown.on_signal)
     if parent is not None:

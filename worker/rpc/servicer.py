@@ -185,6 +185,40 @@ def _put_event(events: queue.Queue, rid: str, ev: Event) -> None:
     events.put((rid, ev))
 
 
+class _CallRequests:
+    """The requests one Decode call submitted, and whether the call is over. The reader thread
+    adds to it while gRPC's done-callback cancels it (another thread): a request whose submit
+    was still running when the call ended (waiting for the tokenizer, an adapter fetch, a
+    grammar) is cancelled as it is added, so it never holds a queue place or a slot for a
+    client that is gone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[str, GenRequest] = {}
+        self.over = False
+
+    def add(self, rid: str, req: GenRequest) -> bool:
+        """Record ``req``; False (and ``req`` cancelled) when the call is over already."""
+        with self._lock:
+            self._requests[rid] = req
+            over = self.over
+        if over:
+            req.cancelled.set()
+        return not over
+
+    def get(self, rid: str) -> GenRequest | None:
+        with self._lock:
+            return self._requests.get(rid)
+
+    def cancel_all(self) -> None:
+        """The call is over: cancel every request it submitted, and any added from now on."""
+        with self._lock:
+            self.over = True
+            requests = list(self._requests.values())
+        for req in requests:
+            req.cancelled.set()
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Thin: each method converts, delegates to ``WorkerEngine`` and maps errors."""
 
@@ -226,11 +260,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _decode(self, request_iterator, context):
         events: queue.Queue = queue.Queue()
-        submitted: dict[str, GenRequest] = {}
+        submitted = _CallRequests()
 
         def cancel_all() -> None:
-            for req in submitted.values():
-                req.cancelled.set()
+            submitted.cancel_all()
             self.engine.scheduler.wake()
             events.put(_CALL_DONE)
 
@@ -262,9 +295,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if input_done and not open_ids:
                 return
 
-    def _read_requests(self, request_iterator, events: queue.Queue, submitted: dict) -> None:
+    def _read_requests(self, request_iterator, events: queue.Queue, submitted: _CallRequests) -> None:
         try:
             for msg in request_iterator:
+                if submitted.over:
+                    break  # cancelled: what is left unread is not admitted
                 if msg.HasField("submit"):
                     self._submit(msg.submit, events, submitted, msg.tenant if msg.HasField("tenant") else None)
                 elif msg.cancel_request_id:
@@ -284,7 +319,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self,
         r: pb.GenerateRequest,
         events: queue.Queue,
-        submitted: dict,
+        submitted: _CallRequests,
         tenant: worker_pb2.RequestTenant | None = None,
     ) -> None:
         rid = r.request_id
@@ -333,7 +368,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except WorkerError as exc:
             events.put((rid, ErrorEvent(exc)))
             return
-        submitted[rid] = req
+        if not submitted.add(rid, req):
+            self.engine.scheduler.wake()  # the call ended during the submit: the loop drops it now
 
     def LoadAdapter(self, request_iterator, context):
         first = next(request_iterator, None)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from loraplane.limits import MAX_ADAPTER_SCALE
 from loraplane.worker.config import WorkerConfig
 from loraplane.worker.errors import (
     AdapterFetchError,
@@ -111,12 +112,15 @@ def adapter_vector(entries: list[tuple[int, float]]) -> dict[int, float]:
     is the base model for that adapter: llama.cpp skips it too).
 
     Raises:
-        InvalidRequestError: a non-finite scale, or an id given twice.
+        InvalidRequestError: a non-finite scale, one whose magnitude is above
+            `MAX_ADAPTER_SCALE` (the control plane refuses those first), or an id given twice.
     """
     wanted: dict[int, float] = {}
     for aid, scale in entries:
         if not math.isfinite(scale):
             raise InvalidRequestError(f"adapter {aid}: scale {scale} is not finite")
+        if abs(scale) > MAX_ADAPTER_SCALE:
+            raise InvalidRequestError(f"adapter {aid}: scale {scale:g} is above the limit of {MAX_ADAPTER_SCALE:g}")
         if aid in wanted:
             raise InvalidRequestError(f"adapter {aid} appears twice in the adapter vector")
         wanted[aid] = scale

@@ -324,10 +324,13 @@ class Scheduler:
                 raise self._stopped_error()
             # Capacity is sequences + queue limit: a queued request that a free sequence takes at
             # the next loop turn is not "waiting", so a burst admits exactly that many even
-            # while the loop is mid-step with idle sequences.
-            busy = sum(s.busy for s in self.seqs)
-            if busy + len(self.queue) >= len(self.seqs) + self.config.queue_limit:
-                self._make_room(req.tenant, busy)
+            # while the loop is mid-step with idle sequences. A cancelled request (its client
+            # went away) takes no place: the loop drops it at its next turn, possibly a long
+            # step from now.
+            busy = sum(s.req is not None and not s.req.cancelled.is_set() for s in self.seqs)
+            queued = sum(not r.cancelled.is_set() for r in self.queue)
+            if busy + queued >= len(self.seqs) + self.config.queue_limit:
+                self._make_room(req.tenant, busy, queued)
             req.held_ids = adapter_set.ids
             self._count_holds(req.held_ids, +1)
             self.queue.append(req)
@@ -336,7 +339,7 @@ class Scheduler:
             self._cv.notify_all()
         return req
 
-    def _make_room(self, tenant: RequestTenant, busy: int) -> None:
+    def _make_room(self, tenant: RequestTenant, busy: int, queued: int) -> None:
         """The worker is full: evict the queued request that gives its place to a request of
         ``tenant`` (fair admission's queue shares, ``FairQueue.give_way``; ended with
         ``QueueFullError`` at the loop's next turn), or refuse. The condition's lock held.
@@ -349,7 +352,7 @@ class Scheduler:
         victim = fair.give_way(tenant) if fair is not None else None
         if fair is None or victim is None:
             raise QueueFullError(
-                f"worker {self.worker_id}: queue full ({busy}/{len(self.seqs)} slots busy, {len(self.queue)} "
+                f"worker {self.worker_id}: queue full ({busy}/{len(self.seqs)} slots busy, {queued} "
                 f"queued; admits {capacity})"
             )
         held = sum(1 for r in self.queue if r.tenant.name == victim.tenant.name)
