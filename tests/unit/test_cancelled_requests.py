@@ -30,7 +30,12 @@ PROMPT = [1, 450, 4996, 17354]
 
 
 def _config(fixtures_dir, **fields) -> WorkerConfig:
-    return WorkerConfig(model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"), device="cpu", **fields)
+    return WorkerConfig(
+        model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
+        device="cpu",
+        grammar_warmup=False,
+        **fields,
+    )
 
 
 def _submit(e: WorkerEngine, rid: str, events: queue.Queue, max_tokens: int = 4):

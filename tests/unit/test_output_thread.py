@@ -32,6 +32,7 @@ def engine(fixtures_dir):
                 prefix_cache=PrefixCachePolicy.LLAMA,
                 device="cpu",
                 n_ctx_slot=256,
+                grammar_warmup=False,  # no structured output here
                 **config,
             )
         )

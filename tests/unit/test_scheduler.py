@@ -37,6 +37,7 @@ def engine_for(fixtures_dir):
                 device="cpu",
                 n_ctx_slot=256,
                 queue_limit=queue_limit,
+                grammar_warmup=False,  # no structured output here
                 **config,
             )
         )
@@ -428,6 +429,7 @@ def test_the_loop_stopping_for_good_marks_the_worker_unhealthy(fixtures_dir):
         n_slots=1,
         device="cpu",
         n_ctx_slot=256,
+        grammar_warmup=False,
     )
     server, port, e = create_server(config)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
