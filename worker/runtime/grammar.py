@@ -58,15 +58,14 @@ class _VocabView:
         self._tok = tok
         self.eos_token_id = tok.eos_id if tok.eos_id is not None else sorted(tok.eog_ids)[0]
         self.bos_token_id = tok.bos_id
-        attrs = tok._attrs
-        special = TokenAttr.CONTROL | TokenAttr.UNKNOWN
+        attrs = [int(a) for a in tok._attrs]  # plain int bit tests: IntFlag's operators are slow
+        special = int(TokenAttr.CONTROL | TokenAttr.UNKNOWN)
+        user_defined = int(TokenAttr.USER_DEFINED)
         tokens: list[bytes] = []
         ids: list[int] = []
         for i in range(tok.n_vocab):
             a = attrs[i]
-            if a & special or (
-                a & TokenAttr.USER_DEFINED and tok._pieces[i].startswith("<") and tok._pieces[i].endswith(">")
-            ):
+            if a & special or (a & user_defined and tok._pieces[i].startswith("<") and tok._pieces[i].endswith(">")):
                 tokens.append(b"\xff" + tok.token_bytes(i, skip_special=False))
                 ids.append(i)
             else:

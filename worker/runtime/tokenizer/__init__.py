@@ -123,10 +123,10 @@ class Tokenizer:
         """llama.cpp ``token_to_piece`` as bytes (the branch of the vocab type)."""
         if not 0 <= token_id < self.n_vocab:
             raise TokenizerError(f"{self.source}: token id {token_id} out of range [0, {self.n_vocab})")
-        attr = self._attrs[token_id]
-        if attr & HIDDEN_ATTRS and not special:
+        attr = int(self._attrs[token_id])  # plain int bit tests: IntFlag's operators are slow
+        if attr & _HIDDEN and not special:
             return b""
-        if attr & (HIDDEN_ATTRS | TokenAttr.USER_DEFINED):
+        if attr & _HIDDEN_OR_USER_DEFINED:
             return self._pieces[token_id].encode("utf-8")
         return self._model.piece_bytes(token_id, attr)
 
@@ -171,5 +171,8 @@ class Tokenizer:
         """
         return self._piece_bytes(int(token_id), special=True).decode("utf-8", errors="replace")
 
+
+_HIDDEN = int(HIDDEN_ATTRS)
+_HIDDEN_OR_USER_DEFINED = int(HIDDEN_ATTRS | TokenAttr.USER_DEFINED)
 
 __all__ = ["SUPPORTED_MODELS", "TokenAttr", "TokenType", "Tokenizer", "TokenizerError"]

@@ -52,6 +52,8 @@ from tokenizers.models import BPE
 
 from loraplane.worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
+_NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
+
 # load(), tokenizer_model == "gpt2": special ids and flags before the metadata overrides them.
 BPE_DEFAULTS = VocabDefaults(bos=11, eos=11, add_bos=False, add_space_prefix=False)
 
@@ -344,12 +346,13 @@ class BpeModel:
             if words:
                 out.extend(self._hf.encode(words, is_pretokenized=True, add_special_tokens=False).ids)
 
-    def piece_bytes(self, token_id: int, attr: TokenAttr) -> bytes:
+    def piece_bytes(self, token_id: int, attr: TokenAttr | int) -> bytes:
         """``token_to_piece`` (BPE branch) of a token that is not CONTROL/UNKNOWN/USER_DEFINED."""
         text = self._vocab.pieces[token_id]
-        if attr & TokenAttr.NORMAL:
+        bits = int(attr)  # plain int bit tests: IntFlag's operators cost microseconds each
+        if bits & _NORMAL:
             return decode_text(text)
-        if attr & TokenAttr.BYTE:
+        if bits & _BYTE:
             try:
                 return bytes([int(text[3:5], 16)])
             except ValueError:

@@ -34,6 +34,7 @@ from sentencepiece import sentencepiece_model_pb2 as spm_pb2  # generated protob
 from loraplane.worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
 _SPACE = " "
+_NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
 _ESCAPED_SPACE = "\u2581"  # "▁", what SentencePiece vocabularies use for a space
 
 # load(), tokenizer_model == "llama": special ids and flags before the metadata overrides them.
@@ -123,11 +124,12 @@ class SpmModel:
             found = self._vocab.piece_to_id.get(chr(b))
         return found
 
-    def piece_bytes(self, token_id: int, attr: TokenAttr) -> bytes:
+    def piece_bytes(self, token_id: int, attr: TokenAttr | int) -> bytes:
         """``token_to_piece`` (SPM branch) of a token that is not CONTROL/UNKNOWN/USER_DEFINED."""
         text = self._vocab.pieces[token_id]
-        if attr & TokenAttr.NORMAL:
+        bits = int(attr)  # plain int bit tests: IntFlag's operators cost microseconds each
+        if bits & _NORMAL:
             return text.replace(_ESCAPED_SPACE, _SPACE).encode("utf-8")
-        if attr & TokenAttr.BYTE:
+        if bits & _BYTE:
             return bytes([int(text[3:5], 16)])
         return b""  # UNUSED / UNDEFINED render as nothing
