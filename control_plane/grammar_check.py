@@ -41,7 +41,7 @@ CHILD_STACK_BYTES = 8 * 1024 * 1024
 def _compile_in_child(fmt: ResponseFormat, limits: GrammarLimits) -> str | None:
     """Runs in a child: compile ``fmt`` on a thread with a `CHILD_STACK_BYTES` stack; the
     refusal's message, or None when it compiles."""
-    from loraplane.response_format import compile_grammar
+    from loraplane.response_format import compile_grammar, one_line
 
     result: list[str | None] = ["the check did not finish"]
 
@@ -51,10 +51,17 @@ def _compile_in_child(fmt: ResponseFormat, limits: GrammarLimits) -> str | None:
             result[0] = None
         except GrammarError as exc:
             result[0] = str(exc)
+        except BaseException as exc:  # noqa: BLE001 - any other failure refuses the format, named
+            # (the engine's panics are BaseException; `one_line` keeps their text from the client)
+            why = f"{type(exc).__name__}: {one_line(str(exc))}"
+            result[0] = f"{fmt.type}: the grammar check failed on this format ({why})"
 
-    threading.stack_size(CHILD_STACK_BYTES)
-    t = threading.Thread(target=run, name="grammar-check")
-    t.start()
+    previous = threading.stack_size(CHILD_STACK_BYTES)
+    try:
+        t = threading.Thread(target=run, name="grammar-check")
+        t.start()
+    finally:
+        threading.stack_size(previous)
     t.join()
     return result[0]
 

@@ -119,7 +119,7 @@ def _schema_obj(text: str, what: str) -> dict[str, Any]:
         obj = json.loads(text)
     except RecursionError:
         raise GrammarError(f"{what}: the JSON is nested too deeply") from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer past Python's int-str digit limit
         raise GrammarError(f"{what}: not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise GrammarError(f"{what}: a JSON Schema must be a JSON object, got {type(obj).__name__}")

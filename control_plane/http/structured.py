@@ -45,7 +45,9 @@ def _schema_text(value: Any, param: str) -> str:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as exc:
+        except RecursionError:
+            raise _bad(param, f"'{param}' is not valid JSON: nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer past Python's int-str digit limit
             raise _bad(param, f"'{param}' is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise _bad(param, f"'{param}' must be a JSON Schema object, got {type(value).__name__}")

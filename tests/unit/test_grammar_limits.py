@@ -211,3 +211,15 @@ def test_the_checker_survives_a_crashing_child_and_kills_a_slow_one():
             checker.check(ResponseFormat("grammar", grammar=gbnf_chain(5000)))  # conversion takes seconds
         assert checker.timeouts == 1
         checker.check(ResponseFormat("json_object"))
+
+
+def test_a_check_that_fails_otherwise_names_the_failure():
+    from loraplane.control_plane.grammar_check import _compile_in_child
+
+    # what the child answers for a failure other than a refusal (was "the check did not finish")
+    verdict = _compile_in_child(ResponseFormat("json_schema", schema=None), DEFAULT)  # type: ignore[arg-type]
+    assert verdict == (
+        "json_schema: the grammar check failed on this format "
+        "(AttributeError: 'NoneType' object has no attribute 'strip')"
+    )
+    assert _compile_in_child(ResponseFormat("regex", pattern="[a-z]+"), DEFAULT) is None

@@ -67,6 +67,16 @@ def allowed(masks: torch.Tensor, row: int, n_vocab: int) -> set[int]:
     return {t for t in range(n_vocab) if (int(masks[row, t // 32]) >> (t % 32)) & 1}
 
 
+def test_schema_text_past_the_decoders_limits_is_refused_by_name():
+    # the gRPC path (and the worker) read the schema text here: a ValueError, not a GrammarError,
+    # left the control plane's check child with "the check did not finish"
+    big = ResponseFormat("json_schema", schema='{"type": "integer", "maximum": ' + "9" * 5000 + "}")
+    with pytest.raises(GrammarError, match=r"^json_schema: not valid JSON: Exceeds the limit \(4300 digits\)"):
+        compile_grammar(big)
+    with pytest.raises(GrammarError, match=r"^json_schema: the JSON is nested too deeply$"):
+        compile_grammar(ResponseFormat("json_schema", schema="[" * 100_000 + "]" * 100_000))
+
+
 def test_bad_formats_name_the_fault():
     with pytest.raises(GrammarError, match="json_schema: not valid JSON"):
         compile_grammar(ResponseFormat("json_schema", schema="{"))
@@ -305,6 +315,20 @@ def test_http_response_format_and_vllm_extensions():
         ({"guided_json": "{"}, "guided_json", "not valid JSON"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured-output"),
+        # JSON text the decoder cannot take (these were 500s): nested past the recursion limit,
+        # an integer past Python's 4 300-digit limit
+        ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", "not valid JSON: nested too deeply"),
+        (
+            {"structured_outputs": {"json": '{"a":' * 5000 + "1" + "}" * 5000}},
+            "structured_outputs.json",
+            "not valid JSON: nested too deeply",
+        ),
+        ({"guided_json": '{"maximum": ' + "9" * 5000 + "}"}, "guided_json", "not valid JSON: Exceeds the limit"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": '{"maximum": ' + "9" * 5000 + "}"}}},
+            "response_format.json_schema.schema",
+            "not valid JSON: Exceeds the limit",
+        ),
     ],
 )
 def test_http_bad_formats_are_400_naming_the_field(extra, param, text):
