@@ -223,3 +223,43 @@ def test_a_check_that_fails_otherwise_names_the_failure():
         "(AttributeError: 'NoneType' object has no attribute 'strip')"
     )
     assert _compile_in_child(ResponseFormat("regex", pattern="[a-z]+"), DEFAULT) is None
+
+
+def test_a_format_is_compiled_once_and_each_request_gets_its_own_matcher(monkeypatch, tiny_tokenizer):
+    # every request used to compile its format again: one costly format sent N times cost the
+    # worker's two compile threads N compilations, and cheap formats queued behind them
+    compiled: list[str] = []
+    real = grammar.compile_grammar
+
+    def counted(fmt, limits=None):
+        compiled.append(fmt.type)
+        time.sleep(0.1)  # concurrent first requests arrive while it compiles
+        return real(fmt, limits)
+
+    monkeypatch.setattr(grammar, "compile_grammar", counted)
+    fmt = ResponseFormat("regex", pattern="ab|ba")
+    built: list = []
+    threads = [
+        threading.Thread(target=lambda: built.append(grammar.Constraint.build(fmt, tiny_tokenizer))) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert compiled == ["regex"] and len(built) == 4
+    again = grammar.Constraint.build(fmt, tiny_tokenizer)
+    assert compiled == ["regex"]
+    # independent states: one request's tokens never move another's matcher
+    a_id, b_id = (
+        next(i for i in range(tiny_tokenizer.n_vocab) if tiny_tokenizer.token_bytes(i) == c) for c in (b"a", b"b")
+    )
+    assert built[0].advance(a_id) and built[0].advance(b_id) and built[0].matcher.is_accepting()
+    assert [c.matcher.is_accepting() for c in [*built[1:], again]] == [False] * 4  # untouched
+    assert built[1].advance(b_id) and built[1].advance(a_id) and built[1].matcher.is_accepting()
+    assert again.advance(a_id) and not again.advance(a_id)  # "aa" is refused: its own state
+    # a refusal is remembered too, with its class and message
+    bad = ResponseFormat("grammar", grammar=lark_chain(20))
+    for _ in range(2):
+        with pytest.raises(LimitError, match=r"chain of rule references is 22, over the limit of 10"):
+            grammar.Constraint.build(bad, tiny_tokenizer, None, GrammarLimits(max_depth=10))
+    assert compiled == ["regex", "grammar"]
