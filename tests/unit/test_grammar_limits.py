@@ -263,3 +263,32 @@ def test_a_format_is_compiled_once_and_each_request_gets_its_own_matcher(monkeyp
         with pytest.raises(LimitError, match=r"chain of rule references is 22, over the limit of 10"):
             grammar.Constraint.build(bad, tiny_tokenizer, None, GrammarLimits(max_depth=10))
     assert compiled == ["regex", "grammar"]
+
+
+@pytest.mark.slow  # child processes, one killed (about 2 s)
+def test_concurrent_checks_of_one_format_share_one_child_and_one_verdict():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loraplane.control_plane.grammar_check import GrammarChecker
+    from loraplane.grammar_limits import GrammarError
+
+    # 20 intersected patterns: about 30 s of the engine's emptiness check, stopped at 0.5 s.
+    # Each identical request used to take a child of its own in turn (3 timeouts, 3 child
+    # restarts), and under load some passed where others timed out: different verdicts.
+    slow = {"allOf": [{"type": "string", "pattern": f".*{c}.*"} for c in "abcdefghijklmnopqrst"]}
+    fmt = ResponseFormat("json_schema", schema=json.dumps(slow))
+
+    def verdict() -> str:
+        try:
+            checker.check(fmt)
+        except GrammarError as exc:
+            return str(exc)
+        return "compiled"
+
+    with GrammarChecker(DEFAULT, processes=1, timeout_s=0.5) as checker:
+        checker.check(ResponseFormat("json_object"))  # the child is up
+        with ThreadPoolExecutor(3) as pool:
+            verdicts = list(pool.map(lambda _: verdict(), range(3)))
+        assert checker.timeouts == 1
+        stopped = "json_schema: compiling it took longer than 0.5 s and was stopped (--grammar-check-timeout)"
+        assert verdicts == [f"{stopped}; simplify the format"] * 3
