@@ -136,6 +136,8 @@ def test_engine_messages_carry_no_state_dump_or_panic():
         '"a" | ' * 10_000
     )
     assert one_line(dump) == "Parser Error: Current row has 4001 items; max is 2000"
+    terse = "lexer error: too many expressions constructed\n<non-verbose/>"  # a matcher's, non-verbose
+    assert one_line(terse) == "lexer error: too many expressions constructed"
     panic = "thread '<unnamed>' panicked at src/lexer.rs:12:5:\nindex out of bounds\nstack backtrace:\n 0: ..."
     assert "panicked" not in one_line(panic) and "internal error" in one_line(panic)
     assert len(one_line("x" * 10_000)) == 512

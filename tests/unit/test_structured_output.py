@@ -255,6 +255,30 @@ def test_max_tokens_cuts_a_constrained_row_with_length(engine):
 
 
 @pytest.mark.slow
+def test_a_format_the_engine_cannot_follow_ends_with_an_error_not_a_stop(engine):
+    # 2 001 alternatives in a rule: valid, but the engine's parser holds at most 2 000 items a
+    # row, so its matcher refuses the first token. That ended the request "stop" with an
+    # unfinished text, as if the format were complete.
+    wide = ResponseFormat("grammar", grammar="start: x\nx: " + " | ".join(f'"v{i}"' for i in range(2001)))
+    out = _run_batch(
+        engine,
+        [
+            ("wide", SamplingParams(max_tokens=8, response_format=wide), []),
+            ("plain", SamplingParams(max_tokens=3, ignore_eos=True), []),
+        ],
+    )
+    end = out["wide"][-1]
+    assert isinstance(end, ErrorEvent) and isinstance(end.error, InvalidRequestError), end
+    assert str(end.error) == (
+        "response_format: the grammar engine could not follow this grammar format at generated token 1 "
+        "(Parser Error: Current row has 2002 items; max is 2000; consider making your grammar left-recursive "
+        "if it's right-recursive); simplify the format"
+    )
+    assert len(_ids(out["wide"])) == 1  # the token the mask allowed is still delivered
+    assert len(_ids(out["plain"])) == 3 and isinstance(out["plain"][-1], FinishedEvent)  # the batch goes on
+
+
+@pytest.mark.slow
 def test_bad_schema_is_a_request_error_and_the_worker_keeps_serving(engine):
     with pytest.raises(InvalidRequestError, match="response_format: json_schema: Invalid type: foo"):
         engine.submit(
