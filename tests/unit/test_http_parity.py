@@ -143,7 +143,16 @@ def test_known_unimplemented_parameters_are_400_only_when_not_default(name):
 
 @pytest.mark.parametrize(
     "extra, param",
-    [({"n": 2}, "n"), ({"best_of": 2}, "best_of"), ({"logit_bias": {"5": 1}}, "logit_bias"), ({"echo": True}, "echo")],
+    [
+        ({"n": 2}, "n"),
+        ({"best_of": 2}, "best_of"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"echo": True}, "echo"),
+        # OpenAI's legacy function calling was ignored: the model answered as if no function existed
+        ({"functions": [{"name": "get_weather", "parameters": {"type": "object"}}]}, "functions"),
+        ({"function_call": {"name": "get_weather"}}, "function_call"),
+        ({"guided_whitespace_pattern": "[ ]*"}, "guided_whitespace_pattern"),
+    ],
 )
 def test_openai_parameters_we_do_not_implement_are_400(extra, param):
     for path, base in (

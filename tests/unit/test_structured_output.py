@@ -322,6 +322,9 @@ def test_http_response_format_and_vllm_extensions():
     assert rf is not None and rf.type == common_pb2.ResponseFormat.TYPE_GRAMMAR
     rf = response_format_of(_chat(structured_outputs={"grammar": 'start: "a"'}), INLINE)
     assert rf is not None and rf.grammar == 'start: "a"'
+    hints = {"regex": "[0-9]+", "disable_any_whitespace": True, "disable_fallback": True, "whitespace_pattern": None}
+    rf = response_format_of(_chat(structured_outputs=hints), INLINE)  # hints that change nothing here
+    assert rf is not None and rf.regex == "[0-9]+"
 
 
 @pytest.mark.parametrize(
@@ -348,6 +351,18 @@ def test_http_response_format_and_vllm_extensions():
             "not valid JSON: nested too deeply",
         ),
         ({"guided_json": '{"maximum": ' + "9" * 5000 + "}"}, "guided_json", "not valid JSON: Exceeds the limit"),
+        # vLLM keys this server does not implement were ignored: the output went unconstrained
+        (
+            {"structured_outputs": {"structural_tag": '{"type": "structural_tag"}'}},
+            "structured_outputs.structural_tag",
+            "'structured_outputs.structural_tag' is not supported: this server implements json, regex, grammar",
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " *"}},
+            "structured_outputs.whitespace_pattern",
+            "is not supported",
+        ),
+        ({"structured_outputs": {"ebnf": "root ::= 'a'"}}, "structured_outputs.ebnf", "is not supported"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": '{"maximum": ' + "9" * 5000 + "}"}}},
             "response_format.json_schema.schema",
