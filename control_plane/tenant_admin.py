@@ -49,7 +49,8 @@ def check_settings(settings: Mapping[str, float | int]) -> dict[str, float | int
             continue
         lo, hi = _BOUNDS[key]
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise InvalidArgumentError(f"{key} {value!r} is not an integer in [{lo}, {hi}] (0: unlimited)")
+            meaning = "0 is the default class, lower is served first" if key == "priority" else "0: unlimited"
+            raise InvalidArgumentError(f"{key} {value!r} is not an integer in [{lo}, {hi}] ({meaning})")
         out[key] = int(value)
     return out
 
