@@ -294,3 +294,23 @@ def test_concurrent_checks_of_one_format_share_one_child_and_one_verdict():
         assert checker.timeouts == 1
         stopped = "json_schema: compiling it took longer than 0.5 s and was stopped (--grammar-check-timeout)"
         assert verdicts == [f"{stopped}; simplify the format"] * 3
+
+
+def test_kept_matchers_are_bounded_by_their_formats_size(monkeypatch, tiny_tokenizer):
+    compiled: list[str] = []
+    real = grammar.compile_grammar
+
+    def counted(fmt, limits=None):
+        compiled.append(fmt.pattern)
+        return real(fmt, limits)
+
+    monkeypatch.setattr(grammar, "compile_grammar", counted)
+    monkeypatch.setattr(grammar, "MATCHER_CACHE_BYTES", 2 * 1000 + 100)  # two of the formats below
+    big = [ResponseFormat("regex", pattern=f"{c}{'x' * 994}") for c in ("a", "b", "c")]  # 1 000 bytes each
+    for fmt in big:
+        grammar.Constraint.build(fmt, tiny_tokenizer)
+    grammar.Constraint.build(big[2], tiny_tokenizer)
+    grammar.Constraint.build(big[1], tiny_tokenizer)
+    assert len(compiled) == 3  # the last two were kept
+    grammar.Constraint.build(big[0], tiny_tokenizer)
+    assert len(compiled) == 4 and compiled[-1] == big[0].pattern  # the first was not: a third over the budget

@@ -209,14 +209,19 @@ def _compiler() -> Any:
 
 MATCHER_CACHE_SIZE = 64
 """Compiled formats a worker keeps (LRU), each a pristine matcher that requests copy."""
+MATCHER_CACHE_BYTES = 2 * 1024 * 1024
+"""Format text the kept matchers may stand for together (LRU beyond it): a matcher holds about
+20 times its format's size (a 250 KB regex literal about 5 MiB), so this bounds the cache near
+40 MiB however large the formats a client sends, while the usual few-KB schemas fill the count."""
 
 
 class _Compiled:
     """One format's compilation against one vocabulary view, done once: the first caller
     compiles, the others wait; the outcome is a pristine matcher or the refusal."""
 
-    def __init__(self, llt: Any) -> None:
+    def __init__(self, llt: Any, size: int) -> None:
         self.llt = llt  # held so that its id, in the key, is not reused while the entry lives
+        self.size = size  # UTF-8 bytes of the format's text
         self.done = threading.Event()
         self.matcher: Any = None
         self.error: GrammarError | None = None
@@ -224,20 +229,33 @@ class _Compiled:
 
 _COMPILED: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
 _COMPILED_LOCK = threading.Lock()
+_compiled_bytes = 0  # sizes of the entries in _COMPILED, under _COMPILED_LOCK
 
 
-def _format_key(fmt: ResponseFormat, llt: Any, limits: GrammarLimits) -> tuple[Any, ...]:
+def _format_key(fmt: ResponseFormat, llt: Any, limits: GrammarLimits) -> tuple[tuple[Any, ...], int]:
+    """The cache key of ``fmt`` on ``llt`` under ``limits``, and the format text's size."""
     h = hashlib.sha256()
+    size = 0
     for part in (fmt.type, fmt.schema, "1" if fmt.strict else "0", fmt.pattern, fmt.grammar):
         data = part.encode("utf-8", "surrogatepass")
+        size += len(data)
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
-    return (id(llt), limits, h.digest())
+    return (id(llt), limits, h.digest()), size
+
+
+def _drop(key: tuple[Any, ...]) -> None:
+    """Forget ``key``'s entry (caller holds `_COMPILED_LOCK`)."""
+    global _compiled_bytes
+    entry = _COMPILED.pop(key, None)
+    if entry is not None:
+        _compiled_bytes -= entry.size
 
 
 def compiled_matcher(fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None, compile_fn: Any) -> Any:
     """A fresh matcher of ``fmt`` on the vocabulary view ``llt``: a copy of the one compiled for
-    the same format before (`MATCHER_CACHE_SIZE` formats, LRU), else ``compile_fn(fmt, llt,
+    the same format before (`MATCHER_CACHE_SIZE` formats and `MATCHER_CACHE_BYTES` of their
+    text, LRU), else ``compile_fn(fmt, llt,
     limits)``'s, compiled once however many requests carry the format at once (single-flight:
     the others wait for that compilation). A format the engine refused is refused again from
     the cache. The control plane remembers its verdicts the same way
@@ -247,14 +265,16 @@ def compiled_matcher(fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None
     Raises:
         GrammarError: ``fmt`` is over a limit or does not compile (the first caller's error).
     """
-    key = _format_key(fmt, llt, limits or GrammarLimits())
+    global _compiled_bytes
+    key, size = _format_key(fmt, llt, limits or GrammarLimits())
     with _COMPILED_LOCK:
         entry = _COMPILED.get(key)
         builder = entry is None
         if entry is None:
-            entry = _COMPILED[key] = _Compiled(llt)
-            while len(_COMPILED) > MATCHER_CACHE_SIZE:
-                _COMPILED.popitem(last=False)
+            entry = _COMPILED[key] = _Compiled(llt, size)
+            _compiled_bytes += size
+            while len(_COMPILED) > 1 and (len(_COMPILED) > MATCHER_CACHE_SIZE or _compiled_bytes > MATCHER_CACHE_BYTES):
+                _drop(next(iter(_COMPILED)))
         else:
             _COMPILED.move_to_end(key)
     if builder:
@@ -265,7 +285,7 @@ def compiled_matcher(fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None
         except BaseException:
             with _COMPILED_LOCK:  # not a verdict on the format: the next caller compiles again
                 if _COMPILED.get(key) is entry:
-                    del _COMPILED[key]
+                    _drop(key)
             raise
         finally:
             entry.done.set()
