@@ -29,6 +29,16 @@ def tiny_tokenizer(fixtures_dir):
     return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 
 
+@pytest.fixture(scope="module")
+def shared_tokenizer(fixtures_dir):
+    """One tokenizer for the tests of the worker's compiled-format cache (its vocabulary view is
+    built once for them)."""
+    from loraplane.worker.gguf.reader import read_gguf
+    from loraplane.worker.runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
+
+
 @pytest.mark.parametrize(
     ("fmt", "message"),
     [
@@ -227,7 +237,7 @@ def test_a_check_that_fails_otherwise_names_the_failure():
     assert _compile_in_child(ResponseFormat("regex", pattern="[a-z]+"), DEFAULT) is None
 
 
-def test_a_format_is_compiled_once_and_each_request_gets_its_own_matcher(monkeypatch, tiny_tokenizer):
+def test_a_format_is_compiled_once_and_each_request_gets_its_own_matcher(monkeypatch, shared_tokenizer):
     # every request used to compile its format again: one costly format sent N times cost the
     # worker's two compile threads N compilations, and cheap formats queued behind them
     compiled: list[str] = []
@@ -235,25 +245,25 @@ def test_a_format_is_compiled_once_and_each_request_gets_its_own_matcher(monkeyp
 
     def counted(fmt, limits=None):
         compiled.append(fmt.type)
-        time.sleep(0.1)  # concurrent first requests arrive while it compiles
+        time.sleep(0.05)  # concurrent first requests arrive while it compiles
         return real(fmt, limits)
 
     monkeypatch.setattr(grammar, "compile_grammar", counted)
     fmt = ResponseFormat("regex", pattern="ab|ba")
     built: list = []
     threads = [
-        threading.Thread(target=lambda: built.append(grammar.Constraint.build(fmt, tiny_tokenizer))) for _ in range(4)
+        threading.Thread(target=lambda: built.append(grammar.Constraint.build(fmt, shared_tokenizer))) for _ in range(4)
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert compiled == ["regex"] and len(built) == 4
-    again = grammar.Constraint.build(fmt, tiny_tokenizer)
+    again = grammar.Constraint.build(fmt, shared_tokenizer)
     assert compiled == ["regex"]
     # independent states: one request's tokens never move another's matcher
     a_id, b_id = (
-        next(i for i in range(tiny_tokenizer.n_vocab) if tiny_tokenizer.token_bytes(i) == c) for c in (b"a", b"b")
+        next(i for i in range(shared_tokenizer.n_vocab) if shared_tokenizer.token_bytes(i) == c) for c in (b"a", b"b")
     )
     assert built[0].advance(a_id) and built[0].advance(b_id) and built[0].matcher.is_accepting()
     assert [c.matcher.is_accepting() for c in [*built[1:], again]] == [False] * 4  # untouched
@@ -263,7 +273,7 @@ def test_a_format_is_compiled_once_and_each_request_gets_its_own_matcher(monkeyp
     bad = ResponseFormat("grammar", grammar=lark_chain(20))
     for _ in range(2):
         with pytest.raises(LimitError, match=r"chain of rule references is 22, over the limit of 10"):
-            grammar.Constraint.build(bad, tiny_tokenizer, None, GrammarLimits(max_depth=10))
+            grammar.Constraint.build(bad, shared_tokenizer, None, GrammarLimits(max_depth=10))
     assert compiled == ["regex", "grammar"]
 
 
@@ -296,7 +306,7 @@ def test_concurrent_checks_of_one_format_share_one_child_and_one_verdict():
         assert verdicts == [f"{stopped}; simplify the format"] * 3
 
 
-def test_kept_matchers_are_bounded_by_their_formats_size(monkeypatch, tiny_tokenizer):
+def test_kept_matchers_are_bounded_by_their_formats_size(monkeypatch, shared_tokenizer):
     compiled: list[str] = []
     real = grammar.compile_grammar
 
@@ -308,9 +318,9 @@ def test_kept_matchers_are_bounded_by_their_formats_size(monkeypatch, tiny_token
     monkeypatch.setattr(grammar, "MATCHER_CACHE_BYTES", 2 * 1000 + 100)  # two of the formats below
     big = [ResponseFormat("regex", pattern=f"{c}{'x' * 994}") for c in ("a", "b", "c")]  # 1 000 bytes each
     for fmt in big:
-        grammar.Constraint.build(fmt, tiny_tokenizer)
-    grammar.Constraint.build(big[2], tiny_tokenizer)
-    grammar.Constraint.build(big[1], tiny_tokenizer)
+        grammar.Constraint.build(fmt, shared_tokenizer)
+    grammar.Constraint.build(big[2], shared_tokenizer)
+    grammar.Constraint.build(big[1], shared_tokenizer)
     assert len(compiled) == 3  # the last two were kept
-    grammar.Constraint.build(big[0], tiny_tokenizer)
+    grammar.Constraint.build(big[0], shared_tokenizer)
     assert len(compiled) == 4 and compiled[-1] == big[0].pattern  # the first was not: a third over the budget
