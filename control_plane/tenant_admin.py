@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from loraplane.control_plane.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from loraplane.control_plane.errors import MAX_LISTED, AlreadyExistsError, InvalidArgumentError, NotFoundError
 from loraplane.control_plane.quotas import QuotaBook, TenantUsageView
 from loraplane.control_plane.store import AdapterStore
 from loraplane.control_plane.store.tenant_records import TENANT_SETTINGS, TenantRecord
@@ -118,5 +118,6 @@ class TenantAdmin:
 
     def _not_found(self, name: str) -> NotFoundError:
         names = [r.name for r in self.book.directory.records()]
-        known = f"tenants: {', '.join(names)}" if names else "no tenants are configured"
+        more = f", … and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+        known = f"tenants: {', '.join(names[:MAX_LISTED])}{more}" if names else "no tenants are configured"
         return NotFoundError(f"tenant '{name}' not found; {known}")

@@ -228,6 +228,10 @@ def test_admin_errors_and_limits_changed_at_once(book):
     assert book.directory.tenant_of_key("k" * 20) is None and book.directory.record("acme") is None
     with pytest.raises(NotFoundError, match="no tenants are configured"):
         admin.remove("acme")
+    for i in range(20):  # a refusal names 16 of them (it listed every tenant)
+        admin.add(f"t{i:02d}", {})
+    with pytest.raises(NotFoundError, match=r"not found; tenants: t00, t01, .*, t15, … and 4 more$"):
+        admin.remove("ghost")
 
 
 def test_no_new_tenant_may_be_named_other_the_metrics_overflow_label(book):
