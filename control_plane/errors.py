@@ -7,6 +7,8 @@ names the thing at fault (adapter id, path, tensor, worker).
 
 from __future__ import annotations
 
+from typing import Any
+
 MAX_ECHO_CHARS = 256
 """Characters of client-given text (a model id, an adapter or tenant name) an error message
 repeats; longer text is cut and ends with "…", so a 100 KB model id is not sent back whole."""
@@ -83,7 +85,23 @@ class DataCorruptionError(ControlPlaneError):
     a row; asking for it by id raises this (gRPC DATA_LOSS, HTTP 500) naming the row."""
 
 
+MAX_LISTED = 16
+"""Items of a list (served names, registered ids, tenants) an error message spells out; the
+rest are counted. With thousands of adapters, a 404 for an unknown model listed every name:
+half a megabyte answered to a 60-byte request from anyone, and 50 ms of the control plane."""
+
+
+def listing(items: list[Any] | tuple[Any, ...]) -> str:
+    """``items`` as an error message shows them: ``['a', 'b']`` (their reprs, as a list prints)
+    up to `MAX_LISTED` items, else the first `MAX_LISTED` and ``… and N more]``."""
+    if len(items) <= MAX_LISTED:
+        return repr(list(items))
+    shown = ", ".join(repr(x) for x in items[:MAX_LISTED])
+    return f"[{shown}, … and {len(items) - MAX_LISTED} more]"
+
+
 def describe_ids(ids: list[int] | tuple[int, ...] | set[int]) -> str:
-    """``"registered ids: [0, 2]"`` (or ``"no adapters are registered"``) for NOT_FOUND messages."""
+    """``"registered ids: [0, 2]"`` (or ``"no adapters are registered"``) for NOT_FOUND messages
+    (`listing`: the first `MAX_LISTED`)."""
     ordered = sorted(ids)
-    return f"registered ids: {ordered}" if ordered else "no adapters are registered"
+    return f"registered ids: {listing(ordered)}" if ordered else "no adapters are registered"

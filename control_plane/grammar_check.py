@@ -15,7 +15,9 @@ so what passes here cannot overflow there.
 
 Results are cached by the format's content (`GrammarChecker.cache_size` entries, LRU): the same
 schema sent by many requests costs one child round trip, and the HTTP front and the router may
-both check a request for the price of one.
+both check a request for the price of one. Requests that bring a format while it is being
+checked wait for that check (single-flight) instead of each taking a child for it, so they all
+get the same verdict.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ CHILD_STACK_BYTES = 8 * 1024 * 1024
 def _compile_in_child(fmt: ResponseFormat, limits: GrammarLimits) -> str | None:
     """Runs in a child: compile ``fmt`` on a thread with a `CHILD_STACK_BYTES` stack; the
     refusal's message, or None when it compiles."""
-    from loraplane.response_format import compile_grammar
+    from loraplane.response_format import compile_grammar, one_line
 
     result: list[str | None] = ["the check did not finish"]
 
@@ -51,12 +53,28 @@ def _compile_in_child(fmt: ResponseFormat, limits: GrammarLimits) -> str | None:
             result[0] = None
         except GrammarError as exc:
             result[0] = str(exc)
+        except BaseException as exc:  # noqa: BLE001 - any other failure refuses the format, named
+            # (the engine's panics are BaseException; `one_line` keeps their text from the client)
+            why = f"{type(exc).__name__}: {one_line(str(exc))}"
+            result[0] = f"{fmt.type}: the grammar check failed on this format ({why})"
 
-    threading.stack_size(CHILD_STACK_BYTES)
-    t = threading.Thread(target=run, name="grammar-check")
-    t.start()
+    previous = threading.stack_size(CHILD_STACK_BYTES)
+    try:
+        t = threading.Thread(target=run, name="grammar-check")
+        t.start()
+    finally:
+        threading.stack_size(previous)
     t.join()
     return result[0]
+
+
+class _Pending:
+    """A check in progress: the requests that bring the same format wait on ``done``."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.verdict: str | None = None
+        self.failed = False  # the check raised (not a verdict): a waiter checks again
 
 
 class GrammarChecker:
@@ -86,6 +104,7 @@ class GrammarChecker:
         if self.processes < 1:
             raise ValueError(f"grammar check processes must be at least 1, got {processes}")
         self._cache: OrderedDict[bytes, str | None] = OrderedDict()
+        self._pending: dict[bytes, _Pending] = {}
         self._lock = threading.Lock()
         self._pool: Any = None  # started at the first check: most deployments never need it
         self.crashes = 0
@@ -100,7 +119,8 @@ class GrammarChecker:
         return h.digest()
 
     def check(self, fmt: ResponseFormat) -> None:
-        """Compile ``fmt`` in a child (or take the cached verdict).
+        """Compile ``fmt`` in a child (or take the cached verdict, or wait for the check of the
+        same format already running).
 
         Raises:
             GrammarError: the format is over a limit, does not compile, crashed the engine
@@ -108,18 +128,40 @@ class GrammarChecker:
                 ``timeout_s`` (the child was killed).
         """
         key = self._key(fmt)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                verdict = self._cache[key]
-                if verdict is not None:
-                    raise GrammarError(verdict)
+        while True:
+            with self._lock:
+                if key in self._cache:
+                    self._cache.move_to_end(key)
+                    verdict = self._cache[key]
+                    if verdict is not None:
+                        raise GrammarError(verdict)
+                    return
+                pending = self._pending.get(key)
+                owner = pending is None
+                if pending is None:
+                    pending = self._pending[key] = _Pending()
+            if owner:
+                break
+            pending.done.wait()
+            if not pending.failed:
+                if pending.verdict is not None:
+                    raise GrammarError(pending.verdict)
                 return
-        verdict = self._run(fmt)
-        with self._lock:
-            self._cache[key] = verdict
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+        try:
+            verdict = self._run(fmt)
+        except BaseException:
+            pending.failed = True
+            raise
+        else:
+            pending.verdict = verdict
+            with self._lock:
+                self._cache[key] = verdict
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        finally:
+            with self._lock:
+                del self._pending[key]
+            pending.done.set()
         if verdict is not None:
             raise GrammarError(verdict)
 

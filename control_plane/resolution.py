@@ -11,7 +11,14 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from loraplane.control_plane.errors import AmbiguousNameError, InvalidArgumentError, NotFoundError, describe_ids, echo
+from loraplane.control_plane.errors import (
+    AmbiguousNameError,
+    InvalidArgumentError,
+    NotFoundError,
+    describe_ids,
+    echo,
+    listing,
+)
 from loraplane.control_plane.store import AdapterRecord
 from loraplane.limits import MAX_ADAPTER_SCALE
 
@@ -72,7 +79,7 @@ def find_adapter(token: str, records: Sequence[AdapterRecord]) -> int:
     if not matches:
         names = sorted({n for r in records for n in r.names})
         raise NotFoundError(
-            f"no adapter is named '{echo(token)}' (names: {names}; {describe_ids([r.id for r in records])})"
+            f"no adapter is named '{echo(token)}' (names: {listing(names)}; {describe_ids([r.id for r in records])})"
         )
     return matches[0]
 

@@ -80,6 +80,10 @@ GENERATE_METHOD = f"/{CONTROL_PLANE_SERVICE}/Generate"
 MEMBERSHIP_SERVICE = membership_pb2.DESCRIPTOR.services_by_name["WorkerMembership"].full_name
 METRICS_MAX_CONNECTIONS = 64
 """Open connections of the ``--metrics-addr`` listener: probes and scrapers, a handful each."""
+METRICS_MAX_CONNECTIONS_PER_CLIENT = 16
+"""Open connections of the ``--metrics-addr`` listener per client address: one address that
+keeps reopening idle connections cannot hold all `METRICS_MAX_CONNECTIONS` (and the load
+balancer's health checks out) however fast the head deadline sheds them."""
 
 
 @dataclass
@@ -237,7 +241,7 @@ def start_side_servers(state: ControlPlaneState) -> None:
             config.metrics_addr,
             listener="metrics",
             max_connections=METRICS_MAX_CONNECTIONS,
-            max_connections_per_client=0,
+            max_connections_per_client=METRICS_MAX_CONNECTIONS_PER_CLIENT,
             head_timeout_s=config.http_head_timeout_s,
             head_timeout_busy_s=config.http_head_timeout_busy_s,
         )

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from loraplane.control_plane.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from loraplane.control_plane.errors import MAX_LISTED, AlreadyExistsError, InvalidArgumentError, NotFoundError
 from loraplane.control_plane.quotas import QuotaBook, TenantUsageView
 from loraplane.control_plane.store import AdapterStore
 from loraplane.control_plane.store.tenant_records import TENANT_SETTINGS, TenantRecord
@@ -49,7 +49,8 @@ def check_settings(settings: Mapping[str, float | int]) -> dict[str, float | int
             continue
         lo, hi = _BOUNDS[key]
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise InvalidArgumentError(f"{key} {value!r} is not an integer in [{lo}, {hi}] (0: unlimited)")
+            meaning = "0 is the default class, lower is served first" if key == "priority" else "0: unlimited"
+            raise InvalidArgumentError(f"{key} {value!r} is not an integer in [{lo}, {hi}] ({meaning})")
         out[key] = int(value)
     return out
 
@@ -117,5 +118,6 @@ class TenantAdmin:
 
     def _not_found(self, name: str) -> NotFoundError:
         names = [r.name for r in self.book.directory.records()]
-        known = f"tenants: {', '.join(names)}" if names else "no tenants are configured"
+        more = f", … and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+        known = f"tenants: {', '.join(names[:MAX_LISTED])}{more}" if names else "no tenants are configured"
         return NotFoundError(f"tenant '{name}' not found; {known}")

@@ -91,11 +91,12 @@ def one_line(msg: str) -> str:
     """The engine's message as a client sees it: on one line (its caret drawing folded), cut to
     `ENGINE_MESSAGE_CHARS`, without the parser state and grammar dump it appends to matcher
     errors (``<state>…``, ``<grammar>…``), and never a panic message or backtrace from the
-    engine's internals (replaced by a plain sentence; the original is logged once)."""
+    engine's internals (replaced by a plain sentence; the original is logged once). The engine
+    marks a message without that dump ``<non-verbose/>``: cut too."""
     if "panicked at" in msg or "stack backtrace" in msg or "RUST_BACKTRACE" in msg:
         log.warning("grammar_engine_panic", message=msg[:4096])
         return "the grammar engine failed on this format (an internal error; see the server log)"
-    for marker in ("<state>", "<grammar>"):
+    for marker in ("<state>", "<grammar>", "<non-verbose/>"):
         cut = msg.find(marker)
         if cut >= 0:
             msg = msg[:cut]
@@ -119,7 +120,7 @@ def _schema_obj(text: str, what: str) -> dict[str, Any]:
         obj = json.loads(text)
     except RecursionError:
         raise GrammarError(f"{what}: the JSON is nested too deeply") from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer past Python's int-str digit limit
         raise GrammarError(f"{what}: not valid JSON: {exc}") from exc
     if not isinstance(obj, dict):
         raise GrammarError(f"{what}: a JSON Schema must be a JSON object, got {type(obj).__name__}")

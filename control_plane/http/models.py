@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from loraplane.control_plane.errors import AmbiguousNameError, NotFoundError, echo
+from loraplane.control_plane.errors import MAX_LISTED, AmbiguousNameError, NotFoundError, echo, listing
 from loraplane.control_plane.http.deps import HttpDeps
 from loraplane.control_plane.http.errors import OpenAIError
 from loraplane.control_plane.http.generation import now_s
@@ -58,6 +58,10 @@ def served_aliases(rec: AdapterRecord, records: list[AdapterRecord], base_name: 
     return [a for a in rec.aliases if _servable(a, records, base_name)]
 
 
+_ALL_MODELS = "; GET /v1/models lists them all"
+"""What a 404 adds when its list of served models is cut (`MAX_LISTED`)."""
+
+
 def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> dict[int, float]:
     """The ``{id: scale}`` map ``model`` names (see the module docstring).
 
@@ -83,15 +87,22 @@ def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> d
         pass
     if model.startswith(ID_PREFIX) or is_id_token(model):
         text = model.removeprefix(ID_PREFIX)
+        ids = [r.id for r in records]
         message = (
             f"The model '{echo(model)}' does not exist: no adapter with id '{echo(text)}' is "
-            f"registered (ids: {[r.id for r in records]})"
+            f"registered (ids: {listing(ids)}{_ALL_MODELS if len(ids) > MAX_LISTED else ''})"
         )
     else:
         available = [base_name]
-        for r in records:
+        for r in records:  # each name costs a pass over the records: only those the message shows
             available += [served_name(r, records, base_name), *served_aliases(r, records, base_name)]
-        message = f"The model '{echo(model)}' does not exist (served: {available})"
+            if len(available) > MAX_LISTED:
+                break
+        if len(available) <= MAX_LISTED:
+            served = repr(available)
+        else:
+            served = "[" + ", ".join(repr(n) for n in available[:MAX_LISTED]) + f", …]{_ALL_MODELS}"
+        message = f"The model '{echo(model)}' does not exist (served: {served})"
     raise OpenAIError(404, message, param="model", code="model_not_found", type="not_found_error")
 
 

@@ -262,6 +262,10 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template_kwargs": ((), "chat template arguments are not implemented"),
     "documents": ((), "documents for the chat template are not implemented"),
     "priority": ((0,), "request priorities are not implemented"),
+    "guided_whitespace_pattern": ((), "JSON is always generated compact (no whitespace between tokens)"),
+    # OpenAI's legacy function calling (before tools)
+    "functions": ((), "legacy function calling is not implemented; use 'tools'"),
+    "function_call": (("none", "auto"), "legacy function calling is not implemented; use 'tool_choice'"),
     # OpenAI chat parameters for features a text model server does not have
     "modalities": ((["text"],), "only text output"),
     "audio": ((), "audio output is not implemented"),

@@ -326,6 +326,7 @@ class RelayResponse(Response):
         self.media_type = "text/event-stream" if sse else "application/json"
         self.init_headers(None)
         self._gone = False
+        self._complete = False  # the last message is being sent: a disconnect now is the normal end
 
     def _client_gone(self, why: str) -> None:
         if not self._gone:
@@ -342,6 +343,8 @@ class RelayResponse(Response):
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
+                        if self._complete:  # uvicorn says so once the response is sent: not gone
+                            return
                         self._client_gone("disconnected")
                         tg.cancel_scope.cancel()
                         return
@@ -406,6 +409,7 @@ class RelayResponse(Response):
         await self._write(
             send, {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
         )
+        self._complete = True
         await self._write(send, {"type": "http.response.body", "body": response.body, "more_body": False})
 
     async def _send_events(self, send: Send) -> None:
@@ -416,4 +420,5 @@ class RelayResponse(Response):
             if chunk is None:
                 break
             await self._write(send, {"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        self._complete = True
         await self._write(send, {"type": "http.response.body", "body": b"", "more_body": False})

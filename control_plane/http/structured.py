@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 from loraplane.control_plane.grammar_check import GrammarChecker, InlineChecker
-from loraplane.control_plane.http.errors import OpenAIError
+from loraplane.control_plane.http.errors import OpenAIError, unsupported
 from loraplane.grammar_limits import GrammarError, GrammarLimits, check_choices
 from loraplane.response_format import ResponseFormat, choice_grammar
 from loraplane.v1 import common_pb2
@@ -45,7 +45,9 @@ def _schema_text(value: Any, param: str) -> str:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as exc:
+        except RecursionError:
+            raise _bad(param, f"'{param}' is not valid JSON: nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer past Python's int-str digit limit
             raise _bad(param, f"'{param}' is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise _bad(param, f"'{param}' must be a JSON Schema object, got {type(value).__name__}")
@@ -113,6 +115,30 @@ def _vllm(fields: dict[str, Any], prefix: str, limits: GrammarLimits) -> list[tu
     return out
 
 
+_FORMAT_KEYS = ("json", "regex", "grammar", "choice", "json_object")
+_HINT_KEYS = ("disable_any_whitespace", "disable_fallback", "backend", "_backend")
+"""vLLM ``structured_outputs`` keys that change nothing here: JSON is always compact, and
+there is one engine (no fallback to choose)."""
+
+
+def _check_structured_outputs_keys(fields: dict[str, Any]) -> None:
+    """Refuse a ``structured_outputs`` key this server does not implement (vLLM's
+    ``structural_tag``, ``whitespace_pattern``, ``disable_additional_properties``, an unknown
+    one) unless it holds its default (None, False, empty): silently ignored, it would leave the
+    output unconstrained or shaped otherwise than asked.
+
+    Raises:
+        OpenAIError: 400 ``unsupported_parameter`` naming the key.
+    """
+    for key, value in fields.items():
+        if key in _FORMAT_KEYS or key in _HINT_KEYS or value is None or value is False or value in ("", [], {}):
+            continue
+        raise unsupported(
+            f"structured_outputs.{key}",
+            f"this server implements {', '.join(_FORMAT_KEYS)} (got {json.dumps(value)[:100]})",
+        )
+
+
 def response_format_of(body: Any, checker: GrammarChecker | InlineChecker) -> common_pb2.ResponseFormat | None:
     """The request's structured-output format as a proto (None: unconstrained), compiled once to
     refuse a bad one early.
@@ -141,6 +167,7 @@ def response_format_of(body: Any, checker: GrammarChecker | InlineChecker) -> co
     if body.structured_outputs is not None:
         if not isinstance(body.structured_outputs, dict):
             raise _bad("structured_outputs", "'structured_outputs' must be an object")
+        _check_structured_outputs_keys(body.structured_outputs)
         found += _vllm(body.structured_outputs, "structured_outputs.", checker.limits)
     if not found:
         return None

@@ -151,7 +151,7 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
         if isinstance(fn, dict) and isinstance(args, str):
             try:
                 parsed = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit
                 parsed = None
             if isinstance(parsed, dict):
                 call = {**call, "function": {**fn, "arguments": parsed}}
@@ -174,7 +174,7 @@ def parse_call(body: str) -> dict[str, Any] | None:
         try:
             if not isinstance(json.loads(args), dict):
                 return None
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         text = args
     elif isinstance(args, dict):

@@ -254,3 +254,24 @@ def test_a_client_gone_before_its_body_is_no_server_error():
     finally:
         uvicorn_log.removeHandler(handler)
         server.stop()
+
+
+def test_one_address_cannot_hold_the_metrics_listener(start_control_plane):
+    cp = start_control_plane(metrics_addr="127.0.0.1:0")
+    mgmt = cp.state.metrics_port
+    # idle connections from one address, more than the listener's cap: all 64 were taken (and
+    # a reconnecting flood kept /health refused while the busy deadline shed them)
+    flood = [connect(mgmt, "127.0.0.2") for _ in range(80)]
+    try:
+        time.sleep(0.3)
+        head, body = http_get(mgmt, "/health")  # another address still gets in
+        assert head.startswith(b"HTTP/1.1 200") and json.loads(body) == {}, (head, body[:200])
+        assert sum(closed_within(s, 0.02) for s in flood) == 80 - 16  # past 16: reset at once
+        head, body = http_get(mgmt, "/metrics")
+        assert (
+            'loraplane_http_connections_refused_total{listener="metrics",reason="max_connections_per_client"} 64.0'
+            in body.decode()
+        )
+    finally:
+        for s in flood:
+            s.close()

@@ -29,6 +29,16 @@ def tiny_tokenizer(fixtures_dir):
     return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 
 
+@pytest.fixture(scope="module")
+def shared_tokenizer(fixtures_dir):
+    """One tokenizer for the tests of the worker's compiled-format cache (its vocabulary view is
+    built once for them)."""
+    from loraplane.worker.gguf.reader import read_gguf
+    from loraplane.worker.runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
+
+
 @pytest.mark.parametrize(
     ("fmt", "message"),
     [
@@ -136,6 +146,8 @@ def test_engine_messages_carry_no_state_dump_or_panic():
         '"a" | ' * 10_000
     )
     assert one_line(dump) == "Parser Error: Current row has 4001 items; max is 2000"
+    terse = "lexer error: too many expressions constructed\n<non-verbose/>"  # a matcher's, non-verbose
+    assert one_line(terse) == "lexer error: too many expressions constructed"
     panic = "thread '<unnamed>' panicked at src/lexer.rs:12:5:\nindex out of bounds\nstack backtrace:\n 0: ..."
     assert "panicked" not in one_line(panic) and "internal error" in one_line(panic)
     assert len(one_line("x" * 10_000)) == 512
@@ -211,3 +223,104 @@ def test_the_checker_survives_a_crashing_child_and_kills_a_slow_one():
             checker.check(ResponseFormat("grammar", grammar=gbnf_chain(5000)))  # conversion takes seconds
         assert checker.timeouts == 1
         checker.check(ResponseFormat("json_object"))
+
+
+def test_a_check_that_fails_otherwise_names_the_failure():
+    from loraplane.control_plane.grammar_check import _compile_in_child
+
+    # what the child answers for a failure other than a refusal (was "the check did not finish")
+    verdict = _compile_in_child(ResponseFormat("json_schema", schema=None), DEFAULT)  # type: ignore[arg-type]
+    assert verdict == (
+        "json_schema: the grammar check failed on this format "
+        "(AttributeError: 'NoneType' object has no attribute 'strip')"
+    )
+    assert _compile_in_child(ResponseFormat("regex", pattern="[a-z]+"), DEFAULT) is None
+
+
+def test_a_format_is_compiled_once_and_each_request_gets_its_own_matcher(monkeypatch, shared_tokenizer):
+    # every request used to compile its format again: one costly format sent N times cost the
+    # worker's two compile threads N compilations, and cheap formats queued behind them
+    compiled: list[str] = []
+    real = grammar.compile_grammar
+
+    def counted(fmt, limits=None):
+        compiled.append(fmt.type)
+        time.sleep(0.05)  # concurrent first requests arrive while it compiles
+        return real(fmt, limits)
+
+    monkeypatch.setattr(grammar, "compile_grammar", counted)
+    fmt = ResponseFormat("regex", pattern="ab|ba")
+    built: list = []
+    threads = [
+        threading.Thread(target=lambda: built.append(grammar.Constraint.build(fmt, shared_tokenizer))) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert compiled == ["regex"] and len(built) == 4
+    again = grammar.Constraint.build(fmt, shared_tokenizer)
+    assert compiled == ["regex"]
+    # independent states: one request's tokens never move another's matcher
+    a_id, b_id = (
+        next(i for i in range(shared_tokenizer.n_vocab) if shared_tokenizer.token_bytes(i) == c) for c in (b"a", b"b")
+    )
+    assert built[0].advance(a_id) and built[0].advance(b_id) and built[0].matcher.is_accepting()
+    assert [c.matcher.is_accepting() for c in [*built[1:], again]] == [False] * 4  # untouched
+    assert built[1].advance(b_id) and built[1].advance(a_id) and built[1].matcher.is_accepting()
+    assert again.advance(a_id) and not again.advance(a_id)  # "aa" is refused: its own state
+    # a refusal is remembered too, with its class and message
+    bad = ResponseFormat("grammar", grammar=lark_chain(20))
+    for _ in range(2):
+        with pytest.raises(LimitError, match=r"chain of rule references is 22, over the limit of 10"):
+            grammar.Constraint.build(bad, shared_tokenizer, None, GrammarLimits(max_depth=10))
+    assert compiled == ["regex", "grammar"]
+
+
+@pytest.mark.slow  # child processes, one killed (about 2 s)
+def test_concurrent_checks_of_one_format_share_one_child_and_one_verdict():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loraplane.control_plane.grammar_check import GrammarChecker
+    from loraplane.grammar_limits import GrammarError
+
+    # 20 intersected patterns: about 30 s of the engine's emptiness check, stopped at 0.5 s.
+    # Each identical request used to take a child of its own in turn (3 timeouts, 3 child
+    # restarts), and under load some passed where others timed out: different verdicts.
+    slow = {"allOf": [{"type": "string", "pattern": f".*{c}.*"} for c in "abcdefghijklmnopqrst"]}
+    fmt = ResponseFormat("json_schema", schema=json.dumps(slow))
+
+    def verdict() -> str:
+        try:
+            checker.check(fmt)
+        except GrammarError as exc:
+            return str(exc)
+        return "compiled"
+
+    with GrammarChecker(DEFAULT, processes=1, timeout_s=0.5) as checker:
+        checker.check(ResponseFormat("json_object"))  # the child is up
+        with ThreadPoolExecutor(3) as pool:
+            verdicts = list(pool.map(lambda _: verdict(), range(3)))
+        assert checker.timeouts == 1
+        stopped = "json_schema: compiling it took longer than 0.5 s and was stopped (--grammar-check-timeout)"
+        assert verdicts == [f"{stopped}; simplify the format"] * 3
+
+
+def test_kept_matchers_are_bounded_by_their_formats_size(monkeypatch, shared_tokenizer):
+    compiled: list[str] = []
+    real = grammar.compile_grammar
+
+    def counted(fmt, limits=None):
+        compiled.append(fmt.pattern)
+        return real(fmt, limits)
+
+    monkeypatch.setattr(grammar, "compile_grammar", counted)
+    monkeypatch.setattr(grammar, "MATCHER_CACHE_BYTES", 2 * 1000 + 100)  # two of the formats below
+    big = [ResponseFormat("regex", pattern=f"{c}{'x' * 994}") for c in ("a", "b", "c")]  # 1 000 bytes each
+    for fmt in big:
+        grammar.Constraint.build(fmt, shared_tokenizer)
+    grammar.Constraint.build(big[2], shared_tokenizer)
+    grammar.Constraint.build(big[1], shared_tokenizer)
+    assert len(compiled) == 3  # the last two were kept
+    grammar.Constraint.build(big[0], shared_tokenizer)
+    assert len(compiled) == 4 and compiled[-1] == big[0].pattern  # the first was not: a third over the budget

@@ -143,7 +143,16 @@ def test_known_unimplemented_parameters_are_400_only_when_not_default(name):
 
 @pytest.mark.parametrize(
     "extra, param",
-    [({"n": 2}, "n"), ({"best_of": 2}, "best_of"), ({"logit_bias": {"5": 1}}, "logit_bias"), ({"echo": True}, "echo")],
+    [
+        ({"n": 2}, "n"),
+        ({"best_of": 2}, "best_of"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"echo": True}, "echo"),
+        # OpenAI's legacy function calling was ignored: the model answered as if no function existed
+        ({"functions": [{"name": "get_weather", "parameters": {"type": "object"}}]}, "functions"),
+        ({"function_call": {"name": "get_weather"}}, "function_call"),
+        ({"guided_whitespace_pattern": "[ ]*"}, "guided_whitespace_pattern"),
+    ],
 )
 def test_openai_parameters_we_do_not_implement_are_400(extra, param):
     for path, base in (
@@ -195,6 +204,24 @@ def test_model_retrieve_by_every_name_and_404_in_openais_shape():
         assert f"'{missing}'" in err["message"]
     r = get("dup")
     assert r.status == 400 and _error(r)["code"] == "ambiguous_model"
+
+
+def test_a_404_names_at_most_16_of_thousands_of_models():
+    from tests.http_fakes import FakeRecord
+
+    # every name was listed: 2 000 aliases of 256 bytes made each 404 half a megabyte, to anyone
+    front = Front()
+    front.registry.records = [FakeRecord(i, f"adapter-{i:05d}-" + "n" * 240) for i in range(2000)]
+    for model, listed in (("nope", "served: ['base', 'adapter-00000-"), ("adapter:99999", "ids: [0, 1, 2,")):
+        r = front.post("/v1/completions", {"model": model, "prompt": "x"})
+        err = _error(r)
+        assert r.status == 404 and err["code"] == "model_not_found"
+        assert listed in err["message"] and len(r.body) < 6000, len(r.body)
+    r = front.post("/v1/completions", {"model": "nope", "prompt": "x"})
+    assert _error(r)["message"].endswith(", …]; GET /v1/models lists them all)")
+    assert _error(r)["message"].count("adapter-") == 15
+    r = front.post("/v1/completions", {"model": "adapter:99999", "prompt": "x"})
+    assert _error(r)["message"].endswith("14, 15, … and 1984 more]; GET /v1/models lists them all)")
 
 
 def test_openapi_json_is_served_without_a_docs_page():

@@ -406,6 +406,31 @@ def test_relay_response_json_body():
     assert cancel.calls == 1
 
 
+@pytest.mark.parametrize("sse", [True, False])
+def test_a_response_sent_whole_is_not_a_client_gone(sse):
+    # uvicorn answers receive() with http.disconnect as soon as the last body message is sent,
+    # and its send then yields: every completed response was logged "http_client_gone"
+    import structlog
+
+    client = Client()
+    sent_all = anyio.Event()
+
+    async def receive() -> dict:
+        await sent_all.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        client.sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            sent_all.set()
+            await anyio.sleep(0)  # uvicorn's send awaits the transport's drain
+
+    with structlog.testing.capture_logs() as logs:
+        anyio.run(RelayResponse(make(EVENTS, chat=False), sse=sse), {"type": "http"}, receive, send)
+    assert client.sent[-1]["more_body"] is False
+    assert [e for e in logs if e["event"] == "http_client_gone"] == []
+
+
 def endless(consumed: list[int], released: threading.Event, *, first_token_after: threading.Event | None = None):
     """Events of a generation that never ends by itself: it stops when ``released`` is set
     (what cancelling the worker call does to the router's relay)."""

@@ -116,6 +116,22 @@ def test_cli_ids_are_ascii_digits():
         HostPortType().convert("localhost:\u0668\u0660", None, None)
 
 
+def test_not_found_messages_name_at_most_16_adapters():
+    from loraplane.control_plane.errors import NotFoundError
+    from loraplane.control_plane.resolution import find_adapter
+    from tests.http_fakes import FakeRecord
+
+    records = [FakeRecord(i, f"adapter-{i:05d}-" + "n" * 240) for i in range(2000)]
+    for token, start in (("nope", "no adapter is named 'nope' (names: ['adapter-00000-"), ("99999", "adapter 99999")):
+        with pytest.raises(NotFoundError) as err:
+            find_adapter(token, records)  # type: ignore[arg-type]
+        message = str(err.value)
+        assert message.startswith(start) and len(message) < 6000, len(message)  # was 500 KB
+        assert "registered ids: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, … and 1984 more]" in message
+    with pytest.raises(NotFoundError, match=r"registered ids: \[0, 1\]$"):
+        find_adapter("7", records[:2])  # type: ignore[arg-type]
+
+
 def test_parse_adapter_id_is_ascii_and_uint32():
     from loraplane.control_plane.resolution import parse_adapter_id
 

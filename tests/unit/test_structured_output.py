@@ -67,6 +67,16 @@ def allowed(masks: torch.Tensor, row: int, n_vocab: int) -> set[int]:
     return {t for t in range(n_vocab) if (int(masks[row, t // 32]) >> (t % 32)) & 1}
 
 
+def test_schema_text_past_the_decoders_limits_is_refused_by_name():
+    # the gRPC path (and the worker) read the schema text here: a ValueError, not a GrammarError,
+    # left the control plane's check child with "the check did not finish"
+    big = ResponseFormat("json_schema", schema='{"type": "integer", "maximum": ' + "9" * 5000 + "}")
+    with pytest.raises(GrammarError, match=r"^json_schema: not valid JSON: Exceeds the limit \(4300 digits\)"):
+        compile_grammar(big)
+    with pytest.raises(GrammarError, match=r"^json_schema: the JSON is nested too deeply$"):
+        compile_grammar(ResponseFormat("json_schema", schema="[" * 100_000 + "]" * 100_000))
+
+
 def test_bad_formats_name_the_fault():
     with pytest.raises(GrammarError, match="json_schema: not valid JSON"):
         compile_grammar(ResponseFormat("json_schema", schema="{"))
@@ -245,6 +255,30 @@ def test_max_tokens_cuts_a_constrained_row_with_length(engine):
 
 
 @pytest.mark.slow
+def test_a_format_the_engine_cannot_follow_ends_with_an_error_not_a_stop(engine):
+    # 2 001 alternatives in a rule: valid, but the engine's parser holds at most 2 000 items a
+    # row, so its matcher refuses the first token. That ended the request "stop" with an
+    # unfinished text, as if the format were complete.
+    wide = ResponseFormat("grammar", grammar="start: x\nx: " + " | ".join(f'"v{i}"' for i in range(2001)))
+    out = _run_batch(
+        engine,
+        [
+            ("wide", SamplingParams(max_tokens=8, response_format=wide), []),
+            ("plain", SamplingParams(max_tokens=3, ignore_eos=True), []),
+        ],
+    )
+    end = out["wide"][-1]
+    assert isinstance(end, ErrorEvent) and isinstance(end.error, InvalidRequestError), end
+    assert str(end.error) == (
+        "response_format: the grammar engine could not follow this grammar format at generated token 1 "
+        "(Parser Error: Current row has 2002 items; max is 2000; consider making your grammar left-recursive "
+        "if it's right-recursive); simplify the format"
+    )
+    assert len(_ids(out["wide"])) == 1  # the token the mask allowed is still delivered
+    assert len(_ids(out["plain"])) == 3 and isinstance(out["plain"][-1], FinishedEvent)  # the batch goes on
+
+
+@pytest.mark.slow
 def test_bad_schema_is_a_request_error_and_the_worker_keeps_serving(engine):
     with pytest.raises(InvalidRequestError, match="response_format: json_schema: Invalid type: foo"):
         engine.submit(
@@ -288,6 +322,9 @@ def test_http_response_format_and_vllm_extensions():
     assert rf is not None and rf.type == common_pb2.ResponseFormat.TYPE_GRAMMAR
     rf = response_format_of(_chat(structured_outputs={"grammar": 'start: "a"'}), INLINE)
     assert rf is not None and rf.grammar == 'start: "a"'
+    hints = {"regex": "[0-9]+", "disable_any_whitespace": True, "disable_fallback": True, "whitespace_pattern": None}
+    rf = response_format_of(_chat(structured_outputs=hints), INLINE)  # hints that change nothing here
+    assert rf is not None and rf.regex == "[0-9]+"
 
 
 @pytest.mark.parametrize(
@@ -305,6 +342,32 @@ def test_http_response_format_and_vllm_extensions():
         ({"guided_json": "{"}, "guided_json", "not valid JSON"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured-output"),
+        # JSON text the decoder cannot take (these were 500s): nested past the recursion limit,
+        # an integer past Python's 4 300-digit limit
+        ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", "not valid JSON: nested too deeply"),
+        (
+            {"structured_outputs": {"json": '{"a":' * 5000 + "1" + "}" * 5000}},
+            "structured_outputs.json",
+            "not valid JSON: nested too deeply",
+        ),
+        ({"guided_json": '{"maximum": ' + "9" * 5000 + "}"}, "guided_json", "not valid JSON: Exceeds the limit"),
+        # vLLM keys this server does not implement were ignored: the output went unconstrained
+        (
+            {"structured_outputs": {"structural_tag": '{"type": "structural_tag"}'}},
+            "structured_outputs.structural_tag",
+            "'structured_outputs.structural_tag' is not supported: this server implements json, regex, grammar",
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " *"}},
+            "structured_outputs.whitespace_pattern",
+            "is not supported",
+        ),
+        ({"structured_outputs": {"ebnf": "root ::= 'a'"}}, "structured_outputs.ebnf", "is not supported"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": '{"maximum": ' + "9" * 5000 + "}"}}},
+            "response_format.json_schema.schema",
+            "not valid JSON: Exceeds the limit",
+        ),
     ],
 )
 def test_http_bad_formats_are_400_naming_the_field(extra, param, text):

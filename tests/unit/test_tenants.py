@@ -123,7 +123,8 @@ def test_good_names_keys_and_settings_pass_bad_ones_name_the_fault():
         ({"weight": 0}, "weight 0 is not"),
         ({"weight": float("nan")}, "weight nan"),
         ({"max_concurrent": -1}, "max_concurrent -1"),
-        ({"priority": 2**31}, "priority"),
+        # priority 0 is a class, not "unlimited" (what the other settings' messages say of 0)
+        ({"priority": 2**31}, r"^priority 2147483648 is not an integer in \[-2147483648, 2147483647\] \(0 is the"),
         ({"tokens_per_minute": True}, "tokens_per_minute True"),
         ({"colour": 1}, "unknown tenant setting 'colour'"),
     ):
@@ -227,6 +228,10 @@ def test_admin_errors_and_limits_changed_at_once(book):
     assert book.directory.tenant_of_key("k" * 20) is None and book.directory.record("acme") is None
     with pytest.raises(NotFoundError, match="no tenants are configured"):
         admin.remove("acme")
+    for i in range(20):  # a refusal names 16 of them (it listed every tenant)
+        admin.add(f"t{i:02d}", {})
+    with pytest.raises(NotFoundError, match=r"not found; tenants: t00, t01, .*, t15, … and 4 more$"):
+        admin.remove("ghost")
 
 
 def test_no_new_tenant_may_be_named_other_the_metrics_overflow_label(book):

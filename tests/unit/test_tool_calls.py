@@ -238,5 +238,16 @@ def test_tool_refusals_name_the_field(template_text, extra, param, code):
     assert front.router.requests == []
 
 
+def test_arguments_nested_past_the_recursion_limit_stay_text():
+    # history arguments were a 500 (RecursionError from the JSON decoder), model output too
+    deep = "[" * 50_000 + "]" * 50_000
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert template_message(message) == message
+    output = '<tool_call>{"name": "get_weather", "arguments": ' + json.dumps(deep) + "}</tool_call>"
+    content, calls = split_tool_calls(output)
+    assert content == output and calls == []
+
+
 def test_tokenizer_fake_is_one_id_per_character():
     assert FakeTokenizer().encode("ab", add_special=False, parse_special=True) == [97, 98]

@@ -1,13 +1,14 @@
 """Structured output: per-request grammar constraints on sampling (llguidance).
 
 A request may carry a ``ResponseFormat`` (JSON object, JSON Schema, regex or a Lark grammar).
-It is compiled once at submit into an ``llguidance.LLMatcher`` bound to the model's vocabulary
-(`grammar_tokenizer`); at each decode step the scheduler fills the allowed-token bitmask of
-every constrained row that samples (`fill_masks`, one ``LLExecutor`` call for the whole batch,
-started before the forward pass so it overlaps it), sets the disallowed logits of those rows to
-``-inf`` (`apply_masks`: the separate "grammar mask" step, after penalties and before
-temperature / top-k / top-p / min-p) and advances each matcher with the token it sampled
-(`Constraint.advance`). Unconstrained rows are never touched.
+It is compiled at submit into an ``llguidance.LLMatcher`` bound to the model's vocabulary
+(`grammar_tokenizer`), once per distinct format (`compiled_matcher`: a request whose format was
+compiled before gets a copy of that matcher, in microseconds); at each decode step the
+scheduler fills the allowed-token bitmask of every constrained row that samples (`fill_masks`,
+one ``LLExecutor`` call for the whole batch, started before the forward pass so it overlaps
+it), sets the disallowed logits of those rows to ``-inf`` (`apply_masks`: the separate "grammar
+mask" step, after penalties and before temperature / top-k / top-p / min-p) and advances each
+matcher with the token it sampled (`Constraint.advance`). Unconstrained rows are never touched.
 
 The rules follow vLLM's structured-output backend for llguidance
 (``vllm/v1/structured_output/backend_guidance.py``): control tokens are spelled with a leading
@@ -20,8 +21,10 @@ and bench/RESULTS.md.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -201,6 +204,99 @@ def _compiler() -> Any:
         return _COMPILER
 
 
+# ------------------------------------------------------------------------------ compiled formats
+
+MATCHER_CACHE_SIZE = 64
+"""Compiled formats a worker keeps (LRU), each a pristine matcher that requests copy."""
+MATCHER_CACHE_BYTES = 2 * 1024 * 1024
+"""Format text the kept matchers may stand for together (LRU beyond it): a matcher holds about
+20 times its format's size (a 250 KB regex literal about 5 MiB), so this bounds the cache near
+40 MiB however large the formats a client sends, while the usual few-KB schemas fill the count."""
+
+
+class _Compiled:
+    """One format's compilation against one vocabulary view, done once: the first caller
+    compiles, the others wait; the outcome is a pristine matcher or the refusal."""
+
+    def __init__(self, llt: Any, size: int) -> None:
+        self.llt = llt  # held so that its id, in the key, is not reused while the entry lives
+        self.size = size  # UTF-8 bytes of the format's text
+        self.done = threading.Event()
+        self.matcher: Any = None
+        self.error: GrammarError | None = None
+
+
+_COMPILED: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
+_COMPILED_LOCK = threading.Lock()
+_compiled_bytes = 0  # sizes of the entries in _COMPILED, under _COMPILED_LOCK
+
+
+def _format_key(fmt: ResponseFormat, llt: Any, limits: GrammarLimits) -> tuple[tuple[Any, ...], int]:
+    """The cache key of ``fmt`` on ``llt`` under ``limits``, and the format text's size."""
+    h = hashlib.sha256()
+    size = 0
+    for part in (fmt.type, fmt.schema, "1" if fmt.strict else "0", fmt.pattern, fmt.grammar):
+        data = part.encode("utf-8", "surrogatepass")
+        size += len(data)
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return (id(llt), limits, h.digest()), size
+
+
+def _drop(key: tuple[Any, ...]) -> None:
+    """Forget ``key``'s entry (caller holds `_COMPILED_LOCK`)."""
+    global _compiled_bytes
+    entry = _COMPILED.pop(key, None)
+    if entry is not None:
+        _compiled_bytes -= entry.size
+
+
+def compiled_matcher(fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None, compile_fn: Any) -> Any:
+    """A fresh matcher of ``fmt`` on the vocabulary view ``llt``: a copy of the one compiled for
+    the same format before (`MATCHER_CACHE_SIZE` formats and `MATCHER_CACHE_BYTES` of their
+    text, LRU), else ``compile_fn(fmt, llt,
+    limits)``'s, compiled once however many requests carry the format at once (single-flight:
+    the others wait for that compilation). A format the engine refused is refused again from
+    the cache. The control plane remembers its verdicts the same way
+    (`loraplane.control_plane.grammar_check`), so a costly format sent again costs neither
+    process another compilation.
+
+    Raises:
+        GrammarError: ``fmt`` is over a limit or does not compile (the first caller's error).
+    """
+    global _compiled_bytes
+    key, size = _format_key(fmt, llt, limits or GrammarLimits())
+    with _COMPILED_LOCK:
+        entry = _COMPILED.get(key)
+        builder = entry is None
+        if entry is None:
+            entry = _COMPILED[key] = _Compiled(llt, size)
+            _compiled_bytes += size
+            while len(_COMPILED) > 1 and (len(_COMPILED) > MATCHER_CACHE_SIZE or _compiled_bytes > MATCHER_CACHE_BYTES):
+                _drop(next(iter(_COMPILED)))
+        else:
+            _COMPILED.move_to_end(key)
+    if builder:
+        try:
+            entry.matcher = compile_fn(fmt, llt, limits)
+        except GrammarError as exc:
+            entry.error = exc
+        except BaseException:
+            with _COMPILED_LOCK:  # not a verdict on the format: the next caller compiles again
+                if _COMPILED.get(key) is entry:
+                    _drop(key)
+            raise
+        finally:
+            entry.done.set()
+    else:
+        entry.done.wait()
+    if entry.error is not None:
+        raise type(entry.error)(*entry.error.args)
+    if entry.matcher is None:  # the builder failed otherwise: compile here
+        return compile_fn(fmt, llt, limits)
+    return entry.matcher.deep_copy()
+
+
 # ------------------------------------------------------------------------------ matching
 
 
@@ -218,8 +314,9 @@ class Constraint:
     def build(
         cls, fmt: ResponseFormat, tok: Any, n_vocab: int | None = None, limits: GrammarLimits | None = None
     ) -> Constraint:
-        """Compile ``fmt`` against the vocabulary of ``tok``, on a thread with a
-        `COMPILE_STACK_BYTES` stack (the caller waits for it).
+        """``fmt``'s matcher on the vocabulary of ``tok``: compiled on a thread with a
+        `COMPILE_STACK_BYTES` stack (the caller waits for it), once per format
+        (`compiled_matcher`: later requests with the same format get a copy).
 
         Args:
             limits: bounds checked before the engine sees the format (the worker's
@@ -230,10 +327,15 @@ class Constraint:
                 matcher refuses it (names the type and the engine's message).
         """
         llt = grammar_tokenizer(tok, n_vocab)  # on the caller's thread: single-flight, may wait
-        return _compiler().submit(cls._build, fmt, llt, limits).result()
+        return cls(compiled_matcher(fmt, llt, limits, cls._compile), fmt)
 
-    @classmethod
-    def _build(cls, fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None) -> Constraint:
+    @staticmethod
+    def _compile(fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None) -> Any:
+        """A pristine matcher of ``fmt``, built on a `_compiler` thread (the caller waits)."""
+        return _compiler().submit(Constraint._matcher, fmt, llt, limits).result()
+
+    @staticmethod
+    def _matcher(fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None) -> Any:
         import llguidance
 
         g = compile_grammar(fmt, limits)
@@ -243,7 +345,7 @@ class Constraint:
             raise GrammarError(f"{fmt.type}: {one_line(str(exc))}") from exc
         if m.is_error():
             raise GrammarError(f"{fmt.type}: {one_line(m.get_error())}")
-        return cls(m, fmt)
+        return m
 
     def advance(self, token_id: int) -> bool:
         """Feed the sampled token; False when the grammar refuses it (the matcher is then in its
@@ -355,6 +457,7 @@ __all__ = [
     "ResponseFormat",
     "apply_masks",
     "compile_grammar",
+    "compiled_matcher",
     "fill_masks",
     "grammar_tokenizer",
     "json_schema_grammar",

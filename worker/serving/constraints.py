@@ -12,6 +12,10 @@ Per decode step (``Scheduler._step_once``):
 3. `GrammarStage.advance` — after a constrained row sampled, feed the token to its matcher;
    a grammar that is complete and allows nothing more ends the request ("stop"), as a forced
    end-of-generation token would (vLLM ends a request whose grammar terminated the same way).
+   A matcher that cannot take the token — the engine's own bounds met while it follows the
+   format (``Current row has 2002 items; max is 2000``, ``too many expressions constructed``)
+   — ends it with an error after the tokens so far (`GRAMMAR_FAILED`, `failure`): the text
+   could no longer be held to the format, so it is never passed off as a complete one.
 
 ``max_tokens`` and stop strings keep their meaning ("length" / "stop").
 """
@@ -25,10 +29,16 @@ from collections.abc import Sequence
 import structlog
 import torch
 
+from loraplane.response_format import one_line
+from loraplane.worker.errors import InvalidRequestError
 from loraplane.worker.runtime.grammar import Constraint, apply_masks, fill_masks, mask_words
 from loraplane.worker.serving.request import GenRequest
 
 log = structlog.get_logger("loraplane.worker.serving.constraints")
+
+GRAMMAR_FAILED = "grammar_failed"
+"""`GrammarStage.advance`'s reason for a request whose matcher refused its sampled token: the
+scheduler ends it with `GrammarStage.failure`, not as finished."""
 
 
 class PendingMasks:
@@ -93,17 +103,29 @@ class GrammarStage:
 
     def advance(self, req: GenRequest, token_id: int, reason: str | None) -> str | None:
         """Feed the sampled ``token_id`` to ``req``'s matcher; returns the finish reason: the one
-        the ids decided, else "stop" once the grammar is complete (or refused the token: logged,
-        never raised — the worker keeps serving)."""
+        the ids decided, else "stop" once the grammar is complete, or `GRAMMAR_FAILED` when the
+        matcher refused the token (logged, never raised — the worker keeps serving)."""
         c = req.constraint
         if c is None:
             return reason
         if not c.advance(token_id):
             log.warning("grammar_rejected_token", request_id=req.request_id, token_id=token_id, error=c.error)
-            return reason or "stop"
+            return reason or GRAMMAR_FAILED
         if reason is None and c.done:
             return "stop"
         return reason
+
+    @staticmethod
+    def failure(req: GenRequest) -> InvalidRequestError:
+        """The error that ends a request whose matcher refused a token (`GRAMMAR_FAILED`):
+        names the format, how far it got and the engine's reason (one line, no state dump)."""
+        c = req.constraint
+        kind = c.format.type if c is not None else "response_format"
+        why = one_line(c.error or "") if c is not None else ""
+        return InvalidRequestError(
+            f"response_format: the grammar engine could not follow this {kind} format at generated token "
+            f"{len(req.generated)} ({why or 'the token was refused'}); simplify the format"
+        )
 
     def close(self) -> None:
         """Stop the helper thread."""

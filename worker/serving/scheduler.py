@@ -105,7 +105,7 @@ from loraplane.worker.runtime.context import WorkerContext
 from loraplane.worker.runtime.grammar import Constraint, GrammarError
 from loraplane.worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows, penalize_rows
 from loraplane.worker.serving.cache_policy import make_cache_policy
-from loraplane.worker.serving.constraints import GrammarStage
+from loraplane.worker.serving.constraints import GRAMMAR_FAILED, GrammarStage
 from loraplane.worker.serving.fairness import FairQueue, TenantService
 from loraplane.worker.serving.heap import release_free_heap
 from loraplane.worker.serving.output import (
@@ -744,7 +744,10 @@ class Scheduler:
         self.emitter.put_tokens(self._step, records)  # every step: ``wait_rendered`` counts steps
         progress.handed_over = True
         for s, reason in ended:  # after the tokens: the output thread sees them first
-            self._finish(s, s.request, reason)
+            if reason == GRAMMAR_FAILED:
+                self._end(s.request, "error", ErrorEvent(self.grammar.failure(s.request)), s)
+            else:
+                self._finish(s, s.request, reason)
         t1 = time.monotonic()
         if len(batch.ubatch) == len(batch.parts) and records:  # decode-only: one generated row each
             self.step_log.append((interval, t1 - t0))
