@@ -80,6 +80,12 @@ class _Pending:
 class GrammarChecker:
     """Compiles formats in a pool of child processes (module docstring).
 
+    Checks are fair between tenants: one tenant's checks in children at once are at most
+    ``processes - 1`` (at least 1), so a tenant sending distinct formats that each run to the
+    timeout holds back its own later checks, never every child (`for_tenant`; requests without
+    a tenant key share the lane of ``None``). Cached verdicts and checks of a format already
+    running cost no child.
+
     Args:
         limits: the bounds every format is held to (the control plane's flags).
         processes: child processes (``--grammar-check-processes``, default 2); each checks one
@@ -107,6 +113,7 @@ class GrammarChecker:
         self._pending: dict[bytes, _Pending] = {}
         self._lock = threading.Lock()
         self._pool: Any = None  # started at the first check: most deployments never need it
+        self._lanes: dict[str | None, threading.Semaphore] = {}  # children a tenant may hold at once
         self.crashes = 0
         self.timeouts = 0
 
@@ -118,9 +125,26 @@ class GrammarChecker:
             h.update(data)
         return h.digest()
 
-    def check(self, fmt: ResponseFormat) -> None:
+    def for_tenant(self, tenant: str | None) -> TenantChecker:
+        """This checker as ``tenant``'s requests use it (its lane of children)."""
+        return TenantChecker(self, tenant)
+
+    def _lane(self, tenant: str | None) -> threading.Semaphore:
+        with self._lock:
+            lane = self._lanes.get(tenant)
+            if lane is None:
+                if len(self._lanes) >= 4096:  # idle lanes of departed tenants
+                    self._lanes = {t: sem for t, sem in self._lanes.items() if sem._value < self._per_tenant}
+                lane = self._lanes[tenant] = threading.Semaphore(self._per_tenant)
+            return lane
+
+    @property
+    def _per_tenant(self) -> int:
+        return max(1, self.processes - 1)
+
+    def check(self, fmt: ResponseFormat, tenant: str | None = None) -> None:
         """Compile ``fmt`` in a child (or take the cached verdict, or wait for the check of the
-        same format already running).
+        same format already running), in ``tenant``'s lane (class docstring).
 
         Raises:
             GrammarError: the format is over a limit, does not compile, crashed the engine
@@ -148,7 +172,8 @@ class GrammarChecker:
                     raise GrammarError(pending.verdict)
                 return
         try:
-            verdict = self._run(fmt)
+            with self._lane(tenant):
+                verdict = self._run(fmt)
         except BaseException:
             pending.failed = True
             raise
@@ -210,12 +235,34 @@ class GrammarChecker:
         self.close()
 
 
+class TenantChecker:
+    """A `GrammarChecker` bound to one tenant's lane: what request paths hold (``limits``,
+    ``check``)."""
+
+    def __init__(self, checker: GrammarChecker, tenant: str | None) -> None:
+        self.checker = checker
+        self.tenant = tenant
+        self.limits = checker.limits
+
+    def check(self, fmt: ResponseFormat) -> None:
+        """`GrammarChecker.check` in this tenant's lane.
+
+        Raises:
+            GrammarError: as `GrammarChecker.check`.
+        """
+        self.checker.check(fmt, self.tenant)
+
+
 class InlineChecker:
     """`GrammarChecker`'s interface, compiling in this process: for tools and tests that have
     no serving process to protect (a crashing format crashes the caller)."""
 
     def __init__(self, limits: GrammarLimits | None = None) -> None:
         self.limits = limits or GrammarLimits()
+
+    def for_tenant(self, tenant: str | None) -> InlineChecker:
+        """Itself: no lanes in one process."""
+        return self
 
     def check(self, fmt: ResponseFormat) -> None:
         """Compile ``fmt`` here.
@@ -231,4 +278,4 @@ class InlineChecker:
         """Nothing to stop."""
 
 
-__all__ = ["CHILD_STACK_BYTES", "GrammarChecker", "InlineChecker"]
+__all__ = ["CHILD_STACK_BYTES", "GrammarChecker", "InlineChecker", "TenantChecker"]

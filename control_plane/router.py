@@ -53,7 +53,7 @@ from loraplane.control_plane.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from loraplane.control_plane.grammar_check import GrammarChecker
+from loraplane.control_plane.grammar_check import GrammarChecker, TenantChecker
 from loraplane.control_plane.quotas import Admission, QuotaBook
 from loraplane.control_plane.registry import AdapterRegistry
 from loraplane.control_plane.resolution import adapter_set_key
@@ -131,7 +131,7 @@ class _Once:
             fn()
 
 
-def check_response_format(rf: common_pb2.ResponseFormat, grammar: GrammarChecker) -> None:
+def check_response_format(rf: common_pb2.ResponseFormat, grammar: TenantChecker) -> None:
     """Compile a request's structured-output format before any worker sees it, in one of
     ``grammar``'s child processes (its limits first; no vocabulary needed).
 
@@ -189,7 +189,7 @@ class Router:
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         if request.sampling.HasField("response_format"):
-            check_response_format(request.sampling.response_format, self.grammar)
+            check_response_format(request.sampling.response_format, self.grammar.for_tenant(principal))
         asked = request_map_or_none(request, lambda name: self.registry.lookup(name))
         vector = self.registry.resolve(asked)
         tenant = self.tenants.resolve(

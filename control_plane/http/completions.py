@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from loraplane.control_plane.grammar_check import GrammarChecker
+from loraplane.control_plane.grammar_check import InlineChecker, TenantChecker
 from loraplane.control_plane.http.chat_template import RENDER_MAX_CHARS, ChatTemplate, ChatTemplateError
 from loraplane.control_plane.http.deps import HttpDeps
 from loraplane.control_plane.http.errors import OpenAIError
@@ -85,7 +85,7 @@ class SamplingArgs(TypedDict):
     response_format: common_pb2.ResponseFormat | None
 
 
-def sampling_of(body: SamplingFields, checker: GrammarChecker) -> SamplingArgs:
+def sampling_of(body: SamplingFields, checker: TenantChecker | InlineChecker) -> SamplingArgs:
     """The sampling keywords of `generation.build_request` both endpoints share, with
     OpenAI's / vLLM's defaults for omitted fields (``temperature`` 1, ``top_p`` 1, ``top_k`` 0
     or -1 = off, ``min_p`` 0, penalties off: presence / frequency 0, repetition 1); the
@@ -347,7 +347,7 @@ def completions_router(deps: HttpDeps) -> APIRouter:
             adapters=adapters,
             max_tokens=body.max_tokens or COMPLETION_MAX_TOKENS_DEFAULT,
             logprobs=body.logprobs or 0,
-            **sampling_of(body, deps.router.grammar),
+            **sampling_of(body, deps.router.grammar.for_tenant(deps.principal(authorization))),
         )
         return respond(deps, request, body, chat=False, logprobs=body.logprobs, principal=deps.principal(authorization))
 
@@ -360,7 +360,7 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         body = parse_body(raw, ChatCompletionRequest)
         body.check()
         template = chat_template_of(deps)
-        grammar = deps.router.grammar
+        grammar = deps.router.grammar.for_tenant(deps.principal(authorization))
         tools = check_tools(body.tools, body.tool_choice, template, max_tools=grammar.limits.max_tools)
         sampling = sampling_of(body, grammar)
         forced = forced_call_of(

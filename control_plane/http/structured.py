@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from loraplane.control_plane.grammar_check import GrammarChecker, InlineChecker
+from loraplane.control_plane.grammar_check import InlineChecker, TenantChecker
 from loraplane.control_plane.http.errors import OpenAIError, unsupported
 from loraplane.grammar_limits import GrammarError, GrammarLimits, check_choices
 from loraplane.response_format import ResponseFormat, choice_grammar
@@ -139,7 +139,7 @@ def _check_structured_outputs_keys(fields: dict[str, Any]) -> None:
         )
 
 
-def response_format_of(body: Any, checker: GrammarChecker | InlineChecker) -> common_pb2.ResponseFormat | None:
+def response_format_of(body: Any, checker: TenantChecker | InlineChecker) -> common_pb2.ResponseFormat | None:
     """The request's structured-output format as a proto (None: unconstrained), compiled once to
     refuse a bad one early.
 

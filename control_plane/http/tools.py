@@ -55,7 +55,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from loraplane.control_plane.grammar_check import GrammarChecker, InlineChecker
+from loraplane.control_plane.grammar_check import InlineChecker, TenantChecker
 from loraplane.control_plane.http.chat_template import ChatTemplate
 from loraplane.control_plane.http.errors import OpenAIError
 from loraplane.control_plane.http.structured import to_proto
@@ -510,7 +510,7 @@ class ForcedCall:
 def forced_call_of(
     tools: list[Any] | None,
     tool_choice: Any,
-    checker: GrammarChecker | InlineChecker,
+    checker: TenantChecker | InlineChecker,
     *,
     response_format: bool = False,
 ) -> ForcedCall | None:

@@ -324,3 +324,37 @@ def test_kept_matchers_are_bounded_by_their_formats_size(monkeypatch, shared_tok
     assert len(compiled) == 3  # the last two were kept
     grammar.Constraint.build(big[0], shared_tokenizer)
     assert len(compiled) == 4 and compiled[-1] == big[0].pattern  # the first was not: a third over the budget
+
+
+@pytest.mark.slow  # child processes and checks that run to a 1 s timeout (about 4 s)
+def test_one_tenants_slow_checks_never_hold_every_child():
+    import concurrent.futures
+
+    from loraplane.control_plane.grammar_check import GrammarChecker
+    from loraplane.grammar_limits import GrammarError
+
+    open_limits = GrammarLimits(max_depth=10**6, max_rules=10**6, max_bytes=10**8)
+    with GrammarChecker(open_limits, processes=2, timeout_s=1.0) as checker:
+        checker.check(ResponseFormat("json_object"))  # both children started
+        checker.check(ResponseFormat("regex", pattern="[0-9]+"))
+        slow = [ResponseFormat("grammar", grammar=gbnf_chain(5000 + i)) for i in range(3)]  # seconds each to convert
+        done: dict[str, float] = {}
+
+        def heavy(fmt: ResponseFormat) -> None:
+            with pytest.raises(GrammarError, match="took longer than 1 s"):
+                checker.for_tenant("heavy").check(fmt)
+            done.setdefault("heavy_all", 0.0)
+            done["heavy_all"] = time.monotonic()
+
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            futures = [ex.submit(heavy, f) for f in slow]
+            time.sleep(0.2)
+            checker.for_tenant("light").check(ResponseFormat("regex", pattern="[a-z]{3}"))
+            done["light"] = time.monotonic()
+            for f in futures:
+                f.result()
+        # the heavy tenant's three checks ran one at a time in its lane (about 3 s); the light
+        # tenant's check took the other child at once
+        assert done["heavy_all"] - t0 >= 2.5
+        assert done["light"] < done["heavy_all"] - 1.0
