@@ -512,7 +512,8 @@ def worker_runtime_options(f: F) -> F:
             type=click.Choice(DTYPE_NAMES),
             default="f32",
             show_default=True,
-            help="Compute (activation) dtype; on CPU f32 is the exact kernels' path.",
+            help="Compute (activation) dtype; on CPU f32 is the exact kernels' path; f16 is refused for "
+            "Gemma 2/3 (their activations overflow it: use bf16).",
         ),
         click.option(
             "--weights",

@@ -21,7 +21,7 @@ from loraplane.worker.gguf.reader import TensorRecord
 from loraplane.worker.runtime.device import bind_device, resolve_device
 from loraplane.worker.runtime.errors import ModelError
 from loraplane.worker.runtime.kernels import KernelError, QuantLinear, pack_tensor
-from loraplane.worker.runtime.model import DTYPES
+from loraplane.worker.runtime.model import DTYPES, load_model
 
 
 @pytest.mark.parametrize(
@@ -203,3 +203,10 @@ def test_bench_device_argument():
     assert device_arg("CUDA:1") == "cuda:1" and device_arg("cpu:0") == "cpu:0"
     with pytest.raises(argparse.ArgumentTypeError, match="device 'npu' is not one of"):
         device_arg("npu")
+
+
+def test_f16_refused_for_gemma_naming_the_flag(base_model_path):
+    """Gemma 3's residual stream overflows float16 (``model.F16_REFUSED``): refused at load, before
+    any weight is read, with the flag and what to use instead."""
+    with pytest.raises(ModelError, match=r"--dtype f16 is refused for Gemma 3 \(gemma3\).*use --dtype bf16 or f32"):
+        load_model(base_model_path, dtype="f16", device="cpu")

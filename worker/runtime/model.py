@@ -37,7 +37,17 @@ stream, the KV cache and the adapter slots are held in. Norm vectors stay f32; n
 and the packed matmuls compute in f32 or wider and logits leave the model as f32 whatever the
 dtype. On CPU, f32 is the C kernels' path (its results unchanged bit for bit); bf16 and f16 run
 the same packed matmuls with the stream rounded to 16 bits between ops, and torch ops where a C
-kernel takes f32 only (norm, attention, LoRA)."""
+kernel takes f32 only (norm, attention, LoRA). f16 is refused where it overflows (``F16_REFUSED``)."""
+F16_REFUSED = {
+    "gemma2": "Gemma 2",
+    "gemma3": "Gemma 3",
+}
+"""Architectures ``--dtype f16`` is refused for (``general.architecture`` → family name): their
+residual stream leaves float16's range (largest finite value 65 504). Measured on Gemma 3 270M
+(the embedded model): |x| reaches about 1.0e5 by layer 14 in f32, and in f16 it is inf from
+layer 8 on, the log-prob of f32's greedy token off by ~10 nats. vLLM refuses float16 for
+Gemma 2 and 3 for the same reason; bf16 keeps f32's exponent range."""
+
 WEIGHT_FORMS = ("packed", "dequant")
 """``packed``: GGUF-quantized matrices multiplied in place (default); ``dequant``: f32/bf16 reference."""
 
@@ -135,7 +145,8 @@ def load_model(
     Raises:
         GGUFError: not GGUF / truncated / unsupported tensor type (names file and tensor).
         ModelError: not a model GGUF, unknown architecture, missing or mis-shaped tensor, an
-            unknown dtype, or a device that is not there (``resolve_device``).
+            unknown dtype, f16 for an architecture of ``F16_REFUSED``, or a device that is not
+            there (``resolve_device``).
     """
     p = Path(path) if path is not None else default_model_path()
     gf = read_gguf(p)
@@ -147,6 +158,11 @@ def load_model(
     if weights not in WEIGHT_FORMS:
         raise ModelError(f"unknown weight form '{weights}' (expected one of {', '.join(WEIGHT_FORMS)})")
     arch_mod = arch_registry.get(gf.arch, p)
+    if dtype == "f16" and gf.arch in F16_REFUSED:
+        raise ModelError(
+            f"{p}: --dtype f16 is refused for {F16_REFUSED[gf.arch]} ({gf.arch}): its residual stream "
+            "exceeds float16's largest value (65504) and turns to inf; use --dtype bf16 or f32"
+        )
     hparams = arch_mod.load_hparams(gf)
     dev = resolve_device(device)
     bind_device(dev)
@@ -329,6 +345,8 @@ __all__ = [
     "int8_policy",
     "ModelError",
     "GGUFError",
+    "DTYPES",
+    "F16_REFUSED",
     "WEIGHT_FORMS",
     "Weight",
     "load_model",
