@@ -154,8 +154,9 @@ def _f32_record(name: str = "w") -> TensorRecord:
 
 
 def test_quant_linear_takes_cpu0_and_multiplies_cpu_inputs():
-    """The crash of issue 31 spelled on CPU: a weight on ``cpu:0`` refused an input that
-    reports ``cpu``; now the weight's device is resolved and the product is exact."""
+    """The CUDA crash (weight on ``cuda``, input on ``cuda:0``) spelled on CPU: a weight on
+    ``cpu:0`` refused an input that reports ``cpu``; now the weight's device is resolved and
+    the product is exact."""
     ql = pack_tensor(_f32_record(), device="cpu:0")
     assert ql.device == torch.device("cpu") and ql.device.index is None
     x = torch.ones(2, 64)

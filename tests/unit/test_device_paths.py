@@ -2,7 +2,7 @@
 on the model's device, with the same results as ``cpu`` bit for bit: the forward pass, adapters
 loaded onto the device and paged in and out of the slot pool (in memory and file-backed), the
 prefix cache's KV snapshots, sampling, penalties and a grammar-masked step. Before the device was
-resolved once, ``cpu:0`` failed at the first matmul like ``cuda`` vs ``cuda:0`` (issue 31).
+resolved once, ``cpu:0`` failed at the first matmul like ``cuda`` vs ``cuda:0`` did on a GPU.
 
 Model: the tiny MoE fixture (``tests/fixtures/tiny_moe``: llama with 4 experts, F16 matrices,
 32 000 tokens), its fixture adapter (attn_q and expert branches, in memory) and a second
