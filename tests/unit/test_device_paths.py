@@ -277,3 +277,48 @@ def test_engine_on_cpu0_serves_like_cpu(fixtures_dir):
     assert len(ids) == 6
     doc = json.loads(runs["cpu:0"]["json"][1])
     assert set(doc) == {"ok", "n"} and isinstance(doc["ok"], bool)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu tier: needs a CUDA GPU, this machine has none")
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "auto"])
+def test_cuda_spellings_run_the_forward_pass_with_an_adapter(models, fixtures_dir, tmp_path, spec):
+    """On a GPU every spelling of it loads, pages an adapter in and decodes (before the device was
+    resolved once, the first matmul refused ``cuda:0`` inputs for a weight on ``cuda``); every
+    weight, slot buffer and KV tensor is on the resolved ``cuda:N``; the greedy tokens are the
+    CPU's where the CPU's top-2 margin is wide (> 1 nat: the GPU multiplies bf16 weights)."""
+    model, ads = _model(fixtures_dir, _qv_adapter(tmp_path / "qv.gguf"), spec)
+    dev = model.base.device
+    assert dev == torch.device("cuda", torch.cuda.current_device())
+    ctx = model.new_context(n_ctx_seq=32)
+    ctx.set_adapters(AdapterSet.of({1: (ads[1], 1.0)}))
+    logits = _prefill(ctx)
+    for w in model.base.weights.values():
+        assert all(part.device == dev for part in (w if isinstance(w, list) else [w]))
+    assert all(w.a.device == dev for w in model.adapters.pool.weights.values())
+    assert ctx.kv.k[0].device == dev and logits.device == dev and bool(torch.isfinite(logits).all())
+    ctx.close()
+    cpu_model, cpu_ads = models["cpu"]
+    cctx = cpu_model.new_context(n_ctx_seq=32)
+    cctx.set_adapters(AdapterSet.of({1: (cpu_ads[1], 1.0)}))
+    ref = _prefill(cctx)
+    cctx.close()
+    top2 = torch.topk(ref, 2, dim=-1).values
+    wide = (top2[:, 0] - top2[:, 1]) > 1.0
+    assert torch.equal(logits.cpu().argmax(-1)[wide], ref.argmax(-1)[wide])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="gpu tier: needs two CUDA GPUs to pick the second")
+def test_cuda_1_puts_the_model_on_the_second_gpu(fixtures_dir, tmp_path):
+    """``--device cuda:1``: weights and KV on GPU 1, which also becomes the current device."""
+    before = torch.cuda.current_device()
+    try:
+        model, _ = _model(fixtures_dir, _qv_adapter(tmp_path / "qv.gguf"), "cuda:1")
+        assert model.base.device == torch.device("cuda", 1) and torch.cuda.current_device() == 1
+        ctx = model.new_context(n_ctx_seq=32)
+        ctx.set_adapters(EMPTY_SET)
+        assert _prefill(ctx).device == torch.device("cuda", 1)
+        ctx.close()
+    finally:
+        torch.cuda.set_device(before)  # the load made GPU 1 current for this whole process
