@@ -36,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES, check_device_spec
+
 if TYPE_CHECKING:  # the real imports are lazy: torch must load after OMP_WAIT_POLICY is set
     from loraplane.bench.profiles import Profile
     from loraplane.worker.runtime.model import LoadedModel
@@ -54,6 +56,18 @@ SCENARIOS = {
 DEFAULT_SEED = 1234
 
 
+def device_arg(text: str) -> str:
+    """``--device`` for argparse: the normalized spelling (`loraplane.compute_spec.check_device_spec`).
+
+    Raises:
+        argparse.ArgumentTypeError: another spelling (argparse prints it as a usage error).
+    """
+    try:
+        return check_device_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="loraplane bench",
@@ -67,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--markdown", metavar="OUT", help="write the tables as Markdown to OUT")
     ap.add_argument(
         "--dtype",
-        choices=["f32", "bf16"],
+        choices=DTYPE_NAMES,
         default="f32",
         help="activation/compute dtype of the in-process model and the workers (default f32)",
     )
@@ -78,7 +92,13 @@ def _parser() -> argparse.ArgumentParser:
         help="base weight form, in-process and in the workers (worker --weights): packed = GGUF "
         "quantized matrices multiplied by our kernels (default); dequant = the f32 reference",
     )
-    ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="default cpu")
+    ap.add_argument(
+        "--device",
+        type=device_arg,
+        default="cpu",
+        metavar=DEVICE_METAVAR,
+        help="device of the in-process model and the workers (worker --device; cpu:0 is the CPU too; default cpu)",
+    )
     ap.add_argument("--model", metavar="GGUF", help="base model (default: the embedded Gemma 3 270M)")
     ap.add_argument(
         "--only",

@@ -37,6 +37,12 @@ def load_avg() -> str:
         return "-"
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def kernels_used(weights: str, device: str) -> dict:
     """The matmul path a model loaded with ``--weights weights`` on ``device`` takes.
 
@@ -56,7 +62,7 @@ def kernels_used(weights: str, device: str) -> dict:
             "act": None,
             "summary": "dequant: torch matmul on f32-dequantized weights (reference)",
         }
-    if device.startswith("cuda"):
+    if device.startswith("cuda") or (device == "auto" and _cuda_available()):
         return {
             "weights": weights,
             "path": "torch",

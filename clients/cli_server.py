@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 import click
 
-from loraplane.clients.params import ENV_ADMIN_TOKEN, ENV_API_KEY, PATH_SCALE, HostPortListType, HostPortType
+from loraplane.clients.params import DEVICE, ENV_ADMIN_TOKEN, ENV_API_KEY, PATH_SCALE, HostPortListType, HostPortType
+from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES
 from loraplane.env import ENV_DATABASE_URL, ENV_WORKER_SECRET
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -508,10 +509,11 @@ def worker_runtime_options(f: F) -> F:
         ),
         click.option(
             "--dtype",
-            type=click.Choice(["f32", "bf16"]),
+            type=click.Choice(DTYPE_NAMES),
             default="f32",
             show_default=True,
-            help="Compute (activation) dtype.",
+            help="Compute (activation) dtype; on CPU f32 is the exact kernels' path; f16 is refused for "
+            "Gemma 2/3 (their activations overflow it: use bf16).",
         ),
         click.option(
             "--weights",
@@ -524,10 +526,12 @@ def worker_runtime_options(f: F) -> F:
         ),
         click.option(
             "--device",
-            type=click.Choice(["cpu", "cuda", "auto"]),
+            type=DEVICE,
+            metavar=DEVICE_METAVAR,
             default="auto",
             show_default=True,
-            help="auto: CUDA when present.",
+            help="auto: the current CUDA device when present, else the CPU; cuda: the current "
+            "CUDA device; cuda:N: GPU N (cpu:0 is the CPU too).",
         ),
         click.option(
             "--n-ctx", "n_ctx_slot", type=click.IntRange(min=16), default=None, help="KV cache tokens per slot."

@@ -23,7 +23,9 @@ import click
 import loraplane
 from loraplane.clients.client import LoraplaneClient
 from loraplane.clients.errors import LoraplaneError
+from loraplane.clients.params import DEVICE
 from loraplane.clients.results import GenerateResult, WorkerInfo
+from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES
 
 DEMO_DIR = (Path(loraplane.__file__).resolve().parent / "demo" / "adapters").resolve()
 """Package data of the wheel (``loraplane/demo/adapters/``); in a checkout ``loraplane/demo`` is a
@@ -120,8 +122,8 @@ def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool, address
 @click.option(
     "--model", "model_path", default=None, metavar="PATH", help="Base model GGUF (default: the embedded Gemma 3 270M)."
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True)
+@click.option("--device", type=DEVICE, metavar=DEVICE_METAVAR, default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="f32", show_default=True)
 @click.option("--ready-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True, metavar="SECONDS")
 @click.option(
     "--log-level",

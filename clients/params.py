@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
+from loraplane.compute_spec import DEVICE_METAVAR, check_device_spec
 from loraplane.env import ENV_ADDR, ENV_ADMIN_TOKEN, ENV_API_KEY
 
 UINT32_MAX = 2**32 - 1  # ids and counts are uint32 on the wire
@@ -191,7 +192,22 @@ class HostPortListType(click.ParamType):
         return ",".join(one.convert(p, param, ctx) for p in parts)
 
 
+class DeviceType(click.ParamType):
+    """A worker ``--device``: ``cpu``, ``cpu:0``, ``cuda``, ``cuda:N`` or ``auto``
+    (`loraplane.compute_spec.check_device_spec`) → its normalized spelling. Only the spelling
+    is checked here; the worker refuses a GPU it does not have when it loads the model."""
+
+    name = DEVICE_METAVAR
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            return check_device_spec(str(value))
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+
+
 ADAPTER_SCALE = AdapterScaleType()
+DEVICE = DeviceType()
 ADAPTER_REF = AdapterRefType()
 TOKEN_IDS = TokenIdsType()
 PATH_SCALE = PathScaleType()

@@ -48,9 +48,12 @@ class WorkerConfig:
         model_path: base model GGUF; None means the embedded Gemma 3 270M.
         n_slots: parallel sequences (llama-server ``--parallel``).
         batching / prefix_cache: see the enums.
-        dtype: "f32" or "bf16" compute (activation) dtype.
+        dtype: compute (activation) dtype, "f32", "bf16" or "f16"
+            (``loraplane.worker.runtime.model.DTYPES``; on CPU f32 is the C kernels' exact path).
         weight_form: "packed" (GGUF-quantized matrices, our kernels) or "dequant" (reference).
-        device: "cpu", "cuda" or "auto" (CUDA when present).
+        device: "auto" (the current CUDA device when present, else CPU), "cpu" / "cpu:0",
+            "cuda" (the current CUDA device) or "cuda:N" (``loraplane.compute_spec``); resolved
+            once when the model loads, which refuses a GPU that is not there.
         n_ctx_slot: tokens of KV per slot.
         queue_limit: requests waiting beyond the slots before RESOURCE_EXHAUSTED.
         control_plane: host:port of the control plane to register with (None: standalone).

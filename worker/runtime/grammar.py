@@ -388,7 +388,8 @@ def fill_masks(constraints: Sequence[Constraint], out: torch.Tensor) -> None:
     """
     if not constraints:
         return
-    assert out.dtype == torch.int32 and out.is_contiguous() and not out.is_cuda
+    # the engine writes host memory through the pointer: a CPU buffer, whatever the model's device
+    assert out.dtype == torch.int32 and out.is_contiguous() and out.device.type == "cpu"
     words = out.shape[1]
     _executor().unsafe_compute_mask_ptr(
         [(c.matcher, i) for i, c in enumerate(constraints)], out.data_ptr(), words * 4, out.shape[0]

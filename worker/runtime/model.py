@@ -26,29 +26,33 @@ import torch
 
 from loraplane.worker.gguf.reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
 from loraplane.worker.runtime import arch as arch_registry
+from loraplane.worker.runtime.device import bind_device, resolve_device
 from loraplane.worker.runtime.errors import ModelError
 from loraplane.worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
 from loraplane.worker.runtime.tokenizer import Tokenizer
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+"""``--dtype`` name → compute (activation) dtype: what the dequantized weights, the residual
+stream, the KV cache and the adapter slots are held in. Norm vectors stay f32; norms, attention
+and the packed matmuls compute in f32 or wider and logits leave the model as f32 whatever the
+dtype. On CPU, f32 is the C kernels' path (its results unchanged bit for bit); bf16 and f16 run
+the same packed matmuls with the stream rounded to 16 bits between ops, and torch ops where a C
+kernel takes f32 only (norm, attention, LoRA). f16 is refused where it overflows (``F16_REFUSED``)."""
+F16_REFUSED = {
+    "gemma2": "Gemma 2",
+    "gemma3": "Gemma 3",
+}
+"""Architectures ``--dtype f16`` is refused for (``general.architecture`` → family name): their
+residual stream leaves float16's range (largest finite value 65 504). Measured on Gemma 3 270M
+(the embedded model): |x| reaches about 1.0e5 by layer 14 in f32, and in f16 it is inf from
+layer 8 on, the log-prob of f32's greedy token off by ~10 nats. vLLM refuses float16 for
+Gemma 2 and 3 for the same reason; bf16 keeps f32's exponent range."""
+
 WEIGHT_FORMS = ("packed", "dequant")
 """``packed``: GGUF-quantized matrices multiplied in place (default); ``dequant``: f32/bf16 reference."""
 
 Weight = torch.Tensor | QuantLinear | list[QuantLinear]
 """A base weight: a float tensor (norms, the ``dequant`` form), a packed matrix, or packed experts."""
-
-
-def pick_device(device: str = "auto") -> torch.device:
-    """``auto`` → CUDA when present, else CPU; otherwise the named device.
-
-    Raises:
-        ModelError: ``cuda`` asked for on a machine without it.
-    """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError("device 'cuda' requested but torch.cuda.is_available() is False")
-    return torch.device(device)
 
 
 def default_model_path() -> Path:
@@ -74,7 +78,10 @@ class LoadedModel:
         weight_form: "packed" or "dequant".
         tensor_ne: tensor name → ggml ``ne`` of every base tensor (what adapters validate against).
         tokenizer: built from ``tokenizer.ggml.*``.
-        device / dtype: where and in what the forward pass runs.
+        device: where the forward pass runs, resolved once at load (``cpu`` or ``cuda:N``,
+            ``loraplane.worker.runtime.device.resolve_device``): every tensor of the worker is
+            created on this object and compared with it.
+        dtype: the compute dtype (``DTYPES``).
         fused: ``(names...) -> QuantLinear``: each layer's q/k/v and gate/up that share a
             packed form, concatenated (``fuse_projections``; the members are views into it).
     """
@@ -107,11 +114,9 @@ class LoadedModel:
         return self._sha256
 
     def device_of(self, name: str) -> torch.device:
-        """Device of base tensor ``name`` (adapter tensors go where the tensor they patch is)."""
-        w = self.weights.get(name)
-        if isinstance(w, list):
-            w = w[0] if w else None
-        return w.device if w is not None else self.device
+        """Device of base tensor ``name``: adapter tensors go where the tensor they patch is
+        (SPEC §1), and a model holds every tensor on its one resolved ``device``."""
+        return self.device
 
     @property
     def weight_bytes(self) -> int:
@@ -130,13 +135,18 @@ def load_model(
 
     Args:
         path: GGUF file; None → the embedded Gemma 3 270M.
-        dtype: compute (activation) dtype name, "f32" or "bf16" (norm weights stay f32).
-        device: "auto", "cpu" or "cuda".
+        dtype: compute (activation) dtype name, "f32", "bf16" or "f16" (``DTYPES``; norm
+            weights stay f32).
+        device: a ``--device`` spelling ("auto", "cpu", "cpu:0", "cuda", "cuda:N") or a
+            ``torch.device``; resolved once (``resolve_device``) and, for CUDA, made the
+            process's current device (``bind_device``).
         weights: "packed" (quantized matrices, our kernels) or "dequant" (f32/bf16 reference).
 
     Raises:
         GGUFError: not GGUF / truncated / unsupported tensor type (names file and tensor).
-        ModelError: not a model GGUF, unknown architecture, missing or mis-shaped tensor.
+        ModelError: not a model GGUF, unknown architecture, missing or mis-shaped tensor, an
+            unknown dtype, f16 for an architecture of ``F16_REFUSED``, or a device that is not
+            there (``resolve_device``).
     """
     p = Path(path) if path is not None else default_model_path()
     gf = read_gguf(p)
@@ -148,8 +158,14 @@ def load_model(
     if weights not in WEIGHT_FORMS:
         raise ModelError(f"unknown weight form '{weights}' (expected one of {', '.join(WEIGHT_FORMS)})")
     arch_mod = arch_registry.get(gf.arch, p)
+    if dtype == "f16" and gf.arch in F16_REFUSED:
+        raise ModelError(
+            f"{p}: --dtype f16 is refused for {F16_REFUSED[gf.arch]} ({gf.arch}): its residual stream "
+            "exceeds float16's largest value (65504) and turns to inf; use --dtype bf16 or f32"
+        )
     hparams = arch_mod.load_hparams(gf)
-    dev = pick_device(device)
+    dev = resolve_device(device)
+    bind_device(dev)
     tdtype = DTYPES[dtype]
     specs = arch_mod.tensor_specs(hparams)
     held: dict[str, Weight] = {}
@@ -329,10 +345,11 @@ __all__ = [
     "int8_policy",
     "ModelError",
     "GGUFError",
+    "DTYPES",
+    "F16_REFUSED",
     "WEIGHT_FORMS",
     "Weight",
     "load_model",
-    "pick_device",
     "default_model_path",
     "fuse_projections",
 ]

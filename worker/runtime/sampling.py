@@ -356,7 +356,7 @@ def apply_penalties(
     """
     counts = output_counts.to(logits.dtype)
     seen = prompt_mask | (output_counts > 0)
-    rep = torch.where(seen, repetition.unsqueeze(1), torch.ones((), dtype=logits.dtype))
+    rep = torch.where(seen, repetition.unsqueeze(1), torch.ones((), dtype=logits.dtype, device=logits.device))
     out = torch.where(logits > 0, logits / rep, logits * rep)
     out = out - frequency.unsqueeze(1) * counts
     return out - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)

@@ -37,6 +37,8 @@ from gguf import GGMLQuantizationType as T
 
 from loraplane.worker.gguf.reader import GGUFError, TensorRecord
 from loraplane.worker.gguf.reader import dequantize as gguf_dequantize
+from loraplane.worker.runtime.device import resolve_device
+from loraplane.worker.runtime.errors import ModelError
 from loraplane.worker.runtime.kernels import build, cpu
 from loraplane.worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
 from loraplane.worker.runtime.kernels.sample import TOPK_MAX, logits_summary
@@ -158,7 +160,9 @@ class QuantLinear:
         offset: the implicit ``c / s`` when bias is None.
         bs: sub-block size of ``scale`` (16 or 32); signed: Q8_0's int8 values.
         weight: float ``(d, k)`` weight (F32/F16/BF16 types and the torch path), else None.
-        device: where the weight lives.
+        device: where the weight lives, in the resolved form tensors report (``cpu``,
+            ``cuda:N``; :func:`loraplane.worker.runtime.device.resolve_device`, applied here to
+            whatever is passed): :meth:`matmul` compares its input's device with it.
         act: this weight's activation precision on the C kernel paths, 'i16' | 'i8' (chosen
             per weight at model load, :func:`loraplane.worker.runtime.model.assign_acts`; overridden for
             all weights by ``$LORAPLANE_KERNEL_ACT``, see :func:`resolve_act`).
@@ -183,6 +187,9 @@ class QuantLinear:
     act: str = "i16"
     rescore: int = 0
     _f32_cache: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.device = _resolve(self.device, self.name)
 
     @property
     def nbytes(self) -> int:
@@ -248,7 +255,8 @@ class QuantLinear:
         """``y = x @ W.T``: x ``(..., k)`` f32/bf16/f16 (or pre-quantized rows) -> f32 ``(..., d)``.
 
         Args:
-            x: activations, on this weight's device.
+            x: activations, on this weight's device (``x.device == self.device``: both are the
+                resolved form, so ``cuda:0`` and an index-less ``cuda`` cannot disagree).
             path: force 'amx' | 'avx512' | 'avx2' | 'torch' for this call (default: see
                 :func:`loraplane.worker.runtime.kernels.cpu.resolve_path`); ignored for float weights.
                 'amx' runs int8 and int16 activations on AMX tiles (bit-identical to
@@ -380,20 +388,28 @@ class QuantLinear:
         return y
 
 
+def _resolve(device: str | torch.device, name: str) -> torch.device:
+    """``device`` in the form its tensors report (``resolve_device``), as a KernelError naming ``name``."""
+    try:
+        return resolve_device(device)
+    except ModelError as exc:
+        raise KernelError(f"{name}: {exc}") from None
+
+
 def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: str | None = None) -> QuantLinear:
     """Build the packed weight of one 2-D GGUF tensor.
 
     Args:
         rec: the tensor record (``loraplane.worker.gguf.reader``); its bytes are read, not kept.
-        device: 'cpu' keeps the compact form; 'cuda' dequantizes to bf16 on the GPU
-            (torch fallback; the C kernels are CPU-only).
+        device: a ``--device`` spelling or ``torch.device`` (resolved here,
+            :func:`loraplane.worker.runtime.device.resolve_device`): CPU keeps the compact form;
+            CUDA dequantizes to bf16 on the GPU (torch fallback; the C kernels are CPU-only).
         path: 'torch' forces the float form on CPU too (f32); default: the compact form.
     Raises:
-        KernelError: not a 2-D tensor, or a type with neither a repack rule nor a dequantizer.
+        KernelError: not a 2-D tensor, a type with neither a repack rule nor a dequantizer, or
+            a device that is not there (``cuda`` without CUDA, ``cuda:N`` beyond the count).
     """
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise KernelError(f"{rec.name}: device {dev} requested but torch.cuda.is_available() is False")
+    dev = _resolve(device, rec.name)
     if len(rec.ne) != 2:
         raise KernelError(f"{rec.name}: expected a 2-D weight, ne={list(rec.ne)}")
     k, d = int(rec.ne[0]), int(rec.ne[1])
