@@ -34,6 +34,7 @@ Shapes are torch order (ggml ``ne`` reversed): a tensor with ``ne = [k, d]`` is 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -60,8 +61,15 @@ def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def _shifts(values: list[int], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """uint8 shift amounts ``values`` shaped ``shape`` for broadcasting against ``like``."""
-    return torch.tensor(values, dtype=torch.uint8, device=like.device).reshape(shape)
+    """uint8 shift amounts ``values`` shaped ``shape`` for broadcasting against ``like``, made
+    once per device: a fresh ``torch.tensor`` on CUDA is a synchronous host-to-device copy that
+    would stall the host on every chunk until the queued dequantization had run."""
+    return _shift_tensor(tuple(values), shape, like.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_tensor(values: tuple[int, ...], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
 
 
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
@@ -306,6 +314,11 @@ class Uploader:
         return out
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """``t`` is on ``device`` (a device named without an index, ``cuda``, means any of its type)."""
+    return t.device.type == device.type and (device.index is None or t.device.index in (None, device.index))
+
+
 def dequantize_tensor(
     rec: TensorRecord,
     *,
@@ -344,7 +357,7 @@ def dequantize_tensor(
     n_rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=dev)
-    elif tuple(out.shape) != shape or out.dtype != dtype or out.device.type != dev.type or not out.is_contiguous():
+    elif tuple(out.shape) != shape or out.dtype != dtype or not _on(out, dev) or not out.is_contiguous():
         raise ValueError(
             f"{rec.name}: out is {out.dtype} {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()}), "
             f"expected {dtype} {shape} on {dev}"
