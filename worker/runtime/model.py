@@ -6,9 +6,13 @@ its forward pass.
 
 Weight forms (``--weights``): ``packed`` (default) keeps every matrix close to its GGUF
 quantized form (``loraplane.worker.runtime.kernels.QuantLinear``: exact int8 values + block scales,
-multiplied by our AVX2 / AVX-512 kernels; on CUDA dequantized once to bf16), so no f32 copy of
-the model exists; ``dequant`` is the reference: every weight dequantized once to the compute
-dtype and multiplied by torch. Norm vectors are f32 in both.
+multiplied by our AVX2 / AVX-512 kernels), so no f32 copy of the model exists; ``dequant`` is the
+reference: every weight dequantized once on the host (gguf-py) to the compute dtype and multiplied
+by torch; ``device-dense`` is the GPU form: the GGUF's raw blocks uploaded once and dequantized on
+the device (``loraplane.worker.gpu.dequant``) to dense compute-dtype matrices multiplied by torch
+(cuBLAS), each layer's q/k/v and gate/up loaded into one tensor (``LoadedModel.fused_dense``). On a
+non-CPU device ``packed`` loads as ``device-dense`` (the packed kernels are CPU-only); on CPU
+``device-dense`` runs the same code on CPU tensors (how it is tested). Norm vectors are f32 in all.
 
 Shapes: every weight is kept in torch order (ggml ``ne`` reversed), so a linear weight
 with ``ne = [k, d]`` is a ``(d, k)`` tensor used as ``x @ W.T`` (what ggml's
@@ -24,7 +28,8 @@ from typing import Any
 
 import torch
 
-from loraplane.worker.gguf.reader import GGUFError, GGUFFile, dequantize, file_sha256, read_gguf
+from loraplane.worker.gguf.reader import GGUFError, GGUFFile, TensorRecord, dequantize, file_sha256, read_gguf
+from loraplane.worker.gpu.dequant import Uploader, dequantize_tensor
 from loraplane.worker.runtime import arch as arch_registry
 from loraplane.worker.runtime.device import bind_device, resolve_device
 from loraplane.worker.runtime.errors import ModelError
@@ -48,8 +53,9 @@ residual stream leaves float16's range (largest finite value 65 504). Measured o
 layer 8 on, the log-prob of f32's greedy token off by ~10 nats. vLLM refuses float16 for
 Gemma 2 and 3 for the same reason; bf16 keeps f32's exponent range."""
 
-WEIGHT_FORMS = ("packed", "dequant")
-"""``packed``: GGUF-quantized matrices multiplied in place (default); ``dequant``: f32/bf16 reference."""
+WEIGHT_FORMS = ("packed", "dequant", "device-dense")
+"""``packed``: GGUF-quantized matrices multiplied in place (default); ``dequant``: f32/bf16 reference;
+``device-dense``: dequantized on the device to dense compute-dtype matrices (the CUDA form)."""
 
 Weight = torch.Tensor | QuantLinear | list[QuantLinear]
 """A base weight: a float tensor (norms, the ``dequant`` form), a packed matrix, or packed experts."""
@@ -75,7 +81,8 @@ class LoadedModel:
         weights: tensor name → ``Weight`` (torch order): packed matrices (``QuantLinear``; a
             list per expert for 3-D expert tensors) or float tensors (``dequant`` form in the
             compute dtype; norms f32).
-        weight_form: "packed" or "dequant".
+        weight_form: the form loaded, "packed", "dequant" or "device-dense" (see
+            :func:`resolve_weight_form`: what was asked for may differ).
         tensor_ne: tensor name → ggml ``ne`` of every base tensor (what adapters validate against).
         tokenizer: built from ``tokenizer.ggml.*``.
         device: where the forward pass runs, resolved once at load (``cpu`` or ``cuda:N``,
@@ -84,6 +91,10 @@ class LoadedModel:
         dtype: the compute dtype (``DTYPES``).
         fused: ``(names...) -> QuantLinear``: each layer's q/k/v and gate/up that share a
             packed form, concatenated (``fuse_projections``; the members are views into it).
+        fused_dense: ``(names...) -> (Σd, k)`` compute-dtype tensor (``device-dense`` form):
+            each layer's q/k/v and gate/up loaded into one tensor along the output rows; each
+            member in ``weights`` is its row slice (a view), so ``x @ fused.T`` gives every
+            member's product as a column slice of one output in one launch.
     """
 
     path: Path
@@ -97,6 +108,7 @@ class LoadedModel:
     dtype: torch.dtype
     weight_form: str = "packed"
     fused: dict[tuple[str, ...], QuantLinear] = field(default_factory=dict)
+    fused_dense: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
     _sha256: str | None = field(default=None, repr=False)
 
     @property
@@ -140,7 +152,9 @@ def load_model(
         device: a ``--device`` spelling ("auto", "cpu", "cpu:0", "cuda", "cuda:N") or a
             ``torch.device``; resolved once (``resolve_device``) and, for CUDA, made the
             process's current device (``bind_device``).
-        weights: "packed" (quantized matrices, our kernels) or "dequant" (f32/bf16 reference).
+        weights: "packed" (quantized matrices, our kernels), "dequant" (f32/bf16 reference) or
+            "device-dense" (dequantized on the device; what "packed" becomes off the CPU,
+            :func:`resolve_weight_form`).
 
     Raises:
         GGUFError: not GGUF / truncated / unsupported tensor type (names file and tensor).
@@ -168,7 +182,9 @@ def load_model(
     bind_device(dev)
     tdtype = DTYPES[dtype]
     specs = arch_mod.tensor_specs(hparams)
+    form = resolve_weight_form(weights, dev)
     held: dict[str, Weight] = {}
+    dense_recs: dict[str, TensorRecord] = {}
     for spec in specs:
         rec = gf.tensors.get(spec.name)
         if rec is None:
@@ -177,7 +193,10 @@ def load_model(
             continue
         if spec.ne is not None and rec.ne != spec.ne:
             raise ModelError(f"{p}: tensor '{spec.name}' has ne {list(rec.ne)}, expected {list(spec.ne)}")
-        if weights == "packed" and len(rec.ne) in (2, 3):
+        if form == "device-dense":
+            dense_recs[spec.name] = rec  # loaded below, once the fused groups are known
+            continue
+        if form == "packed" and len(rec.ne) in (2, 3):
             try:
                 held[spec.name] = pack_tensor(rec, device=dev) if len(rec.ne) == 2 else pack_experts(rec, device=dev)
             except KernelError as exc:
@@ -188,11 +207,76 @@ def load_model(
         keep_f32 = rec.ne and len(rec.ne) == 1
         held[spec.name] = t.to(device=dev, dtype=torch.float32 if keep_f32 else tdtype)
         del arr, t
+    fused_dense: dict[tuple[str, ...], torch.Tensor] = {}
+    if form == "device-dense":
+        try:
+            dense, fused_dense = load_device_dense(dense_recs, hparams.n_layer, dev, tdtype)
+        except GGUFError as exc:
+            raise GGUFError(f"{p}: {exc}") from exc
+        held.update(dense)
     tensor_ne = {name: rec.ne for name, rec in gf.tensors.items()}
     tok = Tokenizer.from_gguf(gf)
     assign_acts(held)
-    fused = fuse_projections(held, hparams.n_layer) if weights == "packed" and dev.type == "cpu" else {}
-    return LoadedModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, weights, fused)
+    fused = fuse_projections(held, hparams.n_layer) if form == "packed" and dev.type == "cpu" else {}
+    return LoadedModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, form, fused, fused_dense)
+
+
+def resolve_weight_form(weights: str, device: torch.device) -> str:
+    """The weight form a load on ``device`` uses: ``weights`` as asked, except ``packed`` on a
+    non-CPU device, which becomes ``device-dense`` (``QuantLinear``'s kernels are CPU C code;
+    on the GPU dense matrices multiplied by cuBLAS are the form that runs).
+
+    Raises:
+        ModelError: an unknown form.
+    """
+    if weights not in WEIGHT_FORMS:
+        raise ModelError(f"unknown weight form '{weights}' (expected one of {', '.join(WEIGHT_FORMS)})")
+    return "device-dense" if weights == "packed" and device.type != "cpu" else weights
+
+
+def load_device_dense(
+    recs: dict[str, TensorRecord], n_layer: int, device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[tuple[str, ...], torch.Tensor]]:
+    """The ``device-dense`` form of a model's tensors: each dequantized on ``device`` from its
+    raw GGUF blocks (``loraplane.worker.gpu.dequant.dequantize_tensor``, one pass, one upload).
+
+    Matrices (2-D, and 3-D expert stacks ``(E, d, k)``) come out in ``dtype``; 1-D tensors (norms,
+    biases) in f32. Each layer's q/k/v and gate/up (:data:`FUSE_GROUPS`) with the same input width
+    are dequantized straight into their row slices of one ``(Σd, k)`` tensor: no copy and no
+    second allocation; the values are those of the separate tensors bit for bit.
+
+    Args:
+        recs: tensor name → record, in the order the weights are to be held.
+        n_layer: layers (``blk.{il}``) to look for fused groups in.
+        device: where the weights live.
+        dtype: compute dtype of the matrices (f32, bf16 or f16).
+    Returns:
+        ``(weights, fused)``: name → tensor (fused members are row views), and
+        ``(names...) -> fused tensor``.
+    Raises:
+        GGUFError: a tensor type with no device dequantizer (names the tensor).
+    """
+    up = Uploader(device)
+    fused: dict[tuple[str, ...], torch.Tensor] = {}
+    slot: dict[str, torch.Tensor] = {}  # member name -> its row slice of the fused tensor
+    for il in range(n_layer):
+        for group in FUSE_GROUPS:
+            names = [f"blk.{il}.{g}.weight" for g in group]
+            found = [recs.get(n) for n in names]
+            keys = [(int(r.ne[0]),) if r is not None and len(r.ne) == 2 else None for r in found]
+            for i, j in _same_key_runs(keys):
+                members = [r for r in found[i:j] if r is not None]
+                rows = [int(r.ne[1]) for r in members]
+                whole = torch.empty((sum(rows), int(members[0].ne[0])), dtype=dtype, device=device)
+                g = 0
+                for r, d in zip(members, rows, strict=True):
+                    slot[r.name], g = whole[g : g + d], g + d
+                fused[tuple(names[i:j])] = whole
+    held: dict[str, torch.Tensor] = {}
+    for name, rec in recs.items():
+        want = torch.float32 if len(rec.ne) == 1 else dtype
+        held[name] = dequantize_tensor(rec, device=device, dtype=want, out=slot.get(name), uploader=up)
+    return held, fused
 
 
 LM_HEAD_NAMES = ("output.weight", "token_embd.weight")
@@ -276,6 +360,20 @@ def _fuse_key(w: Weight | None) -> tuple | None:
     return (w.ggml_type, w.k, w.bs, w.signed, w.offset, w.bias is None, w.qw.shape[1:], w.scale.shape[1:], w.act)
 
 
+def _same_key_runs(keys: list[tuple | None]) -> list[tuple[int, int]]:
+    """``[i, j)`` of every maximal run of ≥ 2 consecutive equal, non-None ``keys``."""
+    runs = []
+    i = 0
+    while i < len(keys):
+        j = i + 1
+        while keys[i] is not None and j < len(keys) and keys[j] == keys[i]:
+            j += 1
+        if j - i >= 2:
+            runs.append((i, j))
+        i = j
+    return runs
+
+
 def fuse_projections(weights: dict[str, Weight], n_layer: int) -> dict[tuple[str, ...], QuantLinear]:
     """Concatenate the packed weights of each layer's q/k/v (and gate/up) that share a storage
     form into one ``QuantLinear`` along the output rows, so one kernel call (one activation
@@ -295,15 +393,9 @@ def fuse_projections(weights: dict[str, Weight], n_layer: int) -> dict[tuple[str
             names = [f"blk.{il}.{g}.weight" for g in group]
             found = [weights.get(n) for n in names]
             keys = [_fuse_key(w) for w in found]
-            i = 0
-            while i < len(names):  # maximal runs of consecutive members with the same form
-                j = i + 1
-                while keys[i] is not None and j < len(names) and keys[j] == keys[i]:
-                    j += 1
-                if j - i >= 2:
-                    run = [w for w in found[i:j] if isinstance(w, QuantLinear)]
-                    out[tuple(names[i:j])] = _fuse(run)
-                i = j
+            for i, j in _same_key_runs(keys):  # maximal runs of consecutive members with the same form
+                run = [w for w in found[i:j] if isinstance(w, QuantLinear)]
+                out[tuple(names[i:j])] = _fuse(run)
     return out
 
 
@@ -349,7 +441,9 @@ __all__ = [
     "F16_REFUSED",
     "WEIGHT_FORMS",
     "Weight",
+    "load_device_dense",
     "load_model",
+    "resolve_weight_form",
     "default_model_path",
     "fuse_projections",
 ]

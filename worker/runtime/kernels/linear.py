@@ -20,9 +20,10 @@ Forms, by GGUF type:
 - F32: kept as the f32 tensor (torch/MKL matmul, exact).
 - F16, BF16: an f32 copy (exact; 2x the GGUF bytes of that tensor — such linear weights are
   rare in quantized GGUFs, and torch's FBGEMM fp16 packing is deprecated).
-- Any quantized type on CUDA, or any type on the ``torch`` path: dequantized to a float
-  weight once (bf16 on CUDA, f32 on CPU) and multiplied with torch — not memory-frugal, but
-  simple and exact up to that dtype.
+- Any type on CUDA: the GGUF's raw blocks uploaded and dequantized on the GPU to a bf16
+  weight (``loraplane.worker.gpu.dequant``); any type on the ``torch`` path: dequantized on the
+  host to an f32 weight. Multiplied with torch — not memory-frugal, but simple and exact up to
+  that dtype. (The model loader's GPU form is ``device-dense``: dense tensors, no ``QuantLinear``.)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from loraplane.worker.gguf.reader import GGUFError, TensorRecord
 from loraplane.worker.gguf.reader import dequantize as gguf_dequantize
 from loraplane.worker.runtime.device import resolve_device
 from loraplane.worker.runtime.errors import ModelError
+from loraplane.worker.gpu.dequant import dequantize_tensor
 from loraplane.worker.runtime.kernels import build, cpu
 from loraplane.worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
 from loraplane.worker.runtime.kernels.sample import TOPK_MAX, logits_summary
@@ -403,7 +405,8 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
         rec: the tensor record (``loraplane.worker.gguf.reader``); its bytes are read, not kept.
         device: a ``--device`` spelling or ``torch.device`` (resolved here,
             :func:`loraplane.worker.runtime.device.resolve_device`): CPU keeps the compact form;
-            CUDA dequantizes to bf16 on the GPU (torch fallback; the C kernels are CPU-only).
+            CUDA uploads the raw blocks and dequantizes them to bf16 on the GPU
+            (``loraplane.worker.gpu.dequant``; the C kernels are CPU-only).
         path: 'torch' forces the float form on CPU too (f32); default: the compact form.
     Raises:
         KernelError: not a 2-D tensor, a type with neither a repack rule nor a dequantizer, or
@@ -415,9 +418,14 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
     k, d = int(rec.ne[0]), int(rec.ne[1])
     t = rec.ggml_type
     ql = QuantLinear(rec.name, t, k, d, dev)
-    if dev.type == "cuda" or (dev.type == "cpu" and t in REPACK_TYPES and path == "torch"):
-        wdt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        ql.weight = torch.from_numpy(np.array(gguf_dequantize(rec.name, rec))).to(device=dev, dtype=wdt)
+    if dev.type == "cuda":
+        try:
+            ql.weight = dequantize_tensor(rec, device=dev, dtype=torch.bfloat16)
+        except GGUFError as exc:
+            raise KernelError(f"{rec.name}: unsupported GGML type {t.name}") from exc
+        return ql
+    if dev.type == "cpu" and t in REPACK_TYPES and path == "torch":
+        ql.weight = torch.from_numpy(np.array(gguf_dequantize(rec.name, rec))).to(device=dev, dtype=torch.float32)
         return ql
     if dev.type != "cpu":
         raise KernelError(f"{rec.name}: no kernels for device {dev}")
