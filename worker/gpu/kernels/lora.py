@@ -254,8 +254,8 @@ def lora_reference(
     *,
     rank: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`add_lora`'s semantics in f64 torch ops (any device): returns a new tensor
-    ``y + Σ ...`` in y's dtype; the reference the kernels are tested against."""
+    """:func:`add_lora`'s semantics in f64 torch ops (any device): returns a new f64 tensor
+    ``y + Σ ...`` (not rounded to y's dtype); the reference the kernels are tested against."""
     U = row_slot.shape[1]
     S, R, _ = a.shape
     keep = torch.ones(S, R, dtype=torch.float64, device=a.device)
@@ -267,7 +267,7 @@ def lora_reference(
     c = row_slot.double() * factor[:U].double()
     # a zero scale contributes nothing even where the slot holds non-finite values
     xa = torch.where(c[:, :, None] != 0, xa * c[:, :, None], torch.zeros((), dtype=torch.float64, device=x.device))
-    return (y.double() + torch.einsum("nsr,srd->nd", xa, bv)).to(y.dtype)
+    return y.double() + torch.einsum("nsr,srd->nd", xa, bv)
 
 
 def add_lora_embedding(
