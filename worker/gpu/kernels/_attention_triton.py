@@ -69,6 +69,21 @@ def kv_write_kernel(
 
 
 @triton.jit
+def _page_tile(cache_ptr, blk, off, hk, stride_b, stride_t, stride_h, stride_d, cols, n_cols, p_ok):
+    """The ``(BLOCK_N, len(cols))`` tile of KV head ``hk`` at the positions whose pages are
+    ``blk`` (int64) and offsets ``off``; zeros where ``p_ok`` is false or past ``n_cols``."""
+    rows = cache_ptr + blk[:, None] * stride_b + off[:, None] * stride_t + hk * stride_h
+    return tl.load(rows + cols[None, :] * stride_d, mask=p_ok[:, None] & (cols < n_cols)[None, :], other=0.0)
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    """``cap · tanh(s / cap)`` with tanh(x) = 1 - 2 / (exp(2x) + 1): exactly ±1 at the limits
+    (exp overflowing to inf or to 0), no NaN."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -153,31 +168,20 @@ def decode_split_kernel(
         blk = tl.load(block_table_ptr + b * stride_btb + (pos // block_size) * stride_btj, mask=p_ok, other=0)
         blk = blk.to(tl.int64)  # block × block stride can pass 2^31 elements in a large cache
         off = pos % block_size
-        k_rows = k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kct + hk * stride_kch
-        kt = tl.load(
-            k_rows + dk[None, :] * stride_kcd,
-            mask=p_ok[:, None] & (dk < D)[None, :],
-            other=0.0,
-        )
+        kt = _page_tile(k_cache_ptr, blk, off, hk, stride_kcb, stride_kct, stride_kch, stride_kcd, dk, D, p_ok)
         if DOT_F32:
             s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(kt))
         s = s * scale
         if SOFTCAP:
-            # softcap · tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): ±1 at the limits
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+            s = _soft_cap(s, softcap)
         s = tl.where(p_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vct + hk * stride_vch
-        vt = tl.load(
-            v_rows + dv[None, :] * stride_vcd,
-            mask=p_ok[:, None] & (dv < DV)[None, :],
-            other=0.0,
-        )
+        vt = _page_tile(v_cache_ptr, blk, off, hk, stride_vcb, stride_vct, stride_vch, stride_vcd, dv, DV, p_ok)
         if DOT_F32:
             # on the 16-bit path the probabilities are rounded to V's dtype (FlashAttention's order)
             pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
