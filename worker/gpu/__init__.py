@@ -1,4 +1,9 @@
-"""The GPU engine: what a worker runs when its device is CUDA, beside the CPU kernels of
-``loraplane.worker.runtime.kernels`` (weights dequantized on the device, graph caches, paged
-KV cache, LoRA and sampling on the device). GPU-only packages (triton, flashinfer) are imported
-lazily by the modules that need them, so importing this package works on a CPU-only machine."""
+"""The GPU engine: the forward pass's device kernels and, beside them, its buffers and graphs.
+
+Chosen at start by device (a CUDA worker), beside the CPU kernels of
+``loraplane.worker.runtime.kernels``, which keep their own paths and bit-for-bit results.
+
+Importing this package (or ``loraplane.worker.gpu.kernels``) imports nothing heavy: Triton and
+FlashInfer are imported by the kernel modules at their first call, so a CPU-only machine without
+either can import the worker.
+"""
