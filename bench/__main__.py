@@ -12,6 +12,12 @@ Runs, in one process and one go:
 8. long-context decode: inter-token latency at ~3 000 vs ~100 tokens of context;
 9. the compute (peak int8 MAC rate) and memory bounds of a B=16 decode step vs the step.
 
+``--synthetic qwen2.5-1.5b|llama-3-8b`` writes a random-weight GGUF of that real shape (and
+rank-16 adapters) into a cache folder once (`loraplane.bench.synthetic`), runs scenarios 1, 2
+and 5 on it unless ``--only`` says otherwise, and adds table 1b (`loraplane.bench.device_step`):
+the decode step at B = 1, 16, 64 with 0, 1 and 16 distinct adapters against its memory bound,
+host time, kernel launches and GPU busy time per step. ``--tiny`` shrinks the shape for a CPU.
+
 Each scenario prints its table as soon as it finishes; ``--json OUT`` writes every figure
 (median, min, max, n) and ``--markdown OUT`` the tables for ``bench/RESULTS.md``. With
 ``$LLAMA_SERVER`` naming a llama-server binary, scenarios 2, 3, 7 and 8 also run against it.
@@ -54,6 +60,9 @@ SCENARIOS = {
     "9": "bounds",
 }
 DEFAULT_SEED = 1234
+SYNTHETIC_BATCHES = (1, 16, 64)
+"""Decode batches of scenario 1 and table 1b under ``--synthetic``: those the GPU step targets
+are set at (docs/gpu.md)."""
 
 
 def device_arg(text: str) -> str:
@@ -101,6 +110,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--model", metavar="GGUF", help="base model (default: the embedded Gemma 3 270M)")
     ap.add_argument(
+        "--synthetic",
+        metavar="SHAPE",
+        help="run on a random-weight GGUF of a real shape, written once into --synthetic-dir: qwen2.5-1.5b or "
+        "llama-3-8b (default scenarios then 1, 2, 5, plus table 1b: the step vs its memory bound)",
+    )
+    ap.add_argument("--tiny", action="store_true", help="with --synthetic: the shape's 2-layer variant (CPU tests)")
+    ap.add_argument(
+        "--synthetic-dtype", choices=["f16", "bf16", "q8_0"], default="f16", help="matrix type of --synthetic"
+    )
+    ap.add_argument(
+        "--synthetic-dir",
+        metavar="DIR",
+        help="where --synthetic models and adapters are cached (default $LORAPLANE_CACHE/synthetic, "
+        "$LORAPLANE_CACHE defaulting to ~/.cache/loraplane)",
+    )
+    ap.add_argument(
+        "--distinct",
+        metavar="LIST",
+        default="16",
+        help="with --synthetic: distinct-adapter counts of table 1b, each at the batches >= it (default 16)",
+    )
+    ap.add_argument(
         "--only",
         metavar="LIST",
         help="comma-separated scenarios to run: 1-9 or " + ", ".join(SCENARIOS.values()) + " (default: all)",
@@ -134,6 +165,26 @@ def _parser() -> argparse.ArgumentParser:
         "process takes a core); active spins",
     )
     return ap
+
+
+def _synthetic_args(args: argparse.Namespace) -> tuple[int, ...]:
+    """Check ``--synthetic``/``--tiny``/``--distinct``; returns the distinct-adapter counts.
+
+    Raises:
+        ValueError: an unknown shape, ``--tiny`` without ``--synthetic``, or a count < 2.
+    """
+    from loraplane.bench.synthetic import SHAPES
+
+    if args.synthetic and args.synthetic not in SHAPES:
+        raise ValueError(f"--synthetic: unknown shape '{args.synthetic}' (expected one of {', '.join(SHAPES)})")
+    if args.tiny and not args.synthetic:
+        raise ValueError("--tiny needs --synthetic SHAPE")
+    if args.synthetic and args.model:
+        raise ValueError("--synthetic and --model name two base models: give one")
+    distinct = tuple(int(n) for n in args.distinct.split(",") if n.strip())
+    if any(n < 2 for n in distinct):
+        raise ValueError("--distinct: counts of distinct adapters must be >= 2")
+    return distinct
 
 
 def _selected(only: str | None) -> list[str]:
@@ -193,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         ks = tuple(int(k) for k in args.ks.split(",")) if args.ks else None
         if ks is not None and any(k < 0 for k in ks):
             raise ValueError("--ks: adapter counts must be >= 0")
+        distinct = _synthetic_args(args)
+        if args.synthetic and not args.only:
+            selected = ["engine", "serving", "roofline"]
     except SystemExit as exc:
         return int(exc.code or 0)
     except ValueError as exc:
@@ -221,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         single_requests=args.single_requests,
         longprompt_requests=args.longprompt_requests,
     )
+    if args.synthetic:
+        # the issue's batch sizes; a 1 GiB copy for the rate the GPU step is compared with
+        on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+        profile = with_overrides(profile, decode_batches=SYNTHETIC_BATCHES, bw_mib=1024 if on_cuda else None)
     log = _Log()
     use_rich = _have_rich() and not args.plain
     run_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="loraplane-bench-"))
@@ -239,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             "device": args.device,
             "weights": args.weights,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+            "synthetic": args.synthetic,
+            "tiny": args.tiny,
+            "synthetic_dtype": args.synthetic_dtype if args.synthetic else None,
+            "distinct": list(distinct),
         },
         "machine": {
             "cpus": os.cpu_count(),
@@ -277,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     interrupted = False
     try:
-        _run(args, profile, selected, run_dir, llama_server, result, record, log)
+        _run(args, profile, selected, run_dir, llama_server, result, record, log, distinct)
     except KeyboardInterrupt:
         interrupted = True
         result["errors"].append({"scenario": "-", "error": "interrupted"})
@@ -315,11 +377,29 @@ def _clean(o):
     return str(o)
 
 
-def _run(args, profile, selected, run_dir: Path, llama_server, result, record, log) -> None:
+def _run(args, profile, selected, run_dir: Path, llama_server, result, record, log, distinct) -> None:
     from loraplane.bench.synth import AdapterFactory
     from loraplane.worker.runtime.model import default_model_path
 
-    model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
+    synthetic = None
+    if args.synthetic:
+        from loraplane.bench.synthetic import ensure_model, shape_summary
+
+        log(shape_summary(args.synthetic, tiny=args.tiny, dtype=args.synthetic_dtype))
+        t0 = time.monotonic()
+        synthetic = ensure_model(
+            args.synthetic,
+            tiny=args.tiny,
+            dtype=args.synthetic_dtype,
+            seed=args.seed,
+            cache_dir=args.synthetic_dir,
+            log=log,
+        )
+        result["params"]["synthetic_path"] = str(synthetic.path)
+        result["params"]["synthetic_write_s"] = round(time.monotonic() - t0, 1)
+        model_path = str(synthetic.path)
+    else:
+        model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
     in_process = "engine" in selected or "roofline" in selected or "bounds" in selected
     base: LoadedModel | None = None
     if in_process:
@@ -338,13 +418,18 @@ def _run(args, profile, selected, run_dir: Path, llama_server, result, record, l
 
         tok = Tokenizer.from_gguf(gf)
         bos, n_vocab = (tok.bos_id if tok.add_bos else None), tok.n_vocab
-    factory = AdapterFactory(run_dir / "adapters", arch=arch, base_tensors=tensors, base_seed=args.seed)
+    if synthetic is not None:  # rank-16 F16 adapters cached beside the model
+        factory = synthetic.factory
+    else:
+        factory = AdapterFactory(run_dir / "adapters", arch=arch, base_tensors=tensors, base_seed=args.seed)
     engine_adapter = factory.path(0)
 
     roofline_part: dict = {}
     bounds_part: dict = {}
     if base is not None:  # loaded exactly when "engine", "roofline" or "bounds" is selected
         roofline_part = _in_process_scenarios(base, profile, selected, engine_adapter, result, args, record, log)
+        if synthetic is not None and "engine" in selected:
+            record("step", lambda: _device_step(base, factory, profile, distinct, args, log))
         if "bounds" in selected:
             bounds_part = _deferred(lambda: _bounds_in_process(base, profile, engine_adapter, args, log))
         del base
@@ -438,6 +523,22 @@ def _deferred(fn: Callable[[], dict]) -> dict:
     except Exception as exc:  # noqa: BLE001 - reported under its scenario when recorded
         traceback.print_exc(file=sys.stderr)
         return {"error": exc}
+
+
+def _device_step(base, factory, profile, distinct, args, log) -> dict:
+    """Table 1b on the loaded model (`loraplane.bench.device_step`)."""
+    from loraplane.bench.device_step import COPY_MIB_CUDA, run_device_step
+    from loraplane.bench.engine import measure_bandwidth
+
+    mib = COPY_MIB_CUDA if base.device.type == "cuda" else profile.bw_mib
+    bw = measure_bandwidth(mib, max(9, profile.reps), base.device)
+    log(f"step: copy rate {bw['gb_s']['median']:.1f} GB/s ({mib} MiB device-to-device copy)")
+    out = run_device_step(base, factory, profile, distinct=distinct, seed=args.seed, bandwidth=bw, log=log)
+    if base.device.type == "cuda":
+        import torch
+
+        out["gpu"] = torch.cuda.get_device_name(base.device)
+    return out
 
 
 def _bounds_in_process(base, profile, engine_adapter, args, log) -> dict:

@@ -70,6 +70,7 @@ class EngineBench:
     sets: dict[str, AdapterSet]
     adapter_bytes: int
     seed: int
+    adapter_rank: int = 8
 
     @classmethod
     def create(cls, base: LoadedModel, adapter_path, *, n_ctx_seq: int, seed: int) -> EngineBench:
@@ -80,7 +81,7 @@ class EngineBench:
         )
         model.adapters.add(0, adapter)
         sets = {"base": EMPTY_SET, "lora": AdapterSet.of({0: (adapter, 1.0)})}
-        return cls(base, ctx, sets, adapter.size_bytes, seed)
+        return cls(base, ctx, sets, adapter.size_bytes, seed, adapter.ranks[0])
 
     @property
     def bos(self) -> int | None:
@@ -199,7 +200,7 @@ def run_engine(
         "dtype": str(base.dtype).removeprefix("torch."),
         "device": str(base.device),
         "torch_threads": torch.get_num_threads(),
-        "adapter_rank": 8,
+        "adapter_rank": eb.adapter_rank,
         "adapter_bytes": eb.adapter_bytes,
         "pp_tokens": p.pp_tokens,
         "decode_steps": p.decode_steps,

@@ -41,7 +41,7 @@ def _x(r: float | None) -> str:
 def engine_section(e: dict) -> Section:
     s = Section(
         f"1. Engine (in-process decode), dtype {e['dtype']}, {e['device']}, {e['torch_threads']} torch threads",
-        ["figure", "base", "LoRA r8 (all linear)", "LoRA overhead (base/LoRA)"],
+        ["figure", "base", f"LoRA r{e.get('adapter_rank', 8)} (all linear)", "LoRA overhead (base/LoRA)"],
     )
     b, lo = e["variants"]["base"], e["variants"]["lora"]
     s.rows.append(
@@ -115,8 +115,8 @@ def serving_sections(sv: dict) -> list[Section]:
                 ]
             )
     s.notes.append(
-        "K = number of rank-8 adapters in the traffic (K=0: base model only); rr = round-robin, "
-        "zipf = Zipf(1.0) popularity; mean batch = sequences in the ubatch that produced each token"
+        f"K = number of rank-{sv.get('adapter_rank', 8)} adapters in the traffic (K=0: base model only); "
+        "rr = round-robin, zipf = Zipf(1.0) popularity; mean batch = sequences in the ubatch that produced each token"
     )
     if sv.get("single_key"):
         line = (
@@ -274,7 +274,7 @@ def roofline_section(rf: dict) -> Section:
     )
     s.rows.append(
         [
-            "ours + one r8 adapter",
+            "ours + one adapter (scenario 1's)",
             f"{(rf['weight_bytes_per_step'] + rf['adapter_bytes']) / MIB:.1f} MiB",
             fmt(rf["bound_lora_ms"]),
             fmt(1e3 / rf["bound_lora_ms"]),
@@ -581,8 +581,15 @@ def bounds_section(bd: dict) -> Section:
     return s
 
 
+def _step_sections(d: dict) -> list[Section]:
+    from loraplane.bench.device_step import step_section  # imports torch and the worker
+
+    return [step_section(d)]
+
+
 BUILDERS = {
     "engine": lambda d: [engine_section(d)],
+    "step": _step_sections,
     "serving": serving_sections,
     "prefix": lambda d: [prefix_section(d)],
     "lifecycle": lambda d: [lifecycle_section(d)],

@@ -243,6 +243,7 @@ def run_multitenant(
         "worker_stats": worker_stats,
         "worker_rss": rss,
         "weights": sc.weights,
+        "adapter_rank": sc.factory.rank,
     }
     out["mixed_over_compat"] = {
         key: ratio(out["modes"]["mixed"][key]["tok_s"]["median"], out["modes"]["compat"][key]["tok_s"]["median"])

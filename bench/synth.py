@@ -79,7 +79,8 @@ def write_adapter(
 class AdapterFactory:
     """Writes (once) and hands out synthetic adapters ``lora-<i>.gguf`` in one directory.
 
-    Adapter ``i`` always has seed ``base_seed + i``, so two runs write identical files.
+    Adapter ``i`` always has seed ``base_seed + i``, so two runs write identical files; A/B are
+    stored in ``dtype`` (F32 by default, F16 for the synthetic models' adapters).
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class AdapterFactory:
         base_seed: int,
         rank: int = DEFAULT_RANK,
         alpha: float = DEFAULT_ALPHA,
+        dtype: type = np.float32,
     ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +101,7 @@ class AdapterFactory:
         self.base_seed = base_seed
         self.rank = rank
         self.alpha = alpha
+        self.dtype = dtype
 
     @property
     def n_pairs(self) -> int:
@@ -116,6 +119,7 @@ class AdapterFactory:
                 rank=self.rank,
                 alpha=self.alpha,
                 name=f"bench-lora-{i}",
+                dtype=self.dtype,
             )
             tmp.replace(p)
         return p

@@ -11,6 +11,23 @@ import pytest
 # the tests of the warm-up itself pass --grammar-warmup.
 os.environ.setdefault("LORAPLANE_GRAMMAR_WARMUP", "0")
 
+GPU_SKIP_REASON = "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``gpu`` tier (``tests/gpu/``, docs/gpu.md): skipped, saying why, where torch sees no
+    CUDA device. torch is imported only when such a test was collected."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in gpu_items:
+        item.add_marker(skip)
+
 
 @pytest.fixture(scope="session")
 def base_model_path() -> Path:

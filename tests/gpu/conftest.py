@@ -1,19 +1,26 @@
-"""The GPU kernels' tests (``loraplane.worker.gpu.kernels``): on CUDA when the machine has it,
-else on CPU tensors under Triton's interpreter.
+"""Fixtures of ``tests/gpu/``: the GPU kernels' tests and the ``gpu`` tier (docs/gpu.md).
 
-Without CUDA, ``TRITON_INTERPRET=1`` is set here, before any test module of this folder is
-imported and before the kernel modules import Triton (they do at the first kernel call), unless
-the environment already sets it. ``device`` is the device the tests put their tensors on.
+The kernel tests (``loraplane.worker.gpu.kernels``) run on CUDA when the machine has it, else on
+CPU tensors under Triton's interpreter: without CUDA, ``TRITON_INTERPRET=1`` is set here, before
+any test module of this folder is imported and before the kernel modules import Triton (they do at
+the first kernel call), unless the environment already sets it. ``device`` is the device those
+tests put their tensors on.
 
 NumPy ≥ 2.4 refuses ``int()`` of a one-element array, which Triton 3.6's interpreter uses to turn
 a runtime scalar into a loop bound (``range(n)`` in a kernel over a runtime ``n``); the session
 fixture below swaps that one conversion for ``.item()`` while the tests run (the kernels and the
 installed Triton are unchanged; newer Triton releases squeeze the array the same way).
+
+Every test marked ``gpu`` is skipped, saying why, without CUDA (``tests/conftest.py``). Nothing
+here downloads: the synthetic model is written by ``loraplane.bench.synthetic``; the tiny
+architectures need llama.cpp's vocabulary files in the cache (``scripts/gpu_check.sh`` puts them
+there from its ``--wheels`` folder).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +61,28 @@ def _interpreter_scalar_index():
         yield
     finally:
         interpreter._patch_lang_tensor = original
+
+
+GPU_DTYPES = ("f32", "bf16", "f16")
+"""Compute dtypes the device is tested in: f32 against the CPU's bounds, the 16-bit ones against
+looser bounds (each module states them)."""
+
+
+def is_16bit(dtype: str) -> bool:
+    return dtype in ("bf16", "f16")
+
+
+@pytest.fixture(scope="session")
+def synthetic_tiny(tmp_path_factory):
+    """The tiny Qwen2.5-1.5B-shaped model (``qwen2``: q/k/v biases, tied head, 4 096-id BPE
+    vocabulary) and four rank-16 adapters on every linear weight: ``(model path, [adapter paths])``."""
+    from loraplane.bench.synthetic import ensure_model
+
+    m = ensure_model("qwen2.5-1.5b", tiny=True, seed=7, cache_dir=tmp_path_factory.mktemp("synthetic"))
+    return m.path, m.factory.paths(4)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(fixtures_dir: Path) -> tuple[Path, Path]:
+    """The tiny llama-MoE fixture model and its adapter on the expert weights."""
+    return fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf", fixtures_dir / "tiny_moe" / "moe_lora.gguf"
