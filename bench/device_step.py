@@ -105,7 +105,7 @@ def kernel_stats(events: Iterable[TraceEvent]) -> dict:
     return {"kernels": kernels, "copies": copies, "launches": launches, "graph_launches": graphs, "busy_us": busy}
 
 
-def _profile_step(run: Callable[[], None], device: torch.device) -> dict:
+def _profile_step(run: Callable[[], object], device: torch.device) -> dict:
     """`kernel_stats` of one call of ``run`` under ``torch.profiler`` (CPU + CUDA activities)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

@@ -54,7 +54,9 @@ class Recorder:
                 **{f.name: getattr(inp, f.name).clone() for f in fields(StepInputs) if f.name != "sampling"},
                 sampling=None
                 if inp.sampling is None
-                else SamplingTensors(**{f.name: getattr(inp.sampling, f.name).clone() for f in fields(SamplingTensors)}),
+                else SamplingTensors(
+                    **{f.name: getattr(inp.sampling, f.name).clone() for f in fields(SamplingTensors)}
+                ),
             )
         )
         return {"rows": inp.token_ids * 10 + inp.positions}
@@ -150,7 +152,11 @@ def test_prefills_and_oversized_steps_run_eager_on_their_own_tensors():
     assert rec.calls[-1].query_start_loc.tolist() == [0, 3, 5] and rec.calls[-1].n_tokens == 5
     assert r.stats.cuda_graph_eager_fallbacks == 2 and r.stats.cuda_graphs_captured == 0
     with pytest.raises(ValueError, match="carry sampling rows"):
-        r.run(HostStep.decode(**{k: v for k, v in vars(_decode_step(1)).items() if k not in ("sampling", "query_start_loc")}))
+        r.run(
+            HostStep.decode(
+                **{k: v for k, v in vars(_decode_step(1)).items() if k not in ("sampling", "query_start_loc")}
+            )
+        )
 
 
 def test_capture_goes_largest_first_after_warmups_and_replays_count():
@@ -191,7 +197,9 @@ class ToyModel:
         t = inp.n_tokens
         x = self.embd[inp.token_ids] + inp.positions.unsqueeze(1).float() * 0.01
         q = (x @ self.wq).view(t, self.h, self.d)
-        self.cache.write(0, inp.slot_mapping, (x @ self.wk).view(t, self.h, self.d), (x @ self.wv).view(t, self.h, self.d))
+        self.cache.write(
+            0, inp.slot_mapping, (x @ self.wk).view(t, self.h, self.d), (x @ self.wv).view(t, self.h, self.d)
+        )
         seq = torch.bucketize(torch.arange(t, device=x.device), inp.query_start_loc[1:].long(), right=True)
         k = self.cache.k[0][inp.block_tables.long()].flatten(1, 2)  # (S, blocks * block_size, h, d)
         v = self.cache.v[0][inp.block_tables.long()].flatten(1, 2)

@@ -26,6 +26,7 @@ CPU path (``graph_reused``, ``graph_reuses``, ``graph_rebuilds``), which keep th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
@@ -324,7 +325,7 @@ class GraphRunner:
                 for _ in range(self.warmup_runs):
                     self.forward(view)
                 graph = self._new_graph()
-                self._outputs[size] = graph.capture(lambda v=view: self.forward(v))
+                self._outputs[size] = graph.capture(functools.partial(self.forward, view))
                 self._graphs[size] = graph
                 self.stats.cuda_graphs_captured += 1
         if self.device.type == "cuda":

@@ -155,7 +155,9 @@ def n_blocks_for(
     """Blocks (the null block included) whose K and V pools over all layers fit in ``budget_bytes``:
     one block holds ``n_layer * block_size * n_head_kv * (head_dim_k + head_dim_v)`` elements of
     ``dtype``."""
-    per_block = n_layer * block_size * n_head_kv * (head_dim_k + head_dim_v) * torch.empty((), dtype=dtype).element_size()
+    per_block = (
+        n_layer * block_size * n_head_kv * (head_dim_k + head_dim_v) * torch.empty((), dtype=dtype).element_size()
+    )
     return max(0, budget_bytes // per_block)
 
 

@@ -12,6 +12,7 @@ and single-token decode take the same path.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -277,7 +278,23 @@ class Model:
         pool = LoraPool(self.max_loras, self.max_lora_rank, dtype=self.base.dtype, device_for=self.base.device_of)
         self.adapters = ModelAdapters(self.base.n_base_tensors, pool)
 
-    def new_context(self, *, n_ctx_seq: int = 4096, n_seq: int = 1) -> WorkerContext:
+    def new_context(self, *, n_ctx_seq: int = 4096, n_seq: int = 1, engine: str | None = None) -> WorkerContext:
         """A context over this model (``n_ctx_seq`` KV positions per sequence, room for
-        ``n_seq`` sequences); it shares the model's adapters and slot pool."""
+        ``n_seq`` sequences); it shares the model's adapters and slot pool.
+
+        ``engine``: "cpu" (this module's context), "gpu" (``loraplane.worker.gpu.context``:
+        paged KV, Triton kernels, CUDA graphs; on a CPU device it runs under Triton's
+        interpreter with capture off) or None: ``$LORAPLANE_ENGINE`` if set, else "gpu" on a
+        CUDA device and "cpu" elsewhere.
+
+        Raises:
+            ValueError: another engine name.
+        """
+        want = engine or os.environ.get("LORAPLANE_ENGINE") or ("gpu" if self.base.device.type == "cuda" else "cpu")
+        if want == "gpu":
+            from loraplane.worker.gpu.context import GpuWorkerContext  # the GPU engine, imported on use
+
+            return GpuWorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq)
+        if want != "cpu":
+            raise ValueError(f"unknown engine '{want}' (expected cpu or gpu)")
         return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq)

@@ -38,9 +38,9 @@ from gguf import GGMLQuantizationType as T
 
 from loraplane.worker.gguf.reader import GGUFError, TensorRecord
 from loraplane.worker.gguf.reader import dequantize as gguf_dequantize
+from loraplane.worker.gpu.dequant import dequantize_tensor
 from loraplane.worker.runtime.device import resolve_device
 from loraplane.worker.runtime.errors import ModelError
-from loraplane.worker.gpu.dequant import dequantize_tensor
 from loraplane.worker.runtime.kernels import build, cpu
 from loraplane.worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
 from loraplane.worker.runtime.kernels.sample import TOPK_MAX, logits_summary
