@@ -17,6 +17,8 @@ Names (all prefixed ``loraplane_worker_``; histograms in seconds):
   slots, slots_busy, requests_running, requests_waiting, queue_limit, adapters_loaded   gauges
   graph_reuses_total, graph_rebuilds_total, prefix_cache_hit_tokens_total,
   prompt_tokens_computed_total (prefill rows actually run)                                counters
+  cuda_graphs_captured_total, cuda_graph_replays_total, cuda_graph_eager_fallbacks_total
+                                         the GPU engine's decode graphs (0 on the CPU engine)
   kv_cache_usage_perc                    KV cells held by running requests / all slots' cells
   adapter_residency{adapter, state}      1 per (adapter, state) this worker holds; state: device
                                          (in a slot of the GPU/CPU slot pool), host (host tier
@@ -144,6 +146,15 @@ class _StatsCollector:
             "graph_rebuilds": ("Decode steps that rebuilt the LoRA plan.", s.graph_rebuilds),
             "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.", s.prefix_cache_hit_tokens),
             "prompt_tokens_computed": ("Prompt rows computed (cache misses).", s.prompt_tokens_computed),
+            "cuda_graphs_captured": (
+                "CUDA graphs captured (GPU engine: one per decode batch bucket).",
+                s.cuda_graphs_captured,
+            ),
+            "cuda_graph_replays": ("Decode steps served by replaying a CUDA graph.", s.cuda_graph_replays),
+            "cuda_graph_eager_fallbacks": (
+                "GPU engine steps run without a graph (prompts, mixed ubatches, MoE, side branches).",
+                s.cuda_graph_eager_fallbacks,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=value)

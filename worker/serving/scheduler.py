@@ -155,6 +155,11 @@ class SchedulerStats:
     # fair admission: "off" or "vtc", and the tenants known (``FairQueue.snapshot``; vtc only)
     fairness: str = "off"
     tenants: tuple[TenantService, ...] = ()
+    # the GPU engine's CUDA graphs (``loraplane.worker.gpu.context``; 0 on the CPU engine), named
+    # apart from graph_reuses/graph_rebuilds (the LoRA plan cache of every engine)
+    cuda_graphs_captured: int = 0
+    cuda_graph_replays: int = 0
+    cuda_graph_eager_fallbacks: int = 0
 
 
 @dataclass
@@ -458,6 +463,7 @@ class Scheduler:
                 kv_cells_total=len(self.seqs) * self.ctx.kv.n_ctx_seq,
                 fairness=Fairness(self.config.fairness).value,
                 tenants=() if self.fair is None else tuple(self.fair.snapshot()),
+                **_cuda_graph_counts(self.ctx),
             )
 
     # --- loop ---------------------------------------------------------------------------
@@ -889,3 +895,15 @@ def _penalize_step(parts: list, logits: torch.Tensor) -> dict[int, torch.Tensor]
 
 
 __all__ = ["RequestObserver", "Scheduler", "SchedulerStats"]
+
+
+def _cuda_graph_counts(ctx: object) -> dict[str, int]:
+    """The GPU context's CUDA graph counters (``GpuWorkerContext.cuda_graph_stats``); none on CPU."""
+    stats = getattr(ctx, "cuda_graph_stats", None)
+    if stats is None:
+        return {}
+    return {
+        "cuda_graphs_captured": stats.cuda_graphs_captured,
+        "cuda_graph_replays": stats.cuda_graph_replays,
+        "cuda_graph_eager_fallbacks": stats.cuda_graph_eager_fallbacks,
+    }
