@@ -189,7 +189,7 @@ def run_bounds(
     )
 
     # the in-process B=b step including sampling, as scenario 1 measures its decode steps
-    eb = EngineBench.create(base, adapter_path, n_ctx_seq=p.decode_ctx + p.decode_steps + 8, seed=seed)
+    eb = EngineBench.create(base, adapter_path, n_ctx_seq=p.decode_ctx + p.decode_steps + 8, seed=seed, n_seq=b)
     try:
         eb.prefill_sequences(b, p.decode_ctx)
         eb.decode_steps("base", b, 1, p.decode_ctx, rep=999)  # warm-up, excluded

@@ -73,9 +73,10 @@ class EngineBench:
     adapter_rank: int = 8
 
     @classmethod
-    def create(cls, base: LoadedModel, adapter_path, *, n_ctx_seq: int, seed: int) -> EngineBench:
+    def create(cls, base: LoadedModel, adapter_path, *, n_ctx_seq: int, seed: int, n_seq: int = 1) -> EngineBench:
         model = Model(base)
-        ctx = model.new_context(n_ctx_seq=n_ctx_seq)
+        # n_seq: the decode sequences plus the prompt-processing one (the GPU engine's KV rows are fixed)
+        ctx = model.new_context(n_ctx_seq=n_ctx_seq, n_seq=n_seq + 1)
         adapter = load_lora_adapter(
             adapter_path, base_arch=base.arch, base_tensors=base.tensor_ne, device_for=base.device_of, dtype=base.dtype
         )
@@ -169,7 +170,7 @@ def run_engine(
     p = profile
     max_b = max(p.decode_batches)
     n_ctx_seq = max(p.pp_tokens, p.decode_ctx + p.decode_steps) + 8
-    eb = EngineBench.create(base, adapter_path, n_ctx_seq=n_ctx_seq, seed=seed)
+    eb = EngineBench.create(base, adapter_path, n_ctx_seq=n_ctx_seq, seed=seed, n_seq=max_b)
     variants = ("base", "lora")
     log(f"engine: warm-up (dtype {str(base.dtype).removeprefix('torch.')}, device {base.device})")
     eb.prefill_sequences(max_b, p.decode_ctx)

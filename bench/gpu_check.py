@@ -222,7 +222,10 @@ def warm_up(
                 ("lora attn_q", partial(_lora_case, n, dims.n_embd, q_width, dt, device, g)),
                 ("lora ffn_down", partial(_lora_case, n, dims.n_ff, dims.n_embd, dt, device, g)),
                 ("kv_write", partial(_kv_write_case, n, dims.n_head_kv, dims.head_dim, dt, device, g)),
-                ("decode attention", partial(_decode_case, n, dims.n_head, dims.n_head_kv, dims.head_dim, dt, device, g)),
+                (
+                    "decode attention",
+                    partial(_decode_case, n, dims.n_head, dims.n_head_kv, dims.head_dim, dt, device, g),
+                ),
             ]
             for kernel, make in cases:
                 try:

@@ -228,6 +228,11 @@ class GpuWorkerContext(WorkerContext):
         n_seq: int = 1,
         capture: bool = True,
     ):
+        if model.weight_form == "packed":
+            raise ValueError(
+                f"{model.path}: the GPU engine multiplies dense weights; this model was loaded 'packed' "
+                "(load it with weights='device-dense' or 'dequant', as a CUDA device does by default)"
+            )
         self.model = model
         self.adapters = adapters
         self.arch = arch_registry.get(model.arch, model.path)
