@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplane.process import stop_process
+from loraplane.process import child_pythonpath, stop_process
 from tests.serve_helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ def start_http_serve(tmp: Path, *extra: str, admin_token: str | None = None) -> 
     ports = [free_port() for _ in range(4)]
     grpc_addr, http_addr, cp_m, w_m = (f"127.0.0.1:{p}" for p in ports)
     log = tmp / "serve.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(dict(os.environ))}  # keeps the inherited entries
     if admin_token:
         env["LORAPLANE_ADMIN_TOKEN"] = admin_token
     with open(log, "wb") as out:

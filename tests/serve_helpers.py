@@ -15,7 +15,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from loraplane.clients.client import LoraplaneClient
-from loraplane.process import stop_process
+from loraplane.process import child_pythonpath, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo" / "adapters"
@@ -56,7 +56,7 @@ def start_serve(data_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
             *extra,
         ],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": child_pythonpath(dict(os.environ))},  # keeps the inherited entries
     )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
