@@ -27,7 +27,7 @@ import torch
 from loraplane.worker.lora.adapter import load_lora_adapter
 from loraplane.worker.lora.adapter_set import AdapterSet
 from loraplane.worker.runtime.context import Model, UBatch
-from loraplane.worker.runtime.model import load_model
+from loraplane.worker.runtime.model import F16_REFUSED, load_model
 from tests.gpu.conftest import GPU_DTYPES, is_16bit
 from tests.parity.compare import compare_case, teacher_forced_logprobs
 from tests.tiny_models import ARCHS, MODELS, adapter
@@ -69,6 +69,8 @@ def tiny(request, tmp_path_factory, fixtures_dir: Path, llama_cpp_vocab_dir: Pat
 
 
 def _cuda_model(model_path: Path, lora_path: Path | None, arch: str, dtype: str, device: str = "cuda") -> Model:
+    if dtype == "f16" and arch in F16_REFUSED:
+        pytest.skip(f"--dtype f16 is refused for {arch} (its residual stream leaves float16's range)")
     base = load_model(model_path, device=device, dtype=dtype)
     assert base.device.type == torch.device(device).type, base.device
     model = Model(base)

@@ -31,6 +31,7 @@ expert LoRA) run eagerly through the same blocks.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,13 +56,26 @@ log = logging.getLogger(__name__)
 STREAM_DTYPE = torch.float32
 """The residual stream, norms, rope and logits: f32 whatever the weights' dtype."""
 
+MM_OUTPUT = os.environ.get("LORAPLANE_GPU_MM", "round")
+"""How a 16-bit matmul leaves cuBLAS: ``round`` (default) writes the compute dtype and casts to
+f32 (cuBLAS's tensor-core GEMMs; accumulation is f32 either way); ``f32`` asks for f32 output
+(``torch.mm(..., out_dtype=float32)``: one rounding less, measured slower on an H200, see
+bench/RESULTS.md)."""
+
+
+def kv_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The paged KV cache's dtype for a compute dtype: f16 for both 16-bit ones (llama.cpp's
+    default ``type_k``/``type_v``: 10 mantissa bits where bf16 has 7; K and V of the models we
+    serve stay far below f16's range), f32 for f32."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
 
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` with f32 output: x ``(n, k)`` any float dtype (cast to w's), w ``(d, k)`` →
-    f32 ``(n, d)``. On CUDA with 16-bit weights the product accumulates and is written in f32
-    (``torch.mm(..., out_dtype=float32)``), else it is rounded to w's dtype first."""
+    f32 ``(n, d)``; accumulated in f32, rounded to w's dtype on the way out unless
+    :data:`MM_OUTPUT` is ``f32`` (then written in f32 on CUDA)."""
     xw = x if x.dtype == w.dtype else x.to(w.dtype)
-    if w.dtype != torch.float32 and w.device.type == "cuda":
+    if MM_OUTPUT == "f32" and w.dtype != torch.float32 and w.device.type == "cuda":
         try:
             return torch.mm(xw, w.T, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
@@ -158,6 +172,14 @@ class GpuGraphContext(GraphContext):
             out[i] = self._add_lora(name, x, out[i])
         return out
 
+    def build_lora_mm_id(self, name: str, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """The routed expert matmul of ``GraphContext.build_lora_mm_id`` on the weights' dtype,
+        returned in f32 (eager only: it reads the chosen experts on the host)."""
+        w = self.w[name]
+        if isinstance(w, torch.Tensor) and x.dtype != w.dtype:
+            x = x.to(w.dtype)
+        return super().build_lora_mm_id(name, x, expert_ids).float()
+
     def build_norm(self, x: torch.Tensor, name: str, eps: float) -> torch.Tensor:
         """RMS norm in f32 (``LLM_NORM_RMS``): ``x / sqrt(mean(x²) + eps) · w``."""
         self.n_nodes += 2
@@ -244,7 +266,7 @@ class GpuWorkerContext(WorkerContext):
             n_embd_head_v=hp.n_embd_head_v,
             n_ctx_seq=n_ctx_seq,
             n_seq=n_seq,
-            dtype=model.dtype,
+            dtype=kv_dtype(model.dtype),
             device=model.device,
         )
         self.kv = self.paged  # type: ignore[assignment]  # KVCache's interface (loraplane.worker.gpu.kv)
@@ -253,8 +275,9 @@ class GpuWorkerContext(WorkerContext):
         self._seen_generation = -1
         self.stats = ContextStats()
         self.max_slots = max(1, n_seq)
-        self.capture = capture and model.device.type == "cuda"
         self.moe = getattr(hp, "n_expert", 0) > 0
+        # MoE routing reads its expert ids on the host (torch.unique): those models run eagerly
+        self.capture = capture and model.device.type == "cuda" and not self.moe
         self._runners: dict[tuple[Any, ...], GraphRunner] = {}
         self._retired = CudaGraphStats()  # eager steps, and the counts of runners dropped after a layout change
         adapters.contexts.append(self)
@@ -443,4 +466,4 @@ class GpuWorkerContext(WorkerContext):
                 self.kv.seq_rm(seq, n)
 
 
-__all__ = ["GpuGraphContext", "GpuWorkerContext", "STREAM_DTYPE"]
+__all__ = ["GpuGraphContext", "GpuWorkerContext", "MM_OUTPUT", "STREAM_DTYPE", "kv_dtype"]
