@@ -37,6 +37,7 @@ from loraplane.bench.stats import Figure, fmt_fig  # noqa: E402
 from loraplane.worker.lora.adapter_set import EMPTY_SET  # noqa: E402
 from loraplane.worker.runtime.context import Model  # noqa: E402
 from loraplane.worker.runtime.graph import DecodeRows, GraphContext  # noqa: E402
+from loraplane.worker.runtime.kv_cache import KVCache
 from loraplane.worker.runtime.model import LoadedModel  # noqa: E402
 
 ATTN_MODES = ("torch", "c")
@@ -74,6 +75,8 @@ def _attention_alone(eb: EngineBench, batch: int, n_ctx: int, rng: np.random.Gen
     K/V store included) for sequences ``0..batch-1`` at position ``n_ctx``."""
     ctx, hp = eb.ctx, eb.base.hparams
     kv = ctx.kv
+    if not isinstance(kv, KVCache):
+        raise TypeError("the attention-alone figure times the CPU engine's KV cache (WorkerContext)")
     kv_rows = [kv.row_of[s] for s in range(batch)]
     for s in range(batch):
         kv.seq_rm(s, n_ctx)

@@ -47,7 +47,7 @@ from loraplane.bench.stats import Figure, fmt, ratio
 from loraplane.bench.synth import AdapterFactory
 from loraplane.worker.lora.adapter import LoraAdapter, load_lora_adapter
 from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.runtime.context import Model, UBatch, WorkerContext
+from loraplane.worker.runtime.context import AdapterContext, Model, UBatch
 from loraplane.worker.runtime.model import LoadedModel
 
 COPY_MIB_CUDA = 1024
@@ -143,7 +143,7 @@ def mixes_for(batch: int, distinct: Sequence[int]) -> list[Mix]:
     return out
 
 
-def kv_bytes_per_position(ctx: WorkerContext) -> int:
+def kv_bytes_per_position(ctx: AdapterContext) -> int:
     """Bytes of K and V one position holds over all layers (``n_layer · n_head_kv · (dk + dv) ·
     element size`` of the context's KV cache)."""
     kv = ctx.kv

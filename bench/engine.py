@@ -25,7 +25,7 @@ from loraplane.bench.profiles import Profile
 from loraplane.bench.stats import Figure, ratio
 from loraplane.worker.lora.adapter import load_lora_adapter
 from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.runtime.context import Model, UBatch, WorkerContext
+from loraplane.worker.runtime.context import AdapterContext, Model, UBatch
 from loraplane.worker.runtime.model import LoadedModel
 from loraplane.worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
 
@@ -66,7 +66,7 @@ class EngineBench:
     """One loaded model, one context, one registered synthetic adapter."""
 
     base: LoadedModel
-    ctx: WorkerContext
+    ctx: AdapterContext
     sets: dict[str, AdapterSet]
     adapter_bytes: int
     seed: int

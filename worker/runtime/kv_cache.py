@@ -12,8 +12,37 @@ them, keyed by adapter-set fingerprint.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class KVStore(Protocol):
+    """What the scheduler, the prefix cache and the benches call on a context's KV cache: this
+    module's ``KVCache`` (CPU engine) and ``loraplane.worker.gpu.kv.PagedKV`` (GPU engine)."""
+
+    n_ctx_seq: int
+    n_layer: int
+    n_head_kv: int
+    n_embd_head_k: int
+    n_embd_head_v: int
+    dtype: torch.dtype
+
+    def seq_len(self, seq_id: int) -> int: ...
+
+    def seq_ids(self) -> list[int]: ...
+
+    def seq_rm(self, seq_id: int, p0: int = 0) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def begin_append(self, seq_id: int, pos0: int, n: int) -> None: ...
+
+    def commit(self, seq_id: int, n_total: int) -> None: ...
+
+    def export(self, seq_id: int, n: int) -> KVSnapshot: ...
+
+    def import_(self, seq_id: int, snap: KVSnapshot, n: int | None = None) -> int: ...
 
 
 class KVCacheError(ValueError):

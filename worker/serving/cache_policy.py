@@ -18,7 +18,7 @@ from typing import Protocol
 
 from loraplane.worker.config import PrefixCachePolicy
 from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.runtime.kv_cache import KVCache
+from loraplane.worker.runtime.kv_cache import KVStore
 from loraplane.worker.serving.prefix_store import PrefixCache
 from loraplane.worker.serving.request import GenRequest
 from loraplane.worker.serving.sequences import Seq, common_prefix_len
@@ -43,12 +43,12 @@ class CachePolicy(Protocol):
         """One of ``free`` (non-empty) for ``req``."""
         ...
 
-    def attach(self, seq: Seq, req: GenRequest, kv: KVCache) -> int:
+    def attach(self, seq: Seq, req: GenRequest, kv: KVStore) -> int:
         """Prepare ``seq``'s KV sequence for ``req``; returns the positions reused (the KV
         sequence holds exactly those afterwards). Records cache telemetry on ``req``."""
         ...
 
-    def on_finish(self, seq: Seq, req: GenRequest, kv: KVCache) -> None:
+    def on_finish(self, seq: Seq, req: GenRequest, kv: KVStore) -> None:
         """``req`` finished on ``seq`` (normally or cancelled)."""
         ...
 
@@ -66,7 +66,7 @@ class LlamaCachePolicy:
             return best
         return min(free, key=lambda s: s.last_used)
 
-    def attach(self, seq: Seq, req: GenRequest, kv: KVCache) -> int:
+    def attach(self, seq: Seq, req: GenRequest, kv: KVStore) -> int:
         cur = seq.last_set
         if seq.cache_tokens and cur is not None and lora_should_clear_cache(cur, req.adapter_set):
             req.telemetry.cache_cleared = True
@@ -78,7 +78,7 @@ class LlamaCachePolicy:
         kv.seq_rm(seq.id, n)  # n == 0 drops the whole sequence
         return n
 
-    def on_finish(self, seq: Seq, req: GenRequest, kv: KVCache) -> None:
+    def on_finish(self, seq: Seq, req: GenRequest, kv: KVStore) -> None:
         """The sequence keeps its KV for the next request."""
 
 
@@ -94,7 +94,7 @@ class KeyedCachePolicy:
         """Least recently used (the cache is shared, so any sequence will do)."""
         return min(free, key=lambda s: s.last_used)
 
-    def attach(self, seq: Seq, req: GenRequest, kv: KVCache) -> int:
+    def attach(self, seq: Seq, req: GenRequest, kv: KVStore) -> int:
         kv.seq_rm(seq.id)
         if req.params.prompt_logprobs:
             return 0
@@ -107,7 +107,7 @@ class KeyedCachePolicy:
         kv.import_(seq.id, entry.kv, n)
         return n
 
-    def on_finish(self, seq: Seq, req: GenRequest, kv: KVCache) -> None:
+    def on_finish(self, seq: Seq, req: GenRequest, kv: KVStore) -> None:
         """Save the cacheable prefix under the fingerprint that computed it, free the sequence."""
         n = seq.n_past
         start = req.activation.start

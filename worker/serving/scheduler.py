@@ -101,7 +101,7 @@ from loraplane.worker.lora.adapter import AdapterError
 from loraplane.worker.lora.adapter_set import AdapterSet
 from loraplane.worker.lora.alora import resolve_alora
 from loraplane.worker.lora.pool import LoraPool, PoolExhaustedError
-from loraplane.worker.runtime.context import WorkerContext
+from loraplane.worker.runtime.context_base import AdapterContext
 from loraplane.worker.runtime.grammar import Constraint, GrammarError
 from loraplane.worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows, penalize_rows
 from loraplane.worker.serving.cache_policy import make_cache_policy
@@ -196,7 +196,7 @@ class Scheduler:
         worker_id: reported in telemetry and error messages.
     """
 
-    def __init__(self, ctx: WorkerContext, config: WorkerConfig, worker_id: str):
+    def __init__(self, ctx: AdapterContext, config: WorkerConfig, worker_id: str):
         self.ctx = ctx
         self.config = config
         self.worker_id = worker_id
