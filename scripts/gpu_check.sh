@@ -15,7 +15,8 @@
 # --out DIR     the log (gpu_check.log), stage times (stages.tsv) and bench JSONs
 #               (default $OUT when set, else ./gpu-out)
 # --dtype       compute dtype of the bench and the JIT warm-up (default bf16)
-# --only        run only these stages (a rerun of a part within a short device lease)
+# --only        run only these stages (a rerun of a part within a short device lease;
+#               bench-8b implies --8b)
 # --dry-run     check this script where there is no GPU: CUDA hidden, the tiny shape in the bench,
 #               the kernel sweep's fast cases only; every GPU stage fails, saying why
 # PYTHON: the interpreter (default python3); GPU_CHECK_WORK: the work folder (default
@@ -24,7 +25,7 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WHEELS="" EIGHT_B=0 OUT_DIR=${OUT:-./gpu-out} DTYPE=bf16 ONLY="" DRY=0
-usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 while [ $# -gt 0 ]; do
   case $1 in
     --wheels) WHEELS=${2:?--wheels needs a folder}; shift 2 ;;
@@ -33,7 +34,7 @@ while [ $# -gt 0 ]; do
     --only) ONLY=${2:?--only needs stage names}; shift 2 ;;
     --8b) EIGHT_B=1; shift ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) usage ;;
+    -h | --help) usage 0 ;;
     *) echo "gpu_check: unknown argument '$1'" >&2; usage ;;
   esac
 done
@@ -42,6 +43,7 @@ STAGES="install env cpu-kernels jit gpu-tier bench-step bench-serving bench-8b k
 for s in ${ONLY//,/ }; do
   [[ " $STAGES " == *" $s "* ]] || { echo "gpu_check: --only: unknown stage '$s' (one of: $STAGES)" >&2; exit 2; }
 done
+[[ ",$ONLY," == *",bench-8b,"* ]] && EIGHT_B=1
 if [ -n "$WHEELS" ]; then
   WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd) || { echo "gpu_check: no wheels folder '$WHEELS'" >&2; exit 2; }
 fi
