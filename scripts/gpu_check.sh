@@ -103,9 +103,6 @@ stage_cpu_kernels() { # the C kernels the tests' CPU references run on (the GPU 
   "$PY" -m loraplane.worker.runtime.kernels.build
 }
 stage_jit() {
-  local device=cuda
-  "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' || device=none
-  if [ "$device" = none ]; then echo "torch sees no CUDA device: nothing to compile"; return 1; fi
   "$PY" -m loraplane.bench.gpu_check warmup --device cuda --dtypes "$DTYPE"
 }
 stage_gpu_tier() {
