@@ -28,7 +28,6 @@ is in the table and the JSON), 2 on a usage error.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -42,11 +41,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraplane.bench.scenarios import run_scenarios
 from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES, check_device_spec
 
 if TYPE_CHECKING:  # the real imports are lazy: torch must load after OMP_WAIT_POLICY is set
     from loraplane.bench.profiles import Profile
-    from loraplane.worker.runtime.model import LoadedModel
 
 SCENARIOS = {
     "1": "engine",
@@ -237,16 +236,8 @@ def _install_signal_handlers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = _parser()
     try:
-        args = ap.parse_args(argv)
-        selected = _selected(args.only)
-        ks = tuple(int(k) for k in args.ks.split(",")) if args.ks else None
-        if ks is not None and any(k < 0 for k in ks):
-            raise ValueError("--ks: adapter counts must be >= 0")
-        distinct = _synthetic_args(args)
-        if args.synthetic and not args.only:
-            selected = ["engine", "serving", "roofline"]
+        args, selected, ks, distinct = _parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     except ValueError as exc:
@@ -258,12 +249,67 @@ def main(argv: list[str] | None = None) -> int:
         # read by the OpenMP runtime when torch loads: set before the import; the servers
         # started later inherit it through the environment
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
-    import torch
+    import torch  # noqa: F401 - torch loads here, after OMP_WAIT_POLICY is set
 
     import loraplane.worker  # noqa: F401 - sets the worker's default OMP_WAIT_POLICY (PASSIVE) before torch loads
-    from loraplane.bench.machine import machine_info
+
+    name, profile = _profile(args, ks)
+    log = _Log()
+    use_rich = _have_rich() and not args.plain
+    run_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="loraplane-bench-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    llama_server = os.environ.get("LLAMA_SERVER") or None
+    result = _new_result(args, argv, name, profile, selected, distinct, llama_server)
+    log(f"profile {name}: {json.dumps(profile.to_json())}")
+    log(f"machine: {json.dumps(result['machine'])}")
+    log(f"work dir {run_dir}" + (f"; llama-server peer {llama_server}" if llama_server else ""))
+    t_start = time.monotonic()
+    record = _Recorder(result, log, use_rich=use_rich)
+
+    interrupted = False
+    try:
+        run_scenarios(args, profile, selected, run_dir, llama_server, result, record, log, distinct)
+    except KeyboardInterrupt:
+        interrupted = True
+        result["errors"].append({"scenario": "-", "error": "interrupted"})
+        log("interrupted: servers stopped, partial results kept")
+    finally:
+        _finish(args, result, run_dir, t_start, log)
+    if interrupted:
+        return 130
+    log(
+        f"done in {result['duration_s']:.0f}s"
+        + (f" with {len(result['errors'])} failed scenario(s)" if result["errors"] else "")
+    )
+    return 1 if result["errors"] else 0
+
+
+def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], tuple[int, ...] | None, tuple[int, ...]]:
+    """The command line, checked: ``(args, selected scenarios, --ks counts or None, --distinct
+    counts)``; ``--synthetic`` without ``--only`` selects scenarios 1, 2 and 5.
+
+    Raises:
+        SystemExit: ``--help``, or a usage error argparse found (and printed).
+        ValueError: an unknown ``--only`` scenario, a negative ``--ks`` count, or a
+            `_synthetic_args` error.
+    """
+    args = _parser().parse_args(argv)
+    selected = _selected(args.only)
+    ks = tuple(int(k) for k in args.ks.split(",")) if args.ks else None
+    if ks is not None and any(k < 0 for k in ks):
+        raise ValueError("--ks: adapter counts must be >= 0")
+    distinct = _synthetic_args(args)
+    if args.synthetic and not args.only:
+        selected = ["engine", "serving", "roofline"]
+    return args, selected, ks, distinct
+
+
+def _profile(args: argparse.Namespace, ks: tuple[int, ...] | None) -> tuple[str, Profile]:
+    """The profile's name (smoke, quick or full) and the profile with the command line's
+    overrides; under ``--synthetic`` the GPU step's batches and, on CUDA, a 1 GiB copy."""
+    import torch
+
     from loraplane.bench.profiles import PROFILES, with_overrides
-    from loraplane.bench.report import print_section, render_markdown, sections_for
 
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     profile = with_overrides(
@@ -279,12 +325,24 @@ def main(argv: list[str] | None = None) -> int:
         # the issue's batch sizes; a 1 GiB copy for the rate the GPU step is compared with
         on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
         profile = with_overrides(profile, decode_batches=SYNTHETIC_BATCHES, bw_mib=1024 if on_cuda else None)
-    log = _Log()
-    use_rich = _have_rich() and not args.plain
-    run_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="loraplane-bench-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    llama_server = os.environ.get("LLAMA_SERVER") or None
-    result: dict = {
+    return name, profile
+
+
+def _new_result(
+    args: argparse.Namespace,
+    argv: list[str],
+    name: str,
+    profile: Profile,
+    selected: list[str],
+    distinct: tuple[int, ...],
+    llama_server: str | None,
+) -> dict:
+    """The results JSON before any scenario ran: the command, its parameters, the machine."""
+    import torch
+
+    from loraplane.bench.machine import machine_info
+
+    return {
         "bench": "loraplane",
         "version": 1,
         "profile": name,
@@ -315,53 +373,54 @@ def main(argv: list[str] | None = None) -> int:
         "scenarios": {},
         "errors": [],
     }
-    log(f"profile {name}: {json.dumps(profile.to_json())}")
-    log(f"machine: {json.dumps(result['machine'])}")
-    log(f"work dir {run_dir}" + (f"; llama-server peer {llama_server}" if llama_server else ""))
-    t_start = time.monotonic()
 
-    def record(key: str, fn) -> None:
+
+class _Recorder:
+    """``record(key, fn)``: runs one scenario, keeps what ``fn`` returns under
+    ``result["scenarios"][key]`` (with the load average before and after), or its error there
+    and in ``result["errors"]``, and prints its table(s) at once."""
+
+    def __init__(self, result: dict, log: Callable[[str], None], *, use_rich: bool) -> None:
+        self.result = result
+        self.log = log
+        self.use_rich = use_rich
+
+    def __call__(self, key: str, fn: Callable[[], dict]) -> None:
+        from loraplane.bench.report import print_section, sections_for
+
+        scenarios = self.result["scenarios"]
         load_before = _load_avg()
         try:
-            result["scenarios"][key] = fn()
-            result["scenarios"][key].setdefault("load_avg", {"before": load_before, "after": _load_avg()})
+            scenarios[key] = fn()
+            scenarios[key].setdefault("load_avg", {"before": load_before, "after": _load_avg()})
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001 - one failed scenario must not hide the others
             msg = f"{type(exc).__name__}: {exc}"
-            log(f"{key} FAILED: {msg}")
+            self.log(f"{key} FAILED: {msg}")
             traceback.print_exc(file=sys.stderr)
-            result["scenarios"][key] = {"error": msg}
-            result["errors"].append({"scenario": key, "error": msg})
-        for s in sections_for(key, result["scenarios"][key], result["machine"]):
-            print_section(s, use_rich=use_rich)
+            scenarios[key] = {"error": msg}
+            self.result["errors"].append({"scenario": key, "error": msg})
+        for s in sections_for(key, scenarios[key], self.result["machine"]):
+            print_section(s, use_rich=self.use_rich)
         sys.stdout.flush()
 
-    interrupted = False
-    try:
-        _run(args, profile, selected, run_dir, llama_server, result, record, log, distinct)
-    except KeyboardInterrupt:
-        interrupted = True
-        result["errors"].append({"scenario": "-", "error": "interrupted"})
-        log("interrupted: servers stopped, partial results kept")
-    finally:
-        result["duration_s"] = round(time.monotonic() - t_start, 1)
-        result["machine"]["load_avg_end"] = _load_avg()
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps(_clean(result), indent=1) + "\n")
-            log(f"wrote {args.json_out}")
-        if args.markdown:
-            Path(args.markdown).write_text(render_markdown(result))
-            log(f"wrote {args.markdown}")
-        if not args.keep and not args.work_dir:
-            shutil.rmtree(run_dir, ignore_errors=True)
-    if interrupted:
-        return 130
-    log(
-        f"done in {result['duration_s']:.0f}s"
-        + (f" with {len(result['errors'])} failed scenario(s)" if result["errors"] else "")
-    )
-    return 1 if result["errors"] else 0
+
+def _finish(args: argparse.Namespace, result: dict, run_dir: Path, t_start: float, log: Callable[[str], None]) -> None:
+    """Close the run, also after an error or an interrupt: duration and end load average into
+    ``result``, ``--json`` and ``--markdown`` written, the temporary work dir removed."""
+    from loraplane.bench.report import render_markdown
+
+    result["duration_s"] = round(time.monotonic() - t_start, 1)
+    result["machine"]["load_avg_end"] = _load_avg()
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(_clean(result), indent=1) + "\n")
+        log(f"wrote {args.json_out}")
+    if args.markdown:
+        Path(args.markdown).write_text(render_markdown(result))
+        log(f"wrote {args.markdown}")
+    if not args.keep and not args.work_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _clean(o):
@@ -375,275 +434,6 @@ def _clean(o):
     if o is None or isinstance(o, (str, int, bool)):
         return o
     return str(o)
-
-
-def _run(args, profile, selected, run_dir: Path, llama_server, result, record, log, distinct) -> None:
-    from loraplane.bench.synth import AdapterFactory
-    from loraplane.worker.runtime.model import default_model_path
-
-    synthetic = None
-    if args.synthetic:
-        from loraplane.bench.synthetic import ensure_model, shape_summary
-
-        log(shape_summary(args.synthetic, tiny=args.tiny, dtype=args.synthetic_dtype))
-        t0 = time.monotonic()
-        synthetic = ensure_model(
-            args.synthetic,
-            tiny=args.tiny,
-            dtype=args.synthetic_dtype,
-            seed=args.seed,
-            cache_dir=args.synthetic_dir,
-            log=log,
-        )
-        result["params"]["synthetic_path"] = str(synthetic.path)
-        result["params"]["synthetic_write_s"] = round(time.monotonic() - t0, 1)
-        model_path = str(synthetic.path)
-    else:
-        model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
-    in_process = "engine" in selected or "roofline" in selected or "bounds" in selected
-    base: LoadedModel | None = None
-    if in_process:
-        from loraplane.worker.runtime.model import load_model
-
-        log(f"loading {model_path} in-process ({args.dtype}, {args.device}, weights {args.weights})")
-        base = load_model(model_path, dtype=args.dtype, device=args.device, weights=args.weights)
-        arch, tensors, n_vocab = base.arch, base.tensor_ne, base.n_vocab
-        bos = base.tokenizer.bos_id if base.tokenizer.add_bos else None
-    else:
-        from loraplane.worker.gguf.reader import read_gguf
-
-        gf = read_gguf(model_path)
-        arch, tensors = gf.arch, {n: tuple(r.ne) for n, r in gf.tensors.items()}
-        from loraplane.worker.runtime.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_gguf(gf)
-        bos, n_vocab = (tok.bos_id if tok.add_bos else None), tok.n_vocab
-    if synthetic is not None:  # rank-16 F16 adapters cached beside the model
-        factory = synthetic.factory
-    else:
-        factory = AdapterFactory(run_dir / "adapters", arch=arch, base_tensors=tensors, base_seed=args.seed)
-    engine_adapter = factory.path(0)
-
-    roofline_part: dict = {}
-    bounds_part: dict = {}
-    if base is not None:  # loaded exactly when "engine", "roofline" or "bounds" is selected
-        roofline_part = _in_process_scenarios(base, profile, selected, engine_adapter, result, args, record, log)
-        if synthetic is not None and "engine" in selected:
-            record("step", lambda: _device_step(base, factory, profile, distinct, args, log))
-        if "bounds" in selected:
-            bounds_part = _deferred(lambda: _bounds_in_process(base, profile, engine_adapter, args, log))
-        del base
-        gc.collect()
-
-    serving_like = ("serving", "prefix", "lifecycle", "paging", "longprompt", "longctx")
-    if any(s in selected for s in serving_like):
-        from loraplane.bench.engine import token_hi
-        from loraplane.bench.serving import ServingContext, run_multitenant, run_prefix
-
-        sc = ServingContext(
-            profile=profile,
-            seed=args.seed,
-            run_dir=run_dir,
-            factory=factory,
-            dtype=args.dtype,
-            device=args.device,
-            bos=bos,
-            token_hi=token_hi(n_vocab),
-            model_path=model_path,
-            llama_server=llama_server,
-            log=log,
-            weights=args.weights,
-            paging_prefix_cache=args.paging_prefix_cache,
-        )
-        if "serving" in selected:
-            lifecycle_hook = _lifecycle_hook(factory, profile, bos, log) if "lifecycle" in selected else None
-            holder: dict = {}
-
-            def serving() -> dict:
-                out, lc = run_multitenant(sc, lifecycle_hook)
-                holder["lifecycle"] = lc
-                eng = result["scenarios"].get("engine") or {}
-                step = eng.get("variants", {}).get("base", {}).get("decode", {}).get(str(profile.streams), {})
-                if "step_sampled_ms" in step:  # scenario 1's in-process step at B = streams
-                    out["engine_step_sampled_ms"] = step["step_sampled_ms"]
-                return out
-
-            record("serving", serving)
-            if "lifecycle" in selected:
-                lc = holder.get("lifecycle")
-                record("lifecycle", lambda: _unwrap(lc))
-        elif "lifecycle" in selected:
-            record("lifecycle", lambda: _lifecycle_alone(sc, factory, profile, bos, log))
-        if "prefix" in selected:
-            record("prefix", lambda: run_prefix(sc))
-        if "paging" in selected:
-            from loraplane.bench.paging import run_paging
-
-            record("paging", lambda: run_paging(sc, arch, tensors, log))
-        if "longprompt" in selected or "longctx" in selected:
-            from loraplane.bench.longcontext import run_long
-
-            try:
-                long_out: dict = run_long(sc, selected)
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the servers failed: both scenarios report it
-                traceback.print_exc(file=sys.stderr)
-                long_out = {"longprompt": exc, "longctx": exc}
-            for key in ("longprompt", "longctx"):
-                if key in selected:
-                    record(key, lambda key=key: _unwrap(long_out.get(key)))
-    if "roofline" in selected:
-        from loraplane.bench.roofline import add_serving
-
-        def roofline() -> dict:
-            if "error" in roofline_part:
-                raise roofline_part["error"]
-            return add_serving(roofline_part["value"], result["scenarios"].get("serving"))
-
-        record("roofline", roofline)
-    if "bounds" in selected:
-        from loraplane.bench.bounds import add_served_step
-
-        def bounds() -> dict:
-            if "error" in bounds_part:
-                raise bounds_part["error"]
-            return add_served_step(bounds_part["value"], result["scenarios"].get("serving"))
-
-        record("bounds", bounds)
-
-
-def _deferred(fn: Callable[[], dict]) -> dict:
-    """``{"value": fn()}``, or ``{"error": exc}`` (printed) — for an in-process part whose table
-    is recorded later, after the serving scenarios."""
-    try:
-        return {"value": fn()}
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # noqa: BLE001 - reported under its scenario when recorded
-        traceback.print_exc(file=sys.stderr)
-        return {"error": exc}
-
-
-def _device_step(base, factory, profile, distinct, args, log) -> dict:
-    """Table 1b on the loaded model (`loraplane.bench.device_step`)."""
-    from loraplane.bench.device_step import COPY_MIB_CUDA, run_device_step
-    from loraplane.bench.engine import measure_bandwidth
-
-    mib = COPY_MIB_CUDA if base.device.type == "cuda" else profile.bw_mib
-    bw = measure_bandwidth(mib, max(9, profile.reps), base.device)
-    log(f"step: copy rate {bw['gb_s']['median']:.1f} GB/s ({mib} MiB device-to-device copy)")
-    out = run_device_step(base, factory, profile, distinct=distinct, seed=args.seed, bandwidth=bw, log=log)
-    if base.device.type == "cuda":
-        import torch
-
-        out["gpu"] = torch.cuda.get_device_name(base.device)
-    return out
-
-
-def _bounds_in_process(base, profile, engine_adapter, args, log) -> dict:
-    from loraplane.bench.bounds import run_bounds
-
-    return run_bounds(base, engine_adapter, profile, seed=args.seed, log=log)
-
-
-def _in_process_scenarios(
-    base: LoadedModel,
-    profile: Profile,
-    selected: list[str],
-    engine_adapter: Path,
-    result: dict,
-    args: argparse.Namespace,
-    record: Callable[[str, Callable[[], dict]], None],
-    log: Callable[[str], None],
-) -> dict:
-    """Scenario 1 (recorded) and scenario 5's in-process half on the loaded model; returns
-    ``{"value": ...}`` or ``{"error": exc}`` for the roofline (``{}`` when it is not selected)."""
-    if "engine" in selected:
-        from loraplane.bench.engine import run_engine
-        from loraplane.bench.profiles import with_overrides
-
-        # B = streams too: the in-process step table 2c puts beside the worker's step interval
-        batches = tuple(sorted({*profile.decode_batches, profile.streams}))
-        eng_profile = with_overrides(profile, decode_batches=batches)
-        record("engine", lambda: run_engine(base, engine_adapter, eng_profile, seed=args.seed, log=log))
-    roofline_part: dict = {}
-    if "roofline" in selected:
-        # the in-process half now (it needs the loaded model); the table is recorded after the
-        # serving scenario, which adds the worker's RSS and the 1-stream per-token times
-        try:
-            roofline_part["value"] = _roofline_in_process(base, profile, engine_adapter, result, args, log)
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported under "roofline"
-            traceback.print_exc(file=sys.stderr)
-            roofline_part["error"] = exc
-    return roofline_part
-
-
-def _roofline_in_process(base, profile, engine_adapter, result, args, log) -> dict:
-    """Scenario 5's in-process measurements: copy bandwidth, bytes, the B=1 decode step."""
-    from loraplane.bench.engine import measure_bandwidth
-    from loraplane.bench.roofline import run_roofline
-
-    bw = measure_bandwidth(profile.bw_mib, max(9, profile.reps), base.device)
-    log(f"roofline: copy bandwidth {bw['gb_s']['median']:.1f} GB/s")
-    engine = result["scenarios"].get("engine")
-    if not engine or "error" in engine:
-        from loraplane.bench.engine import run_engine
-        from loraplane.bench.profiles import with_overrides
-
-        engine = run_engine(base, engine_adapter, with_overrides(profile, decode_batches=(1,)), seed=args.seed, log=log)
-    return run_roofline(base, bw, engine, engine["adapter_bytes"])
-
-
-def _unwrap(lc):
-    if lc is None:
-        raise RuntimeError("not run: the scenario that carries it failed before reaching it")
-    if isinstance(lc, BaseException):
-        raise lc
-    return lc
-
-
-def _lifecycle_hook(factory, profile, bos, log):
-    """Run scenario 4 on scenario 2's mixed worker before it stops; an error is kept, not raised,
-    so that scenario 2's results survive it."""
-    from loraplane.bench.lifecycle import run_lifecycle
-
-    def hook(srv):
-        try:
-            before = _load_avg()
-            out = run_lifecycle(srv, factory, profile, bos=bos, log=log)
-            out["load_avg"] = {"before": before, "after": _load_avg()}
-            return out
-        except Exception as exc:  # noqa: BLE001 - reported under "lifecycle"
-            traceback.print_exc(file=sys.stderr)
-            return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-    return hook
-
-
-def _lifecycle_alone(sc, factory, profile, bos, log) -> dict:
-    from loraplane.bench.lifecycle import run_lifecycle
-    from loraplane.bench.servers import LoraplaneServers, start_all
-
-    srv = LoraplaneServers(
-        sc.run_dir,
-        "lifecycle",
-        slots=profile.slots,
-        batching="mixed",
-        prefix_cache="keyed",
-        dtype=sc.dtype,
-        device=sc.device,
-        model_path=sc.model_path,
-        weights=sc.weights,
-    )
-    log("lifecycle: starting control plane + worker")
-    start_all([srv])
-    try:
-        return run_lifecycle(srv, factory, profile, bos=bos, log=log)
-    finally:
-        srv.stop()
 
 
 if __name__ == "__main__":

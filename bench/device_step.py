@@ -41,9 +41,8 @@ import torch
 
 from loraplane.bench.engine import STEP_THREAD, _sync, random_tokens, token_hi
 from loraplane.bench.profiles import Profile
-from loraplane.bench.report import MIB, Section, _fig
 from loraplane.bench.roofline import weight_bytes_per_step
-from loraplane.bench.stats import Figure, fmt, ratio
+from loraplane.bench.stats import Figure, ratio
 from loraplane.bench.synth import AdapterFactory
 from loraplane.worker.lora.adapter import LoraAdapter, load_lora_adapter
 from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
@@ -244,7 +243,8 @@ def run_device_step(
     log: Callable[[str], None],
 ) -> dict:
     """Every (batch, adapter mix) of the module docstring. Returns JSON-ready results
-    (`step_section` renders them); ``bandwidth`` is `loraplane.bench.engine.measure_bandwidth`'s."""
+    (`loraplane.bench.report.step_section` renders them); ``bandwidth`` is
+    `loraplane.bench.engine.measure_bandwidth`'s."""
     p = profile
     n_adapters = max([1, *(n for n in distinct if n <= max(p.decode_batches))])
     sb = StepBench(base, factory, p, n_adapters=n_adapters, seed=seed)
@@ -308,56 +308,3 @@ def run_device_step(
         }
     finally:
         sb.close()
-
-
-def step_section(d: dict) -> Section:
-    """The table of `run_device_step`'s results."""
-    s = Section(
-        f"1b. Decode step vs its memory bound, {d['model']}, dtype {d['dtype']}, {d['device']}"
-        + (f" ({d['gpu']})" if d.get("gpu") else ""),
-        [
-            "B",
-            "adapters",
-            "step (ms)",
-            "tok/s",
-            "bound (ms)",
-            "step / bound",
-            "host (ms/step)",
-            "kernels / step",
-            "launches / step",
-            "GPU busy (ms, % of step)",
-        ],
-    )
-    for r in d["rows"]:
-        pr = r.get("profile") or {}
-        busy = f"{fmt(pr['busy_ms'])} ({100 * pr['busy_frac']:.0f} %)" if pr else "-"
-        s.rows.append(
-            [
-                str(r["batch"]),
-                r["mix"],
-                _fig(r["step_ms"]),
-                _fig(r["tok_s"]),
-                fmt(r["bound_ms"]),
-                f"{r['step_over_bound']:.1f}×",
-                _fig(r["host_ms"]),
-                str(pr["kernels"]) if pr else "-",
-                f"{pr['launches']} ({pr['graph_launches']} graphs)" if pr else "-",
-                busy,
-            ]
-        )
-    bw = d["bandwidth"]
-    s.notes.append(
-        "bound = (W + KV + A) / copy rate; W = weights a step reads (held form, LM head included) = "
-        f"{d['weight_bytes_per_step'] / MIB:,.1f} MiB; KV = B × L × n_layer × n_head_kv × (dk + dv) × elem = "
-        f"B × {d['attended_positions']:g} positions × {d['kv_bytes_per_position'] / 1024:,.1f} KiB; "
-        f"A = distinct adapters' A/B bytes, {d['adapter_bytes'] / MIB:,.1f} MiB each (rank {d['adapter_rank']}); "
-        f"copy rate = read + write bytes of a {bw['tensor_mib']} MiB device-to-device copy_ / time = "
-        f"{_fig(bw['gb_s'])} GB/s"
-    )
-    s.notes.append(
-        f"{d['decode_steps']} decode steps per repetition from {d['decode_ctx']} tokens of context; host = "
-        "thread_time of the step thread around decode (includes spinning on a device sync inside it); kernels, "
-        "launches (host launch calls; a CUDA graph replay is one) and GPU busy (union of device activity in one "
-        "profiled step, over the median step) on CUDA only"
-    )
-    return s

@@ -84,6 +84,55 @@ def _soft_cap(s, cap):
 
 
 @triton.jit
+def _split_keys(seq_len, window, split, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key positions ``[start, end)`` of split ``split`` of a row holding ``seq_len`` keys:
+    the visible keys (the last ``window`` with WINDOW) cut into NUM_SPLITS pieces of whole
+    BLOCK_N tiles; ``end <= start`` for a piece past the row's keys."""
+    lo = 0
+    if WINDOW:
+        # the query sits at position seq_len - 1; a key at p is visible iff (seq_len - 1) - p < window
+        lo = tl.maximum(seq_len - window, 0)
+    n_keys = seq_len - lo
+    per_split = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    return start, end
+
+
+@triton.jit
+def _tile_scores(q, kt, p_ok, scale, softcap, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """The ``(BLOCK_G, BLOCK_N)`` logits of the queries ``q`` ``(BLOCK_G, BLOCK_D)`` against the
+    K tile ``kt`` ``(BLOCK_N, BLOCK_D)``: ``scale · q·kᵀ`` in f32, soft-capped with SOFTCAP,
+    -inf at the positions where ``p_ok`` is false."""
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kt))
+    s = s * scale
+    if SOFTCAP:
+        s = _soft_cap(s, softcap)
+    return tl.where(p_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax_step(s, vt, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """Fold one tile's logits ``s`` ``(BLOCK_G, BLOCK_N)`` and its V tile ``vt``
+    ``(BLOCK_N, BLOCK_DV)`` into the running max ``m_i`` and denominator ``l_i`` (f32,
+    ``(BLOCK_G,)``) and the unnormalised output ``acc`` (f32, ``(BLOCK_G, BLOCK_DV)``); returns
+    the three updated."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        # on the 16-bit path the probabilities are rounded to V's dtype (FlashAttention's order)
+        pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(vt.dtype), vt)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -137,14 +186,7 @@ def decode_split_kernel(
     hk = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_len_ptr + b)
-    lo = 0
-    if WINDOW:
-        # the query sits at position seq_len - 1; a key at p is visible iff (seq_len - 1) - p < window
-        lo = tl.maximum(seq_len - window, 0)
-    n_keys = seq_len - lo
-    per_split = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    start, end = _split_keys(seq_len, window, split, WINDOW, NUM_SPLITS, BLOCK_N)
 
     g = tl.arange(0, BLOCK_G)
     g_ok = g < G
@@ -169,26 +211,9 @@ def decode_split_kernel(
         blk = blk.to(tl.int64)  # block × block stride can pass 2^31 elements in a large cache
         off = pos % block_size
         kt = _page_tile(k_cache_ptr, blk, off, hk, stride_kcb, stride_kct, stride_kch, stride_kcd, dk, D, p_ok)
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kt))
-        s = s * scale
-        if SOFTCAP:
-            s = _soft_cap(s, softcap)
-        s = tl.where(p_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        s = _tile_scores(q, kt, p_ok, scale, softcap, SOFTCAP, DOT_F32)
         vt = _page_tile(v_cache_ptr, blk, off, hk, stride_vcb, stride_vct, stride_vch, stride_vcd, dv, DV, p_ok)
-        if DOT_F32:
-            # on the 16-bit path the probabilities are rounded to V's dtype (FlashAttention's order)
-            pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, vt, m_i, l_i, acc, DOT_F32)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
