@@ -29,3 +29,9 @@ holds; end of file on it means ``serve`` died, and the worker stops (``loraplane
 ENV_WORKER_RESTARTS = "LORAPLANE_WORKER_RESTARTS"
 """Set by ``serve`` for its worker: how many times it started this worker id again before this
 process (reported in the worker's hello, so the control plane's ``restarts`` matches serve's log)."""
+ENV_ENGINE = "LORAPLANE_ENGINE"
+"""``cpu`` or ``gpu``: the worker context's engine (``Model.new_context``); unset, the GPU engine
+on a CUDA device and the CPU engine elsewhere."""
+ENV_GPU_MM = "LORAPLANE_GPU_MM"
+"""``round`` (default) or ``f32``: how the GPU engine's 16-bit matmuls write their output
+(``loraplane.worker.gpu.context.MM_OUTPUT``)."""

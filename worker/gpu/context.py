@@ -38,6 +38,7 @@ import numpy as np
 import structlog
 import torch
 
+from loraplane.env import ENV_GPU_MM
 from loraplane.worker.gpu.graph_runner import CudaGraphStats, GraphRunner, HostStep, Outputs, StepInputs
 from loraplane.worker.gpu.kernels.attention import kv_write, paged_decode_attention, prefill_attention
 from loraplane.worker.gpu.kernels.lora import add_lora
@@ -55,7 +56,7 @@ log = structlog.get_logger("loraplane.worker.gpu.context")
 STREAM_DTYPE = torch.float32
 """The residual stream, norms, rope and logits: f32 whatever the weights' dtype."""
 
-MM_OUTPUT = os.environ.get("LORAPLANE_GPU_MM", "round")
+MM_OUTPUT = os.environ.get(ENV_GPU_MM, "round")
 """How a 16-bit matmul leaves cuBLAS: ``round`` (default) writes the compute dtype and casts to
 f32 (cuBLAS's tensor-core GEMMs; accumulation is f32 either way); ``f32`` asks for f32 output
 (``torch.mm(..., out_dtype=float32)``: one rounding less, measured slower on an H200, see
@@ -306,6 +307,10 @@ class GpuWorkerContext(AdapterContext):
             for k, v in vars(r.stats).items():
                 setattr(total, k, getattr(total, k) + v)
         return total
+
+    def graph_counts(self) -> dict[str, int]:
+        """``cuda_graph_stats`` by name, for the scheduler's stats and /metrics."""
+        return dict(vars(self.cuda_graph_stats))
 
     def _layout(self) -> tuple[Any, ...]:
         """What a LoRA graph depends on besides its inputs: the pool's buffer objects."""

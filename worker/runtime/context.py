@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplane.env import ENV_ENGINE
 from loraplane.worker.lora.pool import LoraPool
 from loraplane.worker.lora.registry import ModelAdapters
 from loraplane.worker.runtime import arch as arch_registry
@@ -179,7 +180,7 @@ class Model:
         Raises:
             ValueError: another engine name.
         """
-        want = engine or os.environ.get("LORAPLANE_ENGINE") or ("gpu" if self.base.device.type == "cuda" else "cpu")
+        want = engine or os.environ.get(ENV_ENGINE) or ("gpu" if self.base.device.type == "cuda" else "cpu")
         if want == "gpu":
             from loraplane.worker.gpu.context import GpuWorkerContext  # the GPU engine, imported on use
 

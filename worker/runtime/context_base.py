@@ -159,6 +159,11 @@ class AdapterContext:
         """Drop every sequence of the KV cache (``close``)."""
         raise NotImplementedError
 
+    def graph_counts(self) -> dict[str, int]:
+        """The engine's CUDA graph counters (``cuda_graphs_captured``, ``cuda_graph_replays``,
+        ``cuda_graph_eager_fallbacks``); none on the CPU engine."""
+        return {}
+
     def decode(self, ub: UBatch) -> DecodeResult:
         """Run one ubatch (llama.cpp ``llama_decode``): each engine's own."""
         raise NotImplementedError

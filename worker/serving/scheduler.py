@@ -463,7 +463,7 @@ class Scheduler:
                 kv_cells_total=len(self.seqs) * self.ctx.kv.n_ctx_seq,
                 fairness=Fairness(self.config.fairness).value,
                 tenants=() if self.fair is None else tuple(self.fair.snapshot()),
-                **_cuda_graph_counts(self.ctx),
+                **self.ctx.graph_counts(),
             )
 
     # --- loop ---------------------------------------------------------------------------
@@ -895,15 +895,3 @@ def _penalize_step(parts: list, logits: torch.Tensor) -> dict[int, torch.Tensor]
 
 
 __all__ = ["RequestObserver", "Scheduler", "SchedulerStats"]
-
-
-def _cuda_graph_counts(ctx: object) -> dict[str, int]:
-    """The GPU context's CUDA graph counters (``GpuWorkerContext.cuda_graph_stats``); none on CPU."""
-    stats = getattr(ctx, "cuda_graph_stats", None)
-    if stats is None:
-        return {}
-    return {
-        "cuda_graphs_captured": stats.cuda_graphs_captured,
-        "cuda_graph_replays": stats.cuda_graph_replays,
-        "cuda_graph_eager_fallbacks": stats.cuda_graph_eager_fallbacks,
-    }
