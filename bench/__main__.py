@@ -1,4 +1,4 @@
-"""``python -m loraplane.bench [--quick | --smoke] [--json OUT]`` (also ``loraplane bench``).
+"""``python -m bench [--quick | --smoke] [--json OUT]`` (also ``loraplane bench``).
 
 Runs, in one process and one go:
 
@@ -13,8 +13,8 @@ Runs, in one process and one go:
 9. the compute (peak int8 MAC rate) and memory bounds of a B=16 decode step vs the step.
 
 ``--synthetic qwen2.5-1.5b|llama-3-8b`` writes a random-weight GGUF of that real shape (and
-rank-16 adapters) into a cache folder once (`loraplane.bench.synthetic`), runs scenarios 1, 2
-and 5 on it unless ``--only`` says otherwise, and adds table 1b (`loraplane.bench.device_step`):
+rank-16 adapters) into a cache folder once (`bench.synthetic`), runs scenarios 1, 2
+and 5 on it unless ``--only`` says otherwise, and adds table 1b (`bench.device_step`):
 the decode step at B = 1, 16, 64 with 0, 1 and 16 distinct adapters against its memory bound,
 host time, kernel launches and GPU busy time per step. ``--tiny`` shrinks the shape for a CPU.
 
@@ -41,11 +41,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loraplane.bench.scenarios import run_scenarios
+from bench.scenarios import run_scenarios
 from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES, check_device_spec
 
 if TYPE_CHECKING:  # the real imports are lazy: torch must load after OMP_WAIT_POLICY is set
-    from loraplane.bench.profiles import Profile
+    from bench.profiles import Profile
 
 SCENARIOS = {
     "1": "engine",
@@ -172,7 +172,7 @@ def _synthetic_args(args: argparse.Namespace) -> tuple[int, ...]:
     Raises:
         ValueError: an unknown shape, ``--tiny`` without ``--synthetic``, or a count < 2.
     """
-    from loraplane.bench.synthetic import SHAPES
+    from bench.synthetic import SHAPES
 
     if args.synthetic and args.synthetic not in SHAPES:
         raise ValueError(f"--synthetic: unknown shape '{args.synthetic}' (expected one of {', '.join(SHAPES)})")
@@ -206,7 +206,7 @@ def _have_rich() -> bool:
 
 
 def _load_avg() -> str:
-    from loraplane.bench.machine import load_avg
+    from bench.machine import load_avg
 
     return load_avg()
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     import torch  # noqa: F401 - torch loads here, after OMP_WAIT_POLICY is set
 
-    import loraplane.worker  # noqa: F401 - sets the worker's default OMP_WAIT_POLICY (PASSIVE) before torch loads
+    import worker  # noqa: F401 - sets the worker's default OMP_WAIT_POLICY (PASSIVE) before torch loads
 
     name, profile = _profile(args, ks)
     log = _Log()
@@ -309,7 +309,7 @@ def _profile(args: argparse.Namespace, ks: tuple[int, ...] | None) -> tuple[str,
     overrides; under ``--synthetic`` the GPU step's batches and, on CUDA, a 1 GiB copy."""
     import torch
 
-    from loraplane.bench.profiles import PROFILES, with_overrides
+    from bench.profiles import PROFILES, with_overrides
 
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     profile = with_overrides(
@@ -340,7 +340,7 @@ def _new_result(
     """The results JSON before any scenario ran: the command, its parameters, the machine."""
     import torch
 
-    from loraplane.bench.machine import machine_info
+    from bench.machine import machine_info
 
     return {
         "bench": "loraplane",
@@ -386,7 +386,7 @@ class _Recorder:
         self.use_rich = use_rich
 
     def __call__(self, key: str, fn: Callable[[], dict]) -> None:
-        from loraplane.bench.report import print_section, sections_for
+        from bench.report import print_section, sections_for
 
         scenarios = self.result["scenarios"]
         load_before = _load_avg()
@@ -409,7 +409,7 @@ class _Recorder:
 def _finish(args: argparse.Namespace, result: dict, run_dir: Path, t_start: float, log: Callable[[str], None]) -> None:
     """Close the run, also after an error or an interrupt: duration and end load average into
     ``result``, ``--json`` and ``--markdown`` written, the temporary work dir removed."""
-    from loraplane.bench.report import render_markdown
+    from bench.report import render_markdown
 
     result["duration_s"] = round(time.monotonic() - t_start, 1)
     result["machine"]["load_avg_end"] = _load_avg()

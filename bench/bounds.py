@@ -15,11 +15,11 @@ Two lower bounds on its time:
   that ``/proc/cpuinfo`` lists, in a child process (a CPU or VM that faults on AMX only fails
   that row);
 - **memory**: the weight bytes a step reads / the measured copy bandwidth (as scenario 5,
-  ``loraplane.bench.roofline``): the GGUF's own tensor bytes (the bound used for the target) and the
+  ``bench.roofline``): the GGUF's own tensor bytes (the bound used for the target) and the
   bytes our model holds.
 
 The B=16 bound is the larger of the two; the issue's target is an in-process B=16 step
-(``loraplane.bench.engine.EngineBench``, packed weights, no sampling) of at most 2× it. The bound uses
+(``bench.engine.EngineBench``, packed weights, no sampling) of at most 2× it. The bound uses
 the best repetition of each rate (a bound is what the hardware can reach; a slower repetition
 is another process's noise); the table shows every figure as median [min–max].
 """
@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
-from loraplane.bench.engine import EngineBench, measure_bandwidth
-from loraplane.bench.profiles import Profile
-from loraplane.bench.roofline import gguf_tensor_bytes, weight_bytes_per_step
-from loraplane.bench.stats import Figure, ratio
-from loraplane.worker.runtime.kernels import cpu_flags
-from loraplane.worker.runtime.model import LoadedModel
+from bench.engine import EngineBench, measure_bandwidth
+from bench.profiles import Profile
+from bench.roofline import gguf_tensor_bytes, weight_bytes_per_step
+from bench.stats import Figure, ratio
+from worker.runtime.kernels import cpu_flags
+from worker.runtime.model import LoadedModel
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "peak_int8.cpp"
 CXX_FLAGS = ["-O2", "-std=c++17", "-pthread"]
@@ -57,7 +57,7 @@ ISAS: dict[str, tuple[str, int, tuple[str, ...]]] = {
 }
 
 # HOOK for the scheduler's measured decode step: when the worker reports its step interval in
-# ``WorkerStats`` under this field (milliseconds), ``loraplane.bench.serving._stats_json`` copies it into
+# ``WorkerStats`` under this field (milliseconds), ``bench.serving._stats_json`` copies it into
 # the serving scenario's ``worker_stats`` and :func:`add_served_step` puts it beside the
 # in-process step and the bound. Rename here if the field lands under another name.
 STEP_INTERVAL_FIELD = "step_interval_p50_ms"

@@ -1,8 +1,8 @@
 """Decode step time against context length, in-process: C attention kernel vs the torch path.
 
-``python -m loraplane.bench.decode_context [--context 100,3000] [--batches 1,16] [--steps 3] [--reps 5]``
+``python -m bench.decode_context [--context 100,3000] [--batches 1,16] [--steps 3] [--reps 5]``
 
-Drives ``WorkerContext.decode`` directly (no gRPC, no scheduler; ``loraplane.bench.engine.EngineBench``)
+Drives ``WorkerContext.decode`` directly (no gRPC, no scheduler; ``bench.engine.EngineBench``)
 on the base model (default: the embedded Gemma 3 270M): every sequence holds ``n_ctx`` tokens
 (one sequence prefilled, the others imported from its KV snapshot), then ``steps`` decode
 steps of ``B`` sequences, one row each. Each repetition runs both decode-attention paths
@@ -32,13 +32,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from loraplane.bench.engine import EngineBench  # noqa: E402
-from loraplane.bench.stats import Figure, fmt_fig  # noqa: E402
-from loraplane.worker.lora.adapter_set import EMPTY_SET  # noqa: E402
-from loraplane.worker.runtime.context import Model  # noqa: E402
-from loraplane.worker.runtime.graph import DecodeRows, GraphContext  # noqa: E402
-from loraplane.worker.runtime.kv_cache import KVCache
-from loraplane.worker.runtime.model import LoadedModel  # noqa: E402
+from bench.engine import EngineBench  # noqa: E402
+from bench.stats import Figure, fmt_fig  # noqa: E402
+from worker.lora.adapter_set import EMPTY_SET  # noqa: E402
+from worker.runtime.context import Model  # noqa: E402
+from worker.runtime.graph import DecodeRows, GraphContext  # noqa: E402
+from worker.runtime.kv_cache import KVCache
+from worker.runtime.model import LoadedModel  # noqa: E402
 
 ATTN_MODES = ("torch", "c")
 
@@ -188,7 +188,7 @@ def _print(res: dict, contexts: tuple[int, ...], batches: tuple[int, ...]) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loraplane.bench.decode_context", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.decode_context", description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", default="100,3000", help="context lengths, comma-separated (default 100,3000)")
     ap.add_argument("--batches", default="1,16", help="decode batch sizes (default 1,16)")
     ap.add_argument("--steps", type=int, default=3, help="decode steps per sample (default 3)")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     ap.add_argument("--modes", default="torch,c", help="attention paths to compare (default torch,c)")
     args = ap.parse_args(argv)
-    from loraplane.worker.runtime.model import default_model_path, load_model
+    from worker.runtime.model import default_model_path, load_model
 
     contexts = tuple(int(x) for x in args.context.split(","))
     batches = tuple(int(x) for x in args.batches.split(","))

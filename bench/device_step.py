@@ -15,7 +15,7 @@ Per (B, mix), medians over the repetitions of the per-step figures:
 - **step**: wall time of ``decode`` between two device synchronisations;
 - **bound**: the bytes the step must read over the measured copy rate,
   ``(W + KV + A) / copy rate`` with ``W`` the weights the model holds that a step reads
-  (`loraplane.bench.roofline.weight_bytes_per_step`: every weight, the LM head included, the
+  (`bench.roofline.weight_bytes_per_step`: every weight, the LM head included, the
   embedding table left out when the head is untied), ``KV = B · L · n_layer · n_head_kv ·
   (dk + dv) · bytes per element`` for the ``L`` positions each row attends to (its context plus
   the new token, averaged over the timed steps), and ``A`` the A/B bytes of the distinct
@@ -39,15 +39,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraplane.bench.engine import STEP_THREAD, _sync, random_tokens, token_hi
-from loraplane.bench.profiles import Profile
-from loraplane.bench.roofline import weight_bytes_per_step
-from loraplane.bench.stats import Figure, ratio
-from loraplane.bench.synth import AdapterFactory
-from loraplane.worker.lora.adapter import LoraAdapter, load_lora_adapter
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.runtime.context import AdapterContext, Model, UBatch
-from loraplane.worker.runtime.model import LoadedModel
+from bench.engine import STEP_THREAD, _sync, random_tokens, token_hi
+from bench.profiles import Profile
+from bench.roofline import weight_bytes_per_step
+from bench.stats import Figure, ratio
+from bench.synth import AdapterFactory
+from worker.lora.adapter import LoraAdapter, load_lora_adapter
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.runtime.context import AdapterContext, Model, UBatch
+from worker.runtime.model import LoadedModel
 
 COPY_MIB_CUDA = 1024
 """Size of the tensor whose device-to-device copy gives the copy rate on CUDA (1 GiB)."""
@@ -243,8 +243,8 @@ def run_device_step(
     log: Callable[[str], None],
 ) -> dict:
     """Every (batch, adapter mix) of the module docstring. Returns JSON-ready results
-    (`loraplane.bench.report.step_section` renders them); ``bandwidth`` is
-    `loraplane.bench.engine.measure_bandwidth`'s."""
+    (`bench.report.step_section` renders them); ``bandwidth`` is
+    `bench.engine.measure_bandwidth`'s."""
     p = profile
     n_adapters = max([1, *(n for n in distinct if n <= max(p.decode_batches))])
     sb = StepBench(base, factory, p, n_adapters=n_adapters, seed=seed)

@@ -1,6 +1,6 @@
 """Scenario 1 (engine decode, in-process) and the measurements scenario 5 needs.
 
-Drives ``loraplane.worker.runtime.context.WorkerContext.decode`` directly — no gRPC, no scheduler — so the
+Drives ``worker.runtime.context.WorkerContext.decode`` directly — no gRPC, no scheduler — so the
 figures are the model's own cost: prompt processing (one ubatch of ``pp_tokens`` rows, logits
 for the last row only) and decode steps at batch 1, 8, 16 and 32 (one row per sequence, logits
 for every row, as the scheduler asks), on the base model and with one rank-8 adapter on every
@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loraplane.bench.profiles import Profile
-from loraplane.bench.stats import Figure, ratio
-from loraplane.worker.lora.adapter import load_lora_adapter
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.runtime.context import AdapterContext, Model, UBatch
-from loraplane.worker.runtime.model import LoadedModel
-from loraplane.worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
+from bench.profiles import Profile
+from bench.stats import Figure, ratio
+from worker.lora.adapter import load_lora_adapter
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.runtime.context import AdapterContext, Model, UBatch
+from worker.runtime.model import LoadedModel
+from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
 
 TOKEN_LO, TOKEN_HI = 1000, 200_000  # ordinary vocabulary ids (no special tokens)
 N_BATCH = 512  # rows per ubatch when prefilling several sequences
@@ -166,7 +166,7 @@ class EngineBench:
 def run_engine(
     base: LoadedModel, adapter_path: Path, profile: Profile, *, seed: int, log: Callable[[str], None]
 ) -> dict:
-    """Scenario 1. Returns JSON-ready results (see ``loraplane.bench.report.engine_rows``)."""
+    """Scenario 1. Returns JSON-ready results (see ``bench.report.engine_rows``)."""
     p = profile
     max_b = max(p.decode_batches)
     n_ctx_seq = max(p.pp_tokens, p.decode_ctx + p.decode_steps) + 8

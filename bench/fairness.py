@@ -55,7 +55,7 @@ Checks, printed as PASS or FAIL:
   from T to 3T (3T's ≤ 1.25 × T's, or both under one request's service);
 - with it off, the difference grows from T to 3T (3T's > 1.5 × T's).
 
-Run: ``python -m loraplane.bench.fairness [--slots 2] [--duration 90] [--window 15]
+Run: ``python -m bench.fairness [--slots 2] [--duration 90] [--window 15]
 [--reps 1] [--json OUT]``. The CPU flags and kernel path are printed first.
 """
 
@@ -79,9 +79,9 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loraplane.bench.machine import load_avg, machine_info, machine_line
-from loraplane.bench.servers import free_port
-from loraplane.bench.stats import percentile
+from bench.machine import load_avg, machine_info, machine_line
+from bench.servers import free_port
+from bench.stats import percentile
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.process import IMPORT_ROOT, child_pythonpath, stop_process
@@ -102,7 +102,7 @@ class Worker:
 
     def __init__(self, args: argparse.Namespace, fairness: str, log: Path):
         self.addr = f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "loraplane.clients.cli", "worker", "--addr", self.addr]
+        cmd = [sys.executable, "-m", "clients.cli", "worker", "--addr", self.addr]
         cmd += ["--slots", str(args.slots), "--fairness", fairness, "--device", args.device]
         cmd += ["--dtype", args.dtype, "--weights", args.weights, "--queue-limit", "256", "--drain-timeout", "0"]
         cmd += [
@@ -158,7 +158,7 @@ def prompt_ids(model: str | None) -> tuple[int, int | None]:
     vocabulary, whichever is lower; special tokens sit at the end) and its BOS id (None: none)."""
     import gguf
 
-    from loraplane.worker.runtime.model import default_model_path
+    from worker.runtime.model import default_model_path
 
     fields = gguf.GGUFReader(model or str(default_model_path())).fields
     hi = min(200_000, int(len(fields["tokenizer.ggml.tokens"].data) * 0.95))
@@ -427,7 +427,7 @@ def _print_run(label: str, r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m loraplane.bench.fairness",
+        prog="python -m bench.fairness",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,18 +1,18 @@
 """Two stages of ``scripts/gpu_check.sh`` (docs/gpu.md): what the machine is, and the warm-up of
 the GPU engine's Triton kernels.
 
-    python -m loraplane.bench.gpu_check env
-    python -m loraplane.bench.gpu_check warmup [--device cuda] [--shape qwen2.5-1.5b] [--tiny]
+    python -m bench.gpu_check env
+    python -m bench.gpu_check warmup [--device cuda] [--shape qwen2.5-1.5b] [--tiny]
                                                [--dtypes bf16,f32,f16]
 
 ``env`` prints the versions the run depends on (Python, torch and its CUDA, Triton, NumPy,
 grpcio, protobuf, …), the GPU (name, compute capability, memory, multiprocessors), the attention
-backend a worker would pick (`loraplane.worker.gpu.kernels.flashinfer_backend.select_backend`) and
+backend a worker would pick (`worker.gpu.kernels.flashinfer_backend.select_backend`) and
 whether the worker, its GPU engine and the control plane import. Exit status 1 when torch sees no
 CUDA device (the ``gpu`` tier would only skip) or an import fails, with the reason.
 
-``warmup`` calls each Triton kernel of ``loraplane.worker.gpu.kernels`` on the sizes of a
-synthetic shape (`loraplane.bench.synthetic.SHAPES`), for each compute dtype and for decode
+``warmup`` calls each Triton kernel of ``worker.gpu.kernels`` on the sizes of a
+synthetic shape (`bench.synthetic.SHAPES`), for each compute dtype and for decode
 batches of 1, 16 and 64 rows: the LoRA product (``add_lora``: shrink + expand) on a q-projection
 and a down-projection, the paged K/V write and paged decode attention. Per case it prints the
 first call (Triton compiles the kernel, or loads it from its cache, then runs it) and a second one
@@ -47,11 +47,11 @@ ROWS = (1, 16, 64)
 """Decode batches warmed: those of the bench's step table (``SYNTHETIC_BATCHES``)."""
 PACKAGES = ("torch", "triton", "numpy", "grpcio", "protobuf", "fastapi", "pydantic", "llguidance", "flashinfer-python")
 IMPORTS = (
-    "loraplane.worker.runtime.model",
-    "loraplane.worker.gpu.graph_runner",
-    "loraplane.worker.gpu.paged_kv",
-    "loraplane.worker.gpu.sampling",
-    "loraplane.control_plane.server",
+    "worker.runtime.model",
+    "worker.gpu.graph_runner",
+    "worker.gpu.paged_kv",
+    "worker.gpu.sampling",
+    "control_plane.server",
 )
 BLOCK_SIZE = 16  # positions per KV page in the warm-up's caches
 SLOTS, RANK = 4, 16  # adapter slots and rank of the warm-up's LoRA pool (the bench's adapters are rank 16)
@@ -79,7 +79,7 @@ def environment() -> tuple[list[tuple[str, str]], list[str]]:
                     f"{p.multi_processor_count} multiprocessors",
                 )
             )
-        from loraplane.worker.gpu.kernels.flashinfer_backend import select_backend
+        from worker.gpu.kernels.flashinfer_backend import select_backend
 
         lines.append(("attention backend", select_backend(torch.device("cuda"))))
     else:
@@ -133,7 +133,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _lora_case(n: int, k: int, d: int, dtype: torch.dtype, device: torch.device, g: torch.Generator):
     """``(call, reference)`` of ``add_lora`` on ``n`` rows, each with one of the pool's slots."""
-    from loraplane.worker.gpu.kernels.lora import add_lora, lora_reference
+    from worker.gpu.kernels.lora import add_lora, lora_reference
 
     def rnd(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).to(device=device, dtype=dtype)
@@ -163,7 +163,7 @@ def _paged(rows: int, h_kv: int, hd: int, dtype: torch.dtype, device: torch.devi
 
 def _kv_write_case(n: int, h_kv: int, hd: int, dtype: torch.dtype, device: torch.device, g: torch.Generator):
     """``(call, reference)`` writing one new token per row at position ``CTX - 1`` of its pages."""
-    from loraplane.worker.gpu.kernels.attention import kv_write, kv_write_reference
+    from worker.gpu.kernels.attention import kv_write, kv_write_reference
 
     k_cache, v_cache, tables, _ = _paged(n, h_kv, hd, dtype, device, g)
     k = torch.randn(n, h_kv, hd, generator=g).to(device=device, dtype=dtype)
@@ -181,7 +181,7 @@ def _kv_write_case(n: int, h_kv: int, hd: int, dtype: torch.dtype, device: torch
 
 def _decode_case(n: int, h: int, h_kv: int, hd: int, dtype: torch.dtype, device: torch.device, g: torch.Generator):
     """``(call, reference)`` of paged decode attention, one query per row over ``CTX`` keys."""
-    from loraplane.worker.gpu.kernels.attention import decode_attention_reference, paged_decode_attention
+    from worker.gpu.kernels.attention import decode_attention_reference, paged_decode_attention
 
     k_cache, v_cache, tables, lens = _paged(n, h_kv, hd, dtype, device, g)
     q = torch.randn(n, h, hd, generator=g).to(device=device, dtype=dtype)
@@ -209,7 +209,7 @@ def warm_up(
     Raises:
         KeyError: an unknown shape or dtype name.
     """
-    from loraplane.bench.synthetic import SHAPES
+    from bench.synthetic import SHAPES
 
     dims = SHAPES[shape].tiny if tiny else SHAPES[shape].dims
     q_width = dims.n_head * dims.head_dim
@@ -276,7 +276,7 @@ def _warmup_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loraplane.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="versions, the GPU, imports (exit 1 without CUDA)")
     w = sub.add_parser("warmup", help="compile and check the Triton kernels on a shape's sizes")

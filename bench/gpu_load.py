@@ -2,8 +2,8 @@
 the start-up target (a 3 GB model ready in ≤ 30 s, graphs included), and how fast the torch
 dequantization ops run per GGUF type.
 
-    python -m loraplane.bench.gpu_load throughput [--device cpu|cuda] [--mib 64] [--reps 5]
-    python -m loraplane.bench.gpu_load load [--gguf PATH | --shape qwen2.5-1.5b --type F16]
+    python -m bench.gpu_load throughput [--device cpu|cuda] [--mib 64] [--reps 5]
+    python -m bench.gpu_load load [--gguf PATH | --shape qwen2.5-1.5b --type F16]
                                             [--layers N] [--device cuda] [--dtype bf16] [--reps 3]
 
 ``throughput``: per type, one ``(rows, 1536)`` tensor of about ``--mib`` MiB of bf16 output,
@@ -41,9 +41,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loraplane.worker.gguf.reader import TensorRecord, read_gguf
-from loraplane.worker.gpu.dequant import CHUNK_ELEMS, DEVICE_DEQUANT_TYPES, PLAIN_DTYPES, Uploader, dequantize_rows
-from loraplane.worker.runtime.model import load_device_dense, load_model
+from worker.gguf.reader import TensorRecord, read_gguf
+from worker.gpu.dequant import CHUNK_ELEMS, DEVICE_DEQUANT_TYPES, PLAIN_DTYPES, Uploader, dequantize_rows
+from worker.runtime.model import load_device_dense, load_model
 
 START_UP_TARGET_S = 30.0
 GPU_COPY_GBS = 4300.0
@@ -245,7 +245,7 @@ def load(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loraplane.bench.gpu_load", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_load", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     tp = sub.add_parser("throughput", help="dequantization GB/s per GGUF type, raw bytes already on the device")
     tp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

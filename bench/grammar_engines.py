@@ -16,7 +16,7 @@ Two scenarios:
   with 0 and with 16 rows constrained by a JSON schema whose string field is long enough that
   no row finishes early; median [min–max] ms over the steps, per repetition, and the extra %.
 
-Run: ``python -m loraplane.bench.grammar_engines [--scenario engines|step|all] [--reps 3]``.
+Run: ``python -m bench.grammar_engines [--scenario engines|step|all] [--reps 3]``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from loraplane.bench.machine import machine_info, machine_line
+from bench.machine import machine_info, machine_line
 
 SCHEMA = {
     "type": "object",
@@ -102,9 +102,9 @@ def footprint(name: str) -> str:
 
 
 def _vocabs() -> list[tuple[str, Any]]:
-    from loraplane.worker.gguf.reader import read_gguf
-    from loraplane.worker.runtime.model import default_model_path
-    from loraplane.worker.runtime.tokenizer import Tokenizer
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.model import default_model_path
+    from worker.runtime.tokenizer import Tokenizer
 
     out = [("gemma3-270m (SPM, 262k)", Tokenizer.from_gguf(read_gguf(default_model_path())))]
     if QWEN.exists():
@@ -116,7 +116,7 @@ def _vocabs() -> list[tuple[str, Any]]:
 
 def _token_table(tok: Any) -> tuple[list[bytes], list[int]]:
     """Our token bytes and the ids of control tokens (what both engines are built from)."""
-    from loraplane.worker.runtime.grammar import _VocabView
+    from worker.runtime.grammar import _VocabView
 
     v = _VocabView(tok)
     plain = [b[1:] if i in set(v.special_token_ids) else b for i, b in enumerate(v.tokens)]
@@ -127,7 +127,7 @@ class _LLG:
     name = "llguidance"
 
     def __init__(self, tok: Any) -> None:
-        from loraplane.worker.runtime import grammar
+        from worker.runtime import grammar
 
         self.g = grammar
         self.tok = tok
@@ -257,9 +257,9 @@ LONG_SCHEMA = {
 
 
 def _serve(engine: Any, streams: int, max_tokens: int, constrained: int, seed: int) -> None:
-    from loraplane.worker.runtime.grammar import ResponseFormat
-    from loraplane.worker.runtime.sampling import SamplingParams
-    from loraplane.worker.serving.request import ErrorEvent, FinishedEvent
+    from worker.runtime.grammar import ResponseFormat
+    from worker.runtime.sampling import SamplingParams
+    from worker.serving.request import ErrorEvent, FinishedEvent
 
     fmt = ResponseFormat("json_schema", schema=json.dumps(LONG_SCHEMA))
     prompt = engine.tokenize("Write a long JSON document about the history of computing:")
@@ -295,9 +295,9 @@ def _serve(engine: Any, streams: int, max_tokens: int, constrained: int, seed: i
 
 def scenario_step(reps: int, streams: int, max_tokens: int) -> None:
     from loraplane.logging import configure_logging
-    from loraplane.worker.config import Batching, PrefixCachePolicy, WorkerConfig
-    from loraplane.worker.runtime.model import default_model_path
-    from loraplane.worker.serving.engine import WorkerEngine
+    from worker.config import Batching, PrefixCachePolicy, WorkerConfig
+    from worker.runtime.model import default_model_path
+    from worker.serving.engine import WorkerEngine
 
     print(f"\n== step: {streams}-row decode step, 0 vs {streams} rows constrained (json_schema) ==")
     configure_logging("info")

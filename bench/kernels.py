@@ -1,6 +1,6 @@
 """Microbenchmark of the quantized matmul kernels on the real base model's weights.
 
-``python -m loraplane.bench.kernels [--reps 7] [--batches 1,16] [--model PATH] [--contention] [--sampling]``
+``python -m bench.kernels [--reps 7] [--batches 1,16] [--model PATH] [--contention] [--sampling]``
 
 Prints the CPU flags and the kernel path taken, then for each distinct (type, shape) of the
 Gemma 3 270M GGUF's linear weights, and the 262144 x 640 Q8_0 output projection, at each batch
@@ -25,7 +25,7 @@ conditions are interleaved: one loaded child process per condition, all but the 
 stopped with SIGSTOP, every round running each condition back to back under both neighbour
 states, so a shared machine's load changes hit all conditions alike.
 
-``--amx`` (alone: ``python -m loraplane.bench.kernels --amx [--reps 7] [--batches 1,16,512] [--acts i8,i16]
+``--amx`` (alone: ``python -m bench.kernels --amx [--reps 7] [--batches 1,16,512] [--acts i8,i16]
 [--step-batches 16]``) times the int8-activation matmul (``vpdpbusd`` vs tiles) and the int16 one
 (``vpdpwssd`` vs tiles on the byte split) on the avx512 path and the amx path side by
 side, interleaved rep by rep (wall time and process CPU time per call), on the LM heads
@@ -39,7 +39,7 @@ decode steps of ``--step-batches`` sequences with ``LORAPLANE_KERNELS`` = avx512
 ``--sampling`` instead times greedy sampling of 16 and 1 rows over 262144 / 151936 logits: the
 torch path (``log_softmax`` + ``argmax``) vs the fused ``csrc/sample.cpp`` kernel.
 
-``--act-policy`` instead compares the activation-precision policy of ``loraplane.worker.runtime.model.assign_acts``
+``--act-policy`` instead compares the activation-precision policy of ``worker.runtime.model.assign_acts``
 (int8 activations for the LM head only) with all-i16 (``LORAPLANE_KERNEL_ACT=i16``, the former
 default) and all-i8, side by side in one process with the repetitions interleaved: the loaded
 model's LM head matmul, and whole decode steps (``WorkerContext.decode``, B sequences at a
@@ -64,12 +64,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from loraplane.bench.machine import FLAGS  # noqa: E402
-from loraplane.worker.gguf.reader import dequantize, read_gguf  # noqa: E402
-from loraplane.worker.runtime.kernels import cpu_flags, cpu_model, pack_tensor, resolve_act, resolve_path, supported  # noqa: E402
-from loraplane.worker.runtime.kernels.build import library_path  # noqa: E402
+from bench.machine import FLAGS  # noqa: E402
+from worker.gguf.reader import dequantize, read_gguf  # noqa: E402
+from worker.runtime.kernels import cpu_flags, cpu_model, pack_tensor, resolve_act, resolve_path, supported  # noqa: E402
+from worker.runtime.kernels.build import library_path  # noqa: E402
 
-SHOW_FLAGS = FLAGS  # the flags every bench table prints (loraplane.bench.machine)
+SHOW_FLAGS = FLAGS  # the flags every bench table prints (bench.machine)
 
 
 def _times(fn, reps: int) -> list[float]:
@@ -199,9 +199,9 @@ def _contention_child(args) -> int:
     batch size, and print ``{"mm<B>": [ms...], "dec<B>": [ms...]}`` as one JSON line."""
     import json
 
-    from loraplane.worker.lora.adapter_set import EMPTY_SET
-    from loraplane.worker.runtime.context import Model, UBatch
-    from loraplane.worker.runtime.model import load_model
+    from worker.lora.adapter_set import EMPTY_SET
+    from worker.runtime.context import Model, UBatch
+    from worker.runtime.model import load_model
 
     batches = [int(b) for b in args.batches.split(",")]
     path = resolve_path()
@@ -271,7 +271,7 @@ def _contention(args) -> None:
             if label not in wanted:
                 continue
             env = dict(os.environ, **extra)
-            cmd = [sys.executable, "-m", "loraplane.bench.kernels", "--contention-child", "--batches", args.batches]
+            cmd = [sys.executable, "-m", "bench.kernels", "--contention-child", "--batches", args.batches]
             cmd += ["--model", args.model]
             ch = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             assert ch.stdin is not None and ch.stdout is not None  # both piped
@@ -338,7 +338,7 @@ def run_amx(model: str, reps: int, batches: list[int], acts: tuple[str, ...] = (
     from pathlib import Path
 
     if not supported("amx") or not supported("avx512"):
-        from loraplane.worker.runtime.kernels.cpu import amx_unavailable_reason
+        from worker.runtime.kernels.cpu import amx_unavailable_reason
 
         print(f"amx: unavailable here ({amx_unavailable_reason()}); nothing to compare")
         return
@@ -398,8 +398,8 @@ def run_amx_step(model: str, reps: int, batches: list[int], steps: int = 4, n_ct
     """Whole decode steps (``WorkerContext.decode``, B sequences at a context of ``n_ctx``,
     logits for every row, the default activation policy) with ``LORAPLANE_KERNELS`` = avx512 and
     amx, the reps interleaved in one process; median ms per step (min-max)."""
-    from loraplane.worker.runtime.context import Model, UBatch
-    from loraplane.worker.runtime.model import load_model
+    from worker.runtime.context import Model, UBatch
+    from worker.runtime.model import load_model
 
     if not supported("amx") or not supported("avx512"):
         return
@@ -447,7 +447,7 @@ def run_sampling(reps: int) -> None:
     ``Sampler.sample`` per row; B = 1: ``Sampler.sample``), torch path vs the fused kernel
     (``LORAPLANE_KERNELS`` switched per call), methods interleaved per repetition; prints median
     [min-max] ms."""
-    from loraplane.worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
+    from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
 
     paths = ["torch"] + [p for p in ("avx512", "avx2") if supported(p)]
     before = os.environ.get("LORAPLANE_KERNELS")
@@ -511,9 +511,9 @@ def run_act_policy(
     model: str, reps: int, batches: list[int], steps: int = 4, n_ctx: int = 64, rescore: int = 32
 ) -> None:
     """LM head matmul and whole decode steps under each ``ACT_SETTINGS`` entry, reps interleaved."""
-    from loraplane.worker.runtime.context import Model, UBatch
-    from loraplane.worker.runtime.kernels import QuantLinear
-    from loraplane.worker.runtime.model import LM_HEAD_NAMES, load_model
+    from worker.runtime.context import Model, UBatch
+    from worker.runtime.kernels import QuantLinear
+    from worker.runtime.model import LM_HEAD_NAMES, load_model
 
     base = load_model(model, dtype="f32", device="cpu")
     head_name = next(n for n in LM_HEAD_NAMES if n in base.weights)
@@ -565,7 +565,7 @@ def run_act_policy(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loraplane.bench.kernels", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--batches", default="1,16")
@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         run_sampling(args.reps)
         return 0
     if args.model is None:
-        from loraplane.worker.runtime.model import default_model_path
+        from worker.runtime.model import default_model_path
 
         args.model = str(default_model_path())
     batches = [int(b) for b in args.batches.split(",")]

@@ -17,12 +17,12 @@ import hashlib
 import time
 from collections.abc import Callable
 
-from loraplane.bench.engine import with_bos
-from loraplane.bench.profiles import Profile
-from loraplane.bench.servers import LoraplaneServers
-from loraplane.bench.stats import Figure
-from loraplane.bench.synth import AdapterFactory
-from loraplane.clients.results import TokenEvent
+from bench.engine import with_bos
+from bench.profiles import Profile
+from bench.servers import LoraplaneServers
+from bench.stats import Figure
+from bench.synth import AdapterFactory
+from clients.results import TokenEvent
 from loraplane.limits import CHUNK_BYTES
 from loraplane.v1 import common_pb2
 

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from loraplane.bench.stats import percentile
-from loraplane.clients.client import LoraplaneClient
-from loraplane.clients.results import FinishedEvent, TokenEvent
+from bench.stats import percentile
+from clients.client import LoraplaneClient
+from clients.results import FinishedEvent, TokenEvent
 
 
 @dataclass(frozen=True)

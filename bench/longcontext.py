@@ -4,7 +4,7 @@ Scenario 7, ``longprompt``: ``longprompt_streams`` closed-loop streams send
 ``longprompt_requests`` greedy requests (``ignore_eos``) of ``longprompt_tokens``-token prompts
 and ``longprompt_max_tokens`` output tokens, at each K of ``longprompt_ks`` (K = 0: base model;
 K > 0: one of K rank-8 adapters per request, Zipf(1.0) popularity). Every prompt is drawn
-afresh (``loraplane.bench.engine.random_tokens``, seeded by workload and repetition): no two requests
+afresh (``bench.engine.random_tokens``, seeded by workload and repetition): no two requests
 share anything beyond the BOS token, so no prefix cache can serve a prompt and every prompt
 token is computed — the prompt tokens each server reports having computed are in the table
 as the check. Figures per run: output tokens/s, **prompt tokens/s** (prompt tokens of the
@@ -24,7 +24,7 @@ ours then llama-server for every run — so machine noise hits both alike): our 
 worker (``--batching mixed``, ``--prefix-cache keyed``, the worker defaults) with
 ``longprompt_streams`` slots, and llama-server with ``--parallel`` as many. Each gets a context
 per slot big enough for the longer of the two scenarios' requests (worker ``--n-ctx``;
-llama-server ``-c`` = slots × that, as ``loraplane.bench.servers.LlamaServer`` sets it).
+llama-server ``-c`` = slots × that, as ``bench.servers.LlamaServer`` sets it).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from loraplane.bench.engine import random_tokens
-from loraplane.bench.load import Driver, RequestSpec, llama_server_driver, loraplane_driver, run_closed_loop, summarize
-from loraplane.bench.servers import LlamaServer, LoraplaneServers, start_all
-from loraplane.bench.serving import ServingContext, _mapped, _register, wl_key, zipf_choices
-from loraplane.bench.stats import Figure, ratio
+from bench.engine import random_tokens
+from bench.load import Driver, RequestSpec, llama_server_driver, loraplane_driver, run_closed_loop, summarize
+from bench.servers import LlamaServer, LoraplaneServers, start_all
+from bench.serving import ServingContext, _mapped, _register, wl_key, zipf_choices
+from bench.stats import Figure, ratio
 
 OURS, PEER = "ours", "llama-server"
 PREFILL_TOK_S = 600  # prefill rate of Gemma 3 270M on 2 quiet cores (RESULTS.md), for the time estimate only
@@ -80,7 +80,7 @@ def longctx_specs(sc: ServingContext, n_tokens: int, rep: int) -> list[RequestSp
 
 
 def _run(driver: Driver, specs: list[RequestSpec], streams: int, computed_fn: Callable[[], int] | None) -> dict:
-    """One run's figures (``loraplane.bench.load.summarize``) plus prompt tokens/s and the prompt tokens
+    """One run's figures (``bench.load.summarize``) plus prompt tokens/s and the prompt tokens
     the server computed (ours: worker ``Stats.prompt_tokens_computed`` difference; llama-server:
     Σ ``timings.prompt_n``), and llama-server's median ``predicted_per_token_ms``."""
     before = computed_fn() if computed_fn is not None else 0

@@ -1,9 +1,9 @@
 """Multi-LoRA cost: dense masked product vs gathered (BGMV kernel) vs per-slot segments (torch).
 
-``python -m loraplane.bench.lora [--reps 7] [--ks 1,4,16,64] [--model PATH] [--no-step] [--step-reps 5]``
+``python -m bench.lora [--reps 7] [--ks 1,4,16,64] [--model PATH] [--no-step] [--step-reps 5]``
 
 1. **Products** on the base model's LoRA shapes (rank 8 on all 7 projections q/k/v/o/gate/up/
-   down of every layer, slot buffers laid out as ``loraplane.worker.lora.pool`` stores them, the used
+   down of every layer, slot buffers laid out as ``worker.lora.pool`` stores them, the used
    slot prefix = K slots), for each K:
 
    - decode: B=16 rows, one adapter per row (row i uses slot i mod K);
@@ -32,14 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch (loraplane.bench.kernels, kernels README)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch (bench.kernels, kernels README)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from loraplane.bench.synth import AdapterFactory, linear_targets  # noqa: E402
-from loraplane.worker.runtime.kernels import cpu_model, resolve_path  # noqa: E402
-from loraplane.worker.runtime.kernels.lora import lora_bgmv, lora_dense, lora_pairs, lora_sgmv_torch  # noqa: E402
+from bench.synth import AdapterFactory, linear_targets  # noqa: E402
+from worker.runtime.kernels import cpu_model, resolve_path  # noqa: E402
+from worker.runtime.kernels.lora import lora_bgmv, lora_dense, lora_pairs, lora_sgmv_torch  # noqa: E402
 
 RANK = 8
 
@@ -120,11 +120,11 @@ def run_products(model_tensors: dict, ks: list[int], reps: int) -> None:
 
 
 def run_step(model_path: str | None, K: int, reps: int, steps: int) -> None:
-    from loraplane.worker.lora.adapter import load_lora_adapter
-    from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-    from loraplane.worker.runtime import graph
-    from loraplane.worker.runtime.context import Model, UBatch
-    from loraplane.worker.runtime.model import load_model
+    from worker.lora.adapter import load_lora_adapter
+    from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+    from worker.runtime import graph
+    from worker.runtime.context import Model, UBatch
+    from worker.runtime.model import load_model
 
     base = load_model(model_path)
     model = Model(base, max_loras=max(K, 1), max_lora_rank=16)
@@ -199,7 +199,7 @@ def run_step(model_path: str | None, K: int, reps: int, steps: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loraplane.bench.lora", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--ks", default="1,4,16,64")
@@ -208,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4, help="decode steps per repetition")
     args = ap.parse_args(argv)
-    print(f"# loraplane.bench.lora — {cpu_model()}, torch {torch.__version__}, {' '.join(sys.argv[1:])}")
+    print(f"# bench.lora — {cpu_model()}, torch {torch.__version__}, {' '.join(sys.argv[1:])}")
     if not args.no_products:
-        from loraplane.worker.runtime.model import load_model
+        from worker.runtime.model import load_model
 
         run_products(load_model(args.model).tensor_ne, [int(k) for k in args.ks.split(",")], args.reps)
     if not args.no_step:

@@ -4,7 +4,7 @@ written to the JSON's ``machine`` section.
 - the CPU model and the flags that decide the kernel path (avx2, fma, f16c, avx512f/bw/vl,
   avx512_vnni, avx_vnni, amx_*), read from ``/proc/cpuinfo``;
 - the kernel path and activation precision actually used by the quantized matmuls
-  (``loraplane.worker.runtime.kernels.resolve_path()`` / ``resolve_act()``, the same environment the
+  (``worker.runtime.kernels.resolve_path()`` / ``resolve_act()``, the same environment the
   workers inherit), or the float reference when ``--weights dequant`` (or a CUDA device);
 - ``OMP_WAIT_POLICY`` in force (the worker defaults it to PASSIVE) and the load average.
 """
@@ -52,8 +52,8 @@ def kernels_used(weights: str, device: str) -> dict:
     the C kernels ('i16' | 'i8' when ``LORAPLANE_KERNEL_ACT`` forces one, else the per-weight
     policy 'i16, LM head i8'), None for the torch path.
     """
-    from loraplane.worker.runtime.kernels import resolve_act, resolve_path
-    from loraplane.worker.runtime.model import int8_policy
+    from worker.runtime.kernels import resolve_act, resolve_path
+    from worker.runtime.model import int8_policy
 
     if weights == "dequant":
         return {
@@ -85,7 +85,7 @@ def kernels_used(weights: str, device: str) -> dict:
 
 def machine_info(weights: str, device: str, dtype: str) -> dict:
     """The JSON ``machine`` section's CPU / kernel / thread-policy part."""
-    from loraplane.worker.runtime.kernels import cpu_flags, cpu_model
+    from worker.runtime.kernels import cpu_flags, cpu_model
 
     flags = cpu_flags()
     return {

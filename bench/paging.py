@@ -28,14 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplane.bench.engine import random_tokens, with_bos
-from loraplane.bench.load import RequestSpec, loraplane_driver, run_closed_loop, summarize
-from loraplane.bench.profiles import Profile
-from loraplane.bench.servers import LoraplaneServers
-from loraplane.bench.serving import ServingContext, zipf_choices
-from loraplane.bench.stats import percentile
-from loraplane.bench.synth import ATTENTION_WEIGHT, linear_targets, write_adapter
-from loraplane.clients.results import TokenEvent
+from bench.engine import random_tokens, with_bos
+from bench.load import RequestSpec, loraplane_driver, run_closed_loop, summarize
+from bench.profiles import Profile
+from bench.servers import LoraplaneServers
+from bench.serving import ServingContext, zipf_choices
+from bench.stats import percentile
+from bench.synth import ATTENTION_WEIGHT, linear_targets, write_adapter
+from clients.results import TokenEvent
 
 RANKS = (8, 16)
 
@@ -116,7 +116,7 @@ def _traffic(srv: LoraplaneServers, specs: list[RequestSpec], warm: list[Request
 
 
 def run_paging(sc: ServingContext, arch: str, base_tensors: dict, log: Callable[[str], None]) -> dict:
-    """Scenario 6 (see the module docstring); ``sc`` is loraplane.bench.serving's ``ServingContext``."""
+    """Scenario 6 (see the module docstring); ``sc`` is bench.serving's ``ServingContext``."""
     p = sc.profile
     adapters = PagingAdapters(sc.run_dir / "paging-adapters", arch=arch, base_tensors=base_tensors, base_seed=sc.seed)
     n = p.paging_adapters

@@ -2,7 +2,7 @@
 greedy continuations with top-k log-probs, base and with adapters (the format of
 ``tests/fixtures/golden.json``, read by ``tests/parity/compare.py``).
 
-    python -m loraplane.bench.parity_goldens --llama-server PATH --model M.gguf [--lora A.gguf ...] \\
+    python -m bench.parity_goldens --llama-server PATH --model M.gguf [--lora A.gguf ...] \\
         --cases CASES.json --out GOLDEN.json
 
 ``CASES.json``: ``{"tokenize": [text, ...], "prompts": [text, ...], "n_predict": 24,
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loraplane.bench.servers import LlamaServer
+from bench.servers import LlamaServer
 
 N_PROBS = 5
 

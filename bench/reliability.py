@@ -28,7 +28,7 @@ loopback sockets:
   is ready: the longest heartbeat age the control plane reports meanwhile (heartbeats every
   1 s), failed requests, and the burst's and the start-up's seconds.
 - ``replica_burst``: two control planes on one PostgreSQL, 32 requests of one tenant at one
-  instant through both (`loraplane.bench.replica_burst`, its own cluster per checkout and
+  instant through both (`bench.replica_burst`, its own cluster per checkout and
   repetition): the most in flight with ``max_concurrent 2``, how many were admitted, and of
   ``requests_per_minute 10`` alone and of ``tokens_per_minute`` for 10 requests alone.
 
@@ -40,7 +40,7 @@ flood, ``/health`` on ``--metrics-addr`` < 1 s and the API back < 5 s; every gra
 400 with the server serving after; a cold burst with no failure and heartbeats < 1 s late. The worker door
 (outsiders, stalled FetchAdapter readers) is measured by ``bench/reliability_fetch.py``.
 
-Run: ``python -m loraplane.bench.reliability [--reps 3] [--model PATH] [--json FILE]``; before vs after in
+Run: ``python -m bench.reliability [--reps 3] [--model PATH] [--json FILE]``; before vs after in
 one run: ``--repo OLD_CHECKOUT --repo .`` (each serve-based scenario runs against each).
 """
 
@@ -65,10 +65,10 @@ from typing import Any
 
 import grpc
 
-from loraplane.bench.machine import load_avg, machine_info, machine_line
-from loraplane.bench.replica_burst import replica_burst
-from loraplane.bench.servers import free_port
-from loraplane.bench.stats import Figure
+from bench.machine import load_avg, machine_info, machine_line
+from bench.replica_burst import replica_burst
+from bench.servers import free_port
+from bench.stats import Figure
 from loraplane.process import cli_module
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 
@@ -341,8 +341,8 @@ def pg_outage(_serve: Serve | None = None, calls: int = 5) -> dict[str, float]:
     server stopped and with it hung (every process SIGSTOPped), and seconds to the first
     success once it is back. Starts its own PostgreSQL (``tests/postgres_server.py``: needs
     the repository checkout)."""
-    from loraplane.control_plane.errors import DatabaseUnavailableError
-    from loraplane.control_plane.store import open_store
+    from control_plane.errors import DatabaseUnavailableError
+    from control_plane.store import open_store
     from tests.postgres_server import start_postgres
 
     server = start_postgres()

@@ -11,7 +11,7 @@ token, or finishes with fewer tokens than asked; one refused before any token is
 (the client may retry it; the control plane itself retries a worker that refuses before any
 event). Printed as one JSON object; ``main`` returns it too.
 
-Usage: ``python -m loraplane.bench.reliability_drain [--model GGUF] [--workers 2] [--streams 4]
+Usage: ``python -m bench.reliability_drain [--model GGUF] [--workers 2] [--streams 4]
 [--max-tokens 200] [--drain-timeout 45]`` (default model: the embedded Gemma 3 270M; the tiny
 synthetic Llama of ``tests/tiny_models.py`` with ``--tiny``).
 """
@@ -52,7 +52,7 @@ def _env() -> dict[str, str]:
 def _cli(*args: str, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "loraplane.clients.cli", *args],
+            [sys.executable, "-m", "clients.cli", *args],
             cwd=ROOT,
             env=_env(),
             stdout=out,

@@ -1,6 +1,6 @@
 """FetchAdapter's door and stalled readers, measured against a real control-plane process.
 
-Starts ``python -m loraplane.clients.cli control-plane`` twice (from ``--repo``, default this checkout,
+Starts ``python -m clients.cli control-plane`` twice (from ``--repo``, default this checkout,
 so the same script measures an older checkout too): at default flags (no worker secret), and
 with a worker secret in its environment; uploads a 10.9 MB adapter
 (``tests/fixtures/adapters/shout_embd.gguf``) to each and, per repetition:

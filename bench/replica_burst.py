@@ -1,4 +1,4 @@
-"""The replica burst (``python -m loraplane.bench.reliability --scenarios replica_burst``): do
+"""The replica burst (``python -m bench.reliability --scenarios replica_burst``): do
 tenant quotas hold when one instant's requests arrive through every replica?
 
 Per call: its own PostgreSQL (``tests/postgres_server.py``: needs the repository checkout), two
@@ -26,9 +26,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from loraplane.bench.servers import free_port
-from loraplane.clients.client import LoraplaneClient
-from loraplane.clients.errors import LoraplaneError
+from bench.servers import free_port
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import cli_module, stop_process
 

@@ -10,7 +10,7 @@ import io
 import math
 from dataclasses import dataclass, field
 
-from loraplane.bench.stats import Figure, fmt, fmt_fig
+from bench.stats import Figure, fmt, fmt_fig
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -582,7 +582,7 @@ def bounds_section(bd: dict) -> Section:
 
 
 def step_section(d: dict) -> Section:
-    """Table 1b: `loraplane.bench.device_step.run_device_step`'s results."""
+    """Table 1b: `bench.device_step.run_device_step`'s results."""
     s = Section(
         f"1b. Decode step vs its memory bound, {d['model']}, dtype {d['dtype']}, {d['device']}"
         + (f" ({d['gpu']})" if d.get("gpu") else ""),
@@ -660,7 +660,7 @@ def sections_for(key: str, d: dict, machine: dict | None = None) -> list[Section
             f"machine load average (1/5/15 min): {d['load_avg']['before']} before, {d['load_avg']['after']} after"
         )
     if machine:
-        from loraplane.bench.machine import machine_line
+        from bench.machine import machine_line
 
         for sec in out:
             sec.notes.append(machine_line(machine))

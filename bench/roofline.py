@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import math
 
-from loraplane.bench.stats import ratio
-from loraplane.worker.runtime.kernels import QuantLinear
-from loraplane.worker.runtime.model import LoadedModel
+from bench.stats import ratio
+from worker.runtime.kernels import QuantLinear
+from worker.runtime.model import LoadedModel
 
 TOKEN_EMBD = "token_embd.weight"
 

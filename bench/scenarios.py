@@ -1,12 +1,12 @@
 """The scenarios of ``loraplane bench`` run in order on one base model (`run_scenarios`; the
-command line, the results JSON and the tables are ``loraplane.bench.__main__``'s).
+command line, the results JSON and the tables are ``bench.__main__``'s).
 
 1. the in-process ones (scenario 1, table 1b under ``--synthetic``, and the in-process halves
    of 5 and 9) on the model loaded here, which is then freed;
 2. the serving ones (2, 4, 3, 6, 7, 8), each on servers of its own;
 3. the tables that combine both: 5 and 9 completed with scenario 2's figures.
 
-Torch and the worker are imported inside the functions: ``loraplane.bench.__main__`` imports
+Torch and the worker are imported inside the functions: ``bench.__main__`` imports
 this module before it sets ``OMP_WAIT_POLICY``, which must precede torch's loading.
 """
 
@@ -22,13 +22,13 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from loraplane.bench.machine import load_avg
+from bench.machine import load_avg
 
 if TYPE_CHECKING:
-    from loraplane.bench.profiles import Profile
-    from loraplane.bench.serving import ServingContext
-    from loraplane.bench.synthetic import SyntheticModel
-    from loraplane.worker.runtime.model import LoadedModel
+    from bench.profiles import Profile
+    from bench.serving import ServingContext
+    from bench.synthetic import SyntheticModel
+    from worker.runtime.model import LoadedModel
 
 Record = Callable[[str, Callable[[], dict]], None]
 """``record(key, fn)``: runs ``fn``, keeps its figures (or its error) under ``key`` and prints its
@@ -71,13 +71,13 @@ def run_scenarios(
         Exception: whatever writing (``--synthetic``), reading or loading the base model raises,
             before any scenario ran.
     """
-    from loraplane.bench.synth import AdapterFactory
+    from bench.synth import AdapterFactory
 
     synthetic = _synthetic_model(args, result, log) if args.synthetic else None
     if synthetic is not None:
         model_path = str(synthetic.path)
     else:
-        from loraplane.worker.runtime.model import default_model_path
+        from worker.runtime.model import default_model_path
 
         model_path = str(Path(args.model).resolve()) if args.model else str(default_model_path())
     base, facts = _base_model(args, model_path, selected, log)
@@ -99,8 +99,8 @@ def run_scenarios(
         gc.collect()
 
     if any(s in selected for s in SERVING_LIKE):
-        from loraplane.bench.engine import token_hi
-        from loraplane.bench.serving import ServingContext
+        from bench.engine import token_hi
+        from bench.serving import ServingContext
 
         sc = ServingContext(
             profile=profile,
@@ -124,7 +124,7 @@ def run_scenarios(
 def _synthetic_model(args: argparse.Namespace, result: dict, log: Callable[[str], None]) -> SyntheticModel:
     """The ``--synthetic`` model, written once into its cache folder; its path and the time the
     writing took go into ``result["params"]``."""
-    from loraplane.bench.synthetic import ensure_model, shape_summary
+    from bench.synthetic import ensure_model, shape_summary
 
     log(shape_summary(args.synthetic, tiny=args.tiny, dtype=args.synthetic_dtype))
     t0 = time.monotonic()
@@ -147,14 +147,14 @@ def _base_model(
     """The base model loaded in this process when an `IN_PROCESS` scenario is selected, else
     None (only the GGUF's metadata and vocabulary are read); and its `_BaseFacts`."""
     if any(s in selected for s in IN_PROCESS):
-        from loraplane.worker.runtime.model import load_model
+        from worker.runtime.model import load_model
 
         log(f"loading {model_path} in-process ({args.dtype}, {args.device}, weights {args.weights})")
         base = load_model(model_path, dtype=args.dtype, device=args.device, weights=args.weights)
         bos = base.tokenizer.bos_id if base.tokenizer.add_bos else None
         return base, _BaseFacts(base.arch, base.tensor_ne, base.n_vocab, bos)
-    from loraplane.worker.gguf.reader import read_gguf
-    from loraplane.worker.runtime.tokenizer import Tokenizer
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
 
     gf = read_gguf(model_path)
     tok = Tokenizer.from_gguf(gf)
@@ -171,7 +171,7 @@ def _serving_scenarios(
 ) -> None:
     """Scenarios 2, 4, 3, 6, 7 and 8 (those selected), each on its own servers; scenario 4 runs
     on scenario 2's mixed worker when both are selected."""
-    from loraplane.bench.serving import run_multitenant, run_prefix
+    from bench.serving import run_multitenant, run_prefix
 
     profile, factory, log = sc.profile, sc.factory, sc.log
     if "serving" in selected:
@@ -196,11 +196,11 @@ def _serving_scenarios(
     if "prefix" in selected:
         record("prefix", lambda: run_prefix(sc))
     if "paging" in selected:
-        from loraplane.bench.paging import run_paging
+        from bench.paging import run_paging
 
         record("paging", lambda: run_paging(sc, facts.arch, facts.tensors, log))
     if "longprompt" in selected or "longctx" in selected:
-        from loraplane.bench.longcontext import run_long
+        from bench.longcontext import run_long
 
         try:
             long_out: dict = run_long(sc, selected)
@@ -224,7 +224,7 @@ def _combined_scenarios(
     """Scenarios 5 and 9 (those selected): their in-process halves (``{"value": ...}`` or
     ``{"error": exc}``, `_deferred`) completed with the serving scenario's figures."""
     if "roofline" in selected:
-        from loraplane.bench.roofline import add_serving
+        from bench.roofline import add_serving
 
         def roofline() -> dict:
             if "error" in roofline_part:
@@ -233,7 +233,7 @@ def _combined_scenarios(
 
         record("roofline", roofline)
     if "bounds" in selected:
-        from loraplane.bench.bounds import add_served_step
+        from bench.bounds import add_served_step
 
         def bounds() -> dict:
             if "error" in bounds_part:
@@ -256,9 +256,9 @@ def _deferred(fn: Callable[[], dict]) -> dict:
 
 
 def _device_step(base, factory, profile, distinct, args, log) -> dict:
-    """Table 1b on the loaded model (`loraplane.bench.device_step`)."""
-    from loraplane.bench.device_step import COPY_MIB_CUDA, run_device_step
-    from loraplane.bench.engine import measure_bandwidth
+    """Table 1b on the loaded model (`bench.device_step`)."""
+    from bench.device_step import COPY_MIB_CUDA, run_device_step
+    from bench.engine import measure_bandwidth
 
     mib = COPY_MIB_CUDA if base.device.type == "cuda" else profile.bw_mib
     bw = measure_bandwidth(mib, max(9, profile.reps), base.device)
@@ -272,7 +272,7 @@ def _device_step(base, factory, profile, distinct, args, log) -> dict:
 
 
 def _bounds_in_process(base, profile, engine_adapter, args, log) -> dict:
-    from loraplane.bench.bounds import run_bounds
+    from bench.bounds import run_bounds
 
     return run_bounds(base, engine_adapter, profile, seed=args.seed, log=log)
 
@@ -290,8 +290,8 @@ def _in_process_scenarios(
     """Scenario 1 (recorded) and scenario 5's in-process half on the loaded model; returns
     ``{"value": ...}`` or ``{"error": exc}`` for the roofline (``{}`` when it is not selected)."""
     if "engine" in selected:
-        from loraplane.bench.engine import run_engine
-        from loraplane.bench.profiles import with_overrides
+        from bench.engine import run_engine
+        from bench.profiles import with_overrides
 
         # B = streams too: the in-process step table 2c puts beside the worker's step interval
         batches = tuple(sorted({*profile.decode_batches, profile.streams}))
@@ -313,15 +313,15 @@ def _in_process_scenarios(
 
 def _roofline_in_process(base, profile, engine_adapter, result, args, log) -> dict:
     """Scenario 5's in-process measurements: copy bandwidth, bytes, the B=1 decode step."""
-    from loraplane.bench.engine import measure_bandwidth
-    from loraplane.bench.roofline import run_roofline
+    from bench.engine import measure_bandwidth
+    from bench.roofline import run_roofline
 
     bw = measure_bandwidth(profile.bw_mib, max(9, profile.reps), base.device)
     log(f"roofline: copy bandwidth {bw['gb_s']['median']:.1f} GB/s")
     engine = result["scenarios"].get("engine")
     if not engine or "error" in engine:
-        from loraplane.bench.engine import run_engine
-        from loraplane.bench.profiles import with_overrides
+        from bench.engine import run_engine
+        from bench.profiles import with_overrides
 
         engine = run_engine(base, engine_adapter, with_overrides(profile, decode_batches=(1,)), seed=args.seed, log=log)
     return run_roofline(base, bw, engine, engine["adapter_bytes"])
@@ -338,7 +338,7 @@ def _unwrap(lc):
 def _lifecycle_hook(factory, profile, bos, log):
     """Run scenario 4 on scenario 2's mixed worker before it stops; an error is kept, not raised,
     so that scenario 2's results survive it."""
-    from loraplane.bench.lifecycle import run_lifecycle
+    from bench.lifecycle import run_lifecycle
 
     def hook(srv):
         try:
@@ -354,8 +354,8 @@ def _lifecycle_hook(factory, profile, bos, log):
 
 
 def _lifecycle_alone(sc, factory, profile, bos, log) -> dict:
-    from loraplane.bench.lifecycle import run_lifecycle
-    from loraplane.bench.servers import LoraplaneServers, start_all
+    from bench.lifecycle import run_lifecycle
+    from bench.servers import LoraplaneServers, start_all
 
     srv = LoraplaneServers(
         sc.run_dir,

@@ -1,7 +1,7 @@
 """Starting and stopping the servers the serving scenarios talk to, all on 127.0.0.1.
 
 ``LoraplaneServers``: one control plane and one worker, each a subprocess
-(``python -m loraplane.clients.cli control-plane …`` and ``… worker --control-plane …``), both started
+(``python -m clients.cli control-plane …`` and ``… worker --control-plane …``), both started
 at once (the worker retries registering until the control plane is up), sharing a worker
 secret generated for the run (`WORKER_SECRET`, in their environment). Their logs go to
 files in the run's temp dir. ``LlamaServer``: the optional llama-server peer
@@ -23,7 +23,7 @@ from typing import IO, TypedDict
 
 import grpc
 
-from loraplane.clients.client import LoraplaneClient
+from clients.client import LoraplaneClient
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.process import IMPORT_ROOT, child_pythonpath, stop_process
@@ -145,7 +145,7 @@ class LoraplaneServers:
         fh = open(self.dir / log_name, "ab")
         self._logs.append(fh)
         return subprocess.Popen(
-            [sys.executable, "-m", "loraplane.clients.cli", *args],
+            [sys.executable, "-m", "clients.cli", *args],
             cwd=ROOT,
             env=_env(),
             stdout=fh,

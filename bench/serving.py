@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplane.bench.bounds import STEP_INTERVAL_FIELD
-from loraplane.bench.engine import random_tokens
-from loraplane.bench.load import (
+from bench.bounds import STEP_INTERVAL_FIELD
+from bench.engine import random_tokens
+from bench.load import (
     Driver,
     RequestResult,
     RequestSpec,
@@ -42,10 +42,10 @@ from loraplane.bench.load import (
     run_closed_loop,
     summarize,
 )
-from loraplane.bench.profiles import Profile
-from loraplane.bench.servers import LlamaServer, LoraplaneServers, start_all
-from loraplane.bench.stats import Figure, ratio
-from loraplane.bench.synth import AdapterFactory
+from bench.profiles import Profile
+from bench.servers import LlamaServer, LoraplaneServers, start_all
+from bench.stats import Figure, ratio
+from bench.synth import AdapterFactory
 
 RUN_FIGURES = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "mean_batch")
 
@@ -61,7 +61,7 @@ class ServingContext:
     dtype: str
     device: str
     bos: int | None  # None: the model adds no BOS (its prompts start without one)
-    token_hi: int  # prompt ids are drawn below this (loraplane.bench.engine.token_hi)
+    token_hi: int  # prompt ids are drawn below this (bench.engine.token_hi)
     model_path: str
     llama_server: str | None
     log: Callable[[str], None]
@@ -129,7 +129,7 @@ def streams_of(sc: ServingContext, dist: str) -> int:
 
 def _loop_timing(srv: LoraplaneServers) -> dict:
     """The worker scheduler's loop timing right after a run (``WorkerStats``: medians over its
-    last decode-only steps, ``loraplane.worker.serving.scheduler.STEP_LOG``): the interval between step
+    last decode-only steps, ``worker.serving.scheduler.STEP_LOG``): the interval between step
     starts and the step itself on the loop thread, in ms."""
     st = srv.stats()
     return {
@@ -270,7 +270,7 @@ def _stats_json(srv: LoraplaneServers) -> dict:
         "tokens_generated": st.tokens_generated,
         "prefix_cache_hit_tokens": st.prefix_cache_hit_tokens,
         "adapter_bytes": st.adapter_bytes,
-        # the scheduler's step interval p50 (loraplane.bench.bounds.STEP_INTERVAL_FIELD) for the bounds table
+        # the scheduler's step interval p50 (bench.bounds.STEP_INTERVAL_FIELD) for the bounds table
         **{f: getattr(st, f) for f in (STEP_INTERVAL_FIELD,) if f in st.DESCRIPTOR.fields_by_name},
     }
 

@@ -2,7 +2,7 @@
 
 One in-process ``WorkerEngine`` (``--slots`` sequences, keyed prefix cache) serves ``--streams``
 closed-loop client threads; each thread turns every event into its ``GenerateEvent`` proto and
-serializes it, as the gRPC stream's writer does (``loraplane.worker.rpc.servicer.event_to_proto``).
+serializes it, as the gRPC stream's writer does (``worker.rpc.servicer.event_to_proto``).
 Repetitions alternate two arms on the same engine:
 
 - ``inline``: detokenizing, stop strings and events on the scheduler thread after each step
@@ -16,7 +16,7 @@ in-process decode step at B = streams with the scheduler's greedy sampling, and 
 per step (``EmitWorker.render_s``: detokenizing, stop strings, events; on the loop in the inline
 arm, off it in the other). Summary: median [min–max] of each over the repetitions.
 
-Run: ``python -m loraplane.bench.step_interval [--reps 3] [--streams 16] [--requests 32] [--max-tokens 24]``.
+Run: ``python -m bench.step_interval [--reps 3] [--streams 16] [--requests 32] [--max-tokens 24]``.
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ import time
 import numpy as np
 import torch
 
-from loraplane.bench.engine import random_tokens, token_hi
+from bench.engine import random_tokens, token_hi
 from loraplane.logging import configure_logging
-from loraplane.worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from loraplane.worker.lora.adapter_set import EMPTY_SET
-from loraplane.worker.rpc.servicer import event_to_proto
-from loraplane.worker.runtime.context import UBatch
-from loraplane.worker.runtime.model import default_model_path
-from loraplane.worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
-from loraplane.worker.serving.engine import WorkerEngine
-from loraplane.worker.serving.request import ErrorEvent, FinishedEvent
+from worker.config import Batching, PrefixCachePolicy, WorkerConfig
+from worker.lora.adapter_set import EMPTY_SET
+from worker.rpc.servicer import event_to_proto
+from worker.runtime.context import UBatch
+from worker.runtime.model import default_model_path
+from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
+from worker.serving.engine import WorkerEngine
+from worker.serving.request import ErrorEvent, FinishedEvent
 
 N_CTX = 20  # context each sequence holds in the in-process step
 

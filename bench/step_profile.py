@@ -1,6 +1,6 @@
 """Where a decode step's time goes: per-block wall time of in-process B-row decode steps.
 
-``python -m loraplane.bench.step_profile [--model GGUF] [--batch 16] [--ctx 64] [--steps 10] [--lora]``
+``python -m bench.step_profile [--model GGUF] [--batch 16] [--ctx 64] [--steps 10] [--lora]``
 
 Runs ``WorkerContext.decode`` steps of ``batch`` sequences (each at ``ctx`` tokens of context,
 logits for every row) followed by the scheduler's greedy sampling, on a thread of its own as the
@@ -31,13 +31,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the worker's default, bef
 
 import torch  # noqa: E402
 
-from loraplane.bench.engine import EngineBench  # noqa: E402
-from loraplane.bench.machine import kernels_used  # noqa: E402
-from loraplane.bench.stats import Figure, fmt_fig  # noqa: E402
-from loraplane.bench.synth import linear_targets, write_adapter  # noqa: E402
-from loraplane.worker.runtime import graph, sampling  # noqa: E402
-from loraplane.worker.runtime.kernels import QuantLinear, cpu_flags, cpu_model  # noqa: E402
-from loraplane.worker.runtime.model import default_model_path, load_model  # noqa: E402
+from bench.engine import EngineBench  # noqa: E402
+from bench.machine import kernels_used  # noqa: E402
+from bench.stats import Figure, fmt_fig  # noqa: E402
+from bench.synth import linear_targets, write_adapter  # noqa: E402
+from worker.runtime import graph, sampling  # noqa: E402
+from worker.runtime.kernels import QuantLinear, cpu_flags, cpu_model  # noqa: E402
+from worker.runtime.model import default_model_path, load_model  # noqa: E402
 
 BLOCKS = (
     "matmul layers",
@@ -117,7 +117,7 @@ def profile(model: str, *, batch: int, ctx: int, steps: int, lora: bool, main_th
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loraplane.bench.step_profile", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded Gemma 3 270M)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=64)

@@ -3,7 +3,7 @@
 Every adapter is rank ``r`` on all linear weights of the base model (``attn_q``, ``attn_k``,
 ``attn_v``, ``attn_output``, ``ffn_gate``, ``ffn_up``, ``ffn_down`` of every layer), with
 seeded random A/B. Layout (ggml ``ne`` order, fastest dimension first; numpy shapes are ``ne``
-reversed), as ``loraplane.worker.lora.adapter`` validates it: base ``W`` is ``ne [k, d]`` (k inputs, d
+reversed), as ``worker.lora.adapter`` validates it: base ``W`` is ``ne [k, d]`` (k inputs, d
 outputs), ``A`` is ``ne [k, r]`` = numpy ``(r, k)``, ``B`` is ``ne [r, d]`` = numpy ``(d, r)``.
 
 Values: ``A ~ N(0, 1/k)`` and ``B ~ N(0, 0.02²)``, so ``scale · B(A x)`` with

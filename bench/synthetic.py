@@ -1,7 +1,7 @@
 """Random-weight GGUF models of real shapes, and matching LoRA adapters, written by the bench
 itself (no downloads): what ``loraplane bench --synthetic`` and ``scripts/gpu_check.sh`` run on.
 
-    python -m loraplane.bench.synthetic qwen2.5-1.5b -o PATH [--tiny] [--dtype f16|bf16|q8_0]
+    python -m bench.synthetic qwen2.5-1.5b -o PATH [--tiny] [--dtype f16|bf16|q8_0]
                                         [--seed N] [--adapters 16] [--rank 16]
 
 Shapes (`SHAPES`; the published models' GGUF hyper-parameters):
@@ -16,7 +16,7 @@ Shapes (`SHAPES`; the published models' GGUF hyper-parameters):
 shape but shrinks it to 2 layers of width 64–96 and a 4 096-id vocabulary: the CPU tests' model.
 
 Tokenizer: a made-up byte-level BPE vocabulary of the shape's size with merges and the real
-family's special ids (`loraplane.bench.synthetic_vocab`).
+family's special ids (`bench.synthetic_vocab`).
 
 Weights, deterministic from ``seed`` (tensor ``i`` draws from ``numpy.random.default_rng((seed,
 i))``): matrices (F16 / BF16 / Q8_0, ``--dtype``) are random signs and mantissas at one
@@ -35,7 +35,7 @@ when complete: a file at ``PATH`` is always whole.
 
 Adapters: rank ``r`` (default 16) on every linear weight (q/k/v/o/gate/up/down of every
 layer), F16 A/B, alpha = 2r, written by the bench's adapter writer
-(`loraplane.bench.synth.AdapterFactory`): adapter ``i`` has seed ``seed + i``, file
+(`bench.synth.AdapterFactory`): adapter ``i`` has seed ``seed + i``, file
 ``lora-<i>.gguf``. On the 1.5B shape one adapter is 36.9 MiB, so 16 distinct ones add 0.59 GiB
 to a step that reads them all.
 """
@@ -55,8 +55,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from loraplane.bench.synth import AdapterFactory
-from loraplane.bench.synthetic_vocab import FAMILIES, add_tokenizer
+from bench.synth import AdapterFactory
+from bench.synthetic_vocab import FAMILIES, add_tokenizer
 
 FORMAT_VERSION = 1
 """Part of every cached file name: a change to what the generator writes must bump it."""
@@ -93,7 +93,7 @@ class SyntheticShape:
         qkv_bias: ``attn_{q,k,v}.bias`` tensors (Qwen 2).
         rope_theta / eps / n_ctx_train: ``rope.freq_base``, ``attention.layer_norm_rms_epsilon``,
             ``context_length``.
-        vocab: the tokenizer family (`loraplane.bench.synthetic_vocab.FAMILIES`).
+        vocab: the tokenizer family (`bench.synthetic_vocab.FAMILIES`).
     """
 
     name: str
@@ -403,7 +403,7 @@ def shape_summary(shape_name: str, *, tiny: bool = False, dtype: str = "f16") ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loraplane.bench.synthetic", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.synthetic", description=__doc__.split("\n\n")[0])
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("-o", "--output", required=True, metavar="PATH", help="the model GGUF to write")
     ap.add_argument("--tiny", action="store_true", help="2 layers, small widths, 4 096 ids: the CPU tests' model")

@@ -1,6 +1,6 @@
 """In-process A/B of the C kernels' threading backends, switched between repetitions.
 
-``python -m loraplane.bench.threads [--batches 1,16] [--reps 15] [--what mm,dec] [--hog] [--conds ...]``
+``python -m bench.threads [--batches 1,16] [--reps 15] [--what mm,dec] [--hog] [--conds ...]``
 
 One process, ``OMP_WAIT_POLICY=PASSIVE`` (torch's ops on libgomp), the base model (Gemma 3
 270M); each repetition runs every condition back to back (``build.set_threads`` between them),
@@ -14,7 +14,7 @@ Measured per batch size B:
   thread pools alive in one process hurt each other.
 
 ``--hog`` adds a busy process pinned to core 0 for the whole run. OpenMP ACTIVE cannot be
-switched in-process (libgomp reads the policy once): ``python -m loraplane.bench.kernels --contention``
+switched in-process (libgomp reads the policy once): ``python -m bench.kernels --contention``
 compares it in child processes. Prints median [min-max] ms.
 """
 
@@ -32,8 +32,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from loraplane.worker.gguf.reader import read_gguf  # noqa: E402
-from loraplane.worker.runtime.kernels import build, pack_tensor, resolve_path  # noqa: E402
+from worker.gguf.reader import read_gguf  # noqa: E402
+from worker.runtime.kernels import build, pack_tensor, resolve_path  # noqa: E402
 
 CTX = 32
 
@@ -46,16 +46,16 @@ def _cond(name: str) -> tuple[str, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loraplane.bench.threads", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.threads", description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--what", default="mm,dec")
     ap.add_argument("--hog", action="store_true", help="a busy process pinned to core 0 during the run")
     ap.add_argument("--conds", default="omp,pool:0/0,pool:5/100,pool:20/100,pool:50/100,pool:50/0")
     args = ap.parse_args(argv)
-    from loraplane.worker.lora.adapter_set import EMPTY_SET
-    from loraplane.worker.runtime.context import Model, UBatch
-    from loraplane.worker.runtime.model import default_model_path, load_model
+    from worker.lora.adapter_set import EMPTY_SET
+    from worker.runtime.context import Model, UBatch
+    from worker.runtime.model import default_model_path, load_model
 
     batches = [int(b) for b in args.batches.split(",")]
     conds = {c: _cond(c) for c in args.conds.split(",")}

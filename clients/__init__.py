@@ -1,10 +1,10 @@
-"""Clients of loraplane: the Python library (`loraplane.clients.client`), the ``loraplane`` CLI
-(`loraplane.clients.cli`) and, in ``clients/node/``, a Node.js client.
+"""Clients of loraplane: the Python library (`clients.client`), the ``loraplane`` CLI
+(`clients.cli`) and, in ``clients/node/``, a Node.js client.
 
-    from loraplane.clients import LoraplaneClient
+    from clients import LoraplaneClient
 """
 
-from loraplane.clients.client import (
+from clients.client import (
     Adapter,
     AsyncLoraplaneClient,
     DefaultSet,

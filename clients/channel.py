@@ -10,7 +10,7 @@ repeated Generate would run twice.
 
 Several replicas: an address may be a comma-separated list (``"cp-a:50051,cp-b:50051"``);
 one address may also be a Service in front of several replicas. `Replicas` keeps one channel
-per address and the one currently preferred; the clients (`loraplane.clients.client`) retry a call on
+per address and the one currently preferred; the clients (`clients.client`) retry a call on
 the next replica when the current one answers UNAVAILABLE or cannot be reached:
 
 - reads and ``SetDefaultAdapters``: retried as they are (replaying them is harmless);
@@ -43,7 +43,7 @@ from typing import Any
 
 import grpc
 
-from loraplane.clients.errors import ServerUnreachable
+from clients.errors import ServerUnreachable
 from loraplane.env import ENV_ADMIN_TOKEN, ENV_API_KEY
 from loraplane.interceptors import pushback_s
 from loraplane.limits import MAX_MESSAGE_BYTES

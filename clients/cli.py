@@ -1,10 +1,10 @@
 """The ``loraplane`` command line: its flags, ``--json`` shapes and exit codes are a stable contract.
 
-Commands are defined by concern in `loraplane.clients.cli_client` (generate, adapters, default,
-workers), `loraplane.clients.cli_tenants` (tenants), `loraplane.clients.cli_server` (serve,
-control-plane, worker), `loraplane.clients.cli_tools` (convert-peft, export-lora, bench) and
-`loraplane.clients.demo`; this module assembles them and is the console-script entry point
-(also ``python -m loraplane.clients.cli``).
+Commands are defined by concern in `clients.cli_client` (generate, adapters, default,
+workers), `clients.cli_tenants` (tenants), `clients.cli_server` (serve,
+control-plane, worker), `clients.cli_tools` (convert-peft, export-lora, bench) and
+`clients.demo`; this module assembles them and is the console-script entry point
+(also ``python -m clients.cli``).
 
 Exit codes: 0 success, 1 the server refused (or a tool failed), 2 usage error, 3 the server
 cannot be reached, 130 interrupted. With ``--json`` a usage error too is one JSON object on
@@ -20,12 +20,12 @@ from typing import Any, NoReturn
 
 import click
 
-from loraplane.clients.cli_client import CLIENT_COMMANDS
-from loraplane.clients.cli_server import SERVER_COMMANDS
-from loraplane.clients.cli_tenants import TENANT_COMMANDS
-from loraplane.clients.cli_tools import TOOL_COMMANDS
-from loraplane.clients.demo import demo_cmd
-from loraplane.clients.params import env_flag
+from clients.cli_client import CLIENT_COMMANDS
+from clients.cli_server import SERVER_COMMANDS
+from clients.cli_tenants import TENANT_COMMANDS
+from clients.cli_tools import TOOL_COMMANDS
+from clients.demo import demo_cmd
+from clients.params import env_flag
 from loraplane.env import ENV_DEBUG
 
 EXIT_INTERNAL = 1
@@ -71,7 +71,7 @@ def _usage_error(err: click.UsageError, as_json: bool) -> NoReturn:
     ``{"error": {"code": "INVALID_ARGUMENT", "message": "<command path>: <message>"}}``."""
     if not as_json:
         raise err
-    from loraplane.clients.render import print_json
+    from clients.render import print_json
 
     where = err.ctx.command_path if err.ctx is not None else "loraplane"
     print_json({"error": {"code": USAGE_ERROR_CODE, "message": f"{where}: {err.format_message()}"}})

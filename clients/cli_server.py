@@ -1,6 +1,6 @@
 """Server commands of the ``loraplane`` CLI: ``control-plane``, ``worker`` and ``serve``.
 
-The servers themselves live in ``loraplane.control_plane.server`` and ``loraplane.worker.rpc.server``; they are
+The servers themselves live in ``control_plane.server`` and ``worker.rpc.server``; they are
 imported inside the commands so that the CLI starts fast (no torch import for client
 commands or ``--help``).
 
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import click
 
-from loraplane.clients.params import DEVICE, ENV_ADMIN_TOKEN, ENV_API_KEY, PATH_SCALE, HostPortListType, HostPortType
+from clients.params import DEVICE, ENV_ADMIN_TOKEN, ENV_API_KEY, PATH_SCALE, HostPortListType, HostPortType
 from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES
 from loraplane.env import ENV_DATABASE_URL, ENV_WORKER_SECRET
 
@@ -415,7 +415,7 @@ FAIRNESS_OPTIONS = [
         help="VTC: virtual tokens charged per generated token (finite, > 0; default 2).",
     ),
 ]
-"""Fair admission (``loraplane.worker.serving.fairness``): part of `worker_runtime_options`."""
+"""Fair admission (``worker.serving.fairness``): part of `worker_runtime_options`."""
 
 
 ENV_GRAMMAR_WARMUP = "LORAPLANE_GRAMMAR_WARMUP"
@@ -667,14 +667,14 @@ def worker_args(
 
 def worker_default_n_ctx() -> int:
     """The worker's ``--n-ctx`` default (``WorkerConfig.n_ctx_slot``), without importing torch."""
-    from loraplane.worker.config import WorkerConfig
+    from worker.config import WorkerConfig
 
     return int(WorkerConfig.n_ctx_slot)
 
 
 def load_control_plane() -> tuple[Callable[..., Any], type]:
     try:
-        from loraplane.control_plane.server import ControlPlaneConfig, run_control_plane
+        from control_plane.server import ControlPlaneConfig, run_control_plane
     except ImportError as err:
         raise click.ClickException(f"the control plane is not available: {err}") from None
     return run_control_plane, ControlPlaneConfig
@@ -725,7 +725,7 @@ def _run_blocking(what: str, fn: Callable[[], Any]) -> int:
     except (OSError, RuntimeError, ValueError) as err:
         raise click.ClickException(f"{what} failed: {err}") from None
     except Exception as err:
-        from loraplane.control_plane.errors import ControlPlaneError  # e.g. the database is unreachable
+        from control_plane.errors import ControlPlaneError  # e.g. the database is unreachable
 
         if isinstance(err, ControlPlaneError):
             raise click.ClickException(f"{what} failed: {err}") from None
@@ -896,8 +896,8 @@ def worker_cmd(
     """Run a worker (base model, slots, caches) until SIGINT/SIGTERM (the first drains, see
     ``--drain-timeout``; a second stops at once)."""
     try:
-        from loraplane.worker.config import Batching, Fairness, PrefixCachePolicy, WorkerConfig
-        from loraplane.worker.rpc.server import serve_worker
+        from worker.config import Batching, Fairness, PrefixCachePolicy, WorkerConfig
+        from worker.rpc.server import serve_worker
     except ImportError as err:
         raise click.ClickException(f"the worker is not available: {err}") from None
     optional = {
@@ -983,7 +983,7 @@ def serve_cmd(
     The two share a worker secret: ``--worker-secret`` / ``$LORAPLANE_WORKER_SECRET``, else a
     fresh random one; the worker gets it through its environment, never its command line.
     """
-    from loraplane.clients.serve import ServeSpec, resolve_port, run_serve
+    from clients.serve import ServeSpec, resolve_port, run_serve
     from loraplane.worker_secret import new_worker_secret
 
     worker_secret = worker_secret or new_worker_secret()

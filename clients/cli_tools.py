@@ -12,7 +12,7 @@ import os
 
 import click
 
-from loraplane.clients.params import PATH_OPTIONAL_SCALE
+from clients.params import PATH_OPTIONAL_SCALE
 
 
 def _tool_failed(what: str, err: BaseException) -> click.ClickException:
@@ -40,7 +40,7 @@ def _tool_failed(what: str, err: BaseException) -> click.ClickException:
 def convert_peft_cmd(peft_dir: str, out_path: str, base_gguf: str | None, outtype: str) -> None:
     """Convert a PEFT LoRA folder (adapter_config.json + safetensors) into an adapter GGUF."""
     try:
-        from loraplane.worker.tools.convert_peft import convert_peft
+        from worker.tools.convert_peft import convert_peft
     except ImportError as err:
         raise click.ClickException(f"convert-peft is not available: {err}") from None
     from loraplane.progress import progress_bar, progress_enabled
@@ -84,7 +84,7 @@ def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_pa
         if not os.path.isfile(path):
             raise click.BadParameter(f"file {path!r} does not exist", param_hint="--lora")
     try:
-        from loraplane.worker.tools.export_lora import export_lora
+        from worker.tools.export_lora import export_lora
     except ImportError as err:
         raise click.ClickException(f"export-lora is not available: {err}") from None
     from loraplane.progress import progress_bar, progress_enabled
@@ -97,7 +97,7 @@ def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_pa
     click.echo(f"wrote {written or out_path}")
 
 
-BENCH_MODULE = "loraplane.bench.__main__"
+BENCH_MODULE = "bench.__main__"
 """The module ``loraplane bench`` runs (imported on use: product code never imports the bench at
 module level)."""
 

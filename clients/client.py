@@ -12,7 +12,7 @@ registered adapter at 0.
 
 Several control-plane replicas: ``addr`` may be a comma-separated list
 (``"cp-a:50051,cp-b:50051"``) or one Service address; calls go to one replica and move to the
-next when it fails (what is retried and how: `loraplane.clients.channel`). A Generate stream broken by
+next when it fails (what is retried and how: `clients.channel`). A Generate stream broken by
 its replica's death raises `LoraplaneError` with code ``UNAVAILABLE``; calling ``generate``
 again runs it on another replica.
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from loraplane.clients.channel import (
+from clients.channel import (
     CHANNEL_OPTIONS,
     BusyRetries,
     Replicas,
@@ -47,9 +47,9 @@ from loraplane.clients.channel import (
     wait_ready,
     wait_ready_async,
 )
-from loraplane.clients.errors import LoraplaneError, ServerUnreachable, from_rpc_error
-from loraplane.clients.peft import is_peft_folder, upload_source
-from loraplane.clients.results import (
+from clients.errors import LoraplaneError, ServerUnreachable, from_rpc_error
+from clients.peft import is_peft_folder, upload_source
+from clients.results import (
     Adapter,
     AdapterScale,
     DefaultSet,
@@ -65,7 +65,7 @@ from loraplane.clients.results import (
     WorkerInfo,
     event_from_proto,
 )
-from loraplane.clients.wire import (
+from clients.wire import (
     AdapterScales,
     adapter_map,
     adapter_ref,
@@ -238,7 +238,7 @@ class LoraplaneClient(_ClientBase):
         self._replicas.failed(addr)
 
     def _unary(self, method: str, make_request: Callable[[], Any], *, not_found_is_done: bool = False) -> Any:
-        """Call ``method`` with retries on the next replica (see `loraplane.clients.channel`).
+        """Call ``method`` with retries on the next replica (see `clients.channel`).
 
         ``make_request`` builds the request anew for every attempt (an upload iterator
         cannot be replayed). ``not_found_is_done``: a retry answering NOT_FOUND returns None.
@@ -285,7 +285,7 @@ class LoraplaneClient(_ClientBase):
         new ``name`` becomes an alias of it); a ``name`` another adapter answers to is
         ALREADY_EXISTS.
         A replica failing mid-upload: the whole upload is sent again to the next one.
-        A PEFT folder is converted here first (``loraplane.clients.peft.upload_source``) and uploaded as
+        A PEFT folder is converted here first (``clients.peft.upload_source``) and uploaded as
         GGUF; a PEFT folder given as a server path is converted by the control plane.
         ``progress(bytes_sent, total)`` is called per uploaded chunk."""
         _check_upload_source(path, server_path)

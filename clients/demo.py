@@ -1,7 +1,7 @@
 """``loraplane demo``: serve with the two demo adapters and show what they do.
 
 Starts what ``serve`` starts (control plane here, one worker subprocess) on a fresh temporary
-data dir (or ``--data-dir``), with ``demo/adapters/shout.gguf`` and ``sea.gguf`` (package data,
+data dir (or ``--data-dir``), with ``loraplane/demo/adapters/shout.gguf`` and ``sea.gguf`` (package data,
 :data:`DEMO_DIR`) registered as with ``--lora-init-without-apply`` (loaded, default set empty).
 Once the worker is up it
 sends one prompt three times at once — no adapters, shout@1, sea@1 — so the three requests
@@ -21,15 +21,14 @@ from pathlib import Path
 import click
 
 import loraplane
-from loraplane.clients.client import LoraplaneClient
-from loraplane.clients.errors import LoraplaneError
-from loraplane.clients.params import DEVICE
-from loraplane.clients.results import GenerateResult, WorkerInfo
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
+from clients.params import DEVICE
+from clients.results import GenerateResult, WorkerInfo
 from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES
 
-DEMO_DIR = (Path(loraplane.__file__).resolve().parent / "demo" / "adapters").resolve()
-"""Package data of the wheel (``loraplane/demo/adapters/``); in a checkout ``loraplane/demo`` is a
-symlink to the repository's ``demo/``, so both read the same two files."""
+DEMO_DIR = Path(loraplane.__file__).resolve().parent / "demo" / "adapters"
+"""``loraplane/demo/adapters/``: package data, the same folder in a checkout and in the wheel."""
 DEMO_ADAPTERS = (("shout", DEMO_DIR / "shout.gguf"), ("sea", DEMO_DIR / "sea.gguf"))
 DEFAULT_PROMPT = "Tell me about the weather today."
 
@@ -73,7 +72,7 @@ def run_demo_requests(
 
 def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool, addresses: str = ""):
     def on_ready(client: LoraplaneClient, worker: WorkerInfo) -> bool:
-        from loraplane.clients.render import side_by_side, stdout_console
+        from clients.render import side_by_side, stdout_console
 
         console = stdout_console()
         ids = demo_adapter_ids(client)
@@ -162,8 +161,8 @@ def demo_cmd(
     metrics_addr: str,
 ) -> None:
     """Serve with the shout and sea demo adapters and compare them on one prompt."""
-    from loraplane.clients.cli_server import control_plane_config, load_control_plane, worker_args
-    from loraplane.clients.serve import ServeSpec, resolve_port, run_serve
+    from clients.cli_server import control_plane_config, load_control_plane, worker_args
+    from clients.serve import ServeSpec, resolve_port, run_serve
     from loraplane.worker_secret import new_worker_secret
 
     missing = [str(p) for _, p in DEMO_ADAPTERS if not p.is_file()]

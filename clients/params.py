@@ -56,7 +56,7 @@ def _adapter_id(text: str) -> int:
 
 AdapterKey = int | str
 """An adapter as the CLI names it: an id (ASCII digits) or a name / alias, resolved by the
-control plane (`loraplane.control_plane.resolution.find_adapter`, the rule HTTP ``model`` follows too)."""
+control plane (`control_plane.resolution.find_adapter`, the rule HTTP ``model`` follows too)."""
 
 
 def _adapter_key(text: str) -> AdapterKey:

@@ -15,7 +15,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from loraplane.clients.results import Adapter, DefaultSet, GenerateResult, Tenant, WorkerInfo, f32
+from clients.results import Adapter, DefaultSet, GenerateResult, Tenant, WorkerInfo, f32
 
 
 class _StdoutConsole(Console):

@@ -2,10 +2,10 @@
 
 Who runs what:
 
-- The **main thread** runs ``loraplane.control_plane.server.run_control_plane(config)``, which blocks
+- The **main thread** runs ``control_plane.server.run_control_plane(config)``, which blocks
   until SIGINT/SIGTERM (it must own the main thread: only it can install signal handlers).
 - A **supervisor thread** waits until the control plane accepts connections, starts the
-  worker (``python -m loraplane.clients.cli worker --control-plane <addr> --addr 127.0.0.1:0 …``),
+  worker (``python -m clients.cli worker --control-plane <addr> --addr 127.0.0.1:0 …``),
   polls ``ListWorkers`` until the worker has registered, announces readiness, runs the
   optional ``on_ready`` hook (the demo) and then watches the worker process.
 - Supervision: once the worker has registered, a worker that exits (crash, OOM kill,
@@ -29,7 +29,7 @@ Who runs what:
   a signal to ``serve``'s process group (Ctrl-C in a terminal, ``kill -TERM -PGID``) is not
   also a first signal to the worker that ``serve``'s own SIGTERM would turn into "stop now".
 - Parent death: each worker gets the read end of a pipe whose write end only this process
-  holds (``$LORAPLANE_PARENT_FD``, `loraplane.worker.rpc.parent`); when ``serve`` dies in any way,
+  holds (``$LORAPLANE_PARENT_FD``, `worker.rpc.parent`); when ``serve`` dies in any way,
   ``kill -9`` included, the worker reads end-of-file and exits, so no orphan keeps its port
   or heartbeats the next ``serve``.
 - Restart count: each restarted worker learns its number (``$LORAPLANE_WORKER_RESTARTS``) and
@@ -54,9 +54,9 @@ from typing import Any
 
 import click
 
-from loraplane.clients.client import LoraplaneClient
-from loraplane.clients.errors import LoraplaneError
-from loraplane.clients.results import WorkerInfo
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
+from clients.results import WorkerInfo
 from loraplane.env import ENV_NO_PROGRESS, ENV_PARENT_FD, ENV_WORKER_RESTARTS, ENV_WORKER_SECRET
 from loraplane.process import child_pythonpath, stop_process
 
@@ -158,7 +158,7 @@ def worker_command(cp_addr: str, worker_id: str, worker_args: Sequence[str]) -> 
     return [
         sys.executable,
         "-m",
-        "loraplane.clients.cli",
+        "clients.cli",
         "worker",
         "--control-plane",
         cp_addr,
@@ -177,6 +177,9 @@ def _worker_env(secret: str | None, parent_fd: int, restarts: int) -> dict[str, 
     env[ENV_PARENT_FD] = str(parent_fd)
     env[ENV_WORKER_RESTARTS] = str(restarts)
     env["PYTHONPATH"] = child_pythonpath(env)
+    # `python -m` would put the working directory first on sys.path (Python >= 3.11 honours this):
+    # a worker.py or clients/ of the user's must not stand in for the package
+    env["PYTHONSAFEPATH"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[ENV_NO_PROGRESS] = "1"  # serve draws the one "loading" spinner; two would garble the line
     return env

@@ -11,12 +11,12 @@ instead (`loraplane.worker_secret`). With no token configured nothing is checked
 The inference API key (``--api-key`` or ``$LORAPLANE_API_KEY``, as vLLM's and llama-server's
 ``--api-key``): when configured, every other ``ControlPlane`` method (Generate, the reads, and
 the admin methods too) needs ``authorization: Bearer <key>`` (`ApiKeyInterceptor`), and so do
-the HTTP routes other than `OPEN_HTTP_PATHS` (``loraplane.control_plane.http.api_key``). The admin token
+the HTTP routes other than `OPEN_HTTP_PATHS` (``control_plane.http.api_key``). The admin token
 passes wherever the API key does (admin ⊇ inference); the admin methods still need the admin
 token when one is configured. The worker RPCs and the standard health and reflection services
 never need it. One key (as vLLM); compared in constant time.
 
-Tenant keys (``loraplane tenants add``, `loraplane.control_plane.tenants`) pass the API-key check
+Tenant keys (``loraplane tenants add``, `control_plane.tenants`) pass the API-key check
 too, for everything but the admin methods and routes (`ADMIN_METHODS`, `ADMIN_HTTP_PATHS`): a
 tenant's key runs inference and reads, never changes adapters or tenants. Without ``--api-key``
 nothing is refused for lack of a key (as today, as vLLM): a tenant key presented only selects

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from loraplane.worker.gguf.reader import GGUFFile, read_gguf
+from worker.gguf.reader import GGUFFile, read_gguf
 
 log = structlog.get_logger("loraplane.control_plane.base_model")
 
@@ -34,7 +34,7 @@ def default_model_path() -> str:
 class BaseModelInfo:
     """What the control plane knows of the base model without loading its weights: the GGUF's
     metadata and tensor index (``tensors`` maps a tensor name to its record, ``.ne``) and, on
-    first use, its tokenizer. The worker's loaded model is ``loraplane.worker.runtime.model.LoadedModel``."""
+    first use, its tokenizer. The worker's loaded model is ``worker.runtime.model.LoadedModel``."""
 
     gguf: GGUFFile
     _tokenizer: Any = field(default=None, repr=False)
@@ -74,7 +74,7 @@ class BaseModelInfo:
         with self._lock:
             if self._tokenizer is None and self._tokenizer_error is None:
                 try:
-                    from loraplane.worker.runtime.tokenizer import Tokenizer
+                    from worker.runtime.tokenizer import Tokenizer
 
                     self._tokenizer = Tokenizer.from_gguf(self.gguf)
                 except Exception as exc:  # a missing or broken tokenizer only costs the text
@@ -87,7 +87,7 @@ def load_base_model(path: str | Path) -> BaseModelInfo:
     """Parse (or reuse the cached parse of) the base model's GGUF header and tensor index.
 
     Raises:
-        loraplane.worker.gguf.reader.GGUFError: missing, not GGUF, or corrupt (names the file).
+        worker.gguf.reader.GGUFError: missing, not GGUF, or corrupt (names the file).
     """
     p = Path(path).resolve()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loraplane.control_plane.registry import DEFAULT_MAX_UPLOAD_BYTES
+from control_plane.registry import DEFAULT_MAX_UPLOAD_BYTES
 from loraplane.grammar_limits import GrammarLimits
 from loraplane.limits import HTTP_MAX_BODY_BYTES
 
@@ -45,7 +45,7 @@ class ControlPlaneConfig:
             live here; with PostgreSQL only uploads in progress (temporary files) do.
         database: ``sqlite:///PATH`` or ``postgresql://USER[:PASSWORD]@HOST:PORT/DB``; None
             means ``sqlite:///<data_dir>/loraplane.sqlite3``. Several replicas may share one
-            PostgreSQL database (`loraplane.control_plane.store`); never one SQLite file.
+            PostgreSQL database (`control_plane.store`); never one SQLite file.
         db_pool_size: most PostgreSQL connections this replica opens (None: 10).
         adapter_dirs: server-side paths given to RegisterAdapter must resolve inside one of
             these (none: server paths are refused).
@@ -80,7 +80,7 @@ class ControlPlaneConfig:
         max_fetches: concurrent FetchAdapter streams; the next gets RESOURCE_EXHAUSTED (with
             pushback) at once. Its own cap, apart from membership's.
         fetch_stall_timeout_s: a FetchAdapter reader that accepts no chunk for this long, or
-            stays below `loraplane.control_plane.stall.MIN_RATE_BYTES_S` after a grace, is cancelled
+            stays below `control_plane.stall.MIN_RATE_BYTES_S` after a grace, is cancelled
             (its handler thread comes back).
         unload_wait_s: how long UnregisterAdapter waits for each worker to drain the adapter;
             a worker still draining then keeps it under ``draining_adapter_ids`` until freed.
@@ -108,7 +108,7 @@ class ControlPlaneConfig:
         http_max_prompt_bytes: a completions text prompt or a chat conversation's content over
             this many UTF-8 bytes gets 400 before any template or tokenizer runs. None: the
             gRPC path's rule, ``(n_ctx - 1) × longest vocab piece`` with ``n_ctx`` =
-            ``http_n_ctx`` (`loraplane.control_plane.http.deps.prompt_byte_limit`).
+            ``http_n_ctx`` (`control_plane.http.deps.prompt_byte_limit`).
         http_n_ctx: the context (tokens) the HTTP front sizes prompts for: prompts of this many
             tokens or more get 400 before routing. ``serve`` passes its worker's ``--n-ctx``;
             None: the model's training context (``<arch>.context_length``).
@@ -116,7 +116,7 @@ class ControlPlaneConfig:
         grammar_limits: bounds on every request's structured-output format and tools
             (``--grammar-max-*``, ``--max-tools``; `loraplane.grammar_limits`).
         grammar_check_processes / grammar_check_timeout_s: the child processes formats are
-            compiled in, and how long one may take (`loraplane.control_plane.grammar_check`).
+            compiled in, and how long one may take (`control_plane.grammar_check`).
 
     Start-up flags set the default scale of the adapters they name, every start; adapters
     they do not name keep their persisted scale.

@@ -6,11 +6,11 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from loraplane.control_plane.errors import InvalidArgumentError
-from loraplane.control_plane.resolution import map_from_pairs
-from loraplane.control_plane.store import AdapterRecord
-from loraplane.control_plane.tenant_admin import TenantView
-from loraplane.control_plane.workers import WorkerView
+from control_plane.errors import InvalidArgumentError
+from control_plane.resolution import map_from_pairs
+from control_plane.store import AdapterRecord
+from control_plane.tenant_admin import TenantView
+from control_plane.workers import WorkerView
 from loraplane.v1 import common_pb2, control_plane_pb2
 
 
@@ -43,7 +43,7 @@ def adapter_map(vector: Sequence[tuple[int, float]]) -> common_pb2.AdapterMap:
 
 
 Lookup = Callable[[str], int]
-"""A name → id resolver (`loraplane.control_plane.registry.AdapterRegistry.lookup`)."""
+"""A name → id resolver (`control_plane.registry.AdapterRegistry.lookup`)."""
 
 
 def ref_id(ref: common_pb2.AdapterRef | common_pb2.AdapterScale | control_plane_pb2.PinRequest, lookup: Lookup) -> int:
@@ -128,7 +128,7 @@ def upload_from_chunks(chunks: Iterator[common_pb2.AdapterChunk]) -> Upload:
 
 
 def tenant_info(view: TenantView) -> control_plane_pb2.Tenant:
-    """A tenant with its limits and usage (`loraplane.control_plane.tenant_admin.TenantView`)."""
+    """A tenant with its limits and usage (`control_plane.tenant_admin.TenantView`)."""
     r, u = view.record, view.usage
     return control_plane_pb2.Tenant(
         name=r.name,

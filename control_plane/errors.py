@@ -1,7 +1,7 @@
 """Domain errors of the control plane.
 
 Everything inside `control_plane/` raises these; only the servicer boundary
-(`loraplane.control_plane.servicer`) turns them into gRPC status codes, in one table. Every message
+(`control_plane.servicer`) turns them into gRPC status codes, in one table. Every message
 names the thing at fault (adapter id, path, tensor, worker).
 """
 
@@ -64,7 +64,7 @@ class UnavailableError(ControlPlaneError):
 
 
 class DatabaseUnavailableError(UnavailableError):
-    """The control plane's database (`loraplane.control_plane.store`) could not be reached or did not
+    """The control plane's database (`control_plane.store`) could not be reached or did not
     answer within its bounded timeouts (connect, pool wait, statement: 2 s each).
 
     The message names the database without credentials and the reason, e.g.

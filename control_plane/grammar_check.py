@@ -10,7 +10,7 @@ engine (SIGSEGV on a stack overflow, an abort) kills one child, that request alo
 INVALID_ARGUMENT / HTTP 400, the pool starts a new child and every other request goes on. A
 check that runs longer than ``timeout_s`` is killed the same way. In the child the compile runs
 on a thread with a fixed stack (`CHILD_STACK_BYTES`, whatever ``ulimit -s`` says), smaller
-than the stack the worker compiles on (`loraplane.worker.runtime.grammar.COMPILE_STACK_BYTES`),
+than the stack the worker compiles on (`worker.runtime.grammar.COMPILE_STACK_BYTES`),
 so what passes here cannot overflow there.
 
 Results are cached by the format's content (`GrammarChecker.cache_size` entries, LRU): the same

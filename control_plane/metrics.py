@@ -30,11 +30,11 @@ Names (histograms in seconds):
   reason}, loraplane_http_head_timeouts_total{listener}
                                                HTTP connections of the API (listener "http") and
                                                of --metrics-addr ("metrics"), read at scrape time
-                                               (`loraplane.control_plane.http.connections`)
+                                               (`control_plane.http.connections`)
 ``adapter`` is the adapter id ("none": base model; stacked adapters count once each), capped
 by ``loraplane.metrics.BoundedLabels`` (values past the cap add up under "other").
 
-Tenants (`loraplane.control_plane.quotas`; ``tenant`` capped like ``adapter``, with the same cap,
+Tenants (`control_plane.quotas`; ``tenant`` capped like ``adapter``, with the same cap,
 ``--metrics-max-adapters``):
   loraplane_tenant_requests_total{tenant, outcome}   outcome: admitted | max_concurrent |
                                                requests_per_minute | tokens_per_minute (the
@@ -80,8 +80,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from loraplane.control_plane.errors import InvalidArgumentError, NotFoundError
-from loraplane.control_plane.workers import WorkerHoldingsView
+from control_plane.errors import InvalidArgumentError, NotFoundError
+from control_plane.workers import WorkerHoldingsView
 from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, OTHER_LABEL, BoundedLabels, kv_usage
 from loraplane.v1 import common_pb2
 from loraplane.v1.control_plane_pb2 import AdapterPagingCount
@@ -180,7 +180,7 @@ class ControlPlaneMetrics:
         self.tenant_sync_failures = Counter(
             "loraplane_tenant_quota_sync_failures", "Quota syncs with the store that failed.", registry=r
         )
-        # the quota book (loraplane.control_plane.quotas.QuotaBook), for the tenant gauges; None: none
+        # the quota book (control_plane.quotas.QuotaBook), for the tenant gauges; None: none
         self.quotas: Any = None
         r.register(_StateCollector(self))
 

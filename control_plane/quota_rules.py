@@ -1,6 +1,6 @@
 """What a tenant's limits allow: the token bucket, and the refusal with its ``Retry-After``.
 
-Pure arithmetic, no state of its own: `loraplane.control_plane.quotas.QuotaBook` applies it to
+Pure arithmetic, no state of its own: `control_plane.quotas.QuotaBook` applies it to
 what the store answered at admission, or, while the database is unreachable, to its own copy
 of the levels.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from loraplane.control_plane.errors import ResourceExhaustedError
+from control_plane.errors import ResourceExhaustedError
 
 REASONS = ("max_concurrent", "requests_per_minute", "tokens_per_minute")
 """The limits a refusal can name, in the order they are checked."""

@@ -5,7 +5,7 @@ Owned by the control-plane process: one `QuotaBook` per process, one daemon thre
 resolved and before any worker is picked; the `Admission` it returns is settled when the
 request's stream ends, however it ends (finished, error, the client gone).
 
-**Limits** (a tenant's row, `loraplane.control_plane.tenants`; 0 = unlimited; names without a row
+**Limits** (a tenant's row, `control_plane.tenants`; 0 = unlimited; names without a row
 have none):
 
 - ``max_concurrent``: requests in flight over all replicas;
@@ -25,10 +25,10 @@ A request that would pass a limit is refused before any worker work: `QuotaExcee
 ``rate_limit_exceeded`` with a ``Retry-After`` header): whole seconds, at least 1, until the
 bucket holds what the request needs (1 s for ``max_concurrent``). A request that needs more
 tokens than the bucket can ever hold (``prompt + max_tokens > tokens_per_minute``) is
-INVALID_ARGUMENT / 400 instead: waiting would never help (`loraplane.control_plane.quota_rules`).
+INVALID_ARGUMENT / 400 instead: waiting would never help (`control_plane.quota_rules`).
 
 **Admission is decided by the database** for a tenant with any limit: one statement
-(`AdapterStore.admit_tenant_request`, `loraplane.control_plane.store.tenant_sql`) takes the
+(`AdapterStore.admit_tenant_request`, `control_plane.store.tenant_sql`) takes the
 request from the buckets and, with ``max_concurrent``, writes a **claim** — only if every limit
 allows it, under the tenant row's lock, so however many replicas admit at once (PostgreSQL;
 SQLite is one replica and runs the same code) a limit is never passed: no window, no
@@ -73,8 +73,8 @@ from typing import Any
 
 import structlog
 
-from loraplane.control_plane.errors import ControlPlaneError, InvalidArgumentError
-from loraplane.control_plane.quota_rules import (
+from control_plane.errors import ControlPlaneError, InvalidArgumentError
+from control_plane.quota_rules import (
     REASONS,
     QuotaExceededError,
     TokenBucket,
@@ -82,9 +82,9 @@ from loraplane.control_plane.quota_rules import (
     refusal,
     retry_after,
 )
-from loraplane.control_plane.store import AdapterStore
-from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantState, UsageDelta
-from loraplane.control_plane.tenants import KEYS_REFRESH_S, ResolvedTenant, TenantDirectory
+from control_plane.store import AdapterStore
+from control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantState, UsageDelta
+from control_plane.tenants import KEYS_REFRESH_S, ResolvedTenant, TenantDirectory
 
 log = structlog.get_logger("loraplane.control_plane.quotas")
 

@@ -2,14 +2,14 @@
 
 Owner: the control-plane process (one `AdapterRegistry` per process, over one data dir).
 Workers never register anything themselves; they receive adapters the registry accepted
-(`loraplane.control_plane.workers` pushes them).
+(`control_plane.workers` pushes them).
 
 Registration validates the whole file against the base model's tensor index
-(`loraplane.worker.lora.adapter_file.validate_lora_adapter`, numpy only) before anything is stored.
+(`worker.lora.adapter_file.validate_lora_adapter`, numpy only) before anything is stored.
 Uploaded bytes land in a temporary file under ``<data-dir>/adapters/`` (local to this process)
 and are handed to the
 store only once valid; the store keeps the row and the bytes together or not at all
-(`loraplane.control_plane.store.base.AdapterStore.insert`: a file under the data dir for SQLite, the
+(`control_plane.store.base.AdapterStore.insert`: a file under the data dir for SQLite, the
 database itself for PostgreSQL, where server paths and start-up files are copied in too).
 Any failure removes the temporary file, so a refused upload leaves neither a row nor bytes.
 Server-side paths must resolve (symlinks followed) inside a configured adapter directory,
@@ -21,7 +21,7 @@ default-set change made through one is what the next call on any other sees.
 PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``) are accepted wherever a
 server-side path is (``--lora``, ``--lora-scaled``, ``RegisterAdapter.server_path``): they are
 converted here, on the control plane, by the same numpy-only code as ``convert-peft``
-(`loraplane.worker.tools.convert_peft`, rsLoRA and aLoRA included) against the base model this process
+(`worker.tools.convert_peft`, rsLoRA and aLoRA included) against the base model this process
 already indexed, and the resulting GGUF is kept under ``<data-dir>/adapters/`` like an upload
 (the record's ``source_format`` is "peft"). Workers only ever receive GGUF files.
 """
@@ -40,8 +40,8 @@ from typing import Any
 
 import structlog
 
-from loraplane.control_plane.base_model import BaseModelInfo
-from loraplane.control_plane.errors import (
+from control_plane.base_model import BaseModelInfo
+from control_plane.errors import (
     AlreadyExistsError,
     InvalidArgumentError,
     NotFoundError,
@@ -51,7 +51,7 @@ from loraplane.control_plane.errors import (
     describe_ids,
     echo,
 )
-from loraplane.control_plane.resolution import (
+from control_plane.resolution import (
     ID_PREFIX,
     AdapterVector,
     check_scale,
@@ -59,11 +59,11 @@ from loraplane.control_plane.resolution import (
     is_id_token,
     resolve_adapter_vector,
 )
-from loraplane.control_plane.store import AdapterRecord, AdapterStore
+from control_plane.store import AdapterRecord, AdapterStore
 from loraplane.limits import MAX_ADAPTER_NAME_BYTES
 from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
-from loraplane.worker.lora.adapter_file import AdapterFile, validate_lora_adapter
-from loraplane.worker.tools.convert_peft import convert_peft, is_peft_dir
+from worker.lora.adapter_file import AdapterFile, validate_lora_adapter
+from worker.tools.convert_peft import convert_peft, is_peft_dir
 
 log = structlog.get_logger("loraplane.control_plane.registry")
 

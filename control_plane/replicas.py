@@ -1,7 +1,7 @@
 """Keeping one control-plane replica in step with the others through the shared store.
 
 Owned by the control-plane process: one `ReplicaSync` per process, one daemon thread.
-Replicas share nothing but the database (`loraplane.control_plane.store`). Adapters and the default
+Replicas share nothing but the database (`control_plane.store`). Adapters and the default
 set need no syncing: every read goes to the database. Two things live in each replica's
 memory and are synced here, every ``interval_s`` (the heartbeat interval):
 
@@ -47,9 +47,9 @@ import time
 
 import structlog
 
-from loraplane.control_plane.errors import ControlPlaneError, NotFoundError
-from loraplane.control_plane.store import AdapterStore
-from loraplane.control_plane.workers import WorkerPool
+from control_plane.errors import ControlPlaneError, NotFoundError
+from control_plane.store import AdapterStore
+from control_plane.workers import WorkerPool
 from loraplane.v1 import control_plane_pb2
 
 log = structlog.get_logger("loraplane.control_plane.replicas")

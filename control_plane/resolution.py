@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from loraplane.control_plane.errors import (
+from control_plane.errors import (
     AmbiguousNameError,
     InvalidArgumentError,
     NotFoundError,
@@ -19,7 +19,7 @@ from loraplane.control_plane.errors import (
     echo,
     listing,
 )
-from loraplane.control_plane.store import AdapterRecord
+from control_plane.store import AdapterRecord
 from loraplane.limits import MAX_ADAPTER_SCALE
 
 AdapterVector = list[tuple[int, float]]

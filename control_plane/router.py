@@ -14,8 +14,8 @@ One request, top to bottom (`Router.generate`):
      worker's fair admission), relay every event until ``finished``.
 
 Between 2 and 3 the request's tenant is resolved (its API key, else its explicit map's first
-adapter, else "anonymous": `loraplane.control_plane.tenants`) and admitted against the
-tenant's quotas (`loraplane.control_plane.quotas`): a tenant over a limit is refused here,
+adapter, else "anonymous": `control_plane.tenants`) and admitted against the
+tenant's quotas (`control_plane.quotas`): a tenant over a limit is refused here,
 before any worker work, and its reservation is settled with the real token counts when the
 stream ends, on whichever exit comes first (as the in-flight count below).
 
@@ -45,26 +45,26 @@ from typing import Any, Protocol
 import grpc
 import structlog
 
-from loraplane.control_plane.convert import request_map_or_none, set_resolved_adapters
-from loraplane.control_plane.errors import (
+from control_plane.convert import request_map_or_none, set_resolved_adapters
+from control_plane.errors import (
     ControlPlaneError,
     DatabaseUnavailableError,
     InvalidArgumentError,
     ResourceExhaustedError,
     UnavailableError,
 )
-from loraplane.control_plane.grammar_check import GrammarChecker, TenantChecker
-from loraplane.control_plane.quotas import Admission, QuotaBook
-from loraplane.control_plane.registry import AdapterRegistry
-from loraplane.control_plane.resolution import adapter_set_key
-from loraplane.control_plane.tenants import (
+from control_plane.grammar_check import GrammarChecker, TenantChecker
+from control_plane.quotas import Admission, QuotaBook
+from control_plane.registry import AdapterRegistry
+from control_plane.resolution import adapter_set_key
+from control_plane.tenants import (
     ADAPTER_TENANT_PREFIX,
     ANONYMOUS_TENANT,
     MAX_NAME_CHARS,
     ResolvedTenant,
     TenantDirectory,
 )
-from loraplane.control_plane.workers import WorkerHandle, WorkerPool
+from control_plane.workers import WorkerHandle, WorkerPool
 from loraplane.queue_shares import Share
 from loraplane.response_format import GrammarError, ResponseFormat
 from loraplane.v1 import common_pb2, worker_pb2
@@ -167,7 +167,7 @@ class Router:
         self.quotas = quotas  # None: no quotas, no per-tenant counts
         self._affinity: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
-        # ``track(vector, events, context) -> events`` (loraplane.control_plane.metrics); None: not counted.
+        # ``track(vector, events, context) -> events`` (control_plane.metrics); None: not counted.
         self.observer: Any = None
 
     def generate(

@@ -11,7 +11,7 @@ calls: Generate ≤ ``stream_limit`` (default ``max_threads - 16``), admin calls
 RegisterWorker/Heartbeat ≤ 4 (both answer in milliseconds: dialing a worker happens in the
 pool's own join threads), FetchAdapter ≤ ``max_fetches`` (default 4; its own cap, so a fetch
 storm never blocks heartbeats; a reader that stalls is cancelled after
-``fetch_stall_timeout_s``, `loraplane.control_plane.stall`). Reads, health and reflection are never
+``fetch_stall_timeout_s``, `control_plane.stall`). Reads, health and reflection are never
 capped and always find a thread. Interceptors, outermost first: status details bounded
 (`loraplane.status_details`: no message outgrows a client's metadata limit), the inference API
 key (every ControlPlane call; the admin token passes too), admin token, the worker door
@@ -34,29 +34,29 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from loraplane.control_plane.auth import (
+from control_plane.auth import (
     ADMIN_METHODS,
     AdminAuthInterceptor,
     ApiKeyInterceptor,
     admin_token_from,
     api_key_from,
 )
-from loraplane.control_plane.base_model import default_model_path, load_base_model
-from loraplane.control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
-from loraplane.control_plane.errors import DatabaseUnavailableError
-from loraplane.control_plane.grammar_check import GrammarChecker
-from loraplane.control_plane.http.models import served_name
-from loraplane.control_plane.metrics import ControlPlaneMetrics
-from loraplane.control_plane.quotas import QuotaBook
-from loraplane.control_plane.registry import AdapterRegistry, served_base_name
-from loraplane.control_plane.replicas import ReplicaSync
-from loraplane.control_plane.router import Router
-from loraplane.control_plane.servicer import ControlPlaneServicer, WorkerMembershipServicer
-from loraplane.control_plane.stall import StallWatchdog
-from loraplane.control_plane.store import AdapterStore, open_store
-from loraplane.control_plane.tenant_admin import TenantAdmin
-from loraplane.control_plane.tenants import TenantDirectory
-from loraplane.control_plane.workers import MembershipTimings, WorkerPool
+from control_plane.base_model import default_model_path, load_base_model
+from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConfig, parse_lora_scaled
+from control_plane.errors import DatabaseUnavailableError
+from control_plane.grammar_check import GrammarChecker
+from control_plane.http.models import served_name
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.quotas import QuotaBook
+from control_plane.registry import AdapterRegistry, served_base_name
+from control_plane.replicas import ReplicaSync
+from control_plane.router import Router
+from control_plane.servicer import ControlPlaneServicer, WorkerMembershipServicer
+from control_plane.stall import StallWatchdog
+from control_plane.store import AdapterStore, open_store
+from control_plane.tenant_admin import TenantAdmin
+from control_plane.tenants import TenantDirectory
+from control_plane.workers import MembershipTimings, WorkerPool
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.logging import configure_logging
@@ -100,7 +100,7 @@ class ControlPlaneState:
     metrics: ControlPlaneMetrics | None = None
     quotas: QuotaBook | None = None  # tenant quotas, synced with the store (started with the server)
     tenant_admin: TenantAdmin | None = None
-    http: Any = None  # loraplane.control_plane.http.server.HttpServer when --http-addr is set
+    http: Any = None  # control_plane.http.server.HttpServer when --http-addr is set
     http_port: int = 0
     metrics_server: Any = None  # the /health + /metrics HttpServer when --metrics-addr is set
     metrics_port: int = 0
@@ -226,15 +226,15 @@ def start_side_servers(state: ControlPlaneState) -> None:
     Raises:
         OSError: an address cannot be bound; RuntimeError: uvicorn did not start.
     """
-    from loraplane.control_plane.http.connections import ConnectionCollector, ConnectionGuard
-    from loraplane.control_plane.http.server import HttpServer
+    from control_plane.http.connections import ConnectionCollector, ConnectionGuard
+    from control_plane.http.server import HttpServer
 
     config = state.config
     guards: list[ConnectionGuard] = []
     if state.metrics is not None:
         state.metrics.registry.register(ConnectionCollector(guards))
     if config.metrics_addr and state.metrics is not None:
-        from loraplane.control_plane.http.health import health_app
+        from control_plane.http.health import health_app
 
         state.metrics_server = HttpServer(
             health_app(state.metrics.exposition),
@@ -249,7 +249,7 @@ def start_side_servers(state: ControlPlaneState) -> None:
         state.metrics_port = state.metrics_server.start()
         log.info("metrics_serving", addr=config.metrics_addr, port=state.metrics_port)
     if config.http_addr:
-        from loraplane.control_plane.http.app import create_app
+        from control_plane.http.app import create_app
 
         state.http = HttpServer(
             create_app(http_deps(state)),
@@ -266,9 +266,9 @@ def start_side_servers(state: ControlPlaneState) -> None:
 
 def http_deps(state: ControlPlaneState) -> Any:
     """The HTTP front's dependencies: this process's registry, router and pool."""
-    from loraplane.control_plane.http.app import HttpDeps
-    from loraplane.control_plane.http.chat_template import load_chat_template
-    from loraplane.control_plane.http.deps import max_piece_bytes, n_ctx_train, prompt_byte_limit
+    from control_plane.http.app import HttpDeps
+    from control_plane.http.chat_template import load_chat_template
+    from control_plane.http.deps import max_piece_bytes, n_ctx_train, prompt_byte_limit
 
     base = state.registry.base
     tok = base.tokenizer()

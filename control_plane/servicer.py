@@ -18,9 +18,9 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from loraplane.control_plane import convert
-from loraplane.control_plane.config import DEFAULT_FETCH_STALL_TIMEOUT_S
-from loraplane.control_plane.errors import (
+from control_plane import convert
+from control_plane.config import DEFAULT_FETCH_STALL_TIMEOUT_S
+from control_plane.errors import (
     AlreadyExistsError,
     ControlPlaneError,
     DataCorruptionError,
@@ -31,13 +31,13 @@ from loraplane.control_plane.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from loraplane.control_plane.quotas import QuotaExceededError
-from loraplane.control_plane.registry import AdapterRegistry
-from loraplane.control_plane.replicas import ReplicaSync
-from loraplane.control_plane.router import Router, WorkerRequestError
-from loraplane.control_plane.stall import StallWatchdog
-from loraplane.control_plane.tenant_admin import TenantAdmin
-from loraplane.control_plane.workers import WorkerPool
+from control_plane.quotas import QuotaExceededError
+from control_plane.registry import AdapterRegistry
+from control_plane.replicas import ReplicaSync
+from control_plane.router import Router, WorkerRequestError
+from control_plane.stall import StallWatchdog
+from control_plane.tenant_admin import TenantAdmin
+from control_plane.workers import WorkerPool
 from loraplane.interceptors import metadata_value
 from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
@@ -267,7 +267,7 @@ class WorkerMembershipServicer(membership_pb2_grpc.WorkerMembershipServicer):
     @boundary
     def FetchAdapter(self, request, context):
         """Stream the bytes of content ``request.sha256`` (NOT_FOUND when none is registered,
-        or its bytes are gone). A reader that stalls is cancelled (`loraplane.control_plane.stall`)."""
+        or its bytes are gone). A reader that stalls is cancelled (`control_plane.stall`)."""
         rec = self.registry.get_by_sha256(request.sha256)
         log.info("adapter_fetch", sha256=request.sha256, adapter_id=rec.id, worker_id=request.worker_id)
         what = f"FetchAdapter adapter {rec.id} for worker {request.worker_id or '?'} ({context.peer()})"

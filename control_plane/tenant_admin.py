@@ -1,7 +1,7 @@
 """The tenant admin operations (``AddTenant``, ``UpdateTenant``, ``ListTenants``,
 ``RemoveTenant`` and the HTTP front's ``/v1/tenants`` routes): checks, the store write, and an
 immediate refresh of this replica's directory and quota book so the change applies here at once
-(other replicas pick it up within their refresh interval, `loraplane.control_plane.tenants`).
+(other replicas pick it up within their refresh interval, `control_plane.tenants`).
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from loraplane.control_plane.errors import MAX_LISTED, AlreadyExistsError, InvalidArgumentError, NotFoundError
-from loraplane.control_plane.quotas import QuotaBook, TenantUsageView
-from loraplane.control_plane.store import AdapterStore
-from loraplane.control_plane.store.tenant_records import TENANT_SETTINGS, TenantRecord
-from loraplane.control_plane.tenants import check_key, check_tenant_name, generate_key, key_hash
+from control_plane.errors import MAX_LISTED, AlreadyExistsError, InvalidArgumentError, NotFoundError
+from control_plane.quotas import QuotaBook, TenantUsageView
+from control_plane.store import AdapterStore
+from control_plane.store.tenant_records import TENANT_SETTINGS, TenantRecord
+from control_plane.tenants import check_key, check_tenant_name, generate_key, key_hash
 
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1

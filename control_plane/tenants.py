@@ -1,7 +1,7 @@
 """Tenants: who a request is accounted to, their API keys, and the admin operations on them.
 
 Owned by the control-plane process: one `TenantDirectory` per process (the quota book,
-`loraplane.control_plane.quotas`, keeps it fresh from the store).
+`control_plane.quotas`, keeps it fresh from the store).
 
 **The tenant of a request** (`tenant_of`), first match wins:
 
@@ -28,7 +28,7 @@ be checked with one dictionary lookup. Lookups by hash need no constant-time com
 could at most reveal a prefix of a sha256 image, which says nothing about the key.
 
 **Staleness.** The directory (keys → tenant, tenant → limits) is refreshed from the store every
-`KEYS_REFRESH_S` (keys) and every quota sync (limits, `loraplane.control_plane.quotas.SYNC_INTERVAL_S`),
+`KEYS_REFRESH_S` (keys) and every quota sync (limits, `control_plane.quotas.SYNC_INTERVAL_S`),
 and at once after an admin change made through this replica. A change made through another
 replica takes effect here within ``KEYS_REFRESH_S`` plus one store call (about 1 s; a removed
 tenant's key still passes that long). While the database is unreachable the last directory stays
@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from loraplane.control_plane.auth import bearer_token
-from loraplane.control_plane.errors import InvalidArgumentError
-from loraplane.control_plane.store.tenant_records import TenantRecord
+from control_plane.auth import bearer_token
+from control_plane.errors import InvalidArgumentError
+from control_plane.store.tenant_records import TenantRecord
 from loraplane.interceptors import secret_matches
 from loraplane.metrics import OTHER_LABEL
 

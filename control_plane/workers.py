@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 import structlog
 
-from loraplane.control_plane.errors import (
+from control_plane.errors import (
     ControlPlaneError,
     DatabaseUnavailableError,
     InvalidArgumentError,
@@ -63,8 +63,8 @@ from loraplane.control_plane.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from loraplane.control_plane.registry import AdapterRegistry
-from loraplane.control_plane.store import AdapterRecord
+from control_plane.registry import AdapterRegistry
+from control_plane.store import AdapterRecord
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.queue_shares import Share, gives_way
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
@@ -382,7 +382,7 @@ class WorkerPool:
 
     def heartbeat(self, hello: control_plane_pb2.WorkerHello, *, age_s: float = 0.0) -> bool:
         """Record a heartbeat sent ``age_s`` seconds ago (0: now; another replica's sighting,
-        `loraplane.control_plane.replicas`, is older) — a dead worker comes back alive — and reconcile
+        `control_plane.replicas`, is older) — a dead worker comes back alive — and reconcile
         what it reports holding; True when the worker is joined, False while its join is pending.
 
         Raises:
@@ -685,7 +685,7 @@ class WorkerPool:
     def unload_adapter(self, adapter_id: int) -> None:
         """Unload a removed adapter from every worker that may hold it, in parallel, waiting at
         most ``unload_wait_s`` (+1 s) in all. Live workers are all asked, not only those this
-        replica announced it to: another replica may have announced it (`loraplane.control_plane.replicas`);
+        replica announced it to: another replica may have announced it (`control_plane.replicas`);
         NOT_FOUND means not held. A worker still draining it then lists it under
         ``draining_ids`` until its heartbeats say it is freed; other failures are logged and
         retried by heartbeat reconciliation."""

@@ -5,8 +5,8 @@ One grammar for every entry point that takes them (``serve``, ``worker``, ``demo
 ``loraplane bench``, ``WorkerConfig``): the CLI refuses a bad spelling as a usage error before
 it starts anything, and importing torch for that would cost seconds. Whether the named device
 exists on this machine is the worker's question, answered once at model load
-(``loraplane.worker.runtime.device.resolve_device``); the dtypes' torch types are
-``loraplane.worker.runtime.model.DTYPES``.
+(``worker.runtime.device.resolve_device``); the dtypes' torch types are
+``worker.runtime.model.DTYPES``.
 
 Device spellings (``DEVICE_SPECS``):
 

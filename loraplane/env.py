@@ -25,7 +25,7 @@ Worker RPC need it when set). Distinct from the admin token; ``serve`` generates
 own worker and hands it over through this variable (never on the command line)."""
 ENV_PARENT_FD = "LORAPLANE_PARENT_FD"
 """Set by ``serve`` for its worker: the read end of a pipe whose write end only ``serve``
-holds; end of file on it means ``serve`` died, and the worker stops (``loraplane.worker.rpc.parent``)."""
+holds; end of file on it means ``serve`` died, and the worker stops (``worker.rpc.parent``)."""
 ENV_WORKER_RESTARTS = "LORAPLANE_WORKER_RESTARTS"
 """Set by ``serve`` for its worker: how many times it started this worker id again before this
 process (reported in the worker's hello, so the control plane's ``restarts`` matches serve's log)."""
@@ -34,4 +34,4 @@ ENV_ENGINE = "LORAPLANE_ENGINE"
 on a CUDA device and the CPU engine elsewhere."""
 ENV_GPU_MM = "LORAPLANE_GPU_MM"
 """``round`` (default) or ``f32``: how the GPU engine's 16-bit matmuls write their output
-(``loraplane.worker.gpu.context.MM_OUTPUT``)."""
+(``worker.gpu.context.MM_OUTPUT``)."""

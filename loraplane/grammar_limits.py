@@ -8,7 +8,7 @@ that recursion (the longest chain of nested schemas and ``$ref`` hops, of rule r
 counts (``$defs``, rules, choices, tools) and the text sizes, with iterative walks of its own,
 and refuses a format over a `GrammarLimits` bound with a `GrammarError` that names the limit and
 its flag. The control plane runs it (and the engine's own validation) in a child process as well
-(`loraplane.control_plane.grammar_check`); the worker runs it before it builds a matcher.
+(`control_plane.grammar_check`); the worker runs it before it builds a matcher.
 
 Measured on llguidance 1.9 with an 8 MiB stack (the chains that crash): ``$ref`` hops alone
 2 000-3 000; objects whose property ``$ref``-s the next 700-1 000 (about 2 000 nested schema

@@ -24,7 +24,7 @@ GRPC_MESSAGE_OPTIONS: list[tuple[str, int]] = [
 
 HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024
 """Default largest HTTP request body, in bytes (``--http-max-body-bytes``): answered 413 before
-it is read. It exceeds the largest prompt any worker accepts (``loraplane.worker.serving.engine.
+it is read. It exceeds the largest prompt any worker accepts (``worker.serving.engine.
 prompt_byte_limit``: 131 071 tokens × 48-byte pieces ≈ 6 MiB, ×2 for JSON's ``\\uXXXX``
 escapes) and stays under `MAX_MESSAGE_BYTES`, so a body that passes can become one gRPC request;
 no larger, because decoding a body holds the interpreter lock (about 0.04 s per MiB of small

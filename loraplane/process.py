@@ -8,18 +8,20 @@ import subprocess
 from pathlib import Path
 
 IMPORT_ROOT = Path(__file__).resolve().parent.parent
-"""The directory that holds the ``loraplane`` package: a checkout's root, or ``site-packages``
-of an installed wheel. Children started with ``python -m loraplane...`` get it on ``PYTHONPATH``
+"""The directory that holds the product's packages (``loraplane``, ``control_plane``, ``worker``,
+``clients``, ``bench``): a checkout's root, or ``site-packages`` of an installed wheel. Children
+started with ``python -m clients.cli ...`` get it on ``PYTHONPATH``
 (so a checkout runs without an install) and may run with it as their working directory; never
 a folder inside the package, whose ``logging.py`` would shadow the standard library's."""
 
 
 def cli_module(checkout: Path) -> str:
-    """The CLI's module in ``checkout`` for ``python -m``: ``loraplane.clients.cli``, or, in a
-    checkout from before the one import name (the bench's before/after runs), the folder's own."""
+    """The CLI's module in ``checkout`` for ``python -m``: ``clients.cli``, or, in a checkout from
+    the time ``clients/`` was linked into ``loraplane/`` (the bench's before/after runs),
+    ``loraplane.clients.cli``."""
     if (checkout / "loraplane" / "clients").is_dir():
         return "loraplane.clients.cli"
-    return ".".join(("clients", "cli"))  # spelled so that no rename of module paths touches it
+    return "clients.cli"
 
 
 def child_pythonpath(env: dict[str, str]) -> str:

@@ -2,7 +2,7 @@
 lighter one.
 
 A worker takes ``--slots + --queue-limit`` requests at once. With fair admission
-(``--fairness vtc``, `loraplane.worker.serving.fairness`) a full worker still takes a request of
+(``--fairness vtc``, `worker.serving.fairness`) a full worker still takes a request of
 tenant T when another tenant H *gives way* to it: H's newest queued request is then evicted
 (RESOURCE_EXHAUSTED, HTTP 429 with ``Retry-After``, as a full queue answers) and T's request
 takes its place. The control plane applies the same rule to its own count of what it relayed

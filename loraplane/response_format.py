@@ -2,7 +2,7 @@
 (`ResponseFormat`) and its llguidance grammar text (`compile_grammar`), checked without a
 vocabulary. The control plane compiles every format here before routing (a bad one is
 INVALID_ARGUMENT / HTTP 400 naming the fault); the worker binds the same grammar text to its
-vocabulary and masks the logits (`loraplane.worker.runtime.grammar`).
+vocabulary and masks the logits (`worker.runtime.grammar`).
 """
 
 from __future__ import annotations

@@ -96,14 +96,14 @@ stage_env() {
     echo "nvidia-smi: not found"
   fi
   echo "g++: $(command -v g++ || echo 'not found: LORAPLANE_KERNELS=torch')"
-  "$PY" -m loraplane.bench.gpu_check env
+  "$PY" -m bench.gpu_check env
 }
 stage_cpu_kernels() { # the C kernels the tests' CPU references run on (the GPU path needs none)
   if [ -n "${LORAPLANE_KERNELS:-}" ]; then echo "no g++: not built"; return 0; fi
-  "$PY" -m loraplane.worker.runtime.kernels.build
+  "$PY" -m worker.runtime.kernels.build
 }
 stage_jit() {
-  "$PY" -m loraplane.bench.gpu_check warmup --device cuda --dtypes "$DTYPE"
+  "$PY" -m bench.gpu_check warmup --device cuda --dtypes "$DTYPE"
 }
 stage_gpu_tier() {
   local cuda=1
@@ -116,7 +116,7 @@ bench() { # SHAPE NAME ARGS...: one bench run, its figures in $OUT_DIR/bench-SHA
   shift 2
   rm -rf "$WORK/bench-$shape-$name"
   # shellcheck disable=SC2086  # SHAPE_ARGS is empty or one flag
-  "$PY" -m loraplane.bench --device cuda --dtype "$DTYPE" --synthetic "$shape" $SHAPE_ARGS --plain \
+  "$PY" -m bench --device cuda --dtype "$DTYPE" --synthetic "$shape" $SHAPE_ARGS --plain \
     --synthetic-dir "$LORAPLANE_CACHE/synthetic" --work-dir "$WORK/bench-$shape-$name" \
     --json "$OUT_DIR/bench-$shape-$name.json" "$@" && return
   local rc=$? log # the work folder stays behind on the machine: show what its servers said

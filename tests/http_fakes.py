@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplane.control_plane.errors import ControlPlaneError, NotFoundError
-from loraplane.control_plane.grammar_check import InlineChecker
+from control_plane.errors import ControlPlaneError, NotFoundError
+from control_plane.grammar_check import InlineChecker
 from loraplane.v1 import common_pb2
 
 # ---- GenerateEvent builders -------------------------------------------------------------------
@@ -115,7 +115,7 @@ class FakeRegistry:
         return found[0]
 
     def lookup(self, token: str) -> int:
-        from loraplane.control_plane.resolution import find_adapter
+        from control_plane.resolution import find_adapter
 
         return find_adapter(token, self.records)  # type: ignore[arg-type]
 
@@ -160,7 +160,7 @@ class FakeRouter:
 
 
 def worker_error(message: str = "worker went away") -> ControlPlaneError:
-    from loraplane.control_plane.errors import UnavailableError
+    from control_plane.errors import UnavailableError
 
     return UnavailableError(message)
 

@@ -45,7 +45,7 @@ def start_http_serve(tmp: Path, *extra: str, admin_token: str | None = None) -> 
             [
                 sys.executable,
                 "-m",
-                "loraplane.clients.cli",
+                "clients.cli",
                 "serve",
                 "--addr",
                 grpc_addr,

@@ -1,5 +1,5 @@
-"""A real control plane (``loraplane.control_plane.server.create_server``, in this process) and, where
-asked, one real worker subprocess (``python -m loraplane.clients.cli worker``): what ``loraplane serve``
+"""A real control plane (``control_plane.server.create_server``, in this process) and, where
+asked, one real worker subprocess (``python -m clients.cli worker``): what ``loraplane serve``
 runs, for the client-side tests (Python client, CLI, Node client).
 
 The ``live_server`` / ``admin_control_plane`` fixtures in ``conftest.py`` build on these. Every
@@ -42,7 +42,7 @@ class LiveControlPlane:
 
     addr: str
     server: grpc.Server
-    state: object  # loraplane.control_plane.server.ControlPlaneState
+    state: object  # control_plane.server.ControlPlaneState
     data_dir: Path
     adapter_dir: Path
     admin_token: str | None = None
@@ -84,7 +84,7 @@ def start_control_plane(
 ) -> LiveControlPlane:
     """A real control plane on ``addr`` (default 127.0.0.1, port 0) over ``data_dir``;
     server paths are accepted inside ``adapter_dir``; workers present `WORKER_SECRET`."""
-    from loraplane.control_plane.server import ControlPlaneConfig, create_server
+    from control_plane.server import ControlPlaneConfig, create_server
 
     config = ControlPlaneConfig(
         addr=addr,
@@ -125,7 +125,7 @@ def start_worker(
     cmd = [
         sys.executable,
         "-m",
-        "loraplane.clients.cli",
+        "clients.cli",
         "worker",
         "--control-plane",
         cp.addr,

@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from loraplane.worker.lora.adapter import LoraAdapter, LoraPair
+from worker.lora.adapter import LoraAdapter, LoraPair
 
 K, D = 8, 6
 """Input and output width of every synthetic weight."""

@@ -14,14 +14,12 @@ import time
 from importlib.util import find_spec
 from pathlib import Path
 
-from loraplane.clients.client import LoraplaneClient
+from clients.client import LoraplaneClient
 from loraplane.process import child_pythonpath, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo" / "adapters"
-HAVE_SERVERS = (
-    find_spec("loraplane.control_plane.server") is not None and find_spec("loraplane.worker.rpc.server") is not None
-)
+HAVE_SERVERS = find_spec("control_plane.server") is not None and find_spec("worker.rpc.server") is not None
 READY_TIMEOUT_S = 600
 
 
@@ -38,7 +36,7 @@ def start_serve(data_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
         [
             sys.executable,
             "-m",
-            "loraplane.clients.cli",
+            "clients.cli",
             "serve",
             "--addr",
             addr,

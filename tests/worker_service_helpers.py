@@ -35,7 +35,7 @@ CALL_TIMEOUT = 180.0
 _LAUNCH = (
     "import logging, structlog; "
     "structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO)); "
-    "from loraplane.worker.rpc.server import serve_worker; from loraplane.worker.config import *; "
+    "from worker.rpc.server import serve_worker; from worker.config import *; "
     "serve_worker(WorkerConfig(addr='127.0.0.1:0', device='cpu', dtype='f32', grammar_warmup=False, {args}))"
 )
 

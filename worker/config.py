@@ -31,9 +31,9 @@ class PrefixCachePolicy(str, Enum):
 
 class Fairness(str, Enum):
     """Admission order across tenants. ``off``: first come, first served within the slot
-    pool's resident-first rule (``loraplane.worker.serving.scheduler``). ``vtc``: the Virtual
+    pool's resident-first rule (``worker.serving.scheduler``). ``vtc``: the Virtual
     Token Counter across the requests' tenants, weighted, with priority classes
-    (``loraplane.worker.serving.fairness``)."""
+    (``worker.serving.fairness``)."""
 
     OFF = "off"
     VTC = "vtc"
@@ -49,7 +49,7 @@ class WorkerConfig:
         n_slots: parallel sequences (llama-server ``--parallel``).
         batching / prefix_cache: see the enums.
         dtype: compute (activation) dtype, "f32", "bf16" or "f16"
-            (``loraplane.worker.runtime.model.DTYPES``; on CPU f32 is the C kernels' exact path).
+            (``worker.runtime.model.DTYPES``; on CPU f32 is the C kernels' exact path).
         weight_form: "packed" (GGUF-quantized matrices, our kernels) or "dequant" (reference).
         device: "auto" (the current CUDA device when present, else CPU), "cpu" / "cpu:0",
             "cuda" (the current CUDA device) or "cuda:N" (``loraplane.compute_spec``); resolved
@@ -93,7 +93,7 @@ class WorkerConfig:
             the same bounds first: `loraplane.grammar_limits`).
         grammar_warmup: build the grammar engine's view of the vocabulary at start-up, before
             registering (``--no-grammar-warmup``: at the first constrained request instead;
-            `loraplane.worker.runtime.grammar.grammar_tokenizer`).
+            `worker.runtime.grammar.grammar_tokenizer`).
     """
 
     addr: str = "127.0.0.1:0"

@@ -1,7 +1,7 @@
-"""Domain errors of the worker, one class per outcome (like ``loraplane.control_plane.errors``).
+"""Domain errors of the worker, one class per outcome (like ``control_plane.errors``).
 
 Everything under ``worker/`` raises these (or lets a lower-level error such as
-``AdapterError`` be wrapped into one); only the gRPC edge (``loraplane.worker.rpc.status``) maps them to
+``AdapterError`` be wrapped into one); only the gRPC edge (``worker.rpc.status``) maps them to
 status codes, in one table keyed by class, so a new or misspelled outcome cannot silently
 become INTERNAL: a class missing from the table fails the table's test. Every message names
 the thing at fault (request, adapter id, token, path).

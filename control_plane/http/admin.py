@@ -2,7 +2,7 @@
 ``POST /v1/unload_lora_adapter``.
 
 When an admin token is configured they need ``Authorization: Bearer <token>`` (the same token
-and check as the gRPC admin methods, `loraplane.control_plane.auth.check_bearer`), else 401. Loading
+and check as the gRPC admin methods, `control_plane.auth.check_bearer`), else 401. Loading
 registers a server-side path (GGUF file or PEFT folder); nothing is sent to workers, which
 fetch an adapter's bytes the first time a request needs it.
 
@@ -26,12 +26,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from loraplane.control_plane.auth import BearerCheck, check_bearer
-from loraplane.control_plane.errors import AlreadyExistsError, ControlPlaneError, InvalidArgumentError
-from loraplane.control_plane.http.deps import HttpDeps
-from loraplane.control_plane.http.errors import OpenAIError, from_control_plane
-from loraplane.control_plane.http.models import resolve_model
-from loraplane.control_plane.http.schemas import LoadLoraRequest, UnloadLoraRequest, parse_body
+from control_plane.auth import BearerCheck, check_bearer
+from control_plane.errors import AlreadyExistsError, ControlPlaneError, InvalidArgumentError
+from control_plane.http.deps import HttpDeps
+from control_plane.http.errors import OpenAIError, from_control_plane
+from control_plane.http.models import resolve_model
+from control_plane.http.schemas import LoadLoraRequest, UnloadLoraRequest, parse_body
 
 
 def require_admin(authorization: str | None, admin_token: str | None) -> None:

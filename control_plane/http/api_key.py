@@ -1,15 +1,15 @@
 """`ApiKeyAuth`: the HTTP front's inference API key (``--api-key`` / ``$LORAPLANE_API_KEY``).
 
-When a key is configured, every request whose path is not in `loraplane.control_plane.auth.OPEN_HTTP_PATHS`
+When a key is configured, every request whose path is not in `control_plane.auth.OPEN_HTTP_PATHS`
 (``/health``, ``/metrics``, ``/openapi.json``) needs ``Authorization: Bearer <key>``; the admin
 token is accepted as well (admin ⊇ inference). Anything else is answered 401 in OpenAI's error
 shape with ``code: "invalid_api_key"`` (what the official ``openai`` client raises as
 ``AuthenticationError``) before the app runs, so no byte of the body is read. The admin routes
-check the admin token afterwards as before (`loraplane.control_plane.http.admin.require_admin`): with an
+check the admin token afterwards as before (`control_plane.http.admin.require_admin`): with an
 admin token configured, the API key alone does not load or unload adapters.
 
-A tenant's API key (`loraplane.control_plane.tenants`) passes as well, except on the admin routes
-(`loraplane.control_plane.auth.ADMIN_HTTP_PATHS`): a tenant runs inference, never administers.
+A tenant's API key (`control_plane.tenants`) passes as well, except on the admin routes
+(`control_plane.auth.ADMIN_HTTP_PATHS`): a tenant runs inference, never administers.
 
 The rule follows vLLM's ``--api-key`` middleware (``vllm/entrypoints/openai/api_server.py``,
 which guards ``/v1``) but guards by default: a route added later is covered without a list to
@@ -24,8 +24,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loraplane.control_plane.auth import OPEN_HTTP_PATHS, BearerCheck, check_api_key, is_admin_http_path
-from loraplane.control_plane.http.errors import OpenAIError
+from control_plane.auth import OPEN_HTTP_PATHS, BearerCheck, check_api_key, is_admin_http_path
+from control_plane.http.errors import OpenAIError
 
 
 def api_key_error(found: BearerCheck) -> OpenAIError:

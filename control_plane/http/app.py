@@ -30,15 +30,15 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loraplane.control_plane.http.admin import admin_router
-from loraplane.control_plane.http.api_key import ApiKeyAuth
-from loraplane.control_plane.http.completions import completions_router
-from loraplane.control_plane.http.deps import DEFAULT_MAX_BODY_BYTES, HttpDeps
-from loraplane.control_plane.http.errors import OpenAIError, http_error, install_error_handlers
-from loraplane.control_plane.http.health import health_router
-from loraplane.control_plane.http.models import models_router
-from loraplane.control_plane.http.tenant_routes import tenants_router
-from loraplane.control_plane.http.tokenize import tokenize_router
+from control_plane.http.admin import admin_router
+from control_plane.http.api_key import ApiKeyAuth
+from control_plane.http.completions import completions_router
+from control_plane.http.deps import DEFAULT_MAX_BODY_BYTES, HttpDeps
+from control_plane.http.errors import OpenAIError, http_error, install_error_handlers
+from control_plane.http.health import health_router
+from control_plane.http.models import models_router
+from control_plane.http.tenant_routes import tenants_router
+from control_plane.http.tokenize import tokenize_router
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "BodySizeLimit", "HttpDeps", "create_app"]
 

@@ -30,23 +30,23 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from loraplane.control_plane.grammar_check import InlineChecker, TenantChecker
-from loraplane.control_plane.http.chat_template import RENDER_MAX_CHARS, ChatTemplate, ChatTemplateError
-from loraplane.control_plane.http.deps import HttpDeps
-from loraplane.control_plane.http.errors import OpenAIError
-from loraplane.control_plane.http.generation import HttpCallContext, build_request, new_request_id, now_s
-from loraplane.control_plane.http.models import resolve_model
-from loraplane.control_plane.http.responses import token_text_of
-from loraplane.control_plane.http.schemas import (
+from control_plane.grammar_check import InlineChecker, TenantChecker
+from control_plane.http.chat_template import RENDER_MAX_CHARS, ChatTemplate, ChatTemplateError
+from control_plane.http.deps import HttpDeps
+from control_plane.http.errors import OpenAIError
+from control_plane.http.generation import HttpCallContext, build_request, new_request_id, now_s
+from control_plane.http.models import resolve_model
+from control_plane.http.responses import token_text_of
+from control_plane.http.schemas import (
     CHAT_MAX_TOKENS_DEFAULT,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     parse_body,
 )
-from loraplane.control_plane.http.streaming import CompletionStream, RelayResponse
-from loraplane.control_plane.http.structured import response_format_of
-from loraplane.control_plane.http.tools import ForcedCall, check_tools, forced_call_of, template_message
+from control_plane.http.streaming import CompletionStream, RelayResponse
+from control_plane.http.structured import response_format_of
+from control_plane.http.tools import ForcedCall, check_tools, forced_call_of, template_message
 from loraplane.v1 import common_pb2
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16

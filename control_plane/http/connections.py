@@ -20,7 +20,7 @@ has one `ConnectionGuard`, consulted by uvicorn's h11 protocol subclassed (`Guar
   overload manager shortens idle timers under pressure in the same way.)
 
 Refused connections are counted per reason and logged at most once per second (with how many
-were refused since the previous line); `loraplane.control_plane.metrics` reads the counts at
+were refused since the previous line); `control_plane.metrics` reads the counts at
 scrape time. Every method runs on the listener's event loop thread; the counters are read from
 the scrape thread without a lock (ints: at worst one scrape behind).
 """
@@ -37,7 +37,7 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
-from loraplane.control_plane.http.delivery import TRANSPORT_EXTENSION
+from control_plane.http.delivery import TRANSPORT_EXTENSION
 
 log = structlog.get_logger("loraplane.control_plane.http.connections")
 
@@ -173,7 +173,7 @@ class GuardedH11Protocol(H11Protocol):
     listener by `guarded_protocol`): refused connections are reset in ``connection_made``,
     admitted ones get a head deadline, armed again after each response. Each request's scope
     carries the connection's transport (``scope["extensions"]``, `TRANSPORT_EXTENSION`: how far
-    the client has read, ``loraplane.control_plane.http.delivery``)."""
+    the client has read, ``control_plane.http.delivery``)."""
 
     guard: ConnectionGuard = ConnectionGuard()
 

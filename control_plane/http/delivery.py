@@ -13,7 +13,7 @@ not yet acknowledged, plus bytes not sent yet). `DeliveryProgress.stalled_for` s
 bytes have been pending while the acknowledged count stood still.
 
 The connection reaches the response through the ASGI scope: the HTTP server's protocol
-(``loraplane.control_plane.http.server.GuardedH11Protocol``) puts its transport under
+(``control_plane.http.server.GuardedH11Protocol``) puts its transport under
 ``scope["extensions"][TRANSPORT_EXTENSION]["transport"]`` (ASGI extensions are dicts).
 """
 

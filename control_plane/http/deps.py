@@ -7,12 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from loraplane.control_plane.http.chat_template import ChatTemplate
-from loraplane.control_plane.registry import AdapterRegistry
-from loraplane.control_plane.router import Router
-from loraplane.control_plane.tenant_admin import TenantAdmin
-from loraplane.control_plane.tenants import TenantDirectory
-from loraplane.control_plane.workers import WorkerPool
+from control_plane.http.chat_template import ChatTemplate
+from control_plane.registry import AdapterRegistry
+from control_plane.router import Router
+from control_plane.tenant_admin import TenantAdmin
+from control_plane.tenants import TenantDirectory
+from control_plane.workers import WorkerPool
 from loraplane.limits import HTTP_MAX_BODY_BYTES
 
 DEFAULT_MAX_BODY_BYTES = HTTP_MAX_BODY_BYTES
@@ -22,7 +22,7 @@ DEFAULT_N_CTX_TRAIN = 32768
 
 def max_piece_bytes(tokenizer: Any) -> int:
     """An upper bound on the input bytes one token can cover: the longest vocab piece's text in
-    UTF-8 bytes (the worker's ``loraplane.worker.serving.engine.max_piece_bytes`` measures the rendered
+    UTF-8 bytes (the worker's ``worker.serving.engine.max_piece_bytes`` measures the rendered
     piece, which is never longer; Gemma 3: 48 both ways). Reads the vocab's texts when the
     tokenizer exposes them (20 ms for 262k pieces), else renders every piece."""
     pieces = getattr(tokenizer, "_pieces", None)
@@ -34,7 +34,7 @@ def max_piece_bytes(tokenizer: Any) -> int:
 
 
 def prompt_byte_limit(tokenizer: Any, n_ctx: int) -> int:
-    """The gRPC path's rule (``loraplane.worker.serving.engine.prompt_byte_limit``) for a context of
+    """The gRPC path's rule (``worker.serving.engine.prompt_byte_limit``) for a context of
     ``n_ctx`` tokens: a text longer than ``(n_ctx - 1) × max_piece_bytes`` UTF-8 bytes needs at
     least ``n_ctx`` tokens, which no worker with that context accepts, so refusing it before
     tokenizing changes no answer, only the cost. The HTTP front uses the model's training
@@ -75,7 +75,7 @@ class HttpDeps:
         max_prompt_bytes: a completions text prompt, or a chat conversation's content, longer
             than this many UTF-8 bytes gets 400 before any template or tokenizer runs
             (`prompt_byte_limit`, or ``--http-max-prompt-bytes``); None: only the body limit.
-        tenants: keys → tenants (`loraplane.control_plane.tenants.TenantDirectory`): the
+        tenants: keys → tenants (`control_plane.tenants.TenantDirectory`): the
             tenant of each request, and tenant keys accepted by the API-key check; None: none.
         tenant_admin: serves ``/v1/tenants`` (None: those routes answer 503).
         n_ctx: prompts of this many tokens or more get 400 before routing (the model's

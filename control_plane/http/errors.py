@@ -9,7 +9,7 @@ route lets through (e.g. the database unavailable while listing ``/v1/models``, 
 traceback). `app.BodySizeLimit` answers 413 in the same shape before a too-large body is read.
 Every 503 carries ``Retry-After`` (seconds: 2 for a database outage, 1 for no live worker), as
 vLLM/OpenAI clients expect; so does a 429 for a tenant over its quota
-(`loraplane.control_plane.quotas.QuotaExceededError`: ``code`` ``rate_limit_exceeded``, as OpenAI).
+(`control_plane.quotas.QuotaExceededError`: ``code`` ``rate_limit_exceeded``, as OpenAI).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from loraplane.control_plane.errors import (
+from control_plane.errors import (
     AlreadyExistsError,
     ControlPlaneError,
     DataCorruptionError,
@@ -35,7 +35,7 @@ from loraplane.control_plane.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from loraplane.control_plane.quotas import QuotaExceededError
+from control_plane.quotas import QuotaExceededError
 
 log = structlog.get_logger("loraplane.control_plane.http.errors")
 
@@ -103,7 +103,7 @@ def unsupported(param: str, detail: str) -> OpenAIError:
 
 
 def from_control_plane(exc: ControlPlaneError) -> OpenAIError:
-    """The HTTP error for a domain error (``loraplane.control_plane.errors``, router errors); a 503
+    """The HTTP error for a domain error (``control_plane.errors``, router errors); a 503
     carries ``Retry-After`` (the error's ``retry_after_s``, else `RETRY_AFTER_S`), and so does
     every 429 (a quota's own wait, else `RETRY_AFTER_S`)."""
     code = getattr(exc, "code", None)

@@ -120,7 +120,7 @@ def build_request(
     """The GenerateRequest: ``text`` is tokenized by the worker (BOS as the model says),
     ``tokens`` are taken verbatim; ``adapters`` None means the default set. The sampling
     fields map one to one onto ``SamplingParams`` (``repetition_penalty`` 1 = off);
-    ``response_format``: structured output (`loraplane.control_plane.http.structured`)."""
+    ``response_format``: structured output (`control_plane.http.structured`)."""
     req = common_pb2.GenerateRequest(request_id=request_id)
     if tokens is not None:
         req.tokens.ids.extend(tokens)

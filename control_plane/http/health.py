@@ -13,8 +13,8 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
 from starlette.middleware.gzip import GZipMiddleware
 
-from loraplane.control_plane.http.deps import HttpDeps
-from loraplane.control_plane.http.errors import OpenAIError, install_error_handlers
+from control_plane.http.deps import HttpDeps
+from control_plane.http.errors import OpenAIError, install_error_handlers
 
 MetricsText = Callable[[], tuple[bytes, str]]
 """``() -> (exposition bytes, content type)``."""

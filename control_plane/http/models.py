@@ -21,13 +21,13 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from loraplane.control_plane.errors import MAX_LISTED, AmbiguousNameError, NotFoundError, echo, listing
-from loraplane.control_plane.http.deps import HttpDeps
-from loraplane.control_plane.http.errors import OpenAIError
-from loraplane.control_plane.http.generation import now_s
-from loraplane.control_plane.registry import AdapterRegistry
-from loraplane.control_plane.resolution import ID_PREFIX, find_adapter, is_id_token
-from loraplane.control_plane.store import AdapterRecord
+from control_plane.errors import MAX_LISTED, AmbiguousNameError, NotFoundError, echo, listing
+from control_plane.http.deps import HttpDeps
+from control_plane.http.errors import OpenAIError
+from control_plane.http.generation import now_s
+from control_plane.registry import AdapterRegistry
+from control_plane.resolution import ID_PREFIX, find_adapter, is_id_token
+from control_plane.store import AdapterRecord
 
 __all__ = ["ID_PREFIX", "model_list", "models_router", "resolve_model", "served_name"]
 

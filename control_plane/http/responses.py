@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from loraplane.control_plane.http.generation import Outcome, TokenOut
+from control_plane.http.generation import Outcome, TokenOut
 
 TokenText = Callable[[int], str]
 

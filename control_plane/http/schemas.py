@@ -4,7 +4,7 @@ Omitted parameters take OpenAI's defaults, as vLLM does: ``temperature`` 1, ``to
 ``max_tokens`` 16 for completions and "until the context is full" for chat; an omitted
 ``model`` is the served base model (vLLM's default). Implemented beyond OpenAI's core:
 ``min_p``, ``presence_penalty`` / ``frequency_penalty`` (output tokens), ``repetition_penalty``
-(prompt and output tokens; vLLM's semantics, ``loraplane.worker.runtime.sampling``) and
+(prompt and output tokens; vLLM's semantics, ``worker.runtime.sampling``) and
 ``prompt_logprobs`` (0: each prompt token's own log-prob, vLLM's shape).
 
 The rule for everything else (`SamplingFields.check`): a known OpenAI / vLLM / llama-server
@@ -24,7 +24,7 @@ Extensions (vLLM / llama-server names): ``top_k`` (0 or -1: off), ``min_p``,
 ``lora``: a list of ``{"id": int, "scale": float}`` (llama-server's per-request shape) that
 picks the adapters explicitly and wins over ``model``. Structured output: OpenAI
 ``response_format`` and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` /
-``guided_choice`` / ``structured_outputs`` (`loraplane.control_plane.http.structured`).
+``guided_choice`` / ``structured_outputs`` (`control_plane.http.structured`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from loraplane.control_plane.http.errors import INVALID_UNICODE, OpenAIError, unsupported
+from control_plane.http.errors import INVALID_UNICODE, OpenAIError, unsupported
 
 MAX_STOP_STRINGS = 16
 # "until the context is full": the worker stops at its slot context (finish_reason "length")
@@ -324,7 +324,7 @@ class SamplingFields(HttpBody):
     lora: list[LoraEntry] | None = None
     return_token_ids: bool = False
     user: str | None = None
-    # structured output (loraplane.control_plane.http.structured)
+    # structured output (control_plane.http.structured)
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None

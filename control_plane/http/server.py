@@ -17,7 +17,7 @@ import time
 
 import uvicorn
 
-from loraplane.control_plane.http.connections import (
+from control_plane.http.connections import (
     HEAD_TIMEOUT_BUSY_S,
     HEAD_TIMEOUT_S,
     MAX_CONNECTIONS,

@@ -57,12 +57,12 @@ import structlog
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from loraplane.control_plane.errors import ControlPlaneError
-from loraplane.control_plane.http import responses as R
-from loraplane.control_plane.http.delivery import DeliveryProgress
-from loraplane.control_plane.http.errors import from_control_plane
-from loraplane.control_plane.http.generation import Outcome, TokenOut, fold
-from loraplane.control_plane.http.tools import ForcedCall, OutputParser, ToolCallParser, ToolDelta, split_tool_calls
+from control_plane.errors import ControlPlaneError
+from control_plane.http import responses as R
+from control_plane.http.delivery import DeliveryProgress
+from control_plane.http.errors import from_control_plane
+from control_plane.http.generation import Outcome, TokenOut, fold
+from control_plane.http.tools import ForcedCall, OutputParser, ToolCallParser, ToolDelta, split_tool_calls
 from loraplane.v1 import common_pb2
 
 log = structlog.get_logger("loraplane.control_plane.http.streaming")

@@ -12,7 +12,7 @@ Accepted on ``/v1/completions`` and ``/v1/chat/completions`` (one of them per re
 
 The result is the ``loraplane.v1.ResponseFormat`` of the request's ``SamplingParams``. The
 format is compiled here, in the control plane's grammar-check child processes
-(`loraplane.control_plane.grammar_check`, limits first, no vocabulary needed): a bad schema,
+(`control_plane.grammar_check`, limits first, no vocabulary needed): a bad schema,
 regex or grammar, or one over a limit, is a 400 in OpenAI's error shape whose ``param`` names
 the field and whose message carries the reason.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from loraplane.control_plane.grammar_check import InlineChecker, TenantChecker
-from loraplane.control_plane.http.errors import OpenAIError, unsupported
+from control_plane.grammar_check import InlineChecker, TenantChecker
+from control_plane.http.errors import OpenAIError, unsupported
 from loraplane.grammar_limits import GrammarError, GrammarLimits, check_choices
 from loraplane.response_format import ResponseFormat, choice_grammar
 from loraplane.v1 import common_pb2

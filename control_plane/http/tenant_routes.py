@@ -3,8 +3,8 @@
 API key, ``api_key``, this once),
 ``DELETE /v1/tenants/{name}``.
 
-Guarded like the other admin routes (`loraplane.control_plane.http.admin.require_admin`: the admin
-token when one is configured; a tenant key never opens them, `loraplane.control_plane.auth`). The
+Guarded like the other admin routes (`control_plane.http.admin.require_admin`: the admin
+token when one is configured; a tenant key never opens them, `control_plane.auth`). The
 JSON shapes are the CLI's ``tenants … --json`` ones (`tenant_json`). Errors in OpenAI's shape:
 400 bad name / setting / key, 404 unknown tenant, 409 name or key taken.
 """
@@ -18,12 +18,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from loraplane.control_plane.errors import AlreadyExistsError, ControlPlaneError
-from loraplane.control_plane.http.admin import require_admin
-from loraplane.control_plane.http.deps import HttpDeps
-from loraplane.control_plane.http.errors import OpenAIError, from_control_plane
-from loraplane.control_plane.http.schemas import HttpBody, parse_body
-from loraplane.control_plane.tenant_admin import TenantAdmin, TenantView
+from control_plane.errors import AlreadyExistsError, ControlPlaneError
+from control_plane.http.admin import require_admin
+from control_plane.http.deps import HttpDeps
+from control_plane.http.errors import OpenAIError, from_control_plane
+from control_plane.http.schemas import HttpBody, parse_body
+from control_plane.tenant_admin import TenantAdmin, TenantView
 
 
 class AddTenantBody(HttpBody):

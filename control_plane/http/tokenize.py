@@ -2,7 +2,7 @@
 tokenizer.
 
 The control plane already holds the base model's tokenizer (``HttpDeps.tokenizer``: the same
-``loraplane.worker.runtime.tokenizer.Tokenizer`` built from the same GGUF as every worker's; chat prompts
+``worker.runtime.tokenizer.Tokenizer`` built from the same GGUF as every worker's; chat prompts
 are tokenized with it today), and all workers of one base model share its vocabulary, adapters
 included. So these routes answer locally: no worker RPC, no worker needed, and the ids are
 the ones a worker computes (tests compare them with a worker's ``prompt_token_ids``).
@@ -27,17 +27,17 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
-from loraplane.control_plane.http.completions import (
+from control_plane.http.completions import (
     chat_prompt_ids,
     chat_template_of,
     check_prompt_bytes,
     text_bytes,
     tokenizer_of,
 )
-from loraplane.control_plane.http.deps import HttpDeps
-from loraplane.control_plane.http.errors import OpenAIError
-from loraplane.control_plane.http.models import resolve_model
-from loraplane.control_plane.http.schemas import MAX_PROMPT_ITEMS, ChatMessage, HttpBody, parse_body
+from control_plane.http.deps import HttpDeps
+from control_plane.http.errors import OpenAIError
+from control_plane.http.models import resolve_model
+from control_plane.http.schemas import MAX_PROMPT_ITEMS, ChatMessage, HttpBody, parse_body
 
 
 class TokenizeRequest(HttpBody):

@@ -55,10 +55,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from loraplane.control_plane.grammar_check import InlineChecker, TenantChecker
-from loraplane.control_plane.http.chat_template import ChatTemplate
-from loraplane.control_plane.http.errors import OpenAIError
-from loraplane.control_plane.http.structured import to_proto
+from control_plane.grammar_check import InlineChecker, TenantChecker
+from control_plane.http.chat_template import ChatTemplate
+from control_plane.http.errors import OpenAIError
+from control_plane.http.structured import to_proto
 from loraplane.response_format import GrammarError, ResponseFormat, close_objects
 from loraplane.v1 import common_pb2
 

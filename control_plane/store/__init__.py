@@ -6,7 +6,7 @@
 - ``postgresql://…`` / ``postgres://…`` → `PostgresStore` (imported only then, so a SQLite
   deployment does not need psycopg at import time).
 
-See `loraplane.control_plane.store.base` for the rules both keep and `loraplane.control_plane.store.migrations`
+See `control_plane.store.base` for the rules both keep and `control_plane.store.migrations`
 for the schema.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loraplane.control_plane.store.base import AdapterRecord, AdapterStore, SchemaTooNewError, WorkerSighting
-from loraplane.control_plane.store.migrations import MIGRATIONS
-from loraplane.control_plane.store.sqlite import DB_FILENAME, SqliteStore
+from control_plane.store.base import AdapterRecord, AdapterStore, SchemaTooNewError, WorkerSighting
+from control_plane.store.migrations import MIGRATIONS
+from control_plane.store.sqlite import DB_FILENAME, SqliteStore
 
 __all__ = [
     "DB_FILENAME",
@@ -55,7 +55,7 @@ def open_store(url: str | None, data_dir: str | Path, *, pool_size: int | None =
             raise ValueError(f"--database {url!r}: no file path after sqlite:///")
         return SqliteStore(path, Path(data_dir) / "adapters")
     if url.startswith(POSTGRES_SCHEMES):
-        from loraplane.control_plane.store.postgres import DEFAULT_POOL_SIZE, PostgresStore
+        from control_plane.store.postgres import DEFAULT_POOL_SIZE, PostgresStore
 
         return PostgresStore(url, pool_size=pool_size or DEFAULT_POOL_SIZE)
     scheme = url.split(":", 1)[0] if ":" in url else url

@@ -1,11 +1,11 @@
 """The one interface of the control plane's persistent state, whatever the database.
 
 Owned by the control-plane process: one `AdapterStore` per process, opened from
-``--database`` by `loraplane.control_plane.store.open_store`. Two implementations:
+``--database`` by `control_plane.store.open_store`. Two implementations:
 
-- `loraplane.control_plane.store.sqlite.SqliteStore` (``sqlite:///PATH``, the embedded default under
+- `control_plane.store.sqlite.SqliteStore` (``sqlite:///PATH``, the embedded default under
   ``--data-dir``): one process, one machine.
-- `loraplane.control_plane.store.postgres.PostgresStore` (``postgresql://…``): any number of
+- `control_plane.store.postgres.PostgresStore` (``postgresql://…``): any number of
   control-plane replicas share one database.
 
 What the store holds, and the rules every implementation keeps (tested against both in
@@ -30,13 +30,13 @@ What the store holds, and the rules every implementation keeps (tested against b
 - **Removed adapters**: ids unregistered through any replica (`removed_ids`), so every
   replica unloads them from the workers it announced them to.
 - **Worker sightings** (`WorkerSighting`): which worker last heartbeated which replica, so
-  that every replica knows every worker (`loraplane.control_plane.replicas`).
+  that every replica knows every worker (`control_plane.replicas`).
 
 Every read goes to the database: a change committed through one replica is what the next
 read on any replica returns (no cache to invalidate).
 
 Errors: the database being unreachable, or not answering within the store's bounded
-timeouts (2 s: `CALL_TIMEOUT_S`), raises `loraplane.control_plane.errors.DatabaseUnavailableError`
+timeouts (2 s: `CALL_TIMEOUT_S`), raises `control_plane.errors.DatabaseUnavailableError`
 (gRPC UNAVAILABLE, HTTP 503 with ``Retry-After``) naming the database; a schema newer than
 this build raises `SchemaTooNewError` at start-up.
 
@@ -44,7 +44,7 @@ Bad rows: an ``adapters`` row whose columns do not parse (metadata that is not a
 of the expected shape, a scale that is not a number — anything written behind the control
 plane's back) is skipped by `AdapterStore.list` and `AdapterStore.default_set` with a warning
 log naming the row id (`BadRows`), so one bad row never stops listing or serving the others;
-`AdapterStore.get` / `get_by_sha256` of that row raise `loraplane.control_plane.errors.DataCorruptionError`
+`AdapterStore.get` / `get_by_sha256` of that row raise `control_plane.errors.DataCorruptionError`
 naming it (gRPC DATA_LOSS); `AdapterStore.delete` still removes it.
 """
 
@@ -62,8 +62,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from loraplane.control_plane.errors import DataCorruptionError
-from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
+from control_plane.errors import DataCorruptionError
+from control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
 
 log = structlog.get_logger("loraplane.control_plane.store.base")
 
@@ -96,7 +96,7 @@ class AdapterRecord:
             ``postgresql:adapter_blobs/<sha256>`` for an upload and the path it was copied
             from for a server path or start-up flag.
         metadata: what validation found (arch, alpha, ranks, targets, aLoRA tokens, ...),
-            see `loraplane.control_plane.registry.adapter_metadata`.
+            see `control_plane.registry.adapter_metadata`.
         default_scale: this adapter's scale in the global default set (0: detached).
         created_at: unix time of registration, seconds.
         source_format: "gguf", or "peft" for a PEFT folder converted at registration.
@@ -123,7 +123,7 @@ class AdapterRecord:
     @classmethod
     def from_row(cls, row: _Row) -> AdapterRecord:
         """The record of one ``adapters`` table row, read by column name (an ``sqlite3.Row`` or
-        a psycopg dict row: both stores share the schema of ``loraplane.control_plane.store.migrations``).
+        a psycopg dict row: both stores share the schema of ``control_plane.store.migrations``).
 
         Raises:
             DataCorruptionError: a column does not parse (``metadata`` not a JSON object of the
@@ -171,8 +171,8 @@ class AdapterRecord:
             ) from None
 
 
-# What `loraplane.control_plane.registry.adapter_metadata` writes: key → accepted JSON types. Keys may be
-# missing (older rows); present ones must have these types (`loraplane.control_plane.convert` reads them).
+# What `control_plane.registry.adapter_metadata` writes: key → accepted JSON types. Keys may be
+# missing (older rows); present ones must have these types (`control_plane.convert` reads them).
 _METADATA_TYPES: dict[str, tuple[type, ...]] = {
     "general_name": (str,),
     "arch": (str,),
@@ -322,7 +322,7 @@ class AdapterStore(ABC):
     @property
     @abstractmethod
     def schema_version(self) -> int:
-        """How many of `loraplane.control_plane.store.migrations.MIGRATIONS` have been applied."""
+        """How many of `control_plane.store.migrations.MIGRATIONS` have been applied."""
         raise NotImplementedError
 
     # -- adapters: reads --------------------------------------------------------------------
@@ -434,7 +434,7 @@ class AdapterStore(ABC):
         self, *, worker_id: str, addr: str, model: str, model_sha256: str, n_slots: int, age_s: float = 0.0
     ) -> None:
         """A worker registered with or heartbeated this replica ``age_s`` seconds ago (0: now;
-        `loraplane.control_plane.replicas` writes sightings from a thread of its own, a little later)."""
+        `control_plane.replicas` writes sightings from a thread of its own, a little later)."""
         raise NotImplementedError
 
     @abstractmethod
@@ -494,7 +494,7 @@ class AdapterStore(ABC):
     @abstractmethod
     def admit_tenant_request(self, name: str, *, claim_id: str, tokens: float, lease_s: float) -> AdmissionClaim | None:
         """Admit one request of tenant ``name`` reserving ``tokens``, or refuse it, in one
-        statement against the tenant's row (`loraplane.control_plane.store.tenant_sql`): with
+        statement against the tenant's row (`control_plane.store.tenant_sql`): with
         ``max_concurrent`` the admission writes claim ``claim_id`` (this replica's, its lease
         ``lease_s`` from now). A refusal reads the row's state back (a second call). None: no
         such tenant."""

@@ -70,8 +70,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from loraplane.control_plane.errors import DatabaseUnavailableError, DataCorruptionError
-from loraplane.control_plane.store.base import (
+from control_plane.errors import DatabaseUnavailableError, DataCorruptionError
+from control_plane.store.base import (
     CALL_TIMEOUT_S,
     REMOVALS_KEPT_S,
     SIGHTINGS_KEPT_S,
@@ -84,9 +84,9 @@ from loraplane.control_plane.store.base import (
     Sightings,
     WorkerSighting,
 )
-from loraplane.control_plane.store.migrations import MIGRATION_LOCK_KEY, MIGRATIONS, SCHEMA_VERSION_DDL
-from loraplane.control_plane.store.postgres_tenants import PostgresTenants
-from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
+from control_plane.store.migrations import MIGRATION_LOCK_KEY, MIGRATIONS, SCHEMA_VERSION_DDL
+from control_plane.store.postgres_tenants import PostgresTenants
+from control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
 
 log = structlog.get_logger("loraplane.control_plane.store.postgres")
 
@@ -626,7 +626,7 @@ class PostgresStore(AdapterStore):
             for r in rows
         ]
 
-    # -- tenants (`loraplane.control_plane.store.postgres_tenants`) -----------------------------
+    # -- tenants (`control_plane.store.postgres_tenants`) -----------------------------
 
     @_unavailable
     def add_tenant(self, record: TenantRecord, key_sha256: str) -> TenantRecord:

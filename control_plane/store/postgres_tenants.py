@@ -18,9 +18,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from loraplane.control_plane.errors import AlreadyExistsError
-from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
-from loraplane.control_plane.store.tenant_sql import (
+from control_plane.errors import AlreadyExistsError
+from control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
+from control_plane.store.tenant_sql import (
     CLAIM_COLUMNS,
     Dialect,
     admission_of,

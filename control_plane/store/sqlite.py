@@ -17,7 +17,7 @@ it opens, so what survives is the whole adapter or nothing. The ``adapter_blobs`
 shared migrations create is the PostgreSQL store's and stays empty here.
 
 Bounded waits: opening waits up to `OPEN_RETRY_S` for a concurrent first open (WAL switch,
-migration); after that every call waits at most `loraplane.control_plane.store.base.CALL_TIMEOUT_S` for
+migration); after that every call waits at most `control_plane.store.base.CALL_TIMEOUT_S` for
 this process's own lock and at most as long for SQLite's (``busy_timeout``: another process
 writing, e.g. an operator's ``sqlite3`` shell). A database that stays locked, or that SQLite
 cannot read or write (``sqlite3.OperationalError``: locked, disk I/O error, disk full, file
@@ -41,8 +41,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from loraplane.control_plane.errors import AlreadyExistsError, DatabaseUnavailableError, DataCorruptionError
-from loraplane.control_plane.store.base import (
+from control_plane.errors import AlreadyExistsError, DatabaseUnavailableError, DataCorruptionError
+from control_plane.store.base import (
     CALL_TIMEOUT_S,
     REMOVALS_KEPT_S,
     SIGHTINGS_KEPT_S,
@@ -55,9 +55,9 @@ from loraplane.control_plane.store.base import (
     Sightings,
     WorkerSighting,
 )
-from loraplane.control_plane.store.migrations import MIGRATIONS, SCHEMA_VERSION_DDL
-from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
-from loraplane.control_plane.store.tenant_sql import (
+from control_plane.store.migrations import MIGRATIONS, SCHEMA_VERSION_DDL
+from control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantStates, UsageDelta
+from control_plane.store.tenant_sql import (
     Dialect,
     admission_of,
     claim_counts,

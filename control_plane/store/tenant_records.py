@@ -1,5 +1,5 @@
-"""The tenant rows' records, as the store reads and writes them (`loraplane.control_plane.store.base`
-declares the operations; `loraplane.control_plane.store.tenant_sql` spells the SQL)."""
+"""The tenant rows' records, as the store reads and writes them (`control_plane.store.base`
+declares the operations; `control_plane.store.tenant_sql` spells the SQL)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ class TenantRecord:
     """One tenant as stored (``tenants`` table, migration 6).
 
     Attributes:
-        name: unique; what requests are accounted to (`loraplane.control_plane.tenants.check_tenant_name`).
+        name: unique; what requests are accounted to (`control_plane.tenants.check_tenant_name`).
         weight: fair share on the workers (VTC weight, > 0).
         priority: priority class on the workers (lower is served first).
         max_concurrent: requests in flight over all replicas (0: unlimited).

@@ -1,6 +1,6 @@
 """The tenant tables' SQL, spelled once for both databases (`Dialect` fills the differences).
 
-Tables (migrations 6 and 7, `loraplane.control_plane.store.migrations`): ``tenants`` (limits, the
+Tables (migrations 6 and 7, `control_plane.store.migrations`): ``tenants`` (limits, the
 two buckets' levels as written at ``level_at``, totals, ``claims``), ``tenant_keys`` (API keys by
 sha256, several per tenant), ``tenant_in_flight`` (requests in flight per (tenant, replica), with
 the time each replica last wrote its row: what usage reports), ``tenant_claims`` (one row per
@@ -21,7 +21,7 @@ from the database's clock (`Dialect.now`: PostgreSQL's ``now()``, the transactio
 this host's clock, passed in), so replicas' clocks never enter the arithmetic. Every write
 re-bases both buckets to now (never back: a statement that waited for the row lock may carry
 an earlier ``now()`` than the writer before it). A sync's deltas may take a level below 0
-(admissions a replica decided alone during a database outage, `loraplane.control_plane.quotas`);
+(admissions a replica decided alone during a database outage, `control_plane.quotas`);
 it then refills from there.
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loraplane.control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantState
+from control_plane.store.tenant_records import AdmissionClaim, TenantRecord, TenantState
 
 BUCKETS = (("tokens_level", "tokens_per_minute"), ("requests_level", "requests_per_minute"))
 ADMISSION_COLUMNS = (

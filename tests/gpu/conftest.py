@@ -1,6 +1,6 @@
 """Fixtures of ``tests/gpu/``: the GPU kernels' tests and the ``gpu`` tier (docs/gpu.md).
 
-The kernel tests (``loraplane.worker.gpu.kernels``) run on CUDA when the machine has it, else on
+The kernel tests (``worker.gpu.kernels``) run on CUDA when the machine has it, else on
 CPU tensors under Triton's interpreter: without CUDA, ``TRITON_INTERPRET=1`` is set here, before
 any test module of this folder is imported and before the kernel modules import Triton (they do at
 the first kernel call), unless the environment already sets it. ``device`` is the device those
@@ -12,7 +12,7 @@ fixture below swaps that one conversion for ``.item()`` while the tests run (the
 installed Triton are unchanged; newer Triton releases squeeze the array the same way).
 
 Every test marked ``gpu`` is skipped, saying why, without CUDA (``tests/conftest.py``). Nothing
-here downloads: the synthetic model is written by ``loraplane.bench.synthetic``; the tiny
+here downloads: the synthetic model is written by ``bench.synthetic``; the tiny
 architectures need llama.cpp's vocabulary files in the cache (``scripts/gpu_check.sh`` puts them
 there from its ``--wheels`` folder).
 """
@@ -29,7 +29,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loraplane.worker.gpu.kernels import triton_env  # noqa: E402
+from worker.gpu.kernels import triton_env  # noqa: E402
 
 TRITON = triton_env.triton_available()
 NO_TRITON = "triton is not installed (the 'test' extra pins it; CUDA builds of torch ship it)"
@@ -76,7 +76,7 @@ def is_16bit(dtype: str) -> bool:
 def synthetic_tiny(tmp_path_factory):
     """The tiny Qwen2.5-1.5B-shaped model (``qwen2``: q/k/v biases, tied head, 4 096-id BPE
     vocabulary) and four rank-16 adapters on every linear weight: ``(model path, [adapter paths])``."""
-    from loraplane.bench.synthetic import ensure_model
+    from bench.synthetic import ensure_model
 
     m = ensure_model("qwen2.5-1.5b", tiny=True, seed=7, cache_dir=tmp_path_factory.mktemp("synthetic"))
     return m.path, m.factory.paths(4)

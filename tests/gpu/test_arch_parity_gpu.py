@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplane.worker.lora.adapter import load_lora_adapter
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.runtime.context import Model, UBatch
-from loraplane.worker.runtime.model import F16_REFUSED, load_model
 from tests.gpu.conftest import GPU_DTYPES, is_16bit
 from tests.parity.compare import compare_case, teacher_forced_logprobs
 from tests.tiny_models import ARCHS, MODELS, adapter
+from worker.lora.adapter import load_lora_adapter
+from worker.lora.adapter_set import AdapterSet
+from worker.runtime.context import Model, UBatch
+from worker.runtime.model import F16_REFUSED, load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.parity]
 

@@ -1,4 +1,4 @@
-"""Paged attention kernels (``loraplane.worker.gpu.kernels.attention``) against the f64 reference
+"""Paged attention kernels (``worker.gpu.kernels.attention``) against the f64 reference
 of the module's semantics, on CUDA or under Triton's interpreter (``tests/gpu/conftest.py``);
 FlashInfer's backend against the same reference on a GPU that has it.
 
@@ -19,8 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane.worker.gpu.kernels import flashinfer_backend, triton_env
-from loraplane.worker.gpu.kernels.attention import (
+from tests.gpu.conftest import NO_TRITON, TRITON
+from worker.gpu.kernels import flashinfer_backend, triton_env
+from worker.gpu.kernels.attention import (
     attention_reference,
     decode_attention_reference,
     gather_pages,
@@ -29,7 +30,6 @@ from loraplane.worker.gpu.kernels.attention import (
     paged_decode_attention,
     prefill_attention,
 )
-from tests.gpu.conftest import NO_TRITON, TRITON
 
 needs_triton = pytest.mark.skipif(not TRITON, reason=NO_TRITON)
 

@@ -1,4 +1,4 @@
-"""``loraplane.bench.gpu_check`` (the ``env`` and ``warmup`` stages of ``scripts/gpu_check.sh``) on
+"""``bench.gpu_check`` (the ``env`` and ``warmup`` stages of ``scripts/gpu_check.sh``) on
 this machine: on a CPU the kernels run under Triton's interpreter (``tests/gpu/conftest.py``)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane.bench import gpu_check
+from bench import gpu_check
 from tests.gpu.conftest import CUDA, NO_TRITON, TRITON
 
 needs_triton = pytest.mark.skipif(not TRITON, reason=NO_TRITON)
@@ -33,7 +33,7 @@ def test_warm_up_checks_every_kernel_against_its_reference(device, dtype: str):
 
 @needs_triton
 def test_a_kernel_that_raises_is_recorded_and_the_others_still_run(device, monkeypatch):
-    from loraplane.worker.gpu.kernels import attention, lora
+    from worker.gpu.kernels import attention, lora
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such kernel")

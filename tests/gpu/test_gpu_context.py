@@ -1,4 +1,4 @@
-"""The GPU engine's context (``loraplane.worker.gpu.context``) against the CPU context, on CPU
+"""The GPU engine's context (``worker.gpu.context``) against the CPU context, on CPU
 tensors under Triton's interpreter (capture off), on CUDA when the machine has one.
 
 Every tiny architecture, f32, one adapter: a prompt with the adapter, two prompts in one ubatch
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplane.worker.lora.adapter import load_lora_adapter
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.runtime.context import DecodeError, Model, UBatch
-from loraplane.worker.runtime.model import load_model
 from tests.gpu.conftest import CUDA, NO_TRITON, TRITON
 from tests.tiny_models import ARCHS, MODELS, adapter
+from worker.lora.adapter import load_lora_adapter
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.runtime.context import DecodeError, Model, UBatch
+from worker.runtime.model import load_model
 
 # under the interpreter a tiny model's five steps take 10-20 s: the slow tier
 pytestmark = [pytest.mark.skipif(not TRITON, reason=NO_TRITON), pytest.mark.slow]

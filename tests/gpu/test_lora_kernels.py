@@ -1,4 +1,4 @@
-"""The device LoRA kernels (``loraplane.worker.gpu.kernels.lora``) against the f64 reference of
+"""The device LoRA kernels (``worker.gpu.kernels.lora``) against the f64 reference of
 ``y[i] += Σ_s row_slot[i,s]·factor[s]·B_s(A_s x_i)``, on CUDA or under Triton's interpreter
 (``tests/gpu/conftest.py``).
 
@@ -21,16 +21,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane.worker.gpu.kernels import triton_env
-from loraplane.worker.gpu.kernels.lora import (
+from tests.gpu.conftest import NO_TRITON, TRITON
+from worker.gpu.kernels import triton_env
+from worker.gpu.kernels.lora import (
     add_lora,
     add_lora_embedding,
     add_lora_experts,
     lora_reference,
     split_k_for,
 )
-from loraplane.worker.lora.pool import SideBranch
-from tests.gpu.conftest import NO_TRITON, TRITON
+from worker.lora.pool import SideBranch
 
 needs_triton = pytest.mark.skipif(not TRITON, reason=NO_TRITON)
 
@@ -39,7 +39,7 @@ RANKS = (8, 16, 64, 0)  # slot 3 has no branch on this weight (rank 0, factor 0)
 
 
 def _pool(S: int, k: int, d: int, dtype: torch.dtype, device: torch.device, seed: int, ranks=RANKS):
-    """Slot buffers as ``loraplane.worker.lora.pool`` lays them out: ``a (S, R, k)``, ``bt (S, R, d)``
+    """Slot buffers as ``worker.lora.pool`` lays them out: ``a (S, R, k)``, ``bt (S, R, d)``
     with R = the largest rank, rows past a slot's rank zero; factor = alpha / r (alpha 16)."""
     g = torch.Generator().manual_seed(seed)
     R = max(ranks)

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from loraplane.worker.lora.adapter import load_lora_adapter
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.runtime.context import Model, UBatch, WorkerContext
-from loraplane.worker.runtime.model import load_model
 from tests.gpu.conftest import is_16bit
+from worker.lora.adapter import load_lora_adapter
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.runtime.context import Model, UBatch, WorkerContext
+from worker.runtime.model import load_model
 
 pytestmark = pytest.mark.gpu
 

@@ -13,11 +13,11 @@ import threading
 
 import pytest
 
-from loraplane.worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from loraplane.worker.runtime.grammar import ResponseFormat
-from loraplane.worker.runtime.sampling import SamplingParams
-from loraplane.worker.serving.engine import WorkerEngine
-from loraplane.worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
+from worker.config import Batching, PrefixCachePolicy, WorkerConfig
+from worker.runtime.grammar import ResponseFormat
+from worker.runtime.sampling import SamplingParams
+from worker.serving.engine import WorkerEngine
+from worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
 
 pytestmark = pytest.mark.gpu
 

@@ -20,9 +20,9 @@ import grpc
 import httpx
 import pytest
 
-from loraplane.bench.synthetic import SHAPES
-from loraplane.bench.synthetic_vocab import FAMILIES
-from loraplane.clients.client import LoraplaneClient
+from bench.synthetic import SHAPES
+from bench.synthetic_vocab import FAMILIES
+from clients.client import LoraplaneClient
 from loraplane.v1 import common_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
 from tests.http_helpers import start_http_serve

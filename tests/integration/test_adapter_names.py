@@ -1,6 +1,6 @@
 """Adapter names and aliases through a real control plane (gRPC and HTTP on real sockets, a real
 SQLite data dir; no worker: nothing here generates): the one resolver every API shares
-(`loraplane.control_plane.resolution.find_adapter`), the all-digit rule, ambiguous names, and vLLM's
+(`control_plane.resolution.find_adapter`), the all-digit rule, ambiguous names, and vLLM's
 ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` lifecycle (already loaded → 400, known
 content under a new name → an alias, unloading drops the name unloaded). Serving an alias
 through the ``openai`` client and the CLI by name are in ``test_http_api.py`` (they need a
@@ -26,7 +26,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def cp(tmp_path_factory, base_model_path: Path):
-    from loraplane.control_plane.server import ControlPlaneConfig
+    from control_plane.server import ControlPlaneConfig
 
     root = tmp_path_factory.mktemp("adapter-names")
     (root / "ad").mkdir()
@@ -237,7 +237,7 @@ def test_http_load_unload_follow_vllm(cp, api):
 
 def test_the_same_store_row_survives_a_restart_with_its_aliases(cp, tmp_path, base_model_path):
     """Aliases live in the store: a control plane reopened on the data dir serves them."""
-    from loraplane.control_plane.server import ControlPlaneConfig
+    from control_plane.server import ControlPlaneConfig
 
     data = tmp_path / "data"
     path = write_adapter(tmp_path / "eps.gguf", seed=12)

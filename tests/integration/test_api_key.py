@@ -26,8 +26,8 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loraplane.clients.client import LoraplaneClient
-from loraplane.clients.errors import LoraplaneError
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
 from tests.live_servers import wait_until
 from tests.serve_helpers import free_port
@@ -64,7 +64,7 @@ def plane(tmp_path_factory, base_model_path: Path):
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [
-                *(sys.executable, "-m", "loraplane.clients.cli", "control-plane", "--addr", grpc_addr),
+                *(sys.executable, "-m", "clients.cli", "control-plane", "--addr", grpc_addr),
                 *("--data-dir", str(tmp / "data"), "--model", str(base_model_path), "--admin-token", ADMIN),
                 *("--http-addr", http_addr, "--metrics-addr", metrics_addr, "--insecure-workers"),
                 *("--log-level", "warning"),
@@ -190,7 +190,7 @@ def test_python_client_and_cli_send_the_key(plane: Plane, monkeypatch) -> None:
     with LoraplaneClient(plane.grpc_addr, timeout=10) as lp:  # the key from the environment
         assert lp.list_adapters() == []
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "loraplane.clients.cli", "adapters", "list", "--addr", plane.grpc_addr, "--json"]
+    cmd = [sys.executable, "-m", "clients.cli", "adapters", "list", "--addr", plane.grpc_addr, "--json"]
     r = subprocess.run([*cmd, "--api-key", API_KEY], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout) == {"adapters": []}
@@ -222,7 +222,7 @@ def test_tenants_cli_json_and_tenant_keys_pass_for_inference_only(plane: Plane, 
     as soon as the tenant is removed."""
     from click.testing import CliRunner
 
-    from loraplane.clients.cli import cli
+    from clients.cli import cli
 
     for var in ("LORAPLANE_ADMIN_TOKEN", "LORAPLANE_API_KEY", "LORAPLANE_ADDR"):
         monkeypatch.delenv(var, raising=False)

@@ -33,15 +33,15 @@ def _number(d: dict, *path: str) -> float:
 
 
 def test_usage_errors_exit_2():
-    from loraplane.bench.__main__ import main
+    from bench.__main__ import main
 
     assert main(["--only", "nonsense"]) == 2
     assert main(["--no-such-flag"]) == 2
 
 
 def test_synthetic_adapter_is_a_valid_rank8_adapter_on_every_linear_weight(tmp_path, base_index):
-    from loraplane.bench.synth import AdapterFactory
-    from loraplane.worker.lora.adapter import load_lora_adapter
+    from bench.synth import AdapterFactory
+    from worker.lora.adapter import load_lora_adapter
 
     arch, tensors = base_index
     factory = AdapterFactory(tmp_path, arch=arch, base_tensors=tensors, base_seed=7)
@@ -62,7 +62,7 @@ def test_synthetic_adapter_is_a_valid_rank8_adapter_on_every_linear_weight(tmp_p
 def test_workloads_are_deterministic():
     import numpy as np
 
-    from loraplane.bench.serving import workloads, zipf_choices
+    from bench.serving import workloads, zipf_choices
 
     assert workloads((0, 1, 4)) == [(0, "base"), (1, "single"), (4, "rr"), (4, "zipf")]
     a = zipf_choices(np.random.default_rng(1), 16, 64)
@@ -80,7 +80,7 @@ def test_bench_quick_reports_every_scenario(tmp_path):
         [
             sys.executable,
             "-m",
-            "loraplane.clients.cli",
+            "clients.cli",
             "bench",
             "--json",
             str(out),
@@ -235,7 +235,7 @@ def _check_long_and_bounds(sc: dict) -> None:
 
 def test_peak_int8_counts_the_macs_it_runs():
     """The peak-rate binary reports exactly iterations × chains × MACs per instruction × threads."""
-    from loraplane.bench.bounds import ISAS, _run_peak, available_isas, build_peak_binary
+    from bench.bounds import ISAS, _run_peak, available_isas, build_peak_binary
 
     exe = build_peak_binary()
     chains = {"amx": 4, "avx512vnni": 12, "avxvnni": 12, "avx2": 8}
@@ -256,7 +256,7 @@ def test_peak_int8_counts_the_macs_it_runs():
 
 
 def test_available_isas_follow_the_cpu_flags():
-    from loraplane.bench.bounds import available_isas
+    from bench.bounds import available_isas
 
     assert available_isas(frozenset({"avx2", "fma"})) == ["avx2"]
     assert available_isas(frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"})) == ["avx512vnni", "avx2"]
@@ -267,7 +267,7 @@ def test_available_isas_follow_the_cpu_flags():
 def test_step_macs_count_every_linear_weight_and_the_tied_head():
     from types import SimpleNamespace
 
-    from loraplane.bench.bounds import step_macs
+    from bench.bounds import step_macs
 
     ne = {
         "token_embd.weight": (8, 100),
@@ -291,7 +291,7 @@ def test_bench_smoke_long_prompts_long_context_and_bounds(tmp_path):
         [
             sys.executable,
             "-m",
-            "loraplane.bench",
+            "bench",
             "--smoke",
             "--only",
             "longprompt,longctx,bounds",

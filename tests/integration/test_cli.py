@@ -17,9 +17,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from loraplane.clients.cli import cli
-from loraplane.clients.cli_server import startup_adapters
-from loraplane.clients.client import LoraplaneClient
+from clients.cli import cli
+from clients.cli_server import startup_adapters
+from clients.client import LoraplaneClient
 from tests.control_plane_helpers import write_adapter
 from tests.live_servers import restored_default
 
@@ -395,7 +395,7 @@ def _subprocess(*args: str) -> subprocess.CompletedProcess:
     env.pop("LORAPLANE_ADDR", None)
     env.pop("COLUMNS", None)  # rich's default width off a terminal: 80
     return subprocess.run(
-        [sys.executable, "-m", "loraplane.clients.cli", *args],
+        [sys.executable, "-m", "clients.cli", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

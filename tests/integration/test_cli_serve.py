@@ -21,7 +21,7 @@ PROMPT = "The weather today is"
 
 def cli(addr: str, *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "loraplane.clients.cli", *args, "--addr", addr],
+        [sys.executable, "-m", "clients.cli", *args, "--addr", addr],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from loraplane.clients.channel import (
+from clients.channel import (
     SERVICE_CONFIG,
     Replicas,
     auth_metadata,
@@ -25,7 +25,7 @@ from loraplane.clients.channel import (
     max_attempts,
     parse_addresses,
 )
-from loraplane.clients.client import (
+from clients.client import (
     AsyncLoraplaneClient,
     FinishedEvent,
     LoraplaneClient,
@@ -34,8 +34,8 @@ from loraplane.clients.client import (
     StartedEvent,
     TokenEvent,
 )
-from loraplane.clients.results import f32
-from loraplane.clients.wire import generate_request, upload_chunks
+from clients.results import f32
+from clients.wire import generate_request, upload_chunks
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 from tests.control_plane_helpers import write_adapter
 from tests.live_servers import nonzero, restored_default, wait_until
@@ -162,7 +162,7 @@ def test_async_unreachable():
 
 
 def test_relayed_worker_failure_is_a_refusal_not_unreachable():
-    from loraplane.clients.errors import from_rpc_error
+    from clients.errors import from_rpc_error
 
     class Err(grpc.RpcError):
         def __init__(self, details):
@@ -506,7 +506,7 @@ def test_upload_is_sent_again_whole_and_unregister_not_found_on_retry_is_done(tw
 def test_unreachable_first_address_moves_on_and_all_unreachable_is_exit_3(two_replicas):
     from click.testing import CliRunner
 
-    from loraplane.clients.cli import cli
+    from clients.cli import cli
 
     _, addrs = two_replicas
     dead = f"127.0.0.1:{closed_port()}"

@@ -17,10 +17,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from loraplane.control_plane.errors import InvalidArgumentError, NotFoundError
-from loraplane.control_plane.resolution import adapter_set_key, resolve_adapter_vector
-from loraplane.control_plane.server import parse_lora_scaled
-from loraplane.control_plane.store import MIGRATIONS, SqliteStore
+from control_plane.errors import InvalidArgumentError, NotFoundError
+from control_plane.resolution import adapter_set_key, resolve_adapter_vector
+from control_plane.server import parse_lora_scaled
+from control_plane.store import MIGRATIONS, SqliteStore
 from loraplane.v1 import common_pb2
 from tests.control_plane_helpers import ControlPlane, MiB, by_path, default_of, ids_of, rpc_error, upload, write_adapter
 

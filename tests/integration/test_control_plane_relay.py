@@ -1,7 +1,7 @@
-"""Generate through the control plane to a real worker (``loraplane.worker.rpc.server.create_server``).
+"""Generate through the control plane to a real worker (``worker.rpc.server.create_server``).
 
 One worker process-wide (loading the model takes a while), a fresh control plane per test;
-the worker joins through ``loraplane.worker.rpc.membership`` like a deployed one, gets its adapters pushed
+the worker joins through ``worker.rpc.membership`` like a deployed one, gets its adapters pushed
 by the control plane, and decodes the resolved vectors it is sent.
 """
 
@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
-from loraplane.worker.rpc.membership import MembershipBackoff, start_membership
 from tests.control_plane_helpers import rpc_error, upload
 from tests.live_servers import WORKER_SECRET
+from worker.rpc.membership import MembershipBackoff, start_membership
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -26,8 +26,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def real_worker(base_model_path: Path):
-    from loraplane.worker.config import WorkerConfig
-    from loraplane.worker.rpc.server import create_server
+    from worker.config import WorkerConfig
+    from worker.rpc.server import create_server
 
     server, port, engine = create_server(
         WorkerConfig(
@@ -55,7 +55,7 @@ def joined(start_control_plane, real_worker, fixtures_dir):
         overrides.setdefault("heartbeat_interval_s", 0.2)
         overrides.setdefault("dead_after_missed", 10)
         cp = start_control_plane(**overrides)
-        from loraplane.worker.rpc.fetch import ControlPlaneFetcher
+        from worker.rpc.fetch import ControlPlaneFetcher
 
         # what serve_worker sets up
         engine.fetcher = ControlPlaneFetcher(cp.addr, engine.worker_id, secret=WORKER_SECRET)

@@ -25,9 +25,9 @@ import httpx
 import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2, worker_pb2_grpc
-from loraplane.worker.rpc.membership import MembershipBackoff, start_membership
 from tests.control_plane_helpers import MiB, by_path, rpc_error, upload, upload_chunks
 from tests.live_servers import WORKER_SECRET
+from worker.rpc.membership import MembershipBackoff, start_membership
 
 pytestmark = pytest.mark.integration
 

@@ -32,11 +32,11 @@ import pytest
 import structlog
 from click.testing import CliRunner
 
-from loraplane.clients.cli import cli
+from clients.cli import cli
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2, worker_pb2_grpc
-from loraplane.worker.rpc.membership import MembershipBackoff, start_membership
 from tests.control_plane_helpers import MiB, rpc_error, upload
+from worker.rpc.membership import MembershipBackoff, start_membership
 
 pytestmark = pytest.mark.integration
 
@@ -223,7 +223,7 @@ def _check_failed_fast(results: dict, database: str) -> None:
 def test_postgres_stopped_and_hung_fail_fast_and_workers_stay_live(
     private_postgres, start_control_plane, fixtures_dir, base_model_path
 ):
-    from loraplane.control_plane.store.postgres import redact
+    from control_plane.store.postgres import redact
 
     url = private_postgres.create_database("outage")
     cp = start_control_plane(

@@ -31,11 +31,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2_grpc, worker_pb2, worker_pb2_grpc
-from loraplane.worker.lora.host_cache import pid_alive
 from tests import tiny_models
 from tests.live_servers import wait_until
 from tests.serve_helpers import free_port
 from tests.worker_service_helpers import gen
+from worker.lora.host_cache import pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +100,7 @@ class StallablePipe:
 
 def _cli(args: list[str], pipe: StallablePipe, *, new_session: bool = False) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "loraplane.clients.cli", *args],
+        [sys.executable, "-m", "clients.cli", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
         stdout=pipe.write_fd,
@@ -318,7 +318,7 @@ r, w = os.pipe()
 # holds the write end, as a child serve forked without exec would
 holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], pass_fds=(w,))
 code = (
-    "import sys, time; from loraplane.worker.rpc.parent import ParentWatch; "
+    "import sys, time; from worker.rpc.parent import ParentWatch; "
     "ParentWatch(int(sys.argv[1])).start(); print('watching', flush=True); time.sleep(120)"
 )
 worker = subprocess.Popen([sys.executable, "-c", code, str(r)], pass_fds=(r,))

@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from loraplane.clients.client import LoraplaneClient
-from loraplane.clients.errors import LoraplaneError
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
 from loraplane.v1 import worker_pb2
 from tests.live_servers import start_control_plane, start_worker, wait_until
 from tests.worker_service_helpers import WorkerProcess, gen

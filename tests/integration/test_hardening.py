@@ -54,7 +54,7 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
 def _scripted(monkeypatch, cp_addr: str, name: str = "w1", n_slots: int = 2, **membership_kw):
     """The scripted worker of test_control_plane_routing, its membership given ``membership_kw``."""
     import tests.integration.test_control_plane_routing as routing
-    from loraplane.worker.rpc import membership
+    from worker.rpc import membership
 
     monkeypatch.setattr(
         routing, "start_membership", lambda *a, **kw: membership.start_membership(*a, **{**kw, **membership_kw})
@@ -302,7 +302,7 @@ def test_undecodable_requests_and_nul_paths_are_invalid_argument(start_control_p
 
 def test_a_client_never_closed_does_not_block_interpreter_exit():
     code = (
-        "from loraplane.clients.client import LoraplaneClient\n"
+        "from clients.client import LoraplaneClient\n"
         "c = LoraplaneClient('127.0.0.1:1', connect_timeout=1)\n"
         "try:\n    c.list_adapters()\nexcept Exception as e:\n    print(type(e).__name__)\n"
     )
@@ -336,7 +336,7 @@ class Serve:
                 [
                     sys.executable,
                     "-m",
-                    "loraplane.clients.cli",
+                    "clients.cli",
                     "serve",
                     "--addr",
                     self.addr,
@@ -606,8 +606,8 @@ def test_worker_removes_its_adapter_temp_dir_on_sigterm(fixtures_dir, tmp_path):
 _BREAK_FORWARD = """
 def _broken(self, ub):
     raise RuntimeError("injected: device lost")
-import loraplane.worker.runtime.context
-loraplane.worker.runtime.context.WorkerContext.decode = _broken
+import worker.runtime.context
+worker.runtime.context.WorkerContext.decode = _broken
 """
 
 
@@ -617,7 +617,7 @@ def test_a_worker_whose_scheduler_loop_stops_exits_non_zero(fixtures_dir):
     the first ``MAX_STEP_FAILURES`` requests ends INTERNAL naming the error, then the loop
     stops for good and the process exits non-zero (``serve`` and Kubernetes restart it)
     instead of staying up, heartbeating and answering SERVING with a dead loop."""
-    from loraplane.worker.serving.scheduler import MAX_STEP_FAILURES
+    from worker.serving.scheduler import MAX_STEP_FAILURES
 
     tiny = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"
     w = WorkerProcess("broken-forward", f"n_slots=1, model_path={str(tiny)!r}", prelude=_BREAK_FORWARD)

@@ -50,15 +50,15 @@ def client(serve) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer(base_model_path):
-    from loraplane.worker.gguf.reader import read_gguf
-    from loraplane.worker.runtime.tokenizer import Tokenizer
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(base_model_path))
 
 
 def cli(serve, *args: str) -> dict:
     r = subprocess.run(
-        [sys.executable, "-m", "loraplane.clients.cli", *args, "--addr", serve.grpc_addr, "--json"],
+        [sys.executable, "-m", "clients.cli", *args, "--addr", serve.grpc_addr, "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -142,7 +142,7 @@ def test_streaming_chunks_concatenate_to_the_text(client):
 
 
 def test_chat_applies_the_builtin_gemma_template(client, tokenizer):
-    from loraplane.control_plane.http.chat_template import GEMMA_TURN_TEMPLATE
+    from control_plane.http.chat_template import GEMMA_TURN_TEMPLATE
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     r = client.chat.completions.create(
@@ -286,7 +286,7 @@ def test_cli_takes_adapter_names_wherever_ids(serve):
     assert {e["id"]: e["scale"] for e in now if e["scale"]} == {0: 0.25, 1: 0.5}
     assert not any(e["scale"] for e in cli(serve, "default", "set", "--clear")["adapters"])
     r = subprocess.run(
-        [sys.executable, "-m", "loraplane.clients.cli", "adapters", "show", "nope", "--addr", serve.grpc_addr],
+        [sys.executable, "-m", "clients.cli", "adapters", "show", "nope", "--addr", serve.grpc_addr],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -635,8 +635,8 @@ def test_bad_schema_is_400_in_openai_shape(client):
 def test_structured_output_over_grpc_client_and_cli(serve, tmp_path):
     """gRPC: the Python client's ``json_schema=`` and the CLI's ``--json-schema FILE`` /
     ``--regex``; a bad regex is INVALID_ARGUMENT naming it, and the service keeps serving."""
-    from loraplane.clients.client import LoraplaneClient
-    from loraplane.clients.errors import LoraplaneError
+    from clients.client import LoraplaneClient
+    from clients.errors import LoraplaneError
 
     with LoraplaneClient(serve.grpc_addr, timeout=300, admin_token=TOKEN) as c:
         r = c.generate("A person as JSON:", adapters={1: 1.0}, max_tokens=40, json_schema=PERSON, strict=True)

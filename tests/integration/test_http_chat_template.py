@@ -24,7 +24,7 @@ TEMPLATE = (
 
 def write_model_with_template(src: Path, out: Path, template: str) -> Path:
     """``src`` copied field by field and tensor by tensor, plus ``tokenizer.chat_template``."""
-    from loraplane.worker.tools.export_lora import _copy_metadata, _records
+    from worker.tools.export_lora import _copy_metadata, _records
 
     reader = gguf.GGUFReader(src, "r")
     writer = gguf.GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
@@ -51,8 +51,8 @@ def tiny(tmp_path_factory, fixtures_dir: Path):
 
 
 def test_chat_prompt_is_the_gguf_template_rendered_then_tokenized(tiny):
-    from loraplane.worker.gguf.reader import read_gguf
-    from loraplane.worker.runtime.tokenizer import Tokenizer
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
 
     serve, model = tiny
     tok = Tokenizer.from_gguf(read_gguf(model))

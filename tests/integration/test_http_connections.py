@@ -22,9 +22,9 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from loraplane.control_plane.http.app import BodySizeLimit
-from loraplane.control_plane.http.errors import install_error_handlers
-from loraplane.control_plane.http.server import HttpServer
+from control_plane.http.app import BodySizeLimit
+from control_plane.http.errors import install_error_handlers
+from control_plane.http.server import HttpServer
 
 pytestmark = pytest.mark.slow  # timers of 0.5-1.5 s: seconds of waiting, kept off the fast tier
 

@@ -29,7 +29,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def cp(tmp_path_factory, base_model_path: Path):
-    from loraplane.control_plane.server import ControlPlaneConfig
+    from control_plane.server import ControlPlaneConfig
 
     root = tmp_path_factory.mktemp("http-input")
     server = ControlPlane(
@@ -145,7 +145,7 @@ def test_chunked_body_over_the_limit_is_413(cp):
 
 
 def test_body_limit_flag_default_is_32_mib():
-    from loraplane.control_plane.server import ControlPlaneConfig
+    from control_plane.server import ControlPlaneConfig
 
     assert ControlPlaneConfig().http_max_body_bytes == 16 * 1024 * 1024
 
@@ -236,7 +236,7 @@ def test_body_parse_errors_are_openai_400s(api, raw, headers, message):
 def test_a_body_of_millions_of_tiny_values_is_refused_before_parsing(api, monkeypatch):
     """8 MB of ``[],`` (2.8 M empty lists, under the body limit): 400 ``too_many_items`` from a
     byte count, without ``json.loads`` ever running on it."""
-    import loraplane.control_plane.http.schemas as schemas
+    import control_plane.http.schemas as schemas
 
     parsed: list[int] = []
     real_loads = schemas.json.loads
@@ -321,7 +321,7 @@ def test_prompt_limits_follow_the_largest_live_workers_n_ctx(start_control_plane
     ``n_ctx`` 64, a chat over 63 × the longest piece bytes is refused before the template or
     the tokenizer runs, and a prompt of 64 token ids before routing; once the worker leaves,
     the training context applies again."""
-    from loraplane.control_plane.http.deps import max_piece_bytes
+    from control_plane.http.deps import max_piece_bytes
     from tests.integration.test_control_plane_routing import WorkerProcess
 
     cp = start_control_plane(http_addr="127.0.0.1:0", served_model_name=BASE)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplane.clients.client import LoraplaneClient
+from clients.client import LoraplaneClient
 from tests.live_servers import nonzero, restored_default
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplane.clients.client import LoraplaneClient
-from loraplane.clients.errors import LoraplaneError
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
 from tests.control_plane_helpers import write_adapter

@@ -20,7 +20,7 @@ FOLDERS = ("shout", "sea", "shout_embd", "critic_alora", "shout_rs")
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "loraplane.clients.cli", *args],
+        [sys.executable, "-m", "clients.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -99,7 +99,7 @@ def test_convert_peft_reads_bf16_and_f16_without_torch(tmp_path, fixtures_dir):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from loraplane.worker.tools.convert_peft import read_safetensors
+    from worker.tools.convert_peft import read_safetensors
 
     src = fixtures_dir / "adapters" / "peft" / "shout"
     tensors = read_safetensors(src / "adapter_model.safetensors")

@@ -33,13 +33,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2_grpc, worker_pb2, worker_pb2_grpc
-from loraplane.worker.lora.host_cache import CACHE_DIR_PREFIX, pid_alive
 from loraplane.worker_secret import with_secret
 from tests import tiny_models
 from tests.control_plane_helpers import rpc_error, upload
 from tests.live_servers import wait_until as wait_for
 from tests.serve_helpers import free_port
 from tests.worker_service_helpers import gen
+from worker.lora.host_cache import CACHE_DIR_PREFIX, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ class TinyServe:
                 [
                     sys.executable,
                     "-m",
-                    "loraplane.clients.cli",
+                    "clients.cli",
                     "serve",
                     "--addr",
                     addr,
@@ -249,7 +249,7 @@ def test_sigterm_drains_a_worker_and_the_control_plane_routes_around_it(served, 
             [
                 sys.executable,
                 "-m",
-                "loraplane.clients.cli",
+                "clients.cli",
                 "worker",
                 "--control-plane",
                 s.addr,

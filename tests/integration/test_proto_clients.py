@@ -53,7 +53,7 @@ JAVA_ANNOTATIONS = "geronimo-annotation-1.3-spec"  # javax.annotation.Generated 
 @pytest.fixture(scope="module")
 def cp(tmp_path_factory, base_model_path: Path):
     """One real control plane for the module (worker secret set, no worker)."""
-    from loraplane.control_plane.server import ControlPlaneConfig
+    from control_plane.server import ControlPlaneConfig
     from tests.control_plane_helpers import ControlPlane
     from tests.live_servers import WORKER_SECRET
 

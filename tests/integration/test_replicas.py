@@ -37,9 +37,9 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 
-from loraplane.clients.cli import cli
-from loraplane.clients.client import LoraplaneClient
-from loraplane.clients.errors import LoraplaneError
+from clients.cli import cli
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
 from loraplane.v1 import common_pb2, worker_pb2_grpc
@@ -69,7 +69,7 @@ def spawn_control_plane(addr: str, url: str, data_dir: Path, adapter_dir: Path, 
     cmd = [
         sys.executable,
         "-m",
-        "loraplane.clients.cli",
+        "clients.cli",
         "control-plane",
         "--addr",
         addr,
@@ -107,7 +107,7 @@ class Cluster:
                 [
                     sys.executable,
                     "-m",
-                    "loraplane.clients.cli",
+                    "clients.cli",
                     "worker",
                     "--control-plane",
                     f"{self.a_addr},{self.b_addr}",
@@ -262,7 +262,7 @@ def test_concurrent_registrations_on_two_replicas(cluster, tmp_path):
     assert len(set(same_ids)) == 1 and same_ids[0] > max(ids)
 
 
-KEYS_REFRESH_S = 1.0  # loraplane.control_plane.tenants.KEYS_REFRESH_S: B learns A's new keys within it
+KEYS_REFRESH_S = 1.0  # control_plane.tenants.KEYS_REFRESH_S: B learns A's new keys within it
 TOKENS = [2, 651, 6114, 3124]  # a 4-token prompt: what tokens_per_minute counts exactly
 
 

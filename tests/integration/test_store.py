@@ -1,7 +1,7 @@
-"""The store (`loraplane.control_plane.store`) against both databases: a SQLite file and a real
+"""The store (`control_plane.store`) against both databases: a SQLite file and a real
 PostgreSQL server (``postgres_server`` fixture, one per session, a fresh database per test).
 
-Every rule of `loraplane.control_plane.store.base` is checked on both: ids from 0, never reused, no gap
+Every rule of `control_plane.store.base` is checked on both: ids from 0, never reused, no gap
 after a failed registration; one id per content, also under concurrent registration;
 atomic registration (row and bytes or nothing); bytes readable back exactly; the default
 set; the removals feed; worker sightings; migrations (versioned, concurrent start-up safe,
@@ -20,8 +20,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from loraplane.control_plane.store import MIGRATIONS, AdapterStore, SchemaTooNewError, SqliteStore, open_store
-from loraplane.control_plane.store.postgres import BLOB_CHUNK_BYTES, PostgresStore, redact
+from control_plane.store import MIGRATIONS, AdapterStore, SchemaTooNewError, SqliteStore, open_store
+from control_plane.store.postgres import BLOB_CHUNK_BYTES, PostgresStore, redact
 
 BACKENDS = ["sqlite", "postgres"]
 
@@ -289,7 +289,7 @@ def test_open_store_urls_and_redaction(tmp_path):
 # slow: psycopg waits out its connect attempts (about 10 s)
 @pytest.mark.slow
 def test_postgres_unreachable_is_unavailable(tmp_path):
-    from loraplane.control_plane.errors import UnavailableError
+    from control_plane.errors import UnavailableError
     from tests.postgres_server import free_port
 
     port = free_port()  # nothing listens there
@@ -304,7 +304,7 @@ def test_a_row_that_does_not_parse_is_skipped_logged_and_named(open_db, tmp_path
     works."""
     import structlog
 
-    from loraplane.control_plane.errors import DataCorruptionError
+    from control_plane.errors import DataCorruptionError
 
     store = open_db()
     a, b, c = (upload(store, tmp_path, n, seed=i, arch="gemma3")[0] for i, n in enumerate("abc"))
@@ -346,8 +346,8 @@ def test_tenants_crud_hashed_keys_and_sync_between_two_replicas(open_db):
     """Tenants on both databases: unique names and keys (only the sha256 is stored), settings
     updates re-basing the buckets, removal with keys and in-flight rows; two stores on one
     database (two replicas) share bucket levels and each other's in-flight counts."""
-    from loraplane.control_plane.errors import AlreadyExistsError
-    from loraplane.control_plane.store.tenant_records import TenantRecord, UsageDelta
+    from control_plane.errors import AlreadyExistsError
+    from control_plane.store.tenant_records import TenantRecord, UsageDelta
 
     a, b = open_db(), open_db()
     key = hashlib.sha256(b"k" * 16).hexdigest()
@@ -385,7 +385,7 @@ def test_tenant_admission_claims_settling_and_leases(open_db):
     refuses with the row's state; a claim is released once (a second settle, or a settle after
     the lease was reclaimed, changes nothing); a replica's sync renews its own claims and
     deletes the others' expired ones; 16 threads on two replicas at once never pass a limit."""
-    from loraplane.control_plane.store.tenant_records import TenantRecord, UsageDelta
+    from control_plane.store.tenant_records import TenantRecord, UsageDelta
 
     a, b = open_db(), open_db()
     a.add_tenant(

@@ -12,8 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplane.clients.client import LoraplaneClient
-from loraplane.clients.errors import LoraplaneError
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -25,9 +25,9 @@ MAX_TOKENS = 8
 @pytest.fixture
 def http_front(live_server):
     """The live server's HTTP front (``--http-addr``), started on its state for this test."""
-    from loraplane.control_plane.http.app import create_app
-    from loraplane.control_plane.http.server import HttpServer
-    from loraplane.control_plane.server import http_deps
+    from control_plane.http.app import create_app
+    from control_plane.http.server import HttpServer
+    from control_plane.server import http_deps
 
     server = HttpServer(create_app(http_deps(live_server.state)), "127.0.0.1:0")
     port = server.start()

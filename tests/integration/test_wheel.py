@@ -3,10 +3,10 @@ no build isolation), install the wheel with ``--no-deps`` into a fresh target fo
 ``loraplane demo`` and ``loraplane bench`` from there, in a working directory outside the
 repository, so nothing of the checkout can stand in for a file the wheel lacks.
 
-The wheel holds one top-level package, ``loraplane`` (``control_plane/``, ``worker/``,
-``clients/`` and ``bench/`` are mapped under it by symlinks; docs/architecture.md "One import
-name"), plus the package data the product reads at run time: the demo adapters and the C
-sources of the kernels and of the bench's peak-rate probe.
+The wheel holds the repository's five packages, ``loraplane``, ``control_plane``, ``worker``,
+``clients`` and ``bench`` (each file under its path; docs/architecture.md "One path per file"),
+plus the package data the product reads at run time: the demo adapters and the C sources of the
+kernels and of the bench's peak-rate probe.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SKIP = ("tests/", "clients/node/", ".git")
 
 
 def _source_copy(dest: Path) -> Path:
-    """The files git would commit (symlinks kept as symlinks), tests and the node client left out."""
+    """The files git would commit, tests and the node client left out."""
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -43,14 +43,11 @@ def _source_copy(dest: Path) -> Path:
     ).stdout
     for rel in out.splitlines():
         src = ROOT / rel
-        if rel.startswith(SKIP) or not (src.is_symlink() or src.is_file()):
+        if rel.startswith(SKIP) or not src.is_file():
             continue
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            target.symlink_to(os.readlink(src))
-        else:
-            shutil.copy2(src, target)
+        shutil.copy2(src, target)
     return dest
 
 
@@ -84,37 +81,36 @@ def installed(tmp_path_factory) -> dict:
     env = {**os.environ, "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
     # The kernels' build key hashes their packaged sources (a missing one fails the worker); the
     # libraries the checkout already compiled from the same sources are reused, not rebuilt.
-    env["LORAPLANE_KERNEL_BUILD_DIR"] = str(target / "loraplane" / "worker" / "runtime" / "kernels" / "_build")
+    env["LORAPLANE_KERNEL_BUILD_DIR"] = str(target / "worker" / "runtime" / "kernels" / "_build")
     built = ROOT / "worker" / "runtime" / "kernels" / "_build"
     if built.is_dir() and not os.environ.get("LORAPLANE_KERNEL_BUILD_DIR"):
         env["LORAPLANE_KERNEL_BUILD_DIR"] = str(built)
     return {"wheel": wheel, "sdist": sdist, "target": target, "env": env, "cwd": cwd}
 
 
-def test_wheel_and_sdist_hold_only_the_loraplane_package(installed):
+def test_wheel_and_sdist_hold_the_five_packages(installed):
     names = zipfile.ZipFile(installed["wheel"]).namelist()
     top = {n.split("/")[0] for n in names}
-    assert top == {"loraplane", "loraplane-0.1.0.dist-info"}, sorted(top)
+    assert top == {"loraplane", "control_plane", "worker", "clients", "bench", "loraplane-0.1.0.dist-info"}, sorted(top)
     for want in (
-        "loraplane/control_plane/server.py",
-        "loraplane/worker/rpc/server.py",
-        "loraplane/clients/cli.py",
-        "loraplane/bench/__main__.py",
+        "control_plane/server.py",
+        "worker/rpc/server.py",
+        "clients/cli.py",
+        "bench/__main__.py",
         "loraplane/v1/control_plane_pb2.py",
         "loraplane/demo/adapters/shout.gguf",
         "loraplane/demo/adapters/sea.gguf",
-        "loraplane/worker/runtime/kernels/csrc/qmm.cpp",
-        "loraplane/worker/runtime/kernels/csrc/qmm_common.h",
-        "loraplane/bench/csrc/peak_int8.cpp",
+        "worker/runtime/kernels/csrc/qmm.cpp",
+        "worker/runtime/kernels/csrc/qmm_common.h",
+        "bench/csrc/peak_int8.cpp",
     ):
         assert want in names, want
-    assert not [n for n in names if n.startswith("loraplane/tests/") or "/_build/" in n]
+    assert not [n for n in names if "/tests/" in n or n.startswith("tests/") or "/_build/" in n]
     entry_points = zipfile.ZipFile(installed["wheel"]).read("loraplane-0.1.0.dist-info/entry_points.txt").decode()
-    assert "loraplane = loraplane.clients.cli:main" in entry_points
-    # the sdist holds real files under loraplane/ (symlinks followed), not the links
+    assert "loraplane = clients.cli:main" in entry_points
     with tarfile.open(installed["sdist"]) as tar:
         members = {m.name.split("/", 1)[1]: m for m in tar.getmembers() if "/" in m.name}
-    assert members["loraplane/clients/demo.py"].isfile()
+    assert members["clients/demo.py"].isfile()
     assert members["loraplane/demo/adapters/shout.gguf"].isfile()
 
 
@@ -124,7 +120,7 @@ def test_installed_package_is_the_one_imported(installed):
         [
             sys.executable,
             "-c",
-            "import loraplane, loraplane.clients.demo as d; "
+            "import loraplane, clients.demo as d; "
             "print(loraplane.__file__); print(d.DEMO_DIR); print(all(p.is_file() for _, p in d.DEMO_ADAPTERS))",
         ],
         cwd=installed["cwd"],

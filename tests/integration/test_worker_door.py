@@ -97,7 +97,7 @@ def test_without_a_secret_worker_rpcs_are_refused_saying_what_to_do(start_contro
     w = _worker(monkeypatch, cp.addr, secret=None, wait=False)
     try:
         w.stop_event = threading.Event()
-        from loraplane.worker.rpc.membership import MembershipBackoff, start_membership
+        from worker.rpc.membership import MembershipBackoff, start_membership
 
         w.thread = start_membership(cp.addr, w.hello, w.stop_event, backoff=MembershipBackoff(initial_s=0.05))
         assert not w.thread.registered.wait(0.5)
@@ -223,7 +223,7 @@ def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_
         assert worst < 5.0
         # a worker's fetch meanwhile: RESOURCE_EXHAUSTED (cap taken), retried with backoff
         # until the stalled calls are cut off (CANCELLED) after the 1 s stall timeout...
-        from loraplane.worker.rpc.fetch import ControlPlaneFetcher
+        from worker.rpc.fetch import ControlPlaneFetcher
 
         fetcher = ControlPlaneFetcher(cp.addr, "w1", secret=WORKER_SECRET, timeout_s=30, attempts=8)
         try:
@@ -248,7 +248,7 @@ def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_
 
 
 def test_a_reader_slower_than_the_minimum_rate_is_cut_off_after_the_grace():
-    from loraplane.control_plane.stall import StallWatchdog
+    from control_plane.stall import StallWatchdog
 
     dog = StallWatchdog(30.0, min_rate_bytes_s=64 * MiB, grace_s=0.5)  # the stall rule never fires
     ended: list[str] = []
@@ -297,7 +297,7 @@ def test_stall_watchdog_counts_only_time_spent_sending():
     """A ``Generate`` relay waits on its worker between events (a slow producer): never cut;
     a consumer that does not take the message being sent (a stalled reader): cut after the
     timeout."""
-    from loraplane.control_plane.stall import StallWatchdog
+    from control_plane.stall import StallWatchdog
 
     dog = StallWatchdog(0.3, min_rate_bytes_s=0, kind="generate")
 
@@ -321,7 +321,7 @@ def test_stall_watchdog_counts_only_time_spent_sending():
 def test_cli_flags():
     from click.testing import CliRunner
 
-    from loraplane.clients.cli import cli
+    from clients.cli import cli
 
     cp_help = CliRunner().invoke(cli, ["control-plane", "--help"]).output
     for flag in ("--insecure-workers", "--max-fetches", "--fetch-stall-timeout", "--worker-secret"):
@@ -340,7 +340,7 @@ def _spawn_control_plane(tmp_path, name: str, *flags: str) -> tuple[subprocess.P
     cmd = [
         sys.executable,
         "-m",
-        "loraplane.clients.cli",
+        "clients.cli",
         "control-plane",
         "--addr",
         addr,

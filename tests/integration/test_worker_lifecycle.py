@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 
-from loraplane.worker.lora.host_cache import CACHE_DIR_PREFIX, remove_stale_cache_dirs
 from tests.integration.test_control_plane_routing import (  # noqa: F401 - fixtures
     adapters_dir,
     cluster,
@@ -25,6 +24,7 @@ from tests.integration.test_control_plane_routing import (  # noqa: F401 - fixtu
     wait_for,
     workers_of,
 )
+from worker.lora.host_cache import CACHE_DIR_PREFIX, remove_stale_cache_dirs
 
 
 def test_a_draining_worker_is_listed_but_gets_no_request(cluster):  # noqa: F811 - the imported fixture
@@ -69,7 +69,7 @@ def test_stale_cache_dirs_of_dead_pids_are_removed_and_live_ones_kept(tmp_path):
 
 
 def test_first_signal_drains_second_stops_now():
-    from loraplane.worker.rpc.server import Shutdown
+    from worker.rpc.server import Shutdown
 
     armed: list[float] = []
     s = Shutdown(45.0, hard_stop=armed.append)
@@ -82,7 +82,7 @@ def test_first_signal_drains_second_stops_now():
 
 
 def test_the_stop_deadline_is_only_brought_forward():
-    from loraplane.worker.rpc import deadline
+    from worker.rpc import deadline
 
     assert deadline.remaining() == 0.0
     try:

@@ -5,7 +5,7 @@
 For each model (Gemma 3 270M against ``tests/fixtures/golden.json``, Qwen2.5-Coder-0.5B
 against ``tests/fixtures/qwen/golden.json``; packed weights, f32 compute) and each setting —
 ``all-i16`` (``LORAPLANE_KERNEL_ACT=i16``, the former default), ``policy`` (unset: each
-weight's own ``QuantLinear.act`` from ``loraplane.worker.runtime.model.assign_acts``), ``all-i8``
+weight's own ``QuantLinear.act`` from ``worker.runtime.model.assign_acts``), ``all-i8``
 (``LORAPLANE_KERNEL_ACT=i8``), ``rescore`` (the policy plus the LM head's top ``--rescore``
 candidates per row recomputed with int16 activations) — prints every golden group's worst case
 mean |Δ log-prob|, 95th percentile and argmax agreement, computed teacher-forced exactly as
@@ -22,12 +22,12 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from loraplane.worker.lora.adapter import load_lora_adapter
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.runtime.context import Model
-from loraplane.worker.runtime.kernels import QuantLinear
-from loraplane.worker.runtime.model import LM_HEAD_NAMES, default_model_path, load_model
 from tests.parity.compare import GroupStats, compare_case, teacher_forced_logprobs
+from worker.lora.adapter import load_lora_adapter
+from worker.lora.adapter_set import AdapterSet
+from worker.runtime.context import Model
+from worker.runtime.kernels import QuantLinear
+from worker.runtime.model import LM_HEAD_NAMES, default_model_path, load_model
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 SETTINGS = {"all-i16": "i16", "policy": None, "all-i8": "i8", "rescore": None}

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.lora.alora import resolve_alora
-from loraplane.worker.runtime.context import UBatch, WorkerContext
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.alora import resolve_alora
+from worker.runtime.context import UBatch, WorkerContext
 
 
 @dataclass

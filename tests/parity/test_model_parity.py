@@ -17,13 +17,13 @@ from collections import defaultdict
 import pytest
 import torch
 
-from loraplane.worker.lora.adapter import load_lora_adapter
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.lora.registry import AdapterInUseError
-from loraplane.worker.runtime.context import Model, UBatch
-from loraplane.worker.runtime.model import load_model
-from loraplane.worker.tools.convert_peft import convert_peft
 from tests.parity.compare import GroupStats, compare_case, teacher_forced_logprobs
+from worker.lora.adapter import load_lora_adapter
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.registry import AdapterInUseError
+from worker.runtime.context import Model, UBatch
+from worker.runtime.model import load_model
+from worker.tools.convert_peft import convert_peft
 
 pytestmark = pytest.mark.parity
 
@@ -32,7 +32,7 @@ GOLDEN_IDS = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}
 
 # Tolerances per weight form. ``dequant`` is the f32 reference (PEFT bound 0.05, batched =
 # alone 1e-4); ``packed`` is the default path (GGUF-quantized weights, int16 activations per
-# block of 32, int8 for the LM head — ``loraplane.worker.runtime.model.assign_acts``): the llama.cpp
+# block of 32, int8 for the LM head — ``worker.runtime.model.assign_acts``): the llama.cpp
 # bounds for every group and for the PEFT cases, and batched = alone within 1e-3 (a tiny
 # float difference upstream can flip one activation rounding).
 PEFT_MEAN = {"dequant": 0.05, "packed": 0.10}
@@ -267,7 +267,7 @@ def test_free_adapter_in_use_is_refused_both_orders(gemma, fixtures_dir):
     ctx.set_adapters(EMPTY_SET)  # detach first, then free: fine
     assert model.adapters.free(20) is sea2
     # freed first, then a context tries to use it: refused, nothing dangling
-    from loraplane.worker.runtime.context import DecodeError
+    from worker.runtime.context import DecodeError
 
     with pytest.raises(DecodeError, match="not registered"):
         ctx.set_adapters(AdapterSet.of({20: (sea2, 1.0)}))

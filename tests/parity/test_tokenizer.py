@@ -1,4 +1,4 @@
-"""loraplane.worker.runtime.tokenizer against llama.cpp's own token ids (fixtures/golden.json,
+"""worker.runtime.tokenizer against llama.cpp's own token ids (fixtures/golden.json,
 tiny_moe/golden_moe.json)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from loraplane.worker.gguf.reader import GGUFFile, read_gguf
-from loraplane.worker.runtime.tokenizer import Tokenizer, TokenizerError
+from worker.gguf.reader import GGUFFile, read_gguf
+from worker.runtime.tokenizer import Tokenizer, TokenizerError
 
 pytestmark = pytest.mark.parity
 

@@ -1,4 +1,4 @@
-"""loraplane.worker.lora.adapter: the fixture adapters load, and each validation rule has its own error.
+"""worker.lora.adapter: the fixture adapters load, and each validation rule has its own error.
 
 Shapes in helper arguments are numpy/torch order; messages are checked in ggml ``ne``
 order (reversed), which is what the loader reports.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from loraplane.worker.gguf.reader import dequantize, read_gguf
-from loraplane.worker.lora.adapter import (
+from worker.gguf.reader import dequantize, read_gguf
+from worker.lora.adapter import (
     MAX_RANK,
     AdapterError,
     LoraPair,

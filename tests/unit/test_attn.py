@@ -1,6 +1,6 @@
 """Decode attention kernel (``worker/runtime/kernels/csrc/attn.cpp`` via ``kernels.attn``).
 
-Reference: the f64 SDPA of ``loraplane.worker.runtime.graph._sdpa`` (the torch decode path), one
+Reference: the f64 SDPA of ``worker.runtime.graph._sdpa`` (the torch decode path), one
 sequence at a time. Tolerance: every output element within 1e-5 × max |reference| of its
 (sequence, head) row (f32 dot products and accumulation over up to 3000 keys; measured
 ≤ 1e-6). Bit-equality where the kernel promises it: a row alone vs batched, 1 vs 2 threads,
@@ -15,10 +15,10 @@ import types
 import pytest
 import torch
 
-from loraplane.worker.runtime.graph import DecodeRows, GraphContext, _sdpa
-from loraplane.worker.runtime.kernels import KernelError, KernelPathError, supported
-from loraplane.worker.runtime.kernels.attn import attn_decode, resolve_attn, supports
-from loraplane.worker.runtime.kv_cache import KVCache
+from worker.runtime.graph import DecodeRows, GraphContext, _sdpa
+from worker.runtime.kernels import KernelError, KernelPathError, supported
+from worker.runtime.kernels.attn import attn_decode, resolve_attn, supports
+from worker.runtime.kv_cache import KVCache
 
 PATHS = [
     pytest.param("avx2", marks=pytest.mark.skipif(not supported("avx2"), reason="CPU lacks AVX2/FMA/F16C")),

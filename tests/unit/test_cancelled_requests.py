@@ -18,13 +18,13 @@ import grpc
 import pytest
 
 from loraplane.v1 import worker_pb2, worker_pb2_grpc
-from loraplane.worker.config import WorkerConfig
-from loraplane.worker.errors import QueueFullError
-from loraplane.worker.runtime.sampling import SamplingParams
-from loraplane.worker.serving.engine import WorkerEngine
-from loraplane.worker.serving.request import ErrorEvent, FinishedEvent
 from tests.live_servers import wait_until
 from tests.worker_service_helpers import gen
+from worker.config import WorkerConfig
+from worker.errors import QueueFullError
+from worker.runtime.sampling import SamplingParams
+from worker.serving.engine import WorkerEngine
+from worker.serving.request import ErrorEvent, FinishedEvent
 
 PROMPT = [1, 450, 4996, 17354]
 
@@ -84,7 +84,7 @@ def test_a_cancelled_request_takes_no_queue_place_before_the_loop_drops_it(fixtu
 
 @pytest.mark.slow  # ~1 s: a gRPC server and two calls
 def test_a_call_cancelled_during_its_submit_leaves_no_request_running(fixtures_dir):
-    from loraplane.worker.rpc.server import create_server
+    from worker.rpc.server import create_server
 
     server, port, e = create_server(
         _config(fixtures_dir, addr="127.0.0.1:0", n_slots=1, queue_limit=0, n_ctx_slot=2048)

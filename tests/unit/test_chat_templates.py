@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplane.control_plane.http.chat_template import ChatTemplate, ChatTemplateError
+from control_plane.http.chat_template import ChatTemplate, ChatTemplateError
 
 LLAMA3_BOS, LLAMA3_EOT = "<|begin_of_text|>", "<|eot_id|>"
 

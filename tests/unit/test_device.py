@@ -1,5 +1,5 @@
 """Device spellings and their resolution (``loraplane.compute_spec``,
-``loraplane.worker.runtime.device``): the CLI's usage errors, ``auto`` / ``cuda`` / ``cuda:N`` /
+``worker.runtime.device``): the CLI's usage errors, ``auto`` / ``cuda`` / ``cuda:N`` /
 ``cpu:0`` resolved to the exact ``torch.device`` tensors report, on this CPU machine and on a
 simulated machine with two GPUs (``torch.cuda`` queries monkeypatched; nothing is allocated
 on a GPU), and the packed weights that compare their input's device with it."""
@@ -14,14 +14,14 @@ import torch
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
 
-from loraplane.bench.__main__ import device_arg
-from loraplane.clients.cli import cli
+from bench.__main__ import device_arg
+from clients.cli import cli
 from loraplane.compute_spec import DTYPE_NAMES, check_device_spec
-from loraplane.worker.gguf.reader import TensorRecord
-from loraplane.worker.runtime.device import bind_device, resolve_device
-from loraplane.worker.runtime.errors import ModelError
-from loraplane.worker.runtime.kernels import KernelError, QuantLinear, pack_tensor
-from loraplane.worker.runtime.model import DTYPES, load_model
+from worker.gguf.reader import TensorRecord
+from worker.runtime.device import bind_device, resolve_device
+from worker.runtime.errors import ModelError
+from worker.runtime.kernels import KernelError, QuantLinear, pack_tensor
+from worker.runtime.model import DTYPES, load_model
 
 
 @pytest.mark.parametrize(

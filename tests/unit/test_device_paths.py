@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 import torch
 
-from loraplane.worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from loraplane.worker.lora.adapter import load_lora_adapter, open_lora_adapter
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.runtime.context import Model, UBatch
-from loraplane.worker.runtime.grammar import ResponseFormat, apply_masks, mask_words
-from loraplane.worker.runtime.model import load_model
-from loraplane.worker.runtime.sampling import Sampler, SamplingParams, greedy_rows, penalize_rows, prompt_logprobs
-from loraplane.worker.serving.engine import WorkerEngine
-from loraplane.worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
+from worker.config import Batching, PrefixCachePolicy, WorkerConfig
+from worker.lora.adapter import load_lora_adapter, open_lora_adapter
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.runtime.context import Model, UBatch
+from worker.runtime.grammar import ResponseFormat, apply_masks, mask_words
+from worker.runtime.model import load_model
+from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows, penalize_rows, prompt_logprobs
+from worker.serving.engine import WorkerEngine
+from worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
 
 PROMPT = [1, 450, 4996, 17354, 1701, 29916]
 """A BOS-led prompt of the tiny MoE model's vocabulary (the goldens' first prompt, cut)."""

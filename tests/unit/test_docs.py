@@ -76,7 +76,7 @@ def path_tokens(text: str) -> list[str]:
 
 def module_tokens(text: str) -> list[str]:
     """Dotted names in inline code that start with one of our Python packages
-    (``loraplane.worker.lora.pool``, ``loraplane.clients.LoraplaneClient``); file names (``loraplane.sqlite3``) are
+    (``worker.lora.pool``, ``clients.LoraplaneClient``); file names (``loraplane.sqlite3``) are
     not."""
     packages, out = _python_packages(), []
     for span in CODE_SPAN.findall(text):
@@ -92,7 +92,7 @@ def module_tokens(text: str) -> list[str]:
 
 def module_exists(dotted: str) -> bool:
     """The longest importable prefix is a module or package of the tree, and whatever follows it
-    is named in its source: an attribute of a module (``loraplane.worker.serving.engine.WorkerEngine``);
+    is named in its source: an attribute of a module (``worker.serving.engine.WorkerEngine``);
     after a package, a lower-case name must be a module (or named in ``__init__.py``), a
     capitalised one may live in any of the package's modules (``loraplane.v1.Worker``, the
     generated gRPC service)."""
@@ -201,14 +201,12 @@ def test_path_tokens_ignore_what_is_not_a_path():
 
 
 def test_module_tokens_and_resolution():
-    tokens = module_tokens(
-        "`loraplane.worker.lora.pool` `loraplane.clients.LoraplaneClient` `loraplane.sqlite3` `general.name`"
-    )
-    assert tokens == ["loraplane.worker.lora.pool", "loraplane.clients.LoraplaneClient"]
+    tokens = module_tokens("`worker.lora.pool` `clients.LoraplaneClient` `loraplane.sqlite3` `general.name`")
+    assert tokens == ["worker.lora.pool", "clients.LoraplaneClient"]
     assert all(module_exists(t) for t in tokens)
-    assert not module_exists("loraplane.worker.lora.no_such_module")
+    assert not module_exists("worker.lora.no_such_module")
     assert not module_exists("clients.NoSuchClient")
-    assert module_exists("loraplane.v1.Worker") and module_exists("loraplane.worker.serving.engine.max_piece_bytes")
+    assert module_exists("loraplane.v1.Worker") and module_exists("worker.serving.engine.max_piece_bytes")
 
 
 def test_outside_references_are_caught():

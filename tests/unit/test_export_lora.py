@@ -1,4 +1,4 @@
-"""loraplane.worker.tools.export_lora: merged tensors equal base + scaled delta; the untie rule.
+"""worker.tools.export_lora: merged tensors equal base + scaled delta; the untie rule.
 
 Structural checks on the tiny MoE model and a small synthetic tied gemma3-like model; the
 expected values are recomputed here with numpy straight from the GGUF files.
@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 
-from loraplane.worker.gguf.reader import dequantize, read_gguf
-from loraplane.worker.lora.adapter import AdapterError
-from loraplane.worker.tools.export_lora import export_lora
+from worker.gguf.reader import dequantize, read_gguf
+from worker.lora.adapter import AdapterError
+from worker.tools.export_lora import export_lora
 
 # slow tier: each test merges a whole model file and reads it back (12 s in all on a 2-core AMD EPYC)
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Fair admission (``loraplane.worker.serving.fairness``, worker ``--fairness vtc``): the VTC
+"""Fair admission (``worker.serving.fairness``, worker ``--fairness vtc``): the VTC
 state and order alone, and with the scheduler's admission rule (resident-first, bounded
 bypass) through ``Scheduler._next_admissible`` on a fake pool — no model, no threads."""
 
@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 
 from loraplane.v1 import worker_pb2
-from loraplane.worker.errors import InvalidRequestError
-from loraplane.worker.rpc.servicer import tenant_from_proto
-from loraplane.worker.serving.fairness import FairQueue, check_weight
-from loraplane.worker.serving.request import ANONYMOUS, RequestTenant
-from loraplane.worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, Scheduler, admission_order
+from worker.errors import InvalidRequestError
+from worker.rpc.servicer import tenant_from_proto
+from worker.serving.fairness import FairQueue, check_weight
+from worker.serving.request import ANONYMOUS, RequestTenant
+from worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, Scheduler, admission_order
 
 
 @dataclass(eq=False)
@@ -210,7 +210,7 @@ def test_tenant_from_the_wire():
 
 
 def test_cli_flags_validated_and_turned_into_worker_args():
-    from loraplane.clients.cli_server import worker_args, worker_cmd
+    from clients.cli_server import worker_args, worker_cmd
 
     for bad in ("0", "-2", "nan", "inf"):
         res = CliRunner().invoke(worker_cmd, ["--fairness", "vtc", "--fairness-prompt-weight", bad])
@@ -335,7 +335,7 @@ def test_fairness_off_admits_in_todays_order():
 
 
 def test_bench_service_difference_counts_only_tenants_backlogged_over_the_window():
-    from loraplane.bench.fairness import (
+    from bench.fairness import (
         Call,
         backlog_intervals,
         max_service_difference,
@@ -371,10 +371,10 @@ def test_bench_service_difference_counts_only_tenants_backlogged_over_the_window
 def test_tenant_service_is_the_proto_field_for_field_and_reaches_worker_stats():
     import dataclasses
 
-    from loraplane.worker.rpc.servicer import stats_to_proto
-    from loraplane.worker.serving.engine import WorkerStatsRecord
-    from loraplane.worker.serving.fairness import TenantService
-    from loraplane.worker.serving.scheduler import SchedulerStats
+    from worker.rpc.servicer import stats_to_proto
+    from worker.serving.engine import WorkerStatsRecord
+    from worker.serving.fairness import TenantService
+    from worker.serving.scheduler import SchedulerStats
 
     assert {f.name for f in dataclasses.fields(TenantService)} == set(
         worker_pb2.TenantService.DESCRIPTOR.fields_by_name
@@ -401,8 +401,8 @@ def test_tenant_service_is_the_proto_field_for_field_and_reaches_worker_stats():
 def test_serve_passes_the_fairness_flags_to_its_worker(monkeypatch, tmp_path):
     """``loraplane serve --fairness vtc …``: the worker subprocess gets the same flags (the
     serve machinery itself is replaced: no process starts)."""
-    import loraplane.clients.serve as serve_mod
-    from loraplane.clients.cli_server import serve_cmd
+    import clients.serve as serve_mod
+    from clients.cli_server import serve_cmd
 
     seen = {}
 
@@ -455,7 +455,7 @@ def test_the_control_plane_tries_a_full_worker_for_a_lighter_tenant_only_if_it_s
     limit is still tried for a tenant the rule lets in (the worker then evicts), never for the
     heavy tenant itself, and never when the worker does not share its queue (--fairness off:
     "every live worker is full" as before); a relay that ends gives its count back."""
-    from loraplane.control_plane.workers import WorkerHandle, WorkerPool
+    from control_plane.workers import WorkerHandle, WorkerPool
     from loraplane.queue_shares import Share
 
     pool = WorkerPool(None)  # type: ignore[arg-type]  # no registry: membership is not used here

@@ -1,4 +1,4 @@
-"""``loraplane.worker.gpu.dequant``: GGUF blocks dequantized with torch ops, against gguf-py's
+"""``worker.gpu.dequant``: GGUF blocks dequantized with torch ops, against gguf-py's
 ``quants.dequantize`` (the reference the reader and the ``dequant`` weight form use).
 
 Every block type is compared bit for bit in f32 on random block bytes (f16 scale fields set to
@@ -19,8 +19,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
-from loraplane.worker.gguf.reader import GGUFError, TensorRecord, dequantize, read_gguf
-from loraplane.worker.gpu.dequant import (
+from worker.gguf.reader import GGUFError, TensorRecord, dequantize, read_gguf
+from worker.gpu.dequant import (
     DEVICE_DEQUANT_TYPES,
     Uploader,
     dequantize_blocks,
@@ -66,7 +66,7 @@ def bits(x: np.ndarray | torch.Tensor) -> np.ndarray:
 
 
 def test_every_reader_type_has_a_device_dequantizer():
-    from loraplane.worker.gguf.reader import FLOAT_TYPES, SUPPORTED_QUANT_TYPES
+    from worker.gguf.reader import FLOAT_TYPES, SUPPORTED_QUANT_TYPES
 
     assert DEVICE_DEQUANT_TYPES == FLOAT_TYPES | SUPPORTED_QUANT_TYPES
     assert set(F16_FIELDS) == set(BLOCK_TYPES) == SUPPORTED_QUANT_TYPES

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from loraplane.worker.gpu.graph_runner import GraphRunner, HostStep, StepInputs, capture_sizes
-from loraplane.worker.gpu.paged_kv import PagedKVCache
-from loraplane.worker.gpu.sampling import SamplingPlan, SamplingRows, SamplingState, SamplingTensors, fetch, unpack
-from loraplane.worker.runtime.sampling import SamplingParams
+from worker.gpu.graph_runner import GraphRunner, HostStep, StepInputs, capture_sizes
+from worker.gpu.paged_kv import PagedKVCache
+from worker.gpu.sampling import SamplingPlan, SamplingRows, SamplingState, SamplingTensors, fetch, unpack
+from worker.runtime.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 N_VOCAB, MAX_LORAS, MAX_BLOCKS = 40, 2, 8
@@ -214,7 +214,7 @@ class ToyModel:
         return {"logits": last, "packed": packed}
 
     def _sample(self, logits: torch.Tensor, rows: SamplingTensors | None) -> torch.Tensor:
-        from loraplane.worker.gpu.sampling import sample
+        from worker.gpu.sampling import sample
 
         assert rows is not None
         return sample(logits, rows, self.state, SamplingPlan.full(n_logprobs=2))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from loraplane.worker.gpu.paged_kv import (
+from worker.gpu.paged_kv import (
     NULL_BLOCK,
     BlockAllocator,
     OutOfBlocksError,
@@ -19,7 +19,7 @@ from loraplane.worker.gpu.paged_kv import (
     block_keys,
     n_blocks_for,
 )
-from loraplane.worker.runtime.kv_cache import KVCacheError
+from worker.runtime.kv_cache import KVCacheError
 
 BS = 4  # positions per block in these tests
 

@@ -1,5 +1,5 @@
-"""Device sampling (``loraplane.worker.gpu.sampling``) on the CPU against the CPU sampler
-(``loraplane.worker.runtime.sampling``): greedy ids equal exactly, log-probs within 1e-5,
+"""Device sampling (``worker.gpu.sampling``) on the CPU against the CPU sampler
+(``worker.runtime.sampling``): greedy ids equal exactly, log-probs within 1e-5,
 penalized logits bit for bit, grammar bitmasks as ``apply_masks`` applies them, draws equal in
 law (chi-square over many draws against the exact distribution the CPU sampler draws from),
 fixed seeds against a per-row reference, and the captured-graph plan equal to the minimal one.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from loraplane.worker.gpu.sampling import (
+from worker.gpu.sampling import (
     UNCONSTRAINED,
     SamplingPlan,
     SamplingRows,
@@ -26,8 +26,8 @@ from loraplane.worker.gpu.sampling import (
     sample,
     unpack,
 )
-from loraplane.worker.runtime.grammar import apply_masks, mask_words
-from loraplane.worker.runtime.sampling import Sampler, SamplingParams, penalize_rows
+from worker.runtime.grammar import apply_masks, mask_words
+from worker.runtime.sampling import Sampler, SamplingParams, penalize_rows
 
 CPU = torch.device("cpu")
 

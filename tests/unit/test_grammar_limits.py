@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-import loraplane.worker.runtime.grammar as grammar
-from loraplane.control_plane.http.tools import check_tools
+import worker.runtime.grammar as grammar
+from control_plane.http.tools import check_tools
 from loraplane.grammar_limits import GrammarLimits, LimitError, check_choices, lark_depth, lark_rules, schema_depth
 from loraplane.response_format import ResponseFormat, choice_grammar, compile_grammar, one_line
 from tests.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
@@ -23,8 +23,8 @@ DEFAULT = GrammarLimits()
 @pytest.fixture
 def tiny_tokenizer(fixtures_dir):
     """A fresh tokenizer object (the vocabulary view is cached per object)."""
-    from loraplane.worker.gguf.reader import read_gguf
-    from loraplane.worker.runtime.tokenizer import Tokenizer
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 
@@ -33,8 +33,8 @@ def tiny_tokenizer(fixtures_dir):
 def shared_tokenizer(fixtures_dir):
     """One tokenizer for the tests of the worker's compiled-format cache (its vocabulary view is
     built once for them)."""
-    from loraplane.worker.gguf.reader import read_gguf
-    from loraplane.worker.runtime.tokenizer import Tokenizer
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 
@@ -202,7 +202,7 @@ def test_the_worker_refuses_over_its_limits_before_the_engine(tiny_tokenizer):
 
 @pytest.mark.slow  # starts child processes (about 1 s)
 def test_the_checker_survives_a_crashing_child_and_kills_a_slow_one():
-    from loraplane.control_plane.grammar_check import GrammarChecker
+    from control_plane.grammar_check import GrammarChecker
     from loraplane.grammar_limits import GrammarError
 
     open_limits = GrammarLimits(max_depth=10**6, max_rules=10**6, max_bytes=10**8)
@@ -226,7 +226,7 @@ def test_the_checker_survives_a_crashing_child_and_kills_a_slow_one():
 
 
 def test_a_check_that_fails_otherwise_names_the_failure():
-    from loraplane.control_plane.grammar_check import _compile_in_child
+    from control_plane.grammar_check import _compile_in_child
 
     # what the child answers for a failure other than a refusal (was "the check did not finish")
     verdict = _compile_in_child(ResponseFormat("json_schema", schema=None), DEFAULT)  # type: ignore[arg-type]
@@ -281,7 +281,7 @@ def test_a_format_is_compiled_once_and_each_request_gets_its_own_matcher(monkeyp
 def test_concurrent_checks_of_one_format_share_one_child_and_one_verdict():
     from concurrent.futures import ThreadPoolExecutor
 
-    from loraplane.control_plane.grammar_check import GrammarChecker
+    from control_plane.grammar_check import GrammarChecker
     from loraplane.grammar_limits import GrammarError
 
     # 20 intersected patterns: about 30 s of the engine's emptiness check, stopped at 0.5 s.
@@ -330,7 +330,7 @@ def test_kept_matchers_are_bounded_by_their_formats_size(monkeypatch, shared_tok
 def test_one_tenants_slow_checks_never_hold_every_child():
     import concurrent.futures
 
-    from loraplane.control_plane.grammar_check import GrammarChecker
+    from control_plane.grammar_check import GrammarChecker
     from loraplane.grammar_limits import GrammarError
 
     open_limits = GrammarLimits(max_depth=10**6, max_rules=10**6, max_bytes=10**8)

@@ -1,6 +1,6 @@
 """A streaming HTTP client that stops reading is cut after the write timeout even when the
 kernel buffers take every write (on loopback the send buffer alone grows to 4 MiB): the relay
-watches the bytes the client acknowledges (``loraplane.control_plane.http.delivery``).
+watches the bytes the client acknowledges (``control_plane.http.delivery``).
 
 The real HTTP server (uvicorn with the control plane's protocol) on a loopback port serves a
 `RelayResponse` of a generation that never ends by itself (``endless_stream``: ~150-byte SSE
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from loraplane.control_plane.http.server import HttpServer
-from loraplane.control_plane.http.streaming import RelayResponse
+from control_plane.http.server import HttpServer
+from control_plane.http.streaming import RelayResponse
 from tests.live_servers import wait_until
 from tests.unit.test_http_streaming import endless_stream
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-import loraplane.control_plane.http.completions as completions
-from loraplane.control_plane.http.schemas import UNSUPPORTED
+import control_plane.http.completions as completions
+from control_plane.http.schemas import UNSUPPORTED
 from loraplane.v1 import common_pb2
 from tests.http_fakes import FakeTokenizer, call_app, finished, token
 from tests.unit.test_http_routes import EVENTS, Front

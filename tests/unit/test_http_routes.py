@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-import loraplane.control_plane.http.completions as completions
-from loraplane.control_plane.auth import BearerCheck, bearer_token, check_bearer
-from loraplane.control_plane.errors import UnavailableError
-from loraplane.control_plane.http.app import HttpDeps, create_app
-from loraplane.control_plane.http.chat_template import load_chat_template
-from loraplane.control_plane.http.responses import token_text_of
-from loraplane.control_plane.http.streaming import CompletionStream
+import control_plane.http.completions as completions
+from control_plane.auth import BearerCheck, bearer_token, check_bearer
+from control_plane.errors import UnavailableError
+from control_plane.http.app import HttpDeps, create_app
+from control_plane.http.chat_template import load_chat_template
+from control_plane.http.responses import token_text_of
+from control_plane.http.streaming import CompletionStream
 from tests.http_fakes import (
     FakePool,
     FakeRecord,
@@ -218,7 +218,7 @@ def test_template_failures_are_400s(template_text, code):
 
 
 def test_unexpected_exception_is_an_openai_500_without_its_details(monkeypatch):
-    import loraplane.control_plane.http.errors as errors
+    import control_plane.http.errors as errors
 
     logged: list[tuple[str, dict]] = []
     monkeypatch.setattr(

@@ -12,11 +12,11 @@ import anyio
 import grpc
 import pytest
 
-from loraplane.control_plane.errors import UnavailableError
-from loraplane.control_plane.http.errors import OpenAIError
-from loraplane.control_plane.http.responses import token_text_of
-from loraplane.control_plane.http.streaming import CompletionStream, RelayResponse
-from loraplane.control_plane.router import WorkerRequestError
+from control_plane.errors import UnavailableError
+from control_plane.http.errors import OpenAIError
+from control_plane.http.responses import token_text_of
+from control_plane.http.streaming import CompletionStream, RelayResponse
+from control_plane.router import WorkerRequestError
 from tests.http_fakes import FakeTokenizer, finished, scripted, started, token
 
 CREATED = 1700000000
@@ -569,7 +569,7 @@ def test_non_finite_logprobs_give_a_json_body_not_a_500(chat):
 
 
 def test_json_logprob_rule():
-    from loraplane.control_plane.http.responses import json_logprob
+    from control_plane.http.responses import json_logprob
 
     assert [json_logprob(x) for x in (NAN, -INF, INF, -1e5, -9999.0, -0.5, 0.0)] == [
         -9999.0,

@@ -7,9 +7,9 @@ import sqlite3
 
 import pytest
 
-from loraplane.control_plane.http.chat_template import GEMMA_TURN_TEMPLATE, ChatTemplateError, load_chat_template
+from control_plane.http.chat_template import GEMMA_TURN_TEMPLATE, ChatTemplateError, load_chat_template
 from loraplane.metrics import OTHER_LABEL, BoundedLabels
-from loraplane.worker.serving.output import StopMatcher
+from worker.serving.output import StopMatcher
 
 
 def test_template_precedence_file_then_gguf_then_builtin(tmp_path):
@@ -47,7 +47,7 @@ def test_template_raise_exception_and_sandbox():
 
 
 def _template(text: str):
-    from loraplane.control_plane.http.chat_template import ChatTemplate
+    from control_plane.http.chat_template import ChatTemplate
 
     return ChatTemplate(source="file:test", text=text, bos_token="", eos_token="")
 
@@ -104,7 +104,7 @@ def test_bounded_render_keeps_normal_output_and_reuses_the_compiled_template():
 def test_cli_ids_are_ascii_digits():
     import click
 
-    from loraplane.clients.params import AdapterIdType, HostPortType, TokenIdsType
+    from clients.params import AdapterIdType, HostPortType, TokenIdsType
 
     assert AdapterIdType().convert("7", None, None) == 7
     for bad in ("\u0663", "1_0", "+3", "4294967296", "-1", "12345678901234567890"):
@@ -117,8 +117,8 @@ def test_cli_ids_are_ascii_digits():
 
 
 def test_not_found_messages_name_at_most_16_adapters():
-    from loraplane.control_plane.errors import NotFoundError
-    from loraplane.control_plane.resolution import find_adapter
+    from control_plane.errors import NotFoundError
+    from control_plane.resolution import find_adapter
     from tests.http_fakes import FakeRecord
 
     records = [FakeRecord(i, f"adapter-{i:05d}-" + "n" * 240) for i in range(2000)]
@@ -133,7 +133,7 @@ def test_not_found_messages_name_at_most_16_adapters():
 
 
 def test_parse_adapter_id_is_ascii_and_uint32():
-    from loraplane.control_plane.resolution import parse_adapter_id
+    from control_plane.resolution import parse_adapter_id
 
     assert parse_adapter_id("0") == 0 and parse_adapter_id("4294967295") == 2**32 - 1
     for bad in ("\u0663", "", "3 ", "+3", "1_0", "4294967296", "12345678901234567890"):
@@ -183,7 +183,7 @@ def test_progress_is_off_under_json_and_without_a_tty(monkeypatch):
 def test_store_migration_adds_source_format(tmp_path):
     """A database written before the column existed (schema version 2) is migrated: its rows
     read as "gguf", new rows keep what they are given."""
-    from loraplane.control_plane.store import MIGRATIONS, open_store
+    from control_plane.store import MIGRATIONS, open_store
 
     db = tmp_path / "loraplane.sqlite3"
     conn = sqlite3.connect(db)
@@ -217,9 +217,9 @@ def test_store_migration_adds_source_format(tmp_path):
 def test_openai_error_shape_for_domain_errors():
     import grpc
 
-    from loraplane.control_plane.errors import NotFoundError, UnavailableError
-    from loraplane.control_plane.http.errors import from_control_plane
-    from loraplane.control_plane.router import WorkerRequestError
+    from control_plane.errors import NotFoundError, UnavailableError
+    from control_plane.http.errors import from_control_plane
+    from control_plane.router import WorkerRequestError
 
     assert from_control_plane(NotFoundError("adapter 9")).body() == {
         "error": {"message": "adapter 9", "type": "not_found_error", "param": None, "code": None}
@@ -234,10 +234,10 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
     import re
     from pathlib import Path
 
-    from loraplane.control_plane.metrics import ControlPlaneMetrics
-    from loraplane.worker.serving.engine import WorkerStatsRecord
-    from loraplane.worker.serving.metrics import WorkerMetrics
-    from loraplane.worker.serving.scheduler import SchedulerStats
+    from control_plane.metrics import ControlPlaneMetrics
+    from worker.serving.engine import WorkerStatsRecord
+    from worker.serving.metrics import WorkerMetrics
+    from worker.serving.scheduler import SchedulerStats
 
     sched = SchedulerStats(
         n_slots=2,
@@ -286,8 +286,8 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
     "other"), parsed back with prometheus_client's text parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from loraplane.control_plane.metrics import ControlPlaneMetrics
-    from loraplane.control_plane.workers import WorkerHoldingsView
+    from control_plane.metrics import ControlPlaneMetrics
+    from control_plane.workers import WorkerHoldingsView
     from loraplane.v1.control_plane_pb2 import AdapterPagingCount as Count
 
     views = [

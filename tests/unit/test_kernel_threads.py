@@ -9,7 +9,7 @@
   (a busy pool makes the second caller run inline; a generous join timeout catches a deadlock).
 - After ``os.fork()`` the child's first kernel call builds a fresh pool and gives the same result.
 
-No timing is asserted; speed is measured by ``python -m loraplane.bench.kernels --contention``.
+No timing is asserted; speed is measured by ``python -m bench.kernels --contention``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as T
 
-from loraplane.worker.gguf.reader import read_gguf
-from loraplane.worker.runtime.kernels import build, pack_tensor, supported
+from worker.gguf.reader import read_gguf
+from worker.runtime.kernels import build, pack_tensor, supported
 
 PATHS = [p for p in ("avx2", "avx512") if supported(p)]
 K = 2048  # 33 rows x 2048 >= 2**16 elements: activation quantization goes parallel too
@@ -200,8 +200,8 @@ def test_process_exits_with_pool_alive(spin_us):
     exits normally: the threads are detached, nothing joins them at interpreter shutdown."""
     code = f"""
 import torch
-from loraplane.worker.runtime.kernels import build
-from loraplane.worker.runtime.kernels.linear import _fns
+from worker.runtime.kernels import build
+from worker.runtime.kernels.linear import _fns
 torch.set_num_threads(3)
 lib = build.load({PATHS[-1]!r})
 n, k = 64, 2048

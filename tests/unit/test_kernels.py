@@ -1,9 +1,9 @@
-"""Quantized matmul kernels (loraplane.worker.runtime.kernels) against the f32 dequantized reference.
+"""Quantized matmul kernels (worker.runtime.kernels) against the f32 dequantized reference.
 
 Weights are real GGUF tensors: quantized with ``gguf.quants.quantize`` where the gguf package
 can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16), crafted as random block bytes where it cannot
 (Q4_K, Q5_K, Q6_K), written into a tiny GGUF with ``gguf.GGUFWriter`` and read back with
-``loraplane.worker.gguf.reader``. The reference is ``loraplane.worker.gguf.reader.dequantize``.
+``worker.gguf.reader``. The reference is ``worker.gguf.reader.dequantize``.
 
 Tolerances (stated per path):
 
@@ -32,10 +32,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as T
 
-from loraplane.worker.gguf.reader import dequantize, read_gguf
-from loraplane.worker.runtime import graph as graph_mod
-from loraplane.worker.runtime.graph import GraphContext
-from loraplane.worker.runtime.kernels import (
+from worker.gguf.reader import dequantize, read_gguf
+from worker.runtime import graph as graph_mod
+from worker.runtime.graph import GraphContext
+from worker.runtime.kernels import (
     KernelError,
     KernelPathError,
     QuantLinear,
@@ -47,7 +47,7 @@ from loraplane.worker.runtime.kernels import (
     resolve_path,
     supported,
 )
-from loraplane.worker.runtime.model import LM_HEAD_RESCORE, ModelError, assign_acts
+from worker.runtime.model import LM_HEAD_RESCORE, ModelError, assign_acts
 
 ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
 C_PATHS = [

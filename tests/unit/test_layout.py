@@ -20,38 +20,28 @@ def _fresh(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_control_plane_does_not_import_torch():
     r = _fresh(
-        "import loraplane.control_plane.server, loraplane.control_plane.registry, sys; "
+        "import control_plane.server, control_plane.registry, sys; "
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
         "assert not bad, bad[:5]"
     )
     assert r.returncode == 0, r.stderr
 
 
-MAPPED = ("control_plane", "worker", "clients", "bench")  # symlinked into loraplane/
-
-
-def _canonical(module: str) -> str:
-    """The import name: a repository folder's modules live under ``loraplane.`` (``worker.x`` is
-    ``loraplane.worker.x``)."""
-    return f"loraplane.{module}" if module.split(".")[0] in MAPPED else module
-
-
 def _imports(path: Path) -> list[tuple[str, int, bool]]:
-    """(canonical module, line, at module level) for every import in ``path``."""
+    """(module, line, at module level) for every import in ``path``."""
     tree = ast.parse(path.read_text(), filename=str(path))
     top = {id(n) for n in tree.body}
     out: list[tuple[str, int, bool]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(_canonical(a.name), node.lineno, id(node) in top) for a in node.names]
+            out += [(a.name, node.lineno, id(node) in top) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((_canonical(node.module), node.lineno, id(node) in top))
+            out.append((node.module, node.lineno, id(node) in top))
     return out
 
 
 def _py(*dirs: str) -> list[Path]:
-    """The ``.py`` files under the repository folders ``dirs`` (``rglob`` does not follow the
-    symlinks in ``loraplane/``: ``_py("loraplane")`` is the shared plumbing only)."""
+    """The ``.py`` files under the repository folders ``dirs``."""
     return [p for d in dirs for p in (ROOT / d).rglob("*.py") if "node_modules" not in p.parts]
 
 
@@ -61,45 +51,45 @@ def _py(*dirs: str) -> list[Path]:
         (
             "worker/lora",
             (
-                "loraplane.worker.serving",
-                "loraplane.worker.rpc",
-                "loraplane.worker.runtime.context",
-                "loraplane.control_plane",
-                "loraplane.clients",
+                "worker.serving",
+                "worker.rpc",
+                "worker.runtime.context",
+                "control_plane",
+                "clients",
             ),
         ),
         (
             "worker/gguf",
             (
-                "loraplane.worker.lora",
-                "loraplane.worker.runtime",
-                "loraplane.worker.serving",
-                "loraplane.worker.rpc",
+                "worker.lora",
+                "worker.runtime",
+                "worker.serving",
+                "worker.rpc",
                 "torch",
             ),
         ),
         (
             "worker/runtime",
-            ("loraplane.worker.serving", "loraplane.worker.rpc", "loraplane.control_plane", "loraplane.clients"),
+            ("worker.serving", "worker.rpc", "control_plane", "clients"),
         ),
-        ("worker/serving", ("loraplane.worker.rpc", "grpc", "loraplane.control_plane", "loraplane.clients")),
+        ("worker/serving", ("worker.rpc", "grpc", "control_plane", "clients")),
         # the control plane uses only the torch-free parts of the worker: the GGUF format, adapter-file
         # validation and the tokenizer (to show aLoRA invocation text)
         (
             "control_plane",
             (
-                "loraplane.worker.runtime.model",
-                "loraplane.worker.runtime.context",
-                "loraplane.worker.runtime.graph",
-                "loraplane.worker.serving",
-                "loraplane.worker.rpc",
-                "loraplane.worker.lora.adapter",
-                "loraplane.worker.lora.plan",
+                "worker.runtime.model",
+                "worker.runtime.context",
+                "worker.runtime.graph",
+                "worker.serving",
+                "worker.rpc",
+                "worker.lora.adapter",
+                "worker.lora.plan",
                 "torch",
-                "loraplane.clients",
+                "clients",
             ),
         ),
-        ("loraplane", ("loraplane.worker", "loraplane.control_plane", "loraplane.clients", "torch")),
+        ("loraplane", ("worker", "control_plane", "clients", "torch")),
     ],
 )
 def test_package_does_not_import(package, forbidden):
@@ -117,6 +107,6 @@ def test_product_packages_do_not_import_bench_at_module_level():
         f"{p.relative_to(ROOT)}:{line}"
         for p in _py("worker", "control_plane", "clients", "loraplane")
         for mod, line, top in _imports(p)
-        if top and (mod == "loraplane.bench" or mod.startswith("loraplane.bench."))
+        if top and (mod == "bench" or mod.startswith("bench."))
     ]
     assert not bad, bad

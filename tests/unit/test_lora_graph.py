@@ -17,13 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane.worker.lora.adapter import load_lora_adapter
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.runtime import graph
-from loraplane.worker.runtime.context import Model, UBatch
-from loraplane.worker.runtime.kernels import supported
-from loraplane.worker.runtime.model import load_model
 from tests.tiny_models import MODELS, adapter
+from worker.lora.adapter import load_lora_adapter
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.runtime import graph
+from worker.runtime.context import Model, UBatch
+from worker.runtime.kernels import supported
+from worker.runtime.model import load_model
 
 pytestmark = [
     pytest.mark.skipif(not supported("avx2"), reason="the gathered kernel needs the AVX2 or AVX-512 path"),

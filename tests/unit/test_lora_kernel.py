@@ -1,4 +1,4 @@
-"""The gathered multi-LoRA kernel (``loraplane.worker.runtime.kernels.lora``, ``csrc/lora.cpp``, BGMV).
+"""The gathered multi-LoRA kernel (``worker.runtime.kernels.lora``, ``csrc/lora.cpp``, BGMV).
 
 - vs a float64 reference of ``y[i] += Σ_s S[i,s]·factor[s]·B_s(A_s x_i)`` for random slots,
   scales and ranks (padded to R with zeros, as the pool stores them), rows with 2 adapters in
@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane.worker.runtime.kernels import KernelPathError, supported
-from loraplane.worker.runtime.kernels import lora as lora_mod
-from loraplane.worker.runtime.kernels.lora import lora_bgmv, lora_dense, lora_pairs, lora_sgmv_torch
+from worker.runtime.kernels import KernelPathError, supported
+from worker.runtime.kernels import lora as lora_mod
+from worker.runtime.kernels.lora import lora_bgmv, lora_dense, lora_pairs, lora_sgmv_torch
 
 C_PATHS = [
     pytest.param("avx2", marks=pytest.mark.skipif(not supported("avx2"), reason="CPU lacks AVX2/FMA/F16C")),
@@ -29,7 +29,7 @@ C_PATHS = [
 
 
 def _pool(S: int, R: int, k: int, d: int, seed: int):
-    """Slot buffers like ``loraplane.worker.lora.pool``: slot ranks 1..R (rows past r zero), one slot
+    """Slot buffers like ``worker.lora.pool``: slot ranks 1..R (rows past r zero), one slot
     with no branch (rank 0, factor 0)."""
     g = torch.Generator().manual_seed(seed)
     ranks = torch.randint(1, R + 1, (S,), generator=g).to(torch.int32)

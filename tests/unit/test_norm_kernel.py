@@ -1,4 +1,4 @@
-"""The RMS norm kernel (``loraplane.worker.runtime.kernels.norm``, ``csrc/norm.cpp``) against the torch
+"""The RMS norm kernel (``worker.runtime.kernels.norm``, ``csrc/norm.cpp``) against the torch
 rule it replaces in ``GraphContext.build_norm`` (f64 mean of squares), on every ISA path this
 CPU runs: close to it, a row bit-identical alone or batched and with 1 or 2 threads."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane.worker.runtime.kernels import norm as knorm
-from loraplane.worker.runtime.kernels import supported
-from loraplane.worker.runtime.kernels.linear import KernelError
+from worker.runtime.kernels import norm as knorm
+from worker.runtime.kernels import supported
+from worker.runtime.kernels.linear import KernelError
 
 PATHS = [p for p in ("avx2", "avx512", "amx") if supported(p)]
 pytestmark = pytest.mark.skipif(not PATHS, reason="no C kernel path on this CPU")

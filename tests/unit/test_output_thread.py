@@ -1,4 +1,4 @@
-"""The output thread (``loraplane.worker.serving.output.EmitWorker``) on the tiny llama-MoE model: a stop
+"""The output thread (``worker.serving.output.EmitWorker``) on the tiny llama-MoE model: a stop
 string found a step late never leaks a token, cancellation mid-stream, many streams ending at
 once, per-stream order. In-process engine, greedy decoding (deterministic ids)."""
 
@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from loraplane.worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from loraplane.worker.runtime.sampling import SamplingParams
-from loraplane.worker.serving.engine import WorkerEngine
-from loraplane.worker.serving.output import EmitWorker
-from loraplane.worker.serving.request import ErrorEvent, FinishedEvent, StartedEvent, TokenEvent
+from worker.config import Batching, PrefixCachePolicy, WorkerConfig
+from worker.runtime.sampling import SamplingParams
+from worker.serving.engine import WorkerEngine
+from worker.serving.output import EmitWorker
+from worker.serving.request import ErrorEvent, FinishedEvent, StartedEvent, TokenEvent
 
 PROMPT = [1, 450, 4996, 17354]
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from loraplane.worker.lora.adapter import AdapterError, LoraAdapter, LoraPair, load_lora_adapter, open_lora_adapter
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.lora.plan import build_plan
-from loraplane.worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
 from tests.lora_fakes import D, K, adapter
+from worker.lora.adapter import AdapterError, LoraAdapter, LoraPair, load_lora_adapter, open_lora_adapter
+from worker.lora.adapter_set import AdapterSet
+from worker.lora.plan import build_plan
+from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
 
 ADS = [adapter(f"a{i}", seed=i, rank=2 + i % 3) for i in range(6)]
 
@@ -112,8 +112,8 @@ def test_rank_growth_keeps_other_slots():
 
 def test_heterogeneous_ranks_and_weights_routed_by_slot():
     """Ranks 4, 8, 16, 64 and adapters on different weights, one product per weight."""
-    from loraplane.worker.lora.adapter import lora_scale
-    from loraplane.worker.runtime.graph import GraphContext, GraphInputs
+    from worker.lora.adapter import lora_scale
+    from worker.runtime.graph import GraphContext, GraphInputs
 
     ads = [
         adapter("r4", rank=4, alpha=8.0, weights=("w",), seed=1),
@@ -183,8 +183,8 @@ def test_token_embd_side_branch_follows_slots():
 def test_fetch_to_file_verifies_the_hash_and_leaves_nothing_on_failure(tmp_path):
     import hashlib
 
-    from loraplane.worker.errors import AdapterFetchError
-    from loraplane.worker.lora.host_cache import fetch_to_file
+    from worker.errors import AdapterFetchError
+    from worker.lora.host_cache import fetch_to_file
 
     data = b"GGUF" + bytes(range(256)) * 5
     sha = hashlib.sha256(data).hexdigest()

@@ -6,24 +6,24 @@ cycles.
   leaves it. Caches, temp and system paths (``~/.cache``, ``/tmp``, ``/usr/...``) stay allowed.
 - No import cycle among the product packages, counting every ``import`` statement (also those
   inside functions: a lazy import is how a cycle hides), except ``if TYPE_CHECKING:`` blocks.
-- One import name: the repository folders ``control_plane/``, ``worker/``, ``clients/`` and
-  ``bench/`` are importable only as ``loraplane.<folder>`` (symlinks in ``loraplane/``); no code,
-  test or ``-m`` command line names them as top-level modules, which an installed wheel lacks.
+- One path per file: a module's dotted name is its path from the repository root, and that is
+  where Python finds it (no links, no mapping; docs/architecture.md "One path per file").
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("worker", "control_plane", "clients", "loraplane", "bench")
-# Repository folders mapped into the loraplane package (loraplane/<name> is a symlink to <name>/).
-MAPPED = ("control_plane", "worker", "clients", "bench")
 GENERATED = ("loraplane/v1/",)
 TEXT_SUFFIXES = {
     ".cpp",
@@ -111,19 +111,8 @@ def test_no_file_path_climbs_out_through_parents():
     assert not bad, "\n".join(bad)
 
 
-def canonical(module: str) -> str:
-    """The import name of ``module``: a mapped folder's modules live under ``loraplane.``."""
-    return f"loraplane.{module}" if module.split(".")[0] in MAPPED else module
-
-
-def _folder(module: str) -> str:
-    """The repository folder a canonical module name lives in (``loraplane.worker.x`` -> ``worker``)."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "loraplane" and parts[1] in MAPPED else parts[0]
-
-
 def _modules() -> dict[str, Path]:
-    """``{canonical module name: file}`` of the product (generated stubs excepted)."""
+    """``{module name: file}`` of the product (generated stubs excepted): the name is the path."""
     mods: dict[str, Path] = {}
     for path in _tracked():
         rel = path.relative_to(ROOT)
@@ -132,7 +121,7 @@ def _modules() -> dict[str, Path]:
         parts = list(rel.with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
-        mods[canonical(".".join(parts))] = path
+        mods[".".join(parts)] = path
     return mods
 
 
@@ -159,14 +148,12 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
-                targets = [canonical(a.name) for a in node.names]
+                targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join([*anchor, base] if base else anchor)
-                else:
-                    base = canonical(base)
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             for t in targets:
                 while t and t not in mods:
@@ -214,9 +201,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_import_graph_sees_the_packages():
     """The graph is built from the real tree (a guard against a vacuous cycle check)."""
     g = import_graph()
-    assert "loraplane.worker.runtime.model" in g
-    assert "loraplane.worker.runtime.errors" in g["loraplane.worker.runtime.model"]
-    assert "loraplane.control_plane.server" in g and len(g) > 80
+    assert "worker.runtime.model" in g
+    assert "worker.runtime.errors" in g["worker.runtime.model"]
+    assert "control_plane.server" in g and len(g) > 80
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -227,8 +214,40 @@ def test_cycle_finder_finds_a_cycle():
 
 @pytest.mark.parametrize("package", PRODUCT)
 def test_no_import_cycles(package):
-    cycles = [c for c in _cycles(import_graph()) if any(_folder(m) == package for m in c)]
+    cycles = [c for c in _cycles(import_graph()) if any(m.split(".")[0] == package for m in c)]
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_python_finds_each_module_at_its_path():
+    """One path per file: in a fresh interpreter with the checkout first on ``sys.path``, Python
+    finds every product module of the import graph at the file the graph named it after, so the
+    graph built from file paths (above, and any tool's that follows paths) is the one Python
+    resolves."""
+    mods = _modules()
+    code = (
+        "import importlib.util, json, sys\n"
+        "print(json.dumps({n: importlib.util.find_spec(n).origin for n in json.load(sys.stdin)}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(sorted(mods)),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    bad = [f"{name}: found at {found[name]}, path {path}" for name, path in mods.items() if found[name] != str(path)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_tracked_symlinks():
+    """A link to a folder gives every file under it a second path (the layout this replaced)."""
+    out = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    links = [line.split("\t", 1)[1] for line in out.splitlines() if line.startswith("120000 ")]
+    assert not links, links
 
 
 MAX_FUNCTION_LINES = 120
@@ -285,43 +304,3 @@ def test_log_events_are_snake_case():
             if m.group(1) or not re.fullmatch(r"[a-z][a-z0-9_]*", m.group(3)):
                 bad.append(f"{rel}: event {m.group(3)!r}")
     assert not bad, "\n".join(bad)
-
-
-_MINUS_M = re.compile(r"""["']-m["'],\s*["']((?:""" + "|".join(MAPPED) + r""")(?:\.\w+)*)["']""")
-
-
-_CODE_IMPORT = re.compile(r"(?m)(?:^|;)[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b|import[ \t]+([\w.]+))")
-
-
-def _is_module(dotted: str) -> bool:
-    """``dotted`` names a module or package file of the repository (``bench``, ``loraplane.clients.cli``)."""
-    base = ROOT.joinpath(*dotted.split("."))
-    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
-
-
-def test_nothing_imports_the_mapped_folders_as_top_level_modules():
-    """Every import of ``control_plane``/``worker``/``clients``/``bench`` code goes through
-    ``loraplane.``: import statements, ``python -m`` argument lists, and string constants that
-    are module paths (``importlib.import_module``, ``find_spec``, ``-c`` snippets) in product
-    code, tests and scripts. A top-level import would load a second copy of the module in a
-    checkout and fail in an installed wheel, which has only ``loraplane``."""
-    bad: list[str] = []
-    for path in _tracked():
-        rel = path.relative_to(ROOT)
-        if path.suffix != ".py" or str(rel).startswith(GENERATED):
-            continue
-        text = path.read_text(encoding="utf-8")
-        for node in ast.walk(ast.parse(text)):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                for m in _CODE_IMPORT.finditer(node.value):  # a -c snippet, a child's script
-                    names.append(m.group(1) or m.group(2))
-                if re.fullmatch(r"\w+(?:\.\w+)+", node.value) and _is_module(node.value):
-                    names.append(node.value)
-            bad += [f"{rel}:{node.lineno}: {n}" for n in names if n.split(".")[0] in MAPPED]
-        bad += [f"{rel}: -m {m.group(1)}" for m in _MINUS_M.finditer(text)]
-    assert not bad, "import these as loraplane.<name>:\n" + "\n".join(sorted(set(bad)))

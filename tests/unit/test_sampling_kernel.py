@@ -1,4 +1,4 @@
-"""The fused logits summary (``csrc/sample.cpp``, ``loraplane.worker.runtime.kernels.sample``) against
+"""The fused logits summary (``csrc/sample.cpp``, ``worker.runtime.kernels.sample``) against
 torch's ``log_softmax`` / ``argmax`` / sort, and the sampler on it against the torch path.
 
 Tolerances (log-probs ``lp``): against f64 ``log_softmax``, ``|ours - f64| <= 1e-6 + 2e-7 |lp|``
@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane.worker.runtime.kernels import supported
-from loraplane.worker.runtime.kernels.sample import TOPK_MAX, logits_summary
-from loraplane.worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
+from worker.runtime.kernels import supported
+from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
+from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
 
 C_PATHS = [
     pytest.param("avx2", marks=pytest.mark.skipif(not supported("avx2"), reason="CPU lacks AVX2/FMA/F16C")),

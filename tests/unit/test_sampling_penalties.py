@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane.worker.runtime.sampling import (
+from worker.runtime.sampling import (
     Sampler,
     SamplingError,
     SamplingParams,

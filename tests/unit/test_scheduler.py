@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from loraplane.worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from loraplane.worker.errors import AdapterFetchError, DecodeFailedError, QueueFullError
-from loraplane.worker.rpc.status import status_of
-from loraplane.worker.runtime.sampling import SamplingParams
-from loraplane.worker.serving.engine import WorkerEngine
-from loraplane.worker.serving.request import ErrorEvent, FinishedEvent, RequestTenant, TokenEvent
-from loraplane.worker.serving.scheduler import MAX_BYPASS
+from worker.config import Batching, PrefixCachePolicy, WorkerConfig
+from worker.errors import AdapterFetchError, DecodeFailedError, QueueFullError
+from worker.rpc.status import status_of
+from worker.runtime.sampling import SamplingParams
+from worker.serving.engine import WorkerEngine
+from worker.serving.request import ErrorEvent, FinishedEvent, RequestTenant, TokenEvent
+from worker.serving.scheduler import MAX_BYPASS
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_every_worker_error_has_one_status():
     by accident (only a decode fault is INTERNAL)."""
     import inspect
 
-    from loraplane.worker import errors
+    from worker import errors
 
     classes = [
         c
@@ -419,9 +419,9 @@ def test_the_loop_stopping_for_good_marks_the_worker_unhealthy(fixtures_dir):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from loraplane.worker.errors import WorkerDrainingError
-    from loraplane.worker.rpc.server import create_server
-    from loraplane.worker.serving.scheduler import MAX_STEP_FAILURES
+    from worker.errors import WorkerDrainingError
+    from worker.rpc.server import create_server
+    from worker.serving.scheduler import MAX_STEP_FAILURES
 
     config = WorkerConfig(
         model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
@@ -577,8 +577,8 @@ def test_fair_admission_puts_a_light_tenant_before_a_heavy_backlog(engine_for, f
     loop is held. Off: first come, first served. vtc: the light tenant (lifted to the heavy
     one's counter, 0) goes right after the heavy one's first request, which charged its
     prompt; counters in ``stats`` follow (prompt 4 x 1 + 3 tokens x 2 per request)."""
-    from loraplane.worker.config import Fairness
-    from loraplane.worker.serving.request import RequestTenant
+    from worker.config import Fairness
+    from worker.serving.request import RequestTenant
 
     e = engine_for(Batching.MIXED, n_slots=1, fairness=Fairness(fairness))
     q: queue.Queue = queue.Queue()
@@ -624,7 +624,7 @@ def test_a_full_worker_gives_a_heavy_tenants_newest_queued_place_to_a_light_tena
     (which ends with RESOURCE_EXHAUSTED naming why); a second light request finds an even split
     (2 : 1 counting it) and is refused, as is the heavy tenant's next; a tenant of weight 4 takes
     one more place. (--fairness off refuses: ``test_queue_limit_answers_resource_exhausted``.)"""
-    from loraplane.worker.config import Fairness
+    from worker.config import Fairness
 
     e = engine_for(Batching.MIXED, n_slots=1, queue_limit=2, fairness=Fairness.VTC)
     q: queue.Queue = queue.Queue()

@@ -14,29 +14,29 @@ import torch
 
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2
-from loraplane.worker.config import PrefixCachePolicy
-from loraplane.worker.errors import InvalidRequestError
-from loraplane.worker.lora.adapter import lora_scale
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.lora.alora import find_last, resolve_alora
-from loraplane.worker.lora.plan import build_plan
-from loraplane.worker.runtime.kv_cache import KVCache
-from loraplane.worker.runtime.sampling import Sampler, SamplingParams
-from loraplane.worker.serving.cache_policy import KeyedCachePolicy, LlamaCachePolicy, lora_should_clear_cache
-from loraplane.worker.serving.engine import WorkerStatsRecord
-from loraplane.worker.serving.output import (
+from tests.lora_fakes import D, K, adapter
+from worker.config import PrefixCachePolicy
+from worker.errors import InvalidRequestError
+from worker.lora.adapter import lora_scale
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.alora import find_last, resolve_alora
+from worker.lora.plan import build_plan
+from worker.runtime.kv_cache import KVCache
+from worker.runtime.sampling import Sampler, SamplingParams
+from worker.serving.cache_policy import KeyedCachePolicy, LlamaCachePolicy, lora_should_clear_cache
+from worker.serving.engine import WorkerStatsRecord
+from worker.serving.output import (
     IncrementalDetokenizer,
     OutputStage,
     StopMatcher,
     finish_reason,
     prompt_token_logprobs,
 )
-from loraplane.worker.serving.prefix_store import PrefixCache
-from loraplane.worker.serving.request import GenRequest, RequestTelemetry, StartedEvent, StepInfo, TokenEvent
-from loraplane.worker.serving.scheduler import SchedulerStats
-from loraplane.worker.serving.sequences import Seq, SeqState
-from loraplane.worker.serving.ubatch import assemble_ubatch
-from tests.lora_fakes import D, K, adapter
+from worker.serving.prefix_store import PrefixCache
+from worker.serving.request import GenRequest, RequestTelemetry, StartedEvent, StepInfo, TokenEvent
+from worker.serving.scheduler import SchedulerStats
+from worker.serving.sequences import Seq, SeqState
+from worker.serving.ubatch import assemble_ubatch
 
 A, B = adapter("aaaa", seed=1), adapter("bbbb", seed=2, rank=3, alpha=6.0)
 AL = adapter("alora", invocation=(7, 8), seed=3)
@@ -206,8 +206,8 @@ def test_plan_routes_rows_by_slot_over_the_pool():
     """The plan is a routing input over the slot pool: each row gets exactly its own set's
     adapters at their scales (heterogeneous ranks 2 and 3 in one product), through
     ``build_lora_mm``'s masked dense product."""
-    from loraplane.worker.lora.pool import LoraPool
-    from loraplane.worker.runtime.graph import GraphContext, GraphInputs
+    from worker.lora.pool import LoraPool
+    from worker.runtime.graph import GraphContext, GraphInputs
 
     sets = (AdapterSet.of({0: (A, 1.0)}), AdapterSet.of({0: (A, 0.5), 1: (B, 2.0)}), EMPTY_SET)
     pool = LoraPool(4, 8)
@@ -238,8 +238,8 @@ def test_scale_rule():
 
 # --- output ------------------------------------------------------------------------------
 def test_incremental_detokenizer_equals_decode(fixtures_dir):
-    from loraplane.worker.gguf.reader import read_gguf
-    from loraplane.worker.runtime.tokenizer import Tokenizer
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
     rng = random.Random(0)
@@ -274,8 +274,8 @@ def test_prompt_logprobs_and_finish_reason():
 @pytest.fixture(scope="module")
 def tiny_tokenizer(fixtures_dir):
     """The tiny llama-MoE's real tokenizer (32000 pieces, EOG = 2)."""
-    from loraplane.worker.gguf.reader import read_gguf
-    from loraplane.worker.runtime.tokenizer import Tokenizer
+    from worker.gguf.reader import read_gguf
+    from worker.runtime.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 
@@ -409,7 +409,7 @@ def test_records_match_their_protos(record, message):
 
 
 def test_telemetry_mapping_rejects_unknown_fields():
-    from loraplane.worker.rpc.servicer import telemetry_to_proto
+    from worker.rpc.servicer import telemetry_to_proto
 
     t = RequestTelemetry(prompt_tokens=3, adapters=[(1, 0.5)], prefix_cache=PrefixCachePolicy.KEYED.value)
     msg = telemetry_to_proto(t)
@@ -444,8 +444,8 @@ def test_kv_import_after_decode_outside_inference_mode():
 
 # --- admission with the slot pool ----------------------------------------------------------
 def test_admission_resident_first_with_bounded_bypass():
-    from loraplane.worker.lora.pool import LoraPool
-    from loraplane.worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order
+    from worker.lora.pool import LoraPool
+    from worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order
 
     pool = LoraPool(2, 8)
     pool.acquire([A])
@@ -465,7 +465,7 @@ def test_admission_resident_first_with_bounded_bypass():
 def test_the_worker_refuses_an_adapter_scale_above_the_limit_too():
     """Behind the control plane's check (``resolution.check_scale``): a peer holding the worker
     secret that sends 1e30 is refused, not served NaN logits."""
-    from loraplane.worker.serving.engine import adapter_vector
+    from worker.serving.engine import adapter_vector
 
     assert adapter_vector([(3, 10000.0), (4, 0.0), (5, -2.0)]) == {3: 10000.0, 5: -2.0}
     for scale in (1e30, -1e30, 10000.5):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loraplane.status_details import MAX_DETAILS_BYTES, bound_details, encoded_size
-from loraplane.worker.lora.adapter_file import AdapterError
+from worker.lora.adapter_file import AdapterError
 
 
 def test_short_messages_pass_unchanged() -> None:
@@ -59,7 +59,7 @@ def test_a_problem_list_whose_head_is_huge_falls_back_to_bytes() -> None:
 
 def test_both_servers_put_the_bound_outermost() -> None:
     from loraplane.status_details import BoundedStatusInterceptor
-    from loraplane.worker.config import WorkerConfig
-    from loraplane.worker.rpc.server import server_interceptors
+    from worker.config import WorkerConfig
+    from worker.rpc.server import server_interceptors
 
     assert isinstance(server_interceptors(WorkerConfig(worker_secret="s"))[0], BoundedStatusInterceptor)

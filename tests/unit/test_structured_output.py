@@ -11,14 +11,14 @@ import threading
 import pytest
 import torch
 
-from loraplane.control_plane.grammar_check import InlineChecker
-from loraplane.control_plane.http.errors import OpenAIError
-from loraplane.control_plane.http.schemas import ChatCompletionRequest, CompletionRequest
-from loraplane.control_plane.http.structured import response_format_of
+from control_plane.grammar_check import InlineChecker
+from control_plane.http.errors import OpenAIError
+from control_plane.http.schemas import ChatCompletionRequest, CompletionRequest
+from control_plane.http.structured import response_format_of
 from loraplane.v1 import common_pb2
-from loraplane.worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from loraplane.worker.errors import InvalidRequestError
-from loraplane.worker.runtime.grammar import (
+from worker.config import Batching, PrefixCachePolicy, WorkerConfig
+from worker.errors import InvalidRequestError
+from worker.runtime.grammar import (
     Constraint,
     GrammarError,
     ResponseFormat,
@@ -27,18 +27,18 @@ from loraplane.worker.runtime.grammar import (
     fill_masks,
     mask_words,
 )
-from loraplane.worker.runtime.sampling import SamplingParams
-from loraplane.worker.runtime.tokenizer import TokenAttr
-from loraplane.worker.serving.constraints import GrammarStage
-from loraplane.worker.serving.engine import WorkerEngine
-from loraplane.worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
+from worker.runtime.sampling import SamplingParams
+from worker.runtime.tokenizer import TokenAttr
+from worker.serving.constraints import GrammarStage
+from worker.serving.engine import WorkerEngine
+from worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
 
 WORDS = ["{", "}", '"', ":", ",", "true", "false", "ok", "n", '{"', '":', "yes", "no", " "]
 
 
 class TinyTok:
     """A 256 + len(WORDS) + 2-token vocabulary: every byte, some JSON pieces, BOS and EOS
-    (control), shaped like `loraplane.worker.runtime.tokenizer.Tokenizer` for the grammar module."""
+    (control), shaped like `worker.runtime.tokenizer.Tokenizer` for the grammar module."""
 
     def __init__(self) -> None:
         self._pieces = [f"<0x{b:02X}>" for b in range(256)] + WORDS + ["<s>", "</s>"]
@@ -140,7 +140,7 @@ def test_strict_schema_closes_objects(tiny):
 
 
 def test_grammar_stage_finishes_a_complete_grammar(tiny):
-    from loraplane.worker.serving.request import GenRequest
+    from worker.serving.request import GenRequest
 
     stage = GrammarStage(tiny.n_vocab, 2)
     req = GenRequest.__new__(GenRequest)

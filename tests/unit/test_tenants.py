@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from loraplane.control_plane.errors import (
+from control_plane.errors import (
     AlreadyExistsError,
     DatabaseUnavailableError,
     InvalidArgumentError,
     NotFoundError,
 )
-from loraplane.control_plane.quotas import QuotaBook, QuotaExceededError, TokenBucket, retry_after
-from loraplane.control_plane.store import SqliteStore
-from loraplane.control_plane.store.tenant_records import TenantRecord, UsageDelta
-from loraplane.control_plane.tenant_admin import TenantAdmin, check_settings
-from loraplane.control_plane.tenants import (
+from control_plane.quotas import QuotaBook, QuotaExceededError, TokenBucket, retry_after
+from control_plane.store import SqliteStore
+from control_plane.store.tenant_records import TenantRecord, UsageDelta
+from control_plane.tenant_admin import TenantAdmin, check_settings
+from control_plane.tenants import (
     ANONYMOUS_TENANT,
     DEFAULT_TENANT,
     TenantDirectory,
@@ -265,7 +265,7 @@ def test_server_credentials_are_never_a_tenant_key(tmp_path: Path):
 def test_tokens_reserved_are_capped_by_the_context_a_worker_stops_at(book):
     """A chat request without max_tokens (the HTTP front sends 2^31 - 1: until the context is
     full) reserves what the context leaves after the prompt, not 2^31 tokens."""
-    from loraplane.control_plane.router import Router
+    from control_plane.router import Router
     from loraplane.v1 import common_pb2
 
     admin = TenantAdmin(book.store, book)
@@ -461,7 +461,7 @@ def test_a_simultaneous_burst_through_two_replicas_never_passes_a_limit(tmp_path
 
 
 def test_http_tenant_key_names_the_tenant_and_never_opens_admin_routes():
-    from loraplane.control_plane.http.app import HttpDeps, create_app
+    from control_plane.http.app import HttpDeps, create_app
     from tests.http_fakes import FakePool, FakeRecord, FakeRegistry, FakeRouter, FakeTokenizer, call_app
     from tests.http_fakes import finished as finished_event
     from tests.http_fakes import started as started_event
@@ -499,7 +499,7 @@ def test_http_tenant_key_names_the_tenant_and_never_opens_admin_routes():
 
 
 def test_quota_refusal_is_openai_rate_limit_429_with_retry_after():
-    from loraplane.control_plane.http.errors import from_control_plane
+    from control_plane.http.errors import from_control_plane
 
     err = from_control_plane(QuotaExceededError("acme", "tokens_per_minute", "over tokens_per_minute 100", 7))
     assert (err.status, err.type, err.code, err.headers) == (
@@ -516,7 +516,7 @@ def test_tenant_metrics_count_by_outcome_and_keep_the_label_cap(book):
     tenant counts under "other" and has no limit series (limits do not add up)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from loraplane.control_plane.metrics import ControlPlaneMetrics
+    from control_plane.metrics import ControlPlaneMetrics
 
     m = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (0, 0, 0), n_adapters=lambda: 0, adapter_label_cap=1)
     book.metrics, m.quotas = m, book
@@ -548,7 +548,7 @@ def test_tenant_metrics_count_by_outcome_and_keep_the_label_cap(book):
 
 
 def test_http_tenant_routes_add_list_remove_with_openai_errors(book):
-    from loraplane.control_plane.http.app import HttpDeps, create_app
+    from control_plane.http.app import HttpDeps, create_app
     from tests.http_fakes import FakePool, FakeRegistry, FakeRouter, call_app
 
     deps = HttpDeps(

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import loraplane.control_plane.http.completions as completions
-from loraplane.control_plane.http.chat_template import ChatTemplate, load_chat_template
-from loraplane.control_plane.http.tools import (
+import control_plane.http.completions as completions
+from control_plane.http.chat_template import ChatTemplate, load_chat_template
+from control_plane.http.tools import (
     ToolCallParser,
     split_tool_calls,
     template_message,

@@ -12,10 +12,10 @@ import json
 import jsonschema
 import pytest
 
-import loraplane.control_plane.http.completions as completions
-from loraplane.control_plane.grammar_check import InlineChecker
-from loraplane.control_plane.http.errors import OpenAIError
-from loraplane.control_plane.http.tools import (
+import control_plane.http.completions as completions
+from control_plane.grammar_check import InlineChecker
+from control_plane.http.errors import OpenAIError
+from control_plane.http.tools import (
     NamedCallParser,
     RequiredCallsParser,
     forced_call_of,

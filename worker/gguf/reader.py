@@ -1,6 +1,6 @@
 """Read a GGUF file into plain records: metadata key/values and a tensor index.
 
-Knows no model and no adapter; `loraplane.worker.runtime.model` and `loraplane.worker.lora.adapter` build on it.
+Knows no model and no adapter; `worker.runtime.model` and `worker.lora.adapter` build on it.
 
 Dimension order: ggml lists the fastest dimension first (``ne``); numpy and torch list it
 last. A tensor with ``ne = [k, d]`` is a numpy/torch array of shape ``(d, k)``. Every
@@ -265,7 +265,7 @@ def read_tensor(
     """Read one tensor's data with plain reads (no mapping kept): F32/F16 in their own dtype,
     every other supported type dequantized to f32; numpy shape = reversed ``ne``.
 
-    Used to re-read a validated adapter's tensors at page-in (``loraplane.worker.lora.adapter``): a
+    Used to re-read a validated adapter's tensors at page-in (``worker.lora.adapter``): a
     read of a file that shrank since raises instead of faulting the way a stale mapping does.
 
     Raises:

@@ -1,25 +1,25 @@
-"""The GPU engine's context: the forward pass of ``loraplane.worker.runtime.arch`` on the device,
+"""The GPU engine's context: the forward pass of ``worker.runtime.arch`` on the device,
 its decode steps replayed as CUDA graphs.
 
-What a CUDA worker runs instead of ``loraplane.worker.runtime.context.WorkerContext`` (chosen
+What a CUDA worker runs instead of ``worker.runtime.context.WorkerContext`` (chosen
 by ``Model.new_context`` from the model's device; the CPU context and its kernels are unchanged).
 The architecture builders are the same; :class:`GpuGraphContext` overrides the graph blocks
 whose CPU forms do not fit the device:
 
-- **matmuls**: the ``device-dense`` weights (``loraplane.worker.runtime.model``; the compute
+- **matmuls**: the ``device-dense`` weights (``worker.runtime.model``; the compute
   dtype, bf16 by default) multiplied by cuBLAS with f32 output, each layer's q/k/v and gate/up as
   one product (``LoadedModel.fused_dense``); the residual stream, norms, rope and logits in f32;
 - **LoRA**: the Triton shrink/expand over the adapter slot pool
-  (``loraplane.worker.gpu.kernels.lora.add_lora``) with the per-row slot scales ``(n,
+  (``worker.gpu.kernels.lora.add_lora``) with the per-row slot scales ``(n,
   max_loras)`` as a tensor input, so which adapter a row uses is data, not graph structure;
 - **attention**: K/V written into the paged cache by slot (``kv_write``), decode rows by the
   Triton paged decode kernel, prompt spans by SDPA over their pages
-  (``loraplane.worker.gpu.kernels.attention``); GQA, sliding window and soft-capping as on CPU.
+  (``worker.gpu.kernels.attention``); GQA, sliding window and soft-capping as on CPU.
 
 :class:`GpuWorkerContext` keeps the CPU context's contract (``set_adapters``, ``decode(UBatch)``
 → ``DecodeResult``, ``kv`` with ``seq_len``/``seq_rm``/``export``/``import_``) over a paged KV
-cache (``loraplane.worker.gpu.kv.PagedKV``). A decode-only ubatch (one row per sequence) that
-fits a batch bucket goes through ``loraplane.worker.gpu.graph_runner.GraphRunner``: static input
+cache (``worker.gpu.kv.PagedKV``). A decode-only ubatch (one row per sequence) that
+fits a batch bucket goes through ``worker.gpu.graph_runner.GraphRunner``: static input
 buffers and one CUDA graph per bucket, replayed. Two graph sets are kept: one without LoRA
 launches (steps where no row uses an adapter) and one with them (captured when the first adapter
 step comes, and again only when the pool's buffer layout changes: a weight gets its first slot
@@ -39,17 +39,17 @@ import structlog
 import torch
 
 from loraplane.env import ENV_GPU_MM
-from loraplane.worker.gpu.graph_runner import CudaGraphStats, GraphRunner, HostStep, Outputs, StepInputs
-from loraplane.worker.gpu.kernels.attention import kv_write, paged_decode_attention, prefill_attention
-from loraplane.worker.gpu.kernels.lora import add_lora
-from loraplane.worker.gpu.kv import PagedKV
-from loraplane.worker.lora.plan import LoraPlan
-from loraplane.worker.lora.registry import ModelAdapters
-from loraplane.worker.runtime import arch as arch_registry
-from loraplane.worker.runtime.context_base import AdapterContext, DecodeError, DecodeResult, UBatch
-from loraplane.worker.runtime.graph import GraphContext, GraphInputs, SeqSpan
-from loraplane.worker.runtime.kv_cache import KVCacheError
-from loraplane.worker.runtime.model import LoadedModel
+from worker.gpu.graph_runner import CudaGraphStats, GraphRunner, HostStep, Outputs, StepInputs
+from worker.gpu.kernels.attention import kv_write, paged_decode_attention, prefill_attention
+from worker.gpu.kernels.lora import add_lora
+from worker.gpu.kv import PagedKV
+from worker.lora.plan import LoraPlan
+from worker.lora.registry import ModelAdapters
+from worker.runtime import arch as arch_registry
+from worker.runtime.context_base import AdapterContext, DecodeError, DecodeResult, UBatch
+from worker.runtime.graph import GraphContext, GraphInputs, SeqSpan
+from worker.runtime.kv_cache import KVCacheError
+from worker.runtime.model import LoadedModel
 
 log = structlog.get_logger("loraplane.worker.gpu.context")
 
@@ -243,7 +243,7 @@ class GpuGraphContext(GraphContext):
 
 
 class GpuWorkerContext(AdapterContext):
-    """``loraplane.worker.runtime.context.WorkerContext``'s contract on a CUDA device (module
+    """``worker.runtime.context.WorkerContext``'s contract on a CUDA device (module
     docstring).
 
     Args:
@@ -281,7 +281,7 @@ class GpuWorkerContext(AdapterContext):
             dtype=kv_dtype(model.dtype),
             device=model.device,
         )
-        self.kv = self.paged  # KVCache's interface (loraplane.worker.gpu.kv)
+        self.kv = self.paged  # KVCache's interface (worker.gpu.kv)
         self.max_slots = max(1, n_seq)
         self.moe = getattr(hp, "n_expert", 0) > 0
         # MoE routing reads its expert ids on the host (torch.unique): those models run eagerly

@@ -11,7 +11,7 @@ per-row LoRA slot scales included (which adapter a row uses is data, not graph s
 paging an adapter in or out never re-captures).
 
 Padded rows are harmless by construction: token 0 at position 0, written to the null block's
-first slot (``loraplane.worker.gpu.paged_kv.NULL_BLOCK``), attending to that one position, with
+first slot (``worker.gpu.paged_kv.NULL_BLOCK``), attending to that one position, with
 every LoRA scale 0 and greedy sampling on the sampling state's scratch row.
 
 A step runs eager (the model's ``forward`` called directly) when capture is off (the CPU), when
@@ -34,9 +34,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from loraplane.worker.gpu.paged_kv import NULL_BLOCK
-from loraplane.worker.gpu.sampling import SamplingRows, SamplingState, SamplingTensors
-from loraplane.worker.gpu.staging import Upload
+from worker.gpu.paged_kv import NULL_BLOCK
+from worker.gpu.sampling import SamplingRows, SamplingState, SamplingTensors
+from worker.gpu.staging import Upload
 
 Outputs = dict[str, torch.Tensor]
 """What a step's ``forward`` returns: tensors whose first dimension is the step's rows."""
@@ -71,7 +71,7 @@ class StepInputs:
         token_ids: int64 ``(T,)``.
         positions: int64 ``(T,)``, each token's position in its sequence.
         slot_mapping: int64 ``(T,)``, where each token's K/V row is written
-            (``loraplane.worker.gpu.paged_kv``).
+            (``worker.gpu.paged_kv``).
         lora_scales: f32 ``(T, max_loras)``, each token's scale on each adapter slot (0: off).
         query_start_loc: int32 ``(S + 1,)``, where each sequence's tokens start (its last entry
             is ``T``; vLLM's name).

@@ -1,8 +1,8 @@
 """The paged KV cache behind the interface the scheduler and the prefix cache already use.
 
-``loraplane.worker.runtime.kv_cache.KVCache`` is what the CPU context, the scheduler
+``worker.runtime.kv_cache.KVCache`` is what the CPU context, the scheduler
 (``seq_len``, ``seq_rm``, ``n_ctx_seq``) and the keyed prefix cache (``export``/``import_``)
-call. On the GPU the storage is ``loraplane.worker.gpu.paged_kv.PagedKVCache``: blocks of
+call. On the GPU the storage is ``worker.gpu.paged_kv.PagedKVCache``: blocks of
 ``block_size`` positions with per-sequence block tables, so a captured decode graph reads the
 same buffers however sequences come and go. :class:`PagedKV` maps one onto the other:
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from loraplane.worker.gpu.paged_kv import PagedKVCache, SharedPrefix
-from loraplane.worker.runtime.kv_cache import KVCacheError, KVSnapshot
+from worker.gpu.paged_kv import PagedKVCache, SharedPrefix
+from worker.runtime.kv_cache import KVCacheError, KVSnapshot
 
 BLOCK_SIZE = 16
 """Positions per KV block (vLLM's default page size)."""

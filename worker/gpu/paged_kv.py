@@ -24,7 +24,7 @@ also holds copies it first (copy-on-write). Only the last, partially filled bloc
 prefix can be written to, so that is the one block copied: the first divergent block.
 
 How the prefix cache maps onto blocks. The keyed policy
-(``loraplane.worker.serving.cache_policy.KeyedCachePolicy``) stores a ``KVSnapshot`` (a copy of
+(``worker.serving.cache_policy.KeyedCachePolicy``) stores a ``KVSnapshot`` (a copy of
 a sequence's first n positions) under ``(adapter-set fingerprint, tokens)`` and imports it into
 a sequence on a hit. On pages the same calls become reference moves, without copies:
 
@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from loraplane.worker.gpu.staging import Upload
-from loraplane.worker.runtime.kv_cache import KVCacheError
+from worker.gpu.staging import Upload
+from worker.runtime.kv_cache import KVCacheError
 
 NULL_BLOCK = 0
 """The block that padded rows and unused block-table entries point at; never handed out."""

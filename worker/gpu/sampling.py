@@ -1,11 +1,11 @@
 """Sampling on the device: one batch of logits rows in, one packed tensor out (one device→host
 copy per step).
 
-The semantics are those of the CPU sampler (``loraplane.worker.runtime.sampling`` and the
+The semantics are those of the CPU sampler (``worker.runtime.sampling`` and the
 scheduler's steps around it), row by row, with every per-row parameter a tensor:
 
   1. the grammar mask: tokens a row's bitmask does not allow get ``-inf`` (int32 words as
-     ``loraplane.worker.runtime.grammar.fill_masks`` writes them, bit ``t % 32`` of word
+     ``worker.runtime.grammar.fill_masks`` writes them, bit ``t % 32`` of word
      ``t // 32`` set = token ``t`` allowed; a row of ``-1`` words is unconstrained). On the CPU
      the scheduler masks the logits in place before anything reads them, so the reported
      log-probs of a constrained row are those of the masked row here too;
@@ -39,8 +39,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from loraplane.worker.runtime.grammar import mask_words
-from loraplane.worker.runtime.sampling import MAX_LOGPROBS, SampledToken, SamplingParams
+from worker.runtime.grammar import mask_words
+from worker.runtime.sampling import MAX_LOGPROBS, SampledToken, SamplingParams
 
 _M32 = 0xFFFFFFFF
 UNCONSTRAINED = -1
@@ -329,7 +329,7 @@ def penalize(
     repetition: torch.Tensor,
 ) -> torch.Tensor:
     """Penalized copy of f32 ``logits`` ``(B, n_vocab)`` with the CPU rule and arithmetic
-    (``loraplane.worker.runtime.sampling.penalize_rows``): where the token is in the prompt
+    (``worker.runtime.sampling.penalize_rows``): where the token is in the prompt
     (bool ``prompt_mask`` ``(B, n_vocab)``) or the output (int32 ``output_counts`` ``(B,
     n_vocab)`` > 0), ``logit / r`` when positive else ``logit * r``; then ``logit - (f * count +
     p)`` where ``count > 0``. ``presence``, ``frequency``, ``repetition``: f32 ``(B,)``. Neutral

@@ -1,8 +1,8 @@
 """LoRA adapters as device tensors: ``LoraPair`` / ``LoraAdapter`` built from a validated
-``loraplane.worker.lora.adapter_file.AdapterFile`` (the rules and shapes are documented there).
+``worker.lora.adapter_file.AdapterFile`` (the rules and shapes are documented there).
 
 Two storages. *In memory* (``load_lora_adapter``): the pairs hold the tensors. *File-backed*
-(``open_lora_adapter``, the worker's host tier, ``loraplane.worker.lora.host_cache``): the file is validated once (every
+(``open_lora_adapter``, the worker's host tier, ``worker.lora.host_cache``): the file is validated once (every
 tensor read, checked, dropped), then the pairs hold ``meta`` tensors (shape and dtype only)
 and ``LoraAdapter.tensors()`` re-reads the data from the file when the slot pool pages the
 adapter in. The bytes then live in the OS page cache, shared and reclaimable, not in the
@@ -12,7 +12,7 @@ validated (llama.cpp keeps model weights in a file mapping for the same reason,
 
 Mirrors llama.cpp ``llama_adapter_lora_init`` (src/llama-adapter.cpp) and
 ``llama_adapter_lora::get_scale``; it only loads, it never activates anything (that is the
-context's job, see ``loraplane.worker.lora.plan``). Torch shapes are ggml ``ne`` reversed.
+context's job, see ``worker.lora.plan``). Torch shapes are ggml ``ne`` reversed.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from loraplane.worker.gguf.reader import GGUFError, read_gguf, read_tensor
-from loraplane.worker.lora.adapter_file import (
+from worker.gguf.reader import GGUFError, read_gguf, read_tensor
+from worker.lora.adapter_file import (
     MAX_RANK,
     NODES_PER_LORA_WEIGHT,
     TOKEN_EMBD,
@@ -187,7 +187,7 @@ def load_lora_adapter(
         The adapter, pairs keyed by base tensor name.
 
     Raises:
-        AdapterError: listing every problem found (``loraplane.worker.lora.adapter_file`` rules).
+        AdapterError: listing every problem found (``worker.lora.adapter_file`` rules).
     """
     return adapter_from_file(
         read_lora_adapter(path, base_arch=base_arch, base_tensors=base_tensors), device_for=device_for, dtype=dtype
@@ -200,7 +200,7 @@ def _read_ref(fh, path: str, ref: TensorRef) -> torch.Tensor:
 
 def is_pooled(name: str, pair: LoraPair) -> bool:
     """True for plain 2-D matmul branches (the slot pool's); token_embd and 3-D expert
-    branches are side branches, kept per slot (``loraplane.worker.lora.pool.SideBranch``)."""
+    branches are side branches, kept per slot (``worker.lora.pool.SideBranch``)."""
     return name != TOKEN_EMBD and pair.lora_a.dim() == 2
 
 
@@ -219,7 +219,7 @@ def open_lora_adapter(
     every pool generation.
 
     Raises:
-        AdapterError: listing every problem found (``loraplane.worker.lora.adapter_file`` rules).
+        AdapterError: listing every problem found (``worker.lora.adapter_file`` rules).
     """
     st = os.stat(path)
     af = read_lora_adapter(path, base_arch=base_arch, base_tensors=base_tensors)

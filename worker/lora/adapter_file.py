@@ -2,7 +2,7 @@
 
 Mirrors llama.cpp ``llama_adapter_lora_init`` (src/llama-adapter.cpp) and
 ``llama_adapter_lora::get_scale``; it only loads, it never activates anything (that is the
-context's job, see ``loraplane.worker.lora.plan``).
+context's job, see ``worker.lora.plan``).
 
 Dimension order: ggml ``ne`` lists the fastest dimension first; torch shapes are ``ne``
 reversed. Every error message gives shapes in ``ne`` order (what GGUF tools print).
@@ -29,7 +29,7 @@ Rules (llama.cpp unless noted), every violation collected into one ``AdapterErro
   * each pair is complete and patches a tensor the base has, with the shapes above;
     ``A.ne[1] != B.ne[0]`` means A was written untransposed (old ``finetune`` exporter);
   * (ours) A/B of type F32/F16/BF16 are used as is, the block-quantized types that
-    ``loraplane.worker.gguf.reader`` can dequantize are dequantized at load, others are rejected;
+    ``worker.gguf.reader`` can dequantize are dequantized at load, others are rejected;
     ``0 < r <= MAX_RANK``; no NaN/Inf values (so nothing fails later, mid-decode).
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from loraplane.worker.gguf.reader import (
+from worker.gguf.reader import (
     FLOAT_TYPES,
     SUPPORTED_QUANT_TYPES,
     GGUFError,
@@ -109,14 +109,14 @@ def lora_scale(adapter_scale: float, alpha: float, rank: int) -> float:
 class AdapterFile:
     """A validated adapter file, its A/B tensors as f32 numpy arrays (torch order). Immutable.
 
-    What the control plane validates a registration with and what ``loraplane.worker.lora.adapter``
+    What the control plane validates a registration with and what ``worker.lora.adapter``
     turns into device tensors. Shapes per pair (torch order, see the module table): linear
     A ``(r, k)`` / B ``(d, r)``; token_embd A ``(V, r)`` / B ``(d, r)``; experts A
     ``(E, r, k)`` / B ``(E, d, r)``.
 
     Attributes:
         path / sha256 / arch / name / alpha / alora_invocation_tokens / task_name /
-        prompt_prefix: as ``loraplane.worker.lora.adapter.LoraAdapter``.
+        prompt_prefix: as ``worker.lora.adapter.LoraAdapter``.
         pairs: base tensor name → (A, B) f32 arrays, file order.
     """
 

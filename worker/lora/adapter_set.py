@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from loraplane.worker.lora.adapter import LoraAdapter
+from worker.lora.adapter import LoraAdapter
 
 
 @dataclass(frozen=True)

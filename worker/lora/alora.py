@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplane.worker.errors import InvalidRequestError
-from loraplane.worker.lora.adapter_set import AdapterSet
+from worker.errors import InvalidRequestError
+from worker.lora.adapter_set import AdapterSet
 
 
 @dataclass(frozen=True)

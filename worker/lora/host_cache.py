@@ -5,12 +5,12 @@ Three tiers, of which this module keeps the first two:
 
 - *known*: an adapter id the control plane registered with this worker (sha256, name, pin
   flag), from ``LoadAdapter`` with bytes, a server path, or ``fetch_on_demand`` (header only);
-- *host*: validated and file-backed (``loraplane.worker.lora.adapter.open_lora_adapter``: the tensor
+- *host*: validated and file-backed (``worker.lora.adapter.open_lora_adapter``: the tensor
   index in memory, the bytes in a local file that the pool re-reads at page-in), stored in the
   model's registry (``ModelAdapters.by_id``): at most ``capacity`` entries, the least recently
   used dropped first, never one that is in use (the ``in_use`` callback: a request holds it),
   resident in a slot, pinned or draining;
-- *device*: the slot pool (``loraplane.worker.lora.pool``), which this module reads (what is resident)
+- *device*: the slot pool (``worker.lora.pool``), which this module reads (what is resident)
   and changes only in ``forget``, on the thread that owns the pool.
 
 An adapter reaches the host tier from its local file or, the first time, by fetching its bytes
@@ -41,16 +41,16 @@ from pathlib import Path
 
 import structlog
 
-from loraplane.worker.errors import AdapterConflictError, AdapterFetchError, AdapterNotFoundError, InvalidRequestError
-from loraplane.worker.lora.adapter import AdapterError, LoraAdapter, LoraPair
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.lora.pool import LoraPool
-from loraplane.worker.lora.registry import ModelAdapters
+from worker.errors import AdapterConflictError, AdapterFetchError, AdapterNotFoundError, InvalidRequestError
+from worker.lora.adapter import AdapterError, LoraAdapter, LoraPair
+from worker.lora.adapter_set import AdapterSet
+from worker.lora.pool import LoraPool
+from worker.lora.registry import ModelAdapters
 
 log = structlog.get_logger("loraplane.worker.lora.host_cache")
 
 Fetcher = Callable[[str], Iterator[bytes]]
-"""sha256 → the adapter's bytes in chunks (``loraplane.worker.rpc.fetch.ControlPlaneFetcher``); raises
+"""sha256 → the adapter's bytes in chunks (``worker.rpc.fetch.ControlPlaneFetcher``); raises
 ``AdapterFetchError`` (``not_found`` when the control plane has no such content)."""
 
 
@@ -596,7 +596,7 @@ class HostCache:
         once no request holds the id and no context's active set uses it.
 
         Raises:
-            loraplane.worker.lora.registry.AdapterInUseError: a context's active set still uses it.
+            worker.lora.registry.AdapterInUseError: a context's active set still uses it.
         """
         with self._lock:
             known = self._known.pop(adapter_id, None)

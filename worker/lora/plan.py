@@ -1,6 +1,6 @@
 """The LoRA routing of one ubatch over the slot pool (the eager stand-in for a ggml graph input).
 
-The adapters' tensors live in the slot pool (``loraplane.worker.lora.pool.LoraPool``); nothing is
+The adapters' tensors live in the slot pool (``worker.lora.pool.LoraPool``); nothing is
 concatenated per batch composition. What changes per ubatch — which rows use which adapters
 at which scale — is a graph *input* (llama.cpp ``llm_graph_input_*``, vLLM
 ``token_lora_indices`` + per-slot scales): ``LoraPlan.set_slot_scale`` gives each adapter
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.worker.lora.adapter import NODES_PER_LORA_WEIGHT
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.lora.pool import LoraPool
+from worker.lora.adapter import NODES_PER_LORA_WEIGHT
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.pool import LoraPool
 
 
 @dataclass(frozen=True)

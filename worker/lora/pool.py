@@ -3,7 +3,7 @@
 vLLM ``LoRAModelManager`` (``max_loras`` GPU slots) / S-LoRA / SGLang ``LoRAMemoryPool``
 (``A_buffer``/``B_buffer`` with pinning), rebuilt for our eager graph. Every adapter a ubatch
 uses sits in a *slot*; a mixed ubatch reads each row's adapters by slot index (the routing
-input, ``loraplane.worker.lora.plan``), so the batch composition changing costs nothing. A slot's
+input, ``worker.lora.plan``), so the batch composition changing costs nothing. A slot's
 content changes only by *paging*: an in-place copy of one adapter's A/B into that slot's rows
 (``page_in``); no other adapter's tensors are touched.
 
@@ -17,11 +17,11 @@ Layout, per patched 2-D base weight ``W (d, k)`` (torch order; ``S`` = slot capa
 
 B is stored transposed so that the first ``s_used`` slots of both tensors are one contiguous
 ``(s_used·R, ·)`` matrix and each slot's rank rows ``bt[s, j]`` are contiguous output rows. The
-graph reads these buffers in two ways (``loraplane.worker.runtime.kernels.lora``): on the CPU kernel
+graph reads these buffers in two ways (``worker.runtime.kernels.lora``): on the CPU kernel
 paths in f32 the gathered BGMV kernel (each row reads only the slots its adapter set holds, at
 their true rank ``rank_of``), elsewhere two dense matmuls over the used slot prefix with a
-per-row, per-slot scale mask between them (``loraplane.worker.runtime.graph.build_lora_mm``). Measured
-side by side (``python -m loraplane.bench.lora``, numbers in ``worker/runtime/kernels/README.md``).
+per-row, per-slot scale mask between them (``worker.runtime.graph.build_lora_mm``). Measured
+side by side (``python -m bench.lora``, numbers in ``worker/runtime/kernels/README.md``).
 
 Allocation: a weight's tensors are allocated when the first adapter patching it is paged in,
 with all ``S`` slots at once and ``R`` = that adapter's rank rounded up to a multiple of 8;
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplane.worker.lora.adapter import LoraAdapter, LoraPair, is_pooled, lora_scale
+from worker.lora.adapter import LoraAdapter, LoraPair, is_pooled, lora_scale
 
 RANK_ALIGN = 8  # padded rank granularity of a weight's slot buffers
 

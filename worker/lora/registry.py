@@ -1,7 +1,7 @@
 """The per-model adapter registry (llama.cpp ``llama_model::loras`` + graph node budget).
 
 ``by_id`` holds the adapters of the host tier (validated; file-backed in a worker, kept by
-``loraplane.worker.lora.host_cache``); the slot pool (``loraplane.worker.lora.pool``, the device tier) holds those
+``worker.lora.host_cache``); the slot pool (``worker.lora.pool``, the device tier) holds those
 a ubatch may use. The node budget counts the adapters resident in slots: what a ubatch can
 touch, not every registration.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from loraplane.worker.lora.adapter import LoraAdapter
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.lora.pool import LoraPool, PoolExhaustedError
+from worker.lora.adapter import LoraAdapter
+from worker.lora.adapter_set import AdapterSet
+from worker.lora.pool import LoraPool, PoolExhaustedError
 
 
 class AdapterInUseError(RuntimeError):

@@ -23,9 +23,9 @@ import grpc
 from loraplane.interceptors import pushback_s
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.v1 import control_plane_pb2, membership_pb2_grpc
-from loraplane.worker.errors import AdapterFetchError
-from loraplane.worker.rpc.membership import control_plane_addresses
 from loraplane.worker_secret import with_secret
+from worker.errors import AdapterFetchError
+from worker.rpc.membership import control_plane_addresses
 
 RETRIED = frozenset(
     {
@@ -39,7 +39,7 @@ RETRIED = frozenset(
 
 
 class ControlPlaneFetcher:
-    """``sha256 → chunks`` over gRPC (a ``loraplane.worker.lora.host_cache.Fetcher``); raises
+    """``sha256 → chunks`` over gRPC (a ``worker.lora.host_cache.Fetcher``); raises
     ``AdapterFetchError`` (``not_found`` when the control plane has no such content), which
     ``fetch_to_file`` re-raises naming the adapter id.
 

@@ -27,7 +27,7 @@ each registering and heartbeating on its own schedule, so every listed replica k
 worker directly and a dead replica delays no other. One address that fronts several
 replicas (a Kubernetes Service): the thread's connection lands on one replica, which records
 the worker's heartbeats in the shared database, and every other replica adopts the worker
-from there within a heartbeat interval (`loraplane.control_plane.replicas`); when that replica dies,
+from there within a heartbeat interval (`control_plane.replicas`); when that replica dies,
 the channel reconnects to another, which already knows the worker (or answers NOT_FOUND and
 the worker registers again). Either way membership converges on every replica.
 """

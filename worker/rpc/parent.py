@@ -9,7 +9,7 @@ worker then stops at once (no drain: the control plane that relayed its streams 
 ``serve``), so it never outlives its parent to heartbeat a later ``serve``'s control plane
 from the port that ``serve``'s own worker needs. Whatever state it is in (loading, serving,
 draining, stopping), it is gone `STOP_GRACE_S` seconds later at the latest: the watch hands
-that deadline to the kernel (`loraplane.worker.rpc.deadline`) before it does anything else,
+that deadline to the kernel (`worker.rpc.deadline`) before it does anything else,
 logging included (a log line blocks for good when nobody reads the worker's stderr).
 
 A child that ``serve`` forks without exec would hold a copy of the write end and keep the
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import structlog
 
 from loraplane.env import ENV_PARENT_FD
-from loraplane.worker.rpc.deadline import STOP_GRACE_S, arm
+from worker.rpc.deadline import STOP_GRACE_S, arm
 
 log = structlog.get_logger("loraplane.worker.rpc.parent")
 

@@ -39,12 +39,12 @@ from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.reflection import enable_reflection
 from loraplane.status_details import BoundedStatusInterceptor
 from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
-from loraplane.worker.config import WorkerConfig
-from loraplane.worker.rpc import deadline
-from loraplane.worker.rpc.deadline import STOP_GRACE_S
-from loraplane.worker.rpc.servicer import WorkerServicer
-from loraplane.worker.serving.engine import WorkerEngine
 from loraplane.worker_secret import worker_guard, worker_secret_from
+from worker.config import WorkerConfig
+from worker.rpc import deadline
+from worker.rpc.deadline import STOP_GRACE_S
+from worker.rpc.servicer import WorkerServicer
+from worker.serving.engine import WorkerEngine
 
 log = structlog.get_logger("loraplane.worker.rpc.server")
 
@@ -79,7 +79,7 @@ def create_server(config: WorkerConfig) -> tuple[grpc.Server, int, WorkerEngine]
         (server, bound port, engine).
 
     Raises:
-        loraplane.worker.runtime.model.ModelError / GGUFError: the base model cannot be loaded.
+        worker.runtime.model.ModelError / GGUFError: the base model cannot be loaded.
         RuntimeError: the address cannot be bound.
     """
     health_servicer = health.HealthServicer()
@@ -198,15 +198,15 @@ def _advertised(config: WorkerConfig, port: int) -> str:
 
 class SchedulerStoppedError(RuntimeError):
     """``serve_worker`` ends with this when the scheduler loop stopped for good
-    (``loraplane.worker.serving.scheduler``: Faults): the process exits non-zero (``loraplane worker``:
+    (``worker.serving.scheduler``: Faults): the process exits non-zero (``loraplane worker``:
     exit 1), so ``serve``'s supervisor or Kubernetes restarts it."""
 
 
 class Shutdown:
     """How a worker process stops: the first SIGTERM/SIGINT starts a drain (``draining``), a
-    second one (or the parent ``serve`` dying, `loraplane.worker.rpc.parent`) stops now (``now``).
+    second one (or the parent ``serve`` dying, `worker.rpc.parent`) stops now (``now``).
 
-    Each step first arms the kernel deadline ``hard_stop`` (`loraplane.worker.rpc.deadline.arm`;
+    Each step first arms the kernel deadline ``hard_stop`` (`worker.rpc.deadline.arm`;
     None: nothing is armed), then acts, and logs last: the process is gone ``drain_timeout_s``
     + `STOP_GRACE_S` seconds after the first signal and `STOP_GRACE_S` seconds after a second
     one at the latest, whatever else happens in it (a log line blocked on a stderr pipe nobody
@@ -287,9 +287,9 @@ def serve_worker(config: WorkerConfig) -> None:
     once, so the control plane routes around this worker), new requests are refused with
     UNAVAILABLE, and in-flight generations run to their end for up to ``config.drain_timeout_s``
     seconds; then the process exits. A second signal stops at once. Started by ``serve``
-    (``$LORAPLANE_PARENT_FD``), it also stops at once when ``serve`` dies (`loraplane.worker.rpc.parent`).
+    (``$LORAPLANE_PARENT_FD``), it also stops at once when ``serve`` dies (`worker.rpc.parent`).
     Whatever else happens, the kernel ends the process `STOP_GRACE_S` seconds after the drain
-    timeout, a second signal or ``serve``'s death (`Shutdown`, `loraplane.worker.rpc.deadline`).
+    timeout, a second signal or ``serve``'s death (`Shutdown`, `worker.rpc.deadline`).
 
     Raises:
         SchedulerStoppedError: the scheduler loop stopped for good (``Scheduler.on_fatal``):
@@ -297,15 +297,15 @@ def serve_worker(config: WorkerConfig) -> None:
             caller exits non-zero so that the process is restarted.
     """
     from loraplane.logging import configure_logging  # one JSON log format for both planes
-    from loraplane.worker.rpc.parent import watch_parent_from_env
+    from worker.rpc.parent import watch_parent_from_env
 
     configure_logging(config.log_level)
     deadline.install()  # SIGALRM at its default action: the stops' deadline ends the process
     parent = watch_parent_from_env()  # first: serve may die while the model loads
     from loraplane.progress import progress_enabled, spinner
-    from loraplane.worker.serving.heap import limit_arenas
+    from worker.serving.heap import limit_arenas
 
-    limit_arenas()  # before the gRPC and OpenMP threads exist (loraplane.worker.serving.heap)
+    limit_arenas()  # before the gRPC and OpenMP threads exist (worker.serving.heap)
 
     with spinner("loading the model", enabled=progress_enabled()):
         server, port, engine = create_server(config)
@@ -334,8 +334,8 @@ def serve_worker(config: WorkerConfig) -> None:
         # while it builds, and no heartbeat should wait on that
         warmup.join(0.1)
     if config.control_plane:
-        from loraplane.worker.rpc.fetch import ControlPlaneFetcher
-        from loraplane.worker.rpc.membership import Wakeup, start_membership
+        from worker.rpc.fetch import ControlPlaneFetcher
+        from worker.rpc.membership import Wakeup, start_membership
 
         engine.fetcher = ControlPlaneFetcher(
             config.control_plane, engine.worker_id, secret=worker_secret_from(config.worker_secret)

@@ -23,13 +23,13 @@ from loraplane.interceptors import UndecodableRequest
 from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2, worker_pb2_grpc
-from loraplane.worker.errors import InvalidRequestError, PermissionDeniedError, WorkerError
-from loraplane.worker.lora.host_cache import KnownAdapter
-from loraplane.worker.rpc.status import status_of
-from loraplane.worker.runtime.grammar import GrammarError, ResponseFormat
-from loraplane.worker.runtime.sampling import SamplingParams
-from loraplane.worker.serving.engine import WorkerEngine, WorkerStatsRecord
-from loraplane.worker.serving.request import (
+from worker.errors import InvalidRequestError, PermissionDeniedError, WorkerError
+from worker.lora.host_cache import KnownAdapter
+from worker.rpc.status import status_of
+from worker.runtime.grammar import GrammarError, ResponseFormat
+from worker.runtime.sampling import SamplingParams
+from worker.serving.engine import WorkerEngine, WorkerStatsRecord
+from worker.serving.request import (
     ErrorEvent,
     Event,
     FinishedEvent,

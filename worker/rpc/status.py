@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from loraplane.worker import errors
+from worker import errors
 
 STATUS_OF: dict[type[errors.WorkerError], grpc.StatusCode] = {
     errors.InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,

@@ -2,7 +2,7 @@
 
 Mirrors llama.cpp ``llama_context``: ``set_adapters`` is ``llama_set_adapters_lora`` (a no-op
 when the sets are unchanged — ``adapters_lora_are_same`` — otherwise it swaps them in, making
-every adapter of the new sets resident in the model's slot pool, ``loraplane.worker.lora.pool``; the
+every adapter of the new sets resident in the model's slot pool, ``worker.lora.pool``; the
 context holds no slot: whoever decodes keeps the adapters held until then, as the scheduler's
 admitted requests do), and
 ``decode`` is ``llama_decode`` over one ubatch of
@@ -18,18 +18,18 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplane.env import ENV_ENGINE
-from loraplane.worker.lora.pool import LoraPool
-from loraplane.worker.lora.registry import ModelAdapters
-from loraplane.worker.runtime import arch as arch_registry
-from loraplane.worker.runtime.context_base import (  # the engines' shared types, re-exported
+from worker.lora.pool import LoraPool
+from worker.lora.registry import ModelAdapters
+from worker.runtime import arch as arch_registry
+from worker.runtime.context_base import (  # the engines' shared types, re-exported
     AdapterContext,
     DecodeError,
     DecodeResult,
     UBatch,
 )
-from loraplane.worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
-from loraplane.worker.runtime.kv_cache import KVCache, KVCacheError
-from loraplane.worker.runtime.model import LoadedModel
+from worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
+from worker.runtime.kv_cache import KVCache, KVCacheError
+from worker.runtime.model import LoadedModel
 
 
 class WorkerContext(AdapterContext):
@@ -172,7 +172,7 @@ class Model:
         """A context over this model (``n_ctx_seq`` KV positions per sequence, room for
         ``n_seq`` sequences); it shares the model's adapters and slot pool.
 
-        ``engine``: "cpu" (this module's context), "gpu" (``loraplane.worker.gpu.context``:
+        ``engine``: "cpu" (this module's context), "gpu" (``worker.gpu.context``:
         paged KV, Triton kernels, CUDA graphs; on a CPU device it runs under Triton's
         interpreter with capture off) or None: ``$LORAPLANE_ENGINE`` if set, else "gpu" on a
         CUDA device and "cpu" elsewhere.
@@ -182,7 +182,7 @@ class Model:
         """
         want = engine or os.environ.get(ENV_ENGINE) or ("gpu" if self.base.device.type == "cuda" else "cpu")
         if want == "gpu":
-            from loraplane.worker.gpu.context import GpuWorkerContext  # the GPU engine, imported on use
+            from worker.gpu.context import GpuWorkerContext  # the GPU engine, imported on use
 
             return GpuWorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq)
         if want != "cpu":

@@ -1,8 +1,8 @@
 """What every worker context shares: the ubatch, its result, the adapter sets (llama.cpp
 ``llama_context``'s ``set_adapters``), the LoRA plan cache and its counters.
 
-``loraplane.worker.runtime.context.WorkerContext`` (the CPU engine) and
-``loraplane.worker.gpu.context.GpuWorkerContext`` (the GPU engine) derive from
+``worker.runtime.context.WorkerContext`` (the CPU engine) and
+``worker.gpu.context.GpuWorkerContext`` (the GPU engine) derive from
 :class:`AdapterContext`; they differ in their KV cache and in how ``decode`` runs the graph.
 """
 
@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.worker.lora.adapter import AdapterError
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.lora.plan import LoraPlan, build_plan
-from loraplane.worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
-from loraplane.worker.lora.registry import ModelAdapters
-from loraplane.worker.runtime.kv_cache import KVStore
-from loraplane.worker.runtime.model import LoadedModel
+from worker.lora.adapter import AdapterError
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.plan import LoraPlan, build_plan
+from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
+from worker.lora.registry import ModelAdapters
+from worker.runtime.kv_cache import KVStore
+from worker.runtime.model import LoadedModel
 
 
 class DecodeError(ValueError):

@@ -6,7 +6,7 @@ Why one resolved object: torch compares devices by type *and* index, and an inde
 ``cuda:0`` looked like two devices and the first matmul refused them. CPU is the other way
 round: CPU tensors report ``cpu`` with no index, so ``cpu:0`` must become plain ``cpu``.
 :func:`resolve_device` returns exactly the object the tensors report; the model loader calls
-it once (``loraplane.worker.runtime.model.load_model``) and every tensor of the worker
+it once (``worker.runtime.model.load_model``) and every tensor of the worker
 (weights, KV cache, adapter slots, ubatch inputs) is created on, and compared with,
 ``LoadedModel.device``.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from loraplane.compute_spec import DEVICE_SPECS, check_device_spec
-from loraplane.worker.runtime.errors import ModelError
+from worker.runtime.errors import ModelError
 
 
 def resolve_device(spec: str | torch.device) -> torch.device:

@@ -1,8 +1,8 @@
 """Errors of the runtime layer (model loading, architectures), below the worker's error table.
 
-``loraplane.worker.errors`` holds the outcomes the gRPC edge maps to status codes; the runtime raises
+``worker.errors`` holds the outcomes the gRPC edge maps to status codes; the runtime raises
 these lower-level errors and the serving layer wraps them. Kept in a module of their own so the
-architecture builders (``loraplane.worker.runtime.arch``) and the loader (``loraplane.worker.runtime.model``) can
+architecture builders (``worker.runtime.arch``) and the loader (``worker.runtime.model``) can
 both raise them without importing each other.
 """
 

@@ -56,7 +56,7 @@ class _VocabView:
     EOS id and an encode callable."""
 
     def __init__(self, tok: Any) -> None:
-        from loraplane.worker.runtime.tokenizer import TokenAttr
+        from worker.runtime.tokenizer import TokenAttr
 
         self._tok = tok
         self.eos_token_id = tok.eos_id if tok.eos_id is not None else sorted(tok.eog_ids)[0]
@@ -80,7 +80,7 @@ class _VocabView:
         """Token ids of a piece of text in the middle of an output: no BOS and, for SPM, no
         leading-space prefix (llguidance re-tokenizes forced bytes with this)."""
         if self._tok.vocab_type == "llama":
-            from loraplane.worker.runtime.tokenizer.spm import _ESCAPED_SPACE, _SPACE
+            from worker.runtime.tokenizer.spm import _ESCAPED_SPACE, _SPACE
 
             return self._tok._model._encode_fragment(text.replace(_SPACE, _ESCAPED_SPACE)) if text else []
         return self._tok.encode(text, add_special=False, parse_special=False)
@@ -101,7 +101,7 @@ _LLTOK_LOCK = threading.Lock()
 
 
 def grammar_tokenizer(tok: Any, n_vocab: int | None = None) -> Any:
-    """The ``llguidance.LLTokenizer`` of our `loraplane.worker.runtime.tokenizer.Tokenizer` ``tok``,
+    """The ``llguidance.LLTokenizer`` of our `worker.runtime.tokenizer.Tokenizer` ``tok``,
     built once per tokenizer (single-flight: callers that arrive while it is being built wait
     for that build instead of starting their own; a failed build is retried by the next caller).
 
@@ -177,7 +177,7 @@ def start_grammar_warmup(tok: Any, n_vocab: int | None = None) -> threading.Thre
 
 COMPILE_STACK_BYTES = 256 * 1024 * 1024
 """Stack of the threads matchers are built on: 32 times the one the control plane checks every
-format on (`loraplane.control_plane.grammar_check.CHILD_STACK_BYTES`), so a format that passed
+format on (`control_plane.grammar_check.CHILD_STACK_BYTES`), so a format that passed
 there cannot overflow here however deep the engine recurses. Only the pages used are committed."""
 
 _COMPILER: Any = None
@@ -258,7 +258,7 @@ def compiled_matcher(fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None
     limits)``'s, compiled once however many requests carry the format at once (single-flight:
     the others wait for that compilation). A format the engine refused is refused again from
     the cache. The control plane remembers its verdicts the same way
-    (`loraplane.control_plane.grammar_check`), so a costly format sent again costs neither
+    (`control_plane.grammar_check`), so a costly format sent again costs neither
     process another compilation.
 
     Raises:

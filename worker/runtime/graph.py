@@ -1,18 +1,18 @@
 """Graph building blocks shared by every architecture (llama.cpp ``llm_graph_context``).
 
-Architecture builders in ``loraplane.worker.runtime.arch`` call only these methods; every base-weight matmul
+Architecture builders in ``worker.runtime.arch`` call only these methods; every base-weight matmul
 goes through ``build_lora_mm`` / ``build_lora_mm_id`` / ``build_inp_embd``, so LoRA is
 applied in exactly one place.
 
 Scaling rule (one place, like llama.cpp ``build_lora_mm``): the base product first, then
 ``y += B · (S ⊙ (A x))`` where A/B are the weight's slot buffers of the adapter slot pool
-(``loraplane.worker.lora.pool``: every slot's branch stacked along rank, padded with zero rows) and S
+(``worker.lora.pool``: every slot's branch stacked along rank, padded with zero rows) and S
 holds, per row and slot, ``adapter_scale · alpha / rank`` (or ``adapter_scale`` when alpha
 is 0): the row's set's ``adapter_scale`` of the slot's adapter (the routing input,
-``loraplane.worker.lora.plan``) times the slot's ``alpha / rank`` on this weight. Scaling after the A
+``worker.lora.plan``) times the slot's ``alpha / rank`` on this weight. Scaling after the A
 product equals llama.cpp's scaling after B·A·x. Which adapters a mixed ubatch holds changes
 only the input S; rows whose set lacks a slot's adapter get zero scales there. On the CPU
-kernel paths (f32) the product is gathered (BGMV, ``loraplane.worker.runtime.kernels.lora``): each row
+kernel paths (f32) the product is gathered (BGMV, ``worker.runtime.kernels.lora``): each row
 multiplies only by the slots with a nonzero scale, so the work grows with the rows' adapters,
 not with the used slots; elsewhere it is one dense matmul pair over the used slots.
 
@@ -30,14 +30,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loraplane.worker.lora.plan import LoraPlan
-from loraplane.worker.lora.pool import SideBranch
-from loraplane.worker.runtime.kernels import QuantLinear, quantize_activations, resolve_path
-from loraplane.worker.runtime.kernels.attn import attn_decode, resolve_attn
-from loraplane.worker.runtime.kernels.attn import supports as attn_kernel_supports
-from loraplane.worker.runtime.kernels.lora import LoraPairs, lora_bgmv, lora_dense, lora_pairs
-from loraplane.worker.runtime.kernels.norm import rms_norm
-from loraplane.worker.runtime.kv_cache import KVCache
+from worker.lora.plan import LoraPlan
+from worker.lora.pool import SideBranch
+from worker.runtime.kernels import QuantLinear, quantize_activations, resolve_path
+from worker.runtime.kernels.attn import attn_decode, resolve_attn
+from worker.runtime.kernels.attn import supports as attn_kernel_supports
+from worker.runtime.kernels.lora import LoraPairs, lora_bgmv, lora_dense, lora_pairs
+from worker.runtime.kernels.norm import rms_norm
+from worker.runtime.kv_cache import KVCache
 
 LORA_MODE = os.environ.get("LORAPLANE_LORA", "auto")
 """``auto``: gathered LoRA (BGMV kernel) where it applies, else dense; ``dense``: always the
@@ -104,7 +104,7 @@ class GraphContext:
         kv: the context's KV cache (K/V of this ubatch are appended to it).
         dtype: compute dtype.
         fused: ``(names...) -> QuantLinear`` packed weights that share an input, concatenated
-            along the output rows (``loraplane.worker.runtime.model.fuse_projections``); used by
+            along the output rows (``worker.runtime.model.fuse_projections``); used by
             ``build_lora_mm_group``.
     """
 
@@ -139,7 +139,7 @@ class GraphContext:
         ``Σ_s (S[:, s] · f_s) ⊙ (get_rows(A_s, ids) · B_sᵀ)``.
 
         W ``(V, d)``; per slot A_s ``(V, r)`` (ggml ne ``[r, V]``, the token_embd exception),
-        B_s ``(d, r)``, f_s = alpha / r (a side branch, ``loraplane.worker.lora.pool.SideBranch``);
+        B_s ``(d, r)``, f_s = alpha / r (a side branch, ``worker.lora.pool.SideBranch``);
         S ``(n, s_used)`` the per-row slot scales. Returns ``(n, d)``.
         """
         ids = self.inp.tokens
@@ -186,7 +186,7 @@ class GraphContext:
         number of rows (threads over the reduced dim when there are few rows), so in f32 a row's
         norm would depend on what else is in the ubatch; on the packed path such a last-bit
         difference can move int16 activation roundings downstream. On the C kernel paths (f32 on
-        CPU) one call does it (``loraplane.worker.runtime.kernels.norm.rms_norm``, the same double sum in a
+        CPU) one call does it (``worker.runtime.kernels.norm.rms_norm``, the same double sum in a
         fixed order per row).
         """
         self.n_nodes += 2
@@ -200,7 +200,7 @@ class GraphContext:
             and resolve_path() != "torch"
         ):
             # the same rule in one C call, its sum of squares in a fixed order per row
-            # (loraplane.worker.runtime.kernels.norm); 5-6 ms of a B=16 Gemma step in torch ops
+            # (worker.runtime.kernels.norm); 5-6 ms of a B=16 Gemma step in torch ops
             return rms_norm(x, w.contiguous(), eps).to(self.dtype)
         xf = x.float()
         ms = xf.double().pow(2).mean(-1, keepdim=True)
@@ -221,7 +221,7 @@ class GraphContext:
         """``x @ W.T`` for base weight ``name`` ``(d, k)``; x ``(n, k)`` → ``(n, d)`` in x's dtype.
 
         A packed weight (``QuantLinear``) is multiplied by our quantized kernels straight from
-        its GGUF form (``loraplane.worker.runtime.kernels``); a float weight by torch.
+        its GGUF form (``worker.runtime.kernels``); a float weight by torch.
         """
         w = self.w[name]
         if isinstance(w, QuantLinear):
@@ -249,7 +249,7 @@ class GraphContext:
     def _add_lora(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y + Σ_s S[:, s] · B_s (A_s x)`` over the used slots (``build_lora_mm``'s branch).
 
-        Two forms with the same semantics (``loraplane.worker.runtime.kernels.lora``): on the C kernel
+        Two forms with the same semantics (``worker.runtime.kernels.lora``): on the C kernel
         paths with f32 activations and slot buffers, the gathered product (BGMV,
         ``lora_bgmv``: each row reads only the slots its set holds, added into ``y`` in place;
         ``y`` is a fresh product owned by the caller, possibly a column slice of a fused one);
@@ -330,7 +330,7 @@ class GraphContext:
 
         W ``(E, d, k)``; x ``(n, k)`` or ``(n, K, k)`` (per selected expert); expert_ids
         int64 ``(n, K)``. Each used slot's A ``(E, r, k)`` and B ``(E, d, r)`` (a side branch,
-        ``loraplane.worker.lora.pool.SideBranch``) are routed by the same ids as W — never one expert's
+        ``worker.lora.pool.SideBranch``) are routed by the same ids as W — never one expert's
         A/B for all tokens. Returns ``(n, K, d)``.
         """
         w = self.w[name]
@@ -440,7 +440,7 @@ class GraphContext:
         write, then attend. Returns ``(B, H, dv)`` in ``dec.rows`` order.
 
         CPU (default, ``LORAPLANE_ATTN`` auto|c): the C kernel ``attn_decode``
-        (``loraplane.worker.runtime.kernels.attn``) reads each row's keys ``lo..pos`` from the cache
+        (``worker.runtime.kernels.attn``) reads each row's keys ``lo..pos`` from the cache
         in place, online softmax in a fixed key order, f32. Otherwise (CUDA, a shape or
         dtype the kernel does not take, ``LORAPLANE_ATTN=torch``): read
         ``K/V[cache rows, lo:hi]`` ``(B, L, Hkv, d)`` (a view when the cache rows are

@@ -19,7 +19,7 @@ import torch
 
 class KVStore(Protocol):
     """What the scheduler, the prefix cache and the benches call on a context's KV cache: this
-    module's ``KVCache`` (CPU engine) and ``loraplane.worker.gpu.kv.PagedKV`` (GPU engine)."""
+    module's ``KVCache`` (CPU engine) and ``worker.gpu.kv.PagedKV`` (GPU engine)."""
 
     n_ctx_seq: int
     n_layer: int

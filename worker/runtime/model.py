@@ -1,15 +1,15 @@
 """Base model: a GGUF file's hyper-parameters and weights as torch tensors on one device.
 
 Dispatch is on ``general.architecture`` (llama.cpp ``llm_arch_from_string``): each
-architecture module in ``loraplane.worker.runtime.arch`` reads its hparams, declares its tensors and builds
+architecture module in ``worker.runtime.arch`` reads its hparams, declares its tensors and builds
 its forward pass.
 
 Weight forms (``--weights``): ``packed`` (default) keeps every matrix close to its GGUF
-quantized form (``loraplane.worker.runtime.kernels.QuantLinear``: exact int8 values + block scales,
+quantized form (``worker.runtime.kernels.QuantLinear``: exact int8 values + block scales,
 multiplied by our AVX2 / AVX-512 kernels), so no f32 copy of the model exists; ``dequant`` is the
 reference: every weight dequantized once on the host (gguf-py) to the compute dtype and multiplied
 by torch; ``device-dense`` is the GPU form: the GGUF's raw blocks uploaded once and dequantized on
-the device (``loraplane.worker.gpu.dequant``) to dense compute-dtype matrices multiplied by torch
+the device (``worker.gpu.dequant``) to dense compute-dtype matrices multiplied by torch
 (cuBLAS), each layer's q/k/v and gate/up loaded into one tensor (``LoadedModel.fused_dense``). On a
 non-CPU device ``packed`` loads as ``device-dense`` (the packed kernels are CPU-only); on CPU
 ``device-dense`` runs the same code on CPU tensors (how it is tested). Norm vectors are f32 in all.
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from loraplane.worker.gguf.reader import GGUFError, GGUFFile, TensorRecord, dequantize, file_sha256, read_gguf
-from loraplane.worker.gpu.dequant import Uploader, dequantize_tensor
-from loraplane.worker.runtime import arch as arch_registry
-from loraplane.worker.runtime.device import bind_device, resolve_device
-from loraplane.worker.runtime.errors import ModelError
-from loraplane.worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
-from loraplane.worker.runtime.tokenizer import Tokenizer
+from worker.gguf.reader import GGUFError, GGUFFile, TensorRecord, dequantize, file_sha256, read_gguf
+from worker.gpu.dequant import Uploader, dequantize_tensor
+from worker.runtime import arch as arch_registry
+from worker.runtime.device import bind_device, resolve_device
+from worker.runtime.errors import ModelError
+from worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
+from worker.runtime.tokenizer import Tokenizer
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 """``--dtype`` name → compute (activation) dtype: what the dequantized weights, the residual
@@ -72,7 +72,7 @@ def default_model_path() -> Path:
 class LoadedModel:
     """A base model loaded from its GGUF for decoding (llama.cpp's ``llama_model``): weights in
     their serving form, hyper-parameters, tokenizer. The control plane's lighter view of the
-    same file is ``loraplane.control_plane.base_model.BaseModelInfo``.
+    same file is ``control_plane.base_model.BaseModelInfo``.
 
     Attributes:
         path: the GGUF file.
@@ -86,7 +86,7 @@ class LoadedModel:
         tensor_ne: tensor name → ggml ``ne`` of every base tensor (what adapters validate against).
         tokenizer: built from ``tokenizer.ggml.*``.
         device: where the forward pass runs, resolved once at load (``cpu`` or ``cuda:N``,
-            ``loraplane.worker.runtime.device.resolve_device``): every tensor of the worker is
+            ``worker.runtime.device.resolve_device``): every tensor of the worker is
             created on this object and compared with it.
         dtype: the compute dtype (``DTYPES``).
         fused: ``(names...) -> QuantLinear``: each layer's q/k/v and gate/up that share a
@@ -238,7 +238,7 @@ def load_device_dense(
     recs: dict[str, TensorRecord], n_layer: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], dict[tuple[str, ...], torch.Tensor]]:
     """The ``device-dense`` form of a model's tensors: each dequantized on ``device`` from its
-    raw GGUF blocks (``loraplane.worker.gpu.dequant.dequantize_tensor``, one pass, one upload).
+    raw GGUF blocks (``worker.gpu.dequant.dequantize_tensor``, one pass, one upload).
 
     Matrices (2-D, and 3-D expert stacks ``(E, d, k)``) come out in ``dtype``; 1-D tensors (norms,
     biases) in f32. Each layer's q/k/v and gate/up (:data:`FUSE_GROUPS`) with the same input width
@@ -328,7 +328,7 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None) -> dict[s
 
     The choice is per weight, never per batch (batched = alone stays bit-exact).
     ``$LORAPLANE_KERNEL_ACT`` still forces one precision for all weights
-    (:func:`loraplane.worker.runtime.kernels.resolve_act`).
+    (:func:`worker.runtime.kernels.resolve_act`).
 
     Returns:
         ``name -> act`` for the packed weights set to something other than 'i16'.

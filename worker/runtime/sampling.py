@@ -17,7 +17,7 @@ The order of the steps (vLLM v1 ``vllm/v1/sample/sampler.py``):
      set), and a draw with a per-request ``torch.Generator`` so a fixed seed gives the same
      tokens every time.
 
-On CPU the row goes through the fused C kernel ``loraplane.worker.runtime.kernels.sample.logits_summary``
+On CPU the row goes through the fused C kernel ``worker.runtime.kernels.sample.logits_summary``
 (max, log-sum-exp and top-k in one pass, ``csrc/sample.cpp``) instead of ``log_softmax`` +
 ``argmax`` + ``topk``: the same greedy ids, log-probs within ~1e-5 of torch's f32
 ``log_softmax`` (more accurate against f64, tests), and a top-k cut samples from the top-k
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.worker.runtime.grammar import ResponseFormat
-from loraplane.worker.runtime.kernels.cpu import resolve_path
-from loraplane.worker.runtime.kernels.sample import TOPK_MAX, logits_summary
+from worker.runtime.grammar import ResponseFormat
+from worker.runtime.kernels.cpu import resolve_path
+from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
 
 MAX_LOGPROBS = 20  # the most top log-probs a request may ask for (SamplingParams.logprobs)
 
@@ -56,7 +56,7 @@ class SamplingParams:
         prompt_logprobs: return each prompt token's log-prob given its prefix.
         ignore_eos: do not stop at end-of-generation tokens.
         stop: stop strings (OpenAI ``stop``): generation ends once the generated text contains
-            one; the text is cut before it (``loraplane.worker.serving.output.StopMatcher``).
+            one; the text is cut before it (``worker.serving.output.StopMatcher``).
         min_p: in [0, 1]; drop tokens whose probability (after temperature) is below
             ``min_p`` × the most likely token's (vLLM / llama.cpp ``min_p``); 0 → off.
         presence_penalty: in [-2, 2]; subtracted from the logit of every token the output
@@ -65,7 +65,7 @@ class SamplingParams:
         repetition_penalty: > 0; a token of the prompt or the output has its logit divided by
             it when positive, multiplied when not (HF / vLLM, CTRL paper); 1 → off.
         response_format: structured output: the grammar the output must match
-            (``loraplane.worker.runtime.grammar.ResponseFormat``); None: unconstrained.
+            (``worker.runtime.grammar.ResponseFormat``); None: unconstrained.
     """
 
     max_tokens: int = 16
@@ -137,7 +137,7 @@ def _fused_path(logits: torch.Tensor) -> str | None:
 
 @dataclass(frozen=True)
 class RowSummary:
-    """One logits row's fused summary (``loraplane.worker.runtime.kernels.sample.logits_summary``):
+    """One logits row's fused summary (``worker.runtime.kernels.sample.logits_summary``):
     everything greedy sampling, the chosen token's log-prob and the top log-probs need, without
     a full ``log_softmax`` row.
 

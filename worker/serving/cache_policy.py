@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from loraplane.worker.config import PrefixCachePolicy
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.runtime.kv_cache import KVStore
-from loraplane.worker.serving.prefix_store import PrefixCache
-from loraplane.worker.serving.request import GenRequest
-from loraplane.worker.serving.sequences import Seq, common_prefix_len
+from worker.config import PrefixCachePolicy
+from worker.lora.adapter_set import AdapterSet
+from worker.runtime.kv_cache import KVStore
+from worker.serving.prefix_store import PrefixCache
+from worker.serving.request import GenRequest
+from worker.serving.sequences import Seq, common_prefix_len
 
 
 def lora_should_clear_cache(current: AdapterSet, nxt: AdapterSet) -> bool:

@@ -3,11 +3,11 @@
 Per decode step (``Scheduler._step_once``):
 
 1. `GrammarStage.start` — before the forward pass, for the constrained sequences that sample
-   this step, start computing their allowed-token bitmasks (`loraplane.worker.runtime.grammar.fill_masks`:
+   this step, start computing their allowed-token bitmasks (`worker.runtime.grammar.fill_masks`:
    one llguidance ``LLExecutor`` call for all rows, GIL released) on a helper thread, so the
    mask work overlaps the decode instead of adding to it;
 2. `GrammarStage.apply` — after the forward pass, wait for the masks and set the disallowed
-   logits of those rows to ``-inf`` (`loraplane.worker.runtime.grammar.apply_masks`); rows without a
+   logits of those rows to ``-inf`` (`worker.runtime.grammar.apply_masks`); rows without a
    constraint are never touched. Sampling (greedy or drawn) then sees only allowed tokens;
 3. `GrammarStage.advance` — after a constrained row sampled, feed the token to its matcher;
    a grammar that is complete and allows nothing more ends the request ("stop"), as a forced
@@ -30,9 +30,9 @@ import structlog
 import torch
 
 from loraplane.response_format import one_line
-from loraplane.worker.errors import InvalidRequestError
-from loraplane.worker.runtime.grammar import Constraint, apply_masks, fill_masks, mask_words
-from loraplane.worker.serving.request import GenRequest
+from worker.errors import InvalidRequestError
+from worker.runtime.grammar import Constraint, apply_masks, fill_masks, mask_words
+from worker.serving.request import GenRequest
 
 log = structlog.get_logger("loraplane.worker.serving.constraints")
 

@@ -1,9 +1,9 @@
 """The worker engine: one base model, its adapters, one context and the scheduler.
 
-Plain Python, no gRPC: ``loraplane.worker.rpc.servicer`` converts protos to calls on this class and
+Plain Python, no gRPC: ``worker.rpc.servicer`` converts protos to calls on this class and
 exceptions to status codes. ``WorkerEngine`` owns and wires the pieces: the model and its slot
-pool (``loraplane.worker.runtime.context.Model``), the context, the scheduler (``loraplane.worker.serving.scheduler``)
-and the host tier of adapters (``loraplane.worker.lora.host_cache.HostCache``: known adapters, the
+pool (``worker.runtime.context.Model``), the context, the scheduler (``worker.serving.scheduler``)
+and the host tier of adapters (``worker.lora.host_cache.HostCache``: known adapters, the
 validated file-backed entries, fetching from the control plane, draining).
 
 A request's adapters are brought to host at submit, on the caller's thread (off the decode
@@ -31,25 +31,25 @@ from dataclasses import dataclass, field
 import structlog
 
 from loraplane.limits import MAX_ADAPTER_SCALE
-from loraplane.worker.config import WorkerConfig
-from loraplane.worker.errors import (
+from worker.config import WorkerConfig
+from worker.errors import (
     AdapterFetchError,
     DrainTimeoutError,
     InvalidRequestError,
     WorkerDrainingError,
     WorkerError,
 )
-from loraplane.worker.lora.adapter import LoraAdapter, open_lora_adapter
-from loraplane.worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from loraplane.worker.lora.host_cache import Fetcher, HostCache, KnownAdapter
-from loraplane.worker.runtime.context import Model
-from loraplane.worker.runtime.grammar import start_grammar_warmup
-from loraplane.worker.runtime.model import LoadedModel, load_model
-from loraplane.worker.runtime.sampling import SamplingParams
-from loraplane.worker.serving.heap import release_free_heap
-from loraplane.worker.serving.metrics import WorkerMetrics
-from loraplane.worker.serving.request import Event, GenRequest, RequestTenant
-from loraplane.worker.serving.scheduler import Scheduler, SchedulerStats
+from worker.lora.adapter import LoraAdapter, open_lora_adapter
+from worker.lora.adapter_set import EMPTY_SET, AdapterSet
+from worker.lora.host_cache import Fetcher, HostCache, KnownAdapter
+from worker.runtime.context import Model
+from worker.runtime.grammar import start_grammar_warmup
+from worker.runtime.model import LoadedModel, load_model
+from worker.runtime.sampling import SamplingParams
+from worker.serving.heap import release_free_heap
+from worker.serving.metrics import WorkerMetrics
+from worker.serving.request import Event, GenRequest, RequestTenant
+from worker.serving.scheduler import Scheduler, SchedulerStats
 
 log = structlog.get_logger("loraplane.worker.serving.engine")
 
@@ -57,7 +57,7 @@ log = structlog.get_logger("loraplane.worker.serving.engine")
 @dataclass(frozen=True)
 class WorkerStatsRecord:
     """Everything ``Stats`` reports: the scheduler's counters plus the fields below (proto
-    ``WorkerStats`` = the union, field for field; ``loraplane.worker.rpc.servicer.stats_to_proto``)."""
+    ``WorkerStats`` = the union, field for field; ``worker.rpc.servicer.stats_to_proto``)."""
 
     scheduler: SchedulerStats
     worker_id: str
@@ -141,7 +141,7 @@ class WorkerEngine:
         base = load_model(config.model_path, dtype=config.dtype, device=config.device, weights=config.weight_form)
         self.grammar_warmup: threading.Thread | None = None
         """Builds the grammar engine's vocabulary view beside the rest of start-up
-        (``--no-grammar-warmup``: None); `loraplane.worker.rpc.server` joins it before registering."""
+        (``--no-grammar-warmup``: None); `worker.rpc.server` joins it before registering."""
         if config.grammar_warmup:
             self.grammar_warmup = start_grammar_warmup(base.tokenizer, base.n_vocab)
         self.model = Model(base, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
@@ -169,7 +169,7 @@ class WorkerEngine:
         self.max_prompt_bytes = prompt_byte_limit(config.n_ctx_slot, self.max_piece_bytes)
         self._tokenize_lock = threading.Lock()
         self.draining = threading.Event()
-        """Set on SIGTERM (``loraplane.worker.rpc.server``): ``submit`` refuses everything from then on."""
+        """Set on SIGTERM (``worker.rpc.server``): ``submit`` refuses everything from then on."""
         self.scheduler.start()
 
     @property
@@ -184,7 +184,7 @@ class WorkerEngine:
 
     @fetcher.setter
     def fetcher(self, fetcher: Fetcher | None) -> None:
-        """Set by the process once it knows its control plane (``loraplane.worker.rpc.fetch``)."""
+        """Set by the process once it knows its control plane (``worker.rpc.fetch``)."""
         self.host.fetcher = fetcher
 
     def close(self) -> None:
@@ -283,7 +283,7 @@ class WorkerEngine:
 
         Raises:
             WorkerDrainingError: the worker is shutting down (``draining`` is set).
-            WorkerError: a subclass naming the outcome (``loraplane.worker.errors``); the request is
+            WorkerError: a subclass naming the outcome (``worker.errors``); the request is
                 counted as rejected in the metrics.
         """
         try:
@@ -343,7 +343,7 @@ class WorkerEngine:
         finally:
             self.host.trim()  # entries kept only by this request's submit-time holds may go now
             if self.host.counters.host_loads != loads:
-                release_free_heap()  # validation buffers freed on this thread (loraplane.worker.serving.heap)
+                release_free_heap()  # validation buffers freed on this thread (worker.serving.heap)
 
     def _to_host(self, wanted: dict[int, float]) -> tuple[AdapterSet, dict[int, tuple[str, float]]]:
         """Bring each adapter of ``wanted`` (id → non-zero scale) to the host tier.

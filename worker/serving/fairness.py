@@ -2,7 +2,7 @@
 
 The rule is VTC from Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024,
 Algorithm 2), weighted, with strict priority classes; ``FairQueue`` holds its state and gives
-the scheduler (``loraplane.worker.serving.scheduler``) the order in which to try the queued
+the scheduler (``worker.serving.scheduler``) the order in which to try the queued
 requests. It decides nothing else: the scheduler still applies the slot pool's resident-first
 rule and the bounded bypass on top of this order.
 
@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING
 from loraplane.queue_shares import Share, gives_way, ordering
 
 if TYPE_CHECKING:
-    from loraplane.worker.serving.request import GenRequest, RequestTenant
+    from worker.serving.request import GenRequest, RequestTenant
 
 MAX_TENANTS = 4096  # idle tenants remembered (LRU beyond; busy ones are always kept)
 STATS_TENANTS = 64  # tenants reported in WorkerStats.tenants (busy first, then recent)

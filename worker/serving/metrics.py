@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, BoundedLabels, kv_usage
-from loraplane.worker.serving.request import GenRequest
+from worker.serving.request import GenRequest
 
 PREFIX = "loraplane_worker_"
 

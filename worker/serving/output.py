@@ -22,10 +22,10 @@ from typing import Protocol
 import structlog
 import torch
 
-from loraplane.worker.errors import DecodeFailedError
-from loraplane.worker.runtime.sampling import RowLogprobs, SampledToken, Sampler
-from loraplane.worker.runtime.tokenizer import Tokenizer
-from loraplane.worker.serving.request import ErrorEvent, FinishedEvent, GenRequest, StartedEvent, StepInfo, TokenEvent
+from worker.errors import DecodeFailedError
+from worker.runtime.sampling import RowLogprobs, SampledToken, Sampler
+from worker.runtime.tokenizer import Tokenizer
+from worker.serving.request import ErrorEvent, FinishedEvent, GenRequest, StartedEvent, StepInfo, TokenEvent
 
 log = structlog.get_logger("loraplane.worker.serving.output")
 
@@ -292,7 +292,7 @@ class OutputStage:
 
 
 class RequestObserver(Protocol):
-    """What the output side reports about requests (``loraplane.worker.serving.metrics.WorkerMetrics``).
+    """What the output side reports about requests (``worker.serving.metrics.WorkerMetrics``).
 
     Called on the output thread (``EmitWorker``): ``on_token`` before each token the response
     keeps is recorded (the request's ``last_token_at`` still holds the previous token's time),

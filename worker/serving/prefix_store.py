@@ -13,8 +13,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from loraplane.worker.runtime.kv_cache import KVSnapshot
-from loraplane.worker.serving.sequences import common_prefix_len
+from worker.runtime.kv_cache import KVSnapshot
+from worker.serving.sequences import common_prefix_len
 
 
 @dataclass

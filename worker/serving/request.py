@@ -3,9 +3,9 @@
 
 A ``GenRequest`` is admitted with a fully resolved adapter vector turned into an
 ``AdapterSet``; the aLoRA activation is decided once, at admission
-(``loraplane.worker.lora.alora.resolve_alora``). The scheduler emits ``StartedEvent`` once the prompt is
+(``worker.lora.alora.resolve_alora``). The scheduler emits ``StartedEvent`` once the prompt is
 computed, one ``TokenEvent`` per sampled token, then ``FinishedEvent`` or ``ErrorEvent``; the
-gRPC edge converts them to protos in one place (``loraplane.worker.rpc.servicer.event_to_proto``).
+gRPC edge converts them to protos in one place (``worker.rpc.servicer.event_to_proto``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from loraplane.worker.errors import WorkerError
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.lora.alora import AloraActivation
-from loraplane.worker.runtime.grammar import Constraint
-from loraplane.worker.runtime.sampling import SamplingParams
+from worker.errors import WorkerError
+from worker.lora.adapter_set import AdapterSet
+from worker.lora.alora import AloraActivation
+from worker.runtime.grammar import Constraint
+from worker.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:  # output builds on this module's events
-    from loraplane.worker.serving.output import IncrementalDetokenizer, StopMatcher
+    from worker.serving.output import IncrementalDetokenizer, StopMatcher
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class StepInfo:
 @dataclass(frozen=True)
 class RequestTenant:
     """Who a request is accounted to, for fair admission (proto ``RequestTenant``, set by the
-    control plane; ``loraplane.worker.serving.fairness``). ``weight``: its share (> 0, finite;
+    control plane; ``worker.serving.fairness``). ``weight``: its share (> 0, finite;
     the wire's 0 reads 1); ``priority``: its class, lower values served first."""
 
     name: str = "anonymous"
@@ -52,7 +52,7 @@ class RequestTenant:
 
     def __post_init__(self) -> None:
         """Raises ValueError for a weight that is not a finite number > 0 (the wire's
-        conversion, ``loraplane.worker.rpc.servicer.tenant_from_proto``, refuses it first)."""
+        conversion, ``worker.rpc.servicer.tenant_from_proto``, refuses it first)."""
         if not (math.isfinite(self.weight) and self.weight > 0):
             raise ValueError(f"tenant {self.name!r}: weight {self.weight} must be a finite number > 0")
 
@@ -80,7 +80,7 @@ class AdapterResidency:
 class RequestTelemetry:
     """Per-request summary (proto ``RequestTelemetry``, field for field; times in ms).
 
-    The proto mapping lives in ``loraplane.worker.rpc.servicer.telemetry_to_proto``; a test checks that
+    The proto mapping lives in ``worker.rpc.servicer.telemetry_to_proto``; a test checks that
     every field here exists in the proto, so a misspelling cannot vanish silently.
     """
 
@@ -156,7 +156,7 @@ class GenRequest:
     """One admitted generation request and its running state.
 
     ``emit`` receives the request's events in order (from the output thread,
-    ``loraplane.worker.serving.output.EmitWorker``); ``cancelled`` is set by the gRPC edge. ``generated``
+    ``worker.serving.output.EmitWorker``); ``cancelled`` is set by the gRPC edge. ``generated``
     is appended by the scheduler thread as tokens are sampled; ``detok``, ``stop``,
     ``text_out`` and the token times belong to the output thread (``detok`` turns generated
     tokens into text incrementally, never re-decoding the whole output per step).
@@ -177,7 +177,7 @@ class GenRequest:
     held_ids: tuple[int, ...] = ()  # adapter ids this request pins (unload waits for them)
     stop: StopMatcher | None = None  # set when params.stop is non-empty
     text_out: list[str] = field(default_factory=list)  # pieces emitted so far (with stop strings)
-    # Output thread's state (``loraplane.worker.serving.output.EmitWorker``): tokens rendered so far, and
+    # Output thread's state (``worker.serving.output.EmitWorker``): tokens rendered so far, and
     # once a stop string completes, the generated tokens the response keeps (the scheduler
     # finishes the sequence when it sees it set; later tokens are cut).
     n_rendered: int = 0
@@ -191,9 +191,9 @@ class GenRequest:
     # sha256 → pooled pairs read ahead at submit for adapters not resident then (prefetch;
     # ``LoraPool.stage``); dropped at admission
     staged: dict = field(default_factory=dict)
-    # structured output: the grammar the output must match (``loraplane.worker.runtime.grammar``), or None
+    # structured output: the grammar the output must match (``worker.runtime.grammar``), or None
     constraint: Constraint | None = None
-    tenant: RequestTenant = ANONYMOUS  # fair admission (``loraplane.worker.serving.fairness``)
+    tenant: RequestTenant = ANONYMOUS  # fair admission (``worker.serving.fairness``)
     # with --fairness vtc: its tenant's state (``fairness.TenantState``) while queued or running,
     # and whether it runs; set by ``FairQueue``
     fair_state: Any = None

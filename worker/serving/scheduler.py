@@ -2,9 +2,9 @@
 
 One thread runs the loop: drop cancelled requests, run deferred adapter frees, attach queued
 requests to free KV sequences (the cache policy picks the sequence and decides what KV survives),
-assemble a ubatch (``loraplane.worker.serving.ubatch``), set the context's adapter
+assemble a ubatch (``worker.serving.ubatch``), set the context's adapter
 sets once, decode, sample, append the ids to the requests, and hand the step's tokens to the
-output thread in one non-blocking put (``loraplane.worker.serving.output.EmitWorker``), which
+output thread in one non-blocking put (``worker.serving.output.EmitWorker``), which
 detokenizes, matches stop strings and emits the events. The loop's critical path is the step.
 
 Stops: end of generation, ``max_tokens`` and a full context are decided on ids here, and the
@@ -16,7 +16,7 @@ loop waits, before each step, for the previous-but-one step's tokens to be rende
 delay never exceeds one step (the output thread is far faster than a step: in practice no
 wait).
 
-Admission with the adapter slot pool (``loraplane.worker.lora.pool``): a request is attached
+Admission with the adapter slot pool (``worker.lora.pool``): a request is attached
 only once every adapter it uses is resident and held in the pool (``LoraPool.acquire``: the
 page-in, an in-place copy, happens here between steps; fetching and parsing happened before,
 at submit, off the loop). Among the first ``ADMIT_LOOKAHEAD`` queued requests, one whose
@@ -26,7 +26,7 @@ nothing is admitted before it (bounded waiting, vLLM/SGLang-style fairness). Whe
 is held the request waits in the queue (never fails); a request needing more adapters than
 ``--max-loras`` is refused at submit.
 
-Fair admission (``--fairness vtc``, ``loraplane.worker.serving.fairness``): the Virtual Token
+Fair admission (``--fairness vtc``, ``worker.serving.fairness``): the Virtual Token
 Counter's order across the requests' tenants replaces FIFO as the base order — the queue
 "head" above is the fair head (the request of the least-served backlogged tenant of the top
 priority class), the lookahead window is the first ``ADMIT_LOOKAHEAD`` of the fair order
@@ -41,7 +41,7 @@ tenant's newest queued request gives its place (``_make_room``, ``FairQueue.give
 Holds, one notion per layer: the scheduler counts *request holds* per adapter id — a request
 queued or running holds its adapters, and so does a request being submitted
 (``hold_adapters``/``holding``, taken before its adapters are brought to host) — which keep
-an adapter in the host tier (``loraplane.worker.lora.host_cache``) and make an unload wait
+an adapter in the host tier (``worker.lora.host_cache``) and make an unload wait
 (``run_when_idle_of``); the pool counts *slot holds* (``LoraPool.acquire``), taken when a
 request is admitted. Every way a request ends goes through ``_end``, which frees its KV
 sequence and both kinds of hold, and reports the outcome to the observer.
@@ -63,7 +63,7 @@ exception outside a step (the loop's own bookkeeping) stop the loop for good
 raise, ``submit`` refuses with ``WorkerDrainingError`` (UNAVAILABLE: the control plane retries
 elsewhere), and the ``on_fatal`` callbacks run — the worker process reports NOT_SERVING,
 heartbeats ``draining`` and exits non-zero, so ``serve`` (or Kubernetes) restarts it
-(``loraplane.worker.rpc.server``). Never a live-looking worker whose loop is gone.
+(``worker.rpc.server``). Never a live-looking worker whose loop is gone.
 
 Step timing: the interval since the previous step start and the duration of the last
 ``STEP_LOG`` decode-only steps are kept in a ring (``step_log``); ``stats`` reports the median
@@ -88,8 +88,8 @@ from typing import Any
 import structlog
 import torch
 
-from loraplane.worker.config import Batching, Fairness, WorkerConfig
-from loraplane.worker.errors import (
+from worker.config import Batching, Fairness, WorkerConfig
+from worker.errors import (
     AdapterFetchError,
     DecodeFailedError,
     InvalidRequestError,
@@ -97,18 +97,18 @@ from loraplane.worker.errors import (
     WorkerDrainingError,
     WorkerError,
 )
-from loraplane.worker.lora.adapter import AdapterError
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.lora.alora import resolve_alora
-from loraplane.worker.lora.pool import LoraPool, PoolExhaustedError
-from loraplane.worker.runtime.context_base import AdapterContext
-from loraplane.worker.runtime.grammar import Constraint, GrammarError
-from loraplane.worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows, penalize_rows
-from loraplane.worker.serving.cache_policy import make_cache_policy
-from loraplane.worker.serving.constraints import GRAMMAR_FAILED, GrammarStage
-from loraplane.worker.serving.fairness import FairQueue, TenantService
-from loraplane.worker.serving.heap import release_free_heap
-from loraplane.worker.serving.output import (
+from worker.lora.adapter import AdapterError
+from worker.lora.adapter_set import AdapterSet
+from worker.lora.alora import resolve_alora
+from worker.lora.pool import LoraPool, PoolExhaustedError
+from worker.runtime.context_base import AdapterContext
+from worker.runtime.grammar import Constraint, GrammarError
+from worker.runtime.sampling import RowLogprobs, SamplingParams, greedy_rows, penalize_rows
+from worker.serving.cache_policy import make_cache_policy
+from worker.serving.constraints import GRAMMAR_FAILED, GrammarStage
+from worker.serving.fairness import FairQueue, TenantService
+from worker.serving.heap import release_free_heap
+from worker.serving.output import (
     FINISH,
     EmitWorker,
     IncrementalDetokenizer,
@@ -116,10 +116,10 @@ from loraplane.worker.serving.output import (
     RequestObserver,
     StopMatcher,
 )
-from loraplane.worker.serving.prefix_store import PrefixCache
-from loraplane.worker.serving.request import ANONYMOUS, ErrorEvent, Event, GenRequest, RequestTenant, StepInfo
-from loraplane.worker.serving.sequences import Seq, SeqState
-from loraplane.worker.serving.ubatch import N_BATCH, assemble_ubatch
+from worker.serving.prefix_store import PrefixCache
+from worker.serving.request import ANONYMOUS, ErrorEvent, Event, GenRequest, RequestTenant, StepInfo
+from worker.serving.sequences import Seq, SeqState
+from worker.serving.ubatch import N_BATCH, assemble_ubatch
 
 log = structlog.get_logger("loraplane.worker.serving.scheduler")
 
@@ -155,7 +155,7 @@ class SchedulerStats:
     # fair admission: "off" or "vtc", and the tenants known (``FairQueue.snapshot``; vtc only)
     fairness: str = "off"
     tenants: tuple[TenantService, ...] = ()
-    # the GPU engine's CUDA graphs (``loraplane.worker.gpu.context``; 0 on the CPU engine), named
+    # the GPU engine's CUDA graphs (``worker.gpu.context``; 0 on the CPU engine), named
     # apart from graph_reuses/graph_rebuilds (the LoRA plan cache of every engine)
     cuda_graphs_captured: int = 0
     cuda_graph_replays: int = 0
@@ -220,7 +220,7 @@ class Scheduler:
         self._pending: list[tuple[int | None, Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self.prompt_tokens_computed = 0
         self.tokens_generated = 0
-        # Observer of request outcomes and token times (loraplane.worker.serving.metrics); None: no metrics.
+        # Observer of request outcomes and token times (worker.serving.metrics); None: no metrics.
         self.observer: RequestObserver | None = None
         self.output = OutputStage(self.tokenizer, config.n_ctx_slot)
         self.grammar = GrammarStage(ctx.model.n_vocab, config.n_slots)  # structured output (per row)
@@ -487,7 +487,7 @@ class Scheduler:
                 ):
                     if self._step != self._trimmed_at_step:  # just went idle after decoding
                         self._trimmed_at_step = self._step
-                        release_free_heap()  # the steps' freed buffers back to the OS (loraplane.worker.serving.heap)
+                        release_free_heap()  # the steps' freed buffers back to the OS (worker.serving.heap)
                         continue
                     self._last_step_start = None  # the next step's interval would count idle time
                     self._cv.wait()
@@ -701,7 +701,7 @@ class Scheduler:
         progress.seqs = [s for s, _ in batch.parts]
         self.ctx.set_adapters(batch.sets)
         # structured output: the constrained rows that sample this step get their bitmasks
-        # computed beside the forward pass (loraplane.worker.serving.constraints)
+        # computed beside the forward pass (worker.serving.constraints)
         masks = self.grammar.start([s.request for s, rows in batch.parts if rows[-1] + 1 >= len(s.request.prompt)])
         res = self.ctx.decode(batch.ubatch)
         self._step += 1

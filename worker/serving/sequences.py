@@ -3,7 +3,7 @@
 
 A ``Seq`` owns one KV sequence (llama.cpp ``seq_id`` = ``Seq.id``) and remembers which adapter
 set computed each cached position, so KV computed under one set never serves another. "Slot"
-alone means an adapter slot of the pool (``loraplane.worker.lora.pool``) everywhere in the worker.
+alone means an adapter slot of the pool (``worker.lora.pool``) everywhere in the worker.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
 
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.runtime.sampling import Sampler
-from loraplane.worker.serving.request import GenRequest
+from worker.lora.adapter_set import AdapterSet
+from worker.runtime.sampling import Sampler
+from worker.serving.request import GenRequest
 
 T = TypeVar("T")
 
@@ -26,7 +26,7 @@ def common_prefix_len(a: Sequence[T], b: Sequence[T], limit: int | None = None) 
 
     The one longest-common-prefix rule of the worker: a sequence's reusable cache, the
     llama-server slot choice (``LlamaCachePolicy.pick_seq``) and the keyed prefix cache's
-    lookup (``loraplane.worker.serving.prefix_store``) all count with it.
+    lookup (``worker.serving.prefix_store``) all count with it.
     """
     n = min(len(a), len(b)) if limit is None else max(0, min(len(a), len(b), limit))
     for i in range(n):

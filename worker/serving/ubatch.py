@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplane.worker.lora.adapter_set import AdapterSet
-from loraplane.worker.runtime.context import UBatch
-from loraplane.worker.serving.sequences import Seq, SeqState
+from worker.lora.adapter_set import AdapterSet
+from worker.runtime.context import UBatch
+from worker.serving.sequences import Seq, SeqState
 
 N_BATCH = 512  # most token rows in one ubatch (llama.cpp n_batch / n_ubatch)
 

@@ -50,9 +50,9 @@ from typing import Any
 import gguf
 import numpy as np
 
-from loraplane.worker.gguf.reader import GGUFFile, read_gguf
-from loraplane.worker.gguf.writer import write_and_close
-from loraplane.worker.lora.adapter_file import AdapterError, validate_lora_adapter
+from worker.gguf.reader import GGUFFile, read_gguf
+from worker.gguf.writer import write_and_close
+from worker.lora.adapter_file import AdapterError, validate_lora_adapter
 
 SUPPORTED_ARCHS = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
 OUTTYPES = {"f32": np.float32, "f16": np.float16}

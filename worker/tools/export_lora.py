@@ -5,7 +5,7 @@ delta, write it in ``outtype``. Every other tensor is copied byte for byte in it
 type; all base metadata is copied (``general.type`` = ``model``). Served without adapters,
 the output must match the base served with the same adapters attached at the same scales.
 
-Deltas (torch shapes, see ``loraplane.worker.lora.adapter``; ``s = lora_scale(scale, alpha, rank)``):
+Deltas (torch shapes, see ``worker.lora.adapter``; ``s = lora_scale(scale, alpha, rank)``):
   linear      W (d, k)    += s · B (d, r) @ A (r, k)
   token_embd  W (V, d)    += s · A (V, r) @ B (d, r)ᵀ   (row v of W gains B·A[v], the lookup)
   experts     W (E, d, k) += s · B (E, d, r) @ A (E, r, k)   (per expert)
@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from loraplane.worker.gguf.reader import GGUFError, TensorRecord, dequantize
-from loraplane.worker.gguf.writer import write_and_close
-from loraplane.worker.lora.adapter import TOKEN_EMBD, LoraAdapter, LoraPair, load_lora_adapter
+from worker.gguf.reader import GGUFError, TensorRecord, dequantize
+from worker.gguf.writer import write_and_close
+from worker.lora.adapter import TOKEN_EMBD, LoraAdapter, LoraPair, load_lora_adapter
 
 OUTTYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0}
 OUTPUT = "output.weight"

@@ -8,7 +8,7 @@
 - ``flashinfer_backend``: FlashInfer's paged decode/prefill as an optional attention backend,
   used on CUDA when the ``cuda`` extra is installed.
 
-Triton is imported on first use (``loraplane.worker.gpu.kernels.triton_env``). The kernels run on
+Triton is imported on first use (``worker.gpu.kernels.triton_env``). The kernels run on
 CUDA tensors, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 Triton is first imported), which is how the tests check them on a machine without a GPU.
 

@@ -1,6 +1,6 @@
-"""Triton kernels of paged attention (``loraplane.worker.gpu.kernels.attention`` calls them).
+"""Triton kernels of paged attention (``worker.gpu.kernels.attention`` calls them).
 
-Imports Triton at import: only ``loraplane.worker.gpu.kernels.attention`` imports this module, at
+Imports Triton at import: only ``worker.gpu.kernels.attention`` imports this module, at
 its first kernel call. Shapes, symbols and semantics are in that module's docstring; here only
 the tiling.
 

@@ -1,6 +1,6 @@
-"""Triton kernels of the gathered multi-LoRA product (``loraplane.worker.gpu.kernels.lora`` calls them).
+"""Triton kernels of the gathered multi-LoRA product (``worker.gpu.kernels.lora`` calls them).
 
-Imports Triton at import: only ``loraplane.worker.gpu.kernels.lora`` imports this module, at its
+Imports Triton at import: only ``worker.gpu.kernels.lora`` imports this module, at its
 first kernel call. Shapes, symbols and semantics are in that module's docstring; here only the
 tiling.
 

@@ -25,7 +25,7 @@ model's: ``1/sqrt(D)`` or ``1/sqrt(query_pre_attn_scalar)`` (Gemma).
 - :func:`prefill_attention`: one sequence's new rows over its pages, torch SDPA on the gathered
   keys (an explicit masked softmax when soft-capped, which SDPA cannot do). Prefill runs eagerly,
   its length known on the host; FlashInfer's paged prefill is the faster option where it is
-  installed (``loraplane.worker.gpu.kernels.flashinfer_backend``).
+  installed (``worker.gpu.kernels.flashinfer_backend``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from loraplane.worker.gpu.kernels import triton_env
+from worker.gpu.kernels import triton_env
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_SPLITS = 16  # split-K pieces of a decode row at most

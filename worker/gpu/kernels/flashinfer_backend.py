@@ -1,7 +1,7 @@
 """FlashInfer's paged attention as an optional backend (the ``cuda`` extra), Triton's beside it.
 
 FlashInfer (``flashinfer-python``, JIT-compiled with the machine's nvcc; ``flashinfer-cubin`` of
-the same release for its precompiled kernels) covers what ``loraplane.worker.gpu.kernels.attention``
+the same release for its precompiled kernels) covers what ``worker.gpu.kernels.attention``
 does, on the same cache layout: ``BatchDecodeWithPagedKVCacheWrapper`` and
 ``BatchPrefillWithPagedKVCacheWrapper`` take ``(k_cache, v_cache)`` pages in the "NHD" layout
 ``(n_blocks, block_size, H_kv, D)``, GQA, head dims 64/128/256, a sliding window

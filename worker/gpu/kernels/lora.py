@@ -1,7 +1,7 @@
 """Multi-LoRA on the device: the gathered per-row product over the adapter slot pool.
 
 For one patched weight ``W (d, k)`` (torch order) and a ubatch of ``n`` rows, with the slot
-buffers of ``loraplane.worker.lora.pool.WeightSlots`` and the per-row slot scales of the graph
+buffers of ``worker.lora.pool.WeightSlots`` and the per-row slot scales of the graph
 (``GraphContext.row_slot``)::
 
     a        (S, R, k)   slot s rows 0..r_s-1 = the adapter's lora_a, rows past r_s zero
@@ -21,7 +21,7 @@ Several nonzero slots in a row are stacked adapters; a row with none is left unt
 Two kernels (``_lora_triton``), as punica/vLLM split the product: **shrink**
 ``t[i, s] = a[s] @ x[i]`` (f32, optionally split along ``k`` for few rows), then **expand**
 ``y[i] += Σ_s c[i, s] · t[i, s] @ bt[s]``, ``c = row_slot · factor``, scaled after the A
-product like ``loraplane.worker.runtime.graph``. Rows are tiled by ``BLOCK_M`` (16–64); each
+product like ``worker.runtime.graph``. Rows are tiled by ``BLOCK_M`` (16–64); each
 (row tile, slot) with a nonzero scale is one ``tl.dot``, so the same pair serves decode (BGMV:
 each row reads only the slots it uses; B rows with distinct adapters read each adapter once)
 and prefill (SGMV: a sequence's rows are contiguous in the ubatch and share its slots, so a row
@@ -35,7 +35,7 @@ as IEEE f32 (no TF32). When x and bt are both 16-bit, the shrink result times it
 rounded to bt's dtype before the expand product, as punica/vLLM do; the result added into
 ``y`` is rounded once to y's dtype.
 
-The embedding's and the MoE experts' side branches (``loraplane.worker.lora.pool.SideBranch``) are
+The embedding's and the MoE experts' side branches (``worker.lora.pool.SideBranch``) are
 torch ops here (:func:`add_lora_embedding`, :func:`add_lora_experts`): one gather and two small
 products per used slot, launched per slot from the host.
 """
@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplane.worker.gpu.kernels import triton_env
+from worker.gpu.kernels import triton_env
 
 if TYPE_CHECKING:
-    from loraplane.worker.lora.pool import SideBranch
+    from worker.lora.pool import SideBranch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_RANK = 256  # padded rank R a kernel tile takes (the pool's max_lora_rank is far below)

@@ -35,7 +35,7 @@ def interpreting() -> bool:
 
 
 def load(name: str) -> ModuleType:
-    """Import the kernel module ``loraplane.worker.gpu.kernels.<name>`` (which imports Triton).
+    """Import the kernel module ``worker.gpu.kernels.<name>`` (which imports Triton).
 
     Raises:
         KernelUnavailableError: Triton is not installed.
@@ -44,7 +44,7 @@ def load(name: str) -> ModuleType:
         raise KernelUnavailableError(
             "the GPU kernels need Triton: it ships with the CUDA builds of torch, or install the 'cuda' extra"
         )
-    return importlib.import_module(f"loraplane.worker.gpu.kernels.{name}")
+    return importlib.import_module(f"worker.gpu.kernels.{name}")
 
 
 def check_device(what: str, *tensors: torch.Tensor) -> None:

@@ -16,17 +16,17 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from loraplane.worker.runtime.arch.base import HParams, TensorSpec, meta
-from loraplane.worker.runtime.errors import ModelError
+from worker.runtime.arch.base import HParams, TensorSpec, meta
+from worker.runtime.errors import ModelError
 
 
 def get(arch: str, path: Path | str = "") -> ModuleType:
     """Builder module for ``arch``.
 
     Raises:
-        loraplane.worker.runtime.errors.ModelError: unknown architecture (lists the supported ones).
+        worker.runtime.errors.ModelError: unknown architecture (lists the supported ones).
     """
-    from loraplane.worker.runtime.arch import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe
+    from worker.runtime.arch import gemma2, gemma3, llama, phi3, qwen2, qwen3, qwen3moe
 
     known = {
         "gemma2": gemma2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loraplane.worker.runtime.errors import ModelError
+from worker.runtime.errors import ModelError
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def common_hparams(
     ``llama_model::load_hparams``), with the architecture's defaults for the optional keys.
 
     Raises:
-        loraplane.worker.runtime.errors.ModelError: a required key (embedding_length, attention.head_count,
+        worker.runtime.errors.ModelError: a required key (embedding_length, attention.head_count,
             block_count, feed_forward_length) is missing.
     """
     n_embd = int(meta(gguf, "embedding_length", required=True))

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.worker.runtime.arch import base
-from loraplane.worker.runtime.arch.base import TensorSpec, meta
-from loraplane.worker.runtime.graph import GraphContext
+from worker.runtime.arch import base
+from worker.runtime.arch.base import TensorSpec, meta
+from worker.runtime.graph import GraphContext
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.worker.runtime.arch import base
-from loraplane.worker.runtime.arch.base import TensorSpec, meta
-from loraplane.worker.runtime.graph import GraphContext, inv_sqrt
+from worker.runtime.arch import base
+from worker.runtime.arch.base import TensorSpec, meta
+from worker.runtime.graph import GraphContext, inv_sqrt
 
 ROPE_SHORT = "rope_factors_short.weight"
 ROPE_LONG = "rope_factors_long.weight"

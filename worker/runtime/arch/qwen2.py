@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from loraplane.worker.runtime.arch import base
-from loraplane.worker.runtime.arch.base import TensorSpec, meta
-from loraplane.worker.runtime.graph import GraphContext, inv_sqrt
+from worker.runtime.arch import base
+from worker.runtime.arch.base import TensorSpec, meta
+from worker.runtime.graph import GraphContext, inv_sqrt
 
 
 @dataclass(frozen=True)

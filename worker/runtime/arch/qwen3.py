@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from loraplane.worker.runtime.arch import base, qwen2
-from loraplane.worker.runtime.arch.base import TensorSpec
-from loraplane.worker.runtime.graph import GraphContext, inv_sqrt
+from worker.runtime.arch import base, qwen2
+from worker.runtime.arch.base import TensorSpec
+from worker.runtime.graph import GraphContext, inv_sqrt
 
 # Qwen 3 has Qwen 2's hyper-parameters (llama.cpp ``llama_model_qwen3::load_arch_hparams``
 # reads the same keys; ``meta`` prefixes them with the file's own ``general.architecture``).

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.worker.runtime.arch import base, qwen3
-from loraplane.worker.runtime.arch.base import TensorSpec, meta
-from loraplane.worker.runtime.errors import ModelError
-from loraplane.worker.runtime.graph import GraphContext
+from worker.runtime.arch import base, qwen3
+from worker.runtime.arch.base import TensorSpec, meta
+from worker.runtime.errors import ModelError
+from worker.runtime.graph import GraphContext
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def load_hparams(gguf) -> HParams:
     expert width defaults to ``feed_forward_length / expert_used_count`` as llama.cpp does.
 
     Raises:
-        loraplane.worker.runtime.errors.ModelError: no experts or no used-expert count.
+        worker.runtime.errors.ModelError: no experts or no used-expert count.
     """
     q = qwen3.load_hparams(gguf)
     n_expert = int(meta(gguf, "expert_count", 0))

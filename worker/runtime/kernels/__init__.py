@@ -12,8 +12,8 @@ Public API (shapes in torch order; a GGUF weight with ggml ``ne = [k, d]`` is ``
 - :func:`resolve_path`, :func:`cpu_flags`: which ISA path runs (``LORAPLANE_KERNELS``)
 """
 
-from loraplane.worker.runtime.kernels.build import KernelBuildError
-from loraplane.worker.runtime.kernels.cpu import (
+from worker.runtime.kernels.build import KernelBuildError
+from worker.runtime.kernels.cpu import (
     KernelPathError,
     best_path,
     cpu_flags,
@@ -21,7 +21,7 @@ from loraplane.worker.runtime.kernels.cpu import (
     resolve_path,
     supported,
 )
-from loraplane.worker.runtime.kernels.linear import (
+from worker.runtime.kernels.linear import (
     ACTS,
     KernelError,
     QuantizedActivations,

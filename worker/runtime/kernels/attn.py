@@ -5,7 +5,7 @@
 CUDA, for shapes/dtypes the kernel does not take, and when ``LORAPLANE_ATTN`` says so.
 
 ``LORAPLANE_ATTN`` = ``auto`` (default: the C kernel on CPU where the ISA path of
-:func:`~loraplane.worker.runtime.kernels.cpu.resolve_path` is avx512/avx2, else torch) | ``c`` (the
+:func:`~worker.runtime.kernels.cpu.resolve_path` is avx512/avx2, else torch) | ``c`` (the
 same, named) | ``torch`` (always the torch path; for measurement and as the reference).
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from loraplane.worker.runtime.kernels import build, cpu
-from loraplane.worker.runtime.kernels.linear import KernelError
+from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels.linear import KernelError
 
 ATTN_PATHS = ("auto", "c", "torch")
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -97,7 +97,7 @@ def attn_decode(
         k_cache, v_cache: one layer of ``KVCache.k`` / ``.v``: ``(n_rows, cap, Hkv, dk|dv)``
             f32/f16/bf16 CPU, the positions ``0..pos[b]`` of each used row written.
         cache_rows, pos: int64 ``(B,)``.
-        path: ISA 'avx512' | 'avx2' (default :func:`~loraplane.worker.runtime.kernels.cpu.resolve_path`).
+        path: ISA 'avx512' | 'avx2' (default :func:`~worker.runtime.kernels.cpu.resolve_path`).
         nthreads: default ``torch.get_num_threads()``.
         head_block: query heads per task (default: a KV head's query heads together, split
             only when there are fewer (row, KV head) pairs than threads); splits work only,

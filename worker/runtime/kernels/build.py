@@ -13,7 +13,7 @@ the AVX2 library runs on an AVX2-only CPU:
 
 Built with plain ``g++`` (no torch headers, about 1 s each) into ``_build/`` beside this file,
 named by a hash of the source and flags so a stale library is never loaded. ``scripts/install.sh``
-runs ``python -m loraplane.worker.runtime.kernels.build``, which fails loudly (non-zero exit) when the
+runs ``python -m worker.runtime.kernels.build``, which fails loudly (non-zero exit) when the
 compiler is missing or the build breaks; at run time a missing library is built on first use
 (under a file lock), and a failed build raises :class:`KernelBuildError` — there is no silent
 fallback. ``LORAPLANE_KERNELS=torch`` selects the documented torch path explicitly instead.

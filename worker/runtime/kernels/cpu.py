@@ -85,7 +85,7 @@ def amx_unavailable_reason() -> str | None:
     if not _has_flags("amx"):
         missing = [f for f in NEEDS["amx"] if f not in cpu_flags()]
         return f"CPU ({cpu_model()}) lacks {', '.join(missing) or 'x86-64'}"
-    from loraplane.worker.runtime.kernels import build  # the library is only needed on AMX CPUs
+    from worker.runtime.kernels import build  # the library is only needed on AMX CPUs
 
     try:
         lib = build.load("amx")

@@ -7,21 +7,21 @@ output rows of ``k`` inputs, and ``QuantLinear.matmul(x)`` takes ``x`` ``(n, k)`
 Forms, by GGUF type:
 
 - Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: repacked at load into the exact affine int8
-  form of :mod:`loraplane.worker.runtime.kernels.repack` (uint8 values + f32 scale (+ f32 offset) per 16
+  form of :mod:`worker.runtime.kernels.repack` (uint8 values + f32 scale (+ f32 offset) per 16
   or 32), 16 rows interleaved. On CPU the C kernels quantize each row of ``x`` per block of 32
   (own scale per row and block) and take integer dot products against the packed weights:
   ``act="i16"`` (default, ``csrc/qmm16.cpp``): int16 activations, error ~1e-5 relative, as
   good as f32 for the model; ``act="i8"`` (``csrc/qmm.cpp``): int8 activations exactly as
   llama.cpp's ``quantize_row_q8_0``, faster at B=16 but noisier (see the README). The
   precision is a property of each weight (``QuantLinear.act``, set at model load by
-  ``loraplane.worker.runtime.model.assign_acts``: int8 for the LM head only), overridden for all weights
+  ``worker.runtime.model.assign_acts``: int8 for the LM head only), overridden for all weights
   by ``$LORAPLANE_KERNEL_ACT``; never by batch size. Rows never share a scale, so a row's
   result does not depend on the other rows of the batch (bit-identical alone or batched).
 - F32: kept as the f32 tensor (torch/MKL matmul, exact).
 - F16, BF16: an f32 copy (exact; 2x the GGUF bytes of that tensor — such linear weights are
   rare in quantized GGUFs, and torch's FBGEMM fp16 packing is deprecated).
 - Any type on CUDA: the GGUF's raw blocks uploaded and dequantized on the GPU to a bf16
-  weight (``loraplane.worker.gpu.dequant``); any type on the ``torch`` path: dequantized on the
+  weight (``worker.gpu.dequant``); any type on the ``torch`` path: dequantized on the
   host to an f32 weight. Multiplied with torch — not memory-frugal, but simple and exact up to
   that dtype. (The model loader's GPU form is ``device-dense``: dense tensors, no ``QuantLinear``.)
 """
@@ -36,14 +36,14 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType as T
 
-from loraplane.worker.gguf.reader import GGUFError, TensorRecord
-from loraplane.worker.gguf.reader import dequantize as gguf_dequantize
-from loraplane.worker.gpu.dequant import dequantize_tensor
-from loraplane.worker.runtime.device import resolve_device
-from loraplane.worker.runtime.errors import ModelError
-from loraplane.worker.runtime.kernels import build, cpu
-from loraplane.worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
-from loraplane.worker.runtime.kernels.sample import TOPK_MAX, logits_summary
+from worker.gguf.reader import GGUFError, TensorRecord
+from worker.gguf.reader import dequantize as gguf_dequantize
+from worker.gpu.dequant import dequantize_tensor
+from worker.runtime.device import resolve_device
+from worker.runtime.errors import ModelError
+from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
+from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
 
 log = structlog.get_logger("loraplane.worker.runtime.kernels.linear")
 
@@ -57,7 +57,7 @@ def resolve_act(act: str | None = None, weight_act: str | None = None) -> str:
     """The activation precision a matmul uses, in this order: ``act`` (a caller forcing it for
     one call), ``$LORAPLANE_KERNEL_ACT`` (a forced override for every weight of the process,
     for measurement), ``weight_act`` (the weight's own choice, :attr:`QuantLinear.act`, set at
-    model load by :func:`loraplane.worker.runtime.model.assign_acts`), else 'i16'.
+    model load by :func:`worker.runtime.model.assign_acts`), else 'i16'.
 
     It never depends on the batch: a row's result is the same alone or batched.
 
@@ -122,7 +122,7 @@ def quantize_activations(x: torch.Tensor, path: str | None = None, act: str | No
     """Quantize ``x`` ``(n, k)`` f32/bf16/f16 CPU (k a multiple of 32) for the C kernels.
 
     Args:
-        path: ISA ('amx' | 'avx512' | 'avx2'; default :func:`~loraplane.worker.runtime.kernels.cpu.resolve_path`).
+        path: ISA ('amx' | 'avx512' | 'avx2'; default :func:`~worker.runtime.kernels.cpu.resolve_path`).
         act: 'i16' | 'i8' (default :func:`resolve_act`).
     Raises:
         KernelError: not a 2-D CPU tensor, ``k`` not a multiple of 32, unknown ``act``.
@@ -163,10 +163,10 @@ class QuantLinear:
         bs: sub-block size of ``scale`` (16 or 32); signed: Q8_0's int8 values.
         weight: float ``(d, k)`` weight (F32/F16/BF16 types and the torch path), else None.
         device: where the weight lives, in the resolved form tensors report (``cpu``,
-            ``cuda:N``; :func:`loraplane.worker.runtime.device.resolve_device`, applied here to
+            ``cuda:N``; :func:`worker.runtime.device.resolve_device`, applied here to
             whatever is passed): :meth:`matmul` compares its input's device with it.
         act: this weight's activation precision on the C kernel paths, 'i16' | 'i8' (chosen
-            per weight at model load, :func:`loraplane.worker.runtime.model.assign_acts`; overridden for
+            per weight at model load, :func:`worker.runtime.model.assign_acts`; overridden for
             all weights by ``$LORAPLANE_KERNEL_ACT``, see :func:`resolve_act`).
         rescore: when > 0 and this weight runs 'i8': each row's ``rescore`` largest outputs
             are recomputed with int16 activations (equal bit for bit to the 'i16' kernel's
@@ -206,7 +206,7 @@ class QuantLinear:
 
     def dequantize(self) -> torch.Tensor:
         """The weight as f32 ``(d, k)`` (torch order), on ``device``: exactly what
-        ``loraplane.worker.gguf.reader.dequantize`` gives on CPU; on CUDA the bf16 copy, widened."""
+        ``worker.gguf.reader.dequantize`` gives on CPU; on CUDA the bf16 copy, widened."""
         if self.qw is None:
             assert self.weight is not None  # float weights keep `weight`
             return self.weight.to(torch.float32)
@@ -260,7 +260,7 @@ class QuantLinear:
             x: activations, on this weight's device (``x.device == self.device``: both are the
                 resolved form, so ``cuda:0`` and an index-less ``cuda`` cannot disagree).
             path: force 'amx' | 'avx512' | 'avx2' | 'torch' for this call (default: see
-                :func:`loraplane.worker.runtime.kernels.cpu.resolve_path`); ignored for float weights.
+                :func:`worker.runtime.kernels.cpu.resolve_path`); ignored for float weights.
                 'amx' runs int8 and int16 activations on AMX tiles (bit-identical to
                 avx512's kernels).
             act: force activation precision 'i16' | 'i8' for this call (default: this weight's,
@@ -402,11 +402,11 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
     """Build the packed weight of one 2-D GGUF tensor.
 
     Args:
-        rec: the tensor record (``loraplane.worker.gguf.reader``); its bytes are read, not kept.
+        rec: the tensor record (``worker.gguf.reader``); its bytes are read, not kept.
         device: a ``--device`` spelling or ``torch.device`` (resolved here,
-            :func:`loraplane.worker.runtime.device.resolve_device`): CPU keeps the compact form;
+            :func:`worker.runtime.device.resolve_device`): CPU keeps the compact form;
             CUDA uploads the raw blocks and dequantizes them to bf16 on the GPU
-            (``loraplane.worker.gpu.dequant``; the C kernels are CPU-only).
+            (``worker.gpu.dequant``; the C kernels are CPU-only).
         path: 'torch' forces the float form on CPU too (f32); default: the compact form.
     Raises:
         KernelError: not a 2-D tensor, a type with neither a repack rule nor a dequantizer, or

@@ -2,7 +2,7 @@
 (BGMV: per row, only the slots its adapter set holds).
 
 Both compute, for a ubatch of ``n`` rows over the slot buffers of one weight
-(``loraplane.worker.lora.pool.WeightSlots``: ``a`` ``(S, R, k)``, ``bt`` ``(S, R, d)``, ``factor`` f32
+(``worker.lora.pool.WeightSlots``: ``a`` ``(S, R, k)``, ``bt`` ``(S, R, d)``, ``factor`` f32
 ``(S,)`` = alpha / r, ``rank_of``), with ``S_row`` f32 ``(n, u)`` the per-row slot scales
 (``adapter_scale``, 0 where the row's set lacks the slot)::
 
@@ -14,8 +14,8 @@ Both compute, for a ubatch of ``n`` rows over the slot buffers of one weight
   pairs with a nonzero scale (:func:`lora_pairs`); its work grows with the pairs, i.e. with
   the adapters the rows actually use. f32 on the C kernel paths only.
 
-Which one the graph uses is decided in ``loraplane.worker.runtime.graph.GraphContext._add_lora`` (measured:
-``python -m loraplane.bench.lora``, numbers in this package's README).
+Which one the graph uses is decided in ``worker.runtime.graph.GraphContext._add_lora`` (measured:
+``python -m bench.lora``, numbers in this package's README).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from loraplane.worker.runtime.kernels import build, cpu
+from worker.runtime.kernels import build, cpu
 
 PARALLEL_MIN_MACS = 1 << 20
 PARALLEL_MIN_SLOT_FLOATS = 1 << 17
@@ -33,7 +33,7 @@ PARALLEL_MIN_SLOT_FLOATS = 1 << 17
 multiply-adds (pairs × R × (k + d)) or reads at least ``PARALLEL_MIN_SLOT_FLOATS`` floats of
 distinct slots (slots × R × (k + d)): a B=16 rank-8 decode product over 1–4 adapters is a few µs
 of work, less than waking a second thread costs on a busy machine, while over 16 adapters it
-streams 1.4 MB of A/B and two threads read it faster (``loraplane.bench.lora``; 2-core machine). The
+streams 1.4 MB of A/B and two threads read it faster (``bench.lora``; 2-core machine). The
 thread count never changes a value."""
 
 _FN: dict[str, Any] = {}
@@ -176,7 +176,7 @@ def lora_sgmv_torch(
     """Segment-grouped LoRA in torch (SGMV's idea without a kernel): for each slot, one dense
     product over the rows that use it (``index_select``, ``A_s`` at its true rank, scaled,
     ``B_s``, ``index_add_``). Same shapes as :func:`lora_bgmv`; returns a new tensor.
-    Kept for measurement (``loraplane.bench.lora``)."""
+    Kept for measurement (``bench.lora``)."""
     out = y.clone()
     for s in torch.unique(pairs.slot).tolist():
         r = rank_of[s]

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from loraplane.worker.runtime.kernels import build, cpu
-from loraplane.worker.runtime.kernels.linear import KernelError
+from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels.linear import KernelError
 
 MIN_PARALLEL = 1 << 18
 """Elements (rows × d) from which rows are split over threads: below it a wake-up of the
@@ -28,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, path: 
 
     Args:
         path: ISA path ('amx' | 'avx512' | 'avx2'; default
-            :func:`~loraplane.worker.runtime.kernels.cpu.resolve_path`).
+            :func:`~worker.runtime.kernels.cpu.resolve_path`).
     Raises:
         KernelError: x not f32 on CPU, or a weight of another width or dtype.
         KernelPathError: the 'torch' path (no C kernel) or one this CPU cannot run.

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.worker.runtime.kernels import build
-from loraplane.worker.runtime.kernels.cpu import KernelPathError, resolve_path
+from worker.runtime.kernels import build
+from worker.runtime.kernels.cpu import KernelPathError, resolve_path
 
 TOPK_MAX = 128  # csrc/sample.cpp LP_TOPK_MAX
 

@@ -2,12 +2,12 @@
 
 Two vocabulary types (llama.cpp ``llama_vocab::impl::load``, ``tokenizer.ggml.model``):
 
-- ``"llama"``: SentencePiece (``LLAMA_VOCAB_TYPE_SPM``), `loraplane.worker.runtime.tokenizer.spm`;
+- ``"llama"``: SentencePiece (``LLAMA_VOCAB_TYPE_SPM``), `worker.runtime.tokenizer.spm`;
 - ``"gpt2"``: byte-level BPE (``LLAMA_VOCAB_TYPE_BPE``) with the pre-tokenizer named by
-  ``tokenizer.ggml.pre``, `loraplane.worker.runtime.tokenizer.bpe`.
+  ``tokenizer.ggml.pre``, `worker.runtime.tokenizer.bpe`.
 
 What both share (token attributes, special ids, end-of-generation set, special-token
-partition) is in `loraplane.worker.runtime.tokenizer.vocab`. Any other model, or an unknown ``pre``, raises
+partition) is in `worker.runtime.tokenizer.vocab`. Any other model, or an unknown ``pre``, raises
 `TokenizerError` at load.
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from loraplane.worker.gguf.reader import GGUFFile
-from loraplane.worker.runtime.tokenizer.bpe import BPE_DEFAULTS, PRE_TOKENIZERS, BpeModel, supported_pre
-from loraplane.worker.runtime.tokenizer.spm import SPM_DEFAULTS, SpmModel
-from loraplane.worker.runtime.tokenizer.vocab import (
+from worker.gguf.reader import GGUFFile
+from worker.runtime.tokenizer.bpe import BPE_DEFAULTS, PRE_TOKENIZERS, BpeModel, supported_pre
+from worker.runtime.tokenizer.spm import SPM_DEFAULTS, SpmModel
+from worker.runtime.tokenizer.vocab import (
     HIDDEN_ATTRS,
     TokenAttr,
     TokenizerError,
@@ -141,7 +141,7 @@ class Tokenizer:
         removed BOS (llama.cpp's rule). The ``clean_spaces`` pass some BPE types get in
         ``llama_detokenize`` (" ," -> ",") is not applied: llama-server's text is the
         concatenation of ``token_to_piece``, which never applies it, and so is ours
-        (`loraplane.worker.serving.output.IncrementalDetokenizer` equals this).
+        (`worker.serving.output.IncrementalDetokenizer` equals this).
         """
         ids = list(ids)
         remove_space = self.add_space_prefix
