@@ -26,7 +26,7 @@ from tests.live_servers import restored_default
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO_SHOUT = ROOT / "demo" / "adapters" / "shout.gguf"
+DEMO_SHOUT = ROOT / "loraplane" / "demo" / "adapters" / "shout.gguf"
 
 
 def closed_addr() -> str:
