@@ -38,6 +38,18 @@ def base_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_packed(base_model_path: Path):
+    """The embedded Gemma 3 270M as a ``loraplane.worker.runtime.context.Model`` in the default
+    serving form (packed GGUF weights, f32 activations, CPU), loaded once per session: several
+    modules decode with it and a load takes ~3 s of a core. Users make their own contexts, and
+    free the adapters they register and undo what they patch before they finish."""
+    from loraplane.worker.runtime.context import Model
+    from loraplane.worker.runtime.model import load_model
+
+    return Model(load_model(base_model_path, dtype="f32", device="cpu", weights="packed"))
+
+
+@pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     """``tests/fixtures`` in the repository (llama.cpp goldens, adapters, tiny model; provenance
     and tolerances in its README)."""
