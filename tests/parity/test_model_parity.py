@@ -194,6 +194,7 @@ def test_peft_shout_and_alora(gemma, fixtures_dir):
     )
 
 
+@pytest.mark.slow  # fast: test_convert_peft's rsLoRA alpha (32: PEFT's scale 2) and fixture checks
 def test_peft_shout_rs_converted(gemma, fixtures_dir, tmp_path):
     """rsLoRA converted by convert-peft carries alpha 32 and matches PEFT's scale 2; the
     llama.cpp-converted fixture GGUF (alpha 8 → 0.5) does not."""
@@ -223,6 +224,7 @@ def test_peft_shout_rs_converted(gemma, fixtures_dir, tmp_path):
         model.adapters.by_id.pop(11, None)
 
 
+@pytest.mark.slow  # fast: test_lora_graph (phi3: mixed rows vs alone) and test_kernels (packed rows)
 def test_batched_decode_equals_alone(gemma, golden):
     """Several sequences in one ubatch give the logits of decoding each alone (≤ 1e-4 on the
     f32 reference, ≤ 1e-3 on the packed default)."""
