@@ -86,18 +86,24 @@ def _golden_groups(model, ctx, cases: list[dict]) -> dict[str, GroupStats]:
     return groups
 
 
+# The fast tier's groups: the base model, both adapters stacked, the aLoRA after its invocation
+# (a wrong scale is caught on shout@1 by test_scale_error_is_caught).
+FAST_GROUPS = ("base", "shout@1+sea@1", "critic_alora@1 (invoked)")
+
+
 @pytest.mark.parametrize("weight_form", ["packed"], indirect=True)
-def test_golden_first_case_of_every_group(gemma, golden):
+def test_golden_first_case_of_three_groups(gemma, golden):
     """The fast tier's check against llama.cpp (the sweep below is slow: 49 cases, ~20 s): the
-    first case of every golden.json group (base, shout@1, shout@0.5, sea@1, shout@1+sea@1, aLoRA
-    with and without invocation) on the default packed path, each within the README's per-case
-    mean bound, and argmax agreement >= 95 % over them where llama.cpp's margin is clear. The
-    95th percentile is a group statistic: the sweep checks it on whole groups."""
+    first case of three golden.json groups (``FAST_GROUPS``) on the default packed path, each
+    within the README's per-case mean bound, and argmax agreement >= 95 % over them where
+    llama.cpp's margin is clear. The 95th percentile is a group statistic: the sweep checks it
+    on whole groups."""
     model, ctx = gemma
     firsts: dict[str, dict] = {}
     for case in golden["completions"]:
-        firsts.setdefault(case["case"], case)
-    assert len(firsts) == 7
+        if case["case"] in FAST_GROUPS:
+            firsts.setdefault(case["case"], case)
+    assert len(firsts) == len(FAST_GROUPS)
     groups = _golden_groups(model, ctx, list(firsts.values()))
     pooled = GroupStats([c for g in groups.values() for c in g.cases])
     for name, g in groups.items():
@@ -179,7 +185,7 @@ def test_peft_shout_embd_tied_output(gemma, fixtures_dir):
     )
 
 
-@pytest.mark.slow  # 9 cases; both adapters meet llama.cpp in the fast tier (test_golden_first_case_of_every_group)
+@pytest.mark.slow  # 9 cases; both adapters meet llama.cpp in the fast tier (test_golden_first_case_of_three_groups)
 def test_peft_shout_and_alora(gemma, fixtures_dir):
     model, ctx = gemma
     _assert_peft(
