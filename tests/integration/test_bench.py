@@ -1,9 +1,11 @@
 """The benchmark harness runs end to end and reports every scenario with numbers.
 
-No speed is asserted anywhere: the figures depend on the machine. The test runs ``--quick``
-once (1.5–2 minutes on 2 CPU cores, mostly loading the model in the worker processes), which
-exercises all five scenarios: engine, gRPC serving with mixed and compat workers, prefix
-reuse, adapter lifecycle, roofline.
+No speed is asserted anywhere: the figures depend on the machine. The test runs ``--smoke``
+(the profile made for it: every scenario at its smallest size) once, which exercises all nine
+scenarios: engine, gRPC serving with mixed and compat workers, lifecycle, prefix reuse,
+roofline, paging, long prompts, long context, bounds; about 1.5 minutes on 2 CPU cores, mostly
+starting the worker processes (``--quick`` ran the same code at larger sizes in 3-6 minutes).
+A second run selects one scenario with ``--only``.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def test_workloads_are_deterministic():
     assert a.count(0) > a.count(15)  # Zipf: the first adapter is the most popular
 
 
-def test_bench_quick_reports_every_scenario(tmp_path):
+def test_bench_smoke_reports_every_scenario(tmp_path):
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -84,7 +86,7 @@ def test_bench_quick_reports_every_scenario(tmp_path):
             "bench",
             "--json",
             str(out),
-            "--quick",
+            "--smoke",
             "--plain",
             "--markdown",
             str(md),
@@ -99,7 +101,7 @@ def test_bench_quick_reports_every_scenario(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
-    assert data["profile"] == "quick" and data["errors"] == []
+    assert data["profile"] == "smoke" and data["errors"] == []
     sc = data["scenarios"]
     for key in SCENARIOS:
         assert key in sc and "error" not in sc[key], (key, sc.get(key))
@@ -170,22 +172,9 @@ def test_bench_quick_reports_every_scenario(tmp_path):
     _number(pg, "many", "register_to_first_token_ms")
     assert pg["many"]["page_ins_per_request"] > 0  # more adapters than slots: it pages
 
-    r = sc["roofline"]
-    for f in (
-        "bound_ms",
-        "bound_gguf_ms",
-        "achieved_ms",
-        "achieved_over_bound",
-        "achieved_over_bound_gguf",
-        "weight_bytes_held",
-        "gguf_tensor_bytes",
-        "held_over_gguf",
-        "worker_rss_bytes",
-    ):
-        _number(r, f)
-    _number(r, "bandwidth", "gb_s", "median")
-
-    _check_long_and_bounds(sc)
+    _check_roofline(sc)
+    _check_long(sc)
+    _check_bounds(sc)
 
     text = md.read_text()
     for title in (
@@ -202,8 +191,27 @@ def test_bench_quick_reports_every_scenario(tmp_path):
         assert title in text
 
 
-def _check_long_and_bounds(sc: dict) -> None:
-    """Scenarios 7-9 (ours only: the tests run without $LLAMA_SERVER)."""
+def _check_roofline(sc: dict, with_worker: bool = True) -> None:
+    """Scenario 5 (the worker's RSS only when a serving scenario ran a worker)."""
+    r = sc["roofline"]
+    for f in (
+        "bound_ms",
+        "bound_gguf_ms",
+        "achieved_ms",
+        "achieved_over_bound",
+        "achieved_over_bound_gguf",
+        "weight_bytes_held",
+        "gguf_tensor_bytes",
+        "held_over_gguf",
+    ):
+        _number(r, f)
+    if with_worker:
+        _number(r, "worker_rss_bytes")
+    _number(r, "bandwidth", "gb_s", "median")
+
+
+def _check_long(sc: dict) -> None:
+    """Scenarios 7 and 8 (ours only: the tests run without $LLAMA_SERVER)."""
     lp = sc["longprompt"]
     assert set(lp["servers"]) == {"ours"} and lp["workloads"] == [
         f"K={k} {'base' if k == 0 else 'zipf'}" for k in lp["ks"]
@@ -224,6 +232,9 @@ def _check_long_and_bounds(sc: dict) -> None:
         assert _number(run, "itl_p50_ms", "median") > 0
     assert _number(lc, "long_over_short", "ours") > 0
 
+
+def _check_bounds(sc: dict) -> None:
+    """Scenario 9."""
     bd = sc["bounds"]
     assert bd["batch"] == 16 and bd["macs_per_step"] == 16 * bd["macs_per_row"]
     assert bd["fastest"] in bd["peaks"] and "error" not in bd["peaks"][bd["fastest"]]
@@ -282,8 +293,9 @@ def test_step_macs_count_every_linear_weight_and_the_tied_head():
     assert (untied["lm_head"], untied["macs_per_row"]) == ("output.weight", 400 + 128 + 256)
 
 
-def test_bench_smoke_long_prompts_long_context_and_bounds(tmp_path):
-    """``--smoke --only longprompt,longctx,bounds``: scenarios 7-9 at their smallest sizes."""
+def test_bench_only_runs_the_selected_scenarios(tmp_path):
+    """``--smoke --only 5,bounds`` (a number and a name): scenarios 5 and 9 alone (in-process,
+    no worker), nothing else reported or printed."""
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("LLAMA_SERVER", None)
@@ -294,7 +306,7 @@ def test_bench_smoke_long_prompts_long_context_and_bounds(tmp_path):
             "bench",
             "--smoke",
             "--only",
-            "longprompt,longctx,bounds",
+            "5,bounds",
             "--plain",
             "--json",
             str(out),
@@ -309,6 +321,9 @@ def test_bench_smoke_long_prompts_long_context_and_bounds(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
-    assert data["errors"] == [] and data["selected"] == ["longprompt", "longctx", "bounds"]
-    _check_long_and_bounds(data["scenarios"])
-    assert "7. Long prompts" in proc.stdout and "9. Bounds" in proc.stdout
+    assert data["errors"] == [] and data["selected"] == ["roofline", "bounds"]
+    assert sorted(data["scenarios"]) == ["bounds", "roofline"]
+    _check_roofline(data["scenarios"], with_worker=False)
+    _check_bounds(data["scenarios"])
+    assert "5. Roofline" in proc.stdout and "9. Bounds" in proc.stdout
+    assert "1. Engine" not in proc.stdout and "7. Long prompts" not in proc.stdout

@@ -41,14 +41,20 @@ def _logprobs(model_path, tokens, adapters=()):
 TINY_TOKENS = [1, 450, 4996, 17354, 1701, 29916, 432, 22069, 975, 278]
 
 
-@pytest.mark.parametrize("outtype,bound", [("f32", 1e-3), ("f16", 5e-2), ("q8_0", 5e-1)])
-def test_tiny_moe_merged_matches_attached(fixtures_dir, tmp_path, outtype, bound):
+@pytest.fixture(scope="module")
+def tiny_moe_attached(fixtures_dir):
+    """``(base, lora, attached, base_lp)``: the tiny MoE's log-probs with the adapter attached
+    at 0.7 and without it, computed once for the three output types."""
     d = fixtures_dir / "tiny_moe"
     base, lora = d / "tiny-llama-moe-f16.gguf", d / "moe_lora.gguf"
+    return base, lora, _logprobs(base, TINY_TOKENS, [(lora, 0.7)]), _logprobs(base, TINY_TOKENS)
+
+
+@pytest.mark.parametrize("outtype,bound", [("f32", 1e-3), ("f16", 5e-2), ("q8_0", 5e-1)])
+def test_tiny_moe_merged_matches_attached(tiny_moe_attached, tmp_path, outtype, bound):
+    base, lora, attached, base_lp = tiny_moe_attached
     merged = export_lora(base, [(lora, 0.7)], tmp_path / f"merged-{outtype}.gguf", outtype=outtype)
-    attached = _logprobs(base, TINY_TOKENS, [(lora, 0.7)])
     plain = _logprobs(merged, TINY_TOKENS)
-    base_lp = _logprobs(base, TINY_TOKENS)
     diff = float((attached - plain).abs().max())
     effect = float((attached - base_lp).abs().max())
     print(f"tiny moe {outtype}: merged vs attached max |d logprob| = {diff:.2e} (adapter effect {effect:.2f})")

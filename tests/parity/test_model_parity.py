@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.parity.compare import GroupStats, compare_case, teacher_forced_logprobs
+from tests.parity.compare import CaseStats, GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.registry import AdapterInUseError
@@ -45,9 +46,14 @@ def weight_form(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def gemma(base_model_path, fixtures_dir, weight_form):
+def gemma(request, base_model_path, fixtures_dir, weight_form):
+    """``(Model, context)`` with the four golden adapters registered (ids ``GOLDEN_IDS``); the
+    packed model is the session's (``gemma_packed``), the adapters are freed at the end."""
     torch.manual_seed(0)
-    model = Model(load_model(base_model_path, dtype="f32", device="cpu", weights=weight_form))
+    if weight_form == "packed":
+        model = request.getfixturevalue("gemma_packed")
+    else:
+        model = Model(load_model(base_model_path, dtype="f32", device="cpu", weights=weight_form))
     for aid, name in GOLDEN_IDS.items():
         model.adapters.add(
             aid,
@@ -58,6 +64,8 @@ def gemma(base_model_path, fixtures_dir, weight_form):
     ctx = model.new_context(n_ctx_seq=512)
     yield model, ctx
     ctx.close()
+    for aid in GOLDEN_IDS:
+        model.adapters.free(aid)
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +77,48 @@ def _set(model, lora: list[dict]) -> AdapterSet:
     return AdapterSet.of({e["id"]: (model.adapters.by_id[e["id"]], e["scale"]) for e in lora})
 
 
+def _golden_groups(model, ctx, cases: list[dict]) -> dict[str, GroupStats]:
+    """Each golden.json case teacher-forced alone, its statistics gathered by case group."""
+    groups: dict[str, GroupStats] = defaultdict(GroupStats)
+    for case in cases:
+        lp = teacher_forced_logprobs(ctx, case["prompt_tokens"], case["tokens"], _set(model, case["lora"]))
+        groups[case["case"]].cases.append(compare_case(case["prompt"], lp, case["steps"]))
+    return groups
+
+
+# The fast tier's groups: the base model, both adapters stacked, the aLoRA after its invocation
+# (a wrong scale is caught on shout@1 by test_scale_error_is_caught).
+FAST_GROUPS = ("base", "shout@1+sea@1", "critic_alora@1 (invoked)")
+
+
+@pytest.mark.parametrize("weight_form", ["packed"], indirect=True)
+def test_golden_first_case_of_three_groups(gemma, golden):
+    """The fast tier's check against llama.cpp (the sweep below is slow: 49 cases, ~20 s): the
+    first case of three golden.json groups (``FAST_GROUPS``) on the default packed path, each
+    within the README's per-case mean bound, and argmax agreement >= 95 % over them where
+    llama.cpp's margin is clear. The 95th percentile is a group statistic: the sweep checks it
+    on whole groups."""
+    model, ctx = gemma
+    firsts: dict[str, dict] = {}
+    for case in golden["completions"]:
+        if case["case"] in FAST_GROUPS:
+            firsts.setdefault(case["case"], case)
+    assert len(firsts) == len(FAST_GROUPS)
+    groups = _golden_groups(model, ctx, list(firsts.values()))
+    pooled = GroupStats([c for g in groups.values() for c in g.cases])
+    for name, g in groups.items():
+        print(g.report(name))
+        (c,) = g.cases
+        assert c.mean <= 0.10, f"{name} / {c.name!r}: mean |d| {c.mean:.4f} > 0.10"
+    assert pooled.argmax_rate >= 0.95, f"argmax agreement {pooled.argmax_rate:.3f} < 0.95"
+
+
+@pytest.mark.slow
 def test_golden_teacher_forced_all_groups(gemma, golden):
     """Every golden.json case group (base, shout@1, shout@0.5, sea@1, shout@1+sea@1, aLoRA with
     and without invocation) within the README bounds against llama.cpp."""
     model, ctx = gemma
-    groups: dict[str, GroupStats] = defaultdict(GroupStats)
-    for case in golden["completions"]:
-        lp = teacher_forced_logprobs(ctx, case["prompt_tokens"], case["tokens"], _set(model, case["lora"]))
-        groups[case["case"]].cases.append(compare_case(case["prompt"], lp, case["steps"]))
+    groups = _golden_groups(model, ctx, golden["completions"])
     assert set(groups) >= {"base", "shout@1", "shout@0.5", "sea@1", "shout@1+sea@1"}
     for name, g in groups.items():
         print(g.report(name))
@@ -89,7 +131,8 @@ def test_golden_teacher_forced_all_groups(gemma, golden):
 
 def test_scale_error_is_caught(gemma, golden):
     """The bound has teeth: shout served at 0.8× its scale misses the per-case mean bound on
-    at least one case (the README measured worst mean 0.34 for a 20 % error)."""
+    at least one case (the README measured worst mean 0.34 for a 20 % error). The cases run
+    until one misses (the first does, at 0.13 on the packed path)."""
     model, ctx = gemma
     worst = 0.0
     for case in golden["completions"]:
@@ -98,19 +141,26 @@ def test_scale_error_is_caught(gemma, golden):
         wrong = AdapterSet.of({0: (model.adapters.by_id[0], 0.8)})
         lp = teacher_forced_logprobs(ctx, case["prompt_tokens"], case["tokens"], wrong)
         worst = max(worst, compare_case(case["prompt"], lp, case["steps"]).mean)
+        if worst > 0.10:
+            break
     print(f"shout at 0.8x: worst mean |d| = {worst:.3f}")
     assert worst > 0.10
 
 
-def _peft_group(model, ctx, fixtures_dir, adapter_name: str, adapter_set: AdapterSet) -> GroupStats:
+def _peft_cases(model, ctx, fixtures_dir, adapter_name: str, adapter_set: AdapterSet) -> Iterator[CaseStats]:
+    """Each peft_reference.json case of ``adapter_name``, teacher-forced with ``adapter_set``
+    (scales times the case's), computed as it is asked for."""
     ref = json.loads((fixtures_dir / "peft_reference.json").read_text())
-    g = GroupStats()
     for case in ref["cases"]:
         if case["adapter"] != adapter_name:
             continue
         s = AdapterSet(tuple((i, a, sc * case["scale"]) for i, a, sc in adapter_set.entries))
         lp = teacher_forced_logprobs(ctx, case["prompt_tokens"], case["token_ids"], s)
-        g.cases.append(compare_case(case["prompt_text"], lp, case["steps"]))
+        yield compare_case(case["prompt_text"], lp, case["steps"])
+
+
+def _peft_group(model, ctx, fixtures_dir, adapter_name: str, adapter_set: AdapterSet) -> GroupStats:
+    g = GroupStats(list(_peft_cases(model, ctx, fixtures_dir, adapter_name, adapter_set)))
     assert g.cases, f"no PEFT reference cases for {adapter_name}"
     return g
 
@@ -135,6 +185,7 @@ def test_peft_shout_embd_tied_output(gemma, fixtures_dir):
     )
 
 
+@pytest.mark.slow  # 9 cases; both adapters meet llama.cpp in the fast tier (test_golden_first_case_of_three_groups)
 def test_peft_shout_and_alora(gemma, fixtures_dir):
     model, ctx = gemma
     _assert_peft(
@@ -149,6 +200,7 @@ def test_peft_shout_and_alora(gemma, fixtures_dir):
     )
 
 
+@pytest.mark.slow  # fast: test_convert_peft's rsLoRA alpha (32: PEFT's scale 2) and fixture checks
 def test_peft_shout_rs_converted(gemma, fixtures_dir, tmp_path):
     """rsLoRA converted by convert-peft carries alpha 32 and matches PEFT's scale 2; the
     llama.cpp-converted fixture GGUF (alpha 8 → 0.5) does not."""
@@ -169,14 +221,16 @@ def test_peft_shout_rs_converted(gemma, fixtures_dir, tmp_path):
             fixtures_dir / "adapters" / "shout_rs.gguf", base_arch="gemma3", base_tensors=model.base.tensor_ne
         )
         model.adapters.add(11, lossy)
-        g = _peft_group(model, ctx, fixtures_dir, "shout_rs", AdapterSet.of({11: (lossy, 1.0)}))
-        assert max(c.mean for c in g.cases) > 0.05, "llama.cpp's lossy rsLoRA conversion should miss PEFT"
+        # cases computed until one misses (the first does: mean 1.5)
+        cases = _peft_cases(model, ctx, fixtures_dir, "shout_rs", AdapterSet.of({11: (lossy, 1.0)}))
+        assert any(c.mean > 0.05 for c in cases), "llama.cpp's lossy rsLoRA conversion should miss PEFT"
     finally:
         ctx.set_adapters(EMPTY_SET)
         model.adapters.by_id.pop(10, None)
         model.adapters.by_id.pop(11, None)
 
 
+@pytest.mark.slow  # fast: test_lora_graph (phi3: mixed rows vs alone) and test_kernels (packed rows)
 def test_batched_decode_equals_alone(gemma, golden):
     """Several sequences in one ubatch give the logits of decoding each alone (≤ 1e-4 on the
     f32 reference, ≤ 1e-3 on the packed default)."""

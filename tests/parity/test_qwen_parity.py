@@ -116,7 +116,8 @@ def test_adapter_scale_error_is_caught(qwen, golden: dict) -> None:
     """The bounds have teeth on this model too: a 20 % scale error misses the mean bound where
     the scale matters (shout at half scale, and arr stacked on shout). Measured: shout served at
     0.4 instead of 0.5 → worst mean 0.15; arr at 0.8 in the stack → 0.17 (at full scale alone
-    these adapters saturate: 0.8× moves the golden tokens' log-probs by < 0.04)."""
+    these adapters saturate: 0.8× moves the golden tokens' log-probs by < 0.04). The cases of a
+    group run until one misses."""
     model, ctx = qwen
     ad = model.adapters.by_id
     for case_name, wrong in (("shout@0.5", {0: 0.4}), ("shout@1+arr@1", {0: 1.0, 1: 0.8})):
@@ -126,6 +127,8 @@ def test_adapter_scale_error_is_caught(qwen, golden: dict) -> None:
                 s = AdapterSet.of({i: (ad[i], sc) for i, sc in wrong.items()})
                 lp = teacher_forced_logprobs(ctx, case["prompt_tokens"], case["tokens"], s)
                 worst = max(worst, compare_case("", lp, case["steps"]).mean)
+                if worst > 0.10:
+                    break
         print(f"{case_name} served as {wrong}: worst mean |d| = {worst:.3f}")
         assert worst > 0.10
 

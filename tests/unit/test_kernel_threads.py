@@ -194,7 +194,8 @@ def test_pool_after_fork(weights, threads):
     assert torch.equal(_mm(ql, x, path, "i16", 2), ref)
 
 
-@pytest.mark.parametrize("spin_us", ["0", "50"])
+# a fresh interpreter importing torch each (~2.5 s): the spinning case, the harder exit, stays fast
+@pytest.mark.parametrize("spin_us", [pytest.param("0", marks=pytest.mark.slow), "50"])
 def test_process_exits_with_pool_alive(spin_us):
     """A process whose pool threads are alive (sleeping, or spinning at exit with a budget)
     exits normally: the threads are detached, nothing joins them at interpreter shutdown."""

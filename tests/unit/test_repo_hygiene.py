@@ -13,6 +13,7 @@ cycles.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import re
@@ -44,8 +45,10 @@ TEXT_SUFFIXES = {
 }
 
 
-def _tracked() -> list[Path]:
-    """Tracked files plus untracked ones git does not ignore (what a commit would hold)."""
+@functools.cache
+def _tracked() -> tuple[Path, ...]:
+    """Tracked files plus untracked ones git does not ignore (what a commit would hold); listed
+    once per session (the tree does not change while the tests run)."""
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -53,7 +56,14 @@ def _tracked() -> list[Path]:
         text=True,
         check=True,
     ).stdout
-    return [ROOT / line for line in out.splitlines() if line and (ROOT / line).is_file()]
+    return tuple(ROOT / line for line in out.splitlines() if line and (ROOT / line).is_file())
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """``path`` parsed once per session: several checks walk the same files, and parsing the
+    ~300 Python files of the repository takes seconds of a core each time."""
+    return ast.parse(path.read_text(encoding="utf-8"))
 
 
 def _text_files() -> list[Path]:
@@ -136,11 +146,17 @@ def _type_checking_lines(tree: ast.Module) -> set[int]:
 
 def import_graph() -> dict[str, set[str]]:
     """``{module: {product modules it imports}}``; ``from a.b import c`` is an edge to ``a.b.c``
-    when that is a module, else to ``a.b``. Relative imports are resolved."""
+    when that is a module, else to ``a.b``. Relative imports are resolved. A copy of the graph,
+    which is built once per session (one test per product package reads it)."""
+    return {mod: set(edges) for mod, edges in _import_graph().items()}
+
+
+@functools.cache
+def _import_graph() -> dict[str, set[str]]:
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = _tree(path)
         skip = _type_checking_lines(tree)
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in ast.walk(tree):
@@ -263,7 +279,7 @@ def test_no_long_functions_in_product_code():
         rel = path.relative_to(ROOT)
         if path.suffix != ".py" or rel.parts[0] not in PRODUCT or str(rel).startswith(GENERATED):
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > MAX_FUNCTION_LINES and (str(rel), node.name) not in OPTION_LISTS:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -126,7 +128,11 @@ def test_sampling_validation(field, value, msg):
 # --- KV cache, sliding window, dtype ---------------------------------------------------------
 @pytest.fixture(scope="module", params=["packed", pytest.param("dequant", marks=pytest.mark.slow)])
 def gemma(base_model_path, request):
-    model = Model(load_model(base_model_path, dtype="f32", device="cpu", weights=request.param))
+    """``(Model, context)`` of Gemma 3 270M, f32; the packed model is the session's (``gemma_packed``)."""
+    if request.param == "packed":
+        model = request.getfixturevalue("gemma_packed")
+    else:
+        model = Model(load_model(base_model_path, dtype="f32", device="cpu", weights=request.param))
     ctx = model.new_context(n_ctx_seq=1024)
     yield model, ctx
     ctx.close()
@@ -171,6 +177,32 @@ def test_lm_head_int8_policy(gemma, monkeypatch):
     assert float(top1.max()) <= 0.1  # the golden bound on a case mean
 
 
+def _chunked_then_stepped_vs_one_shot(ctx, n: int, split: int, steps: int) -> float:
+    """Max |Δ log-prob| over the last ``steps`` positions of an ``n``-token random sequence:
+    decoded as one ubatch, against decoded as two prompt chunks (``[0, split)``, ``[split, n -
+    steps)``) then token by token."""
+    g = torch.Generator().manual_seed(0)
+    toks = [2] + torch.randint(300, 20000, (n - 1,), generator=g).tolist()
+    want = [i >= n - steps for i in range(n)]
+    one = ctx.decode(UBatch(toks, list(range(n)), [1] * n, want)).logits
+    ctx.kv.seq_rm(1)
+    got = []
+    for lo, hi in [(0, split), (split, n - steps)]:
+        ctx.decode(UBatch(toks[lo:hi], list(range(lo, hi)), [1] * (hi - lo), [False] * (hi - lo)))
+    for p in range(n - steps, n):
+        got.append(ctx.decode(UBatch([toks[p]], [p], [1], [True])).logits[0])
+    ctx.kv.seq_rm(1)
+    return float((torch.log_softmax(torch.stack(got), -1) - torch.log_softmax(one, -1)).abs().max())
+
+
+# f32 reference: only float summation order differs (1e-4). Packed default: activations are
+# int16 per block of 32, so a last-bit float difference between the chunked and one-shot
+# attention can move one rounding step, which in a block holding one of Gemma's |x|~250
+# outliers is ~0.008 absolute; measured 2.5e-3 after 18 layers (600 tokens, 512 window).
+WINDOW_TOL = {"dequant": 1e-4, "packed": 5e-3}
+
+
+@pytest.mark.slow  # 2 x 600 tokens; the short-window test below checks the same masks in the fast tier
 def test_incremental_decode_past_sliding_window_equals_one_shot(gemma, monkeypatch):
     """A 600-token sequence (> the 512 sliding window): prompt in chunks then token by token
     gives the one-shot ubatch's logits (checks the per-layer window mask on both paths).
@@ -180,24 +212,23 @@ def test_incremental_decode_past_sliding_window_equals_one_shot(gemma, monkeypat
     into up to 0.037 on some tail logit (measured), which would hide the errors this test is for."""
     model, ctx = gemma
     monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i16")
-    g = torch.Generator().manual_seed(0)
-    toks = [2] + torch.randint(300, 20000, (599,), generator=g).tolist()
-    n = len(toks)
-    want = [i >= n - 4 for i in range(n)]
-    one = ctx.decode(UBatch(toks, list(range(n)), [1] * n, want)).logits
-    ctx.kv.seq_rm(1)
-    got = []
-    for lo, hi in [(0, 300), (300, 596)]:
-        ctx.decode(UBatch(toks[lo:hi], list(range(lo, hi)), [1] * (hi - lo), [False] * (hi - lo)))
-    for p in range(596, n):
-        got.append(ctx.decode(UBatch([toks[p]], [p], [1], [True])).logits[0])
-    ctx.kv.seq_rm(1)
-    diff = float((torch.log_softmax(torch.stack(got), -1) - torch.log_softmax(one, -1)).abs().max())
-    # f32 reference: only float summation order differs (1e-4). Packed default: activations are
-    # int16 per block of 32, so a last-bit float difference between the chunked and one-shot
-    # attention can move one rounding step, which in a block holding one of Gemma's |x|~250
-    # outliers is ~0.008 absolute; measured 2.5e-3 here after 18 layers.
-    assert diff <= (1e-4 if model.base.weight_form == "dequant" else 5e-3), diff
+    diff = _chunked_then_stepped_vs_one_shot(ctx, 600, 300, 4)
+    assert diff <= WINDOW_TOL[model.base.weight_form], diff
+
+
+def test_incremental_decode_past_a_short_sliding_window_equals_one_shot(gemma, monkeypatch):
+    """The same check with the model's sliding window patched down from 512 to 48 tokens and a
+    64-token sequence: the window cuts inside the second prompt chunk (positions 48-59 of
+    32-59) and in every decoded step (60-63), as the 512 window does in the 600-token test, at
+    1/9 of the tokens. The masks read ``n_swa`` from the hyper-parameters at every decode.
+    Measured: 1.8e-3 packed, 2.1e-5 f32; a window off by one moves the log-probs by 0.82, no
+    window by 6.4."""
+    model, ctx = gemma
+    monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i16")
+    assert model.base.hparams.n_swa == 512
+    monkeypatch.setattr(model.base, "hparams", dataclasses.replace(model.base.hparams, n_swa=48))
+    diff = _chunked_then_stepped_vs_one_shot(ctx, 64, 32, 4)
+    assert diff <= WINDOW_TOL[model.base.weight_form], diff
 
 
 def test_decode_rejects_bad_rows_and_keeps_cache(gemma):
@@ -221,6 +252,7 @@ def test_prompt_logprobs_helper(gemma):
     assert len(lps) == n - 1 and all(lp < 0 for lp in lps)
 
 
+@pytest.mark.slow  # loads a second Gemma; bf16 compute with an adapter stays fast in test_device_paths
 def test_bf16_close_to_f32(base_model_path, gemma):
     """bf16 compute: same greedy choice where f32's margin is clear, log-probs within 0.15."""
     _, ctx32 = gemma

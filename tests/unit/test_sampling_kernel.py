@@ -23,6 +23,9 @@ C_PATHS = [
     pytest.param("avx512", marks=pytest.mark.skipif(not supported("avx512"), reason="CPU lacks AVX-512 VNNI")),
 ]
 GEMMA, QWEN, TINY = 262144, 151936, 37  # 37: not a multiple of 8 or 16, under one vector of tail
+# Rows for the sampler's draw rules (not the kernel's vector tails, checked at the sizes above):
+# a full-vocabulary draw costs ~80 ms at 151 936 entries, and these tests draw dozens of times.
+DRAW_V = 4096
 
 
 def _logits(n: int, v: int, seed: int) -> torch.Tensor:
@@ -192,10 +195,10 @@ def _expected_probs(logits: torch.Tensor, t: float, k: int, p: float) -> torch.T
 def test_top_k_candidates_sample_the_same_distribution():
     """Temperature + top-k + top-p on the fused candidates: the support equals the torch
     path's and 6000 seeded draws match its probabilities within 0.02."""
-    x = torch.randn(QWEN, generator=torch.Generator().manual_seed(4)) * 2
+    x = torch.randn(DRAW_V, generator=torch.Generator().manual_seed(4)) * 2
     want = _expected_probs(x, 0.8, 8, 0.9)
     s = Sampler(SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=1))
-    got = torch.bincount(torch.tensor([s.sample(x).token_id for _ in range(6000)]), minlength=QWEN).float() / 6000
+    got = torch.bincount(torch.tensor([s.sample(x).token_id for _ in range(6000)]), minlength=DRAW_V).float() / 6000
     assert set(got.nonzero().flatten().tolist()) <= set(want.nonzero().flatten().tolist())
     assert float((got - want).abs().max()) < 0.02
 
@@ -219,7 +222,7 @@ def test_tiny_temperature_is_greedy_not_a_nan_draw(temperature, top_k):
     """A temperature so small that ``logits / t`` overflows f32 (accepted: finite and > 0)
     draws the argmax; it used to make ``torch.multinomial`` raise on the scheduler thread,
     which ended the worker's scheduling for every request."""
-    x = torch.randn(QWEN, generator=torch.Generator().manual_seed(5)) * 3
+    x = torch.randn(DRAW_V, generator=torch.Generator().manual_seed(5)) * 3
     for row in (x, x - 100.0):  # positive logits overflow to +inf, all-negative ones to -inf
         s = Sampler(SamplingParams(temperature=temperature, top_k=top_k, seed=3))
         assert {s.sample(row).token_id for _ in range(5)} == {int(torch.argmax(row))}
