@@ -195,9 +195,9 @@ def test_path_tokens_ignore_what_is_not_a_path():
     text = (
         "`worker/serving/scheduler.py` `https://example.com/a/b.py` `/v1/models` `--slots` "
         "`worker/runtime/arch/<arch>.py` `text/event-stream` `~/.cache` `.venv/bin/python -m pytest` "
-        "`sqlite:///PATH` `postgresql://USER@HOST:PORT/DB` `lora_alpha/sqrt(r)` `demo/adapters/` `.ci/run`"
+        "`sqlite:///PATH` `postgresql://USER@HOST:PORT/DB` `lora_alpha/sqrt(r)` `loraplane/demo/adapters/` `.ci/run`"
     )
-    assert path_tokens(text) == ["worker/serving/scheduler.py", "demo/adapters/", ".ci/run"]
+    assert path_tokens(text) == ["worker/serving/scheduler.py", "loraplane/demo/adapters/", ".ci/run"]
 
 
 def test_module_tokens_and_resolution():
