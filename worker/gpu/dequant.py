@@ -8,7 +8,7 @@ fields are column slices, unpacked with integer shifts and masks on whole tensor
 Bit layouts (one block each; ``d``, ``dmin``, ``m`` are little-endian f16; ``QK_K`` = 256)
 follow ggml's ``dequantize_row_*`` (``ggml-quants.c``), and the arithmetic follows gguf-py's
 ``gguf/quants.py`` step for step in f32 (scale products first, then ``d * q - dm``), so the f32
-result equals ``worker.gguf.reader.dequantize`` bit for bit; the f16 / bf16 output is
+result equals ``loraplane.formats.gguf.reader.dequantize`` bit for bit; the f16 / bf16 output is
 that f32 value rounded once (round to nearest even), like ``.to(dtype)`` of the reference:
 
 ==========  ====  =====  ==========================================================================
@@ -43,7 +43,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from worker.gguf.reader import GGUFError, TensorRecord
+from loraplane.formats.gguf.reader import GGUFError, TensorRecord
 
 QK_K = 256
 
