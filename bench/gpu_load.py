@@ -29,7 +29,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from worker.gguf.reader import TensorRecord, read_gguf
+from loraplane.formats.gguf.reader import TensorRecord, read_gguf
 from worker.gpu.dequant import CHUNK_ELEMS, DEVICE_DEQUANT_TYPES, PLAIN_DTYPES, Uploader, dequantize_rows
 from worker.runtime.model import load_device_dense, load_model
 

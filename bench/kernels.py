@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.machine import FLAGS  # noqa: E402
-from worker.gguf.reader import dequantize, read_gguf  # noqa: E402
+from loraplane.formats.gguf.reader import dequantize, read_gguf  # noqa: E402
 from worker.runtime.kernels import cpu_flags, cpu_model, pack_tensor, resolve_act, resolve_path, supported  # noqa: E402
 from worker.runtime.kernels.build import library_path  # noqa: E402
 

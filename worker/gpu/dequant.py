@@ -3,7 +3,7 @@
 A tensor's raw block bytes (``TensorRecord.raw``) go to the device once, `CHUNK_ELEMS` values
 at a time, and are dequantized there in one pass into a preallocated tensor of the compute
 dtype, each block type's fields unpacked with shifts and masks on whole tensors (no Python loop
-over blocks). The f32 result equals ``worker.gguf.reader.dequantize`` bit for bit; f16 / bf16
+over blocks). The f32 result equals ``loraplane.formats.gguf.reader.dequantize`` bit for bit; f16 / bf16
 is that value rounded once. Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, F32, F16, BF16
 (`PLAIN_DTYPES`).
 
@@ -22,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from worker.gguf.reader import GGUFError, TensorRecord
+from loraplane.formats.gguf.reader import GGUFError, TensorRecord
 
 QK_K = 256
 

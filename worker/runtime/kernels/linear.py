@@ -24,8 +24,8 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType as T
 
-from worker.gguf.reader import GGUFError, TensorRecord
-from worker.gguf.reader import dequantize as gguf_dequantize
+from loraplane.formats.gguf.reader import GGUFError, TensorRecord
+from loraplane.formats.gguf.reader import dequantize as gguf_dequantize
 from worker.gpu.dequant import dequantize_tensor
 from worker.runtime.device import resolve_device
 from worker.runtime.errors import ModelError
@@ -194,7 +194,7 @@ class QuantLinear:
 
     def dequantize(self) -> torch.Tensor:
         """The weight as f32 ``(d, k)`` (torch order), on ``device``: exactly what
-        ``worker.gguf.reader.dequantize`` gives on CPU; on CUDA the bf16 copy, widened."""
+        ``loraplane.formats.gguf.reader.dequantize`` gives on CPU; on CUDA the bf16 copy, widened."""
         if self.qw is None:
             assert self.weight is not None  # float weights keep `weight`
             return self.weight.to(torch.float32)
@@ -390,7 +390,7 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
     """Build the packed weight of one 2-D GGUF tensor.
 
     Args:
-        rec: the tensor record (``worker.gguf.reader``); its bytes are read, not kept.
+        rec: the tensor record (``loraplane.formats.gguf.reader``); its bytes are read, not kept.
         device: a ``--device`` spelling or ``torch.device`` (resolved here,
             :func:`worker.runtime.device.resolve_device`): CPU keeps the compact form;
             CUDA uploads the raw blocks and dequantizes them to bf16 on the GPU
