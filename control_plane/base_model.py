@@ -51,7 +51,7 @@ class BaseModelInfo:
 
     @property
     def tensor_ne(self) -> dict[str, tuple[int, ...]]:
-        """Base tensor name → ggml ``ne`` (what ``validate_lora_adapter`` checks shapes against)."""
+        """Base tensor name → ggml ``ne`` (what ``read_lora_adapter`` checks shapes against)."""
         return {name: tuple(rec.ne) for name, rec in self.gguf.tensors.items()}
 
     def decode(self, token_ids: list[int]) -> str:

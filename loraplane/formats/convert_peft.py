@@ -1,40 +1,11 @@
 """Convert a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to an adapter GGUF.
 
-Our own implementation of what llama.cpp's ``convert_lora_to_gguf.py`` does, for the
-architectures of the table in ``loraplane.formats.arch`` that have PEFT names (gemma3, gemma2,
-llama incl. Llama 3, qwen2, qwen3, phi3), plus the two things it gets wrong or drops:
-
-* rsLoRA (``use_rslora: true``): PEFT scales by ``lora_alpha / sqrt(r)``; llama.cpp scales
-  by ``alpha / r`` and writes ``lora_alpha`` unchanged. We write ``alpha = lora_alpha *
-  sqrt(r)`` so ``alpha / r == lora_alpha / sqrt(r)``.
-* ``rank_pattern`` / ``alpha_pattern``: a GGUF holds one alpha, the rank comes from each
-  pair's shape. Ranks that differ per module need nothing (``alpha / r_module`` is what PEFT
-  uses); where a module's PEFT scale still differs from ``alpha / r_module`` (a per-module
-  alpha, or rsLoRA with a per-module rank) the ratio is folded into that module's B, so the
-  served delta equals PEFT's exactly.
-
-Name map (PEFT key → GGUF tensor, as ``convert_hf_to_gguf.py``'s tensor map names them; the layer
-modules per architecture are its ``PeftNames`` in ``loraplane.formats.arch``):
-  ``base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj`` → ``blk.{i}.attn_{q,k,v,output}.weight``
-  ``base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj``  → ``blk.{i}.ffn_{gate,up,down}.weight``
-  phi3's fused ``self_attn.qkv_proj`` → ``attn_qkv``, ``mlp.gate_up_proj`` → ``ffn_up`` (the
-  adapter patches the fused weight, as llama.cpp applies it)
-  ``base_model.model.model.embed_tokens`` (``lora_embedding_A/B``) → ``token_embd.weight``
-  ``base_model.model.lm_head`` → ``output.weight``
-Unknown modules and non-LoRA tensors are errors, never silently dropped.
-
-Layouts (torch shapes; GGUF ``ne`` is reversed): PEFT ``lora_A.weight`` is ``(r, k)`` and
-``lora_B.weight`` ``(d, r)`` — written as is (A ne ``[k, r]``, B ne ``[r, d]``). The token
-embedding's ``lora_embedding_A`` ``(r, V)`` is transposed to ``(V, r)`` (ne ``[r, V]``, the
-llama.cpp exception); ``lora_embedding_B`` ``(d, r)`` is written as is. For llama (Llama 2 and
-3 alike), q/k rows are permuted like the base weights (HF rotate-half → GGUF interleaved rope,
-``convert_hf_to_gguf.LlamaModel.permute``): the permutation acts on B's rows only. qwen2, qwen3,
-gemma2/3 and phi3 use NEOX rope in llama.cpp, so their converter permutes nothing.
-
-The module needs no torch: safetensors files are read with ``read_safetensors`` (numpy,
-F64/F32/F16/BF16), so the control plane and the CLI run the same conversion as the
-``convert-peft`` tool (``control_plane`` never loads torch; ``tests/unit/test_plane_independence.py``).
-All arithmetic is f32 numpy, bit-for-bit what the earlier torch version wrote.
+Our own implementation of llama.cpp's ``convert_lora_to_gguf.py`` for the architectures of
+``loraplane.formats.arch`` that have PEFT names, plus rsLoRA and ``rank_pattern`` /
+``alpha_pattern`` folded in exactly. `convert_peft` writes the file, `is_peft_dir` recognises a
+folder, `read_safetensors` reads tensors with numpy (no torch: the control plane, the CLI and the
+``convert-peft`` tool run the same code). The name map, the layouts, the llama q/k permutation and
+the scale rules: docs/formats.md, "PEFT conversion".
 """
 
 from __future__ import annotations
@@ -51,7 +22,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from loraplane.formats.adapter_file import AdapterError, validate_lora_adapter
+from loraplane.formats.adapter_file import AdapterError, read_lora_adapter
 from loraplane.formats.arch import ARCHS, PEFT_LAYER_MODULES, peft_archs
 from loraplane.formats.gguf.reader import GGUFFile, read_gguf
 from loraplane.formats.gguf.writer import write_and_close
@@ -323,7 +294,7 @@ def convert_peft(
     _write_adapter(tmp, inputs.arch, alpha, src.name if name is None else name, cfg, tensors)
     if base_gguf is not None:
         try:
-            validate_lora_adapter(tmp, base_arch=inputs.arch, base_tensors=inputs.base_index)
+            read_lora_adapter(tmp, base_arch=inputs.arch, base_tensors=inputs.base_index)
         except AdapterError as exc:
             tmp.unlink(missing_ok=True)
             raise ConvertError(

@@ -31,11 +31,8 @@ from loraplane.formats.adapter_file import (
     TOKEN_EMBD,
     AdapterError,
     AdapterFile,
-    base_tensor_index,
     lora_scale,
-    read_adapter_gguf,
     read_lora_adapter,
-    validate_lora_adapter,
 )
 from loraplane.formats.gguf.reader import GGUFError, read_gguf, read_tensor
 
@@ -297,18 +294,12 @@ __all__ = [
     "MAX_RANK",
     "NODES_PER_LORA_WEIGHT",
     "TOKEN_EMBD",
-    "AdapterError",
-    "AdapterFile",
     "FileTensors",
     "LoraAdapter",
     "LoraPair",
     "TensorRef",
     "adapter_from_file",
     "is_pooled",
-    "base_tensor_index",
     "load_lora_adapter",
     "open_lora_adapter",
-    "lora_scale",
-    "read_adapter_gguf",
-    "validate_lora_adapter",
 ]

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import structlog
 
+from loraplane.formats.adapter_file import AdapterError
 from worker.errors import AdapterConflictError, AdapterFetchError, AdapterNotFoundError, InvalidRequestError
-from worker.lora.adapter import AdapterError, LoraAdapter, LoraPair
+from worker.lora.adapter import LoraAdapter, LoraPair
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.pool import LoraPool
 from worker.lora.registry import ModelAdapters

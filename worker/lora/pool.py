@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.lora.adapter import LoraAdapter, LoraPair, is_pooled, lora_scale
+from loraplane.formats.adapter_file import lora_scale
+from worker.lora.adapter import LoraAdapter, LoraPair, is_pooled
 
 RANK_ALIGN = 8  # padded rank granularity of a weight's slot buffers
 

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
+from loraplane.formats.adapter_file import TOKEN_EMBD
 from loraplane.formats.gguf.reader import GGUFError, TensorRecord, dequantize
 from loraplane.formats.gguf.writer import write_and_close
-from worker.lora.adapter import TOKEN_EMBD, LoraAdapter, LoraPair, load_lora_adapter
+from worker.lora.adapter import LoraAdapter, LoraPair, load_lora_adapter
 
 OUTTYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0}
 OUTPUT = "output.weight"
