@@ -6,9 +6,9 @@ The ``loraplane`` CLI, a user of this library, is the sub-package `clients.cli`;
 client lives in ``clients/node/``.
 """
 
+from clients.async_client import AsyncLoraplaneClient
 from clients.client import (
     Adapter,
-    AsyncLoraplaneClient,
     DefaultSet,
     GenerateResult,
     LoraplaneClient,

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from clients.async_client import AsyncLoraplaneClient
 from clients.channel import (
     SERVICE_CONFIG,
     Replicas,
@@ -26,7 +27,6 @@ from clients.channel import (
     parse_addresses,
 )
 from clients.client import (
-    AsyncLoraplaneClient,
     FinishedEvent,
     LoraplaneClient,
     LoraplaneError,
