@@ -3,9 +3,10 @@
 Each option's destination is a ``ControlPlaneConfig`` field (``--heartbeat-interval`` →
 ``heartbeat_interval_s``), except the ``--grammar-max-*`` options and ``--max-tools``, which
 fill ``grammar_limits`` (`loraplane.options.GRAMMAR_LIMIT_FIELDS`), and ``--lora`` /
-``--lora-scaled``, which the launcher puts back in command-line order first. A new field is
-one entry here: `control_plane_config` passes every value through by name, and ``serve``
-hands the control plane every `CONTROL_PLANE_OPTIONS` value by the same names.
+``--lora-scaled``, which the launcher puts back in command-line order first. A new config
+field's flag is one entry here and nothing in the CLI: `control_plane_config` passes every
+value through by name, and ``serve`` hands the control plane every `CONTROL_PLANE_OPTIONS`
+value by the same names (``tests/unit/test_server_options.py`` checks each name is a field).
 
 `CONTROL_PLANE_OPTIONS` are what ``loraplane control-plane`` and ``loraplane serve`` both
 take; `STANDALONE_OPTIONS` only a control plane started on its own (``serve`` sets TLS off

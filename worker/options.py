@@ -2,9 +2,10 @@
 
 Each option's destination is a `WorkerConfig` field (``--slots`` → ``n_slots``), and its
 default, when it shows one, is read from the dataclass; the ``--grammar-max-*`` options fill
-``grammar_limits`` (`loraplane.options.GRAMMAR_LIMIT_OPTIONS`). A new field is one entry here:
-`worker_config` passes every value through by name, and `worker_argv` hands every
-`WORKER_RUNTIME_OPTIONS` value to the worker subprocess ``serve`` starts.
+``grammar_limits`` (`loraplane.options.GRAMMAR_LIMIT_OPTIONS`). A new config field's flag is
+one entry here and nothing in the CLI: `worker_config` passes every value through by name, and
+`worker_argv` hands every `WORKER_RUNTIME_OPTIONS` value to the worker subprocess ``serve``
+starts (``tests/unit/test_server_options.py`` checks each name is a field).
 
 `WORKER_OPTIONS` belong to a worker process of its own (``loraplane worker``);
 `WORKER_RUNTIME_OPTIONS` are what ``loraplane serve`` takes too and forwards. The launcher
