@@ -62,6 +62,34 @@ def test_package_does_not_import(package, forbidden):
     assert not bad, bad
 
 
+def test_client_library_does_not_import_the_cli():
+    """``clients/`` outside ``clients/cli/`` is the library: usable without the command line, so
+    it imports neither the CLI nor its toolkits (click, rich) nor either plane."""
+    library = [p for p in (ROOT / "clients").glob("*.py")]
+    assert {p.name for p in library} >= {"__init__.py", "client.py", "channel.py", "wire.py", "results.py"}
+    forbidden = ("clients.cli", "click", "rich", "control_plane", "worker")
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} imports {mod}"
+        for p in library
+        for mod, line, top in _imports(p)
+        if any(mod == f or mod.startswith(f + ".") for f in forbidden)
+    ]
+    assert not bad, bad
+
+
+def test_server_options_stay_with_their_server():
+    """Each server's options module (beside its config) imports the shared click pieces and its
+    own package only: the control plane's never the worker, the worker's never the control plane."""
+    rules = {"control_plane/options.py": ("worker", "clients"), "worker/options.py": ("control_plane", "clients")}
+    bad = [
+        f"{path}:{line} imports {mod}"
+        for path, forbidden in rules.items()
+        for mod, line, _ in _imports(ROOT / path)
+        if any(mod == f or mod.startswith(f + ".") for f in forbidden)
+    ]
+    assert not bad, bad
+
+
 def test_product_packages_do_not_import_bench_at_module_level():
     bad = [
         f"{p.relative_to(ROOT)}:{line}"

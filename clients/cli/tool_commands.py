@@ -12,7 +12,7 @@ import os
 
 import click
 
-from clients.params import PATH_OPTIONAL_SCALE
+from loraplane.options import PATH_OPTIONAL_SCALE
 
 
 def _tool_failed(what: str, err: BaseException) -> click.ClickException:
