@@ -328,9 +328,6 @@ LONG_DOCSTRING_ALLOWED = {
     "control_plane/workers.py",
     "control_plane/registry.py",
     "worker/runtime/kernels/build.py",
-    "clients/cli/serve.py",
-    "clients/channel.py",
-    "clients/client.py",
 }
 
 
