@@ -31,13 +31,13 @@ from control_plane.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from control_plane.membership import WorkerPool
 from control_plane.quotas import QuotaExceededError
 from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router, WorkerRequestError
 from control_plane.stall import StallWatchdog
 from control_plane.tenant_admin import TenantAdmin
-from control_plane.workers import WorkerPool
 from loraplane.interceptors import metadata_value
 from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
@@ -165,13 +165,13 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
         # by id or by any of its names: the whole adapter goes (HTTP unload_lora_adapter drops a name)
         adapter_id = convert.ref_id(request, self.registry.lookup)
         self.registry.unregister(adapter_id)
-        self.pool.unload_adapter(adapter_id)
+        self.pool.adapters.unload_adapter(adapter_id)
         return common_pb2.Empty()
 
     @boundary
     def PinAdapter(self, request, context):
         rec = self.registry.set_pinned(convert.ref_id(request, self.registry.lookup), request.pinned)
-        self.pool.set_pinned(rec)
+        self.pool.adapters.set_pinned(rec)
         return convert.adapter_info(rec)
 
     @boundary

@@ -1,9 +1,10 @@
 """In-process stand-ins for the HTTP front's dependencies, and a tiny ASGI driver.
 
 No model, no worker, no sockets: `FakeRouter` replays scripted ``GenerateEvent`` lists (or
-raises), `FakeRegistry` / `FakePool` hold a few adapter records, `FakeTokenizer` maps token id
-``i`` to the text ``<i>``, and `call_app` sends one request through a FastAPI app and collects
-its status, headers and body bytes exactly as a client would receive them.
+raises), `FakeRegistry` holds a few adapter records, `FakeAnnouncer` notes the ids it is asked
+to unload, `FakeTokenizer` maps token id ``i`` to the text ``<i>``, and `call_app` sends one
+request through a FastAPI app and collects its status, headers and body bytes exactly as a
+client would receive them.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class FakeRegistry:
 
 
 @dataclass
-class FakePool:
+class FakeAnnouncer:
     unloaded: list[int] = field(default_factory=list)
 
     def unload_adapter(self, adapter_id: int) -> None:

@@ -80,7 +80,7 @@ def already_loaded(name: str) -> OpenAIError:
 
 
 def admin_router(deps: HttpDeps) -> APIRouter:
-    """The LoRA load / unload routes over ``deps.registry`` and ``deps.pool``."""
+    """The LoRA load / unload routes over ``deps.registry`` and ``deps.announcer``."""
     router = APIRouter()
 
     @router.post("/v1/load_lora_adapter")
@@ -121,7 +121,7 @@ def admin_router(deps: HttpDeps) -> APIRouter:
         try:
             removal = deps.registry.unload_name(target)
             if removal.unregistered:
-                deps.pool.unload_adapter(removal.record.id)
+                deps.announcer.unload_adapter(removal.record.id)
         except ControlPlaneError as exc:
             raise from_control_plane(exc) from None
         rec = removal.record
