@@ -191,7 +191,7 @@ class Router:
             request.request_id = uuid.uuid4().hex
         if request.sampling.HasField("response_format"):
             check_response_format(request.sampling.response_format, self.grammar.for_tenant(principal))
-        asked = request_map_or_none(request, lambda name: self.registry.lookup(name))
+        asked = request_map_or_none(request, lambda name: self.registry.names.lookup(name))
         vector = self.registry.resolve(asked)
         tenant = self.tenants.resolve(
             principal, None if principal or not asked else self._adapter_name(next(iter(asked)))

@@ -48,8 +48,9 @@ from control_plane.grammar_check import GrammarChecker
 from control_plane.http.models import served_name
 from control_plane.membership import WorkerPool
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.names import served_base_name
 from control_plane.quotas import QuotaBook
-from control_plane.registry import AdapterRegistry, served_base_name
+from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
 from control_plane.servicer import ControlPlaneServicer, WorkerMembershipServicer
@@ -193,7 +194,7 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
         except DatabaseUnavailableError:
             return f"adapter:{adapter_id}"
         rec = next((r for r in records if r.id == adapter_id), None)
-        return served_name(rec, records, registry.base_name) if rec is not None else f"adapter:{adapter_id}"
+        return served_name(rec, records, registry.names.base_name) if rec is not None else f"adapter:{adapter_id}"
 
     def n_adapters() -> int:
         try:

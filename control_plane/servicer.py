@@ -163,20 +163,22 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     @boundary
     def UnregisterAdapter(self, request, context):
         # by id or by any of its names: the whole adapter goes (HTTP unload_lora_adapter drops a name)
-        adapter_id = convert.ref_id(request, self.registry.lookup)
+        adapter_id = convert.ref_id(request, self.registry.names.lookup)
         self.registry.unregister(adapter_id)
         self.pool.adapters.unload_adapter(adapter_id)
         return common_pb2.Empty()
 
     @boundary
     def PinAdapter(self, request, context):
-        rec = self.registry.set_pinned(convert.ref_id(request, self.registry.lookup), request.pinned)
+        rec = self.registry.set_pinned(convert.ref_id(request, self.registry.names.lookup), request.pinned)
         self.pool.adapters.set_pinned(rec)
         return convert.adapter_info(rec)
 
     @boundary
     def SetDefaultAdapters(self, request, context):
-        return convert.adapter_map(self.registry.set_default_set(convert.request_map(request, self.registry.lookup)))
+        return convert.adapter_map(
+            self.registry.set_default_set(convert.request_map(request, self.registry.names.lookup))
+        )
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -186,7 +188,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     @boundary
     def GetAdapter(self, request, context):
-        return convert.adapter_info(self.registry.get(convert.ref_id(request, self.registry.lookup)))
+        return convert.adapter_info(self.registry.get(convert.ref_id(request, self.registry.names.lookup)))
 
     @boundary
     def GetDefaultAdapters(self, request, context):

@@ -115,17 +115,28 @@ class FakeRegistry:
         self.records = [r for r in self.records if r.id != adapter_id]
         return found[0]
 
+    @property
+    def names(self) -> FakeNames:
+        return FakeNames(self.records)
+
+    def unload_name(self, token: str) -> FakeNameRemoval:
+        """The whole adapter goes (the real registry's alias rules are tested live)."""
+        return FakeNameRemoval(self.unregister(self.names.lookup(token)), unregistered=True)
+
+
+@dataclass
+class FakeNames:
+    """`FakeRegistry`'s ``names``: lookups over its records (``control_plane.names.AdapterNames``)."""
+
+    records: list[FakeRecord]
+
     def lookup(self, token: str) -> int:
         from control_plane.resolution import find_adapter
 
         return find_adapter(token, self.records)  # type: ignore[arg-type]
 
-    def name_owners(self, name: str) -> list[int]:
+    def owners(self, name: str) -> list[int]:
         return [r.id for r in self.records if name in r.names]
-
-    def unload_name(self, token: str) -> FakeNameRemoval:
-        """The whole adapter goes (the real registry's alias rules are tested live)."""
-        return FakeNameRemoval(self.unregister(self.lookup(token)), unregistered=True)
 
 
 @dataclass

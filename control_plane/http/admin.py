@@ -95,7 +95,7 @@ def admin_router(deps: HttpDeps) -> APIRouter:
         try:
             if not name:
                 raise InvalidArgumentError("lora_name is empty: name the adapter")
-            if deps.registry.name_owners(name):
+            if deps.registry.names.owners(name):
                 raise already_loaded(name)
             reg = deps.registry.register_server_path(body.lora_path, name=name)
         except AlreadyExistsError:  # the name was taken between the check above and now
