@@ -125,7 +125,7 @@ class EngineBench:
 
     def decode_steps(self, variant: str, batch: int, steps: int, n_ctx: int, rep: int) -> tuple[float, float]:
         """``steps`` decode steps of ``batch`` sequences (each back at ``n_ctx``), each followed by
-        the scheduler's greedy sampling of every row (``Scheduler._step_once``: one batched
+        the scheduler's greedy sampling of every row (``StepRunner.run``: one batched
         ``greedy_rows`` for B > 1, then ``Sampler.sample`` per row). Returns ``(seconds of the
         decodes, seconds of decodes + sampling)``.
 

@@ -163,7 +163,7 @@ def main() -> None:
         for rep in range(args.reps):
             for arm in ("inline", "thread"):
                 engine.scheduler.use_output_thread(arm == "thread")
-                engine.scheduler.step_log.clear()
+                engine.scheduler.steps.step_log.clear()
                 wall = serve(engine, args.streams, args.requests, args.max_tokens, args.prompt_tokens, seed=rep)
                 st = engine.stats().scheduler
                 em = engine.scheduler.emitter

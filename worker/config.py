@@ -31,7 +31,7 @@ class PrefixCachePolicy(str, Enum):
 
 class Fairness(str, Enum):
     """Admission order across tenants. ``off``: first come, first served within the slot
-    pool's resident-first rule (``worker.serving.scheduler``). ``vtc``: the Virtual
+    pool's resident-first rule (``worker.serving.admission``). ``vtc``: the Virtual
     Token Counter across the requests' tenants, weighted, with priority classes
     (``worker.serving.fairness``)."""
 

@@ -127,7 +127,7 @@ def test_stop_string_found_a_step_late_never_leaks(engine):
 
     s = e.scheduler
     s.emitter.close()
-    s.emitter = LaggingEmitWorker(s.output, lambda: s.observer, s._step)
+    s.emitter = LaggingEmitWorker(s.output, lambda: s.observer, s.steps.n_steps)
     q: queue.Queue = queue.Queue()
     req = _submit(e, "stopped", SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)), q)
     evs = _collect(q, {"stopped"})["stopped"]

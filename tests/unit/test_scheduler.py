@@ -18,9 +18,9 @@ from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.errors import AdapterFetchError, DecodeFailedError, QueueFullError
 from worker.rpc.status import status_of
 from worker.runtime.sampling import SamplingParams
+from worker.serving.admission import MAX_BYPASS
 from worker.serving.engine import WorkerEngine
 from worker.serving.request import ErrorEvent, FinishedEvent, RequestTenant, TokenEvent
-from worker.serving.scheduler import MAX_BYPASS
 
 
 @pytest.fixture

@@ -34,8 +34,8 @@ from worker.serving.output import (
 )
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import GenRequest, RequestTelemetry, StartedEvent, StepInfo, TokenEvent
-from worker.serving.scheduler import SchedulerStats
 from worker.serving.sequences import Seq, SeqState
+from worker.serving.stats import SchedulerStats
 from worker.serving.ubatch import assemble_ubatch
 
 A, B = adapter("aaaa", seed=1), adapter("bbbb", seed=2, rank=3, alpha=6.0)
@@ -445,7 +445,7 @@ def test_kv_import_after_decode_outside_inference_mode():
 # --- admission with the slot pool ----------------------------------------------------------
 def test_admission_resident_first_with_bounded_bypass():
     from worker.lora.pool import LoraPool
-    from worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order
+    from worker.serving.admission import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order
 
     pool = LoraPool(2, 8)
     pool.acquire([A])

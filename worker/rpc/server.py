@@ -198,7 +198,7 @@ def _advertised(config: WorkerConfig, port: int) -> str:
 
 class SchedulerStoppedError(RuntimeError):
     """``serve_worker`` ends with this when the scheduler loop stopped for good
-    (``worker.serving.scheduler``: Faults): the process exits non-zero (``loraplane worker``:
+    (docs/operations.md, "Faults in the decode loop"): the process exits non-zero (``loraplane worker``:
     exit 1), so ``serve``'s supervisor or Kubernetes restarts it."""
 
 

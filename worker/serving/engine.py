@@ -49,7 +49,8 @@ from worker.runtime.sampling import SamplingParams
 from worker.serving.heap import release_free_heap
 from worker.serving.metrics import WorkerMetrics
 from worker.serving.request import Event, GenRequest, RequestTenant
-from worker.serving.scheduler import Scheduler, SchedulerStats
+from worker.serving.scheduler import Scheduler
+from worker.serving.stats import SchedulerStats
 
 log = structlog.get_logger("loraplane.worker.serving.engine")
 

@@ -2,7 +2,7 @@
 
 The rule is VTC from Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024,
 Algorithm 2), weighted, with strict priority classes; ``FairQueue`` holds its state and gives
-the scheduler (``worker.serving.scheduler``) the order in which to try the queued
+the scheduler's admission (``worker.serving.admission``) the order in which to try the queued
 requests. It decides nothing else: the scheduler still applies the slot pool's resident-first
 rule and the bounded bypass on top of this order.
 
