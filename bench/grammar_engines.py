@@ -304,11 +304,11 @@ def scenario_step(reps: int, streams: int, max_tokens: int) -> None:
     engine = WorkerEngine(
         WorkerConfig(
             model_path=str(default_model_path()),
-            n_slots=streams,
+            n_seqs=streams,
             batching=Batching.MIXED,
             prefix_cache=PrefixCachePolicy.KEYED,
             device="cpu",
-            n_ctx_slot=max_tokens + 64,
+            n_ctx_seq=max_tokens + 64,
         )
     )
     res: dict[int, list[float]] = {0: [], streams: []}

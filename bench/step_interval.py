@@ -144,11 +144,11 @@ def main() -> None:
     engine = WorkerEngine(
         WorkerConfig(
             model_path=args.model or str(default_model_path()),
-            n_slots=args.streams,
+            n_seqs=args.streams,
             batching=Batching.MIXED,
             prefix_cache=PrefixCachePolicy.KEYED,
             device="cpu",
-            n_ctx_slot=args.prompt_tokens + args.max_tokens + 64,
+            n_ctx_seq=args.prompt_tokens + args.max_tokens + 64,
         )
     )
     print(

@@ -666,10 +666,10 @@ def worker_args(
 
 
 def worker_default_n_ctx() -> int:
-    """The worker's ``--n-ctx`` default (``WorkerConfig.n_ctx_slot``), without importing torch."""
+    """The worker's ``--n-ctx`` default (``WorkerConfig.n_ctx_seq``), without importing torch."""
     from worker.config import WorkerConfig
 
-    return int(WorkerConfig.n_ctx_slot)
+    return int(WorkerConfig.n_ctx_seq)
 
 
 def load_control_plane() -> tuple[Callable[..., Any], type]:
@@ -901,7 +901,7 @@ def worker_cmd(
     except ImportError as err:
         raise click.ClickException(f"the worker is not available: {err}") from None
     optional = {
-        "n_ctx_slot": n_ctx_slot,
+        "n_ctx_seq": n_ctx_slot,
         "queue_limit": queue_limit,
         "prefix_cache_tokens": prefix_cache_tokens,
         "metrics_max_adapters": metrics_max_adapters,
@@ -920,7 +920,7 @@ def worker_cmd(
         WorkerConfig,
         addr=addr,
         model_path=model_path,
-        n_slots=n_slots,
+        n_seqs=n_slots,
         batching=Batching(batching),
         prefix_cache=PrefixCachePolicy(prefix_cache),
         dtype=dtype,

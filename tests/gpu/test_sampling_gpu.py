@@ -34,11 +34,11 @@ def _engine(model, lora, device: str, **config) -> WorkerEngine:
     e = WorkerEngine(
         WorkerConfig(
             model_path=str(model),
-            n_slots=6,
+            n_seqs=6,
             batching=Batching.MIXED,
             prefix_cache=PrefixCachePolicy.LLAMA,
             device=device,
-            n_ctx_slot=256,
+            n_ctx_seq=256,
             **config,
         )
     )

@@ -257,11 +257,11 @@ def test_engine_on_cpu0_serves_like_cpu(fixtures_dir):
         e = WorkerEngine(
             WorkerConfig(
                 model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
-                n_slots=3,
+                n_seqs=3,
                 batching=Batching.MIXED,
                 prefix_cache=PrefixCachePolicy.KEYED,
                 device=dev,
-                n_ctx_slot=128,
+                n_ctx_seq=128,
                 grammar_warmup=False,
             )
         )

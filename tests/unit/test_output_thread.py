@@ -27,11 +27,11 @@ def engine(fixtures_dir):
         e = WorkerEngine(
             WorkerConfig(
                 model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
-                n_slots=n_slots,
+                n_seqs=n_slots,
                 batching=Batching.MIXED,
                 prefix_cache=PrefixCachePolicy.LLAMA,
                 device="cpu",
-                n_ctx_slot=256,
+                n_ctx_seq=256,
                 grammar_warmup=False,  # no structured output here
                 **config,
             )

@@ -8,7 +8,7 @@ timeout + `STOP_GRACE_S` at the latest, whatever else happens).
 
 Threads (one ``ThreadPoolExecutor``; a streaming call holds a thread for its whole life):
 
-- ``Decode`` streams: at most ``config.max_decode_streams`` (slots + queue limit + a margin)
+- ``Decode`` streams: at most ``config.max_decode_streams`` (KV sequences + queue limit + a margin)
   at once; the next one gets RESOURCE_EXHAUSTED immediately (`ConcurrencyLimitInterceptor`),
   so no request ever waits invisibly inside gRPC for a thread;
 - ``LoadAdapter`` / ``UnloadAdapter`` (long: reading chunks, draining): at most
@@ -65,7 +65,7 @@ def server_interceptors(config: WorkerConfig) -> list[grpc.ServerInterceptor]:
                 lambda m: m in (f"/{SERVICE_NAME}/LoadAdapter", f"/{SERVICE_NAME}/UnloadAdapter"),
             ),
         },
-        hint=" (worker: slots + --queue-limit)",
+        hint=" (worker: --slots + --queue-limit)",
     )
     secret = worker_secret_from(config.worker_secret)
     guards = [worker_guard(secret)] if secret else []
@@ -344,9 +344,9 @@ def serve_worker(config: WorkerConfig) -> None:
             worker_id=engine.worker_id,
             addr=_advertised(config, port),
             model=str(engine.base.path),
-            n_slots=config.n_slots,
+            n_slots=config.n_seqs,
             queue_limit=config.queue_limit,
-            n_ctx=config.n_ctx_slot,
+            n_ctx=config.n_ctx_seq,
             incarnation=uuid.uuid4().hex,
             supervisor_restarts=_supervisor_restarts(),
         )

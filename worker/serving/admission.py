@@ -114,8 +114,8 @@ class Admission:
         bad = [t for t in prompt if not 0 <= t < n_vocab]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} out of range [0, {n_vocab})")
-        if len(prompt) >= self.config.n_ctx_slot:
-            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; a KV sequence holds {self.config.n_ctx_slot}")
+        if len(prompt) >= self.config.n_ctx_seq:
+            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; a KV sequence holds {self.config.n_ctx_seq}")
         try:
             params.validate()
         except ValueError as exc:
@@ -171,12 +171,12 @@ class Admission:
         Raises:
             QueueFullError: nothing gives way (or ``--fairness off``: first come, first served).
         """
-        capacity = f"slots + --queue-limit {self.config.queue_limit}"
+        capacity = f"--slots + --queue-limit {self.config.queue_limit}"
         fair = self.fair
         victim = fair.give_way(tenant) if fair is not None else None
         if fair is None or victim is None:
             raise QueueFullError(
-                f"worker {self.worker_id}: queue full ({busy}/{len(self.seqs)} slots busy, {queued} "
+                f"worker {self.worker_id}: queue full ({busy}/{len(self.seqs)} KV sequences busy, {queued} "
                 f"queued; admits {capacity})"
             )
         held = sum(1 for r in self.queue if r.tenant.name == victim.tenant.name)
@@ -228,7 +228,7 @@ class Admission:
                 n = self.cache_policy.attach(seq, req, self.ctx.kv)
             except Exception as exc:  # a cache fault fails this request, never the loop
                 log.error("attach_failed", request_id=req.request_id, seq=seq.id, error=repr(exc))
-                error = DecodeFailedError(f"attaching the request to slot {seq.id} failed: {exc!r}")
+                error = DecodeFailedError(f"attaching the request to KV sequence {seq.id} failed: {exc!r}")
                 self._end(req, "error", ErrorEvent(error), seq)
                 continue
             seq.cache_tokens = req.prompt[:n]

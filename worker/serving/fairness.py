@@ -34,11 +34,11 @@ an empty queue. An idle tenant thus cannot bank service: it comes back level wit
 served of those waiting, never below them.
 
 No preemption. A request runs to its end once admitted; VTC only chooses whom to admit. So a
-tenant that holds every slot keeps them until its requests finish, and the service
+tenant that holds every KV sequence keeps them until its requests finish, and the service
 difference between two backlogged tenants of the same weight is bounded by the paper's
 ``2 * max(w_p * L_in, w_q * M)`` with ``L_in`` the longest prompt and ``M`` the most output
 tokens the running requests may still produce without a scheduling decision: here
-``--slots * max_tokens`` (every slot held by one tenant's requests, each running to its
+``--slots * max_tokens`` (every KV sequence held by one tenant's requests, each running to its
 ``max_tokens``; the paper's ``M`` is its KV pool's token capacity, which preemption-free
 batching turns into this).
 

@@ -19,14 +19,14 @@ Names (all prefixed ``loraplane_worker_``; histograms in seconds):
   prompt_tokens_computed_total (prefill rows actually run)                                counters
   cuda_graphs_captured_total, cuda_graph_replays_total, cuda_graph_eager_fallbacks_total
                                          the GPU engine's decode graphs (0 on the CPU engine)
-  kv_cache_usage_perc                    KV cells held by running requests / all slots' cells
+  kv_cache_usage_perc                    KV cells held by running requests / all sequences' cells
   adapter_residency{adapter, state}      1 per (adapter, state) this worker holds; state: device
                                          (in a slot of the GPU/CPU slot pool), host (host tier
                                          only, not in a slot), pinned (in a slot, pinned there)
   adapter_slot_page_ins_total{adapter}, adapter_slot_evictions_total{adapter}   slot paging
 plus ``vllm:kv_cache_usage_perc`` (the same ratio under vLLM's name, 0–1). The KV ratio is
-cells (token positions) of busy sequences over ``slots × n_ctx``; a finished request's cells
-that an idle slot keeps for prompt reuse are free (vLLM counts cached free blocks as free).
+cells (token positions) of busy sequences over ``sequences × n_ctx_seq``; a finished request's
+cells that an idle sequence keeps for prompt reuse are free (vLLM counts cached free blocks as free).
 ``adapter`` is the adapter id ("none": no adapter; a stacked request counts once per
 adapter), bounded by ``loraplane.metrics.BoundedLabels`` (folded values add up under "other").
 """

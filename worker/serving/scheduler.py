@@ -63,7 +63,7 @@ class Scheduler:
         self.ctx = ctx
         self.config = config
         self.worker_id = worker_id
-        self.seqs = [Seq(i) for i in range(config.n_slots)]
+        self.seqs = [Seq(i) for i in range(config.n_seqs)]
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens)
         self.cache_policy = make_cache_policy(config.prefix_cache, self.prefix_cache)
         self._cv = threading.Condition()
@@ -73,8 +73,8 @@ class Scheduler:
         self._pending: list[tuple[int | None, Callable[[], Any], concurrent.futures.Future[Any]]] = []
         # Observer of request outcomes and token times (worker.serving.metrics); None: no metrics.
         self.observer: RequestObserver | None = None
-        self.output = OutputStage(ctx.model.tokenizer, config.n_ctx_slot)
-        self.grammar = GrammarStage(ctx.model.n_vocab, config.n_slots)  # structured output (per row)
+        self.output = OutputStage(ctx.model.tokenizer, config.n_ctx_seq)
+        self.grammar = GrammarStage(ctx.model.n_vocab, config.n_seqs)  # structured output (per row)
         # fair admission (docs/fairness.md); None with --fairness off: no tenant state at all
         fair = (
             FairQueue(config.fairness_prompt_weight, config.fairness_output_weight)

@@ -11,7 +11,9 @@ from worker.serving.fairness import TenantService
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    """Counters and gauges of the scheduler (a slice of proto ``WorkerStats``)."""
+    """Counters and gauges of the scheduler (a slice of proto ``WorkerStats``, field for field:
+    the wire's names, so ``n_slots`` / ``slots_busy`` count KV sequences, llama-server's server
+    slots; a test holds the names to the proto's)."""
 
     n_slots: int
     slots_busy: int
@@ -27,8 +29,8 @@ class SchedulerStats:
     step_interval_p50_ms: float = 0.0
     step_busy_p50_ms: float = 0.0
     step_samples: int = 0
-    # KV cache cells (token positions) held by busy sequences / all slots' capacity
-    # (n_slots x n_ctx per slot): vLLM's kv_cache_usage_perc is their ratio. An idle slot's
+    # KV cache cells (token positions) held by busy sequences / all sequences' capacity
+    # (sequences x n_ctx_seq): vLLM's kv_cache_usage_perc is their ratio. An idle sequence's
     # kept prompt cache is reusable at once, so it counts as free (vLLM: cached free blocks).
     kv_cells_used: int = 0
     kv_cells_total: int = 0
