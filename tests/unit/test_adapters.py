@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.gguf.reader import dequantize, read_gguf
+from loraplane.formats.gguf.reader import dequantize, read_gguf
 from worker.lora.adapter import (
     MAX_RANK,
     AdapterError,

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from worker.gguf.reader import dequantize, read_gguf
+from loraplane.formats.gguf.reader import dequantize, read_gguf
 from worker.lora.adapter import AdapterError
 from worker.tools.export_lora import export_lora
 

@@ -238,8 +238,8 @@ def test_scale_rule():
 
 # --- output ------------------------------------------------------------------------------
 def test_incremental_detokenizer_equals_decode(fixtures_dir):
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
     rng = random.Random(0)
@@ -274,8 +274,8 @@ def test_prompt_logprobs_and_finish_reason():
 @pytest.fixture(scope="module")
 def tiny_tokenizer(fixtures_dir):
     """The tiny llama-MoE's real tokenizer (32000 pieces, EOG = 2)."""
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 

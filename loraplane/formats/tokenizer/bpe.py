@@ -50,7 +50,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
+from loraplane.formats.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
 _NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2  # generated protobuf module
 
-from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
+from loraplane.formats.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
 _SPACE = " "
 _NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)

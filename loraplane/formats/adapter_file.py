@@ -29,7 +29,7 @@ Rules (llama.cpp unless noted), every violation collected into one ``AdapterErro
   * each pair is complete and patches a tensor the base has, with the shapes above;
     ``A.ne[1] != B.ne[0]`` means A was written untransposed (old ``finetune`` exporter);
   * (ours) A/B of type F32/F16/BF16 are used as is, the block-quantized types that
-    ``worker.gguf.reader`` can dequantize are dequantized at load, others are rejected;
+    ``loraplane.formats.gguf.reader`` can dequantize are dequantized at load, others are rejected;
     ``0 < r <= MAX_RANK``; no NaN/Inf values (so nothing fails later, mid-decode).
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.gguf.reader import (
+from loraplane.formats.gguf.reader import (
     FLOAT_TYPES,
     SUPPORTED_QUANT_TYPES,
     GGUFError,
