@@ -8,7 +8,7 @@ on the base model (default: the embedded Gemma 3 270M): every sequence holds ``n
 steps of ``B`` sequences, one row each. Each repetition runs both decode-attention paths
 (``LORAPLANE_ATTN=torch``: gather + f64 SDPA, ``c``: ``worker/runtime/kernels/csrc/attn.cpp``)
 back to back, so machine noise hits both alike. Also times the attention alone:
-``GraphContext._attn_decode_batch`` for every layer (K/V store included) at the same shapes.
+``worker.runtime.graph.attn_decode_batch`` for every layer (K/V store included) at the same shapes.
 
 Prints per (path, B, context): step ms (median [min–max]) and ITL(max ctx)/ITL(min ctx); the
 attention-alone ms. :func:`run_context` returns the same figures as JSON-ready dicts, for
@@ -21,10 +21,8 @@ import argparse
 import os
 import sys
 import time
-import types
 from collections.abc import Callable
 from functools import partial
-from typing import cast
 
 # libgomp reads OMP_WAIT_POLICY once, when torch loads it (worker/runtime/kernels/README.md)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -36,7 +34,7 @@ from bench.engine import EngineBench  # noqa: E402
 from bench.stats import Figure, fmt_fig  # noqa: E402
 from worker.lora.adapter_set import EMPTY_SET  # noqa: E402
 from worker.runtime.context import Model  # noqa: E402
-from worker.runtime.graph import DecodeRows, GraphContext  # noqa: E402
+from worker.runtime.graph import DecodeRows, attn_decode_batch  # noqa: E402
 from worker.runtime.kv_cache import KVCache
 from worker.runtime.model import LoadedModel  # noqa: E402
 
@@ -71,7 +69,7 @@ def _steps(eb: EngineBench, batch: int, steps: int, n_ctx: int, rep: int) -> flo
 
 
 def _attention_alone(eb: EngineBench, batch: int, n_ctx: int, rng: np.random.Generator) -> float:
-    """Seconds for ``_attn_decode_batch`` over every layer (one decode step's attention, the
+    """Seconds for ``attn_decode_batch`` over every layer (one decode step's attention, the
     K/V store included) for sequences ``0..batch-1`` at position ``n_ctx``."""
     ctx, hp = eb.ctx, eb.base.hparams
     kv = ctx.kv
@@ -98,11 +96,10 @@ def _attention_alone(eb: EngineBench, batch: int, n_ctx: int, rng: np.random.Gen
     v = torch.randn(batch, hp.n_head_kv, hp.n_embd_head_v, generator=g).to(dt)
     is_swa = getattr(hp, "is_swa", None)
     scale = 1.0 / float(hp.n_embd_head_k) ** 0.5
-    fake = types.SimpleNamespace(kv=kv)
     t0 = time.perf_counter()
     for il in range(hp.n_layer):
         n_swa = hp.n_swa if is_swa is not None and is_swa(il) else 0
-        GraphContext._attn_decode_batch(cast(GraphContext, fake), il, q, k, v, dec, scale, n_swa, 0.0)
+        attn_decode_batch(kv, il, q, k, v, dec, scale, n_swa, 0.0)
     return time.perf_counter() - t0
 
 

@@ -26,7 +26,8 @@ from bench.stats import Figure, ratio
 from bench.synth import AdapterFactory
 from worker.lora.adapter import LoraAdapter, load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from worker.runtime.context import AdapterContext, Model, UBatch
+from worker.runtime.context import Model
+from worker.runtime.context_base import AdapterContext, UBatch
 from worker.runtime.model import LoadedModel
 
 COPY_MIB_CUDA = 1024
@@ -86,7 +87,7 @@ def kernel_stats(events: Iterable[TraceEvent]) -> dict:
 
 def _profile_step(run: Callable[[], object], device: torch.device) -> dict:
     """`kernel_stats` of one call of ``run`` under ``torch.profiler`` (CPU + CUDA activities)."""
-    from torch.autograd import DeviceType
+    from torch._C._autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -25,7 +25,8 @@ from bench.profiles import Profile
 from bench.stats import Figure, ratio
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
-from worker.runtime.context import AdapterContext, Model, UBatch
+from worker.runtime.context import Model
+from worker.runtime.context_base import AdapterContext, UBatch
 from worker.runtime.model import LoadedModel
 from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
 
@@ -125,7 +126,7 @@ class EngineBench:
 
     def decode_steps(self, variant: str, batch: int, steps: int, n_ctx: int, rep: int) -> tuple[float, float]:
         """``steps`` decode steps of ``batch`` sequences (each back at ``n_ctx``), each followed by
-        the scheduler's greedy sampling of every row (``Scheduler._step_once``: one batched
+        the scheduler's greedy sampling of every row (``StepRunner.run``: one batched
         ``greedy_rows`` for B > 1, then ``Sampler.sample`` per row). Returns ``(seconds of the
         decodes, seconds of decodes + sampling)``.
 

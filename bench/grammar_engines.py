@@ -12,7 +12,7 @@ Two scenarios:
   as median [min–max] µs per token. Plus what each engine pulls in at install (its
   distribution and the requirements it declares, with their installed size when present).
 - ``step``: one in-process worker (Gemma 3 270M, 16 slots), 16 greedy streams decoding
-  ``--max-tokens`` tokens; the scheduler's decode-only step time (``Scheduler.step_log``)
+  ``--max-tokens`` tokens; the scheduler's decode-only step time (``StepRunner.step_log``)
   with 0 and with 16 rows constrained by a JSON schema whose string field is long enough that
   no row finishes early; median [min–max] ms over the steps, per repetition, and the extra %.
 
@@ -257,7 +257,7 @@ LONG_SCHEMA = {
 
 
 def _serve(engine: Any, streams: int, max_tokens: int, constrained: int, seed: int) -> None:
-    from worker.runtime.grammar import ResponseFormat
+    from loraplane.response_format import ResponseFormat
     from worker.runtime.sampling import SamplingParams
     from worker.serving.request import ErrorEvent, FinishedEvent
 
@@ -304,11 +304,11 @@ def scenario_step(reps: int, streams: int, max_tokens: int) -> None:
     engine = WorkerEngine(
         WorkerConfig(
             model_path=str(default_model_path()),
-            n_slots=streams,
+            n_seqs=streams,
             batching=Batching.MIXED,
             prefix_cache=PrefixCachePolicy.KEYED,
             device="cpu",
-            n_ctx_slot=max_tokens + 64,
+            n_ctx_seq=max_tokens + 64,
         )
     )
     res: dict[int, list[float]] = {0: [], streams: []}
@@ -318,11 +318,11 @@ def scenario_step(reps: int, streams: int, max_tokens: int) -> None:
         _serve(engine, streams, 4, streams, seed=99)  # warm-up (plans, the grammar tokenizer)
         for rep in range(reps):
             for n in (0, streams) if rep % 2 == 0 else (streams, 0):  # alternate the order
-                engine.scheduler.step_log.clear()
+                engine.scheduler.steps.step_log.clear()
                 stage.wait_s = stage.apply_s = 0.0
                 stage.steps = 0
                 _serve(engine, streams, max_tokens, n, seed=rep)
-                steps = [d * 1000 for _, d in engine.scheduler.step_log]
+                steps = [d * 1000 for _, d in engine.scheduler.steps.step_log]
                 res[n].append(statistics.median(steps))
                 extra = ""
                 if n and stage.steps:

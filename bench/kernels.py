@@ -167,7 +167,8 @@ def _contention_child(args) -> int:
     import json
 
     from worker.lora.adapter_set import EMPTY_SET
-    from worker.runtime.context import Model, UBatch
+    from worker.runtime.context import Model
+    from worker.runtime.context_base import UBatch
     from worker.runtime.model import load_model
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -365,7 +366,8 @@ def run_amx_step(model: str, reps: int, batches: list[int], steps: int = 4, n_ct
     """Whole decode steps (``WorkerContext.decode``, B sequences at a context of ``n_ctx``,
     logits for every row, the default activation policy) with ``LORAPLANE_KERNELS`` = avx512 and
     amx, the reps interleaved in one process; median ms per step (min-max)."""
-    from worker.runtime.context import Model, UBatch
+    from worker.runtime.context import Model
+    from worker.runtime.context_base import UBatch
     from worker.runtime.model import load_model
 
     if not supported("amx") or not supported("avx512"):
@@ -478,7 +480,8 @@ def run_act_policy(
     model: str, reps: int, batches: list[int], steps: int = 4, n_ctx: int = 64, rescore: int = 32
 ) -> None:
     """LM head matmul and whole decode steps under each ``ACT_SETTINGS`` entry, reps interleaved."""
-    from worker.runtime.context import Model, UBatch
+    from worker.runtime.context import Model
+    from worker.runtime.context_base import UBatch
     from worker.runtime.kernels import QuantLinear
     from worker.runtime.model import LM_HEAD_NAMES, load_model
 

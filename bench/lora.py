@@ -111,7 +111,8 @@ def run_step(model_path: str | None, K: int, reps: int, steps: int) -> None:
     from worker.lora.adapter import load_lora_adapter
     from worker.lora.adapter_set import EMPTY_SET, AdapterSet
     from worker.runtime import graph
-    from worker.runtime.context import Model, UBatch
+    from worker.runtime.context import Model
+    from worker.runtime.context_base import UBatch
     from worker.runtime.model import load_model
 
     base = load_model(model_path)

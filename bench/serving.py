@@ -118,7 +118,7 @@ def streams_of(sc: ServingContext, dist: str) -> int:
 
 def _loop_timing(srv: LoraplaneServers) -> dict:
     """The worker scheduler's loop timing right after a run (``WorkerStats``: medians over its
-    last decode-only steps, ``worker.serving.scheduler.STEP_LOG``): the interval between step
+    last decode-only steps, ``worker.serving.step.STEP_LOG``): the interval between step
     starts and the step itself on the loop thread, in ms."""
     st = srv.stats()
     return {

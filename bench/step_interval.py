@@ -35,7 +35,7 @@ from loraplane.logging import configure_logging
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.lora.adapter_set import EMPTY_SET
 from worker.rpc.servicer import event_to_proto
-from worker.runtime.context import UBatch
+from worker.runtime.context_base import UBatch
 from worker.runtime.model import default_model_path
 from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
 from worker.serving.engine import WorkerEngine
@@ -144,11 +144,11 @@ def main() -> None:
     engine = WorkerEngine(
         WorkerConfig(
             model_path=args.model or str(default_model_path()),
-            n_slots=args.streams,
+            n_seqs=args.streams,
             batching=Batching.MIXED,
             prefix_cache=PrefixCachePolicy.KEYED,
             device="cpu",
-            n_ctx_slot=args.prompt_tokens + args.max_tokens + 64,
+            n_ctx_seq=args.prompt_tokens + args.max_tokens + 64,
         )
     )
     print(
@@ -163,7 +163,7 @@ def main() -> None:
         for rep in range(args.reps):
             for arm in ("inline", "thread"):
                 engine.scheduler.use_output_thread(arm == "thread")
-                engine.scheduler.step_log.clear()
+                engine.scheduler.steps.step_log.clear()
                 wall = serve(engine, args.streams, args.requests, args.max_tokens, args.prompt_tokens, seed=rep)
                 st = engine.stats().scheduler
                 em = engine.scheduler.emitter

@@ -7,7 +7,7 @@ logits for every row) followed by the scheduler's greedy sampling, on a thread o
 worker's scheduler does (``--main-thread`` to run on the main thread), with a timer around each
 block of the graph: the packed matmuls (``QuantLinear.matmul``; the LM head apart from the
 layers), the shared activation quantization (``quantize_activations``), the LoRA branches
-(``GraphContext._add_lora``), decode attention with its KV writes (``_attn_decode_batch``),
+(``GraphContext._add_lora``), decode attention with its KV writes (``attn_decode_batch``),
 RMS norms (``build_norm``), rope (``apply_rope``), the FFN activation, and sampling
 (``greedy_rows`` + ``Sampler.sample``). ``other`` is the step minus the timed blocks: the
 remaining torch glue (residual adds, reshapes, embedding lookup, bias) and Python. Prints
@@ -80,7 +80,7 @@ def profile(model: str, *, batch: int, ctx: int, steps: int, lora: bool, main_th
     t.wrap(QuantLinear, "matmul", lambda self, *a: "matmul LM head" if self.name in LM_HEAD else "matmul layers")
     t.wrap(graph, "quantize_activations", "quantize shared x")
     t.wrap(graph.GraphContext, "_add_lora", "LoRA")
-    t.wrap(graph.GraphContext, "_attn_decode_batch", "attention + KV write")
+    t.wrap(graph, "attn_decode_batch", "attention + KV write")
     t.wrap(graph.GraphContext, "build_norm", "norms")
     t.wrap(graph, "apply_rope", "rope")
     t.wrap(graph, "_act", "FFN act")

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conds", default="omp,pool:0/0,pool:5/100,pool:20/100,pool:50/100,pool:50/0")
     args = ap.parse_args(argv)
     from worker.lora.adapter_set import EMPTY_SET
-    from worker.runtime.context import Model, UBatch
+    from worker.runtime.context import Model
+    from worker.runtime.context_base import UBatch
     from worker.runtime.model import default_model_path, load_model
 
     batches = [int(b) for b in args.batches.split(",")]

@@ -47,8 +47,9 @@ from control_plane.tenants import (
     TenantDirectory,
 )
 from control_plane.workers import WorkerHandle
+from loraplane.grammar_limits import GrammarError
 from loraplane.queue_shares import Share
-from loraplane.response_format import GrammarError, ResponseFormat
+from loraplane.response_format import ResponseFormat
 from loraplane.v1 import common_pb2, worker_pb2
 
 log = structlog.get_logger("loraplane.control_plane.router")

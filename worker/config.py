@@ -9,10 +9,10 @@ from loraplane.grammar_limits import GrammarLimits
 
 
 class Batching(str, Enum):
-    """How slots with different adapter vectors share a ubatch.
+    """How KV sequences with different adapter vectors share a ubatch.
 
-    ``compat``: llama-server's rule (``server-context``): only slots whose whole adapter
-    vector is equal batch together. ``mixed``: vLLM/S-LoRA style, any slots share a ubatch and
+    ``compat``: llama-server's rule (``server-context``): only sequences whose whole adapter
+    vector is equal batch together. ``mixed``: vLLM/S-LoRA style, any sequences share a ubatch and
     the low-rank branches are computed per segment.
     """
 
@@ -21,7 +21,7 @@ class Batching(str, Enum):
 
 
 class PrefixCachePolicy(str, Enum):
-    """``llama``: one cached prompt per slot, cleared by llama.cpp's ``lora_should_clear_cache``
+    """``llama``: one cached prompt per KV sequence, cleared by llama.cpp's ``lora_should_clear_cache``
     rule. ``keyed``: cached prefixes keyed by adapter-set fingerprint, so each set keeps its own.
     """
 
@@ -31,7 +31,7 @@ class PrefixCachePolicy(str, Enum):
 
 class Fairness(str, Enum):
     """Admission order across tenants. ``off``: first come, first served within the slot
-    pool's resident-first rule (``worker.serving.scheduler``). ``vtc``: the Virtual
+    pool's resident-first rule (``worker.serving.admission``). ``vtc``: the Virtual
     Token Counter across the requests' tenants, weighted, with priority classes
     (``worker.serving.fairness``)."""
 
@@ -46,7 +46,8 @@ class WorkerConfig:
     Attributes:
         addr: host:port to bind ("127.0.0.1:0" picks a free port).
         model_path: base model GGUF; None means the embedded Gemma 3 270M.
-        n_slots: parallel sequences (llama-server ``--parallel``).
+        n_seqs: parallel KV sequences (``--slots``, llama-server's ``--parallel``: its server
+            slots; "slot" alone means an adapter slot here).
         batching / prefix_cache: see the enums.
         dtype: compute (activation) dtype, "f32", "bf16" or "f16"
             (``worker.runtime.model.DTYPES``; on CPU f32 is the C kernels' exact path).
@@ -54,8 +55,8 @@ class WorkerConfig:
         device: "auto" (the current CUDA device when present, else CPU), "cpu" / "cpu:0",
             "cuda" (the current CUDA device) or "cuda:N" (``loraplane.compute_spec``); resolved
             once when the model loads, which refuses a GPU that is not there.
-        n_ctx_slot: tokens of KV per slot.
-        queue_limit: requests waiting beyond the slots before RESOURCE_EXHAUSTED.
+        n_ctx_seq: tokens of KV per sequence (``--n-ctx``; llama.cpp's ``n_ctx_seq``).
+        queue_limit: requests waiting beyond the sequences before RESOURCE_EXHAUSTED.
         control_plane: host:port of the control plane to register with (None: standalone).
         advertise_addr: address the control plane should dial (defaults to the bound one).
         worker_id: stable name; generated when empty.
@@ -70,7 +71,7 @@ class WorkerConfig:
             adapters arrive as bytes, which is what the control plane sends).
         worker_secret: shared secret every Worker RPC must carry and that membership calls
             send (None: ``$LORAPLANE_WORKER_SECRET``; neither: no check, as before).
-        extra_streams: Decode streams accepted beyond ``n_slots + queue_limit`` (streams
+        extra_streams: Decode streams accepted beyond ``n_seqs + queue_limit`` (streams
             whose request already finished but which are still closing); beyond that a new
             stream gets RESOURCE_EXHAUSTED at once.
         max_loras: adapter slots in the device pool (vLLM ``--max-loras``); a request may use
@@ -98,13 +99,13 @@ class WorkerConfig:
 
     addr: str = "127.0.0.1:0"
     model_path: str | None = None
-    n_slots: int = 4
+    n_seqs: int = 4
     batching: Batching = Batching.MIXED
     prefix_cache: PrefixCachePolicy = PrefixCachePolicy.KEYED
     dtype: str = "f32"
     weight_form: str = "packed"
     device: str = "auto"
-    n_ctx_slot: int = 4096
+    n_ctx_seq: int = 4096
     queue_limit: int = 64
     control_plane: str | None = None
     advertise_addr: str | None = None
@@ -119,8 +120,8 @@ class WorkerConfig:
 
     @property
     def max_decode_streams(self) -> int:
-        """Concurrent Decode streams accepted: every slot, every queue place, and a margin."""
-        return self.n_slots + self.queue_limit + self.extra_streams
+        """Concurrent Decode streams accepted: every sequence, every queue place, and a margin."""
+        return self.n_seqs + self.queue_limit + self.extra_streams
 
     max_loras: int = 16
     max_cpu_loras: int = 128

@@ -1,6 +1,6 @@
 """The worker's command-line options, beside its config (`worker.config.WorkerConfig`).
 
-Each option's destination is a `WorkerConfig` field (``--slots`` → ``n_slots``), and its
+Each option's destination is a `WorkerConfig` field (``--slots`` → ``n_seqs``), and its
 default, when it shows one, is read from the dataclass; the ``--grammar-max-*`` options fill
 ``grammar_limits`` (`loraplane.options.GRAMMAR_LIMIT_OPTIONS`). A new config field's flag is
 one entry here and nothing in the CLI: `worker_config` passes every value through by name, and
@@ -123,9 +123,9 @@ FAIRNESS_OPTIONS = (
 
 WORKER_RUNTIME_OPTIONS = (
     click.Option(
-        ["--slots", "n_slots"],
+        ["--slots", "n_seqs"],
         type=click.IntRange(min=1),
-        default=WorkerConfig.n_slots,
+        default=WorkerConfig.n_seqs,
         show_default=True,
         help="Parallel sequences (llama-server --parallel).",
     ),
@@ -169,7 +169,7 @@ WORKER_RUNTIME_OPTIONS = (
         "CUDA device; cuda:N: GPU N (cpu:0 is the CPU too).",
     ),
     click.Option(
-        ["--n-ctx", "n_ctx_slot"], type=click.IntRange(min=16), default=None, help="KV cache tokens per slot."
+        ["--n-ctx", "n_ctx_seq"], type=click.IntRange(min=16), default=None, help="KV cache tokens per sequence (slot)."
     ),
     click.Option(
         ["--queue-limit"],
@@ -263,7 +263,7 @@ def worker_argv(values: Mapping[str, Any]) -> tuple[str, ...]:
 def n_ctx_of(runtime: Mapping[str, Any]) -> int:
     """The KV cache tokens per sequence a worker started with the `WORKER_RUNTIME_OPTIONS`
     values ``runtime`` gets (``--n-ctx``, else the config's default)."""
-    return int(runtime.get("n_ctx_slot") or WorkerConfig.n_ctx_slot)
+    return int(runtime.get("n_ctx_seq") or WorkerConfig.n_ctx_seq)
 
 
 def drain_timeout_of(runtime: Mapping[str, Any]) -> float:

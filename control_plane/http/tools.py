@@ -24,7 +24,8 @@ from control_plane.grammar_check import InlineChecker, TenantChecker
 from control_plane.http.chat_template import ChatTemplate
 from control_plane.http.errors import OpenAIError
 from control_plane.http.structured import to_proto
-from loraplane.response_format import GrammarError, ResponseFormat, close_objects
+from loraplane.grammar_limits import GrammarError
+from loraplane.response_format import ResponseFormat, close_objects
 from loraplane.v1 import common_pb2
 
 CALL_OPEN = "<tool_call>"

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
+from loraplane.response_format import ResponseFormat
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
-from worker.runtime.grammar import ResponseFormat
 from worker.runtime.sampling import SamplingParams
 from worker.serving.engine import WorkerEngine
 from worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
@@ -34,11 +34,11 @@ def _engine(model, lora, device: str, **config) -> WorkerEngine:
     e = WorkerEngine(
         WorkerConfig(
             model_path=str(model),
-            n_slots=6,
+            n_seqs=6,
             batching=Batching.MIXED,
             prefix_cache=PrefixCachePolicy.LLAMA,
             device=device,
-            n_ctx_slot=256,
+            n_ctx_seq=256,
             **config,
         )
     )

@@ -33,9 +33,9 @@ def real_worker(base_model_path: Path):
         WorkerConfig(
             addr="127.0.0.1:0",
             model_path=str(base_model_path),
-            n_slots=2,
+            n_seqs=2,
             device="cpu",
-            n_ctx_slot=512,
+            n_ctx_seq=512,
             grammar_warmup=False,
         )
     )

@@ -25,7 +25,7 @@ LONG = 300  # tokens of the heavy tenant's first request: the light one arrives 
 
 def test_light_tenant_takes_the_next_free_slot_and_stats_report_the_counters(fixtures_dir):
     tiny = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"
-    w = WorkerProcess("fair", f"n_slots=1, model_path={str(tiny)!r}, fairness=Fairness.VTC")
+    w = WorkerProcess("fair", f"n_seqs=1, model_path={str(tiny)!r}, fairness=Fairness.VTC")
     try:
         w.wait_ready()
         heavy = worker_pb2.RequestTenant(name="heavy")

@@ -506,7 +506,7 @@ def test_serve_restarts_a_killed_worker(serve):
 def guarded(fixtures_dir):
     w = WorkerProcess(
         "guarded",
-        f"n_slots=4, queue_limit=8, worker_secret={SECRET!r}, adapter_dirs=({str(fixtures_dir / 'adapters')!r},)",
+        f"n_seqs=4, queue_limit=8, worker_secret={SECRET!r}, adapter_dirs=({str(fixtures_dir / 'adapters')!r},)",
     )
     try:
         w.wait_ready()
@@ -591,7 +591,7 @@ def test_decode_streams_beyond_slots_and_queue_are_refused_at_once(guarded):
 def test_worker_removes_its_adapter_temp_dir_on_sigterm(fixtures_dir, tmp_path):
     import tempfile
 
-    w = WorkerProcess("tmpdir", "n_slots=1")
+    w = WorkerProcess("tmpdir", "n_seqs=1")
     try:
         w.wait_ready()
         w.load(0, data=(fixtures_dir / "adapters" / "sea.gguf").read_bytes())
@@ -620,7 +620,7 @@ def test_a_worker_whose_scheduler_loop_stops_exits_non_zero(fixtures_dir):
     from worker.serving.scheduler import MAX_STEP_FAILURES
 
     tiny = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"
-    w = WorkerProcess("broken-forward", f"n_slots=1, model_path={str(tiny)!r}", prelude=_BREAK_FORWARD)
+    w = WorkerProcess("broken-forward", f"n_seqs=1, model_path={str(tiny)!r}", prelude=_BREAK_FORWARD)
     try:
         w.wait_ready()
         for i in range(MAX_STEP_FAILURES):

@@ -68,10 +68,10 @@ def workers(fixtures_dir):
     dirs = f"adapter_dirs=({str(fixtures_dir / 'adapters')!r},)"  # server paths are confined
     procs = {
         "mixed": WorkerProcess(
-            "mixed", f"n_slots=8, queue_limit=16, batching=Batching.MIXED, prefix_cache=PrefixCachePolicy.KEYED, {dirs}"
+            "mixed", f"n_seqs=8, queue_limit=16, batching=Batching.MIXED, prefix_cache=PrefixCachePolicy.KEYED, {dirs}"
         ),
         "compat": WorkerProcess(
-            "compat", f"n_slots=4, batching=Batching.COMPAT, prefix_cache=PrefixCachePolicy.LLAMA, {dirs}"
+            "compat", f"n_seqs=4, batching=Batching.COMPAT, prefix_cache=PrefixCachePolicy.LLAMA, {dirs}"
         ),
     }
     try:

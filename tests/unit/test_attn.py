@@ -10,12 +10,11 @@ any head-block split.
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
 
-from worker.runtime.graph import DecodeRows, GraphContext, _sdpa
+from worker.runtime.graph import DecodeRows, _sdpa, attn_decode_batch
 from worker.runtime.kernels import KernelError, KernelPathError, supported
 from worker.runtime.kernels.attn import attn_decode, resolve_attn, supports
 from worker.runtime.kv_cache import KVCache
@@ -178,14 +177,13 @@ def _decode_batch(kv: KVCache, q, k, v, cache_rows: list[int], pos: list[int], n
         key_pos=torch.arange(kv.n_ctx_seq),
         contiguous_from=first if cache_rows == list(range(first, first + len(cache_rows))) else None,
     )
-    ctx = types.SimpleNamespace(kv=kv)  # _attn_decode_batch uses only the KV cache
-    return GraphContext._attn_decode_batch(ctx, 0, q, k, v, dec, 0.125, n_swa, softcap)
+    return attn_decode_batch(kv, 0, q, k, v, dec, 0.125, n_swa, softcap)
 
 
 @pytest.mark.skipif(not supported("avx2"), reason="CPU lacks AVX2: no C kernel path")
 @pytest.mark.parametrize("d", [64, 24])
 def test_graph_decode_uses_kernel_and_falls_back(monkeypatch, d):
-    """``GraphContext._attn_decode_batch``: the kernel (d = 64) agrees with the torch path
+    """``attn_decode_batch``: the kernel (d = 64) agrees with the torch path
     within the tolerance; an unsupported head dim (24) takes the torch path, bit-equal to
     ``LORAPLANE_ATTN=torch``. The new K/V rows are written to the cache either way."""
     g = torch.Generator().manual_seed(7)

@@ -59,7 +59,7 @@ def _end_of(events: queue.Queue, rid: str, timeout_s: float = 30.0):
 
 
 def test_a_cancelled_request_takes_no_queue_place_before_the_loop_drops_it(fixtures_dir):
-    e = WorkerEngine(_config(fixtures_dir, n_slots=1, queue_limit=1, n_ctx_slot=256))
+    e = WorkerEngine(_config(fixtures_dir, n_seqs=1, queue_limit=1, n_ctx_seq=256))
     events: queue.Queue = queue.Queue()
     in_step, release = threading.Event(), threading.Event()
     # the loop held between two turns, as by a long step: it drops nothing meanwhile
@@ -86,9 +86,7 @@ def test_a_cancelled_request_takes_no_queue_place_before_the_loop_drops_it(fixtu
 def test_a_call_cancelled_during_its_submit_leaves_no_request_running(fixtures_dir):
     from worker.rpc.server import create_server
 
-    server, port, e = create_server(
-        _config(fixtures_dir, addr="127.0.0.1:0", n_slots=1, queue_limit=0, n_ctx_slot=2048)
-    )
+    server, port, e = create_server(_config(fixtures_dir, addr="127.0.0.1:0", n_seqs=1, queue_limit=0, n_ctx_seq=2048))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = worker_pb2_grpc.WorkerStub(channel)
     try:

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 
+from loraplane.response_format import ResponseFormat
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.lora.adapter import load_lora_adapter, open_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import Model, UBatch
-from worker.runtime.grammar import ResponseFormat, apply_masks, mask_words
+from worker.runtime.grammar import apply_masks, mask_words
 from worker.runtime.model import load_model
 from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows, penalize_rows, prompt_logprobs
 from worker.serving.engine import WorkerEngine
@@ -257,11 +258,11 @@ def test_engine_on_cpu0_serves_like_cpu(fixtures_dir):
         e = WorkerEngine(
             WorkerConfig(
                 model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
-                n_slots=3,
+                n_seqs=3,
                 batching=Batching.MIXED,
                 prefix_cache=PrefixCachePolicy.KEYED,
                 device=dev,
-                n_ctx_slot=128,
+                n_ctx_seq=128,
                 grammar_warmup=False,
             )
         )

@@ -1,6 +1,6 @@
 """Fair admission (``worker.serving.fairness``, worker ``--fairness vtc``): the VTC
 state and order alone, and with the scheduler's admission rule (resident-first, bounded
-bypass) through ``Scheduler._next_admissible`` on a fake pool — no model, no threads."""
+bypass) through ``Admission._next_admissible`` on a fake pool — no model, no threads."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from loraplane.v1 import worker_pb2
 from worker.errors import InvalidRequestError
 from worker.rpc.servicer import tenant_from_proto
+from worker.serving.admission import ADMIT_LOOKAHEAD, MAX_BYPASS, Admission, admission_order
 from worker.serving.fairness import FairQueue, check_weight
 from worker.serving.request import ANONYMOUS, RequestTenant
-from worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, Scheduler, admission_order
 
 
 @dataclass(eq=False)
@@ -219,7 +219,7 @@ def test_cli_flags_validated_and_turned_into_worker_args():
         assert "--fairness-prompt-weight" in res.output and "is not a finite number > 0" in res.output
     res = CliRunner().invoke(worker_cmd, ["--fairness", "fair"])
     assert res.exit_code == 2 and "'off', 'vtc'" in res.output
-    base = dict(model_path=None, n_slots=2, device="cpu", n_ctx_slot=None)
+    base = dict(model_path=None, n_seqs=2, device="cpu", n_ctx_seq=None)
     args = worker_argv(dict(base, fairness="vtc", fairness_prompt_weight=1.5, fairness_output_weight=3.0))
     assert args[-6:] == ("--fairness", "vtc", "--fairness-prompt-weight", "1.5", "--fairness-output-weight", "3.0")
     assert "--fairness" not in worker_argv(base)  # not given: the worker's default (off)
@@ -243,16 +243,16 @@ class FakePool:
         self.resident.update(a.sha256 for a in adapters)
 
 
-def sched(pool: FakePool, fair: FairQueue | None) -> Scheduler:
-    """A scheduler with only what ``_next_admissible`` uses (no model, no loop thread)."""
-    s = Scheduler.__new__(Scheduler)
+def sched(pool: FakePool, fair: FairQueue | None) -> Admission:
+    """An admission with only what ``_next_admissible`` uses (no model, no loop thread)."""
+    s = Admission.__new__(Admission)
     s.ctx = types.SimpleNamespace(pool=pool)
     s.queue = deque()
     s.fair = fair
     return s
 
 
-def admit_one(s: Scheduler) -> Req:
+def admit_one(s: Admission) -> Req:
     r = s._next_admissible()
     assert r is not None
     s.queue.remove(r)
@@ -365,7 +365,7 @@ def test_tenant_service_is_the_proto_field_for_field_and_reaches_worker_stats():
     from worker.rpc.servicer import stats_to_proto
     from worker.serving.engine import WorkerStatsRecord
     from worker.serving.fairness import TenantService
-    from worker.serving.scheduler import SchedulerStats
+    from worker.serving.stats import SchedulerStats
 
     assert {f.name for f in dataclasses.fields(TenantService)} == set(
         worker_pb2.TenantService.DESCRIPTOR.fields_by_name

@@ -238,7 +238,7 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
     from control_plane.metrics import ControlPlaneMetrics
     from worker.serving.engine import WorkerStatsRecord
     from worker.serving.metrics import WorkerMetrics
-    from worker.serving.scheduler import SchedulerStats
+    from worker.serving.stats import SchedulerStats
 
     sched = SchedulerStats(
         n_slots=2,

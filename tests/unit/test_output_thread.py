@@ -27,11 +27,11 @@ def engine(fixtures_dir):
         e = WorkerEngine(
             WorkerConfig(
                 model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
-                n_slots=n_slots,
+                n_seqs=n_slots,
                 batching=Batching.MIXED,
                 prefix_cache=PrefixCachePolicy.LLAMA,
                 device="cpu",
-                n_ctx_slot=256,
+                n_ctx_seq=256,
                 grammar_warmup=False,  # no structured output here
                 **config,
             )
@@ -127,7 +127,7 @@ def test_stop_string_found_a_step_late_never_leaks(engine):
 
     s = e.scheduler
     s.emitter.close()
-    s.emitter = LaggingEmitWorker(s.output, lambda: s.observer, s._step)
+    s.emitter = LaggingEmitWorker(s.output, lambda: s.observer, s.steps.n_steps)
     q: queue.Queue = queue.Queue()
     req = _submit(e, "stopped", SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)), q)
     evs = _collect(q, {"stopped"})["stopped"]

@@ -18,9 +18,9 @@ from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.errors import AdapterFetchError, DecodeFailedError, QueueFullError
 from worker.rpc.status import status_of
 from worker.runtime.sampling import SamplingParams
+from worker.serving.admission import MAX_BYPASS
 from worker.serving.engine import WorkerEngine
 from worker.serving.request import ErrorEvent, FinishedEvent, RequestTenant, TokenEvent
-from worker.serving.scheduler import MAX_BYPASS
 
 
 @pytest.fixture
@@ -31,11 +31,11 @@ def engine_for(fixtures_dir):
         e = WorkerEngine(
             WorkerConfig(
                 model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
-                n_slots=n_slots,
+                n_seqs=n_slots,
                 batching=batching,
                 prefix_cache=PrefixCachePolicy.LLAMA,
                 device="cpu",
-                n_ctx_slot=256,
+                n_ctx_seq=256,
                 queue_limit=queue_limit,
                 grammar_warmup=False,  # no structured output here
                 **config,
@@ -135,7 +135,7 @@ def test_queue_limit_answers_resource_exhausted(engine_for):
             tenant=RequestTenant("light"),
         )
     assert status_of(err.value).name == "RESOURCE_EXHAUSTED"
-    assert "queue full (0/1 slots busy, 2 queued; admits slots + --queue-limit 1)" in str(err.value)
+    assert "queue full (0/1 KV sequences busy, 2 queued; admits --slots + --queue-limit 1)" in str(err.value)
 
 
 def test_every_worker_error_has_one_status():
@@ -227,7 +227,7 @@ def test_attach_failure_ends_the_request_through_the_one_exit(engine_for):
     assert _requests_total(e, "error", "0") == 0
     events = _generate(e, "bad", [(0, 1.0)])
     assert len(events) == 1 and isinstance(events[0].error, DecodeFailedError)
-    assert "attaching the request to slot 0 failed" in str(events[0].error)
+    assert "attaching the request to KV sequence 0 failed" in str(events[0].error)
     assert status_of(events[0].error).name == "INTERNAL"
     # the observer runs right after the event, on the loop thread
     deadline = time.monotonic() + 10
@@ -426,9 +426,9 @@ def test_the_loop_stopping_for_good_marks_the_worker_unhealthy(fixtures_dir):
     config = WorkerConfig(
         model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
         addr="127.0.0.1:0",
-        n_slots=1,
+        n_seqs=1,
         device="cpu",
-        n_ctx_slot=256,
+        n_ctx_seq=256,
         grammar_warmup=False,
     )
     server, port, e = create_server(config)
@@ -650,7 +650,7 @@ def test_a_full_worker_gives_a_heavy_tenants_newest_queued_place_to_a_light_tena
                 submit(rid, tenant)
             except QueueFullError as exc:
                 assert status_of(exc).name == "RESOURCE_EXHAUSTED"
-                assert "queue full (0/1 slots busy, 3 queued; admits slots + --queue-limit 2)" in str(exc)
+                assert "queue full (0/1 KV sequences busy, 3 queued; admits --slots + --queue-limit 2)" in str(exc)
                 refused.append(rid)
         with pytest.raises(QueueFullError):
             submit("h3", heavy)
@@ -669,7 +669,7 @@ def test_a_full_worker_gives_a_heavy_tenants_newest_queued_place_to_a_light_tena
     assert isinstance(err, QueueFullError) and status_of(err).name == "RESOURCE_EXHAUSTED"
     assert str(err) == (
         f"worker {e.worker_id}: queue full: this queued request gave its place to a lighter tenant's "
-        "(tenant 'heavy' had 3 of the 3 queued; admits slots + --queue-limit 2, shared between tenants "
+        "(tenant 'heavy' had 3 of the 3 queued; admits --slots + --queue-limit 2, shared between tenants "
         "by --fairness vtc); retry later"
     )
     assert {rid for rid, ev in ends.items() if isinstance(ev, FinishedEvent)} == {"h0", "l0", "w0"}

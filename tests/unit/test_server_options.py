@@ -55,7 +55,7 @@ def test_worker_options_become_the_config(tmp_path):
         ],
     )  # fmt: skip
     config = worker_config(params)
-    assert (config.n_slots, config.n_ctx_slot, config.control_plane) == (2, 512, "cp-a:1,cp-b:2")
+    assert (config.n_seqs, config.n_ctx_seq, config.control_plane) == (2, 512, "cp-a:1,cp-b:2")
     assert (config.batching, config.prefix_cache, config.fairness) == (
         Batching.COMPAT,
         PrefixCachePolicy.LLAMA,

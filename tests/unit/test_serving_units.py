@@ -34,8 +34,8 @@ from worker.serving.output import (
 )
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import GenRequest, RequestTelemetry, StartedEvent, StepInfo, TokenEvent
-from worker.serving.scheduler import SchedulerStats
 from worker.serving.sequences import Seq, SeqState
+from worker.serving.stats import SchedulerStats
 from worker.serving.ubatch import assemble_ubatch
 
 A, B = adapter("aaaa", seed=1), adapter("bbbb", seed=2, rank=3, alpha=6.0)
@@ -324,7 +324,7 @@ def test_output_stage_cuts_at_a_stop_string_across_tokens(tiny_tokenizer):
     string, nothing of it is emitted, and the final text is what was streamed."""
     tok = tiny_tokenizer
     ids = tok.encode("The sea, then the shore", add_special=False)  # ' The' ' sea' ',' ' then' ...
-    stage = OutputStage(tok, n_ctx_slot=256)
+    stage = OutputStage(tok, n_ctx_seq=256)
     req = _stage_request(tok, SamplingParams(max_tokens=20, stop=(", then",)))
     seen: list[float | None] = []
     out = _feed(stage, req, ids, on_token=lambda r, now: seen.append(r.last_token_at))
@@ -345,7 +345,7 @@ def test_output_stage_finish_reasons(tiny_tokenizer):
     """End of generation is "stop" (unless ignore_eos), max_tokens and a full slot context are
     "length"; a tail held back for a possible stop string is flushed on "length"."""
     tok = tiny_tokenizer
-    stage = OutputStage(tok, n_ctx_slot=256)
+    stage = OutputStage(tok, n_ctx_seq=256)
     eog = min(tok.eog_ids)
     the, sea, comma = tok.encode("The sea,", add_special=False)
     req = _stage_request(tok, SamplingParams(max_tokens=5))
@@ -357,7 +357,7 @@ def test_output_stage_finish_reasons(tiny_tokenizer):
     out = _feed(stage, req, [the, sea, comma])
     assert [ev.text for ev, _ in out] == ["The", " sea", ","] and out[-1][1] == "length"  # "," flushed
     assert stage.final_text(req) == "The sea,"
-    small = OutputStage(tok, n_ctx_slot=12)  # _feed's n_past runs 10, 11: the context is full at 11
+    small = OutputStage(tok, n_ctx_seq=12)  # _feed's n_past runs 10, 11: the context is full at 11
     req = _stage_request(tok, SamplingParams(max_tokens=9))
     assert [r for _, r in _feed(small, req, [the, sea, comma])] == [None, "length"]
 
@@ -365,7 +365,7 @@ def test_output_stage_finish_reasons(tiny_tokenizer):
 def test_output_stage_prompt_logprobs_and_started(tiny_tokenizer):
     """Prompt log-probs accumulate over prompt chunks (one per next prompt token, none for
     the last position), and the started event carries them after a None for token 0."""
-    stage = OutputStage(tiny_tokenizer, n_ctx_slot=256)
+    stage = OutputStage(tiny_tokenizer, n_ctx_seq=256)
     prompt = [1, 450, 7205, 29892]
     req = _stage_request(tiny_tokenizer, SamplingParams(prompt_logprobs=True), prompt)
     logits = torch.randn(4, tiny_tokenizer.n_vocab, generator=torch.Generator().manual_seed(0))
@@ -445,7 +445,7 @@ def test_kv_import_after_decode_outside_inference_mode():
 # --- admission with the slot pool ----------------------------------------------------------
 def test_admission_resident_first_with_bounded_bypass():
     from worker.lora.pool import LoraPool
-    from worker.serving.scheduler import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order
+    from worker.serving.admission import ADMIT_LOOKAHEAD, MAX_BYPASS, admission_order
 
     pool = LoraPool(2, 8)
     pool.acquire([A])

@@ -171,11 +171,11 @@ def engine(fixtures_dir):
     e = WorkerEngine(
         WorkerConfig(
             model_path=str(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"),
-            n_slots=6,
+            n_seqs=6,
             batching=Batching.MIXED,
             prefix_cache=PrefixCachePolicy.LLAMA,
             device="cpu",
-            n_ctx_slot=256,
+            n_ctx_seq=256,
         )
     )
     e.load_adapter(0, path=str(fixtures_dir / "tiny_moe" / "moe_lora.gguf"))

@@ -58,7 +58,7 @@ def server_interceptors(config: WorkerConfig) -> list[grpc.ServerInterceptor]:
                 lambda m: m in (f"/{SERVICE_NAME}/LoadAdapter", f"/{SERVICE_NAME}/UnloadAdapter"),
             ),
         },
-        hint=" (worker: slots + --queue-limit)",
+        hint=" (worker: --slots + --queue-limit)",
     )
     secret = worker_secret_from(config.worker_secret)
     guards = [worker_guard(secret)] if secret else []
@@ -191,7 +191,7 @@ def _advertised(config: WorkerConfig, port: int) -> str:
 
 class SchedulerStoppedError(RuntimeError):
     """``serve_worker`` ends with this when the scheduler loop stopped for good
-    (``worker.serving.scheduler``: Faults): the process exits non-zero (``loraplane worker``:
+    (docs/operations.md, "Faults in the decode loop"): the process exits non-zero (``loraplane worker``:
     exit 1), so ``serve``'s supervisor or Kubernetes restarts it."""
 
 
@@ -337,9 +337,9 @@ def serve_worker(config: WorkerConfig) -> None:
             worker_id=engine.worker_id,
             addr=_advertised(config, port),
             model=str(engine.base.path),
-            n_slots=config.n_slots,
+            n_slots=config.n_seqs,
             queue_limit=config.queue_limit,
-            n_ctx=config.n_ctx_slot,
+            n_ctx=config.n_ctx_seq,
             incarnation=uuid.uuid4().hex,
             supervisor_restarts=_supervisor_restarts(),
         )

@@ -4,7 +4,7 @@
 of every request on the stream come back interleaved, tagged with ``request_id``. A refused
 request or a failed decode ends the stream with its status code (the control plane opens one
 stream per request). Closing or cancelling the call cancels every request it submitted, so
-their slots are freed at the next step.
+their KV sequences are freed at the next step.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import time
 import grpc
 import structlog
 
+from loraplane.grammar_limits import GrammarError
 from loraplane.interceptors import UndecodableRequest
 from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
+from loraplane.response_format import ResponseFormat
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2, worker_pb2_grpc
 from worker.errors import InvalidRequestError, PermissionDeniedError, WorkerError
 from worker.lora.host_cache import KnownAdapter
 from worker.rpc.status import status_of
-from worker.runtime.grammar import GrammarError, ResponseFormat
 from worker.runtime.sampling import SamplingParams
 from worker.serving.engine import WorkerEngine, WorkerStatsRecord
 from worker.serving.request import (
@@ -189,7 +190,7 @@ class _CallRequests:
     """The requests one Decode call submitted, and whether the call is over. The reader thread
     adds to it while gRPC's done-callback cancels it (another thread): a request whose submit
     was still running when the call ended (waiting for the tokenizer, an adapter fetch, a
-    grammar) is cancelled as it is added, so it never holds a queue place or a slot for a
+    grammar) is cancelled as it is added, so it never holds a queue place or a KV sequence for a
     client that is gone."""
 
     def __init__(self) -> None:

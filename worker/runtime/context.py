@@ -40,7 +40,7 @@ class WorkerContext(AdapterContext):
         model: loaded base model.
         adapters: the model's adapter registry (shared by all contexts of the model).
         n_ctx_seq: KV positions per sequence.
-        n_seq: sequences expected at once (slots); the KV cache makes room for them up front.
+        n_seq: sequences expected at once (``--slots``); the KV cache makes room for them up front.
     """
 
     kv: KVCache

@@ -32,10 +32,9 @@ import numpy as np
 import structlog
 import torch
 
-from loraplane.grammar_limits import GrammarLimits
+from loraplane.grammar_limits import GrammarError, GrammarLimits
 from loraplane.response_format import (
     KINDS,
-    GrammarError,
     ResponseFormat,
     compile_grammar,
     engine_limits,
@@ -45,7 +44,7 @@ from loraplane.response_format import (
 
 log = structlog.get_logger("loraplane.worker.runtime.grammar")
 
-__all__ = ["KINDS", "GrammarError", "ResponseFormat", "compile_grammar", "json_schema_grammar"]
+__all__ = ["compile_grammar", "json_schema_grammar"]
 
 # ------------------------------------------------------------------------------ vocabulary
 

@@ -391,14 +391,14 @@ class GraphContext:
         scores are then computed explicitly; with 0 the fused SDPA path is used unchanged.
 
         Sequences that feed one row (decode) are attended together in one batched op over
-        the unified KV cache (``_attn_decode_batch``); multi-row spans (prompts) one by one.
+        the unified KV cache (``attn_decode_batch``); multi-row spans (prompts) one by one.
         """
         n, n_head, _ = q.shape
         dv = v.shape[-1]
         out = torch.empty((n, n_head, dv), dtype=q.dtype, device=q.device)
         dec = self.inp.decode_rows
         if dec is not None:
-            out.index_copy_(0, dec.rows, self._attn_decode_batch(il, q, k, v, dec, kq_scale, n_swa, softcap))
+            out.index_copy_(0, dec.rows, attn_decode_batch(self.kv, il, q, k, v, dec, kq_scale, n_swa, softcap))
         for span in self.inp.spans:
             if dec is not None and span.n == 1:
                 continue
@@ -424,56 +424,6 @@ class GraphContext:
             out.index_copy_(0, span.rows, o.squeeze(0).transpose(0, 1))
         self.n_nodes += 8
         return self.build_lora_mm(wo, out.reshape(n, n_head * dv))
-
-    def _attn_decode_batch(
-        self,
-        il: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        dec: DecodeRows,
-        kq_scale: float,
-        n_swa: int,
-        softcap: float = 0.0,
-    ) -> torch.Tensor:
-        """One row per sequence, all sequences at once: store their K/V with one indexed
-        write, then attend. Returns ``(B, H, dv)`` in ``dec.rows`` order.
-
-        CPU (default, ``LORAPLANE_ATTN`` auto|c): the C kernel ``attn_decode``
-        (``worker.runtime.kernels.attn``) reads each row's keys ``lo..pos`` from the cache
-        in place, online softmax in a fixed key order, f32. Otherwise (CUDA, a shape or
-        dtype the kernel does not take, ``LORAPLANE_ATTN=torch``): read
-        ``K/V[cache rows, lo:hi]`` ``(B, L, Hkv, d)`` (a view when the cache rows are
-        consecutive), mask per row (causal + sliding window), one f64 SDPA call. Both make a
-        row's result independent of the other rows of the ubatch."""
-        self.kv.store_rows(il, dec.cache_rows, dec.pos, k.index_select(0, dec.rows), v.index_select(0, dec.rows))
-        kc, vc = self.kv.k[il], self.kv.v[il]
-        if q.device.type == "cpu" and resolve_attn() == "c" and attn_kernel_supports(kc, vc, q.shape[1]):
-            o = attn_decode(
-                q.index_select(0, dec.rows),
-                kc,
-                vc,
-                dec.cache_rows,
-                dec.pos,
-                kq_scale=kq_scale,
-                n_swa=n_swa,
-                softcap=softcap,
-                check=False,
-            )
-            return o.to(q.dtype)
-        lo = max(0, dec.pos_min - n_swa + 1) if n_swa > 0 else 0
-        ks, vs = self.kv.rows_view(il, dec.cache_rows, lo, dec.pos_max + 1, dec.contiguous_from)
-        k_pos = dec.key_pos[lo : dec.pos_max + 1].unsqueeze(0)  # (1, L)
-        q_pos = dec.pos.unsqueeze(1)  # (B, 1)
-        mask = k_pos <= q_pos
-        if n_swa > 0:
-            mask = mask & (q_pos - k_pos < n_swa)
-        # f64: the padded length L and the batch size change how SDPA splits its reductions, so in
-        # f32 a row's result would depend on the other rows of the ubatch (see build_norm)
-        qs = q.index_select(0, dec.rows).unsqueeze(2).double()  # (B, H, 1, dk)
-        ks, vs = ks.transpose(1, 2).double(), vs.transpose(1, 2).double()
-        o = _sdpa(qs, ks, vs, mask[:, None, None, :], kq_scale, softcap)
-        return o.squeeze(2).to(q.dtype)
 
     def build_rope(
         self,
@@ -555,6 +505,58 @@ class GraphContext:
         y = self.build_lora_mm_id(down_exps, h, ids)
         self.n_nodes += 8
         return (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)
+
+
+def attn_decode_batch(
+    kv: KVCache,
+    il: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dec: DecodeRows,
+    kq_scale: float,
+    n_swa: int,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Decode attention of ``GraphContext.build_attn``: one row per sequence, all sequences at
+    once; store their K/V in ``kv`` (layer ``il``) with one indexed write, then attend.
+    Returns ``(B, H, dv)`` in ``dec.rows`` order.
+
+    CPU (default, ``LORAPLANE_ATTN`` auto|c): the C kernel ``attn_decode``
+    (``worker.runtime.kernels.attn``) reads each row's keys ``lo..pos`` from the cache
+    in place, online softmax in a fixed key order, f32. Otherwise (CUDA, a shape or
+    dtype the kernel does not take, ``LORAPLANE_ATTN=torch``): read
+    ``K/V[cache rows, lo:hi]`` ``(B, L, Hkv, d)`` (a view when the cache rows are
+    consecutive), mask per row (causal + sliding window), one f64 SDPA call. Both make a
+    row's result independent of the other rows of the ubatch."""
+    kv.store_rows(il, dec.cache_rows, dec.pos, k.index_select(0, dec.rows), v.index_select(0, dec.rows))
+    kc, vc = kv.k[il], kv.v[il]
+    if q.device.type == "cpu" and resolve_attn() == "c" and attn_kernel_supports(kc, vc, q.shape[1]):
+        o = attn_decode(
+            q.index_select(0, dec.rows),
+            kc,
+            vc,
+            dec.cache_rows,
+            dec.pos,
+            kq_scale=kq_scale,
+            n_swa=n_swa,
+            softcap=softcap,
+            check=False,
+        )
+        return o.to(q.dtype)
+    lo = max(0, dec.pos_min - n_swa + 1) if n_swa > 0 else 0
+    ks, vs = kv.rows_view(il, dec.cache_rows, lo, dec.pos_max + 1, dec.contiguous_from)
+    k_pos = dec.key_pos[lo : dec.pos_max + 1].unsqueeze(0)  # (1, L)
+    q_pos = dec.pos.unsqueeze(1)  # (B, 1)
+    mask = k_pos <= q_pos
+    if n_swa > 0:
+        mask = mask & (q_pos - k_pos < n_swa)
+    # f64: the padded length L and the batch size change how SDPA splits its reductions, so in
+    # f32 a row's result would depend on the other rows of the ubatch (see build_norm)
+    qs = q.index_select(0, dec.rows).unsqueeze(2).double()  # (B, H, 1, dk)
+    ks, vs = ks.transpose(1, 2).double(), vs.transpose(1, 2).double()
+    o = _sdpa(qs, ks, vs, mask[:, None, None, :], kq_scale, softcap)
+    return o.squeeze(2).to(q.dtype)
 
 
 def _sdpa(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.runtime.grammar import ResponseFormat
+from loraplane.response_format import ResponseFormat
 from worker.runtime.kernels.cpu import resolve_path
 from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
 
@@ -54,7 +54,7 @@ class SamplingParams:
         repetition_penalty: > 0; a token of the prompt or the output has its logit divided by
             it when positive, multiplied when not (HF / vLLM, CTRL paper); 1 → off.
         response_format: structured output: the grammar the output must match
-            (``worker.runtime.grammar.ResponseFormat``); None: unconstrained.
+            (``loraplane.response_format.ResponseFormat``); None: unconstrained.
     """
 
     max_tokens: int = 16

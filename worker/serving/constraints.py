@@ -1,6 +1,6 @@
 """The scheduler's grammar-mask step: per-row structured-output constraints in a mixed batch.
 
-Per decode step (``Scheduler._step_once``):
+Per decode step (``StepRunner.run``, ``worker.serving.step``):
 
 1. `GrammarStage.start` — before the forward pass, for the constrained sequences that sample
    this step, start computing their allowed-token bitmasks (`worker.runtime.grammar.fill_masks`:

@@ -49,7 +49,8 @@ from worker.runtime.sampling import SamplingParams
 from worker.serving.heap import release_free_heap
 from worker.serving.metrics import WorkerMetrics
 from worker.serving.request import Event, GenRequest, RequestTenant
-from worker.serving.scheduler import Scheduler, SchedulerStats
+from worker.serving.scheduler import Scheduler
+from worker.serving.stats import SchedulerStats
 
 log = structlog.get_logger("loraplane.worker.serving.engine")
 
@@ -100,11 +101,11 @@ def max_piece_bytes(tokenizer) -> int:
     )
 
 
-def prompt_byte_limit(n_ctx_slot: int, piece_bytes: int) -> int:
+def prompt_byte_limit(n_ctx_seq: int, piece_bytes: int) -> int:
     """Largest text prompt, in UTF-8 bytes, that could still fit a sequence: a longer one needs at
-    least ``n_ctx_slot`` tokens, which ``Scheduler.submit`` refuses anyway, so refusing it
+    least ``n_ctx_seq`` tokens, which ``Scheduler.submit`` refuses anyway, so refusing it
     before tokenizing changes no answer, only the cost (Gemma 3, n_ctx 4096: 196 560 bytes)."""
-    return (n_ctx_slot - 1) * piece_bytes
+    return (n_ctx_seq - 1) * piece_bytes
 
 
 def adapter_vector(entries: list[tuple[int, float]]) -> dict[int, float]:
@@ -145,7 +146,7 @@ class WorkerEngine:
         if config.grammar_warmup:
             self.grammar_warmup = start_grammar_warmup(base.tokenizer, base.n_vocab)
         self.model = Model(base, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
-        self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_slot, n_seq=config.n_slots)
+        self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_seq, n_seq=config.n_seqs)
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
         self._paging_lock = threading.Lock()
         self._paging_seen: dict[int, tuple[int, int]] = {}  # adapter_paging's last counts
@@ -166,7 +167,7 @@ class WorkerEngine:
             on_loaded=self.metrics.on_adapter_loaded,
         )
         self.max_piece_bytes = max_piece_bytes(base.tokenizer)
-        self.max_prompt_bytes = prompt_byte_limit(config.n_ctx_slot, self.max_piece_bytes)
+        self.max_prompt_bytes = prompt_byte_limit(config.n_ctx_seq, self.max_piece_bytes)
         self._tokenize_lock = threading.Lock()
         self.draining = threading.Event()
         """Set on SIGTERM (``worker.rpc.server``): ``submit`` refuses everything from then on."""
@@ -377,7 +378,7 @@ class WorkerEngine:
         n_bytes = len(text) if len(text) > self.max_prompt_bytes else len(text.encode("utf-8", "surrogatepass"))
         if n_bytes > self.max_prompt_bytes:
             raise InvalidRequestError(
-                f"prompt text has {n_bytes} bytes (or more); a sequence holds n_ctx={self.config.n_ctx_slot} tokens "
+                f"prompt text has {n_bytes} bytes (or more); a sequence holds n_ctx={self.config.n_ctx_seq} tokens "
                 f"and one token covers at most {self.max_piece_bytes} bytes, so at most "
                 f"{self.max_prompt_bytes} bytes can fit (refused before tokenizing)"
             )

@@ -4,8 +4,8 @@
 OSDI 2024, Algorithm 2), weighted, with strict priority classes: a counter of weighted service
 per tenant (`TenantState`, named by the request's ``RequestTenant``), charged for a request's
 prompt when it is admitted and for each sampled token (``charge_output``), lifted when an idle
-tenant returns. It gives the scheduler (``worker.serving.scheduler``) the order in which to try
-the queued requests (``order``), names the queued request that gives way on a full worker
+tenant returns. It gives the scheduler's admission (``worker.serving.admission``) the order in
+which to try the queued requests (``order``), names the queued request that gives way on a full worker
 (``give_way``, the rule of `loraplane.queue_shares`) and reports tenants (``snapshot``,
 `STATS_TENANTS`); idle tenants are remembered up to `MAX_TENANTS`. It decides nothing else: the
 scheduler applies the slot pool's resident-first rule and the bounded bypass on top.

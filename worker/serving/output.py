@@ -148,12 +148,12 @@ class OutputStage:
 
     Args:
         tokenizer: the model's tokenizer (end-of-generation ids, final text).
-        n_ctx_slot: KV positions of a sequence; generation stops ("length") before it is full.
+        n_ctx_seq: KV positions of a sequence; generation stops ("length") before it is full.
     """
 
-    def __init__(self, tokenizer: Tokenizer, n_ctx_slot: int):
+    def __init__(self, tokenizer: Tokenizer, n_ctx_seq: int):
         self.tokenizer = tokenizer
-        self.n_ctx_slot = n_ctx_slot
+        self.n_ctx_seq = n_ctx_seq
 
     def prompt_rows(self, req: GenRequest, rows: Sequence[int], logits: torch.Tensor, out_idx: Sequence[int]) -> None:
         """Record the prompt log-probs of computed prompt positions ``rows`` (only when the
@@ -218,7 +218,7 @@ class OutputStage:
             n_generated=len(req.generated),
             max_tokens=req.params.max_tokens,
             n_past=n_past,
-            n_ctx=self.n_ctx_slot,
+            n_ctx=self.n_ctx_seq,
         )
         return sampled, reason
 

@@ -91,7 +91,7 @@ class RequestTelemetry:
     prefix_cache: str = ""
     alora_activation_pos: int = -1
     adapter_set_fingerprint: str = ""
-    slot_id: int = 0
+    slot_id: int = 0  # the KV sequence it ran on (``Seq.id``; the proto's name)
     worker_id: str = ""
     graph_reuses: int = 0
     graph_rebuilds: int = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from worker.lora.adapter_set import AdapterSet
-from worker.runtime.context import UBatch
+from worker.runtime.context_base import UBatch
 from worker.serving.sequences import Seq, SeqState
 
 N_BATCH = 512  # most token rows in one ubatch (llama.cpp n_batch / n_ubatch)

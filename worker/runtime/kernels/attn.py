@@ -1,7 +1,7 @@
 """Decode attention over the KV cache in place (``csrc/attn.cpp``), and when it is used.
 
 ``attn_decode`` runs the C kernel on one layer's cache tensors for one query row per sequence;
-``GraphContext._attn_decode_batch`` calls it on CPU and keeps its torch (f64 SDPA) path for
+``worker.runtime.graph.attn_decode_batch`` calls it on CPU and keeps its torch (f64 SDPA) path for
 CUDA, for shapes/dtypes the kernel does not take, and when ``LORAPLANE_ATTN`` says so.
 
 ``LORAPLANE_ATTN`` = ``auto`` (default: the C kernel on CPU where the ISA path of
