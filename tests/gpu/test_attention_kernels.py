@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.conftest import NO_TRITON, TRITON
+from tests.helpers.gpu import NO_TRITON, TRITON
 from worker.gpu.kernels import flashinfer_backend, triton_env
 from worker.gpu.kernels.attention import (
     attention_reference,

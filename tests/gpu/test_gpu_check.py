@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench import gpu_check
-from tests.gpu.conftest import CUDA, NO_TRITON, TRITON
+from tests.helpers.gpu import CUDA, NO_TRITON, TRITON
 
 needs_triton = pytest.mark.skipif(not TRITON, reason=NO_TRITON)
 

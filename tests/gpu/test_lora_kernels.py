@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.conftest import NO_TRITON, TRITON
+from tests.helpers.gpu import NO_TRITON, TRITON
 from worker.gpu.kernels import triton_env
 from worker.gpu.kernels.lora import (
     add_lora,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gpu.conftest import is_16bit
+from tests.helpers.gpu import is_16bit
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import Model, UBatch, WorkerContext

@@ -16,7 +16,7 @@ import pytest
 import structlog
 
 from loraplane.v1 import common_pb2, control_plane_pb2
-from tests.control_plane_helpers import ControlPlane, rpc_error, upload, write_adapter
+from tests.helpers.control_plane import ControlPlane, rpc_error, upload, write_adapter
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ from click.testing import CliRunner
 from clients.cli import cli
 from clients.cli_server import startup_adapters
 from clients.client import LoraplaneClient
-from tests.control_plane_helpers import write_adapter
-from tests.live_servers import restored_default
+from tests.helpers.control_plane import write_adapter
+from tests.helpers.live_servers import restored_default
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

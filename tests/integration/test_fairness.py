@@ -14,8 +14,8 @@ import pytest
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from loraplane.v1 import worker_pb2
-from tests.live_servers import start_control_plane, start_worker, wait_until
-from tests.worker_service_helpers import WorkerProcess, gen
+from tests.helpers.live_servers import start_control_plane, start_worker, wait_until
+from tests.helpers.worker_service import WorkerProcess, gen
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

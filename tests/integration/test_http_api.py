@@ -14,7 +14,7 @@ import jinja2
 import openai
 import pytest
 
-from tests.http_helpers import ROOT, start_http_serve
+from tests.helpers.http_serve import ROOT, start_http_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

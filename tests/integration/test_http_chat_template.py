@@ -12,7 +12,7 @@ import jinja2
 import openai
 import pytest
 
-from tests.http_helpers import start_http_serve
+from tests.helpers.http_serve import start_http_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

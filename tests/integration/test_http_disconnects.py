@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
-from tests.http_helpers import start_http_serve
+from tests.helpers.http_serve import start_http_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

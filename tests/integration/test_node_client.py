@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from clients.client import LoraplaneClient
-from tests.live_servers import nonzero, restored_default
+from tests.helpers.live_servers import nonzero, restored_default
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

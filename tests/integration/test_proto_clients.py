@@ -54,8 +54,8 @@ JAVA_ANNOTATIONS = "geronimo-annotation-1.3-spec"  # javax.annotation.Generated 
 def cp(tmp_path_factory, base_model_path: Path):
     """One real control plane for the module (worker secret set, no worker)."""
     from control_plane.server import ControlPlaneConfig
-    from tests.control_plane_helpers import ControlPlane
-    from tests.live_servers import WORKER_SECRET
+    from tests.helpers.control_plane import ControlPlane
+    from tests.helpers.live_servers import WORKER_SECRET
 
     data = tmp_path_factory.mktemp("proto-clients") / "data"
     server = ControlPlane(

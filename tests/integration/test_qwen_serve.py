@@ -22,7 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.http_helpers import start_http_serve
+from tests.helpers.http_serve import start_http_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

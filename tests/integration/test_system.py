@@ -22,7 +22,7 @@ from clients.results import FinishedEvent, TokenEvent
 from clients.serve import worker_command
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
-from tests.live_servers import WORKER_SECRET
+from tests.helpers.live_servers import WORKER_SECRET
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve_helpers import free_port
+from tests.helpers.serve import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -1,8 +1,8 @@
-"""Every architecture against llama.cpp on its tiny random-weight model (``tests/tiny_models.py``,
+"""Every architecture against llama.cpp on its tiny random-weight model (``tests/helpers/tiny_models.py``,
 regenerated here and checked byte for byte by sha256 against what the goldens in
 ``tests/fixtures/tiny_archs/`` were made from), in both weight forms, base and with the arch's
 rank-4 adapter at scales 1 and 0.5, teacher-forced; and each model's tokenizer (its family's
-real llama.cpp vocabulary, ``tests.tiny_models.VOCAB``) against llama-server's ``/tokenize`` of
+real llama.cpp vocabulary, ``tests.helpers.tiny_models.VOCAB``) against llama-server's ``/tokenize`` of
 the string set in ``tests/fixtures/tiny_archs/cases.json`` and of the completion prompts.
 
 Bounds (fixtures README, "tiny_archs"): per case max |Δ log-prob| ≤ 0.05 and mean ≤ 0.01,
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.parity.compare import compare_case, teacher_forced_logprobs
-from tests.tiny_models import ARCHS, MODELS, VOCAB, adapter
+from tests.helpers.parity_compare import compare_case, teacher_forced_logprobs
+from tests.helpers.tiny_models import ARCHS, MODELS, VOCAB, adapter
 from worker.gguf.reader import read_gguf
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import AdapterSet

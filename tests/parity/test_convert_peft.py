@@ -290,7 +290,7 @@ def test_convert_equals_llama_cpp_converter_per_arch(fixtures_dir, tmp_path, nam
     permuted) and Phi-3 (fused ``qkv_proj`` / ``gate_up_proj`` → ``attn_qkv`` / ``ffn_up``):
     every tensor equal to what llama.cpp's ``convert_lora_to_gguf.py`` wrote from the same PEFT
     folder (``scripts/make_convert_fixtures.py``), against the tiny base model of that shape."""
-    from tests.tiny_models import MODELS
+    from tests.helpers.tiny_models import MODELS
 
     arch = {"llama3": "llama"}.get(name, name)
     base = MODELS[arch](tmp_path / f"{name}-base.gguf")

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.parity.compare import CaseStats, GroupStats, compare_case, teacher_forced_logprobs
+from tests.helpers.parity_compare import CaseStats, GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.registry import AdapterInUseError

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.parity.compare import GroupStats, compare_case, teacher_forced_logprobs
+from tests.helpers.parity_compare import GroupStats, compare_case, teacher_forced_logprobs
 from worker.gguf.reader import read_gguf
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
