@@ -1,4 +1,7 @@
-"""Shared pytest fixtures: the embedded base model and the read-only fixture folder."""
+"""Shared pytest fixtures (the embedded base model, the read-only fixture folder, real servers),
+which modules a ``-m`` expression leaves unimported, and the skip of ``cuda`` tests without CUDA.
+Each of ``tests/integration/``, ``tests/parity/``, ``tests/gpu/`` marks its own tests in its
+``conftest.py`` (``tests/helpers/folder_marks.py``)."""
 
 from __future__ import annotations
 
@@ -11,33 +14,37 @@ import pytest
 # the tests of the warm-up itself pass --grammar-warmup.
 os.environ.setdefault("LORAPLANE_GRAMMAR_WARMUP", "0")
 
-GPU_SKIP_REASON = "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
+CUDA_SKIP_REASON = "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Test modules marked slow as a whole are not imported under ``-m "not slow"`` (the fast
-    tier): none of their tests could be selected (``tests/helpers/tier_collection.py``)."""
+    """Test modules whose tests the ``-m`` expression cannot select, by the marks of their
+    top-level ``pytestmark`` and of their folder, are not imported (``-m "not slow"``, the fast
+    tier, leaves out the modules marked slow as a whole: ``tests/helpers/tier_collection.py``)."""
     markexpr = config.getoption("markexpr", "")
     if markexpr and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        from tests.helpers.folder_marks import folder_mark
         from tests.helpers.tier_collection import markexpr_excludes, module_marks
 
-        if markexpr_excludes(markexpr, module_marks(collection_path)):
+        folder = folder_mark(collection_path)
+        marks = module_marks(collection_path) | ({folder} if folder else set())
+        if markexpr_excludes(markexpr, frozenset(marks)):
             return True
     return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The ``gpu`` tier (``tests/gpu/``, docs/gpu.md): skipped, saying why, where torch sees no
-    CUDA device. torch is imported only when such a test was collected."""
-    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items:
+    """Tests marked ``cuda`` (docs/gpu.md) are skipped, saying why, where torch sees no CUDA
+    device. torch is imported only when such a test was collected."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_items:
         return
     import torch
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
-    for item in gpu_items:
+    skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    for item in cuda_items:
         item.add_marker(skip)
 
 

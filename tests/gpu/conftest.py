@@ -1,4 +1,5 @@
-"""Fixtures of ``tests/gpu/``: the GPU kernels' tests and the ``gpu`` tier (docs/gpu.md).
+"""Fixtures of ``tests/gpu/``: the GPU engine's tests (docs/gpu.md). Every test here is marked
+``gpu`` (by this folder, ``tests/helpers/folder_marks.py``).
 
 The kernel tests (``worker.gpu.kernels``) run on CUDA when the machine has it, else on
 CPU tensors under Triton's interpreter (``tests/helpers/gpu.py``, imported here first, sets
@@ -9,7 +10,7 @@ a runtime scalar into a loop bound (``range(n)`` in a kernel over a runtime ``n`
 fixture below swaps that one conversion for ``.item()`` while the tests run (the kernels and the
 installed Triton are unchanged; newer Triton releases squeeze the array the same way).
 
-Every test marked ``gpu`` is skipped, saying why, without CUDA (``tests/conftest.py``). Nothing
+Those marked ``cuda`` need a CUDA device: without one ``tests/conftest.py`` skips each, saying why. Nothing
 here downloads: the synthetic model is written by ``bench.synthetic``; the tiny
 architectures need llama.cpp's vocabulary files in the cache (``scripts/gpu_check.sh`` puts them
 there from its ``--wheels`` folder).
@@ -22,7 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.folder_marks import mark_folder
 from tests.helpers.gpu import CUDA, TRITON
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of this folder is ``gpu`` (``tests/helpers/folder_marks.py``)."""
+    mark_folder(items, Path(__file__).parent)
 
 
 @pytest.fixture(scope="session")

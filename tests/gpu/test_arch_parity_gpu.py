@@ -32,7 +32,7 @@ from worker.lora.adapter_set import AdapterSet
 from worker.runtime.context import Model, UBatch
 from worker.runtime.model import F16_REFUSED, load_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.parity]
+pytestmark = pytest.mark.cuda
 
 MARGIN = 0.1
 

@@ -1,5 +1,5 @@
 """``bench.gpu_check`` (the ``env`` and ``warmup`` stages of ``scripts/gpu_check.sh``) on
-this machine: on a CPU the kernels run under Triton's interpreter (``tests/gpu/conftest.py``)."""
+this machine: on a CPU the kernels run under Triton's interpreter (``tests/helpers/gpu.py``)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import Model, UBatch, WorkerContext
 from worker.runtime.model import load_model
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.cuda
 
 N_STEPS = 6
 F32_TOL = 2e-3

@@ -1,10 +1,20 @@
-"""Fixtures of ``tests/integration/`` (real control planes, workers and servers over sockets)."""
+"""``tests/integration/``: real control planes, workers and servers over sockets. Every test here
+is marked ``integration`` (by this folder, ``tests/helpers/folder_marks.py``); the fixtures of
+the scripted workers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.folder_marks import mark_folder
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of this folder is ``integration`` (``tests/helpers/folder_marks.py``)."""
+    mark_folder(items, Path(__file__).parent)
 
 
 @pytest.fixture

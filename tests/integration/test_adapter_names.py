@@ -18,8 +18,6 @@ import structlog
 from loraplane.v1 import common_pb2, control_plane_pb2
 from tests.helpers.control_plane import ControlPlane, rpc_error, upload, write_adapter
 
-pytestmark = pytest.mark.integration
-
 BASE = "base-model"
 ERROR_KEYS = {"message", "type", "param", "code"}
 

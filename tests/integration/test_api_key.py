@@ -32,8 +32,6 @@ from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, 
 from tests.helpers.live_servers import wait_until
 from tests.helpers.serve import free_port
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "inference-key-1"
 ADMIN = "admin-token-1"

@@ -23,7 +23,7 @@ from clients.client import LoraplaneClient
 from tests.helpers.control_plane import write_adapter
 from tests.helpers.live_servers import restored_default
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_SHOUT = ROOT / "loraplane" / "demo" / "adapters" / "shout.gguf"

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers.serve import ROOT, start_serve, stop_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 PROMPT = "The weather today is"
 

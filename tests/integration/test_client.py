@@ -40,7 +40,7 @@ from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 from tests.helpers.control_plane import write_adapter
 from tests.helpers.live_servers import nonzero, restored_default, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 PROMPT = "Tell me about the weather today."
 MiB = 1 << 20

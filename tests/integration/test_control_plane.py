@@ -24,8 +24,6 @@ from control_plane.store import MIGRATIONS, SqliteStore
 from loraplane.v1 import common_pb2
 from tests.helpers.control_plane import ControlPlane, MiB, by_path, default_of, ids_of, rpc_error, upload, write_adapter
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 def adapters_dir(fixtures_dir: Path) -> Path:

@@ -19,7 +19,7 @@ from tests.helpers.control_plane import rpc_error, upload
 from tests.helpers.live_servers import WORKER_SECRET
 from worker.rpc.membership import MembershipBackoff, start_membership
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 

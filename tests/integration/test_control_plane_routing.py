@@ -22,8 +22,6 @@ from tests.helpers.control_plane import MiB, by_path, rpc_error, upload, upload_
 from tests.helpers.live_servers import wait_until
 from tests.helpers.scripted_worker import generate, workers_of
 
-pytestmark = pytest.mark.integration
-
 # -- membership ------------------------------------------------------------------------------
 
 

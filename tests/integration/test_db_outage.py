@@ -38,8 +38,6 @@ from loraplane.v1 import control_plane_pb2, worker_pb2_grpc
 from tests.helpers.control_plane import MiB, rpc_error, upload
 from worker.rpc.membership import MembershipBackoff, start_membership
 
-pytestmark = pytest.mark.integration
-
 SECRET = "db-outage-secret"
 PROMISED_S = 2.0
 CEILING_S = 5.0  # generous: the promise is 2 s

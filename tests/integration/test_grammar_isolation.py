@@ -30,7 +30,7 @@ from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 from tests.helpers.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
 from tests.helpers.http_serve import start_http_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.http_serve import ROOT, start_http_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 TOKEN = "http-admin-token"
 BASE = "gemma-3-270m-q4_k_m"

@@ -21,7 +21,7 @@ import pytest
 from clients.client import LoraplaneClient
 from tests.helpers.live_servers import nonzero, restored_default
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_DIR = ROOT / "clients" / "node"

@@ -28,8 +28,6 @@ from loraplane.third_party import reflection_v1_pb2 as v1_pb2
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "loraplane" / "v1").glob("*.proto"))
 EXPECTED_SERVICES = {

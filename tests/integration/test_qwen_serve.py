@@ -24,7 +24,7 @@ import pytest
 
 from tests.helpers.http_serve import start_http_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 QUESTION = "What is a binary tree?"
 

@@ -48,7 +48,7 @@ from tests.helpers.control_plane import write_adapter
 from tests.helpers.live_servers import WORKER_SECRET, wait_until
 from tests.helpers.postgres_server import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The weather today is"

@@ -28,8 +28,6 @@ from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2_grpc
 from tests.helpers.live_servers import start_control_plane
 
-pytestmark = pytest.mark.integration
-
 MODEL_FILE_HINT = "(this looks like a model file, not an adapter)"
 
 

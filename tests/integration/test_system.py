@@ -24,7 +24,7 @@ from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
 from tests.helpers.live_servers import WORKER_SECRET
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The weather today is"

@@ -24,7 +24,7 @@ import pytest
 
 from tests.helpers.serve import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The weather today is"

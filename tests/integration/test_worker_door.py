@@ -37,8 +37,6 @@ from tests.helpers.control_plane import MiB, upload
 from tests.helpers.live_servers import WORKER_SECRET
 from tests.helpers.serve import free_port
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 HINT = "--worker-secret or $LORAPLANE_WORKER_SECRET"
 

@@ -30,7 +30,7 @@ from worker.runtime.errors import ModelError
 from worker.runtime.model import load_model
 from worker.runtime.tokenizer import Tokenizer
 
-pytestmark = [pytest.mark.parity, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 MAX_D, MEAN_D, MARGIN = 0.05, 0.01, 0.1
 

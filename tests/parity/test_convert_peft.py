@@ -21,7 +21,6 @@ from worker.lora.adapter import load_lora_adapter
 from worker.tools.convert_peft import ConvertError, convert_peft
 
 # name → alpha we must write
-pytestmark = pytest.mark.parity
 
 EXPECTED_ALPHA = {"shout": 16.0, "sea": 8.0, "shout_embd": 8.0, "critic_alora": 16.0, "shout_rs": 32.0}
 

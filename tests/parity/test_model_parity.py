@@ -26,8 +26,6 @@ from worker.runtime.context import Model, UBatch
 from worker.runtime.model import load_model
 from worker.tools.convert_peft import convert_peft
 
-pytestmark = pytest.mark.parity
-
 GOLDEN_IDS = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}
 
 

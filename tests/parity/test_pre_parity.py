@@ -19,7 +19,7 @@ from worker.gguf.reader import read_gguf
 from worker.runtime.tokenizer import Tokenizer
 
 # slow tier: twelve pre-tokenizers, each over llama.cpp's whole test corpus (13 s on a 2-core AMD EPYC)
-pytestmark = [pytest.mark.parity, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 # pre value -> (golden file stem, the pre type we resolve it to, adds BOS)
 _EXPECT = {

@@ -35,7 +35,7 @@ from worker.runtime.model import load_model
 from worker.runtime.tokenizer import Tokenizer
 from worker.tools.convert_peft import convert_peft
 
-pytestmark = [pytest.mark.parity, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 ADAPTERS = {0: "shout", 1: "arr"}
 SAME_TOL = {"dequant": 1e-4, "packed": 1e-3}

@@ -14,8 +14,6 @@ import pytest
 from worker.gguf.reader import GGUFFile, read_gguf
 from worker.runtime.tokenizer import Tokenizer, TokenizerError
 
-pytestmark = pytest.mark.parity
-
 
 @pytest.fixture(scope="module")
 def gemma_gguf(base_model_path: Path) -> GGUFFile:

@@ -48,7 +48,7 @@ from tests.helpers.worker_service import (
     teacher_forced,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 # The workers run the default path (packed GGUF weights, int16 activations per block of 32).
 # Results that are exactly equal on the f32 reference (checked in-process at 1e-4 in

@@ -149,7 +149,7 @@ def test_tiny_arch_logits_equal_dequant(arch: str, tmp_path: Path):
     _compare(MODELS[arch](tmp_path / f"{arch}.gguf"), "f32")
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @NEEDS_CUDA
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_cuda_load_is_device_dense(fixtures_dir: Path, dtype: str):

@@ -171,7 +171,7 @@ def test_tiny_arch_tensors(arch: str, tmp_path: Path):
     assert _fixture_tensors_equal(MODELS[arch](tmp_path / f"{arch}.gguf")) > 10
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @NEEDS_CUDA
 @pytest.mark.parametrize("t", BLOCK_TYPES + [T.F16, T.BF16], ids=lambda t: t.name)
 def test_cuda_equals_cpu(t: T):
