@@ -1,28 +1,14 @@
-"""``python -m bench [--quick | --smoke] [--json OUT]`` (also ``loraplane bench``).
+"""``python -m bench [--quick | --smoke] [--json OUT]`` (also ``loraplane bench``): the command line.
 
-Runs, in one process and one go:
+`_parser` reads the flags, `bench.scenarios` runs the selected scenarios (`SCENARIOS`: engine,
+serving, prefix reuse, lifecycle, roofline, paging, long prompts, long context, bounds) in
+order on one model, each printing its table as it finishes; ``--json OUT`` writes every figure
+and ``--markdown OUT`` the tables for ``bench/RESULTS.md``. ``--synthetic`` runs on a
+random-weight model of a real shape (`bench.synthetic`) and adds the device step
+(`bench.device_step`). Exit code 0 when every scenario ran, 1 when one failed, 2 on a usage
+error.
 
-1. engine: in-process prompt processing and decode (B = 1, 8, 32), base vs one rank-8 adapter;
-2. multi-tenant serving over gRPC, mixed vs compat batching, K = 0, 1, 4, 16 adapters;
-3. prefix reuse under ``--prefix-cache keyed`` vs ``llama``;
-4. adapter lifecycle: register → first token, worker cold load, resident bytes per adapter;
-5. the memory roofline of a decode step;
-6. adapter paging (many adapters vs a few that fit);
-7. long prompts (distinct ~1 500-token prompts, 8 streams, K = 0 and 16);
-8. long-context decode: inter-token latency at ~3 000 vs ~100 tokens of context;
-9. the compute (peak int8 MAC rate) and memory bounds of a B=16 decode step vs the step.
-
-``--synthetic qwen2.5-1.5b|llama-3-8b`` writes a random-weight GGUF of that real shape (and
-rank-16 adapters) into a cache folder once (`bench.synthetic`), runs scenarios 1, 2
-and 5 on it unless ``--only`` says otherwise, and adds table 1b (`bench.device_step`):
-the decode step at B = 1, 16, 64 with 0, 1 and 16 distinct adapters against its memory bound,
-host time, kernel launches and GPU busy time per step. ``--tiny`` shrinks the shape for a CPU.
-
-Each scenario prints its table as soon as it finishes; ``--json OUT`` writes every figure
-(median, min, max, n) and ``--markdown OUT`` the tables for ``bench/RESULTS.md``. With
-``$LLAMA_SERVER`` naming a llama-server binary, scenarios 2, 3, 7 and 8 also run against it.
-Progress goes to stderr. Exit code 0 when every scenario ran, 1 when one failed (its error
-is in the table and the JSON), 2 on a usage error.
+The scenarios and their figures: ``bench/README.md``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """Scenario 9: the compute and memory bounds of a B=16 decode step, beside the measured step.
 
-A decode step at batch B multiplies B activation rows by every linear weight of the model
-(q/k/v/output projections and the FFN's gate/up/down in every layer) and by the LM head.
-Two lower bounds on its time:
+`run_bounds` counts the step's multiply-accumulates from the model's weights (`step_macs`),
+measures this CPU's peak int8 MAC rate per instruction family (`build_peak_binary` compiles
+``bench/csrc/peak_int8.cpp``; `measure_peak` runs it in a child process per ISA of
+`available_isas`) and the copy bandwidth, and sets the larger bound beside the in-process B=16
+step (target `TARGET_RATIO`); `add_served_step` adds the serving worker's step interval.
 
-- **compute**: the step's multiply-accumulates / the peak int8 MAC rate of this CPU's fastest
-  int8 instruction on the threads the engine uses. The MACs are counted from the model's
-  weights: ``B × Σ ne0 × ne1`` over every 2-D ``blk.*`` tensor and the LM head
-  (``output.weight``, or the tied ``token_embd.weight``); attention's own products (QK^T, PV)
-  grow with the context and are left out. The peak rate is measured, not taken from a data
-  sheet: ``bench/csrc/peak_int8.cpp``, compiled here with g++ into a cache folder, runs
-  register-resident dependency chains of one instruction — AMX ``tdpbusd``, AVX-512 VNNI
-  ``vpdpbusd`` (zmm), AVX-VNNI ``vpdpbusd`` (ymm), AVX2 ``vpmaddubsw`` + ``vpmaddwd`` — each
-  that ``/proc/cpuinfo`` lists, in a child process (a CPU or VM that faults on AMX only fails
-  that row);
-- **memory**: the weight bytes a step reads / the measured copy bandwidth (as scenario 5,
-  ``bench.roofline``): the GGUF's own tensor bytes (the bound used for the target) and the
-  bytes our model holds.
-
-The B=16 bound is the larger of the two; the issue's target is an in-process B=16 step
-(``bench.engine.EngineBench``, packed weights, no sampling) of at most 2× it. The bound uses
-the best repetition of each rate (a bound is what the hardware can reach; a slower repetition
-is another process's noise); the table shows every figure as median [min–max].
+What is counted, why the best repetition, the target: ``bench/README.md`` (scenario 9, and
+"Details per tool").
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """The decode step against its memory bound, with where the time goes (``loraplane bench
 --synthetic``; recorded as ``step`` beside scenario 1).
 
-In-process, like scenario 1 (``WorkerContext.decode`` on the bench's step thread, no gRPC, no
-sampling): ``B`` sequences each holding ``decode_ctx`` tokens decode ``decode_steps`` steps per
-repetition, for every batch size and every adapter mix:
+`run_device_step` runs `StepBench` in-process for every batch size and adapter mix
+(`mixes_for`: base, one adapter, N distinct): per (B, mix) the step's wall time, its memory
+bound (weights, KV bytes by `kv_bytes_per_position`, adapters, over the measured copy rate),
+the step thread's host time, and on CUDA the kernels, launches and GPU busy time of one
+profiled step (`kernel_stats`).
 
-- ``base``: no adapter;
-- ``1 adapter``: every row with adapter 0;
-- ``N distinct`` (N ≤ B): N adapters in one mixed batch, row ``r`` with adapter ``r mod N``
-  (``WorkerContext.set_adapters`` with N sets, ``UBatch.set_index``).
-
-Per (B, mix), medians over the repetitions of the per-step figures:
-
-- **step**: wall time of ``decode`` between two device synchronisations;
-- **bound**: the bytes the step must read over the measured copy rate,
-  ``(W + KV + A) / copy rate`` with ``W`` the weights the model holds that a step reads
-  (`bench.roofline.weight_bytes_per_step`: every weight, the LM head included, the
-  embedding table left out when the head is untied), ``KV = B · L · n_layer · n_head_kv ·
-  (dk + dv) · bytes per element`` for the ``L`` positions each row attends to (its context plus
-  the new token, averaged over the timed steps), and ``A`` the A/B bytes of the distinct
-  adapters in the batch as loaded; the copy rate is bytes read + written by a device-to-device
-  ``copy_`` of a 1 GiB tensor (``--device cuda``; the profile's size on CPU) over its time;
-- **host**: ``time.thread_time()`` of the step thread around ``decode`` — the CPU time the step
-  costs; it includes any time the thread spins inside ``decode`` waiting for the device (a
-  device-to-host copy in the step);
-- **kernels / launches / GPU busy** (CUDA only, one extra step under ``torch.profiler``): GPU
-  kernels executed, host launch calls (``cudaLaunchKernel``, ``cuLaunchKernel``,
-  ``cudaGraphLaunch``, …), device copies, and the union of the device activity intervals,
-  also as a fraction of the median step (the profiler slows the host, not the kernels).
+Every figure's definition: ``bench/README.md``, "Details per tool"; docs/gpu.md (table 1b).
 """
 
 from __future__ import annotations

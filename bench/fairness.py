@@ -1,62 +1,14 @@
 """Fair admission at the worker (``--fairness vtc``) against first come, first served.
 
-What runs: two standalone ``loraplane worker`` processes, one with ``--fairness off`` and one
-with ``--fairness vtc``, both started at the outset (the embedded Gemma 3 270M unless
-``--model``, ``--slots 2``). Each is driven straight over its ``Decode`` RPC with
-``DecodeRequest.tenant`` set, one call per request as the control plane makes them. That
-measures the worker's mechanism alone; the control plane only names the tenant. Four tenants
-run closed loops: the heavy one with ``--heavy-streams`` (8) concurrent streams, three light
-ones with ``--light-streams`` (1) each, so 11 streams on 2 slots. Every request has a distinct
-random ``--prompt-tokens`` prompt (no prefix-cache hits) and generates ``--max-tokens`` tokens
-greedily with ``ignore_eos``. All tenants have weight 1 and priority 0.
+Two standalone workers (`Worker`, ``--fairness off`` and ``vtc``) driven over their ``Decode``
+RPC by closed loops of four tenants, one heavy (`HEAVY`, `LIGHT`); `run_load` runs the three
+runs (off, vtc, and the reference ``alone``) and records each call's events (`Call`, `Run`);
+`service_curve`, `service_at` and `backlog_intervals` measure each tenant's service and the
+largest difference between backlogged tenants against VTC's bound. The checks print PASS or
+FAIL.
 
-Three runs:
-
-1. ``off``: on the ``--fairness off`` worker, the load above;
-2. ``vtc``: on the ``--fairness vtc`` worker, the same load;
-3. ``alone``: the reference, on the ``vtc`` worker, with the heavy tenant at the light ones'
-   concurrency (4 streams on 2 slots). The reference still queues: with ``--slots`` at or
-   above its stream count there would be no queueing at all, and its TTFT would be a bare
-   prefill rather than the wait a light request meets in a loaded pool.
-
-With ``--reps N`` the three runs repeat N times, in that order each time, so machine noise hits
-all three alike. The checks use the median total tok/s and light TTFT p99 over the repetitions,
-and the largest service differences.
-
-Each run lasts ``--duration`` seconds. The first ``--warmup`` seconds are not measured. After
-that no new request is sent, and the run waits (up to ``--drain`` s) for those in flight to
-end. Per tenant it prints output tok/s (tokens received in the measured window / its length),
-TTFT p50/p99 (submit to first token, for requests sent in the window), and the run's total
-tok/s.
-
-Service and the VTC bound. A tenant's service curve ``S_i(t)`` is measured client-side from
-event timestamps. It is ``w_p × prompt tokens`` at the request's ``started`` event (its prompt
-computed) plus ``w_q`` for each token event, divided by the tenant's weight (1 here). ``w_p``
-and ``w_q`` are ``--prompt-weight`` 1 and ``--output-weight`` 2, the worker's VTC defaults. A
-tenant is **backlogged over a window** ``[a, a + L]`` when at every instant of it the tenant
-had a request outstanding: sent and not yet ended (queued or running at the worker). A closed
-loop's own turnaround is counted as outstanding: the gap between one request's end and the
-same stream's next send, at most ``GAP_S``. For windows of length ``T`` (``--window``) and
-``3T``, started every ``T/4`` across the measured part, the bench prints the largest
-``|(S_f(a+L) - S_f(a)) - (S_g(a+L) - S_g(a))|`` over all pairs of tenants backlogged over the
-window.
-
-The paper's bound (Sheng et al., OSDI 2024, for VTC) is ``2 × max(w_p × L_in, w_q × M)``.
-``L_in`` is the longest prompt. ``M`` is the most tokens the running batch can produce with no
-scheduling decision in between. The paper's M is the KV pool's token capacity, because it can
-swap requests out. Our worker never preempts, so one tenant holding every slot keeps them until
-each of its requests reaches its ``max_tokens``: ``M = slots × max_tokens``.
-
-Checks, printed as PASS or FAIL:
-
-- with fairness on, the light tenants' TTFT p99 ≤ 1.5 × the reference run's;
-- total throughput on ≥ 95 % of off;
-- the service difference with fairness on is under the bound at T and 3T, and does not grow
-  from T to 3T (3T's ≤ 1.25 × T's, or both under one request's service);
-- with it off, the difference grows from T to 3T (3T's > 1.5 × T's).
-
-Run: ``python -m bench.fairness [--slots 2] [--duration 90] [--window 15]
-[--reps 1] [--json OUT]``. The CPU flags and kernel path are printed first.
+The load, the service measure, the bound and the checks: ``bench/README.md`` (``bench.fairness``
+and "Details per tool"); the rule itself: docs/fairness.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
-"""Two stages of ``scripts/gpu_check.sh`` (docs/gpu.md): what the machine is, and the warm-up of
-the GPU engine's Triton kernels.
+"""Two stages of ``scripts/gpu_check.sh``: what the machine is, and the warm-up of the GPU
+engine's Triton kernels.
 
-    python -m bench.gpu_check env
-    python -m bench.gpu_check warmup [--device cuda] [--shape qwen2.5-1.5b] [--tiny]
-                                               [--dtypes bf16,f32,f16]
+``python -m bench.gpu_check env`` prints the versions the run depends on, the GPU and the
+attention backend (`environment`); exit status 1 when torch sees no CUDA device or an import
+fails. ``python -m bench.gpu_check warmup`` calls each Triton kernel of ``worker.gpu.kernels``
+on a synthetic shape's sizes for each dtype (`DTYPES`) and decode batch (`ROWS`), times the
+first call and the second (`Warmed`), and checks each result against the kernel's torch
+reference within `TOLERANCE`; exit status 1 when a case fails.
 
-``env`` prints the versions the run depends on (Python, torch and its CUDA, Triton, NumPy,
-grpcio, protobuf, …), the GPU (name, compute capability, memory, multiprocessors), the attention
-backend a worker would pick (`worker.gpu.kernels.flashinfer_backend.select_backend`) and
-whether the worker, its GPU engine and the control plane import. Exit status 1 when torch sees no
-CUDA device (the ``gpu`` tier would only skip) or an import fails, with the reason.
-
-``warmup`` calls each Triton kernel of ``worker.gpu.kernels`` on the sizes of a
-synthetic shape (`bench.synthetic.SHAPES`), for each compute dtype and for decode
-batches of 1, 16 and 64 rows: the LoRA product (``add_lora``: shrink + expand) on a q-projection
-and a down-projection, the paged K/V write and paged decode attention. Per case it prints the
-first call (Triton compiles the kernel, or loads it from its cache, then runs it) and a second one
-(the run alone), and checks the result against the kernel's torch reference (relative error
-``max |out − ref| / max |ref|`` within :data:`TOLERANCE`), so a kernel that compiles but computes
-wrong values is named before the ``gpu`` tier runs. Triton keeps what it compiled on disk
-(``TRITON_CACHE_DIR``, default ``~/.triton/cache``): later processes on the machine load those
-specializations instead of compiling them. Exit status 1 when a case fails or errs.
-
-Timings are wall times between two device synchronisations, in seconds.
+The stages of the GPU check: docs/gpu.md, "The GPU check"; details: ``bench/README.md``,
+"Details per tool".
 """
 
 from __future__ import annotations

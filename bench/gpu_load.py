@@ -1,27 +1,15 @@
 """How long a worker takes to put a GGUF's weights on the device (``device-dense`` form), against
-the start-up target (a 3 GB model ready in ≤ 30 s, graphs included), and how fast the torch
-dequantization ops run per GGUF type.
+the start-up target (`START_UP_TARGET_S`), and how fast the torch dequantization ops run per
+GGUF type.
 
-    python -m bench.gpu_load throughput [--device cpu|cuda] [--mib 64] [--reps 5]
-    python -m bench.gpu_load load [--gguf PATH | --shape qwen2.5-1.5b --type F16]
-                                            [--layers N] [--device cuda] [--dtype bf16] [--reps 3]
+``python -m bench.gpu_load throughput`` dequantizes one tensor per type chunk by chunk as the
+loader does (`throughput`), counting the ops and bytes moved per value with a torch dispatch
+mode (`_Traffic`) and estimating a GPU's time from `GPU_COPY_GBS` and `LAUNCH_US`;
+``python -m bench.gpu_load load`` times the loader's phases (read, upload, dequantize + fused
+projections, ``load_model``) over a real GGUF or random tensors of a model shape (`SHAPES`,
+`shape_tensors`, `random_record`).
 
-``throughput``: per type, one ``(rows, 1536)`` tensor of about ``--mib`` MiB of bf16 output,
-its raw bytes already on the device, dequantized chunk by chunk as the loader does: GB/s of
-output and of GGUF bytes (median of ``--reps``), and, counted once by a torch dispatch mode,
-the ops per chunk and the bytes they move per value; from those, the time the ``qwen2.5-1.5b``
-shape would take on a GPU at :data:`GPU_COPY_GBS` (bytes moved / bandwidth + launches ×
-:data:`LAUNCH_US`) — an estimate for planning, the ``load`` run on the GPU is the measurement.
-
-``load``: the phases of the loader's weight pass over every tensor of a real GGUF (``--gguf``;
-the file's pages as they are, cold on the first repetition if the file was not read lately)
-or of random tensors in memory with a model shape's names and sizes (``--shape``; matrices in
-``--type``, norms and biases F32; no file read): **read** (every tensor's bytes copied out of
-the mapping into host memory), **upload** (every byte to the device through the loader's
-pinned staging), **load** (``load_device_dense``: upload + dequantize + fused projections,
-what ``load_model`` does for the weights), and with ``--gguf`` the whole ``load_model`` (plus
-the tokenizer). Seconds per repetition, GB/s, the device memory peak above the weights held,
-and the 30 s target beside them.
+Flags and figures: ``bench/README.md`` ("Weights on the GPU", "Details per tool").
 """
 
 from __future__ import annotations
@@ -41,7 +29,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from worker.gguf.reader import TensorRecord, read_gguf
+from loraplane.formats.gguf.reader import TensorRecord, read_gguf
 from worker.gpu.dequant import CHUNK_ELEMS, DEVICE_DEQUANT_TYPES, PLAIN_DTYPES, Uploader, dequantize_rows
 from worker.runtime.model import load_device_dense, load_model
 

@@ -102,9 +102,9 @@ def footprint(name: str) -> str:
 
 
 def _vocabs() -> list[tuple[str, Any]]:
-    from worker.gguf.reader import read_gguf
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
     from worker.runtime.model import default_model_path
-    from worker.runtime.tokenizer import Tokenizer
 
     out = [("gemma3-270m (SPM, 262k)", Tokenizer.from_gguf(read_gguf(default_model_path())))]
     if QWEN.exists():

@@ -1,49 +1,16 @@
 """Microbenchmark of the quantized matmul kernels on the real base model's weights.
 
-``python -m bench.kernels [--reps 7] [--batches 1,16] [--model PATH] [--contention] [--sampling]``
+``python -m bench.kernels [--reps 7] [--batches 1,16] [--model PATH]`` times, per distinct
+(type, shape) of the model's linear weights and batch size, our C kernels (int16 and int8
+activations, the AVX2 path beside AVX-512) against f32 MKL and fbgemm fp16 (`run`), then one
+decode step's summed matmuls (`run_step`). Modes: ``--contention`` compares the threading
+backends (`CONDITIONS`) with and without a busy neighbour; ``--amx`` the AMX tiles against
+``vpdpbusd`` / ``vpdpwssd`` (`run_amx`, `run_amx_step`); ``--sampling`` the fused sampling
+kernel against torch (`run_sampling`); ``--act-policy`` the per-weight activation precision
+(`run_act_policy`).
 
-Prints the CPU flags and the kernel path taken, then for each distinct (type, shape) of the
-Gemma 3 270M GGUF's linear weights, and the 262144 x 640 Q8_0 output projection, at each batch
-size: median and min-max milliseconds over ``--reps`` runs of
-
-- ``ours``        the C kernel on the selected path, int16 activations (the default),
-- ``ours-i8``     the same with int8 activations (``LORAPLANE_KERNEL_ACT=i8``),
-- ``ours-avx2`` / ``ours-avx2-i8``  the AVX2 path beside them on AVX-512 CPUs,
-- ``f32``         the current ``x @ W.T`` on the f32 dequantized weight (MKL),
-- ``fbgemm-fp16`` ``torch.fbgemm_linear_fp16_weight`` on fp16-packed weights, if torch has it,
-
-measured side by side in one run, with the GB/s of weight bytes each achieves against the
-measured copy (read + write) and read-only bandwidths; then one decode step's summed matmul
-time (every linear weight of the 18 layers + the output projection) per method and batch.
-
-``--contention`` (``--contention-only`` to skip the tables above; ``--rounds N``) compares the
-kernels' threading backends (:data:`CONDITIONS`: OpenMP with ``OMP_WAIT_POLICY`` PASSIVE and
-ACTIVE, our pool with several ``LORAPLANE_KERNEL_SPIN_US`` budgets), each with no neighbour
-and with a busy process pinned to core 0, on one decode step's matmuls and on one whole
-in-process decode step (torch ops on libgomp, PASSIVE in every pool condition). The
-conditions are interleaved: one loaded child process per condition, all but the running one
-stopped with SIGSTOP, every round running each condition back to back under both neighbour
-states, so a shared machine's load changes hit all conditions alike.
-
-``--amx`` (alone: ``python -m bench.kernels --amx [--reps 7] [--batches 1,16,512] [--acts i8,i16]
-[--step-batches 16]``) times the int8-activation matmul (``vpdpbusd`` vs tiles) and the int16 one
-(``vpdpwssd`` vs tiles on the byte split) on the avx512 path and the amx path side by
-side, interleaved rep by rep (wall time and process CPU time per call), on the LM heads
-(Gemma 262144 x 640 Q8_0, Qwen2.5-Coder-0.5B 151936 x 896 Q8_0 when its GGUF is in
-``~/.cache/loraplane``) and Gemma's layer shapes
-(640 -> 2048 Q5_0, 2048 -> 640 Q4_K and Q6_K): median [min-max] ms, int8 MAC per CPU-second
-from the median CPU time, and its fraction of one core's AMX int8 peak (1024 MAC per cycle at
-the ``/proc/cpuinfo`` clock; a nominal figure; for int16, 4 int8 tile MACs per MAC), then whole
-decode steps of ``--step-batches`` sequences with ``LORAPLANE_KERNELS`` = avx512 and amx.
-
-``--sampling`` instead times greedy sampling of 16 and 1 rows over 262144 / 151936 logits: the
-torch path (``log_softmax`` + ``argmax``) vs the fused ``csrc/sample.cpp`` kernel.
-
-``--act-policy`` instead compares the activation-precision policy of ``worker.runtime.model.assign_acts``
-(int8 activations for the LM head only) with all-i16 (``LORAPLANE_KERNEL_ACT=i16``, the former
-default) and all-i8, side by side in one process with the repetitions interleaved: the loaded
-model's LM head matmul, and whole decode steps (``WorkerContext.decode``, B sequences at a
-context of 64, logits for every row) at each batch size.
+What each mode measures and how: ``bench/README.md``, "Details per tool"; results and their
+reading: ``worker/runtime/kernels/README.md``.
 """
 
 from __future__ import annotations
@@ -65,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.machine import FLAGS  # noqa: E402
-from worker.gguf.reader import dequantize, read_gguf  # noqa: E402
+from loraplane.formats.gguf.reader import dequantize, read_gguf  # noqa: E402
 from worker.runtime.kernels import cpu_flags, cpu_model, pack_tensor, resolve_act, resolve_path, supported  # noqa: E402
 from worker.runtime.kernels.build import library_path  # noqa: E402
 

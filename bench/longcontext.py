@@ -1,30 +1,13 @@
 """Scenarios 7 (long prompts) and 8 (long-context decode), ours beside llama-server.
 
-Scenario 7, ``longprompt``: ``longprompt_streams`` closed-loop streams send
-``longprompt_requests`` greedy requests (``ignore_eos``) of ``longprompt_tokens``-token prompts
-and ``longprompt_max_tokens`` output tokens, at each K of ``longprompt_ks`` (K = 0: base model;
-K > 0: one of K rank-8 adapters per request, Zipf(1.0) popularity). Every prompt is drawn
-afresh (``bench.engine.random_tokens``, seeded by workload and repetition): no two requests
-share anything beyond the BOS token, so no prefix cache can serve a prompt and every prompt
-token is computed — the prompt tokens each server reports having computed are in the table
-as the check. Figures per run: output tokens/s, **prompt tokens/s** (prompt tokens of the
-finished requests / the run's wall time, the prefill throughput under concurrent decode),
-TTFT and ITL p50/p99.
+`run_long` starts one pair of servers for both scenarios and alternates them run by run:
+``longprompt`` (`longprompt_specs`: closed-loop streams of distinct long prompts, no prefix
+shared, at each K of adapters; output and prompt tokens/s, TTFT, ITL, prompt tokens each server
+computed) and ``longctx`` (`longctx_specs`: one stream, long then short contexts; ITL at each
+and their ratio).
 
-Scenario 8, ``longctx``: one closed-loop stream; ``longctx_requests`` requests with a
-``longctx_tokens``-token prompt, then as many with a ``longctx_short``-token prompt, each
-decoding ``longctx_max_tokens`` tokens. The inter-token latency is measured between output
-tokens only (the first token's time is the TTFT, left out), so it is the decode step at that
-context: ITL(long), ITL(short), their ratio (what attention over the long context costs) and
-ours/llama-server at the long context. llama-server's own ``timings.predicted_per_token_ms``
-is shown beside it.
-
-Both scenarios share one pair of servers (started once, side by side, and used alternately —
-ours then llama-server for every run — so machine noise hits both alike): our control plane +
-worker (``--batching mixed``, ``--prefix-cache keyed``, the worker defaults) with
-``longprompt_streams`` slots, and llama-server with ``--parallel`` as many. Each gets a context
-per slot big enough for the longer of the two scenarios' requests (worker ``--n-ctx``;
-llama-server ``-c`` = slots × that, as ``bench.servers.LlamaServer`` sets it).
+Workloads, figures and server settings: ``bench/README.md`` (scenarios 7 and 8, "Details per
+tool").
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Multi-LoRA cost: dense masked product vs gathered (BGMV kernel) vs per-slot segments (torch).
 
-``python -m bench.lora [--reps 7] [--ks 1,4,16,64] [--model PATH] [--no-step] [--step-reps 5]``
+``python -m bench.lora [--reps 7] [--ks 1,4,16,64] [--model PATH] [--no-step]``:
+`run_products` times the three products on the base model's LoRA shapes with slot buffers laid
+out as ``worker.lora.pool`` stores them (decode: B=16 rows; prefill: a 512-row ubatch in 4
+segments), for each number K of used slots; `run_step` times a whole in-process decode step at
+K=0 and K=16 with the graph's LoRA mode ``dense`` and ``auto``, in wall and CPU time.
 
-1. **Products** on the base model's LoRA shapes (rank 8 on all 7 projections q/k/v/o/gate/up/
-   down of every layer, slot buffers laid out as ``worker.lora.pool`` stores them, the used
-   slot prefix = K slots), for each K:
-
-   - decode: B=16 rows, one adapter per row (row i uses slot i mod K);
-   - prefill: one 512-row ubatch in 4 segments of 128 rows (segment j uses slot j·K/4).
-
-   Methods, side by side in one process: ``dense`` (``lora_dense``: every row × all K slots,
-   the graph's path before the gathered kernel), ``gathered`` (``lora_bgmv``: only the row's
-   slots), ``segments`` (``lora_sgmv_torch``: one product per slot over its rows). Each figure
-   is the summed time of the branches of all layers' 7 projections for one ubatch: median
-   [min–max] ms over ``--reps``.
-
-2. **Whole decode step** of the model in-process (``WorkerContext.decode``, B=16 sequences at
-   64 tokens of context): K=0 (no adapter), K=16 distinct rank-8 synthetic adapters one per
-   row with the graph's LoRA mode ``dense`` and ``auto`` (gathered), interleaved per repetition;
-   the LoRA overhead is (K=16 step − K=0 step) / K=0 step, in wall time and in process CPU time
-   (the latter less sensitive to other processes on a shared machine).
+The set-up and figures: ``bench/README.md``, "Details per tool"; results:
+``worker/runtime/kernels/README.md``, "Multi-LoRA".
 """
 
 from __future__ import annotations

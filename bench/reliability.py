@@ -1,47 +1,14 @@
 """Reliability figures: how fast the service recovers from clients and peers that misbehave.
 
-Starts one ``loraplane serve`` (embedded Gemma 3 270M unless ``--model``; ``--slots 4``,
-``--queue-limit 64``, HTTP front and metrics on) and measures, ``--reps`` times each, over raw
-loopback sockets:
+``python -m bench.reliability [--reps 3] [--model PATH] [--json FILE] [--repo CHECKOUT …]``
+starts one ``loraplane serve`` per checkout (`Serve`) and measures, over raw loopback sockets,
+each scenario ``--reps`` times: dropped and reset SSE streams (`drop`, `reset_burst`), a
+vanished caller (`vanish`), ``/health`` under load (`health`), inputs that can never run
+(`huge_input`), a PostgreSQL outage (`pg_outage`), an idle-connection flood (`idle_flood`),
+grammar bombs (`grammar_bomb`), a cold burst (`cold_burst`) and, through `bench.replica_burst`,
+a tenant's burst through two replicas. Figures are median [min–max].
 
-- ``drop``: 12 SSE streams (4 running, 8 queued on the worker) closed by their clients with a
-  reset after the running ones streamed their first chunk: seconds until the control plane's
-  in-flight count (``ListWorkers``) is 0, and until a new streaming request gets its first
-  token;
-- ``reset_burst``: 12 SSE streams with ~4 KB prompts reset as soon as the control plane relays
-  them (some still being submitted on the worker): seconds until the worker holds none of them
-  (its /metrics), and until a new streaming request gets its first token;
-- ``vanish``: a non-streaming 2000-token request whose client closes after 0.5 s: seconds until
-  its capacity is back (in flight 0) and the worker counted it ``cancelled``;
-- ``health``: ``GET /health`` latency while 68 streams are admitted (4 running, 64 queued);
-- ``input``: requests that can never run: a 4 MB and a 1 MB chat prompt (seconds to the 400),
-  a body claiming 300 MB (seconds to the 413, RSS growth of the process in MB);
-- ``pg``: a PostgreSQL outage as the store sees it (its own server; the server stopped, then
-  hung): seconds per failed call, and to the first success once it is back;
-- ``idle_flood``: 1100 idle connections to the HTTP API from 127.0.0.2-.9 (more than its
-  default cap of 1024): ``/health`` latency on ``--metrics-addr`` right after, and seconds until
-  the API's ``/health`` answers again;
-- ``grammar_bomb``: the structured-output formats that crashed the control plane (chained
-  ``$defs`` / ``$ref``-s / Lark and GBNF rules, 100 000 choices): seconds to the answer, how
-  many were 400s, and whether the server still serves afterwards (run last on its serve);
-- ``cold_burst``: a fresh serve per repetition, 8 constrained + 4 plain requests the moment it
-  is ready: the longest heartbeat age the control plane reports meanwhile (heartbeats every
-  1 s), failed requests, and the burst's and the start-up's seconds.
-- ``replica_burst``: two control planes on one PostgreSQL, 32 requests of one tenant at one
-  instant through both (`bench.replica_burst`, its own cluster per checkout and
-  repetition): the most in flight with ``max_concurrent 2``, how many were admitted, and of
-  ``requests_per_minute 10`` alone and of ``tokens_per_minute`` for 10 requests alone.
-
-Every figure is the median [min–max] over the repetitions; the CPU flags and the kernel path are
-printed with them (the worker inherits this environment). Targets:
-new request served < 1 s after the drop; vanished client's request cancelled < 1 s; ``/health``
-< 1 s; 4 MB chat refused < 0.5 s; 300 MB body → 413 with RSS growth < 50 MB; after an idle
-flood, ``/health`` on ``--metrics-addr`` < 1 s and the API back < 5 s; every grammar bomb a
-400 with the server serving after; a cold burst with no failure and heartbeats < 1 s late. The worker door
-(outsiders, stalled FetchAdapter readers) is measured by ``bench/reliability_fetch.py``.
-
-Run: ``python -m bench.reliability [--reps 3] [--model PATH] [--json FILE]``; before vs after in
-one run: ``--repo OLD_CHECKOUT --repo .`` (each serve-based scenario runs against each).
+Each scenario and its target: ``bench/README.md``, "Details per tool".
 """
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ def _base_model(
         base = load_model(model_path, dtype=args.dtype, device=args.device, weights=args.weights)
         bos = base.tokenizer.bos_id if base.tokenizer.add_bos else None
         return base, _BaseFacts(base.arch, base.tensor_ne, base.n_vocab, bos)
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     gf = read_gguf(model_path)
     tok = Tokenizer.from_gguf(gf)

@@ -1,24 +1,13 @@
 """Scenarios 2 (multi-tenant serving) and 3 (prefix reuse), over gRPC on localhost.
 
-Scenario 2: ``streams`` closed-loop client streams send ``requests`` greedy requests
-(``ignore_eos``, so every request generates exactly ``max_tokens``) with K = 0, 1, 4, 16
-rank-8 adapters, adapters picked round-robin or by Zipf(1.0) popularity. Two workers run side
-by side, ``--batching mixed`` and ``--batching compat`` (both ``--prefix-cache keyed``), and
-repetitions alternate between them so machine noise hits both alike.
+`run_multitenant` runs closed-loop streams with K = 0, 1, 4, 16 adapters (round-robin or
+Zipf(1.0), `zipf_choices`) on a ``--batching mixed`` and a ``--batching compat`` worker,
+alternating repetitions, plus a 1-stream row and the worker's step interval. `run_prefix` sends
+requests sharing a system prompt one at a time across more adapters than slots under
+``--prefix-cache keyed`` and ``llama``. `ServingContext` holds what both share; with
+``$LLAMA_SERVER`` both also run against llama-server.
 
-Plus a 1-stream row (``K=0 1-stream``): ``single_requests`` requests on one closed-loop
-stream, base model, same output length — the latency a lone user sees (ours: the mixed
-worker only, compat is the same thing with one sequence; llama-server: also its own
-``timings.predicted_per_token_ms``).
-
-Scenario 3: a shared ``prefix_len``-token system prompt, requests sent one at a time and
-alternating among ``prefix_adapters`` adapters, on workers with ``prefix_slots`` slots —
-fewer slots than adapters, the case llama-server's one-prompt-per-slot cache cannot cover —
-under ``--prefix-cache keyed`` and ``--prefix-cache llama``. Each repetition uses a fresh
-system prompt, so every repetition starts cold.
-
-With ``$LLAMA_SERVER`` set, both scenarios also run against llama-server (same GGUF, adapters
-loaded unapplied, per-request ``lora`` vectors, ``--parallel`` = our slots).
+Workloads and figures: ``bench/README.md`` (scenarios 2 and 3, "Details per tool").
 """
 
 from __future__ import annotations

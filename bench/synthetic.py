@@ -1,43 +1,15 @@
 """Random-weight GGUF models of real shapes, and matching LoRA adapters, written by the bench
 itself (no downloads): what ``loraplane bench --synthetic`` and ``scripts/gpu_check.sh`` run on.
 
-    python -m bench.synthetic qwen2.5-1.5b -o PATH [--tiny] [--dtype f16|bf16|q8_0]
-                                        [--seed N] [--adapters 16] [--rank 16]
+``python -m bench.synthetic qwen2.5-1.5b -o PATH [--tiny] [--dtype f16|bf16|q8_0]``:
+`write_model` streams a `SyntheticShape` of `SHAPES` (qwen2.5-1.5b, llama-3-8b; ``--tiny``
+shrinks one for a CPU) to a GGUF, tensor by tensor (`tensor_plan`, `tensor_values`,
+deterministic from the seed), with a made-up BPE vocabulary (`bench.synthetic_vocab`);
+`adapter_factory` writes rank-16 adapters on every linear weight; `ensure_model` caches a model
+and its adapters under `cache_root` once.
 
-Shapes (`SHAPES`; the published models' GGUF hyper-parameters):
-
-- ``qwen2.5-1.5b``: arch ``qwen2``, 28 layers, n_embd 1 536, 12 query / 2 KV heads of 128,
-  FFN 8 960, vocab 151 936, tied output, q/k/v biases, rope theta 1e6, RMS eps 1e-6
-  (F16: 3.09 GB);
-- ``llama-3-8b``: arch ``llama``, 32 layers, n_embd 4 096, 32 / 8 heads of 128, FFN 14 336,
-  vocab 128 256, untied output, rope theta 5e5, RMS eps 1e-5 (F16: 16.1 GB).
-
-``--tiny`` keeps the arch, the tensor set, the head size ratio (GQA) and the tokenizer of the
-shape but shrinks it to 2 layers of width 64–96 and a 4 096-id vocabulary: the CPU tests' model.
-
-Tokenizer: a made-up byte-level BPE vocabulary of the shape's size with merges and the real
-family's special ids (`bench.synthetic_vocab`).
-
-Weights, deterministic from ``seed`` (tensor ``i`` draws from ``numpy.random.default_rng((seed,
-i))``): matrices (F16 / BF16 / Q8_0, ``--dtype``) are random signs and mantissas at one
-power-of-two magnitude per tensor, ``|w| ∈ [2^e, 2^(e+1))`` with ``2^e ≈ std / 1.53`` (1.53 is
-the RMS of a uniform [1, 2) mantissa), std = 1/sqrt(k) for a ``(d, k)`` weight and 3/sqrt(n_embd)
-for the embedding and LM head (logits with a standard deviation of a few nats). Drawing 16-bit
-integers and masking them is ~15× faster than normal samples, which matters for the 16 GB
-shape; the bench needs the shapes and finite activations, not a particular distribution.
-Q8_0 blocks are 32 random int8 values with one F16 scale. Norms are F32 ``1 + N(0, 0.1²)``,
-biases F32 ``N(0, 0.1²)``.
-
-Streaming: every tensor's info is declared first, then each tensor is generated and written in
-turn (the next one generated on a helper thread meanwhile), so at most two tensors are held
-in memory (the 8B shape's largest is 1.05 GB). The file is written as ``PATH.part`` and renamed
-when complete: a file at ``PATH`` is always whole.
-
-Adapters: rank ``r`` (default 16) on every linear weight (q/k/v/o/gate/up/down of every
-layer), F16 A/B, alpha = 2r, written by the bench's adapter writer
-(`bench.synth.AdapterFactory`): adapter ``i`` has seed ``seed + i``, file
-``lora-<i>.gguf``. On the 1.5B shape one adapter is 36.9 MiB, so 16 distinct ones add 0.59 GiB
-to a step that reads them all.
+The shapes, the weight distribution, streaming and the adapters: ``bench/README.md``, "Details
+per tool".
 """
 
 from __future__ import annotations

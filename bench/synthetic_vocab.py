@@ -1,13 +1,13 @@
 """A made-up byte-level BPE vocabulary of a real model's size, for the synthetic models
 (`bench.synthetic`): what ``tokenizer.ggml.*`` needs for the worker's
-`worker.runtime.tokenizer.Tokenizer` to load, encode and decode, without any
+`loraplane.formats.tokenizer.Tokenizer` to load, encode and decode, without any
 download.
 
 Layout (the ids of the real vocabularies, so special ids, the EOS and the "ordinary ids" the
 bench draws prompts from match the real model's):
 
 - ids ``0..255``: the 256 byte tokens, GPT-2's printable characters in GPT-2's order
-  (``worker.runtime.tokenizer.bpe.BYTE_TO_CHAR``), type NORMAL;
+  (``loraplane.formats.tokenizer.bpe.BYTE_TO_CHAR``), type NORMAL;
 - ids ``256..n_text-1``: merged tokens, each the concatenation of two earlier tokens, with one
   merge rule ``"left right"`` per token in id order (merge rank = id - 256): first every pair
   of byte characters, then pairs followed by one more character. The characters of ordinary
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import gguf
 
-from worker.runtime.tokenizer import TokenType
-from worker.runtime.tokenizer.bpe import BYTE_TO_CHAR
+from loraplane.formats.tokenizer import TokenType
+from loraplane.formats.tokenizer.bpe import BYTE_TO_CHAR
 
 QWEN_CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

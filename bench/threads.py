@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgom
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from worker.gguf.reader import read_gguf  # noqa: E402
+from loraplane.formats.gguf.reader import read_gguf  # noqa: E402
 from worker.runtime.kernels import build, pack_tensor, resolve_path  # noqa: E402
 
 CTX = 32

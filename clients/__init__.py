@@ -1,12 +1,14 @@
-"""Clients of loraplane: the Python library (`clients.client`), the ``loraplane`` CLI
-(`clients.cli`) and, in ``clients/node/``, a Node.js client.
+"""The Python client library of loraplane (`clients.client`); it knows no command line.
 
     from clients import LoraplaneClient
+
+The ``loraplane`` CLI, a user of this library, is the sub-package `clients.cli`; a Node.js
+client lives in ``clients/node/``.
 """
 
+from clients.async_client import AsyncLoraplaneClient
 from clients.client import (
     Adapter,
-    AsyncLoraplaneClient,
     DefaultSet,
     GenerateResult,
     LoraplaneClient,

@@ -1,5 +1,5 @@
-"""Python client of the loraplane control plane: `LoraplaneClient` (sync) and
-`AsyncLoraplaneClient` (asyncio, ``grpc.aio``).
+"""Python client of the loraplane control plane: `LoraplaneClient` (sync); its asyncio twin
+(``grpc.aio``) is `clients.async_client.AsyncLoraplaneClient`.
 
     with LoraplaneClient("127.0.0.1:50051") as lp:
         shout = lp.add_adapter("shout.gguf")
@@ -26,11 +26,10 @@ in seconds (None: none); for `generate_stream` it bounds the whole stream.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +38,21 @@ import grpc
 from clients.channel import (
     CHANNEL_OPTIONS,
     BusyRetries,
-    Replicas,
-    auth_metadata,
     backoff_before,
     max_attempts,
-    parse_addresses,
     wait_ready,
-    wait_ready_async,
+)
+from clients.client_base import (
+    EMPTY,
+    ClientBase,
+    check_upload_source,
+    pin_request,
+    rpc_code,
+    stream_ended_early,
+    unreachable,
 )
 from clients.errors import LoraplaneError, ServerUnreachable, from_rpc_error
-from clients.peft import is_peft_folder, upload_source
+from clients.peft import upload_source
 from clients.results import (
     Adapter,
     AdapterScale,
@@ -73,12 +77,11 @@ from clients.wire import (
     tenant_limits,
     upload_chunks,
 )
-from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
+from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc
 
 __all__ = [
     "Adapter",
     "AdapterScale",
-    "AsyncLoraplaneClient",
     "DefaultSet",
     "FinishedEvent",
     "GenerateEvent",
@@ -94,14 +97,6 @@ __all__ = [
     "WorkerInfo",
 ]
 
-DEFAULT_CONNECT_TIMEOUT_S = 5.0
-_EMPTY = common_pb2.Empty()
-
-
-def _pin_request(adapter: int | str, pinned: bool) -> control_plane_pb2.PinRequest:
-    ref = adapter_ref(adapter)
-    return control_plane_pb2.PinRequest(id=ref.id, name=ref.name, pinned=pinned)
-
 
 def _close_channels(channels: dict[str, grpc.Channel], lock: threading.Lock) -> None:
     """Close and forget every channel in ``channels`` (the sync client's finalizer)."""
@@ -112,61 +107,7 @@ def _close_channels(channels: dict[str, grpc.Channel], lock: threading.Lock) -> 
         channel.close()
 
 
-def _check_upload_source(path: str | Path, server_path: bool) -> None:
-    """Fail before the call: an unreadable file inside grpc's request thread only says UNKNOWN."""
-    if not server_path and not Path(path).is_file() and not is_peft_folder(path):
-        raise FileNotFoundError(f"adapter file not found: {path}")
-
-
-def _stream_ended_early(request_id: str) -> LoraplaneError:
-    return LoraplaneError("UNKNOWN", f"generation stream of request {request_id!r} ended before finishing")
-
-
-def _unreachable(addr: str, errors: list[ServerUnreachable]) -> ServerUnreachable:
-    """One `ServerUnreachable` for a list of addresses that all failed to connect."""
-    if len(errors) == 1:
-        return errors[0]
-    return ServerUnreachable(addr, "; ".join(f"{e.addr}: {e.reason}" for e in errors))
-
-
-def _code(err: grpc.RpcError) -> grpc.StatusCode | None:
-    code = getattr(err, "code", None)
-    return code() if callable(code) else None
-
-
-class _ClientBase:
-    """What both clients hold: the replica list, deadlines, the admin-token metadata and
-    ``_ready`` (replicas whose channel has connected once). Channels are the subclass's.
-
-    Raises:
-        ValueError: an empty address in ``addr``.
-    """
-
-    def __init__(
-        self,
-        addr: str,
-        *,
-        admin_token: str | None = None,
-        timeout: float | None = None,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
-        wait_for_server: bool = False,
-        api_key: str | None = None,
-    ) -> None:
-        self.addr = addr
-        self.timeout = timeout
-        self._connect_timeout = connect_timeout
-        self._wait_for_server = wait_for_server
-        self._metadata = auth_metadata(admin_token, api_key)
-        self._replicas = Replicas(parse_addresses(addr))
-        self._ready: set[str] = set()
-        self._init_channels()
-
-    def _init_channels(self) -> None:
-        """Set up the (empty) channel table; called once at the end of ``__init__``."""
-        raise NotImplementedError
-
-
-class LoraplaneClient(_ClientBase):
+class LoraplaneClient(ClientBase):
     """Blocking client. Thread-safe; close it (or use ``with``) to release the channels.
 
     Args:
@@ -230,7 +171,7 @@ class LoraplaneClient(_ClientBase):
                 with self._lock:
                     self._ready.add(addr)
             return addr, control_plane_pb2_grpc.ControlPlaneStub(channel)
-        raise _unreachable(self.addr, errors)
+        raise unreachable(self.addr, errors)
 
     def _failed(self, addr: str) -> None:
         with self._lock:
@@ -253,7 +194,7 @@ class LoraplaneClient(_ClientBase):
             try:
                 return getattr(stub, method)(make_request(), timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as err:
-                code = _code(err)
+                code = rpc_code(err)
                 if code == grpc.StatusCode.NOT_FOUND and not_found_is_done and last is not None:
                     return None
                 wait = busy.wait_s(code, err.trailing_metadata())
@@ -271,7 +212,7 @@ class LoraplaneClient(_ClientBase):
     # -- adapters --------------------------------------------------------------------------
 
     def list_adapters(self) -> list[Adapter]:
-        reply = self._unary("ListAdapters", lambda: _EMPTY)
+        reply = self._unary("ListAdapters", lambda: EMPTY)
         return [Adapter.from_proto(a) for a in reply.adapters]
 
     def get_adapter(self, adapter: int | str) -> Adapter:
@@ -288,7 +229,7 @@ class LoraplaneClient(_ClientBase):
         A PEFT folder is converted here first (``clients.peft.upload_source``) and uploaded as
         GGUF; a PEFT folder given as a server path is converted by the control plane.
         ``progress(bytes_sent, total)`` is called per uploaded chunk."""
-        _check_upload_source(path, server_path)
+        check_upload_source(path, server_path)
         if server_path:
             return Adapter.from_proto(
                 self._unary("RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True))
@@ -307,12 +248,12 @@ class LoraplaneClient(_ClientBase):
 
     def pin_adapter(self, adapter: int | str, pinned: bool = True) -> Adapter:
         """Pin (never evicted from workers' slot pools / host caches) or unpin an adapter."""
-        return Adapter.from_proto(self._unary("PinAdapter", lambda: _pin_request(adapter, pinned)))
+        return Adapter.from_proto(self._unary("PinAdapter", lambda: pin_request(adapter, pinned)))
 
     # -- default set -----------------------------------------------------------------------
 
     def get_default(self) -> DefaultSet:
-        return DefaultSet.from_proto(self._unary("GetDefaultAdapters", lambda: _EMPTY))
+        return DefaultSet.from_proto(self._unary("GetDefaultAdapters", lambda: EMPTY))
 
     def set_default(self, scales: AdapterScales) -> DefaultSet:
         """Replace the global default set (``{}`` clears it); returns the set now in force."""
@@ -321,7 +262,7 @@ class LoraplaneClient(_ClientBase):
     # -- workers ---------------------------------------------------------------------------
 
     def list_workers(self) -> list[WorkerInfo]:
-        reply = self._unary("ListWorkers", lambda: _EMPTY)
+        reply = self._unary("ListWorkers", lambda: EMPTY)
         return [WorkerInfo.from_proto(w) for w in reply.workers]
 
     # -- tenants (admin) -------------------------------------------------------------------
@@ -381,7 +322,7 @@ class LoraplaneClient(_ClientBase):
                 if typed is not None:
                     yield typed
         except grpc.RpcError as err:
-            if _code(err) == grpc.StatusCode.UNAVAILABLE:
+            if rpc_code(err) == grpc.StatusCode.UNAVAILABLE:
                 self._failed(addr)  # the next call starts on another replica
             raise from_rpc_error(err, addr) from None
         finally:
@@ -400,175 +341,5 @@ class LoraplaneClient(_ClientBase):
         for ev in self.generate_stream(prompt, prompt_tokens=prompt_tokens, adapters=adapters, **sampling):
             builder.add(ev)
         if builder.finished is None:
-            raise _stream_ended_early(builder.request_id)
-        return builder.build()
-
-
-class AsyncLoraplaneClient(_ClientBase):
-    """asyncio client (``grpc.aio``); same methods and replica handling as `LoraplaneClient`,
-    awaitable.
-
-    Create it inside a running event loop; ``async with`` closes it.
-    """
-
-    def _init_channels(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
-
-    async def __aenter__(self) -> AsyncLoraplaneClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def connect(self) -> None:
-        await self._connected()
-
-    async def _connected(self) -> tuple[str, control_plane_pb2_grpc.ControlPlaneStub]:
-        errors: list[ServerUnreachable] = []
-        for addr in self._replicas.order():
-            channel = self._channels.get(addr)
-            if channel is None:
-                channel = self._channels[addr] = grpc.aio.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
-            if addr not in self._ready:
-                try:
-                    await wait_ready_async(channel, addr, self._connect_timeout, self._wait_for_server)
-                except ServerUnreachable as err:
-                    errors.append(err)
-                    self._replicas.failed(addr)
-                    continue
-                self._ready.add(addr)
-            return addr, control_plane_pb2_grpc.ControlPlaneStub(channel)
-        raise _unreachable(self.addr, errors)
-
-    def _failed(self, addr: str) -> None:
-        self._ready.discard(addr)
-        self._replicas.failed(addr)
-
-    async def _unary(self, method: str, make_request: Callable[[], Any], *, not_found_is_done: bool = False) -> Any:
-        n = len(self._replicas.addrs)
-        last: tuple[grpc.aio.AioRpcError, str] | None = None
-        busy = BusyRetries()
-        attempt = 0
-        while attempt < max_attempts(n):
-            await asyncio.sleep(backoff_before(attempt, n))
-            addr, stub = await self._connected()
-            try:
-                return await getattr(stub, method)(make_request(), timeout=self.timeout, metadata=self._metadata)
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND and not_found_is_done and last is not None:
-                    return None
-                wait = busy.wait_s(err.code(), err.trailing_metadata())
-                if wait is not None:
-                    await asyncio.sleep(wait)  # the server is busy (pushback): same attempt again
-                    continue
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise from_rpc_error(err, addr) from None
-                attempt += 1
-                last = (err, addr)
-                self._failed(addr)
-        assert last is not None
-        raise from_rpc_error(*last) from None
-
-    async def list_adapters(self) -> list[Adapter]:
-        reply = await self._unary("ListAdapters", lambda: _EMPTY)
-        return [Adapter.from_proto(a) for a in reply.adapters]
-
-    async def get_adapter(self, adapter: int | str) -> Adapter:
-        return Adapter.from_proto(await self._unary("GetAdapter", lambda: adapter_ref(adapter)))
-
-    async def add_adapter(self, path: str | Path, *, name: str | None = None, server_path: bool = False) -> Adapter:
-        _check_upload_source(path, server_path)
-        if server_path:
-            return Adapter.from_proto(
-                await self._unary("RegisterAdapter", lambda: upload_chunks(path, name=name, server_path=True))
-            )
-        with upload_source(path) as (gguf_path, fmt):
-            return Adapter.from_proto(
-                await self._unary("RegisterAdapter", lambda: upload_chunks(gguf_path, name=name, source_format=fmt))
-            )
-
-    async def remove_adapter(self, adapter: int | str) -> None:
-        await self._unary("UnregisterAdapter", lambda: adapter_ref(adapter), not_found_is_done=True)
-
-    async def pin_adapter(self, adapter: int | str, pinned: bool = True) -> Adapter:
-        return Adapter.from_proto(await self._unary("PinAdapter", lambda: _pin_request(adapter, pinned)))
-
-    async def get_default(self) -> DefaultSet:
-        return DefaultSet.from_proto(await self._unary("GetDefaultAdapters", lambda: _EMPTY))
-
-    async def set_default(self, scales: AdapterScales) -> DefaultSet:
-        return DefaultSet.from_proto(await self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
-
-    async def list_workers(self) -> list[WorkerInfo]:
-        reply = await self._unary("ListWorkers", lambda: _EMPTY)
-        return [WorkerInfo.from_proto(w) for w in reply.workers]
-
-    async def add_tenant(
-        self, name: str, *, api_key: str | None = None, **settings: float | int | None
-    ) -> tuple[Tenant, str]:
-        limits = tenant_limits(settings)
-        reply = await self._unary(
-            "AddTenant",
-            lambda: control_plane_pb2.AddTenantRequest(name=name, limits=limits, api_key=api_key or ""),
-        )
-        return Tenant.from_proto(reply.tenant), reply.api_key
-
-    async def update_tenant(self, name: str, **settings: float | int | None) -> Tenant:
-        limits = tenant_limits(settings)
-        reply = await self._unary(
-            "UpdateTenant", lambda: control_plane_pb2.UpdateTenantRequest(name=name, limits=limits)
-        )
-        return Tenant.from_proto(reply.tenant)
-
-    async def list_tenants(self) -> list[Tenant]:
-        reply = await self._unary("ListTenants", lambda: control_plane_pb2.ListTenantsRequest())
-        return [Tenant.from_proto(t) for t in reply.tenants]
-
-    async def remove_tenant(self, name: str) -> None:
-        await self._unary(
-            "RemoveTenant", lambda: control_plane_pb2.RemoveTenantRequest(name=name), not_found_is_done=True
-        )
-
-    async def generate_stream(
-        self,
-        prompt: str | None = None,
-        *,
-        prompt_tokens: Sequence[int] | None = None,
-        adapters: AdapterScales | None = None,
-        **sampling: Any,
-    ) -> AsyncIterator[GenerateEvent]:
-        """Async twin of `LoraplaneClient.generate_stream`."""
-        req = generate_request(prompt, prompt_tokens=prompt_tokens, adapters=adapters, **sampling)
-        addr, stub = await self._connected()
-        call = stub.Generate(req, timeout=self.timeout, metadata=self._metadata)
-        try:
-            async for ev in call:
-                typed = event_from_proto(ev)
-                if typed is not None:
-                    yield typed
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self._failed(addr)
-            raise from_rpc_error(err, addr) from None
-        finally:
-            call.cancel()
-
-    async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        prompt_tokens: Sequence[int] | None = None,
-        adapters: AdapterScales | None = None,
-        **sampling: Any,
-    ) -> GenerateResult:
-        builder = ResultBuilder()
-        async for ev in self.generate_stream(prompt, prompt_tokens=prompt_tokens, adapters=adapters, **sampling):
-            builder.add(ev)
-        if builder.finished is None:
-            raise _stream_ended_early(builder.request_id)
+            raise stream_ended_early(builder.request_id)
         return builder.build()

@@ -2,7 +2,7 @@
 
 Where conversion runs: the folder is read where it lies. An upload names a folder
 on the client's machine, so the client converts it here — the same numpy-only
-``worker.tools.convert_peft`` that the ``convert-peft`` command runs, without a base model, so
+``loraplane.formats.convert_peft`` that the ``convert-peft`` command runs, without a base model, so
 the bytes (and the content hash) equal ``convert-peft PEFT_DIR -o X.gguf`` — and uploads the
 GGUF with ``source_format="peft"``. The control plane validates those bytes against its base
 model like any upload, so nothing unchecked gets in, and the upload stays one GGUF stream that
@@ -34,14 +34,14 @@ def upload_source(path: str | os.PathLike[str], *, progress=None) -> Iterator[tu
     temporary GGUF converted from a PEFT folder ("peft"), removed afterwards.
 
     Raises:
-        worker.tools.convert_peft.ConvertError: the folder cannot be converted (a ValueError
+        loraplane.formats.convert_peft.ConvertError: the folder cannot be converted (a ValueError
             listing every problem; a llama adapter needs the base model: register it with
             ``--server-path`` so the control plane converts it).
     """
     if not is_peft_folder(path):
         yield Path(path), "gguf"
         return
-    from worker.tools.convert_peft import convert_peft  # numpy only; imported when needed
+    from loraplane.formats.convert_peft import convert_peft  # numpy only; imported when needed
 
     with tempfile.TemporaryDirectory(prefix="loraplane-peft-") as tmp:
         folder = Path(path).resolve()

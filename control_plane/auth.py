@@ -1,26 +1,15 @@
-"""The admin bearer token and the inference API key: how they are configured, parsed and
-checked (gRPC and HTTP).
+"""The admin bearer token and the inference API key: how they are configured, parsed and checked,
+on gRPC and HTTP.
 
-When a token is configured (``--admin-token`` or ``$LORAPLANE_ADMIN_TOKEN``), the methods in
-`ADMIN_METHODS` need ``authorization: Bearer <token>`` metadata, else UNAUTHENTICATED
-(`AdminAuthInterceptor`); the HTTP front's admin routes need the same header, else 401
-(`check_bearer`). Both read the header with `bearer_token` and compare in constant time with
-`loraplane.interceptors.secret_matches`. Worker membership is guarded by the worker secret
-instead (`loraplane.worker_secret`). With no token configured nothing is checked.
+`admin_token_from` and `api_key_from` read the flag or its environment variable;
+`bearer_token` parses the ``authorization`` header and `check_bearer` / `check_api_key` compare
+in constant time. On gRPC, `AdminAuthInterceptor` guards `ADMIN_METHODS` and `ApiKeyInterceptor`
+every other ``ControlPlane`` method; the HTTP front applies the same rules to
+`ADMIN_HTTP_PATHS` and to every route outside `OPEN_HTTP_PATHS` (``control_plane.http.api_key``).
+Tenant keys pass the API-key check but never the admin one. Worker membership is guarded by the
+worker secret instead (`loraplane.worker_secret`).
 
-The inference API key (``--api-key`` or ``$LORAPLANE_API_KEY``, as vLLM's and llama-server's
-``--api-key``): when configured, every other ``ControlPlane`` method (Generate, the reads, and
-the admin methods too) needs ``authorization: Bearer <key>`` (`ApiKeyInterceptor`), and so do
-the HTTP routes other than `OPEN_HTTP_PATHS` (``control_plane.http.api_key``). The admin token
-passes wherever the API key does (admin ⊇ inference); the admin methods still need the admin
-token when one is configured. The worker RPCs and the standard health and reflection services
-never need it. One key (as vLLM); compared in constant time.
-
-Tenant keys (``loraplane tenants add``, `control_plane.tenants`) pass the API-key check
-too, for everything but the admin methods and routes (`ADMIN_METHODS`, `ADMIN_HTTP_PATHS`): a
-tenant's key runs inference and reads, never changes adapters or tenants. Without ``--api-key``
-nothing is refused for lack of a key (as today, as vLLM): a tenant key presented only selects
-its tenant, an unknown one is ignored.
+Who may call what, and why: docs/security.md, "Admin token" and "Inference API key".
 """
 
 from __future__ import annotations

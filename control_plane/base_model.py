@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from worker.gguf.reader import GGUFFile, read_gguf
+from loraplane.formats.gguf.reader import GGUFFile, read_gguf
 
 log = structlog.get_logger("loraplane.control_plane.base_model")
 
@@ -51,7 +51,7 @@ class BaseModelInfo:
 
     @property
     def tensor_ne(self) -> dict[str, tuple[int, ...]]:
-        """Base tensor name → ggml ``ne`` (what ``validate_lora_adapter`` checks shapes against)."""
+        """Base tensor name → ggml ``ne`` (what ``read_lora_adapter`` checks shapes against)."""
         return {name: tuple(rec.ne) for name, rec in self.gguf.tensors.items()}
 
     def decode(self, token_ids: list[int]) -> str:
@@ -74,7 +74,7 @@ class BaseModelInfo:
         with self._lock:
             if self._tokenizer is None and self._tokenizer_error is None:
                 try:
-                    from worker.runtime.tokenizer import Tokenizer
+                    from loraplane.formats.tokenizer import Tokenizer
 
                     self._tokenizer = Tokenizer.from_gguf(self.gguf)
                 except Exception as exc:  # a missing or broken tokenizer only costs the text
@@ -87,7 +87,7 @@ def load_base_model(path: str | Path) -> BaseModelInfo:
     """Parse (or reuse the cached parse of) the base model's GGUF header and tensor index.
 
     Raises:
-        worker.gguf.reader.GGUFError: missing, not GGUF, or corrupt (names the file).
+        loraplane.formats.gguf.reader.GGUFError: missing, not GGUF, or corrupt (names the file).
     """
     p = Path(path).resolve()
     try:

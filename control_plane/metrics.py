@@ -1,70 +1,15 @@
 """Prometheus metrics of the control plane (``/metrics`` on ``--metrics-addr`` and on the HTTP
 front).
 
-Every Generate — gRPC or HTTP — passes through ``Router.generate``, which hands its event
-stream to `ControlPlaneMetrics.track` once the adapter vector is resolved. A request is
-*waiting* from then until the worker's ``started`` event (queued on the worker, prompt being
-computed) and *running* while tokens stream.
+`ControlPlaneMetrics` counts every Generate, gRPC or HTTP: ``Router.generate`` hands it the
+event stream once the adapter vector is resolved (`ControlPlaneMetrics.track`); the quota book
+reports tenant admissions, refusals, tokens and failed syncs; worker heartbeats bring KV usage,
+adapter holdings and slot page-in/eviction counts (`ControlPlaneMetrics.on_paging`). Gauges are
+computed at scrape time (`_StateCollector`); ``adapter`` and ``tenant`` labels are capped by
+``loraplane.metrics.BoundedLabels``.
 
-Names (histograms in seconds):
-  loraplane_requests_total{outcome, adapter}   outcome: stop | length | cancelled | rejected | error
-  loraplane_prompt_tokens_total{adapter}, loraplane_generation_tokens_total{adapter},
-  loraplane_prompt_tokens_cached_total{adapter}
-  loraplane_time_to_first_token_seconds, loraplane_inter_token_latency_seconds,
-  loraplane_e2e_request_latency_seconds        (as the client sees them, routing included)
-  loraplane_requests_running / _waiting, loraplane_workers_live, loraplane_worker_slots,
-  loraplane_adapters_registered                gauges, read at scrape time
-  vllm:num_requests_running, vllm:num_requests_waiting   the same two gauges under vLLM's names
-  vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}
-  vllm:kv_cache_usage_perc                     KV cells of running requests / all cells, over
-                                               the alive workers (0–1)
-  loraplane_kv_cache_usage_perc{worker}        the same per alive worker
-  loraplane_adapter_residency{worker, adapter, state}   1 when that alive worker holds the
-                                               adapter in that state: device (in a slot of its
-                                               GPU/CPU slot pool), host (host tier only, not in a
-                                               slot), pinned (in a slot and pinned there); the
-                                               "other" label counts the adapters past the cap
-  loraplane_adapter_slot_page_ins_total{adapter}, loraplane_adapter_slot_evictions_total{adapter}
-                                               slot page-ins / LRU evictions over all workers
-  loraplane_http_connections_open{listener}, loraplane_http_connections_refused_total{listener,
-  reason}, loraplane_http_head_timeouts_total{listener}
-                                               HTTP connections of the API (listener "http") and
-                                               of --metrics-addr ("metrics"), read at scrape time
-                                               (`control_plane.http.connections`)
-``adapter`` is the adapter id ("none": base model; stacked adapters count once each), capped
-by ``loraplane.metrics.BoundedLabels`` (values past the cap add up under "other").
-
-Tenants (`control_plane.quotas`; ``tenant`` capped like ``adapter``, with the same cap,
-``--metrics-max-adapters``):
-  loraplane_tenant_requests_total{tenant, outcome}   outcome: admitted | max_concurrent |
-                                               requests_per_minute | tokens_per_minute (the
-                                               limit a refused request passed)
-  loraplane_tenant_tokens_total{tenant, kind}  kind: prompt | output (settled when requests end)
-  loraplane_tenant_requests_in_flight{tenant}  admitted here and not finished (this replica)
-  loraplane_tenant_limit{tenant, limit}        limit: max_concurrent | tokens_per_minute |
-                                               requests_per_minute (0: unlimited); tenants with a row
-  loraplane_tenant_bucket_level{tenant, bucket}   bucket: tokens | requests, as this replica sees
-                                               it (limited buckets only)
-  loraplane_tenant_quota_sync_failures_total, loraplane_tenant_quota_sync_age_seconds
-                                               quota syncs with the store that failed; seconds since
-                                               the last one that succeeded (-1: never)
-
-KV-cache usage and residency come from the workers' heartbeats (as of the last one, every
-``--heartbeat-interval``): a worker reports the KV cells (token positions) held by the
-sequences of its running requests and its capacity (``slots × n_ctx``). Cells an idle slot
-keeps for prompt reuse count as free, as vLLM counts cached free blocks (they are reused or
-overwritten at once), so the gauge is 0 on an idle pool and > 0 while requests run. The
-Gateway API Inference Extension's model-server protocol reads ``vllm:kv_cache_usage_perc``.
-Page-ins and evictions are cumulative per worker process in heartbeats; the control plane adds
-the increase since the previous heartbeat of the same process (a new incarnation starts from 0).
-
-``vllm:lora_requests_info`` matches vLLM (``vllm/v1/metrics/loggers.py``): a gauge whose value
-is the current unix time, labelled with the comma-joined *names* of the adapters that running
-/ waiting requests use (what the Gateway API Inference Extension matches ``model`` against)
-and ``max_lora``. vLLM leaves one series behind per label combination ever seen; here the
-gauge is computed at scrape time, so exactly one series exists (bounded cardinality).
-``max_lora`` is vLLM's ``--max-loras`` summed over the live workers: each worker's slot pool
-(``--max-loras``) bounds the distinct adapters its batches use at once.
+Every series, its labels and what it counts: docs/operations.md, "Health, logs, metrics" (the
+tenant series: docs/tenants.md, "Metrics").
 """
 
 from __future__ import annotations

@@ -1,65 +1,18 @@
 """Per-tenant quotas at the control plane, global across replicas through the store.
 
-Owned by the control-plane process: one `QuotaBook` per process, one daemon thread
-(``tenant-quotas``). ``Router.generate`` calls `QuotaBook.admit` after the adapter map is
-resolved and before any worker is picked; the `Admission` it returns is settled when the
-request's stream ends, however it ends (finished, error, the client gone).
+One `QuotaBook` per control-plane process, with one daemon thread (``tenant-quotas``) that syncs
+with the store every `SYNC_INTERVAL_S`. ``Router.generate`` calls `QuotaBook.admit` after the
+adapter map is resolved and before any worker is picked; the `Admission` it returns is settled
+when the request's stream ends, however it ends. A tenant with a limit is admitted and settled
+by one store statement each (`AdapterStore.admit_tenant_request`,
+`AdapterStore.settle_tenant_request`, in `control_plane.store.tenant_sql`); a refusal raises
+`QuotaExceededError`, a request no bucket could ever hold is refused by
+`control_plane.quota_rules`. The sync also renews this replica's claims (`CLAIM_LEASE_S`) and
+refreshes the local copy of every tenant's levels that usage views, metrics and a database
+outage fall back on.
 
-**Limits** (a tenant's row, `control_plane.tenants`; 0 = unlimited; names without a row
-have none):
-
-- ``max_concurrent``: requests in flight over all replicas;
-- ``requests_per_minute``: a token bucket of capacity N refilled at N/60 per second, one per
-  request;
-- ``tokens_per_minute``: a bucket of capacity N refilled at N/60 per second; a request
-  reserves ``prompt tokens + max_tokens`` at admission (prompt tokens: token-id prompts and
-  chat prompts — templated and tokenized by the HTTP front — count as sent, a text prompt is
-  tokenized here with the base tokenizer, as the worker will; ``max_tokens`` 0 is the worker's
-  16; ``max_tokens`` is capped at what the largest live worker's context leaves after the
-  prompt, where a worker stops any request) and, when it ends, the unused part of the
-  reservation goes back: the bucket is charged the real ``prompt + generated`` tokens (0 for a
-  request that ended before its prompt ran).
-
-A request that would pass a limit is refused before any worker work: `QuotaExceededError`
-(gRPC RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata, HTTP 429
-``rate_limit_exceeded`` with a ``Retry-After`` header): whole seconds, at least 1, until the
-bucket holds what the request needs (1 s for ``max_concurrent``). A request that needs more
-tokens than the bucket can ever hold (``prompt + max_tokens > tokens_per_minute``) is
-INVALID_ARGUMENT / 400 instead: waiting would never help (`control_plane.quota_rules`).
-
-**Admission is decided by the database** for a tenant with any limit: one statement
-(`AdapterStore.admit_tenant_request`, `control_plane.store.tenant_sql`) takes the
-request from the buckets and, with ``max_concurrent``, writes a **claim** — only if every limit
-allows it, under the tenant row's lock, so however many replicas admit at once (PostgreSQL;
-SQLite is one replica and runs the same code) a limit is never passed: no window, no
-overshoot. A refusal reads the row back for its reason (a second call). When the request ends,
-one statement (`AdapterStore.settle_tenant_request`) gives back the unused tokens, adds the
-totals and deletes the claim. Tenants without a limit (a row for a weight, or no row) cost no
-database call: their usage goes with the sync.
-
-**Claims have a lease** (`CLAIM_LEASE_S`, 5 s, on the database's clock): every sync
-(`SYNC_INTERVAL_S`, 250 ms) renews this replica's claims and deletes the other replicas'
-expired ones, so the claims of a replica that died (``kill -9``, a lost host) stop counting
-within the lease plus one sync; a settle that could not reach the database is retried by the
-next syncs (and its claim lapses after the lease if they cannot reach it either).
-
-**The sync** sends, in one transaction, the deltas not written at admission or settling (the
-usage of tenants without limits, and what was decided during an outage: below), this replica's
-in-flight counts (rows per (tenant, replica), rewritten every sync while non-zero and summed by
-the others, for the usage views; rows older than `IN_FLIGHT_TTL_S` stop counting), the claims
-above, then reads every tenant's limits and levels back: the local copy that usage views,
-metrics and the outage fallback use.
-
-**Database outage: fail open on the last levels.** An admission or settle that cannot reach
-the database (and every one after it until a sync succeeds: no 2 s wait per request) is
-decided on this replica's copy — the last levels read, refilled by its own clock since, minus
-what it admitted since; ``max_concurrent`` against its own requests in flight plus the others'
-as last read — and its usage is sent with the next successful sync. During an outage each
-replica thus enforces the quota alone (up to N replicas × the quota in total), and a database
-that hangs costs one request the store's bound (2 s), not every one.
-``loraplane_tenant_quota_sync_failures_total``
-counts the failed syncs, ``loraplane_tenant_quota_sync_age_seconds`` says how old the levels
-are, and ``tenant_quota_sync_failing`` is logged once per outage.
+The limits, the refusals and the rules across replicas and outages: docs/tenants.md, "Quotas"
+and "Several replicas".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Workers never register anything themselves; they receive adapters the registry a
 (`control_plane.workers` pushes them).
 
 Registration validates the whole file against the base model's tensor index
-(`worker.lora.adapter_file.validate_lora_adapter`, numpy only) before anything is stored.
+(`loraplane.formats.adapter_file.read_lora_adapter`, numpy only) before anything is stored.
 Uploaded bytes land in a temporary file under ``<data-dir>/adapters/`` (local to this process)
 and are handed to the
 store only once valid; the store keeps the row and the bytes together or not at all
@@ -21,7 +21,7 @@ default-set change made through one is what the next call on any other sees.
 PEFT folders (``adapter_config.json`` + ``adapter_model.safetensors``) are accepted wherever a
 server-side path is (``--lora``, ``--lora-scaled``, ``RegisterAdapter.server_path``): they are
 converted here, on the control plane, by the same numpy-only code as ``convert-peft``
-(`worker.tools.convert_peft`, rsLoRA and aLoRA included) against the base model this process
+(`loraplane.formats.convert_peft`, rsLoRA and aLoRA included) against the base model this process
 already indexed, and the resulting GGUF is kept under ``<data-dir>/adapters/`` like an upload
 (the record's ``source_format`` is "peft"). Workers only ever receive GGUF files.
 """
@@ -60,10 +60,10 @@ from control_plane.resolution import (
     resolve_adapter_vector,
 )
 from control_plane.store import AdapterRecord, AdapterStore
+from loraplane.formats.adapter_file import AdapterFile, read_lora_adapter
+from loraplane.formats.convert_peft import convert_peft, is_peft_dir
 from loraplane.limits import MAX_ADAPTER_NAME_BYTES
 from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
-from worker.lora.adapter_file import AdapterFile, validate_lora_adapter
-from worker.tools.convert_peft import convert_peft, is_peft_dir
 
 log = structlog.get_logger("loraplane.control_plane.registry")
 
@@ -475,7 +475,7 @@ class AdapterRegistry:
 
     def _validate(self, path: Path, *, shown_as: str) -> AdapterFile:
         try:
-            adapter = validate_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne)
+            adapter = read_lora_adapter(path, base_arch=self.base.arch, base_tensors=self.base.tensor_ne)
         except ValueError as exc:  # AdapterError / GGUFError: both name the problem
             raise InvalidArgumentError(str(exc).replace(str(path), shown_as)) from exc
         rank = max(adapter.ranks, default=0)

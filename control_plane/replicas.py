@@ -1,43 +1,14 @@
 """Keeping one control-plane replica in step with the others through the shared store.
 
-Owned by the control-plane process: one `ReplicaSync` per process, one daemon thread.
-Replicas share nothing but the database (`control_plane.store`). Adapters and the default
-set need no syncing: every read goes to the database. Two things live in each replica's
-memory and are synced here, every ``interval_s`` (the heartbeat interval):
+One `ReplicaSync` per control-plane process, with a daemon thread that ticks every
+``interval_s`` (the heartbeat interval) and a writer thread of its own. `ReplicaSync.record`
+notes the latest worker hello in memory (the writer thread writes it to the store as a
+sighting, so no heartbeat waits for the database); each tick reads the other replicas' recent
+sightings and adopts or refreshes those workers in the `WorkerPool`, and unloads adapters
+removed through any replica from every worker this replica knows. Adapters and the default
+set need no syncing: every read goes to the database.
 
-**Worker membership.** A worker's ``RegisterWorker``/``Heartbeat`` reaches one replica (one
-Service address: whichever pod its connection landed on) or every replica (a comma-separated
-``--control-plane`` list). The replica that receives it records a sighting in the store
-(`record`). Every replica then, each tick, reads the sightings younger than the
-dead-after time (``dead_after_missed × heartbeat_interval``):
-
-- a worker it does not know (or knows at another address) is *adopted*: dialled and
-  reconciled exactly as if it had registered here (`WorkerPool.register`);
-- a worker it knows counts as heartbeating, as of the sighting's age
-  (`WorkerPool.heartbeat` with ``age_s``), unless this replica wrote that sighting itself
-  (it has already seen that heartbeat).
-
-So membership converges within one tick plus a dial after a worker's first heartbeat
-anywhere; a worker that stops heartbeating everywhere is dead on every replica within the
-dead-after time after its last sighting. With a single Service address, a worker whose
-replica dies reconnects (gRPC re-resolves; kube-proxy picks a live pod) and its next
-heartbeat reaches a replica that already adopted it, or gets NOT_FOUND and re-registers.
-
-**Adapters held by workers.** An unregistration through replica A unloads the adapter from
-the workers A knows hold it at once; the store also records the removal, and every replica
-unloads each newly removed id from every worker it knows (NOT_FOUND counts as done), so an
-adapter that replica B announced is unloaded too, whichever replica took the call.
-
-Failures of one tick (database unreachable, a worker that cannot be dialled) are logged and
-retried on the next tick.
-
-**Nothing on the heartbeat path waits for the database.** `record` only notes the latest
-hello per worker in memory; a writer thread of its own writes the sightings (with their age,
-so a late write does not make a heartbeat look newer than it was) and keeps the ones it could
-not write for the next round, every ``interval_s``. A database outage therefore never delays
-or fails a ``Heartbeat``/``RegisterWorker`` answer, and a worker heartbeating this replica
-stays alive here throughout; other replicas see its sightings again once the database is back
-(they keep it alive meanwhile only if it heartbeats them too, e.g. ``--control-plane A,B``).
+How membership converges, what a database outage costs: docs/architecture.md, "Replicas".
 """
 
 from __future__ import annotations

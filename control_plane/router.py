@@ -1,35 +1,16 @@
 """Routing a Generate call to a worker and relaying its event stream.
 
-One request, top to bottom (`Router.generate`):
-  1. assign a request id when the client sent none;
-  2. resolve the adapter vector against the default set *as of now* (admission) and write it
-     into ``request.adapters`` as an explicit map — workers only see resolved vectors;
-  3. pick a live worker that is not full, preferring (in order) the one that last served the
-     same adapter set (its prefix cache is warm), then the one holding most of the request's
-     adapters in its slots, then on its host (heartbeats report both), then the
-     least loaded;
-  4. announce any adapter of the vector the worker does not know (id → sha256; it fetches
-     the bytes from us on first use);
-  5. open the worker's bidi ``Decode`` stream, submit (with the request's tenant, for the
-     worker's fair admission), relay every event until ``finished``.
+`Router.generate`, one request top to bottom: assign a request id when the client sent none;
+check its structured-output format (`check_response_format`); resolve the adapter vector against
+the default set as of now; resolve the tenant and admit it against its quotas
+(`control_plane.quotas`); pick a live worker that is not full (warm prefix cache first, then the
+one holding most of the request's adapters); announce the adapters it lacks; open its ``Decode``
+stream, submit with the tenant, and relay every event until ``finished``. A worker that fails
+before the first event is marked failed and the next is tried; errors about the request itself
+(`REQUEST_ERROR_CODES`) keep their status code.
 
-Between 2 and 3 the request's tenant is resolved (its API key, else its explicit map's first
-adapter, else "anonymous": `control_plane.tenants`) and admitted against the
-tenant's quotas (`control_plane.quotas`): a tenant over a limit is refused here,
-before any worker work, and its reservation is settled with the real token counts when the
-stream ends, on whichever exit comes first (as the in-flight count below).
-
-The client going away cancels the worker call and gives its worker capacity back at once
-(``context.add_callback``): the in-flight count follows the relay's lifetime exactly — it is
-decremented once, on whichever exit comes first (finished, error, client cancel, a disconnect
-the HTTP front detects), never left to the moment a suspended relay generator is collected. A worker that fails
-before the first event is marked failed and the next one is tried; once events have been
-relayed a failure ends the call with UNAVAILABLE naming the worker. A worker the pool declares
-dead while a relay runs (no heartbeat for ``dead_after_s``, e.g. a stopped process whose
-stream blocks forever, or another call of it failed) has the relay cut at once (its cancel is
-registered with ``WorkerPool.begin``): UNAVAILABLE ``worker w1 declared dead (<why>) while
-relaying request <id>``, or, when nothing was relayed yet, another worker is tried. Errors the worker returns
-about the request itself (bad prompt, queue full, ...) keep their status code.
+The worker choice, cancellation and the in-flight count, dead workers mid-relay:
+docs/architecture.md, "Routing".
 """
 
 from __future__ import annotations

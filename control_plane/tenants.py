@@ -1,38 +1,14 @@
-"""Tenants: who a request is accounted to, their API keys, and the admin operations on them.
+"""Tenants: who a request is accounted to, their API keys, and their names' rules.
 
-Owned by the control-plane process: one `TenantDirectory` per process (the quota book,
-`control_plane.quotas`, keeps it fresh from the store).
+One `TenantDirectory` per control-plane process maps key hashes to tenants and tenants to their
+limits; it reloads keys from the store every `KEYS_REFRESH_S`, limits with every quota sync
+(`control_plane.quotas`), and at once after an admin change made through this replica.
+`tenant_of` picks a request's tenant (the ``--api-key`` or admin token, a tenant key, the
+explicit adapter map, else ``"anonymous"``); `generate_key`, `check_key` and `key_hash` make and
+check keys, stored as their sha256 only; `check_tenant_name` checks names.
 
-**The tenant of a request** (`tenant_of`), first match wins:
-
-1. the inference ``--api-key``, or the admin token → ``"default"`` (checked first, so a tenant
-   row holding the same key, added on a replica configured otherwise, never takes them over);
-2. a bearer token that is a tenant's API key → that tenant;
-3. the request's *explicit* adapter map (gRPC ``adapters`` set; HTTP ``model`` naming an
-   adapter, or ``lora``) → ``adapter:<the first adapter's name>`` (``adapter:<id>`` when it has
-   none);
-4. ``"anonymous"``.
-
-A tenant has limits only when it has a row (``tenants add``); every other name (``default``,
-``anonymous``, ``adapter:…`` without a row) has none, weight 1 and priority 0. Rows may be added
-for the names of rules 2-4 too: ``tenants add default --tokens-per-minute …`` limits the
-``--api-key`` holder, ``tenants add anonymous …`` keyless traffic, ``tenants add adapter:shout …``
-keyless traffic of adapter ``shout`` (each such row gets a key of its own as well, like any).
-
-**Keys** are stored as their sha256 (hex) only; the clear key is shown once, in the answer to
-``AddTenant``. One unsalted sha256 is enough here because keys are high-entropy secrets (a
-generated key is ``lp-`` + 32 random bytes, `generate_key`; a given one must be at least
-`MIN_KEY_CHARS` characters): the hash is not invertible and a table of likely keys cannot exist,
-which is what salts and slow hashes defend passwords against; and a fast hash lets every request
-be checked with one dictionary lookup. Lookups by hash need no constant-time comparison: timing
-could at most reveal a prefix of a sha256 image, which says nothing about the key.
-
-**Staleness.** The directory (keys → tenant, tenant → limits) is refreshed from the store every
-`KEYS_REFRESH_S` (keys) and every quota sync (limits, `control_plane.quotas.SYNC_INTERVAL_S`),
-and at once after an admin change made through this replica. A change made through another
-replica takes effect here within ``KEYS_REFRESH_S`` plus one store call (about 1 s; a removed
-tenant's key still passes that long). While the database is unreachable the last directory stays
-in force (keys added meanwhile on other replicas are unknown here until it is back).
+The resolution rules, key rules, why one plain sha256 suffices, and staleness across replicas:
+docs/tenants.md, "The tenant of a request".
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ a folder inside the package, whose ``logging.py`` would shadow the standard libr
 
 
 def cli_module(checkout: Path) -> str:
-    """The CLI's module in ``checkout`` for ``python -m``: ``clients.cli``, or, in a checkout from
+    """The CLI's module in ``checkout`` for ``python -m``: ``clients.cli`` (the package
+    ``clients/cli/``, run by its ``__main__``; in checkouts before it, the module
+    ``clients/cli.py``), or, in a checkout from
     the time ``clients/`` was linked into ``loraplane/`` (the bench's before/after runs),
     ``loraplane.clients.cli``."""
     if (checkout / "loraplane" / "clients").is_dir():

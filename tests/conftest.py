@@ -89,7 +89,7 @@ def tiny_moe_f32(fixtures_dir: Path, tmp_path_factory) -> Path:
 def base_index(base_model_path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
     """``(arch, {tensor name: ggml ne})`` of the base model, read once (parsing its 262k-token
     vocab takes seconds); what adapters are validated against."""
-    from worker.lora.adapter import base_tensor_index
+    from loraplane.formats.adapter_file import base_tensor_index
 
     return base_tensor_index(base_model_path)
 

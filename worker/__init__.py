@@ -1,4 +1,5 @@
-"""loraplane worker: GGUF format, LoRA, the forward pass, serving, the gRPC edge, offline tools.
+"""loraplane worker: LoRA, the forward pass, serving, the gRPC edge, offline tools (the formats it
+reads, GGUF, adapter files, the tokenizer, the architecture table, are `loraplane.formats`).
 
 ``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` here, before anything imports torch (libgomp reads
 it once at load): with the default spin-wait, every OpenMP region of a decode step waits for a

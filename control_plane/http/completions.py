@@ -1,25 +1,15 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: request body → GenerateRequest →
 ``Router.generate`` → `streaming.CompletionStream` → JSON body or server-sent events.
 
-The routes read the (size-bounded) body on the event loop and hand it to a worker thread
-(``run_in_threadpool``), where everything else happens: JSON parsing and validation
-(`schemas.parse_body`), the chat template, tokenizing, and blocking on ``Router.generate``
-exactly like a gRPC handler. Nothing proportional to the body's size runs on the event loop.
-The body is JSON whatever its ``Content-Type`` (``curl -d`` sends a form type; llama-server
-accepts it too). ``model`` (or the ``lora`` extension) picks the adapters
-(`models.resolve_model`); chat messages are rendered with the model's chat template and
-tokenized with special tokens parsed and nothing added (BOS is the template's; vLLM's
-``add_special_tokens: true`` adds the vocabulary's too). A completions text prompt is tokenized
-by the worker (BOS as the model says); with ``add_special_tokens: false`` here, without BOS.
-``tools`` go into the template when it renders them, and the answer's ``<tool_call>`` blocks
-come back as ``tool_calls`` (`tools`); a ``tool_choice`` that forces a call (``"required"``, a
-named function) constrains the output to the call's JSON Schema instead (`tools.ForcedCall`).
+`completions_router` builds the two routes: they read the size-bounded body on the event loop
+and hand it to a worker thread, where `schemas.parse_body` validates it, `adapters_for` picks
+the adapters (``model`` or ``lora``), `chat_prompt_ids` renders and tokenizes a chat,
+`check_prompt_bytes` / `check_prompt_ids` / `check_prompt_tokens` size the prompt before it
+costs anything, and `respond` blocks on the router exactly like a gRPC handler. Tools go through
+`tools` (parsed calls, or a forced call as structured output).
 
-Input is sized before it costs anything (the gRPC path's rule, `deps.prompt_byte_limit`): a text
-prompt or a conversation's content over ``max_prompt_bytes`` UTF-8 bytes is a 400 before any
-template or tokenizer runs; token-id prompts are range-checked (``[0, n_vocab)``) and counted;
-a prompt of ``n_ctx`` tokens or more is a 400. Requests that can never run are never answered
-429. Rendering and tokenizing run on the route's worker thread, never on the event loop.
+Parameters, tokenization and BOS, input limits: docs/http-api.md, "Request parameters" and
+"Input limits".
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """What an open TCP connection may cost an HTTP listener before it asks for anything.
 
 Each listener (the API on ``--http-addr``, ``/health`` and ``/metrics`` on ``--metrics-addr``)
-has one `ConnectionGuard`, consulted by uvicorn's h11 protocol subclassed (`GuardedH11Protocol`):
+has one `ConnectionGuard`, consulted by uvicorn's h11 protocol subclassed (`GuardedH11Protocol`,
+built by `guarded_protocol`): a connection cap (`MAX_CONNECTIONS`), a per-client cap
+(`MAX_CONNECTIONS_PER_CLIENT`), a request-head deadline (`HEAD_TIMEOUT_S`) shortened to
+`HEAD_TIMEOUT_BUSY_S` past the high-water mark (`HIGH_WATER` of the cap). Refusals are counted
+per reason and logged at most once a second; `ConnectionCollector` hands the counts to
+`control_plane.metrics` at scrape time. Every method runs on the listener's event loop thread;
+the scrape thread reads the counters without a lock (ints: at worst one scrape behind).
 
-* **connection cap** (``max_connections``): a connection opened while the listener holds that
-  many is reset at once, before it costs a file descriptor for long;
-* **per-client cap** (``max_connections_per_client``, nginx's ``limit_conn`` keyed on the peer
-  address; 0: off): a connection from an address that already holds that many is reset at
-  once, so one host cannot take the whole cap. Behind a proxy every connection comes from the
-  proxy's address;
-* **head deadline** (``head_timeout_s``): a connection with no request in progress that has not
-  completed a request head within the deadline of opening (or of its last response) is closed.
-  uvicorn's keep-alive timer closes idle connections only after a first response, and not one
-  that trickles bytes;
-* **busy mode**: while the open connections are at or past the high-water mark (3/4 of the
-  cap), the head deadline is ``head_timeout_busy_s``, for the connections already open as well
-  (one idle longer than that is closed at once). An idle flood is shed within seconds and the
-  cap frees, where a flat deadline would hold it for the whole of ``head_timeout_s``. (Envoy's
-  overload manager shortens idle timers under pressure in the same way.)
-
-Refused connections are counted per reason and logged at most once per second (with how many
-were refused since the previous line); `control_plane.metrics` reads the counts at
-scrape time. Every method runs on the listener's event loop thread; the counters are read from
-the scrape thread without a lock (ints: at worst one scrape behind).
+The limits, their flags and why each exists: docs/http-api.md, "Input limits" (Connections).
 """
 
 from __future__ import annotations

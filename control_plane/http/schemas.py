@@ -1,30 +1,13 @@
 """Request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (pydantic).
 
-Omitted parameters take OpenAI's defaults, as vLLM does: ``temperature`` 1, ``top_p`` 1,
-``max_tokens`` 16 for completions and "until the context is full" for chat; an omitted
-``model`` is the served base model (vLLM's default). Implemented beyond OpenAI's core:
-``min_p``, ``presence_penalty`` / ``frequency_penalty`` (output tokens), ``repetition_penalty``
-(prompt and output tokens; vLLM's semantics, ``worker.runtime.sampling``) and
-``prompt_logprobs`` (0: each prompt token's own log-prob, vLLM's shape).
+`parse_body` parses a raw body (after `check_sizes` bounds its lists and JSON values) into a
+model; `HttpBody` refuses lone surrogates anywhere (400 ``invalid_unicode``, `lone_surrogate`);
+`SamplingFields.check` applies the parameter rule (a known parameter that loraplane does not
+implement is a 400 when set, `UNSUPPORTED`; unknown keys are ignored); `LoraEntry` is one entry
+of the ``lora`` list. Omitted parameters take OpenAI's defaults, as vLLM does.
 
-The rule for everything else (`SamplingFields.check`): a known OpenAI / vLLM / llama-server
-parameter that loraplane does not implement is refused with a 400 naming it when it carries a
-non-default value (``n`` > 1, ``best_of`` > 1, ``logit_bias``, ``echo``, ``suffix``,
-``use_beam_search``, ``min_tokens`` … `UNSUPPORTED`); at its default value it is ignored, and so
-is any unknown key (clients send ``user``, ``stream_options``, ``parallel_tool_calls``,
-``service_tier``, ``store``, ``metadata`` freely). ``tools`` / ``tool_choice`` are checked against
-the chat template (`tools.check_tools`); ``response_format`` and vLLM's ``guided_*`` /
-``structured_outputs`` are structured output (`structured`). Every string of a body, keys
-included, must be valid Unicode: a lone surrogate is a 400 ``invalid_unicode`` naming the field
-(`HttpBody`).
-
-Extensions (vLLM / llama-server names): ``top_k`` (0 or -1: off), ``min_p``,
-``repetition_penalty``, ``prompt_logprobs``, ``add_special_tokens``, ``ignore_eos``, ``return_token_ids``
-(vLLM: non-streaming responses carry ``prompt_token_ids`` and each choice's ``token_ids``), and
-``lora``: a list of ``{"id": int, "scale": float}`` (llama-server's per-request shape) that
-picks the adapters explicitly and wins over ``model``. Structured output: OpenAI
-``response_format`` and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_grammar`` /
-``guided_choice`` / ``structured_outputs`` (`control_plane.http.structured`).
+Every parameter, its default and the refused ones: docs/http-api.md, "Request parameters"
+(the parameter rule) and "Input limits".
 """
 
 from __future__ import annotations

@@ -1,49 +1,17 @@
 """`CompletionStream`: one generation's events as an OpenAI response, whole or streamed.
 
-Input: the ``GenerateEvent`` iterator of ``Router.generate`` (``started``, then ``token``
-events, then ``finished``), read through `generation.fold`. Output, for ``/v1/completions``
-(``text_completion`` objects) or ``/v1/chat/completions`` (``chat.completion[.chunk]``):
+`CompletionStream` reads the ``GenerateEvent`` iterator of ``Router.generate`` through
+`generation.fold` and writes either one JSON body (`CompletionStream.full_response`) or
+server-sent chunks (`CompletionStream.sse_chunks`: the chat role chunk, one chunk per token, the
+held-back tail with ``finish_reason``, the usage chunk when asked, ``[DONE]``); tool calls go
+through `tools.ToolCallParser` or a forced call's parser. An error before the first token raises
+`OpenAIError`; one after it becomes an error event before ``[DONE]``. `RelayResponse` is the
+ASGI response that runs it while it watches the client: the router's blocking reads run on a
+limiter of their own (`RELAY_THREADS`), and a client that disconnects or reads nothing for
+``write_timeout_s`` (`delivery.DeliveryProgress`) has its worker call cancelled at once.
 
-* non-streaming: one JSON body (`CompletionStream.full_response`) with the finished text,
-  ``finish_reason``, ``usage`` and, when asked for, ``logprobs`` and token ids;
-* streaming: server-sent events (`CompletionStream.sse_chunks`), in this order:
-
-  1. chat only: a chunk whose delta is ``{"role": "assistant", "content": ""}``;
-  2. one chunk per generated token: its text as ``delta.content`` (chat) or ``text``
-     (completions), with that token's ``logprobs`` when asked for (completions log-probs carry
-     ``text_offset``: characters streamed before the token);
-  3. at ``finished``: the text the token pieces did not cover (a tail the worker held back while
-     it could still be a stop string) and ``finish_reason``; an empty chat delta is ``{}``;
-  4. with ``stream_options.include_usage``: a chunk with empty ``choices`` and ``usage``;
-  5. ``data: [DONE]``.
-
-Tool calls (chat with ``tools``, `tools.ToolCallParser`): the generated text goes through the
-parser. Non-streaming, the message gets ``content`` (None when the answer is only calls) and
-``tool_calls``; streaming, a token's chunk carries the content the parser released (a chunk
-with nothing released is left out, unless it carries log-probs: then its delta is ``{}``), and a
-call goes out whole, as one ``{"tool_calls": [{"index", "id", "type", "function": {"name",
-"arguments"}}]}`` delta, when its closing tag arrives (what is held at the end is released with
-the finish). ``finish_reason`` is ``"tool_calls"`` when the answer holds a call (vLLM's rule).
-A forced call (``tool_choice`` ``"required"`` or a named function, `tools.ForcedCall`) is read
-the same way by its own parser: a named call goes out whole with the finish, ``"required"``
-calls one by one as their JSON items close; ``finish_reason`` is the parser's (the engine's for
-a named call, ``"tool_calls"`` for ``"required"`` calls that ended by themselves).
-
-Errors: a control-plane error before the first token raises `OpenAIError` (the response keeps
-its HTTP status); one after it becomes a ``data: {"error": …}`` event in OpenAI's error shape,
-followed by ``[DONE]`` (no usage chunk). The worker call is cancelled when the response is
-complete, fails, or the client goes away.
-
-`RelayResponse` is the ASGI response that runs a `CompletionStream` (both modes) while it
-watches the client: the router's blocking reads run on threads of their own limiter
-(`RELAY_THREADS`), the event loop waits for ``http.disconnect``, and every write is bounded by
-``write_timeout_s``. A client that disconnects — before its first token, while queued on a
-worker, mid-stream, or while a non-streaming body is being generated — or that reads nothing
-for ``write_timeout_s``, has its worker call cancelled and its worker capacity given back at
-once (``Router``: in-flight accounting follows the relay). "Reads nothing" is measured on the
-client's side of the stream: a write that blocks that long, or (`delivery.DeliveryProgress`)
-bytes owed to it that it has not acknowledged for that long while the kernel buffers still take
-every write.
+Chunk order, tool-call deltas, clients that leave: docs/http-api.md, "Responses and streaming",
+"Tool calls" and the introduction's "Clients that leave".
 """
 
 from __future__ import annotations

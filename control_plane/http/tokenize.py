@@ -2,7 +2,7 @@
 tokenizer.
 
 The control plane already holds the base model's tokenizer (``HttpDeps.tokenizer``: the same
-``worker.runtime.tokenizer.Tokenizer`` built from the same GGUF as every worker's; chat prompts
+``loraplane.formats.tokenizer.Tokenizer`` built from the same GGUF as every worker's; chat prompts
 are tokenized with it today), and all workers of one base model share its vocabulary, adapters
 included. So these routes answer locally: no worker RPC, no worker needed, and the ids are
 the ones a worker computes (tests compare them with a worker's ``prompt_token_ids``).

@@ -1,51 +1,16 @@
 """Tool calls on ``/v1/chat/completions``: ``tools`` / ``tool_choice`` checks, and the model's
 output parsed into OpenAI ``tool_calls`` the way vLLM's ``hermes`` tool parser does for Qwen 2.5,
-Qwen 3 and Hermes models (``vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py``).
+Qwen 3 and Hermes models.
 
-Which requests get tools:
+`check_tools` checks a request's tools against the chat template (`template_renders_tools`:
+the template reads ``tools`` and writes ``<tool_call>``); `ToolCallParser` reads the hermes
+blocks incrementally or all at once (`split_tool_calls`); a forced call (``tool_choice``
+``"required"`` or a named function, `is_forced`, `forced_call_of`) becomes a `ForcedCall`: a
+JSON Schema for structured output (`tool_parameters`, `required_calls_schema`) and its parser
+(`NamedCallParser`, `RequiredCallsParser`).
 
-* The chat template must render them: it references the variable ``tools`` and writes the
-  hermes format (``<tool_call>``) — `template_renders_tools`. A request with ``tools`` for any
-  other template is a 400 naming ``tools`` (the model cannot be told about them, or we could not
-  read its answer; vLLM likewise refuses ``tools`` unless a tool parser is configured).
-* ``tool_choice``: omitted or ``"auto"`` → ``tools`` go into the template (as transformers'
-  ``apply_chat_template(tools=…)``) and the output is parsed; ``"none"`` → ``tools`` are
-  neither rendered nor parsed (the model answers in text); ``"required"`` or a named function
-  → the call is forced by structured output (`ForcedCall`, below), for any template (the tools
-  go into the prompt when the template renders them, as vLLM passes them to every template).
-
-The output format (one block per call; Qwen writes a newline inside the tags)::
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-`ToolCallParser` reads it incrementally (streaming) or all at once (the same code): text outside
-the blocks is ``content``; each block whose body is a JSON object with a string ``name`` (and an
-object ``arguments``, ``{}`` when absent) becomes ``{"id": "call_…", "type": "function",
-"function": {"name", "arguments": <JSON text>}}``; a block that is not (malformed JSON, no name)
-stays in ``content`` verbatim, tags included. A block still open when the generation ends is
-parsed up to the end (vLLM's rule; a truncated call stays content). Whitespace between a call
-and its neighbours is dropped, so ``content`` is None for an answer that is only calls. Unlike
-vLLM (which then keeps only the text before the first call, and drops every call when one is
-malformed), text after a call is kept and good calls survive a bad neighbour.
-
-Forced calls (vLLM's ``_get_json_schema_from_tool`` in ``vllm/entrypoints/openai/protocol.py``
-and ``chat_completion_*_generator`` in ``serving_chat.py``): the output is constrained to a JSON
-Schema (`ForcedCall.schema`) and read back as calls, with no tags involved:
-
-* a named function ``{"type": "function", "function": {"name": N}}`` → the schema is N's
-  ``parameters`` (``{"type": "object", "properties": {}}`` when absent; closed as OpenAI
-  ``strict`` when the tool says ``"strict": true``) and the whole output is the ``arguments`` of
-  one call to N (`NamedCallParser`); ``finish_reason`` stays the engine's (``"stop"``), as
-  OpenAI and vLLM answer a named choice;
-* ``"required"`` → a JSON array (``minItems`` 1) of ``{"name": <one tool's name>, "parameters":
-  <that tool's parameters>}`` objects (``anyOf`` over the tools; each tool's ``$defs`` moved to
-  the root, a name defined differently by two tools is a 400), each item one call whose
-  ``arguments`` are its ``parameters`` as JSON text (`RequiredCallsParser`; a call is released
-  as soon as its item closes); ``finish_reason`` ``"tool_calls"`` when the engine stopped by
-  itself (vLLM's rule), else the engine's (``"length"``: a truncated item is not a call, its
-  text is ``content``).
+Which requests get tools, the output format, what is content and what is a call, forced calls
+and their ``finish_reason``: docs/http-api.md, "Tool calls".
 """
 
 from __future__ import annotations

@@ -1,51 +1,16 @@
 """The one interface of the control plane's persistent state, whatever the database.
 
-Owned by the control-plane process: one `AdapterStore` per process, opened from
-``--database`` by `control_plane.store.open_store`. Two implementations:
+`AdapterStore` is opened from ``--database`` by `control_plane.store.open_store`, one per
+control-plane process, as `control_plane.store.sqlite.SqliteStore` (one process) or
+`control_plane.store.postgres.PostgresStore` (several replicas). It holds adapters
+(`AdapterRecord`) and their bytes, names and aliases, the default set, removed adapters and
+worker sightings (`WorkerSighting`); every read goes to the database. `BadRows` skips and logs
+rows that do not parse; calls are bounded by `CALL_TIMEOUT_S` and raise
+`control_plane.errors.DatabaseUnavailableError`; a schema newer than this build raises
+`SchemaTooNewError`. ``tests/integration/test_store.py`` runs the same rules against both.
 
-- `control_plane.store.sqlite.SqliteStore` (``sqlite:///PATH``, the embedded default under
-  ``--data-dir``): one process, one machine.
-- `control_plane.store.postgres.PostgresStore` (``postgresql://…``): any number of
-  control-plane replicas share one database.
-
-What the store holds, and the rules every implementation keeps (tested against both in
-``tests/integration/test_store.py``):
-
-- **Adapters** (`AdapterRecord`): ids are non-negative, assigned from 0 in registration order,
-  never reused, stable across restarts. The id comes from a one-row counter
-  updated in the registration's own transaction, so a failed registration leaves no gap (its
-  update rolls back) and ids are unique across replicas (the counter row lock serialises the
-  few milliseconds of id assignment). ``sha256`` is unique: registering content that is
-  already registered returns the existing record (``created=False``).
-- **Adapter bytes**, content-addressed by sha256, readable by every process that opens the
-  same database (`read_chunks`). Registration is atomic: metadata and bytes are committed
-  together or not at all.
-- **Names and aliases**: an adapter's ``name`` and ``aliases`` (a JSON list, migration 5),
-  changed only through `AdapterStore.set_names`, whose transaction serialises name changes
-  so two replicas cannot give one alias to two adapters. (A registration's requested name is
-  checked just before its insert, outside that lock: two replicas registering *different*
-  content under one new name at the same instant can both succeed; the name is then
-  ambiguous and every API says so, listing both ids, rather than serve the wrong adapter.)
-- **The default set**: every adapter's ``default_scale`` (0: detached).
-- **Removed adapters**: ids unregistered through any replica (`removed_ids`), so every
-  replica unloads them from the workers it announced them to.
-- **Worker sightings** (`WorkerSighting`): which worker last heartbeated which replica, so
-  that every replica knows every worker (`control_plane.replicas`).
-
-Every read goes to the database: a change committed through one replica is what the next
-read on any replica returns (no cache to invalidate).
-
-Errors: the database being unreachable, or not answering within the store's bounded
-timeouts (2 s: `CALL_TIMEOUT_S`), raises `control_plane.errors.DatabaseUnavailableError`
-(gRPC UNAVAILABLE, HTTP 503 with ``Retry-After``) naming the database; a schema newer than
-this build raises `SchemaTooNewError` at start-up.
-
-Bad rows: an ``adapters`` row whose columns do not parse (metadata that is not a JSON object
-of the expected shape, a scale that is not a number — anything written behind the control
-plane's back) is skipped by `AdapterStore.list` and `AdapterStore.default_set` with a warning
-log naming the row id (`BadRows`), so one bad row never stops listing or serving the others;
-`AdapterStore.get` / `get_by_sha256` of that row raise `control_plane.errors.DataCorruptionError`
-naming it (gRPC DATA_LOSS); `AdapterStore.delete` still removes it.
+The rules every implementation keeps (ids, content addressing, names, bad rows):
+docs/architecture.md, "The store"; outages: docs/operations.md, "Data dir, databases, replicas".
 """
 
 from __future__ import annotations

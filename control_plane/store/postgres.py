@@ -1,52 +1,15 @@
 """PostgreSQL implementation of `AdapterStore`: several control-plane replicas, one database.
 
-``postgresql://USER:PASSWORD@HOST:PORT/DB`` (any libpq URL or keyword string; the password
-can also come from ``PGPASSWORD`` / ``~/.pgpass``). psycopg 3 with a `psycopg_pool.ConnectionPool`
-(connections checked before use, so a database failover costs one failed call per broken
-connection, not a stuck pool); every method is one transaction on one pooled connection.
+`PostgresStore` opens a psycopg 3 `psycopg_pool.ConnectionPool` from a libpq URL or keyword
+string; every method is one transaction on one pooled connection. Adapter bytes live in the
+database (``adapter_blobs``, pieces of `BLOB_CHUNK_BYTES`); `PostgresStore.insert` registers
+with the id counter's lock held. Each call is bounded: `CONNECT_TIMEOUT_S`, `RECONNECT_TIMEOUT_S`,
+one `CALL_TIMEOUT_S` deadline enforced on the client by `_Watchdog` and on the server by
+`STATEMENT_TIMEOUT_S`; migrations get `MIGRATE_TIMEOUT_S`. Failures become
+`DatabaseUnavailableError` naming the database without its password (`redact`).
 
-Adapter bytes live in the database, table ``adapter_blobs(sha256, seq, data BYTEA)``, in
-pieces of `BLOB_CHUNK_BYTES` (1 MiB): every replica reads them with no shared volume, a
-registration commits the row and the bytes in one transaction (all or nothing), and a
-``pg_dump`` backs up adapters with their metadata. Pieces keep each value far below
-``bytea``'s 1 GB limit and let a worker's fetch stream without holding the file in memory.
-Server paths and start-up files are copied in too: a path on one replica's disk means
-nothing to another.
-
-Registration order (`insert`), for concurrent replicas:
-
-1. the pieces are inserted ``ON CONFLICT DO NOTHING`` (a concurrent registration of the
-   same content waits on the primary key until the other commits or rolls back);
-2. ``UPDATE id_counter … RETURNING`` takes the counter row's lock: id assignment is
-   serialised across replicas for the rest of this short transaction, and its number is
-   unique and increasing;
-3. with the lock held, the sha256 is looked up again (READ COMMITTED: a new snapshot sees
-   registrations committed meanwhile); if it is there, the transaction rolls back (counter
-   and pieces with it) and the existing record is returned — same content, one id;
-4. the row is inserted and everything commits.
-
-A failed registration rolls the counter back with it, so it leaves no gap: ids have holes
-only where adapters were unregistered.
-
-Bounded waits (an outage costs each call at most about `CALL_TIMEOUT_S`, 2 s, never a hang):
-
-- libpq ``connect_timeout`` `CONNECT_TIMEOUT_S` (2 s, psycopg's minimum) for every new
-  connection, and a pool that gives up re-connecting after `RECONNECT_TIMEOUT_S` so that a
-  later call tries again at once (psycopg_pool's backoff would otherwise wait up to 16 s
-  after a 20 s outage before its next attempt);
-- one deadline per call, `CALL_TIMEOUT_S` from its start, covering the wait for a pooled
-  connection, the pool's liveness check of it and every statement; it is enforced on the
-  client (`_Watchdog` shuts the connection's socket down when it passes, so a server that
-  accepts bytes but never answers — stopped, swapped out, a network black hole — fails the
-  call instead of blocking its thread) and on the server (``statement_timeout`` and
-  ``lock_timeout``, `STATEMENT_TIMEOUT_S`, in the connection's ``options``; a URL's own
-  ``options`` come after ours and win). Registration re-arms the deadline for each 1 MiB
-  piece it writes; migrations at start-up get `MIGRATE_TIMEOUT_S`.
-
-Errors: a connection or server failure (``psycopg.OperationalError``, pool timeout, deadline)
-becomes `DatabaseUnavailableError` naming the database and the reason, e.g.
-``database unavailable (postgresql://lp@db:5432/lp: connection refused); retry later`` (gRPC
-UNAVAILABLE, HTTP 503 with ``Retry-After``; clients retry, on another replica if they have one).
+The registration order across replicas and the bounded waits: docs/architecture.md,
+"The store".
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """SQLite implementation of `AdapterStore`: the embedded default, one control-plane process.
 
-Stdlib ``sqlite3`` in WAL mode, one connection guarded by a lock (gRPC handlers run on a
-thread pool). ``sqlite:///PATH`` (default ``<data-dir>/loraplane.sqlite3``).
+`SqliteStore` uses the stdlib ``sqlite3`` in WAL mode, one connection guarded by a lock (gRPC
+handlers run on a thread pool), at ``sqlite:///PATH`` (default ``<data-dir>/loraplane.sqlite3``,
+`DB_FILENAME`). Ids come from a one-row counter table; uploaded bytes are files under the blob
+directory; a database that stays locked or cannot be read or written raises
+`DatabaseUnavailableError` naming the file. Opening waits up to `OPEN_RETRY_S` for a concurrent
+first open.
 
-Ids: non-negative, assigned from 0 in registration order, never reused, stable
-across restarts. SQLite's AUTOINCREMENT starts at 1 and the rowid rules reuse ids after the
-highest row is deleted, so ids come from an explicit one-row counter table instead,
-incremented in the same transaction as the insert.
-
-Adapter bytes stay files on this machine: an upload becomes ``<blob-dir>/<sha256>.gguf``
-(moved into place inside the registration's transaction, removed again if the insert fails);
-a server path or start-up file is referenced where it is (one machine: the path means the
-same thing to the only process that reads it). A crash between the move and the commit
-leaves a file with no row; `SqliteStore` deletes such files (and stale ``.part`` uploads) when
-it opens, so what survives is the whole adapter or nothing. The ``adapter_blobs`` table the
-shared migrations create is the PostgreSQL store's and stays empty here.
-
-Bounded waits: opening waits up to `OPEN_RETRY_S` for a concurrent first open (WAL switch,
-migration); after that every call waits at most `control_plane.store.base.CALL_TIMEOUT_S` for
-this process's own lock and at most as long for SQLite's (``busy_timeout``: another process
-writing, e.g. an operator's ``sqlite3`` shell). A database that stays locked, or that SQLite
-cannot read or write (``sqlite3.OperationalError``: locked, disk I/O error, disk full, file
-gone), fails the call with `DatabaseUnavailableError` naming the file (gRPC UNAVAILABLE,
-HTTP 503).
+Ids, where the bytes live, crash recovery and bounded waits: docs/architecture.md, "The store".
 """
 
 from __future__ import annotations

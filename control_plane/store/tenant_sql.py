@@ -1,28 +1,14 @@
 """The tenant tables' SQL, spelled once for both databases (`Dialect` fills the differences).
 
-Tables (migrations 6 and 7, `control_plane.store.migrations`): ``tenants`` (limits, the
-two buckets' levels as written at ``level_at``, totals, ``claims``), ``tenant_keys`` (API keys by
-sha256, several per tenant), ``tenant_in_flight`` (requests in flight per (tenant, replica), with
-the time each replica last wrote its row: what usage reports), ``tenant_claims`` (one row per
-admitted request of a tenant with ``max_concurrent``: its replica and its lease's expiry;
-``tenants.claims`` counts them).
+Tables (migrations 6 and 7, `control_plane.store.migrations`): ``tenants``, ``tenant_keys``,
+``tenant_in_flight`` and ``tenant_claims``. `Dialect.admit_update` is the admission: one guarded
+``UPDATE`` of the tenant's row; `Dialect.sync_update` is a sync's per-tenant write, whose
+``released`` is the only decrement of ``claims``. `record_of`, `state_of` and `admission_of` turn
+rows into `control_plane.store.tenant_records` values. The implementations run these statements
+(`control_plane.store.sqlite`, `control_plane.store.postgres_tenants`).
 
-**Admission** (`Dialect.admit_update`) is one ``UPDATE … WHERE <every limit allows one more>``
-of the tenant's row: the row lock serialises concurrent admissions of one tenant on every
-replica, and PostgreSQL re-evaluates the ``WHERE`` on the row as the previous holder left it
-(READ COMMITTED), so ``claims`` never passes ``max_concurrent`` and a bucket never pays out what
-it does not hold, however many replicas admit at once. Only a claim row's deletion decrements
-``claims`` (`Dialect.sync_update`'s ``released``: a settle, or a lease expired), so a claim is
-released exactly once, whoever gets there first.
-
-Buckets are stored as ``(level, level_at)``; the level *now* is the stored one plus the refill
-since ``level_at`` (``limit / 60`` per second, at most ``limit``), computed inside the statement
-from the database's clock (`Dialect.now`: PostgreSQL's ``now()``, the transaction's start; SQLite:
-this host's clock, passed in), so replicas' clocks never enter the arithmetic. Every write
-re-bases both buckets to now (never back: a statement that waited for the row lock may carry
-an earlier ``now()`` than the writer before it). A sync's deltas may take a level below 0
-(admissions a replica decided alone during a database outage, `control_plane.quotas`);
-it then refills from there.
+What the tables hold, why admission is exact across replicas, buckets on the database's clock:
+docs/tenants.md, "Several replicas".
 """
 
 from __future__ import annotations

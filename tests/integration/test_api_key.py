@@ -220,7 +220,7 @@ def test_tenants_cli_json_and_tenant_keys_pass_for_inference_only(plane: Plane, 
     as soon as the tenant is removed."""
     from click.testing import CliRunner
 
-    from clients.cli import cli
+    from clients.cli.main import cli
 
     for var in ("LORAPLANE_ADMIN_TOKEN", "LORAPLANE_API_KEY", "LORAPLANE_ADDR"):
         monkeypatch.delenv(var, raising=False)

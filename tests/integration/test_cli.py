@@ -17,8 +17,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from clients.cli import cli
-from clients.cli_server import startup_adapters
+from clients.cli.main import cli
+from clients.cli.server_commands import startup_adapters
 from clients.client import LoraplaneClient
 from tests.helpers.control_plane import write_adapter
 from tests.helpers.live_servers import restored_default

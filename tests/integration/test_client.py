@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from clients.async_client import AsyncLoraplaneClient
 from clients.channel import (
     SERVICE_CONFIG,
     Replicas,
@@ -26,7 +27,6 @@ from clients.channel import (
     parse_addresses,
 )
 from clients.client import (
-    AsyncLoraplaneClient,
     FinishedEvent,
     LoraplaneClient,
     LoraplaneError,
@@ -506,7 +506,7 @@ def test_upload_is_sent_again_whole_and_unregister_not_found_on_retry_is_done(tw
 def test_unreachable_first_address_moves_on_and_all_unreachable_is_exit_3(two_replicas):
     from click.testing import CliRunner
 
-    from clients.cli import cli
+    from clients.cli.main import cli
 
     _, addrs = two_replicas
     dead = f"127.0.0.1:{closed_port()}"

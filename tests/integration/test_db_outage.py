@@ -32,7 +32,7 @@ import pytest
 import structlog
 from click.testing import CliRunner
 
-from clients.cli import cli
+from clients.cli.main import cli
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2, worker_pb2_grpc
 from tests.helpers.control_plane import MiB, rpc_error, upload

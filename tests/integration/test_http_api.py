@@ -50,8 +50,8 @@ def client(serve) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer(base_model_path):
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(base_model_path))
 

@@ -51,8 +51,8 @@ def tiny(tmp_path_factory, fixtures_dir: Path):
 
 
 def test_chat_prompt_is_the_gguf_template_rendered_then_tokenized(tiny):
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     serve, model = tiny
     tok = Tokenizer.from_gguf(read_gguf(model))

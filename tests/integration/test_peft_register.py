@@ -99,7 +99,7 @@ def test_convert_peft_reads_bf16_and_f16_without_torch(tmp_path, fixtures_dir):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from worker.tools.convert_peft import read_safetensors
+    from loraplane.formats.convert_peft import read_safetensors
 
     src = fixtures_dir / "adapters" / "peft" / "shout"
     tensors = read_safetensors(src / "adapter_model.safetensors")

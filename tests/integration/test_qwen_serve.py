@@ -112,8 +112,8 @@ def test_chat_stops_at_im_end(serve) -> None:
 @pytest.fixture(scope="module")
 def tok(qwen_model_path: Path):
     """Qwen's tokenizer, to read the prompts the worker ran (``return_token_ids``)."""
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(qwen_model_path))
 

@@ -37,7 +37,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 
-from clients.cli import cli
+from clients.cli.main import cli
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from loraplane.env import ENV_WORKER_SECRET

@@ -21,7 +21,7 @@ import pytest
 import structlog.testing
 from click.testing import CliRunner
 
-from clients.cli import cli
+from clients.cli.main import cli
 from loraplane.interceptors import refusal
 from loraplane.status_details import MAX_DETAILS_BYTES, BoundedStatusInterceptor, encoded_size
 from loraplane.v1 import common_pb2 as pb

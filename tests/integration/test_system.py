@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from clients.cli.serve import worker_command
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from clients.results import FinishedEvent, TokenEvent
-from clients.serve import worker_command
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
 from tests.helpers.live_servers import WORKER_SECRET

@@ -95,7 +95,10 @@ def test_wheel_and_sdist_hold_the_five_packages(installed):
     for want in (
         "control_plane/server.py",
         "worker/rpc/server.py",
-        "clients/cli.py",
+        "clients/cli/main.py",
+        "clients/cli/__main__.py",
+        "control_plane/options.py",
+        "worker/options.py",
         "bench/__main__.py",
         "loraplane/v1/control_plane_pb2.py",
         "loraplane/demo/adapters/shout.gguf",
@@ -107,10 +110,10 @@ def test_wheel_and_sdist_hold_the_five_packages(installed):
         assert want in names, want
     assert not [n for n in names if "/tests/" in n or n.startswith("tests/") or "/_build/" in n]
     entry_points = zipfile.ZipFile(installed["wheel"]).read("loraplane-0.1.0.dist-info/entry_points.txt").decode()
-    assert "loraplane = clients.cli:main" in entry_points
+    assert "loraplane = clients.cli.main:main" in entry_points
     with tarfile.open(installed["sdist"]) as tar:
         members = {m.name.split("/", 1)[1]: m for m in tar.getmembers() if "/" in m.name}
-    assert members["clients/demo.py"].isfile()
+    assert members["clients/cli/demo.py"].isfile()
     assert members["loraplane/demo/adapters/shout.gguf"].isfile()
 
 
@@ -120,7 +123,7 @@ def test_installed_package_is_the_one_imported(installed):
         [
             sys.executable,
             "-c",
-            "import loraplane, clients.demo as d; "
+            "import loraplane, clients.cli.demo as d; "
             "print(loraplane.__file__); print(d.DEMO_DIR); print(all(p.is_file() for _, p in d.DEMO_ADAPTERS))",
         ],
         cwd=installed["cwd"],

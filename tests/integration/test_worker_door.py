@@ -319,7 +319,7 @@ def test_stall_watchdog_counts_only_time_spent_sending():
 def test_cli_flags():
     from click.testing import CliRunner
 
-    from clients.cli import cli
+    from clients.cli.main import cli
 
     cp_help = CliRunner().invoke(cli, ["control-plane", "--help"]).output
     for flag in ("--insecure-workers", "--max-fetches", "--fetch-stall-timeout", "--worker-secret"):

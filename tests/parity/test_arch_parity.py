@@ -19,16 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from loraplane.formats.gguf.reader import read_gguf
+from loraplane.formats.tokenizer import Tokenizer
 from tests.helpers.parity_compare import compare_case, teacher_forced_logprobs
 from tests.helpers.tiny_models import ARCHS, MODELS, VOCAB, adapter
-from worker.gguf.reader import read_gguf
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.runtime import arch as arch_registry
 from worker.runtime.context import Model, UBatch
 from worker.runtime.errors import ModelError
 from worker.runtime.model import load_model
-from worker.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""worker.runtime.tokenizer on llama.cpp's own tokenizer test vocabularies (``ggml-vocab-*.gguf``
+"""loraplane.formats.tokenizer on llama.cpp's own tokenizer test vocabularies (``ggml-vocab-*.gguf``
 with their ``.inp`` / ``.out`` cases, shipped in the llama-cpp-python 0.3.36 sdist), plus the
 BPE-specific rules: special tokens, BOS, end-of-generation ids, load errors, load time and
 byte-level detokenization.
@@ -16,9 +16,9 @@ from pathlib import Path
 import gguf
 import pytest
 
-from worker.gguf.reader import read_gguf
-from worker.runtime.tokenizer import Tokenizer, TokenizerError
-from worker.runtime.tokenizer.bpe import BYTE_TO_CHAR
+from loraplane.formats.gguf.reader import read_gguf
+from loraplane.formats.tokenizer import Tokenizer, TokenizerError
+from loraplane.formats.tokenizer.bpe import BYTE_TO_CHAR
 from worker.serving.output import IncrementalDetokenizer
 
 # Every vocab file of the sdist whose type and pre-tokenizer we build, with its case count.

@@ -1,4 +1,4 @@
-"""worker.tools.convert_peft: PEFT folders → adapter GGUFs equal to llama.cpp's converter output.
+"""loraplane.formats.convert_peft: PEFT folders → adapter GGUFs equal to llama.cpp's converter output.
 
 The fixture GGUFs were written by llama.cpp's ``convert_lora_to_gguf.py --outtype f32`` from
 the fixture PEFT folders. Ours must hold the same names, ne, values and alpha — except
@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from worker.gguf.reader import dequantize, read_gguf
+from loraplane.formats.convert_peft import ConvertError, convert_peft
+from loraplane.formats.gguf.reader import dequantize, read_gguf
 from worker.lora.adapter import load_lora_adapter
-from worker.tools.convert_peft import ConvertError, convert_peft
 
 # name → alpha we must write
 

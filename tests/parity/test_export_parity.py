@@ -68,7 +68,7 @@ def test_gemma_tied_embedding_adapter_merged_f32(base_model_path, fixtures_dir, 
     tokens = [2, 818, 7606, 3124, 563, 496, 3103, 529]
     shout_embd, sea = fixtures_dir / "adapters" / "shout_embd.gguf", fixtures_dir / "adapters" / "sea.gguf"
     merged = export_lora(base_model_path, [(shout_embd, 1.0), (sea, 0.5)], tmp_path / "merged.gguf", outtype="f32")
-    from worker.gguf.reader import read_gguf
+    from loraplane.formats.gguf.reader import read_gguf
 
     assert "output.weight" in read_gguf(merged).tensors
     attached = _logprobs(base_model_path, tokens, [(shout_embd, 1.0), (sea, 0.5)])

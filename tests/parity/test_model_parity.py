@@ -18,13 +18,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from loraplane.formats.convert_peft import convert_peft
 from tests.helpers.parity_compare import CaseStats, GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.registry import AdapterInUseError
 from worker.runtime.context import Model, UBatch
 from worker.runtime.model import load_model
-from worker.tools.convert_peft import convert_peft
 
 GOLDEN_IDS = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from loraplane.formats.gguf.reader import read_gguf
+from loraplane.formats.tokenizer import Tokenizer
 from tests.helpers.tiny_models import PRE_VOCAB, model_pre
-from worker.gguf.reader import read_gguf
-from worker.runtime.tokenizer import Tokenizer
 
 # slow tier: twelve pre-tokenizers, each over llama.cpp's whole test corpus (13 s on a 2-core AMD EPYC)
 pytestmark = pytest.mark.slow

@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 import torch
 
+from loraplane.formats.convert_peft import convert_peft
+from loraplane.formats.gguf.reader import read_gguf
+from loraplane.formats.tokenizer import Tokenizer
 from tests.helpers.parity_compare import GroupStats, compare_case, teacher_forced_logprobs
-from worker.gguf.reader import read_gguf
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import Model, UBatch
 from worker.runtime.model import load_model
-from worker.runtime.tokenizer import Tokenizer
-from worker.tools.convert_peft import convert_peft
 
 pytestmark = pytest.mark.slow
 
@@ -183,7 +183,7 @@ def test_convert_peft_equals_llama_cpp_converter(name: str, qdir: Path, qwen_mod
     assert ours.metadata["adapter.lora.alpha"] == pytest.approx(ref.metadata["adapter.lora.alpha"])
     assert ours.arch == ref.arch == "qwen2"
     assert set(ours.tensors) == set(ref.tensors) and len(ref.tensors) > 0
-    from worker.gguf.reader import dequantize
+    from loraplane.formats.gguf.reader import dequantize
 
     for tname, rec in ref.tensors.items():
         assert ours.tensors[tname].ne == rec.ne, tname

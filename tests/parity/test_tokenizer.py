@@ -1,4 +1,4 @@
-"""worker.runtime.tokenizer against llama.cpp's own token ids (fixtures/golden.json,
+"""loraplane.formats.tokenizer against llama.cpp's own token ids (fixtures/golden.json,
 tiny_moe/golden_moe.json)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from worker.gguf.reader import GGUFFile, read_gguf
-from worker.runtime.tokenizer import Tokenizer, TokenizerError
+from loraplane.formats.gguf.reader import GGUFFile, read_gguf
+from loraplane.formats.tokenizer import Tokenizer, TokenizerError
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from loraplane.formats.adapter_file import MAX_RANK, AdapterError, base_tensor_index, lora_scale, read_lora_adapter
+from loraplane.formats.gguf.reader import dequantize, read_gguf
 from tests.helpers.adapter_gguf import BASE, D, E, K, R, V, write_adapter_gguf
-from worker.gguf.reader import dequantize, read_gguf
-from worker.lora.adapter import (
-    MAX_RANK,
-    AdapterError,
-    LoraPair,
-    base_tensor_index,
-    load_lora_adapter,
-    lora_scale,
-    open_lora_adapter,
-    validate_lora_adapter,
-)
+from worker.lora.adapter import LoraPair, load_lora_adapter, open_lora_adapter
 
 # name, alpha, ranks, pair count, invocation tokens
 FIXTURE_ADAPTERS = [
@@ -131,7 +123,7 @@ def test_good_synthetic_adapter(tmp_path):
         "adapter.alora.invocation_tokens": ([5, 6], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32),
     }
     path = write_adapter_gguf(tmp_path / "good.gguf", t, extra=extra)
-    af = validate_lora_adapter(path, base_arch="llama", base_tensors=BASE)  # numpy, no torch
+    af = read_lora_adapter(path, base_arch="llama", base_tensors=BASE)  # numpy, no torch
     a = load_lora_adapter(path, base_arch="llama", base_tensors=BASE)
     assert (af.name, af.ranks, af.n_nodes, sorted(af.pairs)) == (a.name, a.ranks, a.n_nodes, sorted(a.pairs))
     for base, (a_np, b_np) in af.pairs.items():

@@ -164,7 +164,7 @@ def test_unit_options_match_the_cli():
     """Every --flag a unit passes exists on that CLI command."""
     from click.testing import CliRunner
 
-    from clients.cli import cli
+    from clients.cli.main import cli
 
     for name in ("loraplane-control-plane.service", "loraplane-worker@.service"):
         argv = shlex.split(parse_unit(name)["Service"]["ExecStart"])
@@ -224,7 +224,7 @@ def parse_flags(subcommand: str, args: list[str]) -> dict:
     side effects): option name → raw value. Raises click's NoSuchOption for a flag it lacks."""
     import click
 
-    from clients.cli import cli
+    from clients.cli.main import cli
 
     cmd = cli.commands[subcommand]
     opts, _, _ = cmd.make_parser(click.Context(cmd, info_name=subcommand)).parse_args(args)
@@ -290,7 +290,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
 def test_manifest_options_match_the_cli():
     from click.testing import CliRunner
 
-    from clients.cli import cli
+    from clients.cli.main import cli
 
     for name, kind in (("control-plane.yaml", "Deployment"), ("workers.yaml", "StatefulSet")):
         (workload,) = by_kind(load_all(name))[kind]
@@ -419,7 +419,7 @@ def test_postgres_variant_rolls_with_replicas_and_reads_the_database_secret():
     assert kust["resources"] == ["control-plane.yaml"]  # the Secret is never applied from the example
     from click.testing import CliRunner
 
-    from clients.cli import cli
+    from clients.cli.main import cli
 
     help_text = CliRunner().invoke(cli, ["control-plane", "--help"]).output
     assert "--database" in help_text and ENV_DATABASE_URL in (ROOT / "deploy" / "README.md").read_text()

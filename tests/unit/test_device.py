@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
 
 from bench.__main__ import device_arg
-from clients.cli import cli
+from clients.cli.main import cli
 from loraplane.compute_spec import DTYPE_NAMES, check_device_spec
-from worker.gguf.reader import TensorRecord
+from loraplane.formats.gguf.reader import TensorRecord
 from worker.runtime.device import bind_device, resolve_device
 from worker.runtime.errors import ModelError
 from worker.runtime.kernels import KernelError, QuantLinear, pack_tensor

@@ -113,7 +113,7 @@ def test_weight_form_resolution():
 
 
 def test_unsupported_type_names_the_tensor():
-    from worker.gguf.reader import GGUFError, TensorRecord
+    from loraplane.formats.gguf.reader import GGUFError, TensorRecord
 
     rec = TensorRecord("blk.0.attn_q.weight", gguf.GGMLQuantizationType.TQ1_0, (256, 1), np.zeros((1, 54), np.uint8))
     with pytest.raises(GGUFError, match=r"blk\.0\.attn_q\.weight.*TQ1_0"):

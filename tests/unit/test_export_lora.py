@@ -12,8 +12,8 @@ import gguf
 import numpy as np
 import pytest
 
-from worker.gguf.reader import dequantize, read_gguf
-from worker.lora.adapter import AdapterError
+from loraplane.formats.adapter_file import AdapterError
+from loraplane.formats.gguf.reader import dequantize, read_gguf
 from worker.tools.export_lora import export_lora
 
 # slow tier: each test merges a whole model file and reads it back (12 s in all on a 2-core AMD EPYC)

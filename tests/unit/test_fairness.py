@@ -210,7 +210,8 @@ def test_tenant_from_the_wire():
 
 
 def test_cli_flags_validated_and_turned_into_worker_args():
-    from clients.cli_server import worker_args, worker_cmd
+    from clients.cli.server_commands import worker_cmd
+    from worker.options import worker_argv
 
     for bad in ("0", "-2", "nan", "inf"):
         res = CliRunner().invoke(worker_cmd, ["--fairness", "vtc", "--fairness-prompt-weight", bad])
@@ -218,20 +219,10 @@ def test_cli_flags_validated_and_turned_into_worker_args():
         assert "--fairness-prompt-weight" in res.output and "is not a finite number > 0" in res.output
     res = CliRunner().invoke(worker_cmd, ["--fairness", "fair"])
     assert res.exit_code == 2 and "'off', 'vtc'" in res.output
-    base = dict(
-        model_path=None,
-        n_slots=2,
-        batching="mixed",
-        prefix_cache="keyed",
-        dtype="f32",
-        device="cpu",
-        n_ctx_slot=None,
-        queue_limit=None,
-        prefix_cache_tokens=None,
-    )
-    args = worker_args(**base, fairness="vtc", fairness_prompt_weight=1.5, fairness_output_weight=3.0)
+    base = dict(model_path=None, n_slots=2, device="cpu", n_ctx_slot=None)
+    args = worker_argv(dict(base, fairness="vtc", fairness_prompt_weight=1.5, fairness_output_weight=3.0))
     assert args[-6:] == ("--fairness", "vtc", "--fairness-prompt-weight", "1.5", "--fairness-output-weight", "3.0")
-    assert "--fairness" not in worker_args(**base)  # not given: the worker's default (off)
+    assert "--fairness" not in worker_argv(base)  # not given: the worker's default (off)
     assert isinstance(worker_cmd, click.Command)
 
 
@@ -401,8 +392,8 @@ def test_tenant_service_is_the_proto_field_for_field_and_reaches_worker_stats():
 def test_serve_passes_the_fairness_flags_to_its_worker(monkeypatch, tmp_path):
     """``loraplane serve --fairness vtc …``: the worker subprocess gets the same flags (the
     serve machinery itself is replaced: no process starts)."""
-    import clients.serve as serve_mod
-    from clients.cli_server import serve_cmd
+    import clients.cli.serve as serve_mod
+    from clients.cli.server_commands import serve_cmd
 
     seen = {}
 

@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
-from worker.gguf.reader import GGUFError, TensorRecord, dequantize, read_gguf
+from loraplane.formats.gguf.reader import GGUFError, TensorRecord, dequantize, read_gguf
 from worker.gpu.dequant import (
     DEVICE_DEQUANT_TYPES,
     Uploader,
@@ -66,7 +66,7 @@ def bits(x: np.ndarray | torch.Tensor) -> np.ndarray:
 
 
 def test_every_reader_type_has_a_device_dequantizer():
-    from worker.gguf.reader import FLOAT_TYPES, SUPPORTED_QUANT_TYPES
+    from loraplane.formats.gguf.reader import FLOAT_TYPES, SUPPORTED_QUANT_TYPES
 
     assert DEVICE_DEQUANT_TYPES == FLOAT_TYPES | SUPPORTED_QUANT_TYPES
     assert set(F16_FIELDS) == set(BLOCK_TYPES) == SUPPORTED_QUANT_TYPES

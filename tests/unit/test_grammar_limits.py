@@ -23,8 +23,8 @@ DEFAULT = GrammarLimits()
 @pytest.fixture
 def tiny_tokenizer(fixtures_dir):
     """A fresh tokenizer object (the vocabulary view is cached per object)."""
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 
@@ -33,8 +33,8 @@ def tiny_tokenizer(fixtures_dir):
 def shared_tokenizer(fixtures_dir):
     """One tokenizer for the tests of the worker's compiled-format cache (its vocabulary view is
     built once for them)."""
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 

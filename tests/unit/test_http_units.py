@@ -104,7 +104,8 @@ def test_bounded_render_keeps_normal_output_and_reuses_the_compiled_template():
 def test_cli_ids_are_ascii_digits():
     import click
 
-    from clients.params import AdapterIdType, HostPortType, TokenIdsType
+    from clients.cli.params import AdapterIdType, TokenIdsType
+    from loraplane.options import HostPortType
 
     assert AdapterIdType().convert("7", None, None) == 7
     for bad in ("\u0663", "1_0", "+3", "4294967296", "-1", "12345678901234567890"):

@@ -27,7 +27,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as T
 
-from worker.gguf.reader import read_gguf
+from loraplane.formats.gguf.reader import read_gguf
 from worker.runtime.kernels import build, pack_tensor, supported
 
 PATHS = [p for p in ("avx2", "avx512") if supported(p)]

@@ -3,7 +3,7 @@
 Weights are real GGUF tensors: quantized with ``gguf.quants.quantize`` where the gguf package
 can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16), crafted as random block bytes where it cannot
 (Q4_K, Q5_K, Q6_K), written into a tiny GGUF with ``gguf.GGUFWriter`` and read back with
-``worker.gguf.reader``. The reference is ``worker.gguf.reader.dequantize``.
+``loraplane.formats.gguf.reader``. The reference is ``loraplane.formats.gguf.reader.dequantize``.
 
 Tolerances (stated per path):
 
@@ -32,8 +32,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, quants
 
+from loraplane.formats.gguf.reader import dequantize, read_gguf
 from tests.helpers.gguf_blocks import weight_array
-from worker.gguf.reader import dequantize, read_gguf
 from worker.runtime import graph as graph_mod
 from worker.runtime.graph import GraphContext
 from worker.runtime.kernels import (

@@ -14,7 +14,7 @@ avx512 ``vpdpwssd`` kernel's bit for bit (bs 32 on tiles, bs 16 on ``vpdpwssd``;
 dequantized reference is tested in ``test_kernels.py``.
 
 Weights: real GGUF block bytes written with ``gguf.GGUFWriter`` and read back with
-``worker.gguf.reader`` (``tests.helpers.gguf_blocks.weight_array``: gguf's quantizer where it has one,
+``loraplane.formats.gguf.reader`` (``tests.helpers.gguf_blocks.weight_array``: gguf's quantizer where it has one,
 random valid blocks for the K-quants).
 """
 
@@ -30,8 +30,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
+from loraplane.formats.gguf.reader import dequantize, read_gguf
 from tests.helpers.gguf_blocks import weight_array
-from worker.gguf.reader import dequantize, read_gguf
 from worker.runtime.kernels import KernelPathError, QuantLinear, build, cpu, pack_tensor, quantize_activations
 
 AMX = cpu.amx_unavailable_reason() is None

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from loraplane.formats.adapter_file import AdapterError
 from tests.helpers.lora_fakes import D, K, adapter
-from worker.lora.adapter import AdapterError, LoraAdapter, LoraPair, load_lora_adapter, open_lora_adapter
+from worker.lora.adapter import LoraAdapter, LoraPair, load_lora_adapter, open_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.plan import build_plan
 from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError
@@ -112,7 +113,7 @@ def test_rank_growth_keeps_other_slots():
 
 def test_heterogeneous_ranks_and_weights_routed_by_slot():
     """Ranks 4, 8, 16, 64 and adapters on different weights, one product per weight."""
-    from worker.lora.adapter import lora_scale
+    from loraplane.formats.adapter_file import lora_scale
     from worker.runtime.graph import GraphContext, GraphInputs
 
     ads = [

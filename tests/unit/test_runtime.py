@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.gguf.reader import GGUFError, read_gguf
+from loraplane.formats.gguf.reader import GGUFError, read_gguf
 from worker.runtime.context import DecodeError, Model, UBatch
 from worker.runtime.kernels import QuantLinear
 from worker.runtime.model import LM_HEAD_RESCORE, ModelError, load_model
@@ -69,7 +69,7 @@ def test_missing_tensor_names_it(tmp_path):
 
 
 def test_unsupported_quant_type_names_tensor(tmp_path):
-    from worker.gguf.reader import dequantize
+    from loraplane.formats.gguf.reader import dequantize
 
     p = _tiny_model(tmp_path / "q.gguf", qtype=gguf.GGMLQuantizationType.IQ2_XXS)
     rec = read_gguf(p).tensors["token_embd.weight"]

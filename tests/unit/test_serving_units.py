@@ -12,12 +12,12 @@ import re
 import pytest
 import torch
 
+from loraplane.formats.adapter_file import lora_scale
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2
 from tests.helpers.lora_fakes import D, K, adapter
 from worker.config import PrefixCachePolicy
 from worker.errors import InvalidRequestError
-from worker.lora.adapter import lora_scale
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.alora import find_last, resolve_alora
 from worker.lora.plan import build_plan
@@ -238,8 +238,8 @@ def test_scale_rule():
 
 # --- output ------------------------------------------------------------------------------
 def test_incremental_detokenizer_equals_decode(fixtures_dir):
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
     rng = random.Random(0)
@@ -274,8 +274,8 @@ def test_prompt_logprobs_and_finish_reason():
 @pytest.fixture(scope="module")
 def tiny_tokenizer(fixtures_dir):
     """The tiny llama-MoE's real tokenizer (32000 pieces, EOG = 2)."""
-    from worker.gguf.reader import read_gguf
-    from worker.runtime.tokenizer import Tokenizer
+    from loraplane.formats.gguf.reader import read_gguf
+    from loraplane.formats.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(read_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"))
 

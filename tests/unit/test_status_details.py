@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from loraplane.formats.adapter_file import AdapterError
 from loraplane.status_details import MAX_DETAILS_BYTES, bound_details, encoded_size
-from worker.lora.adapter_file import AdapterError
 
 
 def test_short_messages_pass_unchanged() -> None:

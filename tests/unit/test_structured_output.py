@@ -15,6 +15,7 @@ from control_plane.grammar_check import InlineChecker
 from control_plane.http.errors import OpenAIError
 from control_plane.http.schemas import ChatCompletionRequest, CompletionRequest
 from control_plane.http.structured import response_format_of
+from loraplane.formats.tokenizer import TokenAttr
 from loraplane.v1 import common_pb2
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.errors import InvalidRequestError
@@ -28,7 +29,6 @@ from worker.runtime.grammar import (
     mask_words,
 )
 from worker.runtime.sampling import SamplingParams
-from worker.runtime.tokenizer import TokenAttr
 from worker.serving.constraints import GrammarStage
 from worker.serving.engine import WorkerEngine
 from worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
@@ -38,7 +38,7 @@ WORDS = ["{", "}", '"', ":", ",", "true", "false", "ok", "n", '{"', '":', "yes",
 
 class TinyTok:
     """A 256 + len(WORDS) + 2-token vocabulary: every byte, some JSON pieces, BOS and EOS
-    (control), shaped like `worker.runtime.tokenizer.Tokenizer` for the grammar module."""
+    (control), shaped like `loraplane.formats.tokenizer.Tokenizer` for the grammar module."""
 
     def __init__(self) -> None:
         self._pieces = [f"<0x{b:02X}>" for b in range(256)] + WORDS + ["<s>", "</s>"]

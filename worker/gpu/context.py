@@ -1,31 +1,17 @@
-"""The GPU engine's context: the forward pass of ``worker.runtime.arch`` on the device,
-its decode steps replayed as CUDA graphs.
+"""The GPU engine's context: the forward pass of ``worker.runtime.arch`` on the device, its
+decode steps replayed as CUDA graphs.
 
-What a CUDA worker runs instead of ``worker.runtime.context.WorkerContext`` (chosen
-by ``Model.new_context`` from the model's device; the CPU context and its kernels are unchanged).
-The architecture builders are the same; :class:`GpuGraphContext` overrides the graph blocks
-whose CPU forms do not fit the device:
+`GpuWorkerContext` is what a CUDA worker runs instead of ``worker.runtime.context.WorkerContext``
+(chosen by ``Model.new_context``): the CPU context's contract (``set_adapters``,
+``decode(UBatch)`` → ``DecodeResult``, ``kv``) over a paged KV cache (``worker.gpu.kv.PagedKV``),
+decode-only ubatches through ``worker.gpu.graph_runner.GraphRunner``, two graph sets (without
+and with LoRA launches). `GpuGraphContext` overrides the graph blocks whose CPU forms do not fit
+the device: cuBLAS matmuls of the ``device-dense`` weights with f32 output (`MM_OUTPUT`), LoRA
+by ``worker.gpu.kernels.lora.add_lora``, attention by ``worker.gpu.kernels.attention``; the
+residual stream is `STREAM_DTYPE`.
 
-- **matmuls**: the ``device-dense`` weights (``worker.runtime.model``; the compute
-  dtype, bf16 by default) multiplied by cuBLAS with f32 output, each layer's q/k/v and gate/up as
-  one product (``LoadedModel.fused_dense``); the residual stream, norms, rope and logits in f32;
-- **LoRA**: the Triton shrink/expand over the adapter slot pool
-  (``worker.gpu.kernels.lora.add_lora``) with the per-row slot scales ``(n,
-  max_loras)`` as a tensor input, so which adapter a row uses is data, not graph structure;
-- **attention**: K/V written into the paged cache by slot (``kv_write``), decode rows by the
-  Triton paged decode kernel, prompt spans by SDPA over their pages
-  (``worker.gpu.kernels.attention``); GQA, sliding window and soft-capping as on CPU.
-
-:class:`GpuWorkerContext` keeps the CPU context's contract (``set_adapters``, ``decode(UBatch)``
-→ ``DecodeResult``, ``kv`` with ``seq_len``/``seq_rm``/``export``/``import_``) over a paged KV
-cache (``worker.gpu.kv.PagedKV``). A decode-only ubatch (one row per sequence) that
-fits a batch bucket goes through ``worker.gpu.graph_runner.GraphRunner``: static input
-buffers and one CUDA graph per bucket, replayed. Two graph sets are kept: one without LoRA
-launches (steps where no row uses an adapter) and one with them (captured when the first adapter
-step comes, and again only when the pool's buffer layout changes: a weight gets its first slot
-buffers, or a larger rank grows them — paging an adapter into a slot never re-captures).
-Prompt and mixed ubatches, MoE models and steps whose adapters carry side branches (embedding,
-expert LoRA) run eagerly through the same blocks.
+What runs where, when graphs are captured, what runs eagerly: docs/gpu.md, "Inside the GPU
+engine".
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """GGUF block dequantization with torch ops, on any device (CPU for tests, CUDA at load).
 
-A tensor's raw block bytes (``TensorRecord.raw``) go to the device once, a chunk of rows at a
-time, and are dequantized there in one pass into a preallocated tensor of the compute dtype.
-No Python loop runs over blocks: each chunk is a ``(n_blocks, type_size)`` uint8 tensor whose
-fields are column slices, unpacked with integer shifts and masks on whole tensors.
+A tensor's raw block bytes (``TensorRecord.raw``) go to the device once, `CHUNK_ELEMS` values
+at a time, and are dequantized there in one pass into a preallocated tensor of the compute
+dtype, each block type's fields unpacked with shifts and masks on whole tensors (no Python loop
+over blocks). The f32 result equals ``loraplane.formats.gguf.reader.dequantize`` bit for bit; f16 / bf16
+is that value rounded once. Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, F32, F16, BF16
+(`PLAIN_DTYPES`).
 
-Bit layouts (one block each; ``d``, ``dmin``, ``m`` are little-endian f16; ``QK_K`` = 256)
-follow ggml's ``dequantize_row_*`` (``ggml-quants.c``), and the arithmetic follows gguf-py's
-``gguf/quants.py`` step for step in f32 (scale products first, then ``d * q - dm``), so the f32
-result equals ``worker.gguf.reader.dequantize`` bit for bit; the f16 / bf16 output is
-that f32 value rounded once (round to nearest even), like ``.to(dtype)`` of the reference:
-
-==========  ====  =====  ==========================================================================
-type        elts  bytes  layout → value
-==========  ====  =====  ==========================================================================
-Q4_0        32    18     d, qs[16]: low nibbles are elements 0-15, high 16-31; ``d·(q-8)``
-Q4_1        32    20     d, m, qs[16]: as Q4_0; ``d·q + m``
-Q5_0        32    22     d, qh (u32, bit j = 5th bit of element j), qs[16]; ``d·(q-16)``
-Q5_1        32    24     d, m, qh, qs[16]; ``d·q + m``
-Q8_0        32    34     d, qs int8[32]; ``q·d``
-Q2_K        256   84     scales[16] (low nibble scale, high min), qs[64] (2 bits), d, dmin
-Q3_K        256   110    hmask[32], qs[64] (2 bits), scales[12] (6-bit, minus 32), d
-Q4_K        256   144    d, dmin, scales[12] (8 × 6-bit scale and min), qs[128]; ``d·sc·q - dmin·m``
-Q5_K        256   176    d, dmin, scales[12], qh[32] (bit j of byte l: element 32j+l), qs[128]
-Q6_K        256   210    ql[128], qh[64], scales int8[16], d; ``d·sc·(q-32)``
-F32/F16/BF16  1   4/2/2  the value itself (cast)
-==========  ====  =====  ==========================================================================
-
-Shapes are torch order (ggml ``ne`` reversed): a tensor with ``ne = [k, d]`` is ``(d, k)``; a
-3-D expert tensor ``ne = [k, d, E]`` is ``(E, d, k)``. Rows are the ``prod(ne[1:])`` runs of
-``k`` values; every row holds ``k / block_size`` whole blocks.
+The block layouts and the arithmetic: docs/gpu.md, "Inside the GPU engine" (Dequantization at
+load).
 """
 
 from __future__ import annotations
@@ -43,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from worker.gguf.reader import GGUFError, TensorRecord
+from loraplane.formats.gguf.reader import GGUFError, TensorRecord
 
 QK_K = 256
 

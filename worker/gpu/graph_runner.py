@@ -1,27 +1,13 @@
 """Decode steps replayed as CUDA graphs, one graph per batch-size bucket (vLLM's
 ``cudagraph_capture_sizes``; SGLang's ``cuda_graph_bs``).
 
-A decode step of ``B`` sequences (one new token each) is padded to the smallest bucket ``>=
-B`` (`capture_sizes`: 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, … up to ``max_slots``). Its
-inputs are copied into static device buffers sized for the largest bucket (their addresses
-never change, so a graph captured on them stays valid however the batch changes), and the
-bucket's graph is replayed. A captured graph replays the kernels it recorded, on the buffers it
-recorded: every per-step value must travel through these buffers, the block tables and the
-per-row LoRA slot scales included (which adapter a row uses is data, not graph structure, so
-paging an adapter in or out never re-captures).
+`GraphRunner` pads a decode step to the smallest bucket of `capture_sizes` that holds it, copies
+its inputs (`StepInputs`, `HostStep`) into static device buffers sized for the largest bucket,
+and replays the bucket's graph (`CapturedGraph`); padded rows write and read only the null
+block. It runs the step eagerly when capture is off, for a prefill, past the largest bucket, or
+when the bucket has no graph yet. `CudaGraphStats` counts captures, replays and eager fallbacks.
 
-Padded rows are harmless by construction: token 0 at position 0, written to the null block's
-first slot (``worker.gpu.paged_kv.NULL_BLOCK``), attending to that one position, with
-every LoRA scale 0 and greedy sampling on the sampling state's scratch row.
-
-A step runs eager (the model's ``forward`` called directly) when capture is off (the CPU), when
-it is not a decode step (a prefill: its shapes vary with the prompt), when it has more rows
-than the largest bucket, or when its bucket has no graph yet. With capture off a decode step
-still goes through the static buffers, the buckets and the padding, so the CPU runs the same
-data path as a replay.
-
-The counters (`CudaGraphStats`) are named apart from the compute-graph reuse counters of the
-CPU path (``graph_reused``, ``graph_reuses``, ``graph_rebuilds``), which keep their meaning.
+Buckets, padding, eager fallbacks: docs/gpu.md, "Inside the GPU engine" (CUDA graphs).
 """
 
 from __future__ import annotations

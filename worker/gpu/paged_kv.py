@@ -1,44 +1,17 @@
 """Paged KV cache on the device: block pools per layer and per-sequence block tables (vLLM's
 PagedAttention block tables, SGLang's token-to-KV pool).
 
-Layout (torch order: the first dimension is the slowest). Layer ``il`` holds two pools, K
-``(n_blocks, block_size, n_head_kv, head_dim_k)`` and V ``(n_blocks, block_size, n_head_kv,
-head_dim_v)``, in the compute dtype on the device (FlashInfer's ``NHD`` paged layout, one page
-per block). Position ``p`` of sequence ``s`` lives in block ``block_tables[s, p // block_size]``
-at offset ``p % block_size``. Its *slot* is the flat index ``block * block_size + offset`` into
-the pool viewed as ``(n_blocks * block_size, n_head_kv, head_dim)``: a step's ``slot_mapping``
-says where its new K/V rows are written (vLLM's name).
+`PagedKVCache` holds per layer a K and a V pool of blocks, static ``block_tables`` and
+``seq_lens`` (a sequence's row is its id; `PagedKVCache.sync` rewrites rows, never moves a
+buffer a CUDA graph reads) and a `BlockAllocator` of reference-counted blocks; `NULL_BLOCK` is
+never handed out (padded rows write and read it). Prefixes are shared blocks: `PagedKVCache.fork`,
+`PagedKVCache.share` (a `SharedPrefix`) / `PagedKVCache.attach` / `PagedKVCache.release`, with
+copy-on-write of the first divergent block; `block_keys` gives full blocks content keys chained
+from the adapter-set fingerprint. ``worker.gpu.kv.PagedKV`` puts it behind ``KVCache``'s
+interface. Raises `OutOfBlocksError` when the pool is spent.
 
-The device tables are static: ``block_tables`` int32 ``(max_seqs, max_blocks_per_seq)`` and
-``seq_lens`` int32 ``(max_seqs,)`` are allocated once and a sequence's row is its id, so
-sequences coming and going rewrite rows (`PagedKVCache.sync`) and never move a buffer that a
-captured CUDA graph reads. Entries past a sequence's blocks point at the null block.
-
-The null block (`NULL_BLOCK`, block 0) is never handed out. Padded rows of a bucketed step
-write their K/V there and read it back, so padding needs no branch in any kernel (vLLM v1
-reserves a null block for the same reason).
-
-Sharing. Every block has a reference count. A shared prefix is shared blocks: `fork` between
-live sequences, `share` / `attach` for the prefix cache. Writing into a block that someone else
-also holds copies it first (copy-on-write). Only the last, partially filled block of a shared
-prefix can be written to, so that is the one block copied: the first divergent block.
-
-How the prefix cache maps onto blocks. The keyed policy
-(``worker.serving.cache_policy.KeyedCachePolicy``) stores a ``KVSnapshot`` (a copy of
-a sequence's first n positions) under ``(adapter-set fingerprint, tokens)`` and imports it into
-a sequence on a hit. On pages the same calls become reference moves, without copies:
-
-- ``KVCache.export(seq, n)`` → `PagedKVCache.share` ``(seq, n)``: a `SharedPrefix` that holds
-  references to the blocks of the first n positions;
-- ``KVCache.import_(seq, snap, n)`` → `PagedKVCache.attach` ``(seq, prefix, n)``: the sequence
-  takes references to those blocks; its first write into the partial last block copies it;
-- evicting an entry from the store → `PagedKVCache.release` ``(prefix)``.
-
-The keyed-by-adapter rule stays where it is, in the store's key: a prefix is found only under
-the fingerprint of the adapter set that computed it. For a block-level prefix cache (vLLM's
-automatic prefix caching), `block_keys` gives each full block a content key chained from the
-fingerprint through every token up to the block's end, so blocks computed under different
-adapter sets never share a key.
+Layout, sharing and the prefix cache on pages: docs/gpu.md, "Inside the GPU engine" (The paged
+KV cache).
 """
 
 from __future__ import annotations

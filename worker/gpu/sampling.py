@@ -1,33 +1,15 @@
 """Sampling on the device: one batch of logits rows in, one packed tensor out (one device→host
 copy per step).
 
-The semantics are those of the CPU sampler (``worker.runtime.sampling`` and the
-scheduler's steps around it), row by row, with every per-row parameter a tensor:
+The CPU sampler's semantics (``worker.runtime.sampling``), row by row, every per-row parameter a
+tensor (`SamplingRows`, `SamplingTensors`): the grammar mask (`apply_bitmask`), log-probs of the
+masked raw logits, penalties (`penalize`, from per-sequence token counts kept on the device in
+`SamplingState`), greedy argmax, temperature / top-k / min-p / top-p, and a seeded draw by
+inverse CDF from a counter-based generator (`counter_uniform`). `SamplingPlan` skips the stages
+no row uses; `SamplingPlan.full` runs all of them with no data-dependent op, as a captured CUDA
+graph needs.
 
-  1. the grammar mask: tokens a row's bitmask does not allow get ``-inf`` (int32 words as
-     ``worker.runtime.grammar.fill_masks`` writes them, bit ``t % 32`` of word
-     ``t // 32`` set = token ``t`` allowed; a row of ``-1`` words is unconstrained). On the CPU
-     the scheduler masks the logits in place before anything reads them, so the reported
-     log-probs of a constrained row are those of the masked row here too;
-  2. log-probs: ``log_softmax`` of the (masked) raw logits: the sampled token's and the top-N;
-  3. penalties on the raw logits (`penalize`: repetition over prompt and output tokens, then
-     frequency and presence over output tokens), from per-sequence token counts kept on the
-     device (`SamplingState`); greedy rows (``temperature == 0``) take the argmax here (the
-     first maximum, as ``torch.argmax`` and the CPU kernel);
-  4. temperature (the max-shifted ``(logits - max) / T``, the CPU ``_scale`` rule for
-     non-finite rows), top-k (ties with the k-th kept), softmax, min-p (renormalized), top-p
-     (the smallest prefix of the descending order reaching ``top_p``);
-  5. a draw by inverse CDF with one uniform per row from a counter-based generator
-     (`counter_uniform`: an integer hash of the sequence's seed and the number of tokens it has
-     sampled). A fixed seed gives the same tokens every time, whatever else is in the batch; the
-     draw is equal in law to the CPU sampler's ``torch.multinomial``, not the same tokens.
-     Rows with a top-k or top-p cut draw in the descending order (a stable sort of the scaled
-     logits), the others in vocabulary order (no sort).
-
-`SamplingPlan` (known on the host when a batch is assembled) skips the stages no row uses; with
-`SamplingPlan.full` every stage runs and the op sequence depends on no data, which is what a
-captured CUDA graph needs (neutral parameters leave a row unchanged: mask ``-1``, repetition 1,
-presence and frequency 0, ``top_k`` 0, ``top_p`` 1, ``min_p`` 0).
+The stages in order and their exact rules: docs/gpu.md, "Inside the GPU engine" (Sampling).
 """
 
 from __future__ import annotations

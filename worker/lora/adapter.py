@@ -1,5 +1,5 @@
 """LoRA adapters as device tensors: ``LoraPair`` / ``LoraAdapter`` built from a validated
-``worker.lora.adapter_file.AdapterFile`` (the rules and shapes are documented there).
+``loraplane.formats.adapter_file.AdapterFile`` (the rules and shapes are documented there).
 
 Two storages. *In memory* (``load_lora_adapter``): the pairs hold the tensors. *File-backed*
 (``open_lora_adapter``, the worker's host tier, ``worker.lora.host_cache``): the file is validated once (every
@@ -25,19 +25,16 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from worker.gguf.reader import GGUFError, read_gguf, read_tensor
-from worker.lora.adapter_file import (
+from loraplane.formats.adapter_file import (
     MAX_RANK,
     NODES_PER_LORA_WEIGHT,
     TOKEN_EMBD,
     AdapterError,
     AdapterFile,
-    base_tensor_index,
     lora_scale,
-    read_adapter_gguf,
     read_lora_adapter,
-    validate_lora_adapter,
 )
+from loraplane.formats.gguf.reader import GGUFError, read_gguf, read_tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,7 +184,7 @@ def load_lora_adapter(
         The adapter, pairs keyed by base tensor name.
 
     Raises:
-        AdapterError: listing every problem found (``worker.lora.adapter_file`` rules).
+        AdapterError: listing every problem found (``loraplane.formats.adapter_file`` rules).
     """
     return adapter_from_file(
         read_lora_adapter(path, base_arch=base_arch, base_tensors=base_tensors), device_for=device_for, dtype=dtype
@@ -219,7 +216,7 @@ def open_lora_adapter(
     every pool generation.
 
     Raises:
-        AdapterError: listing every problem found (``worker.lora.adapter_file`` rules).
+        AdapterError: listing every problem found (``loraplane.formats.adapter_file`` rules).
     """
     st = os.stat(path)
     af = read_lora_adapter(path, base_arch=base_arch, base_tensors=base_tensors)
@@ -297,18 +294,12 @@ __all__ = [
     "MAX_RANK",
     "NODES_PER_LORA_WEIGHT",
     "TOKEN_EMBD",
-    "AdapterError",
-    "AdapterFile",
     "FileTensors",
     "LoraAdapter",
     "LoraPair",
     "TensorRef",
     "adapter_from_file",
     "is_pooled",
-    "base_tensor_index",
     "load_lora_adapter",
     "open_lora_adapter",
-    "lora_scale",
-    "read_adapter_gguf",
-    "validate_lora_adapter",
 ]

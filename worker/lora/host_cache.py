@@ -1,28 +1,17 @@
 """The host tier of adapters: which ids a worker may serve, which it holds validated, and
 their files (vLLM's ``WorkerLoRAManager`` with ``max_cpu_loras``; llama.cpp has no such tier).
 
-Three tiers, of which this module keeps the first two:
-
-- *known*: an adapter id the control plane registered with this worker (sha256, name, pin
-  flag), from ``LoadAdapter`` with bytes, a server path, or ``fetch_on_demand`` (header only);
-- *host*: validated and file-backed (``worker.lora.adapter.open_lora_adapter``: the tensor
-  index in memory, the bytes in a local file that the pool re-reads at page-in), stored in the
-  model's registry (``ModelAdapters.by_id``): at most ``capacity`` entries, the least recently
-  used dropped first, never one that is in use (the ``in_use`` callback: a request holds it),
-  resident in a slot, pinned or draining;
-- *device*: the slot pool (``worker.lora.pool``), which this module reads (what is resident)
-  and changes only in ``forget``, on the thread that owns the pool.
-
-An adapter reaches the host tier from its local file or, the first time, by fetching its bytes
-from the control plane by sha256 (``fetcher``) into the cache directory, once per content
-however many requests ask at once (later askers wait for the first one's load). A dropped
-entry's local copy (fetched, or written from bytes sent in ``LoadAdapter``) is deleted with it
-when a control plane can give the bytes again, so local disk is bounded by the host tier;
-files under ``--adapter-dir`` are never touched. Unloading drains: ``start_drain`` refuses
-new requests at once, and the owner calls ``forget`` once no request holds the id.
-
+`HostCache` keeps the first two of the three tiers: *known* ids (`KnownAdapter`: sha256, name,
+pin flag, from ``LoadAdapter`` or an announcement) and the *host* tier, validated and
+file-backed adapters in the model's registry (``ModelAdapters.by_id``), at most ``capacity``,
+LRU; it reads the *device* tier (``worker.lora.pool``) and changes it only in ``forget``, on the
+thread that owns the pool. `fetch_to_file` fetches bytes by sha256 into the worker's cache
+directory (`CACHE_DIR_PREFIX`; `remove_stale_cache_dirs` removes dead workers' ones).
+``start_drain`` refuses new requests for an id; the owner calls ``forget`` once none holds it.
 Locking: one lock guards the tables; ``in_use`` and ``set_pinned`` are called with it held, so
 they must not call back into this object.
+
+The tiers, eviction and local files: docs/architecture.md, "Three tiers on a worker".
 """
 
 from __future__ import annotations
@@ -41,8 +30,9 @@ from pathlib import Path
 
 import structlog
 
+from loraplane.formats.adapter_file import AdapterError
 from worker.errors import AdapterConflictError, AdapterFetchError, AdapterNotFoundError, InvalidRequestError
-from worker.lora.adapter import AdapterError, LoraAdapter, LoraPair
+from worker.lora.adapter import LoraAdapter, LoraPair
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.pool import LoraPool
 from worker.lora.registry import ModelAdapters

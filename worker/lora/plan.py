@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.lora.adapter import NODES_PER_LORA_WEIGHT
+from loraplane.formats.adapter_file import NODES_PER_LORA_WEIGHT
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.pool import LoraPool
 

@@ -1,46 +1,17 @@
 """The adapter slot pool: ``max_loras`` device slots per patched weight, paged by LRU.
 
-vLLM ``LoRAModelManager`` (``max_loras`` GPU slots) / S-LoRA / SGLang ``LoRAMemoryPool``
-(``A_buffer``/``B_buffer`` with pinning), rebuilt for our eager graph. Every adapter a ubatch
-uses sits in a *slot*; a mixed ubatch reads each row's adapters by slot index (the routing
-input, ``worker.lora.plan``), so the batch composition changing costs nothing. A slot's
-content changes only by *paging*: an in-place copy of one adapter's A/B into that slot's rows
-(``page_in``); no other adapter's tensors are touched.
+`LoraPool` keeps, per patched 2-D base weight ``W (d, k)``, a `WeightSlots`: A as
+``a (S, R, k)``, Bᵀ as ``bt (S, R, d)`` and a per-slot ``factor`` (f32 ``(S,)``: ``alpha / r``,
+llama.cpp's scale rule at adapter scale 1; 0 = no branch), ``S`` = ``max_loras``, ``R`` the
+rank padded to `RANK_ALIGN`; ``token_embd`` and 3-D expert tensors are per-slot side branches
+(`SideBranch`). `LoraPool.acquire` holds a request's adapters (all-or-nothing, else
+`PoolExhaustedError`), paging each missing one into a slot by an in-place copy (``_page_in``)
+and evicting the least recently used unheld, unpinned slot; pins never take the last free slot.
+The graph reads the slots through the routing of `worker.lora.plan`
+(``worker.runtime.kernels.lora``, ``worker.runtime.graph.build_lora_mm``).
 
-Layout, per patched 2-D base weight ``W (d, k)`` (torch order; ``S`` = slot capacity =
-``max_loras``, ``R`` = padded rank)::
-
-    a   (S, R, k)   slot s rows 0..r-1 = the adapter's lora_a (r, k), rows r..R-1 zero
-    bt  (S, R, d)   slot s rows 0..r-1 = lora_b.T (r, d), rows r..R-1 zero
-    factor f32 (S,) alpha / r of the adapter on this weight (1 when alpha = 0; 0 = no branch):
-                    ``lora_scale(1.0, alpha, r)``, llama.cpp's scale rule at adapter scale 1
-
-B is stored transposed so that the first ``s_used`` slots of both tensors are one contiguous
-``(s_used·R, ·)`` matrix and each slot's rank rows ``bt[s, j]`` are contiguous output rows. The
-graph reads these buffers in two ways (``worker.runtime.kernels.lora``): on the CPU kernel
-paths in f32 the gathered BGMV kernel (each row reads only the slots its adapter set holds, at
-their true rank ``rank_of``), elsewhere two dense matmuls over the used slot prefix with a
-per-row, per-slot scale mask between them (``worker.runtime.graph.build_lora_mm``). Measured
-side by side (``python -m bench.lora``, numbers in ``worker/runtime/kernels/README.md``).
-
-Allocation: a weight's tensors are allocated when the first adapter patching it is paged in,
-with all ``S`` slots at once and ``R`` = that adapter's rank rounded up to a multiple of 8;
-a later adapter with a larger rank (at most ``max_lora_rank``, enforced at load) grows ``R``
-once (a reallocation that copies every slot, counted in ``rank_growths``). So a worker's pool
-memory depends on ``max_loras`` and the ranks it has served, never on how many adapters are
-registered. Weights that are not plain 2-D matmuls — ``token_embd`` (A is ``(V, r)``: a
-padded ``(S, V, R)`` buffer would be hundreds of MiB) and 3-D expert tensors — are *side
-branches*: the page-in stores that slot's own A/B for them (``side[slot]``, in the pool's
-dtype, on the weight's device) and the graph applies each used slot's side branch in turn;
-paging one adapter never touches another slot's side branches either.
-
-Rules (SGLang ``lora_manager``, vLLM ``LRUCacheLoRAModelManager``):
-- a held adapter (a running or admitted request holds it, ``acquire``) is never evicted;
-- a pinned adapter, once resident, is never evicted, but pins never take the last free
-  slot: at most ``S - 1`` slots are pinned, so unpinned traffic can always make progress;
-- eviction takes the least recently used unheld, unpinned slot;
-- ``acquire`` is all-or-nothing: it raises ``PoolExhaustedError`` and changes nothing when
-  the adapters cannot all be resident at once right now (the caller waits and retries).
+Layout, allocation, side branches and the paging rules: docs/architecture.md, "Slot pool and
+mixed batches" and "Paging rules".
 """
 
 from __future__ import annotations
@@ -51,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.lora.adapter import LoraAdapter, LoraPair, is_pooled, lora_scale
+from loraplane.formats.adapter_file import lora_scale
+from worker.lora.adapter import LoraAdapter, LoraPair, is_pooled
 
 RANK_ALIGN = 8  # padded rank granularity of a weight's slot buffers
 

@@ -1,35 +1,15 @@
 """Worker side of membership: register with the control plane, then heartbeat.
 
-`start_membership` runs one daemon thread that
+`start_membership` starts one `MembershipThread` per control-plane address
+(`control_plane_addresses` splits ``--control-plane A,B,C``), grouped in a `MembershipGroup`.
+Each waits for its channel, calls ``RegisterWorker`` (retrying with `MembershipBackoff`,
+interruptible through ``stop_event``), then ``Heartbeat`` every
+``WorkerAck.heartbeat_interval_ms`` (every `JOIN_POLL_S` until the control plane answers
+``joined=true``); a NOT_FOUND answer means the control plane forgot the worker, which registers
+again. Calls carry the worker secret when one is configured; heartbeats carry what the worker
+holds (``holdings``). The worker's own server must already be serving when this starts.
 
-  1. waits for the control-plane channel (``grpc.channel_ready_future``, bounded by a
-     timeout) and calls ``RegisterWorker``; on failure it waits with exponential backoff
-     (capped, interruptible through ``stop_event``) and tries again;
-  2. calls ``Heartbeat`` every ``WorkerAck.heartbeat_interval_ms``; a NOT_FOUND answer means
-     the control plane forgot us (it restarted, or could not dial us back), so we register
-     again; RESOURCE_EXHAUSTED (its membership cap taken, e.g. by a flood) is retried within
-     the interval after a short pause (the server's pushback, at most a quarter interval);
-     other failures are logged and the next heartbeat is tried on schedule — gRPC
-     reconnects the channel itself.
-
-``RegisterWorker`` answers at once; the control plane then dials the worker back and announces
-adapters in the background (the worker fetches their bytes when a request needs them), and
-heartbeats answer ``joined=true`` once that is done (until then we heartbeat every
-`JOIN_POLL_S`). ``registered`` is set at that point. The worker's own
-server must already be serving when this starts.
-
-Every call carries the worker secret (``loraplane-worker-secret`` metadata) when one is
-configured; heartbeats carry what the worker holds (``holdings``) so the control plane can
-reconcile its view from them.
-
-Several control-plane replicas (``--control-plane A,B,C``): one such thread per address,
-each registering and heartbeating on its own schedule, so every listed replica knows the
-worker directly and a dead replica delays no other. One address that fronts several
-replicas (a Kubernetes Service): the thread's connection lands on one replica, which records
-the worker's heartbeats in the shared database, and every other replica adopts the worker
-from there within a heartbeat interval (`control_plane.replicas`); when that replica dies,
-the channel reconnects to another, which already knows the worker (or answers NOT_FOUND and
-the worker registers again). Either way membership converges on every replica.
+Joining, retries, several replicas: docs/architecture.md, "Joining" and "Replicas".
 """
 
 from __future__ import annotations

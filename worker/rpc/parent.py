@@ -1,25 +1,14 @@
 """A worker started by ``loraplane serve`` stops when ``serve`` dies, however it dies.
 
-``serve`` creates a pipe for each worker it starts, keeps the write end (never inherited by
-anything else: Python's pipes are close-on-exec) and passes the read end to the worker, naming
-its number in ``$LORAPLANE_PARENT_FD``. Nothing is ever written: the worker's watch thread
-blocks in ``read`` and gets end-of-file exactly when the last holder of the write end is gone,
-that is when the ``serve`` process exited — a clean exit, a crash or ``kill -9`` alike. The
-worker then stops at once (no drain: the control plane that relayed its streams died with
-``serve``), so it never outlives its parent to heartbeat a later ``serve``'s control plane
-from the port that ``serve``'s own worker needs. Whatever state it is in (loading, serving,
-draining, stopping), it is gone `STOP_GRACE_S` seconds later at the latest: the watch hands
-that deadline to the kernel (`worker.rpc.deadline`) before it does anything else,
-logging included (a log line blocks for good when nobody reads the worker's stderr).
+`watch_parent_from_env` starts a `ParentWatch` when ``$LORAPLANE_PARENT_FD`` names the read end
+of a pipe whose write end only ``serve`` holds: its thread blocks in ``read`` until end-of-file
+(``serve`` exited: a clean exit, a crash or ``kill -9`` alike), and also checks every
+`REPARENT_CHECK_S` whether the worker was re-parented. The worker then stops at once, with no
+drain, and exits `EXIT_CODE_PARENT_GONE`; before anything else, logging included, the watch
+hands the kernel a deadline of `STOP_GRACE_S` (`worker.rpc.deadline`).
 
-A child that ``serve`` forks without exec would hold a copy of the write end and keep the
-end-of-file away; the watch therefore also checks every `REPARENT_CHECK_S` seconds whether
-the worker was re-parented (``getppid`` no longer ``serve``'s pid), which happens exactly when
-``serve`` died.
-
-Why a pipe and not ``prctl(PR_SET_PDEATHSIG)``: the parent-death signal fires when the *thread*
-that forked the child exits, and ``serve`` starts (and restarts) its worker from a supervisor
-thread; it also needs a ``getppid`` check to close the fork race. The pipe follows the process.
+Why a pipe (and not ``PR_SET_PDEATHSIG``), and why the re-parent check: docs/operations.md,
+"``serve``".
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Worker process: gRPC server with the Worker service, standard health and reflection.
 
-``create_server`` binds (port 0 picks a free one), loads the model, and flips health to
-SERVING once the model is ready; ``serve_worker`` also registers with the control plane and
-blocks until SIGINT/SIGTERM, then drains (`drain`: NOT_SERVING, nothing new admitted,
-in-flight generations finish within ``--drain-timeout``) and stops (`Shutdown`: by the drain
-timeout + `STOP_GRACE_S` at the latest, whatever else happens).
+`create_server` binds (port 0 picks a free one), loads the model, and flips health to SERVING
+once the model is ready; `serve_worker` also registers with the control plane
+(``worker.rpc.membership``) and blocks until SIGINT/SIGTERM, then drains (`drain`) and stops
+(`Shutdown`: by the drain timeout + `STOP_GRACE_S` at the latest). `server_interceptors` are,
+outermost first: bounded status details (`loraplane.status_details`), the worker secret,
+undecodable requests → INVALID_ARGUMENT, and the thread caps: ``Decode`` streams at most
+``config.max_decode_streams``, ``LoadAdapter`` / ``UnloadAdapter`` at most `ADAPTER_OPS`, and
+`RESERVED_THREADS` more that only short calls use. `holdings_of` and `refresh_hello` build
+what heartbeats carry.
 
-Threads (one ``ThreadPoolExecutor``; a streaming call holds a thread for its whole life):
-
-- ``Decode`` streams: at most ``config.max_decode_streams`` (slots + queue limit + a margin)
-  at once; the next one gets RESOURCE_EXHAUSTED immediately (`ConcurrencyLimitInterceptor`),
-  so no request ever waits invisibly inside gRPC for a thread;
-- ``LoadAdapter`` / ``UnloadAdapter`` (long: reading chunks, draining): at most
-  `ADAPTER_OPS` at once;
-- `RESERVED_THREADS` more threads that only short calls can use: ``Stats``,
-  ``ListAdapters``, health checks and reflection answer within milliseconds under any load.
-
-Interceptors, outermost first: bounded status details (`loraplane.status_details`), the
-worker secret (when configured; every Worker RPC, not health/reflection), undecodable
-requests → INVALID_ARGUMENT, the limits above.
+Drain and shutdown: docs/operations.md, "Stopping a worker: drain"; the thread caps:
+"Limits and overload".
 """
 
 from __future__ import annotations

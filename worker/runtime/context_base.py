@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.lora.adapter import AdapterError
+from loraplane.formats.adapter_file import AdapterError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.plan import LoraPlan, build_plan
 from worker.lora.pool import LoraPool, PoolCapacityError, PoolExhaustedError

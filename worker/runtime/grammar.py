@@ -56,7 +56,7 @@ class _VocabView:
     EOS id and an encode callable."""
 
     def __init__(self, tok: Any) -> None:
-        from worker.runtime.tokenizer import TokenAttr
+        from loraplane.formats.tokenizer import TokenAttr
 
         self._tok = tok
         self.eos_token_id = tok.eos_id if tok.eos_id is not None else sorted(tok.eog_ids)[0]
@@ -80,7 +80,7 @@ class _VocabView:
         """Token ids of a piece of text in the middle of an output: no BOS and, for SPM, no
         leading-space prefix (llguidance re-tokenizes forced bytes with this)."""
         if self._tok.vocab_type == "llama":
-            from worker.runtime.tokenizer.spm import _ESCAPED_SPACE, _SPACE
+            from loraplane.formats.tokenizer.spm import _ESCAPED_SPACE, _SPACE
 
             return self._tok._model._encode_fragment(text.replace(_SPACE, _ESCAPED_SPACE)) if text else []
         return self._tok.encode(text, add_special=False, parse_special=False)
@@ -101,7 +101,7 @@ _LLTOK_LOCK = threading.Lock()
 
 
 def grammar_tokenizer(tok: Any, n_vocab: int | None = None) -> Any:
-    """The ``llguidance.LLTokenizer`` of our `worker.runtime.tokenizer.Tokenizer` ``tok``,
+    """The ``llguidance.LLTokenizer`` of our `loraplane.formats.tokenizer.Tokenizer` ``tok``,
     built once per tokenizer (single-flight: callers that arrive while it is being built wait
     for that build instead of starting their own; a failed build is retried by the next caller).
 

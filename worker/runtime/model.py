@@ -1,8 +1,8 @@
 """Base model: a GGUF file's hyper-parameters and weights as torch tensors on one device.
 
-Dispatch is on ``general.architecture`` (llama.cpp ``llm_arch_from_string``): each
-architecture module in ``worker.runtime.arch`` reads its hparams, declares its tensors and builds
-its forward pass.
+Dispatch is on ``general.architecture`` (llama.cpp ``llm_arch_from_string``): the architecture
+table ``loraplane.formats.arch`` reads the hparams and declares the tensors; the graph builder in
+``worker.runtime.arch`` builds the forward pass.
 
 Weight forms (``--weights``): ``packed`` (default) keeps every matrix close to its GGUF
 quantized form (``worker.runtime.kernels.QuantLinear``: exact int8 values + block scales,
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from worker.gguf.reader import GGUFError, GGUFFile, TensorRecord, dequantize, file_sha256, read_gguf
+from loraplane.formats.gguf.reader import GGUFError, GGUFFile, TensorRecord, dequantize, file_sha256, read_gguf
+from loraplane.formats.tokenizer import Tokenizer
 from worker.gpu.dequant import Uploader, dequantize_tensor
 from worker.runtime import arch as arch_registry
 from worker.runtime.device import bind_device, resolve_device
 from worker.runtime.errors import ModelError
 from worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
-from worker.runtime.tokenizer import Tokenizer
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 """``--dtype`` name → compute (activation) dtype: what the dequantized weights, the residual
@@ -171,17 +171,17 @@ def load_model(
         raise ModelError(f"unknown dtype '{dtype}' (expected one of {', '.join(DTYPES)})")
     if weights not in WEIGHT_FORMS:
         raise ModelError(f"unknown weight form '{weights}' (expected one of {', '.join(WEIGHT_FORMS)})")
-    arch_mod = arch_registry.get(gf.arch, p)
+    arch_spec = arch_registry.spec(gf.arch, p)
     if dtype == "f16" and gf.arch in F16_REFUSED:
         raise ModelError(
             f"{p}: --dtype f16 is refused for {F16_REFUSED[gf.arch]} ({gf.arch}): its residual stream "
             "exceeds float16's largest value (65504) and turns to inf; use --dtype bf16 or f32"
         )
-    hparams = arch_mod.load_hparams(gf)
+    hparams = arch_registry.load_hparams(arch_spec, gf)
     dev = resolve_device(device)
     bind_device(dev)
     tdtype = DTYPES[dtype]
-    specs = arch_mod.tensor_specs(hparams)
+    specs = arch_spec.tensor_specs(hparams)
     form = resolve_weight_form(weights, dev)
     held: dict[str, Weight] = {}
     dense_recs: dict[str, TensorRecord] = {}

@@ -1,27 +1,16 @@
 """Token sampling and log-probs (vLLM ``SamplingParams`` semantics).
 
-Log-probs are always those of the raw model distribution (``log_softmax(logits)``) before any
-penalty / temperature / top-k / top-p / min-p — what llama-server returns with
-``post_sampling_probs: false`` and vLLM's default (``logprobs_mode="raw_logprobs"``).
+`SamplingParams` holds one request's parameters (checked; `SamplingError`); `Sampler` samples a
+step's rows: penalties on the raw logits (`apply_penalties`' rule, applied by `penalize_rows`),
+greedy rows by argmax (`greedy_rows`), else temperature, min-p, top-k, top-p and a seeded draw.
+Log-probs are those of the raw distribution, before penalties and cuts (`prompt_logprobs` for
+prompt tokens; at most `MAX_LOGPROBS` top entries). On CPU the per-row summary comes from the
+fused C kernel (`summarize_rows`, ``worker.runtime.kernels.sample.logits_summary``); torch runs
+it for CUDA logits and ``LORAPLANE_KERNELS=torch``. The GPU engine's sampler
+(``worker.gpu.sampling``) keeps these semantics.
 
-The order of the steps (vLLM v1 ``vllm/v1/sample/sampler.py``):
-  1. penalties on the raw logits (`apply_penalties`' rule, applied to the step's rows by
-     `penalize_rows`, touching only the tokens each row has seen): repetition over prompt and
-     output tokens, then frequency and presence over output tokens; greedy rows take the
-     argmax of the penalized logits;
-  2. (a per-row constraint mask would go here, on the penalized logits);
-  3. temperature: greedy when ``temperature == 0``; otherwise ``softmax(logits / T)``;
-  4. min-p (drop tokens whose probability is below ``min_p`` × the largest), top-k, then the
-     smallest nucleus with cumulative probability ≥ top_p (min-p and top-k both keep the most
-     likely token and cut by rank or by ratio to it, so their order does not change the kept
-     set), and a draw with a per-request ``torch.Generator`` so a fixed seed gives the same
-     tokens every time.
-
-On CPU the row goes through the fused C kernel ``worker.runtime.kernels.sample.logits_summary``
-(max, log-sum-exp and top-k in one pass, ``csrc/sample.cpp``) instead of ``log_softmax`` +
-``argmax`` + ``topk``: the same greedy ids, log-probs within ~1e-5 of torch's f32
-``log_softmax`` (more accurate against f64, tests), and a top-k cut samples from the top-k
-candidates. The torch path stays for CUDA logits and ``LORAPLANE_KERNELS=torch``.
+The order of the steps and what log-probs report: docs/http-api.md, "Request parameters"
+(Sampling order).
 """
 
 from __future__ import annotations

@@ -1,63 +1,17 @@
 """Fair admission across tenants: the Virtual Token Counter (worker ``--fairness vtc``).
 
-The rule is VTC from Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024,
-Algorithm 2), weighted, with strict priority classes; ``FairQueue`` holds its state and gives
-the scheduler (``worker.serving.scheduler``) the order in which to try the queued
-requests. It decides nothing else: the scheduler still applies the slot pool's resident-first
-rule and the bounded bypass on top of this order.
-
-Counters. Each tenant ``i`` (a name carried by the request, ``RequestTenant``) has a counter
-``c_i`` of weighted service, in virtual tokens: when one of its requests is admitted (leaves
-the queue for a KV sequence) ``c_i += w_p * prompt_tokens / weight_i``, and each decode step
-that samples a token for it ``c_i += w_q / weight_i`` (``w_p``, ``w_q``:
-``--fairness-prompt-weight`` / ``--fairness-output-weight``, 1 and 2 by default as in the
-paper's evaluation; ``weight_i``: the tenant's share, a tenant of weight 2 is owed twice the
-service of a tenant of weight 1). The prompt charge counts **every prompt token**, also those
-the prefix cache serves: that is the paper's measure (input tokens, what its bound is stated
-in), what a client sees and the control plane's quotas count, it is known when the request is
-picked (the cache hit is only known once the request is attached to a sequence), and a
-tenant's charge then never depends on whether another tenant warmed the cache for it.
-
-Admission order. Among the tenants with a request queued ("backlogged": the paper's
-``Q``), the lowest priority value first (strict between classes: a class is served only
-while no lower value has a request queued), and within a class the tenant with the smallest
-counter; its earliest queued request goes. Ties go to the tenant whose earliest queued
-request is the oldest (first come, first served among equals). ``order(n)`` lists the next
-``n`` picks, charging each pick's prompt as it goes (what admitting them in turn would do);
-it lists only the top class, so the scheduler's resident-first reordering stays within it.
-
-Lift (the paper's "counter lift"). When a request arrives for a tenant with nothing queued
-(new, idle, or with requests only running): if tenants of its class are backlogged, its
-counter becomes ``max(c_u, min of their counters)``; else ``max(c_u, c_l)`` with ``l`` the
-tenant of that class whose request left the queue (was admitted) last — the paper's rule for
-an empty queue. An idle tenant thus cannot bank service: it comes back level with the least
-served of those waiting, never below them.
-
-No preemption. A request runs to its end once admitted; VTC only chooses whom to admit. So a
-tenant that holds every slot keeps them until its requests finish, and the service
-difference between two backlogged tenants of the same weight is bounded by the paper's
-``2 * max(w_p * L_in, w_q * M)`` with ``L_in`` the longest prompt and ``M`` the most output
-tokens the running requests may still produce without a scheduling decision: here
-``--slots * max_tokens`` (every slot held by one tenant's requests, each running to its
-``max_tokens``; the paper's ``M`` is its KV pool's token capacity, which preemption-free
-batching turns into this).
-
-Queue shares. A full worker (``--slots + --queue-limit`` requests) still takes a request whose
-tenant is lighter than another with a request queued: ``give_way`` names that tenant's newest
-queued request, which the scheduler evicts (RESOURCE_EXHAUSTED, as a full queue answers) to make
-room; the rule is `loraplane.queue_shares`. So a heavy tenant cannot keep the others out of the
-queue, only out of what it leaves.
-
-Memory. Tenants with queued or running requests are always kept; idle ones are remembered
-up to ``max_tenants`` (LRU beyond). Forgetting a tenant only forgets its counter and totals:
-when it returns it is lifted to the least-served backlogged tenant of its class (or to the
-last one admitted), which is where a remembered idle tenant lands too, unless it had been
-served *more* than them — that excess is forgiven. The "last admitted" reference of each class
-is kept by object, so forgetting that tenant does not change the lift.
-
+`FairQueue` holds the state of VTC (Sheng et al., "Fairness in Serving Large Language Models",
+OSDI 2024, Algorithm 2), weighted, with strict priority classes: a counter of weighted service
+per tenant (`TenantState`, named by the request's ``RequestTenant``), charged for a request's
+prompt when it is admitted and for each sampled token (``charge_output``), lifted when an idle
+tenant returns. It gives the scheduler (``worker.serving.scheduler``) the order in which to try
+the queued requests (``order``), names the queued request that gives way on a full worker
+(``give_way``, the rule of `loraplane.queue_shares`) and reports tenants (``snapshot``,
+`STATS_TENANTS`); idle tenants are remembered up to `MAX_TENANTS`. It decides nothing else: the
+scheduler applies the slot pool's resident-first rule and the bounded bypass on top.
 Thread safety: one lock; ``enqueue`` runs on submitting threads, the rest on the loop thread.
-Costs: ``enqueue`` O(backlogged tenants), ``order`` O(backlogged + n log backlogged), per decode
-step ``charge_output`` O(rows), ``snapshot`` O(tenants).
+
+The rule, the lift, the bound without preemption, memory and costs: docs/fairness.md.
 """
 
 from __future__ import annotations

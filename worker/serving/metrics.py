@@ -1,34 +1,13 @@
-"""Prometheus metrics of one worker (``/metrics`` on ``--metrics-addr``).
+"""Prometheus metrics of one worker (``/metrics`` on ``--metrics-addr``), prefixed `PREFIX`.
 
-Two sources. Request outcomes, token counts and latencies are observed as they happen: the
-scheduler's output thread calls `WorkerMetrics.on_token` / `on_finish` (its ``observer`` hook) and the engine
-calls `on_rejected` / `on_adapter_loaded` / `on_adapter_freed`. Everything the scheduler
-already counts (slots, queue, graph reuse, prefix-cache hits) is read from
-``WorkerEngine.stats()`` at scrape time by `_StatsCollector`, so there is one count, not two.
+`WorkerMetrics` observes request outcomes, token counts and latencies as they happen: the
+scheduler's output thread calls `WorkerMetrics.on_token` / `on_finish` (its ``observer`` hook)
+and the engine calls `on_rejected` / `on_adapter_loaded` / `on_adapter_freed`. Everything the
+scheduler already counts (slots, queue, plan reuse, prefix-cache hits, KV usage, residency,
+paging) is read from ``WorkerEngine.stats()`` at scrape time by `_StatsCollector`, so there is
+one count, not two. ``adapter`` labels are bounded by ``loraplane.metrics.BoundedLabels``.
 
-Names (all prefixed ``loraplane_worker_``; histograms in seconds):
-  requests_total{outcome, adapter}       outcome: stop | length | cancelled | error | rejected
-  prompt_tokens_total{adapter}           prompt tokens of finished requests (cached included)
-  generation_tokens_total{adapter}       tokens generated
-  time_to_first_token_seconds            admission → first token
-  inter_token_latency_seconds            between consecutive tokens of one request
-  e2e_request_latency_seconds            admission → last token
-  adapter_loads_total / adapter_evictions_total
-  slots, slots_busy, requests_running, requests_waiting, queue_limit, adapters_loaded   gauges
-  graph_reuses_total, graph_rebuilds_total, prefix_cache_hit_tokens_total,
-  prompt_tokens_computed_total (prefill rows actually run)                                counters
-  cuda_graphs_captured_total, cuda_graph_replays_total, cuda_graph_eager_fallbacks_total
-                                         the GPU engine's decode graphs (0 on the CPU engine)
-  kv_cache_usage_perc                    KV cells held by running requests / all slots' cells
-  adapter_residency{adapter, state}      1 per (adapter, state) this worker holds; state: device
-                                         (in a slot of the GPU/CPU slot pool), host (host tier
-                                         only, not in a slot), pinned (in a slot, pinned there)
-  adapter_slot_page_ins_total{adapter}, adapter_slot_evictions_total{adapter}   slot paging
-plus ``vllm:kv_cache_usage_perc`` (the same ratio under vLLM's name, 0–1). The KV ratio is
-cells (token positions) of busy sequences over ``slots × n_ctx``; a finished request's cells
-that an idle slot keeps for prompt reuse are free (vLLM counts cached free blocks as free).
-``adapter`` is the adapter id ("none": no adapter; a stacked request counts once per
-adapter), bounded by ``loraplane.metrics.BoundedLabels`` (folded values add up under "other").
+Every series and what it counts: docs/operations.md, "Health, logs, metrics".
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from typing import Protocol
 import structlog
 import torch
 
+from loraplane.formats.tokenizer import Tokenizer
 from worker.errors import DecodeFailedError
 from worker.runtime.sampling import RowLogprobs, SampledToken, Sampler
-from worker.runtime.tokenizer import Tokenizer
 from worker.serving.request import ErrorEvent, FinishedEvent, GenRequest, StartedEvent, StepInfo, TokenEvent
 
 log = structlog.get_logger("loraplane.worker.serving.output")

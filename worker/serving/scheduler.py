@@ -88,6 +88,7 @@ from typing import Any
 import structlog
 import torch
 
+from loraplane.formats.adapter_file import AdapterError
 from worker.config import Batching, Fairness, WorkerConfig
 from worker.errors import (
     AdapterFetchError,
@@ -97,7 +98,6 @@ from worker.errors import (
     WorkerDrainingError,
     WorkerError,
 )
-from worker.lora.adapter import AdapterError
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import resolve_alora
 from worker.lora.pool import LoraPool, PoolExhaustedError

@@ -1,24 +1,12 @@
 """Merge LoRA adapters into a base model GGUF (our ``llama-export-lora``).
 
-For every base tensor some adapter patches: dequantize to f32, add each adapter's scaled
-delta, write it in ``outtype``. Every other tensor is copied byte for byte in its original
-type; all base metadata is copied (``general.type`` = ``model``). Served without adapters,
-the output must match the base served with the same adapters attached at the same scales.
+`export_lora` dequantizes every base tensor some adapter patches to f32, adds each adapter's
+scaled delta (`_delta`), and writes it in one of `OUTTYPES`; every other tensor and all base
+metadata are copied. With a tied LM head and an embedding LoRA the unpatched ``token_embd`` is
+also written as `OUTPUT`, as PEFT serves it. Bad inputs raise `ExportError`.
 
-Deltas (torch shapes, see ``worker.lora.adapter``; ``s = lora_scale(scale, alpha, rank)``):
-  linear      W (d, k)    += s · B (d, r) @ A (r, k)
-  token_embd  W (V, d)    += s · A (V, r) @ B (d, r)ᵀ   (row v of W gains B·A[v], the lookup)
-  experts     W (E, d, k) += s · B (E, d, r) @ A (E, r, k)   (per expert)
-
-Tied output (ours): when the base has no ``output.weight`` (lm_head tied to
-``token_embd``, as in Gemma 3) and an adapter patches ``token_embd.weight``, the original,
-unpatched ``token_embd`` is also written as ``output.weight``, so the output projection
-stays the base one — PEFT's behaviour (an embedding LoRA patches the input lookup only).
-llama.cpp's export would silently patch the tied output too.
-
-Output types: ``f32``/``f16`` for patched tensors; ``q8_0`` quantizes patched tensors with
-``gguf.quants`` (rows whose length is not a multiple of 32 stay F32). 1-D tensors are never
-patched (norm pairs are skipped at load), so they stay as they were.
+The deltas, the output types and the tied-output rule: docs/operations.md, "Merging adapters:
+``export-lora``".
 """
 
 from __future__ import annotations
@@ -32,9 +20,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from worker.gguf.reader import GGUFError, TensorRecord, dequantize
-from worker.gguf.writer import write_and_close
-from worker.lora.adapter import TOKEN_EMBD, LoraAdapter, LoraPair, load_lora_adapter
+from loraplane.formats.adapter_file import TOKEN_EMBD
+from loraplane.formats.gguf.reader import GGUFError, TensorRecord, dequantize
+from loraplane.formats.gguf.writer import write_and_close
+from worker.lora.adapter import LoraAdapter, LoraPair, load_lora_adapter
 
 OUTTYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0}
 OUTPUT = "output.weight"

@@ -1,31 +1,14 @@
 """Attention over a paged KV cache: K/V writes, decode (Triton), prefill (torch SDPA).
 
-Layout, per layer (torch order; vLLM/FlashInfer "NHD" pages)::
+`kv_write` writes a step's new K/V rows into the pages by ``slot_mapping`` (a Triton kernel that
+skips padding rows); `paged_decode_attention` is split-K decode, one query per row
+(`decode_splits`, `MAX_SPLITS`, `MIN_KEYS_PER_SPLIT`); `prefill_attention` runs one sequence's
+new rows over its pages with SDPA (``worker.gpu.kernels.flashinfer_backend`` is the faster
+option where installed). GQA, sliding window and logit soft-capping as llama.cpp's
+``build_attn_mha``; `kv_write_reference`, `attention_reference` and
+`decode_attention_reference` are the torch references.
 
-    k_cache       (n_blocks, block_size, H_kv, D)     a page holds block_size positions
-    v_cache       (n_blocks, block_size, H_kv, DV)
-    block_tables  int32 (B, max_blocks)   row b's position p lies in page block_tables[b, p // block_size]
-                                          at offset p % block_size (entries past its length unread)
-    seq_lens      int32 (B,)              keys of row b, its new token included: positions 0..len-1
-    slot_mapping  int64 (n,)              flat cache position page · block_size + offset of each
-                                          new token (negative: a padding row, not written)
-
-Semantics (llama.cpp ``build_attn_mha``; the CPU graph's ``GraphContext.build_attn``): the
-query of row b at position ``p_q`` attends to the keys ``p_k ≤ p_q`` with, when ``window > 0``,
-``p_q - p_k < window`` (sliding window, llama.cpp ``is_masked_swa``); each score
-``s = scale · q·k`` becomes ``softcap · tanh(s / softcap)`` when ``softcap > 0`` (Gemma 2's
-logit soft-capping), then softmax over the visible keys (f32) and the weighted sum of V
-(f32 accumulation). GQA: query head h reads KV head ``h // (H / H_kv)``. ``scale`` is the
-model's: ``1/sqrt(D)`` or ``1/sqrt(query_pre_attn_scalar)`` (Gemma).
-
-- :func:`kv_write`: a Triton kernel (one program per new token) that skips padding rows, so a
-  graph's padded batch writes nothing for them; :func:`kv_write_reference` is torch.
-- :func:`paged_decode_attention`: one query per row (decode), split-K over the row's keys
-  (flash-decoding), Triton; :func:`decode_attention_reference` is torch in f64.
-- :func:`prefill_attention`: one sequence's new rows over its pages, torch SDPA on the gathered
-  keys (an explicit masked softmax when soft-capped, which SDPA cannot do). Prefill runs eagerly,
-  its length known on the host; FlashInfer's paged prefill is the faster option where it is
-  installed (``worker.gpu.kernels.flashinfer_backend``).
+The cache layout and the semantics: docs/gpu.md, "Inside the GPU engine" (Attention).
 """
 
 from __future__ import annotations

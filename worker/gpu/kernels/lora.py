@@ -1,43 +1,15 @@
 """Multi-LoRA on the device: the gathered per-row product over the adapter slot pool.
 
-For one patched weight ``W (d, k)`` (torch order) and a ubatch of ``n`` rows, with the slot
-buffers of ``worker.lora.pool.WeightSlots`` and the per-row slot scales of the graph
-(``GraphContext.row_slot``)::
+`add_lora` adds, for one patched weight, every row's adapters read by slot from the pool's
+buffers (``worker.lora.pool.WeightSlots``) at the per-row slot scales of the graph
+(``GraphContext.row_slot``): `lora_shrink` then `lora_expand`, the Triton kernels of
+``_lora_triton`` (BGMV for decode rows, SGMV segments for prompts; launch shapes independent of
+which slots rows use, so a captured CUDA graph survives paging). `lora_reference` is the torch
+reference; `add_lora_embedding` and `add_lora_experts` apply the embedding's and the MoE
+experts' side branches slot by slot in torch.
 
-    a        (S, R, k)   slot s rows 0..r_s-1 = the adapter's lora_a, rows past r_s zero
-    bt       (S, R, d)   slot s rows 0..r_s-1 = lora_b.T, rows past r_s zero
-    factor   f32 (S,)    alpha / r of the slot's adapter on this weight (0: no branch)
-    rank     int32 (S,)  optional: r_s per slot (rows past it are skipped; without it the zero
-                         padding rows contribute exact zeros)
-    row_slot f32 (n, U)  U ≤ S: the row's adapter_scale of slot s (0 where its set lacks it)
-
-Semantics (llama.cpp ``build_lora_mm``; vLLM/punica ``add_lora_linear``)::
-
-    for each row i < n, slot s < U with row_slot[i, s] ≠ 0:
-        y[i] += row_slot[i, s] · factor[s] · bt[s, :r_s].T @ (a[s, :r_s] @ x[i])
-
-Several nonzero slots in a row are stacked adapters; a row with none is left untouched.
-
-Two kernels (``_lora_triton``), as punica/vLLM split the product: **shrink**
-``t[i, s] = a[s] @ x[i]`` (f32, optionally split along ``k`` for few rows), then **expand**
-``y[i] += Σ_s c[i, s] · t[i, s] @ bt[s]``, ``c = row_slot · factor``, scaled after the A
-product like ``worker.runtime.graph``. Rows are tiled by ``BLOCK_M`` (16–64); each
-(row tile, slot) with a nonzero scale is one ``tl.dot``, so the same pair serves decode (BGMV:
-each row reads only the slots it uses; B rows with distinct adapters read each adapter once)
-and prefill (SGMV: a sequence's rows are contiguous in the ubatch and share its slots, so a row
-tile is a segment piece and multiplies its slot's A once for up to 64 rows). No host-side
-segment list is built: the kernels read ``row_slot`` on the device and skip the (tile, slot)
-pairs it zeroes, so the launch shapes depend only on ``(n, U, R, k, d)`` and a CUDA graph
-captured once stays valid while adapters are paged in or out and rows change adapters.
-
-Dtypes: x, a, bt, y each f32, bf16 or f16; products accumulate in f32. f32 operands multiply
-as IEEE f32 (no TF32). When x and bt are both 16-bit, the shrink result times its scale is
-rounded to bt's dtype before the expand product, as punica/vLLM do; the result added into
-``y`` is rounded once to y's dtype.
-
-The embedding's and the MoE experts' side branches (``worker.lora.pool.SideBranch``) are
-torch ops here (:func:`add_lora_embedding`, :func:`add_lora_experts`): one gather and two small
-products per used slot, launched per slot from the host.
+Shapes, the semantics loop, tiling and dtypes: docs/gpu.md, "Inside the GPU engine"
+(Multi-LoRA).
 """
 
 from __future__ import annotations

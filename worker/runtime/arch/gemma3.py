@@ -12,66 +12,12 @@ first). The output projection is tied to ``token_embd`` unless the file has
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from worker.runtime.arch import base
-from worker.runtime.arch.base import TensorSpec, meta
+from loraplane.formats.arch.gemma3 import HParams
+from worker.runtime.arch import blocks
 from worker.runtime.graph import GraphContext
-
-
-@dataclass(frozen=True)
-class HParams(base.HParams):
-    """Gemma 3 hyper-parameters: the shared base plus the fields below."""
-
-    rope_freq_base_swa: float
-    swa_pattern: int
-    f_attention_scale: float
-
-    def is_swa(self, il: int) -> bool:
-        """llama.cpp ``set_swa_pattern(6)``: every layer but each 6th uses the sliding window."""
-        return self.n_swa > 0 and (il % self.swa_pattern) < (self.swa_pattern - 1)
-
-
-def load_hparams(gguf) -> HParams:
-    n_vocab = int(gguf.tensors["token_embd.weight"].ne[1]) if "token_embd.weight" in gguf.tensors else 0
-    common = base.common_hparams(
-        gguf,
-        n_vocab=n_vocab,
-        eps=1e-6,
-        rope_freq_base=1e6,
-        n_ctx_train=8192,
-        n_swa=int(meta(gguf, "attention.sliding_window", 0)),
-    )
-    # Gemma 3 27B scales queries by 1/sqrt(n_embd/n_head); every other size by 1/sqrt(head_k)
-    # (llama-model.cpp, LLM_ARCH_GEMMA3 hparams).
-    att_scale = (
-        1.0 / math.sqrt(common["n_embd_head_k"])
-        if common["n_layer"] != 62
-        else 1.0 / math.sqrt(common["n_embd"] / common["n_head"])
-    )
-    return HParams(
-        **common,
-        rope_freq_base_swa=float(meta(gguf, "rope.freq_base_swa", 10000.0)),
-        swa_pattern=6,
-        f_attention_scale=att_scale,
-    )
-
-
-def tensor_specs(hp: HParams) -> list[TensorSpec]:
-    d = hp.n_embd
-    specs = base.output_specs(hp)
-    for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        specs += base.attn_specs(hp, b)
-        specs += [
-            TensorSpec(b + "attn_q_norm.weight", (hp.n_embd_head_k,)),
-            TensorSpec(b + "attn_k_norm.weight", (hp.n_embd_head_k,)),
-            TensorSpec(b + "post_attention_norm.weight", (d,)),
-        ]
-        specs += base.ffn_specs(hp, b) + [TensorSpec(b + "post_ffw_norm.weight", (d,))]
-    return specs
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
@@ -81,7 +27,7 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
         b = f"blk.{il}."
         swa = hp.is_swa(il)
         cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-        q, k, v = base.build_qkv(ctx, hp, b, cur)
+        q, k, v = blocks.build_qkv(ctx, hp, b, cur)
         q = ctx.build_norm(q, b + "attn_q_norm.weight", hp.eps)
         k = ctx.build_norm(k, b + "attn_k_norm.weight", hp.eps)
         fbase = hp.rope_freq_base_swa if swa else hp.rope_freq_base

@@ -11,56 +11,11 @@ weights renormalised over the chosen experts (Mixtral) → residual. Untied ``ou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from worker.runtime.arch import base
-from worker.runtime.arch.base import TensorSpec, meta
+from loraplane.formats.arch.llama import ROPE_FREQS, HParams
+from worker.runtime.arch import blocks
 from worker.runtime.graph import GraphContext, inv_sqrt
-
-
-@dataclass(frozen=True)
-class HParams(base.HParams):
-    """Llama hyper-parameters: the shared base plus the fields below."""
-
-    n_rot: int
-    n_expert: int
-    n_expert_used: int
-
-
-def load_hparams(gguf) -> HParams:
-    n_vocab = int(meta(gguf, "vocab_size", 0)) or int(gguf.tensors["token_embd.weight"].ne[1])
-    common = base.common_hparams(gguf, n_vocab=n_vocab, eps=1e-5, rope_freq_base=10000.0, n_ctx_train=4096)
-    return HParams(
-        **common,
-        n_rot=int(meta(gguf, "rope.dimension_count", common["n_embd_head_k"])),
-        n_expert=int(meta(gguf, "expert_count", 0)),
-        n_expert_used=int(meta(gguf, "expert_used_count", 0)),
-    )
-
-
-ROPE_FREQS = "rope_freqs.weight"
-"""Llama 3 per-dimension rope frequency factors, ne ``[n_rot/2]`` (one tensor shared by all layers)."""
-
-
-def tensor_specs(hp: HParams) -> list[TensorSpec]:
-    d = hp.n_embd
-    specs = base.output_specs(hp) + [TensorSpec(ROPE_FREQS, (hp.n_rot // 2,), required=False)]
-    for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        specs += base.attn_specs(hp, b)
-        if hp.n_expert > 0:
-            specs += [
-                TensorSpec(b + "ffn_norm.weight", (d,)),
-                TensorSpec(b + "ffn_gate_inp.weight", (d, hp.n_expert)),
-                TensorSpec(b + "ffn_gate_exps.weight", (d, hp.n_ff, hp.n_expert)),
-                TensorSpec(b + "ffn_up_exps.weight", (d, hp.n_ff, hp.n_expert)),
-                TensorSpec(b + "ffn_down_exps.weight", (hp.n_ff, d, hp.n_expert)),
-            ]
-        else:
-            specs += base.ffn_specs(hp, b)
-    return specs
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
@@ -70,7 +25,7 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     for il in range(hp.n_layer):
         b = f"blk.{il}."
         cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-        q, k, v = base.build_qkv(ctx, hp, b, cur)
+        q, k, v = blocks.build_qkv(ctx, hp, b, cur)
         q = ctx.build_rope(
             q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False, freq_factors=ff
         )

@@ -10,41 +10,13 @@ Qwen2.5 0.5–3B files are tied).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from worker.runtime.arch import base
-from worker.runtime.arch.base import TensorSpec, meta
+from loraplane.formats.arch.qwen2 import HParams
+from worker.runtime.arch import blocks
 from worker.runtime.graph import GraphContext, inv_sqrt
-
-
-@dataclass(frozen=True)
-class HParams(base.HParams):
-    """Qwen 2 hyper-parameters: the shared base plus the rope dimension count."""
-
-    n_rot: int
-
-
-def load_hparams(gguf) -> HParams:
-    """``{arch}.*`` metadata of a Qwen 2 / Qwen 3 file (llama.cpp ``load_hparams``; rope
-    dimensions default to the head size)."""
-    n_vocab = int(meta(gguf, "vocab_size", 0)) or int(gguf.tensors["token_embd.weight"].ne[1])
-    common = base.common_hparams(gguf, n_vocab=n_vocab, eps=1e-6, rope_freq_base=10000.0, n_ctx_train=32768)
-    return HParams(**common, n_rot=int(meta(gguf, "rope.dimension_count", common["n_embd_head_k"])))
-
-
-def tensor_specs(hp: HParams) -> list[TensorSpec]:
-    q, kv_k, kv_v = hp.n_head * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_v
-    specs = base.output_specs(hp)
-    for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        specs += base.attn_specs(hp, b)
-        specs += [TensorSpec(b + "attn_q.bias", (q,)), TensorSpec(b + "attn_k.bias", (kv_k,))]
-        specs += [TensorSpec(b + "attn_v.bias", (kv_v,))]
-        specs += base.ffn_specs(hp, b)
-    return specs
 
 
 def build_attn_block(ctx: GraphContext, hp: HParams, il: int, x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +24,7 @@ def build_attn_block(ctx: GraphContext, hp: HParams, il: int, x: torch.Tensor) -
     NEOX rope, attention, o. Returns ``(n, d)`` before the residual add."""
     b = f"blk.{il}."
     cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-    q, k, v = base.build_qkv(ctx, hp, b, cur, biases=True)
+    q, k, v = blocks.build_qkv(ctx, hp, b, cur, biases=True)
     q = ctx.build_rope(q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True)
     k = ctx.build_rope(k, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True)
     return ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=inv_sqrt(hp.n_embd_head_k))

@@ -11,31 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from worker.runtime.arch import base, qwen2
-from worker.runtime.arch.base import TensorSpec
+from loraplane.formats.arch.qwen3 import HParams
+from worker.runtime.arch import blocks, qwen2
 from worker.runtime.graph import GraphContext, inv_sqrt
-
-# Qwen 3 has Qwen 2's hyper-parameters (llama.cpp ``llama_model_qwen3::load_arch_hparams``
-# reads the same keys; ``meta`` prefixes them with the file's own ``general.architecture``).
-HParams = qwen2.HParams
-load_hparams = qwen2.load_hparams
-
-
-def attn_tensor_specs(hp: base.HParams, b: str) -> list[TensorSpec]:
-    """Attention tensors of one Qwen 3 layer with prefix ``b`` (``blk.N.``): q/k/v/o and the
-    per-head q/k norms ``(head_dim,)`` (shared with ``qwen3moe``)."""
-    return base.attn_specs(hp, b) + [
-        TensorSpec(b + "attn_q_norm.weight", (hp.n_embd_head_k,)),
-        TensorSpec(b + "attn_k_norm.weight", (hp.n_embd_head_k,)),
-    ]
-
-
-def tensor_specs(hp: HParams) -> list[TensorSpec]:
-    specs = base.output_specs(hp)
-    for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        specs += attn_tensor_specs(hp, b) + base.ffn_specs(hp, b)
-    return specs
 
 
 def build_attn_block(ctx: GraphContext, hp: HParams, il: int, x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +21,7 @@ def build_attn_block(ctx: GraphContext, hp: HParams, il: int, x: torch.Tensor) -
     RMS norms, NEOX rope, attention, o. Returns ``(n, d)`` before the residual add."""
     b = f"blk.{il}."
     cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-    q, k, v = base.build_qkv(ctx, hp, b, cur)
+    q, k, v = blocks.build_qkv(ctx, hp, b, cur)
     q = ctx.build_norm(q, b + "attn_q_norm.weight", hp.eps)
     k = ctx.build_norm(k, b + "attn_k_norm.weight", hp.eps)
     q = ctx.build_rope(q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True)

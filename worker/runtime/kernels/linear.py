@@ -1,29 +1,17 @@
 """GGUF linear weights kept in (close to) their quantized form, and the matmul that reads it.
 
-Shapes are torch order unless said otherwise: a weight with ggml ``ne = [k, d]`` is ``d``
-output rows of ``k`` inputs, and ``QuantLinear.matmul(x)`` takes ``x`` ``(n, k)`` (or
-``(..., k)``) and returns ``y = x @ W.T`` ``(n, d)`` f32 — what ggml's ``mul_mat(W, x)`` computes.
+`pack_tensor` (and `pack_experts` for 3-D expert tensors) turns a GGUF tensor record into a
+`QuantLinear`: the repacked exact int8 form of ``worker.runtime.kernels.repack`` for the block
+types it covers (multiplied on CPU by the C kernels, activations quantized per row and per 32 by
+`quantize_activations`, int16 or int8 per weight: `resolve_act`, `ACTS`), an f32 tensor for
+F32/F16/BF16 (`FLOAT_TYPES`), or a dequantized weight multiplied by torch on CUDA and the
+``torch`` path. ``QuantLinear.matmul(x)`` takes ``x`` ``(n, k)`` (or ``(..., k)``) and returns
+``y = x @ W.T`` ``(n, d)`` f32, what ggml's ``mul_mat(W, x)`` computes; rows never share a
+scale, so a row's result is the same alone or batched. A weight or input the kernels cannot
+handle raises `KernelError`.
 
-Forms, by GGUF type:
-
-- Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: repacked at load into the exact affine int8
-  form of :mod:`worker.runtime.kernels.repack` (uint8 values + f32 scale (+ f32 offset) per 16
-  or 32), 16 rows interleaved. On CPU the C kernels quantize each row of ``x`` per block of 32
-  (own scale per row and block) and take integer dot products against the packed weights:
-  ``act="i16"`` (default, ``csrc/qmm16.cpp``): int16 activations, error ~1e-5 relative, as
-  good as f32 for the model; ``act="i8"`` (``csrc/qmm.cpp``): int8 activations exactly as
-  llama.cpp's ``quantize_row_q8_0``, faster at B=16 but noisier (see the README). The
-  precision is a property of each weight (``QuantLinear.act``, set at model load by
-  ``worker.runtime.model.assign_acts``: int8 for the LM head only), overridden for all weights
-  by ``$LORAPLANE_KERNEL_ACT``; never by batch size. Rows never share a scale, so a row's
-  result does not depend on the other rows of the batch (bit-identical alone or batched).
-- F32: kept as the f32 tensor (torch/MKL matmul, exact).
-- F16, BF16: an f32 copy (exact; 2x the GGUF bytes of that tensor — such linear weights are
-  rare in quantized GGUFs, and torch's FBGEMM fp16 packing is deprecated).
-- Any type on CUDA: the GGUF's raw blocks uploaded and dequantized on the GPU to a bf16
-  weight (``worker.gpu.dequant``); any type on the ``torch`` path: dequantized on the
-  host to an f32 weight. Multiplied with torch — not memory-frugal, but simple and exact up to
-  that dtype. (The model loader's GPU form is ``device-dense``: dense tensors, no ``QuantLinear``.)
+Weight forms, activation precision per weight, paths: ``worker/runtime/kernels/README.md``
+("Weight form", "Kernels", "Activation precision per weight", "Paths and dispatch").
 """
 
 from __future__ import annotations
@@ -36,8 +24,8 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType as T
 
-from worker.gguf.reader import GGUFError, TensorRecord
-from worker.gguf.reader import dequantize as gguf_dequantize
+from loraplane.formats.gguf.reader import GGUFError, TensorRecord
+from loraplane.formats.gguf.reader import dequantize as gguf_dequantize
 from worker.gpu.dequant import dequantize_tensor
 from worker.runtime.device import resolve_device
 from worker.runtime.errors import ModelError
@@ -206,7 +194,7 @@ class QuantLinear:
 
     def dequantize(self) -> torch.Tensor:
         """The weight as f32 ``(d, k)`` (torch order), on ``device``: exactly what
-        ``worker.gguf.reader.dequantize`` gives on CPU; on CUDA the bf16 copy, widened."""
+        ``loraplane.formats.gguf.reader.dequantize`` gives on CPU; on CUDA the bf16 copy, widened."""
         if self.qw is None:
             assert self.weight is not None  # float weights keep `weight`
             return self.weight.to(torch.float32)
@@ -402,7 +390,7 @@ def pack_tensor(rec: TensorRecord, *, device: str | torch.device = "cpu", path: 
     """Build the packed weight of one 2-D GGUF tensor.
 
     Args:
-        rec: the tensor record (``worker.gguf.reader``); its bytes are read, not kept.
+        rec: the tensor record (``loraplane.formats.gguf.reader``); its bytes are read, not kept.
         device: a ``--device`` spelling or ``torch.device`` (resolved here,
             :func:`worker.runtime.device.resolve_device`): CPU keeps the compact form;
             CUDA uploads the raw blocks and dequantizes them to bf16 on the GPU

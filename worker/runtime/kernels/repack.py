@@ -1,34 +1,14 @@
 """Repack GGUF block-quantized rows into one exact affine int form (numpy, at load time).
 
-Every supported block type is, per sub-block of ``BS`` elements (16 or 32), an affine map of a
-small integer: ``w = s * u + c``. This module decodes the GGUF bytes into that form
-(``u`` integers, ``s`` scales, ``c`` offsets) and interleaves 16 rows for the kernels.
+Every supported block type (`REPACK_TYPES`) is, per sub-block of 16 or 32 elements, an affine
+map of a small integer, ``w = s * u + c``. `decode` turns a tensor's GGUF bytes into that form
+(an `Affine`: ``u`` integers, ``s`` scales, ``c`` offsets where they are not a fixed multiple of
+``s``), exact: ``s * u + c`` in f32 equals ``gguf.quants.dequantize`` bit for bit.
+`interleave` interleaves `R` (16) rows for the kernels. Shapes are torch order: a weight with
+ggml ``ne = [k, d]`` is ``d`` rows of ``k`` elements.
 
-Shapes are torch order: a weight with ggml ``ne = [k, d]`` is ``d`` rows of ``k`` elements.
-
-Rules (llama.cpp ``ggml/src/ggml-quants.c`` ``dequantize_row_*``; the same bit layouts as
-``gguf.quants`` in numpy):
-
-=======  ====  ==========  =========================  ======================
-type     BS    u range     s                          c
-=======  ====  ==========  =========================  ======================
-Q8_0     32    -128..127*  d                          0 (signed form)
-Q4_0     32    0..15       d                          -8 d (implicit)
-Q4_1     32    0..15       d                          m
-Q5_0     32    0..31       d                          -16 d (implicit)
-Q5_1     32    0..31       d                          m
-Q4_K     32    0..15       d * sc_j                   -dmin * m_j
-Q5_K     32    0..31       d * sc_j                   -dmin * m_j
-Q6_K     16    0..63       d * sc_j (sc int8)         -32 * d * sc_j (implicit)
-=======  ====  ==========  =========================  ======================
-
-(*) Q8_0 keeps its signed ``int8`` values (``u`` holds their two's-complement bytes).
-"implicit": ``c = offset * s`` with a per-type constant ``offset``, so no ``c`` is stored.
-
-Exactness: for every type ``s * u + c`` evaluated in f32 equals what
-``gguf.quants.dequantize`` returns, bit for bit (each product is exact in f32: an f16 times
-integers of at most 13 bits; where the GGUF form is ``d * (q - o)`` the difference of the two
-exact products is itself representable).
+The per-type table and why the form is exact: ``worker/runtime/kernels/README.md``, "Weight
+form".
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """Read and validate a LoRA adapter GGUF (numpy only: both planes use it; no torch).
 
-Mirrors llama.cpp ``llama_adapter_lora_init`` (src/llama-adapter.cpp) and
-``llama_adapter_lora::get_scale``; it only loads, it never activates anything (that is the
-context's job, see ``worker.lora.plan``).
-
-Dimension order: ggml ``ne`` lists the fastest dimension first; torch shapes are ``ne``
-reversed. Every error message gives shapes in ``ne`` order (what GGUF tools print).
-
-Shapes (``k`` = inputs, ``d`` = outputs, ``r`` = rank, ``V`` = vocab, ``E`` = experts):
-
-==================  ==============  ===============  ================  ===============
-base tensor         W ne            A ne             B ne              torch A / B
-==================  ==============  ===============  ================  ===============
-linear              [k, d]          [k, r]           [r, d]            (r, k) / (d, r)
-token_embd.weight   [d, V]          [r, V]           [r, d]            (V, r) / (d, r)
-MoE experts         [k, d, E]       [k, r, E]        [r, d, E]         (E, r, k) / (E, d, r)
-==================  ==============  ===============  ================  ===============
-
-``rank = B.ne[0] = lora_b.shape[-1]``. The token-embedding pair is llama.cpp's exception:
-A is looked up by token id (``get_rows(A, ids)``) and projected by B.
-
-Rules (llama.cpp unless noted), every violation collected into one ``AdapterError``:
-  * the file is a GGUF; ``general.type == 'adapter'``; ``general.architecture`` equals the
-    base model's; ``adapter.type == 'lora'``;
-  * ``adapter.lora.alpha`` absent → 0.0, meaning "no alpha/rank factor";
-  * tensor names end ``.lora_a`` / ``.lora_b``; names ending ``_norm.weight`` (with or
-    without a ``.lora_a``/``.lora_b`` suffix) are skipped, any other suffix is an error;
-  * each pair is complete and patches a tensor the base has, with the shapes above;
-    ``A.ne[1] != B.ne[0]`` means A was written untransposed (old ``finetune`` exporter);
-  * (ours) A/B of type F32/F16/BF16 are used as is, the block-quantized types that
-    ``worker.gguf.reader`` can dequantize are dequantized at load, others are rejected;
-    ``0 < r <= MAX_RANK``; no NaN/Inf values (so nothing fails later, mid-decode).
+`read_lora_adapter` checks a file against a base model's tensors and returns an `AdapterFile`
+(the pairs, rank, alpha, architecture), or raises one `AdapterError` listing every problem; it
+only loads, never activates (that is ``worker.lora.plan``'s job). Mirrors llama.cpp
+``llama_adapter_lora_init`` (src/llama-adapter.cpp); the shapes (ggml ``ne`` order in every
+message) and the rules: docs/formats.md, "Adapter files".
 """
 
 from __future__ import annotations
@@ -45,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.gguf.reader import (
+from loraplane.formats.gguf.reader import (
     FLOAT_TYPES,
     SUPPORTED_QUANT_TYPES,
     GGUFError,
@@ -402,8 +376,3 @@ def read_lora_adapter(
         task_name=task_name,
         prompt_prefix=prompt_prefix,
     )
-
-
-validate_lora_adapter = read_lora_adapter
-"""The control plane's name for ``read_lora_adapter``: validates a registration without a model
-loaded (``base_tensors`` from the base GGUF's tensor index, see ``base_tensor_index``)."""

@@ -1,41 +1,11 @@
 """The byte-level BPE vocabulary (``tokenizer.ggml.model == "gpt2"``, llama.cpp
 ``LLAMA_VOCAB_TYPE_BPE``): pre-tokenizer, merges, and the text of normal tokens.
 
-Rule sources, llama.cpp ``src/llama-vocab.cpp`` and ``src/unicode.cpp``:
-
-- ``llama_vocab::impl::load``: a gpt2 vocab's defaults (bos = eos = 11, add_bos false,
-  add_space_prefix false), the ``tokenizer.ggml.pre`` name -> pre-tokenizer type mapping and the
-  per-type flags (``ignore_merges`` and ``add_bos`` for llama3 and tekken), see `PRE_TOKENIZERS`.
-  Merges are ``"left right"`` strings split at the first space after the first character; a
-  repeated pair keeps its first rank.
-- ``llm_tokenizer_bpe`` constructor: the list of split regexes of each pre-tokenizer type, applied
-  one after the other, each one inside the pieces the previous ones made.
-- ``unicode_regex_split`` (``unicode.cpp``): how those regexes run. A regex that names a Unicode
-  class (``\\p{N}``, ``\\p{L}``, ``\\p{P}``, ``\\p{M}``, ``\\p{S}``, ``\\p{Lu}``...) runs on a
-  "collapsed" copy of the text in which ASCII stays as it is, a non-ASCII whitespace becomes
-  ``\\v`` and every other non-ASCII code point becomes one placeholder per category (so e.g. any
-  non-ASCII letter, upper or lower case, is the same placeholder); in the regex each class becomes
-  "its placeholder plus its ASCII members". A regex without classes runs on the code points with
-  non-ASCII whitespace turned into ``\\v``. Matches and the gaps between them both become pieces.
-  The hand-written splitters llama.cpp uses for the gpt2, llama3, qwen2 and qwen35 regexes
-  implement exactly those regexes over the same character classes, so running the regex gives the
-  same pieces (checked against llama.cpp's own test cases). Category and whitespace sets follow
-  ``unicode_cpt_flags`` (Unicode general categories; White_Space).
-- ``unicode_byte_encoding_process``: each piece's UTF-8 bytes become GPT-2's printable characters
-  (`BYTE_TO_CHAR`).
-- ``llm_tokenizer_bpe_session::tokenize``: with ``ignore_merges`` a piece that is a vocab token is
-  taken whole; otherwise its characters are merged by lowest merge rank first (ties: leftmost).
-- ``token_to_piece`` (BPE branch) / ``llama_decode_text``: a normal token's characters back to
-  bytes; a character outside the byte map becomes ``[UNK_BYTE_0x<utf-8 hex><token text>]``.
-
-The merge loop is the HF ``tokenizers`` BPE model (same rank order and leftmost tie rule), built
-from the GGUF's tokens and merges; pieces are handed to it already split and byte-encoded.
-
-Known differences from llama.cpp, none reachable with the vocabularies we test: a merge whose
-parts or result are not vocab tokens is dropped (the HF model refuses it; llama.cpp would merge,
-then fall back to bytes); a byte-encoded character missing from the vocab is dropped (llama.cpp
-looks its raw bytes up and, for a GPT-2 vocab, finds nothing either); code points assigned after
-Python's ``unicodedata`` version are "unassigned" here.
+The pre-tokenizer types and their split regexes (`PRE_TOKENIZERS`), the byte map
+(`BYTE_TO_CHAR`), the merge loop (HF ``tokenizers``' BPE model built from the GGUF's tokens and
+merges) and ``token_to_piece``, each following ``src/llama-vocab.cpp`` / ``src/unicode.cpp``;
+the rules, how the regexes run on collapsed text, and the known differences from llama.cpp:
+docs/formats.md, "Byte-level BPE".
 """
 
 from __future__ import annotations
@@ -50,7 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
+from loraplane.formats.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
 _NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)
 

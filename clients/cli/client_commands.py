@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import click
 
 from clients.channel import parse_addresses
-from clients.client import LoraplaneClient
-from clients.errors import LoraplaneError, ServerUnreachable
-from clients.params import (
+from clients.cli.params import (
     ADAPTER_REF,
     ADAPTER_SCALE,
     TOKEN_IDS,
@@ -27,6 +25,8 @@ from clients.params import (
     client_options,
     scales_to_map,
 )
+from clients.client import LoraplaneClient
+from clients.errors import LoraplaneError, ServerUnreachable
 from clients.results import ResultBuilder, TokenEvent
 
 EXIT_REFUSED = 1
@@ -69,7 +69,7 @@ def _opts(kwargs: dict) -> ClientOptions:
 
 
 def report_error(err: LoraplaneError, as_json: bool) -> None:
-    from clients.render import print_json
+    from clients.cli.render import print_json
 
     if as_json:
         print_json(err.to_json())
@@ -260,7 +260,7 @@ def generate(
             raise LoraplaneError("UNKNOWN", "the generation stream ended before finishing")
     result = builder.build()
     if opts.as_json:
-        from clients.render import print_json
+        from clients.cli.render import print_json
 
         print_json(result.to_json(include_logprobs=logprobs is not None, include_prompt_logprobs=prompt_logprobs))
         return
@@ -268,7 +268,7 @@ def generate(
         click.echo(result.text)
     if no_telemetry:
         return
-    from clients.render import (
+    from clients.cli.render import (
         logprobs_table,
         print_telemetry,
         prompt_logprobs_table,
@@ -298,7 +298,7 @@ def adapters_list(**kwargs) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         found = client.list_adapters()
-    from clients.render import adapters_table, print_json, stdout_console
+    from clients.cli.render import adapters_table, print_json, stdout_console
 
     if opts.as_json:
         print_json({"adapters": [a.to_json() for a in found]})
@@ -314,7 +314,7 @@ def adapters_show(adapter_id: AdapterKey, **kwargs) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         adapter = client.get_adapter(adapter_id)
-    from clients.render import adapter_detail, print_json, stdout_console
+    from clients.cli.render import adapter_detail, print_json, stdout_console
 
     if opts.as_json:
         print_json(adapter.to_json())
@@ -360,7 +360,7 @@ def adapters_add(file: str, name: str | None, server_path: bool, pin: bool, **kw
             raise LoraplaneError("INVALID_ARGUMENT", str(err)) from None
         if pin:
             adapter = client.pin_adapter(adapter.id, True)
-    from clients.render import print_json
+    from clients.cli.render import print_json
 
     if opts.as_json:
         print_json(adapter.to_json())
@@ -378,7 +378,7 @@ def adapters_remove(adapter_ref: AdapterKey, **kwargs) -> None:
     with server_call(opts) as client:
         adapter_id = adapter_ref if isinstance(adapter_ref, int) else client.get_adapter(adapter_ref).id
         client.remove_adapter(adapter_id)
-    from clients.render import print_json
+    from clients.cli.render import print_json
 
     if opts.as_json:
         print_json({"id": adapter_id, "removed": True})
@@ -390,7 +390,7 @@ def _pin_command(adapter_ref: AdapterKey, pinned: bool, kwargs: dict) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         adapter = client.pin_adapter(adapter_ref, pinned)
-    from clients.render import print_json
+    from clients.cli.render import print_json
 
     if opts.as_json:
         print_json(adapter.to_json())
@@ -423,7 +423,7 @@ def default() -> None:
 
 
 def _print_default(opts: ClientOptions, default_set) -> None:
-    from clients.render import default_table, print_json, stdout_console
+    from clients.cli.render import default_table, print_json, stdout_console
 
     if opts.as_json:
         print_json(default_set.to_json())
@@ -471,7 +471,7 @@ def workers_list(**kwargs) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         found = client.list_workers()
-    from clients.render import print_json, stdout_console, workers_table
+    from clients.cli.render import print_json, stdout_console, workers_table
 
     if opts.as_json:
         print_json({"workers": [w.to_json() for w in found]})

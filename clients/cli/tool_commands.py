@@ -12,7 +12,7 @@ import os
 
 import click
 
-from clients.params import PATH_OPTIONAL_SCALE
+from loraplane.options import PATH_OPTIONAL_SCALE
 
 
 def _tool_failed(what: str, err: BaseException) -> click.ClickException:
@@ -40,7 +40,7 @@ def _tool_failed(what: str, err: BaseException) -> click.ClickException:
 def convert_peft_cmd(peft_dir: str, out_path: str, base_gguf: str | None, outtype: str) -> None:
     """Convert a PEFT LoRA folder (adapter_config.json + safetensors) into an adapter GGUF."""
     try:
-        from worker.tools.convert_peft import convert_peft
+        from loraplane.formats.convert_peft import convert_peft
     except ImportError as err:
         raise click.ClickException(f"convert-peft is not available: {err}") from None
     from loraplane.progress import progress_bar, progress_enabled

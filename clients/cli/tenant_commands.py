@@ -19,8 +19,8 @@ from typing import Any
 
 import click
 
-from clients.cli_client import _opts, server_call
-from clients.params import UINT32_MAX, client_options
+from clients.cli.client_commands import _opts, server_call
+from clients.cli.params import UINT32_MAX, client_options
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT63_MAX = 2**63 - 1
@@ -102,7 +102,7 @@ def tenants_add(name: str, key: str | None, **kwargs: Any) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         tenant, api_key = client.add_tenant(name, api_key=key, **settings)
-    from clients.render import print_json
+    from clients.cli.render import print_json
 
     if opts.as_json:
         print_json({**tenant.to_json(), "api_key": api_key})
@@ -123,7 +123,7 @@ def tenants_update(name: str, **kwargs: Any) -> None:
         raise click.UsageError("give at least one setting to change (--weight, --priority, --max-concurrent, …)")
     with server_call(opts) as client:
         tenant = client.update_tenant(name, **settings)
-    from clients.render import print_json, stdout_console, tenants_table
+    from clients.cli.render import print_json, stdout_console, tenants_table
 
     if opts.as_json:
         print_json(tenant.to_json())
@@ -138,7 +138,7 @@ def tenants_list(**kwargs: Any) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         found = client.list_tenants()
-    from clients.render import print_json, stdout_console, tenants_table
+    from clients.cli.render import print_json, stdout_console, tenants_table
 
     if opts.as_json:
         print_json({"tenants": [t.to_json() for t in found]})
@@ -154,7 +154,7 @@ def tenants_remove(name: str, **kwargs: Any) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         client.remove_tenant(name)
-    from clients.render import print_json
+    from clients.cli.render import print_json
 
     if opts.as_json:
         print_json({"name": name, "removed": True})

@@ -1,27 +1,10 @@
 """The SentencePiece vocabulary (``tokenizer.ggml.model == "llama"``, llama.cpp
 ``LLAMA_VOCAB_TYPE_SPM``): encoding of raw-text fragments and the text of normal/byte tokens.
 
-Rule sources, all llama.cpp ``src/llama-vocab.cpp``:
-
-- ``llama_vocab::impl::load``: defaults for an SPM vocab (bos 1, eos 2, add_bos true,
-  add_eos false, add_space_prefix true), see `SPM_DEFAULTS`.
-- ``llama_vocab::impl::tokenize`` (SPM case): a raw fragment gets a leading space when
-  ``add_space_prefix`` and it is the first fragment or follows a special token; spaces become
-  U+2581 (``llama_escape_whitespace``); each fragment is encoded on its own.
-- ``llm_tokenizer_spm_session``: split into UTF-8 characters, repeatedly merge the adjacent pair
-  whose concatenation is a vocab token with the highest score (ties: leftmost), then map pieces
-  to ids; a character that is no token becomes its UTF-8 bytes as ``<0xXX>`` tokens
-  (``llama_vocab::byte_to_token``).
-- ``token_to_piece`` (SPM branch): U+2581 back to a space, ``<0xXX>`` to its byte.
-
-The merge loop itself is not ours: it is sentencepiece's BPE model (``bpe_model.cc``, which
-llama.cpp's SPM session mirrors: same priority queue, same tie rule, same stale-pair test) run on
-a ``ModelProto`` built from the GGUF fields. Two settings make it match llama.cpp exactly:
-every GGUF token is declared NORMAL (llama.cpp merges into any vocab text, control and byte
-tokens included, where sentencepiece would skip non-NORMAL pieces), and the proto's required
-UNKNOWN piece is an extra sentinel whose text holds a plain space, which escaped input never
-contains. Characters that come back as the sentinel get llama.cpp's byte fallback here. The proto
-is built in well under a second for a 262k vocab, so nothing is cached on disk.
+Defaults (`SPM_DEFAULTS`), the space prefix and escaping, the merge loop (sentencepiece's BPE
+model run on a ``ModelProto`` built from the GGUF fields) and the byte fallback, following
+``src/llama-vocab.cpp``; why two proto settings make it match llama.cpp exactly:
+docs/formats.md, "SentencePiece".
 """
 
 from __future__ import annotations
@@ -31,7 +14,7 @@ from collections.abc import Sequence
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2  # generated protobuf module
 
-from worker.runtime.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
+from loraplane.formats.tokenizer.vocab import TokenAttr, TokenizerError, Vocab, VocabDefaults
 
 _SPACE = " "
 _NORMAL, _BYTE = int(TokenAttr.NORMAL), int(TokenAttr.BYTE)

@@ -6,7 +6,6 @@ Every malformed value is a ``click.BadParameter`` here, so it ends as click's us
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -14,8 +13,8 @@ from typing import Any, TypeVar
 
 import click
 
-from loraplane.compute_spec import DEVICE_METAVAR, check_device_spec
 from loraplane.env import ENV_ADDR, ENV_ADMIN_TOKEN, ENV_API_KEY
+from loraplane.options import finite_float
 
 UINT32_MAX = 2**32 - 1  # ids and counts are uint32 on the wire
 UINT64_MAX = 2**64 - 1
@@ -23,16 +22,6 @@ UINT64_MAX = 2**64 - 1
 DEFAULT_ADDR = "127.0.0.1:50051"
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _finite_float(text: str, what: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{what} {text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise ValueError(f"{what} {text!r} is not finite")
-    return value
 
 
 _ASCII_INT = re.compile(r"-?[0-9]+")
@@ -82,7 +71,7 @@ class AdapterScaleType(click.ParamType):
         if not sep:
             self.fail(f"{value!r} is not ID=SCALE or NAME=SCALE (e.g. 0=1.0, shout=0.5)", param, ctx)
         try:
-            return _adapter_key(key_text), _finite_float(scale_text, "scale")
+            return _adapter_key(key_text), finite_float(scale_text, "scale")
         except ValueError as err:
             self.fail(f"{value!r}: {err}", param, ctx)
 
@@ -137,81 +126,9 @@ class TokenIdsType(click.ParamType):
         return tuple(ids)
 
 
-class PathScaleType(click.ParamType):
-    """``PATH:SCALE`` (scale required) or, with ``optional_scale``, ``PATH[:SCALE]``."""
-
-    def __init__(self, optional_scale: bool = False) -> None:
-        self.optional_scale = optional_scale
-        self.name = "PATH[:SCALE]" if optional_scale else "PATH:SCALE"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, float]:
-        if isinstance(value, tuple):
-            return value
-        text = str(value)
-        path, sep, scale_text = text.rpartition(":")
-        if sep and path:
-            try:
-                return path, _finite_float(scale_text, "scale")
-            except ValueError as err:
-                if not self.optional_scale:
-                    self.fail(f"{text!r}: {err}", param, ctx)
-        if self.optional_scale:
-            return text, 1.0
-        self.fail(f"{text!r} is not PATH:SCALE (e.g. shout.gguf:0.5)", param, ctx)
-
-
-class HostPortType(click.ParamType):
-    """``HOST:PORT`` for addresses a server binds (port 0 only where ``allow_zero``)."""
-
-    name = "HOST:PORT"
-
-    def __init__(self, allow_zero: bool = True) -> None:
-        self.allow_zero = allow_zero
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        text = str(value)
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host or not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
-            self.fail(f"{text!r} is not HOST:PORT", param, ctx)
-        if int(port_text) == 0 and not self.allow_zero:
-            self.fail(f"{text!r}: port 0 is not allowed here", param, ctx)
-        return text
-
-
-class HostPortListType(click.ParamType):
-    """``HOST:PORT[,HOST:PORT…]`` (addresses to dial: port 0 refused) → the same text,
-    whitespace removed; every element is checked like `HostPortType`."""
-
-    name = "HOST:PORT[,HOST:PORT…]"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        parts = [p.strip() for p in str(value).split(",")]
-        if not all(parts):
-            self.fail(f"{value!r}: empty address in the list", param, ctx)
-        one = HostPortType(allow_zero=False)
-        return ",".join(one.convert(p, param, ctx) for p in parts)
-
-
-class DeviceType(click.ParamType):
-    """A worker ``--device``: ``cpu``, ``cpu:0``, ``cuda``, ``cuda:N`` or ``auto``
-    (`loraplane.compute_spec.check_device_spec`) → its normalized spelling. Only the spelling
-    is checked here; the worker refuses a GPU it does not have when it loads the model."""
-
-    name = DEVICE_METAVAR
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        try:
-            return check_device_spec(str(value))
-        except ValueError as err:
-            self.fail(str(err), param, ctx)
-
-
 ADAPTER_SCALE = AdapterScaleType()
-DEVICE = DeviceType()
 ADAPTER_REF = AdapterRefType()
 TOKEN_IDS = TokenIdsType()
-PATH_SCALE = PathScaleType()
-PATH_OPTIONAL_SCALE = PathScaleType(optional_scale=True)
 
 
 def scales_to_map(pairs: Sequence[tuple[AdapterKey, float]], param_hint: str) -> dict[AdapterKey, float]:

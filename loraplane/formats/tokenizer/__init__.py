@@ -2,12 +2,12 @@
 
 Two vocabulary types (llama.cpp ``llama_vocab::impl::load``, ``tokenizer.ggml.model``):
 
-- ``"llama"``: SentencePiece (``LLAMA_VOCAB_TYPE_SPM``), `worker.runtime.tokenizer.spm`;
+- ``"llama"``: SentencePiece (``LLAMA_VOCAB_TYPE_SPM``), `loraplane.formats.tokenizer.spm`;
 - ``"gpt2"``: byte-level BPE (``LLAMA_VOCAB_TYPE_BPE``) with the pre-tokenizer named by
-  ``tokenizer.ggml.pre``, `worker.runtime.tokenizer.bpe`.
+  ``tokenizer.ggml.pre``, `loraplane.formats.tokenizer.bpe`.
 
 What both share (token attributes, special ids, end-of-generation set, special-token
-partition) is in `worker.runtime.tokenizer.vocab`. Any other model, or an unknown ``pre``, raises
+partition) is in `loraplane.formats.tokenizer.vocab`. Any other model, or an unknown ``pre``, raises
 `TokenizerError` at load.
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from worker.gguf.reader import GGUFFile
-from worker.runtime.tokenizer.bpe import BPE_DEFAULTS, PRE_TOKENIZERS, BpeModel, supported_pre
-from worker.runtime.tokenizer.spm import SPM_DEFAULTS, SpmModel
-from worker.runtime.tokenizer.vocab import (
+from loraplane.formats.gguf.reader import GGUFFile
+from loraplane.formats.tokenizer.bpe import BPE_DEFAULTS, PRE_TOKENIZERS, BpeModel, supported_pre
+from loraplane.formats.tokenizer.spm import SPM_DEFAULTS, SpmModel
+from loraplane.formats.tokenizer.vocab import (
     HIDDEN_ATTRS,
     TokenAttr,
     TokenizerError,

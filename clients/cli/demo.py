@@ -23,9 +23,9 @@ import click
 import loraplane
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
-from clients.params import DEVICE
 from clients.results import GenerateResult, WorkerInfo
 from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES
+from loraplane.options import DEVICE
 
 DEMO_DIR = Path(loraplane.__file__).resolve().parent / "demo" / "adapters"
 """``loraplane/demo/adapters/``: package data, the same folder in a checkout and in the wheel."""
@@ -72,7 +72,7 @@ def run_demo_requests(
 
 def _ready_hook(prompt: str, max_tokens: int, once: bool, as_json: bool, addresses: str = ""):
     def on_ready(client: LoraplaneClient, worker: WorkerInfo) -> bool:
-        from clients.render import side_by_side, stdout_console
+        from clients.cli.render import side_by_side, stdout_console
 
         console = stdout_console()
         ids = demo_adapter_ids(client)
@@ -161,14 +161,16 @@ def demo_cmd(
     metrics_addr: str,
 ) -> None:
     """Serve with the shout and sea demo adapters and compare them on one prompt."""
-    from clients.cli_server import control_plane_config, load_control_plane, worker_args
-    from clients.serve import ServeSpec, resolve_port, run_serve
+    from clients.cli.serve import ServeSpec, resolve_port, run_serve
+    from clients.cli.server_commands import load_control_plane
+    from control_plane.options import control_plane_config
     from loraplane.worker_secret import new_worker_secret
+    from worker.options import worker_argv
 
     missing = [str(p) for _, p in DEMO_ADAPTERS if not p.is_file()]
     if missing:
         raise click.ClickException(f"demo adapters missing: {', '.join(missing)}")
-    run_control_plane, config_cls = load_control_plane()
+    run_control_plane = load_control_plane()
     temporary = data_dir is None
     root = Path(tempfile.mkdtemp(prefix="loraplane-demo-")) if data_dir is None else Path(data_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -177,32 +179,23 @@ def demo_cmd(
     worker_metrics_addr = resolve_port("127.0.0.1:0")
     worker_secret = new_worker_secret()  # as ``serve``: its own worker only, given in the environment
     config = control_plane_config(
-        config_cls,
-        addr=addr,
-        data_dir=str(root),
-        adapter_dirs=[str(DEMO_DIR)],
-        model_path=model_path,
+        {
+            "addr": addr,
+            "data_dir": str(root),
+            "adapter_dirs": [str(DEMO_DIR)],
+            "model_path": model_path,
+            "lora_init_without_apply": True,
+            "worker_secret": worker_secret,
+            "log_level": log_level,
+            "http_addr": http_addr,
+            "metrics_addr": metrics_addr,
+        },
         adapters=[(str(p), 1.0) for _, p in DEMO_ADAPTERS],
-        lora_init_without_apply=True,
-        admin_token=None,
-        worker_secret=worker_secret,
-        log_level=log_level,
-        http_addr=http_addr,
-        metrics_addr=metrics_addr,
     )
     spec = ServeSpec(
         cp_addr=addr,
-        worker_args=worker_args(
-            model_path=model_path,
-            n_slots=4,
-            batching="mixed",
-            prefix_cache="keyed",
-            dtype=dtype,
-            device=device,
-            n_ctx_slot=None,
-            queue_limit=None,
-            prefix_cache_tokens=None,
-            metrics_addr=worker_metrics_addr,
+        worker_args=worker_argv(
+            {"model_path": model_path, "dtype": dtype, "device": device, "metrics_addr": worker_metrics_addr}
         ),
         ready_timeout_s=ready_timeout,
         worker_secret=worker_secret,

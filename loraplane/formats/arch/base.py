@@ -1,11 +1,18 @@
-"""What every architecture shares: the hyper-parameter base record, tensor specs, metadata reads."""
+"""What every architecture shares: the hyper-parameter base record, tensor specs, metadata reads
+(torch-free: the control plane and the worker both read them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from worker.runtime.errors import ModelError
+from loraplane.formats.gguf.reader import GGUFFile
+
+
+class ArchError(ValueError):
+    """A base model GGUF does not fit the architecture table: an architecture we do not serve,
+    or a required ``{arch}.*`` metadata key missing or out of range. Messages name the file and
+    the key or architecture at fault (the worker re-raises them as ``ModelError``)."""
 
 
 @dataclass(frozen=True)
@@ -42,13 +49,13 @@ class HParams:
 
 
 def common_hparams(
-    gguf: Any, *, n_vocab: int, eps: float, rope_freq_base: float, n_ctx_train: int, n_swa: int = 0
+    gguf: GGUFFile, *, n_vocab: int, eps: float, rope_freq_base: float, n_ctx_train: int, n_swa: int = 0
 ) -> dict[str, Any]:
     """The ``HParams`` base fields read from ``{arch}.*`` metadata (llama.cpp
     ``llama_model::load_hparams``), with the architecture's defaults for the optional keys.
 
     Raises:
-        worker.runtime.errors.ModelError: a required key (embedding_length, attention.head_count,
+        ArchError: a required key (embedding_length, attention.head_count,
             block_count, feed_forward_length) is missing.
     """
     n_embd = int(meta(gguf, "embedding_length", required=True))
@@ -81,13 +88,17 @@ class TensorSpec:
     required: bool = True
 
 
-def meta(gguf: Any, key: str, default: Any = None, *, required: bool = False) -> Any:
-    """``{arch}.{key}`` from metadata; raises ModelError naming the key when required and absent."""
+def meta(gguf: GGUFFile, key: str, default: Any = None, *, required: bool = False) -> Any:
+    """``{arch}.{key}`` from metadata (``default`` when absent).
+
+    Raises:
+        ArchError: ``required`` and absent (names the file and the full key).
+    """
     full = f"{gguf.arch}.{key}"
     if full in gguf.metadata:
         return gguf.metadata[full]
     if required:
-        raise ModelError(f"{gguf.path}: missing metadata key '{full}'")
+        raise ArchError(f"{gguf.path}: missing metadata key '{full}'")
     return default
 
 
@@ -124,18 +135,3 @@ def ffn_specs(hp: HParams, b: str) -> list[TensorSpec]:
         TensorSpec(b + "ffn_up.weight", (d, hp.n_ff)),
         TensorSpec(b + "ffn_down.weight", (hp.n_ff, d)),
     ]
-
-
-def build_qkv(ctx: Any, hp: HParams, b: str, cur: Any, *, biases: bool = False) -> tuple[Any, Any, Any]:
-    """Layer ``b``'s q/k/v from the normed input cur ``(n, d)`` through the one LoRA entry point
-    (``GraphContext.build_lora_mm_group``), plus ``attn_{q,k,v}.bias`` when ``biases``, split
-    into heads: q ``(n, H, dk)``, k ``(n, Hkv, dk)``, v ``(n, Hkv, dv)``."""
-    n = cur.shape[0]
-    q, k, v = ctx.build_lora_mm_group((b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), cur)
-    if biases:
-        q, k, v = (ctx.build_bias(t, b + f"attn_{x}.bias") for t, x in ((q, "q"), (k, "k"), (v, "v")))
-    return (
-        q.reshape(n, hp.n_head, hp.n_embd_head_k),
-        k.reshape(n, hp.n_head_kv, hp.n_embd_head_k),
-        v.reshape(n, hp.n_head_kv, hp.n_embd_head_v),
-    )

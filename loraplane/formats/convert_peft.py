@@ -1,39 +1,11 @@
 """Convert a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to an adapter GGUF.
 
-Our own implementation of what llama.cpp's ``convert_lora_to_gguf.py`` does, for the
-architectures we serve (gemma3, gemma2, llama incl. Llama 3, qwen2, qwen3, phi3), plus the
-two things it gets wrong or drops:
-
-* rsLoRA (``use_rslora: true``): PEFT scales by ``lora_alpha / sqrt(r)``; llama.cpp scales
-  by ``alpha / r`` and writes ``lora_alpha`` unchanged. We write ``alpha = lora_alpha *
-  sqrt(r)`` so ``alpha / r == lora_alpha / sqrt(r)``.
-* ``rank_pattern`` / ``alpha_pattern``: a GGUF holds one alpha, the rank comes from each
-  pair's shape. Ranks that differ per module need nothing (``alpha / r_module`` is what PEFT
-  uses); where a module's PEFT scale still differs from ``alpha / r_module`` (a per-module
-  alpha, or rsLoRA with a per-module rank) the ratio is folded into that module's B, so the
-  served delta equals PEFT's exactly.
-
-Name map (PEFT key → GGUF tensor, as ``convert_hf_to_gguf.py``'s tensor map names them):
-  ``base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj`` → ``blk.{i}.attn_{q,k,v,output}.weight``
-  ``base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj``  → ``blk.{i}.ffn_{gate,up,down}.weight``
-  phi3's fused ``self_attn.qkv_proj`` → ``attn_qkv``, ``mlp.gate_up_proj`` → ``ffn_up`` (the
-  adapter patches the fused weight, as llama.cpp applies it)
-  ``base_model.model.model.embed_tokens`` (``lora_embedding_A/B``) → ``token_embd.weight``
-  ``base_model.model.lm_head`` → ``output.weight``
-Unknown modules and non-LoRA tensors are errors, never silently dropped.
-
-Layouts (torch shapes; GGUF ``ne`` is reversed): PEFT ``lora_A.weight`` is ``(r, k)`` and
-``lora_B.weight`` ``(d, r)`` — written as is (A ne ``[k, r]``, B ne ``[r, d]``). The token
-embedding's ``lora_embedding_A`` ``(r, V)`` is transposed to ``(V, r)`` (ne ``[r, V]``, the
-llama.cpp exception); ``lora_embedding_B`` ``(d, r)`` is written as is. For llama (Llama 2 and
-3 alike), q/k rows are permuted like the base weights (HF rotate-half → GGUF interleaved rope,
-``convert_hf_to_gguf.LlamaModel.permute``): the permutation acts on B's rows only. qwen2, qwen3,
-gemma2/3 and phi3 use NEOX rope in llama.cpp, so their converter permutes nothing.
-
-The module needs no torch: safetensors files are read with ``read_safetensors`` (numpy,
-F64/F32/F16/BF16), so the control plane and the CLI run the same conversion as the
-``convert-peft`` tool (``control_plane`` never loads torch; ``tests/unit/test_layout.py``).
-All arithmetic is f32 numpy, bit-for-bit what the earlier torch version wrote.
+Our own implementation of llama.cpp's ``convert_lora_to_gguf.py`` for the architectures of
+``loraplane.formats.arch`` that have PEFT names, plus rsLoRA and ``rank_pattern`` /
+``alpha_pattern`` folded in exactly. `convert_peft` writes the file, `is_peft_dir` recognises a
+folder, `read_safetensors` reads tensors with numpy (no torch: the control plane, the CLI and the
+``convert-peft`` tool run the same code). The name map, the layouts, the llama q/k permutation and
+the scale rules: docs/formats.md, "PEFT conversion".
 """
 
 from __future__ import annotations
@@ -42,7 +14,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,26 +22,13 @@ from typing import Any
 import gguf
 import numpy as np
 
-from worker.gguf.reader import GGUFFile, read_gguf
-from worker.gguf.writer import write_and_close
-from worker.lora.adapter_file import AdapterError, validate_lora_adapter
+from loraplane.formats.adapter_file import AdapterError, read_lora_adapter
+from loraplane.formats.arch import ARCHS, PEFT_LAYER_MODULES, peft_archs
+from loraplane.formats.gguf.reader import GGUFFile, read_gguf
+from loraplane.formats.gguf.writer import write_and_close
 
-SUPPORTED_ARCHS = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
 OUTTYPES = {"f32": np.float32, "f16": np.float16}
 
-_LAYER_MODULES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-# per-architecture additions: phi3's fused projections (its tensor map in convert_hf_to_gguf.py)
-_ARCH_LAYER_MODULES = {
-    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},  # gate|up, gate first
-}
 _KEY_RE = re.compile(
     r"^base_model\.model\.(?P<module>.+)\."
     r"(?P<kind>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$"
@@ -77,15 +36,6 @@ _KEY_RE = re.compile(
 _LAYER_RE = re.compile(r"^model\.layers\.(?P<i>\d+)\.(?P<sub>.+)$")
 # multimodal wrappers put the text model one level down
 _PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", ""))
-# hints for telling the architecture from base_model_name_or_path / auto_mapping
-_ARCH_HINTS = (
-    ("gemma3", ("gemma-3", "gemma3", "gemma_3")),
-    ("gemma2", ("gemma-2", "gemma2", "gemma_2")),
-    ("llama", ("llama",)),
-    ("qwen3", ("qwen3", "qwen-3")),
-    ("qwen2", ("qwen2", "qwen-2")),
-    ("phi3", ("phi-3", "phi3", "phi-4-mini")),
-)
 
 
 PEFT_CONFIG = "adapter_config.json"
@@ -161,9 +111,11 @@ class _Module:
     embedding: bool = False
 
 
-def _layer_modules(arch: str) -> dict[str, str]:
-    """PEFT layer sub-module → GGUF tensor stem for ``arch``."""
-    return {**_LAYER_MODULES, **_ARCH_LAYER_MODULES.get(arch, {})}
+def _layer_modules(arch: str) -> Mapping[str, str]:
+    """PEFT layer sub-module → GGUF tensor stem for ``arch`` (the architecture table's map; the
+    common one for an architecture it does not convert)."""
+    spec = ARCHS.get(arch)
+    return spec.peft.modules if spec is not None and spec.peft is not None else PEFT_LAYER_MODULES
 
 
 def _map_module(module: str, arch: str = "") -> str | None:
@@ -191,7 +143,7 @@ def _infer_arch(cfg: dict[str, Any]) -> str | None:
         if x
     )
     text = text.lower()
-    found = [arch for arch, needles in _ARCH_HINTS if any(n in text for n in needles)]
+    found = [name for name, spec in ARCHS.items() if spec.peft and any(n in text for n in spec.peft.hints)]
     return found[0] if len(found) == 1 else None
 
 
@@ -342,7 +294,7 @@ def convert_peft(
     _write_adapter(tmp, inputs.arch, alpha, src.name if name is None else name, cfg, tensors)
     if base_gguf is not None:
         try:
-            validate_lora_adapter(tmp, base_arch=inputs.arch, base_tensors=inputs.base_index)
+            read_lora_adapter(tmp, base_arch=inputs.arch, base_tensors=inputs.base_index)
         except AdapterError as exc:
             tmp.unlink(missing_ok=True)
             raise ConvertError(
@@ -394,8 +346,8 @@ def _read_inputs(src: Path, base_gguf: str | GGUFFile | None) -> _Inputs:
                 f"architecture: cannot tell it from base_model_name_or_path "
                 f"{cfg.get('base_model_name_or_path')!r}; pass base_gguf"
             )
-    if arch and arch not in SUPPORTED_ARCHS:
-        problems.append(f"architecture '{arch}': no PEFT name map (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if arch and arch not in peft_archs():
+        problems.append(f"architecture '{arch}': no PEFT name map (supported: {', '.join(peft_archs())})")
     modules = _read_modules(st_path, arch, problems)
     if not modules and not problems:
         problems.append(f"{st_path.name}: no LoRA A/B tensors found")

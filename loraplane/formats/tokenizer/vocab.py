@@ -1,24 +1,10 @@
 """What every vocabulary type shares: token texts and attributes, special ids, the
 end-of-generation set and the special-token partition of a prompt.
 
-Rule sources, all llama.cpp ``src/llama-vocab.cpp``:
-
-- ``llama_vocab::impl::load``: token type -> attribute mapping, empty tokens renamed
-  ``[EMPTY_<id>]``, duplicate texts rejected, special-token ids from metadata (out-of-range values
-  keep the default), special tokens auto-detected by text (forced to CONTROL), the
-  end-of-generation set (ids and texts), the gpt-oss attribute hacks (``<|channel|>`` & co. become
-  USER_DEFINED; ``<|end|>`` leaves the EOG set when ``<|return|>`` and ``<|call|>`` (or
-  ``<|calls|>`` and ``<|flush|>``) are there), the special-token cache (CONTROL | USER_DEFINED |
-  UNKNOWN, longest text first) and phi-3's RSTRIP attributes.
-- ``tokenizer_st_partition``: special tokens found literally in the text are cut out first, one
-  token at a time over all raw fragments; CONTROL and UNKNOWN only when ``parse_special``,
-  USER_DEFINED always; LSTRIP/RSTRIP eat the whitespace next to the cut.
-
-Known differences from llama.cpp: "</s>" is an end-of-generation text here only where the vocab
-does not declare it USER_DEFINED (Gemma 3's HTML tag; see `EOG_TEXT_UNLESS_USER_DEFINED`);
-equal-length special tokens that overlap in the
-text are tried in id order (llama.cpp's std::sort leaves that order unspecified); a vocab with
-several auto-detectable EOT/FIM texts takes the lowest id (llama.cpp: hash-map order).
+Follows llama.cpp ``llama_vocab::impl::load`` and ``tokenizer_st_partition``
+(``src/llama-vocab.cpp``); the rules (attributes, auto-detected specials, the EOG set, LSTRIP /
+RSTRIP) and the known differences from llama.cpp (`EOG_TEXT_UNLESS_USER_DEFINED`):
+docs/formats.md, "What every vocabulary shares".
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The ``loraplane`` command line: its flags, ``--json`` shapes and exit codes are a stable contract.
 
-Commands are defined by concern in `clients.cli_client` (generate, adapters, default,
-workers), `clients.cli_tenants` (tenants), `clients.cli_server` (serve,
-control-plane, worker), `clients.cli_tools` (convert-peft, export-lora, bench) and
-`clients.demo`; this module assembles them and is the console-script entry point
+Commands are defined by concern in `clients.cli.client_commands` (generate, adapters, default,
+workers), `clients.cli.tenant_commands` (tenants), `clients.cli.server_commands` (serve,
+control-plane, worker), `clients.cli.tool_commands` (convert-peft, export-lora, bench) and
+`clients.cli.demo`; this module assembles them and is the console-script entry point
 (also ``python -m clients.cli``).
 
 Exit codes: 0 success, 1 the server refused (or a tool failed), 2 usage error, 3 the server
@@ -20,12 +20,12 @@ from typing import Any, NoReturn
 
 import click
 
-from clients.cli_client import CLIENT_COMMANDS
-from clients.cli_server import SERVER_COMMANDS
-from clients.cli_tenants import TENANT_COMMANDS
-from clients.cli_tools import TOOL_COMMANDS
-from clients.demo import demo_cmd
-from clients.params import env_flag
+from clients.cli.client_commands import CLIENT_COMMANDS
+from clients.cli.demo import demo_cmd
+from clients.cli.params import env_flag
+from clients.cli.server_commands import SERVER_COMMANDS
+from clients.cli.tenant_commands import TENANT_COMMANDS
+from clients.cli.tool_commands import TOOL_COMMANDS
 from loraplane.env import ENV_DEBUG
 
 EXIT_INTERNAL = 1
@@ -71,7 +71,7 @@ def _usage_error(err: click.UsageError, as_json: bool) -> NoReturn:
     ``{"error": {"code": "INVALID_ARGUMENT", "message": "<command path>: <message>"}}``."""
     if not as_json:
         raise err
-    from clients.render import print_json
+    from clients.cli.render import print_json
 
     where = err.ctx.command_path if err.ctx is not None else "loraplane"
     print_json({"error": {"code": USAGE_ERROR_CODE, "message": f"{where}: {err.format_message()}"}})
