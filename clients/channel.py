@@ -1,35 +1,12 @@
 """Channel set-up shared by the sync and async clients: options, retries, connect deadline,
 and the choice among several control-plane replicas.
 
-Retries: idempotent read calls (ListAdapters, GetAdapter, GetDefaultAdapters, ListWorkers)
-carry grpc's built-in retry policy through the channel's service config, so a transient
-UNAVAILABLE (a control plane restarting, a dropped connection) is retried by grpc itself with
-exponential backoff. Writes and Generate are not retried: a repeated RegisterAdapter is
-harmless (same sha256 → same id) but a streamed upload cannot be replayed cheaply, and a
-repeated Generate would run twice.
-
-Several replicas: an address may be a comma-separated list (``"cp-a:50051,cp-b:50051"``);
-one address may also be a Service in front of several replicas. `Replicas` keeps one channel
-per address and the one currently preferred; the clients (`clients.client`) retry a call on
-the next replica when the current one answers UNAVAILABLE or cannot be reached:
-
-- reads and ``SetDefaultAdapters``: retried as they are (replaying them is harmless);
-- ``RegisterAdapter``: the whole upload is sent again (same content → same id, so a retry
-  of a registration that did commit returns the same id);
-- ``UnregisterAdapter``: a retry that answers NOT_FOUND counts as done (the first attempt
-  removed it before its replica died);
-- ``Generate`` is never replayed once sent (it would run twice): a stream broken because its
-  replica died ends with UNAVAILABLE at once (keepalive pings every `KEEPALIVE_MS` detect a
-  silent peer within `KEEPALIVE_TIMEOUT_MS` more) and the next call starts on another replica.
-
-Each call makes at most `max_attempts(n)` attempts; after each full round over the
-addresses it waits `RETRY_BACKOFF_S` (doubling, at most `RETRY_BACKOFF_MAX_S`), which gives a
-single Service address time to route a new connection to a live replica.
-
-Connecting: before its first call a client waits for the channel to become READY, with a
-deadline. Reaching TRANSIENT_FAILURE first (connection refused, name not resolved) or missing
-the deadline raises `ServerUnreachable`; ``wait_for_server=True`` keeps waiting through
-transient failures until the deadline (for callers that start the server themselves).
+`SERVICE_CONFIG` is gRPC's retry policy for the idempotent reads (`READ_METHODS`), with keepalive
+(`KEEPALIVE_MS`, `KEEPALIVE_TIMEOUT_MS`); `Replicas` keeps one channel per address of a
+comma-separated list and moves a call to the next replica on UNAVAILABLE (at most
+`max_attempts(n)` attempts, `RETRY_BACKOFF_S` doubling to `RETRY_BACKOFF_MAX_S` between
+rounds); `wait_ready` is the connect deadline behind `ServerUnreachable`. Which calls are
+retried and why: docs/operations.md, "The Python client".
 """
 
 from __future__ import annotations

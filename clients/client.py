@@ -4,24 +4,9 @@
     with LoraplaneClient("127.0.0.1:50051") as lp:
         shout = lp.add_adapter("shout.gguf")
         result = lp.generate("Tell me a story.", adapters={shout.id: 1.0}, max_tokens=24)
-        print(result.text, result.telemetry["cached_prompt_tokens"])
 
-Adapter maps: ``adapters=None`` → the control plane's default set (field unset on the wire);
-``adapters={}`` → explicitly no adapters; ``{id: scale}`` → exactly those, every other
-registered adapter at 0.
-
-Several control-plane replicas: ``addr`` may be a comma-separated list
-(``"cp-a:50051,cp-b:50051"``) or one Service address; calls go to one replica and move to the
-next when it fails (what is retried and how: `clients.channel`). A Generate stream broken by
-its replica's death raises `LoraplaneError` with code ``UNAVAILABLE``; calling ``generate``
-again runs it on another replica.
-
-Errors: `ServerUnreachable` when no connection can be made (checked once, before the first
-call, with a deadline of ``connect_timeout``), `LoraplaneError` (``code``, ``message``) when
-the server refuses. The admin token (argument, else ``$LORAPLANE_ADMIN_TOKEN``) is sent as
-``authorization: Bearer <token>`` metadata on every call; without one, the inference API key
-(``api_key``, else ``$LORAPLANE_API_KEY``) is. ``timeout`` is the per-call deadline
-in seconds (None: none); for `generate_stream` it bounds the whole stream.
+Adapter maps (``None`` = the default set, ``{}`` = none), errors (`ServerUnreachable`,
+`LoraplaneError`), credentials, deadlines and replicas: docs/operations.md, "The Python client".
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def adapter_map(vector: Sequence[tuple[int, float]]) -> common_pb2.AdapterMap:
 
 
 Lookup = Callable[[str], int]
-"""A name → id resolver (`control_plane.registry.AdapterRegistry.lookup`)."""
+"""A name → id resolver (`control_plane.names.AdapterNames.lookup`)."""
 
 
 def ref_id(ref: common_pb2.AdapterRef | common_pb2.AdapterScale | control_plane_pb2.PinRequest, lookup: Lookup) -> int:

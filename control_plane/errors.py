@@ -1,8 +1,9 @@
 """Domain errors of the control plane.
 
-Everything inside `control_plane/` raises these; only the servicer boundary
-(`control_plane.servicer`) turns them into gRPC status codes, in one table. Every message
-names the thing at fault (adapter id, path, tensor, worker).
+Everything inside `control_plane/` raises these; only the edges, the gRPC servicer
+(`control_plane.servicer`) and the HTTP front (`control_plane.http.errors`), turn them into
+codes, both from one table (`control_plane.error_codes`). Every message names the thing at
+fault (adapter id, path, tensor, worker).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ import time
 import structlog
 
 from control_plane.errors import ControlPlaneError, NotFoundError
+from control_plane.membership import WorkerPool
 from control_plane.store import AdapterStore
-from control_plane.workers import WorkerPool
 from loraplane.v1 import control_plane_pb2
 
 log = structlog.get_logger("loraplane.control_plane.replicas")
@@ -177,6 +177,6 @@ class ReplicaSync:
             log.warning("removed_adapters_unavailable", error=str(exc))
             return
         for adapter_id in sorted(removed - self._removed_seen):
-            self.pool.unload_adapter(adapter_id)
+            self.pool.adapters.unload_adapter(adapter_id)
             log.info("removed_adapter_unloaded", adapter_id=adapter_id)
         self._removed_seen = removed

@@ -34,7 +34,7 @@ ID_PREFIX = "adapter:"
 
 def is_id_token(text: str) -> bool:
     """True when ``text`` is ASCII digits only: such a token always names an adapter id, never
-    a name (so registration refuses all-digit names, `registry.name_clash`)."""
+    a name (so registration refuses all-digit names, `names.name_clash`)."""
     return bool(_ASCII_DIGITS.fullmatch(text))
 
 

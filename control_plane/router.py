@@ -35,6 +35,7 @@ from control_plane.errors import (
     UnavailableError,
 )
 from control_plane.grammar_check import GrammarChecker, TenantChecker
+from control_plane.membership import WorkerPool
 from control_plane.quotas import Admission, QuotaBook
 from control_plane.registry import AdapterRegistry
 from control_plane.resolution import adapter_set_key
@@ -45,7 +46,7 @@ from control_plane.tenants import (
     ResolvedTenant,
     TenantDirectory,
 )
-from control_plane.workers import WorkerHandle, WorkerPool
+from control_plane.workers import WorkerHandle
 from loraplane.queue_shares import Share
 from loraplane.response_format import GrammarError, ResponseFormat
 from loraplane.v1 import common_pb2, worker_pb2
@@ -171,7 +172,7 @@ class Router:
             request.request_id = uuid.uuid4().hex
         if request.sampling.HasField("response_format"):
             check_response_format(request.sampling.response_format, self.grammar.for_tenant(principal))
-        asked = request_map_or_none(request, lambda name: self.registry.lookup(name))
+        asked = request_map_or_none(request, lambda name: self.registry.names.lookup(name))
         vector = self.registry.resolve(asked)
         tenant = self.tenants.resolve(
             principal, None if principal or not asked else self._adapter_name(next(iter(asked)))
@@ -230,7 +231,7 @@ class Router:
             worker = self._pick(key, exclude=tried, last_error=last_error, ids=ids, tenant=tenant)
             tried.append(worker.worker_id)
             try:
-                self.pool.ensure_loaded(worker, ids)
+                self.pool.adapters.ensure_loaded(worker, ids)
             except DatabaseUnavailableError:
                 raise  # not this worker's fault: trying the others would fail the same way
             except UnavailableError as exc:

@@ -46,9 +46,11 @@ from control_plane.config import ADMIN_CALLS, MEMBERSHIP_CALLS, ControlPlaneConf
 from control_plane.errors import DatabaseUnavailableError
 from control_plane.grammar_check import GrammarChecker
 from control_plane.http.models import served_name
+from control_plane.membership import WorkerPool
 from control_plane.metrics import ControlPlaneMetrics
+from control_plane.names import served_base_name
 from control_plane.quotas import QuotaBook
-from control_plane.registry import AdapterRegistry, served_base_name
+from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
 from control_plane.router import Router
 from control_plane.servicer import ControlPlaneServicer, WorkerMembershipServicer
@@ -56,7 +58,7 @@ from control_plane.stall import StallWatchdog
 from control_plane.store import AdapterStore, open_store
 from control_plane.tenant_admin import TenantAdmin
 from control_plane.tenants import TenantDirectory
-from control_plane.workers import MembershipTimings, WorkerPool
+from control_plane.workers import MembershipTimings
 from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInterceptor
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.logging import configure_logging
@@ -192,7 +194,7 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
         except DatabaseUnavailableError:
             return f"adapter:{adapter_id}"
         rec = next((r for r in records if r.id == adapter_id), None)
-        return served_name(rec, records, registry.base_name) if rec is not None else f"adapter:{adapter_id}"
+        return served_name(rec, records, registry.names.base_name) if rec is not None else f"adapter:{adapter_id}"
 
     def n_adapters() -> int:
         try:
@@ -294,7 +296,7 @@ def http_deps(state: ControlPlaneState) -> Any:
     return HttpDeps(
         registry=state.registry,
         router=state.router,
-        pool=state.pool,
+        announcer=state.pool.adapters,
         base_name=served_base_name(state.config.served_model_name, base.path),
         base_root=str(base.path),
         tokenizer=tok,

@@ -4,8 +4,9 @@
 `WorkerMembershipServicer` serves ``WorkerMembership`` (RegisterWorker, Heartbeat,
 FetchAdapter: what workers call), on the same server and port.
 
-This is the one place where domain errors become status codes (`STATUS_OF`); every method
-delegates to the registry, the worker pool or the router.
+Every method delegates to the registry, the worker pool or the router; `boundary` turns a raised
+error into the call's status code, read from the control plane's one error table
+(`control_plane.error_codes`).
 """
 
 from __future__ import annotations
@@ -20,51 +21,21 @@ import structlog
 
 from control_plane import convert
 from control_plane.config import DEFAULT_FETCH_STALL_TIMEOUT_S
-from control_plane.errors import (
-    AlreadyExistsError,
-    ControlPlaneError,
-    DataCorruptionError,
-    InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    UnauthenticatedError,
-    UnavailableError,
-)
+from control_plane.error_codes import codes_of
+from control_plane.errors import ControlPlaneError, NotFoundError, UnavailableError
+from control_plane.membership import WorkerPool
 from control_plane.quotas import QuotaExceededError
 from control_plane.registry import AdapterRegistry
 from control_plane.replicas import ReplicaSync
-from control_plane.router import Router, WorkerRequestError
+from control_plane.router import Router
 from control_plane.stall import StallWatchdog
 from control_plane.tenant_admin import TenantAdmin
-from control_plane.workers import WorkerPool
 from loraplane.interceptors import metadata_value
 from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
 
 log = structlog.get_logger("loraplane.control_plane.servicer")
-
-STATUS_OF: dict[type[ControlPlaneError], grpc.StatusCode] = {
-    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
-    AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
-    NotFoundError: grpc.StatusCode.NOT_FOUND,
-    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
-    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
-    UnavailableError: grpc.StatusCode.UNAVAILABLE,
-    DataCorruptionError: grpc.StatusCode.DATA_LOSS,
-}
-
-
-def status_of(exc: ControlPlaneError) -> grpc.StatusCode:
-    if isinstance(exc, WorkerRequestError):
-        return exc.code
-    for cls in type(exc).__mro__:
-        if cls in STATUS_OF:
-            return STATUS_OF[cls]
-    return grpc.StatusCode.INTERNAL
-
 
 RETRY_AFTER_KEY = "retry-after"
 """Trailing metadata of a quota refusal: whole seconds before the request could pass (the HTTP
@@ -80,7 +51,7 @@ def _retry_after(context, exc: Exception) -> None:
 
 def _failure(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ControlPlaneError):
-        code = status_of(exc)
+        code = codes_of(exc).grpc
         log.info("rpc_refused", method=method, code=code.name, error=str(exc))
         return code, str(exc)
     log.exception("rpc_internal_error", method=method)
@@ -163,20 +134,22 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
     @boundary
     def UnregisterAdapter(self, request, context):
         # by id or by any of its names: the whole adapter goes (HTTP unload_lora_adapter drops a name)
-        adapter_id = convert.ref_id(request, self.registry.lookup)
+        adapter_id = convert.ref_id(request, self.registry.names.lookup)
         self.registry.unregister(adapter_id)
-        self.pool.unload_adapter(adapter_id)
+        self.pool.adapters.unload_adapter(adapter_id)
         return common_pb2.Empty()
 
     @boundary
     def PinAdapter(self, request, context):
-        rec = self.registry.set_pinned(convert.ref_id(request, self.registry.lookup), request.pinned)
-        self.pool.set_pinned(rec)
+        rec = self.registry.set_pinned(convert.ref_id(request, self.registry.names.lookup), request.pinned)
+        self.pool.adapters.set_pinned(rec)
         return convert.adapter_info(rec)
 
     @boundary
     def SetDefaultAdapters(self, request, context):
-        return convert.adapter_map(self.registry.set_default_set(convert.request_map(request, self.registry.lookup)))
+        return convert.adapter_map(
+            self.registry.set_default_set(convert.request_map(request, self.registry.names.lookup))
+        )
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -186,7 +159,7 @@ class ControlPlaneServicer(control_plane_pb2_grpc.ControlPlaneServicer):
 
     @boundary
     def GetAdapter(self, request, context):
-        return convert.adapter_info(self.registry.get(convert.ref_id(request, self.registry.lookup)))
+        return convert.adapter_info(self.registry.get(convert.ref_id(request, self.registry.names.lookup)))
 
     @boundary
     def GetDefaultAdapters(self, request, context):

@@ -1,40 +1,12 @@
 """``loraplane serve``: the control plane in this process plus one worker subprocess.
 
-Who runs what:
-
-- The **main thread** runs ``control_plane.server.run_control_plane(config)``, which blocks
-  until SIGINT/SIGTERM (it must own the main thread: only it can install signal handlers).
-- A **supervisor thread** waits until the control plane accepts connections, starts the
-  worker (``python -m clients.cli worker --control-plane <addr> --addr 127.0.0.1:0 …``),
-  polls ``ListWorkers`` until the worker has registered, announces readiness, runs the
-  optional ``on_ready`` hook (the demo) and then watches the worker process.
-- Supervision: once the worker has registered, a worker that exits (crash, OOM kill,
-  ``kill -9``) is started again under the same worker id after a back-off
-  (`RestartBackoff`: 1 s doubling to 30 s, back to 1 s after 60 s of uptime), with a log
-  line each time; the control plane lists it ``dead`` meanwhile and counts the restart
-  (``workers list``: ``restarts``). Streams it was serving end UNAVAILABLE. A worker that
-  exits before it ever registered (bad model path, ...) still stops ``serve`` with exit 1.
-- The worker secret (``ServeSpec.worker_secret``) reaches the worker through
-  ``$LORAPLANE_WORKER_SECRET`` in its environment, never its command line.
-- Stopping: one ``threading.Event`` is the control plane's ``stop_event`` (its SIGINT/SIGTERM
-  handlers set it) and the supervisor's stop flag. Whoever ends serving — a signal, the worker
-  never registering, ``on_ready`` asking to stop — sets it; the control plane then, still
-  serving, runs `_Supervisor.drain_worker` (``before_stop``): SIGTERM to the worker, which
-  drains (admits nothing new, finishes its generations within ``--drain-timeout``, exits)
-  while the control plane relays them to their end; a second SIGINT/SIGTERM meanwhile is
-  passed on (the worker stops at once). Then ``run_control_plane`` returns and the main thread
-  makes sure the worker is gone (SIGKILL after ``worker_stop_grace_s``), so shutdown always
-  takes the same path.
-- Signals reach the worker from ``serve`` only: it runs in its own session (process group), so
-  a signal to ``serve``'s process group (Ctrl-C in a terminal, ``kill -TERM -PGID``) is not
-  also a first signal to the worker that ``serve``'s own SIGTERM would turn into "stop now".
-- Parent death: each worker gets the read end of a pipe whose write end only this process
-  holds (``$LORAPLANE_PARENT_FD``, `worker.rpc.parent`); when ``serve`` dies in any way,
-  ``kill -9`` included, the worker reads end-of-file and exits, so no orphan keeps its port
-  or heartbeats the next ``serve``.
-- Restart count: each restarted worker learns its number (``$LORAPLANE_WORKER_RESTARTS``) and
-  reports it in its hello, so ``workers list`` shows the number this log prints even when a
-  restarted worker died before it registered.
+The main thread runs ``control_plane.server.run_control_plane``; a supervisor thread
+(`_Supervisor`) starts the worker (``python -m clients.cli worker …``) once the control plane
+accepts connections, waits for it to register, runs the optional ``on_ready`` hook (the demo),
+restarts it after a crash (`RestartBackoff`) and drains it at shutdown (``before_stop``). The
+worker secret travels in ``$LORAPLANE_WORKER_SECRET``, parent death through
+``$LORAPLANE_PARENT_FD`` (`worker.rpc.parent`). Who stops what, signals, restarts and the
+parent pipe: docs/operations.md, "``serve``".
 """
 
 from __future__ import annotations

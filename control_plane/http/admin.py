@@ -80,7 +80,7 @@ def already_loaded(name: str) -> OpenAIError:
 
 
 def admin_router(deps: HttpDeps) -> APIRouter:
-    """The LoRA load / unload routes over ``deps.registry`` and ``deps.pool``."""
+    """The LoRA load / unload routes over ``deps.registry`` and ``deps.announcer``."""
     router = APIRouter()
 
     @router.post("/v1/load_lora_adapter")
@@ -95,7 +95,7 @@ def admin_router(deps: HttpDeps) -> APIRouter:
         try:
             if not name:
                 raise InvalidArgumentError("lora_name is empty: name the adapter")
-            if deps.registry.name_owners(name):
+            if deps.registry.names.owners(name):
                 raise already_loaded(name)
             reg = deps.registry.register_server_path(body.lora_path, name=name)
         except AlreadyExistsError:  # the name was taken between the check above and now
@@ -121,7 +121,7 @@ def admin_router(deps: HttpDeps) -> APIRouter:
         try:
             removal = deps.registry.unload_name(target)
             if removal.unregistered:
-                deps.pool.unload_adapter(removal.record.id)
+                deps.announcer.unload_adapter(removal.record.id)
         except ControlPlaneError as exc:
             raise from_control_plane(exc) from None
         rec = removal.record

@@ -7,12 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from control_plane.announcer import AdapterAnnouncer
 from control_plane.http.chat_template import ChatTemplate
 from control_plane.registry import AdapterRegistry
 from control_plane.router import Router
 from control_plane.tenant_admin import TenantAdmin
 from control_plane.tenants import TenantDirectory
-from control_plane.workers import WorkerPool
 from loraplane.limits import HTTP_MAX_BODY_BYTES
 
 DEFAULT_MAX_BODY_BYTES = HTTP_MAX_BODY_BYTES
@@ -57,7 +57,7 @@ class HttpDeps:
     Attributes:
         registry: adapter records (``model`` resolution, load/unload).
         router: runs generation requests (``Router.generate``).
-        pool: the workers (unloading an adapter everywhere).
+        announcer: the workers' adapters (unloading an adapter everywhere).
         base_name: the served base-model name (``model`` = it → no adapters).
         base_root: shown as the base model's ``root`` in ``/v1/models`` (its file path).
         tokenizer: the base tokenizer (chat prompts, log-prob token texts); None when the
@@ -90,7 +90,7 @@ class HttpDeps:
 
     registry: AdapterRegistry
     router: Router
-    pool: WorkerPool
+    announcer: AdapterAnnouncer
     base_name: str
     base_root: str
     tokenizer: Any

@@ -1,22 +1,21 @@
-"""OpenAI's error shape and how control-plane errors map onto HTTP statuses.
+"""OpenAI's error body, and the HTTP front's error handlers.
 
 Body (what OpenAI and vLLM clients parse):
 ``{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}``.
 `install_error_handlers` makes every error of the app answer with it: request validation and
 body parsing (400 naming the field), unknown routes (404) and methods (405), a domain error a
-route lets through (e.g. the database unavailable while listing ``/v1/models``, mapped by
-`from_control_plane`), and, as a last resort, any unexpected exception (500, logged with its
-traceback). `app.BodySizeLimit` answers 413 in the same shape before a too-large body is read.
-Every 503 carries ``Retry-After`` (seconds: 2 for a database outage, 1 for no live worker), as
-vLLM/OpenAI clients expect; so does a 429 for a tenant over its quota
-(`control_plane.quotas.QuotaExceededError`: ``code`` ``rate_limit_exceeded``, as OpenAI).
+route lets through (`from_control_plane`: status, type and code from the control plane's one
+error table, `control_plane.error_codes`), a client gone before its body was in, and, as a
+last resort, any unexpected exception (500, logged with its traceback). `app.BodySizeLimit`
+answers 413 in the same shape before a too-large body is read. Every 503 and 429 carries
+``Retry-After`` (2 s for a database outage, a quota's own wait, else 1 s), as vLLM/OpenAI
+clients expect. The why: docs/architecture.md, "Errors", and docs/http-api.md.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import grpc
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,51 +23,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from control_plane.errors import (
-    AlreadyExistsError,
-    ControlPlaneError,
-    DataCorruptionError,
-    InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    UnauthenticatedError,
-    UnavailableError,
-)
-from control_plane.quotas import QuotaExceededError
+from control_plane.error_codes import codes_of
+from control_plane.errors import ControlPlaneError
 
 log = structlog.get_logger("loraplane.control_plane.http.errors")
 
 INVALID_UNICODE = "invalid_unicode"
 """Error code (and pydantic error type) of a request string holding a lone UTF-16 surrogate."""
 
-# (HTTP status, OpenAI error type) per domain error; the first matching class in the MRO wins.
-STATUS_OF: dict[type[ControlPlaneError], tuple[int, str]] = {
-    InvalidArgumentError: (400, "invalid_request_error"),
-    AlreadyExistsError: (400, "invalid_request_error"),  # vLLM: 400 "has already been loaded"
-    NotFoundError: (404, "not_found_error"),
-    PermissionDeniedError: (403, "permission_error"),
-    ResourceExhaustedError: (429, "rate_limit_error"),
-    UnauthenticatedError: (401, "authentication_error"),
-    UnavailableError: (503, "service_unavailable"),
-    DataCorruptionError: (500, "internal_error"),
-}
 RETRY_AFTER_S = 1
-RATE_LIMIT_CODE = "rate_limit_exceeded"
-"""OpenAI's ``code`` of a 429 for a caller over its rate limits (the official client raises
-``RateLimitError`` for the status)."""
-"""``Retry-After`` of a 503 whose error names no ``retry_after_s`` of its own."""
+"""``Retry-After`` of a 503 or 429 whose error names no ``retry_after_s`` of its own."""
 CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a request whose client closed the connection first (never sent)."""
-# A worker's status code (relayed by the router as WorkerRequestError) → HTTP status.
-GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-}
 
 
 class OpenAIError(Exception):
@@ -103,23 +69,14 @@ def unsupported(param: str, detail: str) -> OpenAIError:
 
 
 def from_control_plane(exc: ControlPlaneError) -> OpenAIError:
-    """The HTTP error for a domain error (``control_plane.errors``, router errors); a 503
-    carries ``Retry-After`` (the error's ``retry_after_s``, else `RETRY_AFTER_S`), and so does
-    every 429 (a quota's own wait, else `RETRY_AFTER_S`)."""
-    code = getattr(exc, "code", None)
-    if isinstance(code, grpc.StatusCode):
-        status, kind = GRPC_TO_HTTP.get(code, (500, "internal_error"))
-        err = OpenAIError(status, str(exc), type=kind, code=code.name.lower())
-    else:
-        status, kind = next((STATUS_OF[c] for c in type(exc).__mro__ if c in STATUS_OF), (500, "internal_error"))
-        err = OpenAIError(status, str(exc), type=kind)
-    if err.status == 503:
+    """The HTTP error for a domain error (``control_plane.errors``, router errors): status,
+    ``type`` and ``code`` from the control plane's one error table
+    (`control_plane.error_codes.codes_of`). A 503 or 429 carries ``Retry-After``: the error's
+    own ``retry_after_s`` (a database outage's 2 s, a quota's wait), else `RETRY_AFTER_S`."""
+    row = codes_of(exc)
+    err = OpenAIError(row.http, str(exc), type=row.type, code=row.code)
+    if row.http in (429, 503):
         err.headers = {"Retry-After": str(int(getattr(exc, "retry_after_s", RETRY_AFTER_S)))}
-    elif isinstance(exc, QuotaExceededError):  # OpenAI's rate-limit answer: code and Retry-After
-        err.code = RATE_LIMIT_CODE
-        err.headers = {"Retry-After": str(int(exc.retry_after_s))}
-    elif err.status == 429:  # every worker full (queue limit): retry soon, as a 503's default
-        err.headers = {"Retry-After": str(RETRY_AFTER_S)}
     return err
 
 

@@ -10,7 +10,7 @@ Rules (vLLM: ``model`` = an adapter's name; SGLang: ``base:adapter``; ours: ``ad
     several adapters answer to is a 400 that lists their ids (use ``adapter:<id>``); an
     unknown name is a 404 listing what is served.
 An adapter may not be named like the base model, ``adapter:…`` or all digits
-(`registry.name_clash`); a row that predates those rules is listed as ``adapter:<id>``, so
+(`control_plane.names.name_clash`); a row that predates those rules is listed as ``adapter:<id>``, so
 ``/v1/models`` never shows an id twice. Each alias is listed as a model of its own (what a
 vLLM LoRA controller looks for after ``load_lora_adapter``), with the same ``adapter_id``.
 """

@@ -139,7 +139,7 @@ def read_adapter_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, str]:
 def base_tensor_index(base_gguf: str | os.PathLike[str]) -> tuple[str, dict[str, tuple[int, ...]]]:
     """``(general.architecture, {tensor name: ne})`` of a base model, without loading weights.
 
-    This is what ``validate_lora_adapter`` needs; the control plane can call it on a model
+    This is what ``read_lora_adapter`` needs; the control plane can call it on a model
     path. Raises ``GGUFError`` when the file cannot be read.
     """
     gf = read_gguf(base_gguf)

@@ -1,11 +1,11 @@
 """In-process stand-ins for the HTTP front's dependencies, and a tiny ASGI driver.
 
 No model, no worker, no sockets: `FakeRouter` replays scripted ``GenerateEvent`` lists (or
-raises), `FakeRegistry` / `FakePool` hold a few adapter records, `FakeTokenizer` maps token id
-``i`` to the text ``<i>``, and `call_app` sends one request through a FastAPI app and collects
-its status, headers and body bytes exactly as a client would receive them. `Front` is the HTTP
-app over those fakes; `endless_stream` a `CompletionStream` of a generation that never ends by
-itself.
+raises), `FakeRegistry` holds a few adapter records, `FakeAnnouncer` notes the ids it is asked
+to unload, `FakeTokenizer` maps token id ``i`` to the text ``<i>``, and `call_app` sends one
+request through a FastAPI app and collects its status, headers and body bytes exactly as a
+client would receive them. `Front` is the HTTP app over those fakes; `endless_stream` a
+`CompletionStream` of a generation that never ends by itself.
 """
 
 from __future__ import annotations
@@ -122,21 +122,32 @@ class FakeRegistry:
         self.records = [r for r in self.records if r.id != adapter_id]
         return found[0]
 
+    @property
+    def names(self) -> FakeNames:
+        return FakeNames(self.records)
+
+    def unload_name(self, token: str) -> FakeNameRemoval:
+        """The whole adapter goes (the real registry's alias rules are tested live)."""
+        return FakeNameRemoval(self.unregister(self.names.lookup(token)), unregistered=True)
+
+
+@dataclass
+class FakeNames:
+    """`FakeRegistry`'s ``names``: lookups over its records (``control_plane.names.AdapterNames``)."""
+
+    records: list[FakeRecord]
+
     def lookup(self, token: str) -> int:
         from control_plane.resolution import find_adapter
 
         return find_adapter(token, self.records)  # type: ignore[arg-type]
 
-    def name_owners(self, name: str) -> list[int]:
+    def owners(self, name: str) -> list[int]:
         return [r.id for r in self.records if name in r.names]
-
-    def unload_name(self, token: str) -> FakeNameRemoval:
-        """The whole adapter goes (the real registry's alias rules are tested live)."""
-        return FakeNameRemoval(self.unregister(self.lookup(token)), unregistered=True)
 
 
 @dataclass
-class FakePool:
+class FakeAnnouncer:
     unloaded: list[int] = field(default_factory=list)
 
     def unload_adapter(self, adapter_id: int) -> None:
@@ -214,7 +225,7 @@ class Front:
         records = [FakeRecord(0, "shout"), FakeRecord(1, "sea"), FakeRecord(2, "dup"), FakeRecord(3, "dup")]
         self.registry = FakeRegistry(records)
         self.router = FakeRouter()
-        self.pool = FakePool()
+        self.announcer = FakeAnnouncer()
         template = (
             load_chat_template(
                 override_file=None,
@@ -229,7 +240,7 @@ class Front:
         self.deps = HttpDeps(
             registry=self.registry,
             router=self.router,
-            pool=self.pool,
+            announcer=self.announcer,
             base_name="base",
             base_root="/models/base.gguf",
             tokenizer=FakeTokenizer() if chat else None,

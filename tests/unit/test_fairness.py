@@ -446,7 +446,8 @@ def test_the_control_plane_tries_a_full_worker_for_a_lighter_tenant_only_if_it_s
     limit is still tried for a tenant the rule lets in (the worker then evicts), never for the
     heavy tenant itself, and never when the worker does not share its queue (--fairness off:
     "every live worker is full" as before); a relay that ends gives its count back."""
-    from control_plane.workers import WorkerHandle, WorkerPool
+    from control_plane.membership import WorkerPool
+    from control_plane.workers import WorkerHandle
     from loraplane.queue_shares import Share
 
     pool = WorkerPool(None)  # type: ignore[arg-type]  # no registry: membership is not used here

@@ -190,7 +190,7 @@ def test_unload_by_a_non_ascii_or_huge_id_removes_nothing():
     for name in ("adapter:\u0663", "adapter:12345678901234567890", "adapter:+3", "adapter: 3"):
         r = front.post("/v1/unload_lora_adapter", {"lora_name": name})
         assert r.status == 404 and r.json()["error"]["param"] == "model", (name, r.body)
-    assert [rec.id for rec in front.registry.records] == [0, 1, 2, 3] and front.pool.unloaded == []
+    assert [rec.id for rec in front.registry.records] == [0, 1, 2, 3] and front.announcer.unloaded == []
     r = front.post("/v1/completions", {"model": "adapter:\u0663", "prompt": "q"})
     assert r.status == 404 and front.router.requests == []
 
@@ -263,7 +263,7 @@ def test_admin_routes_refuse_without_the_token(headers, expected):
     ):
         r = front.post(path, body, headers=headers)
         assert (r.status, r.json()) == (401, expected)
-    assert [r.id for r in front.registry.records] == [0, 1, 2, 3] and front.pool.unloaded == []
+    assert [r.id for r in front.registry.records] == [0, 1, 2, 3] and front.announcer.unloaded == []
 
 
 def test_load_and_unload_with_the_token():
@@ -276,7 +276,7 @@ def test_load_and_unload_with_the_token():
     assert r.body == b"Success: LoRA adapter 'sea' removed successfully (id 1)."
     r = front.post("/v1/unload_lora_adapter", {"lora_name": "adapter:3"}, headers=auth)
     assert r.body == b"Success: LoRA adapter 'adapter:3' removed successfully (id 3)."
-    assert front.pool.unloaded == [1, 3]
+    assert front.announcer.unloaded == [1, 3]
     assert [rec.id for rec in front.registry.records] == [0, 2, 4]
 
 
@@ -288,7 +288,7 @@ def test_unload_refusals(name, status, code):
     front = Front()
     r = front.post("/v1/unload_lora_adapter", {"lora_name": name}, headers={"authorization": "Bearer s3cret"})
     assert (r.status, r.json()["error"]["code"]) == (status, code)
-    assert front.pool.unloaded == []
+    assert front.announcer.unloaded == []
 
 
 def test_admin_routes_are_open_without_a_configured_token():

@@ -489,12 +489,7 @@ MAX_MODULE_DOCSTRING_LINES = 20
 # trim an entry once its module's docstring is within the bound (the test names stale entries).
 LONG_DOCSTRING_ALLOWED = {
     "worker/serving/scheduler.py",
-    "control_plane/workers.py",
-    "control_plane/registry.py",
     "worker/runtime/kernels/build.py",
-    "clients/cli/serve.py",
-    "clients/channel.py",
-    "clients/client.py",
 }
 
 

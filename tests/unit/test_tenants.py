@@ -462,7 +462,7 @@ def test_a_simultaneous_burst_through_two_replicas_never_passes_a_limit(tmp_path
 
 def test_http_tenant_key_names_the_tenant_and_never_opens_admin_routes():
     from control_plane.http.app import HttpDeps, create_app
-    from tests.helpers.http_fakes import FakePool, FakeRecord, FakeRegistry, FakeRouter, FakeTokenizer, call_app
+    from tests.helpers.http_fakes import FakeAnnouncer, FakeRecord, FakeRegistry, FakeRouter, FakeTokenizer, call_app
     from tests.helpers.http_fakes import finished as finished_event
     from tests.helpers.http_fakes import started as started_event
 
@@ -472,7 +472,7 @@ def test_http_tenant_key_names_the_tenant_and_never_opens_admin_routes():
     deps = HttpDeps(
         registry=FakeRegistry([FakeRecord(0, "shout")]),
         router=router,
-        pool=FakePool(),
+        announcer=FakeAnnouncer(),
         base_name="base",
         base_root="/models/base.gguf",
         tokenizer=FakeTokenizer(),
@@ -549,12 +549,12 @@ def test_tenant_metrics_count_by_outcome_and_keep_the_label_cap(book):
 
 def test_http_tenant_routes_add_list_remove_with_openai_errors(book):
     from control_plane.http.app import HttpDeps, create_app
-    from tests.helpers.http_fakes import FakePool, FakeRegistry, FakeRouter, call_app
+    from tests.helpers.http_fakes import FakeAnnouncer, FakeRegistry, FakeRouter, call_app
 
     deps = HttpDeps(
         registry=FakeRegistry([]),
         router=FakeRouter(),
-        pool=FakePool(),
+        announcer=FakeAnnouncer(),
         base_name="base",
         base_root="/models/base.gguf",
         tokenizer=None,
