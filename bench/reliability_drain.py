@@ -13,7 +13,7 @@ event). Printed as one JSON object; ``main`` returns it too.
 
 Usage: ``python -m bench.reliability_drain [--model GGUF] [--workers 2] [--streams 4]
 [--max-tokens 200] [--drain-timeout 45]`` (default model: the embedded Gemma 3 270M; the tiny
-synthetic Llama of ``tests/tiny_models.py`` with ``--tiny``).
+synthetic Llama of ``tests/helpers/tiny_models.py`` with ``--tiny``).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     """Parse ``argv``, run, print the JSON figures and return them."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="base model GGUF (default: the embedded one)")
-    ap.add_argument("--tiny", action="store_true", help="the tiny synthetic Llama of tests/tiny_models.py")
+    ap.add_argument("--tiny", action="store_true", help="the tiny synthetic Llama of tests/helpers/tiny_models.py")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=200)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         model = args.model
         if args.tiny:
             sys.path.insert(0, str(ROOT))
-            from tests import tiny_models
+            from tests.helpers import tiny_models
 
             model = tiny_models.model_llama(tmp / "tiny.gguf")
         result = run(model, args.workers, args.streams, args.max_tokens, args.drain_timeout, tmp)

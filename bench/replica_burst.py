@@ -1,7 +1,7 @@
 """The replica burst (``python -m bench.reliability --scenarios replica_burst``): do
 tenant quotas hold when one instant's requests arrive through every replica?
 
-Per call: its own PostgreSQL (``tests/postgres_server.py``: needs the repository checkout), two
+Per call: its own PostgreSQL (``tests/helpers/postgres_server.py``: needs the repository checkout), two
 control planes from the checkout under test sharing it (``control-plane --database``), one
 worker registered with both (the bench's ``--model``, default the embedded Gemma 3 270M;
 ``--slots 4``), all on loopback. Then:
@@ -93,7 +93,7 @@ def replica_burst(repo: Path, model: str | None, workdir: Path) -> dict[str, flo
     """One run of the scenario (module docstring) against the checkout ``repo``: its servers'
     files and logs under ``workdir``; ``model``: the worker's base model (None: the embedded
     one)."""
-    from tests.postgres_server import start_postgres
+    from tests.helpers.postgres_server import start_postgres
 
     server = start_postgres()
     procs: list[subprocess.Popen] = []

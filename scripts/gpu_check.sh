@@ -61,10 +61,10 @@ export SITE=$WORK/site LORAPLANE_CACHE=$WORK/cache PYTHONUNBUFFERED=1
 export PIP_NO_INDEX=1 # offline: a test that would fetch from the registry fails at once and skips
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 export PYTHONPATH="${WHEELS:+$SITE:}$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-SHAPE_ARGS="" SWEEP_MARK="not gpu"
+SHAPE_ARGS="" SWEEP_MARK="not cuda"
 if [ "$DRY" = 1 ]; then
   export CUDA_VISIBLE_DEVICES="" # torch sees no GPU, as on a machine without one
-  SHAPE_ARGS="--tiny" SWEEP_MARK="not gpu and not slow"
+  SHAPE_ARGS="--tiny" SWEEP_MARK="not cuda and not slow"
 fi
 export SHAPE_ARGS SWEEP_MARK
 if ! command -v g++ >/dev/null; then
@@ -108,8 +108,8 @@ stage_jit() {
 stage_gpu_tier() {
   local cuda=1
   "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' || cuda=0
-  "$PY" -m pytest -q -m gpu -p no:cacheprovider -s -rfEs --durations=15 tests/gpu tests/unit || return
-  if [ "$cuda" = 0 ]; then echo "torch sees no CUDA device: every gpu test was skipped, which checks nothing"; return 1; fi
+  "$PY" -m pytest -q -m cuda -p no:cacheprovider -s -rfEs --durations=15 tests/gpu tests/unit || return
+  if [ "$cuda" = 0 ]; then echo "torch sees no CUDA device: every cuda test was skipped, which checks nothing"; return 1; fi
 }
 bench() { # SHAPE NAME ARGS...: one bench run, its figures in $OUT_DIR/bench-SHAPE-NAME.json
   local shape=$1 name=$2

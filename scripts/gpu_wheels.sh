@@ -32,7 +32,7 @@ CARRY=(
   # the HTTP front (control_plane/http); pydantic needs a newer typing-extensions than some images
   fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection opentelemetry-api
   typing-extensions
-  # the PostgreSQL store's driver: tests/postgres_server.py imports it, so collecting tests/unit does
+  # the PostgreSQL store's driver: tests/helpers/postgres_server.py imports it, so collecting tests/unit does
   psycopg psycopg-binary psycopg-pool
   # the test extra: structured-output tests validate answers against their JSON schema
   jsonschema jsonschema-specifications referencing rpds-py
@@ -111,15 +111,15 @@ for m in missing + [f"two versions of {d}" for d in dupes]:
 sys.exit(1 if missing or dupes else 0)
 EOF
 
-# llama.cpp's vocabularies that tests/tiny_models.py copies (tests/registry_models.py caches them
+# llama.cpp's vocabularies that tests/helpers/tiny_models.py copies (tests/helpers/registry_models.py caches them
 # from the llama-cpp-python sdist), as the cache folder gpu_check.sh unpacks into LORAPLANE_CACHE
-VOCABS=$(PYTHONPATH=$ROOT "$PY" -m tests.registry_models vocabs) || exit 1
+VOCABS=$(PYTHONPATH=$ROOT "$PY" -m tests.helpers.registry_models vocabs) || exit 1
 PYTHONPATH=$ROOT "$PY" - "$VOCABS" "$DIR" <<'EOF' || exit 1
 import sys
 import tarfile
 from pathlib import Path
 
-from tests.tiny_models import VOCAB
+from tests.helpers.tiny_models import VOCAB
 
 src, out = Path(sys.argv[1]), Path(sys.argv[2])
 with tarfile.open(out / f"{src.name}.tar.xz", "w:xz", preset=9) as tf:

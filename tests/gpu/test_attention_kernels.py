@@ -1,5 +1,5 @@
 """Paged attention kernels (``worker.gpu.kernels.attention``) against the f64 reference
-of the module's semantics, on CUDA or under Triton's interpreter (``tests/gpu/conftest.py``);
+of the module's semantics, on CUDA or under Triton's interpreter (``tests/helpers/gpu.py``);
 FlashInfer's backend against the same reference on a GPU that has it.
 
 Cases: block tables whose pages are scattered (a random permutation of the pool, never
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.conftest import NO_TRITON, TRITON
+from tests.helpers.gpu import NO_TRITON, TRITON
 from worker.gpu.kernels import flashinfer_backend, triton_env
 from worker.gpu.kernels.attention import (
     attention_reference,
@@ -192,7 +192,7 @@ def test_decode_block_sizes_f16(device, block_size):
 GPU_ONLY = "needs a CUDA GPU"
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_ONLY)
 def test_decode_in_a_graph_follows_new_lengths():
     """Captured once, decode attention follows block tables and lengths rewritten between
@@ -215,7 +215,7 @@ def test_decode_in_a_graph_follows_new_lengths():
         assert float((out.double() - ref).abs().max()) <= TOL[torch.bfloat16]
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and flashinfer_backend.flashinfer_available(torch.device("cuda"))),
     reason="needs a CUDA GPU and FlashInfer (the 'cuda' extra)",

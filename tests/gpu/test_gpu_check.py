@@ -1,5 +1,5 @@
 """``bench.gpu_check`` (the ``env`` and ``warmup`` stages of ``scripts/gpu_check.sh``) on
-this machine: on a CPU the kernels run under Triton's interpreter (``tests/gpu/conftest.py``)."""
+this machine: on a CPU the kernels run under Triton's interpreter (``tests/helpers/gpu.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench import gpu_check
-from tests.gpu.conftest import CUDA, NO_TRITON, TRITON
+from tests.helpers.gpu import CUDA, NO_TRITON, TRITON
 
 needs_triton = pytest.mark.skipif(not TRITON, reason=NO_TRITON)
 

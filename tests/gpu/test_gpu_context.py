@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.conftest import CUDA, NO_TRITON, TRITON
-from tests.tiny_models import ARCHS, MODELS, adapter
+from tests.helpers.gpu import CUDA, NO_TRITON, TRITON
+from tests.helpers.tiny_models import ARCHS, MODELS, adapter
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import DecodeError, Model, UBatch

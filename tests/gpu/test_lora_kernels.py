@@ -1,6 +1,6 @@
 """The device LoRA kernels (``worker.gpu.kernels.lora``) against the f64 reference of
 ``y[i] += Σ_s row_slot[i,s]·factor[s]·B_s(A_s x_i)``, on CUDA or under Triton's interpreter
-(``tests/gpu/conftest.py``).
+(``tests/helpers/gpu.py``).
 
 Cases: ranks 8/16/64 mixed in one batch (padded to R = 64 with zero rows, as the pool stores
 them), rows with two adapters (stacked), rows with none (left bit-identical), zero scales, a
@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.conftest import NO_TRITON, TRITON
+from tests.helpers.gpu import NO_TRITON, TRITON
 from worker.gpu.kernels import triton_env
 from worker.gpu.kernels.lora import (
     add_lora,
@@ -206,7 +206,7 @@ def test_sweep(device, dtype, n, segments, fused):
         _case(device, dtype, n=n, k=160, d=96, S=6, U=5, seed=n, segments=segments, fused=fused, rank=rank)
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: checks the compiled kernels in a graph")
 def test_graph_replay_follows_new_slots():
     """Captured once in a CUDA graph, the kernels follow ``row_slot`` rewritten between replays

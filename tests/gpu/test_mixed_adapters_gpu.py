@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gpu.conftest import is_16bit
+from tests.helpers.gpu import is_16bit
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import Model, UBatch, WorkerContext
 from worker.runtime.model import load_model
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.cuda
 
 N_STEPS = 6
 F32_TOL = 2e-3

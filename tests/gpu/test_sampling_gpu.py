@@ -19,7 +19,7 @@ from worker.runtime.sampling import SamplingParams
 from worker.serving.engine import WorkerEngine
 from worker.serving.request import ErrorEvent, FinishedEvent, TokenEvent
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.cuda
 
 PROMPT = [1, 450, 4996, 17354]
 SCHEMA = {

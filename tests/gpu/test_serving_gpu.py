@@ -25,9 +25,9 @@ from bench.synthetic_vocab import FAMILIES
 from clients.client import LoraplaneClient
 from loraplane.v1 import common_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
-from tests.http_helpers import start_http_serve
+from tests.helpers.http_serve import start_http_serve
 
-pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+pytestmark = pytest.mark.cuda
 
 SECRET = "gpu-test-worker-secret"
 PROMPT = "The quick brown fox jumps over the lazy dog. Then"

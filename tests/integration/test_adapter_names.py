@@ -16,9 +16,7 @@ import pytest
 import structlog
 
 from loraplane.v1 import common_pb2, control_plane_pb2
-from tests.control_plane_helpers import ControlPlane, rpc_error, upload, write_adapter
-
-pytestmark = pytest.mark.integration
+from tests.helpers.control_plane import ControlPlane, rpc_error, upload, write_adapter
 
 BASE = "base-model"
 ERROR_KEYS = {"message", "type", "param", "code"}

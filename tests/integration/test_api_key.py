@@ -29,10 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
-from tests.live_servers import wait_until
-from tests.serve_helpers import free_port
-
-pytestmark = pytest.mark.integration
+from tests.helpers.live_servers import wait_until
+from tests.helpers.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "inference-key-1"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ("engine", "serving", "prefix", "lifecycle", "roofline", "paging", "longprompt", "longctx", "bounds")

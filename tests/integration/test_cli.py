@@ -20,10 +20,10 @@ from click.testing import CliRunner
 from clients.cli.main import cli
 from clients.cli.server_commands import startup_adapters
 from clients.client import LoraplaneClient
-from tests.control_plane_helpers import write_adapter
-from tests.live_servers import restored_default
+from tests.helpers.control_plane import write_adapter
+from tests.helpers.live_servers import restored_default
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_SHOUT = ROOT / "loraplane" / "demo" / "adapters" / "shout.gguf"

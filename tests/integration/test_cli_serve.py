@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from tests.serve_helpers import ROOT, start_serve, stop_serve
+from tests.helpers.serve import ROOT, start_serve, stop_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 PROMPT = "The weather today is"
 

@@ -37,10 +37,10 @@ from clients.client import (
 from clients.results import f32
 from clients.wire import generate_request, upload_chunks
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
-from tests.control_plane_helpers import write_adapter
-from tests.live_servers import nonzero, restored_default, wait_until
+from tests.helpers.control_plane import write_adapter
+from tests.helpers.live_servers import nonzero, restored_default, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 PROMPT = "Tell me about the weather today."
 MiB = 1 << 20
@@ -188,7 +188,7 @@ def test_relayed_worker_failure_is_a_refusal_not_unreachable():
 
 
 def test_wait_for_server_waits_for_a_late_server(tmp_path, fixtures_dir, base_model_path):
-    from tests.live_servers import start_control_plane
+    from tests.helpers.live_servers import start_control_plane
 
     addr = f"127.0.0.1:{closed_port()}"
     holder: dict = {}

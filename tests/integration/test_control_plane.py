@@ -22,9 +22,7 @@ from control_plane.resolution import adapter_set_key, resolve_adapter_vector
 from control_plane.server import parse_lora_scaled
 from control_plane.store import MIGRATIONS, SqliteStore
 from loraplane.v1 import common_pb2
-from tests.control_plane_helpers import ControlPlane, MiB, by_path, default_of, ids_of, rpc_error, upload, write_adapter
-
-pytestmark = pytest.mark.integration
+from tests.helpers.control_plane import ControlPlane, MiB, by_path, default_of, ids_of, rpc_error, upload, write_adapter
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ import grpc
 import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
-from tests.control_plane_helpers import rpc_error, upload
-from tests.live_servers import WORKER_SECRET
+from tests.helpers.control_plane import rpc_error, upload
+from tests.helpers.live_servers import WORKER_SECRET
 from worker.rpc.membership import MembershipBackoff, start_membership
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 

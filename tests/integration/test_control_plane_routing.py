@@ -1,13 +1,8 @@
-"""Worker membership and Generate routing, against a real control plane and a scripted worker.
-
-The scripted worker is a real gRPC server implementing the ``loraplane.v1.Worker`` service
-from the proto (no model): it records what the control plane sends (adapter chunks, the
-submitted request) and answers Decode by the prompt text: ``"hang"`` waits until cancelled,
-``"fail"`` dies after one token, ``"token then hang"`` waits after one token, ``"refuse"``
-rejects the request; anything else streams Started, two tokens and Finished. With ``stall``
-set, Decode sends nothing and blocks until cancelled (a worker process stopped or hung
-mid-request). This pins the control plane's side of the wire contract (a worker marked
-``down`` fails before any event); the real worker is covered in the worker's own tests.
+"""Worker membership and Generate routing, against a real control plane and scripted workers
+(``tests/helpers/scripted_worker.py``: real gRPC servers of the ``loraplane.v1.Worker`` service,
+no model, answering Decode by the prompt text). This pins the control plane's side of the wire
+contract (a worker marked ``down`` fails before any event); the real worker is covered in the
+worker's own tests.
 """
 
 from __future__ import annotations
@@ -17,176 +12,15 @@ import json
 import socket
 import threading
 import time
-from concurrent import futures
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
-from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2, worker_pb2_grpc
-from tests.control_plane_helpers import MiB, by_path, rpc_error, upload, upload_chunks
-from tests.live_servers import WORKER_SECRET
-from worker.rpc.membership import MembershipBackoff, start_membership
-
-pytestmark = pytest.mark.integration
-
-FAST = MembershipBackoff(connect_timeout_s=1.0, initial_s=0.05, max_s=0.2)
-
-
-class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-        self.adapters: dict[int, str] = {}  # id → sha256 held
-        self.load_calls: list[list[common_pb2.AdapterChunk]] = []
-        self.unloaded: list[int] = []
-        self.submitted: list[common_pb2.GenerateRequest] = []
-        self.tenants: list[worker_pb2.RequestTenant] = []  # DecodeRequest.tenant of each submit
-        self.cancelled = threading.Event()
-        self.n_cancelled = 0
-        self.down = False  # Decode fails with UNAVAILABLE before any event
-        self.stall = False  # Decode blocks before any event until cancelled
-        self.lock = threading.Lock()
-
-    def LoadAdapter(self, request_iterator, context):
-        chunks = list(request_iterator)
-        data = b"".join(c.data for c in chunks)
-        first = chunks[0]
-        if not first.fetch_on_demand and hashlib.sha256(data).hexdigest() != first.sha256:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"adapter {first.id}: sha256 mismatch")
-        with self.lock:
-            self.load_calls.append(chunks)
-            self.adapters[first.id] = first.sha256
-        return common_pb2.AdapterInfo(id=first.id, sha256=first.sha256)
-
-    def UnloadAdapter(self, request, context):
-        with self.lock:
-            self.adapters.pop(request.id, None)
-            self.unloaded.append(request.id)
-        return common_pb2.Empty()
-
-    def ListAdapters(self, request, context):
-        with self.lock:
-            infos = [common_pb2.AdapterInfo(id=i, sha256=s) for i, s in sorted(self.adapters.items())]
-        return worker_pb2.WorkerAdapterList(adapters=infos)
-
-    def Decode(self, request_iterator, context):
-        first = next(request_iterator)
-        req = first.submit
-        with self.lock:
-            self.submitted.append(req)
-            self.tenants.append(first.tenant)
-        rid, text = req.request_id, req.text
-        if self.down:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
-        if text == "refuse":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
-        if self.stall:
-            self._block_until_cancelled(context, 60)
-            return
-        yield common_pb2.GenerateEvent(request_id=rid, started=common_pb2.Started(prompt_token_ids=[2, 9]))
-        if text == "hang":
-            self._block_until_cancelled(context, 30)
-            return
-        yield common_pb2.GenerateEvent(request_id=rid, token=common_pb2.GeneratedToken(token_id=7, text="a"))
-        if text == "token then hang":
-            self._block_until_cancelled(context, 30)
-            return
-        if text == "fail":
-            context.abort(grpc.StatusCode.INTERNAL, "CUDA error: boom")
-        yield common_pb2.GenerateEvent(request_id=rid, token=common_pb2.GeneratedToken(token_id=8, text="b"))
-        yield common_pb2.GenerateEvent(request_id=rid, finished=common_pb2.Finished(finish_reason="length", text="ab"))
-
-    def _block_until_cancelled(self, context, timeout_s: float) -> None:
-        done = threading.Event()
-        context.add_callback(done.set)
-        done.wait(timeout_s)
-        if not context.is_active():
-            with self.lock:
-                self.n_cancelled += 1
-            self.cancelled.set()
-
-
-class WorkerProcess:
-    """A scripted worker server plus its membership thread (presenting ``secret``)."""
-
-    secret: str | None = WORKER_SECRET
-
-    def __init__(self, worker_id: str, cp_addr: str, n_slots: int = 2, secret: str | None = WORKER_SECRET) -> None:
-        self.secret = secret
-        self.servicer = ScriptedWorker(worker_id)
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.max_receive_message_length", 64 * MiB)]
-        )
-        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-        self.hello = control_plane_pb2.WorkerHello(
-            worker_id=worker_id, addr=f"127.0.0.1:{self.port}", model="gemma3", n_slots=n_slots
-        )
-        self.cp_addr = cp_addr
-        self.stop_event = threading.Event()
-        self.thread = None
-        self.join()
-
-    def join(self) -> None:
-        self.stop_event = threading.Event()
-        self.thread = start_membership(self.cp_addr, self.hello, self.stop_event, backoff=FAST, secret=self.secret)
-        assert self.thread.registered.wait(20), "worker did not register"
-
-    def leave(self) -> None:
-        self.stop_event.set()
-        self.thread.join(5)
-
-    def close(self) -> None:
-        self.leave()
-        self.server.stop(None)
-
-
-@pytest.fixture
-def adapters_dir(fixtures_dir: Path) -> Path:
-    return fixtures_dir / "adapters"
-
-
-@pytest.fixture
-def cluster(start_control_plane, adapters_dir):
-    """``cluster(n_workers, **config) -> (ControlPlane, [WorkerProcess])``."""
-    workers: list[WorkerProcess] = []
-
-    def make(n_workers: int = 1, **overrides):
-        overrides.setdefault("adapter_dirs", (str(adapters_dir),))
-        overrides.setdefault("heartbeat_interval_s", 0.2)
-        overrides.setdefault("dead_after_missed", 5)
-        cp = start_control_plane(**overrides)
-        for i in range(n_workers):
-            workers.append(WorkerProcess(f"w{i + 1}", cp.addr))
-        return cp, list(workers)
-
-    yield make
-    for w in workers:
-        w.close()
-
-
-def workers_of(cp) -> dict[str, control_plane_pb2.WorkerInfo]:
-    return {w.worker_id: w for w in cp.stub.ListWorkers(common_pb2.Empty()).workers}
-
-
-def generate(cp, text: str, adapters: dict[int, float] | None = None, request_id: str = ""):
-    req = common_pb2.GenerateRequest(request_id=request_id, text=text)
-    if adapters is not None:
-        req.adapters.SetInParent()
-        req.adapters.entries.extend(common_pb2.AdapterScale(id=i, scale=s) for i, s in adapters.items())
-    return list(cp.stub.Generate(req))
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
+from loraplane.v1 import common_pb2, control_plane_pb2
+from tests.helpers.control_plane import MiB, by_path, rpc_error, upload, upload_chunks
+from tests.helpers.live_servers import wait_until
+from tests.helpers.scripted_worker import generate, workers_of
 
 # -- membership ------------------------------------------------------------------------------
 
@@ -263,7 +97,7 @@ def test_missed_heartbeats_mark_a_worker_dead_until_it_returns(cluster):
     cp, [w] = cluster(1, heartbeat_interval_s=0.1, dead_after_missed=3)
     assert workers_of(cp)["w1"].state == "alive"
     w.leave()
-    assert wait_for(lambda: workers_of(cp)["w1"].state == "dead", timeout=3)
+    assert wait_until(lambda: workers_of(cp)["w1"].state == "dead", timeout=3)
     assert workers_of(cp)["w1"].last_heartbeat_age_s >= 0.3
     err = rpc_error(generate, cp, "hello")
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "no live worker" in err.details()
@@ -284,7 +118,7 @@ def test_worker_reregisters_after_control_plane_restart(cluster, start_control_p
     cp2 = start_control_plane(
         addr=f"127.0.0.1:{port}", heartbeat_interval_s=0.2, lora=(str(adapters_dir / "sea.gguf"),)
     )
-    assert wait_for(lambda: "w1" in workers_of(cp2), timeout=10)
+    assert wait_until(lambda: "w1" in workers_of(cp2), timeout=10)
     assert list(workers_of(cp2)["w1"].adapter_ids) == [0]
     assert len(w.servicer.load_calls) == loads  # same content already held: nothing re-pushed
 
@@ -404,7 +238,7 @@ def test_client_cancel_cancels_the_worker_call(cluster):
     assert next(call).HasField("started")
     call.cancel()
     assert w.servicer.cancelled.wait(5)
-    assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)
+    assert wait_until(lambda: workers_of(cp)["w1"].in_flight == 0)
     assert workers_of(cp)["w1"].state == "alive"
 
 
@@ -439,7 +273,7 @@ def test_client_deadline_bounds_the_worker_call(cluster):
         list(call)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert w.servicer.cancelled.wait(5)
-    assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)
+    assert wait_until(lambda: workers_of(cp)["w1"].in_flight == 0)
 
 
 # -- a worker declared dead while relaying (stopped / hung: no heartbeat, Decode blocked) --------
@@ -468,7 +302,7 @@ def test_relays_to_a_worker_declared_dead_are_cut_with_unavailable(cluster):
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         assert "worker w1 declared dead (no heartbeat for" in err.details()
         assert f"while relaying request r{i}" in err.details()
-    assert wait_for(lambda: w.servicer.n_cancelled == 3)
+    assert wait_until(lambda: w.servicer.n_cancelled == 3)
     info = workers_of(cp)["w1"]
     assert (info.state, info.in_flight) == ("dead", 0)
     w.join()  # back: routable again, its accounting exact
@@ -484,7 +318,7 @@ def test_a_request_cut_before_its_first_event_is_retried_on_a_live_worker(cluste
     result: list = []
     thread = threading.Thread(target=lambda: result.append(generate(cp, "hello")), daemon=True)
     thread.start()
-    assert wait_for(lambda: len(w1.servicer.submitted) == 1)
+    assert wait_until(lambda: len(w1.servicer.submitted) == 1)
     w1.leave()
     thread.join(0.6 + 5.0)
     assert not thread.is_alive(), "the request stayed on the stopped worker"
@@ -510,7 +344,7 @@ def test_one_failed_stream_leaves_the_workers_other_streams_alone(cluster):
     assert workers_of(cp)["w1"].in_flight == 1
     held.cancel()
     assert w.servicer.cancelled.wait(5)
-    assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)
+    assert wait_until(lambda: workers_of(cp)["w1"].in_flight == 0)
 
 
 def test_http_clients_of_a_worker_declared_dead_get_503_or_an_error_event(cluster):
@@ -533,7 +367,7 @@ def test_http_clients_of_a_worker_declared_dead_get_503_or_an_error_event(cluste
         threads = [threading.Thread(target=fn, daemon=True) for fn in (before_first_token, streamed)]
         for t in threads:
             t.start()
-        assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 2)
+        assert wait_until(lambda: workers_of(cp)["w1"].in_flight == 2)
         w.leave()
         for t in threads:
             t.join(0.6 + 5.0)
@@ -547,4 +381,4 @@ def test_http_clients_of_a_worker_declared_dead_get_503_or_an_error_event(cluste
     assert status == 200 and lines[-1] == "data: [DONE]"
     event = json.loads(lines[-2][len("data: ") :])
     assert "worker w1 declared dead (no heartbeat for" in event["error"]["message"]
-    assert wait_for(lambda: workers_of(cp)["w1"].in_flight == 0)
+    assert wait_until(lambda: workers_of(cp)["w1"].in_flight == 0)

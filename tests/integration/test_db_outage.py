@@ -35,10 +35,8 @@ from click.testing import CliRunner
 from clients.cli.main import cli
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2, worker_pb2_grpc
-from tests.control_plane_helpers import MiB, rpc_error, upload
+from tests.helpers.control_plane import MiB, rpc_error, upload
 from worker.rpc.membership import MembershipBackoff, start_membership
-
-pytestmark = pytest.mark.integration
 
 SECRET = "db-outage-secret"
 PROMISED_S = 2.0
@@ -50,7 +48,7 @@ class HeartbeatingWorker:
     """The scripted worker (no model) registered with ``cp_addr``, heartbeating what it holds."""
 
     def __init__(self, cp_addr: str, worker_id: str = "w1") -> None:
-        from tests.integration.test_control_plane_routing import ScriptedWorker
+        from tests.helpers.scripted_worker import ScriptedWorker
 
         self.servicer = ScriptedWorker(worker_id)
         self.server = grpc.server(
@@ -132,7 +130,7 @@ def timed(call):
 @pytest.fixture
 def private_postgres():
     """A PostgreSQL server of this test's own (it is stopped and frozen, so not the shared one)."""
-    from tests.postgres_server import PostgresUnavailable, start_postgres
+    from tests.helpers.postgres_server import PostgresUnavailable, start_postgres
 
     try:
         server = start_postgres()

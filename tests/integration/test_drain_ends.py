@@ -1,5 +1,5 @@
 """A draining worker always ends, with real ``loraplane serve`` / worker processes on loopback
-over the tiny synthetic Gemma 2 of ``tests/tiny_models.py`` (its 32k vocabulary loads fastest):
+over the tiny synthetic Gemma 2 of ``tests/helpers/tiny_models.py`` (its 32k vocabulary loads fastest):
 
 - a SIGTERM to ``serve``'s process group drains its worker (the worker is not also signalled
   by the group, so ``serve``'s SIGTERM is its first signal, not its second); ``kill -9`` of
@@ -31,10 +31,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests import tiny_models
-from tests.live_servers import wait_until
-from tests.serve_helpers import free_port
-from tests.worker_service_helpers import gen
+from tests.helpers import tiny_models
+from tests.helpers.live_servers import wait_until
+from tests.helpers.serve import free_port
+from tests.helpers.worker_service import gen
 from worker.lora.host_cache import pid_alive
 
 pytestmark = pytest.mark.slow

@@ -14,10 +14,10 @@ import pytest
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from loraplane.v1 import worker_pb2
-from tests.live_servers import start_control_plane, start_worker, wait_until
-from tests.worker_service_helpers import WorkerProcess, gen
+from tests.helpers.live_servers import start_control_plane, start_worker, wait_until
+from tests.helpers.worker_service import WorkerProcess, gen
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 PROMPT = [1, 450, 4996, 17354]
 LONG = 300  # tokens of the heavy tenant's first request: the light one arrives while it runs

@@ -27,10 +27,10 @@ import httpx
 import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
-from tests.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
-from tests.http_helpers import start_http_serve
+from tests.helpers.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
+from tests.helpers.http_serve import start_http_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

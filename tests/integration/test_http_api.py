@@ -14,9 +14,9 @@ import jinja2
 import openai
 import pytest
 
-from tests.http_helpers import ROOT, start_http_serve
+from tests.helpers.http_serve import ROOT, start_http_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 TOKEN = "http-admin-token"
 BASE = "gemma-3-270m-q4_k_m"

@@ -23,9 +23,9 @@ import grpc
 import pytest
 
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
-from tests.http_helpers import start_http_serve
+from tests.helpers.http_serve import start_http_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 SLOTS, QUEUE = 2, 70
 CEILING_S = 20.0  # generous wall-clock bound for what is promised within one decode step / 1 s

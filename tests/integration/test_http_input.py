@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from loraplane.v1 import common_pb2
-from tests.control_plane_helpers import ControlPlane, upload, write_adapter
+from tests.helpers.control_plane import ControlPlane, upload, write_adapter
 
 BASE = "base-model"
 BODY_LIMIT = 8 * 1024 * 1024
@@ -322,7 +322,7 @@ def test_prompt_limits_follow_the_largest_live_workers_n_ctx(start_control_plane
     the tokenizer runs, and a prompt of 64 token ids before routing; once the worker leaves,
     the training context applies again."""
     from control_plane.http.deps import max_piece_bytes
-    from tests.integration.test_control_plane_routing import WorkerProcess
+    from tests.helpers.scripted_worker import ScriptedMember
 
     cp = start_control_plane(http_addr="127.0.0.1:0", served_model_name=BASE)
     tok = cp.state.registry.base.tokenizer()
@@ -336,7 +336,7 @@ def test_prompt_limits_follow_the_largest_live_workers_n_ctx(start_control_plane
         assert r.status_code != 400 or openai_error(r, 400)["code"] != "context_length_exceeded"
         assert calls, "without a worker the training context applies: this prompt is tokenized"
         calls.clear()
-        w = WorkerProcess("small-ctx", cp.addr)
+        w = ScriptedMember("small-ctx", cp.addr)
         w.leave()
         w.hello.n_ctx = 64
         w.join()

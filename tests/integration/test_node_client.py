@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from clients.client import LoraplaneClient
-from tests.live_servers import nonzero, restored_default
+from tests.helpers.live_servers import nonzero, restored_default
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_DIR = ROOT / "clients" / "node"

@@ -18,10 +18,10 @@ from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
-from tests.control_plane_helpers import write_adapter
-from tests.live_servers import WORKER_SECRET, LiveControlPlane, start_control_plane, start_worker, wait_until
+from tests.helpers.control_plane import write_adapter
+from tests.helpers.live_servers import WORKER_SECRET, LiveControlPlane, start_control_plane, start_worker, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 PROMPT = "The weather today is"
 ALORA_PROMPT = "The weather today is\n<start_of_turn>shout\n"

@@ -1,5 +1,5 @@
 """Process hygiene and graceful drain, with real ``loraplane serve`` / worker processes
-on loopback over the tiny synthetic Llama of ``tests/tiny_models.py`` (loads in seconds).
+on loopback over the tiny synthetic Llama of ``tests/helpers/tiny_models.py`` (loads in seconds).
 
 One module-scoped ``serve`` (``--slots 1 --max-loras 1 --max-cpu-loras 2``, a known worker
 secret) is shared and replaced in turn, in file order:
@@ -34,11 +34,11 @@ from loraplane.env import ENV_WORKER_SECRET
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2_grpc, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
-from tests import tiny_models
-from tests.control_plane_helpers import rpc_error, upload
-from tests.live_servers import wait_until as wait_for
-from tests.serve_helpers import free_port
-from tests.worker_service_helpers import gen
+from tests.helpers import tiny_models
+from tests.helpers.control_plane import rpc_error, upload
+from tests.helpers.live_servers import wait_until as wait_for
+from tests.helpers.serve import free_port
+from tests.helpers.worker_service import gen
 from worker.lora.host_cache import CACHE_DIR_PREFIX, pid_alive
 
 pytestmark = pytest.mark.slow

@@ -28,8 +28,6 @@ from loraplane.third_party import reflection_v1_pb2 as v1_pb2
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "loraplane" / "v1").glob("*.proto"))
 EXPECTED_SERVICES = {
@@ -54,8 +52,8 @@ JAVA_ANNOTATIONS = "geronimo-annotation-1.3-spec"  # javax.annotation.Generated 
 def cp(tmp_path_factory, base_model_path: Path):
     """One real control plane for the module (worker secret set, no worker)."""
     from control_plane.server import ControlPlaneConfig
-    from tests.control_plane_helpers import ControlPlane
-    from tests.live_servers import WORKER_SECRET
+    from tests.helpers.control_plane import ControlPlane
+    from tests.helpers.live_servers import WORKER_SECRET
 
     data = tmp_path_factory.mktemp("proto-clients") / "data"
     server = ControlPlane(

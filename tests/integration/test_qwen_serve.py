@@ -22,9 +22,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.http_helpers import start_http_serve
+from tests.helpers.http_serve import start_http_serve
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 QUESTION = "What is a binary tree?"
 

@@ -44,11 +44,11 @@ from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
 from loraplane.v1 import common_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
-from tests.control_plane_helpers import write_adapter
-from tests.live_servers import WORKER_SECRET, wait_until
-from tests.postgres_server import free_port
+from tests.helpers.control_plane import write_adapter
+from tests.helpers.live_servers import WORKER_SECRET, wait_until
+from tests.helpers.postgres_server import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The weather today is"
@@ -220,9 +220,9 @@ def test_default_set_via_b_read_via_a(cluster, fixtures_dir):
 
 
 def test_service_address_worker_is_adopted_and_unregistration_reaches_every_worker(cluster, tmp_path):
-    from tests.integration.test_control_plane_routing import WorkerProcess
+    from tests.helpers.scripted_worker import ScriptedMember
 
-    scripted = WorkerProcess("w-only-a", cluster.a_addr)  # one address, like a Service
+    scripted = ScriptedMember("w-only-a", cluster.a_addr)  # one address, like a Service
     try:
         assert wait_until(lambda: cluster.alive(cluster.lp_b, "w-only-a"), timeout=30), cluster.logs()
         tiny = cluster.lp_a.add_adapter(write_adapter(tmp_path / "t.gguf", seed=8801))

@@ -1,6 +1,6 @@
 """Errors of any size reach the client: status details are bounded on every server.
 
-A real control plane (``tests.live_servers.start_control_plane``: this process, real sockets)
+A real control plane (``tests.helpers.live_servers.start_control_plane``: this process, real sockets)
 whose adapter directory holds the base model: registering the model GGUF as an adapter builds
 a 15 KB list of problems, which grpc clients used to replace with ``RESOURCE_EXHAUSTED …
 metadata size exceeds soft limit``. Now the client gets INVALID_ARGUMENT with the message's
@@ -26,9 +26,7 @@ from loraplane.interceptors import refusal
 from loraplane.status_details import MAX_DETAILS_BYTES, BoundedStatusInterceptor, encoded_size
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2_grpc
-from tests.live_servers import start_control_plane
-
-pytestmark = pytest.mark.integration
+from tests.helpers.live_servers import start_control_plane
 
 MODEL_FILE_HINT = "(this looks like a model file, not an adapter)"
 

@@ -290,7 +290,7 @@ def test_open_store_urls_and_redaction(tmp_path):
 @pytest.mark.slow
 def test_postgres_unreachable_is_unavailable(tmp_path):
     from control_plane.errors import UnavailableError
-    from tests.postgres_server import free_port
+    from tests.helpers.postgres_server import free_port
 
     port = free_port()  # nothing listens there
     with pytest.raises(UnavailableError, match=rf"postgresql://nobody@127.0.0.1:{port}/x: cannot connect"):

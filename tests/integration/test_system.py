@@ -22,9 +22,9 @@ from clients.errors import LoraplaneError
 from clients.results import FinishedEvent, TokenEvent
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
-from tests.live_servers import WORKER_SECRET
+from tests.helpers.live_servers import WORKER_SECRET
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The weather today is"

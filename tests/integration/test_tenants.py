@@ -16,7 +16,7 @@ from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 PROMPT = [2, 651, 6114, 3124]  # 4 token ids: what the quota counts exactly
 MAX_TOKENS = 8

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve_helpers import free_port
+from tests.helpers.serve import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The weather today is"

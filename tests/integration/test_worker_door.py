@@ -1,7 +1,7 @@
 """No open door for workers: the worker secret by default, caps and deadlines on FetchAdapter.
 
 A real control plane in this process (``start_control_plane``), real sockets, raw gRPC callers
-playing outsiders, and the scripted worker of ``test_control_plane_routing`` (no model):
+playing outsiders, and the scripted worker of ``tests/helpers/scripted_worker.py`` (no model):
 
 - without a worker secret, RegisterWorker / Heartbeat / FetchAdapter are refused
   UNAUTHENTICATED with a message saying what to configure, and an outsider gets no adapter
@@ -33,24 +33,22 @@ from loraplane.process import stop_process
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
 from loraplane.worker_secret import WORKER_SECRET_KEY
-from tests.control_plane_helpers import MiB, upload
-from tests.live_servers import WORKER_SECRET
-from tests.serve_helpers import free_port
-
-pytestmark = pytest.mark.integration
+from tests.helpers.control_plane import MiB, upload
+from tests.helpers.live_servers import WORKER_SECRET
+from tests.helpers.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HINT = "--worker-secret or $LORAPLANE_WORKER_SECRET"
 
 
 def _worker(monkeypatch, cp_addr: str, *, secret: str | None, wait: bool = True, **kw):
-    """The scripted worker of test_control_plane_routing presenting ``secret``."""
-    import tests.integration.test_control_plane_routing as routing
+    """A scripted worker (``tests/helpers/scripted_worker.py``) presenting ``secret``."""
+    from tests.helpers.scripted_worker import ScriptedMember
 
     if wait:
-        return routing.WorkerProcess("w1", cp_addr, secret=secret, **kw)
-    monkeypatch.setattr(routing.WorkerProcess, "join", lambda self: None)
-    w = routing.WorkerProcess("w1", cp_addr, secret=secret, **kw)
+        return ScriptedMember("w1", cp_addr, secret=secret, **kw)
+    monkeypatch.setattr(ScriptedMember, "join", lambda self: None)
+    w = ScriptedMember("w1", cp_addr, secret=secret, **kw)
     monkeypatch.undo()
     return w
 

@@ -1,5 +1,5 @@
 """Fast checks of the worker lifecycle (drain, restarts, stale folders; a real control plane in this process,
-the scripted workers of ``test_control_plane_routing`` over real sockets; no model):
+the scripted workers of ``tests/helpers/scripted_worker.py`` over real sockets; no model):
 
 - a heartbeat saying ``draining`` takes the worker out of routing at once, and it stays listed
   (state "draining"); a worker that refuses UNAVAILABLE before any event is retried elsewhere;
@@ -17,29 +17,24 @@ import signal
 import subprocess
 import sys
 
-from tests.integration.test_control_plane_routing import (  # noqa: F401 - fixtures
-    adapters_dir,
-    cluster,
-    generate,
-    wait_for,
-    workers_of,
-)
+from tests.helpers.live_servers import wait_until
+from tests.helpers.scripted_worker import generate, workers_of
 from worker.lora.host_cache import CACHE_DIR_PREFIX, remove_stale_cache_dirs
 
 
-def test_a_draining_worker_is_listed_but_gets_no_request(cluster):  # noqa: F811 - the imported fixture
+def test_a_draining_worker_is_listed_but_gets_no_request(cluster):
     cp, (w1, w2) = cluster(2)
     w1.hello.draining = True  # what its heartbeats say from SIGTERM on
-    assert wait_for(lambda: workers_of(cp)["w1"].state == "draining")
+    assert wait_until(lambda: workers_of(cp)["w1"].state == "draining")
     for i in range(6):
         assert generate(cp, f"after drain {i}")[-1].HasField("finished")
     assert not [r for r in w1.servicer.submitted if r.text.startswith("after drain")]
     assert len([r for r in w2.servicer.submitted if r.text.startswith("after drain")]) == 6
     w1.hello.draining = False  # (a drain never ends this way; the flag just follows heartbeats)
-    assert wait_for(lambda: workers_of(cp)["w1"].state == "alive")
+    assert wait_until(lambda: workers_of(cp)["w1"].state == "alive")
 
 
-def test_a_worker_refusing_unavailable_before_any_event_is_retried_elsewhere(cluster):  # noqa: F811 - the imported fixture
+def test_a_worker_refusing_unavailable_before_any_event_is_retried_elsewhere(cluster):
     cp, (w1, w2) = cluster(2)
     w1.servicer.down = True  # a drain that started before its heartbeat reached us
     for i in range(4):
@@ -47,11 +42,11 @@ def test_a_worker_refusing_unavailable_before_any_event_is_retried_elsewhere(clu
     assert len([r for r in w2.servicer.submitted if r.text.startswith("retry")]) == 4
 
 
-def test_supervisor_restarts_are_the_floor_of_the_restart_count(cluster):  # noqa: F811 - the imported fixture
+def test_supervisor_restarts_are_the_floor_of_the_restart_count(cluster):
     cp, (w1,) = cluster(1)
     assert workers_of(cp)["w1"].restarts == 0
     w1.hello.supervisor_restarts = 3  # serve restarted it 3 times; 2 died before registering
-    assert wait_for(lambda: workers_of(cp)["w1"].restarts == 3)
+    assert wait_until(lambda: workers_of(cp)["w1"].restarts == 3)
 
 
 def test_stale_cache_dirs_of_dead_pids_are_removed_and_live_ones_kept(tmp_path):

@@ -22,7 +22,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from tests.parity.compare import GroupStats, compare_case, teacher_forced_logprobs
+from tests.helpers.parity_compare import GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.runtime.context import Model
@@ -43,7 +43,7 @@ def _model(name: str) -> tuple[Model, dict, dict]:
         adir = FIXTURES / "adapters"
         ids = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}
     elif name == "qwen":
-        from tests.registry_models import assemble
+        from tests.helpers.registry_models import assemble
 
         path, gold, arch = Path(assemble("qwen2.5-coder-0.5b")), FIXTURES / "qwen" / "golden.json", "qwen2"
         adir = FIXTURES / "qwen" / "adapters"

@@ -1,8 +1,8 @@
-"""Every architecture against llama.cpp on its tiny random-weight model (``tests/tiny_models.py``,
+"""Every architecture against llama.cpp on its tiny random-weight model (``tests/helpers/tiny_models.py``,
 regenerated here and checked byte for byte by sha256 against what the goldens in
 ``tests/fixtures/tiny_archs/`` were made from), in both weight forms, base and with the arch's
 rank-4 adapter at scales 1 and 0.5, teacher-forced; and each model's tokenizer (its family's
-real llama.cpp vocabulary, ``tests.tiny_models.VOCAB``) against llama-server's ``/tokenize`` of
+real llama.cpp vocabulary, ``tests.helpers.tiny_models.VOCAB``) against llama-server's ``/tokenize`` of
 the string set in ``tests/fixtures/tiny_archs/cases.json`` and of the completion prompts.
 
 Bounds (fixtures README, "tiny_archs"): per case max |Δ log-prob| ≤ 0.05 and mean ≤ 0.01,
@@ -21,8 +21,8 @@ import torch
 
 from loraplane.formats.gguf.reader import read_gguf
 from loraplane.formats.tokenizer import Tokenizer
-from tests.parity.compare import compare_case, teacher_forced_logprobs
-from tests.tiny_models import ARCHS, MODELS, VOCAB, adapter
+from tests.helpers.parity_compare import compare_case, teacher_forced_logprobs
+from tests.helpers.tiny_models import ARCHS, MODELS, VOCAB, adapter
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.runtime import arch as arch_registry
@@ -30,7 +30,7 @@ from worker.runtime.context import Model, UBatch
 from worker.runtime.errors import ModelError
 from worker.runtime.model import load_model
 
-pytestmark = [pytest.mark.parity, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 MAX_D, MEAN_D, MARGIN = 0.05, 0.01, 0.1
 

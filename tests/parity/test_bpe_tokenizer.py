@@ -78,7 +78,6 @@ def load(llama_cpp_vocab_dir: Path):
 # ------------------------------------------------------------------------- llama.cpp's own cases
 
 
-@pytest.mark.parity
 @pytest.mark.slow  # every vocabulary's whole case file (6 s on a 2-core AMD EPYC); qwen2's checks below stay fast
 @pytest.mark.parametrize("name", sorted(CHECKED))
 def test_every_llama_cpp_case_matches(name: str, load, llama_cpp_vocab_dir: Path) -> None:
@@ -92,7 +91,6 @@ def test_every_llama_cpp_case_matches(name: str, load, llama_cpp_vocab_dir: Path
         assert not lost, lost[:3]
 
 
-@pytest.mark.parity
 def test_no_supported_vocab_file_is_left_unchecked(llama_cpp_vocab_dir: Path) -> None:
     """Every vocab file with cases is either in CHECKED or refused at load (no silent omission)."""
     names = sorted(
@@ -109,7 +107,6 @@ def test_no_supported_vocab_file_is_left_unchecked(llama_cpp_vocab_dir: Path) ->
 # ------------------------------------------------------------------------------- BPE load rules
 
 
-@pytest.mark.parity
 def test_qwen2_vocab_builds_in_under_two_seconds(llama_cpp_vocab_dir: Path) -> None:
     """151 936 tokens, 151 387 merges; nothing is cached on disk (budget 2 s, asserted at 5 s)."""
     gg = read_gguf(llama_cpp_vocab_dir / "ggml-vocab-qwen2.gguf")
@@ -122,7 +119,6 @@ def test_qwen2_vocab_builds_in_under_two_seconds(llama_cpp_vocab_dir: Path) -> N
     _LOADED.setdefault("qwen2", tok)  # the tests below use it: built once (1.5 s of a core)
 
 
-@pytest.mark.parity
 def test_qwen2_special_tokens_bos_and_eog(load) -> None:
     q = load("qwen2")
     text = "<|im_start|>user\nhi<|im_end|>"
@@ -140,7 +136,6 @@ def test_qwen2_special_tokens_bos_and_eog(load) -> None:
     assert q.eog_ids == {151643, 151645, 128247}  # <|endoftext|>, <|im_end|>, "</s>" (by text, as llama.cpp)
 
 
-@pytest.mark.parity
 def test_llama3_adds_begin_of_text_and_ignores_merges(load) -> None:
     t = load("llama-bpe")
     assert t.add_bos is True and t.bos_id == 128000
@@ -150,7 +145,6 @@ def test_llama3_adds_begin_of_text_and_ignores_merges(load) -> None:
     assert t.eog_ids == {128001, 128009}  # <|end_of_text|>, <|eot_id|>
 
 
-@pytest.mark.parity
 def test_gpt2_defaults(load) -> None:
     g = load("gpt-2")
     assert (g.bos_id, g.eos_id, g.add_bos, g.eog_ids) == (50256, 50256, False, {50256})
@@ -159,7 +153,6 @@ def test_gpt2_defaults(load) -> None:
 # ------------------------------------------------------------------ byte-level detokenization
 
 
-@pytest.mark.parity
 def test_multibyte_character_split_over_tokens_is_never_broken(load) -> None:
     """The llama emoji spans three Qwen tokens (" \\xf0\\x9f", "\\xa6", "\\x99"); the streaming
     detokenizer holds the partial bytes back and never yields U+FFFD."""

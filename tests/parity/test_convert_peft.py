@@ -21,7 +21,6 @@ from loraplane.formats.gguf.reader import dequantize, read_gguf
 from worker.lora.adapter import load_lora_adapter
 
 # name → alpha we must write
-pytestmark = pytest.mark.parity
 
 EXPECTED_ALPHA = {"shout": 16.0, "sea": 8.0, "shout_embd": 8.0, "critic_alora": 16.0, "shout_rs": 32.0}
 
@@ -290,7 +289,7 @@ def test_convert_equals_llama_cpp_converter_per_arch(fixtures_dir, tmp_path, nam
     permuted) and Phi-3 (fused ``qkv_proj`` / ``gate_up_proj`` → ``attn_qkv`` / ``ffn_up``):
     every tensor equal to what llama.cpp's ``convert_lora_to_gguf.py`` wrote from the same PEFT
     folder (``scripts/make_convert_fixtures.py``), against the tiny base model of that shape."""
-    from tests.tiny_models import MODELS
+    from tests.helpers.tiny_models import MODELS
 
     arch = {"llama3": "llama"}.get(name, name)
     base = MODELS[arch](tmp_path / f"{name}-base.gguf")

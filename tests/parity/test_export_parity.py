@@ -17,7 +17,7 @@ from worker.runtime.context import Model, UBatch
 from worker.runtime.model import load_model
 from worker.tools.export_lora import export_lora
 
-pytestmark = [pytest.mark.slow, pytest.mark.parity]
+pytestmark = pytest.mark.slow
 
 
 def _logprobs(model_path, tokens, adapters=()):

@@ -19,14 +19,12 @@ import pytest
 import torch
 
 from loraplane.formats.convert_peft import convert_peft
-from tests.parity.compare import CaseStats, GroupStats, compare_case, teacher_forced_logprobs
+from tests.helpers.parity_compare import CaseStats, GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.lora.registry import AdapterInUseError
 from worker.runtime.context import Model, UBatch
 from worker.runtime.model import load_model
-
-pytestmark = pytest.mark.parity
 
 GOLDEN_IDS = {0: "shout", 1: "sea", 2: "shout_embd", 3: "critic_alora"}
 

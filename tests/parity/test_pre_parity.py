@@ -1,5 +1,5 @@
 """``tokenizer.ggml.pre`` values that no llama.cpp vocab test file carries, against llama.cpp:
-each one's tokenizer-only tiny model (``tests.tiny_models.model_pre``: a real vocabulary with
+each one's tokenizer-only tiny model (``tests.helpers.tiny_models.model_pre``: a real vocabulary with
 the pre value under test, or none) is regenerated, checked by sha256 against the file its
 golden in ``tests/fixtures/tiny_archs/pre/`` was made from, and our `Tokenizer` built from it
 must give llama-server's ``/tokenize`` ids (BOS as llama.cpp decided) for every string of
@@ -16,10 +16,10 @@ import pytest
 
 from loraplane.formats.gguf.reader import read_gguf
 from loraplane.formats.tokenizer import Tokenizer
-from tests.tiny_models import PRE_VOCAB, model_pre
+from tests.helpers.tiny_models import PRE_VOCAB, model_pre
 
 # slow tier: twelve pre-tokenizers, each over llama.cpp's whole test corpus (13 s on a 2-core AMD EPYC)
-pytestmark = [pytest.mark.parity, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 # pre value -> (golden file stem, the pre type we resolve it to, adds BOS)
 _EXPECT = {

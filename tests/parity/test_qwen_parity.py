@@ -29,13 +29,13 @@ import torch
 from loraplane.formats.convert_peft import convert_peft
 from loraplane.formats.gguf.reader import read_gguf
 from loraplane.formats.tokenizer import Tokenizer
-from tests.parity.compare import GroupStats, compare_case, teacher_forced_logprobs
+from tests.helpers.parity_compare import GroupStats, compare_case, teacher_forced_logprobs
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import Model, UBatch
 from worker.runtime.model import load_model
 
-pytestmark = [pytest.mark.parity, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 ADAPTERS = {0: "shout", 1: "arr"}
 SAME_TOL = {"dequant": 1e-4, "packed": 1e-3}

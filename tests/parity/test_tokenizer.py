@@ -14,8 +14,6 @@ import pytest
 from loraplane.formats.gguf.reader import GGUFFile, read_gguf
 from loraplane.formats.tokenizer import Tokenizer, TokenizerError
 
-pytestmark = pytest.mark.parity
-
 
 @pytest.fixture(scope="module")
 def gemma_gguf(base_model_path: Path) -> GGUFFile:

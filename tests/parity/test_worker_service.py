@@ -3,7 +3,7 @@
 Two processes are started once for the module (in parallel; the model load is the slow part):
 ``mixed`` (mixed batching, keyed prefix cache, 8 slots so the 14 argmax walks of check 1 run
 in two waves, queue limit 16) and ``compat`` (llama-server's batching rule and its
-``lora_should_clear_cache`` prefix cache, 4 slots). Helpers: ``tests/worker_service_helpers.py``.
+``lora_should_clear_cache`` prefix cache, 4 slots). Helpers: ``tests/helpers/worker_service.py``.
 Both load the fixture adapters by server path under golden.json's ids. Every check reads real
 numbers and telemetry off the wire:
 
@@ -36,7 +36,7 @@ import pytest
 
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2
-from tests.worker_service_helpers import (
+from tests.helpers.worker_service import (
     CALL_TIMEOUT,
     Result,
     WorkerProcess,
@@ -48,7 +48,7 @@ from tests.worker_service_helpers import (
     teacher_forced,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 # The workers run the default path (packed GGUF weights, int16 activations per block of 32).
 # Results that are exactly equal on the f32 reference (checked in-process at 1e-4 in

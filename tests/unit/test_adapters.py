@@ -17,6 +17,7 @@ import torch
 
 from loraplane.formats.adapter_file import MAX_RANK, AdapterError, base_tensor_index, lora_scale, read_lora_adapter
 from loraplane.formats.gguf.reader import dequantize, read_gguf
+from tests.helpers.adapter_gguf import BASE, D, E, K, R, V, write_adapter_gguf
 from worker.lora.adapter import LoraPair, load_lora_adapter, open_lora_adapter
 
 # name, alpha, ranks, pair count, invocation tokens
@@ -91,13 +92,6 @@ def test_lora_scale(adapter_scale, alpha, rank, expected):
 
 # ---- synthetic adapters against a small synthetic base ---------------------------------
 
-K, D, V, E, R = 32, 24, 50, 4, 4
-BASE = {  # ggml ne
-    "blk.0.attn_q.weight": (K, D),
-    "blk.0.attn_norm.weight": (K,),
-    "token_embd.weight": (D, V),
-    "blk.0.ffn_up_exps.weight": (K, D, E),
-}
 RNG = np.random.default_rng(0)
 
 
@@ -107,38 +101,6 @@ def _rand(*shape: int) -> np.ndarray:
 
 def good_q() -> dict[str, np.ndarray]:
     return {"blk.0.attn_q.weight.lora_a": _rand(R, K), "blk.0.attn_q.weight.lora_b": _rand(D, R)}
-
-
-def write_adapter(
-    path: Path,
-    tensors: dict,
-    *,
-    arch: str = "llama",
-    gtype: str | None = "adapter",
-    atype: str | None = "lora",
-    alpha: float | None = 8.0,
-    extra: dict | None = None,
-) -> Path:
-    """Adapter GGUF; ``tensors`` values are arrays or (raw array, ggml type) tuples."""
-    w = gguf.GGUFWriter(path, arch)
-    if gtype is not None:
-        w.add_type(gtype)
-    if atype is not None:
-        w.add_string("adapter.type", atype)
-    if alpha is not None:
-        w.add_float32("adapter.lora.alpha", alpha)
-    for key, (value, vtype, sub) in (extra or {}).items():
-        w.add_key_value(key, value, vtype, sub)
-    for name, t in tensors.items():
-        if isinstance(t, tuple):
-            w.add_tensor(name, t[0], raw_dtype=t[1])
-        else:
-            w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def problems_of(path: Path, base: dict = BASE, arch: str = "llama") -> list[str]:
@@ -160,7 +122,7 @@ def test_good_synthetic_adapter(tmp_path):
         "adapter.lora.prompt_prefix": ("Say: ", gguf.GGUFValueType.STRING, None),
         "adapter.alora.invocation_tokens": ([5, 6], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32),
     }
-    path = write_adapter(tmp_path / "good.gguf", t, extra=extra)
+    path = write_adapter_gguf(tmp_path / "good.gguf", t, extra=extra)
     af = read_lora_adapter(path, base_arch="llama", base_tensors=BASE)  # numpy, no torch
     a = load_lora_adapter(path, base_arch="llama", base_tensors=BASE)
     assert (af.name, af.ranks, af.n_nodes, sorted(af.pairs)) == (a.name, a.ranks, a.n_nodes, sorted(a.pairs))
@@ -176,7 +138,7 @@ def test_good_synthetic_adapter(tmp_path):
 
 
 def test_dtype_and_device_for(tmp_path):
-    path = write_adapter(tmp_path / "a.gguf", good_q())
+    path = write_adapter_gguf(tmp_path / "a.gguf", good_q())
     asked: list[str] = []
 
     def device_for(name: str) -> torch.device:
@@ -196,34 +158,34 @@ def test_not_gguf(tmp_path):
 
 
 def test_truncated(tmp_path):
-    good = write_adapter(tmp_path / "good.gguf", good_q())
+    good = write_adapter_gguf(tmp_path / "good.gguf", good_q())
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     assert any("truncated or corrupt" in p for p in problems_of(cut))
 
 
 def test_general_type_must_be_adapter(tmp_path):
-    path = write_adapter(tmp_path / "a.gguf", good_q(), gtype="model")
+    path = write_adapter_gguf(tmp_path / "a.gguf", good_q(), gtype="model")
     assert problems_of(path) == [
         "general.type: expected 'adapter', found 'model' (this looks like a model file, not an adapter)"
     ]
 
 
 def test_arch_must_match_base(tmp_path):
-    path = write_adapter(tmp_path / "a.gguf", good_q(), arch="gemma3")
+    path = write_adapter_gguf(tmp_path / "a.gguf", good_q(), arch="gemma3")
     (p,) = problems_of(path, arch="llama")
     assert "general.architecture: expected 'llama'" in p and "found 'gemma3'" in p and "wrong base model?" in p
 
 
 def test_adapter_type_must_be_lora(tmp_path):
-    path = write_adapter(tmp_path / "a.gguf", good_q(), atype="ia3")
+    path = write_adapter_gguf(tmp_path / "a.gguf", good_q(), atype="ia3")
     assert problems_of(path) == ["adapter.type: expected 'lora', found 'ia3'"]
-    path = write_adapter(tmp_path / "b.gguf", good_q(), atype=None)
+    path = write_adapter_gguf(tmp_path / "b.gguf", good_q(), atype=None)
     assert problems_of(path) == ["adapter.type: expected 'lora', found missing"]
 
 
 def test_alpha_absent_means_zero(tmp_path):
-    path = write_adapter(tmp_path / "a.gguf", good_q(), alpha=None)
+    path = write_adapter_gguf(tmp_path / "a.gguf", good_q(), alpha=None)
     a = load_lora_adapter(path, base_arch="llama", base_tensors=BASE)
     assert a.alpha == 0.0 and a.scale(0.7, a.pairs["blk.0.attn_q.weight"]) == pytest.approx(0.7)
 
@@ -232,51 +194,51 @@ def test_norm_tensors_skipped(tmp_path):
     t = good_q()
     t["blk.0.attn_norm.weight"] = _rand(K)
     t["blk.0.attn_norm.weight.lora_a"] = _rand(R, K)  # a pair on a norm: skipped too
-    a = load_lora_adapter(write_adapter(tmp_path / "a.gguf", t), base_arch="llama", base_tensors=BASE)
+    a = load_lora_adapter(write_adapter_gguf(tmp_path / "a.gguf", t), base_arch="llama", base_tensors=BASE)
     assert list(a.pairs) == ["blk.0.attn_q.weight"]
 
 
 def test_unexpected_suffix(tmp_path):
     t = good_q()
     t["blk.0.attn_q.weight.lora_c"] = _rand(R, K)
-    (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t))
     assert p.startswith("tensor 'blk.0.attn_q.weight.lora_c': unexpected suffix")
 
 
 def test_half_pair(tmp_path):
     t = {"blk.0.attn_q.weight.lora_a": _rand(R, K)}
-    assert problems_of(write_adapter(tmp_path / "a.gguf", t)) == [
+    assert problems_of(write_adapter_gguf(tmp_path / "a.gguf", t)) == [
         "pair 'blk.0.attn_q.weight': missing 'blk.0.attn_q.weight.lora_b' (found only 'blk.0.attn_q.weight.lora_a')"
     ]
     t = {"blk.0.attn_q.weight.lora_b": _rand(D, R)}
-    (p,) = problems_of(write_adapter(tmp_path / "b.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "b.gguf", t))
     assert "missing 'blk.0.attn_q.weight.lora_a'" in p
 
 
 def test_base_tensor_missing(tmp_path):
     t = {"blk.7.attn_q.weight.lora_a": _rand(R, K), "blk.7.attn_q.weight.lora_b": _rand(D, R)}
-    (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t))
     assert "base tensor 'blk.7.attn_q.weight' does not exist in the base model" in p
     assert "wrong base model?" in p
 
 
 def test_linear_b_wrong_shape(tmp_path):
     t = {"blk.0.attn_q.weight.lora_a": _rand(R, K), "blk.0.attn_q.weight.lora_b": _rand(20, R)}
-    (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t))
     assert p.startswith("'blk.0.attn_q.weight.lora_b': expected ne [4, 24]")
     assert "found [4, 20]" in p and "is ne [32, 24]" in p and "wrong base model?" in p
 
 
 def test_linear_a_wrong_k(tmp_path):
     t = {"blk.0.attn_q.weight.lora_a": _rand(R, 30), "blk.0.attn_q.weight.lora_b": _rand(D, R)}
-    (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t))
     assert "'blk.0.attn_q.weight.lora_a': expected ne [32, 4], found [30, 4]" in p and "wrong base model?" in p
 
 
 def test_a_not_transposed(tmp_path):
     # old finetune exporter: A stored as ne [r, k] instead of [k, r]
     t = {"blk.0.attn_q.weight.lora_a": _rand(K, R), "blk.0.attn_q.weight.lora_b": _rand(D, R)}
-    (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t))
     assert "'blk.0.attn_q.weight.lora_a': expected ne [32, 4], found [4, 32]" in p
     assert "A.ne[1] = 32 != B.ne[0] = 4: lora_a appears not transposed" in p
     assert "old exporter format" in p
@@ -285,23 +247,23 @@ def test_a_not_transposed(tmp_path):
 def test_token_embd_exception(tmp_path):
     # a linear-style A (ne [V, r]) is wrong for token_embd, which wants [r, V]
     t = {"token_embd.weight.lora_a": _rand(R, V), "token_embd.weight.lora_b": _rand(D, R)}
-    (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t))
     assert "'token_embd.weight.lora_a': expected ne [4, 50], found [50, 4]" in p
     assert "token_embd's A must be [r, V]" in p
     t = {"token_embd.weight.lora_a": _rand(V, R), "token_embd.weight.lora_b": _rand(D + 1, R)}
-    (p,) = problems_of(write_adapter(tmp_path / "b.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "b.gguf", t))
     assert "'token_embd.weight.lora_b': expected ne [4, 24]" in p and "found [4, 25]" in p
 
 
 def test_expert_shapes(tmp_path):
     t = {"blk.0.ffn_up_exps.weight.lora_a": _rand(E - 1, R, K), "blk.0.ffn_up_exps.weight.lora_b": _rand(E, D, R)}
-    (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t))
     assert "'blk.0.ffn_up_exps.weight.lora_a': expected ne [32, 4, 4], found [32, 4, 3]" in p
     t = {
         "blk.0.ffn_up_exps.weight.lora_a": _rand(R, K),  # 2-D pair on a 3-D expert tensor
         "blk.0.ffn_up_exps.weight.lora_b": _rand(D, R),
     }
-    (p,) = problems_of(write_adapter(tmp_path / "b.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "b.gguf", t))
     assert "pair 'blk.0.ffn_up_exps.weight'" in p and "[k, r, E]" in p and "wrong number of dimensions" in p
 
 
@@ -312,7 +274,7 @@ def test_float_types_accepted(tmp_path):
         "blk.0.attn_q.weight.lora_a": a16.astype(np.float16),
         "blk.0.attn_q.weight.lora_b": (bf16, gguf.GGMLQuantizationType.BF16),
     }
-    a = load_lora_adapter(write_adapter(tmp_path / "a.gguf", t), base_arch="llama", base_tensors=BASE)
+    a = load_lora_adapter(write_adapter_gguf(tmp_path / "a.gguf", t), base_arch="llama", base_tensors=BASE)
     pair = a.pairs["blk.0.attn_q.weight"]
     np.testing.assert_array_equal(pair.lora_a.numpy(), a16.astype(np.float16).astype(np.float32))
     np.testing.assert_array_equal(pair.lora_b, torch.from_numpy(b32).to(torch.bfloat16).float())
@@ -322,7 +284,7 @@ def test_quantized_dequantized_at_load(tmp_path):
     a32 = _rand(R, K)
     q = gguf.quants.quantize(a32, gguf.GGMLQuantizationType.Q8_0)
     t = {"blk.0.attn_q.weight.lora_a": (q, gguf.GGMLQuantizationType.Q8_0), "blk.0.attn_q.weight.lora_b": _rand(D, R)}
-    a = load_lora_adapter(write_adapter(tmp_path / "a.gguf", t), base_arch="llama", base_tensors=BASE)
+    a = load_lora_adapter(write_adapter_gguf(tmp_path / "a.gguf", t), base_arch="llama", base_tensors=BASE)
     got = a.pairs["blk.0.attn_q.weight"].lora_a.numpy()
     assert got.dtype == np.float32 and np.abs(got - a32).max() < np.abs(a32).max() / 100
 
@@ -333,14 +295,14 @@ def test_unsupported_type(tmp_path):
         "blk.0.attn_q.weight.lora_a": (raw, gguf.GGMLQuantizationType.IQ4_NL),
         "blk.0.attn_q.weight.lora_b": _rand(D, R),
     }
-    (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t))
     assert p.startswith("tensor 'blk.0.attn_q.weight.lora_a': type IQ4_NL is not supported")
 
 
 def test_max_rank(tmp_path):
     r = MAX_RANK + 1
     t = {"blk.0.attn_q.weight.lora_a": _rand(r, K), "blk.0.attn_q.weight.lora_b": _rand(D, r)}
-    assert problems_of(write_adapter(tmp_path / "a.gguf", t)) == [
+    assert problems_of(write_adapter_gguf(tmp_path / "a.gguf", t)) == [
         "'blk.0.attn_q.weight.lora_b': rank 513 exceeds max_rank 512"
     ]
 
@@ -348,7 +310,7 @@ def test_max_rank(tmp_path):
 def test_non_finite_values(tmp_path):
     t = good_q()
     t["blk.0.attn_q.weight.lora_b"][3, 1] = np.nan
-    (p,) = problems_of(write_adapter(tmp_path / "a.gguf", t))
+    (p,) = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t))
     assert p == "tensor 'blk.0.attn_q.weight.lora_b': 1 NaN/Inf value(s) (type F32)"
 
 
@@ -359,7 +321,7 @@ def test_all_problems_collected(tmp_path):
         "blk.9.attn_q.weight.lora_b": _rand(D, R),
         "odd_tensor": _rand(3),
     }
-    problems = problems_of(write_adapter(tmp_path / "a.gguf", t, gtype="model", arch="gemma3"))
+    problems = problems_of(write_adapter_gguf(tmp_path / "a.gguf", t, gtype="model", arch="gemma3"))
     assert len(problems) == 5
     joined = "\n".join(problems)
     for fragment in (
@@ -391,7 +353,7 @@ def _mixed_types_adapter(tmp_path: Path) -> tuple[Path, dict]:
         "blk.0.ffn_up_exps.weight.lora_b": _rand(E, D, R),
     }
     plain = {k: (v[0] if isinstance(v, tuple) else v) for k, v in t.items()}
-    return write_adapter(tmp_path / "mixed.gguf", t), plain
+    return write_adapter_gguf(tmp_path / "mixed.gguf", t), plain
 
 
 def test_file_backed_adapter_reads_the_same_values(tmp_path):
@@ -426,7 +388,7 @@ def test_file_backed_quantized_pair_is_dequantized_on_read(tmp_path):
         "blk.0.attn_q.weight.lora_a": (qa, gguf.GGMLQuantizationType.Q8_0),
         "blk.0.attn_q.weight.lora_b": _rand(D, R),
     }
-    path = write_adapter(tmp_path / "q8.gguf", t)
+    path = write_adapter_gguf(tmp_path / "q8.gguf", t)
     mem = load_lora_adapter(path, base_arch="llama", base_tensors=base)
     fb = open_lora_adapter(path, base_arch="llama", base_tensors=base)
     got = fb.tensors()["blk.0.attn_q.weight"]
@@ -436,7 +398,7 @@ def test_file_backed_quantized_pair_is_dequantized_on_read(tmp_path):
 
 
 def test_file_backed_adapter_refuses_a_changed_or_missing_file(tmp_path):
-    path = write_adapter(tmp_path / "a.gguf", good_q())
+    path = write_adapter_gguf(tmp_path / "a.gguf", good_q())
     fb = open_lora_adapter(path, base_arch="llama", base_tensors=BASE)
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))

@@ -1,5 +1,5 @@
 """The HTTP front's API-key rule in-process (`control_plane.http.api_key.ApiKeyAuth` over the
-fakes of `tests.http_fakes`): which paths are open, what passes, what the admin routes still
+fakes of `tests.helpers.http_fakes`): which paths are open, what passes, what the admin routes still
 want. The same rule across real processes, gRPC and the clients: tests/integration/test_api_key.py."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from control_plane.http.api_key import ApiKeyAuth
-from tests.http_fakes import call_app
-from tests.unit.test_http_routes import Front
+from tests.helpers.http_fakes import Front, call_app
 
 
 @pytest.mark.parametrize(

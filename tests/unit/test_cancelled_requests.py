@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from loraplane.v1 import worker_pb2, worker_pb2_grpc
-from tests.live_servers import wait_until
-from tests.worker_service_helpers import gen
+from tests.helpers.live_servers import wait_until
+from tests.helpers.worker_service import gen
 from worker.config import WorkerConfig
 from worker.errors import QueueFullError
 from worker.runtime.sampling import SamplingParams

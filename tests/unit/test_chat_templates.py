@@ -1,7 +1,7 @@
 """Chat templates of real model families rendered by ``ChatTemplate`` (jinja2 sandbox with
 transformers' globals): ChatML as Qwen 2.5 ships it, and Llama 3.1 / 3.2 (``tojson`` with
 keyword arguments, ``strftime_now``, tools). The templates are llama.cpp's test copies, read
-from the llama-cpp-python sdist (``tests/registry_models.py``); the expected texts are each
+from the llama-cpp-python sdist (``tests/helpers/registry_models.py``); the expected texts are each
 family's documented prompt format."""
 
 from __future__ import annotations

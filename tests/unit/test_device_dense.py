@@ -135,7 +135,7 @@ QUANT_MIX = [
 def test_quantized_model_logits_equal_dequant(fixtures_dir: Path, tmp_path: Path, dtype: str):
     """The tiny MoE model with its matrices in six types (q/k/v of one layer in three
     different ones: fused all the same, as dense tensors)."""
-    from tests.gguf_retype import quantize_gguf
+    from tests.helpers.gguf_retype import quantize_gguf
 
     path = quantize_gguf(fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf", tmp_path / "mix.gguf", QUANT_MIX)
     _compare(path, dtype)
@@ -144,12 +144,12 @@ def test_quantized_model_logits_equal_dequant(fixtures_dir: Path, tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2"])
 def test_tiny_arch_logits_equal_dequant(arch: str, tmp_path: Path):
-    from tests.tiny_models import MODELS
+    from tests.helpers.tiny_models import MODELS
 
     _compare(MODELS[arch](tmp_path / f"{arch}.gguf"), "f32")
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @NEEDS_CUDA
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_cuda_load_is_device_dense(fixtures_dir: Path, dtype: str):

@@ -280,7 +280,7 @@ def test_engine_on_cpu0_serves_like_cpu(fixtures_dir):
     assert set(doc) == {"ok", "n"} and isinstance(doc["ok"], bool)
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu tier: needs a CUDA GPU, this machine has none")
 @pytest.mark.parametrize("spec", ["cuda", "cuda:0", "auto"])
 def test_cuda_spellings_run_the_forward_pass_with_an_adapter(models, fixtures_dir, tmp_path, spec):
@@ -309,7 +309,7 @@ def test_cuda_spellings_run_the_forward_pass_with_an_adapter(models, fixtures_di
     assert torch.equal(logits.cpu().argmax(-1)[wide], ref.argmax(-1)[wide])
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="gpu tier: needs two CUDA GPUs to pick the second")
 def test_cuda_1_puts_the_model_on_the_second_gpu(fixtures_dir, tmp_path):
     """``--device cuda:1``: weights and KV on GPU 1, which also becomes the current device."""

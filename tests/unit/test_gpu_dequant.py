@@ -166,12 +166,12 @@ def test_tiny_moe_fixture_tensors(fixtures_dir: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2"])
 def test_tiny_arch_tensors(arch: str, tmp_path: Path):
-    from tests.tiny_models import MODELS
+    from tests.helpers.tiny_models import MODELS
 
     assert _fixture_tensors_equal(MODELS[arch](tmp_path / f"{arch}.gguf")) > 10
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @NEEDS_CUDA
 @pytest.mark.parametrize("t", BLOCK_TYPES + [T.F16, T.BF16], ids=lambda t: t.name)
 def test_cuda_equals_cpu(t: T):

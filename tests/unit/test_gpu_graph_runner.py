@@ -364,7 +364,7 @@ def test_toy_model_steps_through_the_runner_equal_one_sequence_at_a_time():
     assert runner.stats.cuda_graph_eager_fallbacks == 6 + 1  # six prefills and that step
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the gpu tier needs a CUDA device (none here)")
 def test_cuda_graph_replay_equals_eager_on_the_device():
     cuda = torch.device("cuda")

@@ -380,7 +380,7 @@ def test_plan_flags():
     assert SamplingRows.from_params([SamplingParams()] * 3, [0, 1, 2], masks).plan().masks
 
 
-@pytest.mark.gpu
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the gpu tier needs a CUDA device (none here)")
 def test_cuda_sampling_equals_the_cpu_run_of_the_same_code():
     g = torch.Generator().manual_seed(9)

@@ -15,7 +15,7 @@ import worker.runtime.grammar as grammar
 from control_plane.http.tools import check_tools
 from loraplane.grammar_limits import GrammarLimits, LimitError, check_choices, lark_depth, lark_rules, schema_depth
 from loraplane.response_format import ResponseFormat, choice_grammar, compile_grammar, one_line
-from tests.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
+from tests.helpers.grammar_bombs import defs_chain, gbnf_chain, lark_chain, refs_chain
 
 DEFAULT = GrammarLimits()
 

@@ -17,8 +17,8 @@ import pytest
 
 from control_plane.http.server import HttpServer
 from control_plane.http.streaming import RelayResponse
-from tests.live_servers import wait_until
-from tests.unit.test_http_streaming import endless_stream
+from tests.helpers.http_fakes import endless_stream
+from tests.helpers.live_servers import wait_until
 
 WRITE_TIMEOUT_S = 0.3
 

@@ -1,4 +1,4 @@
-"""vLLM / llama-server API parity of the HTTP front, in-process over fakes (`tests.http_fakes`):
+"""vLLM / llama-server API parity of the HTTP front, in-process over fakes (`tests.helpers.http_fakes`):
 sampling fields that reach the GenerateRequest, ``model`` optional, prompt log-probs in vLLM's
 shape, ``/v1/models/{id}``, ``/tokenize`` / ``/detokenize``, ``/openapi.json`` without a docs
 page, and the parameter rule (known + non-default + unimplemented → 400 naming it; defaults and
@@ -11,8 +11,7 @@ import pytest
 import control_plane.http.completions as completions
 from control_plane.http.schemas import UNSUPPORTED
 from loraplane.v1 import common_pb2
-from tests.http_fakes import FakeTokenizer, call_app, finished, token
-from tests.unit.test_http_routes import EVENTS, Front
+from tests.helpers.http_fakes import EVENTS, FakeTokenizer, Front, call_app, finished, token
 
 
 class VocabTokenizer(FakeTokenizer):
@@ -207,7 +206,7 @@ def test_model_retrieve_by_every_name_and_404_in_openais_shape():
 
 
 def test_a_404_names_at_most_16_of_thousands_of_models():
-    from tests.http_fakes import FakeRecord
+    from tests.helpers.http_fakes import FakeRecord
 
     # every name was listed: 2 000 aliases of 256 bytes made each 404 half a megabyte, to anyone
     front = Front()

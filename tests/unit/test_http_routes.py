@@ -1,4 +1,4 @@
-"""The HTTP front's routes in-process (`tests.http_fakes`: scripted router, fake registry, an
+"""The HTTP front's routes in-process (`tests.helpers.http_fakes`: scripted router, fake registry, an
 ASGI call without sockets): request → GenerateRequest, response bytes and statuses, the admin
 bearer check shared with gRPC. No model, no processes."""
 
@@ -11,25 +11,18 @@ import pytest
 import control_plane.http.completions as completions
 from control_plane.auth import BearerCheck, bearer_token, check_bearer
 from control_plane.errors import UnavailableError
-from control_plane.http.app import HttpDeps, create_app
-from control_plane.http.chat_template import load_chat_template
 from control_plane.http.responses import token_text_of
 from control_plane.http.streaming import CompletionStream
-from tests.http_fakes import (
-    FakeAnnouncer,
+from tests.helpers.http_fakes import (
+    ADMIN_TOKEN,
+    EVENTS,
     FakeRecord,
-    FakeRegistry,
-    FakeRouter,
     FakeTokenizer,
+    Front,
     call_app,
-    finished,
     scripted,
-    started,
-    token,
 )
 
-TOKEN = "s3cret"
-EVENTS = [started(5, 6), token(10, "Hi", -0.5), token(11, " there", -0.25), finished("Hi there.", "stop")]
 MISSING = {
     "error": {
         "message": "admin endpoint: send 'Authorization: Bearer <token>' (admin token configured)",
@@ -46,45 +39,6 @@ REJECTED = {
         "code": "invalid_api_key",
     }
 }
-
-
-class Front:
-    """An app over fakes, with the fakes at hand."""
-
-    def __init__(
-        self, *, admin_token: str | None = TOKEN, chat: bool = True, metrics: bool = True, template_text: str = ""
-    ) -> None:
-        records = [FakeRecord(0, "shout"), FakeRecord(1, "sea"), FakeRecord(2, "dup"), FakeRecord(3, "dup")]
-        self.registry = FakeRegistry(records)
-        self.router = FakeRouter()
-        self.announcer = FakeAnnouncer()
-        template = (
-            load_chat_template(
-                override_file=None,
-                metadata={"tokenizer.chat_template": template_text} if template_text else {},
-                arch="gemma3",
-                bos_token="<bos>",
-                eos_token="<eos>",
-            )
-            if chat
-            else None
-        )
-        self.deps = HttpDeps(
-            registry=self.registry,
-            router=self.router,
-            announcer=self.announcer,
-            base_name="base",
-            base_root="/models/base.gguf",
-            tokenizer=FakeTokenizer() if chat else None,
-            chat_template=template,
-            admin_token=admin_token,
-            metrics_text=(lambda: (b"up 1\n", "text/plain; version=0.0.4")) if metrics else None,
-        )
-        self.app = create_app(self.deps)
-
-    def post(self, path: str, body, events=(), headers=None):
-        self.router.script = list(events)
-        return call_app(self.app, "POST", path, body, headers)
 
 
 @pytest.fixture(autouse=True)
@@ -286,10 +240,10 @@ def test_bearer_token(value, token):
 
 
 def test_check_bearer():
-    assert check_bearer("Bearer s3cret", TOKEN) is BearerCheck.ACCEPTED
-    assert check_bearer("Bearer s3cret2", TOKEN) is BearerCheck.REJECTED
-    assert check_bearer("Bearer ", TOKEN) is BearerCheck.MISSING
-    assert check_bearer(None, TOKEN) is BearerCheck.MISSING
+    assert check_bearer("Bearer s3cret", ADMIN_TOKEN) is BearerCheck.ACCEPTED
+    assert check_bearer("Bearer s3cret2", ADMIN_TOKEN) is BearerCheck.REJECTED
+    assert check_bearer("Bearer ", ADMIN_TOKEN) is BearerCheck.MISSING
+    assert check_bearer(None, ADMIN_TOKEN) is BearerCheck.MISSING
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import anyio
 import grpc
@@ -17,9 +16,8 @@ from control_plane.http.errors import OpenAIError
 from control_plane.http.responses import token_text_of
 from control_plane.http.streaming import CompletionStream, RelayResponse
 from control_plane.router import WorkerRequestError
-from tests.http_fakes import FakeTokenizer, finished, scripted, started, token
+from tests.helpers.http_fakes import CREATED, FakeTokenizer, endless_stream, finished, scripted, started, token
 
-CREATED = 1700000000
 # prompt of 3 tokens; "Hel" + "lo" + "" streamed; the worker's finished text adds a held-back "!"
 EVENTS = [
     started(5, 6, 7),
@@ -429,34 +427,6 @@ def test_a_response_sent_whole_is_not_a_client_gone(sse):
         anyio.run(RelayResponse(make(EVENTS, chat=False), sse=sse), {"type": "http"}, receive, send)
     assert client.sent[-1]["more_body"] is False
     assert [e for e in logs if e["event"] == "http_client_gone"] == []
-
-
-def endless(consumed: list[int], released: threading.Event, *, first_token_after: threading.Event | None = None):
-    """Events of a generation that never ends by itself: it stops when ``released`` is set
-    (what cancelling the worker call does to the router's relay)."""
-    yield started(1)
-    if first_token_after is not None:
-        while not (first_token_after.is_set() or released.is_set()):
-            time.sleep(0.005)
-    for i in range(10_000):
-        if released.is_set():
-            return
-        consumed.append(i)
-        time.sleep(0.001)
-        yield token(i, "x")
-
-
-def endless_stream(consumed: list[int], released: threading.Event, **kw) -> CompletionStream:
-    return CompletionStream(
-        endless(consumed, released, **kw),
-        cancel=released.set,
-        request_id="cmpl-1",
-        created=CREATED,
-        model="m",
-        chat=False,
-        logprobs=None,
-        token_text=token_text_of(None),
-    )
 
 
 def test_relay_response_disconnect_mid_stream_cancels_the_call():

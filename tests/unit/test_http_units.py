@@ -120,7 +120,7 @@ def test_cli_ids_are_ascii_digits():
 def test_not_found_messages_name_at_most_16_adapters():
     from control_plane.errors import NotFoundError
     from control_plane.resolution import find_adapter
-    from tests.http_fakes import FakeRecord
+    from tests.helpers.http_fakes import FakeRecord
 
     records = [FakeRecord(i, f"adapter-{i:05d}-" + "n" * 240) for i in range(2000)]
     for token, start in (("nope", "no adapter is named 'nope' (names: ['adapter-00000-"), ("99999", "adapter 99999")):

@@ -29,10 +29,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter, quants
 
 from loraplane.formats.gguf.reader import dequantize, read_gguf
+from tests.helpers.gguf_blocks import weight_array
 from worker.runtime import graph as graph_mod
 from worker.runtime.graph import GraphContext
 from worker.runtime.kernels import (
@@ -59,7 +60,6 @@ C_PATHS = [
         ),
     ),
 ]
-QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16}
 K_TYPES = {T.Q4_K, T.Q5_K, T.Q6_K}
 # (type, d, k): k not a multiple of 256 wherever the block size allows, d not a multiple of 16
 CASES = [
@@ -82,35 +82,6 @@ CASES = [
 NS = [1, 3, 16, 64, 70]  # 70 > the kernel's 64-row activation chunk
 
 
-def _f16_bytes(rng: np.random.Generator, n: int, lo: float, hi: float) -> np.ndarray:
-    return rng.uniform(lo, hi, size=(n, 1)).astype(np.float16).view(np.uint8)
-
-
-def _k_blocks(t: T, nblk: int, rng: np.random.Generator) -> np.ndarray:
-    """Random but valid K-quant blocks: finite f16 scales, every other byte random."""
-    _, tsz = GGML_QUANT_SIZES[t]
-    b = rng.integers(0, 256, size=(nblk, tsz), dtype=np.uint8)
-    if t == T.Q6_K:  # ql 128, qh 64, scales int8 16, d f16
-        b[:, 208:210] = _f16_bytes(rng, nblk, -0.02, 0.02)
-    else:  # d, dmin f16, then 6-bit scales/mins and quants
-        b[:, 0:2] = _f16_bytes(rng, nblk, 0.001, 0.02)
-        b[:, 2:4] = _f16_bytes(rng, nblk, 0.0, 0.02)
-    return b
-
-
-def _weight_array(t: T, d: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Array to hand GGUFWriter: float for float types, GGUF block bytes otherwise."""
-    w = rng.standard_normal((d, k)).astype(np.float32) * 0.05
-    if t == T.F32:
-        return w
-    if t == T.F16:
-        return w.astype(np.float16)
-    if t in QUANTIZABLE:
-        return quants.quantize(w, t)
-    blk, tsz = GGML_QUANT_SIZES[t]
-    return _k_blocks(t, d * k // blk, rng).reshape(d, k // blk * tsz)
-
-
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory) -> Path:
     """A tiny GGUF holding one weight per case (name ``w.<TYPE>.<d>x<k>``)."""
@@ -118,7 +89,7 @@ def gguf_file(tmp_path_factory) -> Path:
     rng = np.random.default_rng(1234)
     wr = GGUFWriter(str(path), "llama")
     for t, d, k in CASES:
-        arr = _weight_array(t, d, k, rng)
+        arr = weight_array(t, d, k, rng)
         raw = None if t in (T.F32, T.F16) else t
         wr.add_tensor(f"w.{t.name}.{d}x{k}", arr, raw_dtype=raw)
     experts = rng.standard_normal((3, 20, 64)).astype(np.float32) * 0.05  # torch (E, d, k)

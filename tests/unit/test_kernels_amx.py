@@ -14,7 +14,7 @@ avx512 ``vpdpwssd`` kernel's bit for bit (bs 32 on tiles, bs 16 on ``vpdpwssd``;
 dequantized reference is tested in ``test_kernels.py``.
 
 Weights: real GGUF block bytes written with ``gguf.GGUFWriter`` and read back with
-``loraplane.formats.gguf.reader`` (``test_kernels._weight_array``: gguf's quantizer where it has one,
+``loraplane.formats.gguf.reader`` (``tests.helpers.gguf_blocks.weight_array``: gguf's quantizer where it has one,
 random valid blocks for the K-quants).
 """
 
@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
 from loraplane.formats.gguf.reader import dequantize, read_gguf
-from tests.unit.test_kernels import _weight_array
+from tests.helpers.gguf_blocks import weight_array
 from worker.runtime.kernels import KernelPathError, QuantLinear, build, cpu, pack_tensor, quantize_activations
 
 AMX = cpu.amx_unavailable_reason() is None
@@ -69,7 +69,7 @@ def packed(tmp_path_factory) -> dict[str, tuple[QuantLinear, torch.Tensor]]:
     rng = np.random.default_rng(4321)
     wr = GGUFWriter(str(path), "llama")
     for t, d, k in CASES:
-        wr.add_tensor(_name(t, d, k), _weight_array(t, d, k, rng), raw_dtype=t)
+        wr.add_tensor(_name(t, d, k), weight_array(t, d, k, rng), raw_dtype=t)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()

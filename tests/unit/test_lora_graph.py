@@ -1,5 +1,5 @@
 """The gathered LoRA path inside the graph (``GraphContext._add_lora``) on the tiny per-arch
-models (``tests/tiny_models.py``), with several adapters in one mixed ubatch:
+models (``tests/helpers/tiny_models.py``), with several adapters in one mixed ubatch:
 
 - gathered (``LORA_MODE = "auto"``, the BGMV kernel) vs the dense masked product
   (``"dense"``): logits within 1e-3 (f32 rounding only) — llama's q/k/v and gate/up fused at
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import MODELS, adapter
+from tests.helpers.tiny_models import MODELS, adapter
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime import graph

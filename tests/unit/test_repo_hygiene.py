@@ -358,6 +358,170 @@ def test_log_events_are_snake_case():
     assert not bad, "\n".join(bad)
 
 
+# ---- the test suite: helpers in tests/helpers/, markers from the folders ----------------------
+
+TESTS = ROOT / "tests"
+
+
+def _imported_modules(tree: ast.AST, package: str) -> list[str]:
+    """Every module an ``import`` / ``from ... import`` in ``tree`` names (also inside functions),
+    with ``from a import b`` counted as both ``a`` and ``a.b`` (``b`` may be a module) and
+    relative imports resolved against ``package``."""
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names.append(base)
+            names.extend(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _suite_imports_of_test_modules(path: Path, text: str) -> list[str]:
+    """The modules of the suite that ``text`` (the file at ``path`` under tests/) imports and no
+    module should: a test module (``test_*``) or a folder's ``conftest``."""
+    package = ".".join(path.relative_to(ROOT).parent.parts)
+    return [
+        name
+        for name in _imported_modules(ast.parse(text), package)
+        if name.startswith("tests.") and (name.rsplit(".", 1)[-1].startswith("test_") or name.endswith(".conftest"))
+    ]
+
+
+def test_the_test_module_import_check_sees_each_form():
+    path = TESTS / "unit" / "test_x.py"
+    text = (
+        "import tests.integration.test_a as a\n"
+        "from tests.unit.test_b import helper\n"
+        "from tests.unit import test_c\n"
+        "from .test_d import E\n"
+        "from tests.gpu.conftest import CUDA\n"
+        "def f():\n    from tests.parity.test_e import g\n"
+        "from tests.helpers.http_fakes import Front\n"
+    )
+    found = _suite_imports_of_test_modules(path, text)
+    assert found == [
+        "tests.integration.test_a",
+        "tests.unit.test_b",
+        "tests.unit.test_c",
+        "tests.unit.test_d",
+        "tests.gpu.conftest",
+        "tests.parity.test_e",
+    ]
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in ``tests/helpers/``, fixtures in a folder's ``conftest.py``: no module
+    of the suite imports a test module or a conftest (a test module imported by another runs its
+    module-level code twice and drags its fixtures along under ``noqa``)."""
+    bad = []
+    for path in sorted(TESTS.rglob("*.py")):
+        found = _suite_imports_of_test_modules(path, path.read_text(encoding="utf-8"))
+        bad.extend(f"{path.relative_to(ROOT)} imports {name}" for name in found)
+    assert not bad, "\n".join(bad)
+
+
+def test_helpers_define_no_fixtures():
+    """A fixture in ``tests/helpers/`` could only reach a test by being imported into it (a
+    re-export under ``noqa``); fixtures belong in a ``conftest.py``."""
+    bad = [
+        str(path.relative_to(ROOT))
+        for path in sorted((TESTS / "helpers").glob("*.py"))
+        if re.search(r"@pytest\.fixture\b", path.read_text(encoding="utf-8"))
+    ]
+    assert not bad, bad
+
+
+def _folder_marks_written(text: str) -> list[str]:
+    """``pytest.mark.<m>`` uses in ``text`` for the marks only a folder gives (``FOLDER_MARKS``)."""
+    from tests.helpers.folder_marks import FOLDER_MARKS
+
+    marks = set(FOLDER_MARKS.values())
+    return [
+        f"line {node.lineno}: pytest.mark.{node.attr}"
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Attribute)
+        and node.attr in marks
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "mark"
+    ]
+
+
+def test_no_test_module_writes_a_folder_marker():
+    """``integration``, ``parity`` and ``gpu`` come from the folder (its conftest), never from a
+    test module: a hand-written one would put a test in a suite its folder is not."""
+    assert _folder_marks_written("import pytest\npytestmark = [pytest.mark.slow, pytest.mark.parity]\n") == [
+        "line 2: pytest.mark.parity"
+    ]
+    assert _folder_marks_written("x = [pytest.param(1, marks=pytest.mark.gpu)]\n") == ["line 1: pytest.mark.gpu"]
+    bad = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        bad.extend(f"{path.relative_to(ROOT)} {hit}" for hit in _folder_marks_written(path.read_text(encoding="utf-8")))
+    assert not bad, "\n".join(bad)
+
+
+def test_each_marked_folder_marks_its_tests_in_its_conftest():
+    """Each folder of ``FOLDER_MARKS`` has a ``conftest.py`` whose collection hook hands its own
+    folder to ``mark_folder``; no other folder of tests/ holds tests without one."""
+    from tests.helpers.folder_marks import FOLDER_MARKS
+
+    for folder in FOLDER_MARKS:
+        text = (TESTS / folder / "conftest.py").read_text(encoding="utf-8")
+        assert "def pytest_collection_modifyitems(" in text and "mark_folder(items, Path(__file__).parent)" in text
+    test_folders = {p.parent.relative_to(TESTS).parts[0] for p in TESTS.rglob("test_*.py") if p.parent != TESTS}
+    assert test_folders == {*FOLDER_MARKS, "unit"}
+
+
+def test_folder_mark_of_paths():
+    from tests.helpers.folder_marks import folder_mark
+
+    assert folder_mark(TESTS / "integration" / "test_cli.py") == "integration"
+    assert folder_mark(TESTS / "parity" / "test_tokenizer.py") == "parity"
+    assert folder_mark(TESTS / "gpu" / "test_gpu_check.py") == "gpu"
+    assert folder_mark(TESTS / "unit" / "test_pool.py") is None
+    assert folder_mark(TESTS / "conftest.py") is None
+    assert folder_mark(ROOT / "worker" / "gpu" / "engine.py") is None
+
+
+def test_every_collected_test_carries_exactly_its_folders_marker(request):
+    """Every test collected in this session (the whole fast tier when it runs) carries its folder's
+    mark and no other folder's: the marks ``-m integration`` / ``parity`` / ``gpu`` select by."""
+    from tests.helpers.folder_marks import FOLDER_MARKS, folder_mark
+
+    bad = []
+    for item in request.session.items:
+        want = folder_mark(Path(item.path))
+        have = {m.name for m in item.iter_markers()} & set(FOLDER_MARKS.values())
+        if have != ({want} if want else set()):
+            bad.append(f"{item.nodeid}: {sorted(have)}, want {want}")
+    assert request.node in request.session.items
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_the_debian_packages_test_sh_installs_are_the_ones_readme_and_the_proto_test_name():
+    """``scripts/test.sh`` (as root) installs ``PROTO_PACKAGES``; docs/architecture.md lists them
+    and ``tests/integration/test_proto_clients.py`` asks for them (``DEBIAN_PACKAGES``, read from
+    its source: no test module imports another)."""
+    script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
+    m = re.search(r'PROTO_PACKAGES="([^"]*)"', script)
+    assert m, "PROTO_PACKAGES not found in scripts/test.sh"
+    installed = m.group(1).replace("\\\n", " ").split()
+    tree = ast.parse((TESTS / "integration" / "test_proto_clients.py").read_text(encoding="utf-8"))
+    (asked,) = [
+        ast.literal_eval(node.value).split()
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "DEBIAN_PACKAGES" for t in node.targets)
+    ]
+    docs = " ".join((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").split())
+    assert installed == asked and len(installed) == 11
+    assert f"`{' '.join(installed)}`" in docs
+
+
 MAX_MODULE_DOCSTRING_LINES = 20
 # Module docstrings over the bound, being rewritten on other branches when this test landed:
 # trim an entry once its module's docstring is within the bound (the test names stale entries).

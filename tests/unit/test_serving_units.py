@@ -15,7 +15,7 @@ import torch
 from loraplane.formats.adapter_file import lora_scale
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2
-from tests.lora_fakes import D, K, adapter
+from tests.helpers.lora_fakes import D, K, adapter
 from worker.config import PrefixCachePolicy
 from worker.errors import InvalidRequestError
 from worker.lora.adapter_set import EMPTY_SET, AdapterSet

@@ -462,9 +462,9 @@ def test_a_simultaneous_burst_through_two_replicas_never_passes_a_limit(tmp_path
 
 def test_http_tenant_key_names_the_tenant_and_never_opens_admin_routes():
     from control_plane.http.app import HttpDeps, create_app
-    from tests.http_fakes import FakeAnnouncer, FakeRecord, FakeRegistry, FakeRouter, FakeTokenizer, call_app
-    from tests.http_fakes import finished as finished_event
-    from tests.http_fakes import started as started_event
+    from tests.helpers.http_fakes import FakeAnnouncer, FakeRecord, FakeRegistry, FakeRouter, FakeTokenizer, call_app
+    from tests.helpers.http_fakes import finished as finished_event
+    from tests.helpers.http_fakes import started as started_event
 
     directory = TenantDirectory(api_key="inference-key-123")
     directory.set_keys({key_hash("tenant-key-12345678"): "acme"})
@@ -549,7 +549,7 @@ def test_tenant_metrics_count_by_outcome_and_keep_the_label_cap(book):
 
 def test_http_tenant_routes_add_list_remove_with_openai_errors(book):
     from control_plane.http.app import HttpDeps, create_app
-    from tests.http_fakes import FakeAnnouncer, FakeRegistry, FakeRouter, call_app
+    from tests.helpers.http_fakes import FakeAnnouncer, FakeRegistry, FakeRouter, call_app
 
     deps = HttpDeps(
         registry=FakeRegistry([]),

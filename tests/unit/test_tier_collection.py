@@ -1,4 +1,4 @@
-"""``tests/tier_collection.py``: which modules a ``-m`` expression leaves out unimported."""
+"""``tests/helpers/tier_collection.py``: which modules a ``-m`` expression leaves out unimported."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tier_collection import markexpr_excludes, module_marks
+from tests.helpers.tier_collection import markexpr_excludes, module_marks
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,7 @@
 """Tool calls: the hermes ``<tool_call>`` parser on Qwen-like outputs (whole and split at every
 point), the Qwen 2.5 template rendering tools, tool calls and tool results as transformers does,
 and the chat route's ``tools`` / ``tool_choice`` handling over the in-process fakes
-(`tests.http_fakes`)."""
+(`tests.helpers.http_fakes`)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from control_plane.http.tools import (
     template_message,
     template_renders_tools,
 )
-from tests.http_fakes import FakeTokenizer, finished, started, token
-from tests.unit.test_http_routes import Front
+from tests.helpers.http_fakes import FakeTokenizer, Front, finished, started, token
 
 WEATHER = {
     "type": "function",

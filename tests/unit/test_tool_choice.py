@@ -1,7 +1,7 @@
 """Forced tool calls (``tool_choice`` ``"required"`` / a named function): the JSON Schemas the
 output is constrained to (checked with ``jsonschema`` against answers that must pass or fail),
 the parsers that turn the constrained output into ``tool_calls`` (whole and split at every
-point, truncated), and the chat route over the in-process fakes (`tests.http_fakes`): the
+point, truncated), and the chat route over the in-process fakes (`tests.helpers.http_fakes`): the
 GenerateRequest's ``response_format``, the answer's shape and ``finish_reason``, streaming, and
 the refusals."""
 
@@ -24,8 +24,7 @@ from control_plane.http.tools import (
     tool_parameters,
 )
 from loraplane.v1 import common_pb2
-from tests.http_fakes import finished, started, token
-from tests.unit.test_http_routes import Front
+from tests.helpers.http_fakes import Front, finished, started, token
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}

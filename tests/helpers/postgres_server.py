@@ -405,7 +405,7 @@ def start_postgres(source: str | None = None) -> PostgresServer:
 
 
 def main() -> int:
-    """``python -m tests.postgres_server [auto|system|wheel]``: start a server, run one query,
+    """``python -m tests.helpers.postgres_server [auto|system|wheel]``: start a server, run one query,
     stop it; prints where the binaries came from and the server version (a setup check)."""
     import sys
     import time

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplane.process import child_pythonpath, stop_process
-from tests.serve_helpers import free_port
+from tests.helpers.serve import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 600
 
 

@@ -5,7 +5,7 @@ records each file's sha256).
 
 Every model: 2 layers, n_embd 64, 4 query heads / 2 KV heads of 16, FFN 128, F16 matrices and
 F32 norms, with the tokenizer fields (``tokenizer.*``) copied byte for byte from its family's
-llama.cpp vocab test file (``tests.registry_models.llama_cpp_vocabs``; ``VOCAB``), which also
+llama.cpp vocab test file (``tests.helpers.registry_models.llama_cpp_vocabs``; ``VOCAB``), which also
 sets the vocabulary size: Llama 3's byte-level BPE (``llama-bpe``, 128 256 tokens, adds BOS),
 Qwen 2's (``qwen2``, 151 936, no BOS) for the three Qwen models, Phi-3's SentencePiece
 (``phi-3``, 32 064) and, for Gemma 2, Llama's SentencePiece (``llama-spm``, 32 000; the sdist
@@ -21,8 +21,8 @@ logits have a standard deviation of a few nats (on the golden prompts, even with
 vocabularies: greedy top-1 log-probs between -4.4 and -0.2, entropy 2.8–7.6 nats, most top-1/top-2
 margins above 0.1).
 
-    python -m tests.tiny_models OUT_DIR [ARCH ...]   # writes <arch>.gguf and <arch>-lora.gguf
-    python -m tests.tiny_models --pre OUT_DIR        # writes <pre>.gguf per PRE_VOCAB value
+    python -m tests.helpers.tiny_models OUT_DIR [ARCH ...]   # writes <arch>.gguf and <arch>-lora.gguf
+    python -m tests.helpers.tiny_models --pre OUT_DIR        # writes <pre>.gguf per PRE_VOCAB value
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _read_kv(buf: bytes) -> list[_KV]:
 def _vocab_fields(name: str) -> tuple[list[_KV], int]:
     """``(key, value, type, array element type)`` of every ``tokenizer.*`` field of the vocab
     file ``name``, in file order, and the vocabulary size."""
-    from tests.registry_models import llama_cpp_vocabs
+    from tests.helpers.registry_models import llama_cpp_vocabs
 
     fields = _read_kv((llama_cpp_vocabs() / f"ggml-vocab-{name}.gguf").read_bytes())
     out = [f for f in fields if f[0].startswith("tokenizer.")]
@@ -490,7 +490,7 @@ def write_pre(out_dir: Path) -> dict[str, Path]:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m tests.tiny_models OUT_DIR [ARCH ...] | --pre OUT_DIR")
+        raise SystemExit("usage: python -m tests.helpers.tiny_models OUT_DIR [ARCH ...] | --pre OUT_DIR")
     if sys.argv[1] == "--pre":
         for pre, m in write_pre(Path(sys.argv[2])).items():
             print(pre or "(absent)", m)

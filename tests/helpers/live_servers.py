@@ -7,7 +7,7 @@ client test shares one server, so tests must not assume adapter ids or the defau
 register what they use (same content → same id) and restore the default set they change.
 Conventions that keep them independent: ``shout_rs.gguf`` is registered only by server path
 (test_client checks its stored path); an adapter a test removes or names is its own, written by
-``control_plane_helpers.write_adapter`` with a seed no other test uses (7101, 7201, ...).
+``tests.helpers.control_plane.write_adapter`` with a seed no other test uses (7101, 7201, ...).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from loraplane.env import ENV_WORKER_SECRET
 from loraplane.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER_READY_TIMEOUT_S = 600.0
 WORKER_STOP_GRACE_S = 20.0
 ADMIN_TOKEN = "test-admin-token"

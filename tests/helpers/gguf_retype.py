@@ -7,7 +7,7 @@ tests whose arithmetic is exact only in F32 (merge math, bit-equal copies) turn 
 back into F32 with it. Metadata is copied key by key with its GGUF value type; 1-D tensors
 (norms) keep their type, as llama.cpp's converters keep norms in F32.
 
-    python -m tests.gguf_retype f16 SRC.gguf DST.gguf
+    python -m tests.helpers.gguf_retype f16 SRC.gguf DST.gguf
 """
 
 from __future__ import annotations
@@ -110,5 +110,5 @@ def _rewrite(
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:
-        raise SystemExit("usage: python -m tests.gguf_retype f32|f16 SRC.gguf DST.gguf")
+        raise SystemExit("usage: python -m tests.helpers.gguf_retype f32|f16 SRC.gguf DST.gguf")
     print(retype_gguf(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[1]))

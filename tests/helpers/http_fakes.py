@@ -4,18 +4,25 @@ No model, no worker, no sockets: `FakeRouter` replays scripted ``GenerateEvent``
 raises), `FakeRegistry` holds a few adapter records, `FakeAnnouncer` notes the ids it is asked
 to unload, `FakeTokenizer` maps token id ``i`` to the text ``<i>``, and `call_app` sends one
 request through a FastAPI app and collects its status, headers and body bytes exactly as a
-client would receive them.
+client would receive them. `Front` is the HTTP app over those fakes; `endless_stream` a
+`CompletionStream` of a generation that never ends by itself.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from control_plane.errors import ControlPlaneError, NotFoundError
 from control_plane.grammar_check import InlineChecker
+from control_plane.http.app import HttpDeps, create_app
+from control_plane.http.chat_template import load_chat_template
+from control_plane.http.responses import token_text_of
+from control_plane.http.streaming import CompletionStream
 from loraplane.v1 import common_pb2
 
 # ---- GenerateEvent builders -------------------------------------------------------------------
@@ -199,3 +206,90 @@ def call_app(app: Any, method: str, path: str, body: Any = None, headers: dict[s
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.request(method, path, content=raw, headers={"content-type": "application/json", **(headers or {})})
     return Reply(status=r.status_code, headers=dict(r.headers), body=r.content)
+
+
+# ---- the HTTP app over the fakes -----------------------------------------------------------------
+
+ADMIN_TOKEN = "s3cret"
+"""The admin bearer token a `Front` is configured with by default."""
+EVENTS = [started(5, 6), token(10, "Hi", -0.5), token(11, " there", -0.25), finished("Hi there.", "stop")]
+"""A short generation: two prompt tokens, "Hi" and " there" streamed, finished "Hi there." (stop)."""
+
+
+class Front:
+    """An app over fakes, with the fakes at hand."""
+
+    def __init__(
+        self, *, admin_token: str | None = ADMIN_TOKEN, chat: bool = True, metrics: bool = True, template_text: str = ""
+    ) -> None:
+        records = [FakeRecord(0, "shout"), FakeRecord(1, "sea"), FakeRecord(2, "dup"), FakeRecord(3, "dup")]
+        self.registry = FakeRegistry(records)
+        self.router = FakeRouter()
+        self.announcer = FakeAnnouncer()
+        template = (
+            load_chat_template(
+                override_file=None,
+                metadata={"tokenizer.chat_template": template_text} if template_text else {},
+                arch="gemma3",
+                bos_token="<bos>",
+                eos_token="<eos>",
+            )
+            if chat
+            else None
+        )
+        self.deps = HttpDeps(
+            registry=self.registry,
+            router=self.router,
+            announcer=self.announcer,
+            base_name="base",
+            base_root="/models/base.gguf",
+            tokenizer=FakeTokenizer() if chat else None,
+            chat_template=template,
+            admin_token=admin_token,
+            metrics_text=(lambda: (b"up 1\n", "text/plain; version=0.0.4")) if metrics else None,
+        )
+        self.app = create_app(self.deps)
+
+    def post(self, path: str, body, events=(), headers=None) -> Reply:
+        """``call_app`` of ``POST path`` with ``body``; the router answers with ``events``."""
+        self.router.script = list(events)
+        return call_app(self.app, "POST", path, body, headers)
+
+
+# ---- a generation that never ends ------------------------------------------------------------------
+
+CREATED = 1700000000
+"""The ``created`` time (Unix seconds) of the streams built here."""
+
+
+def endless(
+    consumed: list[int], released: threading.Event, *, first_token_after: threading.Event | None = None
+) -> Iterator[common_pb2.GenerateEvent]:
+    """Events of a generation that never ends by itself: it stops when ``released`` is set
+    (what cancelling the worker call does to the router's relay). Appends each token's index to
+    ``consumed`` as it is yielded (one per ms); with ``first_token_after``, waits for it first."""
+    yield started(1)
+    if first_token_after is not None:
+        while not (first_token_after.is_set() or released.is_set()):
+            time.sleep(0.005)
+    for i in range(10_000):
+        if released.is_set():
+            return
+        consumed.append(i)
+        time.sleep(0.001)
+        yield token(i, "x")
+
+
+def endless_stream(consumed: list[int], released: threading.Event, **kw) -> CompletionStream:
+    """A completion (not chat) `CompletionStream` over ``endless(consumed, released, **kw)``, whose
+    cancel sets ``released``."""
+    return CompletionStream(
+        endless(consumed, released, **kw),
+        cancel=released.set,
+        request_id="cmpl-1",
+        created=CREATED,
+        model="m",
+        chat=False,
+        logprobs=None,
+        token_text=token_text_of(None),
+    )

@@ -5,7 +5,8 @@ pytest adds a module's marks to each of its tests, and no test can take one away
 ``-m "not slow"`` (the fast tier) none of its tests can be selected, yet collecting the module
 imports it (torch, grpc, openai, ...) and rewrites its asserts: ~5 s of a core for the two dozen
 such modules, every fast run. ``markexpr_excludes`` answers, from the module's source alone,
-whether the expression is false for every test the module could hold; ``tests/conftest.py``
+whether the expression is false for every test the module could hold; ``tests/conftest.py``,
+which adds the mark of the module's folder (``tests/helpers/folder_marks.py``) to these,
 leaves those modules out of collection (they are then neither collected nor counted as
 deselected). A module that cannot be parsed is collected, so its error is reported.
 """

@@ -17,7 +17,7 @@ from pathlib import Path
 from clients.client import LoraplaneClient
 from loraplane.process import child_pythonpath, stop_process
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "loraplane" / "demo" / "adapters"
 HAVE_SERVERS = find_spec("control_plane.server") is not None and find_spec("worker.rpc.server") is not None
 READY_TIMEOUT_S = 600
