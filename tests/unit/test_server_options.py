@@ -138,7 +138,7 @@ def test_serve_splits_its_options_between_the_two_servers(monkeypatch, tmp_path)
     assert config.lora_scaled == ((str(adapter), 0.5), (str(adapter), 1.0))  # command-line order
     assert config.worker_secret and spec.worker_secret == config.worker_secret
     worker = _params(worker_cmd, list(spec.worker_args))
-    assert (worker["n_slots"], worker["n_ctx_slot"], worker["max_lora_rank"], worker["grammar_max_depth"]) == (
+    assert (worker["n_seqs"], worker["n_ctx_seq"], worker["max_lora_rank"], worker["grammar_max_depth"]) == (
         2,
         256,
         8,
