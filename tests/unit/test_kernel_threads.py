@@ -99,7 +99,11 @@ def test_threads_config_env(monkeypatch):
     monkeypatch.delenv("LORAPLANE_KERNEL_THREADS", raising=False)
     monkeypatch.delenv("LORAPLANE_KERNEL_SPIN_US", raising=False)
     monkeypatch.delenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", raising=False)
-    assert library.threads_config() == (library.DEFAULT_THREADS, library.DEFAULT_SPIN_US, library.DEFAULT_SPIN_BACKOFF_MS)
+    assert library.threads_config() == (
+        library.DEFAULT_THREADS,
+        library.DEFAULT_SPIN_US,
+        library.DEFAULT_SPIN_BACKOFF_MS,
+    )
     monkeypatch.setenv("LORAPLANE_KERNEL_THREADS", "omp")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_US", "0")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", "7")

@@ -91,7 +91,7 @@ def compiler() -> str:
 
 def compile_library(isa: str, out: Path) -> Path:
     """Compile ``isa``'s library from :data:`SOURCES` to the file ``out`` (written whole, then
-    renamed into place, under a lock beside it, so concurrent builds never load a partial file).
+    renamed into place, so a reader never loads a partial file).
 
     Raises:
         KernelBuildError: unknown ISA, no compiler, or the compiler failed (its stderr included).
@@ -99,26 +99,32 @@ def compile_library(isa: str, out: Path) -> Path:
     if isa not in ISA_FLAGS:
         raise KernelBuildError(f"unknown kernel ISA '{isa}' (expected one of {', '.join(ISA_FLAGS)})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / ".lock", "w") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)
-        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        cmd = [compiler(), *COMMON_FLAGS, *ISA_FLAGS[isa], *(str(CSRC_DIR / s) for s in SOURCES), "-o", str(tmp)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise KernelBuildError(f"building the {isa} kernels failed: {' '.join(cmd)}\n{proc.stderr}")
-        os.replace(tmp, out)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    cmd = [compiler(), *COMMON_FLAGS, *ISA_FLAGS[isa], *(str(CSRC_DIR / s) for s in SOURCES), "-o", str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise KernelBuildError(f"building the {isa} kernels failed: {' '.join(cmd)}\n{proc.stderr}")
+    os.replace(tmp, out)
     return out
 
 
 def build_in_place(log: Callable[[str], None] = print) -> list[Path]:
     """Build every ISA's library whose current one is missing from :data:`LIB_DIR` (the
     editable-install layout), and remove that ISA's older libraries; returns the paths present.
-    An optional ISA that fails to build is logged and left out.
+    An optional ISA that fails to build is logged and left out. Concurrent callers (test
+    sessions) build once: the work is done under a lock in :data:`LIB_DIR`.
 
     Raises:
         KernelBuildError: a required ISA failed to build.
     """
+    LIB_DIR.mkdir(parents=True, exist_ok=True)
+    with open(LIB_DIR / ".lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)
+        return _build_in_place(log)
+
+
+def _build_in_place(log: Callable[[str], None]) -> list[Path]:
     done = []
     for isa in ISA_FLAGS:
         out = LIB_DIR / library_name(isa)

@@ -41,13 +41,9 @@ from worker.runtime.kernels.build import (
     library_name,
 )
 
-# C types of api.h -> ctypes: any pointer is c_void_p (the callers pass data_ptr() integers)
-_CTYPES: dict[str, type | None] = {
-    "void": None,
-    "int": ctypes.c_int,
-    "int64_t": ctypes.c_int64,
-    "float": ctypes.c_float,
-}
+# C parameter types of api.h -> ctypes; any pointer is c_void_p (the callers pass data_ptr() integers)
+_ARGTYPES: dict[str, type] = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+_RESTYPES: dict[str, type | None] = {"void": None, "int": ctypes.c_int}  # what the exports return
 _DECL = re.compile(r"LP_EXPORT\s+(\w+)\s+LP_FN\((\w+)\)\s*\(([^)]*)\)\s*;")
 _PARAM = re.compile(r"(?:const\s+)?(\w+)\s*(\*?)\s*(\w+)")
 
@@ -74,15 +70,15 @@ def parse_api(text: str) -> dict[str, Export]:
     for block, amx_only in _blocks(text):
         for m in _DECL.finditer(block):
             ret, name, raw = m.groups()
-            params = []
+            params: list[tuple[str, type]] = []
             for p in [] if raw.strip() == "void" else raw.split(","):
                 pm = _PARAM.fullmatch(" ".join(p.split()))
-                if pm is None or (not pm[2] and pm[1] not in _CTYPES) or pm[1] == "void" and not pm[2]:
+                if pm is None or not (pm[2] or pm[1] in _ARGTYPES):
                     raise KernelBuildError(f"{API_HEADER}: cannot read parameter {p.strip()!r} of {name}")
-                params.append((pm[3], ctypes.c_void_p if pm[2] else _CTYPES[pm[1]]))
-            if ret not in _CTYPES:
+                params.append((pm[3], ctypes.c_void_p if pm[2] else _ARGTYPES[pm[1]]))
+            if ret not in _RESTYPES:
                 raise KernelBuildError(f"{API_HEADER}: cannot read return type {ret!r} of {name}")
-            out[name] = Export(name, _CTYPES[ret], tuple(params), amx_only)  # type: ignore[arg-type]
+            out[name] = Export(name, _RESTYPES[ret], tuple(params), amx_only)
     if not out:
         raise KernelBuildError(f"{API_HEADER}: no LP_EXPORT declarations found")
     return out
