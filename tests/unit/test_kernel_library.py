@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from worker.runtime.kernels import build, cpu, library
-from worker.runtime.kernels.library import KernelBuildError, parse_api
+from worker.runtime.kernels.build import KernelBuildError
+from worker.runtime.kernels.library import parse_api
 
 ROOT = Path(__file__).resolve().parents[2]
 

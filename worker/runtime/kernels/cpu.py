@@ -86,10 +86,11 @@ def amx_unavailable_reason() -> str | None:
         missing = [f for f in NEEDS["amx"] if f not in cpu_flags()]
         return f"CPU ({cpu_model()}) lacks {', '.join(missing) or 'x86-64'}"
     from worker.runtime.kernels import library  # the library is only needed on AMX CPUs
+    from worker.runtime.kernels.build import KernelBuildError
 
     try:
         lib = library.load("amx")
-    except library.KernelBuildError as exc:
+    except KernelBuildError as exc:
         return f"the amx library is unavailable: {str(exc).splitlines()[0]}"
     err = lib.lp_amx_request_tile_perm()
     if err:
