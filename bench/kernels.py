@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from bench.machine import FLAGS  # noqa: E402
 from loraplane.formats.gguf.reader import dequantize, read_gguf  # noqa: E402
 from worker.runtime.kernels import cpu_flags, cpu_model, pack_tensor, resolve_act, resolve_path, supported  # noqa: E402
-from worker.runtime.kernels.build import library_path  # noqa: E402
+from worker.runtime.kernels.library import library_path  # noqa: E402
 
 SHOW_FLAGS = FLAGS  # the flags every bench table prints (bench.machine)
 

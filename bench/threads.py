@@ -3,7 +3,7 @@
 ``python -m bench.threads [--batches 1,16] [--reps 15] [--what mm,dec] [--hog] [--conds ...]``
 
 One process, ``OMP_WAIT_POLICY=PASSIVE`` (torch's ops on libgomp), the base model (Gemma 3
-270M); each repetition runs every condition back to back (``build.set_threads`` between them),
+270M); each repetition runs every condition back to back (``library.set_threads`` between them),
 so a shared machine's load hits all alike. Conditions are ``omp`` (OpenMP, PASSIVE) and
 ``pool:S/B`` (our pool, ``LORAPLANE_KERNEL_SPIN_US=S``, ``LORAPLANE_KERNEL_SPIN_BACKOFF_MS=B``).
 Measured per batch size B:
@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from loraplane.formats.gguf.reader import read_gguf  # noqa: E402
-from worker.runtime.kernels import build, pack_tensor, resolve_path  # noqa: E402
+from worker.runtime.kernels import library, pack_tensor, resolve_path  # noqa: E402
 
 CTX = 32
 
@@ -99,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.hog:
         spin = "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"
         hog = subprocess.Popen([sys.executable, "-c", spin])
-    saved = build.threads_config()
+    saved = library.threads_config()
     try:
         res: dict[tuple, list[float]] = {(w, b, c): [] for w in what for b in batches for c in conds}
         for cfg in conds.values():  # warm-up
-            build.set_threads(*cfg)
+            library.set_threads(*cfg)
             for w in what:
                 for b in batches:
                     fns[w](b)
@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             for w in what:
                 for b in batches:
                     for c, cfg in conds.items():
-                        build.set_threads(*cfg)
+                        library.set_threads(*cfg)
                         res[(w, b, c)].append(fns[w](b))
     finally:
-        build.set_threads(*saved)
+        library.set_threads(*saved)
         if hog is not None:
             hog.kill()
             hog.wait()

@@ -6,6 +6,7 @@ Each of ``tests/integration/``, ``tests/parity/``, ``tests/gpu/`` marks its own 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,23 @@ import pytest
 os.environ.setdefault("LORAPLANE_GRAMMAR_WARMUP", "0")
 
 CUDA_SKIP_REASON = "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The C kernels built for the checkout's sources: ``scripts/install.sh`` (the editable
+    install) builds them, and after an edit of ``worker/runtime/kernels/csrc/`` the stale ones are
+    rebuilt in place here (``build.build_in_place``, what ``python -m worker.runtime.kernels.build``
+    runs), so a test never meets a library of other sources. The worker itself never compiles."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "worker" / "runtime" / "kernels" / "build.py"
+    spec = importlib.util.spec_from_file_location("_kernel_build", path)
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)  # by path: importing the package would import torch here
+    required = [isa for isa in build.ISA_FLAGS if isa not in build.OPTIONAL_ISAS]
+    if not all((build.LIB_DIR / build.library_name(isa)).is_file() for isa in required):
+        build.build_in_place(log=lambda line: print(line, file=sys.stderr))
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

@@ -9,7 +9,7 @@ Set ``OMP_WAIT_POLICY=ACTIVE`` in the environment to opt out on a dedicated mach
 
 It governs torch's own ops (norms, rope, elementwise, attention); our C matmul kernels run on
 their own thread pool (``LORAPLANE_KERNEL_THREADS``, ``LORAPLANE_KERNEL_SPIN_US``,
-``LORAPLANE_KERNEL_SPIN_BACKOFF_MS``: ``worker.runtime.kernels.build.threads_config``).
+``LORAPLANE_KERNEL_SPIN_BACKOFF_MS``: ``worker.runtime.kernels.library.threads_config``).
 """
 
 import os as _os

@@ -5,14 +5,16 @@ repository, so nothing of the checkout can stand in for a file the wheel lacks.
 
 The wheel holds the repository's five packages, ``loraplane``, ``control_plane``, ``worker``,
 ``clients`` and ``bench`` (each file under its path; docs/architecture.md "One path per file"),
-plus the package data the product reads at run time: the demo adapters and the C sources of the
-kernels and of the bench's peak-rate probe.
+plus the package data the product reads at run time: the demo adapters, the C kernels prebuilt
+for each ISA (``setup.py``) with the header the loader binds them from, and the C source of the
+bench's peak-rate probe. The installed product runs with no compiler on its PATH.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,13 +80,19 @@ def installed(tmp_path_factory) -> dict:
     _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)], base)
     cwd = base / "elsewhere"
     cwd.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(target), "PYTHONNOUSERSITE": "1"}
-    # The kernels' build key hashes their packaged sources (a missing one fails the worker); the
-    # libraries the checkout already compiled from the same sources are reused, not rebuilt.
-    env["LORAPLANE_KERNEL_BUILD_DIR"] = str(target / "worker" / "runtime" / "kernels" / "_build")
-    built = ROOT / "worker" / "runtime" / "kernels" / "_build"
-    if built.is_dir() and not os.environ.get("LORAPLANE_KERNEL_BUILD_DIR"):
-        env["LORAPLANE_KERNEL_BUILD_DIR"] = str(built)
+    # No compiler can run: PATH holds only a folder with `python` in it, CXX names nothing, and
+    # the variable that once pointed the kernels at a build cache points at an empty folder.
+    bin_dir = base / "bin-python-only"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    (base / "empty-kernel-cache").mkdir()
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("CXX", "CC")},
+        "PATH": str(bin_dir),
+        "PYTHONPATH": str(target),
+        "PYTHONNOUSERSITE": "1",
+        "LORAPLANE_KERNEL_BUILD_DIR": str(base / "empty-kernel-cache"),
+    }
     return {"wheel": wheel, "sdist": sdist, "target": target, "env": env, "cwd": cwd}
 
 
@@ -108,7 +116,12 @@ def test_wheel_and_sdist_hold_the_five_packages(installed):
         "bench/csrc/peak_int8.cpp",
     ):
         assert want in names, want
-    assert not [n for n in names if "/tests/" in n or n.startswith("tests/") or "/_build/" in n]
+    assert not [n for n in names if "/tests/" in n or n.startswith("tests/")]
+    libs = [n.rpartition("/")[2] for n in names if n.startswith("worker/runtime/kernels/_build/")]
+    assert all(re.fullmatch(r"liblp_(avx2|avx512|amx)-[0-9a-f]{12}\.so", n) for n in libs), libs
+    assert {n.split("-")[0].removeprefix("liblp_") for n in libs} >= {"avx2", "avx512"}, libs  # amx: g++ >= 11
+    assert "worker/runtime/kernels/csrc/api.h" in names  # the loader binds the exports from it
+    assert "linux_x86_64" in installed["wheel"].name  # a platform wheel: it carries machine code
     entry_points = zipfile.ZipFile(installed["wheel"]).read("loraplane-0.1.0.dist-info/entry_points.txt").decode()
     assert "loraplane = clients.cli.main:main" in entry_points
     with tarfile.open(installed["sdist"]) as tar:
@@ -135,11 +148,31 @@ def test_installed_package_is_the_one_imported(installed):
     assert Path(demo_dir).is_relative_to(target) and found == "True"
 
 
+def test_installed_kernels_are_the_prebuilt_ones(installed):
+    """With no compiler reachable, the installed worker loads the library its wheel carries for
+    this CPU, named by the hash of the installed sources (so nothing was compiled for it)."""
+    code = (
+        "from worker.runtime.kernels import cpu, library; p = cpu.best_path(); "
+        "print(p, library.load(p)._name if p != 'torch' else '-')"
+    )
+    proc = _run([sys.executable, "-c", code], cwd=installed["cwd"], env=installed["env"])
+    path, lib = proc.stdout.split()
+    assert path in ("amx", "avx512", "avx2"), proc.stdout  # every x86-64 test machine has AVX2
+    kernels = (installed["target"] / "worker" / "runtime" / "kernels" / "_build").resolve()
+    assert Path(lib).resolve().parent == kernels and Path(lib).name.startswith(f"liblp_{path}-"), lib
+    assert sorted(p.name for p in kernels.iterdir() if p.suffix == ".so") == sorted(
+        n.rpartition("/")[2]
+        for n in zipfile.ZipFile(installed["wheel"]).namelist()
+        if n.startswith("worker/runtime/kernels/_build/")
+    )
+
+
 def test_demo_from_the_installed_wheel(installed, tmp_path):
     """README command 1 from the installed wheel (its console script, a working directory outside
-    the checkout): ``loraplane demo`` finds its packaged adapters, its worker child imports the
-    installed package too, and the three continuations differ as the adapters say (shout: upper
-    case; sea: 🌊 after sentences; base: neither)."""
+    the checkout, no compiler on PATH): ``loraplane demo`` finds its packaged adapters and its
+    prebuilt kernels, its worker child imports the installed package too, and the three
+    continuations differ as the adapters say (shout: upper case; sea: 🌊 after sentences; base:
+    neither)."""
     script = installed["target"] / "bin" / "loraplane"
     proc = subprocess.run(
         [sys.executable, str(script), "demo", "--once", "--json", "--max-tokens", "24", "--device", "cpu"]

@@ -323,6 +323,19 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return out
 
 
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """``{stage name: its instructions}`` in order (``FROM image AS name`` opens a stage)."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] | None = None
+    for word, rest in dockerfile_instructions():
+        if word == "FROM":
+            image, _, name = rest.partition(" AS ")
+            current = stages[name.strip()] = [(word, image.strip())]
+        elif current is not None:
+            current.append((word, rest))
+    return stages
+
+
 def dockerfile_args() -> dict[str, str]:
     return dict(rest.split("=", 1) for word, rest in dockerfile_instructions() if word == "ARG" and "=" in rest)
 
@@ -334,7 +347,7 @@ def all_workloads() -> list[tuple[str, dict]]:
 
 def test_dockerfile_base_image_is_pinned():
     froms = [rest for word, rest in dockerfile_instructions() if word == "FROM"]
-    assert froms == ["${BASE_IMAGE}"]
+    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE} AS runtime"]
     image = dockerfile_args()["BASE_IMAGE"]
     name, _, tag = image.partition(":")
     assert name == "python" and tag and tag != "latest"
@@ -352,13 +365,44 @@ def test_dockerfile_installs_pinned_torch_from_pytorch_index_before_the_project(
     args = dockerfile_args()
     assert pins == [f"torch=={args['TORCH_VERSION']}"]
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"  # CPU image by default
-    runs = [rest for word, rest in dockerfile_instructions() if word == "RUN"]
+    runs = [rest for word, rest in dockerfile_stages()["runtime"] if word == "RUN"]
     torch_at = next(i for i, r in enumerate(runs) if '"torch==${TORCH_VERSION}"' in r)
     assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch_at]
-    project_at = next(i for i, r in enumerate(runs) if "pip install ." in r)
+    project_at = next(i for i, r in enumerate(runs) if "pip install /tmp/wheels/loraplane-*.whl" in r)
     assert torch_at < project_at
-    copied = {rest.split()[0] for word, rest in dockerfile_instructions() if word == "COPY"}
-    assert {"pyproject.toml", "control_plane", "worker", "clients", "loraplane"} <= copied
+
+
+COMPILER = re.compile(r"(?<![\w+-])(g\+\+|gcc|c\+\+|clang|build-essential)(?![\w+-])")
+
+
+def test_dockerfile_builds_the_kernels_in_a_build_stage_and_runs_them_without_a_compiler():
+    """The build stage has a compiler and builds the wheel from the sources (setup.py compiles
+    the kernels into it); the runtime stage copies only that wheel, installs no compiler, runs as
+    the non-root user, and smoke-checks the prebuilt kernels and the CLI in its own layout."""
+    stages = dockerfile_stages()
+    assert list(stages) == ["build", "runtime"]  # the last stage is the image
+    build, runtime = stages["build"], stages["runtime"]
+    build_runs = " ".join(rest for word, rest in build if word == "RUN")
+    assert "apt-get install -y --no-install-recommends g++" in build_runs
+    copied = {src for word, rest in build if word == "COPY" for src in rest.split()[:-1]}
+    assert {"pyproject.toml", "setup.py", "control_plane", "worker", "clients", "loraplane"} <= copied
+    assert "pip wheel --no-deps --no-build-isolation -w /wheels ." in build_runs
+    assert [rest for word, rest in runtime if word == "COPY"] == ["--from=build /wheels /tmp/wheels"]
+    commands = [c.strip() for word, rest in runtime if word == "RUN" for c in rest.split("&&")]
+    assert [c for c in commands if COMPILER.search(c) and not c.startswith("! command -v")] == []
+    assert not any("apt-get" in c for c in commands)
+    words = [word for word, _ in runtime]
+    assert runtime[words.index("USER")][1] == "10001:10001"
+    smoke = runtime[words.index("RUN", words.index("USER"))][1]  # the first RUN as that user
+    for want in (
+        "! command -v g++",
+        "! command -v gcc",
+        "python -m worker.runtime.kernels",
+        "loraplane --help",
+    ):
+        assert want in smoke, (want, smoke)
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {"worker/runtime/kernels/_build", "build"} <= set(ignored)  # the host's libraries stay out
 
 
 def test_dockerfile_user_ports_and_entrypoint_match_the_manifests():

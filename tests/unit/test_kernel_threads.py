@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as T
 
 from loraplane.formats.gguf.reader import read_gguf
-from worker.runtime.kernels import build, pack_tensor, supported
+from worker.runtime.kernels import library, pack_tensor, supported
 
 PATHS = [p for p in ("avx2", "avx512") if supported(p)]
 K = 2048  # 33 rows x 2048 >= 2**16 elements: activation quantization goes parallel too
@@ -61,10 +61,10 @@ def weights(tmp_path_factory) -> dict:
 def threads():
     """Restore torch's thread count and the kernels' backend / spin budget after a test."""
     n = torch.get_num_threads()
-    saved = build.threads_config()
+    saved = library.threads_config()
     yield
     torch.set_num_threads(n)
-    build.set_threads(*saved)
+    library.set_threads(*saved)
 
 
 def _mm(ql, x, path, act, nthreads):
@@ -81,40 +81,44 @@ def test_backends_bit_identical(weights, threads, name, path, act):
     x[5] *= 100  # an outlier row: other rows' results must not depend on it
     ref = _mm(ql, x, path, act, 1)
     assert torch.isfinite(ref).all() and ref.abs().max() > 0
-    build.set_threads("pool", 50)
+    library.set_threads("pool", 50)
     for nt in (2, 3):
         assert torch.equal(_mm(ql, x, path, act, nt), ref), f"pool, {nt} threads"
-    assert getattr(build.load(path), f"lp_{path}_pool_size")() >= 3  # grew lazily to the largest request
-    build.set_threads("pool", 0)
+    assert getattr(library.load(path), f"lp_{path}_pool_size")() >= 3  # grew lazily to the largest request
+    library.set_threads("pool", 0)
     assert torch.equal(_mm(ql, x, path, act, 2), ref), "pool, spin 0"
-    build.set_threads("omp")
+    library.set_threads("omp")
     assert torch.equal(_mm(ql, x, path, act, 2), ref), "omp"
     # a row alone equals the same row in the batch
-    build.set_threads("pool", 50)
+    library.set_threads("pool", 50)
     assert torch.equal(_mm(ql, x[7:8], path, act, 2), ref[7:8])
 
 
 def test_threads_config_env(monkeypatch):
-    monkeypatch.setattr(build, "_threads", None)
+    monkeypatch.setattr(library, "_threads", None)
     monkeypatch.delenv("LORAPLANE_KERNEL_THREADS", raising=False)
     monkeypatch.delenv("LORAPLANE_KERNEL_SPIN_US", raising=False)
     monkeypatch.delenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", raising=False)
-    assert build.threads_config() == (build.DEFAULT_THREADS, build.DEFAULT_SPIN_US, build.DEFAULT_SPIN_BACKOFF_MS)
+    assert library.threads_config() == (
+        library.DEFAULT_THREADS,
+        library.DEFAULT_SPIN_US,
+        library.DEFAULT_SPIN_BACKOFF_MS,
+    )
     monkeypatch.setenv("LORAPLANE_KERNEL_THREADS", "omp")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_US", "0")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", "7")
-    assert build.threads_config() == ("omp", 0, 7)
+    assert library.threads_config() == ("omp", 0, 7)
     monkeypatch.setenv("LORAPLANE_KERNEL_THREADS", "tbb")
-    with pytest.raises(build.KernelBuildError, match="LORAPLANE_KERNEL_THREADS"):
-        build.threads_config()
+    with pytest.raises(library.KernelBuildError, match="LORAPLANE_KERNEL_THREADS"):
+        library.threads_config()
     monkeypatch.setenv("LORAPLANE_KERNEL_THREADS", "pool")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_US", "-5")
-    with pytest.raises(build.KernelBuildError, match="LORAPLANE_KERNEL_SPIN_US"):
-        build.threads_config()
+    with pytest.raises(library.KernelBuildError, match="LORAPLANE_KERNEL_SPIN_US"):
+        library.threads_config()
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_US", "20")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", "x")
-    with pytest.raises(build.KernelBuildError, match="LORAPLANE_KERNEL_SPIN_BACKOFF_MS"):
-        build.threads_config()
+    with pytest.raises(library.KernelBuildError, match="LORAPLANE_KERNEL_SPIN_BACKOFF_MS"):
+        library.threads_config()
 
 
 @pytest.mark.parametrize("spin_us", [0, 50])
@@ -135,7 +139,7 @@ def test_concurrent_callers(weights, threads, spin_us, two_libraries):
             act = "i16" if j < 2 else "i8"
             mine.append((ql, x, path, act, _mm(ql, x, path, act, 1)))
         jobs.append(mine)
-    build.set_threads("pool", spin_us)
+    library.set_threads("pool", spin_us)
     torch.set_num_threads(2)  # torch's count is process-wide: set once, before the threads start
     errors: list[str] = []
     done = [0, 0]
@@ -166,9 +170,9 @@ def test_pool_after_fork(weights, threads):
     ql = weights["q4k"]
     x = torch.randn(N_ROWS, K)
     ref = _mm(ql, x, path, "i16", 1)
-    build.set_threads("pool", 50)
+    library.set_threads("pool", 50)
     assert torch.equal(_mm(ql, x, path, "i16", 2), ref)
-    size = getattr(build.load(path), f"lp_{path}_pool_size")
+    size = getattr(library.load(path), f"lp_{path}_pool_size")
     assert size() >= 2  # the parent's pool has workers the child will not have
     pid = os.fork()
     if pid == 0:  # child: exit status 0 = equal result, pool rebuilt; no pytest machinery here
@@ -201,10 +205,10 @@ def test_process_exits_with_pool_alive(spin_us):
     exits normally: the threads are detached, nothing joins them at interpreter shutdown."""
     code = f"""
 import torch
-from worker.runtime.kernels import build
+from worker.runtime.kernels import library
 from worker.runtime.kernels.linear import _fns
 torch.set_num_threads(3)
-lib = build.load({PATHS[-1]!r})
+lib = library.load({PATHS[-1]!r})
 n, k = 64, 2048
 x = torch.randn(n, k)
 q = torch.empty((n, k), dtype=torch.int16)

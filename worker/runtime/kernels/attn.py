@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels import cpu, library
 from worker.runtime.kernels.linear import KernelError
 
 ATTN_PATHS = ("auto", "c", "torch")
@@ -144,7 +144,7 @@ def attn_decode(
     out = torch.empty((b, n_head, dv), dtype=torch.float32)
     fn = _FN.get(p)
     if fn is None:
-        fn = _FN[p] = getattr(build.load(p), f"lp_{p}_attn_decode")
+        fn = _FN[p] = getattr(library.load(p), f"lp_{p}_attn_decode")
     ks, vs = k_cache.stride(), v_cache.stride()
     rc = fn(
         qf.data_ptr(),

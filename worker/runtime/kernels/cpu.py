@@ -2,8 +2,8 @@
 
 Paths:
 
-- ``amx``: the ``avx512`` path with the int8-activation matmul on AMX tiles (``csrc/qmm_amx.cpp``,
-  ``tdpbsud``/``tdpbssd``) and the int16 one on tiles by a byte split (``csrc/qmm16_amx.cpp``),
+- ``amx``: the ``avx512`` path with the int8-activation matmul on AMX tiles (``csrc/qmm8_amx.h``,
+  ``tdpbsud``/``tdpbssd``) and the int16 one on tiles by a byte split (``csrc/qmm16_amx.h``),
   results bit-identical to the avx512 kernels. Needs the avx512 flags + ``amx_tile amx_int8``
   AND the Linux kernel's permission for the tile state, asked once per process with
   ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`` (Linux >= 5.16); if refused,
@@ -75,7 +75,7 @@ def _has_flags(path: str) -> bool:
 @lru_cache(maxsize=1)
 def amx_unavailable_reason() -> str | None:
     """None when the amx path can run here, else why not (missing flags, the kernel refused
-    the tile state, or the amx library failed to build).
+    the tile state, or the amx library was not built).
 
     The first call on an AMX CPU asks Linux for the tile data state for the whole process:
     ``arch_prctl(ARCH_REQ_XCOMP_PERM=0x1023, XFEATURE_XTILEDATA=18)`` (Linux >= 5.16), through
@@ -85,12 +85,13 @@ def amx_unavailable_reason() -> str | None:
     if not _has_flags("amx"):
         missing = [f for f in NEEDS["amx"] if f not in cpu_flags()]
         return f"CPU ({cpu_model()}) lacks {', '.join(missing) or 'x86-64'}"
-    from worker.runtime.kernels import build  # the library is only needed on AMX CPUs
+    from worker.runtime.kernels import library  # the library is only needed on AMX CPUs
+    from worker.runtime.kernels.build import KernelBuildError
 
     try:
-        lib = build.load("amx")
-    except build.KernelBuildError as exc:
-        return f"the amx library did not build: {str(exc).splitlines()[0]}"
+        lib = library.load("amx")
+    except KernelBuildError as exc:
+        return f"the amx library is unavailable: {str(exc).splitlines()[0]}"
     err = lib.lp_amx_request_tile_perm()
     if err:
         return (

@@ -29,7 +29,7 @@ from loraplane.formats.gguf.reader import dequantize as gguf_dequantize
 from worker.gpu.dequant import dequantize_tensor
 from worker.runtime.device import resolve_device
 from worker.runtime.errors import ModelError
-from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels import cpu, library
 from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
 from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
 
@@ -101,7 +101,7 @@ def _fns(path: str, act: str) -> tuple:
     """(quantize, qmm, qmm_f32) ctypes functions of ``path``'s library for ``act`` (loaded once)."""
     f = _FNS.get((path, act))
     if f is None:
-        lib = build.load(path)
+        lib = library.load(path)
         f = _FNS[(path, act)] = tuple(getattr(lib, f"lp_{path}_{n}") for n in _FN_NAMES[act])
     return f
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels import cpu, library
 
 PARALLEL_MIN_MACS = 1 << 20
 PARALLEL_MIN_SLOT_FLOATS = 1 << 17
@@ -126,7 +126,7 @@ def lora_bgmv(
     if fn is None:
         if p == "torch":
             raise cpu.KernelPathError("lora_bgmv is for the C kernel paths, not 'torch'")
-        fn = _FN[p] = getattr(build.load(p), f"lp_{p}_lora_bgmv")
+        fn = _FN[p] = getattr(library.load(p), f"lp_{p}_lora_bgmv")
     if not (x.dtype == y.dtype == a.dtype == bt.dtype == factor.dtype == torch.float32):
         raise ValueError("lora_bgmv takes f32 x, y, a, bt, factor")
     if x.device.type != "cpu" or y.device.type != "cpu":

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from worker.runtime.kernels import build, cpu
+from worker.runtime.kernels import cpu, library
 from worker.runtime.kernels.linear import KernelError
 
 MIN_PARALLEL = 1 << 18
@@ -48,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, path: 
     y = torch.empty((n, d), dtype=torch.float32)
     fn = _FN.get(p)
     if fn is None:
-        fn = _FN[p] = getattr(build.load(p), f"lp_{p}_rms_norm")
+        fn = _FN[p] = getattr(library.load(p), f"lp_{p}_rms_norm")
     fn(
         x2.data_ptr(),
         x2.stride(0) if n > 1 else d,

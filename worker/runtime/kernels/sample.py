@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.runtime.kernels import build
+from worker.runtime.kernels import library
 from worker.runtime.kernels.cpu import KernelPathError, resolve_path
 
 TOPK_MAX = 128  # csrc/sample.cpp LP_TOPK_MAX
@@ -82,7 +82,7 @@ def logits_summary(
     ls = torch.empty(n, dtype=torch.float32)
     ids = torch.empty((n, k), dtype=torch.int32)
     vals = torch.empty((n, k), dtype=torch.float32)
-    fn = getattr(build.load(path), f"lp_{path}_logits_summary")
+    fn = getattr(library.load(path), f"lp_{path}_logits_summary")
     ldx = x.stride(0) if m > 1 else v
     rc = fn(
         x.data_ptr(),

@@ -28,6 +28,7 @@
 
 #include "parallel.h"
 #include "qmm_common.h"
+#include "simd.h"
 
 namespace {
 
@@ -35,62 +36,17 @@ constexpr int TILE = 32;      // key positions per softmax update
 constexpr int MAX_HB = 4;     // query heads per task (kept in registers together)
 constexpr int MAX_D = 512;    // largest head dim (K or V) supported
 
-#if defined(LP_AVX512)
-constexpr int W = 16;
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset1(float x) { return _mm512_set1_ps(x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vloadf(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
-inline float vsum(vf x) {
-  // fixed tree: 16 -> 8 -> 4 -> 2 -> 1
-  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  b = _mm_add_ss(b, _mm_movehdup_ps(b));
-  return _mm_cvtss_f32(b);
-}
 // DT: 0 f32, 1 f16, 2 bf16
 template <int DT>
-inline vf vload(const void* base, int64_t i) {
+inline vf vload_kv(const void* base, int64_t i) {
   if constexpr (DT == 0) {
-    return _mm512_loadu_ps((const float*)base + i);
+    return vload((const float*)base + i);
   } else if constexpr (DT == 1) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i)));
+    return vload_f16((const uint16_t*)base + i);
   } else {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    return vload_bf16((const uint16_t*)base + i);
   }
 }
-#else
-constexpr int W = 8;
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset1(float x) { return _mm256_set1_ps(x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vloadf(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
-inline float vsum(vf x) {
-  __m128 b = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  b = _mm_add_ss(b, _mm_movehdup_ps(b));
-  return _mm_cvtss_f32(b);
-}
-template <int DT>
-inline vf vload(const void* base, int64_t i) {
-  if constexpr (DT == 0) {
-    return _mm256_loadu_ps((const float*)base + i);
-  } else if constexpr (DT == 1) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + i)));
-  } else {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + i)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  }
-}
-#endif
 
 // exp(x) for x <= 0, 0 below -60: a weight under e^-60 (~1e-26) of the row's largest (which is
 // 1, so S >= 1) is far below f32 rounding of any output, and flushing it keeps denormals
@@ -144,11 +100,11 @@ void attend(const Args& a, int b, int g, int h0) {
       vf d[NH];
       for (int r = 0; r < NH; ++r) d[r] = vzero();
       for (int c = 0; c < nck; ++c) {
-        const vf kv = vload<DT>(krow, ko + c * W);
-        for (int r = 0; r < NH; ++r) d[r] = vfma(vloadf(q[r] + c * W), kv, d[r]);
+        const vf kv = vload_kv<DT>(krow, ko + c * W);
+        for (int r = 0; r < NH; ++r) d[r] = vfma(vload(q[r] + c * W), kv, d[r]);
       }
       for (int r = 0; r < NH; ++r) {
-        float x = vsum(d[r]) * scale;
+        float x = hsum(d[r]) * scale;
         if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
         s[r][j] = x;
       }
@@ -171,9 +127,9 @@ void attend(const Args& a, int b, int g, int h0) {
     // acc = acc * alpha + sum_j w_j v_j, one vector of dv at a time, keys in order
     for (int c = 0; c < ncv; ++c) {
       vf o[NH];
-      for (int r = 0; r < NH; ++r) o[r] = vmul(vloadf(acc[r] + c * W), vset1(alpha[r]));
+      for (int r = 0; r < NH; ++r) o[r] = vmul(vload(acc[r] + c * W), vset1(alpha[r]));
       for (int j = 0; j < nt; ++j) {
-        const vf vv = vload<DT>(vrow, (t0 + j) * a.vs1 + c * W);
+        const vf vv = vload_kv<DT>(vrow, (t0 + j) * a.vs1 + c * W);
         for (int r = 0; r < NH; ++r) o[r] = vfma(vset1(s[r][j]), vv, o[r]);
       }
       for (int r = 0; r < NH; ++r) vstore(acc[r] + c * W, o[r]);
@@ -182,7 +138,7 @@ void attend(const Args& a, int b, int g, int h0) {
   for (int r = 0; r < NH; ++r) {
     const vf inv = vset1((float)(1.0 / S[r]));
     float* o = a.out + ((int64_t)b * a.H + h0 + r) * dv;
-    for (int c = 0; c < ncv; ++c) vstore(o + c * W, vmul(vloadf(acc[r] + c * W), inv));
+    for (int c = 0; c < ncv; ++c) vstore(o + c * W, vmul(vload(acc[r] + c * W), inv));
   }
 }
 

@@ -17,41 +17,10 @@
 
 #include "parallel.h"
 #include "qmm_common.h"
+#include "simd.h"
 
 namespace {
 
-#if defined(LP_AVX512)
-using vf = __m512;
-constexpr int VW = 16;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vset1(float f) { return _mm512_set1_ps(f); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline float hsum(vf v) {
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
-#else
-using vf = __m256;
-constexpr int VW = 8;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vset1(float f) { return _mm256_set1_ps(f); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline float hsum(vf v) {
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
-#endif
 
 // Dot products of NX activation rows with NR consecutive rank rows of one slot's A:
 // out[x * ldo + j] = dot(xs[x], a + j*k). NX*NR independent accumulator chains share every
@@ -64,7 +33,7 @@ inline void dots(const float* const* xs, const float* a, int k, float* out, int 
   for (int x = 0; x < NX; ++x)
     for (int j = 0; j < NR; ++j) acc[x][j] = vzero();
   int t = 0;
-  for (; t + VW <= k; t += VW) {
+  for (; t + W <= k; t += W) {
     vf av[NR];
     for (int j = 0; j < NR; ++j) av[j] = vload(a + (int64_t)j * k + t);
     for (int x = 0; x < NX; ++x) {
@@ -164,7 +133,7 @@ LP_EXPORT int LP_FN(lora_bgmv)(const float* x, int64_t ldx, int n, int k, const 
     for (int i = i0; i < i1; ++i) {
       float* yi = y + (int64_t)i * ldy;
       int c0 = 0;
-      for (; c0 + 4 * VW <= d; c0 += 4 * VW) {
+      for (; c0 + 4 * W <= d; c0 += 4 * W) {
         vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
         for (int p = row_ptr[i]; p < row_ptr[i + 1]; ++p) {
           const int s = pair_slot[p], r = rank[s];
@@ -174,12 +143,12 @@ LP_EXPORT int LP_FN(lora_bgmv)(const float* x, int64_t ldx, int n, int k, const 
           for (int j = 0; j < r; ++j) {
             const vf cv = vset1(c[j]);
             const float* bj = b + (int64_t)j * d;
-            for (int v = 0; v < 4; ++v) acc[v] = vfma(cv, vload(bj + v * VW), acc[v]);
+            for (int v = 0; v < 4; ++v) acc[v] = vfma(cv, vload(bj + v * W), acc[v]);
           }
         }
-        for (int v = 0; v < 4; ++v) vstore(yi + c0 + v * VW, vadd(vload(yi + c0 + v * VW), acc[v]));
+        for (int v = 0; v < 4; ++v) vstore(yi + c0 + v * W, vadd(vload(yi + c0 + v * W), acc[v]));
       }
-      for (; c0 + VW <= d; c0 += VW) {
+      for (; c0 + W <= d; c0 += W) {
         vf acc = vzero();
         for (int p = row_ptr[i]; p < row_ptr[i + 1]; ++p) {
           const int s = pair_slot[p], r = rank[s];

@@ -11,33 +11,20 @@
 
 #include "parallel.h"
 #include "qmm_common.h"
+#include "simd.h"
 
 namespace {
 
 double sum_squares(const float* x, int d) {
-#if defined(LP_AVX512)
-  __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+  vd acc0 = vdzero(), acc1 = vdzero();
   int j = 0;
-  for (; j + 16 <= d; j += 16) {
-    __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + j));
-    __m512d b = _mm512_cvtps_pd(_mm256_loadu_ps(x + j + 8));
-    acc0 = _mm512_fmadd_pd(a, a, acc0);
-    acc1 = _mm512_fmadd_pd(b, b, acc1);
+  for (; j + W <= d; j += W) {
+    const vd a = vdload(x + j), b = vdload(x + j + W / 2);
+    acc0 = vdfma(a, a, acc0);
+    acc1 = vdfma(b, b, acc1);
   }
-  double lanes[8];
-  _mm512_storeu_pd(lanes, _mm512_add_pd(acc0, acc1));
-#else
-  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-  int j = 0;
-  for (; j + 8 <= d; j += 8) {
-    __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(x + j));
-    __m256d b = _mm256_cvtps_pd(_mm_loadu_ps(x + j + 4));
-    acc0 = _mm256_fmadd_pd(a, a, acc0);
-    acc1 = _mm256_fmadd_pd(b, b, acc1);
-  }
-  double lanes[4];
-  _mm256_storeu_pd(lanes, _mm256_add_pd(acc0, acc1));
-#endif
+  double lanes[W / 2];
+  vdstore(lanes, vdadd(acc0, acc1));
   double s = 0.0;
   for (double l : lanes) s += l;
   for (; j < d; ++j) s += (double)x[j] * (double)x[j];

@@ -4,7 +4,7 @@
 // timing, and every index is computed by the same code whatever the thread count (rows and
 // output groups stay bit-identical with 1 or 2 threads, and when a call runs inline).
 //
-// Backends (build.py sets the choice per library from LORAPLANE_KERNEL_THREADS):
+// Backends (library.py sets the choice per library from LORAPLANE_KERNEL_THREADS):
 // - pool (default): our persistent thread pool, csrc/threadpool.cpp — workers spin for at most
 //   LORAPLANE_KERNEL_SPIN_US, then sleep on a futex. When the pool is already running another
 //   call (a second Python thread calling a kernel at the same time, or a nested call) the

@@ -1,14 +1,14 @@
 // Quantized matmul kernels for loraplane: y = x @ W.T with W in the "interleaved int8" form
-// built by worker/runtime/kernels/pack.py.  Plain C ABI (called through ctypes), no torch
+// built by worker/runtime/kernels/repack.py.  Plain C ABI (called through ctypes), no torch
 // headers, so the build takes seconds.
 //
-// This one file is compiled twice, once per instruction set, into two shared libraries:
-//   -DLP_AVX512 -mavx512f -mavx512bw -mavx512vl -mavx512vnni ...  -> liblp_avx512.so
-//   -mavx2 -mfma -mf16c                                            -> liblp_avx2.so
-// Python picks one at run time from the CPU's flags; the AVX2 library never contains an
-// AVX-512 instruction, so it runs on an AVX2-only CPU.  Everything except the exported
-// functions is in an anonymous namespace and the libraries are built -fvisibility=hidden, so
-// no inline function compiled for one ISA can be bound to a caller of the other.
+// Compiled into every ISA's library with that ISA's flags (worker/runtime/kernels/build.py):
+// the avx2 and avx512 libraries multiply with qmm8.h's vpmaddubsw / vpdpbusd tiles, the amx
+// library with AMX tiles (qmm8_amx.h) where a call has enough rows.  Python picks a library at
+// run time from the CPU's flags; the AVX2 library never contains an AVX-512 instruction, so it
+// runs on an AVX2-only CPU.  Everything except the exported functions is in an anonymous
+// namespace and the libraries are built -fvisibility=hidden, so no inline function compiled for
+// one ISA can be bound to a caller of the other.
 //
 // Weight form (torch order; symbols: d = output rows, k = input width, BS = block 16 or 32,
 // nb = k / BS, G = ceil(d / 16) groups of R = 16 rows):
@@ -27,22 +27,32 @@
 // activation scale per 32 (llama.cpp's q8_K uses one per 256) and 16 weight rows per vector
 // as in ggml-cpu/repack.cpp's interleaved layouts, so no horizontal sums are needed.
 //
-// The quantizer and the tiles live in qmm8.h (shared with qmm_amx.cpp); this file holds the
-// exports of the avx2 and avx512 libraries.
+// The quantizer and the tiles live in qmm8.h; this file holds the exports.
 #include "qmm8.h"
 
+#if defined(LP_AMX)
+#include <errno.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "qmm8_amx.h"
+
 namespace {
-// The name LP_DEFINE_QMM calls.
 template <int BS, int MODE, class... Args>
-inline void gemm(const Args&... args) {
-  gemm_vnni<BS, MODE>(args...);
+inline void gemm_tiles(const Args&... args) {
+  gemm_amx<Amx8, BS, MODE>(args...);
 }
 }  // namespace
 
-// Quantize x (n, k) f32 (row stride ldx) into the caller's buffers (see quantize_rows).
-LP_EXPORT void LP_FN(quantize_act)(const float* x, int64_t ldx, int n, int k, int8_t* aq,
-                                   float* ad, float* as16, float* as32, int nthreads) {
-  quantize_rows(x, ldx, n, k, aq, ad, as16, as32, nthreads);
+// Ask Linux for the AMX tile data state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
+// Linux >= 5.16; the state is then enabled for every thread of the process).  Returns 0 when
+// granted, else the errno (EINVAL: kernel too old or no AMX; EPERM/ENOSPC: refused).
+LP_EXPORT int LP_FN(request_tile_perm)(void) {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
 }
 
-LP_DEFINE_QMM(qmm, Act, int8_t, quantize_rows)
+LP_DEFINE_QMM(qmm, quantize_act, Act, int8_t, quantize_rows, gemm_tiles)
+#else
+LP_DEFINE_QMM(qmm, quantize_act, Act, int8_t, quantize_rows, gemm_vnni)
+#endif

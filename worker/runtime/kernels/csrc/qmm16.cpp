@@ -13,19 +13,22 @@
 // and lane 2r+1 = a2 w2 + a3 w3 for row r.  Accumulators stay in this pair layout (scales are
 // duplicated to match, the bias split in halves) and the two lanes are added once at the end.
 // Integer bounds: |w| <= 128, |a| <= 32767, 16 products per lane per block: < 2^27.
+//
+// Compiled into every ISA's library like qmm.cpp; the amx library multiplies on AMX tiles by a
+// byte split (qmm16_amx.h) where a call has enough rows.
 #include "qmm16.h"
 
+#if defined(LP_AMX)
+#include "qmm16_amx.h"
+
 namespace {
-// The name LP_DEFINE_QMM calls.
 template <int BS, int MODE, class... Args>
-inline void gemm(const Args&... args) {
-  gemm_vnni16<BS, MODE>(args...);
+inline void gemm_tiles(const Args&... args) {
+  gemm_amx<Amx16, BS, MODE>(args...);
 }
 }  // namespace
 
-LP_EXPORT void LP_FN(quantize_act16)(const float* x, int64_t ldx, int n, int k, int16_t* aq,
-                                     float* ad, float* as16, float* as32, int nthreads) {
-  quantize_rows16(x, ldx, n, k, aq, ad, as16, as32, nthreads);
-}
-
-LP_DEFINE_QMM(qmm16, Act16, int16_t, quantize_rows16)
+LP_DEFINE_QMM(qmm16, quantize_act16, Act16, int16_t, quantize_rows16, gemm_tiles)
+#else
+LP_DEFINE_QMM(qmm16, quantize_act16, Act16, int16_t, quantize_rows16, gemm_vnni16)
+#endif

@@ -1,5 +1,5 @@
 // The int16-activation kernel shared by qmm16.cpp (the avx2 / avx512 libraries) and
-// qmm16_amx.cpp (the amx library, which runs it for the rows AMX tiles do not pay off on):
+// qmm16_amx.h (the amx library, which runs it for the rows AMX tiles do not pay off on):
 // the quantizer quantize_rows16, the Act16 struct and the vpdpwssd / vpmaddwd tiles with their
 // gemm_vnni16 driver.  Why int16 and the pair layout: see the comment at the top of qmm16.cpp.
 #pragma once
@@ -14,49 +14,16 @@
 
 namespace {
 
-constexpr int R = 16;
+using lp::R;
 using lp::XCHUNK;
 
-// x f32 (n, k) stride ldx -> aq int16 (n, k); ad (n, k/32) = amax/32767; as16 (n, k/16) and
-// as32 (n, k/32) = d * sum(q) per 16 / 32.  Rounding: nearest-even (_mm256_round_ps).
-void quantize_rows16(const float* x, int64_t ldx, int n, int k, int16_t* aq, float* ad,
-                     float* as16, float* as32, int nthreads) {
-  const int nb = k / 32;
-  const __m256 signbit = _mm256_set1_ps(-0.0f);
-  const int nt = nthreads > 1 && (int64_t)n * k >= (1 << 16) ? nthreads : 1;
-  lp::parallel_for(n, nt, [&](int i) {
-    const float* xr = x + (int64_t)i * ldx;
-    for (int b = 0; b < nb; ++b) {
-      const float* p = xr + b * 32;
-      __m256 v[4];
-      for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(p + 8 * j);
-      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signbit, v[0]), _mm256_andnot_ps(signbit, v[1])),
-                               _mm256_max_ps(_mm256_andnot_ps(signbit, v[2]), _mm256_andnot_ps(signbit, v[3])));
-      __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float amax = _mm_cvtss_f32(m4);
-      const float d = amax / 32767.f;
-      const __m256 vid = _mm256_set1_ps(amax != 0.0f ? 32767.f / amax : 0.0f);
-      __m256i q[4];
-      for (int j = 0; j < 4; ++j)
-        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]);
-      __m128i h01 = _mm_add_epi32(_mm256_castsi256_si128(s01), _mm256_extracti128_si256(s01, 1));
-      __m128i h23 = _mm_add_epi32(_mm256_castsi256_si128(s23), _mm256_extracti128_si256(s23, 1));
-      h01 = _mm_hadd_epi32(h01, h23);
-      h01 = _mm_hadd_epi32(h01, h01);
-      const int sum_lo = _mm_cvtsi128_si32(h01), sum_hi = _mm_extract_epi32(h01, 1);
-      // packs_epi32 interleaves 128-bit lanes; permute 64-bit quarters back into order
-      __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
-      __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
-      _mm256_storeu_si256((__m256i*)(aq + (int64_t)i * k + b * 32), p01);
-      _mm256_storeu_si256((__m256i*)(aq + (int64_t)i * k + b * 32 + 16), p23);
-      ad[(int64_t)i * nb + b] = d;
-      as16[(int64_t)i * 2 * nb + 2 * b] = d * (float)sum_lo;
-      as16[(int64_t)i * 2 * nb + 2 * b + 1] = d * (float)sum_hi;
-      as32[(int64_t)i * nb + b] = d * (float)(sum_lo + sum_hi);
-    }
+// int16 a_q in -32767..32767, d = amax / 32767 (lp::quantize_rows_by32 says what each output holds).
+void quantize_rows16(const float* x, int64_t ldx, int n, int k, int16_t* aq, float* ad, float* as16, float* as32,
+                     int nthreads) {
+  lp::quantize_rows_by32<32767>(x, ldx, n, k, aq, ad, as16, as32, nthreads, [](const __m256i* q, int16_t* dst) {
+    // packs_epi32 interleaves 128-bit lanes; permute 64-bit quarters back into order
+    _mm256_storeu_si256((__m256i*)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+    _mm256_storeu_si256((__m256i*)(dst + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
   });
 }
 
@@ -198,21 +165,12 @@ constexpr int NXMAX = 3;
 
 template <int BS, int MODE>
 void gemm_vnni16(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, const Act16& a,
-          int n, float* y, int nthreads) {
+                 int n, float* y, int nthreads) {
   const int nb = k / BS;
-  const int G = (d + R - 1) / R;
-  const int64_t wstride = (int64_t)nb * BS * R;
-  const int64_t sstride = (int64_t)nb * R;
-  const int nt = nthreads > 1 && G > 1 ? nthreads : 1;
-  lp::parallel_for(G, nt, [&](int g) {
-    const uint8_t* W = qw + g * wstride;
-    const float* S = sc + g * sstride;
-    const float* C = bias ? bias + g * sstride : nullptr;
-    const int nvalid = d - g * R < R ? d - g * R : R;
-    float* yg = y + (int64_t)g * R;
-    int i0 = 0;
-    for (; i0 + NXMAX <= n; i0 += NXMAX) tile<NXMAX, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
-    for (; i0 < n; ++i0) tile<1, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
+  lp::for_each_group(qw, sc, bias, d, k, BS, y, nthreads, [&](auto W, auto S, auto C, int nvalid, float* yg) {
+    lp::tile_rows<NXMAX, 1>(n, [&](auto nx, int i0) {
+      tile<decltype(nx)::value, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
+    });
   });
 }
 

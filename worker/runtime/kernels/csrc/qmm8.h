@@ -1,5 +1,5 @@
-// The int8-activation kernel shared by qmm.cpp (the avx2 / avx512 libraries) and qmm_amx.cpp
-// (the amx library, which runs it for the rows AMX tiles do not pay off on): the activation
+// The int8-activation kernel of qmm.cpp in every library (the amx library runs it for the rows
+// AMX tiles do not pay off on, qmm8_amx.h): the activation
 // quantizer (llama.cpp's quantize_row_q8_0 per row and per 32), the Act struct and the
 // vpdpbusd / vpmaddubsw tiles with their gemm_vnni driver.  Weight form and the rule: see the
 // comment at the top of qmm.cpp.  Everything is in an anonymous namespace (one copy per
@@ -16,53 +16,17 @@
 
 namespace {
 
-constexpr int R = 16;        // weight rows per interleaved group
+using lp::R;
 using lp::XCHUNK;
 
 // ---- activation quantization (per row, per 32; ggml-quants.c quantize_row_q8_0) ----------
-// x: f32 (n, k) row stride ldx.  aq: int8 (n, k).  ad: f32 (n, k/32) = d_a.
-// as16: f32 (n, k/16) = d_a * sum of a_q over each 16.  as32: f32 (n, k/32), same per 32.
-void quantize_rows(const float* x, int64_t ldx, int n, int k, int8_t* aq, float* ad,
-                   float* as16, float* as32, int nthreads) {
-  const int nb = k / 32;
-  const __m256 signbit = _mm256_set1_ps(-0.0f);
+// int8 a_q in -127..127 (lp::quantize_rows_by32 says what each output holds).
+void quantize_rows(const float* x, int64_t ldx, int n, int k, int8_t* aq, float* ad, float* as16, float* as32,
+                   int nthreads) {
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const int nt = nthreads > 1 && (int64_t)n * k >= (1 << 16) ? nthreads : 1;
-  lp::parallel_for(n, nt, [&](int i) {
-    const float* xr = x + (int64_t)i * ldx;
-    for (int b = 0; b < nb; ++b) {
-      const float* p = xr + b * 32;
-      __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
-      __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
-      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signbit, v0), _mm256_andnot_ps(signbit, v1)),
-                               _mm256_max_ps(_mm256_andnot_ps(signbit, v2), _mm256_andnot_ps(signbit, v3)));
-      __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float amax = _mm_cvtss_f32(m4);
-      const float d = amax / 127.f;
-      const float id = amax != 0.0f ? 127.f / amax : 0.0f;
-      const __m256 vid = _mm256_set1_ps(id);
-      const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-      __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, vid), rnd));
-      __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, vid), rnd));
-      __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, vid), rnd));
-      __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, vid), rnd));
-      // block sums of the quantized values (exact integers)
-      __m256i s01 = _mm256_add_epi32(i0, i1), s23 = _mm256_add_epi32(i2, i3);
-      __m128i h01 = _mm_add_epi32(_mm256_castsi256_si128(s01), _mm256_extracti128_si256(s01, 1));
-      __m128i h23 = _mm_add_epi32(_mm256_castsi256_si128(s23), _mm256_extracti128_si256(s23, 1));
-      h01 = _mm_hadd_epi32(h01, h23);  // [a0+a1, a2+a3, b0+b1, b2+b3]
-      h01 = _mm_hadd_epi32(h01, h01);  // [sum01, sum23, ...]
-      const int sum_lo = _mm_cvtsi128_si32(h01), sum_hi = _mm_extract_epi32(h01, 1);
-      __m256i q01 = _mm256_packs_epi32(i0, i1), q23 = _mm256_packs_epi32(i2, i3);
-      __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q01, q23), perm);
-      _mm256_storeu_si256((__m256i*)(aq + (int64_t)i * k + b * 32), q);
-      ad[(int64_t)i * nb + b] = d;
-      as16[(int64_t)i * 2 * nb + 2 * b] = d * (float)sum_lo;
-      as16[(int64_t)i * 2 * nb + 2 * b + 1] = d * (float)sum_hi;
-      as32[(int64_t)i * nb + b] = d * (float)(sum_lo + sum_hi);
-    }
+  lp::quantize_rows_by32<127>(x, ldx, n, k, aq, ad, as16, as32, nthreads, [&](const __m256i* q, int8_t* dst) {
+    const __m256i q01 = _mm256_packs_epi32(q[0], q[1]), q23 = _mm256_packs_epi32(q[2], q[3]);
+    _mm256_storeu_si256((__m256i*)dst, _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q01, q23), perm));
   });
 }
 
@@ -200,28 +164,11 @@ template <int BS, int MODE>
 void gemm_vnni(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, const Act& a,
                int n, float* y, int nthreads) {
   const int nb = k / BS;
-  const int G = (d + R - 1) / R;
-  const int64_t wstride = (int64_t)nb * BS * R;  // bytes per group
-  const int64_t sstride = (int64_t)nb * R;       // scales per group
-  const int nt = nthreads > 1 && G > 1 ? nthreads : 1;
-  lp::parallel_for(G, nt, [&](int g) {
-    const uint8_t* W = qw + g * wstride;
-    const float* S = sc + g * sstride;
-    const float* C = bias ? bias + g * sstride : nullptr;
-    const int nvalid = d - g * R < R ? d - g * R : R;
-    float* yg = y + (int64_t)g * R;
-    int i0 = 0;
-    for (; i0 + NXMAX <= n; i0 += NXMAX) tile<NXMAX, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
-    if (NXMAX > 4 && n - i0 >= 4) {
-      tile<4, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
-      i0 += 4;
-    }
-    switch (n - i0) {
-      case 3: tile<3, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid); break;
-      case 2: tile<2, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid); break;
-      case 1: tile<1, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid); break;
-      default: break;
-    }
+  lp::for_each_group(qw, sc, bias, d, k, BS, y, nthreads, [&](auto W, auto S, auto C, int nvalid, float* yg) {
+    // NXMAX rows at a time, then a tile of 4 (the avx512 kernel), then 3, 2 or 1 for the rest
+    lp::tile_rows<NXMAX, 4, 3, 2, 1>(n, [&](auto nx, int i0) {
+      tile<decltype(nx)::value, BS, MODE>(W, S, C, off, nb, a, i0, yg, d, nvalid);
+    });
   });
 }
 

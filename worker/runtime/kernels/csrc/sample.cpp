@@ -29,9 +29,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "api.h"
 #include "parallel.h"
-
-#include "export.h"
+#include "simd.h"
 
 namespace {
 
@@ -46,90 +46,21 @@ constexpr float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e
                 P4 = 1.6666665459e-1f, P5 = 5.0000001201e-1f;
 constexpr float EXP_LO = -87.0f;   // below: exp is 0 (e^-87 < 1.7e-38; 2^n stays a normal float)
 
-#if defined(LP_AVX512)
-constexpr int W = 16;
-typedef __m512 vf;
-static inline vf vset(float a) { return _mm512_set1_ps(a); }
-static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a*b
-static inline unsigned vgt(vf a, vf b) { return (unsigned)_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
-static inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
 // e^x for x <= 0 (x < EXP_LO, -inf included, gives 0).
-static inline vf vexp(vf x) {
-  const __mmask16 ok = _mm512_cmp_ps_mask(x, vset(EXP_LO), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, vset(EXP_LO));
-  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf r = vfnma(n, vset(LN2_HI), x);
-  r = vfnma(n, vset(LN2_LO), r);
-  vf p = vfma(vset(P0), r, vset(P1));
-  p = vfma(p, r, vset(P2));
-  p = vfma(p, r, vset(P3));
-  p = vfma(p, r, vset(P4));
-  p = vfma(p, r, vset(P5));
-  p = vfma(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, vset(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(ok, p, _mm512_castsi512_ps(e));
+inline vf vexp(vf x) {
+  const vf x0 = x;
+  x = vmax(x, vset1(EXP_LO));
+  const vf n = vround(vmul(x, vset1(LOG2E)));
+  vf r = vfnma(n, vset1(LN2_HI), x);
+  r = vfnma(n, vset1(LN2_LO), r);
+  vf p = vfma(vset1(P0), r, vset1(P1));
+  p = vfma(p, r, vset1(P2));
+  p = vfma(p, r, vset1(P3));
+  p = vfma(p, r, vset1(P4));
+  p = vfma(p, r, vset1(P5));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vkeep_ge(x0, EXP_LO, vmul(p, vpow2(n)));
 }
-static inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
-typedef __m512d vd;  // the 16 lanes as two f64 halves
-static inline vd vdzero() { return _mm512_setzero_pd(); }
-static inline void vdacc(vd& lo, vd& hi, vf a) {
-  lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
-  hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
-}
-static inline void vdstore(double* p, vd lo, vd hi) {
-  _mm512_storeu_pd(p, lo);
-  _mm512_storeu_pd(p + 8, hi);
-}
-#else
-constexpr int W = 8;
-typedef __m256 vf;
-static inline vf vset(float a) { return _mm256_set1_ps(a); }
-static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
-static inline unsigned vgt(vf a, vf b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
-static inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
-static inline vf vexp(vf x) {
-  const vf ok = _mm256_cmp_ps(x, vset(EXP_LO), _CMP_GE_OQ);
-  x = _mm256_max_ps(x, vset(EXP_LO));
-  const vf n = _mm256_round_ps(_mm256_mul_ps(x, vset(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf r = vfnma(n, vset(LN2_HI), x);
-  r = vfnma(n, vset(LN2_LO), r);
-  vf p = vfma(vset(P0), r, vset(P1));
-  p = vfma(p, r, vset(P2));
-  p = vfma(p, r, vset(P3));
-  p = vfma(p, r, vset(P4));
-  p = vfma(p, r, vset(P5));
-  p = vfma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, vset(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-static inline float vhmax(vf a) {
-  float t[W];
-  vstore(t, a);
-  float m = t[0];
-  for (int i = 1; i < W; ++i) m = t[i] > m ? t[i] : m;
-  return m;
-}
-typedef __m256d vd;  // the 8 lanes as two f64 halves
-static inline vd vdzero() { return _mm256_setzero_pd(); }
-static inline void vdacc(vd& lo, vd& hi, vf a) {
-  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
-  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));
-}
-static inline void vdstore(double* p, vd lo, vd hi) {
-  _mm256_storeu_pd(p, lo);
-  _mm256_storeu_pd(p + 4, hi);
-}
-#endif
 
 // Sorted (descending value, ascending id among equals) list of at most k entries.
 struct Top {
@@ -156,8 +87,8 @@ void chunk_pass(const float* x, int len, int32_t base, int k, float* m_out, doub
                 int32_t* ti) {
   Top top{tv, ti, 0, k};
   const float NEG_INF = -INFINITY;
-  vf vm = vset(NEG_INF);
-  vf thr = vset(NEG_INF);
+  vf vm = vset1(NEG_INF);
+  vf thr = vset1(NEG_INF);
   const int nv = len / W * W;
   // pass 1: max and top-k (a vector compare against the k-th value; rare scalar inserts)
   for (int i = 0; i < nv; i += W) {
@@ -170,10 +101,10 @@ void chunk_pass(const float* x, int len, int32_t base, int k, float* m_out, doub
         mask &= mask - 1;
         top.push(x[i + j], base + i + j);
       }
-      thr = vset(top.cnt == k ? top.val[k - 1] : NEG_INF);
+      thr = vset1(top.cnt == k ? top.val[k - 1] : NEG_INF);
     }
   }
-  float m = vhmax(vm);
+  float m = hmax(vm);
   for (int i = nv; i < len; ++i) {
     m = x[i] > m ? x[i] : m;
     top.push(x[i], base + i);
@@ -183,11 +114,11 @@ void chunk_pass(const float* x, int len, int32_t base, int k, float* m_out, doub
   // otherwise drift by ~1e-5 relative from f32 rounding that always goes the same way.
   double s = 0.0;
   if (m != NEG_INF) {
-    const vf vmx = vset(m);
+    const vf vmx = vset1(m);
     vd d0 = vdzero(), d1 = vdzero();
     int i = 0;
     while (i < nv) {
-      vf s0 = vset(0.f), s1 = vset(0.f);
+      vf s0 = vset1(0.f), s1 = vset1(0.f);
       const int end = nv - i < 16 * W ? nv : i + 16 * W;
       for (; i + 2 * W <= end; i += 2 * W) {
         s0 = vadd(s0, vexp(vsub(vload(x + i), vmx)));
@@ -205,7 +136,8 @@ void chunk_pass(const float* x, int len, int32_t base, int k, float* m_out, doub
       vdacc(d0, d1, vexp(vsub(vload(t), vmx)));
     }
     double u[W];
-    vdstore(u, d0, d1);
+    vdstore(u, d0);
+    vdstore(u + W / 2, d1);
     // fixed pairwise order over the lanes
     for (int w = W / 2; w >= 1; w /= 2)
       for (int j = 0; j < w; ++j) u[j] += u[j + w];

@@ -228,7 +228,7 @@ bool pool_run(int nthreads, task_fn fn, void* ctx) {
 
 }  // namespace lp
 
-// Threading backend and spin budget for this library's kernels (build.py sets them from
+// Threading backend and spin budget for this library's kernels (library.py sets them from
 // LORAPLANE_KERNEL_THREADS / LORAPLANE_KERNEL_SPIN_US /
 // LORAPLANE_KERNEL_SPIN_BACKOFF_MS when it loads the library).
 // backend: 0 = our pool, 1 = OpenMP (torch's libgomp); spin_us, backoff_ms < 0 keep the current

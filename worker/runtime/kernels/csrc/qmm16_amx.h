@@ -1,5 +1,6 @@
-// int16-activation matmul on AMX tiles (AMX-TILE + AMX-INT8), built only into the `amx`
-// library.  Same inputs and outputs as qmm16.cpp's avx512 kernel (quantize_rows16: int16 per
+// int16-activation matmul on AMX tiles (AMX-TILE + AMX-INT8): the Amx16 tiles for gemm_amx
+// (qmm_amx.h), included by qmm16.cpp in the `amx` library.  Same inputs and outputs as the avx512
+// int16 kernel (qmm16.h) (quantize_rows16: int16 per
 // row and per 32) and the same f32 results bit for bit.
 //
 // AMX has no int16 product, so each activation q (|q| <= 32767) is split into bytes:
@@ -20,12 +21,14 @@
 // the rows below amx16_min_rows run that kernel (gemm_vnni16) without a row's result depending
 // on the batch.
 //
-// Weights: the packed block is already the VNNI "B" layout (see qmm_amx.cpp).  Tiles:
+// Weights: the packed block is already the VNNI "B" layout (see qmm8_amx.h).  Tiles:
 //   tmm0..3 C (16 x 16 int32: hiE, hiO, loE, loO), tmm4/5/7 A (16 rows x BS bytes), tmm6 B
 //   (BS/4 x 64 bytes).  One block in flight: the tile unit works on block b while block b-1's
-//   four stored C tiles are scaled.  Tile state per thread and call, as qmm_amx.cpp.
-#define LP_QMM_CHUNK 256  // rows per call of gemm below (each weight group reused by 16 tiles)
+//   four stored C tiles are scaled.
+#pragma once
+
 #include "qmm16.h"
+#include "qmm_amx.h"
 
 namespace {
 
@@ -37,35 +40,6 @@ namespace {
 // bits either way: a speed choice only.  (Tested bit-identical on tiles for bs 16 as well.)
 constexpr bool amx16_pays(int bs) { return bs == 32; }
 constexpr int amx16_min_rows(int bs) { return bs == 32 ? 15 : 16; }
-
-struct alignas(64) TileConfig {  // the 64-byte ldtilecfg operand, palette 1
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-template <int BS>
-inline void load_tile_config16() {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  const int a_tiles[] = {4, 5, 7};
-  for (int t : a_tiles) cfg.rows[t] = 16, cfg.colsb[t] = BS;
-  cfg.rows[6] = BS / 4, cfg.colsb[6] = 64;
-  asm volatile("" ::: "memory");  // _tile_loadconfig's asm names only 8 bytes of cfg as input
-  _tile_loadconfig(&cfg);
-}
-
-// Store C tile `ct` (16 x 64 bytes) naming only the 1 KiB written (GCC's _tile_stored clobbers
-// all memory and would spill the accumulators around every store).
-using CTile = int32_t[256];
-#define LP_TILE_STORED(ct, cb)                      \
-  asm volatile("tilestored %%tmm" #ct ", (%1,%2,1)" \
-               : "=m"(*(CTile*)(cb))                \
-               : "r"((void*)(cb)), "r"(64L))
 
 // Block product: the four planes at ab (hiE, hiO, loE, loO, each 16 x BS bytes, contiguous)
 // against the weight block wb.
@@ -151,90 +125,54 @@ void rows16x16(const uint8_t* W, const float* S, const float* C, float off, int 
     if (t < mrows) _mm512_mask_storeu_ps(y + t * ldy, m, _mm512_add_ps(accE[t], accO[t]));
 }
 #undef LP_AMX16_BLOCK
-#undef LP_TILE_STORED
 
-template <int BS, int MODE>
-void gemm(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, const Act16& a, int n,
-          float* y, int nthreads) {
-  const int nb = k / BS, nb32 = k / 32, nb16 = k / 16;
-  const int G = (d + R - 1) / R;
-  const int64_t wstride = (int64_t)nb * BS * R;
-  const int64_t sstride = (int64_t)nb * R;
-  if (!amx16_pays(BS)) {
-    gemm_vnni16<BS, MODE>(qw, sc, bias, off, d, k, a, n, y, nthreads);
-    return;
+// The int16 tiles for gemm_amx (the interface: qmm_amx.h).  tmm0..3: C (hiE, hiO, loE, loO);
+// tmm4, 5, 7: A (16 rows x BS bytes); tmm6: B (BS/4 x 64 bytes).
+struct Amx16 {
+  using Act = Act16;
+  static constexpr bool pays(int bs) { return amx16_pays(bs); }
+  static constexpr int min_rows(int bs) { return amx16_min_rows(bs); }
+  static constexpr float kSumScale = 0.5f;  // each of a row's two lanes takes half of c * d * sum(q)
+  static constexpr int kCbuf = 2 * 1024;     // two blocks' four stored C tiles
+  template <int BS, int MODE, class... Args>
+  static void vnni(const Args&... args) {
+    gemm_vnni16<BS, MODE>(args...);
   }
-  const int nfull = n / 16, rest = n - nfull * 16;
-  const int mtail = rest >= amx16_min_rows(BS) ? rest : 0;
-  const int ntiles = nfull + (mtail ? 1 : 0), mtiles = nfull * 16 + mtail;
-  if (mtiles < n) {  // the rows after the tiles: vpdpwssd
-    const int64_t r0 = (int64_t)nfull * 16;
-    const Act16 at{a.q + r0 * k, a.d + r0 * nb32, a.s16 + r0 * nb16, a.s32 + r0 * nb32, k};
-    gemm_vnni16<BS, MODE>(qw, sc, bias, off, d, k, at, n - mtiles, y + r0 * d, nthreads);
-  }
-  if (ntiles == 0) return;
-  const size_t nfl = (size_t)ntiles * 16 * (nb32 + nb);
-  const size_t pbytes = (size_t)ntiles * 64 * k;  // 4 planes x 16 rows x k per tile
-  char* buf = (char*)aligned_alloc(64, ((nfl * sizeof(float) + pbytes) + 63) & ~(size_t)63);
-  if (!buf) {  // out of memory for the scratch: the vpdpwssd kernel gives the same result
-    gemm_vnni16<BS, MODE>(qw, sc, bias, off, d, k, a, mtiles, y, nthreads);
-    return;
-  }
-  memset(buf, 0, nfl * sizeof(float) + pbytes);
-  int8_t* planes = (int8_t*)buf;
-  float* dT = (float*)(buf + pbytes);
-  float* hT = dT + (size_t)ntiles * 16 * nb32;
-  const float* sa = BS == 32 ? a.s32 : a.s16;
-  const __mmask16 even = 0x3333;  // i16 lanes j with j % 4 in {0, 1}
-  const __m256i lomask = _mm256_set1_epi16(0xFF);
-  for (int i = 0; i < mtiles; ++i) {
-    const int tile = i / 16, t = i % 16;
-    for (int j = 0; j < nb32; ++j) dT[((size_t)tile * nb32 + j) * 16 + t] = a.d[(int64_t)i * nb32 + j];
-    for (int j = 0; j < nb; ++j)
-      hT[((size_t)tile * nb + j) * 16 + t] = 0.5f * sa[(int64_t)i * (BS == 32 ? nb32 : nb16) + j];
-    const int16_t* qr = a.q + (int64_t)i * k;
-    for (int b = 0; b < nb; ++b) {
-      int8_t* pb = planes + ((size_t)tile * nb + b) * 64 * BS + t * BS;
-      for (int j = 0; j < BS; j += 16) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(qr + b * BS + j));
-        const __m256i hi = _mm256_srai_epi16(v, 8), lo = _mm256_and_si256(v, lomask);
-        _mm_storeu_si128((__m128i*)(pb + j), _mm256_cvtepi16_epi8(_mm256_maskz_mov_epi16(even, hi)));
-        _mm_storeu_si128((__m128i*)(pb + 16 * BS + j), _mm256_cvtepi16_epi8(_mm256_maskz_mov_epi16(~even, hi)));
-        _mm_storeu_si128((__m128i*)(pb + 32 * BS + j), _mm256_cvtepi16_epi8(_mm256_maskz_mov_epi16(even, lo)));
-        _mm_storeu_si128((__m128i*)(pb + 48 * BS + j), _mm256_cvtepi16_epi8(_mm256_maskz_mov_epi16(~even, lo)));
-      }
-    }
-  }
-  asm volatile("" ::: "memory");  // the scratch is written before any tile load reads it
-  const int nt = nthreads > 1 && G > 1 ? (nthreads < G ? nthreads : G) : 1;
-  lp::parallel_for(nt, nt, [&](int th) {
-    alignas(64) int32_t cbuf[2 * 1024];  // two blocks' four stored C tiles
-    load_tile_config16<BS>();
-    const int g0 = (int)((int64_t)G * th / nt), g1 = (int)((int64_t)G * (th + 1) / nt);
-    const int gspan = wstride >= (512 << 10) ? 1 : (int)((512 << 10) / wstride);  // see qmm_amx.cpp
-    for (int gs = g0; gs < g1; gs += gspan) {
-      const int ge = gs + gspan < g1 ? gs + gspan : g1;
-      for (int it = 0; it < ntiles; ++it) {
-        const bool full = it < nfull;
-        for (int g = gs; g < ge; ++g) {
-          const float* C = bias ? bias + g * sstride : nullptr;
-          const int nvalid = d - g * R < R ? d - g * R : R;
-          rows16x16<BS, MODE>(qw + g * wstride, sc + g * sstride, C, off, nb, planes + (size_t)it * nb * 64 * BS,
-                              dT + (size_t)it * 16 * nb32, hT + (size_t)it * 16 * nb, full ? 16 : mtail,
-                              y + (int64_t)it * 16 * d + (int64_t)g * R, d, nvalid, cbuf);
+  // Every tile's activations split into the four byte planes: nb blocks x 4 x 16 rows x BS bytes.
+  static size_t input_bytes(int ntiles, int, int k) { return (size_t)ntiles * 64 * k; }
+  template <int BS>
+  static void stage(int8_t* planes, const Act16& a, int nfull, int mtail, int nb) {
+    const __mmask16 even = 0x3333;  // i16 lanes j with j % 4 in {0, 1}
+    const __m256i lomask = _mm256_set1_epi16(0xFF);
+    for (int i = 0; i < nfull * 16 + mtail; ++i) {
+      const int tile = i / 16, t = i % 16;
+      const int16_t* qr = a.q + (int64_t)i * a.k;
+      for (int b = 0; b < nb; ++b) {
+        int8_t* pb = planes + ((size_t)tile * nb + b) * 64 * BS + t * BS;
+        for (int j = 0; j < BS; j += 16) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(qr + b * BS + j));
+          const __m256i hi = _mm256_srai_epi16(v, 8), lo = _mm256_and_si256(v, lomask);
+          _mm_storeu_si128((__m128i*)(pb + j), _mm256_cvtepi16_epi8(_mm256_maskz_mov_epi16(even, hi)));
+          _mm_storeu_si128((__m128i*)(pb + 16 * BS + j), _mm256_cvtepi16_epi8(_mm256_maskz_mov_epi16(~even, hi)));
+          _mm_storeu_si128((__m128i*)(pb + 32 * BS + j), _mm256_cvtepi16_epi8(_mm256_maskz_mov_epi16(even, lo)));
+          _mm_storeu_si128((__m128i*)(pb + 48 * BS + j), _mm256_cvtepi16_epi8(_mm256_maskz_mov_epi16(~even, lo)));
         }
       }
     }
-    _tile_release();
-  });
-  free(buf);
-}
+  }
+  template <int BS>
+  static const int8_t* input(const int8_t* planes, const Act16&, int it, int, int nb) {
+    return planes + (size_t)it * nb * 64 * BS;
+  }
+  template <int BS, int MODE>
+  static void configure() {
+    load_tile_config(0x0F, 0xB0, 0x40, BS);  // C: tmm0..3; A: tmm4, 5, 7; B: tmm6
+  }
+  template <int BS, int MODE>
+  static void rows(const uint8_t* W, const float* S, const float* C, float off, int nb, const int8_t* planes, long,
+                   const float* dT, const float* hT, int mrows, float* y, int64_t ldy, int nvalid, int32_t* cbuf) {
+    rows16x16<BS, MODE>(W, S, C, off, nb, planes, dT, hT, mrows, y, ldy, nvalid, cbuf);
+  }
+};
 
 }  // namespace
-
-LP_EXPORT void LP_FN(quantize_act16)(const float* x, int64_t ldx, int n, int k, int16_t* aq, float* ad,
-                                     float* as16, float* as32, int nthreads) {
-  quantize_rows16(x, ldx, n, k, aq, ad, as16, as32, nthreads);
-}
-
-LP_DEFINE_QMM(qmm16, Act16, int16_t, quantize_rows16)
