@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from bench.machine import machine_info, machine_line
+from loraplane.adapter_scales import NO_ADAPTERS
 
 SCHEMA = {
     "type": "object",
@@ -275,7 +276,7 @@ def _serve(engine: Any, streams: int, max_tokens: int, constrained: int, seed: i
             prompt_tokens=prompt + [i + 10],
             prompt_text=None,
             params=params,
-            entries=[],
+            adapters=NO_ADAPTERS,
             emit=events.put,
         )
         while True:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from bench.engine import random_tokens, token_hi
+from loraplane.adapter_scales import NO_ADAPTERS
 from loraplane.logging import configure_logging
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.lora.adapter_set import EMPTY_SET
@@ -103,7 +104,7 @@ def serve(engine: WorkerEngine, streams: int, requests: int, max_tokens: int, pr
                 prompt_tokens=prompt,
                 prompt_text=None,
                 params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                entries=[],
+                adapters=NO_ADAPTERS,
                 emit=events.put,
             )
             while True:

@@ -11,6 +11,7 @@ from control_plane.resolution import map_from_pairs
 from control_plane.store import AdapterRecord
 from control_plane.tenant_admin import TenantView
 from control_plane.workers import WorkerView
+from loraplane.adapter_scales import AdapterScales
 from loraplane.v1 import common_pb2, control_plane_pb2
 
 
@@ -38,8 +39,10 @@ def adapter_info(rec: AdapterRecord) -> common_pb2.AdapterInfo:
     )
 
 
-def adapter_map(vector: Sequence[tuple[int, float]]) -> common_pb2.AdapterMap:
-    return common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=i, scale=s) for i, s in vector])
+def adapter_map(default_scales: Sequence[tuple[int, float]]) -> common_pb2.AdapterMap:
+    """The default set as an ``AdapterMap``: one entry per registered adapter, zeros kept
+    (``GetDefaultAdapters`` / ``SetDefaultAdapters`` answers)."""
+    return common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=i, scale=s) for i, s in default_scales])
 
 
 Lookup = Callable[[str], int]
@@ -72,12 +75,12 @@ def request_map_or_none(request: common_pb2.GenerateRequest, lookup: Lookup) -> 
     return request_map(request.adapters, lookup) if request.HasField("adapters") else None
 
 
-def set_resolved_adapters(request: common_pb2.GenerateRequest, vector: Sequence[tuple[int, float]]) -> None:
-    """Write the resolved vector into ``request.adapters``, present even when empty, so the
-    worker never has to resolve anything."""
+def set_resolved_adapters(request: common_pb2.GenerateRequest, adapters: AdapterScales) -> None:
+    """Write the resolved adapters into ``request.adapters`` (`AdapterScales.to_proto`),
+    present even when empty, so the worker never has to resolve anything."""
     request.ClearField("adapters")
     request.adapters.SetInParent()
-    request.adapters.entries.extend(common_pb2.AdapterScale(id=i, scale=s) for i, s in vector)
+    request.adapters.MergeFrom(adapters.to_proto())
 
 
 def worker_info(view: WorkerView) -> control_plane_pb2.WorkerInfo:

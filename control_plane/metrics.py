@@ -2,7 +2,7 @@
 front).
 
 `ControlPlaneMetrics` counts every Generate, gRPC or HTTP: ``Router.generate`` hands it the
-event stream once the adapter vector is resolved (`ControlPlaneMetrics.track`); the quota book
+event stream once its adapters are resolved (`ControlPlaneMetrics.track`); the quota book
 reports tenant admissions, refusals, tokens and failed syncs; worker heartbeats bring KV usage,
 adapter holdings and slot page-in/eviction counts (`ControlPlaneMetrics.on_paging`). Gauges are
 computed at scrape time (`_StateCollector`); ``adapter`` and ``tenant`` labels are capped by
@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from control_plane.errors import InvalidArgumentError, NotFoundError
 from control_plane.workers import WorkerHoldingsView
+from loraplane.adapter_scales import AdapterScales
 from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, OTHER_LABEL, BoundedLabels, kv_usage
 from loraplane.v1 import common_pb2
 from loraplane.v1.control_plane_pb2 import AdapterPagingCount
@@ -135,7 +136,7 @@ class ControlPlaneMetrics:
 
     # -- the router hook -----------------------------------------------------------------
     def track(
-        self, vector: Sequence[tuple[int, float]], events: Iterator[common_pb2.GenerateEvent], context=None
+        self, adapters: AdapterScales, events: Iterator[common_pb2.GenerateEvent], context=None
     ) -> Iterator[common_pb2.GenerateEvent]:
         """Relay ``events`` unchanged, counting the request (see the module docstring).
 
@@ -144,7 +145,7 @@ class ControlPlaneMetrics:
         while this generator is suspended; a relay that ends without ``finished`` after the
         client left is ``cancelled`` too, not ``error``.
         """
-        ids = tuple(i for i, s in vector if s != 0.0)
+        ids = adapters.ids
         labels = [self.labels(str(i)) for i in ids] or [NO_ADAPTER_LABEL]
         key = next(self._ids)
         entry = _InFlight(tuple(self._adapter_name(i) for i in ids))

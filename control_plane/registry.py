@@ -30,12 +30,10 @@ from control_plane.errors import (
     describe_ids,
 )
 from control_plane.names import AdapterNames, NameRemoval
-from control_plane.resolution import (
-    AdapterVector,
-    check_scale,
-    resolve_adapter_vector,
-)
+from control_plane.resolution import check_scale, resolve_adapters
 from control_plane.store import AdapterRecord, AdapterStore
+from control_plane.store.base import DefaultScales
+from loraplane.adapter_scales import NO_ADAPTERS, AdapterScales
 from loraplane.formats.adapter_file import AdapterFile, read_lora_adapter
 from loraplane.formats.convert_peft import convert_peft, is_peft_dir
 from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
@@ -128,12 +126,15 @@ class AdapterRegistry:
             )
         return rec
 
-    def default_set(self) -> AdapterVector:
-        """``[(id, scale)]`` for every registered adapter (0: detached), by id."""
+    def default_set(self) -> DefaultScales:
+        """``[(id, scale)]`` for every registered adapter (0: detached), by id: the default
+        scales themselves (``GetDefaultAdapters`` lists the zeros), not a request's
+        `AdapterScales` (`resolve` gives that)."""
         return self.store.default_set()
 
-    def resolve(self, request_map: Mapping[int, float] | None) -> AdapterVector:
-        """A request's resolved vector against the default set as of now (its admission).
+    def resolve(self, request_map: Mapping[int, float] | None) -> AdapterScales:
+        """A request's adapters, resolved against the default set as of now (its admission)
+        (`control_plane.resolution.resolve_adapters`).
 
         An explicit empty map (the base model alone) needs nothing from the store, so such
         requests are served through a database outage.
@@ -142,8 +143,8 @@ class AdapterRegistry:
             DatabaseUnavailableError: the store cannot be read (any other map).
         """
         if request_map is not None and not request_map:
-            return []
-        return resolve_adapter_vector(request_map, self.store.default_set())
+            return NO_ADAPTERS
+        return resolve_adapters(request_map, self.store.default_set())
 
     def read_chunks(self, record: AdapterRecord, chunk_size: int = 1 << 20) -> Iterator[bytes]:
         """The adapter's bytes in ``chunk_size`` pieces (for pushing to workers), from the store."""
@@ -376,7 +377,7 @@ class AdapterRegistry:
             raise NotFoundError(f"no registered adapter has sha256 {sha256}")
         return rec
 
-    def set_default_set(self, scales: Mapping[int, float]) -> AdapterVector:
+    def set_default_set(self, scales: Mapping[int, float]) -> DefaultScales:
         """Replace the default set: listed ids at their scale, every other adapter at 0.
 
         Raises:

@@ -1,8 +1,8 @@
-"""Turning a request's adapter field into the resolved vector a worker receives.
+"""Turning a request's adapter field into the resolved `AdapterScales` a worker receives.
 
 A request with no adapter map uses the global default set as it was when the request
 was admitted; a request with a map (even an empty one) uses exactly that map, every other
-registered adapter at scale 0. Workers only ever see resolved vectors.
+registered adapter at scale 0. Workers only ever see resolved sets.
 """
 
 from __future__ import annotations
@@ -20,12 +20,8 @@ from control_plane.errors import (
     listing,
 )
 from control_plane.store import AdapterRecord
-from loraplane.limits import MAX_ADAPTER_SCALE
+from loraplane.adapter_scales import MAX_ADAPTER_ID, AdapterScales, AdapterScalesError, check_scale_bounds
 
-AdapterVector = list[tuple[int, float]]
-
-MAX_ADAPTER_ID = 2**32 - 1
-"""Adapter ids are protobuf ``uint32`` on the wire (``AdapterRef.id``, ``AdapterScale.id``)."""
 _ASCII_ID = re.compile(r"[0-9]{1,10}")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
 ID_PREFIX = "adapter:"
@@ -87,15 +83,15 @@ def find_adapter(token: str, records: Sequence[AdapterRecord]) -> int:
 def check_scale(scale: float, what: str) -> float:
     """``scale`` as a float; InvalidArgumentError naming ``what`` (e.g. "adapter 3") when it is
     negative, not finite, or above `MAX_ADAPTER_SCALE` (the one check of every scale that enters
-    the control plane: gRPC and HTTP adapter maps, the default set, start-up adapters)."""
+    the control plane: gRPC and HTTP adapter maps, the default set, start-up adapters). The
+    bounds are `AdapterScales`'s (`check_scale_bounds`); the sign is this plane's rule."""
     value = float(scale)
-    if not math.isfinite(value):
-        raise InvalidArgumentError(f"{what}: scale {value} is not a finite number")
-    if value < 0:
+    if math.isfinite(value) and value < 0:
         raise InvalidArgumentError(f"{what}: scale {value} is negative (0 detaches an adapter)")
-    if value > MAX_ADAPTER_SCALE:
-        raise InvalidArgumentError(f"{what}: scale {value:g} is above the limit of {MAX_ADAPTER_SCALE:g}")
-    return value
+    try:
+        return check_scale_bounds(value, what)
+    except AdapterScalesError as exc:
+        raise InvalidArgumentError(str(exc)) from None
 
 
 def map_from_pairs(pairs: Iterable[tuple[int, float]]) -> dict[int, float]:
@@ -108,10 +104,10 @@ def map_from_pairs(pairs: Iterable[tuple[int, float]]) -> dict[int, float]:
     return out
 
 
-def resolve_adapter_vector(
+def resolve_adapters(
     request_map: Mapping[int, float] | None, default_set: Sequence[tuple[int, float]]
-) -> AdapterVector:
-    """The non-zero ``(id, scale)`` entries, by id, that a request runs with.
+) -> AdapterScales:
+    """The adapters at their scales that a request runs with.
 
     Args:
         request_map: the request's ``{id: scale}``; None means "no map" (use the default).
@@ -119,7 +115,8 @@ def resolve_adapter_vector(
             registered adapter (0: detached), so its ids are the registered ids.
 
     Raises:
-        NotFoundError: an id in ``request_map`` is not registered (the message lists them).
+        NotFoundError: an id in ``request_map`` is not registered (the message lists them),
+            even at scale 0.
         InvalidArgumentError: a negative or non-finite scale, or one above `MAX_ADAPTER_SCALE`.
     """
     if request_map is None:
@@ -130,9 +127,4 @@ def resolve_adapter_vector(
         if unknown:
             raise NotFoundError(f"adapter id(s) {unknown} not registered; {describe_ids(registered)}")
         chosen = {int(i): check_scale(s, f"adapter {i}") for i, s in request_map.items()}
-    return [(i, s) for i, s in sorted(chosen.items()) if s != 0.0]
-
-
-def adapter_set_key(vector: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    """Hashable identity of a resolved vector (same adapters, same scales → same key)."""
-    return tuple(sorted((int(i), float(s)) for i, s in vector if s != 0.0))
+    return AdapterScales(chosen.items())

@@ -1,8 +1,8 @@
 """Routing a Generate call to a worker and relaying its event stream.
 
 `Router.generate`, one request top to bottom: assign a request id when the client sent none;
-check its structured-output format (`check_response_format`); resolve the adapter vector against
-the default set as of now; resolve the tenant and admit it against its quotas
+check its structured-output format (`check_response_format`); resolve its adapters (an
+`AdapterScales`) against the default set as of now; resolve the tenant and admit it against its quotas
 (`control_plane.quotas`); pick a live worker that is not full (warm prefix cache first, then the
 one holding most of the request's adapters); announce the adapters it lacks; open its ``Decode``
 stream, submit with the tenant, and relay every event until ``finished``. A worker that fails
@@ -38,7 +38,6 @@ from control_plane.grammar_check import GrammarChecker, TenantChecker
 from control_plane.membership import WorkerPool
 from control_plane.quotas import Admission, QuotaBook
 from control_plane.registry import AdapterRegistry
-from control_plane.resolution import adapter_set_key
 from control_plane.tenants import (
     ADAPTER_TENANT_PREFIX,
     ANONYMOUS_TENANT,
@@ -47,6 +46,7 @@ from control_plane.tenants import (
     TenantDirectory,
 )
 from control_plane.workers import WorkerHandle
+from loraplane.adapter_scales import AdapterScales
 from loraplane.grammar_limits import GrammarError
 from loraplane.queue_shares import Share
 from loraplane.response_format import ResponseFormat
@@ -148,9 +148,9 @@ class Router:
         self.pool = pool
         self.tenants = tenants or TenantDirectory()  # no rows: every tenant unlimited
         self.quotas = quotas  # None: no quotas, no per-tenant counts
-        self._affinity: OrderedDict[tuple, str] = OrderedDict()
+        self._affinity: OrderedDict[AdapterScales, str] = OrderedDict()
         self._lock = threading.Lock()
-        # ``track(vector, events, context) -> events`` (control_plane.metrics); None: not counted.
+        # ``track(adapters, events, context) -> events`` (control_plane.metrics); None: not counted.
         self.observer: Any = None
 
     def generate(
@@ -174,11 +174,11 @@ class Router:
         if request.sampling.HasField("response_format"):
             check_response_format(request.sampling.response_format, self.grammar.for_tenant(principal))
         asked = request_map_or_none(request, lambda name: self.registry.names.lookup(name))
-        vector = self.registry.resolve(asked)
+        adapters = self.registry.resolve(asked)
         tenant = self.tenants.resolve(
             principal, None if principal or not asked else self._adapter_name(next(iter(asked)))
         )
-        set_resolved_adapters(request, vector)
+        set_resolved_adapters(request, adapters)
         admission = None
         if self.quotas is not None:
             admission = self.quotas.admit(
@@ -187,10 +187,10 @@ class Router:
                 prompt_tokens=lambda: self.prompt_tokens(request),
                 context_tokens=self.pool.max_n_ctx,
             )
-        routed = self._route(request, context, vector, tenant)
+        routed = self._route(request, context, adapters, tenant)
         if admission is not None:
             routed = settled(admission, routed, context)
-        yield from (routed if self.observer is None else self.observer.track(vector, routed, context))
+        yield from (routed if self.observer is None else self.observer.track(adapters, routed, context))
 
     def _adapter_name(self, adapter_id: int) -> str:
         """An adapter's name for its tenant (``adapter:<name>``): its name, else its id (also
@@ -220,16 +220,15 @@ class Router:
         self,
         request: common_pb2.GenerateRequest,
         context: ClientContext,
-        vector: list[tuple[int, float]],
+        adapters: AdapterScales,
         tenant: ResolvedTenant,
     ) -> Iterator[common_pb2.GenerateEvent]:
         """Steps 3-5 of the module docstring for a resolved request."""
-        key = adapter_set_key(vector)
-        ids = [i for i, _ in vector]
+        ids = list(adapters.ids)
         tried: list[str] = []
         last_error = ""
         while True:
-            worker = self._pick(key, exclude=tried, last_error=last_error, ids=ids, tenant=tenant)
+            worker = self._pick(adapters, exclude=tried, last_error=last_error, ids=ids, tenant=tenant)
             tried.append(worker.worker_id)
             try:
                 self.pool.adapters.ensure_loaded(worker, ids)
@@ -239,7 +238,7 @@ class Router:
                 last_error = str(exc)
                 log.warning("worker_skipped", worker_id=worker.worker_id, error=last_error)
                 continue
-            log.info("request_routed", worker_id=worker.worker_id, adapters=vector)
+            log.info("request_routed", worker_id=worker.worker_id, adapters=list(adapters))
             relayed = False
             relay = self._relay(worker, request, context, tenant)
             try:
@@ -264,7 +263,7 @@ class Router:
 
     def _pick(
         self,
-        key: tuple,
+        key: AdapterScales,
         *,
         exclude: list[str],
         last_error: str,

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from loraplane.adapter_scales import AdapterScales
 from loraplane.response_format import ResponseFormat
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.runtime.sampling import SamplingParams
@@ -66,7 +67,7 @@ def _run(engine: WorkerEngine, specs: list[tuple[str, SamplingParams, list]]) ->
                 prompt_tokens=PROMPT,
                 prompt_text=None,
                 params=params,
-                entries=entries,
+                adapters=AdapterScales(entries),
                 emit=lambda ev, rid=rid: q.put((rid, ev)),
             )
     finally:

@@ -18,9 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from control_plane.errors import InvalidArgumentError, NotFoundError
-from control_plane.resolution import adapter_set_key, resolve_adapter_vector
+from control_plane.resolution import resolve_adapters
 from control_plane.server import parse_lora_scaled
 from control_plane.store import MIGRATIONS, SqliteStore
+from loraplane.adapter_scales import NO_ADAPTERS
 from loraplane.v1 import common_pb2
 from tests.helpers.control_plane import ControlPlane, MiB, by_path, default_of, ids_of, rpc_error, upload, write_adapter
 
@@ -327,16 +328,26 @@ def test_store_ids_start_at_zero_and_schema_is_versioned(tmp_path):
 
 def test_resolution_rules():
     default = [(0, 1.0), (1, 0.0), (2, 0.5)]
-    assert resolve_adapter_vector(None, default) == [(0, 1.0), (2, 0.5)]  # None → default, zeros dropped
-    assert resolve_adapter_vector({}, default) == []  # empty map → exactly nothing
-    assert resolve_adapter_vector({1: 2.0, 0: 0.0}, default) == [(1, 2.0)]  # exactly the map
-    assert resolve_adapter_vector(None, []) == []
+    assert resolve_adapters(None, default).entries == ((0, 1.0), (2, 0.5))  # None → default, zeros dropped
+    assert resolve_adapters({}, default) == NO_ADAPTERS  # empty map → exactly nothing
+    assert resolve_adapters({1: 2.0, 0: 0.0}, default).entries == ((1, 2.0),)  # exactly the map
+    assert resolve_adapters(None, []) == NO_ADAPTERS
     with pytest.raises(NotFoundError, match=r"\[5\].*registered ids: \[0, 1, 2\]"):
-        resolve_adapter_vector({5: 1.0}, default)
-    for bad in (-0.5, math.inf, math.nan):
-        with pytest.raises(InvalidArgumentError, match="adapter 0"):
-            resolve_adapter_vector({0: bad}, default)
-    assert adapter_set_key([(2, 0.5), (0, 1.0)]) == adapter_set_key([(0, 1.0), (2, 0.5), (1, 0.0)])
+        resolve_adapters({5: 1.0}, default)
+    with pytest.raises(NotFoundError, match=r"\[5\]"):
+        resolve_adapters({5: 0.0}, default)  # unknown even at scale 0
+    for bad, text in (
+        (-0.5, "adapter 0: scale -0.5 is negative (0 detaches an adapter)"),
+        (-1e30, "adapter 0: scale -1e+30 is negative (0 detaches an adapter)"),
+        (math.inf, "adapter 0: scale inf is not a finite number"),
+        (-math.inf, "adapter 0: scale -inf is not a finite number"),
+        (math.nan, "adapter 0: scale nan is not a finite number"),
+        (10000.5, "adapter 0: scale 10000.5 is above the limit of 10000"),
+    ):
+        with pytest.raises(InvalidArgumentError) as err:
+            resolve_adapters({0: bad}, default)
+        assert str(err.value) == text
+    assert resolve_adapters({2: 0.5, 0: 1.0}, default) == resolve_adapters(None, default)  # a set is its own key
 
 
 def test_parse_lora_scaled():

@@ -17,6 +17,7 @@ import time
 import grpc
 import pytest
 
+from loraplane.adapter_scales import NO_ADAPTERS
 from loraplane.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers.live_servers import wait_until
 from tests.helpers.worker_service import gen
@@ -44,7 +45,7 @@ def _submit(e: WorkerEngine, rid: str, events: queue.Queue, max_tokens: int = 4)
         prompt_tokens=PROMPT,
         prompt_text=None,
         params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        entries=[],
+        adapters=NO_ADAPTERS,
         emit=lambda ev: events.put((rid, ev)),
     )
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from loraplane.adapter_scales import AdapterScales
 from loraplane.response_format import ResponseFormat
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.lora.adapter import load_lora_adapter, open_lora_adapter
@@ -231,7 +232,14 @@ def _generate(engine: WorkerEngine, rid: str, params: SamplingParams, entries: l
         AssertionError: it ended with an error event.
     """
     q: queue.Queue = queue.Queue()
-    engine.submit(request_id=rid, prompt_tokens=PROMPT, prompt_text=None, params=params, entries=entries, emit=q.put)
+    engine.submit(
+        request_id=rid,
+        prompt_tokens=PROMPT,
+        prompt_text=None,
+        params=params,
+        adapters=AdapterScales(entries),
+        emit=q.put,
+    )
     ids = []
     while True:
         ev = q.get(timeout=120)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from loraplane.adapter_scales import NO_ADAPTERS
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.runtime.sampling import SamplingParams
 from worker.serving.engine import WorkerEngine
@@ -71,7 +72,7 @@ def _submit(e: WorkerEngine, rid: str, params: SamplingParams, q: queue.Queue, p
         prompt_tokens=list(prompt),
         prompt_text=None,
         params=params,
-        entries=[],
+        adapters=NO_ADAPTERS,
         emit=lambda ev, rid=rid: q.put((rid, ev)),
     )
 
@@ -240,7 +241,7 @@ def test_a_slow_output_thread_holds_the_loop_to_one_token_past_a_stop(engine):
         prompt_tokens=list(PROMPT),
         prompt_text=None,
         params=SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)),
-        entries=[],
+        adapters=NO_ADAPTERS,
         emit=slow,
     )
     evs = _collect(q, {"slow"})["slow"]

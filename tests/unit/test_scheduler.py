@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from loraplane.adapter_scales import NO_ADAPTERS, AdapterScales
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
 from worker.errors import AdapterFetchError, DecodeFailedError, QueueFullError
 from worker.rpc.status import status_of
@@ -57,7 +58,7 @@ def _submit_all(engine: WorkerEngine, specs, max_tokens: int, q: queue.Queue) ->
             prompt_tokens=[1, 450, 4996, 17354],
             prompt_text=None,
             params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            entries=entries,
+            adapters=AdapterScales(entries),
             emit=lambda ev, rid=rid: q.put((rid, ev)),
         )
 
@@ -123,14 +124,14 @@ def test_queue_limit_answers_resource_exhausted(engine_for):
     params = SamplingParams(max_tokens=2)
     # capacity = 1 slot + 1 queue place: q1 is the free slot's (not "waiting"), q2 waits
     for rid in ("q1", "q2"):
-        e.submit(request_id=rid, prompt_tokens=[1, 2], prompt_text=None, params=params, entries=[], emit=sink)
+        e.submit(request_id=rid, prompt_tokens=[1, 2], prompt_text=None, params=params, adapters=NO_ADAPTERS, emit=sink)
     with pytest.raises(QueueFullError) as err:  # another tenant too: --fairness off has no queue shares
         e.submit(
             request_id="q3",
             prompt_tokens=[1, 2],
             prompt_text=None,
             params=params,
-            entries=[],
+            adapters=NO_ADAPTERS,
             emit=sink,
             tenant=RequestTenant("light"),
         )
@@ -186,7 +187,7 @@ def _generate(engine: WorkerEngine, rid: str, entries, max_tokens: int = 3) -> l
         prompt_tokens=PROMPT,
         prompt_text=None,
         params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        entries=entries,
+        adapters=AdapterScales(entries),
         emit=q.put,
     )
     return _until_end(q)
@@ -262,10 +263,22 @@ def test_page_in_failure_ends_the_request_with_an_error_and_counts_it(engine_for
     try:
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         rb = e.submit(
-            request_id="b", prompt_tokens=PROMPT, prompt_text=None, params=params, entries=[(2, 1.0)], emit=qb.put
+            request_id="b",
+            prompt_tokens=PROMPT,
+            prompt_text=None,
+            params=params,
+            adapters=AdapterScales([(2, 1.0)]),
+            emit=qb.put,
         )
         # adapter 1 is resident now, so nothing is read ahead for "a": its page-in re-reads the file
-        e.submit(request_id="a", prompt_tokens=PROMPT, prompt_text=None, params=params, entries=[(1, 1.0)], emit=qa.put)
+        e.submit(
+            request_id="a",
+            prompt_tokens=PROMPT,
+            prompt_text=None,
+            params=params,
+            adapters=AdapterScales([(1, 1.0)]),
+            emit=qa.put,
+        )
         rb.bypassed = MAX_BYPASS  # "b" goes first (bounded waiting), evicting adapter 1 from the one slot
         with open(path_a, "ab") as f:
             f.write(b"\0")  # the file changes after validation
@@ -357,7 +370,7 @@ def test_a_fault_in_a_step_fails_that_step_only_and_the_loop_serves_on(engine_fo
                 prompt_tokens=PROMPT,
                 prompt_text=None,
                 params=SamplingParams(max_tokens=6, ignore_eos=True),
-                entries=[(0, 1.0)],
+                adapters=AdapterScales([(0, 1.0)]),
                 emit=q.put,
             )
     finally:
@@ -457,7 +470,7 @@ def test_the_loop_stopping_for_good_marks_the_worker_unhealthy(fixtures_dir):
                     prompt_tokens=PROMPT,
                     prompt_text=None,
                     params=SamplingParams(max_tokens=3, ignore_eos=True),
-                    entries=[],
+                    adapters=NO_ADAPTERS,
                     emit=q.put,
                 )
         finally:
@@ -480,7 +493,7 @@ def test_the_loop_stopping_for_good_marks_the_worker_unhealthy(fixtures_dir):
                 prompt_tokens=PROMPT,
                 prompt_text=None,
                 params=SamplingParams(max_tokens=3),
-                entries=[],
+                adapters=NO_ADAPTERS,
                 emit=lambda ev: None,
             )
         with pytest.raises(WorkerDrainingError, match="scheduler stopped"):
@@ -526,7 +539,7 @@ def _run_params(engine: WorkerEngine, specs: list[tuple[str, list[tuple[int, flo
                 prompt_tokens=[1, 450, 4996, 17354],
                 prompt_text=None,
                 params=params,
-                entries=entries,
+                adapters=AdapterScales(entries),
                 emit=lambda ev, rid=rid: q.put((rid, ev)),
             )
     finally:
@@ -592,7 +605,7 @@ def test_fair_admission_puts_a_light_tenant_before_a_heavy_backlog(engine_for, f
                 prompt_tokens=PROMPT,
                 prompt_text=None,
                 params=SamplingParams(max_tokens=3, ignore_eos=True),
-                entries=[],
+                adapters=NO_ADAPTERS,
                 emit=lambda ev, rid=rid: q.put((rid, ev)),
                 tenant=tenant,
             )
@@ -638,7 +651,7 @@ def test_a_full_worker_gives_a_heavy_tenants_newest_queued_place_to_a_light_tena
             prompt_tokens=PROMPT,
             prompt_text=None,
             params=SamplingParams(max_tokens=2, ignore_eos=True),
-            entries=[],
+            adapters=NO_ADAPTERS,
             emit=lambda ev: q.put((rid, ev)),
             tenant=tenant,
         )

@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from loraplane.adapter_scales import AdapterScales, AdapterScalesError
 from loraplane.formats.adapter_file import lora_scale
 from loraplane.v1 import common_pb2 as pb
 from loraplane.v1 import worker_pb2
@@ -411,7 +412,9 @@ def test_records_match_their_protos(record, message):
 def test_telemetry_mapping_rejects_unknown_fields():
     from worker.rpc.servicer import telemetry_to_proto
 
-    t = RequestTelemetry(prompt_tokens=3, adapters=[(1, 0.5)], prefix_cache=PrefixCachePolicy.KEYED.value)
+    t = RequestTelemetry(
+        prompt_tokens=3, adapters=AdapterScales([(1, 0.5)]), prefix_cache=PrefixCachePolicy.KEYED.value
+    )
     msg = telemetry_to_proto(t)
     assert msg.prompt_tokens == 3 and [(a.id, a.scale) for a in msg.adapters] == [(1, 0.5)]
     with pytest.raises(ValueError):
@@ -464,12 +467,11 @@ def test_admission_resident_first_with_bounded_bypass():
 
 def test_the_worker_refuses_an_adapter_scale_above_the_limit_too():
     """Behind the control plane's check (``resolution.check_scale``): a peer holding the worker
-    secret that sends 1e30 is refused, not served NaN logits."""
-    from worker.serving.engine import adapter_vector
-
-    assert adapter_vector([(3, 10000.0), (4, 0.0), (5, -2.0)]) == {3: 10000.0, 5: -2.0}
+    secret that sends 1e30 is refused at the worker's edge (``AdapterScales.from_proto``), not
+    served NaN logits; negative scales pass there (the control plane refuses them itself)."""
+    amap = pb.AdapterMap(entries=[pb.AdapterScale(id=i, scale=s) for i, s in ((3, 10000.0), (4, 0.0), (5, -2.0))])
+    assert AdapterScales.from_proto(amap).entries == ((3, 10000.0), (5, -2.0))
     for scale in (1e30, -1e30, 10000.5):
-        with pytest.raises(
-            InvalidRequestError, match=re.escape(f"adapter 3: scale {scale:g} is above the limit of 10000")
-        ):
-            adapter_vector([(3, scale)])
+        text = f"adapter 3: scale {scale:g} is above the limit of 10000"
+        with pytest.raises(AdapterScalesError, match=re.escape(text)):
+            AdapterScales.from_proto(pb.AdapterMap(entries=[pb.AdapterScale(id=3, scale=scale)]))

@@ -15,6 +15,7 @@ from control_plane.grammar_check import InlineChecker
 from control_plane.http.errors import OpenAIError
 from control_plane.http.schemas import ChatCompletionRequest, CompletionRequest
 from control_plane.http.structured import response_format_of
+from loraplane.adapter_scales import NO_ADAPTERS, AdapterScales
 from loraplane.formats.tokenizer import TokenAttr
 from loraplane.v1 import common_pb2
 from worker.config import Batching, PrefixCachePolicy, WorkerConfig
@@ -195,7 +196,7 @@ def _run_batch(engine: WorkerEngine, specs: list[tuple[str, SamplingParams, list
                 prompt_tokens=[1, 450, 4996, 17354],
                 prompt_text=None,
                 params=params,
-                entries=entries,
+                adapters=AdapterScales(entries),
                 emit=lambda ev, rid=rid: q.put((rid, ev)),
             )
     finally:
@@ -286,7 +287,7 @@ def test_bad_schema_is_a_request_error_and_the_worker_keeps_serving(engine):
             prompt_tokens=[1, 450],
             prompt_text=None,
             params=SamplingParams(response_format=ResponseFormat("json_schema", schema='{"type": "foo"}')),
-            entries=[],
+            adapters=NO_ADAPTERS,
             emit=lambda ev: None,
         )
     out = _run_batch(engine, [("after", SamplingParams(max_tokens=3, ignore_eos=True), [])])

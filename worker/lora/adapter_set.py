@@ -1,6 +1,7 @@
 """Adapter sets: what llama.cpp keeps per context (``llama_context::loras``).
 
-An ``AdapterSet`` maps adapter → scale with zero scales dropped. A ubatch carries one or more
+An ``AdapterSet`` is a request's `AdapterScales` (ids and scales, from the wire) resolved over
+the adapters this worker holds: each id with its loaded ``LoraAdapter``. A ubatch carries one or more
 sets (one in compatibility mode, several in mixed mode) and a per-row index into them. Set
 identity is adapter *content* (sha256) plus scale, so the prefix cache can key KV by it.
 """
@@ -11,6 +12,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from loraplane.adapter_scales import AdapterScales
 from worker.lora.adapter import LoraAdapter
 
 
@@ -31,6 +33,21 @@ class AdapterSet:
         rows = items.items() if isinstance(items, Mapping) else [(i, (a, s)) for i, a, s in items]
         kept = sorted((int(i), a, float(s)) for i, (a, s) in rows if float(s) != 0.0)
         return cls(tuple(kept))
+
+    @classmethod
+    def of_scales(cls, scales: AdapterScales, adapters: Mapping[int, LoraAdapter]) -> AdapterSet:
+        """``scales`` with each id's loaded adapter from ``adapters`` (the worker's host tier).
+
+        Raises:
+            KeyError: an id of ``scales`` has no adapter in ``adapters`` (the caller loads
+                every one first: ``WorkerEngine._to_host``).
+        """
+        return cls(tuple((i, adapters[i], s) for i, s in scales))
+
+    @property
+    def scales(self) -> AdapterScales:
+        """The ids and scales alone (request telemetry reports them)."""
+        return AdapterScales((i, s) for i, _, s in self.entries)
 
     @property
     def key(self) -> tuple[tuple[str, float], ...]:

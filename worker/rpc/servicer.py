@@ -19,6 +19,7 @@ import time
 import grpc
 import structlog
 
+from loraplane.adapter_scales import AdapterScales, AdapterScalesError
 from loraplane.grammar_limits import GrammarError
 from loraplane.interceptors import UndecodableRequest
 from loraplane.paths import MalformedPath, OutsideAdapterDirs, confine, resolve_dirs
@@ -133,7 +134,7 @@ def step_to_proto(st: StepInfo) -> pb.StepTelemetry:
 def telemetry_to_proto(t: RequestTelemetry) -> pb.RequestTelemetry:
     """``RequestTelemetry`` → proto, the one mapping (an unknown field raises ValueError)."""
     fields = dataclasses.asdict(t)
-    adapters = [pb.AdapterScale(id=i, scale=s) for i, s in fields.pop("adapters")]
+    adapters = fields.pop("adapters").to_proto().entries
     residency = [pb.AdapterResidency(**r) for r in fields.pop("adapter_residency")]
     return pb.RequestTelemetry(adapters=adapters, adapter_residency=residency, **fields)
 
@@ -341,19 +342,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if which is None:
             events.put((rid, ErrorEvent(InvalidRequestError("request has neither prompt text nor prompt tokens"))))
             return
-        named = [e.name for e in r.adapters.entries if e.name]
-        if named:  # never run adapter 0 for a name it cannot resolve
-            events.put(
-                (
-                    rid,
-                    ErrorEvent(
-                        InvalidRequestError(
-                            f"adapters {named} given by name: a worker takes ids only; "
-                            "names are resolved by the control plane"
-                        )
-                    ),
-                )
-            )
+        try:
+            adapters = AdapterScales.from_proto(r.adapters)
+        except AdapterScalesError as exc:  # names, a scale out of bounds, an id twice
+            self.engine.metrics.on_rejected(tuple(sorted({e.id for e in r.adapters.entries if e.scale != 0.0})))
+            events.put((rid, ErrorEvent(InvalidRequestError(str(exc)))))
             return
         try:
             events.put((_OPENED, rid))
@@ -362,7 +355,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 prompt_tokens=list(r.tokens.ids) if which == "tokens" else None,
                 prompt_text=r.text if which == "text" else None,
                 params=sampling_from_proto(r.sampling),
-                entries=[(e.id, e.scale) for e in r.adapters.entries],
+                adapters=adapters,
                 emit=functools.partial(_put_event, events, rid),
                 tenant=tenant_from_proto(tenant),
             )

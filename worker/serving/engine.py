@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import math
 import threading
 import time
 import uuid
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from loraplane.limits import MAX_ADAPTER_SCALE
+from loraplane.adapter_scales import AdapterScales
 from worker.config import WorkerConfig
 from worker.errors import (
     AdapterFetchError,
@@ -106,26 +105,6 @@ def prompt_byte_limit(n_ctx_seq: int, piece_bytes: int) -> int:
     least ``n_ctx_seq`` tokens, which ``Scheduler.submit`` refuses anyway, so refusing it
     before tokenizing changes no answer, only the cost (Gemma 3, n_ctx 4096: 196 560 bytes)."""
     return (n_ctx_seq - 1) * piece_bytes
-
-
-def adapter_vector(entries: list[tuple[int, float]]) -> dict[int, float]:
-    """A request's adapter vector as id → scale, zero scales dropped (a zero-scale adapter
-    is the base model for that adapter: llama.cpp skips it too).
-
-    Raises:
-        InvalidRequestError: a non-finite scale, one whose magnitude is above
-            `MAX_ADAPTER_SCALE` (the control plane refuses those first), or an id given twice.
-    """
-    wanted: dict[int, float] = {}
-    for aid, scale in entries:
-        if not math.isfinite(scale):
-            raise InvalidRequestError(f"adapter {aid}: scale {scale} is not finite")
-        if abs(scale) > MAX_ADAPTER_SCALE:
-            raise InvalidRequestError(f"adapter {aid}: scale {scale:g} is above the limit of {MAX_ADAPTER_SCALE:g}")
-        if aid in wanted:
-            raise InvalidRequestError(f"adapter {aid} appears twice in the adapter vector")
-        wanted[aid] = scale
-    return {aid: scale for aid, scale in wanted.items() if scale != 0.0}
 
 
 class WorkerEngine:
@@ -274,13 +253,13 @@ class WorkerEngine:
         prompt_tokens: list[int] | None,
         prompt_text: str | None,
         params: SamplingParams,
-        entries: list[tuple[int, float]],
+        adapters: AdapterScales,
         emit: Callable[[Event], None],
         tenant: RequestTenant | None = None,
     ) -> GenRequest:
-        """Tokenize (text prompts: BOS per the model, special tokens parsed), resolve the
-        adapter set (fetching what this worker lacks) and admit the request. ``tenant``: who
-        it is accounted to (fair admission; None: "anonymous").
+        """Tokenize (text prompts: BOS per the model, special tokens parsed), build the
+        ``AdapterSet`` of ``adapters`` (fetching what this worker lacks) and admit the request.
+        ``tenant``: who it is accounted to (fair admission; None: "anonymous").
 
         Raises:
             WorkerDrainingError: the worker is shutting down (``draining`` is set).
@@ -295,9 +274,9 @@ class WorkerEngine:
                 )
             if prompt_tokens is None:
                 prompt_tokens = self.tokenize(prompt_text or "")
-            return self._admit(request_id, prompt_tokens, params, entries, emit, tenant)
+            return self._admit(request_id, prompt_tokens, params, adapters, emit, tenant)
         except WorkerError:
-            self.metrics.on_rejected(tuple(sorted(i for i, s in entries if s != 0.0)))
+            self.metrics.on_rejected(adapters.ids)
             raise
 
     def _admit(
@@ -305,7 +284,7 @@ class WorkerEngine:
         request_id: str,
         prompt_tokens: list[int],
         params: SamplingParams,
-        entries: list[tuple[int, float]],
+        adapters: AdapterScales,
         emit: Callable[[Event], None],
         tenant: RequestTenant | None = None,
     ) -> GenRequest:
@@ -314,21 +293,20 @@ class WorkerEngine:
         the submit-time holds and the request's own).
 
         Raises:
-            WorkerError: from ``adapter_vector``, ``HostCache.get``, ``HostCache.prefetch``,
+            WorkerError: from ``HostCache.get``, ``HostCache.prefetch``,
                 ``HostCache.check_servable`` or ``Scheduler.submit``.
         """
-        wanted = adapter_vector(entries)
         loads = self.host.counters.host_loads
         try:
-            with self.scheduler.holding(wanted):
-                adapter_set, sources = self._to_host(wanted)
+            with self.scheduler.holding(adapters.ids):
+                adapter_set, sources = self._to_host(adapters)
                 try:
                     staged = self.host.prefetch(adapter_set)
                 except AdapterFetchError as exc:
                     # a local copy deleted or changed on disk: fetch it again once, then fail
                     if exc.adapter_id is None or not self.host.discard_bad_copy(exc.adapter_id):
                         raise
-                    adapter_set, sources = self._to_host(wanted)
+                    adapter_set, sources = self._to_host(adapters)
                     staged = self.host.prefetch(adapter_set)
                 self.host.check_servable(adapter_set)
                 return self.scheduler.submit(
@@ -346,23 +324,23 @@ class WorkerEngine:
             if self.host.counters.host_loads != loads:
                 release_free_heap()  # validation buffers freed on this thread (worker.serving.heap)
 
-    def _to_host(self, wanted: dict[int, float]) -> tuple[AdapterSet, dict[int, tuple[str, float]]]:
-        """Bring each adapter of ``wanted`` (id → non-zero scale) to the host tier.
+    def _to_host(self, adapters: AdapterScales) -> tuple[AdapterSet, dict[int, tuple[str, float]]]:
+        """Bring each adapter of ``adapters`` to the host tier.
 
         Returns:
-            The ``AdapterSet``, and per adapter id (source, ms spent getting it to host).
+            The ``AdapterSet`` (`AdapterSet.of_scales`), and per adapter id (source, ms spent
+            getting it to host).
 
         Raises:
             AdapterNotFoundError, AdapterFetchError, InvalidRequestError: ``HostCache.get``.
         """
-        seen: dict[int, tuple[LoraAdapter, float]] = {}
+        loaded: dict[int, LoraAdapter] = {}
         sources: dict[int, tuple[str, float]] = {}
-        for aid, scale in wanted.items():
+        for aid in adapters.ids:
             t0 = time.monotonic()
-            adapter, source = self.host.get(aid)
-            seen[aid] = (adapter, scale)
+            loaded[aid], source = self.host.get(aid)
             sources[aid] = (source, (time.monotonic() - t0) * 1000)
-        return AdapterSet.of(seen), sources
+        return AdapterSet.of_scales(adapters, loaded), sources
 
     def tokenize(self, text: str) -> list[int]:
         """Tokenize a text prompt, size first.
@@ -447,4 +425,4 @@ class WorkerEngine:
         return (sorted(i for i, k in known.items() if k.sha256 in resident_sha), sorted(self.adapters()))
 
 
-__all__ = ["WorkerEngine", "WorkerStatsRecord", "adapter_vector", "max_piece_bytes", "prompt_byte_limit"]
+__all__ = ["WorkerEngine", "WorkerStatsRecord", "max_piece_bytes", "prompt_byte_limit"]

@@ -1,8 +1,8 @@
 """A generation request, the events it emits, and its typed telemetry (llama-server
 ``server_task`` / ``server_task_result``).
 
-A ``GenRequest`` is admitted with a fully resolved adapter vector turned into an
-``AdapterSet``; the aLoRA activation is decided once, at admission
+A ``GenRequest`` is admitted with its resolved ``AdapterScales`` (from the control plane)
+turned into an ``AdapterSet``; the aLoRA activation is decided once, at admission
 (``worker.lora.alora.resolve_alora``). The scheduler emits ``StartedEvent`` once the prompt is
 computed, one ``TokenEvent`` per sampled token, then ``FinishedEvent`` or ``ErrorEvent``; the
 gRPC edge converts them to protos in one place (``worker.rpc.servicer.event_to_proto``).
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from loraplane.adapter_scales import NO_ADAPTERS, AdapterScales
 from worker.errors import WorkerError
 from worker.lora.adapter_set import AdapterSet
 from worker.lora.alora import AloraActivation
@@ -97,7 +98,7 @@ class RequestTelemetry:
     graph_rebuilds: int = 0
     max_batch_size: int = 0
     max_adapter_sets_in_batch: int = 0
-    adapters: list[tuple[int, float]] = field(default_factory=list)
+    adapters: AdapterScales = NO_ADAPTERS
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     adapter_residency: list[AdapterResidency] = field(default_factory=list)

@@ -242,7 +242,7 @@ class StepRunner:
         t.adapter_set_fingerprint = req.adapter_set.fingerprint
         t.slot_id = seq.id
         t.worker_id = self.worker_id
-        t.adapters = [(i, s) for i, _, s in req.adapter_set.entries]
+        t.adapters = req.adapter_set.scales
         self.end(req, reason, FINISH, seq)
 
     def end(self, req: GenRequest, outcome: str, event: Event | object | None, seq: Seq | None) -> None:
