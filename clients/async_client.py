@@ -31,7 +31,7 @@ from clients.results import (
     event_from_proto,
 )
 from clients.wire import (
-    AdapterScales,
+    AdapterMapping,
     adapter_map,
     adapter_ref,
     generate_request,
@@ -138,7 +138,7 @@ class AsyncLoraplaneClient(ClientBase):
     async def get_default(self) -> DefaultSet:
         return DefaultSet.from_proto(await self._unary("GetDefaultAdapters", lambda: EMPTY))
 
-    async def set_default(self, scales: AdapterScales) -> DefaultSet:
+    async def set_default(self, scales: AdapterMapping) -> DefaultSet:
         return DefaultSet.from_proto(await self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
 
     async def list_workers(self) -> list[WorkerInfo]:
@@ -176,7 +176,7 @@ class AsyncLoraplaneClient(ClientBase):
         prompt: str | None = None,
         *,
         prompt_tokens: Sequence[int] | None = None,
-        adapters: AdapterScales | None = None,
+        adapters: AdapterMapping | None = None,
         **sampling: Any,
     ) -> AsyncIterator[GenerateEvent]:
         """Async twin of `LoraplaneClient.generate_stream`."""
@@ -200,7 +200,7 @@ class AsyncLoraplaneClient(ClientBase):
         prompt: str | None = None,
         *,
         prompt_tokens: Sequence[int] | None = None,
-        adapters: AdapterScales | None = None,
+        adapters: AdapterMapping | None = None,
         **sampling: Any,
     ) -> GenerateResult:
         builder = ResultBuilder()

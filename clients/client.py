@@ -55,7 +55,7 @@ from clients.results import (
     event_from_proto,
 )
 from clients.wire import (
-    AdapterScales,
+    AdapterMapping,
     adapter_map,
     adapter_ref,
     generate_request,
@@ -240,7 +240,7 @@ class LoraplaneClient(ClientBase):
     def get_default(self) -> DefaultSet:
         return DefaultSet.from_proto(self._unary("GetDefaultAdapters", lambda: EMPTY))
 
-    def set_default(self, scales: AdapterScales) -> DefaultSet:
+    def set_default(self, scales: AdapterMapping) -> DefaultSet:
         """Replace the global default set (``{}`` clears it); returns the set now in force."""
         return DefaultSet.from_proto(self._unary("SetDefaultAdapters", lambda: adapter_map(scales)))
 
@@ -289,7 +289,7 @@ class LoraplaneClient(ClientBase):
         prompt: str | None = None,
         *,
         prompt_tokens: Sequence[int] | None = None,
-        adapters: AdapterScales | None = None,
+        adapters: AdapterMapping | None = None,
         **sampling: Any,
     ) -> Iterator[GenerateEvent]:
         """Yield `StartedEvent`, then one `TokenEvent` per token as it is produced, then
@@ -318,7 +318,7 @@ class LoraplaneClient(ClientBase):
         prompt: str | None = None,
         *,
         prompt_tokens: Sequence[int] | None = None,
-        adapters: AdapterScales | None = None,
+        adapters: AdapterMapping | None = None,
         **sampling: Any,
     ) -> GenerateResult:
         """Run `generate_stream` to the end and collect the result."""

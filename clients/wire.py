@@ -19,8 +19,10 @@ from typing import Any
 from loraplane.limits import CHUNK_BYTES
 from loraplane.v1 import common_pb2
 
-AdapterScales = Mapping[int, float] | Mapping[str, float] | Mapping[int | str, float]
-"""``{adapter: scale}``: each adapter by id (int) or by name / alias (str)."""
+AdapterMapping = Mapping[int, float] | Mapping[str, float] | Mapping[int | str, float]
+"""``{adapter: scale}`` a caller asks for: each adapter by id (int) or by name / alias (str),
+zeros kept (the wire's ``AdapterMap``; the control plane resolves it into the product's
+``AdapterScales``)."""
 
 # Data chunk size of adapter uploads: well under gRPC's 4 MiB default message limit.
 
@@ -37,7 +39,7 @@ def adapter_ref(adapter: int | str) -> common_pb2.AdapterRef:
     return common_pb2.AdapterRef(id=adapter)
 
 
-def adapter_map(scales: AdapterScales) -> common_pb2.AdapterMap:
+def adapter_map(scales: AdapterMapping) -> common_pb2.AdapterMap:
     """An `AdapterMap` with one entry per adapter: ids (ints) in id order, then names (strs,
     resolved by the control plane) in the order given. Validates ids and scales."""
     amap = common_pb2.AdapterMap()
@@ -52,7 +54,7 @@ def adapter_map(scales: AdapterScales) -> common_pb2.AdapterMap:
     return amap
 
 
-def adapter_map_into(req: common_pb2.GenerateRequest, adapters: AdapterScales | None) -> None:
+def adapter_map_into(req: common_pb2.GenerateRequest, adapters: AdapterMapping | None) -> None:
     """Set ``req.adapters``: None leaves it unset, a mapping (even empty) sets it."""
     if adapters is None:
         return
@@ -64,7 +66,7 @@ def generate_request(
     prompt: str | None = None,
     *,
     prompt_tokens: Sequence[int] | None = None,
-    adapters: AdapterScales | None = None,
+    adapters: AdapterMapping | None = None,
     max_tokens: int = 16,
     temperature: float = 0.0,
     top_k: int = 0,

@@ -9,10 +9,10 @@ from loraplane.grammar_limits import GrammarLimits
 
 
 class Batching(str, Enum):
-    """How KV sequences with different adapter vectors share a ubatch.
+    """How KV sequences with different adapter sets share a ubatch.
 
     ``compat``: llama-server's rule (``server-context``): only sequences whose whole adapter
-    vector is equal batch together. ``mixed``: vLLM/S-LoRA style, any sequences share a ubatch and
+    set is equal batch together. ``mixed``: vLLM/S-LoRA style, any sequences share a ubatch and
     the low-rank branches are computed per segment.
     """
 

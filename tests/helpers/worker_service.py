@@ -212,7 +212,7 @@ def gen(
     ignore_eos: bool = True,
     logprobs: int = 0,
 ) -> pb.GenerateRequest:
-    """A greedy GenerateRequest; ``adapters=None`` leaves the adapter vector unset."""
+    """A greedy GenerateRequest; ``adapters=None`` leaves the adapter map unset."""
     r = pb.GenerateRequest(
         request_id=rid,
         sampling=pb.SamplingParams(

@@ -2,7 +2,7 @@
 
 One worker process-wide (loading the model takes a while), a fresh control plane per test;
 the worker joins through ``worker.rpc.membership`` like a deployed one, gets its adapters pushed
-by the control plane, and decodes the resolved vectors it is sent.
+by the control plane, and decodes the resolved adapters it is sent.
 """
 
 from __future__ import annotations

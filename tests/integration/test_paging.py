@@ -63,7 +63,7 @@ class Cluster:
         ignore_eos: bool = False,
     ):
         """Generate on one worker, bypassing routing (the control plane's announce, then
-        ``Decode`` with the resolved vector): (started, finished) events."""
+        ``Decode`` with the resolved adapters): (started, finished) events."""
         stub = worker_pb2_grpc.WorkerStub(self.channels[worker_id])
         for aid in adapters:
             info = self.lp.get_adapter(aid)

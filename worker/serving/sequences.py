@@ -80,7 +80,7 @@ class Seq:
 
     def can_batch_with(self, other: Seq) -> bool:
         """llama-server's compatibility rule: the same adapter set for the rows both feed next
-        (whole adapter vector equal; every sequence serves completions, so the task type, the
+        (same adapters at the same scales; every sequence serves completions, so the task type, the
         rule's other half, always matches)."""
         return self.next_set() == other.next_set()
 
