@@ -33,6 +33,7 @@ from control_plane.tenants import (
     key_hash,
     tenant_of,
 )
+from loraplane.adapter_scales import NO_ADAPTERS
 
 
 class Clock:
@@ -282,7 +283,7 @@ def test_tokens_reserved_are_capped_by_the_context_a_worker_stops_at(book):
 
     class Registry:
         def resolve(self, asked):
-            return []
+            return NO_ADAPTERS
 
     class Pool:
         def max_n_ctx(self):
