@@ -523,18 +523,12 @@ def test_the_debian_packages_test_sh_installs_are_the_ones_readme_and_the_proto_
 
 
 MAX_MODULE_DOCSTRING_LINES = 20
-# Module docstrings over the bound, being rewritten on other branches when this test landed:
-# trim an entry once its module's docstring is within the bound (the test names stale entries).
-LONG_DOCSTRING_ALLOWED = {
-    "worker/runtime/kernels/build.py",
-}
 
 
 def test_module_docstrings_are_short():
     """A product module's docstring says what the module does in at most 20 lines and points to
     docs/ for the why; design prose lives in docs/, where one copy is kept true."""
     long: list[str] = []
-    stale = set(LONG_DOCSTRING_ALLOWED)
     for path in _tracked():
         rel = path.relative_to(ROOT).as_posix()
         if path.suffix != ".py" or rel.split("/")[0] not in PRODUCT or rel.startswith(GENERATED):
@@ -542,8 +536,5 @@ def test_module_docstrings_are_short():
         doc = ast.get_docstring(_tree(path), clean=False) or ""
         n = len(doc.splitlines())
         if n > MAX_MODULE_DOCSTRING_LINES:
-            stale.discard(rel)
-            if rel not in LONG_DOCSTRING_ALLOWED:
-                long.append(f"{rel}: {n} lines")
+            long.append(f"{rel}: {n} lines")
     assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines:\n" + "\n".join(sorted(long))
-    assert not stale, f"allowed a long docstring but within the bound now (trim the list): {sorted(stale)}"
