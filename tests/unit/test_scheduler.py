@@ -235,7 +235,7 @@ def test_attach_failure_ends_the_request_through_the_one_exit(engine_for):
     while _requests_total(e, "error", "0") < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _requests_total(e, "error", "0") == 1
-    assert not e.scheduler.is_held(0) and e.ctx.pool.held(sha) == 0
+    assert not e.scheduler.holds.is_held(0) and e.ctx.pool.held(sha) == 0
     assert e.scheduler.stats().slots_busy == 0
     # the slot serves the next request, which finishes normally and is counted as such
     ok = _generate(e, "good", [(0, 1.0)])
@@ -292,7 +292,7 @@ def test_page_in_failure_ends_the_request_with_an_error_and_counts_it(engine_for
     while _requests_total(e, "error", "1") < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _requests_total(e, "error", "1") == 1
-    assert not e.scheduler.is_held(1) and e.scheduler.stats().slots_busy == 0
+    assert not e.scheduler.holds.is_held(1) and e.scheduler.stats().slots_busy == 0
 
 
 def test_adapters_being_submitted_stay_on_host_with_their_files(engine_for, tmp_path):
@@ -337,7 +337,7 @@ def _assert_no_leak(e: WorkerEngine, sha: str) -> None:
     holding exactly what its sequence's cache records (an error drops both)."""
     st = e.scheduler.stats()
     assert (st.slots_busy, st.queue_depth) == (0, 0)
-    assert e.ctx.pool.held(sha) == 0 and not e.scheduler.is_held(0)
+    assert e.ctx.pool.held(sha) == 0 and not e.scheduler.holds.is_held(0)
     for seq in e.scheduler.seqs:
         assert not seq.busy
         assert e.ctx.kv.seq_len(seq.id) == len(seq.cache_tokens) == len(seq.cache_sets), seq.id
@@ -523,7 +523,7 @@ def test_a_fault_outside_a_step_stops_the_loop_and_fails_what_it_held(engine_for
     assert "scheduler stopped (KeyError" in str(events[-1].error)
     e.scheduler._thread.join(10)
     assert not e.scheduler._thread.is_alive() and fatal == [e.scheduler.failure]
-    assert e.scheduler.stats().slots_busy == 0 and not e.scheduler.is_held(0)
+    assert e.scheduler.stats().slots_busy == 0 and not e.scheduler.holds.is_held(0)
 
 
 def _run_params(engine: WorkerEngine, specs: list[tuple[str, list[tuple[int, float]], SamplingParams]]) -> dict:

@@ -140,7 +140,7 @@ class WorkerEngine:
             ),
             capacity=max(config.max_cpu_loras, config.max_loras),
             max_lora_rank=config.max_lora_rank,
-            in_use=self.scheduler.is_held,
+            in_use=self.scheduler.holds.is_held,
             set_pinned=self._set_pinned,
             worker_id=self.worker_id,
             on_loaded=self.metrics.on_adapter_loaded,
@@ -298,7 +298,7 @@ class WorkerEngine:
         """
         loads = self.host.counters.host_loads
         try:
-            with self.scheduler.holding(adapters.ids):
+            with self.scheduler.holds.holding(adapters.ids):
                 adapter_set, sources = self._to_host(adapters)
                 try:
                     staged = self.host.prefetch(adapter_set)

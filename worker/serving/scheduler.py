@@ -3,19 +3,18 @@
 ``Scheduler`` owns the KV sequences and the loop thread. Each turn drops cancelled, evicted and
 stop-string-finished requests, runs deferred functions (adapter frees, pool changes) once no
 request holds their adapter, attaches queued requests (``worker.serving.admission``) and runs
-one decode step (``worker.serving.step``). It counts the request holds per adapter id and stops
-for good after ``MAX_STEP_FAILURES`` failed steps in a row or a fault outside a step. The rules
-and why: docs/architecture.md ("The serving loop") and docs/operations.md ("Faults in the decode
-loop").
+one decode step (``worker.serving.step``); ``holds`` counts the request holds per adapter id
+(``worker.serving.holds``). It stops for good after ``MAX_STEP_FAILURES`` failed steps in a row
+or a fault outside a step. The rules and why: docs/architecture.md ("The serving loop") and
+docs/operations.md ("Faults in the decode loop").
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -30,6 +29,7 @@ from worker.serving.cache_policy import make_cache_policy
 from worker.serving.constraints import GrammarStage
 from worker.serving.fairness import FairQueue
 from worker.serving.heap import release_free_heap
+from worker.serving.holds import RequestHolds
 from worker.serving.output import EmitWorker, OutputStage, RequestObserver
 from worker.serving.prefix_store import PrefixCache
 from worker.serving.request import ErrorEvent, Event, GenRequest, RequestTenant
@@ -43,7 +43,7 @@ MAX_STEP_FAILURES = 3  # failed steps in a row after which the loop stops for go
 
 
 class Scheduler:
-    """Owns the KV sequences, the request holds and the loop thread; ``submit``, the holds,
+    """Owns the KV sequences, the request holds and the loop thread; ``submit``, ``holds``,
     ``run_soon``/``run_when_idle_of``, ``wake`` and ``stats`` are safe from any thread.
 
     Args:
@@ -54,6 +54,7 @@ class Scheduler:
     Attributes:
         admission: the queue and the rule that attaches queued requests (``Admission``).
         steps: the decode step and the one exit of a request (``StepRunner``).
+        holds: request holds per adapter id (``RequestHolds``): what a deferred free waits for.
         step_failures: failed steps in a row (``_step_contained``).
         failure: why the loop stopped for good; None while it runs.
         on_fatal: called once, on the loop thread, with ``failure`` when the loop stops.
@@ -69,7 +70,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._trimmed_at_step = 0  # step count at the last idle heap trim
-        self._holds: dict[int, int] = {}  # adapter id → request holds (docs/architecture.md)
+        self.holds = RequestHolds(self._cv, ctx.pool)  # request holds per adapter id
         self._pending: list[tuple[int | None, Callable[[], Any], concurrent.futures.Future[Any]]] = []
         # Observer of request outcomes and token times (worker.serving.metrics); None: no metrics.
         self.observer: RequestObserver | None = None
@@ -90,7 +91,7 @@ class Scheduler:
             grammar=self.grammar,
             emitter=EmitWorker(self.output, lambda: self.observer),
             fair=fair,
-            release_holds=self._release_holds,
+            release_holds=self.holds.release,
         )
         self.admission = Admission(ctx, config, worker_id, self.seqs, self.cache_policy, fair, self.steps.end)
         self.step_failures = 0  # failed steps in a row (``_step_contained``)
@@ -172,7 +173,7 @@ class Scheduler:
                 raise self._stopped_error()
             self.admission.enqueue(req)
             req.held_ids = adapter_set.ids
-            self._count_holds(req.held_ids, +1)
+            self.holds.add(req.held_ids)
             self._cv.notify_all()
         return req
 
@@ -197,37 +198,6 @@ class Scheduler:
             self._pending.append((None, fn, fut))
             self._cv.notify_all()
         return fut
-
-    # --- request holds ------------------------------------------------------------------
-    @contextlib.contextmanager
-    def holding(self, adapter_ids: Iterable[int]) -> Iterator[None]:
-        """One request hold on each id for the duration of a ``with`` block, for a request not
-        submitted yet (its adapters are being brought to host): the host tier keeps them and an
-        unload waits. ``submit`` takes the request's own holds, so a ``submit`` inside the block
-        leaves no gap."""
-        ids = tuple(adapter_ids)
-        with self._cv:
-            self._count_holds(ids, +1)
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._count_holds(ids, -1)
-                self._cv.notify_all()
-
-    def is_held(self, adapter_id: int) -> bool:
-        """Whether any request (submitted, or being submitted) holds ``adapter_id``."""
-        with self._cv:
-            return self._holds.get(adapter_id, 0) > 0
-
-    def _count_holds(self, adapter_ids: Iterable[int], delta: int) -> None:
-        """Add ``delta`` to each id's request holds (the condition's lock held)."""
-        for aid in adapter_ids:
-            n = self._holds.get(aid, 0) + delta
-            if n > 0:
-                self._holds[aid] = n
-            else:
-                self._holds.pop(aid, None)
 
     def wake(self) -> None:
         """Wake the loop (a request was cancelled from another thread)."""
@@ -357,7 +327,7 @@ class Scheduler:
         ready = []
         for item in list(self._pending):
             aid, fn, fut = item
-            if aid is None or self._holds.get(aid, 0) == 0:
+            if aid is None or self.holds.count(aid) == 0:
                 self._pending.remove(item)
                 ready.append((fn, fut))
         return ready
@@ -400,16 +370,6 @@ class Scheduler:
                 raise
         else:
             self.step_failures = 0
-
-    def _release_holds(self, req: GenRequest) -> None:
-        """Drop the request's slot holds (pool) and request holds (this scheduler)."""
-        if req.pool_held:
-            self.ctx.pool.release(req.pool_held)
-            req.pool_held = []
-        with self._cv:
-            self._count_holds(req.held_ids, -1)
-            req.held_ids = ()
-            self._cv.notify_all()
 
 
 __all__ = ["MAX_STEP_FAILURES", "Scheduler"]
