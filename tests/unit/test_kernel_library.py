@@ -23,7 +23,8 @@ def test_api_header_declares_every_export_with_its_ctypes():
     ex = library.exports()
     assert set(ex) == {
         "quantize_act", "qmm", "qmm_f32", "quantize_act16", "qmm16", "qmm16_f32", "rms_norm", "lora_bgmv",
-        "attn_decode", "logits_summary", "threads_config", "pool_size", "request_tile_perm",
+        "attn_decode", "logits_summary", "threads_config", "pool_size", "request_tile_perm", "layer_forward",
+        "layer_abi",
     }  # fmt: skip
     attn = ex["attn_decode"]
     assert len(attn.params) == 25 and attn.restype is ctypes.c_int and not attn.amx_only

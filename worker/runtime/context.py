@@ -142,7 +142,9 @@ class WorkerContext(AdapterContext):
             self._make_resident(self.active_sets)  # evicted since set_adapters (nothing held them)
         inputs = self._inputs(ub, set_index)
         plan, reused = self._get_plan()
-        gctx = GraphContext(self.model.weights, inputs, plan, self.kv, self.model.dtype, self.model.fused)
+        gctx = GraphContext(
+            self.model.weights, inputs, plan, self.kv, self.model.dtype, self.model.fused, self.model.layer_kernels
+        )
         logits = self.arch.build_graph(gctx, self.model.hparams)
         for span in inputs.spans:
             self.kv.commit(span.seq_id, span.pos0 + span.n)

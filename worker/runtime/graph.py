@@ -106,6 +106,8 @@ class GraphContext:
         fused: ``(names...) -> QuantLinear`` packed weights that share an input, concatenated
             along the output rows (``worker.runtime.model.fuse_projections``); used by
             ``build_lora_mm_group``.
+        layer_cache: the model's layer-kernel descriptors (``worker.runtime.layer``), kept
+            between ubatches; a fresh dict when None.
     """
 
     def __init__(
@@ -116,8 +118,10 @@ class GraphContext:
         kv: KVCache,
         dtype: torch.dtype,
         fused: dict[tuple[str, ...], QuantLinear] | None = None,
+        layer_cache: dict[Any, Any] | None = None,
     ):
         self.w = weights
+        self.layer_cache = {} if layer_cache is None else layer_cache  # worker.runtime.layer's kernels
         self.fused = fused or {}
         self.inp = inputs
         self.plan = plan
@@ -131,6 +135,7 @@ class GraphContext:
         self._pairs: LoraPairs | None = None  # (row, slot) pairs of row_slot for the gathered LoRA
         self._lora_rank: dict[str, torch.Tensor] = {}  # int32 (s_used,) rank_of per weight
         self._rope_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layer_rows: torch.Tensor | None = None  # each row's KV-cache row (worker.runtime.layer)
         self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
 
     # --- inputs -----------------------------------------------------------------------
@@ -160,6 +165,18 @@ class GraphContext:
             return []
         side = self.plan.pool.side
         return [(s, side[s][name]) for s in self.plan.side_slots if name in side[s]]
+
+    def has_side_branch(self, name: str) -> bool:
+        """Whether a slot in use holds a side branch (``SideBranch``) on weight ``name``."""
+        return bool(self._side_branches(name))
+
+    def lora_pairs(self) -> LoraPairs | None:
+        """The (row, slot) pairs of the per-row slot scales for the rows alive now (None: no LoRA)."""
+        if self.row_slot is None:
+            return None
+        if self._pairs is None:
+            self._pairs = lora_pairs(self.row_slot)
+        return self._pairs
 
     def build_inp_out_ids(self, x: torch.Tensor) -> torch.Tensor:
         """Keep only the rows whose logits are wanted (``ggml_get_rows(cur, inp_out_ids)``).
@@ -274,10 +291,10 @@ class GraphContext:
             rank = self._lora_rank.get(name)
             if rank is None:
                 rank = self._lora_rank[name] = torch.tensor(w.rank_of[:u], dtype=torch.int32)
-            if self._pairs is None:
-                self._pairs = lora_pairs(self.row_slot)
+            pairs = self.lora_pairs()
+            assert pairs is not None
             xc = x if x.is_contiguous() else x.contiguous()
-            return lora_bgmv(xc, y, w.a, w.bt, rank, w.factor, self._pairs)
+            return lora_bgmv(xc, y, w.a, w.bt, rank, w.factor, pairs)
         return lora_dense(x, y, w.a[:u], w.bt[:u], w.factor[:u], self.row_slot)
 
     def build_lora_mm_group(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
@@ -444,6 +461,15 @@ class GraphContext:
         (``ggml_rope_ext``'s ``freq_factors``: Llama 3 ``rope_freqs.weight``, Phi-3 LongRoPE
         ``rope_factors_short/long.weight``); ``attn_factor`` multiplies cos and sin (ggml's
         ``mscale`` with no YaRN ramp; llama.cpp ``rope.scaling.attn_factor``)."""
+        cs = self.rope_tables(n_rot, freq_base, freq_scale, freq_factors, attn_factor)
+        self.n_nodes += 1
+        return apply_rope(x, cs[0], cs[1], neox=neox)
+
+    def rope_tables(
+        self, n_rot: int, freq_base: float, freq_scale: float, freq_factors: str | None, attn_factor: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """f32 cos and sin ``(n, 1, n_rot/2)`` at the ubatch positions (``rope_cos_sin``, times
+        ``attn_factor``), computed once per ubatch and parameter set (see ``build_rope``)."""
         key = (n_rot, freq_base, freq_scale, freq_factors, attn_factor)
         cs = self._rope_cache.get(key)
         if cs is None:
@@ -457,8 +483,7 @@ class GraphContext:
             if attn_factor != 1.0:
                 cs = (cs[0] * attn_factor, cs[1] * attn_factor)
             self._rope_cache[key] = cs
-        self.n_nodes += 1
-        return apply_rope(x, cs[0], cs[1], neox=neox)
+        return cs
 
     # --- feed-forward -------------------------------------------------------------------
     def build_ffn(self, x: torch.Tensor, *, up: str, gate: str | None, down: str, act: str) -> torch.Tensor:

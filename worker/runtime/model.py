@@ -95,6 +95,8 @@ class LoadedModel:
             each layer's q/k/v and gate/up loaded into one tensor along the output rows; each
             member in ``weights`` is its row slice (a view), so ``x @ fused.T`` gives every
             member's product as a column slice of one output in one launch.
+        layer_kernels: the layer kernel's descriptors (``worker.runtime.layer``), built on first
+            use and kept for the model's life.
     """
 
     path: Path
@@ -109,6 +111,7 @@ class LoadedModel:
     weight_form: str = "packed"
     fused: dict[tuple[str, ...], QuantLinear] = field(default_factory=dict)
     fused_dense: dict[tuple[str, ...], torch.Tensor] = field(default_factory=dict)
+    layer_kernels: dict[Any, Any] = field(default_factory=dict)
     _sha256: str | None = field(default=None, repr=False)
 
     @property

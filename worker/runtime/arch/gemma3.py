@@ -16,35 +16,49 @@ import math
 import torch
 
 from loraplane.formats.arch.gemma3 import HParams
-from worker.runtime.arch import blocks
 from worker.runtime.graph import GraphContext
+from worker.runtime.layer import LayerSpec, Rope, build_layer
+
+
+def layer_spec(hp: HParams, il: int) -> LayerSpec:
+    """Layer ``il``'s rules: q/k norms, NEOX rope (sliding layers base ``rope_freq_base_swa``,
+    scale 1), q times ``f_attention_scale``, window on sliding layers, sandwich norms, GELU."""
+    b = f"blk.{il}."
+    swa = hp.is_swa(il)
+    return LayerSpec(
+        prefix=b,
+        n_head=hp.n_head,
+        n_head_kv=hp.n_head_kv,
+        dk=hp.n_embd_head_k,
+        dv=hp.n_embd_head_v,
+        eps=hp.eps,
+        rope=Rope(
+            n_rot=hp.n_embd_head_k,
+            freq_base=hp.rope_freq_base_swa if swa else hp.rope_freq_base,
+            freq_scale=1.0 if swa else hp.rope_freq_scale,
+            neox=True,
+        ),
+        qkv=(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
+        q_norm=b + "attn_q_norm.weight",
+        k_norm=b + "attn_k_norm.weight",
+        q_scale=hp.f_attention_scale,
+        kq_scale=1.0,
+        n_swa=hp.n_swa if swa else 0,
+        wo=b + "attn_output.weight",
+        post_attn_norm=b + "post_attention_norm.weight",
+        ffn_norm=b + "ffn_norm.weight",
+        ffn_gate=b + "ffn_gate.weight",
+        ffn_up=b + "ffn_up.weight",
+        ffn_down=b + "ffn_down.weight",
+        act="gelu",
+        post_ffw_norm=b + "post_ffw_norm.weight",
+    )
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight") * math.sqrt(hp.n_embd)
     for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        swa = hp.is_swa(il)
-        cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-        q, k, v = blocks.build_qkv(ctx, hp, b, cur)
-        q = ctx.build_norm(q, b + "attn_q_norm.weight", hp.eps)
-        k = ctx.build_norm(k, b + "attn_k_norm.weight", hp.eps)
-        fbase = hp.rope_freq_base_swa if swa else hp.rope_freq_base
-        fscale = 1.0 if swa else hp.rope_freq_scale
-        q = ctx.build_rope(q, n_rot=hp.n_embd_head_k, freq_base=fbase, freq_scale=fscale, neox=True)
-        k = ctx.build_rope(k, n_rot=hp.n_embd_head_k, freq_base=fbase, freq_scale=fscale, neox=True)
-        q = q * hp.f_attention_scale
-        cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=1.0, n_swa=hp.n_swa if swa else 0)
-        if il == hp.n_layer - 1:
-            cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
-        cur = ctx.build_norm(cur, b + "post_attention_norm.weight", hp.eps)
-        sa_out = cur + x
-        cur = ctx.build_norm(sa_out, b + "ffn_norm.weight", hp.eps)
-        cur = ctx.build_ffn(
-            cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight", down=b + "ffn_down.weight", act="gelu"
-        )
-        cur = ctx.build_norm(cur, b + "post_ffw_norm.weight", hp.eps)
-        x = cur + sa_out
+        x = build_layer(ctx, layer_spec(hp, il), il, x, last=il == hp.n_layer - 1)
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
     return ctx.build_output(x)

@@ -14,8 +14,48 @@ from __future__ import annotations
 import torch
 
 from loraplane.formats.arch.llama import ROPE_FREQS, HParams
-from worker.runtime.arch import blocks
 from worker.runtime.graph import GraphContext, inv_sqrt
+from worker.runtime.layer import LayerSpec, MoeFFN, Rope, build_layer
+
+
+def layer_spec(hp: HParams, il: int, freq_factors: str | None) -> LayerSpec:
+    """Layer ``il``'s rules: NORM rope (with ``freq_factors`` when the file has them), scale
+    1/sqrt(head_dim), SiLU FFN or a renormalised top-k mixture of experts."""
+    b = f"blk.{il}."
+    moe = None
+    if hp.n_expert > 0:
+        moe = MoeFFN(
+            gate_inp=b + "ffn_gate_inp.weight",
+            up_exps=b + "ffn_up_exps.weight",
+            gate_exps=b + "ffn_gate_exps.weight",
+            down_exps=b + "ffn_down_exps.weight",
+            n_expert_used=hp.n_expert_used,
+            norm_w=True,
+        )
+    return LayerSpec(
+        prefix=b,
+        n_head=hp.n_head,
+        n_head_kv=hp.n_head_kv,
+        dk=hp.n_embd_head_k,
+        dv=hp.n_embd_head_v,
+        eps=hp.eps,
+        rope=Rope(
+            n_rot=hp.n_rot,
+            freq_base=hp.rope_freq_base,
+            freq_scale=hp.rope_freq_scale,
+            neox=False,
+            freq_factors=freq_factors,
+        ),
+        qkv=(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
+        kq_scale=inv_sqrt(hp.n_embd_head_k),
+        wo=b + "attn_output.weight",
+        ffn_norm=b + "ffn_norm.weight",
+        ffn_gate=b + "ffn_gate.weight",
+        ffn_up=b + "ffn_up.weight",
+        ffn_down=b + "ffn_down.weight",
+        act="silu",
+        moe=moe,
+    )
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
@@ -23,34 +63,6 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     x = ctx.build_inp_embd("token_embd.weight")
     ff = ROPE_FREQS if ROPE_FREQS in ctx.w else None
     for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-        q, k, v = blocks.build_qkv(ctx, hp, b, cur)
-        q = ctx.build_rope(
-            q, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False, freq_factors=ff
-        )
-        k = ctx.build_rope(
-            k, n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=False, freq_factors=ff
-        )
-        cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=inv_sqrt(hp.n_embd_head_k))
-        if il == hp.n_layer - 1:
-            cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
-        ffn_inp = cur + x
-        cur = ctx.build_norm(ffn_inp, b + "ffn_norm.weight", hp.eps)
-        if hp.n_expert > 0:
-            cur = ctx.build_moe_ffn(
-                cur,
-                gate_inp=b + "ffn_gate_inp.weight",
-                up_exps=b + "ffn_up_exps.weight",
-                gate_exps=b + "ffn_gate_exps.weight",
-                down_exps=b + "ffn_down_exps.weight",
-                n_expert_used=hp.n_expert_used,
-                norm_w=True,
-            )
-        else:
-            cur = ctx.build_ffn(
-                cur, up=b + "ffn_up.weight", gate=b + "ffn_gate.weight", down=b + "ffn_down.weight", act="silu"
-            )
-        x = cur + ffn_inp
+        x = build_layer(ctx, layer_spec(hp, il, ff), il, x, last=il == hp.n_layer - 1)
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
     return ctx.build_output(x)

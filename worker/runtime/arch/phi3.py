@@ -19,6 +19,7 @@ import torch
 
 from loraplane.formats.arch.phi3 import ROPE_LONG, ROPE_SHORT, HParams
 from worker.runtime.graph import GraphContext, inv_sqrt
+from worker.runtime.layer import LayerSpec, Rope, build_layer
 
 
 def rope_factors(ctx: GraphContext, hp: HParams) -> str | None:
@@ -29,33 +30,43 @@ def rope_factors(ctx: GraphContext, hp: HParams) -> str | None:
     return name if name in ctx.w else None
 
 
+def layer_spec(hp: HParams, il: int, freq_factors: str | None) -> LayerSpec:
+    """Layer ``il``'s rules: fused or separate q/k/v, NEOX rope with LongRoPE factors and
+    ``rope_attn_factor``, q times 1/sqrt(head_dim), fused gate/up SwiGLU."""
+    b = f"blk.{il}."
+    qkv = (b + "attn_qkv.weight",) if hp.fused_qkv else (b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight")
+    return LayerSpec(
+        prefix=b,
+        n_head=hp.n_head,
+        n_head_kv=hp.n_head_kv,
+        dk=hp.n_embd_head_k,
+        dv=hp.n_embd_head_v,
+        eps=hp.eps,
+        rope=Rope(
+            n_rot=hp.n_rot,
+            freq_base=hp.rope_freq_base,
+            freq_scale=hp.rope_freq_scale,
+            neox=True,
+            freq_factors=freq_factors,
+            attn_factor=hp.rope_attn_factor,
+        ),
+        qkv=qkv,
+        q_scale=inv_sqrt(hp.n_embd_head_k),
+        kq_scale=1.0,
+        wo=b + "attn_output.weight",
+        ffn_norm=b + "ffn_norm.weight",
+        ffn_gate=None,
+        ffn_up=b + "ffn_up.weight",
+        ffn_down=b + "ffn_down.weight",
+        act="silu",
+    )
+
+
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight")
-    n = x.shape[0]
-    q_w, k_w = hp.n_head * hp.n_embd_head_k, hp.n_head_kv * hp.n_embd_head_k
     ff = rope_factors(ctx, hp)
     for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        cur = ctx.build_norm(x, b + "attn_norm.weight", hp.eps)
-        if hp.fused_qkv:
-            qkv = ctx.build_lora_mm(b + "attn_qkv.weight", cur)
-            q, k, v = qkv[:, :q_w], qkv[:, q_w : q_w + k_w], qkv[:, q_w + k_w :]
-        else:
-            q, k, v = ctx.build_lora_mm_group((b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"), cur)
-        q = q.reshape(n, hp.n_head, hp.n_embd_head_k)
-        k = k.reshape(n, hp.n_head_kv, hp.n_embd_head_k)
-        v = v.reshape(n, hp.n_head_kv, hp.n_embd_head_v)
-        for_rope = dict(freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale)
-        q = ctx.build_rope(q, n_rot=hp.n_rot, neox=True, freq_factors=ff, attn_factor=hp.rope_attn_factor, **for_rope)
-        k = ctx.build_rope(k, n_rot=hp.n_rot, neox=True, freq_factors=ff, attn_factor=hp.rope_attn_factor, **for_rope)
-        q = q * inv_sqrt(hp.n_embd_head_k)
-        cur = ctx.build_attn(il, q, k, v, wo=b + "attn_output.weight", kq_scale=1.0)
-        if il == hp.n_layer - 1:
-            cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
-        ffn_inp = cur + x
-        cur = ctx.build_norm(ffn_inp, b + "ffn_norm.weight", hp.eps)
-        cur = ctx.build_ffn(cur, up=b + "ffn_up.weight", gate=None, down=b + "ffn_down.weight", act="silu")
-        x = cur + ffn_inp
+        x = build_layer(ctx, layer_spec(hp, il, ff), il, x, last=il == hp.n_layer - 1)
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
     return ctx.build_output(x)

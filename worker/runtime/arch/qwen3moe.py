@@ -10,32 +10,31 @@ SiLU-gated FFN of ``expert_feed_forward_length``; no shared expert → residual.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 
 from loraplane.formats.arch.qwen3moe import HParams
-from worker.runtime.arch import qwen3
+from worker.runtime.arch import qwen2, qwen3
 from worker.runtime.graph import GraphContext
+from worker.runtime.layer import LayerSpec, MoeFFN
+
+
+def layer_spec(hp: Any, il: int) -> LayerSpec:
+    """Qwen 3's layer with a softmax-gated top-k mixture of experts, weights renormalised."""
+    b = f"blk.{il}."
+    moe = MoeFFN(
+        gate_inp=b + "ffn_gate_inp.weight",
+        up_exps=b + "ffn_up_exps.weight",
+        gate_exps=b + "ffn_gate_exps.weight",
+        down_exps=b + "ffn_down_exps.weight",
+        n_expert_used=hp.n_expert_used,
+        norm_w=True,
+    )
+    return replace(qwen3.layer_spec(hp, il), moe=moe)
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
-    x = ctx.build_inp_embd("token_embd.weight")
-    for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        cur = qwen3.build_attn_block(ctx, hp, il, x)
-        if il == hp.n_layer - 1:
-            cur, x = ctx.build_inp_out_ids(cur), ctx.build_inp_out_ids(x)
-        ffn_inp = cur + x
-        cur = ctx.build_norm(ffn_inp, b + "ffn_norm.weight", hp.eps)
-        cur = ctx.build_moe_ffn(
-            cur,
-            gate_inp=b + "ffn_gate_inp.weight",
-            up_exps=b + "ffn_up_exps.weight",
-            gate_exps=b + "ffn_gate_exps.weight",
-            down_exps=b + "ffn_down_exps.weight",
-            n_expert_used=hp.n_expert_used,
-            norm_w=True,
-        )
-        x = cur + ffn_inp
-    x = ctx.build_norm(x, "output_norm.weight", hp.eps)
-    return ctx.build_output(x)
+    return qwen2.build_layers(ctx, hp, layer_spec)

@@ -35,7 +35,7 @@ KERNELS_DIR = Path(__file__).resolve().parent
 CSRC_DIR = KERNELS_DIR / "csrc"
 LIB_DIR = KERNELS_DIR / "_build"  # where an in-place build puts the libraries, and the loader looks
 # Compiled into every ISA's library (each exports what csrc/api.h declares).
-SOURCES = ["qmm.cpp", "qmm16.cpp", "threadpool.cpp", "sample.cpp", "attn.cpp", "lora.cpp", "norm.cpp"]
+SOURCES = ["qmm.cpp", "qmm16.cpp", "threadpool.cpp", "sample.cpp", "attn.cpp", "lora.cpp", "norm.cpp", "layer.cpp"]
 API_HEADER = "api.h"  # the exported signatures, read by library.py to bind them
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-fno-math-errno"]

@@ -14,6 +14,8 @@
 
 #include <stdint.h>
 
+#include "layer.h"
+
 #if defined(LP_AMX)
 #define LP_FN(name) lp_amx_##name
 #elif defined(LP_AVX512)
@@ -61,6 +63,12 @@ LP_EXPORT int LP_FN(attn_decode)(const float* q, int64_t q_ld, const void* k, co
 // sample.cpp: fused max / log-sum-exp / top-k of logits rows
 LP_EXPORT int LP_FN(logits_summary)(const float* x, int64_t ldx, const int64_t* rows, int n, int v, int k, float* mx,
                                     float* logsum, int32_t* top_ids, float* top_vals, int nthreads);
+
+// layer.cpp: one decoder layer of a ubatch in one call (descriptors in layer.h)
+LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int64_t* cache_rows, const int64_t* pos,
+                                   const float* cos_t, const float* sin_t, const LpPairs* pairs, int nthreads);
+// sizes[0..4] = sizeof LpMatmul, LpLora, LpProj, LpPairs, LpLayer (the ctypes mirror checks them)
+LP_EXPORT void LP_FN(layer_abi)(int64_t* sizes);
 
 // threadpool.cpp: the threading backend of lp::parallel_for
 LP_EXPORT void LP_FN(threads_config)(int backend, int spin_us, int backoff_ms);

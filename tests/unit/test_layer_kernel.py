@@ -1,0 +1,160 @@
+"""The layer kernel (``worker/runtime/kernels/csrc/layer.cpp`` via ``worker.runtime.layer``) against
+the op-by-op graph it replaces (``LORAPLANE_LAYER=torch``, the reference): the real Gemma 3 270M
+(packed Q4_K_M) with and without its fixture adapters in mixed ubatches (prompt rows and decode
+rows together), rows bit-identical alone or batched, one kernel call per layer; and (slow) every
+tiny architecture quantized to the 32-element block types.
+
+Bound: per row max |Δ log-prob| ≤ ``LOGP_TOL`` over the whole vocabulary and the same argmax. The
+two paths differ by float rounding only: the kernel attends prompt rows with the decode
+attention kernel (online softmax, f32) where the graph calls torch's SDPA, fuses its rope and
+activation arithmetic in C, and adds q/k/v biases in another order; Gemma's residual outliers
+(|x| ≈ 250) carry a last-bit difference through the int16 activation roundings of 18 layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from worker.lora.adapter import load_lora_adapter
+from worker.lora.adapter_set import AdapterSet
+from worker.runtime.context import Model, UBatch
+from worker.runtime.kernels import cpu
+from worker.runtime.kernels.layer import LayerKernel
+from worker.runtime.model import load_model
+
+LOGP_TOL = 0.03
+
+pytestmark = pytest.mark.skipif(not cpu.supported("avx2"), reason="the layer kernel needs the avx2 C kernels")
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    calls = []
+    orig = LayerKernel.forward
+
+    def forward(self, x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return orig(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(LayerKernel, "forward", forward)
+    return calls
+
+
+def _script(model: Model, sets: list[AdapterSet]) -> list[torch.Tensor]:
+    """Log-probs of every output row of three ubatches: two prompts (7 and 12 rows, one per
+    set), then a mixed ubatch (a third prompt of 5 rows + one decode row of each sequence)."""
+    ctx = model.new_context(n_ctx_seq=64, n_seq=4)
+    try:
+        ctx.set_adapters(sets)
+        g = torch.Generator().manual_seed(5)
+        tok = lambda n: torch.randint(3, 5000, (n,), generator=g).tolist()  # noqa: E731
+        out = []
+        ub = UBatch(tok(19), list(range(7)) + list(range(12)), [0] * 7 + [1] * 12, [True] * 19)
+        ub.set_index = [0] * 7 + [len(sets) - 1] * 12
+        out.append(ctx.decode(ub).logits)
+        ub = UBatch(tok(7), list(range(5)) + [7, 12], [2] * 5 + [0, 1], [True] * 7)
+        ub.set_index = [0] * 5 + [0, len(sets) - 1]
+        out.append(ctx.decode(ub).logits)
+        return [torch.log_softmax(t.float(), -1) for t in out]
+    finally:
+        ctx.close()
+
+
+def _compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> float:
+    worst = 0.0
+    for a, b in zip(ref, got, strict=True):
+        assert a.shape == b.shape
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_gemma_layer_kernel_matches_the_graph(gemma_packed, fixtures_dir: Path, monkeypatch, count_calls, with_lora):
+    model = gemma_packed
+    sets = [AdapterSet()]
+    ids = []
+    if with_lora:
+        base = model.base
+        for i, name in enumerate(("shout", "sea")):
+            a = load_lora_adapter(
+                fixtures_dir / "adapters" / f"{name}.gguf",
+                base_arch=base.arch,
+                base_tensors=base.tensor_ne,
+                device_for=base.device_of,
+                dtype=base.dtype,
+            )
+            model.adapters.add(900 + i, a)
+            ids.append(900 + i)
+        shout, sea = (model.adapters.by_id[i] for i in ids)
+        sets = [AdapterSet.of({ids[0]: (shout, 1.0)}), AdapterSet.of({ids[0]: (shout, 0.5), ids[1]: (sea, 1.0)})]
+    try:
+        monkeypatch.setenv("LORAPLANE_LAYER", "torch")
+        ref = _script(model, sets)
+        assert count_calls == []
+        monkeypatch.setenv("LORAPLANE_LAYER", "c")
+        got = _script(model, sets)
+        n_layer = model.base.hparams.n_layer
+        assert count_calls == [19] * n_layer + [7] * n_layer  # one call per layer per ubatch
+        worst = _compare(ref, got)
+        print(f"gemma lora={with_lora}: max |Δ log-prob| {worst:.3g}")
+        assert worst <= LOGP_TOL
+    finally:
+        for i in ids:
+            model.adapters.free(i)
+
+
+def test_gemma_layer_kernel_rows_alone_equal_batched(gemma_packed, monkeypatch):
+    """A decode row's logits are bit-identical whether its ubatch holds 1 or 5 sequences."""
+    monkeypatch.setenv("LORAPLANE_LAYER", "c")
+    ctx = gemma_packed.new_context(n_ctx_seq=32, n_seq=5)
+    try:
+        ctx.set_adapters(AdapterSet())
+        prompts = [[2, 10 + s, 300 + 7 * s, 41] for s in range(5)]
+        for s, p in enumerate(prompts):
+            ctx.decode(UBatch(p, list(range(4)), [s] * 4, [False] * 4))
+        batched = ctx.decode(UBatch([77, 78, 79, 80, 81], [4] * 5, list(range(5)), [True] * 5)).logits
+        for s in range(5):
+            ctx.kv.seq_rm(s, 4)
+        for s in range(5):
+            alone = ctx.decode(UBatch([77 + s], [4], [s], [True])).logits
+            assert torch.equal(alone[0], batched[s])
+    finally:
+        ctx.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2"])
+def test_tiny_archs_layer_kernel_matches_the_graph(arch, tmp_path, monkeypatch, count_calls):
+    """Each tiny architecture (``tests/helpers/tiny_models.py``) with its matrices quantized
+    (Q8_0, Q4_0, Q5_1 in turn), base and with its rank-4 adapter: the kernel takes every dense
+    layer (the mixture of experts keeps the graph) and gives the graph's log-probs."""
+    from tests.helpers.gguf_retype import quantize_gguf
+    from tests.helpers.tiny_models import MODELS
+    from tests.helpers.tiny_models import adapter as tiny_adapter
+
+    T = gguf.GGMLQuantizationType
+    src = MODELS[arch](tmp_path / f"{arch}.gguf")
+    path = quantize_gguf(src, tmp_path / f"{arch}-q.gguf", [T.Q8_0, T.Q4_0, T.Q5_1])
+    base = load_model(path, dtype="f32", device="cpu", weights="packed")
+    model = Model(base)
+    a = load_lora_adapter(
+        tiny_adapter(arch, tmp_path / f"{arch}-lora.gguf"),
+        base_arch=base.arch,
+        base_tensors=base.tensor_ne,
+        device_for=base.device_of,
+        dtype=base.dtype,
+    )
+    model.adapters.add(1, a)
+    sets = [AdapterSet(), AdapterSet.of({1: (a, 1.0)})]
+    monkeypatch.setenv("LORAPLANE_LAYER", "torch")
+    ref = _script(model, sets)
+    monkeypatch.setenv("LORAPLANE_LAYER", "c")
+    got = _script(model, sets)
+    n_layer = base.hparams.n_layer
+    assert count_calls == ([] if arch == "qwen3moe" else [19] * n_layer + [7] * n_layer)
+    assert _compare(ref, got) <= 5e-3  # float rounding through 2 layers (module docstring)

@@ -1,0 +1,261 @@
+"""The layer kernel (``csrc/layer.cpp``): one decoder layer of a ubatch in one C call.
+
+:class:`LayerKernel` holds one layer's descriptor (``csrc/layer.h`` ``LpLayer``, mirrored here with
+ctypes) built once from the packed weights, and :meth:`LayerKernel.forward` fills what changes per
+ubatch (the KV cache tensors, the rope tables, the LoRA branches of the slots in use) and runs
+the layer on the residual stream in place. ``worker.runtime.layer`` decides when it applies and
+keeps the torch form of the same layer as the reference.
+
+``LORAPLANE_LAYER`` = ``auto`` (default: the kernel wherever it takes the layer) | ``c`` (the
+same, named) | ``torch`` (always the op-by-op graph; for measurement and as the reference).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.runtime.kernels import cpu, library
+from worker.runtime.kernels.attn import MIN_PARALLEL_WORK
+from worker.runtime.kernels.linear import KernelError, QuantLinear
+from worker.runtime.kernels.lora import PARALLEL_MIN_MACS, PARALLEL_MIN_SLOT_FLOATS, LoraPairs
+from worker.runtime.kernels.norm import MIN_PARALLEL as NORM_MIN_PARALLEL
+
+LAYER_PATHS = ("auto", "c", "torch")
+ACT_CODE = {"silu": 0, "gelu": 1}
+KV_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MAX_PARTS = 3  # matmuls or logical weights per projection (csrc/layer.h LpProj)
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_F = ctypes.c_float
+_L = ctypes.c_int64
+
+
+class LpMatmul(ctypes.Structure):
+    _fields_ = [("qw", _P), ("sc", _P), ("bias", _P), ("off", _F), ("d", _I), ("k", _I), ("bs", _I),
+                ("is_signed", _I), ("act", _I)]  # fmt: skip
+
+
+class LpLora(ctypes.Structure):
+    _fields_ = [("col", _I), ("d", _I), ("lora_a", _P), ("lora_bt", _P), ("lora_R", _I), ("lora_nthreads", _I),
+                ("lora_rank", _P), ("lora_factor", _P), ("add_bias", _P)]  # fmt: skip
+
+
+class LpProj(ctypes.Structure):
+    _fields_ = [("mm", LpMatmul * MAX_PARTS), ("n_mm", _I), ("d", _I), ("part", LpLora * MAX_PARTS),
+                ("n_part", _I), ("pad_", _I)]  # fmt: skip
+
+
+class LpPairs(ctypes.Structure):
+    _fields_ = [("slot", _P), ("scale", _P), ("row_ptr", _P)]
+
+
+class LpLayer(ctypes.Structure):
+    _fields_ = [
+        ("n_embd", _I), ("n_head", _I), ("n_head_kv", _I), ("dk", _I), ("dv", _I), ("n_ff", _I),
+        ("eps", _F),
+        ("n_rot", _I), ("neox", _I), ("n_swa", _I), ("act", _I), ("kv_dtype", _I),
+        ("q_scale", _F), ("kq_scale", _F), ("softcap", _F), ("pad_", _I),
+        ("attn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P), ("ffn_norm", _P),
+        ("post_ffw_norm", _P), ("k_cache", _P), ("v_cache", _P),
+        ("ks0", _L), ("ks1", _L), ("ks2", _L), ("vs0", _L), ("vs1", _L), ("vs2", _L),
+        ("norm_min_parallel", _L), ("attn_min_parallel_work", _L),
+        ("qkv", LpProj), ("wo", LpProj), ("ffn_in", LpProj), ("down", LpProj),
+    ]  # fmt: skip
+
+
+_FN: dict[str, Any] = {}
+_CHECKED: set[str] = set()
+
+
+def resolve_layer(want: str | None = None) -> str:
+    """'c' or 'torch': ``want``, else ``$LORAPLANE_LAYER``, else auto ('c' on the C kernel paths).
+
+    Raises:
+        KernelPathError: unknown name.
+    """
+    w = want or os.environ.get("LORAPLANE_LAYER", "auto")
+    if w not in LAYER_PATHS:
+        raise cpu.KernelPathError(f"unknown layer path '{w}' (expected {', '.join(LAYER_PATHS)})")
+    if w == "torch":
+        return "torch"
+    return "c" if cpu.resolve_path() != "torch" else "torch"
+
+
+def _fn(path: str) -> Any:
+    """The ``layer_forward`` export of ``path``'s library; checks once that the ctypes mirror has
+    the C structs' sizes (``layer_abi``).
+
+    Raises:
+        KernelError: the mirror and the library disagree (a stale library or an edited header).
+    """
+    f = _FN.get(path)
+    if f is None:
+        lib = library.load(path)
+        sizes = (ctypes.c_int64 * 5)()
+        getattr(lib, f"lp_{path}_layer_abi")(ctypes.addressof(sizes))
+        want = [ctypes.sizeof(t) for t in (LpMatmul, LpLora, LpProj, LpPairs, LpLayer)]
+        if list(sizes) != want:
+            raise KernelError(f"layer kernel ABI mismatch: library struct sizes {list(sizes)}, ctypes {want}")
+        f = _FN[path] = getattr(lib, f"lp_{path}_layer_forward")
+    return f
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass
+class Part:
+    """One logical weight of a projection (a name the LoRA pool and the adapters know)."""
+
+    name: str
+    col: int
+    d: int
+    bias: torch.Tensor | None
+
+
+def _fill_matmul(dst: LpMatmul, w: QuantLinear) -> None:
+    assert w.qw is not None and w.scale is not None
+    dst.qw, dst.sc, dst.bias = w.qw.data_ptr(), w.scale.data_ptr(), _ptr(w.bias)
+    dst.off, dst.d, dst.k, dst.bs, dst.is_signed = w.offset, w.d, w.k, w.bs, int(w.signed)
+    dst.act = 0 if w.resolved_act() == "i16" else 1
+
+
+class LayerKernel:
+    """One layer's descriptor for ``layer_forward``, built once per model and layer.
+
+    Args:
+        dims: n_embd, n_head, n_head_kv, dk, dv, n_ff.
+        norms: tensor by role ('attn_norm', 'q_norm', 'k_norm', 'post_attn_norm', 'ffn_norm',
+            'post_ffw_norm'), f32 ``(n_embd,)`` or ``(dk,)``; absent roles are None.
+        projections: per projection ('qkv', 'wo', 'ffn_in', 'down') its packed matmuls (outputs
+            side by side) and its logical weights (:class:`Part`, columns over those outputs).
+        scalars: eps, n_rot, neox, n_swa, act, q_scale, kq_scale, softcap.
+    Raises:
+        KernelError: more than 3 matmuls or parts in a projection, or widths that do not add up.
+    """
+
+    def __init__(
+        self,
+        dims: Sequence[int],
+        norms: dict[str, torch.Tensor | None],
+        projections: dict[str, tuple[list[QuantLinear], list[Part]]],
+        scalars: dict[str, Any],
+    ):
+        L = self.desc = LpLayer()
+        L.n_embd, L.n_head, L.n_head_kv, L.dk, L.dv, L.n_ff = dims
+        L.eps = scalars["eps"]
+        L.n_rot, L.neox, L.n_swa = scalars["n_rot"], int(scalars["neox"]), scalars["n_swa"]
+        L.act = ACT_CODE[scalars["act"]]
+        L.q_scale, L.kq_scale, L.softcap = scalars["q_scale"], scalars["kq_scale"], scalars["softcap"]
+        L.norm_min_parallel, L.attn_min_parallel_work = NORM_MIN_PARALLEL, MIN_PARALLEL_WORK
+        self._keep: list[Any] = []  # tensors whose pointers the descriptor holds
+        for role, t in norms.items():
+            if t is not None:
+                t = t.float().contiguous()
+                self._keep.append(t)
+            setattr(L, role, _ptr(t))
+        self.parts: dict[str, list[Part]] = {}
+        for role, (mms, parts) in projections.items():
+            proj: LpProj = getattr(L, role)
+            if len(mms) > MAX_PARTS or len(parts) > MAX_PARTS:
+                raise KernelError(f"{role}: {len(mms)} matmuls / {len(parts)} parts, at most {MAX_PARTS}")
+            for i, w in enumerate(mms):
+                _fill_matmul(proj.mm[i], w)
+            proj.n_mm, proj.d, proj.n_part = len(mms), sum(w.d for w in mms), len(parts)
+            if sum(p.d for p in parts) != proj.d:
+                raise KernelError(f"{role}: parts cover {sum(p.d for p in parts)} of {proj.d} columns")
+            for i, p in enumerate(parts):
+                proj.part[i].col, proj.part[i].d = p.col, p.d
+                if p.bias is not None:
+                    b = p.bias.float().contiguous()
+                    self._keep.append(b)
+                    proj.part[i].add_bias = b.data_ptr()
+            self.parts[role] = parts
+        self._pairs = LpPairs()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cache_rows: torch.Tensor,
+        pos: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        lora: dict[str, Any] | None,
+        pairs: LoraPairs | None,
+        *,
+        path: str,
+    ) -> torch.Tensor:
+        """Run the layer on x f32 ``(n, n_embd)`` (contiguous; updated in place and returned).
+
+        k_cache / v_cache: the layer's cache tensors ``(n_rows, cap, Hkv, d)``; cache_rows / pos:
+        int64 ``(n,)``; cos_sin: f32 ``(n, 1, n_rot/2)`` each (None when n_rot is 0); lora: weight
+        name → the pool's ``WeightSlots`` for the weights with a branch in use (``u`` used slots
+        as ``lora['_u']``); pairs: the ubatch's (row, slot) pairs.
+
+        Raises:
+            KernelError: the kernel refused the layer (its code in the message).
+        """
+        L = self.desc
+        n = x.shape[0]
+        L.k_cache, L.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        L.kv_dtype = KV_DTYPE_CODE[k_cache.dtype]
+        L.ks0, L.ks1, L.ks2 = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+        L.vs0, L.vs1, L.vs2 = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
+        keep: list[torch.Tensor] = []
+        have_lora = bool(lora) and pairs is not None and int(pairs.row.shape[0]) > 0
+        nt = torch.get_num_threads()
+        for role, parts in self.parts.items():
+            proj: LpProj = getattr(L, role)
+            k = proj.mm[0].k
+            for i, p in enumerate(parts):
+                dst = proj.part[i]
+                ws = lora.get(p.name) if have_lora and lora is not None else None
+                if ws is None:
+                    dst.lora_a = None
+                    continue
+                assert pairs is not None and lora is not None
+                u = lora["_u"]
+                rank = torch.tensor(ws.rank_of[:u], dtype=torch.int32)
+                keep.append(rank)
+                R = int(ws.a.shape[1])
+                P = int(pairs.row.shape[0])
+                span = R * (k + p.d)
+                big = P * span >= PARALLEL_MIN_MACS or pairs.n_slots * span >= PARALLEL_MIN_SLOT_FLOATS
+                dst.lora_a, dst.lora_bt, dst.lora_R = ws.a.data_ptr(), ws.bt.data_ptr(), R
+                dst.lora_rank, dst.lora_factor = rank.data_ptr(), ws.factor.data_ptr()
+                dst.lora_nthreads = nt if big else 1
+        pr = self._pairs
+        if have_lora:
+            assert pairs is not None
+            pr.slot, pr.scale, pr.row_ptr = pairs.slot.data_ptr(), pairs.scale.data_ptr(), pairs.row_ptr.data_ptr()
+        else:
+            pr.slot = pr.scale = pr.row_ptr = None
+        cs = sn = None
+        if cos_sin is not None:
+            cs, sn = cos_sin[0].contiguous(), cos_sin[1].contiguous()
+        rc = _fn(path)(
+            ctypes.addressof(L),
+            x.data_ptr(),
+            n,
+            cache_rows.data_ptr(),
+            pos.data_ptr(),
+            _ptr(cs),
+            _ptr(sn),
+            ctypes.addressof(pr),
+            nt,
+        )
+        if rc != 0:
+            raise KernelError(f"layer kernel refused the layer (code {rc})")
+        return x
+
+
+__all__ = ["LAYER_PATHS", "LayerKernel", "Part", "resolve_layer"]
