@@ -83,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {mname} ({model.base.arch}); weights with int8 activations under the policy: {acts}")
         ctx = model.new_context(n_ctx_seq=512, n_seq=4)
         res = {}
-        head = next(w for n, w in packed.items() if n in LM_HEAD_NAMES and w.act == "i8")
+        head = next((w for n, w in packed.items() if n in LM_HEAD_NAMES and w.act == "i8"), None)
         for st in settings:
-            head.rescore = args.rescore if st == "rescore" else 0
+            if head is not None:
+                head.rescore = args.rescore if st == "rescore" else 0
             old = os.environ.pop("LORAPLANE_KERNEL_ACT", None)
             forced = SETTINGS[st]
             if forced is not None:

@@ -332,6 +332,24 @@ def test_assign_acts_policy(packed, monkeypatch):
     assert [w.act for w in untied.values()] == ["i16", "i8", "i16"]
     float_head = {"output.weight": dataclasses.replace(f)}
     assert assign_acts(float_head) == {}
+    # layer kinds, alone or with the head: every layer's weights of those kinds, nothing else
+    layers = {
+        "token_embd.weight": dataclasses.replace(q8),
+        "blk.0.ffn_down.weight": dataclasses.replace(q5),
+        "blk.1.ffn_down.weight": dataclasses.replace(q5),
+        "blk.1.ffn_up.weight": dataclasses.replace(q5),
+        "blk.1.attn_q.weight": dataclasses.replace(q5),
+        "blk.1.attn_q_norm.weight": dataclasses.replace(f),
+    }
+    assert assign_acts(layers, "ffn_down,lm_head") == {
+        "token_embd.weight": "i8",
+        "blk.0.ffn_down.weight": "i8",
+        "blk.1.ffn_down.weight": "i8",
+    }
+    assert [w.act for w in layers.values()][3:5] == ["i16", "i16"]
+    assert assign_acts(layers, "ffn_in,attn_qkv") == {"blk.1.ffn_up.weight": "i8", "blk.1.attn_q.weight": "i8"}
+    with pytest.raises(ModelError, match="unknown int8 policy 'ffn_in,mlp'"):
+        assign_acts(layers, "ffn_in,mlp")
     monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "everything")
     with pytest.raises(ModelError, match="LORAPLANE_INT8_WEIGHTS='everything'"):
         assign_acts(float_head)

@@ -287,20 +287,33 @@ LM_HEAD_NAMES = ("output.weight", "token_embd.weight")
 ``GraphContext.build_output`` multiplies; the embedding lookup, ``get_rows``, is exact and
 takes no activations)."""
 
-INT8_POLICIES = ("none", "lm_head")
+INT8_KINDS = {
+    "attn_qkv": ("attn_q", "attn_k", "attn_v", "attn_qkv"),
+    "attn_output": ("attn_output",),
+    "ffn_in": ("ffn_gate", "ffn_up"),
+    "ffn_down": ("ffn_down",),
+}
+"""Layer weight kinds a policy may give int8 activations: kind -> the ``blk.N.<name>.weight``
+names it covers (the kinds share one input each: the normed stream, attention's output, the
+normed stream again, the gated activation)."""
+
+INT8_POLICIES = ("none", "lm_head", *INT8_KINDS)
+"""Policy words: 'none', or a comma-separated list of 'lm_head' and the layer kinds."""
 
 
 def int8_policy() -> str:
     """The activation-precision policy of :func:`assign_acts`: ``$LORAPLANE_INT8_WEIGHTS``,
-    'none' (default: int16 everywhere) or 'lm_head' (the LM head takes int8 activations and
-    re-scores its top candidates with int16).
+    'none' (default: int16 everywhere) or a comma-separated list of 'lm_head' (the LM head
+    takes int8 activations and re-scores its top candidates with int16) and layer weight kinds
+    (:data:`INT8_KINDS`: those weights of every layer take int8 activations).
 
     Raises:
-        ModelError: another value.
+        ModelError: an unknown word.
     """
     want = os.environ.get("LORAPLANE_INT8_WEIGHTS", "none")
-    if want not in INT8_POLICIES:
-        raise ModelError(f"LORAPLANE_INT8_WEIGHTS={want!r}: expected one of {', '.join(INT8_POLICIES)}")
+    bad = [w for w in want.split(",") if w not in INT8_POLICIES]
+    if bad:
+        raise ModelError(f"LORAPLANE_INT8_WEIGHTS={want!r}: expected a list of {', '.join(INT8_POLICIES)}")
     return want
 
 
@@ -319,6 +332,8 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None) -> dict[s
       int8 activations (llama.cpp's ``q8_0`` per 32; the AMX tiles where the CPU has them) and
       re-scores each row's top :data:`LM_HEAD_RESCORE` logits with int16; every other weight
       int16.
+    - a layer kind of :data:`INT8_KINDS` (several: comma-separated, with or without 'lm_head'):
+      those weights of every layer run int8 activations.
 
     Why 'none' is the default (measured; kernels README, "Activation precision per weight"):
     the int8 head keeps every golden bound against llama.cpp on Gemma 3 and Qwen2.5, but a
@@ -339,15 +354,23 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None) -> dict[s
         ModelError: an unknown policy.
     """
     policy = int8_policy() if policy is None else policy
-    if policy not in INT8_POLICIES:
-        raise ModelError(f"unknown int8 policy {policy!r}: expected one of {', '.join(INT8_POLICIES)}")
+    words = set(policy.split(","))
+    bad = sorted(words - set(INT8_POLICIES))
+    if bad:
+        raise ModelError(f"unknown int8 policy {policy!r}: expected a list of {', '.join(INT8_POLICIES)}")
     out: dict[str, str] = {}
     head = next((n for n in LM_HEAD_NAMES if n in weights), None)
-    if policy == "lm_head" and head is not None:
+    if "lm_head" in words and head is not None:
         w = weights[head]
         if isinstance(w, QuantLinear) and w.qw is not None:
             w.act = out[head] = "i8"
             w.rescore = LM_HEAD_RESCORE
+    layer_names = {n for k in words & set(INT8_KINDS) for n in INT8_KINDS[k]}
+    for name, w in weights.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names and parts[3] == "weight":
+            if isinstance(w, QuantLinear) and w.qw is not None:
+                w.act = out[name] = "i8"
     return out
 
 

@@ -168,7 +168,7 @@ void attend_heads(const Args& a, int b, int g, int h0, int nh) {
 //   cache_rows, pos: int64 (B,).
 //   head_block: query heads per task (1..H/Hkv; 0: chosen here from B, Hkv and the threads);
 //     only the split of work, never the result.
-//   min_parallel_work: multiply-adds (sum of keys x H x (dk + dv)) below which one thread runs.
+//   min_parallel_work: multiply-adds (sum of keys x H x (dk + dv)) each thread must get (0: all threads).
 // Returns 0; -1 for an unsupported shape (dk or dv not a multiple of 16 or > 512, H not a
 // multiple of Hkv, unknown dtype), nothing written then.
 LP_EXPORT int LP_FN(attn_decode)(const float* q, int64_t q_ld, const void* k, const void* v, int dtype, int64_t ks0,
@@ -180,16 +180,21 @@ LP_EXPORT int LP_FN(attn_decode)(const float* q, int64_t q_ld, const void* k, co
   if (Hkv <= 0 || H % Hkv || dk % 16 || dv % 16 || dk <= 0 || dv <= 0 || dk > MAX_D || dv > MAX_D) return -1;
   if (dtype < 0 || dtype > 2) return -1;
   const int rep = H / Hkv;
-  // go parallel only for work worth waking threads for (min_parallel_work multiply-adds; the
-  // caller passes ~8M, about 1 ms on one core): a parallel region costs a wake-up per thread,
-  // which on a busy machine takes longer than a short context's whole attention.  The
-  // results do not depend on it.
+  // threads by work: each thread gets at least min_parallel_work multiply-adds (the caller
+  // passes ~1M, about 0.1 ms of one core; 0: every thread), so a short context's attention
+  // stays on the calling thread and a long one uses them all.  The results do not depend on it.
   int64_t work = 0;
   for (int b = 0; b < B; ++b) {
     const int64_t p = pos[b], lo = n_swa > 0 && p - n_swa + 1 > 0 ? p - n_swa + 1 : 0;
     work += (p + 1 - lo) * (int64_t)H * (dk + dv);
   }
-  const int nt = work >= min_parallel_work ? nthreads : 1;
+  int nt = 1;
+  if (min_parallel_work <= 0) {
+    nt = nthreads;
+  } else {
+    const int64_t by_work = work / min_parallel_work;
+    nt = by_work >= nthreads ? nthreads : (by_work < 1 ? 1 : (int)by_work);
+  }
   // auto head block: a KV head's query heads together (K/V read once), split only when there
   // are fewer (row, KV head) pairs than threads
   int hb = head_block;
