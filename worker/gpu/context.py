@@ -98,6 +98,8 @@ class GpuGraphContext(GraphContext):
         out_rows: int64 ``(n_out,)`` rows whose logits are wanted; None = every row.
     """
 
+    takes_layer_kernel = False  # the paged KV cache and the device blocks; never the CPU layer kernel
+
     def __init__(
         self,
         model: LoadedModel,

@@ -110,6 +110,10 @@ class GraphContext:
             between ubatches; a fresh dict when None.
     """
 
+    takes_layer_kernel = True
+    """Whether ``worker.runtime.layer`` may run this context's layers with the layer kernel (its KV
+    cache is a ``KVCache``); the GPU context says no."""
+
     def __init__(
         self,
         weights: dict[str, Any],

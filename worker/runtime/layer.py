@@ -223,7 +223,7 @@ def fused_layer_supported(ctx: GraphContext, spec: LayerSpec, x: torch.Tensor) -
     'dense'), f32 CPU activations, a dense FFN with a known activation, every matmul a packed
     weight, no side-branch LoRA on the layer's weights, a KV cache the attention kernel takes,
     widths that are multiples of 32."""
-    if spec.moe is not None or spec.act not in ACT_CODE or LORA_MODE == "dense":
+    if not ctx.takes_layer_kernel or spec.moe is not None or spec.act not in ACT_CODE or LORA_MODE == "dense":
         return False
     if x.device.type != "cpu" or x.dtype != torch.float32 or ctx.dtype != torch.float32 or x.dim() != 2:
         return False
