@@ -193,13 +193,19 @@ inline void store_kv(void* cache, int dtype, int64_t off, const float* src, int 
   }
 }
 
-// ggml_gelu's tanh form and SiLU, as torch computes them (F.gelu(approximate="tanh"), F.silu).
-inline float gelu_tanh(float x) {
-  const float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
-  const float inner = kBeta * (x + kKappa * x * x * x);
-  return 0.5f * x * (1.0f + tanhf(inner));
+// The gated activation of one row: h = act(g) * u over nff columns (a multiple of 32).
+// SiLU(x) = x * sigmoid(x); ggml_gelu's tanh form 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3),
+// is x * sigmoid(2u) (the same function, never overflowing); sigmoid by the vector e^x of simd.h
+// (Cephes), within a few ulp of torch's F.silu / F.gelu(approximate="tanh").
+inline void gated_act(const float* g, const float* u, float* h, int nff, int act) {
+  const vf two_beta = vset1(2.0f * 0.7978845608028654f), kappa = vset1(0.044715f);
+  for (int j = 0; j < nff; j += W) {
+    const vf x = vload(g + j);
+    vf z = x;
+    if (act == 1) z = vmul(two_beta, vfma(vmul(kappa, vmul(x, x)), x, x));
+    vstore(h + j, vmul(vmul(x, vsigmoid(z)), vload(u + j)));
+  }
 }
-inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
 void rms_rows(const float* x, int64_t ldx, const float* w, int n, int d, float eps, float* y, int64_t ldy,
               int64_t min_parallel, int nthreads) {
@@ -292,12 +298,7 @@ LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int6
   lp::parallel_for(n, (int64_t)n * nff >= ELEM_MIN_PARALLEL ? nthreads : 1, [&](int i) {
     const float* g = gu + (int64_t)i * d_ffn_in;
     const float* u = g + nff;
-    float* hr = h + (int64_t)i * nff;
-    if (act == 0) {
-      for (int j = 0; j < nff; ++j) hr[j] = silu(g[j]) * u[j];
-    } else {
-      for (int j = 0; j < nff; ++j) hr[j] = gelu_tanh(g[j]) * u[j];
-    }
+    gated_act(g, u, h + (int64_t)i * nff, nff, act);
   });
   {
     Quantized qa = make_quantized(h, nff, n, nff);

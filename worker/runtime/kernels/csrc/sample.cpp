@@ -38,30 +38,6 @@ namespace {
 constexpr int CHUNK = 16384;       // entries per work item (64 KiB: pass 2 reads it from L2)
 constexpr int LP_TOPK_MAX = 128;   // largest k
 
-// Cephes expf constants (public domain): ln2 split for the reduction, polynomial for e^r.
-constexpr float LOG2E = 1.44269504088896341f;
-constexpr float LN2_HI = 0.693359375f;
-constexpr float LN2_LO = -2.12194440e-4f;
-constexpr float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e-3f, P3 = 4.1665795894e-2f,
-                P4 = 1.6666665459e-1f, P5 = 5.0000001201e-1f;
-constexpr float EXP_LO = -87.0f;   // below: exp is 0 (e^-87 < 1.7e-38; 2^n stays a normal float)
-
-// e^x for x <= 0 (x < EXP_LO, -inf included, gives 0).
-inline vf vexp(vf x) {
-  const vf x0 = x;
-  x = vmax(x, vset1(EXP_LO));
-  const vf n = vround(vmul(x, vset1(LOG2E)));
-  vf r = vfnma(n, vset1(LN2_HI), x);
-  r = vfnma(n, vset1(LN2_LO), r);
-  vf p = vfma(vset1(P0), r, vset1(P1));
-  p = vfma(p, r, vset1(P2));
-  p = vfma(p, r, vset1(P3));
-  p = vfma(p, r, vset1(P4));
-  p = vfma(p, r, vset1(P5));
-  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
-  return vkeep_ge(x0, EXP_LO, vmul(p, vpow2(n)));
-}
-
 // Sorted (descending value, ascending id among equals) list of at most k entries.
 struct Top {
   float* val;

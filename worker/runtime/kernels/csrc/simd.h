@@ -42,6 +42,10 @@ inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_IN
 inline vf vkeep_ge(vf x, float lo, vf val) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(lo), _CMP_GE_OQ), val);
 }
+// a where x >= lo, else b.
+inline vf vselect_ge(vf x, float lo, vf a, vf b) {
+  return _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(x, _mm512_set1_ps(lo), _CMP_GE_OQ), a);
+}
 #else
 #define LP_MM(op) _mm256_##op
 constexpr int W = 8;
@@ -66,6 +70,9 @@ inline float hmax(vf a) {
 inline unsigned vgt(vf a, vf b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
 inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vkeep_ge(vf x, float lo, vf val) { return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_GE_OQ), val); }
+inline vf vselect_ge(vf x, float lo, vf a, vf b) {
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_set1_ps(lo), _CMP_GE_OQ));
+}
 #endif
 
 inline vf vzero() { return LP_MM(setzero_ps)(); }
@@ -76,6 +83,8 @@ inline vf vadd(vf a, vf b) { return LP_MM(add_ps)(a, b); }
 inline vf vsub(vf a, vf b) { return LP_MM(sub_ps)(a, b); }
 inline vf vmul(vf a, vf b) { return LP_MM(mul_ps)(a, b); }
 inline vf vmax(vf a, vf b) { return LP_MM(max_ps)(a, b); }
+inline vf vmin(vf a, vf b) { return LP_MM(min_ps)(a, b); }
+inline vf vdiv(vf a, vf b) { return LP_MM(div_ps)(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return LP_MM(fmadd_ps)(a, b, c); }    // a*b + c
 inline vf vfnma(vf a, vf b, vf c) { return LP_MM(fnmadd_ps)(a, b, c); }  // c - a*b
 // 2^n for n a vector of integral floats (by the exponent bits; n in -126..127).
@@ -98,5 +107,36 @@ inline void vdacc(vd& lo, vd& hi, vf a) {
   hi = vdadd(hi, LP_MM(cvtps_pd)(vhigh(a)));
 }
 #undef LP_MM
+
+// Cephes expf constants (public domain): ln2 split for the reduction, polynomial for e^r.
+constexpr float LOG2E = 1.44269504088896341f;
+constexpr float LN2_HI = 0.693359375f;
+constexpr float LN2_LO = -2.12194440e-4f;
+constexpr float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e-3f, P3 = 4.1665795894e-2f,
+                P4 = 1.6666665459e-1f, P5 = 5.0000001201e-1f;
+constexpr float EXP_LO = -87.0f;   // below: exp is 0 (e^-87 < 1.7e-38; 2^n stays a normal float)
+
+// e^x for x <= 0 (x < EXP_LO, -inf included, gives 0).
+inline vf vexp(vf x) {
+  const vf x0 = x;
+  x = vmax(x, vset1(EXP_LO));
+  const vf n = vround(vmul(x, vset1(LOG2E)));
+  vf r = vfnma(n, vset1(LN2_HI), x);
+  r = vfnma(n, vset1(LN2_LO), r);
+  vf p = vfma(vset1(P0), r, vset1(P1));
+  p = vfma(p, r, vset1(P2));
+  p = vfma(p, r, vset1(P3));
+  p = vfma(p, r, vset1(P4));
+  p = vfma(p, r, vset1(P5));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vkeep_ge(x0, EXP_LO, vmul(p, vpow2(n)));
+}
+
+// 1 / (1 + e^-z) for any z, through e = e^-|z| (never overflows): 1/(1+e) for z >= 0, e/(1+e) below.
+inline vf vsigmoid(vf z) {
+  const vf e = vexp(vmin(z, vsub(vzero(), z)));
+  const vf inv = vdiv(vset1(1.0f), vadd(vset1(1.0f), e));
+  return vselect_ge(z, 0.0f, inv, vmul(e, inv));
+}
 
 }  // namespace
