@@ -50,10 +50,11 @@ def kernels_used(weights: str, device: str) -> dict:
     ('amx' | 'avx512' | 'avx2'), or 'torch' (dequantized float weights: ``--weights dequant``, CUDA,
     a CPU without AVX2, or ``LORAPLANE_KERNELS=torch``); ``act`` the activation precision of
     the C kernels ('i16' | 'i8' when ``LORAPLANE_KERNEL_ACT`` forces one, else the per-weight
-    policy 'i16, LM head i8'), None for the torch path.
+    policy: ``$LORAPLANE_INT8_WEIGHTS``, else each architecture's measured default), None for the
+    torch path.
     """
     from worker.runtime.kernels import resolve_act, resolve_path
-    from worker.runtime.model import int8_policy
+    from worker.runtime.model import INT8_ARCH_DEFAULTS, int8_policy
 
     if weights == "dequant":
         return {
@@ -74,7 +75,13 @@ def kernels_used(weights: str, device: str) -> dict:
         return {"weights": weights, "path": "torch", "act": None, "summary": "packed, torch fallback (dequantized f32)"}
     forced = os.environ.get("LORAPLANE_KERNEL_ACT")
     # the per-weight policy (model.assign_acts) unless one precision is forced for all weights
-    act = resolve_act() if forced else ("i16, LM head i8" if int8_policy() == "lm_head" else "i16")
+    policy = os.environ.get("LORAPLANE_INT8_WEIGHTS")
+    if forced:
+        act = resolve_act()
+    elif policy:
+        act = "i16" if int8_policy() == "none" else f"i16, i8 for {int8_policy()}"
+    else:  # each architecture's measured default (worker.runtime.model.INT8_ARCH_DEFAULTS)
+        act = "i16 (" + "; ".join(f"{a}: i8 for {p}" for a, p in INT8_ARCH_DEFAULTS.items()) + ")"
     return {
         "weights": weights,
         "path": path,

@@ -350,6 +350,16 @@ def test_assign_acts_policy(packed, monkeypatch):
     assert assign_acts(layers, "ffn_in,attn_qkv") == {"blk.1.ffn_up.weight": "i8", "blk.1.attn_q.weight": "i8"}
     with pytest.raises(ModelError, match="unknown int8 policy 'ffn_in,mlp'"):
         assign_acts(layers, "ffn_in,mlp")
+    # the architecture's measured default when the environment says nothing (Qwen 2: every layer
+    # kind; Gemma and the rest: int16), and the environment over it
+    kinds = {"blk.1.ffn_up.weight": "i8", "blk.1.attn_q.weight": "i8", "blk.0.ffn_down.weight": "i8",
+             "blk.1.ffn_down.weight": "i8"}  # fmt: skip
+    monkeypatch.delenv("LORAPLANE_INT8_WEIGHTS")
+    fresh = lambda: {n: dataclasses.replace(w, act="i16", rescore=0) for n, w in layers.items()}  # noqa: E731
+    assert assign_acts(fresh(), arch="qwen2") == kinds
+    assert assign_acts(fresh(), arch="gemma3") == {}
+    monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "none")
+    assert assign_acts(fresh(), arch="qwen2") == {}
     monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "everything")
     with pytest.raises(ModelError, match="LORAPLANE_INT8_WEIGHTS='everything'"):
         assign_acts(float_head)

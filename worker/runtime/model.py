@@ -219,7 +219,7 @@ def load_model(
         held.update(dense)
     tensor_ne = {name: rec.ne for name, rec in gf.tensors.items()}
     tok = Tokenizer.from_gguf(gf)
-    assign_acts(held)
+    assign_acts(held, arch=gf.arch)
     fused = fuse_projections(held, hparams.n_layer) if form == "packed" and dev.type == "cpu" else {}
     return LoadedModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, form, fused, fused_dense)
 
@@ -300,17 +300,26 @@ normed stream again, the gated activation)."""
 INT8_POLICIES = ("none", "lm_head", *INT8_KINDS)
 """Policy words: 'none', or a comma-separated list of 'lm_head' and the layer kinds."""
 
+INT8_ARCH_DEFAULTS = {"qwen2": "attn_qkv,attn_output,ffn_in,ffn_down"}
+"""The policy an architecture gets when ``$LORAPLANE_INT8_WEIGHTS`` is unset, decided by
+measurement against the llama.cpp goldens (``python -m tests.parity.act_fidelity``; kernels
+README, "Activation precision per weight"): Qwen2.5's layers with int8 activations stay far inside
+the bounds (worst case mean 0.0315 vs 0.0397 with int16) and its B=16 step drops 181 → 139 ms on an
+AVX2 CPU; Gemma's residual outliers put every int8 choice at the bound, so it and every
+architecture not measured keep int16 ('none')."""
 
-def int8_policy() -> str:
-    """The activation-precision policy of :func:`assign_acts`: ``$LORAPLANE_INT8_WEIGHTS``,
-    'none' (default: int16 everywhere) or a comma-separated list of 'lm_head' (the LM head
-    takes int8 activations and re-scores its top candidates with int16) and layer weight kinds
-    (:data:`INT8_KINDS`: those weights of every layer take int8 activations).
+
+def int8_policy(arch: str = "") -> str:
+    """The activation-precision policy of :func:`assign_acts`: ``$LORAPLANE_INT8_WEIGHTS``, else
+    ``arch``'s entry of :data:`INT8_ARCH_DEFAULTS`, else 'none' (int16 everywhere). A policy is
+    'none' or a comma-separated list of 'lm_head' (the LM head takes int8 activations and
+    re-scores its top candidates with int16) and layer weight kinds (:data:`INT8_KINDS`: those
+    weights of every layer take int8 activations).
 
     Raises:
         ModelError: an unknown word.
     """
-    want = os.environ.get("LORAPLANE_INT8_WEIGHTS", "none")
+    want = os.environ.get("LORAPLANE_INT8_WEIGHTS") or INT8_ARCH_DEFAULTS.get(arch, "none")
     bad = [w for w in want.split(",") if w not in INT8_POLICIES]
     if bad:
         raise ModelError(f"LORAPLANE_INT8_WEIGHTS={want!r}: expected a list of {', '.join(INT8_POLICIES)}")
@@ -322,10 +331,10 @@ LM_HEAD_RESCORE = 32
 (:attr:`QuantLinear.rescore`): each row's top logits are then the int16 kernel's bit for bit."""
 
 
-def assign_acts(weights: dict[str, Weight], policy: str | None = None) -> dict[str, str]:
+def assign_acts(weights: dict[str, Weight], policy: str | None = None, *, arch: str = "") -> dict[str, str]:
     """Set each packed weight's activation precision (:attr:`QuantLinear.act`) once, at load.
 
-    ``policy`` (default :func:`int8_policy`):
+    ``policy`` (default :func:`int8_policy` of ``arch``):
 
     - 'none' (the default): int16 activations for every weight.
     - 'lm_head': the LM head (``output.weight`` if present, else the tied ``token_embd``) runs
@@ -335,14 +344,13 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None) -> dict[s
     - a layer kind of :data:`INT8_KINDS` (several: comma-separated, with or without 'lm_head'):
       those weights of every layer run int8 activations.
 
-    Why 'none' is the default (measured; kernels README, "Activation precision per weight"):
-    the int8 head keeps every golden bound against llama.cpp on Gemma 3 and Qwen2.5, but a
-    last-bit float difference upstream (another ubatch shape, KV reused from the prefix cache)
-    moves whole int8 rounding steps of the head's input, so results that must agree across
-    batching modes do not: mixed vs compat batching differs by up to 1.1e-2 in a log-prob
-    (6.3e-3 with the re-score: the log-sum-exp still sums the int8 tail), against the 1e-3
-    bound and ≤ 2.3e-3 with int16 everywhere. int8 in every layer also breaks a golden bound
-    (Gemma's |x| ≈ 250 residual outliers).
+    Why int16 stays the default outside :data:`INT8_ARCH_DEFAULTS` (measured; kernels README,
+    "Activation precision per weight"): on Gemma every int8 choice puts a golden group at the
+    bound (its |x| ≈ 250 residual outliers). The batching objection of the op-by-op graph (a
+    last-bit difference upstream — another ubatch shape — moving whole int8 rounding steps, so
+    mixed vs compat batching differed by up to 1.1e-2 in a log-prob against the 1e-3 bound) is gone
+    with the layer kernel (``worker.runtime.layer``), where a row's arithmetic never depends on the
+    other rows of its ubatch.
 
     The choice is per weight, never per batch (batched = alone stays bit-exact).
     ``$LORAPLANE_KERNEL_ACT`` still forces one precision for all weights
@@ -353,7 +361,7 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None) -> dict[s
     Raises:
         ModelError: an unknown policy.
     """
-    policy = int8_policy() if policy is None else policy
+    policy = int8_policy(arch) if policy is None else policy
     words = set(policy.split(","))
     bad = sorted(words - set(INT8_POLICIES))
     if bad:
