@@ -301,15 +301,9 @@ class GraphContext:
             return lora_bgmv(xc, y, w.a, w.bt, rank, w.factor, pairs)
         return lora_dense(x, y, w.a[:u], w.bt[:u], w.factor[:u], self.row_slot)
 
-    def build_lora_mm_group(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
-        """``build_lora_mm(name, x)`` for several weights that read the same ``x``, with as few
-        kernel calls as their packed forms allow: a run of ``names`` fused at load
-        (``self.fused``) is one matmul whose output is split; when more than one packed call
-        remains, ``x`` is quantized once per activation precision those weights use
-        (``quantize_activations``; each weight's own ``QuantLinear.act``) and shared. Results equal
-        the separate calls bit for bit (rows and output rows are independent in the kernels).
-        Each weight's LoRA branch is then added as in ``build_lora_mm``.
-        """
+    def matmul_groups(self, names: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+        """``names`` as the matmuls that compute them side by side: each longest run fused at
+        load (``self.fused``) is one ``(run, fused weight)``, every other name ``((name,), weight)``."""
         calls: list[tuple[tuple[str, ...], Any]] = []
         i = 0
         while i < len(names):
@@ -322,6 +316,18 @@ class GraphContext:
             else:
                 calls.append(((names[i],), self.w[names[i]]))
                 i += 1
+        return calls
+
+    def build_lora_mm_group(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        """``build_lora_mm(name, x)`` for several weights that read the same ``x``, with as few
+        kernel calls as their packed forms allow: a run of ``names`` fused at load
+        (``self.fused``) is one matmul whose output is split; when more than one packed call
+        remains, ``x`` is quantized once per activation precision those weights use
+        (``quantize_activations``; each weight's own ``QuantLinear.act``) and shared. Results equal
+        the separate calls bit for bit (rows and output rows are independent in the kernels).
+        Each weight's LoRA branch is then added as in ``build_lora_mm``.
+        """
+        calls = self.matmul_groups(names)
         n_by_act: dict[str, int] = {}
         for _, w in calls:
             if isinstance(w, QuantLinear) and w.qw is not None:

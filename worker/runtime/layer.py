@@ -102,6 +102,29 @@ class LayerSpec:
         return self.prefix + "attn_norm.weight"
 
 
+def dense_spec(hp: Any, il: int, **rules: Any) -> LayerSpec:
+    """Layer ``il``'s `LayerSpec` with the names and shapes every dense decoder shares (separate
+    ``attn_{q,k,v}``, ``attn_output``, ``ffn_norm``, ``ffn_{gate,up,down}`` of ``blk.{il}.``; heads,
+    head dims and epsilon from ``hp``), then ``rules`` (any field) over them."""
+    b = f"blk.{il}."
+    fields: dict[str, Any] = dict(
+        prefix=b,
+        n_head=hp.n_head,
+        n_head_kv=hp.n_head_kv,
+        dk=hp.n_embd_head_k,
+        dv=hp.n_embd_head_v,
+        eps=hp.eps,
+        qkv=(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
+        wo=b + "attn_output.weight",
+        ffn_norm=b + "ffn_norm.weight",
+        ffn_gate=b + "ffn_gate.weight",
+        ffn_up=b + "ffn_up.weight",
+        ffn_down=b + "ffn_down.weight",
+    )
+    fields.update(rules)
+    return LayerSpec(**fields)
+
+
 def build_layer(ctx: GraphContext, spec: LayerSpec, il: int, x: torch.Tensor, *, last: bool) -> torch.Tensor:
     """Layer ``il`` on the residual stream x ``(n, d)``; returns the next residual stream. On the
     last layer (``last``) only the rows whose logits are wanted continue
@@ -250,20 +273,10 @@ def fused_layer_kernel(ctx: GraphContext, spec: LayerSpec, il: int, x: torch.Ten
 
 
 def _units(ctx: GraphContext, names: tuple[str, ...]) -> list[tuple[tuple[str, ...], object]] | None:
-    """The packed matmuls that compute ``names`` side by side (a run fused at load is one),
-    as ``GraphContext.build_lora_mm_group`` groups them; None when one is not packed."""
-    out: list[tuple[tuple[str, ...], object]] = []
-    i = 0
-    while i < len(names):
-        for j in range(len(names), i + 1, -1):
-            fw = ctx.fused.get(tuple(names[i:j]))
-            if fw is not None:
-                out.append((tuple(names[i:j]), fw))
-                i = j
-                break
-        else:
-            out.append(((names[i],), ctx.w.get(names[i])))
-            i += 1
+    """``GraphContext.matmul_groups`` of ``names``; None when a name is missing or not packed."""
+    if any(n not in ctx.w for n in names):
+        return None
+    out = ctx.matmul_groups(names)
     for _, w in out:
         if not isinstance(w, QuantLinear) or w.qw is None or w.scale is None:
             return None
@@ -346,4 +359,4 @@ def _make_kernel(ctx: GraphContext, s: LayerSpec, d: int) -> LayerKernel | None:
     return LayerKernel((d, s.n_head, s.n_head_kv, s.dk, s.dv, n_ff), norms, projections, scalars)
 
 
-__all__ = ["LayerSpec", "MoeFFN", "Rope", "build_layer", "fused_layer_supported", "reference_layer"]
+__all__ = ["LayerSpec", "MoeFFN", "Rope", "build_layer", "dense_spec", "fused_layer_supported", "reference_layer"]

@@ -17,7 +17,7 @@ import torch
 
 from loraplane.formats.arch.gemma3 import HParams
 from worker.runtime.graph import GraphContext
-from worker.runtime.layer import LayerSpec, Rope, build_layer
+from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec
 
 
 def layer_spec(hp: HParams, il: int) -> LayerSpec:
@@ -25,31 +25,21 @@ def layer_spec(hp: HParams, il: int) -> LayerSpec:
     scale 1), q times ``f_attention_scale``, window on sliding layers, sandwich norms, GELU."""
     b = f"blk.{il}."
     swa = hp.is_swa(il)
-    return LayerSpec(
-        prefix=b,
-        n_head=hp.n_head,
-        n_head_kv=hp.n_head_kv,
-        dk=hp.n_embd_head_k,
-        dv=hp.n_embd_head_v,
-        eps=hp.eps,
+    return dense_spec(
+        hp,
+        il,
         rope=Rope(
             n_rot=hp.n_embd_head_k,
             freq_base=hp.rope_freq_base_swa if swa else hp.rope_freq_base,
             freq_scale=1.0 if swa else hp.rope_freq_scale,
             neox=True,
         ),
-        qkv=(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
         q_norm=b + "attn_q_norm.weight",
         k_norm=b + "attn_k_norm.weight",
         q_scale=hp.f_attention_scale,
         kq_scale=1.0,
         n_swa=hp.n_swa if swa else 0,
-        wo=b + "attn_output.weight",
         post_attn_norm=b + "post_attention_norm.weight",
-        ffn_norm=b + "ffn_norm.weight",
-        ffn_gate=b + "ffn_gate.weight",
-        ffn_up=b + "ffn_up.weight",
-        ffn_down=b + "ffn_down.weight",
         act="gelu",
         post_ffw_norm=b + "post_ffw_norm.weight",
     )

@@ -15,7 +15,7 @@ import torch
 
 from loraplane.formats.arch.llama import ROPE_FREQS, HParams
 from worker.runtime.graph import GraphContext, inv_sqrt
-from worker.runtime.layer import LayerSpec, MoeFFN, Rope, build_layer
+from worker.runtime.layer import LayerSpec, MoeFFN, Rope, build_layer, dense_spec
 
 
 def layer_spec(hp: HParams, il: int, freq_factors: str | None) -> LayerSpec:
@@ -32,13 +32,9 @@ def layer_spec(hp: HParams, il: int, freq_factors: str | None) -> LayerSpec:
             n_expert_used=hp.n_expert_used,
             norm_w=True,
         )
-    return LayerSpec(
-        prefix=b,
-        n_head=hp.n_head,
-        n_head_kv=hp.n_head_kv,
-        dk=hp.n_embd_head_k,
-        dv=hp.n_embd_head_v,
-        eps=hp.eps,
+    return dense_spec(
+        hp,
+        il,
         rope=Rope(
             n_rot=hp.n_rot,
             freq_base=hp.rope_freq_base,
@@ -46,13 +42,7 @@ def layer_spec(hp: HParams, il: int, freq_factors: str | None) -> LayerSpec:
             neox=False,
             freq_factors=freq_factors,
         ),
-        qkv=(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
         kq_scale=inv_sqrt(hp.n_embd_head_k),
-        wo=b + "attn_output.weight",
-        ffn_norm=b + "ffn_norm.weight",
-        ffn_gate=b + "ffn_gate.weight",
-        ffn_up=b + "ffn_up.weight",
-        ffn_down=b + "ffn_down.weight",
         act="silu",
         moe=moe,
     )

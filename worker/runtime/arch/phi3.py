@@ -19,7 +19,7 @@ import torch
 
 from loraplane.formats.arch.phi3 import ROPE_LONG, ROPE_SHORT, HParams
 from worker.runtime.graph import GraphContext, inv_sqrt
-from worker.runtime.layer import LayerSpec, Rope, build_layer
+from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec
 
 
 def rope_factors(ctx: GraphContext, hp: HParams) -> str | None:
@@ -33,15 +33,10 @@ def rope_factors(ctx: GraphContext, hp: HParams) -> str | None:
 def layer_spec(hp: HParams, il: int, freq_factors: str | None) -> LayerSpec:
     """Layer ``il``'s rules: fused or separate q/k/v, NEOX rope with LongRoPE factors and
     ``rope_attn_factor``, q times 1/sqrt(head_dim), fused gate/up SwiGLU."""
-    b = f"blk.{il}."
-    qkv = (b + "attn_qkv.weight",) if hp.fused_qkv else (b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight")
-    return LayerSpec(
-        prefix=b,
-        n_head=hp.n_head,
-        n_head_kv=hp.n_head_kv,
-        dk=hp.n_embd_head_k,
-        dv=hp.n_embd_head_v,
-        eps=hp.eps,
+    fused = {"qkv": (f"blk.{il}.attn_qkv.weight",)} if hp.fused_qkv else {}
+    return dense_spec(
+        hp,
+        il,
         rope=Rope(
             n_rot=hp.n_rot,
             freq_base=hp.rope_freq_base,
@@ -50,14 +45,10 @@ def layer_spec(hp: HParams, il: int, freq_factors: str | None) -> LayerSpec:
             freq_factors=freq_factors,
             attn_factor=hp.rope_attn_factor,
         ),
-        qkv=qkv,
+        **fused,
         q_scale=inv_sqrt(hp.n_embd_head_k),
         kq_scale=1.0,
-        wo=b + "attn_output.weight",
-        ffn_norm=b + "ffn_norm.weight",
         ffn_gate=None,
-        ffn_up=b + "ffn_up.weight",
-        ffn_down=b + "ffn_down.weight",
         act="silu",
     )
 

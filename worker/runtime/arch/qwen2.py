@@ -16,28 +16,17 @@ import torch
 
 from loraplane.formats.arch.qwen2 import HParams
 from worker.runtime.graph import GraphContext, inv_sqrt
-from worker.runtime.layer import LayerSpec, Rope, build_layer
+from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec
 
 
 def layer_spec(hp: Any, il: int) -> LayerSpec:
     """Layer ``il``'s rules: q/k/v biases, NEOX rope, scale 1/sqrt(head_dim), SiLU."""
-    b = f"blk.{il}."
-    return LayerSpec(
-        prefix=b,
-        n_head=hp.n_head,
-        n_head_kv=hp.n_head_kv,
-        dk=hp.n_embd_head_k,
-        dv=hp.n_embd_head_v,
-        eps=hp.eps,
+    return dense_spec(
+        hp,
+        il,
         rope=Rope(n_rot=hp.n_rot, freq_base=hp.rope_freq_base, freq_scale=hp.rope_freq_scale, neox=True),
-        qkv=(b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
         qkv_bias=True,
         kq_scale=inv_sqrt(hp.n_embd_head_k),
-        wo=b + "attn_output.weight",
-        ffn_norm=b + "ffn_norm.weight",
-        ffn_gate=b + "ffn_gate.weight",
-        ffn_up=b + "ffn_up.weight",
-        ffn_down=b + "ffn_down.weight",
         act="silu",
     )
 
