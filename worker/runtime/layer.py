@@ -56,6 +56,20 @@ class MoeFFN:
     norm_w: bool
 
 
+def moe_ffn(il: int, n_expert_used: int, *, norm_w: bool = True) -> MoeFFN:
+    """Layer ``il``'s mixture of experts under the GGUF names every MoE architecture uses
+    (``ffn_gate_inp``, ``ffn_{up,gate,down}_exps``)."""
+    b = f"blk.{il}."
+    return MoeFFN(
+        gate_inp=b + "ffn_gate_inp.weight",
+        up_exps=b + "ffn_up_exps.weight",
+        gate_exps=b + "ffn_gate_exps.weight",
+        down_exps=b + "ffn_down_exps.weight",
+        n_expert_used=n_expert_used,
+        norm_w=norm_w,
+    )
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """Layer ``il``'s rules; tensor names are full GGUF names.
@@ -359,4 +373,13 @@ def _make_kernel(ctx: GraphContext, s: LayerSpec, d: int) -> LayerKernel | None:
     return LayerKernel((d, s.n_head, s.n_head_kv, s.dk, s.dv, n_ff), norms, projections, scalars)
 
 
-__all__ = ["LayerSpec", "MoeFFN", "Rope", "build_layer", "dense_spec", "fused_layer_supported", "reference_layer"]
+__all__ = [
+    "LayerSpec",
+    "MoeFFN",
+    "Rope",
+    "build_layer",
+    "dense_spec",
+    "fused_layer_supported",
+    "moe_ffn",
+    "reference_layer",
+]

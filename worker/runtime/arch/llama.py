@@ -15,23 +15,13 @@ import torch
 
 from loraplane.formats.arch.llama import ROPE_FREQS, HParams
 from worker.runtime.graph import GraphContext, inv_sqrt
-from worker.runtime.layer import LayerSpec, MoeFFN, Rope, build_layer, dense_spec
+from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec, moe_ffn
 
 
 def layer_spec(hp: HParams, il: int, freq_factors: str | None) -> LayerSpec:
     """Layer ``il``'s rules: NORM rope (with ``freq_factors`` when the file has them), scale
     1/sqrt(head_dim), SiLU FFN or a renormalised top-k mixture of experts."""
-    b = f"blk.{il}."
-    moe = None
-    if hp.n_expert > 0:
-        moe = MoeFFN(
-            gate_inp=b + "ffn_gate_inp.weight",
-            up_exps=b + "ffn_up_exps.weight",
-            gate_exps=b + "ffn_gate_exps.weight",
-            down_exps=b + "ffn_down_exps.weight",
-            n_expert_used=hp.n_expert_used,
-            norm_w=True,
-        )
+    moe = moe_ffn(il, hp.n_expert_used) if hp.n_expert > 0 else None
     return dense_spec(
         hp,
         il,

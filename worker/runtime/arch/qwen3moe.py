@@ -18,21 +18,12 @@ import torch
 from loraplane.formats.arch.qwen3moe import HParams
 from worker.runtime.arch import qwen2, qwen3
 from worker.runtime.graph import GraphContext
-from worker.runtime.layer import LayerSpec, MoeFFN
+from worker.runtime.layer import LayerSpec, moe_ffn
 
 
 def layer_spec(hp: Any, il: int) -> LayerSpec:
     """Qwen 3's layer with a softmax-gated top-k mixture of experts, weights renormalised."""
-    b = f"blk.{il}."
-    moe = MoeFFN(
-        gate_inp=b + "ffn_gate_inp.weight",
-        up_exps=b + "ffn_up_exps.weight",
-        gate_exps=b + "ffn_gate_exps.weight",
-        down_exps=b + "ffn_down_exps.weight",
-        n_expert_used=hp.n_expert_used,
-        norm_w=True,
-    )
-    return replace(qwen3.layer_spec(hp, il), moe=moe)
+    return replace(qwen3.layer_spec(hp, il), moe=moe_ffn(il, hp.n_expert_used))
 
 
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
