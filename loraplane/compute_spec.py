@@ -26,6 +26,11 @@ DTYPE_NAMES = ("f32", "bf16", "f16")
 """``--dtype`` values: the compute (activation) dtype, float32 (default; on CPU the C kernels'
 exact path), bfloat16 or float16."""
 
+KV_CACHE_DTYPE_NAMES = ("auto", "f32", "f16", "bf16")
+"""``--kv-cache-dtype`` values: the CPU KV cache's storage (llama-server's ``--cache-type-k/-v``);
+"auto" is f16 under f32 compute (llama.cpp's default), else the compute dtype
+(``worker.runtime.kv_cache.kv_cache_dtype``)."""
+
 DEVICE_SPECS = ("auto", "cpu", "cpu:0", "cuda", "cuda:N")
 """The accepted ``--device`` spellings (``N``: a GPU index, ASCII digits)."""
 
@@ -58,4 +63,4 @@ def check_device_spec(spec: str) -> str:
     return f"{kind}:{int(index)}" if index is not None else kind
 
 
-__all__ = ["DEVICE_METAVAR", "DEVICE_SPECS", "DTYPE_NAMES", "check_device_spec"]
+__all__ = ["DEVICE_METAVAR", "DEVICE_SPECS", "DTYPE_NAMES", "KV_CACHE_DTYPE_NAMES", "check_device_spec"]

@@ -51,6 +51,9 @@ class WorkerConfig:
         batching / prefix_cache: see the enums.
         dtype: compute (activation) dtype, "f32", "bf16" or "f16"
             (``worker.runtime.model.DTYPES``; on CPU f32 is the C kernels' exact path).
+        kv_cache_dtype: the CPU KV cache's storage, "auto" (f16 under f32 compute: llama.cpp's
+            default), "f32", "f16" or "bf16" (``--kv-cache-dtype``;
+            ``worker.runtime.kv_cache.kv_cache_dtype``); the GPU engine takes only "auto".
         weight_form: "packed" (GGUF-quantized matrices, our kernels) or "dequant" (reference).
         device: "auto" (the current CUDA device when present, else CPU), "cpu" / "cpu:0",
             "cuda" (the current CUDA device) or "cuda:N" (``loraplane.compute_spec``); resolved
@@ -103,6 +106,7 @@ class WorkerConfig:
     batching: Batching = Batching.MIXED
     prefix_cache: PrefixCachePolicy = PrefixCachePolicy.KEYED
     dtype: str = "f32"
+    kv_cache_dtype: str = "auto"
     weight_form: str = "packed"
     device: str = "auto"
     n_ctx_seq: int = 4096

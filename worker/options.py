@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES
+from loraplane.compute_spec import DEVICE_METAVAR, DTYPE_NAMES, KV_CACHE_DTYPE_NAMES
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.options import (
     DEVICE,
@@ -150,6 +150,14 @@ WORKER_RUNTIME_OPTIONS = (
         show_default=True,
         help="Compute (activation) dtype; on CPU f32 is the exact kernels' path; f16 is refused for "
         "Gemma 2/3 (their activations overflow it: use bf16).",
+    ),
+    click.Option(
+        ["--kv-cache-dtype"],
+        type=click.Choice(KV_CACHE_DTYPE_NAMES),
+        default=WorkerConfig.kv_cache_dtype,
+        show_default=True,
+        help="KV cache storage on CPU (llama-server's --cache-type-k/-v): auto = f16 with --dtype f32 "
+        "(llama.cpp's default), else the compute dtype; the GPU engine takes only auto.",
     ),
     click.Option(
         ["--weights", "weight_form"],

@@ -46,8 +46,11 @@ def count_calls(monkeypatch):
 
 def _script(model: Model, sets: list[AdapterSet]) -> list[torch.Tensor]:
     """Log-probs of every output row of three ubatches: two prompts (7 and 12 rows, one per
-    set), then a mixed ubatch (a third prompt of 5 rows + one decode row of each sequence)."""
-    ctx = model.new_context(n_ctx_seq=64, n_seq=4)
+    set), then a mixed ubatch (a third prompt of 5 rows + one decode row of each sequence).
+    An f32 KV cache: the comparison is of the two paths' arithmetic; under the default f16
+    cache, K values a last bit apart round to different f16 values and the gap reads ~3x larger
+    (the f16 cache's fidelity against llama.cpp is what tests/parity checks)."""
+    ctx = model.new_context(n_ctx_seq=64, n_seq=4, kv_dtype="f32")
     try:
         ctx.set_adapters(sets)
         g = torch.Generator().manual_seed(5)

@@ -42,7 +42,7 @@ def test_every_worker_option_names_a_config_field():
     names = option_names((*WORKER_OPTIONS, MODEL_OPTION, *WORKER_RUNTIME_OPTIONS))
     strays = [n for n in names if n not in _fields(WorkerConfig) and n not in GRAMMAR_LIMIT_FIELDS]
     assert not strays, f"options without a WorkerConfig field: {strays}"
-    assert len(names) == len(set(names)) == 30
+    assert len(names) == len(set(names)) == 31
 
 
 def test_worker_options_become_the_config(tmp_path):
@@ -72,12 +72,13 @@ def test_worker_argv_gives_the_worker_the_same_values():
     given = [
         "--model", "base.gguf", "--slots", "3", "--dtype", "bf16", "--max-lora-rank", "8",
         "--drain-timeout", "2.5", "--fairness-output-weight", "3", "--grammar-max-rules", "9",
-        "--grammar-warmup", "--metrics-addr", "127.0.0.1:0",
+        "--grammar-warmup", "--metrics-addr", "127.0.0.1:0", "--kv-cache-dtype", "bf16",
     ]  # fmt: skip
     params = _params(worker_cmd, given)
     again = _params(worker_cmd, list(worker_argv(params)))
     assert again == params
     assert params["model_path"] == "base.gguf" and params["drain_timeout_s"] == 2.5
+    assert worker_config(params).kv_cache_dtype == "bf16"
     assert worker_argv({"grammar_warmup": False}) == ("--no-grammar-warmup",)
     with pytest.raises(TypeError, match="'max_tools'"):
         worker_argv({"max_tools": 3})  # the control plane's alone

@@ -28,7 +28,7 @@ from worker.runtime.context_base import (  # the engines' shared types, re-expor
     UBatch,
 )
 from worker.runtime.graph import DecodeRows, GraphContext, GraphInputs, SeqSpan
-from worker.runtime.kv_cache import KVCache, KVCacheError
+from worker.runtime.kv_cache import KVCache, KVCacheError, kv_cache_dtype
 from worker.runtime.model import LoadedModel
 
 
@@ -41,11 +41,24 @@ class WorkerContext(AdapterContext):
         adapters: the model's adapter registry (shared by all contexts of the model).
         n_ctx_seq: KV positions per sequence.
         n_seq: sequences expected at once (``--slots``); the KV cache makes room for them up front.
+        kv_dtype: ``--kv-cache-dtype`` name, "auto" (f16 under f32 compute, as llama.cpp) or
+            f32 / f16 / bf16 (``worker.runtime.kv_cache.kv_cache_dtype``).
+
+    Raises:
+        ValueError: an unknown ``kv_dtype`` name.
     """
 
     kv: KVCache
 
-    def __init__(self, model: LoadedModel, adapters: ModelAdapters, *, n_ctx_seq: int = 4096, n_seq: int = 1):
+    def __init__(
+        self,
+        model: LoadedModel,
+        adapters: ModelAdapters,
+        *,
+        n_ctx_seq: int = 4096,
+        n_seq: int = 1,
+        kv_dtype: str = "auto",
+    ):
         self.arch = arch_registry.get(model.arch, model.path)
         hp = model.hparams
         self.kv = KVCache(
@@ -54,7 +67,7 @@ class WorkerContext(AdapterContext):
             n_embd_head_k=hp.n_embd_head_k,
             n_embd_head_v=hp.n_embd_head_v,
             n_ctx_seq=n_ctx_seq,
-            dtype=model.dtype,
+            dtype=kv_cache_dtype(kv_dtype, model.dtype),
             device=model.device,
             n_seq_hint=n_seq,
         )
@@ -170,9 +183,15 @@ class Model:
         pool = LoraPool(self.max_loras, self.max_lora_rank, dtype=self.base.dtype, device_for=self.base.device_of)
         self.adapters = ModelAdapters(self.base.n_base_tensors, pool)
 
-    def new_context(self, *, n_ctx_seq: int = 4096, n_seq: int = 1, engine: str | None = None) -> AdapterContext:
+    def new_context(
+        self, *, n_ctx_seq: int = 4096, n_seq: int = 1, engine: str | None = None, kv_dtype: str = "auto"
+    ) -> AdapterContext:
         """A context over this model (``n_ctx_seq`` KV positions per sequence, room for
         ``n_seq`` sequences); it shares the model's adapters and slot pool.
+
+        ``kv_dtype``: ``--kv-cache-dtype``, the CPU KV cache's storage ("auto": f16 under f32
+        compute, as llama.cpp; ``worker.runtime.kv_cache.kv_cache_dtype``). The GPU engine
+        takes only "auto" (its paged cache: f16 under 16-bit compute, f32 under f32).
 
         ``engine``: "cpu" (this module's context), "gpu" (``worker.gpu.context``:
         paged KV, Triton kernels, CUDA graphs; on a CPU device it runs under Triton's
@@ -180,13 +199,20 @@ class Model:
         CUDA device and "cpu" elsewhere.
 
         Raises:
-            ValueError: another engine name.
+            ValueError: another engine name, an unknown ``kv_dtype``, or one other than "auto"
+                for the GPU engine.
         """
         want = engine or os.environ.get(ENV_ENGINE) or ("gpu" if self.base.device.type == "cuda" else "cpu")
         if want == "gpu":
             from worker.gpu.context import GpuWorkerContext  # the GPU engine, imported on use
 
+            if kv_dtype != "auto":
+                raise ValueError(
+                    f"--kv-cache-dtype {kv_dtype}: the GPU engine's paged KV cache takes only 'auto' "
+                    "(f16 under 16-bit compute, f32 under f32)"
+                )
+
             return GpuWorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq)
         if want != "cpu":
             raise ValueError(f"unknown engine '{want}' (expected cpu or gpu)")
-        return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq)
+        return WorkerContext(self.base, self.adapters, n_ctx_seq=n_ctx_seq, n_seq=n_seq, kv_dtype=kv_dtype)

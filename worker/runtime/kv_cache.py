@@ -16,6 +16,31 @@ from typing import Protocol
 
 import torch
 
+from loraplane.compute_spec import KV_CACHE_DTYPE_NAMES
+
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+"""``--kv-cache-dtype`` names (``loraplane.compute_spec.KV_CACHE_DTYPE_NAMES`` but "auto") → the
+CPU KV cache's storage dtype (llama-server's ``--cache-type-k`` / ``--cache-type-v``)."""
+
+
+def kv_cache_dtype(name: str, compute: torch.dtype) -> torch.dtype:
+    """The CPU KV cache's storage dtype for ``--kv-cache-dtype`` ``name`` and the compute dtype.
+
+    "auto": f16 under f32 compute — llama.cpp's default ``type_k`` / ``type_v`` (``common.h``
+    ``cache_type_k = GGML_TYPE_F16``), half the bytes the attention reads per key, within the
+    fidelity bounds against llama.cpp (which stores f16 itself) — and the compute dtype under
+    16-bit compute. "f32" / "f16" / "bf16": that dtype (the attention kernel reads all three in
+    place; every value is converted to the cache's dtype when written, as ``ggml_cpy`` does).
+
+    Raises:
+        ValueError: a name outside `KV_CACHE_DTYPE_NAMES`.
+    """
+    if name == "auto":
+        return torch.float16 if compute == torch.float32 else compute
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype '{name}' (expected one of {', '.join(KV_CACHE_DTYPE_NAMES)})")
+    return KV_CACHE_DTYPES[name]
+
 
 class KVStore(Protocol):
     """What the scheduler, the prefix cache and the benches call on a context's KV cache: this

@@ -125,7 +125,9 @@ class WorkerEngine:
         if config.grammar_warmup:
             self.grammar_warmup = start_grammar_warmup(base.tokenizer, base.n_vocab)
         self.model = Model(base, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
-        self.ctx = self.model.new_context(n_ctx_seq=config.n_ctx_seq, n_seq=config.n_seqs)
+        self.ctx = self.model.new_context(
+            n_ctx_seq=config.n_ctx_seq, n_seq=config.n_seqs, kv_dtype=config.kv_cache_dtype
+        )
         self.scheduler = Scheduler(self.ctx, config, self.worker_id)
         self._paging_lock = threading.Lock()
         self._paging_seen: dict[int, tuple[int, int]] = {}  # adapter_paging's last counts

@@ -32,7 +32,7 @@
 
 namespace {
 
-constexpr int TILE = 32;      // key positions per softmax update
+constexpr int TILE = 32;      // key positions per softmax update (a multiple of 8 and of W)
 constexpr int MAX_HB = 4;     // query heads per task (kept in registers together)
 constexpr int MAX_D = 512;    // largest head dim (K or V) supported
 
@@ -83,7 +83,7 @@ void attend(const Args& a, int b, int g, int h0) {
   const float* q[NH];
   for (int r = 0; r < NH; ++r) q[r] = a.q + b * a.q_ld + (int64_t)(h0 + r) * dk;
   alignas(64) float acc[NH][MAX_D];
-  float s[NH][TILE];
+  alignas(64) float s[NH][TILE];
   float M[NH];
   double S[NH];
   for (int r = 0; r < NH; ++r) {
@@ -92,40 +92,91 @@ void attend(const Args& a, int b, int g, int h0) {
     for (int i = 0; i < dv; ++i) acc[r][i] = 0.0f;
   }
   const float scale = a.scale, softcap = a.softcap;
+  alignas(64) float dd[NH][8][W];  // a group of 8 keys' per-lane partial dot products, per head
   for (int64_t t0 = lo; t0 <= p; t0 += TILE) {
     const int nt = (int)(p + 1 - t0 < TILE ? p + 1 - t0 : TILE);
-    // scores of the tile
-    for (int j = 0; j < nt; ++j) {
-      const int64_t ko = (t0 + j) * a.ks1;
-      vf d[NH];
-      for (int r = 0; r < NH; ++r) d[r] = vzero();
-      for (int c = 0; c < nck; ++c) {
-        const vf kv = vload_kv<DT>(krow, ko + c * W);
-        for (int r = 0; r < NH; ++r) d[r] = vfma(vload(q[r] + c * W), kv, d[r]);
+    // scores of the tile: per key the W-lane partial products of q.k (two keys at a time, so
+    // each q vector loaded serves both and 2 x NH independent FMA chains hide the latency),
+    // then 8 keys' sums at once
+    for (int j0 = 0; j0 < TILE; j0 += 8) {
+      const int nj = nt - j0 < 8 ? (nt - j0 > 0 ? nt - j0 : 0) : 8;
+      for (int j = 0; j < 8; j += 2) {
+        vf d0[NH], d1[NH];
+        for (int r = 0; r < NH; ++r) d0[r] = d1[r] = vzero();
+        if (j + 1 < nj) {
+          const int64_t ko0 = (t0 + j0 + j) * a.ks1, ko1 = ko0 + a.ks1;
+          for (int c = 0; c < nck; ++c) {
+            const vf k0 = vload_kv<DT>(krow, ko0 + c * W), k1 = vload_kv<DT>(krow, ko1 + c * W);
+            for (int r = 0; r < NH; ++r) {
+              const vf qv = vload(q[r] + c * W);
+              d0[r] = vfma(qv, k0, d0[r]);
+              d1[r] = vfma(qv, k1, d1[r]);
+            }
+          }
+        } else if (j < nj) {
+          const int64_t ko0 = (t0 + j0 + j) * a.ks1;
+          for (int c = 0; c < nck; ++c) {
+            const vf k0 = vload_kv<DT>(krow, ko0 + c * W);
+            for (int r = 0; r < NH; ++r) d0[r] = vfma(vload(q[r] + c * W), k0, d0[r]);
+          }
+        }
+        for (int r = 0; r < NH; ++r) {
+          vstore(dd[r][j], d0[r]);
+          vstore(dd[r][j + 1], d1[r]);
+        }
       }
-      for (int r = 0; r < NH; ++r) {
-        float x = hsum(d[r]) * scale;
-        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
-        s[r][j] = x;
-      }
+      for (int r = 0; r < NH; ++r) hsum_x8(&dd[r][0][0], s[r] + j0);
+      if (nj < 8) break;
     }
-    // online softmax update: new maximum, rescale factor, weights
+    // scale, soft-cap, the keys past the tile's end masked out
+    for (int r = 0; r < NH; ++r) {
+      for (int j = 0; j < TILE; j += W) vstore(s[r] + j, vmul(vload(s[r] + j), vset1(scale)));
+      if (softcap > 0.0f)
+        for (int j = 0; j < nt; ++j) s[r][j] = softcap * tanhf(s[r][j] / softcap);
+      for (int j = nt; j < TILE; ++j) s[r][j] = -INFINITY;
+    }
+    // online softmax update: new maximum, rescale factor, weights (vector e^x, 0 below -60)
     float alpha[NH];
     for (int r = 0; r < NH; ++r) {
-      float m = M[r];
-      for (int j = 0; j < nt; ++j) m = s[r][j] > m ? s[r][j] : m;
+      vf mv = vload(s[r]);
+      for (int j = W; j < TILE; j += W) mv = vmax(mv, vload(s[r] + j));
+      const float mt = hmax(mv);
+      const float m = mt > M[r] ? mt : M[r];
       alpha[r] = M[r] == -INFINITY ? 0.0f : wexp(M[r] - m);
       M[r] = m;
-      double sum = 0.0;
-      for (int j = 0; j < nt; ++j) {
-        const float w = wexp(s[r][j] - m);
-        s[r][j] = w;
-        sum += (double)w;
+      vf sum = vzero();
+      for (int j = 0; j < TILE; j += W) {
+        const vf x = vsub(vload(s[r] + j), vset1(m));
+        const vf w = vkeep_ge(x, -60.0f, vexp(x));
+        vstore(s[r] + j, w);
+        sum = vadd(sum, w);
       }
-      S[r] = S[r] * (double)alpha[r] + sum;
+      S[r] = S[r] * (double)alpha[r] + (double)hsum(sum);
     }
-    // acc = acc * alpha + sum_j w_j v_j, one vector of dv at a time, keys in order
-    for (int c = 0; c < ncv; ++c) {
+    // acc = acc * alpha + sum_j w_j v_j, keys in order, two vectors of dv at a time (2 x NH
+    // independent FMA chains; each weight broadcast serves both)
+    int c = 0;
+    for (; c + 1 < ncv; c += 2) {
+      vf o0[NH], o1[NH];
+      for (int r = 0; r < NH; ++r) {
+        o0[r] = vmul(vload(acc[r] + c * W), vset1(alpha[r]));
+        o1[r] = vmul(vload(acc[r] + (c + 1) * W), vset1(alpha[r]));
+      }
+      for (int j = 0; j < nt; ++j) {
+        const int64_t vo = (t0 + j) * a.vs1 + c * W;
+        const vf v0 = vload_kv<DT>(vrow, vo), v1 = vload_kv<DT>(vrow, vo + W);
+        for (int r = 0; r < NH; ++r) {
+          const vf w = vset1(s[r][j]);
+          o0[r] = vfma(w, v0, o0[r]);
+          o1[r] = vfma(w, v1, o1[r]);
+        }
+      }
+      for (int r = 0; r < NH; ++r) {
+        vstore(acc[r] + c * W, o0[r]);
+        vstore(acc[r] + (c + 1) * W, o1[r]);
+      }
+    }
+    if (c < ncv) {  // an odd count of vectors (AVX-512 with dv an odd multiple of 16)
       vf o[NH];
       for (int r = 0; r < NH; ++r) o[r] = vmul(vload(acc[r] + c * W), vset1(alpha[r]));
       for (int j = 0; j < nt; ++j) {

@@ -108,6 +108,27 @@ inline void vdacc(vd& lo, vd& hi, vf a) {
 }
 #undef LP_MM
 
+// The horizontal sums of 8 vectors at once: v holds 8 consecutive vf (8 x W floats), out[i] = the
+// sum of the W lanes of vector i (i = 0..7).  A fixed tree (AVX-512: each vector's two halves
+// added first; then pairwise hadds and one cross-lane add), 7 adds for 8 sums where hsum takes
+// 3 per sum; the attention kernel's scores go through it 8 keys at a time.
+inline void hsum_x8(const float* v, float* out) {
+  __m256 h[8];
+  for (int i = 0; i < 8; ++i) {
+#if defined(LP_AVX512)
+    const vf x = vload(v + i * W);
+    h[i] = _mm256_add_ps(vlow(x), vhigh(x));
+#else
+    h[i] = _mm256_loadu_ps(v + i * W);
+#endif
+  }
+  const __m256 h01 = _mm256_hadd_ps(h[0], h[1]), h23 = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 h45 = _mm256_hadd_ps(h[4], h[5]), h67 = _mm256_hadd_ps(h[6], h[7]);
+  // [sums of lanes 0-3 of v0..v3 | sums of lanes 4-7 of v0..v3], the same for v4..v7
+  const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)));
+}
+
 // Cephes expf constants (public domain): ln2 split for the reduction, polynomial for e^r.
 constexpr float LOG2E = 1.44269504088896341f;
 constexpr float LN2_HI = 0.693359375f;
