@@ -28,7 +28,7 @@ exact path), bfloat16 or float16."""
 
 KV_CACHE_DTYPE_NAMES = ("auto", "f32", "f16", "bf16")
 """``--kv-cache-dtype`` values: the CPU KV cache's storage (llama-server's ``--cache-type-k/-v``);
-"auto" is f16 under f32 compute (llama.cpp's default), else the compute dtype
+"auto" is f16 under f32 compute with packed weights (llama.cpp's default), else the compute dtype
 (``worker.runtime.kv_cache.kv_cache_dtype``)."""
 
 DEVICE_SPECS = ("auto", "cpu", "cpu:0", "cuda", "cuda:N")

@@ -157,7 +157,7 @@ WORKER_RUNTIME_OPTIONS = (
         default=WorkerConfig.kv_cache_dtype,
         show_default=True,
         help="KV cache storage on CPU (llama-server's --cache-type-k/-v): auto = f16 with --dtype f32 "
-        "(llama.cpp's default), else the compute dtype; the GPU engine takes only auto.",
+        "and packed weights (llama.cpp's default), else the compute dtype; the GPU engine takes only auto.",
     ),
     click.Option(
         ["--weights", "weight_form"],

@@ -1,6 +1,6 @@
 """``--kv-cache-dtype``: the CPU KV cache's storage (llama-server's ``--cache-type-k/-v``).
 
-"auto" stores f16 under f32 compute, as llama.cpp does by default; the f16 cache's fidelity
+"auto" stores f16 on the packed path under f32 compute, as llama.cpp does by default; the f16 cache's fidelity
 against llama.cpp's own outputs is what tests/parity checks (it runs the default). Here: the
 resolution rule, the refusals, and that f16 and f32 caches give the same greedy tokens on a real
 prompt with log-probs close.
@@ -20,6 +20,7 @@ def test_auto_is_f16_under_f32_compute_and_the_compute_dtype_otherwise():
     assert kv_cache_dtype("auto", torch.float32) == torch.float16
     assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_cache_dtype("auto", torch.float16) == torch.float16
+    assert kv_cache_dtype("auto", torch.float32, "dequant") == torch.float32  # the reference stays f32
     assert kv_cache_dtype("f32", torch.float32) == torch.float32
     assert kv_cache_dtype("bf16", torch.float32) == torch.bfloat16
     with pytest.raises(ValueError, match=r"unknown KV cache dtype 'q8_0' \(expected one of auto, f32, f16, bf16\)"):
@@ -53,7 +54,7 @@ def test_f16_cache_gives_the_f32_caches_greedy_tokens(gemma_packed):
             runs[name] = (lp, toks, torch.cat(rows[1:]))
         finally:
             ctx.close()
-    (lp16, toks16, dec16), (lp32, toks32, dec32) = runs["auto"], runs["f32"]
+    (lp16, toks16, _), (lp32, toks32, dec32) = runs["auto"], runs["f32"]
     top2 = torch.topk(dec32, 2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.2
     assert int(clear.sum()) >= 6

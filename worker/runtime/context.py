@@ -41,8 +41,8 @@ class WorkerContext(AdapterContext):
         adapters: the model's adapter registry (shared by all contexts of the model).
         n_ctx_seq: KV positions per sequence.
         n_seq: sequences expected at once (``--slots``); the KV cache makes room for them up front.
-        kv_dtype: ``--kv-cache-dtype`` name, "auto" (f16 under f32 compute, as llama.cpp) or
-            f32 / f16 / bf16 (``worker.runtime.kv_cache.kv_cache_dtype``).
+        kv_dtype: ``--kv-cache-dtype`` name, "auto" (f16 on the packed path under f32 compute,
+            as llama.cpp) or f32 / f16 / bf16 (``worker.runtime.kv_cache.kv_cache_dtype``).
 
     Raises:
         ValueError: an unknown ``kv_dtype`` name.
@@ -67,7 +67,7 @@ class WorkerContext(AdapterContext):
             n_embd_head_k=hp.n_embd_head_k,
             n_embd_head_v=hp.n_embd_head_v,
             n_ctx_seq=n_ctx_seq,
-            dtype=kv_cache_dtype(kv_dtype, model.dtype),
+            dtype=kv_cache_dtype(kv_dtype, model.dtype, model.weight_form),
             device=model.device,
             n_seq_hint=n_seq,
         )
@@ -189,8 +189,8 @@ class Model:
         """A context over this model (``n_ctx_seq`` KV positions per sequence, room for
         ``n_seq`` sequences); it shares the model's adapters and slot pool.
 
-        ``kv_dtype``: ``--kv-cache-dtype``, the CPU KV cache's storage ("auto": f16 under f32
-        compute, as llama.cpp; ``worker.runtime.kv_cache.kv_cache_dtype``). The GPU engine
+        ``kv_dtype``: ``--kv-cache-dtype``, the CPU KV cache's storage ("auto": f16 on the
+        packed path under f32 compute, as llama.cpp; ``worker.runtime.kv_cache.kv_cache_dtype``). The GPU engine
         takes only "auto" (its paged cache: f16 under 16-bit compute, f32 under f32).
 
         ``engine``: "cpu" (this module's context), "gpu" (``worker.gpu.context``:

@@ -23,20 +23,22 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.fl
 CPU KV cache's storage dtype (llama-server's ``--cache-type-k`` / ``--cache-type-v``)."""
 
 
-def kv_cache_dtype(name: str, compute: torch.dtype) -> torch.dtype:
-    """The CPU KV cache's storage dtype for ``--kv-cache-dtype`` ``name`` and the compute dtype.
+def kv_cache_dtype(name: str, compute: torch.dtype, weight_form: str = "packed") -> torch.dtype:
+    """The CPU KV cache's storage dtype for ``--kv-cache-dtype`` ``name``, the compute dtype and
+    the weight form (``LoadedModel.weight_form``).
 
-    "auto": f16 under f32 compute — llama.cpp's default ``type_k`` / ``type_v`` (``common.h``
-    ``cache_type_k = GGML_TYPE_F16``), half the bytes the attention reads per key, within the
-    fidelity bounds against llama.cpp (which stores f16 itself) — and the compute dtype under
-    16-bit compute. "f32" / "f16" / "bf16": that dtype (the attention kernel reads all three in
-    place; every value is converted to the cache's dtype when written, as ``ggml_cpy`` does).
+    "auto": f16 on the packed (kernel) path under f32 compute — llama.cpp's default ``type_k`` /
+    ``type_v`` (``common.h`` ``cache_type_k = GGML_TYPE_F16``), half the bytes the attention
+    reads per key, within the fidelity bounds against llama.cpp (which stores f16 itself); the
+    compute dtype otherwise (16-bit compute, and the dequantized reference form, which stays f32
+    end to end). "f32" / "f16" / "bf16": that dtype (the attention kernel reads all three in
+    place; values are converted to the cache's dtype when written, as ``ggml_cpy`` does).
 
     Raises:
         ValueError: a name outside `KV_CACHE_DTYPE_NAMES`.
     """
     if name == "auto":
-        return torch.float16 if compute == torch.float32 else compute
+        return torch.float16 if compute == torch.float32 and weight_form == "packed" else compute
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype '{name}' (expected one of {', '.join(KV_CACHE_DTYPE_NAMES)})")
     return KV_CACHE_DTYPES[name]
