@@ -18,10 +18,6 @@ import torch
 
 from loraplane.compute_spec import KV_CACHE_DTYPE_NAMES
 
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-"""``--kv-cache-dtype`` names (``loraplane.compute_spec.KV_CACHE_DTYPE_NAMES`` but "auto") → the
-CPU KV cache's storage dtype (llama-server's ``--cache-type-k`` / ``--cache-type-v``)."""
-
 
 def kv_cache_dtype(name: str, compute: torch.dtype, weight_form: str = "packed") -> torch.dtype:
     """The CPU KV cache's storage dtype for ``--kv-cache-dtype`` ``name``, the compute dtype and
@@ -39,9 +35,11 @@ def kv_cache_dtype(name: str, compute: torch.dtype, weight_form: str = "packed")
     """
     if name == "auto":
         return torch.float16 if compute == torch.float32 and weight_form == "packed" else compute
-    if name not in KV_CACHE_DTYPES:
+    if name not in KV_CACHE_DTYPE_NAMES:
         raise ValueError(f"unknown KV cache dtype '{name}' (expected one of {', '.join(KV_CACHE_DTYPE_NAMES)})")
-    return KV_CACHE_DTYPES[name]
+    from worker.runtime.model import DTYPES  # the --dtype names' map; imported here to keep this module light
+
+    return DTYPES[name]
 
 
 class KVStore(Protocol):
