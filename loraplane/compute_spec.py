@@ -6,7 +6,7 @@ One grammar for every entry point that takes them (``serve``, ``worker``, ``demo
 it starts anything, and importing torch for that would cost seconds. Whether the named device
 exists on this machine is the worker's question, answered once at model load
 (``worker.runtime.device.resolve_device``); the dtypes' torch types are
-``worker.runtime.model.DTYPES``.
+``worker.runtime.device.DTYPES``.
 
 Device spellings (``DEVICE_SPECS``):
 

@@ -50,7 +50,7 @@ class WorkerConfig:
             slots; "slot" alone means an adapter slot here).
         batching / prefix_cache: see the enums.
         dtype: compute (activation) dtype, "f32", "bf16" or "f16"
-            (``worker.runtime.model.DTYPES``; on CPU f32 is the C kernels' exact path).
+            (``worker.runtime.device.DTYPES``; on CPU f32 is the C kernels' exact path).
         kv_cache_dtype: the CPU KV cache's storage, "auto" (f16 under f32 compute with packed
             weights: llama.cpp's default), "f32", "f16" or "bf16" (``--kv-cache-dtype``;
             ``worker.runtime.kv_cache.kv_cache_dtype``); the GPU engine takes only "auto".

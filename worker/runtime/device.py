@@ -10,8 +10,8 @@ it once (``worker.runtime.model.load_model``) and every tensor of the worker
 (weights, KV cache, adapter slots, ubatch inputs) is created on, and compared with,
 ``LoadedModel.device``.
 
-The spellings and their meaning are ``loraplane.compute_spec`` (checked there without torch,
-for the CLI).
+The ``--dtype`` names' torch types are :data:`DTYPES` here. The spellings and their meaning
+are ``loraplane.compute_spec`` (checked there without torch, for the CLI).
 """
 
 from __future__ import annotations
@@ -20,6 +20,16 @@ import torch
 
 from loraplane.compute_spec import DEVICE_SPECS, check_device_spec
 from worker.runtime.errors import ModelError
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+"""``--dtype`` name → compute (activation) dtype: what the dequantized weights, the residual
+stream and the adapter slots are held in, and the KV cache unless ``--kv-cache-dtype`` names
+another (``worker.runtime.kv_cache.kv_cache_dtype``). Norm vectors stay f32; norms, attention
+and the packed matmuls compute in f32 or wider and logits leave the model as f32 whatever the
+dtype. On CPU, f32 is the C kernels' path (its results unchanged bit for bit); bf16 and f16 run
+the same packed matmuls with the stream rounded to 16 bits between ops, and torch ops where a C
+kernel takes f32 only (norm, attention, LoRA). f16 is refused where it overflows
+(``worker.runtime.model.F16_REFUSED``)."""
 
 
 def resolve_device(spec: str | torch.device) -> torch.device:
@@ -81,4 +91,4 @@ def bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-__all__ = ["DEVICE_SPECS", "bind_device", "resolve_device"]
+__all__ = ["DEVICE_SPECS", "DTYPES", "bind_device", "resolve_device"]

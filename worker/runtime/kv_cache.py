@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from loraplane.compute_spec import KV_CACHE_DTYPE_NAMES
+from worker.runtime.device import DTYPES
 
 
 def kv_cache_dtype(name: str, compute: torch.dtype, weight_form: str = "packed") -> torch.dtype:
@@ -37,8 +38,6 @@ def kv_cache_dtype(name: str, compute: torch.dtype, weight_form: str = "packed")
         return torch.float16 if compute == torch.float32 and weight_form == "packed" else compute
     if name not in KV_CACHE_DTYPE_NAMES:
         raise ValueError(f"unknown KV cache dtype '{name}' (expected one of {', '.join(KV_CACHE_DTYPE_NAMES)})")
-    from worker.runtime.model import DTYPES  # the --dtype names' map; imported here to keep this module light
-
     return DTYPES[name]
 
 

@@ -32,17 +32,10 @@ from loraplane.formats.gguf.reader import GGUFError, GGUFFile, TensorRecord, deq
 from loraplane.formats.tokenizer import Tokenizer
 from worker.gpu.dequant import Uploader, dequantize_tensor
 from worker.runtime import arch as arch_registry
-from worker.runtime.device import bind_device, resolve_device
+from worker.runtime.device import DTYPES, bind_device, resolve_device
 from worker.runtime.errors import ModelError
 from worker.runtime.kernels import KernelError, QuantLinear, pack_experts, pack_tensor
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-"""``--dtype`` name → compute (activation) dtype: what the dequantized weights, the residual
-stream, the KV cache and the adapter slots are held in. Norm vectors stay f32; norms, attention
-and the packed matmuls compute in f32 or wider and logits leave the model as f32 whatever the
-dtype. On CPU, f32 is the C kernels' path (its results unchanged bit for bit); bf16 and f16 run
-the same packed matmuls with the stream rounded to 16 bits between ops, and torch ops where a C
-kernel takes f32 only (norm, attention, LoRA). f16 is refused where it overflows (``F16_REFUSED``)."""
 F16_REFUSED = {
     "gemma2": "Gemma 2",
     "gemma3": "Gemma 3",
