@@ -32,15 +32,43 @@ KINDS = ("json_object", "json_schema", "regex", "grammar")
 _JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "coerce_one_of": True}
 
 
-def close_objects(node: Any) -> Any:
-    """OpenAI ``strict``: every object schema without ``additionalProperties`` gets ``false``
-    (recursively through properties, items, definitions and combinators)."""
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+"""Keywords whose value maps names to subschemas (the names are not keywords)."""
+_VALUES = ("enum", "const", "default", "examples")
+"""Keywords whose value is data, never a schema."""
+_OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+"""Keywords by which a schema says what its object admits beyond ``properties``."""
+
+
+def close_objects(node: Any, *, listed_only: bool = False) -> Any:
+    """The schema with ``"additionalProperties": false`` added to the object schemas that do not
+    say what else they admit (no ``additionalProperties``, ``patternProperties`` or
+    ``unevaluatedProperties``), recursively through properties, items, definitions and
+    combinators.
+
+    Args:
+        node: a JSON Schema (dict) or any part of one.
+        listed_only: close only the objects that list ``properties`` — the default of every
+            ``json_schema`` format here (llama.cpp's ``json-schema-to-grammar``: an object's
+            listed properties and no others, while a bare ``{"type": "object"}`` stays any
+            object; vLLM's default backend closes objects likewise), so a small model cannot
+            invent keys until ``max_tokens``. False: every object schema, bare ones included
+            (OpenAI ``strict``).
+    """
     if isinstance(node, list):
-        return [close_objects(x) for x in node]
+        return [close_objects(x, listed_only=listed_only) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: close_objects(v) if k not in ("enum", "const", "default", "examples") else v for k, v in node.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _VALUES:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: close_objects(sub, listed_only=listed_only) for name, sub in value.items()}
+        else:
+            out[key] = close_objects(value, listed_only=listed_only)
+    lists = "properties" in out
+    if (lists or (not listed_only and out.get("type") == "object")) and not any(k in out for k in _OPENERS):
         out["additionalProperties"] = False
     return out
 
@@ -56,7 +84,10 @@ class ResponseFormat:
             form; llama.cpp GBNF is converted with ``llguidance.gbnf_to_lark`` when it looks
             like GBNF, i.e. uses ``::=``).
         schema: JSON Schema text (``json_schema``).
-        strict: OpenAI's ``strict``: objects admit no properties beyond those listed.
+        strict: OpenAI's ``strict``: every object schema admits no properties beyond those
+            listed, bare ``{"type": "object"}`` ones included. Without it the objects that list
+            ``properties`` are closed all the same (`close_objects`); a schema opens one with
+            ``additionalProperties``.
         pattern: the regex (``regex``).
         grammar: the grammar text (``grammar``).
     """
@@ -134,7 +165,9 @@ def json_schema_grammar(
 
     Args:
         schema: the schema as a dict or JSON text.
-        strict: OpenAI ``strict``: no properties beyond the listed ones in any object.
+        strict: OpenAI ``strict``: no properties beyond the listed ones in any object. Without
+            it, objects that list ``properties`` and say nothing else are closed all the same
+            (`close_objects` ``listed_only``): vLLM's and llama.cpp's default.
         limits: bounds checked before the engine sees the schema (default `GrammarLimits()`).
 
     Raises:
@@ -150,8 +183,7 @@ def json_schema_grammar(
     else:
         obj = dict(schema)
     check_schema("json_schema", obj, limits)
-    if strict:
-        obj = close_objects(obj)
+    obj = close_objects(obj, listed_only=not strict)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(obj, defaults=_JSON_DEFAULTS)  # type: ignore[arg-type]
     except ValueError as exc:

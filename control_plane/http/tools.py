@@ -410,10 +410,13 @@ class RequiredCallsParser:
 
 def tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:
     """A tool's ``parameters`` schema (``{"type": "object", "properties": {}}`` when absent,
-    vLLM's default), closed as OpenAI ``strict`` when the tool's ``function.strict`` is true."""
+    vLLM's default) as a forced call follows it: its objects that list ``properties`` closed
+    (``"additionalProperties": false`` unless the schema says otherwise, as every ``json_schema``
+    format here: `close_objects`), every object closed when the tool's ``function.strict`` is
+    true (OpenAI ``strict``)."""
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return close_objects(params) if fn.get("strict") else params
+    return close_objects(params, listed_only=not fn.get("strict"))
 
 
 def required_calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:

@@ -127,17 +127,52 @@ def test_apply_masks_touches_only_the_constrained_rows(tiny):
     )
 
 
-def test_strict_schema_closes_objects(tiny):
-    schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
-    loose = Constraint.build(ResponseFormat("json_schema", schema=schema), tiny)
-    strict = Constraint.build(ResponseFormat("json_schema", schema=schema, strict=True), tiny)
-    buf = torch.zeros((2, mask_words(tiny.n_vocab)), dtype=torch.int32)
-    for c in (loose, strict):
-        for t in '{"ok":true':
-            assert c.advance(ord(t))
-    fill_masks([loose, strict], buf)
-    assert ord(",") in allowed(buf, 0, tiny.n_vocab)  # another key may follow
-    assert allowed(buf, 1, tiny.n_vocab) == {ord("}")}
+def _after(fmt, text, tiny):
+    """The tokens ``fmt`` allows after the bytes of ``text`` (the tiny vocabulary's byte tokens)."""
+    c = Constraint.build(fmt, tiny)
+    for t in text:
+        assert c.advance(ord(t)), text
+    buf = torch.zeros((1, mask_words(tiny.n_vocab)), dtype=torch.int32)
+    fill_masks([c], buf)
+    return allowed(buf, 0, tiny.n_vocab)
+
+
+def test_listed_objects_are_closed_strict_or_not(tiny):
+    """An object that lists ``properties`` admits no other key with or without ``strict``
+    (llama.cpp's and vLLM's default); ``additionalProperties: true`` opens it again."""
+    listed = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for strict in (False, True):
+        fmt = ResponseFormat("json_schema", schema=json.dumps(listed), strict=strict)
+        assert _after(fmt, '{"ok":true', tiny) == {ord("}")}
+    opened = ResponseFormat("json_schema", schema=json.dumps({**listed, "additionalProperties": True}))
+    assert ord(",") in _after(opened, '{"ok":true', tiny)  # another key may follow
+
+
+def test_strict_closes_bare_objects_too(tiny):
+    """A bare ``{"type": "object"}`` stays any object without ``strict`` (llama.cpp's rule) and is
+    ``{}`` with it (OpenAI ``strict``)."""
+    schema = json.dumps({"type": "object", "properties": {"o": {"type": "object"}}, "required": ["o"]})
+    loose = _after(ResponseFormat("json_schema", schema=schema), '{"o":{', tiny)
+    assert ord('"') in loose and ord("}") in loose  # a key may start
+    assert _after(ResponseFormat("json_schema", schema=schema, strict=True), '{"o":{', tiny) == {ord("}")}
+
+
+def test_close_objects_leaves_data_and_property_names_alone():
+    from loraplane.response_format import close_objects
+
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "string", "enum": [{"properties": 1}]}, "m": {"type": "object"}},
+        "$defs": {"p": {"properties": {"a": {}}}},
+        "patternProperties": {"^x": {"type": "integer"}},
+    }
+    assert close_objects(schema, listed_only=True) == {
+        "type": "object",
+        "properties": {"properties": {"type": "string", "enum": [{"properties": 1}]}, "m": {"type": "object"}},
+        "$defs": {"p": {"properties": {"a": {}}, "additionalProperties": False}},
+        "patternProperties": {"^x": {"type": "integer"}},  # says what else it admits: left open
+    }
+    assert close_objects(schema)["properties"]["m"] == {"type": "object", "additionalProperties": False}
 
 
 def test_grammar_stage_finishes_a_complete_grammar(tiny):

@@ -55,15 +55,17 @@ def _calls(calls):
 # ---- schemas -------------------------------------------------------------------------------------
 
 
-def test_named_schema_is_the_tools_parameters_closed_when_strict():
-    assert tool_parameters(WEATHER) == CITY
-    assert tool_parameters(NOW) == {"type": "object", "properties": {}}
+def test_named_schema_is_the_tools_parameters_closed():
+    closed_city = {**CITY, "additionalProperties": False}
+    assert "additionalProperties" not in CITY
+    assert tool_parameters(WEATHER) == closed_city  # not strict: the listed properties only all the same
+    assert tool_parameters(NOW) == {"type": "object", "properties": {}, "additionalProperties": False}
     strict = tool_parameters(TIME)
     assert strict["additionalProperties"] is False
     forced = forced_call_of([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, InlineChecker())
-    assert forced is not None and forced.name == "get_weather" and forced.schema == CITY
+    assert forced is not None and forced.name == "get_weather" and forced.schema == closed_city
     rf = forced.response_format()
-    assert rf.type == common_pb2.ResponseFormat.TYPE_JSON_SCHEMA and json.loads(rf.schema) == CITY
+    assert rf.type == common_pb2.ResponseFormat.TYPE_JSON_SCHEMA and json.loads(rf.schema) == closed_city
 
 
 def test_required_schema_accepts_calls_of_the_tools_only():
@@ -82,6 +84,7 @@ def test_required_schema_accepts_calls_of_the_tools_only():
         [{"name": "get_weather", "parameters": {"town": "Paris"}}],  # not its parameters
         [{"name": "get_time", "parameters": {"tz": "PST"}}],  # $ref through the hoisted $defs
         [{"name": "get_time", "parameters": {"tz": "UTC", "x": 1}}],  # strict tool: closed
+        [{"name": "get_weather", "parameters": {"city": "Paris", "x": 1}}],  # listed properties: closed too
         [{"name": "now"}],  # parameters required
     ):
         with pytest.raises(jsonschema.ValidationError):
@@ -192,7 +195,10 @@ def test_route_named_choice_constrains_and_answers_one_call(template_text):
     assert r.status == 200, r.body
     (req,) = front.router.requests
     rf = req.sampling.response_format
-    assert rf.type == common_pb2.ResponseFormat.TYPE_JSON_SCHEMA and json.loads(rf.schema) == CITY
+    assert rf.type == common_pb2.ResponseFormat.TYPE_JSON_SCHEMA and json.loads(rf.schema) == {
+        **CITY,
+        "additionalProperties": False,
+    }
     prompt = "".join(chr(i) for i in req.tokens.ids)
     assert ("<tools>2</tools>" in prompt) == bool(template_text)  # rendered where the template can
     choice = r.json()["choices"][0]
