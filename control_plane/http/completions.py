@@ -34,7 +34,7 @@ from control_plane.http.schemas import (
     SamplingFields,
     parse_body,
 )
-from control_plane.http.streaming import CompletionStream, RelayResponse
+from control_plane.http.streaming import CompletionBatch, CompletionStream, RelayResponse
 from control_plane.http.structured import response_format_of
 from control_plane.http.tools import ForcedCall, check_tools, forced_call_of, template_message
 from loraplane.v1 import common_pb2
@@ -72,6 +72,7 @@ class SamplingArgs(TypedDict):
     frequency_penalty: float
     repetition_penalty: float
     prompt_logprobs: bool
+    prompt_logprobs_top: int
     response_format: common_pb2.ResponseFormat | None
 
 
@@ -92,19 +93,9 @@ def sampling_of(body: SamplingFields, checker: TenantChecker | InlineChecker) ->
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         prompt_logprobs=body.prompt_logprobs is not None,
+        prompt_logprobs_top=body.prompt_logprobs or 0,
         response_format=response_format_of(body, checker),
     )
-
-
-def prompt_of(body: CompletionRequest) -> tuple[str | None, list[int] | None]:
-    """``(text, token ids)`` of a completions ``prompt``: a string (or one-string list) is text
-    for the worker to tokenize; a list of integers is taken as token ids."""
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt[0], str):
-        return str(prompt[0]), None
-    return None, [int(t) for t in prompt]
 
 
 def check_prompt_ids(ids: list[int], *, n_vocab: int | None, n_ctx: int | None) -> None:
@@ -266,7 +257,7 @@ def chat_prompt_ids(
 
 def respond(
     deps: HttpDeps,
-    request: common_pb2.GenerateRequest,
+    request: common_pb2.GenerateRequest | list[common_pb2.GenerateRequest],
     body: SamplingFields,
     *,
     chat: bool,
@@ -274,27 +265,42 @@ def respond(
     tool_calls: bool = False,
     forced: ForcedCall | None = None,
     principal: str | None = None,
+    echo: list[str] | None = None,
+    generate_nothing: bool = False,
+    response_id: str | None = None,
 ) -> Response:
     """Run ``request`` through the router and answer: the full JSON body, or (``stream``) a
-    server-sent-event stream. ``logprobs``, ``tool_calls`` and ``forced`` as `CompletionStream`'s;
-    ``principal``: the tenant the request's API key names (`HttpDeps.principal`).
+    server-sent-event stream. ``logprobs``, ``tool_calls``, ``forced``, ``echo`` (one text per
+    request) and ``generate_nothing`` as `CompletionStream`'s; ``principal``: the tenant the
+    request's API key names (`HttpDeps.principal`). A list of requests (a completions batch)
+    answers as one response, choice ``i`` from request ``i`` (`CompletionBatch`), under
+    ``response_id`` (default: the first request's id).
 
     Raises:
         OpenAIError: the router failed (before the first token, when streaming).
     """
-    call = HttpCallContext()
-    stream = CompletionStream(
-        deps.router.generate(request, call, principal=principal),
-        cancel=call.cancel,
-        request_id=request.request_id,
-        created=now_s(),
-        model=body.model or deps.base_name,
-        chat=chat,
-        logprobs=logprobs,
-        token_text=token_text_of(deps.tokenizer),
-        tool_calls=tool_calls,
-        forced=forced,
-    )
+    requests = request if isinstance(request, list) else [request]
+    created = now_s()
+    streams = []
+    for i, req in enumerate(requests):
+        call = HttpCallContext()
+        streams.append(
+            CompletionStream(
+                deps.router.generate(req, call, principal=principal),
+                cancel=call.cancel,
+                request_id=response_id or requests[0].request_id,
+                created=created,
+                model=body.model or deps.base_name,
+                chat=chat,
+                logprobs=logprobs,
+                token_text=token_text_of(deps.tokenizer),
+                tool_calls=tool_calls,
+                forced=forced,
+                echo=echo[i] if echo is not None else None,
+                generate_nothing=generate_nothing,
+            )
+        )
+    stream: CompletionStream | CompletionBatch = CompletionBatch(streams) if isinstance(request, list) else streams[0]
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return RelayResponse(
         stream,
@@ -314,11 +320,17 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         raw = await request.body()  # at most --http-max-body-bytes (app.BodySizeLimit)
         return await run_in_threadpool(run_completion, raw, request.headers.get("authorization"))
 
-    def run_completion(raw: bytes, authorization: str | None = None) -> Response:
-        body = parse_body(raw, CompletionRequest)
-        body.check()
-        text, ids = prompt_of(body)
-        if ids is None and not body.add_special_tokens:
+    def completion_prompt(prompt: str | list[int], add_special_tokens: bool) -> tuple[str | None, list[int] | None]:
+        """``(text, token ids)`` of one prompt, sized and checked before it costs anything: text
+        for the worker to tokenize (tokenized here when ``add_special_tokens`` is false), or
+        token ids taken verbatim.
+
+        Raises:
+            OpenAIError: 400 naming ``prompt``: over the byte or context bound, an id out of
+                range, empty once tokenized.
+        """
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, [int(t) for t in prompt])
+        if ids is None and not add_special_tokens:
             limit = deps.prompt_max_bytes()
             check_prompt_bytes(text_bytes(text or "", limit), limit=limit, param="prompt", what="'prompt'")
             ids = tokenizer_of(deps).encode(text or "", add_special=False, parse_special=True)
@@ -329,17 +341,49 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         else:
             limit = deps.prompt_max_bytes()
             check_prompt_bytes(text_bytes(text or "", limit), limit=limit, param="prompt", what="'prompt'")
+        return text, ids
+
+    def run_completion(raw: bytes, authorization: str | None = None) -> Response:
+        body = parse_body(raw, CompletionRequest)
+        body.check()
+        prompts = [completion_prompt(p, body.add_special_tokens) for p in body.prompts()]
         adapters = adapters_for(body, deps)
-        request = build_request(
-            request_id=new_request_id("cmpl"),
-            text=text,
-            tokens=ids,
-            adapters=adapters,
-            max_tokens=body.max_tokens or COMPLETION_MAX_TOKENS_DEFAULT,
-            logprobs=body.logprobs or 0,
-            **sampling_of(body, deps.router.grammar.for_tenant(deps.principal(authorization))),
+        sampling = sampling_of(body, deps.router.grammar.for_tenant(deps.principal(authorization)))
+        echo_logprobs = body.echo and body.logprobs is not None
+        if echo_logprobs:  # the prompt tokens' log-probs (and alternatives) lead the choice's
+            sampling["prompt_logprobs"], sampling["prompt_logprobs_top"] = True, body.logprobs or 0
+        rid = new_request_id("cmpl")
+        requests = [
+            build_request(
+                request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                text=text,
+                tokens=ids,
+                adapters=adapters,
+                # max_tokens 0 (echo only): one token computes the prompt, and is dropped
+                max_tokens=max(1, COMPLETION_MAX_TOKENS_DEFAULT if body.max_tokens is None else body.max_tokens),
+                logprobs=body.logprobs or 0,
+                **sampling,
+            )
+            for i, (text, ids) in enumerate(prompts)
+        ]
+        echo = None
+        if body.echo:
+            tok = deps.tokenizer
+            echo = [
+                text if text is not None else (tok.decode(ids or [], skip_special=False) if tok else "")
+                for text, ids in prompts
+            ]
+        return respond(
+            deps,
+            requests if len(requests) > 1 else requests[0],
+            body,
+            response_id=rid,
+            chat=False,
+            logprobs=body.logprobs,
+            principal=deps.principal(authorization),
+            echo=echo,
+            generate_nothing=body.max_tokens == 0,
         )
-        return respond(deps, request, body, chat=False, logprobs=body.logprobs, principal=deps.principal(authorization))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

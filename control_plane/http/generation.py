@@ -79,6 +79,9 @@ class Outcome:
     # per prompt token, ``(token id, log-prob, rank or None)`` given its prefix (None for the
     # first token); None unless the request asked for prompt log-probs
     prompt_logprobs: list[tuple[int, float, int | None] | None] | None = None
+    # per prompt token, its position's most likely ``(token id, log-prob)`` (None for the first
+    # token); None unless the request asked for prompt alternatives (``prompt_logprobs_top``)
+    prompt_top: list[list[tuple[int, float]] | None] | None = None
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's ``usage`` object (token counts; see the module docstring)."""
@@ -115,6 +118,7 @@ def build_request(
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
     prompt_logprobs: bool = False,
+    prompt_logprobs_top: int = 0,
     response_format: common_pb2.ResponseFormat | None = None,
 ) -> common_pb2.GenerateRequest:
     """The GenerateRequest: ``text`` is tokenized by the worker (BOS as the model says),
@@ -139,6 +143,7 @@ def build_request(
     s.min_p, s.presence_penalty, s.frequency_penalty = min_p, presence_penalty, frequency_penalty
     s.repetition_penalty = repetition_penalty
     s.prompt_logprobs = prompt_logprobs
+    s.prompt_logprobs_top = prompt_logprobs_top if prompt_logprobs else 0
     if response_format is not None:
         s.response_format.CopyFrom(response_format)
     return req
@@ -155,6 +160,11 @@ def fold(events: Iterator[common_pb2.GenerateEvent], out: Outcome) -> Iterator[T
                     (e.token_id, e.logprob, e.rank or None) if e.has_logprob else None
                     for e in ev.started.prompt_logprobs
                 ]
+                if any(len(e.top) for e in ev.started.prompt_logprobs):
+                    out.prompt_top = [
+                        [(x.token_id, x.logprob) for x in e.top] if e.has_logprob else None
+                        for e in ev.started.prompt_logprobs
+                    ]
         elif kind == "token":
             t = ev.token
             tok = TokenOut(t.token_id, t.text, t.logprob, [(x.token_id, x.logprob) for x in t.top])

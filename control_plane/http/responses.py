@@ -170,15 +170,56 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, out: Outcome) -> d
 
 
 def prompt_logprobs(
-    entries: list[tuple[int, float, int | None] | None], token_text: TokenText
+    entries: list[tuple[int, float, int | None] | None],
+    token_text: TokenText,
+    top: list[list[tuple[int, float]] | None] | None = None,
 ) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: one entry per prompt token, None for the first (it has no
     prefix), else ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt
-    token alone (``prompt_logprobs: 0``); ``rank`` is 1 + the number of tokens more likely
-    (None from a worker that does not rank). Log-probs pass through `json_logprob`."""
-    return [
-        None
-        if e is None
-        else {str(e[0]): {"logprob": json_logprob(e[1]), "rank": e[2], "decoded_token": token_text(e[0])}}
-        for e in entries
-    ]
+    token and, with ``top`` (``prompt_logprobs: N``), the N most likely tokens at its position
+    (ranked 1..N; the prompt token keeps its own rank when it is among them). ``rank`` is 1 + the
+    number of tokens more likely (None from a worker that does not rank). Log-probs pass through
+    `json_logprob`."""
+    out: list[dict[str, Any] | None] = []
+    for i, e in enumerate(entries):
+        if e is None:
+            out.append(None)
+            continue
+        entry = {str(e[0]): {"logprob": json_logprob(e[1]), "rank": e[2], "decoded_token": token_text(e[0])}}
+        for rank, (tid, lp) in enumerate((top[i] or []) if top is not None else [], start=1):
+            entry.setdefault(str(tid), {"logprob": json_logprob(lp), "rank": rank, "decoded_token": token_text(tid)})
+        out.append(entry)
+    return out
+
+
+def echo_logprobs(out: Outcome, token_text: TokenText, n_top: int) -> dict[str, Any]:
+    """Legacy completions ``logprobs`` of the prompt tokens for ``echo`` (OpenAI's shape, as
+    vLLM answers it): each prompt token's text, its log-prob given its prefix (None for the
+    first, which has none) and its position's ``n_top`` most likely tokens (``n_top`` 0: the
+    prompt token alone; None for the first); ``text_offset`` counts characters from 0.
+
+    Args:
+        out: the request's outcome, with ``prompt_logprobs`` (and ``prompt_top`` when
+            ``n_top`` > 0).
+        token_text: token id → its text.
+        n_top: alternatives per position.
+    """
+    lp: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for i, tid in enumerate(out.prompt_token_ids):
+        text = token_text(tid)
+        e = entries[i] if i < len(entries) else None
+        lp["tokens"].append(text)
+        lp["text_offset"].append(offset)
+        offset += len(text)
+        if e is None:
+            lp["token_logprobs"].append(None)
+            lp["top_logprobs"].append(None)
+            continue
+        value = json_logprob(e[1])
+        lp["token_logprobs"].append(value)
+        alts = (out.prompt_top[i] or []) if out.prompt_top is not None and i < len(out.prompt_top) else []
+        top = {token_text(t): json_logprob(v) for t, v in alts[:n_top]} if n_top else {text: value}
+        lp["top_logprobs"].append(top)
+    return lp

@@ -34,7 +34,12 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 MAX_PROMPT_ITEMS = 1 << 20
-"""Most items a completions ``prompt`` list may hold (token ids: no context is longer)."""
+"""Most items a completions ``prompt`` list may hold (token ids: no context is longer), and most
+token ids a list of token-id lists may hold in all."""
+MAX_PROMPTS = 128
+"""Most prompts one completions request may batch (``prompt`` as a list of strings or of
+token-id lists): each runs as a request of its own on the workers, so the bound keeps one HTTP
+request from taking a worker's whole queue."""
 MAX_CHAT_ITEMS = 1 << 16
 """Most messages plus content parts a chat request may hold."""
 MAX_LORA_ENTRIES = 4096
@@ -107,6 +112,12 @@ def check_sizes(data: dict[str, Any]) -> None:
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_ITEMS:
         raise _too_many("'prompt'", len(prompt), MAX_PROMPT_ITEMS, "prompt")
+    if isinstance(prompt, list) and prompt and type(prompt[0]) in (str, list):
+        if len(prompt) > MAX_PROMPTS:
+            raise _too_many("'prompt' (a batch of prompts)", len(prompt), MAX_PROMPTS, "prompt")
+        n_ids = sum(len(x) for x in prompt if isinstance(x, list))
+        if n_ids > MAX_PROMPT_ITEMS:
+            raise _too_many("'prompt' (token ids of all its prompts)", n_ids, MAX_PROMPT_ITEMS, "prompt")
     messages = data.get("messages")
     if isinstance(messages, list):
         n = len(messages)
@@ -328,12 +339,6 @@ class SamplingFields(HttpBody):
             value = extra.get(name)
             if not _is_default(value, defaults):
                 raise unsupported(name, f"{why} (got {json.dumps(value)[:100]})")
-        if self.prompt_logprobs:
-            raise unsupported(
-                "prompt_logprobs",
-                "only 0 (each prompt token's own log-prob, no alternatives) is implemented "
-                f"(got {self.prompt_logprobs})",
-            )
         if self.prompt_logprobs is not None and self.stream:
             raise unsupported("prompt_logprobs", "prompt log-probs are returned in non-streaming responses only")
         stops = self.stop_list()
@@ -356,20 +361,22 @@ class SamplingFields(HttpBody):
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is a string, a one-string list, or token ids."""
+    """``POST /v1/completions``: ``prompt`` is a string, token ids, or a batch of either (a list
+    of strings or of token-id lists: one choice per prompt, OpenAI's and vLLM's batch)."""
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = Field(default=None, ge=0, lt=2**32)
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
 
     @field_validator("prompt", mode="plain")
     @classmethod
-    def _prompt_shape(cls, value: Any) -> str | list[str] | list[int]:
-        """A string, a list of strings or a list of integers (JSON ``true`` is not an id),
-        checked with one type test per item: pydantic's union would validate a long list once
-        per member (16 M ids: over 20 s)."""
+    def _prompt_shape(cls, value: Any) -> str | list[str] | list[int] | list[list[int]]:
+        """A string, a list of strings, a list of integers (JSON ``true`` is not an id) or a list
+        of integer lists, checked with one type test per item: pydantic's union would validate a
+        long list once per member (16 M ids: over 20 s)."""
         if isinstance(value, str):
             return value
         if isinstance(value, list) and len(value) <= MAX_PROMPT_ITEMS:
@@ -377,21 +384,43 @@ class CompletionRequest(SamplingFields):
                 return value
             if all(type(x) is int for x in value):
                 return value
+            if all(type(x) is list and all(type(t) is int for t in x) for x in value):
+                return value
         raise PydanticCustomError(
-            "prompt_type", "'prompt' must be a string, a list of strings or a list of token ids (integers)"
+            "prompt_type",
+            "'prompt' must be a string, a list of token ids (integers), or a batch: a list of strings "
+            "or a list of token-id lists",
         )
 
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts in order: one for a string or a token-id list, one per item of a
+        batch."""
+        p = self.prompt
+        if isinstance(p, str) or (p and type(p[0]) is int):
+            return [p]
+        return list(p)  # type: ignore[arg-type]
+
     def check(self) -> None:
-        """`SamplingFields.check`, plus ``echo``, ``suffix`` and batched or empty prompts."""
+        """`SamplingFields.check`, plus ``suffix``, empty prompts, and ``max_tokens: 0``, which
+        only ``echo`` takes (the prompt's log-probs with nothing generated, vLLM's rule).
+
+        Raises:
+            OpenAIError: 400 naming the field.
+        """
         super().check()
-        if self.echo:
-            raise unsupported("echo", "the prompt is not echoed back")
         if self.suffix:
             raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise unsupported("prompt", "one prompt per request (a list of prompts is a batch)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise OpenAIError(400, "'prompt' is empty", param="prompt")
+        for i, p in enumerate(self.prompts()):
+            if not p:
+                raise OpenAIError(400, f"'prompt[{i}]' is empty", param="prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(
+                400, "'max_tokens' 0 generates nothing: it needs 'echo' (the prompt back)", param="max_tokens"
+            )
+        if self.echo and self.stream:
+            raise unsupported("echo", "the prompt is echoed in non-streaming responses only")
 
 
 class ChatMessage(BaseModel):

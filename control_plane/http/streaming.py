@@ -17,7 +17,10 @@ Chunk order, tool-call deltas, clients that leave: docs/http-api.md, "Responses 
 from __future__ import annotations
 
 import itertools
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -64,6 +67,11 @@ class CompletionStream:
         tool_calls: chat only: parse ``<tool_call>`` blocks out of the text (module docstring).
         forced: chat only: the output is a forced tool call (`tools.ForcedCall`), read by its
             parser (takes precedence over ``tool_calls``).
+        echo: completions only, non-streaming: the prompt's text, put before the generated
+            text (OpenAI ``echo``); with ``logprobs``, the prompt tokens' log-probs lead the
+            choice's (`responses.echo_logprobs`). None: no echo.
+        generate_nothing: ``max_tokens: 0`` with ``echo``: the worker ran with one token to
+            compute the prompt; that token is dropped from the answer and its usage.
     """
 
     def __init__(
@@ -79,8 +87,12 @@ class CompletionStream:
         token_text: R.TokenText,
         tool_calls: bool = False,
         forced: ForcedCall | None = None,
+        echo: str | None = None,
+        generate_nothing: bool = False,
     ) -> None:
         self.outcome = Outcome()
+        self.echo = echo
+        self.generate_nothing = generate_nothing
         self._items = fold(iter(events), self.outcome)
         self._cancel = cancel
         self.request_id = request_id
@@ -124,8 +136,12 @@ class CompletionStream:
         finally:
             self.close()
         out = self.outcome
+        if self.generate_nothing:
+            out.tokens, out.text, out.finish_reason = [], "", "length"
         make = R.chat_body if self.chat else R.completion_body
         body = make(self.request_id, self.created, self.model, out, self._logprobs_of(out.tokens))
+        if self.echo is not None:
+            self._echo(body["choices"][0], out)
         if self._tools is not None:
             content, calls = split_tool_calls(out.text, self._tools)
             choice = body["choices"][0]
@@ -136,12 +152,23 @@ class CompletionStream:
             body["prompt_token_ids"] = out.prompt_token_ids
             body["choices"][0]["token_ids"] = [t.token_id for t in out.tokens]
         if out.prompt_logprobs is not None:
-            plp = R.prompt_logprobs(out.prompt_logprobs, self._token_text)
+            plp = R.prompt_logprobs(out.prompt_logprobs, self._token_text, out.prompt_top)
             if self.chat:  # vLLM: on the chat response, on the completion's choice
                 body["prompt_logprobs"] = plp
             else:
                 body["choices"][0]["prompt_logprobs"] = plp
         return body
+
+    def _echo(self, choice: dict[str, Any], out: Outcome) -> None:
+        """The prompt before the choice's text, and its tokens' log-probs before the choice's."""
+        choice["text"] = (self.echo or "") + choice["text"]
+        if self.logprobs is None:
+            return
+        lp = R.echo_logprobs(out, self._token_text, self.logprobs)
+        gen = self._logprobs_of(out.tokens, sum(len(t) for t in lp["tokens"]))
+        for key in lp:
+            lp[key] += gen[key] if gen is not None else []
+        choice["logprobs"] = lp
 
     # ---- streaming ----------------------------------------------------------------------------
 
@@ -248,6 +275,142 @@ def _noop() -> None:
     pass
 
 
+class CompletionBatch:
+    """Several prompts of one ``/v1/completions`` request (``prompt`` as a list), each its own
+    `CompletionStream` run side by side, answered as one response: choice ``i`` is prompt ``i``,
+    ``usage`` the sum over the prompts (OpenAI's and vLLM's batch). Same interface as
+    `CompletionStream` for `RelayResponse`.
+
+    Streaming interleaves the prompts' chunks as they come, each chunk carrying its choice's
+    ``index``; the usage chunk (when asked) sums them all. An error before the first token of
+    any prompt fails the whole request (the others are cancelled); one after it becomes an
+    error event, as for a single prompt.
+
+    Args:
+        streams: one unstarted `CompletionStream` per prompt, in order (non-chat).
+    """
+
+    def __init__(self, streams: list[CompletionStream]) -> None:
+        self.streams = streams
+        self.request_id = streams[0].request_id
+
+    def close(self) -> None:
+        """Cancel every prompt's worker call (`CompletionStream.close`)."""
+        for s in self.streams:
+            s.close()
+
+    def full_response(self, *, return_token_ids: bool = False) -> dict[str, Any]:
+        """Every prompt's `CompletionStream.full_response`, read concurrently, as one body
+        (``return_token_ids``: each choice carries its ``prompt_token_ids`` and ``token_ids``).
+
+        Raises:
+            OpenAIError: a prompt failed (the first to fail in prompt order; the rest cancelled).
+        """
+        with ThreadPoolExecutor(max_workers=len(self.streams), thread_name_prefix="http-batch") as pool:
+            futures = [pool.submit(s.full_response, return_token_ids=return_token_ids) for s in self.streams]
+            bodies: list[dict[str, Any]] = []
+            try:
+                for f in futures:
+                    bodies.append(f.result())
+            except BaseException:
+                self.close()
+                raise
+        choices = []
+        for i, b in enumerate(bodies):
+            choice = b["choices"][0]
+            choice["index"] = i
+            if return_token_ids:
+                choice["prompt_token_ids"] = b.pop("prompt_token_ids", [])
+            choices.append(choice)
+        return {**bodies[0], "choices": choices, "usage": _sum_usage([b["usage"] for b in bodies])}
+
+    def sse_chunks(self, *, include_usage: bool = False) -> Iterator[str]:
+        """The prompts' chunks interleaved (class docstring), then the summed usage chunk when
+        asked, then ``[DONE]``. Returns once every prompt has its first token.
+
+        Raises:
+            OpenAIError: a prompt failed before its first token (every call is cancelled).
+        """
+        events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
+        firsts: list[TokenOut | None] = [None] * len(self.streams)
+        with ThreadPoolExecutor(max_workers=len(self.streams), thread_name_prefix="http-batch") as pool:
+            futures = [pool.submit(_first_item, s) for s in self.streams]
+            try:
+                for i, f in enumerate(futures):
+                    firsts[i] = f.result()
+            except BaseException:
+                self.close()
+                raise
+        threads = [
+            threading.Thread(target=self._pump, args=(i, s, firsts[i], events), name=f"http-batch-{i}", daemon=True)
+            for i, s in enumerate(self.streams)
+        ]
+        for t in threads:
+            t.start()
+        return self._merge(events, include_usage)
+
+    @staticmethod
+    def _pump(
+        i: int, stream: CompletionStream, first: TokenOut | None, events: queue.Queue[tuple[int, dict[str, Any] | None]]
+    ) -> None:
+        """Prompt ``i``'s chunks into ``events`` (its index set), then ``(i, None)``; an error
+        after its first token becomes an error chunk."""
+        try:
+            for item in itertools.chain([first], stream._items):
+                chunk = stream._finish_chunk() if item is None else stream._token_chunk(item)
+                if chunk is not None:
+                    chunk["choices"][0]["index"] = i
+                    events.put((i, chunk))
+        except ControlPlaneError as exc:
+            error = from_control_plane(exc)
+            log.warning("http_stream_failed", request_id=stream.request_id, status=error.status, error=error.message)
+            events.put((i, error.body()))
+        except BaseException as exc:  # noqa: BLE001 - the merge must end; logged
+            log.exception("http_batch_prompt_failed", request_id=stream.request_id, error=str(exc))
+        finally:
+            stream.close()
+            events.put((i, None))
+
+    def _merge(self, events: queue.Queue[tuple[int, dict[str, Any] | None]], include_usage: bool) -> Iterator[str]:
+        left = len(self.streams)
+        try:
+            while left:
+                _, chunk = events.get()
+                if chunk is None:
+                    left -= 1
+                else:
+                    yield R.sse(chunk)
+            if include_usage:
+                usage = self.streams[0]._usage_chunk()
+                usage["usage"] = _sum_usage([s.outcome.usage() for s in self.streams])
+                yield R.sse(usage)
+        finally:
+            self.close()
+        yield R.SSE_DONE
+
+
+def _first_item(stream: CompletionStream) -> TokenOut | None:
+    """The stream's first item (its first token, or None: finished), read now so that an error
+    before it raises here (`OpenAIError`)."""
+    try:
+        return next(stream._items, None)
+    except ControlPlaneError as exc:
+        stream.close()
+        raise from_control_plane(exc) from None
+
+
+def _sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI ``usage`` objects added up, key by key (nested ``*_details`` too)."""
+    total: dict[str, Any] = {}
+    for u in usages:
+        for key, value in u.items():
+            if isinstance(value, dict):
+                total[key] = _sum_usage([total.get(key, {}), value])
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
+
+
 def relay_limiter() -> anyio.CapacityLimiter:
     """The limiter of the threads that read generations (`RELAY_THREADS`), made on first use."""
     global _relay_limiter
@@ -265,7 +428,7 @@ class RelayResponse(Response):
     events (``sse`` True), produced while the client is watched (module docstring).
 
     Args:
-        stream: the request's `CompletionStream` (not started).
+        stream: the request's `CompletionStream` (not started), or its `CompletionBatch`.
         sse: stream server-sent events rather than one JSON body.
         include_usage: SSE only: add the usage chunk.
         return_token_ids: JSON only: add prompt and choice token ids.
@@ -277,7 +440,7 @@ class RelayResponse(Response):
 
     def __init__(
         self,
-        stream: CompletionStream,
+        stream: CompletionStream | CompletionBatch,
         *,
         sse: bool,
         include_usage: bool = False,

@@ -74,6 +74,9 @@ class FakeTokenizer:
     def encode(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return [ord(c) for c in text]
 
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
 
 @dataclass
 class FakeRecord:

@@ -192,7 +192,6 @@ def test_seeded_sampling_is_reproducible(client):
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
-        ({"extra_body": {"prompt_logprobs": 3}}, "prompt_logprobs"),
     ],
 )
 def test_unsupported_parameters_are_400_naming_them(client, extra, param):
@@ -471,6 +470,52 @@ def test_prompt_logprobs_equal_the_grpc_values(serve, client):
     plp = chat.model_extra["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(chat.model_extra["prompt_token_ids"])
     assert [int(next(iter(e))) for e in plp[1:]] == chat.model_extra["prompt_token_ids"][1:]
+
+
+def test_a_prompt_list_answers_each_prompt_as_if_alone(client, tokenizer):
+    """LangChain's and lm-eval's batches: ``prompt`` as a list of strings or of token-id lists
+    gives one choice per prompt, in order, each what the prompt gives alone; usage is the sum."""
+    prompts = [PROMPT, "Once upon a time", "1, 2, 3,"]
+    alone = [client.completions.create(model=BASE, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    batch = client.completions.create(model=BASE, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone) == 18
+    ids = [tokenizer.encode(p, add_special=True, parse_special=True) for p in prompts]
+    by_ids = client.completions.create(model=BASE, prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == [c.text for c in batch.choices]
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    for chunk in client.completions.create(model=BASE, prompt=prompts, max_tokens=6, temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in batch.choices]
+
+
+def test_echo_gives_the_log_likelihood_lm_eval_reads(client, tokenizer):
+    """lm-eval's log-likelihood request (``echo``, ``logprobs: 1``, ``max_tokens: 0``, a batch
+    of token-id lists): the prompt's tokens and log-probs, equal to ``prompt_logprobs``, with
+    the top alternative at each position (a greedy continuation: the token is its own top)."""
+    context, continuation = PROMPT, " sunny and warm"
+    ids = tokenizer.encode(context + continuation, add_special=True, parse_special=True)
+    r = client.completions.create(model=BASE, prompt=[ids, ids[:-1]], echo=True, logprobs=1, max_tokens=0)
+    assert r.usage.completion_tokens == 0
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(r.choices[1].logprobs.tokens) == len(ids) - 1
+    assert r.choices[1].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:-1], abs=1e-5)
+    ref = client.completions.create(model=BASE, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    plp = ref.choices[0].model_extra["prompt_logprobs"]
+    for i in range(1, len(ids)):
+        mine = plp[i][str(ids[i])]
+        assert lp.token_logprobs[i] == pytest.approx(mine["logprob"], abs=1e-5)
+        ((top_text, top_value),) = lp.top_logprobs[i].items()
+        assert top_value >= lp.token_logprobs[i] - 1e-6
+        if mine["rank"] == 1:  # the prompt token is the most likely: it is its own top
+            assert top_value == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+        else:
+            assert top_value > lp.token_logprobs[i]
+    assert r.choices[0].text == tokenizer.decode(ids, skip_special=False)
 
 
 def test_model_may_be_omitted(serve):

@@ -113,8 +113,50 @@ def test_prompt_logprobs_in_vllms_shape():
     assert front.post("/v1/chat/completions", chat, events).json()["prompt_logprobs"] == expected  # on the response
     r = front.post("/v1/completions", {"prompt": "hi", "prompt_logprobs": 0, "stream": True}, events)
     assert r.status == 400 and _error(r)["param"] == "prompt_logprobs"
-    r = front.post("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, events)
-    assert r.status == 400 and _error(r)["param"] == "prompt_logprobs"
+
+
+def test_prompt_logprobs_n_lists_the_alternatives():
+    """``prompt_logprobs: N`` asks the worker for N alternatives per prompt position and shows
+    them beside the prompt token, ranked 1..N (the prompt token keeps its own rank)."""
+    plp = [
+        common_pb2.PromptLogprob(),
+        common_pb2.PromptLogprob(
+            has_logprob=True,
+            token_id=6,
+            logprob=-1.5,
+            rank=3,
+            top=[common_pb2.TokenLogprob(token_id=9, logprob=-0.5), common_pb2.TokenLogprob(token_id=8, logprob=-1.0)],
+        ),
+        common_pb2.PromptLogprob(
+            has_logprob=True,
+            token_id=7,
+            logprob=-0.25,
+            rank=1,
+            top=[common_pb2.TokenLogprob(token_id=7, logprob=-0.25), common_pb2.TokenLogprob(token_id=3, logprob=-2.0)],
+        ),
+    ]
+    started = common_pb2.GenerateEvent(started=common_pb2.Started(prompt_token_ids=[5, 6, 7], prompt_logprobs=plp))
+    front = Front()
+    r = front.post(
+        "/v1/completions",
+        {"prompt": [5, 6, 7], "prompt_logprobs": 2},
+        [started, token(10, "Hi"), finished("Hi", "length")],
+    )
+    assert r.status == 200, r.body
+    (req,) = front.router.requests
+    assert req.sampling.prompt_logprobs and req.sampling.prompt_logprobs_top == 2
+    assert r.json()["choices"][0]["prompt_logprobs"] == [
+        None,
+        {
+            "6": {"logprob": -1.5, "rank": 3, "decoded_token": "<6>"},
+            "9": {"logprob": -0.5, "rank": 1, "decoded_token": "<9>"},
+            "8": {"logprob": -1.0, "rank": 2, "decoded_token": "<8>"},
+        },
+        {
+            "7": {"logprob": -0.25, "rank": 1, "decoded_token": "<7>"},
+            "3": {"logprob": -2.0, "rank": 2, "decoded_token": "<3>"},
+        },
+    ]
 
 
 def _non_default(name: str):
@@ -146,7 +188,6 @@ def test_known_unimplemented_parameters_are_400_only_when_not_default(name):
         ({"n": 2}, "n"),
         ({"best_of": 2}, "best_of"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
-        ({"echo": True}, "echo"),
         # OpenAI's legacy function calling was ignored: the model answered as if no function existed
         ({"functions": [{"name": "get_weather", "parameters": {"type": "object"}}]}, "functions"),
         ({"function_call": {"name": "get_weather"}}, "function_call"),

@@ -71,6 +71,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         seed=s.seed if s.HasField("seed") else None,
         logprobs=s.logprobs,
         prompt_logprobs=s.prompt_logprobs,
+        prompt_logprobs_top=s.prompt_logprobs_top,
         ignore_eos=s.ignore_eos,
         stop=tuple(s.stop),
         min_p=s.min_p,
@@ -152,11 +153,18 @@ def event_to_proto(rid: str, ev: Event) -> pb.GenerateEvent:
     if isinstance(ev, StartedEvent):
         plp = []
         if ev.prompt_logprobs is not None:
-            for e in ev.prompt_logprobs:
+            tops = ev.prompt_top or [()] * len(ev.prompt_logprobs)
+            for e, top in zip(ev.prompt_logprobs, tops, strict=True):
                 plp.append(
                     pb.PromptLogprob()
                     if e is None
-                    else pb.PromptLogprob(has_logprob=True, token_id=e[0], logprob=e[1], rank=e[2])
+                    else pb.PromptLogprob(
+                        has_logprob=True,
+                        token_id=e[0],
+                        logprob=e[1],
+                        rank=e[2],
+                        top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in top or ()],
+                    )
                 )
         return pb.GenerateEvent(
             request_id=rid, started=pb.Started(prompt_token_ids=ev.prompt_tokens, prompt_logprobs=plp)

@@ -43,6 +43,8 @@ class SamplingParams:
         seed: None → nondeterministic.
         logprobs: top-N log-probs returned per generated token (0..20).
         prompt_logprobs: return each prompt token's log-prob given its prefix.
+        prompt_logprobs_top: with ``prompt_logprobs``, the N most likely tokens at each prompt
+            position too (0..20; vLLM ``prompt_logprobs`` = N).
         ignore_eos: do not stop at end-of-generation tokens.
         stop: stop strings (OpenAI ``stop``): generation ends once the generated text contains
             one; the text is cut before it (``worker.serving.output.StopMatcher``).
@@ -64,6 +66,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int = 0
     prompt_logprobs: bool = False
+    prompt_logprobs_top: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     min_p: float = 0.0
@@ -89,6 +92,8 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 0 <= self.prompt_logprobs_top <= MAX_LOGPROBS:
+            raise SamplingError(f"prompt_logprobs_top must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs_top}")
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must not be empty")
         if not 0.0 <= self.min_p <= 1.0:  # NaN fails too

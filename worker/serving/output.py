@@ -120,6 +120,25 @@ def prompt_token_logprobs(logits: torch.Tensor, next_tokens: Sequence[int]) -> l
     return [(int(t), float(v), int(r)) for t, v, r in zip(next_tokens, vals, ranks, strict=False)]
 
 
+def prompt_top_logprobs(logits: torch.Tensor, n_top: int) -> list[tuple[tuple[int, float], ...]]:
+    """The ``n_top`` most likely tokens of each row, most likely first (vLLM ``prompt_logprobs``
+    = N: the alternatives beside the prompt token).
+
+    Args:
+        logits: f32 ``(m, V)`` logits of ``m`` prompt rows.
+        n_top: alternatives per row (≥ 1).
+
+    Returns:
+        ``m`` tuples of ``(token id, log-prob)``.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    vals, ids = torch.topk(lp, min(n_top, lp.shape[-1]), dim=-1)
+    return [
+        tuple((int(t), float(v)) for t, v in zip(ri, rv, strict=True))
+        for ri, rv in zip(ids.tolist(), vals.tolist(), strict=True)
+    ]
+
+
 def finish_reason(
     token_id: int,
     *,
@@ -171,15 +190,17 @@ class OutputStage:
         n_prompt = len(req.prompt)
         m = sum(1 for p in rows if p + 1 < n_prompt)
         if m:
-            req.prompt_logprobs += prompt_token_logprobs(
-                logits[list(out_idx[:m])], [req.prompt[p + 1] for p in rows[:m]]
-            )
+            rows_logits = logits[list(out_idx[:m])]
+            req.prompt_logprobs += prompt_token_logprobs(rows_logits, [req.prompt[p + 1] for p in rows[:m]])
+            if req.params.prompt_logprobs_top:
+                req.prompt_top += prompt_top_logprobs(rows_logits, req.params.prompt_logprobs_top)
 
     def started(self, req: GenRequest) -> StartedEvent:
         """The event of a request whose prompt is computed (prompt log-probs: None for token 0,
         then one per token; the list is None unless asked for)."""
         plp = [None, *req.prompt_logprobs] if req.params.prompt_logprobs else None
-        return StartedEvent(list(req.prompt), plp)
+        top = [None, *req.prompt_top] if req.params.prompt_logprobs and req.params.prompt_logprobs_top else None
+        return StartedEvent(list(req.prompt), plp, top)
 
     def sample(
         self,
@@ -478,4 +499,5 @@ __all__ = [
     "TokenRecord",
     "finish_reason",
     "prompt_token_logprobs",
+    "prompt_top_logprobs",
 ]

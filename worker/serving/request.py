@@ -120,6 +120,9 @@ class StartedEvent:
 
     prompt_tokens: list[int]
     prompt_logprobs: list[tuple[int, float, int] | None] | None
+    prompt_top: list[tuple[tuple[int, float], ...] | None] | None = None
+    """Per prompt token, the ``prompt_logprobs_top`` most likely ``(token id, log-prob)`` at its
+    position (None for token 0); None unless asked for."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,7 @@ class GenRequest:
     first_token_at: float | None = None
     generated: list[int] = field(default_factory=list)
     prompt_logprobs: list[tuple[int, float, int] | None] = field(default_factory=list)
+    prompt_top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     telemetry: RequestTelemetry = field(default_factory=RequestTelemetry)
     held_ids: tuple[int, ...] = ()  # adapter ids this request pins (unload waits for them)
     stop: StopMatcher | None = None  # set when params.stop is non-empty
