@@ -75,8 +75,9 @@ def is_admin_http_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in ADMIN_HTTP_PATHS)
 
 
-OPEN_HTTP_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
-"""HTTP paths served without the API key: probes, scrapes and the API's schema (vLLM leaves
+OPEN_HTTP_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
+"""HTTP paths served without the API key: probes (``/ping`` is vLLM's and SageMaker's), the
+server's version, scrapes and the API's schema (vLLM leaves
 everything outside ``/v1`` open; we guard every other path, so routes added later are too)."""
 
 

@@ -14,7 +14,6 @@ stdout, ``{"error": {"code": "INVALID_ARGUMENT", "message": …}}`` (exit 2). No
 
 from __future__ import annotations
 
-import importlib.metadata
 import sys
 from typing import Any, NoReturn
 
@@ -27,15 +26,9 @@ from clients.cli.server_commands import SERVER_COMMANDS
 from clients.cli.tenant_commands import TENANT_COMMANDS
 from clients.cli.tool_commands import TOOL_COMMANDS
 from loraplane.env import ENV_DEBUG
+from loraplane.version import package_version
 
 EXIT_INTERNAL = 1
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("loraplane")
-    except importlib.metadata.PackageNotFoundError:  # running from a checkout, not installed
-        return "0+unknown"
 
 
 _JSON_KEY = "loraplane.json"
@@ -101,7 +94,7 @@ class CliGroup(click.Group):
 
 
 @click.group(cls=CliGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(version=_version(), prog_name="loraplane", message="%(prog)s %(version)s")
+@click.version_option(version=package_version(), prog_name="loraplane", message="%(prog)s %(version)s")
 def cli() -> None:
     """loraplane: one GGUF base model, many LoRA adapters, served over gRPC.
 

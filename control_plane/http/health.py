@@ -1,4 +1,5 @@
-"""``GET /health`` (an empty JSON object while the process serves) and ``GET /metrics`` (the
+"""``GET /health`` (an empty JSON object while the process serves; ``GET``/``POST /ping`` the same,
+vLLM's and SageMaker's probe), ``GET /version`` (``{"version"}``, vLLM's) and ``GET /metrics`` (the
 control plane's Prometheus exposition; 404 when metrics are off), on the API listener
 (`health_router`) and on a listener of their own (`health_app`, served on ``--metrics-addr``):
 its own connections, so that probes and scrapers still get in while the API's connection cap
@@ -15,6 +16,7 @@ from starlette.middleware.gzip import GZipMiddleware
 
 from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError, install_error_handlers
+from loraplane.version import package_version
 
 MetricsText = Callable[[], tuple[bytes, str]]
 """``() -> (exposition bytes, content type)``."""
@@ -26,14 +28,24 @@ def health_router(deps: HttpDeps) -> APIRouter:
 
 
 def health_routes(metrics_text: MetricsText | None) -> APIRouter:
-    """``/health`` and ``/metrics`` over ``metrics_text`` (None: ``/metrics`` is 404)."""
+    """``/health``, ``/ping``, ``/version`` and ``/metrics`` over ``metrics_text`` (None:
+    ``/metrics`` is 404)."""
     router = APIRouter()
+    version = {"version": package_version()}
 
     # ``async def``: answered on the event loop itself, never queued behind the worker
     # threads that generation requests occupy (probes stay fast under any load).
     @router.get("/health")
     async def health() -> dict[str, Any]:
         return {}
+
+    @router.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> dict[str, Any]:
+        return {}
+
+    @router.get("/version")
+    async def server_version() -> dict[str, str]:
+        return version
 
     @router.get("/metrics")
     async def metrics() -> Response:

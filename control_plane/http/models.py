@@ -106,10 +106,15 @@ def resolve_model(model: str, *, base_name: str, registry: AdapterRegistry) -> d
     raise OpenAIError(404, message, param="model", code="model_not_found", type="not_found_error")
 
 
-def model_list(base_name: str, base_root: str, created: int, registry: AdapterRegistry) -> dict[str, Any]:
+def model_list(
+    base_name: str, base_root: str, created: int, registry: AdapterRegistry, max_model_len: int | None = None
+) -> dict[str, Any]:
     """``GET /v1/models``: the base model, then every adapter with ``parent`` = the base (its
     name or ``adapter:<id>``, then one entry per alias; each carries ``adapter_id`` and the
-    adapter's ``aliases``)."""
+    adapter's ``aliases``). ``root`` is where the model came from, as vLLM's cards say it: the
+    base model's file, an adapter's source (the path it was registered from, or its stored copy;
+    `AdapterRecord.path`). ``max_model_len``: the context a prompt is sized for (tokens; the
+    workers' ``n_ctx``), on every entry (adapters share the base's); null while unknown."""
     records = registry.list()
     data = [
         {
@@ -119,6 +124,7 @@ def model_list(base_name: str, base_root: str, created: int, registry: AdapterRe
             "owned_by": "loraplane",
             "root": base_root,
             "parent": None,
+            "max_model_len": max_model_len,
         }
     ]
     for r in records:
@@ -129,8 +135,9 @@ def model_list(base_name: str, base_root: str, created: int, registry: AdapterRe
                     "object": "model",
                     "created": int(r.created_at),
                     "owned_by": "loraplane",
-                    "root": f"{ID_PREFIX}{r.id}",
+                    "root": r.path or f"{ID_PREFIX}{r.id}",
                     "parent": base_name,
+                    "max_model_len": max_model_len,
                     "adapter_id": r.id,
                     "source_format": r.source_format,
                     "aliases": list(r.aliases),
@@ -139,7 +146,14 @@ def model_list(base_name: str, base_root: str, created: int, registry: AdapterRe
     return {"object": "list", "data": data}
 
 
-def model_card(model: str, base_name: str, base_root: str, created: int, registry: AdapterRegistry) -> dict[str, Any]:
+def model_card(
+    model: str,
+    base_name: str,
+    base_root: str,
+    created: int,
+    registry: AdapterRegistry,
+    max_model_len: int | None = None,
+) -> dict[str, Any]:
     """``GET /v1/models/{model}``: the `model_list` entry whose ``id`` is ``model``, else the
     entry of what ``model`` resolves to by the request rules (``adapter:<id>``,
     ``<base>:<adapter>``), so every name a request accepts can be retrieved.
@@ -147,7 +161,7 @@ def model_card(model: str, base_name: str, base_root: str, created: int, registr
     Raises:
         OpenAIError: 404 ``model_not_found`` (OpenAI's shape), 400 ambiguous name.
     """
-    data = model_list(base_name, base_root, created, registry)["data"]
+    data = model_list(base_name, base_root, created, registry, max_model_len)["data"]
     for entry in data:
         if entry["id"] == model:
             return entry
@@ -166,10 +180,10 @@ def models_router(deps: HttpDeps) -> APIRouter:
 
     @router.get("/v1/models")
     def models() -> dict[str, Any]:
-        return model_list(deps.base_name, deps.base_root, created, deps.registry)
+        return model_list(deps.base_name, deps.base_root, created, deps.registry, deps.prompt_n_ctx())
 
     @router.get("/v1/models/{model:path}")
     def model(model: str) -> dict[str, Any]:
-        return model_card(model, deps.base_name, deps.base_root, created, deps.registry)
+        return model_card(model, deps.base_name, deps.base_root, created, deps.registry, deps.prompt_n_ctx())
 
     return router

@@ -85,6 +85,7 @@ class FakeRecord:
     created_at: float = 1700000000.0
     source_format: str = "gguf"
     aliases: tuple[str, ...] = ()
+    path: str = ""
 
     @property
     def names(self) -> tuple[str, ...]:

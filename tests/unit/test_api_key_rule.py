@@ -21,6 +21,9 @@ from tests.helpers.http_fakes import Front, call_app
         ("/v1/models", "GET", "Bearer kk", 401),
         ("/no/such/route", "GET", None, 401),  # guarded by default: nothing is learnt without the key
         ("/health", "GET", None, 200),
+        ("/ping", "GET", None, 200),
+        ("/ping", "POST", None, 200),
+        ("/version", "GET", None, 200),
         ("/metrics", "GET", None, 200),
         ("/v1/load_lora_adapter", "POST", "Bearer k", 401),  # the admin routes still want the admin token
     ],

@@ -4,6 +4,7 @@ bearer check shared with gRPC. No model, no processes."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import pytest
@@ -210,9 +211,15 @@ def test_models_never_lists_an_id_twice():
 
 def test_models_health_and_metrics():
     front = Front()
+    front.registry.records[1].path = "/adapters/sea.gguf"
+    front.deps.n_ctx = 2048
     models = call_app(front.app, "GET", "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["base", "shout", "sea", "adapter:2", "adapter:3"]
+    assert [m["root"] for m in models["data"][:3]] == ["/models/base.gguf", "adapter:0", "/adapters/sea.gguf"]
+    assert {m["max_model_len"] for m in models["data"]} == {2048}
     assert call_app(front.app, "GET", "/health").json() == {}
+    assert call_app(front.app, "GET", "/ping").json() == {} and call_app(front.app, "POST", "/ping").json() == {}
+    assert call_app(front.app, "GET", "/version").json() == {"version": importlib.metadata.version("loraplane")}
     m = call_app(front.app, "GET", "/metrics")
     assert (m.status, m.body, m.headers["content-type"]) == (200, b"up 1\n", "text/plain; version=0.0.4; charset=utf-8")
     off = call_app(Front(metrics=False).app, "GET", "/metrics")
