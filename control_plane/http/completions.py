@@ -36,7 +36,14 @@ from control_plane.http.schemas import (
 )
 from control_plane.http.streaming import CompletionBatch, CompletionStream, RelayResponse
 from control_plane.http.structured import response_format_of
-from control_plane.http.tools import ForcedCall, check_tools, forced_call_of, template_message
+from control_plane.http.tool_prompt import hermes_messages, role_diagnosis
+from control_plane.http.tools import (
+    ForcedCall,
+    check_tools,
+    forced_call_of,
+    template_message,
+    template_renders_tools,
+)
 from loraplane.v1 import common_pb2
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16
@@ -232,6 +239,10 @@ def chat_prompt_ids(
             time or output bound.
     """
     messages = [template_message(flatten_message(m.model_dump(exclude_none=True))) for m in body.messages]
+    request_messages = messages
+    if not template_renders_tools(template):  # told in the hermes format, as plain turns
+        messages = hermes_messages(messages, tools, template)
+        tools = None
     total = 0
     for m in messages:
         content = m.get("content")
@@ -246,7 +257,9 @@ def chat_prompt_ids(
             max_chars=max_prompt_bytes if max_prompt_bytes is not None else RENDER_MAX_CHARS,
         )
     except ChatTemplateError as exc:
-        raise OpenAIError(400, str(exc), param="messages", code=exc.code) from None
+        message = str(exc)
+        why = role_diagnosis(request_messages) if exc.code == "chat_template_refused" else ""
+        raise OpenAIError(400, f"{message} ({why})" if why else message, param="messages", code=exc.code) from None
     check_prompt_bytes(
         text_bytes(prompt, max_prompt_bytes), limit=max_prompt_bytes, param="messages", what="the rendered chat prompt"
     )
@@ -395,7 +408,7 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         body.check()
         template = chat_template_of(deps)
         grammar = deps.router.grammar.for_tenant(deps.principal(authorization))
-        tools = check_tools(body.tools, body.tool_choice, template, max_tools=grammar.limits.max_tools)
+        tools = check_tools(body.tools, body.tool_choice, max_tools=grammar.limits.max_tools)
         sampling = sampling_of(body, grammar)
         forced = forced_call_of(
             body.tools, body.tool_choice, grammar, response_format=sampling["response_format"] is not None

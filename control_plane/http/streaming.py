@@ -196,7 +196,11 @@ class CompletionStream:
             yield R.sse(self._role_chunk())
         try:
             for item in itertools.chain([first], self._items):
-                chunk = self._finish_chunk() if item is None else self._token_chunk(item)
+                if item is None:
+                    for last in self._finish_chunks():
+                        yield R.sse(last)
+                    continue
+                chunk = self._token_chunk(item)
                 if chunk is not None:
                     yield R.sse(chunk)
             if include_usage:
@@ -210,7 +214,13 @@ class CompletionStream:
     # ---- chunk bodies (dicts; `responses.sse` frames them) -----------------------------------
 
     def _role_chunk(self) -> dict[str, Any]:
-        return R.chat_chunk(self.request_id, self.created, self.model, {"role": "assistant", "content": ""}, None, None)
+        """The first chat chunk: the role, and ``content`` ``""`` — ``null`` when the answer may
+        be tool calls (OpenAI's first chunk of a call; a client that joins the deltas then ends
+        with ``content`` null when no text follows)."""
+        content = None if self._tools is not None else ""
+        return R.chat_chunk(
+            self.request_id, self.created, self.model, {"role": "assistant", "content": content}, None, None
+        )
 
     def _token_chunk(self, token: TokenOut) -> dict[str, Any] | None:
         """One generated token: its piece and (when asked for) its log-probs; with tool calls,
@@ -228,16 +238,29 @@ class CompletionStream:
             return R.chat_chunk(self.request_id, self.created, self.model, {"content": token.text}, logprobs, None)
         return R.completion_chunk(self.request_id, self.created, self.model, token.text, logprobs, None)
 
-    def _finish_chunk(self) -> dict[str, Any]:
-        """The finish: the finished text beyond what was streamed, and ``finish_reason``."""
+    def _finish_chunks(self) -> list[dict[str, Any]]:
+        """The finish (`_finish_chunk`); with tool calls, what the parser still held goes in a
+        chunk of its own and ``finish_reason`` alone in the last one, as OpenAI streams calls
+        (the ``openai`` package's stream helpers close a call's arguments before the finish)."""
+        if self._tools is None:
+            return [self._finish_chunk()]
         out = self.outcome
         streamed = "".join(self._streamed)
         rest = out.text[len(streamed) :] if out.text.startswith(streamed) else ""
-        if self._tools is not None:
-            fed, tail = self._tools.feed(rest), self._tools.finish()
-            delta = self._tool_delta(fed, tail)
-            reason = self._tools.finish_reason(out.finish_reason)
-            return R.chat_chunk(self.request_id, self.created, self.model, delta, None, reason)
+        fed, tail = self._tools.feed(rest), self._tools.finish()
+        delta = self._tool_delta(fed, tail)
+        reason = self._tools.finish_reason(out.finish_reason)
+        last = R.chat_chunk(self.request_id, self.created, self.model, {}, None, reason)
+        if not delta:
+            return [last]
+        return [R.chat_chunk(self.request_id, self.created, self.model, delta, None, None), last]
+
+    def _finish_chunk(self) -> dict[str, Any]:
+        """The finish without tool calls: the finished text beyond what was streamed, and
+        ``finish_reason``."""
+        out = self.outcome
+        streamed = "".join(self._streamed)
+        rest = out.text[len(streamed) :] if out.text.startswith(streamed) else ""
         if self.chat:
             delta = {"content": rest} if rest else {}
             return R.chat_chunk(self.request_id, self.created, self.model, delta, None, out.finish_reason)

@@ -2,8 +2,9 @@
 output parsed into OpenAI ``tool_calls`` the way vLLM's ``hermes`` tool parser does for Qwen 2.5,
 Qwen 3 and Hermes models.
 
-`check_tools` checks a request's tools against the chat template (`template_renders_tools`:
-the template reads ``tools`` and writes ``<tool_call>``); `ToolCallParser` reads the hermes
+`check_tools` checks a request's tools (a template that renders them, `template_renders_tools`,
+reads ``tools`` and writes ``<tool_call>``; any other template is told about them by
+`tool_prompt.hermes_messages`); `ToolCallParser` reads the hermes
 blocks incrementally or all at once (`split_tool_calls`); a forced call (``tool_choice``
 ``"required"`` or a named function, `is_forced`, `forced_call_of`) becomes a `ForcedCall`: a
 JSON Schema for structured output (`tool_parameters`, `required_calls_schema`) and its parser
@@ -48,21 +49,18 @@ def is_forced(tool_choice: Any) -> bool:
     return tool_choice == "required" or isinstance(tool_choice, dict)
 
 
-def check_tools(
-    tools: list[Any] | None, tool_choice: Any, template: ChatTemplate, *, max_tools: int
-) -> list[dict[str, Any]] | None:
-    """The ``tools`` to render into the prompt, or None (no tools, ``tool_choice`` ``"none"``,
-    or a forced call on a template that does not render tools: the call is forced by the
-    output's schema, `forced_call_of`).
+def check_tools(tools: list[Any] | None, tool_choice: Any, *, max_tools: int) -> list[dict[str, Any]] | None:
+    """The ``tools`` to tell the model about, or None (no tools, or ``tool_choice`` ``"none"``).
+    A template that renders tools gets them as its ``tools`` variable; any other template gets
+    them through the hermes tool prompt (`tool_prompt.hermes_messages`).
 
     Args:
         max_tools: most entries ``tools`` may have (``--max-tools``, `GrammarLimits.max_tools`).
 
     Raises:
         OpenAIError: 400 naming ``tools`` (more than ``max_tools``, not a list of ``{"type":
-            "function", "function": {"name": …}}`` objects, or ``"auto"`` on a template that does
-            not render tools) or ``tool_choice`` (not ``"none"``, ``"auto"``, ``"required"`` or an
-            object).
+            "function", "function": {"name": …}}`` objects) or ``tool_choice`` (not ``"none"``,
+            ``"auto"``, ``"required"`` or an object).
     """
     if isinstance(tools, list) and len(tools) > max_tools:
         raise OpenAIError(
@@ -88,18 +86,6 @@ def check_tools(
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
-    if not template_renders_tools(template):
-        if is_forced(tool_choice):
-            return None
-        raise OpenAIError(
-            400,
-            f"this model's chat template ({template.source}) does not render tools in the <tool_call> "
-            "format, so the model cannot be told about them; send no 'tools', force a call with "
-            "'tool_choice' ('required' or a named function), or start with a --chat-template that "
-            "renders them",
-            param="tools",
-            code="tools_not_supported",
-        )
     return tools
 
 

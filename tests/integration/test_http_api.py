@@ -705,15 +705,15 @@ def test_structured_output_over_grpc_client_and_cli(serve, tmp_path):
     assert out["text"] in ("yes", "no")
 
 
-def test_forced_tool_call_on_a_template_without_tools(client):
-    """Gemma's built-in template renders no tools: ``tools`` with ``tool_choice`` ``"auto"`` is a
-    400 naming ``tools``, but a named ``tool_choice`` works (vLLM's rule: the call is forced by
-    the output's schema, not by the prompt): one call whose arguments validate."""
-    tools = [{"type": "function", "function": {"name": "add_person", "parameters": PERSON, "strict": True}}]
+def test_tools_on_a_template_without_tools(client):
+    """Gemma's built-in template renders no tools: they reach the model in the hermes prompt
+    (`tool_prompt`), so ``"auto"``, forced calls and the follow-up turn with the tool's result
+    all work; ``"required"`` on a tool that is not ``strict`` still gives calls whose arguments
+    admit no other key (objects closed by default)."""
+    tools = [{"type": "function", "function": {"name": "add_person", "parameters": PERSON}}]
     msgs = [{"role": "user", "content": "Add a person."}]
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="shout", messages=msgs, tools=tools, max_tokens=4)
-    assert err.value.body["param"] == "tools" and err.value.body["code"] == "tools_not_supported"
+    auto = client.chat.completions.create(model="shout", messages=msgs, tools=tools, max_tokens=8, temperature=0)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
     named = {"type": "function", "function": {"name": "add_person"}}
     r = client.chat.completions.create(
         model="sea", messages=msgs, tools=tools, tool_choice=named, max_tokens=40, temperature=0
@@ -723,3 +723,36 @@ def test_forced_tool_call_on_a_template_without_tools(client):
     (call,) = choice.message.tool_calls
     assert call.function.name == "add_person"
     check_person(call.function.arguments)
+    required = client.chat.completions.create(
+        model=BASE, messages=msgs, tools=tools, tool_choice="required", max_tokens=60, temperature=0
+    )
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "add_person" for c in calls)
+    check_person(calls[0].function.arguments)
+    follow_up = [
+        *msgs,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Added."},
+        {"role": "developer", "content": "Answer in one sentence."},
+    ]
+    done = client.chat.completions.create(model=BASE, messages=follow_up, tools=tools, max_tokens=12, temperature=0)
+    assert done.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert done.usage.prompt_tokens > auto.usage.prompt_tokens
+
+
+def test_a_streamed_named_call_closes_its_arguments_in_the_sdk(client):
+    """The ``openai`` package's stream helper sees the call's arguments end
+    (``tool_calls.function.arguments.done``) and a final message whose ``content`` is None: the
+    call and ``finish_reason`` come in separate chunks, the first chunk's ``content`` is null."""
+    tools = [{"type": "function", "function": {"name": "add_person", "parameters": PERSON, "strict": True}}]
+    named = {"type": "function", "function": {"name": "add_person"}}
+    msgs = [{"role": "user", "content": "Add a person."}]
+    with client.chat.completions.stream(
+        model=BASE, messages=msgs, tools=tools, tool_choice=named, max_tokens=40, temperature=0
+    ) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    assert len(done) == 1 and done[0].name == "add_person"
+    check_person(done[0].arguments)
+    message = final.choices[0].message
+    assert message.content is None and message.tool_calls[0].function.arguments == done[0].arguments

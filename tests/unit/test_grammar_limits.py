@@ -136,7 +136,7 @@ def test_choices_and_tools_are_bounded():
         check_choices(["y" * 1000] * 300, DEFAULT)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(Exception) as exc:
-        check_tools([tool] * 129, "auto", template=None, max_tools=128)  # type: ignore[arg-type]
+        check_tools([tool] * 129, "auto", max_tools=128)
     assert exc.value.status == 400 and exc.value.param == "tools"  # type: ignore[attr-defined]
     assert "'tools' has 129 entries, over the limit of 128 (--max-tools)" in str(exc.value)
 

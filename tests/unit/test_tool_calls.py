@@ -184,13 +184,17 @@ def test_route_renders_tools_and_answers_tool_calls():
 
 
 def test_route_streams_tool_calls_whole():
+    """As OpenAI streams calls: ``content`` null in the first chunk (a client joining the deltas
+    ends with null when no text comes), the call in a chunk of its own, ``finish_reason`` alone
+    in the last chunk."""
     front = Front(template_text=HERMES)
     body = {"model": "base", "messages": USER, "tools": [WEATHER], "stream": True}
     r = front.post("/v1/chat/completions", body, EVENTS)
     chunks = [json.loads(line[6:]) for line in r.body.decode().split("\n\n") if line.startswith("data: {")]
     deltas = [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in chunks]
-    assert deltas[0] == ({"role": "assistant", "content": ""}, None)
-    assert "".join(d.get("content", "") for d, _ in deltas) == "Let me check."
+    assert deltas[0] == ({"role": "assistant", "content": None}, None)
+    assert deltas[-1] == ({}, "tool_calls")
+    assert "".join(d.get("content") or "" for d, _ in deltas) == "Let me check."
     calls = [tc for d, _ in deltas for tc in d.get("tool_calls", [])]
     assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
@@ -224,7 +228,6 @@ def test_tool_choice_none_neither_renders_nor_parses():
         (HERMES, {"tool_choice": "sometimes"}, "tool_choice", None),
         (HERMES, {"tools": [{"type": "function", "function": {}}]}, "tools", None),
         (HERMES, {"tools": [{"type": "retrieval"}]}, "tools", None),
-        ("", {}, "tools", "tools_not_supported"),  # Gemma's built-in template renders no tools
     ],
 )
 def test_tool_refusals_name_the_field(template_text, extra, param, code):
@@ -250,3 +253,76 @@ def test_arguments_nested_past_the_recursion_limit_stay_text():
 
 def test_tokenizer_fake_is_one_id_per_character():
     assert FakeTokenizer().encode("ab", add_special=False, parse_special=True) == [97, 98]
+
+
+# ---- templates that render no tools: the hermes tool prompt ---------------------------------------
+
+GEMMA_CALL = ONE
+
+
+def _gemma_events(text: str) -> list:
+    return [started(1), token(10, text), finished(text, "stop")]
+
+
+def test_auto_on_a_template_without_tools_tells_the_model_in_the_hermes_format():
+    """Gemma's built-in template renders no tools: the tools go into the system text (which
+    Gemma puts in the first user turn) in Qwen's hermes prompt, and the answer's
+    ``<tool_call>`` blocks are read back as calls."""
+    from control_plane.http.tool_prompt import HERMES_TOOL_PROMPT
+
+    front = Front()  # Gemma's built-in template
+    body = {"model": "base", "messages": [{"role": "system", "content": "Be brief."}, *USER], "tools": [WEATHER]}
+    r = front.post("/v1/chat/completions", body, _gemma_events(GEMMA_CALL))
+    assert r.status == 200, r.body
+    prompt = _prompt(front)
+    assert prompt.startswith("<bos><start_of_turn>user\nBe brief.\n\n# Tools\n\n")
+    assert "<tools>\n" + json.dumps(WEATHER, ensure_ascii=False) + "\n</tools>" in prompt
+    assert HERMES_TOOL_PROMPT.split("<tool_call>")[0].startswith("# Tools")
+    assert prompt.endswith("Weather in Paris?<end_of_turn>\n<start_of_turn>model\n")
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert _calls(choice["message"]["tool_calls"]) == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_a_tool_loop_on_a_template_without_tools():
+    """The follow-up turn: the assistant's call as the block it would have written, the tool's
+    result as a user turn of ``<tool_response>`` (two results joined into one turn), a
+    ``developer`` message as system text; Gemma's alternation holds."""
+    front = Front()
+    call = {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "developer", "content": "Use tools."},
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call, call]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "7C"},
+        {"role": "tool", "tool_call_id": "call_9", "content": "8C"},
+    ]
+    r = front.post("/v1/chat/completions", {"model": "base", "messages": messages, "tools": [WEATHER]}, EVENTS)
+    assert r.status == 200, r.body
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert _prompt(front).endswith(
+        "Weather in Paris?<end_of_turn>\n"
+        f"<start_of_turn>model\n{block}\n{block}<end_of_turn>\n"
+        "<start_of_turn>user\n<tool_response>\n7C\n</tool_response>\n<tool_response>\n8C\n</tool_response>"
+        "<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert _prompt(front).startswith("<bos><start_of_turn>user\nUse tools.\n\n# Tools")
+
+
+def test_a_template_refusal_names_the_message_and_role():
+    front = Front()
+    messages = [{"role": "assistant", "content": "Hi"}, *USER]
+    r = front.post("/v1/chat/completions", {"model": "base", "messages": messages}, EVENTS)
+    err = r.json()["error"]
+    assert r.status == 400 and err["param"] == "messages" and err["code"] == "chat_template_refused"
+    assert "Conversation roles must alternate" in err["message"]
+    assert "messages[0] has role 'assistant' where 'user' was expected" in err["message"]
+
+
+def test_role_diagnosis():
+    from control_plane.http.tool_prompt import role_diagnosis
+
+    u, a = {"role": "user"}, {"role": "assistant"}
+    assert role_diagnosis([{"role": "system"}, u, a, {"role": "tool"}, u, a]) == ""
+    assert role_diagnosis([u, a, a]) == "messages[2] has role 'assistant' where 'user' was expected"
+    assert role_diagnosis([u, {"role": "robot"}]) == "messages[1] has role 'robot' where 'assistant' was expected"
