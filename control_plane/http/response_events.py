@@ -138,9 +138,7 @@ class ResponseEvents(CompletionStream):
             status, details = "incomplete", {"reason": "max_output_tokens"}
         else:
             status, details = "completed", None
-        return self.response(
-            status, output, incomplete_details=details, usage=usage_of(out), completed_at=now_s()
-        )
+        return self.response(status, output, incomplete_details=details, usage=usage_of(out), completed_at=now_s())
 
     def _item_status(self) -> str:
         return "incomplete" if self.outcome.finish_reason == "length" else "completed"

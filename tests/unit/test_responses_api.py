@@ -427,10 +427,8 @@ def test_chat_errors_name_the_responses_parameter():
     assert r.status == 400
     error = r.json()["error"]
     assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
-    assert (
-        error["message"]
-        == f"'input' has {len(gemma_prompt(('user', 'a long enough question')))} tokens; this model's context is 20 tokens"
-    )
+    n_tokens = len(gemma_prompt(("user", "a long enough question")))
+    assert error["message"] == f"'input' has {n_tokens} tokens; this model's context is 20 tokens"
     r = front.post("/v1/responses", {"model": "nope", "input": "x"}, EVENTS)
     assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"
     r = front.post("/v1/responses", {"input": "x", "max_output_tokens": 0}, EVENTS)
