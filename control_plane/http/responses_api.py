@@ -73,6 +73,9 @@ PASSED_TO_CHAT = (
 they reach the chat request as they are, as do the keys chat refuses (`schemas.UNSUPPORTED`).
 Any other key unknown to the Responses API is ignored, as on the chat endpoint."""
 
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+"""The keys of a Responses function tool that a chat tool's ``function`` has."""
+
 RESPONSES_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((False,), "background responses need stored responses, and none are stored"),
     "conversation": ((), "conversations are not stored; send the whole conversation in 'input'"),
@@ -287,9 +290,9 @@ def _join_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     """Responses function tools (``{"type": "function", "name", "description", "parameters",
-    "strict"}``) as chat tools (``{"type": "function", "function": {...}}``). ``strict``
-    absent or null is true, OpenAI's default for Responses function tools (objects closed,
-    `tools.tool_parameters`).
+    "strict"}``) as chat tools (``{"type": "function", "function": {...}}``, the `FUNCTION_KEYS`
+    in the tool's order). ``strict`` absent or null is true, OpenAI's default for Responses
+    function tools (objects closed, `tools.tool_parameters`).
 
     Raises:
         OpenAIError: 400 naming ``tools[i]`` or its field: not an object, a tool type other
@@ -311,9 +314,10 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
         params = tool.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise _bad(f"{where}.parameters", f"'{where}.parameters' must be a JSON Schema object")
-        fn = {"name": _string(tool, "name", where), "parameters": params, "strict": tool.get("strict") is not False}
-        if isinstance(tool.get("description"), str):
-            fn["description"] = tool["description"]
+        _string(tool, "name", where)
+        # the tool's own key order: templates print the function with ``tojson``
+        fn = {k: v for k, v in tool.items() if k in FUNCTION_KEYS}
+        fn["strict"] = tool.get("strict") is not False
         out.append({"type": "function", "function": fn})
     return out
 

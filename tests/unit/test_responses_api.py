@@ -14,9 +14,11 @@ import control_plane.http.response_events as response_events
 import control_plane.http.responses_api as responses_api
 import control_plane.http.tools as tools_module
 from control_plane.errors import UnavailableError
+from control_plane.http.app import create_app
 from control_plane.http.errors import OpenAIError
 from control_plane.http.responses_api import chat_messages, chat_response_format, chat_tool_choice, chat_tools
 from loraplane.v1 import common_pb2
+from tests.helpers.grammar_bombs import defs_chain
 from tests.helpers.http_fakes import EVENTS, Front, finished, started, token
 
 CREATED = 1700000000
@@ -168,8 +170,9 @@ def test_function_tools_become_chat_tools_strict_unless_false():
             "function": {"name": "a", "parameters": {"type": "object"}, "strict": True, "description": "A."},
         },
         {"type": "function", "function": {"name": "b", "parameters": None, "strict": False}},
-        {"type": "function", "function": {"name": "c", "parameters": None, "strict": True}},
+        {"type": "function", "function": {"name": "c", "strict": True}},
     ]
+    assert list(chat_tools(tools)[0]["function"]) == ["name", "parameters", "description", "strict"]
     with pytest.raises(OpenAIError) as err:
         chat_tools([tools[0], {"type": "web_search"}])
     assert (err.value.param, err.value.code) == ("tools[1].type", "unsupported_parameter")
@@ -466,3 +469,27 @@ def test_errors_before_and_after_the_first_token():
     assert failed["error"] == {"code": "server_error", "message": "worker went away"}
     whole = front.post("/v1/responses", {"input": "x"}, script)
     assert whole.status == 503 and whole.json()["error"]["message"] == "worker went away"
+
+
+def test_formats_and_tool_schemas_meet_the_grammar_limits_first():
+    """The crash shapes of "Reliability round 4" are refused by the grammar limits (default
+    `GrammarLimits`) before any engine runs, named in Responses terms."""
+    front = Front()
+    fmt = {"type": "json_schema", "name": "x", "schema": defs_chain(1000)}
+    r = front.post("/v1/responses", {"input": "x", "text": {"format": fmt}}, EVENTS)
+    assert r.status == 400 and r.json()["error"]["param"] == "text.format.schema"
+    assert "limit" in r.json()["error"]["message"]
+    tool = {"type": "function", "name": "f", "parameters": defs_chain(1000)}
+    r = front.post("/v1/responses", {"input": "x", "tools": [tool], "tool_choice": "required"}, EVENTS)
+    assert r.status == 400 and r.json()["error"]["param"] == "tools"
+    assert front.router.requests == []
+
+
+def test_the_api_key_guards_the_route():
+    front = Front()
+    front.deps.api_key = "k1"
+    front.app = create_app(front.deps)
+    r = front.post("/v1/responses", {"input": "x"}, EVENTS)
+    assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    ok = front.post("/v1/responses", {"input": "x"}, EVENTS, headers={"authorization": "Bearer k1"})
+    assert ok.status == 200 and ok.json()["output"][0]["content"][0]["text"] == "Hi there."
