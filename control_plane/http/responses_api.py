@@ -221,14 +221,16 @@ def chat_messages(input: str | list[Any], instructions: str | None) -> list[dict
     line between (chat templates read a single first system message).
 
     Raises:
-        OpenAIError: 400 naming the item and field at fault (``input[3].role``, ...), an
-            ``item_reference`` (nothing stored) or an item type other than the three above.
+        OpenAIError: 400 naming ``input`` (an empty list) or the item and field at fault
+            (``input[3].role``, ...), an ``item_reference`` (nothing stored) or an item type other than the three above.
     """
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
     if isinstance(input, str):
         return [*messages, {"role": "user", "content": input}]
+    if not input:
+        raise _bad("input", "'input' is empty: give a string or at least one input item")
     calls: set[str] = set()
     for i, item in enumerate(input):
         where = f"input[{i}]"

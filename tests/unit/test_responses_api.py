@@ -149,6 +149,7 @@ def test_function_calls_join_the_assistant_turn_and_outputs_become_tool_messages
         ([{"type": "reasoning", "summary": []}], "input[0].type", "items of type 'reasoning' are not supported"),
         ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id", "must be a non-empty string"),
         (["text"], "input[0]", "must be an object"),
+        ([], "input", "'input' is empty"),
     ],
 )
 def test_bad_input_items_are_400_naming_the_item(items, param, needle):
@@ -493,3 +494,26 @@ def test_the_api_key_guards_the_route():
     assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
     ok = front.post("/v1/responses", {"input": "x"}, EVENTS, headers={"authorization": "Bearer k1"})
     assert ok.status == 200 and ok.json()["output"][0]["content"][0]["text"] == "Hi there."
+
+
+def test_extension_keys_reach_the_request_and_other_keys_do_not():
+    """vLLM's sampling extensions and ``lora`` pass to the chat request; chat-only keys such as
+    ``max_tokens`` or ``response_format`` mean nothing on /v1/responses and are ignored."""
+    front = Front()
+    body = {
+        "model": "base",
+        "input": "x",
+        "top_k": 5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "stop": ["."],
+        "lora": [{"id": 0, "scale": 0.5}],
+        "max_tokens": 3,
+        "response_format": {"type": "json_object"},
+    }
+    assert front.post("/v1/responses", body, EVENTS).status == 200
+    (req,) = front.router.requests
+    s = req.sampling
+    assert (s.top_k, round(s.min_p, 6), round(s.repetition_penalty, 6), list(s.stop)) == (5, 0.1, 1.2, ["."])
+    assert [(e.id, e.scale) for e in req.adapters.entries] == [(0, 0.5)]
+    assert s.max_tokens == 2**31 - 1 and not s.HasField("response_format")
