@@ -7,6 +7,7 @@ Routes, one module per concern:
     pages load scripts from a CDN);
   * ``POST /v1/completions``, ``POST /v1/chat/completions`` (`completions`; responses and
     server-sent events from `streaming`);
+  * ``POST /v1/responses`` (`responses_api`: OpenAI's Responses API over the chat pipeline);
   * ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (`admin`: bearer token when
     one is configured, as on gRPC); ``GET``/``POST /v1/tenants``, ``DELETE
     /v1/tenants/{name}`` (`tenant_routes`, the same guard);
@@ -37,6 +38,7 @@ from control_plane.http.deps import DEFAULT_MAX_BODY_BYTES, HttpDeps
 from control_plane.http.errors import OpenAIError, http_error, install_error_handlers
 from control_plane.http.health import health_router
 from control_plane.http.models import models_router
+from control_plane.http.responses_api import responses_router
 from control_plane.http.tenant_routes import tenants_router
 from control_plane.http.tokenize import tokenize_router
 
@@ -180,6 +182,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app.include_router(health_router(deps))
     app.include_router(models_router(deps))
     app.include_router(completions_router(deps))
+    app.include_router(responses_router(deps))
     app.include_router(tokenize_router(deps))
     app.include_router(admin_router(deps))
     app.include_router(tenants_router(deps))

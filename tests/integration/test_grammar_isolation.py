@@ -125,6 +125,28 @@ def test_a_crashing_format_is_that_requests_400_and_the_server_goes_on(serve, sh
         assert ok.json()["choices"][0]["message"]["content"].startswith('{"n":')
 
 
+def test_responses_formats_and_forced_tools_check_in_the_isolate_too(serve):
+    """``/v1/responses`` compiles ``text.format`` and a forced tool's schema in the same
+    grammar-check children: a crashing one is that request's 400, named in Responses terms."""
+    with httpx.Client(base_url=serve.http, timeout=120) as http:
+        fmt = {"type": "json_schema", "name": "x", "schema": defs_chain(1000)}
+        r = http.post("/v1/responses", json={"input": "Answer in JSON.", "text": {"format": fmt}})
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == ("text.format.schema", "invalid_response_format")
+        assert "the grammar engine crashed on this format" in err["message"], err["message"]
+        tool = {"type": "function", "name": "f", "parameters": defs_chain(1000), "strict": False}
+        r = http.post("/v1/responses", json={"input": "Call f.", "tools": [tool], "tool_choice": "required"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text[:300]
+        assert "the grammar engine crashed on this format" in r.json()["error"]["message"]
+        fmt = {"type": "json_schema", "name": "n", "schema": SCHEMA}
+        ok = http.post(
+            "/v1/responses", json={"input": "Answer in JSON.", "text": {"format": fmt}, "max_output_tokens": 6}
+        )
+        assert ok.status_code == 200, ok.text[:300]
+        assert ok.json()["output"][0]["content"][0]["text"].startswith('{"n":')
+
+
 def test_the_grpc_path_checks_in_the_isolate_too(serve):
     rf = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, schema=json.dumps(refs_chain(5000)))
     request = common_pb2.GenerateRequest(
