@@ -14,6 +14,7 @@ Parameters, tokenization and BOS, input limits: docs/http-api.md, "Request param
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from fastapi import APIRouter, Request
@@ -268,6 +269,64 @@ def chat_prompt_ids(
     return ids
 
 
+@dataclass(frozen=True)
+class ChatCall:
+    """A chat request made ready for the router (`prepare_chat`).
+
+    Attributes:
+        request: the GenerateRequest (the rendered prompt's token ids, adapters, sampling).
+        tools: the tools the model was told about (None: none; the answer is then not parsed
+            for calls).
+        forced: the forced call of ``tool_choice`` (its schema is the request's format).
+    """
+
+    request: common_pb2.GenerateRequest
+    tools: list[dict[str, Any]] | None
+    forced: ForcedCall | None
+
+
+def prepare_chat(
+    deps: HttpDeps, body: ChatCompletionRequest, principal: str | None, *, request_id: str, logprobs: int
+) -> ChatCall:
+    """A checked chat request's way to the router, in this order: the template, the tools
+    (`check_tools`), sampling and structured output (compiled by ``principal``'s grammar
+    checker), the forced call, the adapters (``model`` / ``lora``), the prompt
+    (`chat_prompt_ids`, sized first); ``logprobs``: top-N per generated token. Shared by
+    ``/v1/chat/completions`` and ``/v1/responses``.
+
+    Raises:
+        OpenAIError: 400 / 404 naming the field at fault (each step's own errors).
+    """
+    template = chat_template_of(deps)
+    grammar = deps.router.grammar.for_tenant(principal)
+    tools = check_tools(body.tools, body.tool_choice, max_tools=grammar.limits.max_tools)
+    sampling = sampling_of(body, grammar)
+    forced = forced_call_of(
+        body.tools, body.tool_choice, grammar, response_format=sampling["response_format"] is not None
+    )
+    if forced is not None:
+        sampling["response_format"] = forced.response_format()
+    adapters = adapters_for(body, deps)
+    ids = chat_prompt_ids(
+        body,
+        template,
+        deps.tokenizer,
+        max_prompt_bytes=deps.prompt_max_bytes(),
+        n_ctx=deps.prompt_n_ctx(),
+        tools=tools,
+    )
+    request = build_request(
+        request_id=request_id,
+        text=None,
+        tokens=ids,
+        adapters=adapters,
+        max_tokens=body.max_completion_tokens or body.max_tokens or CHAT_MAX_TOKENS_DEFAULT,
+        logprobs=logprobs,
+        **sampling,
+    )
+    return ChatCall(request, tools, forced)
+
+
 def respond(
     deps: HttpDeps,
     request: common_pb2.GenerateRequest | list[common_pb2.GenerateRequest],
@@ -406,43 +465,18 @@ def completions_router(deps: HttpDeps) -> APIRouter:
     def run_chat(raw: bytes, authorization: str | None = None) -> Response:
         body = parse_body(raw, ChatCompletionRequest)
         body.check()
-        template = chat_template_of(deps)
-        grammar = deps.router.grammar.for_tenant(deps.principal(authorization))
-        tools = check_tools(body.tools, body.tool_choice, max_tools=grammar.limits.max_tools)
-        sampling = sampling_of(body, grammar)
-        forced = forced_call_of(
-            body.tools, body.tool_choice, grammar, response_format=sampling["response_format"] is not None
-        )
-        if forced is not None:
-            sampling["response_format"] = forced.response_format()
-        adapters = adapters_for(body, deps)
-        ids = chat_prompt_ids(
-            body,
-            template,
-            deps.tokenizer,
-            max_prompt_bytes=deps.prompt_max_bytes(),
-            n_ctx=deps.prompt_n_ctx(),
-            tools=tools,
-        )
+        principal = deps.principal(authorization)
         n_top = body.top_logprobs or 0
-        request = build_request(
-            request_id=new_request_id("chatcmpl"),
-            text=None,
-            tokens=ids,
-            adapters=adapters,
-            max_tokens=body.max_completion_tokens or body.max_tokens or CHAT_MAX_TOKENS_DEFAULT,
-            logprobs=n_top,
-            **sampling,
-        )
+        chat = prepare_chat(deps, body, principal, request_id=new_request_id("chatcmpl"), logprobs=n_top)
         return respond(
             deps,
-            request,
+            chat.request,
             body,
             chat=True,
             logprobs=n_top if body.logprobs else None,
-            tool_calls=tools is not None,
-            forced=forced,
-            principal=deps.principal(authorization),
+            tool_calls=chat.tools is not None,
+            forced=chat.forced,
+            principal=principal,
         )
 
     return router

@@ -33,14 +33,13 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
-from control_plane.http.completions import adapters_for, chat_prompt_ids, chat_template_of, sampling_of
+from control_plane.http.completions import prepare_chat
 from control_plane.http.deps import HttpDeps
 from control_plane.http.errors import OpenAIError, unsupported
-from control_plane.http.generation import HttpCallContext, build_request, now_s
+from control_plane.http.generation import HttpCallContext, now_s
 from control_plane.http.response_events import ResponseEvents
 from control_plane.http.responses import token_text_of
 from control_plane.http.schemas import (
-    CHAT_MAX_TOKENS_DEFAULT,
     MAX_CHAT_ITEMS,
     UNSUPPORTED,
     ChatCompletionRequest,
@@ -49,7 +48,6 @@ from control_plane.http.schemas import (
     parse_body,
 )
 from control_plane.http.streaming import RelayResponse
-from control_plane.http.tools import check_tools, forced_call_of
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 """Roles an ``input`` message may have; ``developer`` is rendered as ``system`` (OpenAI: the
@@ -465,43 +463,17 @@ def run_responses(deps: HttpDeps, raw: bytes, authorization: str | None = None) 
     body.check()
     chat = chat_request_of(body)
     principal = deps.principal(authorization)
-    with responses_params():
-        template = chat_template_of(deps)
-        grammar = deps.router.grammar.for_tenant(principal)
-        tools = check_tools(chat.tools, chat.tool_choice, template, max_tools=grammar.limits.max_tools)
-        sampling = sampling_of(chat, grammar)
-        forced = forced_call_of(
-            chat.tools, chat.tool_choice, grammar, response_format=sampling["response_format"] is not None
-        )
-        if forced is not None:
-            sampling["response_format"] = forced.response_format()
-        adapters = adapters_for(chat, deps)
-        ids = chat_prompt_ids(
-            chat,
-            template,
-            deps.tokenizer,
-            max_prompt_bytes=deps.prompt_max_bytes(),
-            n_ctx=deps.prompt_n_ctx(),
-            tools=tools,
-        )
     response_id = new_response_id()
-    request = build_request(
-        request_id=response_id,
-        text=None,
-        tokens=ids,
-        adapters=adapters,
-        max_tokens=chat.max_completion_tokens or CHAT_MAX_TOKENS_DEFAULT,
-        logprobs=0,
-        **sampling,
-    )
+    with responses_params():
+        prepared = prepare_chat(deps, chat, principal, request_id=response_id, logprobs=0)
     call = HttpCallContext()
     events = ResponseEvents(
-        deps.router.generate(request, call, principal=principal),
+        deps.router.generate(prepared.request, call, principal=principal),
         cancel=call.cancel,
         head=response_head(body, response_id, now_s(), body.model or deps.base_name),
         token_text=token_text_of(deps.tokenizer),
-        tool_calls=tools is not None,
-        forced=forced,
+        tool_calls=prepared.tools is not None,
+        forced=prepared.forced,
     )
     return RelayResponse(events, sse=body.stream, write_timeout_s=deps.write_timeout_s)
 

@@ -442,12 +442,16 @@ def test_chat_errors_name_the_responses_parameter():
     assert "has 70000 items; at most 65536 are accepted" in r.json()["error"]["message"]
 
 
-def test_auto_tools_on_a_template_without_tools_is_the_chat_refusal():
+def test_auto_tools_on_a_template_without_tools_go_through_the_hermes_prompt():
+    """As on chat: Gemma's built-in template renders no tools, so they reach the model in the
+    hermes tool prompt (`tool_prompt`)."""
     front = Front()
     tool = {"type": "function", "name": "f"}
     r = front.post("/v1/responses", {"input": "x", "tools": [tool]}, EVENTS)
-    assert r.status == 400
-    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("tools", "tools_not_supported")
+    assert r.status == 200, r.body
+    (req,) = front.router.requests
+    prompt = "".join(chr(i) for i in req.tokens.ids)  # FakeTokenizer: one id per character
+    assert "# Tools" in prompt and '"name": "f"' in prompt
 
 
 def test_errors_before_and_after_the_first_token():
