@@ -374,6 +374,9 @@ def respond(
         )
     stream: CompletionStream | CompletionBatch = CompletionBatch(streams) if isinstance(request, list) else streams[0]
     include_usage = body.stream_options is not None and body.stream_options.include_usage
+    if include_usage and body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        for s in streams:
+            s.continuous_usage = True
     return RelayResponse(
         stream,
         sse=bool(body.stream),

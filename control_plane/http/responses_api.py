@@ -44,7 +44,7 @@ from control_plane.http.schemas import (
     UNSUPPORTED,
     ChatCompletionRequest,
     HttpBody,
-    _is_default,
+    is_default,
     parse_body,
 )
 from control_plane.http.streaming import RelayResponse
@@ -162,7 +162,7 @@ class ResponsesRequest(HttpBody):
         extra = self.model_extra or {}
         for name, (defaults, why) in RESPONSES_UNSUPPORTED.items():
             value = extra.get(name)
-            if not _is_default(value, defaults):
+            if not is_default(value, defaults):
                 raise unsupported(name, f"{why} (got {json.dumps(value)[:100]})")
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise unsupported("reasoning", f"reasoning is not implemented (got {json.dumps(self.reasoning)[:100]})")

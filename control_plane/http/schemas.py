@@ -230,10 +230,13 @@ class LoraEntry(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a usage chunk before ``[DONE]``."""
+    """``stream_options``: ``include_usage`` adds a usage chunk before ``[DONE]``;
+    ``continuous_usage_stats`` (vLLM's, with ``include_usage``) puts the usage so far on every
+    chunk too."""
 
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -274,6 +277,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "xtc_probability": ((0.0,), "XTC sampling is not implemented"),
     "dry_multiplier": ((0.0,), "DRY sampling is not implemented"),
     "repeat_penalty": ((1.0,), "llama-server's windowed penalty is not implemented; use 'repetition_penalty'"),
+    "n_probs": ((0,), "llama-server's n_probs is not read here; use 'logprobs' (completions) or 'top_logprobs' (chat)"),
 }
 """Known parameters loraplane does not implement: ``name → (default values, why)``. A value
 that is None, empty or one of the defaults is ignored; anything else is a 400 naming it
@@ -281,7 +285,7 @@ that is None, empty or one of the defaults is ignored; anything else is a 400 na
 ``suffix`` are checked with their fields. Structured output and tool keys are not listed here."""
 
 
-def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
+def is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
     """Whether ``value`` is a parameter's default: None, an empty list / dict / string, or equal
     to one of ``defaults`` (``True`` is not ``1`` here: a bool must match a bool)."""
     if value is None or (isinstance(value, list | dict | str) and not value):
@@ -337,7 +341,7 @@ class SamplingFields(HttpBody):
         extra = self.model_extra or {}
         for name, (defaults, why) in UNSUPPORTED.items():
             value = extra.get(name)
-            if not _is_default(value, defaults):
+            if not is_default(value, defaults):
                 raise unsupported(name, f"{why} (got {json.dumps(value)[:100]})")
         if self.prompt_logprobs is not None and self.stream:
             raise unsupported("prompt_logprobs", "prompt log-probs are returned in non-streaming responses only")

@@ -93,6 +93,7 @@ class CompletionStream:
         self.outcome = Outcome()
         self.echo = echo
         self.generate_nothing = generate_nothing
+        self.continuous_usage = False  # vLLM stream_options.continuous_usage_stats: usage on every chunk
         self._items = fold(iter(events), self.outcome)
         self._cancel = cancel
         self.request_id = request_id
@@ -193,16 +194,16 @@ class CompletionStream:
 
     def _chunks(self, first: TokenOut | None, include_usage: bool) -> Iterator[str]:
         if self.chat:
-            yield R.sse(self._role_chunk())
+            yield R.sse(self._with_usage(self._role_chunk()))
         try:
             for item in itertools.chain([first], self._items):
                 if item is None:
                     for last in self._finish_chunks():
-                        yield R.sse(last)
+                        yield R.sse(self._with_usage(last))
                     continue
                 chunk = self._token_chunk(item)
                 if chunk is not None:
-                    yield R.sse(chunk)
+                    yield R.sse(self._with_usage(chunk))
             if include_usage:
                 yield R.sse(self._usage_chunk())
         except ControlPlaneError as exc:
@@ -212,6 +213,13 @@ class CompletionStream:
         yield R.SSE_DONE
 
     # ---- chunk bodies (dicts; `responses.sse` frames them) -----------------------------------
+
+    def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """``chunk`` with the usage so far when ``continuous_usage`` is on (vLLM's
+        ``continuous_usage_stats``: prompt tokens, tokens generated up to this chunk)."""
+        if self.continuous_usage:
+            chunk["usage"] = self.outcome.usage()
+        return chunk
 
     def _role_chunk(self) -> dict[str, Any]:
         """The first chat chunk: the role, and ``content`` ``""`` — ``null`` when the answer may
@@ -383,7 +391,7 @@ class CompletionBatch:
                 chunk = stream._finish_chunk() if item is None else stream._token_chunk(item)
                 if chunk is not None:
                     chunk["choices"][0]["index"] = i
-                    events.put((i, chunk))
+                    events.put((i, stream._with_usage(chunk)))
         except ControlPlaneError as exc:
             error = from_control_plane(exc)
             log.warning("http_stream_failed", request_id=stream.request_id, status=error.status, error=error.message)

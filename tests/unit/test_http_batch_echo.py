@@ -156,3 +156,28 @@ def test_echo_puts_the_prompt_before_the_generated_text():
 def test_echo_refusals_name_the_parameter(path, body, param):
     r = Front().post(path, body, EVENTS)
     assert r.status == 400 and _error(r)["param"] == param, r.body
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): each chunk
+    carries the usage up to it; without it, only the last chunk has usage."""
+    front = Front()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, base in (
+        ("/v1/completions", {"prompt": "ab"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        r = front.post(path, {**base, "stream": True, "stream_options": options}, EVENTS)
+        chunks = _sse(r.body)
+        assert all("usage" in c for c in chunks), path
+        completion = [c["usage"]["completion_tokens"] for c in chunks]
+        assert completion == sorted(completion) and completion[-1] == 2
+        assert {c["usage"]["prompt_tokens"] for c in chunks} == {2}
+        plain = _sse(front.post(path, {**base, "stream": True, "stream_options": {"include_usage": True}}, EVENTS).body)
+        assert [("usage" in c) for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_n_probs_is_refused_with_the_openai_name():
+    r = Front().post("/v1/completions", {"prompt": "ab", "n_probs": 3}, EVENTS)
+    err = _error(r)
+    assert r.status == 400 and err["param"] == "n_probs" and "'logprobs'" in err["message"]
