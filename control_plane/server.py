@@ -47,7 +47,7 @@ from control_plane.errors import DatabaseUnavailableError
 from control_plane.grammar_check import GrammarChecker
 from control_plane.http.models import served_name
 from control_plane.membership import WorkerPool
-from control_plane.metrics import ControlPlaneMetrics
+from control_plane.metrics import AdapterNaming, ControlPlaneMetrics, adapter_label
 from control_plane.names import served_base_name
 from control_plane.quotas import QuotaBook
 from control_plane.registry import AdapterRegistry
@@ -187,14 +187,18 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
     # Metrics never fail for a database outage: names fall back to ``adapter:<id>`` and the
     # adapter count to the last one read.
     last_count = [0]
+    base_name = registry.names.base_name
 
-    def adapter_name(adapter_id: int) -> str:
+    def adapters() -> dict[int, AdapterNaming]:
         try:
             records = registry.list()
         except DatabaseUnavailableError:
-            return f"adapter:{adapter_id}"
-        rec = next((r for r in records if r.id == adapter_id), None)
-        return served_name(rec, records, registry.names.base_name) if rec is not None else f"adapter:{adapter_id}"
+            return {}
+        out = {}
+        for rec in records:
+            served = served_name(rec, records, base_name)
+            out[rec.id] = AdapterNaming(served, adapter_label(rec.id, rec.name, served))
+        return out
 
     def n_adapters() -> int:
         try:
@@ -211,7 +215,8 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
         return len(live), sum(w.n_slots for w in live), max_lora
 
     metrics = ControlPlaneMetrics(
-        adapter_name=adapter_name,
+        model_name=base_name or "",
+        adapters=adapters,
         pool_state=pool_state,
         n_adapters=n_adapters,
         adapter_label_cap=config.metrics_max_adapters,

@@ -46,6 +46,56 @@ LATENCY_BUCKETS_S = (
     2560.0,
 )
 
+# vLLM's inter-token buckets (``vllm:inter_token_latency_seconds`` and its older name
+# ``vllm:time_per_output_token_seconds``, vllm/v1/metrics/loggers.py).
+VLLM_INTER_TOKEN_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+# vLLM's request-latency buckets (``vllm:e2e_request_latency_seconds``, loggers.py's
+# ``request_latency_buckets``).
+VLLM_REQUEST_LATENCY_BUCKETS_S = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
 
 class BoundedLabels:
     """Maps label values to themselves for the first ``cap`` distinct ones, then to "other"."""

@@ -307,18 +307,31 @@ def scrape(cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def residency(samples, worker_id: str) -> dict[str, set[int]]:
+def label_ids(cluster) -> dict[str, int]:
+    """The control plane's ``adapter`` label → adapter id, for the registered adapters (labels
+    are names: ``control_plane.metrics.adapter_label``)."""
+    return {n.label: i for i, n in cluster.cp.state.metrics.adapters().items()}
+
+
+def label_of(cluster, adapter_id: int) -> str:
+    return cluster.cp.state.metrics.adapters()[adapter_id].label
+
+
+def residency(samples, worker_id: str, cluster) -> dict[str, set[int]]:
     """``loraplane_adapter_residency`` of one worker: state → adapter ids (value 1)."""
+    ids = label_ids(cluster)
     out: dict[str, set[int]] = {"device": set(), "host": set(), "pinned": set()}
     for (name, labels), v in samples.items():
         lab = dict(labels)
         if name == "loraplane_adapter_residency" and lab["worker"] == worker_id and v == 1:
-            out[lab["state"]].add(int(lab["adapter"]))
+            label = lab["adapter"]  # an adapter no longer registered: adapter:<id>
+            out[lab["state"]].add(ids[label] if label in ids else int(label.removeprefix("adapter:")))
     return out
 
 
-def paging_count(samples, kind: str, adapter_id: int) -> float:
-    return samples.get((f"loraplane_adapter_slot_{kind}_total", (("adapter", str(adapter_id)),)), 0.0)
+def paging_count(samples, kind: str, adapter_id: int, cluster) -> float:
+    label = label_of(cluster, adapter_id)
+    return samples.get((f"loraplane_adapter_slot_{kind}_total", (("adapter", label),)), 0.0)
 
 
 def counters_settled(cluster):
@@ -349,7 +362,7 @@ def test_residency_gauges_and_paging_counters_follow_the_worker(cluster, ids):
             "host": set(st.host_adapter_ids) - set(st.resident_adapter_ids),
             "pinned": set(st.pinned_adapter_ids),
         }
-        got = residency(scrape(cluster), wid)
+        got = residency(scrape(cluster), wid, cluster)
         return got if got == want else None
 
     for name in ("shout_rs", "shout_embd"):
@@ -365,19 +378,23 @@ def test_residency_gauges_and_paging_counters_follow_the_worker(cluster, ids):
     cluster.direct(wid, {ids["shout"]: 1.0})  # pages shout in over the LRU of the two
     mid = cluster.stats(wid)
     assert wait_until(synced, timeout=15)
-    assert ids["shout"] in residency(scrape(cluster), wid)["device"]
+    assert ids["shout"] in residency(scrape(cluster), wid, cluster)["device"]
     m1 = scrape(cluster)
-    assert paging_count(m1, "page_ins", ids["shout"]) == paging_count(m0, "page_ins", ids["shout"]) + 1
+    assert (
+        paging_count(m1, "page_ins", ids["shout"], cluster) == paging_count(m0, "page_ins", ids["shout"], cluster) + 1
+    )
     (victim,) = set(before.resident_adapter_ids) - set(mid.resident_adapter_ids)
-    assert paging_count(m1, "evictions", victim) == paging_count(m0, "evictions", victim) + 1
+    assert paging_count(m1, "evictions", victim, cluster) == paging_count(m0, "evictions", victim, cluster) + 1
     for name in ("shout_rs", "shout_embd"):  # two others take both slots: shout goes
         cluster.direct(wid, {ids[name]: 1.0})
     assert ids["shout"] not in cluster.stats(wid).resident_adapter_ids
     assert wait_until(synced, timeout=15)
-    assert ids["shout"] not in residency(scrape(cluster), wid)["device"]
+    assert ids["shout"] not in residency(scrape(cluster), wid, cluster)["device"]
     m2 = scrape(cluster)
-    assert paging_count(m2, "evictions", ids["shout"]) == paging_count(m1, "evictions", ids["shout"]) + 1
-    assert paging_count(m2, "page_ins", ids["shout"]) == paging_count(m1, "page_ins", ids["shout"])
+    assert (
+        paging_count(m2, "evictions", ids["shout"], cluster) == paging_count(m1, "evictions", ids["shout"], cluster) + 1
+    )
+    assert paging_count(m2, "page_ins", ids["shout"], cluster) == paging_count(m1, "page_ins", ids["shout"], cluster)
 
 
 def test_pinned_residency_gauge(cluster, ids):
@@ -393,8 +410,8 @@ def test_pinned_residency_gauge(cluster, ids):
         )
         cluster.direct(wid, {aid: 1.0})
         assert aid in cluster.stats(wid).pinned_adapter_ids
-        assert wait_until(lambda: aid in residency(scrape(cluster), wid)["pinned"], timeout=15)
-        assert aid in residency(scrape(cluster), wid)["device"]
+        assert wait_until(lambda: aid in residency(scrape(cluster), wid, cluster)["pinned"], timeout=15)
+        assert aid in residency(scrape(cluster), wid, cluster)["device"]
     finally:
         lp.pin_adapter(aid, False)
         stub.LoadAdapter(
