@@ -545,9 +545,11 @@ class _StateCollector:
         workers = self.m.holdings()
         used = sum(w.kv_cells[0] for w in workers)
         total = sum(w.kv_cells[1] for w in workers)
-        yield GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", value=kv_usage(used, total)
+        pool = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"]
         )
+        pool.add_metric([self.m.model_name], kv_usage(used, total))
+        yield pool
         per_worker = GaugeMetricFamily(
             "loraplane_kv_cache_usage_perc",
             "KV cache cells held by running requests / all cells of one worker (0-1).",

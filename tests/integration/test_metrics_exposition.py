@@ -132,7 +132,7 @@ def test_every_dashboard_series_exists_at_zero_before_the_first_request(plane):
     assert values(samples, "loraplane_adapter_slot_evictions_total", "adapter")["twin#1"] == 1
     assert samples[("loraplane_pool_slots", ())] == 2  # renamed: the workers' own series is loraplane_worker_slots
     assert ("loraplane_worker_slots", ()) not in samples
-    assert samples[("vllm:kv_cache_usage_perc", ())] == pytest.approx(1 / 3)
+    assert samples[("vllm:kv_cache_usage_perc", (("model_name", BASE),))] == pytest.approx(1 / 3)
 
 
 def test_vllm_families_count_each_request_once_with_vllms_names_and_buckets(plane):

@@ -296,6 +296,10 @@ def test_host_tier_eviction_drops_the_local_copy_and_fetches_again(cluster, ids)
     assert fin.text == first[name]  # greedy: the refetched adapter behaves the same
 
 
+POOL = (("model_name", "gemma-3-270m-q4_k_m"),)
+"""The labels of the control plane's ``vllm:kv_cache_usage_perc``: the served base model."""
+
+
 def scrape(cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The control plane's ``/metrics`` body parsed by prometheus_client's text parser:
     (sample name, sorted labels) → value."""
@@ -434,7 +438,7 @@ def test_kv_cache_usage_is_above_zero_while_a_request_runs_and_zero_idle(cluster
 
     def running_usage():
         m = scrape(cluster)
-        v = m[("vllm:kv_cache_usage_perc", ())]
+        v = m[("vllm:kv_cache_usage_perc", POOL)]
         per = m[("loraplane_kv_cache_usage_perc", (("worker", wid),))]
         if v > 0:
             seen.append(v)
@@ -444,4 +448,4 @@ def test_kv_cache_usage_is_above_zero_while_a_request_runs_and_zero_idle(cluster
     assert wait_until(running_usage, timeout=120, interval=0.05), "never saw the running request's KV cells"
     t.join(300)
     assert 0 < seen[0] <= (16 + 32) / total
-    assert wait_until(lambda: scrape(cluster)[("vllm:kv_cache_usage_perc", ())] == 0.0, timeout=15)
+    assert wait_until(lambda: scrape(cluster)[("vllm:kv_cache_usage_perc", POOL)] == 0.0, timeout=15)

@@ -280,6 +280,11 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
         for m in re.findall(r"\b(?:loraplane_[a-z0-9_]+|vllm:[a-z_]+)", t["expr"])
     }
     assert used and used <= exported, sorted(used - exported)
+    # no family under one name on both sides, where a sum over every scraped target would add
+    # the control plane's pool-wide value to the workers' own (vLLM's KV gauge aside: the
+    # dashboard reads the control plane's by its model_name)
+    both = {f.name for f in cp.registry.collect()} & {f.name for f in wm.registry.collect()}
+    assert both == {"vllm:kv_cache_usage_perc"}
 
 
 def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
@@ -338,6 +343,6 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
         ("other", "host", "w1"): 1,
         ("sea", "pinned", "w1"): 1,
     }
-    assert s[("vllm:kv_cache_usage_perc", ())] == 30 / 200
+    assert s[("vllm:kv_cache_usage_perc", (("model_name", "base"),))] == 30 / 200
     assert s[("loraplane_kv_cache_usage_perc", (("worker", "w1"),))] == 0.3
     assert s[("loraplane_kv_cache_usage_perc", (("worker", "w2"),))] == 0.0
