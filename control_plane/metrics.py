@@ -61,6 +61,10 @@ any worker ran it) is not counted: vLLM counts only requests its engine finished
 
 _ID_SUFFIX = re.compile(r"#[0-9]+\Z")
 
+NAMING_MAX_AGE_S = 1.0
+"""How long one read of the adapters' names serves (`ControlPlaneMetrics.adapters`): a rename
+shows in the labels within this."""
+
 
 @dataclass(frozen=True)
 class AdapterNaming:
@@ -121,9 +125,9 @@ class ControlPlaneMetrics:
     Args:
         model_name: the served base model's name, the ``vllm:`` families' ``model_name``.
         adapters: ``() -> {id: AdapterNaming}`` of every registered adapter (one store read;
-            {} when the store cannot be read: ids missing from it are named ``adapter:<id>``).
+            None when the store cannot be read: ids are then named ``adapter:<id>`` and the
+            adapter count is the last one read). Read at most once per `NAMING_MAX_AGE_S`.
         pool_state: ``() -> (live workers, their total slots, their total adapter slots)``.
-        n_adapters: ``() -> registered adapters``.
         adapter_label_cap: distinct ``adapter`` label values before "other".
         holdings: ``() -> [WorkerHoldingsView]`` of the alive workers (None: no KV or residency
             gauges).
@@ -133,9 +137,8 @@ class ControlPlaneMetrics:
         self,
         *,
         model_name: str,
-        adapters: Callable[[], dict[int, AdapterNaming]],
+        adapters: Callable[[], dict[int, AdapterNaming] | None],
         pool_state: Callable[[], tuple[int, int, int]],
-        n_adapters: Callable[[], int],
         adapter_label_cap: int,
         holdings: Callable[[], list[WorkerHoldingsView]] | None = None,
     ) -> None:
@@ -143,8 +146,10 @@ class ControlPlaneMetrics:
         self.labels = BoundedLabels(adapter_label_cap)
         self.model_name = model_name
         self._adapters = adapters
+        self._naming_lock = threading.Lock()
+        self._naming_read: tuple[float, dict[int, AdapterNaming]] | None = None  # (monotonic s, namings)
+        self._n_adapters = 0  # registered adapters at the last read that worked
         self._pool_state = pool_state
-        self._n_adapters = n_adapters
         self._holdings = holdings
         self._paging_lock = threading.Lock()
         # worker id → (incarnation, adapter id → (page-ins, evictions) as last reported)
@@ -271,13 +276,25 @@ class ControlPlaneMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def adapters(self) -> dict[int, AdapterNaming]:
-        """``{id: AdapterNaming}`` of the registered adapters ({} when the store is down)."""
-        return self._adapters()
+        """``{id: AdapterNaming}`` of the registered adapters ({} when the store is down).
+
+        One store read serves every use within `NAMING_MAX_AGE_S` (a scrape reads the names
+        three times; with the database hung each read would wait out its timeout)."""
+        now = time.monotonic()
+        with self._naming_lock:
+            if self._naming_read is not None and now - self._naming_read[0] < NAMING_MAX_AGE_S:
+                return self._naming_read[1]
+        read = self._adapters()
+        with self._naming_lock:
+            if read is not None:
+                self._n_adapters = len(read)
+            self._naming_read = (time.monotonic(), read or {})
+            return self._naming_read[1]
 
     def namings(self, ids: Iterable[int]) -> list[AdapterNaming]:
         """How each of ``ids`` is named (`adapter_label`), in order; one store read."""
         ids = list(ids)
-        known = self._adapters() if ids else {}
+        known = self.adapters() if ids else {}
         return [known.get(i) or _unknown(i) for i in ids]
 
     # -- the router hook -----------------------------------------------------------------
@@ -421,7 +438,10 @@ class ControlPlaneMetrics:
         return self._pool_state()
 
     def n_adapters(self) -> int:
-        return self._n_adapters()
+        """Registered adapters (the last count read when the store is down)."""
+        self.adapters()
+        with self._naming_lock:
+            return self._n_adapters
 
 
 def _names(entries: list[_InFlight]) -> str:

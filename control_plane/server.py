@@ -186,26 +186,18 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
 
     # Metrics never fail for a database outage: names fall back to ``adapter:<id>`` and the
     # adapter count to the last one read.
-    last_count = [0]
     base_name = registry.names.base_name
 
-    def adapters() -> dict[int, AdapterNaming]:
+    def adapters() -> dict[int, AdapterNaming] | None:
         try:
             records = registry.list()
         except DatabaseUnavailableError:
-            return {}
+            return None
         out = {}
         for rec in records:
             served = served_name(rec, records, base_name)
             out[rec.id] = AdapterNaming(served, adapter_label(rec.id, rec.name, served))
         return out
-
-    def n_adapters() -> int:
-        try:
-            last_count[0] = len(registry.list())
-        except DatabaseUnavailableError:
-            pass
-        return last_count[0]
 
     def pool_state() -> tuple[int, int, int]:
         live = pool.live()
@@ -218,7 +210,6 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
         model_name=base_name or "",
         adapters=adapters,
         pool_state=pool_state,
-        n_adapters=n_adapters,
         adapter_label_cap=config.metrics_max_adapters,
         holdings=pool.holdings,
     )

@@ -329,7 +329,8 @@ def residency(samples, worker_id: str, cluster) -> dict[str, set[int]]:
         lab = dict(labels)
         if name == "loraplane_adapter_residency" and lab["worker"] == worker_id and v == 1:
             label = lab["adapter"]  # an adapter no longer registered: adapter:<id>
-            out[lab["state"]].add(ids[label] if label in ids else int(label.removeprefix("adapter:")))
+            if label in ids or label.startswith("adapter:"):
+                out[lab["state"]].add(ids[label] if label in ids else int(label.removeprefix("adapter:")))
     return out
 
 

@@ -264,9 +264,7 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
         node_budget=0,
         adapter_bytes=0,
     )
-    cp = ControlPlaneMetrics(
-        model_name="base", adapters=dict, pool_state=lambda: (1, 2, 16), n_adapters=lambda: 0, adapter_label_cap=4
-    )
+    cp = ControlPlaneMetrics(model_name="base", adapters=dict, pool_state=lambda: (1, 2, 16), adapter_label_cap=4)
     wm = WorkerMetrics(lambda: stats, adapter_label_cap=4)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     exported = {
@@ -307,7 +305,6 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
         model_name="base",
         adapters=lambda: {i: AdapterNaming(n, adapter_label(i, n, n)) for i, n in named.items()},
         pool_state=lambda: (2, 2, 4),
-        n_adapters=lambda: 4,
         adapter_label_cap=1,
         holdings=lambda: views,
     )
