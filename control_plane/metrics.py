@@ -11,8 +11,8 @@ computed at scrape time (`_StateCollector`); ``adapter`` and ``tenant`` labels a
 Each request is observed once and counted under two names: loraplane's own series (by
 adapter) and the ``vllm:`` families vLLM's dashboards read (vllm/v1/metrics/loggers.py: the
 same names, ``model_name`` label = the served base model, vLLM's buckets). ``adapter`` labels
-are names (`adapter_label`). Every series a dashboard query reads exists from the first scrape
-on, at 0 (`ControlPlaneMetrics.exposition`).
+are names (`control_plane.adapter_labels.adapter_label`). Every series a dashboard query reads
+exists from the first scrape on, at 0 (`ControlPlaneMetrics.exposition`).
 
 Every series, its labels and what it counts: docs/operations.md, "Health, logs, metrics" (the
 tenant series: docs/tenants.md, "Metrics").
@@ -21,7 +21,6 @@ tenant series: docs/tenants.md, "Metrics").
 from __future__ import annotations
 
 import itertools
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,8 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from control_plane.adapter_labels import AdapterNaming, unknown_adapter
 from control_plane.errors import InvalidArgumentError, NotFoundError
-from control_plane.resolution import ID_PREFIX
 from control_plane.workers import WorkerHoldingsView
 from loraplane.adapter_scales import AdapterScales
 from loraplane.metrics import (
@@ -59,46 +58,9 @@ VLLM_FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort
 ``FINISH_REASON_STRINGS``, vllm/v1/engine/__init__.py). A ``rejected`` request (refused before
 any worker ran it) is not counted: vLLM counts only requests its engine finished."""
 
-_ID_SUFFIX = re.compile(r"#[0-9]+\Z")
-
 NAMING_MAX_AGE_S = 1.0
 """How long one read of the adapters' names serves (`ControlPlaneMetrics.adapters`): a rename
 shows in the labels within this."""
-
-
-@dataclass(frozen=True)
-class AdapterNaming:
-    """How the metrics name one adapter: ``served``, the id ``/v1/models`` lists it under
-    (`control_plane.http.models.served_name`; ``vllm:lora_requests_info`` names it so), and
-    ``label``, its ``adapter`` label value (`adapter_label`)."""
-
-    served: str
-    label: str
-
-
-def adapter_label(adapter_id: int, name: str, served: str) -> str:
-    """The ``adapter`` label value of adapter ``adapter_id``, named ``name`` ("": unnamed) and
-    served as ``served`` (its name when unique, else ``adapter:<id>``):
-
-      * its name, when that is the name it is served under and cannot be read as another
-        label: not "none" / "other" (`NO_ADAPTER_LABEL`, `OTHER_LABEL`) and not ending in
-        ``#<digits>``;
-      * ``<name>#<id>`` for any other name (two adapters sharing it, a reserved one);
-      * ``adapter:<id>`` for an unnamed adapter.
-
-    So one label never means two adapters: a label ending in ``#<digits>`` holds the id of the
-    one adapter it names, any other is a name one adapter alone answers to or ``adapter:<id>``
-    (no servable name starts with ``adapter:``). vLLM labels LoRA series by name
-    (``vllm:lora_requests_info``); names are not unique here (files embed theirs), ids are.
-    """
-    if name and served == name and name not in (NO_ADAPTER_LABEL, OTHER_LABEL) and not _ID_SUFFIX.search(name):
-        return name
-    return f"{name}#{adapter_id}" if name else f"{ID_PREFIX}{adapter_id}"
-
-
-def _unknown(adapter_id: int) -> AdapterNaming:
-    """An adapter whose row cannot be read (database outage, just removed): its id form."""
-    return AdapterNaming(f"{ID_PREFIX}{adapter_id}", f"{ID_PREFIX}{adapter_id}")
 
 
 class _Observed:
@@ -292,10 +254,11 @@ class ControlPlaneMetrics:
             return self._naming_read[1]
 
     def namings(self, ids: Iterable[int]) -> list[AdapterNaming]:
-        """How each of ``ids`` is named (`adapter_label`), in order; one store read."""
+        """How each of ``ids`` is named (`control_plane.adapter_labels.adapter_label`), in order;
+        one store read."""
         ids = list(ids)
         known = self.adapters() if ids else {}
-        return [known.get(i) or _unknown(i) for i in ids]
+        return [known.get(i) or unknown_adapter(i) for i in ids]
 
     # -- the router hook -----------------------------------------------------------------
     def track(
@@ -504,7 +467,7 @@ class _StateCollector:
         ):
             by_label: dict[str, int] = {}
             for i in sorted(totals):
-                label = labels.get(i) or self.m.labels(_unknown(i).label)
+                label = labels.get(i) or self.m.labels(unknown_adapter(i).label)
                 by_label[label] = by_label.get(label, 0) + totals[i][k]
             family = CounterMetricFamily(name, doc, labels=["adapter"])
             for label, n in by_label.items():
@@ -588,7 +551,7 @@ class _StateCollector:
             for state, ids in states.items():
                 counts: dict[str, int] = {}
                 for i in sorted(ids):
-                    label = labels.get(i) or self.m.labels(_unknown(i).label)
+                    label = labels.get(i) or self.m.labels(unknown_adapter(i).label)
                     counts[label] = counts.get(label, 0) + 1
                 for label, n in counts.items():
                     residency.add_metric([w.worker_id, label, state], n)

@@ -34,6 +34,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from control_plane.adapter_labels import AdapterNaming, adapter_label
 from control_plane.auth import (
     ADMIN_METHODS,
     AdminAuthInterceptor,
@@ -47,7 +48,7 @@ from control_plane.errors import DatabaseUnavailableError
 from control_plane.grammar_check import GrammarChecker
 from control_plane.http.models import served_name
 from control_plane.membership import WorkerPool
-from control_plane.metrics import AdapterNaming, ControlPlaneMetrics, adapter_label
+from control_plane.metrics import ControlPlaneMetrics
 from control_plane.names import served_base_name
 from control_plane.quotas import QuotaBook
 from control_plane.registry import AdapterRegistry

@@ -8,7 +8,7 @@ keep their own value for the life of the process; every later one is folded into
 `OTHER_LABEL`. A removed adapter keeps its slot (counters never go back), so the cap bounds
 the series count for good: at most ``cap + 2`` values ("none" for base-model requests and
 "other") per labelled metric. The values are ids on a worker and names on the control plane
-(``control_plane.metrics.adapter_label``, which never yields "none" or "other").
+(``control_plane.adapter_labels.adapter_label``, which never yields "none" or "other").
 """
 
 from __future__ import annotations

@@ -313,7 +313,7 @@ def scrape(cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def label_ids(cluster) -> dict[str, int]:
     """The control plane's ``adapter`` label → adapter id, for the registered adapters (labels
-    are names: ``control_plane.metrics.adapter_label``)."""
+    are names: ``control_plane.adapter_labels.adapter_label``)."""
     return {n.label: i for i, n in cluster.cp.state.metrics.adapters().items()}
 
 

@@ -1,4 +1,4 @@
-"""The control plane's ``adapter`` label values (``control_plane.metrics.adapter_label``) and how
+"""The control plane's ``adapter`` label values (``control_plane.adapter_labels.adapter_label``) and how
 the metrics read adapter names: once per ``NAMING_MAX_AGE_S``, ``adapter:<id>`` and the last
 count while the store cannot be read."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.metrics import AdapterNaming, ControlPlaneMetrics, adapter_label
+from control_plane.adapter_labels import AdapterNaming, adapter_label
+from control_plane.metrics import ControlPlaneMetrics
 
 
 @pytest.mark.parametrize(

@@ -292,7 +292,8 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
     "other"), parsed back with prometheus_client's text parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from control_plane.metrics import AdapterNaming, ControlPlaneMetrics, adapter_label
+    from control_plane.adapter_labels import AdapterNaming, adapter_label
+    from control_plane.metrics import ControlPlaneMetrics
     from control_plane.workers import WorkerHoldingsView
     from loraplane.v1.control_plane_pb2 import AdapterPagingCount as Count
 
