@@ -8,6 +8,12 @@ adapter holdings and slot page-in/eviction counts (`ControlPlaneMetrics.on_pagin
 computed at scrape time (`_StateCollector`); ``adapter`` and ``tenant`` labels are capped by
 ``loraplane.metrics.BoundedLabels``.
 
+Each request is observed once and counted under two names: loraplane's own series (by
+adapter) and the ``vllm:`` families vLLM's dashboards read (vllm/v1/metrics/loggers.py: the
+same names, ``model_name`` label = the served base model, vLLM's buckets). ``adapter`` labels
+are names (`control_plane.adapter_labels.adapter_label`). Every series a dashboard query reads
+exists from the first scrape on, at 0 (`ControlPlaneMetrics.exposition`).
+
 Every series, its labels and what it counts: docs/operations.md, "Health, logs, metrics" (the
 tenant series: docs/tenants.md, "Metrics").
 """
@@ -17,23 +23,56 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from control_plane.adapter_labels import AdapterNaming, unknown_adapter
 from control_plane.errors import InvalidArgumentError, NotFoundError
 from control_plane.workers import WorkerHoldingsView
 from loraplane.adapter_scales import AdapterScales
-from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, OTHER_LABEL, BoundedLabels, kv_usage
+from loraplane.metrics import (
+    LATENCY_BUCKETS_S,
+    NO_ADAPTER_LABEL,
+    OTHER_LABEL,
+    VLLM_INTER_TOKEN_BUCKETS_S,
+    VLLM_REQUEST_LATENCY_BUCKETS_S,
+    BoundedLabels,
+    kv_usage,
+)
 from loraplane.v1 import common_pb2
 from loraplane.v1.control_plane_pb2 import AdapterPagingCount
 
 LORA_INFO = "vllm:lora_requests_info"
 REJECTED = (InvalidArgumentError, NotFoundError)
+
+OUTCOMES = ("stop", "length", "cancelled", "rejected", "error")
+"""``loraplane_requests_total``'s ``outcome`` values."""
+
+VLLM_FINISHED_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+"""Outcome → ``vllm:request_success_total``'s ``finished_reason`` (vLLM's
+``FINISH_REASON_STRINGS``, vllm/v1/engine/__init__.py). A ``rejected`` request (refused before
+any worker ran it) is not counted: vLLM counts only requests its engine finished."""
+
+NAMING_MAX_AGE_S = 1.0
+"""How long one read of the adapters' names serves (`ControlPlaneMetrics.adapters`): a rename
+shows in the labels within this."""
+
+
+class _Observed:
+    """One observation into several histograms (loraplane's and vLLM's: their buckets
+    differ)."""
+
+    def __init__(self, *histograms: Any) -> None:
+        self._histograms = histograms
+
+    def observe(self, value: float) -> None:
+        for h in self._histograms:
+            h.observe(value)
 
 
 @dataclass
@@ -46,9 +85,11 @@ class ControlPlaneMetrics:
     """Metric objects in their own registry plus the in-flight table behind the gauges.
 
     Args:
-        adapter_name: id → the name ``/v1/models`` serves it under.
+        model_name: the served base model's name, the ``vllm:`` families' ``model_name``.
+        adapters: ``() -> {id: AdapterNaming}`` of every registered adapter (one store read;
+            None when the store cannot be read: ids are then named ``adapter:<id>`` and the
+            adapter count is the last one read). Read at most once per `NAMING_MAX_AGE_S`.
         pool_state: ``() -> (live workers, their total slots, their total adapter slots)``.
-        n_adapters: ``() -> registered adapters``.
         adapter_label_cap: distinct ``adapter`` label values before "other".
         holdings: ``() -> [WorkerHoldingsView]`` of the alive workers (None: no KV or residency
             gauges).
@@ -57,21 +98,27 @@ class ControlPlaneMetrics:
     def __init__(
         self,
         *,
-        adapter_name: Callable[[int], str],
+        model_name: str,
+        adapters: Callable[[], dict[int, AdapterNaming] | None],
         pool_state: Callable[[], tuple[int, int, int]],
-        n_adapters: Callable[[], int],
         adapter_label_cap: int,
         holdings: Callable[[], list[WorkerHoldingsView]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.labels = BoundedLabels(adapter_label_cap)
-        self._adapter_name = adapter_name
+        self.model_name = model_name
+        self._adapters = adapters
+        self._naming_lock = threading.Lock()
+        self._naming_read: tuple[float, dict[int, AdapterNaming]] | None = None  # (monotonic s, namings)
+        self._n_adapters = 0  # registered adapters at the last read that worked
         self._pool_state = pool_state
-        self._n_adapters = n_adapters
         self._holdings = holdings
         self._paging_lock = threading.Lock()
         # worker id → (incarnation, adapter id → (page-ins, evictions) as last reported)
         self._paging_last: dict[str, tuple[str, dict[int, tuple[int, int]]]] = {}
+        # adapter id → [page-ins, evictions] over all workers since start (labelled at scrape
+        # time: heartbeats arrive under the pool's lock, where no store read may happen)
+        self._paging_totals: dict[int, list[int]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._in_flight: dict[int, _InFlight] = {}
@@ -86,33 +133,72 @@ class ControlPlaneMetrics:
             "loraplane_prompt_tokens_cached", "Prompt tokens served from prefix caches.", ["adapter"], registry=r
         )
         self.generation_tokens = Counter("loraplane_generation_tokens", "Generated tokens.", ["adapter"], registry=r)
-        self.ttft = Histogram(
-            "loraplane_time_to_first_token_seconds", "Admission to first token.", buckets=LATENCY_BUCKETS_S, registry=r
+        model = [model_name]
+        self.ttft = _Observed(
+            Histogram(
+                "loraplane_time_to_first_token_seconds",
+                "Admission to first token.",
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            ),
+            Histogram(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                ["model_name"],
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            ).labels(*model),
         )
-        self.itl = Histogram(
-            "loraplane_inter_token_latency_seconds",
-            "Time between consecutive tokens.",
-            buckets=LATENCY_BUCKETS_S,
+        self.itl = _Observed(
+            Histogram(
+                "loraplane_inter_token_latency_seconds",
+                "Time between consecutive tokens.",
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            ),
+            Histogram(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                ["model_name"],
+                buckets=VLLM_INTER_TOKEN_BUCKETS_S,
+                registry=r,
+            ).labels(*model),
+            Histogram(  # vLLM's older name of the same histogram, still what its dashboards read
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds.",
+                ["model_name"],
+                buckets=VLLM_INTER_TOKEN_BUCKETS_S,
+                registry=r,
+            ).labels(*model),
+        )
+        self.e2e = _Observed(
+            Histogram(
+                "loraplane_e2e_request_latency_seconds",
+                "Admission to the finished event.",
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            ),
+            Histogram(
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                ["model_name"],
+                buckets=VLLM_REQUEST_LATENCY_BUCKETS_S,
+                registry=r,
+            ).labels(*model),
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
             registry=r,
         )
-        self.e2e = Histogram(
-            "loraplane_e2e_request_latency_seconds",
-            "Admission to the finished event.",
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.page_ins = Counter(
-            "loraplane_adapter_slot_page_ins",
-            "Page-ins of an adapter into a worker's device slot (all workers).",
-            ["adapter"],
-            registry=r,
-        )
-        self.evictions = Counter(
-            "loraplane_adapter_slot_evictions",
-            "LRU evictions of an adapter out of a worker's device slot (all workers).",
-            ["adapter"],
-            registry=r,
-        )
+        self.vllm_success = {reason: success.labels(model_name, reason) for reason in VLLM_FINISHED_REASONS.values()}
+        self.vllm_prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", ["model_name"], registry=r
+        ).labels(*model)
+        self.vllm_generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", ["model_name"], registry=r
+        ).labels(*model)
         self.tenant_labels = BoundedLabels(adapter_label_cap)
         self.tenant_requests = Counter(
             "loraplane_tenant_requests",
@@ -131,8 +217,48 @@ class ControlPlaneMetrics:
         r.register(_StateCollector(self))
 
     def exposition(self) -> tuple[bytes, str]:
-        """``(text format body, content type)`` for a ``/metrics`` response."""
+        """``(text format body, content type)`` for a ``/metrics`` response.
+
+        Every labelled series a dashboard reads is created first, at 0, so a query over it has
+        data before its first event: requests and tokens for the base model ("none") and each
+        registered adapter (as the label cap allows), and each tenant's admissions and tokens.
+        """
+        adapter_labels = [NO_ADAPTER_LABEL, *(self.labels(n.label) for n in self.adapters().values())]
+        for label in dict.fromkeys(adapter_labels):
+            for outcome in OUTCOMES:
+                self.requests.labels(outcome, label)
+            for counter in (self.prompt_tokens, self.cached_tokens, self.generation_tokens):
+                counter.labels(label)
+        if self.quotas is not None:
+            for rec in self.quotas.directory.records():
+                label = self.tenant_labels(rec.name)
+                self.tenant_requests.labels(label, "admitted")
+                for kind in ("prompt", "output"):
+                    self.tenant_token_counts.labels(label, kind)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def adapters(self) -> dict[int, AdapterNaming]:
+        """``{id: AdapterNaming}`` of the registered adapters ({} when the store is down).
+
+        One store read serves every use within `NAMING_MAX_AGE_S` (a scrape reads the names
+        three times; with the database hung each read would wait out its timeout)."""
+        now = time.monotonic()
+        with self._naming_lock:
+            if self._naming_read is not None and now - self._naming_read[0] < NAMING_MAX_AGE_S:
+                return self._naming_read[1]
+        read = self._adapters()
+        with self._naming_lock:
+            if read is not None:
+                self._n_adapters = len(read)
+            self._naming_read = (time.monotonic(), read or {})
+            return self._naming_read[1]
+
+    def namings(self, ids: Iterable[int]) -> list[AdapterNaming]:
+        """How each of ``ids`` is named (`control_plane.adapter_labels.adapter_label`), in order;
+        one store read."""
+        ids = list(ids)
+        known = self.adapters() if ids else {}
+        return [known.get(i) or unknown_adapter(i) for i in ids]
 
     # -- the router hook -----------------------------------------------------------------
     def track(
@@ -145,10 +271,10 @@ class ControlPlaneMetrics:
         while this generator is suspended; a relay that ends without ``finished`` after the
         client left is ``cancelled`` too, not ``error``.
         """
-        ids = adapters.ids
-        labels = [self.labels(str(i)) for i in ids] or [NO_ADAPTER_LABEL]
+        namings = self.namings(adapters.ids)
+        labels = [self.labels(n.label) for n in namings] or [NO_ADAPTER_LABEL]
         key = next(self._ids)
-        entry = _InFlight(tuple(self._adapter_name(i) for i in ids))
+        entry = _InFlight(tuple(n.served for n in namings))
         with self._lock:
             self._in_flight[key] = entry
         t0 = time.monotonic()
@@ -170,6 +296,12 @@ class ControlPlaneMetrics:
                 self.prompt_tokens.labels(label).inc(counts["prompt"])
                 self.cached_tokens.labels(label).inc(counts["cached"])
                 self.generation_tokens.labels(label).inc(counts["out"])
+            # vLLM's families count a request once, whatever its adapters
+            reason = VLLM_FINISHED_REASONS.get(outcome)
+            if reason is not None:
+                self.vllm_success[reason].inc()
+            self.vllm_prompt_tokens.inc(counts["prompt"])
+            self.vllm_generation_tokens.inc(counts["out"])
 
         finish: list[str] = []  # the finish reason, once the worker sent it
 
@@ -232,9 +364,9 @@ class ControlPlaneMetrics:
     # -- the worker pool hook -------------------------------------------------------------
     def on_paging(self, worker_id: str, incarnation: str, counts: Sequence[AdapterPagingCount]) -> None:
         """A heartbeat's cumulative per-adapter page-ins / evictions of ``worker_id``'s process
-        ``incarnation``: add the increase since its previous heartbeat to the counters (a new
+        ``incarnation``: add the increase since its previous heartbeat to the totals (a new
         incarnation, or a count below the last one, starts again from 0). Never blocks long: the
-        pool calls it under its lock."""
+        pool calls it under its lock (the totals are labelled at scrape time)."""
         with self._paging_lock:
             seen_incarnation, last = self._paging_last.get(worker_id, (incarnation, {}))
             if seen_incarnation != incarnation:
@@ -244,13 +376,17 @@ class ControlPlaneMetrics:
                 p0, e0 = last.get(c.adapter_id, (0, 0))
                 dp = c.page_ins - p0 if c.page_ins >= p0 else c.page_ins
                 de = c.evictions - e0 if c.evictions >= e0 else c.evictions
-                label = self.labels(str(c.adapter_id))
-                if dp:
-                    self.page_ins.labels(label).inc(dp)
-                if de:
-                    self.evictions.labels(label).inc(de)
+                if dp or de:
+                    total = self._paging_totals.setdefault(c.adapter_id, [0, 0])
+                    total[0] += dp
+                    total[1] += de
                 now[c.adapter_id] = (c.page_ins, c.evictions)
             self._paging_last[worker_id] = (incarnation, now)
+
+    def paging_totals(self) -> dict[int, tuple[int, int]]:
+        """``{adapter id: (page-ins, evictions)}`` over all workers since start."""
+        with self._paging_lock:
+            return {i: (p, e) for i, (p, e) in self._paging_totals.items()}
 
     def holdings(self) -> list[WorkerHoldingsView]:
         return self._holdings() if self._holdings is not None else []
@@ -265,7 +401,10 @@ class ControlPlaneMetrics:
         return self._pool_state()
 
     def n_adapters(self) -> int:
-        return self._n_adapters()
+        """Registered adapters (the last count read when the store is down)."""
+        self.adapters()
+        with self._naming_lock:
+            return self._n_adapters
 
 
 def _names(entries: list[_InFlight]) -> str:
@@ -287,13 +426,18 @@ class _StateCollector:
         for name, doc, value in (
             ("loraplane_requests_running", "Requests streaming tokens.", len(running)),
             ("loraplane_requests_waiting", "Requests routed but not started (queued or in prefill).", len(waiting)),
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", len(running)),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(waiting)),
             ("loraplane_workers_live", "Live workers.", live),
-            ("loraplane_worker_slots", "Slots over the live workers.", slots),
+            ("loraplane_pool_slots", "Slots over the live workers.", slots),
             ("loraplane_adapters_registered", "Registered adapters.", self.m.n_adapters()),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", len(running)),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(waiting)),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self.m.model_name], value)
+            yield gauge
         info = GaugeMetricFamily(
             LORA_INFO,
             "Running stats on lora requests.",
@@ -301,8 +445,34 @@ class _StateCollector:
         )
         info.add_metric([str(max_lora), _names(running), _names(waiting)], time.time())
         yield info
-        yield from self._holdings()
+        labels = {i: self.m.labels(n.label) for i, n in self.m.adapters().items()}
+        yield from self._holdings(labels)
+        yield from self._paging(labels)
         yield from self._tenants()
+
+    def _paging(self, labels: dict[int, str]):
+        """Page-ins and evictions by adapter label; 0 for every registered adapter without any."""
+        totals = {i: (0, 0) for i in labels} | self.m.paging_totals()
+        for name, doc, k in (
+            (
+                "loraplane_adapter_slot_page_ins",
+                "Page-ins of an adapter into a worker's device slot (all workers).",
+                0,
+            ),
+            (
+                "loraplane_adapter_slot_evictions",
+                "LRU evictions of an adapter out of a worker's device slot (all workers).",
+                1,
+            ),
+        ):
+            by_label: dict[str, int] = {}
+            for i in sorted(totals):
+                label = labels.get(i) or self.m.labels(unknown_adapter(i).label)
+                by_label[label] = by_label.get(label, 0) + totals[i][k]
+            family = CounterMetricFamily(name, doc, labels=["adapter"])
+            for label, n in by_label.items():
+                family.add_metric([label], n)
+            yield family
 
     def _tenants(self):
         """In-flight counts, limits and bucket levels by tenant, and the sync's age."""
@@ -352,14 +522,17 @@ class _StateCollector:
             "loraplane_tenant_quota_sync_age_seconds", "Seconds since the last quota sync (-1: never).", value=age
         )
 
-    def _holdings(self):
-        """KV-cache usage and adapter residency over the alive workers' last heartbeats."""
+    def _holdings(self, labels: dict[int, str]):
+        """KV-cache usage and adapter residency over the alive workers' last heartbeats
+        (``labels``: id → label of the registered adapters)."""
         workers = self.m.holdings()
         used = sum(w.kv_cells[0] for w in workers)
         total = sum(w.kv_cells[1] for w in workers)
-        yield GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", value=kv_usage(used, total)
+        pool = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"]
         )
+        pool.add_metric([self.m.model_name], kv_usage(used, total))
+        yield pool
         per_worker = GaugeMetricFamily(
             "loraplane_kv_cache_usage_perc",
             "KV cache cells held by running requests / all cells of one worker (0-1).",
@@ -378,7 +551,7 @@ class _StateCollector:
             for state, ids in states.items():
                 counts: dict[str, int] = {}
                 for i in sorted(ids):
-                    label = self.m.labels(str(i))
+                    label = labels.get(i) or self.m.labels(unknown_adapter(i).label)
                     counts[label] = counts.get(label, 0) + 1
                 for label, n in counts.items():
                     residency.add_metric([w.worker_id, label, state], n)

@@ -34,6 +34,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from control_plane.adapter_labels import AdapterNaming, adapter_label
 from control_plane.auth import (
     ADMIN_METHODS,
     AdminAuthInterceptor,
@@ -186,22 +187,18 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
 
     # Metrics never fail for a database outage: names fall back to ``adapter:<id>`` and the
     # adapter count to the last one read.
-    last_count = [0]
+    base_name = registry.names.base_name
 
-    def adapter_name(adapter_id: int) -> str:
+    def adapters() -> dict[int, AdapterNaming] | None:
         try:
             records = registry.list()
         except DatabaseUnavailableError:
-            return f"adapter:{adapter_id}"
-        rec = next((r for r in records if r.id == adapter_id), None)
-        return served_name(rec, records, registry.names.base_name) if rec is not None else f"adapter:{adapter_id}"
-
-    def n_adapters() -> int:
-        try:
-            last_count[0] = len(registry.list())
-        except DatabaseUnavailableError:
-            pass
-        return last_count[0]
+            return None
+        out = {}
+        for rec in records:
+            served = served_name(rec, records, base_name)
+            out[rec.id] = AdapterNaming(served, adapter_label(rec.id, rec.name, served))
+        return out
 
     def pool_state() -> tuple[int, int, int]:
         live = pool.live()
@@ -211,9 +208,9 @@ def build_metrics(config: ControlPlaneConfig, registry: AdapterRegistry, pool: W
         return len(live), sum(w.n_slots for w in live), max_lora
 
     metrics = ControlPlaneMetrics(
-        adapter_name=adapter_name,
+        model_name=base_name or "",
+        adapters=adapters,
         pool_state=pool_state,
-        n_adapters=n_adapters,
         adapter_label_cap=config.metrics_max_adapters,
         holdings=pool.holdings,
     )

@@ -7,7 +7,8 @@ values (by first use; default `DEFAULT_ADAPTER_LABEL_CAP`, flag ``--metrics-max-
 keep their own value for the life of the process; every later one is folded into
 `OTHER_LABEL`. A removed adapter keeps its slot (counters never go back), so the cap bounds
 the series count for good: at most ``cap + 2`` values ("none" for base-model requests and
-"other") per labelled metric.
+"other") per labelled metric. The values are ids on a worker and names on the control plane
+(``control_plane.adapter_labels.adapter_label``, which never yields "none" or "other").
 """
 
 from __future__ import annotations
@@ -44,6 +45,56 @@ LATENCY_BUCKETS_S = (
     160.0,
     640.0,
     2560.0,
+)
+
+# vLLM's inter-token buckets (``vllm:inter_token_latency_seconds`` and its older name
+# ``vllm:time_per_output_token_seconds``, vllm/v1/metrics/loggers.py).
+VLLM_INTER_TOKEN_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+# vLLM's request-latency buckets (``vllm:e2e_request_latency_seconds``, loggers.py's
+# ``request_latency_buckets``).
+VLLM_REQUEST_LATENCY_BUCKETS_S = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
 
 

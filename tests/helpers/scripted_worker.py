@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -100,12 +101,21 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
 
 
 class ScriptedMember:
-    """A scripted worker server plus its membership thread (presenting ``secret``)."""
+    """A scripted worker server plus its membership thread (presenting ``secret``; ``refresh``,
+    when given, fills each heartbeat's hello as a real worker does: residency, paging, KV cells)."""
 
     secret: str | None = WORKER_SECRET
 
-    def __init__(self, worker_id: str, cp_addr: str, n_slots: int = 2, secret: str | None = WORKER_SECRET) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        cp_addr: str,
+        n_slots: int = 2,
+        secret: str | None = WORKER_SECRET,
+        refresh: Callable[[control_plane_pb2.WorkerHello], None] | None = None,
+    ) -> None:
         self.secret = secret
+        self.refresh = refresh
         self.servicer = ScriptedWorker(worker_id)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.max_receive_message_length", 64 * MiB)]
@@ -123,7 +133,9 @@ class ScriptedMember:
 
     def join(self) -> None:
         self.stop_event = threading.Event()
-        self.thread = start_membership(self.cp_addr, self.hello, self.stop_event, backoff=FAST, secret=self.secret)
+        self.thread = start_membership(
+            self.cp_addr, self.hello, self.stop_event, backoff=FAST, secret=self.secret, refresh=self.refresh
+        )
         assert self.thread.registered.wait(20), "worker did not register"
 
     def leave(self) -> None:

@@ -363,18 +363,19 @@ def test_metrics_move_by_exact_amounts(serve, client):
     cp1, w1 = scrape(serve.cp_metrics), scrape(serve.worker_metrics)
     pa, pb = a.usage.prompt_tokens, b.usage.prompt_tokens
     ca, cb = a.usage.prompt_tokens_details.cached_tokens, b.usage.prompt_tokens_details.cached_tokens
-    for prefix, before, after in (("loraplane_", cp0, cp1), ("loraplane_worker_", w0, w1)):
-        assert delta(after, before, prefix + "requests_total", outcome="length", adapter="0") == 1
+    # the control plane labels adapters by name, the worker (which knows no names) by id
+    for prefix, shout, before, after in (("loraplane_", "shout", cp0, cp1), ("loraplane_worker_", "0", w0, w1)):
+        assert delta(after, before, prefix + "requests_total", outcome="length", adapter=shout) == 1
         assert delta(after, before, prefix + "requests_total", outcome="length", adapter="none") == 1
-        assert delta(after, before, prefix + "generation_tokens_total", adapter="0") == 3
+        assert delta(after, before, prefix + "generation_tokens_total", adapter=shout) == 3
         assert delta(after, before, prefix + "generation_tokens_total", adapter="none") == 2
-        assert delta(after, before, prefix + "prompt_tokens_total", adapter="0") == pa
+        assert delta(after, before, prefix + "prompt_tokens_total", adapter=shout) == pa
         assert delta(after, before, prefix + "prompt_tokens_total", adapter="none") == pb
         assert delta(after, before, prefix + "time_to_first_token_seconds_count") == 2
         assert delta(after, before, prefix + "inter_token_latency_seconds_count") == (3 - 1) + (2 - 1)
         assert delta(after, before, prefix + "e2e_request_latency_seconds_count") == 2
         assert delta(after, before, prefix + "e2e_request_latency_seconds_bucket", le="+Inf") == 2
-    assert delta(cp1, cp0, "loraplane_prompt_tokens_cached_total", adapter="0") == ca
+    assert delta(cp1, cp0, "loraplane_prompt_tokens_cached_total", adapter="shout") == ca
     # worker-side counters read from the scheduler: one step per token (the prompt step samples the first)
     assert (
         delta(w1, w0, "loraplane_worker_graph_reuses_total") + delta(w1, w0, "loraplane_worker_graph_rebuilds_total")
@@ -385,7 +386,8 @@ def test_metrics_move_by_exact_amounts(serve, client):
     assert w1[("loraplane_worker_adapter_residency", (("adapter", "0"), ("state", "device")))] == 1
     assert w1[("loraplane_worker_adapter_slot_page_ins_total", (("adapter", "0"),))] >= 1
     assert w1[("vllm:kv_cache_usage_perc", ())] == 0 == w1[("loraplane_worker_kv_cache_usage_perc", ())]
-    assert cp1[("vllm:num_requests_running", ())] == 0 and cp1[("vllm:num_requests_waiting", ())] == 0
+    model = (("model_name", BASE),)
+    assert cp1[("vllm:num_requests_running", model)] == 0 and cp1[("vllm:num_requests_waiting", model)] == 0
 
     # the LoRA-state gauge while a shout request streams, then after it ended
     stream = iter(
@@ -408,13 +410,13 @@ def test_metrics_move_by_exact_amounts(serve, client):
             (("max_lora", "3"), ("running_lora_adapters", "shout"), ("waiting_lora_adapters", "")),
         )
     ]
-    assert during[("vllm:num_requests_running", ())] == 1 and during[("loraplane_requests_running", ())] == 1
+    assert during[("vllm:num_requests_running", model)] == 1 and during[("loraplane_requests_running", ())] == 1
     assert rest[-1].choices[0].finish_reason == "length"
     after = scrape(serve.cp_metrics)
     assert [k for k in after if k[0] == "vllm:lora_requests_info"] == [
         ("vllm:lora_requests_info", (("max_lora", "3"), ("running_lora_adapters", ""), ("waiting_lora_adapters", "")))
     ]
-    assert delta(after, cp1, "loraplane_requests_total", outcome="length", adapter="0") == 1
+    assert delta(after, cp1, "loraplane_requests_total", outcome="length", adapter="shout") == 1
 
 
 # ---- vLLM / llama-server parity: penalties, min_p, prompt log-probs, optional model, tokenize -------

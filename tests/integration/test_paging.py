@@ -296,6 +296,10 @@ def test_host_tier_eviction_drops_the_local_copy_and_fetches_again(cluster, ids)
     assert fin.text == first[name]  # greedy: the refetched adapter behaves the same
 
 
+POOL = (("model_name", "gemma-3-270m-q4_k_m"),)
+"""The labels of the control plane's ``vllm:kv_cache_usage_perc``: the served base model."""
+
+
 def scrape(cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The control plane's ``/metrics`` body parsed by prometheus_client's text parser:
     (sample name, sorted labels) → value."""
@@ -307,18 +311,32 @@ def scrape(cluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def residency(samples, worker_id: str) -> dict[str, set[int]]:
+def label_ids(cluster) -> dict[str, int]:
+    """The control plane's ``adapter`` label → adapter id, for the registered adapters (labels
+    are names: ``control_plane.adapter_labels.adapter_label``)."""
+    return {n.label: i for i, n in cluster.cp.state.metrics.adapters().items()}
+
+
+def label_of(cluster, adapter_id: int) -> str:
+    return cluster.cp.state.metrics.adapters()[adapter_id].label
+
+
+def residency(samples, worker_id: str, cluster) -> dict[str, set[int]]:
     """``loraplane_adapter_residency`` of one worker: state → adapter ids (value 1)."""
+    ids = label_ids(cluster)
     out: dict[str, set[int]] = {"device": set(), "host": set(), "pinned": set()}
     for (name, labels), v in samples.items():
         lab = dict(labels)
         if name == "loraplane_adapter_residency" and lab["worker"] == worker_id and v == 1:
-            out[lab["state"]].add(int(lab["adapter"]))
+            label = lab["adapter"]  # an adapter no longer registered: adapter:<id>
+            if label in ids or label.startswith("adapter:"):
+                out[lab["state"]].add(ids[label] if label in ids else int(label.removeprefix("adapter:")))
     return out
 
 
-def paging_count(samples, kind: str, adapter_id: int) -> float:
-    return samples.get((f"loraplane_adapter_slot_{kind}_total", (("adapter", str(adapter_id)),)), 0.0)
+def paging_count(samples, kind: str, adapter_id: int, cluster) -> float:
+    label = label_of(cluster, adapter_id)
+    return samples.get((f"loraplane_adapter_slot_{kind}_total", (("adapter", label),)), 0.0)
 
 
 def counters_settled(cluster):
@@ -349,7 +367,7 @@ def test_residency_gauges_and_paging_counters_follow_the_worker(cluster, ids):
             "host": set(st.host_adapter_ids) - set(st.resident_adapter_ids),
             "pinned": set(st.pinned_adapter_ids),
         }
-        got = residency(scrape(cluster), wid)
+        got = residency(scrape(cluster), wid, cluster)
         return got if got == want else None
 
     for name in ("shout_rs", "shout_embd"):
@@ -365,19 +383,23 @@ def test_residency_gauges_and_paging_counters_follow_the_worker(cluster, ids):
     cluster.direct(wid, {ids["shout"]: 1.0})  # pages shout in over the LRU of the two
     mid = cluster.stats(wid)
     assert wait_until(synced, timeout=15)
-    assert ids["shout"] in residency(scrape(cluster), wid)["device"]
+    assert ids["shout"] in residency(scrape(cluster), wid, cluster)["device"]
     m1 = scrape(cluster)
-    assert paging_count(m1, "page_ins", ids["shout"]) == paging_count(m0, "page_ins", ids["shout"]) + 1
+    assert (
+        paging_count(m1, "page_ins", ids["shout"], cluster) == paging_count(m0, "page_ins", ids["shout"], cluster) + 1
+    )
     (victim,) = set(before.resident_adapter_ids) - set(mid.resident_adapter_ids)
-    assert paging_count(m1, "evictions", victim) == paging_count(m0, "evictions", victim) + 1
+    assert paging_count(m1, "evictions", victim, cluster) == paging_count(m0, "evictions", victim, cluster) + 1
     for name in ("shout_rs", "shout_embd"):  # two others take both slots: shout goes
         cluster.direct(wid, {ids[name]: 1.0})
     assert ids["shout"] not in cluster.stats(wid).resident_adapter_ids
     assert wait_until(synced, timeout=15)
-    assert ids["shout"] not in residency(scrape(cluster), wid)["device"]
+    assert ids["shout"] not in residency(scrape(cluster), wid, cluster)["device"]
     m2 = scrape(cluster)
-    assert paging_count(m2, "evictions", ids["shout"]) == paging_count(m1, "evictions", ids["shout"]) + 1
-    assert paging_count(m2, "page_ins", ids["shout"]) == paging_count(m1, "page_ins", ids["shout"])
+    assert (
+        paging_count(m2, "evictions", ids["shout"], cluster) == paging_count(m1, "evictions", ids["shout"], cluster) + 1
+    )
+    assert paging_count(m2, "page_ins", ids["shout"], cluster) == paging_count(m1, "page_ins", ids["shout"], cluster)
 
 
 def test_pinned_residency_gauge(cluster, ids):
@@ -393,8 +415,8 @@ def test_pinned_residency_gauge(cluster, ids):
         )
         cluster.direct(wid, {aid: 1.0})
         assert aid in cluster.stats(wid).pinned_adapter_ids
-        assert wait_until(lambda: aid in residency(scrape(cluster), wid)["pinned"], timeout=15)
-        assert aid in residency(scrape(cluster), wid)["device"]
+        assert wait_until(lambda: aid in residency(scrape(cluster), wid, cluster)["pinned"], timeout=15)
+        assert aid in residency(scrape(cluster), wid, cluster)["device"]
     finally:
         lp.pin_adapter(aid, False)
         stub.LoadAdapter(
@@ -417,7 +439,7 @@ def test_kv_cache_usage_is_above_zero_while_a_request_runs_and_zero_idle(cluster
 
     def running_usage():
         m = scrape(cluster)
-        v = m[("vllm:kv_cache_usage_perc", ())]
+        v = m[("vllm:kv_cache_usage_perc", POOL)]
         per = m[("loraplane_kv_cache_usage_perc", (("worker", wid),))]
         if v > 0:
             seen.append(v)
@@ -427,4 +449,4 @@ def test_kv_cache_usage_is_above_zero_while_a_request_runs_and_zero_idle(cluster
     assert wait_until(running_usage, timeout=120, interval=0.05), "never saw the running request's KV cells"
     t.join(300)
     assert 0 < seen[0] <= (16 + 32) / total
-    assert wait_until(lambda: scrape(cluster)[("vllm:kv_cache_usage_perc", ())] == 0.0, timeout=15)
+    assert wait_until(lambda: scrape(cluster)[("vllm:kv_cache_usage_perc", POOL)] == 0.0, timeout=15)

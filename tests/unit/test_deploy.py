@@ -491,3 +491,81 @@ def test_every_workload_shares_the_worker_secret_and_none_opens_the_door():
         text = unit.read_text()
         assert "--insecure-workers" not in text and ENV_WORKER_SECRET in text, unit.name
     assert "loraplane-worker-secret" in (DEPLOY / "README.md").read_text()
+
+
+def test_dockerfile_cmd_serves_every_port_it_exposes():
+    """``docker run loraplane:0.1.0`` with no arguments is a control plane listening on every
+    port the image EXPOSEs but the worker's: gRPC 50051, the HTTP API 8000 and /health +
+    /metrics 9090 (flags parsed by the CLI's own parser); 50061 is what the worker manifest
+    binds."""
+    import json
+
+    instr = dockerfile_instructions()
+    (expose,) = [rest for word, rest in instr if word == "EXPOSE"]
+    (cmd,) = [json.loads(rest) for word, rest in instr if word == "CMD"]
+    assert cmd[0] == "control-plane"
+    flags = parse_flags(cmd[0], cmd[1:])
+    bound = {flags[k] for k in ("addr", "http_addr", "metrics_addr")}
+    assert bound == {f"0.0.0.0:{CP_PORT}", f"0.0.0.0:{HTTP_PORT}", f"0.0.0.0:{METRICS_PORT}"}
+    (workers,) = by_kind(load_all("workers.yaml"))["StatefulSet"]
+    worker_args = only_container(workers)["args"]
+    assert worker_args[worker_args.index("--addr") + 1] == f"0.0.0.0:{WORKER_PORT}"
+    assert {int(p) for p in expose.split()} == {int(a.rpartition(":")[2]) for a in bound} | {WORKER_PORT}
+
+
+def test_control_plane_unit_says_how_many_may_run():
+    """One per host; one in all on SQLite, several on PostgreSQL (deploy/README.md's table)."""
+    header = (SYSTEMD / "loraplane-control-plane.service").read_text().split("[Unit]")[0]
+    assert "One per deployment" not in header
+    assert "One per host" in header and "ONE host" in header and "several hosts" in header
+    assert "LORAPLANE_DATABASE_URL" in header
+
+
+# ---- the Grafana dashboard under deploy/k8s's scrape config --------------------------------
+
+DASHBOARD = DEPLOY / "grafana" / "loraplane-dashboard.json"
+SELECTOR = re.compile(r"\b(loraplane_[a-z0-9_]+|vllm:[a-z_]+)(\{[^}]*\})?")
+POOL_GAUGES = (
+    "loraplane_workers_live",
+    "loraplane_pool_slots",
+    "loraplane_adapters_registered",
+    "loraplane_kv_cache_usage_perc",
+    "loraplane_adapter_residency",
+    "vllm:kv_cache_usage_perc",
+)
+"""Gauges every control-plane replica reports for the whole worker pool: never summed over
+replicas (deploy/k8s/postgres runs two, each scraped)."""
+
+
+def dashboard_exprs() -> list[str]:
+    import json
+
+    dash = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p["targets"]]
+
+
+def test_dashboard_filters_every_query_by_the_job_variable():
+    import json
+
+    variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    job = variables["job"]
+    assert job["type"] == "query" and job["multi"] and job["includeAll"]
+    assert job["query"]["query"] == 'label_values({__name__=~"loraplane_.+"}, job)'
+    exprs = dashboard_exprs()
+    selectors = [m for e in exprs for m in SELECTOR.finditer(e)]
+    assert len(selectors) >= len(exprs) > 30
+    for m in selectors:
+        assert m.group(2) and 'job=~"$job"' in m.group(2), m.group(0)
+
+
+def test_dashboard_takes_pool_gauges_once_not_once_per_replica():
+    """A pool-wide gauge goes through ``max`` (over the replicas that all report it) before any
+    sum; ``vllm:kv_cache_usage_perc`` is the control plane's (``model_name``), not the workers'
+    series of the same name."""
+    for expr in dashboard_exprs():
+        for name in POOL_GAUGES:
+            for m in re.finditer(re.escape(name) + r"\{", expr):
+                head = expr[: m.start()]
+                assert re.search(r"max(?: by \([a-z, ]+\) )?\($", head), expr
+    (kv,) = [e for e in dashboard_exprs() if "vllm:kv_cache_usage_perc" in e]
+    assert 'model_name!=""' in kv

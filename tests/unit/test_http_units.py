@@ -264,7 +264,7 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
         node_budget=0,
         adapter_bytes=0,
     )
-    cp = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (1, 2, 16), n_adapters=lambda: 0, adapter_label_cap=4)
+    cp = ControlPlaneMetrics(model_name="base", adapters=dict, pool_state=lambda: (1, 2, 16), adapter_label_cap=4)
     wm = WorkerMetrics(lambda: stats, adapter_label_cap=4)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     exported = {
@@ -278,6 +278,11 @@ def test_grafana_dashboard_uses_only_exported_metric_names():
         for m in re.findall(r"\b(?:loraplane_[a-z0-9_]+|vllm:[a-z_]+)", t["expr"])
     }
     assert used and used <= exported, sorted(used - exported)
+    # no family under one name on both sides, where a sum over every scraped target would add
+    # the control plane's pool-wide value to the workers' own (vLLM's KV gauge aside: the
+    # dashboard reads the control plane's by its model_name)
+    both = {f.name for f in cp.registry.collect()} & {f.name for f in wm.registry.collect()}
+    assert both == {"vllm:kv_cache_usage_perc"}
 
 
 def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
@@ -287,6 +292,7 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
     "other"), parsed back with prometheus_client's text parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from control_plane.adapter_labels import AdapterNaming, adapter_label
     from control_plane.metrics import ControlPlaneMetrics
     from control_plane.workers import WorkerHoldingsView
     from loraplane.v1.control_plane_pb2 import AdapterPagingCount as Count
@@ -295,10 +301,11 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
         WorkerHoldingsView("w1", frozenset({1, 2, 3}), frozenset({1, 2, 3, 4}), frozenset({1}), (30, 100)),
         WorkerHoldingsView("w2", frozenset(), frozenset(), frozenset(), (0, 100)),
     ]
+    named = {1: "sea", 2: "dup", 3: "dup", 4: "other"}
     m = ControlPlaneMetrics(
-        adapter_name=str,
+        model_name="base",
+        adapters=lambda: {i: AdapterNaming(n, adapter_label(i, n, n)) for i, n in named.items()},
         pool_state=lambda: (2, 2, 4),
-        n_adapters=lambda: 4,
         adapter_label_cap=1,
         holdings=lambda: views,
     )
@@ -319,8 +326,8 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
         for fam in text_string_to_metric_families(body.decode())
         for x in fam.samples
     }
-    assert s[("loraplane_adapter_slot_page_ins_total", (("adapter", "1"),))] == 3 + 1
-    assert s[("loraplane_adapter_slot_evictions_total", (("adapter", "1"),))] == 1
+    assert s[("loraplane_adapter_slot_page_ins_total", (("adapter", "sea"),))] == 3 + 1
+    assert s[("loraplane_adapter_slot_evictions_total", (("adapter", "sea"),))] == 1
     assert s[("loraplane_adapter_slot_page_ins_total", (("adapter", "other"),))] == 5 + 1
     residency = {
         tuple(v for _, v in labels): value
@@ -329,11 +336,11 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
     }
     # labels sort as (adapter, state, worker)
     assert residency == {
-        ("1", "device", "w1"): 1,
+        ("sea", "device", "w1"): 1,
         ("other", "device", "w1"): 2,
         ("other", "host", "w1"): 1,
-        ("1", "pinned", "w1"): 1,
+        ("sea", "pinned", "w1"): 1,
     }
-    assert s[("vllm:kv_cache_usage_perc", ())] == 30 / 200
+    assert s[("vllm:kv_cache_usage_perc", (("model_name", "base"),))] == 30 / 200
     assert s[("loraplane_kv_cache_usage_perc", (("worker", "w1"),))] == 0.3
     assert s[("loraplane_kv_cache_usage_perc", (("worker", "w2"),))] == 0.0

@@ -519,7 +519,7 @@ def test_tenant_metrics_count_by_outcome_and_keep_the_label_cap(book):
 
     from control_plane.metrics import ControlPlaneMetrics
 
-    m = ControlPlaneMetrics(adapter_name=str, pool_state=lambda: (0, 0, 0), n_adapters=lambda: 0, adapter_label_cap=1)
+    m = ControlPlaneMetrics(model_name="base", adapters=dict, pool_state=lambda: (0, 0, 0), adapter_label_cap=1)
     book.metrics, m.quotas = m, book
     admin = TenantAdmin(book.store, book)
     admin.add("a", {"tokens_per_minute": 60, "max_concurrent": 1})
