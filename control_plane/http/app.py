@@ -11,14 +11,13 @@ Routes, one module per concern:
   * ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (`admin`: bearer token when
     one is configured, as on gRPC); ``GET``/``POST /v1/tenants``, ``DELETE
     /v1/tenants/{name}`` (`tenant_routes`, the same guard);
-  * ``GET /health``, ``GET /metrics`` (`health`): open even when an API key guards the rest
-    (`api_key`).
+  * ``GET /health``, ``/ping``, ``/version``, ``/metrics`` (`health`): open even when an API key
+    guards the rest (`api_key`).
 Every error is OpenAI's JSON shape (`errors.install_error_handlers`).
 
 Request bodies are bounded before they are read (`BodySizeLimit`, ``--http-max-body-bytes``):
-a declared ``Content-Length`` over the limit is answered 413 at once, without reading a byte
-of the body; a chunked body is counted as it arrives and answered 413 once it passes the limit.
-Either way the connection is closed after the answer (the rest of the body is never read).
+a declared ``Content-Length`` over the limit is 413 at once, without reading the body; a chunked
+body is counted as it arrives, 413 once past the limit; the connection is then closed.
 """
 
 from __future__ import annotations

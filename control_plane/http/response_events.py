@@ -4,8 +4,7 @@ server-sent events (the Responses API, `responses_api`).
 A `streaming.CompletionStream` in chat mode (same event folding, same tool-call parsers, same
 `streaming.RelayResponse` that watches the client) whose answer takes the Responses shapes:
 
-* output items: a ``message`` (one ``output_text`` part) for the text, one ``function_call``
-  item per tool call (``call_id`` the parser's ``call_…`` id);
+* output items: a ``message`` (one ``output_text`` part), one ``function_call`` per call;
 * ``status``: ``"completed"``, or ``"incomplete"`` with ``incomplete_details.reason``
   ``"max_output_tokens"`` when generation stopped at its token limit (``finish_reason``
   ``"length"``); ``usage``: ``input_tokens`` (with ``input_tokens_details.cached_tokens``),
@@ -18,7 +17,6 @@ A `streaming.CompletionStream` in chat mode (same event folding, same tool-call 
   arguments), ``response.function_call_arguments.done``, ``response.output_item.done``; last
   ``response.completed`` (or ``response.incomplete``) with the whole response. No ``[DONE]``
   (OpenAI sends none). A failure after the first event: ``error`` then ``response.failed``.
-
 Event order and item rules: docs/http-api.md, "Responses API".
 """
 

@@ -1,17 +1,13 @@
 """Tools for chat templates that do not render them: the conversation rewritten in the hermes
-format (Qwen 2.5's and NousResearch Hermes' tool prompt), then rendered by the model's own
-template.
+format (Qwen 2.5's tool prompt), then rendered by the model's own template.
 
-A template that renders tools itself (it reads ``tools`` and writes ``<tool_call>``,
-`tools.template_renders_tools`: Qwen 2.5, Qwen 3, Hermes) gets the request's messages and tools
-as they are. Any other template (Gemma's built-in, Llama 2's, most GGUFs of models trained
-without tools) gets `hermes_messages`: what a tool-aware template would have said, spelled as
-plain user / assistant / system turns it can render — llama.cpp's answer for such templates
-too (``common/chat.cpp``: a generic tool prompt in the system message, tool results as user
-turns):
+A template that renders tools itself (`tools.template_renders_tools`: Qwen 2.5, Qwen 3, Hermes)
+gets the messages and tools as they are. Any other (Gemma's built-in, Llama 2's) gets
+`hermes_messages`: what a tool-aware template would have said, as plain turns it can render —
+llama.cpp's answer for such templates too (``common/chat.cpp``: a generic tool prompt in the
+system message, tool results as user turns):
 
-- the tools' definitions and the call format go into the system message (`HERMES_TOOL_PROMPT`,
-  a jinja2 template; before the request's own system text);
+- the tools and the call format go into the system text (`HERMES_TOOL_PROMPT`, after its own);
 - an assistant message's ``tool_calls`` become ``<tool_call>{"name", "arguments"}</tool_call>``
   blocks after its content — the format `tools.ToolCallParser` reads back;
 - a ``tool`` message becomes a user turn holding ``<tool_response>…</tool_response>``;
