@@ -30,7 +30,7 @@ from control_plane.workers import WorkerHoldingsView
 from loraplane.adapter_scales import AdapterScales
 from loraplane.metrics import LATENCY_BUCKETS_S, NO_ADAPTER_LABEL, OTHER_LABEL, BoundedLabels, kv_usage
 from loraplane.v1 import common_pb2
-from loraplane.v1.control_plane_pb2 import AdapterPagingCount
+from loraplane.v1.membership_pb2 import AdapterPagingCount
 
 LORA_INFO = "vllm:lora_requests_info"
 REJECTED = (InvalidArgumentError, NotFoundError)

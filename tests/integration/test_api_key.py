@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
-from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
+from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2, membership_pb2_grpc
 from tests.helpers.live_servers import wait_until
 from tests.helpers.serve import free_port
 
@@ -171,7 +171,7 @@ def test_grpc_needs_the_key(plane: Plane) -> None:
         # worker RPCs carry the worker secret, not the key (this plane: --insecure-workers)
         try:
             membership = membership_pb2_grpc.WorkerMembershipStub(ch)
-            membership.RegisterWorker(control_plane_pb2.WorkerHello(worker_id="", addr=""), timeout=10)
+            membership.RegisterWorker(membership_pb2.WorkerHello(worker_id="", addr=""), timeout=10)
         except grpc.RpcError as exc:
             assert exc.code() != grpc.StatusCode.UNAUTHENTICATED, exc.details()
 
