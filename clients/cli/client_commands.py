@@ -443,6 +443,15 @@ def default() -> None:
     """Show or replace the global default adapter set."""
 
 
+def known_names(client: LoraplaneClient) -> dict[int, str]:
+    """``{id: name}`` of the registered adapters, for output beside ids; empty when the list
+    cannot be had (the names are a help to read the answer, never a reason to fail it)."""
+    try:
+        return adapter_names(client.list_adapters())
+    except LoraplaneError:
+        return {}
+
+
 def _print_default(opts: ClientOptions, default_set: DefaultSet, names: Mapping[int, str]) -> None:
     from clients.cli.render import default_table, print_json, stdout_console
 
@@ -459,7 +468,7 @@ def default_get(**kwargs) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         current = client.get_default()
-        names = adapter_names(client.list_adapters())
+        names = known_names(client)
     _print_default(opts, current, names)
 
 
@@ -475,7 +484,7 @@ def default_set(entries: tuple[tuple[AdapterKey, float], ...], clear: bool, **kw
     scales = {} if clear else scales_to_map(entries, "ID=SCALE")
     with server_call(opts) as client:
         current = client.set_default(scales)
-        names = adapter_names(client.list_adapters())
+        names = known_names(client)
     _print_default(opts, current, names)
 
 
@@ -494,7 +503,7 @@ def workers_list(**kwargs) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         found = client.list_workers()
-        names = adapter_names(client.list_adapters())
+        names = known_names(client)
     from clients.cli.render import print_json, stdout_console, workers_table
 
     if opts.as_json:
