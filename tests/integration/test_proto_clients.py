@@ -5,6 +5,7 @@
   ``v1alpha``, listing ``loraplane.v1.ControlPlane`` and ``loraplane.v1.WorkerMembership``;
   the worker RPCs answer only under ``WorkerMembership`` (the old ControlPlane paths are
   UNIMPLEMENTED).
+- ``buf curl`` (when buf is installed; the schema from reflection) prints adapter 0's id.
 - Slow tier: Go and Java code is generated from the ``.proto`` files the wheel ships
   (``loraplane/v1/*.proto``) with the Debian toolchains (``protoc``, ``protoc-gen-go``,
   ``protoc-gen-go-grpc``, ``grpc_java_plugin``), a minimal client is compiled in each
@@ -208,15 +209,13 @@ def test_go_client_builds_from_the_shipped_protos_and_talks(cp, tmp_path: Path, 
     (src / "lpclient" / "main.go").write_text(GO_CLIENT)
     env = {**os.environ, "GO111MODULE": "off", "GOPATH": f"{tmp_path}:/usr/share/gocode", "GOFLAGS": ""}
     _run(["go", "build", "-o", str(tmp_path / "lpclient"), "lpclient"], cwd=tmp_path, env=env)
-    out = _run([str(tmp_path / "lpclient"), cp.addr]).splitlines()
-    assert [out[0], out[-1]] == ["adapters=0", "heartbeat=Unauthenticated"] and len(out) == 2
-    info = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")  # the first adapter: id 0
+    info = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")  # the module's only adapter
+    assert info.id == 0
     out = _run([str(tmp_path / "lpclient"), cp.addr]).splitlines()
     assert [out[0], out[-1]] == ["adapters=1", "heartbeat=Unauthenticated"] and len(out) == 3
     has_id, _, text = out[1].partition(" json=")
     # protojson prints the optional id even when 0 (it drops implicit-presence zeros)
     assert (has_id, json.loads(text)["id"], json.loads(text)["name"]) == ("has_id=true", 0, "sea")
-    assert info.id == 0
 
 
 JAVA_CLIENT = """import ai.loraplane.v1.AdapterList;
@@ -274,3 +273,23 @@ def test_java_client_compiles_from_the_shipped_protos(tmp_path: Path) -> None:
     _run(["javac", "-nowarn", "-d", str(classes), "-cp", ":".join(map(str, jars)), *sources])
     assert (classes / "Client.class").is_file()
     assert (classes / "ai" / "loraplane" / "v1" / "WorkerMembershipGrpc.class").is_file()
+
+
+def test_buf_curl_shows_adapter_0_by_reflection(cp, fixtures_dir: Path) -> None:
+    """``buf curl`` (schema from the server's reflection, as grpcurl) prints adapter 0's id in
+    ListAdapters and GetDefaultAdapters: the id is ``optional`` and the server sets it."""
+    buf = shutil.which("buf")
+    if buf is None:
+        pytest.skip("buf is not installed (npm install -g @bufbuild/buf): the buf curl check needs it")
+    info = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")  # the module's only adapter
+    assert info.id == 0
+
+    def curl(method: str) -> dict:
+        out = _run(
+            [buf, "curl", "--protocol", "grpc", "--http2-prior-knowledge", "-d", "{}"]
+            + [f"http://{cp.addr}/loraplane.v1.ControlPlane/{method}"]
+        )
+        return json.loads(out)
+
+    assert [(a["id"], a["name"]) for a in curl("ListAdapters")["adapters"]] == [(0, "sea")]
+    assert curl("GetDefaultAdapters") == {"entries": [{"id": 0}]}
