@@ -13,6 +13,7 @@ const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
 const fs = require('fs');
+const net = require('net');
 
 const PROTO_FILE = 'loraplane/v1/control_plane.proto';
 const PROTO_ROOTS = [path.join(__dirname, 'protos'), path.resolve(__dirname, '..', '..', 'protos')];
@@ -68,8 +69,37 @@ function createClient(addr) {
   return new pkg.ControlPlane(addr, grpc.credentials.createInsecure());
 }
 
+const HTTP2_PREFACE = 'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n'; // RFC 9113 section 3.4
+const HTTP_PROBE_TIMEOUT_MS = 1000;
+const HOST_PORT = /^(\[[0-9A-Fa-f:.]+\]|[^:/[\]]+):([0-9]{1,5})$/;
+const HTTP_NOT_GRPC = 'the address answers HTTP/1.x, not gRPC: it is an HTTP port (the control '
+  + "plane's --http-addr, or a metrics port), not the gRPC one; point --addr (or "
+  + "$LORAPLANE_ADDR) at the control plane's gRPC address, its own --addr (default port 50051)";
+
+// Resolves true when addr (host:port; other target forms are not probed) answers gRPC's HTTP/2
+// preface with an HTTP/1.x status line (the HTTP front, a metrics port); false otherwise, on
+// any error. The Python client's clients/channel.py `answers_http1`, same message.
+function answersHttp1(addr) {
+  const m = HOST_PORT.exec(addr.trim());
+  if (m === null) return Promise.resolve(false);
+  return new Promise((resolve) => {
+    const socket = net.connect({ host: m[1].replace(/^\[|\]$/g, ''), port: Number(m[2]) });
+    let answer = Buffer.alloc(0);
+    const done = (value) => { socket.destroy(); resolve(value); };
+    socket.setTimeout(HTTP_PROBE_TIMEOUT_MS, () => done(false));
+    socket.on('error', () => done(false));
+    socket.on('connect', () => socket.write(HTTP2_PREFACE));
+    socket.on('data', (chunk) => {
+      answer = Buffer.concat([answer, chunk]);
+      if (answer.length >= 7) done(answer.subarray(0, 7).toString('latin1') === 'HTTP/1.');
+    });
+    socket.on('end', () => done(answer.toString('latin1').startsWith('HTTP/1.')));
+  });
+}
+
 // Resolve when the channel is READY; reject with ServerUnreachable on the first connection
-// failure (nothing listening, name not resolved) or after timeoutMs (as the Python client).
+// failure (nothing listening, name not resolved, an HTTP/1.x port: HTTP_NOT_GRPC) or after
+// timeoutMs (as the Python client).
 function waitReady(client, addr, timeoutMs) {
   const channel = client.getChannel();
   const deadline = Date.now() + timeoutMs;
@@ -78,9 +108,11 @@ function waitReady(client, addr, timeoutMs) {
     const check = () => {
       const state = channel.getConnectivityState(true);
       if (state === READY) return resolve();
-      if (state === TRANSIENT_FAILURE || state === SHUTDOWN) {
-        return reject(new ServerUnreachable(addr, 'connection failed (is the server running '
-          + 'and the address right?)'));
+      if (state === SHUTDOWN) return reject(new ServerUnreachable(addr, 'the client was closed'));
+      if (state === TRANSIENT_FAILURE) {
+        answersHttp1(addr).then((http1) => reject(new ServerUnreachable(addr, http1 ? HTTP_NOT_GRPC
+          : 'connection failed (is the server running and the address right?)')));
+        return undefined;
       }
       channel.watchConnectivityState(state, deadline, (err) => {
         if (err) reject(new ServerUnreachable(addr, `not ready within ${timeoutMs / 1000}s`));
@@ -196,11 +228,13 @@ async function generate(addr, options, { onToken, connectTimeoutMs = 5000,
 }
 
 module.exports = {
+  HTTP_NOT_GRPC,
   LoraplaneError,
   ServerUnreachable,
   PROTO_ROOTS,
   adapterMap,
   adapterScale,
+  answersHttp1,
   authMetadata,
   createClient,
   findProtoRoot,

@@ -342,3 +342,19 @@ def test_cli_pointed_at_an_http_port_says_so(plane: Plane, monkeypatch) -> None:
         assert err.value.reason == HTTP_NOT_GRPC
     assert "--addr" in HTTP_NOT_GRPC and "--http-addr" in HTTP_NOT_GRPC
     assert _cli("adapters", "list", "--addr", plane.grpc_addr) == {"exit": 0, "adapters": []}
+
+
+@pytest.mark.slow  # needs node and the npm packages, as tests/integration/test_node_client.py
+def test_node_client_pointed_at_an_http_port_says_so(plane: Plane) -> None:
+    """The Node client says what the Python client says of an HTTP/1.x address (exit 3)."""
+    from clients.channel import HTTP_NOT_GRPC
+
+    node_dir = ROOT / "clients" / "node"
+    if shutil.which("node") is None or not (node_dir / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.fail("node and `npm install --prefix clients/node` are needed (scripts/install.sh --with-node)")
+    addr = plane.http.removeprefix("http://")
+    cmd = ["node", str(node_dir / "generate.js"), "--addr", addr, "--prompt", "hi", "--api-key", API_KEY]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stdout + r.stderr
+    message = f"cannot reach loraplane server at {addr}: {HTTP_NOT_GRPC}"
+    assert json.loads(r.stdout) == {"error": {"code": "UNAVAILABLE", "message": message}}
