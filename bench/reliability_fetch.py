@@ -35,7 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplane.process import cli_module
-from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
+from loraplane.v1 import common_pb2, control_plane_pb2_grpc, membership_pb2, membership_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTER = ROOT / "tests" / "fixtures" / "adapters" / "shout_embd.gguf"
@@ -53,7 +53,7 @@ def outsider_bytes(addr: str, sha256: str) -> tuple[int, str]:
         stub = membership_pb2_grpc.WorkerMembershipStub(ch)
         try:
             for chunk in stub.FetchAdapter(
-                control_plane_pb2.FetchAdapterRequest(sha256=sha256, worker_id="outsider"), timeout=60
+                membership_pb2.FetchAdapterRequest(sha256=sha256, worker_id="outsider"), timeout=60
             ):
                 got += len(chunk.data)
         except grpc.RpcError as exc:
@@ -66,7 +66,7 @@ def _full_fetch(stub, sha256: str, secret: str, timeout: float) -> str:
     data = b""
     try:
         for chunk in stub.FetchAdapter(
-            control_plane_pb2.FetchAdapterRequest(sha256=sha256, worker_id="bench"),
+            membership_pb2.FetchAdapterRequest(sha256=sha256, worker_id="bench"),
             metadata=[(SECRET_KEY, secret)],
             timeout=timeout,
         ):
@@ -88,7 +88,7 @@ def stalled_readers(addr: str, sha256: str, secret: str, n: int = 100, probes: i
     """
     opts = [*OPTIONS, ("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
     channels = [grpc.insecure_channel(addr, options=opts) for _ in range(n)]
-    req = control_plane_pb2.FetchAdapterRequest(sha256=sha256, worker_id="stalled")
+    req = membership_pb2.FetchAdapterRequest(sha256=sha256, worker_id="stalled")
     md = [(SECRET_KEY, secret)]
     stubs = [membership_pb2_grpc.WorkerMembershipStub(ch) for ch in channels]
     calls = [stub.FetchAdapter(req, metadata=md, timeout=120) for stub in stubs]

@@ -15,13 +15,15 @@ import asyncio
 import json
 import os
 import random
+import re
+import socket
 import threading
 from typing import Any
 
 import grpc
 
 from clients.errors import ServerUnreachable
-from loraplane.env import ENV_ADMIN_TOKEN, ENV_API_KEY
+from loraplane.env import ENV_ADDR, ENV_ADMIN_TOKEN, ENV_API_KEY
 from loraplane.interceptors import pushback_s
 from loraplane.limits import MAX_MESSAGE_BYTES
 
@@ -95,28 +97,66 @@ def wait_ready(channel: grpc.Channel, addr: str, timeout: float, wait_for_server
     finally:
         channel.unsubscribe(on_change)
     if final[0] is not _C.READY:
-        raise ServerUnreachable(addr, _describe(final[0]))
+        raise ServerUnreachable(addr, describe_failure(final[0], addr))
 
 
 async def wait_ready_async(channel: grpc.aio.Channel, addr: str, timeout: float, wait_for_server: bool = False) -> None:
     """`wait_ready` for a ``grpc.aio`` channel."""
 
-    async def until_ready() -> None:
+    async def until_ready() -> grpc.ChannelConnectivity:
         state = channel.get_state(try_to_connect=True)
         while state is not _C.READY:
             if state is _C.SHUTDOWN or (state is _C.TRANSIENT_FAILURE and not wait_for_server):
-                raise ServerUnreachable(addr, _describe(state))
+                return state
             await channel.wait_for_state_change(state)
             state = channel.get_state(try_to_connect=True)
+        return state
 
     try:
-        await asyncio.wait_for(until_ready(), timeout)
+        state = await asyncio.wait_for(until_ready(), timeout)
     except asyncio.TimeoutError:
         raise ServerUnreachable(addr, f"not ready within {timeout:g}s") from None
+    if state is not _C.READY:  # the probe of describe_failure blocks up to HTTP_PROBE_TIMEOUT_S
+        raise ServerUnreachable(addr, await asyncio.to_thread(describe_failure, state, addr))
 
 
-def _describe(state: grpc.ChannelConnectivity) -> str:
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+"""The first bytes of every HTTP/2 (so gRPC) connection, RFC 9113 section 3.4."""
+HTTP_PROBE_TIMEOUT_S = 1.0
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):([0-9]{1,5})")
+
+HTTP_NOT_GRPC = (
+    "the address answers HTTP/1.x, not gRPC: it is an HTTP port (the control plane's "
+    "--http-addr, or a metrics port), not the gRPC one; point --addr (or $" + ENV_ADDR + ") at the "
+    "control plane's gRPC address, its own --addr (default port 50051)"
+)
+"""Why a connection failed when the peer is an HTTP/1.x server (`answers_http1`)."""
+
+
+def answers_http1(addr: str, timeout: float = HTTP_PROBE_TIMEOUT_S) -> bool:
+    """True when ``addr`` (``host:port``; other target forms are not probed) accepts a TCP
+    connection and answers gRPC's HTTP/2 preface (`HTTP2_PREFACE`) with an HTTP/1.x status line,
+    as the OpenAI-compatible HTTP front (uvicorn) and Prometheus' exporter do; gRPC core only
+    says "Trying to connect an http1.x server" deep in a call's error. Any socket error: False."""
+    m = _HOST_PORT.fullmatch(addr.strip())
+    if m is None:
+        return False
+    host = m.group(1).strip("[]")
+    try:
+        with socket.create_connection((host, int(m.group(2))), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(HTTP2_PREFACE)
+            return sock.recv(16).startswith(b"HTTP/1.")
+    except (OSError, ValueError):
+        return False
+
+
+def describe_failure(state: grpc.ChannelConnectivity, addr: str) -> str:
+    """Why the channel to ``addr`` is not READY, for `ServerUnreachable`: a failed connection
+    says whether the address answers HTTP/1.x (`HTTP_NOT_GRPC`) rather than gRPC."""
     if state is _C.TRANSIENT_FAILURE:
+        if answers_http1(addr):
+            return HTTP_NOT_GRPC
         return "connection failed (is the server running and the address right?)"
     if state is _C.SHUTDOWN:
         return "the client was closed"

@@ -10,7 +10,7 @@ import grpc
 
 from clients.channel import Replicas, auth_metadata, parse_addresses
 from clients.errors import LoraplaneError, ServerUnreachable
-from clients.peft import is_peft_folder
+from clients.peft import adapter_source_problem
 from clients.wire import adapter_ref
 from loraplane.v1 import common_pb2, control_plane_pb2
 
@@ -27,8 +27,9 @@ def pin_request(adapter: int | str, pinned: bool) -> control_plane_pb2.PinReques
 
 def check_upload_source(path: str | Path, server_path: bool) -> None:
     """Fail before the call: an unreadable file inside grpc's request thread only says UNKNOWN."""
-    if not server_path and not Path(path).is_file() and not is_peft_folder(path):
-        raise FileNotFoundError(f"adapter file not found: {path}")
+    problem = None if server_path else adapter_source_problem(path)
+    if problem is not None:
+        raise FileNotFoundError(problem)
 
 
 def stream_ended_early(request_id: str) -> LoraplaneError:

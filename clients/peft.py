@@ -28,6 +28,25 @@ def is_peft_folder(path: str | os.PathLike[str]) -> bool:
     return p.is_dir() and (p / PEFT_CONFIG).is_file()
 
 
+def adapter_source_problem(path: str | os.PathLike[str], *, peft: bool = True) -> str | None:
+    """What is wrong with ``path`` as an adapter to read (a GGUF file, or with ``peft`` a PEFT
+    folder), or None when nothing is: it does not exist, it is a folder (without
+    ``adapter_config.json``, or any folder where ``peft`` is False), or it is no regular file
+    (a device, a socket). The message names the path and says what was expected."""
+    p = Path(path)
+    expected = "an adapter .gguf file or a PEFT folder holding adapter_config.json" if peft else "an adapter .gguf file"
+    if p.is_dir():
+        if peft and is_peft_folder(p):
+            return None
+        missing = f", without {PEFT_CONFIG}" if peft else ""
+        return f"{str(path)!r} is a directory{missing}: expected {expected}"
+    if p.is_file():
+        return None
+    if p.exists():
+        return f"{str(path)!r} is not a regular file: expected {expected}"
+    return f"{str(path)!r} does not exist: expected {expected}"
+
+
 @contextmanager
 def upload_source(path: str | os.PathLike[str], *, progress=None) -> Iterator[tuple[Path, str]]:
     """``(GGUF file to upload, source format)`` for ``path``: the file itself ("gguf"), or a

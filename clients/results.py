@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -155,6 +156,12 @@ class Adapter:
         }
 
 
+def adapter_names(adapters: Iterable[Adapter]) -> dict[int, str]:
+    """``{id: name}`` of ``adapters`` (`LoraplaneClient.list_adapters`): what ``default get`` and
+    ``workers list`` show beside ids."""
+    return {a.id: a.name for a in adapters}
+
+
 @dataclass(frozen=True)
 class DefaultSet:
     """The global default adapter set: what requests without an adapter map use."""
@@ -168,8 +175,12 @@ class DefaultSet:
     def as_dict(self) -> dict[int, float]:
         return {e.id: e.scale for e in self.entries}
 
-    def to_json(self) -> dict[str, Any]:
-        return {"adapters": [e.to_json() for e in self.entries]}
+    def to_json(self, names: Mapping[int, str] | None = None) -> dict[str, Any]:
+        """``{"adapters": [{"id", "scale"}, ...]}``; with ``names`` (id → name, `adapter_names`)
+        each entry also has ``"name"`` ("" for an id ``names`` lacks)."""
+        if names is None:
+            return {"adapters": [e.to_json() for e in self.entries]}
+        return {"adapters": [{**e.to_json(), "name": names.get(e.id, "")} for e in self.entries]}
 
 
 @dataclass(frozen=True)
@@ -214,10 +225,14 @@ class WorkerInfo:
     def alive(self) -> bool:
         return self.state == "alive"
 
-    def to_json(self) -> dict[str, Any]:
-        """The ``workers list --json`` object: every field, tuples as lists."""
+    def to_json(self, names: Mapping[int, str] | None = None) -> dict[str, Any]:
+        """The ``workers list --json`` object: every field, tuples as lists; with ``names``
+        (id → name, `adapter_names`) also ``"adapters": [{"id", "name"}, ...]`` for
+        ``adapter_ids`` ("" for an id ``names`` lacks)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["last_heartbeat_age_s"] = round(self.last_heartbeat_age_s, 3)
+        if names is not None:
+            out["adapters"] = [{"id": i, "name": names.get(i, "")} for i in self.adapter_ids]
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 

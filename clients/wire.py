@@ -50,7 +50,10 @@ def adapter_map(scales: AdapterMapping) -> common_pb2.AdapterMap:
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale of adapter {adapter!r} must be finite, got {scale!r}")
-        amap.entries.add(id=ref.id, name=ref.name, scale=scale)
+        if ref.name:  # the id field stays absent: a name entry carries the name only
+            amap.entries.add(name=ref.name, scale=scale)
+        else:
+            amap.entries.add(id=ref.id, scale=scale)
     return amap
 
 

@@ -22,7 +22,7 @@ from control_plane.errors import ControlPlaneError, DatabaseUnavailableError, Un
 from control_plane.registry import AdapterRegistry
 from control_plane.store import AdapterRecord
 from control_plane.workers import MembershipTimings, WorkerHandle
-from loraplane.v1 import common_pb2, control_plane_pb2
+from loraplane.v1 import common_pb2, membership_pb2
 
 log = structlog.get_logger("loraplane.control_plane.announcer")
 
@@ -58,7 +58,7 @@ class AdapterAnnouncer:
         self._clock = clock
         self._unloads = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cp-unload")
         # Heartbeat reports waiting to be reconciled: worker id → (handle, holdings).
-        self._holdings_due: dict[str, tuple[WorkerHandle, control_plane_pb2.WorkerHoldings]] = {}
+        self._holdings_due: dict[str, tuple[WorkerHandle, membership_pb2.WorkerHoldings]] = {}
         self._holdings_scheduled = False
         self._holdings_failing = False
         self._reconciler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cp-holdings")
@@ -215,10 +215,10 @@ class AdapterAnnouncer:
                     error=exc.details(),
                 )
 
-    def report(self, handle: WorkerHandle, holdings: control_plane_pb2.WorkerHoldings) -> None:
+    def report(self, handle: WorkerHandle, holdings: membership_pb2.WorkerHoldings) -> None:
         """Hand a heartbeat's report of what ``handle`` holds to the reconciler thread (the
         newest report per worker replaces an older one still waiting); returns at once."""
-        copy = control_plane_pb2.WorkerHoldings()
+        copy = membership_pb2.WorkerHoldings()
         copy.CopyFrom(holdings)
         with self._lock:
             self._holdings_due[handle.worker_id] = (handle, copy)
@@ -254,7 +254,7 @@ class AdapterAnnouncer:
                 log.exception("worker_holdings_reconcile_failed", worker_id=handle.worker_id)
 
     def _reconcile_holdings(
-        self, w: WorkerHandle, holdings: control_plane_pb2.WorkerHoldings, registered: dict[int, str]
+        self, w: WorkerHandle, holdings: membership_pb2.WorkerHoldings, registered: dict[int, str]
     ) -> None:
         """Follow the worker's own report: what it holds is what we believe it holds (except
         adapters announced since the report may have been built), and what it holds that the

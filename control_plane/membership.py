@@ -34,7 +34,7 @@ from control_plane.registry import AdapterRegistry
 from control_plane.workers import MembershipTimings, WorkerHandle, WorkerHoldingsView, WorkerView
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.queue_shares import Share
-from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
+from loraplane.v1 import common_pb2, membership_pb2, worker_pb2_grpc
 from loraplane.worker_secret import with_secret
 
 log = structlog.get_logger("loraplane.control_plane.membership")
@@ -79,11 +79,11 @@ class WorkerPool:
         self._watchdog: threading.Thread | None = None
         # Called (under the pool's lock, so it must not block) with each heartbeat's per-adapter
         # paging counters: (worker id, incarnation, counts) — the metrics turn them into counters.
-        self.on_paging: Callable[[str, str, Sequence[control_plane_pb2.AdapterPagingCount]], None] | None = None
+        self.on_paging: Callable[[str, str, Sequence[membership_pb2.AdapterPagingCount]], None] | None = None
 
     # -- membership RPCs ----------------------------------------------------------------
 
-    def register(self, hello: control_plane_pb2.WorkerHello) -> bool:
+    def register(self, hello: membership_pb2.WorkerHello) -> bool:
         """Queue a join of ``hello``'s worker (dial, reconcile adapters, mark alive); True
         when it is already joined at this address (nothing to do).
 
@@ -109,14 +109,14 @@ class WorkerPool:
                     f"(limit {self.timings.max_pending_joins}); retry later"
                 )
             self._joining[hello.worker_id] = hello.addr
-        copy = control_plane_pb2.WorkerHello()
+        copy = membership_pb2.WorkerHello()
         copy.CopyFrom(hello)
         self._joins.submit(self._join, copy)
         log.info("worker_join_queued", worker_id=hello.worker_id, addr=hello.addr)
         return False
 
     @staticmethod
-    def _check_not_taken(hello: control_plane_pb2.WorkerHello, old: WorkerHandle | None, joining: str | None) -> None:
+    def _check_not_taken(hello: membership_pb2.WorkerHello, old: WorkerHandle | None, joining: str | None) -> None:
         if old is not None and old.alive and old.addr != hello.addr:
             raise PermissionDeniedError(
                 f"worker id '{hello.worker_id}' is alive at {old.addr}; it cannot be registered from "
@@ -128,7 +128,7 @@ class WorkerPool:
                 f"from {hello.addr} without the worker secret"
             )
 
-    def _join(self, hello: control_plane_pb2.WorkerHello) -> None:
+    def _join(self, hello: membership_pb2.WorkerHello) -> None:
         """Join-thread body: dial, reconcile, install; failures are logged (the worker's next
         heartbeat gets NOT_FOUND and it registers again)."""
         try:
@@ -142,7 +142,7 @@ class WorkerPool:
                 if self._joining.get(hello.worker_id) == hello.addr:
                     del self._joining[hello.worker_id]
 
-    def _join_now(self, hello: control_plane_pb2.WorkerHello) -> None:
+    def _join_now(self, hello: membership_pb2.WorkerHello) -> None:
         """Dial the worker, reconcile its adapters with the registry, mark it alive.
 
         A worker registering again at the same address keeps its channel, so requests it is
@@ -215,7 +215,7 @@ class WorkerPool:
             log.info("worker_stats_unavailable", worker_id=handle.worker_id, error=exc.code().name)
             return False
 
-    def _dial(self, hello: control_plane_pb2.WorkerHello) -> grpc.Channel:
+    def _dial(self, hello: membership_pb2.WorkerHello) -> grpc.Channel:
         channel = grpc.insecure_channel(hello.addr, options=GRPC_MESSAGE_OPTIONS)
         try:
             grpc.channel_ready_future(channel).result(timeout=self.timings.connect_timeout_s)
@@ -226,7 +226,7 @@ class WorkerPool:
             ) from None
         return channel
 
-    def heartbeat(self, hello: control_plane_pb2.WorkerHello, *, age_s: float = 0.0) -> bool:
+    def heartbeat(self, hello: membership_pb2.WorkerHello, *, age_s: float = 0.0) -> bool:
         """Record a heartbeat sent ``age_s`` seconds ago (0: now; another replica's sighting,
         `control_plane.replicas`, is older) — a dead worker comes back alive — and reconcile
         what it reports holding; True when the worker is joined, False while its join is pending.
@@ -282,7 +282,7 @@ class WorkerPool:
                 handle.failed = reason
         self._refresh()
 
-    def _paging_reported(self, handle: WorkerHandle, hello: control_plane_pb2.WorkerHello) -> None:
+    def _paging_reported(self, handle: WorkerHandle, hello: membership_pb2.WorkerHello) -> None:
         """Hand a heartbeat's per-adapter paging counters to ``on_paging`` (caller holds the
         lock); a hello without ``paging`` (another replica's sighting) carries none."""
         if self.on_paging is not None and hello.HasField("paging"):

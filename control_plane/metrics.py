@@ -45,7 +45,7 @@ from loraplane.metrics import (
     kv_usage,
 )
 from loraplane.v1 import common_pb2
-from loraplane.v1.control_plane_pb2 import AdapterPagingCount
+from loraplane.v1.membership_pb2 import AdapterPagingCount
 
 LORA_INFO = "vllm:lora_requests_info"
 REJECTED = (InvalidArgumentError, NotFoundError)

@@ -21,7 +21,7 @@ import structlog
 from control_plane.errors import ControlPlaneError, NotFoundError
 from control_plane.membership import WorkerPool
 from control_plane.store import AdapterStore
-from loraplane.v1 import control_plane_pb2
+from loraplane.v1 import membership_pb2
 
 log = structlog.get_logger("loraplane.control_plane.replicas")
 
@@ -47,17 +47,17 @@ class ReplicaSync:
         # or that registers with it is reconciled against the registry.
         self._removed_seen: set[int] = store.removed_ids()
         # Sightings not yet written: worker id → (hello, time.monotonic() of the heartbeat).
-        self._pending: dict[str, tuple[control_plane_pb2.WorkerHello, float]] = {}
+        self._pending: dict[str, tuple[membership_pb2.WorkerHello, float]] = {}
         self._pending_lock = threading.Lock()
         self._wake = threading.Event()
         self._writer: threading.Thread | None = None
         self._write_failing = False
 
-    def record(self, hello: control_plane_pb2.WorkerHello) -> None:
+    def record(self, hello: membership_pb2.WorkerHello) -> None:
         """A worker registered with or heartbeated this replica: tell the others. Returns at
         once; the writer thread writes it (`flush_sightings`), so the caller never waits for
         the database."""
-        copy = control_plane_pb2.WorkerHello(
+        copy = membership_pb2.WorkerHello(
             worker_id=hello.worker_id,
             addr=hello.addr,
             model=hello.model,
@@ -74,7 +74,7 @@ class ReplicaSync:
         """
         with self._pending_lock:
             batch, self._pending = self._pending, {}
-        failed: dict[str, tuple[control_plane_pb2.WorkerHello, float]] = {}
+        failed: dict[str, tuple[membership_pb2.WorkerHello, float]] = {}
         error = ""
         for worker_id, (hello, seen_at) in batch.items():
             if error:  # the database is down: do not wait on it once per worker
@@ -154,7 +154,7 @@ class ReplicaSync:
             return
         known = {v.worker_id: v.addr for v in self.pool.snapshot()}
         for s in sightings:
-            hello = control_plane_pb2.WorkerHello(
+            hello = membership_pb2.WorkerHello(
                 worker_id=s.worker_id, addr=s.addr, model=s.model, model_sha256=s.model_sha256, n_slots=s.n_slots
             )
             if known.get(s.worker_id) == s.addr:

@@ -33,7 +33,7 @@ from control_plane.tenant_admin import TenantAdmin
 from loraplane.interceptors import metadata_value
 from loraplane.limits import CHUNK_BYTES
 from loraplane.logging import bind_request
-from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
+from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2, membership_pb2_grpc
 
 log = structlog.get_logger("loraplane.control_plane.servicer")
 
@@ -235,7 +235,7 @@ class WorkerMembershipServicer(membership_pb2_grpc.WorkerMembershipServicer):
         joined = self.pool.register(request)
         if self.replicas is not None:
             self.replicas.record(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)
+        return membership_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)
 
     @boundary
     def FetchAdapter(self, request, context):
@@ -255,4 +255,4 @@ class WorkerMembershipServicer(membership_pb2_grpc.WorkerMembershipServicer):
         joined = self.pool.heartbeat(request)
         if self.replicas is not None:
             self.replicas.record(request)
-        return control_plane_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)
+        return membership_pb2.WorkerAck(heartbeat_interval_ms=self.pool.heartbeat_interval_ms, joined=joined)

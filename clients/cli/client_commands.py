@@ -8,7 +8,7 @@ reached.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,7 +27,8 @@ from clients.cli.params import (
 )
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError, ServerUnreachable
-from clients.results import ResultBuilder, TokenEvent
+from clients.results import DefaultSet, ResultBuilder, TokenEvent, adapter_names
+from loraplane.env import ENV_ADMIN_TOKEN, ENV_API_KEY
 
 EXIT_REFUSED = 1
 EXIT_UNREACHABLE = 3
@@ -68,9 +69,31 @@ def _opts(kwargs: dict) -> ClientOptions:
     )
 
 
+AUTH_HINTS = (
+    ("admin token", f"the admin token comes from --admin-token or ${ENV_ADMIN_TOKEN}"),
+    ("API key", f"the API key comes from --api-key or ${ENV_API_KEY} (--admin-token passes too)"),
+)
+"""For an UNAUTHENTICATED answer: what the server's message names (``loraplane.interceptors``:
+"needs the admin token", "API key (...) rejected") → where the CLI takes that credential."""
+
+
+def with_auth_hint(err: LoraplaneError) -> LoraplaneError:
+    """``err`` with the flag and environment variable of the credential it names appended, when
+    it is an UNAUTHENTICATED answer about the admin token or the API key; else ``err``."""
+    if err.code != "UNAUTHENTICATED" or isinstance(err, ServerUnreachable):
+        return err
+    for named, hint in AUTH_HINTS:
+        if named in err.message:
+            return LoraplaneError(err.code, f"{err.message}; {hint}")
+    return err
+
+
 def report_error(err: LoraplaneError, as_json: bool) -> None:
+    """Print ``err`` (stderr, or the ``--json`` error object on stdout), auth errors with the
+    flag to fix them (`with_auth_hint`)."""
     from clients.cli.render import print_json
 
+    err = with_auth_hint(err)
     if as_json:
         print_json(err.to_json())
     elif isinstance(err, ServerUnreachable):
@@ -334,17 +357,15 @@ def adapters_add(file: str, name: str | None, server_path: bool, pin: bool, **kw
     A PEFT folder (adapter_config.json + adapter_model.safetensors) is converted like
     ``convert-peft`` does: here before an upload, by the control plane for --server-path.
     """
-    from clients.peft import is_peft_folder
+    from clients.peft import adapter_source_problem, is_peft_folder
     from loraplane.progress import UPLOAD_BAR_BYTES, progress_bar, progress_enabled
 
     opts = _opts(kwargs)
     if server_path:
         # Relative paths mean "relative to where I am", as for an upload.
         file = os.path.abspath(file) if not os.path.isabs(file) else file
-    elif not os.path.isfile(file) and not is_peft_folder(file):
-        raise click.BadParameter(
-            f"file {file!r} does not exist (nor is it a PEFT folder with adapter_config.json)", param_hint="FILE"
-        )
+    elif (problem := adapter_source_problem(file)) is not None:
+        raise click.BadParameter(problem, param_hint="FILE")
     big = server_path or is_peft_folder(file) or os.path.getsize(file) > UPLOAD_BAR_BYTES
     with (
         server_call(opts) as client,
@@ -422,13 +443,22 @@ def default() -> None:
     """Show or replace the global default adapter set."""
 
 
-def _print_default(opts: ClientOptions, default_set) -> None:
+def known_names(client: LoraplaneClient) -> dict[int, str]:
+    """``{id: name}`` of the registered adapters, for output beside ids; empty when the list
+    cannot be had (the names are a help to read the answer, never a reason to fail it)."""
+    try:
+        return adapter_names(client.list_adapters())
+    except LoraplaneError:
+        return {}
+
+
+def _print_default(opts: ClientOptions, default_set: DefaultSet, names: Mapping[int, str]) -> None:
     from clients.cli.render import default_table, print_json, stdout_console
 
     if opts.as_json:
-        print_json(default_set.to_json())
+        print_json(default_set.to_json(names))
     else:
-        stdout_console().print(default_table(default_set))
+        stdout_console().print(default_table(default_set, names))
 
 
 @default.command("get")
@@ -438,7 +468,8 @@ def default_get(**kwargs) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         current = client.get_default()
-    _print_default(opts, current)
+        names = known_names(client)
+    _print_default(opts, current, names)
 
 
 @default.command("set")
@@ -453,7 +484,8 @@ def default_set(entries: tuple[tuple[AdapterKey, float], ...], clear: bool, **kw
     scales = {} if clear else scales_to_map(entries, "ID=SCALE")
     with server_call(opts) as client:
         current = client.set_default(scales)
-    _print_default(opts, current)
+        names = known_names(client)
+    _print_default(opts, current, names)
 
 
 # ---- workers -----------------------------------------------------------------------------
@@ -471,12 +503,13 @@ def workers_list(**kwargs) -> None:
     opts = _opts(kwargs)
     with server_call(opts) as client:
         found = client.list_workers()
+        names = known_names(client)
     from clients.cli.render import print_json, stdout_console, workers_table
 
     if opts.as_json:
-        print_json({"workers": [w.to_json() for w in found]})
+        print_json({"workers": [w.to_json(names) for w in found]})
     else:
-        stdout_console().print(workers_table(found))
+        stdout_console().print(workers_table(found, names))
 
 
 CLIENT_COMMANDS = (generate, adapters, default, workers)

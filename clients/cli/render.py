@@ -7,7 +7,7 @@ brackets or emoji in a model's output are shown verbatim.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -99,18 +99,25 @@ def adapter_detail(a: Adapter) -> Table:
     return table
 
 
-def default_table(default: DefaultSet) -> Table:
+def named_id(adapter_id: int, names: Mapping[int, str]) -> str:
+    """``"3 (sea)"``: an adapter id with its name (`adapter_names`), the id alone when unnamed."""
+    name = names.get(adapter_id, "")
+    return f"{adapter_id} ({name})" if name else str(adapter_id)
+
+
+def default_table(default: DefaultSet, names: Mapping[int, str]) -> Table:
     table = Table(title="Default adapter set", title_justify="left")
     table.add_column("id", justify="right")
+    table.add_column("name")
     table.add_column("scale", justify="right")
     for e in default.entries:
-        table.add_row(str(e.id), f"{e.scale:g}")
+        table.add_row(str(e.id), names.get(e.id, ""), f"{e.scale:g}")
     if not default.entries:
         table.caption = "empty: requests without an adapter map use no adapters"
     return table
 
 
-def workers_table(workers: Sequence[WorkerInfo]) -> Table:
+def workers_table(workers: Sequence[WorkerInfo], names: Mapping[int, str]) -> Table:
     table = Table(title="Workers", title_justify="left")
     for col in (
         "worker",
@@ -139,7 +146,8 @@ def workers_table(workers: Sequence[WorkerInfo]) -> Table:
             str(w.restarts),
             str(w.n_slots),
             str(w.in_flight),
-            ",".join(map(str, w.adapter_ids)) + "".join(f" {i}(draining)" for i in w.draining_adapter_ids),
+            ", ".join(named_id(i, names) for i in w.adapter_ids)
+            + "".join(f" {i}(draining)" for i in w.draining_adapter_ids),
             f"{w.resident}/{w.max_loras}",
             f"{w.host}/{w.max_cpu_loras}",
             str(w.page_ins),

@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 
+from clients.peft import adapter_source_problem
 from control_plane.options import CONTROL_PLANE_OPTIONS, STANDALONE_OPTIONS, control_plane_config
 from loraplane.options import GRAMMAR_LIMIT_OPTIONS, MODEL_OPTION, HostPortType, option_names
 from worker.options import (
@@ -69,11 +70,9 @@ def startup_adapters(
 def _existing_file(path: str, flag: str) -> str:
     """``path`` made absolute: an adapter GGUF file or a PEFT folder (holding adapter_config.json,
     converted by the control plane at start-up)."""
-    peft = os.path.isdir(path) and os.path.isfile(os.path.join(path, "adapter_config.json"))
-    if not os.path.isfile(path) and not peft:
-        raise click.BadParameter(
-            f"file {path!r} does not exist (nor is it a PEFT folder with adapter_config.json)", param_hint=flag
-        )
+    problem = adapter_source_problem(path)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint=flag)
     return os.path.abspath(path)
 
 

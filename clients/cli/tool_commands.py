@@ -8,10 +8,10 @@ with exit code 1 and the message on stderr.
 from __future__ import annotations
 
 import importlib
-import os
 
 import click
 
+from clients.peft import adapter_source_problem
 from loraplane.options import PATH_OPTIONAL_SCALE
 
 
@@ -81,8 +81,8 @@ def convert_peft_cmd(peft_dir: str, out_path: str, base_gguf: str | None, outtyp
 def export_lora_cmd(base_gguf: str, loras: tuple[tuple[str, float], ...], out_path: str, outtype: str) -> None:
     """Merge adapters into the base model (dequantize, add scale·B·A, write back)."""
     for path, _ in loras:
-        if not os.path.isfile(path):
-            raise click.BadParameter(f"file {path!r} does not exist", param_hint="--lora")
+        if (problem := adapter_source_problem(path, peft=False)) is not None:
+            raise click.BadParameter(problem, param_hint="--lora")
     try:
         from worker.tools.export_lora import export_lora
     except ImportError as err:

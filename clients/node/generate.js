@@ -3,32 +3,42 @@
 // Stream one generation from a loraplane control plane and print one JSON line:
 //   {"text": "...", "token_ids": [...]}
 //
-//   node clients/node/generate.js --addr HOST:PORT --prompt TEXT [--lora ID=SCALE]...
+//   node clients/node/generate.js --addr HOST:PORT --prompt TEXT [--lora ID|NAME=SCALE]...
 //                                 [--no-lora] [--prompt-tokens ID,ID,...] [--max-tokens N]
 //                                 [--temperature T] [--seed S] [--stream] [--api-key KEY]
 //
 // --api-key (default $LORAPLANE_API_KEY): the control plane's inference API key.
 // No --lora and no --no-lora: the control plane's default adapter set; --no-lora: no adapters;
-// --lora: exactly those adapters, every other one at 0. --stream echoes token pieces to stderr
+// --lora: exactly those adapters, every other one at 0, each by id (ASCII digits) or by name /
+// alias (resolved by the control plane: an unknown name is NOT_FOUND, exit 1). --stream echoes token pieces to stderr
 // as they arrive. Exit codes as the loraplane CLI: 0 ok, 1 server refused (error JSON on
 // stdout), 2 usage error, 3 server unreachable.
 
 const { parseArgs } = require('util');
-const { generate, LoraplaneError, ServerUnreachable } = require('./loraplane');
+const { adapterScale, generate, LoraplaneError, ServerUnreachable } = require('./loraplane');
 
 const USAGE = 'usage: generate.js --addr HOST:PORT (--prompt TEXT | --prompt-tokens ID,ID,...) '
-  + '[--lora ID=SCALE]... [--no-lora] [--max-tokens N] [--temperature T] [--seed S] [--stream] '
+  + '[--lora ID|NAME=SCALE]... [--no-lora] [--max-tokens N] [--temperature T] [--seed S] [--stream] '
   + '[--api-key KEY]';
 
 class UsageError extends Error {}
 
+// ID=SCALE or NAME=SCALE (the last '=' splits, as the loraplane CLI) -> [key, scale], the key
+// as the library reads it (adapterScale: ASCII digits an id, anything else a name).
 function parseLora(text) {
-  const m = /^\s*(\d+)\s*=\s*(.+)$/.exec(text);
-  const scale = m ? Number(m[2]) : NaN;
-  if (!m || !Number.isFinite(scale) || m[2].trim() === '') {
-    throw new UsageError(`--lora: ${JSON.stringify(text)} is not ID=SCALE (e.g. 0=1.0)`);
+  const at = text.lastIndexOf('=');
+  const key = text.slice(0, at); // untrimmed, as the CLI: " 3" is a name, not id 3
+  const scaleText = text.slice(at + 1).trim();
+  const scale = Number(scaleText);
+  if (at < 0 || key === '' || scaleText === '' || !Number.isFinite(scale)) {
+    throw new UsageError(`--lora: ${JSON.stringify(text)} is not ID=SCALE or NAME=SCALE (e.g. 0=1.0, shout=0.5)`);
   }
-  return [Number(m[1]), scale];
+  try {
+    adapterScale(key, scale);
+  } catch (err) {
+    throw new UsageError(`--lora: ${JSON.stringify(text)}: ${err.message}`);
+  }
+  return [key, scale];
 }
 
 function parseIntOption(name, text, min) {
@@ -72,10 +82,11 @@ function parseCommandLine(argv) {
   let adapters;
   if (values['no-lora']) adapters = {};
   if (values.lora.length) {
-    adapters = {};
-    for (const [id, scale] of values.lora.map(parseLora)) {
-      if (id in adapters) throw new UsageError(`--lora: adapter id ${id} given twice`);
-      adapters[id] = scale;
+    adapters = values.lora.map(parseLora); // [[key, scale], ...]: any name, '__proto__' too
+    const seen = new Set();
+    for (const [key] of adapters) {
+      if (seen.has(key)) throw new UsageError(`--lora: adapter ${key} given twice`);
+      seen.add(key);
     }
   }
   let promptTokens;

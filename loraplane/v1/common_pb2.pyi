@@ -305,6 +305,30 @@ class AdapterRef(_message.Message):
     name: str
     def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
+class WorkerPaging(_message.Message):
+    __slots__ = ("max_loras", "max_cpu_loras", "resident", "host", "page_ins", "evictions", "fetches", "fetch_bytes", "page_in_bytes", "host_evictions")
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    max_loras: int
+    max_cpu_loras: int
+    resident: int
+    host: int
+    page_ins: int
+    evictions: int
+    fetches: int
+    fetch_bytes: int
+    page_in_bytes: int
+    host_evictions: int
+    def __init__(self, max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., resident: _Optional[int] = ..., host: _Optional[int] = ..., page_ins: _Optional[int] = ..., evictions: _Optional[int] = ..., fetches: _Optional[int] = ..., fetch_bytes: _Optional[int] = ..., page_in_bytes: _Optional[int] = ..., host_evictions: _Optional[int] = ...) -> None: ...
+
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

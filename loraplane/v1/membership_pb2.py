@@ -23,10 +23,9 @@ _sym_db = _symbol_database.Default()
 
 
 from loraplane.v1 import common_pb2 as loraplane_dot_v1_dot_common__pb2
-from loraplane.v1 import control_plane_pb2 as loraplane_dot_v1_dot_control__plane__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dloraplane/v1/membership.proto\x12\x0cloraplane.v1\x1a\x19loraplane/v1/common.proto\x1a loraplane/v1/control_plane.proto2\xea\x01\n\x10WorkerMembership\x12\x44\n\x0eRegisterWorker\x12\x19.loraplane.v1.WorkerHello\x1a\x17.loraplane.v1.WorkerAck\x12?\n\tHeartbeat\x12\x19.loraplane.v1.WorkerHello\x1a\x17.loraplane.v1.WorkerAck\x12O\n\x0c\x46\x65tchAdapter\x12!.loraplane.v1.FetchAdapterRequest\x1a\x1a.loraplane.v1.AdapterChunk0\x01\x42s\n\x0f\x61i.loraplane.v1B\x0fMembershipProtoP\x01Z>github.com/loraplane/loraplane/gen/go/loraplane/v1;loraplanev1\xaa\x02\x0cLoraplane.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dloraplane/v1/membership.proto\x12\x0cloraplane.v1\x1a\x19loraplane/v1/common.proto\"\xfa\x03\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61\x64\x64r\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x04 \x01(\t\x12\x0f\n\x07n_slots\x18\x05 \x01(\r\x12\x18\n\x0bqueue_limit\x18\x06 \x01(\rH\x00\x88\x01\x01\x12.\n\x08holdings\x18\x07 \x01(\x0b\x32\x1c.loraplane.v1.WorkerHoldings\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\x12\x1c\n\x14resident_adapter_ids\x18\t \x03(\r\x12\x18\n\x10host_adapter_ids\x18\n \x03(\r\x12*\n\x06paging\x18\x0b \x01(\x0b\x32\x1a.loraplane.v1.WorkerPaging\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x1b\n\x13supervisor_restarts\x18\r \x01(\r\x12\r\n\x05n_ctx\x18\x0e \x01(\r\x12\x15\n\rkv_cells_used\x18\x0f \x01(\x04\x12\x16\n\x0ekv_cells_total\x18\x10 \x01(\x04\x12\x1a\n\x12pinned_adapter_ids\x18\x11 \x03(\r\x12\x38\n\x0e\x61\x64\x61pter_paging\x18\x12 \x03(\x0b\x32 .loraplane.v1.AdapterPagingCountB\x0e\n\x0c_queue_limit\"S\n\x0eWorkerHoldings\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraplane.v1.HeldAdapter\x12\x14\n\x0c\x64raining_ids\x18\x02 \x03(\r\"5\n\x0bHeldAdapter\x12\x0f\n\x02id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06sha256\x18\x02 \x01(\tB\x05\n\x03_id\"a\n\x12\x41\x64\x61pterPagingCount\x12\x17\n\nadapter_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08page_ins\x18\x02 \x01(\x04\x12\x11\n\tevictions\x18\x03 \x01(\x04\x42\r\n\x0b_adapter_id\"8\n\x13\x46\x65tchAdapterRequest\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\":\n\tWorkerAck\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x0e\n\x06joined\x18\x02 \x01(\x08\x32\xea\x01\n\x10WorkerMembership\x12\x44\n\x0eRegisterWorker\x12\x19.loraplane.v1.WorkerHello\x1a\x17.loraplane.v1.WorkerAck\x12?\n\tHeartbeat\x12\x19.loraplane.v1.WorkerHello\x1a\x17.loraplane.v1.WorkerAck\x12O\n\x0c\x46\x65tchAdapter\x12!.loraplane.v1.FetchAdapterRequest\x1a\x1a.loraplane.v1.AdapterChunk0\x01\x42s\n\x0f\x61i.loraplane.v1B\x0fMembershipProtoP\x01Z>github.com/loraplane/loraplane/gen/go/loraplane/v1;loraplanev1\xaa\x02\x0cLoraplane.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +33,18 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraplane.v1.membership_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017ai.loraplane.v1B\017MembershipProtoP\001Z>github.com/loraplane/loraplane/gen/go/loraplane/v1;loraplanev1\252\002\014Loraplane.V1'
-  _globals['_WORKERMEMBERSHIP']._serialized_start=109
-  _globals['_WORKERMEMBERSHIP']._serialized_end=343
+  _globals['_WORKERHELLO']._serialized_start=75
+  _globals['_WORKERHELLO']._serialized_end=581
+  _globals['_WORKERHOLDINGS']._serialized_start=583
+  _globals['_WORKERHOLDINGS']._serialized_end=666
+  _globals['_HELDADAPTER']._serialized_start=668
+  _globals['_HELDADAPTER']._serialized_end=721
+  _globals['_ADAPTERPAGINGCOUNT']._serialized_start=723
+  _globals['_ADAPTERPAGINGCOUNT']._serialized_end=820
+  _globals['_FETCHADAPTERREQUEST']._serialized_start=822
+  _globals['_FETCHADAPTERREQUEST']._serialized_end=878
+  _globals['_WORKERACK']._serialized_start=880
+  _globals['_WORKERACK']._serialized_end=938
+  _globals['_WORKERMEMBERSHIP']._serialized_start=941
+  _globals['_WORKERMEMBERSHIP']._serialized_end=1175
 # @@protoc_insertion_point(module_scope)

@@ -4,7 +4,7 @@ import grpc
 import warnings
 
 from loraplane.v1 import common_pb2 as loraplane_dot_v1_dot_common__pb2
-from loraplane.v1 import control_plane_pb2 as loraplane_dot_v1_dot_control__plane__pb2
+from loraplane.v1 import membership_pb2 as loraplane_dot_v1_dot_membership__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -38,17 +38,17 @@ class WorkerMembershipStub:
         """
         self.RegisterWorker = channel.unary_unary(
                 '/loraplane.v1.WorkerMembership/RegisterWorker',
-                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
-                response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
+                request_serializer=loraplane_dot_v1_dot_membership__pb2.WorkerHello.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_membership__pb2.WorkerAck.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/loraplane.v1.WorkerMembership/Heartbeat',
-                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
-                response_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
+                request_serializer=loraplane_dot_v1_dot_membership__pb2.WorkerHello.SerializeToString,
+                response_deserializer=loraplane_dot_v1_dot_membership__pb2.WorkerAck.FromString,
                 _registered_method=True)
         self.FetchAdapter = channel.unary_stream(
                 '/loraplane.v1.WorkerMembership/FetchAdapter',
-                request_serializer=loraplane_dot_v1_dot_control__plane__pb2.FetchAdapterRequest.SerializeToString,
+                request_serializer=loraplane_dot_v1_dot_membership__pb2.FetchAdapterRequest.SerializeToString,
                 response_deserializer=loraplane_dot_v1_dot_common__pb2.AdapterChunk.FromString,
                 _registered_method=True)
 
@@ -87,17 +87,17 @@ def add_WorkerMembershipServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
-                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.FromString,
-                    response_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.SerializeToString,
+                    request_deserializer=loraplane_dot_v1_dot_membership__pb2.WorkerHello.FromString,
+                    response_serializer=loraplane_dot_v1_dot_membership__pb2.WorkerAck.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.FromString,
-                    response_serializer=loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.SerializeToString,
+                    request_deserializer=loraplane_dot_v1_dot_membership__pb2.WorkerHello.FromString,
+                    response_serializer=loraplane_dot_v1_dot_membership__pb2.WorkerAck.SerializeToString,
             ),
             'FetchAdapter': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchAdapter,
-                    request_deserializer=loraplane_dot_v1_dot_control__plane__pb2.FetchAdapterRequest.FromString,
+                    request_deserializer=loraplane_dot_v1_dot_membership__pb2.FetchAdapterRequest.FromString,
                     response_serializer=loraplane_dot_v1_dot_common__pb2.AdapterChunk.SerializeToString,
             ),
     }
@@ -127,8 +127,8 @@ class WorkerMembership:
             request,
             target,
             '/loraplane.v1.WorkerMembership/RegisterWorker',
-            loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
-            loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
+            loraplane_dot_v1_dot_membership__pb2.WorkerHello.SerializeToString,
+            loraplane_dot_v1_dot_membership__pb2.WorkerAck.FromString,
             options,
             channel_credentials,
             insecure,
@@ -154,8 +154,8 @@ class WorkerMembership:
             request,
             target,
             '/loraplane.v1.WorkerMembership/Heartbeat',
-            loraplane_dot_v1_dot_control__plane__pb2.WorkerHello.SerializeToString,
-            loraplane_dot_v1_dot_control__plane__pb2.WorkerAck.FromString,
+            loraplane_dot_v1_dot_membership__pb2.WorkerHello.SerializeToString,
+            loraplane_dot_v1_dot_membership__pb2.WorkerAck.FromString,
             options,
             channel_credentials,
             insecure,
@@ -181,7 +181,7 @@ class WorkerMembership:
             request,
             target,
             '/loraplane.v1.WorkerMembership/FetchAdapter',
-            loraplane_dot_v1_dot_control__plane__pb2.FetchAdapterRequest.SerializeToString,
+            loraplane_dot_v1_dot_membership__pb2.FetchAdapterRequest.SerializeToString,
             loraplane_dot_v1_dot_common__pb2.AdapterChunk.FromString,
             options,
             channel_credentials,

@@ -19,7 +19,7 @@ from concurrent import futures
 
 import grpc
 
-from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2, worker_pb2_grpc
+from loraplane.v1 import common_pb2, control_plane_pb2, membership_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers.control_plane import MiB
 from tests.helpers.live_servers import WORKER_SECRET
 from worker.rpc.membership import MembershipBackoff, start_membership
@@ -123,7 +123,7 @@ class ScriptedMember:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
-        self.hello = control_plane_pb2.WorkerHello(
+        self.hello = membership_pb2.WorkerHello(
             worker_id=worker_id, addr=f"127.0.0.1:{self.port}", model="gemma3", n_slots=n_slots
         )
         self.cp_addr = cp_addr

@@ -12,6 +12,7 @@ answers): the official ``openai`` client, plain HTTP, gRPC stubs, the Python cli
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import LoraplaneClient
 from clients.errors import LoraplaneError
-from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
+from loraplane.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc, membership_pb2, membership_pb2_grpc
 from tests.helpers.live_servers import wait_until
 from tests.helpers.serve import free_port
 
@@ -171,7 +172,7 @@ def test_grpc_needs_the_key(plane: Plane) -> None:
         # worker RPCs carry the worker secret, not the key (this plane: --insecure-workers)
         try:
             membership = membership_pb2_grpc.WorkerMembershipStub(ch)
-            membership.RegisterWorker(control_plane_pb2.WorkerHello(worker_id="", addr=""), timeout=10)
+            membership.RegisterWorker(membership_pb2.WorkerHello(worker_id="", addr=""), timeout=10)
         except grpc.RpcError as exc:
             assert exc.code() != grpc.StatusCode.UNAUTHENTICATED, exc.details()
 
@@ -271,3 +272,89 @@ def test_tenants_cli_json_and_tenant_keys_pass_for_inference_only(plane: Plane, 
     assert run("remove", "acme")[1]["error"]["code"] == "NOT_FOUND"
     with pytest.raises(openai.AuthenticationError):
         _openai(plane, key).models.list()  # removed through this replica: refused at once
+
+
+def _cli(*args: str) -> dict:
+    """``loraplane <args> --json`` in this process: (exit code, the JSON object printed)."""
+    from click.testing import CliRunner
+
+    from clients.cli.main import cli
+
+    r = CliRunner().invoke(cli, [*args, "--json"])
+    return {"exit": r.exit_code, **json.loads(r.stdout)}
+
+
+API_KEY_HINT = "the API key comes from --api-key or $LORAPLANE_API_KEY (--admin-token passes too)"
+ADMIN_HINT = "the admin token comes from --admin-token or $LORAPLANE_ADMIN_TOKEN"
+
+
+def test_cli_auth_errors_name_the_flag_and_variable(plane: Plane, monkeypatch) -> None:
+    """UNAUTHENTICATED answers keep the server's message and add where the CLI takes the
+    credential it names: --api-key / $LORAPLANE_API_KEY, or --admin-token / $LORAPLANE_ADMIN_TOKEN."""
+    monkeypatch.delenv("LORAPLANE_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("LORAPLANE_API_KEY", raising=False)
+    method = "/loraplane.v1.ControlPlane"
+    no_key = _cli("adapters", "list", "--addr", plane.grpc_addr)
+    assert no_key == {
+        "exit": 1,
+        "error": {
+            "code": "UNAUTHENTICATED",
+            "message": f"{method}/ListAdapters needs the API key ('authorization: Bearer <key>') "
+            f"('authorization' metadata); {API_KEY_HINT}",
+        },
+    }
+    wrong = _cli("adapters", "list", "--addr", plane.grpc_addr, "--api-key", "wrong")
+    assert wrong["error"]["message"] == (
+        f"{method}/ListAdapters: API key ('authorization: Bearer <key>') rejected; {API_KEY_HINT}"
+    )
+    admin = _cli("default", "set", "--clear", "--addr", plane.grpc_addr, "--api-key", API_KEY)
+    assert (admin["exit"], admin["error"]["code"]) == (1, "UNAUTHENTICATED")
+    assert admin["error"]["message"] == (
+        f"{method}/SetDefaultAdapters: admin token ('authorization: Bearer <token>') rejected; {ADMIN_HINT}"
+    )
+
+
+def test_cli_pointed_at_an_http_port_says_so(plane: Plane, monkeypatch) -> None:
+    """The HTTP front and the metrics port answer HTTP/1.x: the CLI (exit 3) and the Python
+    client say the address is not the gRPC one and name --addr, not "connection failed"."""
+    from clients.async_client import AsyncLoraplaneClient
+    from clients.channel import HTTP_NOT_GRPC
+    from clients.errors import ServerUnreachable
+
+    monkeypatch.setenv("LORAPLANE_API_KEY", API_KEY)
+    for url in (plane.http, plane.metrics):
+        addr = url.removeprefix("http://").removesuffix("/metrics")
+        out = _cli("adapters", "list", "--addr", addr)
+        assert out == {
+            "exit": 3,
+            "error": {"code": "UNAVAILABLE", "message": f"cannot reach loraplane server at {addr}: {HTTP_NOT_GRPC}"},
+        }
+        with pytest.raises(ServerUnreachable) as err, LoraplaneClient(addr, connect_timeout=10) as lp:
+            lp.list_adapters()
+        assert err.value.reason == HTTP_NOT_GRPC
+
+        async def list_async(addr: str = addr) -> None:
+            async with AsyncLoraplaneClient(addr, connect_timeout=10) as alp:
+                await alp.list_adapters()
+
+        with pytest.raises(ServerUnreachable) as err:
+            asyncio.run(list_async())
+        assert err.value.reason == HTTP_NOT_GRPC
+    assert "--addr" in HTTP_NOT_GRPC and "--http-addr" in HTTP_NOT_GRPC
+    assert _cli("adapters", "list", "--addr", plane.grpc_addr) == {"exit": 0, "adapters": []}
+
+
+@pytest.mark.slow  # needs node and the npm packages, as tests/integration/test_node_client.py
+def test_node_client_pointed_at_an_http_port_says_so(plane: Plane) -> None:
+    """The Node client says what the Python client says of an HTTP/1.x address (exit 3)."""
+    from clients.channel import HTTP_NOT_GRPC
+
+    node_dir = ROOT / "clients" / "node"
+    if shutil.which("node") is None or not (node_dir / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.fail("node and `npm install --prefix clients/node` are needed (scripts/install.sh --with-node)")
+    addr = plane.http.removeprefix("http://")
+    cmd = ["node", str(node_dir / "generate.js"), "--addr", addr, "--prompt", "hi", "--api-key", API_KEY]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stdout + r.stderr
+    message = f"cannot reach loraplane server at {addr}: {HTTP_NOT_GRPC}"
+    assert json.loads(r.stdout) == {"error": {"code": "UNAVAILABLE", "message": message}}

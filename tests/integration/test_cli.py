@@ -445,3 +445,70 @@ def test_console_script_installed():
         [str(script), "workers", "list", "--addr", closed_addr(), "--json"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 3 and "Traceback" not in proc.stderr
+
+
+# ---- messages that say what is wrong --------------------------------------------------------
+
+GGUF_OR_PEFT = "expected an adapter .gguf file or a PEFT folder holding adapter_config.json"
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "expected"),
+    [
+        (
+            ["adapters", "add", "{dir}"],
+            "FILE",
+            f"'{{dir}}' is a directory, without adapter_config.json: {GGUF_OR_PEFT}",
+        ),
+        (
+            ["control-plane", "--lora", "{dir}"],
+            "--lora/--lora-scaled",
+            "'{dir}' is a directory, without adapter_config.json: ",
+        ),
+        (
+            ["export-lora", "--model", str(DEMO_SHOUT), "--lora", "{dir}", "-o", "x.gguf"],
+            "--lora",
+            "'{dir}' is a directory: expected an adapter .gguf file",
+        ),
+        (["adapters", "add", "{dir}/none.gguf"], "FILE", f"'{{dir}}/none.gguf' does not exist: {GGUF_OR_PEFT}"),
+    ],
+    ids=["add", "control-plane", "export-lora", "missing"],
+)
+def test_adapter_path_errors_say_what_is_wrong(tmp_path, args, flag, expected):
+    """A folder that exists is "a directory" (not "does not exist"); a missing file still is."""
+    result = run(*(a.format(dir=tmp_path) for a in args))
+    assert result.exit_code == 2, result.output
+    assert f"Error: Invalid value for {flag}: {expected.format(dir=tmp_path)}" in result.stderr, result.stderr
+    assert "does not exist" not in result.stderr or "none.gguf" in result.stderr
+
+
+def test_python_client_add_adapter_names_a_directory(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        LoraplaneClient(closed_addr()).add_adapter(tmp_path)
+    assert str(err.value) == f"'{tmp_path}' is a directory, without adapter_config.json: {GGUF_OR_PEFT}"
+
+
+def test_default_and_workers_show_names(addr, lp, adapters_dir):
+    """``default get`` / ``default set`` add ``name`` to each entry, ``workers list`` adds
+    ``adapters: [{"id", "name"}]`` beside ``adapter_ids``; the tables show the names."""
+    sea = lp.add_adapter(str(adapters_dir / "sea.gguf"), server_path=True)
+    names = {a.id: a.name for a in lp.list_adapters()}
+    lp.generate("x", adapters={sea.id: 1.0}, max_tokens=1)  # the worker holds sea now
+    with restored_default(lp):
+        set_doc = run_json("default", "set", f"{sea.name}=0.5", "--addr", addr)
+        assert {"id": sea.id, "scale": 0.5, "name": sea.name} in set_doc["adapters"]
+        got = run_json("default", "get", "--addr", addr)
+        assert got == set_doc
+        assert got["adapters"] == [
+            {"id": e.id, "scale": e.scale, "name": names[e.id]} for e in lp.get_default().entries
+        ]
+        table = run("default", "get", "--addr", addr)
+        assert table.exit_code == 0
+        [row] = [line for line in table.stdout.splitlines() if f" {sea.name} " in line]
+        assert row.split() == ["│", str(sea.id), "│", sea.name, "│", "0.5", "│"]
+    workers = run_json("workers", "list", "--addr", addr)["workers"]
+    for w in workers:
+        assert w["adapters"] == [{"id": i, "name": names[i]} for i in w["adapter_ids"]]
+    assert any({"id": sea.id, "name": sea.name} in w["adapters"] for w in workers)
+    table = run("workers", "list", "--addr", addr)
+    assert f"{sea.id} ({sea.name})" in table.stdout

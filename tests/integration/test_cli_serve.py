@@ -119,7 +119,7 @@ def test_default_set_applies_to_requests_without_a_map(server):
     shout = cli_json(addr, "generate", PROMPT, "--max-tokens", "6", "--lora", "0=1")
     try:
         current = cli_json(addr, "default", "set", "0=1")
-        assert {"id": 0, "scale": 1.0} in current["adapters"]
+        assert {"id": 0, "scale": 1.0, "name": "shout"} in current["adapters"]
         implicit = cli_json(addr, "generate", PROMPT, "--max-tokens", "6")
         assert implicit["token_ids"] == shout["token_ids"]
         none = cli_json(addr, "generate", PROMPT, "--max-tokens", "6", "--no-lora")

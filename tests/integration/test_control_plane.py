@@ -8,12 +8,14 @@ Membership and routing live in ``test_control_plane_routing.py``.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -65,6 +67,23 @@ def test_upload_over_4mib_lists_metadata_and_keeps_file(start_cp, adapters_dir):
     listed = cp.stub.ListAdapters(common_pb2.Empty()).adapters
     assert [a.id for a in listed] == [0] and listed[0] == info
     assert cp.stub.GetAdapter(common_pb2.AdapterRef(id=0)) == info
+
+
+def test_adapter_0_answers_show_its_id_in_json(start_cp, adapters_dir):
+    """Adapter ids start at 0, protobuf's default: every answer that names adapter 0 sets its
+    id (``optional``, explicit presence), so JSON printers show ``"id": 0`` after the wire."""
+    cp = start_cp()
+    info = by_path(cp.stub, adapters_dir / "sea.gguf")
+    assert info.id == 0 and info.HasField("id")
+    as_json = json.loads(json_format.MessageToJson(info))
+    assert (as_json["id"], as_json["name"]) == (0, "sea")
+    assert json_format.MessageToDict(cp.stub.ListAdapters(common_pb2.Empty()))["adapters"][0]["id"] == 0
+    assert json_format.MessageToDict(cp.stub.GetAdapter(common_pb2.AdapterRef(name="sea")))["id"] == 0
+    entries = [common_pb2.AdapterScale(name="sea", scale=0.5)]
+    answer = cp.stub.SetDefaultAdapters(common_pb2.AdapterMap(entries=entries))
+    assert json_format.MessageToDict(answer) == {"entries": [{"id": 0, "scale": 0.5}]}
+    default = cp.stub.GetDefaultAdapters(common_pb2.Empty())
+    assert json_format.MessageToDict(default) == {"entries": [{"id": 0, "scale": 0.5}]}
 
 
 def test_server_path_alora_shows_invocation_text(start_cp, adapters_dir):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
-from loraplane.v1 import common_pb2, control_plane_pb2, worker_pb2_grpc
+from loraplane.v1 import common_pb2, membership_pb2, worker_pb2_grpc
 from tests.helpers.control_plane import rpc_error, upload
 from tests.helpers.live_servers import WORKER_SECRET
 from worker.rpc.membership import MembershipBackoff, start_membership
@@ -61,7 +62,7 @@ def joined(start_control_plane, real_worker, fixtures_dir):
         engine.fetcher = ControlPlaneFetcher(cp.addr, engine.worker_id, secret=WORKER_SECRET)
         stop = threading.Event()
         stops.append(stop)
-        hello = control_plane_pb2.WorkerHello(
+        hello = membership_pb2.WorkerHello(
             worker_id=engine.worker_id, addr=f"127.0.0.1:{port}", model="gemma3", n_slots=2
         )
         thread = start_membership(
@@ -94,6 +95,11 @@ def test_default_set_and_explicit_maps_reach_the_worker_resolved(joined, fixture
 
     default_tokens, fin = run(cp)  # no map: the default set, shout@1
     assert [(a.id, a.scale) for a in fin.telemetry.adapters] == [(0, 1.0)]
+    # the worker sets adapter 0's id (optional: present), so JSON printers show it
+    telemetry = json_format.MessageToDict(fin.telemetry, preserving_proto_field_name=True)
+    assert telemetry["adapters"] == [{"id": 0, "scale": 1.0}]
+    assert [r["id"] for r in telemetry["adapter_residency"]] == [0]
+    assert [json_format.MessageToDict(a)["id"] for a in wstub.ListAdapters(common_pb2.Empty()).adapters] == [0]
     assert fin.finish_reason in ("length", "stop") and len(default_tokens) == 8
     assert run(cp, {0: 1.0})[0] == default_tokens
     base_tokens, fin = run(cp, {})  # an explicit empty map: the base model

@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 
-from loraplane.v1 import common_pb2, control_plane_pb2
+from loraplane.v1 import common_pb2, control_plane_pb2, membership_pb2
 from tests.helpers.control_plane import MiB, by_path, rpc_error, upload, upload_chunks
 from tests.helpers.live_servers import wait_until
 from tests.helpers.scripted_worker import generate, workers_of
@@ -38,11 +38,11 @@ def test_registration_pushes_nothing_and_fetch_streams_bytes_in_chunks(cluster, 
     digest = hashlib.sha256(shout.read_bytes()).hexdigest()
     assert (header.id, header.sha256, header.fetch_on_demand, header.data) == (0, digest, True, b"")
     assert header.HasField("pinned") and header.pinned is False
-    chunks = list(cp.worker_stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256=digest, worker_id="w1")))
+    chunks = list(cp.worker_stub.FetchAdapter(membership_pb2.FetchAdapterRequest(sha256=digest, worker_id="w1")))
     assert len(chunks) == -(-shout.stat().st_size // MiB) and all(len(c.data) <= MiB for c in chunks)
     assert hashlib.sha256(b"".join(c.data for c in chunks)).hexdigest() == digest
     with pytest.raises(grpc.RpcError) as info:
-        list(cp.worker_stub.FetchAdapter(control_plane_pb2.FetchAdapterRequest(sha256="0" * 64)))
+        list(cp.worker_stub.FetchAdapter(membership_pb2.FetchAdapterRequest(sha256="0" * 64)))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and "0" * 64 in info.value.details()
     info = workers_of(cp)["w1"]
     assert (info.state, info.addr, info.n_slots) == ("alive", w.hello.addr, 2)
@@ -82,7 +82,7 @@ def test_affinity_prefers_the_worker_holding_the_adapter(cluster, adapters_dir):
     shout = by_path(cp.stub, adapters_dir / "shout.gguf")
     w2.leave()
     w2.hello.resident_adapter_ids.append(sea.id)
-    w2.hello.paging.CopyFrom(control_plane_pb2.WorkerPaging(max_loras=2, resident=1, page_ins=1))
+    w2.hello.paging.CopyFrom(common_pb2.WorkerPaging(max_loras=2, resident=1, page_ins=1))
     w2.join()
     assert list(workers_of(cp)["w2"].resident_adapter_ids) == [sea.id]
     assert workers_of(cp)["w2"].paging.page_ins == 1

@@ -34,7 +34,7 @@ from click.testing import CliRunner
 
 from clients.cli.main import cli
 from loraplane.v1 import common_pb2 as pb
-from loraplane.v1 import control_plane_pb2, worker_pb2_grpc
+from loraplane.v1 import control_plane_pb2, membership_pb2, worker_pb2_grpc
 from tests.helpers.control_plane import MiB, rpc_error, upload
 from worker.rpc.membership import MembershipBackoff, start_membership
 
@@ -57,7 +57,7 @@ class HeartbeatingWorker:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
-        self.hello = control_plane_pb2.WorkerHello(
+        self.hello = membership_pb2.WorkerHello(
             worker_id=worker_id, addr=f"127.0.0.1:{port}", model="gemma3", n_slots=4
         )
         self.stop_event = threading.Event()
@@ -66,10 +66,10 @@ class HeartbeatingWorker:
         )
         assert self.thread.registered.wait(20), "worker did not register"
 
-    def holdings(self) -> control_plane_pb2.WorkerHoldings:
+    def holdings(self) -> membership_pb2.WorkerHoldings:
         with self.servicer.lock:
-            return control_plane_pb2.WorkerHoldings(
-                adapters=[control_plane_pb2.HeldAdapter(id=i, sha256=h) for i, h in self.servicer.adapters.items()]
+            return membership_pb2.WorkerHoldings(
+                adapters=[membership_pb2.HeldAdapter(id=i, sha256=h) for i, h in self.servicer.adapters.items()]
             )
 
     def close(self) -> None:

@@ -29,7 +29,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.v1 import common_pb2 as pb
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc, worker_pb2, worker_pb2_grpc
+from loraplane.v1 import (
+    control_plane_pb2,
+    control_plane_pb2_grpc,
+    membership_pb2,
+    membership_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from loraplane.worker_secret import WORKER_SECRET_KEY, with_secret
 from tests.helpers.control_plane import by_path, rpc_error, upload
 from tests.helpers.serve import DEMO, free_port
@@ -68,7 +75,7 @@ def test_membership_needs_the_worker_secret_and_the_real_worker_keeps_serving(st
     cp = start_control_plane(worker_secret=SECRET, heartbeat_interval_s=0.2)
     w = _scripted(monkeypatch, cp.addr, secret=SECRET)  # the real worker knows the secret: it joins
     try:
-        rogue = control_plane_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
+        rogue = membership_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
         for call in (cp.membership_stub.RegisterWorker, cp.membership_stub.Heartbeat):
             for md in (None, [(WORKER_SECRET_KEY, "wrong")], [("authorization", f"Bearer {SECRET}")]):
                 err = rpc_error(call, rogue, metadata=md, timeout=5)
@@ -87,7 +94,7 @@ def test_untrusted_membership_cannot_take_over_a_live_worker_id(start_control_pl
     cp = start_control_plane(worker_secret=None, insecure_workers=True, heartbeat_interval_s=0.2)
     w = _scripted(monkeypatch, cp.addr, secret=None)
     try:
-        rogue = control_plane_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
+        rogue = membership_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
         for call in (cp.membership_stub.RegisterWorker, cp.membership_stub.Heartbeat):
             err = rpc_error(call, rogue, timeout=5)
             assert err.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -104,7 +111,7 @@ def test_registration_flood_to_unreachable_addresses_never_stalls_reads(start_co
     codes: list[grpc.StatusCode] = []
     t0 = time.monotonic()
     for i in range(60):  # each names an address nobody listens on (a join would dial it 5 s)
-        hello = control_plane_pb2.WorkerHello(worker_id=f"rogue-{i}", addr=f"10.255.255.1:{1000 + i}")
+        hello = membership_pb2.WorkerHello(worker_id=f"rogue-{i}", addr=f"10.255.255.1:{1000 + i}")
         try:
             ack = cp.worker_stub.RegisterWorker(hello, timeout=5)
             assert not ack.joined
@@ -131,8 +138,8 @@ def test_heartbeats_reconcile_what_the_worker_holds(start_control_plane, fixture
     def holdings():
         s = holder["w"].servicer
         with s.lock:
-            return control_plane_pb2.WorkerHoldings(
-                adapters=[control_plane_pb2.HeldAdapter(id=i, sha256=h) for i, h in s.adapters.items()]
+            return membership_pb2.WorkerHoldings(
+                adapters=[membership_pb2.HeldAdapter(id=i, sha256=h) for i, h in s.adapters.items()]
             )
 
     from tests.helpers.scripted_worker import ScriptedWorker
@@ -245,7 +252,7 @@ def test_unregister_while_a_worker_drains_returns_promptly_and_lists_it_draining
     worker_pb2_grpc.add_WorkerServicer_to_server(w.servicer, w.server)
     w.port = w.server.add_insecure_port("127.0.0.1:0")
     w.server.start()
-    w.hello = control_plane_pb2.WorkerHello(worker_id="w1", addr=f"127.0.0.1:{w.port}", n_slots=2)
+    w.hello = membership_pb2.WorkerHello(worker_id="w1", addr=f"127.0.0.1:{w.port}", n_slots=2)
     w.cp_addr = cp.addr
     w.join()
     try:
@@ -431,7 +438,7 @@ def test_serve_generates_a_secret_passed_by_environment_and_the_worker_port_need
     finally:
         ch.close()
     # a rogue registration naming the live worker's id changes nothing
-    rogue = control_plane_pb2.WorkerHello(worker_id=worker.worker_id, addr="127.0.0.1:9", n_slots=4)
+    rogue = membership_pb2.WorkerHello(worker_id=worker.worker_id, addr="127.0.0.1:9", n_slots=4)
     for call in (serve.membership_stub.RegisterWorker, serve.membership_stub.Heartbeat):
         assert rpc_error(call, rogue, timeout=5).code() == grpc.StatusCode.UNAUTHENTICATED
     assert serve.alive_worker().addr == worker.addr

@@ -5,16 +5,19 @@
   ``v1alpha``, listing ``loraplane.v1.ControlPlane`` and ``loraplane.v1.WorkerMembership``;
   the worker RPCs answer only under ``WorkerMembership`` (the old ControlPlane paths are
   UNIMPLEMENTED).
+- ``buf curl`` (when buf is installed; the schema from reflection) prints adapter 0's id.
 - Slow tier: Go and Java code is generated from the ``.proto`` files the wheel ships
   (``loraplane/v1/*.proto``) with the Debian toolchains (``protoc``, ``protoc-gen-go``,
   ``protoc-gen-go-grpc``, ``grpc_java_plugin``), a minimal client is compiled in each
   (``GO111MODULE=off`` against ``/usr/share/gocode``; ``javac`` against ``/usr/share/java``),
-  and the Go client is run against the control plane. ``scripts/test.sh`` installs the tools
+  and the Go client is run against the control plane: its ``protojson`` prints adapter 0's
+  id (``optional``: explicit presence), the Java code has ``hasId()``. ``scripts/test.sh`` installs the tools
   when it runs as root; otherwise the tests skip naming what is missing.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -26,7 +29,8 @@ from grpc_reflection.v1alpha import reflection_pb2 as v1alpha_pb2
 
 from loraplane.third_party import reflection_v1_pb2 as v1_pb2
 from loraplane.v1 import common_pb2 as pb
-from loraplane.v1 import control_plane_pb2
+from loraplane.v1 import membership_pb2
+from tests.helpers.control_plane import upload
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "loraplane" / "v1").glob("*.proto"))
@@ -107,15 +111,15 @@ def test_reflection_v1_serves_the_membership_file(cp) -> None:
 def test_worker_rpcs_left_the_control_plane_service(cp) -> None:
     old = cp.channel.unary_unary(
         "/loraplane.v1.ControlPlane/Heartbeat",
-        request_serializer=control_plane_pb2.WorkerHello.SerializeToString,
-        response_deserializer=control_plane_pb2.WorkerAck.FromString,
+        request_serializer=membership_pb2.WorkerHello.SerializeToString,
+        response_deserializer=membership_pb2.WorkerAck.FromString,
     )
     with pytest.raises(grpc.RpcError) as err:
-        old(control_plane_pb2.WorkerHello(worker_id="w"), timeout=5)
+        old(membership_pb2.WorkerHello(worker_id="w"), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     # the same port serves it under WorkerMembership, behind the worker secret
     with pytest.raises(grpc.RpcError) as err:
-        cp.membership_stub.Heartbeat(control_plane_pb2.WorkerHello(worker_id="w"), timeout=5)
+        cp.membership_stub.Heartbeat(membership_pb2.WorkerHello(worker_id="w"), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "/loraplane.v1.WorkerMembership/Heartbeat needs the worker secret" in err.value.details()
     assert cp.stub.ListAdapters(pb.Empty(), timeout=5).adapters is not None
@@ -152,6 +156,7 @@ import (
 	loraplanev1 "github.com/loraplane/loraplane/gen/go/loraplane/v1"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
 )
 
 func main() {
@@ -169,6 +174,10 @@ func main() {
 		os.Exit(1)
 	}
 	fmt.Printf("adapters=%d\\n", len(adapters.GetAdapters()))
+	for _, a := range adapters.GetAdapters() {
+		text, _ := protojson.Marshal(a)
+		fmt.Printf("has_id=%t json=%s\\n", a.Id != nil, text)
+	}
 	_, err = loraplanev1.NewWorkerMembershipClient(conn).Heartbeat(ctx, &loraplanev1.WorkerHello{WorkerId: "go"})
 	fmt.Printf("heartbeat=%s\\n", status.Code(err))
 }
@@ -176,7 +185,7 @@ func main() {
 
 
 @pytest.mark.slow
-def test_go_client_builds_from_the_shipped_protos_and_talks(cp, tmp_path: Path) -> None:
+def test_go_client_builds_from_the_shipped_protos_and_talks(cp, tmp_path: Path, fixtures_dir: Path) -> None:
     _need(
         "go",
         "protoc",
@@ -200,11 +209,17 @@ def test_go_client_builds_from_the_shipped_protos_and_talks(cp, tmp_path: Path) 
     (src / "lpclient" / "main.go").write_text(GO_CLIENT)
     env = {**os.environ, "GO111MODULE": "off", "GOPATH": f"{tmp_path}:/usr/share/gocode", "GOFLAGS": ""}
     _run(["go", "build", "-o", str(tmp_path / "lpclient"), "lpclient"], cwd=tmp_path, env=env)
-    out = _run([str(tmp_path / "lpclient"), cp.addr])
-    assert out.splitlines() == ["adapters=0", "heartbeat=Unauthenticated"]
+    info = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")  # the module's only adapter
+    assert info.id == 0
+    out = _run([str(tmp_path / "lpclient"), cp.addr]).splitlines()
+    assert [out[0], out[-1]] == ["adapters=1", "heartbeat=Unauthenticated"] and len(out) == 3
+    has_id, _, text = out[1].partition(" json=")
+    # protojson prints the optional id even when 0 (it drops implicit-presence zeros)
+    assert (has_id, json.loads(text)["id"], json.loads(text)["name"]) == ("has_id=true", 0, "sea")
 
 
 JAVA_CLIENT = """import ai.loraplane.v1.AdapterList;
+import ai.loraplane.v1.AdapterScale;
 import ai.loraplane.v1.ControlPlaneGrpc;
 import ai.loraplane.v1.Empty;
 import ai.loraplane.v1.GenerateRequest;
@@ -218,6 +233,8 @@ public final class Client {
     ManagedChannel channel = ManagedChannelBuilder.forTarget(args[0]).usePlaintext().build();
     AdapterList adapters = ControlPlaneGrpc.newBlockingStub(channel).listAdapters(Empty.getDefaultInstance());
     System.out.println(adapters.getAdaptersCount());
+    // adapter ids are optional (explicit presence): id 0 is set, not the default
+    System.out.println(AdapterScale.newBuilder().setId(0).build().hasId());
     GenerateRequest request = GenerateRequest.newBuilder().setText("hello").build();
     ControlPlaneGrpc.newBlockingStub(channel).generate(request).forEachRemaining(e -> System.out.println(e));
     WorkerMembershipGrpc.newBlockingStub(channel).heartbeat(WorkerHello.newBuilder().setWorkerId("java").build());
@@ -256,3 +273,23 @@ def test_java_client_compiles_from_the_shipped_protos(tmp_path: Path) -> None:
     _run(["javac", "-nowarn", "-d", str(classes), "-cp", ":".join(map(str, jars)), *sources])
     assert (classes / "Client.class").is_file()
     assert (classes / "ai" / "loraplane" / "v1" / "WorkerMembershipGrpc.class").is_file()
+
+
+def test_buf_curl_shows_adapter_0_by_reflection(cp, fixtures_dir: Path) -> None:
+    """``buf curl`` (schema from the server's reflection, as grpcurl) prints adapter 0's id in
+    ListAdapters and GetDefaultAdapters: the id is ``optional`` and the server sets it."""
+    buf = shutil.which("buf")
+    if buf is None:
+        pytest.skip("buf is not installed (npm install -g @bufbuild/buf): the buf curl check needs it")
+    info = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")  # the module's only adapter
+    assert info.id == 0
+
+    def curl(method: str) -> dict:
+        out = _run(
+            [buf, "curl", "--protocol", "grpc", "--http2-prior-knowledge", "-d", "{}"]
+            + [f"http://{cp.addr}/loraplane.v1.ControlPlane/{method}"]
+        )
+        return json.loads(out)
+
+    assert [(a["id"], a["name"]) for a in curl("ListAdapters")["adapters"]] == [(0, "sea")]
+    assert curl("GetDefaultAdapters") == {"entries": [{"id": 0}]}

@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.process import stop_process
 from loraplane.v1 import common_pb2 as pb
-from loraplane.v1 import control_plane_pb2, control_plane_pb2_grpc, membership_pb2_grpc
+from loraplane.v1 import control_plane_pb2_grpc, membership_pb2, membership_pb2_grpc
 from loraplane.worker_secret import WORKER_SECRET_KEY
 from tests.helpers.control_plane import MiB, upload
 from tests.helpers.live_servers import WORKER_SECRET
@@ -67,7 +67,7 @@ def _fetch(stub, sha256: str, metadata=None, timeout: float = 10.0) -> tuple[byt
     data = b""
     try:
         for chunk in stub.FetchAdapter(
-            control_plane_pb2.FetchAdapterRequest(sha256=sha256, worker_id="outsider"),
+            membership_pb2.FetchAdapterRequest(sha256=sha256, worker_id="outsider"),
             metadata=metadata,
             timeout=timeout,
         ):
@@ -81,7 +81,7 @@ def test_without_a_secret_worker_rpcs_are_refused_saying_what_to_do(start_contro
     monkeypatch.delenv(ENV_WORKER_SECRET, raising=False)
     cp = start_control_plane(worker_secret=None, heartbeat_interval_s=0.2)
     sea = upload(cp.stub, fixtures_dir / "adapters" / "sea.gguf")  # admin calls stay as they were
-    hello = control_plane_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
+    hello = membership_pb2.WorkerHello(worker_id="w1", addr="127.0.0.1:9", n_slots=4)
     for md in (None, [(WORKER_SECRET_KEY, "anything")]):
         for call in (cp.membership_stub.RegisterWorker, cp.membership_stub.Heartbeat):
             with pytest.raises(grpc.RpcError) as info:
@@ -150,7 +150,7 @@ def test_unauthenticated_membership_flood_never_gets_the_real_worker_declared_de
         ch = grpc.insecure_channel(cp.addr)
         stub = membership_pb2_grpc.WorkerMembershipStub(ch)
         # the real worker's own id: the flood impersonates it
-        hello = control_plane_pb2.WorkerHello(worker_id="w1", addr=f"127.0.0.1:{9 + i}", n_slots=4)
+        hello = membership_pb2.WorkerHello(worker_id="w1", addr=f"127.0.0.1:{9 + i}", n_slots=4)
         while not stop.is_set():
             for call in (stub.Heartbeat, stub.RegisterWorker):
                 try:
@@ -196,7 +196,7 @@ def test_100_stalled_fetch_readers_leave_health_and_reads_answering_and_are_cut_
     ]
     channels = [grpc.insecure_channel(cp.addr, options=options) for _ in range(100)]
     try:
-        req = control_plane_pb2.FetchAdapterRequest(sha256=big.sha256, worker_id="stalled")
+        req = membership_pb2.FetchAdapterRequest(sha256=big.sha256, worker_id="stalled")
         calls = [membership_pb2_grpc.WorkerMembershipStub(ch).FetchAdapter(req, metadata=md) for ch in channels]
         stalled, refused = [], []
         for call in calls:  # read one chunk (or the refusal), then stop reading
@@ -267,7 +267,7 @@ def test_a_reader_slower_than_the_minimum_rate_is_cut_off_after_the_grace():
     server.start()
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.http2.bdp_probe", 0)])
     try:
-        call = membership_pb2_grpc.WorkerMembershipStub(ch).FetchAdapter(control_plane_pb2.FetchAdapterRequest())
+        call = membership_pb2_grpc.WorkerMembershipStub(ch).FetchAdapter(membership_pb2.FetchAdapterRequest())
         t0, got = time.monotonic(), 0
         with pytest.raises(grpc.RpcError) as info:
             for _ in call:  # one chunk every 0.1 s: ~10 MiB/s, under the 64 MiB/s minimum
@@ -365,7 +365,7 @@ def test_control_plane_command_closes_the_door_by_default_and_insecure_workers_o
         for addr in (closed_addr, open_addr):
             with grpc.insecure_channel(addr) as ch:
                 grpc.channel_ready_future(ch).result(timeout=120)
-        hello = control_plane_pb2.WorkerHello(worker_id="probe", addr="127.0.0.1:9", n_slots=1)
+        hello = membership_pb2.WorkerHello(worker_id="probe", addr="127.0.0.1:9", n_slots=1)
         with grpc.insecure_channel(closed_addr) as ch:
             with pytest.raises(grpc.RpcError) as info:
                 membership_pb2_grpc.WorkerMembershipStub(ch).Heartbeat(hello, timeout=10)

@@ -295,7 +295,7 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
     from control_plane.adapter_labels import AdapterNaming, adapter_label
     from control_plane.metrics import ControlPlaneMetrics
     from control_plane.workers import WorkerHoldingsView
-    from loraplane.v1.control_plane_pb2 import AdapterPagingCount as Count
+    from loraplane.v1.membership_pb2 import AdapterPagingCount as Count
 
     views = [
         WorkerHoldingsView("w1", frozenset({1, 2, 3}), frozenset({1, 2, 3, 4}), frozenset({1}), (30, 100)),

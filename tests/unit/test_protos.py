@@ -5,7 +5,12 @@
   with exactly the exceptions ``buf.yaml`` declares (each commented there);
 - every file carries the same ``go_package``, ``java_package``, ``java_multiple_files`` and
   ``csharp_namespace`` (no ``ControlPlaneOuterClass`` in Java, Go code generation works);
-- the public ``ControlPlane`` service has no worker RPCs; ``WorkerMembership`` has them;
+- ``buf format`` leaves the files as they are (when ``buf`` is installed);
+- the public ``ControlPlane`` service has no worker RPCs; ``WorkerMembership`` has them, and
+  ``control_plane.proto`` defines no message its service does not use (the worker-only ones
+  live in ``membership.proto``);
+- the adapter id fields of answers are proto3 ``optional`` (explicit presence: id 0 shows in
+  JSON printers) with their field numbers and types unchanged;
 - the ``.proto`` files are package data (``loraplane/v1/*.proto``: they ship in the wheel, at
   the import paths they use) and match ``protos/`` byte for byte.
 """
@@ -61,12 +66,27 @@ def test_buf_yaml_uses_standard_with_only_wire_breaking_exceptions() -> None:
         assert any(line.strip().startswith("#") for line in before[-6:]), rule
 
 
+BUF_MISSING = "buf is not installed (npm install -g @bufbuild/buf)"
+
+
 def test_buf_lint() -> None:
     buf = shutil.which("buf")
     if buf is None:
-        pytest.skip("buf is not installed (npm install -g @bufbuild/buf); the rules are checked by the tests below")
+        pytest.skip(f"{BUF_MISSING}; the rules are checked by the tests below")
     result = subprocess.run([buf, "lint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_buf_format_leaves_the_protos_unchanged() -> None:
+    """``buf format -d`` prints nothing and exits 0: the files are as buf's formatter writes them
+    (``buf format -w protos`` fixes them; then ``scripts/gen_protos.py`` copies them)."""
+    buf = shutil.which("buf")
+    if buf is None:
+        pytest.skip(f"{BUF_MISSING}: the format check needs it")
+    result = subprocess.run(
+        [buf, "format", "-d", "--exit-code", "protos"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 
 def _messages(fd):
@@ -173,6 +193,90 @@ def test_worker_rpcs_are_in_their_own_service(descriptors) -> None:
     assert control_plane_file == "loraplane/v1/control_plane.proto"
     assert not {"RegisterWorker", "Heartbeat", "FetchAdapter"} & set(public)
     assert "Generate" in public and "ListAdapters" in public
+
+
+def _used_messages(descriptors, service: str) -> set[str]:
+    """Full names of the messages ``service``'s RPCs take or return, and every message their
+    fields reach."""
+    by_name = {f"{fd.package}.{name}": m for fd in descriptors.file for name, m in _messages(fd)}
+    [svc] = [s for fd in descriptors.file for s in fd.service if f"{fd.package}.{s.name}" == service]
+    todo = [t.lstrip(".") for r in svc.method for t in (r.input_type, r.output_type)]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in by_name:
+            continue
+        seen.add(name)
+        todo += [f.type_name.lstrip(".") for f in by_name[name].field if f.type_name]
+    return seen
+
+
+def test_control_plane_proto_defines_only_what_its_service_uses(descriptors) -> None:
+    """Worker-only messages (heartbeats, holdings, adapter fetches) live with the service that
+    uses them, ``membership.proto``; ``WorkerPaging``, in both, in ``common.proto``."""
+    by_file = {fd.name: fd for fd in descriptors.file}
+    defined = {f"loraplane.v1.{name}" for name, _ in _messages(by_file["loraplane/v1/control_plane.proto"])}
+    assert defined - _used_messages(descriptors, "loraplane.v1.ControlPlane") == set()
+    membership = {name for name, _ in _messages(by_file["loraplane/v1/membership.proto"])}
+    assert membership == {
+        "WorkerHello",
+        "WorkerHoldings",
+        "HeldAdapter",
+        "AdapterPagingCount",
+        "FetchAdapterRequest",
+        "WorkerAck",
+    }
+    assert by_file["loraplane/v1/membership.proto"].dependency == ["loraplane/v1/common.proto"]
+    assert "WorkerPaging" in {name for name, _ in _messages(by_file["loraplane/v1/common.proto"])}
+
+
+ANSWER_IDS = {
+    ("AdapterInfo", "id"),
+    ("AdapterScale", "id"),
+    ("AdapterResidency", "id"),
+    ("HeldAdapter", "id"),
+    ("AdapterPagingCount", "adapter_id"),
+}
+"""The adapter id fields of answers and reports: ``optional`` so that id 0 is printed."""
+
+
+def test_answer_ids_have_explicit_presence_on_the_same_wire(descriptors) -> None:
+    """Each is ``optional uint32`` field 1 (the number and type it always had: the wire is
+    unchanged) in a synthetic oneof (explicit presence)."""
+    fields = {(name, f.name): (m, f) for fd in descriptors.file for name, m in _messages(fd) for f in m.field}
+    for key in ANSWER_IDS:
+        message, field = fields[key]
+        assert (field.number, field.type, field.proto3_optional) == (1, field.TYPE_UINT32, True), key
+        assert message.oneof_decl[field.oneof_index].name == f"_{field.name}", key
+
+
+def test_adapter_id_0_shows_in_json() -> None:
+    """``MessageToJson`` (as grpcurl / buf curl / protojson) prints adapter 0's id once set,
+    and a parsed copy keeps it: the answers servers build set it (``id=0`` is present)."""
+    from google.protobuf import json_format
+
+    from loraplane.v1 import common_pb2, membership_pb2
+
+    amap = common_pb2.AdapterMap(entries=[common_pb2.AdapterScale(id=0, scale=1.0)])
+    assert json_format.MessageToDict(amap) == {"entries": [{"id": 0, "scale": 1.0}]}
+    again = common_pb2.AdapterMap.FromString(amap.SerializeToString())
+    assert again.entries[0].HasField("id")
+    info = common_pb2.AdapterInfo(id=0, name="shout")
+    assert json_format.MessageToDict(info) == {"id": 0, "name": "shout"}
+    hello = membership_pb2.WorkerHello(
+        holdings=membership_pb2.WorkerHoldings(adapters=[membership_pb2.HeldAdapter(id=0, sha256="ab")]),
+        adapter_paging=[membership_pb2.AdapterPagingCount(adapter_id=0, page_ins=2)],
+    )
+    assert json_format.MessageToDict(hello, preserving_proto_field_name=True) == {
+        "holdings": {"adapters": [{"id": 0, "sha256": "ab"}]},
+        "adapter_paging": [{"adapter_id": 0, "page_ins": "2"}],
+    }
+    # a name entry carries no id (the Python client sends one or the other)
+    from clients.wire import adapter_map
+
+    assert json_format.MessageToDict(adapter_map({"sea": 0.5, 0: 1.0})) == {
+        "entries": [{"id": 0, "scale": 1.0}, {"name": "sea", "scale": 0.5}]
+    }
 
 
 def test_the_protos_ship_as_package_data() -> None:

@@ -22,7 +22,7 @@ import grpc
 
 from loraplane.interceptors import pushback_s
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
-from loraplane.v1 import control_plane_pb2, membership_pb2_grpc
+from loraplane.v1 import membership_pb2, membership_pb2_grpc
 from loraplane.worker_secret import with_secret
 from worker.errors import AdapterFetchError
 from worker.rpc.membership import control_plane_addresses
@@ -78,7 +78,7 @@ class ControlPlaneFetcher:
                 chunks: list[bytes] = []
                 try:
                     for chunk in stub.FetchAdapter(
-                        control_plane_pb2.FetchAdapterRequest(sha256=sha256, worker_id=self.worker_id),
+                        membership_pb2.FetchAdapterRequest(sha256=sha256, worker_id=self.worker_id),
                         timeout=self.timeout_s,
                     ):
                         chunks.append(chunk.data)

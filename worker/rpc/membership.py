@@ -23,14 +23,14 @@ import grpc
 import structlog
 
 from loraplane.interceptors import pushback_s
-from loraplane.v1 import control_plane_pb2, membership_pb2_grpc
+from loraplane.v1 import membership_pb2, membership_pb2_grpc
 from loraplane.worker_secret import with_secret
 
 JOIN_POLL_S = 0.2
 """Heartbeat period while the control plane is still dialing us back / announcing adapters."""
 
-Holdings = Callable[[], control_plane_pb2.WorkerHoldings]
-Refresh = Callable[[control_plane_pb2.WorkerHello], None]
+Holdings = Callable[[], membership_pb2.WorkerHoldings]
+Refresh = Callable[[membership_pb2.WorkerHello], None]
 """Writes what the worker holds in slots / its host tier and its paging counters into a hello."""
 
 log = structlog.get_logger("loraplane.worker.rpc.membership")
@@ -79,7 +79,7 @@ class _Membership:
     def __init__(
         self,
         addr: str,
-        hello: control_plane_pb2.WorkerHello,
+        hello: membership_pb2.WorkerHello,
         stop: threading.Event,
         backoff: MembershipBackoff,
         credentials: grpc.ChannelCredentials | None,
@@ -99,8 +99,8 @@ class _Membership:
         self.wake = wake
         self.registered = threading.Event()
 
-    def _heartbeat_hello(self) -> control_plane_pb2.WorkerHello:
-        hello = control_plane_pb2.WorkerHello()
+    def _heartbeat_hello(self) -> membership_pb2.WorkerHello:
+        hello = membership_pb2.WorkerHello()
         hello.CopyFrom(self.hello)
         if self.holdings is not None:
             hello.holdings.CopyFrom(self.holdings())
@@ -173,7 +173,7 @@ class _Membership:
                     return
                 log_.warning("heartbeat_failed", code=exc.code().name, error=exc.details())
 
-    def _heartbeat(self, stub, interval_s: float) -> control_plane_pb2.WorkerAck:
+    def _heartbeat(self, stub, interval_s: float) -> membership_pb2.WorkerAck:
         """One Heartbeat, retried on RESOURCE_EXHAUSTED for up to 3/4 of the interval.
 
         Raises:
@@ -256,7 +256,7 @@ def control_plane_addresses(spec: str) -> list[str]:
 
 def start_membership(
     control_plane_addr: str,
-    hello: control_plane_pb2.WorkerHello,
+    hello: membership_pb2.WorkerHello,
     stop_event: threading.Event,
     *,
     backoff: MembershipBackoff = MembershipBackoff(),

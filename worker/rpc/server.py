@@ -31,7 +31,7 @@ from loraplane.interceptors import ConcurrencyLimitInterceptor, DecodeGuardInter
 from loraplane.limits import GRPC_MESSAGE_OPTIONS
 from loraplane.reflection import enable_reflection
 from loraplane.status_details import BoundedStatusInterceptor
-from loraplane.v1 import control_plane_pb2, worker_pb2, worker_pb2_grpc
+from loraplane.v1 import common_pb2, membership_pb2, worker_pb2, worker_pb2_grpc
 from loraplane.worker_secret import worker_guard, worker_secret_from
 from worker.config import WorkerConfig
 from worker.rpc import deadline
@@ -129,13 +129,13 @@ def _mark_unhealthy(engine: WorkerEngine, health_servicer: health.HealthServicer
     log.critical("worker_not_serving", worker_id=engine.worker_id, reason="the scheduler loop stopped")
 
 
-def holdings_of(engine: WorkerEngine) -> control_plane_pb2.WorkerHoldings:
+def holdings_of(engine: WorkerEngine) -> membership_pb2.WorkerHoldings:
     """What this worker holds, for heartbeats: usable adapters (id, sha256: every id it
     knows, whether its bytes are fetched yet or not) and draining ids."""
     draining = engine.draining_ids()
-    return control_plane_pb2.WorkerHoldings(
+    return membership_pb2.WorkerHoldings(
         adapters=[
-            control_plane_pb2.HeldAdapter(id=i, sha256=k.sha256)
+            membership_pb2.HeldAdapter(id=i, sha256=k.sha256)
             for i, k in sorted(engine.known().items())
             if i not in draining
         ],
@@ -143,7 +143,7 @@ def holdings_of(engine: WorkerEngine) -> control_plane_pb2.WorkerHoldings:
     )
 
 
-def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) -> None:
+def refresh_hello(engine: WorkerEngine, hello: membership_pb2.WorkerHello) -> None:
     """Write what ``engine`` holds now (resident / host / pinned adapter ids, paging counters,
     per-adapter page-ins and evictions, KV cells in use) and
     whether it is draining into ``hello`` — sent with every heartbeat so any control plane can
@@ -156,7 +156,7 @@ def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) ->
     del hello.host_adapter_ids[:]
     hello.host_adapter_ids.extend(st.host_adapter_ids)
     hello.paging.CopyFrom(
-        control_plane_pb2.WorkerPaging(
+        common_pb2.WorkerPaging(
             max_loras=st.max_loras,
             max_cpu_loras=st.max_cpu_loras,
             resident=st.resident_adapters,
@@ -175,7 +175,7 @@ def refresh_hello(engine: WorkerEngine, hello: control_plane_pb2.WorkerHello) ->
     hello.pinned_adapter_ids.extend(st.pinned_adapter_ids)
     del hello.adapter_paging[:]
     hello.adapter_paging.extend(
-        control_plane_pb2.AdapterPagingCount(adapter_id=i, page_ins=p, evictions=e)
+        membership_pb2.AdapterPagingCount(adapter_id=i, page_ins=p, evictions=e)
         for i, (p, e) in sorted(engine.adapter_paging().items())
     )
 
@@ -333,7 +333,7 @@ def serve_worker(config: WorkerConfig) -> None:
         engine.fetcher = ControlPlaneFetcher(
             config.control_plane, engine.worker_id, secret=worker_secret_from(config.worker_secret)
         )
-        hello = control_plane_pb2.WorkerHello(
+        hello = membership_pb2.WorkerHello(
             worker_id=engine.worker_id,
             addr=_advertised(config, port),
             model=str(engine.base.path),
