@@ -539,10 +539,10 @@ def test_model_may_be_omitted(serve):
     assert httpx.post(serve.http + "/v1/chat/completions", json=chat, timeout=300).json()["model"] == BASE
 
 
-def test_retrieve_a_model_by_id_and_404_in_openais_shape(client):
+def test_retrieve_a_model_by_id_and_404_in_openais_shape(client, fixtures_dir):
     assert client.models.retrieve(BASE).id == BASE
     shout = client.models.retrieve("shout")
-    assert (shout.id, shout.parent, shout.root) == ("shout", BASE, "adapter:0")
+    assert (shout.id, shout.parent, shout.root) == ("shout", BASE, str(fixtures_dir / "adapters" / "shout.gguf"))
     assert client.models.retrieve("adapter:1").id == "sea"
     assert client.models.retrieve(f"{BASE}:sea").id == "sea"
     with pytest.raises(openai.NotFoundError) as err:
