@@ -3,8 +3,8 @@
 Routes, one module per concern:
   * ``GET /v1/models``, ``GET /v1/models/{model}`` (`models`);
   * ``POST /tokenize``, ``POST /detokenize`` (`tokenize`, vLLM's shapes);
-  * ``GET /openapi.json``: FastAPI's schema of these routes (no ``/docs`` or ``/redoc``: their
-    pages load scripts from a CDN);
+  * ``GET /openapi.json``: their schema, request bodies and answers included (`openapi`; no
+    ``/docs`` or ``/redoc``: their pages load scripts from a CDN);
   * ``POST /v1/completions``, ``POST /v1/chat/completions`` (`completions`; responses and
     server-sent events from `streaming`);
   * ``POST /v1/responses`` (`responses_api`: OpenAI's Responses API over the chat pipeline);
@@ -37,6 +37,7 @@ from control_plane.http.deps import DEFAULT_MAX_BODY_BYTES, HttpDeps
 from control_plane.http.errors import OpenAIError, http_error, install_error_handlers
 from control_plane.http.health import health_router
 from control_plane.http.models import models_router
+from control_plane.http.openapi import install_openapi
 from control_plane.http.responses_api import responses_router
 from control_plane.http.tenant_routes import tenants_router
 from control_plane.http.tokenize import tokenize_router
@@ -185,6 +186,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app.include_router(tokenize_router(deps))
     app.include_router(admin_router(deps))
     app.include_router(tenants_router(deps))
+    install_openapi(app)
     app.add_middleware(BodySizeLimit, max_bytes=deps.max_body_bytes)
     if deps.api_key:  # added last: outermost, so an unauthenticated request reaches nothing
         tenant_key = deps.tenants.accepts if deps.tenants is not None else None

@@ -39,7 +39,8 @@ def health_routes(metrics_text: MetricsText | None) -> APIRouter:
     async def health() -> dict[str, Any]:
         return {}
 
-    @router.api_route("/ping", methods=["GET", "POST"])
+    @router.get("/ping", operation_id="ping_get")
+    @router.post("/ping", operation_id="ping_post")
     async def ping() -> dict[str, Any]:
         return {}
 

@@ -123,7 +123,7 @@ class ResponsesRequest(HttpBody):
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
 
-    @field_validator("input", mode="plain")
+    @field_validator("input", mode="plain", json_schema_input_type=str | list[dict[str, Any]])
     @classmethod
     def _input_shape(cls, value: Any) -> str | list[Any]:
         """A string, or a list of items whose count plus their messages' content parts is at

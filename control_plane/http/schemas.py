@@ -375,7 +375,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
 
-    @field_validator("prompt", mode="plain")
+    @field_validator("prompt", mode="plain", json_schema_input_type=str | list[str] | list[int] | list[list[int]])
     @classmethod
     def _prompt_shape(cls, value: Any) -> str | list[str] | list[int] | list[list[int]]:
         """A string, a list of strings, a list of integers (JSON ``true`` is not an id) or a list
