@@ -105,6 +105,7 @@ class ScriptedMember:
     when given, fills each heartbeat's hello as a real worker does: residency, paging, KV cells)."""
 
     secret: str | None = WORKER_SECRET
+    refresh: Callable[[membership_pb2.WorkerHello], None] | None = None
 
     def __init__(
         self,
@@ -112,7 +113,7 @@ class ScriptedMember:
         cp_addr: str,
         n_slots: int = 2,
         secret: str | None = WORKER_SECRET,
-        refresh: Callable[[control_plane_pb2.WorkerHello], None] | None = None,
+        refresh: Callable[[membership_pb2.WorkerHello], None] | None = None,
     ) -> None:
         self.secret = secret
         self.refresh = refresh
