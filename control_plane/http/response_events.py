@@ -151,14 +151,7 @@ class ResponseEvents(CompletionStream):
         Raises:
             OpenAIError: the router failed (status from `errors.from_control_plane`).
         """
-        try:
-            for _ in self._items:
-                pass
-        except ControlPlaneError as exc:
-            raise from_control_plane(exc) from None
-        finally:
-            self.close()
-        out = self.outcome
+        out = self._read_all()
         if self._tools is not None:
             content, calls = split_tool_calls(out.text, self._tools)
         else:

@@ -119,12 +119,8 @@ class CompletionStream:
 
     # ---- non-streaming ----------------------------------------------------------------------
 
-    def full_response(self, *, return_token_ids: bool = False) -> dict[str, Any]:
-        """Read every event, then the whole ``text_completion`` / ``chat.completion`` body.
-
-        ``return_token_ids`` adds ``prompt_token_ids`` and the choice's ``token_ids``; prompt
-        log-probs (when the request asked for them) are added in vLLM's place and shape
-        (`responses.prompt_logprobs`).
+    def _read_all(self) -> Outcome:
+        """Read every event (the call is released at the end, or on failure); the outcome.
 
         Raises:
             OpenAIError: the router failed (status from `errors.from_control_plane`).
@@ -136,7 +132,19 @@ class CompletionStream:
             raise from_control_plane(exc) from None
         finally:
             self.close()
-        out = self.outcome
+        return self.outcome
+
+    def full_response(self, *, return_token_ids: bool = False) -> dict[str, Any]:
+        """Read every event, then the whole ``text_completion`` / ``chat.completion`` body.
+
+        ``return_token_ids`` adds ``prompt_token_ids`` and the choice's ``token_ids``; prompt
+        log-probs (when the request asked for them) are added in vLLM's place and shape
+        (`responses.prompt_logprobs`).
+
+        Raises:
+            OpenAIError: the router failed (status from `errors.from_control_plane`).
+        """
+        out = self._read_all()
         if self.generate_nothing:
             out.tokens, out.text, out.finish_reason = [], "", "length"
         make = R.chat_body if self.chat else R.completion_body
