@@ -314,6 +314,21 @@ def test_a_format_the_engine_cannot_follow_ends_with_an_error_not_a_stop(engine)
     assert len(_ids(out["plain"])) == 3 and isinstance(out["plain"][-1], FinishedEvent)  # the batch goes on
 
 
+def test_a_format_that_fails_in_a_mask_is_refused_every_time_after(engine):
+    """A regex whose lexer passes the engine's limit lazily, while a mask is computed: the engine
+    shares that state between the format's copies, so the next request's matcher started failed
+    and its first mask allowed only end-of-sequence — an empty answer that finished "stop". Now
+    the first request ends with an error and the format is refused at submit afterwards."""
+    fmt = ResponseFormat("regex", pattern="c(a{1000}){1000}")
+    first = _run_batch(engine, [("r0", SamplingParams(max_tokens=4, response_format=fmt), [])])["r0"]
+    assert isinstance(first[-1], ErrorEvent) and "too many expressions" in str(first[-1].error), first
+    for attempt in range(2):
+        with pytest.raises(InvalidRequestError, match="regex: lexer error: too many expressions constructed"):
+            _run_batch(engine, [(f"again{attempt}", SamplingParams(max_tokens=4, response_format=fmt), [])])
+    plain = _run_batch(engine, [("plain", SamplingParams(max_tokens=3, ignore_eos=True), [])])["plain"]
+    assert len(_ids(plain)) == 3 and isinstance(plain[-1], FinishedEvent)  # the worker keeps serving
+
+
 @pytest.mark.slow
 def test_bad_schema_is_a_request_error_and_the_worker_keeps_serving(engine):
     with pytest.raises(InvalidRequestError, match="response_format: json_schema: Invalid type: foo"):

@@ -250,6 +250,20 @@ def _drop(key: tuple[Any, ...]) -> None:
         _compiled_bytes -= entry.size
 
 
+def refuse_format(key: tuple[Any, ...], message: str) -> None:
+    """Refuse the cached format ``key`` from now on with ``message``: its matcher failed while
+    a request used it (a lexer or parser limit reached lazily, during a mask). The engine shares
+    that lazily built state between a format's copies, so every later copy starts failed (its
+    first mask allows only end-of-sequence: an empty answer that looked finished); refused
+    here, the next request with the format is an error at submit, as a format that did not
+    compile is."""
+    with _COMPILED_LOCK:
+        entry = _COMPILED.get(key)
+        if entry is not None and entry.error is None and entry.done.is_set():
+            entry.error = GrammarError(message)
+            entry.matcher = None
+
+
 def compiled_matcher(fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None, compile_fn: Any) -> Any:
     """A fresh matcher of ``fmt`` on the vocabulary view ``llt``: a copy of the one compiled for
     the same format before (`MATCHER_CACHE_SIZE` formats and `MATCHER_CACHE_BYTES` of their
@@ -305,9 +319,10 @@ class Constraint:
     Build it at submit (`Constraint.build`); the scheduler thread alone then uses it.
     """
 
-    def __init__(self, matcher: Any, fmt: ResponseFormat) -> None:
+    def __init__(self, matcher: Any, fmt: ResponseFormat, key: tuple[Any, ...] | None = None) -> None:
         self.matcher = matcher
         self.format = fmt
+        self.key = key  # the format's cache key (`compiled_matcher`), for `refuse_format`
 
     @classmethod
     def build(
@@ -326,7 +341,8 @@ class Constraint:
                 matcher refuses it (names the type and the engine's message).
         """
         llt = grammar_tokenizer(tok, n_vocab)  # on the caller's thread: single-flight, may wait
-        return cls(compiled_matcher(fmt, llt, limits, cls._compile), fmt)
+        key, _ = _format_key(fmt, llt, limits or GrammarLimits())
+        return cls(compiled_matcher(fmt, llt, limits, cls._compile), fmt, key)
 
     @staticmethod
     def _compile(fmt: ResponseFormat, llt: Any, limits: GrammarLimits | None) -> Any:
@@ -357,9 +373,15 @@ class Constraint:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
     @property
+    def failed(self) -> bool:
+        """The matcher is in its error state (a refused token, or a limit reached while it
+        computed a mask)."""
+        return bool(self.matcher.is_error())
+
+    @property
     def done(self) -> bool:
-        """The grammar accepted the output and can take nothing more (stopped)."""
-        return bool(self.matcher.is_stopped())
+        """The grammar accepted the output and can take nothing more (stopped, not failed)."""
+        return bool(self.matcher.is_stopped()) and not self.failed
 
 
 _EXECUTOR: Any = None

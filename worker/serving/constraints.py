@@ -31,7 +31,7 @@ import torch
 
 from loraplane.response_format import one_line
 from worker.errors import InvalidRequestError
-from worker.runtime.grammar import Constraint, apply_masks, fill_masks, mask_words
+from worker.runtime.grammar import Constraint, apply_masks, fill_masks, mask_words, refuse_format
 from worker.serving.request import GenRequest
 
 log = structlog.get_logger("loraplane.worker.serving.constraints")
@@ -96,6 +96,9 @@ class GrammarStage:
             masks = pending.buf[keep]
         else:
             masks = pending.buf
+        for r in reqs:  # a limit reached while computing the mask
+            if r.constraint is not None and r.constraint.failed:
+                _refuse(r.constraint)
         apply_masks(logits, [row_of[id(r)] for r in reqs], masks)
         self.wait_s += t1 - t0
         self.apply_s += time.perf_counter() - t1
@@ -108,8 +111,12 @@ class GrammarStage:
         c = req.constraint
         if c is None:
             return reason
-        if not c.advance(token_id):
+        if c.failed:  # failed computing this step's mask: whatever was sampled, the request fails
+            log.warning("grammar_failed_in_mask", request_id=req.request_id, error=c.error)
+            return GRAMMAR_FAILED
+        if not c.advance(token_id):  # the mask allowed it: the engine failed (a limit), not the model
             log.warning("grammar_rejected_token", request_id=req.request_id, token_id=token_id, error=c.error)
+            _refuse(c)
             return reason or GRAMMAR_FAILED
         if reason is None and c.done:
             return "stop"
@@ -131,6 +138,20 @@ class GrammarStage:
         """Stop the helper thread."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+REFUSED_TOKEN = "doesn't satisfy the grammar"
+"""How the engine words a plain refusal of a token (llguidance's parser): the token's fault, not
+the format's (a token the mask did not cover, as when ``ignore_eos`` bans the only one allowed)."""
+
+
+def _refuse(c: Constraint) -> None:
+    """The format of a matcher that failed on its own (a lexer or parser limit, not a refused
+    token: `REFUSED_TOKEN`) is refused from now on (`grammar.refuse_format`: later copies would
+    start failed)."""
+    error = c.error or ""
+    if c.key is not None and REFUSED_TOKEN not in error:
+        refuse_format(c.key, f"{c.format.type}: {one_line(error or 'the engine failed')}")
 
 
 __all__ = ["GrammarStage", "PendingMasks"]
