@@ -106,9 +106,10 @@ def sampling_of(body: SamplingFields, checker: TenantChecker | InlineChecker) ->
     )
 
 
-def check_prompt_ids(ids: list[int], *, n_vocab: int | None, n_ctx: int | None) -> None:
+def check_prompt_ids(ids: list[int], *, n_vocab: int | None, n_ctx: int | None, where: str = "prompt") -> None:
     """Token-id prompts are checked before routing: every id in ``[0, n_vocab)`` (the base
     vocab; without a tokenizer, protobuf's ``uint32`` range) and fewer than ``n_ctx`` of them.
+    ``where``: how messages name the prompt (``prompt``, or ``prompt[i]`` in a batch).
 
     Raises:
         OpenAIError: 400 ``param="prompt"`` naming the first bad index and id, or the length.
@@ -118,16 +119,17 @@ def check_prompt_ids(ids: list[int], *, n_vocab: int | None, n_ctx: int | None) 
         if not 0 <= t < upper:
             raise OpenAIError(
                 400,
-                f"prompt[{i}]: token id {t} is out of range [0, {upper})",
+                f"{where}[{i}]: token id {t} is out of range [0, {upper})",
                 param="prompt",
                 code="invalid_token_id",
             )
-    check_prompt_tokens(len(ids), n_ctx=n_ctx, param="prompt")
+    check_prompt_tokens(len(ids), n_ctx=n_ctx, param="prompt", what=where)
 
 
-def check_prompt_tokens(n_tokens: int, *, n_ctx: int | None, param: str) -> None:
+def check_prompt_tokens(n_tokens: int, *, n_ctx: int | None, param: str, what: str | None = None) -> None:
     """A prompt of ``n_ctx`` tokens or more can never run (the worker needs one position to
-    generate): 400, never a retry-later 429 from a full worker.
+    generate): 400, never a retry-later 429 from a full worker. ``what`` names the prompt in
+    the message (default ``param``).
 
     Raises:
         OpenAIError: 400 ``context_length_exceeded`` naming ``param``.
@@ -135,7 +137,7 @@ def check_prompt_tokens(n_tokens: int, *, n_ctx: int | None, param: str) -> None
     if n_ctx is not None and n_tokens >= n_ctx:
         raise OpenAIError(
             400,
-            f"'{param}' has {n_tokens} tokens; this model's context is {n_ctx} tokens",
+            f"'{what or param}' has {n_tokens} tokens; this model's context is {n_ctx} tokens",
             param=param,
             code="context_length_exceeded",
         )
@@ -395,33 +397,44 @@ def completions_router(deps: HttpDeps) -> APIRouter:
         raw = await request.body()  # at most --http-max-body-bytes (app.BodySizeLimit)
         return await run_in_threadpool(run_completion, raw, request.headers.get("authorization"))
 
-    def completion_prompt(prompt: str | list[int], add_special_tokens: bool) -> tuple[str | None, list[int] | None]:
+    def completion_prompt(
+        prompt: str | list[int], add_special_tokens: bool, where: str = "prompt"
+    ) -> tuple[str | None, list[int] | None]:
         """``(text, token ids)`` of one prompt, sized and checked before it costs anything: text
-        for the worker to tokenize (tokenized here when ``add_special_tokens`` is false), or
-        token ids taken verbatim.
+        for the worker to tokenize (counted here with the base tokenizer, BOS as the model says,
+        which is what the worker computes: `tokenize`), or token ids taken verbatim; tokenized
+        here when ``add_special_tokens`` is false. ``where`` names the prompt in messages
+        (``prompt[i]`` in a batch).
 
         Raises:
             OpenAIError: 400 naming ``prompt``: over the byte or context bound, an id out of
                 range, empty once tokenized.
         """
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, [int(t) for t in prompt])
+        limit = deps.prompt_max_bytes()
+        if text is not None:
+            check_prompt_bytes(text_bytes(text, limit), limit=limit, param="prompt", what=f"'{where}'")
         if ids is None and not add_special_tokens:
-            limit = deps.prompt_max_bytes()
-            check_prompt_bytes(text_bytes(text or "", limit), limit=limit, param="prompt", what="'prompt'")
             ids = tokenizer_of(deps).encode(text or "", add_special=False, parse_special=True)
             if not ids:
-                raise OpenAIError(400, "'prompt' is empty once tokenized", param="prompt")
+                raise OpenAIError(400, f"'{where}' is empty once tokenized", param="prompt")
         if ids is not None:
-            check_prompt_ids(ids, n_vocab=getattr(deps.tokenizer, "n_vocab", None), n_ctx=deps.prompt_n_ctx())
-        else:
-            limit = deps.prompt_max_bytes()
-            check_prompt_bytes(text_bytes(text or "", limit), limit=limit, param="prompt", what="'prompt'")
+            check_prompt_ids(
+                ids, n_vocab=getattr(deps.tokenizer, "n_vocab", None), n_ctx=deps.prompt_n_ctx(), where=where
+            )
+        elif deps.tokenizer is not None:  # the worker tokenizes; a prompt that cannot fit is a 400 here already
+            n = len(deps.tokenizer.encode(text or "", add_special=True, parse_special=True))
+            check_prompt_tokens(n, n_ctx=deps.prompt_n_ctx(), param="prompt", what=where)
         return text, ids
 
     def run_completion(raw: bytes, authorization: str | None = None) -> Response:
         body = parse_body(raw, CompletionRequest)
         body.check()
-        prompts = [completion_prompt(p, body.add_special_tokens) for p in body.prompts()]
+        listed = isinstance(body.prompt, list) and bool(body.prompt) and type(body.prompt[0]) in (str, list)
+        prompts = [
+            completion_prompt(p, body.add_special_tokens, f"prompt[{i}]" if listed else "prompt")
+            for i, p in enumerate(body.prompts())
+        ]
         adapters = adapters_for(body, deps)
         sampling = sampling_of(body, deps.router.grammar.for_tenant(deps.principal(authorization)))
         echo_logprobs = body.echo and body.logprobs is not None

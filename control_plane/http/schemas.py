@@ -416,9 +416,12 @@ class CompletionRequest(SamplingFields):
             raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
         if isinstance(self.prompt, list) and not self.prompt:
             raise OpenAIError(400, "'prompt' is empty", param="prompt")
-        for i, p in enumerate(self.prompts()):
+        batch = self.prompts()
+        for i, p in enumerate(batch):
             if not p:
-                raise OpenAIError(400, f"'prompt[{i}]' is empty", param="prompt")
+                raise OpenAIError(
+                    400, f"'prompt[{i}]' is empty" if len(batch) > 1 else "'prompt' is empty", param="prompt"
+                )
         if self.max_tokens == 0 and not self.echo:
             raise OpenAIError(
                 400, "'max_tokens' 0 generates nothing: it needs 'echo' (the prompt back)", param="max_tokens"

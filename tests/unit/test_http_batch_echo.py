@@ -181,3 +181,25 @@ def test_n_probs_is_refused_with_the_openai_name():
     r = Front().post("/v1/completions", {"prompt": "ab", "n_probs": 3}, EVENTS)
     err = _error(r)
     assert r.status == 400 and err["param"] == "n_probs" and "'logprobs'" in err["message"]
+
+
+def test_errors_name_the_prompt_of_a_batch():
+    """A bad id or a prompt too long names its prompt (``prompt[i]`` in a batch) and the id's
+    place in it; a text prompt that cannot fit the context is a 400 before routing
+    (``context_length_exceeded``, counted with the base tokenizer), not the worker's error."""
+    front = Front()
+    front.deps.n_ctx = 10
+    cases = [
+        ({"prompt": [[2, 3], [2, -5]]}, "invalid_token_id", "prompt[1][1]: token id -5 is out of range"),
+        ({"prompt": [[2, 99999999999]]}, "invalid_token_id", "prompt[0][1]: token id 99999999999"),
+        ({"prompt": "x" * 20}, "context_length_exceeded", "'prompt' has 20 tokens; this model's context is 10"),
+        ({"prompt": ["hi", "x" * 20]}, "context_length_exceeded", "'prompt[1]' has 20 tokens"),
+        ({"prompt": [[1, 2], [1] * 12]}, "context_length_exceeded", "'prompt[1]' has 12 tokens"),
+        ({"prompt": ""}, None, "'prompt' is empty"),
+    ]
+    for body, code, message in cases:
+        r = front.post("/v1/completions", body, EVENTS)
+        err = _error(r)
+        assert r.status == 400 and err["param"] == "prompt" and err["code"] == code, (body, r.body)
+        assert err["message"].startswith(message) or message in err["message"], (body, err["message"])
+    assert front.router.requests == []
