@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from control_plane.errors import ControlPlaneError
 from control_plane.http import responses as R
 from control_plane.http.delivery import DeliveryProgress
-from control_plane.http.errors import from_control_plane
+from control_plane.http.errors import OpenAIError, from_control_plane
 from control_plane.http.generation import Outcome, TokenOut, fold
 from control_plane.http.tools import ForcedCall, OutputParser, ToolCallParser, ToolDelta, split_tool_calls
 from loraplane.v1 import common_pb2
@@ -314,16 +314,23 @@ def _noop() -> None:
     pass
 
 
+BATCH_IN_FLIGHT = 16
+"""Most prompts of one completions batch that run at once; the rest start as those finish, so a
+batch of `schemas.MAX_PROMPTS` fits a worker's queue (``--slots`` + ``--queue-limit``) instead
+of being a retry-later 429 that no retry could cure."""
+
+
 class CompletionBatch:
     """Several prompts of one ``/v1/completions`` request (``prompt`` as a list), each its own
-    `CompletionStream` run side by side, answered as one response: choice ``i`` is prompt ``i``,
-    ``usage`` the sum over the prompts (OpenAI's and vLLM's batch). Same interface as
-    `CompletionStream` for `RelayResponse`.
+    `CompletionStream`, at most `BATCH_IN_FLIGHT` running at once, answered as one response:
+    choice ``i`` is prompt ``i``, ``usage`` the sum over the prompts (OpenAI's and vLLM's batch).
+    Same interface as `CompletionStream` for `RelayResponse`.
 
     Streaming interleaves the prompts' chunks as they come, each chunk carrying its choice's
-    ``index``; the usage chunk (when asked) sums them all. An error before the first token of
-    any prompt fails the whole request (the others are cancelled); one after it becomes an
-    error event, as for a single prompt.
+    ``index``; the usage chunk (when asked) sums them all. An error before the first token of one
+    of the first `BATCH_IN_FLIGHT` prompts fails the whole request (the others are cancelled);
+    a later prompt's error, like an error after a first token, becomes an error event.
+    Non-streamed, any prompt's error fails the request.
 
     Args:
         streams: one unstarted `CompletionStream` per prompt, in order (non-chat).
@@ -332,26 +339,33 @@ class CompletionBatch:
     def __init__(self, streams: list[CompletionStream]) -> None:
         self.streams = streams
         self.request_id = streams[0].request_id
+        self._closed = threading.Event()
 
     def close(self) -> None:
-        """Cancel every prompt's worker call (`CompletionStream.close`)."""
+        """Cancel every prompt's worker call (`CompletionStream.close`); prompts not started yet
+        never start."""
+        self._closed.set()
         for s in self.streams:
             s.close()
 
     def full_response(self, *, return_token_ids: bool = False) -> dict[str, Any]:
-        """Every prompt's `CompletionStream.full_response`, read concurrently, as one body
-        (``return_token_ids``: each choice carries its ``prompt_token_ids`` and ``token_ids``).
+        """Every prompt's `CompletionStream.full_response`, `BATCH_IN_FLIGHT` at a time, as one
+        body (``return_token_ids``: each choice carries its ``prompt_token_ids`` and
+        ``token_ids``).
 
         Raises:
             OpenAIError: a prompt failed (the first to fail in prompt order; the rest cancelled).
         """
-        with ThreadPoolExecutor(max_workers=len(self.streams), thread_name_prefix="http-batch") as pool:
+        workers = min(len(self.streams), BATCH_IN_FLIGHT)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="http-batch") as pool:
             futures = [pool.submit(s.full_response, return_token_ids=return_token_ids) for s in self.streams]
             bodies: list[dict[str, Any]] = []
             try:
                 for f in futures:
                     bodies.append(f.result())
             except BaseException:
+                for f in futures:
+                    f.cancel()
                 self.close()
                 raise
         choices = []
@@ -365,35 +379,80 @@ class CompletionBatch:
 
     def sse_chunks(self, *, include_usage: bool = False) -> Iterator[str]:
         """The prompts' chunks interleaved (class docstring), then the summed usage chunk when
-        asked, then ``[DONE]``. Returns once every prompt has its first token.
+        asked, then ``[DONE]``. Returns once each of the first `BATCH_IN_FLIGHT` prompts has its
+        first token.
 
         Raises:
-            OpenAIError: a prompt failed before its first token (every call is cancelled).
+            OpenAIError: one of those prompts failed before its first token (every call is
+                cancelled).
         """
         events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
-        firsts: list[TokenOut | None] = [None] * len(self.streams)
-        with ThreadPoolExecutor(max_workers=len(self.streams), thread_name_prefix="http-batch") as pool:
-            futures = [pool.submit(_first_item, s) for s in self.streams]
+        n_first = min(len(self.streams), BATCH_IN_FLIGHT)
+        slots = threading.Semaphore(0)  # one per finished prompt: a waiting prompt may start
+        with ThreadPoolExecutor(max_workers=n_first, thread_name_prefix="http-batch") as pool:
+            futures = [pool.submit(_first_item, s) for s in self.streams[:n_first]]
             try:
-                for i, f in enumerate(futures):
-                    firsts[i] = f.result()
+                firsts = [f.result() for f in futures]
             except BaseException:
                 self.close()
                 raise
         threads = [
-            threading.Thread(target=self._pump, args=(i, s, firsts[i], events), name=f"http-batch-{i}", daemon=True)
-            for i, s in enumerate(self.streams)
+            threading.Thread(
+                target=self._pump,
+                args=(i, self.streams[i], firsts[i], events, slots),
+                name=f"http-batch-{i}",
+                daemon=True,
+            )
+            for i in range(n_first)
+        ]
+        threads += [
+            threading.Thread(
+                target=self._pump_later, args=(i, self.streams[i], events, slots), name=f"http-batch-{i}", daemon=True
+            )
+            for i in range(n_first, len(self.streams))
         ]
         for t in threads:
             t.start()
         return self._merge(events, include_usage)
 
+    def _pump_later(
+        self,
+        i: int,
+        stream: CompletionStream,
+        events: queue.Queue[tuple[int, dict[str, Any] | None]],
+        slots: threading.Semaphore,
+    ) -> None:
+        """Prompt ``i`` past the first `BATCH_IN_FLIGHT`: waits for a finished prompt's slot,
+        then runs as `_pump`; an error before its first token is its error event."""
+        slots.acquire()
+        if self._closed.is_set():
+            stream.close()
+            slots.release()
+            events.put((i, None))
+            return
+        try:
+            first = _first_item(stream)
+        except BaseException as exc:  # noqa: BLE001 - the merge must end: an error event, logged
+            if not isinstance(exc, OpenAIError):
+                log.exception("http_batch_prompt_failed", request_id=stream.request_id, error=str(exc))
+                exc = OpenAIError(500, "internal server error (logged on the control plane)", type="internal_error")
+            events.put((i, exc.body()))
+            stream.close()
+            slots.release()
+            events.put((i, None))
+            return
+        self._pump(i, stream, first, events, slots)
+
     @staticmethod
     def _pump(
-        i: int, stream: CompletionStream, first: TokenOut | None, events: queue.Queue[tuple[int, dict[str, Any] | None]]
+        i: int,
+        stream: CompletionStream,
+        first: TokenOut | None,
+        events: queue.Queue[tuple[int, dict[str, Any] | None]],
+        slots: threading.Semaphore,
     ) -> None:
-        """Prompt ``i``'s chunks into ``events`` (its index set), then ``(i, None)``; an error
-        after its first token becomes an error chunk."""
+        """Prompt ``i``'s chunks into ``events`` (its index set), then ``(i, None)``, and its
+        slot to a waiting prompt; an error after its first token becomes an error chunk."""
         try:
             for item in itertools.chain([first], stream._items):
                 chunk = stream._finish_chunk() if item is None else stream._token_chunk(item)
@@ -408,6 +467,7 @@ class CompletionBatch:
             log.exception("http_batch_prompt_failed", request_id=stream.request_id, error=str(exc))
         finally:
             stream.close()
+            slots.release()
             events.put((i, None))
 
     def _merge(self, events: queue.Queue[tuple[int, dict[str, Any] | None]], include_usage: bool) -> Iterator[str]:

@@ -500,6 +500,15 @@ def test_a_prompt_list_answers_each_prompt_as_if_alone(client, tokenizer):
     assert [streamed[i] for i in range(3)] == [c.text for c in batch.choices]
 
 
+def test_a_batch_larger_than_the_workers_queue_runs_whole(client):
+    """128 prompts (`MAX_PROMPTS`) on a worker that admits ``--slots`` + ``--queue-limit`` = 66 at
+    once: the batch runs `BATCH_IN_FLIGHT` prompts at a time, never a 429."""
+    from control_plane.http.schemas import MAX_PROMPTS
+
+    r = client.completions.create(model=BASE, prompt=[f"{i}," for i in range(MAX_PROMPTS)], max_tokens=1)
+    assert [c.index for c in r.choices] == list(range(MAX_PROMPTS)) and r.usage.completion_tokens == MAX_PROMPTS
+
+
 def test_echo_gives_the_log_likelihood_lm_eval_reads(client, tokenizer):
     """lm-eval's log-likelihood request (``echo``, ``logprobs: 1``, ``max_tokens: 0``, a batch
     of token-id lists): the prompt's tokens and log-probs, equal to ``prompt_logprobs``, with

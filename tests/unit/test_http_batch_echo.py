@@ -203,3 +203,44 @@ def test_errors_name_the_prompt_of_a_batch():
         assert r.status == 400 and err["param"] == "prompt" and err["code"] == code, (body, r.body)
         assert err["message"].startswith(message) or message in err["message"], (body, err["message"])
     assert front.router.requests == []
+
+
+def test_a_large_batch_runs_at_most_batch_in_flight_prompts_at_once():
+    """A batch of `MAX_PROMPTS` fits any worker's queue: at most `BATCH_IN_FLIGHT` of its prompts
+    run at once, the rest start as those finish (streamed and not), and every prompt answers."""
+    import threading
+    import time
+
+    from control_plane.http.streaming import BATCH_IN_FLIGHT
+    from tests.helpers.http_fakes import FakeRouter
+
+    class CountingRouter(FakeRouter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = self.peak = 0
+            self.lock = threading.Lock()
+
+        def generate(self, request, context, *, principal=None):
+            with self.lock:
+                self.live += 1
+                self.peak = max(self.peak, self.live)
+            try:
+                for ev in super().generate(request, context, principal=principal):
+                    time.sleep(0.002)
+                    yield ev
+            finally:
+                with self.lock:
+                    self.live -= 1
+
+    for stream in (False, True):
+        front = Front()
+        front.router = front.deps.router = CountingRouter()
+        r = front.post("/v1/completions", {"prompt": ["x"] * MAX_PROMPTS, "stream": stream}, EVENTS)
+        assert r.status == 200, r.body
+        if stream:
+            chunks = _sse(r.body)
+            assert {c["choices"][0]["index"] for c in chunks} == set(range(MAX_PROMPTS))
+        else:
+            assert [c["index"] for c in r.json()["choices"]] == list(range(MAX_PROMPTS))
+        assert len(front.router.requests) == MAX_PROMPTS
+        assert 1 < front.router.peak <= BATCH_IN_FLIGHT, (stream, front.router.peak)
