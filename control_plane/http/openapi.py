@@ -243,6 +243,8 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
                 ok["content"] = {"application/json": {"schema": _ref(answer.__name__)}}
                 if path in STREAMED:
                     ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            if path == "/metrics":  # Prometheus' text exposition, not JSON
+                ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
             if path not in ("/health", "/ping", "/metrics"):
                 op["responses"]["default"] = {
                     "description": "An error, in OpenAI's shape",

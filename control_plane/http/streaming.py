@@ -160,6 +160,8 @@ class CompletionStream:
         if return_token_ids:
             body["prompt_token_ids"] = out.prompt_token_ids
             body["choices"][0]["token_ids"] = [t.token_id for t in out.tokens]
+            if not self.chat:  # vLLM's completions carry it on the choice (a batch: each its own)
+                body["choices"][0]["prompt_token_ids"] = out.prompt_token_ids
         if out.prompt_logprobs is not None:
             plp = R.prompt_logprobs(out.prompt_logprobs, self._token_text, out.prompt_top)
             if self.chat:  # vLLM: on the chat response, on the completion's choice
@@ -372,10 +374,10 @@ class CompletionBatch:
         for i, b in enumerate(bodies):
             choice = b["choices"][0]
             choice["index"] = i
-            if return_token_ids:
-                choice["prompt_token_ids"] = b.pop("prompt_token_ids", [])
             choices.append(choice)
-        return {**bodies[0], "choices": choices, "usage": _sum_usage([b["usage"] for b in bodies])}
+        body = {**bodies[0], "choices": choices, "usage": _sum_usage([b["usage"] for b in bodies])}
+        body.pop("prompt_token_ids", None)  # one per prompt, on its choice
+        return body
 
     def sse_chunks(self, *, include_usage: bool = False) -> Iterator[str]:
         """The prompts' chunks interleaved (class docstring), then the summed usage chunk when

@@ -244,3 +244,16 @@ def test_a_large_batch_runs_at_most_batch_in_flight_prompts_at_once():
             assert [c["index"] for c in r.json()["choices"]] == list(range(MAX_PROMPTS))
         assert len(front.router.requests) == MAX_PROMPTS
         assert 1 < front.router.peak <= BATCH_IN_FLIGHT, (stream, front.router.peak)
+
+
+def test_return_token_ids_puts_the_prompt_ids_on_the_completion_choice():
+    """vLLM's completions carry ``prompt_token_ids`` on the choice; the response keeps it too
+    for a single prompt (chat: on the response only)."""
+    front = Front()
+    single = front.post("/v1/completions", {"prompt": [5, 6], "return_token_ids": True}, EVENTS).json()
+    assert single["prompt_token_ids"] == single["choices"][0]["prompt_token_ids"] == [5, 6]
+    batch = front.post("/v1/completions", {"prompt": [[5, 6], [7]], "return_token_ids": True}, EVENTS).json()
+    assert "prompt_token_ids" not in batch and all("prompt_token_ids" in c for c in batch["choices"])
+    chat = {"messages": [{"role": "user", "content": "x"}], "return_token_ids": True}
+    body = front.post("/v1/chat/completions", chat, EVENTS).json()
+    assert body["prompt_token_ids"] == [5, 6] and "prompt_token_ids" not in body["choices"][0]

@@ -79,4 +79,5 @@ def test_a_malformed_body_does_not_validate(doc):
     with pytest.raises(jsonschema.ValidationError):
         _validate(doc, {"messages": [{"content": "no role"}]}, "ChatCompletionRequest")
     assert "text/event-stream" in doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert json.dumps(doc).count("HTTPValidationError") == 0  # FastAPI's 422 is never sent here
