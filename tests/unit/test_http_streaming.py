@@ -303,6 +303,7 @@ def test_full_completion_body_with_logprobs_and_token_ids():
                 },
                 "finish_reason": "stop",
                 "token_ids": [10, 11, 12],
+                "prompt_token_ids": [5, 6, 7],  # vLLM's place for completions
             }
         ],
         "usage": USAGE,
