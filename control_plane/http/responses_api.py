@@ -40,7 +40,6 @@ from control_plane.http.generation import HttpCallContext, now_s
 from control_plane.http.response_events import ResponseEvents
 from control_plane.http.responses import token_text_of
 from control_plane.http.schemas import (
-    MAX_CHAT_ITEMS,
     UNSUPPORTED,
     ChatCompletionRequest,
     HttpBody,
@@ -126,26 +125,12 @@ class ResponsesRequest(HttpBody):
     @field_validator("input", mode="plain", json_schema_input_type=str | list[dict[str, Any]])
     @classmethod
     def _input_shape(cls, value: Any) -> str | list[Any]:
-        """A string, or a list of items whose count plus their messages' content parts is at
-        most `schemas.MAX_CHAT_ITEMS` (counted before any item is validated, as chat's
-        ``messages`` are by `schemas.check_sizes`)."""
+        """A string, or a list of items (their count plus their messages' content parts was
+        bounded by `schemas.check_sizes` before any item is validated, as chat's ``messages``)."""
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
             raise PydanticCustomError("input_type", "'input' must be a string or a list of input items")
-        n = len(value)
-        for item in value:
-            if n > MAX_CHAT_ITEMS:
-                break
-            content = item.get("content") if isinstance(item, dict) else None
-            if isinstance(content, list):
-                n += len(content)
-        if n > MAX_CHAT_ITEMS:
-            raise PydanticCustomError(
-                "too_many_items",
-                "'input' (items and content parts) has {n} items; at most {limit} are accepted",
-                {"n": n, "limit": MAX_CHAT_ITEMS},
-            )
         return value
 
     def check(self) -> None:

@@ -102,7 +102,8 @@ def _too_many(what: str, n: int, limit: int, param: str) -> OpenAIError:
 def check_sizes(data: dict[str, Any]) -> None:
     """Bound the lists of a completions / chat body before pydantic validates them item by item
     (a 16 MiB body of one-character items would otherwise cost seconds per field):
-    ``prompt`` ≤ `MAX_PROMPT_ITEMS`, messages plus content parts ≤ `MAX_CHAT_ITEMS`, ``stop``
+    ``prompt`` ≤ `MAX_PROMPT_ITEMS`, messages (or a Responses ``input``'s items) plus content parts
+    ≤ `MAX_CHAT_ITEMS`, ``stop``
     ≤ `MAX_STOP_STRINGS`, ``lora`` ≤ `MAX_LORA_ENTRIES`; a non-empty ``logit_bias`` is refused
     here already (unsupported).
 
@@ -118,17 +119,19 @@ def check_sizes(data: dict[str, Any]) -> None:
         n_ids = sum(len(x) for x in prompt if isinstance(x, list))
         if n_ids > MAX_PROMPT_ITEMS:
             raise _too_many("'prompt' (token ids of all its prompts)", n_ids, MAX_PROMPT_ITEMS, "prompt")
-    messages = data.get("messages")
-    if isinstance(messages, list):
-        n = len(messages)
-        for m in messages:
+    for key, what in (("messages", "messages and content parts"), ("input", "items and content parts")):
+        items = data.get(key)
+        if not isinstance(items, list):
+            continue
+        n = len(items)
+        for m in items:
             if n > MAX_CHAT_ITEMS:
                 break
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):
                 n += len(content)
         if n > MAX_CHAT_ITEMS:
-            raise _too_many("'messages' (messages and content parts)", n, MAX_CHAT_ITEMS, "messages")
+            raise _too_many(f"'{key}' ({what})", n, MAX_CHAT_ITEMS, key)
     stop = data.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise OpenAIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings (got {len(stop)})", param="stop")

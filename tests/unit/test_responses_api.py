@@ -439,6 +439,7 @@ def test_chat_errors_name_the_responses_parameter():
     assert r.status == 400 and r.json()["error"]["param"] == "max_output_tokens"
     r = front.post("/v1/responses", {"input": [{"role": "user", "content": "x"}] * 70000})
     assert r.status == 400 and r.json()["error"]["param"] == "input"
+    assert r.json()["error"]["code"] == "too_many_items"  # as chat's 'messages'
     assert "has 70000 items; at most 65536 are accepted" in r.json()["error"]["message"]
 
 
