@@ -155,7 +155,9 @@ def test_an_idle_flood_is_shed_once_the_cap_is_three_quarters_full():
         assert none_closed(early)
         t0 = time.monotonic()
         flood = [connect(server.port, f"127.0.0.{3 + i % 4}") for i in range(35)]  # 40 open: the cap
-        assert all(closed_within(s, 0.5) for s in early)  # idle for > 2 s when the mark was passed
+        # idle for > 2 s when the mark was passed: shed by the sweep the flood sets off, far before their
+        # 30 s deadline (5 s: the server's loop may accept the flood late on a loaded machine)
+        assert all(closed_within(s, 5.0) for s in early)
         assert all(closed_within(s, max(0.01, t0 + 10.0 - time.monotonic())) for s in flood)
         shed_s = time.monotonic() - t0
         assert 1.5 < shed_s < 10.0, shed_s  # their own 2 s, not the 30 s deadline
