@@ -88,6 +88,12 @@ WORKER_OPTIONS = (
         default=None,
         help="Distinct adapter label values in metrics before the rest fold into 'other' (default 64).",
     ),
+    click.Option(
+        ["--log-level"],
+        type=click.Choice(["debug", "info", "warning", "error"]),
+        default=None,
+        help="Worker log level (default info; debug logs every decode step with its ubatch and time).",
+    ),
 )
 """Options of a worker process started on its own (``loraplane worker``), before ``--model``."""
 

@@ -42,7 +42,7 @@ def test_every_worker_option_names_a_config_field():
     names = option_names((*WORKER_OPTIONS, MODEL_OPTION, *WORKER_RUNTIME_OPTIONS))
     strays = [n for n in names if n not in _fields(WorkerConfig) and n not in GRAMMAR_LIMIT_FIELDS]
     assert not strays, f"options without a WorkerConfig field: {strays}"
-    assert len(names) == len(set(names)) == 31
+    assert len(names) == len(set(names)) == 32
 
 
 def test_worker_options_become_the_config(tmp_path):
@@ -51,10 +51,11 @@ def test_worker_options_become_the_config(tmp_path):
         [
             "--slots", "2", "--batching", "compat", "--prefix-cache", "llama", "--fairness", "vtc",
             "--grammar-max-depth", "7", "--adapter-dir", str(tmp_path), "--n-ctx", "512",
-            "--no-grammar-warmup", "--control-plane", "cp-a:1, cp-b:2",
+            "--no-grammar-warmup", "--control-plane", "cp-a:1, cp-b:2", "--log-level", "debug",
         ],
     )  # fmt: skip
     config = worker_config(params)
+    assert config.log_level == "debug"
     assert (config.n_seqs, config.n_ctx_seq, config.control_plane) == (2, 512, "cp-a:1,cp-b:2")
     assert (config.batching, config.prefix_cache, config.fairness) == (
         Batching.COMPAT,
@@ -66,6 +67,7 @@ def test_worker_options_become_the_config(tmp_path):
     assert config.grammar_warmup is False
     assert config.queue_limit == WorkerConfig.queue_limit  # not given: the config's default
     assert config.worker_secret is None and config.worker_id == ""
+    assert worker_config(_params(worker_cmd, ["--control-plane", "cp:1"])).log_level == "info"
 
 
 def test_worker_argv_gives_the_worker_the_same_values():
