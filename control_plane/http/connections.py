@@ -78,6 +78,7 @@ class ConnectionGuard:
     per_client: dict[str, int] = field(default_factory=dict)
     """Open connections per peer address (addresses with none are dropped)."""
     _swept_at: float = -math.inf
+    _sweep_pending: asyncio.TimerHandle | None = None
     _logged_at: float = -math.inf
     _unlogged: int = 0
 
@@ -128,13 +129,19 @@ class ConnectionGuard:
             else:
                 self.per_client.pop(client, None)
 
-    def sweep_due(self, now: float) -> bool:
-        """True (and the sweep counted as done) when busy mode should sweep the open
-        connections now (at most every `SWEEP_INTERVAL_S` seconds of ``now``, loop time)."""
-        if not self.busy or now - self._swept_at < SWEEP_INTERVAL_S:
-            return False
+    def sweep_delay(self, now: float) -> float | None:
+        """Seconds until busy mode may sweep the open connections (0.0: now, and the sweep is
+        counted as done), or None when not busy or a deferred sweep is already scheduled.
+        Sweeps run at most every `SWEEP_INTERVAL_S` seconds of ``now`` (loop time); one asked
+        for sooner is deferred, not dropped: connections admitted below the mark with the long
+        deadline, while closes kept the count under it, are still shortened once it is passed."""
+        if not self.busy or self._sweep_pending is not None:
+            return None
+        wait = self._swept_at + SWEEP_INTERVAL_S - now
+        if wait > 0:
+            return wait
         self._swept_at = now
-        return True
+        return 0.0
 
     def _refuse(self, reason: str, client: str | None, limit: int) -> str:
         self.refused[reason] += 1
@@ -176,11 +183,13 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._admitted = True
         self._arm_head_deadline()
-        now = self.loop.time()
-        if self.guard.sweep_due(now):
-            for conn in list(self.connections):
-                if isinstance(conn, GuardedH11Protocol) and conn is not self:
-                    conn._shorten_head_deadline(now, self.guard.head_timeout_busy_s)
+        delay = self.guard.sweep_delay(self.loop.time())
+        if delay is not None:
+            args = (self.guard, self.connections, self.loop)
+            if delay == 0.0:
+                sweep(*args)
+            else:
+                self.guard._sweep_pending = self.loop.call_later(delay, deferred_sweep, *args)
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -241,6 +250,23 @@ class GuardedH11Protocol(H11Protocol):
         self._cancel_head_deadline()
         self.guard.head_timeouts += 1
         self.transport.close()
+
+
+def sweep(guard: ConnectionGuard, connections: set, loop: asyncio.AbstractEventLoop) -> None:
+    """Busy mode's sweep: every idle connection of the listener (``connections``: uvicorn's
+    server-wide set) gets the busy head deadline from when it went idle; the overdue close now."""
+    now = loop.time()
+    for conn in list(connections):
+        if isinstance(conn, GuardedH11Protocol):
+            conn._shorten_head_deadline(now, guard.head_timeout_busy_s)
+
+
+def deferred_sweep(guard: ConnectionGuard, connections: set, loop: asyncio.AbstractEventLoop) -> None:
+    """A sweep `ConnectionGuard.sweep_delay` deferred: run it if the listener is still busy."""
+    guard._sweep_pending = None
+    if guard.busy:
+        guard._swept_at = loop.time()
+        sweep(guard, connections, loop)
 
 
 def guarded_protocol(guard: ConnectionGuard) -> type[GuardedH11Protocol]:

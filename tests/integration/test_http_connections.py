@@ -169,6 +169,31 @@ def test_an_idle_flood_is_shed_once_the_cap_is_three_quarters_full():
         server.stop()
 
 
+def test_connections_opened_below_the_mark_while_closes_held_it_are_still_shed():
+    """Busy mode's sweep runs at most every 0.25 s; one asked for sooner is deferred, not
+    dropped. Here the first sweep closes the stale connections (the count falls under the mark),
+    new ones arrive below it with the 30 s deadline, and the mark is passed again inside the
+    0.25 s: the deferred sweep still gives them the busy deadline."""
+    server = start(max_connections=8, head_timeout_busy_s=1.0)  # mark: 6 open; head deadline 30 s
+    stale: list[socket.socket] = []
+    second: list[socket.socket] = []
+    third: list[socket.socket] = []
+    try:
+        stale = [connect(server.port, "127.0.0.2") for _ in range(3)]
+        time.sleep(1.3)  # idle past the busy deadline
+        second = [connect(server.port, "127.0.0.3") for _ in range(3)]  # 6 open: sweep, the stale closed
+        assert all(closed_within(s, 5.0) for s in stale)
+        t0 = time.monotonic()
+        third = [connect(server.port, "127.0.0.4") for _ in range(3)]  # 4, 5 (30 s deadline), 6 open
+        assert all(closed_within(s, 8.0) for s in second + third)
+        assert time.monotonic() - t0 < 8.0  # the busy 1 s, not the 30 s deadline
+        assert server.guard.head_timeouts == 9 and server.guard.open == 0
+    finally:
+        for s in stale + second + third:
+            s.close()
+        server.stop()
+
+
 def test_one_address_past_its_cap_is_refused_while_another_is_served():
     server = start()  # 1024 connections, 256 per client address
     held = [connect(server.port, "127.0.0.2") for _ in range(256)]

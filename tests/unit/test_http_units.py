@@ -1,5 +1,6 @@
 """Fast checks of the pieces behind the HTTP front and the metrics: chat templates, stop
-strings, bounded labels, model names, progress switches, the store migration."""
+strings, bounded labels, model names, progress switches, the store migration, the connection
+guard's sweep pacing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sqlite3
 import pytest
 
 from control_plane.http.chat_template import GEMMA_TURN_TEMPLATE, ChatTemplateError, load_chat_template
+from control_plane.http.connections import SWEEP_INTERVAL_S, ConnectionGuard
 from loraplane.metrics import OTHER_LABEL, BoundedLabels
 from worker.serving.output import StopMatcher
 
@@ -344,3 +346,16 @@ def test_control_plane_kv_residency_and_paging_metrics_keep_the_label_cap():
     assert s[("vllm:kv_cache_usage_perc", (("model_name", "base"),))] == 30 / 200
     assert s[("loraplane_kv_cache_usage_perc", (("worker", "w1"),))] == 0.3
     assert s[("loraplane_kv_cache_usage_perc", (("worker", "w2"),))] == 0.0
+
+
+def test_a_sweep_asked_for_within_the_interval_is_deferred_not_dropped():
+    guard = ConnectionGuard(max_connections=4)  # busy from 3 open
+    guard.open = 2
+    assert guard.sweep_delay(10.0) is None  # not busy
+    guard.open = 3
+    assert guard.sweep_delay(10.0) == 0.0  # due now, counted as done
+    assert guard.sweep_delay(10.1) == pytest.approx(SWEEP_INTERVAL_S - 0.1)  # defer, by the rest of the interval
+    guard._sweep_pending = object()  # type: ignore[assignment]  # one deferred sweep scheduled
+    assert guard.sweep_delay(10.2) is None and guard.sweep_delay(11.0) is None
+    guard._sweep_pending = None
+    assert guard.sweep_delay(10.0 + SWEEP_INTERVAL_S) == 0.0
