@@ -54,7 +54,7 @@ def kernels_used(weights: str, device: str) -> dict:
     torch path.
     """
     from worker.runtime.kernels import resolve_act, resolve_path
-    from worker.runtime.model import INT8_ARCH_DEFAULTS, INT8_DEFAULT, int8_policy
+    from worker.runtime.model import INT8_ARCH_DEFAULTS, int8_policy
 
     if weights == "dequant":
         return {
@@ -80,9 +80,8 @@ def kernels_used(weights: str, device: str) -> dict:
         act = resolve_act()
     elif policy:
         act = "i16" if int8_policy() == "none" else f"i16, i8 for {int8_policy()}"
-    else:  # each architecture's measured default (worker.runtime.model.INT8_DEFAULT, INT8_ARCH_DEFAULTS)
-        archs = "; ".join(f"{a}: i8 for {p}" for a, p in INT8_ARCH_DEFAULTS.items())
-        act = f"i16, i8 for {INT8_DEFAULT} ({archs})"
+    else:  # each architecture's measured default (worker.runtime.model.INT8_ARCH_DEFAULTS)
+        act = "i16 (" + "; ".join(f"{a}: i8 for {p}" for a, p in INT8_ARCH_DEFAULTS.items()) + ")"
     return {
         "weights": weights,
         "path": path,

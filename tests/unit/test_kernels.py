@@ -48,7 +48,7 @@ from worker.runtime.kernels import (
     resolve_path,
     supported,
 )
-from worker.runtime.model import ModelError, assign_acts
+from worker.runtime.model import LM_HEAD_RESCORE, ModelError, assign_acts
 
 ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
 C_PATHS = [
@@ -308,29 +308,20 @@ def test_rescore_top_outputs_with_i16(packed, path, monkeypatch):
 
 
 def test_assign_acts_policy(packed, monkeypatch):
-    """The load-time policy: by default ('lm_head') int8 activations for the LM head only
-    (``output.weight`` when the model has one, else the tied ``token_embd``), no re-score unless
-    ``LORAPLANE_LM_HEAD_RESCORE`` asks; 'none' int16 for every weight; float weights untouched; an
-    unknown policy or re-score count is refused."""
+    """The load-time policy: by default int16 for every weight; 'lm_head' gives int8
+    activations (with the int16 re-score of the top candidates) to the LM head only
+    (``output.weight`` when the model has one, else the tied ``token_embd``); float weights
+    untouched; an unknown policy is refused."""
     q8, _ = packed[_name(T.Q8_0, 16, 640)]
     q5, _ = packed[_name(T.Q5_0, 64, 640)]
     f, _ = packed[_name(T.F32, 31, 72)]
     monkeypatch.delenv("LORAPLANE_INT8_WEIGHTS", raising=False)
-    monkeypatch.delenv("LORAPLANE_LM_HEAD_RESCORE", raising=False)
     tied = {"token_embd.weight": dataclasses.replace(q8), "blk.0.attn_q.weight": dataclasses.replace(q5)}
-    assert assign_acts(tied, "none") == {}
+    assert assign_acts(tied) == {}
     assert [w.act for w in tied.values()] == ["i16", "i16"]
-    assert assign_acts(tied) == {"token_embd.weight": "i8"}
-    assert [w.act for w in tied.values()] == ["i8", "i16"]
-    assert tied["token_embd.weight"].rescore == 0
-    monkeypatch.setenv("LORAPLANE_LM_HEAD_RESCORE", "32")
     assert assign_acts(tied, "lm_head") == {"token_embd.weight": "i8"}
-    assert tied["token_embd.weight"].rescore == 32
-    for bad in ("-1", "x", "257"):
-        monkeypatch.setenv("LORAPLANE_LM_HEAD_RESCORE", bad)
-        with pytest.raises(ModelError, match=f"LORAPLANE_LM_HEAD_RESCORE='{bad}'"):
-            assign_acts(tied, "lm_head")
-    monkeypatch.delenv("LORAPLANE_LM_HEAD_RESCORE")
+    assert [w.act for w in tied.values()] == ["i8", "i16"]
+    assert tied["token_embd.weight"].rescore == LM_HEAD_RESCORE
     untied = {
         "token_embd.weight": dataclasses.replace(q8),
         "output.weight": dataclasses.replace(q8),
@@ -359,14 +350,14 @@ def test_assign_acts_policy(packed, monkeypatch):
     assert assign_acts(layers, "ffn_in,attn_qkv") == {"blk.1.ffn_up.weight": "i8", "blk.1.attn_q.weight": "i8"}
     with pytest.raises(ModelError, match="unknown int8 policy 'ffn_in,mlp'"):
         assign_acts(layers, "ffn_in,mlp")
-    # the architecture's measured default when the environment says nothing (Qwen 2: the head and
-    # every layer kind; Gemma and the rest: the head), and the environment over it
+    # the architecture's measured default when the environment says nothing (Qwen 2: every layer
+    # kind; Gemma and the rest: int16), and the environment over it
     kinds = {"blk.1.ffn_up.weight": "i8", "blk.1.attn_q.weight": "i8", "blk.0.ffn_down.weight": "i8",
-             "blk.1.ffn_down.weight": "i8", "token_embd.weight": "i8"}  # fmt: skip
+             "blk.1.ffn_down.weight": "i8"}  # fmt: skip
     monkeypatch.delenv("LORAPLANE_INT8_WEIGHTS")
     fresh = lambda: {n: dataclasses.replace(w, act="i16", rescore=0) for n, w in layers.items()}  # noqa: E731
     assert assign_acts(fresh(), arch="qwen2") == kinds
-    assert assign_acts(fresh(), arch="gemma3") == {"token_embd.weight": "i8"}
+    assert assign_acts(fresh(), arch="gemma3") == {}
     monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "none")
     assert assign_acts(fresh(), arch="qwen2") == {}
     monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "everything")

@@ -12,10 +12,8 @@ import torch
 from loraplane.formats.gguf.reader import GGUFError, read_gguf
 from worker.runtime.context import DecodeError, Model, UBatch
 from worker.runtime.kernels import QuantLinear
-from worker.runtime.model import ModelError, load_model
+from worker.runtime.model import LM_HEAD_RESCORE, ModelError, load_model
 from worker.runtime.sampling import Sampler, SamplingError, SamplingParams, prompt_logprobs
-
-LM_HEAD_RESCORE = 32  # the re-score the policy test turns on (LORAPLANE_LM_HEAD_RESCORE's documented choice)
 
 
 # --- load errors ----------------------------------------------------------------------------
@@ -141,11 +139,11 @@ def gemma(base_model_path, request):
 
 
 def test_lm_head_int8_policy(gemma, monkeypatch):
-    """Activation policy on Gemma 3 (packed): by default the LM head takes int8 activations and
-    every layer weight (fused q/k/v and gate/up too) int16. The int8 head's logits differ from
-    int16's (int8 was really used), the argmax is the same and the top-1 log-prob moves by less
-    than 0.1 nats; with its top 32 re-scored (``LORAPLANE_LM_HEAD_RESCORE``) each row's leading
-    logits equal the int16 ones bit for bit."""
+    """Activation policy on Gemma 3 (packed): by default every packed weight (fused q/k/v and
+    gate/up too) takes int16 activations. With the head switched to the 'lm_head' policy (int8
+    activations, top 32 re-scored with int16) the logits differ from int16 (int8 was really
+    used), the argmax is the same, each row's leading logits equal the int16 ones bit for bit,
+    and the top-1 log-prob moves by less than 0.1 nats."""
     model, ctx = gemma
     if model.base.weight_form != "packed":
         assert not any(isinstance(w, QuantLinear) for w in model.base.weights.values())
@@ -153,9 +151,8 @@ def test_lm_head_int8_policy(gemma, monkeypatch):
     monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
     head = model.base.weights["token_embd.weight"]
     acts = {n: w.act for n, w in model.base.weights.items() if isinstance(w, QuantLinear) and w.qw is not None}
-    assert len(acts) == 18 * 7 + 1 and acts.pop("token_embd.weight") == "i8" and set(acts.values()) == {"i16"}
+    assert len(acts) == 18 * 7 + 1 and set(acts.values()) == {"i16"}
     assert {w.act for w in model.base.fused.values()} == {"i16"}
-    assert head.rescore == 0
     toks = [2, 818, 5279, 529, 7001, 563]
 
     def logits() -> torch.Tensor:
@@ -164,16 +161,11 @@ def test_lm_head_int8_policy(gemma, monkeypatch):
         ctx.kv.seq_rm(0)
         return out
 
-    y_i8 = logits()
-    monkeypatch.setattr(head, "act", "i16")
     y_i16 = logits()
     monkeypatch.setattr(head, "act", "i8")
     monkeypatch.setattr(head, "rescore", LM_HEAD_RESCORE)
     y_policy = logits()
-    assert not torch.equal(y_i8, y_i16) and not torch.equal(y_policy, y_i16)
-    d8 = (torch.log_softmax(y_i8.double(), -1) - torch.log_softmax(y_i16.double(), -1)).abs()
-    assert torch.equal(y_i8.argmax(-1), y_i16.argmax(-1))
-    assert float(d8.gather(1, y_i16.argmax(-1, keepdim=True)).max()) <= 0.1
+    assert not torch.equal(y_policy, y_i16)
     # the re-scored set is the int8 top 32, which holds int16's clear leaders (its edge may
     # differ by the int8 noise): those are int16 values bit for bit
     top = y_i16.topk(LM_HEAD_RESCORE // 4, dim=-1).indices

@@ -293,59 +293,35 @@ normed stream again, the gated activation)."""
 INT8_POLICIES = ("none", "lm_head", *INT8_KINDS)
 """Policy words: 'none', or a comma-separated list of 'lm_head' and the layer kinds."""
 
-INT8_DEFAULT = "lm_head"
-"""The policy of every architecture without an entry in :data:`INT8_ARCH_DEFAULTS`: the LM head
-takes int8 activations (llama.cpp's own ``q8_0`` for it), every layer weight int16. Measured
-against the llama.cpp goldens with the layer kernel (``python -m tests.parity.act_fidelity``;
-kernels README, "Activation precision per weight"): Gemma 3's worst group 0.0856 / 0.2072 / 98.2 %
-(int16 head 0.0884 / 0.2016 / 98.2 %; bounds 0.10 / 0.25 / 95 %); results that must agree across
-batching (mixed vs compat, base rows in a mixed batch, A→B→A through the prefix cache) stay
-bit-identical, since no row's arithmetic depends on its ubatch. The head is the largest matmul
-of a step (Gemma 3 270M 262 144 × 640): int8 is about 1.6× faster at B=16 on AMX."""
-
-INT8_ARCH_DEFAULTS = {"qwen2": "lm_head,attn_qkv,attn_output,ffn_in,ffn_down"}
-"""Architectures whose measured policy differs from :data:`INT8_DEFAULT`, decided against the
-llama.cpp goldens (``python -m tests.parity.act_fidelity``): Qwen2.5's layers with int8
-activations stay far inside the bounds (worst case mean 0.0367 vs 0.0413 with int16) and its B=16
-step drops 181 → 139 ms on an AVX2 CPU. Gemma's residual outliers put every int8 choice in its
-layers at the bound, so it and every architecture not measured keep int16 there."""
+INT8_ARCH_DEFAULTS = {"qwen2": "attn_qkv,attn_output,ffn_in,ffn_down"}
+"""The policy an architecture gets when ``$LORAPLANE_INT8_WEIGHTS`` is unset, decided by
+measurement against the llama.cpp goldens (``python -m tests.parity.act_fidelity``; kernels
+README, "Activation precision per weight"): Qwen2.5's layers with int8 activations stay far inside
+the bounds (worst case mean 0.0315 vs 0.0397 with int16) and its B=16 step drops 181 → 139 ms on an
+AVX2 CPU; Gemma's residual outliers put every int8 choice at the bound, so it and every
+architecture not measured keep int16 ('none')."""
 
 
 def int8_policy(arch: str = "") -> str:
     """The activation-precision policy of :func:`assign_acts`: ``$LORAPLANE_INT8_WEIGHTS``, else
-    ``arch``'s entry of :data:`INT8_ARCH_DEFAULTS`, else :data:`INT8_DEFAULT`. A policy is
-    'none' (int16 everywhere) or a comma-separated list of 'lm_head' (the LM head takes int8
-    activations) and layer weight kinds (:data:`INT8_KINDS`: those weights of every layer take
-    int8 activations).
+    ``arch``'s entry of :data:`INT8_ARCH_DEFAULTS`, else 'none' (int16 everywhere). A policy is
+    'none' or a comma-separated list of 'lm_head' (the LM head takes int8 activations and
+    re-scores its top candidates with int16) and layer weight kinds (:data:`INT8_KINDS`: those
+    weights of every layer take int8 activations).
 
     Raises:
         ModelError: an unknown word.
     """
-    want = os.environ.get("LORAPLANE_INT8_WEIGHTS") or INT8_ARCH_DEFAULTS.get(arch, INT8_DEFAULT)
+    want = os.environ.get("LORAPLANE_INT8_WEIGHTS") or INT8_ARCH_DEFAULTS.get(arch, "none")
     bad = [w for w in want.split(",") if w not in INT8_POLICIES]
     if bad:
         raise ModelError(f"LORAPLANE_INT8_WEIGHTS={want!r}: expected a list of {', '.join(INT8_POLICIES)}")
     return want
 
 
-def lm_head_rescore() -> int:
-    """Candidates per row an int8 LM head recomputes with int16 activations
-    (:attr:`QuantLinear.rescore`): ``$LORAPLANE_LM_HEAD_RESCORE``, default 0 (none). With K > 0
-    each row's top K logits are the int16 kernel's bit for bit (the golden statistics return to
-    int16's), at the cost of a top-K pass over the logits and a partial int16 matmul (about 5 ms
-    of a 16-row Gemma 3 step on AMX).
-
-    Raises:
-        ModelError: not an integer in [0, 256].
-    """
-    raw = os.environ.get("LORAPLANE_LM_HEAD_RESCORE", "").strip() or "0"
-    try:
-        k = int(raw)
-    except ValueError:
-        k = -1
-    if not 0 <= k <= 256:
-        raise ModelError(f"LORAPLANE_LM_HEAD_RESCORE={raw!r}: expected an integer in [0, 256]")
-    return k
+LM_HEAD_RESCORE = 32
+"""Candidates per row the int8 LM head recomputes with int16 activations
+(:attr:`QuantLinear.rescore`): each row's top logits are then the int16 kernel's bit for bit."""
 
 
 def assign_acts(weights: dict[str, Weight], policy: str | None = None, *, arch: str = "") -> dict[str, str]:
@@ -353,21 +329,21 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None, *, arch: 
 
     ``policy`` (default :func:`int8_policy` of ``arch``):
 
-    - 'none': int16 activations for every weight.
-    - 'lm_head' (:data:`INT8_DEFAULT`): the LM head (``output.weight`` if present, else the tied
-      ``token_embd``) runs int8 activations (llama.cpp's ``q8_0`` per 32; the AMX tiles where
-      the CPU has them), re-scoring each row's top :func:`lm_head_rescore` logits with int16
-      (none by default); every other weight int16.
+    - 'none' (the default): int16 activations for every weight.
+    - 'lm_head': the LM head (``output.weight`` if present, else the tied ``token_embd``) runs
+      int8 activations (llama.cpp's ``q8_0`` per 32; the AMX tiles where the CPU has them) and
+      re-scores each row's top :data:`LM_HEAD_RESCORE` logits with int16; every other weight
+      int16.
     - a layer kind of :data:`INT8_KINDS` (several: comma-separated, with or without 'lm_head'):
       those weights of every layer run int8 activations.
 
-    Why the layers keep int16 outside :data:`INT8_ARCH_DEFAULTS` (measured; kernels README,
-    "Activation precision per weight"): on Gemma every int8 choice in the layers puts a golden
-    group at the bound (its |x| ≈ 250 residual outliers). The batching objection of the op-by-op
-    graph (a last-bit difference upstream — another ubatch shape — moving whole int8 rounding
-    steps, so mixed vs compat batching differed by up to 1.1e-2 in a log-prob) is gone with the
-    layer kernel (``worker.runtime.layer``), where a row's arithmetic never depends on the other
-    rows of its ubatch: those results are bit-identical under every policy.
+    Why int16 stays the default outside :data:`INT8_ARCH_DEFAULTS` (measured; kernels README,
+    "Activation precision per weight"): on Gemma every int8 choice puts a golden group at the
+    bound (its |x| ≈ 250 residual outliers). The batching objection of the op-by-op graph (a
+    last-bit difference upstream — another ubatch shape — moving whole int8 rounding steps, so
+    mixed vs compat batching differed by up to 1.1e-2 in a log-prob against the 1e-3 bound) is gone
+    with the layer kernel (``worker.runtime.layer``), where a row's arithmetic never depends on the
+    other rows of its ubatch.
 
     The choice is per weight, never per batch (batched = alone stays bit-exact).
     ``$LORAPLANE_KERNEL_ACT`` still forces one precision for all weights
@@ -389,7 +365,7 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None, *, arch: 
         w = weights[head]
         if isinstance(w, QuantLinear) and w.qw is not None:
             w.act = out[head] = "i8"
-            w.rescore = lm_head_rescore()
+            w.rescore = LM_HEAD_RESCORE
     layer_names = {n for k in words & set(INT8_KINDS) for n in INT8_KINDS[k]}
     for name, w in weights.items():
         parts = name.split(".")
