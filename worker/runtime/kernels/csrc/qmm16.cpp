@@ -10,9 +10,10 @@
 //
 // Pair layout: a chunk holds 16 rows x 4 inputs (see qmm.cpp).  Widened, 8 rows x 4 inputs
 // fill 32 i16; one pair-multiply against the row's 4 activations gives lane 2r = a0 w0 + a1 w1
-// and lane 2r+1 = a2 w2 + a3 w3 for row r.  Accumulators stay in this pair layout (scales are
-// duplicated to match, the bias split in halves) and the two lanes are added once at the end.
-// Integer bounds: |w| <= 128, |a| <= 32767, 16 products per lane per block: < 2^27.
+// and lane 2r+1 = a2 w2 + a3 w3 for row r.  The int32 accumulators stay in this pair layout
+// through a block; at its end a row's two lanes are added in int32 (exact) and the block's sum is
+// scaled into one f32 accumulator per output row (qmm16.h).  Integer bounds: |w| <= 128,
+// |a| <= 32767, 32 products per row per block: < 2^28.
 //
 // Compiled into every ISA's library like qmm.cpp; the amx library multiplies on AMX tiles by a
 // byte split (qmm16_amx.h) where a call has enough rows.

@@ -37,13 +37,20 @@ struct Act16 {
 
 // MODE: 0 stored bias, 1 signed (Q8_0, no bias), 2 implicit bias c = off * s.
 #if defined(LP_AVX512)
+// AVX-512: per activation row two int32 accumulators in the pair layout (iA: weight rows 0-7,
+// iB: rows 8-15, a row's pair sums in lanes 2r and 2r+1).  At a block's end two permutes and an
+// add fold them, exactly in int32, to one lane per weight row in order, so the block's float
+// work is one vector per activation row: acc = fma(float(dot), s * d_a, acc), then
+// acc = fma(c, d_a * sum(a_q), acc) (no second term for Q8_0).  qmm16_amx.h repeats these
+// operations on its tiles' integers, so a row's result does not depend on which of the two
+// kernels took it.
 template <int NX, int BS, int MODE>
 inline void tile(const uint8_t* W, const float* S, const float* C, float off, int nb, const Act16& a,
                  int i0, float* y, int64_t ldy, int nvalid) {
-  __m512 accA[NX], accB[NX];
-  for (int t = 0; t < NX; ++t) accA[t] = accB[t] = _mm512_setzero_ps();
-  const __m512i dupA = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i dupB = _mm512_add_epi32(dupA, _mm512_set1_epi32(8));
+  __m512 acc[NX];
+  for (int t = 0; t < NX; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
   const int nb32 = a.k / 32, nb16 = a.k / 16;
   for (int b = 0; b < nb; ++b) {
     const uint8_t* wb = W + (int64_t)b * BS * R;
@@ -65,33 +72,23 @@ inline void tile(const uint8_t* W, const float* S, const float* C, float off, in
       }
     }
     const __m512 s = _mm512_loadu_ps(S + b * R);
-    const __m512 sA = _mm512_permutexvar_ps(dupA, s), sB = _mm512_permutexvar_ps(dupB, s);
-    __m512 cA = _mm512_setzero_ps(), cB = _mm512_setzero_ps();
-    if (MODE != 1) {
-      const __m512 cb = MODE == 0 ? _mm512_loadu_ps(C + b * R) : _mm512_mul_ps(s, _mm512_set1_ps(off));
-      cA = _mm512_permutexvar_ps(dupA, cb);
-      cB = _mm512_permutexvar_ps(dupB, cb);
-    }
+    __m512 cb = _mm512_setzero_ps();
+    if (MODE == 0) cb = _mm512_loadu_ps(C + b * R);
+    if (MODE == 2) cb = _mm512_mul_ps(s, _mm512_set1_ps(off));
     for (int t = 0; t < NX; ++t) {
       const int64_t row = i0 + t;
-      const __m512 da = _mm512_set1_ps(a.d[row * nb32 + (b * BS) / 32]);
-      accA[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iA[t]), _mm512_mul_ps(sA, da), accA[t]);
-      accB[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iB[t]), _mm512_mul_ps(sB, da), accB[t]);
-      if (MODE != 1) {  // each of a row's two lanes takes half of c * d * sum(q)
-        const __m512 sa = _mm512_set1_ps(0.5f * (BS == 32 ? a.s32[row * nb32 + b] : a.s16[row * nb16 + b]));
-        accA[t] = _mm512_fmadd_ps(cA, sa, accA[t]);
-        accB[t] = _mm512_fmadd_ps(cB, sa, accB[t]);
+      const __m512i dot = _mm512_add_epi32(_mm512_permutex2var_epi32(iA[t], ev, iB[t]),
+                                           _mm512_permutex2var_epi32(iA[t], od, iB[t]));
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(a.d[row * nb32 + (b * BS) / 32]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sd, acc[t]);
+      if (MODE != 1) {
+        const float sq = BS == 32 ? a.s32[row * nb32 + b] : a.s16[row * nb16 + b];  // d_a * sum(a_q)
+        acc[t] = _mm512_fmadd_ps(cb, _mm512_set1_ps(sq), acc[t]);
       }
     }
   }
-  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
   const __mmask16 m = nvalid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nvalid) - 1);
-  for (int t = 0; t < NX; ++t) {
-    const __m512 out = _mm512_add_ps(_mm512_permutex2var_ps(accA[t], ev, accB[t]),
-                                     _mm512_permutex2var_ps(accA[t], od, accB[t]));
-    _mm512_mask_storeu_ps(y + (int64_t)(i0 + t) * ldy, m, out);
-  }
+  for (int t = 0; t < NX; ++t) _mm512_mask_storeu_ps(y + (int64_t)(i0 + t) * ldy, m, acc[t]);
 }
 constexpr int NXMAX = 4;
 #else
