@@ -187,9 +187,9 @@ class GuardedH11Protocol(H11Protocol):
         if delay is not None:
             args = (self.guard, self.connections, self.loop)
             if delay == 0.0:
-                sweep(*args)
+                _sweep(*args)
             else:
-                self.guard._sweep_pending = self.loop.call_later(delay, deferred_sweep, *args)
+                self.guard._sweep_pending = self.loop.call_later(delay, _deferred_sweep, *args)
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -252,7 +252,7 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def sweep(guard: ConnectionGuard, connections: set, loop: asyncio.AbstractEventLoop) -> None:
+def _sweep(guard: ConnectionGuard, connections: set, loop: asyncio.AbstractEventLoop) -> None:
     """Busy mode's sweep: every idle connection of the listener (``connections``: uvicorn's
     server-wide set) gets the busy head deadline from when it went idle; the overdue close now."""
     now = loop.time()
@@ -261,12 +261,12 @@ def sweep(guard: ConnectionGuard, connections: set, loop: asyncio.AbstractEventL
             conn._shorten_head_deadline(now, guard.head_timeout_busy_s)
 
 
-def deferred_sweep(guard: ConnectionGuard, connections: set, loop: asyncio.AbstractEventLoop) -> None:
+def _deferred_sweep(guard: ConnectionGuard, connections: set, loop: asyncio.AbstractEventLoop) -> None:
     """A sweep `ConnectionGuard.sweep_delay` deferred: run it if the listener is still busy."""
     guard._sweep_pending = None
     if guard.busy:
         guard._swept_at = loop.time()
-        sweep(guard, connections, loop)
+        _sweep(guard, connections, loop)
 
 
 def guarded_protocol(guard: ConnectionGuard) -> type[GuardedH11Protocol]:
