@@ -88,10 +88,7 @@ void rows16x16(const uint8_t* W, const float* S, const float* C, float off, int 
   for (int p = 0; p < np; ++p) {
     const int b = 2 * p;
     const int8_t* ab = planes + (int64_t)b * 32 * BS;
-    {  // the weights 4 blocks ahead (the next group's first ones at the end): streamed from memory
-      const char* pf = (const char*)(W + (int64_t)(b + 4) * BS * R);
-      for (int l = 0; l < 2 * BS * R; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
-    }
+    prefetch_weights(W, S, b, BS * R);
     LP_AMX16_BLOCK(0, 1, ab, W + (int64_t)b * BS * R);
     if (b + 1 < nb) LP_AMX16_BLOCK(2, 3, ab + 32 * BS, W + (int64_t)(b + 1) * BS * R);
     if (p > 0) {

@@ -67,6 +67,23 @@ using CTile = int32_t[256];
                : "=m"(*(CTile*)(cb))                \
                : "r"((void*)(cb)), "r"(64L))
 
+// Streaming the weights from memory, called once per pair of blocks b, b+1 of a group (W its
+// packed bytes, S its scales, bb bytes per block): into L1 the pair 4 blocks ahead, into L2 the
+// pair 32 blocks (16 KiB at 32-blocks) ahead with its scales.  The addresses run on into the
+// following groups, which the same thread walks next (its share of the groups is contiguous);
+// a prefetch past the weight's end never faults.  Measured on Gemma 3's LM head (262144 x 640
+// Q8_0) at 16 rows, old and new library alternated in one process: int8 tiles 5-20 % faster (they
+// had no prefetch), int16 tiles 0-3 % (compute-bound: four tile products and stores per block).
+// always_inline: out of line, GCC finds the function free of side effects and drops the call.
+__attribute__((always_inline)) inline void prefetch_weights(const uint8_t* W, const float* S, int b, int bb) {
+  const char* l1 = (const char*)(W + (int64_t)(b + 4) * bb);
+  const char* l2 = (const char*)(W + (int64_t)(b + 32) * bb);
+  for (int l = 0; l < 2 * bb; l += 64) _mm_prefetch(l1 + l, _MM_HINT_T0);
+  for (int l = 0; l < 2 * bb; l += 64) _mm_prefetch(l2 + l, _MM_HINT_T1);
+  _mm_prefetch((const char*)(S + (int64_t)(b + 32) * R), _MM_HINT_T1);
+  _mm_prefetch((const char*)(S + (int64_t)(b + 33) * R), _MM_HINT_T1);
+}
+
 // y (n, d) f32 = x @ W.T, x given as K's quantized activations a (n rows); the arguments of
 // the vnni kernels (qmm8.h gemm_vnni).  Rows in whole tiles of 16 (plus a zero-padded last one
 // of at least K::min_rows) go to AMX, the rest to K::vnni.
