@@ -32,7 +32,7 @@ from worker.runtime.model import LoadedModel
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "peak_int8.cpp"
 CXX_FLAGS = ["-O2", "-std=c++17", "-pthread"]
-TARGET_RATIO = 2.0  # the issue's target: B=16 step ≤ 2 × the bound
+TARGET_RATIO = 3.0  # the open issue's target (33; 2.0 in issue 20): B=16 step ≤ 3 × the bound
 
 # isa -> (instruction as printed, MACs per instruction, /proc/cpuinfo flags it needs)
 ISAS: dict[str, tuple[str, int, tuple[str, ...]]] = {
@@ -180,9 +180,13 @@ def run_bounds(
         eb.prefill_sequences(b, p.decode_ctx)
         eb.decode_steps("base", b, 1, p.decode_ctx, rep=999)  # warm-up, excluded
         t0 = time.perf_counter()
-        steps = [
-            eb.decode_steps("base", b, p.decode_steps, p.decode_ctx, rep)[1] / p.decode_steps for rep in range(p.reps)
-        ]
+        steps, paired_bounds = [], []
+        for rep in range(p.reps):
+            # the copy bandwidth again just before each repetition: on a shared host both swing
+            # together over tens of seconds, so each repetition also gets the bound of its moment
+            rep_bw = measure_bandwidth(p.bw_mib, 3, base.device)["gb_s"]["max"] * 1e9
+            paired_bounds.append(max(compute_ms, gguf_step / rep_bw * 1e3) if fastest else gguf_step / rep_bw * 1e3)
+            steps.append(eb.decode_steps("base", b, p.decode_steps, p.decode_ctx, rep)[1] / p.decode_steps)
         took = time.perf_counter() - t0
         log(f"bounds: in-process B={b} step incl. sampling {min(steps) * 1e3:.1f} ms (best of {p.reps}, {took:.1f} s)")
     finally:
@@ -209,6 +213,10 @@ def run_bounds(
         "step_ms": step,
         "step_over_bound": ratio(step["median"], bound_ms),
         "step_best_over_bound": ratio(step["min"], bound_ms),
+        "paired_bound_ms": Figure.of(paired_bounds, "ms").to_json(),
+        "paired_step_over_bound": Figure.of(
+            [s * 1e3 / pb for s, pb in zip(steps, paired_bounds, strict=True)], "x"
+        ).to_json(),
         "target_step_over_bound": TARGET_RATIO,
     }
 

@@ -242,6 +242,10 @@ def _check_bounds(sc: dict) -> None:
     assert _number(bd, "bound_ms") == max(_number(bd, "compute_bound_ms"), _number(bd, "memory_bound_ms"))
     assert _number(bd, "step_ms", "median") > 0
     _number(bd, "step_over_bound")
+    # one paired bound per repetition of the step, each at least the compute bound
+    assert bd["paired_bound_ms"]["n"] == bd["step_ms"]["n"] == bd["paired_step_over_bound"]["n"]
+    assert _number(bd, "paired_bound_ms", "min") >= _number(bd, "compute_bound_ms")
+    assert _number(bd, "paired_step_over_bound", "min") > 0
 
 
 def test_peak_int8_counts_the_macs_it_runs():
