@@ -81,14 +81,14 @@ inline void scale_block16(const int32_t* cb, const float* S, const float* C, flo
 template <int BS, int MODE>
 void rows16x16(const uint8_t* W, const float* S, const float* C, float off, int nb, const int8_t* planes,
                const float* dT, const float* hT, int mrows, float* y, int64_t ldy, int nvalid,
-               int32_t* cbuf /* 2 x 1024 */) {
+               int32_t* cbuf /* 2 x 1024 */, bool stream) {
   __m512 acc[16];
   for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
   const int np = (nb + 1) / 2;  // block pairs (the last one may hold one block)
   for (int p = 0; p < np; ++p) {
     const int b = 2 * p;
     const int8_t* ab = planes + (int64_t)b * 32 * BS;
-    prefetch_weights(W, S, b, BS * R);
+    if (stream) lp::prefetch_weights(W, S, b, BS * R, 2);
     LP_AMX16_BLOCK(0, 1, ab, W + (int64_t)b * BS * R);
     if (b + 1 < nb) LP_AMX16_BLOCK(2, 3, ab + 32 * BS, W + (int64_t)(b + 1) * BS * R);
     if (p > 0) {
@@ -156,8 +156,9 @@ struct Amx16 {
   }
   template <int BS, int MODE>
   static void rows(const uint8_t* W, const float* S, const float* C, float off, int nb, const int8_t* planes, long,
-                   const float* dT, const float* hT, int mrows, float* y, int64_t ldy, int nvalid, int32_t* cbuf) {
-    rows16x16<BS, MODE>(W, S, C, off, nb, planes, dT, hT, mrows, y, ldy, nvalid, cbuf);
+                   const float* dT, const float* hT, int mrows, float* y, int64_t ldy, int nvalid, int32_t* cbuf,
+                   bool stream) {
+    rows16x16<BS, MODE>(W, S, C, off, nb, planes, dT, hT, mrows, y, ldy, nvalid, cbuf, stream);
   }
 };
 

@@ -82,7 +82,7 @@ inline void scale_block(const int32_t* cb, const float* S, const float* C, float
 template <int BS, int MODE>
 void rows16(const uint8_t* W, const float* S, const float* C, float off, int nb, const int8_t* q, long k,
             const float* dT, const float* sT, int mrows, float* y, int64_t ldy, int nvalid,
-            int32_t* cbuf /* 4 x 256 */) {
+            int32_t* cbuf /* 4 x 256 */, bool stream) {
   __m512 acc[16];
   for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
   // Software pipeline over pairs of blocks: pair p's tile products are issued, then pair
@@ -93,7 +93,7 @@ void rows16(const uint8_t* W, const float* S, const float* C, float off, int nb,
   const int npairs = nb / 2;
   for (int p = 0; p < npairs; ++p) {
     const int b = 2 * p;
-    prefetch_weights(W, S, b, BS * R);
+    if (stream) lp::prefetch_weights(W, S, b, BS * R, 2);
     LP_AMX_BLOCK(0, 4, 6, q + b * BS, k, W + (int64_t)b * BS * R);
     LP_AMX_BLOCK(1, 5, 7, q + (b + 1) * BS, k, W + (int64_t)(b + 1) * BS * R);
     if (p > 0) {
@@ -153,8 +153,9 @@ struct Amx8 {
   }
   template <int BS, int MODE>
   static void rows(const uint8_t* W, const float* S, const float* C, float off, int nb, const int8_t* q, long k,
-                   const float* dT, const float* sT, int mrows, float* y, int64_t ldy, int nvalid, int32_t* cbuf) {
-    rows16<BS, MODE>(W, S, C, off, nb, q, k, dT, sT, mrows, y, ldy, nvalid, cbuf);
+                   const float* dT, const float* sT, int mrows, float* y, int64_t ldy, int nvalid, int32_t* cbuf,
+                   bool stream) {
+    rows16<BS, MODE>(W, S, C, off, nb, q, k, dT, sT, mrows, y, ldy, nvalid, cbuf, stream);
   }
 };
 

@@ -13,7 +13,9 @@
 //   input_bytes(ntiles, mtail, k)      bytes of the staged tile input
 //   stage<BS>(in, a, nfull, mtail, nb) fill it; input<BS>(in, a, it, nfull, nb): tile it's rows
 //   configure<BS, MODE>()              ldtilecfg (+ constant tiles) on the calling thread
-//   rows<BS, MODE>(...)                y rows of one row tile x one weight group of 16 rows
+//   rows<BS, MODE>(..., stream)        y rows of one row tile x one weight group of 16 rows; stream:
+//                                      prefetch the weights ahead (lp::prefetch_weights) — the
+//                                      first row tile of a span, the others find them in L2
 // Both precisions give their vnni kernel's f32 results bit for bit, so which rows take tiles is
 // a speed choice only (why and the measurements: the kernels' README, "AMX").
 //
@@ -66,23 +68,6 @@ using CTile = int32_t[256];
   asm volatile("tilestored %%tmm" #ct ", (%1,%2,1)" \
                : "=m"(*(CTile*)(cb))                \
                : "r"((void*)(cb)), "r"(64L))
-
-// Streaming the weights from memory, called once per pair of blocks b, b+1 of a group (W its
-// packed bytes, S its scales, bb bytes per block): into L1 the pair 4 blocks ahead, into L2 the
-// pair 32 blocks (16 KiB at 32-blocks) ahead with its scales.  The addresses run on into the
-// following groups, which the same thread walks next (its share of the groups is contiguous);
-// a prefetch past the weight's end never faults.  Measured on Gemma 3's LM head (262144 x 640
-// Q8_0) at 16 rows, old and new library alternated in one process: int8 tiles 5-20 % faster (they
-// had no prefetch), int16 tiles 0-3 % (compute-bound: four tile products and stores per block).
-// always_inline: out of line, GCC finds the function free of side effects and drops the call.
-__attribute__((always_inline)) inline void prefetch_weights(const uint8_t* W, const float* S, int b, int bb) {
-  const char* l1 = (const char*)(W + (int64_t)(b + 4) * bb);
-  const char* l2 = (const char*)(W + (int64_t)(b + 32) * bb);
-  for (int l = 0; l < 2 * bb; l += 64) _mm_prefetch(l1 + l, _MM_HINT_T0);
-  for (int l = 0; l < 2 * bb; l += 64) _mm_prefetch(l2 + l, _MM_HINT_T1);
-  _mm_prefetch((const char*)(S + (int64_t)(b + 32) * R), _MM_HINT_T1);
-  _mm_prefetch((const char*)(S + (int64_t)(b + 33) * R), _MM_HINT_T1);
-}
 
 // y (n, d) f32 = x @ W.T, x given as K's quantized activations a (n rows); the arguments of
 // the vnni kernels (qmm8.h gemm_vnni).  Rows in whole tiles of 16 (plus a zero-padded last one
@@ -153,7 +138,7 @@ void gemm_amx(const uint8_t* qw, const float* sc, const float* bias, float off, 
           K::template rows<BS, MODE>(qw + g * wstride, sc + g * sstride, C, off, nb, x, k,
                                      dT + (size_t)it * 16 * nb32, sT + (size_t)it * 16 * nb,
                                      it < nfull ? 16 : mtail, y + (int64_t)it * 16 * d + (int64_t)g * R, d, nvalid,
-                                     cbuf);
+                                     cbuf, it == 0);  // the first row tile streams the span in
         }
       }
     }
