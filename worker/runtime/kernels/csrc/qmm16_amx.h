@@ -88,7 +88,7 @@ void rows16x16(const uint8_t* W, const float* S, const float* C, float off, int 
   for (int p = 0; p < np; ++p) {
     const int b = 2 * p;
     const int8_t* ab = planes + (int64_t)b * 32 * BS;
-    if (stream) lp::prefetch_weights(W, S, b, BS * R, 2);
+    lp::prefetch_weights(W, S, b, BS * R, 2, stream);
     LP_AMX16_BLOCK(0, 1, ab, W + (int64_t)b * BS * R);
     if (b + 1 < nb) LP_AMX16_BLOCK(2, 3, ab + 32 * BS, W + (int64_t)(b + 1) * BS * R);
     if (p > 0) {

@@ -51,7 +51,7 @@ inline void tile(const uint8_t* W, const float* S, const float* C, float off, in
   const __m512i x80 = _mm512_set1_epi8((char)0x80);
   const int nb32 = a.k / 32, nb16 = a.k / 16;
   for (int b = 0; b < nb; ++b) {
-    if (i0 == 0) lp::prefetch_weights(W, S, b, BS * R, 1);  // the group's first tile streams it
+    if (i0 == 0) lp::prefetch_weights(W, S, b, BS * R, 1, true);  // the group's first tile streams it
     const uint8_t* wb = W + (int64_t)b * BS * R;
     __m512i ia[NX];
     for (int t = 0; t < NX; ++t) ia[t] = _mm512_setzero_si512();
@@ -99,7 +99,7 @@ inline void tile(const uint8_t* W, const float* S, const float* C, float off, in
     __m256 acc[NX];
     for (int t = 0; t < NX; ++t) acc[t] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
-      if (i0 == 0 && h == 0) lp::prefetch_weights(W, S, b, BS * R, 1);  // the group's first pass streams it
+      if (i0 == 0 && h == 0) lp::prefetch_weights(W, S, b, BS * R, 1, true);  // the group's first pass streams it
       const uint8_t* wb = W + (int64_t)b * BS * R + h * 32;
       __m256i ia[NX];
       for (int t = 0; t < NX; ++t) ia[t] = _mm256_setzero_si256();

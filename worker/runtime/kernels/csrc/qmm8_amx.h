@@ -93,7 +93,7 @@ void rows16(const uint8_t* W, const float* S, const float* C, float off, int nb,
   const int npairs = nb / 2;
   for (int p = 0; p < npairs; ++p) {
     const int b = 2 * p;
-    if (stream) lp::prefetch_weights(W, S, b, BS * R, 2);
+    lp::prefetch_weights(W, S, b, BS * R, 2, stream);
     LP_AMX_BLOCK(0, 4, 6, q + b * BS, k, W + (int64_t)b * BS * R);
     LP_AMX_BLOCK(1, 5, 7, q + (b + 1) * BS, k, W + (int64_t)(b + 1) * BS * R);
     if (p > 0) {

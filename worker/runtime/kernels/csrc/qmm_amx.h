@@ -13,9 +13,10 @@
 //   input_bytes(ntiles, mtail, k)      bytes of the staged tile input
 //   stage<BS>(in, a, nfull, mtail, nb) fill it; input<BS>(in, a, it, nfull, nb): tile it's rows
 //   configure<BS, MODE>()              ldtilecfg (+ constant tiles) on the calling thread
-//   rows<BS, MODE>(..., stream)        y rows of one row tile x one weight group of 16 rows; stream:
-//                                      prefetch the weights ahead (lp::prefetch_weights) — the
-//                                      first row tile of a span, the others find them in L2
+//   rows<BS, MODE>(..., stream)        y rows of one row tile x one weight group of 16 rows; it
+//                                      prefetches the weights into L1 ahead, and into L2 far
+//                                      ahead when stream (lp::prefetch_weights) — the first row
+//                                      tile of a span; the others find the span in L2
 // Both precisions give their vnni kernel's f32 results bit for bit, so which rows take tiles is
 // a speed choice only (why and the measurements: the kernels' README, "AMX").
 //
