@@ -168,7 +168,13 @@ def run_bounds(
     gguf_step, held_step = gguf_tensor_bytes(base, per_step=True), weight_bytes_per_step(base)
     mem_ms, mem_held_ms = gguf_step / best_bw * 1e3, held_step / best_bw * 1e3
     compute_ms = peaks[fastest]["compute_bound_ms"] if fastest else float("nan")
-    bound_ms = max(compute_ms, mem_ms) if fastest else mem_ms
+
+    def bound_at(bytes_s: float) -> float:
+        """The B=b bound in ms at a copy bandwidth of ``bytes_s`` bytes/s."""
+        mem = gguf_step / bytes_s * 1e3
+        return max(compute_ms, mem) if fastest else mem
+
+    bound_ms = bound_at(best_bw)
     log(
         f"bounds: B={b} step {macs['macs_per_step'] / 1e9:.2f} GMAC, compute bound {compute_ms:.2f} ms "
         f"({fastest}), memory bound {mem_ms:.2f} ms ({gguf_step / 2**20:.1f} MiB at {best_bw / 1e9:.1f} GB/s)"
@@ -184,8 +190,7 @@ def run_bounds(
         for rep in range(p.reps):
             # the copy bandwidth again just before each repetition: on a shared host both swing
             # together over tens of seconds, so each repetition also gets the bound of its moment
-            rep_bw = measure_bandwidth(p.bw_mib, 3, base.device)["gb_s"]["max"] * 1e9
-            paired_bounds.append(max(compute_ms, gguf_step / rep_bw * 1e3) if fastest else gguf_step / rep_bw * 1e3)
+            paired_bounds.append(bound_at(measure_bandwidth(p.bw_mib, 3, base.device)["gb_s"]["max"] * 1e9))
             steps.append(eb.decode_steps("base", b, p.decode_steps, p.decode_ctx, rep)[1] / p.decode_steps)
         took = time.perf_counter() - t0
         log(f"bounds: in-process B={b} step incl. sampling {min(steps) * 1e3:.1f} ms (best of {p.reps}, {took:.1f} s)")
