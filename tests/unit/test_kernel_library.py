@@ -24,6 +24,7 @@ def test_api_header_declares_every_export_with_its_ctypes():
     assert set(ex) == {
         "quantize_act", "qmm", "qmm_f32", "quantize_act16", "qmm16", "qmm16_f32", "rms_norm", "lora_bgmv",
         "attn_decode", "logits_summary", "threads_config", "pool_size", "request_tile_perm", "layer_forward",
+        "qmm16_rescore",
         "layer_abi",
     }  # fmt: skip
     attn = ex["attn_decode"]

@@ -285,19 +285,26 @@ def test_group_with_mixed_acts_batched_equals_alone(packed, path, monkeypatch):
 
 
 @pytest.mark.parametrize("path", C_PATHS)
-def test_rescore_top_outputs_with_i16(packed, path, monkeypatch):
-    """``rescore=K`` on an int8 weight: each row's K largest int8 outputs carry the i16 kernel's
-    values bit for bit, every other output the int8 value; rows are independent (alone =
-    batched, a 100x outlier row beside them)."""
+@pytest.mark.parametrize(
+    "form",
+    [(T.Q5_0, 37, 160), (T.Q8_0, 40, 96), (T.Q4_K, 17, 1024), (T.Q6_K, 9, 768)],
+    ids=["q5_0-implicit-bias", "q8_0-signed", "q4_k-stored-bias", "q6_k-bs16"],
+)
+def test_rescore_top_outputs_with_i16(packed, path, form, monkeypatch):
+    """``rescore=K`` on an int8 weight (each weight form the C re-score dispatches on; d not a
+    multiple of 16: the last group padded): each row's K largest int8 outputs (ties: the lower
+    column) carry the i16 kernel's values bit for bit, every other output the int8 value; rows
+    are independent (alone = batched, a 100x outlier row beside them)."""
     monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
-    base, _ = packed[_name(T.Q5_0, 37, 160)]  # d = 37: three 16-row groups, the last padded
+    t, d, k = form
+    base, _ = packed[_name(t, d, k)]
     w = dataclasses.replace(base, act="i8", rescore=5)
-    x = torch.randn(7, 160)
+    x = torch.randn(7, k)
     x[4] *= 100.0
     y8 = base.matmul(x, path=path, act="i8")
     y16 = base.matmul(x, path=path, act="i16")
     y = w.matmul(x, path=path)
-    top = torch.topk(y8, 5, dim=-1).indices
+    top = torch.sort(y8, dim=-1, descending=True, stable=True).indices[:, :5]
     mask = torch.zeros_like(y, dtype=torch.bool).scatter_(1, top, True)
     assert torch.equal(y[mask], y16[mask])
     assert torch.equal(y[~mask], y8[~mask])
@@ -308,7 +315,7 @@ def test_rescore_top_outputs_with_i16(packed, path, monkeypatch):
 
 
 def test_assign_acts_policy(packed, monkeypatch):
-    """The load-time policy: by default int16 for every weight; 'lm_head' gives int8
+    """The load-time policy: 'none' gives int16 to every weight; 'lm_head' gives int8
     activations (with the int16 re-score of the top candidates) to the LM head only
     (``output.weight`` when the model has one, else the tied ``token_embd``); float weights
     untouched; an unknown policy is refused."""
@@ -350,14 +357,17 @@ def test_assign_acts_policy(packed, monkeypatch):
     assert assign_acts(layers, "ffn_in,attn_qkv") == {"blk.1.ffn_up.weight": "i8", "blk.1.attn_q.weight": "i8"}
     with pytest.raises(ModelError, match="unknown int8 policy 'ffn_in,mlp'"):
         assign_acts(layers, "ffn_in,mlp")
-    # the architecture's measured default when the environment says nothing (Qwen 2: every layer
-    # kind; Gemma and the rest: int16), and the environment over it
-    kinds = {"blk.1.ffn_up.weight": "i8", "blk.1.attn_q.weight": "i8", "blk.0.ffn_down.weight": "i8",
-             "blk.1.ffn_down.weight": "i8"}  # fmt: skip
+    # the architecture's measured default when the environment says nothing (Qwen 2: the head and
+    # every layer kind; Gemma 3: the head; the rest: int16), and the environment over it
+    kinds = {"token_embd.weight": "i8", "blk.1.ffn_up.weight": "i8", "blk.1.attn_q.weight": "i8",
+             "blk.0.ffn_down.weight": "i8", "blk.1.ffn_down.weight": "i8"}  # fmt: skip
     monkeypatch.delenv("LORAPLANE_INT8_WEIGHTS")
     fresh = lambda: {n: dataclasses.replace(w, act="i16", rescore=0) for n, w in layers.items()}  # noqa: E731
     assert assign_acts(fresh(), arch="qwen2") == kinds
-    assert assign_acts(fresh(), arch="gemma3") == {}
+    gemma = fresh()
+    assert assign_acts(gemma, arch="gemma3") == {"token_embd.weight": "i8"}
+    assert gemma["token_embd.weight"].rescore == LM_HEAD_RESCORE
+    assert assign_acts(fresh(), arch="llama") == {}
     monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "none")
     assert assign_acts(fresh(), arch="qwen2") == {}
     monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "everything")

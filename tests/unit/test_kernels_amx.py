@@ -20,6 +20,7 @@ random valid blocks for the K-quants).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
@@ -201,6 +202,37 @@ def test_amx_shared_quantized_activations(packed):
     for w in (a, b):
         assert torch.equal(w.matmul(qa, act="i8"), w.matmul(x, path="amx", act="i8"))
         assert torch.equal(w.matmul(qa, act="i8"), w.matmul(qv, act="i8"))
+
+
+@needs_amx
+@needs_avx512
+def test_q8_0_int8_is_one_integer_and_one_fma_in_every_library(packed):
+    """Q8_0 (signed weights) with int8 activations: the tiles' TDPBSSD, avx512's
+    sum((v ^ 0x80) a) - 128 sum(a) and avx2's sign trick form the same exact integer per block
+    and scale it by the same single fma, so all three libraries agree bit for bit (tile rows,
+    the vpdpbusd rows after them, and a 100x outlier row)."""
+    ql, _ = packed[_name(T.Q8_0, 33, 640)]
+    for n in (1, 12, 16, 19):
+        x = _x(n, 640, seed=n)
+        x[0] *= 100.0
+        y = ql.matmul(x, path="amx", act="i8")
+        assert torch.equal(y, ql.matmul(x, path="avx512", act="i8")), n
+        assert torch.equal(y, ql.matmul(x, path="avx2", act="i8")), n
+
+
+@needs_amx
+@needs_avx512
+@pytest.mark.parametrize("t,d,k", SOME, ids=SOME_IDS)
+def test_amx_rescore_equals_avx512(packed, t, d, k):
+    """The int16 re-score of an int8 head (``QuantLinear.rescore``) on the amx path: the same
+    values as on avx512 (int8 tiles, then the int16 tile per candidate group), for a tile of 16
+    rows plus 3 vpdpbusd rows."""
+    base, _ = packed[_name(t, d, k)]
+    w = dataclasses.replace(base, act="i8", rescore=7)
+    x = _x(19, k, seed=d)
+    y = w.matmul(x, path="amx")
+    assert torch.equal(y, w.matmul(x, path="avx512"))
+    assert not torch.equal(y, base.matmul(x, path="amx", act="i8"))  # something was re-scored
 
 
 def test_amx_path_resolution(monkeypatch):

@@ -31,7 +31,7 @@ from worker.runtime.device import resolve_device
 from worker.runtime.errors import ModelError
 from worker.runtime.kernels import cpu, library
 from worker.runtime.kernels.repack import REPACK_TYPES, R, decode, interleave
-from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
+from worker.runtime.kernels.sample import TOPK_MAX
 
 log = structlog.get_logger("loraplane.worker.runtime.kernels.linear")
 
@@ -291,30 +291,37 @@ class QuantLinear:
         return y.reshape(*lead, self.d)
 
     def _rescore_top(self, x: torch.Tensor, y: torch.Tensor, path: str) -> torch.Tensor:
-        """Replace each row's ``rescore`` largest int8 outputs of ``y`` ``(n, d)`` by their int16
-        values: the 16-row groups holding any row's candidates are multiplied by the i16 kernel
-        (output rows are independent in the kernels, so these equal the full i16 matmul's
-        values bit for bit, and a row's result does not depend on the other rows)."""
+        """Replace each row's ``rescore`` largest int8 outputs of ``y`` ``(n, d)`` (ties: the lower
+        column) by their int16 values, in place, in one C call (``csrc/qmm16.cpp``
+        ``qmm16_rescore``): the int16 kernel's tile on each 16-row weight group holding a
+        candidate, the same operations per row as the full int16 matmul, so the values equal
+        its bit for bit and a row's result does not depend on the other rows.
+
+        Raises:
+            KernelError: the kernel refused the call (its code in the message).
+        """
         assert self.qw is not None and self.scale is not None
-        # each row's top K in one fused pass (csrc/sample.cpp; ties by the lower id)
-        idx = logits_summary(y, min(self.rescore, self.d, TOPK_MAX), path=path).top_ids.to(torch.int64)  # (n, K)
-        groups = torch.unique(idx // R)  # sorted 16-row groups
-        sub = QuantLinear(
-            self.name + "[rescore]",
-            self.ggml_type,
+        xf = x.to(torch.float32).contiguous()
+        rc = getattr(library.load(path), f"lp_{path}_qmm16_rescore")(
+            xf.data_ptr(),
             self.k,
-            groups.numel() * R,
-            self.device,
-            qw=self.qw.index_select(0, groups),
-            scale=self.scale.index_select(0, groups),
-            bias=None if self.bias is None else self.bias.index_select(0, groups),
-            bs=self.bs,
-            signed=self.signed,
-            offset=self.offset,
+            y.shape[0],
+            self.k,
+            self.qw.data_ptr(),
+            self.scale.data_ptr(),
+            _p(self.bias),
+            self.offset,
+            self.d,
+            self.bs,
+            int(self.signed),
+            min(self.rescore, self.d, TOPK_MAX),
+            y.data_ptr(),
+            y.stride(0),
+            torch.get_num_threads(),
         )
-        ys = sub._qmm_f32(x, path, "i16")
-        pos = torch.searchsorted(groups, idx // R) * R + idx % R
-        return y.scatter_(1, idx, ys.gather(1, pos))
+        if rc != 0:
+            raise KernelError(f"{self.name}: the int16 re-score refused the call (code {rc})")
+        return y
 
     def _float_mm(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
@@ -373,6 +380,8 @@ class QuantLinear:
             y.data_ptr(),
             torch.get_num_threads(),
         )
+        if rc == -2:
+            raise KernelError(f"{self.name}: out of memory for the activations' block sums ({a.n} rows)")
         if rc != 0:
             raise KernelError(f"{self.name}: kernel rejected bs={self.bs} signed={self.signed}")
         return y

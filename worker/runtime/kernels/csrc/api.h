@@ -42,6 +42,11 @@ LP_EXPORT int LP_FN(qmm16)(const uint8_t* qw, const float* sc, const float* bias
                            int n, float* y, int nthreads);
 LP_EXPORT int LP_FN(qmm16_f32)(const float* x, int64_t ldx, int n, int k, const uint8_t* qw, const float* sc,
                                const float* bias, float off, int d, int bs, int is_signed, float* y, int nthreads);
+// qmm16.cpp: y (n, d), row stride ldy, the int8-activation results of the same weight for x (n, k):
+// each row's K (<= 128) largest entries replaced by the int16 kernel's values for them
+LP_EXPORT int LP_FN(qmm16_rescore)(const float* x, int64_t ldx, int n, int k, const uint8_t* qw, const float* sc,
+                                   const float* bias, float off, int d, int bs, int is_signed, int K, float* y,
+                                   int64_t ldy, int nthreads);
 
 // norm.cpp: RMS norm rows, the sum of squares in double in a fixed order
 LP_EXPORT void LP_FN(rms_norm)(const float* x, int64_t ldx, const float* w, int n, int d, float eps, float* y,

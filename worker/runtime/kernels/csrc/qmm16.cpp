@@ -19,6 +19,87 @@
 // byte split (qmm16_amx.h) where a call has enough rows.
 #include "qmm16.h"
 
+#include <math.h>
+
+#include <algorithm>
+
+namespace {
+
+// The K largest entries of y[0, d) into ids (descending value, ties: the lower column first;
+// NaN never enters), returning how many (min(K, d)).  A vector compare against the K-th value
+// so far, a sorted insert on the rare hits.
+int top_columns(const float* y, int d, int K, float* val, int32_t* ids) {
+  int cnt = 0;
+  auto push = [&](float v, int32_t i) {  // i exceeds every id held: an equal value goes after
+    if (cnt == K && !(v > val[K - 1])) return;
+    int p = cnt == K ? K - 1 : cnt;
+    for (; p > 0 && val[p - 1] < v; --p) val[p] = val[p - 1], ids[p] = ids[p - 1];
+    val[p] = v, ids[p] = i;
+    if (cnt < K) ++cnt;
+  };
+  __m256 thr = _mm256_set1_ps(-INFINITY);
+  int j = 0;
+  for (; j + 8 <= d; j += 8) {
+    const __m256 v = _mm256_loadu_ps(y + j);
+    unsigned m = cnt < K ? 0xFFu : (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, thr, _CMP_GT_OQ));
+    if (!m) continue;
+    for (; m; m &= m - 1) push(y[j + __builtin_ctz(m)], j + __builtin_ctz(m));
+    if (cnt == K) thr = _mm256_set1_ps(val[K - 1]);
+  }
+  for (; j < d; ++j) push(y[j], j);
+  return cnt;
+}
+
+// One row: its top K columns recomputed by the int16 tile (qmm16.h tile<1>) on each 16-row
+// weight group that holds one of them.
+template <int BS, int MODE>
+void rescore_row(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, const Act16& a,
+                 int K, float* yr) {
+  float val[128];
+  int32_t ids[128];
+  const int cnt = top_columns(yr, d, K, val, ids);
+  std::sort(ids, ids + cnt);
+  const int nb = k / BS;
+  const int64_t wstride = (int64_t)nb * BS * R, sstride = (int64_t)nb * R;
+  float out[R];
+  for (int i = 0; i < cnt;) {
+    const int g = ids[i] / R;
+    const int nvalid = d - g * R < R ? d - g * R : R;
+    tile<1, BS, MODE>(qw + g * wstride, sc + g * sstride, bias ? bias + g * sstride : nullptr, off, nb, a, 0, out, R,
+                      nvalid);
+    for (; i < cnt && ids[i] / R == g; ++i) yr[ids[i]] = out[ids[i] % R];
+  }
+}
+
+}  // namespace
+
+LP_EXPORT int LP_FN(qmm16_rescore)(const float* x, int64_t ldx, int n, int k, const uint8_t* qw, const float* sc,
+                                   const float* bias, float off, int d, int bs, int is_signed, int K, float* y,
+                                   int64_t ldy, int nthreads) {
+  if (n < 0 || K < 1 || K > 128 || k % 32 || (bs != 16 && bs != 32) || ldy < d || (is_signed && bs != 32)) return -1;
+  if (n == 0) return 0;
+  const int64_t nk = (int64_t)n * k;
+  char* buf = (char*)malloc(nk * sizeof(int16_t) + (nk / 32) * 4 * 2 + (nk / 16) * 4 + 64);
+  if (!buf) return -2;
+  int16_t* aq = (int16_t*)buf;
+  float* ad = (float*)(buf + ((nk * (int64_t)sizeof(int16_t) + 63) & ~(int64_t)63));
+  float* as32 = ad + nk / 32;
+  float* as16 = as32 + nk / 32;
+  quantize_rows16(x, ldx, n, k, aq, ad, as16, as32, nthreads);
+  const Act16 all{aq, ad, as16, as32, k};
+  lp::parallel_for(n, nthreads, [&](int r) {
+    const Act16 a = all.from_row(r);
+    float* yr = y + (int64_t)r * ldy;
+    if (bs == 32 && is_signed) rescore_row<32, 1>(qw, sc, nullptr, 0.f, d, k, a, K, yr);
+    else if (bs == 32 && bias) rescore_row<32, 0>(qw, sc, bias, 0.f, d, k, a, K, yr);
+    else if (bs == 32) rescore_row<32, 2>(qw, sc, nullptr, off, d, k, a, K, yr);
+    else if (bias) rescore_row<16, 0>(qw, sc, bias, 0.f, d, k, a, K, yr);
+    else rescore_row<16, 2>(qw, sc, nullptr, off, d, k, a, K, yr);
+  });
+  free(buf);
+  return 0;
+}
+
 #if defined(LP_AMX)
 #include "qmm16_amx.h"
 

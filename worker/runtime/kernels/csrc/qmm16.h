@@ -33,6 +33,10 @@ struct Act16 {
   const float* s16;
   const float* s32;
   int k;
+  // the activations from row r0 on
+  Act16 from_row(int64_t r0) const {
+    return {q + r0 * k, d + r0 * (k / 32), s16 + r0 * (k / 16), s32 + r0 * (k / 32), k};
+  }
 };
 
 // MODE: 0 stored bias, 1 signed (Q8_0, no bias), 2 implicit bias c = off * s.

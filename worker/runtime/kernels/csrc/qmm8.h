@@ -30,19 +30,27 @@ void quantize_rows(const float* x, int64_t ldx, int n, int k, int8_t* aq, float*
   });
 }
 
-struct Act {          // quantized activations of one call
-  const int8_t* q;    // (n, k)
-  const float* d;     // (n, k/32)
-  const float* s16;   // (n, k/16)
-  const float* s32;   // (n, k/32)
+struct Act {                      // quantized activations of one call
+  const int8_t* q;                // (n, k)
+  const float* d;                 // (n, k/32)
+  const float* s16;               // (n, k/16)
+  const float* s32;               // (n, k/32)
   int k;
+  const int32_t* qsum = nullptr;  // (n, k/32) sum of a_q per 32: Q8_0's exact product (MODE 1); else unused
+  // the activations from row r0 on
+  Act from_row(int64_t r0) const {
+    return {q + r0 * k, d + r0 * (k / 32), s16 + r0 * (k / 16), s32 + r0 * (k / 32), k,
+            qsum ? qsum + r0 * (k / 32) : nullptr};
+  }
 };
 
 #if defined(LP_AVX512)
 // ---- AVX-512 VNNI: vpdpbusd (u8 x s8 -> s32), one zmm = 16 weight rows x 4 bytes ---------
 // MODE 0: unsigned u with a stored bias c.  MODE 2: unsigned u with c = off * s (symmetric
 // types: Q4_0, Q5_0, Q6_K; nothing stored).  MODE 1: SIGNED v (Q8_0): u = v ^ 0x80 = v + 128
-// on the fly, and the -128*s term is the bias (c = -128 s), so Q8_0 needs no sign trick here.
+// on the fly, and the integer sum(u * a_q) - 128 * sum(a_q) (Act::qsum) is the exact
+// sum(v * a_q), scaled once (acc = fma(float(isum), s * d_a, acc), no bias term): the integer
+// and the operation the AMX tile (TDPBSSD) and the AVX2 sign trick form too.
 template <int NX, int BS, int MODE>
 inline void tile(const uint8_t* W, const float* S, const float* C, float off, int nb, const Act& a,
                  int i0, float* y, int64_t ldy, int nvalid) {
@@ -67,14 +75,16 @@ inline void tile(const uint8_t* W, const float* S, const float* C, float off, in
       }
     }
     const __m512 s = _mm512_loadu_ps(S + b * R);
-    const __m512 cb = MODE == 0 ? _mm512_loadu_ps(C + b * R)
-                                : _mm512_mul_ps(s, _mm512_set1_ps(MODE == 1 ? -128.f : off));
+    const __m512 cb = MODE == 0 ? _mm512_loadu_ps(C + b * R) : _mm512_mul_ps(s, _mm512_set1_ps(off));
     for (int t = 0; t < NX; ++t) {
       const int64_t row = i0 + t;
       const float da = a.d[row * nb32 + (b * BS) / 32];
-      const float sa = BS == 32 ? a.s32[row * nb32 + b] : a.s16[row * nb16 + b];
+      if (MODE == 1) ia[t] = _mm512_sub_epi32(ia[t], _mm512_set1_epi32(128 * a.qsum[row * nb32 + b]));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_mul_ps(s, _mm512_set1_ps(da)), acc[t]);
-      acc[t] = _mm512_fmadd_ps(cb, _mm512_set1_ps(sa), acc[t]);
+      if (MODE != 1) {
+        const float sa = BS == 32 ? a.s32[row * nb32 + b] : a.s16[row * nb16 + b];
+        acc[t] = _mm512_fmadd_ps(cb, _mm512_set1_ps(sa), acc[t]);
+      }
     }
   }
   const __mmask16 m = nvalid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nvalid) - 1);

@@ -4,7 +4,8 @@
 // quantize_row_q8_0 per row and per 32), and the same float
 // results bit for bit: every block's integer dot product is exact in both kernels, and the
 // f32 accumulation below repeats the vpdpbusd tile's operations in the same order
-//   acc = fma(float(isum), s * d_a, acc);  acc = fma(c, d_a * sum(a_q), acc)      per block.
+//   acc = fma(float(isum), s * d_a, acc);  acc = fma(c, d_a * sum(a_q), acc)      per block
+// (Q8_0, MODE 1: the first only; its isum is the exact signed sum(v * a_q)).
 // Hence rows below amx_min_rows(BS) can run the vpdpbusd kernel (qmm8.h gemm_vnni) and the rest
 // AMX without a row's result depending on the batch.
 //
@@ -16,8 +17,7 @@
 //   B tile (tmm6/7): BS/4 rows x 64 bytes of weights, stride 64            (qw[g, b])
 //   C tile (tmm0/1): 16 x 16 int32 = sum_j a_q[i, j] * w[r, j] over the block
 // TDPBSUD (signed A x unsigned B) for the unsigned types.  Q8_0's signed weights: TDPBSSD,
-// plus TDPBSUD against a constant tile of 0x80 (= 128 unsigned), so C = sum (v + 128) a_q —
-// the very integer the vpdpbusd kernel forms from v ^ 0x80, with c = -128 s as its bias.
+// C = sum v a_q — the integer the vpdpbusd kernel forms as sum (v ^ 0x80) a_q - 128 sum a_q.
 // Each block needs its own C tile (the scales change per block): the tile is stored to a
 // 1 KiB buffer and its 16 rows scaled into 16 zmm accumulators, which is where most of the
 // time goes (see the README's measurements).  Blocks go in pairs (tmm0/tmm1), software
@@ -35,14 +35,6 @@ namespace {
 // last one zero-padded).  Both give the same bits, so this is a speed choice only.
 constexpr int amx_min_rows(int bs) { return bs == 32 ? 12 : 14; }
 
-alignas(64) const uint8_t kU128[8 * 64] = {
-#define LP_X8 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80
-#define LP_X64 LP_X8, LP_X8, LP_X8, LP_X8, LP_X8, LP_X8, LP_X8, LP_X8
-    LP_X64, LP_X64, LP_X64, LP_X64, LP_X64, LP_X64, LP_X64, LP_X64,
-#undef LP_X64
-#undef LP_X8
-};
-
 // Per tile of 16 activation rows, the rows' scales transposed so that block b's 16 values are
 // contiguous: dT (nb32, 16) = d_a, sT (nb, 16) = d_a * sum(a_q) per BS (zero for pad rows).
 // Scale one stored C tile (16 rows x 16 int32, row t at cb + 16 t) of block b into acc[16]:
@@ -51,15 +43,14 @@ template <int BS, int MODE>
 inline void scale_block(const int32_t* cb, const float* S, const float* C, float off, int b, const float* dT,
                         const float* sT, __m512* acc) {
   const __m512 s = _mm512_loadu_ps(S + b * R);
-  const __m512 c = MODE == 0 ? _mm512_loadu_ps(C + b * R)
-                             : _mm512_mul_ps(s, _mm512_set1_ps(MODE == 1 ? -128.f : off));
+  const __m512 c = MODE == 0 ? _mm512_loadu_ps(C + b * R) : _mm512_mul_ps(s, _mm512_set1_ps(off));
   const float* da = dT + ((b * BS) / 32) * 16;
   const float* sa = sT + b * 16;
 #pragma GCC unroll 16
   for (int t = 0; t < 16; ++t) {
     const __m512i isum = _mm512_load_si512((const void*)(cb + 16 * t));
     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, _mm512_set1_ps(da[t])), acc[t]);
-    acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sa[t]), acc[t]);
+    if (MODE != 1) acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sa[t]), acc[t]);
   }
 }
 
@@ -71,7 +62,6 @@ inline void scale_block(const int32_t* cb, const float* S, const float* C, float
     _tile_zero(ct);                                         \
     if (MODE == 1) {                                        \
       _tile_dpbssd(ct, at, bt);                             \
-      _tile_dpbsud(ct, at, 3);                              \
     } else {                                                \
       _tile_dpbsud(ct, at, bt);                             \
     }                                                       \
@@ -124,8 +114,8 @@ void rows16(const uint8_t* W, const float* S, const float* C, float off, int nb,
 }
 #undef LP_AMX_BLOCK
 
-// The int8 tiles for gemm_amx (the interface: qmm_amx.h).  tmm0, tmm1: C (16 x 16 int32); tmm3:
-// the constant 0x80 B tile (Q8_0 only); tmm4, tmm5: A (16 x BS int8); tmm6, tmm7: B (BS/4 x 64).
+// The int8 tiles for gemm_amx (the interface: qmm_amx.h).  tmm0, tmm1: C (16 x 16 int32);
+// tmm4, tmm5: A (16 x BS int8); tmm6, tmm7: B (BS/4 x 64).
 struct Amx8 {
   using Act = ::Act;
   static constexpr bool pays(int) { return true; }
@@ -148,8 +138,7 @@ struct Amx8 {
   }
   template <int BS, int MODE>
   static void configure() {
-    load_tile_config(0x3, 0x30, 0xC8, BS);  // C: tmm0, 1; A: tmm4, 5; B: tmm3, 6, 7
-    if (MODE == 1) _tile_loadd(3, kU128, 64);
+    load_tile_config(0x3, 0x30, 0xC0, BS);  // C: tmm0, 1; A: tmm4, 5; B: tmm6, 7
   }
   template <int BS, int MODE>
   static void rows(const uint8_t* W, const float* S, const float* C, float off, int nb, const int8_t* q, long k,

@@ -89,8 +89,7 @@ void gemm_amx(const uint8_t* qw, const float* sc, const float* bias, float off, 
   const int ntiles = nfull + (mtail ? 1 : 0), mtiles = nfull * 16 + mtail;
   if (mtiles < n) {  // the rows after the tiles: vnni
     const int64_t r0 = (int64_t)nfull * 16;
-    const typename K::Act at{a.q + r0 * k, a.d + r0 * nb32, a.s16 + r0 * nb16, a.s32 + r0 * nb32, k};
-    K::template vnni<BS, MODE>(qw, sc, bias, off, d, k, at, n - mtiles, y + r0 * d, nthreads);
+    K::template vnni<BS, MODE>(qw, sc, bias, off, d, k, a.from_row(r0), n - mtiles, y + r0 * d, nthreads);
   }
   if (ntiles == 0) return;
   // Scratch (zeroed: pad rows have zero scales and activations): the staged tile input, then per

@@ -119,25 +119,58 @@ inline void tile_rows(int n, Tile&& tile) {
       ...);
 }
 
+// out (m) int32 = the sum of each run of 32 int8 values at q (m * 32 bytes): per 32 bytes,
+// vpsadbw of (q + 128) as unsigned bytes against zero, less 32 * 128.
+inline void block_sums32(const int8_t* q, int64_t m, int32_t* out) {
+  const __m256i x80 = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+  for (int64_t i = 0; i < m; ++i) {
+    const __m256i s = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + i * 32)), x80), zero);
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    out[i] = (int32_t)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1)) - 32 * 128;
+  }
+}
+
 // y (n, d) f32 = x @ W.T from activations already quantized, K::kChunk rows at a time.
 //   bs 16 or 32; is_signed: the signed (Q8_0) form, which has no bias; bias: stored offsets
-//   or NULL for c = off * s.  Returns 0, or -1 for an unsupported (bs, is_signed) pair.
+//   or NULL for c = off * s.  On AVX-512, int8 activations against the signed form also need
+//   each block's integer sum (Act::qsum, qmm8.h), formed here per chunk.  Returns 0, -1 for an unsupported
+//   (bs, is_signed) pair, -2 when the block sums find no memory.
 template <class K, class Q>
 inline int qmm_chunks(const uint8_t* qw, const float* sc, const float* bias, float off, int d, int k, int bs,
                       int is_signed, const Q* aq, const float* ad, const float* as16, const float* as32, int n,
                       float* y, int nthreads) {
+#if defined(LP_AVX512)
+  constexpr bool kSums = std::is_same<Q, int8_t>::value;
+#else
+  constexpr bool kSums = false;  // the AVX2 tile forms sum(v * a_q) by llama.cpp's sign trick
+#endif
+  int32_t* qsum = nullptr;
+  if (kSums && bs == 32 && is_signed && n > 0) {
+    qsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(n < K::kChunk ? n : K::kChunk) * (k / 32));
+    if (!qsum) return -2;
+  }
   for (int r0 = 0; r0 < n; r0 += K::kChunk) {
     const int nr = n - r0 < K::kChunk ? n - r0 : K::kChunk;
     typename K::Activations a{aq + (int64_t)r0 * k, ad + (int64_t)r0 * (k / 32), as16 + (int64_t)r0 * (k / 16),
                       as32 + (int64_t)r0 * (k / 32), k};
+    if constexpr (kSums) {
+      if (qsum) {
+        block_sums32((const int8_t*)(aq + (int64_t)r0 * k), (int64_t)nr * (k / 32), qsum);
+        a.qsum = qsum;
+      }
+    }
     float* yc = y + (int64_t)r0 * d;
     if (bs == 32 && is_signed) K::template run<32, 1>(qw, sc, nullptr, 0.f, d, k, a, nr, yc, nthreads);
     else if (bs == 32 && bias) K::template run<32, 0>(qw, sc, bias, 0.f, d, k, a, nr, yc, nthreads);
     else if (bs == 32) K::template run<32, 2>(qw, sc, nullptr, off, d, k, a, nr, yc, nthreads);
     else if (bs == 16 && !is_signed && bias) K::template run<16, 0>(qw, sc, bias, 0.f, d, k, a, nr, yc, nthreads);
     else if (bs == 16 && !is_signed) K::template run<16, 2>(qw, sc, nullptr, off, d, k, a, nr, yc, nthreads);
-    else return -1;
+    else {
+      free(qsum);
+      return -1;
+    }
   }
+  free(qsum);
   return 0;
 }
 
