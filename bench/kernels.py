@@ -455,30 +455,40 @@ def run_sampling(reps: int) -> None:
             os.environ["LORAPLANE_KERNELS"] = before
 
 
-ACT_SETTINGS = {"all-i16": "i16", "policy": None, "rescore": None, "all-i8": "i8"}
-"""label -> ``LORAPLANE_KERNEL_ACT`` (None: unset). ``rescore``: the policy with the LM head's
-``QuantLinear.rescore`` set (its top candidates per row recomputed with int16)."""
+ACT_SETTINGS: dict[str, tuple[str | None, str | None, int | None]] = {
+    "all-i16": ("i16", None, None),
+    "head-i16": (None, "i16", None),
+    "policy": (None, None, None),
+    "no-rescore": (None, None, 0),
+    "all-i8": ("i8", None, None),
+}
+"""label -> (``$LORAPLANE_KERNEL_ACT`` or None: unset, the LM head's ``act`` or None: its own,
+the head's ``rescore`` or None: its own). ``policy`` is the model as loaded (each weight's
+``act``, the head's re-score); ``head-i16`` the same with the head at int16 (the default before
+the heads took int8); ``no-rescore`` the policy without the head's int16 re-score."""
 
 
-def _with_act(setting: str | None, fn, head=None, rescore: int = 0):
-    """Run ``fn()`` with ``$LORAPLANE_KERNEL_ACT`` set to ``setting`` (None: unset, the policy)
-    and ``head.rescore`` set to ``rescore``."""
-    if head is not None:
+def _with_act(setting: tuple[str | None, str | None, int | None], fn, head):
+    """Run ``fn()`` under ``setting`` (an ``ACT_SETTINGS`` value), restoring the head after."""
+    env, act, rescore = setting
+    saved = head.act, head.rescore
+    if act is not None:
+        head.act = act
+    if rescore is not None:
         head.rescore = rescore
     old = os.environ.pop("LORAPLANE_KERNEL_ACT", None)
-    if setting is not None:
-        os.environ["LORAPLANE_KERNEL_ACT"] = setting
+    if env is not None:
+        os.environ["LORAPLANE_KERNEL_ACT"] = env
     try:
         return fn()
     finally:
+        head.act, head.rescore = saved
         os.environ.pop("LORAPLANE_KERNEL_ACT", None)
         if old is not None:
             os.environ["LORAPLANE_KERNEL_ACT"] = old
 
 
-def run_act_policy(
-    model: str, reps: int, batches: list[int], steps: int = 4, n_ctx: int = 64, rescore: int = 32
-) -> None:
+def run_act_policy(model: str, reps: int, batches: list[int], steps: int = 4, n_ctx: int = 64) -> None:
     """LM head matmul and whole decode steps under each ``ACT_SETTINGS`` entry, reps interleaved."""
     from worker.runtime.context import Model
     from worker.runtime.context_base import UBatch
@@ -491,15 +501,14 @@ def run_act_policy(
     assert isinstance(head, QuantLinear), f"{head_name} is not a packed weight"
     acts = {n: w.act for n, w in base.weights.items() if hasattr(w, "act") and w.act != "i16"}
     print(f"model {base.arch}; LM head {head_name} {head.ggml_type.name} {head.d}x{head.k}; weights not i16: {acts}")
-    print(f"rescore: the LM head's top {rescore} per row recomputed with i16")
+    print(f"the LM head as loaded: {head.act}, re-scoring each row's top {head.rescore} with i16")
     print(f"LM head matmul, median ms (min-max) over {reps} interleaved reps:")
     for b in batches:
         x = torch.randn(b, head.k)
         ts: dict[str, list[float]] = {k: [] for k in ACT_SETTINGS}
         for _ in range(reps + 1):
             for label, setting in ACT_SETTINGS.items():
-                rs = rescore if label == "rescore" else 0
-                ts[label] += _with_act(setting, lambda x=x: _times(lambda: head.matmul(x), 1), head, rs)
+                ts[label] += _with_act(setting, lambda x=x: _times(lambda: head.matmul(x), 1), head)
         row = "  ".join(f"{k} {_fmt(v[1:]).strip()}" for k, v in ts.items())
         print(f"  B={b:<3d} {row}")
     ctx = Model(base).new_context(n_ctx_seq=n_ctx + steps + 8, n_seq=max(batches))
@@ -528,7 +537,7 @@ def run_act_policy(
                         ctx.decode(UBatch(toks, [n_ctx + i] * b, list(range(b)), [True] * b))
                     return (time.perf_counter() - t0) * 1e3 / steps
 
-                ts[label].append(_with_act(setting, go, head, rescore if label == "rescore" else 0))
+                ts[label].append(_with_act(setting, go, head))
         row = "  ".join(f"{k} {_fmt(v[1:]).strip()}" for k, v in ts.items())
         print(f"  B={b:<3d} {row}")
     ctx.close()
@@ -550,7 +559,6 @@ def main(argv: list[str] | None = None) -> int:
         "--conditions", default=None, help="--contention: comma-separated labels of CONDITIONS to run (default all)"
     )
     ap.add_argument("--act-policy", action="store_true", help="LM head + decode step: act policy vs all-i16/all-i8")
-    ap.add_argument("--rescore", type=int, default=32, help="--act-policy: candidates re-scored per row")
     ap.add_argument("--step-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--contention-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sampling", action="store_true", help="only greedy sampling: torch vs the fused kernel")
@@ -601,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(linear {packed / 2**20:.1f} MiB = {packed / lin_bytes:.2f}x)"
     )
     if args.act_policy:
-        run_act_policy(args.model, args.reps, batches, rescore=args.rescore)
+        run_act_policy(args.model, args.reps, batches)
         return 0
     copy_bw, read_bw = _bandwidth(args.reps)
     print(f"bandwidth: copy {copy_bw:.1f} GB/s (read + write), read-only {read_bw:.1f} GB/s\n")

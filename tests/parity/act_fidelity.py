@@ -4,10 +4,10 @@
 
 For each model (Gemma 3 270M against ``tests/fixtures/golden.json``, Qwen2.5-Coder-0.5B
 against ``tests/fixtures/qwen/golden.json``; packed weights, f32 compute) and each setting —
-``all-i16`` (``LORAPLANE_KERNEL_ACT=i16``, the former default), ``policy`` (unset: each
-weight's own ``QuantLinear.act`` from ``worker.runtime.model.assign_acts``), ``all-i8``
-(``LORAPLANE_KERNEL_ACT=i8``), ``rescore`` (the policy plus the LM head's top ``--rescore``
-candidates per row recomputed with int16 activations) — prints every golden group's worst case
+``all-i16`` (``LORAPLANE_KERNEL_ACT=i16``), ``policy`` (unset: each weight's own
+``QuantLinear.act`` and the head's ``rescore`` from ``worker.runtime.model.assign_acts``),
+``all-i8`` (``LORAPLANE_KERNEL_ACT=i8``), ``rescore`` (the policy with the LM head's top
+``--rescore`` candidates per row recomputed with int16 activations; 0: none) — prints every golden group's worst case
 mean |Δ log-prob|, 95th percentile and argmax agreement, computed teacher-forced exactly as
 ``tests/parity/test_model_parity.py`` / ``test_qwen_parity.py`` do (bounds: case mean ≤ 0.10,
 p95 ≤ 0.25, argmax ≥ 95 %; tests/fixtures/README.md). The model is loaded once per model and
@@ -32,7 +32,7 @@ from worker.runtime.model import LM_HEAD_NAMES, default_model_path, load_model
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 SETTINGS = {"all-i16": "i16", "policy": None, "all-i8": "i8", "rescore": None}
 """label -> ``LORAPLANE_KERNEL_ACT`` (None: unset). ``rescore``: the policy with the LM head's
-``QuantLinear.rescore`` set to ``--rescore`` (top candidates recomputed with i16)."""
+``QuantLinear.rescore`` set to ``--rescore`` (top candidates recomputed with i16; 0: none)."""
 BOUNDS = (0.10, 0.25, 0.95)  # case mean, group p95, argmax rate
 
 
@@ -80,13 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         model, golden, _ = _model(mname)
         packed = {n: w for n, w in model.base.weights.items() if isinstance(w, QuantLinear)}
         acts = {n: w.act for n, w in packed.items() if w.act != "i16"}
-        print(f"== {mname} ({model.base.arch}); weights with int8 activations under the policy: {acts}")
+        kinds = ", ".join(sorted({n.split(".")[-2] if n.startswith("blk.") else n for n in acts}))
+        print(f"== {mname} ({model.base.arch}); int8 activations under the policy: {len(acts)} weights ({kinds})")
         ctx = model.new_context(n_ctx_seq=512, n_seq=4)
         res = {}
         head = next((w for n, w in packed.items() if n in LM_HEAD_NAMES and w.act == "i8"), None)
+        assigned = head.rescore if head is not None else 0  # the policy's own re-score
         for st in settings:
             if head is not None:
-                head.rescore = args.rescore if st == "rescore" else 0
+                head.rescore = args.rescore if st == "rescore" else assigned
             old = os.environ.pop("LORAPLANE_KERNEL_ACT", None)
             forced = SETTINGS[st]
             if forced is not None:

@@ -9,6 +9,10 @@ two paths differ by float rounding only: the kernel attends prompt rows with the
 attention kernel (online softmax, f32) where the graph calls torch's SDPA, fuses its rope and
 activation arithmetic in C, and adds q/k/v biases in another order; Gemma's residual outliers
 (|x| ≈ 250) carry a last-bit difference through the int16 activation roundings of 18 layers.
+The LM head runs int16 here whatever the architecture's policy (``_head_at_int16``): an int8 head
+turns such a last-bit difference of its input into whole rounding steps (measured 0.034 on the
+worst of 262144 log-probs) and is not what these tests compare; the parity tests hold it to the
+llama.cpp goldens.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ import torch
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.runtime.context import Model, UBatch
-from worker.runtime.kernels import cpu
+from worker.runtime.kernels import QuantLinear, cpu
 from worker.runtime.kernels.layer import LayerKernel
-from worker.runtime.model import load_model
+from worker.runtime.model import LM_HEAD_NAMES, load_model
 
 LOGP_TOL = 0.03
 
@@ -42,6 +46,15 @@ def count_calls(monkeypatch):
 
     monkeypatch.setattr(LayerKernel, "forward", forward)
     return calls
+
+
+def _head_at_int16(model: Model, monkeypatch) -> None:
+    """Run the model's packed LM head with int16 activations for this test (module docstring)."""
+    for name in LM_HEAD_NAMES:
+        w = model.base.weights.get(name)
+        if isinstance(w, QuantLinear):
+            monkeypatch.setattr(w, "act", "i16")
+            return
 
 
 def _script(model: Model, sets: list[AdapterSet]) -> list[torch.Tensor]:
@@ -95,6 +108,7 @@ def test_gemma_layer_kernel_matches_the_graph(gemma_packed, fixtures_dir: Path, 
             ids.append(900 + i)
         shout, sea = (model.adapters.by_id[i] for i in ids)
         sets = [AdapterSet.of({ids[0]: (shout, 1.0)}), AdapterSet.of({ids[0]: (shout, 0.5), ids[1]: (sea, 1.0)})]
+    _head_at_int16(model, monkeypatch)
     try:
         monkeypatch.setenv("LORAPLANE_LAYER", "torch")
         ref = _script(model, sets)
@@ -154,6 +168,7 @@ def test_tiny_archs_layer_kernel_matches_the_graph(arch, tmp_path, monkeypatch, 
     )
     model.adapters.add(1, a)
     sets = [AdapterSet(), AdapterSet.of({1: (a, 1.0)})]
+    _head_at_int16(model, monkeypatch)
     monkeypatch.setenv("LORAPLANE_LAYER", "torch")
     ref = _script(model, sets)
     monkeypatch.setenv("LORAPLANE_LAYER", "c")

@@ -139,11 +139,11 @@ def gemma(base_model_path, request):
 
 
 def test_lm_head_int8_policy(gemma, monkeypatch):
-    """Activation policy on Gemma 3 (packed): by default every packed weight (fused q/k/v and
-    gate/up too) takes int16 activations. With the head switched to the 'lm_head' policy (int8
-    activations, top 32 re-scored with int16) the logits differ from int16 (int8 was really
-    used), the argmax is the same, each row's leading logits equal the int16 ones bit for bit,
-    and the top-1 log-prob moves by less than 0.1 nats."""
+    """Activation policy on Gemma 3 (packed), the architecture's default: every layer weight
+    (fused q/k/v and gate/up too) takes int16 activations, the LM head int8 with each row's top
+    32 re-scored with int16. Against the head switched to int16: the logits differ (int8 was
+    really used), the argmax is the same, each row's leading logits equal the int16 ones bit
+    for bit, and the top-1 log-prob moves by less than 0.1 nats."""
     model, ctx = gemma
     if model.base.weight_form != "packed":
         assert not any(isinstance(w, QuantLinear) for w in model.base.weights.values())
@@ -151,7 +151,8 @@ def test_lm_head_int8_policy(gemma, monkeypatch):
     monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
     head = model.base.weights["token_embd.weight"]
     acts = {n: w.act for n, w in model.base.weights.items() if isinstance(w, QuantLinear) and w.qw is not None}
-    assert len(acts) == 18 * 7 + 1 and set(acts.values()) == {"i16"}
+    assert len(acts) == 18 * 7 + 1 and acts.pop("token_embd.weight") == "i8" and set(acts.values()) == {"i16"}
+    assert head.rescore == LM_HEAD_RESCORE
     assert {w.act for w in model.base.fused.values()} == {"i16"}
     toks = [2, 818, 5279, 529, 7001, 563]
 
@@ -161,10 +162,9 @@ def test_lm_head_int8_policy(gemma, monkeypatch):
         ctx.kv.seq_rm(0)
         return out
 
-    y_i16 = logits()
-    monkeypatch.setattr(head, "act", "i8")
-    monkeypatch.setattr(head, "rescore", LM_HEAD_RESCORE)
     y_policy = logits()
+    monkeypatch.setattr(head, "act", "i16")
+    y_i16 = logits()
     assert not torch.equal(y_policy, y_i16)
     # the re-scored set is the int8 top 32, which holds int16's clear leaders (its edge may
     # differ by the int8 noise): those are int16 values bit for bit

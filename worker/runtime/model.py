@@ -293,13 +293,15 @@ normed stream again, the gated activation)."""
 INT8_POLICIES = ("none", "lm_head", *INT8_KINDS)
 """Policy words: 'none', or a comma-separated list of 'lm_head' and the layer kinds."""
 
-INT8_ARCH_DEFAULTS = {"qwen2": "attn_qkv,attn_output,ffn_in,ffn_down"}
+INT8_ARCH_DEFAULTS = {"gemma3": "lm_head", "qwen2": "lm_head,attn_qkv,attn_output,ffn_in,ffn_down"}
 """The policy an architecture gets when ``$LORAPLANE_INT8_WEIGHTS`` is unset, decided by
 measurement against the llama.cpp goldens (``python -m tests.parity.act_fidelity``; kernels
 README, "Activation precision per weight"): Qwen2.5's layers with int8 activations stay far inside
 the bounds (worst case mean 0.0315 vs 0.0397 with int16) and its B=16 step drops 181 → 139 ms on an
-AVX2 CPU; Gemma's residual outliers put every int8 choice at the bound, so it and every
-architecture not measured keep int16 ('none')."""
+AVX2 CPU; Gemma's residual outliers put every int8 choice in its layers at the bound, so its layers
+keep int16. Both heads take int8 with the top :data:`LM_HEAD_RESCORE` re-scored in int16 (golden
+statistics those of int16; the head at B=16 0.6× its int16 time on AMX). Architectures not
+measured keep int16 everywhere ('none')."""
 
 
 def int8_policy(arch: str = "") -> str:
@@ -338,8 +340,8 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None, *, arch: 
       those weights of every layer run int8 activations.
 
     Why int16 stays the default outside :data:`INT8_ARCH_DEFAULTS` (measured; kernels README,
-    "Activation precision per weight"): on Gemma every int8 choice puts a golden group at the
-    bound (its |x| ≈ 250 residual outliers). The batching objection of the op-by-op graph (a
+    "Activation precision per weight"): on Gemma every int8 choice in the layers puts a golden
+    group at the bound (its |x| ≈ 250 residual outliers). The batching objection of the op-by-op graph (a
     last-bit difference upstream — another ubatch shape — moving whole int8 rounding steps, so
     mixed vs compat batching differed by up to 1.1e-2 in a log-prob against the 1e-3 bound) is gone
     with the layer kernel (``worker.runtime.layer``), where a row's arithmetic never depends on the
