@@ -12,7 +12,7 @@
 //   vnni<BS, MODE>(...)                its vpdpbusd / vpdpwssd kernel (same bits, any rows)
 //   input_bytes(ntiles, mtail, k)      bytes of the staged tile input
 //   stage<BS>(in, a, nfull, mtail, nb) fill it; input<BS>(in, a, it, nfull, nb): tile it's rows
-//   configure<BS, MODE>()              ldtilecfg (+ constant tiles) on the calling thread
+//   configure<BS, MODE>()              ldtilecfg on the calling thread
 //   rows<BS, MODE>(..., stream)        y rows of one row tile x one weight group of 16 rows; it
 //                                      prefetches the weights into L1 ahead, and into L2 far
 //                                      ahead when stream (lp::prefetch_weights) — the first row
