@@ -300,20 +300,12 @@ class QuantLinear:
         Raises:
             KernelError: the kernel refused the call (its code in the message).
         """
-        assert self.qw is not None and self.scale is not None
         xf = x.to(torch.float32).contiguous()
         rc = getattr(library.load(path), f"lp_{path}_qmm16_rescore")(
             xf.data_ptr(),
             self.k,
             y.shape[0],
-            self.k,
-            self.qw.data_ptr(),
-            self.scale.data_ptr(),
-            _p(self.bias),
-            self.offset,
-            self.d,
-            self.bs,
-            int(self.signed),
+            *self._f32_call_form(),
             min(self.rescore, self.d, TOPK_MAX),
             y.data_ptr(),
             y.stride(0),
@@ -329,6 +321,21 @@ class QuantLinear:
             return x.to(torch.float32) @ self.weight.T
         return (x.to(self.weight.dtype) @ self.weight.T).to(torch.float32)
 
+    def _f32_call_form(self) -> tuple:
+        """The weight's arguments of the float-input exports (``qmm*_f32``, ``qmm16_rescore``):
+        ``k, qw, sc, bias, off, d, bs, is_signed`` (csrc/api.h)."""
+        assert self.qw is not None and self.scale is not None
+        return (
+            self.k,
+            self.qw.data_ptr(),
+            self.scale.data_ptr(),
+            _p(self.bias),
+            self.offset,
+            self.d,
+            self.bs,
+            int(self.signed),
+        )
+
     def _qmm_f32(self, x: torch.Tensor, path: str, act: str) -> torch.Tensor:
         """Quantize + multiply in one C call (the common case: one ctypes crossing)."""
         n = x.shape[0]
@@ -338,19 +345,11 @@ class QuantLinear:
         if self.k % 32:
             raise KernelError(f"{self.name}: width {self.k} is not a multiple of 32")
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
-        assert self.qw is not None and self.scale is not None
         rc = _fns(path, act)[2](
             xf.data_ptr(),
             self.k,
             n,
-            self.k,
-            self.qw.data_ptr(),
-            self.scale.data_ptr(),
-            _p(self.bias),
-            self.offset,
-            self.d,
-            self.bs,
-            int(self.signed),
+            *self._f32_call_form(),
             y.data_ptr(),
             torch.get_num_threads(),
         )
