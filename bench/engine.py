@@ -28,7 +28,7 @@ from worker.lora.adapter_set import EMPTY_SET, AdapterSet
 from worker.runtime.context import Model
 from worker.runtime.context_base import AdapterContext, UBatch
 from worker.runtime.model import LoadedModel
-from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
+from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows, greedy_top
 
 TOKEN_LO, TOKEN_HI = 1000, 200_000  # ordinary vocabulary ids (no special tokens)
 N_BATCH = 512  # rows per ubatch when prefilling several sequences
@@ -153,7 +153,7 @@ class EngineBench:
             t1 = time.perf_counter()
             rows = list(range(len(res.out_rows)))  # every row is an output row, in batch order
             if batch > 1:
-                logp, top = greedy_rows(res.logits, rows)
+                logp, top = greedy_rows(res.logits, rows, greedy_top(samplers))
                 for j, r in enumerate(rows):
                     samplers[j].sample(res.logits[r], logp=logp[j], argmax=top[j])
             else:

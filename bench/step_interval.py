@@ -38,7 +38,7 @@ from worker.lora.adapter_set import EMPTY_SET
 from worker.rpc.servicer import event_to_proto
 from worker.runtime.context_base import UBatch
 from worker.runtime.model import default_model_path
-from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
+from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows, greedy_top
 from worker.serving.engine import WorkerEngine
 from worker.serving.request import ErrorEvent, FinishedEvent
 
@@ -69,7 +69,7 @@ def in_process_step_ms(engine: WorkerEngine, batch: int, steps: int, seed: int) 
             t0 = time.perf_counter()
             res = ctx.decode(UBatch(random_tokens(rng, batch, hi=hi), [N_CTX + i] * batch, seqs, [True] * batch))
             rows = list(range(len(res.out_rows)))
-            logp, top = greedy_rows(res.logits, rows)
+            logp, top = greedy_rows(res.logits, rows, greedy_top(samplers))
             for j, r in enumerate(rows):
                 samplers[j].sample(res.logits[r], logp=logp[j], argmax=top[j])
             if i:

@@ -16,7 +16,7 @@ import torch
 
 from worker.runtime.kernels import supported
 from worker.runtime.kernels.sample import TOPK_MAX, logits_summary
-from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows
+from worker.runtime.sampling import Sampler, SamplingParams, greedy_rows, greedy_top
 
 C_PATHS = [
     pytest.param("avx2", marks=pytest.mark.skipif(not supported("avx2"), reason="CPU lacks AVX2/FMA/F16C")),
@@ -180,6 +180,27 @@ def test_greedy_sampler_same_tokens_as_torch(monkeypatch, v):
     a, b = fused[2].top, ref[2].top
     assert [t for t, _ in a] == [t for t, _ in b]
     assert all(abs(p - q) <= 1e-5 + 2e-7 * abs(q) for (_, p), (_, q) in zip(a, b, strict=True))
+
+
+def test_greedy_rows_top_list_as_long_as_asked(monkeypatch):
+    """The scheduler's batched greedy summary keeps only the top entries its rows' requests ask
+    for (``greedy_top``: the most ``logprobs``, at least 1): every sampled token, log-prob and
+    top list equals the one from the full ``MAX_LOGPROBS`` list, bit for bit."""
+    monkeypatch.setenv("LORAPLANE_KERNELS", "auto")
+    x = _logits(4, GEMMA, seed=5)
+    none, three = SamplingParams(), SamplingParams(logprobs=3)
+    assert greedy_top([Sampler(none), Sampler(none)]) == 1
+    assert greedy_top([Sampler(none), Sampler(three)]) == 3
+    assert greedy_top([]) == 1
+    for params in (none, three):
+        k = greedy_top([Sampler(params)] * 4)
+        short, tok_s = greedy_rows(x, [0, 1, 2, 3], k)
+        full, tok_f = greedy_rows(x, [0, 1, 2, 3])
+        assert tok_s == tok_f
+        for r in range(4):
+            a = Sampler(params).sample(x[r], logp=short[r], argmax=tok_s[r])
+            b = Sampler(params).sample(x[r], logp=full[r], argmax=tok_f[r])
+            assert a == b and len(a.top) == params.logprobs
 
 
 def _expected_probs(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:

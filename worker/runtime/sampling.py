@@ -16,6 +16,7 @@ The order of the steps and what log-probs report: docs/http-api.md, "Request par
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -414,14 +415,22 @@ def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (clean - top) / temperature
 
 
-def greedy_rows(logits: torch.Tensor, rows: list[int]) -> tuple[list[RowLogprobs], list[int]]:
+def greedy_top(samplers: Iterable[Sampler]) -> int:
+    """The top-list length :func:`greedy_rows` needs for these greedy rows' samplers: the most
+    top log-probs any of their requests asks for, at least 1 (the argmax)."""
+    return max((max(1, sp.params.logprobs) for sp in samplers), default=1)
+
+
+def greedy_rows(logits: torch.Tensor, rows: list[int], k: int = MAX_LOGPROBS) -> tuple[list[RowLogprobs], list[int]]:
     """Per-row log-prob data and argmax of the logits rows ``rows`` of f32 ``(m, n_vocab)``, all
     rows in one call (one pass over the ubatch instead of one per sequence); per row the
     values equal ``Sampler.sample``'s own.
 
     On CPU with the C kernels each row's entry is its ``RowSummary`` (fused max, log-sum-exp
-    and top-20 = the most top log-probs a request may ask for); otherwise its
-    ``log_softmax`` row ``(n_vocab,)``. Hand an entry to ``Sampler.sample(logp=...)``.
+    and the top ``k``: at least the most top log-probs any of these rows' requests asks for,
+    default :data:`MAX_LOGPROBS`; keeping fewer candidates makes the pass cheaper, the values
+    are the same); otherwise its ``log_softmax`` row ``(n_vocab,)``. Hand an entry to
+    ``Sampler.sample(logp=...)``.
 
     Returns ``(per-row log-prob data, argmax ids)`` (argmax: first maximum).
 
@@ -430,7 +439,7 @@ def greedy_rows(logits: torch.Tensor, rows: list[int]) -> tuple[list[RowLogprobs
     """
     path = _fused_path(logits)
     if path is not None:
-        summ = summarize_rows(logits.float(), MAX_LOGPROBS, path, rows)
+        summ = summarize_rows(logits.float(), k, path, rows)
         return list(summ), [s.top_ids[0] for s in summ]
     sel = logits.float().cpu().index_select(0, torch.tensor(rows, dtype=torch.long))
     return list(torch.log_softmax(sel, dim=-1)), sel.argmax(dim=-1).tolist()

@@ -22,7 +22,7 @@ import torch
 from worker.config import Batching, WorkerConfig
 from worker.errors import DecodeFailedError
 from worker.runtime.context_base import AdapterContext
-from worker.runtime.sampling import RowLogprobs, greedy_rows, penalize_rows
+from worker.runtime.sampling import RowLogprobs, greedy_rows, greedy_top, penalize_rows
 from worker.serving.cache_policy import CachePolicy
 from worker.serving.constraints import GRAMMAR_FAILED, GrammarStage
 from worker.serving.fairness import FairQueue
@@ -132,14 +132,15 @@ class StepRunner:
             masks, res.logits, {id(s.request): out_idx[-1] for s, _, out_idx in parts if out_idx[-1] >= 0}
         )
         # greedy rows that sample this step: one batched log_softmax + argmax for all of them
-        greedy = [
-            out_idx[-1]
+        greedy_seqs = [
+            (s.sampler, out_idx[-1])
             for s, rows, out_idx in parts
             if s.sampler is not None and s.sampler.greedy and rows[-1] + 1 >= len(s.request.prompt) and out_idx[-1] >= 0
         ]
+        greedy = [r for _, r in greedy_seqs]
         pre: dict[int, tuple[RowLogprobs, int]] = {}
         if len(greedy) > 1:
-            logp, tok = greedy_rows(res.logits, greedy)
+            logp, tok = greedy_rows(res.logits, greedy, greedy_top(sp for sp, _ in greedy_seqs))
             pre = {r: (logp[i], tok[i]) for i, r in enumerate(greedy)}
         penalized = _penalize_step(parts, res.logits)
         records: list = []
