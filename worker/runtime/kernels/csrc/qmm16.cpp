@@ -73,6 +73,11 @@ void rescore_row(const uint8_t* qw, const float* sc, const float* bias, float of
 
 }  // namespace
 
+// x f32 (n, k), row stride ldx: the input of an int8-activation matmul of this weight whose
+// results are y f32 (n, d), row stride ldy.  Per row (rows in parallel, each independent): its K
+// largest entries (1 <= K <= 128; ties: the lower column) are replaced in place by the int16
+// kernel's values for those columns, bit-equal to a full qmm16 of x.  The weight arguments as
+// qmm16_f32's.  Returns 0, -1 (bad arguments or weight form), -2 (no memory).
 LP_EXPORT int LP_FN(qmm16_rescore)(const float* x, int64_t ldx, int n, int k, const uint8_t* qw, const float* sc,
                                    const float* bias, float off, int d, int bs, int is_signed, int K, float* y,
                                    int64_t ldy, int nthreads) {
