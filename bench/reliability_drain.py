@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,17 +31,12 @@ from pathlib import Path
 
 import grpc
 
+from bench.servers import free_port
 from loraplane.env import ENV_WORKER_SECRET
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "bench-reliability-drain-secret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -122,7 +116,7 @@ def run(
     model: Path | None, workers: int, streams: int, max_tokens: int, drain_timeout: float, tmp: Path
 ) -> dict[str, object]:
     """The measurement (see the module docstring); returns the figures."""
-    cp_addr = f"127.0.0.1:{_free_port()}"
+    cp_addr = f"127.0.0.1:{free_port()}"
     model_args = ["--model", str(model)] if model else []
     procs: dict[str, subprocess.Popen] = {}
     cp = _cli(

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.servers import free_port
 from loraplane.process import cli_module
 from loraplane.v1 import common_pb2, control_plane_pb2_grpc, membership_pb2, membership_pb2_grpc
 
@@ -146,16 +146,10 @@ def stalled_readers(addr: str, sha256: str, secret: str, n: int = 100, probes: i
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_control_plane(repo: Path, data_dir: Path, secret: str | None, log_path: Path) -> tuple[subprocess.Popen, str]:
     """A ``control-plane`` subprocess of ``repo`` with ``$LORAPLANE_WORKER_SECRET`` = ``secret``
     (None: default flags, no secret)."""
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
     env.pop("LORAPLANE_ADMIN_TOKEN", None)
     env.pop("LORAPLANE_WORKER_SECRET", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -35,10 +36,39 @@ START_TIMEOUT_S = 900.0
 STOP_GRACE_S = 20.0
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ``bind(port 0)`` (Linux ``ip_local_port_range``; IANA's elsewhere)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that nothing listens on, for a server started later with it.
+
+    Drawn below the kernel's ephemeral range, so no ``:0`` bind in between (a serve's own
+    worker, a client socket) can be handed the same port before our server binds it, and never
+    the same port twice in one process. Raises RuntimeError when 500 draws find none free.
+    """
+    lo, hi = _ephemeral_range()
+    first, end = (10000 if lo > 12000 else 1024, lo) if lo > 2048 else (hi + 1, 65536)
+    for _ in range(500):
+        port = random.randrange(first, end)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {first}..{end - 1}")
 
 
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:

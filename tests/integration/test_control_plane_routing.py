@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import threading
 import time
 
@@ -17,6 +16,7 @@ import grpc
 import httpx
 import pytest
 
+from bench.servers import free_port
 from loraplane.v1 import common_pb2, control_plane_pb2, membership_pb2
 from tests.helpers.control_plane import MiB, by_path, rpc_error, upload, upload_chunks
 from tests.helpers.live_servers import wait_until
@@ -107,9 +107,7 @@ def test_missed_heartbeats_mark_a_worker_dead_until_it_returns(cluster):
 
 
 def test_worker_reregisters_after_control_plane_restart(cluster, start_control_plane, adapters_dir):
-    with socket.socket() as probe:  # a free port the restarted control plane can take again
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # one the restarted control plane can take again
     cp, [w] = cluster(1, addr=f"127.0.0.1:{port}", lora=(str(adapters_dir / "sea.gguf"),))
     generate(cp, "hello", {0: 1.0})  # announces adapter 0 to the worker
     assert set(w.servicer.adapters) == {0}
