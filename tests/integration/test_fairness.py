@@ -110,10 +110,18 @@ def test_light_tenant_is_admitted_through_the_control_plane_while_a_heavy_one_fi
         heavy_threads = [threading.Thread(target=heavy, daemon=True) for _ in range(8)]
         for t in heavy_threads:
             t.start()
-        assert wait_until(lambda: any("every live worker is full" in m for m in refusals), timeout=60), refusals
+
+        def refused_full_since(n: int) -> bool:
+            return any("every live worker is full" in m for m in refusals[n:])
+
+        assert wait_until(lambda: refused_full_since(0), timeout=60), refusals
         light_outcomes: list[str] = []
         with LoraplaneClient(cp.addr, api_key=light_key, timeout=120) as light:
             for _ in range(4):
+                # the place the previous light request freed is taken again first (a heavy
+                # stream refused as full after it), so this one meets a full worker too
+                seen = len(refusals)
+                assert wait_until(lambda n=seen: refused_full_since(n), timeout=60), refusals[-5:]
                 try:
                     done = light.generate(prompt_tokens=PROMPT, adapters={}, max_tokens=4, ignore_eos=True)
                     light_outcomes.append(f"served {len(done.token_ids)}")
@@ -121,7 +129,9 @@ def test_light_tenant_is_admitted_through_the_control_plane_while_a_heavy_one_fi
                     light_outcomes.append(f"{exc.code}: {exc.message}")
         assert light_outcomes == ["served 4"] * 4
         evicted = [m for m in refusals if "this queued request gave its place to a lighter tenant's" in m]
-        assert evicted and "tenant 'heavy' had" in evicted[0], refusals[-5:]
+        # each light request met a full worker and took a heavy one's queued place; a heavy
+        # stream ending in the milliseconds between the refusal seen and the send may spare one
+        assert len(evicted) >= 3 and "tenant 'heavy' had" in evicted[0], refusals[-5:]
         assert served, "the heavy tenant kept being served too"
     finally:
         stop.set()
