@@ -37,6 +37,7 @@ STOP_GRACE_S = 20.0
 
 
 _HANDED_OUT: set[int] = set()
+_PORT_RNG = random.Random()  # its own generator: a test seeding `random` must not repeat our draws
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -51,14 +52,19 @@ def _ephemeral_range() -> tuple[int, int]:
 def free_port() -> int:
     """A loopback TCP port that nothing listens on, for a server started later with it.
 
-    Drawn below the kernel's ephemeral range, so no ``:0`` bind in between (a serve's own
-    worker, a client socket) can be handed the same port before our server binds it, and never
-    the same port twice in one process. Raises RuntimeError when 500 draws find none free.
+    Drawn outside the kernel's ephemeral range (below it; above it where it starts low), so no
+    ``:0`` bind in between (a serve's own worker, a client socket) can be handed the same port
+    before our server binds it, and never the same port twice in one process. Where the range
+    leaves no room, the kernel's own choice. Raises RuntimeError when 500 draws find none free.
     """
     lo, hi = _ephemeral_range()
     first, end = (10000 if lo > 12000 else 1024, lo) if lo > 2048 else (hi + 1, 65536)
+    if end - first < 1000:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
     for _ in range(500):
-        port = random.randrange(first, end)
+        port = _PORT_RNG.randrange(first, end)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:
