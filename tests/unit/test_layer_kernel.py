@@ -149,7 +149,8 @@ def test_gemma_layer_kernel_rows_alone_equal_batched(gemma_packed, monkeypatch):
 def test_tiny_archs_layer_kernel_matches_the_graph(arch, tmp_path, monkeypatch, count_calls):
     """Each tiny architecture (``tests/helpers/tiny_models.py``) with its matrices quantized
     (Q8_0, Q4_0, Q5_1 in turn), base and with its rank-4 adapter: the kernel takes every dense
-    layer (the mixture of experts keeps the graph) and gives the graph's log-probs."""
+    layer (the mixture of experts too, base; with its adapter's expert LoRA that ubatch keeps the
+    graph) and gives the graph's log-probs."""
     from tests.helpers.gguf_retype import quantize_gguf
     from tests.helpers.tiny_models import MODELS
     from tests.helpers.tiny_models import adapter as tiny_adapter
@@ -174,5 +175,61 @@ def test_tiny_archs_layer_kernel_matches_the_graph(arch, tmp_path, monkeypatch, 
     monkeypatch.setenv("LORAPLANE_LAYER", "c")
     got = _script(model, sets)
     n_layer = base.hparams.n_layer
+    # qwen3moe: both ubatches hold rows of the adapter, whose expert LoRA sends them to the graph
     assert count_calls == ([] if arch == "qwen3moe" else [19] * n_layer + [7] * n_layer)
     assert _compare(ref, got) <= 5e-3  # float rounding through 2 layers (module docstring)
+
+
+def _moe_model(which: str, fixtures_dir: Path, tmp_path: Path) -> tuple[Model, list[AdapterSet]]:
+    """A quantized tiny mixture of experts (the llama-MoE fixture, or the tiny Qwen 3 MoE) and
+    the sets [base, a synthetic rank-8 adapter on the attention weights only] (a LoRA the kernel
+    takes: pool weights, none on the router or the experts)."""
+    from bench.synth import ATTENTION_WEIGHT, linear_targets, write_adapter
+    from tests.helpers.gguf_retype import quantize_gguf
+    from tests.helpers.tiny_models import MODELS
+
+    T = gguf.GGMLQuantizationType
+    if which == "llama-moe":
+        src = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"
+    else:
+        src = MODELS["qwen3moe"](tmp_path / "qwen3moe.gguf")
+    base = load_model(quantize_gguf(src, tmp_path / "moe-q.gguf", [T.Q8_0, T.Q4_0, T.Q5_1]), weights="packed")
+    model = Model(base)
+    targets = linear_targets(base.tensor_ne, pattern=ATTENTION_WEIGHT)
+    path = write_adapter(tmp_path / "attn.gguf", arch=base.arch, targets=targets, seed=3, rank=8)
+    a = load_lora_adapter(path, base_arch=base.arch, base_tensors=base.tensor_ne, dtype=base.dtype)
+    model.adapters.add(1, a)
+    return model, [AdapterSet(), AdapterSet.of({1: (a, 1.0)})]
+
+
+@pytest.mark.parametrize("which", ["llama-moe", pytest.param("qwen3moe", marks=pytest.mark.slow)])
+def test_moe_layer_kernel_matches_the_graph(which, fixtures_dir: Path, tmp_path, monkeypatch, count_calls):
+    """A mixture of experts in the layer kernel (router, top-k, each expert on its rows) gives
+    the graph's log-probs, one call per layer per ubatch, and a decode row's logits are
+    bit-identical alone or batched (its experts do not depend on the other rows)."""
+    model, sets = _moe_model(which, fixtures_dir, tmp_path)
+    _head_at_int16(model, monkeypatch)
+    monkeypatch.setenv("LORAPLANE_LAYER", "torch")
+    ref = _script(model, sets)
+    assert count_calls == []
+    monkeypatch.setenv("LORAPLANE_LAYER", "c")
+    got = _script(model, sets)
+    n_layer = model.base.hparams.n_layer
+    assert count_calls == [19] * n_layer + [7] * n_layer
+    assert _compare(ref, got) <= 5e-3
+    ctx = model.new_context(n_ctx_seq=32, n_seq=4)
+    try:
+        ctx.set_adapters(sets)
+        for s in range(4):
+            ctx.decode(UBatch([5, 20 + 3 * s, 7 + s], [0, 1, 2], [s] * 3, [False] * 3))
+        ub = UBatch([40, 41, 42, 43], [3] * 4, list(range(4)), [True] * 4)
+        ub.set_index = [s % len(sets) for s in range(4)]
+        batched = ctx.decode(ub).logits
+        for s in range(4):
+            ctx.kv.seq_rm(s, 3)
+        for s in range(4):
+            one = UBatch([40 + s], [3], [s], [True])
+            one.set_index = [s % len(sets)]
+            assert torch.equal(ctx.decode(one).logits[0], batched[s])
+    finally:
+        ctx.close()

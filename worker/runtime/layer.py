@@ -9,8 +9,8 @@ q/k/v or gate/up weight, or a mixture of experts. `build_layer` runs a layer one
 - the layer kernel (``worker.runtime.kernels.layer``, ``csrc/layer.cpp``): one C call per layer
   on the CPU kernel paths, wherever it takes the layer (`fused_layer_supported`);
 - the op-by-op graph (`reference_layer`) from ``GraphContext`` blocks: CUDA, the torch path,
-  mixtures of experts, float weights, and ``LORAPLANE_LAYER=torch``; the tests compare the
-  kernel with it.
+  float weights, a ubatch whose adapters put LoRA on a mixture's router or experts, and
+  ``LORAPLANE_LAYER=torch``; the tests compare the kernel with it.
 
 Both give the same rows: rows are independent, and the residual stream only ever gets ``+=``.
 """
@@ -27,7 +27,7 @@ from worker.runtime.graph import LORA_MODE, GraphContext
 from worker.runtime.kernels import QuantLinear, resolve_path
 from worker.runtime.kernels.attn import resolve_attn
 from worker.runtime.kernels.attn import supports as attn_kernel_supports
-from worker.runtime.kernels.layer import ACT_CODE, MAX_PARTS, LayerKernel, Part, resolve_layer
+from worker.runtime.kernels.layer import ACT_CODE, MAX_PARTS, Experts, LayerKernel, Part, resolve_layer
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,7 @@ def reference_layer(ctx: GraphContext, s: LayerSpec, il: int, x: torch.Tensor, *
             down_exps=m.down_exps,
             n_expert_used=m.n_expert_used,
             norm_w=m.norm_w,
+            act=s.act,
         )
     else:
         cur = ctx.build_ffn(cur, up=s.ffn_up, gate=s.ffn_gate, down=s.ffn_down, act=s.act)
@@ -257,10 +258,16 @@ def reference_layer(ctx: GraphContext, s: LayerSpec, il: int, x: torch.Tensor, *
 def fused_layer_supported(ctx: GraphContext, spec: LayerSpec, x: torch.Tensor) -> bool:
     """Whether the layer kernel takes this layer in this ubatch: the C kernel paths (and
     ``LORAPLANE_LAYER`` not 'torch', ``LORAPLANE_ATTN`` not 'torch', ``LORAPLANE_LORA`` not
-    'dense'), f32 CPU activations, a dense FFN with a known activation, every matmul a packed
+    'dense'), f32 CPU activations, a known activation, every matmul (and every expert) a packed
     weight, no side-branch LoRA on the layer's weights, a KV cache the attention kernel takes,
-    widths that are multiples of 32."""
-    if not ctx.takes_layer_kernel or spec.moe is not None or spec.act not in ACT_CODE or LORA_MODE == "dense":
+    widths that are multiples of 32. A mixture of experts runs in the kernel unless this
+    ubatch's adapters put LoRA on its router or experts (then the graph, for this ubatch)."""
+    if not ctx.takes_layer_kernel or spec.act not in ACT_CODE or LORA_MODE == "dense":
+        return False
+    m = spec.moe
+    if m is not None and (
+        any(ctx.has_side_branch(n) for n in (m.up_exps, m.gate_exps, m.down_exps)) or lora_branches(ctx, [m.gate_inp])
+    ):
         return False
     if x.device.type != "cpu" or x.dtype != torch.float32 or ctx.dtype != torch.float32 or x.dim() != 2:
         return False
@@ -334,6 +341,19 @@ def _make_kernel(ctx: GraphContext, s: LayerSpec, d: int) -> LayerKernel | None:
         n_ff = up.d // 2
         if not proj("ffn_in", (s.ffn_up,), [Part(s.ffn_up, 0, up.d, None)]):
             return None
+    experts = None
+    if s.moe is not None:
+        experts = _experts(ctx, s.moe, d)
+        if experts is None:
+            return None
+        n_ff = experts.gate[0].d
+    elif s.ffn_gate is None:
+        up = w.get(s.ffn_up)
+        if not isinstance(up, QuantLinear):
+            return None
+        n_ff = up.d // 2
+        if not proj("ffn_in", (s.ffn_up,), [Part(s.ffn_up, 0, up.d, None)]):
+            return None
     else:
         gate = w.get(s.ffn_gate)
         if not isinstance(gate, QuantLinear):
@@ -341,9 +361,9 @@ def _make_kernel(ctx: GraphContext, s: LayerSpec, d: int) -> LayerKernel | None:
         n_ff = gate.d
         if not proj("ffn_in", (s.ffn_gate, s.ffn_up)):
             return None
-    if not proj("down", (s.ffn_down,)):
+    if experts is None and not proj("down", (s.ffn_down,)):
         return None
-    if projections["qkv"][0][0].k != d or projections["down"][0][0].k != n_ff:
+    if projections["qkv"][0][0].k != d or (experts is None and projections["down"][0][0].k != n_ff):
         return None
     if d % 32 or n_ff % 32 or (s.n_head * s.dv) % 32 or s.rope.n_rot > s.dk or s.rope.n_rot % 2:
         return None
@@ -370,7 +390,31 @@ def _make_kernel(ctx: GraphContext, s: LayerSpec, d: int) -> LayerKernel | None:
         kq_scale=s.kq_scale,
         softcap=s.softcap,
     )
-    return LayerKernel((d, s.n_head, s.n_head_kv, s.dk, s.dv, n_ff), norms, projections, scalars)
+    return LayerKernel((d, s.n_head, s.n_head_kv, s.dk, s.dv, n_ff), norms, projections, scalars, experts)
+
+
+def _experts(ctx: GraphContext, m: MoeFFN, d: int) -> Experts | None:
+    """The kernel's view of a mixture of experts: every expert a packed weight of one width, the
+    router a float ``(n_expert, d)``; None where the weights do not fit."""
+    w = ctx.w
+    lists: list[list[QuantLinear]] = []
+    for name in (m.gate_exps, m.up_exps, m.down_exps):
+        ws = w.get(name)
+        if not isinstance(ws, list) or not ws:
+            return None
+        if not all(isinstance(e, QuantLinear) and e.qw is not None and e.scale is not None for e in ws):
+            return None
+        lists.append(ws)
+    gate, up, down = lists
+    n_ff = gate[0].d
+    if any(e.d != n_ff or e.k != d for e in (*gate, *up)) or any(e.d != d or e.k != n_ff for e in down):
+        return None
+    r = w.get(m.gate_inp)
+    if isinstance(r, QuantLinear):
+        r = r.weight if r.qw is None else r.dequantize()
+    if not isinstance(r, torch.Tensor) or tuple(r.shape) != (len(gate), d):
+        return None
+    return Experts(r, gate, up, down, m.n_expert_used, m.norm_w)
 
 
 __all__ = [

@@ -67,6 +67,8 @@ class LpLayer(ctypes.Structure):
         ("ks0", _L), ("ks1", _L), ("ks2", _L), ("vs0", _L), ("vs1", _L), ("vs2", _L),
         ("norm_min_parallel", _L), ("attn_min_parallel_work", _L),
         ("qkv", LpProj), ("wo", LpProj), ("ffn_in", LpProj), ("down", LpProj),
+        ("n_expert", _I), ("n_expert_used", _I), ("moe_norm_w", _I), ("pad2_", _I),
+        ("gate_inp", _P), ("exp_in", _P), ("exp_down", _P),
     ]  # fmt: skip
 
 
@@ -112,6 +114,24 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 @dataclass
+class Experts:
+    """A layer's mixture of experts for the kernel (``csrc/layer.h`` ``LpLayer``'s MoE fields).
+
+    gate_inp: the router, f32 ``(n_expert, n_embd)``; gate / up / down: each expert's packed
+    weights, ``(n_ff, n_embd)``, ``(n_ff, n_embd)``, ``(n_embd, n_ff)`` in torch order; n_used:
+    experts per row (``n_expert_used``); norm_w: renormalise the chosen weights to sum 1
+    (llama.cpp ``build_moe_ffn``'s ``norm_w``).
+    """
+
+    gate_inp: torch.Tensor
+    gate: list[QuantLinear]
+    up: list[QuantLinear]
+    down: list[QuantLinear]
+    n_used: int
+    norm_w: bool
+
+
+@dataclass
 class Part:
     """One logical weight of a projection (a name the LoRA pool and the adapters know)."""
 
@@ -138,6 +158,8 @@ class LayerKernel:
         projections: per projection ('qkv', 'wo', 'ffn_in', 'down') its packed matmuls (outputs
             side by side) and its logical weights (:class:`Part`, columns over those outputs).
         scalars: eps, n_rot, neox, n_swa, act, q_scale, kq_scale, softcap.
+        experts: the layer's mixture of experts (then 'ffn_in' and 'down' are absent and n_ff is
+            an expert's width), or None for a dense FFN.
     Raises:
         KernelError: more than 3 matmuls or parts in a projection, or widths that do not add up.
     """
@@ -148,6 +170,7 @@ class LayerKernel:
         norms: dict[str, torch.Tensor | None],
         projections: dict[str, tuple[list[QuantLinear], list[Part]]],
         scalars: dict[str, Any],
+        experts: Experts | None = None,
     ):
         L = self.desc = LpLayer()
         L.n_embd, L.n_head, L.n_head_kv, L.dk, L.dv, L.n_ff = dims
@@ -179,7 +202,26 @@ class LayerKernel:
                     self._keep.append(b)
                     proj.part[i].add_bias = b.data_ptr()
             self.parts[role] = parts
+        if experts is not None:
+            self._set_experts(experts)
         self._pairs = LpPairs()
+
+    def _set_experts(self, ex: Experts) -> None:
+        L = self.desc
+        n = len(ex.gate)
+        if not (len(ex.up) == len(ex.down) == n == ex.gate_inp.shape[0]) or not 1 <= ex.n_used <= n:
+            raise KernelError(f"experts: {n} gate, {len(ex.up)} up, {len(ex.down)} down, router {ex.gate_inp.shape}")
+        exp_in, exp_down = (LpProj * n)(), (LpProj * n)()
+        for e in range(n):
+            for dst, mms in ((exp_in[e], (ex.gate[e], ex.up[e])), (exp_down[e], (ex.down[e],))):
+                for i, w in enumerate(mms):
+                    _fill_matmul(dst.mm[i], w)
+                dst.n_mm, dst.d, dst.n_part = len(mms), sum(w.d for w in mms), 0
+        router = ex.gate_inp.float().contiguous()
+        self._keep += [router, exp_in, exp_down]
+        L.n_expert, L.n_expert_used, L.moe_norm_w = n, ex.n_used, int(ex.norm_w)
+        L.gate_inp, L.exp_in, L.exp_down = router.data_ptr(), ctypes.addressof(exp_in), ctypes.addressof(exp_down)
+        L.ffn_in.d, L.down.d = 2 * L.n_ff, L.n_embd
 
     def forward(
         self,
@@ -258,4 +300,4 @@ class LayerKernel:
         return x
 
 
-__all__ = ["LAYER_PATHS", "LayerKernel", "Part", "resolve_layer"]
+__all__ = ["LAYER_PATHS", "Experts", "LayerKernel", "Part", "resolve_layer"]

@@ -11,6 +11,9 @@
 //   o = attn @ Wo.T + LoRA;  o = rms_norm(o, post_attn_norm) (optional);  x += o
 //   cur = rms_norm(x, ffn_norm); [g|u] = cur @ W.T + LoRA; h = act(g) * u  (silu or tanh-gelu)
 //   f = h @ Wdown.T + LoRA;  f = rms_norm(f, post_ffw_norm) (optional);  x += f
+// or, with experts (n_expert > 0; src/llama-graph.cpp build_moe_ffn, softmax gating):
+//   p = softmax(cur @ gate_inp.T); the top n_expert_used experts of each row, weights w (renormalised
+//   when moe_norm_w); f = sum_j w_j * FFN_{e_j}(cur), each expert's gated FFN on its rows only
 // Everything runs here through the library's own kernels (qmm*, lora_bgmv, rms_norm,
 // attn_decode): one ctypes crossing per layer instead of ~20 torch ops.  The torch path
 // (worker/runtime/layer.py, reference_layer) stays the reference the tests compare with.
@@ -214,6 +217,85 @@ void rms_rows(const float* x, int64_t ldx, const float* w, int n, int d, float e
 
 }  // namespace
 
+// The mixture of experts of one layer on cur (n, n_embd) -> out (n, n_embd) (see layer.h LpLayer).
+// Per row: router logits in double over n_embd in order, softmax over the experts, the top
+// n_expert_used picked one by one (largest first, ties to the lower index).  Per expert, the rows
+// routed to it (in row order) are gathered and run through its packed matmuls, whose results
+// per row do not depend on the other rows; each row then sums its experts' outputs in its own
+// top-k order.  So a row's result is bit-identical alone or batched.  gu (n, 2 n_ff), h (n, n_ff)
+// and tmp (n, max matmul width) are the caller's buffers; the arena past qmark is free.
+// Returns 0, or the failing kernel's code.
+static int moe_ffn(const LpLayer* L, const float* cur, int n, float* out, float* gu, float* h, float* tmp,
+                   size_t qmark, int nthreads) {
+  const int d = L->n_embd, E = L->n_expert, K = L->n_expert_used, nff = L->n_ff;
+  std::vector<int> sel((size_t)n * K);
+  std::vector<float> wsel((size_t)n * K);
+  lp::parallel_for(n, (int64_t)n * E * d >= ELEM_MIN_PARALLEL ? nthreads : 1, [&](int i) {
+    const float* xr = cur + (int64_t)i * d;
+    std::vector<double> p(E);
+    double mx = -INFINITY;
+    for (int e = 0; e < E; ++e) {
+      const float* wr = L->gate_inp + (int64_t)e * d;
+      double acc = 0.0;
+      for (int j = 0; j < d; ++j) acc += (double)xr[j] * (double)wr[j];
+      p[e] = acc;
+      mx = acc > mx ? acc : mx;
+    }
+    double sum = 0.0;
+    for (int e = 0; e < E; ++e) sum += (p[e] = exp(p[e] - mx));
+    double wsum = 0.0;
+    for (int j = 0; j < K; ++j) {
+      int best = -1;
+      for (int e = 0; e < E; ++e)
+        if (p[e] >= 0.0 && (best < 0 || p[e] > p[best])) best = e;
+      sel[(size_t)i * K + j] = best;
+      wsel[(size_t)i * K + j] = (float)(p[best] / sum);
+      wsum += p[best] / sum;
+      p[best] = -1.0;  // taken
+    }
+    if (L->moe_norm_w)
+      for (int j = 0; j < K; ++j) wsel[(size_t)i * K + j] = (float)((double)wsel[(size_t)i * K + j] / wsum);
+  });
+  std::vector<float> y((size_t)n * K * d);  // each (row, choice)'s expert output
+  std::vector<float> xe((size_t)n * d);
+  std::vector<int> who;  // the (row * K + choice) entries routed to the current expert
+  who.reserve(n);
+  const LpPairs none{nullptr, nullptr, nullptr};
+  for (int e = 0; e < E; ++e) {
+    who.clear();
+    for (int64_t r = 0; r < (int64_t)n * K; ++r)
+      if (sel[r] == e) who.push_back((int)r);
+    const int m = (int)who.size();
+    if (m == 0) continue;
+    for (int t = 0; t < m; ++t) memcpy(xe.data() + (int64_t)t * d, cur + (int64_t)(who[t] / K) * d, sizeof(float) * d);
+    g_arena.used = qmark;
+    {
+      Quantized qa = make_quantized(xe.data(), d, m, d);
+      if (int rc = run_proj(L->exp_in[e], qa, none, gu, 2 * nff, tmp, nthreads)) return rc;
+    }
+    lp::parallel_for(m, (int64_t)m * nff >= ELEM_MIN_PARALLEL ? nthreads : 1, [&](int t) {
+      const float* g = gu + (int64_t)t * 2 * nff;
+      gated_act(g, g + nff, h + (int64_t)t * nff, nff, L->act);
+    });
+    g_arena.used = qmark;
+    {
+      Quantized qa = make_quantized(h, nff, m, nff);
+      if (int rc = run_proj(L->exp_down[e], qa, none, tmp, d, gu, nthreads)) return rc;
+    }
+    for (int t = 0; t < m; ++t) memcpy(y.data() + (int64_t)who[t] * d, tmp + (int64_t)t * d, sizeof(float) * d);
+  }
+  for (int i = 0; i < n; ++i) {
+    float* o = out + (int64_t)i * d;
+    for (int c = 0; c < d; ++c) o[c] = 0.0f;
+    for (int j = 0; j < K; ++j) {
+      const float w = wsel[(size_t)i * K + j];
+      const float* yr = y.data() + ((int64_t)i * K + j) * d;
+      for (int c = 0; c < d; ++c) o[c] = o[c] + w * yr[c];
+    }
+  }
+  return 0;
+}
+
 // One decoder layer over the n rows of a ubatch (see the top of this file): x (n, n_embd) f32
 // row-major, the residual stream, updated in place.  cache_rows / pos: int64 (n,), each row's
 // KV-cache row and position; cos / sin: f32 (n, n_rot/2) (NULL when n_rot is 0); pairs: the
@@ -229,9 +311,17 @@ LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int6
   const int nff = L->n_ff, d_ffn_in = 2 * nff;
   if (L->qkv.d != dqkv || L->ffn_in.d != d_ffn_in || L->wo.d != d || L->down.d != d || nff % 32 || (H * dv) % 32)
     return -1;
+  const int E = L->n_expert;
+  if (E > 0 && (!L->gate_inp || !L->exp_in || !L->exp_down || L->n_expert_used < 1 || L->n_expert_used > E))
+    return -1;
   int max_mm = 0;
   for (const LpProj* p : {&L->qkv, &L->wo, &L->ffn_in, &L->down})
     for (int m = 0; m < p->n_mm; ++m) max_mm = p->mm[m].d > max_mm ? p->mm[m].d : max_mm;
+  for (int e = 0; e < E; ++e) {
+    if (L->exp_in[e].d != d_ffn_in || L->exp_down[e].d != d) return -1;
+    for (const LpProj* p : {&L->exp_in[e], &L->exp_down[e]})
+      for (int m = 0; m < p->n_mm; ++m) max_mm = p->mm[m].d > max_mm ? p->mm[m].d : max_mm;
+  }
   const int kmax = nff > d ? (nff > H * dv ? nff : H * dv) : (d > H * dv ? d : H * dv);
   const size_t need = bytes_for((int64_t)n * d, 4) * 2 + bytes_for((int64_t)n * dqkv, 4) +
                       bytes_for((int64_t)n * H * dv, 4) + bytes_for((int64_t)n * d_ffn_in, 4) +
@@ -289,6 +379,12 @@ LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int6
 
   // --- feed-forward block
   rms_rows(x, d, L->ffn_norm, n, d, eps, cur, d, nmin, nthreads);
+  if (E > 0) {
+    if (moe_ffn(L, cur, n, o, gu, h, tmp, qmark, nthreads)) return -2;
+    if (L->post_ffw_norm) rms_rows(o, d, L->post_ffw_norm, n, d, eps, o, d, nmin, nthreads);
+    for (int64_t j = 0; j < (int64_t)n * d; ++j) x[j] = o[j] + x[j];
+    return 0;
+  }
   {
     Quantized qa = make_quantized(cur, d, n, d);
     if (run_proj(L->ffn_in, qa, pr, gu, d_ffn_in, tmp, nthreads)) return -2;

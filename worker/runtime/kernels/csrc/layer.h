@@ -62,4 +62,12 @@ struct LpLayer {
   int64_t ks0, ks1, ks2, vs0, vs1, vs2;  // element strides (row, pos, kv head)
   int64_t norm_min_parallel, attn_min_parallel_work;
   LpProj qkv, wo, ffn_in, down;  // ffn_in: [gate | up], 2 * n_ff columns
+  // A mixture of experts in place of the dense FFN when n_expert > 0 (ffn_in / down then hold no
+  // matmul): router logits cur @ gate_inp.T, softmax, the n_expert_used most probable experts
+  // (ties: the lower index), their weights renormalised to sum 1 when moe_norm_w; each chosen
+  // expert's gated FFN (n_ff columns) on the rows routed to it, summed with those weights.
+  int n_expert, n_expert_used, moe_norm_w, pad2_;
+  const float* gate_inp;   // (n_expert, n_embd) f32 row-major
+  const LpProj* exp_in;    // (n_expert,) each expert's [gate | up], 2 * n_ff columns, no LoRA
+  const LpProj* exp_down;  // (n_expert,) each expert's down projection, n_embd columns, no LoRA
 };
