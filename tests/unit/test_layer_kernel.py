@@ -89,6 +89,18 @@ def _compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> float:
     return worst
 
 
+def _kernel_vs_graph(model: Model, sets: list[AdapterSet], monkeypatch, count_calls, calls: list[int]) -> float:
+    """:func:`_script` through the graph, then through the kernel (``calls``: the rows of each
+    kernel call, in order); the worst |Δ log-prob| between the two (:func:`_compare`)."""
+    monkeypatch.setenv("LORAPLANE_LAYER", "torch")
+    ref = _script(model, sets)
+    assert count_calls == []
+    monkeypatch.setenv("LORAPLANE_LAYER", "c")
+    got = _script(model, sets)
+    assert count_calls == calls
+    return _compare(ref, got)
+
+
 @pytest.mark.parametrize("with_lora", [False, True])
 def test_gemma_layer_kernel_matches_the_graph(gemma_packed, fixtures_dir: Path, monkeypatch, count_calls, with_lora):
     model = gemma_packed
@@ -110,14 +122,9 @@ def test_gemma_layer_kernel_matches_the_graph(gemma_packed, fixtures_dir: Path, 
         sets = [AdapterSet.of({ids[0]: (shout, 1.0)}), AdapterSet.of({ids[0]: (shout, 0.5), ids[1]: (sea, 1.0)})]
     _head_at_int16(model, monkeypatch)
     try:
-        monkeypatch.setenv("LORAPLANE_LAYER", "torch")
-        ref = _script(model, sets)
-        assert count_calls == []
-        monkeypatch.setenv("LORAPLANE_LAYER", "c")
-        got = _script(model, sets)
         n_layer = model.base.hparams.n_layer
-        assert count_calls == [19] * n_layer + [7] * n_layer  # one call per layer per ubatch
-        worst = _compare(ref, got)
+        # one call per layer per ubatch
+        worst = _kernel_vs_graph(model, sets, monkeypatch, count_calls, [19] * n_layer + [7] * n_layer)
         print(f"gemma lora={with_lora}: max |Δ log-prob| {worst:.3g}")
         assert worst <= LOGP_TOL
     finally:
@@ -170,14 +177,11 @@ def test_tiny_archs_layer_kernel_matches_the_graph(arch, tmp_path, monkeypatch, 
     model.adapters.add(1, a)
     sets = [AdapterSet(), AdapterSet.of({1: (a, 1.0)})]
     _head_at_int16(model, monkeypatch)
-    monkeypatch.setenv("LORAPLANE_LAYER", "torch")
-    ref = _script(model, sets)
-    monkeypatch.setenv("LORAPLANE_LAYER", "c")
-    got = _script(model, sets)
     n_layer = base.hparams.n_layer
     # qwen3moe: both ubatches hold rows of the adapter, whose expert LoRA sends them to the graph
-    assert count_calls == ([] if arch == "qwen3moe" else [19] * n_layer + [7] * n_layer)
-    assert _compare(ref, got) <= 5e-3  # float rounding through 2 layers (module docstring)
+    calls = [] if arch == "qwen3moe" else [19] * n_layer + [7] * n_layer
+    # float rounding through 2 layers (module docstring)
+    assert _kernel_vs_graph(model, sets, monkeypatch, count_calls, calls) <= 5e-3
 
 
 def _moe_model(which: str, fixtures_dir: Path, tmp_path: Path) -> tuple[Model, list[AdapterSet]]:
@@ -209,14 +213,8 @@ def test_moe_layer_kernel_matches_the_graph(which, fixtures_dir: Path, tmp_path,
     bit-identical alone or batched (its experts do not depend on the other rows)."""
     model, sets = _moe_model(which, fixtures_dir, tmp_path)
     _head_at_int16(model, monkeypatch)
-    monkeypatch.setenv("LORAPLANE_LAYER", "torch")
-    ref = _script(model, sets)
-    assert count_calls == []
-    monkeypatch.setenv("LORAPLANE_LAYER", "c")
-    got = _script(model, sets)
     n_layer = model.base.hparams.n_layer
-    assert count_calls == [19] * n_layer + [7] * n_layer
-    assert _compare(ref, got) <= 5e-3
+    assert _kernel_vs_graph(model, sets, monkeypatch, count_calls, [19] * n_layer + [7] * n_layer) <= 5e-3
     ctx = model.new_context(n_ctx_seq=32, n_seq=4)
     try:
         ctx.set_adapters(sets)

@@ -334,13 +334,6 @@ def _make_kernel(ctx: GraphContext, s: LayerSpec, d: int) -> LayerKernel | None:
         return None
     if not proj("wo", (s.wo,)):
         return None
-    if s.ffn_gate is None:
-        up = w.get(s.ffn_up)
-        if not isinstance(up, QuantLinear):
-            return None
-        n_ff = up.d // 2
-        if not proj("ffn_in", (s.ffn_up,), [Part(s.ffn_up, 0, up.d, None)]):
-            return None
     experts = None
     if s.moe is not None:
         experts = _experts(ctx, s.moe, d)
