@@ -228,11 +228,22 @@ void rms_rows(const float* x, int64_t ldx, const float* w, int n, int d, float e
 static int moe_ffn(const LpLayer* L, const float* cur, int n, float* out, float* gu, float* h, float* tmp,
                    size_t qmark, int nthreads) {
   const int d = L->n_embd, E = L->n_expert, K = L->n_expert_used, nff = L->n_ff;
-  std::vector<int> sel((size_t)n * K);
-  std::vector<float> wsel((size_t)n * K);
+  // kept per calling thread between calls; the workers below reach them through these pointers
+  // (a thread_local named inside the lambda would be the worker's own)
+  thread_local std::vector<int> sel_buf;
+  thread_local std::vector<float> w_buf, y_buf, xe_buf;
+  sel_buf.resize((size_t)n * K);
+  w_buf.resize((size_t)n * K);
+  y_buf.resize((size_t)n * K * d);
+  xe_buf.resize((size_t)n * d);
+  int* const sel = sel_buf.data();      // (n, K) each row's chosen experts, most probable first
+  float* const wsel = w_buf.data();     // (n, K) their weights
+  float* const y = y_buf.data();        // (n, K, d) each (row, choice)'s expert output
+  float* const xe = xe_buf.data();      // (m, d) the rows routed to one expert
   lp::parallel_for(n, (int64_t)n * E * d >= ELEM_MIN_PARALLEL ? nthreads : 1, [&](int i) {
     const float* xr = cur + (int64_t)i * d;
     std::vector<double> p(E);
+    std::vector<char> taken(E, 0);
     double mx = -INFINITY;
     for (int e = 0; e < E; ++e) {
       const float* wr = L->gate_inp + (int64_t)e * d;
@@ -244,20 +255,18 @@ static int moe_ffn(const LpLayer* L, const float* cur, int n, float* out, float*
     double sum = 0.0;
     for (int e = 0; e < E; ++e) sum += (p[e] = exp(p[e] - mx));
     double wsum = 0.0;
-    for (int j = 0; j < K; ++j) {
+    for (int j = 0; j < K; ++j) {  // a NaN never wins a comparison: the first expert not taken stands
       int best = -1;
       for (int e = 0; e < E; ++e)
-        if (p[e] >= 0.0 && (best < 0 || p[e] > p[best])) best = e;
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      taken[best] = 1;
       sel[(size_t)i * K + j] = best;
       wsel[(size_t)i * K + j] = (float)(p[best] / sum);
       wsum += p[best] / sum;
-      p[best] = -1.0;  // taken
     }
     if (L->moe_norm_w)
       for (int j = 0; j < K; ++j) wsel[(size_t)i * K + j] = (float)((double)wsel[(size_t)i * K + j] / wsum);
   });
-  std::vector<float> y((size_t)n * K * d);  // each (row, choice)'s expert output
-  std::vector<float> xe((size_t)n * d);
   std::vector<int> who;  // the (row * K + choice) entries routed to the current expert
   who.reserve(n);
   const LpPairs none{nullptr, nullptr, nullptr};
@@ -267,10 +276,10 @@ static int moe_ffn(const LpLayer* L, const float* cur, int n, float* out, float*
       if (sel[r] == e) who.push_back((int)r);
     const int m = (int)who.size();
     if (m == 0) continue;
-    for (int t = 0; t < m; ++t) memcpy(xe.data() + (int64_t)t * d, cur + (int64_t)(who[t] / K) * d, sizeof(float) * d);
+    for (int t = 0; t < m; ++t) memcpy(xe + (int64_t)t * d, cur + (int64_t)(who[t] / K) * d, sizeof(float) * d);
     g_arena.used = qmark;
     {
-      Quantized qa = make_quantized(xe.data(), d, m, d);
+      Quantized qa = make_quantized(xe, d, m, d);
       if (int rc = run_proj(L->exp_in[e], qa, none, gu, 2 * nff, tmp, nthreads)) return rc;
     }
     lp::parallel_for(m, (int64_t)m * nff >= ELEM_MIN_PARALLEL ? nthreads : 1, [&](int t) {
@@ -282,14 +291,14 @@ static int moe_ffn(const LpLayer* L, const float* cur, int n, float* out, float*
       Quantized qa = make_quantized(h, nff, m, nff);
       if (int rc = run_proj(L->exp_down[e], qa, none, tmp, d, gu, nthreads)) return rc;
     }
-    for (int t = 0; t < m; ++t) memcpy(y.data() + (int64_t)who[t] * d, tmp + (int64_t)t * d, sizeof(float) * d);
+    for (int t = 0; t < m; ++t) memcpy(y + (int64_t)who[t] * d, tmp + (int64_t)t * d, sizeof(float) * d);
   }
   for (int i = 0; i < n; ++i) {
     float* o = out + (int64_t)i * d;
     for (int c = 0; c < d; ++c) o[c] = 0.0f;
     for (int j = 0; j < K; ++j) {
       const float w = wsel[(size_t)i * K + j];
-      const float* yr = y.data() + ((int64_t)i * K + j) * d;
+      const float* yr = y + ((int64_t)i * K + j) * d;
       for (int c = 0; c < d; ++c) o[c] = o[c] + w * yr[c];
     }
   }
