@@ -105,15 +105,17 @@ def test_distinct_k_v_dims_and_odd_multiples(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_row_alone_equals_batched_and_threads_do_not_matter(path):
+@pytest.mark.parametrize(("rep", "d"), [(4, 128), (7, 64)])
+def test_row_alone_equals_batched_and_threads_do_not_matter(path, rep, d):
     """Bit-identical: each sequence alone vs the batch (any order), 1 vs 2 threads, and every
-    head-block split (which query heads of a KV head share a task), with the parallel-work
-    threshold on (B=1 short contexts run on one thread) or off."""
-    q, kc, vc, rows, pos = _inputs(4, 128)
+    head-block split (which query heads of a KV head share a task: up to 8 in registers, so 7
+    heads per KV head run as one block or as any split), with the parallel-work threshold on
+    (B=1 short contexts run on one thread) or off."""
+    q, kc, vc, rows, pos = _inputs(rep, d)
     kw = dict(kq_scale=0.09, n_swa=700, softcap=20.0, path=path, min_parallel_work=0)  # 2 threads do run
     full = attn_decode(q, kc, vc, rows, pos, nthreads=1, **kw)
     assert torch.equal(full, attn_decode(q, kc, vc, rows, pos, nthreads=2, **kw))
-    for hb in (1, 2, 3, 4):
+    for hb in range(1, rep + 1):
         assert torch.equal(full, attn_decode(q, kc, vc, rows, pos, nthreads=2, head_block=hb, **kw)), hb
     for b in range(len(SEQS)):
         alone = attn_decode(q[b : b + 1], kc, vc, rows[b : b + 1], pos[b : b + 1], nthreads=2, **kw)

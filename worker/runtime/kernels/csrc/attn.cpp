@@ -33,7 +33,7 @@
 namespace {
 
 constexpr int TILE = 32;      // key positions per softmax update (a multiple of 8 and of W)
-constexpr int MAX_HB = 4;     // query heads per task (kept in registers together)
+constexpr int MAX_HB = 8;  // query heads per task (kept in registers together; each K/V load serves them all)
 constexpr int MAX_D = 512;    // largest head dim (K or V) supported
 
 // DT: 0 f32, 1 f16, 2 bf16
@@ -202,7 +202,11 @@ void attend_heads(const Args& a, int b, int g, int h0, int nh) {
       case 1: attend<DT, 1>(a, b, g, h0); break;
       case 2: attend<DT, 2>(a, b, g, h0); break;
       case 3: attend<DT, 3>(a, b, g, h0); break;
-      default: attend<DT, 4>(a, b, g, h0); break;
+      case 4: attend<DT, 4>(a, b, g, h0); break;
+      case 5: attend<DT, 5>(a, b, g, h0); break;
+      case 6: attend<DT, 6>(a, b, g, h0); break;
+      case 7: attend<DT, 7>(a, b, g, h0); break;
+      default: attend<DT, 8>(a, b, g, h0); break;
     }
     h0 += n;
     nh -= n;
