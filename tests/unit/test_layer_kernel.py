@@ -156,8 +156,8 @@ def test_gemma_layer_kernel_rows_alone_equal_batched(gemma_packed, monkeypatch):
 def test_tiny_archs_layer_kernel_matches_the_graph(arch, tmp_path, monkeypatch, count_calls):
     """Each tiny architecture (``tests/helpers/tiny_models.py``) with its matrices quantized
     (Q8_0, Q4_0, Q5_1 in turn), base and with its rank-4 adapter: the kernel takes every dense
-    layer (the mixture of experts too, base; with its adapter's expert LoRA that ubatch keeps the
-    graph) and gives the graph's log-probs."""
+    layer (the mixture of experts too, with its adapter's expert LoRA) and gives the graph's
+    log-probs."""
     from tests.helpers.gguf_retype import quantize_gguf
     from tests.helpers.tiny_models import MODELS
     from tests.helpers.tiny_models import adapter as tiny_adapter
@@ -178,16 +178,16 @@ def test_tiny_archs_layer_kernel_matches_the_graph(arch, tmp_path, monkeypatch, 
     sets = [AdapterSet(), AdapterSet.of({1: (a, 1.0)})]
     _head_at_int16(model, monkeypatch)
     n_layer = base.hparams.n_layer
-    # qwen3moe: both ubatches hold rows of the adapter, whose expert LoRA sends them to the graph
-    calls = [] if arch == "qwen3moe" else [19] * n_layer + [7] * n_layer
+    calls = [19] * n_layer + [7] * n_layer  # qwen3moe: the adapter's expert LoRA in the kernel too
     # float rounding through 2 layers (module docstring)
     assert _kernel_vs_graph(model, sets, monkeypatch, count_calls, calls) <= 5e-3
 
 
 def _moe_model(which: str, fixtures_dir: Path, tmp_path: Path) -> tuple[Model, list[AdapterSet]]:
-    """A quantized tiny mixture of experts (the llama-MoE fixture, or the tiny Qwen 3 MoE) and
-    the sets [base, a synthetic rank-8 adapter on the attention weights only] (a LoRA the kernel
-    takes: pool weights, none on the router or the experts)."""
+    """A quantized tiny mixture of experts and the sets [base, an adapter]: the llama-MoE fixture
+    with its ``moe_lora`` (attn_q, both layers' up experts, layer 1's down experts: pool weights
+    and expert side branches), or the tiny Qwen 3 MoE with a synthetic rank-8 adapter on the
+    attention weights."""
     from bench.synth import ATTENTION_WEIGHT, linear_targets, write_adapter
     from tests.helpers.gguf_retype import quantize_gguf
     from tests.helpers.tiny_models import MODELS
@@ -199,8 +199,11 @@ def _moe_model(which: str, fixtures_dir: Path, tmp_path: Path) -> tuple[Model, l
         src = MODELS["qwen3moe"](tmp_path / "qwen3moe.gguf")
     base = load_model(quantize_gguf(src, tmp_path / "moe-q.gguf", [T.Q8_0, T.Q4_0, T.Q5_1]), weights="packed")
     model = Model(base)
-    targets = linear_targets(base.tensor_ne, pattern=ATTENTION_WEIGHT)
-    path = write_adapter(tmp_path / "attn.gguf", arch=base.arch, targets=targets, seed=3, rank=8)
+    if which == "llama-moe":
+        path = fixtures_dir / "tiny_moe" / "moe_lora.gguf"
+    else:
+        targets = linear_targets(base.tensor_ne, pattern=ATTENTION_WEIGHT)
+        path = write_adapter(tmp_path / "attn.gguf", arch=base.arch, targets=targets, seed=3, rank=8)
     a = load_lora_adapter(path, base_arch=base.arch, base_tensors=base.tensor_ne, dtype=base.dtype)
     model.adapters.add(1, a)
     return model, [AdapterSet(), AdapterSet.of({1: (a, 1.0)})]

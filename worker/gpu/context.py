@@ -136,10 +136,10 @@ class GpuGraphContext(GraphContext):
         self.n_nodes = 0
         self._spans = spans
 
-    def _side_branches(self, name: str) -> list:
+    def side_branches(self, name: str) -> list:
         if self.row_slot is None or self.plan is None:
             return []
-        return super()._side_branches(name)
+        return super().side_branches(name)
 
     # --- matmuls and LoRA ---------------------------------------------------------------
     def base_mm(self, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -155,7 +155,7 @@ class GraphContext:
         w = self.w[name]
         x = (w.get_rows(ids) if isinstance(w, QuantLinear) else w.index_select(0, ids)).to(self.dtype)
         self.n_nodes += 1
-        for slot, br in self._side_branches(name):
+        for slot, br in self.side_branches(name):
             assert self.row_slot is not None
             s = (self.row_slot[:, slot] * br.factor).to(br.lora_a.dtype).unsqueeze(1)  # (n, 1)
             a = br.lora_a.index_select(0, ids)  # (n, r)
@@ -163,7 +163,7 @@ class GraphContext:
             self.n_nodes += 4
         return x
 
-    def _side_branches(self, name: str) -> list[tuple[int, SideBranch]]:
+    def side_branches(self, name: str) -> list[tuple[int, SideBranch]]:
         """(slot, branch) of the side weight ``name`` for each slot this ubatch uses."""
         if self.row_slot is None:
             return []
@@ -172,7 +172,7 @@ class GraphContext:
 
     def has_side_branch(self, name: str) -> bool:
         """Whether a slot in use holds a side branch (``SideBranch``) on weight ``name``."""
-        return bool(self._side_branches(name))
+        return bool(self.side_branches(name))
 
     def lora_pairs(self) -> LoraPairs | None:
         """The (row, slot) pairs of the per-row slot scales for the rows alive now (None: no LoRA)."""
@@ -365,7 +365,7 @@ class GraphContext:
         xk = x.unsqueeze(1).expand(n, top_k, x.shape[-1]) if x.dim() == 2 else x
         d_out = w[0].d if isinstance(w, list) else w.shape[1]
         out = torch.zeros((n, top_k, d_out), dtype=x.dtype, device=x.device)
-        branches = self._side_branches(name)
+        branches = self.side_branches(name)
         self.n_nodes += 1 + 4 * len(branches)
         for e in torch.unique(expert_ids).tolist():
             tok, k_idx = torch.nonzero(expert_ids == e, as_tuple=True)

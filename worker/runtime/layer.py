@@ -9,7 +9,7 @@ q/k/v or gate/up weight, or a mixture of experts. `build_layer` runs a layer one
 - the layer kernel (``worker.runtime.kernels.layer``, ``csrc/layer.cpp``): one C call per layer
   on the CPU kernel paths, wherever it takes the layer (`fused_layer_supported`);
 - the op-by-op graph (`reference_layer`) from ``GraphContext`` blocks: CUDA, the torch path,
-  float weights, a ubatch whose adapters put LoRA on a mixture's router or experts, and
+  float weights, a ubatch whose adapters put LoRA on a mixture's router, and
   ``LORAPLANE_LAYER=torch``; the tests compare the kernel with it.
 
 Both give the same rows: rows are independent, and the residual stream only ever gets ``+=``.
@@ -27,7 +27,7 @@ from worker.runtime.graph import LORA_MODE, GraphContext
 from worker.runtime.kernels import QuantLinear, resolve_path
 from worker.runtime.kernels.attn import resolve_attn
 from worker.runtime.kernels.attn import supports as attn_kernel_supports
-from worker.runtime.kernels.layer import ACT_CODE, MAX_PARTS, Experts, LayerKernel, Part, resolve_layer
+from worker.runtime.kernels.layer import ACT_CODE, MAX_PARTS, MAX_SIDE_RANK, Experts, LayerKernel, Part, resolve_layer
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,23 @@ def build_layer(ctx: GraphContext, spec: LayerSpec, il: int, x: torch.Tensor, *,
         lora,
         ctx.lora_pairs() if lora else None,
         path=resolve_path(),
+        **_expert_lora(ctx, spec),
     )
     ctx.n_nodes += 30
     return ctx.build_inp_out_ids(x) if last else x
+
+
+def _expert_lora(ctx: GraphContext, spec: LayerSpec) -> dict[str, Any]:
+    """:meth:`LayerKernel.forward`'s ``expert_lora`` and ``row_slot`` for a mixture whose experts
+    carry LoRA in this ubatch (``GraphContext.side_branches`` of gate, up, down); else nothing."""
+    m = spec.moe
+    if m is None or ctx.row_slot is None:
+        return {}
+    side = [ctx.side_branches(n) for n in (m.gate_exps, m.up_exps, m.down_exps)]
+    if not any(side):
+        return {}
+    ctx.n_nodes += 4 * sum(len(s) for s in side)
+    return {"expert_lora": side, "row_slot": ctx.row_slot.float().contiguous()}
 
 
 def lora_branches(ctx: GraphContext, names: list[str]) -> dict[str, Any]:
@@ -260,15 +274,22 @@ def fused_layer_supported(ctx: GraphContext, spec: LayerSpec, x: torch.Tensor) -
     ``LORAPLANE_LAYER`` not 'torch', ``LORAPLANE_ATTN`` not 'torch', ``LORAPLANE_LORA`` not
     'dense'), f32 CPU activations, a known activation, every matmul (and every expert) a packed
     weight, no side-branch LoRA on the layer's weights, a KV cache the attention kernel takes,
-    widths that are multiples of 32. A mixture of experts runs in the kernel unless this
-    ubatch's adapters put LoRA on its router or experts (then the graph, for this ubatch)."""
+    widths that are multiples of 32. A mixture of experts runs in the kernel with its experts'
+    LoRA branches (f32, rank ≤ ``MAX_SIDE_RANK``), unless this ubatch's adapters put LoRA on its
+    router (then the graph, for this ubatch)."""
     if not ctx.takes_layer_kernel or spec.act not in ACT_CODE or LORA_MODE == "dense":
         return False
     m = spec.moe
-    if m is not None and (
-        any(ctx.has_side_branch(n) for n in (m.up_exps, m.gate_exps, m.down_exps)) or lora_branches(ctx, [m.gate_inp])
-    ):
-        return False
+    if m is not None:
+        if lora_branches(ctx, [m.gate_inp]):
+            return False
+        for name in (m.gate_exps, m.up_exps, m.down_exps):
+            for _, br in ctx.side_branches(name):
+                a, b = br.lora_a, br.lora_b
+                if a.dtype != torch.float32 or b.dtype != torch.float32 or a.shape[1] > MAX_SIDE_RANK:
+                    return False
+                if not (a.is_contiguous() and b.is_contiguous()):
+                    return False
     if x.device.type != "cpu" or x.dtype != torch.float32 or ctx.dtype != torch.float32 or x.dim() != 2:
         return False
     if resolve_layer() != "c" or resolve_attn() != "c":

@@ -56,6 +56,10 @@ class LpPairs(ctypes.Structure):
     _fields_ = [("slot", _P), ("scale", _P), ("row_ptr", _P)]
 
 
+class LpSide(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("r", _I), ("slot", _I), ("factor", _F), ("pad_", _I)]  # fmt: skip
+
+
 class LpLayer(ctypes.Structure):
     _fields_ = [
         ("n_embd", _I), ("n_head", _I), ("n_head_kv", _I), ("dk", _I), ("dv", _I), ("n_ff", _I),
@@ -69,7 +73,13 @@ class LpLayer(ctypes.Structure):
         ("qkv", LpProj), ("wo", LpProj), ("ffn_in", LpProj), ("down", LpProj),
         ("n_expert", _I), ("n_expert_used", _I), ("moe_norm_w", _I), ("pad2_", _I),
         ("gate_inp", _P), ("exp_in", _P), ("exp_down", _P),
+        ("side", _P * 3), ("row_slot", _P), ("n_side", _I * 3), ("n_slot_cols", _I),
     ]  # fmt: skip
+
+
+MAX_SIDE_RANK = 256
+"""Largest rank of an expert LoRA branch the kernel takes (``csrc/layer.cpp`` ``expert_lora``);
+a larger one keeps the layer on the graph."""
 
 
 _FN: dict[str, Any] = {}
@@ -100,9 +110,9 @@ def _fn(path: str) -> Any:
     f = _FN.get(path)
     if f is None:
         lib = library.load(path)
-        sizes = (ctypes.c_int64 * 5)()
+        sizes = (ctypes.c_int64 * 6)()
         getattr(lib, f"lp_{path}_layer_abi")(ctypes.addressof(sizes))
-        want = [ctypes.sizeof(t) for t in (LpMatmul, LpLora, LpProj, LpPairs, LpLayer)]
+        want = [ctypes.sizeof(t) for t in (LpMatmul, LpLora, LpProj, LpPairs, LpLayer, LpSide)]
         if list(sizes) != want:
             raise KernelError(f"layer kernel ABI mismatch: library struct sizes {list(sizes)}, ctypes {want}")
         f = _FN[path] = getattr(lib, f"lp_{path}_layer_forward")
@@ -235,13 +245,18 @@ class LayerKernel:
         pairs: LoraPairs | None,
         *,
         path: str,
+        expert_lora: Sequence[Sequence[tuple[int, Any]]] = (),
+        row_slot: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the layer on x f32 ``(n, n_embd)`` (contiguous; updated in place and returned).
 
         k_cache / v_cache: the layer's cache tensors ``(n_rows, cap, Hkv, d)``; cache_rows / pos:
         int64 ``(n,)``; cos_sin: f32 ``(n, 1, n_rot/2)`` each (None when n_rot is 0); lora: weight
         name → the pool's ``WeightSlots`` for the weights with a branch in use (``u`` used slots
-        as ``lora['_u']``); pairs: the ubatch's (row, slot) pairs.
+        as ``lora['_u']``); pairs: the ubatch's (row, slot) pairs; expert_lora: with experts, per
+        expert weight (gate, up, down) the ``(slot, SideBranch)`` of this ubatch's slots
+        (``GraphContext.side_branches``: A ``(E, r, k)``, B ``(E, d, r)`` f32, r ≤
+        :data:`MAX_SIDE_RANK`), read with row_slot f32 ``(n, slots)``.
 
         Raises:
             KernelError: the kernel refused the layer (its code in the message).
@@ -252,7 +267,7 @@ class LayerKernel:
         L.kv_dtype = KV_DTYPE_CODE[k_cache.dtype]
         L.ks0, L.ks1, L.ks2 = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
         L.vs0, L.vs1, L.vs2 = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
-        keep: list[torch.Tensor] = []
+        keep: list[Any] = []  # what the descriptor points at, alive until the call returns
         have_lora = bool(lora) and pairs is not None and int(pairs.row.shape[0]) > 0
         nt = torch.get_num_threads()
         for role, parts in self.parts.items():
@@ -281,6 +296,20 @@ class LayerKernel:
             pr.slot, pr.scale, pr.row_ptr = pairs.slot.data_ptr(), pairs.scale.data_ptr(), pairs.row_ptr.data_ptr()
         else:
             pr.slot = pr.scale = pr.row_ptr = None
+        L.row_slot, L.n_slot_cols = None, 0
+        for w in range(3):
+            L.side[w], L.n_side[w] = None, 0
+        for w, branches in enumerate(expert_lora):
+            if not branches:
+                continue
+            assert row_slot is not None and row_slot.dtype == torch.float32 and row_slot.is_contiguous()
+            arr = (LpSide * len(branches))()
+            for j, (slot, br) in enumerate(branches):
+                arr[j].a, arr[j].b, arr[j].r = br.lora_a.data_ptr(), br.lora_b.data_ptr(), int(br.lora_a.shape[1])
+                arr[j].slot, arr[j].factor = slot, br.factor
+            keep.append(arr)
+            L.side[w], L.n_side[w] = ctypes.addressof(arr), len(branches)
+            L.row_slot, L.n_slot_cols = row_slot.data_ptr(), int(row_slot.shape[1])
         cs = sn = None
         if cos_sin is not None:
             cs, sn = cos_sin[0].contiguous(), cos_sin[1].contiguous()
@@ -300,4 +329,4 @@ class LayerKernel:
         return x
 
 
-__all__ = ["LAYER_PATHS", "Experts", "LayerKernel", "Part", "resolve_layer"]
+__all__ = ["LAYER_PATHS", "MAX_SIDE_RANK", "Experts", "LayerKernel", "Part", "resolve_layer"]

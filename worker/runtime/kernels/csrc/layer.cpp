@@ -217,6 +217,38 @@ void rms_rows(const float* x, int64_t ldx, const float* w, int n, int d, float e
 
 }  // namespace
 
+// Expert e's LoRA branches (layer.h LpSide) added to its output rows: for each of the m rows routed
+// to it (who[t] / K is the ubatch row), y[t] (ldy, columns col..col+dout-1) += B_e (s * A_e x[t]),
+// s = row_slot[row, slot] * factor, branches in order; the rank-r product in double.  Per row a
+// fixed sequence of operations, as the graph's side branches (graph.py build_lora_mm_id).
+static void expert_lora(const LpLayer* L, int w, int e, const float* x, int k, const std::vector<int>& who, int K,
+                        float* y, int64_t ldy, int col, int dout, int nthreads) {
+  const int m = (int)who.size();
+  for (int j = 0; j < L->n_side[w]; ++j) {
+    const LpSide& br = L->side[w][j];
+    const int r = br.r;
+    const float* A = br.a + (int64_t)e * r * k;
+    const float* B = br.b + (int64_t)e * dout * r;
+    lp::parallel_for(m, (int64_t)m * r * (k + dout) >= ELEM_MIN_PARALLEL ? nthreads : 1, [&](int t) {
+      const float s = L->row_slot[(int64_t)(who[t] / K) * L->n_slot_cols + br.slot] * br.factor;
+      if (s == 0.0f) return;
+      const float* xr = x + (int64_t)t * k;
+      float u[256];
+      for (int q = 0; q < r; ++q) {
+        double acc = 0.0;
+        for (int c = 0; c < k; ++c) acc += (double)A[(int64_t)q * k + c] * (double)xr[c];
+        u[q] = (float)acc * s;
+      }
+      float* yr = y + (int64_t)t * ldy + col;
+      for (int c = 0; c < dout; ++c) {
+        double acc = 0.0;
+        for (int q = 0; q < r; ++q) acc += (double)B[(int64_t)c * r + q] * (double)u[q];
+        yr[c] = yr[c] + (float)acc;
+      }
+    });
+  }
+}
+
 // The mixture of experts of one layer on cur (n, n_embd) -> out (n, n_embd) (see layer.h LpLayer).
 // Per row: router logits in double over n_embd in order, softmax over the experts, the top
 // n_expert_used picked one by one (largest first, ties to the lower index).  Per expert, the rows
@@ -282,6 +314,8 @@ static int moe_ffn(const LpLayer* L, const float* cur, int n, float* out, float*
       Quantized qa = make_quantized(xe, d, m, d);
       if (int rc = run_proj(L->exp_in[e], qa, none, gu, 2 * nff, tmp, nthreads)) return rc;
     }
+    expert_lora(L, 0, e, xe, d, who, K, gu, 2 * nff, 0, nff, nthreads);
+    expert_lora(L, 1, e, xe, d, who, K, gu, 2 * nff, nff, nff, nthreads);
     lp::parallel_for(m, (int64_t)m * nff >= ELEM_MIN_PARALLEL ? nthreads : 1, [&](int t) {
       const float* g = gu + (int64_t)t * 2 * nff;
       gated_act(g, g + nff, h + (int64_t)t * nff, nff, L->act);
@@ -291,6 +325,7 @@ static int moe_ffn(const LpLayer* L, const float* cur, int n, float* out, float*
       Quantized qa = make_quantized(h, nff, m, nff);
       if (int rc = run_proj(L->exp_down[e], qa, none, tmp, d, gu, nthreads)) return rc;
     }
+    expert_lora(L, 2, e, h, nff, who, K, tmp, d, 0, d, nthreads);
     for (int t = 0; t < m; ++t) memcpy(y + (int64_t)who[t] * d, tmp + (int64_t)t * d, sizeof(float) * d);
   }
   for (int i = 0; i < n; ++i) {
@@ -323,6 +358,11 @@ LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int6
   const int E = L->n_expert;
   if (E > 0 && (!L->gate_inp || !L->exp_in || !L->exp_down || L->n_expert_used < 1 || L->n_expert_used > E))
     return -1;
+  for (int w = 0; w < 3; ++w)
+    for (int j = 0; j < (E > 0 ? L->n_side[w] : 0); ++j)
+      if (!L->row_slot || L->side[w][j].r < 1 || L->side[w][j].r > 256 || L->side[w][j].slot < 0 ||
+          L->side[w][j].slot >= L->n_slot_cols)
+        return -1;
   int max_mm = 0;
   for (const LpProj* p : {&L->qkv, &L->wo, &L->ffn_in, &L->down})
     for (int m = 0; m < p->n_mm; ++m) max_mm = p->mm[m].d > max_mm ? p->mm[m].d : max_mm;
@@ -420,4 +460,5 @@ LP_EXPORT void LP_FN(layer_abi)(int64_t* sizes) {
   sizes[2] = sizeof(LpProj);
   sizes[3] = sizeof(LpPairs);
   sizes[4] = sizeof(LpLayer);
+  sizes[5] = sizeof(LpSide);
 }

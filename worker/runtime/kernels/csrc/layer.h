@@ -45,6 +45,16 @@ struct LpPairs {
   const int32_t* row_ptr;  // (n + 1,), or NULL: no LoRA in this ubatch
 };
 
+// One slot's LoRA on a mixture's expert weight (worker/lora/pool.py SideBranch), f32 contiguous:
+// a (n_expert, r, k), b (n_expert, d, r); row r of the ubatch scales it by row_slot[r, slot] * factor.
+struct LpSide {
+  const float* a;
+  const float* b;
+  int r, slot;
+  float factor;
+  int pad_;
+};
+
 struct LpLayer {
   int n_embd, n_head, n_head_kv, dk, dv, n_ff;
   float eps;
@@ -70,4 +80,9 @@ struct LpLayer {
   const float* gate_inp;   // (n_expert, n_embd) f32 row-major
   const LpProj* exp_in;    // (n_expert,) each expert's [gate | up], 2 * n_ff columns, no LoRA
   const LpProj* exp_down;  // (n_expert,) each expert's down projection, n_embd columns, no LoRA
+  // this ubatch's LoRA on the experts: per expert weight (0 gate, 1 up, 2 down) n_side[w] branches
+  // (NULL when none), and the per-row slot scales they read, (n, n_slot_cols) f32
+  const LpSide* side[3];
+  const float* row_slot;
+  int n_side[3], n_slot_cols;
 };
