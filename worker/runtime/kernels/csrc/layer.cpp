@@ -34,6 +34,7 @@
 namespace {
 
 constexpr int64_t ELEM_MIN_PARALLEL = 1 << 16;  // elements of an elementwise pass worth a 2nd thread
+constexpr int MAX_SIDE_RANK = 256;  // largest expert LoRA rank (worker/runtime/kernels/layer.py MAX_SIDE_RANK)
 
 // A byte arena per calling thread, grown on demand and kept between calls (no allocation per
 // layer once a ubatch size has been seen).
@@ -233,7 +234,7 @@ static void expert_lora(const LpLayer* L, int w, int e, const float* x, int k, c
       const float s = L->row_slot[(int64_t)(who[t] / K) * L->n_slot_cols + br.slot] * br.factor;
       if (s == 0.0f) return;
       const float* xr = x + (int64_t)t * k;
-      float u[256];
+      float u[MAX_SIDE_RANK];
       for (int q = 0; q < r; ++q) {
         double acc = 0.0;
         for (int c = 0; c < k; ++c) acc += (double)A[(int64_t)q * k + c] * (double)xr[c];
@@ -360,7 +361,7 @@ LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int6
     return -1;
   for (int w = 0; w < 3; ++w)
     for (int j = 0; j < (E > 0 ? L->n_side[w] : 0); ++j)
-      if (!L->row_slot || L->side[w][j].r < 1 || L->side[w][j].r > 256 || L->side[w][j].slot < 0 ||
+      if (!L->row_slot || L->side[w][j].r < 1 || L->side[w][j].r > MAX_SIDE_RANK || L->side[w][j].slot < 0 ||
           L->side[w][j].slot >= L->n_slot_cols)
         return -1;
   int max_mm = 0;
