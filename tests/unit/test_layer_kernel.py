@@ -184,10 +184,10 @@ def test_tiny_archs_layer_kernel_matches_the_graph(arch, tmp_path, monkeypatch, 
 
 
 def _moe_model(which: str, fixtures_dir: Path, tmp_path: Path) -> tuple[Model, list[AdapterSet]]:
-    """A quantized tiny mixture of experts and the sets [base, an adapter]: the llama-MoE fixture
+    """A quantized tiny mixture of experts and the sets [base, adapters]: the llama-MoE fixture
     with its ``moe_lora`` (attn_q, both layers' up experts, layer 1's down experts: pool weights
-    and expert side branches), or the tiny Qwen 3 MoE with a synthetic rank-8 adapter on the
-    attention weights."""
+    and expert side branches) and a synthetic rank-2 LoRA on both routers (``ffn_gate_inp``), or
+    the tiny Qwen 3 MoE with a synthetic rank-8 adapter on the attention weights."""
     from bench.synth import ATTENTION_WEIGHT, linear_targets, write_adapter
     from tests.helpers.gguf_retype import quantize_gguf
     from tests.helpers.tiny_models import MODELS
@@ -206,7 +206,14 @@ def _moe_model(which: str, fixtures_dir: Path, tmp_path: Path) -> tuple[Model, l
         path = write_adapter(tmp_path / "attn.gguf", arch=base.arch, targets=targets, seed=3, rank=8)
     a = load_lora_adapter(path, base_arch=base.arch, base_tensors=base.tensor_ne, dtype=base.dtype)
     model.adapters.add(1, a)
-    return model, [AdapterSet(), AdapterSet.of({1: (a, 1.0)})]
+    if which != "llama-moe":
+        return model, [AdapterSet(), AdapterSet.of({1: (a, 1.0)})]
+    ne = base.tensor_ne
+    routers = [(n, int(ne[n][0]), int(ne[n][1])) for n in ne if n.endswith(".ffn_gate_inp.weight")]
+    rpath = write_adapter(tmp_path / "router.gguf", arch=base.arch, targets=routers, seed=4, rank=2)
+    r = load_lora_adapter(rpath, base_arch=base.arch, base_tensors=ne, dtype=base.dtype)
+    model.adapters.add(2, r)
+    return model, [AdapterSet(), AdapterSet.of({1: (a, 1.0), 2: (r, 1.0)})]
 
 
 @pytest.mark.parametrize("which", ["llama-moe", pytest.param("qwen3moe", marks=pytest.mark.slow)])

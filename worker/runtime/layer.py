@@ -9,8 +9,7 @@ q/k/v or gate/up weight, or a mixture of experts. `build_layer` runs a layer one
 - the layer kernel (``worker.runtime.kernels.layer``, ``csrc/layer.cpp``): one C call per layer
   on the CPU kernel paths, wherever it takes the layer (`fused_layer_supported`);
 - the op-by-op graph (`reference_layer`) from ``GraphContext`` blocks: CUDA, the torch path,
-  float weights, a ubatch whose adapters put LoRA on a mixture's router, and
-  ``LORAPLANE_LAYER=torch``; the tests compare the kernel with it.
+  float weights, and ``LORAPLANE_LAYER=torch``; the tests compare the kernel with it.
 
 Both give the same rows: rows are independent, and the residual stream only ever gets ``+=``.
 """
@@ -274,15 +273,13 @@ def fused_layer_supported(ctx: GraphContext, spec: LayerSpec, x: torch.Tensor) -
     ``LORAPLANE_LAYER`` not 'torch', ``LORAPLANE_ATTN`` not 'torch', ``LORAPLANE_LORA`` not
     'dense'), f32 CPU activations, a known activation, every matmul (and every expert) a packed
     weight, no side-branch LoRA on the layer's weights, a KV cache the attention kernel takes,
-    widths that are multiples of 32. A mixture of experts runs in the kernel with its experts'
-    LoRA branches (f32, rank ≤ ``MAX_SIDE_RANK``), unless this ubatch's adapters put LoRA on its
-    router (then the graph, for this ubatch)."""
+    widths that are multiples of 32. A mixture of experts runs in the kernel with its router's
+    LoRA and its experts' LoRA branches (f32, rank ≤ ``MAX_SIDE_RANK``; else the graph, for this
+    ubatch)."""
     if not ctx.takes_layer_kernel or spec.act not in ACT_CODE or LORA_MODE == "dense":
         return False
     m = spec.moe
     if m is not None:
-        if lora_branches(ctx, [m.gate_inp]):
-            return False
         for name in (m.gate_exps, m.up_exps, m.down_exps):
             for _, br in ctx.side_branches(name):
                 a, b = br.lora_a, br.lora_b
@@ -428,7 +425,7 @@ def _experts(ctx: GraphContext, m: MoeFFN, d: int) -> Experts | None:
         r = r.weight if r.qw is None else r.dequantize()
     if not isinstance(r, torch.Tensor) or tuple(r.shape) != (len(gate), d):
         return None
-    return Experts(r, gate, up, down, m.n_expert_used, m.norm_w)
+    return Experts(m.gate_inp, r, gate, up, down, m.n_expert_used, m.norm_w)
 
 
 __all__ = [

@@ -74,6 +74,7 @@ class LpLayer(ctypes.Structure):
         ("n_expert", _I), ("n_expert_used", _I), ("moe_norm_w", _I), ("pad2_", _I),
         ("gate_inp", _P), ("exp_in", _P), ("exp_down", _P),
         ("side", _P * 3), ("row_slot", _P), ("n_side", _I * 3), ("n_slot_cols", _I),
+        ("router", LpProj),
     ]  # fmt: skip
 
 
@@ -127,12 +128,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class Experts:
     """A layer's mixture of experts for the kernel (``csrc/layer.h`` ``LpLayer``'s MoE fields).
 
-    gate_inp: the router, f32 ``(n_expert, n_embd)``; gate / up / down: each expert's packed
+    gate_inp: the router, f32 ``(n_expert, n_embd)``, under the weight name ``router_name`` (its
+    LoRA, a pool weight, is the ``'router'`` part); gate / up / down: each expert's packed
     weights, ``(n_ff, n_embd)``, ``(n_ff, n_embd)``, ``(n_embd, n_ff)`` in torch order; n_used:
     experts per row (``n_expert_used``); norm_w: renormalise the chosen weights to sum 1
     (llama.cpp ``build_moe_ffn``'s ``norm_w``).
     """
 
+    router_name: str
     gate_inp: torch.Tensor
     gate: list[QuantLinear]
     up: list[QuantLinear]
@@ -232,6 +235,9 @@ class LayerKernel:
         L.n_expert, L.n_expert_used, L.moe_norm_w = n, ex.n_used, int(ex.norm_w)
         L.gate_inp, L.exp_in, L.exp_down = router.data_ptr(), ctypes.addressof(exp_in), ctypes.addressof(exp_down)
         L.ffn_in.d, L.down.d = 2 * L.n_ff, L.n_embd
+        L.router.n_mm, L.router.d, L.router.n_part = 0, n, 1
+        L.router.part[0].col, L.router.part[0].d = 0, n
+        self.parts["router"] = [Part(ex.router_name, 0, n, None)]
 
     def forward(
         self,
@@ -272,7 +278,7 @@ class LayerKernel:
         nt = torch.get_num_threads()
         for role, parts in self.parts.items():
             proj: LpProj = getattr(L, role)
-            k = proj.mm[0].k
+            k = proj.mm[0].k if proj.n_mm else L.n_embd  # the router: no matmul of its own, reads n_embd
             for i, p in enumerate(parts):
                 dst = proj.part[i]
                 ws = lora.get(p.name) if have_lora and lora is not None else None

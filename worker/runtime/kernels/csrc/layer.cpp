@@ -251,20 +251,22 @@ static void expert_lora(const LpLayer* L, int w, int e, const float* x, int k, c
 }
 
 // The mixture of experts of one layer on cur (n, n_embd) -> out (n, n_embd) (see layer.h LpLayer).
-// Per row: router logits in double over n_embd in order, softmax over the experts, the top
+// Per row: router logits in double over n_embd in order (rounded to f32, plus the router's LoRA
+// when a slot in use has one), softmax over the experts in double, the top
 // n_expert_used picked one by one (largest first, ties to the lower index).  Per expert, the rows
 // routed to it (in row order) are gathered and run through its packed matmuls, whose results
 // per row do not depend on the other rows; each row then sums its experts' outputs in its own
 // top-k order.  So a row's result is bit-identical alone or batched.  gu (n, 2 n_ff), h (n, n_ff)
 // and tmp (n, max matmul width) are the caller's buffers; the arena past qmark is free.
 // Returns 0, or the failing kernel's code.
-static int moe_ffn(const LpLayer* L, const float* cur, int n, float* out, float* gu, float* h, float* tmp,
-                   size_t qmark, int nthreads) {
+static int moe_ffn(const LpLayer* L, const float* cur, int n, const LpPairs& pr, float* out, float* gu, float* h,
+                   float* tmp, size_t qmark, int nthreads) {
   const int d = L->n_embd, E = L->n_expert, K = L->n_expert_used, nff = L->n_ff;
   // kept per calling thread between calls; the workers below reach them through these pointers
   // (a thread_local named inside the lambda would be the worker's own)
   thread_local std::vector<int> sel_buf;
-  thread_local std::vector<float> w_buf, y_buf, xe_buf;
+  thread_local std::vector<float> lg_buf, w_buf, y_buf, xe_buf;
+  lg_buf.resize((size_t)n * E);
   sel_buf.resize((size_t)n * K);
   w_buf.resize((size_t)n * K);
   y_buf.resize((size_t)n * K * d);
@@ -273,17 +275,29 @@ static int moe_ffn(const LpLayer* L, const float* cur, int n, float* out, float*
   float* const wsel = w_buf.data();     // (n, K) their weights
   float* const y = y_buf.data();        // (n, K, d) each (row, choice)'s expert output
   float* const xe = xe_buf.data();      // (m, d) the rows routed to one expert
-  lp::parallel_for(n, (int64_t)n * E * d >= ELEM_MIN_PARALLEL ? nthreads : 1, [&](int i) {
+  float* const lg = lg_buf.data();      // (n, E) router logits
+  const int par = (int64_t)n * E * d >= ELEM_MIN_PARALLEL ? nthreads : 1;
+  lp::parallel_for(n, par, [&](int i) {  // router logits, each a double sum over n_embd in order
     const float* xr = cur + (int64_t)i * d;
-    std::vector<double> p(E);
-    std::vector<char> taken(E, 0);
-    double mx = -INFINITY;
     for (int e = 0; e < E; ++e) {
       const float* wr = L->gate_inp + (int64_t)e * d;
       double acc = 0.0;
       for (int j = 0; j < d; ++j) acc += (double)xr[j] * (double)wr[j];
-      p[e] = acc;
-      mx = acc > mx ? acc : mx;
+      lg[(int64_t)i * E + e] = (float)acc;
+    }
+  });
+  if (L->router.n_part > 0) {  // the router's LoRA (BGMV over the ubatch's (row, slot) pairs)
+    g_arena.used = qmark;
+    Quantized qa = make_quantized(cur, d, n, d);
+    if (int rc = run_proj(L->router, qa, pr, lg, E, tmp, nthreads)) return rc;
+  }
+  lp::parallel_for(n, par, [&](int i) {
+    std::vector<double> p(E);
+    std::vector<char> taken(E, 0);
+    double mx = -INFINITY;
+    for (int e = 0; e < E; ++e) {
+      p[e] = (double)lg[(int64_t)i * E + e];
+      mx = p[e] > mx ? p[e] : mx;
     }
     double sum = 0.0;
     for (int e = 0; e < E; ++e) sum += (p[e] = exp(p[e] - mx));
@@ -357,7 +371,8 @@ LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int6
   if (L->qkv.d != dqkv || L->ffn_in.d != d_ffn_in || L->wo.d != d || L->down.d != d || nff % 32 || (H * dv) % 32)
     return -1;
   const int E = L->n_expert;
-  if (E > 0 && (!L->gate_inp || !L->exp_in || !L->exp_down || L->n_expert_used < 1 || L->n_expert_used > E))
+  if (E > 0 && (!L->gate_inp || !L->exp_in || !L->exp_down || L->n_expert_used < 1 || L->n_expert_used > E ||
+                L->router.n_mm != 0 || (L->router.n_part > 0 && L->router.d != E)))
     return -1;
   for (int w = 0; w < 3; ++w)
     for (int j = 0; j < (E > 0 ? L->n_side[w] : 0); ++j)
@@ -430,7 +445,7 @@ LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int6
   // --- feed-forward block
   rms_rows(x, d, L->ffn_norm, n, d, eps, cur, d, nmin, nthreads);
   if (E > 0) {
-    if (moe_ffn(L, cur, n, o, gu, h, tmp, qmark, nthreads)) return -2;
+    if (moe_ffn(L, cur, n, pr, o, gu, h, tmp, qmark, nthreads)) return -2;
     if (L->post_ffw_norm) rms_rows(o, d, L->post_ffw_norm, n, d, eps, o, d, nmin, nthreads);
     for (int64_t j = 0; j < (int64_t)n * d; ++j) x[j] = o[j] + x[j];
     return 0;

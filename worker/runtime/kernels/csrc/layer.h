@@ -85,4 +85,6 @@ struct LpLayer {
   const LpSide* side[3];
   const float* row_slot;
   int n_side[3], n_slot_cols;
+  // the router's LoRA (a pool weight, as a projection's part): n_mm 0, d = n_expert, one part
+  LpProj router;
 };
