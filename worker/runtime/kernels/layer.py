@@ -234,7 +234,6 @@ class LayerKernel:
         self._keep += [router, exp_in, exp_down]
         L.n_expert, L.n_expert_used, L.moe_norm_w = n, ex.n_used, int(ex.norm_w)
         L.gate_inp, L.exp_in, L.exp_down = router.data_ptr(), ctypes.addressof(exp_in), ctypes.addressof(exp_down)
-        L.ffn_in.d, L.down.d = 2 * L.n_ff, L.n_embd
         L.router.n_mm, L.router.d, L.router.n_part = 0, n, 1
         L.router.part[0].col, L.router.part[0].d = 0, n
         self.parts["router"] = [Part(ex.router_name, 0, n, None)]

@@ -368,9 +368,9 @@ LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int6
   if (Hkv <= 0 || H % Hkv || dk % 16 || dv % 16 || dk > 512 || dv > 512 || d % 32) return -1;
   const int dq = H * dk, dkv = Hkv * dk, dvv = Hkv * dv, dqkv = dq + dkv + dvv;
   const int nff = L->n_ff, d_ffn_in = 2 * nff;
-  if (L->qkv.d != dqkv || L->ffn_in.d != d_ffn_in || L->wo.d != d || L->down.d != d || nff % 32 || (H * dv) % 32)
-    return -1;
-  const int E = L->n_expert;
+  const int E = L->n_expert;  // with experts, ffn_in / down are unused (the experts' projections are checked below)
+  if (L->qkv.d != dqkv || L->wo.d != d || nff % 32 || (H * dv) % 32) return -1;
+  if (E == 0 && (L->ffn_in.d != d_ffn_in || L->down.d != d)) return -1;
   if (E > 0 && (!L->gate_inp || !L->exp_in || !L->exp_down || L->n_expert_used < 1 || L->n_expert_used > E ||
                 L->router.n_mm != 0 || (L->router.n_part > 0 && L->router.d != E)))
     return -1;
