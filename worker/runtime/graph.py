@@ -140,6 +140,7 @@ class GraphContext:
         self._lora_rank: dict[str, torch.Tensor] = {}  # int32 (s_used,) rank_of per weight
         self._rope_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.layer_rows: torch.Tensor | None = None  # each row's KV-cache row (worker.runtime.layer)
+        self.layer_env: tuple[bool, str | None, str] | None = None  # worker.runtime.layer, once per ubatch
         self.n_nodes = 0  # ggml-equivalent node count of what was built (reported)
 
     # --- inputs -----------------------------------------------------------------------

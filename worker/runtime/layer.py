@@ -17,6 +17,7 @@ Both give the same rows: rows are independent, and the residual stream only ever
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,32 @@ def dense_spec(hp: Any, il: int, **rules: Any) -> LayerSpec:
     return LayerSpec(**fields)
 
 
+def layer_specs(ctx: GraphContext, hp: Any, make: Callable[..., LayerSpec], *args: Any) -> list[LayerSpec]:
+    """Every layer's spec, ``make(hp, il, *args)`` for ``il`` in ``range(hp.n_layer)``, built once
+    per model, ``make`` and ``args`` (kept in ``ctx.layer_cache``: a spec depends on the file's
+    hyper-parameters only, and ``args`` carry what a context chooses, such as Phi-3's LongRoPE
+    factors); a context without that cache (the GPU's) builds them per ubatch."""
+    cache = getattr(ctx, "layer_cache", None)
+    key = ("specs", make, *args)
+    specs = cache.get(key) if cache is not None else None
+    if specs is None:
+        specs = [make(hp, il, *args) for il in range(hp.n_layer)]
+        if cache is not None:
+            cache[key] = specs
+    return specs
+
+
+def _layer_env(ctx: GraphContext) -> tuple[bool, str | None, str]:
+    """What the environment says for this ubatch's layers, read once per ubatch (a toggle between
+    ubatches still takes effect): the layer kernel allowed (``LORAPLANE_LAYER`` and
+    ``LORAPLANE_ATTN`` resolve to 'c'), ``$LORAPLANE_KERNEL_ACT``, the kernel path."""
+    env = ctx.layer_env
+    if env is None:
+        ok = resolve_layer() == "c" and resolve_attn() == "c"
+        env = ctx.layer_env = (ok, os.environ.get("LORAPLANE_KERNEL_ACT"), resolve_path())
+    return env
+
+
 def build_layer(ctx: GraphContext, spec: LayerSpec, il: int, x: torch.Tensor, *, last: bool) -> torch.Tensor:
     """Layer ``il`` on the residual stream x ``(n, d)``; returns the next residual stream. On the
     last layer (``last``) only the rows whose logits are wanted continue
@@ -160,7 +187,7 @@ def build_layer(ctx: GraphContext, spec: LayerSpec, il: int, x: torch.Tensor, *,
         cs,
         lora,
         ctx.lora_pairs() if lora else None,
-        path=resolve_path(),
+        path=_layer_env(ctx)[2],
         **_expert_lora(ctx, spec),
     )
     ctx.n_nodes += 30
@@ -289,9 +316,7 @@ def fused_layer_supported(ctx: GraphContext, spec: LayerSpec, x: torch.Tensor) -
                     return False
     if x.device.type != "cpu" or x.dtype != torch.float32 or ctx.dtype != torch.float32 or x.dim() != 2:
         return False
-    if resolve_layer() != "c" or resolve_attn() != "c":
-        return False
-    return True
+    return _layer_env(ctx)[0]
 
 
 def fused_layer_kernel(ctx: GraphContext, spec: LayerSpec, il: int, x: torch.Tensor) -> LayerKernel | None:
@@ -303,7 +328,7 @@ def fused_layer_kernel(ctx: GraphContext, spec: LayerSpec, il: int, x: torch.Ten
     if not attn_kernel_supports(kv.k[il], kv.v[il], spec.n_head):
         return None
     cache = ctx.layer_cache
-    key = (il, os.environ.get("LORAPLANE_KERNEL_ACT"))
+    key = (il, _layer_env(ctx)[1])
     if key in cache:
         return cache[key]
     kern = _make_kernel(ctx, spec, x.shape[1])

@@ -21,7 +21,7 @@ import torch
 
 from loraplane.formats.arch.gemma2 import HParams
 from worker.runtime.graph import GraphContext
-from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec
+from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec, layer_specs
 
 
 def layer_spec(hp: HParams, il: int) -> LayerSpec:
@@ -51,8 +51,8 @@ def layer_spec(hp: HParams, il: int) -> LayerSpec:
 def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight") * math.sqrt(hp.n_embd)
-    for il in range(hp.n_layer):
-        x = build_layer(ctx, layer_spec(hp, il), il, x, last=il == hp.n_layer - 1)
+    for il, spec in enumerate(layer_specs(ctx, hp, layer_spec)):
+        x = build_layer(ctx, spec, il, x, last=il == hp.n_layer - 1)
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
     logits = ctx.build_output(x)
     if hp.final_softcap > 0:

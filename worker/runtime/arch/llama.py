@@ -15,7 +15,7 @@ import torch
 
 from loraplane.formats.arch.llama import ROPE_FREQS, HParams
 from worker.runtime.graph import GraphContext, inv_sqrt
-from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec, moe_ffn
+from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec, layer_specs, moe_ffn
 
 
 def layer_spec(hp: HParams, il: int, freq_factors: str | None) -> LayerSpec:
@@ -42,7 +42,7 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight")
     ff = ROPE_FREQS if ROPE_FREQS in ctx.w else None
-    for il in range(hp.n_layer):
-        x = build_layer(ctx, layer_spec(hp, il, ff), il, x, last=il == hp.n_layer - 1)
+    for il, spec in enumerate(layer_specs(ctx, hp, layer_spec, ff)):
+        x = build_layer(ctx, spec, il, x, last=il == hp.n_layer - 1)
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
     return ctx.build_output(x)

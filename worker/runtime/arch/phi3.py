@@ -19,7 +19,7 @@ import torch
 
 from loraplane.formats.arch.phi3 import ROPE_LONG, ROPE_SHORT, HParams
 from worker.runtime.graph import GraphContext, inv_sqrt
-from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec
+from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec, layer_specs
 
 
 def rope_factors(ctx: GraphContext, hp: HParams) -> str | None:
@@ -57,7 +57,7 @@ def build_graph(ctx: GraphContext, hp: HParams) -> torch.Tensor:
     """Forward pass of one ubatch; returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight")
     ff = rope_factors(ctx, hp)
-    for il in range(hp.n_layer):
-        x = build_layer(ctx, layer_spec(hp, il, ff), il, x, last=il == hp.n_layer - 1)
+    for il, spec in enumerate(layer_specs(ctx, hp, layer_spec, ff)):
+        x = build_layer(ctx, spec, il, x, last=il == hp.n_layer - 1)
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
     return ctx.build_output(x)

@@ -16,7 +16,7 @@ import torch
 
 from loraplane.formats.arch.qwen2 import HParams
 from worker.runtime.graph import GraphContext, inv_sqrt
-from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec
+from worker.runtime.layer import LayerSpec, Rope, build_layer, dense_spec, layer_specs
 
 
 def layer_spec(hp: Any, il: int) -> LayerSpec:
@@ -38,8 +38,8 @@ def build_layers(ctx: GraphContext, hp: Any, spec_of: LayerSpecFn) -> torch.Tens
     """The Qwen decoder: embedding, the layers ``spec_of(hp, il)`` describes, the output norm and
     head. Returns logits ``(n_out, n_vocab)`` for the wanted rows."""
     x = ctx.build_inp_embd("token_embd.weight")
-    for il in range(hp.n_layer):
-        x = build_layer(ctx, spec_of(hp, il), il, x, last=il == hp.n_layer - 1)
+    for il, spec in enumerate(layer_specs(ctx, hp, spec_of)):
+        x = build_layer(ctx, spec, il, x, last=il == hp.n_layer - 1)
     x = ctx.build_norm(x, "output_norm.weight", hp.eps)
     return ctx.build_output(x)
 

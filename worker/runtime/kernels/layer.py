@@ -218,6 +218,9 @@ class LayerKernel:
         if experts is not None:
             self._set_experts(experts)
         self._pairs = LpPairs()
+        self._kv: tuple[Any, ...] | None = None  # the cache fields set last (data pointers, strides, dtype)
+        self._lora_set = True  # parts may point at slots: the next call without LoRA clears them
+        self._side_set = True
 
     def _set_experts(self, ex: Experts) -> None:
         L = self.desc
@@ -268,13 +271,42 @@ class LayerKernel:
         """
         L = self.desc
         n = x.shape[0]
-        L.k_cache, L.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        L.kv_dtype = KV_DTYPE_CODE[k_cache.dtype]
-        L.ks0, L.ks1, L.ks2 = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
-        L.vs0, L.vs1, L.vs2 = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
+        kv = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(), v_cache.stride(), k_cache.dtype)
+        if kv != self._kv:  # the descriptor keeps the last call's cache fields (one context: every call)
+            L.k_cache, L.v_cache = kv[0], kv[1]
+            L.kv_dtype = KV_DTYPE_CODE[k_cache.dtype]
+            L.ks0, L.ks1, L.ks2 = kv[2][:3]
+            L.vs0, L.vs1, L.vs2 = kv[3][:3]
+            self._kv = kv
         keep: list[Any] = []  # what the descriptor points at, alive until the call returns
         have_lora = bool(lora) and pairs is not None and int(pairs.row.shape[0]) > 0
         nt = torch.get_num_threads()
+        if have_lora or self._lora_set:
+            self._set_lora(lora if have_lora else None, pairs, nt, keep)
+        if expert_lora or self._side_set:
+            self._set_sides(expert_lora, row_slot, keep)
+        cs = sn = None
+        if cos_sin is not None:
+            cs, sn = cos_sin[0].contiguous(), cos_sin[1].contiguous()
+        rc = _fn(path)(
+            ctypes.addressof(L),
+            x.data_ptr(),
+            n,
+            cache_rows.data_ptr(),
+            pos.data_ptr(),
+            _ptr(cs),
+            _ptr(sn),
+            ctypes.addressof(self._pairs),
+            nt,
+        )
+        if rc != 0:
+            raise KernelError(f"layer kernel refused the layer (code {rc})")
+        return x
+
+    def _set_lora(self, lora: dict[str, Any] | None, pairs: LoraPairs | None, nt: int, keep: list[Any]) -> None:
+        """Point each part at its pool slots (None: clear every part and the pairs)."""
+        L = self.desc
+        have_lora = lora is not None
         for role, parts in self.parts.items():
             proj: LpProj = getattr(L, role)
             k = proj.mm[0].k if proj.n_mm else L.n_embd  # the router: no matmul of its own, reads n_embd
@@ -301,6 +333,13 @@ class LayerKernel:
             pr.slot, pr.scale, pr.row_ptr = pairs.slot.data_ptr(), pairs.scale.data_ptr(), pairs.row_ptr.data_ptr()
         else:
             pr.slot = pr.scale = pr.row_ptr = None
+        self._lora_set = have_lora
+
+    def _set_sides(
+        self, expert_lora: Sequence[Sequence[tuple[int, Any]]], row_slot: torch.Tensor | None, keep: list[Any]
+    ) -> None:
+        """The experts' LoRA branches of this call (none: cleared)."""
+        L = self.desc
         L.row_slot, L.n_slot_cols = None, 0
         for w in range(3):
             L.side[w], L.n_side[w] = None, 0
@@ -315,23 +354,7 @@ class LayerKernel:
             keep.append(arr)
             L.side[w], L.n_side[w] = ctypes.addressof(arr), len(branches)
             L.row_slot, L.n_slot_cols = row_slot.data_ptr(), int(row_slot.shape[1])
-        cs = sn = None
-        if cos_sin is not None:
-            cs, sn = cos_sin[0].contiguous(), cos_sin[1].contiguous()
-        rc = _fn(path)(
-            ctypes.addressof(L),
-            x.data_ptr(),
-            n,
-            cache_rows.data_ptr(),
-            pos.data_ptr(),
-            _ptr(cs),
-            _ptr(sn),
-            ctypes.addressof(pr),
-            nt,
-        )
-        if rc != 0:
-            raise KernelError(f"layer kernel refused the layer (code {rc})")
-        return x
+        self._side_set = any(expert_lora)
 
 
 __all__ = ["LAYER_PATHS", "MAX_SIDE_RANK", "Experts", "LayerKernel", "Part", "resolve_layer"]
