@@ -236,8 +236,9 @@ LP_EXPORT int LP_FN(attn_decode)(const float* q, int64_t q_ld, const void* k, co
   if (dtype < 0 || dtype > 2) return -1;
   const int rep = H / Hkv;
   // threads by work: each thread gets at least min_parallel_work multiply-adds (the caller
-  // passes ~1M, about 0.1 ms of one core; 0: every thread), so a short context's attention
-  // stays on the calling thread and a long one uses them all.  The results do not depend on it.
+  // passes 256 K, worker/runtime/kernels/attn.py MIN_PARALLEL_WORK; 0: every thread), so a
+  // short context's attention stays on the calling thread and a long one uses them all.  The
+  // results do not depend on it.
   int64_t work = 0;
   for (int b = 0; b < B; ++b) {
     const int64_t p = pos[b], lo = n_swa > 0 && p - n_swa + 1 > 0 ? p - n_swa + 1 : 0;
