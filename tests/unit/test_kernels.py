@@ -48,6 +48,7 @@ from worker.runtime.kernels import (
     resolve_path,
     supported,
 )
+from worker.runtime.kernels.repack import decode, interleave
 from worker.runtime.model import LM_HEAD_RESCORE, ModelError, assign_acts
 
 ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
@@ -312,6 +313,62 @@ def test_rescore_top_outputs_with_i16(packed, path, form, monkeypatch):
     for i in range(x.shape[0]):
         assert torch.equal(w.matmul(x[i : i + 1], path=path)[0], y[i])
     assert torch.equal(w.matmul(x, path=path, act="i16"), y16)  # no re-score when run at i16
+
+
+@pytest.mark.parametrize("path", C_PATHS)
+def test_rescore_candidates_of_a_wide_head(path, monkeypatch):
+    """On a head wide enough for the re-score's span search (``csrc/qmm16.cpp`` top_columns:
+    maxima of 256-column spans, then only the spans that can hold a top entry), each row's
+    re-scored columns are exactly a full scan's top K of the int8 outputs: equal outputs in
+    different spans (duplicated weight rows) keep the lower column, the columns past the last
+    whole span take part, and rows stay independent."""
+    monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
+    rng = np.random.default_rng(11)
+    d, k = 70 * 256 + 37, 64
+    u = rng.standard_normal(k).astype(np.float32)
+    w = rng.standard_normal((d, k)).astype(np.float32) * 0.05
+    dup = [7, 300, 5000, 9001, d - 5]  # the last one past the last whole span
+    w[dup] = u * 0.2
+    w[[40, 41, 9002]] = u * 0.19  # just below the duplicates: candidates beside them
+    aff = decode(quants.quantize(w, T.Q8_0).reshape(-1), T.Q8_0, d, k)
+    qw, sc, _ = interleave(aff)
+    base = QuantLinear(
+        "wide",
+        T.Q8_0,
+        k,
+        d,
+        torch.device("cpu"),
+        qw=torch.from_numpy(qw),
+        scale=torch.from_numpy(sc),
+        bs=32,
+        signed=True,
+    )
+    head = dataclasses.replace(base, act="i8", rescore=LM_HEAD_RESCORE)
+    x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32)) + torch.from_numpy(u) * 2
+    y8 = base.matmul(x, path=path, act="i8")
+    y16 = base.matmul(x, path=path, act="i16")
+    y = head.matmul(x, path=path)
+    top = torch.sort(y8, dim=-1, descending=True, stable=True).indices[:, :LM_HEAD_RESCORE]
+    assert set(dup) <= set(top[0].tolist())
+    mask = torch.zeros_like(y, dtype=torch.bool).scatter_(1, top, True)
+    assert torch.equal(y[mask], y16[mask])
+    assert torch.equal(y[~mask], y8[~mask])
+    for i in range(x.shape[0]):
+        assert torch.equal(head.matmul(x[i : i + 1], path=path)[0], y[i])
+    # outputs laid out by hand (the re-score reads its candidates from the outputs it is
+    # given): one top entry per span, so the K-th largest entry is itself a span's maximum (the
+    # bound the search must include), two equal entries in different spans at the cut (the
+    # lower column wins), an entry past the last whole span just below the cut
+    yy = torch.full((2, d), -1000.0)
+    for s_ in range(70):
+        yy[:, s_ * 256 + (s_ * 37) % 256] = float(s_)
+    yy[:, 3 * 256 + 200] = float(70 - LM_HEAD_RESCORE)  # ties with span 70-K's entry, lower column
+    yy[:, d - 3] = 70 - LM_HEAD_RESCORE - 0.5
+    want = torch.sort(yy, dim=-1, descending=True, stable=True).indices[:, :LM_HEAD_RESCORE]
+    got = head._rescore_top(x[:2], yy.clone(), path)
+    changed = torch.zeros_like(yy, dtype=torch.bool).scatter_(1, want, True)
+    assert torch.equal(got[changed], y16[:2][changed])
+    assert torch.equal(got[~changed], yy[~changed])
 
 
 def test_assign_acts_policy(packed, monkeypatch):

@@ -20,14 +20,25 @@
 #include "qmm16.h"
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <algorithm>
 
 namespace {
 
+constexpr int TOP_SPAN = 256;  // columns per span of top_columns' first pass
+
 // The K largest entries of y[0, d) into ids (descending value, ties: the lower column first;
-// NaN never enters), returning how many (min(K, d)).  A vector compare against the K-th value
-// so far, a sorted insert on the rare hits.
+// NaN never enters), returning how many (min(K, d)).
+//
+// Two passes: the maximum of every span of TOP_SPAN columns, then a sorted-insert scan — a vector compare against the K-th
+// value so far, inserts on the rare hits — of only the spans whose maximum reaches g, the K-th
+// largest span maximum.  The same entries as a scan of the whole row: at least K entries are
+// >= g (one per span of the K largest maxima), so the K-th largest entry is >= g and every
+// entry of the answer lies in a span whose maximum is >= g; those spans are scanned in column
+// order, so ties keep the lower column.  For an LM head row that is ~32 spans of 1024.  A row
+// holding a NaN is scanned whole.
 int top_columns(const float* y, int d, int K, float* val, int32_t* ids) {
   int cnt = 0;
   auto push = [&](float v, int32_t i) {  // i exceeds every id held: an equal value goes after
@@ -38,15 +49,53 @@ int top_columns(const float* y, int d, int K, float* val, int32_t* ids) {
     if (cnt < K) ++cnt;
   };
   __m256 thr = _mm256_set1_ps(-INFINITY);
-  int j = 0;
-  for (; j + 8 <= d; j += 8) {
-    const __m256 v = _mm256_loadu_ps(y + j);
-    unsigned m = cnt < K ? 0xFFu : (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, thr, _CMP_GT_OQ));
-    if (!m) continue;
-    for (; m; m &= m - 1) push(y[j + __builtin_ctz(m)], j + __builtin_ctz(m));
-    if (cnt == K) thr = _mm256_set1_ps(val[K - 1]);
+  auto scan = [&](int j, int end) {
+    for (; j + 8 <= end; j += 8) {
+      const __m256 v = _mm256_loadu_ps(y + j);
+      unsigned m = cnt < K ? 0xFFu : (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, thr, _CMP_GT_OQ));
+      if (!m) continue;
+      for (; m; m &= m - 1) push(y[j + __builtin_ctz(m)], j + __builtin_ctz(m));
+      if (cnt == K) thr = _mm256_set1_ps(val[K - 1]);
+    }
+    for (; j < end; ++j) push(y[j], j);
+  };
+  const int nspan = d / TOP_SPAN;
+  if (nspan <= 2 * K) {
+    scan(0, d);
+    return cnt;
   }
-  for (; j < d; ++j) push(y[j], j);
+  float* smax = (float*)malloc(sizeof(float) * 2 * (size_t)nspan);
+  if (!smax) {
+    scan(0, d);
+    return cnt;
+  }
+  for (int s = 0; s < nspan; ++s) {
+    const float* p = y + (int64_t)s * TOP_SPAN;
+    __m256 m = _mm256_loadu_ps(p), bad = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+    for (int j = 8; j < TOP_SPAN; j += 8) {
+      const __m256 v = _mm256_loadu_ps(p + j);
+      m = _mm256_max_ps(m, v);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    if (_mm256_movemask_ps(bad)) {
+      free(smax);
+      cnt = 0;
+      scan(0, d);
+      return cnt;
+    }
+    smax[s] = _mm_cvtss_f32(m4);
+  }
+  float* sel = smax + nspan;
+  memcpy(sel, smax, sizeof(float) * nspan);
+  std::nth_element(sel, sel + (K - 1), sel + nspan, [](float a, float b) { return a > b; });
+  const float g = sel[K - 1];
+  for (int s = 0; s < nspan; ++s)
+    if (smax[s] >= g) scan(s * TOP_SPAN, (s + 1) * TOP_SPAN);
+  scan(nspan * TOP_SPAN, d);  // the columns after the last whole span
+  free(smax);
   return cnt;
 }
 
