@@ -617,6 +617,14 @@ def _broken(self, ub):
     raise RuntimeError("injected: device lost")
 import worker.runtime.context
 worker.runtime.context.WorkerContext.decode = _broken
+import time
+import worker.serving.output
+_put = worker.serving.output.EmitWorker._put
+def _late_fatal_end(self, item):
+    if item[0] == "end" and "the scheduler stopped" in str(getattr(item[3], "error", "")):
+        time.sleep(0.3)  # the loop's last error reaches the output thread after the stop began
+    _put(self, item)
+worker.serving.output.EmitWorker._put = _late_fatal_end
 """
 
 
@@ -625,7 +633,10 @@ def test_a_worker_whose_scheduler_loop_stops_exits_non_zero(fixtures_dir):
     """A forward pass that always fails (a broken device; injected in the child): each of
     the first ``MAX_STEP_FAILURES`` requests ends INTERNAL naming the error, then the loop
     stops for good and the process exits non-zero (``serve`` and Kubernetes restart it)
-    instead of staying up, heartbeating and answering SERVING with a dead loop."""
+    instead of staying up, heartbeating and answering SERVING with a dead loop. The last
+    request's error is held back 0.3 s on its way to the output thread (injected): the
+    server's stop still lets it through (it was cancelled as UNAVAILABLE when the stop had no
+    grace)."""
     from worker.serving.scheduler import MAX_STEP_FAILURES
 
     tiny = fixtures_dir / "tiny_moe" / "tiny-llama-moe-f16.gguf"

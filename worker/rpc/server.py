@@ -367,7 +367,11 @@ def serve_worker(config: WorkerConfig) -> None:
     if wake is not None:
         wake.set()
     server.health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    server.stop(grace=0 if shutdown.now.is_set() else 1).wait()
+    # A loop that stopped for good has just ended every call with its error (INTERNAL for the
+    # running ones): a second of grace lets those statuses reach the clients, where grace 0
+    # cancelled a call whose error was still on its way (UNAVAILABLE "Cancelling all calls").
+    failed = engine.scheduler.failure is not None
+    server.stop(grace=1 if failed or not shutdown.now.is_set() else 0).wait()
     if metrics_server is not None:
         metrics_server.shutdown()
     engine.close()
