@@ -158,7 +158,7 @@ def _layer_env(ctx: GraphContext) -> tuple[bool, str | None, str]:
     """What the environment says for this ubatch's layers, read once per ubatch (a toggle between
     ubatches still takes effect): the layer kernel allowed (``LORAPLANE_LAYER`` and
     ``LORAPLANE_ATTN`` resolve to 'c'), ``$LORAPLANE_KERNEL_ACT``, the kernel path."""
-    env = ctx.layer_env
+    env = getattr(ctx, "layer_env", None)  # a subclass that skips GraphContext.__init__ has none
     if env is None:
         ok = resolve_layer() == "c" and resolve_attn() == "c"
         env = ctx.layer_env = (ok, os.environ.get("LORAPLANE_KERNEL_ACT"), resolve_path())

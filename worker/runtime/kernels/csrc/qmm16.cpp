@@ -32,9 +32,9 @@ constexpr int TOP_SPAN = 256;  // columns per span of top_columns' first pass
 // The K largest entries of y[0, d) into ids (descending value, ties: the lower column first;
 // NaN never enters), returning how many (min(K, d)).
 //
-// Two passes: the maximum of every span of TOP_SPAN columns, then a sorted-insert scan — a vector compare against the K-th
-// value so far, inserts on the rare hits — of only the spans whose maximum reaches g, the K-th
-// largest span maximum.  The same entries as a scan of the whole row: at least K entries are
+// Two passes: the maximum of every span of TOP_SPAN columns, then a sorted-insert scan (a vector
+// compare against the K-th value so far, inserts on the rare hits) of only the spans whose
+// maximum reaches g, the K-th largest span maximum.  The same entries as a scan of the whole row: at least K entries are
 // >= g (one per span of the K largest maxima), so the K-th largest entry is >= g and every
 // entry of the answer lies in a span whose maximum is >= g; those spans are scanned in column
 // order, so ties keep the lower column.  For an LM head row that is ~32 spans of 1024.  A row
