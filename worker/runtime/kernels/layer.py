@@ -306,13 +306,12 @@ class LayerKernel:
     def _set_lora(self, lora: dict[str, Any] | None, pairs: LoraPairs | None, nt: int, keep: list[Any]) -> None:
         """Point each part at its pool slots (None: clear every part and the pairs)."""
         L = self.desc
-        have_lora = lora is not None
         for role, parts in self.parts.items():
             proj: LpProj = getattr(L, role)
             k = proj.mm[0].k if proj.n_mm else L.n_embd  # the router: no matmul of its own, reads n_embd
             for i, p in enumerate(parts):
                 dst = proj.part[i]
-                ws = lora.get(p.name) if have_lora and lora is not None else None
+                ws = lora.get(p.name) if lora is not None else None
                 if ws is None:
                     dst.lora_a = None
                     continue
@@ -328,12 +327,12 @@ class LayerKernel:
                 dst.lora_rank, dst.lora_factor = rank.data_ptr(), ws.factor.data_ptr()
                 dst.lora_nthreads = nt if big else 1
         pr = self._pairs
-        if have_lora:
+        if lora is not None:
             assert pairs is not None
             pr.slot, pr.scale, pr.row_ptr = pairs.slot.data_ptr(), pairs.scale.data_ptr(), pairs.row_ptr.data_ptr()
         else:
             pr.slot = pr.scale = pr.row_ptr = None
-        self._lora_set = have_lora
+        self._lora_set = lora is not None
 
     def _set_sides(
         self, expert_lora: Sequence[Sequence[tuple[int, Any]]], row_slot: torch.Tensor | None, keep: list[Any]
