@@ -79,9 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     for mname in args.models.split(","):
         model, golden, _ = _model(mname)
         packed = {n: w for n, w in model.base.weights.items() if isinstance(w, QuantLinear)}
-        acts = {n: w.act for n, w in packed.items() if w.act != "i16"}
-        kinds = ", ".join(sorted({n.split(".")[-2] if n.startswith("blk.") else n for n in acts}))
-        print(f"== {mname} ({model.base.arch}); int8 activations under the policy: {len(acts)} weights ({kinds})")
+        by_act: dict[str, set[str]] = {}
+        for n, w in packed.items():
+            a = w.resolved_act()
+            if a != "i16":
+                by_act.setdefault(a, set()).add(n)
+        kinds = {a: sorted({n.split(".")[-2] if n.startswith("blk.") else n for n in ns}) for a, ns in by_act.items()}
+        desc = "; ".join(f"{a}: {len(by_act[a])} weights ({', '.join(ks)})" for a, ks in sorted(kinds.items()))
+        print(f"== {mname} ({model.base.arch}); activations other than int16 under the policy: {desc or 'none'}")
         ctx = model.new_context(n_ctx_seq=512, n_seq=4)
         res = {}
         head = next((w for n, w in packed.items() if n in LM_HEAD_NAMES and w.act == "i8"), None)

@@ -25,14 +25,14 @@ def test_api_header_declares_every_export_with_its_ctypes():
         "quantize_act", "qmm", "qmm_f32", "quantize_act16", "qmm16", "qmm16_f32", "rms_norm", "lora_bgmv",
         "attn_decode", "logits_summary", "threads_config", "pool_size", "request_tile_perm", "layer_forward",
         "qmm16_rescore",
-        "layer_abi",
+        "layer_abi", "qmmbf16_f32",
     }  # fmt: skip
     attn = ex["attn_decode"]
     assert len(attn.params) == 25 and attn.restype is ctypes.c_int and not attn.amx_only
     assert attn.params[:2] == (("q", ctypes.c_void_p), ("q_ld", ctypes.c_int64))
     assert dict(attn.params)["kq_scale"] is ctypes.c_float and dict(attn.params)["B"] is ctypes.c_int
     assert ex["quantize_act"].restype is None and ex["pool_size"].params == ()
-    assert ex["request_tile_perm"].amx_only
+    assert ex["request_tile_perm"].amx_only and ex["qmmbf16_f32"].amx_only
 
 
 @pytest.mark.skipif(not cpu.supported("avx2"), reason="needs an AVX2 CPU")
@@ -43,6 +43,7 @@ def test_loaded_library_binds_the_header_argtypes():
             f = getattr(lib, f"lp_avx2_{e.name}")
             assert f.argtypes == [t for _, t in e.params] and f.restype == e.restype, e.name
     assert not hasattr(lib, "lp_avx2_request_tile_perm")  # the header's amx block: amx only
+    assert not hasattr(lib, "lp_avx2_qmmbf16_f32")
 
 
 def test_parse_api_refuses_what_it_cannot_bind():

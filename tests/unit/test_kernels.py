@@ -49,7 +49,8 @@ from worker.runtime.kernels import (
     supported,
 )
 from worker.runtime.kernels.repack import decode, interleave
-from worker.runtime.model import LM_HEAD_RESCORE, ModelError, assign_acts
+from worker.runtime.kernels.cpu import bf16_tiles_supported
+from worker.runtime.model import LM_HEAD_RESCORE, ModelError, assign_acts, bf16_tiles_wanted
 
 ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
 C_PATHS = [
@@ -162,6 +163,71 @@ def test_c_matmul_vs_reference(packed, path, act, t, d, k):
         assert ((y.double() - y_emul).abs() <= 1e-5 * mag + 1e-6).all(), (path, act, n)
         bound = (step.double() / 2) @ ref64.abs().T * 1.001 + 1e-5
         assert ((y.double() - x.double() @ ref64.T).abs() <= bound).all(), (path, act, n)
+
+
+BF16_CASES = [c for c in CASES if c[0] not in (T.F16, T.F32, T.BF16, T.Q8_0)]
+
+
+@pytest.mark.skipif(
+    not bf16_tiles_supported(), reason="needs the amx path with AMX-BF16, AVX512-BF16 and VBMI (the bf16 tiles)"
+)
+@pytest.mark.parametrize("t,d,k", BF16_CASES, ids=[_name(*c) for c in BF16_CASES])
+def test_bf16_tiles_vs_reference(packed, t, d, k, monkeypatch):
+    """The bf16 tiles (``csrc/qmmbf16.cpp``) on every unsigned type, blocks of 32 and Q6_K's 16:
+    y equals torch's f64 product of the bf16-rounded x and the exact weights to 4e-7 of
+    |x| @ (|W| + 128 |s|) (the tile's f32 sums run over s * (128 + u), whose 128 s * sum(x) the
+    scaling cancels: f32 rounding of those larger terms is the kernel's error); a row is the
+    same alone, in any batch (1, 3, 16, 17 rows: a zero-padded tile) and with 1 or 2 threads,
+    bit for bit; rows with |x| = 250 outliers do not disturb the others."""
+    ql, ref = packed[_name(t, d, k)]
+    assert ql.takes_bf16 and ql.resolved_act("bf16", "amx") == "bf16"
+    g = torch.Generator().manual_seed(d * 1000 + k + 7)
+    x = torch.randn(70, k, generator=g)
+    x[::9, k // 3] = 250.0
+    y = ql.matmul(x, path="amx", act="bf16")
+    xb = x.bfloat16().double()
+    want = xb @ ref.double().T
+    assert ql.scale is not None
+    s_el = ql.scale.permute(0, 2, 1).reshape(-1, k // ql.bs)[:d].repeat_interleave(ql.bs, dim=1).double()
+    mag = xb.abs() @ (ref.double().abs() + 128 * s_el.abs()).T
+    assert ((y.double() - want).abs() <= 4e-7 * mag + 1e-6).all()
+    assert not torch.equal(y, ql.matmul(x, path="amx", act="i16"))  # really another precision
+    for n in (1, 3, 16, 17):
+        for i0 in (0, 70 - n):
+            assert torch.equal(ql.matmul(x[i0 : i0 + n], path="amx", act="bf16"), y[i0 : i0 + n])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ql.matmul(x, path="amx", act="bf16"), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_resolves_to_int16_where_the_tiles_cannot_run(packed, monkeypatch):
+    """'bf16' is a weight's choice that only the amx path with the bf16 tiles runs: elsewhere, and
+    for Q8_0's signed values on any path, the matmul runs int16 (the same values as 'i16');
+    activations are never pre-quantized as bf16."""
+    monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
+    q5, _ = packed[_name(T.Q5_0, 64, 640)]
+    q8, _ = packed[_name(T.Q8_0, 16, 640)]
+    q6, _ = packed[_name(T.Q6_K, 40, 256)]
+    w5, w8 = dataclasses.replace(q5, act="bf16"), dataclasses.replace(q8, act="bf16")
+    assert q5.takes_bf16 and q6.takes_bf16 and not q8.takes_bf16
+    for path in ("avx2", "avx512"):
+        if supported(path):
+            assert w5.resolved_act(path=path) == "i16" and w8.resolved_act(path=path) == "i16"
+            x = torch.randn(5, 640)
+            assert torch.equal(w5.matmul(x, path=path), q5.matmul(x, path=path, act="i16"))
+    if supported("amx"):
+        assert w8.resolved_act(path="amx") == "i16"
+        assert w5.resolved_act(path="amx") == ("bf16" if bf16_tiles_supported() else "i16")
+    monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i16")  # the measurement override wins
+    assert w5.resolved_act(path="amx" if supported("amx") else None) == "i16"
+    with pytest.raises(KernelError, match="bf16 activations have no quantized form"):
+        quantize_activations(torch.randn(2, 640), act="bf16")
+    assert resolve_act("bf16") == "bf16"
+    with pytest.raises(KernelError, match="expected i16, i8, bf16"):
+        resolve_act("fp8")
 
 
 @pytest.mark.parametrize(
@@ -430,6 +496,24 @@ def test_assign_acts_policy(packed, monkeypatch):
     monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "everything")
     with pytest.raises(ModelError, match="LORAPLANE_INT8_WEIGHTS='everything'"):
         assign_acts(float_head)
+    # bf16: the weights left at int16 that the bf16 tiles take (not Q8_0, not float weights)
+    monkeypatch.setenv("LORAPLANE_INT8_WEIGHTS", "lm_head")
+    both = fresh()
+    assert assign_acts(both, bf16=True) == {
+        "token_embd.weight": "i8",
+        "blk.0.ffn_down.weight": "bf16",
+        "blk.1.ffn_down.weight": "bf16",
+        "blk.1.ffn_up.weight": "bf16",
+        "blk.1.attn_q.weight": "bf16",
+    }
+    assert both["blk.1.attn_q_norm.weight"].act == "i16"
+    monkeypatch.delenv("LORAPLANE_BF16_TILES", raising=False)
+    assert bf16_tiles_wanted()
+    monkeypatch.setenv("LORAPLANE_BF16_TILES", "0")
+    assert not bf16_tiles_wanted()
+    monkeypatch.setenv("LORAPLANE_BF16_TILES", "yes")
+    with pytest.raises(ModelError, match="LORAPLANE_BF16_TILES='yes': expected 0 or 1"):
+        bf16_tiles_wanted()
 
 
 def test_expert_weights(gguf_file):

@@ -91,7 +91,15 @@ def _compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> float:
 
 def _kernel_vs_graph(model: Model, sets: list[AdapterSet], monkeypatch, count_calls, calls: list[int]) -> float:
     """:func:`_script` through the graph, then through the kernel (``calls``: the rows of each
-    kernel call, in order); the worst |Δ log-prob| between the two (:func:`_compare`)."""
+    kernel call, in order); the worst |Δ log-prob| between the two (:func:`_compare`).
+
+    Every matmul at int16 activations: the comparison is of the two paths' composition. bf16
+    activations (the weights' default on the amx path) round each value to 8 significant bits,
+    so a last-bit difference upstream (the graph's norm against the kernel's) moves a whole
+    rounding step and the two paths drift apart by bf16 noise (up to ~1 nat in a log-prob over
+    Gemma's 18 layers); the bf16 matmul itself is checked against torch in test_kernels.py and
+    the layer kernel's bf16 rows alone against batched below."""
+    monkeypatch.setenv("LORAPLANE_KERNEL_ACT", "i16")
     monkeypatch.setenv("LORAPLANE_LAYER", "torch")
     ref = _script(model, sets)
     assert count_calls == []
@@ -133,8 +141,12 @@ def test_gemma_layer_kernel_matches_the_graph(gemma_packed, fixtures_dir: Path, 
 
 
 def test_gemma_layer_kernel_rows_alone_equal_batched(gemma_packed, monkeypatch):
-    """A decode row's logits are bit-identical whether its ubatch holds 1 or 5 sequences."""
+    """A decode row's logits are bit-identical whether its ubatch holds 1 or 5 sequences, under
+    the weights' own precisions (bf16 tiles for most of Gemma's layers where the CPU has them)."""
     monkeypatch.setenv("LORAPLANE_LAYER", "c")
+    monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
+    acts = {w.resolved_act() for w in gemma_packed.base.weights.values() if isinstance(w, QuantLinear)}
+    assert ("bf16" in acts) == cpu.bf16_tiles_supported()
     ctx = gemma_packed.new_context(n_ctx_seq=32, n_seq=5)
     try:
         ctx.set_adapters(AdapterSet())

@@ -140,8 +140,9 @@ def gemma(base_model_path, request):
 
 def test_lm_head_int8_policy(gemma, monkeypatch):
     """Activation policy on Gemma 3 (packed), the architecture's default: every layer weight
-    (fused q/k/v and gate/up too) takes int16 activations, the LM head int8 with each row's top
-    32 re-scored with int16. Against the head switched to int16: the logits differ (int8 was
+    (fused q/k/v and gate/up too) takes int16 activations — bf16 where the bf16 tiles take the
+    weight (every type but Q8_0: ``QuantLinear.takes_bf16``), run as int16 off the amx path — the
+    LM head int8 with each row's top 32 re-scored with int16. Against the head switched to int16: the logits differ (int8 was
     really used), the argmax is the same, each row's leading logits equal the int16 ones bit
     for bit, and the top-1 log-prob moves by less than 0.1 nats."""
     model, ctx = gemma
@@ -151,9 +152,15 @@ def test_lm_head_int8_policy(gemma, monkeypatch):
     monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
     head = model.base.weights["token_embd.weight"]
     acts = {n: w.act for n, w in model.base.weights.items() if isinstance(w, QuantLinear) and w.qw is not None}
-    assert len(acts) == 18 * 7 + 1 and acts.pop("token_embd.weight") == "i8" and set(acts.values()) == {"i16"}
+    assert len(acts) == 18 * 7 + 1 and acts.pop("token_embd.weight") == "i8"
+    layer_weights = {n: w for n, w in model.base.weights.items() if n in acts}
+    assert {n: w.act for n, w in layer_weights.items()} == {
+        n: "bf16" if w.takes_bf16 else "i16" for n, w in layer_weights.items()
+    }
+    assert {w.act for w in layer_weights.values()} == {"i16", "bf16"}  # Gemma 3 270M: Q8_0 v, the rest bf16
     assert head.rescore == LM_HEAD_RESCORE
-    assert {w.act for w in model.base.fused.values()} == {"i16"}
+    fused = model.base.fused
+    assert fused and all(f.act == model.base.weights[n].act != "i8" for names, f in fused.items() for n in names)
     toks = [2, 818, 5279, 529, 7001, 563]
 
     def logits() -> torch.Tensor:

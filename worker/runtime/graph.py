@@ -333,7 +333,8 @@ class GraphContext:
         for _, w in calls:
             if isinstance(w, QuantLinear) and w.qw is not None:
                 a = w.resolved_act()
-                n_by_act[a] = n_by_act.get(a, 0) + 1
+                if a != "bf16":  # read from f32 by each call: nothing to share
+                    n_by_act[a] = n_by_act.get(a, 0) + 1
         xq: dict[str, Any] = {}
         if x.device.type == "cpu" and x.dim() == 2 and x.shape[-1] % 32 == 0 and resolve_path() != "torch":
             # one quantization per precision that more than one packed weight here uses

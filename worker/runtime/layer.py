@@ -320,7 +320,7 @@ def fused_layer_supported(ctx: GraphContext, spec: LayerSpec, x: torch.Tensor) -
 
 
 def fused_layer_kernel(ctx: GraphContext, spec: LayerSpec, il: int, x: torch.Tensor) -> LayerKernel | None:
-    """The layer's kernel descriptor (built once per model, layer and precision override), or
+    """The layer's kernel descriptor (built once per model, layer, precision override and path), or
     None where :func:`fused_layer_supported` refuses or the weights do not fit the kernel."""
     if not fused_layer_supported(ctx, spec, x):
         return None
@@ -328,10 +328,11 @@ def fused_layer_kernel(ctx: GraphContext, spec: LayerSpec, il: int, x: torch.Ten
     if not attn_kernel_supports(kv.k[il], kv.v[il], spec.n_head):
         return None
     cache = ctx.layer_cache
-    key = (il, _layer_env(ctx)[1])
+    _, act, path = _layer_env(ctx)
+    key = (il, act, path)
     if key in cache:
         return cache[key]
-    kern = _make_kernel(ctx, spec, x.shape[1])
+    kern = _make_kernel(ctx, spec, x.shape[1], path)
     cache[key] = kern
     return kern
 
@@ -347,7 +348,7 @@ def _units(ctx: GraphContext, names: tuple[str, ...]) -> list[tuple[tuple[str, .
     return out
 
 
-def _make_kernel(ctx: GraphContext, s: LayerSpec, d: int) -> LayerKernel | None:
+def _make_kernel(ctx: GraphContext, s: LayerSpec, d: int, path: str) -> LayerKernel | None:
     w = ctx.w
     if any(ctx.has_side_branch(n) for n in (*s.qkv, s.wo, s.ffn_up, s.ffn_down, s.ffn_gate or "")):
         return None
@@ -426,7 +427,7 @@ def _make_kernel(ctx: GraphContext, s: LayerSpec, d: int) -> LayerKernel | None:
         kq_scale=s.kq_scale,
         softcap=s.softcap,
     )
-    return LayerKernel((d, s.n_head, s.n_head_kv, s.dk, s.dv, n_ff), norms, projections, scalars, experts)
+    return LayerKernel((d, s.n_head, s.n_head_kv, s.dk, s.dv, n_ff), norms, projections, scalars, experts, path)
 
 
 def _experts(ctx: GraphContext, m: MoeFFN, d: int) -> Experts | None:

@@ -212,7 +212,7 @@ def load_model(
         held.update(dense)
     tensor_ne = {name: rec.ne for name, rec in gf.tensors.items()}
     tok = Tokenizer.from_gguf(gf)
-    assign_acts(held, arch=gf.arch)
+    assign_acts(held, arch=gf.arch, bf16=bf16_tiles_wanted())
     fused = fuse_projections(held, hparams.n_layer) if form == "packed" and dev.type == "cpu" else {}
     return LoadedModel(p, gf, gf.arch, hparams, held, tensor_ne, tok, dev, tdtype, form, fused, fused_dense)
 
@@ -321,12 +321,32 @@ def int8_policy(arch: str = "") -> str:
     return want
 
 
+def bf16_tiles_wanted() -> bool:
+    """Whether the weights that keep int16 activations take 'bf16' where the CPU runs the bf16
+    tiles (:func:`assign_acts` ``bf16``): ``$LORAPLANE_BF16_TILES`` ('1' default, '0' off).
+
+    Why on (measured; kernels README, "bf16 tiles"): a Gemma 3 layer matmul of B=16 rows takes
+    0.67-0.78x its int16 tile time (prefill rows: ~0.5x) and the golden statistics stay inside
+    the bounds (bf16 rounds each activation to 8 significant bits of its own, where int16 per 32
+    leaves a block's small values beside an outlier with few).
+
+    Raises:
+        ModelError: a value other than '0' or '1'.
+    """
+    want = os.environ.get("LORAPLANE_BF16_TILES", "1")
+    if want not in ("0", "1"):
+        raise ModelError(f"LORAPLANE_BF16_TILES={want!r}: expected 0 or 1")
+    return want == "1"
+
+
 LM_HEAD_RESCORE = 32
 """Candidates per row the int8 LM head recomputes with int16 activations
 (:attr:`QuantLinear.rescore`): each row's top logits are then the int16 kernel's bit for bit."""
 
 
-def assign_acts(weights: dict[str, Weight], policy: str | None = None, *, arch: str = "") -> dict[str, str]:
+def assign_acts(
+    weights: dict[str, Weight], policy: str | None = None, *, arch: str = "", bf16: bool = False
+) -> dict[str, str]:
     """Set each packed weight's activation precision (:attr:`QuantLinear.act`) once, at load.
 
     ``policy`` (default :func:`int8_policy` of ``arch``):
@@ -346,6 +366,10 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None, *, arch: 
     mixed vs compat batching differed by up to 1.1e-2 in a log-prob against the 1e-3 bound) is gone
     with the layer kernel (``worker.runtime.layer``), where a row's arithmetic never depends on the
     other rows of its ubatch.
+
+    ``bf16``: every packed weight left at int16 that the bf16 tiles take
+    (:attr:`QuantLinear.takes_bf16`) gets 'bf16' — bf16 activations on AMX-BF16 tiles, exact
+    weights; it runs 'i16' on a CPU or path without them (:meth:`QuantLinear.resolved_act`).
 
     The choice is per weight, never per batch (batched = alone stays bit-exact).
     ``$LORAPLANE_KERNEL_ACT`` still forces one precision for all weights
@@ -374,6 +398,10 @@ def assign_acts(weights: dict[str, Weight], policy: str | None = None, *, arch: 
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names and parts[3] == "weight":
             if isinstance(w, QuantLinear) and w.qw is not None:
                 w.act = out[name] = "i8"
+    if bf16:
+        for name, w in weights.items():
+            if isinstance(w, QuantLinear) and w.act == "i16" and w.takes_bf16:
+                w.act = out[name] = "bf16"
     return out
 
 
@@ -463,6 +491,7 @@ def _fuse(ws: list[QuantLinear]) -> QuantLinear:
 __all__ = [
     "LoadedModel",
     "assign_acts",
+    "bf16_tiles_wanted",
     "int8_policy",
     "ModelError",
     "GGUFError",

@@ -7,8 +7,10 @@ the headers pick each ISA's instructions (``csrc/simd.h``; the AMX tiles in ``cs
 - ``avx2``:   ``-mavx2 -mfma -mf16c``
 - ``avx512``: ``-mavx512f -mavx512bw -mavx512vl -mavx512vnni`` (+ the AVX2 flags)
 - ``amx``:    the avx512 flags + ``-mamx-tile -mamx-int8``: the int8- and int16-activation
-  matmuls on AMX tiles (bit-identical to the avx512 library's). Optional: a compiler without
-  ``-mamx-int8`` (g++ < 11) leaves it out, and ``cpu.py`` reports the amx path unavailable.
+  matmuls on AMX tiles (bit-identical to the avx512 library's), and the bf16 tiles
+  (``csrc/qmmbf16.cpp``, which names AMX-BF16, AVX512-BF16 and VBMI itself; ``cpu.py`` calls it
+  only where the CPU has them). Optional: a compiler without ``-mamx-int8`` (g++ < 11) leaves it
+  out, and ``cpu.py`` reports the amx path unavailable.
 
 The libraries are built by the build system, never at run time: ``setup.py``'s ``build_ext``
 reads this file (by path: stdlib only, no torch) and calls :func:`compile_library` per ISA into
@@ -35,7 +37,17 @@ KERNELS_DIR = Path(__file__).resolve().parent
 CSRC_DIR = KERNELS_DIR / "csrc"
 LIB_DIR = KERNELS_DIR / "_build"  # where an in-place build puts the libraries, and the loader looks
 # Compiled into every ISA's library (each exports what csrc/api.h declares).
-SOURCES = ["qmm.cpp", "qmm16.cpp", "threadpool.cpp", "sample.cpp", "attn.cpp", "lora.cpp", "norm.cpp", "layer.cpp"]
+SOURCES = [
+    "qmm.cpp",
+    "qmm16.cpp",
+    "qmmbf16.cpp",
+    "threadpool.cpp",
+    "sample.cpp",
+    "attn.cpp",
+    "lora.cpp",
+    "norm.cpp",
+    "layer.cpp",
+]
 API_HEADER = "api.h"  # the exported signatures, read by library.py to bind them
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-fno-math-errno"]

@@ -37,6 +37,16 @@ NEEDS = {
 }
 
 
+# What the bf16 tiles (csrc/qmmbf16.cpp, in the amx library) need beyond the amx path's flags.
+BF16_TILE_FLAGS = ("amx_bf16", "avx512_bf16", "avx512vbmi")
+
+
+def bf16_tiles_supported() -> bool:
+    """Whether this CPU runs the 'bf16' activation precision: the amx path available
+    (:func:`supported`) and the flags of :data:`BF16_TILE_FLAGS` (every AMX CPU so far has them)."""
+    return all(f in cpu_flags() for f in BF16_TILE_FLAGS) and supported("amx")
+
+
 class KernelPathError(RuntimeError):
     """A kernel path was asked for that this CPU (or configuration) cannot run."""
 

@@ -154,11 +154,14 @@ class Part:
     bias: torch.Tensor | None
 
 
-def _fill_matmul(dst: LpMatmul, w: QuantLinear) -> None:
+ACT_KERNEL_CODE = {"i16": 0, "i8": 1, "bf16": 2}  # csrc/layer.h LpMatmul.act
+
+
+def _fill_matmul(dst: LpMatmul, w: QuantLinear, path: str | None) -> None:
     assert w.qw is not None and w.scale is not None
     dst.qw, dst.sc, dst.bias = w.qw.data_ptr(), w.scale.data_ptr(), _ptr(w.bias)
     dst.off, dst.d, dst.k, dst.bs, dst.is_signed = w.offset, w.d, w.k, w.bs, int(w.signed)
-    dst.act = 0 if w.resolved_act() == "i16" else 1
+    dst.act = ACT_KERNEL_CODE[w.resolved_act(path=path)]
 
 
 class LayerKernel:
@@ -173,6 +176,8 @@ class LayerKernel:
         scalars: eps, n_rot, neox, n_swa, act, q_scale, kq_scale, softcap.
         experts: the layer's mixture of experts (then 'ffn_in' and 'down' are absent and n_ff is
             an expert's width), or None for a dense FFN.
+        path: the kernel path the descriptor is for (each matmul's activation precision is
+            resolved for it, :meth:`QuantLinear.resolved_act`); default the process's.
     Raises:
         KernelError: more than 3 matmuls or parts in a projection, or widths that do not add up.
     """
@@ -184,6 +189,7 @@ class LayerKernel:
         projections: dict[str, tuple[list[QuantLinear], list[Part]]],
         scalars: dict[str, Any],
         experts: Experts | None = None,
+        path: str | None = None,
     ):
         L = self.desc = LpLayer()
         L.n_embd, L.n_head, L.n_head_kv, L.dk, L.dv, L.n_ff = dims
@@ -204,7 +210,7 @@ class LayerKernel:
             if len(mms) > MAX_PARTS or len(parts) > MAX_PARTS:
                 raise KernelError(f"{role}: {len(mms)} matmuls / {len(parts)} parts, at most {MAX_PARTS}")
             for i, w in enumerate(mms):
-                _fill_matmul(proj.mm[i], w)
+                _fill_matmul(proj.mm[i], w, path)
             proj.n_mm, proj.d, proj.n_part = len(mms), sum(w.d for w in mms), len(parts)
             if sum(p.d for p in parts) != proj.d:
                 raise KernelError(f"{role}: parts cover {sum(p.d for p in parts)} of {proj.d} columns")
@@ -216,13 +222,13 @@ class LayerKernel:
                     proj.part[i].add_bias = b.data_ptr()
             self.parts[role] = parts
         if experts is not None:
-            self._set_experts(experts)
+            self._set_experts(experts, path)
         self._pairs = LpPairs()
         self._kv: tuple[Any, ...] | None = None  # the cache fields set last (data pointers, strides, dtype)
         self._lora_set = True  # parts may point at slots: the next call without LoRA clears them
         self._side_set = True
 
-    def _set_experts(self, ex: Experts) -> None:
+    def _set_experts(self, ex: Experts, path: str | None) -> None:
         L = self.desc
         n = len(ex.gate)
         if not (len(ex.up) == len(ex.down) == n == ex.gate_inp.shape[0]) or not 1 <= ex.n_used <= n:
@@ -231,7 +237,7 @@ class LayerKernel:
         for e in range(n):
             for dst, mms in ((exp_in[e], (ex.gate[e], ex.up[e])), (exp_down[e], (ex.down[e],))):
                 for i, w in enumerate(mms):
-                    _fill_matmul(dst.mm[i], w)
+                    _fill_matmul(dst.mm[i], w, path)
                 dst.n_mm, dst.d, dst.n_part = len(mms), sum(w.d for w in mms), 0
         router = ex.gate_inp.float().contiguous()
         self._keep += [router, exp_in, exp_down]

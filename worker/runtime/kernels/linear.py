@@ -3,7 +3,8 @@
 `pack_tensor` (and `pack_experts` for 3-D expert tensors) turns a GGUF tensor record into a
 `QuantLinear`: the repacked exact int8 form of ``worker.runtime.kernels.repack`` for the block
 types it covers (multiplied on CPU by the C kernels, activations quantized per row and per 32 by
-`quantize_activations`, int16 or int8 per weight: `resolve_act`, `ACTS`), an f32 tensor for
+`quantize_activations`, int16 or int8 per weight — or rounded to bf16 for the AMX-BF16 tiles:
+`resolve_act`, `ACTS`), an f32 tensor for
 F32/F16/BF16 (`FLOAT_TYPES`), or a dequantized weight multiplied by torch on CUDA and the
 ``torch`` path. ``QuantLinear.matmul(x)`` takes ``x`` ``(n, k)`` (or ``(..., k)``) and returns
 ``y = x @ W.T`` ``(n, d)`` f32, what ggml's ``mul_mat(W, x)`` computes; rows never share a
@@ -11,7 +12,7 @@ scale, so a row's result is the same alone or batched. A weight or input the ker
 handle raises `KernelError`.
 
 Weight forms, activation precision per weight, paths: ``worker/runtime/kernels/README.md``
-("Weight form", "Kernels", "Activation precision per weight", "Paths and dispatch").
+("Weight form", "Kernels", "Activation precision per weight", "bf16 tiles", "Paths and dispatch").
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ log = structlog.get_logger("loraplane.worker.runtime.kernels.linear")
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 
 
-ACTS = ("i16", "i8")
+ACTS = ("i16", "i8", "bf16")
 
 
 def resolve_act(act: str | None = None, weight_act: str | None = None) -> str:
@@ -47,14 +48,16 @@ def resolve_act(act: str | None = None, weight_act: str | None = None) -> str:
     for measurement), ``weight_act`` (the weight's own choice, :attr:`QuantLinear.act`, set at
     model load by :func:`worker.runtime.model.assign_acts`), else 'i16'.
 
-    It never depends on the batch: a row's result is the same alone or batched.
+    It never depends on the batch: a row's result is the same alone or batched. 'bf16' runs only
+    on the amx path and only for some weights (:meth:`QuantLinear.resolved_act` turns it into
+    'i16' elsewhere).
 
     Raises:
-        KernelError: not 'i16' or 'i8'.
+        KernelError: not one of :data:`ACTS`.
     """
     want = act or os.environ.get("LORAPLANE_KERNEL_ACT") or weight_act or "i16"
     if want not in ACTS:
-        raise KernelError(f"unknown activation precision '{want}' (expected {' or '.join(ACTS)})")
+        raise KernelError(f"unknown activation precision '{want}' (expected {', '.join(ACTS)})")
     return want
 
 
@@ -94,15 +97,20 @@ def _p(t: torch.Tensor | None) -> int | None:
 
 
 _FNS: dict[tuple[str, str], tuple] = {}
-_FN_NAMES = {"i8": ("quantize_act", "qmm", "qmm_f32"), "i16": ("quantize_act16", "qmm16", "qmm16_f32")}
+_FN_NAMES = {
+    "i8": ("quantize_act", "qmm", "qmm_f32"),
+    "i16": ("quantize_act16", "qmm16", "qmm16_f32"),
+    "bf16": (None, None, "qmmbf16_f32"),  # the amx library only; read from f32, never pre-quantized
+}
 
 
 def _fns(path: str, act: str) -> tuple:
-    """(quantize, qmm, qmm_f32) ctypes functions of ``path``'s library for ``act`` (loaded once)."""
+    """(quantize, qmm, qmm_f32) ctypes functions of ``path``'s library for ``act`` (loaded once;
+    None where ``act`` has no such function)."""
     f = _FNS.get((path, act))
     if f is None:
         lib = library.load(path)
-        f = _FNS[(path, act)] = tuple(getattr(lib, f"lp_{path}_{n}") for n in _FN_NAMES[act])
+        f = _FNS[(path, act)] = tuple(None if n is None else getattr(lib, f"lp_{path}_{n}") for n in _FN_NAMES[act])
     return f
 
 
@@ -111,13 +119,16 @@ def quantize_activations(x: torch.Tensor, path: str | None = None, act: str | No
 
     Args:
         path: ISA ('amx' | 'avx512' | 'avx2'; default :func:`~worker.runtime.kernels.cpu.resolve_path`).
-        act: 'i16' | 'i8' (default :func:`resolve_act`).
+        act: 'i16' | 'i8' (default :func:`resolve_act`; 'bf16' is read from f32 by each matmul
+            and has no quantized form).
     Raises:
-        KernelError: not a 2-D CPU tensor, ``k`` not a multiple of 32, unknown ``act``.
+        KernelError: not a 2-D CPU tensor, ``k`` not a multiple of 32, unknown ``act`` or 'bf16'.
         KernelPathError: ``path`` is not runnable here, or is 'torch'.
     """
     p = cpu.resolve_path(path)
     a = resolve_act(act)
+    if a == "bf16":
+        raise KernelError("bf16 activations have no quantized form: pass the f32 rows to matmul")
     if p == "torch":
         raise cpu.KernelPathError("quantize_activations is for the C kernel paths, not 'torch'")
     if x.dim() != 2 or x.device.type != "cpu":
@@ -153,9 +164,10 @@ class QuantLinear:
         device: where the weight lives, in the resolved form tensors report (``cpu``,
             ``cuda:N``; :func:`worker.runtime.device.resolve_device`, applied here to
             whatever is passed): :meth:`matmul` compares its input's device with it.
-        act: this weight's activation precision on the C kernel paths, 'i16' | 'i8' (chosen
-            per weight at model load, :func:`worker.runtime.model.assign_acts`; overridden for
-            all weights by ``$LORAPLANE_KERNEL_ACT``, see :func:`resolve_act`).
+        act: this weight's activation precision on the C kernel paths, 'i16' | 'i8' | 'bf16'
+            (chosen per weight at model load, :func:`worker.runtime.model.assign_acts`;
+            overridden for all weights by ``$LORAPLANE_KERNEL_ACT``, see :func:`resolve_act`;
+            'bf16' runs where :attr:`takes_bf16` and the amx path with AMX-BF16, else 'i16').
         rescore: when > 0 and this weight runs 'i8': each row's ``rescore`` largest outputs
             are recomputed with int16 activations (equal bit for bit to the 'i16' kernel's
             values), the rest stay int8 — an LM head option that keeps the top candidates'
@@ -187,10 +199,22 @@ class QuantLinear:
         ts = [self.qw, self.scale, self.bias, self.weight, self._f32_cache]
         return sum(int(t.numel() * t.element_size()) for t in ts if t is not None)
 
-    def resolved_act(self, act: str | None = None) -> str:
-        """The precision :meth:`matmul` uses for this weight (:func:`resolve_act` with ``act``,
-        the environment override and :attr:`act`)."""
-        return resolve_act(act, self.act)
+    @property
+    def takes_bf16(self) -> bool:
+        """Whether the bf16 tiles (``csrc/qmmbf16.cpp``) take this weight: packed unsigned values
+        (all below 128) — Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K (blocks of 32), Q6_K (16); not
+        Q8_0's signed values."""
+        return self.qw is not None and not self.signed and self.bs in (16, 32)
+
+    def resolved_act(self, act: str | None = None, path: str | None = None) -> str:
+        """The precision :meth:`matmul` uses for this weight on ``path`` (default
+        :func:`~worker.runtime.kernels.cpu.resolve_path`): :func:`resolve_act` with ``act``, the
+        environment override and :attr:`act`; 'bf16' becomes 'i16' off the amx path, on a CPU
+        without AMX-BF16, or for a weight the bf16 tiles do not take (:attr:`takes_bf16`)."""
+        a = resolve_act(act, self.act)
+        if a == "bf16" and not (self.takes_bf16 and cpu.resolve_path(path) == "amx" and cpu.bf16_tiles_supported()):
+            return "i16"
+        return a
 
     def dequantize(self) -> torch.Tensor:
         """The weight as f32 ``(d, k)`` (torch order), on ``device``: exactly what
@@ -264,7 +288,7 @@ class QuantLinear:
                 raise KernelError(f"{self.name}: {self.ggml_type.name} weight takes float activations")
             if x.k != self.k:
                 raise KernelError(f"{self.name}: activations have width {x.k}, weight expects {self.k}")
-            want = self.resolved_act(act)
+            want = self.resolved_act(act, x.path)
             if x.act != want:
                 raise KernelError(f"{self.name}: activations quantized as {x.act}, this weight runs {want}")
             return self._qmm(x)
@@ -284,7 +308,7 @@ class QuantLinear:
                     self._f32_cache = self.dequantize()
                 y = x2.to(torch.float32) @ self._f32_cache.T
             else:
-                a = self.resolved_act(act)
+                a = self.resolved_act(act, p)
                 y = self._qmm_f32(x2, p, a)
                 if a == "i8" and self.rescore > 0 and y.shape[0]:
                     y = self._rescore_top(x2, y, p)

@@ -82,4 +82,7 @@ LP_EXPORT int LP_FN(pool_size)(void);
 #if defined(LP_AMX)
 // qmm.cpp (amx library): arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) -> 0 or errno
 LP_EXPORT int LP_FN(request_tile_perm)(void);
+// qmmbf16.cpp (amx library): y (n, d) = bf16(x) @ W.T on AMX-BF16 tiles, unsigned bs-32 weights
+LP_EXPORT int LP_FN(qmmbf16_f32)(const float* x, int64_t ldx, int n, int k, const uint8_t* qw, const float* sc,
+                                 const float* bias, float off, int d, int bs, int is_signed, float* y, int nthreads);
 #endif

@@ -13,7 +13,7 @@ struct LpMatmul {
   const float* bias;  // the weight form's stored offsets c, or NULL (c = off * s)
   float off;
   int d, k, bs, is_signed;
-  int act;            // 0 int16 activations, 1 int8
+  int act;            // 0 int16 activations, 1 int8, 2 bf16 (the amx library's qmmbf16.cpp)
 };
 
 // One logical weight's share of a projection's output: columns col..col+d-1, its LoRA branch
