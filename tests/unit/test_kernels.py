@@ -48,8 +48,8 @@ from worker.runtime.kernels import (
     resolve_path,
     supported,
 )
-from worker.runtime.kernels.repack import decode, interleave
 from worker.runtime.kernels.cpu import bf16_tiles_supported
+from worker.runtime.kernels.repack import decode, interleave
 from worker.runtime.model import LM_HEAD_RESCORE, ModelError, assign_acts, bf16_tiles_wanted
 
 ACT_QMAX = {"i16": 32767.0, "i8": 127.0}
