@@ -142,9 +142,9 @@ def test_lm_head_int8_policy(gemma, monkeypatch):
     """Activation policy on Gemma 3 (packed), the architecture's default: every layer weight
     (fused q/k/v and gate/up too) takes int16 activations — bf16 where the bf16 tiles take the
     weight (every type but Q8_0: ``QuantLinear.takes_bf16``), run as int16 off the amx path — the
-    LM head int8 with each row's top 32 re-scored with int16. Against the head switched to int16: the logits differ (int8 was
-    really used), the argmax is the same, each row's leading logits equal the int16 ones bit
-    for bit, and the top-1 log-prob moves by less than 0.1 nats."""
+    LM head int8 with each row's top 32 re-scored with int16. Against the head switched to
+    int16: the logits differ (int8 was really used), the argmax is the same, each row's leading
+    logits equal the int16 ones bit for bit, and the top-1 log-prob moves by less than 0.1 nats."""
     model, ctx = gemma
     if model.base.weight_form != "packed":
         assert not any(isinstance(w, QuantLinear) for w in model.base.weights.values())
