@@ -54,7 +54,8 @@ def kernels_used(weights: str, device: str) -> dict:
     torch path.
     """
     from worker.runtime.kernels import resolve_act, resolve_path
-    from worker.runtime.model import INT8_ARCH_DEFAULTS, int8_policy
+    from worker.runtime.kernels.cpu import bf16_tiles_supported
+    from worker.runtime.model import INT8_ARCH_DEFAULTS, bf16_tiles_wanted, int8_policy
 
     if weights == "dequant":
         return {
@@ -82,12 +83,11 @@ def kernels_used(weights: str, device: str) -> dict:
         act = "i16" if int8_policy() == "none" else f"i16, i8 for {int8_policy()}"
     else:  # each architecture's measured default (worker.runtime.model.INT8_ARCH_DEFAULTS)
         act = "i16 (" + "; ".join(f"{a}: i8 for {p}" for a, p in INT8_ARCH_DEFAULTS.items()) + ")"
-    return {
-        "weights": weights,
-        "path": path,
-        "act": act,
-        "summary": f"packed GGUF weights, {path} kernels, {act} activations (per row, per 32)",
-    }
+    summary = f"packed GGUF weights, {path} kernels, {act} activations (per row, per 32)"
+    if not forced and path == "amx" and bf16_tiles_supported() and bf16_tiles_wanted():
+        act += "; bf16 for the i16 weights but Q8_0"
+        summary += "; bf16 activations on AMX-BF16 tiles in place of i16 for every weight type but Q8_0"
+    return {"weights": weights, "path": path, "act": act, "summary": summary}
 
 
 def machine_info(weights: str, device: str, dtype: str) -> dict:
