@@ -6,11 +6,9 @@ the headers pick each ISA's instructions (``csrc/simd.h``; the AMX tiles in ``cs
 
 - ``avx2``:   ``-mavx2 -mfma -mf16c``
 - ``avx512``: ``-mavx512f -mavx512bw -mavx512vl -mavx512vnni`` (+ the AVX2 flags)
-- ``amx``:    the avx512 flags + ``-mamx-tile -mamx-int8``: the int8- and int16-activation
-  matmuls on AMX tiles (bit-identical to the avx512 library's), and the bf16 tiles
-  (``csrc/qmmbf16.cpp``, which names AMX-BF16, AVX512-BF16 and VBMI itself; ``cpu.py`` calls it
-  only where the CPU has them). Optional: a compiler without ``-mamx-int8`` (g++ < 11) leaves it
-  out, and ``cpu.py`` reports the amx path unavailable.
+- ``amx``:    the avx512 flags + ``-mamx-tile -mamx-int8``: the int8/int16 tiles (bit-identical to
+  avx512's) and the bf16 tiles (``csrc/qmmbf16.cpp`` names AMX-BF16, AVX512-BF16, VBMI itself).
+  Optional: without ``-mamx-int8`` (g++ < 11) it is left out and the amx path is unavailable.
 
 The libraries are built by the build system, never at run time: ``setup.py``'s ``build_ext``
 reads this file (by path: stdlib only, no torch) and calls :func:`compile_library` per ISA into

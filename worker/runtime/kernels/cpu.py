@@ -41,9 +41,11 @@ NEEDS = {
 BF16_TILE_FLAGS = ("amx_bf16", "avx512_bf16", "avx512vbmi")
 
 
+@lru_cache(maxsize=1)
 def bf16_tiles_supported() -> bool:
     """Whether this CPU runs the 'bf16' activation precision: the amx path available
-    (:func:`supported`) and the flags of :data:`BF16_TILE_FLAGS` (every AMX CPU so far has them)."""
+    (:func:`supported`) and the flags of :data:`BF16_TILE_FLAGS` (every AMX CPU so far has them).
+    Cached: asked once per process (every matmul of a 'bf16' weight asks)."""
     return all(f in cpu_flags() for f in BF16_TILE_FLAGS) and supported("amx")
 
 
