@@ -114,16 +114,18 @@ static int run_proj(const LpProj& proj, Quantized& qa, const LpPairs& pairs, flo
     const bool direct = proj.n_mm == 1 && ldy == w.d;
     float* out = direct ? y : tmp;
     int rc;
-    if (w.act == 2) {  // bf16 on AMX-BF16 tiles, read from the f32 input
+    if (w.act == 2) {  // bf16 on AMX-BF16 tiles, read from the f32 input (nothing to quantize)
 #if defined(LP_AMX)
       rc = LP_FN(qmmbf16_f32)(qa.x, qa.ldx, n, w.k, w.qw, w.sc, w.bias, w.off, w.d, w.bs, w.is_signed, out, nthreads);
 #else
       rc = -1;
 #endif
-    } else if ((quantize(qa, w.act, nthreads), w.act == 0)) {
+    } else if (w.act == 0) {
+      quantize(qa, 0, nthreads);
       rc = LP_FN(qmm16)(w.qw, w.sc, w.bias, w.off, w.d, w.k, w.bs, w.is_signed, qa.q16, qa.ad, qa.as16, qa.as32, n,
                         out, nthreads);
     } else {
+      quantize(qa, 1, nthreads);
       rc = LP_FN(qmm)(w.qw, w.sc, w.bias, w.off, w.d, w.k, w.bs, w.is_signed, qa.q8, qa.ad8, qa.as16_8, qa.as32_8, n,
                       out, nthreads);
     }

@@ -37,6 +37,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
+
 #include "parallel.h"
 #include "qmm_common.h"
 using lp::R;
@@ -175,11 +177,11 @@ int gemm_bf16(const uint16_t* A, const float* xs, int ntiles, int n, const uint8
   const int nb = k / BS, G = (d + R - 1) / R;
   const int64_t wstride = (int64_t)nb * BS * R, sstride = (int64_t)nb * R;
   const int nt = nthreads > 1 && G > 1 ? (nthreads < G ? nthreads : G) : 1;
-  int failed = 0;
+  std::atomic<bool> failed{false};
   lp::parallel_for(nt, nt, [&](int th) {
     uint16_t* wb = (uint16_t*)aligned_alloc(64, (size_t)nb * 16 * BS * sizeof(uint16_t));
     if (!wb) {
-      failed = 1;
+      failed.store(true, std::memory_order_relaxed);
       return;
     }
     alignas(64) float cbuf[1024];
@@ -192,8 +194,7 @@ int gemm_bf16(const uint16_t* A, const float* xs, int ntiles, int n, const uint8
       const int nvalid = d - g * R < R ? d - g * R : R;
       for (int it = 0; it < ntiles; ++it) {
         const int mrows = n - it * 16 < 16 ? n - it * 16 : 16;
-        // the first row tile streams the next group of this thread in (its last reads past
-        // nothing: g + 1 < g1)
+        // the first row tile streams this thread's next group in (none after its last)
         const uint8_t* next = it == 0 && g + 1 < g1 ? qw + (g + 1) * wstride : nullptr;
         rows16<BS, MODE>(wb, sc + g * sstride, C, off, nb, A + (int64_t)it * nb * 16 * BS, xs + (int64_t)it * nb * 16,
                          mrows, y + (int64_t)it * 16 * d + (int64_t)g * R, d, nvalid, cbuf, next,
@@ -203,7 +204,7 @@ int gemm_bf16(const uint16_t* A, const float* xs, int ntiles, int n, const uint8
     _tile_release();
     free(wb);
   });
-  return failed ? -2 : 0;
+  return failed.load(std::memory_order_relaxed) ? -2 : 0;
 }
 
 }  // namespace
@@ -217,9 +218,13 @@ LP_EXPORT int LP_FN(qmmbf16_f32)(const float* x, int64_t ldx, int n, int k, cons
   const size_t bytes = a_bytes + (size_t)ntiles * nb * 16 * sizeof(float);
   char* buf = (char*)aligned_alloc(64, bytes);
   if (!buf) return -2;
-  memset(buf, 0, bytes);  // pad rows: zeros
   uint16_t* a = (uint16_t*)buf;
   float* xs = (float*)(buf + a_bytes);
+  if (n % 16) {  // the last tile's pad rows (and their sums) are zeros; stage_rows writes the rest
+    const size_t tile_a = (size_t)nb * 16 * bs, tile_x = (size_t)nb * 16;
+    memset(a + (ntiles - 1) * tile_a, 0, tile_a * sizeof(uint16_t));
+    memset(xs + (ntiles - 1) * tile_x, 0, tile_x * sizeof(float));
+  }
   if (bs == 32)
     stage_rows<32>(x, ldx, n, k, a, xs, nthreads);
   else
