@@ -99,15 +99,22 @@ def test_threads_config_env(monkeypatch):
     monkeypatch.delenv("LORAPLANE_KERNEL_THREADS", raising=False)
     monkeypatch.delenv("LORAPLANE_KERNEL_SPIN_US", raising=False)
     monkeypatch.delenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", raising=False)
+    monkeypatch.delenv("LORAPLANE_KERNEL_BURST_US", raising=False)
     assert library.threads_config() == (
         library.DEFAULT_THREADS,
         library.DEFAULT_SPIN_US,
         library.DEFAULT_SPIN_BACKOFF_MS,
+        library.DEFAULT_BURST_US,
     )
     monkeypatch.setenv("LORAPLANE_KERNEL_THREADS", "omp")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_US", "0")
     monkeypatch.setenv("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", "7")
-    assert library.threads_config() == ("omp", 0, 7)
+    monkeypatch.setenv("LORAPLANE_KERNEL_BURST_US", "0")
+    assert library.threads_config() == ("omp", 0, 7, 0)
+    monkeypatch.setenv("LORAPLANE_KERNEL_BURST_US", "-1")
+    with pytest.raises(library.KernelBuildError, match="LORAPLANE_KERNEL_BURST_US"):
+        library.threads_config()
+    monkeypatch.setenv("LORAPLANE_KERNEL_BURST_US", "1000")
     monkeypatch.setenv("LORAPLANE_KERNEL_THREADS", "tbb")
     with pytest.raises(library.KernelBuildError, match="LORAPLANE_KERNEL_THREADS"):
         library.threads_config()

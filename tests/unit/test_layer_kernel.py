@@ -26,7 +26,7 @@ import torch
 from worker.lora.adapter import load_lora_adapter
 from worker.lora.adapter_set import AdapterSet
 from worker.runtime.context import Model, UBatch
-from worker.runtime.kernels import QuantLinear, cpu
+from worker.runtime.kernels import QuantLinear, cpu, library
 from worker.runtime.kernels.layer import LayerKernel
 from worker.runtime.model import LM_HEAD_NAMES, load_model
 
@@ -140,9 +140,21 @@ def test_gemma_layer_kernel_matches_the_graph(gemma_packed, fixtures_dir: Path, 
             model.adapters.free(i)
 
 
-def test_gemma_layer_kernel_rows_alone_equal_batched(gemma_packed, monkeypatch):
+@pytest.fixture(params=[0, 1000], ids=lambda us: f"burst{us}")
+def burst_us(request):
+    """The pool's burst budget (``library.set_threads(burst_us=)``) for one test, restored after."""
+    saved = library.threads_config()
+    library.set_threads(burst_us=request.param)
+    yield request.param
+    library.set_threads(*saved)
+
+
+def test_gemma_layer_kernel_rows_alone_equal_batched(gemma_packed, monkeypatch, burst_us):
     """A decode row's logits are bit-identical whether its ubatch holds 1 or 5 sequences, under
-    the weights' own precisions (bf16 tiles for most of Gemma's layers where the CPU has them)."""
+    the weights' own precisions (bf16 tiles for most of Gemma's layers where the CPU has them),
+    with the pool's threads polling within a layer call (burst) or sleeping between its
+    dispatches (``LORAPLANE_KERNEL_BURST_US=0``)."""
+    assert library.threads_config()[3] == burst_us
     monkeypatch.setenv("LORAPLANE_LAYER", "c")
     monkeypatch.delenv("LORAPLANE_KERNEL_ACT", raising=False)
     acts = {w.resolved_act() for w in gemma_packed.base.weights.values() if isinstance(w, QuantLinear)}

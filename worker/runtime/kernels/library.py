@@ -97,10 +97,11 @@ THREAD_BACKENDS = {"pool": 0, "omp": 1}  # lp::parallel_for backends (csrc/paral
 DEFAULT_THREADS = "pool"
 DEFAULT_SPIN_US = 0  # measured: spinning loses in serving, where the worker shares the cores (README "Threads")
 DEFAULT_SPIN_BACKOFF_MS = 100
+DEFAULT_BURST_US = 1000  # measured: a futex wake-up of a halted vCPU costs 50-150 us (README "Threads")
 
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
-_threads: tuple[str, int, int] | None = None  # set_threads() override of the environment
+_threads: tuple[str, int, int, int] | None = None  # set_threads() override of the environment
 
 
 def _env_int(name: str, default: int) -> int:
@@ -114,8 +115,8 @@ def _env_int(name: str, default: int) -> int:
     return v
 
 
-def threads_config() -> tuple[str, int, int]:
-    """The kernels' threading setting: ``(backend, spin_us, backoff_ms)``.
+def threads_config() -> tuple[str, int, int, int]:
+    """The kernels' threading setting: ``(backend, spin_us, backoff_ms, burst_us)``.
 
     - ``backend``: ``LORAPLANE_KERNEL_THREADS`` — 'pool' (default: our thread pool,
       ``csrc/threadpool.cpp``) or 'omp' (OpenMP in torch's libgomp, where ``OMP_WAIT_POLICY``
@@ -125,6 +126,10 @@ def threads_config() -> tuple[str, int, int]:
     - ``backoff_ms``: ``LORAPLANE_KERNEL_SPIN_BACKOFF_MS`` (default 100) — when a spinning
       thread finds it was descheduled (another process wants the core), the pool stops spinning
       for this many milliseconds; 0 never stops.
+    - ``burst_us``: ``LORAPLANE_KERNEL_BURST_US`` (default 1000) — within one layer kernel call
+      (a burst of dispatches microseconds apart) the pool's threads poll this long for the next
+      dispatch, and the caller for completion, instead of ``spin_us``; they stop polling when
+      the call returns. 0: the call's dispatches wait like any other.
 
     Measured in worker/runtime/kernels/README.md ("Threads"). :func:`set_threads` overrides
     the environment.
@@ -141,19 +146,20 @@ def threads_config() -> tuple[str, int, int]:
         backend,
         _env_int("LORAPLANE_KERNEL_SPIN_US", DEFAULT_SPIN_US),
         _env_int("LORAPLANE_KERNEL_SPIN_BACKOFF_MS", DEFAULT_SPIN_BACKOFF_MS),
+        _env_int("LORAPLANE_KERNEL_BURST_US", DEFAULT_BURST_US),
     )
 
 
-def _apply(isa: str, lib: ctypes.CDLL, cfg: tuple[str, int, int]) -> None:
-    getattr(lib, f"lp_{isa}_threads_config")(THREAD_BACKENDS[cfg[0]], cfg[1], cfg[2])
+def _apply(isa: str, lib: ctypes.CDLL, cfg: tuple[str, int, int, int]) -> None:
+    getattr(lib, f"lp_{isa}_threads_config")(THREAD_BACKENDS[cfg[0]], cfg[1], cfg[2], cfg[3])
 
 
 def set_threads(
-    backend: str | None = None, spin_us: int | None = None, backoff_ms: int | None = None
-) -> tuple[str, int, int]:
-    """Switch every loaded (and later loaded) library's threading backend, spin budget and/or
-    spin back-off (see :func:`threads_config`; ``None`` keeps the current value); returns the
-    new setting.
+    backend: str | None = None, spin_us: int | None = None, backoff_ms: int | None = None, burst_us: int | None = None
+) -> tuple[str, int, int, int]:
+    """Switch every loaded (and later loaded) library's threading backend, spin budget, spin
+    back-off and/or burst budget (see :func:`threads_config`; ``None`` keeps the current
+    value); returns the new setting.
 
     Raises:
         KernelBuildError: unknown backend, or a negative number.
@@ -165,9 +171,10 @@ def set_threads(
             cur[0] if backend is None else backend,
             cur[1] if spin_us is None else int(spin_us),
             cur[2] if backoff_ms is None else int(backoff_ms),
+            cur[3] if burst_us is None else int(burst_us),
         )
-        if new[0] not in THREAD_BACKENDS or new[1] < 0 or new[2] < 0:
-            raise KernelBuildError(f"set_threads{new}: backend pool|omp, spin_us and backoff_ms >= 0")
+        if new[0] not in THREAD_BACKENDS or min(new[1:]) < 0:
+            raise KernelBuildError(f"set_threads{new}: backend pool|omp, spin_us, backoff_ms and burst_us >= 0")
         _threads = new
         for isa, lib in _libs.items():
             _apply(isa, lib, new)

@@ -76,7 +76,7 @@ LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int6
 LP_EXPORT void LP_FN(layer_abi)(int64_t* sizes);
 
 // threadpool.cpp: the threading backend of lp::parallel_for
-LP_EXPORT void LP_FN(threads_config)(int backend, int spin_us, int backoff_ms);
+LP_EXPORT void LP_FN(threads_config)(int backend, int spin_us, int backoff_ms, int burst_us);
 LP_EXPORT int LP_FN(pool_size)(void);
 
 #if defined(LP_AMX)

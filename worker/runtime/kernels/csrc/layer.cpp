@@ -371,6 +371,7 @@ static int moe_ffn(const LpLayer* L, const float* cur, int n, const LpPairs& pr,
 LP_EXPORT int LP_FN(layer_forward)(const LpLayer* L, float* x, int n, const int64_t* cache_rows, const int64_t* pos,
                                    const float* cos_t, const float* sin_t, const LpPairs* pairs, int nthreads) {
   if (n <= 0) return 0;
+  lp::BurstScope burst;  // the layer's dispatches follow each other within microseconds
   const int d = L->n_embd, H = L->n_head, Hkv = L->n_head_kv, dk = L->dk, dv = L->dv;
   if (Hkv <= 0 || H % Hkv || dk % 16 || dv % 16 || dk > 512 || dv > 512 || d % 32) return -1;
   const int dq = H * dk, dkv = Hkv * dk, dvv = Hkv * dv, dqkv = dq + dkv + dvv;

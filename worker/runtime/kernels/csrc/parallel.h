@@ -34,6 +34,17 @@ typedef void (*task_fn)(void* ctx, int t, int nt);
 // pool is busy with another call or holds no second thread: the caller then runs inline.
 bool pool_run(int nthreads, task_fn fn, void* ctx);
 
+// Open (open > 0) or close (open <= 0, once per open) a burst: a run of dispatches close
+// together, between which the pool's threads poll instead of sleeping (csrc/threadpool.cpp).
+// BurstScope holds one for a scope; bursts nest (two callers at once).
+void burst(int open);
+struct BurstScope {
+  BurstScope() { burst(1); }
+  ~BurstScope() { burst(0); }
+  BurstScope(const BurstScope&) = delete;
+  BurstScope& operator=(const BurstScope&) = delete;
+};
+
 extern std::atomic<int> g_backend;
 
 template <class F>

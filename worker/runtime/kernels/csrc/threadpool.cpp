@@ -13,8 +13,16 @@
 // (worker/runtime/kernels/README.md, "Threads"), any budget >= 20 us cost more than it saved,
 // so the default is 0: sleep at once, as fast as OpenMP PASSIVE.
 //
+// Bursts: while a burst is open (lp::BurstScope, held by one layer kernel call) the pool's
+// threads poll for up to LORAPLANE_KERNEL_BURST_US (default 1000) instead of the spin budget:
+// within a burst the next dispatch comes microseconds after the last, and a futex wake-up of a
+// halted vCPU costs 50-150 us on the VMs measured (kernels README, "Threads"), as much as a
+// whole matmul of a decode step.  The threads stop polling when the burst closes, so between
+// bursts the spin budget (default 0) applies as before.
+//
 // Spin back-off: a spinning thread that finds itself descheduled (a clock gap in its poll loop)
-// stops every thread of the pool from spinning for LORAPLANE_KERNEL_SPIN_BACKOFF_MS.
+// stops every thread of the pool from spinning (bursts included) for
+// LORAPLANE_KERNEL_SPIN_BACKOFF_MS.
 //
 // Protocol (one dispatch):
 //   caller: claims the pool (busy flag; a second caller, or a nested call, runs inline instead),
@@ -56,9 +64,11 @@
 namespace lp {
 
 std::atomic<int> g_backend{LP_BACKEND_POOL};
-static std::atomic<int64_t> g_spin_ns{0};                // LORAPLANE_KERNEL_SPIN_US (us -> ns)
+static std::atomic<int64_t> g_spin_ns{0};                 // LORAPLANE_KERNEL_SPIN_US (us -> ns)
 static std::atomic<int64_t> g_backoff_ns{100 * 1000000};  // LORAPLANE_KERNEL_SPIN_BACKOFF_MS (ms -> ns)
-static std::atomic<int64_t> g_nospin_until{0};           // CLOCK_MONOTONIC ns
+static std::atomic<int64_t> g_nospin_until{0};            // CLOCK_MONOTONIC ns
+static std::atomic<int64_t> g_burst_ns{1000 * 1000};      // LORAPLANE_KERNEL_BURST_US (us -> ns)
+static std::atomic<int> g_burst{0};                       // bursts open now (nesting count)
 
 namespace {
 
@@ -79,7 +89,8 @@ inline int64_t now_ns() {
 
 constexpr int64_t kPreemptedNs = 200 * 1000;
 
-// Spin (with pause) until done() or the spin budget has passed; true when done() held.
+// Spin (with pause) until done() or the spin budget has passed (while a burst is open: the
+// larger of it and the burst budget); true when done() held.
 // A gap of more than kPreemptedNs between two clock reads means this thread was descheduled
 // while it spun: another runnable thread wants this core, spinning takes its time (and costs
 // us the scheduler's wake-up preference), so every thread of this pool sleeps at once instead
@@ -87,10 +98,11 @@ constexpr int64_t kPreemptedNs = 200 * 1000;
 template <class P>
 inline bool spin_until(P done) {
   const int64_t spin = g_spin_ns.load(std::memory_order_relaxed);
-  if (spin <= 0) return done();
+  const int64_t burst = g_burst.load(std::memory_order_relaxed) > 0 ? g_burst_ns.load(std::memory_order_relaxed) : 0;
+  if (spin <= 0 && burst <= 0) return done();
   int64_t t = now_ns();
   if (t < g_nospin_until.load(std::memory_order_relaxed)) return done();
-  const int64_t end = t + spin;
+  const int64_t end = t + spin, burst_end = t + burst;
   for (;;) {
     for (int j = 0; j < 16; ++j) {
       if (done()) return true;
@@ -102,7 +114,7 @@ inline bool spin_until(P done) {
       if (b > 0) g_nospin_until.store(t2 + b, std::memory_order_relaxed);
       return done();
     }
-    if (t2 >= end) return done();
+    if (t2 >= end && (t2 >= burst_end || g_burst.load(std::memory_order_relaxed) <= 0)) return done();
     t = t2;
   }
 }
@@ -192,6 +204,8 @@ Pool* get_pool() {
 
 }  // namespace
 
+void burst(int open) { g_burst.fetch_add(open > 0 ? 1 : -1, std::memory_order_relaxed); }
+
 bool pool_run(int nthreads, task_fn fn, void* ctx) {
   if (nthreads > kMaxThreads - 1) nthreads = kMaxThreads - 1;
   Pool* pool = get_pool();
@@ -229,14 +243,16 @@ bool pool_run(int nthreads, task_fn fn, void* ctx) {
 }  // namespace lp
 
 // Threading backend and spin budget for this library's kernels (library.py sets them from
-// LORAPLANE_KERNEL_THREADS / LORAPLANE_KERNEL_SPIN_US /
-// LORAPLANE_KERNEL_SPIN_BACKOFF_MS when it loads the library).
-// backend: 0 = our pool, 1 = OpenMP (torch's libgomp); spin_us, backoff_ms < 0 keep the current
-// value; backoff_ms = 0 never stops spinning after a preemption.
-LP_EXPORT void LP_FN(threads_config)(int backend, int spin_us, int backoff_ms) {
+// LORAPLANE_KERNEL_THREADS / LORAPLANE_KERNEL_SPIN_US / LORAPLANE_KERNEL_SPIN_BACKOFF_MS /
+// LORAPLANE_KERNEL_BURST_US when it loads the library).
+// backend: 0 = our pool, 1 = OpenMP (torch's libgomp); spin_us, backoff_ms, burst_us < 0 keep
+// the current value; backoff_ms = 0 never stops spinning after a preemption; burst_us = 0 makes
+// a burst no different from the time between bursts.
+LP_EXPORT void LP_FN(threads_config)(int backend, int spin_us, int backoff_ms, int burst_us) {
   lp::g_backend.store(backend == 1 ? LP_BACKEND_OMP : LP_BACKEND_POOL, std::memory_order_relaxed);
   if (spin_us >= 0) lp::g_spin_ns.store((int64_t)spin_us * 1000, std::memory_order_relaxed);
   if (backoff_ms >= 0) lp::g_backoff_ns.store((int64_t)backoff_ms * 1000000, std::memory_order_relaxed);
+  if (burst_us >= 0) lp::g_burst_ns.store((int64_t)burst_us * 1000, std::memory_order_relaxed);
   lp::g_nospin_until.store(0, std::memory_order_relaxed);
 }
 
